@@ -1,0 +1,40 @@
+# The README's two commands are `make demo` and `make test`.
+# On machines without a GPU, torch's CPU build is installed first and pinned, so that no later
+# step lets pip pull a multi-GB CUDA build. Elsewhere, install your own torch build before `make`.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: setup demo test lint bench system-deps clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# A real ZeRO-2 training job on localhost with 2 worker processes.
+demo: setup
+	$(VENV)/bin/dslaunch --num_gpus 2 scripts/examples/train.py \
+		--deepspeed --deepspeed_config scripts/examples/ds_config.json
+
+# OS packages the multi-host tests need (root only; a no-op otherwise).
+system-deps:
+	bash scripts/system_deps.sh
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup system-deps lint
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) scripts/bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,38 @@
+"""dslaunch: a DeepSpeed-compatible launcher and ZeRO training engine.
+
+A training script written for DeepSpeed runs unchanged with ``import dslaunch as deepspeed``.
+
+The public API is resolved lazily so that ``import dslaunch`` (done by the ``dslaunch`` command
+itself) never pays for importing torch: the launcher starts in milliseconds, only workers import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported on first access.
+_LAZY = {
+    "initialize": "dslaunch.runtime.api",
+    "init_distributed": "dslaunch.runtime.api",
+    "add_config_arguments": "dslaunch.runtime.api",
+    "DeepSpeedEngine": "dslaunch.runtime.engine",
+    "DslaunchError": "dslaunch.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dslaunch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

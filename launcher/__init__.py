@@ -1,0 +1,1 @@
+"""The launcher: CLI, hostfile, runners (local, ssh, slurm), node agent and monitor."""

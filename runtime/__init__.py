@@ -1,0 +1,1 @@
+"""The training runtime: config, engine, ZeRO stages, precision, optimizers, checkpoints."""

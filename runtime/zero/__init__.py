@@ -1,0 +1,1 @@
+"""ZeRO stages 0-3 as strategies behind one small interface."""

@@ -1,0 +1,80 @@
+"""Run a function on N gloo ranks inside one test: ``run_world(fn, world_size, *args)``.
+
+Ranks are forked from a forkserver that imported torch once, so a 4-rank test costs
+milliseconds to start instead of four torch imports; each rank still gets a fresh process and
+its own process group. ``fn(rank, world_size, *args)`` must be a module-level function; its
+return value (picklable) comes back in a list ordered by rank. A rank that raises fails the
+test with that rank's traceback; a rank that hangs is killed at ``timeout``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    The function decides whether to call ``init_process_group`` (env:// with MASTER_ADDR/PORT,
+    RANK and WORLD_SIZE already set), so the code under test can do it itself.
+    """
+    port = free_port()
+    queue = _CTX.Queue()
+    procs = [_CTX.Process(target=_entry, args=(fn, r, world_size, port, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"rank {rank} failed:\n{payload}")
+                break  # peers would block in collectives; stop them below
+    except Exception as exc:  # queue.Empty: some rank hung
+        failures.append(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
+                        f"within {timeout}s ({type(exc).__name__})")
+    finally:
+        for p in procs:
+            p.join(timeout=0 if failures else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [results[r] for r in range(world_size)]
