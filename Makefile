@@ -34,6 +34,7 @@ test: setup system-deps lint
 	$(PY) -m pytest -q
 
 bench: setup
+	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation deepspeed
 	$(PY) scripts/bench/run_all.py
 
 clean:
