@@ -91,3 +91,12 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class EnvFileError(UsageError):
+    """A ``.deepspeed_env`` / ``.dslaunch_env`` line is not ``KEY=VALUE``. Names the file and line."""
+
+    def __init__(self, message: str, path: str | None = None, line: int | None = None):
+        self.path, self.line = path, line
+        where = f"{path}:{line}: " if path and line else (f"{path}: " if path else "")
+        super().__init__(f"{where}{message}")
