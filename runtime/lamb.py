@@ -1,0 +1,119 @@
+"""The LAMB optimizer (layer-wise adaptive Adam), which torch.optim lacks.
+
+Semantics follow DeepSpeed's ``FusedLamb`` (``optimizer.type: "Lamb"``; You et al. 2019). Per
+parameter tensor, with t the step count:
+
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g^2
+    update = m / (sqrt(v) + eps) + weight_decay * p        (eps_inside_sqrt: m / sqrt(v + eps))
+    coeff = clamp(||p|| / ||update||, min_coeff, max_coeff), or 1 when either norm is 0
+    step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)     (just lr without bias_correction)
+    p = p - step_size * coeff * update
+
+State per parameter: ``exp_avg``, ``exp_avg_sq``, ``step`` (0-dim float tensor, as torch's Adam).
+Elementwise work runs through torch's ``_foreach`` kernels; the trust ratio needs one norm pair per
+tensor (``_foreach_norm``).
+
+Limitations: dense gradients only; no amsgrad (DeepSpeed rejects it as well).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["Lamb"]
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB with DeepSpeed's defaults (trust ratio clamped to [min_coeff, max_coeff]).
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: Adam's (beta1, beta2).
+        eps: added to the denominator.
+        weight_decay: added to the update (inside the trust ratio, as in LAMB).
+        bias_correction: apply Adam's bias correction to the step size.
+        max_coeff, min_coeff: bounds of the layer-wise trust ratio.
+        eps_inside_sqrt: use sqrt(v + eps) instead of sqrt(v) + eps.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, eps_inside_sqrt: bool = False):
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                    "bias_correction": bias_correction, "max_coeff": max_coeff, "min_coeff": min_coeff,
+                    "eps_inside_sqrt": eps_inside_sqrt}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch API
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update_group(group, params)
+        return loss
+
+    def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _update_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        grads = [p.grad for p in params]
+        if any(g.is_sparse for g in grads):
+            raise RuntimeError("Lamb does not support sparse gradients")
+        states = [self._state(p) for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        if group["eps_inside_sqrt"]:
+            denom = torch._foreach_add(exp_avg_sqs, eps)
+            torch._foreach_sqrt_(denom)
+        else:
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_add_(denom, eps)
+        updates = torch._foreach_div(exp_avgs, denom)
+        del denom
+        if wd != 0.0:
+            torch._foreach_add_(updates, params, alpha=wd)
+
+        coeffs = self._trust_ratios(params, updates, group["min_coeff"], group["max_coeff"])
+        for state, p, update, coeff in zip(states, params, updates, coeffs, strict=True):
+            # Out of place: a loaded state_dict may share this tensor with another optimizer.
+            state["step"] = state["step"] + 1
+            step_size = self._step_size(group, int(state["step"].item()))
+            p.add_(update, alpha=-step_size * coeff)
+
+    @staticmethod
+    def _trust_ratios(params: list[torch.Tensor], updates: list[torch.Tensor], min_coeff: float,
+                      max_coeff: float) -> list[float]:
+        # One synchronising .tolist() per group, not one per tensor.
+        w_norms = torch.stack(torch._foreach_norm(params)).tolist()
+        u_norms = torch.stack(torch._foreach_norm(updates)).tolist()
+        return [min(max(w / u, min_coeff), max_coeff) if w != 0.0 and u != 0.0 else 1.0
+                for w, u in zip(w_norms, u_norms, strict=True)]
+
+    @staticmethod
+    def _step_size(group: dict[str, Any], step: int) -> float:
+        lr = float(group["lr"])
+        if not group["bias_correction"]:
+            return lr
+        beta1, beta2 = group["betas"]
+        return lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)

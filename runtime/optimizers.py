@@ -1,0 +1,227 @@
+"""Optimizers named by ds_config's ``optimizer.type`` (case-insensitive), with DeepSpeed's params.
+
+Owns the registry ``optimizer.type`` -> (accepted ``optimizer.params`` with defaults, factory).
+``validate_optimizer`` checks a config without tensors (called when the config is parsed);
+``build_optimizer`` makes the ``torch.optim.Optimizer`` over the engine's param groups.
+
+Types: ``Adam`` / ``AdamW`` (DeepSpeed's FusedAdam params; ``adam_w_mode`` defaults to true, so
+``Adam`` means decoupled weight decay unless it is set false; ``AdamW`` is always decoupled),
+``SGD``, ``Adagrad``, ``Lion`` (``lion.py``) and ``Lamb`` (``lamb.py``). torch's optimizers are
+built with ``fused=True`` when the parameters allow it (CPU included: 3-10x faster than the
+per-tensor loop), else ``foreach=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dslaunch.runtime.param_schema import Option, betas, boolean, check_params, number
+
+from dslaunch.errors import ConfigError, did_you_mean
+
+__all__ = ["OptimizerSpec", "OPTIMIZER_TYPES", "validate_optimizer", "build_optimizer"]
+
+_KEY = "optimizer.params"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A validated optimizer config: canonical type name and complete keyword arguments."""
+
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _no_cross_check(p: dict[str, Any]) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    schema: Mapping[str, Option]
+    factory: Callable[[Any, dict[str, Any], str], Any]
+    # Checks between keys, run at validation time (no tensors needed).
+    cross_check: Callable[[dict[str, Any]], None] = _no_cross_check
+
+
+def _adam_schema() -> dict[str, Option]:
+    return {
+        "lr": Option(1e-3, number(0.0)),
+        "betas": Option((0.9, 0.999), betas),
+        "eps": Option(1e-8, number(0.0)),
+        "weight_decay": Option(0.0, number(0.0)),
+        "bias_correction": Option(True, boolean),
+        "amsgrad": Option(False, boolean),
+        "adam_w_mode": Option(True, boolean),
+        "torch_adam": Option(False, boolean),
+    }
+
+
+def _torch_optimizer(cls: type, param_groups: Any, kwargs: dict[str, Any]) -> Any:
+    """``cls(..., fused=True)`` if torch supports it for these tensors, else foreach, else plain."""
+    groups = _materialize(param_groups)
+    for flag in ("fused", "foreach"):
+        try:
+            return cls(groups, **kwargs, **{flag: True})
+        except (RuntimeError, ValueError, TypeError):
+            continue  # e.g. fused kernels missing for this device or dtype
+    return cls(groups, **kwargs)
+
+
+def _materialize(param_groups: Any) -> list[Any]:
+    # A generator (model.parameters()) would be exhausted by a failed first attempt.
+    groups = list(param_groups)
+    return [dict(g) if isinstance(g, Mapping) else g for g in groups]
+
+
+def _make_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    import torch
+
+    # DeepSpeed: type AdamW is always decoupled; type Adam is decoupled unless adam_w_mode=false.
+    decoupled = type_name == "AdamW" or p["adam_w_mode"]
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")}
+    # torch_adam picks torch's implementation in DeepSpeed; torch's is what we always use.
+    return _torch_optimizer(cls, param_groups, kwargs)
+
+
+def _make_sgd(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    import torch
+
+    return _torch_optimizer(torch.optim.SGD, param_groups, dict(p))
+
+
+def _make_adagrad(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    import torch
+
+    return _torch_optimizer(torch.optim.Adagrad, param_groups, dict(p))
+
+
+def _make_lion(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    from dslaunch.runtime.lion import Lion
+
+    return Lion(_materialize(param_groups), **p)
+
+
+def _make_lamb(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    from dslaunch.runtime.lamb import Lamb
+
+    del p["amsgrad"]  # always false here (cross-checked)
+    return Lamb(_materialize(param_groups), **p)
+
+
+def _check_adam(p: dict[str, Any]) -> None:
+    if not p["bias_correction"]:
+        raise ConfigError("bias_correction=false is not implemented by dslaunch (remove the key or set it "
+                          "to true)", key=f"{_KEY}.bias_correction")
+
+
+def _check_sgd(p: dict[str, Any]) -> None:
+    if p["nesterov"] and (p["momentum"] <= 0.0 or p["dampening"] != 0.0):
+        raise ConfigError("nesterov=true needs momentum > 0 and dampening = 0", key=f"{_KEY}.nesterov")
+
+
+def _check_lamb(p: dict[str, Any]) -> None:
+    if p["amsgrad"]:
+        raise ConfigError("amsgrad is not supported by Lamb (DeepSpeed rejects it too)", key=f"{_KEY}.amsgrad")
+    if p["min_coeff"] > p["max_coeff"]:
+        raise ConfigError(f"min_coeff {p['min_coeff']} is larger than max_coeff {p['max_coeff']}",
+                          key=f"{_KEY}.min_coeff")
+
+
+_ENTRIES = [
+    _Entry("Adam", _adam_schema(), _make_adam, _check_adam),
+    _Entry("AdamW", _adam_schema(), _make_adam, _check_adam),
+    _Entry("SGD", {
+        "lr": Option(1e-3, number(0.0)),
+        "momentum": Option(0.0, number(0.0)),
+        "dampening": Option(0.0, number()),
+        "weight_decay": Option(0.0, number(0.0)),
+        "nesterov": Option(False, boolean),
+        "maximize": Option(False, boolean),
+    }, _make_sgd, _check_sgd),
+    _Entry("Adagrad", {
+        "lr": Option(1e-2, number(0.0)),
+        "lr_decay": Option(0.0, number(0.0)),
+        "weight_decay": Option(0.0, number(0.0)),
+        "initial_accumulator_value": Option(0.0, number(0.0)),
+        "eps": Option(1e-10, number(0.0)),
+        "maximize": Option(False, boolean),
+    }, _make_adagrad),
+    _Entry("Lion", {
+        "lr": Option(1e-3, number(0.0)),
+        "betas": Option((0.9, 0.999), betas),
+        "weight_decay": Option(0.0, number(0.0)),
+    }, _make_lion),
+    _Entry("Lamb", {
+        "lr": Option(1e-3, number(0.0)),
+        "betas": Option((0.9, 0.999), betas),
+        "eps": Option(1e-8, number(0.0)),
+        "weight_decay": Option(0.0, number(0.0)),
+        "bias_correction": Option(True, boolean),
+        "max_coeff": Option(10.0, number(0.0)),
+        "min_coeff": Option(0.01, number(0.0)),
+        "eps_inside_sqrt": Option(False, boolean),
+        "amsgrad": Option(False, boolean),
+    }, _make_lamb, _check_lamb),
+]
+_REGISTRY = {entry.name.lower(): entry for entry in _ENTRIES}
+
+OPTIMIZER_TYPES: tuple[str, ...] = tuple(entry.name for entry in _ENTRIES)
+
+
+def _entry(opt_type: str) -> _Entry:
+    entry = _REGISTRY.get(opt_type.lower()) if isinstance(opt_type, str) else None
+    if entry is None:
+        hint = did_you_mean(str(opt_type).lower(), _REGISTRY)
+        raise ConfigError(f"unknown optimizer type {opt_type!r}{hint}; valid types (case-insensitive): "
+                          f"{', '.join(OPTIMIZER_TYPES)}, or pass a torch optimizer to initialize()",
+                          key="optimizer.type")
+    return entry
+
+
+def validate_optimizer(opt_type: str, params: Mapping[str, Any] | None) -> OptimizerSpec:
+    """Check ``optimizer.type`` and ``optimizer.params`` without building anything.
+
+    Args:
+        opt_type: ds_config ``optimizer.type``, case-insensitive (``"adamw"`` == ``"AdamW"``).
+        params: ds_config ``optimizer.params`` (``None`` = all defaults).
+
+    Returns:
+        The canonical type name and the complete parameters, defaults filled in.
+
+    Raises:
+        ConfigError: unknown type (valid ones listed, did-you-mean), unknown parameter named
+            ``optimizer.params.<key>`` with did-you-mean, wrong type or range, or an
+            unsupported combination.
+    """
+    entry = _entry(opt_type)
+    if isinstance(params, Mapping) and "max_grad_norm" in params:
+        raise ConfigError("gradient clipping is configured by the top-level 'gradient_clipping' key, "
+                          "not as an optimizer parameter", key=f"{_KEY}.max_grad_norm")
+    checked = check_params(params, entry.schema, _KEY, f"optimizer {entry.name!r}")
+    entry.cross_check(checked)
+    return OptimizerSpec(entry.name, checked)
+
+
+def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_groups: Any):
+    """Build the optimizer DeepSpeed would build for this ``optimizer`` section.
+
+    Args:
+        opt_type: ds_config ``optimizer.type`` (case-insensitive).
+        params: ds_config ``optimizer.params``.
+        param_groups: an iterable of tensors or of param-group dicts (per-group keys such as
+            ``weight_decay`` override the config's values, as in torch).
+
+    Returns:
+        A ``torch.optim.Optimizer``.
+
+    Raises:
+        ConfigError: as ``validate_optimizer``.
+    """
+    spec = validate_optimizer(opt_type, params)
+    entry = _REGISTRY[spec.name.lower()]
+    return entry.factory(param_groups, dict(spec.params), spec.name)
