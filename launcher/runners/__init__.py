@@ -1,1 +1,37 @@
-"""Runners start node agents on hosts: one module per transport (local, ssh, slurm)."""
+"""Runners start node agents on hosts: one module per transport (local, ssh, slurm).
+
+``RUNNERS`` maps a ``--launcher`` name to a lazy ``"module:Class"`` string, so choosing the
+local runner never imports paramiko. ``get_runner(name)`` resolves it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from dslaunch.errors import UsageError, did_you_mean
+
+__all__ = ["RUNNERS", "get_runner"]
+
+RUNNERS: dict[str, str] = {
+    "local": "dslaunch.launcher.runners.local:LocalRunner",
+    "ssh": "dslaunch.launcher.runners.ssh:SSHRunner",
+}
+
+# DeepSpeed's other launcher names, answered with a clear "not supported" instead of a typo hint.
+_UNSUPPORTED = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")
+
+
+def get_runner(name: str):
+    """Return the runner class registered as ``name``.
+
+    Raises:
+        UsageError: unknown or unsupported launcher name.
+    """
+    target = RUNNERS.get(name)
+    if target is None:
+        if name in _UNSUPPORTED:
+            raise UsageError(f"--launcher {name} is not supported yet; available: {', '.join(RUNNERS)}")
+        raise UsageError(f"unknown --launcher {name!r}{did_you_mean(name, RUNNERS)}; "
+                         f"available: {', '.join(RUNNERS)}")
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,296 @@
+"""The node agent: starts one node's workers, streams their output, stops them as a gang.
+
+Used two ways:
+
+- in-process by the local runner (no extra interpreter on the local path);
+- as ``python -m dslaunch.launcher.agent`` on a remote host: it reads one ``NodeSpec`` JSON
+  line from stdin, runs the node, and exits with the node's exit code after printing one status
+  line (``format_status_line``/``parse_status_line``) on stderr. When stdin reaches EOF
+  (controller died, SSH connection lost) or the agent gets SIGTERM/SIGINT/SIGHUP, it stops all
+  its workers and exits.
+
+Policy: the first worker that exits non-zero or by a signal is the node's failure; every other
+worker then gets SIGTERM and, after ``NodeSpec.grace`` seconds, SIGKILL. The agent only starts,
+watches and stops; deciding what a failure means for the job is the gang loop's
+(``runners.base``). Never imports torch.
+
+Worker states (``WorkerState``)::
+
+    RUNNING -> SUCCEEDED   exited 0
+    RUNNING -> FAILED      exited non-zero or by a signal while nobody asked it to stop
+    RUNNING -> STOPPED     exited after the agent signalled it (another failure, or a stop)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dslaunch.launcher.output import Sink, pump
+from dslaunch.launcher.procs import Watchdog, child_setup, exit_code_of, signal_group
+from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
+
+from dslaunch.errors import LaunchError
+
+__all__ = ["Agent", "WorkerState", "format_status_line", "parse_status_line", "main"]
+
+STATUS_MARKER = "@@dslaunch-agent-status "
+
+
+class WorkerState(enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Worker:
+    """A started worker process and its bookkeeping."""
+
+    spec: WorkerSpec
+    proc: subprocess.Popen
+    state: WorkerState = WorkerState.RUNNING
+    exit_code: int | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class Agent:
+    """Runs one node's workers as a gang.
+
+    Call ``start()`` from a thread that outlives the job (the main thread): workers get
+    PDEATHSIG tied to that thread. Then ``wait()``/``poll()``; ``stop(sig)`` from anywhere,
+    including a signal handler.
+
+    Args:
+        node: what to run.
+        stdout_fd, stderr_fd: where prefixed worker output goes.
+        on_change: called (from a helper thread) once the node has finished.
+    """
+
+    def __init__(self, node: NodeSpec, stdout_fd: int = 1, stderr_fd: int = 2,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.node = node
+        self._out, self._err = Sink(stdout_fd), Sink(stderr_fd)
+        self._on_change = on_change
+        self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
+        self._workers: list[Worker] = []
+        self._spawning = True
+        self._finishing = False
+        self._failure: Worker | None = None
+        self._stopped_by: int | None = None
+        self._terminating = False
+        self._done = threading.Event()
+        self._result: NodeResult | None = None
+        self._watchdog = Watchdog()
+        self._logs: list[Sink] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every worker. Raises LaunchError (after stopping the started ones) on failure."""
+        self._watchdog.start()
+        if self.node.pid_file:
+            with open(self.node.pid_file, "w") as f:
+                f.write(f"{os.getpid()}\n")
+        if self.node.log_dir:
+            os.makedirs(self.node.log_dir, exist_ok=True)
+        error = None
+        try:
+            for spec in self.node.workers:
+                if self._terminating:  # an early worker already failed: start no more
+                    break
+                self._spawn(spec)
+        except OSError as err:
+            error = err
+            self.stop(signal.SIGKILL)
+        with self._lock:
+            self._spawning = False
+        self._maybe_finish()
+        if error is not None:
+            self.wait()
+            argv0 = error.filename or "worker"
+            raise LaunchError(f"cannot start {argv0}: {error.strerror}", host=self.node.host) from error
+
+    def _spawn(self, spec: WorkerSpec) -> None:
+        env = {**os.environ, **self.node.env, **spec.env}
+        proc = subprocess.Popen(
+            spec.argv, env=env, cwd=self.node.cwd or None, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=child_setup(spec.cores),
+        )
+        self._watchdog.add(proc.pid)
+        worker = Worker(spec, proc)
+        log = None
+        if self.node.log_dir:
+            path = os.path.join(self.node.log_dir, f"rank{spec.global_rank}.log")
+            log = Sink(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            self._logs.append(log)
+        prefix = f"[rank{spec.global_rank}] ".encode()
+        for pipe, sink in ((proc.stdout, self._out), (proc.stderr, self._err)):
+            t = threading.Thread(target=pump, args=(pipe, prefix, sink, log), daemon=True)
+            t.start()
+            worker.threads.append(t)
+        with self._lock:
+            self._workers.append(worker)
+        threading.Thread(target=self._monitor, args=(worker,), daemon=True,
+                         name=f"wait-rank{spec.global_rank}").start()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop every worker from outside: ``sig`` now, SIGKILL after the grace period.
+
+        Safe to call repeatedly and from a signal handler; the node's result then says
+        ``stopped_by`` (unless a worker had already failed).
+        """
+        if self._stopped_by is None:
+            self._stopped_by = sig
+        self._terminate(sig)
+
+    def _terminate(self, sig: int) -> None:
+        with self._lock:
+            first = not self._terminating
+            self._terminating = True
+            running = [w for w in self._workers if w.state is WorkerState.RUNNING]
+        for w in running:
+            signal_group(w.proc.pid, sig)
+        if first and sig != signal.SIGKILL:
+            timer = threading.Timer(self.node.grace, self._kill_running)
+            timer.daemon = True
+            timer.start()
+
+    def _kill_running(self) -> None:
+        with self._lock:
+            running = [w for w in self._workers if w.state is WorkerState.RUNNING]
+        for w in running:
+            signal_group(w.proc.pid, signal.SIGKILL)
+
+    def _monitor(self, w: Worker) -> None:
+        code, _ = exit_code_of(w.proc.wait())
+        with self._lock:
+            w.exit_code = code
+            if self._terminating:
+                w.state = WorkerState.STOPPED if code else WorkerState.SUCCEEDED
+            elif code:
+                w.state = WorkerState.FAILED
+                self._failure = w
+            else:
+                w.state = WorkerState.SUCCEEDED
+            failed_now = w.state is WorkerState.FAILED
+        if failed_now:
+            self._terminate(signal.SIGTERM)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        with self._lock:
+            if self._spawning or self._finishing:
+                return
+            if any(w.state is WorkerState.RUNNING for w in self._workers):
+                return
+            self._finishing = True
+        self._finish()
+
+    def _finish(self) -> None:
+        """All workers exited: kill leftovers in their groups, drain output, record the result."""
+        for w in self._workers:
+            signal_group(w.proc.pid, signal.SIGKILL)  # grandchildren left behind in the group
+        for w in self._workers:
+            for t in w.threads:
+                t.join(timeout=1.0)  # a child outside the group may hold the pipe: do not hang
+        for log in self._logs:
+            log.close()
+        self._watchdog.release()
+        if self.node.pid_file:
+            try:
+                os.unlink(self.node.pid_file)
+            except FileNotFoundError:
+                pass
+        self._result = self._make_result()
+        self._done.set()
+        if self._on_change is not None:
+            self._on_change()
+
+    def _make_result(self) -> NodeResult:
+        node = self.node
+        if self._failure is not None:
+            code, sig_name = exit_code_of(self._failure.proc.returncode)
+            return NodeResult(node.node_rank, node.host, code, self._failure.spec.global_rank, sig_name)
+        if self._stopped_by is not None and any(w.exit_code for w in self._workers):
+            name = signal.Signals(self._stopped_by).name
+            return NodeResult(node.node_rank, node.host, 128 + self._stopped_by, stopped_by=name)
+        return NodeResult(node.node_rank, node.host, 0)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def poll(self) -> NodeResult | None:
+        """The node's result once every worker has exited, else None."""
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> NodeResult | None:
+        self._done.wait(timeout)
+        return self._result
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+
+# -- status line: how a remote agent tells the controller how its node ended -----------------
+
+def format_status_line(result: NodeResult) -> str:
+    """One machine-readable line (no newline) the agent prints on stderr before exiting."""
+    return STATUS_MARKER + result.to_json()
+
+
+def parse_status_line(line: str | bytes) -> NodeResult | None:
+    """The ``NodeResult`` carried by an agent status line, or None for any other line."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", "replace")
+    line = line.strip()
+    if not line.startswith(STATUS_MARKER):
+        return None
+    try:
+        return NodeResult.from_json(line[len(STATUS_MARKER):])
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+# -- python -m dslaunch.launcher.agent ---------------------------------------------------------
+
+def main() -> int:
+    """Agent entry point: NodeSpec JSON line on stdin; exit code = the node's exit code."""
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        print("dslaunch agent: expected one NodeSpec JSON line on stdin, got EOF", file=sys.stderr)
+        return 2
+    node = NodeSpec.from_json(line.decode())
+    agent = Agent(node)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: agent.stop(signum))
+    try:
+        agent.start()
+    except LaunchError as err:
+        print(f"dslaunch agent: {err}", file=sys.stderr)
+        result = NodeResult(node.node_rank, node.host, 127)
+        print(format_status_line(result), file=sys.stderr, flush=True)
+        return result.exit_code
+    threading.Thread(target=_stop_on_eof, args=(agent,), daemon=True, name="stdin-eof").start()
+    while (result := agent.wait(timeout=0.5)) is None:
+        pass  # short waits keep the main thread responsive to signals
+    print(format_status_line(result), file=sys.stderr, flush=True)
+    return result.exit_code
+
+
+def _stop_on_eof(agent: Agent) -> None:
+    """The controller holds our stdin open for the whole job: EOF means it is gone."""
+    while os.read(0, 4096):  # raw fd: a daemon thread must not hold the buffered stdin's lock
+        pass
+    agent.stop(signal.SIGTERM)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The local runner: the node agent runs inside the controller process (no extra interpreter).
+
+Only for jobs whose nodes are all this machine (one node: localhost).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from dslaunch.launcher.agent import Agent
+from dslaunch.launcher.runners.base import NodeHandle, Runner, format_node
+from dslaunch.launcher.spec import JobSpec, NodeResult
+
+from dslaunch.errors import UsageError
+
+__all__ = ["LocalRunner"]
+
+
+class _InProcessNode(NodeHandle):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.node = agent.node
+
+    def poll(self) -> NodeResult | None:
+        return self.agent.poll()
+
+    def stop(self, sig: int) -> None:
+        self.agent.stop(sig)
+
+    def kill(self) -> None:
+        self.agent.stop(signal.SIGKILL)
+
+
+class LocalRunner(Runner):
+    """Runs the single local node in-process. Call ``start`` from the main thread."""
+
+    name = "local"
+
+    def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
+        if len(job.nodes) != 1:
+            raise UsageError(f"the local launcher runs one node, got {len(job.nodes)}: {', '.join(job.hosts)}")
+        agent = Agent(job.nodes[0], on_change=wake.set)
+        agent.start()
+        return [_InProcessNode(agent)]
+
+    def dry_run(self, job: JobSpec) -> str:
+        return "\n".join(format_node(n) for n in job.nodes)

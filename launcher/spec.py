@@ -1,0 +1,133 @@
+"""Launch specs: what to start where, as frozen dataclasses that travel as one JSON line.
+
+The CLI builds a ``JobSpec`` (all nodes, rendezvous address, launcher choice); runners only
+consume it. Each ``NodeSpec`` is self-contained: a node agent (``dslaunch.launcher.agent``),
+local or remote, needs nothing else to start that node's workers, so it is what the SSH runner
+sends to a remote agent (``NodeSpec.to_json()`` on the agent's stdin).
+
+Spec (this module) -> instance (``agent.Agent`` with its worker processes) -> state
+(``NodeResult``: how a node ended).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["WorkerSpec", "NodeSpec", "JobSpec", "NodeResult", "DEFAULT_GRACE"]
+
+# Seconds between SIGTERM and SIGKILL when stopping workers: short enough that a failed job is
+# fully stopped within 2 s even when a worker ignores SIGTERM.
+DEFAULT_GRACE = 1.5
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker process."""
+
+    global_rank: int
+    local_rank: int
+    argv: tuple[str, ...]
+    """Full command line, interpreter included (e.g. ``python -u train.py --local_rank=0``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Per-worker variables (RANK, LOCAL_RANK, ...), set on top of the node's env."""
+    cores: tuple[int, ...] = ()
+    """CPU cores to pin to (``--bind_cores_to_rank``); empty = no pinning."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Everything one node agent needs to run that node's share of the job."""
+
+    node_rank: int
+    host: str
+    workers: tuple[WorkerSpec, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables common to the node's workers, set on top of the agent's own environment."""
+    cwd: str | None = None
+    """Working directory of the workers; None = the agent's."""
+    log_dir: str | None = None
+    """``--enable_each_rank_log``: also write each rank's output to ``<log_dir>/rank<N>.log``."""
+    grace: float = DEFAULT_GRACE
+    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    pid_file: str | None = None
+    """``--save_pid``: the agent writes its pid here while it runs and removes it at exit."""
+
+    def to_json(self) -> str:
+        """One line of JSON (no newline inside), for an agent's stdin."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeSpec:
+        """Inverse of ``to_json``; unknown keys are ignored (newer controller, older agent)."""
+        raw = json.loads(text)
+        workers = tuple(
+            WorkerSpec(**{**_known(WorkerSpec, w), "argv": tuple(w["argv"]), "cores": tuple(w.get("cores", ()))})
+            for w in raw["workers"]
+        )
+        return cls(**{**_known(cls, raw), "workers": workers})
+
+
+def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in raw.items() if k in names}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The whole job as the CLI resolved it. Runners read it, never the argparse namespace."""
+
+    nodes: tuple[NodeSpec, ...]
+    master_addr: str
+    master_port: int
+    world_size: int
+    launcher: str = "local"
+    """Registry name of the runner (``runners.RUNNERS``)."""
+    launcher_args: str = ""
+    """``--launcher_args``: extra arguments for the transport (e.g. ssh options), verbatim."""
+    python: str = ""
+    """Interpreter that runs node agents on every host (the controller's ``sys.executable``)."""
+    ssh_port: int | None = None
+    ssh_accept_new_host_keys: bool = False
+    hostfile: str | None = None
+    """Hostfile the nodes came from (None = localhost only), for messages."""
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(n.host for n in self.nodes)
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """How a node's workers ended: the first failure on that node, or success.
+
+    ``exit_code`` follows the shell convention: a worker killed by signal N gives 128+N, never 0.
+    """
+
+    node_rank: int
+    host: str
+    exit_code: int
+    rank: int | None = None
+    """Global rank of the first failed worker (None on success or when no worker failed)."""
+    signal_name: str | None = None
+    """E.g. ``SIGSEGV`` when that worker died by a signal."""
+    stopped_by: str | None = None
+    """Signal name when the node was stopped from outside (Ctrl-C, SIGTERM, lost controller)."""
+
+    def describe(self) -> str:
+        """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
+        if self.rank is None:
+            if self.stopped_by:
+                return f"node {self.host} was stopped by {self.stopped_by} (exit code {self.exit_code})"
+            return f"node {self.host} exited with code {self.exit_code}"
+        how = (f"was killed by {self.signal_name} (exit code {self.exit_code})" if self.signal_name
+               else f"exited with code {self.exit_code}")
+        return f"rank {self.rank} on {self.host} {how}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeResult:
+        return cls(**_known(cls, json.loads(text)))

@@ -1,0 +1,63 @@
+"""A fake worker for launcher tests: behaves as told by its arguments, never imports torch.
+
+Actions run in order, e.g. ``fake_worker.py print=hello sleep=0.2 exit=3``:
+
+- ``print=TEXT`` / ``eprint=TEXT``: a line on stdout / stderr (``{rank}`` is replaced by RANK);
+- ``env``: print the launcher's env contract as one JSON line on stdout;
+- ``argv``: print sys.argv[1:] as JSON on stdout;
+- ``sleep=S``; ``hang`` (sleep forever); ``ignore_term`` (SIGTERM is ignored from now on);
+- ``grandchild=PIDFILE``: spawn a sleeping grandchild and write its pid to PIDFILE;
+- ``exit=N``; ``signal=NAME`` (kill itself with that signal);
+- ``if_rank=R``: the remaining actions run only on rank R (others exit 0 after the previous ones).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "CROSS_RANK",
+            "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+
+
+def main(args: list[str]) -> int:
+    rank = os.environ.get("RANK", "?")
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key.startswith("--local_rank"):
+            continue
+        if key == "if_rank" and value != rank:
+            return 0
+        elif key == "print":
+            print(value.replace("{rank}", rank), flush=True)
+        elif key == "eprint":
+            print(value.replace("{rank}", rank), file=sys.stderr, flush=True)
+        elif key == "env":
+            print(json.dumps({k: os.environ.get(k) for k in ENV_KEYS}), flush=True)
+        elif key == "argv":
+            print(json.dumps(sys.argv[1:]), flush=True)
+        elif key == "affinity":
+            print(json.dumps(sorted(os.sched_getaffinity(0))), flush=True)
+        elif key == "sleep":
+            time.sleep(float(value))
+        elif key == "hang":
+            while True:
+                time.sleep(60)
+        elif key == "ignore_term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        elif key == "grandchild":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            with open(value.replace("{rank}", rank), "w") as f:
+                f.write(str(child.pid))
+        elif key == "exit":
+            return int(value)
+        elif key == "signal":
+            os.kill(os.getpid(), getattr(signal, value))
+            time.sleep(5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
