@@ -1,0 +1,370 @@
+"""SSH connections for the SSH runner: resolve hosts like OpenSSH, verify keys, connect in parallel.
+
+Owns the client side of SSH and nothing else (what runs remotely is ``ssh_probe`` and the agent):
+
+- ``SSHOptions``: what the user chose (ssh config file, ``--ssh_port``, user, identity files,
+  known_hosts files, whether to accept new host keys), also parsed from ssh-style
+  ``--launcher_args`` (``-F file -i key -l user -p port -o Key=Value``).
+- ``resolve(alias, options) -> SSHTarget``: applies ``~/.ssh/config`` (or ``-F``): HostName, User,
+  Port, IdentityFile, IdentitiesOnly, UserKnownHostsFile, StrictHostKeyChecking, ConnectTimeout.
+  Command-line choices win over the config, as with ``ssh``.
+- ``connect_all(targets) -> {alias: paramiko.Transport}``: one thread per host, TCP keepalive and
+  ``TCP_USER_TIMEOUT`` on the socket plus SSH keepalives (a host whose link dies is noticed in
+  seconds, not at the TCP timeout), host keys verified against known_hosts. Every failure is an
+  ``SSHError`` naming the host and its cause: refused, timeout, unreachable, unknown host (DNS),
+  auth, unknown host key, changed host key.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shlex
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import paramiko
+
+from dslaunch.errors import LaunchError, UsageError
+
+__all__ = ["SSHOptions", "SSHTarget", "SSHError", "resolve", "connect", "connect_all"]
+
+DEFAULT_CONNECT_TIMEOUT = 4.0
+KEEPALIVE_SECONDS = 2
+_DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
+_KNOWN_HOSTS_LOCK = threading.Lock()  # parallel connects may append to the same known_hosts
+
+
+class SSHError(LaunchError):
+    """One or more hosts could not be reached or logged into.
+
+    ``failures`` maps host -> (cause, message); cause is one of ``refused``, ``timeout``,
+    ``unreachable``, ``unknown-host``, ``auth``, ``unknown-host-key``, ``changed-host-key``,
+    ``key-file``, ``ssh`` (protocol error), ``interpreter``, ``preflight``.
+    """
+
+    def __init__(self, failures: dict[str, tuple[str, str]]):
+        self.failures = dict(failures)
+        lines = [f"{host}: {msg}" for host, (_cause, msg) in sorted(self.failures.items())]
+        if len(lines) == 1:
+            super().__init__(lines[0])
+        else:
+            super().__init__(f"{len(lines)} hosts failed:\n  " + "\n  ".join(lines))
+
+    @property
+    def causes(self) -> dict[str, str]:
+        return {host: cause for host, (cause, _msg) in self.failures.items()}
+
+
+@dataclass(frozen=True)
+class SSHOptions:
+    """The user's SSH choices (CLI/launcher_args); ``None``/empty = take the ssh config's value."""
+
+    config_file: str | None = None
+    """ssh config to read; None = ``~/.ssh/config`` when it exists."""
+    port: int | None = None
+    """``--ssh_port``: overrides the config's Port for every host."""
+    user: str | None = None
+    identity_files: tuple[str, ...] = ()
+    known_hosts_files: tuple[str, ...] = ()
+    accept_new_host_keys: bool = False
+    """Accept and record keys of hosts not in known_hosts (OpenSSH's ``accept-new``)."""
+    connect_timeout: float | None = None
+
+    @classmethod
+    def from_launcher_args(cls, text: str, **overrides) -> SSHOptions:
+        """Parse ssh-style options (``-F -i -l -p -o``) from ``--launcher_args``.
+
+        Raises:
+            UsageError: an option the SSH runner does not understand, naming it.
+        """
+        opts = cls(**overrides)
+        words = shlex.split(text or "")
+        i = 0
+        while i < len(words):
+            flag = words[i]
+            if flag not in ("-F", "-i", "-l", "-p", "-o") or i + 1 >= len(words):
+                raise UsageError(f"--launcher_args: the ssh runner accepts -F FILE, -i KEY, -l USER, "
+                                 f"-p PORT and -o Key=Value, not {flag!r}")
+            value = words[i + 1]
+            i += 2
+            if flag == "-F":
+                opts = replace(opts, config_file=value)
+            elif flag == "-i":
+                opts = replace(opts, identity_files=(*opts.identity_files, value))
+            elif flag == "-l":
+                opts = replace(opts, user=value)
+            elif flag == "-p":
+                opts = replace(opts, port=opts.port or _port(value, "-p"))
+            else:
+                opts = _apply_o(opts, value)
+        return opts
+
+
+def _port(value: str, what: str) -> int:
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise UsageError(f"{what}: {value!r} is not a TCP port (1-65535)")
+    return int(value)
+
+
+def _apply_o(opts: SSHOptions, option: str) -> SSHOptions:
+    key, _, value = option.replace(" ", "=", 1).partition("=")
+    key = key.lower()
+    if key == "stricthostkeychecking":
+        return replace(opts, accept_new_host_keys=opts.accept_new_host_keys or value in ("no", "accept-new"))
+    if key == "userknownhostsfile":
+        return replace(opts, known_hosts_files=(*opts.known_hosts_files, *value.split()))
+    if key == "connecttimeout":
+        return replace(opts, connect_timeout=float(value))
+    if key == "port":
+        return replace(opts, port=opts.port or _port(value, "-o Port"))
+    if key == "user":
+        return replace(opts, user=opts.user or value)
+    if key == "identityfile":
+        return replace(opts, identity_files=(*opts.identity_files, value))
+    raise UsageError(f"--launcher_args: unsupported ssh option -o {option!r} (supported: "
+                     "StrictHostKeyChecking, UserKnownHostsFile, ConnectTimeout, Port, User, IdentityFile)")
+
+
+@dataclass(frozen=True)
+class SSHTarget:
+    """Where and how to log into one host, after applying the ssh config."""
+
+    alias: str
+    """The name in the hostfile (what messages show)."""
+    hostname: str
+    port: int = 22
+    user: str = "root"
+    identity_files: tuple[str, ...] = ()
+    identities_only: bool = False
+    known_hosts_files: tuple[str, ...] = ()
+    accept_new_host_keys: bool = False
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    extra: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def where(self) -> str:
+        return f"{self.user}@{self.hostname}:{self.port}"
+
+
+def _expand(path: str) -> str:
+    return os.path.expanduser(os.path.expandvars(path))
+
+
+def _load_config(path: str | None) -> paramiko.SSHConfig:
+    path = path or os.path.expanduser("~/.ssh/config")
+    if not os.path.exists(path):
+        if path != os.path.expanduser("~/.ssh/config"):
+            raise UsageError(f"ssh config file {path} does not exist")
+        return paramiko.SSHConfig()
+    try:
+        return paramiko.SSHConfig.from_path(path)
+    except Exception as exc:  # paramiko raises bare ConfigParseError/ValueError types
+        raise UsageError(f"{path}: cannot parse ssh config: {exc}") from None
+
+
+def resolve(alias: str, options: SSHOptions, config: paramiko.SSHConfig | None = None) -> SSHTarget:
+    """Apply the ssh config and the user's options to one hostfile name."""
+    cfg = (config or _load_config(options.config_file)).lookup(alias)
+    port = options.port or _port(cfg.get("port", "22"), f"ssh config Port for {alias}")
+    identity = tuple(_expand(p) for p in (*options.identity_files, *cfg.get("identityfile", [])))
+    known = options.known_hosts_files or tuple(cfg.get("userknownhostsfile", "").split())
+    if not known:
+        known = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
+    known += tuple(cfg.get("globalknownhostsfile", "/etc/ssh/ssh_known_hosts").split())
+    strict = cfg.get("stricthostkeychecking", "ask").lower()
+    timeout = options.connect_timeout or float(cfg.get("connecttimeout", DEFAULT_CONNECT_TIMEOUT))
+    return SSHTarget(
+        alias=alias,
+        hostname=cfg.get("hostname", alias),
+        port=port,
+        user=options.user or cfg.get("user") or os.environ.get("USER") or "root",
+        identity_files=identity,
+        identities_only=cfg.get("identitiesonly", "no").lower() == "yes",
+        known_hosts_files=tuple(_expand(p) for p in known),
+        accept_new_host_keys=options.accept_new_host_keys or strict in ("no", "accept-new", "off"),
+        connect_timeout=min(timeout, 30.0),
+    )
+
+
+# --- connecting --------------------------------------------------------------------------------
+
+class _Fail(Exception):
+    def __init__(self, cause: str, message: str):
+        self.cause, self.message = cause, message
+        super().__init__(message)
+
+
+def _open_socket(t: SSHTarget) -> socket.socket:
+    try:
+        sock = socket.create_connection((t.hostname, t.port), timeout=t.connect_timeout)
+    except socket.gaierror as exc:
+        raise _Fail("unknown-host", f"cannot resolve host name {t.hostname!r} ({exc.strerror})") from None
+    except ConnectionRefusedError:
+        raise _Fail("refused", f"connection refused by {t.hostname} port {t.port} "
+                    "(no sshd listening there? see --ssh_port)") from None
+    except TimeoutError:
+        raise _Fail("timeout", f"timed out after {t.connect_timeout:g}s connecting to "
+                    f"{t.hostname} port {t.port} (host down or port filtered?)") from None
+    except OSError as exc:
+        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+            raise _Fail("unreachable", f"{t.hostname} is unreachable ({exc.strerror})") from None
+        raise _Fail("unreachable", f"cannot connect to {t.hostname} port {t.port}: {exc}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    # Why: a host whose link goes down must end the job in seconds, not at TCP's ~15 min timeout.
+    for opt, val in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
+                     ("TCP_USER_TIMEOUT", 6000), ("TCP_NODELAY", 1)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+    return sock
+
+
+def _known_names(t: SSHTarget) -> list[str]:
+    names = [t.hostname, t.alias] if t.alias != t.hostname else [t.hostname]
+    return names if t.port == 22 else [f"[{n}]:{t.port}" for n in names]
+
+
+def _load_known(t: SSHTarget) -> paramiko.HostKeys:
+    keys = paramiko.HostKeys()
+    for path in t.known_hosts_files:
+        if os.path.isfile(path):
+            try:
+                keys.load(path)
+            except (OSError, paramiko.SSHException) as exc:
+                raise _Fail("ssh", f"cannot read known_hosts file {path}: {exc}") from None
+    return keys
+
+
+def _known_for(t: SSHTarget, keys: paramiko.HostKeys) -> dict[str, paramiko.PKey]:
+    found: dict[str, paramiko.PKey] = {}
+    for name in _known_names(t):
+        for ktype, key in (keys.lookup(name) or {}).items():
+            found.setdefault(ktype, key)
+    return found
+
+
+def _record_new_key(t: SSHTarget, key: paramiko.PKey) -> None:
+    path = next((p for p in t.known_hosts_files if not p.startswith("/etc/")), None)
+    if path is None:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _KNOWN_HOSTS_LOCK, open(path, "a") as f:
+        f.write(f"{_known_names(t)[0]} {key.get_name()} {key.get_base64()}\n")
+
+
+def _verify_host_key(t: SSHTarget, known: dict[str, paramiko.PKey], key: paramiko.PKey) -> None:
+    fingerprint = key.fingerprint  # "SHA256:..."
+    if key.get_name() in known:
+        if known[key.get_name()] != key:
+            raise _Fail("changed-host-key", f"HOST KEY CHANGED for {t.hostname}: the {key.get_name()} key "
+                        f"it offers ({fingerprint}) differs from the one in known_hosts "
+                        f"({', '.join(t.known_hosts_files)}); someone may be intercepting the "
+                        "connection, or the host was reinstalled: remove the old entry to continue")
+        return
+    if t.accept_new_host_keys and not known:
+        _record_new_key(t, key)
+        return
+    keyscan = f"ssh-keyscan{'' if t.port == 22 else f' -p {t.port}'} {t.hostname}"
+    raise _Fail("unknown-host-key", f"unknown host key: {t.hostname} ({key.get_name()} {fingerprint}) "
+                f"is not in known_hosts ({', '.join(p for p in t.known_hosts_files if not p.startswith('/etc/'))}); "
+                f"check the fingerprint and add it (`{keyscan} >> ~/.ssh/known_hosts`), "
+                "or pass --ssh_accept_new_host_keys to accept and record new keys")
+
+
+def _load_keys(t: SSHTarget) -> list[tuple[str, paramiko.PKey]]:
+    paths = list(t.identity_files)
+    if not paths:
+        paths = [os.path.expanduser(f"~/.ssh/{n}") for n in _DEFAULT_KEYS]
+        paths = [p for p in paths if os.path.exists(p)]
+    keys = []
+    for path in paths:
+        if not os.path.exists(path):
+            if path in t.identity_files:
+                raise _Fail("key-file", f"identity file {path} does not exist")
+            continue
+        try:
+            keys.append((path, paramiko.PKey.from_path(path)))
+        except paramiko.PasswordRequiredException:
+            continue  # encrypted: only usable through an ssh-agent, tried below
+        except (OSError, paramiko.SSHException, ValueError) as exc:
+            raise _Fail("key-file", f"cannot load identity file {path}: {exc}") from None
+    if not t.identities_only and os.environ.get("SSH_AUTH_SOCK"):
+        keys += [("ssh-agent", k) for k in paramiko.Agent().get_keys()]
+    return keys
+
+
+def _authenticate(transport: paramiko.Transport, t: SSHTarget) -> None:
+    keys = _load_keys(t)
+    if not keys:
+        raise _Fail("auth", f"no identity to log in as {t.user}@{t.hostname}: no IdentityFile in the "
+                    "ssh config, no ~/.ssh/id_* key and no ssh-agent")
+    for _path, key in keys:
+        try:
+            transport.auth_publickey(t.user, key)
+            return
+        except paramiko.AuthenticationException:
+            continue
+    tried = ", ".join(p for p, _ in keys)
+    raise _Fail("auth", f"authentication failed for {t.user}@{t.hostname} port {t.port} "
+                f"(public keys tried: {tried}); is the key in that user's authorized_keys?")
+
+
+def connect(t: SSHTarget) -> paramiko.Transport:
+    """Open an authenticated SSH transport to one host.
+
+    Raises:
+        SSHError: with one failure for ``t.alias`` (see ``SSHError`` for the causes).
+    """
+    transport = None
+    try:
+        known = _known_for(t, _load_known(t))
+        sock = _open_socket(t)
+        transport = paramiko.Transport(sock)
+        transport.banner_timeout = transport.handshake_timeout = t.connect_timeout
+        if known:  # negotiate a key type we can verify, as OpenSSH does
+            opts = transport.get_security_options()
+            opts.key_types = [k for k in opts.key_types if k in known] or opts.key_types
+        transport.start_client(timeout=t.connect_timeout)
+        _verify_host_key(t, known, transport.get_remote_server_key())
+        _authenticate(transport, t)
+        transport.set_keepalive(KEEPALIVE_SECONDS)
+        return transport
+    except _Fail as fail:
+        failure = (fail.cause, fail.message)
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        if "banner" in str(exc) or isinstance(exc, TimeoutError):
+            failure = ("timeout", f"no SSH greeting from {t.hostname} port {t.port} within "
+                       f"{t.connect_timeout:g}s (is an sshd listening there? see --ssh_port)")
+        else:
+            failure = ("ssh", f"SSH handshake with {t.where} failed: {exc or type(exc).__name__}")
+    if transport is not None:
+        transport.close()
+    raise SSHError({t.alias: failure})
+
+
+def connect_all(targets: list[SSHTarget]) -> dict[str, paramiko.Transport]:
+    """Connect to every target in parallel; all or nothing.
+
+    Returns:
+        alias -> authenticated transport, in ``targets`` order.
+
+    Raises:
+        SSHError: naming every host that failed and why (the others are closed).
+    """
+    with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+        futures = {t.alias: pool.submit(connect, t) for t in targets}
+    done: dict[str, paramiko.Transport] = {}
+    failures: dict[str, tuple[str, str]] = {}
+    for alias, fut in futures.items():
+        try:
+            done[alias] = fut.result()
+        except SSHError as err:
+            failures.update(err.failures)
+    if failures:
+        for transport in done.values():
+            transport.close()
+        raise SSHError(failures)
+    return done
