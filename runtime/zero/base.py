@@ -1,0 +1,284 @@
+"""The ZeRO strategy interface and what all stages share.
+
+A strategy owns the flat parameter storage (``FlatGroup`` per param group), the gradients, the
+fp32 master shard, the optimizer over that shard and every collective. The engine drives it
+through a small lifecycle and never asks which stage it is:
+
+    begin_micro_step(boundary)   before backward: will this micro step end an accumulation?
+    end_backward()               after loss.backward(): finish the communication of this step
+    step(loss_scale, clip)       at the boundary: unscale, clip, overflow check, update, publish
+    zero_grad()                  forget accumulated gradients
+    state_dict()/load_state_dict(sd)   the checkpoint format of the contract (all stages)
+
+Stages differ only in ``_make_grad_reducer`` style hooks: how gradients are reduced (stage 0/1:
+bucketed all-reduce of the full gradient at the boundary; stage 2: buckets reduced into the owning
+shard as backward produces them) and whether updated shards must be published (stage 1/2).
+
+Gradient scaling follows DeepSpeed: gradients are summed across ranks and averaged (divided by
+the world size); with ``prescale_gradients`` they are divided by ``gradient_predivide_factor``
+before the reduction and multiplied by ``factor / world`` after. The post factor, the loss-scale
+unscale and the clip coefficient are folded into ONE multiply of this rank's fp32 gradient shard.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from dslaunch.runtime.zero.partition import FlatGroup, plan_buckets
+
+__all__ = ["GroupSpec", "CommSettings", "StepResult", "ZeroStrategy", "OptimizerFactory"]
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One param group as the engine hands it over: trainable params, their names, hparams."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    hparams: dict
+
+
+@dataclass(frozen=True)
+class CommSettings:
+    """Communication knobs, read from the config once by the engine."""
+
+    reduce_bucket_numel: int = 500_000_000
+    allgather_bucket_numel: int = 500_000_000
+    overlap_comm: bool = False
+    comm_dtype: torch.dtype | None = None  # None: the gradient dtype
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the engine learns from a boundary step."""
+
+    overflow: bool
+    grad_norm: float  # unscaled, before clipping (inf/nan on overflow)
+
+
+class ZeroStrategy(ABC):
+    """Base of the ZeRO stages: flat storage, optimizer over the master shard, shared step logic.
+
+    Args:
+        groups: the trainable param groups (``GroupSpec``), in optimizer group order.
+        make_optimizer: builds the torch optimizer over ``[{"params": [master], **hparams}]``.
+        comm: communication settings.
+        process_group: the data-parallel group (None: the default group).
+
+    collective: construct on all ranks of the group.
+    """
+
+    stage: ClassVar[int]
+    partitioned: ClassVar[bool]  # do ranks own disjoint shards of the master/optimizer state?
+
+    def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
+                 process_group: Any = None):
+        self.pg = process_group
+        self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        self.comm = comm
+        self.groups = [FlatGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank,
+                                 self.partitioned) for g in groups]
+        self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups])
+        self._boundary = True
+        self._sync = True  # False inside engine.no_sync()
+        self.publisher = ShardPublisher(self.groups, self.world_size, self.rank,
+                                        comm.allgather_bucket_numel, comm.overlap_comm,
+                                        process_group) if self.partitioned else None
+        self._init_gradients()
+
+    # ----- hooks the stages implement -------------------------------------------------------
+    @abstractmethod
+    def _init_gradients(self) -> None:
+        """Allocate gradient storage and register backward hooks."""
+
+    @abstractmethod
+    def end_backward(self) -> None:
+        """After loss.backward(): complete this micro step's reductions (collective)."""
+
+    @abstractmethod
+    def _gather_grad_shards(self) -> list[torch.Tensor]:
+        """Point each ``master.grad`` at this rank's reduced (not yet post-scaled) gradient."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradients."""
+
+    def _publish_params(self) -> None:
+        """Make every rank's updated shard visible in every rank's model (stage 1/2)."""
+        if self.publisher is not None:
+            self.publisher.publish()
+
+    def synchronize(self) -> None:
+        """Wait for in-flight parameter gathers: call before anything reads the module weights."""
+        if self.publisher is not None:
+            self.publisher.wait()
+
+    # ----- lifecycle --------------------------------------------------------------------------
+    def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
+        self._boundary, self._sync = boundary, sync
+
+    def step(self, loss_scale: float = 1.0, clip: float = 0.0) -> StepResult:
+        """Unscale and clip this rank's gradient shard, skip on overflow, else update and publish.
+
+        collective: call on all ranks at the accumulation boundary.
+        """
+        grads = self._gather_grad_shards()
+        post = self._post_factor() / loss_scale
+        norm = self._global_norm(grads) * post
+        if not math.isfinite(norm):
+            self.zero_grad()
+            return StepResult(True, norm)
+        factor = post
+        if clip > 0 and norm > clip:
+            factor *= clip / (norm + 1e-6)
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        self.optimizer.step()
+        for g in self.groups:
+            g.copy_master_to_model()
+        self._publish_params()
+        self.zero_grad()
+        return StepResult(False, norm)
+
+    def _post_factor(self) -> float:
+        pre = self.comm.gradient_predivide_factor if self.comm.prescale_gradients else 1.0
+        return pre / self.world_size
+
+    def _pre_factor(self) -> float:
+        pre = self.comm.gradient_predivide_factor if self.comm.prescale_gradients else 1.0
+        return 1.0 / pre
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        sq = torch.zeros((), dtype=torch.float64)
+        for t in grads:
+            if t.numel():
+                sq += torch.linalg.vector_norm(t, dtype=torch.float32).double() ** 2
+        if self.partitioned and self.world_size > 1:
+            dist.all_reduce(sq, group=self.pg)  # gloo/nccl sum; inf/nan propagate to all ranks
+        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
+
+    # ----- helpers for stages ----------------------------------------------------------------
+    def _buckets(self, bucket_numel: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
+        """All groups' buckets as (group index, begin, end, param indices), in flat order."""
+        return [(gi, a, b, idx) for gi, g in enumerate(self.groups)
+                for a, b, idx in plan_buckets(g.layout, bucket_numel)]
+
+    def _comm_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        return self.comm.comm_dtype or grad_dtype
+
+    # ----- checkpoint state (format fixed by the contract) ------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard of every group: master, optimizer state, hparams (live tensors)."""
+        self.synchronize()
+        opt_sd = self.optimizer.state_dict()
+        out = []
+        for gi, g in enumerate(self.groups):
+            lay = g.layout
+            state = opt_sd["state"].get(gi, {})
+            tensors = {k: v for k, v in state.items()
+                       if torch.is_tensor(v) and v.dim() > 0 and v.numel() == lay.end - lay.start}
+            scalars = {k: v for k, v in state.items() if k not in tensors}
+            hparams = {k: v for k, v in opt_sd["param_groups"][gi].items() if k != "params"}
+            out.append({"names": list(lay.names), "shapes": list(lay.shapes), "numel": lay.numel,
+                        "start": lay.start, "end": lay.end, "master": g.master.data,
+                        "optim_state": tensors, "optim_scalars": scalars, "hparams": hparams})
+        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "groups": out}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore from groups whose [start, end) covers this rank's range; refresh the model.
+
+        collective: call on all ranks (stages 1/2 re-gather the parameters).
+
+        Raises:
+            ValueError: the saved groups do not match this model (names, sizes or coverage).
+        """
+        saved = sd["groups"]
+        if len(saved) != len(self.groups):
+            raise ValueError(f"checkpoint has {len(saved)} param groups, the optimizer has "
+                             f"{len(self.groups)}")
+        state: dict[int, dict] = {}
+        groups = []
+        full = True
+        for gi, (g, s) in enumerate(zip(self.groups, saved, strict=True)):
+            lay = g.layout
+            if s["numel"] != lay.numel or list(s["names"]) != list(lay.names):
+                raise ValueError(f"param group {gi}: checkpoint holds {s['numel']} elements of "
+                                 f"{len(s['names'])} params, the model {lay.numel} of {len(lay.names)}")
+            if not (s["start"] <= lay.start and lay.end <= s["end"]):
+                raise ValueError(f"param group {gi}: checkpoint range [{s['start']}, {s['end']}) "
+                                 f"does not cover this rank's [{lay.start}, {lay.end})")
+            lo, hi = lay.start - s["start"], lay.end - s["start"]
+            g.master.data.copy_(s["master"][lo:hi])
+            state[gi] = {**{k: v[lo:hi].clone() for k, v in s["optim_state"].items()},
+                         **s["optim_scalars"]}
+            groups.append({**s["hparams"], "params": [gi]})
+            full = full and s["start"] == 0 and s["end"] == lay.numel
+            if full:
+                g.flat[:lay.numel].copy_(s["master"])
+        self.optimizer.load_state_dict({"state": {k: v for k, v in state.items() if v},
+                                        "param_groups": groups})
+        for g in self.groups:
+            g.copy_master_to_model()
+        if not full:
+            self._publish_params()
+        self.zero_grad()
+
+    # ----- introspection ------------------------------------------------------------------
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for optimizer state, fp32 master copies and gradients."""
+        opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                  for t in st.values() if torch.is_tensor(t))
+        master = sum(g.master.numel() * 4 for g in self.groups if g.dtype != torch.float32)
+        return {"optimizer_state": opt, "master": master, "gradients": self._grad_bytes()}
+
+    @abstractmethod
+    def _grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank keeps between micro steps."""
+
+
+class ShardPublisher:
+    """Broadcast-based all-gather of updated shards into every rank's flat buffers (stage 1/2).
+
+    Each owner broadcasts its slot in chunks of ``allgather_bucket_numel / world`` elements; on
+    gloo a round of broadcasts moves the same bytes as all_gather at about a quarter of its time
+    (measured: 80 MB, 2 ranks, 26 ms vs 130 ms). With ``overlap`` the broadcasts stay in flight
+    until ``wait()`` (the engine calls it before the next forward or any read of the weights).
+    """
+
+    def __init__(self, groups: list[FlatGroup], world_size: int, rank: int, bucket_numel: int,
+                 overlap: bool, process_group: Any = None):
+        self.groups, self.world, self.rank, self.pg = groups, world_size, rank, process_group
+        self.overlap = overlap
+        self.chunk = max(1, bucket_numel // max(1, world_size))
+        self._works: list[Any] = []
+
+    def publish(self) -> None:
+        """collective: call on all ranks after each rank updated its own shard."""
+        self.wait()
+        if self.world == 1:
+            return
+        for g in self.groups:
+            for r in range(self.world):
+                a, b = g.layout.rank_range(r, self.world)
+                for c in range(a, b, self.chunk):
+                    self._works.append(dist.broadcast(g.flat[c:min(b, c + self.chunk)], src=r,
+                                                      group=self.pg, async_op=True))
+        if not self.overlap:
+            self.wait()
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works.clear()

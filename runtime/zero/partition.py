@@ -1,0 +1,135 @@
+"""How a param group is laid out flat and split across ranks (the ZeRO partition rule).
+
+Owns the ONE partition rule every stage and the checkpoint code share (``partition_range``), the
+flat layout of a param group (``GroupLayout``: names, shapes, offsets) and its storage
+(``FlatGroup``: module parameters become views into one flat buffer, so the model, the gradient
+buffer and, in fp32, the master shard are the same memory), and bucket planning.
+
+Layout: the params of a group are concatenated, in group order, into a vector of ``numel``
+elements, padded to ``k * world_size`` (``k = ceil(numel / world_size)``) so every rank's shard
+has a fixed slot of ``k`` elements; rank ``r`` owns ``partition_range(numel, world, r)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["partition_range", "shard_slot", "GroupLayout", "FlatGroup", "plan_buckets"]
+
+
+def partition_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The [start, end) slice of a flat group of ``numel`` elements that ``rank`` owns.
+
+    k = ceil(numel / world_size); start = min(rank * k, numel); end = min(start + k, numel).
+    The last ranks may own fewer (or zero) elements.
+    """
+    k = shard_slot(numel, world_size)
+    start = min(rank * k, numel)
+    return start, min(start + k, numel)
+
+
+def shard_slot(numel: int, world_size: int) -> int:
+    """Elements reserved per rank in the padded flat buffer: ceil(numel / world_size)."""
+    return max(1, math.ceil(numel / world_size))
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where each param of one group lives in the flat vector, and which part this rank owns."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+    start: int  # this rank's owned range [start, end)
+    end: int
+    padded: int  # flat buffer length: k * world_size (numel when not partitioned)
+
+    @classmethod
+    def build(cls, names: list[str], shapes: list[tuple[int, ...]], world_size: int, rank: int,
+              partitioned: bool) -> GroupLayout:
+        sizes = [math.prod(s) for s in shapes]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        numel = sum(sizes)
+        if partitioned:
+            start, end = partition_range(numel, world_size, rank)
+            padded = shard_slot(numel, world_size) * world_size
+        else:
+            start, end, padded = 0, numel, numel
+        return cls(tuple(names), tuple(tuple(s) for s in shapes), tuple(offsets), numel, start, end,
+                   padded)
+
+    def param_range(self, i: int) -> tuple[int, int]:
+        return self.offsets[i], self.offsets[i] + math.prod(self.shapes[i])
+
+    def rank_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        """Slot of ``rank`` in the padded buffer (k elements; may extend past numel)."""
+        k = self.padded // world_size
+        return rank * k, (rank + 1) * k
+
+
+class FlatGroup:
+    """One param group's flat storage: parameters re-pointed into a single contiguous buffer.
+
+    ``flat`` (model dtype, ``layout.padded`` elements) holds the weights; each parameter's
+    ``.data`` is a view into it. ``master`` is this rank's fp32 shard (a view of ``flat`` when the
+    model is fp32, a separate copy otherwise), wrapped as the Parameter the optimizer updates.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
+                 world_size: int, rank: int, partitioned: bool):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise TypeError(f"a param group mixes dtypes {sorted(map(str, dtypes))}; "
+                            "cast the model to one dtype before initialize()")
+        self.params = params
+        self.hparams = hparams
+        self.dtype = params[0].dtype
+        self.layout = GroupLayout.build(names, [tuple(p.shape) for p in params], world_size, rank,
+                                        partitioned)
+        lay = self.layout
+        self.flat = torch.zeros(lay.padded, dtype=self.dtype, device=params[0].device)
+        for i, p in enumerate(params):
+            a, b = lay.param_range(i)
+            self.flat[a:b].copy_(p.data.reshape(-1))
+            p.data = self.flat[a:b].view(p.shape)
+        own = self.flat[lay.start:lay.end]
+        data = own if self.dtype == torch.float32 else own.float()
+        # nn.Parameter aliases ``data``: in fp32 the optimizer updates the model weights in place.
+        self.master = torch.nn.Parameter(data, requires_grad=False)
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``buffer`` (laid out like ``flat``) shaped like each parameter."""
+        return [buffer[a:b].view(s) for (a, b), s in
+                zip(map(self.layout.param_range, range(len(self.params))), self.layout.shapes, strict=True)]
+
+    def copy_master_to_model(self) -> None:
+        """Write the fp32 master shard into this rank's slice of the model weights."""
+        if self.master.data.data_ptr() != self.flat.data_ptr() + self.layout.start * self.flat.element_size():
+            self.flat[self.layout.start:self.layout.end].copy_(self.master.data)
+
+
+def plan_buckets(layout: GroupLayout, bucket_numel: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Split a group's params, in flat order, into buckets of whole params.
+
+    Returns ``[(begin, end, param_indices)]`` covering [0, numel); a bucket closes once it holds
+    ``bucket_numel`` elements (a param larger than that gets a bucket of its own).
+    """
+    buckets: list[tuple[int, int, tuple[int, ...]]] = []
+    begin, members = 0, []
+    for i in range(len(layout.shapes)):
+        a, b = layout.param_range(i)
+        members.append(i)
+        if b - begin >= bucket_numel:
+            buckets.append((begin, b, tuple(members)))
+            begin, members = b, []
+    if members:
+        buckets.append((begin, layout.numel, tuple(members)))
+    return buckets

@@ -1,0 +1,116 @@
+"""ZeRO stage 0: plain data parallelism with a bucketed gradient all-reduce.
+
+Every rank holds the full gradient in one flat buffer per param group (each ``param.grad`` is a
+view into it, so autograd accumulates in place and micro steps between boundaries cost no
+communication). On the boundary micro step the buffer is all-reduced in buckets of
+``reduce_bucket_size`` elements; with ``overlap_comm`` each bucket is launched asynchronously from a
+post-accumulate-grad hook as soon as backward has produced all of its gradients. Buckets launch in
+one fixed order (last bucket first) on every rank, so collectives always match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dslaunch.runtime.zero.base import ZeroStrategy
+
+__all__ = ["Stage0"]
+
+
+class Stage0(ZeroStrategy):
+    """Replicated optimizer state; full gradients all-reduced at the accumulation boundary."""
+
+    stage = 0
+    partitioned = False
+
+    def _init_gradients(self) -> None:
+        self._gflat = [torch.zeros(g.layout.padded, dtype=g.dtype, device=g.flat.device)
+                       for g in self.groups]
+        self._views = [g.param_views(gf) for g, gf in zip(self.groups, self._gflat, strict=True)]
+        for g, views in zip(self.groups, self._views, strict=True):
+            for p, v in zip(g.params, views, strict=True):
+                p.grad = v
+        self._master_grads: list[torch.Tensor | None] = [None] * len(self.groups)
+        self._bucket_list = self._buckets(self.comm.reduce_bucket_numel)
+        self._bucket_of = {(gi, pi): bi for bi, (gi, _, _, idx) in enumerate(self._bucket_list)
+                           for pi in idx}
+        self._reset_buckets()
+        for gi, g in enumerate(self.groups):
+            for pi, p in enumerate(g.params):
+                p.register_post_accumulate_grad_hook(self._hook(gi, pi))
+
+    def _reset_buckets(self) -> None:
+        self._pending = [len(idx) for _, _, _, idx in self._bucket_list]
+        self._next = len(self._bucket_list) - 1  # launch order: last bucket first
+        self._works: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+
+    def _hook(self, gi: int, pi: int):
+        def on_grad(p: torch.Tensor) -> None:
+            self._adopt_grad(gi, pi)
+            if self.comm.overlap_comm and self._boundary and self._sync:
+                self._pending[self._bucket_of[(gi, pi)]] -= 1
+                while self._next >= 0 and self._pending[self._next] == 0:
+                    self._launch(self._next)
+                    self._next -= 1
+        return on_grad
+
+    def _adopt_grad(self, gi: int, pi: int) -> None:
+        # If something set .grad to None (e.g. module.zero_grad()), autograd made a fresh tensor:
+        # take it as the whole accumulated gradient and point .grad back into the flat buffer.
+        p, view = self.groups[gi].params[pi], self._views[gi][pi]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _launch(self, bi: int) -> None:
+        gi, a, b, _ = self._bucket_list[bi]
+        t = self._gflat[gi][a:b]
+        buf = t if self._comm_dtype(t.dtype) == t.dtype else t.to(self._comm_dtype(t.dtype))
+        pre = self._pre_factor()
+        if pre != 1.0:
+            buf.mul_(pre)
+        if self.world_size > 1:
+            self._works.append((dist.all_reduce(buf, group=self.pg, async_op=True), buf, t))
+        elif buf is not t:
+            t.copy_(buf)
+
+    def end_backward(self) -> None:
+        for gi, g in enumerate(self.groups):
+            for pi in range(len(g.params)):
+                self._adopt_grad(gi, pi)
+        if not (self._boundary and self._sync):
+            return
+        while self._next >= 0:
+            self._launch(self._next)
+            self._next -= 1
+        for work, buf, t in self._works:
+            work.wait()
+            if buf is not t:
+                t.copy_(buf)
+        self._reset_buckets()
+
+    def _gather_grad_shards(self) -> list[torch.Tensor]:
+        grads = []
+        for gi, (g, gf) in enumerate(zip(self.groups, self._gflat, strict=True)):
+            own = gf[g.layout.start:g.layout.end]
+            if g.dtype == torch.float32:
+                g.master.grad = own
+            else:
+                if self._master_grads[gi] is None:
+                    self._master_grads[gi] = torch.empty_like(g.master.data)
+                g.master.grad = self._master_grads[gi].copy_(own)
+            grads.append(g.master.grad)
+        return grads
+
+    def zero_grad(self) -> None:
+        for gf in self._gflat:
+            gf.zero_()
+        for gi, g in enumerate(self.groups):
+            for p, v in zip(g.params, self._views[gi], strict=True):
+                p.grad = v
+
+    def _grad_bytes(self) -> int:
+        full = sum(gf.numel() * gf.element_size() for gf in self._gflat)
+        return full + sum(t.numel() * 4 for t in self._master_grads if t is not None)
