@@ -1,0 +1,421 @@
+"""Learning-rate schedules named by ds_config's ``scheduler.type``, with DeepSpeed's params.
+
+Owns WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest, their accepted
+``scheduler.params`` (names and defaults as DeepSpeed's) and the step semantics DeepSpeed users
+rely on:
+
+- ``last_batch_iteration`` counts scheduler steps, starting at -1. Building a schedule at -1
+  writes the schedule's starting lr into the optimizer; each ``step()`` increments the counter
+  and writes the lr for the new value (the engine calls it once per applied optimizer step).
+- ``state_dict()`` is ``{"last_batch_iteration": n}``; ``load_state_dict`` restores it and
+  re-applies that iteration's lr.
+- Scalars apply to every param group; lists give one value per group.
+
+Formulas (t = last_batch_iteration, W = max(2, warmup_num_steps), T = total_num_steps):
+
+- warmup gamma: log: ln(t + 1) / ln(W); linear: t / W; 1 once t >= W.
+- WarmupLR: min + (max - min) * gamma.
+- WarmupDecayLR: as WarmupLR, then gamma = max(0, (T - t) / max(1, T - W)).
+- WarmupCosineLR: lr = base_lr * ratio; warmup: min_ratio + (1 - min_ratio) * gamma; then with
+  p = min(1, (t - W + 1) / max(1, T - W)): ratio = cos_min + (1 - cos_min) * (1 + cos(pi p)) / 2.
+- OneCycle: triangle from cycle_min_lr up to cycle_max_lr over cycle_first_step_size steps and back
+  over cycle_second_step_size (optionally in stairs); after the cycle lr = cycle_min_lr / (1 +
+  decay_lr_rate * k / decay_step_size) with k the steps since the cycle; momentum (beta1) moves
+  inversely between cycle_max_mom and cycle_min_mom, then decays by (1 + decay_mom_rate * k /
+  decay_step_size).
+- LRRangeTest: min_lr * (1 + step_rate * (t + 1) / step_size) (floored interval with staircase).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dslaunch.runtime.param_schema import (
+    REQUIRED,
+    Option,
+    boolean,
+    check_params,
+    choice,
+    integer,
+    number,
+    number_or_list,
+)
+
+from dslaunch.errors import ConfigError, did_you_mean
+
+__all__ = ["SCHEDULER_TYPES", "SchedulerSpec", "validate_lr_scheduler", "build_lr_scheduler", "WarmupLR",
+           "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+
+_KEY = "scheduler.params"
+
+
+def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    # The engine may hand over a wrapper (e.g. a ZeRO strategy's optimizer) exposing .optimizer.
+    if hasattr(optimizer, "param_groups"):
+        return optimizer.param_groups
+    return optimizer.optimizer.param_groups
+
+
+def _per_group(value: Any, n_groups: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_groups:
+            raise ConfigError(f"has {len(value)} values but the optimizer has {n_groups} param groups",
+                              key=f"{_KEY}.{name}")
+        return list(value)
+    return [value] * n_groups
+
+
+class _Schedule:
+    """Shared mechanics: the iteration counter, writing lrs into the optimizer, state."""
+
+    def __init__(self, optimizer: Any, last_batch_iteration: int = -1):
+        self.optimizer = optimizer
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr: list[float] = [group["lr"] for group in self._groups]
+
+    @property
+    def _groups(self) -> list[dict[str, Any]]:
+        return _param_groups(self.optimizer)
+
+    def _start(self) -> None:
+        """Write the starting values (only for a fresh schedule, as DeepSpeed does)."""
+        if self.last_batch_iteration == -1:
+            self._apply()
+
+    def get_lr(self) -> list[float]:
+        """The lr of each param group at ``last_batch_iteration``."""
+        raise NotImplementedError
+
+    def get_last_lr(self) -> list[float]:
+        """The lrs last written into the optimizer."""
+        return list(self._last_lr)
+
+    def _apply(self) -> None:
+        lrs = self.get_lr()
+        for group, lr in zip(self._groups, lrs, strict=True):
+            group["lr"] = lr
+        self._last_lr = list(lrs)
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """Advance one step (or jump to ``last_batch_iteration``) and update the optimizer's lrs."""
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.last_batch_iteration = int(state["last_batch_iteration"])
+        if self.last_batch_iteration >= 0:
+            self._apply()
+
+
+def _warmup_gamma(t: int, warmup_steps: int, warmup_type: str) -> float:
+    """Fraction of the warmup done after step t (only called for 0 <= t < warmup_steps)."""
+    if warmup_type == "log":
+        return math.log(t + 1) / math.log(warmup_steps)
+    return t / warmup_steps
+
+
+class WarmupLR(_Schedule):
+    """Warm up from warmup_min_lr to warmup_max_lr over warmup_num_steps, then hold."""
+
+    def __init__(self, optimizer: Any, warmup_min_lr: Any = 0.0, warmup_max_lr: Any = None,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
+        super().__init__(optimizer, last_batch_iteration)
+        n = len(self._groups)
+        if warmup_max_lr is None:  # DeepSpeed (0.19): the optimizer's configured lr
+            warmup_max_lr = [group["lr"] for group in self._groups]
+        self.min_lrs = _per_group(warmup_min_lr, n, "warmup_min_lr")
+        self.max_lrs = _per_group(warmup_max_lr, n, "warmup_max_lr")
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self._start()
+
+    def _gamma(self) -> float:
+        t = self.last_batch_iteration
+        if t < self.warmup_num_steps:
+            return _warmup_gamma(t, self.warmup_num_steps, self.warmup_type)
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma()
+        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_lr: Any = 0.0,
+                 warmup_max_lr: Any = 0.001, warmup_num_steps: int = 1000, warmup_type: str = "log",
+                 last_batch_iteration: int = -1):
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                         last_batch_iteration)
+
+    def _gamma(self) -> float:
+        t = self.last_batch_iteration
+        if t < self.warmup_num_steps:
+            return _warmup_gamma(t, self.warmup_num_steps, self.warmup_type)
+        return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(_Schedule):
+    """Scale the optimizer's own lr: warm up to ratio 1, then cosine-decay to cos_min_ratio."""
+
+    def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
+                 last_batch_iteration: int = -1):
+        super().__init__(optimizer, last_batch_iteration)
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = warmup_min_ratio
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.cos_min_ratio = cos_min_ratio
+        self.warmup_type = warmup_type
+        self.base_lrs = [group["lr"] for group in self._groups]
+        self._start()
+
+    def get_lr_ratio(self) -> float:
+        t = self.last_batch_iteration
+        if t < 0:
+            return 0.0
+        if t < self.warmup_num_steps:
+            gamma = _warmup_gamma(t, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * gamma
+        progress = min(1.0, (t - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
+        cosine = (1.0 + math.cos(math.pi * progress)) / 2.0
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self) -> list[float]:
+        ratio = self.get_lr_ratio()
+        return [base * ratio for base in self.base_lrs]
+
+
+class OneCycle(_Schedule):
+    """1Cycle: lr up then down between cycle_min_lr and cycle_max_lr, then decay; momentum inverse.
+
+    Momentum cycling changes ``betas[0]`` of groups that have ``betas`` (Adam-like); for
+    optimizers without betas it is skipped, as in DeepSpeed.
+    """
+
+    def __init__(self, optimizer: Any, cycle_min_lr: Any, cycle_max_lr: Any, decay_lr_rate: float = 0.0,
+                 cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
+                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
+                 decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: Any = 0.8,
+                 cycle_max_mom: Any = 0.9, decay_mom_rate: float = 0.0, last_batch_iteration: int = -1):
+        super().__init__(optimizer, last_batch_iteration)
+        n = len(self._groups)
+        self.first_step_size = float(cycle_first_step_size)
+        self.second_step_size = float(self.first_step_size if cycle_second_step_size is None
+                                      else cycle_second_step_size)
+        self.total_size = self.first_step_size + self.second_step_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
+                                   else cycle_second_stair_count)
+        self.decay_step_size = decay_step_size
+        self.min_lrs = _per_group(cycle_min_lr, n, "cycle_min_lr")
+        self.max_lrs = _per_group(cycle_max_lr, n, "cycle_max_lr")
+        self.decay_lr_rate = decay_lr_rate
+        self.cycle_momentum = cycle_momentum and all("betas" in g for g in self._groups)
+        self.min_moms = _per_group(cycle_min_mom, n, "cycle_min_mom")
+        self.max_moms = _per_group(cycle_max_mom, n, "cycle_max_mom")
+        self.decay_mom_rate = decay_mom_rate
+        if self.last_batch_iteration == -1:
+            self._apply()
+            self._set_momentum(self.min_moms)
+
+    def _scale(self) -> float:
+        """Position in the triangle, 0 at cycle_min and 1 at the peak."""
+        position = (self.last_batch_iteration + 1) % self.total_size
+        rising = position <= self.first_step_size
+        if rising:
+            fraction, stairs = position / self.first_step_size, self.first_stair_count
+        else:
+            fraction = (self.total_size - position) / self.second_step_size
+            stairs = self.second_stair_count
+        if stairs > 0:  # hold each level for a stair; computed on the step count, not the float
+            size = self.first_step_size if rising else self.second_step_size
+            steps_in = position if rising else self.total_size - position
+            fraction = math.floor(steps_in * stairs / size) / stairs
+        return fraction
+
+    def _decay_interval(self) -> float | None:
+        """Decay intervals since the cycle ended, or None while in the cycle / decay disabled."""
+        if self.last_batch_iteration < self.total_size or self.decay_step_size == 0:
+            return None
+        return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)]
+        interval = self._decay_interval()
+        if interval is None:
+            return list(self.min_lrs)
+        return [lo / (1.0 + self.decay_lr_rate * interval) for lo in self.min_lrs]
+
+    def get_mom(self) -> list[float]:
+        """beta1 of each group at ``last_batch_iteration``."""
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms, strict=True)]
+        interval = self._decay_interval()
+        if interval is None:
+            return list(self.max_moms)
+        return [hi * (1.0 + self.decay_mom_rate * interval) for hi in self.max_moms]
+
+    def _set_momentum(self, moms: list[float]) -> None:
+        if not self.cycle_momentum:
+            return
+        for group, mom in zip(self._groups, moms, strict=True):
+            group["betas"] = (mom, group["betas"][1])  # keep the optimizer's beta2
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        super().step(last_batch_iteration)
+        self._set_momentum(self.get_mom())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.last_batch_iteration >= 0:
+            self._set_momentum(self.get_mom())
+
+
+class LRRangeTest(_Schedule):
+    """Grow the lr from lr_range_test_min_lr linearly (or in stairs) to find a usable maximum."""
+
+    def __init__(self, optimizer: Any, lr_range_test_min_lr: Any = 1e-3, lr_range_test_step_size: int = 2000,
+                 lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False,
+                 last_batch_iteration: int = -1):
+        super().__init__(optimizer, last_batch_iteration)
+        self.min_lrs = _per_group(lr_range_test_min_lr, len(self._groups), "lr_range_test_min_lr")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        self._start()
+
+    def get_lr(self) -> list[float]:
+        interval = (self.last_batch_iteration + 1) / self.step_size
+        if self.staircase:
+            interval = math.floor(interval)
+        return [lo * (1.0 + self.step_rate * interval) for lo in self.min_lrs]
+
+
+# ------------------------------------------------------------------------------ registry
+
+_WARMUP_TYPE = choice("log", "linear")
+_START = Option(-1, integer(-1))
+
+
+def _warmup_schema(max_lr_default: Any) -> dict[str, Option]:
+    return {
+        "warmup_min_lr": Option(0.0, number_or_list(0.0)),
+        "warmup_max_lr": Option(max_lr_default, number_or_list(0.0)),
+        "warmup_num_steps": Option(1000, integer(1)),
+        "warmup_type": Option("log", _WARMUP_TYPE),
+        "last_batch_iteration": _START,
+    }
+
+
+@dataclass(frozen=True)
+class _Entry:
+    cls: Callable[..., _Schedule]
+    schema: Mapping[str, Option]
+
+
+_REGISTRY: dict[str, _Entry] = {
+    "WarmupLR": _Entry(WarmupLR, _warmup_schema(None)),
+    "WarmupDecayLR": _Entry(WarmupDecayLR, {"total_num_steps": Option(REQUIRED, integer(1)),
+                                            **_warmup_schema(0.001)}),
+    "WarmupCosineLR": _Entry(WarmupCosineLR, {
+        "total_num_steps": Option(REQUIRED, integer(1)),
+        "warmup_min_ratio": Option(0.0, number(0.0, 1.0)),
+        "warmup_num_steps": Option(1000, integer(1)),
+        "cos_min_ratio": Option(0.0001, number(0.0, 1.0)),
+        "warmup_type": Option("log", _WARMUP_TYPE),
+        "last_batch_iteration": _START,
+    }),
+    "OneCycle": _Entry(OneCycle, {
+        "cycle_min_lr": Option(REQUIRED, number_or_list(0.0)),
+        "cycle_max_lr": Option(REQUIRED, number_or_list(0.0)),
+        "decay_lr_rate": Option(0.0, number(0.0)),
+        "cycle_first_step_size": Option(2000, integer(1)),
+        "cycle_second_step_size": Option(None, integer(0)),
+        "cycle_first_stair_count": Option(0, integer(0)),
+        "cycle_second_stair_count": Option(None, integer(0)),
+        "decay_step_size": Option(0, integer(0)),
+        "cycle_momentum": Option(True, boolean),
+        "cycle_min_mom": Option(0.8, number_or_list(0.0)),
+        "cycle_max_mom": Option(0.9, number_or_list(0.0)),
+        "decay_mom_rate": Option(0.0, number(0.0)),
+        "last_batch_iteration": _START,
+    }),
+    "LRRangeTest": _Entry(LRRangeTest, {
+        "lr_range_test_min_lr": Option(1e-3, number_or_list(0.0)),
+        "lr_range_test_step_size": Option(2000, integer(1)),
+        "lr_range_test_step_rate": Option(1.0, number(0.0)),
+        "lr_range_test_staircase": Option(False, boolean),
+        "last_batch_iteration": _START,
+    }),
+}
+_BY_LOWER = {name.lower(): name for name in _REGISTRY}
+
+SCHEDULER_TYPES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """A validated scheduler config: canonical type name and complete keyword arguments."""
+
+    name: str
+    params: Mapping[str, Any]
+
+
+def validate_lr_scheduler(sched_type: str, params: Mapping[str, Any] | None) -> SchedulerSpec:
+    """Check ``scheduler.type`` and ``scheduler.params`` without an optimizer.
+
+    Args:
+        sched_type: ds_config ``scheduler.type`` (DeepSpeed's spelling; case is forgiven).
+        params: ds_config ``scheduler.params``.
+
+    Returns:
+        The canonical type name and all parameters with defaults filled in.
+
+    Raises:
+        ConfigError: unknown type (valid ones listed, did-you-mean), unknown or missing parameter,
+            wrong type or range; the message names ``scheduler.params.<key>``.
+    """
+    name = _BY_LOWER.get(sched_type.lower()) if isinstance(sched_type, str) else None
+    if name is None:
+        hint = did_you_mean(str(sched_type), _REGISTRY)
+        raise ConfigError(f"unknown scheduler type {sched_type!r}{hint}; valid types: "
+                          f"{', '.join(SCHEDULER_TYPES)}, or pass a scheduler to initialize()",
+                          key="scheduler.type")
+    checked = check_params(params, _REGISTRY[name].schema, _KEY, f"scheduler {name!r}")
+    return SchedulerSpec(name, checked)
+
+
+def build_lr_scheduler(sched_type: str, params: Mapping[str, Any] | None, optimizer: Any) -> _Schedule:
+    """Build the schedule and write its starting lr into ``optimizer``.
+
+    Args:
+        sched_type: ds_config ``scheduler.type``.
+        params: ds_config ``scheduler.params``.
+        optimizer: a ``torch.optim.Optimizer`` (or a wrapper exposing ``.optimizer``).
+
+    Returns:
+        An object with ``step()``, ``get_lr()``, ``get_last_lr()``, ``state_dict()``,
+        ``load_state_dict()``.
+
+    Raises:
+        ConfigError: as ``validate_lr_scheduler``, or per-group lists whose length differs from
+            the optimizer's number of param groups.
+    """
+    spec = validate_lr_scheduler(sched_type, params)
+    return _REGISTRY[spec.name].cls(optimizer, **spec.params)
