@@ -1,0 +1,200 @@
+"""The on-disk format of one checkpoint file: a pickled object whose tensors are raw, aligned bytes.
+
+Owns ``write_object`` / ``read_object``. A file is::
+
+    MAGIC (8 bytes) | header length (8 bytes, little endian) | header (pickle) | tensor bytes...
+
+The header pickles ``(payload, metas)``: ``payload`` is the object pickled with every strided
+tensor replaced by a reference into ``metas`` (dtype, shape, offset, nbytes); each tensor's bytes
+follow, 64-byte aligned. Why not ``torch.save``: its zip container costs a second pass over the
+data, and reading it back copies every tensor. Here a write streams each tensor once while the
+CRC32 of the whole file is computed on the same buffers, and a read is one ``readinto`` of the
+whole file, one CRC pass, and tensors that are views of that buffer (no copy).
+
+Limitations: loading unpickles arbitrary objects (``client_state``), like ``torch.load`` with
+``weights_only=False``: load only checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dslaunch.errors import CheckpointError
+
+__all__ = ["MAGIC", "FileDigest", "write_object", "read_object", "crc32_file"]
+
+MAGIC = b"DSLCKPT1"
+_ALIGN = 64
+_CHUNK = 16 << 20  # write/CRC granularity: large enough for full disk speed, small for the cache
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """Size in bytes and CRC32 of a file as written."""
+
+    size: int
+    crc32: int
+
+
+class _TensorPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        # Only plain dense tensors go raw; anything exotic falls back to torch's own pickling.
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_quantized:
+            self.tensors.append(obj.detach().cpu().contiguous())
+            return ("t", len(self.tensors) - 1)
+        return None
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]):
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._tensors[pid[1]]
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous tensor, without a copy (works for bf16 and bool too)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _write_all(fd: int, data: memoryview, crc: int) -> int:
+    for i in range(0, len(data), _CHUNK):
+        part = data[i:i + _CHUNK]
+        crc = zlib.crc32(part, crc)
+        written = 0
+        while written < len(part):
+            written += os.write(fd, part[written:])
+    return crc
+
+
+def write_object(path: str | os.PathLike, obj: Any) -> FileDigest:
+    """Write ``obj`` (any picklable tree of dicts, lists, tensors...) to ``path`` and fsync it.
+
+    Returns:
+        The file's size and CRC32, to be recorded in the manifest.
+    """
+    buf = io.BytesIO()
+    pickler = _TensorPickler(buf)
+    pickler.dump(obj)
+    tensors = pickler.tensors
+    metas, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset = _align(offset + nbytes)
+    header = pickle.dumps((buf.getvalue(), metas), protocol=pickle.HIGHEST_PROTOCOL)
+    prefix_len = _align(len(MAGIC) + 8 + len(header))
+    prefix = MAGIC + struct.pack("<Q", len(header)) + header
+    prefix += b"\0" * (prefix_len - len(prefix))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        crc = _write_all(fd, memoryview(prefix), 0)
+        pos = 0
+        for t, (_, _, off, nbytes) in zip(tensors, metas, strict=True):
+            if off > pos:
+                crc = _write_all(fd, memoryview(b"\0" * (off - pos)), crc)
+            crc = _write_all(fd, _as_bytes(t), crc)
+            pos = off + nbytes
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return FileDigest(size=prefix_len + pos, crc32=crc)
+
+
+def _read_exact(path: Path, size: int) -> torch.Tensor:
+    data = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(data.numpy()).cast("B")
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+        while got < size:
+            n = f.readinto(view[got:got + _CHUNK])
+            if not n:
+                break
+            got += n
+        extra = f.read(1)
+    if got < size or extra:
+        actual = path.stat().st_size
+        raise CheckpointError(f"file is truncated or was changed: {actual} bytes on disk, the "
+                              f"manifest records {size} bytes", str(path))
+    return data
+
+
+def _crc(view: memoryview) -> int:
+    crc = 0
+    for i in range(0, len(view), _CHUNK):
+        crc = zlib.crc32(view[i:i + _CHUNK], crc)
+    return crc
+
+
+def crc32_file(path: str | os.PathLike) -> FileDigest:
+    """Size and CRC32 of a file on disk (for verifying without unpickling)."""
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return FileDigest(size=size, crc32=crc)
+
+
+def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> Any:
+    """Read a file written by ``write_object``, checking its size and CRC32 against ``expect``.
+
+    Returns:
+        The object; its tensors are views into one buffer holding the whole file.
+    Raises:
+        CheckpointError naming ``path``: missing, truncated, checksum mismatch, not this format.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError("file is missing", str(path))
+    size = expect.size if expect else path.stat().st_size
+    data = _read_exact(path, size)
+    view = memoryview(data.numpy()).cast("B")
+    if expect is not None and _crc(view) != expect.crc32:
+        raise CheckpointError("checksum mismatch: the file is corrupt (CRC32 differs from the "
+                              "manifest)", str(path))
+    if bytes(view[:len(MAGIC)]) != MAGIC or size < len(MAGIC) + 8:
+        raise CheckpointError("not a dslaunch checkpoint file (bad magic bytes)", str(path))
+    (header_len,) = struct.unpack("<Q", view[len(MAGIC):len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    try:
+        payload, metas = pickle.loads(view[start:start + header_len])
+        base = _align(start + header_len)
+        tensors = [_tensor_view(data, base + off, nbytes, dtype, shape)
+                   for dtype, shape, off, nbytes in metas]
+        return _TensorUnpickler(io.BytesIO(payload), tensors).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a corrupt header that still matched (no manifest): say which file
+        raise CheckpointError(f"cannot decode the file ({type(exc).__name__}: {exc})", str(path)) from exc
+
+
+def _tensor_view(data: torch.Tensor, begin: int, nbytes: int, dtype: str,
+                 shape: tuple[int, ...]) -> torch.Tensor:
+    if begin + nbytes > data.numel():
+        raise CheckpointError(f"tensor data past the end of the file ({begin + nbytes} > {data.numel()})")
+    tdtype = getattr(torch, dtype)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=tdtype)
+    return data[begin:begin + nbytes].view(tdtype).view(shape)

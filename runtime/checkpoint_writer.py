@@ -1,0 +1,205 @@
+"""Writing one tag from many ranks, synchronously or on a background thread.
+
+Owns the save protocol (``write_tag``), the communicator it runs on (``Comm``: a gloo group or a
+single process), the host-memory snapshot that lets training continue during an async save
+(``Snapshot``), and the background writer (``AsyncWriter``).
+
+Protocol (collective): leaders create ``.tmp-<tag>`` -> every rank writes and fsyncs its files ->
+records and errors are all-gathered -> leaders write the manifest and publish -> outcome
+all-gathered. Every rank learns of any rank's failure and raises the same ``CheckpointError``;
+a failed tag is never published, so the previous checkpoint stays ``latest``. There is one
+leader (global rank 0) on a shared file system, or one per node with node-local storage.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from dslaunch.runtime.checkpoint_io import CheckpointStore, FileRecord, Manifest
+
+from dslaunch.errors import CheckpointError
+
+__all__ = ["Comm", "LocalComm", "GroupComm", "TagWrite", "write_tag", "Snapshot", "AsyncWriter"]
+
+
+class Comm(Protocol):
+    """The few collectives the checkpoint protocol needs."""
+
+    rank: int
+    world_size: int
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+class LocalComm:
+    """A world of one process (no torch.distributed needed)."""
+
+    rank, world_size = 0, 1
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class GroupComm:
+    """Collectives on a dedicated gloo group, so a background save never interleaves its
+    collectives with the training loop's on the default group."""
+
+    def __init__(self, timeout_s: float = 600.0):
+        import torch.distributed as dist
+
+        self._dist = dist
+        # collective: every rank creates the group in the same order.
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+@dataclass(frozen=True)
+class TagWrite:
+    """Everything one rank contributes to one tag."""
+
+    store: CheckpointStore
+    tag: str
+    files: dict[str, Any]  # file name -> object written by this rank
+    meta: dict[str, Any]  # manifest metadata (leaders only need it)
+    leader: bool  # creates the tmp dir and publishes (rank 0, or each node's first rank)
+    save_latest: bool = True
+    keep_last: int = 0
+    library_version: str = ""
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    try:
+        return fn(), None
+    except Exception as exc:  # reported to every rank below
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _raise_any(comm: Comm, err: str | None, step: str) -> None:
+    errors = comm.all_gather_object(err)
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if bad:
+        raise CheckpointError(f"checkpoint save failed while {step}; the previous checkpoint is "
+                              f"untouched. " + "; ".join(bad))
+
+
+def write_tag(comm: Comm, job: TagWrite) -> Manifest | None:
+    """Write ``job.files`` of every rank into ``job.tag`` and publish it atomically.
+
+    collective: call on all ranks of ``comm``.
+
+    Returns:
+        The published manifest on leaders, None elsewhere.
+    Raises:
+        CheckpointError on every rank if any rank failed (disk full, permissions...).
+    """
+    store, tag = job.store, job.tag
+    _, err = _attempt(lambda: store.begin(tag)) if job.leader else (None, None)
+    _raise_any(comm, err, f"creating {store.tmp_dir(tag)}")
+
+    def write_all() -> list[FileRecord]:
+        return [store.write(tag, name, obj, comm.rank) for name, obj in job.files.items()]
+
+    records, err = _attempt(write_all)
+    gathered = comm.all_gather_object((records, err))
+    bad = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+    if bad:
+        if job.leader:
+            store.abort(tag)
+        raise CheckpointError(f"checkpoint save of tag {tag!r} failed while writing files; the "
+                              f"previous checkpoint is untouched. " + "; ".join(bad))
+    all_records = [rec for recs, _ in gathered for rec in recs]
+    manifest = None
+    if job.leader:
+        manifest, err = _attempt(lambda: store.publish(
+            tag, all_records, job.meta, save_latest=job.save_latest, keep_last=job.keep_last,
+            library_version=job.library_version))
+    _raise_any(comm, err, f"publishing tag {tag!r}")
+    return manifest
+
+
+class Snapshot:
+    """Copies a state tree to host memory, reusing the buffers of the previous copy.
+
+    Only tensors are copied into pooled buffers (matched by position, dtype and shape): the first
+    async save allocates, later ones just ``copy_``. Other leaves are deep-copied.
+    """
+
+    def __init__(self) -> None:
+        self._pool: list[torch.Tensor] = []
+
+    def take(self, obj: Any) -> Any:
+        import copy
+
+        fresh: list[torch.Tensor] = []
+
+        def walk(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                i = len(fresh)
+                buf = self._pool[i] if i < len(self._pool) else None
+                src = x.detach()
+                if buf is None or buf.dtype != src.dtype or buf.shape != src.shape:
+                    buf = torch.empty_like(src, device="cpu", memory_format=torch.contiguous_format)
+                buf.copy_(src)
+                fresh.append(buf)
+                return buf
+            if isinstance(x, dict):
+                items = {k: walk(v) for k, v in x.items()}
+                return type(x)(items) if type(x) in (dict, OrderedDict) else items
+            if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+                return type(x)(walk(v) for v in x)
+            return copy.deepcopy(x)
+
+        out = walk(obj)
+        self._pool = fresh
+        return out
+
+
+class AsyncWriter:
+    """Runs one save at a time on a background thread.
+
+    ``submit`` first waits for the previous save; an error from a background save is raised by
+    the next ``submit`` or ``wait`` (so it is never silently lost).
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # surfaced on the next call
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="dslaunch-ckpt-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the pending save is done; raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, CheckpointError):
+                raise err
+            raise CheckpointError(f"the previous asynchronous checkpoint save failed: "
+                                  f"{type(err).__name__}: {err}") from err
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
