@@ -95,6 +95,7 @@ class Agent:
 
     def start(self) -> None:
         """Start every worker. Raises LaunchError (after stopping the started ones) on failure."""
+        shares = _core_shares(self.node)
         self._watchdog.start()
         if self.node.pid_file:
             with open(self.node.pid_file, "w") as f:
@@ -103,10 +104,10 @@ class Agent:
             os.makedirs(self.node.log_dir, exist_ok=True)
         error = None
         try:
-            for spec in self.node.workers:
+            for spec, cores in zip(self.node.workers, shares, strict=True):
                 if self._terminating:  # an early worker already failed: start no more
                     break
-                self._spawn(spec)
+                self._spawn(spec, cores)
         except OSError as err:
             error = err
             self.stop(signal.SIGKILL)
@@ -118,11 +119,17 @@ class Agent:
             argv0 = error.filename or "worker"
             raise LaunchError(f"cannot start {argv0}: {error.strerror}", host=self.node.host) from error
 
-    def _spawn(self, spec: WorkerSpec) -> None:
+    def _spawn(self, spec: WorkerSpec, cores: tuple[int, ...]) -> None:
         env = {**os.environ, **self.node.env, **spec.env}
+        if cores:
+            env["OMP_NUM_THREADS"] = str(len(cores))
+        elif "OMP_NUM_THREADS" not in env:
+            # N workers x all cores each oversubscribes the CPU; split it (the user's value wins).
+            ncores = len(os.sched_getaffinity(0))
+            env["OMP_NUM_THREADS"] = str(max(1, ncores // max(1, len(self.node.workers))))
         proc = subprocess.Popen(
             spec.argv, env=env, cwd=self.node.cwd or None, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=child_setup(spec.cores),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=child_setup(cores),
         )
         self._watchdog.add(proc.pid)
         worker = Worker(spec, proc)
@@ -237,6 +244,22 @@ class Agent:
     @property
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
+
+
+def _core_shares(node: NodeSpec) -> list[tuple[int, ...]]:
+    """Each worker's cores under ``bind_cores`` (contiguous, equal shares), else no pinning.
+
+    Raises:
+        LaunchError: fewer cores than workers.
+    """
+    n = len(node.workers)
+    if not node.bind_cores:
+        return [()] * n
+    cores = sorted(node.core_list or os.sched_getaffinity(0))
+    if len(cores) < n:
+        raise LaunchError(f"--bind_cores_to_rank: {len(cores)} cores for {n} workers", host=node.host)
+    per = len(cores) // n
+    return [tuple(cores[i * per:(i + 1) * per]) for i in range(n)]
 
 
 # -- status line: how a remote agent tells the controller how its node ended -----------------

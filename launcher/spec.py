@@ -32,8 +32,6 @@ class WorkerSpec:
     """Full command line, interpreter included (e.g. ``python -u train.py --local_rank=0``)."""
     env: dict[str, str] = field(default_factory=dict)
     """Per-worker variables (RANK, LOCAL_RANK, ...), set on top of the node's env."""
-    cores: tuple[int, ...] = ()
-    """CPU cores to pin to (``--bind_cores_to_rank``); empty = no pinning."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,11 @@ class NodeSpec:
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     pid_file: str | None = None
     """``--save_pid``: the agent writes its pid here while it runs and removes it at exit."""
+    bind_cores: bool = False
+    """``--bind_cores_to_rank``: split the cores among the node's workers, pin each worker to
+    its share and set its OMP_NUM_THREADS to the share's size."""
+    core_list: tuple[int, ...] = ()
+    """``--bind_core_list``: the cores to split; empty = the agent's own CPU affinity."""
 
     def to_json(self) -> str:
         """One line of JSON (no newline inside), for an agent's stdin."""
@@ -63,10 +66,9 @@ class NodeSpec:
         """Inverse of ``to_json``; unknown keys are ignored (newer controller, older agent)."""
         raw = json.loads(text)
         workers = tuple(
-            WorkerSpec(**{**_known(WorkerSpec, w), "argv": tuple(w["argv"]), "cores": tuple(w.get("cores", ()))})
-            for w in raw["workers"]
+            WorkerSpec(**{**_known(WorkerSpec, w), "argv": tuple(w["argv"])}) for w in raw["workers"]
         )
-        return cls(**{**_known(cls, raw), "workers": workers})
+        return cls(**{**_known(cls, raw), "workers": workers, "core_list": tuple(raw.get("core_list", ()))})
 
 
 def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,213 @@
+"""The ``dslaunch`` command: DeepSpeed's launcher flags, then the job.
+
+Usage::
+
+    dslaunch [launcher options] user_script [script args]
+    dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT     # consolidate a ZeRO checkpoint
+
+A short pipeline: parse flags -> ``LaunchConfig`` -> ``plan.build_job`` -> runner from the
+registry -> start, wait, exit with the job's code. User mistakes print one line
+(``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the traceback.
+
+The controller stays lean on purpose (argparse, no torch, no psutil, no paramiko on the local
+path): workers start within milliseconds of the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import traceback
+
+from dslaunch.launcher import gpus
+from dslaunch.launcher.plan import DEFAULT_HOSTFILE, LaunchConfig, build_job
+from dslaunch.launcher.runners import get_runner
+from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
+
+from dslaunch import __version__
+from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean
+
+__all__ = ["main", "build_parser", "parse_config"]
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line) instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if "unrecognized arguments" in message or message.startswith("unrecognized"):
+            flag = message.rsplit(":", 1)[-1].split()[0]
+            message += did_you_mean(flag.split("=")[0], self._option_string_actions)
+        raise UsageError(f"{message} (see dslaunch --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="dslaunch", allow_abbrev=False,
+                description="Launch a DeepSpeed-style training script on one or many nodes.",
+                epilog="Also: dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT")
+    a = p.add_argument
+    a("-H", "--hostfile", default=None,
+      help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")
+    a("-i", "--include", default="", help="use only these hosts/slots, e.g. 'host1:0,2@host2'")
+    a("-e", "--exclude", default="", help="do not use these hosts/slots, e.g. 'host1:1@host3'")
+    a("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
+    a("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
+      help="workers per node (first N slots); without GPUs and hostfile: N CPU worker processes")
+    a("--master_addr", default="", help="rendezvous address (default: 127.0.0.1, or the first host)")
+    a("--master_port", type=int, default=29500, help="rendezvous port of rank 0 (default 29500)")
+    a("--launcher", default="", help="local or ssh (default: ssh when a host is remote, else local)")
+    a("--launcher_args", default="", help="extra arguments for the launcher transport, verbatim")
+    a("--module", action="store_true", help="run user_script as a module (python -m)")
+    a("--no_python", action="store_true", help="run user_script directly, not through python")
+    a("--no_local_rank", action="store_true", help="do not append --local_rank=N to the script arguments")
+    a("--force_multi", action="store_true", help="use the multi-node launcher even for one host")
+    a("--save_pid", action="store_true", help="write the launcher pid to /tmp/<pid>.deepspeed while running")
+    a("--enable_each_rank_log", metavar="DIR", default=None,
+      help="also write each rank's output to DIR/rank<N>.log")
+    a("--bind_cores_to_rank", action="store_true",
+      help="pin each worker to an equal share of the cores and set its OMP_NUM_THREADS")
+    a("--bind_core_list", default="", help="cores to share out under --bind_cores_to_rank, e.g. '0-3,8'")
+    a("--ssh_port", type=int, default=None, help="SSH port of the hosts (default: ssh's)")
+    a("--ssh_accept_new_host_keys", action="store_true",
+      help="accept and remember unknown SSH host keys (default: reject unknown hosts)")
+    a("--grace_period", type=float, default=DEFAULT_GRACE,
+      help=f"seconds between SIGTERM and SIGKILL when stopping workers (default {DEFAULT_GRACE})")
+    a("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+      help="print what would run on each host (command, environment) and exit")
+    a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
+    a("--version", action="version", version=f"dslaunch {__version__}")
+    a("user_script", help="the training script (or module with --module, program with --no_python)")
+    a("user_args", nargs=argparse.REMAINDER, help="arguments for the training script")
+    return p
+
+
+def parse_config(argv: list[str]) -> tuple[LaunchConfig, argparse.Namespace]:
+    """Parse the command line into a LaunchConfig (and the namespace for CLI-only flags).
+
+    Raises:
+        UsageError: bad flags.
+    """
+    ns = build_parser().parse_args(argv)
+    if ns.module and ns.no_python:
+        raise UsageError("--module and --no_python are mutually exclusive")
+    if not 0 < ns.master_port < 65536:
+        raise UsageError(f"--master_port {ns.master_port} is not a TCP port (1-65535)")
+    if ns.grace_period < 0:
+        raise UsageError("--grace_period must be >= 0")
+    cfg = LaunchConfig(
+        user_script=ns.user_script, user_args=tuple(ns.user_args),
+        hostfile=ns.hostfile or DEFAULT_HOSTFILE, hostfile_explicit=ns.hostfile is not None,
+        include=ns.include, exclude=ns.exclude, num_nodes=ns.num_nodes, num_gpus=ns.num_gpus,
+        master_addr=ns.master_addr, master_port=ns.master_port, launcher=ns.launcher,
+        launcher_args=ns.launcher_args, module=ns.module, no_python=ns.no_python,
+        no_local_rank=ns.no_local_rank, force_multi=ns.force_multi, save_pid=ns.save_pid,
+        each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
+        bind_core_list=_core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
+        ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
+    )
+    return cfg, ns
+
+
+def _core_list(text: str) -> tuple[int, ...]:
+    """'0-3,8' -> (0, 1, 2, 3, 8)."""
+    cores: list[int] = []
+    try:
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cores.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise UsageError(f"--bind_core_list {text!r}: expected cores like '0-3,8'") from None
+    return tuple(cores)
+
+
+def _check_script(cfg: LaunchConfig) -> None:
+    """Local jobs: a missing script is one clear line, not N identical Python errors."""
+    if cfg.module:
+        return
+    if cfg.no_python:
+        if not (shutil.which(cfg.user_script) or os.path.exists(cfg.user_script)):
+            raise UsageError(f"--no_python: program {cfg.user_script!r} not found")
+    elif not os.path.isfile(cfg.user_script):
+        raise UsageError(f"user script {cfg.user_script!r} not found (cwd: {os.getcwd()})")
+
+
+def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
+    plan = build_job(cfg, gpus.detect)
+    job = plan.job
+    for note in plan.notes:
+        print(f"dslaunch: {note}", file=sys.stderr, flush=True)
+    runner = get_runner(job.launcher)()
+    if dry_run:
+        print(runner.dry_run(job))
+        return 0
+    if job.launcher == "local":
+        from dslaunch.launcher.ports import check_port_free
+
+        _check_script(cfg)
+        check_port_free(job.master_port)
+    return _run(runner, job)
+
+
+def _run(runner, job: JobSpec) -> int:
+    """Start the job with stop signals forwarded to it; turn a failure into WorkerFailedError."""
+    pending: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        pending.append(signum)
+        runner.stop(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
+    try:
+        runner.start(job)
+        if pending:  # a signal that arrived while nodes were starting
+            runner.stop(pending[0])
+        code = runner.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    result = runner.result
+    if result is not None and result.failure is not None:
+        f = result.failure
+        raise WorkerFailedError(f"{f.describe()}; stopped all other workers", rank=f.rank if f.rank is not None else -1,
+                                exit_code=f.exit_code, host=f.host, signal_name=f.signal_name)
+    if result is not None and result.stopped_by:
+        print(f"dslaunch: stopped by {result.stopped_by}; all workers stopped (exit code {code})",
+              file=sys.stderr, flush=True)
+    return code
+
+
+def _zero_to_fp32(argv: list[str]) -> int:
+    from dslaunch.runtime.zero_to_fp32 import main as z2f  # imports torch: only for this command
+
+    return z2f(argv) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dslaunch`` console script; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verbose = _verbose(argv)
+    try:
+        if argv and argv[0] == "zero-to-fp32":
+            return _zero_to_fp32(argv[1:])
+        cfg, ns = parse_config(argv)
+        return _launch(cfg, ns.dry_run)
+    except DslaunchError as err:
+        if verbose:
+            traceback.print_exc()
+        print(f"dslaunch: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+def _verbose(argv: list[str]) -> bool:
+    """--verbose anywhere (known even when parsing fails; a script's own -v only adds a traceback)."""
+    return "--verbose" in argv or "-v" in argv
+
+
+if __name__ == "__main__":
+    sys.exit(main())

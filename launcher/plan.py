@@ -1,0 +1,165 @@
+"""From launcher options to a ``JobSpec``: which hosts, which slots, which ranks, which env.
+
+``LaunchConfig`` is the typed form of the command line (built by ``cli.py``); ``build_job``
+resolves it against the hostfile (or localhost and its accelerators) into the frozen
+``JobSpec`` runners consume. All user mistakes surface here as typed errors, before anything runs.
+
+Rank layout follows DeepSpeed: nodes in hostfile order, global ranks consecutive per node,
+``CUDA_VISIBLE_DEVICES`` = the node's selected slots, ``--local_rank=N`` right after the script.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dslaunch.launcher.gpus import Accelerators
+from dslaunch.launcher.hostfile import Pool, apply_filter, read_hostfile
+from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, NodeSpec, WorkerSpec
+
+from dslaunch.errors import HostfileError, UsageError
+
+__all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE"]
+
+DEFAULT_HOSTFILE = "/job/hostfile"
+LOCAL_HOSTS = ("localhost", "127.0.0.1")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The launcher's command line, typed. Defaults match DeepSpeed's ``deepspeed`` command."""
+
+    user_script: str
+    user_args: tuple[str, ...] = ()
+    hostfile: str = DEFAULT_HOSTFILE
+    hostfile_explicit: bool = False
+    include: str = ""
+    exclude: str = ""
+    num_nodes: int = -1
+    num_gpus: int = -1
+    master_addr: str = ""
+    master_port: int = 29500
+    launcher: str = ""
+    """Empty = automatic: ``ssh`` when any host is remote or ``force_multi``, else ``local``."""
+    launcher_args: str = ""
+    module: bool = False
+    no_python: bool = False
+    no_local_rank: bool = False
+    force_multi: bool = False
+    save_pid: bool = False
+    each_rank_log: str | None = None
+    bind_cores_to_rank: bool = False
+    bind_core_list: tuple[int, ...] = ()
+    ssh_port: int | None = None
+    ssh_accept_new_host_keys: bool = False
+    grace: float = DEFAULT_GRACE
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A resolved job plus what the user should be told about how it was resolved."""
+
+    job: JobSpec
+    notes: tuple[str, ...] = ()
+
+
+def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
+    """Resolve ``cfg`` into a job.
+
+    Args:
+        cfg: the command line.
+        detect: returns local accelerators; only called when no hostfile is used.
+
+    Raises:
+        HostfileError: bad hostfile or include/exclude.
+        UsageError: inconsistent flags (e.g. more GPUs than slots).
+    """
+    if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0):
+        raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
+    notes: list[str] = []
+    hosts = read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
+    source = cfg.hostfile if hosts is not None else None
+    use_gpus = hosts is not None  # hostfile slots are GPUs (DeepSpeed's meaning)
+    if hosts is None:
+        hosts, use_gpus = _localhost(cfg, detect, notes)
+    pool = _limit(apply_filter(hosts, cfg.include, cfg.exclude), cfg, source)
+    launcher = cfg.launcher or ("ssh" if cfg.force_multi or any(h not in LOCAL_HOSTS for h in pool) else "local")
+    master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else next(iter(pool)))
+    world = sum(len(s) for s in pool.values())
+    nodes, rank = [], 0
+    for node_rank, (host, slots) in enumerate(pool.items()):
+        nodes.append(_node(cfg, node_rank, host, slots, rank, world, len(pool), master_addr, use_gpus))
+        rank += len(slots)
+    job = JobSpec(
+        nodes=tuple(nodes), master_addr=master_addr, master_port=cfg.master_port, world_size=world,
+        launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
+        ssh_port=cfg.ssh_port, ssh_accept_new_host_keys=cfg.ssh_accept_new_host_keys,
+        hostfile=source,
+    )
+    return Plan(job, tuple(notes))
+
+
+def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators],
+               notes: list[str]) -> tuple[dict[str, int], bool]:
+    """No hostfile: localhost with its GPUs, or ``--num_gpus`` CPU workers."""
+    acc = detect()
+    if acc.kind == "cuda":
+        if cfg.num_gpus > acc.count:
+            raise UsageError(f"--num_gpus {cfg.num_gpus}: this machine has {acc.count} GPUs")
+        return {"localhost": acc.count}, True
+    if cfg.num_gpus > 0:
+        notes.append(f"no GPU ({acc.reason}): starting {cfg.num_gpus} CPU worker processes (use the gloo backend)")
+        return {"localhost": cfg.num_gpus}, False
+    notes.append(f"no GPU ({acc.reason}) and no --num_gpus: starting 1 CPU worker process")
+    return {"localhost": 1}, False
+
+
+def _limit(pool: Pool, cfg: LaunchConfig, hostfile: str | None) -> Pool:
+    """Apply ``--num_nodes`` (first N hosts) and ``--num_gpus`` (first N slots of each host)."""
+    if cfg.num_nodes == 0 or cfg.num_gpus == 0:
+        raise UsageError("--num_nodes and --num_gpus must be positive")
+    if cfg.num_nodes > 0:
+        if cfg.num_nodes > len(pool):
+            raise HostfileError(f"--num_nodes {cfg.num_nodes}: only {len(pool)} hosts available", hostfile)
+        pool = dict(list(pool.items())[:cfg.num_nodes])
+    if cfg.num_gpus > 0:
+        short = [h for h, s in pool.items() if len(s) < cfg.num_gpus]
+        if short:
+            raise HostfileError(f"--num_gpus {cfg.num_gpus}: host {short[0]!r} has only "
+                                f"{len(pool[short[0]])} slots", hostfile)
+        pool = {h: s[:cfg.num_gpus] for h, s in pool.items()}
+    return pool
+
+
+def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], first_rank: int,
+          world: int, num_nodes: int, master_addr: str, use_gpus: bool) -> NodeSpec:
+    env = {
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(cfg.master_port), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(len(slots)), "LOCAL_SIZE": str(len(slots)), "NODE_RANK": str(node_rank),
+        "CROSS_RANK": str(node_rank), "CROSS_SIZE": str(num_nodes),
+    }
+    if use_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    workers = tuple(
+        WorkerSpec(first_rank + i, i, _argv(cfg, i), {"RANK": str(first_rank + i), "LOCAL_RANK": str(i)})
+        for i in range(len(slots))
+    )
+    return NodeSpec(
+        node_rank=node_rank, host=host, workers=workers, env=env, cwd=os.getcwd(),
+        log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
+        pid_file=f"/tmp/{os.getpid()}.deepspeed" if cfg.save_pid else None,
+        bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,
+    )
+
+
+def _argv(cfg: LaunchConfig, local_rank: int) -> tuple[str, ...]:
+    if cfg.no_python:
+        head: tuple[str, ...] = (cfg.user_script,)
+    elif cfg.module:
+        head = (sys.executable, "-u", "-m", cfg.user_script)
+    else:
+        head = (sys.executable, "-u", cfg.user_script)
+    local = () if cfg.no_local_rank else (f"--local_rank={local_rank}",)
+    return head + local + cfg.user_args
