@@ -56,7 +56,7 @@ def _cut(pieces: list[tuple[int, int, torch.Tensor]], a: int, b: int, what: str)
         if e <= pos or s >= b:
             continue
         if s > pos:
-            break
+            raise CheckpointError(f"the saved shards of {what} do not cover elements [{pos}, {s})")
         hi = min(e, b)
         out.append(t[pos - s:hi - s])
         pos = hi
