@@ -157,12 +157,12 @@ class Runner(ABC):
 
 def format_node(node: NodeSpec) -> str:
     """Human-readable description of one node's workers, for ``--dry-run``."""
-    lines = [f"# node {node.node_rank}: {node.host} ({len(node.workers)} workers)"]
+    pin = ", each pinned to an equal share of the cores" if node.bind_cores else ""
+    lines = [f"# node {node.node_rank}: {node.host} ({len(node.workers)} workers{pin})"]
     if node.cwd:
         lines.append(f"cd {shlex.quote(node.cwd)}")
     common = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(node.env.items()))
     for w in node.workers:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(w.env.items()))
-        pin = f"  # pinned to cores {','.join(map(str, w.cores))}" if w.cores else ""
-        lines.append(f"{common} {env} {shlex.join(w.argv)}{pin}".strip())
+        lines.append(f"{common} {env} {shlex.join(w.argv)}".strip())
     return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Hostfile parser and include/exclude filter: examples for every error, properties for the rest."""
+
+from __future__ import annotations
+
+import pytest
+from dslaunch.launcher.hostfile import apply_filter, full_pool, parse_filter, parse_hostfile, read_hostfile
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dslaunch.errors import HostfileError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_parses_comments_blank_lines_and_trailing_comments():
+    text = "# cluster\n\nworker-1 slots=4  # fast\n  worker-2\tslots=2\n"
+    assert parse_hostfile(text) == {"worker-1": 4, "worker-2": 2}
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ("a slots=2\nb slots=1\na slots=3\n", 3, "duplicate host 'a' (first listed on line 1)"),
+    ("a slots=2\nb\n", 2, "has no 'slots=N'"),
+    ("a slots=0\n", 1, "must be a positive integer"),
+    ("a slots=-2\n", 1, "must be a positive integer"),
+    ("a slots=2.5\n", 1, "is not an integer"),
+    ("a slots=\n", 1, "is not an integer"),
+    ("a slots=2 extra\n", 1, "unexpected 'extra'"),
+    ("\n\na slot=2\n", 3, "unknown key 'slot' (did you mean 'slots'?)"),
+    ("a gpus=2\n", 1, "unknown key 'gpus'"),
+    ("a slots=2 slots=3\n", 1, "'slots' given twice"),
+    ("slots=2\n", 1, "expected a hostname first"),
+    ("a/b slots=2\n", 1, "invalid hostname"),
+])
+def test_errors_name_file_and_line(text, line, words):
+    with pytest.raises(HostfileError) as info:
+        parse_hostfile(text, "hf")
+    assert str(info.value).startswith(f"hf:{line}: ")
+    assert words in str(info.value)
+
+
+def test_empty_hostfile_is_an_error():
+    with pytest.raises(HostfileError, match="no hosts"):
+        parse_hostfile("# nothing\n\n", "hf")
+
+
+def test_missing_default_hostfile_means_none_but_explicit_is_an_error(tmp_path):
+    missing = str(tmp_path / "hostfile")
+    assert read_hostfile(missing, explicit=False) is None
+    with pytest.raises(HostfileError, match="hostfile not found"):
+        read_hostfile(missing, explicit=True)
+
+
+HOSTS = {"h1": 4, "h2": 2, "h3": 3}
+
+
+@pytest.mark.parametrize("include, exclude, expected", [
+    ("h1:0,2@h3", "", {"h1": (0, 2), "h3": (0, 1, 2)}),
+    ("h2", "", {"h2": (0, 1)}),
+    ("h3:2,0", "", {"h3": (0, 2)}),
+    ("", "h1:1@h2", {"h1": (0, 2, 3), "h3": (0, 1, 2)}),
+    ("", "h3:0,1,2", {"h1": (0, 1, 2, 3), "h2": (0, 1)}),
+])
+def test_filter_examples(include, exclude, expected):
+    assert apply_filter(HOSTS, include, exclude) == expected
+
+
+@pytest.mark.parametrize("include, exclude, words", [
+    ("h4", "", "unknown host 'h4'"),
+    ("h11:0", "", "unknown host 'h11' (did you mean 'h1'?)"),
+    ("h2:2", "", "host 'h2' has slots 0-1, not 2"),
+    ("", "h9", "--exclude: unknown host 'h9'"),
+    ("h1:x", "", "must be integers"),
+    ("h1:", "", "must be integers"),
+    ("h1@h1", "", "named twice"),
+    ("h1:0,0", "", "slot listed twice"),
+    ("@h1", "", "empty host name"),
+    ("h1", "h2", "mutually exclusive"),
+    ("", "h1@h2@h3", "leaves no slots"),
+])
+def test_filter_errors(include, exclude, words):
+    with pytest.raises(HostfileError, match=words.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        apply_filter(HOSTS, include, exclude)
+
+
+# -- properties ----------------------------------------------------------------------------------
+
+names = st.from_regex(r"[a-z][a-z0-9.-]{0,12}", fullmatch=True)
+hostfiles = st.dictionaries(names, st.integers(1, 16), min_size=1, max_size=8)
+junk = st.sampled_from(["", "   ", "# a comment", "\t# slots=3 commented out"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(hostfiles, st.data())
+def test_render_then_parse_round_trips(hosts, data):
+    lines = []
+    for h, n in hosts.items():
+        lines.append(data.draw(junk))
+        sep = data.draw(st.sampled_from([" ", "  ", "\t"]))
+        comment = data.draw(st.sampled_from(["", " # note", "#x"]))
+        lines.append(f"{data.draw(st.sampled_from(['', '  ']))}{h}{sep}slots={n}{comment}")
+    assert parse_hostfile("\n".join(lines) + "\n") == hosts
+
+
+@settings(max_examples=50, deadline=None)
+@given(hostfiles, st.integers(1, 16), st.data())
+def test_duplicate_host_is_reported_on_its_second_line(hosts, slots, data):
+    dup = data.draw(st.sampled_from(sorted(hosts)))
+    text = "".join(f"{h} slots={n}\n" for h, n in hosts.items()) + f"{dup} slots={slots}\n"
+    with pytest.raises(HostfileError) as info:
+        parse_hostfile(text, "hf")
+    assert info.value.line == len(hosts) + 1
+
+
+def _selection(hosts, data):
+    """A random non-empty selection {host: slots or None} and its filter expression."""
+    chosen = data.draw(st.lists(st.sampled_from(sorted(hosts)), min_size=1, unique=True))
+    sel = {}
+    for h in chosen:
+        if data.draw(st.booleans()):
+            sel[h] = None
+        else:
+            sel[h] = tuple(data.draw(st.lists(st.integers(0, hosts[h] - 1), min_size=1, unique=True)))
+    expr = "@".join(h if s is None else f"{h}:{','.join(map(str, s))}" for h, s in sel.items())
+    return sel, expr
+
+
+@settings(max_examples=80, deadline=None)
+@given(hostfiles, st.data())
+def test_include_and_exclude_partition_the_pool(hosts, data):
+    sel, expr = _selection(hosts, data)
+    assert parse_filter(expr, "--include") == sel
+    picked = {h: set(range(hosts[h])) if s is None else set(s) for h, s in sel.items()}
+    included = apply_filter(hosts, include=expr)
+    assert {h: set(s) for h, s in included.items()} == picked
+    assert list(included) == [h for h in hosts if h in picked]  # hostfile order kept
+    try:
+        excluded = apply_filter(hosts, exclude=expr)
+    except HostfileError as err:  # only when everything was excluded
+        assert "leaves no slots" in str(err)
+        excluded = {}
+    union = {h: set(included.get(h, ())) | set(excluded.get(h, ())) for h in hosts}
+    assert union == {h: set(s) for h, s in full_pool(hosts).items()}
+    assert all(not set(included.get(h, ())) & set(excluded.get(h, ())) for h in hosts)
+
+
+@settings(max_examples=50, deadline=None)
+@given(hostfiles, names)
+def test_include_of_an_unknown_host_is_an_error(hosts, name):
+    if name in hosts:
+        return
+    with pytest.raises(HostfileError, match="unknown host"):
+        apply_filter(hosts, include=name)

@@ -1,0 +1,100 @@
+"""build_job: slots -> ranks, the env contract, CUDA_VISIBLE_DEVICES, argv, launcher choice."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from dslaunch.launcher.gpus import Accelerators
+from dslaunch.launcher.plan import LaunchConfig, build_job
+
+from dslaunch.errors import HostfileError, UsageError
+
+pytestmark = pytest.mark.timeout(30)
+
+CPU = lambda: Accelerators("cpu", 2, reason="no NVIDIA driver found")  # noqa: E731
+GPU4 = lambda: Accelerators("cuda", 4, (16 << 30,) * 4)  # noqa: E731
+
+
+def _cfg(tmp_path, hostfile: str | None = None, **kw) -> LaunchConfig:
+    path = tmp_path / "hostfile"
+    if hostfile is not None:
+        path.write_text(hostfile)
+    return LaunchConfig(user_script="train.py", user_args=("--lr", "1"), hostfile=str(path),
+                        hostfile_explicit=hostfile is not None, **kw)
+
+
+def test_no_hostfile_no_gpu_num_gpus_means_cpu_workers(tmp_path):
+    plan = build_job(_cfg(tmp_path, num_gpus=3), CPU)
+    (node,) = plan.job.nodes
+    assert plan.job.launcher == "local" and plan.job.world_size == 3
+    assert [w.global_rank for w in node.workers] == [0, 1, 2]
+    assert "CUDA_VISIBLE_DEVICES" not in node.env
+    assert "3 CPU worker processes" in plan.notes[0] and "no NVIDIA driver" in plan.notes[0]
+
+
+def test_no_hostfile_no_gpu_no_flag_starts_one_worker_and_says_so(tmp_path):
+    plan = build_job(_cfg(tmp_path), CPU)
+    assert plan.job.world_size == 1 and "1 CPU worker" in plan.notes[0]
+
+
+def test_local_gpus_cuda_visible_devices_follow_selected_slots(tmp_path):
+    plan = build_job(_cfg(tmp_path, include="localhost:1,3"), GPU4)
+    (node,) = plan.job.nodes
+    assert node.env["CUDA_VISIBLE_DEVICES"] == "1,3" and plan.job.world_size == 2
+    assert build_job(_cfg(tmp_path, num_gpus=2), GPU4).job.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    with pytest.raises(UsageError, match="has 4 GPUs"):
+        build_job(_cfg(tmp_path, num_gpus=5), GPU4)
+
+
+def test_env_contract_and_argv_like_deepspeed(tmp_path):
+    job = build_job(_cfg(tmp_path, "a slots=2\nb slots=3\n", exclude="a:0", master_port=1234), CPU).job
+    assert job.launcher == "ssh" and job.master_addr == "a" and job.world_size == 4
+    a, b = job.nodes
+    assert a.env["CUDA_VISIBLE_DEVICES"] == "1" and b.env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+    w = b.workers[2]
+    env = {**b.env, **w.env}
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "CROSS_RANK", "CROSS_SIZE",
+            "MASTER_ADDR", "MASTER_PORT")
+    assert {k: env[k] for k in keys} == {
+        "RANK": "3", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3", "NODE_RANK": "1",
+        "CROSS_RANK": "1", "CROSS_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1234"}
+    assert w.argv == (sys.executable, "-u", "train.py", "--local_rank=2", "--lr", "1")
+
+
+@pytest.mark.parametrize("flags, head", [
+    ({"module": True}, (sys.executable, "-u", "-m", "train.py", "--local_rank=0")),
+    ({"no_python": True}, ("train.py", "--local_rank=0")),
+    ({"no_local_rank": True}, (sys.executable, "-u", "train.py")),
+])
+def test_argv_variants(tmp_path, flags, head):
+    argv = build_job(_cfg(tmp_path, num_gpus=1, **flags), CPU).job.nodes[0].workers[0].argv
+    assert argv == head + ("--lr", "1")
+
+
+def test_num_nodes_and_num_gpus_take_the_first_hosts_and_slots(tmp_path):
+    job = build_job(_cfg(tmp_path, "a slots=4\nb slots=4\nc slots=4\n", num_nodes=2, num_gpus=2), CPU).job
+    assert job.hosts == ("a", "b") and [n.env["CUDA_VISIBLE_DEVICES"] for n in job.nodes] == ["0,1", "0,1"]
+    with pytest.raises(HostfileError, match="only 3 hosts"):
+        build_job(_cfg(tmp_path, "a slots=4\nb slots=4\nc slots=4\n", num_nodes=4), CPU)
+    with pytest.raises(HostfileError, match="host 'b' has only 1 slots"):
+        build_job(_cfg(tmp_path, "a slots=4\nb slots=1\n", num_gpus=2), CPU)
+    with pytest.raises(UsageError, match="cannot be combined"):
+        build_job(_cfg(tmp_path, "a slots=4\n", num_gpus=2, include="a"), CPU)
+
+
+def test_launcher_choice(tmp_path):
+    assert build_job(_cfg(tmp_path, "localhost slots=2\n"), CPU).job.launcher == "local"
+    assert build_job(_cfg(tmp_path, "localhost slots=2\n", force_multi=True), CPU).job.launcher == "ssh"
+    assert build_job(_cfg(tmp_path, "localhost slots=2\nnode1 slots=2\n", include="localhost"),
+                     CPU).job.launcher == "local"
+
+
+def test_node_spec_json_round_trip(tmp_path):
+    job = build_job(_cfg(tmp_path, "a slots=2\nb slots=2\n", each_rank_log="logs", bind_cores_to_rank=True,
+                         bind_core_list=(0, 1)), CPU).job
+    from dslaunch.launcher.spec import NodeSpec
+
+    for node in job.nodes:
+        line = node.to_json()
+        assert "\n" not in line and NodeSpec.from_json(line) == node
