@@ -30,7 +30,7 @@ import paramiko
 
 from dslaunch.errors import LaunchError, UsageError
 
-__all__ = ["SSHOptions", "SSHTarget", "SSHError", "resolve", "connect", "connect_all"]
+__all__ = ["SSHOptions", "SSHTarget", "SSHError", "load_config", "resolve", "connect", "connect_all"]
 
 DEFAULT_CONNECT_TIMEOUT = 4.0
 KEEPALIVE_SECONDS = 2
@@ -154,7 +154,8 @@ def _expand(path: str) -> str:
     return os.path.expanduser(os.path.expandvars(path))
 
 
-def _load_config(path: str | None) -> paramiko.SSHConfig:
+def load_config(path: str | None) -> paramiko.SSHConfig:
+    """Parse ``path`` (None: ``~/.ssh/config`` if present). Raises UsageError naming the file."""
     path = path or os.path.expanduser("~/.ssh/config")
     if not os.path.exists(path):
         if path != os.path.expanduser("~/.ssh/config"):
@@ -168,7 +169,7 @@ def _load_config(path: str | None) -> paramiko.SSHConfig:
 
 def resolve(alias: str, options: SSHOptions, config: paramiko.SSHConfig | None = None) -> SSHTarget:
     """Apply the ssh config and the user's options to one hostfile name."""
-    cfg = (config or _load_config(options.config_file)).lookup(alias)
+    cfg = (config or load_config(options.config_file)).lookup(alias)
     port = options.port or _port(cfg.get("port", "22"), f"ssh config Port for {alias}")
     identity = tuple(_expand(p) for p in (*options.identity_files, *cfg.get("identityfile", [])))
     known = options.known_hosts_files or tuple(cfg.get("userknownhostsfile", "").split())

@@ -1,0 +1,169 @@
+"""The SSH runner: one node agent per host over paramiko, all hosts driven by the shared gang loop.
+
+Launch pipeline (``_start_nodes``), every step parallel across hosts:
+
+1. resolve each hostfile name through the ssh config (``ssh_connect.resolve``) and connect;
+2. run ``remote_command`` on each host: the preflight probe, then the agent in the same process;
+3. check the probes (``preflight.check_probes``); on any problem close every session (the agents
+   see EOF and exit) and raise ``SSHError`` naming each host and cause;
+4. send each agent its NodeSpec: the job's env plus the propagated variables
+   (``envfile.collect_env``) and ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = the interface on
+   that host that routes to the master address (unless the user set them).
+
+``MASTER_ADDR`` defaults to the first host's address as the ssh config resolves it (HostName), which
+the probe confirms every host can reach; an explicit ``--master_addr`` is kept as given.
+
+Stopping: closing a session's stdin makes its agent stop its workers (SIGTERM, then SIGKILL after
+the grace period) and exit; if the controller dies, the kernel closes its sockets, sshd closes the
+agent's stdin, same effect. A lost connection (TCP keepalive, ~6 s) is a node failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+from dataclasses import replace
+
+from dslaunch.launcher.envfile import collect_env
+from dslaunch.launcher.output import Sink
+from dslaunch.launcher.preflight import check_probes, gather_probes, probe_request, remote_command
+from dslaunch.launcher.runners.base import NodeHandle, Runner, format_node
+from dslaunch.launcher.spec import JobSpec, NodeResult, NodeSpec
+from dslaunch.launcher.ssh_connect import SSHError, SSHOptions, SSHTarget, connect_all, load_config, resolve
+from dslaunch.launcher.ssh_session import RemoteSession
+
+__all__ = ["SSHRunner", "IFNAME_VARS"]
+
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+class _SSHNode(NodeHandle):
+    """A remote agent seen through its SSH session."""
+
+    def __init__(self, node: NodeSpec, session: RemoteSession) -> None:
+        self.node = node
+        self.session = session
+        self._killer: threading.Thread | None = None
+
+    def poll(self) -> NodeResult | None:
+        s = self.session
+        if not s.done.is_set():
+            return None
+        if s.status is not None:
+            return s.status
+        if s.lost:
+            os.write(2, f"dslaunch: lost the SSH connection to {self.node.host}\n".encode())
+            return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 255,
+                              stopped_by="lost SSH connection")
+        return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 0)
+
+    def stop(self, sig: int) -> None:
+        self.session.close_stdin()
+
+    def kill(self) -> None:
+        if self._killer is None:
+            pid = (self.session.probe or {}).get("pid")
+            self._killer = threading.Thread(target=self.session.kill_remote, args=(pid,), daemon=True)
+            self._killer.start()
+
+
+class SSHRunner(Runner):
+    """Runs each node's agent over SSH (paramiko). See the module docstring."""
+
+    name = "ssh"
+
+    def __init__(self, out_fd: int = 1, err_fd: int = 2) -> None:
+        super().__init__()
+        self._out, self._err = Sink(out_fd), Sink(err_fd)
+        self.sessions: dict[str, RemoteSession] = {}
+        self._first_address = ""
+
+    # -- planning (no network) -----------------------------------------------------------------
+
+    def _targets(self, job: JobSpec) -> list[SSHTarget]:
+        options = SSHOptions.from_launcher_args(job.launcher_args, port=job.ssh_port,
+                                                accept_new_host_keys=job.ssh_accept_new_host_keys)
+        config = load_config(options.config_file)  # one parse for all hosts
+        return [resolve(n.host, options, config) for n in job.nodes]
+
+    def _master_addr(self, job: JobSpec, targets: list[SSHTarget]) -> str:
+        """The default master (the first host's name) becomes its address as ssh resolves it."""
+        first = targets[0]
+        self._first_address = first.hostname
+        if job.master_addr == first.alias and first.hostname not in _LOOPBACK:
+            return first.hostname
+        return job.master_addr
+
+    @staticmethod
+    def _node_env(node: NodeSpec, master: str, probe: dict | None, exported: dict[str, str]) -> NodeSpec:
+        env = dict(exported)
+        iface = ((probe or {}).get("route") or {}).get("iface")
+        if iface and iface != "lo":
+            for var in IFNAME_VARS:
+                env.setdefault(var, iface)  # the user's value (env or env file) wins
+        env.update(node.env)
+        env["MASTER_ADDR"] = master
+        return replace(node, env=env)
+
+    def _commands(self, job: JobSpec, master: str) -> list[str]:
+        python = job.python or sys.executable
+        first = job.nodes[0].host
+        on_first = master in (first, self._first_address)  # the master port must be free there
+        return [remote_command(python, probe_request(n.cwd, master, job.master_port, on_first and n.host == first))
+                for n in job.nodes]
+
+    def dry_run(self, job: JobSpec) -> str:
+        targets = self._targets(job)
+        master = self._master_addr(job, targets)
+        exported = collect_env()
+        out = []
+        for t, node, cmd in zip(targets, job.nodes, self._commands(job, master), strict=True):
+            port = f" -p {t.port}" if t.port != 22 else ""
+            probe = {"route": {"iface": "<interface routing to MASTER_ADDR, found at launch>"}}
+            out.append(f"ssh{port} {t.user}@{t.hostname} {shlex.quote(cmd)}\n"
+                       f"  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
+            out.append(format_node(self._node_env(node, master, probe, exported)))
+        return "\n".join(out)
+
+    # -- launching -----------------------------------------------------------------------------
+
+    def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
+        exported = collect_env()  # before connecting: a bad env file fails fast, nothing started
+        targets = self._targets(job)
+        master = self._master_addr(job, targets)
+        transports = connect_all(targets)
+        python = job.python or sys.executable
+        for t, cmd in zip(targets, self._commands(job, master), strict=True):
+            self.sessions[t.alias] = RemoteSession(t.alias, transports[t.alias], cmd, self._out, self._err,
+                                                   on_change=wake.set)
+        try:
+            for s in self.sessions.values():
+                s.start()
+            probes = gather_probes(self.sessions, python)
+            problems = check_probes(probes, job.nodes[0].cwd, master, job.master_port)
+            if problems:
+                raise SSHError(problems)
+        except BaseException:
+            self._close_all()
+            raise
+        handles: list[NodeHandle] = []
+        for node in job.nodes:
+            session = self.sessions[node.host]
+            session.held_stderr(release=True)
+            spec = self._node_env(node, master, probes[node.host], exported)
+            session.send_line(spec.to_json())
+            handles.append(_SSHNode(spec, session))
+        return handles
+
+    def _close_all(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+
+    def wait(self) -> int:
+        try:
+            return super().wait()
+        finally:
+            self._close_all()

@@ -1,0 +1,139 @@
+"""Remote side of an SSH launch: answer the preflight probe, then become the node agent.
+
+The SSH runner starts ``python -m dslaunch.launcher.ssh_probe '<request JSON>'`` on every host in
+one SSH command (no second round trip, which would cost a login shell per host). This module:
+
+1. looks around (Python and torch versions, the working directory, which interface routes to the
+   master address, whether the master address answers from here and whether the master port is
+   free on the master host) and prints one ``@@dslaunch-probe {json}`` line on stdout;
+2. runs the node agent in this same process (``agent.main``): it waits for the NodeSpec line the
+   controller sends once every host's probe passed, or for EOF when preflight failed elsewhere.
+
+Standard library only and never imports torch (its version comes from package metadata), so the
+probe answers in tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import platform
+import socket
+import struct
+import sys
+
+__all__ = ["PROBE_MARKER", "probe", "main"]
+
+PROBE_MARKER = "@@dslaunch-probe "
+_SIOCGIFADDR = 0x8915
+_CONNECT_TIMEOUT = 2.0
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _iface_of(addr: str) -> str | None:
+    """The interface that owns the IPv4 address ``addr`` on this host."""
+    if addr.startswith("127."):
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # interface without an IPv4 address
+            if socket.inet_ntoa(raw[20:24]) == addr:
+                return name
+    return None
+
+
+def _route(master_ip: str, port: int) -> dict:
+    """Source address and interface the kernel picks to reach the master (no packet sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_ip, port))
+            src = s.getsockname()[0]
+    except OSError as exc:
+        return {"error": exc.strerror or str(exc)}
+    return {"src": src, "iface": _iface_of(src)}
+
+
+def _reach(master_ip: str, port: int) -> dict:
+    """Connect to the master port: refused = reachable and free; accepted = something listens."""
+    try:
+        with socket.create_connection((master_ip, port), timeout=_CONNECT_TIMEOUT):
+            return {"status": "busy"}
+    except ConnectionRefusedError:
+        return {"status": "ok"}
+    except TimeoutError:
+        return {"status": "unreachable", "detail": f"timed out after {_CONNECT_TIMEOUT:g}s"}
+    except OSError as exc:
+        return {"status": "unreachable", "detail": exc.strerror or str(exc)}
+
+
+def _port_free(port: int) -> dict:
+    """Can the rendezvous store listen on ``port`` here (all addresses, as torch's TCPStore does)?"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+            s.listen(1)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return {"free": False, "detail": "address already in use"}
+            return {"free": False, "detail": exc.strerror or str(exc)}
+    return {"free": True}
+
+
+def probe(request: dict) -> dict:
+    """Look around this host for the preflight (see the module docstring)."""
+    info: dict = {
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "executable": sys.executable,
+        "torch": _dist_version("torch"),
+        "dslaunch": _dist_version("dslaunch"),
+    }
+    cwd = request.get("cwd")
+    if cwd:
+        try:
+            os.chdir(cwd)
+        except OSError as exc:
+            info["cwd_error"] = exc.strerror or str(exc)
+    master, port = request.get("master_addr"), int(request.get("master_port", 0))
+    if master:
+        try:
+            master_ip = socket.getaddrinfo(master, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            info["master"] = {"status": "unresolvable", "detail": getattr(exc, "strerror", None) or str(exc)}
+        else:
+            info["master_ip"] = master_ip
+            info["route"] = _route(master_ip, port)
+            info["master"] = _reach(master_ip, port)
+            if request.get("is_master"):
+                info["port"] = _port_free(port)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    request = json.loads(argv[0]) if argv else {}
+    line = PROBE_MARKER + json.dumps(probe(request), separators=(",", ":")) + "\n"
+    os.write(1, line.encode())
+    from dslaunch.launcher import agent  # after the probe: its answer should not wait for imports
+
+    return agent.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
