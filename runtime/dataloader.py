@@ -1,0 +1,156 @@
+"""The distributed training data loader returned by ``initialize(training_data=...)``.
+
+Owns which samples each rank sees in each epoch and the exact position inside an epoch, so that
+a resumed run sees exactly the batches the uninterrupted run would have seen.
+
+Order: each epoch is one permutation of the dataset, ``torch.randperm(len, seed + epoch)``
+(``arange`` without shuffle) -- the same permutation and the same rank interleaving as torch's
+``DistributedSampler``, which DeepSpeed's loader uses. Step k of an epoch takes the next
+``world_size * batch_size`` entries of the permutation; rank r gets every ``world_size``-th of
+them starting at r. So in one epoch:
+
+- ``drop_last=True``: the permutation is cut to a multiple of ``world_size * batch_size``; every
+  kept sample is seen exactly once, on exactly one rank, all batches full.
+- ``drop_last=False``: the permutation is padded by wrapping around to a multiple of
+  ``world_size`` (as ``DistributedSampler`` does); every sample is seen at least once, the last
+  batch of each rank may be short, every rank has the same number of batches (so no rank waits
+  in a collective for a batch that never comes).
+
+Position: ``state_dict()`` = (epoch, permutation entries consumed). Because the position is a
+global offset, a run may resume with another world size or batch size; the rest of the epoch is
+then split among the new ranks.
+
+Epochs advance by themselves when one is exhausted (DeepSpeed's loader never calls
+``set_epoch``, so it repeats the same order every epoch); ``set_epoch(e)`` jumps to the start of
+epoch ``e`` unless the loader is already in epoch ``e`` (a resumed run calling ``set_epoch`` for
+the epoch it resumed in keeps its position).
+
+Limitations: map-style datasets (``__len__`` and ``__getitem__``); samples are loaded in the
+calling process (no worker processes); one active iterator at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from dslaunch.errors import CheckpointError
+
+__all__ = ["DistributedDataLoader"]
+
+
+class DistributedDataLoader:
+    """Deterministic, resumable, rank-sharded batches over a map-style dataset.
+
+    Args:
+        dataset: anything with ``__len__`` and ``__getitem__(int)`` (e.g. a torch ``Dataset``).
+        batch_size: samples per batch on this rank (``train_micro_batch_size_per_gpu``).
+        rank, world_size: this rank's data-parallel index and the number of data-parallel ranks.
+        collate_fn: turns a list of samples into a batch (default: torch's ``default_collate``).
+        shuffle: a new permutation every epoch (else dataset order).
+        seed: base seed; epoch e uses ``seed + e`` on every rank.
+        drop_last: see the module docstring.
+
+    Raises:
+        ValueError: non-positive batch size or world size, rank outside [0, world_size).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, rank: int, world_size: int,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True):
+        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need batch_size >= 1, world_size >= 1 and 0 <= rank < world_size; got "
+                             f"batch_size={batch_size}, rank={rank}, world_size={world_size}")
+        if collate_fn is None:
+            from torch.utils.data import default_collate as collate_fn
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.collate_fn = collate_fn
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._offset = 0  # permutation entries of this epoch already handed out (all ranks)
+
+    # ------------------------------------------------------------------ order
+
+    def _permutation(self, epoch: int) -> list[int]:
+        import torch
+
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(n, generator=generator).tolist()
+
+    def _remaining(self) -> list[int]:
+        """The rest of this epoch's permutation, cut or padded as ``drop_last`` says."""
+        order = self._permutation(self.epoch)
+        if self.drop_last:
+            rest = order[self._offset:]
+            step = self.world_size * self.batch_size
+            return rest[:len(rest) - len(rest) % step]
+        # Pad the whole epoch (not just the rest) so a resumed run pads with the same samples.
+        padding = -len(order) % self.world_size
+        while padding > 0 and order:  # wrap around, repeatedly if the dataset is tiny
+            extra = order[:padding]
+            order, padding = order + extra, padding - len(extra)
+        return order[self._offset:]
+
+    def __len__(self) -> int:
+        """Batches per (full) epoch on this rank."""
+        n = len(self.dataset)
+        if self.drop_last:
+            return n // (self.world_size * self.batch_size)
+        return math.ceil(math.ceil(n / self.world_size) / self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches from the current position to the end of the current epoch."""
+        order = self._remaining()
+        step = self.world_size * self.batch_size
+        chunks = [order[i:i + step] for i in range(0, len(order), step)]
+        if not chunks:
+            self._next_epoch()
+        for k, chunk in enumerate(chunks):
+            # Advance before yielding: a state_dict() taken while the caller holds this batch
+            # already points at the next one (the last batch moves to the next epoch).
+            if k == len(chunks) - 1:
+                self._next_epoch()
+            else:
+                self._offset += len(chunk)
+            yield self.collate_fn([self.dataset[i] for i in chunk[self.rank::self.world_size]])
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self._offset = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (no-op if already in that epoch)."""
+        if epoch != self.epoch:
+            self.epoch, self._offset = int(epoch), 0
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact position: the next batch this loader will produce."""
+        return {"epoch": self.epoch, "offset": self._offset, "seed": self.seed, "shuffle": self.shuffle,
+                "dataset_len": len(self.dataset), "world_size": self.world_size, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a saved position (world size and batch size may differ from the saved run).
+
+        Raises:
+            CheckpointError: the saved position belongs to another dataset length, seed or
+                shuffle setting, so it would not mean the same samples.
+        """
+        for key in ("dataset_len", "seed", "shuffle"):
+            mine = len(self.dataset) if key == "dataset_len" else getattr(self, key)
+            if key in state and state[key] != mine:
+                raise CheckpointError(f"the saved data loader position was taken with {key}={state[key]!r} but "
+                                      f"this run has {key}={mine!r}; the same position would mean other samples")
+        self.epoch = int(state["epoch"])
+        self._offset = int(state["offset"])
