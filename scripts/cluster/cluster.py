@@ -115,7 +115,11 @@ def _host_net_up(host: Host) -> None:
 
 
 def _write_etc_netns(hosts: list[Host]) -> None:
-    lines = ["127.0.0.1 localhost", *(f"{h.addr} {h.name}" for h in hosts)]
+    # The ::ffff: forms: torch's dual-stack TCPStore sees peers as IPv4-mapped IPv6 addresses and
+    # warns when it cannot name them.
+    peers = [(f"{SUBNET}.1", f"{PREFIX}gw"), *((h.addr, h.name) for h in hosts)]
+    lines = ["127.0.0.1 localhost", "::1 localhost", *(f"{a} {n}" for a, n in peers),
+             *(f"::ffff:{a} {n}" for a, n in peers)]
     for host in hosts:
         etc = Path("/etc/netns") / host.name
         etc.mkdir(parents=True, exist_ok=True)
