@@ -1,0 +1,134 @@
+"""Named wall-clock timers for ``wall_clock_breakdown`` (forward, backward, allreduce, step).
+
+Owns timing only: the engine starts and stops named timers around its phases and, every
+``steps_per_print`` steps, logs one line such as
+``time (ms) | forward: 12.31 | backward: 20.02 | allreduce: 8.47 | step: 4.10``.
+
+GPU work is asynchronous, so a timer synchronises CUDA before reading the clock, but only when
+CUDA is actually in use in this process (never initialises it; no cost on CPU-only runs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+__all__ = ["Timer", "Timers", "STEP_TIMERS"]
+
+#: The phases the engine times, in log order.
+STEP_TIMERS = ("forward", "backward", "allreduce", "step")
+
+
+def _sync_cuda_if_in_use() -> None:
+    import sys
+
+    torch = sys.modules.get("torch")  # never import torch just to time something
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """One named timer accumulating the time between ``start()`` and ``stop()`` calls.
+
+    Args:
+        name: shown in logs and errors.
+        sync: called before each clock reading (CUDA synchronisation by default).
+        clock: seconds as a float (``time.perf_counter`` by default; injectable for tests).
+    """
+
+    def __init__(self, name: str, sync: Callable[[], None] = _sync_cuda_if_in_use,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.name = name
+        self._sync, self._clock = sync, clock
+        self._elapsed = 0.0
+        self._started_at: float | None = None
+        self.count = 0  # completed start/stop intervals since the last reset
+
+    @property
+    def running(self) -> bool:
+        return self._started_at is not None
+
+    def start(self) -> None:
+        if self._started_at is not None:
+            raise RuntimeError(f"timer {self.name!r} is already running")
+        self._sync()
+        self._started_at = self._clock()
+
+    def stop(self) -> None:
+        if self._started_at is None:
+            raise RuntimeError(f"timer {self.name!r} is not running")
+        self._sync()
+        self._elapsed += self._clock() - self._started_at
+        self._started_at = None
+        self.count += 1
+
+    def reset(self) -> None:
+        self._elapsed, self._started_at, self.count = 0.0, None, 0
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Accumulated seconds (a running timer includes its current interval and keeps running).
+
+        Args:
+            reset: clear the accumulated time afterwards (a running timer restarts its interval).
+        """
+        total = self._elapsed
+        if self._started_at is not None:
+            self._sync()
+            now = self._clock()
+            total += now - self._started_at
+            if reset:
+                self._started_at = now
+        if reset:
+            self._elapsed, self.count = 0.0, 0
+        return total
+
+    def mean(self) -> float:
+        """Mean seconds per completed interval (0 when there was none); does not reset."""
+        return self._elapsed / self.count if self.count else 0.0
+
+
+class Timers:
+    """A group of named timers, created on first use: ``timers("forward").start()``.
+
+    Args:
+        sync: passed to each timer (default: synchronise CUDA when it is in use).
+        clock: passed to each timer.
+    """
+
+    def __init__(self, sync: Callable[[], None] = _sync_cuda_if_in_use,
+                 clock: Callable[[], float] = time.perf_counter):
+        self._sync, self._clock = sync, clock
+        self._timers: dict[str, Timer] = {}
+
+    def __call__(self, name: str) -> Timer:
+        timer = self._timers.get(name)
+        if timer is None:
+            timer = self._timers[name] = Timer(name, self._sync, self._clock)
+        return timer
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._timers
+
+    def log_line(self, names: Iterable[str] = STEP_TIMERS, normalizer: float = 1.0, reset: bool = True) -> str:
+        """One line ``time (ms) | name: ms | ...`` for the timers in ``names`` that exist.
+
+        Args:
+            names: timers to show, in order; names never started are left out.
+            normalizer: divide each time by this (e.g. the number of steps since the last log).
+            reset: clear the shown timers.
+        """
+        if normalizer <= 0:
+            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+        parts = [f"{name}: {self._timers[name].elapsed(reset) * 1000.0 / normalizer:.2f}"
+                 for name in names if name in self._timers]
+        return " | ".join(["time (ms)", *parts])
+
+    def log(self, names: Iterable[str] = STEP_TIMERS, normalizer: float = 1.0, reset: bool = True,
+            print_fn: Callable[[str], None] = print) -> str:
+        """Format like ``log_line`` and hand the line to ``print_fn``; returns the line.
+
+        The caller decides which ranks print (DeepSpeed logs from rank 0 only).
+        """
+        line = self.log_line(names, normalizer, reset)
+        print_fn(line)
+        return line

@@ -1,0 +1,98 @@
+"""Timers: accumulation, reset, running timers, the log line, CUDA sync only when in use."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from dslaunch.runtime.timers import STEP_TIMERS, Timer, Timers
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _no_sync() -> None:
+    return None
+
+
+def test_accumulates_intervals_and_resets() -> None:
+    clock = FakeClock()
+    timer = Timer("forward", sync=_no_sync, clock=clock)
+    for duration in (0.5, 0.25):
+        timer.start()
+        clock.now += duration
+        timer.stop()
+        clock.now += 10.0  # time between intervals is not counted
+    assert timer.count == 2 and timer.mean() == pytest.approx(0.375)
+    assert timer.elapsed(reset=False) == pytest.approx(0.75)
+    assert timer.elapsed() == pytest.approx(0.75)
+    assert timer.elapsed() == 0.0 and timer.count == 0
+
+
+def test_running_timer_reports_current_interval_and_keeps_running() -> None:
+    clock = FakeClock()
+    timer = Timer("step", sync=_no_sync, clock=clock)
+    timer.start()
+    clock.now = 2.0
+    assert timer.elapsed(reset=True) == pytest.approx(2.0)
+    assert timer.running
+    clock.now = 3.0
+    timer.stop()
+    assert timer.elapsed() == pytest.approx(1.0)  # only the time since the reset
+
+
+def test_misuse_is_reported() -> None:
+    timer = Timer("backward", sync=_no_sync)
+    with pytest.raises(RuntimeError, match="not running"):
+        timer.stop()
+    timer.start()
+    with pytest.raises(RuntimeError, match="already running"):
+        timer.start()
+
+
+def test_log_line_format_order_normalizer_and_reset() -> None:
+    clock = FakeClock()
+    timers = Timers(sync=_no_sync, clock=clock)
+    for name, seconds in (("step", 0.004), ("forward", 0.010), ("backward", 0.020)):
+        timers(name).start()
+        clock.now += seconds
+        timers(name).stop()
+    printed = []
+    line = timers.log(STEP_TIMERS, normalizer=2, print_fn=printed.append)
+    # allreduce was never started: left out; order follows the names given
+    assert line == "time (ms) | forward: 5.00 | backward: 10.00 | step: 2.00"
+    assert printed == [line]
+    assert timers.log_line(["forward"]) == "time (ms) | forward: 0.00"
+    with pytest.raises(ValueError):
+        timers.log_line(normalizer=0)
+
+
+def test_real_clock_measures_sleep() -> None:
+    timers = Timers()
+    timers("forward").start()
+    time.sleep(0.02)
+    timers("forward").stop()
+    assert 0.015 <= timers("forward").elapsed() < 1.0
+    assert "forward" in timers and "nope" not in timers
+
+
+def test_sync_runs_around_each_clock_reading() -> None:
+    calls = []
+    timer = Timer("allreduce", sync=lambda: calls.append(1), clock=FakeClock())
+    timer.start()
+    timer.stop()
+    assert len(calls) == 2
+
+
+def test_default_sync_does_not_initialise_cuda() -> None:
+    import torch
+
+    Timer("x").start()
+    assert not torch.cuda.is_initialized()
