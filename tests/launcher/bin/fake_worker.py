@@ -8,7 +8,7 @@ Actions run in order, e.g. ``fake_worker.py print=hello sleep=0.2 exit=3``:
 - ``sleep=S``; ``hang`` (sleep forever); ``ignore_term`` (SIGTERM is ignored from now on);
 - ``grandchild=PIDFILE``: spawn a sleeping grandchild and write its pid to PIDFILE;
 - ``exit=N``; ``signal=NAME`` (kill itself with that signal);
-- ``if_rank=R``: the remaining actions run only on rank R (others exit 0 after the previous ones).
+- ``rR:ACTION``: run ACTION only on rank R, e.g. ``r1:exit=3`` (other ranks skip it).
 """
 
 import json
@@ -25,12 +25,14 @@ ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
 def main(args: list[str]) -> int:
     rank = os.environ.get("RANK", "?")
     for arg in args:
+        if arg.startswith("r") and ":" in arg and arg[1:arg.index(":")].isdigit():
+            only, arg = arg[1:].split(":", 1)
+            if only != rank:
+                continue
         key, _, value = arg.partition("=")
         if key.startswith("--local_rank"):
             continue
-        if key == "if_rank" and value != rank:
-            return 0
-        elif key == "print":
+        if key == "print":
             print(value.replace("{rank}", rank), flush=True)
         elif key == "eprint":
             print(value.replace("{rank}", rank), file=sys.stderr, flush=True)
