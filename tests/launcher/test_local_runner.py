@@ -48,7 +48,7 @@ def test_env_contract_prefixes_and_separate_streams(free_port):
     # DeepSpeed's order: --local_rank right after the script, then the user's arguments
     assert argvs == [[f"--local_rank={r}", "env", "argv", "eprint=to-stderr-{rank}", "extra"] for r in range(2)]
     assert "[rank0] to-stderr-0" in r.stderr and "[rank1] to-stderr-1" in r.stderr
-    assert "to-stderr" not in r.stdout
+    assert "to-stderr-0" not in r.stdout and "to-stderr-1" not in r.stdout
     assert_no_job_process(tag)
 
 
