@@ -82,6 +82,11 @@ def _make_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
 
     # DeepSpeed: type AdamW is always decoupled; type Adam is decoupled unless adam_w_mode=false.
     decoupled = type_name == "AdamW" or p["adam_w_mode"]
+    if not p["bias_correction"]:  # torch's Adam always corrects: use ours
+        from dslaunch.runtime.adam import Adam
+
+        kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        return Adam(_materialize(param_groups), **kwargs, bias_correction=False, adam_w_mode=decoupled)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")}
     # torch_adam picks torch's implementation in DeepSpeed; torch's is what we always use.
@@ -114,9 +119,9 @@ def _make_lamb(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
 
 
 def _check_adam(p: dict[str, Any]) -> None:
-    if not p["bias_correction"]:
-        raise ConfigError("bias_correction=false is not implemented by dslaunch (remove the key or set it "
-                          "to true)", key=f"{_KEY}.bias_correction")
+    if p["amsgrad"] and not p["bias_correction"]:
+        raise ConfigError("amsgrad together with bias_correction=false is not supported",
+                          key=f"{_KEY}.amsgrad")
 
 
 def _check_sgd(p: dict[str, Any]) -> None:

@@ -70,7 +70,7 @@ def test_unknown_param_names_key_path_and_suggests() -> None:
     ({"weight_decay": True}, "optimizer.params.weight_decay"),
     ({"lr": "auto"}, "optimizer.params.lr"),
     ({"max_grad_norm": 1.0}, "optimizer.params.max_grad_norm"),
-    ({"bias_correction": False}, "optimizer.params.bias_correction"),
+    ({"bias_correction": False, "amsgrad": True}, "optimizer.params.amsgrad"),
 ])
 def test_wrong_values_name_the_key(params: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -218,6 +218,53 @@ def test_lamb_trust_ratio_is_clamped() -> None:
     # update = m / (sqrt(v) + eps) with m = 0.1, v = 0.001 -> 0.1 / 0.0316.. = 3.162..
     update = 0.1 / (math.sqrt(0.001) + 1e-8)
     torch.testing.assert_close(p.detach(), torch.full((4,), 1000.0 - 0.1 * 2.0 * update))
+
+
+def _reference_adam(params, steps, lr, betas, eps, wd, decoupled, bias_correction):
+    params = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for step in range(steps):
+        t = step + 1
+        bc1, bc2 = (1 - betas[0] ** t, 1 - betas[1] ** t) if bias_correction else (1.0, 1.0)
+        for i, g in enumerate(_grads(params, step)):
+            if not decoupled:
+                g = g + wd * params[i]
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * g
+            v[i] = betas[1] * v[i] + (1 - betas[1]) * g * g
+            if decoupled:
+                params[i] = params[i] * (1 - lr * wd)
+            params[i] = params[i] - (lr / bc1) * m[i] / ((v[i] / bc2).sqrt() + eps)
+    return params
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_adam_without_bias_correction_matches_reference(adam_w_mode: bool) -> None:
+    params = _params()
+    expected = _reference_adam(params, 5, 0.01, (0.9, 0.999), 1e-8, 0.1, adam_w_mode, False)
+    opt = build_optimizer("Adam", {"lr": 0.01, "weight_decay": 0.1, "bias_correction": False,
+                                   "adam_w_mode": adam_w_mode}, params)
+    for a, r in zip(_run(opt, params, 5), expected, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+
+
+def test_our_adam_with_bias_correction_equals_torch() -> None:
+    from dslaunch.runtime.adam import Adam
+
+    ours_p, ref_p = _params(), _params()
+    ours = _run(Adam(ours_p, lr=0.01, weight_decay=0.1), ours_p, 5)
+    expected = _run(torch.optim.AdamW(ref_p, lr=0.01, weight_decay=0.1, foreach=False), ref_p, 5)
+    for a, r in zip(ours, expected, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    # a parameter that misses a step keeps its own step count (and bias correction)
+    p, q = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    opt = Adam([p, q], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    p.grad, q.grad = torch.ones(3), torch.ones(3)
+    opt.step()
+    assert (opt.state[p]["step"].item(), opt.state[q]["step"].item()) == (2.0, 1.0)
+    torch.testing.assert_close(q.detach(), torch.full((3,), 0.9), rtol=0, atol=1e-6)
 
 
 def test_lion_and_lamb_state_survive_state_dict_roundtrip() -> None:

@@ -1,0 +1,95 @@
+"""Adam with DeepSpeed FusedAdam's ``bias_correction`` switch, which torch's Adam lacks.
+
+Used only for ``optimizer.params.bias_correction: false``; every other Adam/AdamW config is
+served by torch's fused implementation (see ``optimizers.py``). Per parameter, step t:
+
+    g = g + weight_decay * p                      (L2 mode, adam_w_mode false)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g^2
+    denom = sqrt(v / bc2) + eps,  step_size = lr / bc1
+      with bc1 = 1 - beta1^t, bc2 = 1 - beta2^t when bias_correction, else bc1 = bc2 = 1
+    p = p * (1 - lr * weight_decay)               (decoupled mode, adam_w_mode true)
+    p = p - step_size * m / denom
+
+State per parameter: ``step`` (0-dim float tensor), ``exp_avg``, ``exp_avg_sq``, as torch's Adam,
+so checkpoints and ZeRO shards look the same. Elementwise work uses torch's ``_foreach`` kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["Adam"]
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam/AdamW with an optional bias correction (DeepSpeed FusedAdam semantics).
+
+    Args:
+        params: parameters or param groups.
+        lr, betas, eps, weight_decay: as torch's Adam.
+        bias_correction: divide the moments by (1 - beta^t).
+        adam_w_mode: decoupled weight decay (AdamW) instead of L2 added to the gradient.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
+                 adam_w_mode: bool = True):
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                    "bias_correction": bias_correction, "adam_w_mode": adam_w_mode}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch API
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update_group(group, params)
+        return loss
+
+    def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _update_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        if any(p.grad.is_sparse for p in params):
+            raise RuntimeError("Adam does not support sparse gradients")
+        by_step: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            state = self._state(p)
+            state["step"] = state["step"] + 1  # out of place: a loaded state_dict may share it
+            by_step.setdefault(int(state["step"].item()), []).append(p)
+        # Params that skipped steps (no grad) have other step counts, hence other corrections.
+        for t, same_step in by_step.items():
+            self._update(group, same_step, t)
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor], t: int) -> None:
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        bc1, bc2 = (1.0 - beta1**t, 1.0 - beta2**t) if group["bias_correction"] else (1.0, 1.0)
+        grads = [p.grad for p in params]
+        if wd != 0.0 and not group["adam_w_mode"]:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        if wd != 0.0 and group["adam_w_mode"]:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bc1)
