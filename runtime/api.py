@@ -1,0 +1,83 @@
+"""``dslaunch.initialize`` and friends: DeepSpeed's entry points, same signatures and returns.
+
+``initialize`` validates the config once (``config.load_config``), sets up the process group if
+needed and returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` exactly like
+``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch.distributed as dist
+from dslaunch.runtime.config import load_config
+from dslaunch.runtime.dist import init_distributed
+
+from dslaunch.errors import ConfigError
+
+__all__ = ["initialize", "init_distributed", "add_config_arguments"]
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
+               config: Any = None, config_params: Any = None) -> tuple[Any, Any, Any, Any]:
+    """Build a training engine around ``model``.
+
+    Args:
+        args: an argparse namespace; its ``deepspeed_config`` is used when ``config`` is None.
+        model: the ``torch.nn.Module`` to train.
+        optimizer: a ``torch.optim.Optimizer`` or a callable ``params -> optimizer`` (else the
+            config's ``optimizer`` section is used).
+        model_parameters: tensors or param-group dicts to optimize (default: all trainable).
+        training_data: a ``torch.utils.data.Dataset``; a distributed loader is returned for it.
+        lr_scheduler: a scheduler object or a callable ``optimizer -> scheduler``.
+        distributed_port: MASTER_PORT when the environment does not set one.
+        mpu: model-parallel unit; not supported (must be None).
+        dist_init_required: False never initialises torch.distributed; None does so if needed.
+        collate_fn: passed to the training data loader.
+        config / config_params: the ds_config (dict or JSON/YAML path).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)``; the loader and scheduler are
+        None when not requested.
+
+    Raises:
+        ConfigError: invalid config (named key path), or configs given twice.
+
+    collective: call on all ranks.
+    """
+    if model is None:
+        raise ConfigError("initialize() needs model=<torch.nn.Module>")
+    if mpu is not None:
+        raise ConfigError("model parallelism (mpu=) is not implemented by dslaunch yet")
+    source = _config_source(args, config if config is not None else config_params)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
+                     verbose=False)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = load_config(source, world)
+    from dslaunch.runtime.engine import DeepSpeedEngine
+
+    engine = DeepSpeedEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler,
+                             collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _config_source(args: Any, config: Any) -> Any:
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ConfigError("a config was given both as --deepspeed_config and to initialize(config=...); "
+                          "give exactly one")
+    return config if config is not None else from_args
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's ``--deepspeed`` and ``--deepspeed_config`` flags to ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on dslaunch)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed json/yaml configuration file.")
+    return parser

@@ -1,0 +1,81 @@
+"""Process-group setup: backend from the hardware, timeout always explicit, env contract.
+
+The launcher exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to every worker;
+a script started without them runs as a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dslaunch.errors import UsageError
+
+__all__ = ["init_distributed", "default_timeout", "local_rank", "device_for"]
+
+TIMEOUT_ENV = "DSLAUNCH_DIST_TIMEOUT"
+_DEFAULT_TIMEOUT_S = 1800.0  # DeepSpeed's default; passed explicitly so every backend honours it
+
+
+def default_timeout(config_seconds: float | None = None) -> datetime.timedelta:
+    """The collective timeout: $DSLAUNCH_DIST_TIMEOUT (seconds), else the config's, else 30 min."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw:
+        try:
+            return datetime.timedelta(seconds=float(raw))
+        except ValueError:
+            raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    return datetime.timedelta(seconds=config_seconds or _DEFAULT_TIMEOUT_S)
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device_for(rank: int) -> torch.device:
+    """cuda:<local rank> with GPUs, else cpu."""
+    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: datetime.timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """Initialise torch.distributed as DeepSpeed's ``init_distributed`` does (same signature).
+
+    Backend: ``nccl`` with GPUs, ``gloo`` without (or ``dist_backend``). Rank and world size come
+    from the arguments, else RANK/WORLD_SIZE; without them the job is a world of one on
+    127.0.0.1. ``config`` may be a ``DeepSpeedConfig`` whose ``dist_init_timeout`` is used.
+
+    collective: call on all ranks. A no-op when already initialised (unless
+    ``dist_init_required`` is False, which always skips).
+    """
+    if dist_init_required is False or dist.is_initialized():
+        return
+    rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
+    world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port if world_size > 1 else _free_port()))
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    timeout = timeout or default_timeout(getattr(config, "dist_init_timeout", None))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    if verbose and rank == 0:
+        print(f"[dslaunch] initialized {backend} process group: world_size={world_size}, "
+              f"timeout={timeout.total_seconds():.0f}s", flush=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,203 @@
+"""The training engine: a thin DeepSpeed-compatible front over a ZeRO strategy.
+
+``forward``/``backward``/``step`` delegate: the ZeRO strategy (picked once from the registry) owns
+parameters, gradients, communication and the optimizer step; the precision policy owns dtypes;
+the loss scaler owns scaling and overflow bookkeeping; checkpoints live in
+``dslaunch.runtime.checkpoint``. The engine keeps only the counters and the accumulation clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.dist import device_for, local_rank
+from dslaunch.runtime.engine_setup import build_components
+from dslaunch.runtime.precision import PrecisionPolicy
+
+__all__ = ["DeepSpeedEngine"]
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """Wraps ``module`` for data-parallel training configured by a ``DeepSpeedConfig``.
+
+    Use ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` every micro step;
+    the optimizer step happens at each gradient accumulation boundary.
+
+    collective: construct, ``backward`` and ``step`` on all ranks.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: Any = None,
+                 model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+                 collate_fn: Any = None):
+        super().__init__()
+        self.config = config
+        self.local_rank = local_rank()
+        self.device = device_for(self.local_rank)
+        self.precision = PrecisionPolicy.from_config(config)
+        self.module = self.precision.cast_module(model.to(self.device))
+        parts = build_components(self.module, config, self.precision, optimizer, model_parameters,
+                                 lr_scheduler, training_data, collate_fn)
+        self.zero, self.optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
+        self.training_dataloader, self.timers = parts.dataloader, parts.timers
+        self.loss_scaler = PrecisionPolicy.loss_scaler(config)
+        self.global_rank, self.world_size = self.zero.rank, self.zero.world_size
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._step_applied = False
+        self._grad_norm: float | None = None
+        self._sync = True
+
+    # ----- training loop --------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.zero.synchronize()  # parameters gathered after the last step must be in place
+        with self._timer("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+                 ) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by the accumulation steps) and reduce gradients.
+
+        collective: call on all ranks every micro step.
+        """
+        self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
+        if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
+            loss = loss / self.config.gradient_accumulation_steps
+        with self._timer("backward"):
+            self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
+        with self._timer("allreduce"):
+            self.zero.end_backward()
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Count a micro step; at the accumulation boundary update the weights.
+
+        An fp16 step whose gradients overflowed is skipped (``skipped_steps``), the loss scale is
+        updated and the LR scheduler does not advance, as in DeepSpeed.
+
+        collective: call on all ranks every micro step.
+        """
+        if self.is_gradient_accumulation_boundary():
+            with self._timer("step"):
+                result = self.zero.step(self.loss_scaler.loss_scale, self.config.gradient_clipping)
+            self.loss_scaler.update(result.overflow)
+            self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
+            if result.overflow:
+                self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+            self.global_samples += self.config.train_batch_size
+            if self.global_steps % self.config.steps_per_print == 0:
+                self._report()
+        else:
+            self._step_applied = False
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction inside the block (stages 0/1; stage 2 raises UsageError)."""
+        self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), sync=False)
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    # ----- DeepSpeed's public getters -------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._grad_norm
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    # ----- checkpoints (engineer C's module) --------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
+        from dslaunch.runtime import checkpoint
+
+        self.zero.synchronize()
+        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state,
+                                          save_latest=save_latest,
+                                          exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[Any, Any]:
+        from dslaunch.runtime import checkpoint
+
+        self.zero.synchronize()
+        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                          load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> Any:
+        from dslaunch.runtime import checkpoint
+
+        self.zero.synchronize()
+        return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename)
+
+    # ----- engine state (everything but weights, ZeRO state and RNG) --------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:  # type: ignore[override]
+        """Counters, loss scaler, LR scheduler and data position (see the checkpoint contract)."""
+        return {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+                "loss_scaler": self.loss_scaler.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                "dataloader": (self.training_dataloader.state_dict()
+                               if self.training_dataloader is not None else None)}
+
+    def load_state_dict(self, sd: dict, strict: bool = True) -> None:  # type: ignore[override]
+        for key in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+            setattr(self, key, int(sd[key]))
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        for part, key in ((self.lr_scheduler, "lr_scheduler"), (self.training_dataloader, "dataloader")):
+            if part is not None and sd.get(key) is not None:
+                part.load_state_dict(sd[key])
+
+    # ----- reporting ----------------------------------------------------------------------
+    def _timer(self, name: str) -> Any:
+        return self.timers(name) if self.timers is not None else contextlib.nullcontext()
+
+    def _report(self) -> None:
+        if self.global_rank != 0:
+            return
+        norm = f"{self._grad_norm:.4g}" if self._grad_norm is not None else "n/a"
+        print(f"[dslaunch] step={self.global_steps} skipped={self.skipped_steps} "
+              f"lr={[round(x, 8) for x in self.get_lr()]} loss_scale={self.loss_scale():g} "
+              f"grad_norm={norm}", flush=True)
+        if self.timers is not None:
+            self.timers.log(["forward", "backward", "allreduce", "step"])

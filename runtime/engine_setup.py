@@ -1,0 +1,148 @@
+"""Assembling the engine's parts once: param groups, optimizer, ZeRO strategy, scheduler, loader.
+
+Kept apart from ``engine.py`` so the engine stays a thin loop. The choices made here:
+
+- param groups come from the client optimizer, else ``model_parameters`` (tensors or group
+  dicts), else ``module.parameters()``; frozen params (``requires_grad=False``) are left out;
+- the optimizer works on the ZeRO strategy's fp32 master shards, one tensor per group: a config
+  optimizer is built by ``optimizers.build_optimizer``; a client ``torch.optim.Optimizer`` is kept
+  as the same object with each group's ``params`` re-pointed to the shard (so a client LR
+  scheduler bound to it keeps working); a callable gets the shard groups;
+- the LR scheduler is a client object, a callable of the optimizer, or ``scheduler`` from the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.runtime.zero import strategy_class
+from dslaunch.runtime.zero.base import CommSettings, GroupSpec, ZeroStrategy
+
+from dslaunch.errors import ConfigError
+
+__all__ = ["EngineParts", "build_components"]
+
+
+@dataclass
+class EngineParts:
+    zero: ZeroStrategy
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    dataloader: Any
+    timers: Any
+
+
+def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: PrecisionPolicy,
+                     optimizer: Any, model_parameters: Any, lr_scheduler: Any, training_data: Any,
+                     collate_fn: Any) -> EngineParts:
+    """Build the strategy (and with it the optimizer), the scheduler, the loader and timers.
+
+    collective: call on all ranks.
+    """
+    groups = _param_groups(module, optimizer, model_parameters)
+    zero_cfg = cfg.zero_optimization
+    comm = CommSettings(reduce_bucket_numel=zero_cfg.reduce_bucket_size,
+                        allgather_bucket_numel=zero_cfg.allgather_bucket_size,
+                        overlap_comm=zero_cfg.overlap_comm, comm_dtype=precision.comm_dtype,
+                        prescale_gradients=cfg.prescale_gradients,
+                        gradient_predivide_factor=cfg.gradient_predivide_factor)
+    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm)
+    return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
+                       _dataloader(cfg, training_data, collate_fn), _timers(cfg))
+
+
+def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any) -> list[GroupSpec]:
+    names = {id(p): n for n, p in module.named_parameters()}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raw = optimizer.param_groups
+    elif model_parameters is not None:
+        raw = list(model_parameters)
+        if raw and not isinstance(raw[0], dict):
+            raw = [{"params": raw}]
+    else:
+        raw = [{"params": list(module.parameters())}]
+    groups = []
+    for i, g in enumerate(raw):
+        params = [p for p in g["params"] if p.requires_grad]
+        missing = [p for p in params if id(p) not in names]
+        if missing:
+            raise ConfigError(f"param group {i} holds {len(missing)} tensor(s) that are not parameters "
+                              "of the model passed to initialize()")
+        if params:
+            groups.append(GroupSpec(params, [names[id(p)] for p in params],
+                                    {k: v for k, v in g.items() if k != "params"}))
+    if not groups:
+        raise ConfigError("the model has no trainable parameters (requires_grad=True)")
+    return groups
+
+
+def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
+    if isinstance(client, torch.optim.Optimizer):
+        def repoint(groups: list[dict]) -> torch.optim.Optimizer:
+            # Same object, same hyperparameters; only the tensors change to the flat shards.
+            kept = [g for g in client.param_groups if any(p.requires_grad for p in g["params"])]
+            for mine, theirs in zip(kept, groups, strict=True):
+                mine["params"] = theirs["params"]
+            client.param_groups[:] = kept
+            client.state.clear()
+            return client
+        return repoint
+    if callable(client):
+        return client
+    if cfg.optimizer is not None:
+        from dslaunch.runtime.optimizers import build_optimizer
+
+        return lambda groups: build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
+    raise ConfigError("no optimizer: add an 'optimizer' section (e.g. {\"type\": \"AdamW\", \"params\": "
+                      "{\"lr\": 1e-3}}) or pass optimizer= to initialize()", key="optimizer")
+
+
+def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimizer) -> Any:
+    if client is not None:
+        return client if hasattr(client, "step") else client(optimizer)
+    if cfg.scheduler is None:
+        return None
+    from dslaunch.runtime.lr_schedules import build_lr_scheduler
+
+    return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
+
+
+def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any) -> Any:
+    if data is None:
+        return None
+    from dslaunch.runtime.dataloader import DistributedDataLoader
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DistributedDataLoader(data, cfg.train_micro_batch_size_per_gpu, rank, cfg.world_size,
+                                 collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+
+
+class _TimerSet:
+    """``timers(name)`` as a context manager over engineer O's named timers."""
+
+    def __init__(self) -> None:
+        from dslaunch.runtime.timers import Timers
+
+        self._timers = Timers()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self._timers.start(name)
+        try:
+            yield
+        finally:
+            self._timers.stop(name)
+
+    def log(self, names: list[str]) -> None:
+        self._timers.log(names)
+
+
+def _timers(cfg: DeepSpeedConfig) -> Any:
+    return _TimerSet() if cfg.wall_clock_breakdown else None
