@@ -109,6 +109,17 @@ class Timers:
     def __contains__(self, name: str) -> bool:
         return name in self._timers
 
+    # Name-first shorthands: ``timers.start("forward")`` == ``timers("forward").start()``.
+    def start(self, name: str) -> None:
+        self(name).start()
+
+    def stop(self, name: str) -> None:
+        self(name).stop()
+
+    def elapsed(self, name: str, reset: bool = True) -> float:
+        """Seconds accumulated by timer ``name`` (0 for a timer never used)."""
+        return self(name).elapsed(reset)
+
     def log_line(self, names: Iterable[str] = STEP_TIMERS, normalizer: float = 1.0, reset: bool = True) -> str:
         """One line ``time (ms) | name: ms | ...`` for the timers in ``names`` that exist.
 

@@ -96,3 +96,14 @@ def test_default_sync_does_not_initialise_cuda() -> None:
 
     Timer("x").start()
     assert not torch.cuda.is_initialized()
+
+
+def test_name_first_shorthands() -> None:
+    clock = FakeClock()
+    timers = Timers(sync=_no_sync, clock=clock)
+    timers.start("allreduce")
+    clock.now = 0.003
+    timers.stop("allreduce")
+    assert timers.elapsed("allreduce", reset=False) == pytest.approx(0.003)
+    assert timers.log_line(["allreduce"]) == "time (ms) | allreduce: 3.00"
+    assert timers.elapsed("allreduce") == 0.0
