@@ -138,9 +138,9 @@ def _check_script(cfg: LaunchConfig) -> None:
 def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
     plan = build_job(cfg, gpus.detect)
     job = plan.job
+    runner = get_runner(job.launcher)()  # an unknown --launcher fails before any note is printed
     for note in plan.notes:
         print(f"dslaunch: {note}", file=sys.stderr, flush=True)
-    runner = get_runner(job.launcher)()
     if dry_run:
         print(runner.dry_run(job))
         return 0

@@ -1,0 +1,91 @@
+"""The node agent: in-process and as ``python -m dslaunch.launcher.agent`` (what the SSH runner runs)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from dslaunch.launcher.agent import Agent, format_status_line, parse_status_line
+from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
+
+from dslaunch.errors import LaunchError
+from tests.launcher.helpers import FAKE, assert_no_job_process, new_tag, tagged_env
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _node(n: int, *actions: str, grace: float = 1.5, argv0: tuple[str, ...] | None = None) -> NodeSpec:
+    head = argv0 or (sys.executable, FAKE)
+    workers = tuple(WorkerSpec(10 + i, i, (*head, *actions), {"RANK": str(10 + i)}) for i in range(n))
+    return NodeSpec(node_rank=3, host="hostA", workers=workers, grace=grace)
+
+
+def _agent_proc(node: NodeSpec, tag: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "dslaunch.launcher.agent"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=tagged_env(tag))
+    proc.stdin.write((node.to_json() + "\n").encode())
+    proc.stdin.flush()
+    return proc
+
+
+def _status(stderr: bytes) -> NodeResult:
+    found = [r for line in stderr.splitlines() if (r := parse_status_line(line)) is not None]
+    assert len(found) == 1, stderr
+    return found[0]
+
+
+def test_status_line_round_trip_and_other_lines_ignored():
+    r = NodeResult(1, "h", 139, rank=5, signal_name="SIGSEGV")
+    assert parse_status_line(format_status_line(r) + "\n") == r
+    assert parse_status_line("[rank5] @@dslaunch-agent-status {}") is None
+    assert parse_status_line("@@dslaunch-agent-status {not json") is None
+
+
+def test_agent_process_runs_to_completion_while_stdin_stays_open():
+    tag = new_tag()
+    proc = _agent_proc(_node(2, "print=hi{rank}", "r11:sleep=0.2", "r11:exit=9", "hang"), tag)
+    proc.wait(timeout=10)
+    res = _status(proc.stderr.read())
+    assert (proc.returncode, res.rank, res.exit_code, res.host, res.node_rank) == (9, 11, 9, "hostA", 3)
+    assert sorted(proc.stdout.read().decode().splitlines()) == ["[rank10] hi10", "[rank11] hi11"]
+    proc.stdin.close()
+    assert_no_job_process(tag)
+
+
+def test_agent_stops_workers_when_stdin_closes():
+    tag = new_tag()
+    proc = _agent_proc(_node(2, "ignore_term", "print=ready", "hang", grace=0.3), tag)
+    for _ in range(2):
+        proc.stdout.readline()
+    t0 = time.monotonic()
+    proc.stdin.close()  # the controller went away
+    assert proc.wait(timeout=5) == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 2
+    assert _status(proc.stderr.read()).stopped_by == "SIGTERM"
+    assert_no_job_process(tag)
+
+
+def test_agent_stops_on_sigterm():
+    tag = new_tag()
+    proc = _agent_proc(_node(2, "print=ready", "hang"), tag)
+    for _ in range(2):
+        proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=5) == 143
+    assert_no_job_process(tag)
+
+
+def test_in_process_spawn_failure_is_a_launch_error():
+    agent = Agent(_node(2, argv0=("/nonexistent/program",)))
+    with pytest.raises(LaunchError, match="hostA: cannot start /nonexistent/program"):
+        agent.start()
+
+
+def test_in_process_success_and_pids():
+    agent = Agent(_node(3, "sleep=0.1"))
+    agent.start()
+    assert len(agent.pids) == 3
+    assert agent.wait(timeout=10) == NodeResult(3, "hostA", 0)

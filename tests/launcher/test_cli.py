@@ -1,0 +1,83 @@
+"""The dslaunch command line: one-line errors, --verbose tracebacks, --dry-run, zero-to-fp32."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+from dslaunch.launcher import cli
+
+from tests.launcher.helpers import FAKE, run_dslaunch
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("args, words, code", [
+    (["--num_gpuz", "2", FAKE], "unrecognized arguments: --num_gpuz (did you mean '--num_gpus'?)", 2),
+    (["--num_gpus", "two", FAKE], "argument --num_gpus/--num_accelerators: invalid int value: 'two'", 2),
+    (["--module", "--no_python", FAKE], "--module and --no_python are mutually exclusive", 2),
+    (["--master_port", "70000", FAKE], "--master_port 70000 is not a TCP port", 2),
+    (["--launcher", "sssh", FAKE], "unknown --launcher 'sssh' (did you mean 'ssh'?)", 2),
+    (["--bind_core_list", "a-b", FAKE], "--bind_core_list 'a-b'", 2),
+    ([], "the following arguments are required: user_script", 2),
+])
+def test_bad_flags_are_one_line_without_traceback(args, words, code):
+    r = run_dslaunch(args)
+    assert r.returncode == code
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dslaunch: error: ") and words in lines[0], r.stderr
+
+
+def test_bad_hostfile_names_file_and_line_and_verbose_adds_traceback(tmp_path):
+    hf = tmp_path / "hostfile"
+    hf.write_text("node1 slots=2\nnode2 slots=zero\n")
+    r = run_dslaunch(["-H", str(hf), FAKE])
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"dslaunch: error: {hf}:2: slots='zero' is not an integer"
+    r = run_dslaunch(["--verbose", "-H", str(hf), FAKE])
+    assert "Traceback" in r.stderr and "HostfileError" in r.stderr
+
+
+def test_explicit_missing_hostfile_is_an_error(tmp_path):
+    r = run_dslaunch(["-H", str(tmp_path / "nope"), FAKE])
+    assert r.returncode == 1 and "hostfile not found" in r.stderr
+
+
+def test_dry_run_prints_commands_and_env_and_starts_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    r = run_dslaunch(["--num_gpus", "2", "--master_port", "4321", "--dry-run", FAKE, f"grandchild={marker}"])
+    assert r.returncode == 0 and not marker.exists()
+    lines = r.stdout.splitlines()
+    assert lines[0] == "# node 0: localhost (2 workers)"
+    cmds = [line for line in lines if FAKE in line]
+    assert len(cmds) == 2
+    for rank, line in enumerate(cmds):
+        assert f"RANK={rank} " in line and "MASTER_PORT=4321" in line and "WORLD_SIZE=2" in line
+        assert line.endswith(f"{FAKE} --local_rank={rank} grandchild={marker}")
+
+
+def test_dry_run_with_remote_hosts_uses_the_ssh_runner(tmp_path):
+    hf = tmp_path / "hostfile"
+    hf.write_text("node1 slots=2\nnode2 slots=2\n")
+    cfg = cli.parse_config(["-H", str(hf), "--dry-run", FAKE])[0]
+    from dslaunch.launcher.gpus import detect
+    from dslaunch.launcher.plan import build_job
+
+    assert build_job(cfg, detect).job.launcher == "ssh"
+
+
+def test_zero_to_fp32_is_dispatched_with_its_arguments(monkeypatch):
+    seen = []
+    fake = types.ModuleType("dslaunch.runtime.zero_to_fp32")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "dslaunch.runtime.zero_to_fp32", fake)
+    assert cli.main(["zero-to-fp32", "ckpt", "out.bin"]) == 0
+    assert seen == [["ckpt", "out.bin"]]
+
+
+def test_controller_never_imports_torch():
+    code = ("import sys; from dslaunch.launcher import cli, agent; from dslaunch.launcher.runners import local; "
+            "assert 'torch' not in sys.modules and 'psutil' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

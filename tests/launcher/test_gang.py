@@ -1,0 +1,83 @@
+"""The shared gang loop (runners.base.Gang) with scripted node handles: the policy every runner gets."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+from dslaunch.launcher.runners.base import Gang, NodeHandle
+from dslaunch.launcher.spec import NodeResult, NodeSpec
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class ScriptedNode(NodeHandle):
+    """Finishes with ``code`` after ``after`` seconds; when stopped, finishes ``stop_delay`` later
+    (None = ignores stop, only kill() ends it)."""
+
+    def __init__(self, rank: int, wake: threading.Event, after: float | None, code: int = 0,
+                 stop_delay: float | None = 0.05) -> None:
+        self.node = NodeSpec(rank, f"host{rank}", ())
+        self.rank, self.wake, self.code, self.stop_delay = rank, wake, code, stop_delay
+        self.t0 = time.monotonic()
+        self.done_at = None if after is None else self.t0 + after
+        self.stopped_with: int | None = None
+        self.killed = False
+
+    def poll(self) -> NodeResult | None:
+        if self.done_at is None or time.monotonic() < self.done_at:
+            return None
+        if self.killed:
+            return NodeResult(self.rank, self.node.host, 137, stopped_by="SIGKILL")
+        if self.stopped_with is not None:
+            return NodeResult(self.rank, self.node.host, 128 + self.stopped_with, stopped_by="SIGTERM")
+        rank = self.rank if self.code else None
+        return NodeResult(self.rank, self.node.host, self.code, rank=rank)
+
+    def stop(self, sig: int) -> None:
+        self.stopped_with = sig
+        if self.stop_delay is not None:
+            self.done_at = time.monotonic() + self.stop_delay
+            threading.Timer(self.stop_delay, self.wake.set).start()
+
+    def kill(self) -> None:
+        self.killed = True
+        self.done_at = time.monotonic()
+        self.wake.set()
+
+
+def _gang(specs, grace=0.5):
+    wake = threading.Event()
+    nodes = [ScriptedNode(i, wake, *spec) for i, spec in enumerate(specs)]
+    return Gang(nodes, wake, grace), nodes
+
+
+def test_all_succeed():
+    gang, _ = _gang([(0.05,), (0.1,)])
+    r = gang.run()
+    assert (r.exit_code, r.failure) == (0, None)
+
+
+def test_first_failure_stops_every_other_node_and_is_the_result():
+    gang, nodes = _gang([(None,), (0.1, 5), (0.3, 7), (None,)])
+    r = gang.run()
+    assert r.exit_code == 5 and r.failure.host == "host1"
+    assert [n.stopped_with for n in nodes] == [signal.SIGTERM, None, signal.SIGTERM, signal.SIGTERM]
+
+
+def test_node_ignoring_stop_is_killed_after_grace():
+    gang, nodes = _gang([(None, 0, None), (0.05, 3)], grace=0.3)
+    t0 = time.monotonic()
+    r = gang.run()
+    assert r.exit_code == 3 and nodes[0].killed
+    assert 0.3 < time.monotonic() - t0 < 2.0
+
+
+def test_stop_from_outside_gives_128_plus_signal():
+    gang, nodes = _gang([(None,), (None,)])
+    threading.Timer(0.1, gang.stop, args=(signal.SIGINT,)).start()
+    r = gang.run()
+    assert (r.exit_code, r.stopped_by, r.failure) == (130, "SIGINT", None)
+    assert [n.stopped_with for n in nodes] == [signal.SIGINT, signal.SIGINT]
