@@ -25,8 +25,11 @@ Epochs advance by themselves when one is exhausted (DeepSpeed's loader never cal
 epoch ``e`` unless the loader is already in epoch ``e`` (a resumed run calling ``set_epoch`` for
 the epoch it resumed in keeps its position).
 
-Limitations: map-style datasets (``__len__`` and ``__getitem__``); samples are loaded in the
-calling process (no worker processes); one active iterator at a time.
+Samples are fetched by a torch ``DataLoader`` driven by this loader's batches, so
+``num_workers`` and ``pin_memory`` behave as in torch; workers' prefetching does not move the
+position, which counts batches handed to the caller.
+
+Limitations: map-style datasets (``__len__`` and ``__getitem__``); one active iterator at a time.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class DistributedDataLoader:
         shuffle: a new permutation every epoch (else dataset order).
         seed: base seed; epoch e uses ``seed + e`` on every rank.
         drop_last: see the module docstring.
+        num_workers, pin_memory: passed to the torch ``DataLoader`` that fetches the samples.
 
     Raises:
         ValueError: non-positive batch size or world size, rank outside [0, world_size).
@@ -58,7 +62,7 @@ class DistributedDataLoader:
 
     def __init__(self, dataset: Any, batch_size: int, rank: int, world_size: int,
                  collate_fn: Callable[[list[Any]], Any] | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True):
+                 drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False):
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need batch_size >= 1, world_size >= 1 and 0 <= rank < world_size; got "
                              f"batch_size={batch_size}, rank={rank}, world_size={world_size}")
@@ -72,6 +76,7 @@ class DistributedDataLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.num_workers, self.pin_memory = num_workers, pin_memory
         self.epoch = 0
         self._offset = 0  # permutation entries of this epoch already handed out (all ranks)
 
@@ -115,14 +120,21 @@ class DistributedDataLoader:
         chunks = [order[i:i + step] for i in range(0, len(order), step)]
         if not chunks:
             self._next_epoch()
-        for k, chunk in enumerate(chunks):
+            return
+        for k, batch in enumerate(self._fetch([chunk[self.rank::self.world_size] for chunk in chunks])):
             # Advance before yielding: a state_dict() taken while the caller holds this batch
             # already points at the next one (the last batch moves to the next epoch).
             if k == len(chunks) - 1:
                 self._next_epoch()
             else:
-                self._offset += len(chunk)
-            yield self.collate_fn([self.dataset[i] for i in chunk[self.rank::self.world_size]])
+                self._offset += len(chunks[k])
+            yield batch
+
+    def _fetch(self, batches: list[list[int]]) -> Iterator[Any]:
+        from torch.utils.data import DataLoader
+
+        return iter(DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
+                               num_workers=self.num_workers, pin_memory=self.pin_memory))
 
     def _next_epoch(self) -> None:
         self.epoch += 1

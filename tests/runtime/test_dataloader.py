@@ -169,3 +169,12 @@ def test_invalid_arguments() -> None:
 def test_tiny_dataset_with_drop_last_yields_nothing_but_advances() -> None:
     loader = DistributedDataLoader(Squares(3), 2, 0, 2)
     assert len(loader) == 0 and list(loader) == [] and loader.epoch == 1
+
+
+def test_worker_processes_give_the_same_batches_and_position() -> None:
+    plain = _epoch(DistributedDataLoader(Squares(24), 3, 1, 2, seed=4))
+    loader = DistributedDataLoader(Squares(24), 3, 1, 2, seed=4, num_workers=2)
+    it = iter(loader)
+    first = _ids(next(it))  # the workers prefetch ahead, the position does not
+    assert loader.state_dict()["offset"] == 6
+    assert [first] + [_ids(b) for b in it] == plain
