@@ -76,9 +76,9 @@ def _master_problem(p: Mapping, master: str, port: int) -> tuple[str, str] | Non
                           f"{status.get('detail')}; pass --master_addr with an address every host can reach")
     port_state = p.get("port", {})
     if status.get("status") == "busy" or port_state.get("free") is False:
-        detail = port_state.get("detail") or "something already accepts connections on it"
-        return "port", (f"master port {port} on {where} is busy ({detail}); "
-                        "another job may be using it: pick a free one with --master_port")
+        detail = port_state.get("detail") or (f"master port {port} on {where} already accepts "
+                                              "connections; pick a free port with --master_port")
+        return "port", detail
     return None
 
 

@@ -18,6 +18,7 @@ Owns the client side of SSH and nothing else (what runs remotely is ``ssh_probe`
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shlex
 import socket
@@ -36,6 +37,9 @@ DEFAULT_CONNECT_TIMEOUT = 4.0
 KEEPALIVE_SECONDS = 2
 _DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
 _KNOWN_HOSTS_LOCK = threading.Lock()  # parallel connects may append to the same known_hosts
+# paramiko logs handshake failures itself; we report them as SSHError. A NullHandler keeps
+# Python's last-resort handler from printing paramiko's copy on the user's terminal.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class SSHError(LaunchError):
@@ -212,7 +216,7 @@ def _open_socket(t: SSHTarget) -> socket.socket:
                     f"{t.hostname} port {t.port} (host down or port filtered?)") from None
     except OSError as exc:
         if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
-            raise _Fail("unreachable", f"{t.hostname} is unreachable ({exc.strerror})") from None
+            raise _Fail("unreachable", f"{t.hostname} port {t.port} is unreachable ({exc.strerror})") from None
         raise _Fail("unreachable", f"cannot connect to {t.hostname} port {t.port}: {exc}") from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     # Why: a host whose link goes down must end the job in seconds, not at TCP's ~15 min timeout.
@@ -329,6 +333,9 @@ def connect(t: SSHTarget) -> paramiko.Transport:
             opts = transport.get_security_options()
             opts.key_types = [k for k in opts.key_types if k in known] or opts.key_types
         transport.start_client(timeout=t.connect_timeout)
+        if not transport.is_active() or transport.host_key is None:  # start_client returns on timeout
+            raise _Fail("timeout", f"no SSH handshake with {t.hostname} port {t.port} within "
+                        f"{t.connect_timeout:g}s (is an sshd listening there? see --ssh_port)")
         _verify_host_key(t, known, transport.get_remote_server_key())
         _authenticate(transport, t)
         transport.set_keepalive(KEEPALIVE_SECONDS)

@@ -15,7 +15,6 @@ probe answers in tens of milliseconds.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -80,16 +79,17 @@ def _reach(master_ip: str, port: int) -> dict:
 
 
 def _port_free(port: int) -> dict:
-    """Can the rendezvous store listen on ``port`` here (all addresses, as torch's TCPStore does)?"""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-            s.listen(1)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return {"free": False, "detail": "address already in use"}
-            return {"free": False, "detail": exc.strerror or str(exc)}
+    """Can the rendezvous store listen on ``port`` here? (the local launcher's own check)"""
+    from dslaunch.launcher.ports import check_port_free
+
+    from dslaunch.errors import LaunchError
+
+    try:
+        check_port_free(port)
+    except LaunchError as err:
+        return {"free": False, "detail": str(err)}
+    except OSError as exc:
+        return {"free": False, "detail": exc.strerror or str(exc)}
     return {"free": True}
 
 
