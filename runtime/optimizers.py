@@ -6,7 +6,8 @@ Owns the registry ``optimizer.type`` -> (accepted ``optimizer.params`` with defa
 
 Types: ``Adam`` / ``AdamW`` (DeepSpeed's FusedAdam params; ``adam_w_mode`` defaults to true, so
 ``Adam`` means decoupled weight decay unless it is set false; ``AdamW`` is always decoupled),
-``SGD``, ``Adagrad``, ``Lion`` (``lion.py``) and ``Lamb`` (``lamb.py``). torch's optimizers are
+``SGD``, ``Adagrad``, ``Lion`` (``lion.py``) and ``Lamb`` (``lamb.py``); like DeepSpeed, any other
+``torch.optim`` class by its exact name (``RMSprop``, ``NAdam``, ...). torch's optimizers are
 built with ``fused=True`` when the parameters allow it (CPU included: 3-10x faster than the
 per-tensor loop), else ``foreach=True``.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dslaunch.runtime.param_schema import Option, betas, boolean, check_params, number
+from dslaunch.runtime.param_schema import REQUIRED, Option, betas, boolean, check_params, number
 
 from dslaunch.errors import ConfigError, did_you_mean
 
@@ -178,14 +179,55 @@ _REGISTRY = {entry.name.lower(): entry for entry in _ENTRIES}
 OPTIMIZER_TYPES: tuple[str, ...] = tuple(entry.name for entry in _ENTRIES)
 
 
+# Types DeepSpeed knows that dslaunch does not implement.
+_DEEPSPEED_ONLY = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Muon")
+
+
 def _entry(opt_type: str) -> _Entry:
-    entry = _REGISTRY.get(opt_type.lower()) if isinstance(opt_type, str) else None
-    if entry is None:
-        hint = did_you_mean(str(opt_type).lower(), _REGISTRY)
-        raise ConfigError(f"unknown optimizer type {opt_type!r}{hint}; valid types (case-insensitive): "
-                          f"{', '.join(OPTIMIZER_TYPES)}, or pass a torch optimizer to initialize()",
-                          key="optimizer.type")
-    return entry
+    if not isinstance(opt_type, str):
+        raise ConfigError(f"must be a string such as \"AdamW\", got {opt_type!r}", key="optimizer.type")
+    entry = _REGISTRY.get(opt_type.lower()) or _torch_entry(opt_type)
+    if entry is not None:
+        return entry
+    if opt_type.lower() in {name.lower() for name in _DEEPSPEED_ONLY}:
+        raise ConfigError(f"optimizer type {opt_type!r} is accepted by DeepSpeed but not implemented by "
+                          f"dslaunch; use one of {', '.join(OPTIMIZER_TYPES)} or pass the optimizer to "
+                          "initialize()", key="optimizer.type")
+    hint = did_you_mean(opt_type.lower(), _REGISTRY)
+    raise ConfigError(f"unknown optimizer type {opt_type!r}{hint}; valid types (case-insensitive): "
+                      f"{', '.join(OPTIMIZER_TYPES)}, any other torch.optim class by its exact name "
+                      "(e.g. RMSprop), or pass a torch optimizer to initialize()", key="optimizer.type")
+
+
+def _torch_entry(opt_type: str) -> _Entry | None:
+    """DeepSpeed's fallback: any other ``torch.optim`` class by its exact name (e.g. ``RMSprop``).
+
+    Its keyword arguments become the accepted params (so typos are still caught); values are
+    passed through as given. torch is imported only here, for names outside the registry.
+    """
+    import inspect
+
+    import torch
+
+    cls = getattr(torch.optim, opt_type, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+        return None
+    schema = {}
+    for name, arg in inspect.signature(cls.__init__).parameters.items():
+        if name in ("self", "params") or arg.kind in (arg.VAR_POSITIONAL, arg.VAR_KEYWORD):
+            continue
+        schema[name] = Option(REQUIRED if arg.default is arg.empty else _UNSET, _json_value)
+    return _Entry(cls.__name__, schema, lambda groups, p, _name: cls(
+        _materialize(groups), **{k: v for k, v in p.items() if v is not _UNSET}))
+
+
+# Marks a torch keyword argument the user left out: torch applies its own default.
+_UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<torch default>"})()
+
+
+def _json_value(path: str, value: Any) -> Any:
+    # JSON has no tuples; torch's betas and etas are tuples.
+    return tuple(value) if isinstance(value, list) else value
 
 
 def validate_optimizer(opt_type: str, params: Mapping[str, Any] | None) -> OptimizerSpec:
@@ -228,5 +270,4 @@ def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_group
         ConfigError: as ``validate_optimizer``.
     """
     spec = validate_optimizer(opt_type, params)
-    entry = _REGISTRY[spec.name.lower()]
-    return entry.factory(param_groups, dict(spec.params), spec.name)
+    return _entry(spec.name).factory(param_groups, dict(spec.params), spec.name)

@@ -284,3 +284,24 @@ def test_lion_and_lamb_state_survive_state_dict_roundtrip() -> None:
         c.step()
         for p, q in zip(p1, c_params, strict=True):
             torch.testing.assert_close(p, q)
+
+
+def test_other_torch_optimizers_by_exact_name_like_deepspeed() -> None:
+    params = _params()
+    opt = build_optimizer("RMSprop", {"lr": 0.01, "alpha": 0.9}, params)
+    assert isinstance(opt, torch.optim.RMSprop) and opt.defaults["alpha"] == 0.9
+    ref_p = _params()
+    expected = _run(torch.optim.RMSprop(ref_p, lr=0.01, alpha=0.9), ref_p, 3)
+    for a, r in zip(_run(opt, params, 3), expected, strict=True):
+        torch.testing.assert_close(a, r)
+    nadam = build_optimizer("NAdam", {"betas": [0.8, 0.99]}, _params())
+    assert nadam.defaults["betas"] == (0.8, 0.99)
+    with pytest.raises(ConfigError, match=r"'optimizer.params.alpah'.*did you mean 'alpha'"):
+        validate_optimizer("RMSprop", {"alpah": 0.9})
+
+
+def test_deepspeed_only_types_are_reported_as_not_implemented() -> None:
+    with pytest.raises(ConfigError, match="accepted by DeepSpeed but not implemented"):
+        validate_optimizer("OneBitAdam", {})
+    with pytest.raises(ConfigError, match="must be a string"):
+        validate_optimizer(3, {})
