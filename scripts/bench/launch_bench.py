@@ -1,0 +1,114 @@
+"""Launch overhead: time from command start until 2 ranks passed a barrier and every process exited.
+
+Measured in one run, interleaved round-robin so machine load drifts hit every contender alike:
+
+- ``dslaunch --num_gpus 2 scripts/examples/allreduce.py``
+- ``torchrun --nproc-per-node 2 scripts/examples/allreduce.py``
+- ``deepspeed --num_gpus 2 scripts/examples/allreduce.py`` (CPU, gloo)
+- the floor: two parallel ``python -c 'import torch'`` (what any launcher must at least pay)
+
+All with OMP_NUM_THREADS=1 and a fresh free port per run. Writes ``results/launch_bench.json``
+and ``results/launch_bench.md`` (medians, ratios). Timings on a shared 2-core machine are noisy.
+
+Usage: ``python scripts/bench/launch_bench.py [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parent / "results"
+BIN = Path(sys.executable).parent
+SCRIPT = str(ROOT / "scripts" / "examples" / "allreduce.py")
+TARGET = 1.3  # dslaunch at most 1.3x the floor
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _commands() -> dict[str, list[list[str]] | None]:
+    """name -> a function of the port giving the command(s) to run in parallel; None if missing."""
+    py = sys.executable
+    cmds = {
+        "floor (2x import torch)": lambda p: [[py, "-c", "import torch"]] * 2,
+        "dslaunch": lambda p: [[str(BIN / "dslaunch"), "--num_gpus", "2", "--master_port", str(p), SCRIPT]],
+        "torchrun": lambda p: [[str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(p), SCRIPT]],
+        "deepspeed": lambda p: [[str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(p), SCRIPT]],
+    }
+    return {k: (v if k.startswith("floor") or shutil.which(v(0)[0][0]) else None) for k, v in cmds.items()}
+
+
+def _time_once(make) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(c, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for c in make(_port())]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    elapsed = time.perf_counter() - t0
+    for p, err in zip(procs, errs, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"{p.args} exited {p.returncode}: {err.decode()[-2000:]}")
+    return elapsed
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    cmds = {k: v for k, v in _commands().items() if v is not None}
+    missing = [k for k, v in _commands().items() if v is None]
+    times: dict[str, list[float]] = {k: [] for k in cmds}
+    for make in cmds.values():  # warm-up: page cache, .pyc files
+        _time_once(make)
+    for i in range(args.repeats):
+        for name, make in cmds.items():
+            times[name].append(_time_once(make))
+        print(f"repeat {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+              flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    floor, ours = med["floor (2x import torch)"], med["dslaunch"]
+    report = {
+        "what": "seconds from command start until 2 ranks passed a gloo barrier+all_reduce and exited",
+        "repeats": args.repeats, "cores": len(os.sched_getaffinity(0)), "times": times, "median": med,
+        "dslaunch_over_floor": ours / floor, "target_over_floor": TARGET, "missing": missing,
+        "load_average_after": os.getloadavg(),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "launch_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "launch_bench.md").write_text(_markdown(med, floor, ours, args.repeats, missing))
+    print(_markdown(med, floor, ours, args.repeats, missing))
+    return 0
+
+
+def _markdown(med: dict[str, float], floor: float, ours: float, repeats: int, missing: list[str]) -> str:
+    rows = [
+        "## Launch: 2 ranks to a gloo barrier and exit (`scripts/bench/launch_bench.py`)\n",
+        f"Median of {repeats} interleaved runs, same machine, same moment; OMP_NUM_THREADS=1. "
+        "Shared 2-core machine: timings are noisy, compare ratios.\n",
+        "| command | median s | vs floor | launcher / dslaunch |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, t in med.items():
+        rows.append(f"| {name} | {t:.2f} | {t / floor:.2f}x | {t / ours:.2f}x |")
+    verdict = "met" if ours / floor <= TARGET else "NOT met"
+    rows.append(f"\nTarget dslaunch <= {TARGET}x floor: {verdict} ({ours / floor:.2f}x).")
+    if missing:
+        rows.append(f"Not installed, not measured: {', '.join(missing)}.")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
