@@ -14,18 +14,43 @@ State per parameter: ``exp_avg``, ``exp_avg_sq``, ``step`` (0-dim float tensor, 
 Elementwise work runs through torch's ``_foreach`` kernels; the trust ratio needs one norm pair per
 tensor (``_foreach_norm``).
 
-Limitations: dense gradients only; no amsgrad (DeepSpeed rejects it as well).
+Flattened parameters (ZeRO): the trust ratio is per *original* parameter. When the engine hands
+over one flat tensor per group (ZeRO's master vector or this rank's shard of it), it can put
+``"segments": [(param_id, length), ...]`` in the group (``flat_segments`` builds it), and pass
+``norm_all_reduce`` (an in-place sum over ranks) plus the group's total ``"num_params"`` when each
+rank holds only a shard; then every
+original parameter gets its own ratio from its full norms, exactly as without flattening.
+Without segments a flat tensor is treated as one layer.
+
+Limitations: dense gradients only; no amsgrad (DeepSpeed rejects it as well). With
+``norm_all_reduce`` a step is a collective: call it on all ranks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["Lamb"]
+__all__ = ["Lamb", "flat_segments"]
+
+
+def flat_segments(numels: list[int], start: int, end: int) -> list[tuple[int, int]]:
+    """``(param_id, length)`` pieces of the params (flattened in order) that fall in [start, end).
+
+    Args:
+        numels: element counts of the group's parameters, in flattening order.
+        start, end: the range this rank holds (``[0, sum(numels))`` without sharding).
+    """
+    segments, offset = [], 0
+    for param_id, numel in enumerate(numels):
+        lo, hi = max(start, offset), min(end, offset + numel)
+        if hi > lo:
+            segments.append((param_id, hi - lo))
+        offset += numel
+    return segments
 
 
 class Lamb(torch.optim.Optimizer):
@@ -40,15 +65,19 @@ class Lamb(torch.optim.Optimizer):
         bias_correction: apply Adam's bias correction to the step size.
         max_coeff, min_coeff: bounds of the layer-wise trust ratio.
         eps_inside_sqrt: use sqrt(v + eps) instead of sqrt(v) + eps.
+        norm_all_reduce: sums a tensor in place over the ranks sharing flat groups (see the
+            module docstring); ``None`` when every rank holds whole parameters.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
-                 max_coeff: float = 10.0, min_coeff: float = 0.01, eps_inside_sqrt: bool = False):
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, eps_inside_sqrt: bool = False,
+                 norm_all_reduce: Callable[[torch.Tensor], None] | None = None):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "bias_correction": bias_correction, "max_coeff": max_coeff, "min_coeff": min_coeff,
                     "eps_inside_sqrt": eps_inside_sqrt}
         super().__init__(params, defaults)
+        self.norm_all_reduce = norm_all_reduce
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch API
@@ -94,12 +123,18 @@ class Lamb(torch.optim.Optimizer):
         if wd != 0.0:
             torch._foreach_add_(updates, params, alpha=wd)
 
-        coeffs = self._trust_ratios(params, updates, group["min_coeff"], group["max_coeff"])
+        if "segments" in group:
+            coeffs = [self._segment_trust_ratios(group, params, updates)]
+        else:
+            coeffs = self._trust_ratios(params, updates, group["min_coeff"], group["max_coeff"])
         for state, p, update, coeff in zip(states, params, updates, coeffs, strict=True):
             # Out of place: a loaded state_dict may share this tensor with another optimizer.
             state["step"] = state["step"] + 1
             step_size = self._step_size(group, int(state["step"].item()))
-            p.add_(update, alpha=-step_size * coeff)
+            if isinstance(coeff, torch.Tensor):
+                p.addcmul_(update, coeff, value=-step_size)
+            else:
+                p.add_(update, alpha=-step_size * coeff)
 
     @staticmethod
     def _trust_ratios(params: list[torch.Tensor], updates: list[torch.Tensor], min_coeff: float,
@@ -109,6 +144,31 @@ class Lamb(torch.optim.Optimizer):
         u_norms = torch.stack(torch._foreach_norm(updates)).tolist()
         return [min(max(w / u, min_coeff), max_coeff) if w != 0.0 and u != 0.0 else 1.0
                 for w, u in zip(w_norms, u_norms, strict=True)]
+
+    def _segment_trust_ratios(self, group: dict[str, Any], params: list[torch.Tensor],
+                              updates: list[torch.Tensor]) -> torch.Tensor:
+        """Per-element ratios for one flat tensor whose pieces belong to different parameters."""
+        if len(params) != 1:
+            raise ValueError("a Lamb param group with 'segments' must hold exactly one flat tensor")
+        (p,), (update,) = params, updates
+        ids = torch.tensor([pid for pid, _ in group["segments"]], dtype=torch.long)
+        lengths = torch.tensor([n for _, n in group["segments"]], dtype=torch.long)
+        if int(lengths.sum()) != p.numel():
+            raise ValueError(f"Lamb segments cover {int(lengths.sum())} elements, the tensor has {p.numel()}")
+        sq = torch.stack([torch.segment_reduce(p.float() * p.float(), "sum", lengths=lengths),
+                          torch.segment_reduce(update.float() * update.float(), "sum", lengths=lengths)])
+        if self.norm_all_reduce is not None:  # params split across ranks: add the other pieces
+            if "num_params" not in group:  # every rank must reduce a vector of the same size
+                raise ValueError("a sharded Lamb param group needs 'num_params' next to 'segments'")
+            n_params = int(group["num_params"])
+            full = torch.zeros(2, n_params, dtype=sq.dtype)
+            full.index_add_(1, ids, sq)
+            self.norm_all_reduce(full)
+            sq = full[:, ids]
+        w, u = sq.sqrt()
+        ratio = (w / u).clamp(group["min_coeff"], group["max_coeff"])
+        ratio = torch.where((w > 0) & (u > 0), ratio, torch.ones_like(ratio))
+        return ratio.to(p.dtype).repeat_interleave(lengths)
 
     @staticmethod
     def _step_size(group: dict[str, Any], step: int) -> float:
