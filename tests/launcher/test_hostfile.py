@@ -150,3 +150,12 @@ def test_include_of_an_unknown_host_is_an_error(hosts, name):
         return
     with pytest.raises(HostfileError, match="unknown host"):
         apply_filter(hosts, include=name)
+
+
+def test_example_hostfiles_parse():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "hostfiles").glob("*"))
+    assert examples
+    for path in examples:
+        assert read_hostfile(str(path), explicit=True)
