@@ -29,28 +29,41 @@ Limitations: dense gradients only; no amsgrad (DeepSpeed rejects it as well). Wi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Lamb", "flat_segments"]
+__all__ = ["Lamb", "FlatLayout"]
 
 
-def flat_segments(numels: list[int], start: int, end: int) -> list[tuple[int, int]]:
-    """``(param_id, length)`` pieces of the params (flattened in order) that fall in [start, end).
+@dataclass(frozen=True)
+class FlatLayout:
+    """Which original parameters a flat tensor holds: ``(param_id, length)`` pieces, in order.
 
-    Args:
-        numels: element counts of the group's parameters, in flattening order.
-        start, end: the range this rank holds (``[0, sum(numels))`` without sharding).
+    ``num_params`` is the group's parameter count on every rank (the size of the norm vector
+    that is all-reduced, so it must not depend on the rank's shard).
     """
-    segments, offset = [], 0
-    for param_id, numel in enumerate(numels):
-        lo, hi = max(start, offset), min(end, offset + numel)
-        if hi > lo:
-            segments.append((param_id, hi - lo))
-        offset += numel
-    return segments
+
+    segments: tuple[tuple[int, int], ...]
+    num_params: int
+
+    @classmethod
+    def of(cls, numels: Sequence[int], start: int, end: int) -> FlatLayout:
+        """The layout of [start, end) of the group's params flattened in order.
+
+        Args:
+            numels: element counts of the group's parameters, in flattening order.
+            start, end: the range the tensor holds (``0, sum(numels)`` without sharding).
+        """
+        segments, offset = [], 0
+        for param_id, numel in enumerate(numels):
+            lo, hi = max(start, offset), min(end, offset + numel)
+            if hi > lo:
+                segments.append((param_id, hi - lo))
+            offset += numel
+        return cls(tuple(segments), len(numels))
 
 
 class Lamb(torch.optim.Optimizer):
@@ -65,6 +78,7 @@ class Lamb(torch.optim.Optimizer):
         bias_correction: apply Adam's bias correction to the step size.
         max_coeff, min_coeff: bounds of the layer-wise trust ratio.
         eps_inside_sqrt: use sqrt(v + eps) instead of sqrt(v) + eps.
+        flat_layouts: one ``FlatLayout`` (or None) per param group holding one flat tensor.
         norm_all_reduce: sums a tensor in place over the ranks sharing flat groups (see the
             module docstring); ``None`` when every rank holds whole parameters.
     """
@@ -72,11 +86,15 @@ class Lamb(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, eps_inside_sqrt: bool = False,
+                 flat_layouts: Sequence[FlatLayout | None] | None = None,
                  norm_all_reduce: Callable[[torch.Tensor], None] | None = None):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "bias_correction": bias_correction, "max_coeff": max_coeff, "min_coeff": min_coeff,
                     "eps_inside_sqrt": eps_inside_sqrt}
         super().__init__(params, defaults)
+        self.flat_layouts = list(flat_layouts) if flat_layouts is not None else [None] * len(self.param_groups)
+        if len(self.flat_layouts) != len(self.param_groups):
+            raise ValueError(f"{len(self.flat_layouts)} flat layouts for {len(self.param_groups)} param groups")
         self.norm_all_reduce = norm_all_reduce
 
     @torch.no_grad()
@@ -85,10 +103,10 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group, layout in zip(self.param_groups, self.flat_layouts, strict=True):
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                self._update_group(group, params)
+                self._update_group(group, params, layout)
         return loss
 
     def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -99,7 +117,8 @@ class Lamb(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _update_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _update_group(self, group: dict[str, Any], params: list[torch.Tensor], layout: FlatLayout | None
+                      ) -> None:
         grads = [p.grad for p in params]
         if any(g.is_sparse for g in grads):
             raise RuntimeError("Lamb does not support sparse gradients")
@@ -123,8 +142,8 @@ class Lamb(torch.optim.Optimizer):
         if wd != 0.0:
             torch._foreach_add_(updates, params, alpha=wd)
 
-        if "segments" in group:
-            coeffs = [self._segment_trust_ratios(group, params, updates)]
+        if layout is not None:
+            coeffs = [self._segment_trust_ratios(group, layout, params, updates)]
         else:
             coeffs = self._trust_ratios(params, updates, group["min_coeff"], group["max_coeff"])
         for state, p, update, coeff in zip(states, params, updates, coeffs, strict=True):
@@ -145,23 +164,20 @@ class Lamb(torch.optim.Optimizer):
         return [min(max(w / u, min_coeff), max_coeff) if w != 0.0 and u != 0.0 else 1.0
                 for w, u in zip(w_norms, u_norms, strict=True)]
 
-    def _segment_trust_ratios(self, group: dict[str, Any], params: list[torch.Tensor],
+    def _segment_trust_ratios(self, group: dict[str, Any], layout: FlatLayout, params: list[torch.Tensor],
                               updates: list[torch.Tensor]) -> torch.Tensor:
         """Per-element ratios for one flat tensor whose pieces belong to different parameters."""
         if len(params) != 1:
-            raise ValueError("a Lamb param group with 'segments' must hold exactly one flat tensor")
+            raise ValueError("a Lamb param group with a FlatLayout must hold exactly one flat tensor")
         (p,), (update,) = params, updates
-        ids = torch.tensor([pid for pid, _ in group["segments"]], dtype=torch.long)
-        lengths = torch.tensor([n for _, n in group["segments"]], dtype=torch.long)
+        ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
+        lengths = torch.tensor([n for _, n in layout.segments], dtype=torch.long)
         if int(lengths.sum()) != p.numel():
             raise ValueError(f"Lamb segments cover {int(lengths.sum())} elements, the tensor has {p.numel()}")
         sq = torch.stack([torch.segment_reduce(p.float() * p.float(), "sum", lengths=lengths),
                           torch.segment_reduce(update.float() * update.float(), "sum", lengths=lengths)])
         if self.norm_all_reduce is not None:  # params split across ranks: add the other pieces
-            if "num_params" not in group:  # every rank must reduce a vector of the same size
-                raise ValueError("a sharded Lamb param group needs 'num_params' next to 'segments'")
-            n_params = int(group["num_params"])
-            full = torch.zeros(2, n_params, dtype=sq.dtype)
+            full = torch.zeros(2, layout.num_params, dtype=sq.dtype)
             full.index_add_(1, ids, sq)
             self.norm_all_reduce(full)
             sq = full[:, ids]

@@ -14,7 +14,7 @@ per-tensor loop), else ``foreach=True``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,8 @@ class _Entry:
     factory: Callable[[Any, dict[str, Any], str], Any]
     # Checks between keys, run at validation time (no tensors needed).
     cross_check: Callable[[dict[str, Any]], None] = _no_cross_check
+    # Needs to know how flat ZeRO tensors map to the original parameters (per-parameter norms).
+    layout_aware: bool = False
 
 
 def _adam_schema() -> dict[str, Option]:
@@ -172,7 +174,7 @@ _ENTRIES = [
         "min_coeff": Option(0.01, number(0.0)),
         "eps_inside_sqrt": Option(False, boolean),
         "amsgrad": Option(False, boolean),
-    }, _make_lamb, _check_lamb),
+    }, _make_lamb, _check_lamb, layout_aware=True),
 ]
 _REGISTRY = {entry.name.lower(): entry for entry in _ENTRIES}
 
@@ -254,7 +256,9 @@ def validate_optimizer(opt_type: str, params: Mapping[str, Any] | None) -> Optim
     return OptimizerSpec(entry.name, checked)
 
 
-def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_groups: Any):
+def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_groups: Any, *,
+                    flat_layouts: Sequence[Any] | None = None,
+                    norm_all_reduce: Callable[[Any], None] | None = None):
     """Build the optimizer DeepSpeed would build for this ``optimizer`` section.
 
     Args:
@@ -262,6 +266,11 @@ def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_group
         params: ds_config ``optimizer.params``.
         param_groups: an iterable of tensors or of param-group dicts (per-group keys such as
             ``weight_decay`` override the config's values, as in torch).
+        flat_layouts: for ZeRO's flat tensors, one ``lamb.FlatLayout`` (or None) per group:
+            which original parameters each flat tensor holds. Only optimizers whose update
+            depends on per-parameter norms (Lamb) use it; elementwise ones ignore it.
+        norm_all_reduce: in-place sum over the ranks when each holds a shard of the flat
+            tensors (ZeRO stage >= 1); with Lamb this makes ``step()`` a collective.
 
     Returns:
         A ``torch.optim.Optimizer``.
@@ -270,4 +279,8 @@ def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_group
         ConfigError: as ``validate_optimizer``.
     """
     spec = validate_optimizer(opt_type, params)
-    return _entry(spec.name).factory(param_groups, dict(spec.params), spec.name)
+    entry = _entry(spec.name)
+    kwargs = dict(spec.params)
+    if entry.layout_aware:
+        kwargs.update(flat_layouts=flat_layouts, norm_all_reduce=norm_all_reduce)
+    return entry.factory(param_groups, kwargs, spec.name)

@@ -313,7 +313,7 @@ def test_deepspeed_only_types_are_reported_as_not_implemented() -> None:
 def _flat_lamb_run(rank: int, world: int, steps: int) -> list[float]:
     """One rank's shard of the flattened params, updated by Lamb with per-parameter segments."""
     import torch.distributed as dist
-    from dslaunch.runtime.lamb import flat_segments
+    from dslaunch.runtime.lamb import FlatLayout
 
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -324,9 +324,9 @@ def _flat_lamb_run(rank: int, world: int, steps: int) -> list[float]:
     start = min(rank * k, total)
     end = min(start + k, total)
     shard = torch.cat([p.detach().reshape(-1) for p in params])[start:end].clone().requires_grad_()
-    group = {"params": [shard], "segments": flat_segments(numels, start, end), "num_params": len(params)}
     reduce = (lambda t: dist.all_reduce(t)) if world > 1 else None
-    opt = Lamb([group], lr=0.01, weight_decay=0.01, norm_all_reduce=reduce)
+    opt = build_optimizer("Lamb", {"lr": 0.01, "weight_decay": 0.01}, [shard],
+                          flat_layouts=[FlatLayout.of(numels, start, end)], norm_all_reduce=reduce)
     for step in range(steps):
         shard.grad = torch.cat([g.reshape(-1) for g in _grads(params, step)])[start:end].clone()
         opt.step()
@@ -355,9 +355,21 @@ def test_flat_lamb_without_segments_is_one_layer() -> None:
     assert not torch.allclose(flat.detach(), torch.cat([p.reshape(-1) for p in expected]), rtol=1e-5, atol=1e-6)
 
 
-def test_flat_segments() -> None:
-    from dslaunch.runtime.lamb import flat_segments
+def test_flat_layout() -> None:
+    from dslaunch.runtime.lamb import FlatLayout
 
-    assert flat_segments([4, 3, 5], 0, 12) == [(0, 4), (1, 3), (2, 5)]
-    assert flat_segments([4, 3, 5], 3, 8) == [(0, 1), (1, 3), (2, 1)]
-    assert flat_segments([4, 3, 5], 12, 12) == []
+    assert FlatLayout.of([4, 3, 5], 0, 12).segments == ((0, 4), (1, 3), (2, 5))
+    assert FlatLayout.of([4, 3, 5], 3, 8) == FlatLayout(((0, 1), (1, 3), (2, 1)), 3)
+    assert FlatLayout.of([4, 3, 5], 12, 12).segments == ()
+
+
+def test_flat_layout_is_not_saved_in_the_optimizer_state() -> None:
+    from dslaunch.runtime.lamb import FlatLayout
+
+    flat = torch.zeros(12, requires_grad=True)
+    opt = build_optimizer("Lamb", {}, [flat], flat_layouts=[FlatLayout.of([4, 3, 5], 0, 12)])
+    flat.grad = torch.ones(12)
+    opt.step()
+    assert "segments" not in str(opt.state_dict()["param_groups"])
+    # other optimizers accept (and ignore) the layout: their updates are elementwise
+    build_optimizer("AdamW", {}, [torch.zeros(3, requires_grad=True)], flat_layouts=[None])
