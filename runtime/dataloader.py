@@ -140,6 +140,11 @@ class DistributedDataLoader:
         self.epoch += 1
         self._offset = 0
 
+    @property
+    def data_sampler(self) -> DistributedDataLoader:
+        """DeepSpeed scripts call ``loader.data_sampler.set_epoch(e)``; the loader is its own sampler."""
+        return self
+
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (no-op if already in that epoch)."""
         if epoch != self.epoch:

@@ -84,7 +84,7 @@ def test_deterministic_and_reshuffled_per_epoch() -> None:
 
 def test_set_epoch_jumps_but_keeps_position_within_the_same_epoch() -> None:
     loader = _loaders(30, 1, 3)[0]
-    loader.set_epoch(4)
+    loader.data_sampler.set_epoch(4)  # DeepSpeed scripts' spelling
     epoch4 = _epoch(loader)
     fresh = _loaders(30, 1, 3)[0]
     fresh.set_epoch(4)
