@@ -79,7 +79,7 @@ class Agent:
         self.node = node
         self._out, self._err = Sink(stdout_fd), Sink(stderr_fd)
         self._on_change = on_change
-        self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
+        self._lock = threading.RLock()
         self._workers: list[Worker] = []
         self._spawning = True
         self._finishing = False
@@ -90,6 +90,7 @@ class Agent:
         self._result: NodeResult | None = None
         self._watchdog = Watchdog()
         self._logs: list[Sink] = []
+        self._timer: threading.Timer | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -151,7 +152,7 @@ class Agent:
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop every worker from outside: ``sig`` now, SIGKILL after the grace period.
 
-        Safe to call repeatedly and from a signal handler; the node's result then says
+        Safe to call repeatedly (not from a signal handler: it takes locks); the result then says
         ``stopped_by`` (unless a worker had already failed).
         """
         if self._stopped_by is None:
@@ -166,9 +167,9 @@ class Agent:
         for w in running:
             signal_group(w.proc.pid, sig)
         if first and sig != signal.SIGKILL:
-            timer = threading.Timer(self.node.grace, self._kill_running)
-            timer.daemon = True
-            timer.start()
+            self._timer = threading.Timer(self.node.grace, self._kill_running)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _kill_running(self) -> None:
         with self._lock:
@@ -208,6 +209,8 @@ class Agent:
         for w in self._workers:
             for t in w.threads:
                 t.join(timeout=1.0)  # a child outside the group may hold the pipe: do not hang
+        if self._timer is not None:
+            self._timer.cancel()
         for log in self._logs:
             log.close()
         self._watchdog.release()
@@ -292,8 +295,9 @@ def main() -> int:
         return 2
     node = NodeSpec.from_json(line.decode())
     agent = Agent(node)
+    pending: list[int] = []  # the handler only records: taking locks in a signal handler can deadlock
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: agent.stop(signum))
+        signal.signal(sig, lambda signum, _frame: pending.append(signum))
     try:
         agent.start()
     except LaunchError as err:
@@ -302,8 +306,11 @@ def main() -> int:
         print(format_status_line(result), file=sys.stderr, flush=True)
         return result.exit_code
     threading.Thread(target=_stop_on_eof, args=(agent,), daemon=True, name="stdin-eof").start()
-    while (result := agent.wait(timeout=0.5)) is None:
-        pass  # short waits keep the main thread responsive to signals
+    stopping = False
+    while (result := agent.wait(timeout=0.1)) is None:
+        if pending and not stopping:
+            stopping = True
+            agent.stop(pending[0])
     print(format_status_line(result), file=sys.stderr, flush=True)
     return result.exit_code
 

@@ -64,7 +64,7 @@ class Gang:
     """Watches all nodes of a job; first failure anywhere stops everything.
 
     ``run()`` blocks in the calling thread; ``stop(sig)`` may be called from a signal handler
-    (it only sets a flag and wakes the loop).
+    (it only sets a flag).
     """
 
     def __init__(self, handles: list[NodeHandle], wake: threading.Event, grace: float) -> None:
@@ -74,9 +74,10 @@ class Gang:
         self._requested: int | None = None
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Request a stop; the loop acts within its 0.1 s poll. Lock-free, so signal-handler safe
+        (setting the wake Event here could deadlock if the signal interrupted the loop's own wait)."""
         if self._requested is None:
             self._requested = sig
-        self._wake.set()
 
     def run(self) -> GangResult:
         results: dict[int, NodeResult] = {}
