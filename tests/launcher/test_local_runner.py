@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 
 import pytest
@@ -182,3 +183,16 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("flags, target", [
+    (("--module",), "tests.launcher.bin.fake_worker"),
+    (("--no_python",), FAKE),
+])
+def test_module_and_no_python(free_port, flags, target):
+    from tests.launcher.helpers import ROOT
+
+    r = run_dslaunch(["--num_gpus", "2", "--master_port", str(free_port), *flags, target, "argv"], cwd=str(ROOT),
+                     PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == [f'[rank{i}] ["--local_rank={i}", "argv"]' for i in range(2)]

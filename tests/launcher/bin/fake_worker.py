@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """A fake worker for launcher tests: behaves as told by its arguments, never imports torch.
 
 Actions run in order, e.g. ``fake_worker.py print=hello sleep=0.2 exit=3``:
