@@ -181,8 +181,12 @@ def _run(runner, job: JobSpec) -> int:
 
 
 def _zero_to_fp32(argv: list[str]) -> int:
-    from dslaunch.runtime.zero_to_fp32 import main as z2f  # imports torch: only for this command
-
+    try:
+        from dslaunch.runtime.zero_to_fp32 import main as z2f  # imports torch: only for this command
+    except ModuleNotFoundError as err:
+        if err.name != "dslaunch.runtime.zero_to_fp32":
+            raise
+        raise UsageError("zero-to-fp32 is not available in this installation") from None
     return z2f(argv) or 0
 
 
