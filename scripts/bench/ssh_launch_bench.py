@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Launch time over SSH: dslaunch vs DeepSpeed's pdsh launcher vs the floor, for 1, 2, 3 hosts.
+
+Launch time = from starting the command to every rank having passed a barrier (and an
+all_reduce) and exited: the wall time of ``scripts/examples/allreduce.py`` run as one job over
+the test cluster (``scripts/cluster/cluster.py``, brought up here if needed).
+
+- dslaunch: ``dslaunch --hostfile H --launcher_args '-F <cluster ssh_config>' allreduce.py``;
+- DeepSpeed: ``deepspeed --hostfile H --launcher pdsh --no_ssh_check --master_addr <first host>``
+  (Debian pdsh; ``PDSH_SSH_ARGS_APPEND=-F <ssh_config>`` lets its ssh find the cluster);
+- floor: the same number of ``python -c 'import torch'`` started over plain ``ssh -F`` in
+  parallel (what any launcher must at least pay: logins plus one torch import per rank).
+
+Both launchers run from a scratch directory whose ``.deepspeed_env`` sets OMP_NUM_THREADS=1 (both
+read it). Runs are interleaved (dslaunch, DeepSpeed, floor, repeat) so machine load drifts affect
+all three alike; medians are reported. Timings are noisy on a shared 2-core machine.
+
+Writes scripts/bench/results/ssh_launch_bench.{json,md}. Needs root (the cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "scripts" / "bench" / "results"
+ALLREDUCE = ROOT / "scripts" / "examples" / "allreduce.py"
+PY = sys.executable
+sys.path.insert(0, str(ROOT / "scripts" / "cluster"))
+import cluster as cluster_mod  # noqa: E402  (a script directory, not a package)
+
+
+def _timed(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 180) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: {cmd[:3]}... failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return elapsed
+
+
+def _floor(hosts: list[str], ranks: int, ssh_config: str) -> float:
+    start = time.perf_counter()
+    procs = [subprocess.Popen(["ssh", "-F", ssh_config, h, PY, "-c", "'import torch'"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+             for h in hosts for _ in range(ranks)]
+    codes = [p.wait(120) for p in procs]
+    elapsed = time.perf_counter() - start
+    if any(codes):
+        raise SystemExit(f"bench: floor ssh failed: {codes}")
+    return elapsed
+
+
+class Bench:
+    def __init__(self, info: dict, work: Path, ranks: int) -> None:
+        self.info, self.work, self.ranks = info, work, ranks
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1",
+                    "PDSH_SSH_ARGS_APPEND": f"-F {info['ssh_config']}"}
+        self.port = 29700
+
+    def hostfile(self, k: int) -> Path:
+        path = self.work / f"hostfile{k}"
+        path.write_text("".join(f"{h['name']} slots={self.ranks}\n" for h in self.info["hosts"][:k]))
+        return path
+
+    def _next_port(self) -> str:
+        self.port += 1  # a fresh port per run: no TIME_WAIT surprises between repeats
+        return str(self.port)
+
+    def dslaunch(self, k: int) -> float:
+        return _timed([PY, "-m", "dslaunch.launcher.cli", "--hostfile", str(self.hostfile(k)),
+                       "--launcher_args", f"-F {self.info['ssh_config']}", "--master_port",
+                       self._next_port(), str(ALLREDUCE)], self.work, self.env)
+
+    def deepspeed(self, k: int) -> float:
+        deepspeed = str(Path(PY).parent / "deepspeed")
+        return _timed([PY, deepspeed, "--hostfile", str(self.hostfile(k)), "--launcher", "pdsh",
+                       "--no_ssh_check", "--master_addr", self.info["hosts"][0]["addr"],
+                       "--master_port", self._next_port(), str(ALLREDUCE)], self.work, self.env)
+
+    def floor(self, k: int) -> float:
+        return _floor([h["name"] for h in self.info["hosts"][:k]], self.ranks, self.info["ssh_config"])
+
+
+def _markdown(rows: list[dict], ranks: int, repeats: int) -> str:
+    lines = [
+        f"### SSH launch time: {ranks} ranks per host (median of {repeats}; seconds)",
+        "",
+        "Command start to all ranks past a barrier + all_reduce and exited, on the network-namespace "
+        "test cluster (one sshd per host). Shared 2-core machine: noisy.",
+        "",
+        "| hosts | ranks | dslaunch | DeepSpeed (pdsh) | floor (ssh + import torch) | dslaunch / floor "
+        "| DeepSpeed / dslaunch |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        ds = f"{r['deepspeed']:.2f}" if r["deepspeed"] is not None else "n/a"
+        speed = f"{r['deepspeed'] / r['dslaunch']:.2f}x" if r["deepspeed"] is not None else "n/a"
+        lines.append(f"| {r['hosts']} | {r['hosts'] * ranks} | {r['dslaunch']:.2f} | {ds} | {r['floor']:.2f} "
+                     f"| {r['dslaunch'] / r['floor']:.2f}x | {speed} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--ranks-per-host", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed runs")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("bench: needs root for the test cluster")
+    have_ds = not args.no_deepspeed and shutil.which("pdsh") and (Path(PY).parent / "deepspeed").exists()
+    state = cluster_mod.state_dir_default()
+    was_up = all(cluster_mod.status(state)["sshd"].values()) and len(cluster_mod.status(state)["sshd"]) >= max(args.hosts)
+    info = cluster_mod.up(max(args.hosts), state)
+    times: dict[int, dict[str, list[float]]] = {k: {"dslaunch": [], "deepspeed": [], "floor": []} for k in args.hosts}
+    try:
+        with tempfile.TemporaryDirectory(prefix="dsl-bench-") as tmp:
+            work = Path(tmp)
+            (work / ".deepspeed_env").write_text("OMP_NUM_THREADS=1\n")
+            bench = Bench(info, work, args.ranks_per_host)
+            for k in args.hosts:
+                for rep in range(args.repeats):
+                    times[k]["dslaunch"].append(bench.dslaunch(k))
+                    if have_ds:
+                        times[k]["deepspeed"].append(bench.deepspeed(k))
+                    times[k]["floor"].append(bench.floor(k))
+                    print(f"hosts={k} repeat {rep + 1}: " + ", ".join(
+                        f"{name} {vals[-1]:.2f}s" for name, vals in times[k].items() if vals), flush=True)
+    finally:
+        if not was_up:
+            cluster_mod.down(state)
+    rows = [{"hosts": k, **{name: (statistics.median(v) if v else None) for name, v in t.items()}}
+            for k, t in times.items()]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": "ssh_launch_bench", "ranks_per_host": args.ranks_per_host,
+              "repeats": args.repeats, "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+              "note": "shared 2-core machine; timings are noisy", "rows": rows,
+              "raw": {str(k): t for k, t in times.items()}}
+    (RESULTS / "ssh_launch_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    md = _markdown(rows, args.ranks_per_host, args.repeats)
+    (RESULTS / "ssh_launch_bench.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
