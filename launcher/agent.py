@@ -33,7 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dslaunch.launcher.output import Sink, pump
-from dslaunch.launcher.procs import Watchdog, child_setup, exit_code_of, signal_group
+from dslaunch.launcher.procs import (
+    Watchdog,
+    become_subreaper,
+    child_setup,
+    exit_code_of,
+    kill_adopted,
+    signal_group,
+)
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 
 from dslaunch.errors import LaunchError
@@ -97,6 +104,7 @@ class Agent:
     def start(self) -> None:
         """Start every worker. Raises LaunchError (after stopping the started ones) on failure."""
         shares = _core_shares(self.node)
+        become_subreaper()
         self._watchdog.start()
         if self.node.pid_file:
             with open(self.node.pid_file, "w") as f:
@@ -206,6 +214,7 @@ class Agent:
         """All workers exited: kill leftovers in their groups, drain output, record the result."""
         for w in self._workers:
             signal_group(w.proc.pid, signal.SIGKILL)  # grandchildren left behind in the group
+        kill_adopted(keep={self._watchdog.pid, *self.pids})  # daemons that left the group
         for w in self._workers:
             for t in w.threads:
                 t.join(timeout=1.0)  # a child outside the group may hold the pipe: do not hang

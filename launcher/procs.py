@@ -7,7 +7,10 @@ Guarantees this module provides to the agent:
 - every worker has ``PR_SET_PDEATHSIG=SIGKILL``: if the thread that spawned it dies (agent or
   controller SIGKILLed), the kernel kills the worker;
 - a forked ``Watchdog`` outlives a SIGKILLed agent just long enough to ``killpg`` every worker
-  group, so grandchildren (which PDEATHSIG does not reach) die too.
+  group, so grandchildren (which PDEATHSIG does not reach) die too;
+- the agent is a child subreaper: descendants that left their group (``setsid`` daemons) and
+  lost their parent are re-parented to the agent, which kills them when the job ends
+  (``kill_adopted``). Limitation: such daemons survive a SIGKILLed agent.
 
 No torch, no psutil: this runs on the launch path where every millisecond counts.
 """
@@ -19,9 +22,10 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 
-__all__ = ["exit_code_of", "child_setup", "signal_group", "Watchdog"]
+__all__ = ["exit_code_of", "child_setup", "signal_group", "Watchdog", "become_subreaper", "kill_adopted"]
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls into it
 
 
@@ -69,6 +73,46 @@ def signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
+def become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process instead of init."""
+    _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def kill_adopted(keep: set[int], rounds: int = 5) -> int:
+    """SIGKILL and reap our children not in ``keep`` (adopted orphans); returns how many.
+
+    Several rounds, since killing an adopted process can orphan its own children.
+    """
+    killed = 0
+    for _ in range(rounds):
+        pids = [p for p in _children() if p not in keep]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                killed += 1
+            except (ProcessLookupError, ChildProcessError):
+                pass
+    return killed
+
+
+def _children() -> list[int]:
+    pids: list[int] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.extend(int(p) for p in f.read().split())
+        except OSError:  # thread gone, or a kernel without CONFIG_PROC_CHILDREN
+            continue
+    return pids
+
+
 class Watchdog:
     """A forked helper that SIGKILLs every registered process group if its owner dies.
 
@@ -79,10 +123,11 @@ class Watchdog:
 
     def __init__(self) -> None:
         self._fd: int | None = None
+        self.pid: int | None = None
 
     def start(self) -> None:
         read_fd, write_fd = os.pipe()
-        pid = os.fork()
+        pid = self.pid = os.fork()
         if pid == 0:  # child: never returns
             os.close(write_fd)
             _watch(read_fd)

@@ -196,3 +196,10 @@ def test_module_and_no_python(free_port, flags, target):
                      PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == [f'[rank{i}] ["--local_rank={i}", "argv"]' for i in range(2)]
+
+
+def test_daemon_that_left_the_process_group_is_cleaned_up(free_port, tmp_path):
+    tag = new_tag()
+    r = run_dslaunch(_job(free_port, 2, f"daemon={tmp_path}/d{{rank}}", "r1:sleep=0.3", "r1:exit=4"), tag)
+    assert r.returncode == 4
+    assert_no_job_process(tag)

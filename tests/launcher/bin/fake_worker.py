@@ -8,6 +8,7 @@ Actions run in order, e.g. ``fake_worker.py print=hello sleep=0.2 exit=3``:
 - ``argv``: print sys.argv[1:] as JSON on stdout;
 - ``sleep=S``; ``hang`` (sleep forever); ``ignore_term`` (SIGTERM is ignored from now on);
 - ``grandchild=PIDFILE``: spawn a sleeping grandchild and write its pid to PIDFILE;
+- ``daemon=PIDFILE``: the same, but in a new session (it leaves the worker's process group);
 - ``exit=N``; ``signal=NAME`` (kill itself with that signal);
 - ``rR:ACTION``: run ACTION only on rank R, e.g. ``r1:exit=3`` (other ranks skip it).
 """
@@ -50,8 +51,9 @@ def main(args: list[str]) -> int:
                 time.sleep(60)
         elif key == "ignore_term":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        elif key == "grandchild":
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        elif key in ("grandchild", "daemon"):
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                     start_new_session=key == "daemon")
             with open(value.replace("{rank}", rank), "w") as f:
                 f.write(str(child.pid))
         elif key == "exit":
