@@ -79,11 +79,16 @@ class Agent:
         node: what to run.
         stdout_fd, stderr_fd: where prefixed worker output goes.
         on_change: called (from a helper thread) once the node has finished.
+        adopt_orphans: make this process a child subreaper and, when the job ends, SIGKILL every
+            child process that is not a worker (daemons that left their worker's group). Only
+            for a process that exists to run this job (the CLI, the agent command), never in a
+            process with children of its own.
     """
 
     def __init__(self, node: NodeSpec, stdout_fd: int = 1, stderr_fd: int = 2,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, adopt_orphans: bool = False) -> None:
         self.node = node
+        self._adopt = adopt_orphans
         self._out, self._err = Sink(stdout_fd), Sink(stderr_fd)
         self._on_change = on_change
         self._lock = threading.RLock()
@@ -104,7 +109,8 @@ class Agent:
     def start(self) -> None:
         """Start every worker. Raises LaunchError (after stopping the started ones) on failure."""
         shares = _core_shares(self.node)
-        become_subreaper()
+        if self._adopt:
+            become_subreaper()
         self._watchdog.start()
         if self.node.pid_file:
             with open(self.node.pid_file, "w") as f:
@@ -214,7 +220,8 @@ class Agent:
         """All workers exited: kill leftovers in their groups, drain output, record the result."""
         for w in self._workers:
             signal_group(w.proc.pid, signal.SIGKILL)  # grandchildren left behind in the group
-        kill_adopted(keep={self._watchdog.pid, *self.pids})  # daemons that left the group
+        if self._adopt:
+            kill_adopted(keep={self._watchdog.pid, *self.pids})  # daemons that left the group
         for w in self._workers:
             for t in w.threads:
                 t.join(timeout=1.0)  # a child outside the group may hold the pipe: do not hang
@@ -303,7 +310,7 @@ def main() -> int:
         print("dslaunch agent: expected one NodeSpec JSON line on stdin, got EOF", file=sys.stderr)
         return 2
     node = NodeSpec.from_json(line.decode())
-    agent = Agent(node)
+    agent = Agent(node, adopt_orphans=True)
     pending: list[int] = []  # the handler only records: taking locks in a signal handler can deadlock
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: pending.append(signum))

@@ -33,14 +33,15 @@ class _InProcessNode(NodeHandle):
 
 
 class LocalRunner(Runner):
-    """Runs the single local node in-process. Call ``start`` from the main thread."""
+    """Runs the single local node in-process. Call ``start`` from the main thread of a process
+    that exists for this job (it becomes the workers' subreaper, see ``Agent``)."""
 
     name = "local"
 
     def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
         if len(job.nodes) != 1:
             raise UsageError(f"the local launcher runs one node, got {len(job.nodes)}: {', '.join(job.hosts)}")
-        agent = Agent(job.nodes[0], on_change=wake.set)
+        agent = Agent(job.nodes[0], on_change=wake.set, adopt_orphans=True)  # the CLI process is the job's
         agent.start()
         return [_InProcessNode(agent)]
 
