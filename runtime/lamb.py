@@ -142,49 +142,58 @@ class Lamb(torch.optim.Optimizer):
         if wd != 0.0:
             torch._foreach_add_(updates, params, alpha=wd)
 
+        # Trust ratios per original parameter: the tensors themselves, or views of the pieces
+        # of a flat tensor. Views keep every pass in place (no per-element ratio tensor).
         if layout is not None:
-            coeffs = [self._segment_trust_ratios(group, layout, params, updates)]
+            weights, directions = self._pieces(layout, params, updates)
+            step_sizes = [self._advance(states[0], group)] * len(weights)
         else:
-            coeffs = self._trust_ratios(params, updates, group["min_coeff"], group["max_coeff"])
-        for state, p, update, coeff in zip(states, params, updates, coeffs, strict=True):
-            # Out of place: a loaded state_dict may share this tensor with another optimizer.
-            state["step"] = state["step"] + 1
-            step_size = self._step_size(group, int(state["step"].item()))
-            if isinstance(coeff, torch.Tensor):
-                p.addcmul_(update, coeff, value=-step_size)
-            else:
-                p.add_(update, alpha=-step_size * coeff)
+            weights, directions = params, updates
+            step_sizes = [self._advance(state, group) for state in states]
+        ratios = self._trust_ratios(group, layout, weights, directions)  # collective with a reducer
+        if not weights:  # an empty shard: nothing to update here
+            return
+        torch._foreach_mul_(directions, [-size * ratio for size, ratio in zip(step_sizes, ratios, strict=True)])
+        torch._foreach_add_(weights, directions)
+
+    def _advance(self, state: dict[str, torch.Tensor], group: dict[str, Any]) -> float:
+        """Count one step for a parameter and return its step size."""
+        # Out of place: a loaded state_dict may share this tensor with another optimizer.
+        state["step"] = state["step"] + 1
+        return self._step_size(group, int(state["step"].item()))
 
     @staticmethod
-    def _trust_ratios(params: list[torch.Tensor], updates: list[torch.Tensor], min_coeff: float,
-                      max_coeff: float) -> list[float]:
-        # One synchronising .tolist() per group, not one per tensor.
-        w_norms = torch.stack(torch._foreach_norm(params)).tolist()
-        u_norms = torch.stack(torch._foreach_norm(updates)).tolist()
-        return [min(max(w / u, min_coeff), max_coeff) if w != 0.0 and u != 0.0 else 1.0
-                for w, u in zip(w_norms, u_norms, strict=True)]
-
-    def _segment_trust_ratios(self, group: dict[str, Any], layout: FlatLayout, params: list[torch.Tensor],
-                              updates: list[torch.Tensor]) -> torch.Tensor:
-        """Per-element ratios for one flat tensor whose pieces belong to different parameters."""
+    def _pieces(layout: FlatLayout, params: list[torch.Tensor], updates: list[torch.Tensor]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if len(params) != 1:
             raise ValueError("a Lamb param group with a FlatLayout must hold exactly one flat tensor")
-        (p,), (update,) = params, updates
-        ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
-        lengths = torch.tensor([n for _, n in layout.segments], dtype=torch.long)
-        if int(lengths.sum()) != p.numel():
-            raise ValueError(f"Lamb segments cover {int(lengths.sum())} elements, the tensor has {p.numel()}")
-        sq = torch.stack([torch.segment_reduce(p.float() * p.float(), "sum", lengths=lengths),
-                          torch.segment_reduce(update.float() * update.float(), "sum", lengths=lengths)])
-        if self.norm_all_reduce is not None:  # params split across ranks: add the other pieces
-            full = torch.zeros(2, layout.num_params, dtype=sq.dtype)
-            full.index_add_(1, ids, sq)
+        flat, update = params[0].view(-1), updates[0].view(-1)
+        bounds, offset = [], 0
+        for _, length in layout.segments:
+            bounds.append((offset, offset + length))
+            offset += length
+        if offset != flat.numel():
+            raise ValueError(f"Lamb FlatLayout covers {offset} elements, the tensor has {flat.numel()}")
+        return [flat[a:b] for a, b in bounds], [update[a:b] for a, b in bounds]
+
+    def _trust_ratios(self, group: dict[str, Any], layout: FlatLayout | None, weights: list[torch.Tensor],
+                      directions: list[torch.Tensor]) -> list[float]:
+        norms = torch.stack([torch.stack(torch._foreach_norm(weights)).float(),
+                             torch.stack(torch._foreach_norm(directions)).float()]) if weights else None
+        if layout is not None and self.norm_all_reduce is not None:
+            # Params split across ranks: add the squared norms of the other ranks' pieces.
+            full = torch.zeros(2, layout.num_params)
+            if norms is not None:
+                full.index_add_(1, torch.tensor([pid for pid, _ in layout.segments]), norms.square())
             self.norm_all_reduce(full)
-            sq = full[:, ids]
-        w, u = sq.sqrt()
-        ratio = (w / u).clamp(group["min_coeff"], group["max_coeff"])
-        ratio = torch.where((w > 0) & (u > 0), ratio, torch.ones_like(ratio))
-        return ratio.to(p.dtype).repeat_interleave(lengths)
+            norms = full[:, [pid for pid, _ in layout.segments]].sqrt()
+        if norms is None:
+            return []
+        # One synchronising .tolist() per group, not one per tensor.
+        w_norms, u_norms = norms.tolist()
+        low, high = group["min_coeff"], group["max_coeff"]
+        return [min(max(w / u, low), high) if w != 0.0 and u != 0.0 else 1.0
+                for w, u in zip(w_norms, u_norms, strict=True)]
 
     @staticmethod
     def _step_size(group: dict[str, Any], step: int) -> float:

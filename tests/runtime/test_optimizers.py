@@ -373,3 +373,14 @@ def test_flat_layout_is_not_saved_in_the_optimizer_state() -> None:
     assert "segments" not in str(opt.state_dict()["param_groups"])
     # other optimizers accept (and ignore) the layout: their updates are elementwise
     build_optimizer("AdamW", {}, [torch.zeros(3, requires_grad=True)], flat_layouts=[None])
+
+
+def test_lamb_empty_shard_still_joins_the_norm_reduction() -> None:
+    from dslaunch.runtime.lamb import FlatLayout
+
+    empty = torch.zeros(0, requires_grad=True)
+    empty.grad = torch.zeros(0)
+    reduced = []
+    opt = Lamb([empty], flat_layouts=[FlatLayout.of([3, 4], 7, 7)], norm_all_reduce=reduced.append)
+    opt.step()  # a rank holding nothing must not skip the collective, or its peers hang
+    assert [tuple(t.shape) for t in reduced] == [(2, 2)]
