@@ -72,8 +72,8 @@ class Agent:
     """Runs one node's workers as a gang.
 
     Call ``start()`` from a thread that outlives the job (the main thread): workers get
-    PDEATHSIG tied to that thread. Then ``wait()``/``poll()``; ``stop(sig)`` from anywhere,
-    including a signal handler.
+    PDEATHSIG tied to that thread. Then ``wait()``/``poll()``; ``stop(sig)`` from any thread
+    (not from a signal handler: record the signal there and call ``stop`` from the loop).
 
     Args:
         node: what to run.
@@ -109,14 +109,10 @@ class Agent:
     def start(self) -> None:
         """Start every worker. Raises LaunchError (after stopping the started ones) on failure."""
         shares = _core_shares(self.node)
+        self._prepare_files()
         if self._adopt:
             become_subreaper()
         self._watchdog.start()
-        if self.node.pid_file:
-            with open(self.node.pid_file, "w") as f:
-                f.write(f"{os.getpid()}\n")
-        if self.node.log_dir:
-            os.makedirs(self.node.log_dir, exist_ok=True)
         error = None
         try:
             for spec, cores in zip(self.node.workers, shares, strict=True):
@@ -133,6 +129,17 @@ class Agent:
             self.wait()
             argv0 = error.filename or "worker"
             raise LaunchError(f"cannot start {argv0}: {error.strerror}", host=self.node.host) from error
+
+    def _prepare_files(self) -> None:
+        """Log directory and pid file, before anything starts (an error leaves nothing behind)."""
+        try:
+            if self.node.log_dir:
+                os.makedirs(self.node.log_dir, exist_ok=True)
+            if self.node.pid_file:
+                with open(self.node.pid_file, "w") as f:
+                    f.write(f"{os.getpid()}\n")
+        except OSError as err:
+            raise LaunchError(f"{err.filename}: {err.strerror}", host=self.node.host) from err
 
     def _spawn(self, spec: WorkerSpec, cores: tuple[int, ...]) -> None:
         env = {**os.environ, **self.node.env, **spec.env}

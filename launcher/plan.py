@@ -110,7 +110,8 @@ def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators],
             raise UsageError(f"--num_gpus {cfg.num_gpus}: this machine has {acc.count} GPUs")
         return {"localhost": acc.count}, True
     if cfg.num_gpus > 0:
-        notes.append(f"no GPU ({acc.reason}): starting {cfg.num_gpus} CPU worker processes (use the gloo backend)")
+        what = "1 CPU worker process" if cfg.num_gpus == 1 else f"{cfg.num_gpus} CPU worker processes"
+        notes.append(f"no GPU ({acc.reason}): starting {what} (use the gloo backend)")
         return {"localhost": cfg.num_gpus}, False
     notes.append(f"no GPU ({acc.reason}) and no --num_gpus: starting 1 CPU worker process")
     return {"localhost": 1}, False
