@@ -150,6 +150,10 @@ def _sshd_config(host: Host, hdir: Path, state: Path) -> str:
         "PermitRootLogin prohibit-password",
         "MaxStartups 200:30:400",
         "MaxSessions 200",
+        # A controller whose link dies is noticed in ~6 s: sshd then closes the session, and the
+        # agent on this host sees EOF and stops its workers.
+        "ClientAliveInterval 2",
+        "ClientAliveCountMax 3",
         "UseDNS no",
         "PrintMotd no",
         "PrintLastLog no",
@@ -180,8 +184,13 @@ def _sshd_up(host: Host, state: Path) -> None:
     hdir.mkdir(parents=True, exist_ok=True)
     _keygen(hdir / "ssh_host_ed25519_key", f"host {host.name}")
     config = hdir / "sshd_config"
-    config.write_text(_sshd_config(host, hdir, state))
-    if _pid_alive(hdir / "sshd.pid"):
+    text = _sshd_config(host, hdir, state)
+    changed = not config.exists() or config.read_text() != text
+    config.write_text(text)
+    pid = _pid_alive(hdir / "sshd.pid")
+    if pid:
+        if changed:
+            os.kill(pid, signal.SIGHUP)  # sshd re-executes itself with the new config
         return
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
     _run("ip", "netns", "exec", host.name, "unshare", "--uts", "sh", "-c",

@@ -75,6 +75,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _left_on(cluster, hosts: tuple[str, ...], timeout: float) -> dict[str, list[str]]:
+    deadline = time.monotonic() + timeout
+    while (left := {h: p for h in hosts if (p := cluster.job_processes(h))}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def _assert_clean(cluster, timeout: float = 3.0) -> None:
     left = cluster.wait_no_job_processes(timeout)
     assert not left, f"processes of the job left behind: {left}"
@@ -221,3 +228,21 @@ def test_dry_run_shows_per_host_command_and_env(cluster, free_port):
     assert f"MASTER_ADDR={cluster.addrs[0]}" in out and "NODE_RANK=2" in out
     assert f"{FAKE} --local_rank=1 'a b'" in out
     assert not any(cluster.job_processes(h) for h in cluster.hosts)
+
+
+@pytest.mark.timeout(90)
+def test_host_link_loss_fails_the_job_and_the_host_cleans_up(cluster, free_port):
+    run = Lines(cluster.dslaunch("--master_port", str(free_port), FAKE, "print=ready", "hang"))
+    run.wait_for(r"\[rank\d\] ready$", 6, 30)
+    veth = f"{cluster.hosts[1]}v"  # the root-namespace end of dsl-node2's cable
+    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+    try:
+        start = time.monotonic()
+        assert run.finish(20) == 255
+        assert time.monotonic() - start < 12  # TCP keepalive + TCP_USER_TIMEOUT on the client socket
+        assert f"lost the SSH connection to {cluster.hosts[1]}" in run.text("err")
+        assert _left_on(cluster, (cluster.hosts[0], cluster.hosts[2]), timeout=2) == {}
+        # The cut-off host: its sshd drops the silent client, the agent sees EOF, workers die.
+        assert _left_on(cluster, (cluster.hosts[1],), timeout=25) == {}
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
