@@ -143,6 +143,12 @@ class Watchdog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self.pid is not None:  # it exits at once on EOF: reap it, leave no zombie
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+            self.pid = None
 
     def _send(self, data: bytes) -> None:
         if self._fd is not None:
