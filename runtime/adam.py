@@ -12,7 +12,8 @@ served by torch's fused implementation (see ``optimizers.py``). Per parameter, s
     p = p - step_size * m / denom
 
 State per parameter: ``step`` (0-dim float tensor), ``exp_avg``, ``exp_avg_sq``, as torch's Adam,
-so checkpoints and ZeRO shards look the same. Elementwise work uses torch's ``_foreach`` kernels.
+so checkpoints and ZeRO shards look the same. Elementwise work runs torch's ``_foreach`` kernels
+over cache-sized batches (``optim_chunks``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, chunked
 
 __all__ = ["Adam"]
 
@@ -35,6 +37,9 @@ class Adam(torch.optim.Optimizer):
         bias_correction: divide the moments by (1 - beta^t).
         adam_w_mode: decoupled weight decay (AdamW) instead of L2 added to the gradient.
     """
+
+    #: Elements per cache-sized batch of the elementwise update (see ``optim_chunks``).
+    chunk_numel: int = CHUNK_NUMEL
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
@@ -79,17 +84,18 @@ class Adam(torch.optim.Optimizer):
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         bc1, bc2 = (1.0 - beta1**t, 1.0 - beta2**t) if group["bias_correction"] else (1.0, 1.0)
-        grads = [p.grad for p in params]
-        if wd != 0.0 and not group["adam_w_mode"]:
-            grads = torch._foreach_add(grads, params, alpha=wd)
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, math.sqrt(bc2))
-        torch._foreach_add_(denom, eps)
-        if wd != 0.0 and group["adam_w_mode"]:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bc1)
+        grads = [p.grad for p in params]
+        for ps, gs, ms, vs in chunked((params, grads, exp_avgs, exp_avg_sqs), self.chunk_numel):
+            if wd != 0.0 and not group["adam_w_mode"]:
+                gs = torch._foreach_add(gs, ps, alpha=wd)
+            torch._foreach_lerp_(ms, gs, 1.0 - beta1)
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, math.sqrt(bc2))
+            torch._foreach_add_(denom, eps)
+            if wd != 0.0 and group["adam_w_mode"]:
+                torch._foreach_mul_(ps, 1.0 - lr * wd)
+            torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bc1)

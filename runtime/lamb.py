@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, chunked
 
 __all__ = ["Lamb", "FlatLayout"]
 
@@ -83,6 +84,9 @@ class Lamb(torch.optim.Optimizer):
             module docstring); ``None`` when every rank holds whole parameters.
     """
 
+    #: Elements per cache-sized batch of the elementwise update (see ``optim_chunks``).
+    chunk_numel: int = CHUNK_NUMEL
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, eps_inside_sqrt: bool = False,
@@ -128,19 +132,21 @@ class Lamb(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
 
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-        if group["eps_inside_sqrt"]:
-            denom = torch._foreach_add(exp_avg_sqs, eps)
-            torch._foreach_sqrt_(denom)
-        else:
-            denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_add_(denom, eps)
-        updates = torch._foreach_div(exp_avgs, denom)
-        del denom
-        if wd != 0.0:
-            torch._foreach_add_(updates, params, alpha=wd)
+        updates = [torch.empty_like(p) for p in params]
+        for gs, ms, vs, ps, us in chunked((grads, exp_avgs, exp_avg_sqs, params, updates), self.chunk_numel):
+            torch._foreach_lerp_(ms, gs, 1.0 - beta1)
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
+            if group["eps_inside_sqrt"]:
+                denom = torch._foreach_add(vs, eps)
+                torch._foreach_sqrt_(denom)
+            else:
+                denom = torch._foreach_sqrt(vs)
+                torch._foreach_add_(denom, eps)
+            direction = torch._foreach_div(ms, denom)  # cache-sized temporaries
+            if wd != 0.0:
+                torch._foreach_add_(direction, ps, alpha=wd)
+            torch._foreach_copy_(us, direction)
 
         # Trust ratios per original parameter: the tensors themselves, or views of the pieces
         # of a flat tensor. Views keep every pass in place (no per-element ratio tensor).
@@ -153,8 +159,9 @@ class Lamb(torch.optim.Optimizer):
         ratios = self._trust_ratios(group, layout, weights, directions)  # collective with a reducer
         if not weights:  # an empty shard: nothing to update here
             return
-        torch._foreach_mul_(directions, [-size * ratio for size, ratio in zip(step_sizes, ratios, strict=True)])
-        torch._foreach_add_(weights, directions)
+        # One fused pass per tensor (read w and u, write w) instead of a foreach mul + add.
+        for weight, direction, size, ratio in zip(weights, directions, step_sizes, ratios, strict=True):
+            weight.add_(direction, alpha=-size * ratio)
 
     def _advance(self, state: dict[str, torch.Tensor], group: dict[str, Any]) -> float:
         """Count one step for a parameter and return its step size."""

@@ -6,8 +6,8 @@ Semantics follow DeepSpeed's ``Lion`` (``optimizer.type: "Lion"``; Chen et al. 2
     p = p * (1 - lr * weight_decay) - lr * sign(c)
     m = beta2 * m + (1 - beta2) * g
 
-State per parameter: ``exp_avg`` (m). All parameters of a group are updated with torch's
-``_foreach`` kernels (a few passes over memory, no Python loop per element).
+State per parameter: ``exp_avg`` (m). The update runs torch's ``_foreach`` kernels over
+cache-sized batches of the parameters (``optim_chunks``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, chunked
 
 __all__ = ["Lion"]
 
@@ -29,6 +30,9 @@ class Lion(torch.optim.Optimizer):
         betas: (beta1, beta2) for the update interpolation and the momentum EMA.
         weight_decay: decoupled weight decay.
     """
+
+    #: Elements per cache-sized batch of the elementwise update (see ``optim_chunks``).
+    chunk_numel: int = CHUNK_NUMEL
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0):
@@ -50,12 +54,13 @@ class Lion(torch.optim.Optimizer):
             exp_avgs = [self._exp_avg(p) for p in params]
             lr, wd = float(group["lr"]), float(group["weight_decay"])
             beta1, beta2 = group["betas"]
-            if wd != 0.0:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            update = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
-            torch._foreach_sign_(update)
-            torch._foreach_add_(params, update, alpha=-lr)
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
+            for ps, gs, ms in chunked((params, grads, exp_avgs), self.chunk_numel):
+                if wd != 0.0:
+                    torch._foreach_mul_(ps, 1.0 - lr * wd)
+                update = torch._foreach_lerp(ms, gs, 1.0 - beta1)
+                torch._foreach_sign_(update)
+                torch._foreach_add_(ps, update, alpha=-lr)
+                torch._foreach_lerp_(ms, gs, 1.0 - beta2)
         return loss
 
     def _exp_avg(self, p: torch.Tensor) -> torch.Tensor:
