@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -229,9 +230,10 @@ class Agent:
             signal_group(w.proc.pid, signal.SIGKILL)  # grandchildren left behind in the group
         if self._adopt:
             kill_adopted(keep={self._watchdog.pid, *self.pids})  # daemons that left the group
+        deadline = time.monotonic() + 1.0  # a process outside the group may hold a pipe: do not hang
         for w in self._workers:
             for t in w.threads:
-                t.join(timeout=1.0)  # a child outside the group may hold the pipe: do not hang
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._timer is not None:
             self._timer.cancel()
         for log in self._logs:

@@ -29,6 +29,8 @@ __all__ = ["NodeHandle", "Gang", "GangResult", "Runner", "format_node"]
 
 # After asking nodes to stop, how long past their grace period before force-killing them.
 _KILL_SLACK = 0.3
+# After force-killing, how long to wait for a node to report before declaring it lost.
+_GIVE_UP = 5.0
 
 
 class NodeHandle(ABC):
@@ -98,12 +100,17 @@ class Gang:
                 for i, h in enumerate(self._handles):
                     if i not in results:
                         h.stop(sig)
-            if (not killed and stopping_since is not None
-                    and time.monotonic() - stopping_since > self._grace + _KILL_SLACK):
+            waited = time.monotonic() - stopping_since if stopping_since is not None else 0.0
+            if not killed and waited > self._grace + _KILL_SLACK:
                 killed = True
                 for i, h in enumerate(self._handles):
                     if i not in results:
                         h.kill()
+            if killed and waited > self._grace + _KILL_SLACK + _GIVE_UP:
+                for i, h in enumerate(self._handles):  # unresponsive: stop waiting, say so
+                    if i not in results:
+                        results[i] = NodeResult(h.node.node_rank, h.node.host, 137, stopped_by="unresponsive")
+                break
             self._wake.wait(0.1)
             self._wake.clear()
         return self._result(failure, list(results.values()))

@@ -81,3 +81,13 @@ def test_stop_from_outside_gives_128_plus_signal():
     r = gang.run()
     assert (r.exit_code, r.stopped_by, r.failure) == (130, "SIGINT", None)
     assert [n.stopped_with for n in nodes] == [signal.SIGINT, signal.SIGINT]
+
+
+def test_node_that_never_finishes_is_given_up_after_kill(monkeypatch):
+    import dslaunch.launcher.runners.base as base
+
+    monkeypatch.setattr(base, "_GIVE_UP", 0.3)
+    gang, nodes = _gang([(None, 0, None), (0.05, 2)], grace=0.1)
+    nodes[0].kill = lambda: None  # a host that cannot even be killed (network gone)
+    r = gang.run()
+    assert r.exit_code == 2 and r.failure.host == "host1"
