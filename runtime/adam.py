@@ -23,12 +23,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, chunked
+from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked
 
 __all__ = ["Adam"]
 
 
-class Adam(torch.optim.Optimizer):
+class Adam(ChunkedOptimizer):
     """Adam/AdamW with an optional bias correction (DeepSpeed FusedAdam semantics).
 
     Args:
@@ -38,8 +38,8 @@ class Adam(torch.optim.Optimizer):
         adam_w_mode: decoupled weight decay (AdamW) instead of L2 added to the gradient.
     """
 
-    #: Elements per cache-sized batch of the elementwise update (see ``optim_chunks``).
-    chunk_numel: int = CHUNK_NUMEL
+    moment_keys = ("exp_avg", "exp_avg_sq")
+    counts_steps = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
@@ -48,34 +48,10 @@ class Adam(torch.optim.Optimizer):
                     "bias_correction": bias_correction, "adam_w_mode": adam_w_mode}
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: D401 - torch API
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._update_group(group, params)
-        return loss
-
-    def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
-
-    def _update_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        if any(p.grad.is_sparse for p in params):
-            raise RuntimeError("Adam does not support sparse gradients")
+    def _update_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         by_step: dict[int, list[torch.Tensor]] = {}
         for p in params:
-            state = self._state(p)
-            state["step"] = state["step"] + 1  # out of place: a loaded state_dict may share it
-            by_step.setdefault(int(state["step"].item()), []).append(p)
+            by_step.setdefault(self._count_step(p), []).append(p)
         # Params that skipped steps (no grad) have other step counts, hence other corrections.
         for t, same_step in by_step.items():
             self._update(group, same_step, t)

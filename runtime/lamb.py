@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, chunked
+from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked
 
 __all__ = ["Lamb", "FlatLayout"]
 
@@ -67,7 +67,7 @@ class FlatLayout:
         return cls(tuple(segments), len(numels))
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(ChunkedOptimizer):
     """LAMB with DeepSpeed's defaults (trust ratio clamped to [min_coeff, max_coeff]).
 
     Args:
@@ -84,8 +84,8 @@ class Lamb(torch.optim.Optimizer):
             module docstring); ``None`` when every rank holds whole parameters.
     """
 
-    #: Elements per cache-sized batch of the elementwise update (see ``optim_chunks``).
-    chunk_numel: int = CHUNK_NUMEL
+    moment_keys = ("exp_avg", "exp_avg_sq")
+    counts_steps = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
@@ -101,31 +101,9 @@ class Lamb(torch.optim.Optimizer):
             raise ValueError(f"{len(self.flat_layouts)} flat layouts for {len(self.param_groups)} param groups")
         self.norm_all_reduce = norm_all_reduce
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: D401 - torch API
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group, layout in zip(self.param_groups, self.flat_layouts, strict=True):
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._update_group(group, params, layout)
-        return loss
-
-    def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
-
-    def _update_group(self, group: dict[str, Any], params: list[torch.Tensor], layout: FlatLayout | None
-                      ) -> None:
+    def _update_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        layout = self.flat_layouts[index]
         grads = [p.grad for p in params]
-        if any(g.is_sparse for g in grads):
-            raise RuntimeError("Lamb does not support sparse gradients")
         states = [self._state(p) for p in params]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
@@ -152,22 +130,16 @@ class Lamb(torch.optim.Optimizer):
         # of a flat tensor. Views keep every pass in place (no per-element ratio tensor).
         if layout is not None:
             weights, directions = self._pieces(layout, params, updates)
-            step_sizes = [self._advance(states[0], group)] * len(weights)
+            step_sizes = [self._step_size(group, self._count_step(params[0]))] * len(weights)
         else:
             weights, directions = params, updates
-            step_sizes = [self._advance(state, group) for state in states]
+            step_sizes = [self._step_size(group, self._count_step(p)) for p in params]
         ratios = self._trust_ratios(group, layout, weights, directions)  # collective with a reducer
         if not weights:  # an empty shard: nothing to update here
             return
         # One fused pass per tensor (read w and u, write w) instead of a foreach mul + add.
         for weight, direction, size, ratio in zip(weights, directions, step_sizes, ratios, strict=True):
             weight.add_(direction, alpha=-size * ratio)
-
-    def _advance(self, state: dict[str, torch.Tensor], group: dict[str, Any]) -> float:
-        """Count one step for a parameter and return its step size."""
-        # Out of place: a loaded state_dict may share this tensor with another optimizer.
-        state["step"] = state["step"] + 1
-        return self._step_size(group, int(state["step"].item()))
 
     @staticmethod
     def _pieces(layout: FlatLayout, params: list[torch.Tensor], updates: list[torch.Tensor]

@@ -16,12 +16,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, chunked
+from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked
 
 __all__ = ["Lion"]
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(ChunkedOptimizer):
     """Lion: update = lr * sign(interpolated momentum), decoupled weight decay.
 
     Args:
@@ -31,40 +31,19 @@ class Lion(torch.optim.Optimizer):
         weight_decay: decoupled weight decay.
     """
 
-    #: Elements per cache-sized batch of the elementwise update (see ``optim_chunks``).
-    chunk_numel: int = CHUNK_NUMEL
-
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: D401 - torch API
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            if any(g.is_sparse for g in grads):
-                raise RuntimeError("Lion does not support sparse gradients")
-            exp_avgs = [self._exp_avg(p) for p in params]
-            lr, wd = float(group["lr"]), float(group["weight_decay"])
-            beta1, beta2 = group["betas"]
-            for ps, gs, ms in chunked((params, grads, exp_avgs), self.chunk_numel):
-                if wd != 0.0:
-                    torch._foreach_mul_(ps, 1.0 - lr * wd)
-                update = torch._foreach_lerp(ms, gs, 1.0 - beta1)
-                torch._foreach_sign_(update)
-                torch._foreach_add_(ps, update, alpha=-lr)
-                torch._foreach_lerp_(ms, gs, 1.0 - beta2)
-        return loss
-
-    def _exp_avg(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["exp_avg"]
+    def _update_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        grads = [p.grad for p in params]
+        exp_avgs = [self._state(p)["exp_avg"] for p in params]
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        beta1, beta2 = group["betas"]
+        for ps, gs, ms in chunked((params, grads, exp_avgs), self.chunk_numel):
+            if wd != 0.0:
+                torch._foreach_mul_(ps, 1.0 - lr * wd)
+            update = torch._foreach_lerp(ms, gs, 1.0 - beta1)
+            torch._foreach_sign_(update)
+            torch._foreach_add_(ps, update, alpha=-lr)
+            torch._foreach_lerp_(ms, gs, 1.0 - beta2)

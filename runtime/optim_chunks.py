@@ -1,19 +1,23 @@
-"""Cache-sized batches of tensor views for the hand-written optimizers (Lion, Lamb, Adam).
+"""What the hand-written optimizers (Lion, Lamb, Adam) share: a base class, cache-sized batches.
 
 An optimizer step is a chain of elementwise ops. Run with torch's ``_foreach`` kernels over whole
 tensors, every op is one pass over main memory (a 20M-element Lion step: ~13 passes, ~110 ms
 here). Running the whole chain on one ~256K-element piece at a time keeps the temporaries in
 cache, so main memory sees each tensor about once (~33 ms, measured on this machine). Small
 tensors are batched together so a model with many small parameters still pays few kernel calls.
+
+``ChunkedOptimizer`` holds the torch ``step()`` protocol (closure, params with gradients, sparse
+check) and lazily created per-parameter state; subclasses write only their update.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_NUMEL", "chunked"]
+__all__ = ["CHUNK_NUMEL", "chunked", "ChunkedOptimizer"]
 
 #: Elements per batch: 1 MiB per fp32 tensor, so the 3-5 tensors of a step fit in L2/L3.
 CHUNK_NUMEL = 1 << 18
@@ -49,3 +53,51 @@ def chunked(tensor_lists: Sequence[Sequence[torch.Tensor]], chunk_numel: int = C
                 batch, size = tuple([] for _ in tensor_lists), 0
     if batch[0]:
         yield batch
+
+
+class ChunkedOptimizer(torch.optim.Optimizer):
+    """Base class: ``step()`` calls ``_update_group`` for each group with the params that have grads.
+
+    Class attributes:
+        chunk_numel: elements per cache-sized batch (``chunked``).
+        moment_keys: per-parameter state tensors, created as zeros shaped like the parameter.
+        counts_steps: keep a per-parameter ``step`` (0-dim float tensor, as torch's Adam).
+    """
+
+    chunk_numel: int = CHUNK_NUMEL
+    moment_keys: tuple[str, ...] = ("exp_avg",)
+    counts_steps: bool = False
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch API
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if params:
+                self._update_group(index, group, params)
+        return loss
+
+    def _update_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This parameter's state, created on first use."""
+        state = self.state[p]
+        if not state:
+            if self.counts_steps:
+                state["step"] = torch.tensor(0.0)
+            for key in self.moment_keys:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _count_step(self, p: torch.Tensor) -> int:
+        """Advance this parameter's step counter; returns the new count."""
+        state = self._state(p)
+        # Out of place: a loaded state_dict may share this tensor with another optimizer.
+        state["step"] = state["step"] + 1
+        return int(state["step"].item())
