@@ -121,7 +121,15 @@ def test_silent_port_times_out_and_all_failures_are_reported_together(cluster):
     server.listen(8)
     port = server.getsockname()[1]
     held: list[socket.socket] = []
-    threading.Thread(target=lambda: held.extend(server.accept()[0] for _ in range(2)), daemon=True).start()
+
+    def accept_silently() -> None:
+        try:
+            while True:
+                held.append(server.accept()[0])
+        except OSError:  # closed at the end of the test
+            pass
+
+    threading.Thread(target=accept_silently, daemon=True).start()
     opts = SSHOptions.from_launcher_args(f"-F {cluster.ssh_config} -o ConnectTimeout=1")
     silent = resolve("10.213.7.1", SSHOptions(port=port, connect_timeout=1.0))
     nobody = resolve("10.213.7.99", opts)  # in the subnet, no such host

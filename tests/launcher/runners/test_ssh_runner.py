@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,51 +19,10 @@ from dslaunch.launcher.plan import LaunchConfig, build_job
 from dslaunch.launcher.runners.ssh import SSHRunner
 from dslaunch.launcher.ssh_connect import SSHError
 
+from tests.launcher.runners.ssh_helpers import ALLREDUCE, FAKE, Lines
+
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[3]
-FAKE = str(ROOT / "tests" / "launcher" / "bin" / "fake_worker.py")
-ALLREDUCE = str(ROOT / "scripts" / "examples" / "allreduce.py")
-
-
-class Lines:
-    """Collects a process's stdout and stderr lines with arrival times, in background threads."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        self.out: list[tuple[float, str]] = []
-        self.err: list[tuple[float, str]] = []
-        self._threads = [threading.Thread(target=self._pump, args=(s, d), daemon=True)
-                         for s, d in ((proc.stdout, self.out), (proc.stderr, self.err))]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _pump(stream, dest) -> None:
-        for line in stream:
-            dest.append((time.monotonic(), line.rstrip("\n")))
-
-    def wait_for(self, pattern: str, count: int, timeout: float) -> float:
-        """Block until ``count`` stdout lines match; return the arrival time of the last one."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            hits = [t for t, line in self.out if re.search(pattern, line)]
-            if len(hits) >= count:
-                return hits[count - 1]
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        raise AssertionError(f"{count} lines matching {pattern!r} not seen; stdout={self.text('out')} "
-                             f"stderr={self.text('err')}")
-
-    def finish(self, timeout: float) -> int:
-        code = self.proc.wait(timeout)
-        for t in self._threads:
-            t.join(5)
-        return code
-
-    def text(self, which: str) -> str:
-        return "\n".join(line for _, line in getattr(self, which))
 
 
 def _alive(pid: int) -> bool:
