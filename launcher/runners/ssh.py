@@ -26,6 +26,7 @@ import sys
 import threading
 from dataclasses import replace
 
+import paramiko
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.output import Sink
 from dslaunch.launcher.preflight import check_probes, gather_probes, probe_request, remote_command
@@ -154,7 +155,12 @@ class SSHRunner(Runner):
             session = self.sessions[node.host]
             session.held_stderr(release=True)
             spec = self._node_env(node, master, probes[node.host], exported)
-            session.send_line(spec.to_json())
+            try:
+                session.send_line(spec.to_json())
+            except (OSError, EOFError, paramiko.SSHException) as exc:
+                # Started agents see EOF and stop their workers; nothing stays behind.
+                self._close_all()
+                raise SSHError({node.host: ("ssh", f"connection lost while starting the node: {exc}")}) from None
             handles.append(_SSHNode(spec, session))
         return handles
 
