@@ -200,4 +200,4 @@ class DeepSpeedEngine(torch.nn.Module):
               f"lr={[round(x, 8) for x in self.get_lr()]} loss_scale={self.loss_scale():g} "
               f"grad_norm={norm}", flush=True)
         if self.timers is not None:
-            self.timers.log(["forward", "backward", "allreduce", "step"])
+            self.timers.log(["forward", "backward", "allreduce", "step"], self.config.steps_per_print)

@@ -140,8 +140,8 @@ class _TimerSet:
         finally:
             self._timers.stop(name)
 
-    def log(self, names: list[str]) -> None:
-        self._timers.log(names)
+    def log(self, names: list[str], steps: int) -> None:
+        self._timers.log(names, normalizer=steps)  # per optimizer step, since the last log
 
 
 def _timers(cfg: DeepSpeedConfig) -> Any:

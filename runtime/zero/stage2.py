@@ -5,8 +5,9 @@ its bucket (``reduce_bucket_size`` elements of whole params, in the communicatio
 ``contiguous_gradients`` always on) and frees it; a complete bucket is all-reduced (on gloo faster
 than reduce-scatter) and each rank adds the part inside its own range to an fp32 gradient shard of
 ``partition_range`` size. Buckets launch in one fixed order on every rank (last first). With
-``overlap_comm`` reductions run asynchronously while backward continues (at most
-``_MAX_INFLIGHT`` buckets in flight, bounding memory); without it each bucket is reduced at once.
+``overlap_comm`` reductions run asynchronously while backward continues and finished ones are
+folded in without blocking (backward waits only past ``_MAX_INFLIGHT`` buckets in flight, which
+bounds memory); without it each bucket is reduced at once.
 Every micro step communicates (the shard is all a rank keeps), as in DeepSpeed. Optimizer state,
 master weights and gradients per rank: 1/N of stage 0; the update is published like stage 1.
 """
@@ -24,7 +25,11 @@ from dslaunch.errors import UsageError
 
 __all__ = ["Stage2"]
 
-_MAX_INFLIGHT = 4
+_MAX_INFLIGHT = 4  # buckets; bounds the transient gradient memory
+
+
+def _done(work: Any) -> bool:
+    return work is None or work.is_completed()
 
 
 class Stage2(ZeroStrategy):
@@ -97,8 +102,9 @@ class Stage2(ZeroStrategy):
             buf.mul_(pre)
         work = dist.all_reduce(buf, group=self.pg, async_op=True) if self.world_size > 1 else None
         self._inflight.append((work, bi, buf))
+        # Fold finished reductions in without blocking; block only past the in-flight cap.
         limit = _MAX_INFLIGHT if self.comm.overlap_comm else 0
-        while len(self._inflight) > limit:
+        while self._inflight and (len(self._inflight) > limit or _done(self._inflight[0][0])):
             self._finish(*self._inflight.popleft())
 
     def _finish(self, work: Any, bi: int, buf: torch.Tensor) -> None:
