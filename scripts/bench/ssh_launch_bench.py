@@ -6,8 +6,9 @@ all_reduce) and exited: the wall time of ``scripts/examples/allreduce.py`` run a
 the test cluster (``scripts/cluster/cluster.py``, brought up here if needed).
 
 - dslaunch: ``dslaunch --hostfile H --launcher_args '-F <cluster ssh_config>' allreduce.py``;
-- DeepSpeed: ``deepspeed --hostfile H --launcher pdsh --no_ssh_check --master_addr <first host>``
-  (Debian pdsh; ``PDSH_SSH_ARGS_APPEND=-F <ssh_config>`` lets its ssh find the cluster);
+- DeepSpeed: ``deepspeed --hostfile H --launcher pdsh --force_multi --no_ssh_check --master_addr
+  <first host>`` (Debian pdsh; ``PDSH_SSH_ARGS_APPEND=-F <ssh_config>`` lets its ssh find the
+  cluster; ``--force_multi`` so that one host also goes through pdsh instead of running here);
 - floor: the same number of ``python -c 'import torch'`` started over plain ``ssh -F`` in
   parallel (what any launcher must at least pay: logins plus one torch import per rank).
 
@@ -85,7 +86,7 @@ class Bench:
     def deepspeed(self, k: int) -> float:
         deepspeed = str(Path(PY).parent / "deepspeed")
         return _timed([PY, deepspeed, "--hostfile", str(self.hostfile(k)), "--launcher", "pdsh",
-                       "--no_ssh_check", "--master_addr", self.info["hosts"][0]["addr"],
+                       "--force_multi", "--no_ssh_check", "--master_addr", self.info["hosts"][0]["addr"],
                        "--master_port", self._next_port(), str(ALLREDUCE)], self.work, self.env)
 
     def floor(self, k: int) -> float:
