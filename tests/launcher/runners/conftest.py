@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -41,6 +41,8 @@ class Cluster:
     known_hosts: str
     identity: str
     hostfile: str
+    launched: list = field(default_factory=list)
+    """``dslaunch`` processes started by the current test (killed after it, whatever happened)."""
 
     @property
     def launcher_args(self) -> str:
@@ -76,8 +78,10 @@ class Cluster:
         cmd = [sys.executable, "-m", "dslaunch.launcher.cli", "--hostfile", hostfile or self.hostfile,
                "--launcher_args", self.launcher_args, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd=kwargs.pop("cwd", ROOT), **kwargs)
+        self.launched.append(proc)
+        return proc
 
 
 @pytest.fixture(scope="session")
@@ -100,3 +104,17 @@ def cluster() -> Cluster:
     finally:
         if not was_up:
             module.down(state)
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_outlives_its_test(request):
+    """A failing test must not leave a hanging job behind for the next one."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("cluster")
+    for proc in cluster.launched:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    cluster.launched.clear()

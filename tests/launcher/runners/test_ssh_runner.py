@@ -6,6 +6,7 @@ by listing each host's network namespace.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -31,6 +32,10 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _left_on(cluster, hosts: tuple[str, ...], timeout: float) -> dict[str, list[str]]:
@@ -204,3 +209,21 @@ def test_host_link_loss_fails_the_job_and_the_host_cleans_up(cluster, free_port)
         assert _left_on(cluster, (cluster.hosts[1],), timeout=25) == {}
     finally:
         subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_agent_is_killed_over_ssh(cluster, free_port):
+    """An agent that cannot react to EOF (SIGSTOPped) is SIGKILLed over a second channel."""
+    run = Lines(cluster.dslaunch("--master_port", str(free_port), "--grace_period", "0.5", FAKE,
+                                 "print=ready", "hang"))
+    run.wait_for(r"\[rank\d\] ready$", 6, 30)
+    procs = {int(p.split()[0]): p for p in cluster.job_processes(cluster.hosts[1])}
+    sshd = [pid for pid, args in procs.items() if args.endswith("sshd: root@notty")]
+    agent = [pid for pid, args in procs.items() if "ssh_probe" in args and _ppid(pid) in sshd]
+    assert len(agent) == 1, procs  # (its watchdog is a fork with the same command line)
+    os.kill(agent[0], signal.SIGSTOP)
+    start = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(10) == 143, run.text("err")
+    assert time.monotonic() - start < 2.5
+    _assert_clean(cluster)
