@@ -163,8 +163,9 @@ def _load_keys(t: SSHTarget) -> list[tuple[str, paramiko.PKey]]:
 def _authenticate(transport: paramiko.Transport, t: SSHTarget) -> None:
     keys = _load_keys(t)
     if not keys:
-        raise _Fail("auth", f"no identity to log in as {t.user}@{t.hostname}: no IdentityFile in the "
-                    "ssh config, no ~/.ssh/id_* key and no ssh-agent")
+        raise _Fail("auth", f"no usable identity to log in as {t.user}@{t.hostname}: no IdentityFile in "
+                    "the ssh config, no ~/.ssh/id_* key (passphrase-protected keys need an ssh-agent) "
+                    "and no ssh-agent key")
     for _path, key in keys:
         try:
             transport.auth_publickey(t.user, key)
