@@ -71,6 +71,7 @@ def main(argv: list[str]) -> int:
     cmds = {k: v for k, v in _commands().items() if v is not None}
     missing = [k for k, v in _commands().items() if v is None]
     times: dict[str, list[float]] = {k: [] for k in cmds}
+    load_before = os.getloadavg()[0]
     for make in cmds.values():  # warm-up: page cache, .pyc files
         _time_once(make)
     for i in range(args.repeats):
@@ -84,20 +85,24 @@ def main(argv: list[str]) -> int:
         "what": "seconds from command start until 2 ranks passed a gloo barrier+all_reduce and exited",
         "repeats": args.repeats, "cores": len(os.sched_getaffinity(0)), "times": times, "median": med,
         "dslaunch_over_floor": ours / floor, "target_over_floor": TARGET, "missing": missing,
-        "load_average_after": os.getloadavg(),
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
     }
+    load = (load_before, os.getloadavg()[0])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "launch_bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "launch_bench.md").write_text(_markdown(med, floor, ours, args.repeats, missing))
-    print(_markdown(med, floor, ours, args.repeats, missing))
+    text = _markdown(med, floor, ours, args.repeats, missing, load)
+    (RESULTS / "launch_bench.md").write_text(text)
+    print(text)
     return 0
 
 
-def _markdown(med: dict[str, float], floor: float, ours: float, repeats: int, missing: list[str]) -> str:
+def _markdown(med: dict[str, float], floor: float, ours: float, repeats: int, missing: list[str],
+              load: tuple[float, float]) -> str:
     rows = [
         "## Launch: 2 ranks to a gloo barrier and exit (`scripts/bench/launch_bench.py`)\n",
         f"Median of {repeats} interleaved runs, same machine, same moment; OMP_NUM_THREADS=1. "
-        "Shared 2-core machine: timings are noisy, compare ratios.\n",
+        f"Shared 2-core machine (1-min load average {load[0]:.1f} before, {load[1]:.1f} after): "
+        "timings are noisy, compare ratios.\n",
         "| command | median s | vs floor | launcher / dslaunch |",
         "| --- | ---: | ---: | ---: |",
     ]
