@@ -19,7 +19,7 @@ __all__ = ["WorkerSpec", "NodeSpec", "JobSpec", "NodeResult", "DEFAULT_GRACE"]
 
 # Seconds between SIGTERM and SIGKILL when stopping workers: short enough that a failed job is
 # fully stopped within 2 s even when a worker ignores SIGTERM.
-DEFAULT_GRACE = 1.5
+DEFAULT_GRACE = 1.0
 
 
 @dataclass(frozen=True)
