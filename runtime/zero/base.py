@@ -239,7 +239,7 @@ class ZeroStrategy(ABC):
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for optimizer state, fp32 master copies and gradients."""
         opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                  for t in st.values() if torch.is_tensor(t))
+                  for t in st.values() if torch.is_tensor(t) and t.dim() > 0)  # not step counters
         master = sum(g.master.numel() * 4 for g in self.groups if g.dtype != torch.float32)
         return {"optimizer_state": opt, "master": master, "gradients": self._grad_bytes()}
 

@@ -1,0 +1,167 @@
+"""Engine behaviour end to end: fp16 loss scaling, memory per stage, the DeepSpeed API surface."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from dslaunch.errors import ConfigError, UsageError
+from tests.distributed import run_world
+from tests.runtime.models import batches, make_model
+
+
+def _cfg(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200},
+            **extra}
+
+
+def _fp16_run(rank: int, world: int, stage: int, static: bool) -> list[tuple]:
+    import dslaunch
+
+    fp16 = {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 1}
+    if static:
+        fp16 = {"enabled": True, "loss_scale": 128}
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+                                            "warmup_num_steps": 10}}
+    engine, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(stage, fp16=fp16,
+                                                                          scheduler=sched))
+    seen = []
+    for step, (tokens, labels) in enumerate(batches(5, 2 * world)):
+        loss = engine(tokens[rank * 2:rank * 2 + 2], labels[rank * 2:rank * 2 + 2])
+        if step == 1 and rank == world - 1:
+            loss = loss * 1e30  # this rank's fp16 gradients overflow; every rank must skip
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        engine.backward(loss)
+        engine.step()
+        engine.zero.synchronize()
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters(), strict=True))
+        seen.append((engine.loss_scale(), engine.was_step_applied(), unchanged, engine.get_lr()[0],
+                     engine.skipped_steps))
+    return seen
+
+
+def _fp16_runs(rank: int, world: int) -> list[list[tuple]]:
+    return [_fp16_run(rank, world, stage, static) for stage, static in ((0, False), (2, False), (1, True))]
+
+
+@pytest.mark.timeout(90)
+def test_fp16_overflow_skips_step_and_follows_scale_rules() -> None:
+    """Dynamic scaling at stages 0 and 2, static scaling at stage 1; overflow on one rank only."""
+    for dynamic0, dynamic2, static in run_world(_fp16_runs, 2):
+        for seen in (dynamic0, dynamic2):
+            scales = [s[0] for s in seen]
+            # DeepSpeed 0.19's rules (hysteresis 1, window 2): halve on overflow; double when the
+            # clean iterations since the last overflow, not counting the current one, reach 2.
+            assert scales == [16.0, 8.0, 8.0, 8.0, 16.0]
+            assert [s[1] for s in seen] == [True, False, True, True, True]
+            assert [s[2] for s in seen] == [False, True, False, False, False]  # frozen on the skip
+            lrs = [s[3] for s in seen]
+            assert lrs[1] == lrs[0] and lrs[2] > lrs[1]  # the scheduler does not advance on a skip
+            assert seen[-1][4] == 1
+        assert [s[0] for s in static] == [128.0] * 5
+        assert [s[1] for s in static] == [True, False, True, True, True]
+
+
+def _held_all(rank: int, world: int) -> list[dict]:
+    return [_held(rank, world, stage) for stage in (0, 1, 2)]
+
+
+def _held(rank: int, world: int, stage: int) -> dict:
+    import dslaunch
+
+    engine, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(stage))
+    tokens, labels = batches(1, 2 * world)[0]
+    for _ in range(2):
+        engine.backward(engine(tokens[rank * 2:rank * 2 + 2], labels[rank * 2:rank * 2 + 2]))
+        grads_on_params = sum(p.grad is not None for p in engine.module.parameters())
+        engine.step()
+    numel = sum(g.numel for g in engine.zero.groups)
+    return {**engine.zero.held_bytes(), "grads_on_params": grads_on_params, "numel": numel}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 4])
+def test_partitioned_state_is_one_nth_of_stage0(world: int) -> None:
+    by_rank = run_world(_held_all, world)
+    full = [r[0] for r in by_rank]
+    numel = full[0]["numel"]
+    per_rank_cap = math.ceil(numel / world)
+    for stage in (1, 2):
+        held = [r[stage] for r in by_rank]
+        opt = [h["optimizer_state"] for h in held]
+        assert sum(opt) == full[0]["optimizer_state"] == 8 * numel  # exp_avg + exp_avg_sq, fp32
+        assert max(opt) <= 8 * per_rank_cap  # each rank: its 1/N (ceil) share
+        grads = [h["gradients"] for h in held]
+        if stage == 2:
+            assert sum(grads) == full[0]["gradients"] == 4 * numel and max(grads) <= 4 * per_rank_cap
+            assert all(h["grads_on_params"] == 0 for h in held)  # no full gradients kept
+        else:  # ZeRO-1 keeps full gradients by definition
+            assert grads == [4 * numel] * world
+
+
+def _api(rank: int, world: int, path: str) -> dict:
+    import dslaunch
+
+    parser = dslaunch.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", path])
+    tokens, labels = batches(1, 16)[0]
+    data = list(zip(tokens, labels, strict=True))
+    engine, optimizer, loader, sched = dslaunch.initialize(args=args, model=make_model(),
+                                                           training_data=data)
+    out = {"len": len(loader), "sched": sched, "opt_is_engine_opt": optimizer is engine.optimizer,
+           "triad": (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                     engine.gradient_accumulation_steps()),
+           "stage": engine.zero_optimization_stage(), "fp16": engine.fp16_enabled(),
+           "bf16": engine.bfloat16_enabled(), "rank": (engine.global_rank, engine.local_rank),
+           "device": str(engine.device)}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for batch_tokens, batch_labels in loader:
+            engine.backward(engine(batch_tokens, batch_labels))
+            out.setdefault("boundaries", []).append(engine.is_gradient_accumulation_boundary())
+            engine.step()
+    out["printed"] = printed.getvalue()
+    out["norm"] = engine.get_global_grad_norm()
+    state = engine.state_dict()
+    out["state"] = {k: state[k] for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+    engine.load_state_dict({**state, "global_steps": 7})
+    out["restored"] = engine.global_steps
+    try:
+        with engine.no_sync():
+            pass
+        out["no_sync"] = "ok"
+    except UsageError as err:
+        out["no_sync"] = str(err)
+    try:
+        dslaunch.initialize(args=args, model=make_model(), config={"train_batch_size": 4})
+    except ConfigError as err:
+        out["twice"] = str(err)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_deepspeed_api_surface(tmp_path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**_cfg(2), "gradient_accumulation_steps": 2, "wall_clock_breakdown": True,
+                                "steps_per_print": 1}))
+    out = run_world(_api, 2, str(path))
+    for rank, o in enumerate(out):
+        assert o["len"] == 4 and o["sched"] is None and o["opt_is_engine_opt"]
+        assert o["triad"] == (8, 2, 2) and o["stage"] == 2 and not o["fp16"] and not o["bf16"]
+        assert o["rank"] == (rank, rank) and o["device"] == "cpu"
+        assert o["boundaries"] == [False, True, False, True]
+        assert o["norm"] is not None and o["norm"] > 0
+        assert o["state"] == {"global_steps": 2, "global_samples": 16, "micro_steps": 4, "skipped_steps": 0}
+        assert o["restored"] == 7
+        assert "no_sync" in o["no_sync"] and "stage 2" in o["no_sync"]
+        assert "given both" in o["twice"]
+    assert "[dslaunch] step=2" in out[0]["printed"] and "time (ms) | forward:" in out[0]["printed"]
+    assert out[1]["printed"] == ""  # rank 0 reports
