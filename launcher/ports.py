@@ -24,14 +24,13 @@ def check_port_free(port: int) -> None:
         with s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind((addr, port))
+                s.bind((addr, port))  # each probe socket closes before the next one binds
             except OSError as err:
                 if err.errno == errno.EADDRINUSE:
                     raise LaunchError(f"--master_port {port} is already in use{_owner(port)}; "
                                       "pick a free port with --master_port") from None
-                if err.errno != errno.EADDRNOTAVAIL:
+                if err.errno != errno.EADDRNOTAVAIL:  # EADDRNOTAVAIL: IPv6 disabled; IPv4 still checked
                     raise
-            return  # one successful bind is enough (the IPv6 socket is dual-stack by default)
 
 
 def _owner(port: int) -> str:
