@@ -34,7 +34,8 @@ __all__ = ["MAGIC", "FileDigest", "write_object", "read_object", "crc32_file"]
 
 MAGIC = b"DSLCKPT1"
 _ALIGN = 64
-_CHUNK = 16 << 20  # write/CRC granularity: large enough for full disk speed, small for the cache
+_CHUNK = 16 << 20
+_OWN_STORAGE_BELOW = 1 << 20  # write/CRC granularity: large enough for full disk speed, small for the cache
 
 
 @dataclass(frozen=True)
@@ -197,4 +198,7 @@ def _tensor_view(data: torch.Tensor, begin: int, nbytes: int, dtype: str,
     tdtype = getattr(torch, dtype)
     if nbytes == 0:
         return torch.empty(shape, dtype=tdtype)
-    return data[begin:begin + nbytes].view(tdtype).view(shape)
+    view = data[begin:begin + nbytes].view(tdtype).view(shape)
+    # Small tensors get their own storage: some consumers (torch.set_rng_state, torch.save of a
+    # returned client_state) misbehave on, or drag along, a view into the whole file's buffer.
+    return view.clone() if nbytes < _OWN_STORAGE_BELOW else view

@@ -185,7 +185,7 @@ class AsyncWriter:
             except BaseException as exc:  # surfaced on the next call
                 self._error = exc
 
-        self._thread = threading.Thread(target=run, name="dslaunch-ckpt-writer", daemon=True)
+        self._thread = threading.Thread(target=run, name="dslaunch-ckpt-writer", daemon=False)
         self._thread.start()
 
     def wait(self) -> None:

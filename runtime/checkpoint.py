@@ -1,0 +1,379 @@
+"""``engine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``: what goes into a tag.
+
+Owns the contents of a checkpoint and the load plan; the engine's methods delegate here. The
+engine, the ZeRO strategy, the loss scaler, the scheduler and the data loader save themselves
+(``state_dict``); this module only names the files, adds RNG states and client state, and hands
+the result to the storage layer (``checkpoint_io`` via ``checkpoint_writer``). A tag holds::
+
+    module.dsl            module.state_dict() (model dtype), from global rank 0
+    zero_rank_NNNNN.dsl   strategy.state_dict() of rank N (stage 0: rank 0 only; all ranks have it)
+    rank_NNNNN.dsl        engine.state_dict(), RNG states (python, numpy, torch), client_state
+    manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32s, version
+
+Loading at the saving layout reads each rank's own files; at another world size or stage each
+rank reads the saved shards its new range overlaps and ``checkpoint_reshard.assemble`` cuts them
+to that range. With ``checkpoint.use_node_local_storage`` each node's first rank also writes the
+module file and every rank its ZeRO shard, so a node never needs another node's disk (loading
+then requires the saving layout).
+
+Limitations: async saves run collectives on a private gloo group from a background thread: call
+``wait_for_checkpoint(engine)`` (or any save/load) before ``destroy_process_group``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from dslaunch.runtime.checkpoint_io import CheckpointStore, Manifest, first_loadable, validate_tag
+from dslaunch.runtime.checkpoint_reshard import (
+    assemble,
+    check_compatible,
+    needed_ranks,
+    partition_map,
+)
+from dslaunch.runtime.checkpoint_writer import (
+    AsyncWriter,
+    Comm,
+    GroupComm,
+    LocalComm,
+    Snapshot,
+    TagWrite,
+    write_tag,
+)
+
+import dslaunch
+from dslaunch.errors import CheckpointError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
+
+log = logging.getLogger("dslaunch.checkpoint")
+MODULE_FILE = "module.dsl"
+
+
+def _zero_file(rank: int) -> str:
+    return f"zero_rank_{rank:05d}.dsl"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.dsl"
+
+
+class _Checkpointer:
+    """Per-engine checkpoint machinery: the private comm group, the async writer, the snapshot."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.comm: Comm = GroupComm() if dist.is_available() and dist.is_initialized() else LocalComm()
+        self.writer = AsyncWriter()
+        self.snapshot = Snapshot()
+        node = os.environ.get("NODE_RANK") or socket.gethostname()
+        nodes = self.comm.all_gather_object(node)
+        self.node_leader = nodes.index(node) == self.comm.rank
+
+
+def _checkpointer(engine: Any) -> _Checkpointer:
+    # collective on first use: every rank builds the private group at its first save/load.
+    ck = getattr(engine, "_dslaunch_checkpointer", None)
+    if ck is None:
+        ck = _Checkpointer()
+        engine._dslaunch_checkpointer = ck
+    return ck
+
+
+def wait_for_checkpoint(engine: Any) -> None:
+    """Block until a pending async save is durable; raise its error if it failed.
+
+    collective: call on all ranks (before destroying the process group).
+    """
+    ck = getattr(engine, "_dslaunch_checkpointer", None)
+    if ck is not None:
+        ck.writer.wait()
+
+
+# ---- save ---------------------------------------------------------------------------------------
+def _agreed_tag(ck: _Checkpointer, tag: str, policy: str) -> str:
+    if policy == "Ignore":
+        return tag
+    tags = ck.comm.all_gather_object(tag)
+    if len(set(tags)) == 1:
+        return tag
+    msg = f"checkpoint tags differ across ranks: {dict(enumerate(tags))}"
+    if policy == "Fail":
+        raise CheckpointError(msg + " (checkpoint.tag_validation is Fail)")
+    if ck.comm.rank == 0:
+        log.warning("%s; every rank saves under rank 0's tag %r", msg, tags[0])
+    return tags[0]
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].clone())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _module_state(engine: Any, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    sd = engine.module.state_dict()
+    if exclude_frozen:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        sd = type(sd)((k, v) for k, v in sd.items() if k not in frozen)
+    return sd
+
+
+def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
+                    client_state: dict | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> bool:
+    """Save module weights, ZeRO state, engine state, RNG and ``client_state`` under ``tag``.
+
+    Args:
+        tag: directory name inside ``save_dir``; default ``global_step{engine.global_steps}``.
+        save_latest: make ``save_dir/latest`` name this tag once it is complete.
+    Returns:
+        True (as DeepSpeed). With ``checkpoint.async_save`` the files are written in the
+        background; the next save/load (or ``wait_for_checkpoint``) reports a failure.
+    Raises:
+        CheckpointError: tags differ with tag_validation Fail, invalid tag, a rank failed to
+            write (nothing is published then; the previous checkpoint stays ``latest``).
+
+    collective: call on all ranks.
+    """
+    ck = _checkpointer(engine)
+    ck.writer.wait()
+    cfg = engine.config.checkpoint
+    tag = validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    tag = _agreed_tag(ck, tag, cfg.tag_validation)
+    rank, zero = ck.comm.rank, engine.zero
+    module_writer = rank == 0 or (cfg.use_node_local_storage and ck.node_leader)
+    zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage
+    files: dict[str, Any] = {}
+    module_sd = _module_state(engine, exclude_frozen_parameters)
+    if module_writer:
+        files[MODULE_FILE] = {"module": module_sd}
+    zero_sd = zero.state_dict()
+    if zero_writer:
+        files[_zero_file(rank)] = zero_sd
+    files[_rank_file(rank)] = {"engine": engine.state_dict(), "rng": _rng_state(),
+                               "client_state": client_state if client_state is not None else {}}
+    layouts = ck.comm.all_gather_object(
+        _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
+                                                   and rank != 0) else None)
+    meta = {"world_size": ck.comm.world_size, "zero_stage": zero.stage,
+            "global_steps": engine.global_steps, "torch_version": torch.__version__,
+            "node_local_storage": cfg.use_node_local_storage,
+            "exclude_frozen_parameters": exclude_frozen_parameters,
+            "partition": partition_map([x for x in layouts if x is not None]),
+            "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+                       for k, v in module_sd.items() if torch.is_tensor(v)}}
+    job = TagWrite(CheckpointStore(save_dir), tag, files, meta,
+                   leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
+                   save_latest=save_latest, keep_last=cfg.keep_last or 0,
+                   library_version=dslaunch.__version__)
+    if cfg.async_save:
+        job = dataclasses.replace(job, files=ck.snapshot.take(files))
+        ck.writer.submit(lambda: write_tag(ck.comm, job))
+    else:
+        write_tag(ck.comm, job)
+    return True
+
+
+def _layout(zero_sd: dict) -> dict:
+    """A shard's state dict without its tensors (enough for the partition map)."""
+    return {"stage": zero_sd["stage"], "world_size": zero_sd["world_size"], "rank": zero_sd["rank"],
+            "groups": [{k: g[k] for k in ("names", "shapes", "numel", "start", "end")}
+                       for g in zero_sd["groups"]]}
+
+
+# ---- load ---------------------------------------------------------------------------------------
+def _targets(current: dict) -> list[tuple[int, int]]:
+    return [(int(g["start"]), int(g["end"])) for g in current["groups"]]
+
+
+def _zero_sources(manifest: Manifest, current: dict, rank: int) -> list[int]:
+    """Saved ranks whose ZeRO shards this rank must read."""
+    meta = manifest.meta
+    pmap = meta["partition"]
+    same_layout = meta["world_size"] == current["world_size"] and pmap["stage"] == current["stage"]
+    if same_layout and _zero_file(rank) in manifest.files:
+        return [rank]  # the fast path: this rank's own shard, nothing to cut
+    return needed_ranks(pmap, _targets(current))
+
+
+def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> dict:
+    """Read and verify every file this rank needs from ``tag`` (raises CheckpointError).
+
+    A checkpoint of a different model is not an error here (that would make the loader fall
+    back to an older tag): it is reported as ``incompatible`` and the ZeRO shards are skipped.
+    """
+    manifest = store.manifest(tag)
+    src = rank if rank < manifest.meta["world_size"] else 0
+    out: dict[str, Any] = {"manifest": manifest,
+                           "module": store.read(tag, MODULE_FILE, manifest)["module"],
+                           "rank": store.read(tag, _rank_file(src), manifest), "rank_src": src,
+                           "incompatible": None}
+    try:
+        check_compatible(manifest.meta["partition"], current, str(store.root / tag))
+    except CheckpointError as exc:
+        out["incompatible"] = exc
+        return out
+    shards = [store.read(tag, _zero_file(r), manifest) for r in _zero_sources(manifest, current, rank)]
+    out["zero"] = assemble(shards, _targets(current))
+    return out
+
+
+def _collective_read(ck: _Checkpointer, store: CheckpointStore, tag: str, current: dict) -> dict:
+    """Every rank reads its part; if any rank fails, all raise the same error."""
+    got, err = None, None
+    try:
+        got = _read_plan(store, tag, ck.comm.rank, current)
+    except CheckpointError as exc:
+        err = str(exc)
+    errors = [f"rank {r}: {e}" if ck.comm.world_size > 1 else e
+              for r, e in enumerate(ck.comm.all_gather_object(err)) if e]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    return got
+
+
+def _candidates(ck: _Checkpointer, store: CheckpointStore, tag: Any) -> tuple[list[str], list[str]]:
+    if tag is not None:
+        return [str(tag)], []
+    # rank 0 decides the order, so every rank tries the same tags (node-local disks may differ).
+    return ck.comm.all_gather_object(store.candidates() if ck.comm.rank == 0 else None)[0]
+
+
+def _master_from_module(engine: Any, current: dict) -> list[torch.Tensor]:
+    params = dict(engine.module.named_parameters())
+    out = []
+    for g in current["groups"]:
+        flat = torch.cat([params[n].detach().float().reshape(-1) for n in g["names"]])
+        out.append(flat[g["start"]:g["end"]])
+    return out
+
+
+def _with_masters(current: dict, masters: list[torch.Tensor]) -> dict:
+    """The live strategy state with only the fp32 master weights replaced."""
+    return {**current, "groups": [{**g, "master": m} for g, m in zip(current["groups"], masters,
+                                                                      strict=True)]}
+
+
+def _load_module(engine: Any, sd: dict, strict: bool, meta: dict, source: str) -> None:
+    missing, unexpected = engine.module.load_state_dict(sd, strict=False)
+    if meta.get("exclude_frozen_parameters"):
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        missing = [k for k in missing if k not in frozen]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"module weights do not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]} (load_module_strict=False to load "
+                              "what matches)", source)
+
+
+def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
+                    load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                    ) -> tuple[str | None, dict | None]:
+    """Load a checkpoint saved at any world size and ZeRO stage into ``engine``.
+
+    Args:
+        tag: the tag to load; None: the one ``latest`` names, or else the newest valid tag
+            (a warning says which and why).
+        load_module_only: module weights (and the fp32 masters) only; no optimizer, engine
+            counters, scheduler or RNG.
+    Returns:
+        ``(tag directory, client_state)``, or ``(None, None)`` with a warning when ``load_dir``
+        holds no checkpoint.
+    Raises:
+        CheckpointError: the named tag (or, with tag=None, every tag) is missing, truncated or
+            corrupt (the message names the file), or does not fit the model.
+
+    collective: call on all ranks.
+    """
+    ck = _checkpointer(engine)
+    ck.writer.wait()
+    store = CheckpointStore(load_dir)
+    tags, notes = _candidates(ck, store, tag)
+    if not tags:
+        if ck.comm.rank == 0:
+            log.warning("no checkpoint to load in %s (%s); starting from scratch", load_dir,
+                        "; ".join(notes) or "no tags")
+        return None, None
+    current = engine.zero.state_dict()
+    found = first_loadable(tags, lambda t: _collective_read(ck, store, t, current))
+    assert found is not None
+    tag, got, skipped = found
+    manifest: Manifest = got["manifest"]
+    source = str(store.root / tag)
+    if (notes or skipped) and ck.comm.rank == 0:
+        log.warning("checkpoint: %s; loaded tag %r, the newest valid one", "; ".join(notes + skipped), tag)
+    meta = manifest.meta
+    _load_module(engine, got["module"], load_module_strict, meta, source)
+    if got["incompatible"] is None:
+        saved_masters = [g["master"] for g in got["zero"]["groups"]]
+    else:
+        if load_module_strict:
+            raise got["incompatible"]
+        log.warning("checkpoint %s: optimizer state does not fit this model; loaded module "
+                    "weights only (load_module_strict=False)", source)
+        load_module_only, saved_masters = True, _master_from_module(engine, current)
+    if load_module_only or not load_optimizer_states:
+        engine.zero.load_state_dict(_with_masters(current, saved_masters))
+    else:
+        engine.zero.load_state_dict(got["zero"])
+    state = got["rank"]
+    if not load_module_only:
+        engine_sd = dict(state["engine"])
+        if not load_lr_scheduler_states:
+            engine_sd["lr_scheduler"] = None
+        if not load_optimizer_states:
+            engine_sd["loss_scaler"] = engine.loss_scaler.state_dict()
+        engine.load_state_dict(engine_sd)
+        if got["rank_src"] == ck.comm.rank:
+            _set_rng_state(state["rng"])
+    if ck.comm.rank == 0:
+        log.info("loaded checkpoint %s (saved at world size %d, ZeRO stage %d; now %d, stage %d)",
+                 source, meta["world_size"], meta["zero_stage"], ck.comm.world_size, engine.zero.stage)
+    return source, state["client_state"]
+
+
+# ---- 16-bit export ------------------------------------------------------------------------------
+def save_16bit_model(engine: Any, save_dir: str | os.PathLike,
+                     save_filename: str = "pytorch_model.bin") -> bool:
+    """Rank 0 writes the module's state dict (model dtype) with ``torch.save``, atomically.
+
+    collective: call on all ranks.
+    """
+    ck = _checkpointer(engine)
+    ck.writer.wait()
+    err = None
+    if ck.comm.rank == 0:
+        path = Path(save_dir) / save_filename
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            with open(tmp, "wb") as f:
+                torch.save(engine.module.state_dict(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            err = f"cannot write {path}: {exc}"
+    errors = [e for e in ck.comm.all_gather_object(err) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    return True
