@@ -31,6 +31,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BIN = Path(sys.executable).parent
 SCRIPT = str(ROOT / "scripts" / "examples" / "allreduce.py")
 TARGET = 1.3  # dslaunch at most 1.3x the floor
+FLOOR = "floor (2x import torch)"
 
 
 def _port() -> int:
@@ -43,7 +44,7 @@ def _commands() -> dict[str, list[list[str]] | None]:
     """name -> a function of the port giving the command(s) to run in parallel; None if missing."""
     py = sys.executable
     cmds = {
-        "floor (2x import torch)": lambda p: [[py, "-c", "import torch"]] * 2,
+        FLOOR: lambda p: [[py, "-c", "import torch"]] * 2,
         "dslaunch": lambda p: [[str(BIN / "dslaunch"), "--num_gpus", "2", "--master_port", str(p), SCRIPT]],
         "torchrun": lambda p: [[str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(p), SCRIPT]],
         "deepspeed": lambda p: [[str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(p), SCRIPT]],
@@ -80,7 +81,7 @@ def main(argv: list[str]) -> int:
         print(f"repeat {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
               flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    floor, ours = med["floor (2x import torch)"], med["dslaunch"]
+    floor, ours = med[FLOOR], med["dslaunch"]
     report = {
         "what": "seconds from command start until 2 ranks passed a gloo barrier+all_reduce and exited",
         "repeats": args.repeats, "cores": len(os.sched_getaffinity(0)), "times": times, "median": med,
@@ -90,26 +91,27 @@ def main(argv: list[str]) -> int:
     load = (load_before, os.getloadavg()[0])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "launch_bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    text = _markdown(med, floor, ours, args.repeats, missing, load)
+    text = _markdown(med, {k: min(v) for k, v in times.items()}, args.repeats, missing, load)
     (RESULTS / "launch_bench.md").write_text(text)
     print(text)
     return 0
 
 
-def _markdown(med: dict[str, float], floor: float, ours: float, repeats: int, missing: list[str],
+def _markdown(med: dict[str, float], best: dict[str, float], repeats: int, missing: list[str],
               load: tuple[float, float]) -> str:
+    floor, ours = med[FLOOR], med["dslaunch"]
     rows = [
         "## Launch: 2 ranks to a gloo barrier and exit (`scripts/bench/launch_bench.py`)\n",
         f"Median of {repeats} interleaved runs, same machine, same moment; OMP_NUM_THREADS=1. "
         f"Shared 2-core machine (1-min load average {load[0]:.1f} before, {load[1]:.1f} after): "
         "timings are noisy, compare ratios.\n",
-        "| command | median s | vs floor | launcher / dslaunch |",
-        "| --- | ---: | ---: | ---: |",
+        "| command | median s | min s | median vs floor | median / dslaunch's |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for name, t in med.items():
-        rows.append(f"| {name} | {t:.2f} | {t / floor:.2f}x | {t / ours:.2f}x |")
+        rows.append(f"| {name} | {t:.2f} | {best[name]:.2f} | {t / floor:.2f}x | {t / ours:.2f}x |")
     verdict = "met" if ours / floor <= TARGET else "NOT met"
-    rows.append(f"\nTarget dslaunch <= {TARGET}x floor: {verdict} ({ours / floor:.2f}x).")
+    rows.append(f"\nTarget dslaunch <= {TARGET}x floor (medians): {verdict} ({ours / floor:.2f}x).")
     if missing:
         rows.append(f"Not installed, not measured: {', '.join(missing)}.")
     return "\n".join(rows) + "\n"
