@@ -203,3 +203,12 @@ def test_daemon_that_left_the_process_group_is_cleaned_up(free_port, tmp_path):
     r = run_dslaunch(_job(free_port, 2, f"daemon={tmp_path}/d{{rank}}", "r1:sleep=0.3", "r1:exit=4"), tag)
     assert r.returncode == 4
     assert_no_job_process(tag)
+
+
+def test_localhost_hostfile_with_include_selects_slots(free_port, tmp_path):
+    hf = tmp_path / "hostfile"
+    hf.write_text("localhost slots=4  # this machine\n")
+    r = run_dslaunch(["-H", str(hf), "-i", "localhost:1,3", "--master_port", str(free_port), FAKE, "env"])
+    assert r.returncode == 0, r.stderr
+    envs = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines()]
+    assert sorted((e["RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs) == [("0", "1,3"), ("1", "1,3")]
