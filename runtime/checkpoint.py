@@ -58,11 +58,11 @@ log = logging.getLogger("dslaunch.checkpoint")
 MODULE_FILE = "module.dsl"
 
 
-def _zero_file(rank: int) -> str:
+def zero_file(rank: int) -> str:
     return f"zero_rank_{rank:05d}.dsl"
 
 
-def _rank_file(rank: int) -> str:
+def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.dsl"
 
 
@@ -168,8 +168,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
         files[MODULE_FILE] = {"module": module_sd}
     zero_sd = zero.state_dict()
     if zero_writer:
-        files[_zero_file(rank)] = zero_sd
-    files[_rank_file(rank)] = {"engine": engine.state_dict(), "rng": _rng_state(),
+        files[zero_file(rank)] = zero_sd
+    files[rank_file(rank)] = {"engine": engine.state_dict(), "rng": _rng_state(),
                                "client_state": client_state if client_state is not None else {}}
     layouts = ck.comm.all_gather_object(
         _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
@@ -210,7 +210,7 @@ def _zero_sources(manifest: Manifest, current: dict, rank: int) -> list[int]:
     meta = manifest.meta
     pmap = meta["partition"]
     same_layout = meta["world_size"] == current["world_size"] and pmap["stage"] == current["stage"]
-    if same_layout and _zero_file(rank) in manifest.files:
+    if same_layout and zero_file(rank) in manifest.files:
         return [rank]  # the fast path: this rank's own shard, nothing to cut
     return needed_ranks(pmap, _targets(current))
 
@@ -225,14 +225,14 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> di
     src = rank if rank < manifest.meta["world_size"] else 0
     out: dict[str, Any] = {"manifest": manifest,
                            "module": store.read(tag, MODULE_FILE, manifest)["module"],
-                           "rank": store.read(tag, _rank_file(src), manifest), "rank_src": src,
+                           "rank": store.read(tag, rank_file(src), manifest), "rank_src": src,
                            "incompatible": None}
     try:
         check_compatible(manifest.meta["partition"], current, str(store.root / tag))
     except CheckpointError as exc:
         out["incompatible"] = exc
         return out
-    shards = [store.read(tag, _zero_file(r), manifest) for r in _zero_sources(manifest, current, rank)]
+    shards = [store.read(tag, zero_file(r), manifest) for r in _zero_sources(manifest, current, rank)]
     out["zero"] = assemble(shards, _targets(current))
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import random
@@ -176,6 +177,44 @@ def test_load_at_another_world_size_and_stage(tmp_path: Path, n: int, stage_in: 
     for r in loaded:  # every rank of the new world holds the same full model
         for k, v in saved[0]["module"].items():
             assert np.array_equal(r["module"][k], v), k
+    _check_fp32_export(tmp_path, saved[0]["module"])
+
+
+def _check_fp32_export(root: Path, module: dict) -> None:
+    """The offline export equals the fp32 model the saving world held (all ranks' shards)."""
+    from dslaunch.launcher.cli import main as cli
+    from dslaunch.runtime.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for source in (root, root / "global_step10"):
+        sd = get_fp32_state_dict_from_zero_checkpoint(source)
+        assert list(sd) == list(module)
+        for k, v in module.items():
+            assert sd[k].dtype == torch.float32 and np.array_equal(sd[k].numpy(), v), k
+    assert cli(["zero-to-fp32", str(root), str(root / "out" / "model.pt")]) == 0
+    pt = torch.load(root / "out" / "model.pt")
+    assert all(np.array_equal(pt[k].numpy(), v) for k, v in module.items())
+    code = cli(["zero-to-fp32", str(root), str(root / "model.safetensors"), "--tag", "global_step10"])
+    if importlib.util.find_spec("safetensors") is None:
+        assert code == 2  # UsageError: install safetensors or write .pt
+    else:
+        from safetensors.torch import load_file
+
+        st = load_file(str(root / "model.safetensors"))
+        assert code == 0 and all(np.array_equal(st[k].numpy(), v) for k, v in module.items())
+
+
+def test_zero_to_fp32_names_a_bad_directory(tmp_path: Path) -> None:
+    from dslaunch.runtime.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from dslaunch.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'nope'}: not a directory"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: no checkpoint here"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path)
+    (tmp_path / "global_step3").mkdir()
+    with pytest.raises(CheckpointError, match="manifest is missing"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path, tag="global_step3")
 
 
 class _Records(logging.Handler):
