@@ -8,6 +8,7 @@ written whole with one locked write so ranks never interleave inside a line. Wit
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import BinaryIO
 
@@ -40,11 +41,30 @@ class Sink:
 
 
 def pump(pipe: BinaryIO, prefix: bytes, sink: Sink, log: Sink | None) -> None:
-    """Copy ``pipe`` to ``sink`` line by line with ``prefix``; also raw to ``log``. Thread target."""
+    """Copy ``pipe`` to ``sink`` line by line with ``prefix``; also raw to ``log``. Thread target.
+
+    A line ends at ``\n`` or at a lone ``\r``, so progress bars (tqdm) that redraw with ``\r``
+    show up as they go, each redraw prefixed. A final unterminated line gets a ``\n``.
+    """
+    pending = b""
     with pipe:
-        for line in iter(pipe.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            sink.write(prefix + line)
-            if log is not None:
-                log.write(line)
+        while chunk := pipe.read1(65536):
+            pending += chunk
+            end = 0
+            for m in _LINE.finditer(pending):
+                if m.end() == len(pending) and pending.endswith(b"\r"):
+                    break  # maybe the first half of \r\n: wait for the next chunk
+                _emit(pending[m.start():m.end()], prefix, sink, log)
+                end = m.end()
+            pending = pending[end:]
+    if pending:
+        _emit(pending if pending.endswith((b"\n", b"\r")) else pending + b"\n", prefix, sink, log)
+
+
+_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
+
+
+def _emit(line: bytes, prefix: bytes, sink: Sink, log: Sink | None) -> None:
+    sink.write(prefix + line)
+    if log is not None:
+        log.write(line)
