@@ -81,7 +81,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         if self.is_gradient_accumulation_boundary():
             with self._timer("step"):
-                result = self.zero.step(self.loss_scaler.loss_scale, self.config.gradient_clipping)
+                result = self.zero.step(self.loss_scaler.loss_scale, self.config.gradient_clipping,
+                                        check_overflow=self.config.fp16.enabled)
             self.loss_scaler.update(result.overflow)
             self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
             if result.overflow:

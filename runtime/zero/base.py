@@ -63,7 +63,7 @@ class StepResult:
     """What the engine learns from a boundary step."""
 
     overflow: bool
-    grad_norm: float  # unscaled, before clipping (inf/nan on overflow)
+    grad_norm: float | None  # unscaled, before clipping (inf/nan on overflow; None: not computed)
 
 
 class ZeroStrategy(ABC):
@@ -128,28 +128,50 @@ class ZeroStrategy(ABC):
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         self._boundary, self._sync = boundary, sync
 
-    def step(self, loss_scale: float = 1.0, clip: float = 0.0) -> StepResult:
+    def step(self, loss_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = False) -> StepResult:
         """Unscale and clip this rank's gradient shard, skip on overflow, else update and publish.
+
+        The global gradient norm is computed when clipping or the overflow check needs it
+        (``grad_norm`` is None otherwise, saving a pass over the gradients).
 
         collective: call on all ranks at the accumulation boundary.
         """
         grads = self._gather_grad_shards()
         post = self._post_factor() / loss_scale
-        norm = self._global_norm(grads) * post
-        if not math.isfinite(norm):
-            self.zero_grad()
-            return StepResult(True, norm)
+        norm = None
+        if clip > 0 or check_overflow:
+            norm = self._global_norm(grads) * post
+            if not math.isfinite(norm):
+                self.zero_grad()
+                return StepResult(True, norm)
         factor = post
         if clip > 0 and norm > clip:
             factor *= clip / (norm + 1e-6)
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor)
-        self.optimizer.step()
+        self._optimizer_step(grads, factor)
         for g in self.groups:
             g.copy_master_to_model()
         self._publish_params()
         self.zero_grad()
         return StepResult(False, norm)
+
+    def _optimizer_step(self, grads: list[torch.Tensor], factor: float) -> None:
+        """optimizer.step() on gradients multiplied by ``factor``.
+
+        torch's fused optimizers unscale inside their kernel (``grad_scale``, the GradScaler
+        protocol): that saves a full read-modify-write pass over the gradients.
+        """
+        opt = self.optimizer
+        if factor == 1.0:
+            opt.step()
+        elif getattr(opt, "_step_supports_amp_scaling", False):
+            opt.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32, device=grads[0].device)
+            try:
+                opt.step()
+            finally:
+                del opt.grad_scale
+        else:
+            torch._foreach_mul_(grads, factor)
+            opt.step()
 
     def _post_factor(self) -> float:
         pre = self.comm.gradient_predivide_factor if self.comm.prescale_gradients else 1.0

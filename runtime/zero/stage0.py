@@ -1,8 +1,9 @@
 """ZeRO stage 0: plain data parallelism with a bucketed gradient all-reduce.
 
-Every rank holds the full gradient in one flat buffer per param group (each ``param.grad`` is a
-view into it, so autograd accumulates in place and micro steps between boundaries cost no
-communication). On the boundary micro step the buffer is all-reduced in buckets of
+Every rank holds the full gradient in one flat buffer per param group. After a step every
+``param.grad`` is None, so the first micro step's fresh gradient is copied into the buffer by the
+hook (no zeroing pass) and ``.grad`` becomes a view of it; later micro steps accumulate in place.
+Micro steps between boundaries cost no communication. On the boundary micro step the buffer is all-reduced in buckets of
 ``reduce_bucket_size`` elements; with ``overlap_comm`` each bucket is launched asynchronously from a
 post-accumulate-grad hook as soon as backward has produced all of its gradients. Buckets launch in
 one fixed order (last bucket first) on every rank, so collectives always match.
@@ -29,9 +30,6 @@ class Stage0(ZeroStrategy):
         self._gflat = [torch.zeros(g.layout.padded, dtype=g.dtype, device=g.flat.device)
                        for g in self.groups]
         self._views = [g.param_views(gf) for g, gf in zip(self.groups, self._gflat, strict=True)]
-        for g, views in zip(self.groups, self._views, strict=True):
-            for p, v in zip(g.params, views, strict=True):
-                p.grad = v
         self._master_grads: list[torch.Tensor | None] = [None] * len(self.groups)
         self._bucket_list = self._buckets(self.comm.reduce_bucket_numel)
         self._bucket_of = {(gi, pi): bi for bi, (gi, _, _, idx) in enumerate(self._bucket_list)
@@ -56,11 +54,15 @@ class Stage0(ZeroStrategy):
                     self._next -= 1
         return on_grad
 
-    def _adopt_grad(self, gi: int, pi: int) -> None:
-        # If something set .grad to None (e.g. module.zero_grad()), autograd made a fresh tensor:
-        # take it as the whole accumulated gradient and point .grad back into the flat buffer.
+    def _adopt_grad(self, gi: int, pi: int, unused_is_zero: bool = False) -> None:
+        # .grad was None (after a step, or module.zero_grad()): autograd made a fresh tensor, which
+        # is the whole gradient so far; copy it into the flat buffer and point .grad there.
         p, view = self.groups[gi].params[pi], self._views[gi][pi]
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        if p.grad is None:
+            if unused_is_zero:  # no gradient this window (unused parameter)
+                view.zero_()
+                p.grad = view
+        elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
 
@@ -79,7 +81,7 @@ class Stage0(ZeroStrategy):
     def end_backward(self) -> None:
         for gi, g in enumerate(self.groups):
             for pi in range(len(g.params)):
-                self._adopt_grad(gi, pi)
+                self._adopt_grad(gi, pi, unused_is_zero=True)
         if not (self._boundary and self._sync):
             return
         while self._next >= 0:
@@ -105,11 +107,10 @@ class Stage0(ZeroStrategy):
         return grads
 
     def zero_grad(self) -> None:
-        for gf in self._gflat:
-            gf.zero_()
-        for gi, g in enumerate(self.groups):
-            for p, v in zip(g.params, self._views[gi], strict=True):
-                p.grad = v
+        # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).
+        for g in self.groups:
+            for p in g.params:
+                p.grad = None
 
     def _grad_bytes(self) -> int:
         full = sum(gf.numel() * gf.element_size() for gf in self._gflat)

@@ -47,6 +47,7 @@ class Stage2(ZeroStrategy):
         self._bucket_of = {(gi, pi): bi for bi, (gi, _, _, idx) in enumerate(self._bucket_list)
                            for pi in idx}
         self._inflight: deque[tuple[Any, int, torch.Tensor]] = deque()
+        self._fresh = True  # first micro step since zero_grad: copy into the shard instead of add
         self._reset_buckets()
         for gi, g in enumerate(self.groups):
             for pi, p in enumerate(g.params):
@@ -114,7 +115,8 @@ class Stage2(ZeroStrategy):
         lay = self.groups[gi].layout
         lo, hi = max(a, lay.start), min(b, lay.end)
         if lo < hi:
-            self._shards[gi][lo - lay.start:hi - lay.start].add_(buf[lo - a:hi - a])
+            dst, src = self._shards[gi][lo - lay.start:hi - lay.start], buf[lo - a:hi - a]
+            dst.copy_(src) if self._fresh else dst.add_(src)
 
     def end_backward(self) -> None:
         # Buckets whose params got no gradient (unused in this forward) still reduce, as zeros.
@@ -127,14 +129,14 @@ class Stage2(ZeroStrategy):
             self._next -= 1
         while self._inflight:
             self._finish(*self._inflight.popleft())
+        self._fresh = False  # every element of the shard has now been written
         self._reset_buckets()
 
     def _gather_grad_shards(self) -> list[torch.Tensor]:
         return self._shards
 
     def zero_grad(self) -> None:
-        for s in self._shards:
-            s.zero_()
+        self._fresh = True  # no zeroing pass: the next reduction overwrites the shard
         for g in self.groups:
             for p in g.params:
                 p.grad = None

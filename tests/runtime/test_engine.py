@@ -150,7 +150,7 @@ def _api(rank: int, world: int, path: str) -> dict:
 @pytest.mark.timeout(60)
 def test_deepspeed_api_surface(tmp_path) -> None:
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({**_cfg(2), "gradient_accumulation_steps": 2, "wall_clock_breakdown": True,
+    path.write_text(json.dumps({**_cfg(2), "gradient_accumulation_steps": 2, "wall_clock_breakdown": True, "gradient_clipping": 10.0,
                                 "steps_per_print": 1}))
     out = run_world(_api, 2, str(path))
     for rank, o in enumerate(out):
