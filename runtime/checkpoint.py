@@ -5,14 +5,16 @@ engine, the ZeRO strategy, the loss scaler, the scheduler and the data loader sa
 (``state_dict``); this module only names the files, adds RNG states and client state, and hands
 the result to the storage layer (``checkpoint_io`` via ``checkpoint_writer``). A tag holds::
 
-    module.dsl            module.state_dict() (model dtype), from global rank 0
+    module.dsl            module.state_dict() (model dtype) minus the params the optimizer holds,
+                          from global rank 0 (those params are stored once: as fp32 masters)
     zero_rank_NNNNN.dsl   strategy.state_dict() of rank N (stage 0: rank 0 only; all ranks have it)
     rank_NNNNN.dsl        engine.state_dict(), RNG states (python, numpy, torch), client_state
     manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32s, version
 
 Loading at the saving layout reads each rank's own files; at another world size or stage each
 rank reads the saved shards its new range overlaps and ``checkpoint_reshard.assemble`` cuts them
-to that range. With ``checkpoint.use_node_local_storage`` each node's first rank also writes the
+to that range. The model-dtype weights of trained params are restored as the cast of their fp32
+masters (``strategy.load_state_dict`` does it), which is exactly what they were when saved. With ``checkpoint.use_node_local_storage`` each node's first rank also writes the
 module file and every rank its ZeRO shard, so a node never needs another node's disk (loading
 then requires the saving layout).
 
@@ -36,6 +38,7 @@ from dslaunch.runtime.checkpoint_io import CheckpointStore, Manifest, first_load
 from dslaunch.runtime.checkpoint_reshard import (
     assemble,
     check_compatible,
+    fp32_params,
     needed_ranks,
     partition_map,
 )
@@ -164,9 +167,11 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
     zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage
     files: dict[str, Any] = {}
     module_sd = _module_state(engine, exclude_frozen_parameters)
-    if module_writer:
-        files[MODULE_FILE] = {"module": module_sd}
     zero_sd = zero.state_dict()
+    in_groups = {n for g in zero_sd["groups"] for n in g["names"]}
+    if module_writer:  # trained params live once, as fp32 masters in the ZeRO shards
+        files[MODULE_FILE] = {"module": type(module_sd)((k, v) for k, v in module_sd.items()
+                                                         if k not in in_groups)}
     if zero_writer:
         files[zero_file(rank)] = zero_sd
     files[rank_file(rank)] = {"engine": engine.state_dict(), "rng": _rng_state(),
@@ -179,7 +184,9 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
             "node_local_storage": cfg.use_node_local_storage,
             "exclude_frozen_parameters": exclude_frozen_parameters,
             "partition": partition_map([x for x in layouts if x is not None]),
-            "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+            "module_keys": list(module_sd),
+            "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+                           "in": "zero" if k in in_groups else "module"}
                        for k, v in module_sd.items() if torch.is_tensor(v)}}
     job = TagWrite(CheckpointStore(save_dir), tag, files, meta,
                    leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
@@ -227,10 +234,14 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> di
                            "module": store.read(tag, MODULE_FILE, manifest)["module"],
                            "rank": store.read(tag, rank_file(src), manifest), "rank_src": src,
                            "incompatible": None}
+    pmap = manifest.meta["partition"]
     try:
-        check_compatible(manifest.meta["partition"], current, str(store.root / tag))
-    except CheckpointError as exc:
+        check_compatible(pmap, current, str(store.root / tag))
+    except CheckpointError as exc:  # keep what can be matched by name: the fp32 weights
         out["incompatible"] = exc
+        full = [(0, int(g["numel"])) for g in pmap["groups"]]
+        shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
+        out["fp32"] = fp32_params(assemble(shards, full))
         return out
     shards = [store.read(tag, zero_file(r), manifest) for r in _zero_sources(manifest, current, rank)]
     out["zero"] = assemble(shards, _targets(current))
@@ -273,11 +284,13 @@ def _with_masters(current: dict, masters: list[torch.Tensor]) -> dict:
                                                                       strict=True)]}
 
 
-def _load_module(engine: Any, sd: dict, strict: bool, meta: dict, source: str) -> None:
+def _load_module(engine: Any, sd: dict, strict: bool, meta: dict, held: set[str], source: str) -> None:
+    """Load buffers and untrained params; ``held`` names the params restored from fp32 masters."""
     missing, unexpected = engine.module.load_state_dict(sd, strict=False)
+    excused = set(held)
     if meta.get("exclude_frozen_parameters"):
-        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-        missing = [k for k in missing if k not in frozen]
+        excused |= {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    missing = [k for k in missing if k not in excused]
     if strict and (missing or unexpected):
         raise CheckpointError(f"module weights do not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]} (load_module_strict=False to load "
@@ -322,12 +335,16 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
     if (notes or skipped) and ck.comm.rank == 0:
         log.warning("checkpoint: %s; loaded tag %r, the newest valid one", "; ".join(notes + skipped), tag)
     meta = manifest.meta
-    _load_module(engine, got["module"], load_module_strict, meta, source)
     if got["incompatible"] is None:
+        held = {n for g in current["groups"] for n in g["names"]}
+        _load_module(engine, got["module"], load_module_strict, meta, held, source)
         saved_masters = [g["master"] for g in got["zero"]["groups"]]
     else:
         if load_module_strict:
             raise got["incompatible"]
+        params = dict(engine.module.named_parameters())
+        weights = {k: v.to(params[k].dtype) for k, v in got["fp32"].items() if k in params}
+        _load_module(engine, {**got["module"], **weights}, False, meta, set(), source)
         log.warning("checkpoint %s: optimizer state does not fit this model; loaded module "
                     "weights only (load_module_strict=False)", source)
         load_module_only, saved_masters = True, _master_from_module(engine, current)

@@ -8,16 +8,18 @@ The header pickles ``(payload, metas)``: ``payload`` is the object pickled with 
 tensor replaced by a reference into ``metas`` (dtype, shape, offset, nbytes); each tensor's bytes
 follow, 64-byte aligned. Why not ``torch.save``: its zip container costs a second pass over the
 data, and reading it back copies every tensor. Here a write streams each tensor once while the
-CRC32 of the whole file is computed on the same buffers, and a read is one ``readinto`` of the
-whole file, one CRC pass, and tensors that are views of that buffer (no copy).
+CRC32 of the whole file is computed on the same buffers, and a read maps the file (private, copy-on-write),
+makes one CRC pass over it, and returns tensors that are views of the mapping (no copy).
 
-Limitations: loading unpickles arbitrary objects (``client_state``), like ``torch.load`` with
+Limitations: a mapped file that is truncated while its tensors are still in use raises SIGBUS
+(the loader copies everything it keeps); loading unpickles arbitrary objects (``client_state``), like ``torch.load`` with
 ``weights_only=False``: load only checkpoints you trust.
 """
 
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 import struct
@@ -35,7 +37,8 @@ __all__ = ["MAGIC", "FileDigest", "write_object", "read_object", "crc32_file"]
 MAGIC = b"DSLCKPT1"
 _ALIGN = 64
 _CHUNK = 16 << 20
-_OWN_STORAGE_BELOW = 1 << 20  # write/CRC granularity: large enough for full disk speed, small for the cache
+_OWN_STORAGE_BELOW = 1 << 20
+_MAP_FROM = 4 << 20  # files at least this large are memory-mapped instead of read  # write/CRC granularity: large enough for full disk speed, small for the cache
 
 
 @dataclass(frozen=True)
@@ -125,21 +128,26 @@ def write_object(path: str | os.PathLike, obj: Any) -> FileDigest:
 
 
 def _read_exact(path: Path, size: int) -> torch.Tensor:
-    data = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(data.numpy()).cast("B")
-    got = 0
-    with open(path, "rb", buffering=0) as f:
-        while got < size:
-            n = f.readinto(view[got:got + _CHUNK])
-            if not n:
-                break
-            got += n
-        extra = f.read(1)
-    if got < size or extra:
-        actual = path.stat().st_size
+    """The file's bytes as a uint8 tensor: a private memory map of the page cache (no copy)
+    for large files, a plain read for small ones."""
+    actual = path.stat().st_size
+    if actual != size:
         raise CheckpointError(f"file is truncated or was changed: {actual} bytes on disk, the "
                               f"manifest records {size} bytes", str(path))
-    return data
+    if size >= _MAP_FROM:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            # MAP_PRIVATE + PROT_WRITE: tensors may be written (copy-on-write), never the file.
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) != size:
+        raise CheckpointError(f"file changed while reading: {len(data)} bytes, the manifest "
+                              f"records {size} bytes", str(path))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
 
 
 def _crc(view: memoryview) -> int:
@@ -171,7 +179,7 @@ def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> An
         raise CheckpointError("file is missing", str(path))
     size = expect.size if expect else path.stat().st_size
     data = _read_exact(path, size)
-    view = memoryview(data.numpy()).cast("B")
+    view = memoryview(data.numpy()).cast("B") if size else memoryview(b"")
     if expect is not None and _crc(view) != expect.crc32:
         raise CheckpointError("checksum mismatch: the file is corrupt (CRC32 differs from the "
                               "manifest)", str(path))

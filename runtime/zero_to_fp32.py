@@ -2,7 +2,7 @@
 
 Owns the offline export (like DeepSpeed's ``zero_to_fp32.py``): the ZeRO shards of any world
 size and stage are concatenated into full fp32 master weights and split per parameter; buffers
-and parameters the optimizer did not hold (frozen ones) come from the saved module weights. The
+and parameters the optimizer did not hold (frozen ones) come from the saved module file. The
 result is a plain ``{name: tensor}`` dict in the module's ``state_dict`` order, loadable with
 ``model.load_state_dict``.
 
@@ -45,12 +45,13 @@ def _consolidate(store: CheckpointStore, tag: str) -> OrderedDict[str, torch.Ten
     masters = fp32_params(assemble(shards, full))
     module = store.read(tag, MODULE_FILE, manifest)["module"]
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for name, value in module.items():
+    for name in manifest.meta.get("module_keys", list(module)):  # the module's state_dict order
         if name in masters:
             out[name] = masters.pop(name)
-        elif torch.is_tensor(value):
+        elif torch.is_tensor(module.get(name)):
+            value = module[name]
             out[name] = value.float().clone() if value.is_floating_point() else value.clone()
-    out.update(masters)  # parameters the module file lacks (saved with exclude_frozen...) last
+    out.update(masters)
     return out
 
 

@@ -275,3 +275,16 @@ def test_ranks_share_one_tag_and_one_failure_fails_all(tmp_path: Path) -> None:
     results = run_world(_two_rank_save, 2, str(tmp_path))
     assert results == [["shard_0.bin", "shard_1.bin"]] * 2
     assert (tmp_path / LATEST).read_text() == "t1" and not (tmp_path / "t2").exists()
+
+
+@pytest.mark.parametrize("damage,message", [(_flip, "checksum mismatch"), (_truncate, "truncated")])
+def test_large_files_are_mapped_and_still_verified(tmp_path: Path, damage, message: str) -> None:
+    from dslaunch.runtime.checkpoint_format import read_object, write_object
+
+    path = tmp_path / "big.bin"
+    big = {"w": torch.arange(2 << 20, dtype=torch.float32)}  # 8 MB: read through mmap
+    digest = write_object(path, big)
+    assert torch.equal(read_object(path, digest)["w"], big["w"])
+    damage(path)
+    with pytest.raises(CheckpointError, match=message):
+        read_object(path, digest)
