@@ -91,7 +91,10 @@ class FlatGroup:
         self.layout = GroupLayout.build(names, [tuple(p.shape) for p in params], world_size, rank,
                                         partitioned)
         lay = self.layout
-        self.flat = torch.zeros(lay.padded, dtype=self.dtype, device=params[0].device)
+        # empty, not zeros: pages are touched as each param moves in and its old storage is freed,
+        # so flattening never holds two copies of the model (peak RSS).
+        self.flat = torch.empty(lay.padded, dtype=self.dtype, device=params[0].device)
+        self.flat[lay.numel:].zero_()
         for i, p in enumerate(params):
             a, b = lay.param_range(i)
             self.flat[a:b].copy_(p.data.reshape(-1))

@@ -27,7 +27,8 @@ class Stage0(ZeroStrategy):
     partitioned = False
 
     def _init_gradients(self) -> None:
-        self._gflat = [torch.zeros(g.layout.padded, dtype=g.dtype, device=g.flat.device)
+        # Every element in [0, numel) is written by the first backward (_adopt_grad) before use.
+        self._gflat = [torch.empty(g.layout.padded, dtype=g.dtype, device=g.flat.device)
                        for g in self.groups]
         self._views = [g.param_views(gf) for g, gf in zip(self.groups, self._gflat, strict=True)]
         self._master_grads: list[torch.Tensor | None] = [None] * len(self.groups)
@@ -94,6 +95,9 @@ class Stage0(ZeroStrategy):
         self._reset_buckets()
 
     def _gather_grad_shards(self) -> list[torch.Tensor]:
+        for gi, g in enumerate(self.groups):  # a step without backward sees zero gradients
+            for pi in range(len(g.params)):
+                self._adopt_grad(gi, pi, unused_is_zero=True)
         grads = []
         for gi, (g, gf) in enumerate(zip(self.groups, self._gflat, strict=True)):
             own = gf[g.layout.start:g.layout.end]
