@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -213,8 +214,25 @@ def connect(t: SSHTarget) -> paramiko.Transport:
     raise SSHError({t.alias: failure})
 
 
-def connect_all(targets: list[SSHTarget]) -> dict[str, paramiko.Transport]:
+def _connect_then(t: SSHTarget, then: Callable[[SSHTarget, paramiko.Transport], None] | None) -> paramiko.Transport:
+    transport = connect(t)
+    if then is not None:
+        try:
+            then(t, transport)
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            transport.close()
+            raise SSHError({t.alias: ("ssh", f"connected, but starting the remote command failed: {exc}")}) from None
+    return transport
+
+
+def connect_all(targets: list[SSHTarget],
+                then: Callable[[SSHTarget, paramiko.Transport], None] | None = None) -> dict[str, paramiko.Transport]:
     """Connect to every target in parallel; all or nothing.
+
+    Args:
+        targets: the hosts.
+        then: called in the connecting thread right after a host is ready (e.g. to start the
+            remote command without waiting for the slowest host).
 
     Returns:
         alias -> authenticated transport, in ``targets`` order.
@@ -223,7 +241,7 @@ def connect_all(targets: list[SSHTarget]) -> dict[str, paramiko.Transport]:
         SSHError: naming every host that failed and why (the others are closed).
     """
     with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
-        futures = {t.alias: pool.submit(connect, t) for t in targets}
+        futures = {t.alias: pool.submit(_connect_then, t, then) for t in targets}
     done: dict[str, paramiko.Transport] = {}
     failures: dict[str, tuple[str, str]] = {}
     for alias, fut in futures.items():

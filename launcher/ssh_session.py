@@ -38,16 +38,15 @@ class RemoteSession:
 
     Args:
         alias: the host name shown in prefixes and messages.
-        transport: an authenticated transport (``ssh_connect.connect``).
         command: the shell command line to execute remotely.
         out, err: where prefixed lines go (shared by all sessions).
         on_change: called whenever the probe arrives or the command ends.
     """
 
-    def __init__(self, alias: str, transport: paramiko.Transport, command: str, out: Sink, err: Sink,
+    def __init__(self, alias: str, command: str, out: Sink, err: Sink,
                  on_change: Callable[[], None] = lambda: None) -> None:
         self.alias = alias
-        self.transport = transport
+        self.transport: paramiko.Transport | None = None
         self.command = command
         self._out, self._err = out, err
         self._on_change = on_change
@@ -62,9 +61,10 @@ class RemoteSession:
         self.done = threading.Event()
         self._channel: paramiko.Channel | None = None
 
-    def start(self) -> None:
-        """Open a channel and execute the command (one round trip); readers run in threads."""
-        chan = self.transport.open_session()
+    def start(self, transport: paramiko.Transport) -> None:
+        """Open a channel on ``transport`` and execute the command; readers run in threads."""
+        self.transport = transport
+        chan = transport.open_session()
         chan.exec_command(self.command)
         self._channel = chan
         readers = [threading.Thread(target=self._read, args=(chan.recv, self._stdout_line), daemon=True),
@@ -161,7 +161,7 @@ class RemoteSession:
         The agent's watchdog and its workers' PDEATHSIG take the workers down with it.
         """
         try:
-            if pid:
+            if pid and self.transport is not None:
                 chan = self.transport.open_session(timeout=1.0)
                 chan.exec_command(f"kill -KILL {int(pid)}")
                 chan.recv_exit_status()
@@ -173,4 +173,5 @@ class RemoteSession:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()

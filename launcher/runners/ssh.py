@@ -135,14 +135,12 @@ class SSHRunner(Runner):
         exported = collect_env()  # before connecting: a bad env file fails fast, nothing started
         targets = self._targets(job)
         master = self._master_addr(job, targets)
-        transports = connect_all(targets)
         python = job.python or sys.executable
         for t, cmd in zip(targets, self._commands(job, master), strict=True):
-            self.sessions[t.alias] = RemoteSession(t.alias, transports[t.alias], cmd, self._out, self._err,
-                                                   on_change=wake.set)
+            self.sessions[t.alias] = RemoteSession(t.alias, cmd, self._out, self._err, on_change=wake.set)
+        # Each host's command starts as soon as that host is connected.
+        connect_all(targets, then=lambda t, transport: self.sessions[t.alias].start(transport))
         try:
-            for s in self.sessions.values():
-                s.start()
             probes = gather_probes(self.sessions, python)
             problems = check_probes(probes, job.nodes[0].cwd, master, job.master_port)
             if problems:
