@@ -32,6 +32,8 @@ BIN = Path(sys.executable).parent
 SCRIPT = str(ROOT / "scripts" / "examples" / "allreduce.py")
 TARGET = 1.3  # dslaunch at most 1.3x the floor
 FLOOR = "floor (2x import torch)"
+BARE = "2x python -c pass"
+LEAN = "dslaunch, 2 torch-free workers"
 
 
 def _port() -> int:
@@ -48,8 +50,12 @@ def _commands() -> dict[str, list[list[str]] | None]:
         "dslaunch": lambda p: [[str(BIN / "dslaunch"), "--num_gpus", "2", "--master_port", str(p), SCRIPT]],
         "torchrun": lambda p: [[str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(p), SCRIPT]],
         "deepspeed": lambda p: [[str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(p), SCRIPT]],
+        # the launcher's own cost, without torch in the way
+        BARE: lambda p: [[py, "-c", "pass"]] * 2,
+        LEAN: lambda p: [[str(BIN / "dslaunch"), "--num_gpus", "2", "--master_port", str(p), "--no_python",
+                          "--no_local_rank", py, "-c", "pass"]],
     }
-    return {k: (v if k.startswith("floor") or shutil.which(v(0)[0][0]) else None) for k, v in cmds.items()}
+    return {k: (v if shutil.which(v(0)[0][0]) else None) for k, v in cmds.items()}
 
 
 def _time_once(make) -> float:
@@ -109,9 +115,13 @@ def _markdown(med: dict[str, float], best: dict[str, float], repeats: int, missi
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for name, t in med.items():
-        rows.append(f"| {name} | {t:.2f} | {best[name]:.2f} | {t / floor:.2f}x | {t / ours:.2f}x |")
+        if name not in (BARE, LEAN):
+            rows.append(f"| {name} | {t:.2f} | {best[name]:.2f} | {t / floor:.2f}x | {t / ours:.2f}x |")
     verdict = "met" if ours / floor <= TARGET else "NOT met"
     rows.append(f"\nTarget dslaunch <= {TARGET}x floor (medians): {verdict} ({ours / floor:.2f}x).")
+    if BARE in med and LEAN in med:
+        rows.append(f"Launcher overhead alone: dslaunch with 2 torch-free workers {med[LEAN]:.3f} s vs "
+                    f"{med[BARE]:.3f} s for 2 bare interpreters (+{(med[LEAN] - med[BARE]) * 1000:.0f} ms, medians).")
     if missing:
         rows.append(f"Not installed, not measured: {', '.join(missing)}.")
     return "\n".join(rows) + "\n"
