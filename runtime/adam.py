@@ -64,6 +64,7 @@ class Adam(ChunkedOptimizer):
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
         grads = [p.grad for p in params]
         for ps, gs, ms, vs in chunked((params, grads, exp_avgs, exp_avg_sqs), self.chunk_numel):
+            gs = self._unscaled(gs)
             if wd != 0.0 and not group["adam_w_mode"]:
                 gs = torch._foreach_add(gs, ps, alpha=wd)
             torch._foreach_lerp_(ms, gs, 1.0 - beta1)

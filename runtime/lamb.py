@@ -112,6 +112,7 @@ class Lamb(ChunkedOptimizer):
 
         updates = [torch.empty_like(p) for p in params]
         for gs, ms, vs, ps, us in chunked((grads, exp_avgs, exp_avg_sqs, params, updates), self.chunk_numel):
+            gs = self._unscaled(gs)
             torch._foreach_lerp_(ms, gs, 1.0 - beta1)
             torch._foreach_mul_(vs, beta2)
             torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)

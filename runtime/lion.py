@@ -41,6 +41,7 @@ class Lion(ChunkedOptimizer):
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         beta1, beta2 = group["betas"]
         for ps, gs, ms in chunked((params, grads, exp_avgs), self.chunk_numel):
+            gs = self._unscaled(gs)
             if wd != 0.0:
                 torch._foreach_mul_(ps, 1.0 - lr * wd)
             update = torch._foreach_lerp(ms, gs, 1.0 - beta1)

@@ -7,7 +7,9 @@ cache, so main memory sees each tensor about once (~33 ms, measured on this mach
 tensors are batched together so a model with many small parameters still pays few kernel calls.
 
 ``ChunkedOptimizer`` holds the torch ``step()`` protocol (closure, params with gradients, sparse
-check) and lazily created per-parameter state; subclasses write only their update.
+check, and torch's AMP protocol: a ``grad_scale`` the gradients are divided by inside the update,
+a ``found_inf`` that skips it) and lazily created per-parameter state; subclasses write only
+their update, reading gradients through ``_unscaled``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     chunk_numel: int = CHUNK_NUMEL
     moment_keys: tuple[str, ...] = ("exp_avg",)
     counts_steps: bool = False
+    # torch's AMP protocol (GradScaler, the ZeRO strategies): set ``grad_scale``/``found_inf``
+    # before step(); unscaling happens on cache-sized pieces instead of a separate pass.
+    _step_supports_amp_scaling = True
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch API
@@ -74,6 +79,11 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) != 0.0:
+            return loss  # the scaler saw inf/nan: skip, as torch's fused optimizers do
+        grad_scale = getattr(self, "grad_scale", None)
+        self._inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse for p in params):
@@ -84,6 +94,11 @@ class ChunkedOptimizer(torch.optim.Optimizer):
 
     def _update_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def _unscaled(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradient pieces divided by ``grad_scale`` (a cache-sized copy; the originals stay)."""
+        inv = getattr(self, "_inv_scale", None)
+        return grads if inv is None or inv == 1.0 else torch._foreach_mul(grads, inv)
 
     def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """This parameter's state, created on first use."""

@@ -50,3 +50,24 @@ def test_tensors_larger_than_a_chunk_match_the_small_chunk_free_update(name: str
         opt_whole.step()
         opt_pieces.step()
     torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["Lion", "Lamb", "Adam"])
+def test_amp_protocol_grad_scale_and_found_inf(name: str) -> None:
+    cfg = {"lr": 0.01, "weight_decay": 0.1, **({"bias_correction": False} if name == "Adam" else {})}
+    gen = torch.Generator().manual_seed(1)
+    start = torch.randn(1000, generator=gen)
+    grad = torch.randn(1000, generator=gen)
+    plain, scaled = start.clone().requires_grad_(), start.clone().requires_grad_()
+    opt_plain, opt_scaled = build_optimizer(name, cfg, [plain]), build_optimizer(name, cfg, [scaled])
+    assert opt_scaled._step_supports_amp_scaling
+    plain.grad, scaled.grad = grad.clone(), grad * 1024.0
+    opt_plain.step()
+    opt_scaled.grad_scale = torch.tensor(1024.0)
+    opt_scaled.step()
+    torch.testing.assert_close(scaled, plain)
+    torch.testing.assert_close(scaled.grad, grad * 1024.0)  # gradients are left as they were
+    opt_scaled.found_inf = torch.tensor(1.0)
+    before = scaled.detach().clone()
+    opt_scaled.step()
+    assert torch.equal(scaled.detach(), before)  # skipped
