@@ -58,6 +58,7 @@ class DistributedDataLoader:
 
     Raises:
         ValueError: non-positive batch size or world size, rank outside [0, world_size).
+        TypeError: ``dataset`` is not map-style (e.g. a torch ``IterableDataset``).
     """
 
     def __init__(self, dataset: Any, batch_size: int, rank: int, world_size: int,
@@ -66,6 +67,10 @@ class DistributedDataLoader:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need batch_size >= 1, world_size >= 1 and 0 <= rank < world_size; got "
                              f"batch_size={batch_size}, rank={rank}, world_size={world_size}")
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise TypeError(f"training_data must be a map-style dataset (with __len__ and __getitem__) so "
+                            f"that it can be shuffled and split across ranks; got {type(dataset).__name__}. "
+                            "For an iterable dataset, build the loader yourself and pass batches to the engine")
         if collate_fn is None:
             from torch.utils.data import default_collate as collate_fn
         self.dataset = dataset

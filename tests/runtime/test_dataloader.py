@@ -160,6 +160,14 @@ def test_custom_collate_fn_and_plain_sequences() -> None:
 
 
 def test_invalid_arguments() -> None:
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.raises(TypeError, match="map-style"):
+        DistributedDataLoader(Stream(), 1, 0, 1)
     with pytest.raises(ValueError, match="rank"):
         DistributedDataLoader(Squares(4), 1, 2, 2)
     with pytest.raises(ValueError, match="batch_size"):
