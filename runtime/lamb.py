@@ -11,16 +11,17 @@ parameter tensor, with t the step count:
     p = p - step_size * coeff * update
 
 State per parameter: ``exp_avg``, ``exp_avg_sq``, ``step`` (0-dim float tensor, as torch's Adam).
-Elementwise work runs through torch's ``_foreach`` kernels; the trust ratio needs one norm pair per
-tensor (``_foreach_norm``).
+The moments and the update direction are computed on cache-sized pieces (``optim_chunks``); the
+trust ratio needs one norm pair per parameter (``_foreach_norm``).
 
 Flattened parameters (ZeRO): the trust ratio is per *original* parameter. When the engine hands
-over one flat tensor per group (ZeRO's master vector or this rank's shard of it), it can put
-``"segments": [(param_id, length), ...]`` in the group (``flat_segments`` builds it), and pass
-``norm_all_reduce`` (an in-place sum over ranks) plus the group's total ``"num_params"`` when each
-rank holds only a shard; then every
-original parameter gets its own ratio from its full norms, exactly as without flattening.
-Without segments a flat tensor is treated as one layer.
+over one flat tensor per group (ZeRO's master vector or this rank's shard of it), it passes one
+``FlatLayout`` per group (``FlatLayout.of(numels, start, end)``: which pieces of which original
+parameters the tensor holds) and, when each rank holds only a shard, ``norm_all_reduce`` (an
+in-place sum over the ranks). Every original parameter then gets its own ratio from its full
+norms, exactly as without flattening. The layouts live on the optimizer, not in
+``param_groups``, so checkpoints (and reloading them at another world size) never carry a stale
+layout. Without a layout a flat tensor is treated as one layer.
 
 Limitations: dense gradients only; no amsgrad (DeepSpeed rejects it as well). With
 ``norm_all_reduce`` a step is a collective: call it on all ranks.
