@@ -29,6 +29,8 @@ import logging
 import os
 import random
 import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +79,27 @@ class _Checkpointer:
 
         self.comm: Comm = GroupComm() if dist.is_available() and dist.is_initialized() else LocalComm()
         self.writer = AsyncWriter()
-        self.snapshot = Snapshot()
+        self.snapshot, self.small_snapshot = Snapshot(), Snapshot()
+        # Set while no async snapshot is being copied; the optimizer step waits for it.
+        self.snapshot_done = threading.Event()
+        self.snapshot_done.set()
+        self._gated: set[int] = set()
+        self.gate_wait_s = 0.0  # time optimizer steps spent waiting for snapshots (for benchmarks)
         node = os.environ.get("NODE_RANK") or socket.gethostname()
         nodes = self.comm.all_gather_object(node)
         self.node_leader = nodes.index(node) == self.comm.rank
+
+    def gate(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` wait until the pending snapshot copy is complete."""
+        if id(optimizer) not in self._gated:
+            optimizer.register_step_pre_hook(lambda *_: self._wait_snapshot())
+            self._gated.add(id(optimizer))
+
+    def _wait_snapshot(self) -> None:
+        if not self.snapshot_done.is_set():
+            t0 = time.perf_counter()
+            self.snapshot_done.wait()
+            self.gate_wait_s += time.perf_counter() - t0
 
 
 def _checkpointer(engine: Any) -> _Checkpointer:
@@ -193,11 +212,34 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
                    save_latest=save_latest, keep_last=cfg.keep_last or 0,
                    library_version=dslaunch.__version__)
     if cfg.async_save:
-        job = dataclasses.replace(job, files=ck.snapshot.take(files))
-        ck.writer.submit(lambda: write_tag(ck.comm, job))
+        _save_async(ck, engine, job, zero_file(rank))
     else:
         write_tag(ck.comm, job)
     return True
+
+
+def _save_async(ck: _Checkpointer, engine: Any, job: TagWrite, big: str) -> None:
+    """Copy the small state now and the ZeRO shard on the writer thread, then write.
+
+    Only the optimizer step changes the ZeRO state (master weights, moments), so the shard is
+    copied while the next forward/backward runs and the next ``optimizer.step()`` waits for the
+    copy to finish: the training loop only stalls if the copy outlasts forward + backward.
+    """
+    files = dict(job.files)
+    live = files.pop(big, None)
+    files = ck.small_snapshot.take(files)
+    ck.gate(engine.optimizer)
+    ck.snapshot_done.clear()
+
+    def run() -> None:
+        try:
+            if live is not None:
+                files[big] = ck.snapshot.take(live)
+        finally:
+            ck.snapshot_done.set()
+        write_tag(ck.comm, dataclasses.replace(job, files=files))
+
+    ck.writer.submit(run)
 
 
 def _layout(zero_sd: dict) -> dict:

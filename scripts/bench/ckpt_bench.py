@@ -9,9 +9,13 @@ worker processes started with the launcher's env contract, OMP_NUM_THREADS=1:
   published, ``latest`` replaced; DeepSpeed does not fsync);
 - load: ``load_checkpoint`` of that tag into the live engine (page cache warm for both; one
   untimed load first, so one-off imports are not counted);
-- async (dslaunch only): how long ``save_checkpoint`` blocks the training loop with
-  ``checkpoint.async_save``, as a fraction of a synchronous save;
+- async (dslaunch only): how long the training loop is blocked with ``checkpoint.async_save``
+  (the ``save_checkpoint`` call plus the time the next optimizer step waits for the snapshot
+  copy), as a fraction of a synchronous save;
 - disk: ``dd conv=fsync`` of the same number of bytes to the same file system.
+
+Each measured tag is deleted before the next save (for both systems, like ``keep_last``): on
+this VM, writing into never-touched memory (a growing page cache) costs ~5x more than the save.
 
 Medians over ``--repeats`` (saves and loads alternate). Timings on a shared 2-core machine are
 noisy; the table says so and records the load average.
@@ -94,12 +98,12 @@ def _worker(kind: str, root: str, repeats: int) -> None:
     saves, loads = [], []
     engine.save_checkpoint(root, tag="warmup")
     engine.load_checkpoint(root, tag="warmup")
+    nbytes = _tag_bytes(root, "warmup")
+    _drop(root, "warmup", dist)
     for i in range(repeats):
         saves.append(_timed(lambda i=i: engine.save_checkpoint(root, tag=f"sync{i}"), dist))
         loads.append(_timed(lambda i=i: engine.load_checkpoint(root, tag=f"sync{i}"), dist))
-        if rank == 0:
-            shutil.rmtree(Path(root) / "warmup", ignore_errors=True)
-    nbytes = sum(f.stat().st_size for f in (Path(root) / "sync0").rglob("*") if f.is_file())
+        _drop(root, f"sync{i}", dist)
     result = {"save_s": saves, "load_s": loads, "bytes": nbytes}
     if kind == "dslaunch":
         result.update(_async_stall(engine, root, repeats, train, dist))
@@ -108,6 +112,19 @@ def _worker(kind: str, root: str, repeats: int) -> None:
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
+
+
+def _tag_bytes(root: str, tag: str) -> int:
+    return sum(f.stat().st_size for f in (Path(root) / tag).rglob("*") if f.is_file())
+
+
+def _drop(root: str, tag: str, dist) -> None:
+    """Delete a measured tag (as keep_last would): each save then reuses freed page-cache
+    memory instead of touching fresh VM memory, which costs more than the save itself here."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(Path(root) / tag, ignore_errors=True)
+    dist.barrier()
 
 
 def _async_stall(engine, root: str, repeats: int, train, dist) -> dict:
@@ -125,9 +142,12 @@ def _async_stall(engine, root: str, repeats: int, train, dist) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         engine.save_checkpoint(root, tag=f"async{i}")
-        stalls.append(time.perf_counter() - t0)
+        call = time.perf_counter() - t0
+        gated = engine._dslaunch_checkpointer.gate_wait_s  # the next optimizer step's wait
         during.append(train(2))
+        stalls.append(call + engine._dslaunch_checkpointer.gate_wait_s - gated)
         wait_for_checkpoint(engine)
+        _drop(root, f"async{i}", dist)
     engine.config = cfg
     return {"async_stall_s": stalls[1:], "async_first_stall_s": stalls[0],
             "step_s": step_alone, "step_during_async_write_s": during[1:]}
@@ -232,7 +252,7 @@ def _write(raw: dict) -> None:
                      "(target >= 0.5; dslaunch fsyncs every file)")
         ds = raw["runs"]["dslaunch"]
         stall = statistics.median(_worst(ds, "async_stall_s"))
-        lines.append(f"- async save: the training loop is blocked {stall * 1e3:.0f} ms = "
+        lines.append(f"- async save: the training loop is blocked {stall * 1e3:.1f} ms = "
                      f"**{stall / save:.3f}** of a synchronous save (target < 0.10); first async save "
                      f"(allocates the snapshot) {max(r['async_first_stall_s'] for r in ds) * 1e3:.0f} ms; "
                      f"a training step takes {statistics.median(r['step_s'] for r in ds) * 1e3:.0f} ms "

@@ -86,6 +86,13 @@ def _straight(rank: int, world: int, stage: int) -> dict:
     return _summary(engine, losses + _train(engine, loader, STEPS // 2))
 
 
+def _straight_then_first_half(rank: int, world: int, stage: int, root: str, checkpoint: dict) -> dict:
+    """Both runs in one world (saves a process start): the second engine starts from scratch."""
+    straight = _straight(rank, world, stage)
+    _first_half(rank, world, stage, root, checkpoint)
+    return straight
+
+
 def _first_half(rank: int, world: int, stage: int, root: str, checkpoint: dict) -> dict:
     engine, loader = _engine(stage, seed=0, **checkpoint)
     _train(engine, loader, STEPS // 2)
@@ -124,8 +131,7 @@ def _assert_same(a: dict, b: dict) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage,checkpoint", [(0, {}), (1, {}), (2, {}), (2, {"async_save": True})])
 def test_resume_is_bitwise_identical(tmp_path: Path, stage: int, checkpoint: dict) -> None:
-    straight = run_world(_straight, 2, stage)
-    run_world(_first_half, 2, stage, str(tmp_path), checkpoint)
+    straight = run_world(_straight_then_first_half, 2, stage, str(tmp_path), checkpoint)
     resumed = run_world(_second_half, 2, stage, str(tmp_path), None)
     for s, r in zip(straight, resumed, strict=True):
         assert r["losses"] == s["losses"][STEPS // 2:]
@@ -250,11 +256,37 @@ def _fallback_and_errors(rank: int, world: int, root: str) -> list[str]:
         engine.load_checkpoint(root, tag="global_step4")
     path, _ = engine.load_checkpoint(root)
     assert path.endswith("global_step2") and engine.global_steps == 2
+    at2 = _summary(engine, [])
     from dslaunch.runtime.checkpoint import save_checkpoint
 
     with pytest.raises(CheckpointError, match="tags differ across ranks"):
         save_checkpoint(_FailTags(engine), root, tag=f"t{rank}")
+    _check_partial_loads(engine, loader, root, at2)
+    assert engine.save_16bit_model(os.path.join(root, "export"))
+    if rank == 0:
+        exported = torch.load(os.path.join(root, "export", "pytorch_model.bin"))
+        assert all(torch.equal(exported[k], v) for k, v in engine.module.state_dict().items())
     return records.lines
+
+
+def _check_partial_loads(engine, loader, root: str, at2: dict) -> None:
+    """load_optimizer_states / load_lr_scheduler_states / load_module_only keep what they say."""
+    _train(engine, loader, 2)
+    at4 = _summary(engine, [])
+    sched4 = engine.lr_scheduler.state_dict()
+    engine.load_checkpoint(root, tag="global_step2", load_optimizer_states=False,
+                           load_lr_scheduler_states=False)
+    now = _summary(engine, [])
+    assert np.array_equal(now["zero"][0]["master"], at2["zero"][0]["master"])  # weights: step 2
+    for k in now["zero"][0]["optim"]:  # moments: still those of step 4
+        assert np.array_equal(now["zero"][0]["optim"][k], at4["zero"][0]["optim"][k]), k
+    assert engine.global_steps == 2 and engine.lr_scheduler.state_dict() == sched4
+    _train(engine, loader, 1)
+    engine.load_checkpoint(root, tag="global_step2", load_module_only=True)
+    now = _summary(engine, [])
+    assert np.array_equal(now["zero"][0]["master"], at2["zero"][0]["master"])
+    assert engine.global_steps == 3  # counters untouched
+    assert not np.array_equal(now["zero"][0]["optim"]["exp_avg"], at2["zero"][0]["optim"]["exp_avg"])
 
 
 class _FailTags:
