@@ -80,7 +80,6 @@ class SSHRunner(Runner):
         super().__init__()
         self._out, self._err = Sink(out_fd), Sink(err_fd)
         self.sessions: dict[str, RemoteSession] = {}
-        self._first_address = ""
 
     # -- planning (no network) -----------------------------------------------------------------
 
@@ -90,10 +89,10 @@ class SSHRunner(Runner):
         config = load_config(options.config_file)  # one parse for all hosts
         return [resolve(n.host, options, config) for n in job.nodes]
 
-    def _master_addr(self, job: JobSpec, targets: list[SSHTarget]) -> str:
+    @staticmethod
+    def _master_addr(job: JobSpec, targets: list[SSHTarget]) -> str:
         """The default master (the first host's name) becomes its address as ssh resolves it."""
         first = targets[0]
-        self._first_address = first.hostname
         if job.master_addr == first.alias and first.hostname not in _LOOPBACK:
             return first.hostname
         return job.master_addr
@@ -109,19 +108,19 @@ class SSHRunner(Runner):
         env["MASTER_ADDR"] = master
         return replace(node, env=env)
 
-    def _commands(self, job: JobSpec, master: str) -> list[str]:
+    @staticmethod
+    def _commands(job: JobSpec, master: str, targets: list[SSHTarget]) -> list[str]:
         python = job.python or sys.executable
-        first = job.nodes[0].host
-        on_first = master in (first, self._first_address)  # the master port must be free there
-        return [remote_command(python, probe_request(n.cwd, master, job.master_port, on_first and n.host == first))
-                for n in job.nodes]
+        on_first = master in (targets[0].alias, targets[0].hostname)  # the port must be free there
+        return [remote_command(python, probe_request(n.cwd, master, job.master_port, on_first and i == 0))
+                for i, n in enumerate(job.nodes)]
 
     def dry_run(self, job: JobSpec) -> str:
         targets = self._targets(job)
         master = self._master_addr(job, targets)
         exported = collect_env()
         out = []
-        for t, node, cmd in zip(targets, job.nodes, self._commands(job, master), strict=True):
+        for t, node, cmd in zip(targets, job.nodes, self._commands(job, master, targets), strict=True):
             port = f" -p {t.port}" if t.port != 22 else ""
             probe = {"route": {"iface": "<interface routing to MASTER_ADDR, found at launch>"}}
             out.append(f"ssh{port} {t.user}@{t.hostname} {shlex.quote(cmd)}\n"
@@ -136,7 +135,7 @@ class SSHRunner(Runner):
         targets = self._targets(job)
         master = self._master_addr(job, targets)
         python = job.python or sys.executable
-        for t, cmd in zip(targets, self._commands(job, master), strict=True):
+        for t, cmd in zip(targets, self._commands(job, master, targets), strict=True):
             self.sessions[t.alias] = RemoteSession(t.alias, cmd, self._out, self._err, on_change=wake.set)
         # Each host's command starts as soon as that host is connected.
         connect_all(targets, then=lambda t, transport: self.sessions[t.alias].start(transport))
