@@ -11,8 +11,10 @@ parameter tensor, with t the step count:
     p = p - step_size * coeff * update
 
 State per parameter: ``exp_avg``, ``exp_avg_sq``, ``step`` (0-dim float tensor, as torch's Adam).
-The moments and the update direction are computed on cache-sized pieces (``optim_chunks``); the
-trust ratio needs one norm pair per parameter (``_foreach_norm``).
+Two passes over cache-sized pieces (``optim_chunks``): the first updates the moments and sums
+each parameter's squared norms of weight and update direction; the second recomputes the
+direction (cheaper than storing it: no full-size buffer to allocate and fault in) and applies
+it with the parameter's trust ratio.
 
 Flattened parameters (ZeRO): the trust ratio is per *original* parameter. When the engine hands
 over one flat tensor per group (ZeRO's master vector or this rank's shard of it), it passes one
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked
+from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked_rows
 
 __all__ = ["Lamb", "FlatLayout"]
 
@@ -104,74 +106,77 @@ class Lamb(ChunkedOptimizer):
 
     def _update_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         layout = self.flat_layouts[index]
-        grads = [p.grad for p in params]
         states = [self._state(p) for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        # One row per original parameter: the tensors themselves, or views of the pieces of a
+        # flat tensor (so a trust ratio never mixes two parameters).
+        rows = (params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states])
+        if layout is not None:
+            rows = self._pieces(layout, rows)
+            sizes = [self._step_size(group, self._count_step(params[0]))] * len(rows[0])
+        else:
+            sizes = [self._step_size(group, self._count_step(p)) for p in params]
         beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
 
-        updates = [torch.empty_like(p) for p in params]
-        for gs, ms, vs, ps, us in chunked((grads, exp_avgs, exp_avg_sqs, params, updates), self.chunk_numel):
+        # Pass 1: moments, and the squared norms of each row's weight and update direction.
+        sq = torch.zeros(2, len(rows[0]), dtype=torch.float64)
+        for (ps, gs, ms, vs), row_ids in chunked_rows(rows, self.chunk_numel):
             gs = self._unscaled(gs)
             torch._foreach_lerp_(ms, gs, 1.0 - beta1)
             torch._foreach_mul_(vs, beta2)
             torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
-            if group["eps_inside_sqrt"]:
-                denom = torch._foreach_add(vs, eps)
-                torch._foreach_sqrt_(denom)
-            else:
-                denom = torch._foreach_sqrt(vs)
-                torch._foreach_add_(denom, eps)
-            direction = torch._foreach_div(ms, denom)  # cache-sized temporaries
-            if wd != 0.0:
-                torch._foreach_add_(direction, ps, alpha=wd)
-            torch._foreach_copy_(us, direction)
+            direction = self._direction(group, ps, ms, vs)
+            pieces = torch.tensor(row_ids)
+            sq[0].index_add_(0, pieces, torch.stack(torch._foreach_norm(ps)).double().square())
+            sq[1].index_add_(0, pieces, torch.stack(torch._foreach_norm(direction)).double().square())
+        ratios = self._trust_ratios(group, layout, sq)  # collective with a reducer
 
-        # Trust ratios per original parameter: the tensors themselves, or views of the pieces
-        # of a flat tensor. Views keep every pass in place (no per-element ratio tensor).
-        if layout is not None:
-            weights, directions = self._pieces(layout, params, updates)
-            step_sizes = [self._step_size(group, self._count_step(params[0]))] * len(weights)
-        else:
-            weights, directions = params, updates
-            step_sizes = [self._step_size(group, self._count_step(p)) for p in params]
-        ratios = self._trust_ratios(group, layout, weights, directions)  # collective with a reducer
-        if not weights:  # an empty shard: nothing to update here
-            return
-        # One fused pass per tensor (read w and u, write w) instead of a foreach mul + add.
-        for weight, direction, size, ratio in zip(weights, directions, step_sizes, ratios, strict=True):
-            weight.add_(direction, alpha=-size * ratio)
+        # Pass 2: recompute the direction (cheaper than storing it: no full-size buffer) and step.
+        scales = [-size * ratio for size, ratio in zip(sizes, ratios, strict=True)]
+        for (ps, ms, vs), row_ids in chunked_rows((rows[0], rows[2], rows[3]), self.chunk_numel):
+            direction = self._direction(group, ps, ms, vs)
+            torch._foreach_mul_(direction, [scales[r] for r in row_ids])
+            torch._foreach_add_(ps, direction)
 
     @staticmethod
-    def _pieces(layout: FlatLayout, params: list[torch.Tensor], updates: list[torch.Tensor]
-                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if len(params) != 1:
+    def _direction(group: dict[str, Any], ps: list[torch.Tensor], ms: list[torch.Tensor],
+                   vs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """m / (sqrt(v) + eps) + weight_decay * p, on cache-sized pieces."""
+        if group["eps_inside_sqrt"]:
+            denom = torch._foreach_add(vs, group["eps"])
+            torch._foreach_sqrt_(denom)
+        else:
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_add_(denom, group["eps"])
+        direction = torch._foreach_div(ms, denom)
+        if group["weight_decay"] != 0.0:
+            torch._foreach_add_(direction, ps, alpha=group["weight_decay"])
+        return direction
+
+    @staticmethod
+    def _pieces(layout: FlatLayout, rows: tuple[list[torch.Tensor], ...]) -> tuple[list[torch.Tensor], ...]:
+        """Split each list's single flat tensor into the views of the layout's segments."""
+        if len(rows[0]) != 1:
             raise ValueError("a Lamb param group with a FlatLayout must hold exactly one flat tensor")
-        flat, update = params[0].view(-1), updates[0].view(-1)
         bounds, offset = [], 0
         for _, length in layout.segments:
             bounds.append((offset, offset + length))
             offset += length
-        if offset != flat.numel():
-            raise ValueError(f"Lamb FlatLayout covers {offset} elements, the tensor has {flat.numel()}")
-        return [flat[a:b] for a, b in bounds], [update[a:b] for a, b in bounds]
+        if offset != rows[0][0].numel():
+            raise ValueError(f"Lamb FlatLayout covers {offset} elements, the tensor has {rows[0][0].numel()}")
+        return tuple([t[0].view(-1)[a:b] for a, b in bounds] for t in rows)
 
-    def _trust_ratios(self, group: dict[str, Any], layout: FlatLayout | None, weights: list[torch.Tensor],
-                      directions: list[torch.Tensor]) -> list[float]:
-        norms = torch.stack([torch.stack(torch._foreach_norm(weights)).float(),
-                             torch.stack(torch._foreach_norm(directions)).float()]) if weights else None
+    def _trust_ratios(self, group: dict[str, Any], layout: FlatLayout | None, sq: torch.Tensor) -> list[float]:
+        """Clamped ||w|| / ||u|| per row from the squared norms ``sq`` (2 x rows)."""
         if layout is not None and self.norm_all_reduce is not None:
             # Params split across ranks: add the squared norms of the other ranks' pieces.
-            full = torch.zeros(2, layout.num_params)
-            if norms is not None:
-                full.index_add_(1, torch.tensor([pid for pid, _ in layout.segments]), norms.square())
+            ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
+            full = torch.zeros(2, layout.num_params, dtype=torch.float64)
+            full.index_add_(1, ids, sq)
             self.norm_all_reduce(full)
-            norms = full[:, [pid for pid, _ in layout.segments]].sqrt()
-        if norms is None:
-            return []
+            sq = full[:, ids]
         # One synchronising .tolist() per group, not one per tensor.
-        w_norms, u_norms = norms.tolist()
+        w_norms, u_norms = sq.sqrt().tolist()
         low, high = group["min_coeff"], group["max_coeff"]
         return [min(max(w / u, low), high) if w != 0.0 and u != 0.0 else 1.0
                 for w, u in zip(w_norms, u_norms, strict=True)]

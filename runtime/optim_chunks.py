@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_NUMEL", "chunked", "ChunkedOptimizer"]
+__all__ = ["CHUNK_NUMEL", "chunked", "chunked_rows", "ChunkedOptimizer"]
 
 #: Elements per batch: 1 MiB per fp32 tensor, so the 3-5 tensors of a step fit in L2/L3.
 CHUNK_NUMEL = 1 << 18
@@ -37,9 +37,17 @@ def chunked(tensor_lists: Sequence[Sequence[torch.Tensor]], chunk_numel: int = C
     Yields:
         A tuple with one list per input list; position j of every list is the same region.
     """
+    for batch, _rows in chunked_rows(tensor_lists, chunk_numel):
+        yield batch
+
+
+def chunked_rows(tensor_lists: Sequence[Sequence[torch.Tensor]], chunk_numel: int = CHUNK_NUMEL
+                 ) -> Iterator[tuple[tuple[list[torch.Tensor], ...], list[int]]]:
+    """As ``chunked``, plus which input tensor (row) each view of the batch comes from."""
     batch: tuple[list[torch.Tensor], ...] = tuple([] for _ in tensor_lists)
+    rows: list[int] = []
     size = 0
-    for row in zip(*tensor_lists, strict=True):
+    for index, row in enumerate(zip(*tensor_lists, strict=True)):
         if not all(t.is_contiguous() for t in row):  # cannot slice a flat view: take it whole
             pieces = [tuple(row)]
         else:
@@ -49,12 +57,13 @@ def chunked(tensor_lists: Sequence[Sequence[torch.Tensor]], chunk_numel: int = C
         for piece in pieces:
             for out, view in zip(batch, piece, strict=True):
                 out.append(view)
+            rows.append(index)
             size += piece[0].numel()
             if size >= chunk_numel:
-                yield batch
-                batch, size = tuple([] for _ in tensor_lists), 0
-    if batch[0]:
-        yield batch
+                yield batch, rows
+                batch, rows, size = tuple([] for _ in tensor_lists), [], 0
+    if rows:
+        yield batch, rows
 
 
 class ChunkedOptimizer(torch.optim.Optimizer):
