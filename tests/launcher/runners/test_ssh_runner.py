@@ -227,3 +227,15 @@ def test_a_frozen_agent_is_killed_over_ssh(cluster, free_port):
     assert run.finish(10) == 143, run.text("err")
     assert time.monotonic() - start < 2.5
     _assert_clean(cluster)
+
+
+@pytest.mark.timeout(60)
+def test_ssh_port_flag_overrides_the_config(cluster, free_port):
+    run = Lines(cluster.dslaunch("--master_port", str(free_port), "--ssh_port", "2222", FAKE, "print=ran"))
+    assert run.finish(30) == 0, run.text("err")
+    assert len(re.findall(r"\[rank\d\] ran$", run.text("out"), re.M)) == 6
+    run = Lines(cluster.dslaunch("--master_port", str(free_port), "--ssh_port", "2223", FAKE, "print=ran"))
+    assert run.finish(30) != 0
+    for host, addr in zip(cluster.hosts, cluster.addrs, strict=True):
+        assert f"{host}: connection refused by {addr} port 2223" in run.text("err")
+    _assert_clean(cluster)
