@@ -71,3 +71,16 @@ def test_amp_protocol_grad_scale_and_found_inf(name: str) -> None:
     before = scaled.detach().clone()
     opt_scaled.step()
     assert torch.equal(scaled.detach(), before)  # skipped
+
+
+def test_chunked_rows_names_the_source_tensor_of_every_view() -> None:
+    from dslaunch.runtime.optim_chunks import chunked_rows
+
+    tensors = [torch.full((10,), 0.0), torch.full((3,), 1.0), torch.full((20,), 2.0)]
+    seen = []
+    for (views,), rows in chunked_rows((tensors,), chunk_numel=8):
+        assert len(views) == len(rows)
+        for view, row in zip(views, rows, strict=True):
+            assert bool((view == float(row)).all())
+            seen.append((row, view.numel()))
+    assert [sum(n for r, n in seen if r == row) for row in range(3)] == [10, 3, 20]
