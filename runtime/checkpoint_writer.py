@@ -50,7 +50,7 @@ class GroupComm:
     """Collectives on a dedicated gloo group, so a background save never interleaves its
     collectives with the training loop's on the default group."""
 
-    def __init__(self, timeout_s: float = 600.0):
+    def __init__(self, timeout_s: float = 1800.0):
         import torch.distributed as dist
 
         self._dist = dist
