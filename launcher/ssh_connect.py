@@ -133,9 +133,10 @@ def _verify_host_key(t: SSHTarget, known: dict[str, paramiko.PKey], key: paramik
         _record_new_key(t, key)
         return
     keyscan = f"ssh-keyscan{'' if t.port == 22 else f' -p {t.port}'} {t.hostname}"
+    user_files = [p for p in t.known_hosts_files if not p.startswith("/etc/")]
     raise _Fail("unknown-host-key", f"unknown host key: {t.hostname} ({key.get_name()} {fingerprint}) "
-                f"is not in known_hosts ({', '.join(p for p in t.known_hosts_files if not p.startswith('/etc/'))}); "
-                f"check the fingerprint and add it (`{keyscan} >> ~/.ssh/known_hosts`), "
+                f"is not in known_hosts ({', '.join(user_files)}); "
+                f"check the fingerprint and add it (`{keyscan} >> {user_files[0] if user_files else '~/.ssh/known_hosts'}`), "
                 "or pass --ssh_accept_new_host_keys to accept and record new keys")
 
 
