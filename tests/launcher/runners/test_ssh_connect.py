@@ -143,3 +143,21 @@ def test_silent_port_times_out_and_all_failures_are_reported_together(cluster):
     assert err.value.causes["10.213.7.99"] in ("timeout", "unreachable")
     assert "2 hosts failed" in str(err.value)
     assert elapsed < 4.5  # in parallel, each bounded by its connect timeout (ARP gives up at ~3 s)
+
+
+def test_launcher_args_ssh_options(tmp_path):
+    config = tmp_path / "config"
+    config.write_text("Host a\n  HostName 10.0.0.5\n  Port 2200\n  User bob\n  IdentityFile ~/k1\n"
+                      "  StrictHostKeyChecking accept-new\n  ConnectTimeout 7\n")
+    t = resolve("a", SSHOptions.from_launcher_args(f"-F {config}"))
+    assert (t.hostname, t.port, t.user, t.accept_new_host_keys, t.connect_timeout) == ("10.0.0.5", 2200, "bob", True, 7.0)
+    assert t.identity_files[0].endswith("/k1") and not t.identity_files[0].startswith("~")
+    t = resolve("a", SSHOptions.from_launcher_args(
+        f"-F {config} -i /x/id -l carol -o UserKnownHostsFile=/kh -o IdentityFile=/y/id -o Port=2300"))
+    assert (t.port, t.user, t.identity_files[:2], t.known_hosts_files[0]) == (2300, "carol", ("/x/id", "/y/id"), "/kh")
+    t = resolve("other", SSHOptions.from_launcher_args(f"-F {config} -o StrictHostKeyChecking=no"))
+    assert (t.hostname, t.port, t.accept_new_host_keys) == ("other", 22, True)
+    for bad, needle in (("-o Compression=yes", "unsupported ssh option"), ("-p 99999", "not a TCP port"),
+                        ("-F", "-F FILE")):
+        with pytest.raises(UsageError, match=needle):
+            SSHOptions.from_launcher_args(bad)
