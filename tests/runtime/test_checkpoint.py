@@ -18,12 +18,14 @@ from tests.runtime.models import make_model
 STEPS = 20
 
 
-def _config(stage: int, **checkpoint) -> dict:
+def _config(stage: int | str, **checkpoint) -> dict:
+    """``stage`` is 0-2, or e.g. "1-bf16" for a bf16 model (fp32 masters)."""
+    level, _, precision = str(stage).partition("-")
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8}},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 10_000,
-            "dataloader_drop_last": True,
+            "zero_optimization": {"stage": int(level)}, "steps_per_print": 10_000,
+            "dataloader_drop_last": True, "bf16": {"enabled": precision == "bf16"},
             "checkpoint": checkpoint}
 
 
@@ -129,7 +131,7 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage,checkpoint", [(0, {}), (1, {}), (2, {}), (2, {"async_save": True})])
+@pytest.mark.parametrize("stage,checkpoint", [(0, {}), ("1-bf16", {}), (2, {}), (2, {"async_save": True})])
 def test_resume_is_bitwise_identical(tmp_path: Path, stage: int, checkpoint: dict) -> None:
     straight = run_world(_straight_then_first_half, 2, stage, str(tmp_path), checkpoint)
     resumed = run_world(_second_half, 2, stage, str(tmp_path), None)
