@@ -1,14 +1,16 @@
 """Engine benchmark: step time and peak RSS per rank, dslaunch ZeRO 0-2 vs torch DDP vs DeepSpeed.
 
 One run, same model and data for everyone: a ~21M-parameter MLP (5 x Linear(2048, 2048)), fp32,
-AdamW, 2 ranks on gloo, micro batch 32, no accumulation. Each configuration runs as 2 fresh
-worker processes started with the launcher's env contract (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT), OMP_NUM_THREADS=1; each worker times ``--steps`` steps after
-``--warmup`` and reports its median step time and peak RSS. Each configuration is repeated
-``--repeats`` times (interleaved); the table shows medians over repeats. DeepSpeed (the peer) is
-measured only if it imports. Timings on a shared 2-core machine are noisy.
+AdamW, 2 ranks on gloo, micro batch 32, no accumulation. Workers are started with the launcher's
+env contract (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), OMP_NUM_THREADS=1.
 
-Usage: python scripts/bench/engine_bench.py [--repeats 3] [--steps 8] [--warmup 3]
+Step time: each of ``--repeats`` runs starts one process pair holding every configuration, which
+take turns step by step (order rotated), so load from other processes on this shared machine hits
+all of them alike; per run the median of ``--steps`` steps after ``--warmup``, then the median
+over runs. Peak RSS: one fresh process pair per configuration. DeepSpeed (the peer) is measured
+only if it imports (DS_ACCELERATOR=cpu, torch's AdamW via ``torch_adam``).
+
+Usage: python scripts/bench/engine_bench.py [--repeats 3] [--steps 6] [--warmup 2] [--only ddp-0 ...]
 Writes scripts/bench/results/engine_bench.{json,md}.
 """
 
@@ -50,21 +52,15 @@ def _model():
     return torch.nn.Sequential(*layers[:-1])
 
 
-def _worker(kind: str, stage: int, steps: int, warmup: int) -> None:
-    import resource
-
+def _build(kind: str, stage: int):
+    """One configuration -> a function doing one full training step (comm finished on return)."""
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
     model = _model()
     rank = int(os.environ["RANK"])
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(MICRO, DIM, generator=g), torch.randn(MICRO, DIM, generator=g)
     if kind == "ddp":
-        import datetime
-
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         engine = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=0.01, fused=True)
 
@@ -73,29 +69,69 @@ def _worker(kind: str, stage: int, steps: int, warmup: int) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
+        return step
+    if kind == "deepspeed":
+        import deepspeed as ds
     else:
-        if kind == "deepspeed":
-            import deepspeed as ds
-        else:
-            import dslaunch as ds
-        engine, _, _, _ = ds.initialize(model=model, config=_ds_config(stage, kind == "deepspeed"),
-                                        model_parameters=model.parameters())
+        import dslaunch as ds
+    engine, _, _, _ = ds.initialize(model=model, config=_ds_config(stage, kind == "deepspeed"),
+                                    model_parameters=model.parameters())
+    finish = engine.zero.synchronize if kind == "dslaunch" else (lambda: None)
 
-        def step() -> None:
-            loss = torch.nn.functional.mse_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-    times = []
+    def ds_step() -> None:
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        finish()  # no parameter gather left in flight into another configuration's step
+    return ds_step
+
+
+def _init() -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+
+
+def _timing_worker(configs: list[str], steps: int, warmup: int) -> None:
+    """All configurations in one process pair, one step of each in turn: load spikes from other
+    processes on the machine hit every configuration alike, so the ratios stay meaningful."""
+    import torch.distributed as dist
+
+    _init()
+    fns = {c: _build(c.split("-")[0], int(c.split("-")[1])) for c in configs}
+    times: dict[str, list[float]] = {c: [] for c in configs}
     for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB
+        order = configs[i % len(configs):] + configs[:i % len(configs)]  # rotate the order
+        for c in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[c]()
+            if i >= warmup:
+                times[c].append(time.perf_counter() - t0)
+    _report({c: statistics.median(t) * 1e3 for c, t in times.items()})
+
+
+def _memory_worker(config: str, steps: int) -> None:
+    """One configuration alone in fresh processes: peak RSS of a whole training run."""
+    import resource
+
+    _init()
+    fn = _build(config.split("-")[0], int(config.split("-")[1]))
+    for _ in range(steps):
+        fn()
+    _report({config: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})  # MiB
+
+
+def _report(values: dict) -> None:
+    import torch.distributed as dist
+
     out = [None] * WORLD
-    dist.all_gather_object(out, {"step_ms": statistics.median(times) * 1e3, "rss_mib": rss})
-    if rank == 0:
+    dist.all_gather_object(out, values)
+    if dist.get_rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 
@@ -107,21 +143,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(kind: str, stage: int, steps: int, warmup: int) -> list[dict] | None:
+def _run(argv: list[str]) -> list[dict] | None:
     port = _free_port()
     procs = []
     for r in range(WORLD):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", kind, str(stage),
-                                       str(steps), str(warmup)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=600) for p in procs]
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=900) for p in procs]
     for line in outs[0][0].splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    print(f"  {kind} stage {stage} failed:\n{outs[0][1][-2000:]}", file=sys.stderr)
+    print(f"  worker {argv} failed:\n{outs[0][1][-3000:]}", file=sys.stderr)
     return None
 
 
@@ -133,52 +168,60 @@ def _has_deepspeed() -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="subset of configs, e.g. dslaunch-2 ddp-0")
     args = ap.parse_args()
-    configs = [("ddp", 0)] + [("dslaunch", s) for s in (0, 1, 2)]
+    configs = ["ddp-0"] + [f"dslaunch-{s}" for s in (0, 1, 2)]
     if _has_deepspeed():
-        configs += [("deepspeed", s) for s in (0, 1, 2)]
+        configs += [f"deepspeed-{s}" for s in (0, 1, 2)]
     if args.only:
-        configs = [c for c in configs if f"{c[0]}-{c[1]}" in args.only]
-    raw: dict[str, list] = {f"{k}-{s}": [] for k, s in configs}
+        configs = [c for c in configs if c in args.only]
+    timing: list[list[dict]] = []
     for rep in range(args.repeats):
-        for kind, stage in configs:
-            res = _run(kind, stage, args.steps, args.warmup)
-            if res:
-                raw[f"{kind}-{stage}"].append(res)
-                print(f"rep {rep} {kind} stage {stage}: "
-                      + ", ".join(f"rank{i} {r['step_ms']:.0f} ms {r['rss_mib']:.0f} MiB"
-                                  for i, r in enumerate(res)), flush=True)
-    _write(raw, args)
+        res = _run(["time", ",".join(configs), str(args.steps), str(args.warmup)])
+        if res:
+            timing.append(res)
+            print(f"timing run {rep}: " + ", ".join(f"{c} {max(r[c] for r in res):.0f} ms"
+                                                   for c in configs), flush=True)
+    memory: dict[str, list[dict]] = {}
+    for c in configs:
+        res = _run(["memory", c, str(args.warmup + 2)])
+        if res:
+            memory[c] = res
+            print(f"memory {c}: " + ", ".join(f"rank{i} {r[c]:.0f} MiB" for i, r in enumerate(res)),
+                  flush=True)
+    _write(configs, timing, memory, args)
 
 
-def _summary(runs: list) -> dict:
-    return {"step_ms": statistics.median(max(r["step_ms"] for r in run) for run in runs),
-            "rss_mib": statistics.median(max(r["rss_mib"] for r in run) for run in runs)}
-
-
-def _write(raw: dict, args: argparse.Namespace) -> None:
-    summary = {k: _summary(v) for k, v in raw.items() if v}
+def _write(configs: list[str], timing: list, memory: dict, args: argparse.Namespace) -> None:
+    summary = {}
+    for c in configs:
+        runs = [max(r[c] for r in res) for res in timing]  # slowest rank of each run
+        if runs and c in memory:
+            summary[c] = {"step_ms": statistics.median(runs),
+                          "rss_mib": max(r[c] for r in memory[c])}
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     (results / "engine_bench.json").write_text(json.dumps(
         {"model": f"MLP {LAYERS}x Linear({DIM},{DIM})", "params": LAYERS * (DIM * DIM + DIM),
          "world": WORLD, "micro_batch": MICRO, "repeats": args.repeats, "steps": args.steps,
-         "summary": summary, "raw": raw}, indent=1))
+         "summary": summary, "timing_runs": timing, "memory_runs": memory}, indent=1))
     rows = ["## Training engine (`engine_bench.py`)", "",
             f"{LAYERS * (DIM * DIM + DIM) / 1e6:.0f}M-parameter MLP, fp32 AdamW, {WORLD} ranks on gloo, "
-            f"micro batch {MICRO}; medians of {args.repeats} runs x {args.steps} steps (slowest rank). "
-            "Shared 2-core machine: timings are noisy.", "",
-            "| config | step ms | vs DDP | vs DeepSpeed same stage | peak RSS/rank MiB | RSS vs DeepSpeed |",
-            "| --- | --- | --- | --- | --- | --- |"]
+            f"micro batch {MICRO}, same model and data for all. Step time: median over {args.repeats} "
+            f"runs of the per-run median of {args.steps} steps (slowest rank); in each run all "
+            "configurations share one process pair and take turns step by step, so load from other "
+            "processes hits them alike (the machine is a shared 2-core VM: absolute times are noisy, "
+            "ratios less so). Peak RSS: max over ranks of a separate run per configuration.", "",
+            "| config | step ms | DDP / this | DeepSpeed same stage / this | peak RSS/rank MiB "
+            "| RSS / DeepSpeed's |", "| --- | --- | --- | --- | --- | --- |"]
     ddp = summary.get("ddp-0")
     for key, s in summary.items():
         kind, stage = key.split("-")
         peer = summary.get(f"deepspeed-{stage}") if kind == "dslaunch" else None
         vs_ddp = f"{ddp['step_ms'] / s['step_ms']:.2f}x" if ddp and kind != "ddp" else "-"
-        vs_ds = f"{peer['step_ms'] / s['step_ms']:.2f}x faster" if peer else "-"
+        vs_ds = f"{peer['step_ms'] / s['step_ms']:.2f}x" if peer else "-"
         rss_ds = f"{s['rss_mib'] / peer['rss_mib']:.2f}" if peer else "-"
         name = "torch DDP" if kind == "ddp" else f"{kind} ZeRO-{stage}"
         rows.append(f"| {name} | {s['step_ms']:.0f} | {vs_ddp} | {vs_ds} | {s['rss_mib']:.0f} | {rss_ds} |")
@@ -187,7 +230,9 @@ def _write(raw: dict, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    if len(sys.argv) > 2 and sys.argv[1:3] == ["--worker", "time"]:
+        _timing_worker(sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5]))
+    elif len(sys.argv) > 2 and sys.argv[1:3] == ["--worker", "memory"]:
+        _memory_worker(sys.argv[3], int(sys.argv[4]))
     else:
         main()
