@@ -92,8 +92,14 @@ def _many(rank: int, world: int, configs: list[dict], client: bool = False) -> l
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_fp32_matches_single_process(world: int, reference: list[float]) -> None:
-    """Stages 0, 1 and 2 at this world size."""
-    for rank_results in run_world(_many, world, [_config(stage) for stage in (0, 1, 2)]):
+    """Stages 0, 1 and 2 at this world size (at 2 also with pre-divided, unoverlapped reduction)."""
+    configs = [_config(stage) for stage in (0, 1, 2)]
+    if world == 2:
+        configs += [_config(stage, prescale_gradients=True, gradient_predivide_factor=4.0,
+                            communication_data_type="fp32") for stage in (0, 2)]
+        for cfg in configs[-2:]:
+            cfg["zero_optimization"]["overlap_comm"] = False
+    for rank_results in run_world(_many, world, configs):
         for losses in rank_results:
             _assert_close(losses, reference, 1e-5)
 
@@ -107,8 +113,9 @@ def test_client_optimizer_and_scheduler(reference: list[float]) -> None:
 
 @pytest.mark.timeout(90)
 def test_16bit_tracks_fp32(reference: list[float]) -> None:
-    """bf16 and fp16 (dynamic scale from 2**8) at stages 0 and 2, world 2."""
+    """bf16 and fp16 (dynamic scale from 2**8), and bf16 gradient communication, at stages 0 and 2."""
     configs = [_config(stage, **{p: {"enabled": True, **({"initial_scale_power": 8} if p == "fp16" else {})}})
                for p in ("bf16", "fp16") for stage in (0, 2)]
+    configs += [_config(stage, communication_data_type="bf16") for stage in (0, 2)]  # fp32 model
     for losses in run_world(_many, 2, configs)[0]:
         _assert_close(losses, reference, 3e-2)
