@@ -8,6 +8,7 @@ needed and returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` ex
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -53,10 +54,13 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if mpu is not None:
         raise ConfigError("model parallelism (mpu=) is not implemented by dslaunch yet")
     source = _config_source(args, config if config is not None else config_params)
-    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
-                     verbose=False)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
+    will_init = not dist.is_initialized() and dist_init_required is not False
+    world = (dist.get_world_size() if dist.is_initialized()
+             else int(os.environ.get("WORLD_SIZE", "1")) if will_init else 1)
     cfg = load_config(source, world)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
+                     verbose=False, config=cfg)
     from dslaunch.runtime.engine import DeepSpeedEngine
 
     engine = DeepSpeedEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,

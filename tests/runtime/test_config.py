@@ -102,3 +102,16 @@ def test_files_json_and_yaml_and_source_named(tmp_path) -> None:
     (tmp_path / "broken.json").write_text('{"train_batch_size": 8,,}')
     assert "line 1" in _error(str(tmp_path / "broken.json"))
     assert "cannot read" in _error(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.timeout(30)
+def test_initialize_rejects_a_bad_config_before_waiting_for_peers(monkeypatch) -> None:
+    import torch
+
+    import dslaunch
+
+    # Rank 0 of a 2-rank job whose peer never comes: the config error must come first, not a hang.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="did you mean 'train_batch_size'"):
+        dslaunch.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_sze": 4})
