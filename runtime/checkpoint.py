@@ -3,7 +3,8 @@
 Owns the contents of a checkpoint and the load plan; the engine's methods delegate here. The
 engine, the ZeRO strategy, the loss scaler, the scheduler and the data loader save themselves
 (``state_dict``); this module only names the files, adds RNG states and client state, and hands
-the result to the storage layer (``checkpoint_io`` via ``checkpoint_writer``). A tag holds::
+the result to the storage layer (``checkpoint_io`` via ``checkpoint_writer``; per-engine
+machinery in ``checkpoint_engine``). A tag holds::
 
     module.dsl            module.state_dict() (model dtype) minus the params the optimizer holds,
                           from global rank 0 (those params are stored once: as fp32 masters)
@@ -14,8 +15,9 @@ the result to the storage layer (``checkpoint_io`` via ``checkpoint_writer``). A
 Loading at the saving layout reads each rank's own files; at another world size or stage each
 rank reads the saved shards its new range overlaps and ``checkpoint_reshard.assemble`` cuts them
 to that range. The model-dtype weights of trained params are restored as the cast of their fp32
-masters (``strategy.load_state_dict`` does it), which is exactly what they were when saved. With ``checkpoint.use_node_local_storage`` each node's first rank also writes the
-module file and every rank its ZeRO shard, so a node never needs another node's disk (loading
+masters (``strategy.load_state_dict`` does it), which is exactly what they were when saved.
+With ``checkpoint.use_node_local_storage`` each node's first rank also writes the module file
+and every rank its ZeRO shard, so a node never needs another node's disk (loading
 then requires the saving layout).
 
 Limitations: async saves run collectives on a private gloo group from a background thread: call
@@ -27,15 +29,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from dslaunch.runtime.checkpoint_engine import (
+    MODULE_FILE,
+    Checkpointer,
+    checkpointer,
+    rank_file,
+    rng_state,
+    set_rng_state,
+    zero_file,
+)
 from dslaunch.runtime.checkpoint_io import CheckpointStore, Manifest, first_loadable, validate_tag
 from dslaunch.runtime.checkpoint_reshard import (
     assemble,
@@ -44,15 +50,7 @@ from dslaunch.runtime.checkpoint_reshard import (
     needed_ranks,
     partition_map,
 )
-from dslaunch.runtime.checkpoint_writer import (
-    AsyncWriter,
-    Comm,
-    GroupComm,
-    LocalComm,
-    Snapshot,
-    TagWrite,
-    write_tag,
-)
+from dslaunch.runtime.checkpoint_writer import TagWrite, write_tag
 
 import dslaunch
 from dslaunch.errors import CheckpointError
@@ -60,55 +58,6 @@ from dslaunch.errors import CheckpointError
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
 
 log = logging.getLogger("dslaunch.checkpoint")
-MODULE_FILE = "module.dsl"
-
-
-def zero_file(rank: int) -> str:
-    return f"zero_rank_{rank:05d}.dsl"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.dsl"
-
-
-class _Checkpointer:
-    """Per-engine checkpoint machinery: the private comm group, the async writer, the snapshot."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.comm: Comm = GroupComm() if dist.is_available() and dist.is_initialized() else LocalComm()
-        self.writer = AsyncWriter()
-        self.snapshot, self.small_snapshot = Snapshot(), Snapshot()
-        # Set while no async snapshot is being copied; the optimizer step waits for it.
-        self.snapshot_done = threading.Event()
-        self.snapshot_done.set()
-        self._gated: set[int] = set()
-        self.gate_wait_s = 0.0  # time optimizer steps spent waiting for snapshots (for benchmarks)
-        node = os.environ.get("NODE_RANK") or socket.gethostname()
-        nodes = self.comm.all_gather_object(node)
-        self.node_leader = nodes.index(node) == self.comm.rank
-
-    def gate(self, optimizer: Any) -> None:
-        """Make ``optimizer.step()`` wait until the pending snapshot copy is complete."""
-        if id(optimizer) not in self._gated:
-            optimizer.register_step_pre_hook(lambda *_: self._wait_snapshot())
-            self._gated.add(id(optimizer))
-
-    def _wait_snapshot(self) -> None:
-        if not self.snapshot_done.is_set():
-            t0 = time.perf_counter()
-            self.snapshot_done.wait()
-            self.gate_wait_s += time.perf_counter() - t0
-
-
-def _checkpointer(engine: Any) -> _Checkpointer:
-    # collective on first use: every rank builds the private group at its first save/load.
-    ck = getattr(engine, "_dslaunch_checkpointer", None)
-    if ck is None:
-        ck = _Checkpointer()
-        engine._dslaunch_checkpointer = ck
-    return ck
 
 
 def wait_for_checkpoint(engine: Any) -> None:
@@ -122,7 +71,7 @@ def wait_for_checkpoint(engine: Any) -> None:
 
 
 # ---- save ---------------------------------------------------------------------------------------
-def _agreed_tag(ck: _Checkpointer, tag: str, policy: str) -> str:
+def _agreed_tag(ck: Checkpointer, tag: str, policy: str) -> str:
     if policy == "Ignore":
         return tag
     tags = ck.comm.all_gather_object(tag)
@@ -134,21 +83,6 @@ def _agreed_tag(ck: _Checkpointer, tag: str, policy: str) -> str:
     if ck.comm.rank == 0:
         log.warning("%s; every rank saves under rank 0's tag %r", msg, tags[0])
     return tags[0]
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"].clone())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _module_state(engine: Any, exclude_frozen: bool) -> dict[str, torch.Tensor]:
@@ -176,7 +110,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
 
     collective: call on all ranks.
     """
-    ck = _checkpointer(engine)
+    ck = checkpointer(engine)
     ck.writer.wait()
     cfg = engine.config.checkpoint
     tag = validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
@@ -193,7 +127,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
                                                          if k not in in_groups)}
     if zero_writer:
         files[zero_file(rank)] = zero_sd
-    files[rank_file(rank)] = {"engine": engine.state_dict(), "rng": _rng_state(),
+    files[rank_file(rank)] = {"engine": engine.state_dict(), "rng": rng_state(),
                                "client_state": client_state if client_state is not None else {}}
     layouts = ck.comm.all_gather_object(
         _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
@@ -218,7 +152,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
     return True
 
 
-def _save_async(ck: _Checkpointer, engine: Any, job: TagWrite, big: str) -> None:
+def _save_async(ck: Checkpointer, engine: Any, job: TagWrite, big: str) -> None:
     """Copy the small state now and the ZeRO shard on the writer thread, then write.
 
     Only the optimizer step changes the ZeRO state (master weights, moments), so the shard is
@@ -290,7 +224,7 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> di
     return out
 
 
-def _collective_read(ck: _Checkpointer, store: CheckpointStore, tag: str, current: dict) -> dict:
+def _collective_read(ck: Checkpointer, store: CheckpointStore, tag: str, current: dict) -> dict:
     """Every rank reads its part; if any rank fails, all raise the same error."""
     got, err = None, None
     try:
@@ -304,7 +238,7 @@ def _collective_read(ck: _Checkpointer, store: CheckpointStore, tag: str, curren
     return got
 
 
-def _candidates(ck: _Checkpointer, store: CheckpointStore, tag: Any) -> tuple[list[str], list[str]]:
+def _candidates(ck: Checkpointer, store: CheckpointStore, tag: Any) -> tuple[list[str], list[str]]:
     if tag is not None:
         return [str(tag)], []
     # rank 0 decides the order, so every rank tries the same tags (node-local disks may differ).
@@ -359,7 +293,7 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
 
     collective: call on all ranks.
     """
-    ck = _checkpointer(engine)
+    ck = checkpointer(engine)
     ck.writer.wait()
     store = CheckpointStore(load_dir)
     tags, notes = _candidates(ck, store, tag)
@@ -403,7 +337,7 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
             engine_sd["loss_scaler"] = engine.loss_scaler.state_dict()
         engine.load_state_dict(engine_sd)
         if got["rank_src"] == ck.comm.rank:
-            _set_rng_state(state["rng"])
+            set_rng_state(state["rng"])
     if ck.comm.rank == 0:
         log.info("loaded checkpoint %s (saved at world size %d, ZeRO stage %d; now %d, stage %d)",
                  source, meta["world_size"], meta["zero_stage"], ck.comm.world_size, engine.zero.stage)
@@ -417,7 +351,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike,
 
     collective: call on all ranks.
     """
-    ck = _checkpointer(engine)
+    ck = checkpointer(engine)
     ck.writer.wait()
     err = None
     if ck.comm.rank == 0:

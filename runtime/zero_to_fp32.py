@@ -17,7 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from dslaunch.runtime.checkpoint import MODULE_FILE, zero_file
+from dslaunch.runtime.checkpoint_engine import MODULE_FILE, zero_file
 from dslaunch.runtime.checkpoint_io import MANIFEST, CheckpointStore, first_loadable
 from dslaunch.runtime.checkpoint_reshard import assemble, fp32_params, needed_ranks
 
