@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench: needs root for the test cluster")
+    if cluster_mod.missing_facilities() or not shutil.which("pdsh"):  # `make bench` skips system-deps
+        subprocess.run(["bash", str(ROOT / "scripts" / "system_deps.sh")], check=False)
     have_ds = not args.no_deepspeed and shutil.which("pdsh") and (Path(PY).parent / "deepspeed").exists()
     state = cluster_mod.state_dir_default()
     was_up = all(cluster_mod.status(state)["sshd"].values()) and len(cluster_mod.status(state)["sshd"]) >= max(args.hosts)
