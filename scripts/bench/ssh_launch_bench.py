@@ -93,12 +93,9 @@ class Bench:
         return _floor([h["name"] for h in self.info["hosts"][:k]], self.ranks, self.info["ssh_config"])
 
 
-def _markdown(rows: list[dict], ranks: int, repeats: int) -> str:
+def _table(rows: list[dict], ranks: int, repeats: int) -> str:
     lines = [
-        f"### SSH launch time: {ranks} ranks per host (median of {repeats}; seconds)",
-        "",
-        "Command start to all ranks past a barrier + all_reduce and exited, on the network-namespace "
-        "test cluster (one sshd per host). Shared 2-core machine: noisy.",
+        f"### SSH launch time: {ranks} rank{'s' if ranks > 1 else ''} per host (median of {repeats}; seconds)",
         "",
         "| hosts | ranks | dslaunch | DeepSpeed (pdsh) | floor (ssh + import torch) | dslaunch / floor "
         "| DeepSpeed / dslaunch | best of each: dslaunch / DeepSpeed / floor |",
@@ -111,17 +108,41 @@ def _markdown(rows: list[dict], ranks: int, repeats: int) -> str:
                           for k in ("dslaunch_min", "deepspeed_min", "floor_min"))
         lines.append(f"| {r['hosts']} | {r['hosts'] * ranks} | {r['dslaunch']:.2f} | {ds} | {r['floor']:.2f} "
                      f"| {r['dslaunch'] / r['floor']:.2f}x | {speed} | {best} |")
-    lines += ["", f"Load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
-              "(other jobs share the machine). With Linux autogroup scheduling, each `ssh` of the floor "
-              "is its own session and gets its own CPU share under foreign load, while a launcher's "
-              "ranks on one host share their agent's session (DeepSpeed's too)."]
     return "\n".join(lines) + "\n"
+
+
+def _markdown(runs: list[dict], repeats: int) -> str:
+    tables = [_table(run["rows"], run["ranks_per_host"], repeats) for run in runs]
+    note = ("Command start to all ranks past a barrier + all_reduce and exited, on the network-namespace "
+            "test cluster (one sshd per host). Shared 2-core machine: noisy; load average at the end: "
+            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. With Linux autogroup scheduling, each `ssh` "
+            "of the floor is its own session and gets its own CPU share under foreign load, while a "
+            "launcher's ranks on one host share their agent's session (DeepSpeed's too).\n")
+    return "\n".join([*tables, note])
+
+
+def _measure(bench: Bench, hosts: list[int], repeats: int, have_ds: bool) -> tuple[list[dict], dict]:
+    """Interleaved runs (dslaunch, DeepSpeed, floor) per host count; medians and minima."""
+    times: dict[int, dict[str, list[float]]] = {k: {"dslaunch": [], "deepspeed": [], "floor": []} for k in hosts}
+    for k in hosts:
+        for rep in range(repeats):
+            times[k]["dslaunch"].append(bench.dslaunch(k))
+            if have_ds:
+                times[k]["deepspeed"].append(bench.deepspeed(k))
+            times[k]["floor"].append(bench.floor(k))
+            print(f"ranks/host={bench.ranks} hosts={k} repeat {rep + 1}: " + ", ".join(
+                f"{name} {vals[-1]:.2f}s" for name, vals in times[k].items() if vals), flush=True)
+    rows = [{"hosts": k, **{name: (statistics.median(v) if v else None) for name, v in t.items()},
+             **{f"{name}_min": (min(v) if v else None) for name, v in t.items()}}
+            for k, t in times.items()]
+    return rows, {str(k): t for k, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--ranks-per-host", type=int, default=2)
+    parser.add_argument("--ranks-per-host", type=int, nargs="+", default=[2],
+                        help="one table per value, e.g. '1 2' (default 2)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed runs")
     args = parser.parse_args(argv)
@@ -129,38 +150,29 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench: needs root for the test cluster")
     if cluster_mod.missing_facilities() or not shutil.which("pdsh"):  # `make bench` skips system-deps
         subprocess.run(["bash", str(ROOT / "scripts" / "system_deps.sh")], check=False)
-    have_ds = not args.no_deepspeed and shutil.which("pdsh") and (Path(PY).parent / "deepspeed").exists()
+    have_ds = bool(not args.no_deepspeed and shutil.which("pdsh") and (Path(PY).parent / "deepspeed").exists())
     state = cluster_mod.state_dir_default()
-    was_up = all(cluster_mod.status(state)["sshd"].values()) and len(cluster_mod.status(state)["sshd"]) >= max(args.hosts)
+    before = cluster_mod.status(state)["sshd"]
+    was_up = len(before) >= max(args.hosts) and all(before.values())
     info = cluster_mod.up(max(args.hosts), state)
-    times: dict[int, dict[str, list[float]]] = {k: {"dslaunch": [], "deepspeed": [], "floor": []} for k in args.hosts}
+    runs = []
     try:
         with tempfile.TemporaryDirectory(prefix="dsl-bench-") as tmp:
             work = Path(tmp)
             (work / ".deepspeed_env").write_text("OMP_NUM_THREADS=1\n")
-            bench = Bench(info, work, args.ranks_per_host)
-            for k in args.hosts:
-                for rep in range(args.repeats):
-                    times[k]["dslaunch"].append(bench.dslaunch(k))
-                    if have_ds:
-                        times[k]["deepspeed"].append(bench.deepspeed(k))
-                    times[k]["floor"].append(bench.floor(k))
-                    print(f"hosts={k} repeat {rep + 1}: " + ", ".join(
-                        f"{name} {vals[-1]:.2f}s" for name, vals in times[k].items() if vals), flush=True)
+            for ranks in args.ranks_per_host:
+                rows, raw = _measure(Bench(info, work, ranks), args.hosts, args.repeats, have_ds)
+                runs.append({"ranks_per_host": ranks, "rows": rows, "raw": raw})
     finally:
         if not was_up:
             cluster_mod.down(state)
-    rows = [{"hosts": k, **{name: (statistics.median(v) if v else None) for name, v in t.items()},
-             **{f"{name}_min": (min(v) if v else None) for name, v in t.items()}}
-            for k, t in times.items()]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "ssh_launch_bench", "ranks_per_host": args.ranks_per_host,
-              "repeats": args.repeats, "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    report = {"benchmark": "ssh_launch_bench", "repeats": args.repeats,
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
               "note": "shared 2-core machine; timings are noisy", "loadavg_at_end": os.getloadavg(),
-              "rows": rows,
-              "raw": {str(k): t for k, t in times.items()}}
+              "runs": runs}
     (RESULTS / "ssh_launch_bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = _markdown(rows, args.ranks_per_host, args.repeats)
+    md = _markdown(runs, args.repeats)
     (RESULTS / "ssh_launch_bench.md").write_text(md)
     print(md)
     return 0
