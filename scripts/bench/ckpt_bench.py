@@ -298,7 +298,9 @@ def _write(raw: dict) -> None:
                      f"DeepSpeed's save followed by an fsync of its files takes {durable:.3f} s: "
                      f"dslaunch/that = **{s1 / durable:.2f}**; async save stalls training "
                      f"**{statistics.median(_worst(raw['runs']['dslaunch'], 'async_stall_s')) / s2:.3f}** "
-                     "of DeepSpeed's save time")
+                     "of DeepSpeed's save time. Which plain save is faster varies from run to run here "
+                     "(DeepSpeed's un-synced save is bound by memory copies into the page cache, "
+                     "dslaunch's by the disk); for equal durability compare with the fsynced figure.")
     elif "dslaunch" in summary:
         lines.append("- DeepSpeed not importable here: no peer comparison in this run")
     (out / "ckpt_bench.md").write_text("\n".join(lines) + "\n")
