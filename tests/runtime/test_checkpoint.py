@@ -262,6 +262,8 @@ def _fallback_and_errors(rank: int, world: int, root: str) -> list[str]:
 
     with pytest.raises(CheckpointError, match="tags differ across ranks"):
         save_checkpoint(_FailTags(engine), root, tag=f"t{rank}")
+    engine.save_checkpoint(root, tag=f"w{rank}", save_latest=False)  # Warn: rank 0's tag wins
+    assert (Path(root) / "w0" / "rank_00001.dsl").is_file() and not (Path(root) / "w1").exists()
     _check_partial_loads(engine, loader, root, at2)
     assert engine.save_16bit_model(os.path.join(root, "export"))
     if rank == 0:
@@ -312,6 +314,7 @@ def test_nothing_to_load_fallback_and_named_corruption(tmp_path: Path) -> None:
     assert any("no checkpoint to load" in line for line in lines)
     assert any("global_step4" in line and "checksum mismatch" in line and "loaded tag 'global_step2'"
                in line for line in lines)
+    assert any("tags differ across ranks" in line and "rank 0's tag 'w0'" in line for line in lines)
 
 
 def _node_local(rank: int, world: int, root: str, phase: str) -> dict:
