@@ -165,3 +165,41 @@ def test_deepspeed_api_surface(tmp_path) -> None:
         assert "given both" in o["twice"]
     assert "[dslaunch] step=2" in out[0]["printed"] and "time (ms) | forward:" in out[0]["printed"]
     assert out[1]["printed"] == ""  # rank 0 reports
+
+
+def _comm_per_micro_step(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import dslaunch
+
+    calls = {"n": 0}
+    for name in ("all_reduce", "broadcast", "reduce_scatter", "all_gather"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, **kwargs):
+            calls["n"] += 1
+            return _real(*args, **kwargs)
+        setattr(dist, name, counted)  # counts the engine's collectives; they still run
+    out = {}
+    for stage in (0, 1, 2):
+        engine, _, _, _ = dslaunch.initialize(model=make_model(), config={
+            **_cfg(stage), "gradient_accumulation_steps": 4, "gradient_clipping": 1.0})
+        tokens, labels = batches(1, 2 * world)[0]
+        per_step = []
+        for _ in range(8):
+            before = calls["n"]
+            engine.backward(engine(tokens[rank * 2:rank * 2 + 2], labels[rank * 2:rank * 2 + 2]))
+            engine.step()
+            per_step.append(calls["n"] - before)
+        out[stage] = per_step
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_accumulation_communicates_only_at_boundaries() -> None:
+    """Stages 0/1 are silent between boundaries; stage 2 reduces every micro step (it keeps no
+    full gradient), as in DeepSpeed."""
+    for out in run_world(_comm_per_micro_step, 2):
+        for stage in (0, 1):
+            assert [n > 0 for n in out[stage]] == [False, False, False, True] * 2, out[stage]
+        assert all(n > 0 for n in out[2]), out[2]
