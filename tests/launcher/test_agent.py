@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from dslaunch.launcher.agent import Agent, format_status_line, parse_status_line
-from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 
 from dslaunch.errors import LaunchError
+from dslaunch.launcher.agent import Agent, format_status_line, parse_status_line
+from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 from tests.launcher.helpers import FAKE, assert_no_job_process, new_tag, tagged_env
 
 pytestmark = pytest.mark.timeout(30)
@@ -89,3 +91,28 @@ def test_in_process_success_and_pids():
     agent.start()
     assert len(agent.pids) == 3
     assert agent.wait(timeout=10) == NodeResult(3, "hostA", 0)
+
+
+def test_each_worker_leads_its_own_session_and_autogroup():
+    """A session, not just a group: under autogroup, workers sharing a session share one CPU share."""
+    read_fd, write_fd = os.pipe()
+    agent = Agent(_node(2, "ids"), stdout_fd=write_fd)
+    agent.start()
+    assert agent.wait(timeout=10) == NodeResult(3, "hostA", 0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        ids = [json.loads(line.split(" ", 1)[1]) for line in f.read().splitlines()]
+    assert len(ids) == 2
+    for w in ids:
+        assert w["sid"] == w["pgid"] == w["pid"], w
+    assert os.getsid(0) not in {w["sid"] for w in ids}
+    if _autogroups_enabled():
+        assert len({w["autogroup"] for w in ids}) == 2, ids
+
+
+def _autogroups_enabled() -> bool:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False

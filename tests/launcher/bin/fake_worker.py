@@ -6,6 +6,7 @@ Actions run in order, e.g. ``fake_worker.py print=hello sleep=0.2 exit=3``:
 - ``print=TEXT`` / ``eprint=TEXT``: a line on stdout / stderr (``{rank}`` is replaced by RANK);
 - ``env``: print the launcher's env contract as one JSON line on stdout;
 - ``argv``: print sys.argv[1:] as JSON on stdout;
+- ``ids``: print pid, process group, session and scheduler autogroup as one JSON line on stdout;
 - ``sleep=S``; ``hang`` (sleep forever); ``ignore_term`` (SIGTERM is ignored from now on);
 - ``grandchild=PIDFILE``: spawn a sleeping grandchild and write its pid to PIDFILE;
 - ``daemon=PIDFILE``: the same, but in a new session (it leaves the worker's process group);
@@ -42,6 +43,9 @@ def main(args: list[str]) -> int:
             print(json.dumps({k: os.environ.get(k) for k in ENV_KEYS}), flush=True)
         elif key == "argv":
             print(json.dumps(sys.argv[1:]), flush=True)
+        elif key == "ids":
+            print(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
+                              "autogroup": _autogroup()}), flush=True)
         elif key == "affinity":
             print(json.dumps(sorted(os.sched_getaffinity(0))), flush=True)
         elif key == "sleep":
@@ -62,6 +66,15 @@ def main(args: list[str]) -> int:
             os.kill(os.getpid(), getattr(signal, value))
             time.sleep(5)
     return 0
+
+
+def _autogroup() -> str | None:
+    """'/autogroup-N' of this process (None on kernels without scheduler autogroups)."""
+    try:
+        with open("/proc/self/autogroup") as f:
+            return f.read().split()[0]
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":
