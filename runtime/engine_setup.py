@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.zero import strategy_class
-from dslaunch.runtime.zero.base import CommSettings, GroupSpec, ZeroStrategy
-
-from dslaunch.errors import ConfigError
+from dslaunch.runtime.zero.base import CommSettings, FlatShards, GroupSpec, ZeroStrategy
 
 __all__ = ["EngineParts", "build_components"]
 
@@ -85,7 +85,7 @@ def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any
 
 def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
     if isinstance(client, torch.optim.Optimizer):
-        def repoint(groups: list[dict]) -> torch.optim.Optimizer:
+        def repoint(groups: list[dict], flat: FlatShards) -> torch.optim.Optimizer:
             # Same object, same hyperparameters; only the tensors change to the flat shards.
             kept = [g for g in client.param_groups if any(p.requires_grad for p in g["params"])]
             for mine, theirs in zip(kept, groups, strict=True):
@@ -95,11 +95,14 @@ def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
             return client
         return repoint
     if callable(client):
-        return client
+        return lambda groups, flat: client(groups)  # DeepSpeed's contract: called with the groups only
     if cfg.optimizer is not None:
         from dslaunch.runtime.optimizers import build_optimizer
 
-        return lambda groups: build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
+        # The layouts let Lamb compute one trust ratio per original parameter, not per flat group.
+        return lambda groups, flat: build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups,
+                                                    flat_layouts=flat.layouts,
+                                                    norm_all_reduce=flat.norm_all_reduce)
     raise ConfigError("no optimizer: add an 'optimizer' section (e.g. {\"type\": \"AdamW\", \"params\": "
                       "{\"lr\": 1e-3}}) or pass optimizer= to initialize()", key="optimizer")
 

@@ -30,11 +30,27 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+from dslaunch.runtime.lamb import FlatLayout
 from dslaunch.runtime.zero.partition import FlatGroup, plan_buckets
 
-__all__ = ["GroupSpec", "CommSettings", "StepResult", "ZeroStrategy", "OptimizerFactory"]
+__all__ = ["GroupSpec", "CommSettings", "StepResult", "FlatShards", "ZeroStrategy", "OptimizerFactory"]
 
-OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+@dataclass(frozen=True)
+class FlatShards:
+    """What the optimizer's flat tensors hold, for updates that need per-parameter norms (Lamb).
+
+    ``layouts[i]``: which original parameters (in flat order) group i's tensor holds, i.e. this
+    rank's [start, end) of the group. ``norm_all_reduce``: in-place sum over the data-parallel
+    group when ranks hold disjoint shards (stages 1/2), else None.
+    """
+
+    layouts: list[FlatLayout]
+    norm_all_reduce: Callable[[torch.Tensor], None] | None
+
+
+OptimizerFactory = Callable[[list[dict], FlatShards], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -71,7 +87,8 @@ class ZeroStrategy(ABC):
 
     Args:
         groups: the trainable param groups (``GroupSpec``), in optimizer group order.
-        make_optimizer: builds the torch optimizer over ``[{"params": [master], **hparams}]``.
+        make_optimizer: builds the torch optimizer over ``[{"params": [master], **hparams}]``,
+            given the ``FlatShards`` describing those master tensors.
         comm: communication settings.
         process_group: the data-parallel group (None: the default group).
 
@@ -89,13 +106,23 @@ class ZeroStrategy(ABC):
         self.comm = comm
         self.groups = [FlatGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank,
                                  self.partitioned) for g in groups]
-        self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups])
+        self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups],
+                                        self._flat_shards())
         self._boundary = True
         self._sync = True  # False inside engine.no_sync()
         self.publisher = ShardPublisher(self.groups, self.world_size, self.rank,
                                         comm.allgather_bucket_numel, comm.overlap_comm,
                                         process_group) if self.partitioned else None
         self._init_gradients()
+
+    def _flat_shards(self) -> FlatShards:
+        layouts = [FlatLayout.of([math.prod(shape) for shape in g.layout.shapes], g.layout.start, g.layout.end)
+                   for g in self.groups]
+        reduce = None
+        if self.partitioned and self.world_size > 1:
+            def reduce(t: torch.Tensor) -> None:
+                dist.all_reduce(t, group=self.pg)
+        return FlatShards(layouts, reduce)
 
     # ----- hooks the stages implement -------------------------------------------------------
     @abstractmethod
