@@ -18,7 +18,10 @@ them starting at r. So in one epoch:
 
 Position: ``state_dict()`` = (epoch, permutation entries consumed). Because the position is a
 global offset, a run may resume with another world size or batch size; the rest of the epoch is
-then split among the new ranks.
+then split among the new ranks. With ``drop_last=False`` the rest is padded (wrapping around to
+the epoch's first samples) to a multiple of the new world size, so no rank ever gets an empty
+batch; a few samples may then be seen twice in that epoch. With ``drop_last=True`` the rest is
+cut to whole steps of the new world and batch size.
 
 Epochs advance by themselves when one is exhausted (DeepSpeed's loader never calls
 ``set_epoch``, so it repeats the same order every epoch); ``set_epoch(e)`` jumps to the start of
@@ -27,7 +30,10 @@ the epoch it resumed in keeps its position).
 
 Samples are fetched by a torch ``DataLoader`` driven by this loader's batches, so
 ``num_workers`` and ``pin_memory`` behave as in torch; workers' prefetching does not move the
-position, which counts batches handed to the caller.
+position, which counts batches handed to the caller. That ``DataLoader`` gets its own generator
+seeded with ``seed + epoch`` (it draws the workers' base seed from it): iterating never touches
+the global torch RNG, so the training script's random stream is the same whether or not, and
+however often, it starts iterating (bitwise resume does not depend on the loop structure).
 
 Limitations: map-style datasets (``__len__`` and ``__getitem__``); one active iterator at a time.
 """
@@ -104,12 +110,16 @@ class DistributedDataLoader:
             rest = order[self._offset:]
             step = self.world_size * self.batch_size
             return rest[:len(rest) - len(rest) % step]
-        # Pad the whole epoch (not just the rest) so a resumed run pads with the same samples.
-        padding = -len(order) % self.world_size
+        # Pad the rest to a multiple of world_size by wrapping around to the epoch's start, so the
+        # last chunk gives every rank at least one sample. An uninterrupted run, or one resumed at
+        # the same world size, is at an offset that is a multiple of world_size: it pads with the
+        # same samples as padding the whole epoch (DistributedSampler's padding).
+        rest = order[self._offset:]
+        padding = -len(rest) % self.world_size
         while padding > 0 and order:  # wrap around, repeatedly if the dataset is tiny
             extra = order[:padding]
-            order, padding = order + extra, padding - len(extra)
-        return order[self._offset:]
+            rest, padding = rest + extra, padding - len(extra)
+        return rest
 
     def __len__(self) -> int:
         """Batches per (full) epoch on this rank."""
@@ -136,10 +146,15 @@ class DistributedDataLoader:
             yield batch
 
     def _fetch(self, batches: list[list[int]]) -> Iterator[Any]:
+        import torch
         from torch.utils.data import DataLoader
 
+        # Without a generator, each DataLoader iterator draws a seed from the global RNG.
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
         return iter(DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
-                               num_workers=self.num_workers, pin_memory=self.pin_memory))
+                               num_workers=self.num_workers, pin_memory=self.pin_memory,
+                               generator=generator))
 
     def _next_epoch(self) -> None:
         self.epoch += 1

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 import torch
-from dslaunch.runtime.dataloader import DistributedDataLoader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.dataloader import DistributedDataLoader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -186,3 +186,36 @@ def test_worker_processes_give_the_same_batches_and_position() -> None:
     first = _ids(next(it))  # the workers prefetch ahead, the position does not
     assert loader.state_dict()["offset"] == 6
     assert [first] + [_ids(b) for b in it] == plain
+
+
+@pytest.mark.parametrize("batch, steps", [(1, 29), (4, 7), (29, 1)])
+def test_no_drop_last_resume_at_more_ranks_never_yields_an_empty_batch(batch: int, steps: int) -> None:
+    """60 samples, saved at world 2 near the end of the epoch, resumed at world 3."""
+    n = 60
+    old = _loaders(n, 2, batch, drop_last=False)
+    for loader in old:
+        list(itertools.islice(iter(loader), steps))
+    state = old[0].state_dict()
+    assert state["epoch"] == 0 and state["offset"] == 2 * batch * steps
+    new = _loaders(n, 3, batch, drop_last=False)
+    for loader in new:
+        loader.load_state_dict(state)
+    per_rank = [[_ids(b) for b in loader] for loader in new]
+    assert all(len(batches) == len(per_rank[0]) >= 1 for batches in per_rank)
+    assert all(len(b) >= 1 for batches in per_rank for b in batches)
+    seen = {i for batches in per_rank for b in batches for i in b}
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    assert set(order[state["offset"]:]) <= seen  # the rest of the epoch, padded from its start
+    assert all(loader.epoch == 1 and loader.state_dict()["offset"] == 0 for loader in new)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_iterating_does_not_touch_the_global_rng(num_workers: int) -> None:
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    loader = DistributedDataLoader(Squares(20), 3, 0, 2, drop_last=False, num_workers=num_workers)
+    next(iter(loader))
+    for _ in loader:  # a second iterator, then the rest of the epoch
+        pass
+    _epoch(loader)
+    assert torch.equal(torch.get_rng_state(), before)
