@@ -5,7 +5,10 @@ Used two ways:
 - in-process by the local runner (no extra interpreter on the local path);
 - as ``python -m dslaunch.launcher.agent`` on a remote host: it reads one ``NodeSpec`` JSON
   line from stdin, runs the node, and exits with the node's exit code after printing one status
-  line (``format_status_line``/``parse_status_line``) on stderr. When stdin reaches EOF
+  line (``format_status_line``/``parse_status_line``) on stderr. As soon as a worker fails it
+  also prints a failure line (``format_failure_line``/``parse_failure_line``), so the controller
+  stops the other nodes while this one is still stopping its own workers (otherwise SIGTERM-
+  ignoring workers here and there would make a stop take two grace periods). When stdin reaches EOF
   (controller died, SSH connection lost) or the agent gets SIGTERM/SIGINT/SIGHUP, it stops all
   its workers and exits.
 
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dslaunch.errors import LaunchError
 from dslaunch.launcher.output import Sink, pump
 from dslaunch.launcher.procs import (
     Watchdog,
@@ -44,11 +48,11 @@ from dslaunch.launcher.procs import (
 )
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 
-from dslaunch.errors import LaunchError
-
-__all__ = ["Agent", "WorkerState", "format_status_line", "parse_status_line", "main"]
+__all__ = ["Agent", "WorkerState", "format_status_line", "parse_status_line", "format_failure_line",
+           "parse_failure_line", "main"]
 
 STATUS_MARKER = "@@dslaunch-agent-status "
+FAILURE_MARKER = "@@dslaunch-agent-failure "
 
 
 class WorkerState(enum.Enum):
@@ -79,7 +83,8 @@ class Agent:
     Args:
         node: what to run.
         stdout_fd, stderr_fd: where prefixed worker output goes.
-        on_change: called (from a helper thread) once the node has finished.
+        on_change: called (from a helper thread) when the first worker fails (``failure``) and
+            once the node has finished (``poll``).
         adopt_orphans: make this process a child subreaper and, when the job ends, SIGKILL every
             child process that is not a worker (daemons that left their worker's group). Only
             for a process that exists to run this job (the CLI, the agent command), never in a
@@ -213,6 +218,8 @@ class Agent:
             failed_now = w.state is WorkerState.FAILED
         if failed_now:
             self._terminate(signal.SIGTERM)
+            if self._on_change is not None:  # news before the node has finished stopping
+                self._on_change()
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
@@ -251,15 +258,24 @@ class Agent:
 
     def _make_result(self) -> NodeResult:
         node = self.node
-        if self._failure is not None:
-            code, sig_name = exit_code_of(self._failure.proc.returncode)
-            return NodeResult(node.node_rank, node.host, code, self._failure.spec.global_rank, sig_name)
+        if (failure := self.failure) is not None:
+            return failure
         if self._stopped_by is not None and any(w.exit_code for w in self._workers):
             name = signal.Signals(self._stopped_by).name
             return NodeResult(node.node_rank, node.host, 128 + self._stopped_by, stopped_by=name)
         return NodeResult(node.node_rank, node.host, 0)
 
     # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> NodeResult | None:
+        """The node's failure as soon as its first worker failed (the node may still be stopping
+        the others); ``poll()`` then returns the same result once everything has exited."""
+        w = self._failure
+        if w is None:
+            return None
+        code, sig_name = exit_code_of(w.proc.returncode)
+        return NodeResult(self.node.node_rank, self.node.host, code, w.spec.global_rank, sig_name)
 
     def poll(self) -> NodeResult | None:
         """The node's result once every worker has exited, else None."""
@@ -299,13 +315,27 @@ def format_status_line(result: NodeResult) -> str:
 
 def parse_status_line(line: str | bytes) -> NodeResult | None:
     """The ``NodeResult`` carried by an agent status line, or None for any other line."""
+    return _parse_marked(line, STATUS_MARKER)
+
+
+def format_failure_line(failure: NodeResult) -> str:
+    """The line (no newline) the agent prints on stderr as soon as its first worker failed."""
+    return FAILURE_MARKER + failure.to_json()
+
+
+def parse_failure_line(line: str | bytes) -> NodeResult | None:
+    """The first failure carried by an agent failure line, or None for any other line."""
+    return _parse_marked(line, FAILURE_MARKER)
+
+
+def _parse_marked(line: str | bytes, marker: str) -> NodeResult | None:
     if isinstance(line, bytes):
         line = line.decode("utf-8", "replace")
     line = line.strip()
-    if not line.startswith(STATUS_MARKER):
+    if not line.startswith(marker):
         return None
     try:
-        return NodeResult.from_json(line[len(STATUS_MARKER):])
+        return NodeResult.from_json(line[len(marker):])
     except (ValueError, TypeError, KeyError):
         return None
 
@@ -319,7 +349,8 @@ def main() -> int:
         print("dslaunch agent: expected one NodeSpec JSON line on stdin, got EOF", file=sys.stderr)
         return 2
     node = NodeSpec.from_json(line.decode())
-    agent = Agent(node, adopt_orphans=True)
+    news = threading.Event()
+    agent = Agent(node, on_change=news.set, adopt_orphans=True)
     pending: list[int] = []  # the handler only records: taking locks in a signal handler can deadlock
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: pending.append(signum))
@@ -331,8 +362,13 @@ def main() -> int:
         print(format_status_line(result), file=sys.stderr, flush=True)
         return result.exit_code
     threading.Thread(target=_stop_on_eof, args=(agent,), daemon=True, name="stdin-eof").start()
-    stopping = False
-    while (result := agent.wait(timeout=0.1)) is None:
+    stopping = announced = False
+    while (result := agent.poll()) is None:
+        news.wait(0.1)  # a timeout too: signals only reach ``pending``
+        news.clear()
+        if not announced and (failure := agent.failure) is not None:
+            announced = True  # the controller stops the other nodes now, not after our grace period
+            print(format_failure_line(failure), file=sys.stderr, flush=True)
         if pending and not stopping:
             stopping = True
             agent.stop(pending[0])

@@ -4,6 +4,7 @@ A ``RemoteSession`` runs the ``ssh_probe`` bootstrap on one host and sorts what 
 
 - the ``@@dslaunch-probe`` line (stdout) -> ``probe`` (the preflight answer);
 - the agent's status line (stderr) -> ``status`` (how the node ended, parsed by the agent module);
+- the agent's failure line (stderr) -> ``failure`` (its first worker failure, sent at once);
 - every other line -> the controller's stdout/stderr, prefixed ``host: `` (the agent already
   prefixed worker lines with ``[rankN]``), one whole line per write so hosts never interleave
   inside a line. stderr printed before the probe line is held back and shown only with the
@@ -22,7 +23,8 @@ import time
 from collections.abc import Callable
 
 import paramiko
-from dslaunch.launcher.agent import parse_status_line
+
+from dslaunch.launcher.agent import parse_failure_line, parse_status_line
 from dslaunch.launcher.output import Sink
 from dslaunch.launcher.spec import NodeResult
 from dslaunch.launcher.ssh_probe import PROBE_MARKER
@@ -40,7 +42,7 @@ class RemoteSession:
         alias: the host name shown in prefixes and messages.
         command: the shell command line to execute remotely.
         out, err: where prefixed lines go (shared by all sessions).
-        on_change: called whenever the probe arrives or the command ends.
+        on_change: called whenever the probe or the agent's failure line arrives, or the command ends.
     """
 
     def __init__(self, alias: str, command: str, out: Sink, err: Sink,
@@ -53,6 +55,7 @@ class RemoteSession:
         self._prefix = f"{alias}: ".encode()
         self.probe: dict | None = None
         self.status: NodeResult | None = None
+        self.failure: NodeResult | None = None
         self.exit_code: int | None = None
         self.lost = False
         self._held_stderr: list[bytes] = []
@@ -107,6 +110,11 @@ class RemoteSession:
         result = parse_status_line(line)
         if result is not None:
             self.status = result
+            return
+        failure = parse_failure_line(line)
+        if failure is not None:
+            self.failure = failure
+            self._on_change()
             return
         with self._lock:
             if not self._probe_seen.is_set():

@@ -2,7 +2,8 @@
 
 A runner (local, ssh, ...) only knows how to start a node agent on a host and talk to it; it
 returns one ``NodeHandle`` per node. ``Gang`` then applies the job-wide policy the same way for
-every transport: the first node that reports a failure is the root cause; every other node is
+every transport: the first node that reports a failure is the root cause (reported as soon as
+its first worker fails, while that node is still stopping its other workers); every other node is
 told to stop at once (its agent sends SIGTERM, then SIGKILL after the grace period) and is
 force-killed if it is not gone shortly after; the job exits with the failed rank's exit code.
 
@@ -50,6 +51,11 @@ class NodeHandle(ABC):
     def kill(self) -> None:
         """Last resort: the node did not stop in time. Tear it down now; poll() must then finish."""
 
+    def failing(self) -> NodeResult | None:
+        """The node's first worker failure while the node is still stopping (before ``poll()``
+        has its result), if the transport reports one early; None otherwise. Must not block."""
+        return None
+
 
 @dataclass(frozen=True)
 class GangResult:
@@ -84,27 +90,36 @@ class Gang:
     def run(self) -> GangResult:
         results: dict[int, NodeResult] = {}
         failure: NodeResult | None = None
+        failed: int | None = None  # the node that failed first: it is already stopping itself
         stopping_since: float | None = None
         killed = False
         while True:
             for i, h in enumerate(self._handles):
-                if i not in results and (r := h.poll()) is not None:
+                if i in results:
+                    continue
+                r = h.poll()
+                if r is not None:
                     results[i] = r
-                    if r.exit_code != 0 and failure is None and self._requested is None:
-                        failure = r
+                if failure is None and self._requested is None:
+                    if r is None:
+                        r = h.failing()  # the early report: stop the others without waiting for it
+                    if r is not None and r.exit_code != 0:
+                        failure, failed = r, i
             if len(results) == len(self._handles):
                 break
             if stopping_since is None and (failure is not None or self._requested is not None):
                 stopping_since = time.monotonic()
                 sig = self._requested if failure is None else signal.SIGTERM
                 for i, h in enumerate(self._handles):
-                    if i not in results:
+                    if i not in results and i != failed:
                         h.stop(sig)
             waited = time.monotonic() - stopping_since if stopping_since is not None else 0.0
             if not killed and waited > self._grace + _KILL_SLACK:
                 killed = True
+                # Not the failed node: its agent enforces the grace period itself and may still be
+                # draining its workers' last output (the traceback); the give-up below bounds it.
                 for i, h in enumerate(self._handles):
-                    if i not in results:
+                    if i not in results and i != failed:
                         h.kill()
             if killed and waited > self._grace + _KILL_SLACK + _GIVE_UP:
                 for i, h in enumerate(self._handles):  # unresponsive: stop waiting, say so

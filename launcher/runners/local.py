@@ -8,11 +8,10 @@ from __future__ import annotations
 import signal
 import threading
 
+from dslaunch.errors import UsageError
 from dslaunch.launcher.agent import Agent
 from dslaunch.launcher.runners.base import NodeHandle, Runner, format_node
 from dslaunch.launcher.spec import JobSpec, NodeResult
-
-from dslaunch.errors import UsageError
 
 __all__ = ["LocalRunner"]
 
@@ -24,6 +23,9 @@ class _InProcessNode(NodeHandle):
 
     def poll(self) -> NodeResult | None:
         return self.agent.poll()
+
+    def failing(self) -> NodeResult | None:
+        return self.agent.failure
 
     def stop(self, sig: int) -> None:
         self.agent.stop(sig)

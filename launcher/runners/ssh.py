@@ -27,6 +27,7 @@ import threading
 from dataclasses import replace
 
 import paramiko
+
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.output import Sink
 from dslaunch.launcher.preflight import check_probes, gather_probes, probe_request, remote_command
@@ -60,6 +61,9 @@ class _SSHNode(NodeHandle):
             return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 255,
                               stopped_by="lost SSH connection")
         return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 0)
+
+    def failing(self) -> NodeResult | None:
+        return self.session.failure
 
     def stop(self, sig: int) -> None:
         self.session.close_stdin()

@@ -12,7 +12,13 @@ import time
 import pytest
 
 from dslaunch.errors import LaunchError
-from dslaunch.launcher.agent import Agent, format_status_line, parse_status_line
+from dslaunch.launcher.agent import (
+    Agent,
+    format_failure_line,
+    format_status_line,
+    parse_failure_line,
+    parse_status_line,
+)
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 from tests.launcher.helpers import FAKE, assert_no_job_process, new_tag, tagged_env
 
@@ -44,6 +50,8 @@ def test_status_line_round_trip_and_other_lines_ignored():
     assert parse_status_line(format_status_line(r) + "\n") == r
     assert parse_status_line("[rank5] @@dslaunch-agent-status {}") is None
     assert parse_status_line("@@dslaunch-agent-status {not json") is None
+    assert parse_failure_line(format_failure_line(r)) == r
+    assert parse_status_line(format_failure_line(r)) is None and parse_failure_line(format_status_line(r)) is None
 
 
 def test_agent_process_runs_to_completion_while_stdin_stays_open():
@@ -116,3 +124,19 @@ def _autogroups_enabled() -> bool:
             return f.read().strip() == "1"
     except OSError:
         return False
+
+
+def test_agent_process_reports_a_failure_at_once_and_its_status_at_exit():
+    """The failure line comes as the worker fails, a grace period before the node has stopped."""
+    tag, grace = new_tag(), 1.0
+    proc = _agent_proc(_node(2, "ignore_term", "r11:sleep=0.2", "r11:exit=9", "hang", grace=grace), tag)
+    lines = []
+    while (failure := parse_failure_line(line := proc.stderr.readline())) is None:
+        assert line, f"no failure line before EOF: {lines}"
+        lines.append(line)
+    reported = time.monotonic()
+    assert proc.wait(timeout=10) == 9
+    assert time.monotonic() - reported > 0.8 * grace  # the SIGTERM-ignoring rank 10 was still stopping
+    assert failure == _status(proc.stderr.read()) == NodeResult(3, "hostA", 9, rank=11)
+    proc.stdin.close()
+    assert_no_job_process(tag)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 
 import pytest
+
+from dslaunch.launcher.agent import Agent
 from dslaunch.launcher.runners.base import Gang, NodeHandle
-from dslaunch.launcher.spec import NodeResult, NodeSpec
+from dslaunch.launcher.runners.local import _InProcessNode
+from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
+from tests.launcher.helpers import FAKE
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -91,3 +96,43 @@ def test_node_that_never_finishes_is_given_up_after_kill(monkeypatch):
     nodes[0].kill = lambda: None  # a host that cannot even be killed (network gone)
     r = gang.run()
     assert r.exit_code == 2 and r.failure.host == "host1"
+
+
+# -- with real in-process agents ---------------------------------------------------------------
+
+def _agent_node(rank: int, actions: tuple[str, ...], grace: float) -> NodeSpec:
+    workers = tuple(WorkerSpec(2 * rank + i, i, (sys.executable, FAKE, *actions), {"RANK": str(2 * rank + i)})
+                    for i in range(2))
+    return NodeSpec(rank, f"host{rank}", workers, grace=grace)
+
+
+def test_failure_stops_other_nodes_while_the_failed_node_is_still_stopping():
+    """SIGTERM-ignoring workers on the failed node AND on another node: one grace period, not two.
+
+    The failed node's agent reports its failure at once (``failing``), so the other node is told
+    to stop while the failed node is still waiting out its own grace period.
+    """
+    grace = 1.0
+    wake = threading.Event()
+    failed_at: list[float] = []
+
+    def on_change() -> None:  # called first when the failing node's worker fails
+        if not failed_at and failing.failure is not None:
+            failed_at.append(time.monotonic())
+        wake.set()
+
+    failing = Agent(_agent_node(0, ("ignore_term", "r1:sleep=0.3", "r1:exit=3", "hang"), grace),
+                    on_change=on_change)
+    other = Agent(_agent_node(1, ("ignore_term", "hang"), grace), on_change=wake.set)
+    for agent in (failing, other):
+        agent.start()
+    try:
+        r = Gang([_InProcessNode(failing), _InProcessNode(other)], wake, grace).run()
+        took = time.monotonic() - failed_at[0]
+    finally:
+        for agent in (failing, other):
+            agent.stop(signal.SIGKILL)
+            agent.wait(timeout=5)
+    assert (r.exit_code, r.failure.rank, r.failure.host) == (3, 1, "host0")
+    assert other.poll().stopped_by == "SIGTERM"
+    assert grace * 0.9 < took < grace * 1.6, f"stopping took {took:.2f} s for a grace period of {grace} s"
