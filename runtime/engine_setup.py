@@ -143,8 +143,15 @@ class _TimerSet:
         finally:
             self._timers.stop(name)
 
-    def log(self, names: list[str], steps: int) -> None:
-        self._timers.log(names, normalizer=steps)  # per optimizer step, since the last log
+    def log(self, names: list[str]) -> None:
+        """Print each timer's mean ms per optimizer step since the last log, then reset them.
+
+        The "step" timer runs once per optimizer step (skipped fp16 steps included), so its
+        interval count is the number of steps timed; unlike ``steps_per_print`` it stays right
+        for the first report after resuming at a global step that is not a multiple of it.
+        """
+        steps = self._timers("step").count if "step" in self._timers else 0
+        self._timers.log(names, normalizer=max(1, steps))
 
 
 def _timers(cfg: DeepSpeedConfig) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
+
 from dslaunch.runtime.timers import STEP_TIMERS, Timer, Timers
 
 pytestmark = pytest.mark.timeout(30)
@@ -107,3 +109,56 @@ def test_name_first_shorthands() -> None:
     assert timers.elapsed("allreduce", reset=False) == pytest.approx(0.003)
     assert timers.log_line(["allreduce"]) == "time (ms) | allreduce: 3.00"
     assert timers.elapsed("allreduce") == 0.0
+
+
+SLEEP_S = 0.03  # per forward: far above the tiny model's own forward time
+
+
+class _SlowModel(torch.nn.Module):
+    """The test model with a forward that takes at least SLEEP_S."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.runtime.models import make_model
+
+        self.inner = make_model()
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLEEP_S)
+        return self.inner(tokens, labels)
+
+
+def _forward_ms_logged(rank: int, world: int, ckpt_dir: str) -> list[float]:
+    """Train 2 steps and checkpoint; resume and train to step 4 (steps_per_print=4); return the ms."""
+    import contextlib
+    import io
+    import re
+
+    import dslaunch
+    from tests.runtime.models import batches
+
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 4, "wall_clock_breakdown": True,
+              "optimizer": {"type": "SGD", "params": {"lr": 1e-2}}}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        engine, _, _, _ = dslaunch.initialize(model=_SlowModel(), config=config)
+        for tokens, labels in batches(2, 2):
+            engine.backward(engine(tokens, labels))
+            engine.step()
+        engine.save_checkpoint(ckpt_dir)
+        engine, _, _, _ = dslaunch.initialize(model=_SlowModel(), config=config)
+        engine.load_checkpoint(ckpt_dir)
+        for tokens, labels in batches(2, 2):  # steps 3 and 4: the report at 4 covers 2 timed steps
+            engine.backward(engine(tokens, labels))
+            engine.step()
+    return [float(ms) for ms in re.findall(r"forward: ([0-9.]+)", printed.getvalue())]
+
+
+@pytest.mark.timeout(60)
+def test_engine_logs_forward_ms_per_optimizer_step_also_after_resume(tmp_path) -> None:
+    from tests.distributed import run_world
+
+    (logged,) = run_world(_forward_ms_logged, 1, str(tmp_path))
+    assert len(logged) == 1  # only at global step 4
+    # Mean per step over the 2 steps since the resume: not their total, not divided by 4.
+    assert SLEEP_S * 1000 <= logged[0] < 2 * SLEEP_S * 1000
