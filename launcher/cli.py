@@ -22,13 +22,12 @@ import signal
 import sys
 import traceback
 
+from dslaunch import __version__
+from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean
 from dslaunch.launcher import gpus
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE, LaunchConfig, build_job
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
-
-from dslaunch import __version__
-from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean
 
 __all__ = ["main", "build_parser", "parse_config"]
 
@@ -142,7 +141,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
     for note in plan.notes:
         print(f"dslaunch: {note}", file=sys.stderr, flush=True)
     if dry_run:
-        print(runner.dry_run(job))
+        print(runner.dry_run(job), flush=True)  # a closed pipe raises here, inside main's handler
         return 0
     if job.launcher == "local":
         from dslaunch.launcher.ports import check_port_free
@@ -206,6 +205,18 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """Our stdout's reader exited (``dslaunch --dry-run | head -1``): exit quietly, like a tool
+    killed by SIGPIPE (Python ignores SIGPIPE, so the write raised instead). stdout now points to
+    /dev/null, or the interpreter's final flush would fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _verbose(argv: list[str]) -> bool:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import subprocess
 import sys
 import types
 
 import pytest
-from dslaunch.launcher import cli
 
-from tests.launcher.helpers import FAKE, run_dslaunch
+from dslaunch.launcher import cli
+from tests.launcher.helpers import DSLAUNCH, FAKE, new_tag, run_dslaunch, tagged_env
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -81,3 +84,26 @@ def test_controller_never_imports_torch():
     code = ("import sys; from dslaunch.launcher import cli, agent; from dslaunch.launcher.runners import local; "
             "assert 'torch' not in sys.modules and 'psutil' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dry_run_into_a_closed_pipe_exits_quietly():
+    """The reader already gone when the plan is written (a real pipe, read end closed)."""
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    try:
+        r = subprocess.run(DSLAUNCH + ["--num_gpus", "2", "--dry-run", FAKE], stdout=write_fd,
+                           stderr=subprocess.PIPE, text=True, timeout=20, env=tagged_env(new_tag()))
+    finally:
+        os.close(write_fd)
+    assert r.returncode == 128 + signal.SIGPIPE
+    assert r.stderr.startswith("dslaunch: no GPU") and r.stderr.count("\n") == 1, r.stderr  # the note only
+
+
+def test_dry_run_piped_into_head_prints_no_traceback():
+    """``dslaunch --dry-run ... | head -1`` with a plan larger than the pipe buffer (1000 workers)."""
+    cmd = f"{shlex.join(DSLAUNCH)} --num_gpus 1000 --dry-run {shlex.quote(FAKE)} | head -1"
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=20,
+                       env=tagged_env(new_tag()))
+    assert r.stdout == "# node 0: localhost (1000 workers)\n"
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+    assert r.returncode == 128 + signal.SIGPIPE  # pipefail: dslaunch's status, as for any tool cut off by head
