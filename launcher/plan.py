@@ -15,11 +15,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dslaunch.errors import HostfileError, UsageError
 from dslaunch.launcher.gpus import Accelerators
 from dslaunch.launcher.hostfile import Pool, apply_filter, read_hostfile
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, NodeSpec, WorkerSpec
-
-from dslaunch.errors import HostfileError, UsageError
 
 __all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE"]
 

@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import paramiko
-from dslaunch.launcher.ssh_options import SSHOptions, SSHTarget, load_config, resolve
 
 from dslaunch.errors import LaunchError
+from dslaunch.launcher.ssh_options import SSHOptions, SSHTarget, load_config, resolve
 
 __all__ = ["SSHOptions", "SSHTarget", "SSHError", "load_config", "resolve", "connect", "connect_all"]
 

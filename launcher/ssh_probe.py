@@ -80,9 +80,8 @@ def _reach(master_ip: str, port: int) -> dict:
 
 def _port_free(port: int) -> dict:
     """Can the rendezvous store listen on ``port`` here? (the local launcher's own check)"""
-    from dslaunch.launcher.ports import check_port_free
-
     from dslaunch.errors import LaunchError
+    from dslaunch.launcher.ports import check_port_free
 
     try:
         check_port_free(port)

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
 from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked
 
 __all__ = ["Adam"]

@@ -12,10 +12,10 @@ import os
 from typing import Any
 
 import torch.distributed as dist
-from dslaunch.runtime.config import load_config
-from dslaunch.runtime.dist import init_distributed
 
 from dslaunch.errors import ConfigError
+from dslaunch.runtime.config import load_config
+from dslaunch.runtime.dist import init_distributed
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments"]
 

@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+import dslaunch
+from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint_engine import (
     MODULE_FILE,
     Checkpointer,
@@ -51,9 +54,6 @@ from dslaunch.runtime.checkpoint_reshard import (
     partition_map,
 )
 from dslaunch.runtime.checkpoint_writer import TagWrite, write_tag
-
-import dslaunch
-from dslaunch.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
 

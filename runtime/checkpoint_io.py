@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dslaunch.runtime.checkpoint_format import FileDigest, read_object, write_object
-
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint_format import FileDigest, read_object, write_object
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
            "first_loadable"]

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from dslaunch.runtime.checkpoint_io import CheckpointStore, FileRecord, Manifest
 
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint_io import CheckpointStore, FileRecord, Manifest
 
 __all__ = ["Comm", "LocalComm", "GroupComm", "TagWrite", "write_tag", "Snapshot", "AsyncWriter"]
 

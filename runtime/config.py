@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config_sections import (
     INERT_SECTIONS,
     Bf16Config,
@@ -29,8 +30,6 @@ from dslaunch.runtime.config_sections import (
     reject_unimplemented,
 )
 from dslaunch.runtime.param_schema import boolean, choice, integer, number
-
-from dslaunch.errors import ConfigError, did_you_mean
 
 __all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]

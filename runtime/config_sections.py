@@ -14,9 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dslaunch.runtime.param_schema import Option, boolean, check_params, choice, integer, number
-
 from dslaunch.errors import ConfigError
+from dslaunch.runtime.param_schema import Option, boolean, check_params, choice, integer, number
 
 __all__ = ["parse_section", "ZeroConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
            "TypedSection", "optional", "INERT_SECTIONS", "reject_unimplemented"]

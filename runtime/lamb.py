@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked_rows
 
 __all__ = ["Lamb", "FlatLayout"]

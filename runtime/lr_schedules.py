@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.param_schema import (
     REQUIRED,
     Option,
@@ -43,8 +44,6 @@ from dslaunch.runtime.param_schema import (
     number,
     number_or_list,
 )
-
-from dslaunch.errors import ConfigError, did_you_mean
 
 __all__ = ["SCHEDULER_TYPES", "SchedulerSpec", "validate_lr_scheduler", "build_lr_scheduler", "WarmupLR",
            "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]

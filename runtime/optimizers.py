@@ -18,9 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dslaunch.runtime.param_schema import REQUIRED, Option, betas, boolean, check_params, number
-
 from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.runtime.param_schema import REQUIRED, Option, betas, boolean, check_params, number
 
 __all__ = ["OptimizerSpec", "OPTIMIZER_TYPES", "validate_optimizer", "build_optimizer"]
 

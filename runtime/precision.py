@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from dslaunch.runtime.config import DeepSpeedConfig
 
 __all__ = ["PrecisionPolicy"]

@@ -17,11 +17,11 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+
+from dslaunch.errors import CheckpointError, UsageError
 from dslaunch.runtime.checkpoint_engine import MODULE_FILE, zero_file
 from dslaunch.runtime.checkpoint_io import MANIFEST, CheckpointStore, first_loadable
 from dslaunch.runtime.checkpoint_reshard import assemble, fp32_params, needed_ranks
-
-from dslaunch.errors import CheckpointError, UsageError
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "main"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from dslaunch.runtime.zero.base import ZeroStrategy
 
 __all__ = ["Stage0"]

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dslaunch.runtime.zero.base import ZeroStrategy
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime.zero.base import ZeroStrategy
 
 __all__ = ["Stage2"]
 

@@ -3,9 +3,9 @@
 from pathlib import Path
 
 import pytest
-from dslaunch.launcher.envfile import collect_env, env_file_paths, parse_env_file
 
 from dslaunch.errors import EnvFileError, UsageError
+from dslaunch.launcher.envfile import collect_env, env_file_paths, parse_env_file
 
 
 def _write(path: Path, text: str | bytes) -> Path:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from dslaunch.launcher.hostfile import apply_filter, full_pool, parse_filter, parse_hostfile, read_hostfile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dslaunch.errors import HostfileError
+from dslaunch.launcher.hostfile import apply_filter, full_pool, parse_filter, parse_hostfile, read_hostfile
 
 pytestmark = pytest.mark.timeout(60)
 

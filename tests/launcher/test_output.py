@@ -6,9 +6,10 @@ import os
 import threading
 
 import pytest
-from dslaunch.launcher.output import Sink, pump
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dslaunch.launcher.output import Sink, pump
 
 pytestmark = pytest.mark.timeout(60)
 

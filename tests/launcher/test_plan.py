@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 
 import pytest
-from dslaunch.launcher.gpus import Accelerators
-from dslaunch.launcher.plan import LaunchConfig, build_job
 
 from dslaunch.errors import HostfileError, UsageError
+from dslaunch.launcher.gpus import Accelerators
+from dslaunch.launcher.plan import LaunchConfig, build_job
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -211,9 +211,8 @@ def _check_fp32_export(root: Path, module: dict) -> None:
 
 
 def test_zero_to_fp32_names_a_bad_directory(tmp_path: Path) -> None:
-    from dslaunch.runtime.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     from dslaunch.errors import CheckpointError
+    from dslaunch.runtime.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'nope'}: not a directory"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path / "nope")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint_io import LATEST, MANIFEST, CheckpointStore, first_loadable
 from dslaunch.runtime.checkpoint_writer import (
     AsyncWriter,
@@ -19,8 +21,6 @@ from dslaunch.runtime.checkpoint_writer import (
     TagWrite,
     write_tag,
 )
-
-from dslaunch.errors import CheckpointError
 from tests.distributed import run_world
 
 

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from dslaunch.runtime.checkpoint_io import CheckpointStore, first_loadable
 
+from dslaunch.runtime.checkpoint_io import CheckpointStore, first_loadable
 from tests.distributed import _CTX, free_port
 
 

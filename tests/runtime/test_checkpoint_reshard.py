@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+
+from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint_reshard import (
     assemble,
     check_compatible,
@@ -15,8 +17,6 @@ from dslaunch.runtime.checkpoint_reshard import (
     partition_map,
 )
 from dslaunch.runtime.zero.partition import partition_range
-
-from dslaunch.errors import CheckpointError
 
 SHAPES = [[("w1", (3, 5)), ("b1", (5,)), ("w2", (7, 2))], [("ln", (3,))]]  # numel 34 and 3
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from dslaunch.runtime.config import load_config
 
 from dslaunch.errors import ConfigError
+from dslaunch.runtime.config import load_config
 
 
 def _error(raw: dict, world: int = 2) -> str:

@@ -6,6 +6,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dslaunch.errors import ConfigError
 from dslaunch.runtime.loss_scaler import (
     DynamicLossScaler,
     LossScaleAtMinimumError,
@@ -14,10 +18,6 @@ from dslaunch.runtime.loss_scaler import (
     build_loss_scaler,
     has_overflow,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from dslaunch.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from dslaunch.runtime.lr_schedules import SCHEDULER_TYPES, build_lr_scheduler, validate_lr_scheduler
 
 from dslaunch.errors import ConfigError
+from dslaunch.runtime.lr_schedules import SCHEDULER_TYPES, build_lr_scheduler, validate_lr_scheduler
 
 pytestmark = pytest.mark.timeout(30)
 

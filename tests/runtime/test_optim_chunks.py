@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, chunked
 from dslaunch.runtime.optimizers import build_optimizer
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+
+from dslaunch.errors import ConfigError
 from dslaunch.runtime.lamb import Lamb
 from dslaunch.runtime.lion import Lion
 from dslaunch.runtime.optimizers import OPTIMIZER_TYPES, build_optimizer, validate_optimizer
-
-from dslaunch.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -313,6 +313,7 @@ def test_deepspeed_only_types_are_reported_as_not_implemented() -> None:
 def _flat_lamb_run(rank: int, world: int, steps: int) -> list[float]:
     """One rank's shard of the flattened params, updated by Lamb with per-parameter segments."""
     import torch.distributed as dist
+
     from dslaunch.runtime.lamb import FlatLayout
 
     if world > 1:

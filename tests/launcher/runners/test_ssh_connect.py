@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
-from dslaunch.launcher.ssh_connect import SSHError, SSHOptions, connect, connect_all, resolve
 
 from dslaunch.errors import UsageError
+from dslaunch.launcher.ssh_connect import SSHError, SSHOptions, connect, connect_all, resolve
 
 pytestmark = pytest.mark.cluster
 

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from dslaunch.launcher.preflight import check_probes, diagnose_no_probe
 
+from dslaunch.launcher.preflight import check_probes, diagnose_no_probe
 from tests.launcher.runners.ssh_helpers import FAKE, Lines
 
 GOOD = {"python": "3.11.7", "implementation": "CPython", "torch": "2.13.0", "executable": "/v/bin/python",

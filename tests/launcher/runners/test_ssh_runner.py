@@ -16,10 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from dslaunch.launcher.plan import LaunchConfig, build_job
 from dslaunch.launcher.runners.ssh import SSHRunner
 from dslaunch.launcher.ssh_connect import SSHError
-
 from tests.launcher.runners.ssh_helpers import ALLREDUCE, FAKE, Lines
 
 pytestmark = pytest.mark.cluster

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
-from dslaunch.runtime.zero.partition import GroupLayout, partition_range, plan_buckets
 from hypothesis import given
 from hypothesis import strategies as st
+
+from dslaunch.runtime.zero.partition import GroupLayout, partition_range, plan_buckets
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
