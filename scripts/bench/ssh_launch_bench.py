@@ -116,8 +116,8 @@ def _markdown(runs: list[dict], repeats: int) -> str:
     note = ("Command start to all ranks past a barrier + all_reduce and exited, on the network-namespace "
             "test cluster (one sshd per host). Shared 2-core machine: noisy; load average at the end: "
             f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. With Linux autogroup scheduling, each `ssh` "
-            "of the floor is its own session and gets its own CPU share under foreign load, while a "
-            "launcher's ranks on one host share their agent's session (DeepSpeed's too).\n")
+            "of the floor is its own session and gets its own CPU share under foreign load; dslaunch "
+            "starts every worker in its own session for the same reason (DeepSpeed's ranks share one).\n")
     return "\n".join([*tables, note])
 
 

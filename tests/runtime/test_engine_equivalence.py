@@ -26,10 +26,14 @@ def _config(stage: int, **extra) -> dict:
             "steps_per_print": 1000, **extra}
 
 
-def reference_losses(steps: int = STEPS) -> list[float]:
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+
+
+def reference_losses(steps: int = STEPS, make_optimizer=_adamw) -> list[float]:
     """Plain torch: one process, the whole global batch per step."""
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = make_optimizer(model.parameters())
     losses = []
     for tokens, labels in batches(steps, GLOBAL):
         loss = model(tokens, labels)

@@ -11,31 +11,20 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.runtime.models import batches, make_model
-from tests.runtime.test_engine_equivalence import CLIP, GLOBAL, LR, STEPS, WD, _assert_close, _config, _many
+from tests.runtime.test_engine_equivalence import LR, WD, _assert_close, _config, _many, reference_losses
 
 LAMB = {"type": "Lamb", "params": {"lr": LR, "weight_decay": WD}}
 
 
-def _lamb_reference() -> list[float]:
+def _lamb(params) -> torch.optim.Optimizer:
     from dslaunch.runtime.lamb import Lamb
 
-    model = make_model()
-    opt = Lamb(model.parameters(), lr=LR, weight_decay=WD)
-    losses = []
-    for tokens, labels in batches(STEPS, GLOBAL):
-        loss = model(tokens, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return Lamb(params, lr=LR, weight_decay=WD)
 
 
 @pytest.mark.timeout(90)
 def test_lamb_stages_0_1_2_match_single_process() -> None:
-    reference = _lamb_reference()
+    reference = reference_losses(make_optimizer=_lamb)
     assert reference[-4] < reference[0]  # it trains (batches cycle every 4 steps)
     configs = [_config(stage, optimizer=LAMB) for stage in (0, 1, 2)]
     for rank_results in run_world(_many, 2, configs):
