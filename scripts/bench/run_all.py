@@ -5,7 +5,8 @@ Each benchmark is a standalone script that writes ``results/<name>.json`` (raw n
 script only runs them one after another (never in parallel: they share two cores) and
 concatenates the tables, so BENCHMARKS.md always shows the figures of the last run.
 
-Usage: ``python scripts/bench/run_all.py [name ...]`` (default: every ``*_bench.py``).
+Usage: ``python scripts/bench/run_all.py [--assemble-only] [name ...]`` (default: every
+``*_bench.py``; ``--assemble-only`` rebuilds BENCHMARKS.md from the existing results).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = HERE.parent.parent / "BENCHMARKS.md"
+# Tables in the order a user meets the product: launch, train, checkpoint.
+ORDER = ["launch_bench", "ssh_launch_bench", "engine_bench", "optimizer_bench", "ckpt_bench"]
 
 
 def _benches(names: list[str]) -> list[Path]:
@@ -44,7 +47,8 @@ def _assemble() -> None:
         f"Machine: {platform.machine()}, {_cores()} cores, Python {platform.python_version()}, "
         f"torch {torch.__version__}. Assembled {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC.\n",
     ]
-    for md in sorted(RESULTS.glob("*.md")):
+    tables = sorted(RESULTS.glob("*.md"), key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else len(ORDER), p.stem))
+    for md in tables:
         parts.append(md.read_text().strip() + "\n")
     OUT.write_text("\n".join(parts))
     print(f"wrote {OUT}")
@@ -57,6 +61,9 @@ def _cores() -> int:
 
 
 def main(argv: list[str]) -> int:
+    if "--assemble-only" in argv:
+        _assemble()
+        return 0
     failed = [b.name for b in _benches(argv) if not _run(b)]
     _assemble()
     if failed:
