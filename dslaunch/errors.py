@@ -25,6 +25,7 @@ __all__ = [
     "WorkerFailedError",
     "CheckpointError",
     "did_you_mean",
+    "install_excepthook",
 ]
 
 
@@ -100,3 +101,27 @@ class EnvFileError(UsageError):
         self.path, self.line = path, line
         where = f"{path}:{line}: " if path and line else (f"{path}: " if path else "")
         super().__init__(f"{where}{message}")
+
+
+def install_excepthook() -> None:
+    """Show an uncaught ``DslaunchError`` in a worker as one line instead of a traceback.
+
+    The error's message already names the file, key and what would be valid, so a traceback
+    through the user's script and our internals only hides it. Other exceptions are untouched;
+    ``DSLAUNCH_VERBOSE=1`` keeps the traceback. Idempotent: installs once per process.
+    """
+    import os
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_dslaunch", False):
+        return
+
+    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        if issubclass(exc_type, DslaunchError) and not os.environ.get("DSLAUNCH_VERBOSE"):
+            print(f"dslaunch: error: {exc}", file=sys.stderr)
+        else:
+            previous(exc_type, exc, tb)
+
+    hook._dslaunch = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

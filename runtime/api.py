@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dslaunch.errors import ConfigError
+from dslaunch.errors import ConfigError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import init_distributed
 
@@ -49,6 +49,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     collective: call on all ranks.
     """
+    install_excepthook()  # a config mistake reads as one line in the worker's output
     if model is None:
         raise ConfigError("initialize() needs model=<torch.nn.Module>")
     if mpu is not None:
