@@ -95,7 +95,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         nodes=tuple(nodes), master_addr=master_addr, master_port=cfg.master_port, world_size=world,
         launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
         ssh_port=cfg.ssh_port, ssh_accept_new_host_keys=cfg.ssh_accept_new_host_keys,
-        hostfile=source,
+        hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
     )
     return Plan(job, tuple(notes))
 

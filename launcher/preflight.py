@@ -30,8 +30,10 @@ __all__ = ["PROBE_TIMEOUT", "probe_request", "remote_command", "diagnose_no_prob
 PROBE_TIMEOUT = 20.0
 
 
-def probe_request(cwd: str | None, master_addr: str, master_port: int, is_master: bool) -> dict:
-    return {"cwd": cwd, "master_addr": master_addr, "master_port": master_port, "is_master": is_master}
+def probe_request(cwd: str | None, master_addr: str, master_port: int, is_master: bool,
+                  script: str | None = None) -> dict:
+    return {"cwd": cwd, "master_addr": master_addr, "master_port": master_port, "is_master": is_master,
+            "script": script}
 
 
 def remote_command(python: str, request: Mapping) -> str:
@@ -92,6 +94,9 @@ def check_probes(probes: Mapping[str, Mapping], cwd: str | None, master: str, po
         elif p.get("cwd_error"):
             problems[host] = ("cwd", f"the working directory {cwd} is not usable here ({p['cwd_error']}); "
                                      "run from a directory that exists on every host")
+        elif p.get("script_missing"):
+            problems[host] = ("script", f"the user script {p['script_missing']} does not exist here (cwd {cwd}); "
+                                        "every host needs it at the same path")
         elif p.get("torch") is None:
             problems[host] = ("version", f"torch is not installed for {p.get('executable')}")
         elif _versions(p) != _versions(ref):

@@ -94,6 +94,9 @@ class JobSpec:
     ssh_accept_new_host_keys: bool = False
     hostfile: str | None = None
     """Hostfile the nodes came from (None = localhost only), for messages."""
+    user_script: str | None = None
+    """The script file every worker runs (None with --module/--no_python): preflight checks that
+    each host has it, so a missing file is one line per host, not one Python error per rank."""
 
     @property
     def hosts(self) -> tuple[str, ...]:

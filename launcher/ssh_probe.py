@@ -109,6 +109,9 @@ def probe(request: dict) -> dict:
             os.chdir(cwd)
         except OSError as exc:
             info["cwd_error"] = exc.strerror or str(exc)
+    script = request.get("script")
+    if script and not os.path.isfile(script):  # relative to cwd, as the workers will see it
+        info["script_missing"] = script
     master, port = request.get("master_addr"), int(request.get("master_port", 0))
     if master:
         try:

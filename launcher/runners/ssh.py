@@ -116,7 +116,8 @@ class SSHRunner(Runner):
     def _commands(job: JobSpec, master: str, targets: list[SSHTarget]) -> list[str]:
         python = job.python or sys.executable
         on_first = master in (targets[0].alias, targets[0].hostname)  # the port must be free there
-        return [remote_command(python, probe_request(n.cwd, master, job.master_port, on_first and i == 0))
+        return [remote_command(python, probe_request(n.cwd, master, job.master_port, on_first and i == 0,
+                                                     job.user_script))
                 for i, n in enumerate(job.nodes)]
 
     def dry_run(self, job: JobSpec) -> str:

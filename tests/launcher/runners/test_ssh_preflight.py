@@ -25,6 +25,7 @@ def _probes(**changed) -> dict:
     ({"python": "3.10.1"}, "version", "Python 3.10.1"),
     ({"torch": None}, "version", "torch is not installed for /v/bin/python"),
     ({"cwd_error": "No such file or directory"}, "cwd", "/work/x is not usable here"),
+    ({"script_missing": "train.py"}, "script", "the user script train.py does not exist here"),
     ({"master": {"status": "unresolvable", "detail": "Name or service not known"}}, "master", "cannot resolve"),
     ({"master": {"status": "unreachable", "detail": "timed out after 2s"}}, "master",
      "cannot reach the master address m (10.0.0.1) port 29500 from here: timed out"),
@@ -90,3 +91,15 @@ def test_unreachable_master_addr_is_reported_by_every_host(cluster, free_port):
     for host in cluster.hosts:
         assert re.search(rf"{host}: cannot reach the master address 10\.213\.7\.99 port {free_port}", err), err
     assert cluster.wait_no_job_processes(3) == {}
+
+
+def test_probe_reports_a_missing_user_script_relative_to_cwd(tmp_path, monkeypatch):
+    from dslaunch.launcher import ssh_probe
+
+    monkeypatch.chdir(tmp_path)  # probe() chdirs to the job's cwd, like the agent it becomes
+    (tmp_path / "train.py").write_text("")
+    assert "script_missing" not in ssh_probe.probe({"cwd": str(tmp_path), "script": "train.py"})
+    found = ssh_probe.probe({"cwd": str(tmp_path), "script": "trian.py"})
+    assert found["script_missing"] == "trian.py"
+    problems = check_probes(_probes(b={"script_missing": "trian.py"}), str(tmp_path), "m", 29500)
+    assert list(problems) == ["b"] and "trian.py does not exist here" in problems["b"][1]
