@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.errors import UsageError
+from dslaunch.launcher.ports import free_port
 
 __all__ = ["init_distributed", "default_timeout", "local_rank", "device_for"]
 
@@ -61,7 +62,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(distributed_port if world_size > 1 else _free_port()))
+        os.environ.setdefault("MASTER_PORT", str(distributed_port if world_size > 1 else free_port()))
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
@@ -71,11 +72,3 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if verbose and rank == 0:
         print(f"[dslaunch] initialized {backend} process group: world_size={world_size}, "
               f"timeout={timeout.total_seconds():.0f}s", flush=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

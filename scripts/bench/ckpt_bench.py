@@ -31,13 +31,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from dslaunch.launcher.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 DIM, LAYERS, MICRO, WORLD, LR = 1792, 6, 8, 2, 1e-4
@@ -170,14 +171,8 @@ def _async_stall(engine, root: str, repeats: int, train, dist) -> dict:
 
 
 # ----- driver side ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(kind: str, repeats: int) -> list[dict] | None:
-    port = _free_port()
+    port = free_port()
     root = tempfile.mkdtemp(prefix=f"ckpt_bench_{kind}_", dir="/tmp")
     procs = []
     try:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dslaunch.launcher.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 DIM, LAYERS, MICRO, WORLD, LR = 2048, 5, 32, 2, 1e-4
@@ -140,14 +141,8 @@ def _report(values: dict) -> None:
 
 
 # ----- driver side ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(argv: list[str]) -> list[dict] | None:
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(WORLD):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r),

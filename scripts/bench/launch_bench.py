@@ -19,12 +19,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dslaunch.launcher.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -34,13 +35,6 @@ TARGET = 1.3  # dslaunch at most 1.3x the floor
 FLOOR = "floor (2x import torch)"
 BARE = "2x python -c pass"
 LEAN = "dslaunch, 2 torch-free workers"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _commands() -> dict[str, list[list[str]] | None]:
     """name -> a function of the port giving the command(s) to run in parallel; None if missing."""
@@ -62,7 +56,7 @@ def _time_once(make) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     procs = [subprocess.Popen(c, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for c in make(_port())]
+             for c in make(free_port())]
     errs = [p.communicate(timeout=120)[1] for p in procs]
     elapsed = time.perf_counter() - t0
     for p, err in zip(procs, errs, strict=True):
