@@ -46,8 +46,12 @@ class HostfileError(DslaunchError):
 
     def __init__(self, message: str, path: str | None = None, line: int | None = None):
         self.path, self.line = path, line
-        where = f"{path}:{line}: " if path and line else (f"{path}: " if path else "")
-        super().__init__(f"{where}{message}")
+        super().__init__(f"{_where(path, line)}{message}")
+
+
+def _where(path: str | None, line: int | None) -> str:
+    """The ``file:line: `` prefix of file-format errors (or ``file: ``, or nothing)."""
+    return f"{path}:{line}: " if path and line else (f"{path}: " if path else "")
 
 
 class ConfigError(DslaunchError):
@@ -99,8 +103,7 @@ class EnvFileError(UsageError):
 
     def __init__(self, message: str, path: str | None = None, line: int | None = None):
         self.path, self.line = path, line
-        where = f"{path}:{line}: " if path and line else (f"{path}: " if path else "")
-        super().__init__(f"{where}{message}")
+        super().__init__(f"{_where(path, line)}{message}")
 
 
 def install_excepthook() -> None:

@@ -6,6 +6,7 @@ Checked on every host, each failure naming the host and its cause:
   changed host key);
 - the interpreter exists and imports dslaunch (``interpreter``);
 - the working directory exists there (``cwd``);
+- the user script exists there at the same path (``script``);
 - the same Python and torch versions as the first host (``version``), torch installed;
 - the master address resolves and answers from the host (``master``); the master port is free on
   the master host and nothing else answers on it (``port``).
