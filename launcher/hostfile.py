@@ -7,7 +7,7 @@ Hostfile syntax, one host per line::
     worker-2 slots=4
 
 Every mistake is a ``HostfileError`` naming the file and line: duplicate host, ``slots`` missing,
-zero, negative or not an integer, unknown keys, trailing junk.
+zero, negative or not plain ASCII digits, unknown keys, trailing junk.
 
 Filter syntax (``-i/--include``, ``-e/--exclude``): ``host1:0,2@host2``: hosts separated by
 ``@``; ``host:slots`` picks slot indices; a bare host means all its slots. Naming a host or slot
@@ -23,11 +23,14 @@ from collections.abc import Mapping
 
 from dslaunch.errors import HostfileError, did_you_mean
 
-__all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "full_pool"]
+__all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "full_pool", "ascii_int"]
 
 Pool = dict[str, tuple[int, ...]]
 """host -> slot indices to use, in hostfile order."""
 
+# A typo such as slots=80000000000 would otherwise build a pool of that many slot indices (the
+# launcher hangs); no host runs more worker processes than this.
+MAX_SLOTS = 4096
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.:\[\]-]+$")
 _KEYS = ("slots",)
 
@@ -77,13 +80,27 @@ def _parse_line(line: str, path: str, lineno: int) -> tuple[str, int]:
 
 
 def _positive_int(value: str, path: str, lineno: int) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise HostfileError(f"slots={value!r} is not an integer", path, lineno) from None
+    n = ascii_int(value)
+    if n is None:
+        raise HostfileError(f"slots={value!r} is not an integer (digits 0-9 only)", path, lineno)
     if n <= 0:
         raise HostfileError(f"slots={n} must be a positive integer", path, lineno)
+    if n > MAX_SLOTS:
+        raise HostfileError(f"slots={n} is too large (at most {MAX_SLOTS} workers per host)", path, lineno)
     return n
+
+
+_INT_RE = re.compile(r"-?[0-9]{1,18}")
+
+
+def ascii_int(text: str) -> int | None:
+    """``text`` as an int if it is plain ASCII digits (an optional '-'), else None.
+
+    Python's ``int()`` also accepts '1_0', '+3', ' 3 ' and non-ASCII digits such as '３': none of
+    them is a slot count or index a user meant, and other tools reading the same hostfile would
+    reject them. The 18-digit cap keeps absurd values out of ``int()``'s own digit limit.
+    """
+    return int(text) if _INT_RE.fullmatch(text) else None
 
 
 def read_hostfile(path: str, explicit: bool) -> dict[str, int] | None:
@@ -125,10 +142,10 @@ def parse_filter(expr: str, flag: str) -> dict[str, tuple[int, ...] | None]:
         if not colon:
             out[host] = None
             continue
-        try:
-            picked = tuple(int(s) for s in slots.split(","))
-        except ValueError:
-            raise HostfileError(f"{flag} {expr!r}: slots of {host!r} must be integers, got {slots!r}") from None
+        numbers = [ascii_int(s) for s in slots.split(",")]
+        if None in numbers:
+            raise HostfileError(f"{flag} {expr!r}: slots of {host!r} must be integers, got {slots!r}")
+        picked = tuple(n for n in numbers if n is not None)  # all of them; the filter narrows the type
         if len(set(picked)) != len(picked):
             raise HostfileError(f"{flag} {expr!r}: slot listed twice for host {host!r}")
         out[host] = picked

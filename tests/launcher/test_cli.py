@@ -38,7 +38,7 @@ def test_bad_hostfile_names_file_and_line_and_verbose_adds_traceback(tmp_path):
     hf.write_text("node1 slots=2\nnode2 slots=zero\n")
     r = run_dslaunch(["-H", str(hf), FAKE])
     assert r.returncode == 1
-    assert r.stderr.strip() == f"dslaunch: error: {hf}:2: slots='zero' is not an integer"
+    assert r.stderr.strip() == f"dslaunch: error: {hf}:2: slots='zero' is not an integer (digits 0-9 only)"
     r = run_dslaunch(["--verbose", "-H", str(hf), FAKE])
     assert "Traceback" in r.stderr and "HostfileError" in r.stderr
 

@@ -24,6 +24,11 @@ def test_parses_comments_blank_lines_and_trailing_comments():
     ("a slots=-2\n", 1, "must be a positive integer"),
     ("a slots=2.5\n", 1, "is not an integer"),
     ("a slots=\n", 1, "is not an integer"),
+    ("a slots=1_0\n", 1, "slots='1_0' is not an integer (digits 0-9 only)"),  # int() would say 10
+    ("a slots=\uff12\n", 1, "is not an integer"),  # a fullwidth digit 2
+    ("a slots=+2\n", 1, "is not an integer"),
+    ("a slots=80000000000\n", 1, "slots=80000000000 is too large (at most 4096"),
+    ("a slots=" + "9" * 5000 + "\n", 1, "is not an integer"),  # beyond int()'s digit limit
     ("a slots=2 extra\n", 1, "unexpected 'extra'"),
     ("\n\na slot=2\n", 3, "unknown key 'slot' (did you mean 'slots'?)"),
     ("a gpus=2\n", 1, "unknown key 'gpus'"),
@@ -71,6 +76,8 @@ def test_filter_examples(include, exclude, expected):
     ("", "h9", "--exclude: unknown host 'h9'"),
     ("h1:x", "", "must be integers"),
     ("h1:", "", "must be integers"),
+    ("h1:1_0", "", "must be integers"),
+    ("h1:\u0661", "", "must be integers"),  # an Arabic-Indic digit 1
     ("h1@h1", "", "named twice"),
     ("h1:0,0", "", "slot listed twice"),
     ("@h1", "", "empty host name"),
@@ -109,6 +116,33 @@ def test_duplicate_host_is_reported_on_its_second_line(hosts, slots, data):
     with pytest.raises(HostfileError) as info:
         parse_hostfile(text, "hf")
     assert info.value.line == len(hosts) + 1
+
+
+# Arbitrary text, plus near-misses built from the syntax's own characters (random text alone
+# rarely gets past the first token).
+any_text = st.one_of(st.text(), st.text(alphabet="h1 slots=0123456789_#:,@\t\n\r\x0b\x85\u2028-+\uff11"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(any_text)
+def test_any_text_is_parsed_or_rejected_with_a_one_line_hostfile_error(text):
+    try:
+        hosts = parse_hostfile(text, "hf")
+    except HostfileError as err:
+        assert str(err).startswith("hf:") and "\n" not in str(err)
+        return
+    assert hosts and all(type(n) is int and 0 < n <= 4096 for n in hosts.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(any_text)
+def test_any_filter_text_is_applied_or_rejected_with_a_one_line_hostfile_error(text):
+    try:
+        pool = apply_filter(HOSTS, include=text)
+    except HostfileError as err:
+        assert "\n" not in str(err)
+        return
+    assert pool and all(set(slots) <= set(range(HOSTS[h])) for h, slots in pool.items())
 
 
 def _selection(hosts, data):
