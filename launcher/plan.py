@@ -75,6 +75,8 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         HostfileError: bad hostfile or include/exclude.
         UsageError: inconsistent flags (e.g. more GPUs than slots).
     """
+    _check_count("--num_nodes", cfg.num_nodes)
+    _check_count("--num_gpus", cfg.num_gpus)
     if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
     notes: list[str] = []
@@ -85,6 +87,9 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         hosts, use_gpus = _localhost(cfg, detect, notes)
     pool = _limit(apply_filter(hosts, cfg.include, cfg.exclude), cfg, source)
     launcher = cfg.launcher or ("ssh" if cfg.force_multi or any(h not in LOCAL_HOSTS for h in pool) else "local")
+    if launcher == "local" and len(pool) > 1:  # checked here so that --dry-run fails like a real run
+        raise UsageError(f"the local launcher runs one node, but {len(pool)} hosts are selected "
+                         f"({', '.join(pool)}); use --launcher ssh, or select one host (--include, --num_nodes 1)")
     master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else next(iter(pool)))
     world = sum(len(s) for s in pool.values())
     nodes, rank = [], 0
@@ -118,8 +123,6 @@ def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators],
 
 def _limit(pool: Pool, cfg: LaunchConfig, hostfile: str | None) -> Pool:
     """Apply ``--num_nodes`` (first N hosts) and ``--num_gpus`` (first N slots of each host)."""
-    if cfg.num_nodes == 0 or cfg.num_gpus == 0:
-        raise UsageError("--num_nodes and --num_gpus must be positive")
     if cfg.num_nodes > 0:
         if cfg.num_nodes > len(pool):
             raise HostfileError(f"--num_nodes {cfg.num_nodes}: only {len(pool)} hosts available", hostfile)
@@ -131,6 +134,12 @@ def _limit(pool: Pool, cfg: LaunchConfig, hostfile: str | None) -> Pool:
                                 f"{len(pool[short[0]])} slots", hostfile)
         pool = {h: s[:cfg.num_gpus] for h, s in pool.items()}
     return pool
+
+
+def _check_count(flag: str, n: int) -> None:
+    """-1 is DeepSpeed's default for both flags: all hosts / all slots. Other values must be > 0."""
+    if n == 0 or n < -1:
+        raise UsageError(f"{flag} {n}: expected a positive number (or -1, the default: all)")
 
 
 def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], first_rank: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -98,3 +99,26 @@ def test_node_spec_json_round_trip(tmp_path):
     for node in job.nodes:
         line = node.to_json()
         assert "\n" not in line and NodeSpec.from_json(line) == node
+
+
+@pytest.mark.parametrize("flags, words", [
+    ({"num_nodes": -5}, "--num_nodes -5: expected a positive number (or -1, the default: all)"),
+    ({"num_nodes": 0}, "--num_nodes 0: expected a positive number"),
+    ({"num_gpus": 0}, "--num_gpus 0: expected a positive number"),
+    ({"num_gpus": -2}, "--num_gpus -2: expected a positive number"),
+])
+def test_counts_are_positive_or_minus_one_for_all(tmp_path, flags, words):
+    with pytest.raises(UsageError, match=re.escape(words)):
+        build_job(_cfg(tmp_path, "a slots=2\nb slots=2\n", **flags), CPU)
+    with pytest.raises(UsageError, match=re.escape(words)):  # no hostfile: same check, before detection
+        build_job(_cfg(tmp_path, **flags), CPU)
+    job = build_job(_cfg(tmp_path, "a slots=2\nb slots=2\n", num_nodes=-1, num_gpus=-1), CPU).job
+    assert job.hosts == ("a", "b") and job.world_size == 4
+
+
+def test_local_launcher_with_several_hosts_is_an_error_at_plan_time(tmp_path):
+    with pytest.raises(UsageError, match=r"the local launcher runs one node, but 2 hosts are selected \(a, b\)"):
+        build_job(_cfg(tmp_path, "a slots=2\nb slots=2\n", launcher="local"), CPU)
+    with pytest.raises(UsageError, match="2 hosts are selected"):  # both local: chosen automatically
+        build_job(_cfg(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n"), CPU)
+    assert build_job(_cfg(tmp_path, "a slots=2\nb slots=2\n", launcher="local", num_nodes=1), CPU).job.hosts == ("a",)
