@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import traceback
+from collections.abc import Mapping
 
 from dslaunch import __version__
 from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean
@@ -84,8 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str]) -> tuple[LaunchConfig, argparse.Namespace]:
+def parse_config(argv: list[str],
+                 env: Mapping[str, str] | None = None) -> tuple[LaunchConfig, argparse.Namespace]:
     """Parse the command line into a LaunchConfig (and the namespace for CLI-only flags).
+
+    ``env`` is the launching environment (default ``os.environ``): its CUDA_VISIBLE_DEVICES
+    selects the local GPUs.
 
     Raises:
         UsageError: bad flags.
@@ -107,6 +112,7 @@ def parse_config(argv: list[str]) -> tuple[LaunchConfig, argparse.Namespace]:
         each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=_core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
+        visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
     )
     return cfg, ns
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from dslaunch.errors import HostfileError, UsageError
 from dslaunch.launcher.gpus import Accelerators
-from dslaunch.launcher.hostfile import Pool, apply_filter, read_hostfile
+from dslaunch.launcher.hostfile import Pool, apply_filter, ascii_int, read_hostfile
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, NodeSpec, WorkerSpec
 
 __all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE"]
@@ -54,6 +54,9 @@ class LaunchConfig:
     ssh_port: int | None = None
     ssh_accept_new_host_keys: bool = False
     grace: float = DEFAULT_GRACE
+    visible_devices: str | None = None
+    """``CUDA_VISIBLE_DEVICES`` of the launching environment (None = unset). Without a hostfile it
+    picks the local GPUs, as DeepSpeed turns it into ``--include localhost:<devices>``."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,11 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     notes: list[str] = []
     hosts = read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
     source = cfg.hostfile if hosts is not None else None
-    use_gpus = hosts is not None  # hostfile slots are GPUs (DeepSpeed's meaning)
     if hosts is None:
-        hosts, use_gpus = _localhost(cfg, detect, notes)
-    pool = _limit(apply_filter(hosts, cfg.include, cfg.exclude), cfg, source)
+        pool, use_gpus = _localhost(cfg, detect, notes)
+    else:
+        pool, use_gpus = apply_filter(hosts, cfg.include, cfg.exclude), True  # slots are GPUs (DeepSpeed)
+    pool = _limit(pool, cfg, source)
     launcher = cfg.launcher or ("ssh" if cfg.force_multi or any(h not in LOCAL_HOSTS for h in pool) else "local")
     if launcher == "local" and len(pool) > 1:  # checked here so that --dry-run fails like a real run
         raise UsageError(f"the local launcher runs one node, but {len(pool)} hosts are selected "
@@ -105,20 +109,55 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     return Plan(job, tuple(notes))
 
 
-def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators],
-               notes: list[str]) -> tuple[dict[str, int], bool]:
+def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators], notes: list[str]) -> tuple[Pool, bool]:
     """No hostfile: localhost with its GPUs, or ``--num_gpus`` CPU workers."""
     acc = detect()
-    if acc.kind == "cuda":
-        if cfg.num_gpus > acc.count:
-            raise UsageError(f"--num_gpus {cfg.num_gpus}: this machine has {acc.count} GPUs")
-        return {"localhost": acc.count}, True
+    if acc.kind == "cuda" and cfg.visible_devices != "":
+        return _local_gpus(cfg, acc.count, notes), True
+    reason = acc.reason if acc.kind == "cpu" else "CUDA_VISIBLE_DEVICES is set and empty"
     if cfg.num_gpus > 0:
         what = "1 CPU worker process" if cfg.num_gpus == 1 else f"{cfg.num_gpus} CPU worker processes"
-        notes.append(f"no GPU ({acc.reason}): starting {what} (use the gloo backend)")
-        return {"localhost": cfg.num_gpus}, False
-    notes.append(f"no GPU ({acc.reason}) and no --num_gpus: starting 1 CPU worker process")
-    return {"localhost": 1}, False
+        notes.append(f"no GPU ({reason}): starting {what} (use the gloo backend)")
+        count = cfg.num_gpus
+    else:
+        notes.append(f"no GPU ({reason}) and no --num_gpus: starting 1 CPU worker process")
+        count = 1
+    return apply_filter({"localhost": count}, cfg.include, cfg.exclude), False
+
+
+def _local_gpus(cfg: LaunchConfig, count: int, notes: list[str]) -> Pool:
+    """This machine's GPUs: those ``CUDA_VISIBLE_DEVICES`` lists (in its order), else all."""
+    visible = cfg.visible_devices
+    if visible is not None and (cfg.include or cfg.exclude):
+        # As DeepSpeed: the explicit flag wins (the variable usually comes from the shell profile).
+        notes.append(f"CUDA_VISIBLE_DEVICES={visible} ignored: --include/--exclude choose the GPUs")
+        visible = None
+    if visible is None:
+        if cfg.num_gpus > count:
+            raise UsageError(f"--num_gpus {cfg.num_gpus}: this machine has {count} GPUs")
+        return apply_filter({"localhost": count}, cfg.include, cfg.exclude)
+    slots = _visible_slots(visible, count)
+    if cfg.num_gpus > len(slots):
+        raise UsageError(f"--num_gpus {cfg.num_gpus}: CUDA_VISIBLE_DEVICES={visible} lists {len(slots)} GPUs")
+    notes.append(f"CUDA_VISIBLE_DEVICES={visible}: using GPUs {','.join(map(str, slots))}")
+    return {"localhost": slots}
+
+
+def _visible_slots(text: str, count: int) -> tuple[int, ...]:
+    """``CUDA_VISIBLE_DEVICES='1,3'`` -> (1, 3), checked against the ``count`` GPUs NVML reports."""
+    where = f"CUDA_VISIBLE_DEVICES={text!r}"
+    slots: list[int] = []
+    for part in text.split(","):
+        n = ascii_int(part.strip())
+        if n is None or n < 0:
+            raise UsageError(f"{where}: {part!r} is not a GPU index; dslaunch reads indices like '0,2' "
+                             "(unset it, or choose GPUs with --include localhost:0,2)")
+        if n >= count:
+            raise UsageError(f"{where}: there is no GPU {n}; NVML reports {count} GPUs (0-{count - 1})")
+        if n in slots:
+            raise UsageError(f"{where}: GPU {n} is listed twice")
+        slots.append(n)
+    return tuple(slots)
 
 
 def _limit(pool: Pool, cfg: LaunchConfig, hostfile: str | None) -> Pool:

@@ -107,3 +107,14 @@ def test_dry_run_piped_into_head_prints_no_traceback():
     assert r.stdout == "# node 0: localhost (1000 workers)\n"
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
     assert r.returncode == 128 + signal.SIGPIPE  # pipefail: dslaunch's status, as for any tool cut off by head
+
+
+def test_cuda_visible_devices_of_the_environment_picks_the_local_gpus():
+    from dslaunch.launcher.gpus import Accelerators
+    from dslaunch.launcher.plan import build_job
+
+    gpu4 = lambda: Accelerators("cuda", 4)  # noqa: E731
+    cfg = cli.parse_config([FAKE], env={"CUDA_VISIBLE_DEVICES": "2"})[0]
+    assert build_job(cfg, gpu4).job.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "2"
+    cfg = cli.parse_config([FAKE], env={})[0]
+    assert build_job(cfg, gpu4).job.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"

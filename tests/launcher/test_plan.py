@@ -122,3 +122,49 @@ def test_local_launcher_with_several_hosts_is_an_error_at_plan_time(tmp_path):
     with pytest.raises(UsageError, match="2 hosts are selected"):  # both local: chosen automatically
         build_job(_cfg(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n"), CPU)
     assert build_job(_cfg(tmp_path, "a slots=2\nb slots=2\n", launcher="local", num_nodes=1), CPU).job.hosts == ("a",)
+
+
+def test_cuda_visible_devices_picks_the_local_gpus_in_its_order(tmp_path):
+    plan = build_job(_cfg(tmp_path, visible_devices="3,1"), GPU4)
+    (node,) = plan.job.nodes
+    assert node.env["CUDA_VISIBLE_DEVICES"] == "3,1" and plan.job.world_size == 2
+    assert [w.local_rank for w in node.workers] == [0, 1]
+    assert plan.notes == ("CUDA_VISIBLE_DEVICES=3,1: using GPUs 3,1",)
+    job = build_job(_cfg(tmp_path, visible_devices="2,0,3", num_gpus=2), GPU4).job  # the first N listed
+    assert job.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "2,0"
+    with pytest.raises(UsageError, match="--num_gpus 3: CUDA_VISIBLE_DEVICES=1,3 lists 2 GPUs"):
+        build_job(_cfg(tmp_path, visible_devices="1,3", num_gpus=3), GPU4)
+
+
+def test_cuda_visible_devices_gives_way_to_include_and_to_a_hostfile(tmp_path):
+    plan = build_job(_cfg(tmp_path, visible_devices="3", include="localhost:0,1"), GPU4)
+    assert plan.job.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert plan.notes == ("CUDA_VISIBLE_DEVICES=3 ignored: --include/--exclude choose the GPUs",)
+    job = build_job(_cfg(tmp_path, "a slots=2\n", visible_devices="1"), GPU4).job  # remote slots: the hostfile's
+    assert job.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_empty_cuda_visible_devices_means_no_gpu(tmp_path):
+    plan = build_job(_cfg(tmp_path, visible_devices="", num_gpus=2), GPU4)
+    (node,) = plan.job.nodes
+    assert "CUDA_VISIBLE_DEVICES" not in node.env and plan.job.world_size == 2
+    assert plan.notes == ("no GPU (CUDA_VISIBLE_DEVICES is set and empty): starting 2 CPU worker processes "
+                          "(use the gloo backend)",)
+
+
+def test_cuda_visible_devices_without_gpus_is_left_alone(tmp_path):
+    plan = build_job(_cfg(tmp_path, visible_devices="7"), CPU)
+    assert plan.job.world_size == 1 and "CUDA_VISIBLE_DEVICES" not in plan.job.nodes[0].env
+
+
+@pytest.mark.parametrize("value, words", [
+    ("4", "CUDA_VISIBLE_DEVICES='4': there is no GPU 4; NVML reports 4 GPUs (0-3)"),
+    ("0,0", "CUDA_VISIBLE_DEVICES='0,0': GPU 0 is listed twice"),
+    ("GPU-8a1b", "CUDA_VISIBLE_DEVICES='GPU-8a1b': 'GPU-8a1b' is not a GPU index; dslaunch reads indices"),
+    ("-1", "'-1' is not a GPU index"),
+    ("0,,1", "'' is not a GPU index"),
+    ("1_0", "'1_0' is not a GPU index"),
+])
+def test_bad_cuda_visible_devices_is_one_clear_error(tmp_path, value, words):
+    with pytest.raises(UsageError, match=re.escape(words)):
+        build_job(_cfg(tmp_path, visible_devices=value), GPU4)
