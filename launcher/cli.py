@@ -33,10 +33,38 @@ from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
 __all__ = ["main", "build_parser", "parse_config"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Options whose value is passed through verbatim and may start with '-' (e.g. ssh's "-i KEY").
+_ATTACHED = ("--launcher_args",)
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UsageError (one line) instead of printing usage and exiting."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(self._attach_values(args), namespace)
+
+    def _attach_values(self, argv: list[str]) -> list[str]:
+        """``--launcher_args X`` -> ``--launcher_args=X``, so that X may start with '-'.
+
+        argparse takes a value starting with '-' (``--launcher_args "-i KEY"``) for a flag and fails
+        with 'expected one argument'. Only dslaunch's own options are scanned, skipping each
+        option's value: the user script and its arguments are never rewritten.
+        """
+        out: list[str] = []
+        i = 0
+        while i < len(argv):
+            arg = argv[i]
+            if not arg.startswith("-") or arg == "--":
+                return out + argv[i:]  # the user script (or '--'): the rest is not ours
+            action = self._option_string_actions.get(arg)
+            takes_value = action is not None and action.nargs != 0 and i + 1 < len(argv)
+            if takes_value and arg in _ATTACHED:
+                out.append(f"{arg}={argv[i + 1]}")
+            else:
+                out.extend(argv[i:i + 2] if takes_value else [arg])
+            i += 2 if takes_value else 1
+        return out
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if "unrecognized arguments" in message or message.startswith("unrecognized"):

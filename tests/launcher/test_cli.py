@@ -118,3 +118,20 @@ def test_cuda_visible_devices_of_the_environment_picks_the_local_gpus():
     assert build_job(cfg, gpu4).job.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "2"
     cfg = cli.parse_config([FAKE], env={})[0]
     assert build_job(cfg, gpu4).job.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+@pytest.mark.parametrize("value", ["-i /keys/id_ed25519", "-e x", "-H x", "-p 2222 -o StrictHostKeyChecking=no", "-v"])
+def test_launcher_args_value_may_start_with_a_dash(value, capsys):
+    argv = ["--launcher_args", value, "--num_gpus", "1", "--dry-run", FAKE, "--launcher_args", "-z"]
+    assert cli.main(argv) == 0, capsys.readouterr().err  # was: 'expected one argument'
+    assert capsys.readouterr().out.rstrip().endswith(f"{FAKE} --local_rank=0 --launcher_args -z")
+    cfg = cli.parse_config(argv)[0]
+    assert cfg.launcher_args == value and cfg.num_gpus == 1
+    assert cfg.user_args == ("--launcher_args", "-z")  # the script's own arguments are not rewritten
+
+
+def test_launcher_args_as_the_last_word_is_a_one_line_error():
+    r = run_dslaunch(["--launcher_args"])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "dslaunch: error: argument --launcher_args: expected one argument (see dslaunch --help)"]
