@@ -16,7 +16,10 @@ path): workers start within milliseconds of the command.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import os
+import re
 import shutil
 import signal
 import sys
@@ -109,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
     a("--version", action="version", version=f"dslaunch {__version__}")
     a("user_script", help="the training script (or module with --module, program with --no_python)")
-    a("user_args", nargs=argparse.REMAINDER, help="arguments for the training script")
+    # argparse marks a REMAINDER positional required and names it in "the following arguments are
+    # required", but a script needs no arguments.
+    a("user_args", nargs=argparse.REMAINDER, help="arguments for the training script").required = False
     return p
 
 
@@ -126,8 +131,12 @@ def parse_config(argv: list[str],
     ns = build_parser().parse_args(argv)
     if ns.module and ns.no_python:
         raise UsageError("--module and --no_python are mutually exclusive")
-    if not 0 < ns.master_port < 65536:
-        raise UsageError(f"--master_port {ns.master_port} is not a TCP port (1-65535)")
+    for flag, port in (("--master_port", ns.master_port), ("--ssh_port", ns.ssh_port)):
+        if port is not None and not 0 < port < 65536:
+            raise UsageError(f"{flag} {port} is not a TCP port (1-65535)")
+    if ns.hostfile == "":  # else the default's name would be blamed: "/job/hostfile: not found"
+        raise UsageError(f"--hostfile '': empty path; give a hostfile, or leave the flag out to use "
+                         f"{DEFAULT_HOSTFILE} (localhost when it does not exist)")
     if ns.grace_period < 0:
         raise UsageError("--grace_period must be >= 0")
     cfg = LaunchConfig(
@@ -145,33 +154,63 @@ def parse_config(argv: list[str],
     return cfg, ns
 
 
+_CORE_RANGE = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")  # 5 digits: no typo builds a huge list
+
+
 def _core_list(text: str) -> tuple[int, ...]:
     """'0-3,8' -> (0, 1, 2, 3, 8)."""
     cores: list[int] = []
-    try:
-        for part in filter(None, text.split(",")):
-            lo, _, hi = part.partition("-")
-            cores.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise UsageError(f"--bind_core_list {text!r}: expected cores like '0-3,8'") from None
+    for part in text.split(",") if text else ():
+        m = _CORE_RANGE.fullmatch(part.strip())
+        if m is None:
+            raise UsageError(f"--bind_core_list {text!r}: {part!r} is not a core or a range; "
+                             "expected cores like '0-3,8'")
+        lo, hi = int(m[1]), int(m[2] or m[1])
+        if hi < lo:
+            raise UsageError(f"--bind_core_list {text!r}: range {part!r} is empty; write it low-high ('{hi}-{lo}')")
+        twice = set(cores).intersection(range(lo, hi + 1))
+        if twice:
+            raise UsageError(f"--bind_core_list {text!r}: core {min(twice)} is listed twice")
+        cores.extend(range(lo, hi + 1))
     return tuple(cores)
 
 
 def _check_script(cfg: LaunchConfig) -> None:
     """Local jobs: a missing script is one clear line, not N identical Python errors."""
     if cfg.module:
-        return
-    if cfg.no_python:
+        if not _module_found(cfg.user_script):
+            raise UsageError(f"--module: no module named {cfg.user_script.partition('.')[0]!r} "
+                             f"(searched {os.getcwd()} and the import path of {sys.executable})")
+    elif cfg.no_python:
         if not (shutil.which(cfg.user_script) or os.path.exists(cfg.user_script)):
             raise UsageError(f"--no_python: program {cfg.user_script!r} not found")
     elif not os.path.isfile(cfg.user_script):
         raise UsageError(f"user script {cfg.user_script!r} not found (cwd: {os.getcwd()})")
 
 
+def _module_found(name: str) -> bool:
+    """Whether the workers' ``python -m name`` can find the top-level package of ``name``.
+
+    Only the first dotted part is looked up: finding ``pkg.sub`` would import ``pkg`` (perhaps
+    torch) into this lean process. Top-level lookups import nothing. The cwd is searched too:
+    ``python -m`` puts it first on the workers' path, but not on this console script's.
+    """
+    top = name.partition(".")[0]
+    if not top:  # '.mod': python -m refuses relative names
+        return False
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):  # a broken finder, or a loaded module without __spec__
+        return True  # cannot tell: let the workers report it
+    return found or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
+
+
 def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
     plan = build_job(cfg, gpus.detect)
     job = plan.job
     runner = get_runner(job.launcher)()  # an unknown --launcher fails before any note is printed
+    if job.launcher == "local":
+        _check_script(cfg)  # also for --dry-run: it fails like a real run would
     for note in plan.notes:
         print(f"dslaunch: {note}", file=sys.stderr, flush=True)
     if dry_run:
@@ -180,7 +219,6 @@ def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
     if job.launcher == "local":
         from dslaunch.launcher.ports import check_port_free
 
-        _check_script(cfg)
         check_port_free(job.master_port)
     return _run(runner, job)
 

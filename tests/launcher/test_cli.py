@@ -24,13 +24,69 @@ pytestmark = pytest.mark.timeout(30)
     (["--master_port", "70000", FAKE], "--master_port 70000 is not a TCP port", 2),
     (["--launcher", "sssh", FAKE], "unknown --launcher 'sssh' (did you mean 'ssh'?)", 2),
     (["--bind_core_list", "a-b", FAKE], "--bind_core_list 'a-b'", 2),
-    ([], "the following arguments are required: user_script", 2),
+    ([], "the following arguments are required: user_script (see dslaunch --help)", 2),
 ])
 def test_bad_flags_are_one_line_without_traceback(args, words, code):
     r = run_dslaunch(args)
     assert r.returncode == code
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dslaunch: error: ") and words in lines[0], r.stderr
+    assert "user_args" not in r.stderr  # optional: never listed as required
+
+
+MISSING = "/nonexistent/train.py"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--ssh_port", "0", FAKE], "--ssh_port 0 is not a TCP port (1-65535)"),
+    (["--ssh_port", "65536", FAKE], "--ssh_port 65536 is not a TCP port (1-65535)"),
+    (["--hostfile", "", FAKE], "--hostfile '': empty path; give a hostfile, or leave the flag out"),
+    (["--num_nodes", "-5", FAKE], "--num_nodes -5: expected a positive number (or -1, the default: all)"),
+    (["--num_gpus", "0", FAKE], "--num_gpus 0: expected a positive number"),
+    (["--bind_core_list", "3-1", FAKE], "--bind_core_list '3-1': range '3-1' is empty; write it low-high ('1-3')"),
+    (["--bind_core_list", "3-", FAKE], "--bind_core_list '3-': '3-' is not a core or a range"),
+    (["--bind_core_list", "0,,2", FAKE], "'' is not a core or a range"),
+    (["--bind_core_list", "0-3,2", FAKE], "--bind_core_list '0-3,2': core 2 is listed twice"),
+    (["--bind_core_list", "0-999999", FAKE], "'0-999999' is not a core or a range"),
+    (["--dry-run", MISSING], f"user script {MISSING!r} not found"),
+    (["--dry-run", "--no_python", "/nonexistent/prog"], "--no_python: program '/nonexistent/prog' not found"),
+    (["--dry-run", "--module", "nosuch_mod_3f1c"], "--module: no module named 'nosuch_mod_3f1c' (searched "),
+    (["--dry-run", "--module", "nosuch_mod_3f1c.sub"], "--module: no module named 'nosuch_mod_3f1c'"),
+    (["--dry-run", "--module", ".rel"], "--module: no module named ''"),
+])
+def test_bad_input_is_one_line_in_process_too(args, words, capsys):
+    """The same contract through main() itself (cheaper than a process per case)."""
+    assert cli.main(args) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    assert lines[0].startswith("dslaunch: error: ") and words in lines[0], captured.err
+
+
+def test_dry_run_fails_like_a_real_run(tmp_path, capsys):
+    for extra in ([], ["--dry-run"]):
+        assert cli.main([*extra, "--num_gpus", "1", MISSING]) == 2
+        assert capsys.readouterr().err == f"dslaunch: error: user script {MISSING!r} not found (cwd: {os.getcwd()})\n"
+    hf = tmp_path / "hostfile"
+    hf.write_text("node1 slots=1\nnode2 slots=1\n")
+    for extra in ([], ["--dry-run"]):
+        assert cli.main([*extra, "-H", str(hf), "--launcher", "local", FAKE]) == 2
+        assert "the local launcher runs one node, but 2 hosts are selected (node1, node2)" in capsys.readouterr().err
+
+
+def test_module_check_finds_modules_in_the_cwd_and_installed_ones_without_importing(tmp_path, monkeypatch,
+                                                                                    capsys):
+    imported = tmp_path / "imported"
+    side_effect = f"open({str(imported)!r}, 'a').write(__name__)\n"
+    (tmp_path / "mytrain_7c2e.py").write_text(side_effect)
+    (tmp_path / "mypkg_7c2e").mkdir()
+    (tmp_path / "mypkg_7c2e" / "__init__.py").write_text(side_effect)
+    monkeypatch.chdir(tmp_path)  # python -m finds modules in the cwd; so must the check
+    for module in ("mytrain_7c2e", "mypkg_7c2e.train", "json.tool", "dslaunch.launcher.cli"):
+        assert cli.main(["--num_gpus", "1", "--dry-run", "--module", module]) == 0, capsys.readouterr().err
+        assert f"-u -m {module} --local_rank=0" in capsys.readouterr().out
+    assert not imported.exists()  # looked up, never imported
+    assert "mytrain_7c2e" not in sys.modules and "mypkg_7c2e" not in sys.modules
 
 
 def test_bad_hostfile_names_file_and_line_and_verbose_adds_traceback(tmp_path):
