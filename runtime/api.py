@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import init_distributed
+from dslaunch.runtime.shutdown import register_clean_exit
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments"]
 
@@ -67,6 +68,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine = DeepSpeedEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler,
                              collate_fn=collate_fn)
+    register_clean_exit(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
