@@ -19,10 +19,11 @@ from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config_sections import (
-    INERT_SECTIONS,
+    UNIMPLEMENTED_KEYS,
     Bf16Config,
     CheckpointConfig,
     Fp16Config,
+    OptimizerSection,
     TypedSection,
     ZeroConfig,
     optional,
@@ -36,7 +37,7 @@ __all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Co
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
-             "checkpoint": CheckpointConfig, "optimizer": TypedSection, "scheduler": TypedSection}
+             "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection}
 _SCALARS = {
     "train_batch_size": (optional(integer(1)), "an integer: micro batch * accumulation steps * GPUs"),
     "train_micro_batch_size_per_gpu": (optional(integer(1)), "an integer: samples per GPU per micro step"),
@@ -47,7 +48,9 @@ _SCALARS = {
     "prescale_gradients": (boolean, "true or false"),
     "gradient_predivide_factor": (number(0.0, low_open=True), "a number > 0"),
     "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
-    "zero_allow_untested_optimizer": (boolean, "true or false"),
+    # DeepSpeed refuses client optimizers it has not tested with ZeRO unless this is true;
+    # dslaunch runs any torch optimizer on the flat fp32 shards and makes no such check.
+    "zero_allow_untested_optimizer": (boolean, "true or false (dslaunch allows every optimizer)"),
     "dataloader_drop_last": (boolean, "true or false"),
     "dist_init_timeout": (number(0.0, low_open=True), "seconds to wait for peers (default 1800)"),
 }
@@ -145,12 +148,13 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
             values[key] = parse_section(_SECTIONS[key], value, key)
         elif key in _SCALARS:
             values[key] = _scalar(key, value)
-        elif key in INERT_SECTIONS:
-            reject_unimplemented(key, value)
+        elif key in UNIMPLEMENTED_KEYS:
+            reject_unimplemented(key, value, UNIMPLEMENTED_KEYS[key])
         else:
             valid = [*_SECTIONS, *_SCALARS]
-            raise ConfigError(f"unknown key{did_you_mean(str(key), valid)}; valid top-level keys: "
-                              f"{', '.join(sorted(valid))}", key=str(key))
+            hint = did_you_mean(str(key), [*valid, *UNIMPLEMENTED_KEYS])
+            raise ConfigError(f"unknown key{hint}; valid top-level keys: {', '.join(sorted(valid))}",
+                              key=str(key))
     triad = _batch_triad({k: values.pop(k, None) for k in _BATCH_KEYS}, world_size)
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, **values)
     _cross_check(cfg)

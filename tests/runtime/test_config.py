@@ -115,3 +115,98 @@ def test_initialize_rejects_a_bad_config_before_waiting_for_peers(monkeypatch) -
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="did you mean 'train_batch_size'"):
         dslaunch.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_sze": 4})
+
+
+def _ok(extra: dict) -> object:
+    return load_config({"train_batch_size": 8, **extra}, 2)
+
+
+@pytest.mark.parametrize("key", ["reduce_scatter", "allgather_partitions", "use_multi_rank_bucket_allreduce",
+                                 "round_robin_gradients", "elastic_checkpoint"])
+def test_zero_knobs_without_effect_on_results_accept_both_values(key: str) -> None:
+    for value in (True, False):
+        assert getattr(_ok({"zero_optimization": {"stage": 2, key: value}}).zero_optimization, key) is value
+    assert "true or false" in _error({"train_batch_size": 8, "zero_optimization": {key: "yes"}})
+
+
+@pytest.mark.parametrize("key, instead", [("contiguous_gradients", "contiguous buffers"),
+                                          ("ignore_unused_parameters", "zero gradient"),
+                                          ("load_from_fp32_weights", "fp32 copy")])
+def test_zero_knobs_dslaunch_honours_one_way_reject_the_other(key: str, instead: str) -> None:
+    assert getattr(_ok({"zero_optimization": {key: True}}).zero_optimization, key) is True
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 1, key: False}})
+    assert msg.startswith(f"'zero_optimization.{key}': false is not implemented")
+    assert instead in msg and msg.endswith("set it to true")
+
+
+@pytest.mark.parametrize("raw, path", [
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
+    ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write.pipeline_stage"),
+    ({"timers": {"throughput": {"enabled": True}}}, "timers.throughput.enabled"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
+    ({"pipeline": {"stages": 2}}, "pipeline.stages"),
+])
+def test_a_section_without_a_flag_is_off_only_at_its_off_values(raw: dict, path: str) -> None:
+    msg = _error({"train_batch_size": 8, **raw})
+    assert msg.startswith(f"'{path}': is accepted by DeepSpeed but not implemented by dslaunch yet")
+
+
+def test_sections_at_their_off_values_are_accepted() -> None:
+    _ok({"data_types": {"grad_accum_dtype": None}, "checkpoint": {"parallel_write": {"pipeline_stage": False}},
+         "timers": {"throughput": {"enabled": False, "synchronized": False}},
+         "activation_checkpointing": {"partition_activations": False, "number_checkpoints": None},
+         "pipeline": {"stages": "auto", "partition": "best"},
+         # a switch set to off makes the rest of its section irrelevant, as in DeepSpeed
+         "tensorboard": {"enabled": False, "output_path": "runs/"},
+         "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False},
+                                                          "different_groups": {"wq1": {}}}},
+         "zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": True}},
+         # only tune rejected features (NVMe offload, offloaded CPU optimizer): any value
+         "aio": {"block_size": 1048576}, "zero_force_ds_cpu_optimizer": False})
+
+
+@pytest.mark.parametrize("key, on, off", [
+    ("seq_parallel_communication_data_type", "bf16", "fp32"), ("compression_training",
+     {"layer_reduction": {"enabled": True}}, {"layer_reduction": {"enabled": False}}),
+    ("sparse_attention", {"mode": "fixed"}, None), ("curriculum_learning", {"enabled": True}, {"enabled": False}),
+    ("data_efficiency", {"enabled": True}, {"enabled": False}), ("elasticity", {"enabled": True}, {}),
+    ("autotuning", {"enabled": True}, {"enabled": False}), ("flops_profiler", {"enabled": True}, {}),
+    ("tensorboard", {"enabled": True}, {"enabled": False}), ("wandb", {"enabled": True}, {"enabled": False}),
+    ("csv_monitor", {"enabled": True}, {}), ("comet", {"enabled": True}, {"enabled": False}),
+    ("activation_checkpointing", {"cpu_checkpointing": True}, {"cpu_checkpointing": False}),
+    ("amp", {"enabled": True, "opt_level": "O1"}, {"enabled": False, "opt_level": "O1"}),
+    ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
+    ("graph_harvesting", True, False), ("torch_autocast", {"enabled": True}, {"enabled": False}),
+    ("compile", {"deepcompile": True}, {"deepcompile": False}), ("gradient_allreduce_op", "sum", "mean"),
+    ("managed_gradient_accumulation", False, True), ("sequence_parallel_size", 2, 1),
+    ("tensor_parallel", {"autotp_size": 2}, {"autotp_size": 0}), ("log_level", "debug", None),
+])
+def test_deepspeed_keys_are_not_implemented_not_unknown(key: str, on: object, off: object) -> None:
+    msg = _error({"train_batch_size": 8, key: on})
+    assert msg.startswith(f"'{key}") and "not implemented by dslaunch yet" in msg and "unknown" not in msg
+    _ok({key: off})
+
+
+@pytest.mark.parametrize("raw, path", [
+    ({"optimizer": {"type": "AdamW", "legacy_fusion": True}}, "optimizer.legacy_fusion"),
+    ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
+])
+def test_deepspeed_keys_inside_sections_are_not_implemented_not_unknown(raw: dict, path: str) -> None:
+    assert _error({"train_batch_size": 8, **raw}).startswith(f"'{path}': is accepted by DeepSpeed but not "
+                                                             "implemented by dslaunch yet")
+
+
+def test_a_typo_inside_an_unimplemented_section_is_named() -> None:
+    msg = _error({"train_batch_size": 8, "tensorboard": {"enable": True}})
+    assert msg.startswith("'tensorboard.enable': is not a known key of 'tensorboard' (did you mean 'enabled'?)")
+    assert "did you mean 'tensorboard'" in _error({"train_batch_size": 8, "tensorbord": {"enabled": False}})
+
+
+def test_stage3_keys_accept_auto_below_stage_3() -> None:
+    # The Hugging Face Trainer writes "auto" into these; below stage 3 they configure nothing.
+    cfg = _ok({"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": "auto",
+                                     "stage3_param_persistence_threshold": "auto", "sub_group_size": "auto",
+                                     "stage3_gather_16bit_weights_on_model_save": "auto"}})
+    assert cfg.zero_optimization.stage == 2
+    # keys stages 0-2 read still explain "auto"
+    assert "Hugging Face" in _error({"train_batch_size": 8, "zero_optimization": {"overlap_comm": "auto"}})
