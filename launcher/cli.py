@@ -76,6 +76,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see dslaunch --help)")
 
 
+class _NotSupported(argparse.Action):
+    """A DeepSpeed launcher flag dslaunch does not implement yet: an error naming it, rather than
+    'unrecognized arguments', which reads like a typo."""
+
+    def __init__(self, option_strings: list[str], dest: str, **_: object) -> None:
+        # nargs='?': the flag errors out the same with or without a value.
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        raise UsageError(f"{option_string} is a DeepSpeed launcher flag dslaunch does not support yet; "
+                         "leave it out")
+
+
+# DeepSpeed launcher flags answered with "not supported yet" (see _NotSupported).
+_NOT_SUPPORTED = ("--elastic_training", "--min_elastic_nodes", "--max_elastic_nodes", "--autotuning",
+                  "--comment", "--account", "--venv_script")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dslaunch", allow_abbrev=False,
                 description="Launch a DeepSpeed-style training script on one or many nodes.",
@@ -90,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="workers per node (first N slots); without GPUs and hostfile: N CPU worker processes")
     a("--master_addr", default="", help="rendezvous address (default: 127.0.0.1, or the first host)")
     a("--master_port", type=int, default=29500, help="rendezvous port of rank 0 (default 29500)")
+    a("--no_ssh", action="store_true",
+      help="start only this node's workers, without SSH: run the same command on every node, each with "
+           "its own --node_rank (needs --master_addr)")
+    a("--node_rank", type=int, default=-1,
+      help="with --no_ssh: this node's index among the selected hosts, in hostfile order")
     a("--launcher", default="", help="local or ssh (default: ssh when a host is remote, else local)")
     a("--launcher_args", default="", help="extra arguments for the launcher transport, verbatim")
     a("--module", action="store_true", help="run user_script as a module (python -m)")
@@ -103,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="pin each worker to an equal share of the cores and set its OMP_NUM_THREADS")
     a("--bind_core_list", default="", help="cores to share out under --bind_cores_to_rank, e.g. '0-3,8'")
     a("--ssh_port", type=int, default=None, help="SSH port of the hosts (default: ssh's)")
+    a("--no_ssh_check", action="store_true",
+      help="accepted for DeepSpeed compatibility; no effect: connecting to every host is dslaunch's "
+           "SSH check")
     a("--ssh_accept_new_host_keys", action="store_true",
       help="accept and remember unknown SSH host keys (default: reject unknown hosts)")
     a("--grace_period", type=float, default=DEFAULT_GRACE,
@@ -111,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="print what would run on each host (command, environment) and exit")
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
     a("--version", action="version", version=f"dslaunch {__version__}")
+    p.add_argument_group("not supported yet", f"DeepSpeed launcher flags that are an error here: "
+                         f"{', '.join(_NOT_SUPPORTED)}")
+    for flag in _NOT_SUPPORTED:
+        a(flag, action=_NotSupported)
     a("user_script", help="the training script (or module with --module, program with --no_python)")
     # argparse marks a REMAINDER positional required and names it in "the following arguments are
     # required", but a script needs no arguments.
@@ -149,6 +179,7 @@ def parse_config(argv: list[str],
         each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=_core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
+        no_ssh=ns.no_ssh, node_rank=ns.node_rank,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
     )
     return cfg, ns
@@ -167,7 +198,8 @@ def _core_list(text: str) -> tuple[int, ...]:
                              "expected cores like '0-3,8'")
         lo, hi = int(m[1]), int(m[2] or m[1])
         if hi < lo:
-            raise UsageError(f"--bind_core_list {text!r}: range {part!r} is empty; write it low-high ('{hi}-{lo}')")
+            raise UsageError(f"--bind_core_list {text!r}: range {part!r} is empty; "
+                             f"write it low-high ('{hi}-{lo}')")
         twice = set(cores).intersection(range(lo, hi + 1))
         if twice:
             raise UsageError(f"--bind_core_list {text!r}: core {min(twice)} is listed twice")
@@ -216,7 +248,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
     if dry_run:
         print(runner.dry_run(job), flush=True)  # a closed pipe raises here, inside main's handler
         return 0
-    if job.launcher == "local":
+    if job.launcher == "local" and job.nodes[0].node_rank == 0:  # node 0 (rank 0) listens; others connect
         from dslaunch.launcher.ports import check_port_free
 
         check_port_free(job.master_port)

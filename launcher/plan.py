@@ -6,6 +6,7 @@ resolves it against the hostfile (or localhost and its accelerators) into the fr
 
 Rank layout follows DeepSpeed: nodes in hostfile order, global ranks consecutive per node,
 ``CUDA_VISIBLE_DEVICES`` = the node's selected slots, ``--local_rank=N`` right after the script.
+With ``--no_ssh`` every node plans the whole job the same way and keeps only its own node.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class LaunchConfig:
     ssh_port: int | None = None
     ssh_accept_new_host_keys: bool = False
     grace: float = DEFAULT_GRACE
+    no_ssh: bool = False
+    """``--no_ssh``: this process starts only node ``node_rank``'s workers, here; every node runs
+    the same command with its own ``--node_rank`` (no SSH between nodes)."""
+    node_rank: int = -1
+    """``--node_rank``: with ``no_ssh``, this node's index among the selected hosts (-1 = unset)."""
     visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` of the launching environment (None = unset). Without a hostfile it
     picks the local GPUs, as DeepSpeed turns it into ``--include localhost:<devices>``."""
@@ -90,16 +96,21 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     else:
         pool, use_gpus = apply_filter(hosts, cfg.include, cfg.exclude), True  # slots are GPUs (DeepSpeed)
     pool = _limit(pool, cfg, source)
-    launcher = cfg.launcher or ("ssh" if cfg.force_multi or any(h not in LOCAL_HOSTS for h in pool) else "local")
-    if launcher == "local" and len(pool) > 1:  # checked here so that --dry-run fails like a real run
-        raise UsageError(f"the local launcher runs one node, but {len(pool)} hosts are selected "
-                         f"({', '.join(pool)}); use --launcher ssh, or select one host (--include, --num_nodes 1)")
+    _check_no_ssh(cfg, pool)
+    launcher = _launcher(cfg, pool)
     master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else next(iter(pool)))
     world = sum(len(s) for s in pool.values())
     nodes, rank = [], 0
     for node_rank, (host, slots) in enumerate(pool.items()):
         nodes.append(_node(cfg, node_rank, host, slots, rank, world, len(pool), master_addr, use_gpus))
         rank += len(slots)
+    if cfg.no_ssh:  # every node plans the whole job (same ranks everywhere), then starts only its own
+        nodes = [nodes[cfg.node_rank]]
+        notes.append(_no_ssh_note(nodes[0], len(pool), world))
+    if launcher == "local" and len(nodes) > 1:  # checked here so that --dry-run fails like a real run
+        raise UsageError(f"the local launcher runs one node, but {len(nodes)} hosts are selected "
+                         f"({', '.join(n.host for n in nodes)}); use --launcher ssh, or select one host "
+                         "(--include, --num_nodes 1)")
     job = JobSpec(
         nodes=tuple(nodes), master_addr=master_addr, master_port=cfg.master_port, world_size=world,
         launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
@@ -173,6 +184,40 @@ def _limit(pool: Pool, cfg: LaunchConfig, hostfile: str | None) -> Pool:
                                 f"{len(pool[short[0]])} slots", hostfile)
         pool = {h: s[:cfg.num_gpus] for h, s in pool.items()}
     return pool
+
+
+def _launcher(cfg: LaunchConfig, pool: Pool) -> str:
+    """The runner: ``--launcher``, else ssh when a host is remote (or --force_multi), else local."""
+    if cfg.no_ssh:
+        if cfg.launcher not in ("", "local"):
+            raise UsageError(f"--no_ssh starts this node's workers here, without a launcher; "
+                             f"leave out --launcher {cfg.launcher}")
+        return "local"
+    return cfg.launcher or ("ssh" if cfg.force_multi or any(h not in LOCAL_HOSTS for h in pool) else "local")
+
+
+def _check_no_ssh(cfg: LaunchConfig, pool: Pool) -> None:
+    """``--no_ssh`` needs this node's ``--node_rank`` and an address of node 0 every node can reach."""
+    if not cfg.no_ssh:
+        if cfg.node_rank != -1:
+            raise UsageError(f"--node_rank {cfg.node_rank} is only used with --no_ssh (each node then "
+                             "starts its own workers)")
+        return
+    valid = f"valid: {'0' if len(pool) == 1 else f'0-{len(pool) - 1}'}, the selected hosts in hostfile order"
+    if cfg.node_rank == -1:
+        raise UsageError(f"--no_ssh needs --node_rank N, this node's index ({valid})")
+    if not 0 <= cfg.node_rank < len(pool):
+        raise UsageError(f"--node_rank {cfg.node_rank} is out of range ({valid})")
+    if not cfg.master_addr:
+        raise UsageError(f"--no_ssh needs --master_addr: the address of node 0 ({next(iter(pool))}), "
+                         "reachable from every node")
+
+
+def _no_ssh_note(node: NodeSpec, num_nodes: int, world: int) -> str:
+    first, last = node.workers[0].global_rank, node.workers[-1].global_rank
+    ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    return (f"--no_ssh: starting node {node.node_rank} of {num_nodes} ({node.host}: {ranks} of {world}) "
+            "here; start each other node the same way with its own --node_rank")
 
 
 def _check_count(flag: str, n: int) -> None:

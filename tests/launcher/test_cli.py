@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import types
@@ -191,3 +193,43 @@ def test_launcher_args_as_the_last_word_is_a_one_line_error():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "dslaunch: error: argument --launcher_args: expected one argument (see dslaunch --help)"]
+
+
+@pytest.mark.parametrize("args", [
+    ["--elastic_training", FAKE], ["--min_elastic_nodes", "2", FAKE], ["--max_elastic_nodes=4", FAKE],
+    ["--autotuning", "tune", FAKE], ["--comment", "x", FAKE], ["--account", "proj", FAKE],
+    ["--venv_script", "/venv/bin/activate", FAKE], ["--num_gpus", "1", "--comment"],
+])
+def test_unsupported_deepspeed_flags_are_named(args, capsys):
+    flag = next(a for a in args if a.startswith("--") and a != "--num_gpus").split("=")[0]
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err == (f"dslaunch: error: {flag} is a DeepSpeed launcher flag dslaunch does not "
+                                       "support yet; leave it out\n")
+
+
+def test_no_ssh_check_is_accepted_and_changes_nothing(capsys):
+    assert cli.main(["--no_ssh_check", "--num_gpus", "1", "--dry-run", FAKE]) == 0
+    with_flag = capsys.readouterr().out
+    assert cli.main(["--num_gpus", "1", "--dry-run", FAKE]) == 0
+    assert capsys.readouterr().out == with_flag and f"{FAKE} --local_rank=0" in with_flag
+
+
+def test_no_ssh_runs_this_nodes_workers_with_their_global_ranks(tmp_path):
+    """Node 1 of a 2-node hostfile whose hosts this machine cannot reach: nothing is contacted."""
+    hf = tmp_path / "hostfile"
+    hf.write_text("node-a.invalid slots=2\nnode-b.invalid slots=3\n")
+    with socket.create_server(("", 0)) as busy:  # as if node 0's rank 0 were listening on this machine
+        port = str(busy.getsockname()[1])
+        args = ["--hostfile", str(hf), "--no_ssh", "--master_addr", "10.9.8.7", "--master_port", port]
+        r = run_dslaunch([*args, "--node_rank", "1", FAKE, "env"])
+        assert r.returncode == 0, r.stderr  # only node 0 hosts the rendezvous port: others do not check it
+        r0 = run_dslaunch([*args, "--node_rank", "0", FAKE, "env"])
+    assert r0.returncode == 1 and f"--master_port {port} is already in use" in r0.stderr and not r0.stdout
+    tagged = [line.partition(" ") for line in r.stdout.splitlines()]  # "[rank3] {...}"
+    envs = sorted((json.loads(body) for _, _, body in tagged), key=lambda e: int(e["RANK"]))
+    assert sorted(tag for tag, _, _ in tagged) == ["[rank2]", "[rank3]", "[rank4]"]
+    assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("2", "0"), ("3", "1"), ("4", "2")]
+    for e in envs:
+        assert (e["WORLD_SIZE"], e["NODE_RANK"], e["CROSS_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("5", "1", "2", "3")
+        assert (e["MASTER_ADDR"], e["MASTER_PORT"], e["CUDA_VISIBLE_DEVICES"]) == ("10.9.8.7", port, "0,1,2")
+    assert "--no_ssh: starting node 1 of 2 (node-b.invalid: ranks 2-4 of 5)" in r.stderr

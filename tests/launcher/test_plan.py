@@ -168,3 +168,40 @@ def test_cuda_visible_devices_without_gpus_is_left_alone(tmp_path):
 def test_bad_cuda_visible_devices_is_one_clear_error(tmp_path, value, words):
     with pytest.raises(UsageError, match=re.escape(words)):
         build_job(_cfg(tmp_path, visible_devices=value), GPU4)
+
+
+def test_no_ssh_keeps_only_this_nodes_workers_with_their_global_ranks(tmp_path):
+    hf = "a slots=2\nb slots=3\nc slots=1\n"
+    plan = build_job(_cfg(tmp_path, hf, no_ssh=True, node_rank=1, master_addr="10.0.0.1"), CPU)
+    job = plan.job
+    (node,) = job.nodes
+    assert job.launcher == "local" and job.world_size == 6 and job.master_addr == "10.0.0.1"
+    assert node.host == "b" and node.node_rank == 1 and node.env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+    assert [(w.global_rank, w.local_rank) for w in node.workers] == [(2, 0), (3, 1), (4, 2)]
+    assert {k: node.env[k] for k in ("NODE_RANK", "CROSS_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
+        "NODE_RANK": "1", "CROSS_SIZE": "3", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "10.0.0.1"}
+    assert plan.notes == ("--no_ssh: starting node 1 of 3 (b: ranks 2-4 of 6) here; start each other node the "
+                          "same way with its own --node_rank",)
+    # the selection flags apply before the node is picked, identically on every node
+    job = build_job(_cfg(tmp_path, hf, no_ssh=True, node_rank=1, master_addr="a", exclude="a"), CPU).job
+    assert job.nodes[0].host == "c" and job.nodes[0].workers[0].global_rank == 3 and job.world_size == 4
+
+
+@pytest.mark.parametrize("flags, words", [
+    ({"no_ssh": True, "master_addr": "a"}, "--no_ssh needs --node_rank N, this node's index (valid: 0-1, "),
+    ({"no_ssh": True, "master_addr": "a", "node_rank": 2}, "--node_rank 2 is out of range (valid: 0-1, "),
+    ({"no_ssh": True, "master_addr": "a", "node_rank": -3}, "--node_rank -3 is out of range"),
+    ({"no_ssh": True, "node_rank": 0}, "--no_ssh needs --master_addr: the address of node 0 (a), reachable"),
+    ({"no_ssh": True, "node_rank": 0, "master_addr": "a", "launcher": "ssh"}, "leave out --launcher ssh"),
+    ({"node_rank": 1}, "--node_rank 1 is only used with --no_ssh"),
+])
+def test_no_ssh_errors(tmp_path, flags, words):
+    with pytest.raises(UsageError, match=re.escape(words)):
+        build_job(_cfg(tmp_path, "a slots=2\nb slots=2\n", **flags), CPU)
+
+
+def test_no_ssh_without_hostfile_is_node_0_of_localhost(tmp_path):
+    job = build_job(_cfg(tmp_path, no_ssh=True, node_rank=0, master_addr="127.0.0.1", num_gpus=2), CPU).job
+    assert job.hosts == ("localhost",) and job.world_size == 2 and job.launcher == "local"
+    with pytest.raises(UsageError, match=re.escape("--node_rank 1 is out of range (valid: 0, the selected")):
+        build_job(_cfg(tmp_path, no_ssh=True, node_rank=1, master_addr="127.0.0.1"), CPU)
