@@ -23,7 +23,8 @@ from collections.abc import Mapping
 
 from dslaunch.errors import HostfileError, did_you_mean
 
-__all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "full_pool", "ascii_int"]
+__all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "full_pool", "ascii_int",
+           "MAX_SLOTS"]
 
 Pool = dict[str, tuple[int, ...]]
 """host -> slot indices to use, in hostfile order."""
