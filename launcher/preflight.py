@@ -8,8 +8,9 @@ Checked on every host, each failure naming the host and its cause:
 - the working directory exists there (``cwd``);
 - the user script exists there at the same path (``script``);
 - the same Python and torch versions as the first host (``version``), torch installed;
-- the master address resolves and answers from the host (``master``); the master port is free on
-  the master host and nothing else answers on it (``port``).
+- the master address resolves and answers from the host, and is not that host's own loopback
+  unless it is the master host (``master``); the master port is free on the master host and
+  nothing else answers on it (``port``).
 
 The probe itself runs remotely (``ssh_probe``) as the first step of the launch command, so a
 passing preflight costs no extra round trip. ``run_preflight`` runs it alone (no job started).
@@ -74,6 +75,9 @@ def _master_problem(p: Mapping, master: str, port: int) -> tuple[str, str] | Non
     if status.get("status") == "unresolvable":
         return "master", (f"cannot resolve the master address {master!r} here ({status.get('detail')}); "
                           "pass --master_addr with an address every host can reach")
+    if status.get("status") == "loopback":
+        return "master", (f"the master address {where} is this host's own loopback here, not the master "
+                          "host; pass --master_addr with an address every host can reach")
     if status.get("status") == "unreachable":
         return "master", (f"cannot reach the master address {where} port {port} from here: "
                           f"{status.get('detail')}; pass --master_addr with an address every host can reach")

@@ -7,7 +7,9 @@ Owns the client side of SSH and nothing else (what runs remotely is ``ssh_probe`
   ``TCP_USER_TIMEOUT`` on the socket plus SSH keepalives (a host whose link dies is noticed in
   seconds, not at the TCP timeout), host keys verified against known_hosts. Every failure is an
   ``SSHError`` naming the host and its cause: refused, timeout, unreachable, unknown host (DNS),
-  auth, unknown host key, changed host key.
+  auth, unknown host key, changed host key;
+- ``source_address(target)``: this machine's address toward a host (for a master address that
+  the hosts can reach when the first host is this machine's loopback).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import paramiko
 from dslaunch.errors import LaunchError
 from dslaunch.launcher.ssh_options import SSHOptions, SSHTarget, load_config, resolve
 
-__all__ = ["SSHOptions", "SSHTarget", "SSHError", "load_config", "resolve", "connect", "connect_all"]
+__all__ = ["SSHOptions", "SSHTarget", "SSHError", "load_config", "resolve", "connect", "connect_all",
+           "source_address"]
 
 KEEPALIVE_SECONDS = 2
 _DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
@@ -63,11 +66,15 @@ class _Fail(Exception):
         super().__init__(message)
 
 
+def _unresolvable(t: SSHTarget, exc: socket.gaierror) -> _Fail:
+    return _Fail("unknown-host", f"cannot resolve host name {t.hostname!r} ({exc.strerror})")
+
+
 def _open_socket(t: SSHTarget) -> socket.socket:
     try:
         sock = socket.create_connection((t.hostname, t.port), timeout=t.connect_timeout)
     except socket.gaierror as exc:
-        raise _Fail("unknown-host", f"cannot resolve host name {t.hostname!r} ({exc.strerror})") from None
+        raise _unresolvable(t, exc) from None
     except ConnectionRefusedError:
         raise _Fail("refused", f"connection refused by {t.hostname} port {t.port} "
                     "(no sshd listening there? see --ssh_port)") from None
@@ -85,6 +92,24 @@ def _open_socket(t: SSHTarget) -> socket.socket:
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
     return sock
+
+
+def source_address(t: SSHTarget) -> str:
+    """This machine's IPv4 address on its route to ``t``: the kernel's choice, no packet sent.
+
+    Raises:
+        SSHError: ``t`` does not resolve (``unknown-host``) or there is no route (``unreachable``).
+    """
+    try:
+        addr = socket.getaddrinfo(t.hostname, t.port, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(addr)  # UDP: only picks the route
+            return s.getsockname()[0]
+    except socket.gaierror as exc:
+        fail = _unresolvable(t, exc)
+    except OSError as exc:
+        fail = _Fail("unreachable", f"no route from here to {t.hostname} ({exc.strerror or exc})")
+    raise SSHError({t.alias: (fail.cause, fail.message)})
 
 
 def _known_names(t: SSHTarget) -> list[str]:

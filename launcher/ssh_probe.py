@@ -5,7 +5,9 @@ one SSH command (no second round trip, which would cost a login shell per host).
 
 1. looks around (Python and torch versions, the working directory, which interface routes to the
    master address, whether the master address answers from here and whether the master port is
-   free on the master host) and prints one ``@@dslaunch-probe {json}`` line on stdout;
+   free on the master host) and prints one ``@@dslaunch-probe {json}`` line on stdout. A master
+   address that resolves to this host's loopback is ``loopback`` (never reachable) unless this
+   host is the master host (``is_master`` in the request);
 2. runs the node agent in this same process (``agent.main``): it waits for the NodeSpec line the
    controller sends once every host's probe passed, or for EOF when preflight failed elsewhere.
 
@@ -16,6 +18,7 @@ probe answers in tens of milliseconds.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import json
 import os
 import platform
@@ -120,6 +123,11 @@ def probe(request: dict) -> dict:
             info["master"] = {"status": "unresolvable", "detail": getattr(exc, "strerror", None) or str(exc)}
         else:
             info["master_ip"] = master_ip
+            if ipaddress.ip_address(master_ip).is_loopback and not request.get("is_master"):
+                # Our own loopback: a connect would be refused "ok" by this very host, and the
+                # job would hang at rendezvous.
+                info["master"] = {"status": "loopback"}
+                return info
             info["route"] = _route(master_ip, port)
             info["master"] = _reach(master_ip, port)
             if request.get("is_master"):

@@ -73,10 +73,11 @@ class Cluster:
                 return left
             time.sleep(0.05)
 
-    def dslaunch(self, *args: str, hostfile: str | None = None, **kwargs) -> subprocess.Popen:
+    def dslaunch(self, *args: str, hostfile: str | None = None, launcher_args: str | None = None,
+                 **kwargs) -> subprocess.Popen:
         """Start ``dslaunch --hostfile H --launcher_args '-F config' ARGS`` (stdout/stderr piped)."""
         cmd = [sys.executable, "-m", "dslaunch.launcher.cli", "--hostfile", hostfile or self.hostfile,
-               "--launcher_args", self.launcher_args, *args]
+               "--launcher_args", launcher_args or self.launcher_args, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd=kwargs.pop("cwd", ROOT), **kwargs)

@@ -29,6 +29,8 @@ def _probes(**changed) -> dict:
     ({"master": {"status": "unresolvable", "detail": "Name or service not known"}}, "master", "cannot resolve"),
     ({"master": {"status": "unreachable", "detail": "timed out after 2s"}}, "master",
      "cannot reach the master address m (10.0.0.1) port 29500 from here: timed out"),
+    ({"master": {"status": "loopback"}, "master_ip": "127.0.0.1"}, "master",
+     "the master address m (127.0.0.1) is this host's own loopback here, not the master host; pass --master_addr"),
     ({"master": {"status": "busy"}}, "port", "master port 29500 on m (10.0.0.1) already accepts connections"),
     ({"port": {"free": False, "detail": "--master_port 29500 is already in use"}}, "port", "already in use"),
 ])
