@@ -14,6 +14,7 @@ Kept apart from ``engine.py`` so the engine stays a thin loop. The choices made 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,16 @@ def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any
     return groups
 
 
+def _client_wins(section: Any, key: str) -> None:
+    """DeepSpeed silently prefers a client optimizer/scheduler over the config's: say so on rank 0."""
+    if section is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"dslaunch: warning: the config's '{key}' section is ignored: initialize() was given "
+              f"a client {key} (DeepSpeed does the same)", file=sys.stderr, flush=True)
+
+
 def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
+    if isinstance(client, torch.optim.Optimizer) or callable(client):
+        _client_wins(cfg.optimizer, "optimizer")
     if isinstance(client, torch.optim.Optimizer):
         def repoint(groups: list[dict], flat: FlatShards) -> torch.optim.Optimizer:
             # Same object, same hyperparameters; only the tensors change to the flat shards.
@@ -109,6 +119,7 @@ def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
 
 def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimizer) -> Any:
     if client is not None:
+        _client_wins(cfg.scheduler, "scheduler")
         return client if hasattr(client, "step") else client(optimizer)
     if cfg.scheduler is None:
         return None
