@@ -345,9 +345,11 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
 
 
 # ---- 16-bit export ------------------------------------------------------------------------------
-def save_16bit_model(engine: Any, save_dir: str | os.PathLike,
-                     save_filename: str = "pytorch_model.bin") -> bool:
+def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
     """Rank 0 writes the module's state dict (model dtype) with ``torch.save``, atomically.
+
+    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
 
     collective: call on all ranks.
     """
@@ -360,7 +362,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike,
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
             with open(tmp, "wb") as f:
-                torch.save(engine.module.state_dict(), f)
+                torch.save(_module_state(engine, exclude_frozen_parameters), f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
