@@ -22,10 +22,15 @@ _LAZY = {
     "DslaunchError": "dslaunch.errors",
 }
 
-__all__ = ["__version__", *_LAZY]
+# subpackages reachable as attributes, like ``deepspeed.utils`` after ``import deepspeed``
+_SUBPACKAGES = ("utils",)
+
+__all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dslaunch' has no attribute {name!r}")
@@ -35,4 +40,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBPACKAGES))
