@@ -7,12 +7,16 @@ through a small lifecycle and never asks which stage it is:
     begin_micro_step(boundary)   before backward: will this micro step end an accumulation?
     end_backward()               after loss.backward(): finish the communication of this step
     step(loss_scale, clip)       at the boundary: unscale, clip, overflow check, update, publish
-    zero_grad()                  forget accumulated gradients
+    zero_grad()                  forget accumulated gradients (the engine's, and ``engine.zero_grad()``)
     state_dict()/load_state_dict(sd)   the checkpoint format of the contract (all stages)
 
 Stages differ only in ``_make_grad_reducer`` style hooks: how gradients are reduced (stage 0/1:
 bucketed all-reduce of the full gradient at the boundary; stage 2: buckets reduced into the owning
 shard as backward produces them) and whether updated shards must be published (stage 1/2).
+
+The gradients belong to the strategy. ``master.grad`` points at them only while ``step`` runs, so a
+client calling ``optimizer.zero_grad()`` (to None or in place) at any point cannot touch them: the
+optimizer the user holds has nothing to clear between steps.
 
 Gradient scaling follows DeepSpeed: gradients are summed across ranks and averaged (divided by
 the world size); with ``prescale_gradients`` they are divided by ``gradient_predivide_factor``
@@ -164,12 +168,21 @@ class ZeroStrategy(ABC):
         collective: call on all ranks at the accumulation boundary.
         """
         grads = self._gather_grad_shards()
+        try:
+            return self._update(grads, loss_scale, clip, check_overflow)
+        finally:
+            # Gradients are reachable from the optimizer only during the step (see the module doc).
+            for g in self.groups:
+                g.master.grad = None
+            self.zero_grad()
+
+    def _update(self, grads: list[torch.Tensor], loss_scale: float, clip: float,
+                check_overflow: bool) -> StepResult:
         post = self._post_factor() / loss_scale
         norm = None
         if clip > 0 or check_overflow:
             norm = self._global_norm(grads) * post
             if not math.isfinite(norm):
-                self.zero_grad()
                 return StepResult(True, norm)
         factor = post
         if clip > 0 and norm > clip:
@@ -178,7 +191,6 @@ class ZeroStrategy(ABC):
         for g in self.groups:
             g.copy_master_to_model()
         self._publish_params()
-        self.zero_grad()
         return StepResult(False, norm)
 
     def _optimizer_step(self, grads: list[torch.Tensor], factor: float) -> None:

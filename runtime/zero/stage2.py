@@ -41,8 +41,6 @@ class Stage2(ZeroStrategy):
     def _init_gradients(self) -> None:
         self._shards = [torch.empty(g.layout.end - g.layout.start, dtype=torch.float32,
                                     device=g.flat.device) for g in self.groups]
-        for g, s in zip(self.groups, self._shards, strict=True):
-            g.master.grad = s
         self._bucket_list = self._buckets(self.comm.reduce_bucket_numel)
         self._bucket_of = {(gi, pi): bi for bi, (gi, _, _, idx) in enumerate(self._bucket_list)
                            for pi in idx}
@@ -146,9 +144,10 @@ class Stage2(ZeroStrategy):
         self._reset_buckets()
 
     def _gather_grad_shards(self) -> list[torch.Tensor]:
-        if self._fresh:  # a step without backward sees zero gradients
-            for s in self._shards:
+        for g, s in zip(self.groups, self._shards, strict=True):
+            if self._fresh:  # a step without backward sees zero gradients
                 s.zero_()
+            g.master.grad = s
         return self._shards
 
     def zero_grad(self) -> None:
