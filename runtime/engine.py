@@ -122,6 +122,12 @@ class DeepSpeedEngine(torch.nn.Module):
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
+        """The unscaled global gradient norm of the last boundary step, before clipping.
+
+        Computed as DeepSpeed does at ZeRO stages 1/2 and for fp16/bf16 models, and also with
+        ``gradient_clipping`` (DeepSpeed returns None for fp32 stage 0 even then). None for an
+        fp32 stage 0 step without clipping, and before the first step.
+        """
         return self._grad_norm
 
     def train_batch_size(self) -> int:

@@ -117,6 +117,9 @@ class ZeroStrategy(ABC):
         self.publisher = ShardPublisher(self.groups, self.world_size, self.rank,
                                         comm.allgather_bucket_numel, comm.overlap_comm,
                                         process_group) if self.partitioned else None
+        # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
+        # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
+        self._always_norm = self.partitioned or any(g.dtype != torch.float32 for g in self.groups)
         self._init_gradients()
 
     def _flat_shards(self) -> FlatShards:
@@ -162,8 +165,9 @@ class ZeroStrategy(ABC):
     def step(self, loss_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = False) -> StepResult:
         """Unscale and clip this rank's gradient shard, skip on overflow, else update and publish.
 
-        The global gradient norm is computed when clipping or the overflow check needs it
-        (``grad_norm`` is None otherwise, saving a pass over the gradients).
+        The global gradient norm is computed where DeepSpeed computes it (stages 1/2, 16-bit
+        models) and whenever clipping or the overflow check needs it; a non-finite norm skips the
+        step only for those two. ``grad_norm`` is None when it was not computed.
 
         collective: call on all ranks at the accumulation boundary.
         """
@@ -179,11 +183,10 @@ class ZeroStrategy(ABC):
     def _update(self, grads: list[torch.Tensor], loss_scale: float, clip: float,
                 check_overflow: bool) -> StepResult:
         post = self._post_factor() / loss_scale
-        norm = None
-        if clip > 0 or check_overflow:
-            norm = self._global_norm(grads) * post
-            if not math.isfinite(norm):
-                return StepResult(True, norm)
+        guard = clip > 0 or check_overflow
+        norm = self._global_norm(grads) * post if guard or self._always_norm else None
+        if guard and not math.isfinite(norm):
+            return StepResult(True, norm)
         factor = post
         if clip > 0 and norm > clip:
             factor *= clip / (norm + 1e-6)

@@ -1,6 +1,7 @@
 """What client code may call around the training loop, and when: DeepSpeed's rules or a clear error.
 
-optimizer.zero_grad() / engine.zero_grad() anywhere. At 2 gloo ranks, where a rank-local mistake
+optimizer.zero_grad() / engine.zero_grad() anywhere, and get_global_grad_norm() wherever DeepSpeed
+computes it. At 2 gloo ranks, where a rank-local mistake
 would show.
 """
 
@@ -78,3 +79,48 @@ def test_client_zero_grad_anywhere_trains_identically() -> None:
         for stage, (plain, with_calls) in by_stage.items():
             assert with_calls == plain, f"stage {stage}"
             assert all(a != b for a, b in zip(plain, plain[1:], strict=False)), f"stage {stage} trains"
+
+
+# ----- get_global_grad_norm ----------------------------------------------------------------------
+_NORM_CASES = {  # name -> (stage, config extras); DeepSpeed computes the norm for all but the first
+    "stage0-fp32": (0, {}),
+    "stage0-fp32-clip": (0, {"gradient_clipping": 100.0}),
+    "stage0-bf16": (0, {"bf16": {"enabled": True}}),
+    "stage0-fp16": (0, {"fp16": {"enabled": True, "initial_scale_power": 8}}),
+    "stage1-fp32": (1, {}),
+    "stage2-fp32": (2, {}),
+    "stage2-bf16": (2, {"bf16": {"enabled": True}}),
+}
+
+
+def _norms(rank: int, world: int) -> dict:
+    import dslaunch
+
+    out = {}
+    for name, (stage, extra) in _NORM_CASES.items():
+        engine, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(stage, gas=1, **extra))
+        out[f"{name}-before"] = engine.get_global_grad_norm()
+        engine.backward(engine(*_mine(rank, world, 0)))
+        engine.step()
+        out[name] = engine.get_global_grad_norm()
+    return out
+
+
+def _reference_norm(world: int) -> float:
+    """Single process, the whole global batch: the norm of the gradient the ranks average."""
+    model = make_model()
+    tokens, labels = batches(1, MICRO * world * 2)[0]
+    model(tokens[:MICRO * world], labels[:MICRO * world]).backward()
+    return torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])).item()
+
+
+@pytest.mark.timeout(90)
+def test_global_grad_norm_where_deepspeed_computes_it() -> None:
+    want = _reference_norm(2)
+    for out in run_world(_norms, 2):
+        assert out["stage0-fp32"] is None  # DeepSpeed: plain fp32 data parallel has no norm
+        for name in _NORM_CASES:
+            assert out[f"{name}-before"] is None
+            if name != "stage0-fp32":
+                rtol = 1e-5 if "16" not in name else 5e-2  # 16-bit forward and gradients
+                assert abs(out[name] - want) <= rtol * want, (name, out[name], want)
