@@ -6,17 +6,20 @@ hook (no zeroing pass) and ``.grad`` becomes a view of it; later micro steps acc
 Micro steps between boundaries cost no communication. On the boundary micro step the buffer is all-reduced in buckets of
 ``reduce_bucket_size`` elements; with ``overlap_comm`` each bucket is launched asynchronously from a
 post-accumulate-grad hook as soon as backward has produced all of its gradients. Buckets launch in
-one fixed order (last bucket first) on every rank, so collectives always match.
+one fixed order (last bucket first) on every rank, so collectives always match. The reduction is in
+place; only a different communication dtype needs buffers (pooled, at most
+``MAX_INFLIGHT_BUFFERS`` in flight).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.zero.base import ZeroStrategy
+from dslaunch.runtime.zero.base import MAX_INFLIGHT_BUFFERS, ZeroStrategy
 
 __all__ = ["Stage0"]
 
@@ -33,9 +36,6 @@ class Stage0(ZeroStrategy):
                        for g in self.groups]
         self._views = [g.param_views(gf) for g, gf in zip(self.groups, self._gflat, strict=True)]
         self._master_grads: list[torch.Tensor | None] = [None] * len(self.groups)
-        self._bucket_list = self._buckets(self.comm.reduce_bucket_numel)
-        self._bucket_of = {(gi, pi): bi for bi, (gi, _, _, idx) in enumerate(self._bucket_list)
-                           for pi in idx}
         self._reset_buckets()
         for gi, g in enumerate(self.groups):
             for pi, p in enumerate(g.params):
@@ -44,7 +44,8 @@ class Stage0(ZeroStrategy):
     def _reset_buckets(self) -> None:
         self._pending = [len(idx) for _, _, _, idx in self._bucket_list]
         self._next = len(self._bucket_list) - 1  # launch order: last bucket first
-        self._works: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        self._works: deque[tuple[Any, torch.Tensor, torch.Tensor]] = deque()
+        self._copies = 0  # works reducing a converted copy (a pooled buffer) instead of in place
 
     def _hook(self, gi: int, pi: int):
         def on_grad(p: torch.Tensor) -> None:
@@ -71,14 +72,24 @@ class Stage0(ZeroStrategy):
     def _launch(self, bi: int) -> None:
         gi, a, b, _ = self._bucket_list[bi]
         t = self._gflat[gi][a:b]
-        buf = t if self._comm_dtype(t.dtype) == t.dtype else t.to(self._comm_dtype(t.dtype))
+        dtype = self._comm_dtype(t.dtype)
+        buf = t if dtype == t.dtype else self._comm_pool.take(b - a, dtype, t.device).copy_(t)
         pre = self._pre_factor()
         if pre != 1.0:
             buf.mul_(pre)
-        if self.world_size > 1:
-            self._works.append((dist.all_reduce(buf, group=self.pg, async_op=True), buf, t))
-        elif buf is not t:
+        work = dist.all_reduce(buf, group=self.pg, async_op=True) if self.world_size > 1 else None
+        self._works.append((work, buf, t))
+        self._copies += buf is not t
+        while self._copies > MAX_INFLIGHT_BUFFERS:  # bound the converted copies held at once
+            self._finish(*self._works.popleft())
+
+    def _finish(self, work: Any, buf: torch.Tensor, t: torch.Tensor) -> None:
+        if work is not None:
+            work.wait()
+        if buf is not t:
             t.copy_(buf)
+            self._comm_pool.give(buf)
+            self._copies -= 1
 
     def end_backward(self) -> None:
         for gi, g in enumerate(self.groups):
@@ -89,10 +100,8 @@ class Stage0(ZeroStrategy):
         while self._next >= 0:
             self._launch(self._next)
             self._next -= 1
-        for work, buf, t in self._works:
-            work.wait()
-            if buf is not t:
-                t.copy_(buf)
+        while self._works:
+            self._finish(*self._works.popleft())
         self._reset_buckets()
 
     def _gather_grad_shards(self) -> list[torch.Tensor]:

@@ -70,41 +70,87 @@ def test_fp16_overflow_skips_step_and_follows_scale_rules() -> None:
         assert [s[1] for s in static] == [True, False, True, True, True]
 
 
-def _held_all(rank: int, world: int) -> list[dict]:
-    return [_held(rank, world, stage) for stage in (0, 1, 2)]
+# name -> (config extras, zero_optimization extras). reduce_bucket_size 1000 is below the model's
+# 2804 elements (and above its largest parameter, 768); the default (5e8) is far above it.
+_MEMORY_CASES = {
+    "fp32": ({}, {"reduce_bucket_size": 1000, "allgather_bucket_size": 1000, "overlap_comm": True}),
+    "fp32-default-buckets": ({}, {}),
+    "bf16": ({"bf16": {"enabled": True}}, {"reduce_bucket_size": 1000, "overlap_comm": True}),
+    "fp32-bf16-comm": ({"communication_data_type": "bf16"}, {"reduce_bucket_size": 1000}),
+}
 
 
-def _held(rank: int, world: int, stage: int) -> dict:
+_STATE = ("optimizer_state", "master", "gradients")
+
+
+def _sum(held: dict, keys: tuple[str, ...]) -> int:
+    return sum(held[k] for k in keys)
+
+
+def _held_all(rank: int, world: int) -> dict[str, list[dict]]:
+    return {name: [_held(rank, world, stage, *case) for stage in (0, 1, 2)]
+            for name, case in _MEMORY_CASES.items()}
+
+
+def _held(rank: int, world: int, stage: int, extra: dict, zero: dict) -> dict:
     import dslaunch
 
-    engine, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(stage))
+    engine, _, _, _ = dslaunch.initialize(model=make_model(), config={
+        **_cfg(stage), "zero_optimization": {"stage": stage, **zero}, **extra})
     tokens, labels = batches(1, 2 * world)[0]
     for _ in range(2):
         engine.backward(engine(tokens[rank * 2:rank * 2 + 2], labels[rank * 2:rank * 2 + 2]))
         grads_on_params = sum(p.grad is not None for p in engine.module.parameters())
         engine.step()
-    numel = sum(g.numel for g in engine.zero.groups)
-    return {**engine.zero.held_bytes(), "grads_on_params": grads_on_params, "numel": numel}
+    params = list(engine.module.parameters())
+    return {**engine.zero.held_bytes(), "grads_on_params": grads_on_params,
+            "numel": sum(p.numel() for p in params), "largest": max(p.numel() for p in params),
+            "elem": params[0].element_size()}
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_partitioned_state_is_one_nth_of_stage0(world: int) -> None:
+    """Optimizer state, fp32 masters and (stage 2) gradients per rank are 1/N of stage 0's (up to
+    the padding of the last shard); communication buffers are bounded by the bucket size."""
+    from dslaunch.runtime.zero.base import MAX_INFLIGHT_BUFFERS
+
     by_rank = run_world(_held_all, world)
-    full = [r[0] for r in by_rank]
-    numel = full[0]["numel"]
-    per_rank_cap = math.ceil(numel / world)
-    for stage in (1, 2):
-        held = [r[stage] for r in by_rank]
-        opt = [h["optimizer_state"] for h in held]
-        assert sum(opt) == full[0]["optimizer_state"] == 8 * numel  # exp_avg + exp_avg_sq, fp32
-        assert max(opt) <= 8 * per_rank_cap  # each rank: its 1/N (ceil) share
-        grads = [h["gradients"] for h in held]
-        if stage == 2:
-            assert sum(grads) == full[0]["gradients"] == 4 * numel and max(grads) <= 4 * per_rank_cap
-            assert all(h["grads_on_params"] == 0 for h in held)  # no full gradients kept
-        else:  # ZeRO-1 keeps full gradients by definition
-            assert grads == [4 * numel] * world
+    for name, (extra, zero) in _MEMORY_CASES.items():
+        full = by_rank[0][name][0]
+        n, elem = full["numel"], full["elem"]
+        slot = math.ceil(n / world)  # the largest rank's share of a group (n elements)
+        is16 = elem == 2
+        comm_elem = 2 if is16 or extra.get("communication_data_type") == "bf16" else 4
+        bucket = min(max(zero.get("reduce_bucket_size", 500_000_000), full["largest"]), n)
+        assert full["optimizer_state"] == 8 * n, name  # exp_avg + exp_avg_sq, fp32
+        assert full["master"] == 4 * n * is16 and full["gradients"] == elem * n + 4 * n * is16, name
+
+        for stage in (1, 2):
+            held = [r[name][stage] for r in by_rank]
+            for key in ("optimizer_state", "master"):
+                assert sum(h[key] for h in held) == full[key], (name, stage, key)
+            sharded = _STATE if stage == 2 else _STATE[:2]  # ZeRO-1 keeps the full gradient
+            assert max(_sum(h, sharded) for h in held) * n <= _sum(full, sharded) * slot, (name, stage)
+            if stage == 2:
+                assert sum(h["gradients"] for h in held) == 4 * n, name  # fp32 gradient shards
+                assert all(h["grads_on_params"] == 0 for h in held)  # no full gradients kept
+            else:  # only the fp32 copy of a 16-bit gradient is a shard
+                assert sum(h["gradients"] - elem * n for h in held) == 4 * n * is16, name
+            # everything counted, comm buffers included: below stage 0 even for a small model
+            assert max(_sum(h, _STATE + ("comm_buffers",)) for h in held) < \
+                _sum(full, _STATE + ("comm_buffers",)), (name, stage)
+        # Communication buffers: stage 0/1 reduce and gather in place (a copy only to change the
+        # dtype, at most MAX_INFLIGHT_BUFFERS + 1 at once); stage 2 holds bucket buffers: the
+        # reductions in flight plus the buckets backward is still filling (3 in this model).
+        for stage in (0, 1, 2):
+            comm = [r[name][stage]["comm_buffers"] for r in by_rank]
+            if stage < 2 and comm_elem == elem:
+                assert comm == [0] * world, (name, stage)
+            elif bucket == n:  # one bucket: one buffer of the whole model, in the comm dtype
+                assert comm == [n * comm_elem] * world, (name, stage)
+            else:
+                assert 0 < max(comm) <= (MAX_INFLIGHT_BUFFERS + 1) * bucket * comm_elem, (name, stage, comm)
 
 
 def _api(rank: int, world: int, path: str) -> dict:
