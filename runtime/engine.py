@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dslaunch.errors import UsageError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_setup import build_components
@@ -79,8 +80,16 @@ class DeepSpeedEngine(torch.nn.Module):
         updated and the LR scheduler does not advance, as in DeepSpeed.
 
         collective: call on all ranks every micro step.
+
+        Raises:
+            UsageError: at an accumulation boundary inside ``no_sync()`` (the gradients are not
+                reduced, so ranks would diverge; DeepSpeed asserts on any step there).
         """
         if self.is_gradient_accumulation_boundary():
+            if not self._sync:
+                raise UsageError("engine.step() at a gradient accumulation boundary inside no_sync(): "
+                                 "the gradients are not reduced across ranks, so the ranks would "
+                                 "diverge; leave no_sync() before the boundary micro step")
             with self._timer("step"):
                 result = self.zero.step(self.loss_scaler.loss_scale, self.config.gradient_clipping,
                                         check_overflow=self.config.fp16.enabled)
@@ -106,7 +115,13 @@ class DeepSpeedEngine(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip gradient reduction inside the block (stages 0/1; stage 2 raises UsageError)."""
+        """Skip gradient reduction inside the block (stages 0/1; stage 2 raises UsageError).
+
+        ``step()`` may count non-boundary micro steps inside it; a boundary ``step()`` raises
+        UsageError, as does nesting.
+        """
+        if not self._sync:
+            raise UsageError("no_sync() is already active: nested no_sync() is not supported")
         self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), sync=False)
         self._sync = False
         try:

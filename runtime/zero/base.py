@@ -179,7 +179,12 @@ class ZeroStrategy(ABC):
 
     @abstractmethod
     def _gather_grad_shards(self) -> list[torch.Tensor]:
-        """Point each ``master.grad`` at this rank's reduced (not yet post-scaled) gradient."""
+        """Point each ``master.grad`` at this rank's reduced (not yet post-scaled) gradient.
+
+        Raises:
+            UsageError: the gradients were not reduced across ranks (stage 0/1: the boundary
+                backward ran inside ``no_sync()``, or no backward ran at the boundary).
+        """
 
     @abstractmethod
     def zero_grad(self) -> None:

@@ -9,6 +9,10 @@ post-accumulate-grad hook as soon as backward has produced all of its gradients.
 one fixed order (last bucket first) on every rank, so collectives always match. The reduction is in
 place; only a different communication dtype needs buffers (pooled, at most
 ``MAX_INFLIGHT_BUFFERS`` in flight).
+
+A boundary step applies only reduced gradients: if the last backward before it ran inside
+``no_sync()`` (or not at the boundary), each rank would apply its own gradient and the ranks
+would silently diverge, so the step raises ``UsageError`` instead.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dslaunch.errors import UsageError
 from dslaunch.runtime.zero.base import MAX_INFLIGHT_BUFFERS, ZeroStrategy
 
 __all__ = ["Stage0"]
@@ -36,6 +41,7 @@ class Stage0(ZeroStrategy):
                        for g in self.groups]
         self._views = [g.param_views(gf) for g, gf in zip(self.groups, self._gflat, strict=True)]
         self._master_grads: list[torch.Tensor | None] = [None] * len(self.groups)
+        self._unreduced = False  # a backward since the last reduction left rank-local gradients
         self._reset_buckets()
         for gi, g in enumerate(self.groups):
             for pi, p in enumerate(g.params):
@@ -96,15 +102,22 @@ class Stage0(ZeroStrategy):
             for pi in range(len(g.params)):
                 self._adopt_grad(gi, pi, unused_is_zero=True)
         if not (self._boundary and self._sync):
+            self._unreduced = True
             return
         while self._next >= 0:
             self._launch(self._next)
             self._next -= 1
         while self._works:
             self._finish(*self._works.popleft())
+        self._unreduced = False
         self._reset_buckets()
 
     def _gather_grad_shards(self) -> list[torch.Tensor]:
+        if self._unreduced:
+            raise UsageError("engine.step() at a gradient accumulation boundary found gradients that "
+                             "were never reduced across ranks: the last engine.backward() before it ran "
+                             "inside no_sync() or before the boundary; run the boundary micro step's "
+                             "backward outside no_sync()")
         for gi, g in enumerate(self.groups):  # a step without backward sees zero gradients
             for pi in range(len(g.params)):
                 self._adopt_grad(gi, pi, unused_is_zero=True)
@@ -122,6 +135,7 @@ class Stage0(ZeroStrategy):
 
     def zero_grad(self) -> None:
         # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).
+        self._unreduced = False
         for g in self.groups:
             for p in g.params:
                 p.grad = None

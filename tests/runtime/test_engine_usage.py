@@ -1,11 +1,13 @@
 """What client code may call around the training loop, and when: DeepSpeed's rules or a clear error.
 
-optimizer.zero_grad() / engine.zero_grad() anywhere, and get_global_grad_norm() wherever DeepSpeed
+optimizer.zero_grad() / engine.zero_grad() anywhere, no_sync() misuse, and get_global_grad_norm() wherever DeepSpeed
 computes it. At 2 gloo ranks, where a rank-local mistake
 would show.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -79,6 +81,63 @@ def test_client_zero_grad_anywhere_trains_identically() -> None:
         for stage, (plain, with_calls) in by_stage.items():
             assert with_calls == plain, f"stage {stage}"
             assert all(a != b for a, b in zip(plain, plain[1:], strict=False)), f"stage {stage} trains"
+
+
+# ----- no_sync -----------------------------------------------------------------------------------
+def _no_sync_rules(rank: int, world: int, stage: int) -> dict:
+    import dslaunch
+
+    out = {}
+    engine, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(stage))
+    before = _weights(engine)
+    with engine.no_sync():
+        engine.backward(engine(*_mine(rank, world, 0)))
+        engine.step()  # not a boundary: only counts the micro step
+        engine.backward(engine(*_mine(rank, world, 1)))
+        out["step_inside"] = _error(engine.step)
+        try:
+            with engine.no_sync():
+                pass
+            out["nested"] = "no error"
+        except UsageError as err:
+            out["nested"] = str(err)
+    out["step_after"] = _error(engine.step)  # the boundary backward ran inside: still unreduced
+    out["untouched"] = _weights(engine) == before and engine.global_steps == 0
+
+    single, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(stage, gas=1))
+    with single.no_sync():  # DeepSpeed's own test: every step is a boundary at gas 1
+        single.backward(single(*_mine(rank, world, 0)))
+        out["gas1"] = _error(single.step)
+
+    # The DDP pattern: accumulate locally inside no_sync, reduce with the boundary backward.
+    runs = []
+    for use_no_sync in (True, False):
+        e, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(stage))
+        with e.no_sync() if use_no_sync else contextlib.nullcontext():
+            e.backward(e(*_mine(rank, world, 0)))
+            e.step()
+        e.backward(e(*_mine(rank, world, 1)))
+        e.step()
+        runs.append((_weights(e), e.global_steps))
+    out["ddp_pattern"] = runs
+    return out
+
+
+def _no_sync_all(rank: int, world: int) -> list[dict]:
+    return [_no_sync_rules(rank, world, stage) for stage in (0, 1)]
+
+
+@pytest.mark.timeout(90)
+def test_boundary_step_inside_no_sync_raises() -> None:
+    for per_stage in run_world(_no_sync_all, 2):
+        for out in per_stage:
+            assert "inside no_sync()" in out["step_inside"] and "diverge" in out["step_inside"]
+            assert "nested" in out["nested"]
+            assert "never reduced" in out["step_after"]
+            assert out["untouched"]  # the refused steps changed nothing
+            assert "inside no_sync()" in out["gas1"]
+            (with_ctx, steps_a), (plain, steps_b) = out["ddp_pattern"]
+            assert with_ctx == plain and steps_a == steps_b == 1
 
 
 # ----- get_global_grad_norm ----------------------------------------------------------------------
