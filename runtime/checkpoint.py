@@ -9,7 +9,7 @@ machinery in ``checkpoint_engine``). A tag holds::
     module.dsl            module.state_dict() (model dtype) minus the params the optimizer holds,
                           from global rank 0 (those params are stored once: as fp32 masters)
     zero_rank_NNNNN.dsl   strategy.state_dict() of rank N (stage 0: rank 0 only; all ranks have it)
-    rank_NNNNN.dsl        engine.state_dict(), RNG states (python, numpy, torch), client_state
+    rank_NNNNN.dsl        engine.engine_state_dict(), RNG states (python, numpy, torch), client_state
     manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32s, version
 
 Loading at the saving layout reads each rank's own files; at another world size or stage each
@@ -127,7 +127,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
                                                          if k not in in_groups)}
     if zero_writer:
         files[zero_file(rank)] = zero_sd
-    files[rank_file(rank)] = {"engine": engine.state_dict(), "rng": rng_state(),
+    files[rank_file(rank)] = {"engine": engine.engine_state_dict(), "rng": rng_state(),
                                "client_state": client_state if client_state is not None else {}}
     layouts = ck.comm.all_gather_object(
         _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
@@ -335,7 +335,7 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
             engine_sd["lr_scheduler"] = None
         if not load_optimizer_states:
             engine_sd["loss_scaler"] = engine.loss_scaler.state_dict()
-        engine.load_state_dict(engine_sd)
+        engine.load_engine_state_dict(engine_sd)
         if got["rank_src"] == ck.comm.rank:
             set_rng_state(state["rng"])
     if ck.comm.rank == 0:

@@ -4,6 +4,10 @@
 parameters, gradients, communication and the optimizer step; the precision policy owns dtypes;
 the loss scaler owns scaling and overflow bookkeeping; checkpoints live in
 ``dslaunch.runtime.checkpoint``. The engine keeps only the counters and the accumulation clock.
+
+As in DeepSpeed the engine is an ``nn.Module`` around ``module``: ``state_dict()`` and
+``load_state_dict()`` are the module weights under a ``module.`` prefix; the counters the
+checkpoint needs are ``engine_state_dict()`` / ``load_engine_state_dict()``.
 """
 
 from __future__ import annotations
@@ -193,8 +197,45 @@ class DeepSpeedEngine(torch.nn.Module):
         self.zero.synchronize()
         return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename)
 
-    # ----- engine state (everything but weights, ZeRO state and RNG) --------------------------
+    # ----- module weights, as DeepSpeed's nn.Module engine ---------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:  # type: ignore[override]
+        """The module weights under a ``module.`` prefix (``nn.Module.state_dict`` of the engine)."""
+        self.zero.synchronize()  # parameter gathers still in flight would be read half-written
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load ``module.``-prefixed weights into the module (and its fp32 masters).
+
+        Unlike DeepSpeed, 16-bit models' fp32 master weights are refreshed too, so the loaded
+        weights survive the next step. Returns torch's ``(missing_keys, unexpected_keys)``.
+
+        Raises:
+            UsageError: ``assign=True`` (the parameters are views into ZeRO's flat buffers).
+        """
+        if assign:
+            raise UsageError("engine.load_state_dict(assign=True) is not supported: the parameters "
+                             "are views into ZeRO's flat buffers; use assign=False")
+        self.zero.synchronize()
+        result = super().load_state_dict(state_dict, strict=strict)
+        self.zero.sync_master_from_model()
+        return result
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """The wrapped module's state dict (no ``module.`` prefix), as DeepSpeed's.
+
+        ``exclude_frozen_parameters`` drops parameters with ``requires_grad=False``.
+        """
+        self.zero.synchronize()
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
+            for key in frozen & set(sd):
+                del sd[key]
+        return sd
+
+    # ----- engine state (everything but weights, ZeRO state and RNG) --------------------------
+    def engine_state_dict(self) -> dict:
         """Counters, loss scaler, LR scheduler and data position (see the checkpoint contract)."""
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
                 "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
@@ -203,7 +244,8 @@ class DeepSpeedEngine(torch.nn.Module):
                 "dataloader": (self.training_dataloader.state_dict()
                                if self.training_dataloader is not None else None)}
 
-    def load_state_dict(self, sd: dict, strict: bool = True) -> None:  # type: ignore[override]
+    def load_engine_state_dict(self, sd: dict) -> None:
+        """Restore what ``engine_state_dict`` returned."""
         for key in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
             setattr(self, key, int(sd[key]))
         self.loss_scaler.load_state_dict(sd["loss_scaler"])

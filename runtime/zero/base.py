@@ -274,6 +274,16 @@ class ZeroStrategy(ABC):
             dist.all_reduce(sq, group=self.pg)  # gloo/nccl sum; inf/nan propagate to all ranks
         return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
 
+    def sync_master_from_model(self) -> None:
+        """Copy this rank's slice of the module weights into the fp32 master (16-bit models).
+
+        For ``engine.load_state_dict``: module weights written from outside must survive the
+        next step, which writes the master back into the model.
+        """
+        self.synchronize()
+        for g in self.groups:
+            g.copy_model_to_master()
+
     # ----- helpers for stages ----------------------------------------------------------------
     def _buckets(self, bucket_numel: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
         """All groups' buckets as (group index, begin, end, param indices), in flat order."""

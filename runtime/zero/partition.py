@@ -115,8 +115,16 @@ class FlatGroup:
 
     def copy_master_to_model(self) -> None:
         """Write the fp32 master shard into this rank's slice of the model weights."""
-        if self.master.data.data_ptr() != self.flat.data_ptr() + self.layout.start * self.flat.element_size():
+        if not self._master_aliases_model():
             self.flat[self.layout.start:self.layout.end].copy_(self.master.data)
+
+    def copy_model_to_master(self) -> None:
+        """Read this rank's slice of the model weights into the fp32 master shard."""
+        if not self._master_aliases_model():
+            self.master.data.copy_(self.flat[self.layout.start:self.layout.end])
+
+    def _master_aliases_model(self) -> bool:
+        return self.master.data.data_ptr() == self.flat.data_ptr() + self.layout.start * self.flat.element_size()
 
 
 def plan_buckets(layout: GroupLayout, bucket_numel: int) -> list[tuple[int, int, tuple[int, ...]]]:

@@ -176,9 +176,9 @@ def _api(rank: int, world: int, path: str) -> dict:
             engine.step()
     out["printed"] = printed.getvalue()
     out["norm"] = engine.get_global_grad_norm()
-    state = engine.state_dict()
+    state = engine.engine_state_dict()
     out["state"] = {k: state[k] for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
-    engine.load_state_dict({**state, "global_steps": 7})
+    engine.load_engine_state_dict({**state, "global_steps": 7})
     out["restored"] = engine.global_steps
     try:
         with engine.no_sync():
