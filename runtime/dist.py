@@ -7,7 +7,9 @@ a script started without them runs as a world of one.
 from __future__ import annotations
 
 import datetime
+import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from dslaunch.errors import UsageError
 from dslaunch.launcher.ports import free_port
+from dslaunch.runtime.param_schema import number
 
 __all__ = ["init_distributed", "default_timeout", "local_rank", "device_for"]
 
@@ -27,10 +30,25 @@ def default_timeout(config_seconds: float | None = None) -> datetime.timedelta:
     raw = os.environ.get(TIMEOUT_ENV)
     if raw:
         try:
-            return datetime.timedelta(seconds=float(raw))
+            seconds = float(raw)
         except ValueError:
-            raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+            seconds = math.nan
+        if not 0 < seconds < math.inf:
+            raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds > 0")
+        return datetime.timedelta(seconds=seconds)
     return datetime.timedelta(seconds=config_seconds or _DEFAULT_TIMEOUT_S)
+
+
+def _config_timeout(config: Any) -> float | None:
+    """``dist_init_timeout`` of a ``DeepSpeedConfig`` or of a ds_config dict, if it sets one.
+
+    Raises:
+        ConfigError: the dict's value is not a number of seconds > 0.
+    """
+    if isinstance(config, Mapping):  # initialize(config=...) takes a dict too; users pass it on
+        raw = config.get("dist_init_timeout")
+        return None if raw is None else number(0.0, low_open=True)("dist_init_timeout", raw)
+    return getattr(config, "dist_init_timeout", None)
 
 
 def local_rank() -> int:
@@ -51,7 +69,12 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
     Backend: ``nccl`` with GPUs, ``gloo`` without (or ``dist_backend``). Rank and world size come
     from the arguments, else RANK/WORLD_SIZE; without them the job is a world of one on
-    127.0.0.1. ``config`` may be a ``DeepSpeedConfig`` whose ``dist_init_timeout`` is used.
+    127.0.0.1. Timeout: ``timeout``, else $DSLAUNCH_DIST_TIMEOUT, else ``dist_init_timeout`` of
+    ``config`` (a ``DeepSpeedConfig`` or a ds_config dict), else 30 minutes.
+
+    Raises:
+        UsageError: $DSLAUNCH_DIST_TIMEOUT is not a number of seconds.
+        ConfigError: a dict ``config`` has an invalid ``dist_init_timeout``.
 
     collective: call on all ranks. A no-op when already initialised (unless
     ``dist_init_required`` is False, which always skips).
@@ -66,7 +89,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
-    timeout = timeout or default_timeout(getattr(config, "dist_init_timeout", None))
+    timeout = timeout or default_timeout(_config_timeout(config))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timeout)
     if verbose and rank == 0:

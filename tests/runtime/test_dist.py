@@ -1,0 +1,125 @@
+"""dslaunch.init_distributed: backend choice, collective timeout sources, when it does nothing.
+
+Most tests record the arguments ``init_process_group`` gets (no process group is created in the
+pytest process); one test initialises a real 2-rank gloo group and reads the timeout it applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dslaunch.errors import ConfigError, UsageError
+from dslaunch.runtime import dist as ds_dist
+from dslaunch.runtime.config import load_config
+from tests.distributed import run_world
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The init_process_group calls made; a clean single-process environment without CUDA."""
+    seen: list[dict] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.append({"backend": backend, **kw}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", ds_dist.TIMEOUT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    # init_distributed fills these in with setdefault: set them so monkeypatch restores them.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    return seen
+
+
+def _seconds(call: dict) -> float:
+    return call["timeout"].total_seconds()
+
+
+@pytest.mark.timeout(30)
+def test_gloo_without_cuda_as_a_world_of_one(calls: list[dict]) -> None:
+    ds_dist.init_distributed(verbose=False)
+    assert len(calls) == 1
+    assert (calls[0]["backend"], calls[0]["rank"], calls[0]["world_size"]) == ("gloo", 0, 1)
+    assert _seconds(calls[0]) == 1800  # DeepSpeed's default, passed explicitly
+
+
+@pytest.mark.timeout(30)
+def test_nccl_with_cuda_unless_a_backend_is_given(calls: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    devices: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    ds_dist.init_distributed(verbose=False)
+    ds_dist.init_distributed(dist_backend="gloo", verbose=False)
+    assert [c["backend"] for c in calls] == ["nccl", "gloo"]
+    assert devices == [1]  # the GPU of this local rank, for nccl only
+
+
+@pytest.mark.timeout(30)
+def test_timeout_from_argument_env_config_or_default(calls: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config({"train_batch_size": 1, "dist_init_timeout": 60}, 1)
+    ds_dist.init_distributed(verbose=False)
+    ds_dist.init_distributed(verbose=False, config=cfg)
+    ds_dist.init_distributed(verbose=False, config={"train_batch_size": 1, "dist_init_timeout": 45})
+    ds_dist.init_distributed(verbose=False, config={"train_batch_size": 1})  # dict without the key
+    monkeypatch.setenv(ds_dist.TIMEOUT_ENV, "90")
+    ds_dist.init_distributed(verbose=False, config=cfg)  # the environment beats the config
+    ds_dist.init_distributed(verbose=False, config=cfg, timeout=datetime.timedelta(seconds=7))
+    assert [_seconds(c) for c in calls] == [1800, 60, 45, 1800, 90, 7]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("raw", ["soon", "-5", "0", "inf"])
+def test_bad_timeout_env_is_one_clear_error(calls: list[dict], monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv(ds_dist.TIMEOUT_ENV, raw)
+    with pytest.raises(UsageError, match=f"DSLAUNCH_DIST_TIMEOUT='{raw}' is not a number of seconds > 0"):
+        ds_dist.init_distributed(verbose=False)
+    assert calls == []  # nothing started
+
+
+@pytest.mark.timeout(30)
+def test_bad_timeout_in_a_dict_config_names_the_key(calls: list[dict]) -> None:
+    with pytest.raises(ConfigError, match="'dist_init_timeout': must be > 0"):
+        ds_dist.init_distributed(verbose=False, config={"dist_init_timeout": -1})
+    assert calls == []
+
+
+@pytest.mark.timeout(30)
+def test_nothing_when_not_required_or_already_initialised(calls: list[dict],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ds_dist.init_distributed(dist_init_required=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    ds_dist.init_distributed()
+    assert calls == []
+
+
+def _real_group(rank: int, world: int) -> dict:
+    os.environ[ds_dist.TIMEOUT_ENV] = "120"
+    import dslaunch
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        dslaunch.init_distributed()
+        dslaunch.init_distributed()  # already initialised: a no-op
+    backend = dist.get_backend()
+    group = dist.distributed_c10d._get_default_group()  # private: what the group really applies
+    applied = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {"backend": backend, "world": dist.get_world_size(), "rank": dist.get_rank(),
+            "timeout": applied, "sum": total.item(), "printed": printed.getvalue()}
+
+
+@pytest.mark.timeout(60)
+def test_real_two_rank_group_uses_the_env_timeout() -> None:
+    out = run_world(_real_group, 2)
+    for rank, o in enumerate(out):
+        assert (o["backend"], o["world"], o["rank"]) == ("gloo", 2, rank)
+        assert o["timeout"] == 120 and o["sum"] == 2
+    assert out[0]["printed"].count("initialized gloo process group: world_size=2, timeout=120s") == 1
+    assert out[1]["printed"] == ""  # rank 0 reports
