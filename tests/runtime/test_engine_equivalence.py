@@ -3,7 +3,8 @@
 Same model init, same global batch (split across ranks and 2 accumulation micro steps), AdamW with
 weight decay, gradient clipping that is active, tiny buckets so reductions and gathers span many
 buckets and partitions cut through parameters. fp32: 1e-5 relative per step over 20 steps.
-bf16/fp16: the 16-bit run tracks the fp32 reference within 3e-2 relative (16-bit forward math).
+bf16/fp16 (stages 0-2 at 2 ranks, and at 4): the 16-bit run tracks the fp32 reference within 3e-2
+relative per step (16-bit forward math).
 """
 
 from __future__ import annotations
@@ -115,11 +116,24 @@ def test_client_optimizer_and_scheduler(reference: list[float]) -> None:
         _assert_close(losses, reference, 1e-5)
 
 
+def _16bit(precision: str, stage: int) -> dict:
+    return _config(stage, **{precision: {"enabled": True,
+                                         **({"initial_scale_power": 8} if precision == "fp16" else {})}})
+
+
 @pytest.mark.timeout(90)
 def test_16bit_tracks_fp32(reference: list[float]) -> None:
-    """bf16 and fp16 (dynamic scale from 2**8), and bf16 gradient communication, at stages 0 and 2."""
-    configs = [_config(stage, **{p: {"enabled": True, **({"initial_scale_power": 8} if p == "fp16" else {})}})
-               for p in ("bf16", "fp16") for stage in (0, 2)]
+    """bf16 and fp16 (dynamic scale from 2**8) at stages 0, 1 and 2, and bf16 gradient
+    communication of an fp32 model at stages 0 and 2; 2 ranks."""
+    configs = [_16bit(p, stage) for p in ("bf16", "fp16") for stage in (0, 1, 2)]
     configs += [_config(stage, communication_data_type="bf16") for stage in (0, 2)]  # fp32 model
     for losses in run_world(_many, 2, configs)[0]:
+        _assert_close(losses, reference, 3e-2)
+
+
+@pytest.mark.timeout(90)
+def test_16bit_at_four_ranks(reference: list[float]) -> None:
+    """fp16 at stage 2 and bf16 at stage 1 on 4 ranks: partitions cut through parameters, one rank
+    per micro batch sample."""
+    for losses in run_world(_many, 4, [_16bit("fp16", 2), _16bit("bf16", 1)])[0]:
         _assert_close(losses, reference, 3e-2)
