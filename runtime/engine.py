@@ -191,11 +191,13 @@ class DeepSpeedEngine(torch.nn.Module):
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> Any:
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> Any:
         from dslaunch.runtime import checkpoint
 
         self.zero.synchronize()
-        return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename)
+        return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename,
+                                           exclude_frozen_parameters=exclude_frozen_parameters)
 
     # ----- module weights, as DeepSpeed's nn.Module engine ---------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:  # type: ignore[override]

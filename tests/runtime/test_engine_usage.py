@@ -142,7 +142,7 @@ def test_boundary_step_inside_no_sync_raises() -> None:
 
 
 # ----- state_dict like DeepSpeed's nn.Module engine ----------------------------------------------
-def _state_dicts(rank: int, world: int, stage: int, precision: dict) -> dict:
+def _state_dicts(rank: int, world: int, stage: int, precision: dict, export: str) -> dict:
     import dslaunch
 
     cfg = _cfg(stage, gas=1, **precision)
@@ -160,6 +160,8 @@ def _state_dicts(rank: int, world: int, stage: int, precision: dict) -> dict:
     out["module_sd"] = (list(plain) == list(module_sd)
                         and all(torch.equal(plain[k], module_sd[k]) for k in plain))
     out["without_frozen"] = sorted(set(module_sd) - set(engine.module_state_dict(exclude_frozen_parameters=True)))
+    engine.save_16bit_model(export, exclude_frozen_parameters=True)  # DeepSpeed's engine signature
+    out["exported"] = sorted(torch.load(f"{export}/pytorch_model.bin", weights_only=True))
     saved = io.BytesIO()
     torch.save(engine.state_dict(), saved)
     trained = {k: v.clone() for k, v in module_sd.items()}
@@ -181,20 +183,21 @@ def _state_dicts(rank: int, world: int, stage: int, precision: dict) -> dict:
     return out
 
 
-def _state_dict_all(rank: int, world: int) -> list[dict]:
-    return [_state_dicts(rank, world, stage, precision)
-            for stage, precision in ((0, {}), (2, {"bf16": {"enabled": True}}),
-                                     (1, {"fp16": {"enabled": True, "initial_scale_power": 8}}))]
+def _state_dict_all(rank: int, world: int, root: str) -> list[dict]:
+    return [_state_dicts(rank, world, stage, precision, f"{root}/{i}")
+            for i, (stage, precision) in enumerate(((0, {}), (2, {"bf16": {"enabled": True}}),
+                                                    (1, {"fp16": {"enabled": True, "initial_scale_power": 8}})))]
 
 
 @pytest.mark.timeout(90)
-def test_state_dict_is_the_module_under_a_prefix() -> None:
+def test_state_dict_is_the_module_under_a_prefix(tmp_path) -> None:
     """torch.save(engine.state_dict()) / engine.load_state_dict(...) round-trip the weights, as in
     DeepSpeed; at 16 bits the loaded weights also survive the next step."""
-    for per_case in run_world(_state_dict_all, 2):
+    for per_case in run_world(_state_dict_all, 2, str(tmp_path)):
         for out in per_case:
             assert out["prefixed"] and out["module_sd"] and out["loaded"]
             assert out["without_frozen"] == ["head.bias"]
+            assert "head.bias" not in out["exported"] and "head.weight" in out["exported"]
             assert out["keys"] == ([], [])
             assert out["next_step_equal"]
             assert "assign=True" in out["assign"]
