@@ -12,20 +12,30 @@ import numpy as np
 import pytest
 import torch
 
+from dslaunch.errors import CheckpointError
 from tests.distributed import run_world
 from tests.runtime.models import make_model
 
 STEPS = 20
 
 
+def _options(stage: int | str) -> tuple[int, list[str]]:
+    level, *opts = str(stage).split("-")
+    return int(level), opts
+
+
+def _gas(stage: int | str) -> int:
+    return next((int(o[3:]) for o in _options(stage)[1] if o.startswith("gas")), 1)
+
+
 def _config(stage: int | str, **checkpoint) -> dict:
-    """``stage`` is 0-2, or e.g. "1-bf16" for a bf16 model (fp32 masters)."""
-    level, _, precision = str(stage).partition("-")
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+    """``stage`` is 0-2, optionally with "-bf16" (bf16 model, fp32 masters) and/or "-gasN"."""
+    level, opts = _options(stage)
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": _gas(stage),
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8}},
-            "zero_optimization": {"stage": int(level)}, "steps_per_print": 10_000,
-            "dataloader_drop_last": True, "bf16": {"enabled": precision == "bf16"},
+            "zero_optimization": {"stage": level}, "steps_per_print": 10_000,
+            "dataloader_drop_last": True, "bf16": {"enabled": "bf16" in opts},
             "checkpoint": checkpoint}
 
 
@@ -76,7 +86,7 @@ def _summary(engine, losses: list[float]) -> dict:
                       "optim": {k: _np(v) for k, v in g["optim_state"].items()},
                       "scalars": {k: float(v) for k, v in g["optim_scalars"].items()}}
                      for g in zero["groups"]],
-            "engine": {k: v for k, v in engine.state_dict().items() if k != "lr_scheduler"},
+            "engine": {k: v for k, v in engine.engine_state_dict().items() if k != "lr_scheduler"},
             "lr": engine.get_lr()}
 
 
@@ -111,7 +121,7 @@ def _first_half(rank: int, world: int, stage: int, root: str, checkpoint: dict) 
 def _second_half(rank: int, world: int, stage: int, root: str, tag: str | None) -> dict:
     engine, loader = _engine(stage, seed=99)  # different weights and RNG: the load must fix all
     path, client = engine.load_checkpoint(root, tag=tag)
-    assert path is not None and path.endswith("global_step10"), path
+    assert path is not None and path.endswith(f"global_step{STEPS // 2 // _gas(stage)}"), path
     loaded = _summary(engine, [])
     assert client["rank"] == (rank if rank < 2 else 0) or world != 2
     assert torch.equal(client["t"], torch.arange(3))
@@ -131,7 +141,8 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage,checkpoint", [(0, {}), ("1-bf16", {}), (2, {}), (2, {"async_save": True})])
+@pytest.mark.parametrize("stage,checkpoint", [(0, {}), ("1-bf16", {}), (2, {}), (2, {"async_save": True}),
+                                              ("2-gas2", {})])
 def test_resume_is_bitwise_identical(tmp_path: Path, stage: int, checkpoint: dict) -> None:
     straight = run_world(_straight_then_first_half, 2, stage, str(tmp_path), checkpoint)
     resumed = run_world(_second_half, 2, stage, str(tmp_path), None)
@@ -335,3 +346,17 @@ def test_node_local_storage_needs_no_shared_disk(tmp_path: Path) -> None:
     loaded = run_world(_node_local, 2, str(tmp_path), "load")
     for s, r in zip(saved, loaded, strict=True):
         _assert_same(s, r)
+
+
+def _node_local_elsewhere(rank: int, world: int, root: str) -> str:
+    engine, _ = _engine(2, seed=99, use_node_local_storage=True)
+    with pytest.raises(CheckpointError) as err:
+        engine.load_checkpoint(os.path.join(root, "node0"))
+    return str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_node_local_storage_at_another_world_size_names_what_is_missing(tmp_path: Path) -> None:
+    run_world(_node_local, 2, str(tmp_path), "save")
+    message = run_world(_node_local_elsewhere, 1, str(tmp_path))[0]
+    assert "zero_rank_00001.dsl" in message, message
