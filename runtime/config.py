@@ -48,9 +48,9 @@ _SCALARS = {
     "prescale_gradients": (boolean, "true or false"),
     "gradient_predivide_factor": (number(0.0, low_open=True), "a number > 0"),
     "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
-    # DeepSpeed refuses client optimizers it has not tested with ZeRO unless this is true;
-    # dslaunch runs any torch optimizer on the flat fp32 shards and makes no such check.
-    "zero_allow_untested_optimizer": (boolean, "true or false (dslaunch allows every optimizer)"),
+    # DeepSpeed refuses client optimizers it has not tested with ZeRO unless this is true; dslaunch
+    # refuses client optimizers that are not element-wise (engine_setup._checked_client).
+    "zero_allow_untested_optimizer": (boolean, "true or false"),
     "dataloader_drop_last": (boolean, "true or false"),
     "dist_init_timeout": (number(0.0, low_open=True), "seconds to wait for peers (default 1800)"),
 }

@@ -91,10 +91,39 @@ def _client_wins(section: Any, key: str) -> None:
               f"a client {key} (DeepSpeed does the same)", file=sys.stderr, flush=True)
 
 
+def _elementwise_optimizers() -> tuple[type, ...]:
+    """Client optimizer types whose update is element-wise: on one flat tensor per param group they
+    compute exactly what they compute per parameter."""
+    from dslaunch.runtime.adam import Adam
+    from dslaunch.runtime.lion import Lion
+
+    o = torch.optim
+    return (o.Adam, o.AdamW, o.SGD, o.Adagrad, o.RMSprop, o.Adadelta, o.Adamax, o.NAdam, o.RAdam,
+            o.Rprop, o.ASGD, Adam, Lion)
+
+
+def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:
+    """DeepSpeed refuses client optimizers it has not tested with ZeRO unless
+    ``zero_allow_untested_optimizer``. dslaunch flattens every param group at every stage, so an
+    optimizer with per-tensor statistics (Adafactor, LAMB, Shampoo, Muon, ...) would compute
+    something else than per parameter: the same switch guards it, at stage 0 too."""
+    allowed = _elementwise_optimizers()
+    if type(opt) in allowed or cfg.zero_allow_untested_optimizer:
+        return opt
+    names = ", ".join(sorted({t.__name__ for t in allowed}))
+    raise ConfigError(f"client optimizer {type(opt).__module__}.{type(opt).__name__} is untested with "
+                      "dslaunch's ZeRO: it runs on one flat fp32 tensor per param group (at every "
+                      f"stage), which is exact only for element-wise optimizers ({names}); set "
+                      "\"zero_allow_untested_optimizer\": true to run it anyway",
+                      key="zero_allow_untested_optimizer")
+
+
 def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
     if isinstance(client, torch.optim.Optimizer) or callable(client):
         _client_wins(cfg.optimizer, "optimizer")
     if isinstance(client, torch.optim.Optimizer):
+        _checked_client(client, cfg)  # before the client's param groups are touched
+
         def repoint(groups: list[dict], flat: FlatShards) -> torch.optim.Optimizer:
             # Same object, same hyperparameters; only the tensors change to the flat shards.
             kept = [g for g in client.param_groups if any(p.requires_grad for p in g["params"])]
@@ -105,7 +134,8 @@ def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
             return client
         return repoint
     if callable(client):
-        return lambda groups, flat: client(groups)  # DeepSpeed's contract: called with the groups only
+        # DeepSpeed's contract: called with the groups only
+        return lambda groups, flat: _checked_client(client(groups), cfg)
     if cfg.optimizer is not None:
         from dslaunch.runtime.optimizers import build_optimizer
 

@@ -246,3 +246,30 @@ def test_global_grad_norm_where_deepspeed_computes_it() -> None:
             if name != "stage0-fp32":
                 rtol = 1e-5 if "16" not in name else 5e-2  # 16-bit forward and gradients
                 assert abs(out[name] - want) <= rtol * want, (name, out[name], want)
+
+
+def _client_optimizer_outcome(client, allow: bool) -> str:
+    import dslaunch
+
+    model = make_model(0)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 0},
+           "zero_allow_untested_optimizer": allow}
+    opt = client(model.parameters()) if isinstance(client, type) else client
+    try:
+        engine, optimizer, *_ = dslaunch.initialize(model=model, optimizer=opt, config=cfg,
+                                                    dist_init_required=False)
+    except Exception as exc:  # the message is the assertion's subject
+        return f"{type(exc).__name__}: {exc}"
+    return type(optimizer).__name__
+
+
+@pytest.mark.timeout(60)
+def test_untested_client_optimizers_need_the_config_switch_at_every_stage() -> None:
+    refused = _client_optimizer_outcome(torch.optim.Adafactor, allow=False)
+    assert refused.startswith("ConfigError: 'zero_allow_untested_optimizer': client optimizer "
+                              "torch.optim.Adafactor is untested"), refused
+    assert "element-wise" in refused and "SGD" in refused
+    from_callable = _client_optimizer_outcome(lambda groups: torch.optim.Adafactor(groups), allow=False)
+    assert from_callable.startswith("ConfigError: 'zero_allow_untested_optimizer'"), from_callable
+    assert _client_optimizer_outcome(torch.optim.Adafactor, allow=True) == "Adafactor"
+    assert _client_optimizer_outcome(torch.optim.SGD, allow=False) == "SGD"
