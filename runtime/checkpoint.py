@@ -136,6 +136,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
             "global_steps": engine.global_steps, "torch_version": torch.__version__,
             "node_local_storage": cfg.use_node_local_storage,
             "exclude_frozen_parameters": exclude_frozen_parameters,
+            # lets zero-to-fp32 tell frozen params from buffers (exclude_frozen_parameters there)
+            "frozen_parameters": [n for n, p in engine.module.named_parameters() if not p.requires_grad],
             "partition": partition_map([x for x in layouts if x is not None]),
             "module_keys": list(module_sd),
             "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
