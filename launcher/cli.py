@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dslaunch import __version__
 from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean
 from dslaunch.launcher import gpus
+from dslaunch.launcher.hostfile import ascii_int
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE, LaunchConfig, build_job
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
@@ -76,6 +77,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see dslaunch --help)")
 
 
+def integer(text: str) -> int:
+    """argparse type for whole-number flags: ASCII digits only, as in hostfiles (``int()`` takes '1_0')."""
+    value = ascii_int(text)
+    if value is None:
+        raise ValueError(text)  # argparse: "argument --num_gpus: invalid integer value: '1_0'"
+    return value
+
+
 class _NotSupported(argparse.Action):
     """A DeepSpeed launcher flag dslaunch does not implement yet: an error naming it, rather than
     'unrecognized arguments', which reads like a typo."""
@@ -103,15 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")
     a("-i", "--include", default="", help="use only these hosts/slots, e.g. 'host1:0,2@host2'")
     a("-e", "--exclude", default="", help="do not use these hosts/slots, e.g. 'host1:1@host3'")
-    a("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
-    a("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
+    a("--num_nodes", type=integer, default=-1, help="use the first N hosts of the hostfile")
+    a("--num_gpus", "--num_accelerators", dest="num_gpus", type=integer, default=-1,
       help="workers per node (first N slots); without GPUs and hostfile: N CPU worker processes")
     a("--master_addr", default="", help="rendezvous address (default: 127.0.0.1, or the first host)")
-    a("--master_port", type=int, default=29500, help="rendezvous port of rank 0 (default 29500)")
+    a("--master_port", type=integer, default=29500, help="rendezvous port of rank 0 (default 29500)")
     a("--no_ssh", action="store_true",
       help="start only this node's workers, without SSH: run the same command on every node, each with "
            "its own --node_rank (needs --master_addr)")
-    a("--node_rank", type=int, default=-1,
+    a("--node_rank", type=integer, default=-1,
       help="with --no_ssh: this node's index among the selected hosts, in hostfile order")
     a("--launcher", default="", help="local or ssh (default: ssh when a host is remote, else local)")
     a("--launcher_args", default="", help="extra arguments for the launcher transport, verbatim")
@@ -125,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--bind_cores_to_rank", action="store_true",
       help="pin each worker to an equal share of the cores and set its OMP_NUM_THREADS")
     a("--bind_core_list", default="", help="cores to share out under --bind_cores_to_rank, e.g. '0-3,8'")
-    a("--ssh_port", type=int, default=None, help="SSH port of the hosts (default: ssh's)")
+    a("--ssh_port", type=integer, default=None, help="SSH port of the hosts (default: ssh's)")
     a("--no_ssh_check", action="store_true",
       help="accepted for DeepSpeed compatibility; no effect: connecting to every host is dslaunch's "
            "SSH check")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.mark.parametrize("args, words, code", [
     (["--num_gpuz", "2", FAKE], "unrecognized arguments: --num_gpuz (did you mean '--num_gpus'?)", 2),
-    (["--num_gpus", "two", FAKE], "argument --num_gpus/--num_accelerators: invalid int value: 'two'", 2),
+    (["--num_gpus", "two", FAKE], "argument --num_gpus/--num_accelerators: invalid integer value: 'two'", 2),
     (["--module", "--no_python", FAKE], "--module and --no_python are mutually exclusive", 2),
     (["--master_port", "70000", FAKE], "--master_port 70000 is not a TCP port", 2),
     (["--launcher", "sssh", FAKE], "unknown --launcher 'sssh' (did you mean 'ssh'?)", 2),
@@ -50,6 +50,8 @@ MISSING = "/nonexistent/train.py"
     (["--bind_core_list", "0,,2", FAKE], "'' is not a core or a range"),
     (["--bind_core_list", "0-3,2", FAKE], "--bind_core_list '0-3,2': core 2 is listed twice"),
     (["--bind_core_list", "0-999999", FAKE], "'0-999999' is not a core or a range"),
+    (["--num_gpus", "1_0", FAKE], "argument --num_gpus/--num_accelerators: invalid integer value: '1_0'"),
+    (["--master_port", "２９５００", FAKE], "argument --master_port: invalid integer value: '２９５００'"),
     (["--dry-run", MISSING], f"user script {MISSING!r} not found"),
     (["--dry-run", "--no_python", "/nonexistent/prog"], "--no_python: program '/nonexistent/prog' not found"),
     (["--dry-run", "--module", "nosuch_mod_3f1c"], "--module: no module named 'nosuch_mod_3f1c' (searched "),
