@@ -23,10 +23,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import paramiko
-
 from dslaunch.errors import LaunchError
 from dslaunch.launcher.ssh_options import SSHOptions, SSHTarget, load_config, resolve
+from dslaunch.launcher.sshlib import paramiko
 
 __all__ = ["SSHOptions", "SSHTarget", "SSHError", "load_config", "resolve", "connect", "connect_all",
            "source_address"]

@@ -18,9 +18,8 @@ import os
 import shlex
 from dataclasses import dataclass, field, replace
 
-import paramiko
-
 from dslaunch.errors import UsageError, did_you_mean
+from dslaunch.launcher.sshlib import lookup, paramiko
 
 __all__ = ["SSHOptions", "SSHTarget", "DEFAULT_CONNECT_TIMEOUT", "load_config", "resolve"]
 
@@ -193,7 +192,7 @@ def load_config(path: str | None) -> paramiko.SSHConfig:
 
 def resolve(alias: str, options: SSHOptions, config: paramiko.SSHConfig | None = None) -> SSHTarget:
     """Apply the ssh config and the user's options to one hostfile name."""
-    cfg = (config or load_config(options.config_file)).lookup(alias)
+    cfg = lookup(config or load_config(options.config_file), alias)
     port = options.port or _port(cfg.get("port", "22"), f"ssh config Port for {alias}")
     identity = tuple(_expand(p) for p in (*options.identity_files, *cfg.get("identityfile", [])))
     known = options.known_hosts_files or tuple(cfg.get("userknownhostsfile", "").split())

@@ -22,12 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 
-import paramiko
-
 from dslaunch.launcher.agent import parse_failure_line, parse_status_line
 from dslaunch.launcher.output import Sink
 from dslaunch.launcher.spec import NodeResult
 from dslaunch.launcher.ssh_probe import PROBE_MARKER
+from dslaunch.launcher.sshlib import paramiko
 
 __all__ = ["RemoteSession", "LOST_CONNECTION"]
 

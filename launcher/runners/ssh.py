@@ -35,8 +35,6 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-import paramiko
-
 from dslaunch.errors import UsageError
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.output import Sink
@@ -53,6 +51,7 @@ from dslaunch.launcher.ssh_connect import (
     source_address,
 )
 from dslaunch.launcher.ssh_session import RemoteSession
+from dslaunch.launcher.sshlib import paramiko
 
 __all__ = ["SSHRunner", "IFNAME_VARS", "Master", "choose_master", "is_loopback"]
 

@@ -55,13 +55,13 @@ def test_diagnose_no_probe():
 
 @pytest.fixture
 def other_torch_on_last_host(cluster, tmp_path):
-    """Make the last host see torch 2.1.0: bind-mount a METADATA copy in its sshd's mount namespace
-    (``ip netns exec`` gave each sshd a private one), so only that host's sessions see it."""
+    """Make the last host see torch 2.1.0: bind-mount a torch/version.py copy in its sshd's mount
+    namespace (``ip netns exec`` gave each sshd a private one), so only that host's sessions see it."""
     import torch
 
-    meta = next(Path(torch.__file__).parents[1].glob("torch-*.dist-info")) / "METADATA"
-    fake = tmp_path / "METADATA"
-    fake.write_text(re.sub(r"(?m)^Version: .*$", "Version: 2.1.0", meta.read_text()))
+    meta = Path(torch.__file__).parent / "version.py"
+    fake = tmp_path / "version.py"
+    fake.write_text(re.sub(r"(?m)^__version__ = .*$", "__version__ = '2.1.0'", meta.read_text()))
     pid = str(cluster.sshd_pid(cluster.hosts[-1]))
     subprocess.run(["nsenter", "-t", pid, "-m", "mount", "--bind", str(fake), str(meta)], check=True)
     try:
