@@ -111,8 +111,20 @@ def _table(rows: list[dict], ranks: int, repeats: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+TARGET = 1.15  # issue 5: dslaunch at most 1.15x the floor (medians)
+
+
+def _verdict(runs: list[dict]) -> str:
+    ratios = [(run["ranks_per_host"], r["hosts"], r["dslaunch"] / r["floor"]) for run in runs for r in run["rows"]]
+    over = [f"{h} host{'s' if h > 1 else ''} x {k} rank{'s' if k > 1 else ''} ({x:.2f}x)"
+            for k, h, x in ratios if x > TARGET]
+    met = len(ratios) - len(over)
+    return (f"Target dslaunch <= {TARGET}x floor (medians): met in {met} of {len(ratios)} rows"
+            + (f"; over in {', '.join(over)}" if over else "") + ".\n")
+
+
 def _markdown(runs: list[dict], repeats: int) -> str:
-    tables = [_table(run["rows"], run["ranks_per_host"], repeats) for run in runs]
+    tables = [_table(run["rows"], run["ranks_per_host"], repeats) for run in runs] + [_verdict(runs)]
     note = ("Command start to all ranks past a barrier + all_reduce and exited, on the network-namespace "
             "test cluster (one sshd per host). Shared 2-core machine: noisy; load average at the end: "
             f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. With Linux autogroup scheduling, each `ssh` "
@@ -141,9 +153,9 @@ def _measure(bench: Bench, hosts: list[int], repeats: int, have_ds: bool) -> tup
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--ranks-per-host", type=int, nargs="+", default=[2],
-                        help="one table per value, e.g. '1 2' (default 2)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2],
+                        help="one table per value (default: 1 2, the issue's two targets)")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed runs")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
