@@ -220,8 +220,9 @@ def _worst(ranks: list[dict], key: str) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3, help="saves/loads per worker run")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each system")
+    ap.add_argument("--repeats", type=int, default=4, help="saves/loads per worker run")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="alternating runs of each system (fsync times vary a lot on a shared disk)")
     args = ap.parse_args()
     raw: dict = {"load_avg_start": os.getloadavg()[0], "disk_write_s": []}
     kinds = ["dslaunch"] + (["deepspeed"] if _has_deepspeed() else [])
