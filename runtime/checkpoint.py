@@ -143,7 +143,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
             "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
                            "in": "zero" if k in in_groups else "module"}
                        for k, v in module_sd.items() if torch.is_tensor(v)}}
-    job = TagWrite(CheckpointStore(save_dir), tag, files, meta,
+    job = TagWrite(CheckpointStore(save_dir, durable=cfg.fsync), tag, files, meta,
                    leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
                    save_latest=save_latest, keep_last=cfg.keep_last or 0,
                    library_version=dslaunch.__version__)

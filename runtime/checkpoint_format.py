@@ -98,22 +98,25 @@ def _writeback_starter() -> Callable[[int, int, int], Any] | None:
 _START_WRITEBACK = _writeback_starter()
 
 
-def _write_all(fd: int, data: memoryview, crc: int, offset: int) -> int:
+def _write_all(fd: int, data: memoryview, crc: int, offset: int, durable: bool) -> int:
     for i in range(0, len(data), _CHUNK):
         part = data[i:i + _CHUNK]
         crc = zlib.crc32(part, crc)
         written = 0
         while written < len(part):
             written += os.write(fd, part[written:])
-        if _START_WRITEBACK is not None and len(part) >= _CHUNK // 4:
+        if durable and _START_WRITEBACK is not None and len(part) >= _CHUNK // 4:
             # Start flushing this chunk now, so the final fsync finds little left to write:
             # the disk works while the next chunk is checksummed and copied.
             _START_WRITEBACK(fd, offset + i, len(part))
     return crc
 
 
-def write_object(path: str | os.PathLike, obj: Any) -> FileDigest:
+def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> FileDigest:
     """Write ``obj`` (any picklable tree of dicts, lists, tensors...) to ``path`` and fsync it.
+
+    ``durable=False`` leaves the data in the page cache (no writeback, no fsync), as DeepSpeed's
+    saves do: it survives a killed process, not a power loss or kernel crash.
 
     Returns:
         The file's size and CRC32, to be recorded in the manifest.
@@ -133,14 +136,15 @@ def write_object(path: str | os.PathLike, obj: Any) -> FileDigest:
     prefix += b"\0" * (prefix_len - len(prefix))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        crc = _write_all(fd, memoryview(prefix), 0, 0)
+        crc = _write_all(fd, memoryview(prefix), 0, 0, durable)
         pos = 0
         for t, (_, _, off, nbytes) in zip(tensors, metas, strict=True):
             if off > pos:
-                crc = _write_all(fd, memoryview(b"\0" * (off - pos)), crc, prefix_len + pos)
-            crc = _write_all(fd, _as_bytes(t), crc, prefix_len + off)
+                crc = _write_all(fd, memoryview(b"\0" * (off - pos)), crc, prefix_len + pos, durable)
+            crc = _write_all(fd, _as_bytes(t), crc, prefix_len + off, durable)
             pos = off + nbytes
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     return FileDigest(size=prefix_len + pos, crc32=crc)

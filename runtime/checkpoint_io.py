@@ -100,7 +100,9 @@ class Manifest:
             raise CheckpointError(f"manifest is unreadable ({type(exc).__name__}: {exc})", str(path)) from exc
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: Path, durable: bool = True) -> None:
+    if not durable:
+        return
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -108,14 +110,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def _write_text_atomic(path: Path, text: str, durable: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    _fsync_dir(path.parent, durable)
 
 
 _RENAME_EXCHANGE = 2
@@ -153,8 +156,12 @@ class CheckpointStore:
     ``write`` for its own files; the leader calls ``publish`` with everyone's records.
     """
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, durable: bool = True):
+        """``durable=False`` skips every fsync (``checkpoint.fsync: false``): the order of the
+        steps, and so the safety against a killed process, stays; a power loss may tear the
+        newest tag, which loading then detects by its checksums."""
         self.root = Path(root)
+        self.durable = durable
 
     # ---- writing -------------------------------------------------------------------------
     def tmp_dir(self, tag: str) -> Path:
@@ -171,7 +178,7 @@ class CheckpointStore:
 
     def write(self, tag: str, name: str, obj: Any, rank: int = 0) -> FileRecord:
         """Any rank: write one file of ``tag`` (fsynced) and return its record."""
-        digest = write_object(self.tmp_dir(tag) / name, obj)
+        digest = write_object(self.tmp_dir(tag) / name, obj, self.durable)
         return FileRecord(name, rank, digest.size, digest.crc32)
 
     def publish(self, tag: str, records: list[FileRecord], meta: dict[str, Any], *,
@@ -189,8 +196,9 @@ class CheckpointStore:
         with open(path, "w") as f:
             f.write(manifest.to_json())
             f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+            if self.durable:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp, self.durable)
         final = self.root / tag
         if final.exists():
             if not _exchange(tmp, final):
@@ -203,9 +211,9 @@ class CheckpointStore:
             shutil.rmtree(self.root / f".old-{tag}", ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.root)
+        _fsync_dir(self.root, self.durable)
         if save_latest:
-            _write_text_atomic(self.root / LATEST, tag)
+            _write_text_atomic(self.root / LATEST, tag, self.durable)
         if keep_last > 0:
             self.retain(keep_last, protect={tag})
         return manifest

@@ -221,6 +221,8 @@ class CheckpointConfig:
     keep_last: int | None = _opt(None, optional(integer(1)), "how many checkpoints to keep, "
                                  "or null to keep all")
     use_node_local_storage: bool = _opt(False, boolean, "true if each node saves to local disk")
+    fsync: bool = _opt(True, boolean, "false to skip fsync as DeepSpeed does: a save then survives a "
+                       "killed process but not a power loss")
 
     UNIMPLEMENTED = {"load_universal": False, "parallel_write": Off({"pipeline_stage": False}),
                      "writer": None, "checkpoint_serialization": True}

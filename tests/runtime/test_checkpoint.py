@@ -360,3 +360,26 @@ def test_node_local_storage_at_another_world_size_names_what_is_missing(tmp_path
     run_world(_node_local, 2, str(tmp_path), "save")
     message = run_world(_node_local_elsewhere, 1, str(tmp_path))[0]
     assert "zero_rank_00001.dsl" in message, message
+
+
+def _save_without_fsync(rank: int, world: int, root: str) -> tuple[int, list[float], list[float]]:
+    fsyncs = []
+    real = os.fsync
+    os.fsync = lambda fd: (fsyncs.append(fd), real(fd))[1]
+    try:
+        engine, loader = _engine(2, seed=0, fsync=False)
+        _train(engine, loader, 2)
+        engine.save_checkpoint(root)
+    finally:
+        os.fsync = real
+    fresh, _ = _engine(2, seed=99)
+    fresh.load_checkpoint(root)
+    weights = [p.detach().sum().item() for p in engine.module.parameters()]
+    return len(fsyncs), weights, [p.detach().sum().item() for p in fresh.module.parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_fsync_false_saves_a_loadable_tag_without_syncing(tmp_path: Path) -> None:
+    fsyncs, saved, loaded = run_world(_save_without_fsync, 1, str(tmp_path))[0]
+    assert fsyncs == 0
+    assert loaded == saved

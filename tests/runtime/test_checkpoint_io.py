@@ -290,3 +290,32 @@ def test_large_files_are_mapped_and_still_verified(tmp_path: Path, damage, messa
     damage(path)
     with pytest.raises(CheckpointError, match=message):
         read_object(path, digest)
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_fsync_off_skips_every_sync_and_writes_the_same_tag(tmp_path: Path, monkeypatch, durable: bool) -> None:
+    from dslaunch.runtime import checkpoint_format
+
+    calls = {"fsync": 0, "writeback": 0}
+    real_fsync, real_writeback = os.fsync, checkpoint_format._START_WRITEBACK
+
+    def counting_fsync(fd: int) -> None:
+        calls["fsync"] += 1
+        real_fsync(fd)
+
+    def counting_writeback(*args):
+        calls["writeback"] += 1
+        return real_writeback(*args)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    if real_writeback is not None:
+        monkeypatch.setattr(checkpoint_format, "_START_WRITEBACK", counting_writeback)
+    store = CheckpointStore(tmp_path, durable=durable)
+    files = {"model.bin": _state(3, n=2 << 20)}  # 8 MB: past the writeback chunk threshold
+    write_tag(LocalComm(), TagWrite(store, "global_step3", files, {"step": 3}, leader=True))
+    assert (calls["fsync"] > 0) is durable
+    assert calls["writeback"] > 0 if durable and real_writeback is not None else calls["writeback"] == 0
+    reader = CheckpointStore(tmp_path)
+    assert (tmp_path / LATEST).read_text() == "global_step3"
+    assert torch.equal(reader.read("global_step3", "model.bin", reader.verify("global_step3"))["w"],
+                       files["model.bin"]["w"])
