@@ -10,7 +10,7 @@ machinery in ``checkpoint_engine``). A tag holds::
                           from global rank 0 (those params are stored once: as fp32 masters)
     zero_rank_NNNNN.dsl   strategy.state_dict() of rank N (stage 0: rank 0 only; all ranks have it)
     rank_NNNNN.dsl        engine.engine_state_dict(), RNG states (python, numpy, torch), client_state
-    manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32s, version
+    manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32C checksums, version
 
 Loading at the saving layout reads each rank's own files; at another world size or stage each
 rank reads the saved shards its new range overlaps and ``checkpoint_reshard.assemble`` cuts them

@@ -8,8 +8,11 @@ The header pickles ``(payload, metas)``: ``payload`` is the object pickled with 
 tensor replaced by a reference into ``metas`` (dtype, shape, offset, nbytes); each tensor's bytes
 follow, 64-byte aligned. Why not ``torch.save``: its zip container costs a second pass over the
 data, and reading it back copies every tensor. Here a write streams each tensor once while the
-CRC32 of the whole file is computed on the same buffers, and a read maps the file (private, copy-on-write),
-makes one CRC pass over it, and returns tensors that are views of the mapping (no copy).
+checksum of the whole file is computed on the same buffers, and a read maps the file (private,
+copy-on-write), makes one checksum pass over it, and returns tensors that are views of the mapping
+(no copy). The checksum is CRC32C (``crc32c`` package, hardware-accelerated: 5.8 GB/s here against
+1.3 GB/s for zlib's CRC32, which was most of a save's CPU time); files written before it carry
+zlib's CRC32, and ``FileDigest.algorithm`` says which.
 
 Limitations: a mapped file that is truncated while its tensors are still in use raises SIGBUS
 (the loader copies everything it keeps); loading unpickles arbitrary objects (``client_state``), like ``torch.load`` with
@@ -34,7 +37,7 @@ import torch
 
 from dslaunch.errors import CheckpointError
 
-__all__ = ["MAGIC", "FileDigest", "write_object", "read_object", "crc32_file"]
+__all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "write_object", "read_object", "file_digest"]
 
 MAGIC = b"DSLCKPT1"
 _ALIGN = 64
@@ -43,12 +46,32 @@ _OWN_STORAGE_BELOW = 1 << 20
 _MAP_FROM = 4 << 20  # files at least this large are memory-mapped instead of read  # write/CRC granularity: large enough for full disk speed, small for the cache
 
 
+try:
+    from crc32c import crc32c as _crc32c
+except ImportError:  # a dependency; without it files are written (and read) with zlib's CRC32
+    _crc32c = None
+
+_CHECKSUMS: dict[str, Callable[[Any, int], int]] = {"crc32": zlib.crc32}
+if _crc32c is not None:
+    _CHECKSUMS["crc32c"] = _crc32c
+DEFAULT_CHECKSUM = "crc32c" if _crc32c is not None else "crc32"
+
+
 @dataclass(frozen=True)
 class FileDigest:
-    """Size in bytes and CRC32 of a file as written."""
+    """Size in bytes and checksum of a file as written, and the checksum's algorithm."""
 
     size: int
-    crc32: int
+    checksum: int
+    algorithm: str = "crc32"
+
+
+def _checksum_fn(algorithm: str) -> Callable[[Any, int], int]:
+    fn = _CHECKSUMS.get(algorithm)
+    if fn is None:
+        raise CheckpointError(f"this checkpoint's files carry {algorithm!r} checksums: install the "
+                              "crc32c package (pip install crc32c) to verify them")
+    return fn
 
 
 class _TensorPickler(pickle.Pickler):
@@ -99,9 +122,10 @@ _START_WRITEBACK = _writeback_starter()
 
 
 def _write_all(fd: int, data: memoryview, crc: int, offset: int, durable: bool) -> int:
+    checksum = _CHECKSUMS[DEFAULT_CHECKSUM]
     for i in range(0, len(data), _CHUNK):
         part = data[i:i + _CHUNK]
-        crc = zlib.crc32(part, crc)
+        crc = checksum(part, crc)
         written = 0
         while written < len(part):
             written += os.write(fd, part[written:])
@@ -147,7 +171,7 @@ def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> Fil
             os.fsync(fd)
     finally:
         os.close(fd)
-    return FileDigest(size=prefix_len + pos, crc32=crc)
+    return FileDigest(size=prefix_len + pos, checksum=crc, algorithm=DEFAULT_CHECKSUM)
 
 
 def _read_exact(path: Path, size: int) -> torch.Tensor:
@@ -173,24 +197,24 @@ def _read_exact(path: Path, size: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
 
 
-def _crc(view: memoryview) -> int:
-    crc = 0
+def _crc(view: memoryview, algorithm: str) -> int:
+    checksum, crc = _checksum_fn(algorithm), 0
     for i in range(0, len(view), _CHUNK):
-        crc = zlib.crc32(view[i:i + _CHUNK], crc)
+        crc = checksum(view[i:i + _CHUNK], crc)
     return crc
 
 
-def crc32_file(path: str | os.PathLike) -> FileDigest:
-    """Size and CRC32 of a file on disk (for verifying without unpickling)."""
-    crc, size = 0, 0
+def file_digest(path: str | os.PathLike, algorithm: str = DEFAULT_CHECKSUM) -> FileDigest:
+    """Size and ``algorithm`` checksum of a file on disk (for verifying without unpickling)."""
+    checksum, crc, size = _checksum_fn(algorithm), 0, 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-    return FileDigest(size=size, crc32=crc)
+            crc, size = checksum(chunk, crc), size + len(chunk)
+    return FileDigest(size=size, checksum=crc, algorithm=algorithm)
 
 
 def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> Any:
-    """Read a file written by ``write_object``, checking its size and CRC32 against ``expect``.
+    """Read a file written by ``write_object``, checking its size and checksum against ``expect``.
 
     Returns:
         The object; its tensors are views into one buffer holding the whole file.
@@ -203,9 +227,9 @@ def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> An
     size = expect.size if expect else path.stat().st_size
     data = _read_exact(path, size)
     view = memoryview(data.numpy()).cast("B") if size else memoryview(b"")
-    if expect is not None and _crc(view) != expect.crc32:
-        raise CheckpointError("checksum mismatch: the file is corrupt (CRC32 differs from the "
-                              "manifest)", str(path))
+    if expect is not None and _crc(view, expect.algorithm) != expect.checksum:
+        raise CheckpointError(f"checksum mismatch: the file is corrupt ({expect.algorithm.upper()} "
+                              "differs from the manifest)", str(path))
     if bytes(view[:len(MAGIC)]) != MAGIC or size < len(MAGIC) + 8:
         raise CheckpointError("not a dslaunch checkpoint file (bad magic bytes)", str(path))
     (header_len,) = struct.unpack("<Q", view[len(MAGIC):len(MAGIC) + 8])

@@ -8,7 +8,7 @@ Owns the layout of ``save_dir`` and every rule that makes it crash-consistent::
     save_dir/.tmp-<tag>/          a tag being written; never read by the loader
 
 A tag is written into ``.tmp-<tag>``, every file fsynced, then the manifest (listing each file's
-size and CRC32) is written and fsynced, the directory is fsynced and renamed into place (an atomic
+size and checksum) is written and fsynced, the directory is fsynced and renamed into place (an atomic
 exchange when the tag already exists), the parent is fsynced, and only then ``latest`` is replaced
 (temp file + ``os.replace`` + fsync). A process killed at any instant therefore leaves every
 published tag intact and ``latest`` naming a complete one. The manifest doubles as the commit
@@ -43,22 +43,32 @@ T = TypeVar("T")
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _FORMAT = "dslaunch-checkpoint"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: a file's checksum may be "crc32c" (1: zlib "crc32" only)
+_READABLE_VERSIONS = (1, 2)
 _RESERVED = (".tmp-", ".trash-", ".old-")
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One file of a tag: who wrote it, its size and CRC32."""
+    """One file of a tag: who wrote it, its size and checksum (``algorithm``: crc32c or crc32)."""
 
     name: str
     rank: int
     size: int
-    crc32: int
+    checksum: int
+    algorithm: str = "crc32"
 
     @property
     def digest(self) -> FileDigest:
-        return FileDigest(self.size, self.crc32)
+        return FileDigest(self.size, self.checksum, self.algorithm)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "size": self.size, self.algorithm: self.checksum}
+
+    @classmethod
+    def from_json(cls, name: str, entry: dict) -> FileRecord:
+        algorithm = "crc32c" if "crc32c" in entry else "crc32"
+        return cls(name, int(entry["rank"]), int(entry["size"]), int(entry[algorithm]), algorithm)
 
 
 @dataclass(frozen=True)
@@ -74,8 +84,7 @@ class Manifest:
     def to_json(self) -> str:
         body = {"format": _FORMAT, "format_version": _FORMAT_VERSION, "tag": self.tag,
                 "created": self.created, "library_version": self.library_version,
-                "files": {n: {"rank": r.rank, "size": r.size, "crc32": r.crc32}
-                          for n, r in sorted(self.files.items())},
+                "files": {n: r.to_json() for n, r in sorted(self.files.items())},
                 "meta": self.meta}
         text = json.dumps(body, sort_keys=True)
         return json.dumps({"body": body, "crc32": zlib.crc32(text.encode())}, indent=1, sort_keys=True)
@@ -87,11 +96,10 @@ class Manifest:
             body = outer["body"]
             if zlib.crc32(json.dumps(body, sort_keys=True).encode()) != outer["crc32"]:
                 raise CheckpointError("manifest checksum mismatch: the manifest is corrupt", str(path))
-            if body.get("format") != _FORMAT or body.get("format_version") != _FORMAT_VERSION:
+            if body.get("format") != _FORMAT or body.get("format_version") not in _READABLE_VERSIONS:
                 raise CheckpointError(f"unsupported manifest format {body.get('format')!r} version "
                                       f"{body.get('format_version')!r}", str(path))
-            files = {n: FileRecord(n, int(r["rank"]), int(r["size"]), int(r["crc32"]))
-                     for n, r in body["files"].items()}
+            files = {n: FileRecord.from_json(n, r) for n, r in body["files"].items()}
             return cls(tag=str(body["tag"]), created=float(body["created"]), files=files,
                        meta=dict(body["meta"]), library_version=str(body["library_version"]))
         except CheckpointError:
@@ -179,7 +187,7 @@ class CheckpointStore:
     def write(self, tag: str, name: str, obj: Any, rank: int = 0) -> FileRecord:
         """Any rank: write one file of ``tag`` (fsynced) and return its record."""
         digest = write_object(self.tmp_dir(tag) / name, obj, self.durable)
-        return FileRecord(name, rank, digest.size, digest.crc32)
+        return FileRecord(name, rank, digest.size, digest.checksum, digest.algorithm)
 
     def publish(self, tag: str, records: list[FileRecord], meta: dict[str, Any], *,
                 save_latest: bool = True, keep_last: int = 0, library_version: str = "") -> Manifest:
@@ -251,7 +259,7 @@ class CheckpointStore:
         return Manifest.from_json(text, path)
 
     def read(self, tag: str, name: str, manifest: Manifest) -> Any:
-        """Read and verify one file of ``tag`` (size + CRC32 from the manifest)."""
+        """Read and verify one file of ``tag`` (size + checksum from the manifest)."""
         rec = manifest.files.get(name)
         if rec is None:
             raise CheckpointError(f"the manifest of tag {tag!r} lists no file {name!r}",
@@ -259,8 +267,8 @@ class CheckpointStore:
         return read_object(self.root / tag / name, rec.digest)
 
     def verify(self, tag: str, names: list[str] | None = None) -> Manifest:
-        """Check the manifest and the size and CRC32 of ``names`` (default: every file)."""
-        from dslaunch.runtime.checkpoint_format import crc32_file
+        """Check the manifest and the size and checksum of ``names`` (default: every file)."""
+        from dslaunch.runtime.checkpoint_format import file_digest
 
         manifest = self.manifest(tag)
         for name in names if names is not None else sorted(manifest.files):
@@ -272,9 +280,9 @@ class CheckpointStore:
             if size != rec.size:
                 raise CheckpointError(f"file is truncated or was changed: {size} bytes on disk, the "
                                       f"manifest records {rec.size} bytes", str(path))
-            if crc32_file(path).crc32 != rec.crc32:
-                raise CheckpointError("checksum mismatch: the file is corrupt (CRC32 differs from "
-                                      "the manifest)", str(path))
+            if file_digest(path, rec.algorithm).checksum != rec.checksum:
+                raise CheckpointError(f"checksum mismatch: the file is corrupt ({rec.algorithm.upper()} "
+                                      "differs from the manifest)", str(path))
         return manifest
 
     def tags(self) -> list[Manifest]:

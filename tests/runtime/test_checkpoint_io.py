@@ -319,3 +319,29 @@ def test_fsync_off_skips_every_sync_and_writes_the_same_tag(tmp_path: Path, monk
     assert (tmp_path / LATEST).read_text() == "global_step3"
     assert torch.equal(reader.read("global_step3", "model.bin", reader.verify("global_step3"))["w"],
                        files["model.bin"]["w"])
+
+
+def test_new_tags_use_crc32c_and_crc32_tags_from_before_still_verify(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    from dslaunch.runtime import checkpoint_format, checkpoint_io
+
+    store = CheckpointStore(tmp_path)
+    _save(store, 1)
+    entry = json.loads((tmp_path / "global_step1" / MANIFEST).read_text())["body"]["files"]["model.bin"]
+    assert set(entry) == {"rank", "size", "crc32c"}
+    with monkeypatch.context() as old:  # a tag as dslaunch wrote them before: format 1, zlib CRC32
+        old.setattr(checkpoint_format, "DEFAULT_CHECKSUM", "crc32")
+        old.setattr(checkpoint_io, "_FORMAT_VERSION", 1)
+        _save(store, 2)
+    body = json.loads((tmp_path / "global_step2" / MANIFEST).read_text())["body"]
+    assert body["format_version"] == 1 and set(body["files"]["model.bin"]) == {"rank", "size", "crc32"}
+    for step in (1, 2):
+        store.verify(f"global_step{step}")
+        _check_content(_load_all(store, f"global_step{step}"), step)
+    path = tmp_path / "global_step2" / "model.bin"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch: the file is corrupt \\(CRC32 differs"):
+        store.verify("global_step2")
