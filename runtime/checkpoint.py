@@ -45,7 +45,13 @@ from dslaunch.runtime.checkpoint_engine import (
     set_rng_state,
     zero_file,
 )
-from dslaunch.runtime.checkpoint_io import CheckpointStore, Manifest, first_loadable, validate_tag
+from dslaunch.runtime.checkpoint_io import (
+    CheckpointStore,
+    Manifest,
+    first_loadable,
+    validate_tag,
+    write_atomic,
+)
 from dslaunch.runtime.checkpoint_reshard import (
     assemble,
     check_compatible,
@@ -361,13 +367,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     if ck.comm.rank == 0:
         path = Path(save_dir) / save_filename
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            with open(tmp, "wb") as f:
-                torch.save(_module_state(engine, exclude_frozen_parameters), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_atomic(path, lambda tmp: torch.save(_module_state(engine, exclude_frozen_parameters), tmp))
         except OSError as exc:
             err = f"cannot write {path}: {exc}"
     errors = [e for e in ck.comm.all_gather_object(err) if e]

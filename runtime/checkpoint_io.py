@@ -36,7 +36,7 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint_format import FileDigest, read_object, write_object
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
-           "first_loadable"]
+           "write_atomic", "first_loadable"]
 
 T = TypeVar("T")
 
@@ -118,12 +118,14 @@ def _fsync_dir(path: Path, durable: bool = True) -> None:
         os.close(fd)
 
 
-def _write_text_atomic(path: Path, text: str, durable: bool = True) -> None:
+def write_atomic(path: Path, write: Callable[[Path], Any], durable: bool = True) -> None:
+    """``write(tmp)`` beside ``path``, fsync it, rename it over ``path``, fsync the directory:
+    a crash leaves the old file or the new one, never half of one (``durable=False``: no fsync)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        if durable:
+    write(tmp)
+    if durable:
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent, durable)
@@ -221,7 +223,7 @@ class CheckpointStore:
             os.rename(tmp, final)
         _fsync_dir(self.root, self.durable)
         if save_latest:
-            _write_text_atomic(self.root / LATEST, tag, self.durable)
+            write_atomic(self.root / LATEST, lambda tmp: tmp.write_text(tag), self.durable)
         if keep_last > 0:
             self.retain(keep_last, protect={tag})
         return manifest

@@ -35,7 +35,7 @@ import torch
 
 from dslaunch.errors import CheckpointError, DslaunchError, UsageError
 from dslaunch.runtime.checkpoint_engine import MODULE_FILE, zero_file
-from dslaunch.runtime.checkpoint_io import MANIFEST, CheckpointStore, first_loadable
+from dslaunch.runtime.checkpoint_io import MANIFEST, CheckpointStore, first_loadable, write_atomic
 from dslaunch.runtime.checkpoint_reshard import assemble, fp32_params, needed_ranks
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
@@ -182,25 +182,15 @@ def _require_safetensors(where: Path) -> None:
                          "(pip install safetensors), or write the torch format (.bin/.pt)") from None
 
 
-def _atomic(path: Path, write: Any) -> None:
-    """``write(tmp)`` then fsync and rename: a crash never leaves a half-written ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write(state: dict[str, torch.Tensor], output: Path) -> None:
     if output.suffix == ".safetensors":
         from safetensors.torch import save_file
 
         # "format": "pt" is what transformers checks before loading a safetensors file.
-        _atomic(output, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+        write_atomic(output, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
                                                metadata={"format": "pt"}))
     else:
-        _atomic(output, lambda tmp: torch.save(state, tmp))
+        write_atomic(output, lambda tmp: torch.save(state, tmp))
 
 
 def _split(state: StateDict, limit: int | None) -> list[list[str]]:
@@ -231,7 +221,7 @@ def _write_directory(state: StateDict, out: Path, weights: str, limit: int | Non
     if len(shards) > 1:
         body = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                 "weight_map": {k: n for n, keys in zip(names, shards, strict=True) for k in keys}}
-        _atomic(index, lambda tmp: tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n"))
+        write_atomic(index, lambda tmp: tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n"))
         written.append(index)
     # Shards or an index left by an earlier export would make loaders mix old and new weights.
     stale = [*out.glob(f"{stem}-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].{suffix}"), index]
