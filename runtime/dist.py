@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dslaunch.errors import UsageError
 from dslaunch.launcher.ports import free_port
 from dslaunch.runtime.param_schema import number
+from dslaunch.runtime.shutdown import register_clean_exit
 
 __all__ = ["init_distributed", "default_timeout", "local_rank", "device_for"]
 
@@ -79,7 +80,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     collective: call on all ranks. A no-op when already initialised (unless
     ``dist_init_required`` is False, which always skips).
     """
-    if dist_init_required is False or dist.is_initialized():
+    if dist_init_required is False:
+        return
+    register_clean_exit()  # also for a group the script made itself: it must die before Python
+    if dist.is_initialized():
         return
     rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
     world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,40 +1,63 @@
-"""Leaving cleanly at interpreter exit: finish in-flight collectives, then destroy the process group.
+"""Leaving cleanly at interpreter exit: every process group is freed while Python is still whole.
 
-Why: DeepSpeed training scripts rarely call ``destroy_process_group()``. On gloo, a process that
-exits with the group still alive can abort during interpreter finalization ("terminate called
-without an active exception", SIGABRT), because gloo's worker threads still hold work objects
-whose tensors need the GIL while Python is being torn down (pytorch/pytorch#179291, #190489).
-The job then fails with exit code 134 although training finished (seen in CI here: rank 1 of a
-6-rank ZeRO-2 demo run, after its last step).
+Why: gloo's worker threads live as long as their C++ ``ProcessGroup``. A group still alive when
+the interpreter finalizes is freed during module teardown; a gloo thread that then needs the GIL
+(to release a finished work's tensors) is ended by CPython with ``pthread_exit``, whose unwinding
+through a ``noexcept`` C++ frame calls ``std::terminate``: "terminate called without an active
+exception", SIGABRT, exit 134 after a job that finished (pytorch/pytorch#179291). How often
+depends on scheduling, so it shows under load.
 
-``register_clean_exit(engine)`` (called by ``initialize``) registers one ``atexit`` handler per
-process. On a normal exit it waits for each live engine's in-flight parameter gathers and then
-destroys the default process group while the interpreter is still whole. The set of live engines
-is process-wide by nature (exit is), held weakly so that the handler never keeps an engine alive.
+What kept the group alive in dslaunch jobs although ``destroy_process_group()`` had run:
+``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as default arguments when it is
+imported, and every torch optimizer imports it (through ``torch._dynamo``, on its first
+``add_param_group``), i.e. after ``init_process_group``. Those defaults held the live default
+group, so destroy only unregistered it and its threads ran on into finalization. dslaunch's own
+private checkpoint group, held by the engine, was the second one.
 
-Limitations: after an uncaught exception the handler does nothing. Waiting for collectives then
-could block on a peer that is itself stuck, and a failing exit is already non-zero.
+``register_clean_exit()`` (called by ``init_distributed`` and ``initialize``) installs one
+``atexit`` handler per process:
+
+- normal exit or ``sys.exit(n)``: each live engine's ``destroy()`` waits for its in-flight
+  collectives and drops its checkpoint group; the process groups are destroyed; the references
+  that ``torch.distributed``'s modules keep in default arguments are dropped. The C++ groups are
+  freed and their threads joined now;
+- uncaught exception or Ctrl-C: the same teardown, bounded in time: a peer stuck in a collective
+  could block it, so after ``FAILING_EXIT_BOUND_S`` the process flushes its output and leaves
+  with ``os._exit`` and the exit code Python would have used (1, or 130 for Ctrl-C);
+- the script destroyed the group itself: only the references are dropped.
+
+Limitations: a group the user's own code still references after ``destroy_process_group`` stays
+alive into finalization, exactly as in plain torch.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import os
+import signal
 import sys
+import threading
 import weakref
+from collections.abc import Iterator
+from types import FunctionType
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["register_clean_exit"]
+__all__ = ["register_clean_exit", "FAILING_EXIT_BOUND_S"]
+
+FAILING_EXIT_BOUND_S = 5.0
+"""How long an exit by exception may spend tearing the groups down before leaving anyway."""
 
 _engines: weakref.WeakSet = weakref.WeakSet()
 
 
-def register_clean_exit(engine: Any) -> None:
-    """Make the process destroy its process group at a normal exit, after ``engine`` is quiet."""
+def register_clean_exit(engine: Any = None) -> None:
+    """Make the process free its process groups at exit (after ``engine`` is quiet, if given)."""
     _install()
-    _engines.add(engine)
+    if engine is not None:
+        _engines.add(engine)
 
 
 @functools.cache
@@ -42,14 +65,53 @@ def _install() -> None:
     atexit.register(_leave)  # once per process, however many engines
 
 
-def _failing() -> bool:
-    """True when the interpreter is exiting because of an uncaught exception."""
-    return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+def _failure() -> BaseException | None:
+    """The uncaught exception the interpreter is exiting with, if any."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
 
 
 def _leave() -> None:
-    if _failing() or not (dist.is_available() and dist.is_initialized()):
+    failure = _failure()
+    if failure is None:
+        _teardown()
         return
+    done = threading.Thread(target=_teardown, name="dslaunch-exit", daemon=True)
+    done.start()
+    done.join(FAILING_EXIT_BOUND_S)
+    if done.is_alive():
+        code = 128 + signal.SIGINT if isinstance(failure, KeyboardInterrupt) else 1
+        print(f"dslaunch: the process group did not shut down within {FAILING_EXIT_BOUND_S:.0f} s "
+              f"of the uncaught {type(failure).__name__} (a peer still in a collective?); "
+              f"exiting with code {code}", file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+
+
+def _teardown() -> None:
     for engine in list(_engines):
-        engine.zero.synchronize()
-    dist.destroy_process_group()
+        engine.destroy()  # its pending works hold gloo's transport (and its thread) alive
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _drop_default_arguments()
+
+
+def _drop_default_arguments() -> None:
+    """Replace process groups bound as default arguments in ``torch.distributed``'s modules by
+    None (what those modules bind when imported before any group exists)."""
+    for fn in _distributed_functions():
+        defaults = fn.__defaults__
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
+def _distributed_functions() -> Iterator[FunctionType]:
+    """Module-level functions and class methods of the loaded ``torch.distributed`` modules."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for value in list(vars(module).values()):
+            # type() rather than isinstance(): the latter reads __class__, which warns on
+            # deprecated module attributes (torch.distributed.reduce_op)
+            members = vars(value).values() if issubclass(type(value), type) else (value,)
+            yield from (m for m in members if type(m) is FunctionType)
