@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dslaunch.errors import LaunchError
-from dslaunch.launcher.output import Sink, pump
+from dslaunch.launcher.output import ExceptionWatch, Sink, pump
 from dslaunch.launcher.procs import (
     Watchdog,
     become_subreaper,
@@ -50,6 +50,10 @@ from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 
 __all__ = ["Agent", "WorkerState", "format_status_line", "parse_status_line", "format_failure_line",
            "parse_failure_line", "main"]
+
+# How long a failed worker's output may take to drain (a grandchild holding the pipe must not
+# delay stopping the others).
+_LAST_WORDS_S = 0.5
 
 STATUS_MARKER = "@@dslaunch-agent-status "
 FAILURE_MARKER = "@@dslaunch-agent-failure "
@@ -71,6 +75,7 @@ class Worker:
     state: WorkerState = WorkerState.RUNNING
     exit_code: int | None = None
     threads: list[threading.Thread] = field(default_factory=list)
+    watch: ExceptionWatch = field(default_factory=ExceptionWatch)
 
 
 class Agent:
@@ -167,8 +172,8 @@ class Agent:
             log = Sink(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             self._logs.append(log)
         prefix = f"[rank{spec.global_rank}] ".encode()
-        for pipe, sink in ((proc.stdout, self._out), (proc.stderr, self._err)):
-            t = threading.Thread(target=pump, args=(pipe, prefix, sink, log), daemon=True)
+        for pipe, sink, watch in ((proc.stdout, self._out, None), (proc.stderr, self._err, worker.watch)):
+            t = threading.Thread(target=pump, args=(pipe, prefix, sink, log, watch), daemon=True)
             t.start()
             worker.threads.append(t)
         with self._lock:
@@ -206,6 +211,9 @@ class Agent:
 
     def _monitor(self, w: Worker) -> None:
         code, _ = exit_code_of(w.proc.wait())
+        if code:  # let the pumps read its last words (the traceback) before naming the failure
+            for t in w.threads:
+                t.join(timeout=_LAST_WORDS_S)
         with self._lock:
             w.exit_code = code
             if self._terminating:
@@ -275,7 +283,8 @@ class Agent:
         if w is None:
             return None
         code, sig_name = exit_code_of(w.proc.returncode)
-        return NodeResult(self.node.node_rank, self.node.host, code, w.spec.global_rank, sig_name)
+        return NodeResult(self.node.node_rank, self.node.host, code, w.spec.global_rank, sig_name,
+                          exception=w.watch.exception)
 
     def poll(self) -> NodeResult | None:
         """The node's result once every worker has exited, else None."""

@@ -12,7 +12,7 @@ import re
 import threading
 from typing import BinaryIO
 
-__all__ = ["Sink", "pump"]
+__all__ = ["Sink", "pump", "ExceptionWatch"]
 
 
 class Sink:
@@ -40,7 +40,40 @@ class Sink:
             os.close(self.fd)
 
 
-def pump(pipe: BinaryIO, prefix: bytes, sink: Sink, log: Sink | None) -> None:
+class ExceptionWatch:
+    """Remembers the last uncaught Python exception a worker printed on stderr, as one line.
+
+    Recognises the interpreter's traceback (``Traceback (most recent call last):``, indented
+    frames, then ``Type: message``, possibly behind torch's ``[rankN]:`` prefix) and dslaunch's
+    own one-line errors (``dslaunch: error: ...``). The launcher names it as the cause of a
+    failure, also when the rank then died by a signal (an abort during teardown).
+    """
+
+    MAX_CHARS = 300  # one readable line, whatever the script raised
+
+    def __init__(self) -> None:
+        self.exception: str | None = None
+        self._in_traceback = False
+
+    def feed(self, line: bytes) -> None:
+        text = _TORCH_RANK_PREFIX.sub("", line.decode("utf-8", "replace").rstrip("\r\n"))
+        if text.startswith("Traceback (most recent call last):"):
+            self._in_traceback = True
+        elif text.startswith("dslaunch: error: "):
+            self._remember(text[len("dslaunch: error: "):])
+        elif self._in_traceback and text and not text[0].isspace():
+            self._in_traceback = False
+            self._remember(text)
+
+    def _remember(self, text: str) -> None:
+        self.exception = text if len(text) <= self.MAX_CHARS else text[:self.MAX_CHARS - 3] + "..."
+
+
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+
+
+def pump(pipe: BinaryIO, prefix: bytes, sink: Sink, log: Sink | None,
+         watch: ExceptionWatch | None = None) -> None:
     """Copy ``pipe`` to ``sink`` line by line with ``prefix``; also raw to ``log``. Thread target.
 
     A line ends at ``\n`` or at a lone ``\r``, so progress bars (tqdm) that redraw with ``\r``
@@ -54,17 +87,19 @@ def pump(pipe: BinaryIO, prefix: bytes, sink: Sink, log: Sink | None) -> None:
             for m in _LINE.finditer(pending):
                 if m.end() == len(pending) and pending.endswith(b"\r"):
                     break  # maybe the first half of \r\n: wait for the next chunk
-                _emit(pending[m.start():m.end()], prefix, sink, log)
+                _emit(pending[m.start():m.end()], prefix, sink, log, watch)
                 end = m.end()
             pending = pending[end:]
     if pending:
-        _emit(pending if pending.endswith((b"\n", b"\r")) else pending + b"\n", prefix, sink, log)
+        _emit(pending if pending.endswith((b"\n", b"\r")) else pending + b"\n", prefix, sink, log, watch)
 
 
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
 
-def _emit(line: bytes, prefix: bytes, sink: Sink, log: Sink | None) -> None:
+def _emit(line: bytes, prefix: bytes, sink: Sink, log: Sink | None, watch: ExceptionWatch | None) -> None:
     sink.write(prefix + line)
     if log is not None:
         log.write(line)
+    if watch is not None:
+        watch.feed(line)

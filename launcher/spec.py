@@ -119,6 +119,8 @@ class NodeResult:
     """E.g. ``SIGSEGV`` when that worker died by a signal."""
     stopped_by: str | None = None
     """Signal name when the node was stopped from outside (Ctrl-C, SIGTERM, lost controller)."""
+    exception: str | None = None
+    """The last uncaught exception that worker printed (``Type: message``), if any."""
 
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
@@ -128,7 +130,11 @@ class NodeResult:
             return f"node {self.host} exited with code {self.exit_code}"
         how = (f"was killed by {self.signal_name} (exit code {self.exit_code})" if self.signal_name
                else f"exited with code {self.exit_code}")
-        return f"rank {self.rank} on {self.host} {how}"
+        if self.exception is None:
+            return f"rank {self.rank} on {self.host} {how}"
+        # A signal after a traceback is the teardown of a process that had already failed.
+        after = "after raising" if self.signal_name else "raising"
+        return f"rank {self.rank} on {self.host} {how} {after} {self.exception}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

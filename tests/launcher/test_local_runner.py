@@ -68,6 +68,21 @@ def test_first_failure_stops_all_and_sets_exit_code(free_port):
     assert_no_job_process(tag)
 
 
+def test_failure_names_the_exception_the_rank_raised(free_port):
+    r = run_dslaunch(_job(free_port, 2, "r1:raise=bad batch shape (4, 3)", "hang"))
+    assert r.returncode == 1
+    assert ("rank 1 on localhost exited with code 1 raising RuntimeError: bad batch shape (4, 3); "
+            "stopped all other workers") in r.stderr
+
+
+def test_signal_death_after_a_traceback_names_the_exception(free_port):
+    # The abort of issue 8: a rank that already failed dies by SIGABRT in teardown.
+    r = run_dslaunch(_job(free_port, 2, "r1:atexit_signal=SIGABRT", "r1:raise=loss is nan", "hang"))
+    assert r.returncode == 134
+    assert ("rank 1 on localhost was killed by SIGABRT (exit code 134) after raising "
+            "RuntimeError: loss is nan") in r.stderr
+
+
 @pytest.mark.parametrize("sig, code", [("SIGKILL", 137), ("SIGSEGV", 139), ("SIGTERM", 143)])
 def test_signal_death_is_never_exit_zero(free_port, sig, code):
     r = run_dslaunch(_job(free_port, 2, "r0:sleep=0.2", f"r0:signal={sig}", "hang"))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dslaunch.launcher.output import Sink, pump
+from dslaunch.launcher.output import ExceptionWatch, Sink, pump
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,3 +47,33 @@ def test_every_byte_arrives_and_each_piece_is_prefixed(chunks):
     assert log == expected
     assert out.replace(b"[rank7] ", b"") == expected
     assert out.count(b"[rank7] ") == log.count(b"\n") + log.count(b"\r") - log.count(b"\r\n")
+
+
+def _watched(text: str) -> str | None:
+    watch = ExceptionWatch()
+    for line in text.splitlines(keepends=True):
+        watch.feed(line.encode())
+    return watch.exception
+
+
+def test_exception_watch_takes_the_exception_line_of_the_last_traceback():
+    text = ("warming up\n"
+            "Traceback (most recent call last):\n"
+            '  File "train.py", line 3, in <module>\n'
+            "    step()\n"
+            "    ^^^^^^\n"
+            "KeyError: 'x'\n"
+            "\nDuring handling of the above exception, another exception occurred:\n\n"
+            "[rank1]: Traceback (most recent call last):\n"
+            '[rank1]:   File "train.py", line 5, in <module>\n'
+            "[rank1]: ValueError: bad batch\n"
+            "[rank1]: second line of the message\n")
+    assert _watched(text) == "ValueError: bad batch"
+
+
+def test_exception_watch_ignores_output_without_a_traceback_and_bounds_the_line():
+    assert _watched("loss 0.5\nValueError: printed, not raised\n") is None
+    assert _watched("dslaunch: error: 'optimizer.params.lr': must be >= 0\n") == \
+        "'optimizer.params.lr': must be >= 0"
+    long = _watched("Traceback (most recent call last):\nRuntimeError: " + "x" * 5000 + "\n")
+    assert long is not None and len(long) == ExceptionWatch.MAX_CHARS and long.endswith("...")

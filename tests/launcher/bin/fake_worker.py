@@ -11,9 +11,12 @@ Actions run in order, e.g. ``fake_worker.py print=hello sleep=0.2 exit=3``:
 - ``grandchild=PIDFILE``: spawn a sleeping grandchild and write its pid to PIDFILE;
 - ``daemon=PIDFILE``: the same, but in a new session (it leaves the worker's process group);
 - ``exit=N``; ``signal=NAME`` (kill itself with that signal);
+- ``raise=TEXT``: raise RuntimeError(TEXT) (an uncaught exception: traceback, exit 1);
+- ``atexit_signal=NAME``: at interpreter exit, kill itself with that signal (an abort in teardown);
 - ``rR:ACTION``: run ACTION only on rank R, e.g. ``r1:exit=3`` (other ranks skip it).
 """
 
+import atexit
 import json
 import os
 import signal
@@ -62,6 +65,10 @@ def main(args: list[str]) -> int:
                 f.write(str(child.pid))
         elif key == "exit":
             return int(value)
+        elif key == "raise":
+            raise RuntimeError(value)
+        elif key == "atexit_signal":
+            atexit.register(os.kill, os.getpid(), getattr(signal, value))
         elif key == "signal":
             os.kill(os.getpid(), getattr(signal, value))
             time.sleep(5)
