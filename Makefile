@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test lint bench system-deps clean
+.PHONY: setup demo test lint bench stress system-deps clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ test: setup system-deps lint
 bench: setup
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation deepspeed
 	$(PY) scripts/bench/run_all.py
+
+# Exit codes under a CPU hog, dslaunch against DeepSpeed (not a timing: run apart from `bench`).
+stress: setup
+	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation deepspeed
+	$(PY) scripts/bench/exit_stress.py
+	$(PY) scripts/bench/run_all.py --assemble-only
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
