@@ -11,14 +11,7 @@ import socket
 
 from dslaunch.errors import LaunchError
 
-__all__ = ["check_port_free", "free_port"]
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (for single-host rendezvous, tests, benches)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["check_port_free"]
 
 
 def check_port_free(port: int) -> None:

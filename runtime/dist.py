@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.errors import UsageError
-from dslaunch.launcher.ports import free_port
 from dslaunch.runtime.param_schema import number
 from dslaunch.runtime.shutdown import register_clean_exit
+from dslaunch.utils.ports import free_port
 
 __all__ = ["init_distributed", "default_timeout", "local_rank", "device_for"]
 

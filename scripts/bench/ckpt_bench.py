@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dslaunch.launcher.ports import free_port
+from dslaunch.utils.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 DIM, LAYERS, MICRO, WORLD, LR = 1792, 6, 8, 2, 1e-4

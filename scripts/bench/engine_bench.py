@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from dslaunch.launcher.ports import free_port
+from dslaunch.utils.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 DIM, LAYERS, MICRO, WORLD, LR = 2048, 5, 32, 2, 1e-4

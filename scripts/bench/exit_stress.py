@@ -81,7 +81,7 @@ def _has_deepspeed() -> bool:
 
 def run(plan: dict[str, dict[str, int]], out: Path) -> list[dict]:
     """Run every (system, mode) the plan counts, interleaved, under one CPU hog."""
-    from dslaunch.launcher.ports import free_port
+    from dslaunch.utils.ports import free_port
 
     hog = subprocess.Popen(["sh", "-c", "while :; do :; done"])
     records: list[dict] = []

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from dslaunch.launcher.ports import free_port
+from dslaunch.utils.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"

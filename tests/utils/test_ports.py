@@ -1,0 +1,35 @@
+"""``dslaunch.utils.ports``: a usable free port, torch-free, and the runtime never imports the launcher."""
+
+from __future__ import annotations
+
+import ast
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from dslaunch.utils.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_free_port_can_be_bound() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_importing_it_imports_no_torch() -> None:
+    code = "import sys, dslaunch.utils.ports; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_runtime_never_imports_the_launcher() -> None:
+    offenders = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
+                          if n.startswith("dslaunch.launcher")]
+    assert not offenders, offenders
