@@ -1,4 +1,4 @@
-"""ZeRO stages 0-2 as strategies behind one small interface (``base.ZeroStrategy``).
+"""ZeRO stages 0-2 as strategies behind one small interface (``strategy.ZeroStrategy``).
 
 The engine picks a stage once from ``STRATEGIES`` and never asks the stage again.
 """

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.errors import UsageError
-from dslaunch.runtime.zero.base import MAX_INFLIGHT_BUFFERS, ZeroStrategy
+from dslaunch.runtime.zero.strategy import MAX_INFLIGHT_BUFFERS, ZeroStrategy
 
 __all__ = ["Stage2"]
 
