@@ -18,8 +18,8 @@ it with the parameter's trust ratio.
 
 Flattened parameters (ZeRO): the trust ratio is per *original* parameter. When the engine hands
 over one flat tensor per group (ZeRO's master vector or this rank's shard of it), it passes one
-``FlatLayout`` per group (``FlatLayout.of(numels, start, end)``: which pieces of which original
-parameters the tensor holds) and, when each rank holds only a shard, ``norm_all_reduce`` (an
+``FlatLayout`` per group (``zero.partition.FlatLayout.of(numels, start, end)``: which pieces of
+which original parameters the tensor holds) and, when each rank holds only a shard, ``norm_all_reduce`` (an
 in-place sum over the ranks). Every original parameter then gets its own ratio from its full
 norms, exactly as without flattening. The layouts live on the optimizer, not in
 ``param_groups``, so checkpoints (and reloading them at another world size) never carry a stale
@@ -33,42 +33,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked_rows
+from dslaunch.runtime.zero.partition import FlatLayout
 
-__all__ = ["Lamb", "FlatLayout"]
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Which original parameters a flat tensor holds: ``(param_id, length)`` pieces, in order.
-
-    ``num_params`` is the group's parameter count on every rank (the size of the norm vector
-    that is all-reduced, so it must not depend on the rank's shard).
-    """
-
-    segments: tuple[tuple[int, int], ...]
-    num_params: int
-
-    @classmethod
-    def of(cls, numels: Sequence[int], start: int, end: int) -> FlatLayout:
-        """The layout of [start, end) of the group's params flattened in order.
-
-        Args:
-            numels: element counts of the group's parameters, in flattening order.
-            start, end: the range the tensor holds (``0, sum(numels)`` without sharding).
-        """
-        segments, offset = [], 0
-        for param_id, numel in enumerate(numels):
-            lo, hi = max(start, offset), min(end, offset + numel)
-            if hi > lo:
-                segments.append((param_id, hi - lo))
-            offset += numel
-        return cls(tuple(segments), len(numels))
+__all__ = ["Lamb"]
 
 
 class Lamb(ChunkedOptimizer):

@@ -265,7 +265,7 @@ def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_group
         params: ds_config ``optimizer.params``.
         param_groups: an iterable of tensors or of param-group dicts (per-group keys such as
             ``weight_decay`` override the config's values, as in torch).
-        flat_layouts: for ZeRO's flat tensors, one ``lamb.FlatLayout`` (or None) per group:
+        flat_layouts: for ZeRO's flat tensors, one ``zero.partition.FlatLayout`` (or None) per group:
             which original parameters each flat tensor holds. Only optimizers whose update
             depends on per-parameter norms (Lamb) use it; elementwise ones ignore it.
         norm_all_reduce: in-place sum over the ranks when each holds a shard of the flat

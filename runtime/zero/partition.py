@@ -3,7 +3,9 @@
 Owns the ONE partition rule every stage and the checkpoint code share (``partition_range``), the
 flat layout of a param group (``GroupLayout``: names, shapes, offsets) and its storage
 (``FlatGroup``: module parameters become views into one flat buffer, so the model, the gradient
-buffer and, in fp32, the master shard are the same memory), and bucket planning.
+buffer and, in fp32, the master shard are the same memory), which original parameters a flat
+tensor or shard holds (``FlatLayout``, for optimizers with per-parameter norms such as Lamb), and
+bucket planning.
 
 Layout: the params of a group are concatenated, in group order, into a vector of ``numel``
 elements, padded to ``k * world_size`` (``k = ceil(numel / world_size)``) so every rank's shard
@@ -13,11 +15,12 @@ has a fixed slot of ``k`` elements; rank ``r`` owns ``partition_range(numel, wor
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["partition_range", "shard_slot", "GroupLayout", "FlatGroup", "plan_buckets"]
+__all__ = ["partition_range", "shard_slot", "GroupLayout", "FlatLayout", "FlatGroup", "plan_buckets"]
 
 
 def partition_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -69,6 +72,34 @@ class GroupLayout:
         """Slot of ``rank`` in the padded buffer (k elements; may extend past numel)."""
         k = self.padded // world_size
         return rank * k, (rank + 1) * k
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Which original parameters a flat tensor holds: ``(param_id, length)`` pieces, in order.
+
+    ``num_params`` is the group's parameter count on every rank (the size of the norm vector
+    that is all-reduced, so it must not depend on the rank's shard).
+    """
+
+    segments: tuple[tuple[int, int], ...]
+    num_params: int
+
+    @classmethod
+    def of(cls, numels: Sequence[int], start: int, end: int) -> FlatLayout:
+        """The layout of [start, end) of the group's params flattened in order.
+
+        Args:
+            numels: element counts of the group's parameters, in flattening order.
+            start, end: the range the tensor holds (``0, sum(numels)`` without sharding).
+        """
+        segments, offset = [], 0
+        for param_id, numel in enumerate(numels):
+            lo, hi = max(start, offset), min(end, offset + numel)
+            if hi > lo:
+                segments.append((param_id, hi - lo))
+            offset += numel
+        return cls(tuple(segments), len(numels))
 
 
 class FlatGroup:

@@ -35,8 +35,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.lamb import FlatLayout
-from dslaunch.runtime.zero.partition import FlatGroup, plan_buckets
+from dslaunch.runtime.zero.partition import FlatGroup, FlatLayout, plan_buckets
 
 __all__ = ["GroupSpec", "CommSettings", "StepResult", "FlatShards", "ZeroStrategy", "OptimizerFactory",
            "BufferPool", "MAX_INFLIGHT_BUFFERS"]

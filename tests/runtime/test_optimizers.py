@@ -314,7 +314,7 @@ def _flat_lamb_run(rank: int, world: int, steps: int) -> list[float]:
     """One rank's shard of the flattened params, updated by Lamb with per-parameter segments."""
     import torch.distributed as dist
 
-    from dslaunch.runtime.lamb import FlatLayout
+    from dslaunch.runtime.zero.partition import FlatLayout
 
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -356,16 +356,8 @@ def test_flat_lamb_without_segments_is_one_layer() -> None:
     assert not torch.allclose(flat.detach(), torch.cat([p.reshape(-1) for p in expected]), rtol=1e-5, atol=1e-6)
 
 
-def test_flat_layout() -> None:
-    from dslaunch.runtime.lamb import FlatLayout
-
-    assert FlatLayout.of([4, 3, 5], 0, 12).segments == ((0, 4), (1, 3), (2, 5))
-    assert FlatLayout.of([4, 3, 5], 3, 8) == FlatLayout(((0, 1), (1, 3), (2, 1)), 3)
-    assert FlatLayout.of([4, 3, 5], 12, 12).segments == ()
-
-
 def test_flat_layout_is_not_saved_in_the_optimizer_state() -> None:
-    from dslaunch.runtime.lamb import FlatLayout
+    from dslaunch.runtime.zero.partition import FlatLayout
 
     flat = torch.zeros(12, requires_grad=True)
     opt = build_optimizer("Lamb", {}, [flat], flat_layouts=[FlatLayout.of([4, 3, 5], 0, 12)])
@@ -377,7 +369,7 @@ def test_flat_layout_is_not_saved_in_the_optimizer_state() -> None:
 
 
 def test_lamb_empty_shard_still_joins_the_norm_reduction() -> None:
-    from dslaunch.runtime.lamb import FlatLayout
+    from dslaunch.runtime.zero.partition import FlatLayout
 
     empty = torch.zeros(0, requires_grad=True)
     empty.grad = torch.zeros(0)

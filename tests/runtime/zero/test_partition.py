@@ -1,4 +1,4 @@
-"""The partition rule and bucket planning: disjoint, covering, in the contract's formula."""
+"""The partition rule, bucket planning and flat layouts: disjoint, covering, in the contract's formula."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dslaunch.runtime.zero.partition import GroupLayout, partition_range, plan_buckets
+from dslaunch.runtime.zero.partition import FlatLayout, GroupLayout, partition_range, plan_buckets
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
@@ -40,3 +40,9 @@ def test_buckets_hold_whole_params_and_cover(sizes: list[int], bucket: int) -> N
             assert b - a <= bucket or len(idx) == 1
             assert lay.param_range(nxt[2][0])[1] - a > bucket
     assert lay.padded == 3 * math.ceil(lay.numel / 3) and (lay.start, lay.end) == partition_range(lay.numel, 3, 1)
+
+
+def test_flat_layout() -> None:
+    assert FlatLayout.of([4, 3, 5], 0, 12).segments == ((0, 4), (1, 3), (2, 5))
+    assert FlatLayout.of([4, 3, 5], 3, 8) == FlatLayout(((0, 1), (1, 3), (2, 1)), 3)
+    assert FlatLayout.of([4, 3, 5], 12, 12).segments == ()
