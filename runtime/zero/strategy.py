@@ -35,7 +35,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.zero.partition import FlatGroup, FlatLayout, plan_buckets
+from dslaunch.runtime.zero.flat import FlatGroup
+from dslaunch.runtime.zero.partition import FlatLayout, plan_buckets
 
 __all__ = ["GroupSpec", "CommSettings", "StepResult", "FlatShards", "ZeroStrategy", "OptimizerFactory",
            "BufferPool", "MAX_INFLIGHT_BUFFERS"]

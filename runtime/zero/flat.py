@@ -1,0 +1,73 @@
+"""A param group's flat storage: the module's parameters become views into one buffer.
+
+The model weights, the gradient buffer (laid out alike) and, for an fp32 model, the master shard
+are the same memory; a 16-bit model gets a separate fp32 master of this rank's range. The layout
+(offsets, this rank's range, padding) is ``partition.GroupLayout``.
+
+Limitations: the whole group is always allocated (``layout.padded`` elements) on every rank;
+stage 3 needs a storage that holds only this rank's shard and gathers the rest on demand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dslaunch.runtime.zero.partition import GroupLayout
+
+__all__ = ["FlatGroup"]
+
+
+class FlatGroup:
+    """One param group's flat storage: parameters re-pointed into a single contiguous buffer.
+
+    ``flat`` (model dtype, ``layout.padded`` elements) holds the weights; each parameter's
+    ``.data`` is a view into it. ``master`` is this rank's fp32 shard (a view of ``flat`` when the
+    model is fp32, a separate copy otherwise), wrapped as the Parameter the optimizer updates.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
+                 world_size: int, rank: int, partitioned: bool):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise TypeError(f"a param group mixes dtypes {sorted(map(str, dtypes))}; "
+                            "cast the model to one dtype before initialize()")
+        self.params = params
+        self.hparams = hparams
+        self.dtype = params[0].dtype
+        self.layout = GroupLayout.build(names, [tuple(p.shape) for p in params], world_size, rank,
+                                        partitioned)
+        lay = self.layout
+        # empty, not zeros: pages are touched as each param moves in and its old storage is freed,
+        # so flattening never holds two copies of the model (peak RSS).
+        self.flat = torch.empty(lay.padded, dtype=self.dtype, device=params[0].device)
+        self.flat[lay.numel:].zero_()
+        for i, p in enumerate(params):
+            a, b = lay.param_range(i)
+            self.flat[a:b].copy_(p.data.reshape(-1))
+            p.data = self.flat[a:b].view(p.shape)
+        own = self.flat[lay.start:lay.end]
+        data = own if self.dtype == torch.float32 else own.float()
+        # nn.Parameter aliases ``data``: in fp32 the optimizer updates the model weights in place.
+        self.master = torch.nn.Parameter(data, requires_grad=False)
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``buffer`` (laid out like ``flat``) shaped like each parameter."""
+        return [buffer[a:b].view(s) for (a, b), s in
+                zip(map(self.layout.param_range, range(len(self.params))), self.layout.shapes, strict=True)]
+
+    def copy_master_to_model(self) -> None:
+        """Write the fp32 master shard into this rank's slice of the model weights."""
+        if not self._master_aliases_model():
+            self.flat[self.layout.start:self.layout.end].copy_(self.master.data)
+
+    def copy_model_to_master(self) -> None:
+        """Read this rank's slice of the model weights into the fp32 master shard."""
+        if not self._master_aliases_model():
+            self.master.data.copy_(self.flat[self.layout.start:self.layout.end])
+
+    def _master_aliases_model(self) -> bool:
+        return self.master.data.data_ptr() == self.flat.data_ptr() + self.layout.start * self.flat.element_size()
