@@ -26,7 +26,8 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.zero import strategy_class
-from dslaunch.runtime.zero.strategy import CommSettings, FlatShards, GroupSpec, ZeroStrategy
+from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec
+from dslaunch.runtime.zero.strategy import ZeroStrategy
 
 __all__ = ["EngineParts", "build_components"]
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -38,56 +36,11 @@ import torch.distributed as dist
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.partition import FlatLayout, plan_buckets
 from dslaunch.runtime.zero.publisher import ShardPublisher
+from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
 
-__all__ = ["GroupSpec", "CommSettings", "StepResult", "FlatShards", "ZeroStrategy", "OptimizerFactory",
-           "BufferPool", "MAX_INFLIGHT_BUFFERS"]
+__all__ = ["ZeroStrategy", "BufferPool", "MAX_INFLIGHT_BUFFERS"]
 
 MAX_INFLIGHT_BUFFERS = 2  # reductions in flight in a buffer of their own; bounds the transient memory
-
-
-@dataclass(frozen=True)
-class FlatShards:
-    """What the optimizer's flat tensors hold, for updates that need per-parameter norms (Lamb).
-
-    ``layouts[i]``: which original parameters (in flat order) group i's tensor holds, i.e. this
-    rank's [start, end) of the group. ``norm_all_reduce``: in-place sum over the data-parallel
-    group when ranks hold disjoint shards (stages 1/2), else None.
-    """
-
-    layouts: list[FlatLayout]
-    norm_all_reduce: Callable[[torch.Tensor], None] | None
-
-
-OptimizerFactory = Callable[[list[dict], FlatShards], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """One param group as the engine hands it over: trainable params, their names, hparams."""
-
-    params: list[torch.nn.Parameter]
-    names: list[str]
-    hparams: dict
-
-
-@dataclass(frozen=True)
-class CommSettings:
-    """Communication knobs, read from the config once by the engine."""
-
-    reduce_bucket_numel: int = 500_000_000
-    allgather_bucket_numel: int = 500_000_000
-    overlap_comm: bool = False
-    comm_dtype: torch.dtype | None = None  # None: the gradient dtype
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What the engine learns from a boundary step."""
-
-    overflow: bool
-    grad_norm: float | None  # unscaled, before clipping (inf/nan on overflow; None: not computed)
 
 
 class BufferPool:

@@ -1,0 +1,61 @@
+"""What the engine hands a ZeRO strategy and what it gets back: plain frozen records.
+
+``GroupSpec`` (a param group), ``CommSettings`` (the communication knobs, read from the config
+once), ``FlatShards`` (what the optimizer's flat tensors hold) and ``StepResult``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dslaunch.runtime.zero.partition import FlatLayout
+
+__all__ = ["GroupSpec", "CommSettings", "StepResult", "FlatShards", "OptimizerFactory"]
+
+
+@dataclass(frozen=True)
+class FlatShards:
+    """What the optimizer's flat tensors hold, for updates that need per-parameter norms (Lamb).
+
+    ``layouts[i]``: which original parameters (in flat order) group i's tensor holds, i.e. this
+    rank's [start, end) of the group. ``norm_all_reduce``: in-place sum over the data-parallel
+    group when ranks hold disjoint shards (stages 1/2), else None.
+    """
+
+    layouts: list[FlatLayout]
+    norm_all_reduce: Callable[[torch.Tensor], None] | None
+
+
+OptimizerFactory = Callable[[list[dict], FlatShards], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One param group as the engine hands it over: trainable params, their names, hparams."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    hparams: dict
+
+
+@dataclass(frozen=True)
+class CommSettings:
+    """Communication knobs, read from the config once by the engine."""
+
+    reduce_bucket_numel: int = 500_000_000
+    allgather_bucket_numel: int = 500_000_000
+    overlap_comm: bool = False
+    comm_dtype: torch.dtype | None = None  # None: the gradient dtype
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the engine learns from a boundary step."""
+
+    overflow: bool
+    grad_norm: float | None  # unscaled, before clipping (inf/nan on overflow; None: not computed)
