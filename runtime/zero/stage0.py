@@ -17,14 +17,11 @@ would silently diverge, so the step raises ``UsageError`` instead.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any
-
 import torch
-import torch.distributed as dist
 
 from dslaunch.errors import UsageError
-from dslaunch.runtime.zero.strategy import MAX_INFLIGHT_BUFFERS, ZeroStrategy
+from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
+from dslaunch.runtime.zero.strategy import ZeroStrategy
 
 __all__ = ["Stage0"]
 
@@ -35,32 +32,28 @@ class Stage0(ZeroStrategy):
     stage = 0
     partitioned = False
 
-    def _init_gradients(self) -> None:
+    def _init_gradients(self) -> BucketReducer:
         # Every element in [0, numel) is written by the first backward (_adopt_grad) before use.
         self._gflat = [torch.empty(g.layout.padded, dtype=g.dtype, device=g.flat.device)
                        for g in self.groups]
         self._views = [g.param_views(gf) for g, gf in zip(self.groups, self._gflat, strict=True)]
         self._master_grads: list[torch.Tensor | None] = [None] * len(self.groups)
         self._unreduced = False  # a backward since the last reduction left rank-local gradients
-        self._reset_buckets()
         for gi, g in enumerate(self.groups):
             for pi, p in enumerate(g.params):
                 p.register_post_accumulate_grad_hook(self._hook(gi, pi))
+        # In place in the full buffer; only a converted copy holds a pooled buffer.
+        return self._make_reducer(MAX_INFLIGHT_BUFFERS, source=self._bucket_grads)
 
-    def _reset_buckets(self) -> None:
-        self._pending = [len(idx) for _, _, _, idx in self._bucket_list]
-        self._next = len(self._bucket_list) - 1  # launch order: last bucket first
-        self._works: deque[tuple[Any, torch.Tensor, torch.Tensor]] = deque()
-        self._copies = 0  # works reducing a converted copy (a pooled buffer) instead of in place
+    def _bucket_grads(self, bi: int) -> torch.Tensor:
+        b = self._reducer.buckets[bi]
+        return self._gflat[b.group][b.begin:b.end]
 
     def _hook(self, gi: int, pi: int):
         def on_grad(p: torch.Tensor) -> None:
             self._adopt_grad(gi, pi)
             if self.comm.overlap_comm and self._boundary and self._sync:
-                self._pending[self._bucket_of[(gi, pi)]] -= 1
-                while self._next >= 0 and self._pending[self._next] == 0:
-                    self._launch(self._next)
-                    self._next -= 1
+                self._reducer.ready(gi, pi)
         return on_grad
 
     def _adopt_grad(self, gi: int, pi: int, unused_is_zero: bool = False) -> None:
@@ -75,28 +68,6 @@ class Stage0(ZeroStrategy):
             view.copy_(p.grad)
             p.grad = view
 
-    def _launch(self, bi: int) -> None:
-        gi, a, b, _ = self._bucket_list[bi]
-        t = self._gflat[gi][a:b]
-        dtype = self._comm_dtype(t.dtype)
-        buf = t if dtype == t.dtype else self._comm_pool.take(b - a, dtype, t.device).copy_(t)
-        pre = self._pre_factor()
-        if pre != 1.0:
-            buf.mul_(pre)
-        work = dist.all_reduce(buf, group=self.pg, async_op=True) if self.world_size > 1 else None
-        self._works.append((work, buf, t))
-        self._copies += buf is not t
-        while self._copies > MAX_INFLIGHT_BUFFERS:  # bound the converted copies held at once
-            self._finish(*self._works.popleft())
-
-    def _finish(self, work: Any, buf: torch.Tensor, t: torch.Tensor) -> None:
-        if work is not None:
-            work.wait()
-        if buf is not t:
-            t.copy_(buf)
-            self._comm_pool.give(buf)
-            self._copies -= 1
-
     def end_backward(self) -> None:
         for gi, g in enumerate(self.groups):
             for pi in range(len(g.params)):
@@ -104,14 +75,8 @@ class Stage0(ZeroStrategy):
         if not (self._boundary and self._sync):
             self._unreduced = True
             return
-        while self._next >= 0:
-            self._launch(self._next)
-            self._next -= 1
-        while self._works:
-            self._finish(*self._works.popleft())
+        self._reducer.flush()
         self._unreduced = False
-        self._reset_buckets()
-
     def _gather_grad_shards(self) -> list[torch.Tensor]:
         if self._unreduced:
             raise UsageError("engine.step() at a gradient accumulation boundary found gradients that "

@@ -34,42 +34,12 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.runtime.zero.flat import FlatGroup
-from dslaunch.runtime.zero.partition import FlatLayout, plan_buckets
+from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.publisher import ShardPublisher
+from dslaunch.runtime.zero.reducer import BucketReducer
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
 
-__all__ = ["ZeroStrategy", "BufferPool", "MAX_INFLIGHT_BUFFERS"]
-
-MAX_INFLIGHT_BUFFERS = 2  # reductions in flight in a buffer of their own; bounds the transient memory
-
-
-class BufferPool:
-    """Recycled flat communication buffers of ``numel`` elements, and the bytes they hold.
-
-    A fresh multi-MB allocation costs page faults every step (measured here: 4M floats fresh
-    8.7 ms vs 1.3 ms reused), more than the copy itself, so buffers are kept between steps rather
-    than freed. Every buffer allocated is either free here or in use (being filled or in flight),
-    so ``held_bytes`` is exactly what the strategy holds for communication, now and at its peak.
-    """
-
-    def __init__(self, numel: int):
-        self.numel = numel
-        self.held_bytes = 0
-        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of ``numel`` (<= ``self.numel``) elements; contents undefined."""
-        free = self._free.setdefault((dtype, device), [])
-        if free:
-            return free.pop()[:numel]
-        buf = torch.empty(self.numel, dtype=dtype, device=device)
-        self.held_bytes += buf.numel() * buf.element_size()
-        return buf[:numel]
-
-    def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer from ``take`` (the caller no longer uses it)."""
-        base = buf._base if buf._base is not None else buf
-        self._free.setdefault((base.dtype, base.device), []).append(base)
+__all__ = ["ZeroStrategy"]
 
 
 class ZeroStrategy(ABC):
@@ -106,12 +76,7 @@ class ZeroStrategy(ABC):
         # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.partitioned or any(g.dtype != torch.float32 for g in self.groups)
-        # Reduction buckets, (group index, begin, end, param indices) in flat order, launched last first.
-        self._bucket_list = self._buckets(comm.reduce_bucket_numel)
-        self._bucket_of = {(gi, pi): bi for bi, (gi, _, _, idx) in enumerate(self._bucket_list)
-                           for pi in idx}
-        self._comm_pool = BufferPool(max(b - a for _, a, b, _ in self._bucket_list))
-        self._init_gradients()
+        self._reducer = self._init_gradients()
 
     def _flat_shards(self) -> FlatShards:
         layouts = [FlatLayout.of([math.prod(shape) for shape in g.layout.shapes], g.layout.start, g.layout.end)
@@ -124,8 +89,8 @@ class ZeroStrategy(ABC):
 
     # ----- hooks the stages implement -------------------------------------------------------
     @abstractmethod
-    def _init_gradients(self) -> None:
-        """Allocate gradient storage and register backward hooks."""
+    def _init_gradients(self) -> BucketReducer:
+        """Allocate gradient storage, register backward hooks; return the gradient reducer."""
 
     @abstractmethod
     def end_backward(self) -> None:
@@ -239,13 +204,9 @@ class ZeroStrategy(ABC):
             g.copy_model_to_master()
 
     # ----- helpers for stages ----------------------------------------------------------------
-    def _buckets(self, bucket_numel: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
-        """All groups' buckets as (group index, begin, end, param indices), in flat order."""
-        return [(gi, a, b, idx) for gi, g in enumerate(self.groups)
-                for a, b, idx in plan_buckets(g.layout, bucket_numel)]
-
-    def _comm_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
-        return self.comm.comm_dtype or grad_dtype
+    def _make_reducer(self, max_inflight: int, source: Any = None, sink: Any = None) -> BucketReducer:
+        return BucketReducer(self.groups, self.comm.reduce_bucket_numel, self.comm.comm_dtype,
+                             self._pre_factor(), max_inflight, self.world_size, self.pg, source, sink)
 
     # ----- checkpoint state (format fixed by the contract) ------------------------------------
     def state_dict(self) -> dict:
@@ -319,7 +280,7 @@ class ZeroStrategy(ABC):
                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)  # not step counters
         master = sum(g.master.numel() * 4 for g in self.groups if g.dtype != torch.float32)
         return {"optimizer_state": opt, "master": master, "gradients": self._grad_bytes(),
-                "comm_buffers": self._comm_pool.held_bytes}
+                "comm_buffers": self._reducer.pool.held_bytes}
 
     @abstractmethod
     def _grad_bytes(self) -> int:

@@ -113,7 +113,7 @@ def _held(rank: int, world: int, stage: int, extra: dict, zero: dict) -> dict:
 def test_partitioned_state_is_one_nth_of_stage0(world: int) -> None:
     """Optimizer state, fp32 masters and (stage 2) gradients per rank are 1/N of stage 0's (up to
     the padding of the last shard); communication buffers are bounded by the bucket size."""
-    from dslaunch.runtime.zero.strategy import MAX_INFLIGHT_BUFFERS
+    from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS
 
     by_rank = run_world(_held_all, world)
     for name, (extra, zero) in _MEMORY_CASES.items():
