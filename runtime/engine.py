@@ -58,7 +58,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.zero.synchronize()  # parameters gathered after the last step must be in place
+        self.zero.pre_forward()  # parameters gathered after the last step must be in place
         with self._timer("forward"):
             return self.module(*args, **kwargs)
 
@@ -73,6 +73,7 @@ class DeepSpeedEngine(torch.nn.Module):
             loss = loss / self.config.gradient_accumulation_steps
         with self._timer("backward"):
             self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
+            self.zero.post_backward()
         with self._timer("allreduce"):
             self.zero.end_backward()
         return loss

@@ -52,6 +52,18 @@ class CommSettings:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
 
+    def pre_factor(self) -> float:
+        """Multiplies gradients before the reduction: 1 / ``gradient_predivide_factor`` with
+        ``prescale_gradients``, else 1."""
+        return 1.0 / self._predivide()
+
+    def post_factor(self, world_size: int) -> float:
+        """Multiplies the reduced sum so that, with ``pre_factor``, it becomes the mean."""
+        return self._predivide() / world_size
+
+    def _predivide(self) -> float:
+        return self.gradient_predivide_factor if self.prescale_gradients else 1.0
+
 
 @dataclass(frozen=True)
 class StepResult:

@@ -1,18 +1,22 @@
-"""The ZeRO strategy interface and what all stages share.
+"""The ZeRO strategy: a placement and a gradient path, composed; the step every stage shares.
 
-A strategy owns the flat parameter storage (``FlatGroup`` per param group), the gradients, the
-fp32 master shard, the optimizer over that shard and every collective. The engine drives it
-through a small lifecycle and never asks which stage it is:
+A strategy is a ``placement`` (where the fp32 master weights and optimizer state live:
+``placement.Replicated`` or ``placement.Sharded``) and a ``gradients`` path (how gradients are kept
+and reduced: ``gradients.FullGradients`` or ``gradients.ShardedGradients``). A stage
+(``stage0.py`` ...) is one such pair; ``registry.py`` lists them. The strategy owns the flat
+parameter storage (through its placement), the optimizer over the master shards and the step.
+The engine drives it through a small lifecycle and never asks which stage it is:
 
+    pre_forward()                before the module's forward: the parameters must be usable
     begin_micro_step(boundary)   before backward: will this micro step end an accumulation?
+    post_backward()              right after loss.backward() (no-op below stage 3)
     end_backward()               after loss.backward(): finish the communication of this step
     step(loss_scale, clip)       at the boundary: unscale, clip, overflow check, update, publish
     zero_grad()                  forget accumulated gradients (the engine's, and ``engine.zero_grad()``)
     state_dict()/load_state_dict(sd)   the checkpoint format of the contract (all stages)
 
-Stages differ only in ``_make_grad_reducer`` style hooks: how gradients are reduced (stage 0/1:
-bucketed all-reduce of the full gradient at the boundary; stage 2: buckets reduced into the owning
-shard as backward produces them) and whether updated shards must be published (stage 1/2).
+``pre_forward`` and ``post_backward`` are where stage 3 will gather the parameters it holds only a
+shard of and release them again; stages 0-2 only wait in ``pre_forward`` for the last publish.
 
 The gradients belong to the strategy. ``master.grad`` points at them only while ``step`` runs, so a
 client calling ``optimizer.zero_grad()`` (to None or in place) at any point cannot touch them: the
@@ -27,23 +31,23 @@ unscale and the clip coefficient are folded into ONE multiply of this rank's fp3
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.zero.flat import FlatGroup
+from dslaunch.runtime.zero.gradients import GradientPath
 from dslaunch.runtime.zero.partition import FlatLayout
-from dslaunch.runtime.zero.publisher import ShardPublisher
-from dslaunch.runtime.zero.reducer import BucketReducer
+from dslaunch.runtime.zero.placement import Placement
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
 
 __all__ = ["ZeroStrategy"]
 
 
-class ZeroStrategy(ABC):
-    """Base of the ZeRO stages: flat storage, optimizer over the master shard, shared step logic.
+class ZeroStrategy:
+    """A ZeRO stage: a placement and a gradient path, the optimizer over the master, the step.
+
+    Subclasses (the stages) set ``stage``, ``placement_type`` and ``gradients_type`` and nothing else.
 
     Args:
         groups: the trainable param groups (``GroupSpec``), in optimizer group order.
@@ -56,7 +60,8 @@ class ZeroStrategy(ABC):
     """
 
     stage: ClassVar[int]
-    partitioned: ClassVar[bool]  # do ranks own disjoint shards of the master/optimizer state?
+    placement_type: ClassVar[type[Placement]]
+    gradients_type: ClassVar[type[GradientPath]]
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
                  process_group: Any = None):
@@ -64,64 +69,56 @@ class ZeroStrategy(ABC):
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         self.comm = comm
-        self.groups = [FlatGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank,
-                                 self.partitioned) for g in groups]
+        self.placement = self.placement_type(groups, comm, self.world_size, self.rank, process_group)
+        self.groups = self.placement.groups
+        self.publisher = self.placement.publisher
         self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups],
                                         self._flat_shards())
-        self._boundary = True
-        self._sync = True  # False inside engine.no_sync()
-        self.publisher = ShardPublisher(self.groups, self.world_size, self.rank,
-                                        comm.allgather_bucket_numel, comm.overlap_comm,
-                                        process_group) if self.partitioned else None
         # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
-        self._always_norm = self.partitioned or any(g.dtype != torch.float32 for g in self.groups)
-        self._reducer = self._init_gradients()
+        self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
+        self.gradients = self.gradients_type(self.groups, comm, self.world_size, process_group)
+
+    @property
+    def partitioned(self) -> bool:
+        """Ranks own disjoint shards of the master and optimizer state (each saves its own)."""
+        return self.placement.partitioned
 
     def _flat_shards(self) -> FlatShards:
         layouts = [FlatLayout.of([math.prod(shape) for shape in g.layout.shapes], g.layout.start, g.layout.end)
                    for g in self.groups]
-        reduce = None
-        if self.partitioned and self.world_size > 1:
-            def reduce(t: torch.Tensor) -> None:
-                dist.all_reduce(t, group=self.pg)
-        return FlatShards(layouts, reduce)
-
-    # ----- hooks the stages implement -------------------------------------------------------
-    @abstractmethod
-    def _init_gradients(self) -> BucketReducer:
-        """Allocate gradient storage, register backward hooks; return the gradient reducer."""
-
-    @abstractmethod
-    def end_backward(self) -> None:
-        """After loss.backward(): complete this micro step's reductions (collective)."""
-
-    @abstractmethod
-    def _gather_grad_shards(self) -> list[torch.Tensor]:
-        """Point each ``master.grad`` at this rank's reduced (not yet post-scaled) gradient.
-
-        Raises:
-            UsageError: the gradients were not reduced across ranks (stage 0/1: the boundary
-                backward ran inside ``no_sync()``, or no backward ran at the boundary).
-        """
-
-    @abstractmethod
-    def zero_grad(self) -> None:
-        """Forget the accumulated gradients."""
-
-    def _publish_params(self) -> None:
-        """Make every rank's updated shard visible in every rank's model (stage 1/2)."""
-        if self.publisher is not None:
-            self.publisher.publish()
+        return FlatShards(layouts, self.placement.norm_all_reduce)
 
     def synchronize(self) -> None:
         """Wait for in-flight parameter gathers: call before anything reads the module weights."""
-        if self.publisher is not None:
-            self.publisher.wait()
+        self.placement.wait()
 
     # ----- lifecycle --------------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        """Before the module's forward: make the parameters usable (stages 0-2: wait for the last
+        publish; stage 3 will gather what this rank holds only a shard of)."""
+        self.synchronize()
+
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
-        self._boundary, self._sync = boundary, sync
+        """Before backward: whether this micro step ends an accumulation, and whether it reduces.
+
+        Raises:
+            UsageError: ``sync=False`` (``no_sync()``) where gradients must be reduced every micro
+                step (stage 2).
+        """
+        self.gradients.begin_micro_step(boundary, sync)
+
+    def post_backward(self) -> None:
+        """Right after loss.backward(), before ``end_backward``: a no-op below stage 3, which will
+        release the parameters gathered for backward here."""
+
+    def end_backward(self) -> None:
+        """After loss.backward(): complete this micro step's reductions (collective)."""
+        self.gradients.end_backward()
+
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradients."""
+        self.gradients.zero_grad()
 
     def step(self, loss_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = False) -> StepResult:
         """Unscale and clip this rank's gradient shard, skip on overflow, else update and publish.
@@ -132,7 +129,9 @@ class ZeroStrategy(ABC):
 
         collective: call on all ranks at the accumulation boundary.
         """
-        grads = self._gather_grad_shards()
+        grads = self.gradients.shards()
+        for g, grad in zip(self.groups, grads, strict=True):
+            g.master.grad = grad
         try:
             return self._update(grads, loss_scale, clip, check_overflow)
         finally:
@@ -143,7 +142,7 @@ class ZeroStrategy(ABC):
 
     def _update(self, grads: list[torch.Tensor], loss_scale: float, clip: float,
                 check_overflow: bool) -> StepResult:
-        post = self._post_factor() / loss_scale
+        post = self.comm.post_factor(self.world_size) / loss_scale
         guard = clip > 0 or check_overflow
         norm = self._global_norm(grads) * post if guard or self._always_norm else None
         if guard and not math.isfinite(norm):
@@ -154,7 +153,7 @@ class ZeroStrategy(ABC):
         self._optimizer_step(grads, factor)
         for g in self.groups:
             g.copy_master_to_model()
-        self._publish_params()
+        self.placement.publish()
         return StepResult(False, norm)
 
     def _optimizer_step(self, grads: list[torch.Tensor], factor: float) -> None:
@@ -176,21 +175,14 @@ class ZeroStrategy(ABC):
             torch._foreach_mul_(grads, factor)
             opt.step()
 
-    def _post_factor(self) -> float:
-        pre = self.comm.gradient_predivide_factor if self.comm.prescale_gradients else 1.0
-        return pre / self.world_size
-
-    def _pre_factor(self) -> float:
-        pre = self.comm.gradient_predivide_factor if self.comm.prescale_gradients else 1.0
-        return 1.0 / pre
-
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         sq = torch.zeros((), dtype=torch.float64)
         for t in grads:
             if t.numel():
                 sq += torch.linalg.vector_norm(t, dtype=torch.float32).double() ** 2
-        if self.partitioned and self.world_size > 1:
-            dist.all_reduce(sq, group=self.pg)  # gloo/nccl sum; inf/nan propagate to all ranks
+        reduce = self.placement.norm_all_reduce
+        if reduce is not None:
+            reduce(sq)
         return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
 
     def sync_master_from_model(self) -> None:
@@ -202,11 +194,6 @@ class ZeroStrategy(ABC):
         self.synchronize()
         for g in self.groups:
             g.copy_model_to_master()
-
-    # ----- helpers for stages ----------------------------------------------------------------
-    def _make_reducer(self, max_inflight: int, source: Any = None, sink: Any = None) -> BucketReducer:
-        return BucketReducer(self.groups, self.comm.reduce_bucket_numel, self.comm.comm_dtype,
-                             self._pre_factor(), max_inflight, self.world_size, self.pg, source, sink)
 
     # ----- checkpoint state (format fixed by the contract) ------------------------------------
     def state_dict(self) -> dict:
@@ -263,7 +250,7 @@ class ZeroStrategy(ABC):
         for g in self.groups:
             g.copy_master_to_model()
         if not full:
-            self._publish_params()
+            self.placement.publish()
         self.zero_grad()
 
     # ----- introspection ------------------------------------------------------------------
@@ -279,9 +266,5 @@ class ZeroStrategy(ABC):
         opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)  # not step counters
         master = sum(g.master.numel() * 4 for g in self.groups if g.dtype != torch.float32)
-        return {"optimizer_state": opt, "master": master, "gradients": self._grad_bytes(),
-                "comm_buffers": self._reducer.pool.held_bytes}
-
-    @abstractmethod
-    def _grad_bytes(self) -> int:
-        """Bytes of gradient storage this rank keeps between micro steps."""
+        return {"optimizer_state": opt, "master": master, "gradients": self.gradients.held_bytes(),
+                "comm_buffers": self.gradients.reducer.pool.held_bytes}

@@ -1,0 +1,230 @@
+"""How gradients are kept between micro steps and reduced across ranks: the two gradient paths.
+
+``FullGradients`` (stages 0 and 1): every rank holds the full gradient in one flat buffer per
+param group. After a step every ``param.grad`` is None, so the first micro step's fresh gradient
+is copied into the buffer by the hook (no zeroing pass) and ``.grad`` becomes a view of it; later
+micro steps accumulate in place. Micro steps between boundaries cost no communication. On the
+boundary micro step the buffer is all-reduced in place by the ``BucketReducer``; with
+``overlap_comm`` each bucket launches from a post-accumulate-grad hook as soon as backward has
+produced all of its gradients. A boundary step applies only reduced gradients: if the last
+backward before it ran inside ``no_sync()`` (or not at the boundary), each rank would apply its own
+gradient and the ranks would silently diverge, so the step raises ``UsageError`` instead.
+
+``ShardedGradients`` (stage 2): no full gradient buffer is kept. A post-accumulate-grad hook copies
+each fresh ``param.grad`` into its bucket's staging buffer (``contiguous_gradients`` always on)
+and frees it; each reduced bucket's part inside this rank's range is added to an fp32 gradient
+shard of ``partition_range`` size. With ``overlap_comm`` reductions run while backward continues
+(backward waits only past ``MAX_INFLIGHT_BUFFERS`` buckets in flight); without it each bucket is
+reduced at once. Every micro step communicates (the shard is all a rank keeps), as in DeepSpeed,
+so ``no_sync()`` is refused.
+
+Both hand the strategy this rank's reduced, not yet post-scaled, gradient per group (``shards``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from dslaunch.errors import UsageError
+from dslaunch.runtime.zero.flat import FlatGroup
+from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
+from dslaunch.runtime.zero.specs import CommSettings
+
+__all__ = ["GradientPath", "FullGradients", "ShardedGradients"]
+
+
+class GradientPath(ABC):
+    """Gradient storage, the backward hooks that fill it and the reducer that averages it.
+
+    collective: construct on all ranks; ``end_backward`` is a collective where it reduces.
+    """
+
+    def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int, process_group: Any,
+                 *, max_inflight: int, source: Any = None, sink: Any = None):
+        self.groups, self.comm = groups, comm
+        self._boundary = True
+        self._sync = True  # False inside engine.no_sync()
+        self.reducer = BucketReducer(groups, comm.reduce_bucket_numel, comm.comm_dtype, comm.pre_factor(),
+                                     max_inflight, world_size, process_group, source, sink)
+        for gi, g in enumerate(groups):
+            for pi, p in enumerate(g.params):
+                p.register_post_accumulate_grad_hook(self._hook(gi, pi))
+
+    def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
+        self._boundary, self._sync = boundary, sync
+
+    def _hook(self, gi: int, pi: int):
+        def on_grad(p: torch.Tensor) -> None:
+            self._on_grad(gi, pi)
+        return on_grad
+
+    @abstractmethod
+    def _on_grad(self, gi: int, pi: int) -> None:
+        """Backward accumulated param pi of group gi's gradient into ``.grad``."""
+
+    @abstractmethod
+    def end_backward(self) -> None:
+        """After loss.backward(): complete this micro step's reductions (collective)."""
+
+    @abstractmethod
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's reduced (not yet post-scaled) fp32 gradient of each group's master.
+
+        Raises:
+            UsageError: the gradients were not reduced across ranks.
+        """
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradients."""
+
+    @abstractmethod
+    def held_bytes(self) -> int:
+        """Bytes of gradient storage this rank keeps between micro steps."""
+
+
+class FullGradients(GradientPath):
+    """The full gradient on every rank, all-reduced at the accumulation boundary (stages 0/1)."""
+
+    def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
+                 process_group: Any = None):
+        # Every element in [0, numel) is written by the first backward (_adopt_grad) before use.
+        self._gflat = [torch.empty(g.layout.padded, dtype=g.dtype, device=g.flat.device) for g in groups]
+        self._views = [g.param_views(gf) for g, gf in zip(groups, self._gflat, strict=True)]
+        self._master_grads: list[torch.Tensor | None] = [None] * len(groups)
+        self._unreduced = False  # a backward since the last reduction left rank-local gradients
+        # Reduced in place: only a copy in another communication dtype holds a pooled buffer.
+        super().__init__(groups, comm, world_size, process_group, max_inflight=MAX_INFLIGHT_BUFFERS,
+                         source=self._bucket_grads)
+
+    def _bucket_grads(self, bi: int) -> torch.Tensor:
+        b = self.reducer.buckets[bi]
+        return self._gflat[b.group][b.begin:b.end]
+
+    def _on_grad(self, gi: int, pi: int) -> None:
+        self._adopt_grad(gi, pi)
+        if self.comm.overlap_comm and self._boundary and self._sync:
+            self.reducer.ready(gi, pi)
+
+    def _adopt_grad(self, gi: int, pi: int, unused_is_zero: bool = False) -> None:
+        # .grad was None (after a step, or module.zero_grad()): autograd made a fresh tensor, which
+        # is the whole gradient so far; copy it into the flat buffer and point .grad there.
+        p, view = self.groups[gi].params[pi], self._views[gi][pi]
+        if p.grad is None:
+            if unused_is_zero:  # no gradient this window (unused parameter)
+                view.zero_()
+                p.grad = view
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _adopt_all(self) -> None:
+        for gi, g in enumerate(self.groups):
+            for pi in range(len(g.params)):
+                self._adopt_grad(gi, pi, unused_is_zero=True)
+
+    def end_backward(self) -> None:
+        self._adopt_all()
+        if not (self._boundary and self._sync):
+            self._unreduced = True
+            return
+        self.reducer.flush()
+        self._unreduced = False
+
+    def shards(self) -> list[torch.Tensor]:
+        if self._unreduced:
+            raise UsageError("engine.step() at a gradient accumulation boundary found gradients that "
+                             "were never reduced across ranks: the last engine.backward() before it ran "
+                             "inside no_sync() or before the boundary; run the boundary micro step's "
+                             "backward outside no_sync()")
+        self._adopt_all()  # a step without backward sees zero gradients
+        grads = []
+        for gi, (g, gf) in enumerate(zip(self.groups, self._gflat, strict=True)):
+            own = gf[g.layout.start:g.layout.end]
+            if g.dtype != torch.float32:
+                if self._master_grads[gi] is None:
+                    self._master_grads[gi] = torch.empty_like(g.master.data)
+                own = self._master_grads[gi].copy_(own)
+            grads.append(own)
+        return grads
+
+    def zero_grad(self) -> None:
+        # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).
+        self._unreduced = False
+        for g in self.groups:
+            for p in g.params:
+                p.grad = None
+
+    def held_bytes(self) -> int:
+        full = sum(gf.numel() * gf.element_size() for gf in self._gflat)
+        return full + sum(t.numel() * 4 for t in self._master_grads if t is not None)
+
+
+class ShardedGradients(GradientPath):
+    """Only this rank's fp32 gradient shard; buckets reduced into it as backward runs (stage 2)."""
+
+    def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
+                 process_group: Any = None):
+        self._shards = [torch.empty(g.layout.end - g.layout.start, dtype=torch.float32,
+                                    device=g.flat.device) for g in groups]
+        self._fresh = True  # first micro step since zero_grad: copy into the shard instead of add
+        for g in groups:
+            for p in g.params:
+                p.grad = None
+        super().__init__(groups, comm, world_size, process_group,
+                         max_inflight=MAX_INFLIGHT_BUFFERS if comm.overlap_comm else 0, sink=self._fold)
+
+    def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
+        if not sync:
+            raise UsageError("no_sync() is not supported with ZeRO stage 2: gradients are reduced "
+                             "into their owning shard every micro step (same as DeepSpeed)")
+        super().begin_micro_step(boundary, sync)
+
+    def _on_grad(self, gi: int, pi: int) -> None:
+        self._take_grad(gi, pi)
+        self.reducer.ready(gi, pi)
+
+    def _take_grad(self, gi: int, pi: int) -> None:
+        """Move param pi's gradient (zeros if it got none) into its bucket and free it."""
+        bi = self.reducer.bucket_of(gi, pi)
+        a = self.reducer.buckets[bi].begin
+        p = self.groups[gi].params[pi]
+        pa, pb = self.groups[gi].layout.param_range(pi)
+        dst = self.reducer.staging(bi)[pa - a:pb - a]
+        if p.grad is None:
+            dst.zero_()
+        else:
+            dst.copy_(p.grad.reshape(-1))
+            p.grad = None
+
+    def _fold(self, bi: int, buf: torch.Tensor) -> None:
+        """Add the part of a reduced bucket inside this rank's range to the gradient shard."""
+        b = self.reducer.buckets[bi]
+        lay = self.groups[b.group].layout
+        lo, hi = max(b.begin, lay.start), min(b.end, lay.end)
+        if lo < hi:
+            dst, src = self._shards[b.group][lo - lay.start:hi - lay.start], buf[lo - b.begin:hi - b.begin]
+            dst.copy_(src) if self._fresh else dst.add_(src)
+
+    def end_backward(self) -> None:
+        # Buckets whose params got no gradient (unused in this forward) still reduce, as zeros.
+        self.reducer.flush(fill=self._take_grad)
+        self._fresh = False  # every element of the shard has now been written
+
+    def shards(self) -> list[torch.Tensor]:
+        if self._fresh:  # a step without backward sees zero gradients
+            for s in self._shards:
+                s.zero_()
+        return self._shards
+
+    def zero_grad(self) -> None:
+        self._fresh = True  # no zeroing pass: the next reduction overwrites the shard
+        for g in self.groups:
+            for p in g.params:
+                p.grad = None
+
+    def held_bytes(self) -> int:
+        return sum(s.numel() * 4 for s in self._shards)

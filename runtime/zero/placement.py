@@ -1,0 +1,97 @@
+"""Where the fp32 master weights and the optimizer state live: on every rank, or sharded.
+
+The one place that knows what partitioning the optimizer state means for a step:
+
+- ``Replicated`` (stage 0): every rank holds the whole of each group and applies the same update;
+  norms are local, nothing needs publishing.
+- ``Sharded`` (stages 1 and 2): rank r owns ``partition_range(numel, world, r)`` of each group and
+  updates only that; norms are summed over the ranks and the updated shards are published to
+  every rank's model (``ShardPublisher``).
+
+Checkpoints read only ``partitioned``: whether every rank's state differs (each rank writes its
+own file) or rank 0's is everyone's.
+
+Stage 3 would add a placement that also shards the module's parameters (with a ``FlatGroup`` that
+holds only this rank's shard) and gathers them in the strategy's ``pre_forward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from dslaunch.runtime.zero.flat import FlatGroup
+from dslaunch.runtime.zero.publisher import ShardPublisher
+from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
+
+__all__ = ["Placement", "Replicated", "Sharded"]
+
+
+class Placement:
+    """Owns the ``FlatGroup`` of every param group, laid out for this placement.
+
+    Class attributes:
+        partitioned: ranks own disjoint shards of the master weights and optimizer state.
+        always_norm: compute the global gradient norm at every step, as DeepSpeed's ZeRO-1/2
+            optimizers do (``get_global_grad_norm``); otherwise only when clipping, the overflow
+            check or a 16-bit model needs it.
+
+    collective: construct on all ranks of the group.
+    """
+
+    partitioned: ClassVar[bool] = False
+    always_norm: ClassVar[bool] = False
+
+    def __init__(self, specs: list[GroupSpec], comm: CommSettings, world_size: int, rank: int,
+                 process_group: Any = None):
+        self.world_size, self.rank, self.pg = world_size, rank, process_group
+        self.groups = [FlatGroup(g.params, g.names, dict(g.hparams), world_size, rank, self.partitioned)
+                       for g in specs]
+        self.publisher: ShardPublisher | None = None
+
+    @property
+    def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:
+        """In-place sum over the ranks for quantities each rank has a part of; None: all local."""
+        return None
+
+    def publish(self) -> None:
+        """Make every rank's updated shard visible in every rank's model (collective)."""
+
+    def wait(self) -> None:
+        """Wait for an in-flight publish: call before anything reads the module weights."""
+
+
+class Replicated(Placement):
+    """Every rank holds the whole master and optimizer state (stage 0)."""
+
+
+class Sharded(Placement):
+    """Rank r holds ``partition_range(numel, world, r)`` of each group's master and optimizer
+    state, and publishes its updated shard after each step (stages 1 and 2)."""
+
+    partitioned = True
+    always_norm = True
+
+    def __init__(self, specs: list[GroupSpec], comm: CommSettings, world_size: int, rank: int,
+                 process_group: Any = None):
+        super().__init__(specs, comm, world_size, rank, process_group)
+        self.publisher = ShardPublisher(self.groups, world_size, rank, comm.allgather_bucket_numel,
+                                        comm.overlap_comm, process_group)
+
+    @property
+    def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:
+        if self.world_size == 1:
+            return None
+
+        def reduce(t: torch.Tensor) -> None:
+            dist.all_reduce(t, group=self.pg)  # gloo/nccl sum; inf/nan propagate to all ranks
+        return reduce
+
+    def publish(self) -> None:
+        self.publisher.publish()
+
+    def wait(self) -> None:
+        self.publisher.wait()
