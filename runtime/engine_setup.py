@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.precision import PrecisionPolicy
-from dslaunch.runtime.zero import strategy_class
+from dslaunch.runtime.zero.registry import strategy_class
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 

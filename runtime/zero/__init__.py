@@ -1,22 +1,35 @@
-"""ZeRO stages 0-2 as strategies behind one small interface (``strategy.ZeroStrategy``).
+"""ZeRO: the data-parallel strategies the engine delegates to (stages 0-2; room for stage 3).
 
-The engine picks a stage once from ``STRATEGIES`` and never asks the stage again.
+The engine picks a stage once from ``registry.STRATEGIES`` (the only list of stages) and never
+asks the stage again. What lives where:
+
+- ``registry.py``: stage -> strategy class; the valid stages for config validation and help text.
+- ``strategy.py``: ``ZeroStrategy``, the lifecycle the engine drives, the step every stage shares,
+  and the checkpoint state format.
+- ``stage0.py``, ``stage1.py``, ``stage2.py``: each stage as a placement + a gradient path.
+- ``placement.py``: where the fp32 master and optimizer state live (replicated or sharded).
+- ``gradients.py``: how gradients are kept and reduced (full buffer at the boundary, or into the
+  rank's shard as backward runs).
+- ``reducer.py``: the bucket reducer (and its buffer pool) both gradient paths use.
+- ``publisher.py``: broadcasting updated shards to every rank's model.
+- ``flat.py``: a param group's flat storage; ``partition.py``: its layout and the partition rule.
+- ``specs.py``: the records the engine hands a strategy and gets back.
+
+Not written yet:
+
+- ``stage3.py``: parameters partitioned too. A placement whose ``FlatGroup`` holds only this
+  rank's shard, gathering parameters in ``pre_forward`` (or per-submodule hooks it registers
+  there) and releasing them in ``post_backward``; gradients as stage 2's. Registered by one line
+  in ``registry.STRATEGIES``, which also makes the config accept it.
+- ``offload/``: optimizer state and master weights kept in CPU memory or on NVMe
+  (``zero_optimization.offload_optimizer``/``offload_param``), as a placement that moves shards
+  in and out around the optimizer step.
+
+Importing this package does not import torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dslaunch.runtime.zero.registry import STAGES, STRATEGIES, strategy_class
 
-# stage -> "module:Class", imported on use (keeps torch out of config parsing).
-STRATEGIES = {
-    0: "dslaunch.runtime.zero.stage0:Stage0",
-    1: "dslaunch.runtime.zero.stage1:Stage1",
-    2: "dslaunch.runtime.zero.stage2:Stage2",
-}
-
-
-def strategy_class(stage: int) -> Any:
-    """The strategy class for a ZeRO stage (the config already rejected unsupported stages)."""
-    module, name = STRATEGIES[stage].split(":")
-    return getattr(importlib.import_module(module), name)
+__all__ = ["STAGES", "STRATEGIES", "strategy_class"]
