@@ -31,6 +31,7 @@ from dslaunch.runtime.config_sections import (
     reject_unimplemented,
 )
 from dslaunch.runtime.param_schema import boolean, choice, integer, number
+from dslaunch.runtime.zero.registry import STAGES, stage_choices
 
 __all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
@@ -200,9 +201,9 @@ def _batch_triad(b: dict[str, int | None], world: int) -> dict[str, int]:
 def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
-    if cfg.zero_optimization.stage > 2:
+    if cfg.zero_optimization.stage not in STAGES:
         raise ConfigError(f"ZeRO stage {cfg.zero_optimization.stage} is accepted by DeepSpeed but not "
-                          "implemented by dslaunch yet; use 0, 1 or 2", key="zero_optimization.stage")
+                          f"implemented by dslaunch yet; use {stage_choices()}", key="zero_optimization.stage")
     if cfg.optimizer is not None:
         if cfg.optimizer.type is None:
             raise ConfigError("is required (e.g. \"AdamW\")", key="optimizer.type")

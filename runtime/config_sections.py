@@ -20,6 +20,7 @@ from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.param_schema import Option, boolean, check_params, choice, integer, number
+from dslaunch.runtime.zero.registry import stage_choices
 
 __all__ = ["parse_section", "ZeroConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
            "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
@@ -141,7 +142,7 @@ _OFFLOAD = Off({"device": ("none", None)}, switch="device")
 class ZeroConfig:
     """``zero_optimization``: which ZeRO stage and its communication knobs."""
 
-    stage: int = _opt(0, integer(0), "the ZeRO stage: 0, 1 or 2")
+    stage: int = _opt(0, integer(0), f"the ZeRO stage: {stage_choices()}")
     reduce_bucket_size: int = _opt(500_000_000, integer(1), "elements reduced per bucket, e.g. 5e8")
     allgather_bucket_size: int = _opt(500_000_000, integer(1), "elements gathered per bucket, e.g. 5e8")
     overlap_comm: bool = _opt(False, boolean, "true to overlap gradient reduction with backward")
