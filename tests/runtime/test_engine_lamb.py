@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.runtime.test_engine_equivalence import LR, WD, _assert_close, _config, _many, reference_losses
+from tests.runtime.zero.equivalence import LR, WD, assert_close, config, many, reference_losses
 
 LAMB = {"type": "Lamb", "params": {"lr": LR, "weight_decay": WD}}
 
@@ -26,7 +26,7 @@ def _lamb(params) -> torch.optim.Optimizer:
 def test_lamb_stages_0_1_2_match_single_process() -> None:
     reference = reference_losses(make_optimizer=_lamb)
     assert reference[-4] < reference[0]  # it trains (batches cycle every 4 steps)
-    configs = [_config(stage, optimizer=LAMB) for stage in (0, 1, 2)]
-    for rank_results in run_world(_many, 2, configs):
+    configs = [config(stage, optimizer=LAMB) for stage in (0, 1, 2)]
+    for rank_results in run_world(many, 2, configs):
         for losses in rank_results:
-            _assert_close(losses, reference, 1e-5)
+            assert_close(losses, reference, 1e-5)
