@@ -1,1 +1,32 @@
-"""Fused kernels (C via ctypes on CPU, Triton/CUDA on GPU), each with a reference path."""
+"""Kernels: ONE dispatch point, ``get(op, device)``, for every op a fused implementation may replace.
+
+``get`` returns the fused implementation registered for the op and the device's type when it can
+run here, else the reference (torch code). No fused kernel is written yet, so every op resolves
+to its reference; adding one is a ``Kernel`` entry in ``dispatch.KERNELS.fused`` and nothing else.
+The environment variable ``DSLAUNCH_KERNELS`` overrides the choice: ``auto`` (default),
+``reference`` (never fused) or ``fused`` (fail with ``UsageError`` where no fused kernel runs).
+
+Ops, and the signature a fused implementation must have (all update tensors in place):
+
+- ``"adam"``: ``(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, betas, eps, weight_decay,
+  bias_correction, adam_w_mode, inv_scale, chunk_numel)``: one Adam/AdamW step of parameters
+  that share the step count ``step`` (DeepSpeed FusedAdam semantics). Reference:
+  ``runtime.adam.adam_update``, used by ``runtime.adam.Adam``.
+- ``"lion"``: ``(params, grads, exp_avgs, *, lr, betas, weight_decay, inv_scale, chunk_numel)``.
+  Reference: ``runtime.lion.lion_update``, used by ``runtime.lion.Lion``.
+- ``"torch.adamw"``, ``"torch.adam"``, ``"torch.sgd"``, ``"torch.adagrad"``: ``(optimizer,
+  closure) -> loss``: one step of that torch optimizer over its ``param_groups`` and ``state``
+  (torch's layout), honouring torch's AMP protocol (``grad_scale``, ``found_inf``). Reference:
+  torch's own step (``reference.torch_step``), used by ``runtime.torch_optimizers``.
+
+``inv_scale`` is None or the factor gradients are multiplied by inside the update (the gradients
+themselves stay as they are); ``chunk_numel`` is the reference's cache-sized batch, which a fused
+kernel may ignore. Not dispatched: Lamb (its update spans a collective between two passes) and
+torch optimizers picked by name outside the registered types.
+
+Importing this package does not import torch.
+"""
+
+from dslaunch.kernels.dispatch import ENV, KERNELS, MODES, Kernel, KernelTable, get, mode
+
+__all__ = ["get", "mode", "Kernel", "KernelTable", "KERNELS", "ENV", "MODES"]

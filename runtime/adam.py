@@ -12,8 +12,9 @@ served by torch's fused implementation (see ``optimizers.py``). Per parameter, s
     p = p - step_size * m / denom
 
 State per parameter: ``step`` (0-dim float tensor), ``exp_avg``, ``exp_avg_sq``, as torch's Adam,
-so checkpoints and ZeRO shards look the same. Elementwise work runs torch's ``_foreach`` kernels
-over cache-sized batches (``optim_chunks``).
+so checkpoints and ZeRO shards look the same. The update is the ``"adam"`` op of
+``dslaunch.kernels``; its reference (``adam_update``) runs torch's ``_foreach`` kernels over
+cache-sized batches (``optim_chunks``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import Any
 
 import torch
 
-from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked
+from dslaunch import kernels
+from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, ChunkedOptimizer, chunked, unscaled
 
-__all__ = ["Adam"]
+__all__ = ["Adam", "adam_update"]
 
 
 class Adam(ChunkedOptimizer):
@@ -53,27 +55,34 @@ class Adam(ChunkedOptimizer):
         by_step: dict[int, list[torch.Tensor]] = {}
         for p in params:
             by_step.setdefault(self._count_step(p), []).append(p)
+        update = kernels.get("adam", params[0].device)
         # Params that skipped steps (no grad) have other step counts, hence other corrections.
         for t, same_step in by_step.items():
-            self._update(group, same_step, t)
+            update(same_step, [p.grad for p in same_step], [self.state[p]["exp_avg"] for p in same_step],
+                   [self.state[p]["exp_avg_sq"] for p in same_step], step=t, lr=float(group["lr"]),
+                   betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                   bias_correction=group["bias_correction"], adam_w_mode=group["adam_w_mode"],
+                   inv_scale=self._inv_scale, chunk_numel=self.chunk_numel)
 
-    def _update(self, group: dict[str, Any], params: list[torch.Tensor], t: int) -> None:
-        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        bc1, bc2 = (1.0 - beta1**t, 1.0 - beta2**t) if group["bias_correction"] else (1.0, 1.0)
-        exp_avgs = [self.state[p]["exp_avg"] for p in params]
-        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-        grads = [p.grad for p in params]
-        for ps, gs, ms, vs in chunked((params, grads, exp_avgs, exp_avg_sqs), self.chunk_numel):
-            gs = self._unscaled(gs)
-            if wd != 0.0 and not group["adam_w_mode"]:
-                gs = torch._foreach_add(gs, ps, alpha=wd)
-            torch._foreach_lerp_(ms, gs, 1.0 - beta1)
-            torch._foreach_mul_(vs, beta2)
-            torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
-            denom = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denom, math.sqrt(bc2))
-            torch._foreach_add_(denom, eps)
-            if wd != 0.0 and group["adam_w_mode"]:
-                torch._foreach_mul_(ps, 1.0 - lr * wd)
-            torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bc1)
+
+def adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float],
+                eps: float, weight_decay: float, bias_correction: bool, adam_w_mode: bool,
+                inv_scale: float | None, chunk_numel: int = CHUNK_NUMEL) -> None:
+    """The reference ``"adam"`` kernel: one step of params sharing the step count ``step``, in place."""
+    wd = weight_decay
+    beta1, beta2 = betas
+    bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
+    for ps, gs, ms, vs in chunked((params, grads, exp_avgs, exp_avg_sqs), chunk_numel):
+        gs = unscaled(gs, inv_scale)
+        if wd != 0.0 and not adam_w_mode:
+            gs = torch._foreach_add(gs, ps, alpha=wd)
+        torch._foreach_lerp_(ms, gs, 1.0 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        if wd != 0.0 and adam_w_mode:
+            torch._foreach_mul_(ps, 1.0 - lr * wd)
+        torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bc1)

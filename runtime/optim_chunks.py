@@ -9,7 +9,8 @@ tensors are batched together so a model with many small parameters still pays fe
 ``ChunkedOptimizer`` holds the torch ``step()`` protocol (closure, params with gradients, sparse
 check, and torch's AMP protocol: a ``grad_scale`` the gradients are divided by inside the update,
 a ``found_inf`` that skips it) and lazily created per-parameter state; subclasses write only
-their update, reading gradients through ``_unscaled``.
+their update, reading gradients through ``_unscaled`` (or handing ``_inv_scale`` to a kernel from
+``dslaunch.kernels``, whose reference does the same with ``unscaled``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_NUMEL", "chunked", "chunked_rows", "ChunkedOptimizer"]
+__all__ = ["CHUNK_NUMEL", "chunked", "chunked_rows", "unscaled", "ChunkedOptimizer"]
 
 #: Elements per batch: 1 MiB per fp32 tensor, so the 3-5 tensors of a step fit in L2/L3.
 CHUNK_NUMEL = 1 << 18
@@ -66,6 +67,11 @@ def chunked_rows(tensor_lists: Sequence[Sequence[torch.Tensor]], chunk_numel: in
         yield batch, rows
 
 
+def unscaled(grads: list[torch.Tensor], inv_scale: float | None) -> list[torch.Tensor]:
+    """Gradient pieces multiplied by ``inv_scale`` (a cache-sized copy; the originals stay)."""
+    return grads if inv_scale is None or inv_scale == 1.0 else torch._foreach_mul(grads, inv_scale)
+
+
 class ChunkedOptimizer(torch.optim.Optimizer):
     """Base class: ``step()`` calls ``_update_group`` for each group with the params that have grads.
 
@@ -106,8 +112,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
 
     def _unscaled(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Gradient pieces divided by ``grad_scale`` (a cache-sized copy; the originals stay)."""
-        inv = getattr(self, "_inv_scale", None)
-        return grads if inv is None or inv == 1.0 else torch._foreach_mul(grads, inv)
+        return unscaled(grads, getattr(self, "_inv_scale", None))
 
     def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """This parameter's state, created on first use."""

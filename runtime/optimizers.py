@@ -9,7 +9,8 @@ Types: ``Adam`` / ``AdamW`` (DeepSpeed's FusedAdam params; ``adam_w_mode`` defau
 ``SGD``, ``Adagrad``, ``Lion`` (``lion.py``) and ``Lamb`` (``lamb.py``); like DeepSpeed, any other
 ``torch.optim`` class by its exact name (``RMSprop``, ``NAdam``, ...). torch's optimizers are
 built with ``fused=True`` when the parameters allow it (CPU included: 3-10x faster than the
-per-tensor loop), else ``foreach=True``.
+per-tensor loop), else ``foreach=True``; the registered ones as ``torch_optimizers`` subclasses,
+whose update goes through ``dslaunch.kernels`` (as Lion's and Adam's without bias correction).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _materialize(param_groups: Any) -> list[Any]:
 
 
 def _make_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
-    import torch
+    from dslaunch.runtime import torch_optimizers
 
     # DeepSpeed: type AdamW is always decoupled; type Adam is decoupled unless adam_w_mode=false.
     decoupled = type_name == "AdamW" or p["adam_w_mode"]
@@ -89,22 +90,22 @@ def _make_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
 
         kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay")}
         return Adam(_materialize(param_groups), **kwargs, bias_correction=False, adam_w_mode=decoupled)
-    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    cls = torch_optimizers.AdamW if decoupled else torch_optimizers.Adam
     kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")}
     # torch_adam picks torch's implementation in DeepSpeed; torch's is what we always use.
     return _torch_optimizer(cls, param_groups, kwargs)
 
 
 def _make_sgd(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
-    import torch
+    from dslaunch.runtime.torch_optimizers import SGD
 
-    return _torch_optimizer(torch.optim.SGD, param_groups, dict(p))
+    return _torch_optimizer(SGD, param_groups, dict(p))
 
 
 def _make_adagrad(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
-    import torch
+    from dslaunch.runtime.torch_optimizers import Adagrad
 
-    return _torch_optimizer(torch.optim.Adagrad, param_groups, dict(p))
+    return _torch_optimizer(Adagrad, param_groups, dict(p))
 
 
 def _make_lion(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:

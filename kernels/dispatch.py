@@ -1,0 +1,123 @@
+"""The one kernel dispatch point: ``get(op, device)`` -> a fused implementation or the reference.
+
+A ``KernelTable`` maps each op to its reference implementation (torch code, always available) and
+to the fused implementations registered for it (``Kernel``: device types it runs on, and a check
+that it can run here, e.g. that its extension loads). ``get`` picks by the ``DSLAUNCH_KERNELS``
+mode, read at every call:
+
+- ``auto`` (default): the first fused kernel for the device's type whose check passes, else the
+  reference;
+- ``reference``: always the reference (to rule a fused kernel out, or to compare against it);
+- ``fused``: a fused kernel or ``UsageError`` naming the op and the device (to be sure one runs).
+
+Implementations are named ``"module:qualname"`` and imported on first use, so importing this
+module imports no torch and no extension.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dslaunch.errors import UsageError
+
+__all__ = ["ENV", "MODES", "Kernel", "KernelTable", "KERNELS", "get", "mode"]
+
+ENV = "DSLAUNCH_KERNELS"
+MODES = ("auto", "reference", "fused")
+
+Target = str | Callable[..., Any]  # "module:qualname", or the callable itself
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A fused implementation of one op.
+
+    Attributes:
+        target: the implementation, with the op's signature.
+        device_types: the ``torch.device.type`` values it runs on (``"cpu"``, ``"cuda"``).
+        available: returns whether it can run in this process (its extension loads, the
+            hardware has the instructions); None: always. Called at every ``get``: cache inside.
+    """
+
+    target: Target
+    device_types: tuple[str, ...]
+    available: Target | None = None
+
+    def runs_on(self, device_type: str) -> bool:
+        return device_type in self.device_types and (self.available is None or bool(_load(self.available)()))
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """Each op's reference implementation and the fused kernels registered for it."""
+
+    reference: Mapping[str, Target]
+    fused: Mapping[str, tuple[Kernel, ...]] = field(default_factory=dict)
+
+    def get(self, op: str, device: Any, mode: str = "auto") -> Callable[..., Any]:
+        """The implementation of ``op`` for ``device`` (a ``torch.device`` or its string) in ``mode``.
+
+        Raises:
+            UsageError: unknown op, or mode ``fused`` and no fused kernel runs on this device.
+        """
+        if op not in self.reference:
+            raise UsageError(f"unknown kernel op {op!r}; known: {', '.join(sorted(self.reference))}")
+        device_type = getattr(device, "type", None) or str(device).split(":")[0]
+        if mode != "reference":
+            for kernel in self.fused.get(op, ()):
+                if kernel.runs_on(device_type):
+                    return _load(kernel.target)
+            if mode == "fused":
+                raise UsageError(f"{ENV}=fused: no fused {op!r} kernel runs on {device_type!r} here; "
+                                 f"unset {ENV} (or set it to auto) to use the reference implementation")
+        return _load(self.reference[op])
+
+
+def _load(target: Target) -> Callable[..., Any]:
+    if callable(target):
+        return target
+    module, qualname = target.split(":")
+    obj: Any = importlib.import_module(module)
+    for name in qualname.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+# The ops and their signatures are listed in the package docstring (``dslaunch.kernels``).
+KERNELS = KernelTable(
+    reference={
+        "adam": "dslaunch.runtime.adam:adam_update",
+        "lion": "dslaunch.runtime.lion:lion_update",
+        "torch.adam": "dslaunch.kernels.reference:torch_step",
+        "torch.adamw": "dslaunch.kernels.reference:torch_step",
+        "torch.sgd": "dslaunch.kernels.reference:torch_step",
+        "torch.adagrad": "dslaunch.kernels.reference:torch_step",
+    },
+    fused={},  # none yet: fused kernels are a later issue
+)
+
+
+def mode(environ: Mapping[str, str] = os.environ) -> str:
+    """The dispatch mode from ``DSLAUNCH_KERNELS`` (default ``auto``).
+
+    Raises:
+        UsageError: a value other than auto, reference or fused.
+    """
+    value = environ.get(ENV, "").strip().lower() or "auto"
+    if value not in MODES:
+        raise UsageError(f"{ENV}={environ[ENV]!r} is not one of {', '.join(MODES)}")
+    return value
+
+
+def get(op: str, device: Any) -> Callable[..., Any]:
+    """``op``'s implementation for ``device``: fused where registered and available, else the
+    reference; ``DSLAUNCH_KERNELS`` overrides (see the module docstring).
+
+    Raises:
+        UsageError: unknown op, a bad ``DSLAUNCH_KERNELS``, or ``fused`` without a fused kernel.
+    """
+    return KERNELS.get(op, device, mode())
