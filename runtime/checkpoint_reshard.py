@@ -1,7 +1,7 @@
 """Resharding ZeRO state between world sizes and stages, and fp32 export.
 
 Owns the pure functions on the strategy state format of the contract (see
-``dslaunch.runtime.zero.base.ZeroStrategy.state_dict``): which saved shards a rank needs for its
+``dslaunch.runtime.zero.strategy.ZeroStrategy.state_dict``): which saved shards a rank needs for its
 new range (``needed_ranks``), cutting and concatenating shards into any [start, end) of each
 group (``assemble``; [0, numel) is the consolidated state), and the per-parameter fp32 tensors
 of consolidated groups (``fp32_params``). Nothing here touches files or ranks; the partition map
