@@ -71,7 +71,7 @@ class ZeroStrategy:
         self.comm = comm
         self.placement = self.placement_type(groups, comm, self.world_size, self.rank, process_group)
         self.groups = self.placement.groups
-        self.publisher = self.placement.publisher
+        self.publisher = self.placement.publisher  # None when replicated; tests watch its gathers
         self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups],
                                         self._flat_shards())
         # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
