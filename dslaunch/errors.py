@@ -25,6 +25,7 @@ __all__ = [
     "WorkerFailedError",
     "CheckpointError",
     "did_you_mean",
+    "shown",
     "install_excepthook",
 ]
 
@@ -96,6 +97,13 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def shown(value: str, limit: int = 60) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: a 1 MB hostname must not make a 1 MB error."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
 
 
 class EnvFileError(UsageError):
