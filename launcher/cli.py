@@ -27,10 +27,10 @@ import traceback
 from collections.abc import Mapping
 
 from dslaunch import __version__
-from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean
+from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean, shown
 from dslaunch.launcher import gpus
 from dslaunch.launcher.hostfile import ascii_int
-from dslaunch.launcher.plan import DEFAULT_HOSTFILE, LaunchConfig, build_job
+from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
 
@@ -74,15 +74,25 @@ class _Parser(argparse.ArgumentParser):
         if "unrecognized arguments" in message or message.startswith("unrecognized"):
             flag = message.rsplit(":", 1)[-1].split()[0]
             message += did_you_mean(flag.split("=")[0], self._option_string_actions)
+        if len(message) > 300:  # e.g. every unknown argument, repeated: one line stays short
+            message = message[:300] + "..."
         raise UsageError(f"{message} (see dslaunch --help)")
 
 
 def integer(text: str) -> int:
     """argparse type for whole-number flags: ASCII digits only, as in hostfiles (``int()`` takes '1_0')."""
     value = ascii_int(text)
-    if value is None:
-        raise ValueError(text)  # argparse: "argument --num_gpus: invalid integer value: '1_0'"
+    if value is None:  # argparse: "argument --num_gpus: invalid integer value: '1_0'"
+        raise argparse.ArgumentTypeError(f"invalid integer value: {shown(text)}")
     return value
+
+
+def real(text: str) -> float:
+    """argparse type for decimal flags; the range (finite too) is checked with the other numbers."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {shown(text)}") from None
 
 
 class _NotSupported(argparse.Action):
@@ -140,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
            "SSH check")
     a("--ssh_accept_new_host_keys", action="store_true",
       help="accept and remember unknown SSH host keys (default: reject unknown hosts)")
-    a("--grace_period", type=float, default=DEFAULT_GRACE,
-      help=f"seconds between SIGTERM and SIGKILL when stopping workers (default {DEFAULT_GRACE})")
+    a("--grace_period", type=real, default=DEFAULT_GRACE,
+      help=f"seconds between SIGTERM and SIGKILL when stopping workers, 0-{MAX_GRACE:g} (default {DEFAULT_GRACE})")
     a("--dry-run", "--dry_run", dest="dry_run", action="store_true",
       help="print what would run on each host (command, environment) and exit")
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
@@ -170,14 +180,9 @@ def parse_config(argv: list[str],
     ns = build_parser().parse_args(argv)
     if ns.module and ns.no_python:
         raise UsageError("--module and --no_python are mutually exclusive")
-    for flag, port in (("--master_port", ns.master_port), ("--ssh_port", ns.ssh_port)):
-        if port is not None and not 0 < port < 65536:
-            raise UsageError(f"{flag} {port} is not a TCP port (1-65535)")
     if ns.hostfile == "":  # else the default's name would be blamed: "/job/hostfile: not found"
         raise UsageError(f"--hostfile '': empty path; give a hostfile, or leave the flag out to use "
                          f"{DEFAULT_HOSTFILE} (localhost when it does not exist)")
-    if ns.grace_period < 0:
-        raise UsageError("--grace_period must be >= 0")
     cfg = LaunchConfig(
         user_script=ns.user_script, user_args=tuple(ns.user_args),
         hostfile=ns.hostfile or DEFAULT_HOSTFILE, hostfile_explicit=ns.hostfile is not None,

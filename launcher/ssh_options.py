@@ -14,6 +14,7 @@ No network here: ``ssh_connect`` does the connecting.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from dataclasses import dataclass, field, replace
@@ -119,7 +120,7 @@ def _seconds(value: str, what: str) -> float:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not seconds > 0:  # also NaN
+    if not 0 < seconds < math.inf:  # also NaN
         raise UsageError(f"{what}: {value!r} is not a positive number of seconds (e.g. 10)")
     return seconds
 

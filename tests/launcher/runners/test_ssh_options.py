@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(30)
     ("-o ConnectTimeout=abc", "--launcher_args -o ConnectTimeout: 'abc' is not a positive number of seconds"),
     ("-o ConnectTimeout=0", "-o ConnectTimeout: '0' is not a positive number of seconds"),
     ("-o ConnectTimeout=nan", "-o ConnectTimeout: 'nan' is not a positive number of seconds"),
+    ("-o ConnectTimeout=inf", "-o ConnectTimeout: 'inf' is not a positive number of seconds"),
     ("-o ConectTimeout=3", "unsupported ssh option -o 'ConectTimeout' (did you mean 'ConnectTimeout'?) "
                            "(supported: StrictHostKeyChecking, UserKnownHostsFile, ConnectTimeout"),
     ("-o Compression=yes", "unsupported ssh option -o 'Compression' (supported: "),
