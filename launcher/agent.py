@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dslaunch.errors import LaunchError
+from dslaunch.launcher.files import FileId, create_new, create_replacing, file_id, remove_own
 from dslaunch.launcher.output import ExceptionWatch, Sink, pump
 from dslaunch.launcher.procs import (
     Watchdog,
@@ -112,7 +113,8 @@ class Agent:
         self._done = threading.Event()
         self._result: NodeResult | None = None
         self._watchdog = Watchdog()
-        self._logs: list[Sink] = []
+        self._logs: dict[int, Sink] = {}  # global rank -> its --enable_each_rank_log file
+        self._pid_file: FileId | None = None
         self._timer: threading.Timer | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -123,7 +125,7 @@ class Agent:
         self._prepare_files()
         if self._adopt:
             become_subreaper()
-        self._watchdog.start()
+        self._watchdog.start(remove=[(self.node.pid_file, self._pid_file)] if self._pid_file else [])
         error = None
         try:
             for spec, cores in zip(self.node.workers, shares, strict=True):
@@ -142,15 +144,32 @@ class Agent:
             raise LaunchError(f"cannot start {argv0}: {error.strerror}", host=self.node.host) from error
 
     def _prepare_files(self) -> None:
-        """Log directory and pid file, before anything starts (an error leaves nothing behind)."""
+        """Rank logs and pid file, before anything starts (an error leaves no pid file behind).
+
+        Both may live in directories other users write to: see ``files`` for why each is created
+        new instead of opened with O_TRUNC.
+        """
+        node = self.node
         try:
-            if self.node.log_dir:
-                os.makedirs(self.node.log_dir, exist_ok=True)
-            if self.node.pid_file:
-                with open(self.node.pid_file, "w") as f:
-                    f.write(f"{os.getpid()}\n")
+            if node.log_dir:
+                os.makedirs(node.log_dir, exist_ok=True)
+                for w in node.workers:
+                    path = os.path.join(node.log_dir, f"rank{w.global_rank}.log")
+                    self._logs[w.global_rank] = Sink(create_replacing(path))
+            if node.pid_file:
+                self._pid_file = _write_pid_file(node.pid_file)
+        except FileExistsError as err:  # only the pid file is never replaced
+            self._close_logs()
+            raise LaunchError(f"--save_pid: {err.filename} already exists (left by an earlier job, or put "
+                              "there by someone else); dslaunch neither follows nor reuses it: check and "
+                              "remove it", host=node.host) from None
         except OSError as err:
-            raise LaunchError(f"{err.filename}: {err.strerror}", host=self.node.host) from err
+            self._close_logs()
+            raise LaunchError(f"{err.filename}: {err.strerror}", host=node.host) from None
+
+    def _close_logs(self) -> None:
+        for log in self._logs.values():
+            log.close()
 
     def _spawn(self, spec: WorkerSpec, cores: tuple[int, ...]) -> None:
         env = {**os.environ, **self.node.env, **spec.env}
@@ -166,11 +185,7 @@ class Agent:
         )
         self._watchdog.add(proc.pid)
         worker = Worker(spec, proc)
-        log = None
-        if self.node.log_dir:
-            path = os.path.join(self.node.log_dir, f"rank{spec.global_rank}.log")
-            log = Sink(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-            self._logs.append(log)
+        log = self._logs.get(spec.global_rank)
         prefix = f"[rank{spec.global_rank}] ".encode()
         for pipe, sink, watch in ((proc.stdout, self._out, None), (proc.stderr, self._err, worker.watch)):
             t = threading.Thread(target=pump, args=(pipe, prefix, sink, log, watch), daemon=True)
@@ -251,14 +266,10 @@ class Agent:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._timer is not None:
             self._timer.cancel()
-        for log in self._logs:
-            log.close()
+        self._close_logs()
         self._watchdog.release()
-        if self.node.pid_file:
-            try:
-                os.unlink(self.node.pid_file)
-            except FileNotFoundError:
-                pass
+        if self.node.pid_file and self._pid_file:
+            remove_own(self.node.pid_file, self._pid_file)
         self._result = self._make_result()
         self._done.set()
         if self._on_change is not None:
@@ -297,6 +308,16 @@ class Agent:
     @property
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
+
+
+def _write_pid_file(path: str) -> FileId:
+    """``--save_pid``: our pid in a new file at ``path`` (never an existing file or link)."""
+    fd = create_new(path, 0o600)
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return file_id(fd)
+    finally:
+        os.close(fd)
 
 
 def _core_shares(node: NodeSpec) -> list[tuple[int, ...]]:

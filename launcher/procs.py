@@ -11,7 +11,8 @@ Guarantees this module provides to the agent:
 - every worker has ``PR_SET_PDEATHSIG=SIGKILL``: if the thread that spawned it dies (agent or
   controller SIGKILLed), the kernel kills the worker;
 - a forked ``Watchdog`` outlives a SIGKILLed agent just long enough to ``killpg`` every worker
-  group, so grandchildren (which PDEATHSIG does not reach) die too;
+  group, so grandchildren (which PDEATHSIG does not reach) die too, and to remove the agent's
+  ``--save_pid`` file;
 - the agent is a child subreaper: descendants that left their group (``setsid`` daemons) and
   lost their parent are re-parented to the agent, which kills them when the job ends
   (``kill_adopted``). Limitation: such daemons survive a SIGKILLed agent.
@@ -25,6 +26,8 @@ import ctypes
 import os
 import signal
 from collections.abc import Callable, Sequence
+
+from dslaunch.launcher.files import FileId, remove_own
 
 __all__ = ["exit_code_of", "child_setup", "signal_group", "Watchdog", "become_subreaper", "kill_adopted"]
 
@@ -122,19 +125,21 @@ class Watchdog:
 
     The owner writes each worker's pgid into a pipe; a normal ``release()`` tells the watchdog
     to exit quietly. If the pipe closes without ``release()`` (owner SIGKILLed), the watchdog kills
-    every group it was told about. Fork it before starting threads.
+    every group it was told about and removes the files given to ``start``. Fork it before
+    starting threads.
     """
 
     def __init__(self) -> None:
         self._fd: int | None = None
         self.pid: int | None = None
 
-    def start(self) -> None:
+    def start(self, remove: Sequence[tuple[str, FileId]] = ()) -> None:
+        """Fork the watchdog; ``remove``: (path, file id) to unlink if the owner dies (``files``)."""
         read_fd, write_fd = os.pipe()
         pid = self.pid = os.fork()
         if pid == 0:  # child: never returns
             os.close(write_fd)
-            _watch(read_fd)
+            _watch(read_fd, remove)
         os.close(read_fd)
         self._fd = write_fd
 
@@ -162,7 +167,7 @@ class Watchdog:
                 pass
 
 
-def _watch(read_fd: int) -> None:
+def _watch(read_fd: int, remove: Sequence[tuple[str, FileId]]) -> None:
     try:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # Ctrl-C reaches the whole foreground group: outlive it
@@ -179,5 +184,7 @@ def _watch(read_fd: int) -> None:
             for line in lines:
                 if line.startswith(b"P"):
                     signal_group(int(line[1:]), signal.SIGKILL)
+            for path, ident in remove:
+                remove_own(path, ident)
     finally:
         os._exit(0)

@@ -25,10 +25,11 @@ from tests.launcher.helpers import FAKE, assert_no_job_process, new_tag, tagged_
 pytestmark = pytest.mark.timeout(30)
 
 
-def _node(n: int, *actions: str, grace: float = 1.5, argv0: tuple[str, ...] | None = None) -> NodeSpec:
+def _node(n: int, *actions: str, grace: float = 1.5, argv0: tuple[str, ...] | None = None,
+          **files: str) -> NodeSpec:
     head = argv0 or (sys.executable, FAKE)
     workers = tuple(WorkerSpec(10 + i, i, (*head, *actions), {"RANK": str(10 + i)}) for i in range(n))
-    return NodeSpec(node_rank=3, host="hostA", workers=workers, grace=grace)
+    return NodeSpec(node_rank=3, host="hostA", workers=workers, grace=grace, **files)
 
 
 def _agent_proc(node: NodeSpec, tag: str) -> subprocess.Popen:
@@ -140,3 +141,99 @@ def test_agent_process_reports_a_failure_at_once_and_its_status_at_exit():
     assert failure == _status(proc.stderr.read()) == NodeResult(3, "hostA", 9, rank=11)
     proc.stdin.close()
     assert_no_job_process(tag)
+
+
+# -- files in shared directories: --save_pid and --enable_each_rank_log ---------------------------
+
+def _victim(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    return victim
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hardlink", "file", "dangling"])
+def test_an_existing_pid_file_is_never_followed_or_reused(tmp_path, plant):
+    victim, pid_file = _victim(tmp_path), tmp_path / "123.deepspeed"
+    if plant == "symlink":
+        pid_file.symlink_to(victim)
+    elif plant == "hardlink":
+        os.link(victim, pid_file)
+    elif plant == "file":
+        pid_file.write_text("999\n")
+    else:
+        pid_file.symlink_to(tmp_path / "created-through-the-link")
+    agent = Agent(_node(1, "print=started", pid_file=str(pid_file)))
+    with pytest.raises(LaunchError) as info:
+        agent.start()
+    assert str(info.value) == (f"hostA: --save_pid: {pid_file} already exists (left by an earlier job, or put "
+                               "there by someone else); dslaunch neither follows nor reuses it: check and remove it")
+    assert victim.read_text() == "precious\n" and not agent.pids  # nothing written, nothing started
+    assert not (tmp_path / "created-through-the-link").exists()
+    assert os.path.lexists(pid_file)  # not ours: left for the user to check
+
+
+@pytest.mark.parametrize("actions, code", [(("sleep=0.1",), 0), (("exit=3",), 3)])
+def test_pid_file_is_private_and_gone_after_the_job(tmp_path, actions, code):
+    pid_file = tmp_path / "123.deepspeed"
+    agent = Agent(_node(2, *actions, pid_file=str(pid_file)))
+    agent.start()
+    assert int(pid_file.read_text()) == os.getpid() and pid_file.stat().st_mode & 0o777 == 0o600
+    assert agent.wait(timeout=10).exit_code == code
+    assert not pid_file.exists()
+
+
+def test_pid_file_is_removed_when_the_agent_is_sigkilled(tmp_path):
+    tag, pid_file = new_tag(), tmp_path / "123.deepspeed"
+    proc = _agent_proc(_node(1, "print=ready", "hang", pid_file=str(pid_file)), tag)
+    proc.stdout.readline()
+    assert int(pid_file.read_text()) == proc.pid
+    proc.kill()
+    proc.wait(timeout=5)
+    deadline = time.monotonic() + 2
+    while pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_file.exists()  # the watchdog removed it
+    assert_no_job_process(tag)
+
+
+def test_a_pid_file_someone_replaced_is_not_removed(tmp_path):
+    pid_file = tmp_path / "123.deepspeed"
+    agent = Agent(_node(1, "sleep=0.3", pid_file=str(pid_file)))
+    agent.start()
+    pid_file.rename(tmp_path / "moved")  # keeps our file (and its inode number) alive
+    pid_file.write_text("someone else's\n")
+    agent.wait(timeout=10)
+    assert pid_file.read_text() == "someone else's\n"
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hardlink", "fifo"])
+@pytest.mark.timeout(15)  # a FIFO opened for writing would block
+def test_rank_logs_replace_what_is_there_without_writing_through_it(tmp_path, plant):
+    victim, logs = _victim(tmp_path), tmp_path / "logs"
+    logs.mkdir()
+    planted = logs / "rank10.log"
+    if plant == "symlink":
+        planted.symlink_to(victim)
+    elif plant == "hardlink":
+        os.link(victim, planted)
+    else:
+        os.mkfifo(planted)
+    read_fd, write_fd = os.pipe()
+    agent = Agent(_node(2, "print=out{rank}", log_dir=str(logs)), stdout_fd=write_fd)
+    agent.start()
+    assert agent.wait(timeout=10).exit_code == 0
+    os.close(write_fd)
+    os.close(read_fd)
+    assert victim.read_text() == "precious\n" and victim.stat().st_nlink == 1
+    assert not planted.is_symlink() and planted.read_text() == "out10\n"
+    assert (logs / "rank11.log").read_text() == "out11\n"
+
+
+def test_a_rank_log_that_cannot_be_created_is_a_launch_error_before_any_worker(tmp_path):
+    logs = tmp_path / "logs"
+    (logs / "rank11.log").mkdir(parents=True)
+    pid_file = tmp_path / "123.deepspeed"
+    agent = Agent(_node(2, "print=x", log_dir=str(logs), pid_file=str(pid_file)))
+    with pytest.raises(LaunchError, match=f"hostA: {logs}/rank11.log: Is a directory"):
+        agent.start()
+    assert not agent.pids and not pid_file.exists()

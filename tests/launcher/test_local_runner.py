@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -23,6 +24,7 @@ from tests.launcher.helpers import (
     new_tag,
     run_dslaunch,
     start_dslaunch,
+    tagged_env,
     wait_for_lines,
 )
 
@@ -146,6 +148,40 @@ def test_each_rank_log_and_save_pid(free_port, tmp_path):
     for rank in range(2):
         lines = (logs / f"rank{rank}.log").read_text().splitlines()
         assert sorted(lines) == sorted([f"out{rank}", f"err{rank}", "ready"])
+
+
+def test_save_pid_never_writes_through_a_planted_link(free_port, tmp_path):
+    """The attack of issue 8: a link planted at the next dslaunch's /tmp/<pid>.deepspeed."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    plant = ("import os, sys; from dslaunch.launcher import cli; "
+             f"link = f'/tmp/{{os.getpid()}}.deepspeed'; os.symlink({str(victim)!r}, link); print(link, flush=True); "
+             f"sys.exit(cli.main({_job(free_port, 1, 'print=started', flags=('--save_pid',))!r}))")
+    r = subprocess.run([sys.executable, "-c", plant], env=tagged_env(new_tag()), capture_output=True, text=True,
+                       timeout=30)
+    link = r.stdout.splitlines()[0]
+    try:
+        assert r.returncode == 1 and "started" not in r.stdout
+        *notes, error = r.stderr.splitlines()  # notes: "no GPU ..."
+        assert error == (f"dslaunch: error: localhost: --save_pid: {link} already exists (left by an earlier "
+                         "job, or put there by someone else); dslaunch neither follows nor reuses it: check "
+                         "and remove it")
+        assert all(n.startswith("dslaunch: no GPU") for n in notes), r.stderr
+        assert victim.read_text() == "precious\n" and os.readlink(link) == str(victim)
+    finally:
+        os.unlink(link)
+
+
+def test_save_pid_file_is_removed_when_dslaunch_is_sigkilled(free_port):
+    tag = new_tag()
+    proc = start_dslaunch(_job(free_port, 1, "print=ready", "hang", flags=("--save_pid",)), tag)
+    wait_for_lines(proc, 1)
+    pid_file = f"/tmp/{proc.pid}.deepspeed"
+    assert int(open(pid_file).read()) == proc.pid
+    proc.kill()
+    proc.wait(timeout=5)
+    assert_no_job_process(tag, within=2.0)
+    assert not os.path.exists(pid_file)
 
 
 def test_bind_cores_to_rank(free_port):
