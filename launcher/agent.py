@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dslaunch.errors import LaunchError
-from dslaunch.launcher.files import FileId, create_new, create_replacing, file_id, remove_own
+from dslaunch.launcher.files import FileId, create_replacing, remove_own, write_new
 from dslaunch.launcher.output import ExceptionWatch, Sink, pump
 from dslaunch.launcher.procs import (
     Watchdog,
@@ -157,7 +157,7 @@ class Agent:
                     path = os.path.join(node.log_dir, f"rank{w.global_rank}.log")
                     self._logs[w.global_rank] = Sink(create_replacing(path))
             if node.pid_file:
-                self._pid_file = _write_pid_file(node.pid_file)
+                self._pid_file = write_new(node.pid_file, f"{os.getpid()}\n".encode())
         except FileExistsError as err:  # only the pid file is never replaced
             self._close_logs()
             raise LaunchError(f"--save_pid: {err.filename} already exists (left by an earlier job, or put "
@@ -308,16 +308,6 @@ class Agent:
     @property
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
-
-
-def _write_pid_file(path: str) -> FileId:
-    """``--save_pid``: our pid in a new file at ``path`` (never an existing file or link)."""
-    fd = create_new(path, 0o600)
-    try:
-        os.write(fd, f"{os.getpid()}\n".encode())
-        return file_id(fd)
-    finally:
-        os.close(fd)
 
 
 def _core_shares(node: NodeSpec) -> list[tuple[int, ...]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["FileId", "create_new", "create_replacing", "file_id", "remove_own"]
+__all__ = ["FileId", "create_new", "create_replacing", "write_new", "remove_own"]
 
 FileId = tuple[int, int]
 """(device, inode): which file a path named when we created it."""
@@ -47,9 +47,15 @@ def create_replacing(path: str, mode: int = 0o644) -> int:
     return create_new(path, mode)
 
 
-def file_id(fd: int) -> FileId:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
+def write_new(path: str, data: bytes, mode: int = 0o600) -> FileId:
+    """Write ``data`` to a new file at ``path`` (see ``create_new``); returns its id for ``remove_own``."""
+    fd = create_new(path, mode)
+    try:
+        os.write(fd, data)
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    finally:
+        os.close(fd)
 
 
 def remove_own(path: str, ident: FileId) -> None:
