@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shlex
 import socket
 import threading
 from collections.abc import Callable
@@ -156,11 +157,11 @@ def _verify_host_key(t: SSHTarget, known: dict[str, paramiko.PKey], key: paramik
     if t.accept_new_host_keys and not known:
         _record_new_key(t, key)
         return
-    keyscan = f"ssh-keyscan{'' if t.port == 22 else f' -p {t.port}'} {t.hostname}"
+    keyscan = shlex.join(["ssh-keyscan", *([] if t.port == 22 else ["-p", str(t.port)]), t.hostname])
     user_files = [p for p in t.known_hosts_files if not p.startswith("/etc/")]
     raise _Fail("unknown-host-key", f"unknown host key: {t.hostname} ({key.get_name()} {fingerprint}) "
                 f"is not in known_hosts ({', '.join(user_files)}); "
-                f"check the fingerprint and add it (`{keyscan} >> {user_files[0] if user_files else '~/.ssh/known_hosts'}`), "
+                f"check the fingerprint and add it (`{keyscan} >> {shlex.quote(user_files[0]) if user_files else '~/.ssh/known_hosts'}`), "
                 "or pass --ssh_accept_new_host_keys to accept and record new keys")
 
 

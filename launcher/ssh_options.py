@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 from dataclasses import dataclass, field, replace
 
-from dslaunch.errors import UsageError, did_you_mean
+from dslaunch.errors import UsageError, did_you_mean, shown
+from dslaunch.launcher.hostfile import hostname_problem
 from dslaunch.launcher.sshlib import lookup, paramiko
 
 __all__ = ["SSHOptions", "SSHTarget", "DEFAULT_CONNECT_TIMEOUT", "load_config", "resolve"]
@@ -191,6 +193,30 @@ def load_config(path: str | None) -> paramiko.SSHConfig:
         raise UsageError(f"{path}: cannot parse ssh config: {exc}") from None
 
 
+# What OpenSSH 9.6 refuses in a user name given on its command line (a ProxyCommand or Match exec
+# with %r would hand it to a shell), plus any whitespace or control character.
+_USER_BAD = re.compile(r"[\s\x00-\x1f\x7f'`\"$\\;&<>|(){}]")
+
+
+def _checked_user(options: SSHOptions, configured: str | None, alias: str) -> str:
+    """The login user (command line, else ssh config, else $USER, else root), refused when a shell
+    or ssh would read it as something else (an option, a command)."""
+    for user, source in ((options.user, "--launcher_args -l/-o User"), (configured, f"ssh config User for {alias}"),
+                         (os.environ.get("USER"), "$USER")):
+        if user:
+            if user.startswith("-") or _USER_BAD.search(user):
+                raise UsageError(f"{source}: {shown(user)} is not a user name ssh accepts (no leading '-', "
+                                 "whitespace, quotes or shell characters such as ; & | $ `)")
+            return user
+    return "root"
+
+
+def _checked_hostname(hostname: str, alias: str) -> str:
+    if hostname != alias and (problem := hostname_problem(hostname)):  # the alias was checked with the hostfile
+        raise UsageError(f"ssh config HostName for {alias}: {shown(hostname)}: {problem}")
+    return hostname
+
+
 def resolve(alias: str, options: SSHOptions, config: paramiko.SSHConfig | None = None) -> SSHTarget:
     """Apply the ssh config and the user's options to one hostfile name."""
     cfg = lookup(config or load_config(options.config_file), alias)
@@ -205,9 +231,9 @@ def resolve(alias: str, options: SSHOptions, config: paramiko.SSHConfig | None =
                                                   f"ssh config ConnectTimeout for {alias}")
     return SSHTarget(
         alias=alias,
-        hostname=cfg.get("hostname", alias),
+        hostname=_checked_hostname(cfg.get("hostname", alias), alias),
         port=port,
-        user=options.user or cfg.get("user") or os.environ.get("USER") or "root",
+        user=_checked_user(options, cfg.get("user"), alias),
         identity_files=identity,
         identities_only=cfg.get("identitiesonly", "no").lower() == "yes",
         known_hosts_files=tuple(_expand(p) for p in known),

@@ -17,6 +17,7 @@ Implementing a runner::
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import threading
@@ -184,8 +185,17 @@ def format_node(node: NodeSpec) -> str:
     lines = [f"# node {node.node_rank}: {node.host} ({len(node.workers)} workers{pin})"]
     if node.cwd:
         lines.append(f"cd {shlex.quote(node.cwd)}")
-    common = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(node.env.items()))
     for w in node.workers:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(w.env.items()))
-        lines.append(f"{common} {env} {shlex.join(w.argv)}".strip())
+        lines.append(_shell_command([*sorted(node.env.items()), *sorted(w.env.items())], w.argv))
     return "\n".join(lines)
+
+
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _shell_command(env: list[tuple[str, str]], argv: tuple[str, ...]) -> str:
+    """``K=V ... argv``, quoted so that a shell runs exactly that; a name a shell cannot assign
+    (``NCCL;id``, from the environment) goes through ``env 'NAME=V'`` instead of running code."""
+    plain = [f"{k}={shlex.quote(v)}" for k, v in env if _SHELL_NAME.fullmatch(k)]
+    odd = [shlex.quote(f"{k}={v}") for k, v in env if not _SHELL_NAME.fullmatch(k)]
+    return " ".join([*plain, *(["env", *odd] if odd else []), shlex.join(argv)])

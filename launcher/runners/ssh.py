@@ -220,9 +220,9 @@ class SSHRunner(Runner):
         exported = collect_env()
         out = [f"# {master.note}"] if master.note else []
         for t, node, cmd in zip(targets, job.nodes, self._commands(job, master, targets), strict=True):
-            port = f" -p {t.port}" if t.port != 22 else ""
+            port = ["-p", str(t.port)] if t.port != 22 else []
             probe = {"route": {"iface": "<interface routing to MASTER_ADDR, found at launch>"}}
-            out.append(f"ssh{port} {t.user}@{t.hostname} {shlex.quote(cmd)}\n"
+            out.append(f"{shlex.join(['ssh', *port, f'{t.user}@{t.hostname}', cmd])}\n"
                        f"  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
             out.append(format_node(self._node_env(node, master.addr, probe, exported)))
         return "\n".join(out)
