@@ -75,6 +75,14 @@ def test_bad_input_is_one_line_in_process_too(args, words, capsys):
     assert lines[0].startswith("dslaunch: error: ") and words in lines[0], captured.err
 
 
+@pytest.mark.parametrize("path", ["/dev/zero", "/dev/null", "/"])
+@pytest.mark.timeout(10)  # /dev/zero was read until MemoryError
+def test_a_hostfile_that_is_no_regular_file_is_one_line(path, capsys):
+    assert cli.main(["-H", path, "--dry-run", FAKE]) == 1
+    assert capsys.readouterr().err == (f"dslaunch: error: {path}: not a regular file; a hostfile is a text file "
+                                       "of 'host slots=N' lines\n")
+
+
 def test_dry_run_fails_like_a_real_run(tmp_path, capsys):
     for extra in ([], ["--dry-run"]):
         assert cli.main([*extra, "--num_gpus", "1", MISSING]) == 2
