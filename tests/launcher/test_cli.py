@@ -60,6 +60,7 @@ MISSING = "/nonexistent/train.py"
     (["--bind_core_list", "0-999999", FAKE], "'0-999999' is not a core or a range"),
     (["--num_gpus", "1_0", FAKE], "argument --num_gpus/--num_accelerators: invalid integer value: '1_0'"),
     (["--master_port", "２９５００", FAKE], "argument --master_port: invalid integer value: '２９５００'"),
+    ([*["--" + "x" * 100] * 20, FAKE], "unrecognized arguments: --xxx"),
     (["--dry-run", MISSING], f"user script {MISSING!r} not found"),
     (["--dry-run", "--no_python", "/nonexistent/prog"], "--no_python: program '/nonexistent/prog' not found"),
     (["--dry-run", "--module", "nosuch_mod_3f1c"], "--module: no module named 'nosuch_mod_3f1c' (searched "),
@@ -73,6 +74,7 @@ def test_bad_input_is_one_line_in_process_too(args, words, capsys):
     lines = captured.err.splitlines()
     assert captured.out == "" and len(lines) == 1, captured.err
     assert lines[0].startswith("dslaunch: error: ") and words in lines[0], captured.err
+    assert len(lines[0]) <= 500, lines[0]
 
 
 @pytest.mark.parametrize("path", ["/dev/zero", "/dev/null", "/"])
