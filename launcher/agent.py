@@ -52,10 +52,6 @@ from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 __all__ = ["Agent", "WorkerState", "format_status_line", "parse_status_line", "format_failure_line",
            "parse_failure_line", "main"]
 
-# How long a failed worker's output may take to drain (a grandchild holding the pipe must not
-# delay stopping the others).
-_LAST_WORDS_S = 0.5
-
 STATUS_MARKER = "@@dslaunch-agent-status "
 FAILURE_MARKER = "@@dslaunch-agent-failure "
 
@@ -226,9 +222,6 @@ class Agent:
 
     def _monitor(self, w: Worker) -> None:
         code, _ = exit_code_of(w.proc.wait())
-        if code:  # let the pumps read its last words (the traceback) before naming the failure
-            for t in w.threads:
-                t.join(timeout=_LAST_WORDS_S)
         with self._lock:
             w.exit_code = code
             if self._terminating:

@@ -129,6 +129,9 @@ class Gang:
                 break
             self._wake.wait(0.1)
             self._wake.clear()
+        if failed is not None and results.get(failed, failure).rank == failure.rank:
+            # The same failure, reported once the node drained its output: it names the exception.
+            failure = results[failed]
         return self._result(failure, list(results.values()))
 
     def _result(self, failure: NodeResult | None, results: list[NodeResult]) -> GangResult:
