@@ -35,6 +35,8 @@ from dslaunch.runtime.param_schema import boolean, choice, integer, number
 __all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
 
+# Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
+MAX_TIMEOUT_S = 1e8
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection}
@@ -52,7 +54,7 @@ _SCALARS = {
     # refuses client optimizers that are not element-wise (engine_setup._checked_client).
     "zero_allow_untested_optimizer": (boolean, "true or false"),
     "dataloader_drop_last": (boolean, "true or false"),
-    "dist_init_timeout": (number(0.0, low_open=True), "seconds to wait for peers (default 1800)"),
+    "dist_init_timeout": (number(0.0, MAX_TIMEOUT_S, low_open=True), "seconds to wait for peers (default 1800)"),
 }
 
 
