@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Mapping
 
 from dslaunch import __version__
-from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean, shown
+from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean, quote
 from dslaunch.launcher import gpus
 from dslaunch.launcher.hostfile import ascii_int
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job
@@ -83,7 +83,7 @@ def integer(text: str) -> int:
     """argparse type for whole-number flags: ASCII digits only, as in hostfiles (``int()`` takes '1_0')."""
     value = ascii_int(text)
     if value is None:  # argparse: "argument --num_gpus: invalid integer value: '1_0'"
-        raise argparse.ArgumentTypeError(f"invalid integer value: {shown(text)}")
+        raise argparse.ArgumentTypeError(f"invalid integer value: {quote(text)}")
     return value
 
 
@@ -92,7 +92,7 @@ def real(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {shown(text)}") from None
+        raise argparse.ArgumentTypeError(f"invalid float value: {quote(text)}") from None
 
 
 class _NotSupported(argparse.Action):

@@ -28,7 +28,7 @@ import re
 import stat
 from collections.abc import Mapping
 
-from dslaunch.errors import HostfileError, did_you_mean, shown
+from dslaunch.errors import HostfileError, did_you_mean, quote
 
 __all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "full_pool", "ascii_int",
            "hostname_problem", "MAX_SLOTS", "MAX_WORLD", "MAX_HOSTFILE_BYTES"]
@@ -68,7 +68,7 @@ def hostname_problem(name: str) -> str | None:
             return "not an IPv6 address (':' is only valid in one)"
     for label in name.removesuffix(".").split("."):
         if len(label) > 63:
-            return f"label {shown(label, 20)} is {len(label)} characters long (at most 63)"
+            return f"label {quote(label, 20)} is {len(label)} characters long (at most 63)"
         if not _LABEL_RE.fullmatch(label):
             return ("expected labels of letters, digits, '-' and '_' separated by '.', not starting or "
                     "ending with '-'")
@@ -121,17 +121,17 @@ def _decode(raw: bytes, path: str, lineno: int) -> str:
 def _parse_line(line: str, path: str, lineno: int) -> tuple[str, int]:
     host, *fields = _FIELD_SEP.split(line)
     if "=" in host:
-        raise HostfileError(f"line starts with {shown(host)}; expected a hostname first, e.g. 'worker-1 slots=4'",
+        raise HostfileError(f"line starts with {quote(host)}; expected a hostname first, e.g. 'worker-1 slots=4'",
                             path, lineno)
     if problem := hostname_problem(host):
-        raise HostfileError(f"invalid hostname {shown(host)}: {problem}", path, lineno)
+        raise HostfileError(f"invalid hostname {quote(host)}: {problem}", path, lineno)
     slots: int | None = None
     for f in fields:
         key, eq, value = f.partition("=")
         if not eq:
-            raise HostfileError(f"unexpected {shown(f)} after host {host!r}; expected 'slots=N'", path, lineno)
+            raise HostfileError(f"unexpected {quote(f)} after host {host!r}; expected 'slots=N'", path, lineno)
         if key not in _KEYS:
-            raise HostfileError(f"unknown key {shown(key)}{did_you_mean(key[:60], _KEYS)}; only 'slots=N' is valid",
+            raise HostfileError(f"unknown key {quote(key)}{did_you_mean(key[:60], _KEYS)}; only 'slots=N' is valid",
                                 path, lineno)
         if slots is not None:
             raise HostfileError(f"'slots' given twice for host {host!r}", path, lineno)
@@ -144,7 +144,7 @@ def _parse_line(line: str, path: str, lineno: int) -> tuple[str, int]:
 def _positive_int(value: str, path: str, lineno: int) -> int:
     n = ascii_int(value)
     if n is None:
-        raise HostfileError(f"slots={shown(value)} is not an integer (digits 0-9 only)", path, lineno)
+        raise HostfileError(f"slots={quote(value)} is not an integer (digits 0-9 only)", path, lineno)
     if n <= 0:
         raise HostfileError(f"slots={n} must be a positive integer", path, lineno)
     if n > MAX_SLOTS:
@@ -223,13 +223,13 @@ def parse_filter(expr: str, flag: str) -> dict[str, tuple[int, ...] | None]:
         HostfileError: malformed expression (names ``flag``).
     """
     out: dict[str, tuple[int, ...] | None] = {}
-    where = f"{flag} {shown(expr)}"
+    where = f"{flag} {quote(expr)}"
     for part in expr.split("@"):
         host, colon, slots = part.strip().partition(":")
         if not host:
             raise HostfileError(f"{where}: empty host name (syntax: host1:0,2@host2)")
         if problem := hostname_problem(host):
-            raise HostfileError(f"{where}: invalid hostname {shown(host)}: {problem}")
+            raise HostfileError(f"{where}: invalid hostname {quote(host)}: {problem}")
         if host.lower() in (h.lower() for h in out):
             raise HostfileError(f"{where}: host {host!r} named twice (host names are case-insensitive)")
         if not colon:
@@ -237,7 +237,7 @@ def parse_filter(expr: str, flag: str) -> dict[str, tuple[int, ...] | None]:
             continue
         numbers = [ascii_int(s) for s in slots.split(",")]
         if None in numbers:
-            raise HostfileError(f"{where}: slots of {host!r} must be integers, got {shown(slots)}")
+            raise HostfileError(f"{where}: slots of {host!r} must be integers, got {quote(slots)}")
         picked = tuple(n for n in numbers if n is not None)  # all of them; the filter narrows the type
         if len(set(picked)) != len(picked):
             raise HostfileError(f"{where}: slot listed twice for host {host!r}")
@@ -282,5 +282,5 @@ def apply_filter(hosts: Mapping[str, int], include: str = "", exclude: str = "")
             if left := tuple(s for s in slots if s not in dropped):
                 result[h] = left
     if not result:
-        raise HostfileError(f"{flag} {shown(include or exclude)} leaves no slots to run on")
+        raise HostfileError(f"{flag} {quote(include or exclude)} leaves no slots to run on")
     return result

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dslaunch.errors import HostfileError, UsageError, shown
+from dslaunch.errors import HostfileError, UsageError, quote
 from dslaunch.launcher.gpus import Accelerators
 from dslaunch.launcher.hostfile import (
     MAX_SLOTS,
@@ -242,7 +242,7 @@ def _check_numbers(cfg: LaunchConfig) -> None:
     if not (math.isfinite(cfg.grace) and 0 <= cfg.grace <= MAX_GRACE):  # nan fails every comparison
         raise UsageError(f"--grace_period {cfg.grace:g}: expected seconds from 0 to {MAX_GRACE:g}")
     if cfg.master_addr and (problem := hostname_problem(cfg.master_addr)):
-        raise UsageError(f"--master_addr {shown(cfg.master_addr)}: {problem}")
+        raise UsageError(f"--master_addr {quote(cfg.master_addr)}: {problem}")
 
 
 def _check_count(flag: str, n: int, most: int, what: str) -> None:

@@ -20,7 +20,7 @@ import re
 import shlex
 from dataclasses import dataclass, field, replace
 
-from dslaunch.errors import UsageError, did_you_mean, shown
+from dslaunch.errors import UsageError, did_you_mean, quote
 from dslaunch.launcher.hostfile import hostname_problem
 from dslaunch.launcher.sshlib import lookup, paramiko
 
@@ -65,7 +65,7 @@ class SSHOptions:
 
 _FLAG_FORMS = {"-F": "FILE", "-i": "KEY", "-l": "USER", "-p": "PORT", "-o": "Key=Value"}
 _ACCEPTED = "-F FILE, -i KEY, -l USER, -p PORT and -o Key=Value"
-# -o keys the SSH runner honours (canonical spelling -> valid form, shown in errors).
+# -o keys the SSH runner honours (canonical spelling -> valid form, quote in errors).
 _O_FORMS = {"StrictHostKeyChecking": "yes|accept-new|no", "UserKnownHostsFile": "FILE",
             "ConnectTimeout": "SECONDS", "Port": "PORT", "User": "USER", "IdentityFile": "FILE"}
 _O_CANONICAL = {k.lower(): k for k in _O_FORMS}
@@ -205,7 +205,7 @@ def _checked_user(options: SSHOptions, configured: str | None, alias: str) -> st
                          (os.environ.get("USER"), "$USER")):
         if user:
             if user.startswith("-") or _USER_BAD.search(user):
-                raise UsageError(f"{source}: {shown(user)} is not a user name ssh accepts (no leading '-', "
+                raise UsageError(f"{source}: {quote(user)} is not a user name ssh accepts (no leading '-', "
                                  "whitespace, quotes or shell characters such as ; & | $ `)")
             return user
     return "root"
@@ -213,7 +213,7 @@ def _checked_user(options: SSHOptions, configured: str | None, alias: str) -> st
 
 def _checked_hostname(hostname: str, alias: str) -> str:
     if hostname != alias and (problem := hostname_problem(hostname)):  # the alias was checked with the hostfile
-        raise UsageError(f"ssh config HostName for {alias}: {shown(hostname)}: {problem}")
+        raise UsageError(f"ssh config HostName for {alias}: {quote(hostname)}: {problem}")
     return hostname
 
 

@@ -6,18 +6,21 @@ here, so nothing later reads raw dicts: unknown keys fail with a did-you-mean (D
 ignores them), wrong types and ranges name the key path, ``"auto"`` says what to put instead,
 features DeepSpeed has but dslaunch lacks are reported unless switched off, and the batch triad
 ``train_batch_size = micro * gradient_accumulation_steps * world_size`` is completed or rejected
-with the arithmetic shown.
+with the arithmetic shown. Reading the file and bounding the document's size and depth (for a
+dict too) is ``config_file.py``'s; every number's range is its checker's (``param_schema.py``).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.runtime.config_file import check_shape, read_config_file
 from dslaunch.runtime.config_sections import (
     UNIMPLEMENTED_KEYS,
     Bf16Config,
@@ -30,11 +33,14 @@ from dslaunch.runtime.config_sections import (
     parse_section,
     reject_unimplemented,
 )
-from dslaunch.runtime.param_schema import boolean, choice, integer, number
+from dslaunch.runtime.param_schema import boolean, choice, describe, integer, number
 
 __all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
 
+# Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
+MAX_TIMEOUT_S = 1e8
+_SOURCE_TYPES = (str, os.PathLike, Mapping)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection}
@@ -52,7 +58,7 @@ _SCALARS = {
     # refuses client optimizers that are not element-wise (engine_setup._checked_client).
     "zero_allow_untested_optimizer": (boolean, "true or false"),
     "dataloader_drop_last": (boolean, "true or false"),
-    "dist_init_timeout": (number(0.0, low_open=True), "seconds to wait for peers (default 1800)"),
+    "dist_init_timeout": (number(0.0, MAX_TIMEOUT_S, low_open=True), "seconds to wait for peers (default 1800)"),
 }
 
 
@@ -93,8 +99,10 @@ def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
         The validated ``DeepSpeedConfig``.
 
     Raises:
-        ConfigError: unreadable file, unknown key, bad value, ``"auto"``, unimplemented feature,
-            inconsistent batch sizes; the message names the file and the key path.
+        ConfigError: a source that is neither a dict nor a path, an unreadable or malformed file,
+            a document too large or too deep, unknown key, bad value (non-finite or out of range
+            included), ``"auto"``, unimplemented feature, inconsistent batch sizes; one line
+            naming the file and the key path.
     """
     raw, where = _read(source)
     try:
@@ -106,34 +114,21 @@ def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
 
 
 def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
-    if source is not None and not isinstance(source, (str, Path, Mapping)):
+    if isinstance(source, argparse.Namespace) or hasattr(source, "deepspeed_config"):
         source = getattr(source, "deepspeed_config", None)
-    if source is None:
+    if source is None or source == "":
         raise ConfigError("no DeepSpeed config given: pass config=<dict or path> to initialize(), or "
                           "--deepspeed_config <path> on the command line")
-    if isinstance(source, Mapping):
-        return source, None
-    path = Path(source)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(f"cannot read the config file: {err.strerror}", source=str(path)) from None
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"invalid YAML: {err}", source=str(path)) from None
-    else:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}",
-                              source=str(path)) from None
+    if not isinstance(source, _SOURCE_TYPES):
+        raise ConfigError("initialize(config=...) takes a dict or a path to a JSON/YAML file, got "
+                          f"{describe(source)}")
+    where = None if isinstance(source, Mapping) else str(source)
+    raw = source if isinstance(source, Mapping) else read_config_file(Path(source))
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"must hold an object of settings, got {type(raw).__name__}", source=str(path))
-    return raw, str(path)
+        raise ConfigError(f"must hold an object of settings ({{\"key\": value, ...}}), got {describe(raw)}",
+                          source=where)
+    check_shape(raw, where)
+    return raw, where
 
 
 def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSpeedConfig:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean
-from dslaunch.runtime.param_schema import Option, boolean, check_params, choice, integer, number
+from dslaunch.runtime.param_schema import Option, boolean, check_params, choice, describe, integer, number
 
 __all__ = ["parse_section", "ZeroConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
            "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
@@ -141,7 +141,7 @@ _OFFLOAD = Off({"device": ("none", None)}, switch="device")
 class ZeroConfig:
     """``zero_optimization``: which ZeRO stage and its communication knobs."""
 
-    stage: int = _opt(0, integer(0), "the ZeRO stage: 0, 1 or 2")
+    stage: int = _opt(0, integer(0, 3), "the ZeRO stage: 0, 1 or 2")
     reduce_bucket_size: int = _opt(500_000_000, integer(1), "elements reduced per bucket, e.g. 5e8")
     allgather_bucket_size: int = _opt(500_000_000, integer(1), "elements gathered per bucket, e.g. 5e8")
     overlap_comm: bool = _opt(False, boolean, "true to overlap gradient reduction with backward")
@@ -187,17 +187,25 @@ class ZeroConfig:
                    "save_muon_momentum_buffer_in_memory")
 
 
+# A scale of 2**64 already overflows any fp16 gradient (max 65504); more only skips more steps
+# before the dynamic scaler gets down to a usable scale (and 2**128 is inf in fp32).
+MAX_SCALE_POWER = 64
+MAX_LOSS_SCALE = 2.0**MAX_SCALE_POWER
+
+
 @dataclass(frozen=True)
 class Fp16Config:
     """``fp16``: fp16 model, fp32 master weights, loss scaling (dynamic unless loss_scale > 0)."""
 
     enabled: bool = _opt(False, boolean, "true or false")
-    loss_scale: float = _opt(0.0, number(0.0), "0 for dynamic loss scaling, or a fixed scale > 0")
-    initial_scale_power: int = _opt(16, integer(0), "an integer: the first dynamic scale is 2**power")
+    loss_scale: float = _opt(0.0, number(0.0, MAX_LOSS_SCALE), "0 for dynamic loss scaling, or a fixed scale > 0")
+    initial_scale_power: int = _opt(16, integer(0, MAX_SCALE_POWER),
+                                    "an integer: the first dynamic scale is 2**power")
     loss_scale_window: int = _opt(1000, integer(1), "steps without overflow before the scale doubles")
     hysteresis: int = _opt(2, integer(1), "overflows tolerated before the scale halves")
     consecutive_hysteresis: bool = _opt(False, boolean, "true or false")
-    min_loss_scale: float = _opt(1.0, number(0.0, low_open=True), "the smallest dynamic scale, e.g. 1")
+    min_loss_scale: float = _opt(1.0, number(0.0, MAX_LOSS_SCALE, low_open=True),
+                                 "the smallest dynamic scale, e.g. 1")
 
     UNIMPLEMENTED = {"auto_cast": False, "fp16_master_weights_and_grads": False}
 
@@ -247,7 +255,7 @@ class OptimizerSection(TypedSection):
 
 
 def _not_str(path: str, value: Any) -> str:
-    raise ConfigError(f"must be a string, got {type(value).__name__} {value!r}", key=path)
+    raise ConfigError(f"must be a string, got {describe(value)}", key=path)
 
 
 _COMPRESSION = Off({"shared_parameters": _enabled()}, switch="shared_parameters")
@@ -321,7 +329,7 @@ def parse_section(cls: type, raw: Any, prefix: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"must be an object, got {type(raw).__name__} {raw!r}", key=prefix)
+        raise ConfigError(f"must be an object, got {describe(raw)}", key=prefix)
     _explain_auto(cls, raw, prefix)
     known: dict[str, Any] = {}
     for key, value in raw.items():

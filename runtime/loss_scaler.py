@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dslaunch.runtime.param_schema import boolean, integer, number
+from dslaunch.runtime.config_sections import Fp16Config, parse_section
 
 __all__ = ["LossScaler", "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "LossScaleAtMinimumError",
            "build_loss_scaler", "has_overflow"]
@@ -175,20 +175,16 @@ def build_loss_scaler(fp16_section: Any = None) -> LossScaler:
     """
     if fp16_section is None:
         return NoLossScaler()
-    cfg = _section_dict(fp16_section)
-    if not boolean("fp16.enabled", cfg.get("enabled", True)):
+    # The config's own checkers: one definition of each key's range (a dict here may come from
+    # a caller that skipped load_config).
+    cfg = parse_section(Fp16Config, {"enabled": True, **_section_dict(fp16_section)}, "fp16")
+    if not cfg.enabled:
         return NoLossScaler()
-    static = number(0.0)("fp16.loss_scale", cfg.get("loss_scale", 0.0))
-    if static > 0:
-        return StaticLossScaler(static)
-    power = integer(0)("fp16.initial_scale_power", cfg.get("initial_scale_power", 16))
-    return DynamicLossScaler(
-        init_scale=2.0**power,
-        scale_window=integer(1)("fp16.loss_scale_window", cfg.get("loss_scale_window", 1000)),
-        hysteresis=integer(1)("fp16.hysteresis", cfg.get("hysteresis", 2)),
-        consecutive_hysteresis=boolean("fp16.consecutive_hysteresis", cfg.get("consecutive_hysteresis", False)),
-        min_scale=number(0.0, low_open=True)("fp16.min_loss_scale", cfg.get("min_loss_scale", 1.0)),
-    )
+    if cfg.loss_scale > 0:
+        return StaticLossScaler(cfg.loss_scale)
+    return DynamicLossScaler(init_scale=2.0**cfg.initial_scale_power, scale_window=cfg.loss_scale_window,
+                             hysteresis=cfg.hysteresis, consecutive_hysteresis=cfg.consecutive_hysteresis,
+                             min_scale=cfg.min_loss_scale)
 
 
 def has_overflow(tensors: Iterable[Any]) -> bool:
