@@ -112,7 +112,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
         background; the next save/load (or ``wait_for_checkpoint``) reports a failure.
     Raises:
         CheckpointError: tags differ with tag_validation Fail, invalid tag, a rank failed to
-            write (nothing is published then; the previous checkpoint stays ``latest``).
+            write or the tag could not be published: what the save created is removed and
+            ``latest`` still names the previous tag (the message says what is on disk).
 
     collective: call on all ranks.
     """
