@@ -227,11 +227,15 @@ class CheckpointStore:
             path = self.root / tag / name
             if not path.is_file():
                 raise CheckpointError("file is missing", str(path))
-            size = path.stat().st_size
-            if size != rec.size:
+            try:
+                size = path.stat().st_size
+                digest = file_digest(path, rec.algorithm) if size == rec.size else None
+            except OSError as exc:  # permissions, I/O error: say which file, not a traceback
+                raise CheckpointError(f"cannot read the file ({exc.strerror or exc})", str(path)) from exc
+            if digest is None:
                 raise CheckpointError(f"file is truncated or was changed: {size} bytes on disk, the "
                                       f"manifest records {rec.size} bytes", str(path))
-            if file_digest(path, rec.algorithm).checksum != rec.checksum:
+            if digest.checksum != rec.checksum:
                 raise CheckpointError(f"checksum mismatch: the file is corrupt ({rec.algorithm.upper()} "
                                       "differs from the manifest)", str(path))
         return manifest
