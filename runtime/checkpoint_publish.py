@@ -236,11 +236,12 @@ class LeaderSave:
         self._before: _Before | None = None
         self._started = False  # the owner record and ``.tmp-<tag>`` exist
         self._displaced: Path | None = None  # where the tag's previous version waits
-        self._installed = False  # the tag is in place, ``latest`` updated
+        self._installed = False  # the tag is in place (``latest`` may name it), not committed
         self._latest_before: bytes | None = None
 
     @property
     def installed(self) -> bool:
+        """The tag is in place and ``latest`` names it (when asked to), not yet committed."""
         return self._installed
 
     def begin(self) -> None:
@@ -249,7 +250,7 @@ class LeaderSave:
 
         Raises:
             CheckpointError: the tag is invalid, or a live process on this host saves it here.
-            OSError: after removing what it created.
+            OSError: ``roll_back`` removes what was created.
         """
         store, tag = self.store, self.tag
         validate_tag(tag)
@@ -271,7 +272,7 @@ class LeaderSave:
         """Write the manifest, move the tag into place, then point ``latest`` at it.
 
         The tag's previous version (if any) is kept aside until ``commit``. Raises what failed,
-        after undoing what it did.
+        after undoing the move and ``latest``; ``roll_back`` removes the rest.
         """
         store, tag, tmp = self.store, self.tag, self.store.tmp_dir(self.tag)
         self.manifest = Manifest(tag=tag, created=time.time(), files={r.name: r for r in records},
@@ -328,6 +329,7 @@ class LeaderSave:
         if self._displaced is not None:
             with contextlib.suppress(OSError):  # else the next save removes it
                 self.store.discard(self._displaced)
+        self._installed = False
         self._end()
         return self.store.retain(keep_last, protect={self.tag}) if keep_last > 0 else []
 
