@@ -46,6 +46,7 @@ from dslaunch.runtime.checkpoint_engine import (
     zero_file,
 )
 from dslaunch.runtime.checkpoint_io import (
+    MANIFEST,
     CheckpointStore,
     Manifest,
     first_loadable,
@@ -55,6 +56,7 @@ from dslaunch.runtime.checkpoint_io import (
 from dslaunch.runtime.checkpoint_reshard import (
     assemble,
     check_compatible,
+    check_meta,
     fp32_params,
     needed_ranks,
     partition_map,
@@ -112,7 +114,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
         background; the next save/load (or ``wait_for_checkpoint``) reports a failure.
     Raises:
         CheckpointError: tags differ with tag_validation Fail, invalid tag, a rank failed to
-            write (nothing is published then; the previous checkpoint stays ``latest``).
+            write or the tag could not be published: what the save created is removed and
+            ``latest`` still names the previous tag (the message says what is on disk).
 
     collective: call on all ranks.
     """
@@ -213,6 +216,7 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> di
     back to an older tag): it is reported as ``incompatible`` and the ZeRO shards are skipped.
     """
     manifest = store.manifest(tag)
+    check_meta(manifest.meta, str(store.root / tag / MANIFEST))
     src = rank if rank < manifest.meta["world_size"] else 0
     out: dict[str, Any] = {"manifest": manifest,
                            "module": store.read(tag, MODULE_FILE, manifest)["module"],

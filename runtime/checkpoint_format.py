@@ -224,8 +224,11 @@ def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> An
     path = Path(path)
     if not path.is_file():
         raise CheckpointError("file is missing", str(path))
-    size = expect.size if expect else path.stat().st_size
-    data = _read_exact(path, size)
+    try:
+        size = expect.size if expect else path.stat().st_size
+        data = _read_exact(path, size)
+    except OSError as exc:  # permissions, I/O error: say which file, not a traceback
+        raise CheckpointError(f"cannot read the file ({exc.strerror or exc})", str(path)) from exc
     view = memoryview(data.numpy()).cast("B") if size else memoryview(b"")
     if expect is not None and _crc(view, expect.algorithm) != expect.checksum:
         raise CheckpointError(f"checksum mismatch: the file is corrupt ({expect.algorithm.upper()} "

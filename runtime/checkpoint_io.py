@@ -6,6 +6,7 @@ Owns the layout of ``save_dir`` and every rule that makes it crash-consistent::
     save_dir/<tag>/manifest.json  what the tag holds (+ a CRC of the manifest itself)
     save_dir/<tag>/<files>        written by ``checkpoint_format.write_object``
     save_dir/.tmp-<tag>/          a tag being written; never read by the loader
+    save_dir/.owner-<tag> ...     a save's other files (``checkpoint_publish``); never read
 
 A tag is written into ``.tmp-<tag>``, every file fsynced, then the manifest (listing each file's
 size and checksum) is written and fsynced, the directory is fsynced and renamed into place (an atomic
@@ -14,18 +15,20 @@ exchange when the tag already exists), the parent is fsynced, and only then ``la
 published tag intact and ``latest`` naming a complete one. The manifest doubles as the commit
 record: a directory without a valid manifest is not a checkpoint.
 
+The leader's steps (publication, rolling back a failed save, removing what killed saves left)
+are ``checkpoint_publish``'s; this module reads, verifies and retains.
+
 This module knows nothing about engines or ranks beyond file records; ``checkpoint.py`` decides
 what goes into the files.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
+import contextlib
 import json
 import os
 import shutil
-import time
+import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +39,7 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint_format import FileDigest, read_object, write_object
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
-           "write_atomic", "first_loadable"]
+           "write_atomic", "fsync_dir", "first_loadable"]
 
 T = TypeVar("T")
 
@@ -45,7 +48,7 @@ LATEST = "latest"
 _FORMAT = "dslaunch-checkpoint"
 _FORMAT_VERSION = 2  # 2: a file's checksum may be "crc32c" (1: zlib "crc32" only)
 _READABLE_VERSIONS = (1, 2)
-_RESERVED = (".tmp-", ".trash-", ".old-")
+_RESERVED = (".tmp-", ".trash-", ".old-", ".owner-", ".latest.tmp")
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class Manifest:
             raise CheckpointError(f"manifest is unreadable ({type(exc).__name__}: {exc})", str(path)) from exc
 
 
-def _fsync_dir(path: Path, durable: bool = True) -> None:
+def fsync_dir(path: Path, durable: bool = True) -> None:
     if not durable:
         return
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -118,36 +121,25 @@ def _fsync_dir(path: Path, durable: bool = True) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, write: Callable[[Path], Any], durable: bool = True) -> None:
+def write_atomic(path: Path, write: Callable[[Path], Any], durable: bool = True,
+                 tmp: Path | None = None) -> None:
     """``write(tmp)`` beside ``path``, fsync it, rename it over ``path``, fsync the directory:
-    a crash leaves the old file or the new one, never half of one (``durable=False``: no fsync)."""
+    a crash leaves the old file or the new one, never half of one (``durable=False``: no fsync).
+    A failure before the rename removes ``tmp`` (default ``.<name>.tmp<pid>``) and leaves ``path``
+    as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    if durable:
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent, durable)
-
-
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directories (Linux renameat2); False when the platform can't."""
+    tmp = tmp or path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+        write(tmp)
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent, durable)
 
 
 def validate_tag(tag: str) -> str:
@@ -162,8 +154,8 @@ def validate_tag(tag: str) -> str:
 class CheckpointStore:
     """One ``save_dir``: write tags atomically, find and verify them, apply retention.
 
-    Writing is split so several ranks can share it: the leader calls ``begin``; every rank calls
-    ``write`` for its own files; the leader calls ``publish`` with everyone's records.
+    Writing is split so several ranks can share it: every rank calls ``write`` for its own files
+    into ``tmp_dir``, which the leader's ``checkpoint_publish.LeaderSave`` creates and publishes.
     """
 
     def __init__(self, root: str | os.PathLike, durable: bool = True):
@@ -177,60 +169,17 @@ class CheckpointStore:
     def tmp_dir(self, tag: str) -> Path:
         return self.root / f".tmp-{tag}"
 
-    def begin(self, tag: str) -> None:
-        """Leader: create an empty ``.tmp-<tag>`` (removing a stale one from a killed save)."""
-        validate_tag(tag)
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.tmp_dir(tag)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-
     def write(self, tag: str, name: str, obj: Any, rank: int = 0) -> FileRecord:
         """Any rank: write one file of ``tag`` (fsynced) and return its record."""
         digest = write_object(self.tmp_dir(tag) / name, obj, self.durable)
         return FileRecord(name, rank, digest.size, digest.checksum, digest.algorithm)
 
-    def publish(self, tag: str, records: list[FileRecord], meta: dict[str, Any], *,
-                save_latest: bool = True, keep_last: int = 0, library_version: str = "") -> Manifest:
-        """Leader: write the manifest, move the tag into place, then update ``latest``.
-
-        Args:
-            keep_last: when > 0, delete older tags so that this many remain (never this tag
-                nor the one ``latest`` names).
-        """
-        tmp = self.tmp_dir(tag)
-        manifest = Manifest(tag=tag, created=time.time(), files={r.name: r for r in records},
-                            meta=meta, library_version=library_version)
-        path = tmp / MANIFEST
-        with open(path, "w") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            if self.durable:
-                os.fsync(f.fileno())
-        _fsync_dir(tmp, self.durable)
-        final = self.root / tag
-        if final.exists():
-            if not _exchange(tmp, final):
-                old = self.root / f".old-{tag}"
-                if old.exists():
-                    shutil.rmtree(old)
-                os.rename(final, old)
-                os.rename(tmp, final)
-            shutil.rmtree(tmp, ignore_errors=True)  # after an exchange, tmp holds the old tag
-            shutil.rmtree(self.root / f".old-{tag}", ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(self.root, self.durable)
-        if save_latest:
-            write_atomic(self.root / LATEST, lambda tmp: tmp.write_text(tag), self.durable)
-        if keep_last > 0:
-            self.retain(keep_last, protect={tag})
-        return manifest
-
-    def abort(self, tag: str) -> None:
-        """Leader: drop a half-written tag (nothing published is touched)."""
-        shutil.rmtree(self.tmp_dir(tag), ignore_errors=True)
+    def discard(self, path: Path) -> None:
+        """Delete a directory of ``save_dir``, renamed to ``.trash-*`` first so a crash mid-delete
+        never leaves a half-deleted directory under a name the loader reads."""
+        trash = self.root / f".trash-{uuid.uuid4().hex[:12]}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
     # ---- reading -------------------------------------------------------------------------
     def read_latest(self) -> tuple[str | None, str]:
@@ -278,11 +227,15 @@ class CheckpointStore:
             path = self.root / tag / name
             if not path.is_file():
                 raise CheckpointError("file is missing", str(path))
-            size = path.stat().st_size
-            if size != rec.size:
+            try:
+                size = path.stat().st_size
+                digest = file_digest(path, rec.algorithm) if size == rec.size else None
+            except OSError as exc:  # permissions, I/O error: say which file, not a traceback
+                raise CheckpointError(f"cannot read the file ({exc.strerror or exc})", str(path)) from exc
+            if digest is None:
                 raise CheckpointError(f"file is truncated or was changed: {size} bytes on disk, the "
                                       f"manifest records {rec.size} bytes", str(path))
-            if file_digest(path, rec.algorithm).checksum != rec.checksum:
+            if digest.checksum != rec.checksum:
                 raise CheckpointError(f"checksum mismatch: the file is corrupt ({rec.algorithm.upper()} "
                                       "differs from the manifest)", str(path))
         return manifest
@@ -335,13 +288,8 @@ class CheckpointStore:
         for tag in tags:
             if tag in keep:
                 continue
-            trash = self.root / f".trash-{tag}-{os.getpid()}"
-            os.rename(self.root / tag, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            self.discard(self.root / tag)
             removed.append(tag)
-        for entry in self.root.iterdir():  # leftovers of killed saves and deletes
-            if entry.name.startswith((".trash-", ".old-")) and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
         return removed
 
 

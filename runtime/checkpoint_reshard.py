@@ -18,7 +18,7 @@ import torch
 
 from dslaunch.errors import CheckpointError
 
-__all__ = ["partition_map", "needed_ranks", "assemble", "consolidate", "fp32_params",
+__all__ = ["partition_map", "check_meta", "needed_ranks", "assemble", "consolidate", "fp32_params",
            "check_compatible"]
 
 Range = tuple[int, int]
@@ -35,6 +35,47 @@ def partition_map(shards: list[dict]) -> dict[str, Any]:
                        "ranges": {str(sd["rank"]): [int(sd["groups"][gi]["start"]),
                                                     int(sd["groups"][gi]["end"])] for sd in shards}})
     return {"stage": int(first["stage"]), "world_size": int(first["world_size"]), "groups": groups}
+
+
+def check_meta(meta: dict[str, Any], source: str) -> None:
+    """Raise CheckpointError unless a manifest's ``meta`` is an engine checkpoint's, as this
+    version writes it (a tag written by another tool has a valid manifest but not this)."""
+    problem = _meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"not an engine checkpoint this dslaunch version reads: {problem}", source)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _group_ok(g: Any) -> bool:
+    if not (isinstance(g, dict) and isinstance(g.get("names"), list) and isinstance(g.get("shapes"), list)
+            and len(g["names"]) == len(g["shapes"]) and _count(g.get("numel"))
+            and isinstance(g.get("ranges"), dict) and g["ranges"]):
+        return False
+    shapes_ok = all(isinstance(s, list) and all(_count(d) for d in s) for s in g["shapes"])
+    ranges_ok = all(str(r).isdigit() and isinstance(v, list) and len(v) == 2 and all(_count(x) for x in v)
+                    and v[0] <= v[1] <= g["numel"] for r, v in g["ranges"].items())
+    return shapes_ok and ranges_ok
+
+
+def _meta_problem(meta: dict[str, Any]) -> str | None:
+    for key in ("world_size", "zero_stage"):
+        if key not in meta:
+            return f"meta {key!r} is missing"
+        if not _count(meta[key]):
+            return f"meta {key!r} is {str(meta[key])[:40]!r}, expected a whole number"
+    pmap = meta.get("partition")
+    if not (isinstance(pmap, dict) and _count(pmap.get("stage")) and isinstance(pmap.get("groups"), list)):
+        return "meta 'partition' is missing or malformed"
+    bad = next((gi for gi, g in enumerate(pmap["groups"]) if not _group_ok(g)), None)
+    if bad is not None:
+        return f"meta 'partition' group {bad} is malformed"
+    for key in ("module_keys", "frozen_parameters"):
+        if key in meta and not (isinstance(meta[key], list) and all(isinstance(k, str) for k in meta[key])):
+            return f"meta {key!r} is not a list of names"
+    return None
 
 
 def needed_ranks(pmap: dict[str, Any], targets: list[Range]) -> list[int]:

@@ -4,16 +4,20 @@ Owns the save protocol (``write_tag``), the communicator it runs on (``Comm``: a
 single process), the host-memory snapshot that lets training continue during an async save
 (``Snapshot``), and the background writer (``AsyncWriter``).
 
-Protocol (collective): leaders create ``.tmp-<tag>`` -> every rank writes and fsyncs its files ->
-records and errors are all-gathered -> leaders write the manifest and publish -> outcome
-all-gathered. Every rank learns of any rank's failure and raises the same ``CheckpointError``;
-a failed tag is never published, so the previous checkpoint stays ``latest``. There is one
-leader (global rank 0) on a shared file system, or one per node with node-local storage.
+Protocol (collective): leaders clear leftovers of killed saves and create ``.tmp-<tag>`` -> every
+rank writes and fsyncs its files -> records and errors are all-gathered -> leaders write the
+manifest, move the tag into place and update ``latest`` -> outcomes all-gathered -> leaders
+commit (drop the tag's previous version, apply retention), or, if any leader failed, all undo.
+Every rank learns of any rank's failure and raises the same ``CheckpointError``, after the
+leaders removed what the save created; its message ends with what is on disk then (``latest``
+and the tag). There is one leader (global rank 0) on a shared file system, or one per node with
+node-local storage.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,10 +26,13 @@ from typing import Any, Protocol
 
 import torch
 
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointError, DslaunchError
 from dslaunch.runtime.checkpoint_io import CheckpointStore, FileRecord, Manifest
+from dslaunch.runtime.checkpoint_publish import SAVE_TIMEOUT_S, LeaderSave
 
 __all__ = ["Comm", "LocalComm", "GroupComm", "TagWrite", "write_tag", "Snapshot", "AsyncWriter"]
+
+log = logging.getLogger("dslaunch.checkpoint")
 
 
 class Comm(Protocol):
@@ -50,7 +57,7 @@ class GroupComm:
     """Collectives on a dedicated gloo group, so a background save never interleaves its
     collectives with the training loop's on the default group."""
 
-    def __init__(self, timeout_s: float = 1800.0):
+    def __init__(self, timeout_s: float = SAVE_TIMEOUT_S):
         import torch.distributed as dist
 
         self._dist = dist
@@ -81,16 +88,39 @@ class TagWrite:
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
     try:
         return fn(), None
-    except Exception as exc:  # reported to every rank below
+    except DslaunchError as exc:  # its message is complete
+        return None, str(exc)
+    except Exception as exc:  # reported to every rank
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _raise_any(comm: Comm, err: str | None, step: str) -> None:
-    errors = comm.all_gather_object(err)
-    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if bad:
-        raise CheckpointError(f"checkpoint save failed while {step}; the previous checkpoint is "
-                              f"untouched. " + "; ".join(bad))
+def _ranks(ranks: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, ranks[:limit])) + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
+
+
+def _per_rank(items: list[str | None], limit: int = 3, clip: int = 400) -> str:
+    """``rank 1: text; ranks 2, 3: text`` for the non-empty items, bounded in size."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in enumerate(items):
+        if text:
+            groups.setdefault(text, []).append(rank)
+    shown = [f"{_ranks(ranks)}: {text if len(text) <= clip else text[:clip] + '...'}"
+             for text, ranks in list(groups.items())[:limit]]
+    more = len(groups) - limit
+    return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+def _fail_if_any(comm: Comm, leader: LeaderSave | None, errors: list[str | None], step: str,
+                 tag: str) -> None:
+    """Collective: if any rank failed, leaders roll back and every rank raises the same error."""
+    if not any(errors):
+        return
+    states = comm.all_gather_object(leader.roll_back() if leader is not None else None)
+    where = [s for s in states if s]
+    state = where[0] if len(set(where)) == 1 else _per_rank(states)  # one leader, or one per node
+    raise CheckpointError(f"checkpoint save of tag {tag!r} failed while {step}: {_per_rank(errors)}. "
+                          f"On disk: {state}.")
 
 
 def write_tag(comm: Comm, job: TagWrite) -> Manifest | None:
@@ -101,31 +131,53 @@ def write_tag(comm: Comm, job: TagWrite) -> Manifest | None:
     Returns:
         The published manifest on leaders, None elsewhere.
     Raises:
-        CheckpointError on every rank if any rank failed (disk full, permissions...).
+        CheckpointError on every rank if any rank failed (disk full, permissions...): what the
+            save created is removed first, and the message says what is on disk.
     """
+    leader = LeaderSave(job.store, job.tag) if job.leader else None
+    try:
+        return _write_tag(comm, job, leader)
+    except CheckpointError:
+        raise
+    except BaseException:
+        # A collective failed (a peer died) or the thread was interrupted: a tag that every
+        # leader has installed stays, anything before that is removed.
+        if leader is not None:
+            if leader.installed:
+                _commit(leader, 0)
+            else:
+                leader.roll_back()
+        raise
+
+
+def _commit(leader: LeaderSave, keep_last: int) -> None:
+    _, err = _attempt(lambda: leader.commit(keep_last))
+    if err:  # the save itself is complete: a failed retention only leaves older tags
+        log.warning("checkpoint tag %r is saved and complete, but deleting older tags "
+                    "(keep_last=%d) failed: %s", leader.tag, keep_last, err)
+
+
+def _write_tag(comm: Comm, job: TagWrite, leader: LeaderSave | None) -> Manifest | None:
     store, tag = job.store, job.tag
-    _, err = _attempt(lambda: store.begin(tag)) if job.leader else (None, None)
-    _raise_any(comm, err, f"creating {store.tmp_dir(tag)}")
+    err = _attempt(leader.begin)[1] if leader is not None else None
+    _fail_if_any(comm, leader, comm.all_gather_object(err), f"creating {store.tmp_dir(tag)}", tag)
 
     def write_all() -> list[FileRecord]:
         return [store.write(tag, name, obj, comm.rank) for name, obj in job.files.items()]
 
     records, err = _attempt(write_all)
     gathered = comm.all_gather_object((records, err))
-    bad = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
-    if bad:
-        if job.leader:
-            store.abort(tag)
-        raise CheckpointError(f"checkpoint save of tag {tag!r} failed while writing files; the "
-                              f"previous checkpoint is untouched. " + "; ".join(bad))
+    _fail_if_any(comm, leader, [e for _, e in gathered], "writing files", tag)
     all_records = [rec for recs, _ in gathered for rec in recs]
-    manifest = None
-    if job.leader:
-        manifest, err = _attempt(lambda: store.publish(
-            tag, all_records, job.meta, save_latest=job.save_latest, keep_last=job.keep_last,
-            library_version=job.library_version))
-    _raise_any(comm, err, f"publishing tag {tag!r}")
-    return manifest
+    if leader is not None:
+        err = _attempt(lambda: leader.install(all_records, job.meta, job.save_latest,
+                                              job.library_version))[1]
+    # Every leader must have installed the tag before any commits: otherwise all roll back.
+    _fail_if_any(comm, leader, comm.all_gather_object(err), "publishing it", tag)
+    if leader is None:
+        return None
+    _commit(leader, job.keep_last)
+    return leader.manifest
 
 
 class Snapshot:

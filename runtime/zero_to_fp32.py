@@ -36,7 +36,7 @@ import torch
 from dslaunch.errors import CheckpointError, DslaunchError, UsageError
 from dslaunch.runtime.checkpoint_engine import MODULE_FILE, zero_file
 from dslaunch.runtime.checkpoint_io import MANIFEST, CheckpointStore, first_loadable, write_atomic
-from dslaunch.runtime.checkpoint_reshard import assemble, fp32_params, needed_ranks
+from dslaunch.runtime.checkpoint_reshard import assemble, check_meta, fp32_params, needed_ranks
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
            "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main"]
@@ -79,6 +79,7 @@ def _frozen(meta: dict, module: dict, source: str) -> set[str]:
 
 def _consolidate(store: CheckpointStore, tag: str, exclude_frozen: bool) -> StateDict:
     manifest = store.manifest(tag)
+    check_meta(manifest.meta, str(store.root / tag / MANIFEST))
     pmap = manifest.meta["partition"]
     full = [(0, int(g["numel"])) for g in pmap["groups"]]
     shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]

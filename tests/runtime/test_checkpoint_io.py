@@ -345,3 +345,27 @@ def test_new_tags_use_crc32c_and_crc32_tags_from_before_still_verify(tmp_path: P
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="checksum mismatch: the file is corrupt \\(CRC32 differs"):
         store.verify("global_step2")
+
+
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), OSError(5, "Input/output error")])
+def test_an_unreadable_file_is_named_not_a_traceback(tmp_path: Path, monkeypatch, error: OSError) -> None:
+    import builtins
+
+    from dslaunch.runtime import checkpoint_format
+
+    store = _two_tags(tmp_path)
+    bad = tmp_path / "global_step2" / "extra.bin"
+    real = builtins.open
+
+    def fail_open(path, *args, **kwargs):
+        if Path(path) == bad:
+            raise type(error)(error.errno, error.strerror, str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_format, "open", fail_open, raising=False)
+    for check in (lambda: _load_all(store, "global_step2"), lambda: store.verify("global_step2")):
+        with pytest.raises(CheckpointError) as err:
+            check()
+        assert str(err.value) == f"{bad}: cannot read the file ({error.strerror})"
+    tag, files, notes = _load_latest(store)  # and the loader falls back past it
+    assert tag == "global_step1" and any(str(bad) in n for n in notes)

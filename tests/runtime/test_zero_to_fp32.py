@@ -247,3 +247,45 @@ def test_deepspeed_import_path_and_python_m(saved: dict, tmp_path: Path) -> None
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
         f"zero-to-fp32: error: {tmp_path / 'nope'}: not a directory (expected a save_dir or one of its tag "
         "directories)"]
+
+
+def _rewrite_meta(tag_dir: Path, change) -> None:
+    """Change a manifest's meta and re-sign it: a manifest that is intact but not an engine's."""
+    import zlib
+
+    path = tag_dir / "manifest.json"
+    body = json.loads(path.read_text())["body"]
+    change(body["meta"])
+    text = json.dumps(body, sort_keys=True)
+    path.write_text(json.dumps({"body": body, "crc32": zlib.crc32(text.encode())}))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change,problem", [
+    (lambda m: m.pop("world_size"), "meta 'world_size' is missing"),
+    (lambda m: m.update(world_size="two"), "meta 'world_size' is 'two', expected a whole number"),
+    (lambda m: m.update(partition=[1, 2]), "meta 'partition' is missing or malformed"),
+    (lambda m: m["partition"]["groups"][0].update(ranges={"0": [5, 1]}), "meta 'partition' group 0 is malformed"),
+    (lambda m: m.update(frozen_parameters="frozen.weight"), "meta 'frozen_parameters' is not a list of names"),
+])
+def test_a_manifest_without_engine_metadata_is_a_one_line_error(saved: dict, tmp_path: Path, change,
+                                                                 problem: str) -> None:
+    import shutil
+
+    import dslaunch
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved["root"] / "full", root)
+    tag = (root / "latest").read_text()
+    _rewrite_meta(root / tag, change)
+    expected = f"{root / tag / 'manifest.json'}: not an engine checkpoint this dslaunch version reads: {problem}"
+    engine, *_ = dslaunch.initialize(model=_net(1), dist_init_required=False, config={
+        "train_batch_size": 4, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    for load in (lambda: engine.load_checkpoint(root, tag=tag),
+                 lambda: z2f.get_fp32_state_dict_from_zero_checkpoint(root)):
+        with pytest.raises(CheckpointError) as err:
+            load()
+        assert str(err.value).endswith(expected) and "\n" not in str(err.value)
+    engine.save_checkpoint(root, tag="other", save_latest=False)
+    assert engine.load_checkpoint(root)[0] == str(root / "other")  # tag=None falls back to it
