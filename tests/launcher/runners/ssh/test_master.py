@@ -22,12 +22,19 @@ import pytest
 from dslaunch.errors import UsageError
 from dslaunch.launcher.output import Sink
 from dslaunch.launcher.ports import free_port as another_free_port
-from dslaunch.launcher.preflight import check_probes, probe_request, remote_command
-from dslaunch.launcher.runners.ssh import Master, choose_master, is_loopback
-from dslaunch.launcher.ssh_connect import SSHError, SSHOptions, SSHTarget, connect, resolve, source_address
+from dslaunch.launcher.runners.ssh.connect import (
+    SSHError,
+    SSHOptions,
+    SSHTarget,
+    connect,
+    resolve,
+    source_address,
+)
+from dslaunch.launcher.runners.ssh.preflight import check_probes, probe_request, remote_command
+from dslaunch.launcher.runners.ssh.runner import Master, choose_master, is_loopback
+from dslaunch.launcher.runners.ssh.session import RemoteSession
 from dslaunch.launcher.ssh_probe import probe
-from dslaunch.launcher.ssh_session import RemoteSession
-from tests.launcher.runners.ssh_helpers import ALLREDUCE, FAKE, ROOT, Lines
+from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, ROOT, Lines
 
 BRIDGE_ADDR = "10.213.7.1"  # the root namespace's address on the cluster bridge (scripts/cluster)
 

@@ -2,7 +2,7 @@
 
 Checked on every host, each failure naming the host and its cause:
 
-- reachable and authenticated (``ssh_connect``: refused, timeout, unreachable, auth, unknown or
+- reachable and authenticated (``connect``: refused, timeout, unreachable, auth, unknown or
   changed host key);
 - the interpreter exists and imports dslaunch (``interpreter``);
 - the working directory exists there (``cwd``);
@@ -23,7 +23,7 @@ import shlex
 import time
 from collections.abc import Mapping
 
-from dslaunch.launcher.ssh_connect import SSHError
+from dslaunch.launcher.runners.ssh.connect import SSHError
 
 __all__ = ["PROBE_TIMEOUT", "probe_request", "remote_command", "diagnose_no_probe", "check_probes",
            "gather_probes"]
@@ -113,7 +113,7 @@ def check_probes(probes: Mapping[str, Mapping], cwd: str | None, master: str, po
 
 
 def gather_probes(sessions: Mapping[str, object], python: str, timeout: float = PROBE_TIMEOUT) -> dict[str, dict]:
-    """Wait for every session's probe (``ssh_session.RemoteSession``), in parallel.
+    """Wait for every session's probe (``session.RemoteSession``), in parallel.
 
     Raises:
         SSHError: naming each host that did not answer and why.

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from dslaunch.launcher.plan import LaunchConfig, build_job
-from dslaunch.launcher.runners.ssh import SSHRunner
-from dslaunch.launcher.ssh_connect import SSHError
-from tests.launcher.runners.ssh_helpers import ALLREDUCE, FAKE, Lines
+from dslaunch.launcher.runners.ssh.connect import SSHError
+from dslaunch.launcher.runners.ssh.runner import SSHRunner
+from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, Lines
 
 pytestmark = pytest.mark.cluster
 

@@ -1,8 +1,8 @@
 """SSH connections for the SSH runner: resolve hosts like OpenSSH, verify keys, connect in parallel.
 
-Owns the client side of SSH and nothing else (what runs remotely is ``ssh_probe`` and the agent):
+Owns the client side of SSH and nothing else (what runs remotely is the probe and the agent):
 
-- ``SSHOptions``/``resolve`` (re-exported from ``ssh_options``): where and how to log in;
+- ``SSHOptions``/``resolve`` (re-exported from ``options``): where and how to log in;
 - ``connect_all(targets) -> {alias: paramiko.Transport}``: one thread per host, TCP keepalive and
   ``TCP_USER_TIMEOUT`` on the socket plus SSH keepalives (a host whose link dies is noticed in
   seconds, not at the TCP timeout), host keys verified against known_hosts. Every failure is an
@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dslaunch.errors import LaunchError
-from dslaunch.launcher.ssh_options import SSHOptions, SSHTarget, load_config, resolve
-from dslaunch.launcher.sshlib import paramiko
+from dslaunch.launcher.runners.ssh.options import SSHOptions, SSHTarget, load_config, resolve
+from dslaunch.launcher.runners.ssh.sshlib import paramiko
 
 __all__ = ["SSHOptions", "SSHTarget", "SSHError", "load_config", "resolve", "connect", "connect_all",
            "source_address"]

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 FAKE = str(ROOT / "tests" / "launcher" / "bin" / "fake_worker.py")
 ALLREDUCE = str(ROOT / "scripts" / "examples" / "allreduce.py")
 

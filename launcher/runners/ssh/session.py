@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 from dslaunch.launcher.agent import parse_failure_line, parse_status_line
 from dslaunch.launcher.output import Sink
+from dslaunch.launcher.runners.ssh.sshlib import paramiko
 from dslaunch.launcher.spec import NodeResult
 from dslaunch.launcher.ssh_probe import PROBE_MARKER
-from dslaunch.launcher.sshlib import paramiko
 
 __all__ = ["RemoteSession", "LOST_CONNECTION"]
 

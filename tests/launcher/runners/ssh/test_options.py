@@ -8,7 +8,7 @@ import pytest
 
 from dslaunch.errors import UsageError
 from dslaunch.launcher import cli
-from dslaunch.launcher.ssh_options import DEFAULT_CONNECT_TIMEOUT, SSHOptions, load_config, resolve
+from dslaunch.launcher.runners.ssh.options import DEFAULT_CONNECT_TIMEOUT, SSHOptions, load_config, resolve
 from tests.launcher.helpers import FAKE
 
 pytestmark = pytest.mark.timeout(30)

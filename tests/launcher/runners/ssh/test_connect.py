@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dslaunch.errors import UsageError
-from dslaunch.launcher.ssh_connect import SSHError, SSHOptions, connect, connect_all, resolve
+from dslaunch.launcher.runners.ssh.connect import SSHError, SSHOptions, connect, connect_all, resolve
 
 pytestmark = pytest.mark.cluster
 

@@ -2,7 +2,7 @@
 
 Launch pipeline (``_start_nodes``), every step parallel across hosts:
 
-1. resolve each hostfile name through the ssh config (``ssh_connect.resolve``) and connect;
+1. resolve each hostfile name through the ssh config (``connect.resolve``) and connect;
 2. run ``remote_command`` on each host: the preflight probe, then the agent in the same process;
 3. check the probes (``preflight.check_probes``); on any problem close every session (the agents
    see EOF and exit) and raise ``SSHError`` naming each host and cause;
@@ -38,10 +38,8 @@ from dataclasses import dataclass, replace
 from dslaunch.errors import UsageError
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.output import Sink
-from dslaunch.launcher.preflight import check_probes, gather_probes, probe_request, remote_command
 from dslaunch.launcher.runners.base import NodeHandle, Runner, format_node
-from dslaunch.launcher.spec import JobSpec, NodeResult, NodeSpec
-from dslaunch.launcher.ssh_connect import (
+from dslaunch.launcher.runners.ssh.connect import (
     SSHError,
     SSHOptions,
     SSHTarget,
@@ -50,8 +48,10 @@ from dslaunch.launcher.ssh_connect import (
     resolve,
     source_address,
 )
-from dslaunch.launcher.ssh_session import RemoteSession
-from dslaunch.launcher.sshlib import paramiko
+from dslaunch.launcher.runners.ssh.preflight import check_probes, gather_probes, probe_request, remote_command
+from dslaunch.launcher.runners.ssh.session import RemoteSession
+from dslaunch.launcher.runners.ssh.sshlib import paramiko
+from dslaunch.launcher.spec import JobSpec, NodeResult, NodeSpec
 
 __all__ = ["SSHRunner", "IFNAME_VARS", "Master", "choose_master", "is_loopback"]
 

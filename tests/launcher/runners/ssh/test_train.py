@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.launcher.runners.ssh_helpers import ROOT, Lines
+from tests.launcher.runners.ssh.helpers import ROOT, Lines
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dslaunch.launcher.preflight import check_probes, diagnose_no_probe
-from tests.launcher.runners.ssh_helpers import FAKE, Lines
+from dslaunch.launcher.runners.ssh.preflight import check_probes, diagnose_no_probe
+from tests.launcher.runners.ssh.helpers import FAKE, Lines
 
 GOOD = {"python": "3.11.7", "implementation": "CPython", "torch": "2.13.0", "executable": "/v/bin/python",
         "master_ip": "10.0.0.1", "master": {"status": "ok"}, "route": {"iface": "eth0"}}

@@ -1,17 +1,17 @@
-"""paramiko without invoke at start-up (launcher/sshlib.py), and ssh config 'Match exec' still works."""
+"""paramiko without invoke at start-up (launcher/runners/ssh/sshlib.py), and ssh config 'Match exec' still works."""
 
 import subprocess
 import sys
 
 import pytest
 
-from dslaunch.launcher.ssh_options import SSHOptions, load_config, resolve
+from dslaunch.launcher.runners.ssh.options import SSHOptions, load_config, resolve
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_the_ssh_runner_starts_without_invoke() -> None:
-    code = ("import sys, dslaunch.launcher.runners.ssh as r; "
+    code = ("import sys, dslaunch.launcher.runners.ssh.runner as r; "
             "print('invoke' in sys.modules, 'asyncio' in sys.modules, r.paramiko.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "paramiko"]
@@ -22,7 +22,7 @@ def test_match_exec_loads_invoke_when_a_config_needs_it(tmp_path) -> None:
     config.write_text('Match exec "true"\n    Port 2201\nMatch exec "false"\n    User nobody\n'
                       "Host *\n    User alice\n")
     code = ("import sys\n"
-            "from dslaunch.launcher.ssh_options import SSHOptions, load_config, resolve\n"
+            "from dslaunch.launcher.runners.ssh.options import SSHOptions, load_config, resolve\n"
             f"t = resolve('h', SSHOptions(config_file={str(config)!r}), load_config({str(config)!r}))\n"
             "print(t.port, t.user, 'invoke' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

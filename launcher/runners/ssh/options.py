@@ -9,7 +9,7 @@
   Port, IdentityFile, IdentitiesOnly, UserKnownHostsFile, GlobalKnownHostsFile,
   StrictHostKeyChecking, ConnectTimeout. Command-line choices win over the config, as with ``ssh``.
 
-No network here: ``ssh_connect`` does the connecting.
+No network here: ``connect`` does the connecting.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from dslaunch.errors import UsageError, did_you_mean, quote
 from dslaunch.launcher.hostfile import hostname_problem
-from dslaunch.launcher.sshlib import lookup, paramiko
+from dslaunch.launcher.runners.ssh.sshlib import lookup, paramiko
 
 __all__ = ["SSHOptions", "SSHTarget", "DEFAULT_CONNECT_TIMEOUT", "load_config", "resolve"]
 
