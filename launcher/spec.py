@@ -5,7 +5,7 @@ consume it. Each ``NodeSpec`` is self-contained: a node agent (``dslaunch.launch
 local or remote, needs nothing else to start that node's workers, so it is what the SSH runner
 sends to a remote agent (``NodeSpec.to_json()`` on the agent's stdin).
 
-Spec (this module) -> instance (``agent.Agent`` with its worker processes) -> state
+Spec (this module) -> instance (``agent.node.Agent`` with its worker processes) -> state
 (``NodeResult``: how a node ended).
 """
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dslaunch.launcher.agent import Agent
+from dslaunch.launcher.agent.node import Agent
 from dslaunch.launcher.runners.base import Gang, NodeHandle
 from dslaunch.launcher.runners.local import _InProcessNode
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec

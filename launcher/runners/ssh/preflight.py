@@ -12,8 +12,8 @@ Checked on every host, each failure naming the host and its cause:
   unless it is the master host (``master``); the master port is free on the master host and
   nothing else answers on it (``port``).
 
-The probe itself runs remotely (``ssh_probe``) as the first step of the launch command, so a
-passing preflight costs no extra round trip. ``run_preflight`` runs it alone (no job started).
+The probe itself runs remotely (``agent.bootstrap``) as the first step of the launch command, so a
+passing preflight costs no extra round trip.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ def probe_request(cwd: str | None, master_addr: str, master_port: int, is_master
 
 
 def remote_command(python: str, request: Mapping) -> str:
-    """The shell command each host runs: probe, then the node agent (``ssh_probe.main``).
+    """The shell command each host runs: probe, then the node agent (``agent.bootstrap.main``).
 
     ``exec`` replaces the login shell, so the python process is sshd's direct child and nothing
     stands between the agent and its SSH channel. Every word is shell-quoted.
     """
-    return "exec " + shlex.join([python, "-m", "dslaunch.launcher.ssh_probe",
+    return "exec " + shlex.join([python, "-m", "dslaunch.launcher.agent.bootstrap",
                                  json.dumps(dict(request), separators=(",", ":"))])
 
 

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from dslaunch.errors import UsageError
+from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.envfile import collect_env
-from dslaunch.launcher.output import Sink
 from dslaunch.launcher.runners.base import NodeHandle, Runner, format_node
 from dslaunch.launcher.runners.ssh.connect import (
     SSHError,

@@ -1,6 +1,6 @@
 """One remote command over an SSH transport, read line by line: probe, output, status, exit.
 
-A ``RemoteSession`` runs the ``ssh_probe`` bootstrap on one host and sorts what comes back:
+A ``RemoteSession`` runs the ``agent.bootstrap`` command on one host and sorts what comes back:
 
 - the ``@@dslaunch-probe`` line (stdout) -> ``probe`` (the preflight answer);
 - the agent's status line (stderr) -> ``status`` (how the node ended, parsed by the agent module);
@@ -22,11 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from dslaunch.launcher.agent import parse_failure_line, parse_status_line
-from dslaunch.launcher.output import Sink
+from dslaunch.launcher.agent.bootstrap import PROBE_MARKER
+from dslaunch.launcher.agent.node import parse_failure_line, parse_status_line
+from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
 from dslaunch.launcher.spec import NodeResult
-from dslaunch.launcher.ssh_probe import PROBE_MARKER
 
 __all__ = ["RemoteSession", "LOST_CONNECTION"]
 

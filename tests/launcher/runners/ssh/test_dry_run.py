@@ -45,7 +45,7 @@ def test_dry_run_prints_each_hosts_ssh_command_and_env_without_connecting(tmp_pa
                                              ["ssh", "-p", str(port_b), "bob@127.0.0.1"]]
     for words, is_master in zip(ssh, (True, False), strict=True):
         remote = shlex.split(words[-1])  # what the remote login shell runs
-        assert remote[:4] == ["exec", sys.executable, "-m", "dslaunch.launcher.ssh_probe"]
+        assert remote[:4] == ["exec", sys.executable, "-m", "dslaunch.launcher.agent.bootstrap"]
         assert json.loads(remote[4]) == {"cwd": str(tmp_path), "master_addr": "10.99.0.5", "master_port": 4321,
                                          "is_master": is_master, "script": FAKE}
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from dslaunch.errors import UsageError
-from dslaunch.launcher.output import Sink
+from dslaunch.launcher.agent.bootstrap import probe
+from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.ports import free_port as another_free_port
 from dslaunch.launcher.runners.ssh.connect import (
     SSHError,
@@ -33,7 +34,6 @@ from dslaunch.launcher.runners.ssh.connect import (
 from dslaunch.launcher.runners.ssh.preflight import check_probes, probe_request, remote_command
 from dslaunch.launcher.runners.ssh.runner import Master, choose_master, is_loopback
 from dslaunch.launcher.runners.ssh.session import RemoteSession
-from dslaunch.launcher.ssh_probe import probe
 from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, ROOT, Lines
 
 BRIDGE_ADDR = "10.213.7.1"  # the root namespace's address on the cluster bridge (scripts/cluster)

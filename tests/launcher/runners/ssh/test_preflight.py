@@ -96,12 +96,12 @@ def test_unreachable_master_addr_is_reported_by_every_host(cluster, free_port):
 
 
 def test_probe_reports_a_missing_user_script_relative_to_cwd(tmp_path, monkeypatch):
-    from dslaunch.launcher import ssh_probe
+    from dslaunch.launcher.agent import bootstrap
 
     monkeypatch.chdir(tmp_path)  # probe() chdirs to the job's cwd, like the agent it becomes
     (tmp_path / "train.py").write_text("")
-    assert "script_missing" not in ssh_probe.probe({"cwd": str(tmp_path), "script": "train.py"})
-    found = ssh_probe.probe({"cwd": str(tmp_path), "script": "trian.py"})
+    assert "script_missing" not in bootstrap.probe({"cwd": str(tmp_path), "script": "train.py"})
+    found = bootstrap.probe({"cwd": str(tmp_path), "script": "trian.py"})
     assert found["script_missing"] == "trian.py"
     problems = check_probes(_probes(b={"script_missing": "trian.py"}), str(tmp_path), "m", 29500)
     assert list(problems) == ["b"] and "trian.py does not exist here" in problems["b"][1]

@@ -187,7 +187,7 @@ def test_dry_run_shows_per_host_command_and_env(cluster, free_port):
     assert run.finish(20) == 0, run.text("err")
     out = run.text("out")
     for addr in cluster.addrs:
-        assert f"ssh root@{addr} 'exec {sys.executable} -m dslaunch.launcher.ssh_probe " in out
+        assert f"ssh root@{addr} 'exec {sys.executable} -m dslaunch.launcher.agent.bootstrap " in out
     assert f"MASTER_ADDR={cluster.addrs[0]}" in out and "NODE_RANK=2" in out
     assert f"{FAKE} --local_rank=1 'a b'" in out
     assert not any(cluster.job_processes(h) for h in cluster.hosts)
@@ -219,7 +219,7 @@ def test_a_frozen_agent_is_killed_over_ssh(cluster, free_port):
     run.wait_for(r"\[rank\d\] ready$", 6, 30)
     procs = {int(p.split()[0]): p for p in cluster.job_processes(cluster.hosts[1])}
     sshd = [pid for pid, args in procs.items() if args.endswith("sshd: root@notty")]
-    agent = [pid for pid, args in procs.items() if "ssh_probe" in args and _ppid(pid) in sshd]
+    agent = [pid for pid, args in procs.items() if "agent.bootstrap" in args and _ppid(pid) in sshd]
     assert len(agent) == 1, procs  # (its watchdog is a fork with the same command line)
     os.kill(agent[0], signal.SIGSTOP)
     start = time.monotonic()

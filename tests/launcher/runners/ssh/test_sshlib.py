@@ -38,8 +38,8 @@ def test_a_config_without_match_exec_resolves_in_process(tmp_path) -> None:
 
 def test_the_probe_reports_torch_as_torch_does_without_importing_it(tmp_path) -> None:
     code = ("import sys, json\n"
-            "from dslaunch.launcher import ssh_probe\n"
-            f"info = ssh_probe.probe({{'cwd': {str(tmp_path)!r}}})\n"
+            "from dslaunch.launcher.agent import bootstrap\n"
+            f"info = bootstrap.probe({{'cwd': {str(tmp_path)!r}}})\n"
             "print(json.dumps([info['torch'], info['dslaunch'], 'torch' in sys.modules]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     import json

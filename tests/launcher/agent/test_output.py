@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dslaunch.launcher.output import ExceptionWatch, Sink, pump
+from dslaunch.launcher.agent.output import ExceptionWatch, Sink, pump
 
 pytestmark = pytest.mark.timeout(60)
 

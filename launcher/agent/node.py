@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dslaunch.errors import LaunchError
-from dslaunch.launcher.files import FileId, create_replacing, remove_own, write_new
-from dslaunch.launcher.output import ExceptionWatch, Sink, pump
-from dslaunch.launcher.procs import (
+from dslaunch.launcher.agent.files import FileId, create_replacing, remove_own, write_new
+from dslaunch.launcher.agent.output import ExceptionWatch, Sink, pump
+from dslaunch.launcher.agent.procs import (
     Watchdog,
     become_subreaper,
     child_setup,

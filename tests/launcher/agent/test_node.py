@@ -12,7 +12,7 @@ import time
 import pytest
 
 from dslaunch.errors import LaunchError
-from dslaunch.launcher.agent import (
+from dslaunch.launcher.agent.node import (
     Agent,
     format_failure_line,
     format_status_line,

@@ -27,7 +27,7 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 
-from dslaunch.launcher.files import FileId, remove_own
+from dslaunch.launcher.agent.files import FileId, remove_own
 
 __all__ = ["exit_code_of", "child_setup", "signal_group", "Watchdog", "become_subreaper", "kill_adopted"]
 

@@ -1,6 +1,6 @@
 """Remote side of an SSH launch: answer the preflight probe, then become the node agent.
 
-The SSH runner starts ``python -m dslaunch.launcher.ssh_probe '<request JSON>'`` on every host in
+The SSH runner starts ``python -m dslaunch.launcher.agent.bootstrap '<request JSON>'`` on every host in
 one SSH command (no second round trip, which would cost a login shell per host). This module:
 
 1. looks around (Python and torch versions, the working directory, which interface routes to the
@@ -8,7 +8,7 @@ one SSH command (no second round trip, which would cost a login shell per host).
    free on the master host) and prints one ``@@dslaunch-probe {json}`` line on stdout. A master
    address that resolves to this host's loopback is ``loopback`` (never reachable) unless this
    host is the master host (``is_master`` in the request);
-2. runs the node agent in this same process (``agent.main``): it waits for the NodeSpec line the
+2. runs the node agent in this same process (``node.main``): it waits for the NodeSpec line the
    controller sends once every host's probe passed, or for EOF when preflight failed elsewhere.
 
 Standard library only and never imports torch (its version is read from torch/version.py), so the
@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     request = json.loads(argv[0]) if argv else {}
     line = PROBE_MARKER + json.dumps(probe(request), separators=(",", ":")) + "\n"
     os.write(1, line.encode())
-    from dslaunch.launcher import agent  # after the probe: its answer should not wait for imports
+    from dslaunch.launcher.agent import node  # after the probe: its answer should not wait for imports
 
-    return agent.main()
+    return node.main()
 
 
 if __name__ == "__main__":
