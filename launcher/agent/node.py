@@ -15,7 +15,7 @@ Used two ways:
 Policy: the first worker that exits non-zero or by a signal is the node's failure; every other
 worker then gets SIGTERM and, after ``NodeSpec.grace`` seconds, SIGKILL. The agent only starts,
 watches and stops; deciding what a failure means for the job is the gang loop's
-(``runners.base``). Never imports torch.
+(``dslaunch.launcher.monitor``). Never imports torch.
 
 Worker states (``WorkerState``)::
 

@@ -38,7 +38,8 @@ from dataclasses import dataclass, replace
 from dslaunch.errors import UsageError
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.envfile import collect_env
-from dslaunch.launcher.runners.base import NodeHandle, Runner, format_node
+from dslaunch.launcher.monitor.gang import NodeHandle
+from dslaunch.launcher.runners.base import Runner, format_node
 from dslaunch.launcher.runners.ssh.connect import (
     SSHError,
     SSHOptions,

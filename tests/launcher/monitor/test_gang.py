@@ -1,4 +1,4 @@
-"""The shared gang loop (runners.base.Gang) with scripted node handles: the policy every runner gets."""
+"""The shared gang loop (monitor.gang.Gang) with scripted node handles: the policy every runner gets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dslaunch.launcher.agent.node import Agent
-from dslaunch.launcher.runners.base import Gang, NodeHandle
+from dslaunch.launcher.monitor.gang import Gang, NodeHandle
 from dslaunch.launcher.runners.local import _InProcessNode
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 from tests.launcher.helpers import FAKE
@@ -89,9 +89,9 @@ def test_stop_from_outside_gives_128_plus_signal():
 
 
 def test_node_that_never_finishes_is_given_up_after_kill(monkeypatch):
-    import dslaunch.launcher.runners.base as base
+    import dslaunch.launcher.monitor.gang as gang_module
 
-    monkeypatch.setattr(base, "_GIVE_UP", 0.3)
+    monkeypatch.setattr(gang_module, "_GIVE_UP", 0.3)
     gang, nodes = _gang([(None, 0, None), (0.05, 2)], grace=0.1)
     nodes[0].kill = lambda: None  # a host that cannot even be killed (network gone)
     r = gang.run()
