@@ -340,7 +340,3 @@ def _reader_gone() -> int:
 def _verbose(argv: list[str]) -> bool:
     """--verbose anywhere (known even when parsing fails; a script's own -v only adds a traceback)."""
     return "--verbose" in argv or "-v" in argv
-
-
-if __name__ == "__main__":
-    sys.exit(main())
