@@ -2,8 +2,9 @@
 
 Mechanism only, for any transport: ``node`` (the ``Agent`` and its worker states), ``procs``
 (process groups, PDEATHSIG, the watchdog), ``output`` (prefixed worker output), ``files`` (pid
-and rank-log files created safely), and ``bootstrap``: the command a transport starts on a host
-(look around for the preflight, then become the agent). What a failure means for the job is
+and rank-log files created safely); ``remote``, the agent as its own process, and ``wire``, the
+lines it reports through; ``bootstrap``, the command a transport starts on a host (look around
+for the preflight, then become the agent). What a failure means for the job is
 decided by ``dslaunch.launcher.monitor``.
 
 Nothing is imported here: the bootstrap must answer before the agent's modules load.

@@ -2,6 +2,6 @@
 
 import sys
 
-from dslaunch.launcher.agent.node import main
+from dslaunch.launcher.agent.remote import main
 
 sys.exit(main())

@@ -8,7 +8,7 @@ one SSH command (no second round trip, which would cost a login shell per host).
    free on the master host) and prints one ``@@dslaunch-probe {json}`` line on stdout. A master
    address that resolves to this host's loopback is ``loopback`` (never reachable) unless this
    host is the master host (``is_master`` in the request);
-2. runs the node agent in this same process (``node.main``): it waits for the NodeSpec line the
+2. runs the node agent in this same process (``remote.main``): it waits for the NodeSpec line the
    controller sends once every host's probe passed, or for EOF when preflight failed elsewhere.
 
 Standard library only and never imports torch (its version is read from torch/version.py), so the
@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     request = json.loads(argv[0]) if argv else {}
     line = PROBE_MARKER + json.dumps(probe(request), separators=(",", ":")) + "\n"
     os.write(1, line.encode())
-    from dslaunch.launcher.agent import node  # after the probe: its answer should not wait for imports
+    from dslaunch.launcher.agent import remote  # after the probe: its answer should not wait for imports
 
-    return node.main()
+    return remote.main()
 
 
 if __name__ == "__main__":

@@ -1,16 +1,7 @@
 """The node agent: starts one node's workers, streams their output, stops them as a gang.
 
-Used two ways:
-
-- in-process by the local runner (no extra interpreter on the local path);
-- as ``python -m dslaunch.launcher.agent`` on a remote host: it reads one ``NodeSpec`` JSON
-  line from stdin, runs the node, and exits with the node's exit code after printing one status
-  line (``format_status_line``/``parse_status_line``) on stderr. As soon as a worker fails it
-  also prints a failure line (``format_failure_line``/``parse_failure_line``), so the controller
-  stops the other nodes while this one is still stopping its own workers (otherwise SIGTERM-
-  ignoring workers here and there would make a stop take two grace periods). When stdin reaches EOF
-  (controller died, SSH connection lost) or the agent gets SIGTERM/SIGINT/SIGHUP, it stops all
-  its workers and exits.
+Used two ways: in-process by the local runner (no extra interpreter on the local path), and in
+its own process on a remote host (``remote``, which reports through the ``wire`` lines).
 
 Policy: the first worker that exits non-zero or by a signal is the node's failure; every other
 worker then gets SIGTERM and, after ``NodeSpec.grace`` seconds, SIGKILL. The agent only starts,
@@ -30,7 +21,6 @@ import enum
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,12 +39,7 @@ from dslaunch.launcher.agent.procs import (
 )
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 
-__all__ = ["Agent", "WorkerState", "format_status_line", "parse_status_line", "format_failure_line",
-           "parse_failure_line", "main"]
-
-STATUS_MARKER = "@@dslaunch-agent-status "
-FAILURE_MARKER = "@@dslaunch-agent-failure "
-
+__all__ = ["Agent", "WorkerState"]
 
 class WorkerState(enum.Enum):
     RUNNING = "running"
@@ -317,84 +302,3 @@ def _core_shares(node: NodeSpec) -> list[tuple[int, ...]]:
         raise LaunchError(f"--bind_cores_to_rank: {len(cores)} cores for {n} workers", host=node.host)
     per = len(cores) // n
     return [tuple(cores[i * per:(i + 1) * per]) for i in range(n)]
-
-
-# -- status line: how a remote agent tells the controller how its node ended -----------------
-
-def format_status_line(result: NodeResult) -> str:
-    """One machine-readable line (no newline) the agent prints on stderr before exiting."""
-    return STATUS_MARKER + result.to_json()
-
-
-def parse_status_line(line: str | bytes) -> NodeResult | None:
-    """The ``NodeResult`` carried by an agent status line, or None for any other line."""
-    return _parse_marked(line, STATUS_MARKER)
-
-
-def format_failure_line(failure: NodeResult) -> str:
-    """The line (no newline) the agent prints on stderr as soon as its first worker failed."""
-    return FAILURE_MARKER + failure.to_json()
-
-
-def parse_failure_line(line: str | bytes) -> NodeResult | None:
-    """The first failure carried by an agent failure line, or None for any other line."""
-    return _parse_marked(line, FAILURE_MARKER)
-
-
-def _parse_marked(line: str | bytes, marker: str) -> NodeResult | None:
-    if isinstance(line, bytes):
-        line = line.decode("utf-8", "replace")
-    line = line.strip()
-    if not line.startswith(marker):
-        return None
-    try:
-        return NodeResult.from_json(line[len(marker):])
-    except (ValueError, TypeError, KeyError):
-        return None
-
-
-# -- python -m dslaunch.launcher.agent ---------------------------------------------------------
-
-def main() -> int:
-    """Agent entry point: NodeSpec JSON line on stdin; exit code = the node's exit code."""
-    line = sys.stdin.buffer.readline()
-    if not line.strip():
-        print("dslaunch agent: expected one NodeSpec JSON line on stdin, got EOF", file=sys.stderr)
-        return 2
-    node = NodeSpec.from_json(line.decode())
-    news = threading.Event()
-    agent = Agent(node, on_change=news.set, adopt_orphans=True)
-    pending: list[int] = []  # the handler only records: taking locks in a signal handler can deadlock
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: pending.append(signum))
-    try:
-        agent.start()
-    except LaunchError as err:
-        print(f"dslaunch agent: {err}", file=sys.stderr)
-        result = NodeResult(node.node_rank, node.host, 127)
-        print(format_status_line(result), file=sys.stderr, flush=True)
-        return result.exit_code
-    threading.Thread(target=_stop_on_eof, args=(agent,), daemon=True, name="stdin-eof").start()
-    stopping = announced = False
-    while (result := agent.poll()) is None:
-        news.wait(0.1)  # a timeout too: signals only reach ``pending``
-        news.clear()
-        if not announced and (failure := agent.failure) is not None:
-            announced = True  # the controller stops the other nodes now, not after our grace period
-            print(format_failure_line(failure), file=sys.stderr, flush=True)
-        if pending and not stopping:
-            stopping = True
-            agent.stop(pending[0])
-    print(format_status_line(result), file=sys.stderr, flush=True)
-    return result.exit_code
-
-
-def _stop_on_eof(agent: Agent) -> None:
-    """The controller holds our stdin open for the whole job: EOF means it is gone."""
-    while os.read(0, 4096):  # raw fd: a daemon thread must not hold the buffered stdin's lock
-        pass
-    agent.stop(signal.SIGTERM)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

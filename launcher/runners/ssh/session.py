@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 
 from dslaunch.launcher.agent.bootstrap import PROBE_MARKER
-from dslaunch.launcher.agent.node import parse_failure_line, parse_status_line
 from dslaunch.launcher.agent.output import Sink
+from dslaunch.launcher.agent.wire import parse_failure_line, parse_status_line
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
 from dslaunch.launcher.spec import NodeResult
 

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from dslaunch.errors import LaunchError
-from dslaunch.launcher.agent.node import (
-    Agent,
+from dslaunch.launcher.agent.node import Agent
+from dslaunch.launcher.agent.wire import (
     format_failure_line,
     format_status_line,
     parse_failure_line,

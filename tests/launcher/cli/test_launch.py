@@ -159,7 +159,7 @@ def test_zero_to_fp32_is_dispatched_with_its_arguments(monkeypatch):
 
 
 def test_controller_never_imports_torch():
-    code = ("import sys; from dslaunch.launcher import cli; from dslaunch.launcher.agent import node; from dslaunch.launcher.runners import local; "
+    code = ("import sys; from dslaunch.launcher import cli; from dslaunch.launcher.agent import node, remote; from dslaunch.launcher.runners import local; "
             "assert 'torch' not in sys.modules and 'psutil' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
