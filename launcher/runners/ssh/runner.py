@@ -10,14 +10,7 @@ Launch pipeline (``_start_nodes``), every step parallel across hosts:
    (``envfile.collect_env``) and ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = the interface on
    that host that routes to the master address (unless the user set them).
 
-``MASTER_ADDR`` (``choose_master``) defaults to the first host's address as the ssh config resolves
-it (HostName), which the probe confirms every host can reach. When that is this machine's loopback
-(hostfile ``localhost`` first) and other hosts are remote, it becomes this machine's address toward
-them (one address for all, else an error asking for ``--master_addr``). An explicit
-``--master_addr`` is kept as given, except that a loopback one with remote hosts is an error: each
-remote host would connect to itself and the job would hang at rendezvous. The probes back this up:
-a host that resolves the master address to its own loopback fails preflight unless it is the
-master host.
+``MASTER_ADDR`` is chosen by ``master.choose_master`` (see there).
 
 Stopping: closing a session's stdin makes its agent stop its workers (SIGTERM, then SIGKILL after
 the grace period) and exit; if the controller dies, the kernel closes its sockets, sshd closes the
@@ -26,16 +19,12 @@ agent's stdin, same effect. A lost connection (TCP keepalive, ~6 s) is a node fa
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shlex
-import socket
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from dslaunch.errors import UsageError
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.monitor.gang import NodeHandle
@@ -47,105 +36,16 @@ from dslaunch.launcher.runners.ssh.connect import (
     connect_all,
     load_config,
     resolve,
-    source_address,
 )
+from dslaunch.launcher.runners.ssh.master import Master, choose_master
 from dslaunch.launcher.runners.ssh.preflight import check_probes, gather_probes, probe_request, remote_command
 from dslaunch.launcher.runners.ssh.session import RemoteSession
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
 from dslaunch.launcher.spec import JobSpec, NodeResult, NodeSpec
 
-__all__ = ["SSHRunner", "IFNAME_VARS", "Master", "choose_master", "is_loopback"]
+__all__ = ["SSHRunner", "IFNAME_VARS"]
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-_LOOPBACK_NAMES = ("localhost", "ip6-localhost", "ip6-loopback")
-
-
-def is_loopback(name: str) -> bool:
-    """Does ``name`` mean "this machine" on every host? A loopback IP or a localhost name.
-
-    No DNS on purpose: other names are resolved by each host itself, and its probe checks them.
-    """
-    name = name.strip("[]").lower().rstrip(".")
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        pass
-    try:  # the other IPv4 spellings getaddrinfo takes too: 127.1, 0x7f000001, 2130706433
-        return ipaddress.IPv4Address(socket.inet_aton(name)).is_loopback
-    except OSError:
-        return name in _LOOPBACK_NAMES or name.endswith(".localhost")
-
-
-@dataclass(frozen=True)
-class Master:
-    """The rendezvous address every host gets as MASTER_ADDR, and which host it is."""
-
-    addr: str
-    on_first: bool
-    """The first host is the master host (its probe checks that the master port is free there)."""
-    note: str | None = None
-    """Why ``addr`` is not the name the user gave, for the user."""
-
-    def is_master_host(self, index: int, target: SSHTarget) -> bool:
-        """Is host ``index`` the master's machine (so a loopback master is valid there)?"""
-        return (index == 0 and self.on_first) or (is_loopback(self.addr) and is_loopback(target.hostname))
-
-
-def _names(targets: Sequence[SSHTarget], shown: int = 5) -> str:
-    names = ", ".join(t.alias for t in targets[:shown])
-    return names + (f" and {len(targets) - shown} more" if len(targets) > shown else "")
-
-
-def choose_master(master_addr: str, targets: Sequence[SSHTarget],
-                  source_toward: Callable[[SSHTarget], str] = source_address) -> Master:
-    """MASTER_ADDR for an SSH job (see the module docstring).
-
-    Args:
-        master_addr: the plan's: the first host's hostfile name unless ``--master_addr`` was given.
-        targets: the hosts in node order.
-        source_toward: this machine's address toward a host; asked only when the first host is
-            this machine's loopback and some host is remote.
-
-    Raises:
-        UsageError: a loopback ``--master_addr`` with remote hosts, or this machine reaches the
-            remote hosts through different addresses (no single automatic choice).
-        SSHError: a remote host that does not resolve or has no route from here.
-    """
-    first = targets[0]
-    remote = [t for t in targets if not is_loopback(t.hostname)]
-    # The plan's default is the first host's name; --master_addr set to that same name means the same.
-    if master_addr != first.alias:  # --master_addr: the user's choice, unless it cannot work
-        if remote and is_loopback(master_addr):
-            raise UsageError(f"--master_addr {master_addr} is a loopback address, which on the remote "
-                             f"host(s) {_names(remote)} means that host itself, not the master; pass "
-                             "--master_addr with an address of the master host that every host can reach")
-        return Master(master_addr, on_first=master_addr == first.hostname)
-    if not is_loopback(first.hostname):
-        return Master(first.hostname, on_first=True)
-    if not remote:
-        return Master(master_addr, on_first=True)  # every host is this machine
-    # The first host is this machine (ssh reaches it through loopback): its routes are ours.
-    sources: dict[str, str] = {}
-    failures: dict[str, tuple[str, str]] = {}
-    for t in remote:
-        try:
-            sources[t.alias] = source_toward(t)
-        except SSHError as err:
-            failures.update(err.failures)
-    if failures:
-        raise SSHError(failures)
-    by_addr = {a: [t for t in remote if sources[t.alias] == a] for a in sorted(set(sources.values()))}
-    if len(by_addr) > 1:
-        ways = "; ".join(f"{a} toward {_names(ts)}" for a, ts in by_addr.items())
-        raise UsageError(f"the first host {first.alias} is this machine's loopback, which remote hosts "
-                         f"cannot use as the master address, and this machine has no single address "
-                         f"toward them ({ways}); pass --master_addr with an address every host can reach")
-    addr = next(iter(by_addr))
-    return Master(addr, on_first=True,
-                  note=f"MASTER_ADDR={addr}: the first host {first.alias} is this machine's loopback; "
-                       f"{addr} is this machine's address toward {_names(remote)}")
-
-
 class _SSHNode(NodeHandle):
     """A remote agent seen through its SSH session."""
 

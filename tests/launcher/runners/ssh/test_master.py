@@ -31,8 +31,8 @@ from dslaunch.launcher.runners.ssh.connect import (
     resolve,
     source_address,
 )
+from dslaunch.launcher.runners.ssh.master import Master, choose_master, is_loopback
 from dslaunch.launcher.runners.ssh.preflight import check_probes, probe_request, remote_command
-from dslaunch.launcher.runners.ssh.runner import Master, choose_master, is_loopback
 from dslaunch.launcher.runners.ssh.session import RemoteSession
 from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, ROOT, Lines
 
