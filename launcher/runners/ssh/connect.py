@@ -55,10 +55,6 @@ class SSHError(LaunchError):
         else:
             super().__init__(f"{len(lines)} hosts failed:\n  " + "\n  ".join(lines))
 
-    @property
-    def causes(self) -> dict[str, str]:
-        return {host: cause for host, (cause, _msg) in self.failures.items()}
-
 
 class _Fail(Exception):
     def __init__(self, cause: str, message: str):

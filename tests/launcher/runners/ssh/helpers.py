@@ -51,3 +51,8 @@ class Lines:
 
     def text(self, which: str) -> str:
         return "\n".join(line for _, line in getattr(self, which))
+
+
+def causes(err) -> dict[str, str]:
+    """host -> cause of an ``SSHError`` (its ``failures`` without the messages)."""
+    return {host: cause for host, (cause, _msg) in err.failures.items()}

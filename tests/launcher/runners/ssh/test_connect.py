@@ -11,6 +11,7 @@ import pytest
 
 from dslaunch.errors import UsageError
 from dslaunch.launcher.runners.ssh.connect import SSHError, SSHOptions, connect, connect_all, resolve
+from tests.launcher.runners.ssh.helpers import causes
 
 pytestmark = pytest.mark.cluster
 
@@ -66,7 +67,7 @@ def test_ssh_port_2222_connects_wrong_port_is_refused(cluster):
     start = time.monotonic()
     with pytest.raises(SSHError) as err:
         connect(resolve(cluster.hosts[0], _opts(cluster, port=2223)))
-    assert err.value.causes == {cluster.hosts[0]: "refused"}
+    assert causes(err.value) == {cluster.hosts[0]: "refused"}
     assert "refused" in str(err.value) and "2223" in str(err.value) and cluster.hosts[0] in str(err.value)
     assert time.monotonic() - start < 2
 
@@ -78,7 +79,7 @@ def test_unknown_host_key_rejected_then_accepted_when_asked(cluster, tmp_path):
     host = cluster.hosts[2]
     with pytest.raises(SSHError) as err:
         connect(resolve(host, _opts(cluster, known_hosts_files=(str(known),))))
-    assert err.value.causes == {host: "unknown-host-key"}
+    assert causes(err.value) == {host: "unknown-host-key"}
     assert "--ssh_accept_new_host_keys" in str(err.value) and "SHA256:" in str(err.value)
     connect(resolve(host, _opts(cluster, known_hosts_files=(str(known),), accept_new_host_keys=True))).close()
     recorded = known.read_text()
@@ -96,7 +97,7 @@ def test_changed_host_key_is_refused_even_with_accept_new(cluster, tmp_path):
     with pytest.raises(SSHError) as err:
         connect(resolve(cluster.hosts[0], _opts(cluster, known_hosts_files=(str(known),),
                                                  accept_new_host_keys=True)))
-    assert err.value.causes == {cluster.hosts[0]: "changed-host-key"}
+    assert causes(err.value) == {cluster.hosts[0]: "changed-host-key"}
     assert "HOST KEY CHANGED" in str(err.value)
 
 
@@ -109,7 +110,7 @@ def test_bad_key_is_an_auth_error_naming_user_host_and_key(cluster, tmp_path):
                       f"  IdentityFile {key}\n  IdentitiesOnly yes\n  UserKnownHostsFile {cluster.known_hosts}\n")
     with pytest.raises(SSHError) as err:
         connect(resolve(cluster.hosts[0], SSHOptions(config_file=str(config))))
-    assert err.value.causes == {cluster.hosts[0]: "auth"}
+    assert causes(err.value) == {cluster.hosts[0]: "auth"}
     assert f"root@{cluster.addrs[0]}" in str(err.value) and str(key) in str(err.value)
 
 
@@ -139,8 +140,8 @@ def test_silent_port_times_out_and_all_failures_are_reported_together(cluster):
         connect_all([ok, silent, nobody])
     elapsed = time.monotonic() - start
     server.close()
-    assert err.value.causes == {"10.213.7.1": "timeout", "10.213.7.99": err.value.causes["10.213.7.99"]}
-    assert err.value.causes["10.213.7.99"] in ("timeout", "unreachable")
+    assert causes(err.value) == {"10.213.7.1": "timeout", "10.213.7.99": causes(err.value)["10.213.7.99"]}
+    assert causes(err.value)["10.213.7.99"] in ("timeout", "unreachable")
     assert "2 hosts failed" in str(err.value)
     assert elapsed < 4.5  # in parallel, each bounded by its connect timeout (ARP gives up at ~3 s)
 

@@ -34,7 +34,7 @@ from dslaunch.launcher.runners.ssh.connect import (
 from dslaunch.launcher.runners.ssh.master import Master, choose_master, is_loopback
 from dslaunch.launcher.runners.ssh.preflight import check_probes, probe_request, remote_command
 from dslaunch.launcher.runners.ssh.session import RemoteSession
-from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, ROOT, Lines
+from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, ROOT, Lines, causes
 
 BRIDGE_ADDR = "10.213.7.1"  # the root namespace's address on the cluster bridge (scripts/cluster)
 
@@ -99,7 +99,7 @@ def test_localhost_first_with_several_ways_out_asks_for_master_addr():
 def test_localhost_first_and_an_unresolvable_host_names_that_host():
     with pytest.raises(SSHError) as err:
         choose_master("localhost", [_t("localhost"), _t("n2"), _t("n3")], _Routes(n2="10.0.0.9", n3="unresolvable"))
-    assert err.value.causes == {"n3": "unknown-host"}
+    assert causes(err.value) == {"n3": "unknown-host"}
 
 
 @pytest.mark.parametrize("given", ["127.0.0.1", "localhost", "::1", "127.0.1.1"])

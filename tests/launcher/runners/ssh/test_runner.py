@@ -20,7 +20,7 @@ import pytest
 from dslaunch.launcher.plan import LaunchConfig, build_job
 from dslaunch.launcher.runners.ssh.connect import SSHError
 from dslaunch.launcher.runners.ssh.runner import SSHRunner
-from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, Lines
+from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, Lines, causes
 
 pytestmark = pytest.mark.cluster
 
@@ -176,7 +176,7 @@ def test_missing_interpreter_names_every_host(cluster, free_port):
     start = time.monotonic()
     with pytest.raises(SSHError) as err:
         SSHRunner().start(job)
-    assert err.value.causes == {h: "interpreter" for h in cluster.hosts}
+    assert causes(err.value) == {h: "interpreter" for h in cluster.hosts}
     assert "/nonexistent/venv/bin/python not found" in str(err.value)
     assert time.monotonic() - start < 5
     _assert_clean(cluster)
