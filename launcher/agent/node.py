@@ -38,6 +38,7 @@ from dslaunch.launcher.agent.procs import (
     signal_group,
 )
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
+from dslaunch.launcher.workerenv import process_env
 
 __all__ = ["Agent", "WorkerState"]
 
@@ -153,15 +154,8 @@ class Agent:
             log.close()
 
     def _spawn(self, spec: WorkerSpec, cores: tuple[int, ...]) -> None:
-        env = {**os.environ, **self.node.env, **spec.env}
-        if cores:
-            env["OMP_NUM_THREADS"] = str(len(cores))
-        elif "OMP_NUM_THREADS" not in env:
-            # N workers x all cores each oversubscribes the CPU; split it (the user's value wins).
-            ncores = len(os.sched_getaffinity(0))
-            env["OMP_NUM_THREADS"] = str(max(1, ncores // max(1, len(self.node.workers))))
         proc = subprocess.Popen(
-            spec.argv, env=env, cwd=self.node.cwd or None, stdin=subprocess.DEVNULL,
+            spec.argv, env=process_env(os.environ, self.node, spec, cores), cwd=self.node.cwd or None, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=child_setup(cores),
         )
         self._watchdog.add(proc.pid)

@@ -61,12 +61,13 @@ def _names(targets: Sequence[SSHTarget], shown: int = 5) -> str:
     return names + (f" and {len(targets) - shown} more" if len(targets) > shown else "")
 
 
-def choose_master(master_addr: str, targets: Sequence[SSHTarget],
+def choose_master(requested: str | None, targets: Sequence[SSHTarget],
                   source_toward: Callable[[SSHTarget], str] = source_address) -> Master:
     """MASTER_ADDR for an SSH job (see the module docstring).
 
     Args:
-        master_addr: the plan's: the first host's hostfile name unless ``--master_addr`` was given.
+        requested: ``--master_addr`` as the user gave it; None when left out (``JobSpec.master_given``).
+            The first host's own hostfile name means the same as None.
         targets: the hosts in node order.
         source_toward: this machine's address toward a host; asked only when the first host is
             this machine's loopback and some host is remote.
@@ -78,17 +79,16 @@ def choose_master(master_addr: str, targets: Sequence[SSHTarget],
     """
     first = targets[0]
     remote = [t for t in targets if not is_loopback(t.hostname)]
-    # The plan's default is the first host's name; --master_addr set to that same name means the same.
-    if master_addr != first.alias:  # --master_addr: the user's choice, unless it cannot work
-        if remote and is_loopback(master_addr):
-            raise UsageError(f"--master_addr {master_addr} is a loopback address, which on the remote "
+    if requested is not None and requested != first.alias:  # the user's choice, unless it cannot work
+        if remote and is_loopback(requested):
+            raise UsageError(f"--master_addr {requested} is a loopback address, which on the remote "
                              f"host(s) {_names(remote)} means that host itself, not the master; pass "
                              "--master_addr with an address of the master host that every host can reach")
-        return Master(master_addr, on_first=master_addr == first.hostname)
+        return Master(requested, on_first=requested == first.hostname)
     if not is_loopback(first.hostname):
         return Master(first.hostname, on_first=True)
     if not remote:
-        return Master(master_addr, on_first=True)  # every host is this machine
+        return Master(first.alias, on_first=True)  # every host is this machine
     # The first host is this machine (ssh reaches it through loopback): its routes are ours.
     sources: dict[str, str] = {}
     failures: dict[str, tuple[str, str]] = {}

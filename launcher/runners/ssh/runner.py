@@ -6,9 +6,8 @@ Launch pipeline (``_start_nodes``), every step parallel across hosts:
 2. run ``remote_command`` on each host: the preflight probe, then the agent in the same process;
 3. check the probes (``preflight.check_probes``); on any problem close every session (the agents
    see EOF and exit) and raise ``SSHError`` naming each host and cause;
-4. send each agent its NodeSpec: the job's env plus the propagated variables
-   (``envfile.collect_env``) and ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = the interface on
-   that host that routes to the master address (unless the user set them).
+4. send each agent its NodeSpec, with the propagated variables and the interface toward the
+   master address that host's probe found (``workerenv.remote_node``).
 
 ``MASTER_ADDR`` is chosen by ``master.choose_master`` (see there).
 
@@ -23,7 +22,6 @@ import os
 import shlex
 import sys
 import threading
-from dataclasses import replace
 
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.envfile import collect_env
@@ -42,10 +40,9 @@ from dslaunch.launcher.runners.ssh.preflight import check_probes, gather_probes,
 from dslaunch.launcher.runners.ssh.session import RemoteSession
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
 from dslaunch.launcher.spec import JobSpec, NodeResult, NodeSpec
+from dslaunch.launcher.workerenv import remote_node
 
-__all__ = ["SSHRunner", "IFNAME_VARS"]
-
-IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+__all__ = ["SSHRunner"]
 class _SSHNode(NodeHandle):
     """A remote agent seen through its SSH session."""
 
@@ -98,15 +95,9 @@ class SSHRunner(Runner):
         return [resolve(n.host, options, config) for n in job.nodes]
 
     @staticmethod
-    def _node_env(node: NodeSpec, master: str, probe: dict | None, exported: dict[str, str]) -> NodeSpec:
-        env = dict(exported)
+    def _node(node: NodeSpec, master: str, probe: dict | None, exported: dict[str, str]) -> NodeSpec:
         iface = ((probe or {}).get("route") or {}).get("iface")
-        if iface and iface != "lo":
-            for var in IFNAME_VARS:
-                env.setdefault(var, iface)  # the user's value (env or env file) wins
-        env.update(node.env)
-        env["MASTER_ADDR"] = master
-        return replace(node, env=env)
+        return remote_node(node, master, exported, iface)
 
     @staticmethod
     def _commands(job: JobSpec, master: Master, targets: list[SSHTarget]) -> list[str]:
@@ -117,7 +108,7 @@ class SSHRunner(Runner):
 
     def dry_run(self, job: JobSpec) -> str:
         targets = self._targets(job)
-        master = choose_master(job.master_addr, targets)
+        master = choose_master(job.master_addr if job.master_given else None, targets)
         exported = collect_env()
         out = [f"# {master.note}"] if master.note else []
         for t, node, cmd in zip(targets, job.nodes, self._commands(job, master, targets), strict=True):
@@ -125,7 +116,7 @@ class SSHRunner(Runner):
             probe = {"route": {"iface": "<interface routing to MASTER_ADDR, found at launch>"}}
             out.append(f"{shlex.join(['ssh', *port, f'{t.user}@{t.hostname}', cmd])}\n"
                        f"  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
-            out.append(format_node(self._node_env(node, master.addr, probe, exported)))
+            out.append(format_node(self._node(node, master.addr, probe, exported)))
         return "\n".join(out)
 
     # -- launching -----------------------------------------------------------------------------
@@ -133,7 +124,7 @@ class SSHRunner(Runner):
     def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
         exported = collect_env()  # before connecting: a bad env file fails fast, nothing started
         targets = self._targets(job)
-        master = choose_master(job.master_addr, targets)
+        master = choose_master(job.master_addr if job.master_given else None, targets)
         if master.note:
             self._err.write(f"dslaunch: {master.note}\n".encode())
         python = job.python or sys.executable
@@ -153,7 +144,7 @@ class SSHRunner(Runner):
         for node in job.nodes:
             session = self.sessions[node.host]
             session.held_stderr(release=True)
-            spec = self._node_env(node, master.addr, probes[node.host], exported)
+            spec = self._node(node, master.addr, probes[node.host], exported)
             try:
                 session.send_line(spec.to_json())
             except (OSError, EOFError, paramiko.SSHException) as exc:

@@ -69,6 +69,7 @@ def test_default_master_is_the_first_hosts_ssh_address():
     routes = _Routes()
     m = choose_master("n1", [_t("n1", "10.0.0.1"), _t("n2", "10.0.0.2")], routes)
     assert m == Master("10.0.0.1", on_first=True) and routes.asked == []
+    assert choose_master(None, [_t("n1", "10.0.0.1"), _t("n2", "10.0.0.2")], routes) == m  # not given
 
 
 def test_localhost_first_becomes_this_machines_address_toward_the_remote_hosts():
