@@ -1,13 +1,11 @@
-"""The ``dslaunch`` command: DeepSpeed's launcher flags, then the job.
+"""The launch command: DeepSpeed's launcher flags, then the job.
 
 Usage::
 
     dslaunch [launcher options] user_script [script args]
-    dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT     # consolidate a ZeRO checkpoint
 
 A short pipeline: parse flags -> ``LaunchConfig`` -> ``plan.build_job`` -> runner from the
-registry -> start, wait, exit with the job's code. User mistakes print one line
-(``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the traceback.
+registry -> start, wait, exit with the job's code. Errors are raised for ``cli.main`` to print.
 
 The controller stays lean on purpose (argparse, no torch, no psutil, no paramiko on the local
 path): workers start within milliseconds of the command.
@@ -23,18 +21,17 @@ import re
 import shutil
 import signal
 import sys
-import traceback
 from collections.abc import Mapping
 
 from dslaunch import __version__
-from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean, quote
+from dslaunch.errors import UsageError, WorkerFailedError, did_you_mean, quote
 from dslaunch.launcher import gpus
 from dslaunch.launcher.hostfile import ascii_int
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
 
-__all__ = ["main", "build_parser", "parse_config"]
+__all__ = ["run", "build_parser", "parse_config"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Options whose value is passed through verbatim and may start with '-' (e.g. ssh's "-i KEY").
@@ -297,46 +294,11 @@ def _run(runner, job: JobSpec) -> int:
     return code
 
 
-def _zero_to_fp32(argv: list[str]) -> int:
-    try:
-        from dslaunch.runtime.zero_to_fp32 import main as z2f  # imports torch: only for this command
-    except ModuleNotFoundError as err:
-        if err.name != "dslaunch.runtime.zero_to_fp32":
-            raise
-        raise UsageError("zero-to-fp32 is not available in this installation") from None
-    return z2f(argv) or 0
+def run(argv: list[str]) -> int:
+    """The launch command: parse ``argv`` (no command name), start the job, return its exit code.
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``dslaunch`` console script; returns the process exit code."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    verbose = _verbose(argv)
-    try:
-        if argv and argv[0] == "zero-to-fp32":
-            return _zero_to_fp32(argv[1:])
-        cfg, ns = parse_config(argv)
-        return _launch(cfg, ns.dry_run)
-    except DslaunchError as err:
-        if verbose:
-            traceback.print_exc()
-        print(f"dslaunch: error: {err}", file=sys.stderr, flush=True)
-        return err.exit_code
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
-    except BrokenPipeError:
-        return _reader_gone()
-
-
-def _reader_gone() -> int:
-    """Our stdout's reader exited (``dslaunch --dry-run | head -1``): exit quietly, like a tool
-    killed by SIGPIPE (Python ignores SIGPIPE, so the write raised instead). stdout now points to
-    /dev/null, or the interpreter's final flush would fail again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-    return 128 + signal.SIGPIPE
-
-
-def _verbose(argv: list[str]) -> bool:
-    """--verbose anywhere (known even when parsing fails; a script's own -v only adds a traceback)."""
-    return "--verbose" in argv or "-v" in argv
+    Raises:
+        DslaunchError: a user mistake or a failed job (``cli.main`` prints it).
+    """
+    cfg, ns = parse_config(argv)
+    return _launch(cfg, ns.dry_run)
