@@ -29,6 +29,7 @@ from dslaunch.launcher.hostfile import (
     read_hostfile,
 )
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, NodeSpec, WorkerSpec
+from dslaunch.launcher.workerenv import node_env, worker_env
 
 __all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE", "PID_FILE_DIR", "MAX_GRACE"]
 
@@ -128,6 +129,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
         ssh_port=cfg.ssh_port, ssh_accept_new_host_keys=cfg.ssh_accept_new_host_keys,
         hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
+        master_given=bool(cfg.master_addr),
     )
     return Plan(job, tuple(notes))
 
@@ -253,19 +255,11 @@ def _check_count(flag: str, n: int, most: int, what: str) -> None:
 
 def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], first_rank: int,
           world: int, num_nodes: int, master_addr: str, use_gpus: bool) -> NodeSpec:
-    env = {
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(cfg.master_port), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(len(slots)), "LOCAL_SIZE": str(len(slots)), "NODE_RANK": str(node_rank),
-        "CROSS_RANK": str(node_rank), "CROSS_SIZE": str(num_nodes),
-    }
-    if use_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-    workers = tuple(
-        WorkerSpec(first_rank + i, i, _argv(cfg, i), {"RANK": str(first_rank + i), "LOCAL_RANK": str(i)})
-        for i in range(len(slots))
-    )
+    workers = tuple(WorkerSpec(first_rank + i, i, _argv(cfg, i), worker_env(first_rank + i, i))
+                    for i in range(len(slots)))
     return NodeSpec(
-        node_rank=node_rank, host=host, workers=workers, env=env, cwd=os.getcwd(),
+        node_rank=node_rank, host=host, workers=workers, cwd=os.getcwd(),
+        env=node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
         pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,

@@ -37,7 +37,8 @@ def test_every_number_and_the_master_address_are_checked_before_anything(tmp_pat
 def test_valid_edges_of_the_ranges(tmp_path):
     job = build_job(_cfg(tmp_path, num_gpus=4096, grace=0.0, master_port=65535), CPU).job
     assert job.world_size == 4096 and job.nodes[0].grace == 0.0
-    assert build_job(_cfg(tmp_path, "a slots=1\n", grace=3600.0, master_addr="fe80::1"), CPU).job.master_addr == "fe80::1"
+    given = build_job(_cfg(tmp_path, "a slots=1\n", grace=3600.0, master_addr="fe80::1"), CPU).job
+    assert given.master_addr == "fe80::1" and given.master_given
 
 
 def test_localhost_in_capitals_is_still_this_machine(tmp_path):
@@ -78,6 +79,7 @@ def test_local_gpus_cuda_visible_devices_follow_selected_slots(tmp_path):
 def test_env_contract_and_argv_like_deepspeed(tmp_path):
     job = build_job(_cfg(tmp_path, "a slots=2\nb slots=3\n", exclude="a:0", master_port=1234), CPU).job
     assert job.launcher == "ssh" and job.master_addr == "a" and job.world_size == 4
+    assert not job.master_given  # the plan's default: the runner may resolve it
     a, b = job.nodes
     assert a.env["CUDA_VISIBLE_DEVICES"] == "1" and b.env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
     w = b.workers[2]
