@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dslaunch.runtime.config_sections import Fp16Config, parse_section
+from dslaunch.runtime.config.sections import Fp16Config, parse_section
 
 __all__ = ["LossScaler", "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "LossScaleAtMinimumError",
            "build_loss_scaler", "has_overflow"]

@@ -8,8 +8,8 @@ import pytest
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import load_config
+from dslaunch.runtime.config.param_schema import integer, number
 from dslaunch.runtime.loss_scaler import build_loss_scaler
-from dslaunch.runtime.param_schema import integer, number
 
 pytestmark = pytest.mark.timeout(60)
 
