@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dslaunch.errors import ConfigError
-from dslaunch.runtime.loss_scaler import (
+from dslaunch.runtime.precision.loss_scaler import (
     DynamicLossScaler,
     LossScaleAtMinimumError,
     NoLossScaler,

@@ -9,7 +9,7 @@ import pytest
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.config.param_schema import integer, number
-from dslaunch.runtime.loss_scaler import build_loss_scaler
+from dslaunch.runtime.precision.loss_scaler import build_loss_scaler
 
 pytestmark = pytest.mark.timeout(60)
 

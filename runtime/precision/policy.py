@@ -3,7 +3,7 @@
 fp32: model and master in fp32 (the master shard aliases the model weights), no scaling.
 fp16: fp16 model, fp32 master weights, dynamic loss scaling (static when ``loss_scale > 0``).
 bf16: bf16 model, fp32 master weights, no scaling.
-The loss scaler itself is engineer O's strategy (``dslaunch.runtime.loss_scaler``).
+The loss scaler itself is engineer O's strategy (``dslaunch.runtime.precision.loss_scaler``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,6 @@ class PrecisionPolicy:
     @staticmethod
     def loss_scaler(cfg: DeepSpeedConfig) -> Any:
         """The loss scaler strategy: dynamic/static for fp16, a no-op scaler otherwise."""
-        from dslaunch.runtime.loss_scaler import build_loss_scaler
+        from dslaunch.runtime.precision.loss_scaler import build_loss_scaler
 
         return build_loss_scaler(dataclasses.asdict(cfg.fp16) if cfg.fp16.enabled else None)
