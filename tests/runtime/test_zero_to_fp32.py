@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dslaunch.errors import CheckpointError, UsageError
-from dslaunch.runtime import zero_to_fp32 as z2f
+from dslaunch.runtime.checkpoint import export as z2f
 
 HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
 

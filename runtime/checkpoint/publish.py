@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint_io import (
+from dslaunch.runtime.checkpoint.store import (
     LATEST,
     MANIFEST,
     CheckpointStore,

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint_format import FileDigest, read_object, write_object
+from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
            "write_atomic", "fsync_dir", "first_loadable"]
@@ -219,7 +219,7 @@ class CheckpointStore:
 
     def verify(self, tag: str, names: list[str] | None = None) -> Manifest:
         """Check the manifest and the size and checksum of ``names`` (default: every file)."""
-        from dslaunch.runtime.checkpoint_format import file_digest
+        from dslaunch.runtime.checkpoint.format import file_digest
 
         manifest = self.manifest(tag)
         for name in names if names is not None else sorted(manifest.files):

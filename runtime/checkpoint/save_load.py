@@ -36,7 +36,7 @@ import torch
 
 import dslaunch
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint_engine import (
+from dslaunch.runtime.checkpoint.checkpointer import (
     MODULE_FILE,
     Checkpointer,
     checkpointer,
@@ -45,15 +45,7 @@ from dslaunch.runtime.checkpoint_engine import (
     set_rng_state,
     zero_file,
 )
-from dslaunch.runtime.checkpoint_io import (
-    MANIFEST,
-    CheckpointStore,
-    Manifest,
-    first_loadable,
-    validate_tag,
-    write_atomic,
-)
-from dslaunch.runtime.checkpoint_reshard import (
+from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     check_compatible,
     check_meta,
@@ -61,7 +53,15 @@ from dslaunch.runtime.checkpoint_reshard import (
     needed_ranks,
     partition_map,
 )
-from dslaunch.runtime.checkpoint_writer import TagWrite, write_tag
+from dslaunch.runtime.checkpoint.store import (
+    MANIFEST,
+    CheckpointStore,
+    Manifest,
+    first_loadable,
+    validate_tag,
+    write_atomic,
+)
+from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
 
