@@ -207,12 +207,6 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.scheduler is not None:
         if cfg.scheduler.type is None:
             raise ConfigError("is required (e.g. \"WarmupLR\")", key="scheduler.type")
-        _validate_scheduler(cfg.scheduler)
-
-
-def _validate_scheduler(section: TypedSection) -> None:
-    try:
         from dslaunch.runtime.lr_schedules import validate_lr_scheduler
-    except ImportError:  # engineer O's module not landed yet
-        return
-    validate_lr_scheduler(section.type, section.params)
+
+        validate_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params)
