@@ -7,7 +7,7 @@ ignores them), wrong types and ranges name the key path, ``"auto"`` says what to
 features DeepSpeed has but dslaunch lacks are reported unless switched off, and the batch triad
 ``train_batch_size = micro * gradient_accumulation_steps * world_size`` is completed or rejected
 with the arithmetic shown. Reading the file and bounding the document's size and depth (for a
-dict too) is ``config_file.py``'s; every number's range is its checker's (``param_schema.py``).
+dict too) is ``file.py``'s; every number's range is its checker's (``param_schema.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean
-from dslaunch.runtime.config_file import check_shape, read_config_file
-from dslaunch.runtime.config_sections import (
+from dslaunch.runtime.config.file import check_shape, read_config_file
+from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
+from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
     Bf16Config,
     CheckpointConfig,
@@ -33,7 +34,6 @@ from dslaunch.runtime.config_sections import (
     parse_section,
     reject_unimplemented,
 )
-from dslaunch.runtime.param_schema import boolean, choice, describe, integer, number
 
 __all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
@@ -207,12 +207,6 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.scheduler is not None:
         if cfg.scheduler.type is None:
             raise ConfigError("is required (e.g. \"WarmupLR\")", key="scheduler.type")
-        _validate_scheduler(cfg.scheduler)
-
-
-def _validate_scheduler(section: TypedSection) -> None:
-    try:
         from dslaunch.runtime.lr_schedules import validate_lr_scheduler
-    except ImportError:  # engineer O's module not landed yet
-        return
-    validate_lr_scheduler(section.type, section.params)
+
+        validate_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params)

@@ -4,9 +4,9 @@ Owns the layout of ``save_dir`` and every rule that makes it crash-consistent::
 
     save_dir/latest               the newest published tag (plain text, like DeepSpeed)
     save_dir/<tag>/manifest.json  what the tag holds (+ a CRC of the manifest itself)
-    save_dir/<tag>/<files>        written by ``checkpoint_format.write_object``
+    save_dir/<tag>/<files>        written by ``format.write_object``
     save_dir/.tmp-<tag>/          a tag being written; never read by the loader
-    save_dir/.owner-<tag> ...     a save's other files (``checkpoint_publish``); never read
+    save_dir/.owner-<tag> ...     a save's other files (``publish``); never read
 
 A tag is written into ``.tmp-<tag>``, every file fsynced, then the manifest (listing each file's
 size and checksum) is written and fsynced, the directory is fsynced and renamed into place (an atomic
@@ -16,9 +16,9 @@ published tag intact and ``latest`` naming a complete one. The manifest doubles 
 record: a directory without a valid manifest is not a checkpoint.
 
 The leader's steps (publication, rolling back a failed save, removing what killed saves left)
-are ``checkpoint_publish``'s; this module reads, verifies and retains.
+are ``publish``'s; this module reads, verifies and retains.
 
-This module knows nothing about engines or ranks beyond file records; ``checkpoint.py`` decides
+This module knows nothing about engines or ranks beyond file records; ``save_load.py`` decides
 what goes into the files.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint_format import FileDigest, read_object, write_object
+from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
            "write_atomic", "fsync_dir", "first_loadable"]
@@ -155,7 +155,7 @@ class CheckpointStore:
     """One ``save_dir``: write tags atomically, find and verify them, apply retention.
 
     Writing is split so several ranks can share it: every rank calls ``write`` for its own files
-    into ``tmp_dir``, which the leader's ``checkpoint_publish.LeaderSave`` creates and publishes.
+    into ``tmp_dir``, which the leader's ``publish.LeaderSave`` creates and publishes.
     """
 
     def __init__(self, root: str | os.PathLike, durable: bool = True):
@@ -219,7 +219,7 @@ class CheckpointStore:
 
     def verify(self, tag: str, names: list[str] | None = None) -> Manifest:
         """Check the manifest and the size and checksum of ``names`` (default: every file)."""
-        from dslaunch.runtime.checkpoint_format import file_digest
+        from dslaunch.runtime.checkpoint.format import file_digest
 
         manifest = self.manifest(tag)
         for name in names if names is not None else sorted(manifest.files):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint_reshard import (
+from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     check_compatible,
     consolidate,

@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean
-from dslaunch.runtime.param_schema import Option, boolean, check_params, choice, describe, integer, number
+from dslaunch.runtime.config.param_schema import (
+    Option,
+    boolean,
+    check_params,
+    choice,
+    describe,
+    integer,
+    number,
+)
 
 __all__ = ["parse_section", "ZeroConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
            "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",

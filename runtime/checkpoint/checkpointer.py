@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dslaunch.runtime.checkpoint_writer import AsyncWriter, Comm, GroupComm, LocalComm, Snapshot
+from dslaunch.runtime.checkpoint.writer import AsyncWriter, Comm, GroupComm, LocalComm, Snapshot
 
 __all__ = ["MODULE_FILE", "zero_file", "rank_file", "Checkpointer", "checkpointer", "rng_state",
            "set_rng_state"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dslaunch.runtime.checkpoint_io import CheckpointStore, first_loadable
+from dslaunch.runtime.checkpoint.store import CheckpointStore, first_loadable
 from tests.distributed import _CTX, free_port
 
 

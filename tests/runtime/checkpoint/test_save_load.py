@@ -201,7 +201,7 @@ def test_load_at_another_world_size_and_stage(tmp_path: Path, n: int, stage_in: 
 def _check_fp32_export(root: Path, module: dict) -> None:
     """The offline export equals the fp32 model the saving world held (all ranks' shards)."""
     from dslaunch.launcher.cli import main as cli
-    from dslaunch.runtime.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from dslaunch.runtime.checkpoint.export import get_fp32_state_dict_from_zero_checkpoint
 
     for source in (root, root / "global_step10"):
         sd = get_fp32_state_dict_from_zero_checkpoint(source)
@@ -223,7 +223,7 @@ def _check_fp32_export(root: Path, module: dict) -> None:
 
 def test_zero_to_fp32_names_a_bad_directory(tmp_path: Path) -> None:
     from dslaunch.errors import CheckpointError
-    from dslaunch.runtime.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from dslaunch.runtime.checkpoint.export import get_fp32_state_dict_from_zero_checkpoint
 
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'nope'}: not a directory"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path / "nope")

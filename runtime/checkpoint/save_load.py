@@ -3,8 +3,8 @@
 Owns the contents of a checkpoint and the load plan; the engine's methods delegate here. The
 engine, the ZeRO strategy, the loss scaler, the scheduler and the data loader save themselves
 (``state_dict``); this module only names the files, adds RNG states and client state, and hands
-the result to the storage layer (``checkpoint_io`` via ``checkpoint_writer``; per-engine
-machinery in ``checkpoint_engine``). A tag holds::
+the result to the storage layer (``store`` via ``writer``; per-engine
+machinery in ``checkpointer``). A tag holds::
 
     module.dsl            module.state_dict() (model dtype) minus the params the optimizer holds,
                           from global rank 0 (those params are stored once: as fp32 masters)
@@ -13,7 +13,7 @@ machinery in ``checkpoint_engine``). A tag holds::
     manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32C checksums, version
 
 Loading at the saving layout reads each rank's own files; at another world size or stage each
-rank reads the saved shards its new range overlaps and ``checkpoint_reshard.assemble`` cuts them
+rank reads the saved shards its new range overlaps and ``reshard.assemble`` cuts them
 to that range. The model-dtype weights of trained params are restored as the cast of their fp32
 masters (``strategy.load_state_dict`` does it), which is exactly what they were when saved.
 With ``checkpoint.use_node_local_storage`` each node's first rank also writes the module file
@@ -36,7 +36,7 @@ import torch
 
 import dslaunch
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint_engine import (
+from dslaunch.runtime.checkpoint.checkpointer import (
     MODULE_FILE,
     Checkpointer,
     checkpointer,
@@ -45,15 +45,7 @@ from dslaunch.runtime.checkpoint_engine import (
     set_rng_state,
     zero_file,
 )
-from dslaunch.runtime.checkpoint_io import (
-    MANIFEST,
-    CheckpointStore,
-    Manifest,
-    first_loadable,
-    validate_tag,
-    write_atomic,
-)
-from dslaunch.runtime.checkpoint_reshard import (
+from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     check_compatible,
     check_meta,
@@ -61,7 +53,15 @@ from dslaunch.runtime.checkpoint_reshard import (
     needed_ranks,
     partition_map,
 )
-from dslaunch.runtime.checkpoint_writer import TagWrite, write_tag
+from dslaunch.runtime.checkpoint.store import (
+    MANIFEST,
+    CheckpointStore,
+    Manifest,
+    first_loadable,
+    validate_tag,
+    write_atomic,
+)
+from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
 

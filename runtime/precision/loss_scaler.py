@@ -11,18 +11,18 @@ Owns the three policies and the overflow check:
 - ``StaticLossScaler`` (``fp16.loss_scale > 0``): a fixed scale; overflowing steps are skipped.
 - ``NoLossScaler`` (bf16, fp32): scale 1, nothing to do.
 
-The engine multiplies the loss by ``loss_scale`` before backward, divides the gradients by it,
-checks ``has_overflow`` (then all-reduces that flag so every rank agrees) and calls
-``update(overflow)`` once per optimizer step (boundary), skipping the step when it overflowed.
+The engine multiplies the loss by ``loss_scale`` before backward; the ZeRO strategy's step divides
+the gradients by it and reports an overflow (a non-finite global gradient norm, the same on every
+rank); the engine calls ``update(overflow)`` once per optimizer step (boundary), skipping the step
+when it overflowed. ``build_loss_scaler`` takes the ``fp16`` section parsed by ``load_config``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dslaunch.runtime.config_sections import Fp16Config, parse_section
+from dslaunch.runtime.config.sections import Fp16Config
 
 __all__ = ["LossScaler", "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "LossScaleAtMinimumError",
            "build_loss_scaler", "has_overflow"]
@@ -152,39 +152,24 @@ class DynamicLossScaler(LossScaler):
         self.cur_hysteresis = int(state.get("cur_hysteresis", self.hysteresis))
 
 
-def _section_dict(section: Any) -> dict[str, Any]:
-    if dataclasses.is_dataclass(section):
-        return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
-    return dict(section)
-
-
-def build_loss_scaler(fp16_section: Any = None) -> LossScaler:
-    """The loss scaler for a ds_config ``fp16`` section.
+def build_loss_scaler(fp16: Fp16Config | None = None) -> LossScaler:
+    """The loss scaler for the parsed ``fp16`` section (``config.load_config`` validated it).
 
     Args:
-        fp16_section: the ``fp16`` section as a dict or a parsed dataclass; ``None`` (bf16/fp32)
-            or ``enabled: false`` -> ``NoLossScaler``.
+        fp16: the ``fp16`` section; ``None`` (bf16/fp32) or ``enabled: false`` -> ``NoLossScaler``.
 
     Returns:
-        ``StaticLossScaler(loss_scale)`` when ``loss_scale > 0``, else a ``DynamicLossScaler`` with
-        DeepSpeed's defaults for missing keys (initial_scale_power 16, loss_scale_window 1000,
-        hysteresis 2, consecutive_hysteresis false, min_loss_scale 1).
-
-    Raises:
-        ConfigError: a value of the wrong type or out of range, naming ``fp16.<key>``.
+        ``StaticLossScaler(loss_scale)`` when ``loss_scale > 0``, else a ``DynamicLossScaler`` from
+        the section's values (its defaults are DeepSpeed's: initial_scale_power 16,
+        loss_scale_window 1000, hysteresis 2, consecutive_hysteresis false, min_loss_scale 1).
     """
-    if fp16_section is None:
+    if fp16 is None or not fp16.enabled:
         return NoLossScaler()
-    # The config's own checkers: one definition of each key's range (a dict here may come from
-    # a caller that skipped load_config).
-    cfg = parse_section(Fp16Config, {"enabled": True, **_section_dict(fp16_section)}, "fp16")
-    if not cfg.enabled:
-        return NoLossScaler()
-    if cfg.loss_scale > 0:
-        return StaticLossScaler(cfg.loss_scale)
-    return DynamicLossScaler(init_scale=2.0**cfg.initial_scale_power, scale_window=cfg.loss_scale_window,
-                             hysteresis=cfg.hysteresis, consecutive_hysteresis=cfg.consecutive_hysteresis,
-                             min_scale=cfg.min_loss_scale)
+    if fp16.loss_scale > 0:
+        return StaticLossScaler(fp16.loss_scale)
+    return DynamicLossScaler(init_scale=2.0**fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
+                             hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
+                             min_scale=fp16.min_loss_scale)
 
 
 def has_overflow(tensors: Iterable[Any]) -> bool:

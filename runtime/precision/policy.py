@@ -3,18 +3,17 @@
 fp32: model and master in fp32 (the master shard aliases the model weights), no scaling.
 fp16: fp16 model, fp32 master weights, dynamic loss scaling (static when ``loss_scale > 0``).
 bf16: bf16 model, fp32 master weights, no scaling.
-The loss scaler itself is engineer O's strategy (``dslaunch.runtime.loss_scaler``).
+The loss scaler itself is a strategy (``loss_scaler.py``), built from the parsed ``fp16`` section.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.precision.loss_scaler import LossScaler, build_loss_scaler
 
 __all__ = ["PrecisionPolicy"]
 
@@ -39,8 +38,6 @@ class PrecisionPolicy:
         return module if self.model_dtype == torch.float32 else module.to(self.model_dtype)
 
     @staticmethod
-    def loss_scaler(cfg: DeepSpeedConfig) -> Any:
+    def loss_scaler(cfg: DeepSpeedConfig) -> LossScaler:
         """The loss scaler strategy: dynamic/static for fp16, a no-op scaler otherwise."""
-        from dslaunch.runtime.loss_scaler import build_loss_scaler
-
-        return build_loss_scaler(dataclasses.asdict(cfg.fp16) if cfg.fp16.enabled else None)
+        return build_loss_scaler(cfg.fp16)

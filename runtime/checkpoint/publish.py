@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint_io import (
+from dslaunch.runtime.checkpoint.store import (
     LATEST,
     MANIFEST,
     CheckpointStore,
@@ -43,7 +43,7 @@ from dslaunch.runtime.checkpoint_io import (
 
 __all__ = ["SAVE_TIMEOUT_S", "LeaderSave", "remove_stale"]
 
-# The timeout of the checkpoint collectives (checkpoint_writer.GroupComm). A live save touches its
+# The timeout of the checkpoint collectives (writer.GroupComm). A live save touches its
 # files more often: between two of its collectives it writes, and a collective that waits longer
 # fails the save.
 SAVE_TIMEOUT_S = 1800.0

@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dslaunch.errors import ConfigError
-from dslaunch.runtime import config as config_module
 from dslaunch.runtime import lr_schedules, optimizers
 from dslaunch.runtime.config import DeepSpeedConfig, load_config
-from dslaunch.runtime.config_sections import (
+from dslaunch.runtime.config import ds_config as config_module
+from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
     Bf16Config,
     CheckpointConfig,

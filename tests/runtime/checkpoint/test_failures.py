@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime import checkpoint_io, checkpoint_publish
-from dslaunch.runtime.checkpoint_io import LATEST, MANIFEST, CheckpointStore, write_atomic
-from dslaunch.runtime.checkpoint_writer import LocalComm, TagWrite, write_tag
+from dslaunch.runtime.checkpoint import publish as checkpoint_publish
+from dslaunch.runtime.checkpoint import store as checkpoint_io
+from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore, write_atomic
+from dslaunch.runtime.checkpoint.writer import LocalComm, TagWrite, write_tag
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dslaunch.errors import ConfigError
-from dslaunch.runtime.loss_scaler import (
+from dslaunch.runtime.config.sections import Fp16Config, parse_section
+from dslaunch.runtime.precision.loss_scaler import (
     DynamicLossScaler,
     LossScaleAtMinimumError,
     NoLossScaler,
@@ -20,6 +21,11 @@ from dslaunch.runtime.loss_scaler import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _fp16(section: dict) -> Fp16Config:
+    """The ``fp16`` section as ``load_config`` parses it (the scaler gets it parsed, never a dict)."""
+    return parse_section(Fp16Config, {"enabled": True, **section}, "fp16")
 
 
 def _scales(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:
@@ -36,15 +42,15 @@ def _scales(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:
 
 def test_build_picks_the_strategy() -> None:
     assert isinstance(build_loss_scaler(None), NoLossScaler)
-    assert isinstance(build_loss_scaler({"enabled": False}), NoLossScaler)
-    static = build_loss_scaler({"enabled": True, "loss_scale": 128})
+    assert isinstance(build_loss_scaler(_fp16({"enabled": False})), NoLossScaler)
+    static = build_loss_scaler(_fp16({"enabled": True, "loss_scale": 128}))
     assert isinstance(static, StaticLossScaler) and static.loss_scale == 128.0
-    dynamic = build_loss_scaler({"enabled": True})
+    dynamic = build_loss_scaler(_fp16({"enabled": True}))
     assert isinstance(dynamic, DynamicLossScaler)
     assert (dynamic.loss_scale, dynamic.scale_window, dynamic.hysteresis, dynamic.min_scale,
             dynamic.consecutive_hysteresis) == (2.0**16, 1000, 2, 1.0, False)
-    custom = build_loss_scaler({"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 5,
-                                "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 4})
+    custom = build_loss_scaler(_fp16({"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 5,
+                                      "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 4}))
     assert (custom.loss_scale, custom.scale_window, custom.hysteresis, custom.min_scale,
             custom.consecutive_hysteresis) == (256.0, 5, 3, 4.0, True)
 
@@ -75,12 +81,12 @@ def test_build_accepts_a_parsed_dataclass() -> None:
 ])
 def test_build_rejects_bad_values_naming_the_key(section: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=f"'{key}'"):
-        build_loss_scaler(section)
+        build_loss_scaler(_fp16(section))
 
 
 def test_scale_loss_and_no_scaler() -> None:
     loss = torch.tensor(3.0)
-    assert build_loss_scaler({"loss_scale": 8}).scale_loss(loss).item() == 24.0
+    assert build_loss_scaler(_fp16({"loss_scale": 8})).scale_loss(loss).item() == 24.0
     none = NoLossScaler()
     assert none.scale_loss(loss) is loss
     none.update(True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dslaunch.errors import ConfigError, shorten
-from dslaunch.runtime.param_schema import HugeInt, describe
+from dslaunch.runtime.config.param_schema import HugeInt, describe
 from dslaunch.textfile import Fail, read_text
 
 __all__ = ["read_config_file", "check_shape", "MAX_FILE_BYTES", "MAX_DEPTH", "MAX_VALUES"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint_io import LATEST, MANIFEST, CheckpointStore, first_loadable
-from dslaunch.runtime.checkpoint_writer import (
+from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore, first_loadable
+from dslaunch.runtime.checkpoint.writer import (
     AsyncWriter,
     GroupComm,
     LocalComm,
@@ -281,7 +281,7 @@ def test_ranks_share_one_tag_and_one_failure_fails_all(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("damage,message", [(_flip, "checksum mismatch"), (_truncate, "truncated")])
 def test_large_files_are_mapped_and_still_verified(tmp_path: Path, damage, message: str) -> None:
-    from dslaunch.runtime.checkpoint_format import read_object, write_object
+    from dslaunch.runtime.checkpoint.format import read_object, write_object
 
     path = tmp_path / "big.bin"
     big = {"w": torch.arange(2 << 20, dtype=torch.float32)}  # 8 MB: read through mmap
@@ -294,7 +294,7 @@ def test_large_files_are_mapped_and_still_verified(tmp_path: Path, damage, messa
 
 @pytest.mark.parametrize("durable", [True, False])
 def test_fsync_off_skips_every_sync_and_writes_the_same_tag(tmp_path: Path, monkeypatch, durable: bool) -> None:
-    from dslaunch.runtime import checkpoint_format
+    from dslaunch.runtime.checkpoint import format as checkpoint_format
 
     calls = {"fsync": 0, "writeback": 0}
     real_fsync, real_writeback = os.fsync, checkpoint_format._START_WRITEBACK
@@ -324,7 +324,8 @@ def test_fsync_off_skips_every_sync_and_writes_the_same_tag(tmp_path: Path, monk
 def test_new_tags_use_crc32c_and_crc32_tags_from_before_still_verify(tmp_path: Path, monkeypatch) -> None:
     import json
 
-    from dslaunch.runtime import checkpoint_format, checkpoint_io
+    from dslaunch.runtime.checkpoint import format as checkpoint_format
+    from dslaunch.runtime.checkpoint import store as checkpoint_io
 
     store = CheckpointStore(tmp_path)
     _save(store, 1)
@@ -351,7 +352,7 @@ def test_new_tags_use_crc32c_and_crc32_tags_from_before_still_verify(tmp_path: P
 def test_an_unreadable_file_is_named_not_a_traceback(tmp_path: Path, monkeypatch, error: OSError) -> None:
     import builtins
 
-    from dslaunch.runtime import checkpoint_format
+    from dslaunch.runtime.checkpoint import format as checkpoint_format
 
     store = _two_tags(tmp_path)
     bad = tmp_path / "global_step2" / "extra.bin"

@@ -11,7 +11,7 @@ import pytest
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import load_config
-from dslaunch.runtime.config_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES
+from dslaunch.runtime.config.file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES
 
 pytestmark = pytest.mark.timeout(60)
 

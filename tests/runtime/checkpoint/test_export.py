@@ -2,7 +2,7 @@
 parameters, loading into a model, the dslaunch.utils import path and the command line.
 
 Checkpoints here are saved by a single in-process engine; consolidation across world sizes and
-stages is covered by tests/runtime/test_checkpoint.py.
+stages is covered by tests/runtime/checkpoint/test_save_load.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dslaunch.errors import CheckpointError, UsageError
-from dslaunch.runtime import zero_to_fp32 as z2f
+from dslaunch.runtime.checkpoint import export as z2f
 
 HAS_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
 

@@ -8,8 +8,9 @@ import pytest
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import load_config
-from dslaunch.runtime.loss_scaler import build_loss_scaler
-from dslaunch.runtime.param_schema import integer, number
+from dslaunch.runtime.config.param_schema import integer, number
+from dslaunch.runtime.config.sections import Fp16Config, parse_section
+from dslaunch.runtime.precision.loss_scaler import build_loss_scaler
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,9 +104,9 @@ def test_the_edges_of_each_range_are_accepted() -> None:
     ({"enabled": True, "loss_scale": INF}, "fp16.loss_scale"),
     ({"enabled": True, "min_loss_scale": NAN}, "fp16.min_loss_scale"),
 ])
-def test_loss_scaler_from_a_dict_uses_the_same_ranges(section: dict, key: str) -> None:
+def test_the_loss_scaler_section_uses_the_same_ranges(section: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=f"^'{key}': must be (an integer )?in "):
-        build_loss_scaler(section)
+        build_loss_scaler(parse_section(Fp16Config, section, "fp16"))
 
 
 def test_checkers_directly() -> None:
