@@ -14,7 +14,10 @@ The kinds follow torch.distributed.elastic's split:
 
 from __future__ import annotations
 
+import math
+import reprlib
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = [
     "DslaunchError",
@@ -25,6 +28,8 @@ __all__ = [
     "WorkerFailedError",
     "CheckpointError",
     "did_you_mean",
+    "quote",
+    "shorten",
     "install_excepthook",
 ]
 
@@ -59,8 +64,9 @@ class ConfigError(DslaunchError):
 
     def __init__(self, message: str, key: str | None = None, source: str | None = None):
         self.key, self.source = key, source
-        prefix = f"{source}: " if source else ""
-        prefix += f"'{key}': " if key else ""
+        # Key paths are built from the user's keys: bounded and on one line like any quoted value.
+        prefix = f"{shorten(source, 300)}: " if source else ""
+        prefix += f"'{shorten(key, 120)}': " if key else ""
         super().__init__(f"{prefix}{message}")
 
 
@@ -94,8 +100,47 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Return " (did you mean 'x'?)" for the closest choice, or "" when none is close."""
     import difflib
 
+    if len(word) > 200:  # no name is that long, and difflib's cost grows with it
+        return ""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def shorten(text: str, limit: int = 80) -> str:
+    """``text`` on one line (control characters escaped) and at most ``limit`` characters.
+
+    For user input inside an error message: a file can hold a 16 MiB line or a U+2028 that a
+    terminal or log reader would show as a line break.
+    """
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+class _BoundedRepr(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple = 3, 4, 4, 4
+        self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 4
+        self.maxstring, self.maxother, self.maxlong = 60, 60, 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() itself refuses ints over 4300 digits (ValueError): count them instead.
+        if x.bit_length() > 128:
+            return f"<{math.floor(math.log10(abs(x))) + 1}-digit integer>"
+        return super().repr_int(x, level)
+
+
+_REPR = _BoundedRepr()
+
+
+def quote(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message: bounded in size and depth, on one line.
+
+    The one way errors show a user's value: a config value may be a huge or deeply nested
+    structure, a 5000-digit integer, or a string holding line breaks.
+    """
+    return shorten(_REPR.repr(value), limit)
 
 
 class EnvFileError(UsageError):

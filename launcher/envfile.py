@@ -13,7 +13,8 @@ precedence first:
 File grammar: one ``KEY=VALUE`` per line; blank lines and lines starting with ``#`` are ignored;
 an optional leading ``export`` is accepted; the value is everything after the first ``=`` (it may
 contain ``=`` and ``#``), surrounding whitespace is trimmed and one pair of matching quotes removed;
-CRLF line ends are accepted. Anything else raises ``EnvFileError`` naming ``file:line``.
+CRLF line ends are accepted. The file is UTF-8 (or UTF-16 with a byte-order mark) of at most
+``MAX_ENV_FILE_BYTES``. Anything else raises ``EnvFileError`` naming ``file:line``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from dslaunch.errors import EnvFileError
+from dslaunch.errors import EnvFileError, quote
+from dslaunch.textfile import read_text
 
-__all__ = ["EXPORT_PREFIXES", "ENV_FILE_NAMES", "parse_env_file", "env_file_paths", "collect_env"]
+__all__ = ["EXPORT_PREFIXES", "ENV_FILE_NAMES", "MAX_ENV_FILE_BYTES", "parse_env_file", "env_file_paths",
+           "collect_env"]
+
+# Linux caps the whole environment of a new process at about 2 MiB (ARG_MAX with the arguments).
+MAX_ENV_FILE_BYTES = 2**20
 
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "UCX", "MV2", "MLFLOW", "CUDA", "TORCH", "GLOO")
 ENV_FILE_NAMES = (".deepspeed_env", ".dslaunch_env")
@@ -48,9 +54,9 @@ def _parse_line(text: str, path: str, lineno: int) -> tuple[str, str] | None:
     key, sep, value = line.partition("=")
     key = key.strip()
     if not sep:
-        raise EnvFileError(f"expected KEY=VALUE, got {line!r}", path, lineno)
+        raise EnvFileError(f"expected KEY=VALUE, got {quote(line)}", path, lineno)
     if not _KEY.fullmatch(key):
-        raise EnvFileError(f"{key!r} is not a valid variable name (letters, digits, '_'; "
+        raise EnvFileError(f"{quote(key)} is not a valid variable name (ASCII letters, digits, '_'; "
                            "not starting with a digit)", path, lineno)
     return key, _unquote(value.strip())
 
@@ -65,14 +71,13 @@ def parse_env_file(path: str | os.PathLike) -> dict[str, str]:
         The variables in file order; a key given twice keeps its last value.
 
     Raises:
-        EnvFileError: a line is not ``KEY=VALUE`` or the file cannot be read; names file:line.
+        EnvFileError: a line is not ``KEY=VALUE``, or the file cannot be read, is not a regular
+            file, is too large or is not text; names file:line.
     """
-    try:
-        raw = Path(path).read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EnvFileError(f"cannot read: {exc}", str(path)) from None
+    raw = read_text(path, MAX_ENV_FILE_BYTES, lambda message, line: EnvFileError(message, str(path), line))
     result: dict[str, str] = {}
-    # splitlines() would also split on \x0b, \x1c...; values may legitimately hold those.
+    # Only "\n" ends a line: splitlines() also splits on \x0b, \x0c, \x1c-\x1e, \x85, U+2028 and
+    # U+2029, which would turn the rest of a comment into a live assignment; values may hold them.
     for lineno, text in enumerate(raw.split("\n"), start=1):
         parsed = _parse_line(text, str(path), lineno)
         if parsed:

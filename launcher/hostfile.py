@@ -6,8 +6,12 @@ Hostfile syntax, one host per line::
     worker-1 slots=4     # trailing comments too
     worker-2 slots=4
 
-Every mistake is a ``HostfileError`` naming the file and line: duplicate host, ``slots`` missing,
-zero, negative or not plain ASCII digits, unknown keys, trailing junk.
+Every mistake is a ``HostfileError`` naming the file and line: duplicate host (host names are
+case-insensitive), invalid host name, ``slots`` missing, zero, negative or not plain ASCII digits,
+unknown keys, trailing junk, invalid UTF-8, a character other than printable ASCII, space or tab
+outside comments. Lines end at ``\n`` only (a trailing ``\r`` is dropped): a form feed, U+2028
+or NEL inside a comment neither ends the comment nor shifts the line numbers. The file must be a
+regular file of at most ``MAX_HOSTFILE_BYTES``, and all hosts together at most ``MAX_WORLD`` slots.
 
 Filter syntax (``-i/--include``, ``-e/--exclude``): ``host1:0,2@host2``: hosts separated by
 ``@``; ``host:slots`` picks slot indices; a bare host means all its slots. Naming a host or slot
@@ -18,13 +22,16 @@ A *pool* is the ordered mapping ``host -> selected slot indices`` the rest of th
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
+import stat
 from collections.abc import Mapping
 
-from dslaunch.errors import HostfileError, did_you_mean
+from dslaunch.errors import HostfileError, did_you_mean, quote
 
 __all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "full_pool", "ascii_int",
-           "MAX_SLOTS"]
+           "hostname_problem", "MAX_SLOTS", "MAX_WORLD", "MAX_HOSTFILE_BYTES"]
 
 Pool = dict[str, tuple[int, ...]]
 """host -> slot indices to use, in hostfile order."""
@@ -32,45 +39,99 @@ Pool = dict[str, tuple[int, ...]]
 # A typo such as slots=80000000000 would otherwise build a pool of that many slot indices (the
 # launcher hangs); no host runs more worker processes than this.
 MAX_SLOTS = 4096
-_HOST_RE = re.compile(r"^[A-Za-z0-9_.:\[\]-]+$")
+# Ranks of one job; 2000 hosts x 4096 slots would otherwise plan 8 million workers (MemoryError).
+MAX_WORLD = 65536
+# A hostfile of 65536 hosts is ~2 MB at most with long names; -H /dev/zero must not read forever.
+MAX_HOSTFILE_BYTES = 4 << 20
 _KEYS = ("slots",)
+_LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")
+_LIVE_CHARS = re.compile(r"[^\t\x20-\x7e]")  # what may stand outside a comment
+_FIELD_SEP = re.compile(r"[ \t]+")
 
 
-def parse_hostfile(text: str, path: str = "<hostfile>") -> dict[str, int]:
-    """Parse hostfile text into ``{host: slots}`` in file order.
+def hostname_problem(name: str) -> str | None:
+    """Why ``name`` is not a host name (RFC 1123 labels, '_' allowed as in ssh aliases) or an IP
+    address; None when it is one.
+
+    At most 253 characters, labels of at most 63 letters, digits, '-' and '_' that neither start
+    nor end with '-' (so no name reads as a command-line option); IPv6 literals may be bracketed.
+    """
+    if not name:
+        return "empty host name"
+    if len(name) > 253:
+        return f"{len(name)} characters long (host names have at most 253)"
+    if ":" in name:
+        try:
+            ipaddress.IPv6Address(name[1:-1] if name[0] == "[" and name[-1] == "]" else name)
+            return None
+        except ValueError:
+            return "not an IPv6 address (':' is only valid in one)"
+    for label in name.removesuffix(".").split("."):
+        if len(label) > 63:
+            return f"label {quote(label, 20)} is {len(label)} characters long (at most 63)"
+        if not _LABEL_RE.fullmatch(label):
+            return ("expected labels of letters, digits, '-' and '_' separated by '.', not starting or "
+                    "ending with '-'")
+    return None
+
+
+def parse_hostfile(data: str | bytes, path: str = "<hostfile>") -> dict[str, int]:
+    """Parse hostfile text (or its raw bytes, UTF-8) into ``{host: slots}`` in file order.
 
     Raises:
         HostfileError: naming ``path`` and the line of the first mistake.
     """
     hosts: dict[str, int] = {}
-    lines_of: dict[str, int] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
+    first: dict[str, tuple[str, int]] = {}  # lower-cased name -> (spelling, line)
+    total = 0
+    raw_lines = data.split(b"\n") if isinstance(data, bytes) else data.split("\n")
+    for lineno, raw in enumerate(raw_lines, start=1):
+        text = _decode(raw, path, lineno) if isinstance(raw, bytes) else raw
+        line = text.removesuffix("\r").split("#", 1)[0]
+        if bad := _LIVE_CHARS.search(line):
+            raise HostfileError(f"unexpected character U+{ord(bad[0]):04X} at column {bad.start() + 1}; "
+                                "outside comments a line holds printable ASCII, with spaces or tabs "
+                                "between fields", path, lineno)
+        line = line.strip(" \t")
         if not line:
             continue
         host, slots = _parse_line(line, path, lineno)
-        if host in hosts:
-            raise HostfileError(f"duplicate host {host!r} (first listed on line {lines_of[host]})", path, lineno)
-        hosts[host], lines_of[host] = slots, lineno
+        if host.lower() in first:
+            spelling, where = first[host.lower()]
+            same = "" if spelling == host else f" (as {spelling!r}: host names are case-insensitive)"
+            raise HostfileError(f"duplicate host {host!r}{same} (first listed on line {where})", path, lineno)
+        total += slots
+        if total > MAX_WORLD:
+            raise HostfileError(f"the hosts up to this line have {total} slots; dslaunch runs at most "
+                                f"{MAX_WORLD} ranks in one job", path, lineno)
+        hosts[host], first[host.lower()] = slots, (host, lineno)
     if not hosts:
         raise HostfileError("no hosts listed (expected lines like 'worker-1 slots=4')", path)
     return hosts
 
 
+def _decode(raw: bytes, path: str, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise HostfileError(f"invalid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})",
+                            path, lineno) from None
+
+
 def _parse_line(line: str, path: str, lineno: int) -> tuple[str, int]:
-    host, *fields = line.split()
+    host, *fields = _FIELD_SEP.split(line)
     if "=" in host:
-        raise HostfileError(f"line starts with {host!r}; expected a hostname first, e.g. 'worker-1 slots=4'",
+        raise HostfileError(f"line starts with {quote(host)}; expected a hostname first, e.g. 'worker-1 slots=4'",
                             path, lineno)
-    if not _HOST_RE.match(host):
-        raise HostfileError(f"invalid hostname {host!r}", path, lineno)
+    if problem := hostname_problem(host):
+        raise HostfileError(f"invalid hostname {quote(host)}: {problem}", path, lineno)
     slots: int | None = None
     for f in fields:
         key, eq, value = f.partition("=")
         if not eq:
-            raise HostfileError(f"unexpected {f!r} after host {host!r}; expected 'slots=N'", path, lineno)
+            raise HostfileError(f"unexpected {quote(f)} after host {host!r}; expected 'slots=N'", path, lineno)
         if key not in _KEYS:
-            raise HostfileError(f"unknown key {key!r}{did_you_mean(key, _KEYS)}; only 'slots=N' is valid",
+            raise HostfileError(f"unknown key {quote(key)}{did_you_mean(key[:60], _KEYS)}; only 'slots=N' is valid",
                                 path, lineno)
         if slots is not None:
             raise HostfileError(f"'slots' given twice for host {host!r}", path, lineno)
@@ -83,7 +144,7 @@ def _parse_line(line: str, path: str, lineno: int) -> tuple[str, int]:
 def _positive_int(value: str, path: str, lineno: int) -> int:
     n = ascii_int(value)
     if n is None:
-        raise HostfileError(f"slots={value!r} is not an integer (digits 0-9 only)", path, lineno)
+        raise HostfileError(f"slots={quote(value)} is not an integer (digits 0-9 only)", path, lineno)
     if n <= 0:
         raise HostfileError(f"slots={n} must be a positive integer", path, lineno)
     if n > MAX_SLOTS:
@@ -107,19 +168,47 @@ def ascii_int(text: str) -> int | None:
 def read_hostfile(path: str, explicit: bool) -> dict[str, int] | None:
     """Read and parse ``path``. A missing file is None when ``explicit`` is False (= localhost).
 
+    Only a regular file is read, at most ``MAX_HOSTFILE_BYTES`` of it: ``-H /dev/zero`` or a FIFO
+    is an error, not an endless read or a silent wait for a writer.
+
     Raises:
         HostfileError: the file is explicitly given but missing/unreadable, or invalid.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before open(): opening a FIFO blocks
+            raise HostfileError(_NOT_REGULAR, path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         if not explicit:
             return None
         raise HostfileError("hostfile not found (given with -H/--hostfile)", path) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise HostfileError(f"cannot read hostfile: {err}", path) from None
-    return parse_hostfile(text, path)
+    except OSError as err:
+        raise HostfileError(f"cannot read hostfile: {err.strerror}", path) from None
+    try:
+        data = _read_regular(fd, path)
+    finally:
+        os.close(fd)
+    return parse_hostfile(data, path)
+
+
+_NOT_REGULAR = "not a regular file; a hostfile is a text file of 'host slots=N' lines"
+
+
+def _read_regular(fd: int, path: str) -> bytes:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between stat() and open()
+        raise HostfileError(_NOT_REGULAR, path)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size <= MAX_HOSTFILE_BYTES and (chunk := os.read(fd, 1 << 16)):
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as err:
+        raise HostfileError(f"cannot read hostfile: {err.strerror}", path) from None
+    if size > MAX_HOSTFILE_BYTES:
+        raise HostfileError(f"larger than {MAX_HOSTFILE_BYTES >> 20} MiB; a hostfile lists at most "
+                            f"{MAX_WORLD} hosts", path)
+    return b"".join(chunks)
 
 
 def full_pool(hosts: Mapping[str, int]) -> Pool:
@@ -134,27 +223,32 @@ def parse_filter(expr: str, flag: str) -> dict[str, tuple[int, ...] | None]:
         HostfileError: malformed expression (names ``flag``).
     """
     out: dict[str, tuple[int, ...] | None] = {}
+    where = f"{flag} {quote(expr)}"
     for part in expr.split("@"):
         host, colon, slots = part.strip().partition(":")
         if not host:
-            raise HostfileError(f"{flag} {expr!r}: empty host name (syntax: host1:0,2@host2)")
-        if host in out:
-            raise HostfileError(f"{flag} {expr!r}: host {host!r} named twice")
+            raise HostfileError(f"{where}: empty host name (syntax: host1:0,2@host2)")
+        if problem := hostname_problem(host):
+            raise HostfileError(f"{where}: invalid hostname {quote(host)}: {problem}")
+        if host.lower() in (h.lower() for h in out):
+            raise HostfileError(f"{where}: host {host!r} named twice (host names are case-insensitive)")
         if not colon:
             out[host] = None
             continue
         numbers = [ascii_int(s) for s in slots.split(",")]
         if None in numbers:
-            raise HostfileError(f"{flag} {expr!r}: slots of {host!r} must be integers, got {slots!r}")
+            raise HostfileError(f"{where}: slots of {host!r} must be integers, got {quote(slots)}")
         picked = tuple(n for n in numbers if n is not None)  # all of them; the filter narrows the type
         if len(set(picked)) != len(picked):
-            raise HostfileError(f"{flag} {expr!r}: slot listed twice for host {host!r}")
+            raise HostfileError(f"{where}: slot listed twice for host {host!r}")
         out[host] = picked
     return out
 
 
 def apply_filter(hosts: Mapping[str, int], include: str = "", exclude: str = "") -> Pool:
     """The pool left after ``--include`` or ``--exclude`` (they are mutually exclusive).
+
+    Host names match case-insensitively; the pool keeps the hostfile's spelling.
 
     Raises:
         HostfileError: both given, malformed, an unknown host or slot, or nothing left.
@@ -165,14 +259,17 @@ def apply_filter(hosts: Mapping[str, int], include: str = "", exclude: str = "")
     if not include and not exclude:
         return pool
     flag = "--include" if include else "--exclude"
-    chosen = parse_filter(include or exclude, flag)
-    for host, slots in chosen.items():
-        if host not in hosts:
-            raise HostfileError(f"{flag}: unknown host {host!r}{did_you_mean(host, hosts)}; "
-                                f"hosts: {', '.join(hosts)}")
+    spelling = {h.lower(): h for h in hosts}
+    chosen: dict[str, tuple[int, ...] | None] = {}
+    for host, slots in parse_filter(include or exclude, flag).items():
+        if host.lower() not in spelling:
+            listed = ", ".join(list(hosts)[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")
+            raise HostfileError(f"{flag}: unknown host {host!r}{did_you_mean(host, hosts)}; hosts: {listed}")
+        host = spelling[host.lower()]
         bad = [s for s in slots or () if not 0 <= s < hosts[host]]
         if bad:
             raise HostfileError(f"{flag}: host {host!r} has slots 0-{hosts[host] - 1}, not {bad[0]}")
+        chosen[host] = slots
     if include:
         result = {h: (tuple(sorted(chosen[h])) if chosen[h] is not None else pool[h])
                   for h in pool if h in chosen}
@@ -185,5 +282,5 @@ def apply_filter(hosts: Mapping[str, int], include: str = "", exclude: str = "")
             if left := tuple(s for s in slots if s not in dropped):
                 result[h] = left
     if not result:
-        raise HostfileError(f"{flag} {include or exclude!r} leaves no slots to run on")
+        raise HostfileError(f"{flag} {quote(include or exclude)} leaves no slots to run on")
     return result

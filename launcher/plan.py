@@ -11,20 +11,34 @@ With ``--no_ssh`` every node plans the whole job the same way and keeps only its
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dslaunch.errors import HostfileError, UsageError
+from dslaunch.errors import HostfileError, UsageError, quote
 from dslaunch.launcher.gpus import Accelerators
-from dslaunch.launcher.hostfile import Pool, apply_filter, ascii_int, read_hostfile
+from dslaunch.launcher.hostfile import (
+    MAX_SLOTS,
+    MAX_WORLD,
+    Pool,
+    apply_filter,
+    ascii_int,
+    hostname_problem,
+    read_hostfile,
+)
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, NodeSpec, WorkerSpec
+from dslaunch.launcher.workerenv import node_env, worker_env
 
-__all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE"]
+__all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE", "PID_FILE_DIR", "MAX_GRACE"]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
+PID_FILE_DIR = "/tmp"
+"""``--save_pid`` writes ``PID_FILE_DIR/<controller pid>.deepspeed`` (DeepSpeed's path)."""
+# An hour is far beyond any clean shutdown; inf would kill the stop timer (OverflowError).
+MAX_GRACE = 3600.0
 
 
 @dataclass(frozen=True)
@@ -84,8 +98,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         HostfileError: bad hostfile or include/exclude.
         UsageError: inconsistent flags (e.g. more GPUs than slots).
     """
-    _check_count("--num_nodes", cfg.num_nodes)
-    _check_count("--num_gpus", cfg.num_gpus)
+    _check_numbers(cfg)
     if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
     notes: list[str] = []
@@ -116,6 +129,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
         ssh_port=cfg.ssh_port, ssh_accept_new_host_keys=cfg.ssh_accept_new_host_keys,
         hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
+        master_given=bool(cfg.master_addr),
     )
     return Plan(job, tuple(notes))
 
@@ -193,7 +207,7 @@ def _launcher(cfg: LaunchConfig, pool: Pool) -> str:
             raise UsageError(f"--no_ssh starts this node's workers here, without a launcher; "
                              f"leave out --launcher {cfg.launcher}")
         return "local"
-    return cfg.launcher or ("ssh" if cfg.force_multi or any(h not in LOCAL_HOSTS for h in pool) else "local")
+    return cfg.launcher or ("ssh" if cfg.force_multi or any(h.lower() not in LOCAL_HOSTS for h in pool) else "local")
 
 
 def _check_no_ssh(cfg: LaunchConfig, pool: Pool) -> None:
@@ -220,29 +234,34 @@ def _no_ssh_note(node: NodeSpec, num_nodes: int, world: int) -> str:
             "here; start each other node the same way with its own --node_rank")
 
 
-def _check_count(flag: str, n: int) -> None:
-    """-1 is DeepSpeed's default for both flags: all hosts / all slots. Other values must be > 0."""
-    if n == 0 or n < -1:
-        raise UsageError(f"{flag} {n}: expected a positive number (or -1, the default: all)")
+def _check_numbers(cfg: LaunchConfig) -> None:
+    """Every number of the command line in a finite range, each error naming its flag."""
+    _check_count("--num_nodes", cfg.num_nodes, MAX_WORLD, "hosts")
+    _check_count("--num_gpus", cfg.num_gpus, MAX_SLOTS, "workers per host")
+    for flag, port in (("--master_port", cfg.master_port), ("--ssh_port", cfg.ssh_port)):
+        if port is not None and not 0 < port < 65536:
+            raise UsageError(f"{flag} {port} is not a TCP port (1-65535)")
+    if not (math.isfinite(cfg.grace) and 0 <= cfg.grace <= MAX_GRACE):  # nan fails every comparison
+        raise UsageError(f"--grace_period {cfg.grace:g}: expected seconds from 0 to {MAX_GRACE:g}")
+    if cfg.master_addr and (problem := hostname_problem(cfg.master_addr)):
+        raise UsageError(f"--master_addr {quote(cfg.master_addr)}: {problem}")
+
+
+def _check_count(flag: str, n: int, most: int, what: str) -> None:
+    """-1 is DeepSpeed's default for both flags: all hosts / all slots. Other values: 1 to ``most``."""
+    if not (n == -1 or 0 < n <= most):
+        raise UsageError(f"{flag} {n}: expected 1 to {most} {what} (or -1, the default: all)")
 
 
 def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], first_rank: int,
           world: int, num_nodes: int, master_addr: str, use_gpus: bool) -> NodeSpec:
-    env = {
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(cfg.master_port), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(len(slots)), "LOCAL_SIZE": str(len(slots)), "NODE_RANK": str(node_rank),
-        "CROSS_RANK": str(node_rank), "CROSS_SIZE": str(num_nodes),
-    }
-    if use_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-    workers = tuple(
-        WorkerSpec(first_rank + i, i, _argv(cfg, i), {"RANK": str(first_rank + i), "LOCAL_RANK": str(i)})
-        for i in range(len(slots))
-    )
+    workers = tuple(WorkerSpec(first_rank + i, i, _argv(cfg, i), worker_env(first_rank + i, i))
+                    for i in range(len(slots)))
     return NodeSpec(
-        node_rank=node_rank, host=host, workers=workers, env=env, cwd=os.getcwd(),
+        node_rank=node_rank, host=host, workers=workers, cwd=os.getcwd(),
+        env=node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
-        pid_file=f"/tmp/{os.getpid()}.deepspeed" if cfg.save_pid else None,
+        pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,
     )
 

@@ -5,7 +5,7 @@ consume it. Each ``NodeSpec`` is self-contained: a node agent (``dslaunch.launch
 local or remote, needs nothing else to start that node's workers, so it is what the SSH runner
 sends to a remote agent (``NodeSpec.to_json()`` on the agent's stdin).
 
-Spec (this module) -> instance (``agent.Agent`` with its worker processes) -> state
+Spec (this module) -> instance (``agent.node.Agent`` with its worker processes) -> state
 (``NodeResult``: how a node ended).
 """
 
@@ -82,6 +82,7 @@ class JobSpec:
 
     nodes: tuple[NodeSpec, ...]
     master_addr: str
+    """The plan's rendezvous address: ``--master_addr``, else 127.0.0.1 (local) or the first host."""
     master_port: int
     world_size: int
     launcher: str = "local"
@@ -97,6 +98,8 @@ class JobSpec:
     user_script: str | None = None
     """The script file every worker runs (None with --module/--no_python): preflight checks that
     each host has it, so a missing file is one line per host, not one Python error per rank."""
+    master_given: bool = False
+    """``master_addr`` is the user's ``--master_addr`` (a runner keeps it), not the plan's default."""
 
     @property
     def hosts(self) -> tuple[str, ...]:

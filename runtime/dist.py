@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import UsageError, quote
+from dslaunch.runtime.config import MAX_TIMEOUT_S
 from dslaunch.runtime.param_schema import number
 from dslaunch.runtime.shutdown import register_clean_exit
 from dslaunch.utils.ports import free_port
@@ -34,8 +35,8 @@ def default_timeout(config_seconds: float | None = None) -> datetime.timedelta:
             seconds = float(raw)
         except ValueError:
             seconds = math.nan
-        if not 0 < seconds < math.inf:
-            raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds > 0")
+        if not 0 < seconds <= MAX_TIMEOUT_S:  # timedelta overflows far below inf
+            raise UsageError(f"{TIMEOUT_ENV}={quote(raw)} is not a number of seconds > 0 (at most {MAX_TIMEOUT_S:g})")
         return datetime.timedelta(seconds=seconds)
     return datetime.timedelta(seconds=config_seconds or _DEFAULT_TIMEOUT_S)
 
@@ -48,7 +49,7 @@ def _config_timeout(config: Any) -> float | None:
     """
     if isinstance(config, Mapping):  # initialize(config=...) takes a dict too; users pass it on
         raw = config.get("dist_init_timeout")
-        return None if raw is None else number(0.0, low_open=True)("dist_init_timeout", raw)
+        return None if raw is None else number(0.0, MAX_TIMEOUT_S, low_open=True)("dist_init_timeout", raw)
     return getattr(config, "dist_init_timeout", None)
 
 

@@ -188,7 +188,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
-    # ----- checkpoints (engineer C's module) --------------------------------------------------
+    # ----- checkpoints (dslaunch.runtime.checkpoint) ---------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
         from dslaunch.runtime import checkpoint

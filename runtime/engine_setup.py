@@ -170,7 +170,7 @@ def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any) -> Any:
 
 
 class _TimerSet:
-    """``timers(name)`` as a context manager over engineer O's named timers."""
+    """``timers(name)`` as a context manager over the named ``Timers``."""
 
     def __init__(self) -> None:
         from dslaunch.runtime.timers import Timers

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.errors import ConfigError, did_you_mean, quote
 from dslaunch.runtime.param_schema import (
     REQUIRED,
     Option,
@@ -310,6 +310,8 @@ class LRRangeTest(_Schedule):
 
 _WARMUP_TYPE = choice("log", "linear")
 _START = Option(-1, integer(-1))
+# Written into Adam's betas[0]: 1 would divide by zero in its bias correction.
+_MOMENTUM = number_or_list(0.0, 1.0, high_open=True)
 
 
 def _warmup_schema(max_lr_default: Any) -> dict[str, Option]:
@@ -350,8 +352,8 @@ _REGISTRY: dict[str, _Entry] = {
         "cycle_second_stair_count": Option(None, integer(0)),
         "decay_step_size": Option(0, integer(0)),
         "cycle_momentum": Option(True, boolean),
-        "cycle_min_mom": Option(0.8, number_or_list(0.0)),
-        "cycle_max_mom": Option(0.9, number_or_list(0.0)),
+        "cycle_min_mom": Option(0.8, _MOMENTUM),
+        "cycle_max_mom": Option(0.9, _MOMENTUM),
         "decay_mom_rate": Option(0.0, number(0.0)),
         "last_batch_iteration": _START,
     }),
@@ -392,8 +394,8 @@ def validate_lr_scheduler(sched_type: str, params: Mapping[str, Any] | None) -> 
     """
     name = _BY_LOWER.get(sched_type.lower()) if isinstance(sched_type, str) else None
     if name is None:
-        hint = did_you_mean(str(sched_type), _REGISTRY)
-        raise ConfigError(f"unknown scheduler type {sched_type!r}{hint}; valid types: "
+        hint = did_you_mean(sched_type, _REGISTRY) if isinstance(sched_type, str) else ""
+        raise ConfigError(f"unknown scheduler type {quote(sched_type)}{hint}; valid types: "
                           f"{', '.join(SCHEDULER_TYPES)}, or pass a scheduler to initialize()",
                           key="scheduler.type")
     checked = check_params(params, _REGISTRY[name].schema, _KEY, f"scheduler {name!r}")

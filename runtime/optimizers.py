@@ -19,8 +19,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dslaunch.errors import ConfigError, did_you_mean
-from dslaunch.runtime.param_schema import REQUIRED, Option, betas, boolean, check_params, number
+from dslaunch.errors import ConfigError, did_you_mean, quote
+from dslaunch.runtime.param_schema import (
+    REQUIRED,
+    Option,
+    betas,
+    boolean,
+    check_params,
+    describe,
+    finite,
+    number,
+)
 
 __all__ = ["OptimizerSpec", "OPTIMIZER_TYPES", "validate_optimizer", "build_optimizer"]
 
@@ -50,11 +59,15 @@ class _Entry:
     layout_aware: bool = False
 
 
+# eps = 0 divides 0 by 0 on a parameter whose gradient is still zero: NaN weights.
+_EPS = number(0.0, low_open=True)
+
+
 def _adam_schema() -> dict[str, Option]:
     return {
         "lr": Option(1e-3, number(0.0)),
         "betas": Option((0.9, 0.999), betas),
-        "eps": Option(1e-8, number(0.0)),
+        "eps": Option(1e-8, _EPS),
         "weight_decay": Option(0.0, number(0.0)),
         "bias_correction": Option(True, boolean),
         "amsgrad": Option(False, boolean),
@@ -156,7 +169,7 @@ _ENTRIES = [
         "lr_decay": Option(0.0, number(0.0)),
         "weight_decay": Option(0.0, number(0.0)),
         "initial_accumulator_value": Option(0.0, number(0.0)),
-        "eps": Option(1e-10, number(0.0)),
+        "eps": Option(1e-10, _EPS),
         "maximize": Option(False, boolean),
     }, _make_adagrad),
     _Entry("Lion", {
@@ -167,7 +180,7 @@ _ENTRIES = [
     _Entry("Lamb", {
         "lr": Option(1e-3, number(0.0)),
         "betas": Option((0.9, 0.999), betas),
-        "eps": Option(1e-8, number(0.0)),
+        "eps": Option(1e-8, _EPS),
         "weight_decay": Option(0.0, number(0.0)),
         "bias_correction": Option(True, boolean),
         "max_coeff": Option(10.0, number(0.0)),
@@ -187,16 +200,16 @@ _DEEPSPEED_ONLY = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW
 
 def _entry(opt_type: str) -> _Entry:
     if not isinstance(opt_type, str):
-        raise ConfigError(f"must be a string such as \"AdamW\", got {opt_type!r}", key="optimizer.type")
+        raise ConfigError(f"must be a string such as \"AdamW\", got {describe(opt_type)}", key="optimizer.type")
     entry = _REGISTRY.get(opt_type.lower()) or _torch_entry(opt_type)
     if entry is not None:
         return entry
     if opt_type.lower() in {name.lower() for name in _DEEPSPEED_ONLY}:
-        raise ConfigError(f"optimizer type {opt_type!r} is accepted by DeepSpeed but not implemented by "
+        raise ConfigError(f"optimizer type {quote(opt_type)} is accepted by DeepSpeed but not implemented by "
                           f"dslaunch; use one of {', '.join(OPTIMIZER_TYPES)} or pass the optimizer to "
                           "initialize()", key="optimizer.type")
     hint = did_you_mean(opt_type.lower(), _REGISTRY)
-    raise ConfigError(f"unknown optimizer type {opt_type!r}{hint}; valid types (case-insensitive): "
+    raise ConfigError(f"unknown optimizer type {quote(opt_type)}{hint}; valid types (case-insensitive): "
                       f"{', '.join(OPTIMIZER_TYPES)}, any other torch.optim class by its exact name "
                       "(e.g. RMSprop), or pass a torch optimizer to initialize()", key="optimizer.type")
 
@@ -228,7 +241,9 @@ _UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<torch default>"})()
 
 
 def _json_value(path: str, value: Any) -> Any:
-    # JSON has no tuples; torch's betas and etas are tuples.
+    # JSON has no tuples; torch's betas and etas are tuples. torch owns the ranges, but checks
+    # `lr < 0` at most: a NaN or inf would train silently to NaN weights.
+    value = finite(path, value)
     return tuple(value) if isinstance(value, list) else value
 
 

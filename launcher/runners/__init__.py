@@ -14,7 +14,7 @@ __all__ = ["RUNNERS", "get_runner"]
 
 RUNNERS: dict[str, str] = {
     "local": "dslaunch.launcher.runners.local:LocalRunner",
-    "ssh": "dslaunch.launcher.runners.ssh:SSHRunner",
+    "ssh": "dslaunch.launcher.runners.ssh.runner:SSHRunner",
 }
 
 # DeepSpeed's other launcher names, answered with a clear "not supported" instead of a typo hint.

@@ -9,8 +9,9 @@ import signal
 import threading
 
 from dslaunch.errors import UsageError
-from dslaunch.launcher.agent import Agent
-from dslaunch.launcher.runners.base import NodeHandle, Runner, format_node
+from dslaunch.launcher.agent.node import Agent
+from dslaunch.launcher.monitor.gang import NodeHandle
+from dslaunch.launcher.runners.base import Runner, format_node
 from dslaunch.launcher.spec import JobSpec, NodeResult
 
 __all__ = ["LocalRunner"]

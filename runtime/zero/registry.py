@@ -1,6 +1,6 @@
 """The ZeRO stages dslaunch implements: THE one list (``STRATEGIES``), read by everything else.
 
-The config's validation and help text (``runtime/config*.py``) and the engine (``strategy_class``)
+The config's validation and help text (``runtime/config/``) and the engine (``strategy_class``)
 read it, so adding a stage is one line here plus its module. Torch-free: config parsing imports it.
 """
 

@@ -98,13 +98,17 @@ def run(plan: dict[str, dict[str, int]], out: Path) -> list[dict]:
                 if r["exit_code"] != EXPECTED[mode]:
                     print(f"[{n}/{len(queue)}] {system} {mode} stage {r['stage']}: exit {r['exit_code']}",
                           flush=True)
+                _write(records, out)  # after every run: a long run stopped early still reports
     finally:
         hog.kill()
         hog.wait()
+    return records
+
+
+def _write(records: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "exit_stress.json").write_text(json.dumps(records, indent=1) + "\n")
     (out / "exit_stress.md").write_text(_markdown(records))
-    return records
 
 
 def _markdown(records: list[dict]) -> str:

@@ -17,6 +17,34 @@ CPU = lambda: Accelerators("cpu", 2, reason="no NVIDIA driver found")  # noqa: E
 GPU4 = lambda: Accelerators("cuda", 4, (16 << 30,) * 4)  # noqa: E731
 
 
+@pytest.mark.parametrize("flags, words", [
+    ({"grace": float("inf")}, "--grace_period inf: expected seconds from 0 to 3600"),
+    ({"grace": float("nan")}, "--grace_period nan: expected seconds from 0 to 3600"),
+    ({"grace": -1.0}, "--grace_period -1: expected seconds from 0 to 3600"),
+    ({"grace": 3601.0}, "--grace_period 3601: expected seconds from 0 to 3600"),
+    ({"master_port": 0}, "--master_port 0 is not a TCP port (1-65535)"),
+    ({"ssh_port": 65536}, "--ssh_port 65536 is not a TCP port (1-65535)"),
+    ({"master_addr": "-oProxyCommand=x"}, "--master_addr '-oProxyCommand=x': expected labels"),
+    ({"master_addr": "a b"}, "--master_addr 'a b': expected labels"),
+    ({"master_addr": "m" * 1000}, "--master_addr 'mmmm"),
+])
+def test_every_number_and_the_master_address_are_checked_before_anything(tmp_path, flags, words):
+    with pytest.raises(UsageError) as info:
+        build_job(_cfg(tmp_path, "a slots=2\n", **flags), CPU)
+    assert str(info.value).startswith(words) and len(str(info.value)) < 200, str(info.value)
+
+
+def test_valid_edges_of_the_ranges(tmp_path):
+    job = build_job(_cfg(tmp_path, num_gpus=4096, grace=0.0, master_port=65535), CPU).job
+    assert job.world_size == 4096 and job.nodes[0].grace == 0.0
+    given = build_job(_cfg(tmp_path, "a slots=1\n", grace=3600.0, master_addr="fe80::1"), CPU).job
+    assert given.master_addr == "fe80::1" and given.master_given
+
+
+def test_localhost_in_capitals_is_still_this_machine(tmp_path):
+    assert build_job(_cfg(tmp_path, "LocalHost slots=2\n"), CPU).job.launcher == "local"
+
+
 def _cfg(tmp_path, hostfile: str | None = None, **kw) -> LaunchConfig:
     path = tmp_path / "hostfile"
     if hostfile is not None:
@@ -51,6 +79,7 @@ def test_local_gpus_cuda_visible_devices_follow_selected_slots(tmp_path):
 def test_env_contract_and_argv_like_deepspeed(tmp_path):
     job = build_job(_cfg(tmp_path, "a slots=2\nb slots=3\n", exclude="a:0", master_port=1234), CPU).job
     assert job.launcher == "ssh" and job.master_addr == "a" and job.world_size == 4
+    assert not job.master_given  # the plan's default: the runner may resolve it
     a, b = job.nodes
     assert a.env["CUDA_VISIBLE_DEVICES"] == "1" and b.env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
     w = b.workers[2]
@@ -102,10 +131,13 @@ def test_node_spec_json_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("flags, words", [
-    ({"num_nodes": -5}, "--num_nodes -5: expected a positive number (or -1, the default: all)"),
-    ({"num_nodes": 0}, "--num_nodes 0: expected a positive number"),
-    ({"num_gpus": 0}, "--num_gpus 0: expected a positive number"),
-    ({"num_gpus": -2}, "--num_gpus -2: expected a positive number"),
+    ({"num_nodes": -5}, "--num_nodes -5: expected 1 to 65536 hosts (or -1, the default: all)"),
+    ({"num_nodes": 0}, "--num_nodes 0: expected 1 to 65536 hosts"),
+    ({"num_nodes": 65537}, "--num_nodes 65537: expected 1 to 65536 hosts"),
+    ({"num_gpus": 0}, "--num_gpus 0: expected 1 to 4096 workers per host"),
+    ({"num_gpus": -2}, "--num_gpus -2: expected 1 to 4096 workers per host"),
+    ({"num_gpus": 100000}, "--num_gpus 100000: expected 1 to 4096 workers per host (or -1, the default: all)"),
+    ({"num_gpus": 999999999999999999}, "--num_gpus 999999999999999999: expected 1 to 4096"),
 ])
 def test_counts_are_positive_or_minus_one_for_all(tmp_path, flags, words):
     with pytest.raises(UsageError, match=re.escape(words)):

@@ -84,7 +84,7 @@ def test_bad_timeout_env_is_one_clear_error(calls: list[dict], monkeypatch: pyte
 
 @pytest.mark.timeout(30)
 def test_bad_timeout_in_a_dict_config_names_the_key(calls: list[dict]) -> None:
-    with pytest.raises(ConfigError, match="'dist_init_timeout': must be > 0"):
+    with pytest.raises(ConfigError, match=r"'dist_init_timeout': must be in \(0, 1e8\], got int -1"):
         ds_dist.init_distributed(verbose=False, config={"dist_init_timeout": -1})
     assert calls == []
 
@@ -123,3 +123,16 @@ def test_real_two_rank_group_uses_the_env_timeout() -> None:
         assert o["timeout"] == 120 and o["sum"] == 2
     assert out[0]["printed"].count("initialized gloo process group: world_size=2, timeout=120s") == 1
     assert out[1]["printed"] == ""  # rank 0 reports
+
+
+@pytest.mark.parametrize("raw", ["1e300", "inf", "nan", "0", "-5", "x" * 5000])
+def test_env_timeout_out_of_range_is_one_bounded_line(monkeypatch, raw) -> None:
+    monkeypatch.setenv("DSLAUNCH_DIST_TIMEOUT", raw)
+    with pytest.raises(UsageError, match=r"^DSLAUNCH_DIST_TIMEOUT=.* is not a number of seconds > 0 \(at most 1e\+08\)$") as err:
+        ds_dist.default_timeout()
+    assert len(str(err.value)) < 200
+
+
+def test_dict_config_timeout_beyond_the_range_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="dist_init_timeout"):
+        ds_dist.init_distributed(config={"dist_init_timeout": 1e300})

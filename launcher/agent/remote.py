@@ -1,0 +1,63 @@
+"""The agent as its own process (``python -m dslaunch.launcher.agent``, or after the bootstrap).
+
+It reads one ``NodeSpec`` JSON line from stdin, runs the node, and exits with the node's exit code
+after printing the status line (``wire``) on stderr; the failure line goes out as soon as a
+worker fails. When stdin reaches EOF (controller died, SSH connection lost) or the agent gets
+SIGTERM/SIGINT/SIGHUP, it stops all its workers and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from dslaunch.errors import LaunchError
+from dslaunch.launcher.agent.node import Agent
+from dslaunch.launcher.agent.wire import format_failure_line, format_status_line
+from dslaunch.launcher.spec import NodeResult, NodeSpec
+
+__all__ = ["main"]
+
+
+def main() -> int:
+    """Agent entry point: NodeSpec JSON line on stdin; exit code = the node's exit code."""
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        print("dslaunch agent: expected one NodeSpec JSON line on stdin, got EOF", file=sys.stderr)
+        return 2
+    node = NodeSpec.from_json(line.decode())
+    news = threading.Event()
+    agent = Agent(node, on_change=news.set, adopt_orphans=True)
+    pending: list[int] = []  # the handler only records: taking locks in a signal handler can deadlock
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: pending.append(signum))
+    try:
+        agent.start()
+    except LaunchError as err:
+        print(f"dslaunch agent: {err}", file=sys.stderr)
+        result = NodeResult(node.node_rank, node.host, 127)
+        print(format_status_line(result), file=sys.stderr, flush=True)
+        return result.exit_code
+    threading.Thread(target=_stop_on_eof, args=(agent,), daemon=True, name="stdin-eof").start()
+    stopping = announced = False
+    while (result := agent.poll()) is None:
+        news.wait(0.1)  # a timeout too: signals only reach ``pending``
+        news.clear()
+        if not announced and (failure := agent.failure) is not None:
+            announced = True  # the controller stops the other nodes now, not after our grace period
+            print(format_failure_line(failure), file=sys.stderr, flush=True)
+        if pending and not stopping:
+            stopping = True
+            agent.stop(pending[0])
+    print(format_status_line(result), file=sys.stderr, flush=True)
+    return result.exit_code
+
+
+def _stop_on_eof(agent: Agent) -> None:
+    """The controller holds our stdin open for the whole job: EOF means it is gone."""
+    while os.read(0, 4096):  # raw fd: a daemon thread must not hold the buffered stdin's lock
+        pass
+    agent.stop(signal.SIGTERM)
+

@@ -1,0 +1,76 @@
+"""The ``dslaunch`` command line: one module per command, errors printed in one place.
+
+- ``dslaunch [launcher options] user_script [args]``: the launch command (``launch``), DeepSpeed's
+  exact flags through argparse. Its path imports neither torch nor click (click alone costs
+  ~70 ms), so workers start within milliseconds of the command.
+- ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
+  (``zero_to_fp32``), imported only when named.
+
+User mistakes print one line (``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the
+traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import traceback
+
+from dslaunch.errors import DslaunchError
+from dslaunch.launcher.cli import launch
+from dslaunch.launcher.cli.launch import build_parser, parse_config
+
+__all__ = ["main", "build_parser", "parse_config", "SUBCOMMANDS"]
+
+SUBCOMMANDS: dict[str, str] = {
+    "zero-to-fp32": "dslaunch.launcher.cli.zero_to_fp32:command",
+}
+"""Subcommand name -> ``"module:click command"``, loaded only when that name is the first word."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dslaunch`` console script; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verbose = _verbose(argv)
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            return _subcommand(argv)
+        return launch.run(argv)
+    except DslaunchError as err:
+        if verbose:
+            traceback.print_exc()
+        print(f"dslaunch: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _subcommand(argv: list[str]) -> int:
+    """Run ``argv[0]``'s click command with the rest; its errors propagate to ``main``."""
+    import click
+
+    module, _, name = SUBCOMMANDS[argv[0]].partition(":")
+    command = getattr(importlib.import_module(module), name)
+    try:
+        return command.main(args=argv[1:], prog_name=f"dslaunch {argv[0]}", standalone_mode=False) or 0
+    except click.Abort:  # click's name for a KeyboardInterrupt
+        raise KeyboardInterrupt from None
+
+
+def _reader_gone() -> int:
+    """Our stdout's reader exited (``dslaunch --dry-run | head -1``): exit quietly, like a tool
+    killed by SIGPIPE (Python ignores SIGPIPE, so the write raised instead). stdout now points to
+    /dev/null, or the interpreter's final flush would fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _verbose(argv: list[str]) -> bool:
+    """--verbose anywhere (known even when parsing fails; a script's own -v only adds a traceback)."""
+    return "--verbose" in argv or "-v" in argv

@@ -1,0 +1,304 @@
+"""The launch command: DeepSpeed's launcher flags, then the job.
+
+Usage::
+
+    dslaunch [launcher options] user_script [script args]
+
+A short pipeline: parse flags -> ``LaunchConfig`` -> ``plan.build_job`` -> runner from the
+registry -> start, wait, exit with the job's code. Errors are raised for ``cli.main`` to print.
+
+The controller stays lean on purpose (argparse, no torch, no psutil, no paramiko on the local
+path): workers start within milliseconds of the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import sys
+from collections.abc import Mapping
+
+from dslaunch import __version__
+from dslaunch.errors import UsageError, WorkerFailedError, did_you_mean, quote
+from dslaunch.launcher import gpus
+from dslaunch.launcher.hostfile import ascii_int
+from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job
+from dslaunch.launcher.runners import get_runner
+from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
+
+__all__ = ["run", "build_parser", "parse_config"]
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Options whose value is passed through verbatim and may start with '-' (e.g. ssh's "-i KEY").
+_ATTACHED = ("--launcher_args",)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line) instead of printing usage and exiting."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(self._attach_values(args), namespace)
+
+    def _attach_values(self, argv: list[str]) -> list[str]:
+        """``--launcher_args X`` -> ``--launcher_args=X``, so that X may start with '-'.
+
+        argparse takes a value starting with '-' (``--launcher_args "-i KEY"``) for a flag and fails
+        with 'expected one argument'. Only dslaunch's own options are scanned, skipping each
+        option's value: the user script and its arguments are never rewritten.
+        """
+        out: list[str] = []
+        i = 0
+        while i < len(argv):
+            arg = argv[i]
+            if not arg.startswith("-") or arg == "--":
+                return out + argv[i:]  # the user script (or '--'): the rest is not ours
+            action = self._option_string_actions.get(arg)
+            takes_value = action is not None and action.nargs != 0 and i + 1 < len(argv)
+            if takes_value and arg in _ATTACHED:
+                out.append(f"{arg}={argv[i + 1]}")
+            else:
+                out.extend(argv[i:i + 2] if takes_value else [arg])
+            i += 2 if takes_value else 1
+        return out
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if "unrecognized arguments" in message or message.startswith("unrecognized"):
+            flag = message.rsplit(":", 1)[-1].split()[0]
+            message += did_you_mean(flag.split("=")[0], self._option_string_actions)
+        if len(message) > 300:  # e.g. every unknown argument, repeated: one line stays short
+            message = message[:300] + "..."
+        raise UsageError(f"{message} (see dslaunch --help)")
+
+
+def integer(text: str) -> int:
+    """argparse type for whole-number flags: ASCII digits only, as in hostfiles (``int()`` takes '1_0')."""
+    value = ascii_int(text)
+    if value is None:  # argparse: "argument --num_gpus: invalid integer value: '1_0'"
+        raise argparse.ArgumentTypeError(f"invalid integer value: {quote(text)}")
+    return value
+
+
+def real(text: str) -> float:
+    """argparse type for decimal flags; the range (finite too) is checked with the other numbers."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {quote(text)}") from None
+
+
+class _NotSupported(argparse.Action):
+    """A DeepSpeed launcher flag dslaunch does not implement yet: an error naming it, rather than
+    'unrecognized arguments', which reads like a typo."""
+
+    def __init__(self, option_strings: list[str], dest: str, **_: object) -> None:
+        # nargs='?': the flag errors out the same with or without a value.
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        raise UsageError(f"{option_string} is a DeepSpeed launcher flag dslaunch does not support yet; "
+                         "leave it out")
+
+
+# DeepSpeed launcher flags answered with "not supported yet" (see _NotSupported).
+_NOT_SUPPORTED = ("--elastic_training", "--min_elastic_nodes", "--max_elastic_nodes", "--autotuning",
+                  "--comment", "--account", "--venv_script")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="dslaunch", allow_abbrev=False,
+                description="Launch a DeepSpeed-style training script on one or many nodes.",
+                epilog="Also: dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT")
+    a = p.add_argument
+    a("-H", "--hostfile", default=None,
+      help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")
+    a("-i", "--include", default="", help="use only these hosts/slots, e.g. 'host1:0,2@host2'")
+    a("-e", "--exclude", default="", help="do not use these hosts/slots, e.g. 'host1:1@host3'")
+    a("--num_nodes", type=integer, default=-1, help="use the first N hosts of the hostfile")
+    a("--num_gpus", "--num_accelerators", dest="num_gpus", type=integer, default=-1,
+      help="workers per node (first N slots); without GPUs and hostfile: N CPU worker processes")
+    a("--master_addr", default="", help="rendezvous address (default: 127.0.0.1, or the first host)")
+    a("--master_port", type=integer, default=29500, help="rendezvous port of rank 0 (default 29500)")
+    a("--no_ssh", action="store_true",
+      help="start only this node's workers, without SSH: run the same command on every node, each with "
+           "its own --node_rank (needs --master_addr)")
+    a("--node_rank", type=integer, default=-1,
+      help="with --no_ssh: this node's index among the selected hosts, in hostfile order")
+    a("--launcher", default="", help="local or ssh (default: ssh when a host is remote, else local)")
+    a("--launcher_args", default="", help="extra arguments for the launcher transport, verbatim")
+    a("--module", action="store_true", help="run user_script as a module (python -m)")
+    a("--no_python", action="store_true", help="run user_script directly, not through python")
+    a("--no_local_rank", action="store_true", help="do not append --local_rank=N to the script arguments")
+    a("--force_multi", action="store_true", help="use the multi-node launcher even for one host")
+    a("--save_pid", action="store_true", help="write the launcher pid to /tmp/<pid>.deepspeed while running")
+    a("--enable_each_rank_log", metavar="DIR", default=None,
+      help="also write each rank's output to DIR/rank<N>.log")
+    a("--bind_cores_to_rank", action="store_true",
+      help="pin each worker to an equal share of the cores and set its OMP_NUM_THREADS")
+    a("--bind_core_list", default="", help="cores to share out under --bind_cores_to_rank, e.g. '0-3,8'")
+    a("--ssh_port", type=integer, default=None, help="SSH port of the hosts (default: ssh's)")
+    a("--no_ssh_check", action="store_true",
+      help="accepted for DeepSpeed compatibility; no effect: connecting to every host is dslaunch's "
+           "SSH check")
+    a("--ssh_accept_new_host_keys", action="store_true",
+      help="accept and remember unknown SSH host keys (default: reject unknown hosts)")
+    a("--grace_period", type=real, default=DEFAULT_GRACE,
+      help=f"seconds between SIGTERM and SIGKILL when stopping workers, 0-{MAX_GRACE:g} (default {DEFAULT_GRACE})")
+    a("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+      help="print what would run on each host (command, environment) and exit")
+    a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
+    a("--version", action="version", version=f"dslaunch {__version__}")
+    p.add_argument_group("not supported yet", f"DeepSpeed launcher flags that are an error here: "
+                         f"{', '.join(_NOT_SUPPORTED)}")
+    for flag in _NOT_SUPPORTED:
+        a(flag, action=_NotSupported)
+    a("user_script", help="the training script (or module with --module, program with --no_python)")
+    # argparse marks a REMAINDER positional required and names it in "the following arguments are
+    # required", but a script needs no arguments.
+    a("user_args", nargs=argparse.REMAINDER, help="arguments for the training script").required = False
+    return p
+
+
+def parse_config(argv: list[str],
+                 env: Mapping[str, str] | None = None) -> tuple[LaunchConfig, argparse.Namespace]:
+    """Parse the command line into a LaunchConfig (and the namespace for CLI-only flags).
+
+    ``env`` is the launching environment (default ``os.environ``): its CUDA_VISIBLE_DEVICES
+    selects the local GPUs.
+
+    Raises:
+        UsageError: bad flags.
+    """
+    ns = build_parser().parse_args(argv)
+    if ns.module and ns.no_python:
+        raise UsageError("--module and --no_python are mutually exclusive")
+    if ns.hostfile == "":  # else the default's name would be blamed: "/job/hostfile: not found"
+        raise UsageError(f"--hostfile '': empty path; give a hostfile, or leave the flag out to use "
+                         f"{DEFAULT_HOSTFILE} (localhost when it does not exist)")
+    cfg = LaunchConfig(
+        user_script=ns.user_script, user_args=tuple(ns.user_args),
+        hostfile=ns.hostfile or DEFAULT_HOSTFILE, hostfile_explicit=ns.hostfile is not None,
+        include=ns.include, exclude=ns.exclude, num_nodes=ns.num_nodes, num_gpus=ns.num_gpus,
+        master_addr=ns.master_addr, master_port=ns.master_port, launcher=ns.launcher,
+        launcher_args=ns.launcher_args, module=ns.module, no_python=ns.no_python,
+        no_local_rank=ns.no_local_rank, force_multi=ns.force_multi, save_pid=ns.save_pid,
+        each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
+        bind_core_list=_core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
+        ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
+        no_ssh=ns.no_ssh, node_rank=ns.node_rank,
+        visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
+    )
+    return cfg, ns
+
+
+_CORE_RANGE = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")  # 5 digits: no typo builds a huge list
+
+
+def _core_list(text: str) -> tuple[int, ...]:
+    """'0-3,8' -> (0, 1, 2, 3, 8)."""
+    cores: list[int] = []
+    for part in text.split(",") if text else ():
+        m = _CORE_RANGE.fullmatch(part.strip())
+        if m is None:
+            raise UsageError(f"--bind_core_list {text!r}: {part!r} is not a core or a range; "
+                             "expected cores like '0-3,8'")
+        lo, hi = int(m[1]), int(m[2] or m[1])
+        if hi < lo:
+            raise UsageError(f"--bind_core_list {text!r}: range {part!r} is empty; "
+                             f"write it low-high ('{hi}-{lo}')")
+        twice = set(cores).intersection(range(lo, hi + 1))
+        if twice:
+            raise UsageError(f"--bind_core_list {text!r}: core {min(twice)} is listed twice")
+        cores.extend(range(lo, hi + 1))
+    return tuple(cores)
+
+
+def _check_script(cfg: LaunchConfig) -> None:
+    """Local jobs: a missing script is one clear line, not N identical Python errors."""
+    if cfg.module:
+        if not _module_found(cfg.user_script):
+            raise UsageError(f"--module: no module named {cfg.user_script.partition('.')[0]!r} "
+                             f"(searched {os.getcwd()} and the import path of {sys.executable})")
+    elif cfg.no_python:
+        if not (shutil.which(cfg.user_script) or os.path.exists(cfg.user_script)):
+            raise UsageError(f"--no_python: program {cfg.user_script!r} not found")
+    elif not os.path.isfile(cfg.user_script):
+        raise UsageError(f"user script {cfg.user_script!r} not found (cwd: {os.getcwd()})")
+
+
+def _module_found(name: str) -> bool:
+    """Whether the workers' ``python -m name`` can find the top-level package of ``name``.
+
+    Only the first dotted part is looked up: finding ``pkg.sub`` would import ``pkg`` (perhaps
+    torch) into this lean process. Top-level lookups import nothing. The cwd is searched too:
+    ``python -m`` puts it first on the workers' path, but not on this console script's.
+    """
+    top = name.partition(".")[0]
+    if not top:  # '.mod': python -m refuses relative names
+        return False
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):  # a broken finder, or a loaded module without __spec__
+        return True  # cannot tell: let the workers report it
+    return found or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
+
+
+def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
+    plan = build_job(cfg, gpus.detect)
+    job = plan.job
+    runner = get_runner(job.launcher)()  # an unknown --launcher fails before any note is printed
+    if job.launcher == "local":
+        _check_script(cfg)  # also for --dry-run: it fails like a real run would
+    for note in plan.notes:
+        print(f"dslaunch: {note}", file=sys.stderr, flush=True)
+    if dry_run:
+        print(runner.dry_run(job), flush=True)  # a closed pipe raises here, inside main's handler
+        return 0
+    if job.launcher == "local" and job.nodes[0].node_rank == 0:  # node 0 (rank 0) listens; others connect
+        from dslaunch.launcher.ports import check_port_free
+
+        check_port_free(job.master_port)
+    return _run(runner, job)
+
+
+def _run(runner, job: JobSpec) -> int:
+    """Start the job with stop signals forwarded to it; turn a failure into WorkerFailedError."""
+    pending: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        pending.append(signum)
+        runner.stop(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
+    try:
+        runner.start(job)
+        if pending:  # a signal that arrived while nodes were starting
+            runner.stop(pending[0])
+        code = runner.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    result = runner.result
+    if result is not None and result.failure is not None:
+        f = result.failure
+        raise WorkerFailedError(f"{f.describe()}; stopped all other workers", rank=f.rank if f.rank is not None else -1,
+                                exit_code=f.exit_code, host=f.host, signal_name=f.signal_name)
+    if result is not None and result.stopped_by:
+        print(f"dslaunch: stopped by {result.stopped_by}; all workers stopped (exit code {code})",
+              file=sys.stderr, flush=True)
+    return code
+
+
+def run(argv: list[str]) -> int:
+    """The launch command: parse ``argv`` (no command name), start the job, return its exit code.
+
+    Raises:
+        DslaunchError: a user mistake or a failed job (``cli.main`` prints it).
+    """
+    cfg, ns = parse_config(argv)
+    return _launch(cfg, ns.dry_run)

@@ -1,0 +1,331 @@
+"""``dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT``: one consolidated fp32 state dict from a checkpoint.
+
+Owns the offline export, with DeepSpeed's ``deepspeed.utils.zero_to_fp32`` API (also importable
+as ``dslaunch.utils.zero_to_fp32``): the ZeRO shards of any world size and stage are
+concatenated into full fp32 master weights and split per parameter; buffers and parameters the
+optimizer did not hold (frozen ones) come from the saved module file. The result is a plain
+``{name: tensor}`` dict in the module's ``state_dict`` order, loadable with ``model.load_state_dict``.
+
+Output is DeepSpeed's layout: a directory holding ``pytorch_model.bin`` (``model.safetensors``
+with ``safe_serialization``), or, past ``max_shard_size``, shards
+``pytorch_model-00001-of-00003.bin`` ... plus ``pytorch_model.bin.index.json``. A path ending in
+``.bin``, ``.pt``, ``.pth`` or ``.safetensors`` that is not an existing directory is written as
+that one file instead (format from the suffix, never sharded).
+
+Resuming training never needs this step: ``engine.load_checkpoint`` reshards at load time.
+
+Limitations: ``lazy_mode`` returns ordinary tensors (they answer ``.contiguous()`` like
+DeepSpeed's lazy ones); ``exclude_frozen_parameters`` needs a checkpoint that records its frozen
+parameters, or one saved with ``exclude_frozen_parameters=True`` (a buffer and a frozen
+parameter look alike in the saved module file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dslaunch.errors import CheckpointError, DslaunchError, UsageError
+from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
+from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, fp32_params, needed_ranks
+from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore, first_loadable, write_atomic
+
+__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
+           "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main"]
+
+StateDict = OrderedDict[str, torch.Tensor]
+
+_FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
+_SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # decimal, as Hugging Face
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def _store_and_tag(checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[CheckpointStore, str | None]:
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise CheckpointError("not a directory (expected a save_dir or one of its tag directories)",
+                              str(path))
+    if (path / MANIFEST).is_file() and tag is None:  # a tag directory itself
+        return CheckpointStore(path.parent), path.name
+    return CheckpointStore(path), tag
+
+
+def _frozen(meta: dict, module: dict, source: str) -> set[str]:
+    """Names of the frozen parameters in the saved module file (to leave out of the export)."""
+    if meta.get("exclude_frozen_parameters"):
+        return set()  # saved without them
+    if "frozen_parameters" in meta:
+        return set(meta["frozen_parameters"])
+    held = [k for k, v in module.items() if torch.is_tensor(v)]
+    if held:
+        # Not a broken tag (no fallback to an older one): the request does not fit this checkpoint.
+        raise UsageError(
+            f"{source}: cannot leave out frozen parameters: this checkpoint does not record which of the "
+            f"tensors in its module file ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) are "
+            "frozen parameters and which are buffers; convert without exclude_frozen_parameters, or "
+            "save with engine.save_checkpoint(..., exclude_frozen_parameters=True)")
+    return set()
+
+
+def _consolidate(store: CheckpointStore, tag: str, exclude_frozen: bool) -> StateDict:
+    manifest = store.manifest(tag)
+    check_meta(manifest.meta, str(store.root / tag / MANIFEST))
+    pmap = manifest.meta["partition"]
+    full = [(0, int(g["numel"])) for g in pmap["groups"]]
+    shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
+    masters = fp32_params(assemble(shards, full))
+    module = store.read(tag, MODULE_FILE, manifest)["module"]
+    skip = _frozen(manifest.meta, module, str(store.root / tag)) if exclude_frozen else set()
+    out: StateDict = OrderedDict()
+    for name in manifest.meta.get("module_keys", list(module)):  # the module's state_dict order
+        if name in masters:
+            out[name] = masters.pop(name)
+        elif name not in skip and torch.is_tensor(module.get(name)):
+            value = module[name]
+            out[name] = value.float().clone() if value.is_floating_point() else value.clone()
+    out.update(masters)
+    return out
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> StateDict:
+    """The consolidated fp32 state dict of a checkpoint (any world size, ZeRO stage 0-2).
+
+    Args:
+        checkpoint_dir: the ``save_dir`` given to ``save_checkpoint``, or one tag directory.
+        tag: which tag; None: the one ``latest`` names, else the newest valid one.
+        exclude_frozen_parameters: leave out parameters saved with ``requires_grad=False``
+            (buffers stay).
+        lazy_mode: accepted for DeepSpeed compatibility; the tensors are returned loaded (their
+            ``.contiguous()`` is what DeepSpeed's lazy tensors return).
+    Returns:
+        ``{name: tensor}`` in the module's ``state_dict`` order; floating tensors in fp32.
+    Raises:
+        CheckpointError naming the directory or the missing/corrupt file; UsageError for
+        ``exclude_frozen_parameters`` on a checkpoint that does not record its frozen parameters.
+    """
+    store, tag = _store_and_tag(checkpoint_dir, tag)
+    if tag is not None:
+        return _consolidate(store, tag, exclude_frozen_parameters)
+    tags, notes = store.candidates()
+    found = first_loadable(tags, lambda t: _consolidate(store, t, exclude_frozen_parameters))
+    if found is None:
+        raise CheckpointError("no checkpoint here (" + ("; ".join(notes) or "no tags") + ")",
+                              str(store.root))
+    return found[1]
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str | os.PathLike,
+                                         tag: str | None = None) -> torch.nn.Module:
+    """Move ``model`` to the CPU and load the checkpoint's consolidated fp32 weights into it.
+
+    As DeepSpeed's: the model is no longer usable by the engine that trained it. Frozen
+    parameters the checkpoint left out keep their current values.
+
+    Returns:
+        ``model`` (on the CPU).
+    Raises:
+        CheckpointError: unreadable checkpoint, or its names do not match the model (checked
+            before anything is loaded; DeepSpeed loads what matches silently).
+    """
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    expected = set(model.state_dict())
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    missing = sorted(expected - set(state) - frozen)
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"the checkpoint does not fit the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}", str(checkpoint_dir))
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def _output_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    raise UsageError(f"dtype: expected float32, float16 or bfloat16 (a torch dtype or a name), got {dtype!r}")
+
+
+def _shard_limit(max_shard_size: Any) -> int | None:
+    """Bytes per shard from ``max_shard_size``: None, a number of bytes, or e.g. "5GB", "500MB"."""
+    if max_shard_size is None:
+        return None
+    if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool) and max_shard_size > 0:
+        return max_shard_size
+    if isinstance(max_shard_size, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*", max_shard_size, re.IGNORECASE)
+        if match and float(match[1]) > 0:
+            return int(float(match[1]) * _SIZE_UNITS[(match[2] or "").upper()])
+    raise UsageError(f"max_shard_size: expected a size such as \"5GB\" or \"500MB\", a number of bytes, "
+                     f"or None for one file; got {max_shard_size!r}")
+
+
+def _require_safetensors(where: Path) -> None:
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{where}: writing safetensors needs the safetensors package "
+                         "(pip install safetensors), or write the torch format (.bin/.pt)") from None
+
+
+def _write(state: dict[str, torch.Tensor], output: Path) -> None:
+    if output.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        # "format": "pt" is what transformers checks before loading a safetensors file.
+        write_atomic(output, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+                                               metadata={"format": "pt"}))
+    else:
+        write_atomic(output, lambda tmp: torch.save(state, tmp))
+
+
+def _split(state: StateDict, limit: int | None) -> list[list[str]]:
+    """Names per shard, in state order: a shard is closed before the tensor that would take it
+    past ``limit`` bytes (a tensor larger than ``limit`` gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if limit is not None and shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_directory(state: StateDict, out: Path, weights: str, limit: int | None) -> list[Path]:
+    """DeepSpeed's (Hugging Face's) layout: one weights file, or shards plus an index."""
+    stem, suffix = weights.split(".", 1)
+    shards = _split(state, limit)
+    names = [weights] if len(shards) == 1 else [f"{stem}-{i:05d}-of-{len(shards):05d}.{suffix}"
+                                                 for i in range(1, len(shards) + 1)]
+    for name, keys in zip(names, shards, strict=True):
+        _write({k: state[k] for k in keys}, out / name)
+    index = out / f"{weights}.index.json"
+    written = [out / n for n in names]
+    if len(shards) > 1:
+        body = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                "weight_map": {k: n for n, keys in zip(names, shards, strict=True) for k in keys}}
+        write_atomic(index, lambda tmp: tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n"))
+        written.append(index)
+    # Shards or an index left by an earlier export would make loaders mix old and new weights.
+    stale = [*out.glob(f"{stem}-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].{suffix}"), index]
+    for path in stale:
+        if path not in written and path.is_file():
+            path.unlink()
+    return written
+
+
+def _is_single_file(output: Path) -> bool:
+    """True for a path naming one weights file (``model.pt``) rather than an output directory."""
+    return not output.is_dir() and output.suffix in _FILE_SUFFIXES
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                                          dtype: Any = torch.float32, max_shard_size: int | str | None = "5GB",
+                                          safe_serialization: bool = False, tag: str | None = None,
+                                          exclude_frozen_parameters: bool = False) -> list[Path]:
+    """Write the consolidated state dict, floating tensors cast to ``dtype``, in DeepSpeed's layout.
+
+    Args:
+        output_dir: a directory (created if needed), or a path ending in .bin/.pt/.pth/.safetensors
+            to write exactly that one file (format from the suffix, never sharded).
+        dtype: float32, float16 or bfloat16, as a torch dtype or a name.
+        max_shard_size: largest shard in a directory, e.g. "5GB", "500MB", bytes, or None.
+        safe_serialization: write safetensors (``model.safetensors``) instead of ``torch.save``.
+    Returns:
+        The files written (weights, then the index when sharded).
+    Raises:
+        UsageError: bad ``dtype``/``max_shard_size``, safetensors missing or contradicting a file
+            name; CheckpointError as ``get_fp32_state_dict_from_zero_checkpoint``.
+    """
+    cast, limit, output = _output_dtype(dtype), _shard_limit(max_shard_size), Path(output_dir)
+    single = _is_single_file(output)
+    if single and safe_serialization and output.suffix != ".safetensors":
+        raise UsageError(f"{output}: safe_serialization writes safetensors; name the file *.safetensors "
+                         "or give a directory")
+    if (output.suffix == ".safetensors") if single else safe_serialization:
+        _require_safetensors(output)
+    if not single and output.exists() and not output.is_dir():
+        raise UsageError(f"{output}: exists and is not a directory; give a directory, or a file name "
+                         f"ending in {', '.join(_FILE_SUFFIXES)}")
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    state = OrderedDict((k, v.to(cast) if v.is_floating_point() else v) for k, v in state.items())
+    try:
+        if single:
+            _write(state, output)
+            return [output]
+        weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+        return _write_directory(state, output, weights, limit)
+    except OSError as err:
+        raise UsageError(f"cannot write {err.filename or output}: {err.strerror or err}") from None
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike,
+                                               output_dir: str | os.PathLike,
+                                               max_shard_size: int | str | None = "5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> list[Path]:
+    """``convert_zero_checkpoint_to_state_dict`` in fp32 (DeepSpeed's signature)."""
+    return convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
+                                                 safe_serialization, tag, exclude_frozen_parameters)
+
+
+# ---- command line -------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """``dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT [options]``; DslaunchError on bad input."""
+    parser = argparse.ArgumentParser(
+        prog="dslaunch zero-to-fp32",
+        description="Write one consolidated fp32 state dict from a dslaunch checkpoint saved at any "
+                    "world size and ZeRO stage.")
+    parser.add_argument("checkpoint_dir", help="the save_dir of save_checkpoint, or a tag directory in it")
+    parser.add_argument("output", help="a directory (pytorch_model.bin, or shards plus "
+                        "pytorch_model.bin.index.json, as DeepSpeed writes), or one file ending in .bin, "
+                        ".pt, .pth or .safetensors (e.g. model.safetensors)")
+    parser.add_argument("--max_shard_size", default=None,
+                        help="directory output: largest shard, e.g. 500MB (default 5GB)")
+    parser.add_argument("--safe_serialization", action="store_true",
+                        help="directory output: write model.safetensors (needs safetensors)")
+    parser.add_argument("-t", "--tag", default=None, help="tag to convert (default: latest)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out parameters saved with requires_grad=False")
+    args = parser.parse_args(argv)
+    if args.max_shard_size is not None and _is_single_file(Path(args.output)):
+        raise UsageError(f"--max_shard_size shards a directory output; {args.output} names one file")
+    files = convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir, args.output, max_shard_size=args.max_shard_size or "5GB",
+        safe_serialization=args.safe_serialization, tag=args.tag,
+        exclude_frozen_parameters=args.exclude_frozen_parameters)
+    size = sum(f.stat().st_size for f in files) / 1e6
+    print(f"wrote {files[0] if len(files) == 1 else f'{len(files)} files to {files[0].parent}'} "
+          f"({size:.1f} MB)")
+    return 0
+
+
+def run_as_script(argv: list[str] | None = None) -> None:
+    """``python -m`` entry: errors print as one line with the error's exit code."""
+    try:
+        sys.exit(main(argv))
+    except DslaunchError as err:
+        print(f"zero-to-fp32: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+
+
+if __name__ == "__main__":
+    run_as_script()

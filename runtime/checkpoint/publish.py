@@ -1,0 +1,414 @@
+"""One save of a tag, as its leader performs it on ``save_dir``, and what killed saves leave behind.
+
+Owns every step of a save that changes what the loader sees, and its reversal. ``LeaderSave``:
+``begin`` (clear stale leftovers, record the owner, create ``.tmp-<tag>``) -> the ranks write their
+files -> ``install`` (manifest, rename into place, ``latest``) -> ``commit`` (drop the tag's previous
+version, retention) or ``roll_back`` (remove exactly what this save created, put back what it
+replaced) -> ``describe`` says what is on disk then. Besides the tags and ``latest``::
+
+    .owner-<tag>       host, pid and start time of the process saving <tag>: written before
+                       anything else of the save and removed after everything else
+    .tmp-<tag>/        the tag being written (only ever this save's own files)
+    .old-<tag>/        the tag's previous version, kept until the save commits
+    .latest.tmp-<tag>  ``latest`` being rewritten to name <tag>
+
+None of these is ever loaded (``CheckpointStore.tags`` skips them). What a killed save leaves is
+removed by the next save's leader (``remove_stale``), and only when no live save can own it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.store import (
+    LATEST,
+    MANIFEST,
+    CheckpointStore,
+    FileRecord,
+    Manifest,
+    fsync_dir,
+    validate_tag,
+    write_atomic,
+)
+
+__all__ = ["SAVE_TIMEOUT_S", "LeaderSave", "remove_stale"]
+
+# The timeout of the checkpoint collectives (writer.GroupComm). A live save touches its
+# files more often: between two of its collectives it writes, and a collective that waits longer
+# fails the save.
+SAVE_TIMEOUT_S = 1800.0
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2); False when the platform can't."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _owner_file(store: CheckpointStore, tag: str) -> Path:
+    return store.root / f".owner-{tag}"
+
+
+def _old_dir(store: CheckpointStore, tag: str) -> Path:
+    return store.root / f".old-{tag}"
+
+
+def _latest_tmp(store: CheckpointStore, tag: str) -> Path:
+    return store.root / f".latest.tmp-{tag}"
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    """The file's content, or None when it does not exist (or cannot be read)."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _manifest_time(tag_dir: Path) -> float | None:
+    """The manifest time of a complete tag directory, else None."""
+    try:
+        return Manifest.from_json((tag_dir / MANIFEST).read_text(), tag_dir / MANIFEST).created
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        return None
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or directory tree if it exists (best effort)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` on this host started, or None when there is none."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """The process saving a tag, as recorded in ``.owner-<tag>``."""
+
+    host: str
+    pid: int
+    start: float
+
+    @classmethod
+    def me(cls) -> _Owner:
+        return cls(socket.gethostname(), os.getpid(), _process_start(os.getpid()) or 0.0)
+
+    @classmethod
+    def of(cls, store: CheckpointStore, tag: str) -> _Owner | None:
+        """The recorded owner of a save of ``tag``; None when there is no record."""
+        try:
+            body = json.loads(_owner_file(store, tag).read_text())
+            return cls(str(body["host"]), int(body["pid"]), float(body["start"]))
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+            return cls("", -1, 0.0)  # torn by a crash while being written: owner unknown
+
+    def alive(self) -> bool | None:
+        """True/False on this host (a reused pid has another start time); None elsewhere."""
+        if self.host != socket.gethostname():
+            return None
+        started = _process_start(self.pid)
+        return started is not None and abs(started - self.start) < 1.0
+
+    def to_json(self) -> str:
+        return json.dumps({"host": self.host, "pid": self.pid, "start": self.start})
+
+
+# ---- leftovers of killed saves ------------------------------------------------------------------
+_LEFTOVERS = (".tmp-", ".old-", ".latest.tmp-", ".owner-")
+
+
+def remove_stale(store: CheckpointStore) -> list[str]:
+    """Leader, before a save: remove what killed or failed saves left in ``save_dir``.
+
+    Leftovers of tag T (``.tmp-T``, ``.old-T``, ``.latest.tmp-T``, ``.owner-T``) go when
+    ``_stale``; a ``.old-T`` whose tag T is missing (a save killed between its two renames) is
+    moved back to T instead. ``.trash-*`` (a delete in progress) and ``.latest.tmp<pid>`` files of
+    older dslaunch versions always go. Nothing else is touched.
+
+    Returns:
+        The names of the entries removed or moved back.
+    """
+    groups: dict[str, list[Path]] = {}
+    done = []
+    for entry in store.root.iterdir():
+        prefix = next((p for p in _LEFTOVERS if entry.name.startswith(p)), None)
+        if prefix is not None:
+            groups.setdefault(entry.name.removeprefix(prefix), []).append(entry)
+        elif entry.name.startswith((".trash-", ".latest.tmp")):
+            _remove(entry)
+            done.append(entry.name)
+    for tag, entries in groups.items():
+        if _stale(store, tag, entries):
+            done += [e.name for e in entries]
+            _clear(store, tag)
+    return done
+
+
+def _last_touched(paths: list[Path]) -> float:
+    """The newest mtime/ctime of ``paths`` and of the entries of those that are directories."""
+    stamps = [0.0]
+    for p in paths:
+        with contextlib.suppress(OSError):
+            stamps += [p.stat().st_mtime, p.stat().st_ctime]
+            if p.is_dir():
+                stamps += [max(c.stat().st_mtime, c.stat().st_ctime) for c in p.iterdir()]
+    return max(stamps)
+
+
+def _stale(store: CheckpointStore, tag: str, entries: list[Path]) -> bool:
+    """True when no live save can own ``tag``'s leftovers.
+
+    Saves are serialized per directory within a job, but two jobs may share ``save_dir``, so a
+    leftover is stale only when its save left no owner record (the record comes first and goes
+    last), or the recorded process is dead (on this host its pid and start time tell), or, for
+    an owner on another host (or a torn record), nothing in it changed for longer than the
+    collectives' timeout, which a live save never lets pass (SAVE_TIMEOUT_S).
+    """
+    owner = _Owner.of(store, tag)
+    if owner is None:
+        return True
+    alive = owner.alive()
+    if alive is None:
+        return time.time() - _last_touched(entries) > SAVE_TIMEOUT_S
+    return not alive
+
+
+def _clear(store: CheckpointStore, tag: str) -> None:
+    """Remove ``tag``'s leftovers, moving its previous version back if the tag is missing."""
+    final, old = store.root / tag, _old_dir(store, tag)
+    if not final.exists() and _manifest_time(old) is not None:
+        with contextlib.suppress(OSError):
+            os.rename(old, final)
+    for path in (store.tmp_dir(tag), old, _latest_tmp(store, tag), _owner_file(store, tag)):
+        _remove(path)
+
+
+# ---- one save -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Before:
+    """``latest`` and the tag as the save found them (so a failure can say what changed)."""
+
+    latest: bytes | None  # the content of ``latest``; None: there was none
+    tag_created: float | None  # the tag's manifest time; None: no such tag
+
+
+class LeaderSave:
+    """The leader's side of one save of ``tag``: it remembers what it created, so that
+    ``roll_back`` removes exactly that and puts back what it replaced."""
+
+    def __init__(self, store: CheckpointStore, tag: str) -> None:
+        self.store, self.tag = store, tag
+        self.manifest: Manifest | None = None
+        self._before: _Before | None = None
+        self._started = False  # the owner record and ``.tmp-<tag>`` exist
+        self._displaced: Path | None = None  # where the tag's previous version waits
+        self._installed = False  # the tag is in place (``latest`` may name it), not committed
+        self._latest_before: bytes | None = None
+
+    @property
+    def installed(self) -> bool:
+        """The tag is in place and ``latest`` names it (when asked to), not yet committed."""
+        return self._installed
+
+    def begin(self) -> None:
+        """Clear stale leftovers (of ``tag``: whoever left them, this save is about to write
+        it), record this process as the owner and create an empty ``.tmp-<tag>``.
+
+        Raises:
+            CheckpointError: the tag is invalid, or a live process on this host saves it here.
+            OSError: ``roll_back`` removes what was created.
+        """
+        store, tag = self.store, self.tag
+        validate_tag(tag)
+        store.root.mkdir(parents=True, exist_ok=True)
+        owner = _Owner.of(store, tag)
+        if owner is not None and owner.alive():
+            raise CheckpointError(f"another save of tag {tag!r} is in progress here (process "
+                                  f"{owner.pid} on {owner.host}): save under another tag or "
+                                  "directory", str(_owner_file(store, tag)))
+        remove_stale(store)
+        _clear(store, tag)
+        self._before = _Before(_read_bytes(store.root / LATEST), _manifest_time(store.root / tag))
+        self._started = True
+        _owner_file(store, tag).write_text(_Owner.me().to_json())
+        store.tmp_dir(tag).mkdir()
+
+    def install(self, records: list[FileRecord], meta: dict, save_latest: bool = True,
+                library_version: str = "") -> Manifest:
+        """Write the manifest, move the tag into place, then point ``latest`` at it.
+
+        The tag's previous version (if any) is kept aside until ``commit``. Raises what failed,
+        after undoing the move and ``latest``; ``roll_back`` removes the rest.
+        """
+        store, tag, tmp = self.store, self.tag, self.store.tmp_dir(self.tag)
+        self.manifest = Manifest(tag=tag, created=time.time(), files={r.name: r for r in records},
+                                 meta=meta, library_version=library_version)
+        with open(tmp / MANIFEST, "w") as f:
+            f.write(self.manifest.to_json())
+            f.flush()
+            if store.durable:
+                os.fsync(f.fileno())
+        fsync_dir(tmp, store.durable)
+        self._displaced = self._move_into_place(tmp)
+        self._installed = True
+        latest = store.root / LATEST
+        self._latest_before = _read_bytes(latest)
+        try:
+            fsync_dir(store.root, store.durable)
+            if save_latest:
+                write_atomic(latest, lambda p: p.write_text(tag), store.durable, _latest_tmp(store, tag))
+        except BaseException:
+            self.roll_back()
+            raise
+        return self.manifest
+
+    def _move_into_place(self, tmp: Path) -> Path | None:
+        """Rename ``tmp`` to the tag. Returns where the tag's previous version now is (None: the
+        tag is new). On failure ``tmp`` still holds the new files and the tag the previous ones."""
+        final, old = self.store.root / self.tag, _old_dir(self.store, self.tag)
+        if not final.exists():
+            os.rename(tmp, final)
+            return None
+        _remove(old)
+        if _exchange(tmp, final):  # atomic: readers never find the tag missing
+            try:
+                os.rename(tmp, old)  # so that ``.tmp-<tag>`` only ever holds this save's files
+            except BaseException:
+                if _exchange(tmp, final):
+                    raise
+                return tmp  # cannot swap back: the new tag stays, the previous one waits in tmp
+            return old
+        os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):  # else the next save moves it back (remove_stale)
+                os.rename(old, final)
+            raise
+        return old
+
+    def commit(self, keep_last: int = 0) -> list[str]:
+        """Once every leader installed the tag: drop its previous version and the owner record,
+        then apply retention (``keep_last`` > 0: delete older tags so that this many remain,
+        never this tag nor the one ``latest`` names). Returns the deleted tags; raises OSError
+        when retention fails (the new tag and ``latest`` are complete by then)."""
+        if self._displaced is not None:
+            with contextlib.suppress(OSError):  # else the next save removes it
+                self.store.discard(self._displaced)
+        self._installed = False
+        self._end()
+        return self.store.retain(keep_last, protect={self.tag}) if keep_last > 0 else []
+
+    def roll_back(self) -> str:
+        """After a failure (here or on another rank): remove what this save created and put
+        back what it replaced, ``latest`` first. Best effort: never raises, and never removes
+        the new tag while ``latest`` names it.
+
+        Returns:
+            What ``latest`` and the tag hold now, and any leftover (``describe``).
+        """
+        if self._installed:
+            self._undo_install()
+        elif self._started:
+            shutil.rmtree(self.store.tmp_dir(self.tag), ignore_errors=True)
+        if self._started:
+            self._end()
+        return self.describe()
+
+    def _undo_install(self) -> None:
+        store, before = self.store, self._latest_before
+        final, latest = store.root / self.tag, store.root / LATEST
+        self._installed = False
+        if _read_bytes(latest) != before:
+            with contextlib.suppress(OSError):
+                if before is None:
+                    latest.unlink()
+                else:
+                    write_atomic(latest, lambda p: p.write_bytes(before), store.durable,
+                                 _latest_tmp(store, self.tag))
+            if _read_bytes(latest) != before:
+                return
+        with contextlib.suppress(OSError):
+            if self._displaced is None:
+                store.discard(final)
+            elif _exchange(self._displaced, final):
+                store.discard(self._displaced)
+            else:
+                store.discard(final)
+                os.rename(self._displaced, final)
+            fsync_dir(store.root, store.durable)
+
+    def _end(self) -> None:
+        """The save is over: remove its ``latest`` temp file, then its owner record (last: while
+        it exists, other saves leave this save's files alone)."""
+        self._started = False
+        for path in (_latest_tmp(self.store, self.tag), _owner_file(self.store, self.tag)):
+            _remove(path)
+
+    def describe(self) -> str:
+        """What ``latest`` and the tag hold now, compared with the save's start, and what the
+        save left over: the end of a failed save's message."""
+        store, tag, before = self.store, self.tag, self._before
+        latest = store.root / LATEST
+        now = _read_bytes(latest)
+        named = repr(_clip(now.decode(errors="replace").strip())) if now is not None else ""
+        if before is not None and now == before.latest:
+            parts = [f"{latest} still names {named}" if now is not None else f"there is still no {latest}"]
+        else:
+            parts = [f"{latest} names {named}" if now is not None else f"there is no {latest}"]
+        have, old = _manifest_time(store.root / tag), _old_dir(store, tag)
+        if have is not None and self.manifest is not None and have == self.manifest.created:
+            parts.append(f"tag {tag!r} is complete (the new version)")
+        elif have is not None and before is not None and have == before.tag_created:
+            parts.append(f"tag {tag!r} is unchanged")
+        elif have is not None:
+            parts.append(f"tag {tag!r} exists")
+        elif (store.root / tag).exists():
+            parts.append(f"{store.root / tag} is not a complete checkpoint")
+        elif _manifest_time(old) is not None:
+            parts.append(f"tag {tag!r} is missing: its previous version is in {old} (the next save "
+                         "moves it back)")
+        else:
+            parts.append(f"no tag {tag!r} was published")
+        for left in (store.tmp_dir(tag), _latest_tmp(store, tag)) + ((old,) if have else ()):
+            if left.exists():
+                parts.append(f"{left} is left over (it is never loaded; the next save removes it)")
+        return ", ".join(parts)
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

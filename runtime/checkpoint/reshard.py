@@ -1,0 +1,191 @@
+"""Resharding ZeRO state between world sizes and stages, and fp32 export.
+
+Owns the pure functions on the strategy state format of the contract (see
+``dslaunch.runtime.zero.strategy.ZeroStrategy.state_dict``): which saved shards a rank needs for its
+new range (``needed_ranks``), cutting and concatenating shards into any [start, end) of each
+group (``assemble``; [0, numel) is the consolidated state), and the per-parameter fp32 tensors
+of consolidated groups (``fp32_params``). Nothing here touches files or ranks; the partition map
+of a checkpoint (``partition_map``) is what the manifest records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from dslaunch.errors import CheckpointError
+
+__all__ = ["partition_map", "check_meta", "needed_ranks", "assemble", "consolidate", "fp32_params",
+           "check_compatible"]
+
+Range = tuple[int, int]
+
+
+def partition_map(shards: list[dict]) -> dict[str, Any]:
+    """What the manifest records about ZeRO state: stage, world size, each group's layout and
+    the [start, end) each saved rank holds (``shards``: the state dicts of the saving ranks)."""
+    first = shards[0]
+    groups = []
+    for gi, g in enumerate(first["groups"]):
+        groups.append({"names": list(g["names"]), "shapes": [list(s) for s in g["shapes"]],
+                       "numel": int(g["numel"]),
+                       "ranges": {str(sd["rank"]): [int(sd["groups"][gi]["start"]),
+                                                    int(sd["groups"][gi]["end"])] for sd in shards}})
+    return {"stage": int(first["stage"]), "world_size": int(first["world_size"]), "groups": groups}
+
+
+def check_meta(meta: dict[str, Any], source: str) -> None:
+    """Raise CheckpointError unless a manifest's ``meta`` is an engine checkpoint's, as this
+    version writes it (a tag written by another tool has a valid manifest but not this)."""
+    problem = _meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"not an engine checkpoint this dslaunch version reads: {problem}", source)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _group_ok(g: Any) -> bool:
+    if not (isinstance(g, dict) and isinstance(g.get("names"), list) and isinstance(g.get("shapes"), list)
+            and len(g["names"]) == len(g["shapes"]) and _count(g.get("numel"))
+            and isinstance(g.get("ranges"), dict) and g["ranges"]):
+        return False
+    shapes_ok = all(isinstance(s, list) and all(_count(d) for d in s) for s in g["shapes"])
+    ranges_ok = all(str(r).isdigit() and isinstance(v, list) and len(v) == 2 and all(_count(x) for x in v)
+                    and v[0] <= v[1] <= g["numel"] for r, v in g["ranges"].items())
+    return shapes_ok and ranges_ok
+
+
+def _meta_problem(meta: dict[str, Any]) -> str | None:
+    for key in ("world_size", "zero_stage"):
+        if key not in meta:
+            return f"meta {key!r} is missing"
+        if not _count(meta[key]):
+            return f"meta {key!r} is {str(meta[key])[:40]!r}, expected a whole number"
+    pmap = meta.get("partition")
+    if not (isinstance(pmap, dict) and _count(pmap.get("stage")) and isinstance(pmap.get("groups"), list)):
+        return "meta 'partition' is missing or malformed"
+    bad = next((gi for gi, g in enumerate(pmap["groups"]) if not _group_ok(g)), None)
+    if bad is not None:
+        return f"meta 'partition' group {bad} is malformed"
+    for key in ("module_keys", "frozen_parameters"):
+        if key in meta and not (isinstance(meta[key], list) and all(isinstance(k, str) for k in meta[key])):
+            return f"meta {key!r} is not a list of names"
+    return None
+
+
+def needed_ranks(pmap: dict[str, Any], targets: list[Range]) -> list[int]:
+    """Saved ranks whose shards intersect the target range of any group (sorted)."""
+    need: set[int] = set()
+    for g, (a, b) in zip(pmap["groups"], targets, strict=True):
+        for rank, (s, e) in g["ranges"].items():
+            if s < b and a < e:
+                need.add(int(rank))
+    if not need:  # every target is empty: one shard still supplies the scalars and hparams
+        need.add(min(int(r) for r in pmap["groups"][0]["ranges"]))
+    return sorted(need)
+
+
+def _cut(pieces: list[tuple[int, int, torch.Tensor]], a: int, b: int, what: str) -> torch.Tensor:
+    """Concatenate the parts of ``pieces`` ((start, end, tensor) of a flat vector) within [a, b)."""
+    out, pos = [], a
+    for s, e, t in sorted(pieces, key=lambda p: p[0]):
+        if e <= pos or s >= b:
+            continue
+        if s > pos:
+            raise CheckpointError(f"the saved shards of {what} do not cover elements [{pos}, {s})")
+        hi = min(e, b)
+        out.append(t[pos - s:hi - s])
+        pos = hi
+        if pos >= b:
+            break
+    if pos < b:
+        raise CheckpointError(f"the saved shards of {what} do not cover elements [{pos}, {b})")
+    if len(out) == 1:
+        return out[0]
+    return torch.cat(out) if out else torch.empty(0, dtype=pieces[0][2].dtype if pieces else torch.float32)
+
+
+def assemble(shards: list[dict], targets: list[Range]) -> dict:
+    """Build one state dict whose group ``i`` holds exactly ``targets[i]`` = [start, end).
+
+    Args:
+        shards: saved strategy state dicts (any subset that covers the targets).
+        targets: per group, the range wanted ([0, numel) to consolidate).
+    Returns:
+        A state dict in the contract's format that ``strategy.load_state_dict`` accepts.
+    Raises:
+        CheckpointError: the shards disagree on the layout or do not cover a target.
+    """
+    first = shards[0]
+    groups = []
+    for gi, (a, b) in enumerate(targets):
+        parts = [sd["groups"][gi] for sd in shards]
+        base = parts[0]
+        live = [p for p in parts if p["end"] > p["start"]] or [base]
+        what = f"param group {gi}"
+        master = _cut([(p["start"], p["end"], p["master"]) for p in parts], a, b, what)
+        keys = sorted({k for p in live for k in p["optim_state"]})
+        optim_state = {k: _cut([(p["start"], p["end"], p["optim_state"][k]) for p in live
+                                if k in p["optim_state"]], a, b, f"{what} optimizer state {k!r}")
+                       for k in keys}
+        groups.append({"names": list(base["names"]), "shapes": [tuple(s) for s in base["shapes"]],
+                       "numel": int(base["numel"]), "start": a, "end": b, "master": master,
+                       "optim_state": optim_state, "optim_scalars": dict(live[0]["optim_scalars"]),
+                       "hparams": dict(base["hparams"])})
+    return {"stage": first["stage"], "world_size": first["world_size"], "rank": first["rank"],
+            "groups": groups}
+
+
+def consolidate(shards: list[dict]) -> dict:
+    """All shards of a checkpoint -> one state dict whose groups span [0, numel)."""
+    return assemble(shards, [(0, int(g["numel"])) for g in shards[0]["groups"]])
+
+
+def fp32_params(consolidated: dict) -> OrderedDict[str, torch.Tensor]:
+    """Per-parameter fp32 master weights (name -> tensor of the parameter's shape)."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for g in consolidated["groups"]:
+        if g["start"] != 0 or g["end"] != g["numel"]:
+            raise ValueError("fp32_params needs consolidated groups (start=0, end=numel)")
+        offset = 0
+        for name, shape in zip(g["names"], g["shapes"], strict=True):
+            n = math.prod(shape)
+            out[name] = g["master"][offset:offset + n].view(tuple(shape)).clone()
+            offset += n
+    return out
+
+
+def check_compatible(pmap: dict[str, Any], current: dict, source: str) -> None:
+    """Raise CheckpointError unless the saved groups hold the same params as the live strategy.
+
+    Args:
+        pmap: the checkpoint's partition map; ``current``: the live ``strategy.state_dict()``.
+        source: the manifest path, named in the message.
+    """
+    saved, live = pmap["groups"], current["groups"]
+    if len(saved) != len(live):
+        raise CheckpointError(f"the checkpoint has {len(saved)} optimizer param groups, this "
+                              f"engine has {len(live)}", source)
+    for gi, (s, g) in enumerate(zip(saved, live, strict=True)):
+        if list(s["names"]) != list(g["names"]) or [tuple(x) for x in s["shapes"]] != \
+                [tuple(x) for x in g["shapes"]]:
+            diff = _first_difference(s, g)
+            raise CheckpointError(f"param group {gi} differs from the model: {diff}", source)
+
+
+def _first_difference(saved: dict, live: dict) -> str:
+    sn, ln = list(saved["names"]), list(live["names"])
+    for i, (a, b) in enumerate(zip(sn, ln, strict=False)):
+        if a != b:
+            return f"parameter #{i} is {a!r} in the checkpoint, {b!r} in the model"
+        if tuple(saved["shapes"][i]) != tuple(live["shapes"][i]):
+            return f"{a!r} has shape {tuple(saved['shapes'][i])} in the checkpoint, " \
+                   f"{tuple(live['shapes'][i])} in the model"
+    extra = sn[len(ln):] or ln[len(sn):]
+    where = "checkpoint" if len(sn) > len(ln) else "model"
+    return f"only the {where} has {extra[:3]}"

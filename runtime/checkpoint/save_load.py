@@ -1,0 +1,380 @@
+"""``engine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``: what goes into a tag.
+
+Owns the contents of a checkpoint and the load plan; the engine's methods delegate here. The
+engine, the ZeRO strategy, the loss scaler, the scheduler and the data loader save themselves
+(``state_dict``); this module only names the files, adds RNG states and client state, and hands
+the result to the storage layer (``store`` via ``writer``; per-engine
+machinery in ``checkpointer``). A tag holds::
+
+    module.dsl            module.state_dict() (model dtype) minus the params the optimizer holds,
+                          from global rank 0 (those params are stored once: as fp32 masters)
+    zero_rank_NNNNN.dsl   strategy.state_dict() of rank N (stage 0: rank 0 only; all ranks have it)
+    rank_NNNNN.dsl        engine.engine_state_dict(), RNG states (python, numpy, torch), client_state
+    manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32C checksums, version
+
+Loading at the saving layout reads each rank's own files; at another world size or stage each
+rank reads the saved shards its new range overlaps and ``reshard.assemble`` cuts them
+to that range. The model-dtype weights of trained params are restored as the cast of their fp32
+masters (``strategy.load_state_dict`` does it), which is exactly what they were when saved.
+With ``checkpoint.use_node_local_storage`` each node's first rank also writes the module file
+and every rank its ZeRO shard, so a node never needs another node's disk (loading
+then requires the saving layout).
+
+Limitations: async saves run collectives on a private gloo group from a background thread: call
+``wait_for_checkpoint(engine)`` (or any save/load) before ``destroy_process_group``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dslaunch
+from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.checkpointer import (
+    MODULE_FILE,
+    Checkpointer,
+    checkpointer,
+    rank_file,
+    rng_state,
+    set_rng_state,
+    zero_file,
+)
+from dslaunch.runtime.checkpoint.reshard import (
+    assemble,
+    check_compatible,
+    check_meta,
+    fp32_params,
+    needed_ranks,
+    partition_map,
+)
+from dslaunch.runtime.checkpoint.store import (
+    MANIFEST,
+    CheckpointStore,
+    Manifest,
+    first_loadable,
+    validate_tag,
+    write_atomic,
+)
+from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
+
+__all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
+
+log = logging.getLogger("dslaunch.checkpoint")
+
+
+def wait_for_checkpoint(engine: Any) -> None:
+    """Block until a pending async save is durable; raise its error if it failed.
+
+    collective: call on all ranks (before destroying the process group).
+    """
+    ck = getattr(engine, "_dslaunch_checkpointer", None)
+    if ck is not None:
+        ck.writer.wait()
+
+
+# ---- save ---------------------------------------------------------------------------------------
+def _agreed_tag(ck: Checkpointer, tag: str, policy: str) -> str:
+    if policy == "Ignore":
+        return tag
+    tags = ck.comm.all_gather_object(tag)
+    if len(set(tags)) == 1:
+        return tag
+    msg = f"checkpoint tags differ across ranks: {dict(enumerate(tags))}"
+    if policy == "Fail":
+        raise CheckpointError(msg + " (checkpoint.tag_validation is Fail)")
+    if ck.comm.rank == 0:
+        log.warning("%s; every rank saves under rank 0's tag %r", msg, tags[0])
+    return tags[0]
+
+
+def _module_state(engine: Any, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    sd = engine.module.state_dict()
+    if exclude_frozen:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        sd = type(sd)((k, v) for k, v in sd.items() if k not in frozen)
+    return sd
+
+
+def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
+                    client_state: dict | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> bool:
+    """Save module weights, ZeRO state, engine state, RNG and ``client_state`` under ``tag``.
+
+    Args:
+        tag: directory name inside ``save_dir``; default ``global_step{engine.global_steps}``.
+        save_latest: make ``save_dir/latest`` name this tag once it is complete.
+    Returns:
+        True (as DeepSpeed). With ``checkpoint.async_save`` the files are written in the
+        background; the next save/load (or ``wait_for_checkpoint``) reports a failure.
+    Raises:
+        CheckpointError: tags differ with tag_validation Fail, invalid tag, a rank failed to
+            write or the tag could not be published: what the save created is removed and
+            ``latest`` still names the previous tag (the message says what is on disk).
+
+    collective: call on all ranks.
+    """
+    ck = checkpointer(engine)
+    ck.writer.wait()
+    cfg = engine.config.checkpoint
+    tag = validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    tag = _agreed_tag(ck, tag, cfg.tag_validation)
+    rank, zero = ck.comm.rank, engine.zero
+    module_writer = rank == 0 or (cfg.use_node_local_storage and ck.node_leader)
+    zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage
+    files: dict[str, Any] = {}
+    module_sd = _module_state(engine, exclude_frozen_parameters)
+    zero_sd = zero.state_dict()
+    in_groups = {n for g in zero_sd["groups"] for n in g["names"]}
+    if module_writer:  # trained params live once, as fp32 masters in the ZeRO shards
+        files[MODULE_FILE] = {"module": type(module_sd)((k, v) for k, v in module_sd.items()
+                                                         if k not in in_groups)}
+    if zero_writer:
+        files[zero_file(rank)] = zero_sd
+    files[rank_file(rank)] = {"engine": engine.engine_state_dict(), "rng": rng_state(),
+                               "client_state": client_state if client_state is not None else {}}
+    layouts = ck.comm.all_gather_object(
+        _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
+                                                   and rank != 0) else None)
+    meta = {"world_size": ck.comm.world_size, "zero_stage": zero.stage,
+            "global_steps": engine.global_steps, "torch_version": torch.__version__,
+            "node_local_storage": cfg.use_node_local_storage,
+            "exclude_frozen_parameters": exclude_frozen_parameters,
+            # lets zero-to-fp32 tell frozen params from buffers (exclude_frozen_parameters there)
+            "frozen_parameters": [n for n, p in engine.module.named_parameters() if not p.requires_grad],
+            "partition": partition_map([x for x in layouts if x is not None]),
+            "module_keys": list(module_sd),
+            "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+                           "in": "zero" if k in in_groups else "module"}
+                       for k, v in module_sd.items() if torch.is_tensor(v)}}
+    job = TagWrite(CheckpointStore(save_dir, durable=cfg.fsync), tag, files, meta,
+                   leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
+                   save_latest=save_latest, keep_last=cfg.keep_last or 0,
+                   library_version=dslaunch.__version__)
+    if cfg.async_save:
+        _save_async(ck, engine, job, zero_file(rank))
+    else:
+        write_tag(ck.comm, job)
+    return True
+
+
+def _save_async(ck: Checkpointer, engine: Any, job: TagWrite, big: str) -> None:
+    """Copy the small state now and the ZeRO shard on the writer thread, then write.
+
+    Only the optimizer step changes the ZeRO state (master weights, moments), so the shard is
+    copied while the next forward/backward runs and the next ``optimizer.step()`` waits for the
+    copy to finish: the training loop only stalls if the copy outlasts forward + backward.
+    """
+    files = dict(job.files)
+    live = files.pop(big, None)
+    files = ck.small_snapshot.take(files)
+    ck.gate(engine.optimizer)
+    ck.snapshot_done.clear()
+
+    def run() -> None:
+        try:
+            if live is not None:
+                files[big] = ck.snapshot.take(live)
+        finally:
+            ck.snapshot_done.set()
+        write_tag(ck.comm, dataclasses.replace(job, files=files))
+
+    ck.writer.submit(run)
+
+
+def _layout(zero_sd: dict) -> dict:
+    """A shard's state dict without its tensors (enough for the partition map)."""
+    return {"stage": zero_sd["stage"], "world_size": zero_sd["world_size"], "rank": zero_sd["rank"],
+            "groups": [{k: g[k] for k in ("names", "shapes", "numel", "start", "end")}
+                       for g in zero_sd["groups"]]}
+
+
+# ---- load ---------------------------------------------------------------------------------------
+def _targets(current: dict) -> list[tuple[int, int]]:
+    return [(int(g["start"]), int(g["end"])) for g in current["groups"]]
+
+
+def _zero_sources(manifest: Manifest, current: dict, rank: int) -> list[int]:
+    """Saved ranks whose ZeRO shards this rank must read."""
+    meta = manifest.meta
+    pmap = meta["partition"]
+    same_layout = meta["world_size"] == current["world_size"] and pmap["stage"] == current["stage"]
+    if same_layout and zero_file(rank) in manifest.files:
+        return [rank]  # the fast path: this rank's own shard, nothing to cut
+    return needed_ranks(pmap, _targets(current))
+
+
+def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> dict:
+    """Read and verify every file this rank needs from ``tag`` (raises CheckpointError).
+
+    A checkpoint of a different model is not an error here (that would make the loader fall
+    back to an older tag): it is reported as ``incompatible`` and the ZeRO shards are skipped.
+    """
+    manifest = store.manifest(tag)
+    check_meta(manifest.meta, str(store.root / tag / MANIFEST))
+    src = rank if rank < manifest.meta["world_size"] else 0
+    out: dict[str, Any] = {"manifest": manifest,
+                           "module": store.read(tag, MODULE_FILE, manifest)["module"],
+                           "rank": store.read(tag, rank_file(src), manifest), "rank_src": src,
+                           "incompatible": None}
+    pmap = manifest.meta["partition"]
+    try:
+        check_compatible(pmap, current, str(store.root / tag))
+    except CheckpointError as exc:  # keep what can be matched by name: the fp32 weights
+        out["incompatible"] = exc
+        full = [(0, int(g["numel"])) for g in pmap["groups"]]
+        shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
+        out["fp32"] = fp32_params(assemble(shards, full))
+        return out
+    shards = [store.read(tag, zero_file(r), manifest) for r in _zero_sources(manifest, current, rank)]
+    out["zero"] = assemble(shards, _targets(current))
+    return out
+
+
+def _collective_read(ck: Checkpointer, store: CheckpointStore, tag: str, current: dict) -> dict:
+    """Every rank reads its part; if any rank fails, all raise the same error."""
+    got, err = None, None
+    try:
+        got = _read_plan(store, tag, ck.comm.rank, current)
+    except CheckpointError as exc:
+        err = str(exc)
+    errors = [f"rank {r}: {e}" if ck.comm.world_size > 1 else e
+              for r, e in enumerate(ck.comm.all_gather_object(err)) if e]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    return got
+
+
+def _candidates(ck: Checkpointer, store: CheckpointStore, tag: Any) -> tuple[list[str], list[str]]:
+    if tag is not None:
+        return [str(tag)], []
+    # rank 0 decides the order, so every rank tries the same tags (node-local disks may differ).
+    return ck.comm.all_gather_object(store.candidates() if ck.comm.rank == 0 else None)[0]
+
+
+def _master_from_module(engine: Any, current: dict) -> list[torch.Tensor]:
+    params = dict(engine.module.named_parameters())
+    out = []
+    for g in current["groups"]:
+        flat = torch.cat([params[n].detach().float().reshape(-1) for n in g["names"]])
+        out.append(flat[g["start"]:g["end"]])
+    return out
+
+
+def _with_masters(current: dict, masters: list[torch.Tensor]) -> dict:
+    """The live strategy state with only the fp32 master weights replaced."""
+    return {**current, "groups": [{**g, "master": m} for g, m in zip(current["groups"], masters,
+                                                                      strict=True)]}
+
+
+def _load_module(engine: Any, sd: dict, strict: bool, meta: dict, held: set[str], source: str) -> None:
+    """Load buffers and untrained params; ``held`` names the params restored from fp32 masters."""
+    missing, unexpected = engine.module.load_state_dict(sd, strict=False)
+    excused = set(held)
+    if meta.get("exclude_frozen_parameters"):
+        excused |= {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    missing = [k for k in missing if k not in excused]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"module weights do not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]} (load_module_strict=False to load "
+                              "what matches)", source)
+
+
+def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
+                    load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                    ) -> tuple[str | None, dict | None]:
+    """Load a checkpoint saved at any world size and ZeRO stage into ``engine``.
+
+    Args:
+        tag: the tag to load; None: the one ``latest`` names, or else the newest valid tag
+            (a warning says which and why).
+        load_module_only: module weights (and the fp32 masters) only; no optimizer, engine
+            counters, scheduler or RNG.
+    Returns:
+        ``(tag directory, client_state)``, or ``(None, None)`` with a warning when ``load_dir``
+        holds no checkpoint.
+    Raises:
+        CheckpointError: the named tag (or, with tag=None, every tag) is missing, truncated or
+            corrupt (the message names the file), or does not fit the model.
+
+    collective: call on all ranks.
+    """
+    ck = checkpointer(engine)
+    ck.writer.wait()
+    store = CheckpointStore(load_dir)
+    tags, notes = _candidates(ck, store, tag)
+    if not tags:
+        if ck.comm.rank == 0:
+            log.warning("no checkpoint to load in %s (%s); starting from scratch", load_dir,
+                        "; ".join(notes) or "no tags")
+        return None, None
+    current = engine.zero.state_dict()
+    found = first_loadable(tags, lambda t: _collective_read(ck, store, t, current))
+    assert found is not None
+    tag, got, skipped = found
+    manifest: Manifest = got["manifest"]
+    source = str(store.root / tag)
+    if (notes or skipped) and ck.comm.rank == 0:
+        log.warning("checkpoint: %s; loaded tag %r, the newest valid one", "; ".join(notes + skipped), tag)
+    meta = manifest.meta
+    if got["incompatible"] is None:
+        held = {n for g in current["groups"] for n in g["names"]}
+        _load_module(engine, got["module"], load_module_strict, meta, held, source)
+        saved_masters = [g["master"] for g in got["zero"]["groups"]]
+    else:
+        if load_module_strict:
+            raise got["incompatible"]
+        params = dict(engine.module.named_parameters())
+        weights = {k: v.to(params[k].dtype) for k, v in got["fp32"].items() if k in params}
+        _load_module(engine, {**got["module"], **weights}, False, meta, set(), source)
+        log.warning("checkpoint %s: optimizer state does not fit this model; loaded module "
+                    "weights only (load_module_strict=False)", source)
+        load_module_only, saved_masters = True, _master_from_module(engine, current)
+    if load_module_only or not load_optimizer_states:
+        engine.zero.load_state_dict(_with_masters(current, saved_masters))
+    else:
+        engine.zero.load_state_dict(got["zero"])
+    state = got["rank"]
+    if not load_module_only:
+        engine_sd = dict(state["engine"])
+        if not load_lr_scheduler_states:
+            engine_sd["lr_scheduler"] = None
+        if not load_optimizer_states:
+            engine_sd["loss_scaler"] = engine.loss_scaler.state_dict()
+        engine.load_engine_state_dict(engine_sd)
+        if got["rank_src"] == ck.comm.rank:
+            set_rng_state(state["rng"])
+    if ck.comm.rank == 0:
+        log.info("loaded checkpoint %s (saved at world size %d, ZeRO stage %d; now %d, stage %d)",
+                 source, meta["world_size"], meta["zero_stage"], ck.comm.world_size, engine.zero.stage)
+    return source, state["client_state"]
+
+
+# ---- 16-bit export ------------------------------------------------------------------------------
+def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """Rank 0 writes the module's state dict (model dtype) with ``torch.save``, atomically.
+
+    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
+
+    collective: call on all ranks.
+    """
+    ck = checkpointer(engine)
+    ck.writer.wait()
+    err = None
+    if ck.comm.rank == 0:
+        path = Path(save_dir) / save_filename
+        try:
+            write_atomic(path, lambda tmp: torch.save(_module_state(engine, exclude_frozen_parameters), tmp))
+        except OSError as exc:
+            err = f"cannot write {path}: {exc}"
+    errors = [e for e in ck.comm.all_gather_object(err) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    return True

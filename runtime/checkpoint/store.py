@@ -1,0 +1,314 @@
+"""The checkpoint directory: manifests, atomic publication, ``latest``, verification, retention.
+
+Owns the layout of ``save_dir`` and every rule that makes it crash-consistent::
+
+    save_dir/latest               the newest published tag (plain text, like DeepSpeed)
+    save_dir/<tag>/manifest.json  what the tag holds (+ a CRC of the manifest itself)
+    save_dir/<tag>/<files>        written by ``format.write_object``
+    save_dir/.tmp-<tag>/          a tag being written; never read by the loader
+    save_dir/.owner-<tag> ...     a save's other files (``publish``); never read
+
+A tag is written into ``.tmp-<tag>``, every file fsynced, then the manifest (listing each file's
+size and checksum) is written and fsynced, the directory is fsynced and renamed into place (an atomic
+exchange when the tag already exists), the parent is fsynced, and only then ``latest`` is replaced
+(temp file + ``os.replace`` + fsync). A process killed at any instant therefore leaves every
+published tag intact and ``latest`` naming a complete one. The manifest doubles as the commit
+record: a directory without a valid manifest is not a checkpoint.
+
+The leader's steps (publication, rolling back a failed save, removing what killed saves left)
+are ``publish``'s; this module reads, verifies and retains.
+
+This module knows nothing about engines or ranks beyond file records; ``save_load.py`` decides
+what goes into the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
+
+__all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
+           "write_atomic", "fsync_dir", "first_loadable"]
+
+T = TypeVar("T")
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_FORMAT = "dslaunch-checkpoint"
+_FORMAT_VERSION = 2  # 2: a file's checksum may be "crc32c" (1: zlib "crc32" only)
+_READABLE_VERSIONS = (1, 2)
+_RESERVED = (".tmp-", ".trash-", ".old-", ".owner-", ".latest.tmp")
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a tag: who wrote it, its size and checksum (``algorithm``: crc32c or crc32)."""
+
+    name: str
+    rank: int
+    size: int
+    checksum: int
+    algorithm: str = "crc32"
+
+    @property
+    def digest(self) -> FileDigest:
+        return FileDigest(self.size, self.checksum, self.algorithm)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "size": self.size, self.algorithm: self.checksum}
+
+    @classmethod
+    def from_json(cls, name: str, entry: dict) -> FileRecord:
+        algorithm = "crc32c" if "crc32c" in entry else "crc32"
+        return cls(name, int(entry["rank"]), int(entry["size"]), int(entry[algorithm]), algorithm)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a tag holds. ``meta`` is the caller's (world size, ZeRO stage, partition map...)."""
+
+    tag: str
+    created: float
+    files: dict[str, FileRecord]
+    meta: dict[str, Any] = field(default_factory=dict)
+    library_version: str = ""
+
+    def to_json(self) -> str:
+        body = {"format": _FORMAT, "format_version": _FORMAT_VERSION, "tag": self.tag,
+                "created": self.created, "library_version": self.library_version,
+                "files": {n: r.to_json() for n, r in sorted(self.files.items())},
+                "meta": self.meta}
+        text = json.dumps(body, sort_keys=True)
+        return json.dumps({"body": body, "crc32": zlib.crc32(text.encode())}, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, path: Path) -> Manifest:
+        try:
+            outer = json.loads(text)
+            body = outer["body"]
+            if zlib.crc32(json.dumps(body, sort_keys=True).encode()) != outer["crc32"]:
+                raise CheckpointError("manifest checksum mismatch: the manifest is corrupt", str(path))
+            if body.get("format") != _FORMAT or body.get("format_version") not in _READABLE_VERSIONS:
+                raise CheckpointError(f"unsupported manifest format {body.get('format')!r} version "
+                                      f"{body.get('format_version')!r}", str(path))
+            files = {n: FileRecord.from_json(n, r) for n, r in body["files"].items()}
+            return cls(tag=str(body["tag"]), created=float(body["created"]), files=files,
+                       meta=dict(body["meta"]), library_version=str(body["library_version"]))
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"manifest is unreadable ({type(exc).__name__}: {exc})", str(path)) from exc
+
+
+def fsync_dir(path: Path, durable: bool = True) -> None:
+    if not durable:
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[Path], Any], durable: bool = True,
+                 tmp: Path | None = None) -> None:
+    """``write(tmp)`` beside ``path``, fsync it, rename it over ``path``, fsync the directory:
+    a crash leaves the old file or the new one, never half of one (``durable=False``: no fsync).
+    A failure before the rename removes ``tmp`` (default ``.<name>.tmp<pid>``) and leaves ``path``
+    as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp or path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent, durable)
+
+
+def validate_tag(tag: str) -> str:
+    """A tag must be one plain directory name; raises CheckpointError otherwise."""
+    if (not tag or "/" in tag or "\\" in tag or tag in (".", "..", LATEST)
+            or tag.startswith(_RESERVED) or tag != tag.strip()):
+        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use one directory name without '/', "
+                              f"not '{LATEST}' and not starting with {', '.join(_RESERVED)}")
+    return tag
+
+
+class CheckpointStore:
+    """One ``save_dir``: write tags atomically, find and verify them, apply retention.
+
+    Writing is split so several ranks can share it: every rank calls ``write`` for its own files
+    into ``tmp_dir``, which the leader's ``publish.LeaderSave`` creates and publishes.
+    """
+
+    def __init__(self, root: str | os.PathLike, durable: bool = True):
+        """``durable=False`` skips every fsync (``checkpoint.fsync: false``): the order of the
+        steps, and so the safety against a killed process, stays; a power loss may tear the
+        newest tag, which loading then detects by its checksums."""
+        self.root = Path(root)
+        self.durable = durable
+
+    # ---- writing -------------------------------------------------------------------------
+    def tmp_dir(self, tag: str) -> Path:
+        return self.root / f".tmp-{tag}"
+
+    def write(self, tag: str, name: str, obj: Any, rank: int = 0) -> FileRecord:
+        """Any rank: write one file of ``tag`` (fsynced) and return its record."""
+        digest = write_object(self.tmp_dir(tag) / name, obj, self.durable)
+        return FileRecord(name, rank, digest.size, digest.checksum, digest.algorithm)
+
+    def discard(self, path: Path) -> None:
+        """Delete a directory of ``save_dir``, renamed to ``.trash-*`` first so a crash mid-delete
+        never leaves a half-deleted directory under a name the loader reads."""
+        trash = self.root / f".trash-{uuid.uuid4().hex[:12]}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ---- reading -------------------------------------------------------------------------
+    def read_latest(self) -> tuple[str | None, str]:
+        """The tag ``latest`` names and "" , or (None, why not)."""
+        path = self.root / LATEST
+        if not path.is_file():
+            return None, f"{path} does not exist"
+        try:
+            tag = path.read_text().strip()
+            validate_tag(tag)
+        except (UnicodeDecodeError, CheckpointError, OSError):
+            return None, f"{path} is corrupt (does not hold a valid tag name)"
+        return tag, ""
+
+    def manifest(self, tag: str) -> Manifest:
+        """The manifest of ``tag``; raises CheckpointError naming what is missing or corrupt."""
+        tag_dir = self.root / tag
+        path = tag_dir / MANIFEST
+        if not tag_dir.is_dir():
+            raise CheckpointError(f"no checkpoint tag {tag!r} here{self._known_tags_hint()}", str(tag_dir))
+        if not path.is_file():
+            raise CheckpointError("manifest is missing: this is not a complete dslaunch checkpoint",
+                                  str(path))
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"manifest is unreadable ({exc})", str(path)) from exc
+        return Manifest.from_json(text, path)
+
+    def read(self, tag: str, name: str, manifest: Manifest) -> Any:
+        """Read and verify one file of ``tag`` (size + checksum from the manifest)."""
+        rec = manifest.files.get(name)
+        if rec is None:
+            raise CheckpointError(f"the manifest of tag {tag!r} lists no file {name!r}",
+                                  str(self.root / tag / MANIFEST))
+        return read_object(self.root / tag / name, rec.digest)
+
+    def verify(self, tag: str, names: list[str] | None = None) -> Manifest:
+        """Check the manifest and the size and checksum of ``names`` (default: every file)."""
+        from dslaunch.runtime.checkpoint.format import file_digest
+
+        manifest = self.manifest(tag)
+        for name in names if names is not None else sorted(manifest.files):
+            rec = manifest.files[name]
+            path = self.root / tag / name
+            if not path.is_file():
+                raise CheckpointError("file is missing", str(path))
+            try:
+                size = path.stat().st_size
+                digest = file_digest(path, rec.algorithm) if size == rec.size else None
+            except OSError as exc:  # permissions, I/O error: say which file, not a traceback
+                raise CheckpointError(f"cannot read the file ({exc.strerror or exc})", str(path)) from exc
+            if digest is None:
+                raise CheckpointError(f"file is truncated or was changed: {size} bytes on disk, the "
+                                      f"manifest records {rec.size} bytes", str(path))
+            if digest.checksum != rec.checksum:
+                raise CheckpointError(f"checksum mismatch: the file is corrupt ({rec.algorithm.upper()} "
+                                      "differs from the manifest)", str(path))
+        return manifest
+
+    def tags(self) -> list[Manifest]:
+        """Published tags with a readable manifest, newest first (files not verified)."""
+        found = []
+        if not self.root.is_dir():
+            return found
+        for entry in self.root.iterdir():
+            if entry.is_dir() and not entry.name.startswith(_RESERVED):
+                try:
+                    found.append(self.manifest(entry.name))
+                except CheckpointError:
+                    continue
+        return sorted(found, key=lambda m: (m.created, m.tag), reverse=True)
+
+    def candidates(self) -> tuple[list[str], list[str]]:
+        """Tags to try when the caller named none: ``latest`` first, then newest first.
+
+        Returns:
+            (tags, notes): notes say why ``latest`` was not usable, for the fallback message.
+        """
+        latest, why = self.read_latest()
+        notes = [why] if why else []
+        ordered = [m.tag for m in self.tags()]
+        if latest is not None:
+            if latest in ordered:
+                ordered.remove(latest)
+            ordered.insert(0, latest)
+        return ordered, notes
+
+    def _known_tags_hint(self) -> str:
+        tags = [m.tag for m in self.tags()][:5]
+        return f" (tags found: {', '.join(tags)})" if tags else ""
+
+    # ---- retention -----------------------------------------------------------------------
+    def retain(self, keep_last: int, protect: set[str]) -> list[str]:
+        """Delete all but the newest ``keep_last`` tags, never ``protect`` or ``latest``'s tag.
+
+        Only directories with a valid manifest are considered (nothing else in ``save_dir`` is
+        ever deleted). A doomed tag is first renamed to ``.trash-*`` so a crash mid-delete never
+        leaves a half-deleted directory that looks like a checkpoint. Returns the deleted tags.
+        """
+        latest, _ = self.read_latest()
+        keep = set(protect) | ({latest} if latest else set())
+        tags = [m.tag for m in self.tags()]
+        keep |= set(tags[:keep_last])
+        removed = []
+        for tag in tags:
+            if tag in keep:
+                continue
+            self.discard(self.root / tag)
+            removed.append(tag)
+        return removed
+
+
+def first_loadable(tags: list[str], load: Callable[[str], T]) -> tuple[str, T, list[str]] | None:
+    """Try ``load(tag)`` for each tag in order; the first that does not raise CheckpointError wins.
+
+    Returns:
+        (tag, what load returned, one line per skipped tag saying why), or None when ``tags`` is
+        empty.
+    Raises:
+        CheckpointError listing every tag's problem when none loads: a directory full of broken
+        checkpoints is an error, never a silent fresh start.
+    """
+    skipped: list[str] = []
+    for tag in tags:
+        try:
+            return tag, load(tag), skipped
+        except CheckpointError as exc:
+            skipped.append(f"tag {tag!r}: {exc}")
+    if skipped:
+        raise CheckpointError("no loadable checkpoint: " + "; ".join(skipped))
+    return None

@@ -1,0 +1,22 @@
+"""``dslaunch.runtime.config``: the ds_config, parsed once at the edge into frozen dataclasses.
+
+Owns reading the document (``file.py``: JSON/YAML, size and depth bounds), the sections as
+typed frozen dataclasses and the one way a section is parsed (``sections.py``), the checkers of
+every value and of free-form ``params`` dicts (``param_schema.py``), and the whole config with
+its batch triad and cross-checks (``ds_config.py``: ``load_config`` -> ``DeepSpeedConfig``).
+Each component is handed its parsed section; nothing after ``load_config`` reads a raw dict.
+Torch-free.
+"""
+
+from dslaunch.runtime.config.ds_config import MAX_TIMEOUT_S, DeepSpeedConfig, load_config
+from dslaunch.runtime.config.sections import (
+    Bf16Config,
+    CheckpointConfig,
+    Fp16Config,
+    OptimizerSection,
+    TypedSection,
+    ZeroConfig,
+)
+
+__all__ = ["DeepSpeedConfig", "load_config", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
+           "CheckpointConfig", "TypedSection", "OptimizerSection"]

@@ -1,0 +1,213 @@
+"""ds_config: parsed once, at the edge, into typed frozen dataclasses.
+
+``load_config(source, world_size)`` accepts a path (JSON or YAML), a dict, or an argparse
+namespace with ``deepspeed_config``, and returns a ``DeepSpeedConfig``. Everything is validated
+here, so nothing later reads raw dicts: unknown keys fail with a did-you-mean (DeepSpeed silently
+ignores them), wrong types and ranges name the key path, ``"auto"`` says what to put instead,
+features DeepSpeed has but dslaunch lacks are reported unless switched off, and the batch triad
+``train_batch_size = micro * gradient_accumulation_steps * world_size`` is completed or rejected
+with the arithmetic shown. Reading the file and bounding the document's size and depth (for a
+dict too) is ``file.py``'s; every number's range is its checker's (``param_schema.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.runtime.config.file import check_shape, read_config_file
+from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
+from dslaunch.runtime.config.sections import (
+    UNIMPLEMENTED_KEYS,
+    Bf16Config,
+    CheckpointConfig,
+    Fp16Config,
+    OptimizerSection,
+    TypedSection,
+    ZeroConfig,
+    optional,
+    parse_section,
+    reject_unimplemented,
+)
+from dslaunch.runtime.zero.registry import STAGES, stage_choices
+
+__all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
+           "CheckpointConfig", "TypedSection"]
+
+# Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
+MAX_TIMEOUT_S = 1e8
+_SOURCE_TYPES = (str, os.PathLike, Mapping)
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
+             "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection}
+_SCALARS = {
+    "train_batch_size": (optional(integer(1)), "an integer: micro batch * accumulation steps * GPUs"),
+    "train_micro_batch_size_per_gpu": (optional(integer(1)), "an integer: samples per GPU per micro step"),
+    "gradient_accumulation_steps": (optional(integer(1)), "an integer: micro steps per optimizer step"),
+    "steps_per_print": (integer(1), "an integer: log every N optimizer steps"),
+    "wall_clock_breakdown": (boolean, "true or false"),
+    "gradient_clipping": (number(0.0), "a number: max global gradient norm (0 = off)"),
+    "prescale_gradients": (boolean, "true or false"),
+    "gradient_predivide_factor": (number(0.0, low_open=True), "a number > 0"),
+    "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
+    # DeepSpeed refuses client optimizers it has not tested with ZeRO unless this is true; dslaunch
+    # refuses client optimizers that are not element-wise (engine_setup._checked_client).
+    "zero_allow_untested_optimizer": (boolean, "true or false"),
+    "dataloader_drop_last": (boolean, "true or false"),
+    "dist_init_timeout": (number(0.0, MAX_TIMEOUT_S, low_open=True), "seconds to wait for peers (default 1800)"),
+}
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """The whole validated ds_config; batch sizes are resolved for ``world_size``."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    world_size: int
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    gradient_clipping: float = 0.0
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    communication_data_type: str | None = None
+    zero_allow_untested_optimizer: bool = False
+    dataloader_drop_last: bool = False
+    dist_init_timeout: float = 1800.0
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    fp16: Fp16Config = field(default_factory=Fp16Config)
+    bf16: Bf16Config = field(default_factory=Bf16Config)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optimizer: TypedSection | None = None
+    scheduler: TypedSection | None = None
+    source: str | None = None
+
+
+def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
+    """Parse and validate a ds_config.
+
+    Args:
+        source: a path (str/Path, JSON or YAML), a dict, or an object with ``deepspeed_config``.
+        world_size: data-parallel ranks, to resolve the batch triad.
+
+    Returns:
+        The validated ``DeepSpeedConfig``.
+
+    Raises:
+        ConfigError: a source that is neither a dict nor a path, an unreadable or malformed file,
+            a document too large or too deep, unknown key, bad value (non-finite or out of range
+            included), ``"auto"``, unimplemented feature, inconsistent batch sizes; one line
+            naming the file and the key path.
+    """
+    raw, where = _read(source)
+    try:
+        return _parse(raw, world_size, where)
+    except ConfigError as err:
+        if where and not err.source:
+            raise ConfigError(str(err), source=where) from None
+        raise
+
+
+def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
+    if isinstance(source, argparse.Namespace) or hasattr(source, "deepspeed_config"):
+        source = getattr(source, "deepspeed_config", None)
+    if source is None or source == "":
+        raise ConfigError("no DeepSpeed config given: pass config=<dict or path> to initialize(), or "
+                          "--deepspeed_config <path> on the command line")
+    if not isinstance(source, _SOURCE_TYPES):
+        raise ConfigError("initialize(config=...) takes a dict or a path to a JSON/YAML file, got "
+                          f"{describe(source)}")
+    where = None if isinstance(source, Mapping) else str(source)
+    raw = source if isinstance(source, Mapping) else read_config_file(Path(source))
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"must hold an object of settings ({{\"key\": value, ...}}), got {describe(raw)}",
+                          source=where)
+    check_shape(raw, where)
+    return raw, where
+
+
+def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSpeedConfig:
+    raw = dict(raw)
+    if "bfloat16" in raw:  # DeepSpeed's older spelling
+        if "bf16" in raw:
+            raise ConfigError("give either 'bf16' or its alias 'bfloat16', not both", key="bfloat16")
+        raw["bf16"] = raw.pop("bfloat16")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            values[key] = parse_section(_SECTIONS[key], value, key)
+        elif key in _SCALARS:
+            values[key] = _scalar(key, value)
+        elif key in UNIMPLEMENTED_KEYS:
+            reject_unimplemented(key, value, UNIMPLEMENTED_KEYS[key])
+        else:
+            valid = [*_SECTIONS, *_SCALARS]
+            hint = did_you_mean(str(key), [*valid, *UNIMPLEMENTED_KEYS])
+            raise ConfigError(f"unknown key{hint}; valid top-level keys: {', '.join(sorted(valid))}",
+                              key=str(key))
+    triad = _batch_triad({k: values.pop(k, None) for k in _BATCH_KEYS}, world_size)
+    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, **values)
+    _cross_check(cfg)
+    return cfg
+
+
+def _scalar(key: str, value: Any) -> Any:
+    check, help_text = _SCALARS[key]
+    if value == "auto":
+        raise ConfigError("'auto' is a Hugging Face Trainer placeholder that only the Trainer fills in; "
+                          f"put {help_text} here", key=key)
+    return check(key, value)
+
+
+def _batch_triad(b: dict[str, int | None], world: int) -> dict[str, int]:
+    """Complete train_batch_size = micro * gas * world from any two (or one) of them."""
+    tb, mb, gas = (b[k] for k in _BATCH_KEYS)
+    if tb is None and mb is None:
+        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (or both)",
+                          key="train_batch_size")
+    if tb is None:
+        gas = gas or 1
+        tb = mb * gas * world
+    elif mb is None:
+        gas = gas or 1
+        if tb % (gas * world):
+            raise ConfigError(f"{tb} is not divisible by gradient_accumulation_steps * world_size = "
+                              f"{gas} * {world} = {gas * world}", key="train_batch_size")
+        mb = tb // (gas * world)
+    elif gas is None:
+        if tb % (mb * world):
+            raise ConfigError(f"{tb} is not divisible by train_micro_batch_size_per_gpu * world_size = "
+                              f"{mb} * {world} = {mb * world}", key="train_batch_size")
+        gas = tb // (mb * world)
+    elif tb != mb * gas * world:
+        raise ConfigError(f"{tb} != train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
+                          f"world_size = {mb} * {gas} * {world} = {mb * gas * world}",
+                          key="train_batch_size")
+    return {"train_batch_size": tb, "train_micro_batch_size_per_gpu": mb,
+            "gradient_accumulation_steps": gas}
+
+
+def _cross_check(cfg: DeepSpeedConfig) -> None:
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
+    if cfg.zero_optimization.stage not in STAGES:
+        raise ConfigError(f"ZeRO stage {cfg.zero_optimization.stage} is accepted by DeepSpeed but not "
+                          f"implemented by dslaunch yet; use {stage_choices()}", key="zero_optimization.stage")
+    if cfg.optimizer is not None:
+        if cfg.optimizer.type is None:
+            raise ConfigError("is required (e.g. \"AdamW\")", key="optimizer.type")
+        from dslaunch.runtime.optimizers import validate_optimizer
+
+        validate_optimizer(cfg.optimizer.type, cfg.optimizer.params)
+    if cfg.scheduler is not None:
+        if cfg.scheduler.type is None:
+            raise ConfigError("is required (e.g. \"WarmupLR\")", key="scheduler.type")
+        from dslaunch.runtime.lr_schedules import validate_lr_scheduler
+
+        validate_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params)

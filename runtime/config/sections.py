@@ -1,0 +1,350 @@
+"""The ds_config sections as typed, frozen dataclasses, and the one way a section is parsed.
+
+Each field carries its checker and a short help text in its metadata; ``parse_section`` turns a
+user dict into the dataclass: unknown keys -> ``ConfigError`` with did-you-mean, wrong types and
+ranges name the key path (checkers from ``param_schema``), ``"auto"`` explains what to put there.
+
+Keys DeepSpeed accepts that dslaunch does not implement are never silently ignored: each has an
+``Off`` description of when it is switched off (its documented off/default values, or an
+``enabled``-like switch set to off), and anything else is reported as "not implemented yet"
+naming the first key path that is on (``reject_unimplemented``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.runtime.config.param_schema import (
+    Option,
+    boolean,
+    check_params,
+    choice,
+    describe,
+    integer,
+    number,
+)
+from dslaunch.runtime.zero.registry import stage_choices
+
+__all__ = ["parse_section", "ZeroConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
+           "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
+           "reject_unimplemented"]
+
+
+def optional(check: Any) -> Any:
+    """A checker that also accepts null (None)."""
+    return lambda path, value: None if value is None else check(path, value)
+
+
+def _tag_validation(path: str, value: Any) -> str:
+    # DeepSpeed compares case-insensitively; keep its capitalised spelling.
+    valid = ("Ignore", "Warn", "Fail")
+    if isinstance(value, str) and value.capitalize() in valid:
+        return value.capitalize()
+    return choice(*valid)(path, value)
+
+
+def _opt(default: Any, check: Any, help: str) -> Any:
+    return field(default=default, metadata={"check": check, "help": help})
+
+
+def _only(honoured: bool, instead: str) -> Any:
+    """A boolean dslaunch honours with one value only; the other says what dslaunch does instead."""
+
+    def check(path: str, value: Any) -> bool:
+        if boolean(path, value) != honoured:
+            raise ConfigError(f"{_json(value)} is not implemented by dslaunch yet: {instead}; remove the "
+                              f"key or set it to {_json(honoured)}", key=path)
+        return honoured
+
+    return check
+
+
+# ---- keys DeepSpeed has and dslaunch does not implement -------------------------------------------
+@dataclass(frozen=True)
+class Off:
+    """When an unimplemented DeepSpeed feature (a section of keys) counts as switched off.
+
+    ``values`` maps each known key to its off value: a value, a tuple of accepted values, a
+    nested ``Off``, or ``ANY``. ``switch`` names a key (e.g. ``enabled``) whose off value turns
+    the whole feature off, whatever else the section holds. Without the switch every key given
+    must be known and hold its off value: a dict is not "off" just because it has no flag.
+    """
+
+    values: Mapping[str, Any] = field(default_factory=dict)
+    switch: str | None = None
+
+
+# Any value: the key only tunes a feature that is itself rejected unless off (e.g. NVMe offload).
+ANY: Any = object()
+_REMOVE: Any = object()  # marks "no off value to suggest: remove the key"
+_UNLISTED: Any = object()  # marks a key this module does not know in that section
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _same(value: Any, off: Any) -> bool:
+    # True == 1 in Python; a boolean switch must not be satisfied by 1 or 0.
+    return isinstance(value, bool) == isinstance(off, bool) and value == off
+
+
+def _first_on(value: Any, spec: Any, path: str) -> tuple[str, Any, str] | None:
+    """``(key path, its off value, hint)`` of the first part of ``value`` that is on; None if off."""
+    if value is None or spec is ANY:  # null is how DeepSpeed spells "not configured"
+        return None
+    if not isinstance(spec, Off):
+        offs = spec if isinstance(spec, tuple) else (spec,)
+        return None if any(_same(value, o) for o in offs) else (path, offs[0], "")
+    if not isinstance(value, Mapping):
+        return path, _REMOVE, ""
+    if spec.switch is not None and spec.switch in value:
+        return _first_on(value[spec.switch], spec.values[spec.switch], f"{path}.{spec.switch}")
+    for key, sub in value.items():
+        if key not in spec.values:
+            return f"{path}.{key}", _UNLISTED, did_you_mean(str(key), spec.values)
+        found = _first_on(sub, spec.values[key], f"{path}.{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def reject_unimplemented(key: str, value: Any, spec: Any) -> None:
+    """Raise unless ``value`` leaves the unimplemented DeepSpeed feature ``key`` switched off.
+
+    Raises:
+        ConfigError: naming the first key path that is on and how to switch it off.
+    """
+    found = _first_on(value, spec, key)
+    if found is None:
+        return
+    path, off, hint = found
+    what = "is accepted by DeepSpeed but not implemented by dslaunch yet"
+    if off is _UNLISTED:
+        parent = path.rpartition(".")[0]
+        what = f"is not a known key of '{parent}'{hint}, which dslaunch does not implement yet"
+    if off is _REMOVE or off is _UNLISTED:
+        fix = "remove it" if path == key else f"remove it (or remove '{key}')"
+    elif path == key:
+        fix = f"remove it (or set it to {_json(off)})"
+    else:
+        fix = f"set it to {_json(off)} (or remove '{key}')"
+    raise ConfigError(f"{what}; {fix}", key=path)
+
+
+def _enabled() -> Off:
+    """A feature switched by ``enabled`` (off: false); its other keys only matter when it is on."""
+    return Off({"enabled": False}, switch="enabled")
+
+
+_OFFLOAD = Off({"device": ("none", None)}, switch="device")
+
+
+# ---- the sections -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``: which ZeRO stage and its communication knobs."""
+
+    stage: int = _opt(0, integer(0, 3), f"the ZeRO stage: {stage_choices()}")
+    reduce_bucket_size: int = _opt(500_000_000, integer(1), "elements reduced per bucket, e.g. 5e8")
+    allgather_bucket_size: int = _opt(500_000_000, integer(1), "elements gathered per bucket, e.g. 5e8")
+    overlap_comm: bool = _opt(False, boolean, "true to overlap gradient reduction with backward")
+    contiguous_gradients: bool = _opt(True, _only(True, "dslaunch always copies gradients into contiguous "
+                                                  "buffers (one flat buffer per param group at stages 0-1, "
+                                                  "the reduce buckets at stage 2)"), "true")
+    reduce_scatter: bool = _opt(True, boolean, "true or false (no effect: always all-reduce)")
+    """Performance knob, no effect on results: dslaunch always averages gradients with a bucketed
+    all-reduce (on gloo faster than reduce-scatter), so either value gives the same gradients."""
+    allgather_partitions: bool = _opt(True, boolean, "true or false (no effect: always broadcasts)")
+    """Performance knob, no effect on results: dslaunch always publishes updated shards with
+    chunked broadcasts (what DeepSpeed does with false); the gathered weights are identical."""
+    use_multi_rank_bucket_allreduce: bool = _opt(True, boolean, "true or false (no effect)")
+    """Performance knob for DeepSpeed's reduce path (reduce_scatter false); dslaunch always
+    all-reduces whole buckets, so neither value changes anything."""
+    round_robin_gradients: bool = _opt(False, boolean, "true or false (no effect without offload)")
+    """DeepSpeed's CPU-offload optimization (which rank copies which gradients to the host);
+    dslaunch has no offload (``offload_optimizer`` is rejected), so it changes nothing."""
+    elastic_checkpoint: bool = _opt(False, boolean, "true or false (no effect)")
+    """DeepSpeed's choice of on-disk layout for stage 1/2 optimizer state; dslaunch has one layout,
+    which loads at any world size and ZeRO stage 0-2 with either value."""
+    ignore_unused_parameters: bool = _opt(True, _only(True, "a parameter that gets no gradient "
+                                                      "is always treated as a zero gradient"), "true")
+    load_from_fp32_weights: bool = _opt(True, _only(True, "the fp32 master weights are always restored "
+                                                    "from the checkpoint's fp32 copy (no 16-bit copy of "
+                                                    "trained parameters is stored)"), "true")
+
+    # DeepSpeed keys not implemented here -> when they are off.
+    UNIMPLEMENTED = {"offload_optimizer": _OFFLOAD, "offload_param": _OFFLOAD, "cpu_offload": False,
+                     "cpu_offload_param": False, "cpu_offload_use_pin_memory": ANY, "zenflow": None,
+                     "zero_quantized_weights": False, "zero_quantized_gradients": False,
+                     "zero_quantized_nontrainable_weights": False, "zero_hpz_partition_size": 1,
+                     "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
+                     "legacy_stage1": False, "enable_sanity_checks": False}
+    # Keys (and prefixes) that only configure stage 3: meaningless below it, any value accepted,
+    # "auto" included (the Hugging Face Trainer writes it there). Stage 3 itself is rejected.
+    STAGE3_ONLY = ("sub_group_size", "stage3_", "prefetch_bucket_size", "param_persistence_threshold",
+                   "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+                   "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+                   "use_all_reduce_for_fetch_params", "allgather_sequential", "partition_stream_chunk_size",
+                   "zeropp_loco_param", "log_trace_cache_warnings", "pipeline_loading_checkpoint",
+                   "override_module_apply", "memory_efficient_linear", "leaf_module",
+                   "save_muon_momentum_buffer_in_memory")
+
+
+# A scale of 2**64 already overflows any fp16 gradient (max 65504); more only skips more steps
+# before the dynamic scaler gets down to a usable scale (and 2**128 is inf in fp32).
+MAX_SCALE_POWER = 64
+MAX_LOSS_SCALE = 2.0**MAX_SCALE_POWER
+
+
+@dataclass(frozen=True)
+class Fp16Config:
+    """``fp16``: fp16 model, fp32 master weights, loss scaling (dynamic unless loss_scale > 0)."""
+
+    enabled: bool = _opt(False, boolean, "true or false")
+    loss_scale: float = _opt(0.0, number(0.0, MAX_LOSS_SCALE), "0 for dynamic loss scaling, or a fixed scale > 0")
+    initial_scale_power: int = _opt(16, integer(0, MAX_SCALE_POWER),
+                                    "an integer: the first dynamic scale is 2**power")
+    loss_scale_window: int = _opt(1000, integer(1), "steps without overflow before the scale doubles")
+    hysteresis: int = _opt(2, integer(1), "overflows tolerated before the scale halves")
+    consecutive_hysteresis: bool = _opt(False, boolean, "true or false")
+    min_loss_scale: float = _opt(1.0, number(0.0, MAX_LOSS_SCALE, low_open=True),
+                                 "the smallest dynamic scale, e.g. 1")
+
+    UNIMPLEMENTED = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+
+
+@dataclass(frozen=True)
+class Bf16Config:
+    """``bf16`` (alias ``bfloat16``): bf16 model with fp32 master weights, no loss scaling."""
+
+    enabled: bool = _opt(False, boolean, "true or false")
+
+    UNIMPLEMENTED = {"immediate_grad_update": False, "check_grad_overflow": False,
+                     "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint``: how checkpoints are validated and written (read by the checkpoint code)."""
+
+    tag_validation: str = _opt("Warn", _tag_validation, "Ignore, Warn or Fail")
+    async_save: bool = _opt(False, boolean, "true to write checkpoints in the background")
+    keep_last: int | None = _opt(None, optional(integer(1)), "how many checkpoints to keep, "
+                                 "or null to keep all")
+    use_node_local_storage: bool = _opt(False, boolean, "true if each node saves to local disk")
+    fsync: bool = _opt(True, boolean, "false to skip fsync as DeepSpeed does: a save then survives a "
+                       "killed process but not a power loss")
+
+    UNIMPLEMENTED = {"load_universal": False, "parallel_write": Off({"pipeline_stage": False}),
+                     "writer": None, "checkpoint_serialization": True}
+
+
+@dataclass(frozen=True)
+class TypedSection:
+    """``optimizer`` / ``scheduler``: a ``type`` name and its free-form ``params``."""
+
+    type: str = _opt(None, optional(lambda p, v: v if isinstance(v, str) else _not_str(p, v)),
+                     "a type name such as AdamW or WarmupLR")
+    params: Mapping[str, Any] = _opt(None, optional(lambda p, v: v), "an object of parameters")
+
+    UNIMPLEMENTED = {}  # noqa: RUF012
+
+
+@dataclass(frozen=True)
+class OptimizerSection(TypedSection):
+    """``optimizer``: as ``TypedSection``, plus DeepSpeed's ``legacy_fusion`` (fp16 fused path)."""
+
+    UNIMPLEMENTED = {"legacy_fusion": False}  # noqa: RUF012
+
+
+def _not_str(path: str, value: Any) -> str:
+    raise ConfigError(f"must be a string, got {describe(value)}", key=path)
+
+
+_COMPRESSION = Off({"shared_parameters": _enabled()}, switch="shared_parameters")
+
+# Top-level DeepSpeed keys dslaunch does not implement -> when they are off (DeepSpeed's
+# runtime/config.py, constants.py and the feature configs it reads).
+UNIMPLEMENTED_KEYS: dict[str, Any] = {
+    # monitors, profilers, logging
+    "tensorboard": _enabled(), "wandb": _enabled(), "csv_monitor": _enabled(), "comet": _enabled(),
+    "comms_logger": _enabled(), "flops_profiler": _enabled(), "autotuning": _enabled(),
+    # DeepSpeed prints a throughput line by default; dslaunch has no throughput timer.
+    "timers": Off({"throughput": Off({"enabled": False, "synchronized": True}, switch="enabled")}),
+    "memory_breakdown": False, "dump_state": False, "log_level": None,
+    # precision and numerics
+    "amp": _enabled(), "torch_autocast": _enabled(),
+    "data_types": Off({"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None}),
+    "gradient_allreduce_op": "mean",  # dslaunch averages: "sum" would be the unimplemented choice
+    "fp32_allreduce": False, "disable_allgather": False, "sparse_gradients": False,
+    "managed_gradient_accumulation": True,  # dslaunch steps at the accumulation boundary
+    # parallelism
+    "pipeline": Off({"stages": "auto", "partition": "best", "seed_layers": False,
+                     "activation_checkpoint_interval": 0, "pipe_partitioned": True,
+                     "grad_partitioned": True}),
+    "tensor_parallel": Off({"autotp_size": 0}, switch="autotp_size"),
+    "expert_parallel": _enabled(), "use_data_before_expert_parallelism": False,
+    "sequence_parallel_size": 1, "seq_parallel_comm_data_type": "fp32",
+    "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use
+    "elasticity": _enabled(), "hybrid_engine": _enabled(),
+    # model and training techniques
+    "activation_checkpointing": Off({"partition_activations": False, "contiguous_memory_optimization": False,
+                                     "cpu_checkpointing": False, "number_checkpoints": None,
+                                     "synchronize_checkpoint_boundary": False, "profile": False}),
+    "sparse_attention": None, "weight_quantization": None,
+    "compression_training": Off({"weight_quantization": _COMPRESSION, "activation_quantization": _COMPRESSION,
+                                 "sparse_pruning": _COMPRESSION, "row_pruning": _COMPRESSION,
+                                 "head_pruning": _COMPRESSION, "channel_pruning": _COMPRESSION,
+                                 "layer_reduction": _enabled()}),
+    "quantize_training": _enabled(), "eigenvalue": _enabled(), "progressive_layer_drop": _enabled(),
+    "curriculum_learning": _enabled(), "data_efficiency": _enabled(),
+    "compile": Off({"deepcompile": False}, switch="deepcompile"), "graph_harvesting": False,
+    # checkpoint engines
+    "nebula": _enabled(), "datastates_ckpt": False, "casync_ckpt": False, "async_load": False,
+    # Keys that only tune features rejected above unless off (NVMe/CPU offload, a CPU optimizer
+    # under offload, the tensor-core warning DeepSpeed prints): any value changes nothing.
+    "aio": ANY, "zero_force_ds_cpu_optimizer": ANY, "vocabulary_size": ANY,
+}
+
+
+def _explain_auto(cls: type, raw: Mapping[str, Any], prefix: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in raw.items():
+        if value == "auto" and not _stage3_only(cls, key):
+            f = fields.get(key)
+            what = f.metadata["help"] if f is not None else "the actual value"
+            default = f" (or remove the key for the default, {f.default!r})" if f is not None else ""
+            raise ConfigError(f"'auto' is a Hugging Face Trainer placeholder that only the Trainer fills "
+                              f"in; put {what} here{default}", key=f"{prefix}.{key}" if prefix else key)
+
+
+def _stage3_only(cls: type, key: str) -> bool:
+    return any(key.startswith(s) for s in getattr(cls, "STAGE3_ONLY", ()))
+
+
+def parse_section(cls: type, raw: Any, prefix: str) -> Any:
+    """Parse ``raw`` (a dict or None) into the frozen dataclass ``cls``.
+
+    Raises:
+        ConfigError: naming ``<prefix>.<key>`` for unknown keys (did-you-mean), bad values,
+            ``"auto"``, or keys DeepSpeed has but dslaunch does not implement that are not off.
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"must be an object, got {describe(raw)}", key=prefix)
+    _explain_auto(cls, raw, prefix)
+    known: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in cls.UNIMPLEMENTED:
+            reject_unimplemented(f"{prefix}.{key}", value, cls.UNIMPLEMENTED[key])
+        elif not _stage3_only(cls, key):
+            known[key] = value
+    schema = {f.name: Option(f.default, f.metadata["check"]) for f in dataclasses.fields(cls)}
+    return cls(**check_params(known, schema, prefix, f"section '{prefix}'"))

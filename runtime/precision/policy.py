@@ -1,0 +1,43 @@
+"""The precision policy: model dtype, communication dtype, and the loss scaler to use.
+
+fp32: model and master in fp32 (the master shard aliases the model weights), no scaling.
+fp16: fp16 model, fp32 master weights, dynamic loss scaling (static when ``loss_scale > 0``).
+bf16: bf16 model, fp32 master weights, no scaling.
+The loss scaler itself is a strategy (``loss_scaler.py``), built from the parsed ``fp16`` section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.precision.loss_scaler import LossScaler, build_loss_scaler
+
+__all__ = ["PrecisionPolicy"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which dtypes the model and the gradient communication use."""
+
+    model_dtype: torch.dtype
+    comm_dtype: torch.dtype | None  # None: communicate in the gradient (model) dtype
+
+    @classmethod
+    def from_config(cls, cfg: DeepSpeedConfig) -> PrecisionPolicy:
+        model = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
+        comm = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
+        return cls(model, comm)
+
+    def cast_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Cast floating-point parameters and buffers to the model dtype (no-op in fp32)."""
+        return module if self.model_dtype == torch.float32 else module.to(self.model_dtype)
+
+    @staticmethod
+    def loss_scaler(cfg: DeepSpeedConfig) -> LossScaler:
+        """The loss scaler strategy: dynamic/static for fp16, a no-op scaler otherwise."""
+        return build_loss_scaler(cfg.fp16)

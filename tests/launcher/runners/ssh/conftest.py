@@ -1,0 +1,121 @@
+"""The test cluster: 3 network-namespace hosts with one sshd each, built once per test session.
+
+``scripts/cluster/cluster.py`` builds it (see there); this fixture brings it up, hands the tests a
+``Cluster`` (hosts, ssh config, hostfile, per-host process listing) and tears it down at the end,
+unless it was already up before the session (then it is left as found). Skips only where such a
+cluster cannot exist: not root, or no working ``ip netns``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[4]
+N_HOSTS = 3
+
+
+def _cluster_module():
+    spec = importlib.util.spec_from_file_location("dsl_cluster", ROOT / "scripts" / "cluster" / "cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the tests need to know about the running cluster."""
+
+    state_dir: Path
+    hosts: tuple[str, ...]
+    addrs: tuple[str, ...]
+    ssh_config: str
+    known_hosts: str
+    identity: str
+    hostfile: str
+    launched: list = field(default_factory=list)
+    """``dslaunch`` processes started by the current test (killed after it, whatever happened)."""
+
+    @property
+    def launcher_args(self) -> str:
+        return f"-F {self.ssh_config}"
+
+    def sshd_pid(self, host: str) -> int:
+        return int((self.state_dir / host / "sshd.pid").read_text().split()[0])
+
+    def job_processes(self, host: str) -> list[str]:
+        """Every process in ``host``'s network namespace except its listening sshd: 'pid args'."""
+        out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
+        pids = [p for p in out.split() if int(p) != self.sshd_pid(host)]
+        found = []
+        for pid in pids:
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue  # exited meanwhile
+            found.append(f"{pid} {args}")
+        return found
+
+    def wait_no_job_processes(self, timeout: float) -> dict[str, list[str]]:
+        """Poll until no host has job processes left; return what is left (empty dict = clean)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {h: procs for h in self.hosts if (procs := self.job_processes(h))}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
+
+    def dslaunch(self, *args: str, hostfile: str | None = None, launcher_args: str | None = None,
+                 **kwargs) -> subprocess.Popen:
+        """Start ``dslaunch --hostfile H --launcher_args '-F config' ARGS`` (stdout/stderr piped)."""
+        cmd = [sys.executable, "-m", "dslaunch.launcher.cli", "--hostfile", hostfile or self.hostfile,
+               "--launcher_args", launcher_args or self.launcher_args, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=kwargs.pop("cwd", ROOT), **kwargs)
+        self.launched.append(proc)
+        return proc
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    module = _cluster_module()
+    why = module.missing_facilities()
+    if why and (os.geteuid() != 0 or "ip netns" in why):
+        pytest.skip(f"test cluster unavailable: {why}")
+    if why:  # root with namespaces but no sshd/ssh-keygen: a setup mistake, not a skip
+        pytest.fail(f"test cluster cannot be built: {why}")
+    state = module.state_dir_default()
+    was_up = all(module.status(state)["sshd"].get(f"{module.PREFIX}node{k}") for k in range(1, N_HOSTS + 1))
+    info = module.up(N_HOSTS, state)
+    try:
+        yield Cluster(
+            state_dir=state, hosts=tuple(h["name"] for h in info["hosts"]),
+            addrs=tuple(h["addr"] for h in info["hosts"]), ssh_config=info["ssh_config"],
+            known_hosts=info["known_hosts"], identity=info["identity"], hostfile=info["hostfile"],
+        )
+    finally:
+        if not was_up:
+            module.down(state)
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_outlives_its_test(request):
+    """A failing test must not leave a hanging job behind for the next one."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("cluster")
+    for proc in cluster.launched:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    cluster.launched.clear()
