@@ -56,6 +56,7 @@ if mode == "raise":
 """
 
 EXPECTED = {"finish": 0, "raise": 1}
+JOB_TIMEOUT_S = 300  # a job takes 5-60 s here; past this it hangs
 
 
 def _command(system: str, port: int, script: Path, stage: int, mode: str) -> list[str]:
@@ -66,12 +67,17 @@ def _command(system: str, port: int, script: Path, stage: int, mode: str) -> lis
 def _one(system: str, port: int, script: Path, stage: int, mode: str) -> dict:
     env = {**os.environ, "STRESS_SYSTEM": system, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    proc = subprocess.run(_command(system, port, script, stage, mode), env=env, capture_output=True,
-                          text=True, timeout=300)
-    output = proc.stdout + proc.stderr
-    return {"system": system, "mode": mode, "stage": stage, "exit_code": proc.returncode,
+    try:
+        proc = subprocess.run(_command(system, port, script, stage, mode), env=env, capture_output=True,
+                              text=True, timeout=JOB_TIMEOUT_S)
+        code, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as hung:  # a hang is a wrong exit too: record it, go on
+        code = "timeout"
+        output = "".join(o.decode(errors="replace") if isinstance(o, bytes) else (o or "")
+                         for o in (hung.stdout, hung.stderr))
+    return {"system": system, "mode": mode, "stage": stage, "exit_code": code,
             "abort": "terminate called" in output, "seconds": round(time.monotonic() - t0, 2),
-            "tail": output[-600:] if proc.returncode != EXPECTED[mode] else ""}
+            "tail": output[-600:] if code != EXPECTED[mode] else ""}
 
 
 def _has_deepspeed() -> bool:
@@ -125,7 +131,7 @@ def _markdown(records: list[dict]) -> str:
     for (system, mode), rs in sorted(groups.items()):
         wrong = [r for r in rs if r["exit_code"] != EXPECTED[mode]]
         codes = collections.Counter(r["exit_code"] for r in rs)
-        seen = ", ".join(f"{c}: {k}" for c, k in sorted(codes.items()))
+        seen = ", ".join(f"{c}: {k}" for c, k in sorted(codes.items(), key=str))
         median = sorted(r["seconds"] for r in rs)[len(rs) // 2]
         lines.append(f"| {system} | {'finishes' if mode == 'finish' else 'raises'} | {len(rs)} | "
                      f"{len(wrong)} | {sum(r['exit_code'] == 134 for r in rs)} | {seen} | {median:.1f} |")
