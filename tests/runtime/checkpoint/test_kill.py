@@ -14,11 +14,20 @@ from dslaunch.runtime.checkpoint.store import CheckpointStore, first_loadable
 from tests.distributed import _CTX, free_port
 
 
-def _worker(root: str, saves: int) -> None:
-    """One rank: train and save every step (``saves`` times, 0: forever); report each save."""
+def _worker(root: str, saves: int, stall: bool = False) -> None:
+    """One rank: train and save every step (``saves`` times, 0: forever); report each save.
+
+    ``stall``: the leader's save stops for good just before it publishes (its ``.tmp-``/``.owner-``
+    files are written), so a kill then surely lands mid-save.
+    """
     import torch
 
     import dslaunch
+
+    if stall:
+        from dslaunch.runtime.checkpoint.publish import LeaderSave
+
+        LeaderSave.install = lambda *args, **kwargs: time.sleep(3600)  # type: ignore[method-assign]
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -37,16 +46,16 @@ def _worker(root: str, saves: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _rank(rank: int, port: int, root: str, saves: int) -> None:
+def _rank(rank: int, port: int, root: str, saves: int, stall: bool) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     sys.stderr = open(os.devnull, "w")  # the survivor's gloo errors are expected noise
-    _worker(root, saves)
+    _worker(root, saves, stall)
 
 
-def _start(root: Path, port: int, saves: int = 0) -> list:
+def _start(root: Path, port: int, saves: int = 0, stall: bool = False) -> list:
     # forkserver with torch preloaded (tests.distributed): no torch import per rank
-    procs = [_CTX.Process(target=_rank, args=(rank, port, str(root), saves), daemon=True)
+    procs = [_CTX.Process(target=_rank, args=(rank, port, str(root), saves, stall), daemon=True)
              for rank in range(2)]
     for p in procs:
         p.start()
@@ -100,11 +109,15 @@ def test_killed_job_leaves_a_verified_latest(tmp_path: Path) -> None:
     victims_by_round = [(0, 1), (0,), (1,)]  # both ranks, only the leader, only the follower
     for kill in range(6):  # each restart saves global_step1, 2, ... again (overwriting tags)
         _kill_mid_save(tmp_path, victims_by_round[kill % 3], rng)
-    for _ in range(5):  # until a kill lands mid-save and leaves files behind
-        if _leftovers(tmp_path):
-            break
-        _kill_mid_save(tmp_path, (0, 1), rng)
-    assert _leftovers(tmp_path)
+    # A kill that surely lands mid-save (random ones may all fall between saves on a busy machine).
+    stalled = _start(tmp_path, free_port(), stall=True)
+    deadline = time.monotonic() + 120
+    while not any(n.startswith(".tmp-") for n in _leftovers(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in stalled:
+        p.kill()
+        p.join()
+    assert any(n.startswith(".owner-") for n in _leftovers(tmp_path)), _leftovers(tmp_path)
     # The next save removes what the killed saves left (their owner is dead).
     procs = _start(tmp_path, free_port(), saves=1)
     for p in procs:
