@@ -11,13 +11,13 @@ Ops, and the signature a fused implementation must have (all update tensors in p
 - ``"adam"``: ``(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, betas, eps, weight_decay,
   bias_correction, adam_w_mode, inv_scale, chunk_numel)``: one Adam/AdamW step of parameters
   that share the step count ``step`` (DeepSpeed FusedAdam semantics). Reference:
-  ``runtime.adam.adam_update``, used by ``runtime.adam.Adam``.
+  ``runtime.optim.adam.adam_update``, used by ``runtime.optim.adam.Adam``.
 - ``"lion"``: ``(params, grads, exp_avgs, *, lr, betas, weight_decay, inv_scale, chunk_numel)``.
-  Reference: ``runtime.lion.lion_update``, used by ``runtime.lion.Lion``.
+  Reference: ``runtime.optim.lion.lion_update``, used by ``runtime.optim.lion.Lion``.
 - ``"torch.adamw"``, ``"torch.adam"``, ``"torch.sgd"``, ``"torch.adagrad"``: ``(optimizer,
   closure) -> loss``: one step of that torch optimizer over its ``param_groups`` and ``state``
   (torch's layout), honouring torch's AMP protocol (``grad_scale``, ``found_inf``). Reference:
-  torch's own step (``reference.torch_step``), used by ``runtime.torch_optimizers``.
+  torch's own step (``reference.torch_step``), used by ``runtime.optim.torch_optimizers``.
 
 ``inv_scale`` is None or the factor gradients are multiplied by inside the update (the gradients
 themselves stay as they are); ``chunk_numel`` is the reference's cache-sized batch, which a fused

@@ -90,8 +90,8 @@ def _load(target: Target) -> Callable[..., Any]:
 # The ops and their signatures are listed in the package docstring (``dslaunch.kernels``).
 KERNELS = KernelTable(
     reference={
-        "adam": "dslaunch.runtime.adam:adam_update",
-        "lion": "dslaunch.runtime.lion:lion_update",
+        "adam": "dslaunch.runtime.optim.adam:adam_update",
+        "lion": "dslaunch.runtime.optim.lion:lion_update",
         "torch.adam": "dslaunch.kernels.reference:torch_step",
         "torch.adamw": "dslaunch.kernels.reference:torch_step",
         "torch.sgd": "dslaunch.kernels.reference:torch_step",

@@ -1,7 +1,7 @@
 """Reference implementations that belong to no dslaunch module: torch's own optimizer steps.
 
-The references of dslaunch's own optimizers live next to them (``runtime/adam.py``,
-``runtime/lion.py``); ``dispatch.KERNELS`` names them all.
+The references of dslaunch's own optimizers live next to them (``runtime/optim/adam.py``,
+``runtime/optim/lion.py``); ``dispatch.KERNELS`` names them all.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dslaunch.errors import UsageError, quote
 from dslaunch.runtime.config import MAX_TIMEOUT_S
-from dslaunch.runtime.param_schema import number
+from dslaunch.runtime.config.param_schema import number
 from dslaunch.runtime.shutdown import register_clean_exit
 from dslaunch.utils.ports import free_port
 

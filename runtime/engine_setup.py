@@ -95,8 +95,8 @@ def _client_wins(section: Any, key: str) -> None:
 def _elementwise_optimizers() -> tuple[type, ...]:
     """Client optimizer types whose update is element-wise: on one flat tensor per param group they
     compute exactly what they compute per parameter."""
-    from dslaunch.runtime.adam import Adam
-    from dslaunch.runtime.lion import Lion
+    from dslaunch.runtime.optim.adam import Adam
+    from dslaunch.runtime.optim.lion import Lion
 
     o = torch.optim
     return (o.Adam, o.AdamW, o.SGD, o.Adagrad, o.RMSprop, o.Adadelta, o.Adamax, o.NAdam, o.RAdam,
@@ -138,11 +138,10 @@ def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
         # DeepSpeed's contract: called with the groups only
         return lambda groups, flat: _checked_client(client(groups), cfg)
     if cfg.optimizer is not None:
-        from dslaunch.runtime.optimizers import build_optimizer
+        from dslaunch.runtime.optim.registry import build_optimizer
 
         # The layouts let Lamb compute one trust ratio per original parameter, not per flat group.
-        return lambda groups, flat: build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups,
-                                                    flat_layouts=flat.layouts,
+        return lambda groups, flat: build_optimizer(cfg.optimizer, groups, flat_layouts=flat.layouts,
                                                     norm_all_reduce=flat.norm_all_reduce)
     raise ConfigError("no optimizer: add an 'optimizer' section (e.g. {\"type\": \"AdamW\", \"params\": "
                       "{\"lr\": 1e-3}}) or pass optimizer= to initialize()", key="optimizer")
@@ -156,7 +155,7 @@ def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimiz
         return None
     from dslaunch.runtime.lr_schedules import build_lr_scheduler
 
-    return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
+    return build_lr_scheduler(cfg.scheduler, optimizer)
 
 
 def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any) -> Any:

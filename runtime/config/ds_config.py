@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config.file import check_shape, read_config_file
@@ -35,6 +35,10 @@ from dslaunch.runtime.config.sections import (
     reject_unimplemented,
 )
 from dslaunch.runtime.zero.registry import STAGES, stage_choices
+
+if TYPE_CHECKING:  # the registries import this package's checkers: import them at use
+    from dslaunch.runtime.lr_schedules import SchedulerSpec
+    from dslaunch.runtime.optim.registry import OptimizerSpec
 
 __all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
@@ -84,8 +88,9 @@ class DeepSpeedConfig:
     fp16: Fp16Config = field(default_factory=Fp16Config)
     bf16: Bf16Config = field(default_factory=Bf16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    optimizer: TypedSection | None = None
-    scheduler: TypedSection | None = None
+    optimizer: OptimizerSpec | None = None
+    """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
+    scheduler: SchedulerSpec | None = None
     source: str | None = None
 
 
@@ -151,6 +156,7 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
             hint = did_you_mean(str(key), [*valid, *UNIMPLEMENTED_KEYS])
             raise ConfigError(f"unknown key{hint}; valid top-level keys: {', '.join(sorted(valid))}",
                               key=str(key))
+    _validate_typed(values)
     triad = _batch_triad({k: values.pop(k, None) for k in _BATCH_KEYS}, world_size)
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, **values)
     _cross_check(cfg)
@@ -193,21 +199,25 @@ def _batch_triad(b: dict[str, int | None], world: int) -> dict[str, int]:
             "gradient_accumulation_steps": gas}
 
 
+def _validate_typed(values: dict[str, Any]) -> None:
+    """The ``optimizer`` and ``scheduler`` sections -> their validated specs, in place: the
+    optimizer and scheduler builders take the spec and never check a dict again."""
+    from dslaunch.runtime.lr_schedules import validate_lr_scheduler
+    from dslaunch.runtime.optim.registry import validate_optimizer
+
+    for key, example, validate in (("optimizer", "AdamW", validate_optimizer),
+                                   ("scheduler", "WarmupLR", validate_lr_scheduler)):
+        section = values.get(key)
+        if section is None:
+            continue
+        if section.type is None:
+            raise ConfigError(f"is required (e.g. \"{example}\")", key=f"{key}.type")
+        values[key] = validate(section.type, section.params)
+
+
 def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     if cfg.zero_optimization.stage not in STAGES:
         raise ConfigError(f"ZeRO stage {cfg.zero_optimization.stage} is accepted by DeepSpeed but not "
                           f"implemented by dslaunch yet; use {stage_choices()}", key="zero_optimization.stage")
-    if cfg.optimizer is not None:
-        if cfg.optimizer.type is None:
-            raise ConfigError("is required (e.g. \"AdamW\")", key="optimizer.type")
-        from dslaunch.runtime.optimizers import validate_optimizer
-
-        validate_optimizer(cfg.optimizer.type, cfg.optimizer.params)
-    if cfg.scheduler is not None:
-        if cfg.scheduler.type is None:
-            raise ConfigError("is required (e.g. \"WarmupLR\")", key="scheduler.type")
-        from dslaunch.runtime.lr_schedules import validate_lr_scheduler
-
-        validate_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params)

@@ -4,7 +4,7 @@ ds_config gives optimizers and schedulers an open ``params`` object whose valid 
 the chosen ``type``. This module owns the one way such a dict is checked: a schema of named
 ``Option``s (default + checker), unknown keys rejected with a did-you-mean, wrong types and
 out-of-range values reported with the full key path, and Hugging Face's ``"auto"`` placeholder
-explained. Used by ``optimizers.py`` and ``lr_schedules.py``; torch-free.
+explained. Used by ``optim.registry`` and ``lr_schedules``; torch-free.
 """
 
 from __future__ import annotations

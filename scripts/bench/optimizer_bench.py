@@ -2,7 +2,7 @@
 
 One flat fp32 tensor of 20M elements (the layout of a ZeRO master shard) with a random
 gradient; one thread (OMP_NUM_THREADS=1). For each ``optimizer.type`` the same config is built
-by ``dslaunch.runtime.optimizers.build_optimizer`` and by the DeepSpeed op that DeepSpeed uses on
+by ``dslaunch.runtime.optim.registry.build_optimizer`` and by the DeepSpeed op that DeepSpeed uses on
 CPU (``FusedAdam``'s CPU build, ``DeepSpeedCPUAdam``/``CPULion``/``CPUAdagrad``, the ops ZeRO
 offload uses), plus torch's default (foreach) AdamW as a reference point. Each optimizer type
 runs in its own process, where the contenders take turns (5 steps each, 9 rounds, after 2
@@ -58,9 +58,9 @@ def _type_of(case: str) -> str:
 def _build(contender: str, case: str, param):
     params = dict(CASES[case][0])
     if contender == "dslaunch":
-        from dslaunch.runtime.optimizers import build_optimizer
+        from dslaunch.runtime.optim.registry import build_optimizer, validate_optimizer
 
-        return build_optimizer(_type_of(case), params, [param])
+        return build_optimizer(validate_optimizer(_type_of(case), params), [param])
     if contender == "torch":
         import torch
 

@@ -11,7 +11,7 @@ from dslaunch.launcher import cli
 
 def _fake_converter(monkeypatch, result=0):
     seen = []
-    fake = types.ModuleType("dslaunch.runtime.zero_to_fp32")
+    fake = types.ModuleType("dslaunch.runtime.checkpoint.export")
 
     def main(argv):
         seen.append(argv)
@@ -20,7 +20,7 @@ def _fake_converter(monkeypatch, result=0):
         return result
 
     fake.main = main
-    monkeypatch.setitem(sys.modules, "dslaunch.runtime.zero_to_fp32", fake)
+    monkeypatch.setitem(sys.modules, "dslaunch.runtime.checkpoint.export", fake)
     return seen
 
 

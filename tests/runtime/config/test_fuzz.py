@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dslaunch.errors import ConfigError
-from dslaunch.runtime import lr_schedules, optimizers
+from dslaunch.runtime import lr_schedules
 from dslaunch.runtime.config import DeepSpeedConfig, load_config
 from dslaunch.runtime.config import ds_config as config_module
 from dslaunch.runtime.config.sections import (
@@ -29,6 +29,7 @@ from dslaunch.runtime.config.sections import (
     Fp16Config,
     ZeroConfig,
 )
+from dslaunch.runtime.optim import registry as optimizers
 
 pytestmark = pytest.mark.timeout(60)
 _FUZZ = settings(max_examples=200, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture,

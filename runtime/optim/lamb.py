@@ -11,7 +11,7 @@ parameter tensor, with t the step count:
     p = p - step_size * coeff * update
 
 State per parameter: ``exp_avg``, ``exp_avg_sq``, ``step`` (0-dim float tensor, as torch's Adam).
-Two passes over cache-sized pieces (``optim_chunks``): the first updates the moments and sums
+Two passes over cache-sized pieces (``chunks``): the first updates the moments and sums
 each parameter's squared norms of weight and update direction; the second recomputes the
 direction (cheaper than storing it: no full-size buffer to allocate and fault in) and applies
 it with the parameter's trust ratio.
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dslaunch.runtime.optim_chunks import ChunkedOptimizer, chunked_rows
+from dslaunch.runtime.optim.chunks import ChunkedOptimizer, chunked_rows
 from dslaunch.runtime.zero.partition import FlatLayout
 
 __all__ = ["Lamb"]

@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from dslaunch.errors import ConfigError
-from dslaunch.runtime.lamb import Lamb
-from dslaunch.runtime.lion import Lion
-from dslaunch.runtime.optimizers import OPTIMIZER_TYPES, build_optimizer, validate_optimizer
+from dslaunch.runtime.optim.lamb import Lamb
+from dslaunch.runtime.optim.lion import Lion
+from dslaunch.runtime.optim.registry import OPTIMIZER_TYPES, build_optimizer, validate_optimizer
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _build(opt_type, params, groups, **kwargs):
+    """The engine's path: the section validated once (as when the config is parsed), then built."""
+    return build_optimizer(validate_optimizer(opt_type, params), groups, **kwargs)
 
 
 def _params(seed: int = 0) -> list[torch.Tensor]:
@@ -106,14 +111,14 @@ def test_defaults_follow_deepspeed() -> None:
 def test_adam_is_decoupled_unless_adam_w_mode_false() -> None:
     cfg = {"lr": 0.01, "weight_decay": 0.1}
     adam_p = _params()
-    adam = _run(build_optimizer("Adam", cfg, adam_p), adam_p, 4)
+    adam = _run(_build("Adam", cfg, adam_p), adam_p, 4)
     ref_p = _params()
     ref = _run(torch.optim.AdamW(ref_p, lr=0.01, weight_decay=0.1), ref_p, 4)
     for a, r in zip(adam, ref, strict=True):
         torch.testing.assert_close(a, r)
 
     l2_p = _params()
-    l2 = _run(build_optimizer("adam", {**cfg, "adam_w_mode": False}, l2_p), l2_p, 4)
+    l2 = _run(_build("adam", {**cfg, "adam_w_mode": False}, l2_p), l2_p, 4)
     ref_p = _params()
     ref_l2 = _run(torch.optim.Adam(ref_p, lr=0.01, weight_decay=0.1), ref_p, 4)
     for a, r in zip(l2, ref_l2, strict=True):
@@ -122,22 +127,22 @@ def test_adam_is_decoupled_unless_adam_w_mode_false() -> None:
 
 
 def test_adamw_type_ignores_adam_w_mode_false() -> None:
-    opt = build_optimizer("AdamW", {"adam_w_mode": False, "weight_decay": 0.1}, _params())
+    opt = _build("AdamW", {"adam_w_mode": False, "weight_decay": 0.1}, _params())
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.param_groups[0]["weight_decay"] == 0.1
 
 
 def test_fused_is_used_on_cpu_when_available() -> None:
-    opt = build_optimizer("AdamW", {}, _params())
+    opt = _build("AdamW", {}, _params())
     assert opt.defaults.get("fused") is True
 
 
 def test_param_groups_keep_their_own_overrides_and_generators_work() -> None:
     params = _params()
     groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
-    opt = build_optimizer("AdamW", {"weight_decay": 0.05}, iter(groups))
+    opt = _build("AdamW", {"weight_decay": 0.05}, iter(groups))
     assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
-    opt2 = build_optimizer("SGD", {"lr": 0.1, "momentum": 0.9}, (p for p in _params()))
+    opt2 = _build("SGD", {"lr": 0.1, "momentum": 0.9}, (p for p in _params()))
     assert len(opt2.param_groups[0]["params"]) == 3
 
 
@@ -151,7 +156,7 @@ def test_param_groups_keep_their_own_overrides_and_generators_work() -> None:
 ])
 def test_torch_types_match_the_plain_torch_loop(name: str, cfg: dict, ref) -> None:
     ours_p, ref_p = _params(), _params()
-    ours = _run(build_optimizer(name, cfg, ours_p), ours_p, 5)
+    ours = _run(_build(name, cfg, ours_p), ours_p, 5)
     expected = _run(ref(ref_p), ref_p, 5)
     for a, r in zip(ours, expected, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
@@ -192,7 +197,7 @@ def _reference_lamb(params, steps, lr, betas, eps, wd, max_coeff, min_coeff, bia
 def test_lion_matches_reference(wd: float) -> None:
     params = _params()
     expected = _reference_lion(params, 6, 0.01, (0.9, 0.99), wd)
-    opt = build_optimizer("Lion", {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": wd}, params)
+    opt = _build("Lion", {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": wd}, params)
     assert isinstance(opt, Lion)
     for a, r in zip(_run(opt, params, 6), expected, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
@@ -202,7 +207,7 @@ def test_lion_matches_reference(wd: float) -> None:
 def test_lamb_matches_reference(wd: float, bias_correction: bool) -> None:
     params = _params()
     expected = _reference_lamb(params, 6, 0.01, (0.9, 0.999), 1e-8, wd, 10.0, 0.01, bias_correction)
-    opt = build_optimizer("Lamb", {"lr": 0.01, "weight_decay": wd, "bias_correction": bias_correction}, params)
+    opt = _build("Lamb", {"lr": 0.01, "weight_decay": wd, "bias_correction": bias_correction}, params)
     assert isinstance(opt, Lamb)
     for a, r in zip(_run(opt, params, 6), expected, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
@@ -242,14 +247,14 @@ def _reference_adam(params, steps, lr, betas, eps, wd, decoupled, bias_correctio
 def test_adam_without_bias_correction_matches_reference(adam_w_mode: bool) -> None:
     params = _params()
     expected = _reference_adam(params, 5, 0.01, (0.9, 0.999), 1e-8, 0.1, adam_w_mode, False)
-    opt = build_optimizer("Adam", {"lr": 0.01, "weight_decay": 0.1, "bias_correction": False,
+    opt = _build("Adam", {"lr": 0.01, "weight_decay": 0.1, "bias_correction": False,
                                    "adam_w_mode": adam_w_mode}, params)
     for a, r in zip(_run(opt, params, 5), expected, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
 
 
 def test_our_adam_with_bias_correction_equals_torch() -> None:
-    from dslaunch.runtime.adam import Adam
+    from dslaunch.runtime.optim.adam import Adam
 
     ours_p, ref_p = _params(), _params()
     ours = _run(Adam(ours_p, lr=0.01, weight_decay=0.1), ours_p, 5)
@@ -288,13 +293,13 @@ def test_lion_and_lamb_state_survive_state_dict_roundtrip() -> None:
 
 def test_other_torch_optimizers_by_exact_name_like_deepspeed() -> None:
     params = _params()
-    opt = build_optimizer("RMSprop", {"lr": 0.01, "alpha": 0.9}, params)
+    opt = _build("RMSprop", {"lr": 0.01, "alpha": 0.9}, params)
     assert isinstance(opt, torch.optim.RMSprop) and opt.defaults["alpha"] == 0.9
     ref_p = _params()
     expected = _run(torch.optim.RMSprop(ref_p, lr=0.01, alpha=0.9), ref_p, 3)
     for a, r in zip(_run(opt, params, 3), expected, strict=True):
         torch.testing.assert_close(a, r)
-    nadam = build_optimizer("NAdam", {"betas": [0.8, 0.99]}, _params())
+    nadam = _build("NAdam", {"betas": [0.8, 0.99]}, _params())
     assert nadam.defaults["betas"] == (0.8, 0.99)
     with pytest.raises(ConfigError, match=r"'optimizer.params.alpah'.*did you mean 'alpha'"):
         validate_optimizer("RMSprop", {"alpah": 0.9})
@@ -326,7 +331,7 @@ def _flat_lamb_run(rank: int, world: int, steps: int) -> list[float]:
     end = min(start + k, total)
     shard = torch.cat([p.detach().reshape(-1) for p in params])[start:end].clone().requires_grad_()
     reduce = (lambda t: dist.all_reduce(t)) if world > 1 else None
-    opt = build_optimizer("Lamb", {"lr": 0.01, "weight_decay": 0.01}, [shard],
+    opt = _build("Lamb", {"lr": 0.01, "weight_decay": 0.01}, [shard],
                           flat_layouts=[FlatLayout.of(numels, start, end)], norm_all_reduce=reduce)
     for step in range(steps):
         shard.grad = torch.cat([g.reshape(-1) for g in _grads(params, step)])[start:end].clone()
@@ -360,12 +365,12 @@ def test_flat_layout_is_not_saved_in_the_optimizer_state() -> None:
     from dslaunch.runtime.zero.partition import FlatLayout
 
     flat = torch.zeros(12, requires_grad=True)
-    opt = build_optimizer("Lamb", {}, [flat], flat_layouts=[FlatLayout.of([4, 3, 5], 0, 12)])
+    opt = _build("Lamb", {}, [flat], flat_layouts=[FlatLayout.of([4, 3, 5], 0, 12)])
     flat.grad = torch.ones(12)
     opt.step()
     assert "segments" not in str(opt.state_dict()["param_groups"])
     # other optimizers accept (and ignore) the layout: their updates are elementwise
-    build_optimizer("AdamW", {}, [torch.zeros(3, requires_grad=True)], flat_layouts=[None])
+    _build("AdamW", {}, [torch.zeros(3, requires_grad=True)], flat_layouts=[None])
 
 
 def test_lamb_empty_shard_still_joins_the_norm_reduction() -> None:

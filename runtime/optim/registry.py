@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean, quote
-from dslaunch.runtime.param_schema import (
+from dslaunch.runtime.config.param_schema import (
     REQUIRED,
     Option,
     betas,
@@ -94,12 +94,12 @@ def _materialize(param_groups: Any) -> list[Any]:
 
 
 def _make_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
-    from dslaunch.runtime import torch_optimizers
+    from dslaunch.runtime.optim import torch_optimizers
 
     # DeepSpeed: type AdamW is always decoupled; type Adam is decoupled unless adam_w_mode=false.
     decoupled = type_name == "AdamW" or p["adam_w_mode"]
     if not p["bias_correction"]:  # torch's Adam always corrects: use ours
-        from dslaunch.runtime.adam import Adam
+        from dslaunch.runtime.optim.adam import Adam
 
         kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay")}
         return Adam(_materialize(param_groups), **kwargs, bias_correction=False, adam_w_mode=decoupled)
@@ -110,25 +110,25 @@ def _make_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
 
 
 def _make_sgd(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
-    from dslaunch.runtime.torch_optimizers import SGD
+    from dslaunch.runtime.optim.torch_optimizers import SGD
 
     return _torch_optimizer(SGD, param_groups, dict(p))
 
 
 def _make_adagrad(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
-    from dslaunch.runtime.torch_optimizers import Adagrad
+    from dslaunch.runtime.optim.torch_optimizers import Adagrad
 
     return _torch_optimizer(Adagrad, param_groups, dict(p))
 
 
 def _make_lion(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
-    from dslaunch.runtime.lion import Lion
+    from dslaunch.runtime.optim.lion import Lion
 
     return Lion(_materialize(param_groups), **p)
 
 
 def _make_lamb(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
-    from dslaunch.runtime.lamb import Lamb
+    from dslaunch.runtime.optim.lamb import Lamb
 
     del p["amsgrad"]  # always false here (cross-checked)
     return Lamb(_materialize(param_groups), **p)
@@ -271,14 +271,13 @@ def validate_optimizer(opt_type: str, params: Mapping[str, Any] | None) -> Optim
     return OptimizerSpec(entry.name, checked)
 
 
-def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_groups: Any, *,
+def build_optimizer(spec: OptimizerSpec, param_groups: Any, *,
                     flat_layouts: Sequence[Any] | None = None,
                     norm_all_reduce: Callable[[Any], None] | None = None):
     """Build the optimizer DeepSpeed would build for this ``optimizer`` section.
 
     Args:
-        opt_type: ds_config ``optimizer.type`` (case-insensitive).
-        params: ds_config ``optimizer.params``.
+        spec: from ``validate_optimizer`` (done once, when the config was parsed).
         param_groups: an iterable of tensors or of param-group dicts (per-group keys such as
             ``weight_decay`` override the config's values, as in torch).
         flat_layouts: for ZeRO's flat tensors, one ``zero.partition.FlatLayout`` (or None) per group:
@@ -289,11 +288,7 @@ def build_optimizer(opt_type: str, params: Mapping[str, Any] | None, param_group
 
     Returns:
         A ``torch.optim.Optimizer``.
-
-    Raises:
-        ConfigError: as ``validate_optimizer``.
     """
-    spec = validate_optimizer(opt_type, params)
     entry = _entry(spec.name)
     kwargs = dict(spec.params)
     if entry.layout_aware:

@@ -8,7 +8,7 @@ Semantics follow DeepSpeed's ``Lion`` (``optimizer.type: "Lion"``; Chen et al. 2
 
 State per parameter: ``exp_avg`` (m). The update is the ``"lion"`` op of ``dslaunch.kernels``;
 its reference (``lion_update``) runs torch's ``_foreach`` kernels over cache-sized batches of the
-parameters (``optim_chunks``).
+parameters (``chunks``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dslaunch import kernels
-from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, ChunkedOptimizer, chunked, unscaled
+from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, ChunkedOptimizer, chunked, unscaled
 
 __all__ = ["Lion", "lion_update"]
 

@@ -1,7 +1,7 @@
 """Adam with DeepSpeed FusedAdam's ``bias_correction`` switch, which torch's Adam lacks.
 
 Used only for ``optimizer.params.bias_correction: false``; every other Adam/AdamW config is
-served by torch's fused implementation (see ``optimizers.py``). Per parameter, step t:
+served by torch's fused implementation (see ``registry.py``). Per parameter, step t:
 
     g = g + weight_decay * p                      (L2 mode, adam_w_mode false)
     m = beta1 * m + (1 - beta1) * g
@@ -14,7 +14,7 @@ served by torch's fused implementation (see ``optimizers.py``). Per parameter, s
 State per parameter: ``step`` (0-dim float tensor), ``exp_avg``, ``exp_avg_sq``, as torch's Adam,
 so checkpoints and ZeRO shards look the same. The update is the ``"adam"`` op of
 ``dslaunch.kernels``; its reference (``adam_update``) runs torch's ``_foreach`` kernels over
-cache-sized batches (``optim_chunks``).
+cache-sized batches (``chunks``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dslaunch import kernels
-from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, ChunkedOptimizer, chunked, unscaled
+from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, ChunkedOptimizer, chunked, unscaled
 
 __all__ = ["Adam", "adam_update"]
 

@@ -17,7 +17,7 @@ LAMB = {"type": "Lamb", "params": {"lr": LR, "weight_decay": WD}}
 
 
 def _lamb(params) -> torch.optim.Optimizer:
-    from dslaunch.runtime.lamb import Lamb
+    from dslaunch.runtime.optim.lamb import Lamb
 
     return Lamb(params, lr=LR, weight_decay=WD)
 

@@ -13,6 +13,11 @@ from dslaunch.runtime.lr_schedules import SCHEDULER_TYPES, build_lr_scheduler, v
 pytestmark = pytest.mark.timeout(30)
 
 
+def _sched(sched_type, params, optimizer):
+    """The engine's path: the section validated once (as when the config is parsed), then built."""
+    return build_lr_scheduler(validate_lr_scheduler(sched_type, params), optimizer)
+
+
 def _adam(lr: float = 0.1, groups: int = 1) -> torch.optim.Optimizer:
     return torch.optim.AdamW([{"params": [torch.zeros(2, requires_grad=True)]} for _ in range(groups)], lr=lr)
 
@@ -28,7 +33,7 @@ def _lrs_by_step(sched, steps: int) -> list[float]:
 
 def test_warmup_lr_log_and_linear() -> None:
     opt = _adam()
-    sched = build_lr_scheduler("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1,
+    sched = _sched("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1,
                                             "warmup_num_steps": 10}, opt)
     lrs = _lrs_by_step(sched, 15)
     assert lrs[0] == pytest.approx(0.01)  # built at iteration -1: min lr
@@ -37,18 +42,18 @@ def test_warmup_lr_log_and_linear() -> None:
         assert lrs[t + 1] == pytest.approx(0.01 + 0.09 * gamma)
     assert sched.get_last_lr() == [pytest.approx(0.1)]
 
-    lin = build_lr_scheduler("WarmupLR", {"warmup_max_lr": 0.2, "warmup_num_steps": 4, "warmup_type": "linear"},
+    lin = _sched("WarmupLR", {"warmup_max_lr": 0.2, "warmup_num_steps": 4, "warmup_type": "linear"},
                              _adam())
     assert _lrs_by_step(lin, 6) == pytest.approx([0.0, 0.0, 0.05, 0.1, 0.15, 0.2, 0.2])
 
 
 def test_warmup_lr_max_defaults_to_optimizer_lr_and_num_steps_at_least_two() -> None:
-    sched = build_lr_scheduler("WarmupLR", {"warmup_num_steps": 1, "warmup_type": "linear"}, _adam(lr=0.3))
+    sched = _sched("WarmupLR", {"warmup_num_steps": 1, "warmup_type": "linear"}, _adam(lr=0.3))
     assert _lrs_by_step(sched, 3) == pytest.approx([0.0, 0.0, 0.15, 0.3])
 
 
 def test_warmup_decay_lr() -> None:
-    sched = build_lr_scheduler("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 5,
+    sched = _sched("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 5,
                                                  "warmup_type": "linear"}, _adam())
     lrs = _lrs_by_step(sched, 25)
     for t in range(25):
@@ -58,7 +63,7 @@ def test_warmup_decay_lr() -> None:
 
 
 def test_warmup_cosine_lr_scales_optimizer_lr() -> None:
-    sched = build_lr_scheduler("WarmupCosineLR", {"total_num_steps": 30, "warmup_num_steps": 10,
+    sched = _sched("WarmupCosineLR", {"total_num_steps": 30, "warmup_num_steps": 10,
                                                   "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}, _adam(0.5))
     lrs = _lrs_by_step(sched, 35)
     for t in range(35):
@@ -74,13 +79,13 @@ def test_warmup_cosine_lr_scales_optimizer_lr() -> None:
 def test_warmup_cosine_lr_starts_at_zero_like_deepspeed() -> None:
     # DeepSpeed returns ratio 0 before the first step, whatever warmup_min_ratio is.
     opt = _adam(0.5)
-    build_lr_scheduler("WarmupCosineLR", {"total_num_steps": 10, "warmup_min_ratio": 0.3}, opt)
+    _sched("WarmupCosineLR", {"total_num_steps": 10, "warmup_min_ratio": 0.3}, opt)
     assert opt.param_groups[0]["lr"] == 0.0
 
 
 def test_one_cycle_lr_and_momentum() -> None:
     opt = _adam()
-    sched = build_lr_scheduler("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.11,
+    sched = _sched("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.11,
                                             "cycle_first_step_size": 4, "cycle_second_step_size": 6,
                                             "decay_step_size": 2, "decay_lr_rate": 0.5,
                                             "decay_mom_rate": 0.1}, opt)
@@ -102,14 +107,14 @@ def test_one_cycle_lr_and_momentum() -> None:
         assert opt.param_groups[0]["lr"] == pytest.approx(expected_lr[t]), t
         assert opt.param_groups[0]["betas"][0] == pytest.approx(expected_mom[t]), t
     # the peak is reached exactly at the end of the first half
-    peak = build_lr_scheduler("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0,
+    peak = _sched("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0,
                                            "cycle_first_step_size": 3}, _adam())
     assert max(_lrs_by_step(peak, 6)) == pytest.approx(1.0)
 
 
 def test_one_cycle_stairs_and_sgd_without_betas() -> None:
     sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
-    sched = build_lr_scheduler("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": 6,
+    sched = _sched("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": 6,
                                             "cycle_first_stair_count": 3}, sgd)
     lrs = _lrs_by_step(sched, 12)
     # rising: floor(pos * 3 / 6) / 3 for pos 1..6, then falling symmetric with the same stairs
@@ -121,7 +126,7 @@ def test_one_cycle_stairs_and_sgd_without_betas() -> None:
 
 @pytest.mark.parametrize("staircase", [False, True])
 def test_lr_range_test(staircase: bool) -> None:
-    sched = build_lr_scheduler("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 4,
+    sched = _sched("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 4,
                                                "lr_range_test_step_rate": 2.0,
                                                "lr_range_test_staircase": staircase}, _adam())
     lrs = _lrs_by_step(sched, 10)
@@ -141,13 +146,13 @@ def test_lr_range_test(staircase: bool) -> None:
     ("LRRangeTest", {"lr_range_test_step_size": 3}),
 ])
 def test_state_dict_resume_continues_identically(name: str, params: dict) -> None:
-    full = build_lr_scheduler(name, params, _adam())
+    full = _sched(name, params, _adam())
     expected = _lrs_by_step(full, 20)
-    first = build_lr_scheduler(name, params, _adam())
+    first = _sched(name, params, _adam())
     _lrs_by_step(first, 8)
     state = first.state_dict()
     assert state == {"last_batch_iteration": 7}
-    resumed = build_lr_scheduler(name, params, _adam())
+    resumed = _sched(name, params, _adam())
     resumed.load_state_dict(state)
     assert resumed.get_last_lr() == pytest.approx([expected[8]])
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected[8])
@@ -156,14 +161,14 @@ def test_state_dict_resume_continues_identically(name: str, params: dict) -> Non
 
 def test_per_group_lists_and_length_check() -> None:
     opt = _adam(groups=2)
-    build_lr_scheduler("WarmupLR", {"warmup_min_lr": [0.1, 0.2], "warmup_max_lr": [1.0, 2.0]}, opt)
+    _sched("WarmupLR", {"warmup_min_lr": [0.1, 0.2], "warmup_max_lr": [1.0, 2.0]}, opt)
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
     with pytest.raises(ConfigError, match=r"'scheduler.params.warmup_min_lr'.*3 values.*2 param groups"):
-        build_lr_scheduler("WarmupLR", {"warmup_min_lr": [0.1, 0.2, 0.3]}, _adam(groups=2))
+        _sched("WarmupLR", {"warmup_min_lr": [0.1, 0.2, 0.3]}, _adam(groups=2))
 
 
 def test_explicit_step_index() -> None:
-    sched = build_lr_scheduler("LRRangeTest", {"lr_range_test_step_size": 1}, _adam())
+    sched = _sched("LRRangeTest", {"lr_range_test_step_size": 1}, _adam())
     sched.step(9)
     assert sched.last_batch_iteration == 9 and sched.get_last_lr() == [pytest.approx(0.001 * 11)]
 

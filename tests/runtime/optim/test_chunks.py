@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dslaunch.runtime.optim_chunks import CHUNK_NUMEL, chunked
-from dslaunch.runtime.optimizers import build_optimizer
+from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, chunked
+from dslaunch.runtime.optim.registry import build_optimizer, validate_optimizer
+
+
+def _build(opt_type, params, groups, **kwargs):
+    """The engine's path: the section validated once (as when the config is parsed), then built."""
+    return build_optimizer(validate_optimizer(opt_type, params), groups, **kwargs)
+
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,9 +48,9 @@ def test_tensors_larger_than_a_chunk_match_the_small_chunk_free_update(name: str
     grads = [torch.randn(big.shape, generator=gen) for _ in range(3)]
     whole = big.clone().requires_grad_()
     pieces = big.clone().requires_grad_()
-    opt_whole = build_optimizer(name, cfg, [whole])
+    opt_whole = _build(name, cfg, [whole])
     opt_whole.chunk_numel = 1 << 30  # one chunk covers the whole tensor
-    opt_pieces = build_optimizer(name, cfg, [pieces])
+    opt_pieces = _build(name, cfg, [pieces])
     assert opt_pieces.chunk_numel == CHUNK_NUMEL < big.numel()  # split into pieces
     for g in grads:
         whole.grad, pieces.grad = g.clone(), g.clone()
@@ -60,7 +66,7 @@ def test_amp_protocol_grad_scale_and_found_inf(name: str) -> None:
     start = torch.randn(1000, generator=gen)
     grad = torch.randn(1000, generator=gen)
     plain, scaled = start.clone().requires_grad_(), start.clone().requires_grad_()
-    opt_plain, opt_scaled = build_optimizer(name, cfg, [plain]), build_optimizer(name, cfg, [scaled])
+    opt_plain, opt_scaled = _build(name, cfg, [plain]), _build(name, cfg, [scaled])
     assert opt_scaled._step_supports_amp_scaling
     plain.grad, scaled.grad = grad.clone(), grad * 1024.0
     opt_plain.step()
@@ -75,7 +81,7 @@ def test_amp_protocol_grad_scale_and_found_inf(name: str) -> None:
 
 
 def test_chunked_rows_names_the_source_tensor_of_every_view() -> None:
-    from dslaunch.runtime.optim_chunks import chunked_rows
+    from dslaunch.runtime.optim.chunks import chunked_rows
 
     tensors = [torch.full((10,), 0.0), torch.full((3,), 1.0), torch.full((20,), 2.0)]
     seen = []

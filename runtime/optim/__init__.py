@@ -1,0 +1,11 @@
+"""Optimizers named by ds_config's ``optimizer.type``.
+
+- ``registry.py``: the types, their accepted ``optimizer.params`` (DeepSpeed's names and
+  defaults), ``validate_optimizer`` (config -> ``OptimizerSpec``, once, when the config is parsed)
+  and ``build_optimizer`` (spec + param groups -> ``torch.optim.Optimizer``).
+- ``adam.py`` (Adam without bias correction), ``lion.py``, ``lamb.py``: the optimizers torch lacks.
+- ``chunks.py``: what those share (the step protocol, cache-sized batches of tensors).
+- ``torch_optimizers.py``: torch's optimizers, their update going through ``dslaunch.kernels``.
+
+Importing this package does not import torch.
+"""
