@@ -37,7 +37,7 @@ import torch
 
 from dslaunch.errors import CheckpointError
 
-__all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "write_object", "read_object", "file_digest"]
+__all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "write_object", "read_object"]
 
 MAGIC = b"DSLCKPT1"
 _ALIGN = 64
@@ -202,15 +202,6 @@ def _crc(view: memoryview, algorithm: str) -> int:
     for i in range(0, len(view), _CHUNK):
         crc = checksum(view[i:i + _CHUNK], crc)
     return crc
-
-
-def file_digest(path: str | os.PathLike, algorithm: str = DEFAULT_CHECKSUM) -> FileDigest:
-    """Size and ``algorithm`` checksum of a file on disk (for verifying without unpickling)."""
-    checksum, crc, size = _checksum_fn(algorithm), 0, 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            crc, size = checksum(chunk, crc), size + len(chunk)
-    return FileDigest(size=size, checksum=crc, algorithm=algorithm)
 
 
 def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> Any:

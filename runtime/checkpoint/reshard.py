@@ -18,7 +18,7 @@ import torch
 
 from dslaunch.errors import CheckpointError
 
-__all__ = ["partition_map", "check_meta", "needed_ranks", "assemble", "consolidate", "fp32_params",
+__all__ = ["partition_map", "check_meta", "needed_ranks", "assemble", "fp32_params",
            "check_compatible"]
 
 Range = tuple[int, int]
@@ -139,11 +139,6 @@ def assemble(shards: list[dict], targets: list[Range]) -> dict:
                        "hparams": dict(base["hparams"])})
     return {"stage": first["stage"], "world_size": first["world_size"], "rank": first["rank"],
             "groups": groups}
-
-
-def consolidate(shards: list[dict]) -> dict:
-    """All shards of a checkpoint -> one state dict whose groups span [0, numel)."""
-    return assemble(shards, [(0, int(g["numel"])) for g in shards[0]["groups"]])
 
 
 def fp32_params(consolidated: dict) -> OrderedDict[str, torch.Tensor]:

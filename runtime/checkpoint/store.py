@@ -217,29 +217,6 @@ class CheckpointStore:
                                   str(self.root / tag / MANIFEST))
         return read_object(self.root / tag / name, rec.digest)
 
-    def verify(self, tag: str, names: list[str] | None = None) -> Manifest:
-        """Check the manifest and the size and checksum of ``names`` (default: every file)."""
-        from dslaunch.runtime.checkpoint.format import file_digest
-
-        manifest = self.manifest(tag)
-        for name in names if names is not None else sorted(manifest.files):
-            rec = manifest.files[name]
-            path = self.root / tag / name
-            if not path.is_file():
-                raise CheckpointError("file is missing", str(path))
-            try:
-                size = path.stat().st_size
-                digest = file_digest(path, rec.algorithm) if size == rec.size else None
-            except OSError as exc:  # permissions, I/O error: say which file, not a traceback
-                raise CheckpointError(f"cannot read the file ({exc.strerror or exc})", str(path)) from exc
-            if digest is None:
-                raise CheckpointError(f"file is truncated or was changed: {size} bytes on disk, the "
-                                      f"manifest records {rec.size} bytes", str(path))
-            if digest.checksum != rec.checksum:
-                raise CheckpointError(f"checksum mismatch: the file is corrupt ({rec.algorithm.upper()} "
-                                      "differs from the manifest)", str(path))
-        return manifest
-
     def tags(self) -> list[Manifest]:
         """Published tags with a readable manifest, newest first (files not verified)."""
         found = []

@@ -251,7 +251,3 @@ class AsyncWriter:
                 raise err
             raise CheckpointError(f"the previous asynchronous checkpoint save failed: "
                                   f"{type(err).__name__}: {err}") from err
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()

@@ -1,6 +1,6 @@
 """Loss scaling for mixed precision, as a strategy the engine picks once.
 
-Owns the three policies and the overflow check:
+Owns the three policies (the overflow itself is detected by the ZeRO strategy's step, below):
 
 - ``DynamicLossScaler`` (``fp16`` with ``loss_scale: 0``): DeepSpeed's dynamic rules. Starts at
   ``2**initial_scale_power``. An overflowing step is skipped; it consumes one unit of hysteresis,
@@ -19,13 +19,13 @@ when it overflowed. ``build_loss_scaler`` takes the ``fp16`` section parsed by `
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from dslaunch.runtime.config.sections import Fp16Config
 
 __all__ = ["LossScaler", "DynamicLossScaler", "StaticLossScaler", "NoLossScaler", "LossScaleAtMinimumError",
-           "build_loss_scaler", "has_overflow"]
+           "build_loss_scaler"]
 
 
 class LossScaleAtMinimumError(FloatingPointError):
@@ -170,20 +170,3 @@ def build_loss_scaler(fp16: Fp16Config | None = None) -> LossScaler:
     return DynamicLossScaler(init_scale=2.0**fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
                              hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
                              min_scale=fp16.min_loss_scale)
-
-
-def has_overflow(tensors: Iterable[Any]) -> bool:
-    """True if any tensor holds an inf or nan (local to this rank; the engine all-reduces it).
-
-    One fp32-accumulated sum per tensor (inf and nan propagate through a sum) and a single host
-    sync for the whole list. ``None`` entries (parameters without gradients) are skipped.
-
-    Limitations: like DeepSpeed's check, finite values whose sum exceeds the fp32 range also
-    count as an overflow.
-    """
-    import torch
-
-    sums = [t.sum(dtype=torch.float32) for t in tensors if t is not None and t.numel() > 0]
-    if not sums:
-        return False
-    return not bool(torch.isfinite(torch.stack(sums)).all())

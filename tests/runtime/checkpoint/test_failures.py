@@ -24,6 +24,7 @@ from dslaunch.runtime.checkpoint import publish as checkpoint_publish
 from dslaunch.runtime.checkpoint import store as checkpoint_io
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore, write_atomic
 from dslaunch.runtime.checkpoint.writer import LocalComm, TagWrite, write_tag
+from tests.runtime.checkpoint.helpers import verify
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +37,7 @@ def _save(store: CheckpointStore, step: int, tag: str | None = None, comm=None, 
 
 
 def _step(store: CheckpointStore, tag: str) -> int:
-    return store.read(tag, "extra.bin", store.verify(tag))["step"]
+    return store.read(tag, "extra.bin", verify(store, tag))["step"]
 
 
 def _snapshot(root: Path) -> dict[str, object]:

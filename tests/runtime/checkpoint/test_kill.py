@@ -12,6 +12,7 @@ import pytest
 
 from dslaunch.runtime.checkpoint.store import CheckpointStore, first_loadable
 from tests.distributed import _CTX, free_port
+from tests.runtime.checkpoint.helpers import verify
 
 
 def _worker(root: str, saves: int, stall: bool = False) -> None:
@@ -97,10 +98,10 @@ def _kill_mid_save(root: Path, victims: tuple[int, ...], rng: random.Random) -> 
             p.join()
     last = _confirmed(root)
     tags, _ = store.candidates()
-    tag, manifest, _ = first_loadable(tags, store.verify)
+    tag, manifest, _ = first_loadable(tags, lambda t: verify(store, t))
     assert manifest.meta["global_steps"] >= last >= 1, (tag, last)
     for m in store.tags():  # every published tag is complete
-        store.verify(m.tag)
+        verify(store, m.tag)
 
 
 @pytest.mark.timeout(240)
@@ -125,4 +126,4 @@ def test_killed_job_leaves_a_verified_latest(tmp_path: Path) -> None:
     assert [p.exitcode for p in procs] == [0, 0]
     assert _leftovers(tmp_path) == []
     store = CheckpointStore(tmp_path)
-    assert store.read_latest()[0] == "global_step1" and store.verify("global_step1")
+    assert store.read_latest()[0] == "global_step1" and verify(store, "global_step1")

@@ -11,7 +11,6 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     check_compatible,
-    consolidate,
     fp32_params,
     needed_ranks,
     partition_map,
@@ -19,6 +18,11 @@ from dslaunch.runtime.checkpoint.reshard import (
 from dslaunch.runtime.zero.partition import partition_range
 
 SHAPES = [[("w1", (3, 5)), ("b1", (5,)), ("w2", (7, 2))], [("ln", (3,))]]  # numel 34 and 3
+
+
+def consolidate(shards: list[dict]) -> dict:
+    """All shards -> one state dict whose groups span [0, numel), as the fp32 export builds it."""
+    return assemble(shards, [(0, int(g["numel"])) for g in shards[0]["groups"]])
 
 
 def _full_state(seed: int = 0) -> list[dict]:
