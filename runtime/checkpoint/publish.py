@@ -1,19 +1,11 @@
-"""One save of a tag, as its leader performs it on ``save_dir``, and what killed saves leave behind.
+"""One save of a tag, as its leader performs it on ``save_dir``.
 
 Owns every step of a save that changes what the loader sees, and its reversal. ``LeaderSave``:
 ``begin`` (clear stale leftovers, record the owner, create ``.tmp-<tag>``) -> the ranks write their
 files -> ``install`` (manifest, rename into place, ``latest``) -> ``commit`` (drop the tag's previous
 version, retention) or ``roll_back`` (remove exactly what this save created, put back what it
-replaced) -> ``describe`` says what is on disk then. Besides the tags and ``latest``::
-
-    .owner-<tag>       host, pid and start time of the process saving <tag>: written before
-                       anything else of the save and removed after everything else
-    .tmp-<tag>/        the tag being written (only ever this save's own files)
-    .old-<tag>/        the tag's previous version, kept until the save commits
-    .latest.tmp-<tag>  ``latest`` being rewritten to name <tag>
-
-None of these is ever loaded (``CheckpointStore.tags`` skips them). What a killed save leaves is
-removed by the next save's leader (``remove_stale``), and only when no live save can own it.
+replaced) -> ``describe`` says what is on disk then. The entries a save creates besides the tag
+and ``latest``, and the cleanup of those killed saves leave, are ``leftovers.py``'s.
 """
 
 from __future__ import annotations
@@ -21,15 +13,23 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import json
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.leftovers import (
+    Owner,
+    clear,
+    latest_tmp,
+    manifest_time,
+    old_dir,
+    owner_file,
+    remove,
+    remove_stale,
+)
 from dslaunch.runtime.checkpoint.store import (
     LATEST,
     MANIFEST,
@@ -41,12 +41,8 @@ from dslaunch.runtime.checkpoint.store import (
     write_atomic,
 )
 
-__all__ = ["SAVE_TIMEOUT_S", "LeaderSave", "remove_stale"]
+__all__ = ["LeaderSave"]
 
-# The timeout of the checkpoint collectives (writer.GroupComm). A live save touches its
-# files more often: between two of its collectives it writes, and a collective that waits longer
-# fails the save.
-SAVE_TIMEOUT_S = 1800.0
 _RENAME_EXCHANGE = 2
 
 
@@ -66,155 +62,12 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _owner_file(store: CheckpointStore, tag: str) -> Path:
-    return store.root / f".owner-{tag}"
-
-
-def _old_dir(store: CheckpointStore, tag: str) -> Path:
-    return store.root / f".old-{tag}"
-
-
-def _latest_tmp(store: CheckpointStore, tag: str) -> Path:
-    return store.root / f".latest.tmp-{tag}"
-
-
 def _read_bytes(path: Path) -> bytes | None:
     """The file's content, or None when it does not exist (or cannot be read)."""
     try:
         return path.read_bytes()
     except OSError:
         return None
-
-
-def _manifest_time(tag_dir: Path) -> float | None:
-    """The manifest time of a complete tag directory, else None."""
-    try:
-        return Manifest.from_json((tag_dir / MANIFEST).read_text(), tag_dir / MANIFEST).created
-    except (OSError, UnicodeDecodeError, CheckpointError):
-        return None
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or directory tree if it exists (best effort)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink(missing_ok=True)
-
-
-def _process_start(pid: int) -> float | None:
-    """When process ``pid`` on this host started, or None when there is none."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-@dataclass(frozen=True)
-class _Owner:
-    """The process saving a tag, as recorded in ``.owner-<tag>``."""
-
-    host: str
-    pid: int
-    start: float
-
-    @classmethod
-    def me(cls) -> _Owner:
-        return cls(socket.gethostname(), os.getpid(), _process_start(os.getpid()) or 0.0)
-
-    @classmethod
-    def of(cls, store: CheckpointStore, tag: str) -> _Owner | None:
-        """The recorded owner of a save of ``tag``; None when there is no record."""
-        try:
-            body = json.loads(_owner_file(store, tag).read_text())
-            return cls(str(body["host"]), int(body["pid"]), float(body["start"]))
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError, KeyError, TypeError, ValueError):
-            return cls("", -1, 0.0)  # torn by a crash while being written: owner unknown
-
-    def alive(self) -> bool | None:
-        """True/False on this host (a reused pid has another start time); None elsewhere."""
-        if self.host != socket.gethostname():
-            return None
-        started = _process_start(self.pid)
-        return started is not None and abs(started - self.start) < 1.0
-
-    def to_json(self) -> str:
-        return json.dumps({"host": self.host, "pid": self.pid, "start": self.start})
-
-
-# ---- leftovers of killed saves ------------------------------------------------------------------
-_LEFTOVERS = (".tmp-", ".old-", ".latest.tmp-", ".owner-")
-
-
-def remove_stale(store: CheckpointStore) -> list[str]:
-    """Leader, before a save: remove what killed or failed saves left in ``save_dir``.
-
-    Leftovers of tag T (``.tmp-T``, ``.old-T``, ``.latest.tmp-T``, ``.owner-T``) go when
-    ``_stale``; a ``.old-T`` whose tag T is missing (a save killed between its two renames) is
-    moved back to T instead. ``.trash-*`` (a delete in progress) and ``.latest.tmp<pid>`` files of
-    older dslaunch versions always go. Nothing else is touched.
-
-    Returns:
-        The names of the entries removed or moved back.
-    """
-    groups: dict[str, list[Path]] = {}
-    done = []
-    for entry in store.root.iterdir():
-        prefix = next((p for p in _LEFTOVERS if entry.name.startswith(p)), None)
-        if prefix is not None:
-            groups.setdefault(entry.name.removeprefix(prefix), []).append(entry)
-        elif entry.name.startswith((".trash-", ".latest.tmp")):
-            _remove(entry)
-            done.append(entry.name)
-    for tag, entries in groups.items():
-        if _stale(store, tag, entries):
-            done += [e.name for e in entries]
-            _clear(store, tag)
-    return done
-
-
-def _last_touched(paths: list[Path]) -> float:
-    """The newest mtime/ctime of ``paths`` and of the entries of those that are directories."""
-    stamps = [0.0]
-    for p in paths:
-        with contextlib.suppress(OSError):
-            stamps += [p.stat().st_mtime, p.stat().st_ctime]
-            if p.is_dir():
-                stamps += [max(c.stat().st_mtime, c.stat().st_ctime) for c in p.iterdir()]
-    return max(stamps)
-
-
-def _stale(store: CheckpointStore, tag: str, entries: list[Path]) -> bool:
-    """True when no live save can own ``tag``'s leftovers.
-
-    Saves are serialized per directory within a job, but two jobs may share ``save_dir``, so a
-    leftover is stale only when its save left no owner record (the record comes first and goes
-    last), or the recorded process is dead (on this host its pid and start time tell), or, for
-    an owner on another host (or a torn record), nothing in it changed for longer than the
-    collectives' timeout, which a live save never lets pass (SAVE_TIMEOUT_S).
-    """
-    owner = _Owner.of(store, tag)
-    if owner is None:
-        return True
-    alive = owner.alive()
-    if alive is None:
-        return time.time() - _last_touched(entries) > SAVE_TIMEOUT_S
-    return not alive
-
-
-def _clear(store: CheckpointStore, tag: str) -> None:
-    """Remove ``tag``'s leftovers, moving its previous version back if the tag is missing."""
-    final, old = store.root / tag, _old_dir(store, tag)
-    if not final.exists() and _manifest_time(old) is not None:
-        with contextlib.suppress(OSError):
-            os.rename(old, final)
-    for path in (store.tmp_dir(tag), old, _latest_tmp(store, tag), _owner_file(store, tag)):
-        _remove(path)
 
 
 # ---- one save -----------------------------------------------------------------------------------
@@ -255,16 +108,16 @@ class LeaderSave:
         store, tag = self.store, self.tag
         validate_tag(tag)
         store.root.mkdir(parents=True, exist_ok=True)
-        owner = _Owner.of(store, tag)
+        owner = Owner.of(store, tag)
         if owner is not None and owner.alive():
             raise CheckpointError(f"another save of tag {tag!r} is in progress here (process "
                                   f"{owner.pid} on {owner.host}): save under another tag or "
-                                  "directory", str(_owner_file(store, tag)))
+                                  "directory", str(owner_file(store, tag)))
         remove_stale(store)
-        _clear(store, tag)
-        self._before = _Before(_read_bytes(store.root / LATEST), _manifest_time(store.root / tag))
+        clear(store, tag)
+        self._before = _Before(_read_bytes(store.root / LATEST), manifest_time(store.root / tag))
         self._started = True
-        _owner_file(store, tag).write_text(_Owner.me().to_json())
+        owner_file(store, tag).write_text(Owner.me().to_json())
         store.tmp_dir(tag).mkdir()
 
     def install(self, records: list[FileRecord], meta: dict, save_latest: bool = True,
@@ -290,7 +143,7 @@ class LeaderSave:
         try:
             fsync_dir(store.root, store.durable)
             if save_latest:
-                write_atomic(latest, lambda p: p.write_text(tag), store.durable, _latest_tmp(store, tag))
+                write_atomic(latest, lambda p: p.write_text(tag), store.durable, latest_tmp(store, tag))
         except BaseException:
             self.roll_back()
             raise
@@ -299,11 +152,11 @@ class LeaderSave:
     def _move_into_place(self, tmp: Path) -> Path | None:
         """Rename ``tmp`` to the tag. Returns where the tag's previous version now is (None: the
         tag is new). On failure ``tmp`` still holds the new files and the tag the previous ones."""
-        final, old = self.store.root / self.tag, _old_dir(self.store, self.tag)
+        final, old = self.store.root / self.tag, old_dir(self.store, self.tag)
         if not final.exists():
             os.rename(tmp, final)
             return None
-        _remove(old)
+        remove(old)
         if _exchange(tmp, final):  # atomic: readers never find the tag missing
             try:
                 os.rename(tmp, old)  # so that ``.tmp-<tag>`` only ever holds this save's files
@@ -359,7 +212,7 @@ class LeaderSave:
                     latest.unlink()
                 else:
                     write_atomic(latest, lambda p: p.write_bytes(before), store.durable,
-                                 _latest_tmp(store, self.tag))
+                                 latest_tmp(store, self.tag))
             if _read_bytes(latest) != before:
                 return
         with contextlib.suppress(OSError):
@@ -376,8 +229,8 @@ class LeaderSave:
         """The save is over: remove its ``latest`` temp file, then its owner record (last: while
         it exists, other saves leave this save's files alone)."""
         self._started = False
-        for path in (_latest_tmp(self.store, self.tag), _owner_file(self.store, self.tag)):
-            _remove(path)
+        for path in (latest_tmp(self.store, self.tag), owner_file(self.store, self.tag)):
+            remove(path)
 
     def describe(self) -> str:
         """What ``latest`` and the tag hold now, compared with the save's start, and what the
@@ -390,7 +243,7 @@ class LeaderSave:
             parts = [f"{latest} still names {named}" if now is not None else f"there is still no {latest}"]
         else:
             parts = [f"{latest} names {named}" if now is not None else f"there is no {latest}"]
-        have, old = _manifest_time(store.root / tag), _old_dir(store, tag)
+        have, old = manifest_time(store.root / tag), old_dir(store, tag)
         if have is not None and self.manifest is not None and have == self.manifest.created:
             parts.append(f"tag {tag!r} is complete (the new version)")
         elif have is not None and before is not None and have == before.tag_created:
@@ -399,12 +252,12 @@ class LeaderSave:
             parts.append(f"tag {tag!r} exists")
         elif (store.root / tag).exists():
             parts.append(f"{store.root / tag} is not a complete checkpoint")
-        elif _manifest_time(old) is not None:
+        elif manifest_time(old) is not None:
             parts.append(f"tag {tag!r} is missing: its previous version is in {old} (the next save "
                          "moves it back)")
         else:
             parts.append(f"no tag {tag!r} was published")
-        for left in (store.tmp_dir(tag), _latest_tmp(store, tag)) + ((old,) if have else ()):
+        for left in (store.tmp_dir(tag), latest_tmp(store, tag)) + ((old,) if have else ()):
             if left.exists():
                 parts.append(f"{left} is left over (it is never loaded; the next save removes it)")
         return ", ".join(parts)

@@ -27,7 +27,8 @@ from typing import Any, Protocol
 import torch
 
 from dslaunch.errors import CheckpointError, DslaunchError
-from dslaunch.runtime.checkpoint.publish import SAVE_TIMEOUT_S, LeaderSave
+from dslaunch.runtime.checkpoint.leftovers import SAVE_TIMEOUT_S
+from dslaunch.runtime.checkpoint.publish import LeaderSave
 from dslaunch.runtime.checkpoint.store import CheckpointStore, FileRecord, Manifest
 
 __all__ = ["Comm", "LocalComm", "GroupComm", "TagWrite", "write_tag", "Snapshot", "AsyncWriter"]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint import leftovers as checkpoint_leftovers
 from dslaunch.runtime.checkpoint import publish as checkpoint_publish
 from dslaunch.runtime.checkpoint import store as checkpoint_io
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore, write_atomic
@@ -336,8 +337,8 @@ def test_next_save_removes_leftovers_of_dead_saves_only(tmp_path: Path, monkeypa
         assert {p.name for p in tmp_path.iterdir()} == mine | set(live) | set(unknown)
         # An unknown owner is given up once nothing in its files changed for longer than the
         # collectives' timeout: a save that is alive writes more often.
-        now = checkpoint_publish.time.time()
-        monkeypatch.setattr(checkpoint_publish.time, "time", lambda: now + checkpoint_publish.SAVE_TIMEOUT_S + 10)
+        now = checkpoint_leftovers.time.time()
+        monkeypatch.setattr(checkpoint_leftovers.time, "time", lambda: now + checkpoint_leftovers.SAVE_TIMEOUT_S + 10)
         _save(store, 3)
         monkeypatch.undo()
         assert {p.name for p in tmp_path.iterdir()} == mine | set(live) | {"global_step3"}
