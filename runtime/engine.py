@@ -55,6 +55,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._step_applied = False
         self._grad_norm: float | None = None
         self._sync = True
+        self._checkpointer: Any = None  # built (collectively) by the first save or load
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -126,11 +127,8 @@ class DeepSpeedEngine(torch.nn.Module):
         collective: call on all ranks, after the last training step.
         """
         self.zero.synchronize()
-        # No import here: this runs at exit, where a first import can reset CPython's note of an
-        # uncaught KeyboardInterrupt (the exit code would be 1 instead of 130).
-        checkpointer = self.__dict__.pop("_dslaunch_checkpointer", None)
-        if checkpointer is not None:
-            checkpointer.writer.wait()
+        self.wait_for_checkpoint()
+        self._checkpointer = None
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -189,12 +187,34 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.loss_scaler.loss_scale
 
     # ----- checkpoints (dslaunch.runtime.checkpoint) ---------------------------------------------
+    def checkpoint_parts(self) -> Any:
+        """The named parts a checkpoint of this engine holds (``checkpoint.parts.CheckpointParts``).
+
+        collective on the first call (it builds the engine's checkpoint group): all ranks.
+        """
+        from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
+        from dslaunch.runtime.checkpoint.parts import CheckpointParts, StateFns
+
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer()
+        return CheckpointParts(module=self.module, zero=self.zero,
+                               training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
+                               optimizer=self.optimizer, global_steps=self.global_steps,
+                               config=self.config.checkpoint, io=self._checkpointer)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a pending asynchronous save is durable; raise its error if it failed."""
+        # No import here: destroy() runs at exit, where a first import can reset CPython's note of
+        # an uncaught KeyboardInterrupt (the exit code would be 1 instead of 130).
+        if self._checkpointer is not None:
+            self._checkpointer.writer.wait()
+
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
         from dslaunch.runtime import checkpoint
 
         self.zero.synchronize()
-        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state,
+        return checkpoint.save_checkpoint(self.checkpoint_parts(), save_dir, tag=tag, client_state=client_state,
                                           save_latest=save_latest,
                                           exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -204,7 +224,7 @@ class DeepSpeedEngine(torch.nn.Module):
         from dslaunch.runtime import checkpoint
 
         self.zero.synchronize()
-        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+        return checkpoint.load_checkpoint(self.checkpoint_parts(), load_dir, tag=tag, load_module_strict=load_module_strict,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
@@ -214,7 +234,7 @@ class DeepSpeedEngine(torch.nn.Module):
         from dslaunch.runtime import checkpoint
 
         self.zero.synchronize()
-        return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename,
+        return checkpoint.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename=save_filename,
                                            exclude_frozen_parameters=exclude_frozen_parameters)
 
     # ----- module weights, as DeepSpeed's nn.Module engine ---------------------------------------

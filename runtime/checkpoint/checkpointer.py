@@ -1,6 +1,6 @@
 """Per-engine checkpoint machinery and the file names inside a tag.
 
-Owns the ``Checkpointer`` each engine gets at its first save or load (the private gloo group
+Owns the ``Checkpointer`` each engine makes at its first save or load (the private gloo group
 checkpoint collectives run on, the async writer, the host-memory snapshots and the gate that
 makes the optimizer step wait for a snapshot copy), which rank leads each node, the names of
 the files in a tag, and the RNG states saved per rank.
@@ -20,7 +20,7 @@ import torch
 
 from dslaunch.runtime.checkpoint.writer import AsyncWriter, Comm, GroupComm, LocalComm, Snapshot
 
-__all__ = ["MODULE_FILE", "zero_file", "rank_file", "Checkpointer", "checkpointer", "rng_state",
+__all__ = ["MODULE_FILE", "zero_file", "rank_file", "Checkpointer", "rng_state",
            "set_rng_state"]
 
 MODULE_FILE = "module.dsl"
@@ -63,15 +63,6 @@ class Checkpointer:
             t0 = time.perf_counter()
             self.snapshot_done.wait()
             self.gate_wait_s += time.perf_counter() - t0
-
-
-def checkpointer(engine: Any) -> Checkpointer:
-    # collective on first use: every rank builds the private group at its first save/load.
-    ck = getattr(engine, "_dslaunch_checkpointer", None)
-    if ck is None:
-        ck = Checkpointer()
-        engine._dslaunch_checkpointer = ck
-    return ck
 
 
 def rng_state() -> dict[str, Any]:

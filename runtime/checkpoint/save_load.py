@@ -1,15 +1,15 @@
 """``engine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``: what goes into a tag.
 
-Owns the contents of a checkpoint and the load plan; the engine's methods delegate here. The
-engine, the ZeRO strategy, the loss scaler, the scheduler and the data loader save themselves
-(``state_dict``); this module only names the files, adds RNG states and client state, and hands
+Owns the contents of a checkpoint and the load plan; the engine's methods delegate here with the
+engine's ``parts.CheckpointParts`` (module, ZeRO strategy, training state: each saves itself with
+``state_dict``); this module only names the files, adds RNG states and client state, and hands
 the result to the storage layer (``store`` via ``writer``; per-engine
 machinery in ``checkpointer``). A tag holds::
 
     module.dsl            module.state_dict() (model dtype) minus the params the optimizer holds,
                           from global rank 0 (those params are stored once: as fp32 masters)
     zero_rank_NNNNN.dsl   strategy.state_dict() of rank N (stage 0: rank 0 only; all ranks have it)
-    rank_NNNNN.dsl        engine.engine_state_dict(), RNG states (python, numpy, torch), client_state
+    rank_NNNNN.dsl        the training part (as "engine"), RNG states (python, numpy, torch), client_state
     manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32C checksums, version
 
 Loading at the saving layout reads each rank's own files; at another world size or stage each
@@ -39,12 +39,12 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.checkpointer import (
     MODULE_FILE,
     Checkpointer,
-    checkpointer,
     rank_file,
     rng_state,
     set_rng_state,
     zero_file,
 )
+from dslaunch.runtime.checkpoint.parts import CheckpointParts
 from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     check_compatible,
@@ -73,9 +73,7 @@ def wait_for_checkpoint(engine: Any) -> None:
 
     collective: call on all ranks (before destroying the process group).
     """
-    ck = getattr(engine, "_dslaunch_checkpointer", None)
-    if ck is not None:
-        ck.writer.wait()
+    engine.wait_for_checkpoint()
 
 
 # ---- save ---------------------------------------------------------------------------------------
@@ -93,21 +91,21 @@ def _agreed_tag(ck: Checkpointer, tag: str, policy: str) -> str:
     return tags[0]
 
 
-def _module_state(engine: Any, exclude_frozen: bool) -> dict[str, torch.Tensor]:
-    sd = engine.module.state_dict()
+def _module_state(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    sd = module.state_dict()
     if exclude_frozen:
-        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         sd = type(sd)((k, v) for k, v in sd.items() if k not in frozen)
     return sd
 
 
-def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
+def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any = None,
                     client_state: dict | None = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
     """Save module weights, ZeRO state, engine state, RNG and ``client_state`` under ``tag``.
 
     Args:
-        tag: directory name inside ``save_dir``; default ``global_step{engine.global_steps}``.
+        tag: directory name inside ``save_dir``; default ``global_step{global_steps}``.
         save_latest: make ``save_dir/latest`` name this tag once it is complete.
     Returns:
         True (as DeepSpeed). With ``checkpoint.async_save`` the files are written in the
@@ -119,16 +117,16 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
 
     collective: call on all ranks.
     """
-    ck = checkpointer(engine)
+    ck = parts.io
     ck.writer.wait()
-    cfg = engine.config.checkpoint
-    tag = validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    cfg = parts.config
+    tag = validate_tag(str(tag) if tag is not None else f"global_step{parts.global_steps}")
     tag = _agreed_tag(ck, tag, cfg.tag_validation)
-    rank, zero = ck.comm.rank, engine.zero
+    rank, zero = ck.comm.rank, parts.zero
     module_writer = rank == 0 or (cfg.use_node_local_storage and ck.node_leader)
     zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage
     files: dict[str, Any] = {}
-    module_sd = _module_state(engine, exclude_frozen_parameters)
+    module_sd = _module_state(parts.module, exclude_frozen_parameters)
     zero_sd = zero.state_dict()
     in_groups = {n for g in zero_sd["groups"] for n in g["names"]}
     if module_writer:  # trained params live once, as fp32 masters in the ZeRO shards
@@ -136,17 +134,17 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
                                                          if k not in in_groups)}
     if zero_writer:
         files[zero_file(rank)] = zero_sd
-    files[rank_file(rank)] = {"engine": engine.engine_state_dict(), "rng": rng_state(),
+    files[rank_file(rank)] = {"engine": parts.training.state_dict(), "rng": rng_state(),
                                "client_state": client_state if client_state is not None else {}}
     layouts = ck.comm.all_gather_object(
         _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
                                                    and rank != 0) else None)
     meta = {"world_size": ck.comm.world_size, "zero_stage": zero.stage,
-            "global_steps": engine.global_steps, "torch_version": torch.__version__,
+            "global_steps": parts.global_steps, "torch_version": torch.__version__,
             "node_local_storage": cfg.use_node_local_storage,
             "exclude_frozen_parameters": exclude_frozen_parameters,
             # lets zero-to-fp32 tell frozen params from buffers (exclude_frozen_parameters there)
-            "frozen_parameters": [n for n, p in engine.module.named_parameters() if not p.requires_grad],
+            "frozen_parameters": [n for n, p in parts.module.named_parameters() if not p.requires_grad],
             "partition": partition_map([x for x in layouts if x is not None]),
             "module_keys": list(module_sd),
             "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
@@ -157,13 +155,13 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: Any = None,
                    save_latest=save_latest, keep_last=cfg.keep_last or 0,
                    library_version=dslaunch.__version__)
     if cfg.async_save:
-        _save_async(ck, engine, job, zero_file(rank))
+        _save_async(ck, parts.optimizer, job, zero_file(rank))
     else:
         write_tag(ck.comm, job)
     return True
 
 
-def _save_async(ck: Checkpointer, engine: Any, job: TagWrite, big: str) -> None:
+def _save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> None:
     """Copy the small state now and the ZeRO shard on the writer thread, then write.
 
     Only the optimizer step changes the ZeRO state (master weights, moments), so the shard is
@@ -173,7 +171,7 @@ def _save_async(ck: Checkpointer, engine: Any, job: TagWrite, big: str) -> None:
     files = dict(job.files)
     live = files.pop(big, None)
     files = ck.small_snapshot.take(files)
-    ck.gate(engine.optimizer)
+    ck.gate(optimizer)
     ck.snapshot_done.clear()
 
     def run() -> None:
@@ -257,8 +255,8 @@ def _candidates(ck: Checkpointer, store: CheckpointStore, tag: Any) -> tuple[lis
     return ck.comm.all_gather_object(store.candidates() if ck.comm.rank == 0 else None)[0]
 
 
-def _master_from_module(engine: Any, current: dict) -> list[torch.Tensor]:
-    params = dict(engine.module.named_parameters())
+def _master_from_module(module: torch.nn.Module, current: dict) -> list[torch.Tensor]:
+    params = dict(module.named_parameters())
     out = []
     for g in current["groups"]:
         flat = torch.cat([params[n].detach().float().reshape(-1) for n in g["names"]])
@@ -272,12 +270,13 @@ def _with_masters(current: dict, masters: list[torch.Tensor]) -> dict:
                                                                       strict=True)]}
 
 
-def _load_module(engine: Any, sd: dict, strict: bool, meta: dict, held: set[str], source: str) -> None:
+def _load_module(module: torch.nn.Module, sd: dict, strict: bool, meta: dict, held: set[str],
+                 source: str) -> None:
     """Load buffers and untrained params; ``held`` names the params restored from fp32 masters."""
-    missing, unexpected = engine.module.load_state_dict(sd, strict=False)
+    missing, unexpected = module.load_state_dict(sd, strict=False)
     excused = set(held)
     if meta.get("exclude_frozen_parameters"):
-        excused |= {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        excused |= {n for n, p in module.named_parameters() if not p.requires_grad}
     missing = [k for k in missing if k not in excused]
     if strict and (missing or unexpected):
         raise CheckpointError(f"module weights do not match the model: missing {missing[:5]}, "
@@ -285,11 +284,11 @@ def _load_module(engine: Any, sd: dict, strict: bool, meta: dict, held: set[str]
                               "what matches)", source)
 
 
-def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
+def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: Any = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False
                     ) -> tuple[str | None, dict | None]:
-    """Load a checkpoint saved at any world size and ZeRO stage into ``engine``.
+    """Load a checkpoint saved at any world size and ZeRO stage into an engine's ``parts``.
 
     Args:
         tag: the tag to load; None: the one ``latest`` names, or else the newest valid tag
@@ -305,7 +304,7 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
 
     collective: call on all ranks.
     """
-    ck = checkpointer(engine)
+    ck = parts.io
     ck.writer.wait()
     store = CheckpointStore(load_dir)
     tags, notes = _candidates(ck, store, tag)
@@ -314,7 +313,7 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
             log.warning("no checkpoint to load in %s (%s); starting from scratch", load_dir,
                         "; ".join(notes) or "no tags")
         return None, None
-    current = engine.zero.state_dict()
+    current = parts.zero.state_dict()
     found = first_loadable(tags, lambda t: _collective_read(ck, store, t, current))
     assert found is not None
     tag, got, skipped = found
@@ -325,39 +324,39 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: Any = None,
     meta = manifest.meta
     if got["incompatible"] is None:
         held = {n for g in current["groups"] for n in g["names"]}
-        _load_module(engine, got["module"], load_module_strict, meta, held, source)
+        _load_module(parts.module, got["module"], load_module_strict, meta, held, source)
         saved_masters = [g["master"] for g in got["zero"]["groups"]]
     else:
         if load_module_strict:
             raise got["incompatible"]
-        params = dict(engine.module.named_parameters())
+        params = dict(parts.module.named_parameters())
         weights = {k: v.to(params[k].dtype) for k, v in got["fp32"].items() if k in params}
-        _load_module(engine, {**got["module"], **weights}, False, meta, set(), source)
+        _load_module(parts.module, {**got["module"], **weights}, False, meta, set(), source)
         log.warning("checkpoint %s: optimizer state does not fit this model; loaded module "
                     "weights only (load_module_strict=False)", source)
-        load_module_only, saved_masters = True, _master_from_module(engine, current)
+        load_module_only, saved_masters = True, _master_from_module(parts.module, current)
     if load_module_only or not load_optimizer_states:
-        engine.zero.load_state_dict(_with_masters(current, saved_masters))
+        parts.zero.load_state_dict(_with_masters(current, saved_masters))
     else:
-        engine.zero.load_state_dict(got["zero"])
+        parts.zero.load_state_dict(got["zero"])
     state = got["rank"]
     if not load_module_only:
-        engine_sd = dict(state["engine"])
+        training = dict(state["engine"])
         if not load_lr_scheduler_states:
-            engine_sd["lr_scheduler"] = None
-        if not load_optimizer_states:
-            engine_sd["loss_scaler"] = engine.loss_scaler.state_dict()
-        engine.load_engine_state_dict(engine_sd)
+            training["lr_scheduler"] = None
+        if not load_optimizer_states:  # the loss scale goes with the optimizer state: keep the live one
+            training["loss_scaler"] = parts.training.state_dict()["loss_scaler"]
+        parts.training.load_state_dict(training)
         if got["rank_src"] == ck.comm.rank:
             set_rng_state(state["rng"])
     if ck.comm.rank == 0:
         log.info("loaded checkpoint %s (saved at world size %d, ZeRO stage %d; now %d, stage %d)",
-                 source, meta["world_size"], meta["zero_stage"], ck.comm.world_size, engine.zero.stage)
+                 source, meta["world_size"], meta["zero_stage"], ck.comm.world_size, parts.zero.stage)
     return source, state["client_state"]
 
 
 # ---- 16-bit export ------------------------------------------------------------------------------
-def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+def save_16bit_model(parts: CheckpointParts, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     """Rank 0 writes the module's state dict (model dtype) with ``torch.save``, atomically.
 
@@ -365,13 +364,13 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
 
     collective: call on all ranks.
     """
-    ck = checkpointer(engine)
+    ck = parts.io
     ck.writer.wait()
     err = None
     if ck.comm.rank == 0:
         path = Path(save_dir) / save_filename
         try:
-            write_atomic(path, lambda tmp: torch.save(_module_state(engine, exclude_frozen_parameters), tmp))
+            write_atomic(path, lambda tmp: torch.save(_module_state(parts.module, exclude_frozen_parameters), tmp))
         except OSError as exc:
             err = f"cannot write {path}: {exc}"
     errors = [e for e in ck.comm.all_gather_object(err) if e]

@@ -164,9 +164,9 @@ def _async_stall(engine, root: str, repeats: int, train, dist) -> dict:
         t0 = time.perf_counter()
         engine.save_checkpoint(root, tag=f"async{i}")
         call = time.perf_counter() - t0
-        gated = engine._dslaunch_checkpointer.gate_wait_s  # the next optimizer step's wait
+        gated = engine.checkpoint_parts().io.gate_wait_s  # the next optimizer step's wait
         during.append(train(2))
-        stalls.append(call + engine._dslaunch_checkpointer.gate_wait_s - gated)
+        stalls.append(call + engine.checkpoint_parts().io.gate_wait_s - gated)
         wait_for_checkpoint(engine)
         _drop(root, f"async{i}", dist)
     engine.config = cfg

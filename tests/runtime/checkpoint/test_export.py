@@ -198,9 +198,7 @@ def test_load_state_dict_from_zero_checkpoint(saved: dict) -> None:
 
 @pytest.mark.timeout(60)
 def test_save_16bit_model_can_exclude_frozen_parameters(saved: dict, tmp_path: Path) -> None:
-    from dslaunch.runtime.checkpoint import save_16bit_model
-
-    assert save_16bit_model(saved["engine"], tmp_path, exclude_frozen_parameters=True)
+    assert saved["engine"].save_16bit_model(tmp_path, exclude_frozen_parameters=True)
     exported = torch.load(tmp_path / "pytorch_model.bin")
     assert list(exported) == [k for k in saved["expected"] if k != "frozen.weight"]
     assert "norm.running_mean" in exported  # buffers stay

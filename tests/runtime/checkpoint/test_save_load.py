@@ -271,7 +271,7 @@ def _fallback_and_errors(rank: int, world: int, root: str) -> list[str]:
     from dslaunch.runtime.checkpoint import save_checkpoint
 
     with pytest.raises(CheckpointError, match="tags differ across ranks"):
-        save_checkpoint(_FailTags(engine), root, tag=f"t{rank}")
+        save_checkpoint(_fail_tags(engine.checkpoint_parts()), root, tag=f"t{rank}")
     engine.save_checkpoint(root, tag=f"w{rank}", save_latest=False)  # Warn: rank 0's tag wins
     assert (Path(root) / "w0" / "rank_00001.dsl").is_file() and not (Path(root) / "w1").exists()
     _check_partial_loads(engine, loader, root, at2)
@@ -302,20 +302,11 @@ def _check_partial_loads(engine, loader, root: str, at2: dict) -> None:
     assert not np.array_equal(now["zero"][0]["optim"]["exp_avg"], at2["zero"][0]["optim"]["exp_avg"])
 
 
-class _FailTags:
-    """The engine, seen with checkpoint.tag_validation = Fail."""
+def _fail_tags(parts):
+    """The engine's checkpoint parts, with checkpoint.tag_validation = Fail."""
+    import dataclasses
 
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str):
-        if name == "config":
-            import dataclasses
-
-            cfg = self._engine.config
-            return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                                           tag_validation="Fail"))
-        return getattr(self._engine, name)
+    return dataclasses.replace(parts, config=dataclasses.replace(parts.config, tag_validation="Fail"))
 
 
 @pytest.mark.timeout(60)
