@@ -124,6 +124,11 @@ class NodeResult:
     """Signal name when the node was stopped from outside (Ctrl-C, SIGTERM, lost controller)."""
     exception: str | None = None
     """The last uncaught exception that worker printed (``Type: message``), if any."""
+    cause: str | None = None
+    """What kind of failure, for the restart policy: ``exit``, ``signal``, ``exception``, ``hang``,
+    ``host_lost`` or ``oom`` (None on success). Set by whoever detected the failure."""
+    step: int | None = None
+    """The failed rank's last reported training step (heartbeats), if known."""
 
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
