@@ -9,7 +9,8 @@ module reports on them without the script doing anything beyond training:
   ``faulthandler`` on ``STACK_SIGNAL`` (every thread's Python stack into the stack pipe, also while
   the main thread is stuck in C, e.g. a collective) and sends the first beat: the rank is up;
 - a daemon thread sends what changed every ``TICK_S``, and a beat every ``LIVENESS_S`` anyway, so
-  the monitor tells a rank that is alive but waiting from one that is frozen or stopped.
+  the monitor tells a rank that is alive but waiting from one that is frozen or stopped; at exit
+  (also by an exception) the last unsent step goes out.
 
 Cost per step: ``beat`` stores three fields and makes no system call; the loss is read
 (``float()``, a device sync on GPU) only when the thread is about to send, i.e. at most twice a
@@ -22,6 +23,7 @@ its peak (``getrusage``).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import functools
 import os
@@ -84,6 +86,11 @@ class Heartbeat:
                 self._stack_signal = None
         self._send()
         threading.Thread(target=self._run, name="dslaunch-heartbeat", daemon=True).start()
+        atexit.register(self._flush)  # a rank that dies of an exception still tells its last step
+
+    def _flush(self) -> None:
+        if self._dirty:
+            self._send()
 
     def beat(self, step: int, loss: Any = None, samples: int | None = None) -> None:
         """Record that ``step`` finished. Cheap: no system call (see the module docstring)."""

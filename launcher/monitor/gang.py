@@ -162,6 +162,7 @@ class Gang:
         result = self._result(failure, list(results.values()))
         if self._monitor is None:
             return result
+        self._monitor.observe(self._handles)  # the last beats (a dying rank flushes its last step)
         if result.failure is not None:
             result = replace(result, failure=self._monitor.complete(result.failure), detected_at=detected_at)
         details = self._monitor.finish(result, list(results.values()), detected_at)

@@ -122,6 +122,8 @@ class JobMonitor:
         line (the remedy, where stacks and error files are), or None."""
         self.status.clear()
         notes: list[str] = []
+        if self.health.summary().get("ranks_up"):
+            self.events.emit("summary", **self.health.summary())  # the last known progress
         failure = result.failure
         if failure is not None:
             failure = self._complete(failure)
