@@ -188,7 +188,7 @@ def top_frame(stack: str | None) -> str | None:
     return f"{inner['func']} ({lib}:{inner['line']})" + (f" from {here}" if here else "")
 
 
-_LIBRARY = re.compile(r"/(?:site|dist)-packages/|/lib/python3\.\d+/")
+_LIBRARY = re.compile(r"(?:/lib/python3\.\d+)?/(?:site|dist)-packages/|/lib/python3\.\d+/")
 
 
 def _in_collective(stack: str | None) -> bool:
