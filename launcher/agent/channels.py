@@ -21,6 +21,7 @@ from dslaunch.utils.beat import Beat
 __all__ = ["Channels", "MAX_STACK_BYTES", "process_stopped"]
 
 MAX_STACK_BYTES = 256 * 1024  # a dump of a few hundred threads; more is cut
+_POLL_S = 0.1
 
 
 class Channels:
@@ -33,8 +34,6 @@ class Channels:
         self._pending: dict[int, bytes] = {}  # fd -> partial beat line
         self._stacks: dict[int, bytearray] = {}
         self._stack_at: dict[int, float] = {}  # rank -> monotonic time of its last stack bytes
-        self._wake_r, self._wake_w = os.pipe()  # wakes the selector to register new pipes
-        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._new: list[tuple[int, int, str]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -52,7 +51,6 @@ class Channels:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="agent-channels", daemon=True)
             self._thread.start()
-        os.write(self._wake_w, b"x")
         return beat_w, stack_w
 
     def beats(self) -> dict[int, Beat]:
@@ -104,37 +102,41 @@ class Channels:
 
     def close(self) -> None:
         """Stop reading (idempotent); the beats read so far stay available."""
-        if self._closed:
-            return
-        self._closed = True
+        self._closed = True  # the thread sees it within _POLL_S and closes every read end
         if self._thread is None:
             self._sel.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-        else:
-            os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
+        # Only this thread registers and closes the read ends (no wake-up pipe to share): new
+        # pipes wait at most _POLL_S, their data waits in the pipe meanwhile.
         while not self._closed:
-            for key, _ in self._sel.select():
-                if key.data is None:
-                    os.read(self._wake_r, 4096)
-                    self._register_new()
-                    continue
-                rank, kind = key.data
-                try:
-                    data = os.read(key.fd, 65536)
-                except OSError:
-                    data = b""
-                if not data:
-                    self._sel.unregister(key.fd)
-                    os.close(key.fd)
-                    continue
-                self._beat_data(key.fd, rank, data) if kind == "beat" else self._stack_data(rank, data)
+            self._register_new()
+            for key, _ in self._sel.select(_POLL_S):
+                self._read(key)
+        self._register_new()
+        # Drain what the exited workers wrote last (their final beat); bounded, as a child that
+        # inherited a pipe may keep it open.
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and (ready := self._sel.select(0)):
+            for key, _ in ready:
+                self._read(key)
         for key in list(self._sel.get_map().values()):
             os.close(key.fd)
         self._sel.close()
-        os.close(self._wake_w)
+
+    def _read(self, key: selectors.SelectorKey) -> None:
+        rank, kind = key.data
+        try:
+            data = os.read(key.fd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._sel.unregister(key.fd)
+            os.close(key.fd)
+        elif kind == "beat":
+            self._beat_data(key.fd, rank, data)
+        else:
+            self._stack_data(rank, data)
 
     def _register_new(self) -> None:
         with self._lock:
