@@ -198,3 +198,16 @@ def test_status_without_a_log_is_one_line(tmp_path):
 
 if sys.platform != "linux":  # pipes, /proc and signals as on Linux
     pytestmark = pytest.mark.skip("Linux only")
+
+
+@pytest.mark.timeout(180)
+def test_the_engine_reports_its_steps_without_the_script_doing_anything(tmp_path, free_port):
+    """scripts/examples/train.py (ZeRO-2 through dslaunch.initialize) never calls heartbeat."""
+    args = [*DSLAUNCH, "--num_gpus", "2", "--master_port", str(free_port), "--log_dir", str(tmp_path / "logs"),
+            str(ROOT / "scripts" / "examples" / "train.py"), "--steps", "8", "--deepspeed_config",
+            str(ROOT / "scripts" / "examples" / "ds_config.json")]
+    r = subprocess.run(args, env=tagged_env(new_tag()), capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr
+    summary = [e for e in _events(_job_dir(tmp_path)) if e["kind"] == "summary"][-1]
+    assert summary["step"] == 8 and summary["slowest_step"] == 8 and summary["ranks_up"] == 2
+    assert summary["samples_per_s"] > 0 and summary["loss"] > 0  # global samples (batch 64 per step)
