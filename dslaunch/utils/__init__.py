@@ -1,7 +1,6 @@
 """``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts use (``zero_to_fp32``), and
 what both the launcher and the runtime need (``ports.free_port``, ``beat``: the heartbeat wire
-format), so the runtime never imports
-the launcher.
+format), so the runtime never imports the launcher.
 
 Submodules are imported on first access, so ``import dslaunch.utils`` never imports torch.
 """

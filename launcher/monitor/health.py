@@ -119,8 +119,12 @@ class Health:
                 suspects = narrowed
         return sorted(suspects)
 
-    def summary(self) -> dict:
-        """The job's progress now, for the status line and the periodic event."""
+    def summary(self, now: float | None = None) -> dict:
+        """The job's progress now, for the status line and the periodic event.
+
+        ``lagging``: the slowest rank is behind and has not moved for ``SILENT_AFTER_S`` (ranks
+        in lockstep differ by a few steps between two beats: that is sampling, not lag)."""
+        now = time.monotonic() if now is None else now
         heard = [h for h in self.ranks.values() if h.beat is not None]
         if not heard:
             return {"ranks_up": 0, "world": len(self.ranks)}
@@ -131,6 +135,8 @@ class Health:
         out: dict = {"ranks_up": len(heard), "world": len(self.ranks),
                      "step": max(_order(h.step) for h in heard), "slowest_rank": slowest.rank,
                      "slowest_step": slowest.step}
+        out["lagging"] = bool(_order(slowest.step) < out["step"] and slowest.progressed_at is not None
+                              and now - slowest.progressed_at > SILENT_AFTER_S)
         if rates:
             out["samples_per_s"] = round(max(rates), 3)  # the engine reports global samples
         if losses:

@@ -35,7 +35,7 @@ def format_progress(summary: dict[str, Any]) -> str:
         parts.append(f"loss {summary['loss']:.4g}")
     if summary.get("ranks_up") != summary.get("world"):
         parts.append(f"{summary['ranks_up']}/{summary['world']} ranks up")
-    elif summary.get("slowest_step") != summary.get("step"):
+    elif summary.get("lagging"):
         parts.append(f"slowest rank {summary['slowest_rank']} (step {summary['slowest_step']})")
     mem = summary.get("memory")
     if mem:

@@ -80,8 +80,10 @@ def test_summary_reports_the_slowest_rank_and_memory():
 
     h.update({0: Beat(0, 1, 10, 80.0, 0.25, Memory("gpu", 3 << 30, 5 << 30, 80 << 30)),
               1: Beat(1, 1, 9, 79.0, None, Memory("gpu", 4 << 30, 4 << 30, 80 << 30))}, now=0.0)
-    s = h.summary()
+    assert not h.summary(now=1.0)["lagging"]  # a step apart between two beats: not lag
+    s = h.summary(now=SILENT_AFTER_S + 1)
     assert (s["step"], s["slowest_rank"], s["slowest_step"], s["samples_per_s"], s["loss"]) == (10, 1, 9, 80.0, 0.25)
+    assert s["lagging"]
     assert s["memory"] == {"kind": "gpu", "used": 4 << 30, "peak": 5 << 30, "total": 80 << 30}
     from dslaunch.launcher.monitor.status import format_progress
 
