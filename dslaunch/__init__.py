@@ -19,6 +19,7 @@ _LAZY = {
     "init_distributed": "dslaunch.runtime.api",
     "add_config_arguments": "dslaunch.runtime.api",
     "DeepSpeedEngine": "dslaunch.runtime.engine",
+    "heartbeat": "dslaunch.runtime.heartbeat",
     "DslaunchError": "dslaunch.errors",
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,10 +29,11 @@ from dslaunch.launcher.hostfile import (
     hostname_problem,
     read_hostfile,
 )
-from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, NodeSpec, WorkerSpec
+from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
 
-__all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE", "PID_FILE_DIR", "MAX_GRACE"]
+__all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE", "PID_FILE_DIR", "MAX_GRACE",
+           "DEFAULT_LOG_DIR", "MAX_HANG_TIMEOUT", "job_id"]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
@@ -39,6 +41,9 @@ PID_FILE_DIR = "/tmp"
 """``--save_pid`` writes ``PID_FILE_DIR/<controller pid>.deepspeed`` (DeepSpeed's path)."""
 # An hour is far beyond any clean shutdown; inf would kill the stop timer (OverflowError).
 MAX_GRACE = 3600.0
+DEFAULT_LOG_DIR = "dslaunch_logs"
+"""``--log_dir`` default, under the working directory; each job writes into ``<log_dir>/<job id>``."""
+MAX_HANG_TIMEOUT = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,10 @@ class LaunchConfig:
     the same command with its own ``--node_rank`` (no SSH between nodes)."""
     node_rank: int = -1
     """``--node_rank``: with ``no_ssh``, this node's index among the selected hosts (-1 = unset)."""
+    hang_timeout: float | None = None
+    """``--hang_timeout``: seconds without progress before a rank counts as hung; None = off."""
+    log_dir: str | None = None
+    """``--log_dir``: base directory of the job's events, error files and stacks (None = default)."""
     visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` of the launching environment (None = unset). Without a hostfile it
     picks the local GPUs, as DeepSpeed turns it into ``--include localhost:<devices>``."""
@@ -129,9 +138,20 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
         ssh_port=cfg.ssh_port, ssh_accept_new_host_keys=cfg.ssh_accept_new_host_keys,
         hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
-        master_given=bool(cfg.master_addr),
+        master_given=bool(cfg.master_addr), monitor=_monitor(cfg),
     )
     return Plan(job, tuple(notes))
+
+
+def job_id() -> str:
+    """A name for this run of the launcher, unique on this host: ``20261124-013512-4242``."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def _monitor(cfg: LaunchConfig) -> MonitorSpec:
+    base = os.path.abspath(cfg.log_dir or DEFAULT_LOG_DIR)
+    suffix = f"-node{cfg.node_rank}" if cfg.no_ssh else ""  # every node runs its own controller
+    return MonitorSpec(hang_timeout=cfg.hang_timeout, log_dir=os.path.join(base, job_id() + suffix))
 
 
 def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators], notes: list[str]) -> tuple[Pool, bool]:
@@ -243,6 +263,13 @@ def _check_numbers(cfg: LaunchConfig) -> None:
             raise UsageError(f"{flag} {port} is not a TCP port (1-65535)")
     if not (math.isfinite(cfg.grace) and 0 <= cfg.grace <= MAX_GRACE):  # nan fails every comparison
         raise UsageError(f"--grace_period {cfg.grace:g}: expected seconds from 0 to {MAX_GRACE:g}")
+    t = cfg.hang_timeout
+    if t is not None and not (math.isfinite(t) and 0 < t <= MAX_HANG_TIMEOUT):
+        raise UsageError(f"--hang_timeout {t:g}: expected seconds > 0, at most {MAX_HANG_TIMEOUT:g} "
+                         "(leave the flag out to turn hang detection off)")
+    if cfg.log_dir == "":
+        raise UsageError(f"--log_dir '': empty path; give a directory, or leave the flag out for "
+                         f"./{DEFAULT_LOG_DIR}")
     if cfg.master_addr and (problem := hostname_problem(cfg.master_addr)):
         raise UsageError(f"--master_addr {quote(cfg.master_addr)}: {problem}")
 

@@ -15,11 +15,16 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["WorkerSpec", "NodeSpec", "JobSpec", "NodeResult", "DEFAULT_GRACE"]
+__all__ = ["WorkerSpec", "NodeSpec", "JobSpec", "MonitorSpec", "NodeResult", "DEFAULT_GRACE", "HANG_EXIT_CODE",
+           "HOST_LOST_EXIT_CODE"]
 
 # Seconds between SIGTERM and SIGKILL when stopping workers: short enough that a failed job is
 # fully stopped within 2 s even when a worker ignores SIGTERM.
 DEFAULT_GRACE = 1.0
+HANG_EXIT_CODE = 124
+"""A job stopped because a rank made no progress for ``--hang_timeout``: timeout(1)'s code."""
+HOST_LOST_EXIT_CODE = 255
+"""A job stopped because a host was lost: what ssh(1) exits with when the connection drops."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,16 @@ def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class MonitorSpec:
+    """What the controller's monitor watches and where it writes (``--hang_timeout``, ``--log_dir``)."""
+
+    hang_timeout: float | None = None
+    """Seconds without progress on a rank before the job is declared hung; None = off."""
+    log_dir: str | None = None
+    """This job's directory (events.jsonl, error and stack files); None = write no files."""
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """The whole job as the CLI resolved it. Runners read it, never the argparse namespace."""
 
@@ -100,6 +115,7 @@ class JobSpec:
     each host has it, so a missing file is one line per host, not one Python error per rank."""
     master_given: bool = False
     """``master_addr`` is the user's ``--master_addr`` (a runner keeps it), not the plan's default."""
+    monitor: MonitorSpec = field(default_factory=MonitorSpec)
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -124,9 +140,25 @@ class NodeResult:
     """Signal name when the node was stopped from outside (Ctrl-C, SIGTERM, lost controller)."""
     exception: str | None = None
     """The last uncaught exception that worker printed (``Type: message``), if any."""
+    cause: str | None = None
+    """What kind of failure, for the restart policy: ``exit``, ``signal``, ``exception``, ``hang``,
+    ``host_lost`` or ``oom`` (None on success). Set by whoever detected the failure."""
+    step: int | None = None
+    """The failed rank's last reported training step (heartbeats), if known."""
+    traceback: str | None = None
+    """The whole traceback that worker printed, as printed (the original exception first), if any."""
+    failed_at: float | None = None
+    """Wall-clock time (``time.time()``) at which the failure happened or was last known good, as
+    seen where it was detected (the agent: the worker's exit), for detection-time measurements."""
 
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
+        at = f" at step {self.step}" if self.step is not None else ""
+        if self.cause == "hang":
+            return f"rank {self.rank} on {self.host} hung{at} (no progress within --hang_timeout)"
+        if self.cause == "host_lost":
+            how = self.stopped_by or "no news from its agent"
+            return f"lost host {self.host} ({how}; exit code {self.exit_code})"
         if self.rank is None:
             if self.stopped_by:
                 return f"node {self.host} was stopped by {self.stopped_by} (exit code {self.exit_code})"
@@ -134,7 +166,7 @@ class NodeResult:
         how = (f"was killed by {self.signal_name} (exit code {self.exit_code})" if self.signal_name
                else f"exited with code {self.exit_code}")
         if self.exception is None:
-            return f"rank {self.rank} on {self.host} {how}"
+            return f"rank {self.rank} on {self.host} {how}{at}"
         # A signal after a traceback is the teardown of a process that had already failed.
         after = "after raising" if self.signal_name else "raising"
         return f"rank {self.rank} on {self.host} {how} {after} {self.exception}"

@@ -14,7 +14,9 @@ function here for its layer and nothing else writes the environment:
    remote node's ``MASTER_ADDR`` is the address the runner resolved for every host to reach;
 4. the worker's own (``worker_env``): ``RANK``, ``LOCAL_RANK``;
 5. ``OMP_NUM_THREADS`` (``process_env``): the worker's core share under ``--bind_cores_to_rank``;
-   otherwise, unless already set, the node's cores split among its workers.
+   otherwise, unless already set, the node's cores split among its workers;
+6. the monitor's channel (``monitor_env``, set by the agent): ``DSLAUNCH_HEARTBEAT_FD`` and
+   ``DSLAUNCH_STACK_FD``, the fds of the pipes the worker inherits (``dslaunch.utils.beat``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from dslaunch.launcher.spec import NodeSpec, WorkerSpec
+from dslaunch.utils.beat import HEARTBEAT_FD_ENV, STACK_FD_ENV
 
-__all__ = ["IFNAME_VARS", "node_env", "worker_env", "remote_node", "process_env"]
+__all__ = ["IFNAME_VARS", "node_env", "worker_env", "remote_node", "process_env", "monitor_env"]
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -67,16 +70,24 @@ def remote_node(node: NodeSpec, master_addr: str, exported: Mapping[str, str], i
     return replace(node, env=env)
 
 
+def monitor_env(beat_fd: int, stack_fd: int) -> dict[str, str]:
+    """Layer 6: where the worker writes its heartbeats and its stack dumps."""
+    return {HEARTBEAT_FD_ENV: str(beat_fd), STACK_FD_ENV: str(stack_fd)}
+
+
 def process_env(inherited: Mapping[str, str], node: NodeSpec, worker: WorkerSpec,
-                cores: tuple[int, ...]) -> dict[str, str]:
-    """Layers 1 to 5: the environment a worker process starts with.
+                cores: tuple[int, ...], monitor: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Layers 1 to 6: the environment a worker process starts with.
 
     Args:
         inherited: the agent's own environment.
         node, worker: the specs (their ``env`` are layers 2-3 and 4).
         cores: the worker's pinned cores (empty = not pinned).
+        monitor: ``monitor_env`` (layer 6); None = none (inherited values are dropped: a
+            nested launch must not write into its parent's pipes).
     """
-    env = {**inherited, **node.env, **worker.env}
+    env = {k: v for k, v in inherited.items() if k not in (HEARTBEAT_FD_ENV, STACK_FD_ENV)}
+    env.update({**node.env, **worker.env, **(monitor or {})})
     if cores:
         env["OMP_NUM_THREADS"] = str(len(cores))
     elif "OMP_NUM_THREADS" not in env:

@@ -22,6 +22,7 @@ from dslaunch.errors import UsageError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_setup import build_components
+from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.precision import PrecisionPolicy
 
 __all__ = ["DeepSpeedEngine"]
@@ -56,6 +57,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._grad_norm: float | None = None
         self._sync = True
         self._checkpointer: Any = None  # built (collectively) by the first save or load
+        self._heartbeat = reporter()  # None outside dslaunch: the step then skips it
+        self._loss: torch.Tensor | None = None
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -70,6 +73,7 @@ class DeepSpeedEngine(torch.nn.Module):
         collective: call on all ranks every micro step.
         """
         self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
+        self._loss = loss  # for the heartbeat, read at most twice a second
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             loss = loss / self.config.gradient_accumulation_steps
         with self._timer("backward"):
@@ -109,6 +113,8 @@ class DeepSpeedEngine(torch.nn.Module):
             self.global_samples += self.config.train_batch_size
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report()
+            if self._heartbeat is not None:
+                self._heartbeat.beat(self.global_steps, self._loss, self.global_samples)
         else:
             self._step_applied = False
         self.micro_steps += 1

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dslaunch.errors import LaunchError
+from dslaunch.launcher.agent.channels import Channels
 from dslaunch.launcher.agent.files import FileId, create_replacing, remove_own, write_new
 from dslaunch.launcher.agent.output import ExceptionWatch, Sink, pump
 from dslaunch.launcher.agent.procs import (
@@ -37,8 +38,10 @@ from dslaunch.launcher.agent.procs import (
     kill_adopted,
     signal_group,
 )
+from dslaunch.launcher.monitor.failures import classify, oom_kills
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
-from dslaunch.launcher.workerenv import process_env
+from dslaunch.launcher.workerenv import monitor_env, process_env
+from dslaunch.utils.beat import Beat
 
 __all__ = ["Agent", "WorkerState"]
 
@@ -57,6 +60,8 @@ class Worker:
     proc: subprocess.Popen
     state: WorkerState = WorkerState.RUNNING
     exit_code: int | None = None
+    exited_at: float | None = None
+    """Wall-clock time the agent saw it exit."""
     threads: list[threading.Thread] = field(default_factory=list)
     watch: ExceptionWatch = field(default_factory=ExceptionWatch)
 
@@ -98,12 +103,15 @@ class Agent:
         self._logs: dict[int, Sink] = {}  # global rank -> its --enable_each_rank_log file
         self._pid_file: FileId | None = None
         self._timer: threading.Timer | None = None
+        self._channels = Channels()  # heartbeats and stack dumps (the monitor's view of each rank)
+        self._oom_before: int | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start every worker. Raises LaunchError (after stopping the started ones) on failure."""
         shares = _core_shares(self.node)
+        self._oom_before = oom_kills()
         self._prepare_files()
         if self._adopt:
             become_subreaper()
@@ -154,10 +162,16 @@ class Agent:
             log.close()
 
     def _spawn(self, spec: WorkerSpec, cores: tuple[int, ...]) -> None:
-        proc = subprocess.Popen(
-            spec.argv, env=process_env(os.environ, self.node, spec, cores), cwd=self.node.cwd or None, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=child_setup(cores),
-        )
+        fds = self._channels.pipes(spec.global_rank)
+        try:
+            proc = subprocess.Popen(
+                spec.argv, env=process_env(os.environ, self.node, spec, cores, monitor_env(*fds)),
+                cwd=self.node.cwd or None, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, preexec_fn=child_setup(cores), pass_fds=fds,
+            )
+        finally:
+            for fd in fds:  # the worker holds the write ends now: EOF comes when it (and its children) exit
+                os.close(fd)
         self._watchdog.add(proc.pid)
         worker = Worker(spec, proc)
         log = self._logs.get(spec.global_rank)
@@ -202,7 +216,7 @@ class Agent:
     def _monitor(self, w: Worker) -> None:
         code, _ = exit_code_of(w.proc.wait())
         with self._lock:
-            w.exit_code = code
+            w.exit_code, w.exited_at = code, time.time()
             if self._terminating:
                 w.state = WorkerState.STOPPED if code else WorkerState.SUCCEEDED
             elif code:
@@ -239,6 +253,7 @@ class Agent:
         if self._timer is not None:
             self._timer.cancel()
         self._close_logs()
+        self._channels.close()
         self._watchdog.release()
         if self.node.pid_file and self._pid_file:
             remove_own(self.node.pid_file, self._pid_file)
@@ -266,8 +281,13 @@ class Agent:
         if w is None:
             return None
         code, sig_name = exit_code_of(w.proc.returncode)
+        oom_now = oom_kills()
+        oom_killed = oom_now is not None and self._oom_before is not None and oom_now > self._oom_before
+        watch = w.watch
+        cause = classify(code, sig_name, watch.exception, watch.traceback, oom_killed)
         return NodeResult(self.node.node_rank, self.node.host, code, w.spec.global_rank, sig_name,
-                          exception=w.watch.exception)
+                          exception=watch.exception, cause=cause, traceback=watch.traceback,
+                          failed_at=w.exited_at)
 
     def poll(self) -> NodeResult | None:
         """The node's result once every worker has exited, else None."""
@@ -280,6 +300,20 @@ class Agent:
     @property
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
+
+    def report(self, line: str) -> None:
+        """Write one line on the agent's stderr, whole (worker lines never split it)."""
+        self._err.write(line.encode() + b"\n")
+
+    def beats(self) -> dict[int, Beat]:
+        """The latest heartbeat of every rank of this node that sent one."""
+        return self._channels.beats()
+
+    def dump_stacks(self, wait: float = 2.0) -> dict[int, dict]:
+        """Every running worker's Python stacks (see ``Channels.dump_stacks``). Blocks up to ``wait``."""
+        with self._lock:
+            running = {w.spec.global_rank: w.proc.pid for w in self._workers if w.state is WorkerState.RUNNING}
+        return self._channels.dump_stacks(running, wait)
 
 
 def _core_shares(node: NodeSpec) -> list[tuple[int, ...]]:

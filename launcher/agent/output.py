@@ -41,34 +41,58 @@ class Sink:
 
 
 class ExceptionWatch:
-    """Remembers the last uncaught Python exception a worker printed on stderr, as one line.
+    """Remembers the last uncaught Python exception a worker printed on stderr.
 
     Recognises the interpreter's traceback (``Traceback (most recent call last):``, indented
     frames, then ``Type: message``, possibly behind torch's ``[rankN]:`` prefix) and dslaunch's
-    own one-line errors (``dslaunch: error: ...``). The launcher names it as the cause of a
-    failure, also when the rank then died by a signal (an abort during teardown).
+    own one-line errors (``dslaunch: error: ...``). ``exception`` is the last exception as one line;
+    ``traceback`` the whole report as printed, chained exceptions included (Python prints the
+    original one first). The launcher names it as the cause of a failure, also when the rank then
+    died by a signal (an abort during teardown), and writes it to the rank's error file.
     """
 
     MAX_CHARS = 300  # one readable line, whatever the script raised
+    MAX_LINES = 400  # of a traceback: deep recursion prints thousands
 
     def __init__(self) -> None:
         self.exception: str | None = None
+        self.traceback: str | None = None
         self._in_traceback = False
+        self._chained = False  # "During handling of the above exception" was just printed
+        self._block: list[str] = []
 
     def feed(self, line: bytes) -> None:
         text = _TORCH_RANK_PREFIX.sub("", line.decode("utf-8", "replace").rstrip("\r\n"))
         if text.startswith("Traceback (most recent call last):"):
-            self._in_traceback = True
+            if not self._chained:
+                self._block = []
+            self._in_traceback, self._chained = True, False
+            self._add(text)
         elif text.startswith("dslaunch: error: "):
             self._remember(text[len("dslaunch: error: "):])
+            self.traceback = text
         elif self._in_traceback and text and not text[0].isspace():
             self._in_traceback = False
+            self._add(text)
             self._remember(text)
+            self.traceback = "\n".join(self._block)
+        elif self._in_traceback:
+            self._add(text)
+        elif text.startswith(_CHAIN) and self._block:
+            self._chained = True
+            self._add("")
+            self._add(text)
+            self._add("")
+
+    def _add(self, text: str) -> None:
+        if len(self._block) < self.MAX_LINES:
+            self._block.append(text)
 
     def _remember(self, text: str) -> None:
         self.exception = text if len(text) <= self.MAX_CHARS else text[:self.MAX_CHARS - 3] + "..."
 
 
+_CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 _TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 

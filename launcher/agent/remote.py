@@ -2,8 +2,10 @@
 
 It reads one ``NodeSpec`` JSON line from stdin, runs the node, and exits with the node's exit code
 after printing the status line (``wire``) on stderr; the failure line goes out as soon as a
-worker fails. When stdin reaches EOF (controller died, SSH connection lost) or the agent gets
-SIGTERM/SIGINT/SIGHUP, it stops all its workers and exits.
+worker fails, the beats line whenever the workers' heartbeats changed (at most every
+``BEATS_EVERY_S``), the stacks line when the controller asked for stacks on stdin. When stdin
+reaches EOF (controller died, SSH connection lost) or the agent gets SIGTERM/SIGINT/SIGHUP, it
+stops all its workers and exits.
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from dslaunch.errors import LaunchError
 from dslaunch.launcher.agent.node import Agent
-from dslaunch.launcher.agent.wire import format_failure_line, format_status_line
+from dslaunch.launcher.agent.wire import (
+    BEATS_EVERY_S,
+    STACKS_REQUEST,
+    format_beats_line,
+    format_failure_line,
+    format_stacks_line,
+    format_status_line,
+)
 from dslaunch.launcher.spec import NodeResult, NodeSpec
 
 __all__ = ["main"]
@@ -40,11 +50,16 @@ def main() -> int:
         result = NodeResult(node.node_rank, node.host, 127)
         print(format_status_line(result), file=sys.stderr, flush=True)
         return result.exit_code
-    threading.Thread(target=_stop_on_eof, args=(agent,), daemon=True, name="stdin-eof").start()
+    threading.Thread(target=_read_requests, args=(agent,), daemon=True, name="stdin-requests").start()
     stopping = announced = False
+    sent: dict = {}
+    sent_at = 0.0
     while (result := agent.poll()) is None:
         news.wait(0.1)  # a timeout too: signals only reach ``pending``
         news.clear()
+        if time.monotonic() - sent_at >= BEATS_EVERY_S and (beats := agent.beats()) != sent:
+            sent, sent_at = beats, time.monotonic()
+            agent.report(format_beats_line(beats))
         if not announced and (failure := agent.failure) is not None:
             announced = True  # the controller stops the other nodes now, not after our grace period
             print(format_failure_line(failure), file=sys.stderr, flush=True)
@@ -55,9 +70,15 @@ def main() -> int:
     return result.exit_code
 
 
-def _stop_on_eof(agent: Agent) -> None:
-    """The controller holds our stdin open for the whole job: EOF means it is gone."""
-    while os.read(0, 4096):  # raw fd: a daemon thread must not hold the buffered stdin's lock
-        pass
+def _read_requests(agent: Agent) -> None:
+    """The controller holds our stdin open for the whole job: EOF means it is gone; a
+    ``STACKS_REQUEST`` line asks for the workers' stacks (answered from a thread of its own)."""
+    pending = b""
+    while data := os.read(0, 4096):  # raw fd: a daemon thread must not hold the buffered stdin's lock
+        *lines, pending = (pending + data).split(b"\n")
+        if any(line.strip() == STACKS_REQUEST.encode() for line in lines):
+            threading.Thread(target=lambda: agent.report(format_stacks_line(agent.dump_stacks())),
+                             daemon=True, name="stacks").start()
+        pending = pending[-4096:]
     agent.stop(signal.SIGTERM)
 

@@ -4,7 +4,7 @@
   exact flags through argparse. Its path imports neither torch nor click (click alone costs
   ~70 ms), so workers start within milliseconds of the command.
 - ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
-  (``zero_to_fp32``), imported only when named.
+  (``zero_to_fp32``, ``status``), imported only when named.
 
 User mistakes print one line (``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the
 traceback.
@@ -26,6 +26,7 @@ __all__ = ["main", "build_parser", "parse_config", "SUBCOMMANDS"]
 
 SUBCOMMANDS: dict[str, str] = {
     "zero-to-fp32": "dslaunch.launcher.cli.zero_to_fp32:command",
+    "status": "dslaunch.launcher.cli.status:command",
 }
 """Subcommand name -> ``"module:click command"``, loaded only when that name is the first word."""
 

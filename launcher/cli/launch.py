@@ -27,6 +27,7 @@ from dslaunch import __version__
 from dslaunch.errors import UsageError, WorkerFailedError, did_you_mean, quote
 from dslaunch.launcher import gpus
 from dslaunch.launcher.hostfile import ascii_int
+from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
@@ -113,7 +114,7 @@ _NOT_SUPPORTED = ("--elastic_training", "--min_elastic_nodes", "--max_elastic_no
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dslaunch", allow_abbrev=False,
                 description="Launch a DeepSpeed-style training script on one or many nodes.",
-                epilog="Also: dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT")
+                epilog="Also: dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR")
     a = p.add_argument
     a("-H", "--hostfile", default=None,
       help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")
@@ -149,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
       help="accept and remember unknown SSH host keys (default: reject unknown hosts)")
     a("--grace_period", type=real, default=DEFAULT_GRACE,
       help=f"seconds between SIGTERM and SIGKILL when stopping workers, 0-{MAX_GRACE:g} (default {DEFAULT_GRACE})")
+    a("--hang_timeout", type=real, default=None, metavar="SECONDS",
+      help="a rank whose training step does not advance for this long is hung: every rank's stacks "
+           "go to the log dir, the job stops with exit code 124 (default: off; the first step gets "
+           "at least 60 s)")
+    a("--log_dir", default=None, metavar="DIR",
+      help="where each job writes events.jsonl, per-rank error files and stack dumps, in DIR/<job id> "
+           "(default ./dslaunch_logs; read with 'dslaunch status DIR')")
     a("--dry-run", "--dry_run", dest="dry_run", action="store_true",
       help="print what would run on each host (command, environment) and exit")
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
@@ -190,7 +198,7 @@ def parse_config(argv: list[str],
         each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=_core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
-        no_ssh=ns.no_ssh, node_rank=ns.node_rank,
+        no_ssh=ns.no_ssh, node_rank=ns.node_rank, hang_timeout=ns.hang_timeout, log_dir=ns.log_dir,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
     )
     return cfg, ns
@@ -258,12 +266,20 @@ def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
         print(f"dslaunch: {note}", file=sys.stderr, flush=True)
     if dry_run:
         print(runner.dry_run(job), flush=True)  # a closed pipe raises here, inside main's handler
+        print(_monitor_line(job), flush=True)
         return 0
     if job.launcher == "local" and job.nodes[0].node_rank == 0:  # node 0 (rank 0) listens; others connect
         from dslaunch.launcher.ports import check_port_free
 
         check_port_free(job.master_port)
     return _run(runner, job)
+
+
+def _monitor_line(job: JobSpec) -> str:
+    """What ``--dry-run`` says about the monitor."""
+    t = job.monitor.hang_timeout
+    hang = f"{t:g} s (first step: {max(t, FIRST_STEP_ALLOWANCE_S):g} s)" if t is not None else "off"
+    return f"# monitor: hang_timeout {hang}; events, error files and stacks in {job.monitor.log_dir}"
 
 
 def _run(runner, job: JobSpec) -> int:
@@ -286,7 +302,9 @@ def _run(runner, job: JobSpec) -> int:
     result = runner.result
     if result is not None and result.failure is not None:
         f = result.failure
-        raise WorkerFailedError(f"{f.describe()}; stopped all other workers", rank=f.rank if f.rank is not None else -1,
+        stopped = "stopped all workers" if f.cause == "hang" else "stopped all other workers"
+        details = f"; {result.details}" if result.details else ""
+        raise WorkerFailedError(f"{f.describe()}; {stopped}{details}", rank=f.rank if f.rank is not None else -1,
                                 exit_code=f.exit_code, host=f.host, signal_name=f.signal_name)
     if result is not None and result.stopped_by:
         print(f"dslaunch: stopped by {result.stopped_by}; all workers stopped (exit code {code})",

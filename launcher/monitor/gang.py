@@ -6,6 +6,11 @@ policy the same way for every transport: the first node that reports a failure i
 workers); every other node is told to stop at once (its agent sends SIGTERM, then SIGKILL after
 the grace period) and is force-killed if it is not gone shortly after; the job exits with the
 failed rank's exit code.
+
+With a ``JobMonitor`` the loop also feeds it the ranks' heartbeats on every turn; a rank that
+stalls past ``--hang_timeout`` is a failure too (cause ``hang``, exit code ``HANG_EXIT_CODE``):
+the monitor dumps every rank's stacks first, and the nodes of the ranks behind are killed
+without a grace period (they are stuck; the others get the usual SIGTERM).
 """
 
 from __future__ import annotations
@@ -14,9 +19,15 @@ import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from dslaunch.launcher.spec import NodeResult, NodeSpec
+from dslaunch.utils.beat import Beat
+
+if TYPE_CHECKING:
+    from dslaunch.launcher.monitor.job import JobMonitor
 
 __all__ = ["NodeHandle", "Gang", "GangResult"]
 
@@ -48,6 +59,18 @@ class NodeHandle(ABC):
         has its result), if the transport reports one early; None otherwise. Must not block."""
         return None
 
+    def beats(self) -> Mapping[int, Beat]:
+        """The latest heartbeat of each of the node's ranks that sent one. Must not block."""
+        return {}
+
+    def request_stacks(self) -> None:
+        """Ask the node for every running worker's stacks (answer via ``stacks``). Non-blocking."""
+        return None  # a transport without stack dumps: ``stacks`` answers {} at once
+
+    def stacks(self) -> dict[int, dict] | None:
+        """The answer to ``request_stacks`` (rank -> ``{"stopped", "stack"}``), None until it came."""
+        return {}
+
 
 @dataclass(frozen=True)
 class GangResult:
@@ -58,6 +81,10 @@ class GangResult:
     """The first node failure (root cause), if any."""
     stopped_by: str | None = None
     """Signal name when the job was stopped from outside (Ctrl-C, SIGTERM)."""
+    detected_at: float | None = None
+    """Wall-clock time the loop acted on ``failure`` (compare ``failure.failed_at``)."""
+    details: str | None = None
+    """What the user should read beyond ``failure.describe()``: a remedy, where stacks are."""
 
 
 class Gang:
@@ -67,8 +94,10 @@ class Gang:
     (it only sets a flag).
     """
 
-    def __init__(self, handles: list[NodeHandle], wake: threading.Event, grace: float) -> None:
+    def __init__(self, handles: list[NodeHandle], wake: threading.Event, grace: float,
+                 monitor: JobMonitor | None = None) -> None:
         self._handles = handles
+        self._monitor = monitor
         self._wake = wake
         self._grace = grace
         self._requested: int | None = None
@@ -85,6 +114,8 @@ class Gang:
         failed: int | None = None  # the node that failed first: it is already stopping itself
         stopping_since: float | None = None
         killed = False
+        detected_at: float | None = None
+        stuck: set[int] = set()  # nodes of hung ranks: no grace period for them
         while True:
             for i, h in enumerate(self._handles):
                 if i in results:
@@ -96,15 +127,20 @@ class Gang:
                     if r is None:
                         r = h.failing()  # the early report: stop the others without waiting for it
                     if r is not None and r.exit_code != 0:
-                        failure, failed = r, i
+                        failure, failed, detected_at = r, i, time.time()
             if len(results) == len(self._handles):
                 break
+            if self._monitor is not None and failure is None and self._requested is None:
+                self._monitor.observe(self._handles)
+                if stalled := self._monitor.stalled():
+                    failure, stuck = self._monitor.diagnose_hang(self._handles, stalled)
+                    detected_at = time.time()
             if stopping_since is None and (failure is not None or self._requested is not None):
                 stopping_since = time.monotonic()
                 sig = self._requested if failure is None else signal.SIGTERM
                 for i, h in enumerate(self._handles):
                     if i not in results and i != failed:
-                        h.stop(sig)
+                        h.stop(signal.SIGKILL if i in stuck else sig)
             waited = time.monotonic() - stopping_since if stopping_since is not None else 0.0
             if not killed and waited > self._grace + _KILL_SLACK:
                 killed = True
@@ -123,7 +159,14 @@ class Gang:
         if failed is not None and results.get(failed, failure).rank == failure.rank:
             # The same failure, reported once the node drained its output: it names the exception.
             failure = results[failed]
-        return self._result(failure, list(results.values()))
+        result = self._result(failure, list(results.values()))
+        if self._monitor is None:
+            return result
+        self._monitor.observe(self._handles)  # the last beats (a dying rank flushes its last step)
+        if result.failure is not None:
+            result = replace(result, failure=self._monitor.complete(result.failure), detected_at=detected_at)
+        details = self._monitor.finish(result, list(results.values()), detected_at)
+        return replace(result, details=details)
 
     def _result(self, failure: NodeResult | None, results: list[NodeResult]) -> GangResult:
         if failure is not None:

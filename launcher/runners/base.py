@@ -20,7 +20,10 @@ import signal
 import threading
 from abc import ABC, abstractmethod
 
+from dslaunch.errors import DslaunchError
+from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.gang import Gang, GangResult, NodeHandle
+from dslaunch.launcher.monitor.job import JobMonitor
 from dslaunch.launcher.spec import JobSpec, NodeSpec
 
 __all__ = ["Runner", "format_node"]
@@ -38,12 +41,24 @@ class Runner(ABC):
         self._gang: Gang | None = None
         self.result: GangResult | None = None
 
-    def start(self, job: JobSpec) -> None:
-        """Start every node. Raises LaunchError when a node cannot be started (others stopped)."""
+    def start(self, job: JobSpec, events: EventLog | None = None) -> None:
+        """Start every node. Raises LaunchError when a node cannot be started (others stopped).
+
+        ``events``: the job's event log (a restart loop passes the same one to every attempt);
+        default: a new one in ``job.monitor.log_dir``.
+        """
+        events = events if events is not None else EventLog(job.monitor.log_dir)
+        monitor = JobMonitor(job, events)
+        monitor.start()
         wake = threading.Event()
-        handles = self._start_nodes(job, wake)
+        try:
+            handles = self._start_nodes(job, wake)
+        except DslaunchError as err:
+            events.emit("end", exit_code=err.exit_code, error=str(err))
+            events.close()
+            raise
         grace = max((n.grace for n in job.nodes), default=0.0)
-        self._gang = Gang(handles, wake, grace)
+        self._gang = Gang(handles, wake, grace, monitor)
 
     def wait(self) -> int:
         """Block until the job ends; return its exit code (the failed rank's, or 0)."""

@@ -13,6 +13,7 @@ from dslaunch.launcher.agent.node import Agent
 from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import Runner, format_node
 from dslaunch.launcher.spec import JobSpec, NodeResult
+from dslaunch.utils.beat import Beat
 
 __all__ = ["LocalRunner"]
 
@@ -21,6 +22,7 @@ class _InProcessNode(NodeHandle):
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.node = agent.node
+        self._stacks: dict[int, dict] | None = {}
 
     def poll(self) -> NodeResult | None:
         return self.agent.poll()
@@ -33,6 +35,18 @@ class _InProcessNode(NodeHandle):
 
     def kill(self) -> None:
         self.agent.stop(signal.SIGKILL)
+
+    def beats(self) -> dict[int, Beat]:
+        return self.agent.beats()
+
+    def request_stacks(self) -> None:
+        self._stacks = None
+        def dump() -> None:
+            self._stacks = self.agent.dump_stacks()
+        threading.Thread(target=dump, daemon=True, name="dump-stacks").start()
+
+    def stacks(self) -> dict[int, dict] | None:
+        return self._stacks
 
 
 class LocalRunner(Runner):

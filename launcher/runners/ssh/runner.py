@@ -39,8 +39,9 @@ from dslaunch.launcher.runners.ssh.master import Master, choose_master
 from dslaunch.launcher.runners.ssh.preflight import check_probes, gather_probes, probe_request, remote_command
 from dslaunch.launcher.runners.ssh.session import RemoteSession
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
-from dslaunch.launcher.spec import JobSpec, NodeResult, NodeSpec
+from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, JobSpec, NodeResult, NodeSpec
 from dslaunch.launcher.workerenv import remote_node
+from dslaunch.utils.beat import Beat
 
 __all__ = ["SSHRunner"]
 class _SSHNode(NodeHandle):
@@ -59,8 +60,8 @@ class _SSHNode(NodeHandle):
             return s.status
         if s.lost:
             os.write(2, f"dslaunch: lost the SSH connection to {self.node.host}\n".encode())
-            return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 255,
-                              stopped_by="lost SSH connection")
+            return NodeResult(self.node.node_rank, self.node.host, s.exit_code or HOST_LOST_EXIT_CODE,
+                              stopped_by="lost SSH connection", cause="host_lost", failed_at=s.heard_at)
         return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 0)
 
     def failing(self) -> NodeResult | None:
@@ -68,6 +69,15 @@ class _SSHNode(NodeHandle):
 
     def stop(self, sig: int) -> None:
         self.session.close_stdin()
+
+    def beats(self) -> dict[int, Beat]:
+        return self.session.beats
+
+    def request_stacks(self) -> None:
+        self.session.request_stacks()
+
+    def stacks(self) -> dict[int, dict] | None:
+        return self.session.stacks
 
     def kill(self) -> None:
         if self._killer is None:

@@ -5,6 +5,8 @@ A ``RemoteSession`` runs the ``agent.bootstrap`` command on one host and sorts w
 - the ``@@dslaunch-probe`` line (stdout) -> ``probe`` (the preflight answer);
 - the agent's status line (stderr) -> ``status`` (how the node ended, parsed by the agent module);
 - the agent's failure line (stderr) -> ``failure`` (its first worker failure, sent at once);
+- the agent's beats and stacks lines (stderr) -> ``beats`` (latest per rank), ``stacks`` (the
+  answer to ``request_stacks``); ``heard_at``: wall-clock time of the last line from the host;
 - every other line -> the controller's stdout/stderr, prefixed ``host: `` (the agent already
   prefixed worker lines with ``[rankN]``), one whole line per write so hosts never interleave
   inside a line. stderr printed before the probe line is held back and shown only with the
@@ -24,9 +26,16 @@ from collections.abc import Callable
 
 from dslaunch.launcher.agent.bootstrap import PROBE_MARKER
 from dslaunch.launcher.agent.output import Sink
-from dslaunch.launcher.agent.wire import parse_failure_line, parse_status_line
+from dslaunch.launcher.agent.wire import (
+    STACKS_REQUEST,
+    parse_beats_line,
+    parse_failure_line,
+    parse_stacks_line,
+    parse_status_line,
+)
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
 from dslaunch.launcher.spec import NodeResult
+from dslaunch.utils.beat import Beat
 
 __all__ = ["RemoteSession", "LOST_CONNECTION"]
 
@@ -57,6 +66,9 @@ class RemoteSession:
         self.failure: NodeResult | None = None
         self.exit_code: int | None = None
         self.lost = False
+        self.beats: dict[int, Beat] = {}
+        self.stacks: dict[int, dict] | None = {}
+        self.heard_at: float | None = None
         self._held_stderr: list[bytes] = []
         self._lock = threading.Lock()
         self._probe_seen = threading.Event()
@@ -106,6 +118,9 @@ class RemoteSession:
         self._out.write(self._prefix + line)
 
     def _stderr_line(self, line: bytes) -> None:
+        self.heard_at = time.time()
+        if line.startswith(b"@@dslaunch-agent-") and self._monitor_line(line):
+            return
         result = parse_status_line(line)
         if result is not None:
             self.status = result
@@ -120,6 +135,26 @@ class RemoteSession:
                 self._held_stderr.append(line)
                 return
         self._err.write(self._prefix + line)
+
+    def _monitor_line(self, line: bytes) -> bool:
+        beats = parse_beats_line(line)
+        if beats is not None:
+            self.beats = {**self.beats, **beats}
+            return True
+        stacks = parse_stacks_line(line)
+        if stacks is not None:
+            self.stacks = stacks
+            self._on_change()
+            return True
+        return False
+
+    def request_stacks(self) -> None:
+        """Ask the agent for its workers' stacks; ``stacks`` is None until the answer came."""
+        self.stacks = None
+        try:
+            self.send_line(STACKS_REQUEST)
+        except (OSError, EOFError, AssertionError, paramiko.SSHException):
+            self.stacks = {}  # no agent to answer: nothing to wait for
 
     def _finish(self, chan: paramiko.Channel, readers: list[threading.Thread]) -> None:
         for t in readers:

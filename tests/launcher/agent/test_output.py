@@ -77,3 +77,20 @@ def test_exception_watch_ignores_output_without_a_traceback_and_bounds_the_line(
         "'optimizer.params.lr': must be >= 0"
     long = _watched("Traceback (most recent call last):\nRuntimeError: " + "x" * 5000 + "\n")
     assert long is not None and len(long) == ExceptionWatch.MAX_CHARS and long.endswith("...")
+
+
+def test_exception_watch_keeps_the_whole_chained_traceback_original_exception_first():
+    w = ExceptionWatch()
+    printed = [
+        "step 3", "Traceback (most recent call last):", '  File "t.py", line 5, in step', "    raise ValueError(x)",
+        "ValueError: the root cause", "", "The above exception was the direct cause of the following exception:",
+        "", "Traceback (most recent call last):", '  File "t.py", line 9, in <module>', "RuntimeError: bad batch",
+        "after",
+    ]
+    for line in printed:
+        w.feed(f"[rank1]: {line}\n".encode())
+    assert w.exception == "RuntimeError: bad batch"
+    assert w.traceback == "\n".join(printed[1:11])
+    w.feed(b"Traceback (most recent call last):\n")  # a new, unrelated report replaces it when it ends
+    w.feed(b"KeyError: 'x'\n")
+    assert w.traceback == "Traceback (most recent call last):\nKeyError: 'x'"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -57,6 +58,10 @@ MISSING = "/nonexistent/train.py"
     (["--bind_core_list", "0,,2", FAKE], "'' is not a core or a range"),
     (["--bind_core_list", "0-3,2", FAKE], "--bind_core_list '0-3,2': core 2 is listed twice"),
     (["--bind_core_list", "0-999999", FAKE], "'0-999999' is not a core or a range"),
+    (["--hang_timeout", "0", FAKE], "--hang_timeout 0: expected seconds > 0, at most 604800 (leave the flag out"),
+    (["--hang_timeout", "nan", FAKE], "--hang_timeout nan: expected seconds > 0"),
+    (["--hang_timeout", "soon", FAKE], "argument --hang_timeout: invalid float value: 'soon'"),
+    (["--log_dir", "", FAKE], "--log_dir '': empty path; give a directory, or leave the flag out for ./dslaunch_logs"),
     (["--num_gpus", "1_0", FAKE], "argument --num_gpus/--num_accelerators: invalid integer value: '1_0'"),
     (["--master_port", "２９５００", FAKE], "argument --master_port: invalid integer value: '２９５００'"),
     ([*["--" + "x" * 100] * 20, FAKE], "unrecognized arguments: --xxx"),
@@ -138,6 +143,23 @@ def test_dry_run_prints_commands_and_env_and_starts_nothing(tmp_path):
         assert line.endswith(f"{FAKE} --local_rank={rank} grandchild={marker}")
 
 
+def test_dry_run_shows_the_monitor_and_writes_nothing(tmp_path):
+    r = run_dslaunch(["--num_gpus", "1", "--dry-run", "--hang_timeout", "5", "--log_dir", str(tmp_path / "l"), FAKE])
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.splitlines()[-1]
+    assert re.fullmatch(rf"# monitor: hang_timeout 5 s \(first step: 60 s\); events, error files and stacks in "
+                        rf"{tmp_path}/l/\d{{8}}-\d{{6}}-\d+", last), last
+    assert not (tmp_path / "l").exists()
+    r = run_dslaunch(["--num_gpus", "1", "--dry-run", FAKE], cwd=str(tmp_path))
+    assert f"# monitor: hang_timeout off; events, error files and stacks in {tmp_path}/dslaunch_logs/" in r.stdout
+
+
+def test_a_log_dir_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    r = run_dslaunch(["--num_gpus", "1", "--log_dir", str(tmp_path / "file"), FAKE])
+    assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("dslaunch: error: --log_dir: cannot write "), r.stderr
+
+
 def test_dry_run_with_remote_hosts_uses_the_ssh_runner(tmp_path):
     hf = tmp_path / "hostfile"
     hf.write_text("node1 slots=2\nnode2 slots=2\n")
@@ -193,7 +215,8 @@ def test_cuda_visible_devices_of_the_environment_picks_the_local_gpus():
 def test_launcher_args_value_may_start_with_a_dash(value, capsys):
     argv = ["--launcher_args", value, "--num_gpus", "1", "--dry-run", FAKE, "--launcher_args", "-z"]
     assert cli.main(argv) == 0, capsys.readouterr().err  # was: 'expected one argument'
-    assert capsys.readouterr().out.rstrip().endswith(f"{FAKE} --local_rank=0 --launcher_args -z")
+    commands = capsys.readouterr().out.splitlines()[:-1]  # the last line describes the monitor
+    assert commands[-1].endswith(f"{FAKE} --local_rank=0 --launcher_args -z")
     cfg = cli.parse_config(argv)[0]
     assert cfg.launcher_args == value and cfg.num_gpus == 1
     assert cfg.user_args == ("--launcher_args", "-z")  # the script's own arguments are not rewritten

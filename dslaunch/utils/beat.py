@@ -1,0 +1,91 @@
+"""The heartbeat wire format: what a worker tells its node agent about its progress.
+
+Shared by the worker side (``dslaunch.runtime.heartbeat`` writes beats) and the launcher (the
+agent reads them, the controller judges them), so the runtime never imports the launcher.
+Torch-free, standard library only.
+
+One beat is one JSON line, at most ``MAX_LINE`` bytes, written with a single ``write`` to a
+pipe: lines under PIPE_BUF (4096 on Linux) are atomic, so several threads (or forked data-loader
+children that inherited the pipe) never interleave inside a line.
+
+The channel, set up by the agent for every worker (see ``launcher/workerenv.py``):
+
+- ``DSLAUNCH_HEARTBEAT_FD``: write end of a pipe; the worker writes beats there;
+- ``DSLAUNCH_STACK_FD``: write end of a second pipe; the worker registers ``faulthandler`` on
+  ``STACK_SIGNAL`` to dump every thread's stack there (a separate pipe because faulthandler writes
+  a line in several pieces from a signal handler, which beats from another thread could split).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["Beat", "Memory", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "MAX_LINE"]
+
+HEARTBEAT_FD_ENV = "DSLAUNCH_HEARTBEAT_FD"
+STACK_FD_ENV = "DSLAUNCH_STACK_FD"
+STACK_SIGNAL = signal.SIGUSR2
+"""The signal a worker's stack dump answers to. Sent only to workers whose beats say they
+registered it (``Beat.stack_signal``): its default action would kill the process."""
+MAX_LINE = 4000  # under PIPE_BUF: one atomic write
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One rank's memory: its GPU's (NVML) or, without NVML, the process RSS (``kind='rss'``)."""
+
+    kind: str
+    """``gpu`` or ``rss``."""
+    used: int
+    """Bytes this process uses (on its GPU for ``gpu``)."""
+    peak: int
+    """The largest ``used`` seen so far."""
+    total: int | None = None
+    """The GPU's memory (``gpu`` only)."""
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One progress report of one rank."""
+
+    rank: int
+    seq: int
+    """Counts the rank's beats; a new number means the rank is alive (even if ``step`` is not)."""
+    step: int | None = None
+    """The last finished training step; None before the first (the rank is up)."""
+    samples_per_s: float | None = None
+    loss: float | None = None
+    memory: Memory | None = None
+    stack_signal: int | None = None
+    """The signal that makes this rank dump its stacks into its stack pipe (None: it cannot)."""
+    pid: int | None = None
+
+    def to_line(self) -> bytes:
+        """One JSON line (newline included), never over ``MAX_LINE`` bytes."""
+        data = json.dumps(asdict(self), separators=(",", ":")).encode() + b"\n"
+        return data if len(data) <= MAX_LINE else Beat(self.rank, self.seq, self.step).to_line()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Beat:
+        """Inverse of ``to_dict``; unknown keys are ignored (a newer worker)."""
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in raw.items() if k in names}
+        mem = known.get("memory")
+        if isinstance(mem, dict):
+            known["memory"] = Memory(**{k: v for k, v in mem.items() if k in {f.name for f in fields(Memory)}})
+        return cls(**known)
+
+    @classmethod
+    def from_line(cls, line: bytes | str) -> Beat | None:
+        """The beat on one line, or None for a line that is not one (never raises)."""
+        try:
+            raw = json.loads(line)
+            return cls.from_dict(raw) if isinstance(raw, dict) else None
+        except (ValueError, TypeError, KeyError):
+            return None

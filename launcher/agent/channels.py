@@ -1,0 +1,171 @@
+"""The agent's end of each worker's monitor pipes: latest beat per rank, stack text on request.
+
+Why pipes inherited by the worker (and not a file per rank the agent polls): the agent hears
+a beat the moment it is written, without polling a file system; nothing is left on disk; the
+channel needs no path (the worker only learns two fd numbers); and a pipe cannot be read by
+another user. One selector thread serves every worker of the node.
+
+Mechanism only: what a silent rank means is decided by ``dslaunch.launcher.monitor``.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import threading
+import time
+
+from dslaunch.utils.beat import Beat
+
+__all__ = ["Channels", "MAX_STACK_BYTES", "process_stopped"]
+
+MAX_STACK_BYTES = 256 * 1024  # a dump of a few hundred threads; more is cut
+_POLL_S = 0.1
+
+
+class Channels:
+    """Reads every worker's heartbeat and stack pipes in one daemon thread."""
+
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._beats: dict[int, Beat] = {}
+        self._pending: dict[int, bytes] = {}  # fd -> partial beat line
+        self._stacks: dict[int, bytearray] = {}
+        self._stack_at: dict[int, float] = {}  # rank -> monotonic time of its last stack bytes
+        self._new: list[tuple[int, int, str]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def pipes(self, rank: int) -> tuple[int, int]:
+        """Create ``rank``'s two pipes; return their write ends (beat, stack) for the worker.
+
+        The caller passes them to the worker (``pass_fds``) and closes them after the spawn.
+        """
+        beat_r, beat_w = os.pipe()
+        stack_r, stack_w = os.pipe()
+        with self._lock:
+            self._new += [(beat_r, rank, "beat"), (stack_r, rank, "stack")]
+            self._stacks[rank] = bytearray()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="agent-channels", daemon=True)
+            self._thread.start()
+        return beat_w, stack_w
+
+    def beats(self) -> dict[int, Beat]:
+        """The latest beat of every rank that sent one."""
+        with self._lock:
+            return dict(self._beats)
+
+    def dump_stacks(self, pids: dict[int, int], wait: float = 2.0) -> dict[int, dict]:
+        """Ask each rank that registered a stack dump for it; collect its text.
+
+        A stopped (SIGSTOP) process is resumed first; that it was stopped is reported.
+
+        Args:
+            pids: rank -> pid of the ranks to dump (running ones).
+            wait: at most this long; a dump that keeps writing ends after 0.3 s of quiet.
+
+        Returns:
+            rank -> ``{"stopped": bool, "stack": text or None}`` (None: the rank never registered
+            a stack dump, or wrote nothing in time).
+        """
+        beats = self.beats()
+        asked: dict[int, dict] = {}
+        for rank, pid in pids.items():
+            stopped = process_stopped(pid)
+            sig = beats[rank].stack_signal if rank in beats else None
+            with self._lock:
+                self._stacks[rank] = bytearray()
+                self._stack_at.pop(rank, None)
+            try:
+                os.kill(pid, signal.SIGCONT)
+                if sig:
+                    os.kill(pid, sig)
+            except ProcessLookupError:
+                sig = None
+            asked[rank] = {"stopped": stopped, "signal": sig}
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not self._settled([r for r, a in asked.items() if a["signal"]]):
+            time.sleep(0.05)
+        with self._lock:
+            return {rank: {"stopped": a["stopped"],
+                           "stack": bytes(self._stacks[rank]).decode("utf-8", "replace") or None
+                           if a["signal"] else None}
+                    for rank, a in asked.items()}
+
+    def _settled(self, ranks: list[int]) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            return all(r in self._stack_at and now - self._stack_at[r] > 0.3 for r in ranks)
+
+    def close(self) -> None:
+        """Stop reading (idempotent); the beats read so far stay available."""
+        self._closed = True  # the thread sees it within _POLL_S and closes every read end
+        if self._thread is None:
+            self._sel.close()
+
+    def _run(self) -> None:
+        # Only this thread registers and closes the read ends (no wake-up pipe to share): new
+        # pipes wait at most _POLL_S, their data waits in the pipe meanwhile.
+        while not self._closed:
+            self._register_new()
+            for key, _ in self._sel.select(_POLL_S):
+                self._read(key)
+        self._register_new()
+        # Drain what the exited workers wrote last (their final beat); bounded, as a child that
+        # inherited a pipe may keep it open.
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and (ready := self._sel.select(0)):
+            for key, _ in ready:
+                self._read(key)
+        for key in list(self._sel.get_map().values()):
+            os.close(key.fd)
+        self._sel.close()
+
+    def _read(self, key: selectors.SelectorKey) -> None:
+        rank, kind = key.data
+        try:
+            data = os.read(key.fd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._sel.unregister(key.fd)
+            os.close(key.fd)
+        elif kind == "beat":
+            self._beat_data(key.fd, rank, data)
+        else:
+            self._stack_data(rank, data)
+
+    def _register_new(self) -> None:
+        with self._lock:
+            new, self._new = self._new, []
+        for fd, rank, kind in new:
+            self._sel.register(fd, selectors.EVENT_READ, (rank, kind))
+
+    def _beat_data(self, fd: int, rank: int, data: bytes) -> None:
+        *lines, rest = (self._pending.pop(fd, b"") + data).split(b"\n")
+        if rest:
+            self._pending[fd] = rest[-4096:]
+        for line in reversed(lines):  # only the newest whole beat matters
+            beat = Beat.from_line(line)
+            if beat is not None:
+                with self._lock:
+                    self._beats[rank] = beat
+                break
+
+    def _stack_data(self, rank: int, data: bytes) -> None:
+        with self._lock:
+            buf = self._stacks.setdefault(rank, bytearray())
+            buf += data[:max(0, MAX_STACK_BYTES - len(buf))]
+            self._stack_at[rank] = time.monotonic()
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP/SIGTSTP, state T in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False

@@ -1,0 +1,58 @@
+"""What kind of failure a dead rank is, and what to tell the user about it.
+
+``classify`` names the cause the restart policy reads (``NodeResult.cause``) from the facts of
+a worker's death: its exit code or signal, the exception it printed, and whether the kernel's OOM
+killer struck. The agent applies it (only it has the facts); ``hang`` and ``host_lost`` are
+decided by the controller (``health``, ``gang``). ``OOM_REMEDIES`` is the advice an
+out-of-memory failure gets. Pure functions, no imports beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["CAUSES", "classify", "is_oom_text", "OOM_REMEDIES", "oom_kills"]
+
+CAUSES = ("exit", "signal", "exception", "hang", "host_lost", "oom")
+
+_OOM_TEXT = re.compile(r"OutOfMemoryError|CUDA out of memory|\bMemoryError\b|CUDA error: out of memory")
+
+OOM_REMEDIES = ("out of memory: try a higher ZeRO stage (zero_optimization.stage 2 or 3), CPU offload "
+                "(zero_optimization.offload_optimizer / offload_param), a smaller "
+                "train_micro_batch_size_per_gpu (with more gradient_accumulation_steps), or activation "
+                "checkpointing")
+
+
+def is_oom_text(text: str | None) -> bool:
+    """Whether a printed exception or traceback says the process ran out of memory."""
+    return bool(text) and _OOM_TEXT.search(text) is not None
+
+
+def classify(exit_code: int, signal_name: str | None, exception: str | None, traceback: str | None,
+             oom_killed: bool = False) -> str:
+    """The cause of a worker's death (one of ``CAUSES`` except hang/host_lost).
+
+    Args:
+        exit_code, signal_name: how it ended.
+        exception, traceback: what it printed (the last exception line, the whole traceback).
+        oom_killed: the kernel's OOM killer struck on this host while the worker ran.
+    """
+    if is_oom_text(exception) or is_oom_text(traceback):
+        return "oom"
+    if signal_name == "SIGKILL" and oom_killed:
+        return "oom"
+    if exception is not None:
+        return "exception"
+    return "signal" if signal_name else "exit"
+
+
+def oom_kills() -> int | None:
+    """The kernel's count of OOM kills on this host (``oom_kill`` in /proc/vmstat, Linux >= 4.13)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None

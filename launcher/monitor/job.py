@@ -1,0 +1,187 @@
+"""The monitor of one job run: heartbeats in, events, status, hang diagnosis and error files out.
+
+``JobMonitor`` is what the gang loop consults on each turn (``observe``, ``stalled``), asks to
+diagnose a hang (``diagnose_hang``: stacks from every node, the ranks behind, a ``hang``
+failure), and hands the job's end to (``finish``: the failure event with the root cause first,
+one error file per failed rank, the end event). It only decides and records; the handles
+(mechanism) fetch beats and stacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from dslaunch.launcher.monitor.events import EventLog
+from dslaunch.launcher.monitor.failures import OOM_REMEDIES, classify
+from dslaunch.launcher.monitor.health import Health, top_frame
+from dslaunch.launcher.monitor.status import StatusLine
+from dslaunch.launcher.spec import HANG_EXIT_CODE, JobSpec, NodeResult
+
+if TYPE_CHECKING:
+    from dslaunch.launcher.monitor.gang import GangResult, NodeHandle
+
+__all__ = ["JobMonitor", "SUMMARY_EVERY_S", "STACKS_WAIT_S"]
+
+SUMMARY_EVERY_S = 30.0
+STACKS_WAIT_S = 3.0
+"""How long a hang diagnosis waits for the nodes' stack dumps."""
+
+
+class JobMonitor:
+    """Watches one run of a job. Not thread-safe: the gang loop owns it."""
+
+    def __init__(self, job: JobSpec, events: EventLog, status: StatusLine | None = None) -> None:
+        self.job = job
+        self.events = events
+        self.status = status if status is not None else StatusLine()
+        self.health = Health([(w.global_rank, i, n.host) for i, n in enumerate(job.nodes) for w in n.workers],
+                             job.monitor.hang_timeout)
+        self._start = time.monotonic()
+        self._up_said = False
+        self._rss_said = False
+        self._summary_at = self._start
+        self._hang: tuple[NodeResult, dict, float] | None = None
+
+    def start(self, argv: list[str] | None = None) -> None:
+        self.events.emit("start", job_id=os.path.basename(self.events.directory or ""),
+                         hosts=list(self.job.hosts), world_size=self.job.world_size,
+                         hang_timeout=self.job.monitor.hang_timeout, pid=os.getpid(),
+                         argv=list(sys.argv if argv is None else argv))
+
+    # -- each turn of the gang loop ------------------------------------------------------------
+
+    def observe(self, handles: list[NodeHandle]) -> None:
+        now = time.monotonic()
+        beats = {}
+        for h in handles:
+            beats.update(h.beats())
+        self.health.update(beats, now)
+        if not self._up_said and self.health.all_up():
+            self._up_said = True
+            self.events.emit("ranks_up", after_s=round(now - self._start, 3))
+        summary = self.health.summary()
+        mem = summary.get("memory")
+        if mem and mem["kind"] == "rss" and not self._rss_said:
+            self._rss_said = True  # said once per job, here and on the status line ("RSS")
+            self.events.emit("note", text="memory: no GPU memory from NVML (no CUDA in use, or no driver); "
+                                          "reporting each rank's process RSS")
+        if summary.get("ranks_up") and now - self._summary_at >= SUMMARY_EVERY_S:
+            self._summary_at = now
+            self.events.emit("summary", **summary)
+        self.status.show(summary, now)
+
+    def stalled(self) -> list[int]:
+        return self.health.stalled()
+
+    # -- a hang ----------------------------------------------------------------------------------
+
+    def diagnose_hang(self, handles: list[NodeHandle], stalled: list[int]) -> tuple[NodeResult, set[int]]:
+        """Dump every rank's stacks, name the ranks behind, record it all.
+
+        Returns the hang failure (the first rank behind) and the indices of the nodes holding the
+        ranks behind (stopped at once, without a grace period).
+        """
+        detected = time.time()
+        for h in handles:
+            h.request_stacks()
+        stacks: dict[int, dict] = {}
+        deadline = time.monotonic() + STACKS_WAIT_S
+        waiting = set(range(len(handles)))
+        while waiting and time.monotonic() < deadline:
+            for i in list(waiting):
+                got = handles[i].stacks()
+                if got is not None:
+                    stacks.update(got)
+                    waiting.discard(i)
+            time.sleep(0.05)
+        behind = self.health.behind(stacks) or sorted(stalled)
+        ranks = {}
+        for rank, h in sorted(self.health.ranks.items()):
+            info = stacks.get(rank, {})
+            text = info.get("stack")
+            path = self.events.write_file(f"stacks-rank{rank}.txt", text) if text else None
+            ranks[str(rank)] = {"host": h.host, "step": h.step, "stopped": bool(info.get("stopped")),
+                                "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path}
+        self.events.emit("stacks", behind=behind, stalled=sorted(stalled), ranks=ranks,
+                         hang_timeout=self.health.hang_timeout)
+        first = self.health.ranks[behind[0]]
+        failure = NodeResult(self.job.nodes[first.node].node_rank, first.host, HANG_EXIT_CODE, rank=first.rank,
+                             cause="hang", step=first.step, failed_at=first.progressed_wall)
+        self._hang = (failure, ranks, detected)
+        return failure, {self.health.ranks[r].node for r in behind}
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def finish(self, result: GangResult, results: list[NodeResult], detected_at: float | None) -> str | None:
+        """Record how the job ended; return what the user should read beyond the failure's own
+        line (the remedy, where stacks and error files are), or None."""
+        self.status.clear()
+        notes: list[str] = []
+        if self.health.summary().get("ranks_up"):
+            self.events.emit("summary", **self.health.summary())  # the last known progress
+        failure = result.failure
+        if failure is not None:
+            failure = self._complete(failure)
+            others = [self._complete(r) for r in results
+                      if r.rank is not None and r.exit_code and r.cause and r.rank != failure.rank]
+            files = [p for p in (self._error_file(f, root=f is failure) for f in [failure, *others]) if p]
+            remedy = OOM_REMEDIES if failure.cause == "oom" else None
+            fault_t = failure.failed_at or self._last_heard(failure)
+            self.events.emit("failure", message=failure.describe(), rank=failure.rank, host=failure.host,
+                             cause=failure.cause, exit_code=failure.exit_code, signal=failure.signal_name,
+                             exception=failure.exception, step=failure.step, fault_t=fault_t,
+                             detected_t=detected_at, remedy=remedy, error_files=files,
+                             others=[o.describe() for o in others])
+            if remedy:
+                notes.append(remedy)
+            if failure.cause == "hang":
+                notes.append(self._hang_note())
+            if self.events.directory:
+                notes.append(f"details: dslaunch status {self.events.directory}")
+        self.events.emit("end", exit_code=result.exit_code, stopped_by=result.stopped_by,
+                         duration_s=round(time.monotonic() - self._start, 3))
+        self.events.close()
+        return "; ".join(notes) or None
+
+    def complete(self, failure: NodeResult) -> NodeResult:
+        """``failure`` with what the monitor knows added: the rank's last step, a cause."""
+        return self._complete(failure)
+
+    def _complete(self, r: NodeResult) -> NodeResult:
+        step = r.step
+        if step is None and r.rank in self.health.ranks:
+            step = self.health.ranks[r.rank].step
+        cause = r.cause or classify(r.exit_code, r.signal_name, r.exception, r.traceback)
+        return replace(r, step=step, cause=cause)
+
+    def _last_heard(self, r: NodeResult) -> float | None:
+        """For a lost host: when any of its ranks was last heard of (wall clock)."""
+        times = [h.heard_wall for h in self.health.ranks.values() if h.host == r.host and h.heard_wall]
+        return max(times) if times else None
+
+    def _error_file(self, r: NodeResult, root: bool) -> str | None:
+        if r.rank is None:
+            return None
+        record = {"rank": r.rank, "host": r.host, "root_cause": root, "cause": r.cause,
+                  "exit_code": r.exit_code, "signal": r.signal_name, "step": r.step,
+                  "exception": r.exception, "traceback": r.traceback, "failed_at": r.failed_at,
+                  "message": r.describe()}
+        if r.cause == "oom":
+            record["remedy"] = OOM_REMEDIES
+        if r.cause == "hang":
+            record["stacks"] = self._hang[1].get(str(r.rank)) if self._hang else None
+        return self.events.write_file(f"error-rank{r.rank}.json", json.dumps(record, indent=2) + "\n")
+
+    def _hang_note(self) -> str:
+        assert self._hang is not None
+        failure, ranks, _ = self._hang
+        info = ranks.get(str(failure.rank), {})
+        state = " (it was stopped: SIGSTOP)" if info.get("stopped") else " (silent: no heartbeat)" if info.get("silent") else ""
+        doing = f"; it was in {info['top_frame']}" if info.get("top_frame") else ""
+        where = f"; every rank's stack is in {self.events.directory}" if self.events.directory else ""
+        return f"no progress for {self.health.hang_timeout:g} s{state}{doing}{where}"

@@ -1,0 +1,259 @@
+"""Worker side of the monitor: progress beats to the node agent and stack dumps on request.
+
+A worker started by dslaunch finds two pipes in its environment (``dslaunch.utils.beat``). This
+module reports on them without the script doing anything beyond training:
+
+- the engine calls ``beat`` at every optimizer step; custom loops and scripts that never call
+  ``initialize`` call ``dslaunch.heartbeat(step, loss=None, samples=None)`` once per step;
+- ``start()`` (from ``init_distributed``/``initialize``, or the first beat) registers
+  ``faulthandler`` on ``STACK_SIGNAL`` (every thread's Python stack into the stack pipe, also while
+  the main thread is stuck in C, e.g. a collective) and sends the first beat: the rank is up;
+- a daemon thread sends what changed every ``TICK_S``, and a beat every ``LIVENESS_S`` anyway, so
+  the monitor tells a rank that is alive but waiting from one that is frozen or stopped; at exit
+  (also by an exception) the last unsent step goes out.
+
+Cost per step: ``beat`` stores three fields and makes no system call; the loss is read
+(``float()``, a device sync on GPU) only when the thread is about to send, i.e. at most twice a
+second. Everything is a no-op outside dslaunch (no pipes in the environment).
+
+Memory is measured here, in the worker (the controller never imports psutil): GPU used/total/peak
+from NVML (``pynvml``) when this process has initialised CUDA, else the process RSS (psutil) and
+its peak (``getrusage``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import functools
+import os
+import resource
+import sys
+import threading
+import time
+from typing import Any
+
+from dslaunch.utils.beat import HEARTBEAT_FD_ENV, STACK_FD_ENV, STACK_SIGNAL, Beat, Memory
+
+__all__ = ["Heartbeat", "heartbeat", "reporter", "start", "TICK_S", "LIVENESS_S"]
+
+TICK_S = 0.5
+"""The sender thread's period: progress reaches the agent within this (and costs <= 2 writes/s)."""
+LIVENESS_S = 2.0
+"""A beat at least this often while the process runs, progress or not."""
+
+
+class Heartbeat:
+    """One rank's reporter: the per-step ``beat`` stores, a daemon thread sends.
+
+    Args:
+        fd: write end of the heartbeat pipe (made non-blocking: a busy agent drops beats, it
+            never stalls training).
+        rank: the global rank.
+        stack_fd: write end of the stack pipe, or None (no stack dumps).
+    """
+
+    def __init__(self, fd: int, rank: int, stack_fd: int | None = None) -> None:
+        self._fd: int | None = fd
+        self._rank = rank
+        self._stack_fd = stack_fd
+        self._step: int | None = None
+        self._samples: int | None = None
+        self._loss: float | None = None
+        self._want_loss = True
+        self._dirty = False
+        self._seq = 0
+        self._memory = _MemorySampler()
+        self._rate_from: tuple[float, int] | None = None
+        self._samples_per_s: float | None = None
+        self._stack_signal: int | None = None
+        self._lock = threading.Lock()  # the thread and start() may both send
+        self._started = False
+        self.writes = 0
+        """Lines written so far (the rate-limit test reads it)."""
+
+    def start(self) -> None:
+        """Register the stack dump, send the 'up' beat and start the sender thread. Idempotent."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        if self._stack_fd is not None:
+            try:
+                faulthandler.register(STACK_SIGNAL, file=self._stack_fd, all_threads=True, chain=False)
+                self._stack_signal = int(STACK_SIGNAL)
+            except (OSError, ValueError, RuntimeError):  # e.g. a closed fd
+                self._stack_signal = None
+        self._send()
+        threading.Thread(target=self._run, name="dslaunch-heartbeat", daemon=True).start()
+        atexit.register(self._flush)  # a rank that dies of an exception still tells its last step
+
+    def _flush(self) -> None:
+        if self._dirty:
+            self._send()
+
+    def beat(self, step: int, loss: Any = None, samples: int | None = None) -> None:
+        """Record that ``step`` finished. Cheap: no system call (see the module docstring)."""
+        if not self._started:
+            self.start()
+        self._step = step
+        if samples is not None:
+            self._samples = samples
+        if loss is not None and self._want_loss:
+            self._want_loss = False
+            self._loss = _as_float(loss)
+        self._dirty = True
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while self._fd is not None:
+            time.sleep(TICK_S)
+            now = time.monotonic()
+            if self._dirty or now - last >= LIVENESS_S:
+                self._send()
+                last = now
+
+    def _send(self) -> None:
+        with self._lock:
+            self._dirty = False
+            self._want_loss = True
+            self._seq += 1
+            self._update_rate()
+            beat = Beat(self._rank, self._seq, self._step, self._samples_per_s, self._loss,
+                        self._memory.sample(), self._stack_signal, os.getpid())
+            self._write(beat.to_line())
+
+    def _update_rate(self) -> None:
+        """Samples per second since the previous send at which the sample count moved."""
+        now, samples = time.monotonic(), self._samples
+        if samples is None:
+            return
+        if self._rate_from is not None and samples > self._rate_from[1] and now > self._rate_from[0]:
+            self._samples_per_s = (samples - self._rate_from[1]) / (now - self._rate_from[0])
+        if self._rate_from is None or samples != self._rate_from[1]:
+            self._rate_from = (now, samples)
+
+    def _write(self, line: bytes) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.write(self._fd, line)
+            self.writes += 1
+        except BlockingIOError:
+            pass  # the agent is behind: drop this beat, the next one carries the same news
+        except OSError:  # the agent is gone (EPIPE) or the fd was closed by the script
+            self._fd = None
+
+
+def _as_float(loss: Any) -> float | None:
+    try:
+        value = float(loss.detach()) if hasattr(loss, "detach") else float(loss)
+    except (TypeError, ValueError, RuntimeError):  # a non-scalar tensor, say
+        return None
+    return value if value == value and abs(value) != float("inf") else None  # JSON has no nan/inf
+
+
+class _MemorySampler:
+    """GPU memory from NVML for a process that uses CUDA, else RSS; errors fall back to RSS."""
+
+    def __init__(self) -> None:
+        self._gpu_ok = True
+        self._handle: Any = None
+        self._peak = 0
+
+    def sample(self) -> Memory | None:
+        if self._gpu_ok and _cuda_in_use():
+            try:
+                return self._gpu()
+            except Exception:  # NVML missing or failing: say RSS from now on (pynvml raises its own types)
+                self._gpu_ok = False
+        return _rss()
+
+    def _gpu(self) -> Memory:
+        import pynvml
+
+        if self._handle is None:
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_gpu())
+        info = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
+        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+                if p.pid == os.getpid() and p.usedGpuMemory]
+        used = int(mine[0]) if mine else int(info.used)  # another pid namespace: the whole GPU's
+        self._peak = max(self._peak, used)
+        return Memory("gpu", used, self._peak, int(info.total))
+
+
+def _cuda_in_use() -> bool:
+    torch = sys.modules.get("torch")  # never import torch here: a torch-free script stays so
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def _physical_gpu() -> int:
+    """NVML's index of this process's current CUDA device (CUDA_VISIBLE_DEVICES renumbers)."""
+    logical = sys.modules["torch"].cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    return int(visible[logical]) if logical < len(visible) and visible[logical].strip().isdigit() else logical
+
+
+def _rss() -> Memory | None:
+    try:
+        import psutil
+
+        used = psutil.Process().memory_info().rss
+    except (ImportError, OSError):
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return Memory("rss", int(used), int(max(peak, used)))
+
+
+@functools.cache
+def reporter() -> Heartbeat | None:
+    """This process's reporter, or None when dslaunch did not start it (no pipe in the env).
+
+    One per process because the pipe is one per process; cached so the per-step lookup is a
+    dictionary hit.
+    """
+    fd = _env_fd(HEARTBEAT_FD_ENV)
+    if fd is None:
+        return None
+    try:
+        os.set_blocking(fd, False)
+        os.set_inheritable(fd, False)  # programs the script execs do not speak for this rank
+    except OSError:
+        return None
+    stack_fd = _env_fd(STACK_FD_ENV)
+    if stack_fd is not None:
+        try:
+            os.set_inheritable(stack_fd, False)
+        except OSError:
+            stack_fd = None
+    return Heartbeat(fd, int(os.environ.get("RANK", "0")), stack_fd)
+
+
+def _env_fd(name: str) -> int | None:
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def start() -> None:
+    """Announce this rank and arm its stack dump (no-op outside dslaunch). Idempotent."""
+    r = reporter()
+    if r is not None:
+        r.start()
+
+
+def heartbeat(step: int, loss: Any = None, samples: int | None = None) -> None:
+    """Report that training step ``step`` finished on this rank (``dslaunch.heartbeat``).
+
+    For custom training loops and scripts that never call ``dslaunch.initialize`` (the engine
+    reports by itself). Call it once per step on every rank; it is cheap (no system call) and a
+    no-op when the script was not started by dslaunch.
+
+    Args:
+        step: the number of the step that just finished (increasing).
+        loss: the step's loss (a float or a scalar tensor); read at most twice a second.
+        samples: samples processed so far on this rank, for samples/s.
+    """
+    r = reporter()
+    if r is not None:
+        r.beat(step, loss, samples)

@@ -1,0 +1,91 @@
+"""Health from heartbeats: the hang rule (first-step allowance included), who is blamed, and what a
+rank was doing, judged on the controller's clock with beats as workers send them."""
+
+from __future__ import annotations
+
+import pytest
+
+from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S, SILENT_AFTER_S, Health, top_frame
+from dslaunch.utils.beat import Beat
+
+pytestmark = pytest.mark.timeout(30)
+
+WAITING = """Thread 0x00007f01 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/dslaunch/runtime/heartbeat.py", line 103 in _run
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
+Current thread 0x00007f02 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/job/train.py", line 40 in train_step
+  File "/job/train.py", line 60 in <module>
+"""
+COMPUTING = """Current thread 0x00007f02 (most recent call first):
+  File "/job/model.py", line 12 in forward
+  File "/job/train.py", line 60 in <module>
+"""
+
+
+def _health(timeout: float | None = 5.0, world: int = 3) -> Health:
+    return Health([(r, r // 2, f"host{r // 2}") for r in range(world)], timeout)
+
+
+def test_a_rank_is_stalled_after_the_timeout_without_a_new_step_and_alive_beats_do_not_count():
+    h = _health()
+    h.update({0: Beat(0, 1, 4), 1: Beat(1, 1, 4), 2: Beat(2, 1, 4)}, now=0.0)
+    h.update({0: Beat(0, 2, 5), 1: Beat(1, 2, 5), 2: Beat(2, 2, 4)}, now=1.0)
+    h.update({0: Beat(0, 3, 5), 1: Beat(1, 3, 5), 2: Beat(2, 3, 4)}, now=5.5)  # alive, not moving
+    assert h.stalled(now=5.5) == [2]
+    assert h.stalled(now=6.5) == [0, 1, 2]
+    assert _health(timeout=None).stalled(now=1e9) == []
+
+
+def test_the_first_step_gets_the_longer_allowance_and_silent_ranks_are_not_judged():
+    h = _health()
+    h.update({0: Beat(0, 1, None), 1: Beat(1, 1, None)}, now=0.0)  # up, before step 1; rank 2 never beat
+    assert h.stalled(now=FIRST_STEP_ALLOWANCE_S - 1) == []
+    assert h.stalled(now=FIRST_STEP_ALLOWANCE_S + 1) == [0, 1]
+    assert not h.all_up()
+
+
+def test_blame_goes_to_the_lowest_step_then_the_stopped_then_the_silent_then_not_in_a_collective():
+    h = _health()
+    h.update({0: Beat(0, 1, 7), 1: Beat(1, 1, 7), 2: Beat(2, 1, 6)}, now=0.0)
+    assert h.behind({}, now=1.0) == [2]  # behind by a step
+    h = _health()
+    h.update({0: Beat(0, 1, 7), 1: Beat(1, 1, 7), 2: Beat(2, 1, 7)}, now=0.0)
+    h.update({0: Beat(0, 2, 7), 2: Beat(2, 2, 7)}, now=SILENT_AFTER_S + 1)  # rank 1 went quiet
+    stacks = {0: {"stopped": False, "stack": WAITING}, 1: {"stopped": False, "stack": WAITING},
+              2: {"stopped": True, "stack": WAITING}}
+    assert h.behind(stacks, now=SILENT_AFTER_S + 2) == [2]  # stopped beats silent
+    stacks[2]["stopped"] = False
+    assert h.behind(stacks, now=SILENT_AFTER_S + 2) == [1]
+    h.update({1: Beat(1, 2, 7)}, now=SILENT_AFTER_S + 2)
+    stacks[0]["stack"] = COMPUTING
+    assert h.behind(stacks, now=SILENT_AFTER_S + 2) == [0]  # the others wait for it in all_reduce
+    stacks[0]["stack"] = WAITING
+    assert h.behind(stacks, now=SILENT_AFTER_S + 2) == [0, 1, 2]  # nothing tells them apart: all named
+
+
+def test_top_frame_names_the_library_call_and_the_scripts_own_line():
+    assert top_frame(WAITING) == ("all_reduce (torch/distributed/distributed_c10d.py:3252) "
+                                  "from /job/train.py:40 in train_step")
+    assert top_frame(COMPUTING) == "/job/model.py:12 in forward"
+    assert top_frame(None) is None and top_frame("garbage") is None
+
+
+def test_summary_reports_the_slowest_rank_and_memory():
+    h = _health(world=2)
+    from dslaunch.utils.beat import Memory
+
+    h.update({0: Beat(0, 1, 10, 80.0, 0.25, Memory("gpu", 3 << 30, 5 << 30, 80 << 30)),
+              1: Beat(1, 1, 9, 79.0, None, Memory("gpu", 4 << 30, 4 << 30, 80 << 30))}, now=0.0)
+    assert not h.summary(now=1.0)["lagging"]  # a step apart between two beats: not lag
+    s = h.summary(now=SILENT_AFTER_S + 1)
+    assert (s["step"], s["slowest_rank"], s["slowest_step"], s["samples_per_s"], s["loss"]) == (10, 1, 9, 80.0, 0.25)
+    assert s["lagging"]
+    assert s["memory"] == {"kind": "gpu", "used": 4 << 30, "peak": 5 << 30, "total": 80 << 30}
+    from dslaunch.launcher.monitor.status import format_progress
+
+    assert format_progress(s) == ("step 10 | 80.0 samples/s | loss 0.25 | slowest rank 1 (step 9) | "
+                                  "GPU 4.0/80.0 GiB (peak 5.0)")
