@@ -30,6 +30,7 @@ from dslaunch.launcher.hostfile import (
 )
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
+from dslaunch.utils.restart import restart_env
 
 __all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE", "PID_FILE_DIR", "MAX_GRACE"]
 
@@ -77,6 +78,17 @@ class LaunchConfig:
     visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` of the launching environment (None = unset). Without a hostfile it
     picks the local GPUs, as DeepSpeed turns it into ``--include localhost:<devices>``."""
+    master_port_given: bool = False
+    """``--master_port`` was on the command line: every run uses it (else restarts pick a free one)."""
+    max_restarts: int = 0
+    restart_count: int = 0
+    """Which run this plan is for (0 = the first; set by the job loop, told to the workers)."""
+    resume_from: str | None = None
+    """``--resume_from``: checkpoint directory a restarted run's ``initialize()`` loads."""
+    drop_hosts: tuple[str, ...] = ()
+    """Hosts left out of this run (lost hosts of an elastic job), after include/exclude."""
+    max_nodes: int = 0
+    """``--max_elastic_nodes`` of an elastic job: use at most this many hosts (0 = no limit)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,11 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         pool, use_gpus = _localhost(cfg, detect, notes)
     else:
         pool, use_gpus = apply_filter(hosts, cfg.include, cfg.exclude), True  # slots are GPUs (DeepSpeed)
-    pool = _limit(pool, cfg, source)
+    pool = {h: s for h, s in _limit(pool, cfg, source).items() if h not in cfg.drop_hosts}
+    if cfg.max_nodes and len(pool) > cfg.max_nodes:
+        pool = dict(list(pool.items())[:cfg.max_nodes])
+    if not pool:
+        raise HostfileError(f"no host left: every selected host was lost ({', '.join(cfg.drop_hosts)})", source)
     _check_no_ssh(cfg, pool)
     launcher = _launcher(cfg, pool)
     master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else next(iter(pool)))
@@ -259,7 +275,8 @@ def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], 
                     for i in range(len(slots)))
     return NodeSpec(
         node_rank=node_rank, host=host, workers=workers, cwd=os.getcwd(),
-        env=node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
+        env={**node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
+             **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from)},
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
         pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,
