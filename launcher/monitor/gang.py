@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dslaunch.launcher.spec import NodeResult, NodeSpec
 
@@ -58,6 +58,8 @@ class GangResult:
     """The first node failure (root cause), if any."""
     stopped_by: str | None = None
     """Signal name when the job was stopped from outside (Ctrl-C, SIGTERM)."""
+    nodes: tuple[NodeResult, ...] = ()
+    """Every node's own result (the restart policy looks for lost hosts among them)."""
 
 
 class Gang:
@@ -123,7 +125,8 @@ class Gang:
         if failed is not None and results.get(failed, failure).rank == failure.rank:
             # The same failure, reported once the node drained its output: it names the exception.
             failure = results[failed]
-        return self._result(failure, list(results.values()))
+        result = self._result(failure, list(results.values()))
+        return replace(result, nodes=tuple(results[i] for i in sorted(results)))
 
     def _result(self, failure: NodeResult | None, results: list[NodeResult]) -> GangResult:
         if failure is not None:

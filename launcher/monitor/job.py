@@ -6,8 +6,9 @@ the gang loop watches it, and ``restart.decide`` says what next. Events (``resta
 reason, ``membership`` when the hosts change, ``resume``) go to ``emit(kind, **fields)``: the
 CLI passes a one-line stderr printer; an event log can take its place.
 
-Hosts left out of an elastic job are offered back at every later restart: the run is started
-with them, and if the start fails naming only them (the SSH preflight), started again without.
+Hosts an elastic job lost are left out of the next run and offered back at every later restart:
+that run is started with them, and if the start fails naming only them (the SSH preflight), it
+is started again without them.
 
 A stop from the user (``stop(sig)``, signal-handler safe) ends the current run and never
 restarts; it also cuts a backoff wait short.
@@ -79,12 +80,13 @@ class JobLoop:
 
     def run(self) -> JobOutcome:
         runs: list[Run] = []
-        lost: frozenset[str] = frozenset()
+        drop: frozenset[str] = frozenset()  # lost in the last run: left out of the next
+        offered: frozenset[str] = frozenset()  # lost before: offered back, left out if they fail to start
         while True:
             count = len(runs)
-            result, job = self._one_run(Attempt(count, lost), runs)
-            run = Run(result.exit_code, job.hosts, result.failure, result.stopped_by)
-            runs.append(run)
+            result, job, left_out = self._one_run(Attempt(count, drop), offered, runs)
+            lost = tuple(n.host for n in result.nodes if n.exit_code and cause_of(n) == "host_lost")
+            runs.append(Run(result.exit_code, job.hosts, result.failure, result.stopped_by, lost))
             decision = decide(self._policy, runs)
             if self._requested is not None and decision.restart:
                 decision = Decision("stop", f"stopped by {signal.Signals(self._requested).name} "
@@ -93,32 +95,35 @@ class JobLoop:
                 return JobOutcome(result.exit_code, result, decision, tuple(runs))
             self._emit("restart", reason=decision.reason, restart=count + 1, delay=decision.delay,
                        cause=None if result.failure is None else cause_of(result.failure),
-                       exit_code=result.exit_code)
-            lost = lost | set(decision.drop)
+                       exit_code=result.exit_code, lost=list(lost))
+            drop, offered = frozenset(decision.drop), (left_out | drop) - set(decision.drop)
             self._wait(decision.delay)
             if self._requested is not None:
                 return JobOutcome(result.exit_code, result,
                                   Decision("stop", f"stopped by {signal.Signals(self._requested).name} "
                                                    "during the restart wait"), tuple(runs))
 
-    def _one_run(self, attempt: Attempt, runs: list[Run]) -> tuple[GangResult, JobSpec]:
-        """Plan, start and watch one run; lost hosts that answer again rejoin."""
+    def _one_run(self, attempt: Attempt, offered: frozenset[str],
+                 runs: list[Run]) -> tuple[GangResult, JobSpec, frozenset[str]]:
+        """Plan, start and watch one run. Hosts in ``offered`` (lost in an earlier run) are planned
+        back in; if the start fails naming only such hosts, the run starts again without them.
+        Returns the result, the job that ran and the hosts left out of it."""
         job = self._plan(attempt)
         runner = self._new_runner(job)
+        left_out = attempt.drop
         try:
             self._start(runner, job, runs)
         except LaunchError as err:
-            failed = set(getattr(err, "failures", {}))
-            if not attempt.drop or not failed or not failed <= attempt.drop:
+            failed = frozenset(getattr(err, "failures", {}))
+            if not failed or not failed <= offered:
                 raise
-            # Some lost hosts still do not answer: run without them, the others stay back in.
-            job = self._plan(Attempt(attempt.restart_count, frozenset(failed)))
+            left_out = attempt.drop | failed
+            job = self._plan(Attempt(attempt.restart_count, left_out))
             runner = self._new_runner(job)
             self._start(runner, job, runs)
         code = runner.wait()
         self._runner = None
-        result = runner.result or GangResult(code)
-        return result, job
+        return runner.result or GangResult(code), job, left_out
 
     def _start(self, runner, job: JobSpec, runs: list[Run]) -> None:
         self._runner = runner

@@ -9,8 +9,9 @@ A pure function (``decide``) over frozen records, so every rule is a table test:
 - the same failure (cause, exception text or exit code) at the same step in two runs in a row is
   the script's bug: restarting would fail the same way, so stop and show it;
 - ``--max_restarts N`` bounds the restarts; when spent, the job exits with the last failure's code;
-- with ``--elastic_training``, a lost host (cause ``host_lost``) is left out of the next run as
-  long as at least ``--min_elastic_nodes`` remain; without it, the next run uses the same hosts;
+- with ``--elastic_training``, lost hosts (any node of the run with cause ``host_lost``, root
+  cause or not) are left out of the next run as long as at least ``--min_elastic_nodes`` remain;
+  without it, the next run uses the same hosts;
 - restart ``k`` (1-based) waits ``backoff * 2**(k-1)`` seconds, at most ``max_backoff``: a short
   first wait keeps a one-off fault's recovery within seconds, doubling keeps a flapping host from
   busy-looping.
@@ -83,6 +84,9 @@ class Run:
     failure: NodeResult | None = None
     stopped_by: str | None = None
     """Signal name when the user stopped the job."""
+    lost: tuple[str, ...] = ()
+    """Hosts lost during the run (any node's cause ``host_lost``), root cause or not: killing a
+    host also fails its peers, whose failure may be reported first."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +140,9 @@ def decide(policy: RestartPolicy, runs: Sequence[Run]) -> Decision:
     if f is None:  # a failure nobody could attribute (e.g. a node that vanished while stopping)
         f = NodeResult(-1, "?", last.exit_code)
     cause = cause_of(f)
+    lost = tuple(dict.fromkeys((*last.lost, *((f.host,) if cause == "host_lost" else ()))))
     prev = runs[-2].failure if len(runs) > 1 else None
-    if cause not in INFRA_CAUSES and prev is not None and _signature(prev) == _signature(f):
+    if not lost and cause not in INFRA_CAUSES and prev is not None and _signature(prev) == _signature(f):
         at = f" at step {f.step}" if f.step is not None else ""
         return Decision("stop", f"the same {cause}{at} in two runs in a row: a bug in the script, "
                                 "not restarted", script_bug=True)
@@ -146,11 +151,13 @@ def decide(policy: RestartPolicy, runs: Sequence[Run]) -> Decision:
         return Decision("stop", f"restart budget spent ({done} of {policy.max_restarts})"
                         if policy.max_restarts else "no restarts (--max_restarts 0)")
     drop: tuple[str, ...] = ()
-    if cause == "host_lost" and policy.elastic:  # (not elastic: the same hosts; the preflight tells)
-        if len(last.hosts) - 1 < policy.min_nodes:
-            return Decision("stop", f"lost host {f.host}: {len(last.hosts) - 1} node(s) left, fewer than "
+    if lost and policy.elastic:  # (not elastic: the same hosts; the preflight tells if they answer)
+        left = len([h for h in last.hosts if h not in lost])
+        if left < policy.min_nodes:
+            return Decision("stop", f"lost host(s) {', '.join(lost)}: {left} node(s) left, fewer than "
                                     f"--min_elastic_nodes {policy.min_nodes}")
-        drop = (f.host,)
+        drop = lost
     delay = min(policy.max_backoff, policy.backoff * 2 ** done)
+    without = f"; without lost host(s) {', '.join(drop)}" if drop else ""
     return Decision("restart", f"restart {done + 1} of {policy.max_restarts} in {delay:g} s after "
-                               f"{describe_failure(f)}", delay=delay, drop=drop)
+                               f"{describe_failure(f)}{without}", delay=delay, drop=drop)

@@ -74,12 +74,21 @@ ELASTIC = RestartPolicy(max_restarts=3, elastic=True, min_nodes=2)
 
 @pytest.mark.parametrize("policy, hosts, action, drop, words", [
     (ELASTIC, HOSTS, "restart", ("n2",), "after host_lost: node n2 was stopped by lost SSH connection"),
-    (ELASTIC, ("n1", "n2"), "stop", (), "lost host n2: 1 node(s) left, fewer than --min_elastic_nodes 2"),
+    (ELASTIC, ("n1", "n2"), "stop", (), "lost host(s) n2: 1 node(s) left, fewer than --min_elastic_nodes 2"),
     (P3, HOSTS, "restart", (), "restart 1"),  # not elastic: the same hosts again
 ])
 def test_a_lost_host_is_left_out_only_when_elastic_and_enough_remain(policy, hosts, action, drop, words):
     d = decide(policy, [_run(LOST, hosts=hosts)])
     assert (d.action, d.drop) == (action, drop) and words in d.reason, d.reason
+
+
+def test_a_host_lost_behind_a_peers_failure_is_left_out_and_never_a_script_bug():
+    peer = NodeResult(0, "n1", 1, rank=0, exception="RuntimeError: Connection reset by peer")
+    runs = [Run(1, HOSTS, peer, lost=("n2",))]
+    d = decide(ELASTIC, runs)
+    assert d.restart and d.drop == ("n2",) and d.reason.endswith("without lost host(s) n2"), d.reason
+    d = decide(RestartPolicy(max_restarts=3, elastic=True), [*runs, Run(1, ("n1", "n3"), peer, lost=("n3",))])
+    assert d.restart and d.drop == ("n3",) and not d.script_bug  # same exception, but a host was lost
 
 
 def test_a_killed_rank_is_not_a_lost_host():
