@@ -9,13 +9,15 @@
   left to ``dslaunch --resume_from DIR``;
 - ``--kill_rank/--kill_step``: in the job's first run only (``DSLAUNCH_RESTART_COUNT`` 0), that rank
   SIGKILLs itself when it reaches that step;
-- at the end rank 0 writes the fp32 weights to FILE, and every rank prints ``resumed_at=<step>``
+- ``--sleep S``: each step takes S seconds more and prints ``rank<R> step=<N>`` (to fault it mid-run);
+- at the end rank 0 writes the weights to FILE; every rank prints ``rank<R> world=<W> resumed_at=<step>``
   (the step the run started from) once.
 """
 
 import argparse
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -42,6 +44,7 @@ def main() -> None:
                        ("--kill_rank", int), ("--kill_step", int), ("--local_rank", int)):
         p.add_argument(name, type=kind, default=-1 if kind is int else None)
     p.add_argument("--load", action="store_true")
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds per step, printing each step")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -53,7 +56,7 @@ def main() -> None:
                                                training_data=Pairs(), config=config)
     if args.load:
         engine.load_checkpoint(args.ckpt)
-    print(f"rank{engine.global_rank} resumed_at={engine.global_steps}", flush=True)
+    print(f"rank{engine.global_rank} world={engine.world_size} resumed_at={engine.global_steps}", flush=True)
     first_run = os.environ.get("DSLAUNCH_RESTART_COUNT", "0") == "0"
     while engine.global_steps < args.steps:
         for x, y in loader:
@@ -65,6 +68,9 @@ def main() -> None:
                 engine.save_checkpoint(args.ckpt)
             if first_run and engine.global_rank == args.kill_rank and step == args.kill_step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.sleep:
+                print(f"rank{engine.global_rank} step={step}", flush=True)
+                time.sleep(args.sleep)
             if step >= args.steps:
                 break
     if engine.global_rank == 0:
