@@ -32,7 +32,7 @@ from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
 from dslaunch.utils.restart import restart_env
 
-__all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE", "PID_FILE_DIR", "MAX_GRACE"]
+__all__ = ["LaunchConfig", "Plan", "build_job", "elastic_batch_for", "LOCAL_HOSTS", "DEFAULT_HOSTFILE", "PID_FILE_DIR", "MAX_GRACE"]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
@@ -292,3 +292,35 @@ def _argv(cfg: LaunchConfig, local_rank: int) -> tuple[str, ...]:
         head = (sys.executable, "-u", cfg.user_script)
     local = () if cfg.no_local_rank else (f"--local_rank={local_rank}",)
     return head + local + cfg.user_args
+
+
+def elastic_batch_for(cfg: LaunchConfig, world: int) -> str | None:
+    """The batch an elastic job's new world size gets, checked before the run starts.
+
+    Reads the ds_config named by ``--deepspeed_config`` in the script's arguments; with an enabled
+    ``elasticity`` block, returns e.g. ``train_batch_size 1680 = 6 x 280 x 1`` (micro x accumulation x
+    world), else None. Torch-free, like the config code it calls.
+
+    Raises:
+        ConfigError: no valid batch for ``world`` (the message names the constraint), or a bad config.
+    """
+    args = list(cfg.user_args)
+    path = next((a.split("=", 1)[1] for a in args if a.startswith("--deepspeed_config=")), None)
+    if path is None and "--deepspeed_config" in args[:-1]:
+        path = args[args.index("--deepspeed_config") + 1]
+    if path is None:
+        return None
+    from pathlib import Path
+
+    from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
+    from dslaunch.runtime.config.file import read_config_file
+    from dslaunch.runtime.config.sections import parse_section
+
+    raw = read_config_file(Path(path))
+    block = raw.get("elasticity") if isinstance(raw, dict) else None
+    elastic = parse_section(ElasticityConfig, block, "elasticity") if block is not None else None
+    if elastic is None or not elastic.enabled:
+        return None
+    b = elastic_batch(elastic, world)
+    return (f"train_batch_size {b.train_batch_size} = {b.micro_batch} x {b.gradient_accumulation_steps} x "
+            f"{world} (micro batch x accumulation steps x world size)")

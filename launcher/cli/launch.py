@@ -30,7 +30,7 @@ from dslaunch.launcher import gpus
 from dslaunch.launcher.hostfile import ascii_int
 from dslaunch.launcher.monitor.job import Attempt, JobLoop, print_event
 from dslaunch.launcher.monitor.restart import RestartPolicy
-from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job
+from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job, elastic_batch_for
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
 from dslaunch.utils.ports import free_port
@@ -311,7 +311,10 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy) -> int:
         fixed = cfg.master_port_given or cfg.no_ssh  # --no_ssh nodes cannot agree on a new one
         again = replace(cfg, restart_count=attempt.restart_count, drop_hosts=tuple(sorted(attempt.drop)),
                         master_port=cfg.master_port if fixed else free_port())
-        return build_job(again, gpus.detect).job
+        new = build_job(again, gpus.detect).job
+        if new.world_size != job.world_size and (batch := elastic_batch_for(cfg, new.world_size)):
+            print(f"dslaunch: elasticity: world size {new.world_size} gets {batch}", file=sys.stderr, flush=True)
+        return new
 
     runners = iter([runner])  # the first run uses the runner made above, later runs new ones
     loop = JobLoop(policy, plan_attempt, lambda j: next(runners, None) or get_runner(j.launcher)(), print_event)
