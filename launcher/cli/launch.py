@@ -297,7 +297,8 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy) -> int:
         print(f"dslaunch: {note}", file=sys.stderr, flush=True)
     if dry_run:
         print(runner.dry_run(job), flush=True)  # a closed pipe raises here, inside main's handler
-        print(f"# {policy.describe()}", flush=True)
+        if policy.max_restarts:  # the default (no restarts) adds nothing to what was shown before
+            print(f"# {policy.describe()}", flush=True)
         return 0
     if job.launcher == "local" and job.nodes[0].node_rank == 0:  # node 0 (rank 0) listens; others connect
         from dslaunch.launcher.ports import check_port_free
