@@ -127,16 +127,14 @@ class JobLoop:
 
     def _start(self, runner, job: JobSpec, runs: list[Run]) -> None:
         self._runner = runner
-        if self._requested is not None:
-            runner.stop(self._requested)
-        previous = runs[-1].hosts if runs else None
-        if previous is not None and previous != job.hosts:
-            self._emit("membership", hosts=list(job.hosts), previous=list(previous),
-                       world_size=job.world_size, left=sorted(set(previous) - set(job.hosts)),
-                       joined=sorted(set(job.hosts) - set(previous)))
         runner.start(job)
         if self._requested is not None:  # a signal that arrived while nodes were starting
             runner.stop(self._requested)
+        previous = runs[-1].hosts if runs else None
+        if previous is not None and previous != job.hosts:  # said once the new hosts did start
+            self._emit("membership", hosts=list(job.hosts), previous=list(previous),
+                       world_size=job.world_size, left=sorted(set(previous) - set(job.hosts)),
+                       joined=sorted(set(job.hosts) - set(previous)))
         if runs:
             self._emit("resume", restart=len(runs), hosts=list(job.hosts), world_size=job.world_size,
                        master_port=job.master_port)

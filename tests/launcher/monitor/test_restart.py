@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import LaunchError, UsageError
 from dslaunch.launcher.monitor.restart import RestartPolicy, Run, cause_of, decide
 from dslaunch.launcher.spec import NodeResult
 
@@ -102,3 +102,63 @@ def test_a_killed_rank_is_not_a_lost_host():
 def test_bad_policy_flags(kwargs, words):
     with pytest.raises(UsageError, match=words):
         RestartPolicy(**kwargs)
+
+
+# ---- the job loop's membership bookkeeping, with scripted runs (the transport is not under test) ----
+
+class _Down(LaunchError):
+    def __init__(self, hosts):
+        self.failures = {h: ("timeout", "no answer") for h in hosts}
+        super().__init__(f"{sorted(hosts)} do not answer")
+
+
+class _ScriptedRunner:
+    """Plays back how each run ends; refuses to start a job with a host in ``down``, where a lost
+    host goes unless it answers again (``down`` None)."""
+
+    def __init__(self, script, down, started):
+        self._script, self._down, self._started = script, down, started
+        self.result = None
+
+    def start(self, job):
+        if dead := [h for h in job.hosts if h in (self._down or ())]:
+            raise _Down(dead)
+        self._started.append(job.hosts)
+
+    def wait(self):
+        self.result = self._script.pop(0)
+        if self._down is not None:
+            self._down.update(n.host for n in self.result.nodes if n is LOST)
+        return self.result.exit_code
+
+    def stop(self, sig):
+        pass
+
+
+def _loop_over(hosts, script, down):
+    from dslaunch.launcher.monitor.job import JobLoop
+    from dslaunch.launcher.spec import JobSpec, NodeSpec
+
+    started, events = [], []
+
+    def plan(attempt):
+        nodes = tuple(NodeSpec(i, h, ()) for i, h in enumerate(h for h in hosts if h not in attempt.drop))
+        return JobSpec(nodes, "x", 1, len(nodes))
+
+    loop = JobLoop(RestartPolicy(max_restarts=3, elastic=True), plan,
+                   lambda job: _ScriptedRunner(script, down, started), lambda kind, **f: events.append((kind, f)),
+                   sleep=lambda s: None)
+    return loop.run(), started, events
+
+
+@pytest.mark.parametrize("answers_again, third_run", [(True, ("n1", "n2", "n3")), (False, ("n1", "n3"))])
+def test_a_lost_host_is_left_out_then_offered_back(answers_again, third_run):
+    from dslaunch.launcher.monitor.gang import GangResult
+
+    lost = GangResult(255, LOST, nodes=(NodeResult(0, "n1", 143), LOST, NodeResult(2, "n3", 143)))
+    script = [lost, GangResult(137, KILLED), GangResult(0)]
+    outcome, started, events = _loop_over(HOSTS, script, down=None if answers_again else set())
+    assert outcome.exit_code == 0 and outcome.decision.reason == "finished"
+    assert started == [HOSTS, ("n1", "n3"), third_run]
+    changes = [(f["left"], f["joined"]) for kind, f in events if kind == "membership"]
+    assert changes == ([(["n2"], []), ([], ["n2"])] if answers_again else [(["n2"], [])])
