@@ -227,6 +227,9 @@ def restart_policy(ns: argparse.Namespace) -> RestartPolicy:
             raise UsageError(f"--{flag} {value} is only used with --elastic_training")
         if value != -1 and value < 1:
             raise UsageError(f"--{flag} {value}: expected 1 or more nodes (or -1, the default)")
+    if ns.resume_from and ns.max_restarts == 0:
+        raise UsageError(f"--resume_from {ns.resume_from} acts when the job restarts: add --max_restarts N "
+                         "(N >= 1), or load the checkpoint in the script (engine.load_checkpoint)")
     if ns.elastic_training and ns.max_restarts == 0:
         raise UsageError("--elastic_training restarts without a lost host, so it needs a restart budget: "
                          "add --max_restarts N (N >= 1)")

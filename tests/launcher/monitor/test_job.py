@@ -89,6 +89,7 @@ def test_dry_run_shows_the_policy():
     (["--elastic_training"], "--elastic_training restarts without a lost host, so it needs a restart budget"),
     (["--elastic_training", "--max_restarts", "1", "--min_elastic_nodes", "0"], "--min_elastic_nodes 0: expected"),
     (["--max_restarts", "-1"], "--max_restarts -1: expected 0 or more"),
+    (["--resume_from", "ck"], "--resume_from ck acts when the job restarts: add --max_restarts N"),
 ])
 def test_bad_restart_flags_are_one_line(args, words):
     r = run_dslaunch([*args, FAKE])
