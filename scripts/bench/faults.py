@@ -43,7 +43,8 @@ SCRIPT = """
 import datetime, json, os, signal, sys, time
 import torch
 import torch.distributed as dist
-steps, kill_at, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # dslaunch and deepspeed add it
+steps, kill_at, work = int(args[0]), int(args[1]), args[2]
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
@@ -125,7 +126,7 @@ def trial(system: str, steps: int = 40, kill_at: int = 20, measure: bool = True)
     return {"system": system, "exit_code": code, "success": code == 0 and done == str(steps),
             "stop_s": round(stopped - killed, 3) if stopped and killed else None,
             "resume_s": round(resumed - killed, 3) if resumed and killed else None,
-            "tail": "" if code == 0 else (err or "")[-400:]}
+            "tail": "" if code == 0 else (err or "")[-1500:]}
 
 
 def _has(system: str) -> bool:
