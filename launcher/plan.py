@@ -31,9 +31,10 @@ from dslaunch.launcher.hostfile import (
 )
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
+from dslaunch.utils.restart import restart_env
 
-__all__ = ["LaunchConfig", "Plan", "build_job", "LOCAL_HOSTS", "DEFAULT_HOSTFILE", "PID_FILE_DIR", "MAX_GRACE",
-           "DEFAULT_LOG_DIR", "MAX_HANG_TIMEOUT", "job_id"]
+__all__ = ["LaunchConfig", "Plan", "build_job", "elastic_batch_for", "LOCAL_HOSTS", "DEFAULT_HOSTFILE",
+           "PID_FILE_DIR", "MAX_GRACE", "DEFAULT_LOG_DIR", "MAX_HANG_TIMEOUT", "job_id"]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
@@ -86,6 +87,17 @@ class LaunchConfig:
     visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` of the launching environment (None = unset). Without a hostfile it
     picks the local GPUs, as DeepSpeed turns it into ``--include localhost:<devices>``."""
+    master_port_given: bool = False
+    """``--master_port`` was on the command line: every run uses it (else restarts pick a free one)."""
+    max_restarts: int = 0
+    restart_count: int = 0
+    """Which run this plan is for (0 = the first; set by the job loop, told to the workers)."""
+    resume_from: str | None = None
+    """``--resume_from``: checkpoint directory a restarted run's ``initialize()`` loads."""
+    drop_hosts: tuple[str, ...] = ()
+    """Hosts left out of this run (lost hosts of an elastic job), after include/exclude."""
+    max_nodes: int = 0
+    """``--max_elastic_nodes`` of an elastic job: use at most this many hosts (0 = no limit)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +129,11 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         pool, use_gpus = _localhost(cfg, detect, notes)
     else:
         pool, use_gpus = apply_filter(hosts, cfg.include, cfg.exclude), True  # slots are GPUs (DeepSpeed)
-    pool = _limit(pool, cfg, source)
+    pool = {h: s for h, s in _limit(pool, cfg, source).items() if h not in cfg.drop_hosts}
+    if cfg.max_nodes and len(pool) > cfg.max_nodes:
+        pool = dict(list(pool.items())[:cfg.max_nodes])
+    if not pool:
+        raise HostfileError(f"no host left: every selected host was lost ({', '.join(cfg.drop_hosts)})", source)
     _check_no_ssh(cfg, pool)
     launcher = _launcher(cfg, pool)
     master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else next(iter(pool)))
@@ -286,7 +302,8 @@ def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], 
                     for i in range(len(slots)))
     return NodeSpec(
         node_rank=node_rank, host=host, workers=workers, cwd=os.getcwd(),
-        env=node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
+        env={**node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
+             **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from)},
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
         pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,
@@ -302,3 +319,35 @@ def _argv(cfg: LaunchConfig, local_rank: int) -> tuple[str, ...]:
         head = (sys.executable, "-u", cfg.user_script)
     local = () if cfg.no_local_rank else (f"--local_rank={local_rank}",)
     return head + local + cfg.user_args
+
+
+def elastic_batch_for(cfg: LaunchConfig, world: int) -> str | None:
+    """The batch an elastic job's new world size gets, checked before the run starts.
+
+    Reads the ds_config named by ``--deepspeed_config`` in the script's arguments; with an enabled
+    ``elasticity`` block, returns e.g. ``train_batch_size 1680 = 6 x 280 x 1`` (micro x accumulation x
+    world), else None. Torch-free, like the config code it calls.
+
+    Raises:
+        ConfigError: no valid batch for ``world`` (the message names the constraint), or a bad config.
+    """
+    args = list(cfg.user_args)
+    path = next((a.split("=", 1)[1] for a in args if a.startswith("--deepspeed_config=")), None)
+    if path is None and "--deepspeed_config" in args[:-1]:
+        path = args[args.index("--deepspeed_config") + 1]
+    if path is None:
+        return None
+    from pathlib import Path
+
+    from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
+    from dslaunch.runtime.config.file import read_config_file
+    from dslaunch.runtime.config.sections import parse_section
+
+    raw = read_config_file(Path(path))
+    block = raw.get("elasticity") if isinstance(raw, dict) else None
+    elastic = parse_section(ElasticityConfig, block, "elasticity") if block is not None else None
+    if elastic is None or not elastic.enabled:
+        return None
+    b = elastic_batch(elastic, world)
+    return (f"train_batch_size {b.train_batch_size} = {b.micro_batch} x {b.gradient_accumulation_steps} x "
+            f"{world} (micro batch x accumulation steps x world size)")

@@ -153,9 +153,11 @@ class NodeResult:
 
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
-        at = f" at step {self.step}" if self.step is not None else ""
         if self.cause == "hang":
+            at = f" at step {self.step}" if self.step is not None else ""
             return f"rank {self.rank} on {self.host} hung{at} (no progress within --hang_timeout)"
+        # Beats are rate-limited: a killed rank may have gone a few steps past its last report.
+        at = f" (last reported step {self.step})" if self.step is not None else ""
         if self.cause == "host_lost":
             how = self.stopped_by or "no news from its agent"
             return f"lost host {self.host} ({how}; exit code {self.exit_code})"

@@ -12,6 +12,8 @@ function here for its layer and nothing else writes the environment:
    ``MASTER_PORT``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``/``LOCAL_SIZE``, ``NODE_RANK``/``CROSS_RANK``,
    ``CROSS_SIZE`` and, on GPU nodes, ``CUDA_VISIBLE_DEVICES`` = the node's selected slots. A
    remote node's ``MASTER_ADDR`` is the address the runner resolved for every host to reach;
+   with them the restart variables (``dslaunch.utils.restart.restart_env``: the run's restart
+   count under torchrun's and dslaunch's names, the budget, ``--resume_from``);
 4. the worker's own (``worker_env``): ``RANK``, ``LOCAL_RANK``;
 5. ``OMP_NUM_THREADS`` (``process_env``): the worker's core share under ``--bind_cores_to_rank``;
    otherwise, unless already set, the node's cores split among its workers;

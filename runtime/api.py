@@ -17,6 +17,7 @@ from dslaunch.errors import ConfigError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import init_distributed
 from dslaunch.runtime.shutdown import register_clean_exit
+from dslaunch.utils.restart import resume_dir
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments"]
 
@@ -43,7 +44,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``; the loader and scheduler are
-        None when not requested.
+        None when not requested. In a restarted run of a job launched with ``--resume_from DIR``
+        the engine has already loaded the newest valid checkpoint in DIR (weights, optimizer,
+        counters, data position, RNG), as ``engine.load_checkpoint(DIR)`` would.
 
     Raises:
         ConfigError: invalid config (named key path), or configs given twice.
@@ -69,6 +72,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                              training_data=training_data, lr_scheduler=lr_scheduler,
                              collate_fn=collate_fn)
     register_clean_exit(engine)
+    resume = resume_dir()
+    if resume is not None:  # a restarted run of a job launched with --resume_from
+        engine.load_checkpoint(resume)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

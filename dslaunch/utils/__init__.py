@@ -1,6 +1,6 @@
 """``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts use (``zero_to_fp32``), and
 what both the launcher and the runtime need (``ports.free_port``, ``beat``: the heartbeat wire
-format), so the runtime never imports the launcher.
+format, the restart variables in ``restart``), so the runtime never imports the launcher.
 
 Submodules are imported on first access, so ``import dslaunch.utils`` never imports torch.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("beat", "ports", "zero_to_fp32")
+_SUBMODULES = ("beat", "ports", "restart", "zero_to_fp32")
 
 __all__ = list(_SUBMODULES)
 

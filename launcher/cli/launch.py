@@ -21,18 +21,24 @@ import re
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 from dslaunch import __version__
-from dslaunch.errors import UsageError, WorkerFailedError, did_you_mean, quote
+from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError, did_you_mean, quote
 from dslaunch.launcher import gpus
 from dslaunch.launcher.hostfile import ascii_int
+from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
-from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job
+from dslaunch.launcher.monitor.loop import Attempt, JobLoop, print_event
+from dslaunch.launcher.monitor.restart import RestartPolicy
+from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job, elastic_batch_for
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
+from dslaunch.utils.ports import free_port
 
-__all__ = ["run", "build_parser", "parse_config"]
+__all__ = ["run", "build_parser", "parse_config", "restart_policy"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Options whose value is passed through verbatim and may start with '-' (e.g. ssh's "-i KEY").
@@ -107,8 +113,7 @@ class _NotSupported(argparse.Action):
 
 
 # DeepSpeed launcher flags answered with "not supported yet" (see _NotSupported).
-_NOT_SUPPORTED = ("--elastic_training", "--min_elastic_nodes", "--max_elastic_nodes", "--autotuning",
-                  "--comment", "--account", "--venv_script")
+_NOT_SUPPORTED = ("--autotuning", "--comment", "--account", "--venv_script")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num_gpus", "--num_accelerators", dest="num_gpus", type=integer, default=-1,
       help="workers per node (first N slots); without GPUs and hostfile: N CPU worker processes")
     a("--master_addr", default="", help="rendezvous address (default: 127.0.0.1, or the first host)")
-    a("--master_port", type=integer, default=29500, help="rendezvous port of rank 0 (default 29500)")
+    a("--master_port", type=integer, default=None,
+      help="rendezvous port of rank 0 (default 29500; restarts then pick a free port each)")
     a("--no_ssh", action="store_true",
       help="start only this node's workers, without SSH: run the same command on every node, each with "
            "its own --node_rank (needs --master_addr)")
@@ -157,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log_dir", default=None, metavar="DIR",
       help="where each job writes events.jsonl, per-rank error files and stack dumps, in DIR/<job id> "
            "(default ./dslaunch_logs; read with 'dslaunch status DIR')")
+    g = p.add_argument_group("restart and elasticity").add_argument
+    g("--max_restarts", type=integer, default=0,
+      help="restart the job up to N times after an infrastructure failure (default 0)")
+    g("--resume_from", metavar="DIR", default=None,
+      help="a restarted run's initialize() loads the newest valid checkpoint in DIR (for scripts "
+           "that never call engine.load_checkpoint)")
+    g("--elastic_training", action="store_true",
+      help="after a lost host, restart without it (needs --max_restarts)")
+    g("--min_elastic_nodes", type=integer, default=-1,
+      help="elastic: the fewest nodes to go on with (default 1)")
+    g("--max_elastic_nodes", type=integer, default=-1,
+      help="elastic: the most nodes to use (default: all selected hosts)")
     a("--dry-run", "--dry_run", dest="dry_run", action="store_true",
       help="print what would run on each host (command, environment) and exit")
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
@@ -192,7 +210,8 @@ def parse_config(argv: list[str],
         user_script=ns.user_script, user_args=tuple(ns.user_args),
         hostfile=ns.hostfile or DEFAULT_HOSTFILE, hostfile_explicit=ns.hostfile is not None,
         include=ns.include, exclude=ns.exclude, num_nodes=ns.num_nodes, num_gpus=ns.num_gpus,
-        master_addr=ns.master_addr, master_port=ns.master_port, launcher=ns.launcher,
+        master_addr=ns.master_addr, master_port=29500 if ns.master_port is None else ns.master_port,
+        master_port_given=ns.master_port is not None, launcher=ns.launcher,
         launcher_args=ns.launcher_args, module=ns.module, no_python=ns.no_python,
         no_local_rank=ns.no_local_rank, force_multi=ns.force_multi, save_pid=ns.save_pid,
         each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
@@ -200,8 +219,33 @@ def parse_config(argv: list[str],
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
         no_ssh=ns.no_ssh, node_rank=ns.node_rank, hang_timeout=ns.hang_timeout, log_dir=ns.log_dir,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
+        max_restarts=ns.max_restarts, resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else None,
+        max_nodes=ns.max_elastic_nodes if ns.elastic_training and ns.max_elastic_nodes > 0 else 0,
     )
     return cfg, ns
+
+
+def restart_policy(ns: argparse.Namespace) -> RestartPolicy:
+    """The restart policy the flags ask for.
+
+    Raises:
+        UsageError: elastic flags without ``--elastic_training``, or out of range.
+    """
+    for flag in ("min_elastic_nodes", "max_elastic_nodes"):
+        value = getattr(ns, flag)
+        if value != -1 and not ns.elastic_training:
+            raise UsageError(f"--{flag} {value} is only used with --elastic_training")
+        if value != -1 and value < 1:
+            raise UsageError(f"--{flag} {value}: expected 1 or more nodes (or -1, the default)")
+    if ns.resume_from and ns.max_restarts == 0:
+        raise UsageError(f"--resume_from {ns.resume_from} acts when the job restarts: add --max_restarts N "
+                         "(N >= 1), or load the checkpoint in the script (engine.load_checkpoint)")
+    if ns.elastic_training and ns.max_restarts == 0:
+        raise UsageError("--elastic_training restarts without a lost host, so it needs a restart budget: "
+                         "add --max_restarts N (N >= 1)")
+    return RestartPolicy(max_restarts=ns.max_restarts, elastic=ns.elastic_training,
+                         min_nodes=max(1, ns.min_elastic_nodes),
+                         max_nodes=max(0, ns.max_elastic_nodes))
 
 
 _CORE_RANGE = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")  # 5 digits: no typo builds a huge list
@@ -256,7 +300,7 @@ def _module_found(name: str) -> bool:
     return found or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
 
 
-def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
+def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy) -> int:
     plan = build_job(cfg, gpus.detect)
     job = plan.job
     runner = get_runner(job.launcher)()  # an unknown --launcher fails before any note is printed
@@ -267,12 +311,46 @@ def _launch(cfg: LaunchConfig, dry_run: bool) -> int:
     if dry_run:
         print(runner.dry_run(job), flush=True)  # a closed pipe raises here, inside main's handler
         print(_monitor_line(job), flush=True)
+        if policy.max_restarts:  # the default (no restarts) adds nothing to what was shown before
+            print(f"# {policy.describe()}", flush=True)
         return 0
     if job.launcher == "local" and job.nodes[0].node_rank == 0:  # node 0 (rank 0) listens; others connect
         from dslaunch.launcher.ports import check_port_free
 
         check_port_free(job.master_port)
-    return _run(runner, job)
+
+    def plan_attempt(attempt: Attempt) -> JobSpec:
+        if attempt.restart_count == 0 and not attempt.drop:
+            return job
+        # A fresh port per restart: the last run's may linger (TIME_WAIT, a straggler's store).
+        fixed = cfg.master_port_given or cfg.no_ssh  # --no_ssh nodes cannot agree on a new one
+        again = replace(cfg, restart_count=attempt.restart_count, drop_hosts=tuple(sorted(attempt.drop)),
+                        master_port=cfg.master_port if fixed else free_port())
+        new = build_job(again, gpus.detect).job
+        if new.world_size != job.world_size and (batch := elastic_batch_for(cfg, new.world_size)):
+            print(f"dslaunch: elasticity: world size {new.world_size} gets {batch}", file=sys.stderr, flush=True)
+        return new
+
+    runners = iter([runner])  # the first run uses the runner made above, later runs new ones
+    events = EventLog(job.monitor.log_dir)  # one log for the job, whatever its restarts
+
+    def emit(kind: str, **fields: object) -> None:
+        events.emit(kind, **fields)
+        print_event(kind, **fields)
+
+    loop = JobLoop(policy, plan_attempt, lambda j: next(runners, None) or get_runner(j.launcher)(), emit,
+                   events=events)
+    started = time.monotonic()
+    code: int | None = None
+    try:
+        code = _run(loop, policy)
+        return code
+    except DslaunchError as err:
+        code = err.exit_code
+        raise
+    finally:
+        events.emit("end", exit_code=code, duration_s=round(time.monotonic() - started, 3))
+        events.close()
 
 
 def _monitor_line(job: JobSpec) -> str:
@@ -282,31 +360,28 @@ def _monitor_line(job: JobSpec) -> str:
     return f"# monitor: hang_timeout {hang}; events, error files and stacks in {job.monitor.log_dir}"
 
 
-def _run(runner, job: JobSpec) -> int:
-    """Start the job with stop signals forwarded to it; turn a failure into WorkerFailedError."""
-    pending: list[int] = []
+def _run(loop: JobLoop, policy: RestartPolicy) -> int:
+    """Run the job with stop signals forwarded to it; turn a failure into WorkerFailedError."""
 
     def on_signal(signum: int, _frame: object) -> None:
-        pending.append(signum)
-        runner.stop(signum)
+        loop.stop(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
     try:
-        runner.start(job)
-        if pending:  # a signal that arrived while nodes were starting
-            runner.stop(pending[0])
-        code = runner.wait()
+        outcome = loop.run()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    result = runner.result
-    if result is not None and result.failure is not None:
+    result, code = outcome.result, outcome.exit_code
+    if result.failure is not None:
         f = result.failure
         stopped = "stopped all workers" if f.cause == "hang" else "stopped all other workers"
         details = f"; {result.details}" if result.details else ""
-        raise WorkerFailedError(f"{f.describe()}; {stopped}{details}", rank=f.rank if f.rank is not None else -1,
+        why = f"; {outcome.decision.reason}" if policy.max_restarts else ""
+        raise WorkerFailedError(f"{f.describe()}; {stopped}{why}{details}",
+                                rank=f.rank if f.rank is not None else -1,
                                 exit_code=f.exit_code, host=f.host, signal_name=f.signal_name)
-    if result is not None and result.stopped_by:
+    if result.stopped_by:
         print(f"dslaunch: stopped by {result.stopped_by}; all workers stopped (exit code {code})",
               file=sys.stderr, flush=True)
     return code
@@ -319,4 +394,4 @@ def run(argv: list[str]) -> int:
         DslaunchError: a user mistake or a failed job (``cli.main`` prints it).
     """
     cfg, ns = parse_config(argv)
-    return _launch(cfg, ns.dry_run)
+    return _launch(cfg, ns.dry_run, restart_policy(ns))

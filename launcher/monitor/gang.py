@@ -85,6 +85,8 @@ class GangResult:
     """Wall-clock time the loop acted on ``failure`` (compare ``failure.failed_at``)."""
     details: str | None = None
     """What the user should read beyond ``failure.describe()``: a remedy, where stacks are."""
+    nodes: tuple[NodeResult, ...] = ()
+    """Every node's own result (the restart policy looks for lost hosts among them)."""
 
 
 class Gang:
@@ -160,6 +162,7 @@ class Gang:
             # The same failure, reported once the node drained its output: it names the exception.
             failure = results[failed]
         result = self._result(failure, list(results.values()))
+        result = replace(result, nodes=tuple(results[i] for i in sorted(results)))
         if self._monitor is None:
             return result
         self._monitor.observe(self._handles)  # the last beats (a dying rank flushes its last step)

@@ -35,9 +35,11 @@ STACKS_WAIT_S = 3.0
 class JobMonitor:
     """Watches one run of a job. Not thread-safe: the gang loop owns it."""
 
-    def __init__(self, job: JobSpec, events: EventLog, status: StatusLine | None = None) -> None:
+    def __init__(self, job: JobSpec, events: EventLog, status: StatusLine | None = None,
+                 owns_log: bool = True) -> None:
         self.job = job
         self.events = events
+        self._owns_log = owns_log  # else the log spans several runs (restarts): its owner ends it
         self.status = status if status is not None else StatusLine()
         self.health = Health([(w.global_rank, i, n.host) for i, n in enumerate(job.nodes) for w in n.workers],
                              job.monitor.hang_timeout)
@@ -143,9 +145,10 @@ class JobMonitor:
                 notes.append(self._hang_note())
             if self.events.directory:
                 notes.append(f"details: dslaunch status {self.events.directory}")
-        self.events.emit("end", exit_code=result.exit_code, stopped_by=result.stopped_by,
-                         duration_s=round(time.monotonic() - self._start, 3))
-        self.events.close()
+        self.events.emit("end" if self._owns_log else "run_end", exit_code=result.exit_code,
+                         stopped_by=result.stopped_by, duration_s=round(time.monotonic() - self._start, 3))
+        if self._owns_log:
+            self.events.close()
         return "; ".join(notes) or None
 
     def complete(self, failure: NodeResult) -> NodeResult:

@@ -47,15 +47,17 @@ class Runner(ABC):
         ``events``: the job's event log (a restart loop passes the same one to every attempt);
         default: a new one in ``job.monitor.log_dir``.
         """
-        events = events if events is not None else EventLog(job.monitor.log_dir)
-        monitor = JobMonitor(job, events)
+        owned = events is None
+        events = EventLog(job.monitor.log_dir) if events is None else events
+        monitor = JobMonitor(job, events, owns_log=owned)
         monitor.start()
         wake = threading.Event()
         try:
             handles = self._start_nodes(job, wake)
         except DslaunchError as err:
-            events.emit("end", exit_code=err.exit_code, error=str(err))
-            events.close()
+            events.emit("end" if owned else "run_end", exit_code=err.exit_code, error=str(err))
+            if owned:
+                events.close()
             raise
         grace = max((n.grace for n in job.nodes), default=0.0)
         self._gang = Gang(handles, wake, grace, monitor)

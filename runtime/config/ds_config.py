@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.sections import (
@@ -48,7 +49,8 @@ MAX_TIMEOUT_S = 1e8
 _SOURCE_TYPES = (str, os.PathLike, Mapping)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
-             "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection}
+             "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
+             "elasticity": ElasticityConfig}
 _SCALARS = {
     "train_batch_size": (optional(integer(1)), "an integer: micro batch * accumulation steps * GPUs"),
     "train_micro_batch_size_per_gpu": (optional(integer(1)), "an integer: samples per GPU per micro step"),
@@ -88,6 +90,7 @@ class DeepSpeedConfig:
     fp16: Fp16Config = field(default_factory=Fp16Config)
     bf16: Bf16Config = field(default_factory=Bf16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
@@ -157,7 +160,10 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
             raise ConfigError(f"unknown key{hint}; valid top-level keys: {', '.join(sorted(valid))}",
                               key=str(key))
     _validate_typed(values)
-    triad = _batch_triad({k: values.pop(k, None) for k in _BATCH_KEYS}, world_size)
+    given = {k: values.pop(k, None) for k in _BATCH_KEYS}
+    elastic = values.get("elasticity")
+    triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
+             else _batch_triad(given, world_size))
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, **values)
     _cross_check(cfg)
     return cfg
@@ -169,6 +175,19 @@ def _scalar(key: str, value: Any) -> Any:
         raise ConfigError("'auto' is a Hugging Face Trainer placeholder that only the Trainer fills in; "
                           f"put {help_text} here", key=key)
     return check(key, value)
+
+
+def _elastic_triad(cfg: ElasticityConfig, given: dict[str, int | None], world: int) -> dict[str, int]:
+    """The triad from the ``elasticity`` block; as DeepSpeed, batch keys given beside it are an
+    error unless ``ignore_non_elastic_batch_info`` says they are to be ignored."""
+    clash = [k for k, v in given.items() if v is not None]
+    if clash and not cfg.ignore_non_elastic_batch_info:
+        raise ConfigError("is set while elasticity is enabled, which picks the batch for each world "
+                          "size; remove it, or set elasticity.ignore_non_elastic_batch_info to true",
+                          key=clash[0])
+    b = elastic_batch(cfg, world)
+    return {"train_batch_size": b.train_batch_size, "train_micro_batch_size_per_gpu": b.micro_batch,
+            "gradient_accumulation_steps": b.gradient_accumulation_steps}
 
 
 def _batch_triad(b: dict[str, int | None], world: int) -> dict[str, int]:

@@ -292,7 +292,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "expert_parallel": _enabled(), "use_data_before_expert_parallelism": False,
     "sequence_parallel_size": 1, "seq_parallel_comm_data_type": "fp32",
     "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use
-    "elasticity": _enabled(), "hybrid_engine": _enabled(),
+    "hybrid_engine": _enabled(),
     # model and training techniques
     "activation_checkpointing": Off({"partition_activations": False, "contiguous_memory_optimization": False,
                                      "cpu_checkpointing": False, "number_checkpoints": None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -237,3 +238,32 @@ def test_no_ssh_without_hostfile_is_node_0_of_localhost(tmp_path):
     assert job.hosts == ("localhost",) and job.world_size == 2 and job.launcher == "local"
     with pytest.raises(UsageError, match=re.escape("--node_rank 1 is out of range (valid: 0, the selected")):
         build_job(_cfg(tmp_path, no_ssh=True, node_rank=1, master_addr="127.0.0.1"), CPU)
+
+
+def test_elastic_batch_for_a_new_world_size_comes_from_the_scripts_ds_config(tmp_path):
+    from dslaunch.errors import ConfigError
+    from dslaunch.launcher.plan import elastic_batch_for
+
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"elasticity": {"enabled": true, "max_train_batch_size": 16, "micro_batch_sizes": [4, 8, 16],'
+                  ' "min_gpus": 4, "max_gpus": 8, "prefer_larger_batch": false}}')
+    cfg = LaunchConfig(user_script="train.py", user_args=("--deepspeed_config", str(ds)))
+    assert elastic_batch_for(cfg, 4) == ("train_batch_size 16 = 4 x 1 x 4 (micro batch x accumulation steps x "
+                                         "world size)")
+    with pytest.raises(ConfigError, match="world size 6 cannot split the elastic global batch 16"):
+        elastic_batch_for(replace(cfg, user_args=(f"--deepspeed_config={ds}",)), 6)
+    assert elastic_batch_for(LaunchConfig(user_script="train.py"), 6) is None
+
+
+def test_a_restart_plan_leaves_lost_hosts_out_caps_elastic_nodes_and_tells_the_workers(tmp_path):
+    hosts = "a slots=2\nb slots=2\nc slots=2\n"
+    job = build_job(_cfg(tmp_path, hosts, drop_hosts=("b",), restart_count=2, max_restarts=3,
+                         resume_from="/ck"), CPU).job
+    assert job.hosts == ("a", "c") and job.world_size == 4
+    assert [w.global_rank for n in job.nodes for w in n.workers] == [0, 1, 2, 3]
+    env = job.nodes[1].env
+    assert (env["NODE_RANK"], env["WORLD_SIZE"], env["TORCHELASTIC_RESTART_COUNT"], env["DSLAUNCH_RESTART_COUNT"],
+            env["TORCHELASTIC_MAX_RESTARTS"], env["DSLAUNCH_RESUME_FROM"]) == ("1", "4", "2", "2", "3", "/ck")
+    assert build_job(_cfg(tmp_path, hosts, max_nodes=2), CPU).job.hosts == ("a", "b")
+    with pytest.raises(HostfileError, match="no host left: every selected host was lost"):
+        build_job(_cfg(tmp_path, hosts, drop_hosts=("a", "b", "c")), CPU)

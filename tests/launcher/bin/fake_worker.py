@@ -13,7 +13,10 @@ Actions run in order, e.g. ``fake_worker.py print=hello sleep=0.2 exit=3``:
 - ``exit=N``; ``signal=NAME`` (kill itself with that signal);
 - ``raise=TEXT``: raise RuntimeError(TEXT) (an uncaught exception: traceback, exit 1);
 - ``atexit_signal=NAME``: at interpreter exit, kill itself with that signal (an abort in teardown);
-- ``rR:ACTION``: run ACTION only on rank R, e.g. ``r1:exit=3`` (other ranks skip it).
+- ``var=NAME``: print ``NAME=<its value>`` on stdout;
+- ``rR:ACTION``: run ACTION only on rank R, e.g. ``r1:exit=3`` (other ranks skip it);
+- ``cK:ACTION``: run ACTION only in the job's K-th restart (``DSLAUNCH_RESTART_COUNT``; 0 = first
+  run), e.g. ``c0:r1:signal=SIGKILL`` (prefixes combine).
 """
 
 import atexit
@@ -30,11 +33,11 @@ ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
 
 def main(args: list[str]) -> int:
     rank = os.environ.get("RANK", "?")
+    current = {"r": rank, "c": os.environ.get("DSLAUNCH_RESTART_COUNT", "0")}
     for arg in args:
-        if arg.startswith("r") and ":" in arg and arg[1:arg.index(":")].isdigit():
-            only, arg = arg[1:].split(":", 1)
-            if only != rank:
-                continue
+        arg = _only_here(arg, current)
+        if arg is None:
+            continue
         key, _, value = arg.partition("=")
         if key.startswith("--local_rank"):
             continue
@@ -51,6 +54,8 @@ def main(args: list[str]) -> int:
                               "autogroup": _autogroup()}), flush=True)
         elif key == "affinity":
             print(json.dumps(sorted(os.sched_getaffinity(0))), flush=True)
+        elif key == "var":
+            print(f"{value}={os.environ.get(value)}", flush=True)
         elif key == "sleep":
             time.sleep(float(value))
         elif key == "hang":
@@ -73,6 +78,16 @@ def main(args: list[str]) -> int:
             os.kill(os.getpid(), getattr(signal, value))
             time.sleep(5)
     return 0
+
+
+def _only_here(arg: str, current: dict[str, str]) -> str | None:
+    """``arg`` without its ``rR:``/``cK:`` prefixes, or None when one of them does not match."""
+    while arg[:1] in current and ":" in arg and arg[1:arg.index(":")].isdigit():
+        kind = arg[0]
+        want, arg = arg[1:].split(":", 1)
+        if want != current[kind]:
+            return None
+    return arg
 
 
 def _autogroup() -> str | None:

@@ -230,7 +230,6 @@ def test_launcher_args_as_the_last_word_is_a_one_line_error():
 
 
 @pytest.mark.parametrize("args", [
-    ["--elastic_training", FAKE], ["--min_elastic_nodes", "2", FAKE], ["--max_elastic_nodes=4", FAKE],
     ["--autotuning", "tune", FAKE], ["--comment", "x", FAKE], ["--account", "proj", FAKE],
     ["--venv_script", "/venv/bin/activate", FAKE], ["--num_gpus", "1", "--comment"],
 ])

@@ -81,7 +81,7 @@ def test_sigkill_of_one_rank_names_it_and_writes_its_error_file(tmp_path, free_p
     os.kill(pids[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 137, err
-    assert "rank 1 on localhost was killed by SIGKILL (exit code 137) at step " in err
+    assert "rank 1 on localhost was killed by SIGKILL (exit code 137) (last reported step " in err
     job = _job_dir(tmp_path)
     events = _events(job)
     failure = _one(events, "failure")
@@ -187,7 +187,7 @@ def test_status_of_a_failed_job_puts_the_root_cause_first(tmp_path, free_port):
     assert "state: finished, exit code 7" in lines[2], r.stdout
     cause = next(i for i, line in enumerate(lines) if line.startswith("root cause: "))
     # os._exit: no last beat flushed, so the step is the last one sent (steps take ~0.05 s)
-    assert re.fullmatch(r"root cause: rank 1 on localhost exited with code 7 at step (\d+)", lines[cause]), r.stdout
+    assert re.fullmatch(r"root cause: rank 1 on localhost exited with code 7 \(last reported step (\d+)\)", lines[cause]), r.stdout
     assert "error file: " in lines[cause + 2] and lines[cause + 2].endswith("error-rank1.json")
 
 

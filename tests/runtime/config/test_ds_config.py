@@ -169,7 +169,7 @@ def test_sections_at_their_off_values_are_accepted() -> None:
     ("seq_parallel_communication_data_type", "bf16", "fp32"), ("compression_training",
      {"layer_reduction": {"enabled": True}}, {"layer_reduction": {"enabled": False}}),
     ("sparse_attention", {"mode": "fixed"}, None), ("curriculum_learning", {"enabled": True}, {"enabled": False}),
-    ("data_efficiency", {"enabled": True}, {"enabled": False}), ("elasticity", {"enabled": True}, {}),
+    ("data_efficiency", {"enabled": True}, {"enabled": False}),
     ("autotuning", {"enabled": True}, {"enabled": False}), ("flops_profiler", {"enabled": True}, {}),
     ("tensorboard", {"enabled": True}, {"enabled": False}), ("wandb", {"enabled": True}, {"enabled": False}),
     ("csv_monitor", {"enabled": True}, {}), ("comet", {"enabled": True}, {"enabled": False}),

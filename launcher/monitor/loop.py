@@ -1,0 +1,170 @@
+"""The job loop: run, and after a failure ask the restart policy, re-plan and run again.
+
+``JobLoop.run()`` drives one runner per run: ``plan(attempt)`` builds the run's ``JobSpec``
+(restart count, fresh master port, hosts left out), ``new_runner(job)`` gives the transport,
+the gang loop watches it, and ``restart.decide`` says what next. Events (``restart`` with its
+reason, ``membership`` when the hosts change, ``resume``) go to ``emit(kind, **fields)``: the
+CLI passes a one-line stderr printer; an event log can take its place.
+
+Hosts an elastic job lost are left out of the next run and offered back at every later restart:
+that run is started with them, and if the start fails naming only them (the SSH preflight), it
+is started again without them.
+
+A stop from the user (``stop(sig)``, signal-handler safe) ends the current run and never
+restarts; it also cuts a backoff wait short.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dslaunch.errors import LaunchError
+from dslaunch.launcher.monitor.events import EventLog
+from dslaunch.launcher.monitor.gang import GangResult
+from dslaunch.launcher.monitor.restart import Decision, RestartPolicy, Run, cause_of, decide
+from dslaunch.launcher.spec import JobSpec
+
+__all__ = ["Attempt", "JobLoop", "JobOutcome", "Emit", "print_event"]
+
+Emit = Callable[..., None]
+"""``emit(kind, **fields)``: one job event (``restart``, ``membership``, ``resume``)."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What the planner needs to know about the run it plans."""
+
+    restart_count: int = 0
+    """0 for the first run, k for the k-th restart."""
+    drop: frozenset[str] = frozenset()
+    """Hosts to leave out (lost hosts of an elastic job)."""
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How the whole job ended: the last run's result and the policy's last word."""
+
+    exit_code: int
+    result: GangResult
+    decision: Decision
+    runs: tuple[Run, ...] = field(default=())
+
+
+class JobLoop:
+    """Runs a job until it finishes, is stopped, or the restart policy gives up.
+
+    Args:
+        policy: the restart policy.
+        plan: builds the ``JobSpec`` for an attempt (raises DslaunchError on bad input).
+        new_runner: a fresh runner for a job (``runners.get_runner(job.launcher)()``).
+        emit: receives the job's events.
+        sleep: waits between runs (tests pass a recorder).
+        events: the job's event log, handed to every run's runner (one log for the whole job);
+            None: each runner keeps its own.
+    """
+
+    def __init__(self, policy: RestartPolicy, plan: Callable[[Attempt], JobSpec],
+                 new_runner: Callable[[JobSpec], object], emit: Emit,
+                 sleep: Callable[[float], None] = time.sleep, events: EventLog | None = None) -> None:
+        self._policy, self._plan, self._new_runner = policy, plan, new_runner
+        self._emit, self._sleep, self._events = emit, sleep, events
+        self._runner = None
+        self._requested: int | None = None
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the job (signal-handler safe: sets a flag and forwards to the running runner)."""
+        if self._requested is None:
+            self._requested = sig
+        if self._runner is not None:
+            self._runner.stop(sig)
+
+    def run(self) -> JobOutcome:
+        runs: list[Run] = []
+        drop: frozenset[str] = frozenset()  # lost in the last run: left out of the next
+        offered: frozenset[str] = frozenset()  # lost before: offered back, left out if they fail to start
+        while True:
+            count = len(runs)
+            result, job, left_out = self._one_run(Attempt(count, drop), offered, runs)
+            lost = tuple(n.host for n in result.nodes if n.exit_code and cause_of(n) == "host_lost")
+            runs.append(Run(result.exit_code, job.hosts, result.failure, result.stopped_by, lost))
+            decision = decide(self._policy, runs)
+            if self._requested is not None and decision.restart:
+                decision = Decision("stop", f"stopped by {signal.Signals(self._requested).name} "
+                                            "before the restart")
+            if not decision.restart:
+                return JobOutcome(result.exit_code, result, decision, tuple(runs))
+            self._emit("restart", reason=decision.reason, restart=count + 1, delay=decision.delay,
+                       cause=None if result.failure is None else cause_of(result.failure),
+                       exit_code=result.exit_code, lost=list(lost))
+            drop, offered = frozenset(decision.drop), (left_out | drop) - set(decision.drop)
+            self._wait(decision.delay)
+            if self._requested is not None:
+                return JobOutcome(result.exit_code, result,
+                                  Decision("stop", f"stopped by {signal.Signals(self._requested).name} "
+                                                   "during the restart wait"), tuple(runs))
+
+    def _one_run(self, attempt: Attempt, offered: frozenset[str],
+                 runs: list[Run]) -> tuple[GangResult, JobSpec, frozenset[str]]:
+        """Plan, start and watch one run. Hosts in ``offered`` (lost in an earlier run) are planned
+        back in; if the start fails naming only such hosts, the run starts again without them.
+        Returns the result, the job that ran and the hosts left out of it."""
+        job = self._plan(attempt)
+        runner = self._new_runner(job)
+        left_out = attempt.drop
+        try:
+            self._start(runner, job, runs)
+        except LaunchError as err:
+            failed = frozenset(getattr(err, "failures", {}))
+            if not failed or not failed <= offered:
+                raise
+            left_out = attempt.drop | failed
+            job = self._plan(Attempt(attempt.restart_count, left_out))
+            runner = self._new_runner(job)
+            self._start(runner, job, runs)
+        code = runner.wait()
+        self._runner = None
+        return runner.result or GangResult(code), job, left_out
+
+    def _start(self, runner, job: JobSpec, runs: list[Run]) -> None:
+        self._runner = runner
+        if self._events is None:
+            runner.start(job)
+        else:
+            runner.start(job, self._events)
+        if self._requested is not None:  # a signal that arrived while nodes were starting
+            runner.stop(self._requested)
+        previous = runs[-1].hosts if runs else None
+        if previous is not None and previous != job.hosts:  # said once the new hosts did start
+            self._emit("membership", hosts=list(job.hosts), previous=list(previous),
+                       world_size=job.world_size, left=sorted(set(previous) - set(job.hosts)),
+                       joined=sorted(set(job.hosts) - set(previous)))
+        if runs:
+            self._emit("resume", restart=len(runs), hosts=list(job.hosts), world_size=job.world_size,
+                       master_port=job.master_port)
+
+    def _wait(self, seconds: float) -> None:
+        """The backoff, in slices, so that a stop from the user cuts it short."""
+        end = time.monotonic() + seconds
+        while self._requested is None and (left := end - time.monotonic()) > 0:
+            self._sleep(min(0.1, left))
+
+
+def print_event(kind: str, **fields: object) -> None:
+    """The CLI's ``emit``: one line on stderr per event that changes what the user sees."""
+    import sys
+
+    if kind == "restart":
+        line = f"dslaunch: {fields['reason']}"
+    elif kind == "membership":
+        line = (f"dslaunch: hosts now {', '.join(map(str, fields['hosts']))} (world size "
+                f"{fields['world_size']}; left: {', '.join(map(str, fields['left'])) or '-'}, joined: "
+                f"{', '.join(map(str, fields['joined'])) or '-'})")
+    elif kind == "resume":
+        line = (f"dslaunch: restart {fields['restart']} started on {len(fields['hosts'])} host(s), world size "
+                f"{fields['world_size']}, master port {fields['master_port']}")
+    else:
+        return
+    print(line, file=sys.stderr, flush=True)
