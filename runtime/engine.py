@@ -73,7 +73,7 @@ class DeepSpeedEngine(torch.nn.Module):
         collective: call on all ranks every micro step.
         """
         self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
-        self._loss = loss  # for the heartbeat, read at most twice a second
+        self._loss = loss.detach()  # for the heartbeat (read at most twice a second); not its graph
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             loss = loss / self.config.gradient_accumulation_steps
         with self._timer("backward"):
