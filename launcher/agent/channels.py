@@ -22,6 +22,7 @@ __all__ = ["Channels", "MAX_STACK_BYTES", "process_stopped"]
 
 MAX_STACK_BYTES = 256 * 1024  # a dump of a few hundred threads; more is cut
 _POLL_S = 0.1
+_DRAIN_S = 0.5  # at most this long for the exited workers' last writes
 
 
 class Channels:
@@ -101,10 +102,14 @@ class Channels:
             return all(r in self._stack_at and now - self._stack_at[r] > 0.3 for r in ranks)
 
     def close(self) -> None:
-        """Stop reading (idempotent); the beats read so far stay available."""
-        self._closed = True  # the thread sees it within _POLL_S and closes every read end
+        """Stop reading (idempotent) once the workers' last writes are drained; the beats read so
+        far stay available. Waits for the drain (bounded), so the node's result, published right
+        after, is seen with every rank's final beat."""
+        self._closed = True  # the thread sees it within _POLL_S, drains, closes every read end
         if self._thread is None:
             self._sel.close()
+        elif self._thread is not threading.current_thread():
+            self._thread.join(timeout=_POLL_S + _DRAIN_S + 0.5)
 
     def _run(self) -> None:
         # Only this thread registers and closes the read ends (no wake-up pipe to share): new
@@ -116,7 +121,7 @@ class Channels:
         self._register_new()
         # Drain what the exited workers wrote last (their final beat); bounded, as a child that
         # inherited a pipe may keep it open.
-        deadline = time.monotonic() + 0.5
+        deadline = time.monotonic() + _DRAIN_S
         while time.monotonic() < deadline and (ready := self._sel.select(0)):
             for key, _ in ready:
                 self._read(key)

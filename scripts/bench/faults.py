@@ -15,8 +15,8 @@ loop of ``--loop`` trials per restarting launcher counts the successes.
 
 Writes ``results/faults.json`` and ``results/faults.md`` (or to ``--out``).
 
-Usage: ``python scripts/bench/faults.py [--trials 5] [--loop 50] [--systems dslaunch,torchrun,deepspeed]
-[--out DIR]``.
+Usage: ``python scripts/bench/faults.py [--trials 5] [--loop 50] [--peer-loop 20]
+[--systems dslaunch,torchrun,deepspeed] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -167,7 +167,9 @@ def _markdown(timed: list[dict], loop: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=5, help="timed trials per launcher")
-    parser.add_argument("--loop", type=int, default=50, help="restart-loop trials per restarting launcher")
+    parser.add_argument("--loop", type=int, default=50, help="restart-loop trials of dslaunch")
+    parser.add_argument("--peer-loop", type=int, default=20,
+                        help="restart-loop trials of each restarting peer (its runs take longer here)")
     parser.add_argument("--systems", default="dslaunch,torchrun,deepspeed")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
@@ -178,10 +180,11 @@ def main(argv: list[str]) -> int:
         for system in systems:
             timed.append(trial(system))
             print(f"timed {i + 1}/{args.trials} {timed[-1]}", flush=True)
-    for i in range(args.loop):
-        for system in (s for s in systems if s != "deepspeed"):
+    counts = {s: args.loop if s == "dslaunch" else args.peer_loop for s in systems if s != "deepspeed"}
+    for i in range(max(counts.values(), default=0)):  # interleaved while both still run
+        for system in (s for s, n in counts.items() if i < n):
             loop.append(trial(system, steps=12, kill_at=7, measure=False))
-            print(f"loop {i + 1}/{args.loop} {system} success={loop[-1]['success']}", flush=True)
+            print(f"loop {i + 1}/{counts[system]} {system} success={loop[-1]['success']}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "faults.json").write_text(json.dumps({"timed": timed, "loop": loop}, indent=1) + "\n")
     (args.out / "faults.md").write_text(_markdown(timed, loop))
