@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 TAG_VAR = "FAULTS_BENCH_TAG"
 JOB_TIMEOUT_S = 120
+LOOP_TIMEOUT_S = 60  # a loop job takes ~10 s here; past this its restart hangs
 
 SCRIPT = """
 import datetime, json, os, signal, sys, time
@@ -98,8 +100,10 @@ def _read_time(path: Path) -> float | None:
         return None
 
 
-def trial(system: str, steps: int = 40, kill_at: int = 20, measure: bool = True) -> dict:
-    """One faulted job; ``measure`` polls for the stop time (the restart loop skips it)."""
+def trial(system: str, steps: int = 40, kill_at: int = 20, measure: bool = True,
+          timeout: float = JOB_TIMEOUT_S) -> dict:
+    """One faulted job; ``measure`` polls for the stop time (the restart loop skips it). A job past
+    ``timeout`` (a restart that hangs) is killed with its whole process group and fails."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         script = work / "job.py"
@@ -107,9 +111,10 @@ def trial(system: str, steps: int = 40, kill_at: int = 20, measure: bool = True)
         tag = uuid.uuid4().hex
         env = {**os.environ, TAG_VAR: tag, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(_command(system, script, steps, kill_at, work), env=env, cwd=tmp,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         stopped = None
-        deadline = time.monotonic() + JOB_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while measure and stopped is None and proc.poll() is None and time.monotonic() < deadline:
             if (work / "killed").exists() and not _first_run_workers(tag, str(script)):
                 stopped = time.time()
@@ -118,7 +123,7 @@ def trial(system: str, steps: int = 40, kill_at: int = 20, measure: bool = True)
             _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             code = proc.returncode
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the workers it left
             _, err = proc.communicate()
             code = "timeout"
         killed, resumed = _read_time(work / "killed"), _read_time(work / "resumed")
@@ -155,10 +160,12 @@ def _markdown(timed: list[dict], loop: list[dict]) -> str:
                      f"{_median([r['resume_s'] for r in rs])} | {sum(r['success'] for r in rs)} of {len(rs)} |")
     if loop:
         lines += ["", "Restart loop: the same fault, `--max_restarts 1` / `--max-restarts 1`, counting jobs "
-                      "that finish every step.\n", "| launcher | trials | finished |", "| --- | ---: | ---: |"]
+                      "that finish every step (a job past 60 s is killed and counts as failed).\n",
+                  "| launcher | trials | finished | failed runs' exit codes |", "| --- | ---: | ---: | --- |"]
         for system in dict.fromkeys(r["system"] for r in loop):
             rs = [r for r in loop if r["system"] == system]
-            lines.append(f"| {system} | {len(rs)} | {sum(r['success'] for r in rs)} of {len(rs)} |")
+            codes = ", ".join(str(r["exit_code"]) for r in rs if not r["success"]) or "-"
+            lines.append(f"| {system} | {len(rs)} | {sum(r['success'] for r in rs)} of {len(rs)} | {codes} |")
     lines.append("\nTargets: job stopped < 0.5 s after the kill; first step after resume within 15 s; "
                  "restarts succeed 50 of 50.\n")
     return "\n".join(lines)
@@ -180,15 +187,20 @@ def main(argv: list[str]) -> int:
         for system in systems:
             timed.append(trial(system))
             print(f"timed {i + 1}/{args.trials} {timed[-1]}", flush=True)
+            _write(args.out, timed, loop)  # after every trial: a run stopped early still reports
     counts = {s: args.loop if s == "dslaunch" else args.peer_loop for s in systems if s != "deepspeed"}
     for i in range(max(counts.values(), default=0)):  # interleaved while both still run
         for system in (s for s, n in counts.items() if i < n):
-            loop.append(trial(system, steps=12, kill_at=7, measure=False))
+            loop.append(trial(system, steps=12, kill_at=7, measure=False, timeout=LOOP_TIMEOUT_S))
             print(f"loop {i + 1}/{counts[system]} {system} success={loop[-1]['success']}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "faults.json").write_text(json.dumps({"timed": timed, "loop": loop}, indent=1) + "\n")
-    (args.out / "faults.md").write_text(_markdown(timed, loop))
+            _write(args.out, timed, loop)
     return 0
+
+
+def _write(out: Path, timed: list[dict], loop: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "faults.json").write_text(json.dumps({"timed": timed, "loop": loop}, indent=1) + "\n")
+    (out / "faults.md").write_text(_markdown(timed, loop))
 
 
 if __name__ == "__main__":
