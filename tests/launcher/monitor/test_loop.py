@@ -27,7 +27,7 @@ def _ports(stdout: str) -> list[str]:
 def test_a_killed_rank_is_restarted_with_a_new_port_and_the_restart_count(free_port):
     r = run_dslaunch(["--num_gpus", "2", "--max_restarts", "2", "--master_port", str(free_port), FAKE,
                       "var=TORCHELASTIC_RESTART_COUNT", "var=DSLAUNCH_RESTART_COUNT", "var=MASTER_PORT",
-                      "c0:r1:signal=SIGKILL"], timeout=40)
+                      "c0:r1:sleep=2", "c0:r1:signal=SIGKILL"], timeout=40)  # rank 0 prints first
     assert r.returncode == 0, r.stderr
     restarts = [line for line in r.stderr.splitlines() if "dslaunch: restart" in line and " in " in line]
     assert restarts == ["dslaunch: restart 1 of 2 in 1 s after signal: rank 1 on localhost was killed by "
