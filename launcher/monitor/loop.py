@@ -130,10 +130,7 @@ class JobLoop:
 
     def _start(self, runner, job: JobSpec, runs: list[Run]) -> None:
         self._runner = runner
-        if self._events is None:
-            runner.start(job)
-        else:
-            runner.start(job, self._events)
+        runner.start(job, self._events)
         if self._requested is not None:  # a signal that arrived while nodes were starting
             runner.stop(self._requested)
         previous = runs[-1].hosts if runs else None

@@ -120,7 +120,7 @@ class _ScriptedRunner:
         self._script, self._down, self._started = script, down, started
         self.result = None
 
-    def start(self, job):
+    def start(self, job, events=None):
         if dead := [h for h in job.hosts if h in (self._down or ())]:
             raise _Down(dead)
         self._started.append(job.hosts)
