@@ -157,7 +157,7 @@ def trial(system: str, fault: str = "kill", steps: int = 40, kill_at: int = 20, 
         tag = uuid.uuid4().hex
         env = {**os.environ, TAG_VAR: tag, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(_command(system, fault, script, steps, kill_at, work), env=env, cwd=tmp,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # DeepSpeed logs to stdout
                                 start_new_session=True)
         stopped = None
         deadline = time.monotonic() + timeout
@@ -166,11 +166,11 @@ def trial(system: str, fault: str = "kill", steps: int = 40, kill_at: int = 20, 
                 stopped = time.time()
             time.sleep(0.005)
         try:
-            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            err, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             code = proc.returncode
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the workers it left
-            _, err = proc.communicate()
+            err, _ = proc.communicate()
             code = "timeout"
         leftovers = _kill_leftovers(tag, str(script))
         killed, resumed = _read_time(work / "killed"), _read_time(work / "resumed")
