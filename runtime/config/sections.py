@@ -178,6 +178,26 @@ class ZeroConfig:
                                                     "from the checkpoint's fp32 copy (no 16-bit copy of "
                                                     "trained parameters is stored)"), "true")
 
+    # Stage 3 (read only there; see runtime/zero/stage3.py). DeepSpeed also accepts each without
+    # the ``stage3_`` prefix (``STAGE3_ALIASES``); "auto" keeps the default.
+    stage3_param_persistence_threshold: int = _opt(100_000, integer(0), "elements, e.g. 1e5: smaller "
+                                                   "parameters stay whole on every rank")
+    stage3_prefetch_bucket_size: int = _opt(50_000_000, integer(0), "elements, e.g. 5e7 (accepted; "
+                                            "dslaunch does not prefetch yet)")
+    stage3_max_live_parameters: int = _opt(1_000_000_000, integer(0), "elements, e.g. 1e9 (accepted; "
+                                           "dslaunch keeps only running modules' parameters whole)")
+    stage3_max_reuse_distance: int = _opt(1_000_000_000, integer(0), "elements, e.g. 1e9 (accepted; "
+                                          "dslaunch releases parameters after each use)")
+    stage3_gather_16bit_weights_on_model_save: bool = _opt(False, boolean, "true to gather the whole "
+                                                           "16-bit model for save_16bit_model()")
+
+    STAGE3_ALIASES = {"param_persistence_threshold": "stage3_param_persistence_threshold",
+                      "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+                      "max_live_parameters": "stage3_max_live_parameters",
+                      "max_reuse_distance": "stage3_max_reuse_distance",
+                      "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+                      "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
+
     # DeepSpeed keys not implemented here -> when they are off.
     UNIMPLEMENTED = {"offload_optimizer": _OFFLOAD, "offload_param": _OFFLOAD, "cpu_offload": False,
                      "cpu_offload_param": False, "cpu_offload_use_pin_memory": ANY, "zenflow": None,
@@ -185,8 +205,8 @@ class ZeroConfig:
                      "zero_quantized_nontrainable_weights": False, "zero_hpz_partition_size": 1,
                      "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
                      "legacy_stage1": False, "enable_sanity_checks": False}
-    # Keys (and prefixes) that only configure stage 3: meaningless below it, any value accepted,
-    # "auto" included (the Hugging Face Trainer writes it there). Stage 3 itself is rejected.
+    # Keys (and prefixes) that only configure stage 3 and dslaunch does not read (the fields above
+    # excepted): any value accepted, "auto" included (the Hugging Face Trainer writes it there).
     STAGE3_ONLY = ("sub_group_size", "stage3_", "prefetch_bucket_size", "param_persistence_threshold",
                    "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
                    "gather_16bit_weights_on_model_save", "module_granularity_threshold",
@@ -341,9 +361,13 @@ def parse_section(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"must be an object, got {describe(raw)}", key=prefix)
     _explain_auto(cls, raw, prefix)
     known: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
     for key, value in raw.items():
+        key = getattr(cls, "STAGE3_ALIASES", {}).get(key, key)
         if key in cls.UNIMPLEMENTED:
             reject_unimplemented(f"{prefix}.{key}", value, cls.UNIMPLEMENTED[key])
+        elif key in names and not (value == "auto" and _stage3_only(cls, key)):
+            known[key] = value
         elif not _stage3_only(cls, key):
             known[key] = value
     schema = {f.name: Option(f.default, f.metadata["check"]) for f in dataclasses.fields(cls)}

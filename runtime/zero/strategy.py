@@ -31,6 +31,7 @@ unscale and the clip coefficient are folded into ONE multiply of this rank's fp3
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -55,6 +56,7 @@ class ZeroStrategy:
             given the ``FlatShards`` describing those master tensors.
         comm: communication settings.
         process_group: the data-parallel group (None: the default group).
+        module: the model (stage 3 hooks it to gather its parameters; the others ignore it).
 
     collective: construct on all ranks of the group.
     """
@@ -64,7 +66,7 @@ class ZeroStrategy:
     gradients_type: ClassVar[type[GradientPath]]
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
-                 process_group: Any = None):
+                 process_group: Any = None, module: torch.nn.Module | None = None):
         self.pg = process_group
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
@@ -78,6 +80,10 @@ class ZeroStrategy:
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
         self.gradients = self.gradients_type(self.groups, comm, self.world_size, process_group)
+        ref = weakref.ref(self)
+        for gi, g in enumerate(self.groups):  # for safe_get_full_* (dslaunch.utils): param -> its slot
+            for pi, p in enumerate(g.params):
+                p._dsl_slot = (ref, gi, pi)
 
     @property
     def partitioned(self) -> bool:
@@ -242,9 +248,7 @@ class ZeroStrategy:
             state[gi] = {**{k: v[lo:hi].clone() for k, v in s["optim_state"].items()},
                          **s["optim_scalars"]}
             groups.append({**s["hparams"], "params": [gi]})
-            full = full and s["start"] == 0 and s["end"] == lay.numel
-            if full:
-                g.flat[:lay.numel].copy_(s["master"])
+            full = full and s["start"] == 0 and s["end"] == lay.numel and g.load_full(s["master"])
         self.optimizer.load_state_dict({"state": {k: v for k, v in state.items() if v},
                                         "param_groups": groups})
         for g in self.groups:

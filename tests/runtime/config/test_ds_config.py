@@ -72,7 +72,8 @@ def test_unimplemented_keys_are_reported_not_ignored() -> None:
     msg = _error({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
     assert "'zero_optimization.offload_optimizer'" in msg and "not implemented" in msg
     assert "not implemented" in _error({"train_batch_size": 8, "tensorboard": {"enabled": True}})
-    assert "not implemented" in _error({"train_batch_size": 8, "zero_optimization": {"stage": 3}})
+    assert "not implemented" in _error({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme"}}})
     # switched off, they are honoured as such
     cfg = load_config({"train_batch_size": 8, "tensorboard": {"enabled": False},
                        "zero_optimization": {"offload_optimizer": {"device": "none"}}}, 2)
@@ -210,3 +211,16 @@ def test_stage3_keys_accept_auto_below_stage_3() -> None:
     assert cfg.zero_optimization.stage == 2
     # keys stages 0-2 read still explain "auto"
     assert "Hugging Face" in _error({"train_batch_size": 8, "zero_optimization": {"overlap_comm": "auto"}})
+
+
+def test_stage3_keys_under_both_spellings_and_auto() -> None:
+    """DeepSpeed's stage-3 knobs are read with or without the ``stage3_`` prefix; "auto" (left by
+    a Trainer that did not fill it) keeps the default; a bad value names the key."""
+    zero = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 1e4, "prefetch_bucket_size": "auto",
+        "max_live_parameters": 3, "stage3_gather_fp16_weights_on_model_save": True}}, 2).zero_optimization
+    assert (zero.stage3_param_persistence_threshold, zero.stage3_prefetch_bucket_size,
+            zero.stage3_max_live_parameters, zero.stage3_gather_16bit_weights_on_model_save) == \
+        (10_000, 50_000_000, 3, True)
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": -1}})
+    assert "'zero_optimization.stage3_max_reuse_distance'" in msg
