@@ -175,8 +175,8 @@ def write_back(params: list[torch.nn.Parameter], src_rank: int) -> None:
 
     collective: all ranks, the same available parameters.
     """
-    works = [dist.broadcast(p.data, src=src_rank, async_op=True) for p in params
-             if dist.is_initialized() and dist.get_world_size() > 1]
+    works = [dist.broadcast(p.data, src=src_rank, group=p._dsl_flat.group, async_op=True) for p in params
+             if p._dsl_flat.world > 1]
     for w in works:
         w.wait()
     for p in params:
