@@ -60,6 +60,11 @@ class FlatShard:
     group: Any = None
     master: torch.Tensor | None = None
 
+    def __reduce__(self) -> tuple:
+        # A pickled parameter (torch.save of the Parameter keeps its attributes) is a placeholder
+        # detached from its shard: it unpickles without one (and a process group cannot pickle).
+        return type(None), ()
+
     @property
     def start(self) -> int:
         return partition_range(self.numel, self.world, self.rank)[0]

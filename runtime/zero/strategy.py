@@ -42,7 +42,18 @@ from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["ZeroStrategy", "ParamSlot"]
+
+
+class ParamSlot(tuple):
+    """(strategy weakref, group index, param index) of a trained parameter. A pickled parameter
+    (``torch.save`` of the Parameter object keeps its attributes) loses it: it unpickles as None."""
+
+    def __new__(cls, strategy: Any, group: int, index: int) -> ParamSlot:
+        return super().__new__(cls, (strategy, group, index))
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
 
 
 class ZeroStrategy:
@@ -80,10 +91,9 @@ class ZeroStrategy:
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
         self.gradients = self.gradients_type(self.groups, comm, self.world_size, process_group)
-        ref = weakref.ref(self)
         for gi, g in enumerate(self.groups):  # for safe_get_full_* (dslaunch.utils): param -> its slot
             for pi, p in enumerate(g.params):
-                p._dsl_slot = (ref, gi, pi)
+                p._dsl_slot = ParamSlot(weakref.ref(self), gi, pi)
 
     @property
     def partitioned(self) -> bool:
