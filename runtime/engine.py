@@ -237,11 +237,35 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> Any:
-        from dslaunch.runtime import checkpoint
+        """Rank 0 writes the whole module state dict (model dtype). With partitioned parameters
+        (stage 3) only if ``stage3_gather_16bit_weights_on_model_save`` (else False, as DeepSpeed).
 
+        collective: call on all ranks.
+        """
+        from dslaunch.runtime import checkpoint
+        from dslaunch.runtime.zero.params import is_partitioned
+
+        if (not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+                and any(is_partitioned(p) for p in self.module.parameters())):
+            if self.global_rank == 0:
+                print("dslaunch: warning: save_16bit_model() saved nothing: the parameters are "
+                      "partitioned; set zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                      "to true (or use zero_to_fp32)", flush=True)
+            return False
         self.zero.synchronize()
         return checkpoint.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename=save_filename,
                                            exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole module state dict (model dtype) on rank 0 ({} elsewhere), as DeepSpeed's.
+
+        collective: call on all ranks (partitioned parameters are gathered module by module).
+        """
+        from dslaunch.runtime.zero.full_state import module_state_dict
+
+        self.zero.synchronize()
+        sd = module_state_dict(self.module, exclude_frozen_parameters)
+        return sd if self.global_rank == 0 else {}
 
     # ----- module weights, as DeepSpeed's nn.Module engine ---------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:  # type: ignore[override]

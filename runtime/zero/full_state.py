@@ -1,4 +1,4 @@
-"""Whole fp32 values of one trained parameter, at any stage: DeepSpeed's ``safe_get_full_*``.
+"""Whole values at any stage: DeepSpeed's ``safe_get_full_*`` and the consolidated state dict.
 
 ``deepspeed.utils`` names (re-exported by ``dslaunch.utils``): ``safe_get_full_fp32_param``,
 ``safe_get_full_grad``, ``safe_get_full_optimizer_state`` and ``safe_set_full_fp32_param``. A
@@ -18,7 +18,7 @@ import torch
 from dslaunch.runtime.zero import params as zp
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param"]
+           "safe_set_full_fp32_param", "module_state_dict"]
 
 
 def _slot(param: torch.nn.Parameter) -> tuple[Any, Any, int] | None:
@@ -93,3 +93,32 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         zp.scatter_into(param, src)
     if not zp.is_partitioned(param) or param.ds_status is zp.ZeroParamStatus.AVAILABLE:
         param.data.copy_(src.view(_shape(param)))
+
+
+def module_state_dict(module: torch.nn.Module, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with whole parameters, on every rank (the engine's
+    ``_zero3_consolidated_16bit_state_dict`` and ``save_16bit_model``).
+
+    Partitioned parameters are gathered one module at a time (the whole model is built once, in
+    the result). Without partitioned parameters this is ``module.state_dict()``.
+
+    collective: every rank, when any parameter is partitioned.
+    """
+    from dslaunch.runtime.zero.partition_parameters import GatheredParameters
+
+    if not any(zp.is_partitioned(p) for p in module.parameters()):
+        sd = module.state_dict()
+    else:
+        sd = {}
+        for prefix, m in module.named_modules():
+            with GatheredParameters(list(m.parameters(recurse=False))):
+                # detached views keep the gathered storage alive after the release
+                m._save_to_state_dict(sd, f"{prefix}." if prefix else "", False)
+            for name, p in m._parameters.items():  # whole all along: the live weights, copy them
+                if zp.is_partitioned(p) and p.ds_persist:
+                    key = f"{prefix}.{name}" if prefix else name
+                    sd[key] = sd[key].clone()
+    if exclude_frozen:
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+        sd = {k: v for k, v in sd.items() if k not in frozen}
+    return sd
