@@ -11,7 +11,9 @@ parameter (or view of one) saved for backward by a reference; when backward unpa
 parameter is gathered again. It is released after its gradient was taken (the gradient path's
 post-accumulate hook runs first) or, at the latest, by ``release_idle`` after backward. So
 backward needs no module hooks and works for any module output type. Under ``torch.no_grad()``
-nothing is saved: evaluation costs one gather per module.
+nothing is saved: evaluation costs one gather per module. Activation checkpointing (reentrant or
+not) recomputes forwards during backward: there the hooks gather as usual but leave the saved
+tensors to the checkpoint and keep the parameters whole until their gradients are taken.
 
 Leaf modules: a module whose forward reads its children's parameters without calling them
 (``nn.MultiheadAttention`` reads ``out_proj.weight``; ``nn.TransformerEncoderLayer``'s fast path
@@ -82,6 +84,10 @@ def _unpack(saved: Any) -> Any:
     return p.data.as_strided(size, stride, p.data.storage_offset() + offset)
 
 
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 class ParamFetcher:
     """Registers the gather/release hooks on every submodule of ``module``.
 
@@ -107,7 +113,8 @@ class ParamFetcher:
         return own + [p for p in extra.values() if zp.is_partitioned(p) and all(p is not q for q in own)]
 
     def _before(self, m: torch.nn.Module, args: Any) -> None:
-        if not self._stack:  # outermost hooked forward: partitioned tensors saved by reference
+        if not self._stack and not _in_backward():
+            # outermost hooked forward: partitioned tensors saved by reference
             self._saving = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             self._saving.__enter__()
         used = self._used_by(m)
@@ -115,7 +122,14 @@ class ParamFetcher:
         zp.hold(used)
 
     def _after(self, m: torch.nn.Module, args: Any, out: Any) -> None:
-        zp.unhold(self._stack.pop())
+        used = self._stack.pop()
+        if _in_backward():
+            # an activation-checkpointing recompute: what it saved for its backward holds the
+            # parameters themselves, so they stay whole until their gradients are taken
+            for p in used:
+                p._dsl_users -= 1
+        else:
+            zp.unhold(used)
         if not self._stack and self._saving is not None:
             self._saving.__exit__(None, None, None)
             self._saving = None
