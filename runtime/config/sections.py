@@ -30,7 +30,7 @@ from dslaunch.runtime.config.param_schema import (
 )
 from dslaunch.runtime.zero.registry import stage_choices
 
-__all__ = ["parse_section", "ZeroConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
+__all__ = ["parse_section", "ZeroConfig", "OffloadConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
            "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
            "reject_unimplemented"]
 
@@ -142,10 +142,46 @@ def _enabled() -> Off:
     return Off({"enabled": False}, switch="enabled")
 
 
-_OFFLOAD = Off({"device": ("none", None)}, switch="device")
-
-
 # ---- the sections -------------------------------------------------------------------------------
+def _offload_device(path: str, value: Any) -> str:
+    if value in (None, "none"):
+        return "none"
+    if value == "nvme":
+        raise ConfigError("\"nvme\" is accepted by DeepSpeed but not implemented by dslaunch yet; use "
+                          "\"cpu\" or \"none\"", key=path)
+    return choice("none", "cpu")(path, value)
+
+
+def _full_ratio(path: str, value: Any) -> float:
+    ratio = number(0.0, 1.0)(path, value)
+    if ratio != 1.0:
+        raise ConfigError(f"{_json(value)} (partial offload) is not implemented by dslaunch yet; remove "
+                          "the key or set it to 1.0", key=path)
+    return ratio
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: host memory between uses."""
+
+    device: str = _opt("none", _offload_device, "\"cpu\" or \"none\"")
+    pin_memory: bool = _opt(False, boolean, "true to page-lock the host copies (GPU hosts)")
+    ratio: float = _opt(1.0, _full_ratio, "1.0 (the whole optimizer state)")
+
+    # They tune NVMe offload (rejected above) or DeepSpeed's CPU Adam: any value changes nothing.
+    UNIMPLEMENTED = {k: ANY for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu",  # noqa: RUF012
+                                      "pipeline", "pipeline_read", "pipeline_write", "fast_init",
+                                      "super_offload", "cpuadam_cores_perc")}
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+def _offload(path: str, value: Any) -> OffloadConfig:
+    return parse_section(OffloadConfig, value, path)
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """``zero_optimization``: which ZeRO stage and its communication knobs."""
@@ -198,8 +234,13 @@ class ZeroConfig:
                       "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
                       "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
 
+    offload_optimizer: OffloadConfig = _opt(OffloadConfig(), _offload, "an object such as "
+                                            "{\"device\": \"cpu\"} (stages 1-3)")
+    offload_param: OffloadConfig = _opt(OffloadConfig(), _offload, "an object such as "
+                                        "{\"device\": \"cpu\"} (stage 3)")
+
     # DeepSpeed keys not implemented here -> when they are off.
-    UNIMPLEMENTED = {"offload_optimizer": _OFFLOAD, "offload_param": _OFFLOAD, "cpu_offload": False,
+    UNIMPLEMENTED = {"cpu_offload": False,
                      "cpu_offload_param": False, "cpu_offload_use_pin_memory": ANY, "zenflow": None,
                      "zero_quantized_weights": False, "zero_quantized_gradients": False,
                      "zero_quantized_nontrainable_weights": False, "zero_hpz_partition_size": 1,

@@ -14,7 +14,16 @@ import torch
 
 from dslaunch.runtime.zero.partition import GroupLayout
 
-__all__ = ["FlatGroup", "group_dtype"]
+__all__ = ["FlatGroup", "group_dtype", "to_host"]
+
+
+def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t`` in host memory (``t`` itself when it is there already: an fp32 master on a CPU host
+    still aliases the model); page-locked with ``pin`` when it comes from an accelerator."""
+    if t.device.type == "cpu":
+        return t
+    host = t.to("cpu")
+    return host.pin_memory() if pin else host
 
 
 def group_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
@@ -35,11 +44,12 @@ class FlatGroup:
 
     ``flat`` (model dtype, ``layout.padded`` elements) holds the weights; each parameter's
     ``.data`` is a view into it. ``master`` is this rank's fp32 shard (a view of ``flat`` when the
-    model is fp32, a separate copy otherwise), wrapped as the Parameter the optimizer updates.
+    model is fp32, a separate copy otherwise; in host memory with ``offload``), wrapped as the
+    Parameter the optimizer updates.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
-                 world_size: int, rank: int, partitioned: bool):
+                 world_size: int, rank: int, partitioned: bool, offload: bool = False, pin: bool = False):
         self.params = params
         self.hparams = hparams
         self.dtype = group_dtype(params)
@@ -56,6 +66,7 @@ class FlatGroup:
             p.data = self.flat[a:b].view(p.shape)
         own = self.flat[lay.start:lay.end]
         data = own if self.dtype == torch.float32 else own.float()
+        data = to_host(data, pin) if offload else data
         # nn.Parameter aliases ``data``: in fp32 the optimizer updates the model weights in place.
         self.master = torch.nn.Parameter(data, requires_grad=False)
 

@@ -50,7 +50,7 @@ class FlatShard:
     """This rank's piece of a flat vector of ``numel`` elements split over ``world`` ranks.
 
     ``shard`` holds ``partition_range(numel, world, rank)``; ``master``, when not None, is an fp32
-    copy of the same range that writes must update too (16-bit models in the engine).
+    copy of the same range that writes must update too (16-bit models in the engine, offload).
     """
 
     shard: torch.Tensor
@@ -59,6 +59,7 @@ class FlatShard:
     rank: int
     group: Any = None
     master: torch.Tensor | None = None
+    device: torch.device | None = None  # where gathered values go (None: the shard's device)
 
     def __reduce__(self) -> tuple:
         # A pickled parameter (torch.save of the Parameter keeps its attributes) is a placeholder
@@ -108,7 +109,7 @@ def gather_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[An
     Returns the buffer (valid once every returned work is waited for) and the works.
     collective: all ranks, same ranges, same order.
     """
-    out = torch.empty(b - a, dtype=flat.shard.dtype, device=flat.shard.device)
+    out = torch.empty(b - a, dtype=flat.shard.dtype, device=flat.device or flat.shard.device)
     k = shard_slot(flat.numel, flat.world)
     works = []
     for r in range(a // k, min(flat.world, -(-b // k))) if b > a else ():

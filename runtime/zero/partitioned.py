@@ -7,6 +7,9 @@ vector (``params.attach``): ``param.data`` is an empty placeholder until somethi
 Parameters of at most ``param_persistence_threshold`` elements stay whole on every rank
 (``ds_persist``) and are re-gathered after each step (``publish``).
 
+With ``offload_param`` the shard lives in host memory (gathers copy each rank's own piece up to the
+device); with ``offload_optimizer`` the fp32 master and the optimizer state do.
+
 Parameters built under ``zero.Init`` arrive already partitioned (alone); each is gathered once
 here, on every rank, to copy this rank's part into the group shard: one parameter at a time, so
 building the engine never holds the whole model.
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 
 from dslaunch.runtime.zero import params as zp
-from dslaunch.runtime.zero.flat import group_dtype
+from dslaunch.runtime.zero.flat import group_dtype, to_host
 from dslaunch.runtime.zero.partition import GroupLayout
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
@@ -48,12 +51,16 @@ class ShardGroup:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
-                 world_size: int, rank: int, process_group: Any, persistence_threshold: int):
+                 world_size: int, rank: int, process_group: Any, comm: CommSettings):
         self.params, self.hparams = params, hparams
         self.dtype = group_dtype(params)
         shapes = [tuple(p.ds_shape) if zp.is_partitioned(p) else tuple(p.shape) for p in params]
         self.layout = lay = GroupLayout.build(names, shapes, world_size, rank, True)
-        self.shard = torch.empty(lay.end - lay.start, dtype=self.dtype, device=params[0].device)
+        self.compute_device = params[0].device
+        home = torch.device("cpu") if comm.offload_param else self.compute_device
+        self.shard = torch.empty(lay.end - lay.start, dtype=self.dtype, device=home)
+        if comm.offload_param and comm.pin_memory and self.compute_device.type != "cpu":
+            self.shard = self.shard.pin_memory()
         whole = []
         for i, p in enumerate(params):
             a, b = lay.param_range(i)
@@ -61,12 +68,13 @@ class ShardGroup:
             lo, hi = max(a, lay.start), min(b, lay.end)
             if hi > lo:
                 self.shard[lo - lay.start:hi - lay.start].copy_(full[lo - a:hi - a])
-            whole.append(full if b - a <= persistence_threshold else None)
+            whole.append(full if b - a <= comm.param_persistence_threshold else None)
         data = self.shard if self.dtype == torch.float32 else self.shard.float()
+        data = to_host(data, comm.pin_memory) if comm.offload_optimizer else data
         self.master = torch.nn.Parameter(data, requires_grad=False)
-        aliased = self.dtype == torch.float32
+        aliased = self.master.data.data_ptr() == self.shard.data_ptr()
         self.flat = zp.FlatShard(self.shard, lay.numel, world_size, rank, process_group,
-                                 None if aliased else self.master.data)
+                                 None if aliased else self.master.data, self.compute_device)
         for i, (p, full) in enumerate(zip(params, whole, strict=True)):
             if full is not None:
                 p.data = full.to(self.dtype).view(shapes[i]).clone()
@@ -79,7 +87,8 @@ class ShardGroup:
 
     @property
     def device(self) -> torch.device:
-        return self.shard.device
+        """Where the parameters are used and their gradients reduced."""
+        return self.compute_device
 
     @property
     def persistent(self) -> list[torch.nn.Parameter]:
@@ -108,7 +117,7 @@ class Partitioned(Placement):
 
     def _build_groups(self, specs: list[GroupSpec], comm: CommSettings) -> list[Any]:
         return [ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,
-                           comm.param_persistence_threshold) for g in specs]
+                           comm) for g in specs]
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:

@@ -61,8 +61,8 @@ class Placement:
         self.publisher: ShardPublisher | None = None
 
     def _build_groups(self, specs: list[GroupSpec], comm: CommSettings) -> list[Any]:
-        return [FlatGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.partitioned)
-                for g in specs]
+        return [FlatGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.partitioned,
+                          comm.offload_optimizer, comm.pin_memory) for g in specs]
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:

@@ -145,7 +145,9 @@ class ZeroStrategy:
 
         collective: call on all ranks at the accumulation boundary.
         """
-        grads = self.gradients.shards()
+        # offload_optimizer: the update runs where the master is (host memory)
+        grads = [t if t.device == g.master.device else t.to(g.master.device)
+                 for g, t in zip(self.groups, self.gradients.shards(), strict=True)]
         for g, grad in zip(self.groups, grads, strict=True):
             g.master.grad = grad
         try:
