@@ -127,18 +127,41 @@ def _global(flat: FlatShard, r: int) -> int:
 
 
 def fetch(params: Iterable[torch.nn.Parameter]) -> None:
-    """Make every partitioned parameter in ``params`` whole (collective for those not available)."""
+    """Make every partitioned parameter in ``params`` whole (collective for those not available).
+
+    Parameters adjacent in the same flat vector (a module's weight and bias, usually) are gathered
+    as one range: one broadcast per owning rank for the run, not per parameter.
+    """
     pending = []
-    for p in params:
-        if is_partitioned(p) and p.ds_status is ZeroParamStatus.NOT_AVAILABLE:
-            buf, works = gather_range(p._dsl_flat, p._dsl_offset, p._dsl_offset + p.ds_numel)
+    for run in _runs([p for p in params if is_partitioned(p) and p.ds_status is ZeroParamStatus.NOT_AVAILABLE]):
+        first, last = run[0], run[-1]
+        buf, works = gather_range(first._dsl_flat, first._dsl_offset, last._dsl_offset + last.ds_numel)
+        for p in run:
             p.ds_status = ZeroParamStatus.INFLIGHT
-            pending.append((p, buf, works))
-    for p, buf, works in pending:
+        pending.append((run, buf, works))
+    for run, buf, works in pending:
         for w in works:
             w.wait()
-        p.data = buf.view(p.ds_shape)
-        p.ds_status = ZeroParamStatus.AVAILABLE
+        base = run[0]._dsl_offset
+        for p in run:
+            p.data = buf[p._dsl_offset - base:p._dsl_offset - base + p.ds_numel].view(p.ds_shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def _runs(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """``params`` (each once) split into runs that are contiguous in one flat vector, in an order
+    every rank computes alike: by first appearance of the vector, then by offset."""
+    unique = list({id(p): p for p in params}.values())
+    order = {id(p._dsl_flat): i for i, p in reversed(list(enumerate(unique)))}
+    unique.sort(key=lambda p: (order[id(p._dsl_flat)], p._dsl_offset))
+    runs: list[list[torch.nn.Parameter]] = []
+    for p in unique:
+        prev = runs[-1][-1] if runs else None
+        if prev is not None and prev._dsl_flat is p._dsl_flat and prev._dsl_offset + prev.ds_numel == p._dsl_offset:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
 
 
 def hold(params: list[torch.nn.Parameter]) -> None:
