@@ -35,7 +35,14 @@ def sum_over_ranks(world_size: int, process_group: Any) -> Callable[[torch.Tenso
         return None
 
     def reduce(t: torch.Tensor) -> None:
-        dist.all_reduce(t, group=process_group)  # gloo/nccl sum; inf/nan propagate to all ranks
+        # gloo/nccl sum; inf/nan propagate to all ranks. NCCL reduces only device tensors (an
+        # offloaded shard's norm is on the host): through a device copy there.
+        if dist.get_backend(process_group) == "nccl" and t.device.type == "cpu":
+            tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(tmp, group=process_group)
+            t.copy_(tmp)
+        else:
+            dist.all_reduce(t, group=process_group)
     return reduce
 
 

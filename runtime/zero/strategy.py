@@ -194,7 +194,7 @@ class ZeroStrategy:
             opt.step()
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)  # CUDA scalars can't add to CPU
         for t in grads:
             if t.numel():
                 sq += torch.linalg.vector_norm(t, dtype=torch.float32).double() ** 2
