@@ -277,7 +277,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """Load ``module.``-prefixed weights into the module (and its fp32 masters).
 
         Unlike DeepSpeed, 16-bit models' fp32 master weights are refreshed too, so the loaded
-        weights survive the next step. Returns torch's ``(missing_keys, unexpected_keys)``.
+        weights survive the next step; at stage 3 each rank stores its part of the whole values
+        (every rank passes the same dict). Returns torch's ``(missing_keys, unexpected_keys)``.
 
         Raises:
             UsageError: ``assign=True`` (the parameters are views into ZeRO's flat buffers).
@@ -285,8 +286,10 @@ class DeepSpeedEngine(torch.nn.Module):
         if assign:
             raise UsageError("engine.load_state_dict(assign=True) is not supported: the parameters "
                              "are views into ZeRO's flat buffers; use assign=False")
+        from dslaunch.runtime.zero.full_state import load_module_state_dict
+
         self.zero.synchronize()
-        result = super().load_state_dict(state_dict, strict=strict)
+        result = load_module_state_dict(self, state_dict, strict, super().load_state_dict)  # stage 3: shards
         self.zero.sync_master_from_model()
         return result
 

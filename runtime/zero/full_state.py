@@ -18,7 +18,7 @@ import torch
 from dslaunch.runtime.zero import params as zp
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "module_state_dict"]
+           "safe_set_full_fp32_param", "module_state_dict", "load_module_state_dict"]
 
 
 def _slot(param: torch.nn.Parameter) -> tuple[Any, Any, int] | None:
@@ -122,3 +122,32 @@ def module_state_dict(module: torch.nn.Module, exclude_frozen: bool = False) -> 
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         sd = {k: v for k, v in sd.items() if k not in frozen}
     return sd
+
+
+def load_module_state_dict(module: torch.nn.Module, sd: Any, strict: bool, load: Any) -> Any:
+    """``load(sd, strict)`` (a torch ``load_state_dict``) where partitioned parameters take their
+    whole values from ``sd`` into their shards (and fp32 masters). Local: every rank passes the
+    same ``sd``. Returns torch's ``(missing_keys, unexpected_keys)``.
+
+    Raises:
+        RuntimeError: as torch's: a shape that does not fit, or (``strict``) missing/unexpected keys.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    loaded = {k for k, p in params.items() if zp.is_partitioned(p) and k in sd}
+    if not loaded:
+        return load(sd, strict=strict)
+    for key in sorted(loaded):
+        p, value = params[key], sd[key]
+        if tuple(value.shape) != tuple(p.ds_shape):
+            raise RuntimeError(f"Error(s) in loading state_dict: size mismatch for {key}: copying a param "
+                               f"with shape {tuple(value.shape)}, the shape in current model is "
+                               f"{tuple(p.ds_shape)}")
+        zp.scatter_into(p, value.to(p.dtype))
+        if p.ds_status is zp.ZeroParamStatus.AVAILABLE:
+            p.data.copy_(value)
+    result = load({k: v for k, v in sd.items() if k not in loaded}, strict=False)
+    result.missing_keys[:] = [k for k in result.missing_keys if k not in loaded]
+    if strict and (result.missing_keys or result.unexpected_keys):
+        raise RuntimeError(f"Error(s) in loading state_dict: missing keys {result.missing_keys[:5]}, "
+                           f"unexpected keys {result.unexpected_keys[:5]}")
+    return result

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import external_params
 from dslaunch.runtime.zero.params import ZeroParamStatus
@@ -70,8 +71,9 @@ class Init:
         config_dict_or_path / config: a ds_config; its fp16/bf16 section sets the shards' dtype.
         enabled: False makes it a no-op.
         dtype: the shards' dtype (overrides the config's).
-        remote_device, pin_memory, mem_efficient_linear, mpu, ...: accepted for compatibility;
-            shards stay on the parameter's device (offload is not implemented yet).
+        remote_device: ``"cpu"`` keeps the shards in host memory; else they go to this rank's
+            device (cuda:LOCAL_RANK with GPUs, else cpu), as DeepSpeed's.
+        pin_memory, mem_efficient_linear, mpu, ...: accepted for compatibility.
     """
 
     def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
@@ -80,6 +82,8 @@ class Init:
                  dtype: torch.dtype | None = None, mpu: Any = None, **kwargs: Any):
         self.enabled = enabled
         self.group = data_parallel_group
+        self.device = device_for(local_rank())
+        self.home = torch.device("cpu") if remote_device == "cpu" else self.device
         self.dtype = dtype or _config_dtype(config_dict_or_path if config_dict_or_path is not None else config)
         self._patched: list[tuple[type, Any]] = []
         self._built: list[list[torch.nn.Module]] = []
@@ -97,16 +101,17 @@ class Init:
     def _partition_param(self, p: torch.nn.Parameter) -> None:
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        # on the device the engine computes on (NCCL broadcasts device tensors only)
+        full = p.data.to(self.device).contiguous().reshape(-1)
         if world > 1:  # every rank's shard must come from the same values
             src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-            dist.broadcast(p.data, src=src, group=self.group)
-        full = p.data.reshape(-1)
+            dist.broadcast(full, src=src, group=self.group)
         start, end = partition_range(full.numel(), world, rank)
-        shard = full[start:end].to(self.dtype or full.dtype).clone()
-        dtype = shard.dtype
+        shard = full[start:end].to(device=self.home, dtype=self.dtype or full.dtype, copy=True)
         p._dsl_users = 0
-        zp.attach(p, zp.FlatShard(shard, full.numel(), world, rank, self.group), 0, p.shape, persist=False)
-        p.data = torch.empty(0, dtype=dtype, device=p.device)
+        flat = zp.FlatShard(shard, full.numel(), world, rank, self.group, device=self.device)
+        zp.attach(p, flat, 0, p.shape, persist=False)
+        p.data = torch.empty(0, dtype=shard.dtype, device=p.device)
 
     # ----- the context: every nn.Module's __init__ partitions its parameters when it returns ----
     def _wrap(self, init: Any) -> Any:

@@ -90,6 +90,10 @@ def _tied_run(rank: int, world: int, stage: int) -> None:
     tokens, labels = _data(5)[-1]
     with torch.no_grad():
         torch.testing.assert_close(engine(tokens, labels), ref(tokens, labels), rtol=1e-5, atol=1e-6)
+    fresh = _tied(external=False)  # the initial weights: engine.load_state_dict writes the shards
+    engine.load_state_dict({f"module.{k}": v for k, v in fresh.state_dict().items()})
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(safe_get_full_fp32_param(p), q.detach(), rtol=0, atol=0, msg=n)
 
 
 @pytest.mark.timeout(60)
