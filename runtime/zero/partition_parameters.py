@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.dist import device_for, local_rank
+from dslaunch.runtime.dist import device_for, init_distributed, local_rank
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import external_params
 from dslaunch.runtime.zero.params import ZeroParamStatus
@@ -82,6 +82,8 @@ class Init:
                  dtype: torch.dtype | None = None, mpu: Any = None, **kwargs: Any):
         self.enabled = enabled
         self.group = data_parallel_group
+        if enabled and data_parallel_group is None:
+            init_distributed(verbose=False)  # as DeepSpeed's Init: a no-op when already initialised
         self.device = device_for(local_rank())
         self.home = torch.device("cpu") if remote_device == "cpu" else self.device
         self.dtype = dtype or _config_dtype(config_dict_or_path if config_dict_or_path is not None else config)

@@ -107,8 +107,7 @@ def _init_and_gather(rank: int, world: int) -> None:
     import dslaunch.zero
     from dslaunch.runtime.zero.partition_parameters import ZeroParamStatus
 
-    dslaunch.init_distributed()
-    full = make_model()
+    full = make_model()  # Init sets up the process group itself, as DeepSpeed's
     with dslaunch.zero.Init():
         model = make_model()
     total = sum(p.numel() for p in full.parameters())
