@@ -150,11 +150,7 @@ def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
 
 
 def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSpeedConfig:
-    raw = dict(raw)
-    if "bfloat16" in raw:  # DeepSpeed's older spelling
-        if "bf16" in raw:
-            raise ConfigError("give either 'bf16' or its alias 'bfloat16', not both", key="bfloat16")
-        raw["bf16"] = raw.pop("bfloat16")
+    raw = _legacy_forms(raw)
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key in _SECTIONS:
@@ -176,6 +172,25 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, **values)
     _cross_check(cfg)
     return cfg
+
+
+def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's older spellings, still in its docs, in today's form (a copy; ``given`` is kept).
+
+    ``bfloat16`` is ``bf16``; ``"zero_optimization": true`` is stage 1 (false: stage 0), with the
+    top-level ``allgather_size`` as its ``allgather_bucket_size``.
+    """
+    raw = dict(given)
+    if "bfloat16" in raw:
+        if "bf16" in raw:
+            raise ConfigError("give either 'bf16' or its alias 'bfloat16', not both", key="bfloat16")
+        raw["bf16"] = raw.pop("bfloat16")
+    if isinstance(raw.get("zero_optimization"), bool):
+        zero: dict[str, Any] = {"stage": int(raw["zero_optimization"])}
+        if "allgather_size" in raw:
+            zero["allgather_bucket_size"] = raw.pop("allgather_size")
+        raw["zero_optimization"] = zero
+    return raw
 
 
 def _scalar(key: str, value: Any) -> Any:
