@@ -29,6 +29,8 @@ assert deepspeed.initialize is dslaunch.initialize
 assert "WarmupLR" in deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES  # attribute, no import
 assert dslaunch.runtime.engine.__spec__.name == "dslaunch.runtime.engine"  # its own spec kept
 assert DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
+with deepspeed.zero.GatheredParameters([], modifier_rank=0), deepspeed.zero.Init(enabled=False):
+    pass  # no-ops below stage 3, as transformers and TRL use them
 assert get_accelerator().device_name() == "cpu" and get_accelerator().communication_backend_name() == "gloo"
 try:
     import deepspeed.no_such_module
