@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 compat-venv: $(COMPAT_STAMP)
 
 # Never fails the build: on failure it records why and tests/compat skips with that reason.
-$(COMPAT_STAMP): $(STAMP) compat/deepspeed/pyproject.toml scripts/compat_venv.sh
+# dslaunch is editable there, so only the compat package or this recipe rebuild it (not pyproject.toml).
+$(COMPAT_STAMP): compat/deepspeed/pyproject.toml scripts/compat_venv.sh | $(STAMP)
 	bash scripts/compat_venv.sh $(PY) $(VENV_COMPAT)
 
 # A real ZeRO-2 training job on localhost with 2 worker processes.
