@@ -31,6 +31,11 @@ assert dslaunch.runtime.engine.__spec__.name == "dslaunch.runtime.engine"  # its
 assert DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
 with deepspeed.zero.GatheredParameters([], modifier_rank=0), deepspeed.zero.Init(enabled=False):
     pass  # no-ops below stage 3, as transformers and TRL use them
+from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+assert not keep.is_zero3() and not is_deepspeed_zero3_enabled()  # models then build as usual
+from transformers import GPT2Config, GPT2LMHeadModel
+GPT2LMHeadModel(GPT2Config(vocab_size=8, n_positions=4, n_embd=8, n_layer=1, n_head=1))
 assert get_accelerator().device_name() == "cpu" and get_accelerator().communication_backend_name() == "gloo"
 try:
     import deepspeed.no_such_module
