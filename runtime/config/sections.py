@@ -281,6 +281,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # DeepSpeed prints a throughput line by default; dslaunch has no throughput timer.
     "timers": Off({"throughput": Off({"enabled": False, "synchronized": True}, switch="enabled")}),
     "memory_breakdown": False, "dump_state": False, "log_level": None,
+    "disable_python_gc": False,  # DeepSpeed 0.19's switch to turn off Python's cyclic GC in training
     # precision and numerics
     "amp": _enabled(), "torch_autocast": _enabled(),
     "data_types": Off({"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None}),

@@ -52,7 +52,7 @@ def test_hugging_face_zero2_config_as_the_trainer_fills_it() -> None:
                               "stage3_gather_16bit_weights_on_model_save": True},
         "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "steps_per_print": 2000,
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True,
+        "zero_allow_untested_optimizer": True, "disable_python_gc": False,
     }, 2)
     assert cfg.zero_optimization.stage == 2 and cfg.train_batch_size == 16
 
