@@ -1,8 +1,10 @@
 """Kernels: ONE dispatch point, ``get(op, device)``, for every op a fused implementation may replace.
 
 ``get`` returns the fused implementation registered for the op and the device's type when it can
-run here, else the reference (torch code). No fused kernel is written yet, so every op resolves
-to its reference; adding one is a ``Kernel`` entry in ``dispatch.KERNELS.fused`` and nothing else.
+run here, else the reference (torch code). Adding one is a ``Kernel`` entry in
+``dispatch.KERNELS.fused`` and nothing else. Registered: the C kernels of ``cpu/`` (built on first
+use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"lion"``,
+``"torch.adam"``, ``"torch.adamw"`` and ``"torch.adagrad"`` on CPU; ``"torch.sgd"`` has none.
 The environment variable ``DSLAUNCH_KERNELS`` overrides the choice: ``auto`` (default),
 ``reference`` (never fused) or ``fused`` (fail with ``UsageError`` where no fused kernel runs).
 

@@ -73,12 +73,14 @@ def test_the_env_var_picks_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
         kernels.get("op", "cpu")
 
 
-def test_nothing_is_fused_yet_and_every_op_has_a_reference() -> None:
-    assert dict(dispatch.KERNELS.fused) == {}
+def test_the_cpu_kernels_are_registered_and_every_op_has_a_reference() -> None:
+    assert set(dispatch.KERNELS.fused) == {"adam", "lion", "torch.adam", "torch.adamw", "torch.adagrad"}
     for op in dispatch.KERNELS.reference:
         assert callable(dispatch.KERNELS.get(op, "cpu"))
-    with pytest.raises(UsageError, match="no fused 'torch.adamw' kernel"):
-        dispatch.KERNELS.get("torch.adamw", "cpu", "fused")
+    with pytest.raises(UsageError, match="no fused 'torch.sgd' kernel"):
+        dispatch.KERNELS.get("torch.sgd", "cpu", "fused")
+    with pytest.raises(UsageError, match="no fused 'torch.adamw' kernel runs on 'cuda'"):
+        dispatch.KERNELS.get("torch.adamw", "cuda", "fused")
 
 
 def test_importing_the_kernels_imports_no_torch() -> None:
