@@ -95,6 +95,7 @@ KERNELS = KernelTable(
     reference={
         "adam": "dslaunch.runtime.optim.adam:adam_update",
         "lion": "dslaunch.runtime.optim.lion:lion_update",
+        "adagrad": "dslaunch.kernels.reference:adagrad_update",
         "torch.adam": "dslaunch.kernels.reference:torch_step",
         "torch.adamw": "dslaunch.kernels.reference:torch_step",
         "torch.sgd": "dslaunch.kernels.reference:torch_step",
@@ -103,6 +104,7 @@ KERNELS = KernelTable(
     fused={op: (Kernel(target, ("cpu",), available=_CPU_AVAILABLE),) for op, target in {
         "adam": "dslaunch.kernels.cpu.ops:adam_op",
         "lion": "dslaunch.kernels.cpu.ops:lion_op",
+        "adagrad": "dslaunch.kernels.cpu.ops:adagrad_op",
         "torch.adam": "dslaunch.kernels.cpu.torch_steps:adam_step",
         "torch.adamw": "dslaunch.kernels.cpu.torch_steps:adam_step",
         "torch.adagrad": "dslaunch.kernels.cpu.torch_steps:adagrad_step",

@@ -19,7 +19,7 @@ import torch
 
 from dslaunch.kernels.cpu.build import library
 
-__all__ = ["adam", "adagrad", "lion", "grad_sumsq", "copy_out", "takes", "adam_op", "lion_op"]
+__all__ = ["adam", "adagrad", "lion", "grad_sumsq", "copy_out", "takes", "adam_op", "lion_op", "adagrad_op"]
 
 # Dtype codes of optim.c (a parameter copy of code 0 means "no copy").
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -135,6 +135,19 @@ def lion_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
 
         lion_update(*map(list, zip(*rest, strict=True)), lr=lr, betas=betas, weight_decay=weight_decay,
                     inv_scale=inv_scale)
+
+
+def adagrad_op(params: list[torch.Tensor], grads: list[torch.Tensor], state_sums: list[torch.Tensor], *,
+               clr: float, eps: float, weight_decay: float, inv_scale: float | None) -> None:
+    """The fused ``"adagrad"`` op of ``dslaunch.kernels``."""
+    fast, rest = _split(list(zip(params, grads, state_sums, strict=True)))
+    for p, g, s in fast:
+        adagrad(p, g, s, clr=clr, eps=eps, weight_decay=weight_decay, grad_mul=_mul(inv_scale))
+    if rest:
+        from dslaunch.kernels.reference import adagrad_update
+
+        adagrad_update(*map(list, zip(*rest, strict=True)), clr=clr, eps=eps, weight_decay=weight_decay,
+                       inv_scale=inv_scale)
 
 
 def _mul(inv_scale: float | None) -> float:
