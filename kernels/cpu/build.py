@@ -59,8 +59,10 @@ def _compiler(environ: Mapping[str, str]) -> str:
 def _compiler_version(cc: str) -> str:
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=_TIMEOUT_S)
+    except FileNotFoundError:
+        raise KernelBuildError(f"C compiler {cc!r} not found; set CC to a C compiler") from None
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelBuildError(f"C compiler {cc!r} not usable ({type(exc).__name__}: {exc}); set CC") from None
+        raise KernelBuildError(f"C compiler {cc!r} not usable ({type(exc).__name__}); set CC") from None
     if out.returncode != 0:
         raise KernelBuildError(f"'{cc} --version' exited with {out.returncode}; set CC to a C compiler")
     return out.stdout
