@@ -47,12 +47,13 @@ def _lib() -> Any:
 
 def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
          step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-         bias_correction: bool = True, adamw_mode: bool = True, grad_mul: float = 1.0,
+         bias_correction: bool = True, adamw_mode: bool = True, grad_mul: float = 1.0, grad_div: float = 1.0,
          out: torch.Tensor | None = None) -> None:
     """One Adam/AdamW step of a flat fp32 ``param`` (1-based ``step``), in place.
 
-    ``grad`` may be fp32, bf16 or fp16 and is multiplied by ``grad_mul`` first; ``out`` (bf16 or
-    fp16, same shape) receives the updated parameters in the same pass.
+    ``grad`` may be fp32, bf16 or fp16 and is multiplied by ``grad_mul`` and divided by
+    ``grad_div`` first (torch's fused optimizers divide by ``grad_scale``: dividing here rounds
+    the same); ``out`` (bf16 or fp16, same shape) receives the updated parameters in the same pass.
     """
     n = param.numel()
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
@@ -60,15 +61,15 @@ def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg
     _lib().dsl_adam(param.data_ptr(), grad.data_ptr(), _grad_code(grad), exp_avg.data_ptr(),
                     exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(),
                     0 if out is None else _copy_code(out), n, 1.0 - beta1, beta2, 1.0 - beta2, eps,
-                    weight_decay, 1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul,
+                    weight_decay, 1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div,
                     int(adamw_mode), torch.get_num_threads())
 
 
 def adagrad(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, *, clr: float, eps: float,
-            weight_decay: float, grad_mul: float = 1.0) -> None:
+            weight_decay: float, grad_mul: float = 1.0, grad_div: float = 1.0) -> None:
     """One Adagrad step (torch's, at the current learning rate ``clr``), in place; all fp32."""
     _lib().dsl_adagrad(param.data_ptr(), grad.data_ptr(), state_sum.data_ptr(), param.numel(), clr, eps,
-                       weight_decay, grad_mul, torch.get_num_threads())
+                       weight_decay, grad_mul, grad_div, torch.get_num_threads())
 
 
 def lion(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float,

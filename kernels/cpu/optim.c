@@ -63,7 +63,8 @@ typedef struct {
     float decay;           /* 1 - lr * weight_decay */
     float step_size;       /* lr / (1 - beta1^t), or lr without bias correction */
     float bc2_sqrt;        /* sqrt(1 - beta2^t), or 1 */
-    float grad_mul;        /* gradients are multiplied by it first (1 / loss scale * clip) */
+    float grad_mul;        /* gradients are multiplied by it first (clip / loss scale) */
+    float grad_div;        /* then divided by it (torch's grad_scale: torch divides) */
     int adamw_mode;        /* decoupled weight decay, else L2 added to the gradient */
 } AdamArgs;
 
@@ -74,6 +75,7 @@ ALWAYS_INLINE void adam_range(float *restrict p, const void *restrict g, float *
     for (ptrdiff_t i = lo; i < hi; i++) {
         float grad = load_grad(g, i, gdt);
         if (a.grad_mul != 1.0f) grad = grad * a.grad_mul;
+        if (a.grad_div != 1.0f) grad = grad / a.grad_div;
         float param = p[i];
         if (l2) grad = fmaf(param, a.weight_decay, grad);
         float mi = lerp(m[i], grad, a.one_m_beta1);
@@ -101,9 +103,10 @@ ALWAYS_INLINE void adam_range(float *restrict p, const void *restrict g, float *
 /* One Adam/AdamW step over n elements; out (dtype odt, 0 = none) receives the new params. */
 void dsl_adam(float *p, const void *g, int gdt, float *m, float *v, void *out, int odt, int64_t n,
               float one_m_beta1, float beta2, float one_m_beta2, float eps, float weight_decay,
-              float decay, float step_size, float bc2_sqrt, float grad_mul, int adamw_mode, int threads) {
+              float decay, float step_size, float bc2_sqrt, float grad_mul, float grad_div, int adamw_mode,
+              int threads) {
     const AdamArgs a = { one_m_beta1, beta2, one_m_beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
-                         grad_mul, adamw_mode };
+                         grad_mul, grad_div, adamw_mode };
     const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
     #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
     for (ptrdiff_t b = 0; b < blocks; b++) {
@@ -116,7 +119,7 @@ void dsl_adam(float *p, const void *g, int gdt, float *m, float *v, void *out, i
 
 /* torch's Adagrad: g += wd * p; sum += g^2; p += (-clr * g) / (sqrt(sum) + eps). */
 void dsl_adagrad(float *restrict p, const float *restrict g, float *restrict sum, int64_t n, float clr,
-                 float eps, float weight_decay, float grad_mul, int threads) {
+                 float eps, float weight_decay, float grad_mul, float grad_div, int threads) {
     const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
     #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
     for (ptrdiff_t b = 0; b < blocks; b++) {
@@ -124,6 +127,7 @@ void dsl_adagrad(float *restrict p, const float *restrict g, float *restrict sum
         for (ptrdiff_t i = lo; i < hi; i++) {
             float grad = g[i];
             if (grad_mul != 1.0f) grad = grad * grad_mul;
+            if (grad_div != 1.0f) grad = grad / grad_div;
             if (weight_decay != 0.0f) grad = fmaf(p[i], weight_decay, grad);
             float s = fmaf(grad, grad, sum[i]);
             sum[i] = s;

@@ -38,12 +38,12 @@ def _plain(optimizer: Any, state_keys: tuple[str, ...]) -> bool:
 
 
 def _amp(optimizer: Any) -> tuple[bool, float]:
-    """(skip this step, factor gradients are multiplied by) from torch's AMP attributes."""
+    """(skip this step, what gradients are divided by) from torch's AMP attributes."""
     found_inf = getattr(optimizer, "found_inf", None)
     if found_inf is not None and float(found_inf) != 0.0:
         return True, 1.0
     grad_scale = getattr(optimizer, "grad_scale", None)
-    return False, 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+    return False, 1.0 if grad_scale is None else float(grad_scale)
 
 
 def _closure_loss(closure: Any) -> Any:
@@ -65,7 +65,7 @@ def adam_step(optimizer: torch.optim.Adam, closure: Any = None) -> Any:
     if not _plain(optimizer, ("exp_avg", "exp_avg_sq")):
         return torch_step(optimizer, closure)
     loss = _closure_loss(closure)
-    skip, grad_mul = _amp(optimizer)
+    skip, grad_div = _amp(optimizer)
     if skip:
         return loss
     decoupled = isinstance(optimizer, torch.optim.AdamW)
@@ -83,7 +83,7 @@ def adam_step(optimizer: torch.optim.Adam, closure: Any = None) -> Any:
                      lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"], bias_correction=True,
                      adamw_mode=decoupled or bool(group.get("decoupled_weight_decay", False)),
-                     grad_mul=grad_mul)
+                     grad_div=grad_div)
     return loss
 
 
@@ -97,7 +97,7 @@ def adagrad_step(optimizer: torch.optim.Adagrad, closure: Any = None) -> Any:
             if p.grad is not None):
         return torch_step(optimizer, closure)
     loss = _closure_loss(closure)
-    skip, grad_mul = _amp(optimizer)
+    skip, grad_div = _amp(optimizer)
     if skip:
         return loss
     for group in optimizer.param_groups:
@@ -108,5 +108,5 @@ def adagrad_step(optimizer: torch.optim.Adagrad, closure: Any = None) -> Any:
             step = _next_step(state)
             clr = float(group["lr"]) / (1 + (step - 1) * group["lr_decay"])
             ops.adagrad(p, p.grad, state["sum"], clr=clr, eps=group["eps"], weight_decay=group["weight_decay"],
-                        grad_mul=grad_mul)
+                        grad_div=grad_div)
     return loss
