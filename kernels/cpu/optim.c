@@ -8,8 +8,8 @@
  * step: the compiler fuses no multiply-add by itself (-ffp-contract=off), and fmaf stands exactly
  * where torch's kernels round once (lerp, the second moment, L2 decay, Adagrad's sum), so the
  * results equal torch's fused optimizers bit for bit on an AVX2 machine.
- * Limitation: gcc 12 does not vectorise _Float16 without AVX512-FP16, so fp16 gradients or copies
- * run scalar (bf16 and fp32 vectorise).
+ * 16-bit conversions are written with integer and float operations (exact, round to nearest
+ * even), so that the fp16 and bf16 variants vectorise as well.
  *
  * Dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 for gradients; for parameter copies 0 = no copy.
  */
@@ -37,15 +37,44 @@ ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(f != f ? 0x7FC0u : rounded);
 }
 
+/* IEEE half <-> float with integer and float operations only, so that the loops vectorise
+ * (gcc 12 has no vector _Float16 without AVX512-FP16). Exact, as a hardware conversion: */
+
+/* half -> float: shift exponent and mantissa into place, then one multiply by 2^112 rebiases the
+ * exponent and normalises subnormals exactly; inf/NaN keep an all-ones exponent. */
+ALWAYS_INLINE float f16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } x = { (uint32_t)(h & 0x7FFFu) << 13 }, magic = { 0x77800000u }; /* 2^112 */
+    float scaled = x.f * magic.f;
+    union { float f; uint32_t u; } r = { scaled };
+    uint32_t special = x.u | 0x7F800000u;                 /* inf/NaN: max exponent, same payload */
+    uint32_t bits = (h & 0x7C00u) == 0x7C00u ? special : r.u;
+    union { uint32_t u; float f; } out = { bits | ((uint32_t)(h & 0x8000u) << 16) };
+    return out.f;
+}
+
+/* float -> half, round to nearest even: subnormal results by an exact float add that lets the
+ * FPU round, normal ones by adding the rounding bias to the bits, overflow to inf, NaN quiet. */
+ALWAYS_INLINE uint16_t f32_to_f16(float f) {
+    union { float f; uint32_t u; } x = { f };
+    const uint32_t sign = x.u & 0x80000000u, a = x.u ^ sign;
+    union { uint32_t u; float f; } mag = { a }, denorm_magic = { ((127u - 15u) + (23u - 10u) + 1u) << 23 };
+    union { float f; uint32_t u; } sub = { mag.f + denorm_magic.f };
+    uint32_t sub_bits = sub.u - denorm_magic.u;
+    uint32_t norm_bits = (a + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+    uint32_t big = a > 0x7F800000u ? 0x7E00u : 0x7C00u;
+    uint32_t bits = a >= ((127u + 16u) << 23) ? big : (a < (113u << 23) ? sub_bits : norm_bits);
+    return (uint16_t)(bits | (sign >> 16));
+}
+
 ALWAYS_INLINE float load_grad(const void *g, ptrdiff_t i, const int dtype) {
     if (dtype == BF16) return bf16_to_f32(((const uint16_t *)g)[i]);
-    if (dtype == F16) return (float)((const _Float16 *)g)[i];
+    if (dtype == F16) return f16_to_f32(((const uint16_t *)g)[i]);
     return ((const float *)g)[i];
 }
 
 ALWAYS_INLINE void store_copy(void *out, ptrdiff_t i, float value, const int dtype) {
     if (dtype == BF16) ((uint16_t *)out)[i] = f32_to_bf16(value);
-    else if (dtype == F16) ((_Float16 *)out)[i] = (_Float16)value;
+    else if (dtype == F16) ((uint16_t *)out)[i] = f32_to_f16(value);
 }
 
 /* torch's vectorised lerp: the form depends on the weight (both ends exact) and it rounds once
@@ -198,6 +227,6 @@ void dsl_copy_out(const float *restrict p, void *restrict out, int odt, int64_t 
     #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
     for (ptrdiff_t i = 0; i < n; i++) {
         if (odt == BF16) ((uint16_t *)out)[i] = f32_to_bf16(p[i]);
-        else ((_Float16 *)out)[i] = (_Float16)p[i];
+        else ((uint16_t *)out)[i] = f32_to_f16(p[i]);
     }
 }

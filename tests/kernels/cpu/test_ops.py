@@ -173,3 +173,25 @@ def test_options_the_kernel_lacks_run_torch() -> None:
         adam_step(ours_opt)
         torch_opt.step()
     assert torch.equal(ours, theirs) and "max_exp_avg_sq" in ours_opt.state[ours]
+
+
+@pytest.mark.timeout(30)
+def test_fp16_conversions_are_exact_for_every_half_and_every_tie() -> None:
+    # optim.c converts with integer/float bit operations (so that the loops vectorise).
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    as_float = halves.float()
+    ties = ((as_float[:-1].double() + as_float[1:].double()) / 2).float()
+    bits = torch.randint(-2**31, 2**31 - 1, (200_000,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
+    values = torch.cat([as_float, ties, bits.to(torch.int32).view(torch.float32)])
+    out = torch.empty(values.numel(), dtype=torch.float16)
+    ops.copy_out(values, out)
+    want = values.to(torch.float16)
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+    # half -> float: with beta1 = 0 the first moment becomes the gradient itself (finite ones).
+    finite = halves[torch.isfinite(halves)].contiguous()
+    n = finite.numel()
+    m = torch.zeros(n)
+    ops.adam(torch.zeros(n), finite, m, torch.zeros(n), step=1, lr=0.0, beta1=0.0, beta2=0.0, eps=1.0,
+             weight_decay=0.0)
+    assert torch.equal(m.view(torch.int32), finite.float().view(torch.int32))
