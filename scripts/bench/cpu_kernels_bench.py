@@ -9,7 +9,8 @@ median round counts. DeepSpeed's ops must already be JIT-built (minutes each; ``
 a first ``DeepSpeedCPUAdam(...)`` does it) or its column says so.
 
 Bytes counted (no write-allocate traffic, for the kernels and the streaming copy alike): Adam
-reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 28 B/element; the
+reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 28 B/element;
+Adagrad and Lion read param, grad and one state and write param and the state: 20 B/element; the
 offloaded step with bf16 gradients and a bf16 copy: pass 1 reads the gradient (2 B), pass 2 reads
 it again (2 B) and the fp32 param and moments (12 B), writes them (12 B) and the copy (2 B): 30
 B/element. Streaming bandwidth: the best of torch's ``copy_`` (8 B/element) and triad ``add(b, c,
@@ -41,6 +42,8 @@ CASES = {
     "Lion": ({"lr": 1e-4, "weight_decay": 0.01}, "deepspeed.ops.lion:DeepSpeedCPULion"),
 }
 LOSS_SCALE, MAX_NORM = 1024.0, 1.0
+# Bytes each step must move per element (see the module docstring).
+BYTES_PER_ELEMENT = {"AdamW": 28, "Adam (L2)": 28, "Adagrad": 20, "Lion": 20, "offload": 30}
 
 
 def _median_ms(fns: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict[str, float]:
@@ -190,22 +193,21 @@ def _table(res: dict) -> str:
         ours = ms.get("dslaunch", ms.get("dslaunch fused"))
         torch_ms = ms.get("torch", ms.get("torch ops"))
         ds = ms.get("deepspeed", ms.get("torch ops + DeepSpeedCPUAdam"))
-        per_elem = 30 if case == "offload" else (28 if case.startswith("Adam") else None)
+        per_elem = BYTES_PER_ELEMENT[case]
         stream = max(r["stream_gbps"].values())
-        got = per_elem * numel / ours / 1e6 if per_elem else None
+        got = per_elem * numel / ours / 1e6
         ds_cell = f"{ds:.1f}" if ds is not None else r.get("deepspeed_error", "n/a")
         rows.append(f"| {case} | {threads} | {ours:.1f} | {torch_ms:.1f} | {ds_cell} | {torch_ms / ours:.2f}x | "
-                    f"{(f'{ds / ours:.2f}x' if ds else '')} | {(f'{got:.1f}' if got else '-')} | {stream:.1f} | "
-                    f"{(f'{100 * got / stream:.0f}%' if got else '-')} |")
+                    f"{(f'{ds / ours:.2f}x' if ds else '')} | {got:.1f} | {stream:.1f} | {100 * got / stream:.0f}% |")
     return "\n".join([
         "## CPU kernels (`scripts/bench/cpu_kernels_bench.py`)", "",
-        f"One flat fp32 partition of {numel / 1e6:.0f}M elements; per (case, threads) one process in which "
+        f"One flat fp32 partition of {numel / 1e6:g}M elements; per (case, threads) one process in which "
         f"the contenders take turns ({res['rounds']} rounds of {res['steps']} steps, median). dslaunch = "
         "`dslaunch.ops` (the C kernels); torch = `AdamW`/`Adam`/`Adagrad(fused=True)`, for Lion dslaunch's "
         "torch reference (torch has no Lion); DeepSpeed = its CPU ops (DS_ACCELERATOR=cpu). `offload` = "
         f"the whole offloaded step on bf16 gradients (unscale by {LOSS_SCALE:.0f}, overflow check, global norm, "
         "clip, AdamW, bf16 copy): dslaunch's two-pass kernel vs the same sequence in torch ops with torch's "
-        "fused AdamW, and with DeepSpeedCPUAdam. Bytes: Adam 28 B/element, offload 30 B/element (see the "
+        "fused AdamW, and with DeepSpeedCPUAdam. Bytes: Adam 28 B/element, Adagrad and Lion 20, offload 30 (see the "
         "script's docstring); streaming = best of torch copy/triad in the same process. Ratios > 1: dslaunch "
         "is faster.", "",
         f"Load: before `{res['uptime_before']}`; after `{res['uptime_after']}` (2 shared cores).", "",
