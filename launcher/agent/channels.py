@@ -62,7 +62,9 @@ class Channels:
     def dump_stacks(self, pids: dict[int, int], wait: float = 2.0) -> dict[int, dict]:
         """Ask each rank that registered a stack dump for it; collect its text.
 
-        A stopped (SIGSTOP) process is resumed first; that it was stopped is reported.
+        A stopped (SIGSTOP) process is resumed (SIGCONT) after the dump signal is queued, so it
+        dumps where it was stopped before it runs on (until the monitor's stop kills it); that it
+        was stopped is reported.
 
         Args:
             pids: rank -> pid of the ranks to dump (running ones).
@@ -81,9 +83,9 @@ class Channels:
                 self._stacks[rank] = bytearray()
                 self._stack_at.pop(rank, None)
             try:
-                os.kill(pid, signal.SIGCONT)
                 if sig:
                     os.kill(pid, sig)
+                os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 sig = None
             asked[rank] = {"stopped": stopped, "signal": sig}

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from dslaunch.launcher.monitor.failures import root_cause
 from dslaunch.launcher.spec import NodeResult, NodeSpec
 from dslaunch.utils.beat import Beat
 
@@ -158,9 +159,12 @@ class Gang:
                 break
             self._wake.wait(0.1)
             self._wake.clear()
-        if failed is not None and results.get(failed, failure).rank == failure.rank:
-            # The same failure, reported once the node drained its output: it names the exception.
+        if failed is not None and results.get(failed, failure).rank is not None:
+            # The node's final word, once it drained its workers' output: it names the exception,
+            # and the rank that raised first where the first to die only echoed it (root_cause).
             failure = results[failed]
+        if failure is not None:
+            failure = root_cause(failure, [r for i, r in sorted(results.items()) if i != failed and r.exit_code])
         result = self._result(failure, list(results.values()))
         result = replace(result, nodes=tuple(results[i] for i in sorted(results)))
         if self._monitor is None:
