@@ -3,9 +3,9 @@
 It reads one ``NodeSpec`` JSON line from stdin, runs the node, and exits with the node's exit code
 after printing the status line (``wire``) on stderr; the failure line goes out as soon as a
 worker fails, the beats line whenever the workers' heartbeats changed (at most every
-``BEATS_EVERY_S``), the stacks line when the controller asked for stacks on stdin. When stdin
-reaches EOF (controller died, SSH connection lost) or the agent gets SIGTERM/SIGINT/SIGHUP, it
-stops all its workers and exits.
+``BEATS_EVERY_S``) and at least every ``ALIVE_EVERY_S`` (the node's own liveness), the stacks
+line when the controller asked for stacks on stdin. When stdin reaches EOF (controller died, SSH
+connection lost) or the agent gets SIGTERM/SIGINT/SIGHUP, it stops all its workers and exits.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 from dslaunch.errors import LaunchError
 from dslaunch.launcher.agent.node import Agent
 from dslaunch.launcher.agent.wire import (
+    ALIVE_EVERY_S,
     BEATS_EVERY_S,
     STACKS_REQUEST,
     format_beats_line,
@@ -57,7 +58,8 @@ def main() -> int:
     while (result := agent.poll()) is None:
         news.wait(0.1)  # a timeout too: signals only reach ``pending``
         news.clear()
-        if time.monotonic() - sent_at >= BEATS_EVERY_S and (beats := agent.beats()) != sent:
+        quiet = time.monotonic() - sent_at
+        if quiet >= BEATS_EVERY_S and ((beats := agent.beats()) != sent or quiet >= ALIVE_EVERY_S):
             sent, sent_at = beats, time.monotonic()
             agent.report(format_beats_line(beats))
         if not announced and (failure := agent.failure) is not None:

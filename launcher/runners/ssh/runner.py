@@ -22,6 +22,7 @@ import os
 import shlex
 import sys
 import threading
+import time
 
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.envfile import collect_env
@@ -51,6 +52,7 @@ class _SSHNode(NodeHandle):
         self.node = node
         self.session = session
         self._killer: threading.Thread | None = None
+        self._since = time.monotonic()  # the agent has its NodeSpec: it speaks every ALIVE_EVERY_S
 
     def poll(self) -> NodeResult | None:
         s = self.session
@@ -66,6 +68,9 @@ class _SSHNode(NodeHandle):
 
     def failing(self) -> NodeResult | None:
         return self.session.failure
+
+    def last_heard(self) -> float:
+        return max(self.session.heard_mono, self._since)
 
     def stop(self, sig: int) -> None:
         self.session.close_stdin()

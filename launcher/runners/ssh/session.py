@@ -6,7 +6,8 @@ A ``RemoteSession`` runs the ``agent.bootstrap`` command on one host and sorts w
 - the agent's status line (stderr) -> ``status`` (how the node ended, parsed by the agent module);
 - the agent's failure line (stderr) -> ``failure`` (its first worker failure, sent at once);
 - the agent's beats and stacks lines (stderr) -> ``beats`` (latest per rank), ``stacks`` (the
-  answer to ``request_stacks``); ``heard_at``: wall-clock time of the last line from the host;
+  answer to ``request_stacks``); ``heard_at``: wall-clock time of the last line from the host
+  (``heard_mono``: monotonic time of the last bytes on either stream, for the silence rule);
 - every other line -> the controller's stdout/stderr, prefixed ``host: `` (the agent already
   prefixed worker lines with ``[rankN]``), one whole line per write so hosts never interleave
   inside a line. stderr printed before the probe line is held back and shown only with the
@@ -69,6 +70,7 @@ class RemoteSession:
         self.beats: dict[int, Beat] = {}
         self.stacks: dict[int, dict] | None = {}
         self.heard_at: float | None = None
+        self.heard_mono = time.monotonic()
         self._held_stderr: list[bytes] = []
         self._lock = threading.Lock()
         self._probe_seen = threading.Event()
@@ -99,6 +101,7 @@ class RemoteSession:
                 data = b""
             if not data:
                 break
+            self.heard_mono = time.monotonic()
             buf += data
             *lines, buf = buf.split(b"\n")
             for line in lines:
