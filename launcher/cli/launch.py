@@ -366,14 +366,8 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
         return new
 
     runners = iter([runner])  # the first run uses the runner made above, later runs new ones
-    events = EventLog(job.monitor.log_dir)  # one log for the job, whatever its restarts
-
-    def emit(kind: str, **fields: object) -> None:
-        events.emit(kind, **fields)
-        print_event(kind, **fields)
-
-    loop = JobLoop(policy, plan_attempt, lambda j: next(runners, None) or get_runner(j.launcher)(), emit,
-                   events=events)
+    events = EventLog(job.monitor.log_dir, echo=print_event)  # one log for the job, whatever its restarts
+    loop = JobLoop(policy, plan_attempt, lambda j: next(runners, None) or get_runner(j.launcher)(), events)
     started = time.monotonic()
     code: int | None = None
     try:

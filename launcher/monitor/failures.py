@@ -3,7 +3,8 @@
 ``classify`` names the cause the restart policy reads (``NodeResult.cause``) from the facts of
 a worker's death: its exit code or signal, the exception it printed, and whether the kernel's OOM
 killer struck. The agent applies it (only it has the facts); ``hang`` and ``host_lost`` are
-decided by the controller (``health``, ``gang``). ``OOM_REMEDIES`` is the advice an
+decided by the controller (``health``, ``gang``), ``start`` by the job loop (a restarted run that
+could not start). ``OOM_REMEDIES`` is the advice an
 out-of-memory failure gets. ``root_cause`` picks which of several failed ranks to blame: the
 first to die is not always the one that failed first (a rank that raised may still be printing
 and tearing down when its peer's collective already failed for lack of it). Pure functions, no
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CAUSES", "classify", "is_oom_text", "is_peer_loss", "root_cause", "OOM_REMEDIES", "oom_kills"]
 
-CAUSES = ("exit", "signal", "exception", "hang", "host_lost", "oom")
+CAUSES = ("exit", "signal", "exception", "hang", "host_lost", "oom", "start")
 
 # A collective failing because the rank at its other end went away (gloo, NCCL, the TCP store).
 _PEER_LOSS = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|remote process exited|"

@@ -145,11 +145,16 @@ class JobMonitor:
                 notes.append(self._hang_note())
             if self.events.directory:
                 notes.append(f"details: dslaunch status {self.events.directory}")
-        self.events.emit("end" if self._owns_log else "run_end", exit_code=result.exit_code,
-                         stopped_by=result.stopped_by, duration_s=round(time.monotonic() - self._start, 3))
+        self.end(result.exit_code, stopped_by=result.stopped_by)
+        return "; ".join(notes) or None
+
+    def end(self, exit_code: int, **fields: object) -> None:
+        """The run's last event: ``end`` when this monitor owns the log (then closed), else
+        ``run_end`` (the log spans several runs: its owner writes the job's ``end``)."""
+        self.events.emit("end" if self._owns_log else "run_end", exit_code=exit_code, **fields,
+                         duration_s=round(time.monotonic() - self._start, 3))
         if self._owns_log:
             self.events.close()
-        return "; ".join(notes) or None
 
     def complete(self, failure: NodeResult) -> NodeResult:
         """``failure`` with what the monitor knows added: the rank's last step, a cause."""
