@@ -31,13 +31,13 @@ from dslaunch.launcher.agent.channels import Channels
 from dslaunch.launcher.agent.files import FileId, create_replacing, remove_own, write_new
 from dslaunch.launcher.agent.output import ExceptionWatch, Sink, pump
 from dslaunch.launcher.agent.procs import (
-    Watchdog,
     become_subreaper,
     child_setup,
     exit_code_of,
     kill_adopted,
     signal_group,
 )
+from dslaunch.launcher.agent.watchdog import Watchdog
 from dslaunch.launcher.monitor.failures import classify, oom_kills, root_cause
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import monitor_env, process_env
