@@ -108,7 +108,12 @@ class JobMonitor:
             text = info.get("stack")
             path = self.events.write_file(f"stacks-rank{rank}.txt", text) if text else None
             ranks[str(rank)] = {"host": h.host, "step": h.step, "stopped": bool(info.get("stopped")),
-                                "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path}
+                                "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path,
+                                "via": info.get("via")}
+        if missing := {r: stacks.get(r, {}).get("why") or "no answer from its node"
+                       for r in sorted(self.health.ranks) if not stacks.get(r, {}).get("stack")}:
+            why = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
+            self.events.emit("note", text=f"no stack could be taken for {len(missing)} rank(s): {why}"[:2000])
         self.events.emit("stacks", behind=behind, stalled=sorted(stalled), ranks=ranks,
                          hang_timeout=self.health.hang_timeout)
         first = self.health.ranks[behind[0]]
