@@ -135,7 +135,13 @@ class Gang:
         detected_at: float | None = None
         stuck: set[int] = set()  # nodes of hung ranks: no grace period for them
         silent = False  # the failure is a node that went silent (torn down, its own result says less)
+        turn = judge_from = time.monotonic()
         while True:
+            # A controller that was itself frozen (swapping, stopped) heard nothing meanwhile: give
+            # its readers a second to catch up before calling anyone silent.
+            last, turn = turn, time.monotonic()
+            if turn - last > 1.0:
+                judge_from = turn + 1.0
             for i, h in enumerate(self._handles):
                 if i in results:
                     continue
@@ -145,7 +151,7 @@ class Gang:
                 if failure is None and self._requested is None:
                     if r is None:
                         r = h.failing()  # the early report: stop the others without waiting for it
-                    if r is None and (r := _silence(h)) is not None:
+                    if r is None and turn >= judge_from and (r := _silence(h)) is not None:
                         silent = True
                         h.kill()  # unreachable or frozen: no stop request would get through
                     if r is not None and r.exit_code != 0:

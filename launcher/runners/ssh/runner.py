@@ -25,6 +25,7 @@ import threading
 import time
 
 from dslaunch.launcher.agent.output import Sink
+from dslaunch.launcher.agent.wire import ALIVE_EVERY_S
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import Runner, format_node
@@ -166,6 +167,7 @@ class SSHRunner(Runner):
                 # Started agents see EOF and stop their workers; nothing stays behind.
                 self._close_all()
                 raise SSHError({node.host: ("ssh", f"connection lost while starting the node: {exc}")}) from None
+            session.keep_alive(ALIVE_EVERY_S)
             handles.append(_SSHNode(spec, session))
         return handles
 

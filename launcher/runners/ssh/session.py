@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dslaunch.launcher.agent.bootstrap import PROBE_MARKER
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.agent.wire import (
+    ALIVE,
     STACKS_REQUEST,
     parse_beats_line,
     parse_failure_line,
@@ -186,6 +187,19 @@ class RemoteSession:
                 self._held_stderr.clear()
                 self._probe_seen.set()
         return text
+
+    def keep_alive(self, every: float) -> None:
+        """Send the agent ``ALIVE`` every ``every`` seconds until the channel's stdin is closed (a
+        thread): behind a cut link, the agent finds the controller gone by its silence."""
+        def run() -> None:
+            while True:  # the first at once: the agent heeds silence only after one came
+                try:
+                    self.send_line(ALIVE)
+                except (OSError, EOFError, AssertionError, paramiko.SSHException):
+                    return  # closed (the stop request) or gone: nothing more to say
+                if self.done.wait(every):
+                    return
+        threading.Thread(target=run, daemon=True, name=f"alive-{self.alias}").start()
 
     def send_line(self, text: str) -> None:
         assert self._channel is not None and "\n" not in text
