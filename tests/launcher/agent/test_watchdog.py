@@ -27,12 +27,22 @@ def _gone(proc: subprocess.Popen, within: float = 5.0) -> bool:
         return False
 
 
+def _cmdline(pid: int) -> bytes:
+    """The kernel fills it in a moment after the exec (Popen may return before): ask again."""
+    deadline = time.monotonic() + 5
+    while True:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            text = f.read()
+        if text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.01)
+
+
 def test_an_owner_gone_without_release_gets_its_groups_killed_and_its_files_removed(tmp_path):
     worker, path = _group(), str(tmp_path / "1.deepspeed")
     dog = Watchdog()
     dog.start(remove=[(path, write_new(path, b"1"))])
-    with open(f"/proc/{dog.pid}/cmdline", "rb") as f:
-        assert b"dslaunch.launcher.agent.watchdog" in f.read()  # exec'ed, not a fork of this process
+    assert b"dslaunch.launcher.agent.watchdog" in _cmdline(dog.pid)  # exec'ed, not a fork of this process
     dog.add(worker.pid)
     os.close(dog._fd)  # what the kernel does for a SIGKILLed owner
     assert _gone(worker) and worker.returncode == -9
