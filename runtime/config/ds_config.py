@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
+from dslaunch.runtime.config.monitor import MonitorConfig
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
@@ -51,7 +52,9 @@ _SOURCE_TYPES = (str, os.PathLike, Mapping)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
-             "elasticity": ElasticityConfig}
+             "elasticity": ElasticityConfig, "monitor": MonitorConfig}
+
+
 def _steps_per_print(path: str, value: Any) -> int | None:
     # The one number that may be infinite: accelerate's DeepSpeedPlugin always sets Infinity.
     return None if value == math.inf else integer(1)(path, value)
@@ -98,6 +101,8 @@ class DeepSpeedConfig:
     bf16: Bf16Config = field(default_factory=Bf16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
