@@ -14,7 +14,7 @@ asks the stage again. What lives where:
 - ``publisher.py``: broadcasting updated shards to every rank's model.
 - ``flat.py``: a param group's flat storage; ``partition.py``: its layout and the partition rule.
 - ``specs.py``: the records the engine hands a strategy and gets back.
-
+- ``frozen.py``: what an engine without an optimizer (forward only) uses instead of a stage.
 - ``stage3.py``: parameters partitioned too: ``partitioned.py`` (the placement: a shard per rank),
   ``params.py`` (a partitioned parameter: DeepSpeed's ``ds_*`` attributes, gather and release),
   ``fetcher.py`` (when: module forward hooks, saved-tensor hooks for backward).

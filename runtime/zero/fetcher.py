@@ -17,8 +17,8 @@ tensors to the checkpoint and keep the parameters whole until their gradients ar
 
 Leaf modules: a module whose forward reads its children's parameters without calling them
 (``nn.MultiheadAttention`` reads ``out_proj.weight``; ``nn.TransformerEncoderLayer``'s fast path
-reads everything) gathers its whole subtree. ``LEAF_TYPES`` lists torch's; ``set_z3_leaf_modules``
-(DeepSpeed's name) adds others.
+reads everything) gathers its whole subtree. ``LEAF_TYPES`` lists torch's; others are flagged
+with ``dslaunch.utils.set_z3_leaf_modules`` (DeepSpeed's name and ``_z3_leaf`` attribute).
 
 collective: gathers are broadcasts issued in the same order on every rank, which holds because
 every rank runs the same modules and the same autograd graph.
@@ -33,19 +33,10 @@ import torch
 
 from dslaunch.runtime.zero import params as zp
 
-__all__ = ["ParamFetcher", "LEAF_TYPES", "set_z3_leaf_modules", "external_params"]
+__all__ = ["ParamFetcher", "LEAF_TYPES", "external_params"]
 
 LEAF_TYPES: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                                 torch.nn.TransformerDecoderLayer)
-
-
-def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type]) -> list[torch.nn.Module]:
-    """Mark every submodule of ``model`` of these classes as a leaf: its forward gathers its whole
-    subtree. Returns the marked modules (as DeepSpeed's ``set_z3_leaf_modules``)."""
-    marked = [m for m in model.modules() if isinstance(m, tuple(leaf_module_classes))]
-    for m in marked:
-        m._z3_leaf = True
-    return marked
 
 
 def external_params(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:

@@ -6,7 +6,8 @@ A ``RemoteSession`` runs the ``agent.bootstrap`` command on one host and sorts w
 - the agent's status line (stderr) -> ``status`` (how the node ended, parsed by the agent module);
 - the agent's failure line (stderr) -> ``failure`` (its first worker failure, sent at once);
 - the agent's beats and stacks lines (stderr) -> ``beats`` (latest per rank), ``stacks`` (the
-  answer to ``request_stacks``); ``heard_at``: wall-clock time of the last line from the host;
+  answer to ``request_stacks``); ``heard_at``: wall-clock time of the last line from the host
+  (``heard_mono``: monotonic time of the last bytes on either stream, for the silence rule);
 - every other line -> the controller's stdout/stderr, prefixed ``host: `` (the agent already
   prefixed worker lines with ``[rankN]``), one whole line per write so hosts never interleave
   inside a line. stderr printed before the probe line is held back and shown only with the
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dslaunch.launcher.agent.bootstrap import PROBE_MARKER
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.agent.wire import (
+    ALIVE,
     STACKS_REQUEST,
     parse_beats_line,
     parse_failure_line,
@@ -69,6 +71,7 @@ class RemoteSession:
         self.beats: dict[int, Beat] = {}
         self.stacks: dict[int, dict] | None = {}
         self.heard_at: float | None = None
+        self.heard_mono = time.monotonic()
         self._held_stderr: list[bytes] = []
         self._lock = threading.Lock()
         self._probe_seen = threading.Event()
@@ -99,6 +102,7 @@ class RemoteSession:
                 data = b""
             if not data:
                 break
+            self.heard_mono = time.monotonic()
             buf += data
             *lines, buf = buf.split(b"\n")
             for line in lines:
@@ -183,6 +187,19 @@ class RemoteSession:
                 self._held_stderr.clear()
                 self._probe_seen.set()
         return text
+
+    def keep_alive(self, every: float) -> None:
+        """Send the agent ``ALIVE`` every ``every`` seconds until the channel's stdin is closed (a
+        thread): behind a cut link, the agent finds the controller gone by its silence."""
+        def run() -> None:
+            while True:  # the first at once: the agent heeds silence only after one came
+                try:
+                    self.send_line(ALIVE)
+                except (OSError, EOFError, AssertionError, paramiko.SSHException):
+                    return  # closed (the stop request) or gone: nothing more to say
+                if self.done.wait(every):
+                    return
+        threading.Thread(target=run, daemon=True, name=f"alive-{self.alias}").start()
 
     def send_line(self, text: str) -> None:
         assert self._channel is not None and "\n" not in text
