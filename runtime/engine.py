@@ -220,6 +220,9 @@ class DeepSpeedEngine(torch.nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.zero.stage
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
 
@@ -282,7 +285,7 @@ class DeepSpeedEngine(torch.nn.Module):
         from dslaunch.runtime import checkpoint
         from dslaunch.runtime.zero.params import is_partitioned
 
-        if (not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        if (not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
                 and any(is_partitioned(p) for p in self.module.parameters())):
             if self.global_rank == 0:
                 print("dslaunch: warning: save_16bit_model() saved nothing: the parameters are "
