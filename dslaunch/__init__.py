@@ -23,7 +23,7 @@ _LAZY = {
     "DslaunchError": "dslaunch.errors",
 }
 
-# subpackages reachable as attributes, like ``deepspeed.comm`` after ``import deepspeed``
+# subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
 _SUBPACKAGES = ("accelerator", "checkpoint", "comm", "launcher", "runtime", "utils", "zero")
 
 __all__ = ["__version__", *_LAZY, *_SUBPACKAGES]

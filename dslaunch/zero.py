@@ -1,8 +1,17 @@
-"""``dslaunch.zero`` (DeepSpeed's ``deepspeed.zero``): the ZeRO context managers libraries use
-(``Init``, ``GatheredParameters``); the stages themselves are ``dslaunch.runtime.zero``."""
+"""``deepspeed.zero`` under dslaunch's name: ``import dslaunch.zero`` / ``dslaunch.zero.Init(...)``.
 
-from __future__ import annotations
+``Init``, ``GatheredParameters``, ``ZeroParamStatus``, ``register_external_parameter`` and
+``unregister_external_parameter``, defined in ``dslaunch.runtime.zero.partition_parameters``
+(DeepSpeed's path for them too). Importing this module imports torch.
+"""
 
-from dslaunch.runtime.zero.contexts import GatheredParameters, Init
+from dslaunch.runtime.zero.partition_parameters import (
+    GatheredParameters,
+    Init,
+    ZeroParamStatus,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
+           "unregister_external_parameter"]

@@ -220,6 +220,9 @@ class DeepSpeedEngine(torch.nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.zero.stage
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
 
@@ -274,11 +277,35 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> Any:
-        from dslaunch.runtime import checkpoint
+        """Rank 0 writes the whole module state dict (model dtype). With partitioned parameters
+        (stage 3) only if ``stage3_gather_16bit_weights_on_model_save`` (else False, as DeepSpeed).
 
+        collective: call on all ranks.
+        """
+        from dslaunch.runtime import checkpoint
+        from dslaunch.runtime.zero.params import is_partitioned
+
+        if (not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+                and any(is_partitioned(p) for p in self.module.parameters())):
+            if self.global_rank == 0:
+                print("dslaunch: warning: save_16bit_model() saved nothing: the parameters are "
+                      "partitioned; set zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                      "to true (or use zero_to_fp32)", flush=True)
+            return False
         self.zero.synchronize()
         return checkpoint.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename=save_filename,
                                            exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole module state dict (model dtype) on rank 0 ({} elsewhere), as DeepSpeed's.
+
+        collective: call on all ranks (partitioned parameters are gathered module by module).
+        """
+        from dslaunch.runtime.zero.full_state import module_state_dict
+
+        self.zero.synchronize()
+        sd = module_state_dict(self.module, exclude_frozen_parameters)
+        return sd if self.global_rank == 0 else {}
 
     # ----- module weights, as DeepSpeed's nn.Module engine ---------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:  # type: ignore[override]
@@ -290,7 +317,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """Load ``module.``-prefixed weights into the module (and its fp32 masters).
 
         Unlike DeepSpeed, 16-bit models' fp32 master weights are refreshed too, so the loaded
-        weights survive the next step. Returns torch's ``(missing_keys, unexpected_keys)``.
+        weights survive the next step; at stage 3 each rank stores its part of the whole values
+        (every rank passes the same dict). Returns torch's ``(missing_keys, unexpected_keys)``.
 
         Raises:
             UsageError: ``assign=True`` (the parameters are views into ZeRO's flat buffers).
@@ -298,8 +326,10 @@ class DeepSpeedEngine(torch.nn.Module):
         if assign:
             raise UsageError("engine.load_state_dict(assign=True) is not supported: the parameters "
                              "are views into ZeRO's flat buffers; use assign=False")
+        from dslaunch.runtime.zero.full_state import load_module_state_dict
+
         self.zero.synchronize()
-        result = super().load_state_dict(state_dict, strict=strict)
+        result = load_module_state_dict(self, state_dict, strict, super().load_state_dict)  # stage 3: shards
         self.zero.sync_master_from_model()
         return result
 

@@ -57,8 +57,15 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         allgather_bucket_numel=zero_cfg.allgather_bucket_size,
                         overlap_comm=zero_cfg.overlap_comm, comm_dtype=precision.comm_dtype,
                         prescale_gradients=cfg.prescale_gradients,
-                        gradient_predivide_factor=cfg.gradient_predivide_factor)
-    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm)
+                        gradient_predivide_factor=cfg.gradient_predivide_factor,
+                        offload_optimizer=zero_cfg.offload_optimizer.enabled,
+                        offload_param=zero_cfg.offload_param.enabled,
+                        pin_memory=zero_cfg.offload_optimizer.pin_memory or zero_cfg.offload_param.pin_memory,
+                        param_persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
+                        prefetch_bucket_numel=zero_cfg.stage3_prefetch_bucket_size,
+                        max_live_parameters=zero_cfg.stage3_max_live_parameters,
+                        max_reuse_distance=zero_cfg.stage3_max_reuse_distance)
+    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm, module=module)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
                        _dataloader(cfg, training_data, collate_fn), _timers(cfg))
 

@@ -1,8 +1,8 @@
 """``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts and libraries use
 (``zero_to_fp32``, ``logger``/``log_dist`` from ``logging``, ``groups``, the ZeRO-3 leaf flags of
-``z3_leaf_module``), and what both the launcher and the runtime need (``ports.free_port``,
-``beat``: the heartbeat wire format, the restart variables in ``restart``), so the runtime never
-imports the launcher.
+``z3_leaf_module``, the ZeRO ``safe_get_full_*`` / ``safe_set_full_fp32_param``), and what both
+the launcher and the runtime need (``ports.free_port``, ``beat``: the heartbeat wire format, the
+restart variables in ``restart``), so the runtime never imports the launcher.
 
 Submodules and names are imported on first access, so ``import dslaunch.utils`` never imports torch.
 """
@@ -14,11 +14,14 @@ from typing import Any
 
 _SUBMODULES = ("beat", "groups", "logging", "ports", "restart", "z3_leaf_module", "zero_to_fp32")
 
-# name -> submodule that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
+# name -> module that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
 _NAMES = {
-    **dict.fromkeys(("logger", "log_dist", "log_dist_once", "print_dist"), "logging"),
+    **dict.fromkeys(("logger", "log_dist", "log_dist_once", "print_dist"), f"{__name__}.logging"),
     **dict.fromkeys(("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
-                     "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module"), "z3_leaf_module"),
+                     "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module"), f"{__name__}.z3_leaf_module"),
+    # the ZeRO state of one parameter, at any stage (import torch on first access)
+    **dict.fromkeys(("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+                     "safe_set_full_fp32_param"), "dslaunch.runtime.zero.full_state"),
 }
 
 __all__ = [*_SUBMODULES, *_NAMES]
@@ -28,5 +31,5 @@ def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in _NAMES:
-        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+        return getattr(importlib.import_module(_NAMES[name]), name)
     raise AttributeError(f"module 'dslaunch.utils' has no attribute {name!r}")

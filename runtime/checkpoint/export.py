@@ -100,7 +100,7 @@ def _consolidate(store: CheckpointStore, tag: str, exclude_frozen: bool) -> Stat
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
                                              lazy_mode: bool = False) -> StateDict:
-    """The consolidated fp32 state dict of a checkpoint (any world size, ZeRO stage 0-2).
+    """The consolidated fp32 state dict of a checkpoint (any world size, ZeRO stage 0-3).
 
     Args:
         checkpoint_dir: the ``save_dir`` given to ``save_checkpoint``, or one tag directory.

@@ -128,7 +128,7 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     files: dict[str, Any] = {}
     module_sd = _module_state(parts.module, exclude_frozen_parameters)
     zero_sd = zero.state_dict()
-    in_groups = {n for g in zero_sd["groups"] for n in g["names"]}
+    in_groups = {n: list(s) for g in zero_sd["groups"] for n, s in zip(g["names"], g["shapes"], strict=True)}
     if module_writer:  # trained params live once, as fp32 masters in the ZeRO shards
         files[MODULE_FILE] = {"module": type(module_sd)((k, v) for k, v in module_sd.items()
                                                          if k not in in_groups)}
@@ -147,7 +147,7 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
             "frozen_parameters": [n for n, p in parts.module.named_parameters() if not p.requires_grad],
             "partition": partition_map([x for x in layouts if x is not None]),
             "module_keys": list(module_sd),
-            "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+            "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": in_groups.get(k, list(v.shape)),
                            "in": "zero" if k in in_groups else "module"}
                        for k, v in module_sd.items() if torch.is_tensor(v)}}
     job = TagWrite(CheckpointStore(save_dir, durable=cfg.fsync), tag, files, meta,
@@ -364,13 +364,16 @@ def save_16bit_model(parts: CheckpointParts, save_dir: str | os.PathLike, save_f
 
     collective: call on all ranks.
     """
+    from dslaunch.runtime.zero.full_state import module_state_dict
+
     ck = parts.io
     ck.writer.wait()
     err = None
+    sd = module_state_dict(parts.module, exclude_frozen_parameters)  # stage 3: gathered on all ranks
     if ck.comm.rank == 0:
         path = Path(save_dir) / save_filename
         try:
-            write_atomic(path, lambda tmp: torch.save(_module_state(parts.module, exclude_frozen_parameters), tmp))
+            write_atomic(path, lambda tmp: torch.save(sd, tmp))
         except OSError as exc:
             err = f"cannot write {path}: {exc}"
     errors = [e for e in ck.comm.all_gather_object(err) if e]

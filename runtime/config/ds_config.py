@@ -266,6 +266,13 @@ def _validate_typed(values: dict[str, Any]) -> None:
 def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
+    zero = cfg.zero_optimization
+    if zero.offload_optimizer.enabled and zero.stage == 0:
+        raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
+                          "device)", key="zero_optimization.offload_optimizer.device")
+    if zero.offload_param.enabled and zero.stage != 3:
+        raise ConfigError("needs ZeRO stage 3 (below it every rank holds all parameters)",
+                          key="zero_optimization.offload_param.device")
     if cfg.zero_optimization.stage not in STAGES:
         raise ConfigError(f"ZeRO stage {cfg.zero_optimization.stage} is accepted by DeepSpeed but not "
                           f"implemented by dslaunch yet; use {stage_choices()}", key="zero_optimization.stage")

@@ -30,7 +30,7 @@ from dslaunch.runtime.config.param_schema import (
 )
 from dslaunch.runtime.zero.registry import stage_choices
 
-__all__ = ["parse_section", "ZeroConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
+__all__ = ["parse_section", "ZeroConfig", "OffloadConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
            "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
            "reject_unimplemented"]
 
@@ -142,10 +142,46 @@ def _enabled() -> Off:
     return Off({"enabled": False}, switch="enabled")
 
 
-_OFFLOAD = Off({"device": ("none", None)}, switch="device")
-
-
 # ---- the sections -------------------------------------------------------------------------------
+def _offload_device(path: str, value: Any) -> str:
+    if value in (None, "none"):
+        return "none"
+    if value == "nvme":
+        raise ConfigError("\"nvme\" is accepted by DeepSpeed but not implemented by dslaunch yet; use "
+                          "\"cpu\" or \"none\"", key=path)
+    return choice("none", "cpu")(path, value)
+
+
+def _full_ratio(path: str, value: Any) -> float:
+    ratio = number(0.0, 1.0)(path, value)
+    if ratio != 1.0:
+        raise ConfigError(f"{_json(value)} (partial offload) is not implemented by dslaunch yet; remove "
+                          "the key or set it to 1.0", key=path)
+    return ratio
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: host memory between uses."""
+
+    device: str = _opt("none", _offload_device, "\"cpu\" or \"none\"")
+    pin_memory: bool = _opt(False, boolean, "true to page-lock the host copies (GPU hosts)")
+    ratio: float = _opt(1.0, _full_ratio, "1.0 (the whole optimizer state)")
+
+    # They tune NVMe offload (rejected above) or DeepSpeed's CPU Adam: any value changes nothing.
+    UNIMPLEMENTED = {k: ANY for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu",  # noqa: RUF012
+                                      "pipeline", "pipeline_read", "pipeline_write", "fast_init",
+                                      "super_offload", "cpuadam_cores_perc")}
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+def _offload(path: str, value: Any) -> OffloadConfig:
+    return parse_section(OffloadConfig, value, path)
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """``zero_optimization``: which ZeRO stage and its communication knobs."""
@@ -178,15 +214,40 @@ class ZeroConfig:
                                                     "from the checkpoint's fp32 copy (no 16-bit copy of "
                                                     "trained parameters is stored)"), "true")
 
+    # Stage 3 (read only there; see runtime/zero/stage3.py). DeepSpeed also accepts each without
+    # the ``stage3_`` prefix (``STAGE3_ALIASES``); "auto" keeps the default.
+    stage3_param_persistence_threshold: int = _opt(100_000, integer(0), "elements, e.g. 1e5: smaller "
+                                                   "parameters stay whole on every rank")
+    stage3_prefetch_bucket_size: int = _opt(50_000_000, integer(0), "elements, e.g. 5e7 (accepted; "
+                                            "dslaunch does not prefetch yet)")
+    stage3_max_live_parameters: int = _opt(1_000_000_000, integer(0), "elements, e.g. 1e9 (accepted; "
+                                           "dslaunch keeps only running modules' parameters whole)")
+    stage3_max_reuse_distance: int = _opt(1_000_000_000, integer(0), "elements, e.g. 1e9 (accepted; "
+                                          "dslaunch releases parameters after each use)")
+    stage3_gather_16bit_weights_on_model_save: bool = _opt(False, boolean, "true to gather the whole "
+                                                           "16-bit model for save_16bit_model()")
+
+    STAGE3_ALIASES = {"param_persistence_threshold": "stage3_param_persistence_threshold",
+                      "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+                      "max_live_parameters": "stage3_max_live_parameters",
+                      "max_reuse_distance": "stage3_max_reuse_distance",
+                      "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+                      "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
+
+    offload_optimizer: OffloadConfig = _opt(OffloadConfig(), _offload, "an object such as "
+                                            "{\"device\": \"cpu\"} (stages 1-3)")
+    offload_param: OffloadConfig = _opt(OffloadConfig(), _offload, "an object such as "
+                                        "{\"device\": \"cpu\"} (stage 3)")
+
     # DeepSpeed keys not implemented here -> when they are off.
-    UNIMPLEMENTED = {"offload_optimizer": _OFFLOAD, "offload_param": _OFFLOAD, "cpu_offload": False,
+    UNIMPLEMENTED = {"cpu_offload": False,
                      "cpu_offload_param": False, "cpu_offload_use_pin_memory": ANY, "zenflow": None,
                      "zero_quantized_weights": False, "zero_quantized_gradients": False,
                      "zero_quantized_nontrainable_weights": False, "zero_hpz_partition_size": 1,
                      "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
                      "legacy_stage1": False, "enable_sanity_checks": False}
-    # Keys (and prefixes) that only configure stage 3: meaningless below it, any value accepted,
-    # "auto" included (the Hugging Face Trainer writes it there). Stage 3 itself is rejected.
+    # Keys (and prefixes) that only configure stage 3 and dslaunch does not read (the fields above
+    # excepted): any value accepted, "auto" included (the Hugging Face Trainer writes it there).
     STAGE3_ONLY = ("sub_group_size", "stage3_", "prefetch_bucket_size", "param_persistence_threshold",
                    "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
                    "gather_16bit_weights_on_model_save", "module_granularity_threshold",
@@ -345,9 +406,13 @@ def parse_section(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"must be an object, got {describe(raw)}", key=prefix)
     _explain_auto(cls, raw, prefix)
     known: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
     for key, value in raw.items():
+        key = getattr(cls, "STAGE3_ALIASES", {}).get(key, key)
         if key in cls.UNIMPLEMENTED:
             reject_unimplemented(f"{prefix}.{key}", value, cls.UNIMPLEMENTED[key])
+        elif key in names and not (value == "auto" and _stage3_only(cls, key)):
+            known[key] = value
         elif not _stage3_only(cls, key):
             known[key] = value
     fields = {f.name: Option(f.default, f.metadata["check"]) for f in dataclasses.fields(cls)}

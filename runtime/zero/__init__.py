@@ -1,4 +1,4 @@
-"""ZeRO: the data-parallel strategies the engine delegates to (stages 0-2; room for stage 3).
+"""ZeRO: the data-parallel strategies the engine delegates to (stages 0-3), and DeepSpeed's zero API.
 
 The engine picks a stage once from ``registry.STRATEGIES`` (the only list of stages) and never
 asks the stage again. What lives where:
@@ -6,7 +6,7 @@ asks the stage again. What lives where:
 - ``registry.py``: stage -> strategy class; the valid stages for config validation and help text.
 - ``strategy.py``: ``ZeroStrategy``, the lifecycle the engine drives, the step every stage shares,
   and the checkpoint state format.
-- ``stage0.py``, ``stage1.py``, ``stage2.py``: each stage as a placement + a gradient path.
+- ``stage0.py`` to ``stage3.py``: each stage as a placement + a gradient path.
 - ``placement.py``: where the fp32 master and optimizer state live (replicated or sharded).
 - ``gradients.py``: how gradients are kept and reduced (full buffer at the boundary, or into the
   rank's shard as backward runs).
@@ -14,25 +14,38 @@ asks the stage again. What lives where:
 - ``publisher.py``: broadcasting updated shards to every rank's model.
 - ``flat.py``: a param group's flat storage; ``partition.py``: its layout and the partition rule.
 - ``specs.py``: the records the engine hands a strategy and gets back.
-- ``contexts.py``: DeepSpeed's ``zero.Init`` / ``zero.GatheredParameters`` below stage 3.
 - ``frozen.py``: what an engine without an optimizer (forward only) uses instead of a stage.
+- ``stage3.py``: parameters partitioned too: ``partitioned.py`` (the placement: a shard per rank),
+  ``params.py`` (a partitioned parameter: DeepSpeed's ``ds_*`` attributes, gather and release),
+  ``fetcher.py`` (when: module forward hooks, saved-tensor hooks for backward).
+- ``partition_parameters.py``: DeepSpeed's user API (``Init``, ``GatheredParameters``,
+  ``ZeroParamStatus``, external parameters), also importable as ``dslaunch.zero``;
+  ``full_state.py``: ``safe_get_full_*`` (``dslaunch.utils``).
 
 Not written yet:
 
-- ``stage3.py``: parameters partitioned too. A placement whose ``FlatGroup`` holds only this
-  rank's shard, gathering parameters in ``pre_forward`` (or per-submodule hooks it registers
-  there) and releasing them in ``post_backward``; gradients as stage 2's. Registered by one line
-  in ``registry.STRATEGIES``, which also makes the config accept it.
 - ``offload/``: optimizer state and master weights kept in CPU memory or on NVMe
   (``zero_optimization.offload_optimizer``/``offload_param``), as a placement that moves shards
   in and out around the optimizer step.
 
-Importing this package does not import torch.
+Importing this package does not import torch (``Init``, ``GatheredParameters``, ``ZeroParamStatus``
+and the external-parameter functions resolve on first access, as ``deepspeed.runtime.zero``'s).
 """
 
 from __future__ import annotations
 
-from dslaunch.runtime.zero.contexts import GatheredParameters, Init
+import importlib
+from typing import Any
+
 from dslaunch.runtime.zero.registry import STAGES, STRATEGIES, strategy_class
 
-__all__ = ["STAGES", "STRATEGIES", "strategy_class", "GatheredParameters", "Init"]
+_API = ("Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
+        "unregister_external_parameter")
+
+__all__ = ["STAGES", "STRATEGIES", "strategy_class", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'dslaunch.runtime.zero' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.partition_parameters"), name)

@@ -4,8 +4,8 @@ The model weights, the gradient buffer (laid out alike) and, for an fp32 model, 
 are the same memory; a 16-bit model gets a separate fp32 master of this rank's range. The layout
 (offsets, this rank's range, padding) is ``partition.GroupLayout``.
 
-Limitations: the whole group is always allocated (``layout.padded`` elements) on every rank;
-stage 3 needs a storage that holds only this rank's shard and gathers the rest on demand.
+The whole group is allocated (``layout.padded`` elements) on every rank; stage 3's storage, which
+holds only this rank's shard, is ``partitioned.ShardGroup``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,29 @@ import torch
 
 from dslaunch.runtime.zero.partition import GroupLayout
 
-__all__ = ["FlatGroup"]
+__all__ = ["FlatGroup", "group_dtype", "to_host"]
+
+
+def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t`` in host memory (``t`` itself when it is there already: an fp32 master on a CPU host
+    still aliases the model); page-locked with ``pin`` when it comes from an accelerator."""
+    if t.device.type == "cpu":
+        return t
+    host = t.to("cpu")
+    return host.pin_memory() if pin else host
+
+
+def group_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
+    """The one dtype of a param group's parameters.
+
+    Raises:
+        TypeError: the group mixes dtypes.
+    """
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise TypeError(f"a param group mixes dtypes {sorted(map(str, dtypes))}; "
+                        "cast the model to one dtype before initialize()")
+    return params[0].dtype
 
 
 class FlatGroup:
@@ -22,18 +44,15 @@ class FlatGroup:
 
     ``flat`` (model dtype, ``layout.padded`` elements) holds the weights; each parameter's
     ``.data`` is a view into it. ``master`` is this rank's fp32 shard (a view of ``flat`` when the
-    model is fp32, a separate copy otherwise), wrapped as the Parameter the optimizer updates.
+    model is fp32, a separate copy otherwise; in host memory with ``offload``), wrapped as the
+    Parameter the optimizer updates.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
-                 world_size: int, rank: int, partitioned: bool):
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise TypeError(f"a param group mixes dtypes {sorted(map(str, dtypes))}; "
-                            "cast the model to one dtype before initialize()")
+                 world_size: int, rank: int, partitioned: bool, offload: bool = False, pin: bool = False):
         self.params = params
         self.hparams = hparams
-        self.dtype = params[0].dtype
+        self.dtype = group_dtype(params)
         self.layout = GroupLayout.build(names, [tuple(p.shape) for p in params], world_size, rank,
                                         partitioned)
         lay = self.layout
@@ -47,12 +66,22 @@ class FlatGroup:
             p.data = self.flat[a:b].view(p.shape)
         own = self.flat[lay.start:lay.end]
         data = own if self.dtype == torch.float32 else own.float()
+        data = to_host(data, pin) if offload else data
         # nn.Parameter aliases ``data``: in fp32 the optimizer updates the model weights in place.
         self.master = torch.nn.Parameter(data, requires_grad=False)
 
     @property
     def numel(self) -> int:
         return self.layout.numel
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+    def load_full(self, values: torch.Tensor) -> bool:
+        """Write the whole group's weights (``numel`` elements); True: the model now holds them all."""
+        self.flat[:self.layout.numel].copy_(values)
+        return True
 
     def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``buffer`` (laid out like ``flat``) shaped like each parameter."""

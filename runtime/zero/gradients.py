@@ -92,7 +92,7 @@ class FullGradients(GradientPath):
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
                  process_group: Any = None):
         # Every element in [0, numel) is written by the first backward (_adopt_grad) before use.
-        self._gflat = [torch.empty(g.layout.padded, dtype=g.dtype, device=g.flat.device) for g in groups]
+        self._gflat = [torch.empty(g.layout.padded, dtype=g.dtype, device=g.device) for g in groups]
         self._views = [g.param_views(gf) for g, gf in zip(groups, self._gflat, strict=True)]
         self._master_grads: list[torch.Tensor | None] = [None] * len(groups)
         self._unreduced = False  # a backward since the last reduction left rank-local gradients
@@ -169,7 +169,7 @@ class ShardedGradients(GradientPath):
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
                  process_group: Any = None):
         self._shards = [torch.empty(g.layout.end - g.layout.start, dtype=torch.float32,
-                                    device=g.flat.device) for g in groups]
+                                    device=g.device) for g in groups]
         self._fresh = True  # first micro step since zero_grad: copy into the shard instead of add
         for g in groups:
             for p in g.params:

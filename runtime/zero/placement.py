@@ -11,8 +11,7 @@ The one place that knows what partitioning the optimizer state means for a step:
 Checkpoints read only ``partitioned``: whether every rank's state differs (each rank writes its
 own file) or rank 0's is everyone's.
 
-Stage 3 would add a placement that also shards the module's parameters (with a ``FlatGroup`` that
-holds only this rank's shard) and gathers them in the strategy's ``pre_forward``.
+Stage 3's placement, which also shards the module's parameters, is ``partitioned.Partitioned``.
 """
 
 from __future__ import annotations
@@ -27,7 +26,24 @@ from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.publisher import ShardPublisher
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
 
-__all__ = ["Placement", "Replicated", "Sharded"]
+__all__ = ["Placement", "Replicated", "Sharded", "sum_over_ranks"]
+
+
+def sum_over_ranks(world_size: int, process_group: Any) -> Callable[[torch.Tensor], None] | None:
+    """In-place sum over the ranks (for norms of disjoint shards); None in a world of one."""
+    if world_size == 1:
+        return None
+
+    def reduce(t: torch.Tensor) -> None:
+        # gloo/nccl sum; inf/nan propagate to all ranks. NCCL reduces only device tensors (an
+        # offloaded shard's norm is on the host): through a device copy there.
+        if dist.get_backend(process_group) == "nccl" and t.device.type == "cpu":
+            tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(tmp, group=process_group)
+            t.copy_(tmp)
+        else:
+            dist.all_reduce(t, group=process_group)
+    return reduce
 
 
 class Placement:
@@ -48,9 +64,12 @@ class Placement:
     def __init__(self, specs: list[GroupSpec], comm: CommSettings, world_size: int, rank: int,
                  process_group: Any = None):
         self.world_size, self.rank, self.pg = world_size, rank, process_group
-        self.groups = [FlatGroup(g.params, g.names, dict(g.hparams), world_size, rank, self.partitioned)
-                       for g in specs]
+        self.groups = self._build_groups(specs, comm)
         self.publisher: ShardPublisher | None = None
+
+    def _build_groups(self, specs: list[GroupSpec], comm: CommSettings) -> list[Any]:
+        return [FlatGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.partitioned,
+                          comm.offload_optimizer, comm.pin_memory) for g in specs]
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:
@@ -83,12 +102,7 @@ class Sharded(Placement):
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:
-        if self.world_size == 1:
-            return None
-
-        def reduce(t: torch.Tensor) -> None:
-            dist.all_reduce(t, group=self.pg)  # gloo/nccl sum; inf/nan propagate to all ranks
-        return reduce
+        return sum_over_ranks(self.world_size, self.pg)
 
     def publish(self) -> None:
         self.publisher.publish()

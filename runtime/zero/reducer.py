@@ -137,7 +137,7 @@ class BucketReducer:
         """Bucket ``bi``'s staging buffer (pooled, communication dtype), taken on first use."""
         if bi not in self._staged:
             b, g = self.buckets[bi], self.groups[self.buckets[bi].group]
-            self._staged[bi] = self.pool.take(b.end - b.begin, self.comm_dtype or g.dtype, g.flat.device)
+            self._staged[bi] = self.pool.take(b.end - b.begin, self.comm_dtype or g.dtype, g.device)
         return self._staged[bi]
 
     def ready(self, gi: int, pi: int) -> None:

@@ -16,6 +16,7 @@ STRATEGIES = {
     0: "dslaunch.runtime.zero.stage0:Stage0",
     1: "dslaunch.runtime.zero.stage1:Stage1",
     2: "dslaunch.runtime.zero.stage2:Stage2",
+    3: "dslaunch.runtime.zero.stage3:Stage3",
 }
 
 STAGES: tuple[int, ...] = tuple(STRATEGIES)

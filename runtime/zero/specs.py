@@ -51,6 +51,16 @@ class CommSettings:
     comm_dtype: torch.dtype | None = None  # None: the gradient dtype
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    # Where state lives between uses (``offload_optimizer``/``offload_param`` with device cpu):
+    # the fp32 master and optimizer state / stage 3's parameter shards in host memory.
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    pin_memory: bool = False  # page-locked host copies (only where the device is a GPU)
+    # Stage 3 only (DeepSpeed's defaults): see stage3.py for what each does.
+    param_persistence_threshold: int = 100_000
+    prefetch_bucket_numel: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
 
     def pre_factor(self) -> float:
         """Multiplies gradients before the reduction: 1 / ``gradient_predivide_factor`` with

@@ -31,6 +31,7 @@ unscale and the clip coefficient are folded into ONE multiply of this rank's fp3
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -41,7 +42,18 @@ from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["ZeroStrategy", "ParamSlot"]
+
+
+class ParamSlot(tuple):
+    """(strategy weakref, group index, param index) of a trained parameter. A pickled parameter
+    (``torch.save`` of the Parameter object keeps its attributes) loses it: it unpickles as None."""
+
+    def __new__(cls, strategy: Any, group: int, index: int) -> ParamSlot:
+        return super().__new__(cls, (strategy, group, index))
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
 
 
 class ZeroStrategy:
@@ -55,6 +67,7 @@ class ZeroStrategy:
             given the ``FlatShards`` describing those master tensors.
         comm: communication settings.
         process_group: the data-parallel group (None: the default group).
+        module: the model (stage 3 hooks it to gather its parameters; the others ignore it).
 
     collective: construct on all ranks of the group.
     """
@@ -64,7 +77,7 @@ class ZeroStrategy:
     gradients_type: ClassVar[type[GradientPath]]
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
-                 process_group: Any = None):
+                 process_group: Any = None, module: torch.nn.Module | None = None):
         self.pg = process_group
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
@@ -78,6 +91,9 @@ class ZeroStrategy:
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
         self.gradients = self.gradients_type(self.groups, comm, self.world_size, process_group)
+        for gi, g in enumerate(self.groups):  # for safe_get_full_* (dslaunch.utils): param -> its slot
+            for pi, p in enumerate(g.params):
+                p._dsl_slot = ParamSlot(weakref.ref(self), gi, pi)
 
     @property
     def partitioned(self) -> bool:
@@ -129,7 +145,9 @@ class ZeroStrategy:
 
         collective: call on all ranks at the accumulation boundary.
         """
-        grads = self.gradients.shards()
+        # offload_optimizer: the update runs where the master is (host memory)
+        grads = [t if t.device == g.master.device else t.to(g.master.device)
+                 for g, t in zip(self.groups, self.gradients.shards(), strict=True)]
         for g, grad in zip(self.groups, grads, strict=True):
             g.master.grad = grad
         try:
@@ -176,7 +194,7 @@ class ZeroStrategy:
             opt.step()
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)  # CUDA scalars can't add to CPU
         for t in grads:
             if t.numel():
                 sq += torch.linalg.vector_norm(t, dtype=torch.float32).double() ** 2
@@ -242,9 +260,7 @@ class ZeroStrategy:
             state[gi] = {**{k: v[lo:hi].clone() for k, v in s["optim_state"].items()},
                          **s["optim_scalars"]}
             groups.append({**s["hparams"], "params": [gi]})
-            full = full and s["start"] == 0 and s["end"] == lay.numel
-            if full:
-                g.flat[:lay.numel].copy_(s["master"])
+            full = full and s["start"] == 0 and s["end"] == lay.numel and g.load_full(s["master"])
         self.optimizer.load_state_dict({"state": {k: v for k, v in state.items() if v},
                                         "param_groups": groups})
         for g in self.groups:

@@ -1,4 +1,4 @@
-"""Engine benchmark: step time and peak RSS per rank, dslaunch ZeRO 0-2 vs torch DDP vs DeepSpeed.
+"""Engine benchmark: step time and peak RSS per rank, dslaunch ZeRO 0-3 vs torch DDP vs DeepSpeed.
 
 One run, same model and data for everyone: a ~21M-parameter MLP (5 x Linear(2048, 2048)), fp32,
 AdamW, 2 ranks on gloo, micro batch 32, no accumulation. Workers are started with the launcher's
@@ -170,9 +170,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="subset of configs, e.g. dslaunch-2 ddp-0")
     args = ap.parse_args()
-    configs = ["ddp-0"] + [f"dslaunch-{s}" for s in (0, 1, 2)]
+    configs = ["ddp-0"] + [f"dslaunch-{s}" for s in (0, 1, 2, 3)]
     if _has_deepspeed():
-        configs += [f"deepspeed-{s}" for s in (0, 1, 2)]
+        configs += [f"deepspeed-{s}" for s in (0, 1, 2, 3)]
     if args.only:
         configs = [c for c in configs if c in args.only]
     timing: list[list[dict]] = []

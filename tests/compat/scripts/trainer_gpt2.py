@@ -31,14 +31,17 @@ class Tokens(Dataset):
 
 
 def ds_config(stage: int) -> dict:
-    return {  # the shape of Hugging Face's documented ZeRO-2 config
+    zero3 = {"stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+             "sub_group_size": 1e9, "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+             "stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {}
+    return {  # the shape of Hugging Face's documented ZeRO-2 (and ZeRO-3) config
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                   "weight_decay": "auto", "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                      "warmup_num_steps": "auto"}},
         "zero_optimization": {"stage": stage, "allgather_partitions": True, "allgather_bucket_size": 2e8,
                               "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
-                              "contiguous_gradients": True},
+                              "contiguous_gradients": True, **zero3},
         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
         "wall_clock_breakdown": False,

@@ -69,10 +69,11 @@ def test_auto_says_what_to_put_there() -> None:
 
 
 def test_unimplemented_keys_are_reported_not_ignored() -> None:
-    msg = _error({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
-    assert "'zero_optimization.offload_optimizer'" in msg and "not implemented" in msg
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
+    assert "'zero_optimization.offload_optimizer.device'" in msg and "not implemented" in msg
     assert "not implemented" in _error({"train_batch_size": 8, "tensorboard": {"enabled": True}})
-    assert "not implemented" in _error({"train_batch_size": 8, "zero_optimization": {"stage": 3}})
+    assert "not implemented" in _error({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})
     # switched off, they are honoured as such
     cfg = load_config({"train_batch_size": 8, "tensorboard": {"enabled": False},
                        "zero_optimization": {"offload_optimizer": {"device": "none"}}}, 2)
@@ -210,3 +211,30 @@ def test_stage3_keys_accept_auto_below_stage_3() -> None:
     assert cfg.zero_optimization.stage == 2
     # keys stages 0-2 read still explain "auto"
     assert "Hugging Face" in _error({"train_batch_size": 8, "zero_optimization": {"overlap_comm": "auto"}})
+
+
+def test_stage3_keys_under_both_spellings_and_auto() -> None:
+    """DeepSpeed's stage-3 knobs are read with or without the ``stage3_`` prefix; "auto" (left by
+    a Trainer that did not fill it) keeps the default; a bad value names the key."""
+    zero = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 1e4, "prefetch_bucket_size": "auto",
+        "max_live_parameters": 3, "stage3_gather_fp16_weights_on_model_save": True}}, 2).zero_optimization
+    assert (zero.stage3_param_persistence_threshold, zero.stage3_prefetch_bucket_size,
+            zero.stage3_max_live_parameters, zero.stage3_gather_16bit_weights_on_model_save) == \
+        (10_000, 50_000_000, 3, True)
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": -1}})
+    assert "'zero_optimization.stage3_max_reuse_distance'" in msg
+
+
+def test_cpu_offload_at_the_stages_that_have_it() -> None:
+    """offload_optimizer at stages 1-3, offload_param at stage 3; NVMe-only keys change nothing."""
+    zero = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 4},
+        "offload_param": {"device": "cpu", "nvme_path": None}}}, 2).zero_optimization
+    assert zero.offload_optimizer.enabled and zero.offload_optimizer.pin_memory and zero.offload_param.enabled
+    assert "needs ZeRO stage 1, 2 or 3" in _error({"train_batch_size": 8, "zero_optimization": {
+        "offload_optimizer": {"device": "cpu"}}})
+    assert "needs ZeRO stage 3" in _error({"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "offload_param": {"device": "cpu"}}})
+    assert "did you mean 'device'" in _error({"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"devce": "cpu"}}})

@@ -46,11 +46,17 @@ def reference_losses(steps: int = STEPS, make_optimizer=_adamw) -> list[float]:
     return losses
 
 
-def engine_losses(rank: int, world: int, config: dict, client: bool = False) -> list[float]:
-    """Train through dslaunch.initialize; return the global mean loss of every step."""
-    import dslaunch
+def engine_losses(rank: int, world: int, config: dict, client: bool = False, zero_init: bool = False
+                  ) -> list[float]:
+    """Train through dslaunch.initialize; return the global mean loss of every step.
 
-    model = make_model()
+    ``zero_init``: build the model inside ``dslaunch.zero.Init()`` (partitioned as it is built).
+    """
+    import dslaunch
+    import dslaunch.zero
+
+    with dslaunch.zero.Init(enabled=zero_init):
+        model = make_model()
     kwargs = {}
     if client:  # a client optimizer and scheduler instead of config sections
         config = {k: v for k, v in config.items() if k != "optimizer"}

@@ -1,0 +1,130 @@
+"""When stage 3 gathers and releases parameters: around each module's forward, and in backward.
+
+Forward: a pre-hook on every submodule gathers its own partitioned parameters (and those
+``register_external_parameter`` attached to it; all of a leaf module's, see below) and a forward
+hook (also called when forward raises) releases them: at any moment only the parameters of the
+modules on the call stack are whole. Nested and repeated calls are counted per parameter
+(``params.hold``/``unhold``), so a shared (tied) parameter or a module called twice works.
+
+Backward: while a hooked forward runs, autograd's saved-tensor hooks replace every partitioned
+parameter (or view of one) saved for backward by a reference; when backward unpacks it the
+parameter is gathered again. It is released after its gradient was taken (the gradient path's
+post-accumulate hook runs first) or, at the latest, by ``release_idle`` after backward. So
+backward needs no module hooks and works for any module output type. Under ``torch.no_grad()``
+nothing is saved: evaluation costs one gather per module. Activation checkpointing (reentrant or
+not) recomputes forwards during backward: there the hooks gather as usual but leave the saved
+tensors to the checkpoint and keep the parameters whole until their gradients are taken.
+
+Leaf modules: a module whose forward reads its children's parameters without calling them
+(``nn.MultiheadAttention`` reads ``out_proj.weight``; ``nn.TransformerEncoderLayer``'s fast path
+reads everything) gathers its whole subtree. ``LEAF_TYPES`` lists torch's; others are flagged
+with ``dslaunch.utils.set_z3_leaf_modules`` (DeepSpeed's name and ``_z3_leaf`` attribute).
+
+collective: gathers are broadcasts issued in the same order on every rank, which holds because
+every rank runs the same modules and the same autograd graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from dslaunch.runtime.zero import params as zp
+
+__all__ = ["ParamFetcher", "LEAF_TYPES", "external_params"]
+
+LEAF_TYPES: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                                torch.nn.TransformerDecoderLayer)
+
+
+def external_params(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    """The parameters ``register_external_parameter`` attached to ``module`` (created on demand)."""
+    if "_dsl_external_params" not in module.__dict__:
+        module._dsl_external_params = {}
+    return module._dsl_external_params
+
+
+class _Saved:
+    """What the saved-tensor hook keeps instead of a partitioned parameter (or a view of it)."""
+
+    __slots__ = ("param", "view")
+
+    def __init__(self, param: torch.nn.Parameter, view: tuple | None):
+        self.param, self.view = param, view
+
+
+def _pack(t: torch.Tensor) -> Any:
+    p = t if zp.is_partitioned(t) else t._base
+    if p is None or not zp.is_partitioned(p) or p.ds_persist:
+        return t
+    if p is t:
+        return _Saved(p, None)
+    return _Saved(p, (t.size(), t.stride(), t.storage_offset() - p.data.storage_offset()))
+
+
+def _unpack(saved: Any) -> Any:
+    if not isinstance(saved, _Saved):
+        return saved
+    p = saved.param
+    zp.fetch([p])
+    if saved.view is None:
+        return p
+    size, stride, offset = saved.view
+    return p.data.as_strided(size, stride, p.data.storage_offset() + offset)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParamFetcher:
+    """Registers the gather/release hooks on every submodule of ``module``.
+
+    Args:
+        module: the model.
+        params: every partitioned parameter the engine trains (released after backward).
+    """
+
+    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter]):
+        self.params = params
+        self._stack: list[list[torch.nn.Parameter]] = []
+        self._saving: contextlib.AbstractContextManager | None = None
+        self.handles = []
+        for m in module.modules():
+            self.handles.append(m.register_forward_pre_hook(self._before))
+            self.handles.append(m.register_forward_hook(self._after, always_call=True))
+
+    @staticmethod
+    def _used_by(m: torch.nn.Module) -> list[torch.nn.Parameter]:
+        leaf = getattr(m, "_z3_leaf", False) or isinstance(m, LEAF_TYPES)
+        own = [p for p in m.parameters(recurse=leaf) if zp.is_partitioned(p)]
+        extra = m.__dict__.get("_dsl_external_params", {})
+        return own + [p for p in extra.values() if zp.is_partitioned(p) and all(p is not q for q in own)]
+
+    def _before(self, m: torch.nn.Module, args: Any) -> None:
+        if not self._stack and not _in_backward():
+            # outermost hooked forward: partitioned tensors saved by reference
+            self._saving = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            self._saving.__enter__()
+        used = self._used_by(m)
+        self._stack.append(used)
+        zp.hold(used)
+
+    def _after(self, m: torch.nn.Module, args: Any, out: Any) -> None:
+        used = self._stack.pop()
+        if _in_backward():
+            # an activation-checkpointing recompute: what it saved for its backward holds the
+            # parameters themselves, so they stay whole until their gradients are taken
+            for p in used:
+                p._dsl_users -= 1
+        else:
+            zp.unhold(used)
+        if not self._stack and self._saving is not None:
+            self._saving.__exit__(None, None, None)
+            self._saving = None
+
+    def release_idle(self) -> None:
+        """Release every parameter backward gathered and no forward holds (after backward)."""
+        zp.release(self.params)

@@ -1,0 +1,212 @@
+"""Partitioned parameters (stage 3, ``zero.Init``): a shard per rank, gathered while in use.
+
+A partitioned parameter lives as a range ``[offset, offset + ds_numel)`` of a flat vector split
+across ranks by ``partition.partition_range`` (a ``FlatShard``: this rank's piece of it). In the
+engine the flat vector is the param group's (the same layout as stages 1/2, so checkpoints and
+``zero_to_fp32`` read stage 3 like any stage); under ``zero.Init``, before the engine exists, it is
+the parameter alone. Between uses ``param.data`` is an empty placeholder. The parameter carries
+DeepSpeed's attributes: ``ds_numel``, ``ds_shape``, ``ds_tensor`` (this rank's piece, 1-D; may be
+empty: pieces follow the flat layout, not one equal piece per parameter), ``ds_status``
+(``ZeroParamStatus``), ``ds_persist`` (kept whole: small parameters) and ``ds_id``.
+
+Users (a module's forward, ``GatheredParameters``) ``hold`` a parameter and ``unhold`` it; it is
+released when the last user is gone, unless persistent. Gathering a range: each owner broadcasts
+its piece into the full buffer (as ``ShardPublisher``: on gloo a round of broadcasts beats
+all_gather), every piece in flight at once.
+
+collective: ``fetch``/``hold``/``write_back`` of parameters that are not available run broadcasts:
+call them on all ranks with the same parameters in the same order.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dslaunch.runtime.zero.partition import partition_range, shard_slot
+
+__all__ = ["ZeroParamStatus", "FlatShard", "is_partitioned", "attach", "fetch", "hold", "unhold",
+           "release", "gather_range", "write_back", "scatter_into"]
+
+_IDS = itertools.count()
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's parameter states: whole and usable, a placeholder, or being gathered."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+@dataclass(frozen=True)
+class FlatShard:
+    """This rank's piece of a flat vector of ``numel`` elements split over ``world`` ranks.
+
+    ``shard`` holds ``partition_range(numel, world, rank)``; ``master``, when not None, is an fp32
+    copy of the same range that writes must update too (16-bit models in the engine, offload).
+    """
+
+    shard: torch.Tensor
+    numel: int
+    world: int
+    rank: int
+    group: Any = None
+    master: torch.Tensor | None = None
+    device: torch.device | None = None  # where gathered values go (None: the shard's device)
+
+    def __reduce__(self) -> tuple:
+        # A pickled parameter (torch.save of the Parameter keeps its attributes) is a placeholder
+        # detached from its shard: it unpickles without one (and a process group cannot pickle).
+        return type(None), ()
+
+    @property
+    def start(self) -> int:
+        return partition_range(self.numel, self.world, self.rank)[0]
+
+    @property
+    def end(self) -> int:
+        return partition_range(self.numel, self.world, self.rank)[1]
+
+
+def is_partitioned(t: Any) -> bool:
+    return getattr(t, "_dsl_flat", None) is not None
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def attach(p: torch.nn.Parameter, flat: FlatShard, offset: int, shape: torch.Size, persist: bool) -> None:
+    """Make ``p`` the range [offset, offset + numel(shape)) of ``flat``; release it unless ``persist``.
+
+    A persistent parameter keeps (or gets) its whole value in ``p.data``: the caller puts it there.
+    """
+    numel = shape.numel()
+    lo, hi = max(offset, flat.start), min(offset + numel, flat.end)
+    p._dsl_flat, p._dsl_offset = flat, offset
+    p.ds_numel, p.ds_shape, p.ds_persist = numel, torch.Size(shape), persist
+    p.ds_tensor = flat.shard[lo - flat.start:hi - flat.start] if hi > lo else flat.shard[:0]
+    if not hasattr(p, "ds_id"):
+        p.ds_id = next(_IDS)
+    p._dsl_users = getattr(p, "_dsl_users", 0)
+    if persist:
+        p.ds_status = ZeroParamStatus.AVAILABLE
+    else:
+        p.data = _placeholder(p)
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def gather_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[Any]]:
+    """Start gathering elements [a, b) of ``flat``'s vector on every rank.
+
+    Returns the buffer (valid once every returned work is waited for) and the works.
+    collective: all ranks, same ranges, same order.
+    """
+    out = torch.empty(b - a, dtype=flat.shard.dtype, device=flat.device or flat.shard.device)
+    k = shard_slot(flat.numel, flat.world)
+    works = []
+    for r in range(a // k, min(flat.world, -(-b // k))) if b > a else ():
+        lo, hi = max(a, r * k), min(b, (r + 1) * k)
+        piece = out[lo - a:hi - a]
+        if r == flat.rank:
+            piece.copy_(flat.shard[lo - r * k:hi - r * k])
+        if flat.world > 1:
+            works.append(dist.broadcast(piece, src=_global(flat, r), group=flat.group, async_op=True))
+    return out, works
+
+
+def _global(flat: FlatShard, r: int) -> int:
+    return r if flat.group is None else dist.get_global_rank(flat.group, r)
+
+
+def fetch(params: Iterable[torch.nn.Parameter]) -> None:
+    """Make every partitioned parameter in ``params`` whole (collective for those not available).
+
+    Parameters adjacent in the same flat vector (a module's weight and bias, usually) are gathered
+    as one range: one broadcast per owning rank for the run, not per parameter.
+    """
+    pending = []
+    for run in _runs([p for p in params if is_partitioned(p) and p.ds_status is ZeroParamStatus.NOT_AVAILABLE]):
+        first, last = run[0], run[-1]
+        buf, works = gather_range(first._dsl_flat, first._dsl_offset, last._dsl_offset + last.ds_numel)
+        for p in run:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+        pending.append((run, buf, works))
+    for run, buf, works in pending:
+        for w in works:
+            w.wait()
+        base = run[0]._dsl_offset
+        for p in run:
+            p.data = buf[p._dsl_offset - base:p._dsl_offset - base + p.ds_numel].view(p.ds_shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def _runs(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """``params`` (each once) split into runs that are contiguous in one flat vector, in an order
+    every rank computes alike: by first appearance of the vector, then by offset."""
+    unique = list({id(p): p for p in params}.values())
+    order = {id(p._dsl_flat): i for i, p in reversed(list(enumerate(unique)))}
+    unique.sort(key=lambda p: (order[id(p._dsl_flat)], p._dsl_offset))
+    runs: list[list[torch.nn.Parameter]] = []
+    for p in unique:
+        prev = runs[-1][-1] if runs else None
+        if prev is not None and prev._dsl_flat is p._dsl_flat and prev._dsl_offset + prev.ds_numel == p._dsl_offset:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def hold(params: list[torch.nn.Parameter]) -> None:
+    """Fetch ``params`` and count one more user of each."""
+    fetch(params)
+    for p in params:
+        p._dsl_users += 1
+
+
+def unhold(params: list[torch.nn.Parameter]) -> None:
+    """One user fewer; release those nobody uses any more."""
+    for p in params:
+        p._dsl_users -= 1
+    release(params)
+
+
+def release(params: Iterable[torch.nn.Parameter]) -> None:
+    """Back to a placeholder: every available, unused, non-persistent partitioned parameter."""
+    for p in params:
+        if (is_partitioned(p) and not p.ds_persist and p._dsl_users <= 0
+                and p.ds_status is ZeroParamStatus.AVAILABLE):
+            p.data = _placeholder(p)
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def scatter_into(p: torch.nn.Parameter, full: torch.Tensor) -> None:
+    """Write the whole value ``full`` into this rank's piece of ``p`` (and its fp32 master). Local."""
+    flat, off = p._dsl_flat, p._dsl_offset
+    lo, hi = max(off, flat.start), min(off + p.ds_numel, flat.end)
+    if hi <= lo:
+        return
+    src = full.reshape(-1)[lo - off:hi - off]
+    flat.shard[lo - flat.start:hi - flat.start].copy_(src)
+    if flat.master is not None:
+        flat.master[lo - flat.start:hi - flat.start].copy_(src)
+
+
+def write_back(params: list[torch.nn.Parameter], src_rank: int) -> None:
+    """Broadcast the whole values of ``params`` from ``src_rank`` and store them in every shard.
+
+    collective: all ranks, the same available parameters.
+    """
+    works = [dist.broadcast(p.data, src=src_rank, group=p._dsl_flat.group, async_op=True) for p in params
+             if p._dsl_flat.world > 1]
+    for w in works:
+        w.wait()
+    for p in params:
+        scatter_into(p, p.data)

@@ -1,0 +1,137 @@
+"""Stage 3's placement: the module's parameters are partitioned too, not only the optimizer state.
+
+``ShardGroup`` is stage 3's ``flat.FlatGroup``: the same ``GroupLayout`` as stages 1/2 (so the
+optimizer, the gradient path, checkpoints and resharding see no difference), but it stores only
+this rank's ``[start, end)`` of the group's flat vector. Each parameter becomes a range of that
+vector (``params.attach``): ``param.data`` is an empty placeholder until something gathers it.
+Parameters of at most ``param_persistence_threshold`` elements stay whole on every rank
+(``ds_persist``) and are re-gathered after each step (``publish``).
+
+With ``offload_param`` the shard lives in host memory (gathers copy each rank's own piece up to the
+device); with ``offload_optimizer`` the fp32 master and the optimizer state do.
+
+Parameters built under ``zero.Init`` arrive already partitioned (alone); each is gathered once
+here, on every rank, to copy this rank's part into the group shard: one parameter at a time, so
+building the engine never holds the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dslaunch.runtime.zero import params as zp
+from dslaunch.runtime.zero.flat import group_dtype, to_host
+from dslaunch.runtime.zero.partition import GroupLayout
+from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
+from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
+
+__all__ = ["ShardGroup", "Partitioned"]
+
+
+def _full_value(p: torch.nn.Parameter) -> torch.Tensor:
+    """The whole value of ``p`` as a flat tensor (collective if ``zero.Init`` partitioned it)."""
+    if not zp.is_partitioned(p) or p.ds_status is zp.ZeroParamStatus.AVAILABLE:
+        return p.data.reshape(-1)
+    buf, works = zp.gather_range(p._dsl_flat, p._dsl_offset, p._dsl_offset + p.ds_numel)
+    for w in works:
+        w.wait()
+    return buf
+
+
+class ShardGroup:
+    """One param group's storage at stage 3: this rank's shard of the flat vector, nothing more.
+
+    ``shard`` (model dtype, ``end - start`` elements) holds the weights this rank owns; ``master``
+    is its fp32 copy, the Parameter the optimizer updates (the shard itself for an fp32 model).
+
+    collective: construct on all ranks.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
+                 world_size: int, rank: int, process_group: Any, comm: CommSettings):
+        self.params, self.hparams = params, hparams
+        self.dtype = group_dtype(params)
+        shapes = [tuple(p.ds_shape) if zp.is_partitioned(p) else tuple(p.shape) for p in params]
+        self.layout = lay = GroupLayout.build(names, shapes, world_size, rank, True)
+        self.compute_device = params[0].device
+        home = torch.device("cpu") if comm.offload_param else self.compute_device
+        self.shard = torch.empty(lay.end - lay.start, dtype=self.dtype, device=home)
+        if comm.offload_param and comm.pin_memory and self.compute_device.type != "cpu":
+            self.shard = self.shard.pin_memory()
+        whole = []
+        for i, p in enumerate(params):
+            a, b = lay.param_range(i)
+            full = _full_value(p)
+            lo, hi = max(a, lay.start), min(b, lay.end)
+            if hi > lo:
+                self.shard[lo - lay.start:hi - lay.start].copy_(full[lo - a:hi - a])
+            whole.append(full if b - a <= comm.param_persistence_threshold else None)
+        data = self.shard if self.dtype == torch.float32 else self.shard.float()
+        data = to_host(data, comm.pin_memory) if comm.offload_optimizer else data
+        self.master = torch.nn.Parameter(data, requires_grad=False)
+        aliased = self.master.data.data_ptr() == self.shard.data_ptr()
+        self.flat = zp.FlatShard(self.shard, lay.numel, world_size, rank, process_group,
+                                 None if aliased else self.master.data, self.compute_device)
+        for i, (p, full) in enumerate(zip(params, whole, strict=True)):
+            if full is not None:
+                p.data = full.to(self.dtype).view(shapes[i]).clone()
+            p._dsl_users = 0
+            zp.attach(p, self.flat, lay.offsets[i], torch.Size(shapes[i]), persist=full is not None)
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters are used and their gradients reduced."""
+        return self.compute_device
+
+    @property
+    def persistent(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.params if p.ds_persist]
+
+    def copy_master_to_model(self) -> None:
+        if self.flat.master is not None:
+            self.shard.copy_(self.master.data)
+
+    def copy_model_to_master(self) -> None:
+        if self.flat.master is not None:
+            self.master.data.copy_(self.shard)
+
+    def load_full(self, values: torch.Tensor) -> bool:
+        """The shard is written from the master; whole (persistent) parameters need a publish."""
+        return False
+
+
+class Partitioned(Placement):
+    """Rank r holds ``partition_range(numel, world, r)`` of each group's parameters, master and
+    optimizer state (stage 3). ``publish`` refreshes the persistent parameters after a step; the
+    others are gathered when a module needs them."""
+
+    partitioned = True
+    always_norm = True
+
+    def _build_groups(self, specs: list[GroupSpec], comm: CommSettings) -> list[Any]:
+        return [ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,
+                           comm) for g in specs]
+
+    @property
+    def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:
+        return sum_over_ranks(self.world_size, self.pg)
+
+    def publish(self) -> None:
+        """collective: re-gather every persistent parameter from the updated shards."""
+        pending = []
+        for g in self.groups:
+            for p in g.persistent:
+                buf, works = zp.gather_range(g.flat, p._dsl_offset, p._dsl_offset + p.ds_numel)
+                pending.append((p, buf, works))
+        for p, buf, works in pending:
+            for w in works:
+                w.wait()
+            p.data.copy_(buf.view(p.ds_shape))
+

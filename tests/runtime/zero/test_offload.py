@@ -1,0 +1,53 @@
+"""CPU offload (``offload_optimizer``/``offload_param`` with device cpu) trains like plain torch.
+
+On this CPU-only machine host memory *is* the device, so these runs check the configuration, the
+placement of the master/optimizer state/shards in host memory and the numerics of the offload
+path (gradients moved to the master's device, the update there, the copy back); the transfers
+themselves only happen on GPU hosts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_world
+from tests.runtime.zero.equivalence import assert_close, config, engine_losses
+
+
+def _offload(stage: int, params: bool = False) -> dict:
+    cfg = config(stage)
+    zero = cfg["zero_optimization"]
+    zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if params:
+        zero.update(offload_param={"device": "cpu"}, stage3_param_persistence_threshold=0)
+    return cfg
+
+
+def _train_and_place(rank: int, world: int, cfgs: list[dict]) -> list[list[float]]:
+    out = [engine_losses(rank, world, cfg) for cfg in cfgs]
+    import torch
+
+    import dslaunch
+    from tests.runtime.models import batches, make_model
+
+    engine, *_ = dslaunch.initialize(model=make_model(), config=cfgs[-1])
+    tokens, labels = batches(1, world)[0]
+    for _ in range(engine.gradient_accumulation_steps()):  # up to the first optimizer step
+        engine.backward(engine(tokens[rank:rank + 1], labels[rank:rank + 1]))
+        engine.step()
+    for g in engine.zero.groups:
+        assert g.master.device == torch.device("cpu")
+        state = engine.optimizer.state[g.master]
+        assert {"exp_avg", "exp_avg_sq"} <= set(state)
+        assert all(t.device == torch.device("cpu") for t in state.values())
+        assert g.shard.device == torch.device("cpu")
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_cpu_offload_matches_single_process(reference: list[float]) -> None:
+    """Stages 1, 2, 3 with offload_optimizer and stage 3 with offload_param too, 2 ranks."""
+    cfgs = [_offload(1), _offload(2), _offload(3), _offload(3, params=True)]
+    for per_rank in run_world(_train_and_place, 2, cfgs):
+        for losses in per_rank:
+            assert_close(losses, reference, 1e-5)

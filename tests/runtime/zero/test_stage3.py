@@ -1,0 +1,113 @@
+"""ZeRO stage 3 at world sizes 1, 2, 4 trains to the losses of plain single-process torch.
+
+See ``equivalence.py`` for the setup (2 accumulation micro steps, active clipping, tiny buckets).
+``stage3_param_persistence_threshold: 0`` partitions every parameter; the default keeps the tiny
+model whole (persistent) and must train alike. 16-bit models at 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_world
+from tests.runtime.zero.equivalence import check, config, config_16bit
+
+STAGE = 3
+
+
+def config3(**zero) -> dict:
+    cfg = config(STAGE)
+    cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0, **zero})
+    return cfg
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fp32_matches_single_process(world: int, reference: list[float]) -> None:
+    extra = [config(STAGE), config3(overlap_comm=False)] if world == 2 else []
+    check(world, [config3(), *extra], reference, 1e-5, every_rank=True)
+
+
+@pytest.mark.timeout(90)
+def test_16bit_tracks_fp32(reference: list[float]) -> None:
+    """bf16 and fp16 (dynamic scale from 2**8) on 2 ranks, fp16 on 4."""
+    configs = [config_16bit(p, STAGE) for p in ("bf16", "fp16")]
+    for c in configs:
+        c["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    check(2, configs, reference, 3e-2)
+    check(4, configs[1:], reference, 3e-2)
+
+
+def _memory(rank: int, world: int) -> tuple[int, int, int, int]:
+    import torch
+
+    import dslaunch
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(6)]
+    model = torch.nn.Sequential(*[m for lin in layers for m in (lin, torch.nn.Tanh())])
+    total = sum(p.numel() for p in model.parameters())
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    whole: list[int] = []
+    for m in layers:  # runs after the gather hook: what is whole while each layer runs
+        m.register_forward_pre_hook(lambda m, a: whole.append(sum(p.numel() for p in model.parameters())))
+    x = torch.randn(4 // world, 16)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    held = sum(g.shard.numel() for g in engine.zero.groups)
+    optim = engine.zero.held_bytes()["optimizer_state"] // 4
+    after = sum(p.numel() for p in model.parameters())
+    return total, held, max(whole), optim + after
+
+
+@pytest.mark.timeout(60)
+def test_memory_is_a_shard_plus_the_running_module() -> None:
+    """4 ranks: each holds 1/4 of the weights (and 2/4 in Adam state: two moments); while a layer
+    runs only its own 272 parameters are whole; after the step none is."""
+    for total, held, peak, rest in run_world(_memory, 4):
+        assert held == -(-total // 4)
+        assert peak == 16 * 16 + 16
+        assert rest == 2 * held
+
+
+def _checkpointed(rank: int, world: int, reentrant: bool) -> None:
+    import copy
+
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import dslaunch
+    from dslaunch.utils import safe_get_full_grad
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.norm, self.b = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(lambda y: self.norm(torch.tanh(self.a(y))), x, use_reentrant=reentrant)
+            return self.b(h).square().mean()
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, requires_grad=reentrant)  # the reentrant variant needs an input that does
+    ref(x).backward()
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    micro = 4 // world
+    engine.backward(engine(x[rank * micro:(rank + 1) * micro]))
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-6)
+    assert all(p.numel() == 0 for p in model.parameters())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant: bool) -> None:
+    """torch.utils.checkpoint recomputes forwards inside backward: gradients still match torch and
+    every parameter is released after backward."""
+    run_world(_checkpointed, 2, reentrant)

@@ -1,0 +1,169 @@
+"""DeepSpeed's zero API on gloo ranks: ``zero.Init``, ``GatheredParameters``, external parameters,
+``ZeroParamStatus`` and ``safe_get_full_*``; stage 3 with a tied weight, a module called twice, a
+parameter read outside its module and evaluation under ``torch.no_grad()``, against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_world
+from tests.runtime.models import make_model
+from tests.runtime.zero.equivalence import STEPS, assert_close, config, engine_losses
+
+V, D = 12, 8
+
+
+class Tied(torch.nn.Module):
+    """Embedding tied to the head, ``mid`` called twice, ``mid.weight`` also read by the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, D)
+        self.mid = torch.nn.Linear(D, D)
+        self.head = torch.nn.Linear(D, V, bias=False)
+        self.head.weight = self.embed.weight
+        self.gain = torch.nn.Parameter(torch.ones(D))
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(self.embed(tokens)))
+        h = torch.tanh(self.mid(h)) * self.gain
+        h = h + 0.1 * torch.nn.functional.linear(h, self.mid.weight)  # outside its module
+        return torch.nn.functional.cross_entropy(self.head(h.mean(1)), labels)
+
+
+def _tied(external: bool) -> Tied:
+    import dslaunch.zero
+
+    torch.manual_seed(3)
+    model = Tied()
+    if external:
+        dslaunch.zero.register_external_parameter(model, model.mid.weight)
+    return model
+
+
+def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, V, (4, 5), generator=g), torch.randint(0, V, (4,), generator=g))
+            for _ in range(steps)]
+
+
+def _tied_run(rank: int, world: int, stage: int) -> None:
+    import dslaunch
+    from dslaunch.runtime.zero.partition_parameters import ZeroParamStatus
+    from dslaunch.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    ref = _tied(external=False)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    cfg = {"train_batch_size": 4, "steps_per_print": 1000, "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                 "reduce_bucket_size": 40}}
+    model = _tied(external=True)
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    seen: list[set[str]] = []
+    names = {id(p): n for n, p in model.named_parameters()}
+    model.mid.register_forward_pre_hook(lambda m, a: seen.append(
+        {names[id(p)] for p in model.parameters() if p.numel()}))
+    micro = 4 // world
+    for tokens, labels in _data(4):
+        ref_loss = ref(tokens, labels)
+        ref_loss.backward()
+        loss = engine(tokens[rank * micro:(rank + 1) * micro], labels[rank * micro:(rank + 1) * micro])
+        engine.backward(loss)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-6, msg=n)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(safe_get_full_fp32_param(p), q.detach(), rtol=1e-5, atol=2e-6, msg=n)
+            torch.testing.assert_close(safe_get_full_optimizer_state(p, "exp_avg"), opt.state[q]["exp_avg"],
+                                       rtol=1e-5, atol=1e-7, msg=n)
+    if stage == 3:
+        # root holds gain + the external mid.weight; mid adds its own: nothing of embed/head
+        assert seen[0] == {"gain", "mid.weight", "mid.bias"}, seen[0]
+        assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0
+                   for p in model.parameters()), "parameters left whole after backward"
+    engine.eval()
+    tokens, labels = _data(5)[-1]
+    with torch.no_grad():
+        torch.testing.assert_close(engine(tokens, labels), ref(tokens, labels), rtol=1e-5, atol=1e-6)
+    fresh = _tied(external=False)  # the initial weights: engine.load_state_dict writes the shards
+    engine.load_state_dict({f"module.{k}": v for k, v in fresh.state_dict().items()})
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(safe_get_full_fp32_param(p), q.detach(), rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tied_twice_called_external_and_eval_match_torch(stage: int) -> None:
+    run_world(_tied_run, 2, stage)
+
+
+def _init_and_gather(rank: int, world: int) -> None:
+    import dslaunch
+    import dslaunch.zero
+    from dslaunch.runtime.zero.partition_parameters import ZeroParamStatus
+
+    full = make_model()  # Init sets up the process group itself, as DeepSpeed's
+    with dslaunch.zero.Init():
+        model = make_model()
+    total = sum(p.numel() for p in full.parameters())
+    held = sum(p.ds_tensor.numel() for p in model.parameters())
+    assert all(p.numel() == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
+    assert held <= total / world + len(list(model.parameters())), (held, total)
+    assert sum(run for run in [held]) * world >= total
+    w = model.head.weight
+    assert (w.ds_numel, w.ds_shape) == (full.head.weight.numel(), full.head.weight.shape)
+    with dslaunch.zero.GatheredParameters(list(model.parameters())):
+        for p, q in zip(model.parameters(), full.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.data, rtol=0, atol=0)
+        w.data.fill_(float(rank))  # dropped: no modifier_rank
+    with dslaunch.zero.GatheredParameters(w):
+        torch.testing.assert_close(w.data, full.head.weight.data, rtol=0, atol=0)
+    with dslaunch.zero.GatheredParameters(w, modifier_rank=world - 1):
+        assert w.ds_status is ZeroParamStatus.AVAILABLE
+        w.data.fill_(float(rank) + 7)
+    assert w.numel() == 0
+    assert torch.all(w.ds_tensor == world + 6)
+    with dslaunch.zero.GatheredParameters([w], enabled=False):
+        assert w.numel() == 0
+    with dslaunch.zero.Init(enabled=False):
+        plain = make_model()
+    assert not hasattr(plain.head.weight, "ds_numel")
+    dslaunch.zero.Init(module=plain)
+    assert plain.head.weight.numel() == 0 and plain.head.weight.ds_numel == w.ds_numel
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 4])
+def test_init_partitions_and_gathered_parameters(world: int) -> None:
+    run_world(_init_and_gather, world)
+
+
+def _init_then_train(rank: int, world: int) -> list[float]:
+    cfg = config(3)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return engine_losses(rank, world, cfg, zero_init=True)
+
+
+@pytest.mark.timeout(60)
+def test_model_built_under_init_trains_like_torch(reference: list[float]) -> None:
+    for losses in run_world(_init_then_train, 2):
+        assert len(losses) == STEPS
+        assert_close(losses, reference, 1e-5)
+
+
+def test_import_paths() -> None:
+    import dslaunch
+    import dslaunch.zero
+    from dslaunch.runtime.zero import partition_parameters
+
+    assert dslaunch.zero.Init is partition_parameters.Init
+    assert dslaunch.runtime.zero.GatheredParameters is partition_parameters.GatheredParameters
+    assert {"Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter"} <= set(dir(dslaunch.zero))
+    for name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+                 "safe_set_full_fp32_param", "set_z3_leaf_modules"):
+        assert callable(getattr(dslaunch.utils, name))
