@@ -27,8 +27,10 @@ from dslaunch.launcher.hostfile import (
     apply_filter,
     ascii_int,
     hostname_problem,
+    parse_filter,
     read_hostfile,
 )
+from dslaunch.launcher.runners.slurm.allocation import Allocation
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
 from dslaunch.utils.restart import restart_env
@@ -98,6 +100,9 @@ class LaunchConfig:
     """Hosts left out of this run (lost hosts of an elastic job), after include/exclude."""
     max_nodes: int = 0
     """``--max_elastic_nodes`` of an elastic job: use at most this many hosts (0 = no limit)."""
+    allocation: Allocation | None = None
+    """The SLURM allocation the launcher runs in (None outside SLURM): without a ``--hostfile``
+    its nodes are the hosts and the job runs through ``srun`` (``--launcher slurm``)."""
 
 
 @dataclass(frozen=True)
@@ -120,12 +125,17 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         UsageError: inconsistent flags (e.g. more GPUs than slots).
     """
     _check_numbers(cfg)
-    if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0):
+    slurm = _uses_slurm(cfg)
+    # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
+    if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not slurm):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
     notes: list[str] = []
-    hosts = read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
-    source = cfg.hostfile if hosts is not None else None
-    if hosts is None:
+    hosts = None if slurm else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
+    source = "SLURM_JOB_NODELIST" if slurm else cfg.hostfile if hosts is not None else None
+    if slurm:
+        # SLURM gives the step its own CUDA_VISIBLE_DEVICES: the plan leaves it alone.
+        pool, use_gpus = _slurm_pool(cfg, notes), False
+    elif hosts is None:
         pool, use_gpus = _localhost(cfg, detect, notes)
     else:
         pool, use_gpus = apply_filter(hosts, cfg.include, cfg.exclude), True  # slots are GPUs (DeepSpeed)
@@ -135,7 +145,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     if not pool:
         raise HostfileError(f"no host left: every selected host was lost ({', '.join(cfg.drop_hosts)})", source)
     _check_no_ssh(cfg, pool)
-    launcher = _launcher(cfg, pool)
+    launcher = "slurm" if slurm else _launcher(cfg, pool)
     master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else next(iter(pool)))
     world = sum(len(s) for s in pool.values())
     nodes, rank = [], 0
@@ -184,6 +194,43 @@ def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators], notes: lis
         notes.append(f"no GPU ({reason}) and no --num_gpus: starting 1 CPU worker process")
         count = 1
     return apply_filter({"localhost": count}, cfg.include, cfg.exclude), False
+
+
+def _uses_slurm(cfg: LaunchConfig) -> bool:
+    """``--launcher slurm``, or automatic: inside an allocation without ``--hostfile``/``--no_ssh``."""
+    if cfg.launcher == "slurm":
+        if cfg.allocation is None:
+            raise UsageError("--launcher slurm runs inside a SLURM allocation, but SLURM_JOB_ID is not set: "
+                             "run it in sbatch or salloc, or submit with 'dslaunch sbatch'")
+        if cfg.no_ssh:
+            raise UsageError("--no_ssh starts this node's workers here, without a launcher; "
+                             "leave out --launcher slurm")
+        return True
+    return cfg.launcher == "" and cfg.allocation is not None and not cfg.hostfile_explicit and not cfg.no_ssh
+
+
+def _slurm_pool(cfg: LaunchConfig, notes: list[str]) -> Pool:
+    """The allocation's nodes, each with ``--num_gpus`` slots, else as many as SLURM says
+    (``allocation.SLOT_VARIABLES``), else 1; include/exclude pick whole nodes."""
+    alloc = cfg.allocation
+    assert alloc is not None
+    for flag, text in (("--include", cfg.include), ("--exclude", cfg.exclude)):
+        if text and any(slots is not None for slots in parse_filter(text, flag).values()):
+            raise UsageError(f"{flag} {quote(text)}: under SLURM, include/exclude select whole nodes "
+                             "(e.g. 'node1@node2'); SLURM gives each node's step its devices")
+    if cfg.num_gpus > 0:
+        if alloc.slots is not None and cfg.num_gpus > alloc.slots and alloc.slots_from == "SLURM_GPUS_ON_NODE":
+            raise UsageError(f"--num_gpus {cfg.num_gpus}: the allocation has {alloc.slots} GPUs per node "
+                             "(SLURM_GPUS_ON_NODE)")
+        count = cfg.num_gpus
+    elif alloc.slots is not None:
+        count = alloc.slots
+        notes.append(f"{count} workers per node ({alloc.slots_from}={count})")
+    else:
+        count = 1
+        notes.append("1 worker per node: the allocation names no GPUs or tasks per node "
+                     "(pass --num_gpus N, or sbatch --gpus-per-node/--ntasks-per-node)")
+    return apply_filter({h: count for h in alloc.hosts}, cfg.include, cfg.exclude)
 
 
 def _local_gpus(cfg: LaunchConfig, count: int, notes: list[str]) -> Pool:

@@ -35,6 +35,7 @@ from dslaunch.launcher.monitor.loop import Attempt, JobLoop, print_event
 from dslaunch.launcher.monitor.restart import RestartPolicy
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job, elastic_batch_for
 from dslaunch.launcher.runners import get_runner
+from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocation
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
 from dslaunch.utils.ports import free_port
 
@@ -136,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
            "its own --node_rank (needs --master_addr)")
     a("--node_rank", type=integer, default=-1,
       help="with --no_ssh: this node's index among the selected hosts, in hostfile order")
-    a("--launcher", default="", help="local or ssh (default: ssh when a host is remote, else local)")
-    a("--launcher_args", default="", help="extra arguments for the launcher transport, verbatim")
+    a("--launcher", default="",
+      help="local, ssh or slurm (default: slurm inside a SLURM allocation without --hostfile; else ssh "
+           "when a host is remote, else local)")
+    a("--launcher_args", default="", help="extra arguments for the launcher transport (ssh, srun), verbatim")
     a("--module", action="store_true", help="run user_script as a module (python -m)")
     a("--no_python", action="store_true", help="run user_script directly, not through python")
     a("--no_local_rank", action="store_true", help="do not append --local_rank=N to the script arguments")
@@ -221,6 +224,7 @@ def parse_config(argv: list[str],
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
         max_restarts=ns.max_restarts, resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else None,
         max_nodes=ns.max_elastic_nodes if ns.elastic_training and ns.max_elastic_nodes > 0 else 0,
+        allocation=slurm_allocation(os.environ if env is None else env),
     )
     return cfg, ns
 

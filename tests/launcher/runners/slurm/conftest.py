@@ -54,6 +54,34 @@ class Slurm:
         fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
         return fields.get("JobState", "?"), fields.get("ExitCode", "?")
 
+    def dslaunch(self, nodes: int, per_node: int, *args: str, timeout: float = 120,
+                 **extra: str) -> subprocess.CompletedProcess:
+        """``salloc -N nodes --ntasks-per-node per_node dslaunch ARGS``: dslaunch inside an allocation."""
+        return self.run("salloc", "--quiet", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
+                        sys.executable, "-m", "dslaunch.launcher.cli", *args, timeout=timeout, **extra)
+
+    def job_processes(self, host: str) -> list[str]:
+        """Every process in ``host``'s network namespace except its daemons (sshd, slurmd)."""
+        out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
+        found = []
+        for pid in out.split():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue  # exited meanwhile
+            if "sshd" not in args and not args.startswith("/usr/sbin/slurmd "):
+                found.append(f"{pid} {args}")
+        return found
+
+    def wait_no_job_processes(self, timeout: float) -> dict[str, list[str]]:
+        """Poll until no host has job processes left; return what is left (empty dict = clean)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {h: procs for h in self.hosts if (procs := self.job_processes(h))}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
     def wait_idle(self, timeout: float = 30) -> None:
         """Until no job is left in the queue (a failed test must not hold nodes for the next)."""
         deadline = time.monotonic() + timeout
