@@ -1,6 +1,7 @@
 """``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts use (``zero_to_fp32``), and
 what both the launcher and the runtime need (``ports.free_port``, ``beat``: the heartbeat wire
-format, the restart variables in ``restart``), so the runtime never imports the launcher.
+format, the restart variables in ``restart``, host names and SLURM hostlists in ``hostlist``), so
+the runtime never imports the launcher.
 
 Submodules are imported on first access, so ``import dslaunch.utils`` never imports torch.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("beat", "ports", "restart", "zero_to_fp32")
+_SUBMODULES = ("beat", "hostlist", "ports", "restart", "zero_to_fp32")
 
 __all__ = list(_SUBMODULES)
 

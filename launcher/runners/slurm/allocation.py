@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dslaunch.errors import UsageError, quote
-from dslaunch.launcher.runners.slurm.hostlist import expand
+from dslaunch.utils.hostlist import expand
 
 __all__ = ["Allocation", "from_env", "SLOT_VARIABLES"]
 
