@@ -35,7 +35,7 @@ from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
 from dslaunch.utils.restart import restart_env
 
-__all__ = ["LaunchConfig", "Plan", "build_job", "elastic_batch_for", "LOCAL_HOSTS", "DEFAULT_HOSTFILE",
+__all__ = ["LaunchConfig", "Plan", "build_job", "check_numbers", "elastic_batch_for", "LOCAL_HOSTS", "DEFAULT_HOSTFILE",
            "PID_FILE_DIR", "MAX_GRACE", "DEFAULT_LOG_DIR", "MAX_HANG_TIMEOUT", "job_id"]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -124,7 +124,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         HostfileError: bad hostfile or include/exclude.
         UsageError: inconsistent flags (e.g. more GPUs than slots).
     """
-    _check_numbers(cfg)
+    check_numbers(cfg)
     slurm = _uses_slurm(cfg)
     # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
     if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not slurm):
@@ -317,7 +317,7 @@ def _no_ssh_note(node: NodeSpec, num_nodes: int, world: int) -> str:
             "here; start each other node the same way with its own --node_rank")
 
 
-def _check_numbers(cfg: LaunchConfig) -> None:
+def check_numbers(cfg: LaunchConfig) -> None:
     """Every number of the command line in a finite range, each error naming its flag."""
     _check_count("--num_nodes", cfg.num_nodes, MAX_WORLD, "hosts")
     _check_count("--num_gpus", cfg.num_gpus, MAX_SLOTS, "workers per host")

@@ -43,7 +43,7 @@ __all__ = ["run", "build_parser", "parse_config", "restart_policy"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Options whose value is passed through verbatim and may start with '-' (e.g. ssh's "-i KEY").
-_ATTACHED = ("--launcher_args",)
+_ATTACHED = ("--launcher_args", "--sbatch_args")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,7 +81,7 @@ class _Parser(argparse.ArgumentParser):
             message += did_you_mean(flag.split("=")[0], self._option_string_actions)
         if len(message) > 300:  # e.g. every unknown argument, repeated: one line stays short
             message = message[:300] + "..."
-        raise UsageError(f"{message} (see dslaunch --help)")
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def integer(text: str) -> int:
@@ -117,10 +117,12 @@ class _NotSupported(argparse.Action):
 _NOT_SUPPORTED = ("--autotuning", "--comment", "--account", "--venv_script")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dslaunch", allow_abbrev=False,
-                description="Launch a DeepSpeed-style training script on one or many nodes.",
-                epilog="Also: dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR")
+def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-style training script on "
+                 "one or many nodes.", unsupported: tuple[str, ...] = _NOT_SUPPORTED) -> argparse.ArgumentParser:
+    """The launch command's parser; ``dslaunch sbatch`` builds on it (its own ``prog``, and
+    ``--account`` is an sbatch option there, not an unsupported flag)."""
+    p = _Parser(prog=prog, allow_abbrev=False, description=description,
+                epilog="Also: dslaunch sbatch ...; dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR")
     a = p.add_argument
     a("-H", "--hostfile", default=None,
       help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")
@@ -183,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
     a("--version", action="version", version=f"dslaunch {__version__}")
     p.add_argument_group("not supported yet", f"DeepSpeed launcher flags that are an error here: "
-                         f"{', '.join(_NOT_SUPPORTED)}")
-    for flag in _NOT_SUPPORTED:
+                         f"{', '.join(unsupported)}")
+    for flag in unsupported:
         a(flag, action=_NotSupported)
     a("user_script", help="the training script (or module with --module, program with --no_python)")
     # argparse marks a REMAINDER positional required and names it in "the following arguments are

@@ -48,10 +48,14 @@ class Slurm:
     def run(self, *cmd: str, timeout: float = 60, **extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(**extra))
 
-    def job_state(self, job_id: str) -> tuple[str, str]:
-        """(state, exit code ``N:S``) of a job, from ``scontrol show job``."""
+    def job_info(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (JobState, ExitCode, NodeList, ...)."""
         out = self.run("scontrol", "-o", "show", "job", job_id).stdout
-        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def job_state(self, job_id: str) -> tuple[str, str]:
+        """(state, exit code ``N:S``) of a job."""
+        fields = self.job_info(job_id)
         return fields.get("JobState", "?"), fields.get("ExitCode", "?")
 
     def dslaunch(self, nodes: int, per_node: int, *args: str, timeout: float = 120,
@@ -97,15 +101,19 @@ def slurm() -> Slurm:
         pytest.skip(f"test SLURM unavailable: {why}")
     if why:  # root with namespaces but no slurm-wlm: a setup mistake, not a skip
         pytest.fail(f"test SLURM cannot be built: {why} (make system-deps)")
-    state = module.state_dir_default()
+    state, hosts = module.state_dir_default(), module.cluster.state_dir_default()
     st = module.status(state)
     was_up = st["slurmctld"] and len(st["nodes"]) >= N_HOSTS
+    hosts_were_up = all(module.cluster.status(hosts)["sshd"].get(f"{module.cluster.PREFIX}node{k}")
+                        for k in range(1, N_HOSTS + 1))
     info = module.up(N_HOSTS, state)
     try:
         yield Slurm(conf=info["slurm_conf"], hosts=tuple(info["hosts"]), addrs=tuple(info["addrs"]))
     finally:
-        if not was_up:
+        if not was_up:  # slurmd in the hosts would read as leftovers to the SSH tests
             module.down(state)
+        if not hosts_were_up:
+            module.cluster.down(hosts)
 
 
 @pytest.fixture(autouse=True)
