@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dslaunch.errors import HostfileError, UsageError, quote
 from dslaunch.launcher.gpus import Accelerators
@@ -27,10 +27,9 @@ from dslaunch.launcher.hostfile import (
     apply_filter,
     ascii_int,
     hostname_problem,
-    parse_filter,
     read_hostfile,
 )
-from dslaunch.launcher.runners.slurm.allocation import Allocation
+from dslaunch.launcher.runners.slurm.allocation import Allocation, slurm_pool
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
 from dslaunch.utils.restart import restart_env
@@ -126,6 +125,8 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     """
     check_numbers(cfg)
     slurm = _uses_slurm(cfg)
+    if slurm and cfg.allocation.requeues:  # a requeued SLURM job is a restart of the job
+        cfg = replace(cfg, restart_count=cfg.restart_count + cfg.allocation.requeues)
     # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
     if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not slurm):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
@@ -134,7 +135,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     source = "SLURM_JOB_NODELIST" if slurm else cfg.hostfile if hosts is not None else None
     if slurm:
         # SLURM gives the step its own CUDA_VISIBLE_DEVICES: the plan leaves it alone.
-        pool, use_gpus = _slurm_pool(cfg, notes), False
+        pool, use_gpus = slurm_pool(cfg.allocation, cfg.include, cfg.exclude, cfg.num_gpus, notes), False
     elif hosts is None:
         pool, use_gpus = _localhost(cfg, detect, notes)
     else:
@@ -150,7 +151,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     world = sum(len(s) for s in pool.values())
     nodes, rank = [], 0
     for node_rank, (host, slots) in enumerate(pool.items()):
-        nodes.append(_node(cfg, node_rank, host, slots, rank, world, len(pool), master_addr, use_gpus))
+        nodes.append(_node(cfg, node_rank, host, slots, rank, world, len(pool), master_addr, use_gpus, slurm))
         rank += len(slots)
     if cfg.no_ssh:  # every node plans the whole job (same ranks everywhere), then starts only its own
         nodes = [nodes[cfg.node_rank]]
@@ -207,30 +208,6 @@ def _uses_slurm(cfg: LaunchConfig) -> bool:
                              "leave out --launcher slurm")
         return True
     return cfg.launcher == "" and cfg.allocation is not None and not cfg.hostfile_explicit and not cfg.no_ssh
-
-
-def _slurm_pool(cfg: LaunchConfig, notes: list[str]) -> Pool:
-    """The allocation's nodes, each with ``--num_gpus`` slots, else as many as SLURM says
-    (``allocation.SLOT_VARIABLES``), else 1; include/exclude pick whole nodes."""
-    alloc = cfg.allocation
-    assert alloc is not None
-    for flag, text in (("--include", cfg.include), ("--exclude", cfg.exclude)):
-        if text and any(slots is not None for slots in parse_filter(text, flag).values()):
-            raise UsageError(f"{flag} {quote(text)}: under SLURM, include/exclude select whole nodes "
-                             "(e.g. 'node1@node2'); SLURM gives each node's step its devices")
-    if cfg.num_gpus > 0:
-        if alloc.slots is not None and cfg.num_gpus > alloc.slots and alloc.slots_from == "SLURM_GPUS_ON_NODE":
-            raise UsageError(f"--num_gpus {cfg.num_gpus}: the allocation has {alloc.slots} GPUs per node "
-                             "(SLURM_GPUS_ON_NODE)")
-        count = cfg.num_gpus
-    elif alloc.slots is not None:
-        count = alloc.slots
-        notes.append(f"{count} workers per node ({alloc.slots_from}={count})")
-    else:
-        count = 1
-        notes.append("1 worker per node: the allocation names no GPUs or tasks per node "
-                     "(pass --num_gpus N, or sbatch --gpus-per-node/--ntasks-per-node)")
-    return apply_filter({h: count for h in alloc.hosts}, cfg.include, cfg.exclude)
 
 
 def _local_gpus(cfg: LaunchConfig, count: int, notes: list[str]) -> Pool:
@@ -344,13 +321,14 @@ def _check_count(flag: str, n: int, most: int, what: str) -> None:
 
 
 def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], first_rank: int,
-          world: int, num_nodes: int, master_addr: str, use_gpus: bool) -> NodeSpec:
+          world: int, num_nodes: int, master_addr: str, use_gpus: bool, slurm: bool) -> NodeSpec:
     workers = tuple(WorkerSpec(first_rank + i, i, _argv(cfg, i), worker_env(first_rank + i, i))
                     for i in range(len(slots)))
     return NodeSpec(
         node_rank=node_rank, host=host, workers=workers, cwd=os.getcwd(),
         env={**node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
-             **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from)},
+             # Under SLURM the ranks checkpoint into --resume_from on the time-limit warning.
+             **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from, on_request=slurm)},
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
         pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.errors import UsageError, quote
-from dslaunch.runtime import heartbeat
+from dslaunch.runtime import heartbeat, preempt
 from dslaunch.runtime.config import MAX_TIMEOUT_S
 from dslaunch.runtime.config.param_schema import number
 from dslaunch.runtime.shutdown import register_clean_exit
@@ -115,6 +115,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if dist_init_required is False:
         return
     register_clean_exit()  # also for a group the script made itself: it must die before Python
+    preempt.arm()  # before the first beat, which tells the agent this rank takes requests
     heartbeat.start()  # the rank is up, and its stacks can be dumped while it waits for its peers
     if dist.is_initialized():
         return

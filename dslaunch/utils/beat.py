@@ -23,13 +23,16 @@ import signal
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["Beat", "Memory", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "MAX_LINE"]
+__all__ = ["Beat", "Memory", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "CHECKPOINT_SIGNAL", "MAX_LINE"]
 
 HEARTBEAT_FD_ENV = "DSLAUNCH_HEARTBEAT_FD"
 STACK_FD_ENV = "DSLAUNCH_STACK_FD"
 STACK_SIGNAL = signal.SIGUSR2
 """The signal a worker's stack dump answers to. Sent only to workers whose beats say they
 registered it (``Beat.stack_signal``): its default action would kill the process."""
+CHECKPOINT_SIGNAL = signal.SIGUSR1
+"""The signal that asks a rank for a checkpoint (pre-emption). Sent only to ranks whose beats say
+they handle it (``Beat.checkpoint_signal``): its default action would kill the process."""
 MAX_LINE = 4000  # under PIPE_BUF: one atomic write
 
 
@@ -62,6 +65,8 @@ class Beat:
     stack_signal: int | None = None
     """The signal that makes this rank dump its stacks into its stack pipe (None: it cannot)."""
     pid: int | None = None
+    checkpoint_signal: int | None = None
+    """The signal that asks this rank for a checkpoint (None: it does not take requests)."""
 
     def to_line(self) -> bytes:
         """One JSON line (newline included), never over ``MAX_LINE`` bytes."""

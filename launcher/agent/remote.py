@@ -20,6 +20,7 @@ from dslaunch.errors import LaunchError
 from dslaunch.launcher.agent.node import Agent
 from dslaunch.launcher.agent.wire import (
     BEATS_EVERY_S,
+    CHECKPOINT_REQUEST,
     STACKS_REQUEST,
     format_beats_line,
     format_failure_line,
@@ -72,13 +73,17 @@ def main() -> int:
 
 def _read_requests(agent: Agent) -> None:
     """The controller holds our stdin open for the whole job: EOF means it is gone; a
-    ``STACKS_REQUEST`` line asks for the workers' stacks (answered from a thread of its own)."""
+    ``STACKS_REQUEST`` line asks for the workers' stacks (answered from a thread of its own), a
+    ``CHECKPOINT_REQUEST`` line for a checkpoint."""
     pending = b""
     while data := os.read(0, 4096):  # raw fd: a daemon thread must not hold the buffered stdin's lock
         *lines, pending = (pending + data).split(b"\n")
-        if any(line.strip() == STACKS_REQUEST.encode() for line in lines):
+        requests = {line.strip() for line in lines}
+        if STACKS_REQUEST.encode() in requests:
             threading.Thread(target=lambda: agent.report(format_stacks_line(agent.dump_stacks())),
                              daemon=True, name="stacks").start()
+        if CHECKPOINT_REQUEST.encode() in requests:
+            agent.request_checkpoint()
         pending = pending[-4096:]
     agent.stop(signal.SIGTERM)
 

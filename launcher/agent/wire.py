@@ -9,8 +9,9 @@ line is output for the user:
 - the beats line (rank -> latest ``Beat``), at most every ``BEATS_EVERY_S`` while beats change;
 - the stacks line (rank -> ``{"stopped", "stack"}``), the answer to a ``STACKS_REQUEST``.
 
-And one the other way, on the agent's stdin after the NodeSpec line: ``STACKS_REQUEST`` asks for
-every worker's stacks; EOF is the stop request.
+And the other way, on the agent's stdin after the NodeSpec line: ``STACKS_REQUEST`` asks for
+every worker's stacks; ``CHECKPOINT_REQUEST`` asks every worker that takes it for a checkpoint
+(pre-emption, ``runtime.preempt``); EOF is the stop request.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from dslaunch.utils.beat import Beat
 
 __all__ = ["format_status_line", "parse_status_line", "format_failure_line", "parse_failure_line",
            "format_beats_line", "parse_beats_line", "format_stacks_line", "parse_stacks_line",
-           "STACKS_REQUEST", "BEATS_EVERY_S"]
+           "STACKS_REQUEST", "CHECKPOINT_REQUEST", "BEATS_EVERY_S"]
 
 STATUS_MARKER = "@@dslaunch-agent-status "
 FAILURE_MARKER = "@@dslaunch-agent-failure "
 BEATS_MARKER = "@@dslaunch-agent-beats "
 STACKS_MARKER = "@@dslaunch-agent-stacks "
 STACKS_REQUEST = "@@dslaunch-stacks"
+CHECKPOINT_REQUEST = "@@dslaunch-checkpoint"
 BEATS_EVERY_S = 0.5
 
 

@@ -36,6 +36,7 @@ from dslaunch.launcher.monitor.restart import RestartPolicy
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job, elastic_batch_for
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocation
+from dslaunch.launcher.runners.slurm.preemption import Preemption
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
 from dslaunch.utils.ports import free_port
 
@@ -231,8 +232,9 @@ def parse_config(argv: list[str],
     return cfg, ns
 
 
-def restart_policy(ns: argparse.Namespace) -> RestartPolicy:
-    """The restart policy the flags ask for.
+def restart_policy(ns: argparse.Namespace, requeued_by_slurm: bool = False) -> RestartPolicy:
+    """The restart policy the flags ask for (``requeued_by_slurm``: inside a SLURM allocation,
+    where a requeue restarts the job and ``--resume_from`` acts without ``--max_restarts``).
 
     Raises:
         UsageError: elastic flags without ``--elastic_training``, or out of range.
@@ -243,7 +245,7 @@ def restart_policy(ns: argparse.Namespace) -> RestartPolicy:
             raise UsageError(f"--{flag} {value} is only used with --elastic_training")
         if value != -1 and value < 1:
             raise UsageError(f"--{flag} {value}: expected 1 or more nodes (or -1, the default)")
-    if ns.resume_from and ns.max_restarts == 0:
+    if ns.resume_from and ns.max_restarts == 0 and not requeued_by_slurm:
         raise UsageError(f"--resume_from {ns.resume_from} acts when the job restarts: add --max_restarts N "
                          "(N >= 1), or load the checkpoint in the script (engine.load_checkpoint)")
     if ns.elastic_training and ns.max_restarts == 0:
@@ -344,12 +346,13 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy) -> int:
         events.emit(kind, **fields)
         print_event(kind, **fields)
 
-    loop = JobLoop(policy, plan_attempt, lambda j: next(runners, None) or get_runner(j.launcher)(), emit,
-                   events=events)
+    preemption = Preemption(enabled=job.launcher == "slurm")
+    loop = JobLoop(policy, plan_attempt, lambda j: preemption.track(next(runners, None) or get_runner(j.launcher)()),
+                   emit, events=events)
     started = time.monotonic()
     code: int | None = None
     try:
-        code = _run(loop, policy)
+        code = _run(loop, policy, preemption)
         return code
     except DslaunchError as err:
         code = err.exit_code
@@ -366,18 +369,23 @@ def _monitor_line(job: JobSpec) -> str:
     return f"# monitor: hang_timeout {hang}; events, error files and stacks in {job.monitor.log_dir}"
 
 
-def _run(loop: JobLoop, policy: RestartPolicy) -> int:
-    """Run the job with stop signals forwarded to it; turn a failure into WorkerFailedError."""
+def _run(loop: JobLoop, policy: RestartPolicy, preemption: Preemption) -> int:
+    """Run the job with stop signals forwarded to it (SLURM's warning signal: a checkpoint
+    request, then a requeue); turn a failure into WorkerFailedError."""
 
     def on_signal(signum: int, _frame: object) -> None:
         loop.stop(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
+    preemption.install()
     try:
         outcome = loop.run()
     finally:
+        preemption.restore()
         for s, h in previous.items():
             signal.signal(s, h)
+    if preemption.requested and preemption.requeue(os.environ.get("SLURM_JOB_ID", "")):
+        return 0  # SLURM ends this run and starts the job again; it resumes from the checkpoint
     result, code = outcome.result, outcome.exit_code
     if result.failure is not None:
         f = result.failure
@@ -400,4 +408,4 @@ def run(argv: list[str]) -> int:
         DslaunchError: a user mistake or a failed job (``cli.main`` prints it).
     """
     cfg, ns = parse_config(argv)
-    return _launch(cfg, ns.dry_run, restart_policy(ns))
+    return _launch(cfg, ns.dry_run, restart_policy(ns, requeued_by_slurm=cfg.allocation is not None))

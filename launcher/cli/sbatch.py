@@ -15,6 +15,10 @@ and the sbatch command instead. ``--wait`` blocks until the job ends (a requeued
 again) and exits with its exit code, as ``sbatch --wait`` does, but polls every second instead of
 sbatch's backoff of up to 32 s.
 
+With ``--resume_from DIR`` the script asks for ``--signal=B:USR1@120`` (unless ``--signal`` is
+given): dslaunch turns it into a checkpoint into DIR and, when the job may be requeued
+(``--requeue``), requeues it; the requeued job resumes from DIR (``slurm.preemption``).
+
 Options sbatch has but this command does not name are an error naming the option; pass them
 verbatim with ``--sbatch_args``. The launcher options are checked here, before submitting, so a
 typo fails now rather than in the queue. ``scripts/slurm/dslaunch.sbatch`` is the same script as
@@ -57,6 +61,8 @@ _OURS = {"--nodes": True, "--gpus_per_node": True, "--gpus-per-node": True, "--s
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
           "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT")
 _POLL_S = 1.0
+DEFAULT_SIGNAL = "B:USR1@120"
+"""With ``--resume_from``: SIGUSR1 to dslaunch (the batch shell) 2 minutes before the time limit."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,8 @@ def _spec(argv: list[str]) -> tuple[BatchSpec, argparse.Namespace]:
     gpus = per_node if ns.gpus_per_node is None and ns.num_gpus > 0 else (ns.gpus_per_node or 0)
     sbatch = tuple((name, getattr(ns, flag[2:]) if value else None)
                    for flag, name, value in _SBATCH_OPTIONS if getattr(ns, flag[2:]) not in (None, False))
+    if ns.resume_from and ns.signal is None:  # a warning before the end: checkpoint, then requeue
+        sbatch += (("signal", DEFAULT_SIGNAL),)
     return BatchSpec(ns.nodes, per_node, gpus, sbatch, tuple(launch), os.getcwd(), sys.executable), ns
 
 

@@ -30,6 +30,7 @@ import threading
 
 from dslaunch.errors import HostsError
 from dslaunch.launcher.agent.output import Sink
+from dslaunch.launcher.agent.wire import CHECKPOINT_REQUEST
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import Runner, format_node
@@ -184,6 +185,15 @@ class SlurmRunner(Runner):
                 raise SlurmError({node.host: ("srun", f"srun ended while starting the node: {exc}")}) from None
             handles.append(_SrunNode(spec, session))
         return handles
+
+    def request_checkpoint(self) -> None:
+        """Ask every node's agent to signal its ranks for a checkpoint (signal-handler safe:
+        the stdin lock is reentrant)."""
+        for s in self.sessions.values():
+            try:
+                s.send_line(CHECKPOINT_REQUEST)
+            except (OSError, ValueError, AssertionError):
+                pass  # that node's agent is gone: nothing to ask
 
     def _close_all(self) -> None:
         for s in self.sessions.values():

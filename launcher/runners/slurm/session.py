@@ -35,7 +35,7 @@ class SrunSession(AgentStream):
         super().__init__(alias, out, err, on_change)
         self.argv = argv
         self._proc: subprocess.Popen | None = None
-        self._stdin_lock = threading.Lock()
+        self._stdin_lock = threading.RLock()  # reentrant: a signal handler may write a request
 
     def start(self) -> None:
         """Start srun; readers run in threads. Raises OSError when srun cannot be executed."""
