@@ -2,7 +2,8 @@
 
 ``allocation`` reads the allocation from SLURM's variables (the hostlist syntax itself is
 ``dslaunch.utils.hostlist``, shared with the runtime); ``session`` runs one agent through srun;
-``runner`` is ``--launcher slurm``.
+``runner`` is ``--launcher slurm``; ``preemption`` turns SLURM's warning signal into a checkpoint
+request and a requeue.
 
 Nothing heavy is imported here: the launcher imports only what a SLURM launch needs.
 """

@@ -135,14 +135,15 @@ class SlurmRunner(Runner):
         return {k: v for k, v in collect_env().items() if k != "CUDA_VISIBLE_DEVICES"}
 
     @staticmethod
-    def _cpus(job: JobSpec) -> dict[str, int]:
+    def _cpus() -> dict[str, int]:
+        """Each node's CPUs in the allocation (for ``--cpus-per-task``), if SLURM says."""
         from dslaunch.launcher.runners.slurm.allocation import from_env
 
         alloc = from_env(os.environ)
         return dict(zip(alloc.hosts, alloc.cpus, strict=True)) if alloc and alloc.cpus else {}
 
     def dry_run(self, job: JobSpec) -> str:
-        cpus = self._cpus(job)
+        cpus = self._cpus()
         exported = self._exported()
         out = []
         for node in job.nodes:
@@ -154,7 +155,7 @@ class SlurmRunner(Runner):
 
     def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
         exported = self._exported()  # a bad env file fails fast, nothing started
-        cpus = self._cpus(job)
+        cpus = self._cpus()
         python = job.python or sys.executable
         try:
             for node in job.nodes:
