@@ -23,8 +23,8 @@ _LAZY = {
     "DslaunchError": "dslaunch.errors",
 }
 
-# subpackages reachable as attributes, like ``deepspeed.utils`` after ``import deepspeed``
-_SUBPACKAGES = ("utils",)
+# subpackages reachable as attributes, like ``deepspeed.comm`` after ``import deepspeed``
+_SUBPACKAGES = ("accelerator", "checkpoint", "comm", "launcher", "runtime", "utils", "zero")
 
 __all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
 

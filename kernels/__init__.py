@@ -1,8 +1,10 @@
 """Kernels: ONE dispatch point, ``get(op, device)``, for every op a fused implementation may replace.
 
 ``get`` returns the fused implementation registered for the op and the device's type when it can
-run here, else the reference (torch code). No fused kernel is written yet, so every op resolves
-to its reference; adding one is a ``Kernel`` entry in ``dispatch.KERNELS.fused`` and nothing else.
+run here, else the reference (torch code). Adding one is a ``Kernel`` entry in
+``dispatch.KERNELS.fused`` and nothing else. Registered: the C kernels of ``cpu/`` (built on first
+use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"lion"``, ``"adagrad"``,
+``"torch.adam"``, ``"torch.adamw"`` and ``"torch.adagrad"`` on CPU; ``"torch.sgd"`` has none.
 The environment variable ``DSLAUNCH_KERNELS`` overrides the choice: ``auto`` (default),
 ``reference`` (never fused) or ``fused`` (fail with ``UsageError`` where no fused kernel runs).
 
@@ -14,6 +16,9 @@ Ops, and the signature a fused implementation must have (all update tensors in p
   ``runtime.optim.adam.adam_update``, used by ``runtime.optim.adam.Adam``.
 - ``"lion"``: ``(params, grads, exp_avgs, *, lr, betas, weight_decay, inv_scale, chunk_numel)``.
   Reference: ``runtime.optim.lion.lion_update``, used by ``runtime.optim.lion.Lion``.
+- ``"adagrad"``: ``(params, grads, state_sums, *, clr, eps, weight_decay, inv_scale)``: one
+  Adagrad step at the current learning rate ``clr``. Reference: ``reference.adagrad_update``, used
+  by ``dslaunch.ops.adagrad.DeepSpeedCPUAdagrad``.
 - ``"torch.adamw"``, ``"torch.adam"``, ``"torch.sgd"``, ``"torch.adagrad"``: ``(optimizer,
   closure) -> loss``: one step of that torch optimizer over its ``param_groups`` and ``state``
   (torch's layout), honouring torch's AMP protocol (``grad_scale``, ``found_inf``). Reference:

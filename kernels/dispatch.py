@@ -87,17 +87,28 @@ def _load(target: Target) -> Callable[..., Any]:
     return obj
 
 
+# The C kernels of kernels/cpu/, built on first use (build.py); unavailable without a compiler.
+_CPU_AVAILABLE = "dslaunch.kernels.cpu.build:available"
+
 # The ops and their signatures are listed in the package docstring (``dslaunch.kernels``).
 KERNELS = KernelTable(
     reference={
         "adam": "dslaunch.runtime.optim.adam:adam_update",
         "lion": "dslaunch.runtime.optim.lion:lion_update",
+        "adagrad": "dslaunch.kernels.reference:adagrad_update",
         "torch.adam": "dslaunch.kernels.reference:torch_step",
         "torch.adamw": "dslaunch.kernels.reference:torch_step",
         "torch.sgd": "dslaunch.kernels.reference:torch_step",
         "torch.adagrad": "dslaunch.kernels.reference:torch_step",
     },
-    fused={},  # none yet: fused kernels are a later issue
+    fused={op: (Kernel(target, ("cpu",), available=_CPU_AVAILABLE),) for op, target in {
+        "adam": "dslaunch.kernels.cpu.ops:adam_op",
+        "lion": "dslaunch.kernels.cpu.ops:lion_op",
+        "adagrad": "dslaunch.kernels.cpu.ops:adagrad_op",
+        "torch.adam": "dslaunch.kernels.cpu.torch_steps:adam_step",
+        "torch.adamw": "dslaunch.kernels.cpu.torch_steps:adam_step",
+        "torch.adagrad": "dslaunch.kernels.cpu.torch_steps:adagrad_step",
+    }.items()},
 )
 
 

@@ -32,9 +32,11 @@ from dslaunch.launcher.hostfile import (
 from dslaunch.launcher.runners.slurm.allocation import Allocation, slurm_pool
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
+from dslaunch.utils.beat import MAX_HANG_TIMEOUT
 from dslaunch.utils.restart import restart_env
 
-__all__ = ["LaunchConfig", "Plan", "build_job", "check_numbers", "elastic_batch_for", "LOCAL_HOSTS", "DEFAULT_HOSTFILE",
+__all__ = ["LaunchConfig", "Plan", "build_job", "check_numbers", "elastic_batch_for", "ds_config_path", "LOCAL_HOSTS",
+           "DEFAULT_HOSTFILE",
            "PID_FILE_DIR", "MAX_GRACE", "DEFAULT_LOG_DIR", "MAX_HANG_TIMEOUT", "job_id"]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -45,7 +47,6 @@ PID_FILE_DIR = "/tmp"
 MAX_GRACE = 3600.0
 DEFAULT_LOG_DIR = "dslaunch_logs"
 """``--log_dir`` default, under the working directory; each job writes into ``<log_dir>/<job id>``."""
-MAX_HANG_TIMEOUT = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -356,10 +357,7 @@ def elastic_batch_for(cfg: LaunchConfig, world: int) -> str | None:
     Raises:
         ConfigError: no valid batch for ``world`` (the message names the constraint), or a bad config.
     """
-    args = list(cfg.user_args)
-    path = next((a.split("=", 1)[1] for a in args if a.startswith("--deepspeed_config=")), None)
-    if path is None and "--deepspeed_config" in args[:-1]:
-        path = args[args.index("--deepspeed_config") + 1]
+    path = ds_config_path(cfg.user_args)
     if path is None:
         return None
     from pathlib import Path
@@ -376,3 +374,13 @@ def elastic_batch_for(cfg: LaunchConfig, world: int) -> str | None:
     b = elastic_batch(elastic, world)
     return (f"train_batch_size {b.train_batch_size} = {b.micro_batch} x {b.gradient_accumulation_steps} x "
             f"{world} (micro batch x accumulation steps x world size)")
+
+
+def ds_config_path(user_args: tuple[str, ...]) -> str | None:
+    """The ds_config the script is given: the path after ``--deepspeed_config`` (or in
+    ``--deepspeed_config=PATH``) in its arguments, else None."""
+    args = list(user_args)
+    path = next((a.split("=", 1)[1] for a in args if a.startswith("--deepspeed_config=")), None)
+    if path is None and "--deepspeed_config" in args[:-1]:
+        path = args[args.index("--deepspeed_config") + 1]
+    return path

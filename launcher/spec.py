@@ -142,7 +142,8 @@ class NodeResult:
     """The last uncaught exception that worker printed (``Type: message``), if any."""
     cause: str | None = None
     """What kind of failure, for the restart policy: ``exit``, ``signal``, ``exception``, ``hang``,
-    ``host_lost`` or ``oom`` (None on success). Set by whoever detected the failure."""
+    ``host_lost``, ``oom`` or ``start`` (a restarted run that could not start; None on success).
+    Set by whoever detected the failure."""
     step: int | None = None
     """The failed rank's last reported training step (heartbeats), if known."""
     traceback: str | None = None
@@ -150,6 +151,8 @@ class NodeResult:
     failed_at: float | None = None
     """Wall-clock time (``time.time()``) at which the failure happened or was last known good, as
     seen where it was detected (the agent: the worker's exit), for detection-time measurements."""
+    message: str | None = None
+    """Why the run could not start (cause ``start``): the launch error's one line."""
 
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
@@ -158,6 +161,8 @@ class NodeResult:
             return f"rank {self.rank} on {self.host} hung{at} (no progress within --hang_timeout)"
         # Beats are rate-limited: a killed rank may have gone a few steps past its last report.
         at = f" (last reported step {self.step})" if self.step is not None else ""
+        if self.cause == "start":
+            return f"the run could not start: {self.message} (exit code {self.exit_code})"
         if self.cause == "host_lost":
             how = self.stopped_by or "no news from its agent"
             return f"lost host {self.host} ({how}; exit code {self.exit_code})"

@@ -43,7 +43,9 @@ class DeepSpeedEngine(torch.nn.Module):
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  collate_fn: Any = None):
         super().__init__()
-        self.config = config
+        self._config = config
+        # DeepSpeed's engine.config is the ds_config dict as given (Hugging Face's Trainer reads it)
+        self.config = dict(config.raw)
         self.local_rank = local_rank()
         self.device = device_for(self.local_rank)
         self.precision = PrecisionPolicy.from_config(config)
@@ -58,6 +60,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._step_applied = False
         self._grad_norm: float | None = None
         self._sync = True
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self.is_compiled = False
         self._checkpointer: Any = None  # built (collectively) by the first save or load
         self._heartbeat = reporter()  # None outside dslaunch: the step then skips it
         self._preempt_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
@@ -77,8 +81,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
         self._loss = loss.detach()  # for the heartbeat (read at most twice a second); not its graph
-        if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
-            loss = loss / self.config.gradient_accumulation_steps
+        if scale_wrt_gas and self._config.gradient_accumulation_steps > 1:
+            loss = loss / self._config.gradient_accumulation_steps
         with self._timer("backward"):
             self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
             self.zero.post_backward()
@@ -104,8 +108,8 @@ class DeepSpeedEngine(torch.nn.Module):
                                  "the gradients are not reduced across ranks, so the ranks would "
                                  "diverge; leave no_sync() before the boundary micro step")
             with self._timer("step"):
-                result = self.zero.step(self.loss_scaler.loss_scale, self.config.gradient_clipping,
-                                        check_overflow=self.config.fp16.enabled)
+                result = self.zero.step(self.loss_scaler.loss_scale, self._config.gradient_clipping,
+                                        check_overflow=self._config.fp16.enabled)
             self.loss_scaler.update(result.overflow)
             self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
             if result.overflow:
@@ -113,8 +117,8 @@ class DeepSpeedEngine(torch.nn.Module):
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
-            self.global_samples += self.config.train_batch_size
-            if self.global_steps % self.config.steps_per_print == 0:
+            self.global_samples += self._config.train_batch_size
+            if self._config.steps_per_print and self.global_steps % self._config.steps_per_print == 0:
                 self._report()
             if self._heartbeat is not None:
                 self._heartbeat.beat(self.global_steps, self._loss, self.global_samples)
@@ -150,7 +154,40 @@ class DeepSpeedEngine(torch.nn.Module):
         self._checkpointer = None
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self._config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Decide the accumulation boundary yourself from now on, as DeepSpeed's (accelerate does).
+
+        Set it before each micro step's forward/backward: False for the micro steps that only
+        accumulate, True for the last one, then call ``step()`` (which steps only when it is True).
+        The engine's own count (``gradient_accumulation_steps``) is no longer used.
+        """
+        self._boundary = bool(is_boundary)
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """``torch.compile`` the wrapped module in place, as DeepSpeed's ``engine.compile``.
+
+        ``backend`` defaults to ``get_accelerator().get_compile_backend()`` (inductor);
+        ``compile_kwargs`` go to ``torch.compile`` (a ``backend`` there is overridden). A second
+        call is a no-op. ``schedule`` (DeepCompile) must be None.
+
+        Raises:
+            UsageError: a DeepCompile ``schedule`` or ``compiled_autograd_enabled`` was asked for.
+        """
+        if schedule is not None or compiled_autograd_enabled:
+            raise UsageError("engine.compile(): DeepCompile schedules and compiled autograd are not "
+                             "supported by dslaunch; call engine.compile(backend=..., compile_kwargs=...)")
+        if self.is_compiled:
+            return
+        from dslaunch.accelerator import get_accelerator
+
+        kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}
+        self.module.compile(backend=backend or get_accelerator().get_compile_backend(), **kwargs)
+        self.is_compiled = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -185,22 +222,22 @@ class DeepSpeedEngine(torch.nn.Module):
         return self._grad_norm
 
     def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+        return self._config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
+        return self._config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self._config.gradient_accumulation_steps
 
     def zero_optimization_stage(self) -> int:
         return self.zero.stage
 
     def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
+        return self._config.fp16.enabled
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
+        return self._config.bf16.enabled
 
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
@@ -219,7 +256,7 @@ class DeepSpeedEngine(torch.nn.Module):
         return CheckpointParts(module=self.module, zero=self.zero,
                                training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
                                optimizer=self.optimizer, global_steps=self.global_steps,
-                               config=self.config.checkpoint, io=self._checkpointer)
+                               config=self._config.checkpoint, io=self._checkpointer)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a pending asynchronous save is durable; raise its error if it failed."""

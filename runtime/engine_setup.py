@@ -8,7 +8,8 @@ Kept apart from ``engine.py`` so the engine stays a thin loop. The choices made 
   optimizer is built by ``optimizers.build_optimizer``; a client ``torch.optim.Optimizer`` is kept
   as the same object with each group's ``params`` re-pointed to the shard (so a client LR
   scheduler bound to it keeps working); a callable gets the shard groups;
-- the LR scheduler is a client object, a callable of the optimizer, or ``scheduler`` from the config.
+- the LR scheduler is a client object, a callable of the optimizer, or ``scheduler`` from the config;
+- without any optimizer the engine only runs forward (``zero/frozen.py``), as DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
 
     collective: call on all ranks.
     """
-    groups = _param_groups(module, optimizer, model_parameters)
     zero_cfg = cfg.zero_optimization
+    if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
+        return _frozen(cfg, lr_scheduler, training_data, collate_fn)
+    groups = _param_groups(module, optimizer, model_parameters)
     comm = CommSettings(reduce_bucket_numel=zero_cfg.reduce_bucket_size,
                         allgather_bucket_numel=zero_cfg.allgather_bucket_size,
                         overlap_comm=zero_cfg.overlap_comm, comm_dtype=precision.comm_dtype,
@@ -57,6 +60,16 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         gradient_predivide_factor=cfg.gradient_predivide_factor)
     zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
+                       _dataloader(cfg, training_data, collate_fn), _timers(cfg))
+
+
+def _frozen(cfg: DeepSpeedConfig, lr_scheduler: Any, training_data: Any, collate_fn: Any) -> EngineParts:
+    from dslaunch.runtime.zero.frozen import Frozen
+
+    if lr_scheduler is not None or cfg.scheduler is not None:
+        raise ConfigError("a scheduler without an optimizer: add an 'optimizer' section or pass "
+                          "optimizer= to initialize(), or drop the scheduler", key="scheduler")
+    return EngineParts(Frozen(cfg.zero_optimization.stage), None, None,  # type: ignore[arg-type]
                        _dataloader(cfg, training_data, collate_fn), _timers(cfg))
 
 
@@ -143,8 +156,7 @@ def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
         # The layouts let Lamb compute one trust ratio per original parameter, not per flat group.
         return lambda groups, flat: build_optimizer(cfg.optimizer, groups, flat_layouts=flat.layouts,
                                                     norm_all_reduce=flat.norm_all_reduce)
-    raise ConfigError("no optimizer: add an 'optimizer' section (e.g. {\"type\": \"AdamW\", \"params\": "
-                      "{\"lr\": 1e-3}}) or pass optimizer= to initialize()", key="optimizer")
+    raise AssertionError("build_components builds no optimizer factory without an optimizer")
 
 
 def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimizer) -> Any:

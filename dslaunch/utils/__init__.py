@@ -1,9 +1,10 @@
-"""``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts use (``zero_to_fp32``), and
-what both the launcher and the runtime need (``ports.free_port``, ``beat``: the heartbeat wire
-format, the restart variables in ``restart``, host names and SLURM hostlists in ``hostlist``), so
-the runtime never imports the launcher.
+"""``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts and libraries use
+(``zero_to_fp32``, ``logger``/``log_dist`` from ``logging``, ``groups``, the ZeRO-3 leaf flags of
+``z3_leaf_module``), and what both the launcher and the runtime need (``ports.free_port``,
+``beat``: the heartbeat wire format, the restart variables in ``restart``, host names and SLURM
+hostlists in ``hostlist``), so the runtime never imports the launcher.
 
-Submodules are imported on first access, so ``import dslaunch.utils`` never imports torch.
+Submodules and names are imported on first access, so ``import dslaunch.utils`` never imports torch.
 """
 
 from __future__ import annotations
@@ -11,12 +12,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("beat", "hostlist", "ports", "restart", "zero_to_fp32")
+_SUBMODULES = ("beat", "groups", "hostlist", "logging", "ports", "restart", "z3_leaf_module", "zero_to_fp32")
 
-__all__ = list(_SUBMODULES)
+# name -> submodule that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
+_NAMES = {
+    **dict.fromkeys(("logger", "log_dist", "log_dist_once", "print_dist"), "logging"),
+    **dict.fromkeys(("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
+                     "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module"), "z3_leaf_module"),
+}
+
+__all__ = [*_SUBMODULES, *_NAMES]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _SUBMODULES:
-        raise AttributeError(f"module 'dslaunch.utils' has no attribute {name!r}")
-    return importlib.import_module(f"{__name__}.{name}")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'dslaunch.utils' has no attribute {name!r}")

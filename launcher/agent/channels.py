@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -62,39 +64,50 @@ class Channels:
     def dump_stacks(self, pids: dict[int, int], wait: float = 2.0) -> dict[int, dict]:
         """Ask each rank that registered a stack dump for it; collect its text.
 
-        A stopped (SIGSTOP) process is resumed first; that it was stopped is reported.
+        A stopped (SIGSTOP) process is resumed (SIGCONT) after the dump signal is queued, so it
+        dumps where it was stopped before it runs on (until the monitor's stop kills it); that it
+        was stopped is reported. A rank with no dump registered (it never beat, or beats without
+        dslaunch's runtime) is read from outside with ``py-spy dump`` when py-spy is on PATH.
 
         Args:
             pids: rank -> pid of the ranks to dump (running ones).
             wait: at most this long; a dump that keeps writing ends after 0.3 s of quiet.
 
         Returns:
-            rank -> ``{"stopped": bool, "stack": text or None}`` (None: the rank never registered
-            a stack dump, or wrote nothing in time).
+            rank -> ``{"stopped": bool, "stack": text or None, "via": "faulthandler" or "py-spy"
+            or None, "why": why there is no stack (only then)}``.
         """
         beats = self.beats()
         asked: dict[int, dict] = {}
+        spy = shutil.which("py-spy")
         for rank, pid in pids.items():
             stopped = process_stopped(pid)
             sig = beats[rank].stack_signal if rank in beats else None
             with self._lock:
                 self._stacks[rank] = bytearray()
                 self._stack_at.pop(rank, None)
-            try:
-                os.kill(pid, signal.SIGCONT)
-                if sig:
-                    os.kill(pid, sig)
-            except ProcessLookupError:
-                sig = None
             asked[rank] = {"stopped": stopped, "signal": sig}
+            if not sig:  # read from outside, as it is (no SIGCONT needed), or say why not
+                asked[rank].update(_py_spy(spy, pid, wait) if spy else
+                                   {"why": "no faulthandler registered (the script does not use "
+                                           "dslaunch's runtime) and no py-spy on PATH"})
+                continue
+            try:
+                os.kill(pid, sig)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                asked[rank] = {"stopped": stopped, "signal": None, "why": "exited"}
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and not self._settled([r for r, a in asked.items() if a["signal"]]):
             time.sleep(0.05)
         with self._lock:
-            return {rank: {"stopped": a["stopped"],
-                           "stack": bytes(self._stacks[rank]).decode("utf-8", "replace") or None
-                           if a["signal"] else None}
-                    for rank, a in asked.items()}
+            for rank, a in asked.items():
+                if a.pop("signal"):
+                    a["stack"] = bytes(self._stacks[rank]).decode("utf-8", "replace") or None
+                    a["via"] = "faulthandler"
+                    if a["stack"] is None:
+                        a["why"] = f"no faulthandler dump within {wait:g} s"
+            return {rank: {"stack": None, "via": None, **a} for rank, a in asked.items()}
 
     def _settled(self, ranks: list[int]) -> bool:
         now = time.monotonic()
@@ -165,6 +178,20 @@ class Channels:
             buf = self._stacks.setdefault(rank, bytearray())
             buf += data[:max(0, MAX_STACK_BYTES - len(buf))]
             self._stack_at[rank] = time.monotonic()
+
+
+def _py_spy(tool: str, pid: int, wait: float) -> dict:
+    """``py-spy dump`` of ``pid``: ``{"stack", "via"}``, or ``{"why"}`` when it failed.
+    ``--nonblocking``: the process is not paused (it is stuck anyway, or stopped)."""
+    try:
+        out = subprocess.run([tool, "dump", "--nonblocking", "--full-filenames", "--pid", str(pid)],
+                             capture_output=True, text=True, errors="replace", timeout=wait)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return {"why": f"py-spy dump failed: {err}"}
+    if out.returncode or not out.stdout.strip():
+        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        return {"why": f"py-spy dump failed: {last[:200]}"}
+    return {"stack": out.stdout[:MAX_STACK_BYTES], "via": "py-spy"}
 
 
 def process_stopped(pid: int) -> bool:

@@ -31,14 +31,14 @@ from dslaunch.launcher.agent.channels import Channels
 from dslaunch.launcher.agent.files import FileId, create_replacing, remove_own, write_new
 from dslaunch.launcher.agent.output import ExceptionWatch, Sink, pump
 from dslaunch.launcher.agent.procs import (
-    Watchdog,
     become_subreaper,
     child_setup,
     exit_code_of,
     kill_adopted,
     signal_group,
 )
-from dslaunch.launcher.monitor.failures import classify, oom_kills
+from dslaunch.launcher.agent.watchdog import Watchdog
+from dslaunch.launcher.monitor.failures import classify, oom_kills, root_cause
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import monitor_env, process_env
 from dslaunch.utils.beat import Beat
@@ -202,6 +202,8 @@ class Agent:
             running = [w for w in self._workers if w.state is WorkerState.RUNNING]
         for w in running:
             signal_group(w.proc.pid, sig)
+            if sig != signal.SIGKILL:  # a stopped worker (SIGSTOP) acts on it only once resumed
+                signal_group(w.proc.pid, signal.SIGCONT)
         if first and sig != signal.SIGKILL:
             self._timer = threading.Timer(self.node.grace, self._kill_running)
             self._timer.daemon = True
@@ -265,7 +267,10 @@ class Agent:
     def _make_result(self) -> NodeResult:
         node = self.node
         if (failure := self.failure) is not None:
-            return failure
+            # A worker stopped after the first failure may have raised first (see root_cause).
+            raised = [self._failure_of(w) for w in self._workers
+                      if w is not self._failure and w.exit_code and w.watch.exception]
+            return root_cause(failure, raised)
         if self._stopped_by is not None and any(w.exit_code for w in self._workers):
             name = signal.Signals(self._stopped_by).name
             return NodeResult(node.node_rank, node.host, 128 + self._stopped_by, stopped_by=name)
@@ -276,10 +281,12 @@ class Agent:
     @property
     def failure(self) -> NodeResult | None:
         """The node's failure as soon as its first worker failed (the node may still be stopping
-        the others); ``poll()`` then returns the same result once everything has exited."""
+        the others); ``poll()`` then returns it once everything has exited, or the failure of a
+        worker that raised before it where this one only lost its peer (``root_cause``)."""
         w = self._failure
-        if w is None:
-            return None
+        return None if w is None else self._failure_of(w)
+
+    def _failure_of(self, w: Worker) -> NodeResult:
         code, sig_name = exit_code_of(w.proc.returncode)
         oom_now = oom_kills()
         oom_killed = oom_now is not None and self._oom_before is not None and oom_now > self._oom_before

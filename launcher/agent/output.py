@@ -101,8 +101,11 @@ def pump(pipe: BinaryIO, prefix: bytes, sink: Sink, log: Sink | None,
     """Copy ``pipe`` to ``sink`` line by line with ``prefix``; also raw to ``log``. Thread target.
 
     A line ends at ``\n`` or at a lone ``\r``, so progress bars (tqdm) that redraw with ``\r``
-    show up as they go, each redraw prefixed. A final unterminated line gets a ``\n``.
+    show up as they go, each redraw prefixed. A final unterminated line gets a ``\n``. torch's
+    own ``[rankN]: `` mark on traceback lines (its excepthook after ``init_process_group``) is left
+    out of the ``sink`` copy when it repeats ``prefix``'s rank: ``[rank1] [rank1]: `` helps nobody.
     """
+    torch_mark = prefix.rstrip() + b": "
     pending = b""
     with pipe:
         while chunk := pipe.read1(65536):
@@ -111,18 +114,20 @@ def pump(pipe: BinaryIO, prefix: bytes, sink: Sink, log: Sink | None,
             for m in _LINE.finditer(pending):
                 if m.end() == len(pending) and pending.endswith(b"\r"):
                     break  # maybe the first half of \r\n: wait for the next chunk
-                _emit(pending[m.start():m.end()], prefix, sink, log, watch)
+                _emit(pending[m.start():m.end()], prefix, sink, log, watch, torch_mark)
                 end = m.end()
             pending = pending[end:]
     if pending:
-        _emit(pending if pending.endswith((b"\n", b"\r")) else pending + b"\n", prefix, sink, log, watch)
+        _emit(pending if pending.endswith((b"\n", b"\r")) else pending + b"\n", prefix, sink, log, watch,
+              torch_mark)
 
 
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
 
-def _emit(line: bytes, prefix: bytes, sink: Sink, log: Sink | None, watch: ExceptionWatch | None) -> None:
-    sink.write(prefix + line)
+def _emit(line: bytes, prefix: bytes, sink: Sink, log: Sink | None, watch: ExceptionWatch | None,
+          torch_mark: bytes) -> None:
+    sink.write(prefix + line.removeprefix(torch_mark))
     if log is not None:
         log.write(line)
     if watch is not None:

@@ -10,9 +10,9 @@ Guarantees this module provides to the agent:
   /dev/null anyway); terminal signals (Ctrl-C, hangup) reach the launcher, which forwards them;
 - every worker has ``PR_SET_PDEATHSIG=SIGKILL``: if the thread that spawned it dies (agent or
   controller SIGKILLed), the kernel kills the worker;
-- a forked ``Watchdog`` outlives a SIGKILLed agent just long enough to ``killpg`` every worker
-  group, so grandchildren (which PDEATHSIG does not reach) die too, and to remove the agent's
-  ``--save_pid`` file;
+- a ``watchdog.Watchdog`` process outlives a SIGKILLed agent just long enough to ``killpg``
+  every worker group, so grandchildren (which PDEATHSIG does not reach) die too, and to remove
+  the agent's ``--save_pid`` file;
 - the agent is a child subreaper: descendants that left their group (``setsid`` daemons) and
   lost their parent are re-parented to the agent, which kills them when the job ends
   (``kill_adopted``). Limitation: such daemons survive a SIGKILLed agent.
@@ -27,9 +27,7 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 
-from dslaunch.launcher.agent.files import FileId, remove_own
-
-__all__ = ["exit_code_of", "child_setup", "signal_group", "Watchdog", "become_subreaper", "kill_adopted"]
+__all__ = ["exit_code_of", "child_setup", "signal_group", "become_subreaper", "kill_adopted"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -118,73 +116,3 @@ def _children() -> list[int]:
         except OSError:  # thread gone, or a kernel without CONFIG_PROC_CHILDREN
             continue
     return pids
-
-
-class Watchdog:
-    """A forked helper that SIGKILLs every registered process group if its owner dies.
-
-    The owner writes each worker's pgid into a pipe; a normal ``release()`` tells the watchdog
-    to exit quietly. If the pipe closes without ``release()`` (owner SIGKILLed), the watchdog kills
-    every group it was told about and removes the files given to ``start``. Fork it before
-    starting threads.
-    """
-
-    def __init__(self) -> None:
-        self._fd: int | None = None
-        self.pid: int | None = None
-
-    def start(self, remove: Sequence[tuple[str, FileId]] = ()) -> None:
-        """Fork the watchdog; ``remove``: (path, file id) to unlink if the owner dies (``files``)."""
-        read_fd, write_fd = os.pipe()
-        pid = self.pid = os.fork()
-        if pid == 0:  # child: never returns
-            os.close(write_fd)
-            _watch(read_fd, remove)
-        os.close(read_fd)
-        self._fd = write_fd
-
-    def add(self, pgid: int) -> None:
-        self._send(b"P%d\n" % pgid)
-
-    def release(self) -> None:
-        """The owner cleaned up itself: let the watchdog exit without killing anything."""
-        self._send(b"D\n")
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self.pid is not None:  # it exits at once on EOF: reap it, leave no zombie
-            try:
-                os.waitpid(self.pid, 0)
-            except ChildProcessError:
-                pass
-            self.pid = None
-
-    def _send(self, data: bytes) -> None:
-        if self._fd is not None:
-            try:
-                os.write(self._fd, data)
-            except OSError:  # watchdog gone (killed from outside): nothing more it can do for us
-                pass
-
-
-def _watch(read_fd: int, remove: Sequence[tuple[str, FileId]]) -> None:
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)  # Ctrl-C reaches the whole foreground group: outlive it
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # never hold the owner's stdout/stderr pipes open
-            os.dup2(devnull, fd)
-        os.closerange(3, read_fd)
-        os.closerange(read_fd + 1, 65536)
-        data = b""
-        while chunk := os.read(read_fd, 4096):
-            data += chunk
-        lines = data.split(b"\n")
-        if b"D" not in lines:
-            for line in lines:
-                if line.startswith(b"P"):
-                    signal_group(int(line[1:]), signal.SIGKILL)
-            for path, ident in remove:
-                remove_own(path, ident)
-    finally:
-        os._exit(0)

@@ -6,12 +6,18 @@ line is output for the user:
 - the failure line (a ``NodeResult``) as soon as the node's first worker failed, so the
   controller stops the other nodes while this one is still stopping its own workers;
 - the status line (a ``NodeResult``) just before the agent exits: how the node ended;
-- the beats line (rank -> latest ``Beat``), at most every ``BEATS_EVERY_S`` while beats change;
+- the beats line (rank -> latest ``Beat``), at most every ``BEATS_EVERY_S`` while beats change,
+  and at least every ``ALIVE_EVERY_S`` (perhaps empty or unchanged): the controller takes a host
+  that sent nothing for a few of these intervals as lost (``monitor.gang.HOST_SILENT_S``), also
+  when its workers never beat;
 - the stacks line (rank -> ``{"stopped", "stack"}``), the answer to a ``STACKS_REQUEST``.
 
 And the other way, on the agent's stdin after the NodeSpec line: ``STACKS_REQUEST`` asks for
 every worker's stacks; ``CHECKPOINT_REQUEST`` asks every worker that takes it for a checkpoint
-(pre-emption, ``runtime.preempt``); EOF is the stop request.
+(pre-emption, ``runtime.preempt``); ``ALIVE`` every ``ALIVE_EVERY_S``: the controller lives (once
+one came, an agent that hears nothing for ``CONTROLLER_SILENT_S`` takes the controller as gone,
+stops its workers and exits: behind a cut link its sshd would not notice, since the agent's own
+liveness lines keep that sshd busy and its ClientAlive check never runs); EOF is the stop request.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from dslaunch.utils.beat import Beat
 
 __all__ = ["format_status_line", "parse_status_line", "format_failure_line", "parse_failure_line",
            "format_beats_line", "parse_beats_line", "format_stacks_line", "parse_stacks_line",
-           "STACKS_REQUEST", "CHECKPOINT_REQUEST", "BEATS_EVERY_S"]
+           "STACKS_REQUEST", "CHECKPOINT_REQUEST", "ALIVE", "BEATS_EVERY_S", "ALIVE_EVERY_S",
+           "CONTROLLER_SILENT_S"]
 
 STATUS_MARKER = "@@dslaunch-agent-status "
 FAILURE_MARKER = "@@dslaunch-agent-failure "
@@ -32,7 +39,10 @@ BEATS_MARKER = "@@dslaunch-agent-beats "
 STACKS_MARKER = "@@dslaunch-agent-stacks "
 STACKS_REQUEST = "@@dslaunch-stacks"
 CHECKPOINT_REQUEST = "@@dslaunch-checkpoint"
+ALIVE = "@@dslaunch-alive"
 BEATS_EVERY_S = 0.5
+ALIVE_EVERY_S = 1.0
+CONTROLLER_SILENT_S = 10.0
 
 
 def format_status_line(result: NodeResult) -> str:

@@ -33,7 +33,14 @@ from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
 from dslaunch.launcher.monitor.loop import Attempt, JobLoop, print_event
 from dslaunch.launcher.monitor.restart import RestartPolicy
-from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE, LaunchConfig, build_job, elastic_batch_for
+from dslaunch.launcher.plan import (
+    DEFAULT_HOSTFILE,
+    MAX_GRACE,
+    LaunchConfig,
+    build_job,
+    ds_config_path,
+    elastic_batch_for,
+)
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocation
 from dslaunch.launcher.runners.slurm.preemption import Preemption
@@ -170,8 +177,8 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
       help="where each job writes events.jsonl, per-rank error files and stack dumps, in DIR/<job id> "
            "(default ./dslaunch_logs; read with 'dslaunch status DIR')")
     g = p.add_argument_group("restart and elasticity").add_argument
-    g("--max_restarts", type=integer, default=0,
-      help="restart the job up to N times after an infrastructure failure (default 0)")
+    g("--max_restarts", type=integer, default=None,
+      help="restart the job up to N times after a failure (default 0)")
     g("--resume_from", metavar="DIR", default=None,
       help="a restarted run's initialize() loads the newest valid checkpoint in DIR (for scripts "
            "that never call engine.load_checkpoint)")
@@ -207,6 +214,7 @@ def parse_config(argv: list[str],
         UsageError: bad flags.
     """
     ns = build_parser().parse_args(argv)
+    _apply_monitor_block(ns)
     if ns.module and ns.no_python:
         raise UsageError("--module and --no_python are mutually exclusive")
     if ns.hostfile == "":  # else the default's name would be blamed: "/job/hostfile: not found"
@@ -230,6 +238,29 @@ def parse_config(argv: list[str],
         allocation=slurm_allocation(os.environ if env is None else env),
     )
     return cfg, ns
+
+
+def _apply_monitor_block(ns: argparse.Namespace) -> None:
+    """Fill ``--hang_timeout``, ``--max_restarts`` and ``--log_dir`` that the command line left
+    out from the ds_config's ``monitor`` block (a flag given always wins), and record where each
+    came from for ``--dry-run``. The config is read only when the script is given one that exists
+    (a missing one is the workers' to report); the config code is torch-free and loaded only then.
+
+    Raises:
+        ConfigError: an unreadable config, or a bad ``monitor`` block (naming the key).
+    """
+    path = ds_config_path(tuple(ns.user_args))
+    ns.monitor_from = {}
+    if path is not None and os.path.isfile(path):
+        from dslaunch.runtime.config.monitor import monitor_block
+
+        block = monitor_block(path)
+        for key in ("hang_timeout", "max_restarts", "log_dir"):
+            if getattr(ns, key) is None and getattr(block, key) is not None:
+                setattr(ns, key, getattr(block, key))
+                ns.monitor_from[key] = path
+    if ns.max_restarts is None:
+        ns.max_restarts = 0
 
 
 def restart_policy(ns: argparse.Namespace, requeued_by_slurm: bool = False) -> RestartPolicy:
@@ -308,7 +339,7 @@ def _module_found(name: str) -> bool:
     return found or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
 
 
-def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy) -> int:
+def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config: Mapping[str, str]) -> int:
     plan = build_job(cfg, gpus.detect)
     job = plan.job
     runner = get_runner(job.launcher)()  # an unknown --launcher fails before any note is printed
@@ -321,6 +352,9 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy) -> int:
         print(_monitor_line(job), flush=True)
         if policy.max_restarts:  # the default (no restarts) adds nothing to what was shown before
             print(f"# {policy.describe()}", flush=True)
+        if from_config:
+            print(f"# from the ds_config's monitor block ({next(iter(from_config.values()))}): "
+                  f"{', '.join(from_config)} (flags win over it)", flush=True)
         return 0
     if job.launcher == "local" and job.nodes[0].node_rank == 0:  # node 0 (rank 0) listens; others connect
         from dslaunch.launcher.ports import check_port_free
@@ -340,15 +374,10 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy) -> int:
         return new
 
     runners = iter([runner])  # the first run uses the runner made above, later runs new ones
-    events = EventLog(job.monitor.log_dir)  # one log for the job, whatever its restarts
-
-    def emit(kind: str, **fields: object) -> None:
-        events.emit(kind, **fields)
-        print_event(kind, **fields)
-
+    events = EventLog(job.monitor.log_dir, echo=print_event)  # one log for the job, whatever its restarts
     preemption = Preemption(enabled=job.launcher == "slurm")
-    loop = JobLoop(policy, plan_attempt, lambda j: preemption.track(next(runners, None) or get_runner(j.launcher)()),
-                   emit, events=events)
+    loop = JobLoop(policy, plan_attempt,
+                   lambda j: preemption.track(next(runners, None) or get_runner(j.launcher)()), events)
     started = time.monotonic()
     code: int | None = None
     try:
@@ -408,4 +437,5 @@ def run(argv: list[str]) -> int:
         DslaunchError: a user mistake or a failed job (``cli.main`` prints it).
     """
     cfg, ns = parse_config(argv)
-    return _launch(cfg, ns.dry_run, restart_policy(ns, requeued_by_slurm=cfg.allocation is not None))
+    return _launch(cfg, ns.dry_run, restart_policy(ns, requeued_by_slurm=cfg.allocation is not None),
+                   ns.monitor_from)

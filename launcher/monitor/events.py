@@ -23,6 +23,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dslaunch.errors import LaunchError
@@ -35,12 +36,16 @@ EVENTS_FILE = "events.jsonl"
 class EventLog:
     """Appends events to ``<directory>/events.jsonl``; ``directory=None`` keeps them in memory only.
 
+    ``echo``: called with each event as it is recorded (the CLI prints the ones the user should
+    see as lines on stderr: ``loop.print_event``).
+
     Raises:
         LaunchError: the directory cannot be created or written (names ``--log_dir``).
     """
 
-    def __init__(self, directory: str | None) -> None:
+    def __init__(self, directory: str | None, echo: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.directory = directory
+        self._echo = echo
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._file = None
@@ -62,6 +67,8 @@ class EventLog:
                     self._file.flush()
                 except OSError:
                     pass
+        if self._echo is not None:
+            self._echo(event)
         return event
 
     def write_file(self, name: str, text: str) -> str | None:

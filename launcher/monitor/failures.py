@@ -3,18 +3,30 @@
 ``classify`` names the cause the restart policy reads (``NodeResult.cause``) from the facts of
 a worker's death: its exit code or signal, the exception it printed, and whether the kernel's OOM
 killer struck. The agent applies it (only it has the facts); ``hang`` and ``host_lost`` are
-decided by the controller (``health``, ``gang``). ``OOM_REMEDIES`` is the advice an
-out-of-memory failure gets. Pure functions, no imports beyond the standard library.
+decided by the controller (``health``, ``gang``), ``start`` by the job loop (a restarted run that
+could not start). ``OOM_REMEDIES`` is the advice an
+out-of-memory failure gets. ``root_cause`` picks which of several failed ranks to blame: the
+first to die is not always the one that failed first (a rank that raised may still be printing
+and tearing down when its peer's collective already failed for lack of it). Pure functions, no
+imports beyond the standard library.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-__all__ = ["CAUSES", "classify", "is_oom_text", "OOM_REMEDIES", "oom_kills"]
+if TYPE_CHECKING:
+    from dslaunch.launcher.spec import NodeResult
 
-CAUSES = ("exit", "signal", "exception", "hang", "host_lost", "oom")
+__all__ = ["CAUSES", "classify", "is_oom_text", "is_peer_loss", "root_cause", "OOM_REMEDIES", "oom_kills"]
 
+CAUSES = ("exit", "signal", "exception", "hang", "host_lost", "oom", "start")
+
+# A collective failing because the rank at its other end went away (gloo, NCCL, the TCP store).
+_PEER_LOSS = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|remote process exited|"
+                        r"NCCL communicator was aborted|ncclRemoteError|DistNetworkError")
 _OOM_TEXT = re.compile(r"OutOfMemoryError|CUDA out of memory|\bMemoryError\b|CUDA error: out of memory")
 
 OOM_REMEDIES = ("out of memory: try a higher ZeRO stage (zero_optimization.stage 2 or 3), CPU offload "
@@ -26,6 +38,19 @@ OOM_REMEDIES = ("out of memory: try a higher ZeRO stage (zero_optimization.stage
 def is_oom_text(text: str | None) -> bool:
     """Whether a printed exception or traceback says the process ran out of memory."""
     return bool(text) and _OOM_TEXT.search(text) is not None
+
+
+def is_peer_loss(exception: str | None) -> bool:
+    """Whether a rank's exception says a peer went away (an echo of another rank's failure)."""
+    return bool(exception) and _PEER_LOSS.search(exception) is not None
+
+
+def root_cause(first: NodeResult, others: Iterable[NodeResult]) -> NodeResult:
+    """The failure to blame: ``first`` (the first seen), unless it only raised because a peer
+    went away and one of ``others`` raised something else: that exception is the cause."""
+    if not is_peer_loss(first.exception):
+        return first
+    return next((o for o in others if o.exception and not is_peer_loss(o.exception)), first)
 
 
 def classify(exit_code: int, signal_name: str | None, exception: str | None, traceback: str | None,

@@ -11,6 +11,12 @@ With a ``JobMonitor`` the loop also feeds it the ranks' heartbeats on every turn
 stalls past ``--hang_timeout`` is a failure too (cause ``hang``, exit code ``HANG_EXIT_CODE``):
 the monitor dumps every rank's stacks first, and the nodes of the ranks behind are killed
 without a grace period (they are stuck; the others get the usual SIGTERM).
+
+A node whose transport can go silent (a remote agent) and that sent nothing at all for
+``HOST_SILENT_S`` is a lost host (cause ``host_lost``): its agent speaks at least every second
+(``agent.wire.ALIVE_EVERY_S``), so silence means a frozen host or a cut link that TCP has not
+noticed yet. It is torn down at once (``kill``), and the restart policy treats it like a dropped
+connection.
 """
 
 from __future__ import annotations
@@ -23,13 +29,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dslaunch.launcher.spec import NodeResult, NodeSpec
+from dslaunch.launcher.monitor.failures import root_cause
+from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, NodeResult, NodeSpec
 from dslaunch.utils.beat import Beat
 
 if TYPE_CHECKING:
     from dslaunch.launcher.monitor.job import JobMonitor
 
-__all__ = ["NodeHandle", "Gang", "GangResult"]
+__all__ = ["NodeHandle", "Gang", "GangResult", "HOST_SILENT_S"]
+
+HOST_SILENT_S = 5.0
+"""A remote node that sent nothing for this long is lost: 5 of its agent's 1 s liveness lines
+missed (a loaded host may delay one or two; the issue's target for host loss is < 10 s)."""
 
 # After asking nodes to stop, how long past their grace period before force-killing them.
 _KILL_SLACK = 0.3
@@ -57,6 +68,11 @@ class NodeHandle(ABC):
     def failing(self) -> NodeResult | None:
         """The node's first worker failure while the node is still stopping (before ``poll()``
         has its result), if the transport reports one early; None otherwise. Must not block."""
+        return None
+
+    def last_heard(self) -> float | None:
+        """Monotonic time of the node's last news (any line from its agent); None where the node
+        cannot go silent (an agent in this process): such a node is never judged lost."""
         return None
 
     def beats(self) -> Mapping[int, Beat]:
@@ -118,7 +134,14 @@ class Gang:
         killed = False
         detected_at: float | None = None
         stuck: set[int] = set()  # nodes of hung ranks: no grace period for them
+        silent = False  # the failure is a node that went silent (torn down, its own result says less)
+        turn = judge_from = time.monotonic()
         while True:
+            # A controller that was itself frozen (swapping, stopped) heard nothing meanwhile: give
+            # its readers a second to catch up before calling anyone silent.
+            last, turn = turn, time.monotonic()
+            if turn - last > 1.0:
+                judge_from = turn + 1.0
             for i, h in enumerate(self._handles):
                 if i in results:
                     continue
@@ -128,6 +151,9 @@ class Gang:
                 if failure is None and self._requested is None:
                     if r is None:
                         r = h.failing()  # the early report: stop the others without waiting for it
+                    if r is None and turn >= judge_from and (r := _silence(h)) is not None:
+                        silent = True
+                        h.kill()  # unreachable or frozen: no stop request would get through
                     if r is not None and r.exit_code != 0:
                         failure, failed, detected_at = r, i, time.time()
             if len(results) == len(self._handles):
@@ -158,9 +184,12 @@ class Gang:
                 break
             self._wake.wait(0.1)
             self._wake.clear()
-        if failed is not None and results.get(failed, failure).rank == failure.rank:
-            # The same failure, reported once the node drained its output: it names the exception.
+        if failed is not None and not silent and results.get(failed, failure).rank is not None:
+            # The node's final word, once it drained its workers' output: it names the exception,
+            # and the rank that raised first where the first to die only echoed it (root_cause).
             failure = results[failed]
+        if failure is not None:
+            failure = root_cause(failure, [r for i, r in sorted(results.items()) if i != failed and r.exit_code])
         result = self._result(failure, list(results.values()))
         result = replace(result, nodes=tuple(results[i] for i in sorted(results)))
         if self._monitor is None:
@@ -178,3 +207,12 @@ class Gang:
             return GangResult(128 + self._requested, stopped_by=signal.Signals(self._requested).name)
         bad = next((r for r in results if r.exit_code), None)  # e.g. a node failing while stopping
         return GangResult(bad.exit_code, bad) if bad else GangResult(0)
+
+
+def _silence(h: NodeHandle) -> NodeResult | None:
+    """A ``host_lost`` failure for a node silent past ``HOST_SILENT_S``, else None."""
+    heard = h.last_heard()
+    if heard is None or (quiet := time.monotonic() - heard) <= HOST_SILENT_S:
+        return None
+    return NodeResult(h.node.node_rank, h.node.host, HOST_LOST_EXIT_CODE, cause="host_lost",
+                      stopped_by=f"no news from its agent for {quiet:.1f} s", failed_at=time.time() - quiet)

@@ -155,15 +155,18 @@ def _order(step: int | None) -> int:
 
 
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.+)$')
+_SPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^()]*):(?P<line>\d+)\)$")
+"""A frame as ``py-spy dump`` prints it (``    train (/path/train.py:12)``), for ranks without
+faulthandler; its threads start with ``Thread <id> (idle|active...)``."""
 
 
 def _threads(stack: str) -> list[list[re.Match]]:
-    """faulthandler's dump split into threads: each a list of frames, innermost first."""
+    """A dump (faulthandler's or py-spy's) split into threads: each a list of frames, innermost first."""
     threads: list[list[re.Match]] = []
     for line in stack.splitlines():
-        if "(most recent call first):" in line:
+        if "(most recent call first):" in line or line.startswith("Thread "):
             threads.append([])
-        elif threads and (m := _FRAME.match(line)):
+        elif threads and (m := _FRAME.match(line) or _SPY_FRAME.match(line)):
             threads[-1].append(m)
     return [t for t in threads if t]
 

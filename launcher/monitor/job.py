@@ -108,7 +108,12 @@ class JobMonitor:
             text = info.get("stack")
             path = self.events.write_file(f"stacks-rank{rank}.txt", text) if text else None
             ranks[str(rank)] = {"host": h.host, "step": h.step, "stopped": bool(info.get("stopped")),
-                                "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path}
+                                "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path,
+                                "via": info.get("via")}
+        if missing := {r: stacks.get(r, {}).get("why") or "no answer from its node"
+                       for r in sorted(self.health.ranks) if not stacks.get(r, {}).get("stack")}:
+            why = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
+            self.events.emit("note", text=f"no stack could be taken for {len(missing)} rank(s): {why}"[:2000])
         self.events.emit("stacks", behind=behind, stalled=sorted(stalled), ranks=ranks,
                          hang_timeout=self.health.hang_timeout)
         first = self.health.ranks[behind[0]]
@@ -145,11 +150,16 @@ class JobMonitor:
                 notes.append(self._hang_note())
             if self.events.directory:
                 notes.append(f"details: dslaunch status {self.events.directory}")
-        self.events.emit("end" if self._owns_log else "run_end", exit_code=result.exit_code,
-                         stopped_by=result.stopped_by, duration_s=round(time.monotonic() - self._start, 3))
+        self.end(result.exit_code, stopped_by=result.stopped_by)
+        return "; ".join(notes) or None
+
+    def end(self, exit_code: int, **fields: object) -> None:
+        """The run's last event: ``end`` when this monitor owns the log (then closed), else
+        ``run_end`` (the log spans several runs: its owner writes the job's ``end``)."""
+        self.events.emit("end" if self._owns_log else "run_end", exit_code=exit_code, **fields,
+                         duration_s=round(time.monotonic() - self._start, 3))
         if self._owns_log:
             self.events.close()
-        return "; ".join(notes) or None
 
     def complete(self, failure: NodeResult) -> NodeResult:
         """``failure`` with what the monitor knows added: the rank's last step, a cause."""

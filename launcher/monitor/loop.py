@@ -3,12 +3,18 @@
 ``JobLoop.run()`` drives one runner per run: ``plan(attempt)`` builds the run's ``JobSpec``
 (restart count, fresh master port, hosts left out), ``new_runner(job)`` gives the transport,
 the gang loop watches it, and ``restart.decide`` says what next. Events (``restart`` with its
-reason, ``membership`` when the hosts change, ``resume``) go to ``emit(kind, **fields)``: the
-CLI passes a one-line stderr printer; an event log can take its place.
+reason, ``membership`` when the hosts change, ``resume``) go to the job's event log, which every
+run's runner writes to as well (the CLI's log echoes them as lines on stderr: ``print_event``).
 
 Hosts an elastic job lost are left out of the next run and offered back at every later restart:
 that run is started with them, and if the start fails naming only them (the SSH preflight), it
 is started again without them.
+
+A restarted run that cannot start (a host refusing SSH, an agent that fails to start) is a
+failed run of cause ``start``: it uses one restart from the budget; hosts the error names count
+as lost (an elastic job leaves them out). When the policy stops there, the start's own error is
+raised, so the job exits with its code and message. The first run's start failure is raised at
+once: it is a mistake to fix, not a fault to ride out.
 
 A stop from the user (``stop(sig)``, signal-handler safe) ends the current run and never
 restarts; it also cuts a backoff wait short.
@@ -25,12 +31,9 @@ from dslaunch.errors import LaunchError
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.gang import GangResult
 from dslaunch.launcher.monitor.restart import Decision, RestartPolicy, Run, cause_of, decide
-from dslaunch.launcher.spec import JobSpec
+from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, JobSpec, NodeResult
 
-__all__ = ["Attempt", "JobLoop", "JobOutcome", "Emit", "print_event"]
-
-Emit = Callable[..., None]
-"""``emit(kind, **fields)``: one job event (``restart``, ``membership``, ``resume``)."""
+__all__ = ["Attempt", "JobLoop", "JobOutcome", "print_event"]
 
 
 @dataclass(frozen=True)
@@ -60,17 +63,16 @@ class JobLoop:
         policy: the restart policy.
         plan: builds the ``JobSpec`` for an attempt (raises DslaunchError on bad input).
         new_runner: a fresh runner for a job (``runners.get_runner(job.launcher)()``).
-        emit: receives the job's events.
+        events: the job's event log: the loop's events, and every run's runner writes there too.
         sleep: waits between runs (tests pass a recorder).
-        events: the job's event log, handed to every run's runner (one log for the whole job);
-            None: each runner keeps its own.
     """
 
     def __init__(self, policy: RestartPolicy, plan: Callable[[Attempt], JobSpec],
-                 new_runner: Callable[[JobSpec], object], emit: Emit,
-                 sleep: Callable[[float], None] = time.sleep, events: EventLog | None = None) -> None:
+                 new_runner: Callable[[JobSpec], object], events: EventLog,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self._policy, self._plan, self._new_runner = policy, plan, new_runner
-        self._emit, self._sleep, self._events = emit, sleep, events
+        self._events, self._sleep = events, sleep
+        self._start_error: LaunchError | None = None
         self._runner = None
         self._requested: int | None = None
 
@@ -95,8 +97,10 @@ class JobLoop:
                 decision = Decision("stop", f"stopped by {signal.Signals(self._requested).name} "
                                             "before the restart")
             if not decision.restart:
+                if self._start_error is not None and self._requested is None:
+                    raise self._start_error  # its own message and exit code (the restarts were said)
                 return JobOutcome(result.exit_code, result, decision, tuple(runs))
-            self._emit("restart", reason=decision.reason, restart=count + 1, delay=decision.delay,
+            self._events.emit("restart", reason=decision.reason, restart=count + 1, delay=decision.delay,
                        cause=None if result.failure is None else cause_of(result.failure),
                        exit_code=result.exit_code, lost=list(lost))
             drop, offered = frozenset(decision.drop), (left_out | drop) - set(decision.drop)
@@ -115,15 +119,23 @@ class JobLoop:
         runner = self._new_runner(job)
         left_out = attempt.drop
         try:
-            self._start(runner, job, runs)
+            try:
+                self._start(runner, job, runs)
+            except LaunchError as err:
+                failed = frozenset(getattr(err, "failures", {}))
+                if not failed or not failed <= offered:
+                    raise
+                left_out = attempt.drop | failed
+                job = self._plan(Attempt(attempt.restart_count, left_out))
+                runner = self._new_runner(job)
+                self._start(runner, job, runs)
         except LaunchError as err:
-            failed = frozenset(getattr(err, "failures", {}))
-            if not failed or not failed <= offered:
+            self._runner = None
+            if not runs:
                 raise
-            left_out = attempt.drop | failed
-            job = self._plan(Attempt(attempt.restart_count, left_out))
-            runner = self._new_runner(job)
-            self._start(runner, job, runs)
+            self._start_error = err
+            return _start_failure(err, job), job, left_out
+        self._start_error = None
         code = runner.wait()
         self._runner = None
         return runner.result or GangResult(code), job, left_out
@@ -135,11 +147,11 @@ class JobLoop:
             runner.stop(self._requested)
         previous = runs[-1].hosts if runs else None
         if previous is not None and previous != job.hosts:  # said once the new hosts did start
-            self._emit("membership", hosts=list(job.hosts), previous=list(previous),
+            self._events.emit("membership", hosts=list(job.hosts), previous=list(previous),
                        world_size=job.world_size, left=sorted(set(previous) - set(job.hosts)),
                        joined=sorted(set(job.hosts) - set(previous)))
         if runs:
-            self._emit("resume", restart=len(runs), hosts=list(job.hosts), world_size=job.world_size,
+            self._events.emit("resume", restart=len(runs), hosts=list(job.hosts), world_size=job.world_size,
                        master_port=job.master_port)
 
     def _wait(self, seconds: float) -> None:
@@ -149,10 +161,24 @@ class JobLoop:
             self._sleep(min(0.1, left))
 
 
-def print_event(kind: str, **fields: object) -> None:
-    """The CLI's ``emit``: one line on stderr per event that changes what the user sees."""
+def _start_failure(err: LaunchError, job: JobSpec) -> GangResult:
+    """A run that could not start, as the policy sees it: a ``start`` failure, and every host the
+    error names (an SSH preflight's) lost."""
+    failures = getattr(err, "failures", {})
+    message = str(err).splitlines()[0] if len(failures) <= 1 else f"{len(failures)} hosts failed: " + "; ".join(
+        f"{h}: {m}" for h, (_c, m) in sorted(failures.items()))
+    host = ", ".join(sorted(failures)) or getattr(err, "host", None) or ", ".join(job.hosts)
+    root = NodeResult(-1, host, err.exit_code, cause="start", message=message, failed_at=time.time())
+    lost = tuple(NodeResult(-1, h, HOST_LOST_EXIT_CODE, cause="host_lost", stopped_by=m)
+                 for h, (_c, m) in sorted(failures.items()))
+    return GangResult(err.exit_code, root, nodes=lost or (root,))
+
+
+def print_event(event: dict) -> None:
+    """The CLI's event log echo: one line on stderr per event that changes what the user sees."""
     import sys
 
+    kind, fields = event["kind"], event
     if kind == "restart":
         line = f"dslaunch: {fields['reason']}"
     elif kind == "membership":

@@ -4,7 +4,8 @@ A pure function (``decide``) over frozen records, so every rule is a table test:
 
 - a finished run (exit 0) is never restarted; neither is a run the user stopped (Ctrl-C,
   SIGTERM, SIGHUP): the user's word wins over any budget;
-- infrastructure failures are restarted: a signal (SIGKILL, SIGSEGV, ...), a hang, a lost host;
+- infrastructure failures are restarted: a signal (SIGKILL, SIGSEGV, ...), a hang, a lost host,
+  a restarted run that could not start (each try uses one restart);
   so are a first exception or non-zero exit, which may be transient (a peer's reset connection);
 - the same failure (cause, exception text or exit code) at the same step in two runs in a row is
   the script's bug: restarting would fail the same way, so stop and show it;
@@ -31,8 +32,9 @@ from dslaunch.launcher.spec import NodeResult
 __all__ = ["RestartPolicy", "Run", "Decision", "decide", "cause_of", "describe_failure", "INFRA_CAUSES",
            "LOST_SSH"]
 
-INFRA_CAUSES = ("signal", "hang", "host_lost")
-"""Causes that say nothing about the script: always worth a restart while the budget lasts."""
+INFRA_CAUSES = ("signal", "hang", "host_lost", "start")
+"""Causes that say nothing about the script: always worth a restart while the budget lasts (a
+restarted run that cannot start, e.g. a host refusing SSH, may start at the next try)."""
 LOST_SSH = "lost SSH connection"
 """``NodeResult.stopped_by`` of a node whose connection dropped (the SSH runner's words)."""
 

@@ -55,9 +55,7 @@ class Runner(ABC):
         try:
             handles = self._start_nodes(job, wake)
         except DslaunchError as err:
-            events.emit("end" if owned else "run_end", exit_code=err.exit_code, error=str(err))
-            if owned:
-                events.close()
+            monitor.end(err.exit_code, error=str(err))
             raise
         grace = max((n.grace for n in job.nodes), default=0.0)
         self._gang = Gang(handles, wake, grace, monitor)

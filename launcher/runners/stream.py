@@ -7,11 +7,15 @@ An ``AgentStream`` reads the stdout and stderr of one node agent (over an SSH ch
 - the agent's status line (stderr) -> ``status`` (how the node ended, parsed by the agent module);
 - the agent's failure line (stderr) -> ``failure`` (its first worker failure, sent at once);
 - the agent's beats and stacks lines (stderr) -> ``beats`` (latest per rank), ``stacks`` (the
-  answer to ``request_stacks``); ``heard_at``: wall-clock time of the last line from the host;
+  answer to ``request_stacks``); ``heard_at``: wall-clock time of the last line from the host
+  (``heard_mono``: monotonic time of the last bytes on either stream, for the silence rule);
 - every other line -> the controller's stdout/stderr, prefixed ``host: `` (the agent already
   prefixed worker lines with ``[rankN]``), one whole line per write so hosts never interleave
   inside a line. stderr printed before the probe line is held back and shown only with the
   probe's outcome (so a login-shell hiccup is reported with the failure it caused).
+
+The other way, ``keep_alive`` sends the agent ``ALIVE`` every second, so that an agent behind a cut
+link finds the controller gone by its silence.
 
 Subclasses start the command, feed ``_read`` from their reader threads, call ``_ended`` once the
 command is gone, and implement ``send_line`` (the agent's stdin).
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from dslaunch.launcher.agent.bootstrap import PROBE_MARKER
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.agent.wire import (
+    ALIVE,
     STACKS_REQUEST,
     parse_beats_line,
     parse_failure_line,
@@ -66,6 +71,7 @@ class AgentStream:
         self.beats: dict[int, Beat] = {}
         self.stacks: dict[int, dict] | None = {}
         self.heard_at: float | None = None
+        self.heard_mono = time.monotonic()
         self._held_stderr: list[bytes] = []
         self._lock = threading.Lock()
         self._probe_seen = threading.Event()
@@ -83,6 +89,7 @@ class AgentStream:
                 data = b""
             if not data:
                 break
+            self.heard_mono = time.monotonic()
             buf += data
             *lines, buf = buf.split(b"\n")
             for line in lines:
@@ -145,6 +152,19 @@ class AgentStream:
     def send_line(self, text: str) -> None:
         """One line to the agent's stdin. Raises OSError/EOFError when the agent is gone."""
         raise NotImplementedError
+
+    def keep_alive(self, every: float) -> None:
+        """Send the agent ``ALIVE`` every ``every`` seconds until its stdin is closed (a thread):
+        behind a cut link, the agent finds the controller gone by its silence."""
+        def run() -> None:
+            while True:  # the first at once: the agent heeds silence only after one came
+                try:
+                    self.send_line(ALIVE)
+                except (*self.transport_errors, AssertionError, ValueError):
+                    return  # closed (the stop request) or gone: nothing more to say
+                if self.done.wait(every):
+                    return
+        threading.Thread(target=run, daemon=True, name=f"alive-{self.alias}").start()
 
     def request_stacks(self) -> None:
         """Ask the agent for its workers' stacks; ``stacks`` is None until the answer came."""

@@ -3,8 +3,8 @@
 Owns reading the document (``file.py``: JSON/YAML, size and depth bounds), the sections as
 typed frozen dataclasses and the one way a section is parsed (``sections.py``), the checkers of
 every value and of free-form ``params`` dicts (``param_schema.py``), DeepSpeed's elastic batch
-for a world size (``elasticity.py``), and the whole config with
-its batch triad and cross-checks (``ds_config.py``: ``load_config`` -> ``DeepSpeedConfig``).
+for a world size (``elasticity.py``), the launcher's ``monitor`` block (``monitor.py``), and the
+whole config with its batch triad and cross-checks (``ds_config.py``: ``load_config`` -> ``DeepSpeedConfig``).
 Each component is handed its parsed section; nothing after ``load_config`` reads a raw dict.
 Torch-free.
 """

@@ -13,6 +13,7 @@ dict too) is ``file.py``'s; every number's range is its checker's (``param_schem
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
+from dslaunch.runtime.config.monitor import MonitorConfig
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
@@ -50,12 +52,19 @@ _SOURCE_TYPES = (str, os.PathLike, Mapping)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
-             "elasticity": ElasticityConfig}
+             "elasticity": ElasticityConfig, "monitor": MonitorConfig}
+
+
+def _steps_per_print(path: str, value: Any) -> int | None:
+    # The one number that may be infinite: accelerate's DeepSpeedPlugin always sets Infinity.
+    return None if value == math.inf else integer(1)(path, value)
+
+
 _SCALARS = {
     "train_batch_size": (optional(integer(1)), "an integer: micro batch * accumulation steps * GPUs"),
     "train_micro_batch_size_per_gpu": (optional(integer(1)), "an integer: samples per GPU per micro step"),
     "gradient_accumulation_steps": (optional(integer(1)), "an integer: micro steps per optimizer step"),
-    "steps_per_print": (integer(1), "an integer: log every N optimizer steps"),
+    "steps_per_print": (_steps_per_print, "an integer: log every N optimizer steps"),
     "wall_clock_breakdown": (boolean, "true or false"),
     "gradient_clipping": (number(0.0), "a number: max global gradient norm (0 = off)"),
     "prescale_gradients": (boolean, "true or false"),
@@ -77,7 +86,8 @@ class DeepSpeedConfig:
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
     world_size: int
-    steps_per_print: int = 10
+    steps_per_print: int | None = 10
+    """None: never (accelerate writes Infinity there to silence DeepSpeed's log)."""
     wall_clock_breakdown: bool = False
     gradient_clipping: float = 0.0
     prescale_gradients: bool = False
@@ -91,10 +101,14 @@ class DeepSpeedConfig:
     bf16: Bf16Config = field(default_factory=Bf16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
     source: str | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The config as given (a dict or the file's content): DeepSpeed's ``engine.config``."""
 
 
 def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
@@ -141,11 +155,7 @@ def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
 
 
 def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSpeedConfig:
-    raw = dict(raw)
-    if "bfloat16" in raw:  # DeepSpeed's older spelling
-        if "bf16" in raw:
-            raise ConfigError("give either 'bf16' or its alias 'bfloat16', not both", key="bfloat16")
-        raw["bf16"] = raw.pop("bfloat16")
+    raw = _legacy_forms(raw)
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key in _SECTIONS:
@@ -164,9 +174,28 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
     elastic = values.get("elasticity")
     triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
              else _batch_triad(given, world_size))
-    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, **values)
+    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, **values)
     _cross_check(cfg)
     return cfg
+
+
+def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's older spellings, still in its docs, in today's form (a copy; ``given`` is kept).
+
+    ``bfloat16`` is ``bf16``; ``"zero_optimization": true`` is stage 1 (false: stage 0), with the
+    top-level ``allgather_size`` as its ``allgather_bucket_size``.
+    """
+    raw = dict(given)
+    if "bfloat16" in raw:
+        if "bf16" in raw:
+            raise ConfigError("give either 'bf16' or its alias 'bfloat16', not both", key="bfloat16")
+        raw["bf16"] = raw.pop("bfloat16")
+    if isinstance(raw.get("zero_optimization"), bool):
+        zero: dict[str, Any] = {"stage": int(raw["zero_optimization"])}
+        if "allgather_size" in raw:
+            zero["allgather_bucket_size"] = raw.pop("allgather_size")
+        raw["zero_optimization"] = zero
+    return raw
 
 
 def _scalar(key: str, value: Any) -> Any:

@@ -227,6 +227,9 @@ class Bf16Config:
 
     UNIMPLEMENTED = {"immediate_grad_update": False, "check_grad_overflow": False,
                      "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+    # fp16's loss-scaling keys, checked as in fp16 and then ignored: bf16 needs no loss scaling.
+    # DeepSpeed's CIFAR example writes them into bf16 (DeepSpeed 0.19.8 itself rejects them there).
+    INERT = {f.name: f.metadata["check"] for f in dataclasses.fields(Fp16Config) if f.name != "enabled"}
 
 
 @dataclass(frozen=True)
@@ -278,6 +281,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # DeepSpeed prints a throughput line by default; dslaunch has no throughput timer.
     "timers": Off({"throughput": Off({"enabled": False, "synchronized": True}, switch="enabled")}),
     "memory_breakdown": False, "dump_state": False, "log_level": None,
+    "disable_python_gc": False,  # DeepSpeed 0.19's switch to turn off Python's cyclic GC in training
     # precision and numerics
     "amp": _enabled(), "torch_autocast": _enabled(),
     "data_types": Off({"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None}),
@@ -346,5 +350,8 @@ def parse_section(cls: type, raw: Any, prefix: str) -> Any:
             reject_unimplemented(f"{prefix}.{key}", value, cls.UNIMPLEMENTED[key])
         elif not _stage3_only(cls, key):
             known[key] = value
-    schema = {f.name: Option(f.default, f.metadata["check"]) for f in dataclasses.fields(cls)}
-    return cls(**check_params(known, schema, prefix, f"section '{prefix}'"))
+    fields = {f.name: Option(f.default, f.metadata["check"]) for f in dataclasses.fields(cls)}
+    # INERT keys are checked like the others (and suggested for typos), then dropped.
+    inert = {key: Option(None, check) for key, check in getattr(cls, "INERT", {}).items()}
+    params = check_params(known, {**fields, **inert}, prefix, f"section '{prefix}'")
+    return cls(**{key: params[key] for key in fields})

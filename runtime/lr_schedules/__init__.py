@@ -39,7 +39,7 @@ from dslaunch.runtime.lr_schedules.schedules import (
     WarmupLR,
 )
 
-__all__ = ["SCHEDULER_TYPES", "SchedulerSpec", "validate_lr_scheduler", "build_lr_scheduler", "WarmupLR",
+__all__ = ["SCHEDULER_TYPES", "VALID_LR_SCHEDULES", "SchedulerSpec", "validate_lr_scheduler", "build_lr_scheduler", "WarmupLR",
            "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
 _KEY = "scheduler.params"
@@ -104,6 +104,8 @@ _REGISTRY: dict[str, _Entry] = {
 _BY_LOWER = {name.lower(): name for name in _REGISTRY}
 
 SCHEDULER_TYPES: tuple[str, ...] = tuple(_REGISTRY)
+# DeepSpeed's name for it: accelerate tests a scheduler's class name against this list.
+VALID_LR_SCHEDULES: list[str] = list(SCHEDULER_TYPES)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ asks the stage again. What lives where:
 - ``publisher.py``: broadcasting updated shards to every rank's model.
 - ``flat.py``: a param group's flat storage; ``partition.py``: its layout and the partition rule.
 - ``specs.py``: the records the engine hands a strategy and gets back.
+- ``contexts.py``: DeepSpeed's ``zero.Init`` / ``zero.GatheredParameters`` below stage 3.
+- ``frozen.py``: what an engine without an optimizer (forward only) uses instead of a stage.
 
 Not written yet:
 
@@ -30,6 +32,7 @@ Importing this package does not import torch.
 
 from __future__ import annotations
 
+from dslaunch.runtime.zero.contexts import GatheredParameters, Init
 from dslaunch.runtime.zero.registry import STAGES, STRATEGIES, strategy_class
 
-__all__ = ["STAGES", "STRATEGIES", "strategy_class"]
+__all__ = ["STAGES", "STRATEGIES", "strategy_class", "GatheredParameters", "Init"]

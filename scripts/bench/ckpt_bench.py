@@ -154,8 +154,8 @@ def _async_stall(engine, root: str, repeats: int, train, dist) -> dict:
 
     from dslaunch.runtime.checkpoint import wait_for_checkpoint
 
-    cfg = engine.config
-    engine.config = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+    cfg = engine._config
+    engine._config = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
                                                                             async_save=True))
     step_alone = statistics.median(train(1) for _ in range(3))
     stalls, during = [], []
@@ -169,7 +169,7 @@ def _async_stall(engine, root: str, repeats: int, train, dist) -> dict:
         stalls.append(call + engine.checkpoint_parts().io.gate_wait_s - gated)
         wait_for_checkpoint(engine)
         _drop(root, f"async{i}", dist)
-    engine.config = cfg
+    engine._config = cfg
     return {"async_stall_s": stalls[1:], "async_first_stall_s": stalls[0],
             "step_s": step_alone, "step_during_async_write_s": during[1:]}
 

@@ -202,7 +202,9 @@ def _markdown(timed: list[dict], loop: list[dict]) -> str:
              "gone; resume = fault to the restarted run's first finished step; blamed = the ranks the "
              f"launcher's report names (rank 1 is right). Hang: dslaunch `--hang_timeout {HANG_TIMEOUT_S}`, "
              f"every launcher's script uses a gloo timeout of {HANG_GLOO_TIMEOUT_S} s (DeepSpeed's "
-             "default is 30 min). DeepSpeed's launcher has no restarts.\n",
+             "default is 30 min). DeepSpeed's launcher has no restarts. blamed `[]`: no failure reported "
+             "(the restart finished); DeepSpeed's failure line names the last rank it started, whatever "
+             "failed, which is rank 1 here.\n",
              "| launcher | fault | trials | stop s (median) | resume s (median) | blamed | finished |",
              "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
     for system, fault in dict.fromkeys((r["system"], r.get("fault", "kill")) for r in timed):

@@ -4,13 +4,17 @@ A worker started by dslaunch reports each step (``runtime.heartbeat.Heartbeat.be
 fields) while a daemon thread sends at most two lines a second (and reads the loss and the
 memory then). This bench runs the same fixed-size step (a matmul chain, one thread) in blocks
 that alternate "heartbeat on" (beat per step, sender thread running, a reader draining the pipe as
-the agent does) and "off", and reports the median step time of each and the overhead ratio.
-It also times ``beat()`` alone.
+the agent does) and "off", and reports the median step time of each and the overhead: the median
+over adjacent on/off block pairs of their ratio (pairing cancels the slow drift of a shared
+machine's load). Because that difference is still within this machine's noise, it also reports
+a bound that noise cannot blur: the heartbeat's own CPU time (``beat()`` calls, timed alone,
+times the steps, plus the sender thread's CPU clock over the run) as a share of the 'on' time.
+The sender holds the GIL for at most its CPU time, so it cannot delay the step by more.
 
 Writes ``results/heartbeat_bench.json`` and ``results/heartbeat_bench.md`` (or to ``--out``).
 Target (issue 10): overhead < 1% of step time.
 
-Usage: ``python scripts/bench/heartbeat_bench.py [--blocks 12] [--steps 40] [--out DIR]``.
+Usage: ``python scripts/bench/heartbeat_bench.py [--blocks 40] [--steps 12] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -53,7 +57,13 @@ def _block(x: torch.Tensor, steps: int, hb: Heartbeat | None, start: int) -> lis
     return times
 
 
-def _measure(side: int, blocks: int, steps: int) -> dict:
+def _sender_cpu_s() -> float:
+    """CPU seconds the heartbeat's sender thread has used so far (its thread CPU clock)."""
+    sender = next(t for t in threading.enumerate() if t.name == "dslaunch-heartbeat")
+    return time.clock_gettime(time.pthread_getcpuclockid(sender.ident))
+
+
+def _measure(side: int, blocks: int, steps: int, beat_s: float) -> dict:
     torch.manual_seed(0)
     x = torch.randn(side, side) / side**0.5
     r, w = os.pipe()
@@ -62,19 +72,29 @@ def _measure(side: int, blocks: int, steps: int) -> dict:
     reader.start()
     hb = Heartbeat(w, rank=0)
     hb.start()
+    sender_start = _sender_cpu_s()
     on: list[float] = []
     off: list[float] = []
+    pairs: list[float] = []
     _block(x, steps, None, 0)  # warm-up
     for b in range(blocks):  # alternate, so load from other processes hits both alike
         on_first = b % 2 == 0
+        medians = {}
         for with_hb in (on_first, not on_first):
-            (on if with_hb else off).extend(_block(x, steps, hb if with_hb else None, b * steps))
+            times = _block(x, steps, hb if with_hb else None, b * steps)
+            (on if with_hb else off).extend(times)
+            medians[with_hb] = statistics.median(times)
+        pairs.append(medians[True] / medians[False] - 1)
+    sender_s = _sender_cpu_s() - sender_start
     stop.set()
     reader.join()
     os.close(r)
     med_on, med_off = statistics.median(on), statistics.median(off)
+    quart = statistics.quantiles(pairs, n=4)
     return {"side": side, "steps": len(on), "step_ms_off": med_off * 1e3, "step_ms_on": med_on * 1e3,
-            "overhead": (med_on - med_off) / med_off, "lines_sent": hb.writes}
+            "overhead": statistics.median(pairs), "overhead_iqr": [quart[0], quart[2]],
+            "sender_cpu_s": sender_s, "on_s": sum(on),
+            "cpu_bound": (beat_s * len(on) + sender_s) / sum(on), "lines_sent": hb.writes}
 
 
 def _beat_cost(n: int = 200_000) -> float:
@@ -93,31 +113,33 @@ def _markdown(rows: list[dict], beat_s: float) -> str:
     lines = ["## Heartbeat overhead (`scripts/bench/heartbeat_bench.py`)\n",
              "The same fixed step (a matmul and its mean, one thread) in alternating blocks with the "
              "worker's heartbeat on (a beat per step, the sender thread, a reader draining the pipe "
-             "as the agent does) and off; median step time of each.\n",
-             "| step | steps each | ms off | ms on | overhead | lines sent |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "as the agent does) and off. overhead = median over adjacent block pairs of on/off - 1 "
+             "(IQR beside it); CPU bound = the heartbeat's own CPU time (beats, timed alone, and the sender "
+             "thread's CPU clock) over the 'on' time: the most it can take from the step.\n",
+             "| step | steps each | ms off | ms on | overhead (IQR) | CPU bound | lines sent |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
+        low, high = r["overhead_iqr"]
         lines.append(f"| {r['side']}x{r['side']} matmul | {r['steps']} | {r['step_ms_off']:.3f} | "
-                     f"{r['step_ms_on']:.3f} | {100 * r['overhead']:+.2f}% | {r['lines_sent']} |")
-    worst = max(r["overhead"] for r in rows)
-    share = max(beat_s / (r["step_ms_off"] / 1e3) for r in rows)
-    lines.append(f"\n`beat()` alone: {beat_s * 1e9:.0f} ns per call, {100 * share:.3f}% of the shortest step "
-                 "above; the sender thread's work (at most 2 lines a second) is in the 'on' blocks. Target: "
-                 f"overhead < 1% of step time: {'met' if worst < 0.01 else 'NOT met'} (worst "
-                 f"{100 * worst:+.2f}%). The on/off difference is within the block-to-block noise of this "
-                 "shared 2-core machine (a negative overhead is noise too).\n")
+                     f"{r['step_ms_on']:.3f} | {100 * r['overhead']:+.2f}% ({100 * low:+.1f}..{100 * high:+.1f}) | "
+                     f"{100 * r['cpu_bound']:.3f}% | {r['lines_sent']} |")
+    bound = max(r["cpu_bound"] for r in rows)
+    lines.append(f"\n`beat()` alone: {beat_s * 1e9:.0f} ns per call. Target: overhead < 1% of step time: "
+                 f"{'met' if bound < 0.01 else 'NOT met'} by the CPU bound (worst {100 * bound:.3f}%). The "
+                 "on/off timing difference on this shared 2-core machine is noise of a few % either way; "
+                 "its median is shown, not used for the verdict.\n")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--blocks", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [_measure(side, args.blocks, args.steps) for side in SIZES]
     beat_s = _beat_cost()
+    rows = [_measure(side, args.blocks, args.steps, beat_s) for side in SIZES]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "heartbeat_bench.json").write_text(json.dumps({"rows": rows, "beat_s": beat_s}, indent=1) + "\n")
     md = _markdown(rows, beat_s)

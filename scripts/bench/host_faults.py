@@ -7,7 +7,7 @@ each of two cluster hosts (``scripts/cluster/cluster.py``). When rank 0 has reco
 bench faults the second host:
 
 - ``rank_kill``: SIGKILL of that host's worker (a rank dies on another host);
-- ``host_kill``: SIGSTOP then SIGKILL of every process of that host but its sshd (the host is gone);
+- ``host_kill``: SIGSTOP then SIGKILL of every process that host's sshd started (the host is gone);
 - ``link_cut``: its cable is taken down (``ip link set <host>v down``; up again after the trial).
 
 Measured per trial (seconds from the fault):
@@ -91,8 +91,15 @@ def _kill_everything_of(script: str) -> None:
 
 
 def _host_processes(host: str, sshd_pid: int) -> list[int]:
+    """Everything the host's sshd started (the job's side of the host), not other daemons there
+    (the SLURM test bed runs a slurmd in the same namespace)."""
     out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split() if int(p) != sshd_pid]
+    in_ns = {int(p) for p in out.split()}
+    try:
+        children = psutil.Process(sshd_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [p.pid for p in children if p.pid in in_ns]
 
 
 def _signal_all(pids: list[int], *signals: int) -> None:

@@ -12,6 +12,7 @@ import torch
 from dslaunch import kernels
 from dslaunch.errors import UsageError
 from dslaunch.kernels import dispatch
+from dslaunch.kernels.cpu import build
 from dslaunch.kernels.dispatch import Kernel, KernelTable
 from dslaunch.kernels.reference import torch_step
 
@@ -73,12 +74,14 @@ def test_the_env_var_picks_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
         kernels.get("op", "cpu")
 
 
-def test_nothing_is_fused_yet_and_every_op_has_a_reference() -> None:
-    assert dict(dispatch.KERNELS.fused) == {}
+def test_the_cpu_kernels_are_registered_and_every_op_has_a_reference() -> None:
+    assert set(dispatch.KERNELS.fused) == {"adam", "lion", "adagrad", "torch.adam", "torch.adamw", "torch.adagrad"}
     for op in dispatch.KERNELS.reference:
         assert callable(dispatch.KERNELS.get(op, "cpu"))
-    with pytest.raises(UsageError, match="no fused 'torch.adamw' kernel"):
-        dispatch.KERNELS.get("torch.adamw", "cpu", "fused")
+    with pytest.raises(UsageError, match="no fused 'torch.sgd' kernel"):
+        dispatch.KERNELS.get("torch.sgd", "cpu", "fused")
+    with pytest.raises(UsageError, match="no fused 'torch.adamw' kernel runs on 'cuda'"):
+        dispatch.KERNELS.get("torch.adamw", "cuda", "fused")
 
 
 def test_importing_the_kernels_imports_no_torch() -> None:
@@ -100,13 +103,13 @@ def _spy(op: str):
     return fused
 
 
-def _train(optimizer: dict) -> tuple[object, list[torch.Tensor]]:
+def _train(optimizer: dict, model=None) -> tuple[object, list[torch.Tensor]]:
     import dslaunch
     from tests.runtime.models import batches, make_model
 
     cfg = {"train_batch_size": 4, "steps_per_print": 1000, "optimizer": optimizer,
            "gradient_clipping": 0.5, "zero_optimization": {"stage": 1}}
-    engine, _, _, _ = dslaunch.initialize(model=make_model(), config=cfg, dist_init_required=False)
+    engine, _, _, _ = dslaunch.initialize(model=model or make_model(), config=cfg, dist_init_required=False)
     for tokens, labels in batches(2, 4):
         engine.backward(engine(tokens, labels))
         engine.step()
@@ -134,3 +137,38 @@ def test_the_engine_step_calls_through_the_dispatch(op: str, optimizer: dict,
         assert all(c[1] is engine.optimizer for c in CALLS)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+class _Mlp(torch.nn.Module):
+    """No parameter with a zero gradient in exact arithmetic (as attention's key bias has): such a
+    parameter's Adam update is m / sqrt(v) of rounding noise, which turns ulps into 1e-4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.hidden, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(self.embed(tokens).mean(dim=1)))
+        return torch.nn.functional.cross_entropy(self.head(h), labels)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not build.available(), reason="no C compiler: nothing fused on CPU")
+@pytest.mark.parametrize("op, optimizer", [
+    ("torch.adamw", {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}),
+    ("torch.adam", {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01, "adam_w_mode": False}}),
+    ("adam", {"type": "Adam", "params": {"lr": 1e-2, "bias_correction": False}}),
+    ("lion", {"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.1}}),
+    ("torch.adagrad", {"type": "Adagrad", "params": {"lr": 1e-2, "lr_decay": 0.01}}),
+])
+def test_the_engine_trains_the_same_with_the_cpu_kernels(op: str, optimizer: dict,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSLAUNCH_KERNELS", "reference")
+    _, want = _train(optimizer, _Mlp())
+    monkeypatch.setenv("DSLAUNCH_KERNELS", "fused")  # fails unless the C kernel serves the op
+    assert kernels.get(op, "cpu").__module__.startswith("dslaunch.kernels.cpu.")
+    _, got = _train(optimizer, _Mlp())
+    assert any(not torch.equal(a, b) for a, b in zip(got, _Mlp().parameters(), strict=True))  # it trained
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)

@@ -18,7 +18,8 @@ the step, so ``CUDA_VISIBLE_DEVICES`` is the one SLURM gives the step, never the
 Stopping: closing an srun's stdin makes its agent stop its workers (SIGTERM, then SIGKILL after the
 grace period) and exit; a node that does not is terminated through srun (SIGTERM to srun: SLURM
 signals the step, then kills it). An srun that ends without the agent's status line (node lost,
-step killed) is a lost host.
+step killed) is a lost host, and so is a node silent for the gang's ``HOST_SILENT_S`` (the agent
+speaks every second; the controller sends it ``ALIVE`` every second the other way).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import os
 import shlex
 import sys
 import threading
+import time
 
 from dslaunch.errors import HostsError
 from dslaunch.launcher.agent.output import Sink
-from dslaunch.launcher.agent.wire import CHECKPOINT_REQUEST
+from dslaunch.launcher.agent.wire import ALIVE_EVERY_S, CHECKPOINT_REQUEST
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import Runner, format_node
@@ -85,6 +87,7 @@ class _SrunNode(NodeHandle):
     def __init__(self, node: NodeSpec, session: SrunSession) -> None:
         self.node = node
         self.session = session
+        self._since = time.monotonic()  # the agent has its NodeSpec: it speaks every ALIVE_EVERY_S
 
     def poll(self) -> NodeResult | None:
         s = self.session
@@ -101,6 +104,9 @@ class _SrunNode(NodeHandle):
 
     def failing(self) -> NodeResult | None:
         return self.session.failure
+
+    def last_heard(self) -> float:
+        return max(self.session.heard_mono, self._since)
 
     def stop(self, sig: int) -> None:
         self.session.close_stdin()
@@ -184,6 +190,7 @@ class SlurmRunner(Runner):
             except OSError as exc:
                 self._close_all()
                 raise SlurmError({node.host: ("srun", f"srun ended while starting the node: {exc}")}) from None
+            session.keep_alive(ALIVE_EVERY_S)
             handles.append(_SrunNode(spec, session))
         return handles
 

@@ -22,8 +22,10 @@ import os
 import shlex
 import sys
 import threading
+import time
 
 from dslaunch.launcher.agent.output import Sink
+from dslaunch.launcher.agent.wire import ALIVE_EVERY_S
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import Runner, format_node
@@ -51,6 +53,7 @@ class _SSHNode(NodeHandle):
         self.node = node
         self.session = session
         self._killer: threading.Thread | None = None
+        self._since = time.monotonic()  # the agent has its NodeSpec: it speaks every ALIVE_EVERY_S
 
     def poll(self) -> NodeResult | None:
         s = self.session
@@ -66,6 +69,9 @@ class _SSHNode(NodeHandle):
 
     def failing(self) -> NodeResult | None:
         return self.session.failure
+
+    def last_heard(self) -> float:
+        return max(self.session.heard_mono, self._since)
 
     def stop(self, sig: int) -> None:
         self.session.close_stdin()
@@ -161,6 +167,7 @@ class SSHRunner(Runner):
                 # Started agents see EOF and stop their workers; nothing stays behind.
                 self._close_all()
                 raise SSHError({node.host: ("ssh", f"connection lost while starting the node: {exc}")}) from None
+            session.keep_alive(ALIVE_EVERY_S)
             handles.append(_SSHNode(spec, session))
         return handles
 

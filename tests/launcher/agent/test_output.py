@@ -38,6 +38,12 @@ def test_lines_carriage_returns_and_unterminated_tail():
     assert log == b"a\nbc\n10%\r20%\r\r\nend\n"
 
 
+def test_torchs_own_rank_mark_is_not_repeated_on_the_console():
+    out, log = _run([b"[rank7]: Traceback (most recent call last):\n", b"[rank3]: other\n", b"x [rank7]: y\n"])
+    assert out == b"[rank7] Traceback (most recent call last):\n[rank7] [rank3]: other\n[rank7] x [rank7]: y\n"
+    assert log.startswith(b"[rank7]: Traceback")  # the rank's own log keeps its bytes as written
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.binary(max_size=40), max_size=8))
 def test_every_byte_arrives_and_each_piece_is_prefixed(chunks):

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """A small ZeRO training job for restart tests: checkpoints every few steps, can die on purpose.
 
-``ckpt_train.py --steps N --save_every K --ckpt DIR --out FILE [--load] [--kill_rank R --kill_step S]``
+``ckpt_train.py --steps N --save_every K --ckpt DIR --out FILE [--load] [--fault_rank R --fault_step S
+[--fault kill|stop|raise]]``
 
 - data comes from the engine's loader (its position is in the checkpoint) and the model has
   dropout (its RNG is too), so a resumed run matches an uninterrupted one only if both are restored;
 - ``--load``: the script resumes itself with ``engine.load_checkpoint(DIR)``; without it, resuming is
   left to ``dslaunch --resume_from DIR``;
-- ``--kill_rank/--kill_step``: in the job's first run only (``DSLAUNCH_RESTART_COUNT`` 0), that rank
-  SIGKILLs itself when it reaches that step;
+- ``--fault_rank/--fault_step``: in the job's first run only (``DSLAUNCH_RESTART_COUNT`` 0), that rank
+  faults when it reaches that step: ``--fault kill`` (default) SIGKILLs itself, ``stop`` SIGSTOPs
+  itself (a hang), ``raise`` raises ``RuntimeError`` (an exception that does not come back);
 - ``--sleep S``: each step takes S seconds more and prints ``rank<R> step=<N>`` (to fault it mid-run);
 - at the end rank 0 writes the weights to FILE; every rank prints ``rank<R> world=<W> resumed_at=<step>``
   (the step the run started from) once.
@@ -38,11 +40,18 @@ class Pairs(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+def _fault(how: str, step: int) -> None:
+    if how == "raise":
+        raise RuntimeError(f"injected fault at step {step}")
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     for name, kind in (("--steps", int), ("--save_every", int), ("--ckpt", str), ("--out", str),
-                       ("--kill_rank", int), ("--kill_step", int), ("--local_rank", int)):
+                       ("--fault_rank", int), ("--fault_step", int), ("--local_rank", int)):
         p.add_argument(name, type=kind, default=-1 if kind is int else None)
+    p.add_argument("--fault", choices=("kill", "stop", "raise"), default="kill")
     p.add_argument("--load", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step, printing each step")
     args = p.parse_args()
@@ -66,8 +75,8 @@ def main() -> None:
             step = engine.global_steps
             if step % args.save_every == 0:
                 engine.save_checkpoint(args.ckpt)
-            if first_run and engine.global_rank == args.kill_rank and step == args.kill_step:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if first_run and engine.global_rank == args.fault_rank and step == args.fault_step:
+                _fault(args.fault, step)
             if args.sleep:
                 print(f"rank{engine.global_rank} step={step}", flush=True)
                 time.sleep(args.sleep)

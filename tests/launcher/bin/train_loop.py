@@ -6,7 +6,9 @@ can signal a rank. Environment knobs (all optional):
 
 - ``STEPS``: stop after this many steps (default: run until stopped);
 - ``FAIL_RANK``/``FAIL_AT``/``FAIL_WITH``: on that rank at that step raise ``RuntimeError``
-  (``FAIL_WITH=error``), ``torch.OutOfMemoryError`` (``oom``), or exit (``exit=N``).
+  (``FAIL_WITH=error``), ``torch.OutOfMemoryError`` (``oom``), or exit (``exit=N``);
+- ``PLAIN_RANK``: that rank never calls ``dslaunch.heartbeat`` (no beats, no faulthandler: as a
+  script that does not use dslaunch's runtime).
 """
 
 import datetime
@@ -34,7 +36,8 @@ def main() -> int:
         dist.all_reduce(t)
         if rank == fail_rank and step == fail_at:
             fail(os.environ.get("FAIL_WITH", "error"), step)
-        dslaunch.heartbeat(step, loss=torch.tensor(1.0 / step), samples=8 * step)
+        if rank != int(os.environ.get("PLAIN_RANK", "-1")):
+            dslaunch.heartbeat(step, loss=torch.tensor(1.0 / step), samples=8 * step)
         time.sleep(0.05)
     dist.destroy_process_group()
     return 0

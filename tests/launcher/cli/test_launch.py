@@ -266,3 +266,48 @@ def test_no_ssh_runs_this_nodes_workers_with_their_global_ranks(tmp_path):
         assert (e["WORLD_SIZE"], e["NODE_RANK"], e["CROSS_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("5", "1", "2", "3")
         assert (e["MASTER_ADDR"], e["MASTER_PORT"], e["CUDA_VISIBLE_DEVICES"]) == ("10.9.8.7", port, "0,1,2")
     assert "--no_ssh: starting node 1 of 2 (node-b.invalid: ranks 2-4 of 5)" in r.stderr
+
+
+def _ds_config(tmp_path, monitor) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "monitor": monitor}))
+    return str(path)
+
+
+def test_the_ds_config_monitor_block_sets_the_policy_and_flags_win(tmp_path, capsys):
+    ds = _ds_config(tmp_path, {"hang_timeout": 30, "max_restarts": 2, "log_dir": str(tmp_path / "runs")})
+    assert cli.main(["--num_gpus", "1", "--dry-run", FAKE, "--deepspeed_config", ds]) == 0
+    tail = capsys.readouterr().out.splitlines()[-3:]
+    assert tail[0].startswith(f"# monitor: hang_timeout 30 s (first step: 60 s); events, error files and stacks in "
+                              f"{tmp_path}/runs/"), tail
+    assert tail[1].startswith("# restarts: up to 2, after 1 s"), tail
+    assert tail[2] == f"# from the ds_config's monitor block ({ds}): hang_timeout, max_restarts, log_dir (flags win over it)"
+    assert cli.main(["--num_gpus", "1", "--dry-run", "--max_restarts", "1", "--hang_timeout", "5", FAKE,
+                     f"--deepspeed_config={ds}"]) == 0
+    tail = capsys.readouterr().out.splitlines()[-3:]
+    assert tail[0].startswith("# monitor: hang_timeout 5 s (first step: 60 s)") and f"{tmp_path}/runs/" in tail[0]
+    assert tail[1].startswith("# restarts: up to 1, after 1 s"), tail
+    assert tail[2] == f"# from the ds_config's monitor block ({ds}): log_dir (flags win over it)"
+
+
+@pytest.mark.parametrize("monitor, words", [
+    ({"hang_timout": 3}, "'monitor.hang_timout': unknown parameter for section 'monitor' (did you mean 'hang_timeout'?); "
+                         "valid parameters: hang_timeout, log_dir, max_restarts"),
+    ({"hang_timeout": 0}, "'monitor.hang_timeout': must be in (0, 604800], got int 0"),
+    ({"max_restarts": -1}, "'monitor.max_restarts': must be an integer in [0, 1e6], got int -1"),
+    ({"log_dir": ""}, "'monitor.log_dir': must be a directory path (a non-empty string)"),
+    ([1], "'monitor': must be an object, got list"),
+])
+def test_a_bad_monitor_block_is_one_line_naming_the_key(tmp_path, capsys, monitor, words):
+    ds = _ds_config(tmp_path, monitor)
+    assert cli.main(["--num_gpus", "1", "--dry-run", FAKE, "--deepspeed_config", ds]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"dslaunch: error: {ds}: ") and words in line, line
+
+
+def test_reading_the_monitor_block_imports_no_torch(tmp_path):
+    ds = _ds_config(tmp_path, {"hang_timeout": 30})
+    code = ("import sys; from dslaunch.launcher import cli; "
+            f"assert cli.main(['--num_gpus', '1', '--dry-run', {FAKE!r}, '--deepspeed_config', {ds!r}]) == 0; "
+            "assert 'torch' not in sys.modules and 'psutil' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

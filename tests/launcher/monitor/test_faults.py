@@ -130,6 +130,43 @@ def test_sigstop_of_one_rank_is_a_hang_naming_it_with_stacks(tmp_path, free_port
     assert_no_job_process(tag)
 
 
+def _path_with_py_spy(wanted: bool) -> str:
+    """PATH without any py-spy, plus the venv's (a dev dependency) when ``wanted``."""
+    here = os.path.dirname(sys.executable)
+    assert not wanted or os.path.exists(os.path.join(here, "py-spy")), "py-spy is a dev dependency: make setup"
+    dirs = [d for d in os.environ["PATH"].split(os.pathsep) if d and not os.path.exists(os.path.join(d, "py-spy"))]
+    return os.pathsep.join([here, *dirs] if wanted else dirs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("py_spy", [True, False], ids=["py-spy", "no-py-spy"])
+def test_a_rank_without_faulthandler_is_read_by_py_spy_or_a_note_says_why_not(tmp_path, free_port, py_spy):
+    tag = new_tag()
+    proc = _start(tmp_path, free_port, "--hang_timeout", "3", tag=tag, PLAIN_RANK="1",
+                  PATH=_path_with_py_spy(py_spy))
+    pids = _pids(proc)
+    time.sleep(2.0)  # rank 0 beats its first steps (rank 1 never beats: it is never judged itself)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        os.kill(pids[1], signal.SIGCONT) if proc.returncode is None else None
+    assert proc.returncode == 124, err
+    events = _events(_job_dir(tmp_path))
+    rank1 = _one(events, "stacks")["ranks"]["1"]
+    notes = [e["text"] for e in events if e["kind"] == "note" and "no stack could be taken" in e["text"]]
+    if py_spy:
+        assert rank1["via"] == "py-spy" and not notes, (rank1, notes)
+        with open(rank1["file"]) as f:
+            assert "train_loop.py" in f.read()
+        assert re.search(r"train_loop\.py:\d+ in main$", rank1["top_frame"]), rank1  # py-spy's frames parsed
+    else:
+        assert rank1["file"] is None and rank1["via"] is None, rank1
+        assert notes == ["no stack could be taken for 1 rank(s): rank 1: no faulthandler registered (the script "
+                         "does not use dslaunch's runtime) and no py-spy on PATH"], notes
+    assert_no_job_process(tag)
+
+
 @pytest.mark.timeout(120)
 def test_exception_in_one_rank_error_file_has_the_traceback_root_cause_first(tmp_path, free_port):
     tag = new_tag()

@@ -136,3 +136,33 @@ def test_failure_stops_other_nodes_while_the_failed_node_is_still_stopping():
     assert (r.exit_code, r.failure.rank, r.failure.host) == (3, 1, "host0")
     assert other.poll().stopped_by == "SIGTERM"
     assert grace * 0.9 < took < grace * 1.6, f"stopping took {took:.2f} s for a grace period of {grace} s"
+
+
+class _SilentNode(ScriptedNode):
+    """A remote node whose agent sent its last line ``quiet`` seconds before the loop started."""
+
+    def __init__(self, rank: int, wake: threading.Event, quiet: float) -> None:
+        super().__init__(rank, wake, None)
+        self.heard = time.monotonic() - quiet
+
+    def last_heard(self) -> float:
+        return self.heard
+
+
+def test_a_node_silent_past_the_limit_is_a_lost_host_torn_down_at_once():
+    from dslaunch.launcher.monitor.gang import HOST_SILENT_S
+
+    wake = threading.Event()
+    talking, silent = _SilentNode(0, wake, 0.0), _SilentNode(1, wake, HOST_SILENT_S - 0.5)
+    talking.heard = float("inf")  # keeps talking
+    result = Gang([talking, silent], wake, 0.2).run()
+    assert silent.killed and talking.stopped_with == signal.SIGTERM
+    f = result.failure
+    assert (f.cause, f.host, f.exit_code, f.rank) == ("host_lost", "host1", 255, None)
+    assert f.describe().startswith("lost host host1 (no news from its agent for 5.") and f.failed_at < time.time() - 4
+
+
+def test_a_node_that_never_goes_silent_is_not_judged():
+    wake = threading.Event()
+    gang = Gang([ScriptedNode(0, wake, 0.3)], wake, 0.2)  # last_heard() None: an in-process agent
+    assert gang.run().exit_code == 0

@@ -3,6 +3,7 @@ user's word and when the budget is spent (fake workers, no torch)."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 
@@ -97,3 +98,41 @@ def test_dry_run_shows_the_policy():
 def test_bad_restart_flags_are_one_line(args, words):
     r = run_dslaunch([*args, FAKE])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+
+
+def _self_disabling_program(tmp_path):
+    """A program whose first run takes its own exec permission away and fails: the restart then
+    cannot start it (EACCES, also for root) until the test gives the permission back."""
+    prog = tmp_path / "prog.sh"
+    prog.write_text('#!/bin/sh\necho "run $DSLAUNCH_RESTART_COUNT"\n'
+                    'if [ "$DSLAUNCH_RESTART_COUNT" = 0 ]; then chmod -x "$0"; exit 3; fi\n')
+    prog.chmod(0o755)
+    return prog
+
+
+def test_a_restart_that_cannot_start_uses_one_restart_and_the_next_one_runs(tmp_path):
+    prog = _self_disabling_program(tmp_path)
+    proc = start_dslaunch(["--num_gpus", "1", "--max_restarts", "3", "--log_dir", str(tmp_path / "logs"),
+                           "--no_python", str(prog)], new_tag())
+    for line in proc.stderr:  # the second restart's line: the program may run again
+        if line.startswith("dslaunch: restart 2 of 3 in 2 s after start: "):
+            break
+    else:
+        raise AssertionError(f"no restart after the failed start; exit code {proc.wait()}")
+    assert f"the run could not start: localhost: cannot start {prog}: Permission denied (exit code 1)" in line, line
+    prog.chmod(0o755)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["[rank0] run 0", "[rank0] run 2"], out
+    (log,) = (tmp_path / "logs").iterdir()
+    runs = [e for e in map(json.loads, (log / "events.jsonl").read_text().splitlines()) if e["kind"] == "run_end"]
+    assert [e["exit_code"] for e in runs] == [3, 1, 0] and "Permission denied" in runs[1]["error"], runs
+
+
+def test_when_the_budget_is_spent_on_a_failed_start_the_job_exits_with_its_error(tmp_path):
+    prog = _self_disabling_program(tmp_path)
+    r = run_dslaunch(["--num_gpus", "1", "--max_restarts", "1", "--no_python", str(prog)], timeout=40)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1] == f"dslaunch: error: localhost: cannot start {prog}: Permission denied", r.stderr
+    assert lines[-2].startswith("dslaunch: restart 1 of 1 in 1 s after exit: rank 0 on localhost exited with code 3")

@@ -136,6 +136,7 @@ class _ScriptedRunner:
 
 
 def _loop_over(hosts, script, down):
+    from dslaunch.launcher.monitor.events import EventLog
     from dslaunch.launcher.monitor.loop import JobLoop
     from dslaunch.launcher.spec import JobSpec, NodeSpec
 
@@ -145,9 +146,9 @@ def _loop_over(hosts, script, down):
         nodes = tuple(NodeSpec(i, h, ()) for i, h in enumerate(h for h in hosts if h not in attempt.drop))
         return JobSpec(nodes, "x", 1, len(nodes))
 
+    log = EventLog(None, echo=lambda e: events.append((e["kind"], e)))
     loop = JobLoop(RestartPolicy(max_restarts=3, elastic=True), plan,
-                   lambda job: _ScriptedRunner(script, down, started), lambda kind, **f: events.append((kind, f)),
-                   sleep=lambda s: None)
+                   lambda job: _ScriptedRunner(script, down, started), log, sleep=lambda s: None)
     return loop.run(), started, events
 
 

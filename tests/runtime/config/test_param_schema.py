@@ -50,7 +50,7 @@ def _sched(type_: str, **params: object) -> dict:
     ({"gradient_accumulation_steps": 1e300}, "gradient_accumulation_steps", "an integer in [1, 1e12]"),
     ({"zero_optimization": {"reduce_bucket_size": 10**13}}, "zero_optimization.reduce_bucket_size", "1e12"),
     ({"zero_optimization": {"stage": 7}}, "zero_optimization.stage", "an integer in [0, 3]"),
-    ({"steps_per_print": INF}, "steps_per_print", "an integer in [1, 1e12]"),
+    ({"steps_per_print": -INF}, "steps_per_print", "an integer in [1, 1e12]"),  # +inf: never (accelerate)
     ({"gradient_predivide_factor": INF}, "gradient_predivide_factor", "> 0 and finite"),
     # bool is not a number: True must not pass as 1
     ({"gradient_clipping": True}, "gradient_clipping", "must be a number"),

@@ -1,0 +1,13 @@
+"""``dslaunch.accelerator`` (DeepSpeed's ``deepspeed.accelerator``): ``get_accelerator()``.
+
+The device a rank trains on, behind DeepSpeed's accelerator interface, for the scripts and
+libraries that ask it (DeepSpeed's tutorials, accelerate, transformers): CUDA when torch sees a
+GPU, else CPU, the same choice ``dslaunch.runtime.dist`` makes for the process group. Also
+``DS_ACCELERATOR=cpu|cuda`` as DeepSpeed reads it. Implementation: ``device.py``.
+"""
+
+from __future__ import annotations
+
+from dslaunch.accelerator.device import Accelerator, get_accelerator, is_current_accelerator_supported
+
+__all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported"]

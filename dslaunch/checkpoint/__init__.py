@@ -1,0 +1,3 @@
+"""``dslaunch.checkpoint`` (DeepSpeed's ``deepspeed.checkpoint``): helpers for saving what the
+engine holds with ``torch.save``. The engine's own checkpoints are ``dslaunch.runtime.checkpoint``.
+"""

@@ -1,0 +1,83 @@
+"""DeepSpeed's ``deepspeed.utils.logger`` and ``log_dist``: the "DeepSpeed" logger, rank-aware.
+
+The logger is stdlib ``logging``'s ``"DeepSpeed"`` logger at WARNING on stdout with a
+``[time] [LEVEL] [file:line:function]`` prefix, not propagated (as DeepSpeed's; transformers sets
+its level to the Trainer's log level). No torch import: the rank is read from
+``torch.distributed`` only when the process already imported it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Iterable
+
+__all__ = ["logger", "log_dist", "print_dist", "log_dist_once", "get_dist_msg", "warning_once"]
+
+
+def _make_logger(name: str, level: int = logging.WARNING) -> logging.Logger:
+    made = logging.getLogger(name)
+    made.setLevel(level)
+    made.propagate = False
+    if not made.handlers:  # importing twice (a reload) must not print every line twice
+        handler = logging.StreamHandler(stream=sys.stdout)
+        handler.setFormatter(logging.Formatter(
+            "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"))
+        made.addHandler(handler)
+    return made
+
+
+logger = _make_logger("DeepSpeed")
+
+
+@functools.cache
+def warning_once(*args: object) -> None:
+    """``logger.warning`` once per distinct message."""
+    logger.warning(*args)
+
+
+logger.warning_once = warning_once  # type: ignore[attr-defined]  (DeepSpeed's extra method)
+
+
+def _rank() -> int | None:
+    """This process's rank, or None when torch.distributed is not (imported and) initialised."""
+    dist = sys.modules.get("torch.distributed")
+    return dist.get_rank() if dist is not None and dist.is_initialized() else None
+
+
+def get_dist_msg(message: str, ranks: Iterable[int] | None = None) -> str | None:
+    """``"[Rank N] message"`` if this rank should log it, else None.
+
+    Logged when the process group is not initialised (rank shown as -1), or when ``ranks``
+    holds this rank or starts with -1 (every rank). ``ranks=None`` or empty: only without a group.
+    """
+    rank = _rank()
+    wanted = list(ranks or [])
+    if rank is None or (wanted and (wanted[0] == -1 or rank in wanted)):
+        return f"[Rank {-1 if rank is None else rank}] {message}"
+    return None
+
+
+def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
+    """Log ``message`` on the ranks ``get_dist_msg`` selects, at ``level``."""
+    text = get_dist_msg(message, ranks)
+    if text is not None:
+        logger.log(level, text)
+
+
+def print_dist(message: str, ranks: Iterable[int] | None = None) -> None:
+    """As ``log_dist`` but printed, whatever the logger's level."""
+    text = get_dist_msg(message, ranks)
+    if text is not None:
+        print(text)
+
+
+@functools.cache
+def _log_once(message: str, ranks: tuple[int, ...] | None, level: int) -> None:
+    log_dist(message, ranks=list(ranks) if ranks is not None else None, level=level)
+
+
+def log_dist_once(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
+    """``log_dist`` once per distinct (message, ranks, level)."""
+    _log_once(message, tuple(ranks) if ranks is not None else None, level)

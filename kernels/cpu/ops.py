@@ -1,0 +1,155 @@
+"""Python entry points of the C kernels: one call per flat tensor, threads = torch's.
+
+Flat functions (``adam``, ``adagrad``, ``lion``, ``grad_sumsq``) update one contiguous fp32 CPU
+tensor and its states in place; the dispatch-op functions below them take the op signatures of
+``dslaunch.kernels`` (lists of tensors, or a torch optimizer) and hand any tensor the C code
+does not take (not fp32, not contiguous, not on the CPU) to the torch reference.
+
+Limitations: the library must be loadable (``build.available()``); the dispatch point checks it
+before handing out these functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dslaunch.kernels.cpu.build import library
+
+__all__ = ["adam", "adagrad", "lion", "grad_sumsq", "copy_out", "takes", "adam_op", "lion_op", "adagrad_op"]
+
+# Dtype codes of optim.c (a parameter copy of code 0 means "no copy").
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def takes(*tensors: torch.Tensor | None) -> bool:
+    """Whether the C kernels can run on these tensors as they are (fp32, contiguous, CPU, dense)."""
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                             and t.layout == torch.strided) for t in tensors)
+
+
+def _grad_code(grad: torch.Tensor) -> int:
+    if grad.dtype not in _CODES or grad.device.type != "cpu" or not grad.is_contiguous():
+        raise ValueError(f"gradient must be a contiguous fp32/bf16/fp16 CPU tensor, got {grad.dtype} "
+                         f"on {grad.device} (contiguous={grad.is_contiguous()})")
+    return _CODES[grad.dtype]
+
+
+def _lib() -> Any:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("dslaunch's CPU kernels are unavailable (see the warning above)")
+    return lib
+
+
+def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+         step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+         bias_correction: bool = True, adamw_mode: bool = True, grad_mul: float = 1.0, grad_div: float = 1.0,
+         out: torch.Tensor | None = None) -> None:
+    """One Adam/AdamW step of a flat fp32 ``param`` (1-based ``step``), in place.
+
+    ``grad`` may be fp32, bf16 or fp16 and is multiplied by ``grad_mul`` and divided by
+    ``grad_div`` first (torch's fused optimizers divide by ``grad_scale``: dividing here rounds
+    the same); ``out`` (bf16 or fp16, same shape) receives the updated parameters in the same pass.
+    """
+    n = param.numel()
+    bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
+    # Coefficients in double, rounded once to fp32, as torch's fused Adam computes them.
+    _lib().dsl_adam(param.data_ptr(), grad.data_ptr(), _grad_code(grad), exp_avg.data_ptr(),
+                    exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(),
+                    0 if out is None else _copy_code(out), n, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+                    weight_decay, 1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div,
+                    int(adamw_mode), torch.get_num_threads())
+
+
+def adagrad(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, *, clr: float, eps: float,
+            weight_decay: float, grad_mul: float = 1.0, grad_div: float = 1.0) -> None:
+    """One Adagrad step (torch's, at the current learning rate ``clr``), in place; all fp32."""
+    _lib().dsl_adagrad(param.data_ptr(), grad.data_ptr(), state_sum.data_ptr(), param.numel(), clr, eps,
+                       weight_decay, grad_mul, grad_div, torch.get_num_threads())
+
+
+def lion(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float,
+         beta2: float, weight_decay: float, grad_mul: float = 1.0) -> None:
+    """One Lion step, in place; all fp32."""
+    _lib().dsl_lion(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), param.numel(), lr, 1.0 - beta1,
+                    1.0 - beta2, 1.0 - lr * weight_decay, grad_mul, torch.get_num_threads())
+
+
+def grad_sumsq(grad: torch.Tensor, grad_mul: float = 1.0) -> float:
+    """Sum of squares of ``grad * grad_mul`` in double: inf or NaN iff a gradient is inf/NaN."""
+    return _lib().dsl_grad_sumsq(grad.data_ptr(), _grad_code(grad), grad.numel(), grad_mul,
+                                 torch.get_num_threads())
+
+
+def copy_out(param: torch.Tensor, out: torch.Tensor) -> None:
+    """``out.copy_(param)`` for a bf16/fp16 ``out`` (round to nearest even, as torch)."""
+    _lib().dsl_copy_out(param.data_ptr(), out.data_ptr(), _copy_code(out), param.numel(),
+                        torch.get_num_threads())
+
+
+def _copy_code(out: torch.Tensor) -> int:
+    if out.dtype not in (torch.bfloat16, torch.float16) or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"the parameter copy must be a contiguous bf16/fp16 CPU tensor, got {out.dtype} "
+                         f"on {out.device}")
+    return _CODES[out.dtype]
+
+
+# ------------------------------------------------------------------- the dispatch ops "adam", "lion"
+
+def _split(rows: Sequence[tuple[torch.Tensor, ...]]) -> tuple[list[tuple[torch.Tensor, ...]],
+                                                                 list[tuple[torch.Tensor, ...]]]:
+    """Rows the C kernels take, and the rest (for the reference)."""
+    fast = [r for r in rows if takes(*r)]
+    return fast, [r for r in rows if not takes(*r)]
+
+
+def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+            exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float], eps: float,
+            weight_decay: float, bias_correction: bool, adam_w_mode: bool, inv_scale: float | None,
+            chunk_numel: int | None = None) -> None:
+    """The fused ``"adam"`` op of ``dslaunch.kernels`` (signature in its docstring)."""
+    fast, rest = _split(list(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)))
+    for p, g, m, v in fast:
+        adam(p, g, m, v, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
+             bias_correction=bias_correction, adamw_mode=adam_w_mode, grad_mul=_mul(inv_scale))
+    if rest:
+        from dslaunch.runtime.optim.adam import adam_update
+
+        adam_update(*map(list, zip(*rest, strict=True)), step=step, lr=lr, betas=betas, eps=eps,
+                    weight_decay=weight_decay, bias_correction=bias_correction, adam_w_mode=adam_w_mode,
+                    inv_scale=inv_scale)
+
+
+def lion_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], *,
+            lr: float, betas: tuple[float, float], weight_decay: float, inv_scale: float | None,
+            chunk_numel: int | None = None) -> None:
+    """The fused ``"lion"`` op of ``dslaunch.kernels``."""
+    fast, rest = _split(list(zip(params, grads, exp_avgs, strict=True)))
+    for p, g, m in fast:
+        lion(p, g, m, lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, grad_mul=_mul(inv_scale))
+    if rest:
+        from dslaunch.runtime.optim.lion import lion_update
+
+        lion_update(*map(list, zip(*rest, strict=True)), lr=lr, betas=betas, weight_decay=weight_decay,
+                    inv_scale=inv_scale)
+
+
+def adagrad_op(params: list[torch.Tensor], grads: list[torch.Tensor], state_sums: list[torch.Tensor], *,
+               clr: float, eps: float, weight_decay: float, inv_scale: float | None) -> None:
+    """The fused ``"adagrad"`` op of ``dslaunch.kernels``."""
+    fast, rest = _split(list(zip(params, grads, state_sums, strict=True)))
+    for p, g, s in fast:
+        adagrad(p, g, s, clr=clr, eps=eps, weight_decay=weight_decay, grad_mul=_mul(inv_scale))
+    if rest:
+        from dslaunch.kernels.reference import adagrad_update
+
+        adagrad_update(*map(list, zip(*rest, strict=True)), clr=clr, eps=eps, weight_decay=weight_decay,
+                       inv_scale=inv_scale)
+
+
+def _mul(inv_scale: float | None) -> float:
+    return 1.0 if inv_scale is None else float(inv_scale)

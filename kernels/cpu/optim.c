@@ -1,0 +1,232 @@
+/* dslaunch's CPU optimizer kernels: Adam/AdamW, Adagrad, Lion and the two passes of the fused
+ * offloaded step, over flat contiguous fp32 tensors (gradients also bf16/fp16).
+ *
+ * Built by build.py (-O3 -march=native -ffp-contract=off -fno-math-errno -fno-trapping-math
+ * -fopenmp): the loops are written so that gcc auto-vectorises them (straight-line bodies, type
+ * choices hoisted out of the loops by always-inlined helpers taking constant dtypes); OpenMP
+ * splits the elements into fixed blocks. Rounding follows torch's vectorised CPU kernels step by
+ * step: the compiler fuses no multiply-add by itself (-ffp-contract=off), and fmaf stands exactly
+ * where torch's kernels round once (lerp, the second moment, L2 decay, Adagrad's sum), so the
+ * results equal torch's fused optimizers bit for bit on an AVX2 machine.
+ * 16-bit conversions are written with integer and float operations (exact, round to nearest
+ * even), so that the fp16 and bf16 variants vectorise as well.
+ *
+ * Dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 for gradients; for parameter copies 0 = no copy.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* Elements per OpenMP block: 64 KiB of fp32 per tensor, so a block's tensors sit in L2. */
+#define BLOCK 16384
+/* Below this many elements one thread does it all (a parallel region costs microseconds). */
+#define PARALLEL_MIN (1 << 16)
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } x = { (uint32_t)h << 16 };
+    return x.f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16; NaN stays a (quiet) NaN. */
+ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } x = { f };
+    uint32_t rounded = (x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16;
+    return (uint16_t)(f != f ? 0x7FC0u : rounded);
+}
+
+/* IEEE half <-> float with integer and float operations only, so that the loops vectorise
+ * (gcc 12 has no vector _Float16 without AVX512-FP16). Exact, as a hardware conversion: */
+
+/* half -> float: shift exponent and mantissa into place, then one multiply by 2^112 rebiases the
+ * exponent and normalises subnormals exactly; inf/NaN keep an all-ones exponent. */
+ALWAYS_INLINE float f16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } x = { (uint32_t)(h & 0x7FFFu) << 13 }, magic = { 0x77800000u }; /* 2^112 */
+    float scaled = x.f * magic.f;
+    union { float f; uint32_t u; } r = { scaled };
+    uint32_t special = x.u | 0x7F800000u;                 /* inf/NaN: max exponent, same payload */
+    uint32_t bits = (h & 0x7C00u) == 0x7C00u ? special : r.u;
+    union { uint32_t u; float f; } out = { bits | ((uint32_t)(h & 0x8000u) << 16) };
+    return out.f;
+}
+
+/* float -> half, round to nearest even: subnormal results by an exact float add that lets the
+ * FPU round, normal ones by adding the rounding bias to the bits, overflow to inf, NaN quiet. */
+ALWAYS_INLINE uint16_t f32_to_f16(float f) {
+    union { float f; uint32_t u; } x = { f };
+    const uint32_t sign = x.u & 0x80000000u, a = x.u ^ sign;
+    union { uint32_t u; float f; } mag = { a }, denorm_magic = { ((127u - 15u) + (23u - 10u) + 1u) << 23 };
+    union { float f; uint32_t u; } sub = { mag.f + denorm_magic.f };
+    uint32_t sub_bits = sub.u - denorm_magic.u;
+    uint32_t norm_bits = (a + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+    uint32_t big = a > 0x7F800000u ? 0x7E00u : 0x7C00u;
+    uint32_t bits = a >= ((127u + 16u) << 23) ? big : (a < (113u << 23) ? sub_bits : norm_bits);
+    return (uint16_t)(bits | (sign >> 16));
+}
+
+ALWAYS_INLINE float load_grad(const void *g, ptrdiff_t i, const int dtype) {
+    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)g)[i]);
+    if (dtype == F16) return f16_to_f32(((const uint16_t *)g)[i]);
+    return ((const float *)g)[i];
+}
+
+ALWAYS_INLINE void store_copy(void *out, ptrdiff_t i, float value, const int dtype) {
+    if (dtype == BF16) ((uint16_t *)out)[i] = f32_to_bf16(value);
+    else if (dtype == F16) ((uint16_t *)out)[i] = f32_to_f16(value);
+}
+
+/* torch's vectorised lerp: the form depends on the weight (both ends exact) and it rounds once
+ * (a fused multiply-add), so fmaf here; fmaf is exact whatever -ffp-contract says. */
+ALWAYS_INLINE float lerp(float self, float end, float weight) {
+    return weight < 0.5f ? fmaf(weight, end - self, self) : fmaf(weight - 1.0f, end - self, end);
+}
+
+/* ------------------------------------------------------------------------------------ Adam */
+
+/* Coefficients such as 1 - beta1 come computed in double and rounded once (as torch does):
+ * 1.0f - 0.9f is not the float nearest to 0.1. */
+typedef struct {
+    float one_m_beta1, beta2, one_m_beta2, eps, weight_decay;
+    float decay;           /* 1 - lr * weight_decay */
+    float step_size;       /* lr / (1 - beta1^t), or lr without bias correction */
+    float bc2_sqrt;        /* sqrt(1 - beta2^t), or 1 */
+    float grad_mul;        /* gradients are multiplied by it first (clip / loss scale) */
+    float grad_div;        /* then divided by it (torch's grad_scale: torch divides) */
+    int adamw_mode;        /* decoupled weight decay, else L2 added to the gradient */
+} AdamArgs;
+
+ALWAYS_INLINE void adam_range(float *restrict p, const void *restrict g, float *restrict m,
+                              float *restrict v, void *restrict out, ptrdiff_t lo, ptrdiff_t hi,
+                              const AdamArgs a, const int gdt, const int odt) {
+    const int l2 = !a.adamw_mode && a.weight_decay != 0.0f, decoupled = a.adamw_mode && a.weight_decay != 0.0f;
+    for (ptrdiff_t i = lo; i < hi; i++) {
+        float grad = load_grad(g, i, gdt);
+        if (a.grad_mul != 1.0f) grad = grad * a.grad_mul;
+        if (a.grad_div != 1.0f) grad = grad / a.grad_div;
+        float param = p[i];
+        if (l2) grad = fmaf(param, a.weight_decay, grad);
+        float mi = lerp(m[i], grad, a.one_m_beta1);
+        float vi = fmaf(a.one_m_beta2 * grad, grad, v[i] * a.beta2);
+        float denom = sqrtf(vi) / a.bc2_sqrt + a.eps;
+        if (decoupled) param = param * a.decay;
+        /* The association torch's fused Adam uses: (-step_size * m) / denom. */
+        param = param + (-a.step_size * mi) / denom;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = param;
+        store_copy(out, i, param, odt);
+    }
+}
+
+#define DISPATCH_G_O(FN, ...)                                                            \
+    switch (gdt * 3 + odt) {                                                             \
+    case 0: FN(__VA_ARGS__, F32, F32); break;   case 1: FN(__VA_ARGS__, F32, BF16); break;  \
+    case 2: FN(__VA_ARGS__, F32, F16); break;   case 3: FN(__VA_ARGS__, BF16, F32); break;  \
+    case 4: FN(__VA_ARGS__, BF16, BF16); break; case 5: FN(__VA_ARGS__, BF16, F16); break;  \
+    case 6: FN(__VA_ARGS__, F16, F32); break;   case 7: FN(__VA_ARGS__, F16, BF16); break;  \
+    default: FN(__VA_ARGS__, F16, F16); break;                                           \
+    }
+
+/* One Adam/AdamW step over n elements; out (dtype odt, 0 = none) receives the new params. */
+void dsl_adam(float *p, const void *g, int gdt, float *m, float *v, void *out, int odt, int64_t n,
+              float one_m_beta1, float beta2, float one_m_beta2, float eps, float weight_decay,
+              float decay, float step_size, float bc2_sqrt, float grad_mul, float grad_div, int adamw_mode,
+              int threads) {
+    const AdamArgs a = { one_m_beta1, beta2, one_m_beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
+                         grad_mul, grad_div, adamw_mode };
+    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        DISPATCH_G_O(adam_range, p, g, m, v, out, lo, hi, a)
+    }
+}
+
+/* --------------------------------------------------------------------------------- Adagrad */
+
+/* torch's Adagrad: g += wd * p; sum += g^2; p += (-clr * g) / (sqrt(sum) + eps). */
+void dsl_adagrad(float *restrict p, const float *restrict g, float *restrict sum, int64_t n, float clr,
+                 float eps, float weight_decay, float grad_mul, float grad_div, int threads) {
+    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        for (ptrdiff_t i = lo; i < hi; i++) {
+            float grad = g[i];
+            if (grad_mul != 1.0f) grad = grad * grad_mul;
+            if (grad_div != 1.0f) grad = grad / grad_div;
+            if (weight_decay != 0.0f) grad = fmaf(p[i], weight_decay, grad);
+            float s = fmaf(grad, grad, sum[i]);
+            sum[i] = s;
+            p[i] = p[i] + (-clr * grad) / (sqrtf(s) + eps);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ Lion */
+
+/* c = lerp(m, g, 1 - beta1); p = p * decay - lr * sign(c); m = lerp(m, g, 1 - beta2), with
+ * decay = 1 - lr * weight_decay (1 - beta and decay computed in double by the caller). */
+void dsl_lion(float *restrict p, const float *restrict g, float *restrict m, int64_t n, float lr,
+              float one_m_beta1, float one_m_beta2, float decay, float grad_mul, int threads) {
+    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        for (ptrdiff_t i = lo; i < hi; i++) {
+            float grad = g[i];
+            if (grad_mul != 1.0f) grad = grad * grad_mul;
+            float mi = m[i];
+            float c = lerp(mi, grad, one_m_beta1);
+            float sign = (float)(c > 0.0f) - (float)(c < 0.0f);
+            float param = p[i];
+            if (decay != 1.0f) param = param * decay;
+            p[i] = param - lr * sign;
+            m[i] = lerp(mi, grad, one_m_beta2);
+        }
+    }
+}
+
+/* ------------------------------------------------------------- pass 1 of the offloaded step */
+
+ALWAYS_INLINE double sumsq_range(const void *restrict g, ptrdiff_t lo, ptrdiff_t hi, float grad_mul,
+                                 const int gdt) {
+    double s = 0.0;
+    #pragma omp simd reduction(+ : s)
+    for (ptrdiff_t i = lo; i < hi; i++) {
+        double x = (double)(load_grad(g, i, gdt) * grad_mul);
+        s += x * x;
+    }
+    return s;
+}
+
+/* The sum of squares of the unscaled gradients (grad * grad_mul), in double: inf or NaN exactly
+ * when a gradient is inf/NaN (a finite fp32 squared stays finite in double), so the overflow
+ * check costs nothing beyond the norm. The reduction order is fixed for a given thread count. */
+double dsl_grad_sumsq(const void *g, int gdt, int64_t n, float grad_mul, int threads) {
+    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
+    double total = 0.0;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN) reduction(+ : total)
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        double s = 0.0;
+        switch (gdt) {
+        case BF16: s = sumsq_range(g, lo, hi, grad_mul, BF16); break;
+        case F16: s = sumsq_range(g, lo, hi, grad_mul, F16); break;
+        default: s = sumsq_range(g, lo, hi, grad_mul, F32); break;
+        }
+        total += s;
+    }
+    return total;
+}
+
+/* Copy of fp32 params to bf16/fp16 (for a step that was skipped, or an initial copy). */
+void dsl_copy_out(const float *restrict p, void *restrict out, int odt, int64_t n, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (ptrdiff_t i = 0; i < n; i++) {
+        if (odt == BF16) ((uint16_t *)out)[i] = f32_to_bf16(p[i]);
+        else ((uint16_t *)out)[i] = f32_to_f16(p[i]);
+    }
+}

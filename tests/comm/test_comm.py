@@ -1,0 +1,52 @@
+"""``dslaunch.comm`` (``deepspeed.comm``): torch.distributed with DeepSpeed's names and extras."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dslaunch import comm
+from dslaunch.errors import UsageError
+from tests.distributed import run_world
+
+
+def _collectives(rank: int, world: int) -> dict:
+    comm.init_distributed(dist_backend="gloo", verbose=False)
+    t = torch.tensor([float(rank + 1)])
+    comm.all_reduce(t, op=comm.ReduceOp.SUM, prof=True, log_name="x", debug="y")  # DeepSpeed's extras
+    maxed = torch.tensor([float(rank)])
+    comm.all_reduce(maxed, op=comm.ReduceOp.MAX)
+    gathered = torch.empty(world)
+    comm.allgather_fn(gathered, torch.tensor([float(rank)]))
+    shard = torch.empty(1)
+    comm.reduce_scatter_fn(shard, torch.ones(world) * (rank + 1))
+    pair = [torch.tensor([1.0]), torch.tensor([2.0])]
+    comm.all_reduce_coalesced(pair)
+    src = torch.tensor([float(rank)])
+    comm.broadcast(src, 0)
+    comm.barrier()
+    return {"sum": t.item(), "max": maxed.item(), "gathered": gathered.tolist(), "shard": shard.item(),
+            "pair": [p.item() for p in pair], "bcast": src.item(), "rank": comm.get_rank(),
+            "world": comm.get_world_size(), "local": comm.get_local_rank(),
+            "ranks": comm.get_all_ranks_from_group(), "init": comm.is_initialized()}
+
+
+@pytest.mark.timeout(60)
+def test_collectives_and_queries_at_two_ranks() -> None:
+    r0, r1 = run_world(_collectives, 2)
+    for rank, r in enumerate((r0, r1)):
+        assert r["sum"] == 3.0 and r["max"] == 1.0 and r["gathered"] == [0.0, 1.0]
+        assert r["shard"] == 3.0 and r["pair"] == [2.0, 4.0] and r["bcast"] == 0.0
+        assert (r["rank"], r["world"], r["local"], r["ranks"], r["init"]) == (rank, 2, rank, [0, 1], True)
+
+
+def _queries_before_init(rank: int, world: int) -> str:
+    assert not comm.is_initialized()
+    with pytest.raises(UsageError, match=r"deepspeed.comm.get_rank\(\).*init_distributed"):
+        comm.get_rank()
+    return "ok"
+
+
+@pytest.mark.timeout(60)
+def test_queries_before_init_name_the_call_to_make() -> None:
+    assert run_world(_queries_before_init, 1) == ["ok"]

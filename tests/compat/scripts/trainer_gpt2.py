@@ -1,0 +1,67 @@
+"""A Hugging Face Trainer job as users write it: a DeepSpeed config with "auto" values in
+TrainingArguments, a tiny GPT-2 built from a config (nothing downloaded), synthetic tokens.
+
+Nothing here names dslaunch: run it with `deepspeed`/`dslaunch` or `torchrun`. Rank 0 prints one
+line `LOSSES <json list of the logged losses>`.
+
+Usage: trainer_gpt2.py OUTPUT_DIR MAX_STEPS STAGE [resume]
+"""
+
+import json
+import sys
+
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+VOCAB, SEQ = 128, 16
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int):
+        # learnable: each sequence counts up from a random start, so the loss falls within steps
+        starts = torch.randint(0, VOCAB, (n, 1), generator=torch.Generator().manual_seed(1))
+        self.ids = (starts + torch.arange(SEQ)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def ds_config(stage: int) -> dict:
+    return {  # the shape of Hugging Face's documented ZeRO-2 config
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto", "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": stage, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                              "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
+                              "contiguous_gradients": True},
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
+
+
+def main() -> None:
+    argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # DeepSpeed's launchers add it
+    out, max_steps, stage = argv[0], int(argv[1]), int(argv[2])
+    resume = len(argv) > 3 and argv[3] == "resume"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             max_steps=max_steps, learning_rate=3e-3, warmup_steps=2, logging_steps=1,
+                             save_strategy="steps", save_steps=max(max_steps // 2, 1), report_to=[],
+                             deepspeed=ds_config(stage), use_cpu=True, seed=0, disable_tqdm=True,
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(256))
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    if trainer.args.process_index == 0:
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        print("LOSSES " + json.dumps(losses), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The C kernels against torch: several steps within 1e-6 (bit-equal on AVX2 machines, but the
+tests only ask 1e-6), odd sizes, both thread counts, 16-bit gradients and copies, AMP scaling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dslaunch.kernels.cpu import build, ops
+from dslaunch.kernels.cpu.torch_steps import adagrad_step, adam_step
+from dslaunch.runtime.optim.adam import adam_update
+from dslaunch.runtime.optim.lion import lion_update
+
+pytestmark = pytest.mark.skipif(not build.available(), reason="no C compiler: the torch reference runs")
+
+# 0, 1, below/at/above the AVX2 width (8), odd, and above the one-thread cut-off (1 << 16).
+SIZES = [0, 1, 7, 8, 9, 1023, (1 << 16) + 3]
+TOL = 1e-6
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _pair(n: int, seed: int = 0) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+
+
+def _grads(n: int, steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(n, generator=g) for _ in range(steps)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("cls, kwargs, step", [
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, adam_step),
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1}, adam_step),  # L2 mode
+    (torch.optim.Adam, {"lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6}, adam_step),
+    (torch.optim.Adagrad, {"lr": 1e-1, "weight_decay": 0.1, "lr_decay": 0.01}, adagrad_step),
+    (torch.optim.Adagrad, {"lr": 1e-1, "initial_accumulator_value": 0.1}, adagrad_step),
+], ids=["adamw", "adam-l2", "adam-betas", "adagrad-decay", "adagrad-init"])
+def test_torch_optimizers(n, cls, kwargs, step, threads) -> None:
+    ours, theirs = _pair(n)
+    ours_opt, torch_opt = cls([ours], **kwargs), cls([theirs], fused=True, **kwargs)
+    for g in _grads(n, 5):
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        step(ours_opt)
+        torch_opt.step()
+    assert torch.allclose(ours, theirs, rtol=0, atol=TOL)
+    for key, value in torch_opt.state[theirs].items():
+        assert torch.allclose(ours_opt.state[ours][key], value, rtol=0, atol=TOL), key
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_adam_op_against_the_reference(n, bias_correction, adam_w_mode, threads) -> None:
+    a, b = _pair(n)
+    states = [torch.zeros(n) for _ in range(4)]
+    for t, g in enumerate(_grads(n, 5), start=1):
+        kw = {"step": t, "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.05,
+              "bias_correction": bias_correction, "adam_w_mode": adam_w_mode, "inv_scale": 0.25}
+        ops.adam_op([a.data], [g * 4], states[:1], states[1:2], **kw)
+        adam_update([b.data], [g * 4], states[2:3], states[3:], **kw)
+    assert torch.allclose(a, b, rtol=0, atol=TOL)
+    assert torch.allclose(states[1], states[3], rtol=0, atol=TOL)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", SIZES)
+def test_lion_op_against_the_reference(n, threads) -> None:
+    a, b = _pair(n)
+    ma, mb = torch.zeros(n), torch.zeros(n)
+    for g in _grads(n, 5):
+        kw = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1, "inv_scale": 0.5}
+        ops.lion_op([a.data], [g], [ma], **kw)
+        lion_update([b.data], [g], [mb], **kw)
+    assert torch.allclose(a, b, rtol=0, atol=TOL) and torch.allclose(ma, mb, rtol=0, atol=TOL)
+
+
+@pytest.mark.timeout(30)
+def test_tensors_the_kernel_does_not_take_go_to_the_reference() -> None:
+    # A non-contiguous parameter (a transposed view) and a float64 one: the reference's result.
+    base = torch.randn(6, 5, dtype=torch.float32)
+    rows = [(base.t(), torch.randn(6, 5).t()), (torch.randn(9, dtype=torch.float64), torch.randn(9, dtype=torch.float64))]
+    for p, g in rows:
+        want, m1, v1 = p.clone(), torch.zeros_like(p), torch.zeros_like(p)
+        m0, v0 = torch.zeros_like(p), torch.zeros_like(p)
+        kw = {"step": 1, "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+              "bias_correction": True, "adam_w_mode": True, "inv_scale": None}
+        ops.adam_op([p], [g], [m0], [v0], **kw)
+        adam_update([want], [g], [m1], [v1], **kw)
+        assert torch.equal(p, want)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", SIZES)
+def test_16bit_gradients_and_copies(dtype, n) -> None:
+    a, b = _pair(n)
+    grad16 = (torch.randn(n, generator=torch.Generator().manual_seed(2)) * 64).to(dtype)
+    grad16[: min(n, 3)] = torch.tensor([1e-8, -0.0, 3.0])[: min(n, 3)].to(dtype)  # tiny, signed zero
+    out = torch.empty(n, dtype=dtype)
+    m, v = torch.zeros(n), torch.zeros(n)
+    ops.adam(a.data, grad16, m, v, step=1, lr=1e-1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+             grad_mul=1 / 64, out=out)
+    m2, v2 = torch.zeros(n), torch.zeros(n)
+    adam_update([b.data], [grad16.float()], [m2], [v2], step=1, lr=1e-1, betas=(0.9, 0.999), eps=1e-8,
+                weight_decay=0.0, bias_correction=True, adam_w_mode=True, inv_scale=1 / 64)
+    assert torch.allclose(a, b, rtol=0, atol=TOL)
+    assert torch.equal(out, a.detach().to(dtype))  # round to nearest even, as torch
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_copy_rounds_as_torch_including_specials(dtype) -> None:
+    p = torch.cat([torch.randn(1000) * 1e3, torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 65520.0,
+                                                          1e-40, 3.0e38, 1.00390625, 1.01171875])])
+    out = torch.empty(p.numel(), dtype=dtype)
+    ops.copy_out(p, out)
+    assert torch.equal(out, p.to(dtype))
+    nan = torch.full((3,), float("nan"))
+    ops.copy_out(nan, out[:3])
+    assert out[:3].isnan().all()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sum_of_squares_and_overflow(dtype, threads) -> None:
+    g = torch.randn((1 << 16) + 5, generator=torch.Generator().manual_seed(3)).to(dtype)
+    want = (g.double() / 8).square().sum().item()
+    assert ops.grad_sumsq(g, 1 / 8) == pytest.approx(want, rel=1e-12)
+    assert ops.grad_sumsq(g[:0]) == 0.0
+    for bad in (float("inf"), float("nan")):
+        g2 = g.clone()
+        g2[-2] = bad
+        assert not torch.isfinite(torch.tensor(ops.grad_sumsq(g2)))
+
+
+@pytest.mark.timeout(30)
+def test_amp_protocol_grad_scale_and_found_inf() -> None:
+    ours, theirs = _pair(1001)
+    ours_opt = torch.optim.AdamW([ours], lr=1e-2, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW([theirs], lr=1e-2, weight_decay=0.1, fused=True)
+    for opt in (ours_opt, torch_opt):
+        opt.grad_scale = torch.tensor(8.0)
+    for g in _grads(1001, 3):
+        ours.grad, theirs.grad = g * 8, g * 8
+        adam_step(ours_opt)
+        torch_opt.step()
+    assert torch.allclose(ours, theirs, rtol=0, atol=TOL)
+    before = {k: v.clone() for k, v in ours_opt.state[ours].items()}, ours.detach().clone()
+    ours_opt.found_inf = torch.tensor(1.0)
+    adam_step(ours_opt)  # skipped: nothing moves, not even the step count
+    assert torch.equal(ours, before[1])
+    assert all(torch.equal(ours_opt.state[ours][k], v) for k, v in before[0].items())
+
+
+@pytest.mark.timeout(30)
+def test_options_the_kernel_lacks_run_torch() -> None:
+    ours, theirs = _pair(101)
+    ours_opt = torch.optim.Adam([ours], lr=1e-2, amsgrad=True, maximize=True)
+    torch_opt = torch.optim.Adam([theirs], lr=1e-2, amsgrad=True, maximize=True)
+    for g in _grads(101, 3):
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        adam_step(ours_opt)
+        torch_opt.step()
+    assert torch.equal(ours, theirs) and "max_exp_avg_sq" in ours_opt.state[ours]
+
+
+@pytest.mark.timeout(30)
+def test_fp16_conversions_are_exact_for_every_half_and_every_tie() -> None:
+    # optim.c converts with integer/float bit operations (so that the loops vectorise).
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    as_float = halves.float()
+    ties = ((as_float[:-1].double() + as_float[1:].double()) / 2).float()
+    bits = torch.randint(-2**31, 2**31 - 1, (200_000,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
+    values = torch.cat([as_float, ties, bits.to(torch.int32).view(torch.float32)])
+    out = torch.empty(values.numel(), dtype=torch.float16)
+    ops.copy_out(values, out)
+    want = values.to(torch.float16)
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+    # half -> float: with beta1 = 0 the first moment becomes the gradient itself (finite ones).
+    finite = halves[torch.isfinite(halves)].contiguous()
+    n = finite.numel()
+    m = torch.zeros(n)
+    ops.adam(torch.zeros(n), finite, m, torch.zeros(n), step=1, lr=0.0, beta1=0.0, beta2=0.0, eps=1.0,
+             weight_decay=0.0)
+    assert torch.equal(m.view(torch.int32), finite.float().view(torch.int32))

@@ -1,0 +1,130 @@
+"""``dslaunch.ops``: DeepSpeed's CPU optimizer classes by DeepSpeed's import paths, with its
+arguments, state layout and step semantics, against torch (or the reference) within 1e-6."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dslaunch.kernels.reference import adagrad_update
+from dslaunch.ops.adagrad import DeepSpeedCPUAdagrad
+from dslaunch.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from dslaunch.ops.lion import DeepSpeedCPULion
+from dslaunch.runtime.optim.adam import Adam as ReferenceAdam
+from dslaunch.runtime.optim.lion import Lion as ReferenceLion
+
+TOL = 1e-6
+
+
+def _run(ours, theirs, params, steps: int = 4) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        grads = [torch.randn(p.shape, generator=g) for p in params[0]]
+        for side in params:
+            for p, grad in zip(side, grads, strict=True):
+                p.grad = grad.clone().to(p.dtype)
+        ours.step()
+        theirs.step()
+
+
+def _params(*sizes: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(n, generator=g) for n in sizes]
+    return [[torch.nn.Parameter(b.clone().to(dtype)) for b in base] for _ in range(2)]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_cpu_adam(adamw_mode: bool, bias_correction: bool) -> None:
+    ours_p, ref_p = _params(0, 1, 1031)
+    kw = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05, "bias_correction": bias_correction}
+    ours = DeepSpeedCPUAdam(ours_p, adamw_mode=adamw_mode, **kw)
+    ref = ReferenceAdam(ref_p, adam_w_mode=adamw_mode, **kw)
+    _run(ours, ref, [ours_p, ref_p])
+    for a, b in zip(ours_p, ref_p, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=TOL)
+    state = ours.state[ours_p[2]]
+    assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"] and state["step"] == 4  # an int, as DeepSpeed
+
+
+@pytest.mark.timeout(30)
+def test_cpu_adam_matches_torch_adamw_and_refuses_amsgrad() -> None:
+    ours_p, ref_p = _params(4097)
+    ours = DeepSpeedCPUAdam(ours_p, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1, fused=True)
+    _run(ours, ref, [ours_p, ref_p])
+    assert torch.allclose(ours_p[0], ref_p[0], rtol=0, atol=TOL)
+    with pytest.raises(RuntimeError, match="does not support the AMSGrad variant"):
+        DeepSpeedCPUAdam(ours_p, amsgrad=True)
+
+
+@pytest.mark.timeout(30)
+def test_bf16_params_are_updated_through_fp32() -> None:
+    ours_p, ref_p = _params(1000, dtype=torch.bfloat16)
+    ours = DeepSpeedCPUAdam(ours_p, lr=1e-2, fp32_optimizer_states=False)
+    ref32 = [torch.nn.Parameter(p.detach().float()) for p in ref_p]
+    ref = ReferenceAdam(ref32, lr=1e-2)
+    g = torch.randn(1000)
+    ours_p[0].grad, ref32[0].grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float()
+    ours.step()
+    ref.step()
+    assert ours.state[ours_p[0]]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(ours_p[0].detach(), ref32[0].detach().to(torch.bfloat16))
+
+
+@pytest.mark.timeout(30)
+def test_cpu_adagrad() -> None:
+    ours_p, ref_p = _params(1, 777)
+    ours = DeepSpeedCPUAdagrad(ours_p, lr=1e-1, weight_decay=0.1)
+    ref = torch.optim.Adagrad(ref_p, lr=1e-1, weight_decay=0.1, eps=1e-10)
+    _run(ours, ref, [ours_p, ref_p])
+    for a, b in zip(ours_p, ref_p, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=TOL)
+    assert sorted(ours.state[ours_p[1]]) == ["exp_avg_sq", "step"]
+
+
+@pytest.mark.timeout(30)
+def test_cpu_lion() -> None:
+    ours_p, ref_p = _params(3, 2049)
+    ours = DeepSpeedCPULion(ours_p, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    ref = ReferenceLion(ref_p, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    _run(ours, ref, [ours_p, ref_p])
+    for a, b in zip(ours_p, ref_p, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=TOL)
+
+
+@pytest.mark.timeout(30)
+def test_fused_adam_arguments() -> None:
+    ours_p, ref_p = _params(515)
+    ours = FusedAdam(ours_p, lr=1e-2, adam_w_mode=False, weight_decay=0.1)
+    ref = torch.optim.Adam(ref_p, lr=1e-2, weight_decay=0.1, fused=True)
+    _run(ours, ref, [ours_p, ref_p])
+    assert torch.allclose(ours_p[0], ref_p[0], rtol=0, atol=TOL)
+    ours.zero_grad()
+    assert ours_p[0].grad is None  # set_grad_none
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedAdam(ours_p, amsgrad=True)
+    with pytest.raises(RuntimeError, match="takes no grads"):
+        ours.step(grads=[1])
+
+
+@pytest.mark.timeout(30)
+def test_non_cpu_params_are_refused_with_the_fix() -> None:
+    p = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    p.grad = torch.zeros(2, device="meta")
+    with pytest.raises(RuntimeError, match="must be on the CPU.*offload_optimizer"):
+        DeepSpeedCPUAdam([p]).step()
+
+
+def test_the_reference_adagrad_is_torch_adagrad() -> None:
+    a = torch.randn(50)
+    b = torch.nn.Parameter(a.clone())
+    s = torch.zeros(50)
+    opt = torch.optim.Adagrad([b], lr=0.1, eps=1e-10, foreach=False)
+    for _ in range(3):
+        g = torch.randn(50)
+        adagrad_update([a], [g], [s], clr=0.1, eps=1e-10, weight_decay=0.0, inv_scale=None)
+        b.grad = g
+        opt.step()
+    assert torch.allclose(a, b, rtol=0, atol=TOL)

@@ -1,0 +1,107 @@
+"""Engine calls that accelerate and transformers make, as DeepSpeed answers them: the caller's own
+accumulation boundary, an engine without an optimizer, ``compile``, ``engine.config``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dslaunch.errors import UsageError
+from tests.distributed import run_world
+from tests.runtime.models import batches, make_model
+
+MICRO = 2
+
+
+def _cfg(gas: int, stage: int = 2) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+            "steps_per_print": float("inf"), "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "overlap_comm": True}}
+
+
+def _micro(rank: int, world: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, labels = batches(1, MICRO * world * 8)[0]
+    lo = (i * world + rank) * MICRO
+    return tokens[lo:lo + MICRO], labels[lo:lo + MICRO]
+
+
+def _weights(engine) -> list[float]:
+    engine.zero.synchronize()
+    return torch.cat([p.detach().flatten() for p in engine.module.parameters()]).tolist()
+
+
+def _boundaries(rank: int, world: int) -> tuple[list, list, int, int]:
+    import dslaunch
+
+    counted, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(3))
+    caller, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(3))
+    for i in range(6):  # the engine's own count: a step every 3 micro steps
+        counted.backward(counted(*_micro(rank, world, i)))
+        counted.step()
+    for i in range(6):  # accelerate's way: the caller marks the boundary and steps only there
+        caller.set_gradient_accumulation_boundary(i % 3 == 2)
+        caller.backward(caller(*_micro(rank, world, i)))
+        if caller.is_gradient_accumulation_boundary():
+            caller.step()
+    return _weights(counted), _weights(caller), counted.global_steps, caller.global_steps
+
+
+@pytest.mark.timeout(90)
+def test_caller_set_boundaries_train_like_the_engines_count() -> None:
+    for counted, caller, steps_a, steps_b in run_world(_boundaries, 2):
+        assert steps_a == steps_b == 2
+        assert caller == pytest.approx(counted, abs=1e-6)
+
+
+def _no_optimizer(rank: int, world: int) -> dict:
+    import dslaunch
+
+    model = make_model()
+    for p in model.block.parameters():
+        p.requires_grad_(False)  # a reference model may be partly or wholly frozen
+    expected = model(*_micro(rank, world, 0)).item()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}}
+    engine, optimizer, _, scheduler = dslaunch.initialize(model=model, config=config)
+    with torch.no_grad():
+        got = engine(*_micro(rank, world, 0)).item()
+    loss = engine(*_micro(rank, world, 0))
+    errors = []
+    for call in (lambda: engine.backward(loss), engine.step, lambda: engine.save_checkpoint("unused")):
+        try:
+            call()
+        except UsageError as err:
+            errors.append(str(err))
+    return {"same": got == expected, "optimizer": optimizer, "scheduler": scheduler, "errors": errors,
+            "config": engine.config, "stage": engine.zero_optimization_stage()}
+
+
+@pytest.mark.timeout(90)
+def test_engine_without_optimizer_runs_forward_only() -> None:
+    for r in run_world(_no_optimizer, 2):
+        assert r["same"] and r["optimizer"] is None and r["scheduler"] is None and r["stage"] == 2
+        assert [e.split(":")[0] for e in r["errors"]] == ["engine.backward()", "engine.step()",
+                                                            "engine.save_checkpoint()"]
+        assert all("built without an optimizer" in e for e in r["errors"])
+        assert r["config"] == {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}}
+
+
+def _compiled(rank: int, world: int) -> tuple[list, list, bool]:
+    import dslaunch
+
+    runs = []
+    for compile_it in (False, True):
+        engine, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(1))
+        if compile_it:
+            engine.compile(backend="eager", compile_kwargs={"backend": "ignored", "dynamic": False})
+            engine.compile()  # a second call does nothing, as DeepSpeed's
+        for i in range(2):
+            engine.backward(engine(*_micro(rank, world, i)))
+            engine.step()
+        runs.append(_weights(engine))
+    return runs[0], runs[1], engine.is_compiled
+
+
+@pytest.mark.timeout(120)
+def test_compile_trains_as_eager() -> None:
+    for eager, compiled, is_compiled in run_world(_compiled, 2):
+        assert is_compiled and compiled == pytest.approx(eager, abs=1e-6)
