@@ -78,6 +78,20 @@ class LaunchError(DslaunchError):
         super().__init__(f"{host}: {message}" if host else message)
 
 
+class HostsError(LaunchError):
+    """One or more hosts could not start their node agent. ``failures`` maps host -> (cause,
+    message); the causes are the transport's (``SSHError``, ``SlurmError``) and preflight's
+    (``interpreter``, ``cwd``, ``script``, ``version``, ``master``, ``port``)."""
+
+    def __init__(self, failures: dict[str, tuple[str, str]]):
+        self.failures = dict(failures)
+        lines = [f"{host}: {msg}" for host, (_cause, msg) in sorted(self.failures.items())]
+        if len(lines) == 1:
+            super().__init__(lines[0])
+        else:
+            super().__init__(f"{len(lines)} hosts failed:\n  " + "\n  ".join(lines))
+
+
 class WorkerFailedError(DslaunchError):
     """A worker exited non-zero or by a signal; the first failure is the root cause."""
 

@@ -22,13 +22,13 @@ A *pool* is the ordered mapping ``host -> selected slot indices`` the rest of th
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import stat
 from collections.abc import Mapping
 
 from dslaunch.errors import HostfileError, did_you_mean, quote
+from dslaunch.utils.hostlist import hostname_problem
 
 __all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "full_pool", "ascii_int",
            "hostname_problem", "MAX_SLOTS", "MAX_WORLD", "MAX_HOSTFILE_BYTES"]
@@ -44,35 +44,8 @@ MAX_WORLD = 65536
 # A hostfile of 65536 hosts is ~2 MB at most with long names; -H /dev/zero must not read forever.
 MAX_HOSTFILE_BYTES = 4 << 20
 _KEYS = ("slots",)
-_LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")
 _LIVE_CHARS = re.compile(r"[^\t\x20-\x7e]")  # what may stand outside a comment
 _FIELD_SEP = re.compile(r"[ \t]+")
-
-
-def hostname_problem(name: str) -> str | None:
-    """Why ``name`` is not a host name (RFC 1123 labels, '_' allowed as in ssh aliases) or an IP
-    address; None when it is one.
-
-    At most 253 characters, labels of at most 63 letters, digits, '-' and '_' that neither start
-    nor end with '-' (so no name reads as a command-line option); IPv6 literals may be bracketed.
-    """
-    if not name:
-        return "empty host name"
-    if len(name) > 253:
-        return f"{len(name)} characters long (host names have at most 253)"
-    if ":" in name:
-        try:
-            ipaddress.IPv6Address(name[1:-1] if name[0] == "[" and name[-1] == "]" else name)
-            return None
-        except ValueError:
-            return "not an IPv6 address (':' is only valid in one)"
-    for label in name.removesuffix(".").split("."):
-        if len(label) > 63:
-            return f"label {quote(label, 20)} is {len(label)} characters long (at most 63)"
-        if not _LABEL_RE.fullmatch(label):
-            return ("expected labels of letters, digits, '-' and '_' separated by '.', not starting or "
-                    "ending with '-'")
-    return None
 
 
 def parse_hostfile(data: str | bytes, path: str = "<hostfile>") -> dict[str, int]:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dslaunch.errors import HostfileError, UsageError, quote
 from dslaunch.launcher.gpus import Accelerators
@@ -29,12 +29,14 @@ from dslaunch.launcher.hostfile import (
     hostname_problem,
     read_hostfile,
 )
+from dslaunch.launcher.runners.slurm.allocation import Allocation, slurm_pool
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
 from dslaunch.utils.beat import MAX_HANG_TIMEOUT
 from dslaunch.utils.restart import restart_env
 
-__all__ = ["LaunchConfig", "Plan", "build_job", "elastic_batch_for", "ds_config_path", "LOCAL_HOSTS", "DEFAULT_HOSTFILE",
+__all__ = ["LaunchConfig", "Plan", "build_job", "check_numbers", "elastic_batch_for", "ds_config_path", "LOCAL_HOSTS",
+           "DEFAULT_HOSTFILE",
            "PID_FILE_DIR", "MAX_GRACE", "DEFAULT_LOG_DIR", "MAX_HANG_TIMEOUT", "job_id"]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -98,6 +100,9 @@ class LaunchConfig:
     """Hosts left out of this run (lost hosts of an elastic job), after include/exclude."""
     max_nodes: int = 0
     """``--max_elastic_nodes`` of an elastic job: use at most this many hosts (0 = no limit)."""
+    allocation: Allocation | None = None
+    """The SLURM allocation the launcher runs in (None outside SLURM): without a ``--hostfile``
+    its nodes are the hosts and the job runs through ``srun`` (``--launcher slurm``)."""
 
 
 @dataclass(frozen=True)
@@ -119,13 +124,20 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         HostfileError: bad hostfile or include/exclude.
         UsageError: inconsistent flags (e.g. more GPUs than slots).
     """
-    _check_numbers(cfg)
-    if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0):
+    check_numbers(cfg)
+    slurm = _uses_slurm(cfg)
+    if slurm and cfg.allocation.requeues:  # a requeued SLURM job is a restart of the job
+        cfg = replace(cfg, restart_count=cfg.restart_count + cfg.allocation.requeues)
+    # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
+    if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not slurm):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
     notes: list[str] = []
-    hosts = read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
-    source = cfg.hostfile if hosts is not None else None
-    if hosts is None:
+    hosts = None if slurm else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
+    source = "SLURM_JOB_NODELIST" if slurm else cfg.hostfile if hosts is not None else None
+    if slurm:
+        # SLURM gives the step its own CUDA_VISIBLE_DEVICES: the plan leaves it alone.
+        pool, use_gpus = slurm_pool(cfg.allocation, cfg.include, cfg.exclude, cfg.num_gpus, notes), False
+    elif hosts is None:
         pool, use_gpus = _localhost(cfg, detect, notes)
     else:
         pool, use_gpus = apply_filter(hosts, cfg.include, cfg.exclude), True  # slots are GPUs (DeepSpeed)
@@ -135,12 +147,12 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     if not pool:
         raise HostfileError(f"no host left: every selected host was lost ({', '.join(cfg.drop_hosts)})", source)
     _check_no_ssh(cfg, pool)
-    launcher = _launcher(cfg, pool)
+    launcher = "slurm" if slurm else _launcher(cfg, pool)
     master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else next(iter(pool)))
     world = sum(len(s) for s in pool.values())
     nodes, rank = [], 0
     for node_rank, (host, slots) in enumerate(pool.items()):
-        nodes.append(_node(cfg, node_rank, host, slots, rank, world, len(pool), master_addr, use_gpus))
+        nodes.append(_node(cfg, node_rank, host, slots, rank, world, len(pool), master_addr, use_gpus, slurm))
         rank += len(slots)
     if cfg.no_ssh:  # every node plans the whole job (same ranks everywhere), then starts only its own
         nodes = [nodes[cfg.node_rank]]
@@ -184,6 +196,19 @@ def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators], notes: lis
         notes.append(f"no GPU ({reason}) and no --num_gpus: starting 1 CPU worker process")
         count = 1
     return apply_filter({"localhost": count}, cfg.include, cfg.exclude), False
+
+
+def _uses_slurm(cfg: LaunchConfig) -> bool:
+    """``--launcher slurm``, or automatic: inside an allocation without ``--hostfile``/``--no_ssh``."""
+    if cfg.launcher == "slurm":
+        if cfg.allocation is None:
+            raise UsageError("--launcher slurm runs inside a SLURM allocation, but SLURM_JOB_ID is not set: "
+                             "run it in sbatch or salloc, or submit with 'dslaunch sbatch'")
+        if cfg.no_ssh:
+            raise UsageError("--no_ssh starts this node's workers here, without a launcher; "
+                             "leave out --launcher slurm")
+        return True
+    return cfg.launcher == "" and cfg.allocation is not None and not cfg.hostfile_explicit and not cfg.no_ssh
 
 
 def _local_gpus(cfg: LaunchConfig, count: int, notes: list[str]) -> Pool:
@@ -270,7 +295,7 @@ def _no_ssh_note(node: NodeSpec, num_nodes: int, world: int) -> str:
             "here; start each other node the same way with its own --node_rank")
 
 
-def _check_numbers(cfg: LaunchConfig) -> None:
+def check_numbers(cfg: LaunchConfig) -> None:
     """Every number of the command line in a finite range, each error naming its flag."""
     _check_count("--num_nodes", cfg.num_nodes, MAX_WORLD, "hosts")
     _check_count("--num_gpus", cfg.num_gpus, MAX_SLOTS, "workers per host")
@@ -297,13 +322,14 @@ def _check_count(flag: str, n: int, most: int, what: str) -> None:
 
 
 def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], first_rank: int,
-          world: int, num_nodes: int, master_addr: str, use_gpus: bool) -> NodeSpec:
+          world: int, num_nodes: int, master_addr: str, use_gpus: bool, slurm: bool) -> NodeSpec:
     workers = tuple(WorkerSpec(first_rank + i, i, _argv(cfg, i), worker_env(first_rank + i, i))
                     for i in range(len(slots)))
     return NodeSpec(
         node_rank=node_rank, host=host, workers=workers, cwd=os.getcwd(),
         env={**node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
-             **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from)},
+             # Under SLURM the ranks checkpoint into --resume_from on the time-limit warning.
+             **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from, on_request=slurm)},
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
         pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,

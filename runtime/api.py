@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dslaunch.errors import ConfigError, install_excepthook
 from dslaunch.runtime.config import load_config
-from dslaunch.runtime.dist import init_distributed
+from dslaunch.runtime.dist import init_distributed, slurm_env
 from dslaunch.runtime.shutdown import register_clean_exit
 from dslaunch.utils.restart import resume_dir
 
@@ -61,6 +61,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     source = _config_source(args, config if config is not None else config_params)
     # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
     will_init = not dist.is_initialized() and dist_init_required is not False
+    if will_init:
+        os.environ.update(slurm_env(os.environ))  # a task srun started: the world size is SLURM's
     world = (dist.get_world_size() if dist.is_initialized()
              else int(os.environ.get("WORLD_SIZE", "1")) if will_init else 1)
     cfg = load_config(source, world)

@@ -1,7 +1,8 @@
 """Process-group setup: backend from the hardware, timeout always explicit, env contract.
 
-The launcher exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to every worker;
-a script started without them runs as a world of one.
+The launcher exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to every worker.
+A script started by ``srun`` directly (one task per GPU, no launcher) gets them from SLURM's
+variables instead (``slurm_env``); a script started without either runs as a world of one.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.errors import UsageError, quote
-from dslaunch.runtime import heartbeat
+from dslaunch.runtime import heartbeat, preempt
 from dslaunch.runtime.config import MAX_TIMEOUT_S
 from dslaunch.runtime.config.param_schema import number
 from dslaunch.runtime.shutdown import register_clean_exit
+from dslaunch.utils.hostlist import expand
 from dslaunch.utils.ports import free_port
 
-__all__ = ["init_distributed", "default_timeout", "local_rank", "device_for"]
+__all__ = ["init_distributed", "default_timeout", "local_rank", "device_for", "slurm_env"]
 
 TIMEOUT_ENV = "DSLAUNCH_DIST_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 1800.0  # DeepSpeed's default; passed explicitly so every backend honours it
@@ -52,6 +54,34 @@ def _config_timeout(config: Any) -> float | None:
         raw = config.get("dist_init_timeout")
         return None if raw is None else number(0.0, MAX_TIMEOUT_S, low_open=True)("dist_init_timeout", raw)
     return getattr(config, "dist_init_timeout", None)
+
+
+_SLURM_PORT_BASE, _SLURM_PORT_SPAN = 10000, 20000  # below Linux's ephemeral ports (32768-60999)
+
+
+def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's variables for a task ``srun`` started directly, from SLURM's; {} otherwise.
+
+    Only inside a job step (``SLURM_STEP_ID`` set: the batch script itself is not one of the
+    ranks) and only when no launcher set ``RANK``. ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` =
+    ``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS``; ``MASTER_ADDR`` = the step's first node
+    (where task 0 runs; the allocation's first node is not in a step started with ``-w``);
+    ``MASTER_PORT`` = one derived from ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``, so the job's
+    ranks agree on it without talking. Values already in ``env`` win.
+
+    Raises:
+        HostfileError: an unreadable ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST`` (named).
+    """
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
+        return {}
+    source = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    job, step = (int(env.get(k, "0")) if env.get(k, "0").isdigit() else 0 for k in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+    found = {"RANK": env["SLURM_PROCID"], "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+             "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
+             "MASTER_PORT": str(_SLURM_PORT_BASE + (job * 64 + step) % _SLURM_PORT_SPAN)}
+    if env.get(source):
+        found["MASTER_ADDR"] = expand(env[source], source)[0]
+    return {k: v for k, v in found.items() if k not in env}
 
 
 def local_rank() -> int:
@@ -85,9 +115,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if dist_init_required is False:
         return
     register_clean_exit()  # also for a group the script made itself: it must die before Python
+    preempt.arm()  # before the first beat, which tells the agent this rank takes requests
     heartbeat.start()  # the rank is up, and its stacks can be dumped while it waits for its peers
     if dist.is_initialized():
         return
+    os.environ.update(slurm_env(os.environ))  # the script may read them too (LOCAL_RANK, ...)
     rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
     world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
     if init_method is None:

@@ -19,11 +19,13 @@ from typing import Any
 import torch
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime import preempt
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_setup import build_components
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
 __all__ = ["DeepSpeedEngine"]
 
@@ -62,6 +64,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.is_compiled = False
         self._checkpointer: Any = None  # built (collectively) by the first save or load
         self._heartbeat = reporter()  # None outside dslaunch: the step then skips it
+        self._preempt_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         self._loss: torch.Tensor | None = None
 
     # ----- training loop --------------------------------------------------------------------
@@ -119,9 +122,19 @@ class DeepSpeedEngine(torch.nn.Module):
                 self._report()
             if self._heartbeat is not None:
                 self._heartbeat.beat(self.global_steps, self._loss, self.global_samples)
+            if self._preempt_dir is not None and preempt.agreed(self.device):
+                self._leave_on_request(self._preempt_dir)
         else:
             self._step_applied = False
         self.micro_steps += 1
+
+    def _leave_on_request(self, save_dir: str) -> None:
+        """Every rank agreed on a checkpoint request (``runtime.preempt``): save this step, leave."""
+        self.save_checkpoint(save_dir)
+        if self.global_rank == 0:
+            print(f"[dslaunch] checkpoint requested (pre-emption): step {self.global_steps} saved to "
+                  f"{save_dir}; stopping with exit code {PREEMPTED_EXIT_CODE} to resume from it", flush=True)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()

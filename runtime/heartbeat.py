@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Any
 
+from dslaunch.runtime import preempt
 from dslaunch.utils.beat import HEARTBEAT_FD_ENV, STACK_FD_ENV, STACK_SIGNAL, Beat, Memory
 
 __all__ = ["Heartbeat", "heartbeat", "reporter", "start", "TICK_S", "LIVENESS_S"]
@@ -120,7 +121,7 @@ class Heartbeat:
             self._seq += 1
             self._update_rate()
             beat = Beat(self._rank, self._seq, self._step, self._samples_per_s, self._loss,
-                        self._memory.sample(), self._stack_signal, os.getpid())
+                        self._memory.sample(), self._stack_signal, os.getpid(), preempt.armed_signal())
             self._write(beat.to_line())
 
     def _update_rate(self) -> None:

@@ -2,7 +2,8 @@
 (``zero_to_fp32``, ``logger``/``log_dist`` from ``logging``, ``groups``, the ZeRO-3 leaf flags of
 ``z3_leaf_module``, the ZeRO ``safe_get_full_*`` / ``safe_set_full_fp32_param``), and what both
 the launcher and the runtime need (``ports.free_port``, ``beat``: the heartbeat wire format, the
-restart variables in ``restart``), so the runtime never imports the launcher.
+restart variables in ``restart``, host names and SLURM hostlists in ``hostlist``), so the runtime
+never imports the launcher.
 
 Submodules and names are imported on first access, so ``import dslaunch.utils`` never imports torch.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("beat", "groups", "logging", "ports", "restart", "z3_leaf_module", "zero_to_fp32")
+_SUBMODULES = ("beat", "groups", "hostlist", "logging", "ports", "restart", "z3_leaf_module", "zero_to_fp32")
 
 # name -> module that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
 _NAMES = {

@@ -23,7 +23,8 @@ import signal
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["Beat", "Memory", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "MAX_LINE", "MAX_HANG_TIMEOUT"]
+__all__ = ["Beat", "Memory", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "CHECKPOINT_SIGNAL", "MAX_LINE",
+           "MAX_HANG_TIMEOUT"]
 
 HEARTBEAT_FD_ENV = "DSLAUNCH_HEARTBEAT_FD"
 STACK_FD_ENV = "DSLAUNCH_STACK_FD"
@@ -33,6 +34,9 @@ MAX_HANG_TIMEOUT = 7 * 24 * 3600.0
 ds_config ``monitor.hang_timeout``): a week; beyond, hang detection is as good as off."""
 """The signal a worker's stack dump answers to. Sent only to workers whose beats say they
 registered it (``Beat.stack_signal``): its default action would kill the process."""
+CHECKPOINT_SIGNAL = signal.SIGUSR1
+"""The signal that asks a rank for a checkpoint (pre-emption). Sent only to ranks whose beats say
+they handle it (``Beat.checkpoint_signal``): its default action would kill the process."""
 MAX_LINE = 4000  # under PIPE_BUF: one atomic write
 
 
@@ -65,6 +69,8 @@ class Beat:
     stack_signal: int | None = None
     """The signal that makes this rank dump its stacks into its stack pipe (None: it cannot)."""
     pid: int | None = None
+    checkpoint_signal: int | None = None
+    """The signal that asks this rank for a checkpoint (None: it does not take requests)."""
 
     def to_line(self) -> bytes:
         """One JSON line (newline included), never over ``MAX_LINE`` bytes."""

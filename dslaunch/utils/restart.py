@@ -13,20 +13,30 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["RESTART_COUNT", "TORCH_RESTART_COUNT", "TORCH_MAX_RESTARTS", "RESUME_FROM", "restart_env",
+__all__ = ["RESTART_COUNT", "TORCH_RESTART_COUNT", "TORCH_MAX_RESTARTS", "RESUME_FROM", "CHECKPOINT_ON_REQUEST",
+           "PREEMPTED_EXIT_CODE", "restart_env",
            "restart_count", "resume_dir"]
 
 RESTART_COUNT = "DSLAUNCH_RESTART_COUNT"
 TORCH_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 TORCH_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 RESUME_FROM = "DSLAUNCH_RESUME_FROM"
+CHECKPOINT_ON_REQUEST = "DSLAUNCH_CHECKPOINT_ON_REQUEST"
+"""Set (to 1) when the launcher may ask the ranks for a checkpoint into ``RESUME_FROM`` (SLURM
+pre-emption): the engine then takes ``CHECKPOINT_SIGNAL``, agrees on it at every step, saves
+there and leaves with ``PREEMPTED_EXIT_CODE``."""
+PREEMPTED_EXIT_CODE = 75
+"""A rank that saved a checkpoint on request and stopped: EX_TEMPFAIL, "try again later"."""
 
 
-def restart_env(count: int, max_restarts: int, resume_from: str | None) -> dict[str, str]:
-    """The variables the launcher gives every worker of run ``count`` (0 = the first run)."""
+def restart_env(count: int, max_restarts: int, resume_from: str | None, on_request: bool = False) -> dict[str, str]:
+    """The variables the launcher gives every worker of run ``count`` (0 = the first run);
+    ``on_request``: the launcher may ask for a checkpoint into ``resume_from``."""
     env = {RESTART_COUNT: str(count), TORCH_RESTART_COUNT: str(count), TORCH_MAX_RESTARTS: str(max_restarts)}
     if resume_from:
         env[RESUME_FROM] = resume_from
+        if on_request:
+            env[CHECKPOINT_ON_REQUEST] = "1"
     return env
 
 

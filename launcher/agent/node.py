@@ -316,6 +316,23 @@ class Agent:
         """The latest heartbeat of every rank of this node that sent one."""
         return self._channels.beats()
 
+    def request_checkpoint(self) -> list[int]:
+        """Signal every running worker whose heartbeats say it takes checkpoint requests
+        (``Beat.checkpoint_signal``; the default action would kill the others). Returns their ranks."""
+        beats = self._channels.beats()
+        with self._lock:
+            running = [(w.spec.global_rank, w.proc.pid) for w in self._workers if w.state is WorkerState.RUNNING]
+        asked = []
+        for rank, pid in running:
+            sig = beats[rank].checkpoint_signal if rank in beats else None
+            if sig:
+                try:
+                    os.kill(pid, sig)
+                    asked.append(rank)
+                except ProcessLookupError:
+                    pass
+        return asked
+
     def dump_stacks(self, wait: float = 2.0) -> dict[int, dict]:
         """Every running worker's Python stacks (see ``Channels.dump_stacks``). Blocks up to ``wait``."""
         with self._lock:

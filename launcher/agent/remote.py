@@ -23,6 +23,7 @@ from dslaunch.launcher.agent.wire import (
     ALIVE,
     ALIVE_EVERY_S,
     BEATS_EVERY_S,
+    CHECKPOINT_REQUEST,
     CONTROLLER_SILENT_S,
     STACKS_REQUEST,
     format_beats_line,
@@ -91,16 +92,19 @@ def _first_line(fd: int) -> tuple[bytes, bytes]:
 
 def _read_requests(agent: Agent, heard: list[float], pending: bytes = b"") -> None:
     """The controller holds our stdin open for the whole job: EOF means it is gone; a
-    ``STACKS_REQUEST`` line asks for the workers' stacks (answered from a thread of its own); an
-    ``ALIVE`` line is appended to ``heard`` as its time (the last one is kept). ``pending``: bytes
-    already read after the NodeSpec line."""
+    ``STACKS_REQUEST`` line asks for the workers' stacks (answered from a thread of its own), a
+    ``CHECKPOINT_REQUEST`` line for a checkpoint; an ``ALIVE`` line is appended to ``heard`` as
+    its time (the last one is kept). ``pending``: bytes already read after the NodeSpec line."""
     while True:
         *lines, pending = pending.split(b"\n")
-        if any(line.strip() == ALIVE.encode() for line in lines):
+        requests = {line.strip() for line in lines}
+        if ALIVE.encode() in requests:
             heard[:] = [time.monotonic()]
-        if any(line.strip() == STACKS_REQUEST.encode() for line in lines):
+        if STACKS_REQUEST.encode() in requests:
             threading.Thread(target=lambda: agent.report(format_stacks_line(agent.dump_stacks())),
                              daemon=True, name="stacks").start()
+        if CHECKPOINT_REQUEST.encode() in requests:
+            agent.request_checkpoint()
         data = os.read(0, 4096)  # raw fd: a daemon thread must not hold the buffered stdin's lock
         if not data:
             break

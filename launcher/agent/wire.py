@@ -13,10 +13,11 @@ line is output for the user:
 - the stacks line (rank -> ``{"stopped", "stack"}``), the answer to a ``STACKS_REQUEST``.
 
 And the other way, on the agent's stdin after the NodeSpec line: ``STACKS_REQUEST`` asks for
-every worker's stacks; ``ALIVE`` every ``ALIVE_EVERY_S``: the controller lives (once one came,
-an agent that hears nothing for ``CONTROLLER_SILENT_S`` takes the controller as gone, stops its
-workers and exits: behind a cut link its sshd would not notice, since the agent's own liveness
-lines keep that sshd busy and its ClientAlive check never runs); EOF is the stop request.
+every worker's stacks; ``CHECKPOINT_REQUEST`` asks every worker that takes it for a checkpoint
+(pre-emption, ``runtime.preempt``); ``ALIVE`` every ``ALIVE_EVERY_S``: the controller lives (once
+one came, an agent that hears nothing for ``CONTROLLER_SILENT_S`` takes the controller as gone,
+stops its workers and exits: behind a cut link its sshd would not notice, since the agent's own
+liveness lines keep that sshd busy and its ClientAlive check never runs); EOF is the stop request.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from dslaunch.utils.beat import Beat
 
 __all__ = ["format_status_line", "parse_status_line", "format_failure_line", "parse_failure_line",
            "format_beats_line", "parse_beats_line", "format_stacks_line", "parse_stacks_line",
-           "STACKS_REQUEST", "ALIVE", "BEATS_EVERY_S", "ALIVE_EVERY_S", "CONTROLLER_SILENT_S"]
+           "STACKS_REQUEST", "CHECKPOINT_REQUEST", "ALIVE", "BEATS_EVERY_S", "ALIVE_EVERY_S",
+           "CONTROLLER_SILENT_S"]
 
 STATUS_MARKER = "@@dslaunch-agent-status "
 FAILURE_MARKER = "@@dslaunch-agent-failure "
 BEATS_MARKER = "@@dslaunch-agent-beats "
 STACKS_MARKER = "@@dslaunch-agent-stacks "
 STACKS_REQUEST = "@@dslaunch-stacks"
+CHECKPOINT_REQUEST = "@@dslaunch-checkpoint"
 ALIVE = "@@dslaunch-alive"
 BEATS_EVERY_S = 0.5
 ALIVE_EVERY_S = 1.0

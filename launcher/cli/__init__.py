@@ -3,6 +3,8 @@
 - ``dslaunch [launcher options] user_script [args]``: the launch command (``launch``), DeepSpeed's
   exact flags through argparse. Its path imports neither torch nor click (click alone costs
   ~70 ms), so workers start within milliseconds of the command.
+- ``dslaunch sbatch ...``: submit the job to SLURM (``sbatch``), the launch flags plus sbatch's
+  through argparse like the launch command.
 - ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
   (``zero_to_fp32``, ``status``), imported only when named.
 
@@ -38,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in SUBCOMMANDS:
             return _subcommand(argv)
+        if argv and argv[0] == "sbatch":
+            from dslaunch.launcher.cli import sbatch
+
+            return sbatch.run(argv[1:])
         return launch.run(argv)
     except DslaunchError as err:
         if verbose:

@@ -42,6 +42,8 @@ from dslaunch.launcher.plan import (
     elastic_batch_for,
 )
 from dslaunch.launcher.runners import get_runner
+from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocation
+from dslaunch.launcher.runners.slurm.preemption import Preemption
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec
 from dslaunch.utils.ports import free_port
 
@@ -49,7 +51,7 @@ __all__ = ["run", "build_parser", "parse_config", "restart_policy"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Options whose value is passed through verbatim and may start with '-' (e.g. ssh's "-i KEY").
-_ATTACHED = ("--launcher_args",)
+_ATTACHED = ("--launcher_args", "--sbatch_args")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,7 +89,7 @@ class _Parser(argparse.ArgumentParser):
             message += did_you_mean(flag.split("=")[0], self._option_string_actions)
         if len(message) > 300:  # e.g. every unknown argument, repeated: one line stays short
             message = message[:300] + "..."
-        raise UsageError(f"{message} (see dslaunch --help)")
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def integer(text: str) -> int:
@@ -123,10 +125,12 @@ class _NotSupported(argparse.Action):
 _NOT_SUPPORTED = ("--autotuning", "--comment", "--account", "--venv_script")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dslaunch", allow_abbrev=False,
-                description="Launch a DeepSpeed-style training script on one or many nodes.",
-                epilog="Also: dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR")
+def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-style training script on "
+                 "one or many nodes.", unsupported: tuple[str, ...] = _NOT_SUPPORTED) -> argparse.ArgumentParser:
+    """The launch command's parser; ``dslaunch sbatch`` builds on it (its own ``prog``, and
+    ``--account`` is an sbatch option there, not an unsupported flag)."""
+    p = _Parser(prog=prog, allow_abbrev=False, description=description,
+                epilog="Also: dslaunch sbatch ...; dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR")
     a = p.add_argument
     a("-H", "--hostfile", default=None,
       help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")
@@ -143,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
            "its own --node_rank (needs --master_addr)")
     a("--node_rank", type=integer, default=-1,
       help="with --no_ssh: this node's index among the selected hosts, in hostfile order")
-    a("--launcher", default="", help="local or ssh (default: ssh when a host is remote, else local)")
-    a("--launcher_args", default="", help="extra arguments for the launcher transport, verbatim")
+    a("--launcher", default="",
+      help="local, ssh or slurm (default: slurm inside a SLURM allocation without --hostfile; else ssh "
+           "when a host is remote, else local)")
+    a("--launcher_args", default="", help="extra arguments for the launcher transport (ssh, srun), verbatim")
     a("--module", action="store_true", help="run user_script as a module (python -m)")
     a("--no_python", action="store_true", help="run user_script directly, not through python")
     a("--no_local_rank", action="store_true", help="do not append --local_rank=N to the script arguments")
@@ -187,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")
     a("--version", action="version", version=f"dslaunch {__version__}")
     p.add_argument_group("not supported yet", f"DeepSpeed launcher flags that are an error here: "
-                         f"{', '.join(_NOT_SUPPORTED)}")
-    for flag in _NOT_SUPPORTED:
+                         f"{', '.join(unsupported)}")
+    for flag in unsupported:
         a(flag, action=_NotSupported)
     a("user_script", help="the training script (or module with --module, program with --no_python)")
     # argparse marks a REMAINDER positional required and names it in "the following arguments are
@@ -229,6 +235,7 @@ def parse_config(argv: list[str],
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
         max_restarts=ns.max_restarts, resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else None,
         max_nodes=ns.max_elastic_nodes if ns.elastic_training and ns.max_elastic_nodes > 0 else 0,
+        allocation=slurm_allocation(os.environ if env is None else env),
     )
     return cfg, ns
 
@@ -256,8 +263,9 @@ def _apply_monitor_block(ns: argparse.Namespace) -> None:
         ns.max_restarts = 0
 
 
-def restart_policy(ns: argparse.Namespace) -> RestartPolicy:
-    """The restart policy the flags ask for.
+def restart_policy(ns: argparse.Namespace, requeued_by_slurm: bool = False) -> RestartPolicy:
+    """The restart policy the flags ask for (``requeued_by_slurm``: inside a SLURM allocation,
+    where a requeue restarts the job and ``--resume_from`` acts without ``--max_restarts``).
 
     Raises:
         UsageError: elastic flags without ``--elastic_training``, or out of range.
@@ -268,7 +276,7 @@ def restart_policy(ns: argparse.Namespace) -> RestartPolicy:
             raise UsageError(f"--{flag} {value} is only used with --elastic_training")
         if value != -1 and value < 1:
             raise UsageError(f"--{flag} {value}: expected 1 or more nodes (or -1, the default)")
-    if ns.resume_from and ns.max_restarts == 0:
+    if ns.resume_from and ns.max_restarts == 0 and not requeued_by_slurm:
         raise UsageError(f"--resume_from {ns.resume_from} acts when the job restarts: add --max_restarts N "
                          "(N >= 1), or load the checkpoint in the script (engine.load_checkpoint)")
     if ns.elastic_training and ns.max_restarts == 0:
@@ -367,11 +375,13 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
 
     runners = iter([runner])  # the first run uses the runner made above, later runs new ones
     events = EventLog(job.monitor.log_dir, echo=print_event)  # one log for the job, whatever its restarts
-    loop = JobLoop(policy, plan_attempt, lambda j: next(runners, None) or get_runner(j.launcher)(), events)
+    preemption = Preemption(enabled=job.launcher == "slurm")
+    loop = JobLoop(policy, plan_attempt,
+                   lambda j: preemption.track(next(runners, None) or get_runner(j.launcher)()), events)
     started = time.monotonic()
     code: int | None = None
     try:
-        code = _run(loop, policy)
+        code = _run(loop, policy, preemption)
         return code
     except DslaunchError as err:
         code = err.exit_code
@@ -388,18 +398,23 @@ def _monitor_line(job: JobSpec) -> str:
     return f"# monitor: hang_timeout {hang}; events, error files and stacks in {job.monitor.log_dir}"
 
 
-def _run(loop: JobLoop, policy: RestartPolicy) -> int:
-    """Run the job with stop signals forwarded to it; turn a failure into WorkerFailedError."""
+def _run(loop: JobLoop, policy: RestartPolicy, preemption: Preemption) -> int:
+    """Run the job with stop signals forwarded to it (SLURM's warning signal: a checkpoint
+    request, then a requeue); turn a failure into WorkerFailedError."""
 
     def on_signal(signum: int, _frame: object) -> None:
         loop.stop(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
+    preemption.install()
     try:
         outcome = loop.run()
     finally:
+        preemption.restore()
         for s, h in previous.items():
             signal.signal(s, h)
+    if preemption.requested and preemption.requeue(os.environ.get("SLURM_JOB_ID", "")):
+        return 0  # SLURM ends this run and starts the job again; it resumes from the checkpoint
     result, code = outcome.result, outcome.exit_code
     if result.failure is not None:
         f = result.failure
@@ -422,4 +437,5 @@ def run(argv: list[str]) -> int:
         DslaunchError: a user mistake or a failed job (``cli.main`` prints it).
     """
     cfg, ns = parse_config(argv)
-    return _launch(cfg, ns.dry_run, restart_policy(ns), ns.monitor_from)
+    return _launch(cfg, ns.dry_run, restart_policy(ns, requeued_by_slurm=cfg.allocation is not None),
+                   ns.monitor_from)

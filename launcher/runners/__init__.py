@@ -15,10 +15,11 @@ __all__ = ["RUNNERS", "get_runner"]
 RUNNERS: dict[str, str] = {
     "local": "dslaunch.launcher.runners.local:LocalRunner",
     "ssh": "dslaunch.launcher.runners.ssh.runner:SSHRunner",
+    "slurm": "dslaunch.launcher.runners.slurm.runner:SlurmRunner",
 }
 
 # DeepSpeed's other launcher names, answered with a clear "not supported" instead of a typo hint.
-_UNSUPPORTED = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")
+_UNSUPPORTED = ("pdsh", "openmpi", "mpich", "impi", "mvapich")
 
 
 def get_runner(name: str):

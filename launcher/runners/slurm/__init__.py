@@ -1,7 +1,9 @@
 """The SLURM transport: hosts from the allocation, one node agent per node through ``srun``.
 
-Owns SLURM's hostlist syntax (``hostlist``: ``n[01-04,07],gpu-a[1-2]`` to and from host names).
-The runner itself and ``dslaunch sbatch`` are issue 11's remaining work.
+``allocation`` reads the allocation from SLURM's variables (the hostlist syntax itself is
+``dslaunch.utils.hostlist``, shared with the runtime); ``session`` runs one agent through srun;
+``runner`` is ``--launcher slurm``; ``preemption`` turns SLURM's warning signal into a checkpoint
+request and a requeue.
 
 Nothing heavy is imported here: the launcher imports only what a SLURM launch needs.
 """

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dslaunch.errors import LaunchError
+from dslaunch.errors import HostsError
 from dslaunch.launcher.runners.ssh.options import SSHOptions, SSHTarget, load_config, resolve
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
 
@@ -39,21 +39,13 @@ _KNOWN_HOSTS_LOCK = threading.Lock()  # parallel connects may append to the same
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
-class SSHError(LaunchError):
+class SSHError(HostsError):
     """One or more hosts could not be reached or logged into.
 
     ``failures`` maps host -> (cause, message); cause is one of ``refused``, ``timeout``,
     ``unreachable``, ``unknown-host``, ``auth``, ``unknown-host-key``, ``changed-host-key``,
     ``key-file``, ``ssh`` (protocol error), ``interpreter``, ``preflight``.
     """
-
-    def __init__(self, failures: dict[str, tuple[str, str]]):
-        self.failures = dict(failures)
-        lines = [f"{host}: {msg}" for host, (_cause, msg) in sorted(self.failures.items())]
-        if len(lines) == 1:
-            super().__init__(lines[0])
-        else:
-            super().__init__(f"{len(lines)} hosts failed:\n  " + "\n  ".join(lines))
 
 
 class _Fail(Exception):

@@ -21,8 +21,8 @@ import shlex
 from dataclasses import dataclass, field, replace
 
 from dslaunch.errors import UsageError, did_you_mean, quote
-from dslaunch.launcher.hostfile import hostname_problem
 from dslaunch.launcher.runners.ssh.sshlib import lookup, paramiko
+from dslaunch.utils.hostlist import hostname_problem
 
 __all__ = ["SSHOptions", "SSHTarget", "DEFAULT_CONNECT_TIMEOUT", "load_config", "resolve"]
 

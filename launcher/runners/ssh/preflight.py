@@ -1,51 +1,20 @@
-"""Preflight for SSH launches: is every host ready, before anything starts anywhere?
+"""Preflight for SSH launches: the shared checks (``runners.preflight``) plus why a host gave no
+answer over SSH (``diagnose_no_probe``).
 
-Checked on every host, each failure naming the host and its cause:
-
-- reachable and authenticated (``connect``: refused, timeout, unreachable, auth, unknown or
-  changed host key);
-- the interpreter exists and imports dslaunch (``interpreter``);
-- the working directory exists there (``cwd``);
-- the user script exists there at the same path (``script``);
-- the same Python and torch versions as the first host (``version``), torch installed;
-- the master address resolves and answers from the host, and is not that host's own loopback
-  unless it is the master host (``master``); the master port is free on the master host and
-  nothing else answers on it (``port``).
-
-The probe itself runs remotely (``agent.bootstrap``) as the first step of the launch command, so a
-passing preflight costs no extra round trip.
+Reachability and login (refused, timeout, unreachable, auth, unknown or changed host key) are
+checked by ``connect`` before the probe runs.
 """
 
 from __future__ import annotations
 
-import json
-import shlex
-import time
 from collections.abc import Mapping
 
+from dslaunch.launcher.runners.preflight import PROBE_TIMEOUT, check_probes, probe_request, remote_command
+from dslaunch.launcher.runners.preflight import gather_probes as _gather_probes
 from dslaunch.launcher.runners.ssh.connect import SSHError
 
 __all__ = ["PROBE_TIMEOUT", "probe_request", "remote_command", "diagnose_no_probe", "check_probes",
            "gather_probes"]
-
-# Python start-up plus a login shell's rc files, on a loaded machine.
-PROBE_TIMEOUT = 20.0
-
-
-def probe_request(cwd: str | None, master_addr: str, master_port: int, is_master: bool,
-                  script: str | None = None) -> dict:
-    return {"cwd": cwd, "master_addr": master_addr, "master_port": master_port, "is_master": is_master,
-            "script": script}
-
-
-def remote_command(python: str, request: Mapping) -> str:
-    """The shell command each host runs: probe, then the node agent (``agent.bootstrap.main``).
-
-    ``exec`` replaces the login shell, so the python process is sshd's direct child and nothing
-    stands between the agent and its SSH channel. Every word is shell-quoted.
-    """
-    return "exec " + shlex.join([python, "-m", "dslaunch.launcher.agent.bootstrap",
-                                 json.dumps(dict(request), separators=(",", ":"))])
 
 
 def diagnose_no_probe(python: str, exit_code: int | None, stderr: str, lost: bool = False) -> tuple[str, str]:
@@ -65,70 +34,10 @@ def diagnose_no_probe(python: str, exit_code: int | None, stderr: str, lost: boo
     return "interpreter", f"the remote command exited with code {exit_code}: {tail or 'no output'}"
 
 
-def _versions(p: Mapping) -> str:
-    return f"Python {p.get('python')} ({p.get('implementation')}), torch {p.get('torch')}"
-
-
-def _master_problem(p: Mapping, master: str, port: int) -> tuple[str, str] | None:
-    status = p.get("master", {})
-    where = f"{master}" + (f" ({p['master_ip']})" if p.get("master_ip") not in (None, master) else "")
-    if status.get("status") == "unresolvable":
-        return "master", (f"cannot resolve the master address {master!r} here ({status.get('detail')}); "
-                          "pass --master_addr with an address every host can reach")
-    if status.get("status") == "loopback":
-        return "master", (f"the master address {where} is this host's own loopback here, not the master "
-                          "host; pass --master_addr with an address every host can reach")
-    if status.get("status") == "unreachable":
-        return "master", (f"cannot reach the master address {where} port {port} from here: "
-                          f"{status.get('detail')}; pass --master_addr with an address every host can reach")
-    port_state = p.get("port", {})
-    if status.get("status") == "busy" or port_state.get("free") is False:
-        detail = port_state.get("detail") or (f"master port {port} on {where} already accepts "
-                                              "connections; pick a free port with --master_port")
-        return "port", detail
-    return None
-
-
-def check_probes(probes: Mapping[str, Mapping], cwd: str | None, master: str, port: int) -> dict[str, tuple[str, str]]:
-    """Problems per host (empty when all is well). ``probes`` in node order; the first is the reference."""
-    problems: dict[str, tuple[str, str]] = {}
-    ref_host, ref = next(iter(probes.items()))
-    for host, p in probes.items():
-        if p.get("error"):
-            problems[host] = ("interpreter", p["error"])
-        elif p.get("cwd_error"):
-            problems[host] = ("cwd", f"the working directory {cwd} is not usable here ({p['cwd_error']}); "
-                                     "run from a directory that exists on every host")
-        elif p.get("script_missing"):
-            problems[host] = ("script", f"the user script {p['script_missing']} does not exist here (cwd {cwd}); "
-                                        "every host needs it at the same path")
-        elif p.get("torch") is None:
-            problems[host] = ("version", f"torch is not installed for {p.get('executable')}")
-        elif _versions(p) != _versions(ref):
-            problems[host] = ("version", f"{_versions(p)} here, but {ref_host} has {_versions(ref)}; "
-                                         "every host needs the same versions")
-        elif (found := _master_problem(p, master, port)) is not None:
-            problems[host] = found
-    return problems
-
-
 def gather_probes(sessions: Mapping[str, object], python: str, timeout: float = PROBE_TIMEOUT) -> dict[str, dict]:
     """Wait for every session's probe (``session.RemoteSession``), in parallel.
 
     Raises:
         SSHError: naming each host that did not answer and why.
     """
-    deadline = time.monotonic() + timeout
-    probes: dict[str, dict] = {}
-    failures: dict[str, tuple[str, str]] = {}
-    for alias, session in sessions.items():
-        probe = session.wait_probe(deadline)
-        if probe is not None:
-            probes[alias] = probe
-            continue
-        session.done.wait(0.2 if session.exit_code is None else 0)  # let the exit status arrive
-        failures[alias] = diagnose_no_probe(python, session.exit_code, session.held_stderr(False),
-                                            session.lost)
-    if failures:
-        raise SSHError(failures)
-    return probes
+    return _gather_probes(sessions, python, diagnose_no_probe, SSHError, timeout)

@@ -52,7 +52,8 @@ class Cluster:
         return int((self.state_dir / host / "sshd.pid").read_text().split()[0])
 
     def job_processes(self, host: str) -> list[str]:
-        """Every process in ``host``'s network namespace except its listening sshd: 'pid args'."""
+        """Every process in ``host``'s network namespace except its daemons (the listening sshd, and
+        the slurmd of ``scripts/cluster/slurm.py`` when the test SLURM is up): 'pid args'."""
         out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
         pids = [p for p in out.split() if int(p) != self.sshd_pid(host)]
         found = []
@@ -61,7 +62,8 @@ class Cluster:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
             except OSError:
                 continue  # exited meanwhile
-            found.append(f"{pid} {args}")
+            if not args.startswith("/usr/sbin/slurmd "):
+                found.append(f"{pid} {args}")
         return found
 
     def wait_no_job_processes(self, timeout: float) -> dict[str, list[str]]:

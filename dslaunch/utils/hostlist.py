@@ -1,4 +1,8 @@
-"""SLURM hostlists: ``n[01-04,07],gpu-a[1-2]`` <-> ``["n01", ..., "gpu-a2"]``.
+"""Host names (``hostname_problem``) and SLURM hostlists: ``n[01-04,07],gpu-a[1-2]`` <->
+``["n01", ..., "gpu-a2"]`` (``expand``, ``compress``).
+
+Shared by the launcher (hostfiles, ``--launcher slurm``) and the runtime (the master of a job
+started by ``srun`` directly), so it lives here, importing neither.
 
 The syntax ``scontrol show hostnames`` reads: names separated by commas; each name may hold
 bracketed lists of numbers and ranges (``[1-3,7]``), the width of a range's first number is the
@@ -13,18 +17,45 @@ longer than the names joined by commas.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import re
 
 from dslaunch.errors import HostfileError, quote
-from dslaunch.launcher.hostfile import hostname_problem
 
-__all__ = ["expand", "compress", "MAX_HOSTS"]
+__all__ = ["expand", "compress", "hostname_problem", "MAX_HOSTS"]
 
 MAX_HOSTS = 65536  # no allocation is larger; a typo like n[1-99999999] must not build a list that big
 
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 _LAST_NUMBER = re.compile(r"^(.*?)(\d+)$")
+_LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")
+
+
+def hostname_problem(name: str) -> str | None:
+    """Why ``name`` is not a host name (RFC 1123 labels, '_' allowed as in ssh aliases) or an IP
+    address; None when it is one.
+
+    At most 253 characters, labels of at most 63 letters, digits, '-' and '_' that neither start
+    nor end with '-' (so no name reads as a command-line option); IPv6 literals may be bracketed.
+    """
+    if not name:
+        return "empty host name"
+    if len(name) > 253:
+        return f"{len(name)} characters long (host names have at most 253)"
+    if ":" in name:
+        try:
+            ipaddress.IPv6Address(name[1:-1] if name[0] == "[" and name[-1] == "]" else name)
+            return None
+        except ValueError:
+            return "not an IPv6 address (':' is only valid in one)"
+    for label in name.removesuffix(".").split("."):
+        if len(label) > 63:
+            return f"label {quote(label, 20)} is {len(label)} characters long (at most 63)"
+        if not _LABEL_RE.fullmatch(label):
+            return ("expected labels of letters, digits, '-' and '_' separated by '.', not starting or "
+                    "ending with '-'")
+    return None
 
 
 def expand(hostlist: str, source: str = "hostlist") -> list[str]:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dslaunch.errors import HostfileError
-from dslaunch.launcher.runners.slurm.hostlist import MAX_HOSTS, compress, expand
+from dslaunch.utils.hostlist import MAX_HOSTS, compress, expand
 
 SCONTROL = shutil.which("scontrol")
 

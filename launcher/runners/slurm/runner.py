@@ -1,0 +1,208 @@
+"""The SLURM runner: inside an allocation, one node agent per node through ``srun``.
+
+Launch pipeline (``_start_nodes``), every node in parallel:
+
+1. start ``srun --nodes=1 --ntasks=1 --nodelist=<node> --overlap ... <agent bootstrap>`` for each
+   node: a job step per node, so SLURM accounts for and can signal every process of the job;
+2. the preflight probes (``runners.preflight``: interpreter, cwd, script, versions, master
+   address and port) come back on srun's stdout; on any problem close every srun's stdin (the
+   agents see EOF and exit) and raise ``SlurmError`` naming each node and cause;
+3. send each agent its NodeSpec, with the env files' variables and the interface toward the
+   master address that node's probe found (``workerenv.remote_node``).
+
+The same agent and bootstrap as the SSH runner; only the transport differs. ``MASTER_ADDR`` is the
+first node of the job (or ``--master_addr``). srun passes the controller's whole environment on to
+the step, so ``CUDA_VISIBLE_DEVICES`` is the one SLURM gives the step, never the controller's.
+``--launcher_args`` are extra srun options, verbatim.
+
+Stopping: closing an srun's stdin makes its agent stop its workers (SIGTERM, then SIGKILL after the
+grace period) and exit; a node that does not is terminated through srun (SIGTERM to srun: SLURM
+signals the step, then kills it). An srun that ends without the agent's status line (node lost,
+step killed) is a lost host, and so is a node silent for the gang's ``HOST_SILENT_S`` (the agent
+speaks every second; the controller sends it ``ALIVE`` every second the other way).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+import time
+
+from dslaunch.errors import HostsError
+from dslaunch.launcher.agent.output import Sink
+from dslaunch.launcher.agent.wire import ALIVE_EVERY_S, CHECKPOINT_REQUEST
+from dslaunch.launcher.envfile import collect_env
+from dslaunch.launcher.monitor.gang import NodeHandle
+from dslaunch.launcher.runners.base import Runner, format_node
+from dslaunch.launcher.runners.preflight import agent_argv, check_probes, gather_probes, probe_request
+from dslaunch.launcher.runners.slurm.session import SrunSession
+from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, JobSpec, NodeResult, NodeSpec
+from dslaunch.launcher.workerenv import remote_node
+from dslaunch.utils.beat import Beat
+
+__all__ = ["SlurmRunner", "SlurmError", "srun_argv"]
+
+SRUN = "srun"
+
+
+class SlurmError(HostsError):
+    """One or more nodes could not start their agent through srun. Causes: ``srun`` (srun could
+    not start or ended early), ``timeout``, and preflight's (``interpreter``, ``cwd``, ...)."""
+
+
+def srun_argv(job: JobSpec, node: NodeSpec, cpus: int | None = None) -> list[str]:
+    """The srun command line that starts ``node``'s agent (probe first, see ``agent.bootstrap``).
+
+    ``--overlap``: the agent's step never waits for, nor blocks, another step of the job.
+    ``--cpus-per-task``: all the node's CPUs, so that a task plugin that pins steps does not pin
+    every worker of the node to one CPU.
+    """
+    python = job.python or sys.executable
+    is_master = node.node_rank == 0 and not job.master_given
+    request = probe_request(node.cwd, job.master_addr, job.master_port, is_master, job.user_script)
+    opts = ["--nodes=1", "--ntasks=1", f"--nodelist={node.host}", "--overlap", "--quiet",
+            f"--job-name=dslaunch-node{node.node_rank}", *([f"--cpus-per-task={cpus}"] if cpus else []),
+            *shlex.split(job.launcher_args)]
+    return [SRUN, *opts, *agent_argv(python, request)]
+
+
+def _diagnose(python: str, exit_code: int | None, stderr: str, lost: bool) -> tuple[str, str]:
+    """Why a node answered without a probe line: (cause, message)."""
+    tail = " | ".join(stderr.strip().splitlines()[-3:])
+    if exit_code is None:
+        return "timeout", f"the agent did not answer through srun in time (node busy?): {tail or 'no output'}"
+    if "No module named" in stderr:
+        return "interpreter", f"{python} cannot import dslaunch on this node: {tail}"
+    if "No such file or directory" in stderr and python in stderr:
+        return "interpreter", (f"python interpreter {python} not found on this node; the controller's "
+                               "interpreter path must exist on every node")
+    return "srun", f"srun exited with code {exit_code}: {tail or 'no output'}"
+
+
+class _SrunNode(NodeHandle):
+    """A node agent seen through its srun."""
+
+    def __init__(self, node: NodeSpec, session: SrunSession) -> None:
+        self.node = node
+        self.session = session
+        self._since = time.monotonic()  # the agent has its NodeSpec: it speaks every ALIVE_EVERY_S
+
+    def poll(self) -> NodeResult | None:
+        s = self.session
+        if not s.done.is_set():
+            return None
+        if s.status is not None:
+            return s.status
+        if s.lost:
+            os.write(2, f"dslaunch: lost node {self.node.host} (srun exited with {s.exit_code} "
+                        "without the agent's status)\n".encode())
+            return NodeResult(self.node.node_rank, self.node.host, s.exit_code or HOST_LOST_EXIT_CODE,
+                              stopped_by="lost srun step", cause="host_lost", failed_at=s.heard_at)
+        return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 0)
+
+    def failing(self) -> NodeResult | None:
+        return self.session.failure
+
+    def last_heard(self) -> float:
+        return max(self.session.heard_mono, self._since)
+
+    def stop(self, sig: int) -> None:
+        self.session.close_stdin()
+
+    def kill(self) -> None:
+        self.session.terminate()
+
+    def beats(self) -> dict[int, Beat]:
+        return self.session.beats
+
+    def request_stacks(self) -> None:
+        self.session.request_stacks()
+
+    def stacks(self) -> dict[int, dict] | None:
+        return self.session.stacks
+
+
+class SlurmRunner(Runner):
+    """Runs each node's agent as a step of the current SLURM job. See the module docstring."""
+
+    name = "slurm"
+
+    def __init__(self, out_fd: int = 1, err_fd: int = 2) -> None:
+        super().__init__()
+        self._out, self._err = Sink(out_fd), Sink(err_fd)
+        self.sessions: dict[str, SrunSession] = {}
+
+    @staticmethod
+    def _exported() -> dict[str, str]:
+        # srun hands the step the controller's whole environment already; CUDA_VISIBLE_DEVICES
+        # must stay the one SLURM sets for the step on its node.
+        return {k: v for k, v in collect_env().items() if k != "CUDA_VISIBLE_DEVICES"}
+
+    @staticmethod
+    def _cpus() -> dict[str, int]:
+        """Each node's CPUs in the allocation (for ``--cpus-per-task``), if SLURM says."""
+        from dslaunch.launcher.runners.slurm.allocation import from_env
+
+        alloc = from_env(os.environ)
+        return dict(zip(alloc.hosts, alloc.cpus, strict=True)) if alloc and alloc.cpus else {}
+
+    def dry_run(self, job: JobSpec) -> str:
+        cpus = self._cpus()
+        exported = self._exported()
+        out = []
+        for node in job.nodes:
+            out.append(f"{shlex.join(srun_argv(job, node, cpus.get(node.host)))}\n"
+                       "  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
+            iface = "<interface routing to MASTER_ADDR, found at launch>"
+            out.append(format_node(remote_node(node, job.master_addr, exported, iface)))
+        return "\n".join(out)
+
+    def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
+        exported = self._exported()  # a bad env file fails fast, nothing started
+        cpus = self._cpus()
+        python = job.python or sys.executable
+        try:
+            for node in job.nodes:
+                session = SrunSession(node.host, srun_argv(job, node, cpus.get(node.host)), self._out, self._err,
+                                      on_change=wake.set)
+                self.sessions[node.host] = session
+                session.start()
+            probes = gather_probes(self.sessions, python, _diagnose, SlurmError)
+            problems = check_probes(probes, job.nodes[0].cwd, job.master_addr, job.master_port)
+            if problems:
+                raise SlurmError(problems)
+        except OSError as exc:
+            self._close_all()
+            raise SlurmError({n.host: ("srun", f"cannot run {SRUN}: {exc.strerror or exc}") for n in job.nodes}) from None
+        except BaseException:
+            self._close_all()
+            raise
+        handles: list[NodeHandle] = []
+        for node in job.nodes:
+            session = self.sessions[node.host]
+            session.held_stderr(release=True)
+            iface = ((probes[node.host] or {}).get("route") or {}).get("iface")
+            spec = remote_node(node, job.master_addr, exported, iface)
+            try:
+                session.send_line(spec.to_json())
+            except OSError as exc:
+                self._close_all()
+                raise SlurmError({node.host: ("srun", f"srun ended while starting the node: {exc}")}) from None
+            session.keep_alive(ALIVE_EVERY_S)
+            handles.append(_SrunNode(spec, session))
+        return handles
+
+    def request_checkpoint(self) -> None:
+        """Ask every node's agent to signal its ranks for a checkpoint (signal-handler safe:
+        the stdin lock is reentrant)."""
+        for s in self.sessions.values():
+            try:
+                s.send_line(CHECKPOINT_REQUEST)
+            except (OSError, ValueError, AssertionError):
+                pass  # that node's agent is gone: nothing to ask
+
+    def _close_all(self) -> None:
+        for s in self.sessions.values():
+            s.close_stdin()

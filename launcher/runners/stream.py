@@ -1,0 +1,191 @@
+"""An agent's byte streams, sorted line by line, for any transport that runs ``agent.bootstrap``.
+
+An ``AgentStream`` reads the stdout and stderr of one node agent (over an SSH channel, through
+``srun``'s stdio, ...) and sorts what comes back:
+
+- the ``@@dslaunch-probe`` line (stdout) -> ``probe`` (the preflight answer);
+- the agent's status line (stderr) -> ``status`` (how the node ended, parsed by the agent module);
+- the agent's failure line (stderr) -> ``failure`` (its first worker failure, sent at once);
+- the agent's beats and stacks lines (stderr) -> ``beats`` (latest per rank), ``stacks`` (the
+  answer to ``request_stacks``); ``heard_at``: wall-clock time of the last line from the host
+  (``heard_mono``: monotonic time of the last bytes on either stream, for the silence rule);
+- every other line -> the controller's stdout/stderr, prefixed ``host: `` (the agent already
+  prefixed worker lines with ``[rankN]``), one whole line per write so hosts never interleave
+  inside a line. stderr printed before the probe line is held back and shown only with the
+  probe's outcome (so a login-shell hiccup is reported with the failure it caused).
+
+The other way, ``keep_alive`` sends the agent ``ALIVE`` every second, so that an agent behind a cut
+link finds the controller gone by its silence.
+
+Subclasses start the command, feed ``_read`` from their reader threads, call ``_ended`` once the
+command is gone, and implement ``send_line`` (the agent's stdin).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+
+from dslaunch.launcher.agent.bootstrap import PROBE_MARKER
+from dslaunch.launcher.agent.output import Sink
+from dslaunch.launcher.agent.wire import (
+    ALIVE,
+    STACKS_REQUEST,
+    parse_beats_line,
+    parse_failure_line,
+    parse_stacks_line,
+    parse_status_line,
+)
+from dslaunch.launcher.spec import NodeResult
+from dslaunch.utils.beat import Beat
+
+__all__ = ["AgentStream"]
+
+_CHUNK = 65536
+
+
+class AgentStream:
+    """One node agent's output, sorted (see the module docstring). Thread-safe for its methods.
+
+    Args:
+        alias: the host name shown in prefixes and messages.
+        out, err: where prefixed lines go (shared by all nodes).
+        on_change: called whenever the probe or the agent's failure line arrives, or the command ends.
+    """
+
+    transport_errors: tuple[type[BaseException], ...] = (OSError, EOFError)
+    """What reading or writing the agent's streams raises when the transport is gone."""
+
+    def __init__(self, alias: str, out: Sink, err: Sink, on_change: Callable[[], None] = lambda: None) -> None:
+        self.alias = alias
+        self._out, self._err = out, err
+        self._on_change = on_change
+        self._prefix = f"{alias}: ".encode()
+        self.probe: dict | None = None
+        self.status: NodeResult | None = None
+        self.failure: NodeResult | None = None
+        self.exit_code: int | None = None
+        self.lost = False
+        self.beats: dict[int, Beat] = {}
+        self.stacks: dict[int, dict] | None = {}
+        self.heard_at: float | None = None
+        self.heard_mono = time.monotonic()
+        self._held_stderr: list[bytes] = []
+        self._lock = threading.Lock()
+        self._probe_seen = threading.Event()
+        self.done = threading.Event()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _read(self, recv: Callable[[int], bytes], handle: Callable[[bytes], None]) -> None:
+        """Split what ``recv`` returns into lines for ``handle`` until EOF (b'' or an OSError)."""
+        buf = b""
+        while True:
+            try:
+                data = recv(_CHUNK)
+            except self.transport_errors:
+                data = b""
+            if not data:
+                break
+            self.heard_mono = time.monotonic()
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                handle(line + b"\n")
+        if buf:
+            handle(buf + b"\n")
+
+    def _stdout_line(self, line: bytes) -> None:
+        if self.probe is None and line.startswith(PROBE_MARKER.encode()):
+            try:
+                self.probe = json.loads(line[len(PROBE_MARKER):])
+            except ValueError:
+                self.probe = {"error": f"unreadable probe answer: {line[:200]!r}"}
+            self._probe_seen.set()
+            self._on_change()
+            return
+        self._out.write(self._prefix + line)
+
+    def _stderr_line(self, line: bytes) -> None:
+        self.heard_at = time.time()
+        if line.startswith(b"@@dslaunch-agent-") and self._monitor_line(line):
+            return
+        result = parse_status_line(line)
+        if result is not None:
+            self.status = result
+            return
+        failure = parse_failure_line(line)
+        if failure is not None:
+            self.failure = failure
+            self._on_change()
+            return
+        with self._lock:
+            if not self._probe_seen.is_set():
+                self._held_stderr.append(line)
+                return
+        self._err.write(self._prefix + line)
+
+    def _monitor_line(self, line: bytes) -> bool:
+        beats = parse_beats_line(line)
+        if beats is not None:
+            self.beats = {**self.beats, **beats}
+            return True
+        stacks = parse_stacks_line(line)
+        if stacks is not None:
+            self.stacks = stacks
+            self._on_change()
+            return True
+        return False
+
+    def _ended(self, exit_code: int, lost: bool) -> None:
+        """The command is gone (its readers drained): record how, wake everyone waiting."""
+        self.lost = lost
+        self.exit_code = exit_code
+        self._probe_seen.set()  # wake wait_probe() callers: there will be no probe now
+        self.done.set()
+        self._on_change()
+
+    # -- queries and control -------------------------------------------------------------------
+
+    def send_line(self, text: str) -> None:
+        """One line to the agent's stdin. Raises OSError/EOFError when the agent is gone."""
+        raise NotImplementedError
+
+    def keep_alive(self, every: float) -> None:
+        """Send the agent ``ALIVE`` every ``every`` seconds until its stdin is closed (a thread):
+        behind a cut link, the agent finds the controller gone by its silence."""
+        def run() -> None:
+            while True:  # the first at once: the agent heeds silence only after one came
+                try:
+                    self.send_line(ALIVE)
+                except (*self.transport_errors, AssertionError, ValueError):
+                    return  # closed (the stop request) or gone: nothing more to say
+                if self.done.wait(every):
+                    return
+        threading.Thread(target=run, daemon=True, name=f"alive-{self.alias}").start()
+
+    def request_stacks(self) -> None:
+        """Ask the agent for its workers' stacks; ``stacks`` is None until the answer came."""
+        self.stacks = None
+        try:
+            self.send_line(STACKS_REQUEST)
+        except (*self.transport_errors, AssertionError):
+            self.stacks = {}  # no agent to answer: nothing to wait for
+
+    def wait_probe(self, deadline: float) -> dict | None:
+        """Block until the probe line arrived, the command ended, or ``deadline`` (monotonic)."""
+        self._probe_seen.wait(max(0.0, deadline - time.monotonic()))
+        return self.probe
+
+    def held_stderr(self, release: bool) -> str:
+        """stderr printed before the probe; with ``release`` later lines stream directly."""
+        with self._lock:
+            text = b"".join(self._held_stderr).decode("utf-8", "replace")
+            if release:
+                for line in self._held_stderr:
+                    self._err.write(self._prefix + line)
+                self._held_stderr.clear()
+                self._probe_seen.set()
+        return text

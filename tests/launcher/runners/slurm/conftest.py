@@ -1,0 +1,127 @@
+"""The test SLURM: slurmctld + one slurmd per namespace host, brought up once per test session.
+
+``scripts/cluster/slurm.py`` builds it (see there) on top of the SSH test cluster; this fixture
+brings it up, hands the tests a ``Slurm`` (its hosts, the environment SLURM's commands need, a
+batch submitter) and takes it down at the end unless it was already up before the session (then
+it is left as found). Skips only where it cannot exist: not root, no ``ip netns``, no slurm-wlm.
+Run these tests under ``flock /tmp/dslaunch-cluster.lock``: the namespace hosts are shared.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[4]
+N_HOSTS = 3
+
+
+def _slurm_module():
+    path = ROOT / "scripts" / "cluster" / "slurm.py"
+    spec = importlib.util.spec_from_file_location("dsl_slurm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """What the tests need to know about the running test SLURM."""
+
+    conf: str
+    hosts: tuple[str, ...]
+    addrs: tuple[str, ...]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment SLURM's commands (and jobs, which inherit it) need; one thread per rank."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        return {**env, "SLURM_CONF": self.conf, "OMP_NUM_THREADS": "1", **extra}
+
+    def run(self, *cmd: str, timeout: float = 60, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(**extra))
+
+    def job_info(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (JobState, ExitCode, NodeList, ...)."""
+        out = self.run("scontrol", "-o", "show", "job", job_id).stdout
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def job_state(self, job_id: str) -> tuple[str, str]:
+        """(state, exit code ``N:S``) of a job."""
+        fields = self.job_info(job_id)
+        return fields.get("JobState", "?"), fields.get("ExitCode", "?")
+
+    def dslaunch(self, nodes: int, per_node: int, *args: str, timeout: float = 120,
+                 **extra: str) -> subprocess.CompletedProcess:
+        """``salloc -N nodes --ntasks-per-node per_node dslaunch ARGS``: dslaunch inside an allocation."""
+        return self.run("salloc", "--quiet", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
+                        sys.executable, "-m", "dslaunch.launcher.cli", *args, timeout=timeout, **extra)
+
+    def job_processes(self, host: str) -> list[str]:
+        """Every process in ``host``'s network namespace except its daemons (sshd, slurmd)."""
+        out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
+        found = []
+        for pid in out.split():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue  # exited meanwhile
+            if "sshd" not in args and not args.startswith("/usr/sbin/slurmd "):
+                found.append(f"{pid} {args}")
+        return found
+
+    def wait_no_job_processes(self, timeout: float) -> dict[str, list[str]]:
+        """Poll until no host has job processes left; return what is left (empty dict = clean)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {h: procs for h in self.hosts if (procs := self.job_processes(h))}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Until no job is left in the queue (a failed test must not hold nodes for the next)."""
+        deadline = time.monotonic() + timeout
+        while self.run("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Slurm:
+    module = _slurm_module()
+    why = module.missing_facilities()
+    if why and (os.geteuid() != 0 or "ip netns" in why):
+        pytest.skip(f"test SLURM unavailable: {why}")
+    if why:  # root with namespaces but no slurm-wlm: a setup mistake, not a skip
+        pytest.fail(f"test SLURM cannot be built: {why} (make system-deps)")
+    state, hosts = module.state_dir_default(), module.cluster.state_dir_default()
+    st = module.status(state)
+    was_up = st["slurmctld"] and len(st["nodes"]) >= N_HOSTS
+    hosts_were_up = all(module.cluster.status(hosts)["sshd"].get(f"{module.cluster.PREFIX}node{k}")
+                        for k in range(1, N_HOSTS + 1))
+    info = module.up(N_HOSTS, state)
+    try:
+        yield Slurm(conf=info["slurm_conf"], hosts=tuple(info["hosts"]), addrs=tuple(info["addrs"]))
+    finally:
+        if not was_up:  # slurmd in the hosts would read as leftovers to the SSH tests
+            module.down(state)
+        if not hosts_were_up:
+            module.cluster.down(hosts)
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test(request):
+    """A failing test must not leave a running job behind for the next one."""
+    yield
+    if "slurm" not in request.fixturenames:
+        return
+    slurm = request.getfixturevalue("slurm")
+    slurm.run("scancel", "--user", "root")
+    slurm.wait_idle()

@@ -1,0 +1,57 @@
+"""Pre-emption on the test SLURM: SLURM's warning signal to a ``dslaunch sbatch --requeue
+--resume_from DIR`` job makes every rank checkpoint the same step into DIR, dslaunch requeues the
+job, and the requeued job resumes from that step."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.runners.ssh.helpers import ROOT
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+CKPT_TRAIN = str(ROOT / "tests" / "launcher" / "bin" / "ckpt_train.py")
+
+
+def _wait_for(path: Path, pattern: str, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if m := re.search(pattern, text, re.M):
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"{pattern!r} not in {path}: {text[-3000:]}")
+
+
+@pytest.mark.timeout(300)
+def test_the_warning_signal_checkpoints_requeues_and_the_job_resumes(slurm, tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "job.out"
+    run = slurm.run(sys.executable, "-m", "dslaunch.launcher.cli", "sbatch", "--nodes", "2", "--num_gpus", "1",
+                    "--gpus_per_node", "0", "--requeue", "--output", str(out), "--sbatch_args", "--open-mode=append",
+                    "--resume_from", str(ckpt), CKPT_TRAIN, "--steps", "25", "--save_every", "1000",
+                    "--ckpt", str(ckpt), "--out", str(tmp_path / "w.pt"), "--sleep", "0.3")
+    job = re.fullmatch(r"Submitted batch job (\d+)\n", run.stdout)[1]
+    _wait_for(out, r"\[rank1\] rank1 step=3$", 90)
+    # What SLURM sends the batch shell before the time limit with --signal=B:USR1@120.
+    assert slurm.run("scancel", "--batch", "--signal=USR1", job).returncode == 0
+    saved = _wait_for(out, r"checkpoint requested \(pre-emption\): step (\d+) saved to", 60)
+    step = int(saved[1])
+    _wait_for(out, rf"dslaunch: job {job} requeued \(restart 1\)", 30)
+    deadline = time.monotonic() + 120
+    while (state := slurm.job_info(job).get("JobState")) != "COMPLETED" and time.monotonic() < deadline:
+        if state == "PENDING":  # SLURM holds a requeued job ~2 min (BeginTime): not worth waiting here
+            slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        time.sleep(0.5)
+    info, text = slurm.job_info(job), out.read_text()
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), text[-3000:]
+    assert 3 <= step < 25
+    # Both ranks stopped at the same step; the second run started from it and finished.
+    assert re.findall(r"\[rank0\] rank0 world=2 resumed_at=(\d+)", text) == ["0", str(step)], text[-3000:]
+    assert f"rank1 step={step + 1}" not in text.split("requeued")[0]
+    assert re.search(r"\[rank0\] rank0 step=25$", text, re.M)
+    assert (tmp_path / "w.pt").exists()
