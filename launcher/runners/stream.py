@@ -19,13 +19,18 @@ link finds the controller gone by its silence.
 
 Subclasses start the command, feed ``_read`` from their reader threads, call ``_ended`` once the
 command is gone, and implement ``send_line`` (the agent's stdin).
+
+``StreamNode`` is the monitor's ``NodeHandle`` over such a stream: everything but how a transport
+tears its node down (``kill``) and how it words a stream that ended without the agent's status.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 
 from dslaunch.launcher.agent.bootstrap import PROBE_MARKER
@@ -38,10 +43,11 @@ from dslaunch.launcher.agent.wire import (
     parse_stacks_line,
     parse_status_line,
 )
-from dslaunch.launcher.spec import NodeResult
+from dslaunch.launcher.monitor.gang import NodeHandle
+from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, NodeResult, NodeSpec
 from dslaunch.utils.beat import Beat
 
-__all__ = ["AgentStream"]
+__all__ = ["AgentStream", "StreamNode"]
 
 _CHUNK = 65536
 
@@ -153,6 +159,10 @@ class AgentStream:
         """One line to the agent's stdin. Raises OSError/EOFError when the agent is gone."""
         raise NotImplementedError
 
+    def close_stdin(self) -> None:
+        """EOF on the agent's stdin: it stops its workers and exits. Non-blocking, idempotent."""
+        raise NotImplementedError
+
     def keep_alive(self, every: float) -> None:
         """Send the agent ``ALIVE`` every ``every`` seconds until its stdin is closed (a thread):
         behind a cut link, the agent finds the controller gone by its silence."""
@@ -189,3 +199,47 @@ class AgentStream:
                 self._held_stderr.clear()
                 self._probe_seen.set()
         return text
+
+
+class StreamNode(NodeHandle):
+    """A node agent seen through its ``AgentStream``. Subclasses implement ``kill`` and ``lost``."""
+
+    def __init__(self, node: NodeSpec, session: AgentStream) -> None:
+        self.node = node
+        self.session = session
+        self._since = time.monotonic()  # the agent has its NodeSpec: it speaks every ALIVE_EVERY_S
+
+    @abstractmethod
+    def lost(self) -> tuple[str, str]:
+        """(the note printed, ``stopped_by``) when the stream ended without the agent's status."""
+
+    def poll(self) -> NodeResult | None:
+        s = self.session
+        if not s.done.is_set():
+            return None
+        if s.status is not None:
+            return s.status
+        if s.lost:
+            note, stopped_by = self.lost()
+            os.write(2, f"dslaunch: {note}\n".encode())
+            return NodeResult(self.node.node_rank, self.node.host, s.exit_code or HOST_LOST_EXIT_CODE,
+                              stopped_by=stopped_by, cause="host_lost", failed_at=s.heard_at)
+        return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 0)
+
+    def failing(self) -> NodeResult | None:
+        return self.session.failure
+
+    def last_heard(self) -> float:
+        return max(self.session.heard_mono, self._since)
+
+    def stop(self, sig: int) -> None:
+        self.session.close_stdin()
+
+    def beats(self) -> dict[int, Beat]:
+        return self.session.beats
+
+    def request_stacks(self) -> None:
+        self.session.request_stacks()
+
+    def stacks(self) -> dict[int, dict] | None:
+        return self.session.stacks

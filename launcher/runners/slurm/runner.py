@@ -28,7 +28,6 @@ import os
 import shlex
 import sys
 import threading
-import time
 
 from dslaunch.errors import HostsError
 from dslaunch.launcher.agent.output import Sink
@@ -38,9 +37,9 @@ from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import Runner, format_node
 from dslaunch.launcher.runners.preflight import agent_argv, check_probes, gather_probes, probe_request
 from dslaunch.launcher.runners.slurm.session import SrunSession
-from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, JobSpec, NodeResult, NodeSpec
+from dslaunch.launcher.runners.stream import StreamNode
+from dslaunch.launcher.spec import JobSpec, NodeSpec
 from dslaunch.launcher.workerenv import remote_node
-from dslaunch.utils.beat import Beat
 
 __all__ = ["SlurmRunner", "SlurmError", "srun_argv"]
 
@@ -81,47 +80,17 @@ def _diagnose(python: str, exit_code: int | None, stderr: str, lost: bool) -> tu
     return "srun", f"srun exited with code {exit_code}: {tail or 'no output'}"
 
 
-class _SrunNode(NodeHandle):
+class _SrunNode(StreamNode):
     """A node agent seen through its srun."""
 
-    def __init__(self, node: NodeSpec, session: SrunSession) -> None:
-        self.node = node
-        self.session = session
-        self._since = time.monotonic()  # the agent has its NodeSpec: it speaks every ALIVE_EVERY_S
+    session: SrunSession
 
-    def poll(self) -> NodeResult | None:
-        s = self.session
-        if not s.done.is_set():
-            return None
-        if s.status is not None:
-            return s.status
-        if s.lost:
-            os.write(2, f"dslaunch: lost node {self.node.host} (srun exited with {s.exit_code} "
-                        "without the agent's status)\n".encode())
-            return NodeResult(self.node.node_rank, self.node.host, s.exit_code or HOST_LOST_EXIT_CODE,
-                              stopped_by="lost srun step", cause="host_lost", failed_at=s.heard_at)
-        return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 0)
-
-    def failing(self) -> NodeResult | None:
-        return self.session.failure
-
-    def last_heard(self) -> float:
-        return max(self.session.heard_mono, self._since)
-
-    def stop(self, sig: int) -> None:
-        self.session.close_stdin()
+    def lost(self) -> tuple[str, str]:
+        return (f"lost node {self.node.host} (srun exited with {self.session.exit_code} without the agent's "
+                "status)", "lost srun step")
 
     def kill(self) -> None:
         self.session.terminate()
-
-    def beats(self) -> dict[int, Beat]:
-        return self.session.beats
-
-    def request_stacks(self) -> None:
-        self.session.request_stacks()
-
-    def stacks(self) -> dict[int, dict] | None:
-        return self.session.stacks
 
 
 class SlurmRunner(Runner):

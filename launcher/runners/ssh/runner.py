@@ -18,11 +18,9 @@ agent's stdin, same effect. A lost connection (TCP keepalive, ~6 s) is a node fa
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import threading
-import time
 
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.agent.wire import ALIVE_EVERY_S
@@ -41,49 +39,22 @@ from dslaunch.launcher.runners.ssh.master import Master, choose_master
 from dslaunch.launcher.runners.ssh.preflight import check_probes, gather_probes, probe_request, remote_command
 from dslaunch.launcher.runners.ssh.session import RemoteSession
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
-from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, JobSpec, NodeResult, NodeSpec
+from dslaunch.launcher.runners.stream import StreamNode
+from dslaunch.launcher.spec import JobSpec, NodeSpec
 from dslaunch.launcher.workerenv import remote_node
-from dslaunch.utils.beat import Beat
 
 __all__ = ["SSHRunner"]
-class _SSHNode(NodeHandle):
+class _SSHNode(StreamNode):
     """A remote agent seen through its SSH session."""
 
+    session: RemoteSession
+
     def __init__(self, node: NodeSpec, session: RemoteSession) -> None:
-        self.node = node
-        self.session = session
+        super().__init__(node, session)
         self._killer: threading.Thread | None = None
-        self._since = time.monotonic()  # the agent has its NodeSpec: it speaks every ALIVE_EVERY_S
 
-    def poll(self) -> NodeResult | None:
-        s = self.session
-        if not s.done.is_set():
-            return None
-        if s.status is not None:
-            return s.status
-        if s.lost:
-            os.write(2, f"dslaunch: lost the SSH connection to {self.node.host}\n".encode())
-            return NodeResult(self.node.node_rank, self.node.host, s.exit_code or HOST_LOST_EXIT_CODE,
-                              stopped_by="lost SSH connection", cause="host_lost", failed_at=s.heard_at)
-        return NodeResult(self.node.node_rank, self.node.host, s.exit_code or 0)
-
-    def failing(self) -> NodeResult | None:
-        return self.session.failure
-
-    def last_heard(self) -> float:
-        return max(self.session.heard_mono, self._since)
-
-    def stop(self, sig: int) -> None:
-        self.session.close_stdin()
-
-    def beats(self) -> dict[int, Beat]:
-        return self.session.beats
-
-    def request_stacks(self) -> None:
-        self.session.request_stacks()
-
-    def stacks(self) -> dict[int, dict] | None:
-        return self.session.stacks
+    def lost(self) -> tuple[str, str]:
+        return f"lost the SSH connection to {self.node.host}", "lost SSH connection"
 
     def kill(self) -> None:
         if self._killer is None:

@@ -9,27 +9,17 @@ Run these tests under ``flock /tmp/dslaunch-cluster.lock``: the namespace hosts 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[4]
+from tests.launcher.runners.hosts import load_script, namespace_processes, wait_until_clean
+
 N_HOSTS = 3
-
-
-def _slurm_module():
-    path = ROOT / "scripts" / "cluster" / "slurm.py"
-    spec = importlib.util.spec_from_file_location("dsl_slurm", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(frozen=True)
@@ -66,25 +56,11 @@ class Slurm:
 
     def job_processes(self, host: str) -> list[str]:
         """Every process in ``host``'s network namespace except its daemons (sshd, slurmd)."""
-        out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
-        found = []
-        for pid in out.split():
-            try:
-                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-            except OSError:
-                continue  # exited meanwhile
-            if "sshd" not in args and not args.startswith("/usr/sbin/slurmd "):
-                found.append(f"{pid} {args}")
-        return found
+        return namespace_processes(host, lambda pid, args: "sshd" in args or args.startswith("/usr/sbin/slurmd "))
 
     def wait_no_job_processes(self, timeout: float) -> dict[str, list[str]]:
         """Poll until no host has job processes left; return what is left (empty dict = clean)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = {h: procs for h in self.hosts if (procs := self.job_processes(h))}
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.1)
+        return wait_until_clean(self.hosts, self.job_processes, timeout, poll=0.1)
 
     def wait_idle(self, timeout: float = 30) -> None:
         """Until no job is left in the queue (a failed test must not hold nodes for the next)."""
@@ -95,7 +71,7 @@ class Slurm:
 
 @pytest.fixture(scope="session")
 def slurm() -> Slurm:
-    module = _slurm_module()
+    module = load_script("slurm")
     why = module.missing_facilities()
     if why and (os.geteuid() != 0 or "ip netns" in why):
         pytest.skip(f"test SLURM unavailable: {why}")

@@ -8,26 +8,18 @@ cluster cannot exist: not root, or no working ``ip netns``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from tests.launcher.runners.hosts import load_script, namespace_processes, wait_until_clean
+
 ROOT = Path(__file__).resolve().parents[4]
 N_HOSTS = 3
-
-
-def _cluster_module():
-    spec = importlib.util.spec_from_file_location("dsl_cluster", ROOT / "scripts" / "cluster" / "cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(frozen=True)
@@ -54,26 +46,12 @@ class Cluster:
     def job_processes(self, host: str) -> list[str]:
         """Every process in ``host``'s network namespace except its daemons (the listening sshd, and
         the slurmd of ``scripts/cluster/slurm.py`` when the test SLURM is up): 'pid args'."""
-        out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
-        pids = [p for p in out.split() if int(p) != self.sshd_pid(host)]
-        found = []
-        for pid in pids:
-            try:
-                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-            except OSError:
-                continue  # exited meanwhile
-            if not args.startswith("/usr/sbin/slurmd "):
-                found.append(f"{pid} {args}")
-        return found
+        sshd = self.sshd_pid(host)
+        return namespace_processes(host, lambda pid, args: pid == sshd or args.startswith("/usr/sbin/slurmd "))
 
     def wait_no_job_processes(self, timeout: float) -> dict[str, list[str]]:
         """Poll until no host has job processes left; return what is left (empty dict = clean)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = {h: procs for h in self.hosts if (procs := self.job_processes(h))}
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.05)
+        return wait_until_clean(self.hosts, self.job_processes, timeout)
 
     def dslaunch(self, *args: str, hostfile: str | None = None, launcher_args: str | None = None,
                  **kwargs) -> subprocess.Popen:
@@ -89,7 +67,7 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
-    module = _cluster_module()
+    module = load_script("cluster")
     why = module.missing_facilities()
     if why and (os.geteuid() != 0 or "ip netns" in why):
         pytest.skip(f"test cluster unavailable: {why}")

@@ -1,0 +1,48 @@
+"""What the SSH and SLURM cluster fixtures share: loading a ``scripts/cluster`` script as a module,
+and the job's processes on the namespace hosts (everything there but the hosts' daemons)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/cluster/<name>.py`` as the module ``dsl_<name>`` (a script folder, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"dsl_{name}", ROOT / "scripts" / "cluster" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def namespace_processes(host: str, is_daemon: Callable[[int, str], bool]) -> list[str]:
+    """'pid args' of every process in ``host``'s network namespace that ``is_daemon`` does not name."""
+    out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
+    found = []
+    for pid in map(int, out.split()):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue  # exited meanwhile
+        if not is_daemon(pid, args):
+            found.append(f"{pid} {args}")
+    return found
+
+
+def wait_until_clean(hosts: Iterable[str], processes: Callable[[str], list[str]], timeout: float,
+                     poll: float = 0.05) -> dict[str, list[str]]:
+    """Poll until no host has job processes left; return what is left (empty dict = clean)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h: procs for h in hosts if (procs := processes(h))}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(poll)
