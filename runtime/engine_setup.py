@@ -9,7 +9,8 @@ Kept apart from ``engine.py`` so the engine stays a thin loop. The choices made 
   as the same object with each group's ``params`` re-pointed to the shard (so a client LR
   scheduler bound to it keeps working); a callable gets the shard groups;
 - the LR scheduler is a client object, a callable of the optimizer, or ``scheduler`` from the config;
-- without any optimizer the engine only runs forward (``zero/frozen.py``), as DeepSpeed's.
+- without any optimizer the engine only runs forward (``zero/frozen.py``), as DeepSpeed's; at
+  stage 3 its parameters stay partitioned and are gathered per module.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     """
     zero_cfg = cfg.zero_optimization
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
-        return _frozen(cfg, lr_scheduler, training_data, collate_fn)
+        return _frozen(module, cfg, lr_scheduler, training_data, collate_fn)
     groups = _param_groups(module, optimizer, model_parameters)
     comm = CommSettings(reduce_bucket_numel=zero_cfg.reduce_bucket_size,
                         allgather_bucket_numel=zero_cfg.allgather_bucket_size,
@@ -70,13 +71,17 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                        _dataloader(cfg, training_data, collate_fn), _timers(cfg))
 
 
-def _frozen(cfg: DeepSpeedConfig, lr_scheduler: Any, training_data: Any, collate_fn: Any) -> EngineParts:
+def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, training_data: Any,
+            collate_fn: Any) -> EngineParts:
     from dslaunch.runtime.zero.frozen import Frozen
 
     if lr_scheduler is not None or cfg.scheduler is not None:
         raise ConfigError("a scheduler without an optimizer: add an 'optimizer' section or pass "
                           "optimizer= to initialize(), or drop the scheduler", key="scheduler")
-    return EngineParts(Frozen(cfg.zero_optimization.stage), None, None,  # type: ignore[arg-type]
+    zero_cfg = cfg.zero_optimization
+    frozen = Frozen(zero_cfg.stage, module, persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
+                    offload_param=zero_cfg.offload_param.enabled)
+    return EngineParts(frozen, None, None,  # type: ignore[arg-type]
                        _dataloader(cfg, training_data, collate_fn), _timers(cfg))
 
 

@@ -86,7 +86,8 @@ def needed_ranks(pmap: dict[str, Any], targets: list[Range]) -> list[int]:
             if s < b and a < e:
                 need.add(int(rank))
     if not need:  # every target is empty: one shard still supplies the scalars and hparams
-        need.add(min(int(r) for r in pmap["groups"][0]["ranges"]))
+        # (no groups at all: an engine without an optimizer, whose rank 0 saved the only shard)
+        need.add(min(int(r) for r in pmap["groups"][0]["ranges"]) if pmap["groups"] else 0)
     return sorted(need)
 
 

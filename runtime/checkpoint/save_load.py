@@ -62,6 +62,7 @@ from dslaunch.runtime.checkpoint.store import (
     write_atomic,
 )
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
+from dslaunch.runtime.zero.full_state import load_module_state_dict, module_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
 
@@ -91,14 +92,6 @@ def _agreed_tag(ck: Checkpointer, tag: str, policy: str) -> str:
     return tags[0]
 
 
-def _module_state(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, torch.Tensor]:
-    sd = module.state_dict()
-    if exclude_frozen:
-        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-        sd = type(sd)((k, v) for k, v in sd.items() if k not in frozen)
-    return sd
-
-
 def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any = None,
                     client_state: dict | None = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
@@ -126,9 +119,11 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     module_writer = rank == 0 or (cfg.use_node_local_storage and ck.node_leader)
     zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage
     files: dict[str, Any] = {}
-    module_sd = _module_state(parts.module, exclude_frozen_parameters)
     zero_sd = zero.state_dict()
     in_groups = {n: list(s) for g in zero_sd["groups"] for n, s in zip(g["names"], g["shapes"], strict=True)}
+    # stage 3: partitioned params the optimizer does not hold (frozen ones, or all of them in an
+    # engine without an optimizer) are gathered whole here, one module at a time
+    module_sd = module_state_dict(parts.module, exclude_frozen_parameters, skip=frozenset(in_groups))
     if module_writer:  # trained params live once, as fp32 masters in the ZeRO shards
         files[MODULE_FILE] = {"module": type(module_sd)((k, v) for k, v in module_sd.items()
                                                          if k not in in_groups)}
@@ -171,7 +166,8 @@ def _save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> No
     files = dict(job.files)
     live = files.pop(big, None)
     files = ck.small_snapshot.take(files)
-    ck.gate(optimizer)
+    if optimizer is not None:  # an engine without an optimizer never changes its state
+        ck.gate(optimizer)
     ck.snapshot_done.clear()
 
     def run() -> None:
@@ -272,8 +268,17 @@ def _with_masters(current: dict, masters: list[torch.Tensor]) -> dict:
 
 def _load_module(module: torch.nn.Module, sd: dict, strict: bool, meta: dict, held: set[str],
                  source: str) -> None:
-    """Load buffers and untrained params; ``held`` names the params restored from fp32 masters."""
-    missing, unexpected = module.load_state_dict(sd, strict=False)
+    """Load buffers and untrained params; ``held`` names the params restored from fp32 masters.
+
+    Partitioned params not held (stage 3: frozen ones, or every param of an engine without an
+    optimizer) take their whole saved values into their shards.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    held_ids = {id(params[n]) for n in held if n in params}
+    # every name of a held param (a tied one has several) comes from the masters
+    held = set(held) | {n for n, p in params.items() if id(p) in held_ids}
+    sd = {k: v for k, v in sd.items() if k not in held}
+    missing, unexpected = load_module_state_dict(module, sd, False, module.load_state_dict)
     excused = set(held)
     if meta.get("exclude_frozen_parameters"):
         excused |= {n for n, p in module.named_parameters() if not p.requires_grad}
@@ -364,8 +369,6 @@ def save_16bit_model(parts: CheckpointParts, save_dir: str | os.PathLike, save_f
 
     collective: call on all ranks.
     """
-    from dslaunch.runtime.zero.full_state import module_state_dict
-
     ck = parts.io
     ck.writer.wait()
     err = None

@@ -95,12 +95,14 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         param.data.copy_(src.view(_shape(param)))
 
 
-def module_state_dict(module: torch.nn.Module, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+def module_state_dict(module: torch.nn.Module, exclude_frozen: bool = False,
+                      skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with whole parameters, on every rank (the engine's
-    ``_zero3_consolidated_16bit_state_dict`` and ``save_16bit_model``).
+    ``_zero3_consolidated_16bit_state_dict``, ``save_16bit_model`` and checkpoints).
 
     Partitioned parameters are gathered one module at a time (the whole model is built once, in
-    the result). Without partitioned parameters this is ``module.state_dict()``.
+    the result), except those named in ``skip`` (the caller stores them elsewhere: their entries
+    are placeholders). Without partitioned parameters this is ``module.state_dict()``.
 
     collective: every rank, when any parameter is partitioned.
     """
@@ -111,9 +113,10 @@ def module_state_dict(module: torch.nn.Module, exclude_frozen: bool = False) -> 
     else:
         sd = {}
         for prefix, m in module.named_modules():
-            with GatheredParameters(list(m.parameters(recurse=False))):
+            pre = f"{prefix}." if prefix else ""
+            with GatheredParameters([p for n, p in m.named_parameters(recurse=False) if pre + n not in skip]):
                 # detached views keep the gathered storage alive after the release
-                m._save_to_state_dict(sd, f"{prefix}." if prefix else "", False)
+                m._save_to_state_dict(sd, pre, False)
             for name, p in m._parameters.items():  # whole all along: the live weights, copy them
                 if zp.is_partitioned(p) and p.ds_persist:
                     key = f"{prefix}.{name}" if prefix else name
