@@ -1,5 +1,6 @@
 """What the SSH and SLURM cluster fixtures share: loading a ``scripts/cluster`` script as a module,
-and the job's processes on the namespace hosts (everything there but the hosts' daemons)."""
+the job's processes on the namespace hosts (everything there but the hosts' daemons), and telling
+which daemon started one (all hosts share PIDs)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,20 @@ def wait_until_clean(hosts: Iterable[str], processes: Callable[[str], list[str]]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(poll)
+
+
+def ppid(pid: int) -> int:
+    """``pid``'s parent (0 once it has exited)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` is ``pid``'s parent, grandparent, ..."""
+    while pid > 1:
+        pid = ppid(pid)
+        if pid == ancestor:
+            return True
+    return False

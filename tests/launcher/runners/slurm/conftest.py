@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.launcher.runners.hosts import load_script, namespace_processes, wait_until_clean
+from tests.launcher.runners.hosts import descends, load_script, namespace_processes, wait_until_clean
 
 N_HOSTS = 3
 
@@ -51,12 +51,24 @@ class Slurm:
     def dslaunch(self, nodes: int, per_node: int, *args: str, timeout: float = 120,
                  **extra: str) -> subprocess.CompletedProcess:
         """``salloc -N nodes --ntasks-per-node per_node dslaunch ARGS``: dslaunch inside an allocation."""
-        return self.run("salloc", "--quiet", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
-                        sys.executable, "-m", "dslaunch.launcher.cli", *args, timeout=timeout, **extra)
+        return self.run(*_salloc(nodes, per_node, args), timeout=timeout, **extra)
+
+    def start_dslaunch(self, nodes: int, per_node: int, *args: str) -> subprocess.Popen:
+        """``dslaunch`` as above, running: text pipes for stdout and stderr, where salloc's
+        ``Granted job allocation <id>`` line comes first."""
+        return subprocess.Popen(_salloc(nodes, per_node, args, quiet=False), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=self.env())
 
     def job_processes(self, host: str) -> list[str]:
         """Every process in ``host``'s network namespace except its daemons (sshd, slurmd)."""
         return namespace_processes(host, lambda pid, args: "sshd" in args or args.startswith("/usr/sbin/slurmd "))
+
+    def step_processes(self, host: str) -> list[int]:
+        """The job's own processes on ``host``: everything below a ``slurmstepd`` there (node agent,
+        its workers), never SLURM's daemons themselves."""
+        procs = {int(p.split()[0]): p.split(None, 1)[1] for p in self.job_processes(host)}
+        stepds = [pid for pid, args in procs.items() if args.startswith("slurmstepd")]
+        return [pid for pid in procs if pid not in stepds and any(descends(pid, s) for s in stepds)]
 
     def wait_no_job_processes(self, timeout: float) -> dict[str, list[str]]:
         """Poll until no host has job processes left; return what is left (empty dict = clean)."""
@@ -67,6 +79,11 @@ class Slurm:
         deadline = time.monotonic() + timeout
         while self.run("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
             time.sleep(0.2)
+
+
+def _salloc(nodes: int, per_node: int, args: tuple[str, ...], quiet: bool = True) -> list[str]:
+    return ["salloc", *(["--quiet"] if quiet else []), f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
+            sys.executable, "-m", "dslaunch.launcher.cli", *args]
 
 
 @pytest.fixture(scope="session")

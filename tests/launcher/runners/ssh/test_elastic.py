@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from dslaunch.launcher.monitor.gang import HOST_SILENT_S
+from tests.launcher.runners.hosts import descends
 from tests.launcher.runners.ssh.helpers import ROOT, Lines
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -26,20 +27,12 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 SCRIPT = str(ROOT / "tests" / "launcher" / "bin" / "ckpt_train.py")
 
 
-def _ppid(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 def _signal_host(cluster, host: str, *sigs: int) -> list[str]:
     """Send each of ``sigs`` to every process the job has on ``host``: its sshd sessions and what
     they started (other daemons that may live in the namespace, e.g. a SLURM test bed's, are left
     alone)."""
     listener = cluster.sshd_pid(host)
-    procs = [p for p in cluster.job_processes(host) if _descends(int(p.split()[0]), listener)]
+    procs = [p for p in cluster.job_processes(host) if descends(int(p.split()[0]), listener)]
     for sig in sigs:
         for pid in (int(p.split()[0]) for p in procs):
             try:
@@ -47,14 +40,6 @@ def _signal_host(cluster, host: str, *sigs: int) -> list[str]:
             except ProcessLookupError:
                 pass
     return procs
-
-
-def _descends(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        pid = _ppid(pid)
-        if pid == ancestor:
-            return True
-    return False
 
 
 @contextlib.contextmanager

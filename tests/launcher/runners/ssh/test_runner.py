@@ -20,6 +20,7 @@ import pytest
 from dslaunch.launcher.plan import LaunchConfig, build_job
 from dslaunch.launcher.runners.ssh.connect import SSHError
 from dslaunch.launcher.runners.ssh.runner import SSHRunner
+from tests.launcher.runners.hosts import ppid
 from tests.launcher.runners.ssh.helpers import ALLREDUCE, FAKE, Lines, causes
 
 pytestmark = pytest.mark.cluster
@@ -32,10 +33,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _left_on(cluster, hosts: tuple[str, ...], timeout: float) -> dict[str, list[str]]:
@@ -219,7 +216,7 @@ def test_a_frozen_agent_is_killed_over_ssh(cluster, free_port):
     run.wait_for(r"\[rank\d\] ready$", 6, 30)
     procs = {int(p.split()[0]): p for p in cluster.job_processes(cluster.hosts[1])}
     sshd = [pid for pid, args in procs.items() if args.endswith("sshd: root@notty")]
-    agent = [pid for pid, args in procs.items() if "agent.bootstrap" in args and _ppid(pid) in sshd]
+    agent = [pid for pid, args in procs.items() if "agent.bootstrap" in args and ppid(pid) in sshd]
     assert len(agent) == 1, procs  # (its watchdog is a fork with the same command line)
     os.kill(agent[0], signal.SIGSTOP)
     start = time.monotonic()
