@@ -272,21 +272,28 @@ class DeepSpeedEngine(torch.nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
         from dslaunch.runtime import checkpoint
 
-        self.zero.synchronize()
-        return checkpoint.save_checkpoint(self.checkpoint_parts(), save_dir, tag=tag, client_state=client_state,
-                                          save_latest=save_latest,
-                                          exclude_frozen_parameters=exclude_frozen_parameters)
+        with self._checkpoint_phase():
+            self.zero.synchronize()
+            return checkpoint.save_checkpoint(self.checkpoint_parts(), save_dir, tag=tag, client_state=client_state,
+                                              save_latest=save_latest,
+                                              exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[Any, Any]:
         from dslaunch.runtime import checkpoint
 
-        self.zero.synchronize()
-        return checkpoint.load_checkpoint(self.checkpoint_parts(), load_dir, tag=tag, load_module_strict=load_module_strict,
-                                          load_optimizer_states=load_optimizer_states,
-                                          load_lr_scheduler_states=load_lr_scheduler_states,
-                                          load_module_only=load_module_only)
+        with self._checkpoint_phase():
+            self.zero.synchronize()
+            return checkpoint.load_checkpoint(self.checkpoint_parts(), load_dir, tag=tag,
+                                              load_module_strict=load_module_strict,
+                                              load_optimizer_states=load_optimizer_states,
+                                              load_lr_scheduler_states=load_lr_scheduler_states,
+                                              load_module_only=load_module_only)
+
+    def _checkpoint_phase(self) -> contextlib.AbstractContextManager:
+        """Saving or loading is not a training step: the monitor's hang rule allows it longer."""
+        return self._heartbeat.phase("checkpoint") if self._heartbeat is not None else contextlib.nullcontext()
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> Any:
@@ -305,9 +312,10 @@ class DeepSpeedEngine(torch.nn.Module):
                       "partitioned; set zero_optimization.stage3_gather_16bit_weights_on_model_save "
                       "to true (or use zero_to_fp32)", flush=True)
             return False
-        self.zero.synchronize()
-        return checkpoint.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename=save_filename,
-                                           exclude_frozen_parameters=exclude_frozen_parameters)
+        with self._checkpoint_phase():
+            self.zero.synchronize()
+            return checkpoint.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename=save_filename,
+                                               exclude_frozen_parameters=exclude_frozen_parameters)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The whole module state dict (model dtype) on rank 0 ({} elsewhere), as DeepSpeed's.

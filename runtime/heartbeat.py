@@ -24,6 +24,7 @@ its peak (``getrusage``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import functools
 import os
@@ -31,6 +32,7 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from dslaunch.runtime import preempt
@@ -59,6 +61,7 @@ class Heartbeat:
         self._rank = rank
         self._stack_fd = stack_fd
         self._step: int | None = None
+        self._phase: str | None = None
         self._samples: int | None = None
         self._loss: float | None = None
         self._want_loss = True
@@ -105,6 +108,22 @@ class Heartbeat:
             self._loss = _as_float(loss)
         self._dirty = True
 
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a stretch that is not a training step (e.g. ``checkpoint``): while it lasts, the
+        monitor allows it as long as a first step, not only ``hang_timeout``."""
+        self._phase, self._dirty = name, True
+        try:
+            yield
+        finally:
+            self._phase, self._dirty = None, True
+
+    def exiting(self) -> None:
+        """The script is done: say so now (tearing down a process may outlast ``hang_timeout``)."""
+        if self._started:
+            self._phase = "exit"
+            self._send()
+
     def _run(self) -> None:
         last = time.monotonic()
         while self._fd is not None:
@@ -121,7 +140,8 @@ class Heartbeat:
             self._seq += 1
             self._update_rate()
             beat = Beat(self._rank, self._seq, self._step, self._samples_per_s, self._loss,
-                        self._memory.sample(), self._stack_signal, os.getpid(), preempt.armed_signal())
+                        self._memory.sample(), self._stack_signal, os.getpid(), preempt.armed_signal(),
+                        self._phase)
             self._write(beat.to_line())
 
     def _update_rate(self) -> None:

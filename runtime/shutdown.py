@@ -45,6 +45,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dslaunch.runtime import heartbeat
+
 __all__ = ["register_clean_exit", "FAILING_EXIT_BOUND_S"]
 
 FAILING_EXIT_BOUND_S = 5.0
@@ -71,6 +73,9 @@ def _failure() -> BaseException | None:
 
 
 def _leave() -> None:
+    beats = heartbeat.reporter()
+    if beats is not None:
+        beats.exiting()
     failure = _failure()
     if failure is None:
         _teardown()

@@ -71,6 +71,9 @@ class Beat:
     pid: int | None = None
     checkpoint_signal: int | None = None
     """The signal that asks this rank for a checkpoint (None: it does not take requests)."""
+    phase: str | None = None
+    """Not a training step: ``checkpoint`` (saving or loading) or ``exit`` (the script is done and
+    the process is leaving). The monitor gives a phase the first step's allowance."""
 
     def to_line(self) -> bytes:
         """One JSON line (newline included), never over ``MAX_LINE`` bytes."""

@@ -1,7 +1,7 @@
 """The ``dslaunch`` command line: one module per command, errors printed in one place.
 
 - ``dslaunch [launcher options] user_script [args]``: the launch command (``launch``), DeepSpeed's
-  exact flags through argparse. Its path imports neither torch nor click (click alone costs
+  exact flags through argparse (``flags``). Its path imports neither torch nor click (click alone costs
   ~70 ms), so workers start within milliseconds of the command.
 - ``dslaunch sbatch ...``: submit the job to SLURM (``sbatch``), the launch flags plus sbatch's
   through argparse like the launch command.
@@ -22,7 +22,8 @@ import traceback
 
 from dslaunch.errors import DslaunchError
 from dslaunch.launcher.cli import launch
-from dslaunch.launcher.cli.launch import build_parser, parse_config
+from dslaunch.launcher.cli.flags import build_parser
+from dslaunch.launcher.cli.launch import parse_config
 
 __all__ = ["main", "build_parser", "parse_config", "SUBCOMMANDS"]
 

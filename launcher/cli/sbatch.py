@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 from dslaunch import __version__
 from dslaunch.errors import LaunchError, UsageError
-from dslaunch.launcher.cli.launch import _NOT_SUPPORTED, build_parser, integer, parse_config
+from dslaunch.launcher.cli.flags import NOT_SUPPORTED, build_parser, integer
+from dslaunch.launcher.cli.launch import parse_config
 from dslaunch.launcher.plan import check_numbers
 
 __all__ = ["BatchSpec", "batch_script", "run", "wait_for_job"]
@@ -96,7 +97,7 @@ def batch_script(spec: BatchSpec) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = build_parser(prog="dslaunch sbatch", description="Submit a dslaunch job to SLURM (sbatch).",
-                     unsupported=tuple(f for f in _NOT_SUPPORTED if f != "--account"))
+                     unsupported=tuple(f for f in NOT_SUPPORTED if f != "--account"))
     g = p.add_argument_group("sbatch").add_argument
     g("--nodes", type=integer, required=True, help="nodes to allocate (sbatch --nodes)")
     g("--gpus_per_node", "--gpus-per-node", type=integer, default=None,

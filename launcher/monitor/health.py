@@ -6,7 +6,9 @@ turn of the gang loop, and stamps news with its own clock: no clock is compared 
 Hang rule: a rank whose step has not moved for ``hang_timeout`` seconds is stalled; before its
 first step it gets ``max(hang_timeout, FIRST_STEP_ALLOWANCE_S)`` from its first beat (the 'up'
 beat sent at ``init_distributed``), as model building, data loading and the first compilation
-take longer than a step. A rank that never sent a beat (a script that does not use dslaunch's
+take longer than a step; so does a rank whose beat names a phase that is not a step (a checkpoint
+being saved or loaded, the process leaving after its script finished), from the moment it
+entered or left that phase. A rank that never sent a beat (a script that does not use dslaunch's
 runtime) is not judged.
 
 Blame (``behind``): in a data-parallel job one stuck rank stalls all others in their next
@@ -73,7 +75,7 @@ class Health:
                 h.up_at = h.progressed_at = now
                 h.progressed_wall = time.time()
                 new.append(rank)
-            elif beat.step != h.beat.step:
+            elif beat.step != h.beat.step or beat.phase != h.beat.phase:
                 h.progressed_at, h.progressed_wall = now, time.time()
             h.beat, h.heard_at, h.heard_wall = beat, now, time.time()
         return new
@@ -90,7 +92,8 @@ class Health:
         for h in self.ranks.values():
             if h.progressed_at is None:
                 continue
-            allowance = self.hang_timeout if h.step is not None else max(self.hang_timeout, FIRST_STEP_ALLOWANCE_S)
+            stepping = h.step is not None and h.beat.phase is None
+            allowance = self.hang_timeout if stepping else max(self.hang_timeout, FIRST_STEP_ALLOWANCE_S)
             if now - h.progressed_at > allowance:
                 out.append(h.rank)
         return out

@@ -58,6 +58,21 @@ def test_a_rank_without_progress_still_beats_for_liveness():
     assert len(beats) >= 3 and {b.step for b in beats[1:]} == {1}
 
 
+def test_a_phase_is_sent_while_it_lasts_and_exiting_says_so_at_once():
+    r, w = os.pipe()
+    hb = Heartbeat(w, rank=0)
+    hb.beat(1)
+    with hb.phase("checkpoint"):
+        time.sleep(2 * TICK_S + 0.2)
+        inside = _read_beats(r)
+    time.sleep(2 * TICK_S + 0.2)
+    after = _read_beats(r)
+    hb.exiting()
+    (last,) = _read_beats(r)  # sent by the call itself, not by the thread's next tick
+    assert inside[-1].phase == "checkpoint" and after[-1].phase is None and after[-1].step == 1
+    assert last.phase == "exit" and last.step == 1
+
+
 def test_stacks_of_every_thread_on_the_signal_even_while_the_main_thread_sleeps(tmp_path):
     """A real worker process: the stack pipe gets faulthandler's dump while it sits in sleep()."""
     code = ("import time, dslaunch; dslaunch.heartbeat(1); print('ready', flush=True)\n"

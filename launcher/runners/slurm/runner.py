@@ -1,6 +1,6 @@
 """The SLURM runner: inside an allocation, one node agent per node through ``srun``.
 
-Launch pipeline (``_start_nodes``), every node in parallel:
+Launch pipeline (``remote.RemoteRunner``: open, preflight, hand over), every node in parallel:
 
 1. start ``srun --nodes=1 --ntasks=1 --nodelist=<node> --overlap ... <agent bootstrap>`` for each
    node: a job step per node, so SLURM accounts for and can signal every process of the job;
@@ -30,12 +30,11 @@ import sys
 import threading
 
 from dslaunch.errors import HostsError
-from dslaunch.launcher.agent.output import Sink
-from dslaunch.launcher.agent.wire import ALIVE_EVERY_S, CHECKPOINT_REQUEST
+from dslaunch.launcher.agent.wire import CHECKPOINT_REQUEST
 from dslaunch.launcher.envfile import collect_env
-from dslaunch.launcher.monitor.gang import NodeHandle
-from dslaunch.launcher.runners.base import Runner, format_node
-from dslaunch.launcher.runners.preflight import agent_argv, check_probes, gather_probes, probe_request
+from dslaunch.launcher.runners.base import format_node
+from dslaunch.launcher.runners.preflight import agent_argv, probe_request
+from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.slurm.session import SrunSession
 from dslaunch.launcher.runners.stream import StreamNode
 from dslaunch.launcher.spec import JobSpec, NodeSpec
@@ -93,18 +92,16 @@ class _SrunNode(StreamNode):
         self.session.terminate()
 
 
-class SlurmRunner(Runner):
+class SlurmRunner(RemoteRunner):
     """Runs each node's agent as a step of the current SLURM job. See the module docstring."""
 
     name = "slurm"
+    error = SlurmError
+    node_type = _SrunNode
+    cause = "srun"
+    lost_on_start = "srun ended while starting the node"
 
-    def __init__(self, out_fd: int = 1, err_fd: int = 2) -> None:
-        super().__init__()
-        self._out, self._err = Sink(out_fd), Sink(err_fd)
-        self.sessions: dict[str, SrunSession] = {}
-
-    @staticmethod
-    def _exported() -> dict[str, str]:
+    def _exported(self) -> dict[str, str]:
         # srun hands the step the controller's whole environment already; CUDA_VISIBLE_DEVICES
         # must stay the one SLURM sets for the step on its node.
         return {k: v for k, v in collect_env().items() if k != "CUDA_VISIBLE_DEVICES"}
@@ -124,44 +121,23 @@ class SlurmRunner(Runner):
         for node in job.nodes:
             out.append(f"{shlex.join(srun_argv(job, node, cpus.get(node.host)))}\n"
                        "  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
-            iface = "<interface routing to MASTER_ADDR, found at launch>"
-            out.append(format_node(remote_node(node, job.master_addr, exported, iface)))
+            out.append(format_node(remote_node(node, job.master_addr, exported, IFACE_AT_LAUNCH)))
         return "\n".join(out)
 
-    def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
-        exported = self._exported()  # a bad env file fails fast, nothing started
+    def _open_sessions(self, job: JobSpec, wake: threading.Event) -> str:
         cpus = self._cpus()
-        python = job.python or sys.executable
-        try:
-            for node in job.nodes:
-                session = SrunSession(node.host, srun_argv(job, node, cpus.get(node.host)), self._out, self._err,
-                                      on_change=wake.set)
-                self.sessions[node.host] = session
-                session.start()
-            probes = gather_probes(self.sessions, python, _diagnose, SlurmError)
-            problems = check_probes(probes, job.nodes[0].cwd, job.master_addr, job.master_port)
-            if problems:
-                raise SlurmError(problems)
-        except OSError as exc:
-            self._close_all()
-            raise SlurmError({n.host: ("srun", f"cannot run {SRUN}: {exc.strerror or exc}") for n in job.nodes}) from None
-        except BaseException:
-            self._close_all()
-            raise
-        handles: list[NodeHandle] = []
         for node in job.nodes:
-            session = self.sessions[node.host]
-            session.held_stderr(release=True)
-            iface = ((probes[node.host] or {}).get("route") or {}).get("iface")
-            spec = remote_node(node, job.master_addr, exported, iface)
+            session = SrunSession(node.host, srun_argv(job, node, cpus.get(node.host)), self._out, self._err,
+                                  on_change=wake.set)
+            self.sessions[node.host] = session
             try:
-                session.send_line(spec.to_json())
+                session.start()
             except OSError as exc:
-                self._close_all()
-                raise SlurmError({node.host: ("srun", f"srun ended while starting the node: {exc}")}) from None
-            session.keep_alive(ALIVE_EVERY_S)
-            handles.append(_SrunNode(spec, session))
-        return handles
+                raise SlurmError({n.host: ("srun", f"cannot run {SRUN}: {exc.strerror or exc}")
+                                  for n in job.nodes}) from None
+        return job.master_addr
+
+    _diagnose = staticmethod(_diagnose)
 
     def request_checkpoint(self) -> None:
         """Ask every node's agent to signal its ranks for a checkpoint (signal-handler safe:
@@ -171,7 +147,3 @@ class SlurmRunner(Runner):
                 s.send_line(CHECKPOINT_REQUEST)
             except (OSError, ValueError, AssertionError):
                 pass  # that node's agent is gone: nothing to ask
-
-    def _close_all(self) -> None:
-        for s in self.sessions.values():
-            s.close_stdin()

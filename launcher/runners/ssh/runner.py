@@ -1,13 +1,13 @@
 """The SSH runner: one node agent per host over paramiko, all hosts driven by the shared gang loop.
 
-Launch pipeline (``_start_nodes``), every step parallel across hosts:
+Launch pipeline (``remote.RemoteRunner``: open, preflight, hand over), every step parallel across
+hosts; the SSH part is opening:
 
 1. resolve each hostfile name through the ssh config (``connect.resolve``) and connect;
-2. run ``remote_command`` on each host: the preflight probe, then the agent in the same process;
-3. check the probes (``preflight.check_probes``); on any problem close every session (the agents
-   see EOF and exit) and raise ``SSHError`` naming each host and cause;
-4. send each agent its NodeSpec, with the propagated variables and the interface toward the
-   master address that host's probe found (``workerenv.remote_node``).
+2. run ``remote_command`` on each host: the preflight probe, then the agent in the same process.
+
+On any problem every session is closed (the agents see EOF and exit) and ``SSHError`` names each
+host and cause.
 
 ``MASTER_ADDR`` is chosen by ``master.choose_master`` (see there).
 
@@ -22,11 +22,8 @@ import shlex
 import sys
 import threading
 
-from dslaunch.launcher.agent.output import Sink
-from dslaunch.launcher.agent.wire import ALIVE_EVERY_S
-from dslaunch.launcher.envfile import collect_env
-from dslaunch.launcher.monitor.gang import NodeHandle
-from dslaunch.launcher.runners.base import Runner, format_node
+from dslaunch.launcher.runners.base import format_node
+from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.ssh.connect import (
     SSHError,
     SSHOptions,
@@ -36,14 +33,15 @@ from dslaunch.launcher.runners.ssh.connect import (
     resolve,
 )
 from dslaunch.launcher.runners.ssh.master import Master, choose_master
-from dslaunch.launcher.runners.ssh.preflight import check_probes, gather_probes, probe_request, remote_command
+from dslaunch.launcher.runners.ssh.preflight import diagnose_no_probe, probe_request, remote_command
 from dslaunch.launcher.runners.ssh.session import RemoteSession
-from dslaunch.launcher.runners.ssh.sshlib import paramiko
 from dslaunch.launcher.runners.stream import StreamNode
 from dslaunch.launcher.spec import JobSpec, NodeSpec
 from dslaunch.launcher.workerenv import remote_node
 
 __all__ = ["SSHRunner"]
+
+
 class _SSHNode(StreamNode):
     """A remote agent seen through its SSH session."""
 
@@ -63,15 +61,14 @@ class _SSHNode(StreamNode):
             self._killer.start()
 
 
-class SSHRunner(Runner):
+class SSHRunner(RemoteRunner):
     """Runs each node's agent over SSH (paramiko). See the module docstring."""
 
     name = "ssh"
-
-    def __init__(self, out_fd: int = 1, err_fd: int = 2) -> None:
-        super().__init__()
-        self._out, self._err = Sink(out_fd), Sink(err_fd)
-        self.sessions: dict[str, RemoteSession] = {}
+    error = SSHError
+    node_type = _SSHNode
+    cause = "ssh"
+    lost_on_start = "connection lost while starting the node"
 
     # -- planning (no network) -----------------------------------------------------------------
 
@@ -80,11 +77,6 @@ class SSHRunner(Runner):
                                                 accept_new_host_keys=job.ssh_accept_new_host_keys)
         config = load_config(options.config_file)  # one parse for all hosts
         return [resolve(n.host, options, config) for n in job.nodes]
-
-    @staticmethod
-    def _node(node: NodeSpec, master: str, probe: dict | None, exported: dict[str, str]) -> NodeSpec:
-        iface = ((probe or {}).get("route") or {}).get("iface")
-        return remote_node(node, master, exported, iface)
 
     @staticmethod
     def _commands(job: JobSpec, master: Master, targets: list[SSHTarget]) -> list[str]:
@@ -96,51 +88,29 @@ class SSHRunner(Runner):
     def dry_run(self, job: JobSpec) -> str:
         targets = self._targets(job)
         master = choose_master(job.master_addr if job.master_given else None, targets)
-        exported = collect_env()
+        exported = self._exported()
         out = [f"# {master.note}"] if master.note else []
         for t, node, cmd in zip(targets, job.nodes, self._commands(job, master, targets), strict=True):
             port = ["-p", str(t.port)] if t.port != 22 else []
-            probe = {"route": {"iface": "<interface routing to MASTER_ADDR, found at launch>"}}
             out.append(f"{shlex.join(['ssh', *port, f'{t.user}@{t.hostname}', cmd])}\n"
                        f"  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
-            out.append(format_node(self._node(node, master.addr, probe, exported)))
+            out.append(format_node(remote_node(node, master.addr, exported, IFACE_AT_LAUNCH)))
         return "\n".join(out)
 
-    # -- launching -----------------------------------------------------------------------------
+    # -- launching (the pipeline is RemoteRunner's) --------------------------------------------
 
-    def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
-        exported = collect_env()  # before connecting: a bad env file fails fast, nothing started
+    def _open_sessions(self, job: JobSpec, wake: threading.Event) -> str:
         targets = self._targets(job)
         master = choose_master(job.master_addr if job.master_given else None, targets)
         if master.note:
             self._err.write(f"dslaunch: {master.note}\n".encode())
-        python = job.python or sys.executable
         for t, cmd in zip(targets, self._commands(job, master, targets), strict=True):
             self.sessions[t.alias] = RemoteSession(t.alias, cmd, self._out, self._err, on_change=wake.set)
         # Each host's command starts as soon as that host is connected.
         connect_all(targets, then=lambda t, transport: self.sessions[t.alias].start(transport))
-        try:
-            probes = gather_probes(self.sessions, python)
-            problems = check_probes(probes, job.nodes[0].cwd, master.addr, job.master_port)
-            if problems:
-                raise SSHError(problems)
-        except BaseException:
-            self._close_all()
-            raise
-        handles: list[NodeHandle] = []
-        for node in job.nodes:
-            session = self.sessions[node.host]
-            session.held_stderr(release=True)
-            spec = self._node(node, master.addr, probes[node.host], exported)
-            try:
-                session.send_line(spec.to_json())
-            except (OSError, EOFError, paramiko.SSHException) as exc:
-                # Started agents see EOF and stop their workers; nothing stays behind.
-                self._close_all()
-                raise SSHError({node.host: ("ssh", f"connection lost while starting the node: {exc}")}) from None
-            session.keep_alive(ALIVE_EVERY_S)
-            handles.append(_SSHNode(spec, session))
-        return handles
+        return master.addr
+
+    _diagnose = staticmethod(diagnose_no_probe)
 
     def _close_all(self) -> None:
         for s in self.sessions.values():

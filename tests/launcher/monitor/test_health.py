@@ -48,6 +48,18 @@ def test_the_first_step_gets_the_longer_allowance_and_silent_ranks_are_not_judge
     assert not h.all_up()
 
 
+def test_a_checkpoint_or_exit_phase_gets_the_first_step_allowance_from_when_it_began_or_ended():
+    h = _health(world=2)
+    h.update({0: Beat(0, 1, 4), 1: Beat(1, 1, 4)}, now=0.0)
+    h.update({0: Beat(0, 2, 4, phase="checkpoint"), 1: Beat(1, 2, 4, phase="exit")}, now=4.0)
+    assert h.stalled(now=4.0 + FIRST_STEP_ALLOWANCE_S - 1) == []
+    assert h.stalled(now=4.0 + FIRST_STEP_ALLOWANCE_S + 1) == [0, 1]
+    # The save ends: the ordinary timeout runs again, from then (not from the last step).
+    h.update({0: Beat(0, 3, 4), 1: Beat(1, 3, 4, phase="exit")}, now=30.0)
+    assert h.stalled(now=34.0) == []
+    assert h.stalled(now=35.5) == [0]
+
+
 def test_blame_goes_to_the_lowest_step_then_the_stopped_then_the_silent_then_not_in_a_collective():
     h = _health()
     h.update({0: Beat(0, 1, 7), 1: Beat(1, 1, 7), 2: Beat(2, 1, 6)}, now=0.0)

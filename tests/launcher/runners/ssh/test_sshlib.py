@@ -11,8 +11,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_the_ssh_runner_starts_without_invoke() -> None:
-    code = ("import sys, dslaunch.launcher.runners.ssh.runner as r; "
-            "print('invoke' in sys.modules, 'asyncio' in sys.modules, r.paramiko.__name__)")
+    code = ("import sys, dslaunch.launcher.runners.ssh.runner, dslaunch.launcher.runners.ssh.sshlib as s; "
+            "print('invoke' in sys.modules, 'asyncio' in sys.modules, s.paramiko.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "paramiko"]
 
