@@ -1,0 +1,105 @@
+"""The ``"adam"`` op in Triton: one launch updates every tensor of a list (multi-tensor Adam/AdamW).
+
+Tensors are split into chunks of ``BLOCK`` elements; program ``i`` reads which tensor and which
+offset chunk ``i`` covers from two small index tables, and that tensor's addresses from pointer
+tables (int64 addresses cast to pointers), as apex's ``multi_tensor_apply`` does with CUDA
+structs. Parameters, gradients and moments may each be fp32, bf16 or fp16 (one dtype per list):
+every element is computed in fp32 and stored back in its tensor's dtype. Math per element, step t
+(as ``runtime.optim.adam.adam_update``, the reference, and torch's AdamW)::
+
+    g = g * inv_scale;  g += wd * p (L2 mode)
+    m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
+    p *= 1 - lr * wd (AdamW mode);  p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
+
+Limitations: the tables are rebuilt and copied to the device at every call (a few bytes per
+tensor, one small host-to-device copy); tensors must be contiguous (the caller's FusedAdam only
+passes ``p.data``, ``p.grad`` and states it created, which are).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["adam_op", "BLOCK"]
+
+BLOCK = 1024
+
+
+@triton.jit
+def _adam_kernel(p_tab, g_tab, m_tab, v_tab, numel_tab, chunk_tensor, chunk_offset,
+                 p_proto, g_proto, m_proto, v_proto,
+                 lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, inv_scale,
+                 ADAM_W: tl.constexpr, DECAY: tl.constexpr, UNSCALE: tl.constexpr, BLOCK: tl.constexpr):
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor + chunk)
+    offs = tl.load(chunk_offset + chunk) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(numel_tab + t)
+    # The *_proto arguments are tensors of each list's dtype: their pointer type types the casts.
+    p_ptr = tl.load(p_tab + t).to(p_proto.dtype) + offs
+    g_ptr = tl.load(g_tab + t).to(g_proto.dtype) + offs
+    m_ptr = tl.load(m_tab + t).to(m_proto.dtype) + offs
+    v_ptr = tl.load(v_tab + t).to(v_proto.dtype) + offs
+    p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr, mask=mask, other=0.0).to(tl.float32)
+    if UNSCALE:
+        g = g * inv_scale
+    if DECAY and not ADAM_W:
+        g = g + weight_decay * p
+    m = m + (1.0 - beta1) * (g - m)
+    v = beta2 * v + (1.0 - beta2) * g * g
+    if DECAY and ADAM_W:
+        p = p * (1.0 - lr * weight_decay)
+    p = p - step_size * (m / (tl.sqrt(v) * inv_sqrt_bc2 + eps))
+    tl.store(p_ptr, p.to(p_proto.dtype.element_ty), mask=mask)
+    tl.store(m_ptr, m.to(m_proto.dtype.element_ty), mask=mask)
+    tl.store(v_ptr, v.to(v_proto.dtype.element_ty), mask=mask)
+
+
+def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+            exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float], eps: float,
+            weight_decay: float, bias_correction: bool, adam_w_mode: bool, inv_scale: float | None,
+            chunk_numel: int | None = None) -> None:
+    """One Adam/AdamW step of tensors sharing the step count ``step``, in place, in one launch.
+
+    The ``"adam"`` op of ``dslaunch.kernels`` (signature there); ``chunk_numel`` is ignored.
+
+    Raises:
+        ValueError: lists of different lengths, a non-contiguous tensor, or mixed dtypes in one list.
+    """
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError("adam_op: params, grads, exp_avgs and exp_avg_sqs must have the same length")
+    live = [i for i, p in enumerate(params) if p.numel() > 0]
+    if not live:
+        return
+    for name, tensors in zip(("params", "grads", "exp_avgs", "exp_avg_sqs"), lists, strict=True):
+        if len({tensors[i].dtype for i in live}) != 1:
+            raise ValueError(f"adam_op: all {name} must have one dtype")
+        if not all(tensors[i].is_contiguous() and tensors[i].numel() == params[i].numel() for i in live):
+            raise ValueError(f"adam_op: {name} must be contiguous and shaped as their params")
+    device = params[live[0]].device
+    numels = [params[i].numel() for i in live]
+    tables = torch.tensor([[x[i].data_ptr() for i in live] for x in lists] + [numels], dtype=torch.int64)
+    chunk_tensor = [k for k, n in enumerate(numels) for _ in range(0, n, BLOCK)]
+    chunk_offset = [c for n in numels for c in range(0, n, BLOCK)]
+    chunks = torch.tensor([chunk_tensor, chunk_offset], dtype=torch.int64)
+    if device.type != "cpu":  # pinned + non_blocking: the copy does not wait for the device
+        tables, chunks = (t.pin_memory().to(device, non_blocking=True) for t in (tables, chunks))
+    beta1, beta2 = betas
+    bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
+    unscale = inv_scale is not None and inv_scale != 1.0
+    _adam_kernel[(len(chunk_tensor),)](
+        tables[0], tables[1], tables[2], tables[3], tables[4], chunks[0], chunks[1],
+        *(x[live[0]] for x in lists),
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(lr / bc1),
+        1.0 / math.sqrt(bc2), float(inv_scale) if unscale else 1.0,
+        ADAM_W=bool(adam_w_mode), DECAY=weight_decay != 0.0, UNSCALE=unscale, BLOCK=BLOCK)
+
+
+adam_op.handles_dtypes = True  # type: ignore[attr-defined]  # FusedAdam passes bf16/fp16 as they are
