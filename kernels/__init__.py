@@ -4,7 +4,9 @@
 run here, else the reference (torch code). Adding one is a ``Kernel`` entry in
 ``dispatch.KERNELS.fused`` and nothing else. Registered: the C kernels of ``cpu/`` (built on first
 use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"lion"``, ``"adagrad"``,
-``"torch.adam"``, ``"torch.adamw"`` and ``"torch.adagrad"`` on CPU; ``"torch.sgd"`` has none.
+``"torch.adam"``, ``"torch.adamw"`` and ``"torch.adagrad"`` on CPU; ``"torch.sgd"`` has none. The
+Triton kernels of ``triton/`` (where triton imports and CUDA is there) for ``"adam"``,
+``"layer_norm"``, ``"rms_norm"`` and ``"bias_gelu"`` on CUDA devices.
 The environment variable ``DSLAUNCH_KERNELS`` overrides the choice: ``auto`` (default),
 ``reference`` (never fused) or ``fused`` (fail with ``UsageError`` where no fused kernel runs).
 
@@ -23,6 +25,14 @@ Ops, and the signature a fused implementation must have (all update tensors in p
   closure) -> loss``: one step of that torch optimizer over its ``param_groups`` and ``state``
   (torch's layout), honouring torch's AMP protocol (``grad_scale``, ``found_inf``). Reference:
   torch's own step (``reference.torch_step``), used by ``runtime.optim.torch_optimizers``.
+
+- ``"layer_norm"``: ``(x, weight, bias, eps=1e-5, normalized_shape=None) -> y``, differentiable:
+  ``F.layer_norm`` over ``weight``'s shape (``normalized_shape`` when weight is None). Reference:
+  ``reference.layer_norm``, used by ``dslaunch.ops.normalization``.
+- ``"rms_norm"``: ``(x, weight, eps=1e-6, normalized_shape=None) -> y``, as ``F.rms_norm``.
+- ``"bias_gelu"``: ``(x, bias, approximate="none", p=0.0, training=True, seed=None) -> y``,
+  differentiable: ``dropout(gelu(x + bias, approximate), p)``; ``seed`` fixes the dropout mask
+  (which differs between implementations; only its law is shared). Used by ``dslaunch.ops.bias_gelu``.
 
 ``inv_scale`` is None or the factor gradients are multiplied by inside the update (the gradients
 themselves stay as they are); ``chunk_numel`` is the reference's cache-sized batch, which a fused

@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["bias_gelu", "APPROXIMATIONS"]
+from dslaunch.kernels.reference import check_bias_gelu
 
-APPROXIMATIONS = ("none", "tanh")
+__all__ = ["bias_gelu"]
+
 _BLOCK = 1024
 _SQRT_2_OVER_PI = 0.7978845608028654
 _INV_SQRT_2 = 0.7071067811865476
@@ -96,15 +97,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none", p:
             ``torch.manual_seed`` makes runs repeatable. Unused when ``p == 0`` or not ``training``.
 
     Raises:
-        ValueError: ``approximate`` not "none"/"tanh", ``p`` outside [0, 1), a bias shape that is
-            not the input's trailing shape.
+        ValueError: bad arguments (``reference.check_bias_gelu``).
     """
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, not {approximate!r}")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), not {p}")
-    if tuple(x.shape[x.dim() - bias.dim():]) != tuple(bias.shape) or bias.numel() == 0 and x.numel():
-        raise ValueError(f"bias of shape {list(bias.shape)} does not match the input's trailing dims {list(x.shape)}")
+    check_bias_gelu(x, bias, approximate, p)
     p = p if training else 0.0
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu")) if p > 0 else 0
