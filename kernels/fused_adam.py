@@ -81,4 +81,5 @@ class FusedAdam(optimizers.FusedAdam):
 
 def _staged(t: torch.Tensor, keep_dtype: bool) -> torch.Tensor:
     """``t`` itself when the kernel can take it, else a contiguous (fp32) copy."""
-    return t.to(dtype=t.dtype if keep_dtype else torch.float32, memory_format=torch.contiguous_format)
+    t = t if keep_dtype else t.float()
+    return t if t.is_contiguous() else t.contiguous()
