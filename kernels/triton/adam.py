@@ -11,13 +11,17 @@ every element is computed in fp32 and stored back in its tensor's dtype. Math pe
     m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
     p *= 1 - lr * wd (AdamW mode);  p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
 
-Limitations: the tables are rebuilt and copied to the device at every call (a few bytes per
-tensor, one small host-to-device copy); tensors must be contiguous (the caller's FusedAdam only
-passes ``p.data``, ``p.grad`` and states it created, which are).
+The tables live on the device, cached by content (``_on_device``): the chunk tables depend only on
+the tensors' sizes, the pointer table only on their addresses, which repeat from step to step
+(torch's caching allocator hands freed gradients' blocks back), so a step usually copies nothing.
+
+Limitations: tensors must be contiguous (``kernels.fused_adam.FusedAdam`` stages those that are
+not); chunk offsets are int64, a tensor may hold more than 2**31 elements.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -84,17 +88,13 @@ def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
         if not all(tensors[i].is_contiguous() and tensors[i].numel() == params[i].numel() for i in live):
             raise ValueError(f"adam_op: {name} must be contiguous and shaped as their params")
     device = params[live[0]].device
-    numels = [params[i].numel() for i in live]
-    tables = torch.tensor([[x[i].data_ptr() for i in live] for x in lists] + [numels], dtype=torch.int64)
-    chunk_tensor = [k for k, n in enumerate(numels) for _ in range(0, n, BLOCK)]
-    chunk_offset = [c for n in numels for c in range(0, n, BLOCK)]
-    chunks = torch.tensor([chunk_tensor, chunk_offset], dtype=torch.int64)
-    if device.type != "cpu":  # pinned + non_blocking: the copy does not wait for the device
-        tables, chunks = (t.pin_memory().to(device, non_blocking=True) for t in (tables, chunks))
+    numels = tuple(params[i].numel() for i in live)
+    tables = _on_device(tuple(x[i].data_ptr() for x in lists for i in live) + numels, device).view(5, -1)
+    chunks = _chunks(numels, device)
     beta1, beta2 = betas
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
     unscale = inv_scale is not None and inv_scale != 1.0
-    _adam_kernel[(len(chunk_tensor),)](
+    _adam_kernel[(chunks.shape[1],)](
         tables[0], tables[1], tables[2], tables[3], tables[4], chunks[0], chunks[1],
         *(x[live[0]] for x in lists),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(lr / bc1),
@@ -103,3 +103,20 @@ def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
 
 
 adam_op.handles_dtypes = True  # type: ignore[attr-defined]  # FusedAdam passes bf16/fp16 as they are
+
+
+@functools.lru_cache(maxsize=8)
+def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied without waiting for the device."""
+    table = torch.tensor(values, dtype=torch.int64)
+    return table if device.type == "cpu" else table.pin_memory().to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _chunks(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Row 0: the tensor each ``BLOCK``-sized chunk belongs to; row 1: the chunk's offset in it."""
+    counts = torch.tensor([-(-n // BLOCK) for n in numels], dtype=torch.int64)
+    tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return _on_device(tuple(torch.stack([tensor, (torch.arange(len(tensor)) - first) * BLOCK]).view(-1).tolist()),
+                      device).view(2, -1)
