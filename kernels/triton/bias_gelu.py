@@ -24,9 +24,9 @@ from dslaunch.kernels.reference import check_bias_gelu
 __all__ = ["bias_gelu"]
 
 _BLOCK = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
-_INV_SQRT_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # jit code reads globals only as constexpr
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit
