@@ -83,6 +83,11 @@ def _norm_bwd(X, DY, DX, W, Mean, Rstd, DW, DB, M, N, stride_x, stride_dy, strid
         tl.store(DB + group * N + cols, db, mask=mask)
 
 
+def _warps(n: int) -> int:
+    """Warps per row: ~8 fp32 values per thread, as Triton's LayerNorm tutorial, so long rows do not spill."""
+    return min(max(triton.next_power_of_2(n) // 256, 1), 16)
+
+
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
     x2 = x.reshape(-1, n) if n else x.reshape(-1, 0)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -103,7 +108,7 @@ class _NormFunction(torch.autograd.Function):
         if x.numel():
             _norm_fwd[(rows,)](x2, y, weight, bias, mean, rstd, x2.stride(0), y.stride(0), n, float(eps),
                                RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
-                               BLOCK=triton.next_power_of_2(n))
+                               BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.rms, ctx.n = rms, n
         return y.view(x.shape)
@@ -120,7 +125,7 @@ class _NormFunction(torch.autograd.Function):
             _norm_bwd[(groups,)](x2, dy2, dx, weight, mean, rstd, partial[0], partial[1], rows, n,
                                  x2.stride(0), dy2.stride(0), dx.stride(0), RMS=ctx.rms,
                                  HAS_W=weight is not None, HAS_B=bias is not None,
-                                 BLOCK=triton.next_power_of_2(n))
+                                 BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
         dw = partial[0].sum(0).to(weight.dtype).view(weight.shape) if weight is not None else None
         db = partial[1].sum(0).to(bias.dtype).view(bias.shape) if bias is not None else None
         return dx.view(dy.shape), dw, db, None, None, None
