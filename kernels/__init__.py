@@ -15,7 +15,9 @@ Ops, and the signature a fused implementation must have (all update tensors in p
 - ``"adam"``: ``(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, betas, eps, weight_decay,
   bias_correction, adam_w_mode, inv_scale, chunk_numel)``: one Adam/AdamW step of parameters
   that share the step count ``step`` (DeepSpeed FusedAdam semantics). Reference:
-  ``runtime.optim.adam.adam_update``, used by ``runtime.optim.adam.Adam``.
+  ``runtime.optim.adam.adam_update``, used by ``runtime.optim.adam.Adam`` and
+  ``fused_adam.FusedAdam``. An implementation with ``handles_dtypes = True`` (the Triton one) takes
+  bf16/fp16 lists and computes in fp32; FusedAdam gives the others fp32 copies.
 - ``"lion"``: ``(params, grads, exp_avgs, *, lr, betas, weight_decay, inv_scale, chunk_numel)``.
   Reference: ``runtime.optim.lion.lion_update``, used by ``runtime.optim.lion.Lion``.
 - ``"adagrad"``: ``(params, grads, state_sums, *, clr, eps, weight_decay, inv_scale)``: one
