@@ -132,3 +132,28 @@ def test_fused_adam_through_the_kernel_matches_torch(torch_class: type, adam_w_m
     assert ours.state[ours_p[-1]]["step"] == 4
     with pytest.raises(RuntimeError, match="does not support the AMSGrad variant"):
         FusedAdam(ours_p, amsgrad=True)
+
+
+def test_fused_adam_hands_bf16_params_to_the_kernel_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    adam = kernel_module("adam")
+    seen: list[torch.dtype] = []
+
+    def spy(params, *args, **kwargs):
+        seen.extend(p.dtype for p in params)
+        return adam.adam_op(params, *args, **kwargs)
+
+    spy.handles_dtypes = True
+    triton_table = KernelTable(dispatch.KERNELS.reference, {"adam": (Kernel(spy, ("cpu",)),)})
+    sides = []
+    for table, mode in ((triton_table, "fused"), (dispatch.KERNELS, "reference")):
+        monkeypatch.setattr(dispatch, "KERNELS", table)
+        monkeypatch.setenv("DSLAUNCH_KERNELS", mode)
+        params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()[0]]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(torch.bfloat16)
+        FusedAdam(params, lr=1e-2, weight_decay=0.1).step()
+        sides.append(params)
+    assert seen and set(seen) == {torch.bfloat16}  # no fp32 copies for the kernel
+    for a, b in zip(*sides, strict=True):  # the reference path: fp32 copies, rounded back
+        ulp = torch.finfo(torch.bfloat16).eps * b.detach().float().abs()
+        assert a.dtype == torch.bfloat16 and bool(((a - b).float().abs() <= ulp).all())  # interpreter truncates
