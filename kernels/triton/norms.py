@@ -120,7 +120,9 @@ class _NormFunction(torch.autograd.Function):
         dy2 = _rows(dy, n)
         dx = torch.empty_like(x2)
         groups = max(1, min(rows, _GROUPS))
-        partial = torch.zeros((2, groups, n), dtype=torch.float32, device=x2.device)
+        # every program stores its partial sums; with no rows nothing runs and the sums are zero
+        alloc = torch.empty if rows else torch.zeros
+        partial = alloc((2, groups, n), dtype=torch.float32, device=x2.device)
         if x2.numel():
             _norm_bwd[(groups,)](x2, dy2, dx, weight, mean, rstd, partial[0], partial[1], rows, n,
                                  x2.stride(0), dy2.stride(0), dx.stride(0), RMS=ctx.rms,
