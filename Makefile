@@ -18,7 +18,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev,triton]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PY) -m pip install -q -e '.[dev,triton]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 	touch $(STAMP)
 
 compat-venv: $(COMPAT_STAMP)

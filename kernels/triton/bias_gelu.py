@@ -7,7 +7,7 @@ computed in fp32 per element. Dropout keeps an element when a Philox draw (``tl.
 saving it (no mask tensor in memory). The mask is not torch's (another generator), only its law.
 The bias gradient is a torch ``sum`` over the rows of the input gradient.
 
-Limitations: the mask repeats after 2**31 elements in one call (Philox offsets are 32-bit); ``x``
+Limitations: the mask repeats every 2**32 elements of one call (32-bit Philox counters); ``x``
 is made contiguous (one copy when it is not).
 """
 
@@ -39,7 +39,7 @@ def _tanh(u):
 @triton.jit
 def _bias_gelu_kernel(X, B, DY, OUT, numel, n, p, scale, seed,
                       TANH: tl.constexpr, DROPOUT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: > 2**31 elements
     mask = offs < numel
     z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     z = z + tl.load(B + offs % n, mask=mask, other=0.0).to(tl.float32)
@@ -58,7 +58,7 @@ def _bias_gelu_kernel(X, B, DY, OUT, numel, n, p, scale, seed,
     if BACKWARD:
         g = g * tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     if DROPOUT:
-        g = tl.where(tl.rand(seed, offs) >= p, g * scale, 0.0)
+        g = tl.where(tl.rand(seed, offs.to(tl.int32)) >= p, g * scale, 0.0)  # 32-bit Philox: the fast one
     tl.store(OUT + offs, g.to(OUT.dtype.element_ty), mask=mask)
 
 

@@ -28,7 +28,7 @@ _GROUPS = 256  # programs computing partial weight/bias gradients: enough to fil
 @triton.jit
 def _norm_fwd(X, Y, W, B, Mean, Rstd, stride_x, stride_y, N, eps,
               RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -61,7 +61,8 @@ def _norm_bwd(X, DY, DX, W, Mean, Rstd, DW, DB, M, N, stride_x, stride_dy, strid
         w = tl.full((BLOCK,), 1.0, dtype=tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    for row in range(group, M, groups):
+    for r in range(group, M, groups):
+        row = tl.cast(r, tl.int64)
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(Rstd + row)
@@ -78,9 +79,9 @@ def _norm_bwd(X, DY, DX, W, Mean, Rstd, DW, DB, M, N, stride_x, stride_dy, strid
         dw += dy * xhat
         db += dy
     if HAS_W:
-        tl.store(DW + group * N + cols, dw, mask=mask)
+        tl.store(DW + group.to(tl.int64) * N + cols, dw, mask=mask)
     if HAS_B:
-        tl.store(DB + group * N + cols, db, mask=mask)
+        tl.store(DB + group.to(tl.int64) * N + cols, db, mask=mask)
 
 
 def _warps(n: int) -> int:
