@@ -1,8 +1,8 @@
 """DeepSpeed's ``FusedAdam`` with a multi-tensor step (re-exported by ``dslaunch.ops.adam``).
 
 Arguments, defaults, state and ``zero_grad`` are ``cpu.optimizers.FusedAdam``'s; ``step`` here
-hands every parameter of a param group that shares a device, dtypes and step count to ONE call of
-the ``"adam"`` op: on CUDA the Triton kernel (``triton/adam.py``, one launch for the whole list),
+hands every parameter of a param group that shares a device and step count to ONE call of the
+``"adam"`` op: on CUDA the Triton kernel (``triton/adam.py``, one launch for the whole list),
 on CPU the C kernels, elsewhere or with ``DSLAUNCH_KERNELS=reference`` torch's ``_foreach`` ops.
 Implementations that compute in fp32 whatever the storage dtype (``handles_dtypes``, the Triton
 one) get bf16/fp16 parameters and gradients as they are; the others get fp32 contiguous copies,
@@ -64,19 +64,14 @@ class FusedAdam(optimizers.FusedAdam):
         keep_dtype = getattr(update, "handles_dtypes", False)
         lists = [[p.data for p in params], [p.grad for p in params],
                  [self.state[p]["exp_avg"] for p in params], [self.state[p]["exp_avg_sq"] for p in params]]
-        by_dtypes: dict[tuple[torch.dtype, ...], list[int]] = {}
-        for i in range(len(params)):
-            by_dtypes.setdefault(tuple(x[i].dtype for x in lists), []).append(i)
-        for index in by_dtypes.values():  # one call per dtype combination (one per group, usually)
-            originals = [[x[i] for i in index] for x in lists]
-            staged = [[_staged(t, keep_dtype) for t in x] for x in originals]
-            update(*staged, step=step, lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
-                   weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
-                   adam_w_mode=bool(self.adam_w_mode), inv_scale=None)
-            for xs, ss in zip(originals[:1] + originals[2:], staged[:1] + staged[2:], strict=True):
-                for t, s in zip(xs, ss, strict=True):
-                    if s is not t:
-                        t.copy_(s)
+        staged = [[_staged(t, keep_dtype) for t in x] for x in lists]
+        update(*staged, step=step, lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
+               weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
+               adam_w_mode=bool(self.adam_w_mode), inv_scale=None)
+        for xs, ss in zip(lists[:1] + lists[2:], staged[:1] + staged[2:], strict=True):  # not the grads
+            for t, s in zip(xs, ss, strict=True):
+                if s is not t:
+                    t.copy_(s)
 
 
 def _staged(t: torch.Tensor, keep_dtype: bool) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Tensors are split into chunks of ``BLOCK`` elements; program ``i`` reads which tensor and which
 offset chunk ``i`` covers from two small index tables, and that tensor's addresses from pointer
 tables (int64 addresses cast to pointers), as apex's ``multi_tensor_apply`` does with CUDA
-structs. Parameters, gradients and moments may each be fp32, bf16 or fp16 (one dtype per list):
-every element is computed in fp32 and stored back in its tensor's dtype. Math per element, step t
+structs. Parameters, gradients and moments may each be fp32, bf16 or fp16 (one launch per
+combination of dtypes): every element is computed in fp32 and stored back in its tensor's dtype. Math per element, step t
 (as ``runtime.optim.adam.adam_update``, the reference, and torch's AdamW)::
 
     g = g * inv_scale;  g += wd * p (L2 mode)
@@ -15,8 +15,9 @@ The tables live on the device, cached by content (``_on_device``): the chunk tab
 the tensors' sizes, the pointer table only on their addresses, which repeat from step to step
 (torch's caching allocator hands freed gradients' blocks back), so a step usually copies nothing.
 
-Limitations: tensors must be contiguous (``kernels.fused_adam.FusedAdam`` stages those that are
-not); chunk offsets are int64, a tensor may hold more than 2**31 elements.
+Limitations: non-contiguous entries run the torch reference (``kernels.fused_adam.FusedAdam``
+stages such tensors contiguously first); chunk offsets are int64, a tensor may hold more than
+2**31 elements.
 """
 
 from __future__ import annotations
@@ -69,34 +70,47 @@ def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
             exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float], eps: float,
             weight_decay: float, bias_correction: bool, adam_w_mode: bool, inv_scale: float | None,
             chunk_numel: int | None = None) -> None:
-    """One Adam/AdamW step of tensors sharing the step count ``step``, in place, in one launch.
+    """One Adam/AdamW step of tensors sharing the step count ``step``, in place.
 
-    The ``"adam"`` op of ``dslaunch.kernels`` (signature there); ``chunk_numel`` is ignored.
+    The ``"adam"`` op of ``dslaunch.kernels`` (signature there); ``chunk_numel`` is ignored. One
+    launch per combination of dtypes (one, usually); entries with a non-contiguous tensor go to the
+    reference (``runtime.optim.adam.adam_update``), as the CPU kernels do.
 
     Raises:
-        ValueError: lists of different lengths, a non-contiguous tensor, or mixed dtypes in one list.
+        ValueError: lists of different lengths, or a tensor not shaped as its parameter.
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs)
-    if len({len(x) for x in lists}) != 1:
-        raise ValueError("adam_op: params, grads, exp_avgs and exp_avg_sqs must have the same length")
-    live = [i for i, p in enumerate(params) if p.numel() > 0]
-    if not live:
-        return
-    for name, tensors in zip(("params", "grads", "exp_avgs", "exp_avg_sqs"), lists, strict=True):
-        if len({tensors[i].dtype for i in live}) != 1:
-            raise ValueError(f"adam_op: all {name} must have one dtype")
-        if not all(tensors[i].is_contiguous() and tensors[i].numel() == params[i].numel() for i in live):
-            raise ValueError(f"adam_op: {name} must be contiguous and shaped as their params")
-    device = params[live[0]].device
-    numels = tuple(params[i].numel() for i in live)
-    tables = _on_device(tuple(x[i].data_ptr() for x in lists for i in live) + numels, device).view(5, -1)
+    if len({len(x) for x in lists}) != 1 or any(x[i].numel() != p.numel() for x in lists for i, p in enumerate(params)):
+        raise ValueError("adam_op: params, grads, exp_avgs and exp_avg_sqs must pair up tensors of one size")
+    by_dtypes: dict[tuple[torch.dtype, ...], list[int]] = {}
+    rest = []
+    for i, p in enumerate(params):
+        if p.numel() and all(x[i].is_contiguous() for x in lists):
+            by_dtypes.setdefault(tuple(x[i].dtype for x in lists), []).append(i)
+        elif p.numel():
+            rest.append(i)
+    hyper = {"step": step, "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+             "bias_correction": bias_correction, "adam_w_mode": adam_w_mode, "inv_scale": inv_scale}
+    for index in by_dtypes.values():
+        _launch([[x[i] for i in index] for x in lists], **hyper)
+    if rest:
+        from dslaunch.runtime.optim.adam import adam_update
+
+        adam_update(*([x[i] for i in rest] for x in lists), **hyper)
+
+
+def _launch(lists: list[list[torch.Tensor]], *, step: int, lr: float, betas: tuple[float, float], eps: float,
+            weight_decay: float, bias_correction: bool, adam_w_mode: bool, inv_scale: float | None) -> None:
+    """One launch over contiguous, non-empty tensors with one dtype per list."""
+    device = lists[0][0].device
+    numels = tuple(p.numel() for p in lists[0])
+    tables = _on_device(tuple(t.data_ptr() for x in lists for t in x) + numels, device).view(5, -1)
     chunks = _chunks(numels, device)
     beta1, beta2 = betas
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
     unscale = inv_scale is not None and inv_scale != 1.0
     _adam_kernel[(chunks.shape[1],)](
-        tables[0], tables[1], tables[2], tables[3], tables[4], chunks[0], chunks[1],
-        *(x[live[0]] for x in lists),
+        tables[0], tables[1], tables[2], tables[3], tables[4], chunks[0], chunks[1], *(x[0] for x in lists),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(lr / bc1),
         1.0 / math.sqrt(bc2), float(inv_scale) if unscale else 1.0,
         ADAM_W=bool(adam_w_mode), DECAY=weight_decay != 0.0, UNSCALE=unscale, BLOCK=BLOCK)
