@@ -7,7 +7,8 @@ Triton kernels on CUDA (forward and backward in one pass each, ``kernels/triton/
   (``deepspeed.ops.transformer.inference.triton.layer_norm.layer_norm``), with a backward.
 - ``rms_norm(x, weight, eps)``.
 - ``FusedLayerNorm``/``FusedRMSNorm``: apex's class names (``apex.normalization``); drop-in
-  subclasses of ``torch.nn.LayerNorm``/``torch.nn.RMSNorm`` (same arguments and ``state_dict``).
+  subclasses of ``torch.nn.LayerNorm``/``torch.nn.RMSNorm`` (same arguments and ``state_dict``;
+  ``torch.nn.RMSNorm`` and ``F.rms_norm`` need torch >= 2.4).
 """
 
 from __future__ import annotations
