@@ -14,10 +14,11 @@ COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
 setup: $(STAMP)
 
+# Naming the installed torch in the second install keeps it: no extra (triton) may swap its build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,triton]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 	touch $(STAMP)
 
 compat-venv: $(COMPAT_STAMP)

@@ -4,7 +4,9 @@
 run here, else the reference (torch code). Adding one is a ``Kernel`` entry in
 ``dispatch.KERNELS.fused`` and nothing else. Registered: the C kernels of ``cpu/`` (built on first
 use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"lion"``, ``"adagrad"``,
-``"torch.adam"``, ``"torch.adamw"`` and ``"torch.adagrad"`` on CPU; ``"torch.sgd"`` has none.
+``"torch.adam"``, ``"torch.adamw"`` and ``"torch.adagrad"`` on CPU; ``"torch.sgd"`` has none. The
+Triton kernels of ``triton/`` (where triton imports and CUDA is there) for ``"adam"``,
+``"layer_norm"``, ``"rms_norm"`` and ``"bias_gelu"`` on CUDA devices.
 The environment variable ``DSLAUNCH_KERNELS`` overrides the choice: ``auto`` (default),
 ``reference`` (never fused) or ``fused`` (fail with ``UsageError`` where no fused kernel runs).
 
@@ -13,7 +15,9 @@ Ops, and the signature a fused implementation must have (all update tensors in p
 - ``"adam"``: ``(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, betas, eps, weight_decay,
   bias_correction, adam_w_mode, inv_scale, chunk_numel)``: one Adam/AdamW step of parameters
   that share the step count ``step`` (DeepSpeed FusedAdam semantics). Reference:
-  ``runtime.optim.adam.adam_update``, used by ``runtime.optim.adam.Adam``.
+  ``runtime.optim.adam.adam_update``, used by ``runtime.optim.adam.Adam`` and
+  ``fused_adam.FusedAdam``. An implementation with ``handles_dtypes = True`` (the Triton one) takes
+  bf16/fp16 lists and computes in fp32; FusedAdam gives the others fp32 copies.
 - ``"lion"``: ``(params, grads, exp_avgs, *, lr, betas, weight_decay, inv_scale, chunk_numel)``.
   Reference: ``runtime.optim.lion.lion_update``, used by ``runtime.optim.lion.Lion``.
 - ``"adagrad"``: ``(params, grads, state_sums, *, clr, eps, weight_decay, inv_scale)``: one
@@ -23,6 +27,14 @@ Ops, and the signature a fused implementation must have (all update tensors in p
   closure) -> loss``: one step of that torch optimizer over its ``param_groups`` and ``state``
   (torch's layout), honouring torch's AMP protocol (``grad_scale``, ``found_inf``). Reference:
   torch's own step (``reference.torch_step``), used by ``runtime.optim.torch_optimizers``.
+
+- ``"layer_norm"``: ``(x, weight, bias, eps=1e-5, normalized_shape=None) -> y``, differentiable:
+  ``F.layer_norm`` over ``weight``'s shape (``normalized_shape`` when weight is None). Reference:
+  ``reference.layer_norm``, used by ``dslaunch.ops.normalization``.
+- ``"rms_norm"``: ``(x, weight, eps=1e-6, normalized_shape=None) -> y``, as ``F.rms_norm``.
+- ``"bias_gelu"``: ``(x, bias, approximate="none", p=0.0, training=True, seed=None) -> y``,
+  differentiable: ``dropout(gelu(x + bias, approximate), p)``; ``seed`` fixes the dropout mask
+  (which differs between implementations; only its law is shared). Used by ``dslaunch.ops.bias_gelu``.
 
 ``inv_scale`` is None or the factor gradients are multiplied by inside the update (the gradients
 themselves stay as they are); ``chunk_numel`` is the reference's cache-sized batch, which a fused

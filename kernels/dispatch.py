@@ -89,6 +89,32 @@ def _load(target: Target) -> Callable[..., Any]:
 
 # The C kernels of kernels/cpu/, built on first use (build.py); unavailable without a compiler.
 _CPU_AVAILABLE = "dslaunch.kernels.cpu.build:available"
+_CPU_KERNELS = {
+    "adam": "dslaunch.kernels.cpu.ops:adam_op",
+    "lion": "dslaunch.kernels.cpu.ops:lion_op",
+    "adagrad": "dslaunch.kernels.cpu.ops:adagrad_op",
+    "torch.adam": "dslaunch.kernels.cpu.torch_steps:adam_step",
+    "torch.adamw": "dslaunch.kernels.cpu.torch_steps:adam_step",
+    "torch.adagrad": "dslaunch.kernels.cpu.torch_steps:adagrad_step",
+}
+# The Triton kernels of kernels/triton/: available where triton imports and a CUDA device exists.
+_TRITON_AVAILABLE = "dslaunch.kernels.triton:available"
+_TRITON_KERNELS = {
+    "adam": "dslaunch.kernels.triton.adam:adam_op",
+    "layer_norm": "dslaunch.kernels.triton.norms:layer_norm",
+    "rms_norm": "dslaunch.kernels.triton.norms:rms_norm",
+    "bias_gelu": "dslaunch.kernels.triton.bias_gelu:bias_gelu",
+}
+
+
+def _fused(*backends: tuple[tuple[str, ...], str, Mapping[str, str]]) -> dict[str, tuple[Kernel, ...]]:
+    """Each op's kernels from ``(device types, availability check, {op: target})`` backends."""
+    table: dict[str, tuple[Kernel, ...]] = {}
+    for device_types, available, targets in backends:
+        for op, target in targets.items():
+            table[op] = (*table.get(op, ()), Kernel(target, device_types, available=available))
+    return table
+
 
 # The ops and their signatures are listed in the package docstring (``dslaunch.kernels``).
 KERNELS = KernelTable(
@@ -100,15 +126,11 @@ KERNELS = KernelTable(
         "torch.adamw": "dslaunch.kernels.reference:torch_step",
         "torch.sgd": "dslaunch.kernels.reference:torch_step",
         "torch.adagrad": "dslaunch.kernels.reference:torch_step",
+        "layer_norm": "dslaunch.kernels.reference:layer_norm",
+        "rms_norm": "dslaunch.kernels.reference:rms_norm",
+        "bias_gelu": "dslaunch.kernels.reference:bias_gelu",
     },
-    fused={op: (Kernel(target, ("cpu",), available=_CPU_AVAILABLE),) for op, target in {
-        "adam": "dslaunch.kernels.cpu.ops:adam_op",
-        "lion": "dslaunch.kernels.cpu.ops:lion_op",
-        "adagrad": "dslaunch.kernels.cpu.ops:adagrad_op",
-        "torch.adam": "dslaunch.kernels.cpu.torch_steps:adam_step",
-        "torch.adamw": "dslaunch.kernels.cpu.torch_steps:adam_step",
-        "torch.adagrad": "dslaunch.kernels.cpu.torch_steps:adagrad_step",
-    }.items()},
+    fused=_fused((("cpu",), _CPU_AVAILABLE, _CPU_KERNELS), (("cuda",), _TRITON_AVAILABLE, _TRITON_KERNELS)),
 )
 
 

@@ -1,5 +1,6 @@
-"""Reference implementations that belong to no dslaunch module: torch's own optimizer steps, and
-the flat Adagrad update of DeepSpeed's CPU Adagrad.
+"""Reference implementations that belong to no dslaunch module: torch's own optimizer steps,
+the flat Adagrad update of DeepSpeed's CPU Adagrad, and the norms and bias + GeLU of
+``dslaunch.ops.normalization``/``dslaunch.ops.bias_gelu`` (torch's functional ops).
 
 The references of dslaunch's own optimizers live next to them (``runtime/optim/adam.py``,
 ``runtime/optim/lion.py``); ``dispatch.KERNELS`` names them all.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["torch_step", "adagrad_update"]
+__all__ = ["torch_step", "adagrad_update", "layer_norm", "rms_norm", "bias_gelu", "check_bias_gelu"]
 
 
 def torch_step(optimizer: Any, closure: Any = None) -> Any:
@@ -40,3 +41,53 @@ def adagrad_update(params: list[Any], grads: list[Any], state_sums: list[Any], *
             g = g.add(p, alpha=weight_decay)
         s.addcmul_(g, g)
         p.addcdiv_(g, torch.sqrt(s).add_(eps), value=-clr)
+
+
+def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5, normalized_shape: Any = None) -> Any:
+    """The reference ``"layer_norm"`` op: ``F.layer_norm`` over ``weight``'s shape (or ``normalized_shape``)."""
+    import torch.nn.functional as F
+
+    shape = tuple(weight.shape) if weight is not None else tuple(normalized_shape)
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+def rms_norm(x: Any, weight: Any, eps: float = 1e-6, normalized_shape: Any = None) -> Any:
+    """The reference ``"rms_norm"`` op: ``F.rms_norm`` over ``weight``'s shape (or ``normalized_shape``)."""
+    import torch.nn.functional as F
+
+    shape = tuple(weight.shape) if weight is not None else tuple(normalized_shape)
+    return F.rms_norm(x, shape, weight, eps)
+
+
+def check_bias_gelu(x: Any, bias: Any, approximate: str, p: float) -> None:
+    """The argument checks both ``"bias_gelu"`` implementations share.
+
+    Raises:
+        ValueError: ``approximate`` not "none"/"tanh", ``p`` outside [0, 1), or a bias whose shape
+            is not the input's trailing shape.
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', not {approximate!r}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), not {p}")
+    if bias.dim() == 0 or tuple(x.shape[x.dim() - bias.dim():]) != tuple(bias.shape):
+        raise ValueError(f"bias of shape {list(bias.shape)} does not match the input's trailing dims "
+                         f"{list(x.shape)}")
+
+
+def bias_gelu(x: Any, bias: Any, approximate: str = "none", p: float = 0.0, training: bool = True,
+              seed: int | None = None) -> Any:
+    """The reference ``"bias_gelu"`` op: ``dropout(gelu(x + bias, approximate), p)`` in torch ops.
+
+    ``seed`` seeds a generator of the input's device for the mask (None: torch's default one).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    check_bias_gelu(x, bias, approximate, p)
+    y = F.gelu(x + bias, approximate=approximate)
+    if not training or p == 0.0:
+        return y
+    generator = None if seed is None else torch.Generator(device=x.device).manual_seed(seed)
+    keep = torch.rand(y.shape, generator=generator, device=y.device) >= p
+    return y * keep / (1.0 - p)
