@@ -283,14 +283,15 @@ class OffloadedStep:
         """NVMe: every group's state tensors read back from the swap file (new host tensors)."""
         if self.swap is None:
             return {}
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for gi, g in enumerate(self.groups):
-            tensors = {k: torch.empty_like(g.master.data) for k in self.rule.state_keys}
-            pending = [self.swap.read(self._offsets[gi, k], t) for k, t in tensors.items()]
-            for p in pending:
-                p.wait()
-            out[gi] = tensors
-        return out
+        return {gi: {k: self.state_tensor(gi, k) for k in self.rule.state_keys} for gi in range(len(self.groups))}
+
+    def state_tensor(self, group: int, key: str) -> torch.Tensor | None:
+        """NVMe: state ``key`` of ``group`` read back from the swap file (None: not swapped)."""
+        if self.swap is None or (group, key) not in self._offsets:
+            return None
+        t = torch.empty_like(self.groups[group].master.data)
+        self.swap.read(self._offsets[group, key], t).wait()
+        return t
 
     def store_loaded(self, fresh: bool = False) -> None:
         """NVMe: move the state tensors the optimizer holds (a loaded checkpoint, or state created

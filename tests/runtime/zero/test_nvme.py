@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import run_world
 from tests.runtime.models import batches, make_model
@@ -202,3 +203,67 @@ def test_nvme_swap_files_gone_after_sigkill(tmp_path: Path) -> None:
                 p.kill()
             p.wait(30)
     assert os.listdir(tmp_path) == []
+
+
+def _ckpt_cfg(stage: int, offload: str, path: str) -> dict:
+    from tests.runtime.zero.test_stage3_checkpoint import _cfg
+
+    cfg = _cfg(stage, gather=False)
+    if offload == "nvme":
+        return _nvme(cfg, path)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": offload}
+    return cfg
+
+
+def _moments(engine) -> dict[str, torch.Tensor]:
+    from dslaunch.utils import safe_get_full_optimizer_state
+
+    return {n: safe_get_full_optimizer_state(p, "exp_avg_sq").clone() for n, p in engine.module.named_parameters()}
+
+
+def _save_nvme(rank: int, world: int, ckpt: str, path: str) -> bytes:
+    import dslaunch
+    from tests.runtime.zero.test_stage3_checkpoint import GLOBAL as G
+    from tests.runtime.zero.test_stage3_checkpoint import _bytes, _full_params, _steps
+
+    data = batches(5, G)
+    engine, *_ = dslaunch.initialize(model=make_model(), config=_ckpt_cfg(3, "nvme", path))
+    _steps(engine, rank, world, data[:3])
+    engine.save_checkpoint(ckpt, tag="t")
+    saved = (_full_params(engine), _moments(engine))
+    return _bytes((*saved, _steps(engine, rank, world, data[3:])))
+
+
+def _resume(rank: int, world: int, ckpt: str, stage: int, offload: str, path: str) -> bytes:
+    import dslaunch
+    from tests.runtime.zero.test_stage3_checkpoint import GLOBAL as G
+    from tests.runtime.zero.test_stage3_checkpoint import _bytes, _full_params, _steps
+
+    engine, *_ = dslaunch.initialize(model=make_model(seed=9), config=_ckpt_cfg(stage, offload, path))
+    engine.load_checkpoint(ckpt, tag="t")
+    if offload == "nvme":  # the loaded moments went to the swap file, not the optimizer
+        assert all(set(s) == {"step"} for s in engine.optimizer.state.values())
+    loaded = (_full_params(engine), _moments(engine))
+    return _bytes((*loaded, _steps(engine, rank, world, batches(5, G)[3:])))
+
+
+@pytest.mark.timeout(150)
+def test_nvme_checkpoint_moves_to_cpu_offload_and_back(tmp_path: Path) -> None:
+    """Saved with NVMe at stage 3 on 2 ranks; resumed with CPU offload at stage 2 on 1 rank and
+    with NVMe at stage 1 on 2 ranks: same weights, same moments, same next losses; zero_to_fp32."""
+    from dslaunch.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from tests.runtime.zero.test_stage3_checkpoint import _load
+
+    ckpt, swap = str(tmp_path / "ckpt"), str(tmp_path / "swap")
+    os.mkdir(swap)
+    full, moments, later = _load(run_world(_save_nvme, 2, ckpt, swap)[0])
+    assert all(t.abs().sum() > 0 for t in moments.values())
+    for stage, world, offload in ((2, 1, "cpu"), (1, 2, "nvme")):
+        for got, got_moments, losses in map(_load, run_world(_resume, world, ckpt, stage, offload, swap)):
+            for n, t in full.items():
+                torch.testing.assert_close(got[n], t, rtol=0, atol=0, msg=n)
+                torch.testing.assert_close(got_moments[n], moments[n], rtol=0, atol=0, msg=n)
+            torch.testing.assert_close(losses, later, rtol=1e-5, atol=0)
+    exported = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="t")
+    assert all(torch.equal(exported[n], t) for n, t in full.items())
+    assert os.listdir(swap) == []
