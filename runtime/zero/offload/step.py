@@ -134,6 +134,8 @@ class OffloadedStep:
             self._ring = [torch.empty(len(keys), self.bucket_numel, dtype=torch.float32) for _ in range(slots)]
             self._writes: list[Pending | None] = [None] * slots
             self._reads: dict[int, list[Pending]] = {}
+            # Reading ahead needs a second slot: the next bucket must not land in this one's buffers.
+            self._read_ahead = swap.pipeline_read and slots > 1
             self.store_loaded(fresh=True)  # state the optimizer created at construction (Adagrad's sums)
 
     def _nvme_rule(self, swap: SwapSettings) -> Rule:
@@ -189,7 +191,7 @@ class OffloadedStep:
             grad = self._grad_ready(i, b, grads)
             if i + 1 < len(buckets):  # the next bucket's transfers overlap this update
                 self._fetch_grad(i + 1, buckets[i + 1], grads)
-                if self.swap is not None and self.swap.settings.pipeline_read:
+                if self.swap is not None and self._read_ahead:
                     self._read_state(i + 1, buckets[i + 1])
             states = self._state_ready(i, b)
             master = g.master.data[b.lo:b.hi]
@@ -197,14 +199,14 @@ class OffloadedStep:
             aliased = model.data_ptr() == master.data_ptr()
             out = None
             if not aliased and model.dtype != torch.float32:
-                out = model if model.device.type == "cpu" else self._out_buffer(i, model.dtype)
+                out = model if model.device.type == "cpu" else self._out_buffer(i, model.dtype)[:b.numel]
             rule.apply(args[b.group], master, grad, states, factor, out)
             if not aliased and model.device.type != "cpu":
                 pending_out.append(self._send(i, model, master if out is None else out))
             elif not aliased and out is None:
                 model.copy_(master)
             self._write_state(i, b, states)
-            if self.swap is not None and not self.swap.settings.pipeline_read and i + 1 < len(buckets):
+            if self.swap is not None and not self._read_ahead and i + 1 < len(buckets):
                 self._read_state(i + 1, buckets[i + 1])
         for event in pending_out:
             _wait(event)
