@@ -103,14 +103,24 @@ def _optimizer_runs(rank: int, world: int, path: str) -> list[tuple[list[float],
                 {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01}}):
         plain = config(1, optimizer=opt)
         out.append((engine_losses(rank, world, plain), engine_losses(rank, world, _nvme(config(1, optimizer=opt), path))))
+    # No rule for SGD: CPU offload runs torch's step over the whole host shard.
+    sgd = {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}
+    cpu = config(1, optimizer=sgd)
+    cpu["zero_optimization"].update(offload_optimizer={"device": "cpu"}, sub_group_size=100)
+    out.append((engine_losses(rank, world, config(1, optimizer=sgd)), engine_losses(rank, world, cpu)))
+    os.environ["DSLAUNCH_KERNELS"] = "reference"  # the torch reference of the kernels, bucket by bucket
+    out.append((engine_losses(rank, world, config(2)), engine_losses(rank, world, _nvme(config(2), path))))
     return out
 
 
 @pytest.mark.timeout(120)
 def test_nvme_adagrad_lion_adam_match_no_offload(tmp_path: Path) -> None:
-    """The single-op kernels (Adagrad, Lion) and Adam's L2 decay through the swap file."""
-    for plain, nvme in run_world(_optimizer_runs, 1, str(tmp_path))[0]:
-        assert_close(nvme, plain, 1e-6)
+    """The single-op kernels (Adagrad, Lion), Adam's L2 decay and the kernels' torch reference
+    through the swap file; SGD (no rule) with CPU offload."""
+    runs = run_world(_optimizer_runs, 1, str(tmp_path))[0]
+    assert len(runs) == 5
+    for plain, offloaded in runs:
+        assert_close(offloaded, plain, 1e-6)
 
 
 def _error(rank: int, world: int, cfg: dict) -> str:
@@ -138,8 +148,9 @@ def test_nvme_bad_path_and_full_disk_are_one_line_errors(tmp_path: Path) -> None
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)],
                              capture_output=True).returncode == 0
     try:
+        sgd = config(2, optimizer={"type": "SGD", "params": {"lr": 0.1}})
         cfgs = [_nvme(config(2), str(tmp_path / "missing")), _nvme(config(2), str(afile)),
-                _nvme(config(2), "/proc/self"), _nvme(config(2), str(small))]
+                _nvme(config(2), "/proc/self"), _nvme(config(2), str(small)), _nvme(sgd, str(tmp_path))]
         errors = run_world(_errors, 1, cfgs)[0]
     finally:
         if mounted:
@@ -147,6 +158,7 @@ def test_nvme_bad_path_and_full_disk_are_one_line_errors(tmp_path: Path) -> None
     assert all(key in e and "\n" not in e for e in errors[:3]), errors
     assert "does not exist" in errors[0] and "not a directory" in errors[1]
     assert "cannot create a swap file" in errors[2]
+    assert "'zero_optimization.offload_optimizer.device'" in errors[4] and "SGD" in errors[4], errors[4]
     if mounted:
         assert key in errors[3] and "MiB free" in errors[3] and "needs" in errors[3], errors[3]
     from dslaunch.errors import ConfigError
