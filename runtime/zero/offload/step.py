@@ -214,11 +214,11 @@ class OffloadedStep:
 
     # ----- gradients in, parameters out -------------------------------------------------------
     def _fetch_grad(self, i: int, b: Bucket, grads: list[torch.Tensor]) -> None:
-        if self._grads is not None:
+        if self._grads is not None and grads[b.group].device.type != "cpu":
             self._grads.fetch(i, grads[b.group][b.lo:b.hi])
 
     def _grad_ready(self, i: int, b: Bucket, grads: list[torch.Tensor]) -> torch.Tensor:
-        if self._grads is None:
+        if self._grads is None or grads[b.group].device.type == "cpu":  # on the host already
             return grads[b.group][b.lo:b.hi]
         self._grads.ready(i)
         return self._grads.buffers[i % 2][:b.numel]
