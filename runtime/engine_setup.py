@@ -27,6 +27,7 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.registry import strategy_class
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec
 from dslaunch.runtime.zero.strategy import ZeroStrategy
@@ -62,6 +63,7 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         offload_optimizer=zero_cfg.offload_optimizer.enabled,
                         offload_param=zero_cfg.offload_param.enabled,
                         pin_memory=zero_cfg.offload_optimizer.pin_memory or zero_cfg.offload_param.pin_memory,
+                        offload_bucket_numel=zero_cfg.sub_group_size, nvme=_swap_settings(cfg),
                         param_persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
                         prefetch_bucket_numel=zero_cfg.stage3_prefetch_bucket_size,
                         max_live_parameters=zero_cfg.stage3_max_live_parameters,
@@ -69,6 +71,14 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm, module=module)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
                        _dataloader(cfg, training_data, collate_fn), _timers(cfg))
+
+
+def _swap_settings(cfg: DeepSpeedConfig) -> SwapSettings | None:
+    off = cfg.zero_optimization.offload_optimizer
+    if off.device != "nvme":
+        return None
+    return SwapSettings(off.nvme_path, off.buffer_count, off.buffer_size, off.pipeline_read, off.pipeline_write,
+                        cfg.aio.block_size, cfg.aio.queue_depth)
 
 
 def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, training_data: Any,

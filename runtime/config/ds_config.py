@@ -27,6 +27,7 @@ from dslaunch.runtime.config.monitor import MonitorConfig
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
+    AioConfig,
     Bf16Config,
     CheckpointConfig,
     Fp16Config,
@@ -52,7 +53,7 @@ _SOURCE_TYPES = (str, os.PathLike, Mapping)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
-             "elasticity": ElasticityConfig, "monitor": MonitorConfig}
+             "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig}
 
 
 def _steps_per_print(path: str, value: Any) -> int | None:
@@ -97,6 +98,7 @@ class DeepSpeedConfig:
     dataloader_drop_last: bool = False
     dist_init_timeout: float = 1800.0
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
     fp16: Fp16Config = field(default_factory=Fp16Config)
     bf16: Bf16Config = field(default_factory=Bf16Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -270,6 +272,14 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
                           "device)", key="zero_optimization.offload_optimizer.device")
+    for key in ("offload_optimizer", "offload_param"):
+        off = getattr(zero, key)
+        if off.device == "nvme" and off.nvme_path is None:
+            raise ConfigError("is required with \"device\": \"nvme\" (a directory for the swap files)",
+                              key=f"zero_optimization.{key}.nvme_path")
+    if zero.offload_param.device == "nvme":
+        raise ConfigError("\"nvme\" is not implemented by dslaunch yet for parameters (it is for "
+                          "offload_optimizer); use \"cpu\" or \"none\"", key="zero_optimization.offload_param.device")
     if zero.offload_param.enabled and zero.stage != 3:
         raise ConfigError("needs ZeRO stage 3 (below it every rank holds all parameters)",
                           key="zero_optimization.offload_param.device")

@@ -146,10 +146,13 @@ def _enabled() -> Off:
 def _offload_device(path: str, value: Any) -> str:
     if value in (None, "none"):
         return "none"
-    if value == "nvme":
-        raise ConfigError("\"nvme\" is accepted by DeepSpeed but not implemented by dslaunch yet; use "
-                          "\"cpu\" or \"none\"", key=path)
-    return choice("none", "cpu")(path, value)
+    return choice("none", "cpu", "nvme")(path, value)
+
+
+def _text(path: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"must be a non-empty string (a directory), got {describe(value)}", key=path)
+    return value
 
 
 def _full_ratio(path: str, value: Any) -> float:
@@ -162,20 +165,38 @@ def _full_ratio(path: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """``zero_optimization.offload_optimizer`` / ``offload_param``: host memory between uses."""
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: host memory or NVMe files
+    between uses (``runtime/zero/offload/``)."""
 
-    device: str = _opt("none", _offload_device, "\"cpu\" or \"none\"")
+    device: str = _opt("none", _offload_device, "\"cpu\", \"nvme\" or \"none\"")
     pin_memory: bool = _opt(False, boolean, "true to page-lock the host copies (GPU hosts)")
     ratio: float = _opt(1.0, _full_ratio, "1.0 (the whole optimizer state)")
+    nvme_path: str | None = _opt(None, optional(_text), "a directory on the NVMe disk, e.g. \"/local_nvme\"")
+    buffer_count: int = _opt(4, integer(1), "swap buffers, e.g. 4 (an Adam bucket takes 2)")
+    buffer_size: int = _opt(100_000_000, integer(1), "elements per swap buffer, e.g. 1e8")
+    pipeline_read: bool = _opt(False, boolean, "true to read the next bucket while one is updated")
+    pipeline_write: bool = _opt(False, boolean, "true to write a bucket back while the next is updated")
 
-    # They tune NVMe offload (rejected above) or DeepSpeed's CPU Adam: any value changes nothing.
-    UNIMPLEMENTED = {k: ANY for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu",  # noqa: RUF012
-                                      "pipeline", "pipeline_read", "pipeline_write", "fast_init",
+    # They tune DeepSpeed's swapper or its CPU Adam: any value changes nothing.
+    UNIMPLEMENTED = {k: ANY for k in ("max_in_cpu", "pipeline", "fast_init",  # noqa: RUF012
                                       "super_offload", "cpuadam_cores_perc")}
 
     @property
     def enabled(self) -> bool:
         return self.device != "none"
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """``aio``: how NVMe swap files are read and written (a thread pool of ``os.preadv``/``pwritev``;
+    no native aio extension)."""
+
+    block_size: int = _opt(1_048_576, integer(512), "bytes per read/write request, e.g. 1048576")
+    queue_depth: int = _opt(8, integer(1, 1024), "requests in flight (I/O threads), e.g. 8")
+    # DeepSpeed's libaio knobs: checked, then meaningless for a thread pool.
+    INERT = {"thread_count": integer(1), "single_submit": boolean,  # noqa: RUF012
+             "overlap_events": boolean, "intra_op_parallelism": integer(1)}
+    UNIMPLEMENTED = {"use_gds": False}  # noqa: RUF012
 
 
 def _offload(path: str, value: Any) -> OffloadConfig:
@@ -226,6 +247,9 @@ class ZeroConfig:
                                           "dslaunch releases parameters after each use)")
     stage3_gather_16bit_weights_on_model_save: bool = _opt(False, boolean, "true to gather the whole "
                                                            "16-bit model for save_16bit_model()")
+    sub_group_size: int = _opt(1_000_000_000, integer(1), "elements per offloaded optimizer bucket, e.g. 1e9")
+    """Offload only: the master shard is updated in buckets of this many elements (DeepSpeed's
+    optimizer sub-groups), so transfers of one bucket overlap the update of another."""
 
     STAGE3_ALIASES = {"param_persistence_threshold": "stage3_param_persistence_threshold",
                       "prefetch_bucket_size": "stage3_prefetch_bucket_size",
@@ -374,7 +398,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "nebula": _enabled(), "datastates_ckpt": False, "casync_ckpt": False, "async_load": False,
     # Keys that only tune features rejected above unless off (NVMe/CPU offload, a CPU optimizer
     # under offload, the tensor-core warning DeepSpeed prints): any value changes nothing.
-    "aio": ANY, "zero_force_ds_cpu_optimizer": ANY, "vocabulary_size": ANY,
+    "zero_force_ds_cpu_optimizer": ANY, "vocabulary_size": ANY,
 }
 
 

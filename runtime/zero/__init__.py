@@ -22,11 +22,8 @@ asks the stage again. What lives where:
   ``ZeroParamStatus``, external parameters), also importable as ``dslaunch.zero``;
   ``full_state.py``: ``safe_get_full_*`` (``dslaunch.utils``).
 
-Not written yet:
-
-- ``offload/``: optimizer state and master weights kept in CPU memory or on NVMe
-  (``zero_optimization.offload_optimizer``/``offload_param``), as a placement that moves shards
-  in and out around the optimizer step.
+- ``offload/``: the optimizer step of an offloaded master (``offload_optimizer``): buckets,
+  transfers overlapped with the update, the optimizer state in host memory or NVMe swap files.
 
 Importing this package does not import torch (``Init``, ``GatheredParameters``, ``ZeroParamStatus``
 and the external-parameter functions resolve on first access, as ``deepspeed.runtime.zero``'s).

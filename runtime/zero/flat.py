@@ -78,6 +78,11 @@ class FlatGroup:
     def device(self) -> torch.device:
         return self.flat.device
 
+    @property
+    def model_shard(self) -> torch.Tensor:
+        """This rank's range of the model weights (model dtype, where the model is)."""
+        return self.flat[self.layout.start:self.layout.end]
+
     def load_full(self, values: torch.Tensor) -> bool:
         """Write the whole group's weights (``numel`` elements); True: the model now holds them all."""
         self.flat[:self.layout.numel].copy_(values)

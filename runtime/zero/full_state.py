@@ -60,6 +60,8 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
         return None
     strategy, group, i = found
     state = strategy.optimizer.state.get(group.master, {}).get(optim_state_key)
+    if state is None and getattr(strategy, "offload", None) is not None:  # NVMe: in the swap file
+        state = strategy.offload.state_tensor(strategy.groups.index(group), optim_state_key)
     if not torch.is_tensor(state) or state.numel() != group.master.numel():
         return None
     return _gather(strategy, group, state, i).view(_shape(param))

@@ -91,6 +91,11 @@ class ShardGroup:
         return self.compute_device
 
     @property
+    def model_shard(self) -> torch.Tensor:
+        """This rank's range of the model weights: the shard itself."""
+        return self.shard
+
+    @property
     def persistent(self) -> list[torch.nn.Parameter]:
         return [p for p in self.params if p.ds_persist]
 

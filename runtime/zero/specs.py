@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.partition import FlatLayout
 
 __all__ = ["GroupSpec", "CommSettings", "StepResult", "FlatShards", "OptimizerFactory"]
@@ -56,6 +57,8 @@ class CommSettings:
     offload_optimizer: bool = False
     offload_param: bool = False
     pin_memory: bool = False  # page-locked host copies (only where the device is a GPU)
+    offload_bucket_numel: int = 1_000_000_000  # sub_group_size: the offloaded step's buckets
+    nvme: SwapSettings | None = None  # offload_optimizer device nvme: the state in swap files
     # Stage 3 only (DeepSpeed's defaults): see stage3.py for what each does.
     param_persistence_threshold: int = 100_000
     prefetch_bucket_numel: int = 50_000_000

@@ -91,6 +91,11 @@ class ZeroStrategy:
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
         self.gradients = self.gradients_type(self.groups, comm, self.world_size, process_group)
+        self.offload = None  # offload_optimizer: the update runs where the master is (host memory)
+        if comm.offload_optimizer:
+            from dslaunch.runtime.zero.offload.step import OffloadedStep
+
+            self.offload = OffloadedStep(self.groups, self.optimizer, comm.offload_bucket_numel, comm.nvme)
         for gi, g in enumerate(self.groups):  # for safe_get_full_* (dslaunch.utils): param -> its slot
             for pi, p in enumerate(g.params):
                 p._dsl_slot = ParamSlot(weakref.ref(self), gi, pi)
@@ -145,11 +150,10 @@ class ZeroStrategy:
 
         collective: call on all ranks at the accumulation boundary.
         """
-        # offload_optimizer: the update runs where the master is (host memory)
-        grads = [t if t.device == g.master.device else t.to(g.master.device)
-                 for g, t in zip(self.groups, self.gradients.shards(), strict=True)]
-        for g, grad in zip(self.groups, grads, strict=True):
-            g.master.grad = grad
+        grads = self.gradients.shards()
+        if self.offload is None:  # (offloaded: the update streams them to the host bucket by bucket)
+            for g, grad in zip(self.groups, grads, strict=True):
+                g.master.grad = grad
         try:
             return self._update(grads, loss_scale, clip, check_overflow)
         finally:
@@ -168,9 +172,12 @@ class ZeroStrategy:
         factor = post
         if clip > 0 and norm > clip:
             factor *= clip / (norm + 1e-6)
-        self._optimizer_step(grads, factor)
-        for g in self.groups:
-            g.copy_master_to_model()
+        if self.offload is not None:
+            self.offload.update(grads, factor, self._optimizer_step)
+        else:
+            self._optimizer_step(grads, factor)
+            for g in self.groups:
+                g.copy_master_to_model()
         self.placement.publish()
         return StepResult(False, norm)
 
@@ -218,6 +225,9 @@ class ZeroStrategy:
         """This rank's shard of every group: master, optimizer state, hparams (live tensors)."""
         self.synchronize()
         opt_sd = self.optimizer.state_dict()
+        if self.offload is not None:  # NVMe: the state tensors are in the swap file
+            for gi, tensors in self.offload.state_tensors().items():
+                opt_sd["state"][gi] = {**opt_sd["state"].get(gi, {}), **tensors}
         out = []
         for gi, g in enumerate(self.groups):
             lay = g.layout
@@ -263,6 +273,8 @@ class ZeroStrategy:
             full = full and s["start"] == 0 and s["end"] == lay.numel and g.load_full(s["master"])
         self.optimizer.load_state_dict({"state": {k: v for k, v in state.items() if v},
                                         "param_groups": groups})
+        if self.offload is not None:
+            self.offload.store_loaded()
         for g in self.groups:
             g.copy_master_to_model()
         if not full:

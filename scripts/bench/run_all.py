@@ -22,7 +22,7 @@ RESULTS = HERE / "results"
 OUT = HERE.parent.parent / "BENCHMARKS.md"
 # Tables in the order a user meets the product: launch, train, checkpoint.
 ORDER = ["launch_bench", "ssh_launch_bench", "slurm_submit_bench", "engine_bench", "heartbeat_bench",
-         "optimizer_bench", "cpu_kernels_bench", "ckpt_bench", "faults", "host_faults", "exit_stress"]
+         "optimizer_bench", "cpu_kernels_bench", "nvme_bench", "ckpt_bench", "faults", "host_faults", "exit_stress"]
 
 
 def _benches(names: list[str]) -> list[Path]:

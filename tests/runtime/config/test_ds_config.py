@@ -69,8 +69,9 @@ def test_auto_says_what_to_put_there() -> None:
 
 
 def test_unimplemented_keys_are_reported_not_ignored() -> None:
-    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
-    assert "'zero_optimization.offload_optimizer.device'" in msg and "not implemented" in msg
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/tmp"}}})
+    assert "'zero_optimization.offload_param.device'" in msg and "not implemented" in msg
     assert "not implemented" in _error({"train_batch_size": 8, "tensorboard": {"enabled": True}})
     assert "not implemented" in _error({"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})

@@ -94,7 +94,7 @@ def test_deep_nesting_is_refused(tmp_path: Path, name: str, text: str) -> None:
 
 def test_nesting_up_to_the_limit_is_accepted(tmp_path: Path) -> None:
     depth = MAX_DEPTH - 1  # plus the top-level object
-    path = _file(tmp_path, "ok.json", '{"train_batch_size": 2, "aio": ' + "[" * depth + "]" * depth + "}")
+    path = _file(tmp_path, "ok.json", '{"train_batch_size": 2, "zero_force_ds_cpu_optimizer": ' + "[" * depth + "]" * depth + "}")
     assert load_config(path, 1).train_batch_size == 2
 
 

@@ -1,0 +1,16 @@
+"""ZeRO-Offload and ZeRO-Infinity's optimizer side: the optimizer step of a host-resident master.
+
+What lives where:
+
+- ``step.py``: ``OffloadedStep``, the step of ``offload_optimizer`` (stages 1-3): the host master
+  shard updated in buckets (``sub_group_size``), gradients streamed in and updated parameters
+  streamed back one bucket ahead/behind, the optimizer state in host memory (``device: cpu``) or
+  swapped through a file per rank (``device: nvme``), with read-ahead and write-behind.
+- ``rules.py``: the update of one bucket for the optimizers with CPU kernels (Adam/AdamW fused with
+  the 16-bit copy, Adagrad, Lion); other optimizers run torch's own step over the whole shard.
+- ``swap.py``: ``SwapFile``, a rank's nameless swap file (freed by the kernel at any exit) read and
+  written by a thread pool of ``os.preadv``/``os.pwritev`` (``aio.block_size``/``queue_depth``).
+
+Not here: ``offload_param`` (stage 3's parameter shards in host memory, ``partitioned.py``) and
+NVMe for parameters (not implemented).
+"""

@@ -1,0 +1,317 @@
+"""The offloaded optimizer step: the master shard updated bucket by bucket, transfers overlapped.
+
+The fp32 master shard of each param group lives in host memory; its optimizer state in host
+memory (``device: cpu``) or in this rank's swap file (``device: nvme``). The strategy computes the
+global gradient norm first, over all the gradient shards where they are (exact clipping needs it
+before any update), and hands ``update`` the one factor the gradients are multiplied by (average,
+unscale, clip). ``update`` then walks the buckets (``sub_group_size`` elements, at most
+``buffer_size`` with NVMe) in order; for bucket i:
+
+- its gradient slice is already on the way to the host (the copy of bucket i+1 is started before
+  bucket i is updated; non_blocking into pinned memory on CUDA, the slice itself on CPU);
+- with NVMe its state was read ahead (``pipeline_read``) while bucket i-1 was updated, and is
+  written back behind it (``pipeline_write``), through a ring of ``buffer_count // len(state)``
+  bucket buffers;
+- the update (``rules``: the fused C kernel for Adam/AdamW, the single-op kernels for Adagrad and
+  Lion) also writes the 16-bit copy of the new parameters, which goes back to the device (or is
+  written straight into the model's shard on a CPU host) as soon as the bucket is done.
+
+Optimizers without a rule run torch's ``optimizer.step()`` over the whole host shard (CPU offload
+only: their state layout is unknown before their first step, so NVMe refuses them).
+
+With NVMe, ``optimizer.state[master]`` holds only the step count between steps; ``state_tensors``
+reads the rest back for checkpoints and ``store_loaded`` writes a loaded state out again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dslaunch.errors import ConfigError
+from dslaunch.runtime.zero.offload.rules import Rule, rule_for
+from dslaunch.runtime.zero.offload.swap import Pending, SwapFile, SwapSettings
+
+__all__ = ["Bucket", "OffloadedStep", "plan_buckets"]
+
+_F32 = 4  # bytes per state element
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Elements [lo, hi) of param group ``group``'s shard."""
+
+    group: int
+    lo: int
+    hi: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def plan_buckets(shard_sizes: list[int], bucket_numel: int) -> list[Bucket]:
+    """Each group's shard cut into buckets of at most ``bucket_numel`` elements, in order."""
+    return [Bucket(gi, lo, min(lo + bucket_numel, n)) for gi, n in enumerate(shard_sizes)
+            for lo in range(0, n, bucket_numel)]
+
+
+class _Staging:
+    """Host copies of device tensors, one bucket ahead (pinned memory on an accelerator)."""
+
+    def __init__(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32, count: int = 2):
+        self.device = device
+        pin = device.type == "cuda"
+        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(count)]
+        self.events: list[object | None] = [None] * count
+
+    def fetch(self, i: int, src: torch.Tensor) -> torch.Tensor:
+        """Start copying ``src`` into slot ``i % count``; the tensor there is valid after ``ready``."""
+        k = i % len(self.buffers)
+        dst = self.buffers[k][:src.numel()]
+        dst.copy_(src, non_blocking=True)
+        self.events[k] = _record(self.device)
+        return dst
+
+    def ready(self, i: int) -> None:
+        _wait(self.events[i % len(self.buffers)])
+
+
+def _record(device: torch.device) -> object | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _wait(event: object | None) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+class OffloadedStep:
+    """The bucketed update of every group's host master shard (see the module docstring).
+
+    Args:
+        groups: the placement's groups (``FlatGroup``/``ShardGroup``: ``master``, ``model_shard``).
+        optimizer: the torch optimizer over the masters (one tensor per param group).
+        bucket_numel: elements per bucket (``sub_group_size``).
+        swap: NVMe settings, or None to keep the state in host memory.
+
+    Raises:
+        ConfigError: NVMe with an optimizer that has no rule, too few buffers, or a bad
+            ``nvme_path`` (see ``swap.SwapFile``).
+    """
+
+    def __init__(self, groups: list, optimizer: torch.optim.Optimizer, bucket_numel: int,
+                 swap: SwapSettings | None = None):
+        self.groups, self.optimizer = groups, optimizer
+        self.rule: Rule | None = rule_for(optimizer)
+        self.swap = None
+        if swap is not None:
+            self.rule = self._nvme_rule(swap)
+            bucket_numel = min(bucket_numel, swap.buffer_size)
+        sizes = [g.master.numel() for g in groups]
+        self.buckets = plan_buckets(sizes, bucket_numel)
+        self.bucket_numel = max((b.numel for b in self.buckets), default=0)
+        device = groups[0].device
+        self._staged = device.type != "cpu"
+        self._grads = _Staging(self.bucket_numel, device) if self._staged else None
+        self._outs: dict[torch.dtype, _Staging] = {}
+        if swap is not None:
+            keys = self.rule.state_keys
+            self._offsets = {}  # (group, key) -> byte offset of that state tensor in the file
+            at = 0
+            for gi, n in enumerate(sizes):
+                for k in keys:
+                    self._offsets[gi, k] = at
+                    at += n * _F32
+            self.swap = SwapFile(swap, at)
+            slots = max(1, swap.buffer_count // len(keys))
+            self._ring = [torch.empty(len(keys), self.bucket_numel, dtype=torch.float32) for _ in range(slots)]
+            self._writes: list[Pending | None] = [None] * slots
+            self._reads: dict[int, list[Pending]] = {}
+            # Reading ahead needs a second slot: the next bucket must not land in this one's buffers.
+            self._read_ahead = swap.pipeline_read and slots > 1
+            self.store_loaded(fresh=True)  # state the optimizer created at construction (Adagrad's sums)
+
+    def _nvme_rule(self, swap: SwapSettings) -> Rule:
+        key = "zero_optimization.offload_optimizer"
+        if self.rule is None:
+            raise ConfigError(f"\"device\": \"nvme\" swaps the state of Adam/AdamW (without amsgrad/"
+                              f"maximize), Adagrad and Lion; {type(self.optimizer).__name__} is not one of "
+                              "them: use \"device\": \"cpu\"", key=f"{key}.device")
+        if swap.buffer_count < len(self.rule.state_keys):
+            raise ConfigError(f"{swap.buffer_count} is too few: a bucket of {self.rule.name} takes "
+                              f"{len(self.rule.state_keys)} buffers (one per state tensor); "
+                              f"use {2 * len(self.rule.state_keys)} or more to pipeline",
+                              key=f"{key}.buffer_count")
+        return self.rule
+
+    # ----- the step ---------------------------------------------------------------------------
+    def update(self, grads: list[torch.Tensor], factor: float,
+               torch_step: Callable[[list[torch.Tensor], float], None]) -> None:
+        """Update every master shard with ``grads * factor``; refresh the model's shards.
+
+        ``grads``: this rank's fp32 gradient shard per group, wherever they are (device or host).
+        ``torch_step(host_grads, factor)``: the strategy's ``optimizer.step()`` for optimizers
+        without a rule (the masters' ``.grad`` set to ``host_grads``).
+        """
+        if self.rule is None:
+            self._torch_update(grads, factor, torch_step)
+        else:
+            self._bucket_update(grads, factor)
+
+    def _torch_update(self, grads: list[torch.Tensor], factor: float,
+                      torch_step: Callable[[list[torch.Tensor], float], None]) -> None:
+        host = [t.to("cpu") for t in grads]
+        for g, t in zip(self.groups, host, strict=True):
+            g.master.grad = t
+        try:
+            torch_step(host, factor)
+        finally:
+            for g in self.groups:
+                g.master.grad = None
+        for g in self.groups:
+            g.copy_master_to_model()
+
+    def _bucket_update(self, grads: list[torch.Tensor], factor: float) -> None:
+        rule = self.rule
+        args = [rule.begin(self.optimizer, gi) for gi in range(len(self.groups))]
+        buckets = self.buckets
+        pending_out: list[object | None] = []
+        if buckets:
+            self._fetch_grad(0, buckets[0], grads)
+            self._read_state(0, buckets[0])
+        for i, b in enumerate(buckets):
+            g = self.groups[b.group]
+            grad = self._grad_ready(i, b, grads)
+            if i + 1 < len(buckets):  # the next bucket's transfers overlap this update
+                self._fetch_grad(i + 1, buckets[i + 1], grads)
+                if self.swap is not None and self._read_ahead:
+                    self._read_state(i + 1, buckets[i + 1])
+            states = self._state_ready(i, b)
+            master = g.master.data[b.lo:b.hi]
+            model = g.model_shard[b.lo:b.hi]
+            aliased = model.data_ptr() == master.data_ptr()
+            out = None
+            if not aliased and model.dtype != torch.float32:
+                out = model if model.device.type == "cpu" else self._out_buffer(i, model.dtype)[:b.numel]
+            rule.apply(args[b.group], master, grad, states, factor, out)
+            if not aliased and model.device.type != "cpu":
+                pending_out.append(self._send(i, model, master if out is None else out))
+            elif not aliased and out is None:
+                model.copy_(master)
+            self._write_state(i, b, states)
+            if self.swap is not None and not self._read_ahead and i + 1 < len(buckets):
+                self._read_state(i + 1, buckets[i + 1])
+        for event in pending_out:
+            _wait(event)
+        self._drain()
+
+    # ----- gradients in, parameters out -------------------------------------------------------
+    def _fetch_grad(self, i: int, b: Bucket, grads: list[torch.Tensor]) -> None:
+        if self._grads is not None and grads[b.group].device.type != "cpu":
+            self._grads.fetch(i, grads[b.group][b.lo:b.hi])
+
+    def _grad_ready(self, i: int, b: Bucket, grads: list[torch.Tensor]) -> torch.Tensor:
+        if self._grads is None or grads[b.group].device.type == "cpu":  # on the host already
+            return grads[b.group][b.lo:b.hi]
+        self._grads.ready(i)
+        return self._grads.buffers[i % 2][:b.numel]
+
+    def _out_buffer(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        staging = self._outs.get(dtype)
+        if staging is None:
+            staging = self._outs[dtype] = _Staging(self.bucket_numel, self.groups[0].device, dtype)
+        staging.ready(i)  # the copy that last used this buffer (two buckets ago) is done
+        return staging.buffers[i % 2]
+
+    def _send(self, i: int, model: torch.Tensor, src: torch.Tensor) -> object | None:
+        model.copy_(src[:model.numel()], non_blocking=True)
+        event = _record(model.device)
+        if src.dtype in self._outs:
+            self._outs[src.dtype].events[i % 2] = event
+        return event
+
+    # ----- NVMe state -------------------------------------------------------------------------
+    def _slot(self, i: int) -> torch.Tensor:
+        return self._ring[i % len(self._ring)]
+
+    def _read_state(self, i: int, b: Bucket) -> None:
+        if self.swap is None:
+            return
+        k = i % len(self._ring)
+        if self._writes[k] is not None:  # the slot's last bucket must be on disk before reuse
+            self._writes[k].wait()
+            self._writes[k] = None
+        buf = self._ring[k]
+        self._reads[i] = [self.swap.read(self._offsets[b.group, key] + b.lo * _F32, buf[j, :b.numel])
+                          for j, key in enumerate(self.rule.state_keys)]
+
+    def _state_ready(self, i: int, b: Bucket) -> list[torch.Tensor]:
+        if self.swap is None:
+            state = self.optimizer.state[self.groups[b.group].master]
+            for key in self.rule.state_keys:
+                if key not in state:  # created on first use, as the optimizer would
+                    state[key] = torch.zeros_like(self.groups[b.group].master.data)
+            return [state[key][b.lo:b.hi] for key in self.rule.state_keys]
+        for r in self._reads.pop(i):
+            r.wait()
+        buf = self._slot(i)
+        return [buf[j, :b.numel] for j in range(len(self.rule.state_keys))]
+
+    def _write_state(self, i: int, b: Bucket, states: list[torch.Tensor]) -> None:
+        if self.swap is None:
+            return
+        pending = Pending.all([self.swap.write(self._offsets[b.group, key] + b.lo * _F32, t)
+                               for key, t in zip(self.rule.state_keys, states, strict=True)])
+        if self.swap.settings.pipeline_write:
+            self._writes[i % len(self._ring)] = pending
+        else:
+            pending.wait()
+
+    def _drain(self) -> None:
+        for k, w in enumerate(self._writes if self.swap is not None else []):
+            if w is not None:
+                w.wait()
+                self._writes[k] = None
+
+    # ----- checkpoints ------------------------------------------------------------------------
+    def state_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
+        """NVMe: every group's state tensors read back from the swap file (new host tensors)."""
+        if self.swap is None:
+            return {}
+        return {gi: {k: self.state_tensor(gi, k) for k in self.rule.state_keys} for gi in range(len(self.groups))}
+
+    def state_tensor(self, group: int, key: str) -> torch.Tensor | None:
+        """NVMe: state ``key`` of ``group`` read back from the swap file (None: not swapped)."""
+        if self.swap is None or (group, key) not in self._offsets:
+            return None
+        t = torch.empty_like(self.groups[group].master.data)
+        self.swap.read(self._offsets[group, key], t).wait()
+        return t
+
+    def store_loaded(self, fresh: bool = False) -> None:
+        """NVMe: move the state tensors the optimizer holds (a loaded checkpoint, or state created
+        at construction) into the swap file, keeping only the scalars in host memory. Missing
+        state is written as zeros, unless ``fresh`` (the reserved file reads as zeros)."""
+        if self.swap is None:
+            return
+        for gi, g in enumerate(self.groups):
+            state = self.optimizer.state.get(g.master, {})
+            for key in self.rule.state_keys:
+                t = state.pop(key, None)
+                if t is None and fresh:
+                    continue
+                if t is None:  # never stepped: zeros, as the optimizer would create
+                    t = torch.zeros_like(g.master.data)
+                self.swap.write(self._offsets[gi, key], t.to(torch.float32).contiguous()).wait()
+
+    def close(self) -> None:
+        """Free the swap file now (it is freed at exit anyway)."""
+        if self.swap is not None:
+            self.swap.close()
