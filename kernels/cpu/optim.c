@@ -93,6 +93,8 @@ typedef struct {
     float *s1, *s2;
     void *out;
     const void *args;      /* the kernel's own arguments (AdamArgs, AdagradArgs, LionArgs) */
+    int divides;           /* gradients are divided (grad_div != 1): a loop of its own, since gcc
+                              would otherwise divide every element and blend (vdivps is slow) */
 } Job;
 
 typedef void (*RangeFn)(const Job *job, ptrdiff_t lo, ptrdiff_t hi);
@@ -108,12 +110,13 @@ static void for_blocks(RangeFn fn, const Job *job, int64_t n, int threads) {
     }
 }
 
-/* A kernel's loop, RANGE(p, g, s1, s2, out, args, lo, hi, gdt, odt) with restrict pointers,
- * instantiated once per (gradient dtype, copy dtype) so that no dtype test stays in a loop;
- * NAME[gdt * 3 + odt] is the instance. */
+/* A kernel's loop, RANGE(p, g, s1, s2, out, args, lo, hi, gdt, odt, divides) with restrict
+ * pointers, instantiated once per (gradient dtype, copy dtype, divides) so that no dtype test or
+ * division stays in a loop that does not need it; NAME[gdt * 3 + odt] is the instance. */
 #define INSTANCE(RANGE, G, O)                                                                     \
     static void RANGE##_##G##_##O(const Job *j, ptrdiff_t lo, ptrdiff_t hi) {                     \
-        RANGE(j->p, j->g, j->s1, j->s2, j->out, j->args, lo, hi, G, O);                           \
+        if (j->divides) RANGE(j->p, j->g, j->s1, j->s2, j->out, j->args, lo, hi, G, O, 1);        \
+        else RANGE(j->p, j->g, j->s1, j->s2, j->out, j->args, lo, hi, G, O, 0);                   \
     }
 #define INSTANCES(NAME, RANGE)                                                                    \
     INSTANCE(RANGE, F32, F32) INSTANCE(RANGE, F32, BF16) INSTANCE(RANGE, F32, F16)                \
@@ -125,14 +128,16 @@ static void for_blocks(RangeFn fn, const Job *job, int64_t n, int threads) {
 
 #define RANGE_PARAMS                                                                              \
     float *restrict p, const void *restrict g, float *restrict s1, float *restrict s2,            \
-    void *restrict out, const void *args, ptrdiff_t lo, ptrdiff_t hi, const int gdt, const int odt
+    void *restrict out, const void *args, ptrdiff_t lo, ptrdiff_t hi, const int gdt, const int odt,      \
+    const int divides
 
 /* The gradient as the update sees it: times grad_mul (clip / loss scale), then divided by
  * grad_div (torch's grad_scale: torch divides, and dividing here rounds the same). */
-ALWAYS_INLINE float scaled_grad(const void *g, ptrdiff_t i, const int gdt, float grad_mul, float grad_div) {
+ALWAYS_INLINE float scaled_grad(const void *g, ptrdiff_t i, const int gdt, float grad_mul, float grad_div,
+                                const int divides) {
     float grad = load_grad(g, i, gdt);
     if (grad_mul != 1.0f) grad = grad * grad_mul;
-    if (grad_div != 1.0f) grad = grad / grad_div;
+    if (divides) grad = grad / grad_div;
     return grad;
 }
 
@@ -154,7 +159,7 @@ ALWAYS_INLINE void adam_range(RANGE_PARAMS) {
     const AdamArgs a = *(const AdamArgs *)args;
     const int l2 = !a.adamw_mode && a.weight_decay != 0.0f, decoupled = a.adamw_mode && a.weight_decay != 0.0f;
     for (ptrdiff_t i = lo; i < hi; i++) {
-        float grad = scaled_grad(g, i, gdt, a.grad_mul, a.grad_div);
+        float grad = scaled_grad(g, i, gdt, a.grad_mul, a.grad_div, divides);
         float param = p[i];
         if (l2) grad = fmaf(param, a.weight_decay, grad);
         float mi = lerp(s1[i], grad, a.one_m_beta1);
@@ -178,7 +183,7 @@ void dsl_adam(float *p, const void *g, int gdt, float *m, float *v, void *out, i
               int threads) {
     const AdamArgs a = { one_m_beta1, beta2, one_m_beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
                          grad_mul, grad_div, adamw_mode };
-    const Job job = { p, g, m, v, out, &a };
+    const Job job = { p, g, m, v, out, &a, grad_div != 1.0f };
     for_blocks(ADAM[gdt * 3 + odt], &job, n, threads);
 }
 
@@ -191,7 +196,7 @@ ALWAYS_INLINE void adagrad_range(RANGE_PARAMS) {
     const AdagradArgs a = *(const AdagradArgs *)args;
     (void)s2;
     for (ptrdiff_t i = lo; i < hi; i++) {
-        float grad = scaled_grad(g, i, gdt, a.grad_mul, a.grad_div);
+        float grad = scaled_grad(g, i, gdt, a.grad_mul, a.grad_div, divides);
         float param = p[i];
         if (a.weight_decay != 0.0f) grad = fmaf(param, a.weight_decay, grad);
         float s = fmaf(grad, grad, s1[i]);
@@ -206,7 +211,7 @@ INSTANCES(ADAGRAD, adagrad_range)
 void dsl_adagrad(float *p, const void *g, int gdt, float *sum, void *out, int odt, int64_t n, float clr,
                  float eps, float weight_decay, float grad_mul, float grad_div, int threads) {
     const AdagradArgs a = { clr, eps, weight_decay, grad_mul, grad_div };
-    const Job job = { p, g, sum, NULL, out, &a };
+    const Job job = { p, g, sum, NULL, out, &a, grad_div != 1.0f };
     for_blocks(ADAGRAD[gdt * 3 + odt], &job, n, threads);
 }
 
@@ -218,9 +223,9 @@ typedef struct { float lr, one_m_beta1, one_m_beta2, decay, grad_mul; } LionArgs
 
 ALWAYS_INLINE void lion_range(RANGE_PARAMS) {
     const LionArgs a = *(const LionArgs *)args;
-    (void)s2;
+    (void)s2, (void)divides;
     for (ptrdiff_t i = lo; i < hi; i++) {
-        float grad = scaled_grad(g, i, gdt, a.grad_mul, 1.0f);
+        float grad = scaled_grad(g, i, gdt, a.grad_mul, 1.0f, 0);
         float mi = s1[i];
         float c = lerp(mi, grad, a.one_m_beta1);
         float sign = (float)(c > 0.0f) - (float)(c < 0.0f);
@@ -237,7 +242,7 @@ INSTANCES(LION, lion_range)
 void dsl_lion(float *p, const void *g, int gdt, float *m, void *out, int odt, int64_t n, float lr,
               float one_m_beta1, float one_m_beta2, float decay, float grad_mul, int threads) {
     const LionArgs a = { lr, one_m_beta1, one_m_beta2, decay, grad_mul };
-    const Job job = { p, g, m, NULL, out, &a };
+    const Job job = { p, g, m, NULL, out, &a, 0 };
     for_blocks(LION[gdt * 3 + odt], &job, n, threads);
 }
 
@@ -247,7 +252,7 @@ void dsl_lion(float *p, const void *g, int gdt, float *m, void *out, int odt, in
  * (read p, g and the states present, write p and the states in place, write the 16-bit copy),
  * with one add per tensor instead of the optimizer's arithmetic. */
 ALWAYS_INLINE void stream_range(RANGE_PARAMS) {
-    (void)args;
+    (void)args, (void)divides;
     for (ptrdiff_t i = lo; i < hi; i++) {
         float x = load_grad(g, i, gdt);
         float param = p[i] + x;
@@ -261,7 +266,7 @@ INSTANCES(STREAM, stream_range)
 
 void dsl_stream(float *p, const void *g, int gdt, float *s1, float *s2, void *out, int odt, int64_t n,
                 int threads) {
-    const Job job = { p, g, s1, s2, out, NULL };
+    const Job job = { p, g, s1, s2, out, NULL, 0 };
     for_blocks(STREAM[gdt * 3 + odt], &job, n, threads);
 }
 
