@@ -279,31 +279,33 @@ ALWAYS_INLINE double sum_range(const void *restrict g, ptrdiff_t lo, ptrdiff_t h
     double s = 0.0;
     #pragma omp simd reduction(+ : s)
     for (ptrdiff_t i = lo; i < hi; i++) {
-        double x = (double)(square ? load_grad(g, i, gdt) * grad_mul : load_grad(g, i, gdt));
+        double x = (double)(load_grad(g, i, gdt) * grad_mul);
         s += square ? x * x : x;
     }
     return s;
 }
 
-ALWAYS_INLINE double sum_block(const void *g, int gdt, ptrdiff_t lo, ptrdiff_t hi, float grad_mul,
-                               const int square) {
-    switch (gdt) {
-    case BF16: return sum_range(g, lo, hi, grad_mul, BF16, square);
-    case F16: return sum_range(g, lo, hi, grad_mul, F16, square);
-    default: return sum_range(g, lo, hi, grad_mul, F32, square);
+/* Instances per (gradient dtype, square), picked before the OpenMP region: a constant passed
+ * into the region would reach its outlined body as a runtime value (and one variant would not
+ * vectorise). */
+typedef double (*SumFn)(const void *g, ptrdiff_t lo, ptrdiff_t hi, float grad_mul);
+#define SUM_INSTANCE(G, SQ)                                                                       \
+    static double sum_##G##_##SQ(const void *g, ptrdiff_t lo, ptrdiff_t hi, float grad_mul) {     \
+        return sum_range(g, lo, hi, grad_mul, G, SQ);                                             \
     }
-}
+SUM_INSTANCE(F32, 0) SUM_INSTANCE(BF16, 0) SUM_INSTANCE(F16, 0)
+SUM_INSTANCE(F32, 1) SUM_INSTANCE(BF16, 1) SUM_INSTANCE(F16, 1)
+static const SumFn SUM[2][3] = { { sum_F32_0, sum_BF16_0, sum_F16_0 }, { sum_F32_1, sum_BF16_1, sum_F16_1 } };
 
 /* The reduction frame: the blocks of for_blocks, partial sums added by OpenMP. The reduction
  * order is fixed for a given thread count. */
-ALWAYS_INLINE double sum_blocks(const void *g, int gdt, int64_t n, float grad_mul, int threads,
-                                const int square) {
+static double sum_blocks(SumFn fn, const void *g, int64_t n, float grad_mul, int threads) {
     const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
     double total = 0.0;
     #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN) reduction(+ : total)
     for (ptrdiff_t b = 0; b < blocks; b++) {
         const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-        total += sum_block(g, gdt, lo, hi, grad_mul, square);
+        total += fn(g, lo, hi, grad_mul);
     }
     return total;
 }
@@ -312,12 +314,12 @@ ALWAYS_INLINE double sum_blocks(const void *g, int gdt, int64_t n, float grad_mu
  * when a gradient is inf/NaN (a finite fp32 squared stays finite in double), so the overflow
  * check costs nothing beyond the norm. */
 double dsl_grad_sumsq(const void *g, int gdt, int64_t n, float grad_mul, int threads) {
-    return sum_blocks(g, gdt, n, grad_mul, threads, 1);
+    return sum_blocks(SUM[1][gdt], g, n, grad_mul, threads);
 }
 
 /* The streaming reference of pass 1: read every gradient once, add them up. */
 double dsl_stream_read(const void *g, int gdt, int64_t n, int threads) {
-    return sum_blocks(g, gdt, n, 1.0f, threads, 0);
+    return sum_blocks(SUM[0][gdt], g, n, 1.0f, threads);
 }
 
 /* Copy of fp32 params to bf16/fp16 (for a step that was skipped, or an initial copy). */
