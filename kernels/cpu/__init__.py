@@ -1,13 +1,14 @@
 """CPU kernels in C: Adam/AdamW, Adagrad, Lion and the fused offloaded step, loaded with ctypes.
 
-- ``optim.c``: the kernels (auto-vectorised loops, OpenMP over fixed blocks).
+- ``optim.c``: the kernels (auto-vectorised loops, one OpenMP frame over fixed blocks), and the
+  streaming references the benchmark measures them against (``dsl_stream``, ``dsl_stream_read``).
 - ``build.py``: builds ``optim.c`` on first use into a cache keyed by source, flags, compiler and
   CPU; without a compiler ``available()`` is false and the dispatch point keeps torch.
-- ``ops.py``: one call per flat tensor (``adam``, ``adagrad``, ``lion``, ``grad_sumsq``) and the
-  ``"adam"``/``"lion"`` dispatch ops.
+- ``ops.py``: one call per flat tensor (``adam``, ``adagrad``, ``lion``, ``grad_sumsq``,
+  ``stream``) and the ``"adam"``/``"lion"``/``"adagrad"`` dispatch ops.
 - ``torch_steps.py``: the ``"torch.adam(w)"``/``"torch.adagrad"`` dispatch ops (torch's state).
-- ``offload.py``: the offloaded step (unscale, overflow check, norm, clip, update, 16-bit copy)
-  in two passes over the gradients.
+- ``offload.py``: the offloaded steps of Adam, Adagrad and Lion (unscale, overflow check, norm,
+  clip, update, 16-bit copy) in two passes over the gradients.
 - ``optimizers.py``: DeepSpeed's ``DeepSpeedCPUAdam``/``Adagrad``/``Lion`` and ``FusedAdam``
   classes (re-exported by ``dslaunch.ops``).
 """

@@ -130,10 +130,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
         "dsl_adam": ([p, p, i32, p, p, p, i32, i64] + [f32] * 10 + [i32, i32], None),
-        "dsl_adagrad": ([p, p, p, i64] + [f32] * 5 + [i32], None),
-        "dsl_lion": ([p, p, p, i64, f32, f32, f32, f32, f32, i32], None),
+        "dsl_adagrad": ([p, p, i32, p, p, i32, i64] + [f32] * 5 + [i32], None),
+        "dsl_lion": ([p, p, i32, p, p, i32, i64] + [f32] * 5 + [i32], None),
         "dsl_grad_sumsq": ([p, i32, i64, f32, i32], ctypes.c_double),
         "dsl_copy_out": ([p, p, i32, i64, i32], None),
+        "dsl_stream": ([p, p, i32, p, p, p, i32, i64, i32], None),
+        "dsl_stream_read": ([p, i32, i64, i32], ctypes.c_double),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

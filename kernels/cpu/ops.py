@@ -19,7 +19,7 @@ import torch
 
 from dslaunch.kernels.cpu.build import library
 
-__all__ = ["adam", "adagrad", "lion", "grad_sumsq", "copy_out", "takes", "adam_op", "lion_op", "adagrad_op"]
+__all__ = ["adam", "adagrad", "lion", "grad_sumsq", "copy_out", "stream", "stream_read", "takes", "adam_op", "lion_op", "adagrad_op"]
 
 # Dtype codes of optim.c (a parameter copy of code 0 means "no copy").
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -59,24 +59,28 @@ def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
     # Coefficients in double, rounded once to fp32, as torch's fused Adam computes them.
     _lib().dsl_adam(param.data_ptr(), grad.data_ptr(), _grad_code(grad), exp_avg.data_ptr(),
-                    exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(),
-                    0 if out is None else _copy_code(out), n, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+                    exp_avg_sq.data_ptr(), *_out(out), n, 1.0 - beta1, beta2, 1.0 - beta2, eps,
                     weight_decay, 1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div,
                     int(adamw_mode), torch.get_num_threads())
 
 
 def adagrad(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, *, clr: float, eps: float,
-            weight_decay: float, grad_mul: float = 1.0, grad_div: float = 1.0) -> None:
-    """One Adagrad step (torch's, at the current learning rate ``clr``), in place; all fp32."""
-    _lib().dsl_adagrad(param.data_ptr(), grad.data_ptr(), state_sum.data_ptr(), param.numel(), clr, eps,
-                       weight_decay, grad_mul, grad_div, torch.get_num_threads())
+            weight_decay: float, grad_mul: float = 1.0, grad_div: float = 1.0,
+            out: torch.Tensor | None = None) -> None:
+    """One Adagrad step (torch's, at the current learning rate ``clr``), in place.
+
+    ``grad`` may be fp32, bf16 or fp16; ``grad_mul``, ``grad_div`` and ``out`` as in ``adam``.
+    """
+    _lib().dsl_adagrad(param.data_ptr(), grad.data_ptr(), _grad_code(grad), state_sum.data_ptr(), *_out(out),
+                       param.numel(), clr, eps, weight_decay, grad_mul, grad_div, torch.get_num_threads())
 
 
 def lion(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float,
-         beta2: float, weight_decay: float, grad_mul: float = 1.0) -> None:
-    """One Lion step, in place; all fp32."""
-    _lib().dsl_lion(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), param.numel(), lr, 1.0 - beta1,
-                    1.0 - beta2, 1.0 - lr * weight_decay, grad_mul, torch.get_num_threads())
+         beta2: float, weight_decay: float, grad_mul: float = 1.0, out: torch.Tensor | None = None) -> None:
+    """One Lion step, in place; ``grad`` may be fp32, bf16 or fp16, ``out`` as in ``adam``."""
+    _lib().dsl_lion(param.data_ptr(), grad.data_ptr(), _grad_code(grad), exp_avg.data_ptr(), *_out(out),
+                    param.numel(), lr, 1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, grad_mul,
+                    torch.get_num_threads())
 
 
 def grad_sumsq(grad: torch.Tensor, grad_mul: float = 1.0) -> float:
@@ -96,6 +100,26 @@ def _copy_code(out: torch.Tensor) -> int:
         raise ValueError(f"the parameter copy must be a contiguous bf16/fp16 CPU tensor, got {out.dtype} "
                          f"on {out.device}")
     return _CODES[out.dtype]
+
+
+def _out(out: torch.Tensor | None) -> tuple[int, int]:
+    """(pointer, dtype code) of an optional 16-bit copy; (0, 0) for none."""
+    return (0, 0) if out is None else (out.data_ptr(), _copy_code(out))
+
+
+def stream(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
+           out: torch.Tensor | None = None) -> None:
+    """The streaming bound of an update: the same reads and in-place writes as an update of
+    ``param`` with these (one or two) ``states`` and optional copy, one add per tensor instead of
+    the optimizer's arithmetic (changes the tensors: for benchmarks)."""
+    s1, s2 = (*(s.data_ptr() for s in states), 0, 0)[:2]
+    _lib().dsl_stream(param.data_ptr(), grad.data_ptr(), _grad_code(grad), s1, s2, *_out(out), param.numel(),
+                      torch.get_num_threads())
+
+
+def stream_read(grad: torch.Tensor) -> float:
+    """The streaming bound of ``grad_sumsq``: the same reads, one add per element."""
+    return _lib().dsl_stream_read(grad.data_ptr(), _grad_code(grad), grad.numel(), torch.get_num_threads())
 
 
 # ------------------------------------------------------------------- the dispatch ops "adam", "lion"

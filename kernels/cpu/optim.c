@@ -83,6 +83,64 @@ ALWAYS_INLINE float lerp(float self, float end, float weight) {
     return weight < 0.5f ? fmaf(weight, end - self, self) : fmaf(weight - 1.0f, end - self, end);
 }
 
+/* ------------------------------------------------------------------ the frame every kernel shares */
+
+/* The tensors of one elementwise kernel call, n elements each: the fp32 parameters, the gradient
+ * (dtype gdt), up to two fp32 states (NULL when absent) and the 16-bit copy (dtype odt, 0 = none). */
+typedef struct {
+    float *p;
+    const void *g;
+    float *s1, *s2;
+    void *out;
+    const void *args;      /* the kernel's own arguments (AdamArgs, AdagradArgs, LionArgs) */
+    int divides;           /* gradients are divided (grad_div != 1): a loop of its own, since gcc
+                              would otherwise divide every element and blend (vdivps is slow) */
+} Job;
+
+typedef void (*RangeFn)(const Job *job, ptrdiff_t lo, ptrdiff_t hi);
+
+/* One OpenMP frame for all elementwise kernels: fixed blocks, static schedule, so each thread
+ * touches the same elements every step (and first-touch placement stays put). */
+static void for_blocks(RangeFn fn, const Job *job, int64_t n, int threads) {
+    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        fn(job, lo, hi);
+    }
+}
+
+/* A kernel's loop, RANGE(p, g, s1, s2, out, args, lo, hi, gdt, odt, divides) with restrict
+ * pointers, instantiated once per (gradient dtype, copy dtype, divides) so that no dtype test or
+ * division stays in a loop that does not need it; NAME[gdt * 3 + odt] is the instance. */
+#define INSTANCE(RANGE, G, O)                                                                     \
+    static void RANGE##_##G##_##O(const Job *j, ptrdiff_t lo, ptrdiff_t hi) {                     \
+        if (j->divides) RANGE(j->p, j->g, j->s1, j->s2, j->out, j->args, lo, hi, G, O, 1);        \
+        else RANGE(j->p, j->g, j->s1, j->s2, j->out, j->args, lo, hi, G, O, 0);                   \
+    }
+#define INSTANCES(NAME, RANGE)                                                                    \
+    INSTANCE(RANGE, F32, F32) INSTANCE(RANGE, F32, BF16) INSTANCE(RANGE, F32, F16)                \
+    INSTANCE(RANGE, BF16, F32) INSTANCE(RANGE, BF16, BF16) INSTANCE(RANGE, BF16, F16)             \
+    INSTANCE(RANGE, F16, F32) INSTANCE(RANGE, F16, BF16) INSTANCE(RANGE, F16, F16)                \
+    static const RangeFn NAME[9] = {                                                              \
+        RANGE##_F32_F32, RANGE##_F32_BF16, RANGE##_F32_F16, RANGE##_BF16_F32, RANGE##_BF16_BF16,  \
+        RANGE##_BF16_F16, RANGE##_F16_F32, RANGE##_F16_BF16, RANGE##_F16_F16 };
+
+#define RANGE_PARAMS                                                                              \
+    float *restrict p, const void *restrict g, float *restrict s1, float *restrict s2,            \
+    void *restrict out, const void *args, ptrdiff_t lo, ptrdiff_t hi, const int gdt, const int odt,      \
+    const int divides
+
+/* The gradient as the update sees it: times grad_mul (clip / loss scale), then divided by
+ * grad_div (torch's grad_scale: torch divides, and dividing here rounds the same). */
+ALWAYS_INLINE float scaled_grad(const void *g, ptrdiff_t i, const int gdt, float grad_mul, float grad_div,
+                                const int divides) {
+    float grad = load_grad(g, i, gdt);
+    if (grad_mul != 1.0f) grad = grad * grad_mul;
+    if (divides) grad = grad / grad_div;
+    return grad;
+}
+
 /* ------------------------------------------------------------------------------------ Adam */
 
 /* Coefficients such as 1 - beta1 come computed in double and rounded once (as torch does):
@@ -92,42 +150,31 @@ typedef struct {
     float decay;           /* 1 - lr * weight_decay */
     float step_size;       /* lr / (1 - beta1^t), or lr without bias correction */
     float bc2_sqrt;        /* sqrt(1 - beta2^t), or 1 */
-    float grad_mul;        /* gradients are multiplied by it first (clip / loss scale) */
-    float grad_div;        /* then divided by it (torch's grad_scale: torch divides) */
+    float grad_mul, grad_div;
     int adamw_mode;        /* decoupled weight decay, else L2 added to the gradient */
 } AdamArgs;
 
-ALWAYS_INLINE void adam_range(float *restrict p, const void *restrict g, float *restrict m,
-                              float *restrict v, void *restrict out, ptrdiff_t lo, ptrdiff_t hi,
-                              const AdamArgs a, const int gdt, const int odt) {
+/* s1 = exp_avg, s2 = exp_avg_sq. */
+ALWAYS_INLINE void adam_range(RANGE_PARAMS) {
+    const AdamArgs a = *(const AdamArgs *)args;
     const int l2 = !a.adamw_mode && a.weight_decay != 0.0f, decoupled = a.adamw_mode && a.weight_decay != 0.0f;
     for (ptrdiff_t i = lo; i < hi; i++) {
-        float grad = load_grad(g, i, gdt);
-        if (a.grad_mul != 1.0f) grad = grad * a.grad_mul;
-        if (a.grad_div != 1.0f) grad = grad / a.grad_div;
+        float grad = scaled_grad(g, i, gdt, a.grad_mul, a.grad_div, divides);
         float param = p[i];
         if (l2) grad = fmaf(param, a.weight_decay, grad);
-        float mi = lerp(m[i], grad, a.one_m_beta1);
-        float vi = fmaf(a.one_m_beta2 * grad, grad, v[i] * a.beta2);
+        float mi = lerp(s1[i], grad, a.one_m_beta1);
+        float vi = fmaf(a.one_m_beta2 * grad, grad, s2[i] * a.beta2);
         float denom = sqrtf(vi) / a.bc2_sqrt + a.eps;
         if (decoupled) param = param * a.decay;
         /* The association torch's fused Adam uses: (-step_size * m) / denom. */
         param = param + (-a.step_size * mi) / denom;
-        m[i] = mi;
-        v[i] = vi;
+        s1[i] = mi;
+        s2[i] = vi;
         p[i] = param;
         store_copy(out, i, param, odt);
     }
 }
-
-#define DISPATCH_G_O(FN, ...)                                                            \
-    switch (gdt * 3 + odt) {                                                             \
-    case 0: FN(__VA_ARGS__, F32, F32); break;   case 1: FN(__VA_ARGS__, F32, BF16); break;  \
-    case 2: FN(__VA_ARGS__, F32, F16); break;   case 3: FN(__VA_ARGS__, BF16, F32); break;  \
-    case 4: FN(__VA_ARGS__, BF16, BF16); break; case 5: FN(__VA_ARGS__, BF16, F16); break;  \
-    case 6: FN(__VA_ARGS__, F16, F32); break;   case 7: FN(__VA_ARGS__, F16, BF16); break;  \
-    default: FN(__VA_ARGS__, F16, F16); break;                                           \
-    }
+INSTANCES(ADAM, adam_range)
 
 /* One Adam/AdamW step over n elements; out (dtype odt, 0 = none) receives the new params. */
 void dsl_adam(float *p, const void *g, int gdt, float *m, float *v, void *out, int odt, int64_t n,
@@ -136,90 +183,143 @@ void dsl_adam(float *p, const void *g, int gdt, float *m, float *v, void *out, i
               int threads) {
     const AdamArgs a = { one_m_beta1, beta2, one_m_beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
                          grad_mul, grad_div, adamw_mode };
-    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
-    for (ptrdiff_t b = 0; b < blocks; b++) {
-        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-        DISPATCH_G_O(adam_range, p, g, m, v, out, lo, hi, a)
-    }
+    const Job job = { p, g, m, v, out, &a, grad_div != 1.0f };
+    for_blocks(ADAM[gdt * 3 + odt], &job, n, threads);
 }
 
 /* --------------------------------------------------------------------------------- Adagrad */
 
-/* torch's Adagrad: g += wd * p; sum += g^2; p += (-clr * g) / (sqrt(sum) + eps). */
-void dsl_adagrad(float *restrict p, const float *restrict g, float *restrict sum, int64_t n, float clr,
-                 float eps, float weight_decay, float grad_mul, float grad_div, int threads) {
-    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
-    for (ptrdiff_t b = 0; b < blocks; b++) {
-        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-        for (ptrdiff_t i = lo; i < hi; i++) {
-            float grad = g[i];
-            if (grad_mul != 1.0f) grad = grad * grad_mul;
-            if (grad_div != 1.0f) grad = grad / grad_div;
-            if (weight_decay != 0.0f) grad = fmaf(p[i], weight_decay, grad);
-            float s = fmaf(grad, grad, sum[i]);
-            sum[i] = s;
-            p[i] = p[i] + (-clr * grad) / (sqrtf(s) + eps);
-        }
+typedef struct { float clr, eps, weight_decay, grad_mul, grad_div; } AdagradArgs;
+
+/* torch's Adagrad: g += wd * p; sum += g^2; p += (-clr * g) / (sqrt(sum) + eps). s1 = sum. */
+ALWAYS_INLINE void adagrad_range(RANGE_PARAMS) {
+    const AdagradArgs a = *(const AdagradArgs *)args;
+    (void)s2;
+    for (ptrdiff_t i = lo; i < hi; i++) {
+        float grad = scaled_grad(g, i, gdt, a.grad_mul, a.grad_div, divides);
+        float param = p[i];
+        if (a.weight_decay != 0.0f) grad = fmaf(param, a.weight_decay, grad);
+        float s = fmaf(grad, grad, s1[i]);
+        s1[i] = s;
+        param = param + (-a.clr * grad) / (sqrtf(s) + a.eps);
+        p[i] = param;
+        store_copy(out, i, param, odt);
     }
+}
+INSTANCES(ADAGRAD, adagrad_range)
+
+void dsl_adagrad(float *p, const void *g, int gdt, float *sum, void *out, int odt, int64_t n, float clr,
+                 float eps, float weight_decay, float grad_mul, float grad_div, int threads) {
+    const AdagradArgs a = { clr, eps, weight_decay, grad_mul, grad_div };
+    const Job job = { p, g, sum, NULL, out, &a, grad_div != 1.0f };
+    for_blocks(ADAGRAD[gdt * 3 + odt], &job, n, threads);
 }
 
 /* ------------------------------------------------------------------------------------ Lion */
 
 /* c = lerp(m, g, 1 - beta1); p = p * decay - lr * sign(c); m = lerp(m, g, 1 - beta2), with
- * decay = 1 - lr * weight_decay (1 - beta and decay computed in double by the caller). */
-void dsl_lion(float *restrict p, const float *restrict g, float *restrict m, int64_t n, float lr,
-              float one_m_beta1, float one_m_beta2, float decay, float grad_mul, int threads) {
-    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
-    for (ptrdiff_t b = 0; b < blocks; b++) {
-        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-        for (ptrdiff_t i = lo; i < hi; i++) {
-            float grad = g[i];
-            if (grad_mul != 1.0f) grad = grad * grad_mul;
-            float mi = m[i];
-            float c = lerp(mi, grad, one_m_beta1);
-            float sign = (float)(c > 0.0f) - (float)(c < 0.0f);
-            float param = p[i];
-            if (decay != 1.0f) param = param * decay;
-            p[i] = param - lr * sign;
-            m[i] = lerp(mi, grad, one_m_beta2);
-        }
+ * decay = 1 - lr * weight_decay (1 - beta and decay computed in double by the caller). s1 = m. */
+typedef struct { float lr, one_m_beta1, one_m_beta2, decay, grad_mul; } LionArgs;
+
+ALWAYS_INLINE void lion_range(RANGE_PARAMS) {
+    const LionArgs a = *(const LionArgs *)args;
+    (void)s2, (void)divides;
+    for (ptrdiff_t i = lo; i < hi; i++) {
+        float grad = scaled_grad(g, i, gdt, a.grad_mul, 1.0f, 0);
+        float mi = s1[i];
+        float c = lerp(mi, grad, a.one_m_beta1);
+        float sign = (float)(c > 0.0f) - (float)(c < 0.0f);
+        float param = p[i];
+        if (a.decay != 1.0f) param = param * a.decay;
+        param = param - a.lr * sign;
+        p[i] = param;
+        s1[i] = lerp(mi, grad, a.one_m_beta2);
+        store_copy(out, i, param, odt);
     }
+}
+INSTANCES(LION, lion_range)
+
+void dsl_lion(float *p, const void *g, int gdt, float *m, void *out, int odt, int64_t n, float lr,
+              float one_m_beta1, float one_m_beta2, float decay, float grad_mul, int threads) {
+    const LionArgs a = { lr, one_m_beta1, one_m_beta2, decay, grad_mul };
+    const Job job = { p, g, m, NULL, out, &a, 0 };
+    for_blocks(LION[gdt * 3 + odt], &job, n, threads);
+}
+
+/* ---------------------------------------------------------------- streaming bandwidth reference */
+
+/* The bound an update kernel is measured against: the same frame, threads and memory traffic
+ * (read p, g and the states present, write p and the states in place, write the 16-bit copy),
+ * with one add per tensor instead of the optimizer's arithmetic. */
+ALWAYS_INLINE void stream_range(RANGE_PARAMS) {
+    (void)args, (void)divides;
+    for (ptrdiff_t i = lo; i < hi; i++) {
+        float x = load_grad(g, i, gdt);
+        float param = p[i] + x;
+        p[i] = param;
+        if (s1) s1[i] = s1[i] + x;
+        if (s2) s2[i] = s2[i] + x;
+        store_copy(out, i, param, odt);
+    }
+}
+INSTANCES(STREAM, stream_range)
+
+void dsl_stream(float *p, const void *g, int gdt, float *s1, float *s2, void *out, int odt, int64_t n,
+                int threads) {
+    const Job job = { p, g, s1, s2, out, NULL, 0 };
+    for_blocks(STREAM[gdt * 3 + odt], &job, n, threads);
 }
 
 /* ------------------------------------------------------------- pass 1 of the offloaded step */
 
-ALWAYS_INLINE double sumsq_range(const void *restrict g, ptrdiff_t lo, ptrdiff_t hi, float grad_mul,
-                                 const int gdt) {
+/* Sum of (grad * grad_mul)^2 in double, or (square = 0, the streaming reference of this pass)
+ * the plain sum: the same reads with one add. */
+ALWAYS_INLINE double sum_range(const void *restrict g, ptrdiff_t lo, ptrdiff_t hi, float grad_mul,
+                               const int gdt, const int square) {
     double s = 0.0;
     #pragma omp simd reduction(+ : s)
     for (ptrdiff_t i = lo; i < hi; i++) {
         double x = (double)(load_grad(g, i, gdt) * grad_mul);
-        s += x * x;
+        s += square ? x * x : x;
     }
     return s;
 }
 
-/* The sum of squares of the unscaled gradients (grad * grad_mul), in double: inf or NaN exactly
- * when a gradient is inf/NaN (a finite fp32 squared stays finite in double), so the overflow
- * check costs nothing beyond the norm. The reduction order is fixed for a given thread count. */
-double dsl_grad_sumsq(const void *g, int gdt, int64_t n, float grad_mul, int threads) {
+/* Instances per (gradient dtype, square), picked before the OpenMP region: a constant passed
+ * into the region would reach its outlined body as a runtime value (and one variant would not
+ * vectorise). */
+typedef double (*SumFn)(const void *g, ptrdiff_t lo, ptrdiff_t hi, float grad_mul);
+#define SUM_INSTANCE(G, SQ)                                                                       \
+    static double sum_##G##_##SQ(const void *g, ptrdiff_t lo, ptrdiff_t hi, float grad_mul) {     \
+        return sum_range(g, lo, hi, grad_mul, G, SQ);                                             \
+    }
+SUM_INSTANCE(F32, 0) SUM_INSTANCE(BF16, 0) SUM_INSTANCE(F16, 0)
+SUM_INSTANCE(F32, 1) SUM_INSTANCE(BF16, 1) SUM_INSTANCE(F16, 1)
+static const SumFn SUM[2][3] = { { sum_F32_0, sum_BF16_0, sum_F16_0 }, { sum_F32_1, sum_BF16_1, sum_F16_1 } };
+
+/* The reduction frame: the blocks of for_blocks, partial sums added by OpenMP. The reduction
+ * order is fixed for a given thread count. */
+static double sum_blocks(SumFn fn, const void *g, int64_t n, float grad_mul, int threads) {
     const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
     double total = 0.0;
     #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN) reduction(+ : total)
     for (ptrdiff_t b = 0; b < blocks; b++) {
         const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-        double s = 0.0;
-        switch (gdt) {
-        case BF16: s = sumsq_range(g, lo, hi, grad_mul, BF16); break;
-        case F16: s = sumsq_range(g, lo, hi, grad_mul, F16); break;
-        default: s = sumsq_range(g, lo, hi, grad_mul, F32); break;
-        }
-        total += s;
+        total += fn(g, lo, hi, grad_mul);
     }
     return total;
+}
+
+/* The sum of squares of the unscaled gradients (grad * grad_mul), in double: inf or NaN exactly
+ * when a gradient is inf/NaN (a finite fp32 squared stays finite in double), so the overflow
+ * check costs nothing beyond the norm. */
+double dsl_grad_sumsq(const void *g, int gdt, int64_t n, float grad_mul, int threads) {
+    return sum_blocks(SUM[1][gdt], g, n, grad_mul, threads);
+}
+
+/* The streaming reference of pass 1: read every gradient once, add them up. */
+double dsl_stream_read(const void *g, int gdt, int64_t n, int threads) {
+    return sum_blocks(SUM[0][gdt], g, n, 1.0f, threads);
 }
 
 /* Copy of fp32 params to bf16/fp16 (for a step that was skipped, or an initial copy). */

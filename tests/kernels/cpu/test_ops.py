@@ -145,20 +145,23 @@ def test_sum_of_squares_and_overflow(dtype, threads) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_amp_protocol_grad_scale_and_found_inf() -> None:
-    ours, theirs = _pair(1001)
-    ours_opt = torch.optim.AdamW([ours], lr=1e-2, weight_decay=0.1)
-    torch_opt = torch.optim.AdamW([theirs], lr=1e-2, weight_decay=0.1, fused=True)
+@pytest.mark.parametrize("cls, step", [(torch.optim.AdamW, adam_step), (torch.optim.Adagrad, adagrad_step)],
+                         ids=["adamw", "adagrad"])
+def test_amp_protocol_grad_scale_and_found_inf(cls, step) -> None:
+    # grad_scale divides inside the loop: the kernels' dividing instances, one and several blocks.
+    ours, theirs = _pair(70001)
+    ours_opt = cls([ours], lr=1e-2, weight_decay=0.1)
+    torch_opt = cls([theirs], lr=1e-2, weight_decay=0.1, fused=True)
     for opt in (ours_opt, torch_opt):
-        opt.grad_scale = torch.tensor(8.0)
-    for g in _grads(1001, 3):
-        ours.grad, theirs.grad = g * 8, g * 8
-        adam_step(ours_opt)
+        opt.grad_scale = torch.tensor(3.0)
+    for g in _grads(70001, 3):
+        ours.grad, theirs.grad = g * 3, g * 3
+        step(ours_opt)
         torch_opt.step()
     assert torch.allclose(ours, theirs, rtol=0, atol=TOL)
     before = {k: v.clone() for k, v in ours_opt.state[ours].items()}, ours.detach().clone()
     ours_opt.found_inf = torch.tensor(1.0)
-    adam_step(ours_opt)  # skipped: nothing moves, not even the step count
+    step(ours_opt)  # skipped: nothing moves, not even the step count
     assert torch.equal(ours, before[1])
     assert all(torch.equal(ours_opt.state[ours][k], v) for k, v in before[0].items())
 
@@ -195,3 +198,20 @@ def test_fp16_conversions_are_exact_for_every_half_and_every_tie() -> None:
     ops.adam(torch.zeros(n), finite, m, torch.zeros(n), step=1, lr=0.0, beta1=0.0, beta2=0.0, eps=1.0,
              weight_decay=0.0)
     assert torch.equal(m.view(torch.int32), finite.float().view(torch.int32))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n_states", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_moves_exactly_the_update_tensors(n_states, dtype, threads) -> None:
+    # The bandwidth reference of the bench: reads g, p and the states, writes p, the states and the
+    # copy, all of them, and nothing else.
+    n = (1 << 16) + 9
+    p, *states = _grads(n, 1 + n_states)
+    g = torch.randn(n).to(dtype)
+    want = [t + g.float() for t in [p, *states]]
+    out = torch.empty(n, dtype=torch.bfloat16) if dtype != torch.float32 else None
+    ops.stream(p, g, states, out=out)
+    assert all(torch.equal(a, b) for a, b in zip([p, *states], want, strict=True))
+    assert out is None or torch.equal(out, p.to(torch.bfloat16))
+    assert ops.stream_read(g) == pytest.approx(float(g.double().sum()), rel=1e-9, abs=1e-6)
