@@ -16,6 +16,7 @@ module imports no torch and no extension.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -77,6 +78,7 @@ class KernelTable:
         return _load(self.reference[op])
 
 
+@functools.cache  # an optimizer asks at every step: importlib's lookup was ~10% of a small step
 def _load(target: Target) -> Callable[..., Any]:
     if callable(target):
         return target

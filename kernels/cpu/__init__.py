@@ -9,6 +9,6 @@
 - ``torch_steps.py``: the ``"torch.adam(w)"``/``"torch.adagrad"`` dispatch ops (torch's state).
 - ``offload.py``: the offloaded steps of Adam, Adagrad and Lion (unscale, overflow check, norm,
   clip, update, 16-bit copy) in two passes over the gradients.
-- ``optimizers.py``: DeepSpeed's ``DeepSpeedCPUAdam``/``Adagrad``/``Lion`` and ``FusedAdam``
+- ``optimizers.py``: DeepSpeed's ``DeepSpeedCPUAdam``/``Adagrad``/``Lion``
   classes (re-exported by ``dslaunch.ops``).
 """

@@ -1,5 +1,6 @@
 """DeepSpeed's optimizer classes over dslaunch's kernels: ``DeepSpeedCPUAdam``, ``DeepSpeedCPUAdagrad``,
-``DeepSpeedCPULion`` and ``FusedAdam`` (re-exported by ``dslaunch.ops.adam``/``.adagrad``/``.lion``).
+``DeepSpeedCPULion`` (re-exported by ``dslaunch.ops.adam``/``.adagrad``/``.lion``; ``FusedAdam``,
+built on ``DeepSpeedCPUAdam``, is ``dslaunch.kernels.fused_adam``'s).
 
 Constructor arguments, defaults, state keys (``step`` as an int, ``exp_avg``, ``exp_avg_sq``) and
 ``step()`` semantics follow DeepSpeed 0.19.8. The update is the ``"adam"``, ``"adagrad"`` or
@@ -9,8 +10,7 @@ compiles in well under a second on first use), the torch reference elsewhere or 
 ``fp32_optimizer_states=False``) are updated through fp32 copies, as DeepSpeed computes in fp32.
 
 Limitations: no ``step_subgroup``/``rollback_subgroup`` (ZeRO-3 offload's per-subgroup calls);
-sparse gradients are refused (DeepSpeed's CPU Adagrad accepts them); ``FusedAdam`` on a GPU runs
-the torch reference (the Triton kernel is a later step).
+sparse gradients are refused (DeepSpeed's CPU Adagrad accepts them).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from dslaunch import kernels
 
-__all__ = ["DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedAdam"]
+__all__ = ["DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion"]
 
 
 class _KernelOptimizer(torch.optim.Optimizer):
@@ -111,38 +111,6 @@ class DeepSpeedCPUAdam(_KernelOptimizer):
             [p], [grad], [states[0]], [states[1]], step=step, lr=float(group["lr"]), betas=group["betas"],
             eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
             adam_w_mode=bool(self.adam_w_mode), inv_scale=None)
-
-
-class FusedAdam(DeepSpeedCPUAdam):
-    """DeepSpeed's ``deepspeed.ops.adam.FusedAdam`` arguments and ``zero_grad``; on CPU the C kernel.
-
-    Args:
-        params, lr, bias_correction, betas, eps, weight_decay: as ``DeepSpeedCPUAdam``.
-        adam_w_mode: decoupled weight decay (AdamW) instead of L2.
-        amsgrad: must be False (RuntimeError, as DeepSpeed).
-        set_grad_none: ``zero_grad()`` sets gradients to None.
-    """
-
-    cpu_only = False
-
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True):
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         weight_decay=weight_decay, adamw_mode=adam_w_mode)
-        self.set_grad_none = set_grad_none
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
-    def step(self, closure: Any = None, grads: Any = None, output_params: Any = None, scale: Any = None,
-             grad_norms: Any = None, grad_scaler: Any = None) -> Any:
-        if any(a is not None for a in (grads, output_params, scale, grad_norms)):
-            raise RuntimeError("FusedAdam.step() takes no grads, output_params, scale or grad_norms: build it "
-                               "as torch.optim.Adam and call step() with no arguments")
-        return super().step(closure)
 
 
 class DeepSpeedCPUAdagrad(_KernelOptimizer):
