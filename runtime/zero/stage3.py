@@ -31,6 +31,7 @@ from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import ParamFetcher
 from dslaunch.runtime.zero.gradients import ShardedGradients
 from dslaunch.runtime.zero.partitioned import Partitioned
+from dslaunch.runtime.zero.prefetch import FetchLimits
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 
@@ -51,11 +52,12 @@ class Stage3(ZeroStrategy):
                  process_group: Any = None, module: torch.nn.Module | None = None):
         super().__init__(groups, make_optimizer, comm, process_group, module)
         params = [p for g in self.groups for p in g.params]
-        self.fetcher = ParamFetcher(module, params) if module is not None else None
+        limits = FetchLimits(comm.prefetch_bucket_numel, comm.max_live_parameters, comm.max_reuse_distance)
+        self.fetcher = ParamFetcher(module, params, limits) if module is not None else None
         for p in params:
             p.register_hook(_shape_for_grad(p))
             # after the gradient path's hook: the gradient is taken, release
-            p.register_post_accumulate_grad_hook(_after_grad)
+            p.register_post_accumulate_grad_hook(_after_grad(self.fetcher))
 
     def post_backward(self) -> None:
         """Release what backward gathered and did not release (a parameter without gradient)."""
@@ -68,12 +70,21 @@ def _shape_for_grad(p: torch.nn.Parameter):
     need its value: an embedding, a bias), give it its shape: autograd lays out a gradient it does
     not adopt as is like the parameter. Zero strides: no memory."""
     def hook(grad: torch.Tensor) -> None:
+        if p.ds_status is zp.ZeroParamStatus.INFLIGHT:  # prefetched for a later use: settle it
+            zp.fetch([p])
         if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:
             p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(p.ds_shape)
     return hook
 
 
-def _after_grad(p: torch.nn.Parameter) -> None:
-    if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    zp.release([p])
+
+def _after_grad(fetcher: ParamFetcher | None):
+    """Backward is done with the parameter: release it (unless the trace reuses it soon)."""
+    def hook(p: torch.nn.Parameter) -> None:
+        if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if fetcher is not None:
+            fetcher.grad_taken(p)
+        else:
+            zp.release([p])
+    return hook
