@@ -171,10 +171,10 @@ class ParamFetcher:
             self._saving.__enter__()
         used = self._used_by(m)
         self._stack.append(used)
+        for p in used:  # held first: the prefetch's room-making must not release them
+            p._dsl_users += 1
         if used:
             self._event(("f", id(m)), used)
-        for p in used:
-            p._dsl_users += 1
 
     def _after(self, m: torch.nn.Module, args: Any, out: Any) -> None:
         used = self._stack.pop()
