@@ -89,10 +89,13 @@ class LiveParams:
         self.busy: set[int] = set()
         self.reserved: dict[int, tuple[torch.nn.Parameter, int]] = {}
         self.ahead = 0  # the next trace event the prefetch walk has not reached
+        # elements of ``_live``, kept as it changes (one recount per iteration: a parameter released
+        # by someone else, ``GatheredParameters``, leaves it an overestimate until then)
+        self._numel = 0
 
     def numel(self) -> int:
         """Elements whole or being gathered (what ``max_live`` bounds)."""
-        return sum(p.ds_numel for p in self._live.values() if p.ds_status is not zp.ZeroParamStatus.NOT_AVAILABLE)
+        return self._numel
 
     def in_use(self, p: torch.nn.Parameter) -> bool:
         return p._dsl_users > 0 or id(p) in self.busy
@@ -100,25 +103,32 @@ class LiveParams:
     def _track(self, params: list[torch.nn.Parameter]) -> None:
         for p in params:
             if zp.is_partitioned(p) and not p.ds_persist:
+                if id(p) not in self._live:
+                    self._numel += p.ds_numel
                 self._live[id(p)] = p
                 self._live.move_to_end(id(p))
+
+    def _drop(self, key: int) -> None:
+        self._numel -= self._live.pop(key).ds_numel
 
     def _make_room(self, numel: int, spare: set[int]) -> bool:
         """Release least recently used parameters not in use (nor in ``spare``) until ``numel``
         more elements fit under ``max_live``. Local (no communication)."""
-        over = self.numel() + numel - self.limits.max_live
+        if self._numel + numel <= self.limits.max_live:
+            return True
         for key, p in list(self._live.items()):
-            if over <= 0:
+            if self._numel + numel <= self.limits.max_live:
                 break
-            if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:
-                del self._live[key]
-            elif not self.in_use(p) and key not in spare:
-                zp.fetch([p])  # an unused prefetch still in flight: finish it to free it
-                self.reserved.pop(key, None)
-                zp.release([p])
-                del self._live[key]
-                over -= p.ds_numel
-        return over <= 0
+            if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:  # released by someone else
+                self._drop(key)
+                continue
+            if self.in_use(p) or key in spare:
+                continue
+            zp.fetch([p])  # an unused prefetch still in flight: only waits for it, to free it
+            self.reserved.pop(key, None)
+            zp.release([p])
+            self._drop(key)
+        return self._numel + numel <= self.limits.max_live
 
     def fetch(self, params: list[torch.nn.Parameter]) -> None:
         """Make ``params`` whole now (collective for those not available), room made first."""
@@ -167,7 +177,8 @@ class LiveParams:
         for p in params:
             if not self.in_use(p) and not self.keep(p, trace, cursor):
                 zp.release([p])
-                self._live.pop(id(p), None)
+                if id(p) in self._live:
+                    self._drop(id(p))
 
     def release_all(self, params: list[torch.nn.Parameter]) -> None:
         """End of an iteration: finish what is in flight, forget reservations, release every
@@ -180,3 +191,4 @@ class LiveParams:
         zp.release(everything)
         self._live = OrderedDict((k, p) for k, p in self._live.items()
                                  if p.ds_status is not zp.ZeroParamStatus.NOT_AVAILABLE)
+        self._numel = _numel(list(self._live.values()))

@@ -7,18 +7,19 @@ what autograd saved again and releases it once its gradient is taken. Gradients 
 (``ShardedGradients``: bucketed, reduced into the owning rank's fp32 shard as backward produces
 them; every micro step communicates, ``no_sync()`` is refused). The step is every stage's.
 
-Memory per rank: 1/N of stage 0's parameters, gradients and optimizer state, plus the parameters
-of the modules being run (whole), the persistent parameters and the reduce buckets.
+Memory per rank: 1/N of stage 0's parameters, gradients and optimizer state, plus the whole
+parameters (those of the running modules, prefetched, kept for reuse: at most
+``stage3_max_live_parameters`` unless the running modules alone need more), the persistent
+parameters and the reduce buckets (measured in ``tests/runtime/zero/test_memory.py``).
 
 Config knobs (``zero_optimization``, DeepSpeed's names and defaults):
 
 - ``stage3_param_persistence_threshold`` (1e5): parameters of at most this many elements stay whole
   on every rank (no gather per forward; re-gathered once after each step).
-- ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``:
-  accepted and validated; they do nothing yet. dslaunch does not prefetch: a module's parameters
-  are gathered when its forward starts, and released as soon as no running forward uses them, so
-  the live set is always the modules on the call stack (less than DeepSpeed keeps under the
-  defaults, 1e9 elements live and reused within 1e9).
+- ``stage3_prefetch_bucket_size`` (5e7), ``stage3_max_live_parameters`` (1e9),
+  ``stage3_max_reuse_distance`` (1e9): the trace of the order parameters are used in, recorded in
+  the first iteration, drives prefetch (gathers of the next modules in flight while one computes),
+  a bound on the whole parameters and keeping the ones reused soon; see ``prefetch.py``.
 """
 
 from __future__ import annotations

@@ -18,12 +18,13 @@ WIDTH, LAYERS = 32, 6
 LAYER = WIDTH * WIDTH + WIDTH  # elements of one layer
 
 
-def _engine(zero: dict, seed: int = 0):
+def _engine(zero: dict, checkpointed: bool = False):
     import torch
+    from torch.utils.checkpoint import checkpoint
 
     import dslaunch
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -33,7 +34,11 @@ def _engine(zero: dict, seed: int = 0):
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for i, lin in enumerate(self.layers):
-                if i not in self.skip:
+                if i in self.skip:
+                    continue
+                if checkpointed and i in (1, 2):  # recomputed inside backward
+                    x = checkpoint(lambda y, lin=lin: torch.tanh(lin(y)), x, use_reentrant=i == 1)
+                else:
                     x = torch.tanh(lin(x))
             return x.square().mean()
 
@@ -58,12 +63,12 @@ def _probe(engine, model) -> list[tuple[str, int, list[str], int]]:
     return samples
 
 
-def _train(rank: int, world: int, zero: dict, skips: list[tuple[int, ...]]) -> dict:
+def _train(rank: int, world: int, zero: dict, skips: list[tuple[int, ...]], checkpointed: bool = False) -> dict:
     import torch
 
     from dslaunch.runtime.zero.partition_parameters import GatheredParameters
 
-    engine, model = _engine(zero)
+    engine, model = _engine(zero, checkpointed)
     samples = _probe(engine, model)
     torch.manual_seed(1)
     per_step, whole_after_forward = [], []
@@ -157,3 +162,20 @@ def test_max_reuse_distance_keeps_parameters_backward_uses_again() -> None:
     assert kept["whole_after_forward"] == [0, 4 * WIDTH * WIDTH]
     assert released["whole_after_forward"] == [0, 0]
     assert kept["left_whole"] == released["left_whole"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_activation_checkpointing_replays_with_prefetch_and_a_live_bound() -> None:
+    """Layers 1 and 2 under torch.utils.checkpoint (reentrant and not): their forwards run again
+    inside backward, as trace events too; with prefetch, reuse and a live bound of 2 layers the
+    weights equal on-demand gathering after 3 steps and nothing is left whole."""
+    skips = [(5,)] * 3
+    zero = {"stage3_prefetch_bucket_size": LAYER, "stage3_max_live_parameters": 2 * LAYER}
+    prefetch = run_world(_train, 2, zero, skips, True)[0]
+    on_demand = run_world(_train, 2, {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0},
+                          skips, True)[0]
+    assert "INFLIGHT" in _ahead(prefetch["samples"][2], "forward")  # (recomputes included)
+    assert max(live for step in prefetch["samples"] for *_, live in step) <= 2 * LAYER
+    for a, b in zip(prefetch["weights"], on_demand["weights"], strict=True):
+        assert a == b
+    assert prefetch["left_whole"] == 0
