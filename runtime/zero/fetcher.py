@@ -2,9 +2,9 @@
 
 Forward: a pre-hook on every submodule gathers its own partitioned parameters (and those
 ``register_external_parameter`` attached to it; all of a leaf module's, see below) and a forward
-hook (also called when forward raises) releases them: at any moment only the parameters of the
-modules on the call stack are whole. Nested and repeated calls are counted per parameter
-(``params.hold``/``unhold``), so a shared (tied) parameter or a module called twice works.
+hook (also called when forward raises) releases them (unless prefetch or reuse keeps them, below).
+Nested and repeated calls are counted per parameter (``_dsl_users``), so a shared (tied)
+parameter or a module called twice works.
 
 Backward: while a hooked forward runs, autograd's saved-tensor hooks replace every partitioned
 parameter (or view of one) saved for backward by a reference; when backward unpacks it the
@@ -30,7 +30,8 @@ reads everything) gathers its whole subtree. ``LEAF_TYPES`` lists torch's; other
 with ``dslaunch.utils.set_z3_leaf_modules`` (DeepSpeed's name and ``_z3_leaf`` attribute).
 
 collective: gathers are broadcasts issued in the same order on every rank, which holds because
-every rank runs the same modules and the same autograd graph.
+every rank runs the same modules and the same autograd graph, and the prefetch decides from the
+same trace and counts on every rank (releases are local).
 """
 
 from __future__ import annotations
