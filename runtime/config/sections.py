@@ -239,12 +239,12 @@ class ZeroConfig:
     # the ``stage3_`` prefix (``STAGE3_ALIASES``); "auto" keeps the default.
     stage3_param_persistence_threshold: int = _opt(100_000, integer(0), "elements, e.g. 1e5: smaller "
                                                    "parameters stay whole on every rank")
-    stage3_prefetch_bucket_size: int = _opt(50_000_000, integer(0), "elements, e.g. 5e7 (accepted; "
-                                            "dslaunch does not prefetch yet)")
-    stage3_max_live_parameters: int = _opt(1_000_000_000, integer(0), "elements, e.g. 1e9 (accepted; "
-                                           "dslaunch keeps only running modules' parameters whole)")
-    stage3_max_reuse_distance: int = _opt(1_000_000_000, integer(0), "elements, e.g. 1e9 (accepted; "
-                                          "dslaunch releases parameters after each use)")
+    stage3_prefetch_bucket_size: int = _opt(50_000_000, integer(0), "elements, e.g. 5e7: parameters of the "
+                                            "next modules gathered ahead of use (0: none)")
+    stage3_max_live_parameters: int = _opt(1_000_000_000, integer(0), "elements, e.g. 1e9: whole "
+                                           "parameters kept at once (least recently used released first)")
+    stage3_max_reuse_distance: int = _opt(1_000_000_000, integer(0), "elements, e.g. 1e9: a parameter used "
+                                          "again within this many is kept whole (0: always released)")
     stage3_gather_16bit_weights_on_model_save: bool = _opt(False, boolean, "true to gather the whole "
                                                            "16-bit model for save_16bit_model()")
     sub_group_size: int = _opt(1_000_000_000, integer(1), "elements per offloaded optimizer bucket, e.g. 1e9")

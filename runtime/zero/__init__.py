@@ -17,7 +17,8 @@ asks the stage again. What lives where:
 - ``frozen.py``: what an engine without an optimizer (forward only) uses instead of a stage.
 - ``stage3.py``: parameters partitioned too: ``partitioned.py`` (the placement: a shard per rank),
   ``params.py`` (a partitioned parameter: DeepSpeed's ``ds_*`` attributes, gather and release),
-  ``fetcher.py`` (when: module forward hooks, saved-tensor hooks for backward).
+  ``fetcher.py`` (when: module forward hooks, saved-tensor hooks for backward), ``prefetch.py``
+  (the recorded order of use: prefetch, live-parameter bound, reuse).
 - ``partition_parameters.py``: DeepSpeed's user API (``Init``, ``GatheredParameters``,
   ``ZeroParamStatus``, external parameters), also importable as ``dslaunch.zero``;
   ``full_state.py``: ``safe_get_full_*`` (``dslaunch.utils``).

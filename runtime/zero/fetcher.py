@@ -2,9 +2,9 @@
 
 Forward: a pre-hook on every submodule gathers its own partitioned parameters (and those
 ``register_external_parameter`` attached to it; all of a leaf module's, see below) and a forward
-hook (also called when forward raises) releases them: at any moment only the parameters of the
-modules on the call stack are whole. Nested and repeated calls are counted per parameter
-(``params.hold``/``unhold``), so a shared (tied) parameter or a module called twice works.
+hook (also called when forward raises) releases them (unless prefetch or reuse keeps them, below).
+Nested and repeated calls are counted per parameter (``_dsl_users``), so a shared (tied)
+parameter or a module called twice works.
 
 Backward: while a hooked forward runs, autograd's saved-tensor hooks replace every partitioned
 parameter (or view of one) saved for backward by a reference; when backward unpacks it the
@@ -15,13 +15,23 @@ nothing is saved: evaluation costs one gather per module. Activation checkpointi
 not) recomputes forwards during backward: there the hooks gather as usual but leave the saved
 tensors to the checkpoint and keep the parameters whole until their gradients are taken.
 
+Prefetch and reuse (``prefetch.py``): every gather above is a fetch event; the first iteration
+in each mode (``module.training`` x grad enabled) records them, later ones replay the record and,
+while event k runs, have the gathers of the next events in flight (``stage3_prefetch_bucket_size``
+elements ahead; the event that needs them waits), keep parameters reused soon
+(``stage3_max_reuse_distance``) and bound the whole ones (``stage3_max_live_parameters``). An event
+that differs from the record drops it: on demand for the rest of the iteration, recorded again in
+the next. An iteration ends after backward (``release_idle``), at the end of a forward without
+grad, or when the next outermost forward starts; everything not held is released then.
+
 Leaf modules: a module whose forward reads its children's parameters without calling them
 (``nn.MultiheadAttention`` reads ``out_proj.weight``; ``nn.TransformerEncoderLayer``'s fast path
 reads everything) gathers its whole subtree. ``LEAF_TYPES`` lists torch's; others are flagged
 with ``dslaunch.utils.set_z3_leaf_modules`` (DeepSpeed's name and ``_z3_leaf`` attribute).
 
 collective: gathers are broadcasts issued in the same order on every rank, which holds because
-every rank runs the same modules and the same autograd graph.
+every rank runs the same modules and the same autograd graph, and the prefetch decides from the
+same trace and counts on every rank (releases are local).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import Any
 import torch
 
 from dslaunch.runtime.zero import params as zp
+from dslaunch.runtime.zero.prefetch import Event, FetchLimits, LiveParams, Trace
 
 __all__ = ["ParamFetcher", "LEAF_TYPES", "external_params"]
 
@@ -64,17 +75,6 @@ def _pack(t: torch.Tensor) -> Any:
     return _Saved(p, (t.size(), t.stride(), t.storage_offset() - p.data.storage_offset()))
 
 
-def _unpack(saved: Any) -> Any:
-    if not isinstance(saved, _Saved):
-        return saved
-    p = saved.param
-    zp.fetch([p])
-    if saved.view is None:
-        return p
-    size, stride, offset = saved.view
-    return p.data.as_strided(size, stride, p.data.storage_offset() + offset)
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -85,12 +85,20 @@ class ParamFetcher:
     Args:
         module: the model.
         params: every partitioned parameter the engine trains (released after backward).
+        limits: prefetch, live-parameter and reuse limits (DeepSpeed's defaults).
     """
 
-    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter]):
-        self.params = params
+    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter],
+                 limits: FetchLimits = FetchLimits()):
+        self.module, self.params = module, params
+        self.live = LiveParams(limits)
         self._stack: list[list[torch.nn.Parameter]] = []
         self._saving: contextlib.AbstractContextManager | None = None
+        self._traces: dict[tuple[bool, bool], Trace] = {}
+        self._mode: tuple[bool, bool] | None = None  # None: no iteration open
+        self._recording: list[Event] | None = None
+        self.replay: Trace | None = None
+        self.cursor = 0
         self.handles = []
         for m in module.modules():
             self.handles.append(m.register_forward_pre_hook(self._before))
@@ -103,28 +111,89 @@ class ParamFetcher:
         extra = m.__dict__.get("_dsl_external_params", {})
         return own + [p for p in extra.values() if zp.is_partitioned(p) and all(p is not q for q in own)]
 
+    # ----- iterations and events ----------------------------------------------------------------
+    def _begin(self) -> None:
+        self._end()
+        self._mode = (self.module.training, torch.is_grad_enabled())
+        self.replay = self._traces.get(self._mode)
+        self._recording = None if self.replay is not None else []
+        self.cursor = 0
+
+    def _end(self) -> None:
+        if self._mode is None:
+            return
+        if self._recording:
+            self._traces[self._mode] = Trace(self._recording)
+        self._mode, self._recording, self.replay = None, None, None
+        self.live.release_all(self.params)
+
+    def _event(self, key: tuple, used: list[torch.nn.Parameter]) -> None:
+        """A fetch: record or check it against the trace, gather ``used``, prefetch what follows."""
+        if self._recording is not None:
+            self._recording.append(Event(key, tuple(used)))
+        elif self.replay is not None:
+            if self.cursor < len(self.replay.events) and self.replay.events[self.cursor].key == key:
+                self.live.consume(self.cursor)
+                self.cursor += 1
+            else:  # another path than recorded: on demand from here, record the next iteration
+                del self._traces[self._mode]
+                self.replay = None
+                self.live.reserved.clear()
+        self.live.fetch(used)
+        if self.replay is not None and self.live.limits.prefetch_numel > 0:
+            self.live.prefetch(self.replay, self.cursor)
+
+    def release(self, params: list[torch.nn.Parameter]) -> None:
+        """Release those of ``params`` nobody uses, unless the trace says they are reused soon."""
+        self.live.release(params, self.replay, self.cursor)
+
+    def grad_taken(self, p: torch.nn.Parameter) -> None:
+        """Backward is done with ``p`` (its gradient was taken): release it unless reused soon."""
+        self.live.busy.discard(id(p))
+        self.release([p])
+
+    # ----- hooks --------------------------------------------------------------------------------
+    def _unpack(self, saved: Any) -> Any:
+        if not isinstance(saved, _Saved):
+            return saved
+        p = saved.param
+        self.live.busy.add(id(p))  # whole until its gradient is taken
+        self._event(("b", p.ds_id), [p])
+        if saved.view is None:
+            return p
+        size, stride, offset = saved.view
+        return p.data.as_strided(size, stride, p.data.storage_offset() + offset)
+
     def _before(self, m: torch.nn.Module, args: Any) -> None:
         if not self._stack and not _in_backward():
-            # outermost hooked forward: partitioned tensors saved by reference
-            self._saving = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            # outermost hooked forward: a new iteration; partitioned tensors saved by reference
+            self._begin()
+            self._saving = torch.autograd.graph.saved_tensors_hooks(_pack, self._unpack)
             self._saving.__enter__()
         used = self._used_by(m)
         self._stack.append(used)
-        zp.hold(used)
+        for p in used:  # held first: the prefetch's room-making must not release them
+            p._dsl_users += 1
+        if used:
+            self._event(("f", id(m)), used)
 
     def _after(self, m: torch.nn.Module, args: Any, out: Any) -> None:
         used = self._stack.pop()
+        for p in used:
+            p._dsl_users -= 1
         if _in_backward():
             # an activation-checkpointing recompute: what it saved for its backward holds the
             # parameters themselves, so they stay whole until their gradients are taken
-            for p in used:
-                p._dsl_users -= 1
+            self.live.busy.update(id(p) for p in used)
         else:
-            zp.unhold(used)
+            self.release(used)
         if not self._stack and self._saving is not None:
             self._saving.__exit__(None, None, None)
             self._saving = None
+            if not torch.is_grad_enabled():
+                self._end()  # nothing saved for a backward: the iteration is over
 
     def release_idle(self) -> None:
-        """Release every parameter backward gathered and no forward holds (after backward)."""
-        zp.release(self.params)
+        """End the iteration: release every parameter no forward holds (after backward)."""
+        self._end()
+        self.live.release_all(self.params)

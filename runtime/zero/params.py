@@ -12,7 +12,8 @@ empty: pieces follow the flat layout, not one equal piece per parameter), ``ds_s
 Users (a module's forward, ``GatheredParameters``) ``hold`` a parameter and ``unhold`` it; it is
 released when the last user is gone, unless persistent. Gathering a range: each owner broadcasts
 its piece into the full buffer (as ``ShardPublisher``: on gloo a round of broadcasts beats
-all_gather), every piece in flight at once.
+all_gather), every piece in flight at once. ``start_fetch`` only starts (the prefetch: the
+parameter is ``INFLIGHT`` until a ``fetch`` of it waits); ``fetch`` starts and waits.
 
 collective: ``fetch``/``hold``/``write_back`` of parameters that are not available run broadcasts:
 call them on all ranks with the same parameters in the same order.
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from dslaunch.runtime.zero.partition import partition_range, shard_slot
 
-__all__ = ["ZeroParamStatus", "FlatShard", "is_partitioned", "attach", "fetch", "hold", "unhold",
+__all__ = ["ZeroParamStatus", "FlatShard", "is_partitioned", "attach", "start_fetch", "fetch", "hold", "unhold",
            "release", "gather_range", "write_back", "scatter_into"]
 
 _IDS = itertools.count()
@@ -126,26 +127,51 @@ def _global(flat: FlatShard, r: int) -> int:
     return r if flat.group is None else dist.get_global_rank(flat.group, r)
 
 
-def fetch(params: Iterable[torch.nn.Parameter]) -> None:
-    """Make every partitioned parameter in ``params`` whole (collective for those not available).
+class _Gather:
+    """One run of adjacent parameters being gathered: the buffer and the works to wait for."""
 
-    Parameters adjacent in the same flat vector (a module's weight and bias, usually) are gathered
-    as one range: one broadcast per owning rank for the run, not per parameter.
+    __slots__ = ("run", "buf", "works")
+
+    def __init__(self, run: list[torch.nn.Parameter], buf: torch.Tensor, works: list[Any]):
+        self.run, self.buf, self.works = run, buf, works
+
+
+def start_fetch(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Start gathering every partitioned parameter in ``params`` that is not available; no wait.
+
+    They become ``INFLIGHT`` until ``fetch`` (of any of them) waits. Parameters adjacent in the
+    same flat vector (a module's weight and bias, usually) are gathered as one range: one
+    broadcast per owning rank for the run, not per parameter. Returns the parameters started.
+    collective: all ranks, the same parameters in the same order.
     """
-    pending = []
+    started: list[torch.nn.Parameter] = []
     for run in _runs([p for p in params if is_partitioned(p) and p.ds_status is ZeroParamStatus.NOT_AVAILABLE]):
         first, last = run[0], run[-1]
-        buf, works = gather_range(first._dsl_flat, first._dsl_offset, last._dsl_offset + last.ds_numel)
+        gather = _Gather(run, *gather_range(first._dsl_flat, first._dsl_offset, last._dsl_offset + last.ds_numel))
         for p in run:
-            p.ds_status = ZeroParamStatus.INFLIGHT
-        pending.append((run, buf, works))
-    for run, buf, works in pending:
-        for w in works:
-            w.wait()
-        base = run[0]._dsl_offset
-        for p in run:
-            p.data = buf[p._dsl_offset - base:p._dsl_offset - base + p.ds_numel].view(p.ds_shape)
-            p.ds_status = ZeroParamStatus.AVAILABLE
+            p.ds_status, p._dsl_gather = ZeroParamStatus.INFLIGHT, gather
+        started.extend(run)
+    return started
+
+
+def fetch(params: Iterable[torch.nn.Parameter]) -> None:
+    """Make every partitioned parameter in ``params`` whole: start what is not available, then
+    wait for it and for what was already in flight (collective for those not available)."""
+    params = list(params)
+    start_fetch(params)
+    gathers = {id(p._dsl_gather): p._dsl_gather for p in params
+               if is_partitioned(p) and p.ds_status is ZeroParamStatus.INFLIGHT}
+    for gather in gathers.values():
+        _finish(gather)
+
+
+def _finish(gather: _Gather) -> None:
+    for w in gather.works:
+        w.wait()
+    base = gather.run[0]._dsl_offset
+    for p in gather.run:
+        p.data = gather.buf[p._dsl_offset - base:p._dsl_offset - base + p.ds_numel].view(p.ds_shape)
+        p.ds_status, p._dsl_gather = ZeroParamStatus.AVAILABLE, None
 
 
 def _runs(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:

@@ -7,18 +7,19 @@ what autograd saved again and releases it once its gradient is taken. Gradients 
 (``ShardedGradients``: bucketed, reduced into the owning rank's fp32 shard as backward produces
 them; every micro step communicates, ``no_sync()`` is refused). The step is every stage's.
 
-Memory per rank: 1/N of stage 0's parameters, gradients and optimizer state, plus the parameters
-of the modules being run (whole), the persistent parameters and the reduce buckets.
+Memory per rank: 1/N of stage 0's parameters, gradients and optimizer state, plus the whole
+parameters (those of the running modules, prefetched, kept for reuse: at most
+``stage3_max_live_parameters`` unless the running modules alone need more), the persistent
+parameters and the reduce buckets (measured in ``tests/runtime/zero/test_memory.py``).
 
 Config knobs (``zero_optimization``, DeepSpeed's names and defaults):
 
 - ``stage3_param_persistence_threshold`` (1e5): parameters of at most this many elements stay whole
   on every rank (no gather per forward; re-gathered once after each step).
-- ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``:
-  accepted and validated; they do nothing yet. dslaunch does not prefetch: a module's parameters
-  are gathered when its forward starts, and released as soon as no running forward uses them, so
-  the live set is always the modules on the call stack (less than DeepSpeed keeps under the
-  defaults, 1e9 elements live and reused within 1e9).
+- ``stage3_prefetch_bucket_size`` (5e7), ``stage3_max_live_parameters`` (1e9),
+  ``stage3_max_reuse_distance`` (1e9): the trace of the order parameters are used in, recorded in
+  the first iteration, drives prefetch (gathers of the next modules in flight while one computes),
+  a bound on the whole parameters and keeping the ones reused soon; see ``prefetch.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import ParamFetcher
 from dslaunch.runtime.zero.gradients import ShardedGradients
 from dslaunch.runtime.zero.partitioned import Partitioned
+from dslaunch.runtime.zero.prefetch import FetchLimits
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 
@@ -51,11 +53,12 @@ class Stage3(ZeroStrategy):
                  process_group: Any = None, module: torch.nn.Module | None = None):
         super().__init__(groups, make_optimizer, comm, process_group, module)
         params = [p for g in self.groups for p in g.params]
-        self.fetcher = ParamFetcher(module, params) if module is not None else None
+        limits = FetchLimits(comm.prefetch_bucket_numel, comm.max_live_parameters, comm.max_reuse_distance)
+        self.fetcher = ParamFetcher(module, params, limits) if module is not None else None
         for p in params:
             p.register_hook(_shape_for_grad(p))
             # after the gradient path's hook: the gradient is taken, release
-            p.register_post_accumulate_grad_hook(_after_grad)
+            p.register_post_accumulate_grad_hook(_after_grad(self.fetcher))
 
     def post_backward(self) -> None:
         """Release what backward gathered and did not release (a parameter without gradient)."""
@@ -68,12 +71,21 @@ def _shape_for_grad(p: torch.nn.Parameter):
     need its value: an embedding, a bias), give it its shape: autograd lays out a gradient it does
     not adopt as is like the parameter. Zero strides: no memory."""
     def hook(grad: torch.Tensor) -> None:
+        if p.ds_status is zp.ZeroParamStatus.INFLIGHT:  # prefetched for a later use: settle it
+            zp.fetch([p])
         if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:
             p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(p.ds_shape)
     return hook
 
 
-def _after_grad(p: torch.nn.Parameter) -> None:
-    if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    zp.release([p])
+
+def _after_grad(fetcher: ParamFetcher | None):
+    """Backward is done with the parameter: release it (unless the trace reuses it soon)."""
+    def hook(p: torch.nn.Parameter) -> None:
+        if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if fetcher is not None:
+            fetcher.grad_taken(p)
+        else:
+            zp.release([p])
+    return hook
