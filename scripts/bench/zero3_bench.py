@@ -7,15 +7,17 @@ self-attention and a 4x MLP, untied head; ~20M parameters), next-token cross-ent
 (``--dtype bf16`` for bf16), AdamW (torch's fused kernel for everyone: dslaunch's ``AdamW`` config
 builds it, FSDP2 and DeepSpeed get it as a client optimizer), 2 ranks on gloo, OMP_NUM_THREADS=1.
 
-Each configuration runs in a fresh process pair (the launcher's env contract) and reports per rank:
-the median of ``--steps`` timed steps after ``--warmup`` (a barrier before each; a step is forward,
-backward, optimizer step, gathers finished), peak RSS (``VmHWM`` of /proc/self/status: it includes
-the ~220 MiB of importing torch, more for DeepSpeed), the bytes of live tensors after the last step
-(a gc scan of unique storages: parameters, gradients, optimizer state, buffers the engine keeps)
-and the final loss (mean over ranks). Configurations take turns within each of ``--repeats``
-rounds so that load from other processes on this shared machine hits them alike; the table shows
-the median over rounds of the slowest rank. A configuration that fails to build (NVMe offload
-without an aio build, a key not implemented) is recorded with its error as "unsupported".
+Workers get the launcher's env contract. First each configuration runs alone in a fresh process
+pair: peak RSS (``VmHWM`` of /proc/self/status: it includes the ~220 MiB of importing torch, more
+for DeepSpeed), the bytes of live tensors after the last step (a gc scan of unique storages:
+parameters, gradients, optimizer state, buffers the engine keeps), the final loss (mean over ranks)
+and its step time alone (JSON only). A configuration that fails to build there (NVMe offload
+without an aio build, a key not implemented) is recorded with its error as "unsupported". Then
+each of ``--repeats`` runs starts one process pair holding every working configuration, which take
+turns step by step (order rotated; a barrier before each step; a step is forward, backward,
+optimizer step, gathers finished), as ``engine_bench.py``: on this shared machine load drifts
+within seconds, and separate runs per configuration measured the load more than the engines.
+The table shows the median over runs of the slowest rank's median of ``--steps`` steps.
 
 Usage: ``flock /tmp/dslaunch-bench.lock python scripts/bench/zero3_bench.py [--repeats 3]
 [--steps 5] [--warmup 2] [--dtype fp32|bf16] [--only NAME ...]``.
@@ -195,7 +197,7 @@ def _tensor_mib() -> float:
     return sum(seen.values()) / 2**20
 
 
-def _worker(name: str, steps: int, warmup: int, dtype: str) -> None:
+def _init():
     import datetime
 
     import torch
@@ -203,15 +205,25 @@ def _worker(name: str, steps: int, warmup: int, dtype: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    rank = dist.get_rank()
+    return dist
+
+
+def _error(e: Exception) -> str:
+    msg = str(e).strip()
+    return f"{type(e).__name__}: {msg.splitlines()[0][:300] if msg else ''}"
+
+
+def _alone_worker(name: str, steps: int, warmup: int, dtype: str) -> None:
+    """One configuration in fresh processes: peak RSS, live tensors, final loss, step time alone."""
+    dist = _init()
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="z3bench-nvme-") as nvme:
         try:
             step = _build(name, dtype, nvme)
         except Exception as e:  # noqa: BLE001 - a peer's failure is a result, recorded as is
-            out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            out["error"] = _error(e)
         if "error" not in out:
-            data = _batches(rank)
+            data = _batches(dist.get_rank())
             times, loss = [], None
             for i in range(warmup + steps):
                 dist.barrier()
@@ -221,33 +233,54 @@ def _worker(name: str, steps: int, warmup: int, dtype: str) -> None:
                     times.append(time.perf_counter() - t0)
             final = loss.detach().float().reshape(1).clone()
             dist.all_reduce(final)
-            out.update(step_ms=statistics.median(times) * 1e3, steps_ms=[t * 1e3 for t in times],
-                       final_loss=final.item() / dist.get_world_size(), tensor_mib=_tensor_mib())
+            out.update(alone_step_ms=statistics.median(times) * 1e3, final_loss=final.item() / WORLD,
+                       tensor_mib=_tensor_mib())
         out["rss_peak_mib"] = _vm_hwm_mib()
+    _report(dist, out)
+
+
+def _turns_worker(names: list[str], steps: int, warmup: int, dtype: str) -> None:
+    """Every configuration in one process pair, one step of each in turn (order rotated): load
+    from other processes on the machine hits all of them alike, so the ratios stay meaningful."""
+    dist = _init()
+    with tempfile.TemporaryDirectory(prefix="z3bench-nvme-") as nvme:
+        steps_of = {n: _build(n, dtype, nvme) for n in names}
+        data = _batches(dist.get_rank())
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(warmup + steps):
+            for n in names[i % len(names):] + names[:i % len(names)]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                steps_of[n](data[i % len(data)])
+                if i >= warmup:
+                    times[n].append(time.perf_counter() - t0)
+    _report(dist, {n: statistics.median(t) * 1e3 for n, t in times.items()})
+
+
+def _report(dist, values: dict) -> None:
     res = [None] * dist.get_world_size()
-    dist.all_gather_object(res, out)
-    if rank == 0:
+    dist.all_gather_object(res, values)
+    if dist.get_rank() == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
 
 
 # ----- driver side ----------------------------------------------------------------------------
-def _run(name: str, args: argparse.Namespace) -> list[dict] | dict:
+def _run(argv: list[str]) -> list[dict] | dict:
     port = free_port()
     procs = []
     for r in range(WORLD):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", name, str(args.steps),
-                                       str(args.warmup), args.dtype], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        outs = [p.communicate(timeout=900) for p in procs]
+        outs = [p.communicate(timeout=1800) for p in procs]
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        return {"error": "timed out after 900 s"}
+        return {"error": "timed out after 1800 s"}
     for line in outs[0][0].splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -265,16 +298,22 @@ def main() -> None:
     args = ap.parse_args()
     names = [n for n in CONFIGS if not args.only or n in args.only]
     load = [os.getloadavg()[0]]
-    runs: dict[str, list] = {n: [] for n in names}
+    alone: dict[str, list[dict] | dict] = {}
+    for n in names:
+        alone[n] = _run(["alone", n, str(args.steps), str(args.warmup), args.dtype])
+        print(f"alone {n}: {_brief(alone[n])}", flush=True)
+    load.append(os.getloadavg()[0])
+    ok = [n for n in names if not _failed(alone[n])]
+    turns: list = []
     for rep in range(args.repeats):
-        for n in names:
-            if runs[n] and _failed(runs[n][0]):
-                continue  # a configuration that cannot build fails alike every round
-            res = _run(n, args)
-            runs[n].append(res)
-            print(f"round {rep} {n}: {_brief(res)}", flush=True)
+        res = _run(["turns", ",".join(ok), str(args.steps), str(args.warmup), args.dtype])
         load.append(os.getloadavg()[0])
-    _write(names, runs, load, args)
+        if _failed(res):
+            print(f"turns round {rep} failed: {_failed(res)}", flush=True)
+            continue
+        turns.append(res)
+        print(f"turns round {rep}: " + ", ".join(f"{n} {max(r[n] for r in res):.0f} ms" for n in ok), flush=True)
+    _write(names, alone, turns, load, args)
 
 
 def _failed(res: list[dict] | dict) -> str | None:
@@ -287,18 +326,18 @@ def _brief(res: list[dict] | dict) -> str:
     err = _failed(res)
     if err:
         return f"unsupported ({err})"
-    return ", ".join(f"rank{i} {r['step_ms']:.0f} ms {r['rss_peak_mib']:.0f} MiB" for i, r in enumerate(res))
+    return ", ".join(f"rank{i} {r['alone_step_ms']:.0f} ms {r['rss_peak_mib']:.0f} MiB loss {r['final_loss']:.6f}"
+                     for i, r in enumerate(res))
 
 
-def _summary(runs: list) -> dict:
-    err = _failed(runs[0])
+def _summary(name: str, alone: list[dict] | dict, turns: list) -> dict:
+    err = _failed(alone)
     if err:
         return {"error": err}
-    ok = [res for res in runs if not _failed(res)]
-    return {"step_ms": statistics.median(max(r["step_ms"] for r in res) for res in ok),
-            "rss_peak_mib": max(r["rss_peak_mib"] for res in ok for r in res),
-            "tensor_mib": max(r["tensor_mib"] for res in ok for r in res),
-            "final_loss": ok[-1][0]["final_loss"], "rounds": len(ok)}
+    return {"step_ms": statistics.median(max(r[name] for r in res) for res in turns) if turns else float("nan"),
+            "alone_step_ms": max(r["alone_step_ms"] for r in alone),
+            "rss_peak_mib": max(r["rss_peak_mib"] for r in alone),
+            "tensor_mib": max(r["tensor_mib"] for r in alone), "final_loss": alone[0]["final_loss"]}
 
 
 def _ratio(this: dict, other: dict, key: str, speed: bool) -> str:
@@ -308,8 +347,8 @@ def _ratio(this: dict, other: dict, key: str, speed: bool) -> str:
     return f"{other[key] / this[key]:.2f}x" if speed else f"{this[key] / other[key]:.2f}"
 
 
-def _write(names: list[str], runs: dict, load: list[float], args: argparse.Namespace) -> None:
-    summary = {n: _summary(runs[n]) for n in names}
+def _write(names: list[str], alone: dict, turns: list, load: list[float], args: argparse.Namespace) -> None:
+    summary = {n: _summary(n, alone[n], turns) for n in names}
     import torch
 
     params = sum(p.numel() for p in _gpt().parameters())
@@ -319,18 +358,21 @@ def _write(names: list[str], runs: dict, load: list[float], args: argparse.Names
         {"model": f"GPT {LAYERS} layers, dim {DIM}, vocab {VOCAB}, seq {SEQ}", "params": params,
          "world": WORLD, "micro_batch": MICRO, "dtype": args.dtype, "repeats": args.repeats,
          "steps": args.steps, "warmup": args.warmup, "load_average_1min": load,
-         "torch": torch.__version__, "summary": summary, "runs": runs}, indent=1))
+         "torch": torch.__version__, "summary": summary, "alone_runs": alone, "turns_runs": turns},
+        indent=1))
     ref = summary.get("dslaunch-z3", {}).get("final_loss")
     rows = ["## ZeRO-3 vs FSDP2 and DeepSpeed (`zero3_bench.py`)", "",
             f"GPT-like decoder, {params / 1e6:.1f}M parameters ({LAYERS} layers, dim {DIM}, vocab {VOCAB}), "
             f"{args.dtype}, AdamW (torch's fused kernel for all), {WORLD} ranks on gloo, micro batch "
             f"{MICRO} x {SEQ} tokens, same initial weights and data for all. Step time: median over "
-            f"{args.repeats} rounds of the slowest rank's median of {args.steps} steps (after "
-            f"{args.warmup} warm-up); each configuration in fresh processes, configurations taking "
-            f"turns in each round. Peak RSS: VmHWM, max over ranks (includes the interpreter and "
-            "torch, ~220 MiB, and DeepSpeed's imports); live tensors: gc scan after the last step. "
-            f"Load average (1 min) over the run: {min(load):.1f}-{max(load):.1f} on 2 cores shared with "
-            "other work: absolute times are noisy, ratios less so.", "",
+            f"{args.repeats} runs of the slowest rank's median of {args.steps} steps (after "
+            f"{args.warmup} warm-up); in each run every configuration lives in one process pair and "
+            "they take turns step by step, so load from other processes hits them alike. Peak RSS "
+            "(VmHWM, max over ranks; includes the interpreter and torch, ~220 MiB, and DeepSpeed's "
+            "imports), live tensors (gc scan after the last step) and the final loss (mean over "
+            f"ranks after {args.warmup + args.steps} steps) come from a separate fresh run per "
+            f"configuration. Load average (1 min) during the run: {min(load):.1f}-{max(load):.1f} on "
+            "2 cores shared with other work: absolute times are noisy, ratios less so.", "",
             "| config | step ms | FSDP2 / this | DeepSpeed / this | peak RSS/rank MiB | RSS / FSDP2's "
             "| RSS / DeepSpeed's | live tensors MiB | final loss (diff to dslaunch ZeRO-3) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -354,6 +396,8 @@ def _write(names: list[str], runs: dict, load: list[float], args: argparse.Names
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        kind, what = sys.argv[2], sys.argv[3]
+        worker = _alone_worker if kind == "alone" else _turns_worker
+        worker(what if kind == "alone" else what.split(","), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     else:
         main()
