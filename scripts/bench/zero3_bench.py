@@ -21,7 +21,7 @@ The table shows the median over runs of the slowest rank's median of ``--steps``
 
 Usage: ``flock /tmp/dslaunch-bench.lock python scripts/bench/zero3_bench.py [--repeats 3]
 [--steps 5] [--warmup 2] [--dtype fp32|bf16] [--only NAME ...]``.
-Writes scripts/bench/results/zero3_bench.{json,md}.
+Writes scripts/bench/results/zero3_bench.{json,md} (``zero3_bench_bf16.*`` for bf16).
 """
 
 from __future__ import annotations
@@ -354,14 +354,15 @@ def _write(names: list[str], alone: dict, turns: list, load: list[float], args: 
     params = sum(p.numel() for p in _gpt().parameters())
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    (results / "zero3_bench.json").write_text(json.dumps(
+    stem = "zero3_bench" if args.dtype == "fp32" else f"zero3_bench_{args.dtype}"
+    (results / f"{stem}.json").write_text(json.dumps(
         {"model": f"GPT {LAYERS} layers, dim {DIM}, vocab {VOCAB}, seq {SEQ}", "params": params,
          "world": WORLD, "micro_batch": MICRO, "dtype": args.dtype, "repeats": args.repeats,
          "steps": args.steps, "warmup": args.warmup, "load_average_1min": load,
          "torch": torch.__version__, "summary": summary, "alone_runs": alone, "turns_runs": turns},
         indent=1))
     ref = summary.get("dslaunch-z3", {}).get("final_loss")
-    rows = ["## ZeRO-3 vs FSDP2 and DeepSpeed (`zero3_bench.py`)", "",
+    rows = [f"## ZeRO-3 vs FSDP2 and DeepSpeed, {args.dtype} (`zero3_bench.py --dtype {args.dtype}`)", "",
             f"GPT-like decoder, {params / 1e6:.1f}M parameters ({LAYERS} layers, dim {DIM}, vocab {VOCAB}), "
             f"{args.dtype}, AdamW (torch's fused kernel for all), {WORLD} ranks on gloo, micro batch "
             f"{MICRO} x {SEQ} tokens, same initial weights and data for all. Step time: median over "
@@ -390,7 +391,7 @@ def _write(names: list[str], alone: dict, turns: list, load: list[float], args: 
                     f"| {_ratio(s, fsdp, 'rss_peak_mib', False)} | {_ratio(s, peer, 'rss_peak_mib', False)} "
                     f"| {s['tensor_mib']:.0f} | {s['final_loss']:.6f}{diff} |")
     text = "\n".join(rows)
-    (results / "zero3_bench.md").write_text(text + "\n")
+    (results / f"{stem}.md").write_text(text + "\n")
     print(text)
 
 
