@@ -21,10 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.flat import group_dtype, to_host
-from dslaunch.runtime.zero.partition import GroupLayout
+from dslaunch.runtime.zero.partition import GroupLayout, shard_slot
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
 
@@ -129,14 +130,46 @@ class Partitioned(Placement):
         return sum_over_ranks(self.world_size, self.pg)
 
     def publish(self) -> None:
-        """collective: re-gather every persistent parameter from the updated shards."""
+        """collective: re-gather every persistent parameter from the updated shards.
+
+        Persistent parameters are many and small (biases, norms): each owner packs its pieces of
+        all of a group's into one buffer and broadcasts it, one collective per owning rank instead
+        of one per parameter and owner (measured: ~70 parameters of a GPT block stack, 3% of a
+        step as separate broadcasts).
+        """
         pending = []
         for g in self.groups:
-            for p in g.persistent:
-                buf, works = zp.gather_range(g.flat, p._dsl_offset, p._dsl_offset + p.ds_numel)
-                pending.append((p, buf, works))
-        for p, buf, works in pending:
-            for w in works:
-                w.wait()
-            p.data.copy_(buf.view(p.ds_shape))
+            for owner, pieces in enumerate(_pieces_by_owner(g.flat, g.persistent)):
+                if pieces:
+                    pending.append((pieces, *_broadcast_pieces(g.flat, owner, pieces)))
+        for pieces, buf, work in pending:
+            if work is not None:
+                work.wait()
+            dst = [p.data.view(-1)[lo - p._dsl_offset:hi - p._dsl_offset] for p, lo, hi in pieces]
+            torch._foreach_copy_(dst, list(buf.split([hi - lo for _, lo, hi in pieces])))
+
+
+def _pieces_by_owner(flat: zp.FlatShard, params: list[torch.nn.Parameter]) -> list[list[tuple]]:
+    """For each rank, the (param, lo, hi) ranges of ``params`` in its part of ``flat``'s vector."""
+    k = shard_slot(flat.numel, flat.world)
+    out: list[list[tuple]] = [[] for _ in range(flat.world)]
+    for p in params:
+        a, b = p._dsl_offset, p._dsl_offset + p.ds_numel
+        for r in range(a // k, min(flat.world, -(-b // k))):
+            out[r].append((p, max(a, r * k), min(b, (r + 1) * k)))
+    return out
+
+
+def _broadcast_pieces(flat: zp.FlatShard, owner: int, pieces: list[tuple]) -> tuple[torch.Tensor, Any]:
+    """Start broadcasting ``owner``'s ``pieces``, packed in order, to every rank: (buffer, work)."""
+    device = flat.device or flat.shard.device
+    if owner == flat.rank:
+        k = shard_slot(flat.numel, flat.world)
+        buf = torch.cat([flat.shard[lo - owner * k:hi - owner * k] for _, lo, hi in pieces]).to(device)
+    else:
+        buf = torch.empty(sum(hi - lo for _, lo, hi in pieces), dtype=flat.shard.dtype, device=device)
+    if flat.world == 1:
+        return buf, None
+    src = owner if flat.group is None else dist.get_global_rank(flat.group, owner)
+    return buf, dist.broadcast(buf, src=src, group=flat.group, async_op=True)
 

@@ -21,8 +21,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = HERE.parent.parent / "BENCHMARKS.md"
 # Tables in the order a user meets the product: launch, train, checkpoint.
-ORDER = ["launch_bench", "ssh_launch_bench", "slurm_submit_bench", "engine_bench", "heartbeat_bench",
-         "optimizer_bench", "cpu_kernels_bench", "nvme_bench", "ckpt_bench", "faults", "host_faults", "exit_stress"]
+ORDER = ["launch_bench", "ssh_launch_bench", "slurm_submit_bench", "engine_bench", "zero3_bench", "zero3_bench_bf16",
+         "prefetch_bench", "nvme_bench", "heartbeat_bench", "optimizer_bench", "cpu_kernels_bench", "ckpt_bench",
+         "faults", "host_faults", "exit_stress"]
 
 
 def _benches(names: list[str]) -> list[Path]:
