@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from dslaunch.utils.ports import free_port
+from ranks import report, run_ranks
 
 HERE = Path(__file__).resolve().parent
 DIM, LAYERS, MICRO, WORLD, LR = 2048, 5, 32, 2, 1e-4
@@ -116,7 +116,7 @@ def _timing_worker(configs: list[str], steps: int, warmup: int) -> None:
             fns[c]()
             if i >= warmup:
                 times[c].append(time.perf_counter() - t0)
-    _report({c: statistics.median(t) * 1e3 for c, t in times.items()})
+    report({c: statistics.median(t) * 1e3 for c, t in times.items()})
 
 
 def _memory_worker(config: str, steps: int) -> None:
@@ -127,35 +127,15 @@ def _memory_worker(config: str, steps: int) -> None:
     fn = _build(config.split("-")[0], int(config.split("-")[1]))
     for _ in range(steps):
         fn()
-    _report({config: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})  # MiB
-
-
-def _report(values: dict) -> None:
-    import torch.distributed as dist
-
-    out = [None] * WORLD
-    dist.all_gather_object(out, values)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(out), flush=True)
-    dist.destroy_process_group()
+    report({config: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})  # MiB
 
 
 # ----- driver side ----------------------------------------------------------------------------
 def _run(argv: list[str]) -> list[dict] | None:
-    port = free_port()
-    procs = []
-    for r in range(WORLD):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=900) for p in procs]
-    for line in outs[0][0].splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    print(f"  worker {argv} failed:\n{outs[0][1][-3000:]}", file=sys.stderr)
-    return None
+    res, why = run_ranks(__file__, argv, WORLD, timeout=900)
+    if res is None:
+        print(f"  worker {argv} failed:\n{why}", file=sys.stderr)
+    return res
 
 
 def _has_deepspeed() -> bool:

@@ -30,13 +30,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from dslaunch.utils.ports import free_port
+from ranks import report, run_ranks
 
 HERE = Path(__file__).resolve().parent
 VOCAB, DIM, LAYERS, HEADS, SEQ, MICRO, WORLD, LR = 8192, 384, 8, 6, 64, 4, 2, 1e-4
@@ -236,7 +235,7 @@ def _alone_worker(name: str, steps: int, warmup: int, dtype: str) -> None:
             out.update(alone_step_ms=statistics.median(times) * 1e3, final_loss=final.item() / WORLD,
                        tensor_mib=_tensor_mib())
         out["rss_peak_mib"] = _vm_hwm_mib()
-    _report(dist, out)
+    report(out)
 
 
 def _turns_worker(names: list[str], steps: int, warmup: int, dtype: str) -> None:
@@ -254,38 +253,13 @@ def _turns_worker(names: list[str], steps: int, warmup: int, dtype: str) -> None
                 steps_of[n](data[i % len(data)])
                 if i >= warmup:
                     times[n].append(time.perf_counter() - t0)
-    _report(dist, {n: statistics.median(t) * 1e3 for n, t in times.items()})
-
-
-def _report(dist, values: dict) -> None:
-    res = [None] * dist.get_world_size()
-    dist.all_gather_object(res, values)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(res), flush=True)
-    dist.destroy_process_group()
+    report({n: statistics.median(t) * 1e3 for n, t in times.items()})
 
 
 # ----- driver side ----------------------------------------------------------------------------
 def _run(argv: list[str]) -> list[dict] | dict:
-    port = free_port()
-    procs = []
-    for r in range(WORLD):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outs = [p.communicate(timeout=1800) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        return {"error": "timed out after 1800 s"}
-    for line in outs[0][0].splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (outs[0][1] or outs[1][1]).strip().splitlines()
-    return {"error": f"worker exited {procs[0].returncode}: {tail[-1][:300] if tail else ''}"}
+    res, why = run_ranks(__file__, argv, WORLD, timeout=1800)
+    return res if res is not None else {"error": why.strip().splitlines()[-1][:300] if why.strip() else "no output"}
 
 
 def main() -> None:
