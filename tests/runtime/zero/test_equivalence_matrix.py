@@ -4,7 +4,9 @@ reproduces single-process torch training, compared on the final whole weights.
 The setup is ``equivalence.py``'s (AdamW with weight decay, 2 accumulation micro steps, tiny
 buckets, clipping at 0.5 that is active on every step: the reference's norms are checked to exceed
 it) with ``stage3_param_persistence_threshold: 0`` so every parameter is partitioned and offloaded.
-One ``run_world`` per world size trains every configuration in the same processes.
+One ``run_world`` per world size trains every configuration in the same processes. After training,
+the weights the forward uses (the consolidated 16-bit state dict) are exactly the fp32 masters cast
+to the model dtype, so the offloaded update's write-back is checked too.
 
 Tolerances:
 - fp32: the final fp32 master weights (``safe_get_full_fp32_param``) within 2e-5 max abs of the
@@ -25,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import run_world
 from tests.runtime.models import batches
@@ -79,9 +82,12 @@ def _train(rank: int, world: int, cfg: dict) -> Result:
         losses += train_steps(engine, rank, world, [batch])
         norms.append(engine.get_global_grad_norm())
     assert engine.global_steps == MATRIX_STEPS and engine.skipped_steps == 0
+    masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+    published = engine._zero3_consolidated_16bit_state_dict()  # on rank 0: the weights forward uses
+    for n, master in masters.items() if rank == 0 else ():
+        assert torch.equal(published[n], master.to(published[n].dtype)), f"{n}: published != master"
     # Lists, not tensors: tensors do not survive the result queue once the rank exits.
-    weights = {n: safe_get_full_fp32_param(p).flatten().tolist() for n, p in engine.module.named_parameters()}
-    return losses, norms, weights
+    return losses, norms, {n: m.flatten().tolist() for n, m in masters.items()}
 
 
 def _matrix(rank: int, world: int, cfgs: list[dict]) -> list[Result]:
