@@ -10,8 +10,9 @@ to the model dtype, so the offloaded update's write-back is checked too.
 
 Tolerances:
 - fp32: the final fp32 master weights (``safe_get_full_fp32_param``) within 2e-5 max abs of the
-  torch model (issue 12's bound; DeepSpeed 0.19.8 gets 3.6e-7 here), losses and pre-clip gradient
-  norms within 1e-5 relative per step (``test_stage3.py``'s bound).
+  torch model (issue 12's bound; DeepSpeed 0.19.8 got 3.6e-7 on a small MLP; dslaunch 1.2e-7 here),
+  all but the attention's key bias (``KEY_BIAS``: why), losses and pre-clip gradient norms within
+  1e-5 relative per step (``test_stage3.py``'s bound).
 - bf16/fp16: the forward runs in 16 bits, so they cannot reproduce fp32 torch bit for bit; as in
   ``test_stage3.py``/``test_nvme.py`` their losses track the fp32 reference within 3e-2 relative per
   step (fp16 with dynamic loss scaling from 2**8, no step skipped). Offloading must not change the
