@@ -31,18 +31,42 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
 
 
-def reference_losses(steps: int = STEPS, make_optimizer=_adamw) -> list[float]:
-    """Plain torch: one process, the whole global batch per step."""
+def reference_run(steps: int = STEPS, make_optimizer=_adamw
+                  ) -> tuple[torch.nn.Module, list[float], list[float]]:
+    """Plain torch: one process, the whole global batch per step; the trained model, the losses
+    and the gradient norms before clipping."""
     model = make_model()
     opt = make_optimizer(model.parameters())
-    losses = []
+    losses, norms = [], []
     for tokens, labels in batches(steps, GLOBAL):
         loss = model(tokens, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return model, losses, norms
+
+
+def reference_losses(steps: int = STEPS, make_optimizer=_adamw) -> list[float]:
+    return reference_run(steps, make_optimizer)[1]
+
+
+def train_steps(engine, rank: int, world: int, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """One optimizer step per global batch in ``data``, GAS micro steps each; the global mean losses."""
+    micro = GLOBAL // (world * GAS)
+    losses = []
+    for tokens, labels in data:
+        step_loss = torch.zeros(())
+        for i in range(GAS):
+            lo = (i * world + rank) * micro  # any fixed split of the global batch works
+            loss = engine(tokens[lo:lo + micro], labels[lo:lo + micro])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float() / GAS
+        if dist.is_initialized():
+            dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / world)
     return losses
 
 
@@ -64,28 +88,16 @@ def engine_losses(rank: int, world: int, config: dict, client: bool = False, zer
         kwargs["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(kwargs["optimizer"], lambda s: 1.0)
     engine, _, _, _ = dslaunch.initialize(model=model, config=config, **kwargs)
     dtype = next(engine.module.parameters()).dtype
-    micro = GLOBAL // (world * GAS)
-    losses = []
-    for tokens, labels in batches(STEPS, GLOBAL):
-        step_loss = torch.zeros(())
-        for i in range(GAS):
-            lo = (i * world + rank) * micro  # any fixed split of the global batch works
-            loss = engine(tokens[lo:lo + micro], labels[lo:lo + micro])
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.detach().float() / GAS
-        if dist.is_initialized():
-            dist.all_reduce(step_loss)
-        losses.append(step_loss.item() / world)
+    losses = train_steps(engine, rank, world, batches(STEPS, GLOBAL))
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * GAS
     assert dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
         next((k for k in ("fp16", "bf16") if config.get(k, {}).get("enabled")), ""), torch.float32)
     return losses
 
 
-def assert_close(got: list[float], want: list[float], rtol: float) -> None:
+def assert_close(got: list[float], want: list[float], rtol: float, what: str = "") -> None:
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert abs(g - w) <= rtol * abs(w), f"step {step}: {g} vs reference {w} (rtol {rtol})"
+        assert abs(g - w) <= rtol * abs(w), f"{what}step {step}: {g} vs reference {w} (rtol {rtol})"
 
 
 def many(rank: int, world: int, configs: list[dict], client: bool = False) -> list[list[float]]:
