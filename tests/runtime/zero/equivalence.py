@@ -33,6 +33,11 @@ def _adamw(params) -> torch.optim.Optimizer:
 
 def reference_losses(steps: int = STEPS, make_optimizer=_adamw) -> list[float]:
     """Plain torch: one process, the whole global batch per step."""
+    return reference_run(steps, make_optimizer)[0]
+
+
+def reference_run(steps: int = STEPS, make_optimizer=_adamw) -> tuple[list[float], torch.nn.Module]:
+    """``reference_losses`` and the trained model (its final weights)."""
     model = make_model()
     opt = make_optimizer(model.parameters())
     losses = []
@@ -43,14 +48,15 @@ def reference_losses(steps: int = STEPS, make_optimizer=_adamw) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, model
 
 
-def engine_losses(rank: int, world: int, config: dict, client: bool = False, zero_init: bool = False
-                  ) -> list[float]:
+def engine_losses(rank: int, world: int, config: dict, client: bool = False, zero_init: bool = False,
+                  weights: dict | None = None) -> list[float]:
     """Train through dslaunch.initialize; return the global mean loss of every step.
 
     ``zero_init``: build the model inside ``dslaunch.zero.Init()`` (partitioned as it is built).
+    ``weights``: filled with the whole fp32 value of every parameter after the last step.
     """
     import dslaunch
     import dslaunch.zero
@@ -78,6 +84,10 @@ def engine_losses(rank: int, world: int, config: dict, client: bool = False, zer
             dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * GAS
+    if weights is not None:
+        from dslaunch.utils import safe_get_full_fp32_param
+
+        weights.update({n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()})
     assert dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
         next((k for k in ("fp16", "bf16") if config.get(k, {}).get("enabled")), ""), torch.float32)
     return losses
