@@ -18,7 +18,14 @@ import torch
 
 from tests.distributed import run_world
 from tests.runtime.models import batches, make_model
-from tests.runtime.zero.equivalence import GLOBAL, assert_close, config, config_16bit, engine_losses, reference_run
+from tests.runtime.zero.equivalence import (
+    GLOBAL,
+    assert_close,
+    config,
+    config_16bit,
+    engine_losses,
+    reference_run,
+)
 from tests.runtime.zero.test_nvme import _errors, _nvme, _sigkill_leaves_nothing, _swap_fds
 from tests.runtime.zero.test_stage3_checkpoint import _load
 
@@ -180,3 +187,31 @@ def test_nvme_param_checkpoint_resumes_without_offload(tmp_path: Path) -> None:
     for n, t in full.items():
         assert torch.equal(exported[n], t) and torch.equal(model16[n], t), n
     assert os.listdir(swap) == []
+
+
+@pytest.mark.timeout(30)
+def test_shard_store_ranges_dtypes_and_bounded_pool(tmp_path: Path) -> None:
+    """Ranges across the in-memory head and the file, same-dtype reads straight into the target,
+    other dtypes through at most ``buffer_count`` staging buffers; the file holds the tail only."""
+    from dslaunch.runtime.zero.offload.param_store import ShardStore
+    from dslaunch.runtime.zero.offload.swap import SwapSettings
+
+    settings = SwapSettings(str(tmp_path), buffer_count=2, buffer_size=7, block_size=512, queue_depth=2,
+                            section="offload_param")
+    values = torch.randn(100, dtype=torch.float64).to(torch.bfloat16)
+    store = ShardStore(settings, 100, torch.bfloat16, in_cpu=30, pin=False)
+    assert store.in_cpu == 30 and _swap_fds(str(tmp_path)) == [70 * 2]
+    store.write(0, values.float())  # fp32 -> bf16 through the pool
+    assert len(store._pool) == 2 and store.held_bytes() == (30 + 2 * 7) * 2
+    for lo, hi in ((0, 100), (25, 35), (40, 97), (3, 9)):
+        same = torch.empty(hi - lo, dtype=torch.bfloat16)
+        store.read(lo, hi, same)
+        wide = torch.empty(hi - lo, dtype=torch.float32)
+        store.read(lo, hi, wide)
+        assert torch.equal(same, values[lo:hi]) and torch.equal(wide, values[lo:hi].float()), (lo, hi)
+    store.write(28, torch.full((5,), 3.0, dtype=torch.bfloat16))  # straight into head and file
+    assert torch.equal(store.read_all()[27:34], torch.tensor([values[27].item(), *[3.0] * 5, values[33].item()],
+                                                            dtype=torch.bfloat16))
+    assert len(store._pool) == 2
+    store.close()
+    assert _swap_fds(str(tmp_path)) == [] and os.listdir(tmp_path) == []
