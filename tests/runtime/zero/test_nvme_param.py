@@ -86,6 +86,15 @@ def _inspect(rank: int, cfg: dict, path: str) -> None:
         numel += g.shard.numel()
     assert sum(_swap_fds(path)) >= 4 * numel  # fp32 shards on disk
     assert os.listdir(path) == []
+    import dslaunch.zero
+    from dslaunch.utils import safe_get_full_fp32_param
+
+    w = next(engine.module.parameters())
+    with dslaunch.zero.GatheredParameters([w], modifier_rank=0):  # written back into the files
+        w.data.fill_(0.25 if rank == 0 else 9.0)
+    with dslaunch.zero.GatheredParameters([w]):
+        assert torch.all(w.data == 0.25)
+    assert torch.all(safe_get_full_fp32_param(w) == 0.25)
 
 
 @pytest.mark.timeout(180)
