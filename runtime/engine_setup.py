@@ -63,7 +63,9 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         offload_optimizer=zero_cfg.offload_optimizer.enabled,
                         offload_param=zero_cfg.offload_param.enabled,
                         pin_memory=zero_cfg.offload_optimizer.pin_memory or zero_cfg.offload_param.pin_memory,
-                        offload_bucket_numel=zero_cfg.sub_group_size, nvme=_swap_settings(cfg),
+                        offload_bucket_numel=zero_cfg.sub_group_size, nvme=_swap_settings(cfg, "offload_optimizer"),
+                        param_nvme=_swap_settings(cfg, "offload_param"),
+                        param_in_cpu=zero_cfg.offload_param.max_in_cpu,
                         param_persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
                         prefetch_bucket_numel=zero_cfg.stage3_prefetch_bucket_size,
                         max_live_parameters=zero_cfg.stage3_max_live_parameters,
@@ -73,12 +75,13 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                        _dataloader(cfg, training_data, collate_fn), _timers(cfg))
 
 
-def _swap_settings(cfg: DeepSpeedConfig) -> SwapSettings | None:
-    off = cfg.zero_optimization.offload_optimizer
+def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:
+    off = getattr(cfg.zero_optimization, section)
     if off.device != "nvme":
         return None
     return SwapSettings(off.nvme_path, off.buffer_count, off.buffer_size, off.pipeline_read, off.pipeline_write,
-                        cfg.aio.block_size, cfg.aio.queue_depth)
+                        cfg.aio.block_size, cfg.aio.queue_depth, section,
+                        "optimizer state" if section == "offload_optimizer" else "parameter shard")
 
 
 def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, training_data: Any,

@@ -277,9 +277,6 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
         if off.device == "nvme" and off.nvme_path is None:
             raise ConfigError("is required with \"device\": \"nvme\" (a directory for the swap files)",
                               key=f"zero_optimization.{key}.nvme_path")
-    if zero.offload_param.device == "nvme":
-        raise ConfigError("\"nvme\" is not implemented by dslaunch yet for parameters (it is for "
-                          "offload_optimizer); use \"cpu\" or \"none\"", key="zero_optimization.offload_param.device")
     if zero.offload_param.enabled and zero.stage != 3:
         raise ConfigError("needs ZeRO stage 3 (below it every rank holds all parameters)",
                           key="zero_optimization.offload_param.device")

@@ -176,9 +176,11 @@ class OffloadConfig:
     buffer_size: int = _opt(100_000_000, integer(1), "elements per swap buffer, e.g. 1e8")
     pipeline_read: bool = _opt(False, boolean, "true to read the next bucket while one is updated")
     pipeline_write: bool = _opt(False, boolean, "true to write a bucket back while the next is updated")
+    # offload_param with nvme only: this rank's first max_in_cpu shard elements stay in host memory.
+    max_in_cpu: int = _opt(1_000_000_000, integer(0), "elements kept in host memory, e.g. 1e9 (0: all on NVMe)")
 
     # They tune DeepSpeed's swapper or its CPU Adam: any value changes nothing.
-    UNIMPLEMENTED = {k: ANY for k in ("max_in_cpu", "pipeline", "fast_init",  # noqa: RUF012
+    UNIMPLEMENTED = {k: ANY for k in ("pipeline", "fast_init",  # noqa: RUF012
                                       "super_offload", "cpuadam_cores_perc")}
 
     @property

@@ -24,7 +24,8 @@ asks the stage again. What lives where:
   ``full_state.py``: ``safe_get_full_*`` (``dslaunch.utils``).
 
 - ``offload/``: the optimizer step of an offloaded master (``offload_optimizer``): buckets,
-  transfers overlapped with the update, the optimizer state in host memory or NVMe swap files.
+  transfers overlapped with the update, the optimizer state in host memory or NVMe swap files;
+  stage 3's parameter shards on NVMe (``offload_param``, ``param_store.py``).
 
 Importing this package does not import torch (``Init``, ``GatheredParameters``, ``ZeroParamStatus``
 and the external-parameter functions resolve on first access, as ``deepspeed.runtime.zero``'s).

@@ -61,6 +61,9 @@ class FlatShard:
     group: Any = None
     master: torch.Tensor | None = None
     device: torch.device | None = None  # where gathered values go (None: the shard's device)
+    # offload_param nvme: the shard's values live here (``offload.param_store.ShardStore``) and
+    # ``shard`` is a meta tensor (shape and dtype only); go through ``read``/``write``.
+    store: Any = None
 
     def __reduce__(self) -> tuple:
         # A pickled parameter (torch.save of the Parameter keeps its attributes) is a placeholder
@@ -74,6 +77,20 @@ class FlatShard:
     @property
     def end(self) -> int:
         return partition_range(self.numel, self.world, self.rank)[1]
+
+    def read(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy this rank's elements ``[lo, hi)`` (offsets into the shard) into ``out``."""
+        if self.store is None:
+            out.copy_(self.shard[lo:hi])
+        else:
+            self.store.read(lo, hi, out)
+
+    def write(self, lo: int, src: torch.Tensor) -> None:
+        """Store ``src`` as this rank's elements ``[lo, lo + src.numel())``."""
+        if self.store is None:
+            self.shard[lo:lo + src.numel()].copy_(src)
+        else:
+            self.store.write(lo, src.reshape(-1))
 
 
 def is_partitioned(t: Any) -> bool:
@@ -116,8 +133,8 @@ def gather_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[An
     for r in range(a // k, min(flat.world, -(-b // k))) if b > a else ():
         lo, hi = max(a, r * k), min(b, (r + 1) * k)
         piece = out[lo - a:hi - a]
-        if r == flat.rank:
-            piece.copy_(flat.shard[lo - r * k:hi - r * k])
+        if r == flat.rank:  # with offload_param nvme: read from the swap file
+            flat.read(lo - r * k, hi - r * k, piece)
         if flat.world > 1:
             works.append(dist.broadcast(piece, src=_global(flat, r), group=flat.group, async_op=True))
     return out, works
@@ -220,7 +237,7 @@ def scatter_into(p: torch.nn.Parameter, full: torch.Tensor) -> None:
     if hi <= lo:
         return
     src = full.reshape(-1)[lo - off:hi - off]
-    flat.shard[lo - flat.start:hi - flat.start].copy_(src)
+    flat.write(lo - flat.start, src)
     if flat.master is not None:
         flat.master[lo - flat.start:hi - flat.start].copy_(src)
 

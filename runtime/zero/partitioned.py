@@ -8,7 +8,11 @@ Parameters of at most ``param_persistence_threshold`` elements stay whole on eve
 (``ds_persist``) and are re-gathered after each step (``publish``).
 
 With ``offload_param`` the shard lives in host memory (gathers copy each rank's own piece up to the
-device); with ``offload_optimizer`` the fp32 master and the optimizer state do.
+device); with ``offload_optimizer`` the fp32 master and the optimizer state do. With
+``offload_param.device: nvme`` the shard lives in a swap file (``offload.param_store.ShardStore``,
+all but ``max_in_cpu`` elements): ``shard`` is then a meta tensor, every access goes through
+``flat.read``/``flat.write``, and the fp32 master (host memory) is a separate copy even for an
+fp32 model.
 
 Parameters built under ``zero.Init`` arrive already partitioned (alone); each is gathered once
 here, on every rank, to copy this rank's part into the group shard: one parameter at a time, so
@@ -25,6 +29,7 @@ import torch.distributed as dist
 
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.flat import group_dtype, to_host
+from dslaunch.runtime.zero.offload.param_store import ShardStore
 from dslaunch.runtime.zero.partition import GroupLayout, shard_slot
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
@@ -52,7 +57,7 @@ class ShardGroup:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
-                 world_size: int, rank: int, process_group: Any, comm: CommSettings):
+                 world_size: int, rank: int, process_group: Any, comm: CommSettings, in_cpu: int = 0):
         self.params, self.hparams = params, hparams
         self.dtype = group_dtype(params)
         shapes = [tuple(p.ds_shape) if zp.is_partitioned(p) else tuple(p.shape) for p in params]
@@ -73,9 +78,15 @@ class ShardGroup:
         data = self.shard if self.dtype == torch.float32 else self.shard.float()
         data = to_host(data, comm.pin_memory) if comm.offload_optimizer else data
         self.master = torch.nn.Parameter(data, requires_grad=False)
-        aliased = self.master.data.data_ptr() == self.shard.data_ptr()
+        self.store = None
+        if comm.param_nvme is not None:  # the shard moves to the swap file; the master stays
+            self.store = ShardStore(comm.param_nvme, self.shard.numel(), self.dtype, in_cpu,
+                                    comm.pin_memory and self.compute_device.type != "cpu")
+            self.store.write(0, self.shard)
+            self.shard = torch.empty(self.shard.shape, dtype=self.dtype, device="meta")
+        aliased = self.store is None and self.master.data.data_ptr() == self.shard.data_ptr()
         self.flat = zp.FlatShard(self.shard, lay.numel, world_size, rank, process_group,
-                                 None if aliased else self.master.data, self.compute_device)
+                                 None if aliased else self.master.data, self.compute_device, self.store)
         for i, (p, full) in enumerate(zip(params, whole, strict=True)):
             if full is not None:
                 p.data = full.to(self.dtype).view(shapes[i]).clone()
@@ -93,8 +104,9 @@ class ShardGroup:
 
     @property
     def model_shard(self) -> torch.Tensor:
-        """This rank's range of the model weights: the shard itself."""
-        return self.shard
+        """This rank's range of the model weights: the shard itself (with NVMe: read from the file
+        into a new host tensor; write with ``flat.write``)."""
+        return self.shard if self.store is None else self.store.read_all()
 
     @property
     def persistent(self) -> list[torch.nn.Parameter]:
@@ -102,11 +114,11 @@ class ShardGroup:
 
     def copy_master_to_model(self) -> None:
         if self.flat.master is not None:
-            self.shard.copy_(self.master.data)
+            self.flat.write(0, self.master.data)
 
     def copy_model_to_master(self) -> None:
         if self.flat.master is not None:
-            self.master.data.copy_(self.shard)
+            self.flat.read(0, self.shard.numel(), self.master.data)
 
     def load_full(self, values: torch.Tensor) -> bool:
         """The shard is written from the master; whole (persistent) parameters need a publish."""
@@ -122,8 +134,12 @@ class Partitioned(Placement):
     always_norm = True
 
     def _build_groups(self, specs: list[GroupSpec], comm: CommSettings) -> list[Any]:
-        return [ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,
-                           comm) for g in specs]
+        groups, in_cpu = [], comm.param_in_cpu  # max_in_cpu counts over this rank's groups, in order
+        for g in specs:
+            groups.append(ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,
+                                     comm, in_cpu))
+            in_cpu = max(0, in_cpu - groups[-1].shard.numel())
+        return groups
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:
@@ -163,11 +179,12 @@ def _pieces_by_owner(flat: zp.FlatShard, params: list[torch.nn.Parameter]) -> li
 def _broadcast_pieces(flat: zp.FlatShard, owner: int, pieces: list[tuple]) -> tuple[torch.Tensor, Any]:
     """Start broadcasting ``owner``'s ``pieces``, packed in order, to every rank: (buffer, work)."""
     device = flat.device or flat.shard.device
+    buf = torch.empty(sum(hi - lo for _, lo, hi in pieces), dtype=flat.shard.dtype, device=device)
     if owner == flat.rank:
-        k = shard_slot(flat.numel, flat.world)
-        buf = torch.cat([flat.shard[lo - owner * k:hi - owner * k] for _, lo, hi in pieces]).to(device)
-    else:
-        buf = torch.empty(sum(hi - lo for _, lo, hi in pieces), dtype=flat.shard.dtype, device=device)
+        k, at = shard_slot(flat.numel, flat.world), 0
+        for _, lo, hi in pieces:
+            flat.read(lo - owner * k, hi - owner * k, buf[at:at + hi - lo])
+            at += hi - lo
     if flat.world == 1:
         return buf, None
     src = owner if flat.group is None else dist.get_global_rank(flat.group, owner)

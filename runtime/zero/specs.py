@@ -59,6 +59,10 @@ class CommSettings:
     pin_memory: bool = False  # page-locked host copies (only where the device is a GPU)
     offload_bucket_numel: int = 1_000_000_000  # sub_group_size: the offloaded step's buckets
     nvme: SwapSettings | None = None  # offload_optimizer device nvme: the state in swap files
+    # offload_param device nvme (stage 3): the parameter shards in swap files, except the first
+    # param_in_cpu elements of this rank's shards (``max_in_cpu``)
+    param_nvme: SwapSettings | None = None
+    param_in_cpu: int = 1_000_000_000
     # Stage 3 only (DeepSpeed's defaults): see stage3.py for what each does.
     param_persistence_threshold: int = 100_000
     prefetch_bucket_numel: int = 50_000_000

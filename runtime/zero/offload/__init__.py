@@ -1,4 +1,4 @@
-"""ZeRO-Offload and ZeRO-Infinity's optimizer side: the optimizer step of a host-resident master.
+"""ZeRO-Offload and ZeRO-Infinity: the optimizer step of a host-resident master, NVMe swap space.
 
 What lives where:
 
@@ -11,6 +11,9 @@ What lives where:
 - ``swap.py``: ``SwapFile``, a rank's nameless swap file (freed by the kernel at any exit) read and
   written by a thread pool of ``os.preadv``/``os.pwritev`` (``aio.block_size``/``queue_depth``).
 
-Not here: ``offload_param`` (stage 3's parameter shards in host memory, ``partitioned.py``) and
-NVMe for parameters (not implemented).
+- ``param_store.py``: ``ShardStore``, ZeRO-Infinity's parameter side (``offload_param`` with
+  ``device: nvme``): one param group's stage-3 shard in a ``SwapFile`` (but ``max_in_cpu``
+  elements), read by range for gathers, written back by the step, staged through a bounded pool.
+
+Not here: ``offload_param: cpu`` (stage 3's parameter shards in host memory, ``partitioned.py``).
 """

@@ -195,22 +195,33 @@ class OffloadedStep:
                     self._read_state(i + 1, buckets[i + 1])
             states = self._state_ready(i, b)
             master = g.master.data[b.lo:b.hi]
-            model = g.model_shard[b.lo:b.hi]
-            aliased = model.data_ptr() == master.data_ptr()
-            out = None
-            if not aliased and model.dtype != torch.float32:
-                out = model if model.device.type == "cpu" else self._out_buffer(i, model.dtype)[:b.numel]
-            rule.apply(args[b.group], master, grad, states, factor, out)
-            if not aliased and model.device.type != "cpu":
-                pending_out.append(self._send(i, model, master if out is None else out))
-            elif not aliased and out is None:
-                model.copy_(master)
+            if getattr(g, "store", None) is not None:  # offload_param nvme: the bucket goes to the file
+                rule.apply(args[b.group], master, grad, states, factor, None)
+                g.flat.write(b.lo, master)
+            else:
+                pending_out.append(self._apply_to_model(i, b, args[b.group], master, grad, states, factor))
             self._write_state(i, b, states)
             if self.swap is not None and not self._read_ahead and i + 1 < len(buckets):
                 self._read_state(i + 1, buckets[i + 1])
         for event in pending_out:
             _wait(event)
         self._drain()
+
+    def _apply_to_model(self, i: int, b: Bucket, args: dict, master: torch.Tensor, grad: torch.Tensor,
+                        states: list[torch.Tensor], factor: float) -> object | None:
+        """Update bucket ``b`` and copy it into the model's shard (fused when 16-bit on the host);
+        returns the event of a copy to the device still running, or None."""
+        model = self.groups[b.group].model_shard[b.lo:b.hi]
+        aliased = model.data_ptr() == master.data_ptr()
+        out = None
+        if not aliased and model.dtype != torch.float32:
+            out = model if model.device.type == "cpu" else self._out_buffer(i, model.dtype)[:b.numel]
+        self.rule.apply(args, master, grad, states, factor, out)
+        if not aliased and model.device.type != "cpu":
+            return self._send(i, model, master if out is None else out)
+        if not aliased and out is None:
+            model.copy_(master)
+        return None
 
     # ----- gradients in, parameters out -------------------------------------------------------
     def _fetch_grad(self, i: int, b: Bucket, grads: list[torch.Tensor]) -> None:

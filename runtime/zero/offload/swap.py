@@ -23,12 +23,9 @@ from dslaunch.errors import ConfigError
 
 __all__ = ["SwapFile", "SwapSettings", "Pending"]
 
-_KEY = "zero_optimization.offload_optimizer.nvme_path"
-
-
 @dataclass(frozen=True)
 class SwapSettings:
-    """Where and how state is swapped (``offload_optimizer`` with ``device: nvme`` and ``aio``)."""
+    """Where and how state is swapped (``offload_optimizer``/``offload_param`` with ``device: nvme``, ``aio``)."""
 
     path: str
     buffer_count: int = 4
@@ -37,6 +34,12 @@ class SwapSettings:
     pipeline_write: bool = False
     block_size: int = 1_048_576
     queue_depth: int = 8
+    section: str = "offload_optimizer"  # the config section errors name (or "offload_param")
+    what: str = "optimizer state"  # what the swap space holds, for the no-space error
+
+    @property
+    def key(self) -> str:
+        return f"zero_optimization.{self.section}.nvme_path"
 
 
 class Pending:
@@ -56,11 +59,11 @@ class Pending:
         self._futures = []
 
 
-def _open_anonymous(directory: str) -> int:
+def _open_anonymous(directory: str, key: str) -> int:
     """A read-write file in ``directory`` that has no name (freed when closed)."""
     if not os.path.isdir(directory):
         raise ConfigError(f"{directory!r} does not exist or is not a directory; create it or name an "
-                          "existing directory on the NVMe disk", key=_KEY)
+                          "existing directory on the NVMe disk", key=key)
     try:
         return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
     except OSError:
@@ -69,7 +72,7 @@ def _open_anonymous(directory: str) -> int:
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:
-        raise ConfigError(f"cannot create a swap file in {directory!r}: {e.strerror}", key=_KEY) from None
+        raise ConfigError(f"cannot create a swap file in {directory!r}: {e.strerror}", key=key) from None
     os.unlink(name)
     return fd
 
@@ -86,18 +89,18 @@ class SwapFile:
         self.settings = settings
         self.nbytes = nbytes
         path = settings.path
-        self.fd = _open_anonymous(path)
+        self.fd = _open_anonymous(path, settings.key)
         try:
             st = os.statvfs(path)
             free = st.f_bavail * st.f_frsize
             if free < nbytes:
                 raise ConfigError(f"{path!r} has {free / 2**20:.1f} MiB free, this rank needs "
-                                  f"{nbytes / 2**20:.1f} MiB for its optimizer state", key=_KEY)
+                                  f"{nbytes / 2**20:.1f} MiB for its {settings.what}", key=settings.key)
             try:
                 os.posix_fallocate(self.fd, 0, max(nbytes, 1))
             except OSError as e:
                 raise ConfigError(f"cannot reserve {nbytes / 2**20:.1f} MiB in {path!r}: {e.strerror}",
-                                  key=_KEY) from None
+                                  key=settings.key) from None
         except BaseException:
             os.close(self.fd)
             raise

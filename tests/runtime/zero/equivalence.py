@@ -70,11 +70,12 @@ def train_steps(engine, rank: int, world: int, data: list[tuple[torch.Tensor, to
     return losses
 
 
-def engine_losses(rank: int, world: int, config: dict, client: bool = False, zero_init: bool = False
-                  ) -> list[float]:
+def engine_losses(rank: int, world: int, config: dict, client: bool = False, zero_init: bool = False,
+                  weights: dict | None = None) -> list[float]:
     """Train through dslaunch.initialize; return the global mean loss of every step.
 
     ``zero_init``: build the model inside ``dslaunch.zero.Init()`` (partitioned as it is built).
+    ``weights``: filled with the whole fp32 value of every parameter after the last step.
     """
     import dslaunch
     import dslaunch.zero
@@ -90,6 +91,10 @@ def engine_losses(rank: int, world: int, config: dict, client: bool = False, zer
     dtype = next(engine.module.parameters()).dtype
     losses = train_steps(engine, rank, world, batches(STEPS, GLOBAL))
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * GAS
+    if weights is not None:
+        from dslaunch.utils import safe_get_full_fp32_param
+
+        weights.update({n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()})
     assert dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
         next((k for k in ("fp16", "bf16") if config.get(k, {}).get("enabled")), ""), torch.float32)
     return losses

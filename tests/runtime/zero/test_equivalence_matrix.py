@@ -48,11 +48,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def offloads(nvme_path: str) -> list[tuple[str, dict]]:
-    """(name, zero_optimization keys) of every configuration the matrix trains.
-
-    ``offload_param`` on NVMe (issue12-nvmeparam) joins as one more entry once it lands:
-    ``("offload_param nvme", {"offload_param": {"device": "nvme", "nvme_path": nvme_path}})``.
-    """
+    """(name, zero_optimization keys) of every configuration the matrix trains (``max_in_cpu: 0``:
+    every parameter shard really lives in the swap file)."""
     nvme = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 6, "buffer_size": 96}
     return [
         ("stage3", {}),
@@ -60,6 +57,7 @@ def offloads(nvme_path: str) -> list[tuple[str, dict]]:
         ("offload_param cpu", {"offload_param": {"device": "cpu", "pin_memory": True}}),
         ("offload_optimizer+param cpu", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
         ("offload_optimizer nvme", {"offload_optimizer": nvme, "sub_group_size": 1000}),
+        ("offload_param nvme", {"offload_param": {**nvme, "max_in_cpu": 0}}),
     ]
 
 

@@ -175,9 +175,10 @@ import dslaunch
 from tests.runtime.models import batches, make_model
 from tests.runtime.zero.test_nvme import _nvme
 from tests.runtime.zero.equivalence import config
+{imports}
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank={rank}, world_size=2)
-engine, *_ = dslaunch.initialize(model=make_model(), config=_nvme(config(2), sys.argv[1]))
+engine, *_ = dslaunch.initialize(model=make_model(), config={config})
 tokens, labels = batches(1, 8)[0]
 for _ in range(2):
     engine.backward(engine(tokens[:2], labels[:2]))
@@ -187,9 +188,9 @@ time.sleep(120)
 """
 
 
-@pytest.mark.timeout(90)
-def test_nvme_swap_files_gone_after_sigkill(tmp_path: Path) -> None:
-    """Rank 0 is SIGKILLed mid-run: its swap file had no name, so nothing is left behind."""
+def _sigkill_leaves_nothing(tmp_path: Path, config_code: str, imports: str = "") -> None:
+    """Two ranks train with ``config_code`` (swapping to ``tmp_path``); rank 0 is SIGKILLed:
+    its swap files had no name, so nothing is left behind."""
     import socket
 
     with socket.socket() as s:
@@ -197,9 +198,9 @@ def test_nvme_swap_files_gone_after_sigkill(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _VICTIM.format(port=port, rank=r), str(tmp_path)], cwd=root,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    code = [_VICTIM.format(port=port, rank=r, config=config_code, imports=imports) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", c, str(tmp_path)], cwd=root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in code]
     try:
         for p in procs:
             line = p.stdout.readline()
@@ -215,6 +216,12 @@ def test_nvme_swap_files_gone_after_sigkill(tmp_path: Path) -> None:
                 p.kill()
             p.wait(30)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(90)
+def test_nvme_swap_files_gone_after_sigkill(tmp_path: Path) -> None:
+    """Rank 0 is SIGKILLed mid-run: its swap file had no name, so nothing is left behind."""
+    _sigkill_leaves_nothing(tmp_path, "_nvme(config(2), sys.argv[1])")
 
 
 def _ckpt_cfg(stage: int, offload: str, path: str) -> dict:
