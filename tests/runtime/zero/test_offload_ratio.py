@@ -40,6 +40,12 @@ def _split(rank: int, world: int, ratio: float) -> tuple[int, int, int]:
         engine.backward(engine(tokens[rank:rank + 1], labels[rank:rank + 1]))
         engine.step()
     total = sum(g.master.numel() for g in engine.zero.groups)
+    from dslaunch.utils import safe_get_full_optimizer_state
+
+    assert engine.zero.held_bytes()["optimizer_state"] == 8 * total  # Adam's two fp32 tensors, both parts
+    for p in engine.module.parameters():  # both parts joined (collective)
+        sq = safe_get_full_optimizer_state(p, "exp_avg_sq")
+        assert sq is not None and sq.shape == p.ds_shape and bool(torch.all(sq >= 0))
     off = engine.zero.offload
     if off is None:  # ratio 0: no offloaded step at all
         assert all(engine.optimizer.state[g.master]["exp_avg"].numel() == g.master.numel()
