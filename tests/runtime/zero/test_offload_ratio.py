@@ -16,7 +16,14 @@ import torch
 
 from tests.distributed import run_world
 from tests.runtime.models import batches, make_model
-from tests.runtime.zero.equivalence import GLOBAL, assert_close, config, config_16bit, engine_losses
+from tests.runtime.zero.equivalence import (
+    GLOBAL,
+    assert_close,
+    config,
+    config_16bit,
+    engine_losses,
+    reference_losses,
+)
 from tests.runtime.zero.test_nvme import _errors
 from tests.runtime.zero.test_nvme_param import _weights_close, reference_weights  # noqa: F401 (fixture)
 from tests.runtime.zero.test_stage3_checkpoint import _bytes, _full_params, _load, _steps
@@ -92,15 +99,23 @@ def test_ratio_matches_single_process_two_ranks(reference_weights) -> None:  # n
 
 
 @pytest.mark.timeout(120)
-def test_ratio_matches_single_process_one_rank_and_bf16(reference_weights) -> None:  # noqa: F811
+def test_ratio_one_rank_bf16_and_adagrad(reference_weights) -> None:  # noqa: F811
     _check(1, (0.3, 0.5), reference_weights)
     losses, _ = reference_weights
-    for per_rank in run_world(_bf16, 2, 0.5):
-        assert_close(per_rank, losses, 3e-2)
+    for bf16, adagrad in run_world(_bf16_and_adagrad, 2, 0.5):
+        assert_close(bf16, losses, 3e-2)
+        assert_close(adagrad, reference_losses(make_optimizer=_adagrad), 1e-5)
 
 
-def _bf16(rank: int, world: int, ratio: float) -> list[float]:
-    return engine_losses(rank, world, _ratio(config_16bit("bf16", 3), ratio))
+def _adagrad(params) -> torch.optim.Optimizer:
+    return torch.optim.Adagrad(params, lr=1e-2, initial_accumulator_value=0.1)
+
+
+def _bf16_and_adagrad(rank: int, world: int, ratio: float) -> tuple[list[float], list[float]]:
+    """bf16 (Adam); fp32 Adagrad, whose state exists before the first step (split at construction)."""
+    adagrad = config(3, optimizer={"type": "Adagrad", "params": {"lr": 1e-2, "initial_accumulator_value": 0.1}})
+    return (engine_losses(rank, world, _ratio(config_16bit("bf16", 3), ratio)),
+            engine_losses(rank, world, _ratio(adagrad, ratio)))
 
 
 @pytest.mark.timeout(60)
