@@ -60,7 +60,9 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         overlap_comm=zero_cfg.overlap_comm, comm_dtype=precision.comm_dtype,
                         prescale_gradients=cfg.prescale_gradients,
                         gradient_predivide_factor=cfg.gradient_predivide_factor,
-                        offload_optimizer=zero_cfg.offload_optimizer.enabled,
+                        # ratio 0 keeps the whole optimizer on the device: no offload at all
+                        offload_optimizer=zero_cfg.offload_optimizer.enabled and zero_cfg.offload_optimizer.ratio > 0,
+                        offload_ratio=zero_cfg.offload_optimizer.ratio,
                         offload_param=zero_cfg.offload_param.enabled,
                         pin_memory=zero_cfg.offload_optimizer.pin_memory or zero_cfg.offload_param.pin_memory,
                         offload_bucket_numel=zero_cfg.sub_group_size, nvme=_swap_settings(cfg, "offload_optimizer"),

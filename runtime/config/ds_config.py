@@ -277,6 +277,11 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
         if off.device == "nvme" and off.nvme_path is None:
             raise ConfigError("is required with \"device\": \"nvme\" (a directory for the swap files)",
                               key=f"zero_optimization.{key}.nvme_path")
+    ratio = zero.offload_optimizer.ratio
+    if ratio != 1.0 and zero.offload_optimizer.enabled and (zero.stage != 3 or zero.offload_optimizer.device == "nvme"):
+        why = "partial offload needs ZeRO stage 3" if zero.stage != 3 else "partial offload needs \"device\": \"cpu\""
+        raise ConfigError(f"{ratio} is refused: {why}; set it to 1.0 or remove it",
+                          key="zero_optimization.offload_optimizer.ratio")
     if zero.offload_param.enabled and zero.stage != 3:
         raise ConfigError("needs ZeRO stage 3 (below it every rank holds all parameters)",
                           key="zero_optimization.offload_param.device")

@@ -155,14 +155,6 @@ def _text(path: str, value: Any) -> str:
     return value
 
 
-def _full_ratio(path: str, value: Any) -> float:
-    ratio = number(0.0, 1.0)(path, value)
-    if ratio != 1.0:
-        raise ConfigError(f"{_json(value)} (partial offload) is not implemented by dslaunch yet; remove "
-                          "the key or set it to 1.0", key=path)
-    return ratio
-
-
 @dataclass(frozen=True)
 class OffloadConfig:
     """``zero_optimization.offload_optimizer`` / ``offload_param``: host memory or NVMe files
@@ -170,7 +162,8 @@ class OffloadConfig:
 
     device: str = _opt("none", _offload_device, "\"cpu\", \"nvme\" or \"none\"")
     pin_memory: bool = _opt(False, boolean, "true to page-lock the host copies (GPU hosts)")
-    ratio: float = _opt(1.0, _full_ratio, "1.0 (the whole optimizer state)")
+    # offload_optimizer at stage 3 only: the fraction of each shard's master and state in host memory.
+    ratio: float = _opt(1.0, number(0.0, 1.0), "a fraction, e.g. 0.5 (1.0: the whole optimizer state)")
     nvme_path: str | None = _opt(None, optional(_text), "a directory on the NVMe disk, e.g. \"/local_nvme\"")
     buffer_count: int = _opt(4, integer(1), "swap buffers, e.g. 4 (an Adam bucket takes 2)")
     buffer_size: int = _opt(100_000_000, integer(1), "elements per swap buffer, e.g. 1e8")

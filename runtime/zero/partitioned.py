@@ -8,7 +8,8 @@ Parameters of at most ``param_persistence_threshold`` elements stay whole on eve
 (``ds_persist``) and are re-gathered after each step (``publish``).
 
 With ``offload_param`` the shard lives in host memory (gathers copy each rank's own piece up to the
-device); with ``offload_optimizer`` the fp32 master and the optimizer state do. With
+device); with ``offload_optimizer`` the fp32 master and the optimizer state do (with ``ratio`` < 1
+only the last fraction of the state, ``offload.split``; the master stays with the shard). With
 ``offload_param.device: nvme`` the shard lives in a swap file (``offload.param_store.ShardStore``,
 all but ``max_in_cpu`` elements): ``shard`` is then a meta tensor, every access goes through
 ``flat.read``/``flat.write``, and the fp32 master (host memory) is a separate copy even for an
@@ -76,7 +77,10 @@ class ShardGroup:
                 self.shard[lo - lay.start:hi - lay.start].copy_(full[lo - a:hi - a])
             whole.append(full if b - a <= comm.param_persistence_threshold else None)
         data = self.shard if self.dtype == torch.float32 else self.shard.float()
-        data = to_host(data, comm.pin_memory) if comm.offload_optimizer else data
+        # Partial offload (ratio < 1) keeps the master where the shard is: offload.split streams
+        # the host part's slices through host memory (see its docstring).
+        whole_host = comm.offload_optimizer and comm.offload_ratio == 1.0
+        data = to_host(data, comm.pin_memory) if whole_host else data
         self.master = torch.nn.Parameter(data, requires_grad=False)
         self.store = None
         if comm.param_nvme is not None:  # the shard moves to the swap file; the master stays

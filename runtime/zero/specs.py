@@ -58,6 +58,7 @@ class CommSettings:
     offload_param: bool = False
     pin_memory: bool = False  # page-locked host copies (only where the device is a GPU)
     offload_bucket_numel: int = 1_000_000_000  # sub_group_size: the offloaded step's buckets
+    offload_ratio: float = 1.0  # stage 3: the last fraction of each master shard in host memory
     nvme: SwapSettings | None = None  # offload_optimizer device nvme: the state in swap files
     # offload_param device nvme (stage 3): the parameter shards in swap files, except the first
     # param_in_cpu elements of this rank's shards (``max_in_cpu``)

@@ -95,7 +95,8 @@ class ZeroStrategy:
         if comm.offload_optimizer:
             from dslaunch.runtime.zero.offload.step import OffloadedStep
 
-            self.offload = OffloadedStep(self.groups, self.optimizer, comm.offload_bucket_numel, comm.nvme)
+            self.offload = OffloadedStep(self.groups, self.optimizer, comm.offload_bucket_numel, comm.nvme,
+                                         comm.offload_ratio)
         for gi, g in enumerate(self.groups):  # for safe_get_full_* (dslaunch.utils): param -> its slot
             for pi, p in enumerate(g.params):
                 p._dsl_slot = ParamSlot(weakref.ref(self), gi, pi)
@@ -225,7 +226,7 @@ class ZeroStrategy:
         """This rank's shard of every group: master, optimizer state, hparams (live tensors)."""
         self.synchronize()
         opt_sd = self.optimizer.state_dict()
-        if self.offload is not None:  # NVMe: the state tensors are in the swap file
+        if self.offload is not None:  # NVMe: in the swap file; partial offload: in two parts
             for gi, tensors in self.offload.state_tensors().items():
                 opt_sd["state"][gi] = {**opt_sd["state"].get(gi, {}), **tensors}
         out = []
@@ -294,5 +295,7 @@ class ZeroStrategy:
         opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                   for t in st.values() if torch.is_tensor(t) and t.dim() > 0)  # not step counters
         master = sum(g.master.numel() * 4 for g in self.groups if g.dtype != torch.float32)
+        if self.offload is not None and self.offload.split is not None:  # partial offload keeps its own
+            opt += self.offload.split.state_bytes()
         return {"optimizer_state": opt, "master": master, "gradients": self.gradients.held_bytes(),
                 "comm_buffers": self.gradients.reducer.pool.held_bytes}

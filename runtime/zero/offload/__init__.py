@@ -8,6 +8,8 @@ What lives where:
   swapped through a file per rank (``device: nvme``), with read-ahead and write-behind.
 - ``rules.py``: the update of one bucket for the optimizers with CPU kernels (Adam/AdamW fused with
   the 16-bit copy, Adagrad, Lion); other optimizers run torch's own step over the whole shard.
+- ``split.py``: ``SplitState``, partial offload (``ratio`` < 1, stage 3): the optimizer state cut
+  into a device part (updated by the device kernel) and a host part (updated by ``step.py``).
 - ``swap.py``: ``SwapFile``, a rank's nameless swap file (freed by the kernel at any exit) read and
   written by a thread pool of ``os.preadv``/``os.pwritev`` (``aio.block_size``/``queue_depth``).
 

@@ -29,9 +29,6 @@ from dslaunch import kernels
 
 __all__ = ["Rule", "rule_for"]
 
-_CPU = torch.device("cpu")
-
-
 @dataclass(frozen=True)
 class Rule:
     """How to update slices for one optimizer type.
@@ -72,7 +69,7 @@ def _adam_begin(opt: torch.optim.Optimizer, gi: int) -> dict[str, Any]:
 
 def _adam_apply(args: dict[str, Any], p: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor],
                 grad_mul: float, out: torch.Tensor | None) -> None:
-    op = kernels.get("adam", _CPU)
+    op = kernels.get("adam", p.device)
     from dslaunch.kernels.cpu import ops
 
     if op is ops.adam_op and ops.takes(p, g, *states):  # the fused kernel writes the copy in the same pass
@@ -95,7 +92,7 @@ def _adagrad_begin(opt: torch.optim.Optimizer, gi: int) -> dict[str, Any]:
 
 def _adagrad_apply(args: dict[str, Any], p: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor],
                    grad_mul: float, out: torch.Tensor | None) -> None:
-    kernels.get("adagrad", _CPU)([p], [g], [states[0]], inv_scale=grad_mul, **args)
+    kernels.get("adagrad", p.device)([p], [g], [states[0]], inv_scale=grad_mul, **args)
     if out is not None:
         out.copy_(p)
 
@@ -107,7 +104,7 @@ def _lion_begin(opt: torch.optim.Optimizer, gi: int) -> dict[str, Any]:
 
 def _lion_apply(args: dict[str, Any], p: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor],
                 grad_mul: float, out: torch.Tensor | None) -> None:
-    kernels.get("lion", _CPU)([p], [g], [states[0]], inv_scale=grad_mul, **args)
+    kernels.get("lion", p.device)([p], [g], [states[0]], inv_scale=grad_mul, **args)
     if out is not None:
         out.copy_(p)
 

@@ -19,6 +19,9 @@ unscale, clip). ``update`` then walks the buckets (``sub_group_size`` elements, 
 Optimizers without a rule run torch's ``optimizer.step()`` over the whole host shard (CPU offload
 only: their state layout is unknown before their first step, so NVMe refuses them).
 
+With ``ratio`` < 1 (stage 3) only the last fraction of each shard is updated here; the first stays
+on the device and is updated there after the host buckets (``split.SplitState``).
+
 With NVMe, ``optimizer.state[master]`` holds only the step count between steps; ``state_tensors``
 reads the rest back for checkpoints and ``store_loaded`` writes a loaded state out again.
 """
@@ -32,6 +35,7 @@ import torch
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.zero.offload.rules import Rule, rule_for
+from dslaunch.runtime.zero.offload.split import SplitState
 from dslaunch.runtime.zero.offload.swap import Pending, SwapFile, SwapSettings
 
 __all__ = ["Bucket", "OffloadedStep", "plan_buckets"]
@@ -52,10 +56,12 @@ class Bucket:
         return self.hi - self.lo
 
 
-def plan_buckets(shard_sizes: list[int], bucket_numel: int) -> list[Bucket]:
-    """Each group's shard cut into buckets of at most ``bucket_numel`` elements, in order."""
-    return [Bucket(gi, lo, min(lo + bucket_numel, n)) for gi, n in enumerate(shard_sizes)
-            for lo in range(0, n, bucket_numel)]
+def plan_buckets(shard_sizes: list[int], bucket_numel: int, starts: list[int] | None = None) -> list[Bucket]:
+    """Each group's shard (from ``starts[gi]``, default 0) cut into buckets of at most
+    ``bucket_numel`` elements, in order."""
+    starts = starts or [0] * len(shard_sizes)
+    return [Bucket(gi, lo, min(lo + bucket_numel, n)) for gi, (a, n) in enumerate(zip(starts, shard_sizes, strict=True))
+            for lo in range(a, n, bucket_numel)]
 
 
 class _Staging:
@@ -100,14 +106,15 @@ class OffloadedStep:
         optimizer: the torch optimizer over the masters (one tensor per param group).
         bucket_numel: elements per bucket (``sub_group_size``).
         swap: NVMe settings, or None to keep the state in host memory.
+        ratio: the fraction of each shard updated here (stage 3; the rest on the device).
 
     Raises:
-        ConfigError: NVMe with an optimizer that has no rule, too few buffers, or a bad
-            ``nvme_path`` (see ``swap.SwapFile``).
+        ConfigError: NVMe or ``ratio`` < 1 with an optimizer that has no rule, too few buffers,
+            or a bad ``nvme_path`` (see ``swap.SwapFile``).
     """
 
     def __init__(self, groups: list, optimizer: torch.optim.Optimizer, bucket_numel: int,
-                 swap: SwapSettings | None = None):
+                 swap: SwapSettings | None = None, ratio: float = 1.0):
         self.groups, self.optimizer = groups, optimizer
         self.rule: Rule | None = rule_for(optimizer)
         self.swap = None
@@ -115,7 +122,8 @@ class OffloadedStep:
             self.rule = self._nvme_rule(swap)
             bucket_numel = min(bucket_numel, swap.buffer_size)
         sizes = [g.master.numel() for g in groups]
-        self.buckets = plan_buckets(sizes, bucket_numel)
+        self.split = None if ratio == 1.0 else SplitState(groups, optimizer, self._split_rule(ratio), ratio)
+        self.buckets = plan_buckets(sizes, bucket_numel, self.split.heads if self.split else None)
         self.bucket_numel = max((b.numel for b in self.buckets), default=0)
         device = groups[0].device
         self._staged = device.type != "cpu"
@@ -137,6 +145,18 @@ class OffloadedStep:
             # Reading ahead needs a second slot: the next bucket must not land in this one's buffers.
             self._read_ahead = swap.pipeline_read and slots > 1
             self.store_loaded(fresh=True)  # state the optimizer created at construction (Adagrad's sums)
+
+    @property
+    def host_numel(self) -> int:
+        """Master elements this step updates in host memory (this rank, all groups)."""
+        return sum(b.numel for b in self.buckets) if self.rule is not None else sum(g.master.numel() for g in self.groups)
+
+    def _split_rule(self, ratio: float) -> Rule:
+        if self.rule is None:
+            raise ConfigError(f"{ratio} (partial offload) needs Adam/AdamW (without amsgrad/maximize), Adagrad "
+                              f"or Lion; {type(self.optimizer).__name__} is not one of them: set it to 1.0",
+                              key="zero_optimization.offload_optimizer.ratio")
+        return self.rule
 
     def _nvme_rule(self, swap: SwapSettings) -> Rule:
         key = "zero_optimization.offload_optimizer"
@@ -195,7 +215,12 @@ class OffloadedStep:
                     self._read_state(i + 1, buckets[i + 1])
             states = self._state_ready(i, b)
             master = g.master.data[b.lo:b.hi]
-            if getattr(g, "store", None) is not None:  # offload_param nvme: the bucket goes to the file
+            if self.split is not None:  # the master stays with the shard: on a device, a host copy
+                host = master.to("cpu")
+                rule.apply(args[b.group], host, grad, states, factor, None)
+                if host.data_ptr() != master.data_ptr():
+                    master.copy_(host)
+            elif getattr(g, "store", None) is not None:  # offload_param nvme: the bucket goes to the file
                 rule.apply(args[b.group], master, grad, states, factor, None)
                 g.flat.write(b.lo, master)
             else:
@@ -206,6 +231,10 @@ class OffloadedStep:
         for event in pending_out:
             _wait(event)
         self._drain()
+        if self.split is not None:
+            self.split.update_device(args, grads, factor)
+            for g in self.groups:
+                g.copy_master_to_model()
 
     def _apply_to_model(self, i: int, b: Bucket, args: dict, master: torch.Tensor, grad: torch.Tensor,
                         states: list[torch.Tensor], factor: float) -> object | None:
@@ -264,6 +293,8 @@ class OffloadedStep:
                           for j, key in enumerate(self.rule.state_keys)]
 
     def _state_ready(self, i: int, b: Bucket) -> list[torch.Tensor]:
+        if self.split is not None:
+            return self.split.host_states(b.group, b.lo, b.hi)
         if self.swap is None:
             state = self.optimizer.state[self.groups[b.group].master]
             for key in self.rule.state_keys:
@@ -293,13 +324,19 @@ class OffloadedStep:
 
     # ----- checkpoints ------------------------------------------------------------------------
     def state_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
-        """NVMe: every group's state tensors read back from the swap file (new host tensors)."""
+        """NVMe: every group's state tensors read back from the swap file (new host tensors);
+        ``ratio`` < 1: both parts joined (new tensors)."""
+        if self.split is not None:
+            return self.split.state_tensors()
         if self.swap is None:
             return {}
         return {gi: {k: self.state_tensor(gi, k) for k in self.rule.state_keys} for gi in range(len(self.groups))}
 
     def state_tensor(self, group: int, key: str) -> torch.Tensor | None:
-        """NVMe: state ``key`` of ``group`` read back from the swap file (None: not swapped)."""
+        """NVMe: state ``key`` of ``group`` read back from the swap file (None: not swapped);
+        ``ratio`` < 1: both parts joined."""
+        if self.split is not None:
+            return self.split.state_tensor(group, key)
         if self.swap is None or (group, key) not in self._offsets:
             return None
         t = torch.empty_like(self.groups[group].master.data)
@@ -309,7 +346,10 @@ class OffloadedStep:
     def store_loaded(self, fresh: bool = False) -> None:
         """NVMe: move the state tensors the optimizer holds (a loaded checkpoint, or state created
         at construction) into the swap file, keeping only the scalars in host memory. Missing
-        state is written as zeros, unless ``fresh`` (the reserved file reads as zeros)."""
+        state is written as zeros, unless ``fresh`` (the reserved file reads as zeros).
+        ``ratio`` < 1: into the device and host parts."""
+        if self.split is not None:
+            self.split.store_loaded()
         if self.swap is None:
             return
         for gi, g in enumerate(self.groups):
