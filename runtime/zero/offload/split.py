@@ -8,7 +8,7 @@ groups; dslaunch cuts each group's shard at an element, so the fraction holds wi
 
 - The optimizer state of the host part lives in host memory, that of the device part on the
   device; both are kept here (``optimizer.state[master]`` holds only the step count between
-  steps, as with NVMe), and ``state_tensors`` joins them for checkpoints, so the format is the
+  steps, as with NVMe), and ``state_tensor`` joins them for checkpoints, so the format is the
   same whichever side a tensor lives on.
 - The host part is updated by the offloaded step, bucket by bucket, with the CPU kernels; the
   device part by the same rule's kernel for the device (``dslaunch.kernels``: the reference, or
@@ -54,15 +54,6 @@ class SplitState:
                            for g, h in zip(groups, self.heads, strict=True)]
         self.store_loaded()
 
-    @property
-    def host_numel(self) -> int:
-        """Master elements updated on the host (this rank, all groups)."""
-        return sum(g.master.numel() - h for g, h in zip(self.groups, self.heads, strict=True))
-
-    @property
-    def device_numel(self) -> int:
-        return sum(self.heads)
-
     def host_states(self, group: int, lo: int, hi: int) -> list[torch.Tensor]:
         """Slices [lo, hi) (shard offsets, in the host part) of ``group``'s host state."""
         h = self.heads[group]
@@ -81,9 +72,6 @@ class SplitState:
             return None
         device = self.groups[group].master.device
         return torch.cat([self.device_state[group][key], self.host_state[group][key].to(device)])
-
-    def state_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
-        return {gi: {k: self.state_tensor(gi, k) for k in self.rule.state_keys} for gi in range(len(self.groups))}
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for part in (self.device_state, self.host_state)

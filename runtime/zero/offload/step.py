@@ -73,13 +73,20 @@ class _Staging:
         self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(count)]
         self.events: list[object | None] = [None] * count
 
+    def buffer(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s buffer (slot ``i % count``)."""
+        return self.buffers[i % len(self.buffers)]
+
     def fetch(self, i: int, src: torch.Tensor) -> torch.Tensor:
-        """Start copying ``src`` into slot ``i % count``; the tensor there is valid after ``ready``."""
-        k = i % len(self.buffers)
-        dst = self.buffers[k][:src.numel()]
+        """Start copying ``src`` into bucket ``i``'s buffer; valid after ``ready(i)``."""
+        dst = self.buffer(i)[:src.numel()]
         dst.copy_(src, non_blocking=True)
-        self.events[k] = _record(self.device)
+        self.done(i, _record(self.device))
         return dst
+
+    def done(self, i: int, event: object | None) -> None:
+        """``event`` marks the end of the copy that uses bucket ``i``'s buffer."""
+        self.events[i % len(self.buffers)] = event
 
     def ready(self, i: int) -> None:
         _wait(self.events[i % len(self.buffers)])
@@ -261,20 +268,20 @@ class OffloadedStep:
         if self._grads is None or grads[b.group].device.type == "cpu":  # on the host already
             return grads[b.group][b.lo:b.hi]
         self._grads.ready(i)
-        return self._grads.buffers[i % 2][:b.numel]
+        return self._grads.buffer(i)[:b.numel]
 
     def _out_buffer(self, i: int, dtype: torch.dtype) -> torch.Tensor:
         staging = self._outs.get(dtype)
         if staging is None:
             staging = self._outs[dtype] = _Staging(self.bucket_numel, self.groups[0].device, dtype)
         staging.ready(i)  # the copy that last used this buffer (two buckets ago) is done
-        return staging.buffers[i % 2]
+        return staging.buffer(i)
 
     def _send(self, i: int, model: torch.Tensor, src: torch.Tensor) -> object | None:
         model.copy_(src[:model.numel()], non_blocking=True)
         event = _record(model.device)
         if src.dtype in self._outs:
-            self._outs[src.dtype].events[i % 2] = event
+            self._outs[src.dtype].done(i, event)
         return event
 
     # ----- NVMe state -------------------------------------------------------------------------
@@ -326,9 +333,7 @@ class OffloadedStep:
     def state_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
         """NVMe: every group's state tensors read back from the swap file (new host tensors);
         ``ratio`` < 1: both parts joined (new tensors)."""
-        if self.split is not None:
-            return self.split.state_tensors()
-        if self.swap is None:
+        if self.split is None and self.swap is None:
             return {}
         return {gi: {k: self.state_tensor(gi, k) for k in self.rule.state_keys} for gi in range(len(self.groups))}
 
