@@ -33,7 +33,7 @@ import torch.distributed as dist
 from dslaunch.runtime.zero.partition import partition_range, shard_slot
 
 __all__ = ["ZeroParamStatus", "FlatShard", "is_partitioned", "attach", "start_fetch", "fetch", "hold", "unhold",
-           "release", "gather_range", "write_back", "scatter_into"]
+           "release", "gather_range", "owner_pieces", "global_rank", "write_back", "scatter_into"]
 
 _IDS = itertools.count()
 
@@ -130,17 +130,23 @@ def gather_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[An
     out = torch.empty(b - a, dtype=flat.shard.dtype, device=flat.device or flat.shard.device)
     k = shard_slot(flat.numel, flat.world)
     works = []
-    for r in range(a // k, min(flat.world, -(-b // k))) if b > a else ():
-        lo, hi = max(a, r * k), min(b, (r + 1) * k)
+    for r, lo, hi in owner_pieces(flat, a, b):
         piece = out[lo - a:hi - a]
         if r == flat.rank:  # with offload_param nvme: read from the swap file
             flat.read(lo - r * k, hi - r * k, piece)
         if flat.world > 1:
-            works.append(dist.broadcast(piece, src=_global(flat, r), group=flat.group, async_op=True))
+            works.append(dist.broadcast(piece, src=global_rank(flat, r), group=flat.group, async_op=True))
     return out, works
 
 
-def _global(flat: FlatShard, r: int) -> int:
+def owner_pieces(flat: FlatShard, a: int, b: int) -> list[tuple[int, int, int]]:
+    """Elements [a, b) of ``flat``'s vector cut by owner: (rank, lo, hi) in rank order."""
+    k = shard_slot(flat.numel, flat.world)
+    return [(r, max(a, r * k), min(b, (r + 1) * k)) for r in range(a // k, min(flat.world, -(-b // k)))] if b > a else []
+
+
+def global_rank(flat: FlatShard, r: int) -> int:
+    """Rank ``r`` of ``flat``'s process group in the default group (what collectives' ``src`` take)."""
     return r if flat.group is None else dist.get_global_rank(flat.group, r)
 
 

@@ -171,12 +171,10 @@ class Partitioned(Placement):
 
 def _pieces_by_owner(flat: zp.FlatShard, params: list[torch.nn.Parameter]) -> list[list[tuple]]:
     """For each rank, the (param, lo, hi) ranges of ``params`` in its part of ``flat``'s vector."""
-    k = shard_slot(flat.numel, flat.world)
     out: list[list[tuple]] = [[] for _ in range(flat.world)]
     for p in params:
-        a, b = p._dsl_offset, p._dsl_offset + p.ds_numel
-        for r in range(a // k, min(flat.world, -(-b // k))):
-            out[r].append((p, max(a, r * k), min(b, (r + 1) * k)))
+        for r, lo, hi in zp.owner_pieces(flat, p._dsl_offset, p._dsl_offset + p.ds_numel):
+            out[r].append((p, lo, hi))
     return out
 
 
@@ -191,6 +189,5 @@ def _broadcast_pieces(flat: zp.FlatShard, owner: int, pieces: list[tuple]) -> tu
             at += hi - lo
     if flat.world == 1:
         return buf, None
-    src = owner if flat.group is None else dist.get_global_rank(flat.group, owner)
-    return buf, dist.broadcast(buf, src=src, group=flat.group, async_op=True)
+    return buf, dist.broadcast(buf, src=zp.global_rank(flat, owner), group=flat.group, async_op=True)
 
