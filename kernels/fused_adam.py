@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from dslaunch import kernels
 from dslaunch.kernels.cpu import optimizers
 
 __all__ = ["FusedAdam"]
@@ -56,45 +55,4 @@ class FusedAdam(optimizers.DeepSpeedCPUAdam):
         if any(a is not None for a in (grads, output_params, scale, grad_norms)):
             raise RuntimeError("FusedAdam.step() takes no grads, output_params, scale or grad_norms: build it "
                                "as torch.optim.Adam and call step() with no arguments")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for (device, step), params in self._batches(group).items():
-                self._update_batch(group, device, step, params)
-        return loss
-
-    def _batches(self, group: dict[str, Any]) -> dict[tuple[Any, ...], list[torch.Tensor]]:
-        """The group's parameters with a gradient by (device, step), steps counted; dtypes split later."""
-        batches: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("FusedAdam does not support sparse gradients")
-            state = self._state(group, p)
-            state["step"] += 1
-            batches.setdefault((p.device, state["step"]), []).append(p)
-        return batches
-
-    def _update_batch(self, group: dict[str, Any], device: torch.device, step: int,
-                      params: list[torch.Tensor]) -> None:
-        update = kernels.get("adam", device)
-        keep_dtype = getattr(update, "handles_dtypes", False)
-        lists = [[p.data for p in params], [p.grad for p in params],
-                 [self.state[p]["exp_avg"] for p in params], [self.state[p]["exp_avg_sq"] for p in params]]
-        staged = [[_staged(t, keep_dtype) for t in x] for x in lists]
-        update(*staged, step=step, lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
-               weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
-               adam_w_mode=bool(self.adam_w_mode), inv_scale=None)
-        for xs, ss in zip(lists[:1] + lists[2:], staged[:1] + staged[2:], strict=True):  # not the grads
-            for t, s in zip(xs, ss, strict=True):
-                if s is not t:
-                    t.copy_(s)
-
-
-def _staged(t: torch.Tensor, keep_dtype: bool) -> torch.Tensor:
-    """``t`` itself when the kernel can take it, else a contiguous (fp32) copy."""
-    t = t if keep_dtype else t.float()
-    return t if t.is_contiguous() else t.contiguous()
+        return super().step(closure)

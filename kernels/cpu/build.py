@@ -128,13 +128,14 @@ def available() -> bool:
 def _declare(lib: ctypes.CDLL) -> None:
     """The C signatures (ctypes would otherwise pass every float as an int)."""
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    rows = [p, i64, i32, i32]  # the row table (an address), its length, gdt, odt
     signatures = {
-        "dsl_adam": ([p, p, i32, p, p, p, i32, i64] + [f32] * 10 + [i32, i32], None),
-        "dsl_adagrad": ([p, p, i32, p, p, i32, i64] + [f32] * 5 + [i32], None),
-        "dsl_lion": ([p, p, i32, p, p, i32, i64] + [f32] * 5 + [i32], None),
+        "dsl_adam": (rows + [f32] * 10 + [i32, i32], None),
+        "dsl_adagrad": (rows + [f32] * 5 + [i32], None),
+        "dsl_lion": (rows + [f32] * 5 + [i32], None),
         "dsl_grad_sumsq": ([p, i32, i64, f32, i32], ctypes.c_double),
         "dsl_copy_out": ([p, p, i32, i64, i32], None),
-        "dsl_stream": ([p, p, i32, p, p, p, i32, i64, i32], None),
+        "dsl_stream": (rows + [i32], None),
         "dsl_stream_read": ([p, i32, i64, i32], ctypes.c_double),
     }
     for name, (argtypes, restype) in signatures.items():

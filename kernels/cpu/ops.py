@@ -1,7 +1,8 @@
-"""Python entry points of the C kernels: one call per flat tensor, threads = torch's.
+"""Python entry points of the C kernels, threads = torch's.
 
-Flat functions (``adam``, ``adagrad``, ``lion``, ``grad_sumsq``) update one contiguous fp32 CPU
-tensor and its states in place; the dispatch-op functions below them take the op signatures of
+``adam_many``, ``adagrad_many`` and ``lion_many`` update lists of contiguous fp32 CPU tensors and
+their states in place in one C call per dtype pair (``adam``, ``adagrad``, ``lion``: one tensor);
+``grad_sumsq`` reduces one gradient; the dispatch-op functions below them take the op signatures of
 ``dslaunch.kernels`` (lists of tensors, or a torch optimizer) and hand any tensor the C code
 does not take (not fp32, not contiguous, not on the CPU) to the torch reference.
 
@@ -11,15 +12,17 @@ before handing out these functions.
 
 from __future__ import annotations
 
+import array
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from dslaunch.kernels.cpu.build import library
 
-__all__ = ["adam", "adagrad", "lion", "grad_sumsq", "copy_out", "stream", "stream_read", "takes", "adam_op", "lion_op", "adagrad_op"]
+__all__ = ["adam", "adagrad", "lion", "adam_many", "adagrad_many", "lion_many", "grad_sumsq", "copy_out", "stream",
+           "stream_read", "takes", "adam_op", "lion_op", "adagrad_op"]
 
 # Dtype codes of optim.c (a parameter copy of code 0 means "no copy").
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -27,12 +30,13 @@ _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def takes(*tensors: torch.Tensor | None) -> bool:
     """Whether the C kernels can run on these tensors as they are (fp32, contiguous, CPU, dense)."""
-    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    # is_cpu, not device.type: this runs per tensor per step, and building a device costs 0.6 us.
+    return all(t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
                              and t.layout == torch.strided) for t in tensors)
 
 
 def _grad_code(grad: torch.Tensor) -> int:
-    if grad.dtype not in _CODES or grad.device.type != "cpu" or not grad.is_contiguous():
+    if grad.dtype not in _CODES or not grad.is_cpu or not grad.is_contiguous():
         raise ValueError(f"gradient must be a contiguous fp32/bf16/fp16 CPU tensor, got {grad.dtype} "
                          f"on {grad.device} (contiguous={grad.is_contiguous()})")
     return _CODES[grad.dtype]
@@ -45,42 +49,81 @@ def _lib() -> Any:
     return lib
 
 
-def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-         step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-         bias_correction: bool = True, adamw_mode: bool = True, grad_mul: float = 1.0, grad_div: float = 1.0,
-         out: torch.Tensor | None = None) -> None:
-    """One Adam/AdamW step of a flat fp32 ``param`` (1-based ``step``), in place.
+Column = Sequence[torch.Tensor | None]
 
-    ``grad`` may be fp32, bf16 or fp16 and is multiplied by ``grad_mul`` and divided by
+
+def _tables(params: Column, grads: Column, s1: Column, s2: Column, outs: Column | None,
+            ) -> Iterator[tuple[int, int, int, int]]:
+    """The row tables of optim.c (p, g, s1, s2, out addresses and the element count per tensor),
+    one per (gradient dtype, copy dtype) among the rows: (table address, rows, gdt, odt). An
+    address is valid while the iterator lives."""
+    outs = outs if outs is not None else [None] * len(params)
+    groups: dict[tuple[int, int], array.array] = {}
+    for p, g, a, b, out in zip(params, grads, s1, s2, outs, strict=True):
+        table = groups.setdefault((_grad_code(g), _out_code(out)), array.array("q"))
+        table.extend((p.data_ptr(), g.data_ptr(), _ptr(a), _ptr(b), _ptr(out), p.numel()))
+    for (gdt, odt), table in groups.items():  # array, not a ctypes array: 100x cheaper to build
+        yield table.buffer_info()[0], len(table) // 6, gdt, odt
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def adam_many(params: Column, grads: Column, exp_avgs: Column, exp_avg_sqs: Column, *, step: int, lr: float,
+              beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction: bool = True,
+              adamw_mode: bool = True, grad_mul: float = 1.0, grad_div: float = 1.0,
+              outs: Column | None = None) -> None:
+    """One Adam/AdamW step of flat fp32 ``params`` (1-based ``step``), in place, in one call per
+    gradient/copy dtype pair (so a list of small tensors costs one call, not one each).
+
+    ``grads`` may be fp32, bf16 or fp16 and are multiplied by ``grad_mul`` and divided by
     ``grad_div`` first (torch's fused optimizers divide by ``grad_scale``: dividing here rounds
-    the same); ``out`` (bf16 or fp16, same shape) receives the updated parameters in the same pass.
+    the same); ``outs`` (bf16 or fp16 tensors, or None) receive the updated parameters in the
+    same pass.
     """
-    n = param.numel()
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
-    # Coefficients in double, rounded once to fp32, as torch's fused Adam computes them.
-    _lib().dsl_adam(param.data_ptr(), grad.data_ptr(), _grad_code(grad), exp_avg.data_ptr(),
-                    exp_avg_sq.data_ptr(), *_out(out), n, 1.0 - beta1, beta2, 1.0 - beta2, eps,
-                    weight_decay, 1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div,
-                    int(adamw_mode), torch.get_num_threads())
+    for table, count, gdt, odt in _tables(params, grads, exp_avgs, exp_avg_sqs, outs):
+        # Coefficients in double, rounded once to fp32, as torch's fused Adam computes them.
+        _lib().dsl_adam(table, count, gdt, odt, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
+                        1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div, int(adamw_mode),
+                        torch.get_num_threads())
 
 
-def adagrad(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, *, clr: float, eps: float,
-            weight_decay: float, grad_mul: float = 1.0, grad_div: float = 1.0,
-            out: torch.Tensor | None = None) -> None:
-    """One Adagrad step (torch's, at the current learning rate ``clr``), in place.
+def adagrad_many(params: Column, grads: Column, state_sums: Column, *, clr: float, eps: float,
+                 weight_decay: float, grad_mul: float = 1.0, grad_div: float = 1.0,
+                 outs: Column | None = None) -> None:
+    """One Adagrad step (torch's, at the current learning rate ``clr``) of each tensor, in place;
+    ``grads``, ``grad_mul``, ``grad_div`` and ``outs`` as in ``adam_many``."""
+    for table, count, gdt, odt in _tables(params, grads, state_sums, [None] * len(params), outs):
+        _lib().dsl_adagrad(table, count, gdt, odt, clr, eps, weight_decay, grad_mul, grad_div,
+                           torch.get_num_threads())
 
-    ``grad`` may be fp32, bf16 or fp16; ``grad_mul``, ``grad_div`` and ``out`` as in ``adam``.
-    """
-    _lib().dsl_adagrad(param.data_ptr(), grad.data_ptr(), _grad_code(grad), state_sum.data_ptr(), *_out(out),
-                       param.numel(), clr, eps, weight_decay, grad_mul, grad_div, torch.get_num_threads())
+
+def lion_many(params: Column, grads: Column, exp_avgs: Column, *, lr: float, beta1: float, beta2: float,
+              weight_decay: float, grad_mul: float = 1.0, outs: Column | None = None) -> None:
+    """One Lion step of each tensor, in place; ``grads``, ``grad_mul`` and ``outs`` as in ``adam_many``."""
+    for table, count, gdt, odt in _tables(params, grads, exp_avgs, [None] * len(params), outs):
+        _lib().dsl_lion(table, count, gdt, odt, lr, 1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, grad_mul,
+                        torch.get_num_threads())
 
 
-def lion(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float,
-         beta2: float, weight_decay: float, grad_mul: float = 1.0, out: torch.Tensor | None = None) -> None:
-    """One Lion step, in place; ``grad`` may be fp32, bf16 or fp16, ``out`` as in ``adam``."""
-    _lib().dsl_lion(param.data_ptr(), grad.data_ptr(), _grad_code(grad), exp_avg.data_ptr(), *_out(out),
-                    param.numel(), lr, 1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, grad_mul,
-                    torch.get_num_threads())
+def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+         out: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """``adam_many`` of one tensor; ``out`` is its 16-bit copy (or None)."""
+    adam_many([param], [grad], [exp_avg], [exp_avg_sq], outs=[out], **kwargs)
+
+
+def adagrad(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, *,
+            out: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """``adagrad_many`` of one tensor."""
+    adagrad_many([param], [grad], [state_sum], outs=[out], **kwargs)
+
+
+def lion(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, out: torch.Tensor | None = None,
+         **kwargs: Any) -> None:
+    """``lion_many`` of one tensor."""
+    lion_many([param], [grad], [exp_avg], outs=[out], **kwargs)
 
 
 def grad_sumsq(grad: torch.Tensor, grad_mul: float = 1.0) -> float:
@@ -96,15 +139,15 @@ def copy_out(param: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _copy_code(out: torch.Tensor) -> int:
-    if out.dtype not in (torch.bfloat16, torch.float16) or out.device.type != "cpu" or not out.is_contiguous():
+    if out.dtype not in (torch.bfloat16, torch.float16) or not out.is_cpu or not out.is_contiguous():
         raise ValueError(f"the parameter copy must be a contiguous bf16/fp16 CPU tensor, got {out.dtype} "
                          f"on {out.device}")
     return _CODES[out.dtype]
 
 
-def _out(out: torch.Tensor | None) -> tuple[int, int]:
-    """(pointer, dtype code) of an optional 16-bit copy; (0, 0) for none."""
-    return (0, 0) if out is None else (out.data_ptr(), _copy_code(out))
+def _out_code(out: torch.Tensor | None) -> int:
+    """The dtype code of an optional 16-bit copy; 0 for none."""
+    return 0 if out is None else _copy_code(out)
 
 
 def stream(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
@@ -112,9 +155,9 @@ def stream(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tenso
     """The streaming bound of an update: the same reads and in-place writes as an update of
     ``param`` with these (one or two) ``states`` and optional copy, one add per tensor instead of
     the optimizer's arithmetic (changes the tensors: for benchmarks)."""
-    s1, s2 = (*(s.data_ptr() for s in states), 0, 0)[:2]
-    _lib().dsl_stream(param.data_ptr(), grad.data_ptr(), _grad_code(grad), s1, s2, *_out(out), param.numel(),
-                      torch.get_num_threads())
+    s1, s2 = (*states, None, None)[:2]
+    for table, count, gdt, odt in _tables([param], [grad], [s1], [s2], [out]):
+        _lib().dsl_stream(table, count, gdt, odt, torch.get_num_threads())
 
 
 def stream_read(grad: torch.Tensor) -> float:
@@ -127,8 +170,11 @@ def stream_read(grad: torch.Tensor) -> float:
 def _split(rows: Sequence[tuple[torch.Tensor, ...]]) -> tuple[list[tuple[torch.Tensor, ...]],
                                                                  list[tuple[torch.Tensor, ...]]]:
     """Rows the C kernels take, and the rest (for the reference)."""
-    fast = [r for r in rows if takes(*r)]
-    return fast, [r for r in rows if not takes(*r)]
+    fast: list[tuple[torch.Tensor, ...]] = []
+    rest: list[tuple[torch.Tensor, ...]] = []
+    for r in rows:
+        (fast if takes(*r) else rest).append(r)
+    return fast, rest
 
 
 def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -137,9 +183,10 @@ def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
             chunk_numel: int | None = None) -> None:
     """The fused ``"adam"`` op of ``dslaunch.kernels`` (signature in its docstring)."""
     fast, rest = _split(list(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)))
-    for p, g, m, v in fast:
-        adam(p, g, m, v, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
-             bias_correction=bias_correction, adamw_mode=adam_w_mode, grad_mul=_mul(inv_scale))
+    if fast:
+        adam_many(*zip(*fast, strict=True), step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                  weight_decay=weight_decay, bias_correction=bias_correction, adamw_mode=adam_w_mode,
+                  grad_mul=_mul(inv_scale))
     if rest:
         from dslaunch.runtime.optim.adam import adam_update
 
@@ -153,8 +200,9 @@ def lion_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
             chunk_numel: int | None = None) -> None:
     """The fused ``"lion"`` op of ``dslaunch.kernels``."""
     fast, rest = _split(list(zip(params, grads, exp_avgs, strict=True)))
-    for p, g, m in fast:
-        lion(p, g, m, lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, grad_mul=_mul(inv_scale))
+    if fast:
+        lion_many(*zip(*fast, strict=True), lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay,
+                  grad_mul=_mul(inv_scale))
     if rest:
         from dslaunch.runtime.optim.lion import lion_update
 
@@ -166,8 +214,8 @@ def adagrad_op(params: list[torch.Tensor], grads: list[torch.Tensor], state_sums
                clr: float, eps: float, weight_decay: float, inv_scale: float | None) -> None:
     """The fused ``"adagrad"`` op of ``dslaunch.kernels``."""
     fast, rest = _split(list(zip(params, grads, state_sums, strict=True)))
-    for p, g, s in fast:
-        adagrad(p, g, s, clr=clr, eps=eps, weight_decay=weight_decay, grad_mul=_mul(inv_scale))
+    if fast:
+        adagrad_many(*zip(*fast, strict=True), clr=clr, eps=eps, weight_decay=weight_decay, grad_mul=_mul(inv_scale))
     if rest:
         from dslaunch.kernels.reference import adagrad_update
 

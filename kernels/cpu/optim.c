@@ -3,10 +3,10 @@
  *
  * Built by build.py (-O3 -march=native -ffp-contract=off -fno-math-errno -fno-trapping-math
  * -fopenmp): the loops are written so that gcc auto-vectorises them (straight-line bodies, type
- * choices hoisted out of the loops by always-inlined helpers taking constant dtypes); OpenMP
- * splits the elements into fixed blocks. Rounding follows torch's vectorised CPU kernels step by
- * step: the compiler fuses no multiply-add by itself (-ffp-contract=off), and fmaf stands exactly
- * where torch's kernels round once (lerp, the second moment, L2 decay, Adagrad's sum), so the
+ * choices hoisted out of the loops by always-inlined helpers taking constant dtypes); a call takes
+ * a table of tensors and OpenMP splits their elements, in fixed blocks, among the threads.
+ * Rounding follows torch's vectorised CPU kernels step by step: the compiler fuses no multiply-add
+ * by itself (-ffp-contract=off), and fmaf stands exactly where torch's kernels round once (lerp, the second moment, L2 decay, Adagrad's sum), so the
  * results equal torch's fused optimizers bit for bit on an AVX2 machine.
  * 16-bit conversions are written with integer and float operations (exact, round to nearest
  * even), so that the fp16 and bf16 variants vectorise as well.
@@ -14,6 +14,7 @@
  * Dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 for gradients; for parameter copies 0 = no copy.
  */
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -99,14 +100,41 @@ typedef struct {
 
 typedef void (*RangeFn)(const Job *job, ptrdiff_t lo, ptrdiff_t hi);
 
-/* One OpenMP frame for all elementwise kernels: fixed blocks, static schedule, so each thread
- * touches the same elements every step (and first-touch placement stays put). */
-static void for_blocks(RangeFn fn, const Job *job, int64_t n, int threads) {
-    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
-    for (ptrdiff_t b = 0; b < blocks; b++) {
-        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-        fn(job, lo, hi);
+/* One tensor of a call: the addresses of p, g, s1, s2, out (0 = absent) and its element count,
+ * as Python's ctypes writes them. A call takes a table of rows with the same dtypes. */
+typedef struct { int64_t p, g, s1, s2, out, n; } Row;
+
+/* One OpenMP frame for all elementwise kernels: the rows' fixed blocks, laid end to end, split
+ * in contiguous shares, one per thread. Each thread touches the same elements every step (so
+ * first-touch placement stays put), and a list of small tensors is one parallel region and one
+ * Python call, not one each. */
+static void for_rows(RangeFn fn, const Job *job, const Row *rows, int64_t count, int threads) {
+    int64_t blocks = 0, numel = 0;
+    for (int64_t r = 0; r < count; r++) {
+        blocks += (rows[r].n + BLOCK - 1) / BLOCK;
+        numel += rows[r].n;
+    }
+    #pragma omp parallel num_threads(threads) if (numel >= PARALLEL_MIN)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t end = blocks * (t + 1) / nt;
+        int64_t b = blocks * t / nt, r = 0, first = 0;  /* first: the global index of row r's block 0 */
+        while (b < end) {
+            const int64_t n = rows[r].n, row_blocks = (n + BLOCK - 1) / BLOCK;
+            if (b >= first + row_blocks) {
+                first += row_blocks, r++;
+                continue;
+            }
+            Job j = *job;
+            j.p = (float *)(intptr_t)rows[r].p, j.g = (const void *)(intptr_t)rows[r].g;
+            j.s1 = (float *)(intptr_t)rows[r].s1, j.s2 = (float *)(intptr_t)rows[r].s2;
+            j.out = (void *)(intptr_t)rows[r].out;
+            const int64_t stop = end < first + row_blocks ? end : first + row_blocks;
+            for (; b < stop; b++) {
+                const ptrdiff_t lo = (b - first) * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+                fn(&j, lo, hi);
+            }
+        }
     }
 }
 
@@ -176,15 +204,15 @@ ALWAYS_INLINE void adam_range(RANGE_PARAMS) {
 }
 INSTANCES(ADAM, adam_range)
 
-/* One Adam/AdamW step over n elements; out (dtype odt, 0 = none) receives the new params. */
-void dsl_adam(float *p, const void *g, int gdt, float *m, float *v, void *out, int odt, int64_t n,
-              float one_m_beta1, float beta2, float one_m_beta2, float eps, float weight_decay,
-              float decay, float step_size, float bc2_sqrt, float grad_mul, float grad_div, int adamw_mode,
-              int threads) {
+/* One Adam/AdamW step of every row (s1 = exp_avg, s2 = exp_avg_sq); out (dtype odt, 0 = none)
+ * receives the new params. */
+void dsl_adam(const Row *rows, int64_t count, int gdt, int odt, float one_m_beta1, float beta2,
+              float one_m_beta2, float eps, float weight_decay, float decay, float step_size, float bc2_sqrt,
+              float grad_mul, float grad_div, int adamw_mode, int threads) {
     const AdamArgs a = { one_m_beta1, beta2, one_m_beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
                          grad_mul, grad_div, adamw_mode };
-    const Job job = { p, g, m, v, out, &a, grad_div != 1.0f };
-    for_blocks(ADAM[gdt * 3 + odt], &job, n, threads);
+    const Job job = { NULL, NULL, NULL, NULL, NULL, &a, grad_div != 1.0f };
+    for_rows(ADAM[gdt * 3 + odt], &job, rows, count, threads);
 }
 
 /* --------------------------------------------------------------------------------- Adagrad */
@@ -208,11 +236,11 @@ ALWAYS_INLINE void adagrad_range(RANGE_PARAMS) {
 }
 INSTANCES(ADAGRAD, adagrad_range)
 
-void dsl_adagrad(float *p, const void *g, int gdt, float *sum, void *out, int odt, int64_t n, float clr,
-                 float eps, float weight_decay, float grad_mul, float grad_div, int threads) {
+void dsl_adagrad(const Row *rows, int64_t count, int gdt, int odt, float clr, float eps, float weight_decay,
+                 float grad_mul, float grad_div, int threads) {
     const AdagradArgs a = { clr, eps, weight_decay, grad_mul, grad_div };
-    const Job job = { p, g, sum, NULL, out, &a, grad_div != 1.0f };
-    for_blocks(ADAGRAD[gdt * 3 + odt], &job, n, threads);
+    const Job job = { NULL, NULL, NULL, NULL, NULL, &a, grad_div != 1.0f };
+    for_rows(ADAGRAD[gdt * 3 + odt], &job, rows, count, threads);
 }
 
 /* ------------------------------------------------------------------------------------ Lion */
@@ -239,11 +267,11 @@ ALWAYS_INLINE void lion_range(RANGE_PARAMS) {
 }
 INSTANCES(LION, lion_range)
 
-void dsl_lion(float *p, const void *g, int gdt, float *m, void *out, int odt, int64_t n, float lr,
-              float one_m_beta1, float one_m_beta2, float decay, float grad_mul, int threads) {
+void dsl_lion(const Row *rows, int64_t count, int gdt, int odt, float lr, float one_m_beta1,
+              float one_m_beta2, float decay, float grad_mul, int threads) {
     const LionArgs a = { lr, one_m_beta1, one_m_beta2, decay, grad_mul };
-    const Job job = { p, g, m, NULL, out, &a, 0 };
-    for_blocks(LION[gdt * 3 + odt], &job, n, threads);
+    const Job job = { NULL, NULL, NULL, NULL, NULL, &a, 0 };
+    for_rows(LION[gdt * 3 + odt], &job, rows, count, threads);
 }
 
 /* ---------------------------------------------------------------- streaming bandwidth reference */
@@ -264,10 +292,9 @@ ALWAYS_INLINE void stream_range(RANGE_PARAMS) {
 }
 INSTANCES(STREAM, stream_range)
 
-void dsl_stream(float *p, const void *g, int gdt, float *s1, float *s2, void *out, int odt, int64_t n,
-                int threads) {
-    const Job job = { p, g, s1, s2, out, NULL, 0 };
-    for_blocks(STREAM[gdt * 3 + odt], &job, n, threads);
+void dsl_stream(const Row *rows, int64_t count, int gdt, int odt, int threads) {
+    const Job job = { NULL, NULL, NULL, NULL, NULL, NULL, 0 };
+    for_rows(STREAM[gdt * 3 + odt], &job, rows, count, threads);
 }
 
 /* ------------------------------------------------------------- pass 1 of the offloaded step */
@@ -297,7 +324,7 @@ SUM_INSTANCE(F32, 0) SUM_INSTANCE(BF16, 0) SUM_INSTANCE(F16, 0)
 SUM_INSTANCE(F32, 1) SUM_INSTANCE(BF16, 1) SUM_INSTANCE(F16, 1)
 static const SumFn SUM[2][3] = { { sum_F32_0, sum_BF16_0, sum_F16_0 }, { sum_F32_1, sum_BF16_1, sum_F16_1 } };
 
-/* The reduction frame: the blocks of for_blocks, partial sums added by OpenMP. The reduction
+/* The reduction frame: fixed blocks as in for_rows, partial sums added by OpenMP. The reduction
  * order is fixed for a given thread count. */
 static double sum_blocks(SumFn fn, const void *g, int64_t n, float grad_mul, int threads) {
     const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;

@@ -26,8 +26,11 @@ __all__ = ["DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion"]
 
 
 class _KernelOptimizer(torch.optim.Optimizer):
-    """``step()``: per parameter with a gradient, lazily created states, ``step += 1``, then ``_update``."""
+    """``step()``: the parameters with a gradient, states created lazily and ``step += 1`` each,
+    then one call of the ``op`` kernel per batch of parameters sharing a device and a step count
+    (one C call for a whole list of small tensors, not one each)."""
 
+    op: ClassVar[str]
     state_keys: ClassVar[tuple[str, ...]]
     cpu_only: ClassVar[bool] = True
 
@@ -42,24 +45,43 @@ class _KernelOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if self.cpu_only and p.device.type != "cpu":
-                    raise RuntimeError(f"{type(self).__name__}: a parameter is on {p.device} and must be on the "
-                                       "CPU; enable 'offload_optimizer': {'device': 'cpu'} in the ZeRO config")
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self._state(group, p)
-                state["step"] += 1
-                # DeepSpeed computes in fp32: other dtypes go through fp32 copies, written back.
-                tensors = [p.data, *(state[k] for k in self.state_keys)]
-                f32 = [_fp32(t) for t in tensors]
-                self._update(group, state["step"], f32[0], _fp32(p.grad), f32[1:])
-                for t, t32 in zip(tensors, f32, strict=True):
-                    if t32 is not t:
-                        t.copy_(t32)
+            for (device, step), params in self._batches(group).items():
+                self._update_batch(group, device, step, params)
         return loss
+
+    def _batches(self, group: dict[str, Any]) -> dict[tuple[Any, int], list[torch.Tensor]]:
+        """The group's parameters with a gradient by (device, step), steps counted."""
+        batches: dict[tuple[Any, int], list[torch.Tensor]] = {}
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            # is_cpu first: it runs per parameter per step, and building p.device costs 0.6 us.
+            device = "cpu" if p.is_cpu else p.device
+            if self.cpu_only and device != "cpu":
+                raise RuntimeError(f"{type(self).__name__}: a parameter is on {p.device} and must be on the "
+                                   "CPU; enable 'offload_optimizer': {'device': 'cpu'} in the ZeRO config")
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            state = self._state(group, p)
+            state["step"] += 1
+            batches.setdefault((device, state["step"]), []).append(p)
+        return batches
+
+    def _update_batch(self, group: dict[str, Any], device: torch.device | str, step: int,
+                      params: list[torch.Tensor]) -> None:
+        update = kernels.get(self.op, device)
+        # DeepSpeed computes in fp32: kernels that do not take other dtypes as they are
+        # (``handles_dtypes``: the Triton Adam) get contiguous fp32 copies, written back.
+        keep_dtype = getattr(update, "handles_dtypes", False)
+        lists = [[p.data for p in params], [p.grad for p in params],
+                 *([self.state[p][k] for p in params] for k in self.state_keys)]
+        staged = [[_staged(t, keep_dtype) for t in ts] for ts in lists]
+        update(*staged, **self._arguments(group, step))
+        for ts, ss in zip(lists[:1] + lists[2:], staged[:1] + staged[2:], strict=True):  # not the grads
+            for t, s in zip(ts, ss, strict=True):
+                if s is not t:
+                    t.copy_(s)
 
     def _state(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -70,13 +92,16 @@ class _KernelOptimizer(torch.optim.Optimizer):
                 state[key] = torch.zeros_like(p, dtype=dtype)
         return state
 
-    def _update(self, group: dict[str, Any], step: int, p: torch.Tensor, grad: torch.Tensor,
-                states: list[torch.Tensor]) -> None:
+    def _arguments(self, group: dict[str, Any], step: int) -> dict[str, Any]:
+        """The keyword arguments of the ``op`` kernel for this group at this step."""
         raise NotImplementedError
 
 
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+def _staged(t: torch.Tensor, keep_dtype: bool) -> torch.Tensor:
+    """``t`` itself when the kernel can take it, else a contiguous (fp32) copy."""
+    if not keep_dtype and t.dtype != torch.float32:
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class DeepSpeedCPUAdam(_KernelOptimizer):
@@ -91,6 +116,7 @@ class DeepSpeedCPUAdam(_KernelOptimizer):
         fp32_optimizer_states: keep the moments in fp32 whatever the parameter dtype.
     """
 
+    op = "adam"
     state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
@@ -106,11 +132,10 @@ class DeepSpeedCPUAdam(_KernelOptimizer):
             raise RuntimeError(f"{type(self).__name__} does not support the AMSGrad variant.")
         super().add_param_group(param_group)
 
-    def _update(self, group, step, p, grad, states):
-        kernels.get("adam", p.device)(
-            [p], [grad], [states[0]], [states[1]], step=step, lr=float(group["lr"]), betas=group["betas"],
-            eps=group["eps"], weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
-            adam_w_mode=bool(self.adam_w_mode), inv_scale=None)
+    def _arguments(self, group, step):
+        return {"step": step, "lr": float(group["lr"]), "betas": group["betas"], "eps": group["eps"],
+                "weight_decay": group["weight_decay"], "bias_correction": group["bias_correction"],
+                "adam_w_mode": bool(self.adam_w_mode), "inv_scale": None}
 
 
 class DeepSpeedCPUAdagrad(_KernelOptimizer):
@@ -119,6 +144,7 @@ class DeepSpeedCPUAdagrad(_KernelOptimizer):
     ``g += weight_decay * p; exp_avg_sq += g^2; p -= lr * g / (sqrt(exp_avg_sq) + eps)``.
     """
 
+    op = "adagrad"
     state_keys = ("exp_avg_sq",)
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0,
@@ -126,14 +152,15 @@ class DeepSpeedCPUAdagrad(_KernelOptimizer):
         super().__init__(model_params, {"lr": lr, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad},
                          fp32_optimizer_states)
 
-    def _update(self, group, step, p, grad, states):
-        kernels.get("adagrad", p.device)([p], [grad], states, clr=float(group["lr"]), eps=group["eps"],
-                                         weight_decay=group["weight_decay"], inv_scale=None)
+    def _arguments(self, group, step):
+        return {"clr": float(group["lr"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
+                "inv_scale": None}
 
 
 class DeepSpeedCPULion(_KernelOptimizer):
     """Lion on CPU parameters (DeepSpeed's ``deepspeed.ops.lion.DeepSpeedCPULion``)."""
 
+    op = "lion"
     state_keys = ("exp_avg",)
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -141,6 +168,6 @@ class DeepSpeedCPULion(_KernelOptimizer):
         super().__init__(model_params, {"lr": lr, "betas": betas, "weight_decay": weight_decay},
                          fp32_optimizer_states)
 
-    def _update(self, group, step, p, grad, states):
-        kernels.get("lion", p.device)([p], [grad], states, lr=float(group["lr"]), betas=group["betas"],
-                                      weight_decay=group["weight_decay"], inv_scale=None)
+    def _arguments(self, group, step):
+        return {"lr": float(group["lr"]), "betas": group["betas"], "weight_decay": group["weight_decay"],
+                "inv_scale": None}

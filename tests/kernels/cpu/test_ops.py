@@ -215,3 +215,38 @@ def test_stream_moves_exactly_the_update_tensors(n_states, dtype, threads) -> No
     assert all(torch.equal(a, b) for a, b in zip([p, *states], want, strict=True))
     assert out is None or torch.equal(out, p.to(torch.bfloat16))
     assert ops.stream_read(g) == pytest.approx(float(g.double().sum()), rel=1e-9, abs=1e-6)
+
+
+# Rows that cross the 16384-element blocks and, with two threads, the threads' shares: empty rows
+# first, between and last, rows shorter than a vector, one spanning many blocks.
+ROWS = [0, 3, 16384, 0, 16385, 1, 70001, 9, 0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kernel", ["adam", "adagrad", "lion"])
+def test_a_list_of_tensors_is_one_call_equal_to_one_call_each(kernel, threads) -> None:
+    gen = torch.Generator().manual_seed(3)
+    n_states = {"adam": 2, "adagrad": 1, "lion": 1}[kernel]
+    grad_dtypes = [torch.float32, torch.bfloat16, torch.float16]  # three tables in one call
+
+    def tensors():
+        gen.manual_seed(3)
+        params = [torch.randn(n, generator=gen) for n in ROWS]
+        grads = [torch.randn(n, generator=gen).to(grad_dtypes[i % 3]) for i, n in enumerate(ROWS)]
+        states = [[torch.rand(n, generator=gen) for n in ROWS] for _ in range(n_states)]
+        outs = [torch.empty(n, dtype=torch.bfloat16) if i % 2 else None for i, n in enumerate(ROWS)]
+        return params, grads, states, outs
+
+    kwargs = {"adam": {"step": 3, "lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1},
+              "adagrad": {"clr": 1e-1, "eps": 1e-10, "weight_decay": 0.1},
+              "lion": {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1}}[kernel]
+    many, one = getattr(ops, f"{kernel}_many"), getattr(ops, kernel)
+    params, grads, states, outs = tensors()
+    many(params, grads, *states, outs=outs, grad_mul=0.5, **kwargs)
+    want_params, grads, want_states, want_outs = tensors()
+    for i in range(len(ROWS)):
+        one(want_params[i], grads[i], *(s[i] for s in want_states), out=want_outs[i], grad_mul=0.5, **kwargs)
+    for got, want in zip([params, *states, outs], [want_params, *want_states, want_outs], strict=True):
+        for g, w in zip(got, want, strict=True):
+            assert (g is None and w is None) or torch.equal(g, w)
+    assert not torch.equal(params[6], tensors()[0][6])  # and the update did happen
