@@ -1,11 +1,12 @@
 """CPU kernels in C: Adam/AdamW, Adagrad, Lion and the fused offloaded step, loaded with ctypes.
 
-- ``optim.c``: the kernels (auto-vectorised loops, one OpenMP frame over fixed blocks), and the
+- ``optim.c``: the kernels (auto-vectorised loops; a call takes a table of tensors, one OpenMP
+  frame over their fixed blocks), and the
   streaming references the benchmark measures them against (``dsl_stream``, ``dsl_stream_read``).
 - ``build.py``: builds ``optim.c`` on first use into a cache keyed by source, flags, compiler and
   CPU; without a compiler ``available()`` is false and the dispatch point keeps torch.
-- ``ops.py``: one call per flat tensor (``adam``, ``adagrad``, ``lion``, ``grad_sumsq``,
-  ``stream``) and the ``"adam"``/``"lion"``/``"adagrad"`` dispatch ops.
+- ``ops.py``: one call per list of flat tensors (``adam_many``, ``adagrad_many``, ``lion_many``;
+  ``adam``, ``adagrad``, ``lion`` for one), ``grad_sumsq``, ``stream``, and the ``"adam"``/``"lion"``/``"adagrad"`` dispatch ops.
 - ``torch_steps.py``: the ``"torch.adam(w)"``/``"torch.adagrad"`` dispatch ops (torch's state).
 - ``offload.py``: the offloaded steps of Adam, Adagrad and Lion (unscale, overflow check, norm,
   clip, update, 16-bit copy) in two passes over the gradients.
