@@ -219,7 +219,8 @@ def adagrad_op(params: list[torch.Tensor], grads: list[torch.Tensor], state_sums
     """The fused ``"adagrad"`` op of ``dslaunch.kernels``."""
     fast, rest = _split(list(zip(params, grads, state_sums, strict=True)))
     if fast:
-        adagrad_many(*zip(*fast, strict=True), clr=clr, eps=eps, weight_decay=weight_decay, grad_mul=_mul(inv_scale))
+        adagrad_many(*zip(*fast, strict=True), clr=clr, eps=eps, weight_decay=weight_decay,
+                     grad_mul=_mul(inv_scale))
     if rest:
         from dslaunch.kernels.reference import adagrad_update
 

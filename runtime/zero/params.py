@@ -142,7 +142,8 @@ def gather_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[An
 def owner_pieces(flat: FlatShard, a: int, b: int) -> list[tuple[int, int, int]]:
     """Elements [a, b) of ``flat``'s vector cut by owner: (rank, lo, hi) in rank order."""
     k = shard_slot(flat.numel, flat.world)
-    return [(r, max(a, r * k), min(b, (r + 1) * k)) for r in range(a // k, min(flat.world, -(-b // k)))] if b > a else []
+    owners = range(a // k, min(flat.world, -(-b // k))) if b > a else range(0)
+    return [(r, max(a, r * k), min(b, (r + 1) * k)) for r in owners]
 
 
 def global_rank(flat: FlatShard, r: int) -> int:

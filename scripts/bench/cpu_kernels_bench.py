@@ -7,9 +7,9 @@ One flat fp32 partition of ``--numel`` elements. Each (case, threads) runs in it
 (``OMP_NUM_THREADS`` and ``torch.set_num_threads`` = 1 or 2) in which the contenders take turns:
 ``--rounds`` rounds, each timing ``--steps`` steps of every contender, the order rotated every
 round, so load drifts hit them alike; they share one parameter, gradient and state memory (a
-kernel's speed on this VM depends on the allocation it runs on). Ratios are paired per round (a contender's time over
-dslaunch's in the same round) and reported as the median with the quartiles, so a tie shows as
-a tie. DeepSpeed's ops must already be JIT-built (minutes each; ``make bench`` or a first
+kernel's speed on this VM depends on the allocation it runs on). Ratios are paired per round (a
+contender's time over dslaunch's in the same round) and reported as the median with the
+quartiles, so a tie shows as a tie. DeepSpeed's ops must already be JIT-built (minutes each; ``make bench`` or a first
 ``DeepSpeedCPUAdam(...)`` does it) or its column says so.
 
 Bandwidth (c): the reference is ``dsl_stream`` in the same library (same OpenMP frame, threads
@@ -143,7 +143,8 @@ def _optimizers(case: str, numel: int) -> tuple[Fns, str | None]:
     zeros = torch.zeros(numel)
     ours = {"Adagrad": DeepSpeedCPUAdagrad, "Lion": DeepSpeedCPULion}.get(case, DeepSpeedCPUAdam)
     fns: Fns = {"dslaunch": _sharing(ours(params, **kw, **l2), params, states).step,
-                "torch": _torch_update(case, params, states, **kw), "stream": lambda: ops.stream(flat, zeros, flats)}
+                "torch": _torch_update(case, params, states, **kw),
+                "stream": lambda: ops.stream(flat, zeros, flats)}
     try:
         fns["deepspeed"] = _sharing(_deepspeed(case, params, **kw, **l2), params, states).step
     except Exception as exc:  # not built, or not installed: report it, measure the rest
@@ -259,9 +260,10 @@ def _table(res: dict) -> str:
         f"One flat fp32 partition of {numel / 1e6:g}M elements; per (case, threads) one process in which "
         f"the contenders take turns ({res['rounds']} rounds of {res['steps']} steps, order rotated each round). "
         "Cells: median (quartiles) over the rounds; ratios and % are paired per round. dslaunch = "
-        "`dslaunch.ops` (the C kernels), all contenders of a case on the same parameter, gradient and state "
-        "memory (on this VM a kernel's speed depends on the allocation it runs on); torch = `AdamW`/`Adam`/`Adagrad(fused=True)`, for Lion dslaunch's "
-        "reference in torch `_foreach` ops (torch has no Lion); DeepSpeed = its CPU ops (DS_ACCELERATOR=cpu). "
+        "`dslaunch.ops` (the C kernels), all contenders of a case on the same parameter, gradient and "
+        "state memory (on this VM a kernel's speed depends on the allocation it runs on); torch = "
+        "`AdamW`/`Adam`/`Adagrad(fused=True)`, for Lion dslaunch's reference in torch `_foreach` ops "
+        "(torch has no Lion); DeepSpeed = its CPU ops (DS_ACCELERATOR=cpu). "
         "`offload X` = the whole offloaded step on bf16 gradients (unscale by "
         f"{LOSS_SCALE:.0f}, overflow check, global norm, clip, update, bf16 copy): dslaunch's two-pass kernel vs "
         "the same sequence in torch ops with torch's optimizer (DeepSpeed column: with DeepSpeed's CPU optimizer). "
