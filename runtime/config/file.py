@@ -74,6 +74,8 @@ def _load_yaml(text: str, fail: Fail) -> Any:
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         problem = shorten(str(err.problem or err.context), 200)
+        if "nesting depth" in problem:  # libyaml's own limit (PyYAML >= 6.0.4): its scanner runs ahead
+            raise fail(f"nested deeper than {MAX_DEPTH} levels", mark and mark.line + 1) from None
         if mark is None:
             raise fail(f"invalid YAML: {problem}", None) from None
         raise fail(f"invalid YAML at column {mark.column + 1}: {problem}", mark.line + 1) from None
