@@ -26,6 +26,7 @@ __all__ = ["adam", "adagrad", "lion", "adam_many", "adagrad_many", "lion_many", 
 
 # Dtype codes of optim.c (a parameter copy of code 0 means "no copy").
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_OUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
 _F32, _STRIDED = torch.float32, torch.strided
 
 
@@ -46,6 +47,11 @@ def _grad_code(grad: torch.Tensor) -> int:
     return _CODES[grad.dtype]
 
 
+def _dense(t: torch.Tensor) -> bool:
+    # layout before is_contiguous, which raises on sparse tensors
+    return t.is_cpu and t.layout is _STRIDED and t.is_contiguous()
+
+
 def _lib() -> Any:
     lib = library()
     if lib is None:
@@ -54,30 +60,60 @@ def _lib() -> Any:
 
 
 Column = Sequence[torch.Tensor | None]
+Row = tuple[torch.Tensor | None, ...]  # (param, grad, state 1, state 2, 16-bit copy); Nones after grad
+Tables = dict[tuple[int, int], array.array]
 
 
-def _tables(params: Column, grads: Column, s1: Column, s2: Column, outs: Column | None,
-            ) -> Iterator[tuple[int, int, int, int]]:
-    """The row tables of optim.c (p, g, s1, s2, out addresses and the element count per tensor),
-    one per (gradient dtype, copy dtype) among the rows: (table address, rows, gdt, odt). An
-    address is valid while the iterator lives."""
+def _tables(params: Column, grads: Column, s1: Column, s2: Column,
+            outs: Column | None) -> tuple[Tables, list[Row]]:
+    """optim.c's row tables of the rows its kernels take as they are, and the other rows.
+
+    A table holds the rows of one (gradient dtype, copy dtype) pair, six int64 each: the p, g, s1,
+    s2 and copy addresses and the element count. Taken: a contiguous CPU fp32 parameter and
+    states, an fp32/bf16/fp16 gradient, a bf16/fp16 copy. This is the only check a row gets: it
+    runs once per tensor per step, for thousands of small tensors in some models.
+    """
     outs = outs if outs is not None else [None] * len(params)
-    groups: dict[tuple[int, int], array.array] = {}
-    for p, g, a, b, out in zip(params, grads, s1, s2, outs, strict=True):
-        table = groups.setdefault((_grad_code(g), _out_code(out)), array.array("q"))
-        table.extend((p.data_ptr(), g.data_ptr(), _ptr(a), _ptr(b), _ptr(out), p.numel()))
-    for (gdt, odt), table in groups.items():  # array, not a ctypes array: 100x cheaper to build
+    tables: Tables = {}
+    rest: list[Row] = []
+    for row in zip(params, grads, s1, s2, outs, strict=True):
+        p, g, a, b, out = row
+        gdt = _CODES.get(g.dtype)
+        odt = 0 if out is None else _OUT_CODES.get(out.dtype)
+        if (gdt is None or odt is None or p.dtype is not _F32 or not _dense(p) or not _dense(g)
+                or (a is not None and (a.dtype is not _F32 or not _dense(a)))
+                or (b is not None and (b.dtype is not _F32 or not _dense(b)))
+                or (out is not None and not _dense(out))):
+            rest.append(row)
+            continue
+        table = tables.get((gdt, odt))
+        if table is None:
+            table = tables[gdt, odt] = array.array("q")  # not a ctypes array: 100x cheaper to build
+        table.extend((p.data_ptr(), g.data_ptr(), 0 if a is None else a.data_ptr(),
+                      0 if b is None else b.data_ptr(), 0 if out is None else out.data_ptr(), p.numel()))
+    return tables, rest
+
+
+def _taken(tables: Tables, rest: list[Row], partial: bool) -> Iterator[tuple[int, int, int, int]]:
+    """(table address, rows, gdt, odt) of each table; the rest refused unless ``partial``. An
+    address is valid while ``tables`` lives."""
+    if rest and not partial:
+        raise ValueError("the CPU kernels take contiguous fp32 CPU parameters and states, fp32/bf16/fp16 "
+                         f"gradients and bf16/fp16 copies; got {_describe(rest[0])}")
+    for (gdt, odt), table in tables.items():
         yield table.buffer_info()[0], len(table) // 6, gdt, odt
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+def _describe(row: Row) -> str:
+    names = ("parameter", "gradient", "state", "state", "copy")
+    return ", ".join(f"{n} {t.dtype} on {t.device} (contiguous={t.layout is _STRIDED and t.is_contiguous()})"
+                     for n, t in zip(names, row, strict=True) if t is not None)
 
 
 def adam_many(params: Column, grads: Column, exp_avgs: Column, exp_avg_sqs: Column, *, step: int, lr: float,
               beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction: bool = True,
               adamw_mode: bool = True, grad_mul: float = 1.0, grad_div: float = 1.0,
-              outs: Column | None = None) -> None:
+              outs: Column | None = None, partial: bool = False) -> list[Row]:
     """One Adam/AdamW step of flat fp32 ``params`` (1-based ``step``), in place, in one call per
     gradient/copy dtype pair (so a list of small tensors costs one call, not one each).
 
@@ -85,31 +121,44 @@ def adam_many(params: Column, grads: Column, exp_avgs: Column, exp_avg_sqs: Colu
     ``grad_div`` first (torch's fused optimizers divide by ``grad_scale``: dividing here rounds
     the same); ``outs`` (bf16 or fp16 tensors, or None) receive the updated parameters in the
     same pass.
+
+    Returns:
+        The (param, grad, exp_avg, exp_avg_sq, out) rows the kernel does not take as they are (not
+        contiguous, not fp32, not on the CPU), left unchanged; with ``partial=False`` there must
+        be none (ValueError naming the first).
     """
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
-    for table, count, gdt, odt in _tables(params, grads, exp_avgs, exp_avg_sqs, outs):
+    tables, rest = _tables(params, grads, exp_avgs, exp_avg_sqs, outs)
+    for table, count, gdt, odt in _taken(tables, rest, partial):
         # Coefficients in double, rounded once to fp32, as torch's fused Adam computes them.
         _lib().dsl_adam(table, count, gdt, odt, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
                         1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div, int(adamw_mode),
                         torch.get_num_threads())
+    return rest
 
 
 def adagrad_many(params: Column, grads: Column, state_sums: Column, *, clr: float, eps: float,
                  weight_decay: float, grad_mul: float = 1.0, grad_div: float = 1.0,
-                 outs: Column | None = None) -> None:
+                 outs: Column | None = None, partial: bool = False) -> list[Row]:
     """One Adagrad step (torch's, at the current learning rate ``clr``) of each tensor, in place;
-    ``grads``, ``grad_mul``, ``grad_div`` and ``outs`` as in ``adam_many``."""
-    for table, count, gdt, odt in _tables(params, grads, state_sums, [None] * len(params), outs):
+    the arguments other than the states, and what it returns, as ``adam_many``'s."""
+    tables, rest = _tables(params, grads, state_sums, [None] * len(params), outs)
+    for table, count, gdt, odt in _taken(tables, rest, partial):
         _lib().dsl_adagrad(table, count, gdt, odt, clr, eps, weight_decay, grad_mul, grad_div,
                            torch.get_num_threads())
+    return rest
 
 
 def lion_many(params: Column, grads: Column, exp_avgs: Column, *, lr: float, beta1: float, beta2: float,
-              weight_decay: float, grad_mul: float = 1.0, outs: Column | None = None) -> None:
-    """One Lion step of each tensor, in place; ``grads``, ``grad_mul`` and ``outs`` as in ``adam_many``."""
-    for table, count, gdt, odt in _tables(params, grads, exp_avgs, [None] * len(params), outs):
+              weight_decay: float, grad_mul: float = 1.0, outs: Column | None = None,
+              partial: bool = False) -> list[Row]:
+    """One Lion step of each tensor, in place; ``grads``, ``grad_mul``, ``outs``, ``partial`` and
+    what it returns as ``adam_many``'s."""
+    tables, rest = _tables(params, grads, exp_avgs, [None] * len(params), outs)
+    for table, count, gdt, odt in _taken(tables, rest, partial):
         _lib().dsl_lion(table, count, gdt, odt, lr, 1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, grad_mul,
                         torch.get_num_threads())
+    return rest
 
 
 def adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -149,18 +198,13 @@ def _copy_code(out: torch.Tensor) -> int:
     return _CODES[out.dtype]
 
 
-def _out_code(out: torch.Tensor | None) -> int:
-    """The dtype code of an optional 16-bit copy; 0 for none."""
-    return 0 if out is None else _copy_code(out)
-
-
 def stream(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
            out: torch.Tensor | None = None) -> None:
     """The streaming bound of an update: the same reads and in-place writes as an update of
     ``param`` with these (one or two) ``states`` and optional copy, one add per tensor instead of
     the optimizer's arithmetic (changes the tensors: for benchmarks)."""
     s1, s2 = (*states, None, None)[:2]
-    for table, count, gdt, odt in _tables([param], [grad], [s1], [s2], [out]):
+    for table, count, gdt, odt in _taken(*_tables([param], [grad], [s1], [s2], [out]), partial=False):
         _lib().dsl_stream(table, count, gdt, odt, torch.get_num_threads())
 
 
@@ -171,30 +215,18 @@ def stream_read(grad: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------- the dispatch ops "adam", "lion"
 
-def _split(rows: Sequence[tuple[torch.Tensor, ...]]) -> tuple[list[tuple[torch.Tensor, ...]],
-                                                                 list[tuple[torch.Tensor, ...]]]:
-    """Rows the C kernels take, and the rest (for the reference)."""
-    fast: list[tuple[torch.Tensor, ...]] = []
-    rest: list[tuple[torch.Tensor, ...]] = []
-    for r in rows:
-        (fast if takes(*r) else rest).append(r)
-    return fast, rest
-
-
 def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
             exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float], eps: float,
             weight_decay: float, bias_correction: bool, adam_w_mode: bool, inv_scale: float | None,
             chunk_numel: int | None = None) -> None:
     """The fused ``"adam"`` op of ``dslaunch.kernels`` (signature in its docstring)."""
-    fast, rest = _split(list(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)))
-    if fast:
-        adam_many(*zip(*fast, strict=True), step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                  weight_decay=weight_decay, bias_correction=bias_correction, adamw_mode=adam_w_mode,
-                  grad_mul=_mul(inv_scale))
+    rest = adam_many(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=betas[0], beta2=betas[1],
+                     eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                     adamw_mode=adam_w_mode, grad_mul=_mul(inv_scale), partial=True)
     if rest:
         from dslaunch.runtime.optim.adam import adam_update
 
-        adam_update(*map(list, zip(*rest, strict=True)), step=step, lr=lr, betas=betas, eps=eps,
+        adam_update(*_columns(rest, 4), step=step, lr=lr, betas=betas, eps=eps,
                     weight_decay=weight_decay, bias_correction=bias_correction, adam_w_mode=adam_w_mode,
                     inv_scale=inv_scale)
 
@@ -203,30 +235,31 @@ def lion_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
             lr: float, betas: tuple[float, float], weight_decay: float, inv_scale: float | None,
             chunk_numel: int | None = None) -> None:
     """The fused ``"lion"`` op of ``dslaunch.kernels``."""
-    fast, rest = _split(list(zip(params, grads, exp_avgs, strict=True)))
-    if fast:
-        lion_many(*zip(*fast, strict=True), lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay,
-                  grad_mul=_mul(inv_scale))
+    rest = lion_many(params, grads, exp_avgs, lr=lr, beta1=betas[0], beta2=betas[1],
+                     weight_decay=weight_decay, grad_mul=_mul(inv_scale), partial=True)
     if rest:
         from dslaunch.runtime.optim.lion import lion_update
 
-        lion_update(*map(list, zip(*rest, strict=True)), lr=lr, betas=betas, weight_decay=weight_decay,
+        lion_update(*_columns(rest, 3), lr=lr, betas=betas, weight_decay=weight_decay,
                     inv_scale=inv_scale)
 
 
 def adagrad_op(params: list[torch.Tensor], grads: list[torch.Tensor], state_sums: list[torch.Tensor], *,
                clr: float, eps: float, weight_decay: float, inv_scale: float | None) -> None:
     """The fused ``"adagrad"`` op of ``dslaunch.kernels``."""
-    fast, rest = _split(list(zip(params, grads, state_sums, strict=True)))
-    if fast:
-        adagrad_many(*zip(*fast, strict=True), clr=clr, eps=eps, weight_decay=weight_decay,
-                     grad_mul=_mul(inv_scale))
+    rest = adagrad_many(params, grads, state_sums, clr=clr, eps=eps, weight_decay=weight_decay,
+                        grad_mul=_mul(inv_scale), partial=True)
     if rest:
         from dslaunch.kernels.reference import adagrad_update
 
-        adagrad_update(*map(list, zip(*rest, strict=True)), clr=clr, eps=eps, weight_decay=weight_decay,
+        adagrad_update(*_columns(rest, 3), clr=clr, eps=eps, weight_decay=weight_decay,
                        inv_scale=inv_scale)
 
 
 def _mul(inv_scale: float | None) -> float:
     return 1.0 if inv_scale is None else float(inv_scale)
+
+
+def _columns(rows: list[Row], n: int) -> list[list[Any]]:
+    """The first ``n`` columns of ``rows``, as lists (the reference's arguments)."""
+    return [[row[i] for row in rows] for i in range(n)]

@@ -24,6 +24,9 @@ from dslaunch import kernels
 
 __all__ = ["DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion"]
 
+_F32, _STRIDED = torch.float32, torch.strided
+Entry = tuple[torch.Tensor, dict[str, Any]]  # a parameter and its state
+
 
 class _KernelOptimizer(torch.optim.Optimizer):
     """``step()``: the parameters with a gradient, states created lazily and ``step += 1`` each,
@@ -45,13 +48,13 @@ class _KernelOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for (device, step), params in self._batches(group).items():
-                self._update_batch(group, device, step, params)
+            for (device, step), batch in self._batches(group).items():
+                self._update_batch(group, device, step, batch)
         return loss
 
-    def _batches(self, group: dict[str, Any]) -> dict[tuple[Any, int], list[torch.Tensor]]:
-        """The group's parameters with a gradient by (device, step), steps counted."""
-        batches: dict[tuple[Any, int], list[torch.Tensor]] = {}
+    def _batches(self, group: dict[str, Any]) -> dict[tuple[Any, int], list[Entry]]:
+        """The group's parameters with a gradient, and their states, by (device, step); steps counted."""
+        batches: dict[tuple[Any, int], list[Entry]] = {}
         for p in group["params"]:
             grad = p.grad
             if grad is None:
@@ -61,22 +64,24 @@ class _KernelOptimizer(torch.optim.Optimizer):
             if self.cpu_only and device != "cpu":
                 raise RuntimeError(f"{type(self).__name__}: a parameter is on {p.device} and must be on the "
                                    "CPU; enable 'offload_optimizer': {'device': 'cpu'} in the ZeRO config")
-            if grad.is_sparse:
+            if grad.layout is not _STRIDED:  # not is_sparse: 2x the cost, and blind to CSR
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             state = self._state(group, p)
             state["step"] += 1
-            batches.setdefault((device, state["step"]), []).append(p)
+            batches.setdefault((device, state["step"]), []).append((p, state))
         return batches
 
     def _update_batch(self, group: dict[str, Any], device: torch.device | str, step: int,
-                      params: list[torch.Tensor]) -> None:
+                      batch: list[Entry]) -> None:
         update = kernels.get(self.op, device)
         # DeepSpeed computes in fp32: kernels that do not take other dtypes as they are
         # (``handles_dtypes``: the Triton Adam) get contiguous fp32 copies, written back.
         keep_dtype = getattr(update, "handles_dtypes", False)
-        lists = [[p.data for p in params], [p.grad for p in params],
-                 *([self.state[p][k] for p in params] for k in self.state_keys)]
-        staged = [[_staged(t, keep_dtype) for t in ts] for ts in lists]
+        # The parameters themselves, not p.data (0.4 us each): step() runs under no_grad.
+        lists = [[p for p, _ in batch], [p.grad for p, _ in batch],
+                 *([state[k] for _, state in batch] for k in self.state_keys)]
+        staged = [[t if t.dtype is _F32 and t.is_contiguous() else _staged(t, keep_dtype) for t in ts]
+                  for ts in lists]
         update(*staged, **self._arguments(group, step))
         for ts, ss in zip(lists[:1] + lists[2:], staged[:1] + staged[2:], strict=True):  # not the grads
             for t, s in zip(ts, ss, strict=True):
@@ -98,10 +103,10 @@ class _KernelOptimizer(torch.optim.Optimizer):
 
 
 def _staged(t: torch.Tensor, keep_dtype: bool) -> torch.Tensor:
-    """``t`` itself when the kernel can take it, else a contiguous (fp32) copy."""
-    if not keep_dtype and t.dtype != torch.float32:
-        t = t.float()
-    return t if t.is_contiguous() else t.contiguous()
+    """A contiguous copy of ``t``, fp32 unless ``keep_dtype``, or ``t`` itself if it is one."""
+    if t.dtype is _F32 or keep_dtype:
+        return t if t.is_contiguous() else t.contiguous()
+    return t.float().contiguous()
 
 
 class DeepSpeedCPUAdam(_KernelOptimizer):

@@ -100,6 +100,40 @@ def test_tensors_the_kernel_does_not_take_go_to_the_reference() -> None:
         assert torch.equal(p, want)
 
 
+def _mixed_rows() -> list[list[torch.Tensor]]:
+    """(param, grad, exp_avg, exp_avg_sq) rows, every other one a kind the C kernels do not take."""
+    gen = torch.Generator().manual_seed(4)
+
+    def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    good = [[t(5), t(5), t(5).abs(), t(5).abs()] for _ in range(4)]
+    bad = [[t(6, 5).t(), t(5, 6), t(5, 6).abs(), t(5, 6).abs()],  # non-contiguous parameter
+           [t(7), t(14)[::2], t(7).abs(), t(7).abs()],  # strided gradient
+           [t(3), t(3), t(3).abs(), t(6).abs()[::2]],  # strided state
+           [t(4, dtype=torch.float64), t(4, dtype=torch.float64), t(4).abs().double(), t(4).abs().double()]]
+    return [row for pair in zip(good, bad, strict=True) for row in pair]
+
+
+@pytest.mark.timeout(30)
+def test_one_list_mixing_taken_and_other_tensors() -> None:
+    # The op runs what the kernel takes in C and the rest through the reference, in one call.
+    kw = {"step": 2, "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1,
+          "bias_correction": True, "adam_w_mode": True, "inv_scale": 0.5}
+    got, want = _mixed_rows(), _mixed_rows()
+    ops.adam_op(*map(list, zip(*got, strict=True)), **kw)
+    adam_update(*map(list, zip(*want, strict=True)), **kw)
+    for g, w in zip(got, want, strict=True):
+        assert all(torch.allclose(a, b, rtol=0, atol=TOL) for a, b in zip(g, w, strict=True))
+    # adam_many runs nothing when a row is not taken: no half-updated list.
+    rows, before = _mixed_rows(), _mixed_rows()
+    with pytest.raises(ValueError, match=r"got parameter torch.float32 on cpu \(contiguous=False\)"):
+        ops.adam_many(*zip(*rows, strict=True), step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.0)
+    for row, was in zip(rows, before, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(row, was, strict=True))
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", SIZES)
