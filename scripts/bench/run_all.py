@@ -3,7 +3,9 @@
 Each benchmark is a standalone script that writes ``results/<name>.json`` (raw numbers) and
 ``results/<name>.md`` (a table with ratios against the peer measured in the same run). This
 script only runs them one after another (never in parallel: they share two cores) and
-concatenates the tables, so BENCHMARKS.md always shows the figures of the last run.
+concatenates the tables, so BENCHMARKS.md always shows the figures of the last run. What a
+person writes about a table (a reading, an earlier run) goes in ``results/notes/<name>.md``, put
+after that table: a rerun rewrites the table but never the notes, so re-read them after one.
 
 Usage: ``python scripts/bench/run_all.py [--assemble-only] [name ...]`` (default: every
 ``*_bench.py``; ``--assemble-only`` rebuilds BENCHMARKS.md from the existing results).
@@ -19,6 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+NOTES = RESULTS / "notes"
 OUT = HERE.parent.parent / "BENCHMARKS.md"
 # Tables in the order a user meets the product: launch, train, checkpoint.
 ORDER = ["launch_bench", "ssh_launch_bench", "slurm_submit_bench", "engine_bench", "zero3_bench", "zero3_bench_bf16",
@@ -52,6 +55,8 @@ def _assemble() -> None:
     tables = sorted(RESULTS.glob("*.md"), key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else len(ORDER), p.stem))
     for md in tables:
         parts.append(md.read_text().strip() + "\n")
+        if (notes := NOTES / md.name).exists():
+            parts.append(notes.read_text().strip() + "\n")
     OUT.write_text("\n".join(parts))
     print(f"wrote {OUT}")
 
