@@ -12,7 +12,8 @@ module reports on them without the script doing anything beyond training:
   the monitor tells a rank that is alive but waiting from one that is frozen or stopped; at exit
   (also by an exception) the last unsent step goes out.
 
-Cost per step: ``beat`` stores three fields and makes no system call; the loss is read
+Cost per step: ``beat`` stores three fields and, when the sample count moved, reads the monotonic
+clock (vDSO: no system call); the loss is read
 (``float()``, a device sync on GPU) only when the thread is about to send, i.e. at most twice a
 second. Everything is a no-op outside dslaunch (no pipes in the environment).
 
@@ -68,6 +69,8 @@ class Heartbeat:
         self._dirty = False
         self._seq = 0
         self._memory = _MemorySampler()
+        # (time, samples) at the step that last moved the count, and at the one the rate runs from
+        self._moved: tuple[float, int] | None = None
         self._rate_from: tuple[float, int] | None = None
         self._samples_per_s: float | None = None
         self._stack_signal: int | None = None
@@ -101,8 +104,12 @@ class Heartbeat:
         if not self._started:
             self.start()
         self._step = step
-        if samples is not None:
+        if samples is not None and samples != self._samples:
             self._samples = samples
+            # Step times, not send times: a job whose steps all fall within one tick has a rate too.
+            self._moved = (time.monotonic(), samples)
+            if self._rate_from is None:
+                self._rate_from = self._moved
         if loss is not None and self._want_loss:
             self._want_loss = False
             self._loss = _as_float(loss)
@@ -145,14 +152,13 @@ class Heartbeat:
             self._write(beat.to_line())
 
     def _update_rate(self) -> None:
-        """Samples per second since the previous send at which the sample count moved."""
-        now, samples = time.monotonic(), self._samples
-        if samples is None:
-            return
-        if self._rate_from is not None and samples > self._rate_from[1] and now > self._rate_from[0]:
-            self._samples_per_s = (samples - self._rate_from[1]) / (now - self._rate_from[0])
-        if self._rate_from is None or samples != self._rate_from[1]:
-            self._rate_from = (now, samples)
+        """Samples per second between the steps that moved the count since the previous send (or,
+        the first time, since the first step reported)."""
+        moved, start = self._moved, self._rate_from
+        if moved is None or start is None or moved[1] <= start[1] or moved[0] <= start[0]:
+            return  # nothing new: the last rate stands
+        self._samples_per_s = (moved[1] - start[1]) / (moved[0] - start[0])
+        self._rate_from = moved
 
     def _write(self, line: bytes) -> None:
         if self._fd is None:

@@ -49,6 +49,24 @@ def test_beats_at_every_step_send_only_a_few_lines_a_second():
     print(f"heartbeat.beat: {per_call * 1e9:.0f} ns per step over {n} steps, {len(beats)} lines sent")
 
 
+def test_a_job_whose_steps_all_fall_within_one_tick_has_a_rate():
+    # The rate runs between the steps' own times: 8 steps before the first send, then exit.
+    r, w = os.pipe()
+    hb = Heartbeat(w, rank=0)
+    hb.start()
+    t0 = time.monotonic()
+    for step in range(1, 9):
+        time.sleep(0.01)
+        hb.beat(step, samples=64 * step)
+    elapsed = time.monotonic() - t0
+    hb.exiting()
+    last = _read_beats(r)[-1]
+    assert last.step == 8 and last.phase == "exit"
+    # Whatever the sends' timing: at least one step of 64 samples within `elapsed`, and no step
+    # shorter than its 10 ms sleep.
+    assert 64 / elapsed <= last.samples_per_s <= 64 / 0.01
+
+
 def test_a_rank_without_progress_still_beats_for_liveness():
     r, w = os.pipe()
     hb = Heartbeat(w, rank=0)
