@@ -155,7 +155,12 @@ class Heartbeat:
         """Samples per second between the steps that moved the count since the previous send (or,
         the first time, since the first step reported)."""
         moved, start = self._moved, self._rate_from
-        if moved is None or start is None or moved[1] <= start[1] or moved[0] <= start[0]:
+        if moved is None or start is None:
+            return
+        if moved[1] < start[1]:  # the count went back (a checkpoint loaded): measure from there
+            self._rate_from = moved
+            return
+        if moved[1] == start[1] or moved[0] <= start[0]:
             return  # nothing new: the last rate stands
         self._samples_per_s = (moved[1] - start[1]) / (moved[0] - start[0])
         self._rate_from = moved

@@ -67,6 +67,19 @@ def test_a_job_whose_steps_all_fall_within_one_tick_has_a_rate():
     assert 64 / elapsed <= last.samples_per_s <= 64 / 0.01
 
 
+def test_the_rate_goes_on_after_the_sample_count_goes_back():
+    # A checkpoint loaded mid-process restores an earlier count: the rate runs from there.
+    r, w = os.pipe()
+    hb = Heartbeat(w, rank=0)
+    for samples in (6400, 6464, 64, 128, 192):
+        hb.beat(samples // 64, samples=samples)
+        time.sleep(0.01)
+        hb.exiting()  # a send after each step
+    beats = _read_beats(r)
+    assert beats[-1].step == 3 and 0 < beats[-1].samples_per_s <= 64 / 0.01
+    assert beats[-1].samples_per_s != beats[2].samples_per_s  # a new rate, not the one from before
+
+
 def test_a_rank_without_progress_still_beats_for_liveness():
     r, w = os.pipe()
     hb = Heartbeat(w, rank=0)
