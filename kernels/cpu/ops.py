@@ -35,21 +35,25 @@ def takes(*tensors: torch.Tensor | None) -> bool:
     # A plain loop and is_cpu (not device.type, which builds a device: 0.6 us): this runs for
     # every tensor of every step, and a model can have thousands of small ones.
     for t in tensors:
-        if t is not None and not (t.dtype == _F32 and t.is_cpu and t.is_contiguous() and t.layout == _STRIDED):
+        if t is not None and not (t.dtype is _F32 and _dense(t)):
             return False
     return True
 
 
 def _grad_code(grad: torch.Tensor) -> int:
-    if grad.dtype not in _CODES or not grad.is_cpu or not grad.is_contiguous():
+    if grad.dtype not in _CODES or not _dense(grad):
         raise ValueError(f"gradient must be a contiguous fp32/bf16/fp16 CPU tensor, got {grad.dtype} "
-                         f"on {grad.device} (contiguous={grad.is_contiguous()})")
+                         f"on {grad.device} (contiguous={_contiguous(grad)})")
     return _CODES[grad.dtype]
 
 
 def _dense(t: torch.Tensor) -> bool:
-    # layout before is_contiguous, which raises on sparse tensors
-    return t.is_cpu and t.layout is _STRIDED and t.is_contiguous()
+    """On the CPU, strided and contiguous: what the C kernels read and write as it is."""
+    return t.is_cpu and _contiguous(t)
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    return t.layout is _STRIDED and t.is_contiguous()  # layout first: is_contiguous raises on sparse
 
 
 def _lib() -> Any:
@@ -106,7 +110,7 @@ def _taken(tables: Tables, rest: list[Row], partial: bool) -> Iterator[tuple[int
 
 def _describe(row: Row) -> str:
     names = ("parameter", "gradient", "state", "state", "copy")
-    return ", ".join(f"{n} {t.dtype} on {t.device} (contiguous={t.layout is _STRIDED and t.is_contiguous()})"
+    return ", ".join(f"{n} {t.dtype} on {t.device} (contiguous={_contiguous(t)})"
                      for n, t in zip(names, row, strict=True) if t is not None)
 
 
@@ -192,10 +196,10 @@ def copy_out(param: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _copy_code(out: torch.Tensor) -> int:
-    if out.dtype not in (torch.bfloat16, torch.float16) or not out.is_cpu or not out.is_contiguous():
+    if out.dtype not in _OUT_CODES or not _dense(out):
         raise ValueError(f"the parameter copy must be a contiguous bf16/fp16 CPU tensor, got {out.dtype} "
                          f"on {out.device}")
-    return _CODES[out.dtype]
+    return _OUT_CODES[out.dtype]
 
 
 def stream(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
