@@ -105,10 +105,11 @@ class Heartbeat:
             self.start()
         self._step = step
         if samples is not None and samples != self._samples:
+            went_back = self._samples is not None and samples < self._samples  # a checkpoint loaded
             self._samples = samples
             # Step times, not send times: a job whose steps all fall within one tick has a rate too.
             self._moved = (time.monotonic(), samples)
-            if self._rate_from is None:
+            if self._rate_from is None or went_back:
                 self._rate_from = self._moved
         if loss is not None and self._want_loss:
             self._want_loss = False
@@ -157,7 +158,7 @@ class Heartbeat:
         moved, start = self._moved, self._rate_from
         if moved is None or start is None:
             return
-        if moved[1] < start[1]:  # the count went back (a checkpoint loaded): measure from there
+        if moved[1] < start[1]:  # beat() re-anchored while this thread was between reads: again
             self._rate_from = moved
             return
         if moved[1] == start[1] or moved[0] <= start[0]:

@@ -68,16 +68,26 @@ def test_a_job_whose_steps_all_fall_within_one_tick_has_a_rate():
 
 
 def test_the_rate_goes_on_after_the_sample_count_goes_back():
-    # A checkpoint loaded mid-process restores an earlier count: the rate runs from there.
+    # A checkpoint loaded mid-process restores an earlier count: the rate runs from there. The
+    # first rate is slow (64 samples in >= 0.3 s), the one after the load fast (64 in a measured
+    # window), so a rate frozen at the first cannot pass.
     r, w = os.pipe()
     hb = Heartbeat(w, rank=0)
-    for samples in (6400, 6464, 64, 128, 192):
-        hb.beat(samples // 64, samples=samples)
-        time.sleep(0.01)
-        hb.exiting()  # a send after each step
+    hb.beat(100, samples=6400)
+    time.sleep(0.3)
+    hb.beat(101, samples=6464)
+    hb.exiting()  # sends the slow rate
+    t0 = time.monotonic()
+    for step in (1, 2, 3):  # the rate runs from the first step after the load: 128 samples
+        hb.beat(step, samples=64 * step)
+        if step < 3:
+            time.sleep(0.01)
+    window = time.monotonic() - t0
+    hb.exiting()
     beats = _read_beats(r)
-    assert beats[-1].step == 3 and 0 < beats[-1].samples_per_s <= 64 / 0.01
-    assert beats[-1].samples_per_s != beats[2].samples_per_s  # a new rate, not the one from before
+    slow = [b.samples_per_s for b in beats if b.step == 101][-1]
+    assert slow <= 64 / 0.3
+    assert beats[-1].step == 3 and 128 / window <= beats[-1].samples_per_s <= 128 / 0.02
 
 
 def test_a_rank_without_progress_still_beats_for_liveness():
