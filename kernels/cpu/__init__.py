@@ -1,8 +1,8 @@
 """CPU kernels in C: Adam/AdamW, Adagrad, Lion and the fused offloaded step, loaded with ctypes.
 
 - ``optim.c``: the kernels (auto-vectorised loops; a call takes a table of tensors, one OpenMP
-  frame over their fixed blocks), and the
-  streaming references the benchmark measures them against (``dsl_stream``, ``dsl_stream_read``).
+  frame over their fixed blocks), and the streaming references the benchmark measures them
+  against (``dsl_stream``, ``dsl_stream_read``).
 - ``build.py``: builds ``optim.c`` on first use into a cache keyed by source, flags, compiler and
   CPU; without a compiler ``available()`` is false and the dispatch point keeps torch.
 - ``ops.py``: one call per list of flat tensors (``adam_many``, ``adagrad_many``, ``lion_many``;

@@ -21,8 +21,8 @@ import torch
 
 from dslaunch.kernels.cpu.build import library
 
-__all__ = ["adam", "adagrad", "lion", "adam_many", "adagrad_many", "lion_many", "grad_sumsq", "copy_out", "stream",
-           "stream_read", "takes", "adam_op", "lion_op", "adagrad_op"]
+__all__ = ["adam", "adagrad", "lion", "adam_many", "adagrad_many", "lion_many", "grad_sumsq", "copy_out",
+           "stream", "stream_read", "takes", "adam_op", "lion_op", "adagrad_op"]
 
 # Dtype codes of optim.c (a parameter copy of code 0 means "no copy").
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -136,8 +136,8 @@ def adam_many(params: Column, grads: Column, exp_avgs: Column, exp_avg_sqs: Colu
     for table, count, gdt, odt in _taken(tables, rest, partial):
         # Coefficients in double, rounded once to fp32, as torch's fused Adam computes them.
         _lib().dsl_adam(table, count, gdt, odt, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
-                        1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div, int(adamw_mode),
-                        torch.get_num_threads())
+                        1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div,
+                        int(adamw_mode), torch.get_num_threads())
     return rest
 
 
@@ -160,8 +160,8 @@ def lion_many(params: Column, grads: Column, exp_avgs: Column, *, lr: float, bet
     what it returns as ``adam_many``'s."""
     tables, rest = _tables(params, grads, exp_avgs, [None] * len(params), outs)
     for table, count, gdt, odt in _taken(tables, rest, partial):
-        _lib().dsl_lion(table, count, gdt, odt, lr, 1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, grad_mul,
-                        torch.get_num_threads())
+        _lib().dsl_lion(table, count, gdt, odt, lr, 1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay,
+                        grad_mul, torch.get_num_threads())
     return rest
 
 

@@ -6,8 +6,9 @@
  * choices hoisted out of the loops by always-inlined helpers taking constant dtypes); a call takes
  * a table of tensors and OpenMP splits their elements, in fixed blocks, among the threads.
  * Rounding follows torch's vectorised CPU kernels step by step: the compiler fuses no multiply-add
- * by itself (-ffp-contract=off), and fmaf stands exactly where torch's kernels round once (lerp, the second moment, L2 decay, Adagrad's sum), so the
- * results equal torch's fused optimizers bit for bit on an AVX2 machine.
+ * by itself (-ffp-contract=off), and fmaf stands exactly where torch's kernels round once (lerp,
+ * the second moment, L2 decay, Adagrad's sum), so the results equal torch's fused optimizers bit
+ * for bit on an AVX2 machine.
  * 16-bit conversions are written with integer and float operations (exact, round to nearest
  * even), so that the fp16 and bf16 variants vectorise as well.
  *

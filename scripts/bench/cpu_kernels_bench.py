@@ -9,8 +9,8 @@ One flat fp32 partition of ``--numel`` elements. Each (case, threads) runs in it
 round, so load drifts hit them alike; they share one parameter, gradient and state memory (a
 kernel's speed on this VM depends on the allocation it runs on). Ratios are paired per round (a
 contender's time over dslaunch's in the same round) and reported as the median with the
-quartiles, so a tie shows as a tie. DeepSpeed's ops must already be JIT-built (minutes each; ``make bench`` or a first
-``DeepSpeedCPUAdam(...)`` does it) or its column says so.
+quartiles, so a tie shows as a tie. DeepSpeed's ops must already be JIT-built (minutes each;
+``make bench`` or a first ``DeepSpeedCPUAdam(...)`` does it) or its column says so.
 
 Bandwidth (c): the reference is ``dsl_stream`` in the same library (same OpenMP frame, threads
 and blocks) over tensors of the same sizes, reading and writing in place exactly what the kernel

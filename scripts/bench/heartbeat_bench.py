@@ -1,9 +1,9 @@
 """Heartbeat overhead: the monitor's cost inside a training step, with and without it.
 
 A worker started by dslaunch reports each step (``runtime.heartbeat.Heartbeat.beat``: stores three
-fields, and reads the clock when the sample count moved) while a daemon thread sends at most two lines a second (and reads the loss and the
-memory then). This bench runs the same fixed-size step (a matmul chain, one thread) in blocks
-that alternate "heartbeat on" (beat per step, sender thread running, a reader draining the pipe as
+fields, and reads the clock when the sample count moved) while a daemon thread sends at most two
+lines a second (and reads the loss and the memory then). This bench runs the same fixed-size step
+(a matmul chain, one thread) in blocks that alternate "heartbeat on" (beat per step, sender thread running, a reader draining the pipe as
 the agent does) and "off", and reports the median step time of each and the overhead: the median
 over adjacent on/off block pairs of their ratio (pairing cancels the slow drift of a shared
 machine's load). Because that difference is still within this machine's noise, it also reports
