@@ -3,13 +3,14 @@
 A worker started by dslaunch reports each step (``runtime.heartbeat.Heartbeat.beat``: stores three
 fields, and reads the clock when the sample count moved) while a daemon thread sends at most two
 lines a second (and reads the loss and the memory then). This bench runs the same fixed-size step
-(a matmul chain, one thread) in blocks that alternate "heartbeat on" (beat per step, sender thread running, a reader draining the pipe as
-the agent does) and "off", and reports the median step time of each and the overhead: the median
-over adjacent on/off block pairs of their ratio (pairing cancels the slow drift of a shared
-machine's load). Because that difference is still within this machine's noise, it also reports
-a bound that noise cannot blur: the heartbeat's own CPU time (``beat()`` calls, timed alone,
-times the steps, plus the sender thread's CPU clock over the run) as a share of the 'on' time.
-The sender holds the GIL for at most its CPU time, so it cannot delay the step by more.
+(a matmul chain, one thread) in blocks that alternate "heartbeat on" (beat per step, sender thread
+running, a reader draining the pipe as the agent does) and "off", and reports the median step time
+of each and the overhead: the median over adjacent on/off block pairs of their ratio (pairing
+cancels the slow drift of a shared machine's load). Because that difference is still within this
+machine's noise, it also reports a bound that noise cannot blur: the heartbeat's own CPU time
+(``beat()`` calls, timed alone, times the steps, plus the sender thread's CPU clock over the run)
+as a share of the 'on' time. The sender holds the GIL for at most its CPU time, so it cannot delay
+the step by more.
 
 Writes ``results/heartbeat_bench.json`` and ``results/heartbeat_bench.md`` (or to ``--out``).
 Target (issue 10): overhead < 1% of step time.
