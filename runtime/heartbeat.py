@@ -63,7 +63,7 @@ class Heartbeat:
         self._stack_fd = stack_fd
         self._step: int | None = None
         self._phase: str | None = None
-        self._samples: int | None = None
+        self._samples = -1  # the last sample count reported (-1: none yet)
         self._loss: float | None = None
         self._want_loss = True
         self._dirty = False
@@ -105,7 +105,7 @@ class Heartbeat:
             self.start()
         self._step = step
         if samples is not None and samples != self._samples:
-            went_back = self._samples is not None and samples < self._samples  # a checkpoint loaded
+            went_back = samples < self._samples  # a checkpoint loaded mid-process
             self._samples = samples
             # Step times, not send times: a job whose steps all fall within one tick has a rate too.
             self._moved = (time.monotonic(), samples)
