@@ -1,0 +1,139 @@
+"""The bookkeeping of ``scripts/gpu/check.sh``: the machine's description, and the summary.
+
+    report.py --env FILE          the GPU's name, driver, torch/CUDA/triton versions as JSON
+    report.py --summarize DIR     DIR/gpu-check.json and gpu-check.md from what check.sh left in DIR;
+                                  exit 1 when a step failed or an engine run disagreed with CPU
+
+An engine configuration passes when its CUDA run's losses match the CPU (gloo) run's within the
+precision's tolerance (relative to max(1, |loss|)) and the resumed run repeats the losses after
+the checkpoint exactly (same device, same data: any difference is state lost in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+# CPU vs CUDA: fp32 differs by accumulation order only; bf16/fp16 round the activations, and
+# a few steps of Adam amplify an ulp of difference in the weights into the loss.
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 5e-3}
+RESUME_TOLERANCE = 1e-6
+
+
+def _version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "triton": _version("triton"),
+                           "transformers": _version("transformers"), "gpu": None}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
+                   nccl=".".join(map(str, torch.cuda.nccl.version())))
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as err:
+            env["driver"] = f"unknown ({err})"
+    return env
+
+
+def _precision(cfg: dict[str, Any]) -> str:
+    return "bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled") else "fp32"
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b) or not a:
+        return float("inf")
+    return max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def engine_row(cfg_file: Path) -> dict[str, Any]:
+    """One configuration's verdict from its ``.gpu.json`` and ``.cpu.json`` results."""
+    name = cfg_file.stem
+    precision = _precision(json.loads(cfg_file.read_text()))
+    row: dict[str, Any] = {"config": name, "precision": precision}
+    runs = {}
+    for side in ("gpu", "cpu"):
+        path = cfg_file.with_name(f"{name}.{side}.json")
+        runs[side] = json.loads(path.read_text()) if path.exists() else None
+    gpu, cpu = runs["gpu"], runs["cpu"]
+    if gpu is None or cpu is None:
+        missing = " and ".join(side for side, run in runs.items() if run is None)
+        return {**row, "ok": False, "why": f"no result from the {missing} run (see its log)"}
+    tail = gpu["losses"][len(gpu["losses"]) - len(gpu["resumed"]):]
+    row.update(device=gpu["device"], backend=gpu["backend"], cpu_backend=cpu["backend"],
+               vs_cpu=_rel(gpu["losses"], cpu["losses"]), resume=_rel(gpu["resumed"], tail),
+               peak_mib=gpu.get("peak_mib"), final_loss=gpu["losses"][-1])
+    problems = []
+    if row["vs_cpu"] > TOLERANCE[precision]:
+        problems.append(f"losses differ from CPU by {row['vs_cpu']:.3g} (> {TOLERANCE[precision]:g})")
+    if row["resume"] > RESUME_TOLERANCE:
+        problems.append(f"resumed losses differ by {row['resume']:.3g}")
+    return {**row, "ok": not problems, "why": "; ".join(problems)}
+
+
+def _status(rc: int) -> str:
+    return "ok" if rc == 0 else "timed out" if rc in (124, 137) else f"rc {rc}"
+
+
+def summarize(out: Path) -> int:
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
+    env = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {}
+    engine = [engine_row(f) for f in sorted((out / "engine").glob("*.json"))
+              if not f.name.endswith((".gpu.json", ".cpu.json"))]
+    bench = out / "gpu_kernels_bench.md"
+    result = {"env": env, "steps": steps, "engine": engine}
+    (out / "gpu-check.json").write_text(json.dumps(result, indent=2))
+    failed = [s["step"] for s in steps if s["rc"] != 0] + [r["config"] for r in engine if not r["ok"]]
+    lines = ["## GPU check (`scripts/gpu/check.sh`)", "",
+             f"GPU: {env.get('gpu') or 'none (CPU-only run)'}; driver {env.get('driver', '-')}, torch {env.get('torch')}, "
+             f"CUDA {env.get('cuda')}, NCCL {env.get('nccl', '-')}, triton {env.get('triton')}.", "",
+             "| step | status | seconds |", "| --- | --- | ---: |"]
+    lines += [f"| {s['step']} | {_status(s['rc'])} | {s['ms'] / 1000:.1f} |" for s in steps]
+    lines += ["", f"Engine: {len(engine)} configurations, each trained 8 steps (2 micro-batches each), saved at "
+              "step 4 and resumed, on CUDA and on CPU; differences relative to max(1, |loss|).", "",
+              "| config | precision | backend | vs CPU | resume | peak MiB | verdict |",
+              "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for r in engine:
+        peak = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "-"
+        lines.append(f"| {r['config']} | {r['precision']} | {r.get('backend', '-')} | {r.get('vs_cpu', float('nan')):.2g} | "
+                     f"{r.get('resume', float('nan')):.2g} | {peak} | {'ok' if r['ok'] else r['why']} |")
+    if bench.exists():
+        lines += ["", bench.read_text().replace("## GPU kernels", "### GPU kernels")]
+    (out / "gpu-check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--env", type=Path, metavar="FILE")
+    group.add_argument("--summarize", type=Path, metavar="DIR")
+    args = parser.parse_args()
+    if args.env:
+        env = environment()
+        args.env.write_text(json.dumps(env, indent=2))
+        print(json.dumps(env))
+        return 0
+    return summarize(args.summarize)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
