@@ -89,8 +89,21 @@ def local_rank() -> int:
 
 
 def device_for(rank: int) -> torch.device:
-    """cuda:<local rank> with GPUs, else cpu."""
-    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    """cuda:<local rank> with GPUs, else cpu.
+
+    Raises:
+        UsageError: more local ranks than visible GPUs (CUDA's own error says "invalid device
+            ordinal" from deep inside the first allocation).
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if rank >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"LOCAL_RANK={rank} but this process sees {count} GPU{'s' if count != 1 else ''}"
+                         f"{f' (CUDA_VISIBLE_DEVICES={quote(visible)})' if visible is not None else ''}: "
+                         "start at most one rank per GPU, or choose the gloo backend for CPU ranks")
+    return torch.device("cuda", rank)
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
@@ -127,7 +140,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_PORT", str(distributed_port if world_size > 1 else free_port()))
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(local_rank())
+        torch.cuda.set_device(device_for(local_rank()))
     timeout = timeout or default_timeout(_config_timeout(config))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timeout)

@@ -96,7 +96,8 @@ done <"$CFG.list"
 
 # --- (c) benchmarks -------------------------------------------------------------------------
 if [ "$GPU" = 1 ]; then
-    step bench_gpu_kernels 240 $PY scripts/bench/gpu_kernels_bench.py --rounds 7
+    step bench_gpu_kernels 240 $PY scripts/bench/gpu_kernels_bench.py --rounds 7 --steps 20
+    step probe_norms 120 $PY scripts/gpu/norm_probe.py "$RESULT_DIR/norm_probe.json"
     cp scripts/bench/results/gpu_kernels_bench.json scripts/bench/results/gpu_kernels_bench.md \
         "$RESULT_DIR/" 2>/dev/null
 else

@@ -4,9 +4,12 @@
     report.py --summarize DIR     DIR/gpu-check.json and gpu-check.md from what check.sh left in DIR;
                                   exit 1 when a step failed or an engine run disagreed with CPU
 
-An engine configuration passes when its CUDA run's losses match the CPU (gloo) run's within the
-precision's tolerance (relative to max(1, |loss|)) and the resumed run repeats the losses after
-the checkpoint exactly (same device, same data: any difference is state lost in the checkpoint).
+An engine configuration passes when its CUDA run's losses match the CPU (gloo) run's (relative to
+max(1, |loss|)) and the resumed run repeats the losses after the checkpoint exactly (same device,
+same data: any difference is state lost in the checkpoint). Two bounds against CPU: the first
+``EARLY`` losses tightly, all of them loosely. Adam divides each update by sqrt(v), so a gradient
+component that is rounding noise on both devices (first seen on the H200: 1e-7 at step 2) moves
+its weight by ~lr either way, and the losses drift apart by 1e-5..1e-4 within 8 steps in fp32.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-# CPU vs CUDA: fp32 differs by accumulation order only; bf16/fp16 round the activations, and
-# a few steps of Adam amplify an ulp of difference in the weights into the loss.
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 5e-3}
+# CPU vs CUDA, (first EARLY losses, all losses): fp32 differs by accumulation order only; bf16/fp16
+# round the activations on both devices in different orders.
+EARLY = 6  # 3 optimizer steps of 2 micro-batches
+TOLERANCE = {"fp32": (1e-6, 1e-3), "bf16": (1e-2, 3e-2), "fp16": (5e-3, 1e-2)}
 RESUME_TOLERANCE = 1e-6
 
 
@@ -77,11 +81,15 @@ def engine_row(cfg_file: Path) -> dict[str, Any]:
         return {**row, "ok": False, "why": f"no result from the {missing} run (see its log)"}
     tail = gpu["losses"][len(gpu["losses"]) - len(gpu["resumed"]):]
     row.update(device=gpu["device"], backend=gpu["backend"], cpu_backend=cpu["backend"],
+               early_vs_cpu=_rel(gpu["losses"][:EARLY], cpu["losses"][:EARLY]),
                vs_cpu=_rel(gpu["losses"], cpu["losses"]), resume=_rel(gpu["resumed"], tail),
                peak_mib=gpu.get("peak_mib"), final_loss=gpu["losses"][-1])
     problems = []
-    if row["vs_cpu"] > TOLERANCE[precision]:
-        problems.append(f"losses differ from CPU by {row['vs_cpu']:.3g} (> {TOLERANCE[precision]:g})")
+    early, every = TOLERANCE[precision]
+    if row["early_vs_cpu"] > early:
+        problems.append(f"the first {EARLY} losses differ from CPU by {row['early_vs_cpu']:.3g} (> {early:g})")
+    if row["vs_cpu"] > every:
+        problems.append(f"losses differ from CPU by {row['vs_cpu']:.3g} (> {every:g})")
     if row["resume"] > RESUME_TOLERANCE:
         problems.append(f"resumed losses differ by {row['resume']:.3g}")
     return {**row, "ok": not problems, "why": "; ".join(problems)}
@@ -107,11 +115,12 @@ def summarize(out: Path) -> int:
     lines += [f"| {s['step']} | {_status(s['rc'])} | {s['ms'] / 1000:.1f} |" for s in steps]
     lines += ["", f"Engine: {len(engine)} configurations, each trained 8 steps (2 micro-batches each), saved at "
               "step 4 and resumed, on CUDA and on CPU; differences relative to max(1, |loss|).", "",
-              "| config | precision | backend | vs CPU | resume | peak MiB | verdict |",
-              "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+              f"| config | precision | backend | first {EARLY} vs CPU | all vs CPU | resume | peak MiB | verdict |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in engine:
         peak = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "-"
-        lines.append(f"| {r['config']} | {r['precision']} | {r.get('backend', '-')} | {r.get('vs_cpu', float('nan')):.2g} | "
+        lines.append(f"| {r['config']} | {r['precision']} | {r.get('backend', '-')} | "
+                     f"{r.get('early_vs_cpu', float('nan')):.2g} | {r.get('vs_cpu', float('nan')):.2g} | "
                      f"{r.get('resume', float('nan')):.2g} | {peak} | {'ok' if r['ok'] else r['why']} |")
     if bench.exists():
         lines += ["", bench.read_text().replace("## GPU kernels", "### GPU kernels")]

@@ -16,6 +16,8 @@ class TinyTransformer(torch.nn.Module):
         self.head = torch.nn.Linear(dim, classes)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # the batches are built on CPU; the engine puts the model on the GPU where there is one
+        tokens, labels = tokens.to(self.head.weight.device), labels.to(self.head.weight.device)
         h = self.block(self.embed(tokens)).mean(dim=1)
         return torch.nn.functional.cross_entropy(self.head(h).float(), labels)
 

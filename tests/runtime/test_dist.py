@@ -52,12 +52,17 @@ def test_gloo_without_cuda_as_a_world_of_one(calls: list[dict]) -> None:
 def test_nccl_with_cuda_unless_a_backend_is_given(calls: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
     devices: list[int] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setenv("LOCAL_RANK", "1")
     ds_dist.init_distributed(verbose=False)
     ds_dist.init_distributed(dist_backend="gloo", verbose=False)
     assert [c["backend"] for c in calls] == ["nccl", "gloo"]
-    assert devices == [1]  # the GPU of this local rank, for nccl only
+    assert devices == [torch.device("cuda", 1)]  # the GPU of this local rank, for nccl only
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UsageError, match=r"^LOCAL_RANK=1 but this process sees 1 GPU: start at most one rank"):
+        ds_dist.init_distributed(verbose=False)
+    assert len(calls) == 2  # refused before any process group
 
 
 @pytest.mark.timeout(30)
@@ -116,6 +121,7 @@ def _real_group(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="two NCCL ranks need two GPUs")
 def test_real_two_rank_group_uses_the_env_timeout() -> None:
     out = run_world(_real_group, 2)
     for rank, o in enumerate(out):
