@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
-.PHONY: setup compat-venv demo test lint bench stress system-deps clean
+.PHONY: setup compat-venv demo test lint bench stress system-deps gpu-check clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ stress: setup
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation deepspeed
 	$(PY) scripts/bench/exit_stress.py
 	$(PY) scripts/bench/run_all.py --assemble-only
+
+# On a machine with a CUDA GPU and its own torch (no venv there: that torch is the one to test).
+# Without network, first run scripts/gpu/wheels.sh on a machine with PyPI and carry .whl/ over.
+gpu-check:
+	bash scripts/gpu/check.sh $(or $(OUT),gpu-check)
 
 clean:
 	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache .ruff_cache *.egg-info

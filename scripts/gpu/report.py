@@ -1,8 +1,10 @@
 """The bookkeeping of ``scripts/gpu/check.sh``: the machine's description, and the summary.
 
     report.py --env FILE          the GPU's name, driver, torch/CUDA/triton versions as JSON
-    report.py --summarize DIR     DIR/gpu-check.json and gpu-check.md from what check.sh left in DIR;
-                                  exit 1 when a step failed or an engine run disagreed with CPU
+    report.py --summarize DIR [--results RESULTS]
+                                  DIR/gpu-check.json and gpu-check.md from what check.sh left in DIR
+                                  (also RESULTS/gpu_check.json and .md, for BENCHMARKS.md); exit 1
+                                  when a step failed or an engine run disagreed with CPU
 
 An engine configuration passes when its CUDA run's losses match the CPU (gloo) run's (relative to
 max(1, |loss|)) and the resumed run repeats the losses after the checkpoint exactly (same device,
@@ -99,15 +101,26 @@ def _status(rc: int) -> str:
     return "ok" if rc == 0 else "timed out" if rc in (124, 137) else f"rc {rc}"
 
 
-def summarize(out: Path) -> int:
+def summarize(out: Path, results: Path | None = None) -> int:
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
     env = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {}
-    engine = [engine_row(f) for f in sorted((out / "engine").glob("*.json"))
-              if not f.name.endswith((".gpu.json", ".cpu.json"))]
-    bench = out / "gpu_kernels_bench.md"
+    names = (out / "engine.list").read_text().split()  # the configurations check.sh ran
+    engine = [engine_row(out / "engine" / f"{name}.json") for name in names]
     result = {"env": env, "steps": steps, "engine": engine}
-    (out / "gpu-check.json").write_text(json.dumps(result, indent=2))
     failed = [s["step"] for s in steps if s["rc"] != 0] + [r["config"] for r in engine if not r["ok"]]
+    table = _table(env, steps, engine)
+    for folder, stem in ((out, "gpu-check"), (results, "gpu_check")):
+        if folder is not None:
+            (folder / f"{stem}.json").write_text(json.dumps(result, indent=2))
+            (folder / f"{stem}.md").write_text(table)
+    print(table)
+    if (bench := out / "gpu_kernels_bench.md").exists():
+        print(bench.read_text())
+    print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}")
+    return 1 if failed else 0
+
+
+def _table(env: dict[str, Any], steps: list[dict[str, Any]], engine: list[dict[str, Any]]) -> str:
     lines = ["## GPU check (`scripts/gpu/check.sh`)", "",
              f"GPU: {env.get('gpu') or 'none (CPU-only run)'}; driver {env.get('driver', '-')}, torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, NCCL {env.get('nccl', '-')}, triton {env.get('triton')}.", "",
@@ -122,12 +135,7 @@ def summarize(out: Path) -> int:
         lines.append(f"| {r['config']} | {r['precision']} | {r.get('backend', '-')} | "
                      f"{r.get('early_vs_cpu', float('nan')):.2g} | {r.get('vs_cpu', float('nan')):.2g} | "
                      f"{r.get('resume', float('nan')):.2g} | {peak} | {'ok' if r['ok'] else r['why']} |")
-    if bench.exists():
-        lines += ["", bench.read_text().replace("## GPU kernels", "### GPU kernels")]
-    (out / "gpu-check.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}")
-    return 1 if failed else 0
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -135,13 +143,14 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--env", type=Path, metavar="FILE")
     group.add_argument("--summarize", type=Path, metavar="DIR")
+    parser.add_argument("--results", type=Path, metavar="RESULTS", help="also write gpu_check.{json,md} here")
     args = parser.parse_args()
     if args.env:
         env = environment()
         args.env.write_text(json.dumps(env, indent=2))
         print(json.dumps(env))
         return 0
-    return summarize(args.summarize)
+    return summarize(args.summarize, args.results)
 
 
 if __name__ == "__main__":
