@@ -17,14 +17,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import CheckpointError, UsageError
 from dslaunch.runtime import preempt
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_setup import build_components
 from dslaunch.runtime.heartbeat import reporter
+from dslaunch.runtime.pipe.topology import DataParallelGrid
 from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
 __all__ = ["DeepSpeedEngine"]
@@ -41,8 +44,11 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
-                 collate_fn: Any = None):
+                 collate_fn: Any = None, mpu: Any = None):
         super().__init__()
+        # Where this rank sits: a Megatron-style mpu, or every rank a data-parallel peer.
+        self.grid = mpu if mpu is not None else DataParallelGrid()
+        self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's mpu
         self._config = config
         # DeepSpeed's engine.config is the ds_config dict as given (Hugging Face's Trainer reads it)
         self.config = dict(config.raw)
@@ -51,11 +57,14 @@ class DeepSpeedEngine(torch.nn.Module):
         self.precision = PrecisionPolicy.from_config(config)
         self.module = self.precision.cast_module(model.to(self.device))
         parts = build_components(self.module, config, self.precision, optimizer, model_parameters,
-                                 lr_scheduler, training_data, collate_fn)
+                                 lr_scheduler, training_data, collate_fn, self.grid)
         self.zero, self.optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
         self.training_dataloader, self.timers = parts.dataloader, parts.timers
         self.loss_scaler = PrecisionPolicy.loss_scaler(config)
-        self.global_rank, self.world_size = self.zero.rank, self.zero.world_size
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.dp_world_size = self.grid.get_data_parallel_world_size()
+        self.mp_world_size = self.grid.get_model_parallel_world_size()
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._step_applied = False
         self._grad_norm: float | None = None
@@ -254,6 +263,10 @@ class DeepSpeedEngine(torch.nn.Module):
         from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
         from dslaunch.runtime.checkpoint.parts import CheckpointParts, StateFns
 
+        if self.mp_world_size > 1:
+            raise CheckpointError(f"checkpoints of a model-parallel engine (model-parallel size {self.mp_world_size} "
+                                  "from mpu=) are not implemented yet: every rank of a replica holds different "
+                                  "weights; save with torch.save per rank meanwhile")
         if self._checkpointer is None:
             self._checkpointer = Checkpointer()
         return CheckpointParts(module=self.module, zero=self.zero,

@@ -46,14 +46,17 @@ class EngineParts:
 
 def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: PrecisionPolicy,
                      optimizer: Any, model_parameters: Any, lr_scheduler: Any, training_data: Any,
-                     collate_fn: Any) -> EngineParts:
+                     collate_fn: Any, grid: Any) -> EngineParts:
     """Build the strategy (and with it the optimizer), the scheduler, the loader and timers.
+
+    ``grid`` places this rank (``pipe.topology.DataParallelGrid`` or an mpu): the strategy works on
+    its data-parallel group, the loader reads the data-parallel rank's share.
 
     collective: call on all ranks.
     """
     zero_cfg = cfg.zero_optimization
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
-        return _frozen(module, cfg, lr_scheduler, training_data, collate_fn)
+        return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
     groups = _param_groups(module, optimizer, model_parameters)
     comm = CommSettings(reduce_bucket_numel=zero_cfg.reduce_bucket_size,
                         allgather_bucket_numel=zero_cfg.allgather_bucket_size,
@@ -72,9 +75,12 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         prefetch_bucket_numel=zero_cfg.stage3_prefetch_bucket_size,
                         max_live_parameters=zero_cfg.stage3_max_live_parameters,
                         max_reuse_distance=zero_cfg.stage3_max_reuse_distance)
-    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm, module=module)
+    model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
+    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm,
+                                          process_group=grid.get_data_parallel_group(), module=module,
+                                          model_parallel_group=model_parallel)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
-                       _dataloader(cfg, training_data, collate_fn), _timers(cfg))
+                       _dataloader(cfg, training_data, collate_fn, grid), _timers(cfg))
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:
@@ -87,7 +93,7 @@ def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:
 
 
 def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, training_data: Any,
-            collate_fn: Any) -> EngineParts:
+            collate_fn: Any, grid: Any) -> EngineParts:
     from dslaunch.runtime.zero.frozen import Frozen
 
     if lr_scheduler is not None or cfg.scheduler is not None:
@@ -97,7 +103,7 @@ def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, tr
     frozen = Frozen(zero_cfg.stage, module, persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
                     offload_param=zero_cfg.offload_param.enabled)
     return EngineParts(frozen, None, None,  # type: ignore[arg-type]
-                       _dataloader(cfg, training_data, collate_fn), _timers(cfg))
+                       _dataloader(cfg, training_data, collate_fn, grid), _timers(cfg))
 
 
 def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any) -> list[GroupSpec]:
@@ -197,13 +203,15 @@ def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimiz
     return build_lr_scheduler(cfg.scheduler, optimizer)
 
 
-def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any) -> Any:
+def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any, grid: Any) -> Any:
+    """The data-parallel rank's share: the parts of one replica (pipeline stages, tensor slices)
+    read the same samples."""
     if data is None:
         return None
     from dslaunch.runtime.dataloader import DistributedDataLoader
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return DistributedDataLoader(data, cfg.train_micro_batch_size_per_gpu, rank, cfg.world_size,
+    return DistributedDataLoader(data, cfg.train_micro_batch_size_per_gpu, grid.get_data_parallel_rank(),
+                                 grid.get_data_parallel_world_size(),
                                  collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
 
 
