@@ -15,9 +15,7 @@ Kept apart from ``engine.py`` so the engine stays a thin loop. The choices made 
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +39,12 @@ class EngineParts:
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     dataloader: Any
-    timers: Any
 
 
 def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: PrecisionPolicy,
                      optimizer: Any, model_parameters: Any, lr_scheduler: Any, training_data: Any,
                      collate_fn: Any, grid: Any) -> EngineParts:
-    """Build the strategy (and with it the optimizer), the scheduler, the loader and timers.
+    """Build the strategy (and with it the optimizer), the scheduler and the loader.
 
     ``grid`` places this rank (``pipe.topology.DataParallelGrid`` or an mpu): the strategy works on
     its data-parallel group, the loader reads the data-parallel rank's share.
@@ -80,7 +77,7 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                                           process_group=grid.get_data_parallel_group(), module=module,
                                           model_parallel_group=model_parallel)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
-                       _dataloader(cfg, training_data, collate_fn, grid), _timers(cfg))
+                       _dataloader(cfg, training_data, collate_fn, grid))
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:
@@ -103,7 +100,7 @@ def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, tr
     frozen = Frozen(zero_cfg.stage, module, persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
                     offload_param=zero_cfg.offload_param.enabled)
     return EngineParts(frozen, None, None,  # type: ignore[arg-type]
-                       _dataloader(cfg, training_data, collate_fn, grid), _timers(cfg))
+                       _dataloader(cfg, training_data, collate_fn, grid))
 
 
 def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any) -> list[GroupSpec]:
@@ -213,34 +210,3 @@ def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any, grid: Any) -> 
     return DistributedDataLoader(data, cfg.train_micro_batch_size_per_gpu, grid.get_data_parallel_rank(),
                                  grid.get_data_parallel_world_size(),
                                  collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
-
-
-class _TimerSet:
-    """``timers(name)`` as a context manager over the named ``Timers``."""
-
-    def __init__(self) -> None:
-        from dslaunch.runtime.timers import Timers
-
-        self._timers = Timers()
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        self._timers.start(name)
-        try:
-            yield
-        finally:
-            self._timers.stop(name)
-
-    def log(self, names: list[str]) -> None:
-        """Print each timer's mean ms per optimizer step since the last log, then reset them.
-
-        The "step" timer runs once per optimizer step (skipped fp16 steps included), so its
-        interval count is the number of steps timed; unlike ``steps_per_print`` it stays right
-        for the first report after resuming at a global step that is not a multiple of it.
-        """
-        steps = self._timers("step").count if "step" in self._timers else 0
-        self._timers.log(names, normalizer=max(1, steps))
-
-
-def _timers(cfg: DeepSpeedConfig) -> Any:
-    return _TimerSet() if cfg.wall_clock_breakdown else None
