@@ -94,6 +94,10 @@ class DeepSpeedEngine(torch.nn.Module):
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.zero.pre_forward()  # parameters gathered after the last step must be in place
+        if self.optimizer is not None:
+            # The micro step starts here too: with several engines under one loss, DeepSpeed's
+            # users call loss.backward() themselves, and the gradient hooks read this state.
+            self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
         with self.events.phase("forward"):
             return self.module(*args, **kwargs)
 
@@ -109,10 +113,21 @@ class DeepSpeedEngine(torch.nn.Module):
             loss = loss / self._config.gradient_accumulation_steps
         with self.events.phase("backward"):
             self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
-            self.zero.post_backward()
+        self._backward_epilogue()
+        return loss
+
+    def _backward_epilogue(self) -> None:
+        """After the backward pass: release what stage 3 gathered, complete the gradient reductions.
+
+        DeepSpeed's name and contract for several engines trained under one loss: ``loss =
+        sum(...)``, ``loss.backward()``, then ``engine._backward_epilogue()`` and ``engine.step()``
+        on each engine (every rank, the same order). ``backward()`` calls it itself.
+
+        collective: all ranks.
+        """
+        self.zero.post_backward()
         with self.events.phase("allreduce"):
             self.zero.end_backward()
-        return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro step; at the accumulation boundary update the weights.
