@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from dslaunch.errors import LaunchError
+from dslaunch.errors import LaunchError, shorten
+from dslaunch.launcher.monitor.logdir import open_append, open_job_dir, replace_file, write_all
 
 __all__ = ["EventLog", "read_events", "EVENTS_FILE"]
 
@@ -36,11 +38,15 @@ EVENTS_FILE = "events.jsonl"
 class EventLog:
     """Appends events to ``<directory>/events.jsonl``; ``directory=None`` keeps them in memory only.
 
+    The directory is made fresh and its files are written without following links (see
+    ``logdir``). Once the log exists, writing it never fails the job: the first failed write
+    (a full disk) is said once on stderr, and the job's exit code stays the job's.
+
     ``echo``: called with each event as it is recorded (the CLI prints the ones the user should
     see as lines on stderr: ``loop.print_event``).
 
     Raises:
-        LaunchError: the directory cannot be created or written (names ``--log_dir``).
+        LaunchError: the directory is refused or cannot be created (names ``--log_dir``).
     """
 
     def __init__(self, directory: str | None, echo: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -48,46 +54,76 @@ class EventLog:
         self._echo = echo
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._file = None
+        self._dir_fd: int | None = None
+        self._fd: int | None = None
+        self._torn = False  # a line was cut short: the next one starts on a line of its own
+        self._failed = False
         if directory is not None:
+            self._dir_fd = open_job_dir(directory)
             try:
-                os.makedirs(directory, exist_ok=True)
-                self._file = open(os.path.join(directory, EVENTS_FILE), "a", encoding="utf-8")
+                self._fd = open_append(self._dir_fd, EVENTS_FILE)
             except OSError as err:
-                raise LaunchError(f"--log_dir: cannot write {err.filename or directory}: {err.strerror}") from None
+                os.close(self._dir_fd)
+                raise LaunchError(f"--log_dir: cannot create {shorten(os.path.join(directory, EVENTS_FILE), 300)}: "
+                                  f"{err.strerror}") from None
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Record one event now; returns it. Thread-safe; a full disk never fails the job."""
         event = {"t": round(time.time(), 3), "kind": kind, **fields}
         with self._lock:
             self.events.append(event)
-            if self._file is not None:
-                try:
-                    self._file.write(json.dumps(event, separators=(",", ":"), default=str) + "\n")
-                    self._file.flush()
-                except OSError:
-                    pass
+            if self._fd is not None:
+                line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
+                self._append(("\n" if self._torn else "") + line)
         if self._echo is not None:
             self._echo(event)
         return event
 
-    def write_file(self, name: str, text: str) -> str | None:
-        """Write ``text`` to ``<directory>/name``; its path, or None (no directory, or an error)."""
-        if self.directory is None:
-            return None
-        path = os.path.join(self.directory, name)
+    def _append(self, line: str) -> None:
+        assert self._fd is not None
+        data = line.encode("utf-8", "backslashreplace")  # a lone surrogate in a path or argv
         try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError:
-            return None
-        return path
+            write_all(self._fd, data)
+            self._torn = False
+        except OSError as err:
+            self._torn = True  # perhaps part of it went out (readers skip the empty line otherwise)
+            self._report(err, EVENTS_FILE)
+
+    def write_file(self, name: str, text: str) -> str | None:
+        """``<directory>/name`` holds ``text``; its path, or None (no directory, or a failed
+        write, said once: nothing is left behind)."""
+        with self._lock:
+            if self._dir_fd is None or self.directory is None:
+                return None
+            try:
+                replace_file(self._dir_fd, name, text.encode("utf-8", "backslashreplace"))
+            except OSError as err:
+                self._report(err, name)
+                return None
+        return os.path.join(self.directory, name)
+
+    def _report(self, err: OSError, name: str) -> None:
+        """The first failed write, once on stderr; the job goes on and keeps its exit code."""
+        if self._failed:
+            return
+        self._failed = True
+        try:
+            print(f"dslaunch: warning: cannot write {name} in {shorten(str(self.directory), 300)}: "
+                  f"{err.strerror}; the job goes on, its exit code unchanged (further log errors are not "
+                  "shown)", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # stderr closed too: nothing left to tell
+            pass
 
     def close(self) -> None:
+        """Close the log; never raises (everything was written, or said, already)."""
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            for fd in (self._fd, self._dir_fd):
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self._fd = self._dir_fd = None
 
 
 def read_events(path: str) -> list[dict[str, Any]]:
