@@ -20,17 +20,18 @@ Anyone may add kinds with ``emit`` (e.g. a restart loop: ``restart``, ``resume``
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 from dslaunch.errors import LaunchError, shorten
 from dslaunch.launcher.monitor.logdir import open_append, open_job_dir, replace_file, write_all
 
-__all__ = ["EventLog", "read_events", "EVENTS_FILE"]
+__all__ = ["EventLog", "read_events", "valid_event", "EVENTS_FILE", "MAX_LINE_BYTES"]
 
 EVENTS_FILE = "events.jsonl"
 
@@ -126,15 +127,94 @@ class EventLog:
             self._fd = self._dir_fd = None
 
 
-def read_events(path: str) -> list[dict[str, Any]]:
-    """The events of an ``events.jsonl`` file; a torn last line (a job still writing) is skipped."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and "kind" in event:
-                out.append(event)
-    return out
+MAX_LINE_BYTES = 1 << 20
+"""A longer line of ``events.jsonl`` is not an event (the longest the monitor writes, a hang's
+stacks summary of a large job, is far shorter): readers skip it without holding it."""
+
+
+def read_events(f: BinaryIO) -> Iterator[dict[str, Any] | None]:
+    """The events of an open ``events.jsonl``, one item per line: the event, or None for a line
+    that is no valid event (not UTF-8 JSON, too long or deep, a field of the wrong type; see
+    ``valid_event``). A torn last line (a job still writing) and empty lines are left out.
+
+    Raises:
+        OSError: reading failed.
+    """
+    while line := f.readline(MAX_LINE_BYTES):
+        if not line.endswith(b"\n"):
+            if len(line) < MAX_LINE_BYTES:
+                return  # the last line, still being written
+            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass  # the rest of an overlong line
+            yield None
+            continue
+        if line.strip():
+            yield _parse(line)
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        event = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # also bad UTF-8 (UTF-16 too), a 5000-digit number
+        return None
+    return event if valid_event(event) else None
+
+
+_Check = Callable[[Any], bool]
+
+
+def _int(v: Any) -> bool:
+    """An int (not bool) a float can hold: status divides and subtracts them."""
+    return isinstance(v, int) and not isinstance(v, bool) and -2 ** 63 <= v < 2 ** 63
+
+
+def _num(v: Any) -> bool:
+    return _int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _rank_key(v: Any) -> bool:
+    return isinstance(v, str) and v.isascii() and v.isdigit() and len(v) < 10
+
+
+def _opt(check: _Check) -> _Check:
+    return lambda v: v is None or check(v)
+
+
+def _list(check: _Check) -> _Check:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _fields(schema: dict[str, _Check]) -> _Check:
+    """A dict whose fields named in ``schema`` (each may be missing) pass their check."""
+    return lambda v: isinstance(v, dict) and all(k not in v or check(v[k]) for k, check in schema.items())
+
+
+def _ranks(v: Any) -> bool:
+    """A hang's ``ranks``: rank number (as a string) -> what its stack showed."""
+    return isinstance(v, dict) and all(_rank_key(k) and _STACK(info) for k, info in v.items())
+
+
+_MEMORY = _fields({"kind": _str, "used": _int, "peak": _int, "total": _opt(_int)})
+_STACK = _fields({"host": _opt(_str), "step": _opt(_int), "top_frame": _opt(_str), "file": _opt(_str)})
+_KINDS: dict[str, _Check] = {
+    "start": _fields({"job_id": _opt(_str), "hosts": _list(_str), "world_size": _opt(_int)}),
+    "end": _fields({"exit_code": _opt(_int), "duration_s": _opt(_num)}),
+    "summary": _fields({"step": _opt(_int), "samples_per_s": _opt(_num), "loss": _opt(_num),
+                        "ranks_up": _opt(_int), "world": _opt(_int), "slowest_rank": _opt(_int),
+                        "slowest_step": _opt(_int), "memory": _opt(_MEMORY)}),
+    "failure": _fields({"message": _opt(_str), "fault_t": _opt(_num), "detected_t": _opt(_num),
+                        "remedy": _opt(_str), "error_files": _list(_str), "others": _list(_str)}),
+    "stacks": _fields({"behind": _list(_int), "ranks": _ranks}),
+}
+"""What readers rely on in each kind the monitor writes (other kinds: only ``t`` and ``kind``)."""
+
+
+def valid_event(event: Any) -> bool:
+    """Whether ``event`` is an event: a dict with a finite ``t``, a string ``kind``, and the
+    fields its kind has (those present) of the right types."""
+    return (isinstance(event, dict) and _num(event.get("t")) and _str(event.get("kind"))
+            and _KINDS.get(event["kind"], _fields({}))(event))
