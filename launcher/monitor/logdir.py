@@ -57,13 +57,15 @@ def _open_base(base: str) -> int:
         link = None
     except OSError as err:
         raise _refuse(base, f"cannot read it: {err.strerror}") from None
-    if link is not None and stat.S_ISLNK(link.st_mode) and not _trusted(link.st_uid):
+    followed = link is not None and stat.S_ISLNK(link.st_mode)
+    if followed and not _trusted(link.st_uid):
         raise _refuse(base, f"a symbolic link owned by another user (uid {link.st_uid}); not followed: "
                             "give the directory itself")
     try:
         if link is None:
             os.makedirs(base, mode=0o700, exist_ok=True)
-        fd = os.open(base, _DIR_FLAGS)
+        # Not a link when looked at: one put there since is not followed either.
+        fd = os.open(base, _DIR_FLAGS | (0 if followed else os.O_NOFOLLOW))
     except OSError as err:
         raise _refuse(base, f"cannot create or open it as a directory: {err.strerror}") from None
     try:
