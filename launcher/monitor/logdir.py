@@ -20,11 +20,11 @@ import os
 import stat
 
 from dslaunch.errors import LaunchError, quote, shorten
+from dslaunch.launcher.agent.files import create_new, write_all
 
-__all__ = ["open_job_dir", "open_append", "replace_file", "write_all"]
+__all__ = ["open_job_dir", "replace_file"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _refuse(base: str, problem: str) -> LaunchError:
@@ -96,18 +96,6 @@ def open_job_dir(path: str) -> int:
         os.close(base_fd)
 
 
-def open_append(dir_fd: int, name: str) -> int:
-    """A new file ``name`` in the directory, for appending (0600; one already there: OSError)."""
-    return os.open(name, _NEW_FILE | os.O_APPEND, 0o600, dir_fd=dir_fd)
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` (``os.write`` may write part of it); OSError as it comes."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def replace_file(dir_fd: int, name: str, data: bytes) -> None:
     """``name`` in the directory now holds ``data`` (0600), whole or not at all: written to a new
     temporary file, then renamed over it (a link there is replaced, never followed).
@@ -120,7 +108,7 @@ def replace_file(dir_fd: int, name: str, data: bytes) -> None:
         os.unlink(tmp, dir_fd=dir_fd)  # left by a write that failed and could not clean up
     except FileNotFoundError:
         pass
-    fd = os.open(tmp, _NEW_FILE, 0o600, dir_fd=dir_fd)
+    fd = create_new(tmp, dir_fd=dir_fd)
     try:
         try:
             write_all(fd, data)

@@ -4,6 +4,7 @@ and the job ends with its own code."""
 
 from __future__ import annotations
 
+import compileall
 import json
 import os
 import resource
@@ -13,9 +14,16 @@ import subprocess
 import pytest
 
 from dslaunch.launcher.monitor.events import EVENTS_FILE
-from tests.launcher.helpers import DSLAUNCH, FAKE, new_tag, tagged_env
+from tests.launcher.helpers import DSLAUNCH, FAKE, ROOT, new_tag, tagged_env
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _compiled() -> None:
+    """Every module's bytecode written now: a process under the limit (the watchdog runs with
+    ``-I``, whatever PYTHONDONTWRITEBYTECODE says) would rename a .pyc cut short into place."""
+    for package in ("launcher", "dslaunch"):
+        assert compileall.compile_dir(str(ROOT / package), quiet=1)
 
 
 def _small_files(limit: int):
@@ -28,6 +36,7 @@ def _small_files(limit: int):
 @pytest.mark.parametrize("actions, code", [(["print=ok"], 0), (["r1:exit=3"], 3)])
 def test_a_full_log_disk_keeps_the_jobs_exit_code(tmp_path, actions, code):
     logs = tmp_path / "logs"
+    _compiled()
     r = subprocess.run([*DSLAUNCH, "--num_gpus", "2", "--log_dir", str(logs), FAKE, *actions],
                        env=tagged_env(new_tag()), capture_output=True, text=True, timeout=30,
                        preexec_fn=_small_files(200))
