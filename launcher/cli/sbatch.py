@@ -19,16 +19,23 @@ With ``--resume_from DIR`` the script asks for ``--signal=B:USR1@120`` (unless `
 given): dslaunch turns it into a checkpoint into DIR and, when the job may be requeued
 (``--requeue``), requeues it; the requeued job resumes from DIR (``slurm.preemption``).
 
+Every value in an ``#SBATCH`` line is written so that sbatch reads it as one argument (quoted
+when it has blanks, quotes or ``#``); a value with a line break or another control character is
+refused, as it would end the line and run the rest as a command of the batch script.
+
 Options sbatch has but this command does not name are an error naming the option; pass them
-verbatim with ``--sbatch_args``. The launcher options are checked here, before submitting, so a
-typo fails now rather than in the queue. ``scripts/slurm/dslaunch.sbatch`` is the same script as
-a template for users who prefer to edit one.
+verbatim with ``--sbatch_args`` (split like a shell line). The launcher options, the restart
+flags and the script's existence are checked here, as the launcher inside the allocation would,
+before submitting, so a typo fails now rather than in the queue.
+
+``scripts/slurm/dslaunch.sbatch`` is the same script as a template for users who prefer to edit one.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -37,9 +44,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dslaunch import __version__
-from dslaunch.errors import LaunchError, UsageError
+from dslaunch.errors import LaunchError, UsageError, quote
 from dslaunch.launcher.cli.flags import NOT_SUPPORTED, build_parser, integer
-from dslaunch.launcher.cli.launch import parse_config
+from dslaunch.launcher.cli.launch import check_script, parse_config, restart_policy
+from dslaunch.launcher.hostfile import MAX_SLOTS
 from dslaunch.launcher.plan import check_numbers
 
 __all__ = ["BatchSpec", "batch_script", "run", "wait_for_job"]
@@ -62,6 +70,8 @@ _OURS = {"--nodes": True, "--gpus_per_node": True, "--gpus-per-node": True, "--s
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
           "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT")
 _POLL_S = 1.0
+_PLAIN = re.compile(r"[\w@%+=:,./\[\]-]+")
+"""An ``#SBATCH`` value written as it is; any other goes in double quotes (``_directive``)."""
 DEFAULT_SIGNAL = "B:USR1@120"
 """With ``--resume_from``: SIGUSR1 to dslaunch (the batch shell) 2 minutes before the time limit."""
 
@@ -79,20 +89,42 @@ class BatchSpec:
     """dslaunch's arguments inside the allocation: launcher options, script, script arguments."""
     cwd: str
     python: str
+    submit: tuple[str, ...] = ("sbatch", "--parsable")
+    """The sbatch command that reads the script on stdin (``--sbatch_args`` included)."""
 
 
 def batch_script(spec: BatchSpec) -> str:
     """The batch script's text (see the module docstring)."""
     lines = ["#!/bin/bash", f"# Written by 'dslaunch sbatch' (dslaunch {__version__}): runs dslaunch inside "
              "the allocation, one node agent per node through srun.",
-             f"#SBATCH --nodes={spec.nodes}", f"#SBATCH --ntasks-per-node={spec.tasks_per_node}"]
+             _directive("nodes", str(spec.nodes)), _directive("ntasks-per-node", str(spec.tasks_per_node))]
     if spec.gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
-    lines += [f"#SBATCH --{name}" + ("" if value is None else f"={value}") for name, value in spec.sbatch]
-    lines.append(f"#SBATCH --chdir={spec.cwd}")
+        lines.append(_directive("gpus-per-node", str(spec.gpus_per_node)))
+    lines += [_directive(name, value) for name, value in spec.sbatch]
+    lines.append(_directive("chdir", spec.cwd))
     command = [spec.python, "-m", "dslaunch.launcher.cli", "--launcher", "slurm", *spec.launch_argv]
     lines += ["", f"cd {shlex.quote(spec.cwd)}", f"exec {shlex.join(command)}", ""]
     return "\n".join(lines)
+
+
+def _directive(name: str, value: str | None) -> str:
+    """One ``#SBATCH`` line. sbatch splits these lines at blanks, ends them at an unquoted ``#``
+    and reads quotes and backslash escapes: a value that is not a plain word goes in double quotes
+    with ``"`` and ``\\`` escaped, so that it stays one argument (``--job-name=a --uid=0`` would
+    be two). Line breaks cannot be quoted there: ``_one_line`` refuses them first."""
+    if value is None:
+        return f"#SBATCH --{name}"
+    if not _PLAIN.fullmatch(value):
+        value = '"' + re.sub(r'(["\\])', r"\\\1", value) + '"'
+    return f"#SBATCH --{name}={value}"
+
+
+def _one_line(what: str, value: str, fix: str) -> str:
+    """``value``, unless it would end its ``#SBATCH`` line (the rest would run as a command)."""
+    if not value.isprintable():
+        raise UsageError(f"{what} {quote(value)} holds a line break or another control character: in the "
+                         f"batch script it would end its #SBATCH line and run the rest as a command; {fix}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -149,24 +181,39 @@ def _spec(argv: list[str]) -> tuple[BatchSpec, argparse.Namespace]:
                          f"--wait and the launcher's options; pass other sbatch options verbatim with "
                          f"--sbatch_args '{flag} ...'") from None
     launch = _launch_argv(flat, _script_index(flat, ns.user_script, ns.user_args))
-    cfg, _ = parse_config(launch, {})  # the launcher options, checked before anything is submitted
+    # The launcher options, checked as the launcher inside the allocation will, before anything is submitted.
+    cfg, launch_ns = parse_config(launch, {})
     check_numbers(cfg)
+    restart_policy(launch_ns, requeued_by_slurm=True)
     if ns.nodes < 1:
         raise UsageError(f"--nodes {ns.nodes}: expected 1 or more nodes")
+    if ns.gpus_per_node is not None and not 0 <= ns.gpus_per_node <= MAX_SLOTS:
+        raise UsageError(f"--gpus_per_node {ns.gpus_per_node}: expected 0 to {MAX_SLOTS} GPUs per node "
+                         "(0 = none; leave it out to ask for --num_gpus where the partition has GPUs)")
     if ns.hostfile is not None or cfg.no_ssh or ns.launcher not in ("", "slurm"):
         raise UsageError("dslaunch sbatch runs the job through srun inside the allocation: leave out "
                          "--hostfile, --no_ssh and --launcher")
-    per_node = max(1, ns.num_gpus)
-    gpus = per_node if ns.gpus_per_node is None and ns.num_gpus > 0 else (ns.gpus_per_node or 0)
-    sbatch = tuple((name, getattr(ns, flag[2:]) if value else None)
+    sbatch = tuple((name, _one_line(flag, getattr(ns, flag[2:]), "give it on one line") if value else None)
                    for flag, name, value in _SBATCH_OPTIONS if getattr(ns, flag[2:]) not in (None, False))
     if ns.resume_from and ns.signal is None:  # a warning before the end: checkpoint, then requeue
         sbatch += (("signal", DEFAULT_SIGNAL),)
-    return BatchSpec(ns.nodes, per_node, gpus, sbatch, tuple(launch), os.getcwd(), sys.executable), ns
+    cwd = _one_line("the working directory", os.getcwd(), "run dslaunch sbatch from a directory whose path "
+                    "has none")
+    submit = _sbatch_command(ns.sbatch_args)
+    check_script(cfg)  # last: the flags' own mistakes come first
+    per_node = max(1, ns.num_gpus)
+    gpus = per_node if ns.gpus_per_node is None and ns.num_gpus > 0 else (ns.gpus_per_node or 0)
+    return BatchSpec(ns.nodes, per_node, gpus, sbatch, tuple(launch), cwd, sys.executable, submit), ns
 
 
-def _sbatch_command(ns: argparse.Namespace) -> list[str]:
-    return ["sbatch", "--parsable", *shlex.split(ns.sbatch_args)]
+def _sbatch_command(sbatch_args: str) -> tuple[str, ...]:
+    try:
+        extra = shlex.split(sbatch_args)
+    except ValueError as err:  # "No closing quotation", "No escaped character"
+        raise UsageError(f"--sbatch_args {quote(sbatch_args)}: {str(err).lower()}; it is split like a "
+                         "shell line: quote values with blanks, e.g. --sbatch_args \"--comment='my run'\""
+                         ) from None
+    return ("sbatch", "--parsable", *extra)
 
 
 def _submit(command: list[str], script: str) -> str:
@@ -207,11 +254,10 @@ def run(argv: list[str]) -> int:
     """
     spec, ns = _spec(argv)
     script = batch_script(spec)
-    command = _sbatch_command(ns)
     if ns.dry_run:
-        print(f"# {shlex.join(command)} < (this script)\n{script}", end="", flush=True)
+        print(f"# {shlex.join(spec.submit)} < (this script)\n{script}", end="", flush=True)
         return 0
-    job_id = _submit(command, script)
+    job_id = _submit(list(spec.submit), script)
     print(f"Submitted batch job {job_id}", flush=True)
     if not ns.wait:
         return 0

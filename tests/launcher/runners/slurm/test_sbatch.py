@@ -1,5 +1,5 @@
-"""``dslaunch sbatch --wait`` on the test SLURM: the batch script runs dslaunch in the allocation,
-and the job's exit code is the failing rank's."""
+"""``dslaunch sbatch`` on the test SLURM: the batch script runs dslaunch in the allocation, and the
+job's exit code is the failing rank's; sbatch reads each value as one argument."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ TRAIN = [str(ROOT / "scripts" / "examples" / "train.py"), "--deepspeed", "--deep
          str(ROOT / "scripts" / "examples" / "ds_config.json"), "--steps", "10"]
 
 
+def _dslaunch_sbatch(slurm, *args: str, timeout: float = 150, **env: str):
+    return slurm.run(sys.executable, "-m", "dslaunch.launcher.cli", "sbatch", *args, timeout=timeout, **env)
+
+
 def _sbatch(slurm, tmp_path: Path, *args: str, timeout: float = 150):
-    return slurm.run(sys.executable, "-m", "dslaunch.launcher.cli", "sbatch", "--nodes", "2", "--num_gpus", "2",
-                     "--gpus_per_node", "0", "--output", str(tmp_path / "job-%j.out"), "--wait", *args,
-                     timeout=timeout)
+    return _dslaunch_sbatch(slurm, "--nodes", "2", "--num_gpus", "2", "--gpus_per_node", "0", "--output",
+                            str(tmp_path / "job-%j.out"), "--wait", *args, timeout=timeout)
 
 
 def _job(run) -> str:
@@ -49,3 +52,14 @@ def test_a_failing_rank_fails_the_slurm_job_with_its_code(slurm, tmp_path):
     assert run.returncode == 9, out[-3000:]
     assert slurm.job_state(job) == ("FAILED", "9:0")
     assert re.search(r"error: rank 2 on dsl-node\d exited with code 9; stopped all other workers", out), out
+
+
+@pytest.mark.timeout(60)
+def test_sbatch_reads_each_value_as_one_argument(slurm, tmp_path):
+    # Unquoted, sbatch would split the name at blanks, cut it at '#' and read --comment as an option.
+    name = 'a "b" \\c #d --comment=INJECTED'
+    run = _dslaunch_sbatch(slurm, "--nodes", "1", "--job_name", name, "--output", str(tmp_path / "my out %j"),
+                           "--sbatch_args", "--hold", FAKE)
+    job = _job(run)
+    shown = slurm.run("squeue", "-h", "-j", job, "-O", "Name:200,Comment:50,STDOUT:300").stdout
+    assert shown.split() == [*name.split(), "(null)", *str(tmp_path / "my out %j").split()], shown
