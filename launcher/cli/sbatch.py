@@ -19,6 +19,13 @@ With ``--resume_from DIR`` the script asks for ``--signal=B:USR1@120`` (unless `
 given): dslaunch turns it into a checkpoint into DIR and, when the job may be requeued
 (``--requeue``), requeues it; the requeued job resumes from DIR (``slurm.preemption``).
 
+GPUs: ``--num_gpus G`` asks for G GPUs per node only where the partition has GPUs. Before
+submitting (and for ``--dry-run``) ``sinfo`` tells which GRES its nodes offer (``slurm.gres``); on
+a partition without ``gpu`` GRES the script asks for G tasks per node and no GPUs (the ranks then
+run on CPUs, as the local launcher does on a machine without GPUs), and a note says which it
+chose. Where SLURM cannot be asked the script asks for GPUs, and the note says so.
+``--gpus_per_node`` always wins.
+
 Every value in an ``#SBATCH`` line is written so that sbatch reads it as one argument (quoted
 when it has blanks, quotes or ``#``); a value with a line break or another control character is
 refused, as it would end the line and run the rest as a command of the batch script.
@@ -49,6 +56,7 @@ from dslaunch.launcher.cli.flags import NOT_SUPPORTED, build_parser, integer
 from dslaunch.launcher.cli.launch import check_script, parse_config, restart_policy
 from dslaunch.launcher.hostfile import MAX_SLOTS
 from dslaunch.launcher.plan import check_numbers
+from dslaunch.launcher.runners.slurm.gres import partition_gpus
 
 __all__ = ["BatchSpec", "batch_script", "run", "wait_for_job"]
 
@@ -91,6 +99,8 @@ class BatchSpec:
     python: str
     submit: tuple[str, ...] = ("sbatch", "--parsable")
     """The sbatch command that reads the script on stdin (``--sbatch_args`` included)."""
+    notes: tuple[str, ...] = ()
+    """What dslaunch chose for the user (GPUs or not), said once before submitting."""
 
 
 def batch_script(spec: BatchSpec) -> str:
@@ -202,8 +212,36 @@ def _spec(argv: list[str]) -> tuple[BatchSpec, argparse.Namespace]:
     submit = _sbatch_command(ns.sbatch_args)
     check_script(cfg)  # last: the flags' own mistakes come first
     per_node = max(1, ns.num_gpus)
-    gpus = per_node if ns.gpus_per_node is None and ns.num_gpus > 0 else (ns.gpus_per_node or 0)
-    return BatchSpec(ns.nodes, per_node, gpus, sbatch, tuple(launch), cwd, sys.executable, submit), ns
+    gpus, note = _gpus_per_node(ns, per_node)
+    return BatchSpec(ns.nodes, per_node, gpus, sbatch, tuple(launch), cwd, sys.executable, submit,
+                     (note,) if note else ()), ns
+
+
+def _gpus_per_node(ns: argparse.Namespace, per_node: int) -> tuple[int, str | None]:
+    """GPUs to ask for per node, and a note saying why when the partition decided.
+
+    ``--gpus_per_node`` wins; without ``--num_gpus`` none are asked for; else ``per_node`` where
+    the partition has GPUs (or SLURM cannot be asked), 0 where it has none.
+    """
+    if ns.gpus_per_node is not None:
+        return ns.gpus_per_node, None
+    if ns.num_gpus <= 0:
+        return 0, None
+    # sbatch itself reads SBATCH_PARTITION when --partition is not given.
+    given, source = (ns.partition, "--partition") if ns.partition else \
+        (os.environ.get("SBATCH_PARTITION") or None, "SBATCH_PARTITION")
+    try:
+        offer = partition_gpus(given, source=source)
+    except LaunchError as err:
+        return per_node, (f"cannot ask SLURM which GPUs the partition offers ({err}): the batch script "
+                          f"asks for {per_node} GPUs per node (--num_gpus); add --gpus_per_node 0 for nodes "
+                          "without GPUs")
+    name = quote(offer.partition)
+    if not offer.gpus_per_node:
+        return 0, (f"partition {name} has no GPUs (no gpu GRES on its nodes): asking for {per_node} "
+                   f"tasks per node and no GPUs, the ranks run on CPUs (--gpus_per_node N asks for GPUs)")
+    return per_node, (f"partition {name} has GPUs (up to {offer.gpus_per_node} per node): asking for "
+                      f"{per_node} GPUs per node")
 
 
 def _sbatch_command(sbatch_args: str) -> tuple[str, ...]:
@@ -254,6 +292,8 @@ def run(argv: list[str]) -> int:
     """
     spec, ns = _spec(argv)
     script = batch_script(spec)
+    for note in spec.notes:
+        print(f"dslaunch: {note}", file=sys.stderr, flush=True)
     if ns.dry_run:
         print(f"# {shlex.join(spec.submit)} < (this script)\n{script}", end="", flush=True)
         return 0

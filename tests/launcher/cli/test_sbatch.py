@@ -1,5 +1,7 @@
 """``dslaunch sbatch`` without submitting: the batch script, and options checked before sbatch runs.
-With the test SLURM: tests/launcher/runners/slurm/test_sbatch.py."""
+
+SLURM is out of reach here (``sinfo`` is not on the PATH): the GPU choice is the one made when
+SLURM cannot be asked. With the test SLURM: tests/launcher/runners/slurm/test_sbatch.py."""
 
 from __future__ import annotations
 
@@ -54,6 +56,16 @@ def test_the_batch_script_asks_for_the_nodes_and_runs_dslaunch_through_srun(tmp_
 def test_gpus_per_node_zero_asks_for_tasks_only(tmp_path):
     out = _sbatch(tmp_path, "--nodes", "1", "--num_gpus", "2", "--gpus_per_node", "0", "t.py")
     assert "#SBATCH --ntasks-per-node=2" in out.stdout and "gpus-per-node" not in out.stdout
+    assert out.stderr == ""  # nothing was asked, nothing to say
+
+
+def test_without_slurm_to_ask_the_script_asks_for_the_gpus_and_says_so(tmp_path):
+    out = _sbatch(tmp_path, "--nodes", "2", "--num_gpus", "2", "t.py")
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --gpus-per-node=2" in out.stdout
+    assert out.stderr == ("dslaunch: cannot ask SLURM which GPUs the partition offers (sinfo not found (not "
+                          "a SLURM login node)): the batch script asks for 2 GPUs per node (--num_gpus); add "
+                          "--gpus_per_node 0 for nodes without GPUs\n")
 
 
 def test_values_stay_one_argument_of_their_sbatch_line(tmp_path):
