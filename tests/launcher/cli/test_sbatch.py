@@ -38,7 +38,8 @@ def _dry(cwd: Path, *args: str) -> str:
 def test_the_batch_script_asks_for_the_nodes_and_runs_dslaunch_through_srun(tmp_path):
     text = _dry(tmp_path, "--nodes", "3", "--num_gpus", "4", "--partition", "gpu", "--time", "1:00:00",
                 "--job-name", "x y", "--requeue", "--signal", "B:USR1@90", "--sbatch_args",
-                "--qos=high --exclusive", "--hang_timeout", "60", "train.py", "--deepspeed_config", "ds.json", "--nodes", "7")
+                "--qos=high --exclusive", "--hang_timeout", "60", "train.py", "--deepspeed_config", "ds.json",
+                "--nodes", "7")
     lines = text.splitlines()
     assert lines[0] == "# sbatch --parsable --qos=high --exclusive < (this script)"
     assert lines[1] == "#!/bin/bash"
