@@ -222,6 +222,9 @@ def _gpus_per_node(ns: argparse.Namespace, per_node: int) -> tuple[int, str | No
 
     ``--gpus_per_node`` wins; without ``--num_gpus`` none are asked for; else ``per_node`` where
     the partition has GPUs (or SLURM cannot be asked), 0 where it has none.
+
+    Raises:
+        UsageError: an unknown partition, or more GPUs per node than its nodes have.
     """
     if ns.gpus_per_node is not None:
         return ns.gpus_per_node, None
@@ -240,6 +243,9 @@ def _gpus_per_node(ns: argparse.Namespace, per_node: int) -> tuple[int, str | No
     if not offer.gpus_per_node:
         return 0, (f"partition {name} has no GPUs (no gpu GRES on its nodes): asking for {per_node} "
                    f"tasks per node and no GPUs, the ranks run on CPUs (--gpus_per_node N asks for GPUs)")
+    if per_node > offer.gpus_per_node:  # SLURM would refuse: "Requested node configuration is not available"
+        raise UsageError(f"--num_gpus {per_node}: the nodes of partition {name} have at most "
+                         f"{offer.gpus_per_node} GPUs; ask for {offer.gpus_per_node} or fewer per node")
     return per_node, (f"partition {name} has GPUs (up to {offer.gpus_per_node} per node): asking for "
                       f"{per_node} GPUs per node")
 

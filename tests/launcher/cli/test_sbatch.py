@@ -19,12 +19,20 @@ from dslaunch.launcher.cli.sbatch import run
 pytestmark = pytest.mark.timeout(30)
 
 
-def _sbatch(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """``dslaunch sbatch --dry-run ARGS`` in ``cwd`` (holding train.py and t.py), without SLURM."""
+def _sbatch(cwd: Path, *args: str, sinfo: str | None = None) -> subprocess.CompletedProcess:
+    """``dslaunch sbatch --dry-run ARGS`` in ``cwd`` (holding train.py and t.py), without SLURM, or
+    with a stand-in ``sinfo`` that prints ``sinfo`` (a cluster with GPUs, which the test SLURM lacks)."""
     for name in ("train.py", "t.py"):
         (cwd / name).touch()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "SBATCH_PARTITION"}
     env["PATH"] = os.path.dirname(sys.executable)  # no sinfo: SLURM cannot be asked
+    if sinfo is not None:
+        (cwd / "bin").mkdir(exist_ok=True)
+        fake = cwd / "bin" / "sinfo"
+        fake.write_text(f'#!/bin/sh\n[ "$*" = "--noheader --all --format=%P|%G" ] || exit 9\n'
+                        f"printf '%s\\n' {shlex.join(sinfo.splitlines())}\n")
+        fake.chmod(0o755)
+        env["PATH"] = f"{cwd / 'bin'}:/bin:/usr/bin:{env['PATH']}"
     return subprocess.run([sys.executable, "-m", "dslaunch.launcher.cli", "sbatch", "--dry-run", *args],
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=20)
 
@@ -67,6 +75,29 @@ def test_without_slurm_to_ask_the_script_asks_for_the_gpus_and_says_so(tmp_path)
     assert out.stderr == ("dslaunch: cannot ask SLURM which GPUs the partition offers (sinfo not found (not "
                           "a SLURM login node)): the batch script asks for 2 GPUs per node (--num_gpus); add "
                           "--gpus_per_node 0 for nodes without GPUs\n")
+
+
+GPU_CLUSTER = "gpu*|gpu:a100:4(S:0-1)\ngpu*|gpu:h100:8(S:0-1)\ncpu|(null)\n"
+
+
+def test_a_partition_with_gpus_gets_them_and_one_without_gets_cpu_workers(tmp_path):
+    on_gpus = _sbatch(tmp_path, "--nodes", "2", "--num_gpus", "8", "t.py", sinfo=GPU_CLUSTER)
+    assert on_gpus.returncode == 0, on_gpus.stderr
+    assert "#SBATCH --gpus-per-node=8" in on_gpus.stdout.splitlines()
+    assert on_gpus.stderr == ("dslaunch: partition 'gpu' has GPUs (up to 8 per node): asking for 8 GPUs "
+                              "per node\n")
+    on_cpus = _sbatch(tmp_path, "--nodes", "2", "--num_gpus", "8", "--partition", "cpu", "t.py",
+                      sinfo=GPU_CLUSTER)
+    assert on_cpus.returncode == 0 and "gpus-per-node" not in on_cpus.stdout, on_cpus.stderr
+    assert on_cpus.stderr.startswith("dslaunch: partition 'cpu' has no GPUs (no gpu GRES on its nodes): "
+                                     "asking for 8 tasks per node and no GPUs"), on_cpus.stderr
+
+
+def test_more_gpus_than_the_partitions_nodes_have_is_one_line(tmp_path):
+    out = _sbatch(tmp_path, "--nodes", "2", "--num_gpus", "16", "t.py", sinfo=GPU_CLUSTER)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("dslaunch: error: --num_gpus 16: the nodes of partition 'gpu' have at most 8 GPUs; "
+                          "ask for 8 or fewer per node\n")
 
 
 def test_values_stay_one_argument_of_their_sbatch_line(tmp_path):
