@@ -72,7 +72,8 @@ _SBATCH_OPTIONS: tuple[tuple[str, str, bool], ...] = (
     ("--requeue", "requeue", False),
 )
 _OURS = {"--nodes": True, "--gpus_per_node": True, "--gpus-per-node": True, "--sbatch_args": True,
-         "--wait": False, "--dry-run": False, "--dry_run": False, **{flag: value for flag, _name, value in _SBATCH_OPTIONS},
+         "--wait": False, "--dry-run": False, "--dry_run": False,
+         **{flag: value for flag, _name, value in _SBATCH_OPTIONS},
          **{f"--{name}": value for _flag, name, value in _SBATCH_OPTIONS}}
 """Every sbatch-only flag (not passed on to the launcher) -> whether it takes a value."""
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
