@@ -141,7 +141,7 @@ def test_a_line_break_in_the_working_directory_is_refused(tmp_path):
     (["--nodes", "2", "--sbatch_args", "--comment='x", "t.py"],
      "--sbatch_args \"--comment='x\": no closing quotation; it is split like a shell line"),
     (["--nodes", "2", "--gpus_per_node", "-5", "t.py"], "--gpus_per_node -5: expected 0 to 4096 GPUs"),
-    (["--nodes", "2", "--max_restarts", "-1", "t.py"], "--max_restarts -1: expected 0"),  # its range, whatever its top
+    (["--nodes", "2", "--max_restarts", "-1", "t.py"], "--max_restarts -1: expected 0"),
     (["--nodes", "2", "--min_elastic_nodes", "2", "t.py"], "--min_elastic_nodes 2 is only used with"),
     (["--nodes", "2", "--num_gpus", "2", "no_such_script.py"], "user script 'no_such_script.py' not found"),
     (["--nodes", "2", "--module", "no_such_module_x", "a"], "--module: no module named 'no_such_module_x'"),
