@@ -46,7 +46,7 @@ from dslaunch.launcher.spec import JobSpec
 from dslaunch.utils.ports import free_port
 from dslaunch.utils.restart import MAX_RESTARTS
 
-__all__ = ["run", "parse_config", "restart_policy"]
+__all__ = ["run", "parse_config", "restart_policy", "check_script"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -159,8 +159,8 @@ def _core_list(text: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
-def _check_script(cfg: LaunchConfig) -> None:
-    """Local jobs: a missing script is one clear line, not N identical Python errors."""
+def check_script(cfg: LaunchConfig) -> None:
+    """Local and sbatch jobs: a missing script is one clear line, not N identical Python errors."""
     if cfg.module:
         if not _module_found(cfg.user_script):
             raise UsageError(f"--module: no module named {cfg.user_script.partition('.')[0]!r} "
@@ -194,7 +194,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
     job = plan.job
     runner = get_runner(job.launcher)()  # an unknown --launcher fails before any note is printed
     if job.launcher == "local":
-        _check_script(cfg)  # also for --dry-run: it fails like a real run would
+        check_script(cfg)  # also for --dry-run: it fails like a real run would
     for note in plan.notes:
         print(f"dslaunch: {note}", file=sys.stderr, flush=True)
     if dry_run:
