@@ -81,7 +81,9 @@ def parse_config(argv: list[str],
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
         no_ssh=ns.no_ssh, node_rank=ns.node_rank, hang_timeout=ns.hang_timeout, log_dir=ns.log_dir,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
-        max_restarts=ns.max_restarts, resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else None,
+        max_restarts=ns.max_restarts,
+        # '' stays '' (abspath would make it the cwd) for the plan to refuse
+        resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else ns.resume_from,
         max_nodes=ns.max_elastic_nodes if ns.elastic_training and ns.max_elastic_nodes > 0 else 0,
         allocation=slurm_allocation(os.environ if env is None else env),
     )

@@ -250,3 +250,43 @@ def test_cpu_offload_at_the_stages_that_have_it() -> None:
         "stage": 2, "offload_param": {"device": "cpu"}}})
     assert "did you mean 'device'" in _error({"train_batch_size": 8, "zero_optimization": {
         "stage": 2, "offload_optimizer": {"devce": "cpu"}}})
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("stage3_max_live_parametrs", "stage3_max_live_parameters"),
+    ("stage3_prefetch_bucket_sise", "stage3_prefetch_bucket_size"),
+    ("max_live_parameters_x", "stage3_max_live_parameters"),
+    ("sub_group_sizes", "sub_group_size"),
+])
+def test_a_misspelt_stage3_key_is_unknown_with_a_suggestion(key: str, suggestion: str) -> None:
+    """Any ``stage3_*`` key (and these prefixes) used to be accepted, leaving the default silently."""
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 3, key: 5}})
+    assert msg.startswith(f"'zero_optimization.{key}': unknown parameter for section 'zero_optimization' (did "
+                          f"you mean '{suggestion}'?)"), msg
+
+
+@pytest.mark.parametrize("first, second", [
+    ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+    ("stage3_max_live_parameters", "max_live_parameters"),
+    ("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"),
+    ("model_persistence_threshold", "stage3_model_persistence_threshold"),
+])
+def test_both_spellings_of_one_stage3_key_is_a_conflict_named(first: str, second: str) -> None:
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 3, first: 1, second: 2}})
+    assert msg == (f"'zero_optimization.{second}': sets the same thing as 'zero_optimization.{first}' (two "
+                   "spellings of one setting); keep one")
+
+
+def test_an_offload_key_of_the_other_section_is_refused() -> None:
+    """``offload_param.ratio`` and ``offload_optimizer.max_in_cpu`` were accepted and read by no one."""
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {
+        "device": "cpu", "ratio": 0.5}}})
+    assert msg.startswith("'zero_optimization.offload_param.ratio': is not read in this section: it is an "
+                          "offload_optimizer key") and msg.endswith("; remove it")
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/tmp", "max_in_cpu": 10}}})
+    assert msg.startswith("'zero_optimization.offload_optimizer.max_in_cpu': is not read in this section: it is "
+                          "an offload_param key")
+    zero = _ok({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 5,
+                                      "offload_param": {"device": "cpu", "max_in_cpu": 10}}}).zero_optimization
+    assert zero.offload_param.max_in_cpu == 10  # each key in its own section stays valid
