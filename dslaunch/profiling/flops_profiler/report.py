@@ -22,6 +22,8 @@ def _scaled(num: float, units: str | None, precision: int, unit: str) -> str:
         if not found:
             raise ValueError(f"units={units!r}: use one of T, G, M, K or ''")
         scale, prefix = found[0]
+    if not prefix and float(num).is_integer():  # a count under 1000: no decimals
+        return f"{int(num)} {unit}".rstrip()
     return f"{num / scale:.{precision}f} {prefix}{unit}".rstrip()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -44,7 +45,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4, seq: int = 16,
-                 impl: str = "sdpa", checkpoint: bool = False):
+                 impl: str = "sdpa", checkpoint: bool | str = False):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads, impl) for _ in range(layers))
@@ -56,7 +57,7 @@ class GPT(nn.Module):
         x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             if self.checkpoint:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
             else:
                 x = block(x)
         logits = self.head(self.ln(x))
