@@ -80,6 +80,8 @@ class ModuleStats:
 
 
 def _grad_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # the common case, without pytree's walk
+        return [value] if value.requires_grad else []
     flat, _ = tree_flatten(value)
     return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
 

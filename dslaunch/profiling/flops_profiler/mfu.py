@@ -80,7 +80,7 @@ class Throughput:
 
 
 def throughput(flops: float, seconds: float, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> Throughput:
+               dtype: torch.dtype = torch.float32, peak: Peak | None = None) -> Throughput:
     """Achieved FLOP/s of ``flops`` done in ``seconds`` on one ``device``, and its MFU.
 
     Args:
@@ -88,12 +88,14 @@ def throughput(flops: float, seconds: float, device: torch.device | str = "cpu",
         seconds: wall time they took (> 0).
         device: the device that did them (its type and, for CUDA, its name pick the peak).
         dtype: the math dtype (bf16/fp16 pick the tensor-core peak).
+        peak: the peak to use, e.g. ``peak_flops(...)`` looked up earlier, outside a timed step
+            (the first CPU lookup measures for ~0.5 s); None: look it up now.
 
     Returns:
         ``Throughput``; ``mfu`` is None where no peak is known (an unlisted GPU).
     """
     rate = flops / seconds if seconds > 0 else 0.0
-    peak = peak_flops(torch.device(device), dtype)
+    peak = peak if peak is not None else peak_flops(torch.device(device), dtype)
     return Throughput(rate, rate / peak.flops if peak is not None else None, peak)
 
 

@@ -36,7 +36,29 @@ __all__ = ["FlopsProfiler", "get_model_profile", "model_params"]
 def model_params(module: torch.nn.Module) -> int:
     """Trainable parameters of ``module`` (children's included), whole even when ZeRO-3 holds
     only a shard (``ds_numel``); a tied parameter counts once."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+    return sum(_numel(p) for p in module.parameters() if p.requires_grad)
+
+
+def _numel(p: torch.nn.Parameter) -> int:
+    return getattr(p, "ds_numel", p.numel())
+
+
+def _params_by_module(model: torch.nn.Module) -> dict[str, int]:
+    """``model_params`` of every submodule by its name, in one pass over the parameters (a tied
+    parameter counts in each module that holds it, once in a common parent)."""
+    counts = {name: 0 for name, _ in model.named_modules()}
+    seen: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue
+        path = name.split(".")[:-1]
+        owners = seen.setdefault(id(p), set())
+        for i in range(len(path) + 1):
+            prefix = ".".join(path[:i])
+            if prefix not in owners:
+                owners.add(prefix)
+                counts[prefix] = counts.get(prefix, 0) + _numel(p)
+    return counts
 
 
 def _sync_for(model: torch.nn.Module) -> Any:
@@ -100,12 +122,13 @@ class FlopsProfiler:
         """The counts so far as a ``Profile`` (the tables' input)."""
         c = self._counted()
         names = {m: name for name, m in self.model.named_modules()}
+        params = _params_by_module(self.model)
         rows = []
         for m, s in c.stats.items():
             name = names.get(m, "")
             rows.append(ModuleRow(name or type(m).__name__, type(m).__name__, name.count(".") + (name != ""),
-                                  model_params(m), s.fwd_flops, s.bwd_flops, s.own_fwd_flops, s.own_bwd_flops,
-                                  s.fwd_duration, s.calls))
+                                  params.get(name, 0), s.fwd_flops, s.bwd_flops, s.own_fwd_flops,
+                                  s.own_bwd_flops, s.fwd_duration, s.calls))
         bwd_measured = bool(c.bwd_flops)
         return Profile(tuple(rows), c.outside[0], c.outside[1], tuple(c.ops.most_common()), bwd_measured,
                        self.recompute_fwd_factor)
@@ -149,10 +172,11 @@ class FlopsProfiler:
             detailed: also print the module tree.
             output_file: write there (appending) instead of stdout.
         """
-        lines = summary_lines(self.profile(), self.timing)
+        p = self.profile()
+        lines = summary_lines(p, self.timing)
         if self.timing is None:
             lines[1] = lines[1].replace("Profile summary", f"Profile summary at step {profile_step}", 1)
-        lines += self._module_lines(module_depth, top_modules, detailed)
+        lines += aggregated_lines(p, module_depth, top_modules) + (detailed_lines(p, module_depth) if detailed else [])
         text = "\n".join(lines) + "\n"
         with open(output_file, "a", encoding="utf-8") if output_file else nullcontext(sys.stdout) as out:
             out.write(text)
@@ -160,10 +184,6 @@ class FlopsProfiler:
 
     def print_model_aggregated_profile(self, module_depth: int = -1, top_modules: int = 1) -> None:
         print("\n".join(aggregated_lines(self.profile(), module_depth, top_modules)), flush=True)
-
-    def _module_lines(self, module_depth: int, top_modules: int, detailed: bool) -> list[str]:
-        p = self.profile()
-        return aggregated_lines(p, module_depth, top_modules) + (detailed_lines(p, module_depth) if detailed else [])
 
 
 def get_model_profile(model: torch.nn.Module, input_shape: tuple[int, ...] | None = None, args: Sequence = (),
