@@ -13,9 +13,10 @@ running, cleared when the graph task ends (a module whose inputs need no gradien
 end otherwise). A module's count includes its children's (as DeepSpeed's tables); ``own`` counts
 are what ran in the module itself, so the ``own`` counts plus ``outside`` sum to the total.
 
-The formulas are torch's (``torch.utils.flop_counter.flop_registry``: mm, addmm, bmm, baddbmm,
-_scaled_mm, convolutions and their backward, the CUDA attention kernels) plus the CPU attention
-kernels it lacks. Only these count: element-wise operators (activations, norms, softmax, adds)
+The formulas: matmuls (mm, addmm, bmm, baddbmm) and the SDPA kernels' forward and backward (CPU
+flash, CUDA flash/efficient/cudnn) computed here from the shapes; the rest from torch's registry
+(``torch.utils.flop_counter.flop_registry``: _scaled_mm, convolutions and their backward, the
+varlen and nested attention kernels). Only these count: element-wise operators (activations, norms, softmax, adds)
 are not flops here, which is the convention MFU is defined on (PaLM, appendix B). Attention is
 counted as full ``T x T`` even when causal (torch's and the 12·L·H·Q·T convention). One MAC is two
 flops. Collectives and other operators pass through untouched.
@@ -36,30 +37,61 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
 __all__ = ["FlopCounter", "ModuleStats", "FORMULAS", "warm_up"]
 
 aten = torch.ops.aten
 
 
-def _sdpa_cpu(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+# The hot operators, from the tensors' shapes directly: torch's registered formulas walk every
+# argument with pytree first, which cost more than the operator itself on a small model.
+def _mm(a: Any, b: Any, *_: Any, **__: Any) -> int:
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
 
 
-def _sdpa_cpu_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None,
-                       **kwargs: Any) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+def _addmm(bias: Any, a: Any, b: Any, *_: Any, **__: Any) -> int:
+    return _mm(a, b)
 
 
-def _cpu_attention() -> dict[Any, Callable[..., int]]:
-    # The CPU flash kernels (torch >= 2.2) that torch's registry does not list.
-    ops = {"_scaled_dot_product_flash_attention_for_cpu": _sdpa_cpu,
-           "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_cpu_backward}
-    return {getattr(aten, name): f for name, f in ops.items() if hasattr(aten, name)}
+def _bmm(a: Any, b: Any, *_: Any, **__: Any) -> int:
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
 
 
-FORMULAS: dict[Any, Callable[..., int]] = {**flop_registry, **_cpu_attention()}
+def _baddbmm(bias: Any, a: Any, b: Any, *_: Any, **__: Any) -> int:
+    return _bmm(a, b)
+
+
+def _attention_sizes(q: Any, k: Any, v: Any) -> tuple[int, int, int]:
+    """(batch x query heads x query length x key length, q/k head dim, v head dim); grouped
+    key/value heads are broadcast to the query's, as the kernels do."""
+    b, h, sq, dq = q.shape
+    return b * h * sq * k.shape[-2], dq, v.shape[-1]
+
+
+def _attention(q: Any, k: Any, v: Any, *_: Any, **__: Any) -> int:
+    n, dq, dv = _attention_sizes(q, k, v)
+    return 2 * n * (dq + dv)  # Q·K^T, then P·V
+
+
+def _attention_backward(grad_out: Any, q: Any, k: Any, v: Any, *_: Any, **__: Any) -> int:
+    n, dq, dv = _attention_sizes(q, k, v)
+    # the kernel recomputes Q·K^T; dP = dO·V^T, dV = P^T·dO, dQ = dS·K, dK = dS^T·Q
+    return 2 * n * (3 * dq + 2 * dv)
+
+
+def _fast() -> dict[Any, Callable[..., int]]:
+    fast: dict[Any, Callable[..., int]] = {aten.mm: _mm, aten.addmm: _addmm, aten.bmm: _bmm,
+                                           aten.baddbmm: _baddbmm}
+    for kernel in ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention"):
+        for op, formula in ((f"_scaled_dot_product_{kernel}", _attention),
+                            (f"_scaled_dot_product_{kernel}_backward", _attention_backward)):
+            if hasattr(aten, op):  # the CPU flash kernels came with torch 2.2
+                fast[getattr(aten, op)] = formula
+    return fast
+
+
+FORMULAS: dict[Any, Callable[..., int]] = {**flop_registry, **_fast()}
 """aten operator (overload packet) -> flops, called as ``f(*args, **kwargs, out_val=out)``."""
 
 
