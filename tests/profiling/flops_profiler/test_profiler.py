@@ -75,3 +75,19 @@ def test_deepspeeds_import_path_is_this_module() -> None:
     from dslaunch.profiling.flops_profiler import flops_to_string, number_to_string
 
     assert number_to_string(12_345_678) == "12.35 M" and flops_to_string(2e12, units="G") == "2000.00 GFLOPs"
+
+
+def test_deepspeeds_module_path_resolves_to_it() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    probe = ("import deepspeed, dslaunch.profiling.flops_profiler as ours\n"
+             "from deepspeed.profiling.flops_profiler import FlopsProfiler, get_model_profile\n"
+             "import deepspeed.profiling.flops_profiler.profiler as prof\n"
+             "assert FlopsProfiler is ours.FlopsProfiler and prof is ours.profiler\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "compat" / "deepspeed"), str(root)])}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
