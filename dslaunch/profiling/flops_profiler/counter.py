@@ -215,9 +215,9 @@ class FlopCounter(TorchDispatchMode):
     # ----- operators -----------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        formula = FORMULAS.get(func._overloadpacket)
+        formula = FORMULAS.get(func.overloadpacket)
         if formula is not None and not self._ignoring:
-            self._add(str(func._overloadpacket), formula(*args, **(kwargs or {}), out_val=out))
+            self._add(str(func.overloadpacket), formula(*args, **(kwargs or {}), out_val=out))
         return out
 
     def _add(self, op: str, flops: int) -> None:

@@ -96,3 +96,24 @@ def test_a_pipelines_model_flops_are_summed_over_its_stages(tmp_path) -> None:
         assert (flops, n) == (per_stage[rank], params[rank])
         assert (model_flops, model_params) == (sum(per_stage), sum(params))
     assert "model parallel size:" in open(out).read()
+
+
+def _not_reached(rank: int, world: int, out: str) -> list:
+    import torch
+
+    import dslaunch
+
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    off, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 1), config=base)
+    cfg = {**base, "flops_profiler": {"enabled": True, "profile_step": 5, "output_file": out}}
+    engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 1), config=cfg)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+    return [off.flops_profiler is None, engine.flops_profiler.last is None, engine.flops_profiler.counter is None]
+
+
+def test_nothing_is_counted_before_profile_step_or_when_off(tmp_path) -> None:
+    out = tmp_path / "flops.txt"
+    assert run_world(_not_reached, 1, str(out)) == [[True, True, True]]
+    assert not out.exists()
