@@ -145,7 +145,8 @@ class FlopCounter(TorchDispatchMode):
         sync: called around each module's forward for its time (``torch.cuda.synchronize`` on a
             GPU; None on a CPU).
 
-    Use ``start()`` / ``stop()`` (or ``with``); ``stats``, ``outside`` and ``ops`` hold the counts.
+    Use ``start()`` / ``stop()`` (``pause()`` / ``resume()`` between: the hooks stay, operators are
+    not seen); ``stats``, ``outside`` and ``ops`` hold the counts.
     """
 
     def __init__(self, model: torch.nn.Module, ignore: Iterable[type] = (),
