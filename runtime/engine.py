@@ -86,6 +86,12 @@ class DeepSpeedEngine(torch.nn.Module):
             events.add(ProgressLine(config.steps_per_print, self.global_rank, breakdown))
         if self._heartbeat is not None:
             events.add(HeartbeatSender(self._heartbeat))
+        self.flops_profiler = None  # DeepSpeed's attribute: the FlopsProfiler of the profiled step
+        if config.flops_profiler.enabled:
+            # Imported only when on: torch's flop formulas and dispatch-mode machinery are not free.
+            from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
+
+            self.flops_profiler = events.add(FlopsProfilerObserver(self, config.flops_profiler)).profiler
         save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         if save_dir is not None:
             events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))

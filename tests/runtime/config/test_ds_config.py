@@ -70,7 +70,7 @@ def test_auto_says_what_to_put_there() -> None:
 
 def test_unimplemented_keys_are_reported_not_ignored() -> None:
     assert "not implemented" in _error({"train_batch_size": 8, "tensorboard": {"enabled": True}})
-    assert "not implemented" in _error({"train_batch_size": 8, "flops_profiler": {"enabled": True}})
+    assert "not implemented" in _error({"train_batch_size": 8, "comms_logger": {"enabled": True}})
     # partial offload is implemented now (stage 3, tests/runtime/zero/test_offload_ratio.py)
     zero = load_config({"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, 2).zero_optimization
@@ -183,7 +183,7 @@ def test_sections_at_their_off_values_are_accepted() -> None:
      {"layer_reduction": {"enabled": True}}, {"layer_reduction": {"enabled": False}}),
     ("sparse_attention", {"mode": "fixed"}, None), ("curriculum_learning", {"enabled": True}, {"enabled": False}),
     ("data_efficiency", {"enabled": True}, {"enabled": False}),
-    ("autotuning", {"enabled": True}, {"enabled": False}), ("flops_profiler", {"enabled": True}, {}),
+    ("autotuning", {"enabled": True}, {"enabled": False}), ("comms_logger", {"enabled": True}, {}),
     ("tensorboard", {"enabled": True}, {"enabled": False}), ("wandb", {"enabled": True}, {"enabled": False}),
     ("csv_monitor", {"enabled": True}, {}), ("comet", {"enabled": True}, {"enabled": False}),
     ("activation_checkpointing", {"cpu_checkpointing": True}, {"cpu_checkpointing": False}),
