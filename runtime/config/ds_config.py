@@ -21,6 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.monitor.config import (
+    CometConfig,
+    CSVConfig,
+    DeepSpeedMonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+    check_packages,
+)
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.monitor import MonitorConfig
@@ -53,7 +61,9 @@ _SOURCE_TYPES = (str, os.PathLike, Mapping)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
-             "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig}
+             "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig,
+             "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
+             "comet": CometConfig}
 
 
 def _steps_per_print(path: str, value: Any) -> int | None:
@@ -105,12 +115,21 @@ class DeepSpeedConfig:
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = field(default_factory=CSVConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
     source: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (a dict or the file's content): DeepSpeed's ``engine.config``."""
+
+    @property
+    def monitor_config(self) -> DeepSpeedMonitorConfig:
+        """DeepSpeed's name for the four monitor blocks together (``MonitorMaster`` takes it)."""
+        return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
 
 def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
@@ -266,6 +285,7 @@ def _validate_typed(values: dict[str, Any]) -> None:
 
 
 def _cross_check(cfg: DeepSpeedConfig) -> None:
+    check_packages(cfg.monitor_config)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization
