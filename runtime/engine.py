@@ -84,6 +84,10 @@ class DeepSpeedEngine(torch.nn.Module):
         self._loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
         self._heartbeat = reporter()  # None outside dslaunch
+        if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
+            from dslaunch import comm
+
+            comm.configure(config)
         self.events, self.timers = self._observers(config)
 
     def _observers(self, config: DeepSpeedConfig) -> tuple[Events, Any]:

@@ -29,6 +29,7 @@ from dslaunch.monitor.config import (
     WandbConfig,
     check_packages,
 )
+from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.monitor import MonitorConfig
@@ -63,7 +64,7 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
              "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig,
              "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
-             "comet": CometConfig}
+             "comet": CometConfig, "comms_logger": CommsLoggerConfig}
 
 
 def _steps_per_print(path: str, value: Any) -> int | None:
@@ -119,6 +120,7 @@ class DeepSpeedConfig:
     csv_monitor: CSVConfig = field(default_factory=CSVConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     comet: CometConfig = field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
