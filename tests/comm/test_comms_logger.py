@@ -48,7 +48,7 @@ def _plain(summary: dict) -> dict:
 
 def test_engine_and_user_collectives_are_counted_and_printed_as_deepspeeds_table() -> None:
     got = run_world(_train, 2, {"enabled": True}, 3)
-    for rank, g in enumerate(got):
+    for g in got:
         engine = g["engine"]
         assert set(engine) >= {"all_reduce", "broadcast"}  # the reducer's buckets, the publisher's shards
         reduced = sum(size * e["count"] for size, e in engine["all_reduce"].items())
