@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
-from dslaunch.monitor.config import (
+from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
+from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
+from dslaunch.runtime.config.file import check_shape, read_config_file
+from dslaunch.runtime.config.monitor import MonitorConfig
+from dslaunch.runtime.config.monitors import (
     CometConfig,
     CSVConfig,
     DeepSpeedMonitorConfig,
@@ -29,10 +33,6 @@ from dslaunch.monitor.config import (
     WandbConfig,
     check_packages,
 )
-from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
-from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
-from dslaunch.runtime.config.file import check_shape, read_config_file
-from dslaunch.runtime.config.monitor import MonitorConfig
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
