@@ -105,17 +105,26 @@ _ELAPSED = {"forward": ("forward",), "backward": ("backward", "allreduce"), "bac
             "backward_allreduce": ("allreduce",), "step": ("step",)}
 
 
-def _peak_memory_mib(device: Any) -> float:
-    """The device's peak allocated memory since the last call (CUDA), else this process's peak RSS."""
-    import torch
+class _PeakRss:
+    """This process's peak RSS in MiB, read when written (on the monitors' thread: it is process-wide)."""
 
+    __slots__ = ()
+
+    def __float__(self) -> float:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _peak_memory_mib(device: Any) -> Any:
+    """The device's peak allocated memory since the last call (CUDA), else this process's peak RSS."""
     if getattr(device, "type", None) == "cuda":
+        import torch
+
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         return peak / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return _PeakRss()
 
 
 class MonitorEvents(Observer):

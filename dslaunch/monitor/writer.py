@@ -1,8 +1,10 @@
 """One background thread that writes a monitor's events, so the training thread only enqueues.
 
 ``BackgroundWriter(write, flush)`` calls ``write(batch)`` for each ``put(batch)`` in order on its own
-daemon thread, and ``flush()`` whenever the queue runs empty (so a killed run loses at most what
-was still queued). A failing write (disk full, a service gone) prints one warning line and stops
+daemon thread, then ``flush()``. The thread wakes at most once per ``interval`` seconds and writes
+everything queued by then: a put never hands the GIL to a thread that would write at once, and
+files are flushed once per interval, not per step (a killed run loses at most the last interval's
+events). ``flush()`` and ``close()`` on the writer wait for what was queued before them. A failing write (disk full, a service gone) prints one warning line and stops
 the writer: monitoring must never stop training.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,10 +29,12 @@ class BackgroundWriter:
         write: called with each batch (on the writer thread).
         flush: called when the queue is empty after a write, and by ``flush()``.
         name: the thread's name (and the warning's prefix).
+        interval: seconds the thread sleeps after waking, to collect what the run queues meanwhile.
     """
 
-    def __init__(self, write: Callable[[Any], None], flush: Callable[[], None], name: str = "dslaunch-monitor"):
-        self._write, self._flush, self.name = write, flush, name
+    def __init__(self, write: Callable[[Any], None], flush: Callable[[], None], name: str = "dslaunch-monitor",
+                 interval: float = 0.5):
+        self._write, self._flush, self.name, self.interval = write, flush, name, interval
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.failed: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -56,18 +61,23 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is _STOP:
-                self._guarded(self._flush)
-                return
-            if isinstance(item, threading.Event):
-                self._guarded(self._flush)
-                item.set()
-                continue
-            if self.failed is None:
-                self._guarded(self._write, item)
-            if self._queue.empty():
-                self._guarded(self._flush)
+            items = [self._queue.get()]
+            time.sleep(self.interval)  # not a timed get: each put would wake it
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is _STOP:
+                    self._guarded(self._flush)
+                    return
+                if isinstance(item, threading.Event):
+                    self._guarded(self._flush)
+                    item.set()
+                elif self.failed is None:
+                    self._guarded(self._write, item)
+            self._guarded(self._flush)
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         if self.failed is not None:
