@@ -55,17 +55,17 @@ def _engine(out: str, comms: bool = False):
 
 
 class _Clocked:
-    """Wraps a callable and sums the time spent in it."""
+    """Wraps a callable and sums the CPU time this thread spends in it (not waits for the GIL)."""
 
     def __init__(self, fn):
         self.fn, self.seconds = fn, 0.0
 
     def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t0
+            self.seconds += time.thread_time() - t0
 
 
 def _steps(engine, x: torch.Tensor, n: int) -> list[float]:
@@ -212,7 +212,8 @@ def _markdown(mon: dict, comms: dict) -> str:
              "ZeRO-2, a 4 x Linear(512, 512) MLP (fp32), batch 64, one thread; blocks alternate the monitor "
              "observer attached and detached. overhead = median over adjacent block pairs of on/off - 1; "
              "CPU bound = the monitors' own CPU time (the observer and the token hook on the training "
-             "thread, the writer thread's CPU clock) over the 'on' time: the most they can take.\n",
+             "thread's CPU clock, the writer thread's CPU clock) over the 'on' time: the most they can "
+             "take.\n",
              "| steps each | ms off | ms on | overhead (IQR) | training thread per step | writer CPU per step "
              "| CPU bound | files |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -225,6 +226,9 @@ def _markdown(mon: dict, comms: dict) -> str:
              f"{comms['per_step']:.1f} collectives in {comms['step_ms']:.1f} ms: "
              f"{100 * comms['off_share']:.4f}% of the step. A 4 KiB gloo all-reduce on 1 rank: "
              f"{comms['allreduce_us_off']:.1f} us with the logger off, {comms['allreduce_us_on']:.1f} us on.",
+             "",
+             f"Load average (1 min) at the end of the run: {comms['load']:.1f} on 2 cores (other developers' "
+             "jobs): the step times are inflated and noisy accordingly.",
              "",
              f"Target: monitors < 1% of step time: {'met' if mon['cpu_bound'] < 0.01 else 'NOT met'} by the CPU "
              "bound. The on/off timing difference on this shared 2-core machine is noise of a few % either "
