@@ -19,6 +19,7 @@ from typing import Any
 from dslaunch.runtime import preempt
 from dslaunch.runtime.events import PHASES, Observer, StepRecord
 from dslaunch.runtime.timers import Timers
+from dslaunch.utils.restart import restart_count
 
 __all__ = ["WallClockBreakdown", "ProgressLine", "HeartbeatSender", "PreemptionCheck", "MonitorEvents"]
 
@@ -134,7 +135,9 @@ class MonitorEvents(Observer):
     ``lr`` (first param group), ``loss_scale`` (fp16) and, with ``breakdown``, ``elapsed_time_ms_``
     ``forward``/``backward``/``backward_inner``/``backward_allreduce``/``step`` (this step's ms).
     Added by dslaunch: ``grad_norm`` (where computed), ``samples_per_sec``, ``tokens_per_sec`` (when
-    ``count_tokens`` saw integer inputs of 2+ dims: token ids) and ``peak_memory_MiB``.
+    ``count_tokens`` saw integer inputs of 2+ dims: token ids) and ``peak_memory_MiB``; and, when the
+    run resumed from a checkpoint or is a restart, the text ``Run/resume`` at the samples it resumed
+    from (a marker where the curve continues).
     """
 
     def __init__(self, monitor: Any, batch_size: int, dp_world_size: int, fp16: bool, device: Any,
@@ -158,9 +161,13 @@ class MonitorEvents(Observer):
 
     def on_step(self, record: StepRecord) -> None:
         now, x = self.clock(), record.samples
-        if self._last is None:
-            self.monitor.start_at(x - self.batch_size)
         events: list[tuple[str, Any, int]] = []
+        if self._last is None:
+            resumed_at = x - self.batch_size
+            self.monitor.start_at(resumed_at)
+            if resumed_at > 0 or restart_count() > 0:
+                events.append(("Run/resume", f"resumed at step {record.step - 1} ({resumed_at} samples), "
+                                             f"restart {restart_count()}", resumed_at))
         if record.window_losses:
             events.append(("Train/Samples/train_loss", _MeanLoss(record.window_losses), x))
         events.append(("Train/Samples/lr", record.lr[0], x))

@@ -122,6 +122,15 @@ def test_tensorboard_and_csv_read_as_one_run_across_a_kill_and_a_resume(tmp_path
     by_x = {int(r[0]): float(r[1]) for r in _csv(f"{run}/Train_Samples_loss_scale.csv")[1:]}
     assert [by_x[s["samples"]] for s in resumed] == [s["scale"] for s in resumed]
     assert "Train/Samples/tokens_per_sec" in scalars  # token ids of shape (batch, 6)
+    # where the curve continues: a text marker at the checkpoint's samples, in both files
+    assert _csv(f"{run}/Run_resume.csv") == [["step", "resume"], ["8", "resumed at step 4 (8 samples), restart 0"]]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run)
+    acc.Reload()
+    marks = acc.Tensors("Run/resume/text_summary")
+    assert [(m.step, m.tensor_proto.string_val[0].decode()) for m in marks] == [
+        (8, "resumed at step 4 (8 samples), restart 0")]
 
 
 def _accumulating(rank: int, world: int, out: str) -> dict:
