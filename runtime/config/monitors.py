@@ -34,8 +34,8 @@ def _name(path: str, value: object) -> str:
 
 
 @dataclass(frozen=True)
-class TensorBoardConfig:
-    """``tensorboard``: event files under ``output_path/job_name/`` (rank 0)."""
+class _FilesConfig:
+    """A monitor that writes files under ``output_path/job_name/`` (rank 0)."""
 
     enabled: bool = _opt(False, boolean, "true or false")
     output_path: str = _opt("", _string, "a directory (\"\": the working directory)")
@@ -45,14 +45,13 @@ class TensorBoardConfig:
 
 
 @dataclass(frozen=True)
-class CSVConfig:
-    """``csv_monitor``: one CSV file per metric under ``output_path/job_name/`` (rank 0)."""
+class TensorBoardConfig(_FilesConfig):
+    """``tensorboard``: TensorBoard event files under ``output_path/job_name/``."""
 
-    enabled: bool = _opt(False, boolean, "true or false")
-    output_path: str = _opt("", _string, "a directory (\"\": the working directory)")
-    job_name: str = _opt("DeepSpeedJobName", _name, "a directory name for this run, e.g. \"gpt_lr3e-4\"")
 
-    UNIMPLEMENTED = {}  # noqa: RUF012
+@dataclass(frozen=True)
+class CSVConfig(_FilesConfig):
+    """``csv_monitor``: one CSV file per metric under ``output_path/job_name/``."""
 
 
 @dataclass(frozen=True)

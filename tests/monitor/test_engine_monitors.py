@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from tests.distributed import _CTX, run_world
+from tests.monitor.training import train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,17 +30,7 @@ def _config(out: str) -> dict:
 
 
 def _train(engine, steps: int, rank: int, world: int) -> list[dict]:
-    from tests.runtime.models import batches
-
-    seen = []
-    for tokens, labels in batches(steps, 2 * world, seed=engine.global_steps + 1):
-        mine = slice(2 * rank, 2 * rank + 2)
-        loss = engine(tokens[mine], labels[mine])
-        engine.backward(loss)
-        engine.step()
-        seen.append({"samples": engine.global_samples, "loss": loss.item(), "lr": engine.get_lr()[0],
-                     "scale": engine.loss_scale()})
-    return seen
+    return train(engine, steps, rank, world, seed=engine.global_steps + 1)
 
 
 def _killed_after_checkpoint(out: str, ckpt: str) -> None:
@@ -135,19 +126,13 @@ def test_tensorboard_and_csv_read_as_one_run_across_a_kill_and_a_resume(tmp_path
 
 def _accumulating(rank: int, world: int, out: str) -> dict:
     import dslaunch
-    from tests.runtime.models import batches, make_model
+    from tests.runtime.models import make_model
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "steps_per_print": 1000,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "csv_monitor": {"enabled": True, "output_path": out, "job_name": f"rank{rank}"}}
     engine, *_ = dslaunch.initialize(model=make_model(), config=cfg)
-    losses = []
-    for tokens, labels in batches(6, 2 * world):
-        mine = slice(2 * rank, 2 * rank + 2)
-        loss = engine(tokens[mine], labels[mine])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = [s["loss"] for s in train(engine, 6, rank, world)]
     engine.monitor.flush()
     return {"losses": losses}
 

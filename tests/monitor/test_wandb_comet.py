@@ -12,6 +12,7 @@ import zipfile
 import pytest
 
 from tests.distributed import run_world
+from tests.monitor.training import train
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,20 +23,14 @@ def _offline_run(rank: int, world: int, out: str) -> list[dict]:
                       COMET_LOGGING_CONSOLE="error")
     os.chdir(out)  # comet_ml and wandb write their logs to the working directory
     import dslaunch
-    from tests.runtime.models import batches, make_model
+    from tests.runtime.models import make_model
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "wandb": {"enabled": True, "project": "dslaunch-test", "group": "g"},
            "comet": {"enabled": True, "project": "dslaunch-test", "online": False, "samples_log_interval": 8}}
     engine, *_ = dslaunch.initialize(model=make_model(), config=cfg)
-    seen = []
-    for tokens, labels in batches(4, 2 * world):
-        mine = slice(2 * rank, 2 * rank + 2)
-        loss = engine(tokens[mine], labels[mine])
-        engine.backward(loss)
-        engine.step()
-        seen.append({"samples": engine.global_samples, "loss": loss.item(), "lr": engine.get_lr()[0]})
+    seen = train(engine, 4, rank, world)
     engine.monitor.close()  # wandb.finish, experiment.end
     return seen
 
