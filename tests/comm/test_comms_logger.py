@@ -105,3 +105,35 @@ def test_prof_ops_picks_operations_and_debug_names_the_caller() -> None:
     gathered = rows["all_gather_into_tensor | [Caller Func: _only_ops]"][32]
     # 32 bytes from each of 2 ranks: algbw counts the 64 bytes every rank ends with, busbw half of them
     assert gathered["count"] == 1 and gathered["busbw"] == pytest.approx(gathered["algbw"] / 2)
+
+
+def _late_source(rank: int, world: int) -> dict:
+    import time
+
+    import torch
+
+    from dslaunch import comm, init_distributed
+
+    init_distributed()
+    comm.configure(enabled=True, verbose=True)
+    t = torch.zeros(4)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if rank == 0:
+            time.sleep(0.3)  # the source issues its part late
+        start = time.perf_counter()
+        work = comm.broadcast(t, src=0, async_op=True)
+        issued_s = time.perf_counter() - start
+        work.wait()
+        time.sleep(0.05)  # the completion callback runs on gloo's thread
+    rows = _plain(comm.comms_logger.summary())
+    comm.configure(enabled=False)
+    return {"issued_s": issued_s, "latency_ms": rows["broadcast"][16]["total_latency"], "printed": out.getvalue()}
+
+
+def test_an_async_collective_is_timed_to_its_completion_not_its_launch() -> None:
+    got = run_world(_late_source, 2)
+    late = got[1]  # rank 1 issued at once and waited ~0.3 s for rank 0's data
+    assert late["issued_s"] < 0.1 and late["latency_ms"] > 200
+    assert got[0]["printed"].startswith("rank=0 | comm op: broadcast | time (ms): ")  # verbose: rank 0 prints
+    assert got[1]["printed"] == ""
