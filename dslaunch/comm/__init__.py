@@ -5,6 +5,9 @@ Thin over ``torch.distributed``: the same functions with DeepSpeed's extra keywo
 and ignored. ``init_distributed`` is the engine's (``dslaunch.runtime.dist``): gloo without GPUs,
 nccl with them, the timeout always explicit.
 
+Every collective runs marked as a wait on the peers (``runtime.heartbeat.waiting``): on a hang, a
+rank in one of them is not the rank the others wait for.
+
 Unlike DeepSpeed, the queries work whenever ``torch.distributed`` is initialised, also by the
 script itself (DeepSpeed asserts unless its own ``init_distributed`` ran); before that,
 ``get_rank``/``get_world_size`` raise ``UsageError`` naming the call to make.
@@ -22,6 +25,7 @@ from torch.distributed import ProcessGroup, ReduceOp, Work
 
 from dslaunch.errors import UsageError
 from dslaunch.runtime.dist import init_distributed
+from dslaunch.runtime.heartbeat import waiting
 
 __all__ = [
     "ReduceOp", "ProcessGroup", "Work", "init_distributed", "is_initialized", "is_available",
@@ -37,13 +41,15 @@ _PROFILING_KWARGS = ("prof", "log_name", "debug")
 
 
 def _collective(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` taking (and dropping) DeepSpeed's comms-logger keyword arguments."""
+    """``fn`` taking (and dropping) DeepSpeed's comms-logger keyword arguments, marked as a wait."""
+    name = fn.__name__
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         for key in _PROFILING_KWARGS:
             kwargs.pop(key, None)
-        return fn(*args, **kwargs)
+        with waiting(name):
+            return fn(*args, **kwargs)
 
     return call
 

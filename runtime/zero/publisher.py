@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.flat import FlatGroup
 
 __all__ = ["ShardPublisher"]
@@ -45,6 +46,5 @@ class ShardPublisher:
             self.wait()
 
     def wait(self) -> None:
-        for w in self._works:
-            w.wait()
+        wait_all(self._works, "parameter publish (broadcast)")
         self._works.clear()
