@@ -125,7 +125,7 @@ class Health:
         filters = (
             lambda r: bool(stacks.get(r, {}).get("stopped")),
             lambda r: self.silent(r, now),
-            lambda r: not self.waiting(r, stacks.get(r, {}).get("stack")),
+            lambda r: not self.waiting(r, stacks.get(r, {}), now),
         )
         for keep in filters:
             narrowed = [r for r in suspects if keep(r)]
@@ -133,10 +133,18 @@ class Health:
                 suspects = narrowed
         return sorted(suspects)
 
-    def waiting(self, rank: int, stack: str | None) -> bool:
-        """Whether ``rank`` waits for its peers (see the module docstring); ``stack``: its dump."""
+    def waiting(self, rank: int, dump: Mapping, now: float | None = None) -> bool:
+        """Whether ``rank`` waits for its peers (see the module docstring); ``dump``: its node's
+        answer to the stack request (``{"stopped": bool, "stack": text or None}``)."""
+        return self.wait_of(rank, dump, now) is not None or _in_collective(dump.get("stack"))
+
+    def wait_of(self, rank: int, dump: Mapping, now: float | None = None) -> tuple[str, float] | None:
+        """The marked wait ``rank``'s beats say it is in (name, seconds), when they are current:
+        not for a rank found stopped or silent (its last beat may predate where it stopped)."""
         beat = self.ranks[rank].beat
-        return (beat is not None and beat.waiting is not None) or _in_collective(stack)
+        if beat is None or beat.waiting is None or dump.get("stopped") or self.silent(rank, now):
+            return None
+        return beat.waiting, beat.waiting_s or 0.0
 
     def summary(self, now: float | None = None) -> dict:
         """The job's progress now, for the status line and the periodic event.

@@ -108,12 +108,11 @@ class JobMonitor:
             info = stacks.get(rank, {})
             text = info.get("stack")
             path = self.events.write_file(f"stacks-rank{rank}.txt", text) if text else None
-            beat = h.beat
+            wait = self.health.wait_of(rank, info)
             ranks[str(rank)] = {"host": h.host, "step": h.step, "stopped": bool(info.get("stopped")),
                                 "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path,
-                                "via": info.get("via"), "waiting": self.health.waiting(rank, text),
-                                "waiting_in": beat.waiting if beat else None,
-                                "waiting_s": beat.waiting_s if beat else None}
+                                "via": info.get("via"), "waiting": self.health.waiting(rank, info),
+                                "waiting_in": wait[0] if wait else None, "waiting_s": wait[1] if wait else None}
         if missing := {r: stacks.get(r, {}).get("why") or "no answer from its node"
                        for r in sorted(self.health.ranks) if not stacks.get(r, {}).get("stack")}:
             why = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
@@ -121,7 +120,8 @@ class JobMonitor:
         self.events.emit("stacks", behind=behind, stalled=sorted(stalled), ranks=ranks,
                          hang_timeout=self.health.hang_timeout)
         first = self.health.ranks[behind[0]]
-        allowed, why = self.health.allowance(first.rank)
+        # The allowance that ran out: the blamed rank's may be longer (no step of it heard yet)
+        allowed, why = self.health.allowance(first.rank if first.rank in stalled else min(stalled))
         failure = NodeResult(self.job.nodes[first.node].node_rank, first.host, HANG_EXIT_CODE, rank=first.rank,
                              cause="hang", step=first.step, failed_at=first.progressed_wall,
                              message=f"no progress for {allowed:g} s: {why}")

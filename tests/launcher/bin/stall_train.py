@@ -32,6 +32,7 @@ def stall(how: str) -> None:
         os.read(r, 1)
     elif how == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)  # the monitor resumes it (SIGCONT) to take its stack, then kills it
     raise SystemExit(f"unknown STALL_HOW {how!r}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -38,7 +39,8 @@ def test_the_rank_stalled_in_its_own_code_is_blamed_not_the_rank_waiting_for_it(
                       "--log_dir", str(tmp_path / "logs"), STALL], tag=tag, timeout=120, ZERO=zero,
                      OFFLOAD=offload, STALL_RANK="1", STALL_AT="3", STALL_HOW=how)
     assert r.returncode == 124, r.stderr
-    assert "rank 1 on localhost hung at step 3 (" in r.stderr, r.stderr
+    # (a stopped rank's last step may not have gone out: beats are sent at most twice a second)
+    assert re.search(r"rank 1 on localhost hung( at step [0-3])? \(", r.stderr), r.stderr
     assert "(no progress for 4 s: --hang_timeout)" in r.stderr, r.stderr
     assert "rank 0 waited for it in " in r.stderr, r.stderr
     event = _stacks_event(tmp_path)

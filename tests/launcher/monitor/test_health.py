@@ -91,7 +91,10 @@ def test_a_rank_waiting_in_a_collective_the_engine_marked_is_not_blamed_whatever
     h.update({0: Beat(0, 1, 3, waiting="all_reduce of gradients", waiting_s=4.5), 1: Beat(1, 1, 3)}, now=0.0)
     stacks = {0: {"stopped": False, "stack": ENGINE_WAIT}, 1: {"stopped": False, "stack": COMPUTING}}
     assert h.behind(stacks, now=1.0) == [1]
-    assert h.waiting(0, ENGINE_WAIT) and not h.waiting(1, COMPUTING)
+    assert h.waiting(0, stacks[0], now=1.0) and not h.waiting(1, stacks[1], now=1.0)
+    # A stopped or silent rank's last beat may predate where it stopped: its stack tells.
+    assert not h.waiting(0, {"stopped": True, "stack": ENGINE_WAIT}, now=1.0)
+    assert not h.waiting(0, stacks[0], now=SILENT_AFTER_S + 1)
     # A collective the script calls on torch.distributed itself is not marked: its stack tells.
     h.update({0: Beat(0, 2, 3)}, now=1.0)
     assert h.behind({0: {"stack": WAITING}, 1: {"stack": COMPUTING}}, now=1.0) == [1]

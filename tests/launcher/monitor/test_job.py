@@ -38,12 +38,12 @@ class BeatingNode(NodeHandle):
         return self._stacks
 
 
-def _report(beats: dict[int, Beat], hang_timeout: float = 5.0) -> str:
+def _report(beats: dict[int, Beat], stalled: list[int] | None = None, hang_timeout: float = 5.0) -> str:
     node = BeatingNode(beats, {r: {"stopped": False, "stack": None} for r in beats})
     job = JobSpec((node.node,), "127.0.0.1", 29500, len(beats), monitor=MonitorSpec(hang_timeout))
     monitor = JobMonitor(job, EventLog(None))
     monitor.observe([node])
-    failure, _ = monitor.diagnose_hang([node], sorted(beats))
+    failure, _ = monitor.diagnose_hang([node], sorted(beats) if stalled is None else stalled)
     details = monitor.finish(GangResult(HANG_EXIT_CODE, failure), [], None)
     return f"{failure.describe()}; {details}"
 
@@ -61,3 +61,11 @@ def test_a_hang_between_steps_names_the_hang_timeout():
     text = _report({0: Beat(0, 1, 3, waiting="all_reduce of gradients", waiting_s=5.2), 1: Beat(1, 1, 3)})
     assert text == ("rank 1 on node0 hung at step 3 (no progress for 5 s: --hang_timeout); "
                     "rank 0 waited for it in all_reduce of gradients"), text
+
+
+def test_the_allowance_named_is_the_one_that_ran_out_not_the_blamed_rank_s_longer_one():
+    # Rank 1 stopped before its first step's beat went out: it is blamed (lowest step), but the
+    # timeout that fired is rank 0's --hang_timeout, not the first step's 60 s.
+    text = _report({0: Beat(0, 1, 3, waiting="all_reduce of gradients", waiting_s=5.2), 1: Beat(1, 1, None)},
+                   stalled=[0])
+    assert text.startswith("rank 1 on node0 hung (no progress for 5 s: --hang_timeout)"), text
