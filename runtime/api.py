@@ -37,7 +37,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         training_data: a ``torch.utils.data.Dataset``; a distributed loader is returned for it.
         lr_scheduler: a scheduler object or a callable ``optimizer -> scheduler``.
         distributed_port: MASTER_PORT when the environment does not set one.
-        mpu: model-parallel unit; not supported (must be None).
+        mpu: a Megatron-style model-parallel unit (``get_data_parallel_group/rank/world_size``,
+            ``get_model_parallel_group/rank/world_size``; a ``pipe.topology.PipelineParallelGrid``
+            is one), built on an initialised torch.distributed: the batch sizes, the loader and
+            ZeRO use its data-parallel group, the gradient norm is agreed over its model-parallel
+            group. None: every rank is a data-parallel peer.
         dist_init_required: False never initialises torch.distributed; None does so if needed.
         collate_fn: passed to the training data loader.
         config / config_params: the ds_config (dict or JSON/YAML path).
@@ -56,8 +60,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     install_excepthook()  # a config mistake reads as one line in the worker's output
     if model is None:
         raise ConfigError("initialize() needs model=<torch.nn.Module>")
-    if mpu is not None:
-        raise ConfigError("model parallelism (mpu=) is not implemented by dslaunch yet")
     source = _config_source(args, config if config is not None else config_params)
     # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
     will_init = not dist.is_initialized() and dist_init_required is not False
@@ -65,6 +67,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         os.environ.update(slurm_env(os.environ))  # a task srun started: the world size is SLURM's
     world = (dist.get_world_size() if dist.is_initialized()
              else int(os.environ.get("WORLD_SIZE", "1")) if will_init else 1)
+    if mpu is not None:
+        world = _checked_mpu(mpu).get_data_parallel_world_size()  # the batch is split over replicas
     cfg = load_config(source, world)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                      verbose=False, config=cfg)
@@ -72,12 +76,28 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     engine = DeepSpeedEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler,
-                             collate_fn=collate_fn)
+                             collate_fn=collate_fn, mpu=mpu)
     register_clean_exit(engine)
     resume = resume_dir()
     if resume is not None:  # a restarted run of a job launched with --resume_from
         engine.load_checkpoint(resume)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+_MPU_METHODS = tuple(f"get_{axis}_parallel_{what}" for axis in ("data", "model")
+                     for what in ("group", "rank", "world_size"))
+
+
+def _checked_mpu(mpu: Any) -> Any:
+    """An mpu answers Megatron's six questions, on an initialised torch.distributed."""
+    missing = [m for m in _MPU_METHODS if not callable(getattr(mpu, m, None))]
+    if missing:
+        raise ConfigError(f"initialize(mpu=...): {type(mpu).__name__} lacks {', '.join(missing)}; an mpu "
+                          "must answer Megatron's get_{data,model}_parallel_{group,rank,world_size}")
+    if not dist.is_initialized():
+        raise ConfigError("initialize(mpu=...) needs torch.distributed initialised first (the mpu's groups "
+                          "live in it): call deepspeed.init_distributed() before building the mpu")
+    return mpu
 
 
 def _config_source(args: Any, config: Any) -> Any:

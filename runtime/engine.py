@@ -17,14 +17,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import CheckpointError, UsageError
 from dslaunch.runtime import preempt
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_setup import build_components
+from dslaunch.runtime.events import Events, StepRecord
 from dslaunch.runtime.heartbeat import reporter
+from dslaunch.runtime.observers import HeartbeatSender, PreemptionCheck, ProgressLine, WallClockBreakdown
+from dslaunch.runtime.pipe.topology import DataParallelGrid
 from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
 __all__ = ["DeepSpeedEngine"]
@@ -41,8 +46,11 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
-                 collate_fn: Any = None):
+                 collate_fn: Any = None, mpu: Any = None):
         super().__init__()
+        # Where this rank sits: a Megatron-style mpu, or every rank a data-parallel peer.
+        self.grid = mpu if mpu is not None else DataParallelGrid()
+        self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's mpu
         self._config = config
         # DeepSpeed's engine.config is the ds_config dict as given (Hugging Face's Trainer reads it)
         self.config = dict(config.raw)
@@ -51,11 +59,14 @@ class DeepSpeedEngine(torch.nn.Module):
         self.precision = PrecisionPolicy.from_config(config)
         self.module = self.precision.cast_module(model.to(self.device))
         parts = build_components(self.module, config, self.precision, optimizer, model_parameters,
-                                 lr_scheduler, training_data, collate_fn)
+                                 lr_scheduler, training_data, collate_fn, self.grid)
         self.zero, self.optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
-        self.training_dataloader, self.timers = parts.dataloader, parts.timers
+        self.training_dataloader = parts.dataloader
         self.loss_scaler = PrecisionPolicy.loss_scaler(config)
-        self.global_rank, self.world_size = self.zero.rank, self.zero.world_size
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.dp_world_size = self.grid.get_data_parallel_world_size()
+        self.mp_world_size = self.grid.get_model_parallel_world_size()
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._step_applied = False
         self._grad_norm: float | None = None
@@ -63,14 +74,31 @@ class DeepSpeedEngine(torch.nn.Module):
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self.is_compiled = False
         self._checkpointer: Any = None  # built (collectively) by the first save or load
-        self._heartbeat = reporter()  # None outside dslaunch: the step then skips it
-        self._preempt_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         self._loss: torch.Tensor | None = None
+        self._heartbeat = reporter()  # None outside dslaunch
+        self.events, self.timers = self._observers(config)
+
+    def _observers(self, config: DeepSpeedConfig) -> tuple[Events, Any]:
+        """The built-in observers of this engine's events, and DeepSpeed's ``engine.timers``."""
+        events = Events()
+        breakdown = events.add(WallClockBreakdown()) if config.wall_clock_breakdown else None
+        if config.steps_per_print:
+            events.add(ProgressLine(config.steps_per_print, self.global_rank, breakdown))
+        if self._heartbeat is not None:
+            events.add(HeartbeatSender(self._heartbeat))
+        save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
+        if save_dir is not None:
+            events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))
+        return events, breakdown.timers if breakdown is not None else None
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.zero.pre_forward()  # parameters gathered after the last step must be in place
-        with self._timer("forward"):
+        if self.optimizer is not None:
+            # The micro step starts here too: with several engines under one loss, DeepSpeed's
+            # users call loss.backward() themselves, and the gradient hooks read this state.
+            self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
+        with self.events.phase("forward"):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -83,12 +111,23 @@ class DeepSpeedEngine(torch.nn.Module):
         self._loss = loss.detach()  # for the heartbeat (read at most twice a second); not its graph
         if scale_wrt_gas and self._config.gradient_accumulation_steps > 1:
             loss = loss / self._config.gradient_accumulation_steps
-        with self._timer("backward"):
+        with self.events.phase("backward"):
             self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
-            self.zero.post_backward()
-        with self._timer("allreduce"):
-            self.zero.end_backward()
+        self._backward_epilogue()
         return loss
+
+    def _backward_epilogue(self) -> None:
+        """After the backward pass: release what stage 3 gathered, complete the gradient reductions.
+
+        DeepSpeed's name and contract for several engines trained under one loss: ``loss =
+        sum(...)``, ``loss.backward()``, then ``engine._backward_epilogue()`` and ``engine.step()``
+        on each engine (every rank, the same order). ``backward()`` calls it itself.
+
+        collective: all ranks.
+        """
+        self.zero.post_backward()
+        with self.events.phase("allreduce"):
+            self.zero.end_backward()
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro step; at the accumulation boundary update the weights.
@@ -107,7 +146,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 raise UsageError("engine.step() at a gradient accumulation boundary inside no_sync(): "
                                  "the gradients are not reduced across ranks, so the ranks would "
                                  "diverge; leave no_sync() before the boundary micro step")
-            with self._timer("step"):
+            with self.events.phase("step"):
                 result = self.zero.step(self.loss_scaler.loss_scale, self._config.gradient_clipping,
                                         check_overflow=self._config.fp16.enabled)
             self.loss_scaler.update(result.overflow)
@@ -118,15 +157,14 @@ class DeepSpeedEngine(torch.nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
             self.global_samples += self._config.train_batch_size
-            if self._config.steps_per_print and self.global_steps % self._config.steps_per_print == 0:
-                self._report()
-            if self._heartbeat is not None:
-                self._heartbeat.beat(self.global_steps, self._loss, self.global_samples)
-            if self._preempt_dir is not None and preempt.agreed(self.device):
-                self._leave_on_request(self._preempt_dir)
+            self.events.step(self._step_record)
         else:
             self._step_applied = False
         self.micro_steps += 1
+
+    def _step_record(self) -> StepRecord:
+        return StepRecord(self.global_steps, self.global_samples, self.micro_steps, self._loss, tuple(self.get_lr()),
+                          self.loss_scaler.loss_scale, self._grad_norm, not self._step_applied, self.skipped_steps)
 
     def _leave_on_request(self, save_dir: str) -> None:
         """Every rank agreed on a checkpoint request (``runtime.preempt``): save this step, leave."""
@@ -254,6 +292,10 @@ class DeepSpeedEngine(torch.nn.Module):
         from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
         from dslaunch.runtime.checkpoint.parts import CheckpointParts, StateFns
 
+        if self.mp_world_size > 1:
+            raise CheckpointError(f"checkpoints of a model-parallel engine (model-parallel size {self.mp_world_size} "
+                                  "from mpu=) are not implemented yet: every rank of a replica holds different "
+                                  "weights; save with torch.save per rank meanwhile")
         if self._checkpointer is None:
             self._checkpointer = Checkpointer()
         return CheckpointParts(module=self.module, zero=self.zero,
@@ -387,16 +429,3 @@ class DeepSpeedEngine(torch.nn.Module):
             if part is not None and sd.get(key) is not None:
                 part.load_state_dict(sd[key])
 
-    # ----- reporting ----------------------------------------------------------------------
-    def _timer(self, name: str) -> Any:
-        return self.timers(name) if self.timers is not None else contextlib.nullcontext()
-
-    def _report(self) -> None:
-        if self.global_rank != 0:
-            return
-        norm = f"{self._grad_norm:.4g}" if self._grad_norm is not None else "n/a"
-        print(f"[dslaunch] step={self.global_steps} skipped={self.skipped_steps} "
-              f"lr={[round(x, 8) for x in self.get_lr()]} loss_scale={self.loss_scale():g} "
-              f"grad_norm={norm}", flush=True)
-        if self.timers is not None:
-            self.timers.log(["forward", "backward", "allreduce", "step"])  # ms per optimizer step

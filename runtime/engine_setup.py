@@ -15,9 +15,7 @@ Kept apart from ``engine.py`` so the engine stays a thin loop. The choices made 
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,19 +39,21 @@ class EngineParts:
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     dataloader: Any
-    timers: Any
 
 
 def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: PrecisionPolicy,
                      optimizer: Any, model_parameters: Any, lr_scheduler: Any, training_data: Any,
-                     collate_fn: Any) -> EngineParts:
-    """Build the strategy (and with it the optimizer), the scheduler, the loader and timers.
+                     collate_fn: Any, grid: Any) -> EngineParts:
+    """Build the strategy (and with it the optimizer), the scheduler and the loader.
+
+    ``grid`` places this rank (``pipe.topology.DataParallelGrid`` or an mpu): the strategy works on
+    its data-parallel group, the loader reads the data-parallel rank's share.
 
     collective: call on all ranks.
     """
     zero_cfg = cfg.zero_optimization
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
-        return _frozen(module, cfg, lr_scheduler, training_data, collate_fn)
+        return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
     groups = _param_groups(module, optimizer, model_parameters)
     comm = CommSettings(reduce_bucket_numel=zero_cfg.reduce_bucket_size,
                         allgather_bucket_numel=zero_cfg.allgather_bucket_size,
@@ -72,9 +72,12 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         prefetch_bucket_numel=zero_cfg.stage3_prefetch_bucket_size,
                         max_live_parameters=zero_cfg.stage3_max_live_parameters,
                         max_reuse_distance=zero_cfg.stage3_max_reuse_distance)
-    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm, module=module)
+    model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
+    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm,
+                                          process_group=grid.get_data_parallel_group(), module=module,
+                                          model_parallel_group=model_parallel)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
-                       _dataloader(cfg, training_data, collate_fn), _timers(cfg))
+                       _dataloader(cfg, training_data, collate_fn, grid))
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:
@@ -87,7 +90,7 @@ def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:
 
 
 def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, training_data: Any,
-            collate_fn: Any) -> EngineParts:
+            collate_fn: Any, grid: Any) -> EngineParts:
     from dslaunch.runtime.zero.frozen import Frozen
 
     if lr_scheduler is not None or cfg.scheduler is not None:
@@ -97,7 +100,7 @@ def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, tr
     frozen = Frozen(zero_cfg.stage, module, persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
                     offload_param=zero_cfg.offload_param.enabled)
     return EngineParts(frozen, None, None,  # type: ignore[arg-type]
-                       _dataloader(cfg, training_data, collate_fn), _timers(cfg))
+                       _dataloader(cfg, training_data, collate_fn, grid))
 
 
 def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any) -> list[GroupSpec]:
@@ -197,42 +200,13 @@ def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimiz
     return build_lr_scheduler(cfg.scheduler, optimizer)
 
 
-def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any) -> Any:
+def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any, grid: Any) -> Any:
+    """The data-parallel rank's share: the parts of one replica (pipeline stages, tensor slices)
+    read the same samples."""
     if data is None:
         return None
     from dslaunch.runtime.dataloader import DistributedDataLoader
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return DistributedDataLoader(data, cfg.train_micro_batch_size_per_gpu, rank, cfg.world_size,
+    return DistributedDataLoader(data, cfg.train_micro_batch_size_per_gpu, grid.get_data_parallel_rank(),
+                                 grid.get_data_parallel_world_size(),
                                  collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
-
-
-class _TimerSet:
-    """``timers(name)`` as a context manager over the named ``Timers``."""
-
-    def __init__(self) -> None:
-        from dslaunch.runtime.timers import Timers
-
-        self._timers = Timers()
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        self._timers.start(name)
-        try:
-            yield
-        finally:
-            self._timers.stop(name)
-
-    def log(self, names: list[str]) -> None:
-        """Print each timer's mean ms per optimizer step since the last log, then reset them.
-
-        The "step" timer runs once per optimizer step (skipped fp16 steps included), so its
-        interval count is the number of steps timed; unlike ``steps_per_print`` it stays right
-        for the first report after resuming at a global step that is not a multiple of it.
-        """
-        steps = self._timers("step").count if "step" in self._timers else 0
-        self._timers.log(names, normalizer=max(1, steps))
-
-
-def _timers(cfg: DeepSpeedConfig) -> Any:
-    return _TimerSet() if cfg.wall_clock_breakdown else None

@@ -1,9 +1,11 @@
-"""DeepSpeed's ``deepspeed.utils.groups`` for dslaunch's one kind of parallelism: data parallel.
+"""DeepSpeed's ``deepspeed.utils.groups``: this rank's data- and model-parallel groups.
 
-Every rank is in one data-parallel group, the world (DeepSpeed returns a clone of the world
-group; the world itself here: the same ranks, one communicator less). Model, tensor, sequence
-and expert parallelism do not exist in dslaunch: their sizes are 1 and their ranks 0, and asking
-for their group raises ``KeyError`` as DeepSpeed does when no such group was set up.
+They come from ``mpu``, the grid of the last engine built (``initialize(mpu=...)``, or a
+``pipe.topology.PipelineParallelGrid``), as DeepSpeed's module reads its ``mpu`` global; without
+one every rank is a data-parallel peer in the world group (DeepSpeed returns a clone of the world
+group; the world itself here: the same ranks, one communicator less), model and tensor sizes are
+1 and their ranks 0, and asking for their group raises ``KeyError`` as DeepSpeed does when no such
+group was set up. Sequence and expert parallelism do not exist in dslaunch (sizes 1).
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ from typing import Any
 
 __all__ = [
     "get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank",
-    "get_model_parallel_world_size", "get_model_parallel_rank",
-    "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank",
+    "get_model_parallel_group", "get_model_parallel_world_size", "get_model_parallel_rank",
+    "get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank",
 ]
+
+mpu: Any = None
+"""The grid of the last engine built with model parallelism (DeepSpeed's ``groups.mpu``); the
+engine sets it, None for a data-parallel-only job."""
 
 
 def _dist() -> Any:
@@ -29,23 +35,65 @@ def _dist() -> Any:
 
 
 def _get_data_parallel_group() -> Any:
-    return _dist().group.WORLD
+    dist = _dist()
+    group = mpu.get_data_parallel_group() if mpu is not None else None
+    return dist.group.WORLD if group is None else group
 
 
 def _get_data_parallel_world_size() -> int:
-    return _dist().get_world_size()
+    return mpu.get_data_parallel_world_size() if mpu is not None else _dist().get_world_size()
 
 
 def _get_data_parallel_rank() -> int:
-    return _dist().get_rank()
+    return mpu.get_data_parallel_rank() if mpu is not None else _dist().get_rank()
 
 
 def _get_data_parallel_group_ranks() -> list[int]:
-    return list(range(_get_data_parallel_world_size()))
+    dist = _dist()
+    return dist.get_process_group_ranks(_get_data_parallel_group())
 
 
 def _get_broadcast_src_rank() -> int:
-    return 0
+    """The global rank of data-parallel rank 0 of this rank's group (DeepSpeed's broadcast source)."""
+    return _get_data_parallel_group_ranks()[0]
+
+
+def _model(what: str, tensor: bool = False) -> Any:
+    """``mpu``'s model-parallel (or tensor-slice) answer; the no-model-parallel answer without one."""
+    if mpu is None:
+        _dist()
+        if what == "group":
+            raise KeyError(f"No {'tensor' if tensor else 'model'} parallel group found (no mpu: this job "
+                           "runs data parallel only)")
+        return 1 if what == "world_size" else 0
+    for name in ((f"get_tensor_model_parallel_{what}", f"get_slice_parallel_{what}") if tensor else ()):
+        if callable(getattr(mpu, name, None)):
+            return getattr(mpu, name)()
+    return getattr(mpu, f"get_model_parallel_{what}")()
+
+
+def get_model_parallel_group() -> Any:
+    return _model("group")
+
+
+def get_model_parallel_world_size() -> int:
+    return _model("world_size")
+
+
+def get_model_parallel_rank() -> int:
+    return _model("rank")
+
+
+def get_tensor_model_parallel_group() -> Any:
+    return _model("group", tensor=True)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _model("world_size", tensor=True)
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _model("rank", tensor=True)
 
 
 def _one() -> int:
@@ -58,14 +106,16 @@ def _zero() -> int:
 
 def _no_group(kind: str) -> Any:
     def get() -> Any:
-        raise KeyError(f"No {kind} parallel group found (dslaunch runs data parallel only)")
+        raise KeyError(f"No {kind} parallel group found (dslaunch has no {kind} parallelism)")
 
     get.__name__ = f"_get_{kind}_parallel_group"
     return get
 
 
-_get_model_parallel_world_size = _get_sequence_parallel_world_size = _one
-_get_expert_model_parallel_world_size = _one
+_get_model_parallel_world_size = get_model_parallel_world_size
+_get_model_parallel_rank = get_model_parallel_rank
+_get_model_parallel_group = get_model_parallel_group
+_get_sequence_parallel_world_size = _get_expert_model_parallel_world_size = _one
 _get_sequence_parallel_rank = _zero
 _get_sequence_parallel_group = _no_group("sequence")
 _get_sequence_data_parallel_world_size = _get_data_parallel_world_size
@@ -75,6 +125,3 @@ _get_sequence_data_parallel_group = _get_data_parallel_group
 get_data_parallel_group = _get_data_parallel_group
 get_data_parallel_world_size = _get_data_parallel_world_size
 get_data_parallel_rank = _get_data_parallel_rank
-get_model_parallel_world_size = get_tensor_model_parallel_world_size = _one
-get_model_parallel_rank = get_tensor_model_parallel_rank = _zero
-get_model_parallel_group = get_tensor_model_parallel_group = _no_group("model")

@@ -44,6 +44,7 @@ from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocat
 from dslaunch.launcher.runners.slurm.preemption import Preemption
 from dslaunch.launcher.spec import JobSpec
 from dslaunch.utils.ports import free_port
+from dslaunch.utils.restart import MAX_RESTARTS
 
 __all__ = ["run", "parse_config", "restart_policy"]
 
@@ -126,6 +127,8 @@ def restart_policy(ns: argparse.Namespace, requeued_by_slurm: bool = False) -> R
     if ns.resume_from and ns.max_restarts == 0 and not requeued_by_slurm:
         raise UsageError(f"--resume_from {ns.resume_from} acts when the job restarts: add --max_restarts N "
                          "(N >= 1), or load the checkpoint in the script (engine.load_checkpoint)")
+    if ns.max_restarts > MAX_RESTARTS:
+        raise UsageError(f"--max_restarts {ns.max_restarts}: expected 0 to {MAX_RESTARTS}")
     if ns.elastic_training and ns.max_restarts == 0:
         raise UsageError("--elastic_training restarts without a lost host, so it needs a restart budget: "
                          "add --max_restarts N (N >= 1)")

@@ -250,12 +250,13 @@ def scatter_into(p: torch.nn.Parameter, full: torch.Tensor) -> None:
 
 
 def write_back(params: list[torch.nn.Parameter], src_rank: int) -> None:
-    """Broadcast the whole values of ``params`` from ``src_rank`` and store them in every shard.
+    """Broadcast the whole values of ``params`` from rank ``src_rank`` of their group (DeepSpeed's
+    ``modifier_rank``) and store them in every shard.
 
     collective: all ranks, the same available parameters.
     """
-    works = [dist.broadcast(p.data, src=src_rank, group=p._dsl_flat.group, async_op=True) for p in params
-             if p._dsl_flat.world > 1]
+    works = [dist.broadcast(p.data, src=global_rank(p._dsl_flat, src_rank), group=p._dsl_flat.group,
+                            async_op=True) for p in params if p._dsl_flat.world > 1]
     wait_all(works, "parameter write-back (broadcast)")
     for p in params:
         scatter_into(p, p.data)

@@ -39,8 +39,9 @@ class ShardPublisher:
         for g in self.groups:
             for r in range(self.world):
                 a, b = g.layout.rank_range(r, self.world)
+                src = r if self.pg is None else dist.get_global_rank(self.pg, r)  # src is a global rank
                 for c in range(a, b, self.chunk):
-                    self._works.append(dist.broadcast(g.flat[c:min(b, c + self.chunk)], src=r,
+                    self._works.append(dist.broadcast(g.flat[c:min(b, c + self.chunk)], src=src,
                                                       group=self.pg, async_op=True))
         if not self.overlap:
             self.wait()

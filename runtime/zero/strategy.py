@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from dslaunch.runtime.zero.gradients import GradientPath
 from dslaunch.runtime.zero.partition import FlatLayout
-from dslaunch.runtime.zero.placement import Placement
+from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
 
 __all__ = ["ZeroStrategy", "ParamSlot"]
@@ -68,6 +68,9 @@ class ZeroStrategy:
         comm: communication settings.
         process_group: the data-parallel group (None: the default group).
         module: the model (stage 3 hooks it to gather its parameters; the others ignore it).
+        model_parallel_group: the ranks holding the other parts of this replica (pipeline stages,
+            tensor slices; None: none): the gradient norm, hence the overflow skip and the clip
+            factor, is summed over them too, so every part of the model takes the same step.
 
     collective: construct on all ranks of the group.
     """
@@ -77,8 +80,11 @@ class ZeroStrategy:
     gradients_type: ClassVar[type[GradientPath]]
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
-                 process_group: Any = None, module: torch.nn.Module | None = None):
+                 process_group: Any = None, module: torch.nn.Module | None = None,
+                 model_parallel_group: Any = None):
         self.pg = process_group
+        mp_world = dist.get_world_size(model_parallel_group) if model_parallel_group is not None else 1
+        self._model_parallel_sum = sum_over_ranks(mp_world, model_parallel_group)
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         self.comm = comm
@@ -206,9 +212,9 @@ class ZeroStrategy:
         for t in grads:
             if t.numel():
                 sq += torch.linalg.vector_norm(t, dtype=torch.float32).double() ** 2
-        reduce = self.placement.norm_all_reduce
-        if reduce is not None:
-            reduce(sq)
+        for reduce in (self.placement.norm_all_reduce, self._model_parallel_sum):
+            if reduce is not None:
+                reduce(sq)
         return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
 
     def sync_master_from_model(self) -> None:

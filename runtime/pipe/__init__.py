@@ -1,0 +1,1 @@
+"""Ranks on several axes (``topology``: DeepSpeed's ``deepspeed.runtime.pipe.topology``)."""
