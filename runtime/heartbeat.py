@@ -17,8 +17,9 @@ module reports on them without the script doing anything beyond training:
   Only the main thread's waits count: a background checkpoint writer waiting for its peers says
   nothing about whether training is stuck.
 
-Cost per step: a ``waiting`` mark is two attribute writes and a clock read on entry, two writes on
-exit; ``beat`` stores three fields and, when the sample count moved, reads the monotonic
+Cost: a ``waiting`` mark is a small object, a thread check, a few attribute writes and a clock read
+(~0.6 us measured on a loaded 2-core VM, against tens of us for the collective it marks). Per
+step, ``beat`` stores three fields and, when the sample count moved, reads the monotonic
 clock (vDSO: no system call); the loss is read
 (``float()``, a device sync on GPU) only when the thread is about to send, i.e. at most twice a
 second. Everything is a no-op outside dslaunch (no pipes in the environment).
@@ -315,7 +316,7 @@ def start() -> None:
 
 
 def waiting(name: str) -> contextlib.AbstractContextManager:
-    """``with waiting("gradient all_reduce"): work.wait()``: while inside, this rank's beats say it
+    """``with waiting("all_reduce of gradients"): work.wait()``: while inside, this rank's beats say it
     waits for its peers in ``name`` (see the module docstring); a no-op outside dslaunch.
 
     For the engine's collectives and waits (and ``dslaunch.comm``'s): a rank stuck in the

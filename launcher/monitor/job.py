@@ -201,8 +201,11 @@ class JobMonitor:
         assert self._hang is not None
         failure, ranks, _ = self._hang
         info = ranks.get(str(failure.rank), {})
-        parts = ["it was stopped: SIGSTOP" if info.get("stopped") else "silent: no heartbeat" if info.get("silent")
-                 else ""]
+        parts = []
+        if info.get("stopped"):
+            parts.append("it was stopped: SIGSTOP")
+        elif info.get("silent"):
+            parts.append("silent: no heartbeat")
         if info.get("top_frame"):
             parts.append(f"it was in {info['top_frame']}")
         waits: dict[str, list[int]] = {}
@@ -212,4 +215,4 @@ class JobMonitor:
         parts += [f"{name_ranks(rs)} waited for it in {name}" for name, rs in list(waits.items())[:3]]
         if self.events.directory:
             parts.append(f"every rank's stack is in {self.events.directory}")
-        return "; ".join(p for p in parts if p)
+        return "; ".join(parts)
