@@ -8,6 +8,9 @@ too) is timed to its completion and counted (``dslaunch.utils.comms_logging``), 
 than ``torch.distributed``'s (scripts/bench/monitor_bench.py). ``init_distributed`` is the engine's (``dslaunch.runtime.dist``): gloo without GPUs,
 nccl with them, the timeout always explicit.
 
+Every collective runs marked as a wait on the peers (``runtime.heartbeat.waiting``): on a hang, a
+rank in one of them is not the rank the others wait for.
+
 Unlike DeepSpeed, the queries work whenever ``torch.distributed`` is initialised, also by the
 script itself (DeepSpeed asserts unless its own ``init_distributed`` ran); before that,
 ``get_rank``/``get_world_size`` raise ``UsageError`` naming the call to make.
@@ -28,6 +31,7 @@ from torch.distributed import ProcessGroup, ReduceOp, Work
 
 from dslaunch.errors import UsageError
 from dslaunch.runtime.dist import init_distributed
+from dslaunch.runtime.heartbeat import waiting
 from dslaunch.utils.comms_logging import CommsLogger, message_size
 
 __all__ = [
@@ -50,15 +54,18 @@ comms_logger = CommsLogger()
 
 
 def _collective(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
-    """``fn`` taking DeepSpeed's comms-logger keyword arguments; timed while the logger is on."""
+    """``fn`` taking DeepSpeed's comms-logger keyword arguments, marked as a wait on the peers;
+    timed while the logger is on."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if comms_logger.enabled:
-            return _timed(op, fn, args, kwargs)
+            with waiting(op):
+                return _timed(op, fn, args, kwargs)
         for key in _PROFILING_KWARGS:
             kwargs.pop(key, None)
-        return fn(*args, **kwargs)
+        with waiting(op):
+            return fn(*args, **kwargs)
 
     return call
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.partition import partition_range, shard_slot
 
 __all__ = ["ZeroParamStatus", "FlatShard", "is_partitioned", "attach", "start_fetch", "fetch", "hold", "unhold",
@@ -191,8 +192,7 @@ def fetch(params: Iterable[torch.nn.Parameter]) -> None:
 
 
 def _finish(gather: _Gather) -> None:
-    for w in gather.works:
-        w.wait()
+    wait_all(gather.works, "parameter gather (broadcast)")
     base = gather.run[0]._dsl_offset
     for p in gather.run:
         p.data = gather.buf[p._dsl_offset - base:p._dsl_offset - base + p.ds_numel].view(p.ds_shape)
@@ -258,7 +258,6 @@ def write_back(params: list[torch.nn.Parameter], src_rank: int) -> None:
     """
     works = [comm.broadcast(p.data, src=global_rank(p._dsl_flat, src_rank), group=p._dsl_flat.group,
                             async_op=True) for p in params if p._dsl_flat.world > 1]
-    for w in works:
-        w.wait()
+    wait_all(works, "parameter write-back (broadcast)")
     for p in params:
         scatter_into(p, p.data)

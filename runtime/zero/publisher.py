@@ -10,6 +10,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dslaunch import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.flat import FlatGroup
 
 __all__ = ["ShardPublisher"]
@@ -47,6 +48,5 @@ class ShardPublisher:
             self.wait()
 
     def wait(self) -> None:
-        for w in self._works:
-            w.wait()
+        wait_all(self._works, "parameter publish (broadcast)")
         self._works.clear()

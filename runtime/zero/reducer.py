@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dslaunch import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.partition import plan_buckets
 
@@ -184,8 +185,7 @@ class BucketReducer:
             self._finish(self._inflight.popleft())
 
     def _finish(self, red: _Reduction) -> None:
-        if red.work is not None:
-            red.work.wait()
+        wait_all((red.work,), "all_reduce of gradients")
         if red.buf is not red.grads:
             red.grads.copy_(red.buf)
             self.pool.give(red.buf)
