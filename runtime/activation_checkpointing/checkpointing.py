@@ -362,7 +362,7 @@ class _Frame:
         got: list[torch.Tensor] = []
 
         def collect(t: torch.Tensor) -> int:
-            got.append(t)
+            got.append(t.detach())  # not the recompute's graph: it would live until backward ends
             return len(got) - 1
 
         self.call.recompute(torch.autograd.graph.saved_tensors_hooks(collect, _never))
