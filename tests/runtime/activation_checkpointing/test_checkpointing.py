@@ -203,3 +203,16 @@ def test_a_second_backward_through_a_non_reentrant_checkpoint_is_an_error() -> N
     y.backward(retain_graph=True)
     with pytest.raises(UsageError, match="second time"):
         y.backward()
+
+
+def test_a_recompute_that_takes_another_path_is_named() -> None:
+    x = torch.randn(3, requires_grad=True)
+    calls = []
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return a.exp() if len(calls) == 1 else a.exp().sin()  # the recompute saves more
+
+    y = ckpt.non_reentrant_checkpoint(f, x)
+    with pytest.raises(UsageError, match="the recompute saved 2 tensors for backward, the forward 1"):
+        y.sum().backward()
