@@ -21,7 +21,9 @@ gradient buffers and optimizer state exist before and are not counted.
 
 Time: the modes run in interleaved rounds (each round: every mode for ``--steps`` optimizer steps)
 so a shared machine's load drifts over all of them alike; each mode's ratio is the median over
-rounds of (its mean step time / none's in the same round). One thread.
+rounds of (its mean step time / none's in the same round), in wall time and in the process's CPU
+time (one thread: the work itself; the targets are judged on it, since on a machine loaded far
+beyond its cores wall time mostly measures the scheduler).
 
 Targets (issue 24): full >= 60% less activation memory (peak) for <= 35% more step time;
 selective <= 10% more step time.
@@ -124,6 +126,7 @@ def main() -> None:
                       WORLD_SIZE="1", LOCAL_RANK="0")
     torch.manual_seed(0)
     model = GPT()
+    args.params = sum(p.numel() for p in model.parameters())
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     engine, *_ = dslaunch.initialize(model=model, config=cfg)
@@ -135,49 +138,60 @@ def main() -> None:
     for name in MODES:
         _select(model, name)
         memory[name] = _memory(engine, model, tokens)
-    times: dict[str, list[float]] = {name: [] for name in MODES}
+    wall: dict[str, list[float]] = {name: [] for name in MODES}
+    cpu: dict[str, list[float]] = {name: [] for name in MODES}
     for _ in range(args.rounds):
         for name in MODES:
             _select(model, name)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 _step(engine, tokens)
-            times[name].append((time.perf_counter() - start) / args.steps)
+            wall[name].append((time.perf_counter() - start) / args.steps)
+            cpu[name].append((time.process_time() - start_cpu) / args.steps)
     load = os.getloadavg()[0]
-    _write(args.out, memory, times, load, args)
+    _write(args.out, memory, wall, cpu, load, args)
 
 
-def _write(out: Path, memory: dict, times: dict, load: float, args: Any) -> None:
+def _ratio(times: dict[str, list[float]], name: str) -> float:
+    return statistics.median(t / b for t, b in zip(times[name], times["none"], strict=True))
+
+
+def _write(out: Path, memory: dict, wall: dict, cpu: dict, load: float, args: Any) -> None:
     base_mem = memory["none"]["peak"]
-    ratios = {n: statistics.median(t / b for t, b in zip(times[n], times["none"], strict=True)) for n in MODES}
     rows = {n: {"held_after_forward_bytes": memory[n]["held_after_forward"], "peak_bytes": memory[n]["peak"],
-                "peak_saving": 1 - memory[n]["peak"] / base_mem, "step_s_median": statistics.median(times[n]),
-                "step_s": times[n], "time_ratio": ratios[n]} for n in MODES}
+                "peak_saving": 1 - memory[n]["peak"] / base_mem, "step_s_median": statistics.median(wall[n]),
+                "step_s": wall[n], "time_ratio": _ratio(wall, n), "cpu_s": cpu[n],
+                "cpu_ratio": _ratio(cpu, n)} for n in MODES}
     full, sel = rows["full"], rows["selective"]
-    verdict = {"full_memory": full["peak_saving"] >= 0.60, "full_time": full["time_ratio"] <= 1.35,
-               "selective_time": sel["time_ratio"] <= 1.10}
+    # CPU time decides: at this machine's load wall time mostly measures the scheduler
+    verdict = {"full_memory": full["peak_saving"] >= 0.60, "full_time": full["cpu_ratio"] <= 1.35,
+               "selective_time": sel["cpu_ratio"] <= 1.10}
     out.mkdir(parents=True, exist_ok=True)
     (out / "activation_ckpt_bench.json").write_text(json.dumps({
         "model": {"layers": LAYERS, "d_model": D, "heads": HEADS, "seq": SEQ, "batch": BATCH, "vocab": VOCAB,
-                  "dropout": DROPOUT, "params": None}, "rounds": args.rounds, "steps": args.steps,
+                  "dropout": DROPOUT, "params": args.params}, "rounds": args.rounds, "steps": args.steps,
         "load_avg_1m_end": load, "modes": rows, "targets_met": verdict}, indent=1))
     mib = 2**20
     lines = ["## Activation checkpointing (`scripts/bench/activation_ckpt_bench.py`)\n",
-             f"12-layer GPT-like model (d={D}, {HEADS} heads, seq {SEQ}, batch {BATCH}, vocab {VOCAB}, dropout "
+             f"12-layer GPT-like model ({args.params / 1e6:.1f}M parameters, d={D}, {HEADS} heads, seq {SEQ}, batch {BATCH}, vocab {VOCAB}, dropout "
              f"{DROPOUT}, tied head), one dslaunch engine on one CPU thread, fp32 AdamW; every block through "
              "`deepspeed.checkpointing`. Memory: bytes of the tensors created during one forward + backward, "
              "alive at once (a dispatch mode counting each storage from creation to free); parameters, "
              "gradient buffers and optimizer state are not counted. Time: median over "
-             f"{args.rounds} interleaved rounds of {args.steps} steps of (mode / none in the same round). "
-             f"Load average at the end: {load:.1f} (2 shared cores).\n",
-             "| mode | held after forward (MiB) | peak (MiB) | peak vs none | step (s) | step vs none |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"{args.rounds} interleaved rounds of {args.steps} steps of (mode / none in the same round), as "
+             "wall time and as the process's CPU time (one thread: the work done, which the machine's load "
+             f"does not stretch). Load average at the end: {load:.1f} on 2 shared cores.\n",
+             "| mode | held after forward (MiB) | peak (MiB) | peak vs none | step wall (s) | wall vs none "
+             "| CPU vs none |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n, r in rows.items():
         lines.append(f"| {n} | {r['held_after_forward_bytes'] / mib:.1f} | {r['peak_bytes'] / mib:.1f} | "
-                     f"{-r['peak_saving']:+.0%} | {r['step_s_median']:.3f} | {r['time_ratio']:.2f}x |")
-    lines.append(f"\nTargets: full >= 60% less peak activation memory ({'met' if verdict['full_memory'] else 'NOT met'}), "
-                 f"full <= 1.35x step time ({'met' if verdict['full_time'] else 'NOT met'}), selective <= 1.10x "
-                 f"step time ({'met' if verdict['selective_time'] else 'NOT met'}).")
+                     f"{-r['peak_saving']:+.0%} | {r['step_s_median']:.3f} | {r['time_ratio']:.2f}x | "
+                     f"{r['cpu_ratio']:.2f}x |")
+    met = {k: "met" if v else "NOT met" for k, v in verdict.items()}
+    lines.append(f"\nTargets (step time by CPU time): full >= 60% less peak activation memory "
+                 f"({met['full_memory']}), full <= 1.35x step time ({met['full_time']}), selective <= 1.10x "
+                 f"step time ({met['selective_time']}).")
     (out / "activation_ckpt_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

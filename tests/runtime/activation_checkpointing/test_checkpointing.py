@@ -216,3 +216,28 @@ def test_a_recompute_that_takes_another_path_is_named() -> None:
     y = ckpt.non_reentrant_checkpoint(f, x)
     with pytest.raises(UsageError, match="the recompute saved 2 tensors for backward, the forward 1"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("which", list(CHECKPOINTS))
+def test_selective_keeps_dropout_masks_and_later_random_ops_draw_the_same(which: str) -> None:
+    """Kept dropout draws are not drawn again in the recompute; a random op that is recomputed
+    after them (``rand_like``) must still draw the forward's numbers."""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(2, 2, 4, 8, requires_grad=True)
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(a @ w, 0.3)
+        h = torch.nn.functional.scaled_dot_product_attention(h, h, h, dropout_p=0.3)
+        return h * torch.rand_like(h)
+
+    torch.manual_seed(4)
+    f(x).sum().backward()
+    plain = [x.grad, w.grad]
+    x.grad = w.grad = None
+    ckpt.configure(None, mode="selective")
+    torch.manual_seed(4)
+    y = CHECKPOINTS[which](f, x)
+    if which == "reentrant":  # masks kept: mm, dropout's draw, attention's bmm, its draw, bmm (CPU)
+        assert [k.mask is not None for k in y.grad_fn.call.cache.kept] == [False, True, False, True, False]
+    y.sum().backward()
+    assert torch.equal(plain[0], x.grad) and torch.equal(plain[1], w.grad)
