@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from dslaunch.errors import HostfileError, UsageError, quote
+from dslaunch.errors import HostfileError, UsageError, quote, shorten
 from dslaunch.launcher.gpus import Accelerators
 from dslaunch.launcher.hostfile import (
     MAX_SLOTS,
@@ -32,7 +32,7 @@ from dslaunch.launcher.hostfile import (
 from dslaunch.launcher.runners.slurm.allocation import Allocation, slurm_pool
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
-from dslaunch.utils.beat import MAX_HANG_TIMEOUT
+from dslaunch.utils.beat import MAX_HANG_TIMEOUT, MIN_HANG_TIMEOUT
 from dslaunch.utils.restart import restart_env
 
 __all__ = ["LaunchConfig", "Plan", "build_job", "check_numbers", "elastic_batch_for", "ds_config_path", "LOCAL_HOSTS",
@@ -128,10 +128,10 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     slurm = _uses_slurm(cfg)
     if slurm and cfg.allocation.requeues:  # a requeued SLURM job is a restart of the job
         cfg = replace(cfg, restart_count=cfg.restart_count + cfg.allocation.requeues)
+    notes: list[str] = _resume_notes(cfg)
     # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
     if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not slurm):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
-    notes: list[str] = []
     hosts = None if slurm else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
     source = "SLURM_JOB_NODELIST" if slurm else cfg.hostfile if hosts is not None else None
     if slurm:
@@ -305,14 +305,43 @@ def check_numbers(cfg: LaunchConfig) -> None:
     if not (math.isfinite(cfg.grace) and 0 <= cfg.grace <= MAX_GRACE):  # nan fails every comparison
         raise UsageError(f"--grace_period {cfg.grace:g}: expected seconds from 0 to {MAX_GRACE:g}")
     t = cfg.hang_timeout
-    if t is not None and not (math.isfinite(t) and 0 < t <= MAX_HANG_TIMEOUT):
-        raise UsageError(f"--hang_timeout {t:g}: expected seconds > 0, at most {MAX_HANG_TIMEOUT:g} "
-                         "(leave the flag out to turn hang detection off)")
-    if cfg.log_dir == "":
-        raise UsageError(f"--log_dir '': empty path; give a directory, or leave the flag out for "
-                         f"./{DEFAULT_LOG_DIR}")
+    if t is not None and not (math.isfinite(t) and MIN_HANG_TIMEOUT <= t <= MAX_HANG_TIMEOUT):
+        raise UsageError(f"--hang_timeout {t:g}: expected seconds from {MIN_HANG_TIMEOUT:g} (heartbeats reach "
+                         f"the launcher up to 1 s late) to {MAX_HANG_TIMEOUT:g} (leave the flag out to turn "
+                         "hang detection off)")
+    if cfg.log_dir == "" or (cfg.log_dir and "\0" in cfg.log_dir):
+        raise UsageError(f"--log_dir {quote(cfg.log_dir)}: not a path (empty, or a NUL character); give a "
+                         f"directory, or leave the flag out for ./{DEFAULT_LOG_DIR}")
     if cfg.master_addr and (problem := hostname_problem(cfg.master_addr)):
         raise UsageError(f"--master_addr {quote(cfg.master_addr)}: {problem}")
+
+
+def _resume_notes(cfg: LaunchConfig) -> list[str]:
+    """``--resume_from`` must be a directory or a path where one can be made: a file (or a path
+    under one) would leave every restart starting from scratch, silently. One that does not exist
+    yet is valid (the first run of a requeued job has nothing to resume) and gets a note.
+
+    Raises:
+        UsageError: an empty path, a file, or a path under a file.
+    """
+    path = cfg.resume_from
+    if path is None:
+        return []
+    flag = f"--resume_from '{shorten(path, 200)}'"
+    if not path:
+        raise UsageError("--resume_from '': empty path; give the checkpoint directory restarts load from, "
+                         "or leave the flag out")
+    parent = path
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        what = "is a file" if parent == path else f"is under the file '{shorten(parent, 200)}'"
+        raise UsageError(f"{flag} {what}; expected the checkpoint directory restarts load from (the one "
+                         "the script saves into), existing or not")
+    if parent != path and cfg.restart_count == 0:
+        return [f"{flag} does not exist yet: this run starts at step 0; a restart resumes from the newest "
+                "checkpoint saved there"]
+    return []
 
 
 def _check_count(flag: str, n: int, most: int, what: str) -> None:
@@ -377,10 +406,26 @@ def elastic_batch_for(cfg: LaunchConfig, world: int) -> str | None:
 
 
 def ds_config_path(user_args: tuple[str, ...]) -> str | None:
-    """The ds_config the script is given: the path after ``--deepspeed_config`` (or in
-    ``--deepspeed_config=PATH``) in its arguments, else None."""
-    args = list(user_args)
-    path = next((a.split("=", 1)[1] for a in args if a.startswith("--deepspeed_config=")), None)
-    if path is None and "--deepspeed_config" in args[:-1]:
-        path = args[args.index("--deepspeed_config") + 1]
-    return path
+    """The ds_config the script is given, else None: the path after ``--deepspeed_config`` (or in
+    ``--deepspeed_config=PATH``), else Hugging Face's ``--deepspeed PATH.json`` (there a path or
+    inline JSON; DeepSpeed's own ``--deepspeed`` takes no value: only a ``.json`` name counts, so a
+    script's next argument is never read as a config)."""
+    for flag, wanted in (("--deepspeed_config", lambda _: True), ("--deepspeed", _json_name)):
+        path = _flag_value(user_args, flag)
+        if path is not None and wanted(path):
+            return path
+    return None
+
+
+def _json_name(path: str) -> bool:
+    return path.lower().endswith(".json")
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value of ``flag`` in ``args`` (``flag VALUE`` or ``flag=VALUE``, the first), else None."""
+    for i, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+    return None

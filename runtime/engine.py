@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.errors import CheckpointError, UsageError
+from dslaunch.monitor.monitor import MonitorMaster
 from dslaunch.runtime import preempt
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
@@ -30,6 +31,7 @@ from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import (
     CheckpointProfile,
     HeartbeatSender,
+    MonitorEvents,
     PreemptionCheck,
     ProgressLine,
     WallClockBreakdown,
@@ -84,7 +86,12 @@ class DeepSpeedEngine(torch.nn.Module):
         self.is_compiled = False
         self._checkpointer: Any = None  # built (collectively) by the first save or load
         self._loss: torch.Tensor | None = None
+        self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
         self._heartbeat = reporter()  # None outside dslaunch
+        if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
+            from dslaunch import comm
+
+            comm.configure(config)
         self.events, self.timers = self._observers(config)
 
     def _observers(self, config: DeepSpeedConfig) -> tuple[Events, Any]:
@@ -97,6 +104,17 @@ class DeepSpeedEngine(torch.nn.Module):
                 events.add(CheckpointProfile(config.steps_per_print, self.global_rank))
         if self._heartbeat is not None:
             events.add(HeartbeatSender(self._heartbeat))
+        self.flops_profiler = None  # DeepSpeed's attribute: the FlopsProfiler of the profiled step
+        if config.flops_profiler.enabled:
+            # Imported only when on: torch's flop formulas and dispatch-mode machinery are not free.
+            from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
+
+            self.flops_profiler = events.add(FlopsProfilerObserver(self, config.flops_profiler)).profiler
+        self.monitor = MonitorMaster(config.monitor_config, rank=self.global_rank)  # DeepSpeed's engine.monitor
+        if self.monitor.enabled and self.global_rank == 0:
+            watcher = events.add(MonitorEvents(self.monitor, config.train_batch_size, self.dp_world_size,
+                                               config.fp16.enabled, self.device, breakdown))
+            self.module.register_forward_pre_hook(watcher.count_tokens, with_kwargs=True)
         save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         if save_dir is not None:
             events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))
@@ -105,6 +123,10 @@ class DeepSpeedEngine(torch.nn.Module):
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.zero.pre_forward()  # parameters gathered after the last step must be in place
+        if self.optimizer is not None:
+            # The micro step starts here too: with several engines under one loss, DeepSpeed's
+            # users call loss.backward() themselves, and the gradient hooks read this state.
+            self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
         with self.events.phase("forward"):
             return self.module(*args, **kwargs)
 
@@ -116,14 +138,26 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
         self._loss = loss.detach()  # for the heartbeat (read at most twice a second); not its graph
+        self._window_losses.append(self._loss)
         if scale_wrt_gas and self._config.gradient_accumulation_steps > 1:
             loss = loss / self._config.gradient_accumulation_steps
         with self.events.phase("backward"):
             self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
-            self.zero.post_backward()
+        self._backward_epilogue()
+        return loss
+
+    def _backward_epilogue(self) -> None:
+        """After the backward pass: release what stage 3 gathered, complete the gradient reductions.
+
+        DeepSpeed's name and contract for several engines trained under one loss: ``loss =
+        sum(...)``, ``loss.backward()``, then ``engine._backward_epilogue()`` and ``engine.step()``
+        on each engine (every rank, the same order). ``backward()`` calls it itself.
+
+        collective: all ranks.
+        """
+        self.zero.post_backward()
         with self.events.phase("allreduce"):
             self.zero.end_backward()
-        return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro step; at the accumulation boundary update the weights.
@@ -154,13 +188,15 @@ class DeepSpeedEngine(torch.nn.Module):
             self.global_steps += 1
             self.global_samples += self._config.train_batch_size
             self.events.step(self._step_record)
+            self._window_losses = []
         else:
             self._step_applied = False
         self.micro_steps += 1
 
     def _step_record(self) -> StepRecord:
         return StepRecord(self.global_steps, self.global_samples, self.micro_steps, self._loss, tuple(self.get_lr()),
-                          self.loss_scaler.loss_scale, self._grad_norm, not self._step_applied, self.skipped_steps)
+                          self.loss_scaler.loss_scale, self._grad_norm, not self._step_applied, self.skipped_steps,
+                          tuple(self._window_losses))
 
     def _leave_on_request(self, save_dir: str) -> None:
         """Every rank agreed on a checkpoint request (``runtime.preempt``): save this step, leave."""
@@ -185,6 +221,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         self.zero.synchronize()
         self.wait_for_checkpoint()
+        self.monitor.flush()
         self._checkpointer = None
 
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 __all__ = ["Beat", "Memory", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "CHECKPOINT_SIGNAL", "MAX_LINE",
-           "MAX_HANG_TIMEOUT"]
+           "MAX_HANG_TIMEOUT", "MIN_HANG_TIMEOUT"]
 
 HEARTBEAT_FD_ENV = "DSLAUNCH_HEARTBEAT_FD"
 STACK_FD_ENV = "DSLAUNCH_STACK_FD"
@@ -32,6 +32,10 @@ STACK_SIGNAL = signal.SIGUSR2
 MAX_HANG_TIMEOUT = 7 * 24 * 3600.0
 """The longest hang timeout the controller judges beats against (``--hang_timeout`` and the
 ds_config ``monitor.hang_timeout``): a week; beyond, hang detection is as good as off."""
+MIN_HANG_TIMEOUT = 2.0
+"""The shortest hang timeout: a rank's progress reaches the controller up to 1 s late (the
+worker's sender thread ticks every 0.5 s, a remote agent's beats line every 0.5 s), so a shorter
+one kills healthy jobs; 2 s leaves that delay twice over."""
 """The signal a worker's stack dump answers to. Sent only to workers whose beats say they
 registered it (``Beat.stack_signal``): its default action would kill the process."""
 CHECKPOINT_SIGNAL = signal.SIGUSR1

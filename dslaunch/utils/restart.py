@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 
 __all__ = ["RESTART_COUNT", "TORCH_RESTART_COUNT", "TORCH_MAX_RESTARTS", "RESUME_FROM", "CHECKPOINT_ON_REQUEST",
-           "PREEMPTED_EXIT_CODE", "restart_env",
+           "PREEMPTED_EXIT_CODE", "MAX_RESTARTS", "restart_env",
            "restart_count", "resume_dir"]
 
 RESTART_COUNT = "DSLAUNCH_RESTART_COUNT"
@@ -27,6 +27,9 @@ pre-emption): the engine then takes ``CHECKPOINT_SIGNAL``, agrees on it at every
 there and leaves with ``PREEMPTED_EXIT_CODE``."""
 PREEMPTED_EXIT_CODE = 75
 """A rank that saved a checkpoint on request and stopped: EX_TEMPFAIL, "try again later"."""
+MAX_RESTARTS = 1_000_000
+"""The largest restart budget (``--max_restarts`` and ``monitor.max_restarts``): far beyond any
+real job."""
 
 
 def restart_env(count: int, max_restarts: int, resume_from: str | None, on_request: bool = False) -> dict[str, str]:

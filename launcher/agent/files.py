@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["FileId", "create_new", "create_replacing", "write_new", "remove_own"]
+__all__ = ["FileId", "create_new", "create_replacing", "write_new", "write_all", "remove_own"]
 
 FileId = tuple[int, int]
 """(device, inode): which file a path named when we created it."""
@@ -21,14 +21,15 @@ FileId = tuple[int, int]
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def create_new(path: str, mode: int = 0o600) -> int:
-    """A write-only fd on a file that did not exist before this call.
+def create_new(path: str, mode: int = 0o600, dir_fd: int | None = None) -> int:
+    """A write-only fd on a file that did not exist before this call (``path`` relative to
+    ``dir_fd`` when given).
 
     Raises:
         FileExistsError: anything is at ``path`` already (a link too: it is not followed).
         OSError: the directory is missing or not writable.
     """
-    return os.open(path, _NEW, mode)
+    return os.open(path, _NEW, mode, dir_fd=dir_fd)
 
 
 def create_replacing(path: str, mode: int = 0o644) -> int:
@@ -51,11 +52,18 @@ def write_new(path: str, data: bytes, mode: int = 0o600) -> FileId:
     """Write ``data`` to a new file at ``path`` (see ``create_new``); returns its id for ``remove_own``."""
     fd = create_new(path, mode)
     try:
-        os.write(fd, data)
+        write_all(fd, data)
         st = os.fstat(fd)
         return st.st_dev, st.st_ino
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` (``os.write`` may write part of it); OSError as it comes."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def remove_own(path: str, ident: FileId) -> None:

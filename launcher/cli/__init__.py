@@ -20,7 +20,7 @@ import signal
 import sys
 import traceback
 
-from dslaunch.errors import DslaunchError
+from dslaunch.errors import DslaunchError, UsageError, shorten
 from dslaunch.launcher.cli import launch
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.cli.launch import parse_config
@@ -67,6 +67,9 @@ def _subcommand(argv: list[str]) -> int:
         return command.main(args=argv[1:], prog_name=f"dslaunch {argv[0]}", standalone_mode=False) or 0
     except click.Abort:  # click's name for a KeyboardInterrupt
         raise KeyboardInterrupt from None
+    except click.ClickException as err:  # a bad option or argument: one line, as the launch command's
+        raise UsageError(f"dslaunch {argv[0]}: {shorten(err.format_message(), 300)} "
+                         f"(see dslaunch {argv[0]} --help)") from None
 
 
 def _reader_gone() -> int:

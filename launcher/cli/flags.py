@@ -8,6 +8,7 @@ A bad flag is one ``UsageError`` line, never argparse's usage dump and exit.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from dslaunch import __version__
@@ -68,12 +69,15 @@ def integer(text: str) -> int:
     return value
 
 
+_REAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf(inity)?|nan)", re.IGNORECASE)
+
+
 def real(text: str) -> float:
-    """argparse type for decimal flags; the range (finite too) is checked with the other numbers."""
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {quote(text)}") from None
+    """argparse type for decimal flags: ASCII digits only (``float()`` takes '٣' and '1_0'); the range
+    (finite too: 'inf' is parsed to be refused there, by name) is checked with the other numbers."""
+    if _REAL.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(f"invalid float value: {quote(text)}")
+    return float(text)
 
 
 class _NotSupported(argparse.Action):

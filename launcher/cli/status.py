@@ -1,18 +1,21 @@
 """``dslaunch status LOGDIR``: what a running or finished job is doing, from its ``events.jsonl``.
 
 LOGDIR is a job's directory (``<log_dir>/<job id>``) or the base ``--log_dir`` (the newest job in
-it is shown). A thin click command: reading and wording live in ``launcher.monitor``.
+it is shown). A thin click command: reading and wording live in ``launcher.monitor``. The log is
+the job's (and a shared directory's other users'): lines that are no valid event are skipped and
+counted, the output is bounded and control characters are escaped.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 
 import click
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import UsageError, shorten
 from dslaunch.launcher.monitor.events import EVENTS_FILE, read_events
-from dslaunch.launcher.monitor.status import describe_job
+from dslaunch.launcher.monitor.status import JobStory
 
 __all__ = ["command", "find_events"]
 
@@ -28,13 +31,45 @@ def find_events(path: str) -> str:
         return direct
     try:
         jobs = [os.path.join(path, d, EVENTS_FILE) for d in os.listdir(path)]
+    except (OSError, ValueError) as err:  # ValueError: a NUL in the path
+        raise UsageError(f"dslaunch status {shorten(path, 300)}: {getattr(err, 'strerror', None) or err}; "
+                         "give a job's --log_dir") from None
+    found = [(mtime, j) for j in jobs if os.path.isfile(j) and (mtime := _mtime(j)) is not None]
+    if not found:
+        raise UsageError(f"dslaunch status {shorten(path, 300)}: no {EVENTS_FILE} there nor in its "
+                         "subdirectories; give the --log_dir of a job (default ./dslaunch_logs)")
+    return max(found)[1]
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:  # gone since the listing
+        return None
+
+
+def read_story(path: str) -> JobStory:
+    """The story of the ``events.jsonl`` at ``path``.
+
+    Raises:
+        UsageError: it cannot be read (naming it), or holds no valid event.
+    """
+    story = JobStory()
+    try:
+        # O_NONBLOCK: a FIFO put there does not block the open; it is refused below.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UsageError(f"dslaunch status: {shorten(path, 300)} is not a regular file")
+            os.set_blocking(fd, True)
+            for event in read_events(f):
+                story.add(event)
     except OSError as err:
-        raise UsageError(f"dslaunch status {path}: {err.strerror}; give a job's --log_dir") from None
-    jobs = [j for j in jobs if os.path.isfile(j)]
-    if not jobs:
-        raise UsageError(f"dslaunch status {path}: no {EVENTS_FILE} there nor in its subdirectories; "
-                         "give the --log_dir of a job (default ./dslaunch_logs)")
-    return max(jobs, key=os.path.getmtime)
+        raise UsageError(f"dslaunch status: cannot read {shorten(path, 300)}: {err.strerror}") from None
+    if not story.events:
+        raise UsageError(f"dslaunch status: {shorten(path, 300)} holds no valid event ({story.skipped} line(s) "
+                         "skipped); give the --log_dir of a dslaunch job")
+    return story
 
 
 @click.command("status")
@@ -42,6 +77,7 @@ def find_events(path: str) -> str:
 def command(logdir: str) -> int:
     """Summarise a running or finished job from LOGDIR/events.jsonl (default: the newest job in ./dslaunch_logs)."""
     path = find_events(logdir)
-    click.echo(f"{os.path.dirname(path)}:")
-    click.echo(describe_job(read_events(path)))
+    story = read_story(path)
+    click.echo(f"{shorten(os.path.dirname(path), 300)}:")
+    click.echo(story.describe())
     return 0

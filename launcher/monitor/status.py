@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter, deque
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["StatusLine", "format_progress", "describe_job", "PLAIN_EVERY_S"]
+from dslaunch.errors import quote, shorten
+
+__all__ = ["StatusLine", "JobStory", "format_progress", "describe_job", "PLAIN_EVERY_S", "SHOWN_EACH"]
 
 PLAIN_EVERY_S = 30.0
 _TTY_EVERY_S = 1.0
@@ -34,14 +38,14 @@ def format_progress(summary: dict[str, Any]) -> str:
     if summary.get("loss") is not None:
         parts.append(f"loss {summary['loss']:.4g}")
     if summary.get("ranks_up") != summary.get("world"):
-        parts.append(f"{summary['ranks_up']}/{summary['world']} ranks up")
+        parts.append(f"{summary['ranks_up']}/{summary.get('world', '?')} ranks up")
     elif summary.get("lagging"):
-        parts.append(f"slowest rank {summary['slowest_rank']} (step {summary['slowest_step']})")
+        parts.append(f"slowest rank {summary.get('slowest_rank')} (step {summary.get('slowest_step')})")
     mem = summary.get("memory")
     if mem:
-        what = "GPU" if mem["kind"] == "gpu" else "RSS"
+        what = "GPU" if mem.get("kind") == "gpu" else "RSS"
         total = f"/{_gib(mem.get('total'))}" if mem.get("total") else ""
-        parts.append(f"{what} {_gib(mem['used'])}{total} GiB (peak {_gib(mem['peak'])})")
+        parts.append(f"{what} {_gib(mem.get('used'))}{total} GiB (peak {_gib(mem.get('peak'))})")
     return " | ".join(parts)
 
 
@@ -79,39 +83,119 @@ class StatusLine:
             pass
 
 
-def describe_job(events: list[dict[str, Any]]) -> str:
-    """A job's story from its events: state, progress, root cause first, stacks, files."""
-    start = next((e for e in events if e["kind"] == "start"), {})
-    end = next((e for e in reversed(events) if e["kind"] == "end"), None)
-    last = events[-1]["t"] if events else time.time()
-    lines = [f"job {start.get('job_id', '?')}: {len(start.get('hosts', []))} host(s), "
-             f"world size {start.get('world_size', '?')}"]
-    if end is None:
-        lines.append(f"state: running (last event {time.time() - last:.0f} s ago)")
-    else:
-        lines.append(f"state: finished, exit code {end.get('exit_code')} after {end.get('duration_s', 0):.1f} s")
-    summary = next((e for e in reversed(events) if e["kind"] == "summary"), None)
-    if summary is not None:
-        lines.append(f"progress: {format_progress(summary)}")
-    for failure in (e for e in events if e["kind"] == "failure"):
-        lines.append(f"root cause: {failure.get('message')}")
-        if failure.get("detected_t") and failure.get("fault_t"):
-            lines.append(f"  detected {failure['detected_t'] - failure['fault_t']:.2f} s after the fault")
-        if failure.get("remedy"):
-            lines.append(f"  {failure['remedy']}")
-        for path in failure.get("error_files", []):
-            lines.append(f"  error file: {path}")
-        for other in failure.get("others", []):
-            lines.append(f"  then: {other}")
-    for stacks in (e for e in events if e["kind"] == "stacks"):
-        lines.append(f"hang: ranks behind: {', '.join(map(str, stacks.get('behind', [])))}")
-        for rank, info in sorted(stacks.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
-            state = "stopped" if info.get("stopped") else "silent" if info.get("silent") else "running"
-            lines.append(f"  rank {rank} ({state}, step {info.get('step')}): {info.get('top_frame') or 'no stack'}"
-                         + (f" [{info['file']}]" if info.get("file") else ""))
-    for other in (e for e in events if e["kind"] not in _SHOWN):
-        lines.append(f"{other['kind']}: " + ", ".join(f"{k}={v}" for k, v in other.items() if k not in ("t", "kind")))
-    return "\n".join(lines)
+SHOWN_EACH = 20
+"""``dslaunch status`` shows at most this many failures, hangs and other events (the last ones),
+and this many ranks of a hang: a log of 200,000 notes is still a page."""
+_TEXT = 300
+"""The most characters of one shown line; event text is the job's, of any length."""
 
 
-_SHOWN = ("start", "end", "summary", "failure", "stacks", "ranks_up")
+class JobStory:
+    """What ``dslaunch status`` tells of a job, gathered from its events in one pass and bounded
+    in memory and output whatever the log holds. ``add`` each item of ``events.read_events``."""
+
+    def __init__(self) -> None:
+        self.start: dict[str, Any] | None = None
+        self.end: dict[str, Any] | None = None
+        self.summary: dict[str, Any] | None = None
+        self.last_t: float | None = None
+        self.events = 0
+        self.skipped = 0
+        self.failures: deque[dict[str, Any]] = deque(maxlen=SHOWN_EACH)
+        self.stacks: deque[dict[str, Any]] = deque(maxlen=SHOWN_EACH)
+        self.others: deque[dict[str, Any]] = deque(maxlen=SHOWN_EACH)
+        self.unshown = Counter[str]()  # kind -> events left out of the deques above
+
+    def add(self, event: dict[str, Any] | None) -> None:
+        if event is None:
+            self.skipped += 1
+            return
+        self.events += 1
+        self.last_t = event["t"]
+        kind = event["kind"]
+        if kind == "start":
+            self.start = self.start or event  # the job's; a restart loop's runs add no start
+        elif kind == "end":
+            self.end = event
+        elif kind == "summary":
+            self.summary = event
+        elif kind != "ranks_up":
+            shown = {"failure": self.failures, "stacks": self.stacks}.get(kind, self.others)
+            if len(shown) == shown.maxlen:
+                self.unshown["failures" if kind == "failure" else "hangs" if kind == "stacks" else "events"] += 1
+            shown.append(event)
+
+    def describe(self, now: float | None = None) -> str:
+        """The story: state, progress, root cause first, stacks, other events, what was left out."""
+        now = time.time() if now is None else now
+        start = self.start or {}
+        lines = [f"job {start.get('job_id', '?')}: {len(start.get('hosts', []))} host(s), "
+                 f"world size {start.get('world_size', '?')}"]
+        lines.append(self._state(now))
+        if self.summary is not None:
+            lines.append(f"progress: {format_progress(self.summary)}")
+        for failure in self.failures:
+            lines.extend(_failure(failure))
+        for stacks in self.stacks:
+            lines.extend(_hang(stacks))
+        for other in self.others:
+            fields = [f"{_text(k, 40)}={quote(v, 120)}" for k, v in list(other.items())[:10] if k not in ("t", "kind")]
+            lines.append(f"{_text(other['kind'], 40)}: {', '.join(fields)}")
+        for what, n in sorted(self.unshown.items()):
+            lines.append(f"({n} earlier {what} not shown)")
+        if self.skipped:
+            lines.append(f"({self.skipped} line(s) skipped: not valid events)")
+        return "\n".join(_text(line, _TEXT) for line in lines)
+
+    def _state(self, now: float) -> str:
+        if self.end is not None:
+            duration = self.end.get("duration_s")
+            after = f" after {duration:.1f} s" if duration is not None else ""
+            return f"state: finished, exit code {self.end.get('exit_code')}{after}"
+        if self.start is None:
+            return "state: unknown (no start event: not a dslaunch log, or its start was lost)"
+        return f"state: running (last event {now - (self.last_t or now):.0f} s ago)"
+
+
+def _failure(failure: dict[str, Any]) -> list[str]:
+    lines = [f"root cause: {_text(failure.get('message'))}"]
+    if failure.get("detected_t") is not None and failure.get("fault_t") is not None:
+        lines.append(f"  detected {failure['detected_t'] - failure['fault_t']:.2f} s after the fault")
+    if failure.get("remedy"):
+        lines.append(f"  {_text(failure['remedy'])}")
+    files, more_files = _bounded(failure.get("error_files", []), "error files")
+    others, more_others = _bounded(failure.get("others", []), "failures")
+    lines.extend(f"  error file: {_text(path)}" for path in files)
+    lines.extend(f"  then: {_text(other)}" for other in others)
+    return lines + [note for note in (more_files, more_others) if note]
+
+
+def _hang(stacks: dict[str, Any]) -> list[str]:
+    lines = [f"hang: ranks behind: {_text(', '.join(map(str, stacks.get('behind', []))))}"]
+    ranks, more = _bounded(sorted(stacks.get("ranks", {}).items(), key=lambda kv: int(kv[0])), "ranks")
+    for rank, info in ranks:
+        state = "stopped" if info.get("stopped") else "silent" if info.get("silent") else "running"
+        where = f" [{_text(info['file'])}]" if info.get("file") else ""
+        lines.append(f"  rank {rank} ({state}, step {info.get('step')}): {_text(info.get('top_frame') or 'no stack')}"
+                     f"{where}")
+    return lines + ([more] if more else [])
+
+
+def _bounded(items: list[Any], what: str) -> tuple[list[Any], str | None]:
+    """The first ``SHOWN_EACH`` of ``items``, and a note on how many more there are (or None)."""
+    more = len(items) - SHOWN_EACH
+    return (items, None) if more <= 0 else (items[:SHOWN_EACH], f"  ... and {more} more {what}")
+
+
+def _text(value: Any, limit: int = _TEXT) -> str:
+    """Text from the log for the terminal: on one line, control characters escaped (no escape
+    sequence of the job's reaches the terminal), at most ``limit`` characters."""
+    return shorten(str(value), limit)
+
+
+def describe_job(events: Iterable[dict[str, Any] | None], now: float | None = None) -> str:
+    """A job's story from its events (None: a line that was no valid event)."""
+    story = JobStory()
+    for event in events:
+        story.add(event)
+    return story.describe(now)

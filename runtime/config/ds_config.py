@@ -22,9 +22,19 @@ from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
+from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
+from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
 from dslaunch.runtime.config.monitor import MonitorConfig
+from dslaunch.runtime.config.monitors import (
+    CometConfig,
+    CSVConfig,
+    DeepSpeedMonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+    check_packages,
+)
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
@@ -55,7 +65,10 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
              "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig,
-             "activation_checkpointing": ActivationCheckpointingConfig}
+             "activation_checkpointing": ActivationCheckpointingConfig,
+             "flops_profiler": FlopsProfilerConfig,
+             "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
+             "comet": CometConfig, "comms_logger": CommsLoggerConfig}
 
 
 def _steps_per_print(path: str, value: Any) -> int | None:
@@ -109,12 +122,23 @@ class DeepSpeedConfig:
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     """Read by ``deepspeed.checkpointing`` (``initialize`` configures it when the block is given)."""
     """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = field(default_factory=CSVConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
     source: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (a dict or the file's content): DeepSpeed's ``engine.config``."""
+
+    @property
+    def monitor_config(self) -> DeepSpeedMonitorConfig:
+        """DeepSpeed's name for the four monitor blocks together (``MonitorMaster`` takes it)."""
+        return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
 
 def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
@@ -273,6 +297,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     act = cfg.activation_checkpointing
     check_contiguous(act.contiguous_memory_optimization, act.partition_activations, act.number_checkpoints,
                      "activation_checkpointing.contiguous_memory_optimization")
+    check_packages(cfg.monitor_config)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization

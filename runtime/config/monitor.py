@@ -20,14 +20,16 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.config.file import read_config_file
 from dslaunch.runtime.config.param_schema import describe, integer, number
 from dslaunch.runtime.config.sections import _opt, optional, parse_section
-from dslaunch.utils.beat import MAX_HANG_TIMEOUT
+from dslaunch.utils.beat import MAX_HANG_TIMEOUT, MIN_HANG_TIMEOUT
+from dslaunch.utils.restart import MAX_RESTARTS
 
 __all__ = ["MonitorConfig", "monitor_block"]
 
 
 def _path(path: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"must be a directory path (a non-empty string), got {describe(value)}", key=path)
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError(f"must be a directory path (a non-empty string without NUL), got {describe(value)}",
+                          key=path)
     return value
 
 
@@ -35,9 +37,9 @@ def _path(path: str, value: Any) -> str:
 class MonitorConfig:
     """``monitor``: what ``--hang_timeout``, ``--max_restarts`` and ``--log_dir`` say, from the file."""
 
-    hang_timeout: float | None = _opt(None, optional(number(0.0, MAX_HANG_TIMEOUT, low_open=True)),
+    hang_timeout: float | None = _opt(None, optional(number(MIN_HANG_TIMEOUT, MAX_HANG_TIMEOUT)),
                                       "seconds without progress before a rank is hung, or null (off)")
-    max_restarts: int | None = _opt(None, optional(integer(0, 1_000_000)),
+    max_restarts: int | None = _opt(None, optional(integer(0, MAX_RESTARTS)),
                                     "how many times to restart the job after a failure")
     log_dir: str | None = _opt(None, optional(_path), "where each job writes events.jsonl, error "
                                "files and stacks")

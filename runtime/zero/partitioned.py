@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from dslaunch import comm
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.flat import group_dtype, to_host
 from dslaunch.runtime.zero.offload.param_store import ShardStore
@@ -189,5 +189,5 @@ def _broadcast_pieces(flat: zp.FlatShard, owner: int, pieces: list[tuple]) -> tu
             at += hi - lo
     if flat.world == 1:
         return buf, None
-    return buf, dist.broadcast(buf, src=zp.global_rank(flat, owner), group=flat.group, async_op=True)
+    return buf, comm.broadcast(buf, src=zp.global_rank(flat, owner), group=flat.group, async_op=True)
 

@@ -58,10 +58,18 @@ MISSING = "/nonexistent/train.py"
     (["--bind_core_list", "0,,2", FAKE], "'' is not a core or a range"),
     (["--bind_core_list", "0-3,2", FAKE], "--bind_core_list '0-3,2': core 2 is listed twice"),
     (["--bind_core_list", "0-999999", FAKE], "'0-999999' is not a core or a range"),
-    (["--hang_timeout", "0", FAKE], "--hang_timeout 0: expected seconds > 0, at most 604800 (leave the flag out"),
-    (["--hang_timeout", "nan", FAKE], "--hang_timeout nan: expected seconds > 0"),
+    (["--hang_timeout", "0", FAKE], "--hang_timeout 0: expected seconds from 2 (heartbeats reach the launcher "
+                                    "up to 1 s late) to 604800 (leave the flag out"),
+    (["--hang_timeout", "nan", FAKE], "--hang_timeout nan: expected seconds from 2 "),
+    (["--hang_timeout", "0.1", FAKE], "--hang_timeout 0.1: expected seconds from 2 "),
+    (["--hang_timeout", "1e-300", FAKE], "--hang_timeout 1e-300: expected seconds from 2 "),
     (["--hang_timeout", "soon", FAKE], "argument --hang_timeout: invalid float value: 'soon'"),
-    (["--log_dir", "", FAKE], "--log_dir '': empty path; give a directory, or leave the flag out for ./dslaunch_logs"),
+    (["--hang_timeout", "\u0663", FAKE], "argument --hang_timeout: invalid float value: '\u0663'"),
+    (["--grace_period", "1_0", FAKE], "argument --grace_period: invalid float value: '1_0'"),
+    (["--max_restarts", "2147483648", FAKE], "--max_restarts 2147483648: expected 0 to 1000000"),
+    (["--log_dir", "", FAKE], "--log_dir '': not a path (empty, or a NUL character); give a directory, or leave "
+                              "the flag out for ./dslaunch_logs"),
+    (["--log_dir", "x\0" + "y" * 4300, FAKE], "--log_dir 'x\\x00yyyy"),
     (["--num_gpus", "1_0", FAKE], "argument --num_gpus/--num_accelerators: invalid integer value: '1_0'"),
     (["--master_port", "２９５００", FAKE], "argument --master_port: invalid integer value: '２９５００'"),
     ([*["--" + "x" * 100] * 20, FAKE], "unrecognized arguments: --xxx"),
@@ -157,7 +165,8 @@ def test_dry_run_shows_the_monitor_and_writes_nothing(tmp_path):
 def test_a_log_dir_that_cannot_be_created_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     r = run_dslaunch(["--num_gpus", "1", "--log_dir", str(tmp_path / "file"), FAKE])
-    assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("dslaunch: error: --log_dir: cannot write "), r.stderr
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == (
+        f"dslaunch: error: --log_dir {tmp_path}/file: cannot create or open it as a directory: Not a directory"), r.stderr
 
 
 def test_dry_run_with_remote_hosts_uses_the_ssh_runner(tmp_path):
@@ -290,12 +299,34 @@ def test_the_ds_config_monitor_block_sets_the_policy_and_flags_win(tmp_path, cap
     assert tail[2] == f"# from the ds_config's monitor block ({ds}): log_dir (flags win over it)"
 
 
+@pytest.mark.parametrize("form", [["--deepspeed", "{ds}"], ["--deepspeed={ds}"],
+                                  ["--deepspeed", "--deepspeed_config", "{ds}"]])
+def test_the_monitor_block_is_read_from_hugging_faces_deepspeed_flag_too(tmp_path, capsys, form):
+    ds = _ds_config(tmp_path, {"hang_timeout": 30})
+    assert cli.main(["--num_gpus", "1", "--dry-run", FAKE, "--output_dir", "out", *[a.format(ds=ds) for a in form]]) == 0
+    tail = capsys.readouterr().out.splitlines()[-2:]
+    assert tail[0].startswith("# monitor: hang_timeout 30 s"), tail
+    assert tail[1] == f"# from the ds_config's monitor block ({ds}): hang_timeout (flags win over it)"
+
+
+def test_deepspeeds_own_deepspeed_flag_takes_no_value(tmp_path, capsys):
+    """``--deepspeed`` before a script's own argument (DeepSpeed's store_true flag): that argument
+    is not read as a config."""
+    data = tmp_path / "data.txt"
+    data.write_text("not json")
+    assert cli.main(["--num_gpus", "1", "--dry-run", FAKE, "--deepspeed", str(data)]) == 0
+    assert "monitor block" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("monitor, words", [
     ({"hang_timout": 3}, "'monitor.hang_timout': unknown parameter for section 'monitor' (did you mean 'hang_timeout'?); "
                          "valid parameters: hang_timeout, log_dir, max_restarts"),
-    ({"hang_timeout": 0}, "'monitor.hang_timeout': must be in (0, 604800], got int 0"),
+    ({"hang_timeout": 0}, "'monitor.hang_timeout': must be in [2, 604800], got int 0"),
+    ({"hang_timeout": 0.1}, "'monitor.hang_timeout': must be in [2, 604800], got float 0.1"),
     ({"max_restarts": -1}, "'monitor.max_restarts': must be an integer in [0, 1e6], got int -1"),
-    ({"log_dir": ""}, "'monitor.log_dir': must be a directory path (a non-empty string)"),
+    ({"log_dir": ""}, "'monitor.log_dir': must be a directory path (a non-empty string without NUL)"),
+    ({"log_dir": "\u0000x"}, "'monitor.log_dir': must be a directory path (a non-empty string without NUL), "
+                              "got str '\\x00x'"),
     ([1], "'monitor': must be an object, got list"),
 ])
 def test_a_bad_monitor_block_is_one_line_naming_the_key(tmp_path, capsys, monitor, words):
@@ -311,3 +342,28 @@ def test_reading_the_monitor_block_imports_no_torch(tmp_path):
             f"assert cli.main(['--num_gpus', '1', '--dry-run', {FAKE!r}, '--deepspeed_config', {ds!r}]) == 0; "
             "assert 'torch' not in sys.modules and 'psutil' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_resume_from_that_cannot_be_a_directory_fails_at_launch_and_in_dry_run(tmp_path, capsys):
+    """A file, a path under a file or '' as --resume_from left every restart starting from scratch."""
+    afile = tmp_path / "ckpt.pt"
+    afile.write_text("x")
+    cases = [(str(afile), "is a file; expected the checkpoint directory"),
+             (str(afile / "sub" / "dir"), f"is under the file '{afile}'"),
+             ("", "--resume_from '': empty path")]
+    for path, words in cases:
+        for extra in ([], ["--dry-run"]):
+            assert cli.main([*extra, "--max_restarts", "1", "--resume_from", path, FAKE]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("dslaunch: error: ") and err.count("\n") == 1 and words in err, err
+
+
+def test_resume_from_that_does_not_exist_yet_is_valid_and_said_in_one_line(tmp_path, capsys):
+    later = tmp_path / "ckpt" / "run1"
+    assert cli.main(["--dry-run", "--max_restarts", "1", "--resume_from", str(later), FAKE]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "resume_from" in ln]
+    assert notes == [f"dslaunch: --resume_from '{later}' does not exist yet: this run starts at step 0; "
+                     "a restart resumes from the newest checkpoint saved there"]
+    later.mkdir(parents=True)
+    assert cli.main(["--dry-run", "--max_restarts", "1", "--resume_from", str(later), FAKE]) == 0
+    assert "resume_from" not in capsys.readouterr().err
