@@ -24,8 +24,8 @@ _LAZY = {
 }
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
-_SUBPACKAGES = ("accelerator", "checkpoint", "comm", "launcher", "monitor", "profiling", "runtime", "utils",
-                "zero")
+_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "monitor", "profiling",
+                "runtime", "utils", "zero")
 
 __all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
 

@@ -22,12 +22,14 @@ import torch.distributed as dist
 from dslaunch.errors import CheckpointError, UsageError
 from dslaunch.monitor.monitor import MonitorMaster
 from dslaunch.runtime import preempt
+from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_setup import build_components
 from dslaunch.runtime.events import Events, StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import (
+    CheckpointProfile,
     HeartbeatSender,
     MonitorEvents,
     PreemptionCheck,
@@ -58,6 +60,8 @@ class DeepSpeedEngine(torch.nn.Module):
         # Where this rank sits: a Megatron-style mpu, or every rank a data-parallel peer.
         self.grid = mpu if mpu is not None else DataParallelGrid()
         self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's mpu
+        if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
+            checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config
         # DeepSpeed's engine.config is the ds_config dict as given (Hugging Face's Trainer reads it)
         self.config = dict(config.raw)
@@ -96,6 +100,8 @@ class DeepSpeedEngine(torch.nn.Module):
         breakdown = events.add(WallClockBreakdown()) if config.wall_clock_breakdown else None
         if config.steps_per_print:
             events.add(ProgressLine(config.steps_per_print, self.global_rank, breakdown))
+            if config.activation_checkpointing.profile:
+                events.add(CheckpointProfile(config.steps_per_print, self.global_rank))
         if self._heartbeat is not None:
             events.add(HeartbeatSender(self._heartbeat))
         self.flops_profiler = None  # DeepSpeed's attribute: the FlopsProfiler of the profiled step

@@ -3,6 +3,8 @@
 - ``WallClockBreakdown`` (``wall_clock_breakdown``): times the phases;
 - ``ProgressLine`` (``steps_per_print``): rank 0 prints step, skipped, lr, loss scale, grad norm
   and, with the breakdown, each phase's mean ms per optimizer step;
+- ``CheckpointProfile`` (``activation_checkpointing.profile``): rank 0 prints the time spent in
+  checkpointed forwards and recomputes with the progress line;
 - ``HeartbeatSender``: the step, loss and samples to the monitor (only under dslaunch);
 - ``PreemptionCheck``: when every rank agreed on a checkpoint request, save and leave (only when
   the launcher may ask for one);
@@ -21,7 +23,8 @@ from dslaunch.runtime.events import PHASES, Observer, StepRecord
 from dslaunch.runtime.timers import Timers
 from dslaunch.utils.restart import restart_count
 
-__all__ = ["WallClockBreakdown", "ProgressLine", "HeartbeatSender", "PreemptionCheck", "MonitorEvents"]
+__all__ = ["WallClockBreakdown", "ProgressLine", "CheckpointProfile", "HeartbeatSender", "PreemptionCheck",
+           "MonitorEvents"]
 
 
 class WallClockBreakdown(Observer):
@@ -62,6 +65,25 @@ class ProgressLine(Observer):
               f"grad_norm={norm}", flush=True)
         if self.breakdown is not None:
             self.breakdown.log()
+
+
+class CheckpointProfile(Observer):
+    """Every ``every`` steps, rank 0 prints ``deepspeed.checkpointing``'s time since the last print."""
+
+    def __init__(self, every: int, rank: int):
+        self.every, self.rank = every, rank
+
+    def on_step(self, record: StepRecord) -> None:
+        from dslaunch.runtime.activation_checkpointing import checkpointing
+
+        if record.step % self.every:
+            return
+        t = checkpointing.profile_totals()
+        if self.rank == 0:
+            print(f"[dslaunch] step={record.step} activation checkpointing: {t.forwards} forwards "
+                  f"{t.forward_s * 1e3:.1f} ms, {t.recomputes} recomputes {t.recompute_s * 1e3:.1f} ms",
+                  flush=True)
+        checkpointing.reset()
 
 
 class HeartbeatSender(Observer):

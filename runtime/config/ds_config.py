@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
@@ -64,6 +65,7 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
              "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig,
+             "activation_checkpointing": ActivationCheckpointingConfig,
              "flops_profiler": FlopsProfilerConfig,
              "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
              "comet": CometConfig, "comms_logger": CommsLoggerConfig}
@@ -117,6 +119,8 @@ class DeepSpeedConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    """Read by ``deepspeed.checkpointing`` (``initialize`` configures it when the block is given)."""
     """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
@@ -290,6 +294,9 @@ def _validate_typed(values: dict[str, Any]) -> None:
 
 
 def _cross_check(cfg: DeepSpeedConfig) -> None:
+    act = cfg.activation_checkpointing
+    check_contiguous(act.contiguous_memory_optimization, act.partition_activations, act.number_checkpoints,
+                     "activation_checkpointing.contiguous_memory_optimization")
     check_packages(cfg.monitor_config)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")

@@ -399,9 +399,6 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use
     "hybrid_engine": _enabled(),
     # model and training techniques
-    "activation_checkpointing": Off({"partition_activations": False, "contiguous_memory_optimization": False,
-                                     "cpu_checkpointing": False, "number_checkpoints": None,
-                                     "synchronize_checkpoint_boundary": False, "profile": False}),
     "sparse_attention": None, "weight_quantization": None,
     "compression_training": Off({"weight_quantization": _COMPRESSION, "activation_quantization": _COMPRESSION,
                                  "sparse_pruning": _COMPRESSION, "row_pruning": _COMPRESSION,

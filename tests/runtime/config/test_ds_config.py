@@ -156,7 +156,6 @@ def test_zero_knobs_dslaunch_honours_one_way_reject_the_other(key: str, instead:
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
     ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write.pipeline_stage"),
     ({"timers": {"throughput": {"enabled": True}}}, "timers.throughput.enabled"),
-    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"pipeline": {"stages": 2}}, "pipeline.stages"),
 ])
 def test_a_section_without_a_flag_is_off_only_at_its_off_values(raw: dict, path: str) -> None:
@@ -184,7 +183,6 @@ def test_sections_at_their_off_values_are_accepted() -> None:
     ("sparse_attention", {"mode": "fixed"}, None), ("curriculum_learning", {"enabled": True}, {"enabled": False}),
     ("data_efficiency", {"enabled": True}, {"enabled": False}),
     ("autotuning", {"enabled": True}, {"enabled": False}),
-    ("activation_checkpointing", {"cpu_checkpointing": True}, {"cpu_checkpointing": False}),
     ("amp", {"enabled": True, "opt_level": "O1"}, {"enabled": False, "opt_level": "O1"}),
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
     ("graph_harvesting", True, False), ("torch_autocast", {"enabled": True}, {"enabled": False}),

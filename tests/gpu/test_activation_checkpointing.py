@@ -1,0 +1,54 @@
+"""``deepspeed.checkpointing`` on a CUDA device: the CUDA generator is replayed (gradients bit for
+bit, dropout through the fused ``native_dropout``, both modes), and ``cpu_checkpointing`` keeps
+the inputs in pinned host memory, so the device holds less after the forward. Marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dslaunch.runtime.activation_checkpointing import checkpointing as ckpt
+from tests.runtime.activation_checkpointing.blocks import Stack, tokens
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh runs these)"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ckpt, "_STATE", ckpt._State())
+
+
+def _grads(model: Stack) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.cuda.manual_seed(5)
+    model(tokens().cuda()).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("which", ["checkpoint", "non_reentrant_checkpoint"])
+def test_cuda_gradients_are_bitwise_those_without_checkpointing(which: str, mode: str) -> None:
+    torch.manual_seed(0)
+    model = Stack().cuda()
+    plain = _grads(model)
+    ckpt.configure(None, mode=mode)
+    model.wrap = getattr(ckpt, which)
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model), strict=True))
+
+
+def test_cpu_checkpointing_moves_inputs_to_pinned_host_memory() -> None:
+    ckpt.configure(None, checkpoint_in_cpu=True)
+    w = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    before = torch.cuda.memory_allocated()
+    y = ckpt.checkpoint(lambda a: (a @ w).tanh(), x * 2)  # x * 2: only the checkpoint holds it
+    kept = y.grad_fn.call.kept[0]
+    assert kept.data.device.type == "cpu" and kept.data.is_pinned()
+    assert torch.cuda.memory_allocated() - before == y.numel() * 4  # the output only
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.autograd.grad(((x.detach() * 2) @ w).tanh().sum(), w)[0])
