@@ -197,7 +197,7 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
         else:
             valid = [*_SECTIONS, *_SCALARS]
             hint = did_you_mean(str(key), [*valid, *UNIMPLEMENTED_KEYS])
-            raise ConfigError(f"unknown key{hint}; valid top-level keys: {', '.join(sorted(valid))}",
+            raise ConfigError(f"unknown key{hint}; valid top-level keys: {_listing(sorted(valid))}",
                               key=str(key))
     _validate_typed(values)
     given = {k: values.pop(k, None) for k in _BATCH_KEYS}
@@ -275,6 +275,17 @@ def _batch_triad(b: dict[str, int | None], world: int) -> dict[str, int]:
                           key="train_batch_size")
     return {"train_batch_size": tb, "train_micro_batch_size_per_gpu": mb,
             "gradient_accumulation_steps": gas}
+
+
+def _listing(names: list[str], limit: int = 300) -> str:
+    """``names`` joined, cut to about ``limit`` characters (every new section lengthens the list:
+    an error line stays short)."""
+    shown: list[str] = []
+    for name in names:
+        if sum(len(n) + 2 for n in shown) + len(name) > limit:
+            return f"{', '.join(shown)} and {len(names) - len(shown)} more"
+        shown.append(name)
+    return ", ".join(shown)
 
 
 def _validate_typed(values: dict[str, Any]) -> None:
