@@ -24,7 +24,7 @@ _LAZY = {
 }
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
-_SUBPACKAGES = ("accelerator", "checkpoint", "comm", "launcher", "runtime", "utils", "zero")
+_SUBPACKAGES = ("accelerator", "checkpoint", "comm", "launcher", "pipe", "runtime", "utils", "zero")
 
 __all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
 
