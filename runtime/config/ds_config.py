@@ -25,6 +25,7 @@ from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.monitor import MonitorConfig
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
+from dslaunch.runtime.config.pipeline import PipelineConfig
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
     AioConfig,
@@ -53,7 +54,8 @@ _SOURCE_TYPES = (str, os.PathLike, Mapping)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
-             "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig}
+             "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig,
+             "pipeline": PipelineConfig}
 
 
 def _steps_per_print(path: str, value: Any) -> int | None:
@@ -105,6 +107,8 @@ class DeepSpeedConfig:
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Read only when the model is a ``PipelineModule`` (``runtime/pipe/engine.py``)."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None

@@ -157,7 +157,6 @@ def test_zero_knobs_dslaunch_honours_one_way_reject_the_other(key: str, instead:
     ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write.pipeline_stage"),
     ({"timers": {"throughput": {"enabled": True}}}, "timers.throughput.enabled"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
-    ({"pipeline": {"stages": 2}}, "pipeline.stages"),
 ])
 def test_a_section_without_a_flag_is_off_only_at_its_off_values(raw: dict, path: str) -> None:
     msg = _error({"train_batch_size": 8, **raw})

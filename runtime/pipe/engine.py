@@ -1,0 +1,332 @@
+"""The pipeline engine (DeepSpeed's ``deepspeed.runtime.pipe.engine.PipelineEngine``).
+
+``initialize`` builds it when the model is a ``PipelineModule``; its mpu is the module's
+``PipelineParallelGrid``, so the data loader, ZeRO and the batch size come from the data axis and
+the gradient norm (clip factor, fp16 overflow skip) is agreed over the whole replica, as for any
+engine given that grid (``DeepSpeedEngine``).
+
+``train_batch()`` runs one optimizer step as a schedule (``runtime/pipe/schedule.py``): a list of
+instructions per stage, executed in order by ``_INSTRUCTION_MAP``. The ZeRO strategy sees each
+micro batch's backward as one micro step of the accumulation (the last one is the boundary), so
+stages 0-2, offload and the loss scaler work unchanged. The engine's ``events`` get a forward and a
+backward phase per micro batch and one ``StepRecord`` per ``train_batch``.
+
+Limitations: ZeRO-3 is refused (a one-line ``ConfigError``); tied layers need ZeRO stage 0 or 1;
+checkpoints are refused for model-parallel engines (``DeepSpeedEngine.checkpoint_parts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dslaunch.errors import ConfigError, UsageError
+from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.dataloader import RepeatingLoader
+from dslaunch.runtime.engine import DeepSpeedEngine
+from dslaunch.runtime.pipe import p2p
+from dslaunch.runtime.pipe import schedule as sched
+from dslaunch.runtime.pipe.module import PipelineModule
+
+__all__ = ["PipelineEngine"]
+
+_ONLY_TRAIN_BATCH = "is not available with pipeline parallelism: use engine.train_batch() (and eval_batch())"
+
+
+@dataclass
+class _Batch:
+    """What one ``train_batch``/``eval_batch`` holds per micro batch until its backward is done."""
+
+    micro_batches: int
+    train: bool
+    inputs: dict[int, Any] = field(default_factory=dict)
+    labels: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    grads: dict[int, Any] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)
+    compute_loss: bool = True
+    keep_logits: bool = False
+    sends: list[p2p.PendingSend] = field(default_factory=list)
+
+
+class PipelineEngine(DeepSpeedEngine):
+    """Trains a ``PipelineModule``: each rank runs its stage of every micro batch.
+
+    Use ``loss = engine.train_batch()`` (or ``train_batch(data_iter)``) once per optimizer step;
+    ``forward``, ``backward`` and ``step`` raise ``UsageError`` as in DeepSpeed.
+
+    collective: construct, ``train_batch`` and ``eval_batch`` on all ranks.
+
+    Raises:
+        ConfigError: ZeRO stage 3, ``pipeline.stages`` other than the module's, or tied layers with
+            ZeRO stage 2.
+    """
+
+    def __init__(self, model: PipelineModule, config: DeepSpeedConfig, **kwargs: Any):
+        _check_config(model, config)
+        super().__init__(model, config, mpu=model.mpu(), **kwargs)
+        self.num_stages, self.stage_id = model.num_stages, model.stage_id
+        self.micro_batches = config.gradient_accumulation_steps
+        self.schedule_type = sched.SCHEDULES[config.pipeline.schedule]
+        if model.activation_checkpoint_interval == 0:
+            model.activation_checkpoint_interval = config.pipeline.activation_checkpoint_interval
+        self.prev_stage = self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None
+        self.next_stage = self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None
+        self.data_iterator: Iterator | None = None
+        self.batch_fn: Callable | None = None
+        self.agg_train_loss: torch.Tensor | None = None
+        if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
+            self.set_dataiterator(RepeatingLoader(self.training_dataloader))
+
+    # ----- DeepSpeed's pipeline API -----------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """Where ``train_batch()``/``eval_batch()`` without an iterator read micro batches from."""
+        self.data_iterator = iterator
+
+    def set_batch_fn(self, fn: Callable) -> None:
+        """``fn(batch) -> (inputs, labels)`` applied to every micro batch read."""
+        self.batch_fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise UsageError(f"engine.forward() {_ONLY_TRAIN_BATCH}")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise UsageError(f"engine.backward() {_ONLY_TRAIN_BATCH}")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise UsageError(f"engine.step() {_ONLY_TRAIN_BATCH}")
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """Pull ``gradient_accumulation_steps`` micro batches, train on them, take one step.
+
+        Returns the mean loss of the micro batches (averaged over the data-parallel replicas),
+        on every stage.
+
+        collective: call on all ranks.
+
+        Raises:
+            UsageError: called under ``torch.no_grad()``, or no data iterator on a stage that reads data.
+        """
+        if not torch.is_grad_enabled():
+            raise UsageError("train_batch() was called under torch.no_grad(); use eval_batch() to evaluate")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.zero.pre_forward()
+        batch = _Batch(self.micro_batches, train=True)
+        self._execute(self.schedule_type(self.micro_batches, self.num_stages, self.stage_id), batch)
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> Any:
+        """Forward ``num_micro_batches`` (default: the accumulation steps) micro batches, no step.
+
+        Returns the loss averaged over micro batches and replicas (``reduce_output="avg"``), or the
+        list of per-micro-batch losses (None); with ``compute_loss=False`` the model's outputs
+        instead. ``bcast_loss`` broadcasts an averaged loss to every stage (else the other stages
+        return None). ``return_logits``: ``(loss, logits)``, the last stage's outputs of every
+        micro batch concatenated along dimension 0 (None elsewhere).
+
+        collective: call on all ranks.
+        """
+        if reduce_output not in ("avg", None):
+            raise UsageError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self.set_dataiterator(data_iter)
+        micro = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
+        batch = _Batch(micro, train=False, compute_loss=compute_loss, keep_logits=return_logits)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                self.zero.pre_forward()
+                self._execute(sched.InferenceSchedule(micro, self.num_stages, self.stage_id), batch)
+                self._wait_sends(batch)
+                result = self._eval_result(batch, reduce_output, bcast_loss)
+        finally:
+            self.module.train(was_training)
+        if not return_logits:
+            return result
+        logits = _concat(batch.logits) if self.is_last_stage() else None
+        return result, logits
+
+    # ----- the instructions -------------------------------------------------------------------
+    def _execute(self, schedule: sched.PipeSchedule, batch: _Batch) -> None:
+        for step in schedule.steps():
+            for instruction in step:
+                self._INSTRUCTION_MAP[type(instruction)](self, instruction.buffer_id, batch)
+
+    def _exec_load_micro_batch(self, mb: int, batch: _Batch) -> None:
+        if self.data_iterator is None:
+            raise UsageError(f"stage {self.stage_id} reads data but has no data iterator: pass data_iter to "
+                             "train_batch()/eval_batch(), or training_data to initialize()")
+        data = next(self.data_iterator)
+        if self.batch_fn is not None:
+            data = self.batch_fn(data)
+        if not isinstance(data, tuple | list) or len(data) != 2:
+            raise UsageError("a pipeline micro batch must be (inputs, labels); use set_batch_fn() to convert "
+                             f"yours (got {type(data).__name__})")
+        if self.is_first_stage():
+            batch.inputs[mb] = _to(data[0], self.device)
+        if self.is_last_stage():
+            batch.labels[mb] = _to(data[1], self.device)
+
+    def _exec_forward_pass(self, mb: int, batch: _Batch) -> None:
+        with self.events.phase("forward"):
+            out = self.module(batch.inputs[mb])
+            if self.is_last_stage():
+                if batch.keep_logits:
+                    batch.logits.append(out)
+                if batch.compute_loss and self.module.loss_fn is not None:
+                    out = self.module.loss_fn(out, batch.labels.pop(mb))
+                batch.losses.append(_scalar(out) if batch.train else out)
+        if batch.train or not self.is_last_stage():
+            batch.outputs[mb] = out
+        if not batch.train and not self.is_first_stage():
+            batch.inputs.pop(mb)
+
+    def _exec_send_activations(self, mb: int, batch: _Batch) -> None:
+        out = batch.outputs[mb] if batch.train else batch.outputs.pop(mb)
+        batch.sends.append(p2p.send(out, self.next_stage, what=f"stage {self.stage_id}'s output"))
+
+    def _exec_recv_activations(self, mb: int, batch: _Batch) -> None:
+        batch.inputs[mb] = p2p.recv(self.prev_stage, self.device)
+
+    def _exec_recv_grads(self, mb: int, batch: _Batch) -> None:
+        batch.grads[mb] = p2p.recv(self.next_stage, self.device)
+
+    def _exec_backward_pass(self, mb: int, batch: _Batch) -> None:
+        boundary = mb == batch.micro_batches - 1
+        self.zero.begin_micro_step(boundary)
+        out = batch.outputs.pop(mb)
+        with self.events.phase("backward"):
+            if self.is_last_stage():
+                self.loss_scaler.scale_loss(out / batch.micro_batches).backward()
+            else:
+                tensors = [t for t in _as_tuple(out) if t.requires_grad]
+                grads = _as_tuple(batch.grads.pop(mb))
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+        if not boundary:  # the boundary's reduction waits until this stage's last gradient is sent
+            self._backward_epilogue()
+
+    def _exec_send_grads(self, mb: int, batch: _Batch) -> None:
+        inputs = [t for t in _as_tuple(batch.inputs.pop(mb)) if t.requires_grad]
+        grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
+        batch.sends.append(p2p.send(grads, self.prev_stage, what=f"stage {self.stage_id}'s input gradients"))
+
+    def _exec_reduce_grads(self, mb: int, batch: _Batch) -> None:
+        self._backward_epilogue()
+
+    def _exec_reduce_tied_grads(self, mb: int, batch: _Batch) -> None:
+        self.module.allreduce_tied_weight_gradients()
+
+    def _exec_optimizer_step(self, mb: int, batch: _Batch) -> None:
+        self._wait_sends(batch)
+        local = torch.stack(batch.losses).mean() if self.is_last_stage() else None
+        self.agg_train_loss = self._loss = self._mean_loss(local)
+        self.micro_steps += batch.micro_batches - 1  # the record counts micro steps before the last
+        self._take_model_step()
+        self.micro_steps += 1
+
+    _INSTRUCTION_MAP: dict[type, Callable[[PipelineEngine, int, _Batch], None]] = {
+        sched.LoadMicroBatch: _exec_load_micro_batch,
+        sched.ForwardPass: _exec_forward_pass,
+        sched.SendActivation: _exec_send_activations,
+        sched.RecvActivation: _exec_recv_activations,
+        sched.RecvGrad: _exec_recv_grads,
+        sched.BackwardPass: _exec_backward_pass,
+        sched.SendGrad: _exec_send_grads,
+        sched.ReduceGrads: _exec_reduce_grads,
+        sched.ReduceTiedGrads: _exec_reduce_tied_grads,
+        sched.OptimizerStep: _exec_optimizer_step,
+    }
+
+    # ----- losses -----------------------------------------------------------------------------
+    @staticmethod
+    def _wait_sends(batch: _Batch) -> None:
+        for pending in batch.sends:
+            pending.wait()
+        batch.sends.clear()
+
+    def _replica_mean(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` averaged over the data-parallel replicas (collective over the data axis)."""
+        value = local.detach().float().clone()
+        if self.dp_world_size > 1:
+            dist.all_reduce(value, group=self.grid.get_data_parallel_group())
+            value /= self.dp_world_size
+        return value
+
+    def _mean_loss(self, local: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's mean loss, averaged over the replicas, on every stage of the replica.
+
+        collective: every rank (data-parallel all-reduce on the last stage, pipe broadcast).
+        """
+        if self.is_last_stage():
+            loss = self._replica_mean(_scalar(local))
+        else:
+            loss = torch.zeros((), device=self.device)
+        if self.num_stages > 1:
+            dist.broadcast(loss, src=self.grid.stage_to_global(self.num_stages - 1),
+                           group=self.grid.get_pipe_parallel_group())
+        return loss
+
+    def _eval_result(self, batch: _Batch, reduce_output: str | None, bcast_loss: bool) -> Any:
+        if reduce_output is None:
+            return batch.losses if self.is_last_stage() else None
+        local = torch.stack([x.detach().float() for x in batch.losses]).mean(0) if self.is_last_stage() else None
+        if bcast_loss:
+            return self._mean_loss(local)
+        return self._replica_mean(local) if local is not None else None
+
+
+def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
+    stage = config.zero_optimization.stage
+    if stage == 3:
+        raise ConfigError("ZeRO stage 3 cannot be combined with pipeline parallelism (a PipelineModule); "
+                          "use zero_optimization.stage 0, 1 or 2", key="zero_optimization.stage")
+    stages = config.pipeline.stages
+    if stages != "auto" and stages != model.num_stages:
+        raise ConfigError(f"{stages} differs from the PipelineModule's {model.num_stages} stages; set it to "
+                          f"{model.num_stages} or \"auto\"", key="pipeline.stages")
+    if stage == 2 and model.tied_comms:
+        raise ConfigError("tied layers across stages (TiedLayerSpec) need ZeRO stage 0 or 1 (stage 2 keeps only "
+                          "gradient shards, which differ between the stages holding the tie)",
+                          key="zero_optimization.stage")
+
+
+def _to(data: Any, device: torch.device) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(device).detach()
+    if isinstance(data, tuple | list):
+        return tuple(_to(x, device) for x in data)
+    return data
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, tuple | list) else (x,)
+
+
+def _scalar(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UsageError(f"the last stage's loss must be a single-element tensor, got {what}: give the "
+                         "PipelineModule a loss_fn that reduces (e.g. a mean)")
+    return loss.detach().reshape(())
+
+
+def _concat(outputs: list[Any]) -> Any:
+    if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+        return torch.cat(outputs)
+    return outputs
