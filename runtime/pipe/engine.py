@@ -268,26 +268,31 @@ class PipelineEngine(DeepSpeedEngine):
             value /= self.dp_world_size
         return value
 
-    def _mean_loss(self, local: torch.Tensor | None) -> torch.Tensor:
-        """The last stage's mean loss, averaged over the replicas, on every stage of the replica.
+    def _mean_loss(self, local: torch.Tensor | None, shape: tuple | None = ()) -> torch.Tensor:
+        """The last stage's mean loss (or averaged outputs; ``shape`` None: not known to the other
+        stages), averaged over the replicas, on every stage of the replica.
 
-        collective: every rank (data-parallel all-reduce on the last stage, pipe broadcast).
+        collective: every rank (data-parallel all-reduce on the last stage, pipe broadcasts).
         """
-        if self.is_last_stage():
-            loss = self._replica_mean(_scalar(local))
-        else:
-            loss = torch.zeros((), device=self.device)
-        if self.num_stages > 1:
-            dist.broadcast(loss, src=self.grid.stage_to_global(self.num_stages - 1),
-                           group=self.grid.get_pipe_parallel_group())
-        return loss
+        value = self._replica_mean(local) if self.is_last_stage() else None
+        if self.num_stages == 1:
+            return value
+        group, src = self.grid.get_pipe_parallel_group(), self.grid.stage_to_global(self.num_stages - 1)
+        if shape is None:  # eval outputs: the other stages learn the shape first
+            shapes = [tuple(value.shape) if value is not None else None]
+            dist.broadcast_object_list(shapes, src=src, group=group)
+            shape = shapes[0]
+        if value is None:
+            value = torch.empty(shape, dtype=torch.float32, device=self.device)
+        dist.broadcast(value, src=src, group=group)
+        return value
 
     def _eval_result(self, batch: _Batch, reduce_output: str | None, bcast_loss: bool) -> Any:
         if reduce_output is None:
             return batch.losses if self.is_last_stage() else None
         local = torch.stack([x.detach().float() for x in batch.losses]).mean(0) if self.is_last_stage() else None
         if bcast_loss:
-            return self._mean_loss(local)
+            return self._mean_loss(local, shape=None)
         return self._replica_mean(local) if local is not None else None
 
 
