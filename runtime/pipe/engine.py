@@ -177,8 +177,8 @@ class PipelineEngine(DeepSpeedEngine):
         if not isinstance(data, tuple | list) or len(data) != 2:
             raise UsageError("a pipeline micro batch must be (inputs, labels); use set_batch_fn() to convert "
                              f"yours (got {type(data).__name__})")
-        if self.is_first_stage():
-            batch.inputs[mb] = _to(data[0], self.device)
+        if self.is_first_stage():  # floating inputs in the model's dtype (fp16/bf16), as the weights
+            batch.inputs[mb] = _to(data[0], self.device, self.precision.model_dtype)
         if self.is_last_stage():
             batch.labels[mb] = _to(data[1], self.device)
 
@@ -311,11 +311,12 @@ def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
                           key="zero_optimization.stage")
 
 
-def _to(data: Any, device: torch.device) -> Any:
+def _to(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
     if isinstance(data, torch.Tensor):
-        return data.to(device).detach()
+        cast = dtype if dtype is not None and data.is_floating_point() else data.dtype
+        return data.to(device, cast).detach()
     if isinstance(data, tuple | list):
-        return tuple(_to(x, device) for x in data)
+        return tuple(_to(x, device, dtype) for x in data)
     return data
 
 

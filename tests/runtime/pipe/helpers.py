@@ -20,7 +20,7 @@ def layers() -> list[Any]:
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(out, y)
+    return torch.nn.functional.mse_loss(out.float(), y)  # 16-bit outputs: the loss in fp32
 
 
 def micro_batches(step: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

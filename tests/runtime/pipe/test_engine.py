@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(180)
 STEPS, LR = 20, 0.1
 
 
-def _train(rank: int, world: int, stages: int, gas: int, zero: int) -> dict:
+def _train(rank: int, world: int, stages: int, gas: int, zero: int, extra: dict | None = None) -> dict:
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
@@ -22,19 +22,20 @@ def _train(rank: int, world: int, stages: int, gas: int, zero: int) -> dict:
     module = PipelineModule(helpers.layers(), num_stages=stages, loss_fn=helpers.loss_fn, seed_layers=True,
                             base_seed=helpers.BASE_SEED, partition_method="parameters")
     dp = world // stages
-    cfg = helpers.config(gas, LR, zero_optimization={"stage": zero})
+    cfg = helpers.config(gas, LR, **{"zero_optimization": {"stage": zero}, **(extra or {})})
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
     data = helpers.replica_iter(STEPS, gas, dp, engine.grid.get_data_parallel_rank())
     losses = [engine.train_batch(data).item() for _ in range(STEPS)]
-    layers = {int(name.split(".")[0]): [] for name, _ in module.named_parameters()}
-    for name, p in module.named_parameters():
-        layers[int(name.split(".")[0])].append(p.detach().tolist())
+    layers: dict[int, list] = {}
+    for name, p in engine.module_state_dict().items():  # (waits for the last step's publish)
+        layers.setdefault(int(name.split(".")[0]), []).append(p.float().tolist())
     return {"losses": losses, "layers": layers, "stage": engine.stage_id, "steps": engine.global_steps,
-            "micro": engine.micro_steps, "type": type(engine).__name__}
+            "micro": engine.micro_steps, "type": type(engine).__name__, "scale": engine.loss_scale(),
+            "norm": engine.get_global_grad_norm()}
 
 
-def _check(got: list[dict], gas: int, dp: int) -> None:
-    want_losses, want_layers = helpers.reference(STEPS, gas, dp, LR)
+def _check(got: list[dict], gas: int, dp: int, clip: float = 0.0) -> None:
+    want_losses, want_layers = helpers.reference(STEPS, gas, dp, LR, clip)
     held = set()
     for r in got:
         assert r["type"] == "PipelineEngine" and r["steps"] == STEPS and r["micro"] == STEPS * gas
@@ -53,6 +54,30 @@ def test_train_batch_matches_one_process(stages: int, world: int, gas: int) -> N
 
 def test_zero1_on_the_data_axis_matches_one_process() -> None:
     _check(run_world(_train, 4, 2, 3, 1, timeout=150), 3, 2)
+
+
+@pytest.mark.parametrize("zero, extra", [
+    (2, {}),  # gradients reduced into their shard at each micro batch's backward
+    (2, {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 50}}),
+    (1, {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}),
+    (0, {"pipeline": {"activation_checkpoint_interval": 1}}),
+    (1, {"gradient_clipping": 0.5}),
+])
+def test_composes_with_zero2_offload_checkpointing_and_clipping(zero: int, extra: dict) -> None:
+    got = run_world(_train, 4, 2, 2, zero, extra, timeout=150)
+    _check(got, 2, 2, clip=extra.get("gradient_clipping", 0.0))
+    if "gradient_clipping" in extra:
+        assert len({r["norm"] for r in got}) == 1 and got[0]["norm"] > 0.5  # the whole model's norm, clipped
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16bit_training_follows_one_process_loosely(precision: str) -> None:
+    extra = {precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}}
+    got = run_world(_train, 2, 2, 2, 1, extra, timeout=150)
+    want, _ = helpers.reference(STEPS, 2, 1, LR)
+    for r in got:
+        assert r["losses"] == pytest.approx(want, rel=3e-2)  # 16-bit activations and weights
+        assert r["scale"] == got[0]["scale"]
 
 
 def _events_and_refusals(rank: int, world: int) -> dict:
