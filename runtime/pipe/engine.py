@@ -34,6 +34,8 @@ from dslaunch.runtime.pipe.module import PipelineModule
 
 __all__ = ["PipelineEngine"]
 
+# Message tags: with virtual stages one direction between two ranks carries both kinds.
+_ACTIVATIONS, _GRADIENTS = 1, 2
 _ONLY_TRAIN_BATCH = "is not available with pipeline parallelism: use engine.train_batch() (and eval_batch())"
 
 
@@ -52,6 +54,8 @@ class _Batch:
     compute_loss: bool = True
     keep_logits: bool = False
     sends: list[p2p.PendingSend] = field(default_factory=list)
+    backwards_left: int = 0
+    """Backward passes still to run; the last one is the accumulation boundary."""
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -75,8 +79,10 @@ class PipelineEngine(DeepSpeedEngine):
         self.schedule_type = sched.SCHEDULES[config.pipeline.schedule]
         if model.activation_checkpoint_interval == 0:
             model.activation_checkpoint_interval = config.pipeline.activation_checkpoint_interval
-        self.prev_stage = self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None
-        self.next_stage = self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None
+        self.chunks = model.virtual_stages
+        # Neighbours on a ring: with virtual stages the last stage feeds the first one's next chunk.
+        self.prev_stage = self.grid.stage_to_global((self.stage_id - 1) % self.num_stages)
+        self.next_stage = self.grid.stage_to_global((self.stage_id + 1) % self.num_stages)
         self.data_iterator: Iterator | None = None
         self.batch_fn: Callable | None = None
         self.agg_train_loss: torch.Tensor | None = None
@@ -125,7 +131,7 @@ class PipelineEngine(DeepSpeedEngine):
         self.module.train()
         self.zero.pre_forward()
         batch = _Batch(self.micro_batches, train=True)
-        self._execute(self.schedule_type(self.micro_batches, self.num_stages, self.stage_id), batch)
+        self._execute(self.schedule_type(self.micro_batches, self.num_stages, self.stage_id, self.chunks), batch)
         return self.agg_train_loss
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
@@ -151,7 +157,7 @@ class PipelineEngine(DeepSpeedEngine):
         try:
             with torch.no_grad():
                 self.zero.pre_forward()
-                self._execute(sched.InferenceSchedule(micro, self.num_stages, self.stage_id), batch)
+                self._execute(sched.InferenceSchedule(micro, self.num_stages, self.stage_id, self.chunks), batch)
                 self._wait_sends(batch)
                 result = self._eval_result(batch, reduce_output, bcast_loss)
         finally:
@@ -163,11 +169,16 @@ class PipelineEngine(DeepSpeedEngine):
 
     # ----- the instructions -------------------------------------------------------------------
     def _execute(self, schedule: sched.PipeSchedule, batch: _Batch) -> None:
+        batch.backwards_left = schedule.micro_batches * schedule.chunks
         for step in schedule.steps():
             for instruction in step:
-                self._INSTRUCTION_MAP[type(instruction)](self, instruction.buffer_id, batch)
+                self._INSTRUCTION_MAP[type(instruction)](self, instruction, batch)
 
-    def _exec_load_micro_batch(self, mb: int, batch: _Batch) -> None:
+    def _ends(self, chunk: int) -> tuple[bool, bool]:
+        """Whether this rank's ``chunk`` is the model's first part, and its last."""
+        return self.is_first_stage() and chunk == 0, self.is_last_stage() and chunk == self.chunks - 1
+
+    def _exec_load_micro_batch(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         if self.data_iterator is None:
             raise UsageError(f"stage {self.stage_id} reads data but has no data iterator: pass data_iter to "
                              "train_batch()/eval_batch(), or training_data to initialize()")
@@ -177,62 +188,70 @@ class PipelineEngine(DeepSpeedEngine):
         if not isinstance(data, tuple | list) or len(data) != 2:
             raise UsageError("a pipeline micro batch must be (inputs, labels); use set_batch_fn() to convert "
                              f"yours (got {type(data).__name__})")
-        if self.is_first_stage():  # floating inputs in the model's dtype (fp16/bf16), as the weights
-            batch.inputs[mb] = _to(data[0], self.device, self.precision.model_dtype)
-        if self.is_last_stage():
-            batch.labels[mb] = _to(data[1], self.device)
+        first, last = self._ends(ins.chunk)
+        key = (ins.buffer_id, ins.chunk)
+        if first:  # floating inputs in the model's dtype (fp16/bf16), as the weights
+            batch.inputs[key] = _to(data[0], self.device, self.precision.model_dtype)
+        if last:
+            batch.labels[key] = _to(data[1], self.device)
 
-    def _exec_forward_pass(self, mb: int, batch: _Batch) -> None:
+    def _exec_forward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        key, last = (ins.buffer_id, ins.chunk), self._ends(ins.chunk)[1]
         with self.events.phase("forward"):
-            out = self.module(batch.inputs[mb])
-            if self.is_last_stage():
+            out = self.module(batch.inputs[key], chunk=ins.chunk)
+            if last:
                 if batch.keep_logits:
                     batch.logits.append(out)
                 if batch.compute_loss and self.module.loss_fn is not None:
-                    out = self.module.loss_fn(out, batch.labels.pop(mb))
+                    out = self.module.loss_fn(out, batch.labels.pop(key))
                 batch.losses.append(_scalar(out) if batch.train else out)
-        if batch.train or not self.is_last_stage():
-            batch.outputs[mb] = out
-        if not batch.train and not self.is_first_stage():
-            batch.inputs.pop(mb)
+        if batch.train or not last:
+            batch.outputs[key] = out
+        if not batch.train:
+            batch.inputs.pop(key)
 
-    def _exec_send_activations(self, mb: int, batch: _Batch) -> None:
-        out = batch.outputs[mb] if batch.train else batch.outputs.pop(mb)
-        batch.sends.append(p2p.send(out, self.next_stage, what=f"stage {self.stage_id}'s output"))
+    def _exec_send_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        key = (ins.buffer_id, ins.chunk)
+        out = batch.outputs[key] if batch.train else batch.outputs.pop(key)
+        batch.sends.append(p2p.send(out, self.next_stage, what=f"stage {self.stage_id}'s output",
+                                    tag=_ACTIVATIONS))
 
-    def _exec_recv_activations(self, mb: int, batch: _Batch) -> None:
-        batch.inputs[mb] = p2p.recv(self.prev_stage, self.device)
+    def _exec_recv_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        batch.inputs[(ins.buffer_id, ins.chunk)] = p2p.recv(self.prev_stage, self.device, tag=_ACTIVATIONS)
 
-    def _exec_recv_grads(self, mb: int, batch: _Batch) -> None:
-        batch.grads[mb] = p2p.recv(self.next_stage, self.device)
+    def _exec_recv_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        batch.grads[(ins.buffer_id, ins.chunk)] = p2p.recv(self.next_stage, self.device, tag=_GRADIENTS)
 
-    def _exec_backward_pass(self, mb: int, batch: _Batch) -> None:
-        boundary = mb == batch.micro_batches - 1
+    def _exec_backward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        batch.backwards_left -= 1
+        boundary = batch.backwards_left == 0
         self.zero.begin_micro_step(boundary)
-        out = batch.outputs.pop(mb)
+        key = (ins.buffer_id, ins.chunk)
+        out = batch.outputs.pop(key)
         with self.events.phase("backward"):
-            if self.is_last_stage():
+            if self._ends(ins.chunk)[1]:
                 self.loss_scaler.scale_loss(out / batch.micro_batches).backward()
             else:
                 tensors = [t for t in _as_tuple(out) if t.requires_grad]
-                grads = _as_tuple(batch.grads.pop(mb))
+                grads = _as_tuple(batch.grads.pop(key))
                 if tensors:
                     torch.autograd.backward(tensors, grads)
         if not boundary:  # the boundary's reduction waits until this stage's last gradient is sent
             self._backward_epilogue()
 
-    def _exec_send_grads(self, mb: int, batch: _Batch) -> None:
-        inputs = [t for t in _as_tuple(batch.inputs.pop(mb)) if t.requires_grad]
+    def _exec_send_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        inputs = [t for t in _as_tuple(batch.inputs.pop((ins.buffer_id, ins.chunk))) if t.requires_grad]
         grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
-        batch.sends.append(p2p.send(grads, self.prev_stage, what=f"stage {self.stage_id}'s input gradients"))
+        batch.sends.append(p2p.send(grads, self.prev_stage, what=f"stage {self.stage_id}'s input gradients",
+                                    tag=_GRADIENTS))
 
-    def _exec_reduce_grads(self, mb: int, batch: _Batch) -> None:
+    def _exec_reduce_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         self._backward_epilogue()
 
-    def _exec_reduce_tied_grads(self, mb: int, batch: _Batch) -> None:
+    def _exec_reduce_tied_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         self.module.allreduce_tied_weight_gradients()
 
-    def _exec_optimizer_step(self, mb: int, batch: _Batch) -> None:
+    def _exec_optimizer_step(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         self._wait_sends(batch)
         local = torch.stack(batch.losses).mean() if self.is_last_stage() else None
         self.agg_train_loss = self._loss = self._mean_loss(local)
@@ -240,7 +259,7 @@ class PipelineEngine(DeepSpeedEngine):
         self._take_model_step()
         self.micro_steps += 1
 
-    _INSTRUCTION_MAP: dict[type, Callable[[PipelineEngine, int, _Batch], None]] = {
+    _INSTRUCTION_MAP: dict[type, Callable[[PipelineEngine, sched.PipeInstruction, _Batch], None]] = {
         sched.LoadMicroBatch: _exec_load_micro_batch,
         sched.ForwardPass: _exec_forward_pass,
         sched.SendActivation: _exec_send_activations,
@@ -305,6 +324,17 @@ def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
     if stages != "auto" and stages != model.num_stages:
         raise ConfigError(f"{stages} differs from the PipelineModule's {model.num_stages} stages; set it to "
                           f"{model.num_stages} or \"auto\"", key="pipeline.stages")
+    schedule = sched.SCHEDULES[config.pipeline.schedule]
+    if model.virtual_stages > 1 and not schedule.chunks_allowed:
+        raise ConfigError(f"\"{config.pipeline.schedule}\" runs one part per stage, but the PipelineModule has "
+                          f"virtual_stages={model.virtual_stages}; use \"interleaved\" (or virtual_stages=1)",
+                          key="pipeline.schedule")
+    if model.virtual_stages > 1 and model.num_stages == 1:
+        raise ConfigError("virtual stages need at least 2 pipeline stages (a single stage has nothing to "
+                          "interleave with); use \"1f1b\" and virtual_stages=1", key="pipeline.schedule")
+    if schedule is sched.InterleavedSchedule and config.gradient_accumulation_steps % model.num_stages:
+        raise ConfigError(f"{config.gradient_accumulation_steps} micro batches: the interleaved schedule needs a "
+                          f"multiple of the {model.num_stages} pipeline stages", key="gradient_accumulation_steps")
     if stage == 2 and model.tied_comms:
         raise ConfigError("tied layers across stages (TiedLayerSpec) need ZeRO stage 0 or 1 (stage 2 keeps only "
                           "gradient shards, which differ between the stages holding the tie)",

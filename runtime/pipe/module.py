@@ -163,6 +163,9 @@ class PipelineModule(torch.nn.Module):
         activation_checkpoint_interval: run every that many layers under
             ``activation_checkpoint_func`` (0: no checkpointing); only chunks with parameters, or
             with a layer whose class name is in ``checkpointable_layers`` where given.
+        virtual_stages: (dslaunch) cut the layers into ``num_stages * virtual_stages`` parts;
+            rank ``s`` holds parts ``s, s + num_stages, ...`` (its chunks), for the interleaved
+            schedule (``pipeline.schedule: "interleaved"``). 1: one contiguous part per stage.
 
     Raises:
         UsageError: no stages or topology, stages that do not divide the world, fewer layers than
@@ -176,13 +179,15 @@ class PipelineModule(torch.nn.Module):
                  seed_layers: bool = False, seed_fn: Callable[[int], Any] | None = None, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable | None = None,
-                 checkpointable_layers: Sequence[str] | None = None):
+                 checkpointable_layers: Sequence[str] | None = None, virtual_stages: int = 1):
         super().__init__()
         layers = list(layers)
         for i, layer in enumerate(layers):
             if not (isinstance(layer, LayerSpec | torch.nn.Module) or callable(layer)):
                 raise UsageError(f"PipelineModule: layer {i} is {quote(layer)}; give a LayerSpec, TiedLayerSpec, "
                                  "torch.nn.Module or callable")
+        if int(virtual_stages) < 1:
+            raise UsageError(f"PipelineModule: virtual_stages must be >= 1, got {virtual_stages}")
         if int(activation_checkpoint_interval) < 0:
             raise UsageError("PipelineModule: activation_checkpoint_interval must be >= 0 (0: no checkpointing), "
                              f"got {activation_checkpoint_interval}")
@@ -197,34 +202,38 @@ class PipelineModule(torch.nn.Module):
         self.activation_checkpoint_func = activation_checkpoint_func or _default_checkpoint
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
         self._layer_specs = layers
-        self.parts = _partition(layers, self.num_stages, partition_method)
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.virtual_stages = int(virtual_stages)
+        self.parts = _partition(layers, self.num_stages * self.virtual_stages, partition_method)
         self.tied_modules = torch.nn.ModuleDict()
-        self.forward_funcs: list[Callable] = []
-        self._build()
+        # chunk c of this rank is part c * num_stages + stage_id (one chunk without virtual stages)
+        self.chunk_funcs: list[list[Callable]] = [self._build(c * self.num_stages + self.stage_id)
+                                                  for c in range(self.virtual_stages)]
+        self.forward_funcs = [f for funcs in self.chunk_funcs for f in funcs]
         self.tied_comms = self._tie_groups()
         self._synchronize_tied_weights()
 
     # ----- building ---------------------------------------------------------------------------
-    def _build(self) -> None:
-        """Build this stage's layers; modules are registered under their global layer index."""
-        for idx in range(self._local_start, self._local_stop):
+    def _build(self, part: int) -> list[Callable]:
+        """Build one part's layers; modules are registered under their global layer index."""
+        funcs: list[Callable] = []
+        for idx in range(self.parts[part], self.parts[part + 1]):
             layer = self._layer_specs[idx]
             if self.seed_layers:
                 self.seed_fn(self.base_seed + idx)
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied_modules:
                     self.tied_modules[layer.key] = layer.build()
-                self.forward_funcs.append(_TiedCall(self.tied_modules[layer.key], layer.forward_fn))
+                funcs.append(_TiedCall(self.tied_modules[layer.key], layer.forward_fn))
             elif isinstance(layer, LayerSpec):
                 module = layer.build()
                 self.add_module(str(idx), module)
-                self.forward_funcs.append(module)
+                funcs.append(module)
             elif isinstance(layer, torch.nn.Module):
                 self.add_module(str(idx), layer)
-                self.forward_funcs.append(layer)
+                funcs.append(layer)
             else:
-                self.forward_funcs.append(layer)
+                funcs.append(layer)
+        return funcs
 
     def _tie_groups(self) -> dict[str, dict[str, Any]]:
         """For each tie key held by more than one stage: the group of those stages in my replica.
@@ -236,7 +245,7 @@ class PipelineModule(torch.nn.Module):
         stages: dict[str, list[int]] = {}
         for idx, layer in enumerate(self._layer_specs):
             if isinstance(layer, TiedLayerSpec):
-                stage = next(s for s in range(self.num_stages) if self.parts[s] <= idx < self.parts[s + 1])
+                stage = self.stage_owner(idx)
                 if stage not in stages.setdefault(layer.key, []):
                     stages[layer.key].append(stage)
         comms: dict[str, dict[str, Any]] = {}
@@ -284,13 +293,15 @@ class PipelineModule(torch.nn.Module):
                 dist.all_reduce(weight.grad, group=comm["group"])
 
     # ----- running ----------------------------------------------------------------------------
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, inputs: Any, chunk: int = 0) -> Any:
+        """Run this rank's layers (of ``chunk``, with virtual stages) on ``inputs``."""
+        layers = self.chunk_funcs[chunk]
         interval = self.activation_checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():
-            return _run(self.forward_funcs, inputs)
+            return _run(layers, inputs)
         x = inputs
-        for start in range(0, len(self.forward_funcs), interval):
-            funcs = self.forward_funcs[start:start + interval]
+        for start in range(0, len(layers), interval):
+            funcs = layers[start:start + interval]
             if self._is_checkpointable(funcs):
                 args = x if isinstance(x, tuple) else (x,)
                 x = self.activation_checkpoint_func(_chunk(funcs), *args)
@@ -316,7 +327,8 @@ class PipelineModule(torch.nn.Module):
     def stage_owner(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < len(self._layer_specs):
             raise UsageError(f"stage_owner: layer {layer_idx} is outside 0..{len(self._layer_specs) - 1}")
-        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        part = next(p for p in range(len(self.parts) - 1) if self.parts[p] <= layer_idx < self.parts[p + 1])
+        return part % self.num_stages
 
     def get_tied_weights_and_groups(self) -> list[tuple[torch.nn.Parameter, Any]]:
         return [(w, comm["group"]) for key, comm in self.tied_comms.items() for w in self._tied_weights(key)]

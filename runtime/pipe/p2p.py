@@ -65,8 +65,10 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-def send(payload: Payload, dst: int, group: Any = None, what: str = "message") -> PendingSend:
+def send(payload: Payload, dst: int, group: Any = None, what: str = "message", tag: int = 0) -> PendingSend:
     """Start sending a tensor or a tuple of tensors to global rank ``dst``; returns at once.
+
+    Messages with one ``tag`` arrive in the order sent; other tags are other queues.
 
     Raises:
         UsageError: an item that is not a tensor, or of a dtype stages cannot exchange.
@@ -78,7 +80,7 @@ def send(payload: Payload, dst: int, group: Any = None, what: str = "message") -
              *(_wire(t).to("cpu") if _needs_host(t) else _wire(t) for t in tensors)]
     pending = PendingSend(tensors=parts)
     for part in parts:
-        pending.works.append(dist.isend(part, dst, group=group))
+        pending.works.append(dist.isend(part, dst, group=group, tag=tag))
     return pending
 
 
@@ -87,16 +89,16 @@ def _needs_host(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" and dist.get_backend() == "gloo"
 
 
-def recv(src: int, device: torch.device, group: Any = None) -> Payload:
+def recv(src: int, device: torch.device, group: Any = None, tag: int = 0) -> Payload:
     """Receive one message from global rank ``src`` (blocks until it has arrived).
 
     Floating tensors the sender marked as carrying a gradient come back as leaves with
     ``requires_grad=True`` (their ``.grad`` is what goes back); the others never ask for one.
     """
     length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src, group=group)
+    dist.recv(length, src, group=group, tag=tag)
     header = torch.empty(int(length.item()), dtype=torch.int64)
-    dist.recv(header, src, group=group)
+    dist.recv(header, src, group=group, tag=tag)
     fields = header.tolist()
     is_tuple, count, pos = bool(fields[0]), fields[1], 2
     out = []
@@ -105,7 +107,7 @@ def recv(src: int, device: torch.device, group: Any = None) -> Payload:
         shape = fields[pos + 3:pos + 3 + ndim]
         pos += 3 + ndim
         wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype)
-        dist.recv(wire, src, group=group)
+        dist.recv(wire, src, group=group, tag=tag)
         t = (wire.view(torch.bool) if dtype == torch.bool else wire).to(device)
         out.append(t.requires_grad_(grad and t.is_floating_point()))
     return tuple(out) if is_tuple else out[0]

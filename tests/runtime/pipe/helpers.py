@@ -10,13 +10,14 @@ import torch
 BASE_SEED, WIDTH, MICRO = 7, 8, 2
 
 
-def layers() -> list[Any]:
-    """Six layers with parameters between activations: enough to cut into 2, 3 or 4 stages."""
+def layers(blocks: int = 2) -> list[Any]:
+    """Linear layers between activations (``blocks`` in the middle): 5 with parameters by
+    default, enough to cut into 2, 3 or 4 stages."""
     from dslaunch.pipe import LayerSpec
 
     lin, tanh = torch.nn.Linear, torch.nn.Tanh
-    return [LayerSpec(lin, WIDTH, 16), LayerSpec(tanh), LayerSpec(lin, 16, 16), LayerSpec(tanh),
-            LayerSpec(lin, 16, 16), LayerSpec(tanh), LayerSpec(lin, 16, 12), LayerSpec(lin, 12, 1)]
+    middle = [spec for _ in range(blocks) for spec in (LayerSpec(lin, 16, 16), LayerSpec(tanh))]
+    return [LayerSpec(lin, WIDTH, 16), LayerSpec(tanh), *middle, LayerSpec(lin, 16, 12), LayerSpec(lin, 12, 1)]
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -39,9 +40,10 @@ def replica_iter(steps: int, gas: int, dp: int, replica: int) -> Any:
         yield from micro_batches(step, gas * dp)[replica * gas:(replica + 1) * gas]
 
 
-def reference(steps: int, gas: int, dp: int, lr: float, clip: float = 0.0) -> tuple[list[float], list[list]]:
+def reference(steps: int, gas: int, dp: int, lr: float, clip: float = 0.0, blocks: int = 2
+              ) -> tuple[list[float], list[list]]:
     """Losses per step and final weights per layer of the whole model trained in one process."""
-    specs = layers()
+    specs = layers(blocks)
     mods = []
     for idx, spec in enumerate(specs):
         torch.manual_seed(BASE_SEED + idx)

@@ -22,7 +22,7 @@ def test_deepspeeds_keys_and_the_schedule_are_accepted() -> None:
 
 @pytest.mark.parametrize("block, start", [
     ({"stages": 0}, "'pipeline.stages': must be an integer in [1,"),
-    ({"schedule": "gpipe"}, "'pipeline.schedule': must be one of 1f1b, got 'gpipe'"),
+    ({"schedule": "gpipe"}, "'pipeline.schedule': must be one of 1f1b, interleaved, got 'gpipe'"),
     ({"activation_checkpoint_intervals": 1},
      "'pipeline.activation_checkpoint_intervals': unknown parameter for section 'pipeline' (did you mean "
      "'activation_checkpoint_interval'"),

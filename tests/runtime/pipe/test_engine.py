@@ -14,13 +14,15 @@ pytestmark = pytest.mark.timeout(180)
 STEPS, LR = 20, 0.1
 
 
-def _train(rank: int, world: int, stages: int, gas: int, zero: int, extra: dict | None = None) -> dict:
+def _train(rank: int, world: int, stages: int, gas: int, zero: int, extra: dict | None = None,
+           virtual: int = 1, blocks: int = 2) -> dict:
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
     dslaunch.init_distributed(verbose=False)
-    module = PipelineModule(helpers.layers(), num_stages=stages, loss_fn=helpers.loss_fn, seed_layers=True,
-                            base_seed=helpers.BASE_SEED, partition_method="parameters")
+    module = PipelineModule(helpers.layers(blocks), num_stages=stages, loss_fn=helpers.loss_fn, seed_layers=True,
+                            base_seed=helpers.BASE_SEED, partition_method="type:linear" if blocks > 2 else "parameters",
+                            virtual_stages=virtual)
     dp = world // stages
     cfg = helpers.config(gas, LR, **{"zero_optimization": {"stage": zero}, **(extra or {})})
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
@@ -34,8 +36,8 @@ def _train(rank: int, world: int, stages: int, gas: int, zero: int, extra: dict 
             "norm": engine.get_global_grad_norm()}
 
 
-def _check(got: list[dict], gas: int, dp: int, clip: float = 0.0) -> None:
-    want_losses, want_layers = helpers.reference(STEPS, gas, dp, LR, clip)
+def _check(got: list[dict], gas: int, dp: int, clip: float = 0.0, blocks: int = 2) -> None:
+    want_losses, want_layers = helpers.reference(STEPS, gas, dp, LR, clip, blocks)
     held = set()
     for r in got:
         assert r["type"] == "PipelineEngine" and r["steps"] == STEPS and r["micro"] == STEPS * gas
@@ -68,6 +70,14 @@ def test_composes_with_zero2_offload_checkpointing_and_clipping(zero: int, extra
     _check(got, 2, 2, clip=extra.get("gradient_clipping", 0.0))
     if "gradient_clipping" in extra:
         assert len({r["norm"] for r in got}) == 1 and got[0]["norm"] > 0.5  # the whole model's norm, clipped
+
+
+@pytest.mark.parametrize("stages, world, gas, zero", [(2, 2, 4, 0), (4, 4, 8, 0), (2, 4, 2, 1)])
+def test_interleaved_schedule_matches_one_process(stages: int, world: int, gas: int, zero: int) -> None:
+    """2 chunks per rank; 4 stages x 2 chunks = 8 parts: 6 middle blocks, one Linear per part."""
+    extra, blocks = {"pipeline": {"schedule": "interleaved"}}, 6 if stages == 4 else 2
+    got = run_world(_train, world, stages, gas, zero, extra, 2, blocks, timeout=150)
+    _check(got, gas, world // stages, blocks=blocks)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -137,9 +147,37 @@ def test_events_per_micro_batch_one_record_per_batch_and_refusals() -> None:
     assert errors[0] == ("'zero_optimization.stage': ZeRO stage 3 cannot be combined with pipeline parallelism "
                          "(a PipelineModule); use zero_optimization.stage 0, 1 or 2")
     assert errors[1] == "'pipeline.stages': 4 differs from the PipelineModule's 2 stages; set it to 2 or \"auto\""
-    assert errors[2].startswith("'pipeline.schedule': must be one of 1f1b, got '1F1B'")
+    assert errors[2].startswith("'pipeline.schedule': must be one of 1f1b, interleaved, got '1F1B'")
     assert errors[3].startswith("initialize(mpu=...) with a PipelineModule: the module's own grid is the mpu")
     only = "is not available with pipeline parallelism: use engine.train_batch() (and eval_batch())"
     assert errors[4:7] == [f"engine.{m}() {only}" for m in ("forward", "backward", "step")]
     assert errors[7].startswith("train_batch() was called under torch.no_grad()")
     assert len(errors) == 8 and not any("\n" in e for e in errors)
+
+
+def _virtual_refusals(rank: int, world: int) -> list[str]:
+    import dslaunch
+    from dslaunch.errors import ConfigError
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    out = []
+    for stages, gas, schedule in ((2, 4, "1f1b"), (2, 3, "interleaved"), (1, 2, "interleaved")):
+        module = PipelineModule(helpers.layers(), num_stages=stages, loss_fn=helpers.loss_fn, virtual_stages=2)
+        try:
+            dslaunch.initialize(model=module, config=helpers.config(gas, LR, pipeline={"schedule": schedule}))
+        except ConfigError as err:
+            out.append(str(err))
+    torch.distributed.barrier()  # no rank leaves while the other still connects the last module's groups
+    return out
+
+
+def test_virtual_stages_need_the_interleaved_schedule_and_whole_rounds() -> None:
+    msgs = run_world(_virtual_refusals, 2)[0]
+    assert msgs == [
+        "'pipeline.schedule': \"1f1b\" runs one part per stage, but the PipelineModule has virtual_stages=2; use "
+        "\"interleaved\" (or virtual_stages=1)",
+        "'gradient_accumulation_steps': 3 micro batches: the interleaved schedule needs a multiple of the 2 "
+        "pipeline stages",
+        "'pipeline.schedule': virtual stages need at least 2 pipeline stages (a single stage has nothing to "
+        "interleave with); use \"1f1b\" and virtual_stages=1"]

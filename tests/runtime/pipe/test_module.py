@@ -90,6 +90,7 @@ def _errors(rank: int, world: int) -> list[str]:
         LayerSpec(len)
     except UsageError as err:
         out.append(str(err))
+    torch.distributed.barrier()  # no rank leaves while the other still connects the last module's groups
     return out
 
 
