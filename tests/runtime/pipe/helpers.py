@@ -67,3 +67,16 @@ def reference(steps: int, gas: int, dp: int, lr: float, clip: float = 0.0, block
 def config(gas: int, lr: float, **extra: Any) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 1e9,
             "optimizer": {"type": "SGD", "params": {"lr": lr}}, **extra}
+
+
+def error_lines(calls: list, error: type) -> list[str]:
+    """The message of each call that raised ``error``; then a barrier, so that no rank leaves while
+    another still connects the process groups a call built (collective: every rank)."""
+    out = []
+    for call in calls:
+        try:
+            call()
+        except error as err:
+            out.append(str(err))
+    torch.distributed.barrier()
+    return out

@@ -8,6 +8,7 @@ import torch
 from dslaunch.errors import UsageError
 from dslaunch.runtime.pipe.module import partition_balanced, partition_uniform
 from tests.distributed import run_world
+from tests.runtime.pipe import helpers
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -79,19 +80,12 @@ def _errors(rank: int, world: int) -> list[str]:
     except UsageError as err:
         out.append(str(err))
     dslaunch.init_distributed(verbose=False)
-    for kwargs in ({"num_stages": 3}, {"num_stages": 2, "partition_method": "best"},
-                   {"num_stages": 2, "partition_method": "type:("}, {"num_stages": 2, "partition_method": "type:Conv"},
-                   {}, {"num_stages": 2, "activation_checkpoint_interval": -1}):
-        try:
-            PipelineModule([LayerSpec(torch.nn.Linear, 2, 2), LayerSpec(torch.nn.ReLU)], **kwargs)
-        except UsageError as err:
-            out.append(str(err))
-    try:
-        LayerSpec(len)
-    except UsageError as err:
-        out.append(str(err))
-    torch.distributed.barrier()  # no rank leaves while the other still connects the last module's groups
-    return out
+    layers = [LayerSpec(torch.nn.Linear, 2, 2), LayerSpec(torch.nn.ReLU)]
+    cases = ({"num_stages": 3}, {"num_stages": 2, "partition_method": "best"},
+             {"num_stages": 2, "partition_method": "type:("}, {"num_stages": 2, "partition_method": "type:Conv"},
+             {}, {"num_stages": 2, "activation_checkpoint_interval": -1})
+    calls = [lambda kwargs=kwargs: PipelineModule(layers, **kwargs) for kwargs in cases]
+    return out + helpers.error_lines([*calls, lambda: LayerSpec(len)], UsageError)
 
 
 def test_bad_arguments_are_one_line_each() -> None:
