@@ -71,3 +71,21 @@ def test_eval_batch_matches_one_process() -> None:
             torch.testing.assert_close(torch.tensor(r["logits"]), want_logits, rtol=0, atol=1e-6)
         else:
             assert r["per"] is None and r["local"] is None and r["logits"] is None
+
+
+def _eval_interleaved(rank: int, world: int) -> float:
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    module = PipelineModule(helpers.layers(), num_stages=2, loss_fn=helpers.loss_fn, seed_layers=True,
+                            base_seed=helpers.BASE_SEED, virtual_stages=2)
+    engine, *_ = dslaunch.initialize(model=module, config=helpers.config(2, 0.1, pipeline={"schedule": "interleaved"}))
+    return engine.eval_batch(iter(helpers.micro_batches(0, 2))).item()
+
+
+def test_eval_batch_goes_round_the_chunks() -> None:
+    model = _model()
+    with torch.no_grad():
+        want = sum(helpers.loss_fn(model(x), y).item() for x, y in helpers.micro_batches(0, 2)) / 2
+    assert run_world(_eval_interleaved, 2) == pytest.approx([want, want], abs=1e-6)

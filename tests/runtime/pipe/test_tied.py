@@ -50,14 +50,16 @@ def _reference() -> tuple[list[float], list]:
     return losses, [mods[0].weight.detach().tolist(), mods[2].weight.detach().tolist()]
 
 
-def _train(rank: int, world: int) -> dict:
+def _train(rank: int, world: int, virtual: int) -> dict:
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
     dslaunch.init_distributed(verbose=False)
     module = PipelineModule(_specs(), num_stages=2, loss_fn=helpers.loss_fn, seed_layers=True, base_seed=SEED,
-                            partition_method="uniform")
-    engine, *_ = dslaunch.initialize(model=module, config=helpers.config(GAS, LR, zero_optimization={"stage": 1}))
+                            partition_method="uniform", virtual_stages=virtual)
+    schedule = "interleaved" if virtual > 1 else "1f1b"
+    cfg = helpers.config(GAS, LR, zero_optimization={"stage": 1}, pipeline={"schedule": schedule})
+    engine, *_ = dslaunch.initialize(model=module, config=cfg)
     data = helpers.replica_iter(STEPS, GAS, 2, engine.grid.get_data_parallel_rank())
     losses = [engine.train_batch(data).item() for _ in range(STEPS)]
     middle = module._modules.get("2")
@@ -66,12 +68,14 @@ def _train(rank: int, world: int) -> dict:
             "tie_ranks": [comm["ranks"] for comm in module.tied_comms.values()]}
 
 
-def test_tied_weights_train_as_one_module() -> None:
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_tied_weights_train_as_one_module(virtual: int) -> None:
+    """virtual 2: parts [proj, tanh] [linear] [tanh] [out proj], rank 0 holding the 1st and 3rd."""
     want_losses, (want_tied, want_middle) = _reference()
-    got = run_world(_train, 4, timeout=140)
+    got = run_world(_train, 4, virtual, timeout=140)
     for rank, r in enumerate(got):
         assert r["tie_ranks"] == [[rank % 2, rank % 2 + 2]]  # the stages of one replica
         assert r["losses"] == pytest.approx(want_losses, rel=0, abs=1e-6)
         torch.testing.assert_close(torch.tensor(r["tied"]), torch.tensor(want_tied), rtol=0, atol=2e-5)
-    for r in got[:2]:  # layers 0-2 on stage 0 (uniform: 3 + 2)
+    for r in got[:2] if virtual == 1 else got[2:]:  # layer 2: stage 0 (uniform: 3 + 2) or stage 1's 1st part
         torch.testing.assert_close(torch.tensor(r["middle"]), torch.tensor(want_middle), rtol=0, atol=2e-5)
