@@ -24,7 +24,8 @@ _LAZY = {
 }
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
-_SUBPACKAGES = ("accelerator", "checkpoint", "comm", "launcher", "pipe", "runtime", "utils", "zero")
+_SUBPACKAGES = ("accelerator", "checkpoint", "comm", "launcher", "monitor", "pipe", "profiling", "runtime",
+                "utils", "zero")
 
 __all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
 

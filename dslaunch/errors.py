@@ -30,6 +30,7 @@ __all__ = [
     "did_you_mean",
     "quote",
     "shorten",
+    "name_ranks",
     "install_excepthook",
 ]
 
@@ -129,6 +130,12 @@ def shorten(text: str, limit: int = 80) -> str:
     if not text.isprintable():
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def name_ranks(ranks: list[int], limit: int = 8) -> str:
+    """``rank 3`` or ``ranks 0, 1 and 6 more``: at most ``limit`` numbers, for a message."""
+    shown = ", ".join(map(str, ranks[:limit])) + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
 class _BoundedRepr(reprlib.Repr):

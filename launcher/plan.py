@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from dslaunch.errors import HostfileError, UsageError, quote
+from dslaunch.errors import HostfileError, UsageError, quote, shorten
 from dslaunch.launcher.gpus import Accelerators
 from dslaunch.launcher.hostfile import (
     MAX_SLOTS,
@@ -128,10 +128,10 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     slurm = _uses_slurm(cfg)
     if slurm and cfg.allocation.requeues:  # a requeued SLURM job is a restart of the job
         cfg = replace(cfg, restart_count=cfg.restart_count + cfg.allocation.requeues)
+    notes: list[str] = _resume_notes(cfg)
     # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
     if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not slurm):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
-    notes: list[str] = []
     hosts = None if slurm else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
     source = "SLURM_JOB_NODELIST" if slurm else cfg.hostfile if hosts is not None else None
     if slurm:
@@ -314,6 +314,34 @@ def check_numbers(cfg: LaunchConfig) -> None:
                          f"directory, or leave the flag out for ./{DEFAULT_LOG_DIR}")
     if cfg.master_addr and (problem := hostname_problem(cfg.master_addr)):
         raise UsageError(f"--master_addr {quote(cfg.master_addr)}: {problem}")
+
+
+def _resume_notes(cfg: LaunchConfig) -> list[str]:
+    """``--resume_from`` must be a directory or a path where one can be made: a file (or a path
+    under one) would leave every restart starting from scratch, silently. One that does not exist
+    yet is valid (the first run of a requeued job has nothing to resume) and gets a note.
+
+    Raises:
+        UsageError: an empty path, a file, or a path under a file.
+    """
+    path = cfg.resume_from
+    if path is None:
+        return []
+    flag = f"--resume_from '{shorten(path, 200)}'"
+    if not path:
+        raise UsageError("--resume_from '': empty path; give the checkpoint directory restarts load from, "
+                         "or leave the flag out")
+    parent = path
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        what = "is a file" if parent == path else f"is under the file '{shorten(parent, 200)}'"
+        raise UsageError(f"{flag} {what}; expected the checkpoint directory restarts load from (the one "
+                         "the script saves into), existing or not")
+    if parent != path and cfg.restart_count == 0:
+        return [f"{flag} does not exist yet: this run starts at step 0; a restart resumes from the newest "
+                "checkpoint saved there"]
+    return []
 
 
 def _check_count(flag: str, n: int, most: int, what: str) -> None:

@@ -152,13 +152,14 @@ class NodeResult:
     """Wall-clock time (``time.time()``) at which the failure happened or was last known good, as
     seen where it was detected (the agent: the worker's exit), for detection-time measurements."""
     message: str | None = None
-    """Why the run could not start (cause ``start``): the launch error's one line."""
+    """Why the run could not start (cause ``start``): the launch error's one line; for a hang, the
+    allowance that ran out (``no progress for 60 s: ...``)."""
 
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
         if self.cause == "hang":
             at = f" at step {self.step}" if self.step is not None else ""
-            return f"rank {self.rank} on {self.host} hung{at} (no progress within --hang_timeout)"
+            return f"rank {self.rank} on {self.host} hung{at} ({self.message or 'no progress within --hang_timeout'})"
         # Beats are rate-limited: a killed rank may have gone a few steps past its last report.
         at = f" (last reported step {self.step})" if self.step is not None else ""
         if self.cause == "start":

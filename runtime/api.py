@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from dslaunch.errors import ConfigError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import init_distributed, slurm_env
 from dslaunch.runtime.shutdown import register_clean_exit
-from dslaunch.utils.restart import resume_dir
+from dslaunch.utils.restart import restart_count, resume_dir
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments"]
 
@@ -91,7 +92,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     register_clean_exit(engine)
     resume = resume_dir()
     if resume is not None:  # a restarted run of a job launched with --resume_from
-        engine.load_checkpoint(resume)
+        loaded, _ = engine.load_checkpoint(resume)
+        if loaded is None and engine.global_rank == 0:
+            # Starting over silently would look like a resumed run that then trains for too long.
+            print(f"dslaunch: error: restart {restart_count()} of the job found no checkpoint in --resume_from "
+                  f"{resume}: this run starts at step 0, not where the previous run stopped (the script "
+                  "must save its checkpoints into that directory)", file=sys.stderr, flush=True)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -20,13 +20,20 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.errors import CheckpointError, UsageError
+from dslaunch.monitor.monitor import MonitorMaster
 from dslaunch.runtime import preempt
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_setup import build_components
 from dslaunch.runtime.events import Events, StepRecord
 from dslaunch.runtime.heartbeat import reporter
-from dslaunch.runtime.observers import HeartbeatSender, PreemptionCheck, ProgressLine, WallClockBreakdown
+from dslaunch.runtime.observers import (
+    HeartbeatSender,
+    MonitorEvents,
+    PreemptionCheck,
+    ProgressLine,
+    WallClockBreakdown,
+)
 from dslaunch.runtime.pipe.topology import DataParallelGrid
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
@@ -75,7 +82,12 @@ class DeepSpeedEngine(torch.nn.Module):
         self.is_compiled = False
         self._checkpointer: Any = None  # built (collectively) by the first save or load
         self._loss: torch.Tensor | None = None
+        self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
         self._heartbeat = reporter()  # None outside dslaunch
+        if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
+            from dslaunch import comm
+
+            comm.configure(config)
         self.events, self.timers = self._observers(config)
 
     def _observers(self, config: DeepSpeedConfig) -> tuple[Events, Any]:
@@ -86,6 +98,17 @@ class DeepSpeedEngine(torch.nn.Module):
             events.add(ProgressLine(config.steps_per_print, self.global_rank, breakdown))
         if self._heartbeat is not None:
             events.add(HeartbeatSender(self._heartbeat))
+        self.flops_profiler = None  # DeepSpeed's attribute: the FlopsProfiler of the profiled step
+        if config.flops_profiler.enabled:
+            # Imported only when on: torch's flop formulas and dispatch-mode machinery are not free.
+            from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
+
+            self.flops_profiler = events.add(FlopsProfilerObserver(self, config.flops_profiler)).profiler
+        self.monitor = MonitorMaster(config.monitor_config, rank=self.global_rank)  # DeepSpeed's engine.monitor
+        if self.monitor.enabled and self.global_rank == 0:
+            watcher = events.add(MonitorEvents(self.monitor, config.train_batch_size, self.dp_world_size,
+                                               config.fp16.enabled, self.device, breakdown))
+            self.module.register_forward_pre_hook(watcher.count_tokens, with_kwargs=True)
         save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         if save_dir is not None:
             events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))
@@ -109,6 +132,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
         self._loss = loss.detach()  # for the heartbeat (read at most twice a second); not its graph
+        self._window_losses.append(self._loss)
         if scale_wrt_gas and self._config.gradient_accumulation_steps > 1:
             loss = loss / self._config.gradient_accumulation_steps
         with self.events.phase("backward"):
@@ -169,10 +193,12 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_steps += 1
         self.global_samples += self._config.train_batch_size
         self.events.step(self._step_record)
+        self._window_losses = []
 
     def _step_record(self) -> StepRecord:
         return StepRecord(self.global_steps, self.global_samples, self.micro_steps, self._loss, tuple(self.get_lr()),
-                          self.loss_scaler.loss_scale, self._grad_norm, not self._step_applied, self.skipped_steps)
+                          self.loss_scaler.loss_scale, self._grad_norm, not self._step_applied, self.skipped_steps,
+                          tuple(self._window_losses))
 
     def _leave_on_request(self, save_dir: str) -> None:
         """Every rank agreed on a checkpoint request (``runtime.preempt``): save this step, leave."""
@@ -197,6 +223,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         self.zero.synchronize()
         self.wait_for_checkpoint()
+        self.monitor.flush()
         self._checkpointer = None
 
     def is_gradient_accumulation_boundary(self) -> bool:

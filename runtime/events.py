@@ -51,6 +51,9 @@ class StepRecord:
     """An fp16 overflow skipped the update."""
     skipped_steps: int
     """Skipped steps so far."""
+    window_losses: tuple[Any, ...] = ()
+    """Each micro step's loss (detached) in this step's accumulation window, oldest first: their
+    mean is the step's loss as DeepSpeed's monitors log it."""
 
     def loss_value(self) -> float | None:
         return float(self.loss) if self.loss is not None else None

@@ -10,9 +10,16 @@ module reports on them without the script doing anything beyond training:
   the main thread is stuck in C, e.g. a collective) and sends the first beat: the rank is up;
 - a daemon thread sends what changed every ``TICK_S``, and a beat every ``LIVENESS_S`` anyway, so
   the monitor tells a rank that is alive but waiting from one that is frozen or stopped; at exit
-  (also by an exception) the last unsent step goes out.
+  (also by an exception) the last unsent step goes out;
+- the engine's collectives and waits on its peers run inside ``waiting(name)``: the beat says "in
+  <name> for <s> seconds", so on a hang the monitor blames the rank that is *not* waiting (its
+  stack alone cannot tell: a ``work.wait()`` is a frame of dslaunch's, not of torch.distributed).
+  Only the main thread's waits count: a background checkpoint writer waiting for its peers says
+  nothing about whether training is stuck.
 
-Cost per step: ``beat`` stores three fields and, when the sample count moved, reads the monotonic
+Cost: a ``waiting`` mark is a small object, a thread check, a few attribute writes and a clock read
+(~0.6 us measured on a loaded 2-core VM, against tens of us for the collective it marks). Per
+step, ``beat`` stores three fields and, when the sample count moved, reads the monotonic
 clock (vDSO: no system call); the loss is read
 (``float()``, a device sync on GPU) only when the thread is about to send, i.e. at most twice a
 second. Everything is a no-op outside dslaunch (no pipes in the environment).
@@ -33,13 +40,13 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from dslaunch.runtime import preempt
 from dslaunch.utils.beat import HEARTBEAT_FD_ENV, STACK_FD_ENV, STACK_SIGNAL, Beat, Memory
 
-__all__ = ["Heartbeat", "heartbeat", "reporter", "start", "TICK_S", "LIVENESS_S"]
+__all__ = ["Heartbeat", "heartbeat", "reporter", "start", "waiting", "wait_all", "TICK_S", "LIVENESS_S"]
 
 TICK_S = 0.5
 """The sender thread's period: progress reaches the agent within this (and costs <= 2 writes/s)."""
@@ -63,6 +70,8 @@ class Heartbeat:
         self._stack_fd = stack_fd
         self._step: int | None = None
         self._phase: str | None = None
+        self._wait: tuple[str, float] | None = None  # (name, monotonic time it began): one write, atomic
+        self._main = threading.main_thread().ident
         self._samples = -1  # the last sample count reported (-1: none yet)
         self._loss: float | None = None
         self._want_loss = True
@@ -126,6 +135,11 @@ class Heartbeat:
         finally:
             self._phase, self._dirty = None, True
 
+    def waiting(self, name: str) -> contextlib.AbstractContextManager:
+        """Mark the stretch where this rank waits for its peers in ``name`` (a collective, or a
+        barrier-like wait). Nests: the innermost mark is reported, the outer one comes back after."""
+        return _Waiting(self, name)
+
     def exiting(self) -> None:
         """The script is done: say so now (tearing down a process may outlast ``hang_timeout``)."""
         if self._started:
@@ -147,9 +161,11 @@ class Heartbeat:
             self._want_loss = True
             self._seq += 1
             self._update_rate()
+            wait = self._wait
             beat = Beat(self._rank, self._seq, self._step, self._samples_per_s, self._loss,
                         self._memory.sample(), self._stack_signal, os.getpid(), preempt.armed_signal(),
-                        self._phase)
+                        self._phase, wait[0] if wait else None,
+                        round(time.monotonic() - wait[1], 3) if wait else None)
             self._write(beat.to_line())
 
     def _update_rate(self) -> None:
@@ -176,6 +192,30 @@ class Heartbeat:
             pass  # the agent is behind: drop this beat, the next one carries the same news
         except OSError:  # the agent is gone (EPIPE) or the fd was closed by the script
             self._fd = None
+
+
+_OTHER_THREAD = ("", 0.0)  # _Waiting._prev of a mark made off the main thread: not recorded
+
+
+class _Waiting:
+    """The context manager of ``Heartbeat.waiting``: a class, not a generator, to stay cheap."""
+
+    __slots__ = ("_hb", "_name", "_prev")
+
+    def __init__(self, hb: Heartbeat, name: str) -> None:
+        self._hb, self._name = hb, name
+
+    def __enter__(self) -> None:
+        hb = self._hb
+        if threading.get_ident() != hb._main:
+            self._prev = _OTHER_THREAD
+            return
+        self._prev = hb._wait
+        hb._wait, hb._dirty = (self._name, time.monotonic()), True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._prev is not _OTHER_THREAD:
+            self._hb._wait, self._hb._dirty = self._prev, True
 
 
 def _as_float(loss: Any) -> float | None:
@@ -273,6 +313,29 @@ def start() -> None:
     r = reporter()
     if r is not None:
         r.start()
+
+
+def waiting(name: str) -> contextlib.AbstractContextManager:
+    """``with waiting("all_reduce of gradients"): work.wait()``: while inside, this rank's beats say it
+    waits for its peers in ``name`` (see the module docstring); a no-op outside dslaunch.
+
+    For the engine's collectives and waits (and ``dslaunch.comm``'s): a rank stuck in the
+    script's own code is then told apart from the peers that wait for it.
+    """
+    r = reporter()
+    return _NOT_WATCHED if r is None else _Waiting(r, name)
+
+
+_NOT_WATCHED = contextlib.nullcontext()  # reusable: it holds no state
+
+
+def wait_all(works: Iterable[Any], name: str) -> None:
+    """Wait for each of ``works`` (``torch.distributed`` async handles; None: nothing to wait
+    for) inside ``waiting(name)``."""
+    with waiting(name):
+        for w in works:
+            if w is not None:
+                w.wait()
 
 
 def heartbeat(step: int, loss: Any = None, samples: int | None = None) -> None:

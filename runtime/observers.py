@@ -5,19 +5,23 @@
   and, with the breakdown, each phase's mean ms per optimizer step;
 - ``HeartbeatSender``: the step, loss and samples to the monitor (only under dslaunch);
 - ``PreemptionCheck``: when every rank agreed on a checkpoint request, save and leave (only when
-  the launcher may ask for one).
+  the launcher may ask for one);
+- ``MonitorEvents`` (``tensorboard``/``csv_monitor``/``wandb``/``comet``): rank 0 hands each
+  step's events to the monitors (``dslaunch.monitor``), which write them on their own thread.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from dslaunch.runtime import preempt
 from dslaunch.runtime.events import PHASES, Observer, StepRecord
 from dslaunch.runtime.timers import Timers
+from dslaunch.utils.restart import restart_count
 
-__all__ = ["WallClockBreakdown", "ProgressLine", "HeartbeatSender", "PreemptionCheck"]
+__all__ = ["WallClockBreakdown", "ProgressLine", "HeartbeatSender", "PreemptionCheck", "MonitorEvents"]
 
 
 class WallClockBreakdown(Observer):
@@ -82,3 +86,113 @@ class PreemptionCheck(Observer):
     def on_step(self, record: StepRecord) -> None:
         if preempt.agreed(self.device):
             self.leave()
+
+
+class _MeanLoss:
+    """The mean of an accumulation window's losses, read only when written (on the monitors' thread,
+    so the training thread never waits for the device)."""
+
+    __slots__ = ("losses",)
+
+    def __init__(self, losses: tuple[Any, ...]):
+        self.losses = losses
+
+    def __float__(self) -> float:
+        return sum(float(loss) for loss in self.losses) / len(self.losses)
+
+
+# DeepSpeed's elapsed_time_ms_* events -> the phases they sum (its backward includes the reduction)
+_ELAPSED = {"forward": ("forward",), "backward": ("backward", "allreduce"), "backward_inner": ("backward",),
+            "backward_allreduce": ("allreduce",), "step": ("step",)}
+
+
+class _PeakRss:
+    """This process's peak RSS in MiB, read when written (on the monitors' thread: it is process-wide)."""
+
+    __slots__ = ()
+
+    def __float__(self) -> float:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _peak_memory_mib(device: Any) -> Any:
+    """The device's peak allocated memory since the last call (CUDA), else this process's peak RSS."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**20
+    return _PeakRss()
+
+
+class MonitorEvents(Observer):
+    """Rank 0: each optimizer step's events, at x = samples after the step, to ``monitor``.
+
+    DeepSpeed's ``Train/Samples/`` names: ``train_loss`` (the mean over the accumulation window),
+    ``lr`` (first param group), ``loss_scale`` (fp16) and, with ``breakdown``, ``elapsed_time_ms_``
+    ``forward``/``backward``/``backward_inner``/``backward_allreduce``/``step`` (this step's ms).
+    Added by dslaunch: ``grad_norm`` (where computed), ``samples_per_sec``, ``tokens_per_sec`` (when
+    ``count_tokens`` saw integer inputs of 2+ dims: token ids) and ``peak_memory_MiB``; and, when the
+    run resumed from a checkpoint or is a restart, the text ``Run/resume`` at the samples it resumed
+    from (a marker where the curve continues).
+    """
+
+    def __init__(self, monitor: Any, batch_size: int, dp_world_size: int, fp16: bool, device: Any,
+                 breakdown: WallClockBreakdown | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.monitor, self.batch_size, self.dp_world_size = monitor, batch_size, dp_world_size
+        self.fp16, self.device, self.breakdown, self.clock = fp16, device, breakdown, clock
+        self._last: tuple[float, int] | None = None  # (time, samples) at the previous step
+        self._tokens = 0  # this rank's tokens since the previous step
+        self._totals: dict[str, float] = {}
+
+    def count_tokens(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook: count the tokens of a training forward (first integer input of 2+ dims)."""
+        import torch
+
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point():
+                self._tokens += value.numel()
+                return
+
+    def on_step(self, record: StepRecord) -> None:
+        now, x = self.clock(), record.samples
+        events: list[tuple[str, Any, int]] = []
+        if self._last is None:
+            resumed_at = x - self.batch_size
+            self.monitor.start_at(resumed_at)
+            if resumed_at > 0 or restart_count() > 0:
+                events.append(("Run/resume", f"resumed at step {record.step - 1} ({resumed_at} samples), "
+                                             f"restart {restart_count()}", resumed_at))
+        if record.window_losses:
+            events.append(("Train/Samples/train_loss", _MeanLoss(record.window_losses), x))
+        events.append(("Train/Samples/lr", record.lr[0], x))
+        if self.fp16:
+            events.append(("Train/Samples/loss_scale", record.loss_scale, x))
+        if self.breakdown is not None:
+            ms = self._phase_ms()
+            events += [(f"Train/Samples/elapsed_time_ms_{name}", sum(ms[p] for p in phases), x)
+                       for name, phases in _ELAPSED.items()]
+        if record.grad_norm is not None:
+            events.append(("Train/Samples/grad_norm", record.grad_norm, x))
+        if self._last is not None and now > self._last[0]:
+            seconds = now - self._last[0]
+            events.append(("Train/Samples/samples_per_sec", (x - self._last[1]) / seconds, x))
+            if self._tokens:
+                events.append(("Train/Samples/tokens_per_sec", self._tokens * self.dp_world_size / seconds, x))
+        events.append(("Train/Samples/peak_memory_MiB", _peak_memory_mib(self.device), x))
+        self._last, self._tokens = (now, x), 0
+        self.monitor.write_events(events)
+
+    def _phase_ms(self) -> dict[str, float]:
+        """Each phase's ms since the previous step (from the timers' never-reset totals)."""
+        timers, ms = self.breakdown.timers, {}
+        for phase in PHASES:
+            total = timers(phase).total if phase in timers else 0.0
+            ms[phase] = (total - self._totals.get(phase, 0.0)) * 1000.0
+            self._totals[phase] = total
+        return ms

@@ -43,6 +43,7 @@ class Timer:
         self._elapsed = 0.0
         self._started_at: float | None = None
         self.count = 0  # completed start/stop intervals since the last reset
+        self.total = 0.0  # seconds over every completed interval, never reset (deltas for monitors)
 
     @property
     def running(self) -> bool:
@@ -58,7 +59,9 @@ class Timer:
         if self._started_at is None:
             raise RuntimeError(f"timer {self.name!r} is not running")
         self._sync()
-        self._elapsed += self._clock() - self._started_at
+        interval = self._clock() - self._started_at
+        self._elapsed += interval
+        self.total += interval
         self._started_at = None
         self.count += 1
 

@@ -1,9 +1,15 @@
 """``dslaunch.comm`` (DeepSpeed's ``deepspeed.comm``): collectives and process-group queries.
 
 Thin over ``torch.distributed``: the same functions with DeepSpeed's extra keyword arguments
-(``prof``, ``log_name``, ``debug``: DeepSpeed's comms logger, which dslaunch does not have) accepted
-and ignored. ``init_distributed`` is the engine's (``dslaunch.runtime.dist``): gloo without GPUs,
+(``prof``, ``log_name``, ``debug``) for the comms logger (``comms_logger`` in the ds_config, or
+``configure(enabled=True)``): while it is on, every collective called here (the ZeRO stages' own
+too) is timed to its completion and counted (``dslaunch.utils.comms_logging``), and
+``log_summary()`` prints DeepSpeed's table; while it is off a call costs one attribute check more
+than ``torch.distributed``'s (scripts/bench/monitor_bench.py). ``init_distributed`` is the engine's (``dslaunch.runtime.dist``): gloo without GPUs,
 nccl with them, the timeout always explicit.
+
+Every collective runs marked as a wait on the peers (``runtime.heartbeat.waiting``): on a hang, a
+rank in one of them is not the rank the others wait for.
 
 Unlike DeepSpeed, the queries work whenever ``torch.distributed`` is initialised, also by the
 script itself (DeepSpeed asserts unless its own ``init_distributed`` ran); before that,
@@ -13,7 +19,10 @@ script itself (DeepSpeed asserts unless its own ``init_distributed`` ran); befor
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +31,8 @@ from torch.distributed import ProcessGroup, ReduceOp, Work
 
 from dslaunch.errors import UsageError
 from dslaunch.runtime.dist import init_distributed
+from dslaunch.runtime.heartbeat import waiting
+from dslaunch.utils.comms_logging import CommsLogger, message_size
 
 __all__ = [
     "ReduceOp", "ProcessGroup", "Work", "init_distributed", "is_initialized", "is_available",
@@ -31,21 +42,71 @@ __all__ = [
     "all_gather_into_tensor", "allgather_fn", "reduce_scatter", "reduce_scatter_tensor",
     "reduce_scatter_fn", "gather", "scatter", "all_to_all_single", "send", "recv", "isend", "irecv",
     "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "get_all_ranks_from_group",
+    "comms_logger", "configure", "log_summary", "start_profiling_comms", "stop_profiling_comms",
+    "start_profiling_op", "stop_profiling_op",
 ]
 
 _PROFILING_KWARGS = ("prof", "log_name", "debug")
 
+# One per process, as DeepSpeed's: log_summary() and configure() are module functions that name no
+# engine, and every engine and the user's own calls feed the same table.
+comms_logger = CommsLogger()
 
-def _collective(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` taking (and dropping) DeepSpeed's comms-logger keyword arguments."""
+
+def _collective(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
+    """``fn`` taking DeepSpeed's comms-logger keyword arguments, marked as a wait on the peers;
+    timed while the logger is on."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if comms_logger.enabled:
+            with waiting(op):
+                return _timed(op, fn, args, kwargs)
         for key in _PROFILING_KWARGS:
             kwargs.pop(key, None)
-        return fn(*args, **kwargs)
+        with waiting(op):
+            return fn(*args, **kwargs)
 
     return call
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def _sync_cuda_if_in_use() -> None:
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _timed(op: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run ``fn`` and record it: at return, or for an asynchronous one when its future completes."""
+    prof, log_name = kwargs.pop("prof", False), kwargs.pop("log_name", None) or op
+    kwargs.pop("debug", None)
+    if not comms_logger.wants(op, bool(prof)):
+        return fn(*args, **kwargs)
+    if comms_logger.debug:  # DeepSpeed's form: which function issued it
+        log_name = f"{log_name} | [Caller Func: {sys._getframe(2).f_code.co_name}]"
+    arguments = _signature(fn).bind_partial(*args, **kwargs).arguments
+    size = message_size(op, arguments)
+    group = arguments.get("group")
+    n, rank = _dist.get_world_size(group), _dist.get_rank()
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+
+    def done(_: Any = None) -> None:
+        comms_logger.append(op, log_name, (time.perf_counter() - start) * 1000.0, size, n, rank)
+
+    future = result.get_future() if result is not None and hasattr(result, "get_future") else None
+    if future is not None:
+        future.add_done_callback(done)
+    else:
+        _sync_cuda_if_in_use()
+        done()
+    return result
 
 
 is_initialized = _dist.is_initialized
@@ -55,23 +116,23 @@ new_group = _dist.new_group
 get_global_rank = _dist.get_global_rank
 get_backend = _dist.get_backend
 
-barrier = _collective(_dist.barrier)
-monitored_barrier = _collective(_dist.monitored_barrier)
-all_reduce = _collective(_dist.all_reduce)
+barrier = _collective(_dist.barrier, "barrier")
+monitored_barrier = _collective(_dist.monitored_barrier, "monitored_barrier")
+all_reduce = _collective(_dist.all_reduce, "all_reduce")
 inference_all_reduce = all_reduce  # DeepSpeed's fast path for inference; the same result
-reduce = _collective(_dist.reduce)
-broadcast = _collective(_dist.broadcast)
-all_gather = _collective(_dist.all_gather)
-all_gather_into_tensor = _collective(_dist.all_gather_into_tensor)
-reduce_scatter = _collective(_dist.reduce_scatter)
-reduce_scatter_tensor = _collective(_dist.reduce_scatter_tensor)
-gather = _collective(_dist.gather)
-scatter = _collective(_dist.scatter)
-all_to_all_single = _collective(_dist.all_to_all_single)
-send = _collective(_dist.send)
-recv = _collective(_dist.recv)
-isend = _collective(_dist.isend)
-irecv = _collective(_dist.irecv)
+reduce = _collective(_dist.reduce, "reduce")
+broadcast = _collective(_dist.broadcast, "broadcast")
+all_gather = _collective(_dist.all_gather, "all_gather")
+all_gather_into_tensor = _collective(_dist.all_gather_into_tensor, "all_gather_into_tensor")
+reduce_scatter = _collective(_dist.reduce_scatter, "reduce_scatter")
+reduce_scatter_tensor = _collective(_dist.reduce_scatter_tensor, "reduce_scatter_tensor")
+gather = _collective(_dist.gather, "gather")
+scatter = _collective(_dist.scatter, "scatter")
+all_to_all_single = _collective(_dist.all_to_all_single, "all_to_all_single")
+send = _collective(_dist.send, "send")
+recv = _collective(_dist.recv, "recv")
+isend = _collective(_dist.isend, "isend")
+irecv = _collective(_dist.irecv, "irecv")
 
 
 def _require_init(call: str) -> None:
@@ -136,3 +197,87 @@ def has_all_gather_into_tensor() -> bool:
 
 def has_reduce_scatter_tensor() -> bool:
     return True
+
+
+def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_all: bool | None = None,
+              prof_ops: list[str] | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
+    """Set up the comms logger, as DeepSpeed's: from a config (a ``DeepSpeedConfig``, or its
+    ``comms_logger`` block), then each argument given overrides its key.
+
+    Raises:
+        ConfigError: a bad ``prof_ops`` name (the operations are ``runtime.config.comms_logger.OPS``).
+    """
+    from dslaunch.runtime.config.comms_logger import _ops
+
+    if deepspeed_config is not None:
+        comms_logger.configure(getattr(deepspeed_config, "comms_logger", deepspeed_config))
+    for key, value in (("enabled", enabled), ("prof_all", prof_all), ("verbose", verbose), ("debug", debug)):
+        if value is not None:
+            setattr(comms_logger, key, bool(value))
+    if prof_ops is not None:
+        comms_logger.prof_ops = list(_ops("prof_ops", prof_ops))
+
+
+def start_profiling_comms() -> None:
+    comms_logger.start_profiling_comms()
+
+
+def stop_profiling_comms() -> None:
+    comms_logger.stop_profiling_comms()
+
+
+def start_profiling_op(op_name_list: list[str]) -> None:
+    comms_logger.start_profiling_op(op_name_list)
+
+
+def stop_profiling_op(op_name_list: list[str]) -> None:
+    comms_logger.stop_profiling_op(op_name_list)
+
+
+def _stragglers(latencies: dict[tuple[str, int], list[float]]) -> dict[tuple[str, int], float | None]:
+    """For each row any rank has: this rank's total latency minus the fastest rank's, op by op
+    (None where ranks counted a different number of operations: a point-to-point row).
+
+    collective: every rank, with its own records.
+    """
+    import torch
+
+    keys: list[Any] = [None] * _dist.get_world_size()
+    _dist.all_gather_object(keys, sorted(latencies))
+    out: dict[tuple[str, int], float | None] = {}
+    for key in sorted({tuple(k) for ks in keys for k in ks}):
+        mine = latencies.get(key, [])
+        counts = torch.tensor([len(mine), -len(mine)], dtype=torch.float64)
+        _dist.all_reduce(counts, op=ReduceOp.MAX)
+        if counts[0] != -counts[1]:
+            out[key] = None
+            continue
+        lat = torch.tensor(mine, dtype=torch.float64)
+        fastest = lat.clone()
+        _dist.all_reduce(fastest, op=ReduceOp.MIN)
+        out[key] = float((lat - fastest).sum())
+    return out
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
+    """Rank 0 prints the comms logger's table: per operation and message size, the count, total and
+    mean latency (ms) and the mean algorithmic and bus bandwidth (Gbps); with ``show_straggler``,
+    how much longer each row took on rank 0 than on the fastest rank, op by op. The summary's own
+    collectives are not counted.
+
+    collective: call on all ranks.
+
+    Returns:
+        With ``return_dict``, the table as ``{name: {size: {count, total_latency, avg_latency,
+        algbw, busbw[, straggler]}}}`` (this rank's records); else None.
+    """
+    _require_init("log_summary")
+    _dist.barrier()  # after every rank's operations so far (gloo runs a group's ops in order)
+    summary = comms_logger.summary()
+    if show_straggler:
+        for (name, size), value in _stragglers(comms_logger.latencies()).items():
+            if name in summary and size in summary[name]:
+                summary[name][size]["straggler"] = value
+    if _dist.get_rank() == 0:
+        comms_logger.log_all(summary)
+    return summary if return_dict else None

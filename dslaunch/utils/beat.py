@@ -78,6 +78,13 @@ class Beat:
     phase: str | None = None
     """Not a training step: ``checkpoint`` (saving or loading) or ``exit`` (the script is done and
     the process is leaving). The monitor gives a phase the first step's allowance."""
+    waiting: str | None = None
+    """The collective or wait the engine issued that the main thread is in (``gradient
+    all_reduce``), None when it is in none: a rank waiting for its peers is not the one they wait
+    for (``runtime.heartbeat.waiting``)."""
+    waiting_s: float | None = None
+    """How long it had been in ``waiting`` when the beat was sent (its own clock: a duration, so
+    no clock is compared across hosts)."""
 
     def to_line(self) -> bytes:
         """One JSON line (newline included), never over ``MAX_LINE`` bytes."""

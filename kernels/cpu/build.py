@@ -8,8 +8,17 @@ takes ~0.3 s. It is written to a temporary file in the cache directory and renam
 ranks that build at once each produce a complete file and the last rename wins; a reader never
 sees half a library.
 
-Without a compiler, or when the build or the load fails, ``library()`` returns None after one
-warning line, and the kernels dispatch point keeps the torch reference.
+Loading a library runs its constructors, and its name is public (a hash of public inputs), so the
+cache is trusted only as far as its owner: missing directories are created 0700 whatever the
+umask; a library is loaded only from a directory owned by this user and writable by no one else,
+only if the file too is this user's, a regular file and writable by no one else. Both are checked
+on open descriptors and the library is loaded through ``/proc/self/fd``, so nothing can be swapped
+in between. An untrusted directory is not used (one warning line; the library is built privately
+for this process); an untrusted file in a trusted directory is rebuilt over.
+
+Without a compiler, or when the build or the load fails, or the library lacks a kernel,
+``library()`` returns None after one warning line, and the kernels dispatch point keeps the torch
+reference.
 """
 
 from __future__ import annotations
@@ -19,10 +28,13 @@ import functools
 import hashlib
 import logging
 import os
+import stat
 import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+
+from dslaunch.errors import quote
 
 __all__ = ["CACHE_ENV", "FLAGS", "SOURCE", "KernelBuildError", "cache_dir", "build", "library", "available"]
 
@@ -76,47 +88,159 @@ def _cpu_features() -> str:
         return ""
 
 
-def build(environ: Mapping[str, str] = os.environ) -> Path:
-    """The path of the built library, compiling it first unless the cache has it.
+def _key(cc: str) -> str:
+    source = SOURCE.read_bytes()
+    return hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
+                                      _cpu_features().encode()])).hexdigest()[:20]
+
+
+class _Untrusted(Exception):
+    """A cache directory or file that another user could have written; the message says why."""
+
+
+def _check_owner(fd: int, what: str) -> None:
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise _Untrusted(f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise _Untrusted(f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def _make_dirs(folder: Path) -> None:
+    """Create the missing directories of ``folder``, each 0700: umask can only take bits away."""
+    missing = []
+    while not os.path.lexists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+
+
+def _open_cache(folder: Path) -> int:
+    """A descriptor of the cache directory, created if missing, after checking who can write it.
 
     Raises:
-        KernelBuildError: no compiler, or the compilation failed (first line of its output).
+        _Untrusted: the directory is another user's or writable by others.
     """
-    cc = _compiler(environ)
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
-                                     _cpu_features().encode()])).hexdigest()[:20]
-    folder = cache_dir(environ)
-    target = folder / f"dslaunch_cpu_optim-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=folder)
+    _make_dirs(folder)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _check_owner(fd, "the directory")
+    except _Untrusted:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_library(dir_fd: int, name: str) -> int | None:
+    """A descriptor of the cached library, or None when it is missing or untrusted (rebuild it)."""
+    try:
+        # O_NOFOLLOW: not a symlink's target; O_NONBLOCK: a planted FIFO does not hang the open.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("dslaunch: rebuilding the CPU kernels over %s: cannot open it (%s)", name, exc.strerror)
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _Untrusted("it is not a regular file")
+        _check_owner(fd, "it")
+    except _Untrusted as why:
+        os.close(fd)
+        log.warning("dslaunch: rebuilding the CPU kernels over %s: %s", name, why)
+        return None
+    return fd
+
+
+def _compile(cc: str, dir_fd: int, name: str) -> None:
+    """Compile into a temporary file of the directory ``dir_fd``, then rename it to ``name``.
+
+    The compiler's path goes through this process's ``/proc/<pid>/fd``: the directory checked is
+    the one written, whatever is renamed on the way to it.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=f"/proc/{os.getpid()}/fd/{dir_fd}")
     os.close(fd)
+    tmp_name = os.path.basename(tmp)
     try:
         out = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
                              timeout=_TIMEOUT_S)
         if out.returncode != 0:
             first = next((ln for ln in out.stderr.splitlines() if "error" in ln), out.stderr.strip()[:200])
             raise KernelBuildError(f"'{cc}' failed to build {SOURCE.name} (exit {out.returncode}): {first}")
-        os.replace(tmp, target)  # atomic: concurrent builders each rename a complete file
+        # The linker creates its output 0777 & ~umask: with umask 000 others could rewrite it.
+        os.chmod(tmp_name, 0o700, dir_fd=dir_fd)
+        # atomic: concurrent builders each rename a complete file
+        os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except subprocess.TimeoutExpired:
         raise KernelBuildError(f"'{cc}' took over {_TIMEOUT_S} s to build {SOURCE.name}") from None
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        try:
+            os.unlink(tmp_name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+
+
+def _build_fd(environ: Mapping[str, str]) -> tuple[Path, int]:
+    """The library's path and an open descriptor of it, trusted, compiling it first if needed."""
+    cc = _compiler(environ)
+    name = f"dslaunch_cpu_optim-{_key(cc)}.so"
+    folder = cache_dir(environ)
+    private = False
+    try:
+        dir_fd = _open_cache(folder)
+    except _Untrusted as why:
+        log.warning("dslaunch: kernel cache %s not used: %s; building the CPU kernels privately for this "
+                    "process (use a directory of yours that only you can write, or unset %s)",
+                    quote(str(folder), 200), why, CACHE_ENV)
+        folder, private = Path(tempfile.mkdtemp(prefix="dslaunch-kernels-")), True  # mkdtemp: 0700
+        dir_fd = _open_cache(folder)
+    try:
+        fd = _open_library(dir_fd, name)
+        if fd is None:
+            _compile(cc, dir_fd, name)
+            fd = _open_library(dir_fd, name)
+        if fd is None:
+            raise KernelBuildError(f"the library built in {folder} could not be opened")
+        if private:  # the descriptor keeps the library; nothing is left behind
+            os.unlink(name, dir_fd=dir_fd)
+            os.rmdir(folder)
+    finally:
+        os.close(dir_fd)
+    return folder / name, fd
+
+
+def build(environ: Mapping[str, str] = os.environ) -> Path:
+    """The path of the built library, compiling it first unless the cache has a trusted one.
+
+    Raises:
+        KernelBuildError: no compiler, or the compilation failed (first line of its output).
+    """
+    path, fd = _build_fd(environ)
+    os.close(fd)
+    return path
 
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on first call; None (after one warning line) if it cannot be."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        path, fd = _build_fd(os.environ)
+        try:
+            lib = ctypes.CDLL(f"/proc/self/fd/{fd}")  # the very file checked, not whatever is at path now
+        finally:
+            os.close(fd)
+        _declare(lib)
     except (KernelBuildError, OSError) as exc:
         log.warning("dslaunch: CPU kernels unavailable, using the torch reference: %s", exc)
         return None
-    _declare(lib)
+    except AttributeError as exc:  # ctypes: a symbol the library lacks
+        log.warning("dslaunch: CPU kernels unavailable, using the torch reference: %s lacks a kernel (%s)",
+                    path, exc)
+        return None
     return lib
 
 

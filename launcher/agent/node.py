@@ -267,10 +267,9 @@ class Agent:
     def _make_result(self) -> NodeResult:
         node = self.node
         if (failure := self.failure) is not None:
-            # A worker stopped after the first failure may have raised first (see root_cause).
-            raised = [self._failure_of(w) for w in self._workers
-                      if w is not self._failure and w.exit_code and w.watch.exception]
-            return root_cause(failure, raised)
+            # A worker stopped after the first failure may have failed first (see root_cause).
+            others = [self._failure_of(w) for w in self._workers if w is not self._failure and w.exit_code]
+            return root_cause(failure, others)
         if self._stopped_by is not None and any(w.exit_code for w in self._workers):
             name = signal.Signals(self._stopped_by).name
             return NodeResult(node.node_rank, node.host, 128 + self._stopped_by, stopped_by=name)

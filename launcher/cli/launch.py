@@ -46,7 +46,7 @@ from dslaunch.launcher.spec import JobSpec
 from dslaunch.utils.ports import free_port
 from dslaunch.utils.restart import MAX_RESTARTS
 
-__all__ = ["run", "parse_config", "restart_policy"]
+__all__ = ["run", "parse_config", "restart_policy", "check_script"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -81,7 +81,9 @@ def parse_config(argv: list[str],
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
         no_ssh=ns.no_ssh, node_rank=ns.node_rank, hang_timeout=ns.hang_timeout, log_dir=ns.log_dir,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
-        max_restarts=ns.max_restarts, resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else None,
+        max_restarts=ns.max_restarts,
+        # '' stays '' (abspath would make it the cwd) for the plan to refuse
+        resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else ns.resume_from,
         max_nodes=ns.max_elastic_nodes if ns.elastic_training and ns.max_elastic_nodes > 0 else 0,
         allocation=slurm_allocation(os.environ if env is None else env),
     )
@@ -159,8 +161,8 @@ def _core_list(text: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
-def _check_script(cfg: LaunchConfig) -> None:
-    """Local jobs: a missing script is one clear line, not N identical Python errors."""
+def check_script(cfg: LaunchConfig) -> None:
+    """Local and sbatch jobs: a missing script is one clear line, not N identical Python errors."""
     if cfg.module:
         if not _module_found(cfg.user_script):
             raise UsageError(f"--module: no module named {cfg.user_script.partition('.')[0]!r} "
@@ -194,7 +196,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
     job = plan.job
     runner = get_runner(job.launcher)()  # an unknown --launcher fails before any note is printed
     if job.launcher == "local":
-        _check_script(cfg)  # also for --dry-run: it fails like a real run would
+        check_script(cfg)  # also for --dry-run: it fails like a real run would
     for note in plan.notes:
         print(f"dslaunch: {note}", file=sys.stderr, flush=True)
     if dry_run:

@@ -6,8 +6,10 @@ killer struck. The agent applies it (only it has the facts); ``hang`` and ``host
 decided by the controller (``health``, ``gang``), ``start`` by the job loop (a restarted run that
 could not start). ``OOM_REMEDIES`` is the advice an
 out-of-memory failure gets. ``root_cause`` picks which of several failed ranks to blame: the
-first to die is not always the one that failed first (a rank that raised may still be printing
-and tearing down when its peer's collective already failed for lack of it). Pure functions, no
+first to die is not always the one that failed first (a rank that raised or called
+``sys.exit(3)`` may still be tearing down when its peer's collective already failed for lack of
+it). ``normalise`` strips what differs between two runs of the same failure (addresses, ports,
+pids) from a message, for the restart policy's "the same failure twice". Pure functions, no
 imports beyond the standard library.
 """
 
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dslaunch.launcher.spec import NodeResult
 
-__all__ = ["CAUSES", "classify", "is_oom_text", "is_peer_loss", "root_cause", "OOM_REMEDIES", "oom_kills"]
+__all__ = ["CAUSES", "classify", "is_oom_text", "is_peer_loss", "root_cause", "normalise", "OOM_REMEDIES",
+           "oom_kills"]
 
 CAUSES = ("exit", "signal", "exception", "hang", "host_lost", "oom", "start")
 
@@ -47,10 +50,39 @@ def is_peer_loss(exception: str | None) -> bool:
 
 def root_cause(first: NodeResult, others: Iterable[NodeResult]) -> NodeResult:
     """The failure to blame: ``first`` (the first seen), unless it only raised because a peer
-    went away and one of ``others`` raised something else: that exception is the cause."""
+    went away: then the one of ``others`` that failed on its own (``failed_on_its_own``) first."""
     if not is_peer_loss(first.exception):
         return first
-    return next((o for o in others if o.exception and not is_peer_loss(o.exception)), first)
+    own = [o for o in others if failed_on_its_own(o)]
+    return min(own, key=lambda o: o.failed_at if o.failed_at is not None else float("inf"), default=first)
+
+
+_STOP_CODES = (128 + 15, 128 + 9)  # how a rank stopped after another's failure (SIGTERM, SIGKILL) exits
+
+
+def failed_on_its_own(r: NodeResult) -> bool:
+    """Whether a rank's failure is its own, not an echo of another's: it raised something other
+    than a peer loss, or it exited with a code of its own (``sys.exit(3)``), not by the signal
+    that stops the ranks after a failure (nor by the code a SIGTERM handler exits with)."""
+    if r.rank is None or not r.exit_code:
+        return False
+    if r.exception is not None:
+        return not is_peer_loss(r.exception)
+    return r.signal_name is None and r.exit_code not in _STOP_CODES
+
+
+_VOLATILE = (
+    (re.compile(r"0x[0-9a-fA-F]{4,}"), "0x?"),  # object and memory addresses
+    (re.compile(r"(?<=[\w\]]):\d{2,5}\b"), ":?"),  # host:port, [ip]:port
+    (re.compile(r"\b(port|pid|PID|process) \d+"), r"\1 ?"),
+)
+
+
+def normalise(text: str) -> str:
+    """``text`` without what two runs of the same failure do not share: addresses, ports, pids."""
+    for pattern, repl in _VOLATILE:
+        text = pattern.sub(repl, text)
+    return text
 
 
 def classify(exit_code: int, signal_name: str | None, exception: str | None, traceback: str | None,

@@ -14,8 +14,12 @@ runtime) is not judged.
 Blame (``behind``): in a data-parallel job one stuck rank stalls all others in their next
 collective, so every rank stops moving at once. The ones to name are those at the lowest step;
 among those, a rank found stopped (SIGSTOP), then one that went silent (no beat at all: its
-process is frozen), then one whose main thread is not inside ``torch.distributed`` (the others
-wait for it there). Each filter applies only when it narrows the set.
+process is frozen), then one that is not waiting for its peers. A rank waits when its beat says
+so (``Beat.waiting``: the engine's collectives and waits, and ``dslaunch.comm``'s, mark
+themselves), or, for a collective the script calls on ``torch.distributed`` itself (nothing marks
+those), when its main thread's innermost frame is in ``torch.distributed``. Each filter applies
+only when it narrows the set. File paths alone cannot tell: the engine waits in its own frames
+(``work.wait()`` in the gradient reducer), where a rank stuck in the script's code is too.
 """
 
 from __future__ import annotations
@@ -88,15 +92,22 @@ class Health:
         if self.hang_timeout is None:
             return []
         now = time.monotonic() if now is None else now
-        out = []
-        for h in self.ranks.values():
-            if h.progressed_at is None:
-                continue
-            stepping = h.step is not None and h.beat.phase is None
-            allowance = self.hang_timeout if stepping else max(self.hang_timeout, FIRST_STEP_ALLOWANCE_S)
-            if now - h.progressed_at > allowance:
-                out.append(h.rank)
-        return out
+        return [h.rank for h in self.ranks.values()
+                if h.progressed_at is not None and now - h.progressed_at > self.allowance(h.rank)[0]]
+
+    def allowance(self, rank: int) -> tuple[float, str]:
+        """How long ``rank`` may now go without progress, and what applied, in words for the hang
+        message (``hang_timeout`` must be set)."""
+        assert self.hang_timeout is not None
+        h = self.ranks[rank]
+        phase = h.beat.phase if h.beat is not None else None
+        if h.step is not None and phase is None:
+            return self.hang_timeout, "--hang_timeout"
+        why = _PHASES.get(phase or "", "before its first step")
+        if self.hang_timeout >= FIRST_STEP_ALLOWANCE_S:
+            return self.hang_timeout, f"--hang_timeout, {why}"
+        return FIRST_STEP_ALLOWANCE_S, (f"the allowance {why}, {FIRST_STEP_ALLOWANCE_S:g} s as for the first "
+                                        f"step; --hang_timeout {self.hang_timeout:g} s is for steps")
 
     def silent(self, rank: int, now: float | None = None) -> bool:
         h = self.ranks[rank]
@@ -114,13 +125,26 @@ class Health:
         filters = (
             lambda r: bool(stacks.get(r, {}).get("stopped")),
             lambda r: self.silent(r, now),
-            lambda r: not _in_collective(stacks.get(r, {}).get("stack")),
+            lambda r: not self.waiting(r, stacks.get(r, {}), now),
         )
         for keep in filters:
             narrowed = [r for r in suspects if keep(r)]
             if narrowed and len(narrowed) < len(suspects):
                 suspects = narrowed
         return sorted(suspects)
+
+    def waiting(self, rank: int, dump: Mapping, now: float | None = None) -> bool:
+        """Whether ``rank`` waits for its peers (see the module docstring); ``dump``: its node's
+        answer to the stack request (``{"stopped": bool, "stack": text or None}``)."""
+        return self.wait_of(rank, dump, now) is not None or _in_collective(dump.get("stack"))
+
+    def wait_of(self, rank: int, dump: Mapping, now: float | None = None) -> tuple[str, float] | None:
+        """The marked wait ``rank``'s beats say it is in (name, seconds), when they are current:
+        not for a rank found stopped or silent (its last beat may predate where it stopped)."""
+        beat = self.ranks[rank].beat
+        if beat is None or beat.waiting is None or dump.get("stopped") or self.silent(rank, now):
+            return None
+        return beat.waiting, beat.waiting_s or 0.0
 
     def summary(self, now: float | None = None) -> dict:
         """The job's progress now, for the status line and the periodic event.
@@ -151,6 +175,9 @@ class Health:
         if out["step"] < 0:
             out["step"] = None
         return out
+
+
+_PHASES = {"checkpoint": "while saving or loading a checkpoint", "exit": "while the process exits"}
 
 
 def _order(step: int | None) -> int:
@@ -204,5 +231,6 @@ _LIBRARY = re.compile(r"(?:/lib/python3\.\d+)?/(?:site|dist)-packages/|/lib/pyth
 
 
 def _in_collective(stack: str | None) -> bool:
+    """The main thread is in ``torch.distributed`` (a collective the script called itself)."""
     frames = _main_thread(stack)
     return bool(frames) and "torch/distributed/" in frames[0]["file"].replace("\\", "/")

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from dslaunch.errors import name_ranks
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.failures import OOM_REMEDIES, classify
 from dslaunch.launcher.monitor.health import Health, top_frame
@@ -107,9 +108,11 @@ class JobMonitor:
             info = stacks.get(rank, {})
             text = info.get("stack")
             path = self.events.write_file(f"stacks-rank{rank}.txt", text) if text else None
+            wait = self.health.wait_of(rank, info)
             ranks[str(rank)] = {"host": h.host, "step": h.step, "stopped": bool(info.get("stopped")),
                                 "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path,
-                                "via": info.get("via")}
+                                "via": info.get("via"), "waiting": self.health.waiting(rank, info),
+                                "waiting_in": wait[0] if wait else None, "waiting_s": wait[1] if wait else None}
         if missing := {r: stacks.get(r, {}).get("why") or "no answer from its node"
                        for r in sorted(self.health.ranks) if not stacks.get(r, {}).get("stack")}:
             why = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
@@ -117,8 +120,11 @@ class JobMonitor:
         self.events.emit("stacks", behind=behind, stalled=sorted(stalled), ranks=ranks,
                          hang_timeout=self.health.hang_timeout)
         first = self.health.ranks[behind[0]]
+        # The allowance that ran out: the blamed rank's may be longer (no step of it heard yet)
+        allowed, why = self.health.allowance(first.rank if first.rank in stalled else min(stalled))
         failure = NodeResult(self.job.nodes[first.node].node_rank, first.host, HANG_EXIT_CODE, rank=first.rank,
-                             cause="hang", step=first.step, failed_at=first.progressed_wall)
+                             cause="hang", step=first.step, failed_at=first.progressed_wall,
+                             message=f"no progress for {allowed:g} s: {why}")
         self._hang = (failure, ranks, detected)
         return failure, {self.health.ranks[r].node for r in behind}
 
@@ -191,10 +197,22 @@ class JobMonitor:
         return self.events.write_file(f"error-rank{r.rank}.json", json.dumps(record, indent=2) + "\n")
 
     def _hang_note(self) -> str:
+        """What the blamed rank was doing, who waited for it, where the stacks are."""
         assert self._hang is not None
         failure, ranks, _ = self._hang
         info = ranks.get(str(failure.rank), {})
-        state = " (it was stopped: SIGSTOP)" if info.get("stopped") else " (silent: no heartbeat)" if info.get("silent") else ""
-        doing = f"; it was in {info['top_frame']}" if info.get("top_frame") else ""
-        where = f"; every rank's stack is in {self.events.directory}" if self.events.directory else ""
-        return f"no progress for {self.health.hang_timeout:g} s{state}{doing}{where}"
+        parts = []
+        if info.get("stopped"):
+            parts.append("it was stopped: SIGSTOP")
+        elif info.get("silent"):
+            parts.append("silent: no heartbeat")
+        if info.get("top_frame"):
+            parts.append(f"it was in {info['top_frame']}")
+        waits: dict[str, list[int]] = {}
+        for rank, r in ranks.items():
+            if r.get("waiting_in") and int(rank) != failure.rank:
+                waits.setdefault(r["waiting_in"], []).append(int(rank))
+        parts += [f"{name_ranks(rs)} waited for it in {name}" for name, rs in list(waits.items())[:3]]
+        if self.events.directory:
+            parts.append(f"every rank's stack is in {self.events.directory}")
+        return "; ".join(parts)

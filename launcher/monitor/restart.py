@@ -8,7 +8,8 @@ A pure function (``decide``) over frozen records, so every rule is a table test:
   a restarted run that could not start (each try uses one restart);
   so are a first exception or non-zero exit, which may be transient (a peer's reset connection);
 - the same failure (cause, exception text or exit code) at the same step in two runs in a row is
-  the script's bug: restarting would fail the same way, so stop and show it;
+  the script's bug: restarting would fail the same way, so stop and show it (the texts compared
+  without addresses, ports and pids: ``failures.normalise``);
 - ``--max_restarts N`` bounds the restarts; when spent, the job exits with the last failure's code;
 - with ``--elastic_training``, lost hosts (any node of the run with cause ``host_lost``, root
   cause or not) are left out of the next run as long as at least ``--min_elastic_nodes`` remain;
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dslaunch.errors import UsageError
+from dslaunch.launcher.monitor.failures import normalise
 from dslaunch.launcher.spec import NodeResult
 
 __all__ = ["RestartPolicy", "Run", "Decision", "decide", "cause_of", "describe_failure", "INFRA_CAUSES",
@@ -121,7 +123,7 @@ def cause_of(r: NodeResult) -> str:
 def _signature(r: NodeResult) -> tuple[str, str, int | None]:
     """What must repeat for a failure to count as the script's: what happened, and at which step."""
     cause = cause_of(r)
-    what = (r.exception or "") if cause == "exception" else str(r.exit_code)
+    what = normalise(r.exception or "") if cause == "exception" else str(r.exit_code)
     return cause, what, r.step
 
 

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
+import shutil
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -33,15 +35,25 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import CheckpointError, DslaunchError, UsageError
+from dslaunch.errors import CheckpointError, DslaunchError, UsageError, shorten
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
 from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, fp32_params, needed_ranks
-from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore, first_loadable, write_atomic
+from dslaunch.runtime.checkpoint.store import (
+    LATEST,
+    MANIFEST,
+    CheckpointStore,
+    first_loadable,
+    summary,
+    validate_tag,
+    write_atomic,
+)
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
            "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main"]
 
 StateDict = OrderedDict[str, torch.Tensor]
+
+log = logging.getLogger("dslaunch.checkpoint")
 
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 _SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # decimal, as Hugging Face
@@ -52,11 +64,16 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 # ---- reading ------------------------------------------------------------------------------------
 def _store_and_tag(checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[CheckpointStore, str | None]:
     path = Path(checkpoint_dir)
-    if not path.is_dir():
-        raise CheckpointError("not a directory (expected a save_dir or one of its tag directories)",
-                              str(path))
-    if (path / MANIFEST).is_file() and tag is None:  # a tag directory itself
-        return CheckpointStore(path.parent), path.name
+    if tag is not None:
+        validate_tag(str(tag))  # '../..' would read outside the checkpoint directory
+    try:
+        if not path.is_dir():
+            raise CheckpointError("not a directory (expected a save_dir or one of its tag directories)",
+                                  str(path))
+        if (path / MANIFEST).is_file() and tag is None:  # a tag directory itself
+            return CheckpointStore(path.parent), path.name
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the directory ({exc.strerror or exc})", str(path)) from exc
     return CheckpointStore(path), tag
 
 
@@ -115,15 +132,34 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike, 
         CheckpointError naming the directory or the missing/corrupt file; UsageError for
         ``exclude_frozen_parameters`` on a checkpoint that does not record its frozen parameters.
     """
+    tag, state, passed_over = _resolve(checkpoint_dir, tag, exclude_frozen_parameters)
+    _warn_fallback(tag, passed_over)
+    return state
+
+
+def _resolve(checkpoint_dir: str | os.PathLike, tag: str | None,
+             exclude_frozen: bool) -> tuple[str, StateDict, list[str]]:
+    """The tag consolidated, its state dict, and why newer tags (or ``latest``) were passed over."""
     store, tag = _store_and_tag(checkpoint_dir, tag)
     if tag is not None:
-        return _consolidate(store, tag, exclude_frozen_parameters)
+        return tag, _consolidate(store, tag, exclude_frozen), []
     tags, notes = store.candidates()
-    found = first_loadable(tags, lambda t: _consolidate(store, t, exclude_frozen_parameters))
+    found = first_loadable(tags, lambda t: _consolidate(store, t, exclude_frozen))
     if found is None:
         raise CheckpointError("no checkpoint here (" + ("; ".join(notes) or "no tags") + ")",
                               str(store.root))
-    return found[1]
+    latest_given = os.path.lexists(store.root / LATEST)  # without one, the newest tag is no fallback
+    return found[0], found[1], (notes if latest_given else []) + found[2]
+
+
+def _fallback_line(tag: str, passed_over: list[str]) -> str:
+    """Exporting an older tag bit for bit looks like success: say which and why."""
+    return f"exported tag {tag!r}, the newest valid one: {summary(passed_over)}"
+
+
+def _warn_fallback(tag: str, passed_over: list[str]) -> None:
+    if passed_over:
+        log.warning("zero_to_fp32: %s", _fallback_line(tag, passed_over))
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str | os.PathLike,
@@ -255,26 +291,56 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike, out
         UsageError: bad ``dtype``/``max_shard_size``, safetensors missing or contradicting a file
             name; CheckpointError as ``get_fp32_state_dict_from_zero_checkpoint``.
     """
+    files, tag, passed_over = _export(checkpoint_dir, output_dir, dtype, max_shard_size, safe_serialization, tag,
+                                      exclude_frozen_parameters)
+    _warn_fallback(tag, passed_over)
+    return files
+
+
+def _export(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: Any,
+            max_shard_size: int | str | None, safe_serialization: bool, tag: str | None,
+            exclude_frozen_parameters: bool) -> tuple[list[Path], str, list[str]]:
+    """``convert_zero_checkpoint_to_state_dict``, also returning the tag written and why newer
+    ones were passed over."""
     cast, limit, output = _output_dtype(dtype), _shard_limit(max_shard_size), Path(output_dir)
-    single = _is_single_file(output)
+    try:
+        single = _is_single_file(output)
+        exists_not_dir = not single and output.exists() and not output.is_dir()
+    except OSError as err:
+        raise UsageError(f"cannot use the output {output}: {err.strerror or err}") from None
     if single and safe_serialization and output.suffix != ".safetensors":
         raise UsageError(f"{output}: safe_serialization writes safetensors; name the file *.safetensors "
                          "or give a directory")
     if (output.suffix == ".safetensors") if single else safe_serialization:
         _require_safetensors(output)
-    if not single and output.exists() and not output.is_dir():
+    if exists_not_dir:
         raise UsageError(f"{output}: exists and is not a directory; give a directory, or a file name "
                          f"ending in {', '.join(_FILE_SUFFIXES)}")
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    tag, state, passed_over = _resolve(checkpoint_dir, tag, exclude_frozen_parameters)
     state = OrderedDict((k, v.to(cast) if v.is_floating_point() else v) for k, v in state.items())
     try:
         if single:
             _write(state, output)
-            return [output]
+            return [output], tag, passed_over
         weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-        return _write_directory(state, output, weights, limit)
+        return _write_directory(state, output, weights, limit), tag, passed_over
     except OSError as err:
         raise UsageError(f"cannot write {err.filename or output}: {err.strerror or err}") from None
+    except RuntimeError as err:  # torch.save reports a failed write (e.g. a full disk) this way
+        raise UsageError(f"cannot write {output}: the write failed with {_free_mb(output):.1f} MB free on "
+                         f"its file system ({shorten(str(err).splitlines()[0] if str(err) else '', 120)})"
+                         ) from None
+
+
+def _free_mb(output: Path) -> float:
+    """Free space where ``output`` goes (its nearest existing ancestor), in MB; -1 when unknown."""
+    path = output
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free / 1e6
+    except OSError:
+        return -1.0
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike,
@@ -308,13 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_shard_size is not None and _is_single_file(Path(args.output)):
         raise UsageError(f"--max_shard_size shards a directory output; {args.output} names one file")
-    files = convert_zero_checkpoint_to_fp32_state_dict(
-        args.checkpoint_dir, args.output, max_shard_size=args.max_shard_size or "5GB",
-        safe_serialization=args.safe_serialization, tag=args.tag,
-        exclude_frozen_parameters=args.exclude_frozen_parameters)
+    files, tag, passed_over = _export(args.checkpoint_dir, args.output, torch.float32, args.max_shard_size or "5GB",
+                                      args.safe_serialization, args.tag, args.exclude_frozen_parameters)
+    if passed_over:
+        print(f"zero-to-fp32: warning: {_fallback_line(tag, passed_over)}", file=sys.stderr)
     size = sum(f.stat().st_size for f in files) / 1e6
     print(f"wrote {files[0] if len(files) == 1 else f'{len(files)} files to {files[0].parent}'} "
-          f"({size:.1f} MB)")
+          f"({size:.1f} MB) from tag {tag!r}")
     return 0
 
 

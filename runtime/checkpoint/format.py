@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointError, shorten
 
 __all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "write_object", "read_object"]
 
@@ -213,9 +213,9 @@ def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> An
         CheckpointError naming ``path``: missing, truncated, checksum mismatch, not this format.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError("file is missing", str(path))
     try:
+        if not path.is_file():
+            raise CheckpointError("file is missing", str(path))
         size = expect.size if expect else path.stat().st_size
         data = _read_exact(path, size)
     except OSError as exc:  # permissions, I/O error: say which file, not a traceback
@@ -237,7 +237,8 @@ def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> An
     except CheckpointError:
         raise
     except Exception as exc:  # a corrupt header that still matched (no manifest): say which file
-        raise CheckpointError(f"cannot decode the file ({type(exc).__name__}: {exc})", str(path)) from exc
+        raise CheckpointError(f"cannot decode the file ({type(exc).__name__}: {shorten(str(exc), 200)})",
+                              str(path)) from exc
 
 
 def _tensor_view(data: torch.Tensor, begin: int, nbytes: int, dtype: str,

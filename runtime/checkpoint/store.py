@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointError, quote, shorten
 from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
-           "write_atomic", "fsync_dir", "first_loadable"]
+           "write_atomic", "fsync_dir", "first_loadable", "summary"]
 
 T = TypeVar("T")
 
@@ -49,6 +49,7 @@ _FORMAT = "dslaunch-checkpoint"
 _FORMAT_VERSION = 2  # 2: a file's checksum may be "crc32c" (1: zlib "crc32" only)
 _READABLE_VERSIONS = (1, 2)
 _RESERVED = (".tmp-", ".trash-", ".old-", ".owner-", ".latest.tmp")
+_NAME_MAX = 255  # bytes in one directory name (Linux): a longer tag can name no directory
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,10 @@ class Manifest:
                        meta=dict(body["meta"]), library_version=str(body["library_version"]))
         except CheckpointError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"manifest is unreadable ({type(exc).__name__}: {exc})", str(path)) from exc
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            # RecursionError: JSON nested deeper than the parser's stack
+            raise CheckpointError(f"manifest is unreadable ({type(exc).__name__}: {shorten(str(exc), 200)})",
+                                  str(path)) from exc
 
 
 def fsync_dir(path: Path, durable: bool = True) -> None:
@@ -144,10 +147,11 @@ def write_atomic(path: Path, write: Callable[[Path], Any], durable: bool = True,
 
 def validate_tag(tag: str) -> str:
     """A tag must be one plain directory name; raises CheckpointError otherwise."""
-    if (not tag or "/" in tag or "\\" in tag or tag in (".", "..", LATEST)
-            or tag.startswith(_RESERVED) or tag != tag.strip()):
-        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use one directory name without '/', "
-                              f"not '{LATEST}' and not starting with {', '.join(_RESERVED)}")
+    if (not tag or "/" in tag or "\\" in tag or "\0" in tag or tag in (".", "..", LATEST)
+            or tag.startswith(_RESERVED) or tag != tag.strip() or len(tag.encode(errors="replace")) > _NAME_MAX):
+        raise CheckpointError(f"invalid checkpoint tag {quote(tag)}: use one directory name (at most "
+                              f"{_NAME_MAX} bytes) without '/', not '{LATEST}' and not starting with "
+                              f"{', '.join(_RESERVED)}")
     return tag
 
 
@@ -185,28 +189,35 @@ class CheckpointStore:
     def read_latest(self) -> tuple[str | None, str]:
         """The tag ``latest`` names and "" , or (None, why not)."""
         path = self.root / LATEST
-        if not path.is_file():
-            return None, f"{path} does not exist"
         try:
-            tag = path.read_text().strip()
+            if not path.is_file():
+                return None, f"{path} does not exist"
+            with open(path, "rb") as f:
+                raw = f.read(4 * _NAME_MAX)  # a tag is one directory name: no need to read more
+            tag = raw.decode().strip()
             validate_tag(tag)
-        except (UnicodeDecodeError, CheckpointError, OSError):
+        except OSError as exc:
+            return None, f"{path} is unreadable ({exc.strerror or exc})"
+        except (UnicodeDecodeError, CheckpointError):
             return None, f"{path} is corrupt (does not hold a valid tag name)"
         return tag, ""
 
     def manifest(self, tag: str) -> Manifest:
         """The manifest of ``tag``; raises CheckpointError naming what is missing or corrupt."""
+        validate_tag(tag)  # also keeps a tag like '../..' inside the save_dir
         tag_dir = self.root / tag
         path = tag_dir / MANIFEST
-        if not tag_dir.is_dir():
-            raise CheckpointError(f"no checkpoint tag {tag!r} here{self._known_tags_hint()}", str(tag_dir))
-        if not path.is_file():
-            raise CheckpointError("manifest is missing: this is not a complete dslaunch checkpoint",
-                                  str(path))
         try:
+            if not tag_dir.is_dir():
+                raise CheckpointError(f"no checkpoint tag {quote(tag)} here{self._known_tags_hint()}",
+                                      str(tag_dir))
+            if not path.is_file():
+                raise CheckpointError("manifest is missing: this is not a complete dslaunch checkpoint",
+                                      str(path))
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"manifest is unreadable ({exc})", str(path)) from exc
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else shorten(str(exc), 200)
+            raise CheckpointError(f"manifest is unreadable ({why})", str(path)) from exc
         return Manifest.from_json(text, path)
 
     def read(self, tag: str, name: str, manifest: Manifest) -> Any:
@@ -220,14 +231,17 @@ class CheckpointStore:
     def tags(self) -> list[Manifest]:
         """Published tags with a readable manifest, newest first (files not verified)."""
         found = []
-        if not self.root.is_dir():
-            return found
-        for entry in self.root.iterdir():
-            if entry.is_dir() and not entry.name.startswith(_RESERVED):
-                try:
-                    found.append(self.manifest(entry.name))
-                except CheckpointError:
-                    continue
+        try:
+            if not self.root.is_dir():
+                return found
+            entries = [e for e in self.root.iterdir() if e.is_dir() and not e.name.startswith(_RESERVED)]
+        except OSError as exc:
+            raise CheckpointError(f"cannot list the directory ({exc.strerror or exc})", str(self.root)) from exc
+        for entry in entries:
+            try:
+                found.append(self.manifest(entry.name))
+            except CheckpointError:
+                continue
         return sorted(found, key=lambda m: (m.created, m.tag), reverse=True)
 
     def candidates(self) -> tuple[list[str], list[str]]:
@@ -287,5 +301,11 @@ def first_loadable(tags: list[str], load: Callable[[str], T]) -> tuple[str, T, l
         except CheckpointError as exc:
             skipped.append(f"tag {tag!r}: {exc}")
     if skipped:
-        raise CheckpointError("no loadable checkpoint: " + "; ".join(skipped))
+        raise CheckpointError("no loadable checkpoint: " + summary(skipped))
     return None
+
+
+def summary(problems: list[str], shown: int = 3) -> str:
+    """The first ``shown`` problems and how many more: a directory of 10,000 broken tags is one line."""
+    more = f"; and {len(problems) - shown} more" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more

@@ -26,10 +26,11 @@ from typing import Any, Protocol
 
 import torch
 
-from dslaunch.errors import CheckpointError, DslaunchError
+from dslaunch.errors import CheckpointError, DslaunchError, name_ranks
 from dslaunch.runtime.checkpoint.leftovers import SAVE_TIMEOUT_S
 from dslaunch.runtime.checkpoint.publish import LeaderSave
 from dslaunch.runtime.checkpoint.store import CheckpointStore, FileRecord, Manifest
+from dslaunch.runtime.heartbeat import waiting
 
 __all__ = ["Comm", "LocalComm", "GroupComm", "TagWrite", "write_tag", "Snapshot", "AsyncWriter"]
 
@@ -68,7 +69,8 @@ class GroupComm:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj, group=self.group)
+        with waiting("checkpoint all_gather"):  # its barrier; marked only on the main thread
+            self._dist.all_gather_object(out, obj, group=self.group)
         return out
 
 
@@ -95,18 +97,13 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _ranks(ranks: list[int], limit: int = 8) -> str:
-    shown = ", ".join(map(str, ranks[:limit])) + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
-    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
-
-
 def _per_rank(items: list[str | None], limit: int = 3, clip: int = 400) -> str:
     """``rank 1: text; ranks 2, 3: text`` for the non-empty items, bounded in size."""
     groups: dict[str, list[int]] = {}
     for rank, text in enumerate(items):
         if text:
             groups.setdefault(text, []).append(rank)
-    shown = [f"{_ranks(ranks)}: {text if len(text) <= clip else text[:clip] + '...'}"
+    shown = [f"{name_ranks(ranks)}: {text if len(text) <= clip else text[:clip] + '...'}"
              for text, ranks in list(groups.items())[:limit]]
     more = len(groups) - limit
     return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
@@ -244,7 +241,8 @@ class AsyncWriter:
     def wait(self) -> None:
         """Block until the pending save is done; raise its error, if any."""
         if self._thread is not None:
-            self._thread.join()
+            with waiting("checkpoint save in the background"):  # it waits for the peers' writers
+                self._thread.join()
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None

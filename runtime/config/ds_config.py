@@ -21,9 +21,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
+from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
 from dslaunch.runtime.config.monitor import MonitorConfig
+from dslaunch.runtime.config.monitors import (
+    CometConfig,
+    CSVConfig,
+    DeepSpeedMonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+    check_packages,
+)
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.pipeline import PipelineConfig
 from dslaunch.runtime.config.sections import (
@@ -55,6 +65,9 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
              "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig,
+             "flops_profiler": FlopsProfilerConfig,
+             "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
+             "comet": CometConfig, "comms_logger": CommsLoggerConfig,
              "pipeline": PipelineConfig}
 
 
@@ -109,12 +122,23 @@ class DeepSpeedConfig:
     """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Read only when the model is a ``PipelineModule`` (``runtime/pipe/engine.py``)."""
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = field(default_factory=CSVConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
     source: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (a dict or the file's content): DeepSpeed's ``engine.config``."""
+
+    @property
+    def monitor_config(self) -> DeepSpeedMonitorConfig:
+        """DeepSpeed's name for the four monitor blocks together (``MonitorMaster`` takes it)."""
+        return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
 
 def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
@@ -270,6 +294,7 @@ def _validate_typed(values: dict[str, Any]) -> None:
 
 
 def _cross_check(cfg: DeepSpeedConfig) -> None:
+    check_packages(cfg.monitor_config)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization

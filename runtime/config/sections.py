@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,8 +194,24 @@ class AioConfig:
     UNIMPLEMENTED = {"use_gds": False}  # noqa: RUF012
 
 
-def _offload(path: str, value: Any) -> OffloadConfig:
-    return parse_section(OffloadConfig, value, path)
+def _offload_section(foreign: Mapping[str, str]) -> Callable[[str, Any], OffloadConfig]:
+    """The checker of one offload section: ``OffloadConfig``, less the keys of the other section
+    (``foreign``: key -> why), refused rather than read by no one."""
+
+    def check(path: str, value: Any) -> OffloadConfig:
+        for key in foreign.keys() & (value.keys() if isinstance(value, Mapping) else set()):
+            raise ConfigError(f"is not read in this section: {foreign[key]}; remove it", key=f"{path}.{key}")
+        return parse_section(OffloadConfig, value, path)
+
+    return check
+
+
+_offload_optimizer = _offload_section({
+    "max_in_cpu": "it is an offload_param key (parameter elements kept in host memory with nvme); "
+                  "the share of the optimizer state in host memory is offload_optimizer.ratio (stage 3)"})
+_offload_param = _offload_section({
+    "ratio": "it is an offload_optimizer key (stage 3); offloaded parameters are all off the device, "
+             "and with nvme offload_param.max_in_cpu keeps some in host memory"})
 
 
 @dataclass(frozen=True)
@@ -251,11 +267,16 @@ class ZeroConfig:
                       "max_live_parameters": "stage3_max_live_parameters",
                       "max_reuse_distance": "stage3_max_reuse_distance",
                       "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-                      "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
+                      "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+                      # keys dslaunch does not read (STAGE3_ONLY), under DeepSpeed's other spelling
+                      "stage3_model_persistence_threshold": "model_persistence_threshold",
+                      "stage3_module_granularity_threshold": "module_granularity_threshold",
+                      "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params",
+                      "stage3_allgather_sequential": "allgather_sequential"}
 
-    offload_optimizer: OffloadConfig = _opt(OffloadConfig(), _offload, "an object such as "
+    offload_optimizer: OffloadConfig = _opt(OffloadConfig(), _offload_optimizer, "an object such as "
                                             "{\"device\": \"cpu\"} (stages 1-3)")
-    offload_param: OffloadConfig = _opt(OffloadConfig(), _offload, "an object such as "
+    offload_param: OffloadConfig = _opt(OffloadConfig(), _offload_param, "an object such as "
                                         "{\"device\": \"cpu\"} (stage 3)")
 
     # DeepSpeed keys not implemented here -> when they are off.
@@ -265,15 +286,16 @@ class ZeroConfig:
                      "zero_quantized_nontrainable_weights": False, "zero_hpz_partition_size": 1,
                      "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
                      "legacy_stage1": False, "enable_sanity_checks": False}
-    # Keys (and prefixes) that only configure stage 3 and dslaunch does not read (the fields above
-    # excepted): any value accepted, "auto" included (the Hugging Face Trainer writes it there).
-    STAGE3_ONLY = ("sub_group_size", "stage3_", "prefetch_bucket_size", "param_persistence_threshold",
-                   "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-                   "gather_16bit_weights_on_model_save", "module_granularity_threshold",
-                   "use_all_reduce_for_fetch_params", "allgather_sequential", "partition_stream_chunk_size",
-                   "zeropp_loco_param", "log_trace_cache_warnings", "pipeline_loading_checkpoint",
-                   "override_module_apply", "memory_efficient_linear", "leaf_module",
-                   "save_muon_momentum_buffer_in_memory")
+    # Keys that only configure stage 3 (after STAGE3_ALIASES) and dslaunch does not read (the
+    # fields above excepted): any value accepted, "auto" included (the Hugging Face Trainer writes
+    # it there). Whole names, not prefixes: a misspelt one must get "did you mean".
+    STAGE3_ONLY = frozenset((
+        "sub_group_size", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+        "model_persistence_threshold", "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+        "allgather_sequential", "partition_stream_chunk_size", "zeropp_loco_param", "log_trace_cache_warnings",
+        "pipeline_loading_checkpoint", "override_module_apply", "memory_efficient_linear", "leaf_module",
+        "save_muon_momentum_buffer_in_memory"))
 
 
 # A scale of 2**64 already overflows any fp16 gradient (max 65504); more only skips more steps
@@ -356,8 +378,7 @@ _COMPRESSION = Off({"shared_parameters": _enabled()}, switch="shared_parameters"
 # runtime/config.py, constants.py and the feature configs it reads).
 UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # monitors, profilers, logging
-    "tensorboard": _enabled(), "wandb": _enabled(), "csv_monitor": _enabled(), "comet": _enabled(),
-    "comms_logger": _enabled(), "flops_profiler": _enabled(), "autotuning": _enabled(),
+    "autotuning": _enabled(),
     # DeepSpeed prints a throughput line by default; dslaunch has no throughput timer.
     "timers": Off({"throughput": Off({"enabled": False, "synchronized": True}, switch="enabled")}),
     "memory_breakdown": False, "dump_state": False, "log_level": None,
@@ -406,7 +427,7 @@ def _explain_auto(cls: type, raw: Mapping[str, Any], prefix: str) -> None:
 
 
 def _stage3_only(cls: type, key: str) -> bool:
-    return any(key.startswith(s) for s in getattr(cls, "STAGE3_ONLY", ()))
+    return getattr(cls, "STAGE3_ALIASES", {}).get(key, key) in getattr(cls, "STAGE3_ONLY", ())
 
 
 def parse_section(cls: type, raw: Any, prefix: str) -> Any:
@@ -423,8 +444,12 @@ def parse_section(cls: type, raw: Any, prefix: str) -> Any:
     _explain_auto(cls, raw, prefix)
     known: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(cls)}
-    for key, value in raw.items():
-        key = getattr(cls, "STAGE3_ALIASES", {}).get(key, key)
+    spelt: dict[str, str] = {}  # setting -> the raw key that gave it
+    for raw_key, value in raw.items():
+        key = getattr(cls, "STAGE3_ALIASES", {}).get(raw_key, raw_key)
+        if spelt.setdefault(key, raw_key) != raw_key:  # else the last spelling would silently win
+            raise ConfigError(f"sets the same thing as '{prefix}.{spelt[key]}' (two spellings of one "
+                              "setting); keep one", key=f"{prefix}.{raw_key}")
         if key in cls.UNIMPLEMENTED:
             reject_unimplemented(f"{prefix}.{key}", value, cls.UNIMPLEMENTED[key])
         elif value == "auto" and (_stage3_only(cls, key) or key in getattr(cls, "AUTO_OK", ())):

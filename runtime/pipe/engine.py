@@ -255,6 +255,7 @@ class PipelineEngine(DeepSpeedEngine):
         self._wait_sends(batch)
         local = torch.stack(batch.losses).mean() if self.is_last_stage() else None
         self.agg_train_loss = self._loss = self._mean_loss(local)
+        self._window_losses = [self.agg_train_loss]  # the monitors log this window's mean: the batch's loss
         self.micro_steps += batch.micro_batches - 1  # the record counts micro steps before the last
         self._take_model_step()
         self.micro_steps += 1

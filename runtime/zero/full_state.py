@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero import params as zp
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
@@ -38,8 +39,7 @@ def _gather(strategy: Any, group: Any, local: torch.Tensor, index: int) -> torch
         return local[a:b].clone()
     flat = zp.FlatShard(local, group.layout.numel, strategy.world_size, strategy.rank, strategy.pg)
     buf, works = zp.gather_range(flat, a, b)
-    for w in works:
-        w.wait()
+    wait_all(works, "parameter gather (broadcast)")
     return buf
 
 

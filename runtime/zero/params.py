@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dslaunch import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.partition import partition_range, shard_slot
 
 __all__ = ["ZeroParamStatus", "FlatShard", "is_partitioned", "attach", "start_fetch", "fetch", "hold", "unhold",
@@ -135,7 +137,7 @@ def gather_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[An
         if r == flat.rank:  # with offload_param nvme: read from the swap file
             flat.read(lo - r * k, hi - r * k, piece)
         if flat.world > 1:
-            works.append(dist.broadcast(piece, src=global_rank(flat, r), group=flat.group, async_op=True))
+            works.append(comm.broadcast(piece, src=global_rank(flat, r), group=flat.group, async_op=True))
     return out, works
 
 
@@ -190,8 +192,7 @@ def fetch(params: Iterable[torch.nn.Parameter]) -> None:
 
 
 def _finish(gather: _Gather) -> None:
-    for w in gather.works:
-        w.wait()
+    wait_all(gather.works, "parameter gather (broadcast)")
     base = gather.run[0]._dsl_offset
     for p in gather.run:
         p.data = gather.buf[p._dsl_offset - base:p._dsl_offset - base + p.ds_numel].view(p.ds_shape)
@@ -255,9 +256,8 @@ def write_back(params: list[torch.nn.Parameter], src_rank: int) -> None:
 
     collective: all ranks, the same available parameters.
     """
-    works = [dist.broadcast(p.data, src=global_rank(p._dsl_flat, src_rank), group=p._dsl_flat.group,
+    works = [comm.broadcast(p.data, src=global_rank(p._dsl_flat, src_rank), group=p._dsl_flat.group,
                             async_op=True) for p in params if p._dsl_flat.world > 1]
-    for w in works:
-        w.wait()
+    wait_all(works, "parameter write-back (broadcast)")
     for p in params:
         scatter_into(p, p.data)

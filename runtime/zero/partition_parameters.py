@@ -27,7 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dslaunch import comm
 from dslaunch.runtime.dist import device_for, init_distributed, local_rank
+from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import external_params
 from dslaunch.runtime.zero.params import ZeroParamStatus
@@ -107,7 +109,8 @@ class Init:
         full = p.data.to(self.device).contiguous().reshape(-1)
         if world > 1:  # every rank's shard must come from the same values
             src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-            dist.broadcast(full, src=src, group=self.group)
+            with waiting("zero.Init (broadcast)"):
+                comm.broadcast(full, src=src, group=self.group)
         start, end = partition_range(full.numel(), world, rank)
         shard = full[start:end].to(device=self.home, dtype=self.dtype or full.dtype, copy=True)
         p._dsl_users = 0

@@ -26,8 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from dslaunch import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.flat import group_dtype, to_host
 from dslaunch.runtime.zero.offload.param_store import ShardStore
@@ -43,8 +44,7 @@ def _full_value(p: torch.nn.Parameter) -> torch.Tensor:
     if not zp.is_partitioned(p) or p.ds_status is zp.ZeroParamStatus.AVAILABLE:
         return p.data.reshape(-1)
     buf, works = zp.gather_range(p._dsl_flat, p._dsl_offset, p._dsl_offset + p.ds_numel)
-    for w in works:
-        w.wait()
+    wait_all(works, "parameter gather (broadcast)")
     return buf
 
 
@@ -163,8 +163,7 @@ class Partitioned(Placement):
                 if pieces:
                     pending.append((pieces, *_broadcast_pieces(g.flat, owner, pieces)))
         for pieces, buf, work in pending:
-            if work is not None:
-                work.wait()
+            wait_all((work,), "persistent parameters (broadcast)")
             dst = [p.data.view(-1)[lo - p._dsl_offset:hi - p._dsl_offset] for p, lo, hi in pieces]
             torch._foreach_copy_(dst, list(buf.split([hi - lo for _, lo, hi in pieces])))
 
@@ -189,5 +188,5 @@ def _broadcast_pieces(flat: zp.FlatShard, owner: int, pieces: list[tuple]) -> tu
             at += hi - lo
     if flat.world == 1:
         return buf, None
-    return buf, dist.broadcast(buf, src=zp.global_rank(flat, owner), group=flat.group, async_op=True)
+    return buf, comm.broadcast(buf, src=zp.global_rank(flat, owner), group=flat.group, async_op=True)
 

@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from dslaunch import comm
+from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.publisher import ShardPublisher
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
@@ -37,12 +39,13 @@ def sum_over_ranks(world_size: int, process_group: Any) -> Callable[[torch.Tenso
     def reduce(t: torch.Tensor) -> None:
         # gloo/nccl sum; inf/nan propagate to all ranks. NCCL reduces only device tensors (an
         # offloaded shard's norm is on the host): through a device copy there.
-        if dist.get_backend(process_group) == "nccl" and t.device.type == "cpu":
-            tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(tmp, group=process_group)
-            t.copy_(tmp)
-        else:
-            dist.all_reduce(t, group=process_group)
+        with waiting("all_reduce of the gradient norm"):
+            if dist.get_backend(process_group) == "nccl" and t.device.type == "cpu":
+                tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
+                comm.all_reduce(tmp, group=process_group)
+                t.copy_(tmp)
+            else:
+                comm.all_reduce(t, group=process_group)
     return reduce
 
 

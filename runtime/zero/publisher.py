@@ -9,6 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dslaunch import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.flat import FlatGroup
 
 __all__ = ["ShardPublisher"]
@@ -40,12 +42,11 @@ class ShardPublisher:
                 a, b = g.layout.rank_range(r, self.world)
                 src = r if self.pg is None else dist.get_global_rank(self.pg, r)  # src is a global rank
                 for c in range(a, b, self.chunk):
-                    self._works.append(dist.broadcast(g.flat[c:min(b, c + self.chunk)], src=src,
+                    self._works.append(comm.broadcast(g.flat[c:min(b, c + self.chunk)], src=src,
                                                       group=self.pg, async_op=True))
         if not self.overlap:
             self.wait()
 
     def wait(self) -> None:
-        for w in self._works:
-            w.wait()
+        wait_all(self._works, "parameter publish (broadcast)")
         self._works.clear()

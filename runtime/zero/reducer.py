@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from dslaunch import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.partition import plan_buckets
 
@@ -175,7 +176,7 @@ class BucketReducer:
         buf = grads if dtype == grads.dtype else self.pool.take(grads.numel(), dtype, grads.device).copy_(grads)
         if self.prescale != 1.0:
             buf.mul_(self.prescale)
-        work = dist.all_reduce(buf, group=self.pg, async_op=True) if self.world_size > 1 else None
+        work = comm.all_reduce(buf, group=self.pg, async_op=True) if self.world_size > 1 else None
         red = _Reduction(work, bi, buf, grads, staged)
         self._inflight.append(red)
         self._held += red.pooled
@@ -184,8 +185,7 @@ class BucketReducer:
             self._finish(self._inflight.popleft())
 
     def _finish(self, red: _Reduction) -> None:
-        if red.work is not None:
-            red.work.wait()
+        wait_all((red.work,), "all_reduce of gradients")
         if red.buf is not red.grads:
             red.grads.copy_(red.buf)
             self.pool.give(red.buf)

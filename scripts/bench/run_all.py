@@ -25,8 +25,8 @@ NOTES = RESULTS / "notes"
 OUT = HERE.parent.parent / "BENCHMARKS.md"
 # Tables in the order a user meets the product: launch, train, checkpoint.
 ORDER = ["launch_bench", "ssh_launch_bench", "slurm_submit_bench", "engine_bench", "zero3_bench", "zero3_bench_bf16",
-         "prefetch_bench", "nvme_bench", "heartbeat_bench", "optimizer_bench", "cpu_kernels_bench", "gpu_check",
-         "gpu_kernels_bench", "ckpt_bench", "faults", "host_faults", "exit_stress"]
+         "prefetch_bench", "nvme_bench", "heartbeat_bench", "flops_profiler_bench", "monitor_bench", "optimizer_bench",
+         "cpu_kernels_bench", "gpu_check", "gpu_kernels_bench", "ckpt_bench", "faults", "host_faults", "exit_stress"]
 
 
 def _benches(names: list[str]) -> list[Path]:

@@ -31,6 +31,32 @@ def _collectives(rank: int, world: int) -> dict:
             "ranks": comm.get_all_ranks_from_group(), "init": comm.is_initialized()}
 
 
+def _barrier_with_a_late_peer(rank: int, world: int) -> list:
+    import os
+    import time
+
+    from dslaunch.utils.beat import Beat
+
+    beats_r, beats_w = os.pipe()
+    os.environ["DSLAUNCH_HEARTBEAT_FD"] = str(beats_w)  # as dslaunch starts a worker
+    comm.init_distributed(dist_backend="gloo", verbose=False)  # starts the heartbeat
+    if rank == 1:
+        time.sleep(2.0)
+    comm.barrier()
+    time.sleep(1.5)  # the beat after the barrier (sent within a tick, 0.5 s, when not loaded)
+    os.set_blocking(beats_r, False)
+    lines = os.read(beats_r, 1 << 20).splitlines()
+    return [(b.waiting, b.waiting_s) for b in map(Beat.from_line, lines)]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_in_a_collective_says_so_in_its_heartbeat() -> None:
+    """On a hang the monitor blames the rank that is not waiting (``launcher/monitor/health``)."""
+    waiter, _ = run_world(_barrier_with_a_late_peer, 2)
+    assert any(w == "barrier" and s > 0 for w, s in waiter), waiter  # sent while it waited 2 s
+    assert waiter[-1] == (None, None), waiter  # out of it once the peer came
+
+
 @pytest.mark.timeout(60)
 def test_collectives_and_queries_at_two_ranks() -> None:
     r0, r1 = run_world(_collectives, 2)

@@ -1,8 +1,9 @@
 """The ``deepspeed`` distribution of compat/deepspeed, as the libraries that look for DeepSpeed see
-it: metadata, version checks, module identity, the command."""
+it: metadata, version checks, module identity, the command, DeepSpeed's ``python -m`` entry points."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -64,3 +65,64 @@ def test_deepspeed_command_is_dslaunchs_launcher(compat_bin: Path, tmp_path: Pat
     # dslaunch's plan: every worker's command with DSLAUNCH_* variables (DeepSpeed's runner has none)
     workers = [line for line in proc.stdout.splitlines() if "DSLAUNCH_RESTART_COUNT=0" in line]
     assert len(workers) == 2 and all("train.py --local_rank=" in w for w in workers), proc.stdout
+
+
+_RANKS = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n"
+
+
+@pytest.mark.timeout(60)
+def test_python_m_deepspeed_launcher_runner_is_the_command(compat_bin: Path, tmp_path: Path) -> None:
+    # DeepSpeed documents `python -m deepspeed.launcher.runner` as its launcher's module entry point.
+    fail = "sys.exit(3 if os.environ['RANK'] == '1' and 'fail' in sys.argv else 0)\n"
+    (tmp_path / "train.py").write_text(_RANKS + fail)
+    runner = [str(compat_bin / "python"), "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "train.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run([*runner, "x"], cwd=tmp_path, capture_output=True, text=True, timeout=50, env=env)
+    assert ok.returncode == 0, ok.stderr
+    ranks = sorted(line for line in ok.stdout.splitlines() if " rank " in line)
+    assert ranks == ["[rank0] rank 0 of 2 ['--local_rank=0', 'x']",
+                     "[rank1] rank 1 of 2 ['--local_rank=1', 'x']"], ok.stdout
+    failed = subprocess.run([*runner, "fail"], cwd=tmp_path, capture_output=True, text=True, timeout=50,
+                            env=env)
+    assert failed.returncode == 3, failed.stderr  # the failing rank's code, as from `deepspeed`
+    missing = subprocess.run([*runner[:-1], "nope.py"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=50, env=env)
+    assert missing.returncode == 2 and missing.stderr.endswith(
+        f"dslaunch: error: user script 'nope.py' not found (cwd: {tmp_path})\n"), missing.stderr
+
+
+_SAVE = r"""
+import sys, torch, deepspeed
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+engine, *_ = deepspeed.initialize(model=model, dist_init_required=False, config={
+    "train_batch_size": 4, "steps_per_print": 10_000, "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+for _ in range(2):
+    engine.backward(engine(torch.randn(4, 4)).square().mean())
+    engine.step()
+engine.save_checkpoint(sys.argv[1])
+torch.save(engine.module.state_dict(), sys.argv[2])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_python_m_deepspeed_utils_zero_to_fp32_consolidates(compat_bin: Path, tmp_path: Path) -> None:
+    import torch
+
+    python, env = str(compat_bin / "python"), {**os.environ, "OMP_NUM_THREADS": "1"}
+    saved = subprocess.run([python, "-c", _SAVE, str(tmp_path / "ckpt"), str(tmp_path / "trained.pt")],
+                           capture_output=True, text=True, timeout=100, env=env)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    z2f = [python, "-m", "deepspeed.utils.zero_to_fp32"]
+    done = subprocess.run([*z2f, str(tmp_path / "ckpt"), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    trained = torch.load(tmp_path / "trained.pt", weights_only=True)
+    assert got.keys() == trained.keys() and all(torch.equal(got[k], trained[k].float()) for k in got)
+    bad = subprocess.run([*z2f, str(tmp_path / "nope"), str(tmp_path / "out")], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert bad.returncode == 1 and bad.stderr.splitlines() == [
+        f"zero-to-fp32: error: {tmp_path / 'nope'}: not a directory (expected a save_dir or one of its tag "
+        "directories)"], bad.stderr

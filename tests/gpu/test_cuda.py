@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.triton.interpret import max_error
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(120),
@@ -25,14 +27,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # order; bf16/fp16 four ulps of the output's rounding (the kernels compute in fp32).
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
 CUDA = torch.device("cuda")
-
-
-def _err(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if want.numel() == 0:
-        return 0.0
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).abs().max() / max(1.0, float(want.abs().max())))
 
 
 def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
@@ -51,7 +45,7 @@ def _against_fp64(ours, theirs, inputs: list[torch.Tensor], dtype: torch.dtype) 
     want = _grads(theirs, [t.double() for t in inputs], dy.double())
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.dtype == dtype and a.device.type == "cuda"
-        assert _err(a, b) <= TOLERANCE[dtype], f"output {i}: {_err(a, b)}"
+        assert max_error(a, b) <= TOLERANCE[dtype], f"output {i}: {max_error(a, b)}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -84,7 +78,7 @@ def test_bias_gelu_dropout_keeps_one_mask_through_backward() -> None:
     kept = y != 0
     assert abs(kept.float().mean().item() - 0.75) < 0.01
     full = F.gelu(x.detach() + b)
-    assert _err(y[kept], full[kept] / 0.75) <= 1e-5
+    assert max_error(y[kept], full[kept] / 0.75) <= 1e-5
     (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert bool((dx[~kept & (full != 0)] == 0).all()) and bool((dx[kept] != 0).any())
     assert torch.equal(bias_gelu(x.detach(), b, p=0.25, seed=7), y.detach())
@@ -113,7 +107,7 @@ def test_triton_adam_against_the_reference(param_dtype: torch.dtype) -> None:
     for name, a, b in zip(["param", "grad", "exp_avg", "exp_avg_sq"], ours, want64, strict=True):
         for t, r in zip(a, b, strict=True):
             tol = TOLERANCE[t.dtype] if name == "param" else 2e-5
-            assert _err(t, r) <= tol, (name, t.numel(), _err(t, r))
+            assert max_error(t, r) <= tol, (name, t.numel(), max_error(t, r))
 
 
 def test_fused_adam_matches_torch_adamw() -> None:
@@ -132,7 +126,7 @@ def test_fused_adam_matches_torch_adamw() -> None:
         ours.step()
         theirs.step()
     for p, q in zip(model.parameters(), twin, strict=True):
-        assert _err(p, q) <= 1e-6
+        assert max_error(p, q) <= 1e-6
 
 
 def test_dispatch_picks_triton_on_cuda_and_the_reference_on_cpu() -> None:

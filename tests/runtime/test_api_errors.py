@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,39 @@ def test_the_ignored_section_warning_is_printed_on_rank_0_only() -> None:
     first, second = run_world(_warnings_on, 2)
     assert first.count("dslaunch: warning: the config's 'optimizer' section is ignored") == 1
     assert "warning" not in second
+
+
+_RESUME_SCRIPT = """
+import sys, torch
+import dslaunch as deepspeed
+model = torch.nn.Linear(2, 2)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), dist_init_required=False,
+                                  config={"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+if len(sys.argv) > 1:
+    engine.save_checkpoint(sys.argv[1])
+print("STEP", engine.global_steps)
+"""
+
+
+@pytest.mark.timeout(240)  # three processes importing torch, on a loaded machine
+def test_a_restart_that_finds_no_checkpoint_says_so_as_loudly_as_a_failure(tmp_path) -> None:
+    script, saved, empty = tmp_path / "train.py", tmp_path / "saved", tmp_path / "empty"
+    script.write_text(_RESUME_SCRIPT)
+    empty.mkdir()
+
+    def run(restart: int, resume: Path, *argv: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DSLAUNCH_RESTART_COUNT": str(restart),
+               "DSLAUNCH_RESUME_FROM": str(resume)}
+        return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, env=env,
+                              timeout=75)
+
+    first = run(0, saved, str(saved))  # the first run saves where restarts resume from
+    assert first.returncode == 0 and "dslaunch: error" not in first.stderr, first.stderr
+    resumed = run(1, saved)
+    assert resumed.returncode == 0 and "dslaunch: error" not in resumed.stderr, resumed.stderr
+    lost = run(1, empty)  # e.g. the script saved elsewhere, or on a node-local disk
+    assert lost.returncode == 0 and "STEP 0" in lost.stdout
+    loud = [ln for ln in lost.stderr.splitlines() if ln.startswith("dslaunch: error: ")]
+    assert loud == [f"dslaunch: error: restart 1 of the job found no checkpoint in --resume_from {empty}: this "
+                    "run starts at step 0, not where the previous run stopped (the script must save its "
+                    "checkpoints into that directory)"], lost.stderr

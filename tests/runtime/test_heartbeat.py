@@ -116,6 +116,44 @@ def test_a_phase_is_sent_while_it_lasts_and_exiting_says_so_at_once():
     assert last.phase == "exit" and last.step == 1
 
 
+def test_a_wait_on_the_peers_is_sent_with_how_long_it_lasted_and_nests():
+    r, w = os.pipe()
+    hb = Heartbeat(w, rank=0)
+    hb.beat(1)
+    with hb.waiting("checkpoint all_gather"):
+        with hb.waiting("all_reduce of gradients"):
+            time.sleep(2 * TICK_S + 0.2)
+            inner = _read_beats(r)
+        time.sleep(2 * TICK_S + 0.2)
+        outer = _read_beats(r)
+    time.sleep(2 * TICK_S + 0.2)
+    after = _read_beats(r)
+    assert inner[-1].waiting == "all_reduce of gradients" and inner[-1].waiting_s >= TICK_S, inner
+    assert outer[-1].waiting == "checkpoint all_gather" and outer[-1].waiting_s > inner[-1].waiting_s, outer
+    assert after[-1].waiting is None and after[-1].waiting_s is None and after[-1].step == 1
+
+
+def test_only_the_main_thread_s_waits_count():
+    """A background checkpoint writer waiting for its peers says nothing about training."""
+    import threading
+
+    r, w = os.pipe()
+    hb = Heartbeat(w, rank=0)
+    hb.beat(1)
+    inside = threading.Event()
+
+    def background() -> None:
+        with hb.waiting("checkpoint all_gather"):
+            inside.set()
+            time.sleep(2 * TICK_S + 0.2)
+
+    t = threading.Thread(target=background)
+    t.start()
+    inside.wait()
+    t.join()
+    assert {b.waiting for b in _read_beats(r)} == {None}
+
+
 def test_stacks_of_every_thread_on_the_signal_even_while_the_main_thread_sleeps(tmp_path):
     """A real worker process: the stack pipe gets faulthandler's dump while it sits in sleep()."""
     code = ("import time, dslaunch; dslaunch.heartbeat(1); print('ready', flush=True)\n"
@@ -154,6 +192,7 @@ def test_stacks_of_every_thread_on_the_signal_even_while_the_main_thread_sleeps(
 def test_outside_dslaunch_everything_is_a_no_op():
     code = ("import os, dslaunch; from dslaunch.runtime import heartbeat\n"
             "dslaunch.heartbeat(1); heartbeat.start()\n"
+            "with heartbeat.waiting('all_reduce'): pass\n"
             "assert heartbeat.reporter() is None\n"
             "import sys; assert 'torch' not in sys.modules, 'imports torch'\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSLAUNCH_")}

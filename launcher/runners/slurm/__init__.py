@@ -3,7 +3,7 @@
 ``allocation`` reads the allocation from SLURM's variables (the hostlist syntax itself is
 ``dslaunch.utils.hostlist``, shared with the runtime); ``session`` runs one agent through srun;
 ``runner`` is ``--launcher slurm``; ``preemption`` turns SLURM's warning signal into a checkpoint
-request and a requeue.
+request and a requeue; ``gres`` tells ``dslaunch sbatch`` whether a partition has GPUs.
 
 Nothing heavy is imported here: the launcher imports only what a SLURM launch needs.
 """

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from dslaunch.runtime.zero.offload.swap import Pending, SwapFile, SwapSettings
+from dslaunch.runtime.zero.offload.swap import Pending, SwapFile, SwapSettings, buffer_slots
 
 __all__ = ["ShardStore"]
 
@@ -29,7 +29,8 @@ class ShardStore:
 
     Raises:
         ConfigError: ``nvme_path`` missing or not writable, or too little free space (one line,
-            naming ``zero_optimization.offload_param.nvme_path``).
+            naming ``zero_optimization.offload_param.nvme_path``); staging buffers that would not
+            fit in host memory (naming ``buffer_count``).
     """
 
     def __init__(self, settings: SwapSettings, numel: int, dtype: torch.dtype, in_cpu: int, pin: bool):
@@ -39,10 +40,12 @@ class ShardStore:
         self.head = torch.empty(in_cpu, dtype=dtype)
         if pin:
             self.head = self.head.pin_memory()
-        self.file = SwapFile(settings, (numel - in_cpu) * self.esize)
         self.buffer_numel = max(1, min(settings.buffer_size, numel))
-        self._pool: list[torch.Tensor] = []  # at most buffer_count, created on first use
-        self._count = max(1, settings.buffer_count)
+        on_disk = numel - in_cpu
+        self._count = buffer_slots(settings, settings.buffer_count, -(-on_disk // self.buffer_numel),
+                                   self.buffer_numel * self.esize)
+        self._pool: list[torch.Tensor] = []  # at most _count, created on first use
+        self.file = SwapFile(settings, on_disk * self.esize)
 
     @property
     def in_cpu(self) -> int:

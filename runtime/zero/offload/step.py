@@ -36,7 +36,7 @@ import torch
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.zero.offload.rules import Rule, rule_for
 from dslaunch.runtime.zero.offload.split import SplitState
-from dslaunch.runtime.zero.offload.swap import Pending, SwapFile, SwapSettings
+from dslaunch.runtime.zero.offload.swap import Pending, SwapFile, SwapSettings, buffer_slots
 
 __all__ = ["Bucket", "OffloadedStep", "plan_buckets"]
 
@@ -145,7 +145,8 @@ class OffloadedStep:
                     self._offsets[gi, k] = at
                     at += n * _F32
             self.swap = SwapFile(swap, at)
-            slots = max(1, swap.buffer_count // len(keys))
+            slots = buffer_slots(swap, swap.buffer_count // len(keys), len(self.buckets),
+                                 len(keys) * self.bucket_numel * _F32)
             self._ring = [torch.empty(len(keys), self.bucket_numel, dtype=torch.float32) for _ in range(slots)]
             self._writes: list[Pending | None] = [None] * slots
             self._reads: dict[int, list[Pending]] = {}

@@ -21,7 +21,7 @@ import torch
 
 from dslaunch.errors import ConfigError
 
-__all__ = ["SwapFile", "SwapSettings", "Pending"]
+__all__ = ["SwapFile", "SwapSettings", "Pending", "buffer_slots"]
 
 @dataclass(frozen=True)
 class SwapSettings:
@@ -40,6 +40,26 @@ class SwapSettings:
     @property
     def key(self) -> str:
         return f"zero_optimization.{self.section}.nvme_path"
+
+
+def buffer_slots(settings: SwapSettings, wanted: int, useful: int, buffer_bytes: int) -> int:
+    """How many swap buffers of ``buffer_bytes`` to keep: ``wanted`` (from ``buffer_count``), but
+    never more than ``useful`` (more than the transfers of a pass are never reused), and only as
+    many as host memory holds.
+
+    Raises:
+        ConfigError: the buffers would not fit in the host memory available, naming
+            ``buffer_count`` and saying what they need.
+    """
+    import psutil
+
+    slots = max(1, min(wanted, useful))
+    need, free = slots * buffer_bytes, psutil.virtual_memory().available
+    if need > free:
+        raise ConfigError(f"{settings.buffer_count}: {slots} swap buffers of {buffer_bytes / 2**20:.1f} MiB need "
+                          f"{need / 2**30:.1f} GiB of host memory, {free / 2**30:.1f} GiB is available; lower "
+                          "buffer_count or buffer_size", key=f"zero_optimization.{settings.section}.buffer_count")
+    return slots
 
 
 class Pending:

@@ -86,3 +86,94 @@ def test_the_default_cache_dir() -> None:
     assert build.cache_dir({"HOME": "/h"}) == Path(os.path.expanduser("~")) / ".cache/dslaunch/kernels"
     assert build.cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/dslaunch/kernels")
     assert build.cache_dir({build.CACHE_ENV: "/k", "XDG_CACHE_HOME": "/x"}) == Path("/k")
+
+
+_PLANTED = '#include <stdlib.h>\n__attribute__((constructor)) static void planted(void) { system("touch %s"); }\n'
+
+
+def _plant(path: Path, marker: Path, source: str = _PLANTED) -> None:
+    """A library at ``path`` whose constructor creates ``marker`` when it is loaded."""
+    src = path.parent / "planted.c"
+    src.write_text(source % marker if "%s" in source else source)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(path), str(src)], check=True, timeout=60)
+    src.unlink()
+
+
+def _library_name(tmp_path: Path) -> str:
+    return build.build({**os.environ, build.CACHE_ENV: str(tmp_path / "reference-cache")}).name
+
+
+def _one_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.timeout(60)
+def test_under_umask_000_the_cache_and_the_library_are_private(tmp_path: Path) -> None:
+    cache = tmp_path / "a" / "b" / "cache"
+    out = subprocess.run([sys.executable, "-c", _PROBE], env={**os.environ, build.CACHE_ENV: str(cache)},
+                         capture_output=True, text=True, timeout=50, preexec_fn=lambda: os.umask(0))
+    assert out.returncode == 0 and "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout, out.stderr
+    for folder in (tmp_path / "a", tmp_path / "a" / "b", cache):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    (lib,) = cache.iterdir()
+    assert lib.stat().st_mode & 0o022 == 0
+
+
+@pytest.mark.skipif(not HAVE_CC or os.geteuid() != 0, reason="needs a C compiler and root (chown)")
+@pytest.mark.timeout(90)
+def test_a_library_planted_in_a_cache_of_another_user_never_runs(tmp_path: Path) -> None:
+    shared, marker, private_tmp = tmp_path / "shared", tmp_path / "ran-as-root", tmp_path / "tmp"
+    shared.mkdir()
+    private_tmp.mkdir()
+    _plant(shared / _library_name(tmp_path), marker)
+    for path in (shared, *shared.iterdir()):
+        os.chown(path, 65534, 65534)  # user nobody, as in the issue
+        path.chmod(0o777)
+    out = _probe(tmp_path, **{build.CACHE_ENV: str(shared), "TMPDIR": str(private_tmp)})
+    assert out.returncode == 0 and "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout, out.stderr
+    assert "PARAM 0.8" in out.stdout
+    assert not marker.exists()
+    lines = {ln for ln in out.stderr.splitlines() if ln.strip()}  # library() and the probe's build()
+    assert len(lines) == 1, out.stderr
+    line = lines.pop()
+    assert "kernel cache" in line and "not used" in line and "owned by uid 65534" in line, line
+    assert not list(private_tmp.glob("dslaunch-kernels-*"))  # the private build left nothing behind
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.timeout(90)
+def test_a_library_others_could_write_is_rebuilt_not_loaded(tmp_path: Path) -> None:
+    cache, marker = tmp_path / "cache", tmp_path / "ran"
+    cache.mkdir(mode=0o700)
+    lib = cache / _library_name(tmp_path)
+    _plant(lib, marker)
+    lib.chmod(0o666)
+    out = _probe(tmp_path)
+    assert out.returncode == 0 and "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout, out.stderr
+    assert not marker.exists()
+    assert "rebuilding the CPU kernels" in _one_line(out.stderr) and "writable by others" in out.stderr
+    assert lib.stat().st_mode & 0o777 == 0o700
+    if os.geteuid() == 0:  # a file of another user in this user's directory: the same
+        _plant(lib, marker)
+        os.chown(lib, 65534, 65534)
+        out = _probe(tmp_path)
+        assert "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout and not marker.exists(), out.stderr
+        assert "owned by uid 65534" in _one_line(out.stderr)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.timeout(90)
+def test_a_library_without_the_kernels_falls_back_in_one_line(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    lib = cache / _library_name(tmp_path)
+    _plant(lib, tmp_path / "unused", source="int dsl_something_else;\n")
+    lib.chmod(0o700)
+    out = _probe(tmp_path)
+    assert out.returncode == 0 and "IMPL dslaunch.kernels.reference -" in out.stdout, out.stderr
+    line = _one_line(out.stderr)
+    assert "using the torch reference" in line and "lacks a kernel" in line and "dsl_adam" in line, line
+    assert "PARAM 0.8" in out.stdout

@@ -11,7 +11,8 @@ Actions run in order, e.g. ``fake_worker.py print=hello sleep=0.2 exit=3``:
 - ``grandchild=PIDFILE``: spawn a sleeping grandchild and write its pid to PIDFILE;
 - ``daemon=PIDFILE``: the same, but in a new session (it leaves the worker's process group);
 - ``exit=N``; ``signal=NAME`` (kill itself with that signal);
-- ``raise=TEXT``: raise RuntimeError(TEXT) (an uncaught exception: traceback, exit 1);
+- ``raise=TEXT``: raise RuntimeError(TEXT) (an uncaught exception: traceback, exit 1); ``{addr}``
+  in TEXT becomes an address that differs in every process (as in ``<object at 0x7f...>``);
 - ``atexit_signal=NAME``: at interpreter exit, kill itself with that signal (an abort in teardown);
 - ``var=NAME``: print ``NAME=<its value>`` on stdout;
 - ``rR:ACTION``: run ACTION only on rank R, e.g. ``r1:exit=3`` (other ranks skip it);
@@ -71,7 +72,7 @@ def main(args: list[str]) -> int:
         elif key == "exit":
             return int(value)
         elif key == "raise":
-            raise RuntimeError(value)
+            raise RuntimeError(value.replace("{addr}", f"0x7f{os.getpid():010x}"))
         elif key == "atexit_signal":
             atexit.register(os.kill, os.getpid(), getattr(signal, value))
         elif key == "signal":

@@ -342,3 +342,28 @@ def test_reading_the_monitor_block_imports_no_torch(tmp_path):
             f"assert cli.main(['--num_gpus', '1', '--dry-run', {FAKE!r}, '--deepspeed_config', {ds!r}]) == 0; "
             "assert 'torch' not in sys.modules and 'psutil' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_resume_from_that_cannot_be_a_directory_fails_at_launch_and_in_dry_run(tmp_path, capsys):
+    """A file, a path under a file or '' as --resume_from left every restart starting from scratch."""
+    afile = tmp_path / "ckpt.pt"
+    afile.write_text("x")
+    cases = [(str(afile), "is a file; expected the checkpoint directory"),
+             (str(afile / "sub" / "dir"), f"is under the file '{afile}'"),
+             ("", "--resume_from '': empty path")]
+    for path, words in cases:
+        for extra in ([], ["--dry-run"]):
+            assert cli.main([*extra, "--max_restarts", "1", "--resume_from", path, FAKE]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("dslaunch: error: ") and err.count("\n") == 1 and words in err, err
+
+
+def test_resume_from_that_does_not_exist_yet_is_valid_and_said_in_one_line(tmp_path, capsys):
+    later = tmp_path / "ckpt" / "run1"
+    assert cli.main(["--dry-run", "--max_restarts", "1", "--resume_from", str(later), FAKE]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "resume_from" in ln]
+    assert notes == [f"dslaunch: --resume_from '{later}' does not exist yet: this run starts at step 0; "
+                     "a restart resumes from the newest checkpoint saved there"]
+    later.mkdir(parents=True)
+    assert cli.main(["--dry-run", "--max_restarts", "1", "--resume_from", str(later), FAKE]) == 0
+    assert "resume_from" not in capsys.readouterr().err

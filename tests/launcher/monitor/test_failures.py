@@ -3,9 +3,11 @@ only echoes the peer's failure."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from dslaunch.launcher.monitor.failures import is_peer_loss, root_cause
+from dslaunch.launcher.monitor.failures import is_peer_loss, normalise, root_cause
 from dslaunch.launcher.spec import NodeResult
 
 GLOO = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -37,3 +39,29 @@ def test_the_first_failure_stays_the_root_cause_unless_it_only_lost_its_peer():
     assert root_cause(echo, [_rank(1, GLOO)]) == echo
     killed = _rank(1, None, 137)
     assert root_cause(killed, [echo]) == killed
+
+
+def test_a_rank_that_exited_with_its_own_code_is_preferred_to_the_peer_that_lost_it():
+    echo = _rank(0, GLOO)
+    own_exit = _rank(1, None, 3)  # sys.exit(3): no exception, no signal
+    assert root_cause(echo, [own_exit]) == own_exit
+    stopped = NodeResult(0, "localhost", 143, rank=1, signal_name="SIGTERM")  # stopped after the echo
+    assert root_cause(echo, [stopped]) == echo
+    assert root_cause(echo, [_rank(1, None, 143)]) == echo  # a SIGTERM handler's exit: stopped too
+
+
+def test_the_earliest_of_the_ranks_that_failed_on_their_own_is_the_root_cause():
+    echo = _rank(0, GLOO)
+    late = replace(_rank(1, "ValueError: bad shape"), failed_at=20.0)
+    early = replace(_rank(2, None, 3), failed_at=10.0)
+    assert root_cause(echo, [late, early]) == early
+
+
+@pytest.mark.parametrize("a, b", [
+    ("RuntimeError: bad <Batch object at 0x7f3a2b1c4d90>", "RuntimeError: bad <Batch object at 0x7f11aa0c0010>"),
+    (GLOO, GLOO.replace(":134", ":40522")),
+    ("RuntimeError: store on port 29500 timed out (pid 4242)", "RuntimeError: store on port 29611 timed out (pid 77)"),
+])
+def test_two_runs_of_the_same_failure_read_the_same_once_normalised(a, b):
+    assert a != b and normalise(a) == normalise(b)
+    assert normalise("ValueError: bad shape (3, 4)") == "ValueError: bad shape (3, 4)"

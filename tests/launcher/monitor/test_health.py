@@ -79,6 +79,40 @@ def test_blame_goes_to_the_lowest_step_then_the_stopped_then_the_silent_then_not
     assert h.behind(stacks, now=SILENT_AFTER_S + 2) == [0, 1, 2]  # nothing tells them apart: all named
 
 
+ENGINE_WAIT = """Current thread 0x00007f02 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/dslaunch/runtime/zero/reducer.py", line 188 in _finish
+  File "/job/train.py", line 60 in <module>
+"""
+
+
+def test_a_rank_waiting_in_a_collective_the_engine_marked_is_not_blamed_whatever_its_stack():
+    # The engine's work.wait() is dslaunch's frame, not torch.distributed's: the beat tells.
+    h = _health(world=2)
+    h.update({0: Beat(0, 1, 3, waiting="all_reduce of gradients", waiting_s=4.5), 1: Beat(1, 1, 3)}, now=0.0)
+    stacks = {0: {"stopped": False, "stack": ENGINE_WAIT}, 1: {"stopped": False, "stack": COMPUTING}}
+    assert h.behind(stacks, now=1.0) == [1]
+    assert h.waiting(0, stacks[0], now=1.0) and not h.waiting(1, stacks[1], now=1.0)
+    # A stopped or silent rank's last beat may predate where it stopped: its stack tells.
+    assert not h.waiting(0, {"stopped": True, "stack": ENGINE_WAIT}, now=1.0)
+    assert not h.waiting(0, stacks[0], now=SILENT_AFTER_S + 1)
+    # A collective the script calls on torch.distributed itself is not marked: its stack tells.
+    h.update({0: Beat(0, 2, 3)}, now=1.0)
+    assert h.behind({0: {"stack": WAITING}, 1: {"stack": COMPUTING}}, now=1.0) == [1]
+
+
+def test_the_allowance_that_applies_is_named():
+    h = _health(world=3)
+    h.update({0: Beat(0, 1, 4), 1: Beat(1, 1, 4, phase="checkpoint"), 2: Beat(2, 1, None)}, now=0.0)
+    assert h.allowance(0) == (5.0, "--hang_timeout")
+    seconds, why = h.allowance(1)
+    assert seconds == FIRST_STEP_ALLOWANCE_S and "while saving or loading a checkpoint" in why
+    assert "--hang_timeout 5 s is for steps" in why
+    assert "before its first step" in h.allowance(2)[1]
+    long = _health(timeout=600.0, world=2)
+    long.update({0: Beat(0, 1, 4, phase="exit")}, now=0.0)
+    assert long.allowance(0) == (600.0, "--hang_timeout, while the process exits")
+
+
 def test_top_frame_names_the_library_call_and_the_scripts_own_line():
     assert top_frame(WAITING) == ("all_reduce (torch/distributed/distributed_c10d.py:3252) "
                                   "from /job/train.py:40 in train_step")

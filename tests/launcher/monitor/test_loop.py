@@ -59,6 +59,24 @@ def test_the_same_exception_twice_is_the_scripts_bug_and_ends_the_restarts():
     assert_no_job_process(tag)
 
 
+def test_the_same_exception_with_another_address_in_each_run_is_still_the_same_bug():
+    r = run_dslaunch(["--num_gpus", "1", "--max_restarts", "5", FAKE, "raise=bad batch <Batch object at {addr}>"],
+                     timeout=40)
+    assert r.returncode == 1, r.stderr
+    assert "restart 1 of 5" in r.stderr and "restart 2" not in r.stderr, r.stderr
+    assert "the same exception in two runs in a row: a bug in the script" in r.stderr, r.stderr
+
+
+def test_a_rank_that_exited_on_its_own_is_blamed_not_the_peer_that_lost_it_first():
+    # Rank 0 dies first, of the peer loss rank 1's exit causes; rank 1 leaves with code 3 after it
+    # (still tearing down when the agent stops it: it ignores SIGTERM here, so its code stays 3).
+    r = run_dslaunch(["--num_gpus", "2", FAKE, "r1:ignore_term", "r0:sleep=0.2",
+                      "r0:raise=[pair.cc:553] Connection closed by peer [127.0.0.1]:41234", "r1:sleep=1.0",
+                      "r1:exit=3"], timeout=40)
+    assert r.returncode == 3, r.stderr
+    assert "error: rank 1 on localhost exited with code 3" in r.stderr, r.stderr
+
+
 def test_a_spent_budget_exits_with_the_last_failures_code():
     r = run_dslaunch(["--num_gpus", "2", "--max_restarts", "2", FAKE, "r1:signal=SIGKILL", "r0:sleep=5"],
                      timeout=40)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dslaunch.errors import LaunchError, UsageError
@@ -53,6 +55,10 @@ P3 = RestartPolicy(max_restarts=3)
     (P3, [_run(BOOM), _run(OTHER)], "restart", "restart 2"),
     (P3, [_run(BOOM), _run(KILLED), _run(BOOM)], "restart", "restart 3"),  # not in a row
     (P3, [_run(EXIT3)] * 2, "stop", "the same exit in two runs in a row"),
+    # the same raise with an object's address in it, once exiting 1, once stopped by SIGTERM after it
+    (P3, [_run(replace(BOOM, exception="RuntimeError: boom <T at 0x7f3a2b1c4d90>")),
+          _run(replace(BOOM, exit_code=143, signal_name="SIGTERM", exception="RuntimeError: boom <T at 0x7f0010ab>"))],
+     "stop", "the same exception at step 5 in two runs in a row"),
     (RestartPolicy(max_restarts=9, max_backoff=8), [_run(KILLED)] * 6, "restart", "restart 6 of 9 in 8 s"),
 ])
 def test_decide(policy, runs, action, words):

@@ -7,16 +7,21 @@ stages is covered by tests/runtime/checkpoint/test_save_load.py.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dslaunch.errors import CheckpointError, UsageError
 from dslaunch.runtime.checkpoint import export as z2f
@@ -287,3 +292,170 @@ def test_a_manifest_without_engine_metadata_is_a_one_line_error(saved: dict, tmp
         assert str(err.value).endswith(expected) and "\n" not in str(err.value)
     engine.save_checkpoint(root, tag="other", save_latest=False)
     assert engine.load_checkpoint(root)[0] == str(root / "other")  # tag=None falls back to it
+
+
+def _copy(saved: dict, tmp_path: Path) -> tuple[Path, str]:
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved["root"] / "full", root)
+    return root, (root / "latest").read_text()
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    from dslaunch.launcher.cli import main as cli
+
+    code = cli(["zero-to-fp32", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.timeout(60)
+def test_without_a_tag_a_corrupt_newest_tag_is_passed_over_out_loud(saved: dict, tmp_path: Path, capsys) -> None:
+    root, older = _copy(saved, tmp_path)
+    saved["engine"].save_checkpoint(root, tag="newer")
+    victim = root / "newer" / "zero_rank_00000.dsl"  # the fp32 masters: what the export reads
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    code, out, err = _cli([str(root), str(tmp_path / "out.pt")], capsys)
+    assert code == 0 and f"from tag '{older}'" in out
+    (line,) = err.splitlines()
+    assert line.startswith(f"zero-to-fp32: warning: exported tag '{older}', the newest valid one: tag 'newer': ")
+    assert "checksum mismatch" in line and victim.name in line
+    _same(torch.load(tmp_path / "out.pt"), saved["expected"])  # the older tag, bit for bit
+
+
+@pytest.mark.timeout(60)
+def test_bad_checkpoint_trees_and_tags_are_one_short_line(saved: dict, tmp_path: Path, capsys) -> None:
+    root, tag = _copy(saved, tmp_path)
+    out = str(tmp_path / "out.pt")
+    (root / "latest").write_text("a" * 5_000_000)  # read whole, then used as a directory name
+    code, stdout, err = _cli([str(root), out], capsys)
+    assert code == 0 and f"from tag '{tag}'" in stdout and "latest is corrupt" in err and len(err) < 1000, err[:2000]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "latest").write_text("b" * 5_000_000)
+    code, _, err = _cli([str(alone), out], capsys)
+    assert code == 1 and err.count("\n") == 1 and len(err) < 1000 and "no checkpoint here" in err, err[:2000]
+    for bad_tag in ("../..", "..", "x/../../etc", "a\0b"):
+        code, _, err = _cli([str(root), out, "--tag", bad_tag], capsys)
+        assert code == 1 and err.startswith("dslaunch: error: invalid checkpoint tag") and err.count("\n") == 1, err
+    (root / tag / "manifest.json").write_text("[" * 200_000)  # nested past the JSON parser's stack
+    code, _, err = _cli([str(root), out, "--tag", tag], capsys)
+    assert code == 1 and err.count("\n") == 1 and "manifest is unreadable (RecursionError" in err, err[:2000]
+
+
+@pytest.mark.timeout(240)  # six processes importing torch
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_unreadable_inputs_and_a_full_output_disk_are_one_line(saved: dict, tmp_path: Path) -> None:
+    root, tag = _copy(saved, tmp_path)
+    run = [sys.executable, "-m", "dslaunch.utils.zero_to_fp32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def without_dac(*argv: str) -> subprocess.CompletedProcess:
+        """Root that file modes bind (no CAP_DAC_*), on files of user nobody: as another user would."""
+        return subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *run, *argv],
+                              capture_output=True, text=True, timeout=60, env=env)
+
+    for path, mode, words in [(root / tag / "zero_rank_00000.dsl", 0o600, "cannot read the file (Permission denied)"),
+                              (root / tag / "manifest.json", 0o600, "manifest is unreadable (Permission denied)"),
+                              (root / tag, 0o700, "Permission denied"),
+                              (root, 0o700, "Permission denied")]:
+        os.chown(path, 65534, 65534)
+        path.chmod(mode)
+        got = without_dac(str(root), str(tmp_path / "x.pt"), "--tag", tag)
+        assert got.returncode == 1 and got.stderr.count("\n") == 1 and words in got.stderr, (path, got.stderr)
+        os.chown(path, 0, 0)
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    got = without_dac(str(root), str(theirs / "x.pt"))
+    assert got.returncode == 2 and got.stderr.count("\n") == 1 and "cannot write" in got.stderr, got.stderr
+
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(full)], check=True, timeout=10)
+    try:
+        with contextlib.suppress(OSError), open(full / "filler", "wb") as f:
+            f.write(bytes(64 * 1024))  # fill the disk up
+        got = subprocess.run([*run, str(root), str(full / "x.pt")], capture_output=True, text=True, timeout=60, env=env)
+        assert got.returncode == 2 and got.stderr.count("\n") == 1, got.stderr
+        assert got.stderr.startswith(f"zero-to-fp32: error: cannot write {full / 'x.pt'}") and "MB free" in got.stderr
+        assert [p.name for p in full.iterdir()] == ["filler"]  # no partial file left
+    finally:
+        subprocess.run(["umount", str(full)], check=True, timeout=10)
+
+
+# ---- property: random checkpoint trees ------------------------------------------------------------
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                  max_size=4), max_leaves=12)
+_CONTENT = st.one_of(st.sampled_from([b"[" * 50_000, b"x" * 300, b"x" * 300_000, b"../..", b"a\0b", b"newer"]),
+                     st.binary(max_size=64), st.text(max_size=32).map(str.encode),
+                     _JSON.map(lambda v: json.dumps(v).encode()))
+_PATHS = ["latest", "{tag}", "{tag}/manifest.json", "{tag}/module.dsl", "{tag}/zero_rank_00000.dsl",
+          "{tag}/rank_00000.dsl", "newer", "newer/manifest.json", ".tmp-{tag}", "{tag}/../other"]
+_META_KEYS = ["world_size", "partition", "module_keys", "frozen_parameters", "exclude_frozen_parameters", "stage"]
+_EDIT = st.one_of(
+    st.tuples(st.just("write"), st.sampled_from(_PATHS), _CONTENT),
+    st.tuples(st.just("remove"), st.sampled_from(_PATHS), st.none()),
+    st.tuples(st.just("mkdir"), st.sampled_from(_PATHS), st.none()),
+    st.tuples(st.just("truncate"), st.sampled_from(_PATHS[2:6]), st.integers(0, 2000)),
+    st.tuples(st.just("meta"), st.sampled_from(_META_KEYS), _JSON),   # re-signed: intact, but not an engine's
+    st.tuples(st.just("files"), st.sampled_from(["module.dsl", "zero_rank_00000.dsl"]), _JSON),
+)
+
+
+def _edit(root: Path, tag: str, op: str, where: str, value: Any) -> None:
+    import zlib
+
+    if op in ("meta", "files"):
+        path = root / tag / "manifest.json"
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            body = json.loads(path.read_text())["body"]
+            body[op][where] = value
+            text = json.dumps(body, sort_keys=True)
+            path.write_text(json.dumps({"body": body, "crc32": zlib.crc32(text.encode())}))
+        return
+    path = root / where.format(tag=tag)
+    with contextlib.suppress(OSError):
+        if op == "remove":
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        elif op == "mkdir":
+            path.mkdir(parents=True)
+        elif op == "truncate":
+            os.truncate(path, value)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(value)
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(latest=st.none() | _CONTENT, edits=st.lists(_EDIT, max_size=4),
+       tag=st.sampled_from([None, "global_step2", "newer", "../..", "latest"]),
+       output=st.sampled_from(["out.pt", "out", "out.safetensors"]))
+def test_any_checkpoint_tree_exports_or_fails_in_one_short_line(saved: dict, latest: bytes | None, edits: list,
+                                                                 tag: str | None, output: str) -> None:
+    """Whatever a checkpoint directory holds, ``zero-to-fp32`` writes a loadable file or raises one
+    ``DslaunchError`` with one bounded line: never another exception, never outside the directory."""
+    import tempfile
+
+    from dslaunch.errors import DslaunchError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "ckpt"
+        shutil.copytree(saved["root"] / "full", root)
+        real = (root / "latest").read_text()
+        for op, where, value in [*edits, *([("write", "latest", latest)] if latest is not None else [])]:
+            _edit(root, real, op, where, value)
+        out = Path(tmp) / output
+        try:
+            code = z2f.main([str(root), str(out), *(["--tag", tag] if tag is not None else [])])
+        except DslaunchError as err:
+            message = str(err)
+            assert "\n" not in message and len(message) < 2000, message[:3000]
+        else:
+            assert code == 0
+            written = out if out.suffix else out / "pytorch_model.bin"
+            assert written.is_file()

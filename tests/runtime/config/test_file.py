@@ -197,4 +197,5 @@ def test_keys_must_be_strings(key: object) -> None:
 ])
 def test_messages_quote_user_values_bounded_on_one_line(raw: dict) -> None:
     msg = _error({"train_batch_size": 2, **raw})
-    assert len(msg) <= 600 and msg.isprintable(), msg
+    # an unknown top-level key's message lists every valid key: the bound grows with the sections
+    assert len(msg) <= 700 and msg.isprintable(), msg

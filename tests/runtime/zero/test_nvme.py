@@ -286,3 +286,50 @@ def test_nvme_checkpoint_moves_to_cpu_offload_and_back(tmp_path: Path) -> None:
     exported = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="t")
     assert all(torch.equal(exported[n], t) for n, t in full.items())
     assert os.listdir(swap) == []
+
+
+_HUGE_BUFFER_COUNT = """
+import resource, sys
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))  # buffers past it: MemoryError, not a swapping host
+from tests.runtime.zero.equivalence import config, engine_losses
+from tests.runtime.zero.test_nvme_param import _param_nvme
+runs = []
+for count in (4, 10**9):
+    cfg = _param_nvme(config(3), sys.argv[1], optimizer=True)  # parameters and optimizer state on NVMe
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = count
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = count
+    runs.append(engine_losses(0, 1, cfg))
+print("SAME", runs[0] == runs[1])
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_huge_buffer_count_allocates_only_the_buffers_a_step_uses(tmp_path: Path) -> None:
+    """``buffer_count: 1e9`` allocated ``buffer_count/2`` ring buffers up front (11 GiB before step 1)."""
+    from dslaunch.utils.ports import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-c", _HUGE_BUFFER_COUNT, str(tmp_path), str(3 * 2**30)],
+                         capture_output=True, text=True, timeout=140, env=env, cwd=str(Path(__file__).parents[3]))
+    assert out.returncode == 0 and "SAME True" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_swap_buffers_beyond_host_memory_are_one_line_naming_buffer_count(tmp_path: Path) -> None:
+    import psutil
+
+    from dslaunch.errors import ConfigError
+    from dslaunch.runtime.zero.offload.param_store import ShardStore
+    from dslaunch.runtime.zero.offload.swap import SwapSettings
+
+    # 4 buffers, each a quarter of the host's memory plus one element: one more than fits
+    numel = psutil.virtual_memory().total // 4 // 2 + 1
+    settings = SwapSettings(str(tmp_path), buffer_count=4, buffer_size=numel, section="offload_param")
+    with pytest.raises(ConfigError) as err:
+        ShardStore(settings, 8 * numel, torch.float16, in_cpu=0, pin=False)
+    msg = str(err.value)
+    assert msg.startswith("'zero_optimization.offload_param.buffer_count': 4: 4 swap buffers of ") and "\n" not in msg
+    assert "GiB of host memory" in msg and "lower buffer_count or buffer_size" in msg
+    assert os.listdir(tmp_path) == []  # refused before any swap file was made

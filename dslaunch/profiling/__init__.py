@@ -1,0 +1,1 @@
+"""``deepspeed.profiling``: the flops profiler (``dslaunch.profiling.flops_profiler``)."""

@@ -1,0 +1,52 @@
+"""Who a hang report blames, in real 2-rank engine jobs on gloo through ``dslaunch``.
+
+Rank 1 stalls in the script's own code after step 3 (sleeping, spinning, blocked on a read, or
+SIGSTOPped) while rank 0 goes on into step 4 and waits for it in one of the engine's collectives
+(the gradient reducer's ``work.wait()``, stage 3's parameter gather, a publish): at every ZeRO
+stage and with offload, rank 1 is named, and rank 0 is reported as waiting for it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import pytest
+
+from tests.launcher.helpers import ROOT, assert_no_job_process, new_tag, run_dslaunch
+
+STALL = str(ROOT / "tests" / "launcher" / "bin" / "stall_train.py")
+ENGINES = [("0", ""), ("1", ""), ("2", ""), ("3", ""), ("2", "optimizer"), ("3", "param")]
+
+
+def _stacks_event(tmp_path) -> dict:
+    (job,) = glob.glob(str(tmp_path / "logs" / "*"))
+    with open(os.path.join(job, "events.jsonl")) as f:
+        (event,) = [e for e in map(json.loads, f) if e["kind"] == "stacks"]
+    return event
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["sleep", "spin", "read", "stop"])
+@pytest.mark.parametrize(("zero", "offload"), ENGINES, ids=[f"zero{z}{'-' + o if o else ''}" for z, o in ENGINES])
+def test_the_rank_stalled_in_its_own_code_is_blamed_not_the_rank_waiting_for_it(tmp_path, free_port, zero,
+                                                                                offload, how):
+    tag = new_tag()
+    r = run_dslaunch(["--num_gpus", "2", "--master_port", str(free_port), "--hang_timeout", "4",
+                      "--log_dir", str(tmp_path / "logs"), STALL], tag=tag, timeout=120, ZERO=zero,
+                     OFFLOAD=offload, STALL_RANK="1", STALL_AT="3", STALL_HOW=how)
+    assert r.returncode == 124, r.stderr
+    # (a stopped rank's last step may not have gone out: beats are sent at most twice a second)
+    assert re.search(r"rank 1 on localhost hung( at step [0-3])? \(", r.stderr), r.stderr
+    assert "(no progress for 4 s: --hang_timeout)" in r.stderr, r.stderr
+    assert "rank 0 waited for it in " in r.stderr, r.stderr
+    event = _stacks_event(tmp_path)
+    assert event["behind"] == [1], event
+    waiter, stalled = event["ranks"]["0"], event["ranks"]["1"]
+    assert waiter["waiting"] and waiter["waiting_in"] and waiter["waiting_s"] > 0, event
+    assert not stalled["waiting"] and stalled["waiting_in"] is None, event
+    assert stalled["stopped"] == (how == "stop"), event
+    assert_no_job_process(tag)

@@ -1,0 +1,119 @@
+"""The ``flops_profiler`` block on real gloo ranks: the engine's observer counts exactly the
+profiled optimizer step (all its micro steps, forward and measured backward), at ZeRO-0 and
+ZeRO-3 (parameters whole only while used), with activation checkpointing, and summed over a
+pipeline's stages; rank 0 prints DeepSpeed's tables with achieved FLOP/s and MFU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.distributed import run_world
+from tests.profiling.flops_profiler.gpt import analytic_step_flops
+
+pytestmark = pytest.mark.timeout(180)
+
+B, T, GAS = 2, 16, 2
+
+
+def _train(rank: int, world: int, stage: int, checkpoint: bool, out: str) -> list:
+    import torch
+
+    import dslaunch
+    from dslaunch.profiling.flops_profiler import mfu
+    from tests.profiling.flops_profiler.gpt import GPT
+
+    os.environ[mfu.CACHE_ENV] = out + ".peak.json"
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": GAS, "steps_per_print": 100,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
+           "flops_profiler": {"enabled": True, "profile_step": 1, "module_depth": 2, "output_file": out}}
+    engine, *_ = dslaunch.initialize(model=GPT(impl="matmul", seq=T, checkpoint=checkpoint), config=cfg)
+    for _ in range(3 * GAS):
+        tokens = torch.randint(0, 64, (B, T))
+        engine.backward(engine(tokens, tokens))
+        engine.step()
+    p, t = engine.flops_profiler.last, engine.flops_profiler.timing
+    return [p.fwd_flops, p.bwd_flops, p.params, t.step, t.micro_steps, t.samples, t.model_flops,
+            t.tokens_per_s is not None and t.tokens_per_s > 0, t.iter_s >= t.fwd_s + t.bwd_s]
+
+
+@pytest.mark.parametrize("stage, checkpoint", [(0, False), (3, False), (3, True)])
+def test_the_profiled_step_is_counted_exactly(tmp_path, stage: int, checkpoint: bool) -> None:
+    from tests.profiling.flops_profiler.gpt import GPT
+
+    out = str(tmp_path / "flops.txt")
+    got = run_world(_train, 2, stage, checkpoint, out)
+    model = GPT(impl="matmul", seq=T)
+    step = GAS * analytic_step_flops(model, B, T)  # two micro steps, nothing from steps 0 and 2
+    fwd = step // 3
+    for fwd_flops, bwd_flops, params, at, micro, samples, model_flops, tokens, whole in got:
+        assert fwd_flops == fwd
+        if checkpoint:  # the blocks' forward recomputed in backward (but their last Linear)
+            assert step - fwd < bwd_flops < step
+        else:
+            assert bwd_flops == step - fwd
+        assert params == sum(p.numel() for p in model.parameters())  # whole at ZeRO-3 too
+        assert (at, micro, samples, model_flops) == (1, GAS, B * GAS, fwd_flops + bwd_flops)
+        assert tokens and whole
+    text = open(out).read()
+    assert text.count("dslaunch flops profiler") == 1  # rank 0 only, once
+    assert "Profile summary at step 1" in text and "MFU:" in text and "measured" in text
+    assert "(blocks): ModuleList" in text and "(attn): Attention" not in text  # module_depth 2
+    assert "bwd flops per GPU (measured)" in text and "tokens/second" in text
+
+
+def _stage(rank: int, world: int, out: str) -> list:
+    import torch
+
+    import dslaunch
+    from dslaunch.profiling.flops_profiler import mfu
+    from dslaunch.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+
+    os.environ[mfu.CACHE_ENV] = out + ".peak.json"
+    dslaunch.init_distributed(verbose=False)
+    grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=2, num_dp=1))
+    width = 8 * (grid.get_stage_id() + 1)  # unequal stages: mp_size x one stage would be wrong
+    piece = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "flops_profiler": {"enabled": True, "profile_step": 0, "output_file": out}}
+    engine, *_ = dslaunch.initialize(model=piece, mpu=grid, config=cfg)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 8)).square().mean())
+        engine.step()
+    p, t = engine.flops_profiler.last, engine.flops_profiler.timing
+    return [p.fwd_flops + p.bwd_flops, p.params, t.model_flops, t.model_params]
+
+
+def test_a_pipelines_model_flops_are_summed_over_its_stages(tmp_path) -> None:
+    out = str(tmp_path / "flops.txt")
+    got = run_world(_stage, 2, out)
+    # stage s: Linear(8, w) + Linear(w, 1), w = 8(s + 1); batch 4; the first input needs no gradient
+    per_stage = [4 * (2 * 8 * w + 2 * w) + 4 * (2 * 8 * w + 4 * w) for w in (8, 16)]
+    params = [8 * w + w + w + 1 for w in (8, 16)]
+    for rank, (flops, n, model_flops, model_params) in enumerate(got):
+        assert (flops, n) == (per_stage[rank], params[rank])
+        assert (model_flops, model_params) == (sum(per_stage), sum(params))
+    assert "model parallel size:" in open(out).read()
+
+
+def _not_reached(rank: int, world: int, out: str) -> list:
+    import torch
+
+    import dslaunch
+
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    off, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 1), config=base)
+    cfg = {**base, "flops_profiler": {"enabled": True, "profile_step": 5, "output_file": out}}
+    engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 1), config=cfg)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+    return [off.flops_profiler is None, engine.flops_profiler.last is None, engine.flops_profiler.counter is None]
+
+
+def test_nothing_is_counted_before_profile_step_or_when_off(tmp_path) -> None:
+    out = tmp_path / "flops.txt"
+    assert run_world(_not_reached, 1, str(out)) == [[True, True, True]]
+    assert not out.exists()
