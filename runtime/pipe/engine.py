@@ -24,10 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dslaunch import comm
 from dslaunch.errors import ConfigError, UsageError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.engine import DeepSpeedEngine
+from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.pipe import p2p
 from dslaunch.runtime.pipe import schedule as sched
 from dslaunch.runtime.pipe.module import PipelineModule
@@ -284,7 +286,7 @@ class PipelineEngine(DeepSpeedEngine):
         """``local`` averaged over the data-parallel replicas (collective over the data axis)."""
         value = local.detach().float().clone()
         if self.dp_world_size > 1:
-            dist.all_reduce(value, group=self.grid.get_data_parallel_group())
+            comm.all_reduce(value, group=self.grid.get_data_parallel_group())
             value /= self.dp_world_size
         return value
 
@@ -300,11 +302,12 @@ class PipelineEngine(DeepSpeedEngine):
         group, src = self.grid.get_pipe_parallel_group(), self.grid.stage_to_global(self.num_stages - 1)
         if shape is None:  # eval outputs: the other stages learn the shape first
             shapes = [tuple(value.shape) if value is not None else None]
-            dist.broadcast_object_list(shapes, src=src, group=group)
+            with waiting("pipeline broadcast of the eval output's shape"):
+                dist.broadcast_object_list(shapes, src=src, group=group)
             shape = shapes[0]
         if value is None:
             value = torch.empty(shape, dtype=torch.float32, device=self.device)
-        dist.broadcast(value, src=src, group=group)
+        comm.broadcast(value, src=src, group=group)
         return value
 
     def _eval_result(self, batch: _Batch, reduce_output: str | None, bcast_loss: bool) -> Any:

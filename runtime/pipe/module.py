@@ -273,24 +273,24 @@ class PipelineModule(torch.nn.Module):
 
     def _synchronize_tied_weights(self) -> None:
         """Every copy of a tied module starts as the lowest stage's (collective over the tie)."""
-        import torch.distributed as dist
+        from dslaunch import comm
 
-        for key, comm in self.tied_comms.items():
+        for key, tie in self.tied_comms.items():
             for weight in self._tied_weights(key):
-                dist.broadcast(weight.data, src=min(comm["ranks"]), group=comm["group"])
+                comm.broadcast(weight.data, src=min(tie["ranks"]), group=tie["group"])
 
     def allreduce_tied_weight_gradients(self) -> None:
         """Sum each tied weight's gradient over the stages holding it (collective over each tie).
 
         Call after every backward of the step has accumulated into ``.grad``.
         """
-        import torch.distributed as dist
+        from dslaunch import comm
 
-        for key, comm in self.tied_comms.items():
+        for key, tie in self.tied_comms.items():
             for weight in self._tied_weights(key):
                 if weight.grad is None:
                     weight.grad = torch.zeros_like(weight)
-                dist.all_reduce(weight.grad, group=comm["group"])
+                comm.all_reduce(weight.grad, group=tie["group"])
 
     # ----- running ----------------------------------------------------------------------------
     def forward(self, inputs: Any, chunk: int = 0) -> Any:

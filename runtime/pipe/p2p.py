@@ -9,7 +9,9 @@ no gradient and with buffers reused across dtypes at 3+ stages cannot happen her
 Sends are non-blocking (``isend``: the sender goes on at once, a ``PendingSend`` keeps the
 tensors alive until ``wait``); receives block. Within one direction between two ranks messages
 arrive in the order sent, so a schedule only needs every receive to have a matching send.
-Booleans travel as uint8 (gloo has no bool).
+Booleans travel as uint8 (gloo has no bool). Everything goes through ``dslaunch.comm`` (the comms
+logger counts it) and every wait is marked as one on the peer (``heartbeat.waiting``): in a hang the
+monitor tells the stage that never sent from the ones waiting for it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dslaunch import comm
 from dslaunch.errors import UsageError
+from dslaunch.runtime.heartbeat import waiting
 
 __all__ = ["Payload", "PendingSend", "send", "recv", "DTYPES"]
 
@@ -39,10 +43,12 @@ class PendingSend:
 
     works: list[Any] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+    dst: int = -1
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+        with waiting(f"pipeline send to rank {self.dst}"):
+            for w in self.works:
+                w.wait()
         self.works.clear()
         self.tensors.clear()
 
@@ -78,9 +84,9 @@ def send(payload: Payload, dst: int, group: Any = None, what: str = "message", t
     header = _header(tensors, is_tuple, what)
     parts = [torch.tensor([header.numel()], dtype=torch.int64), header,
              *(_wire(t).to("cpu") if _needs_host(t) else _wire(t) for t in tensors)]
-    pending = PendingSend(tensors=parts)
+    pending = PendingSend(tensors=parts, dst=dst)
     for part in parts:
-        pending.works.append(dist.isend(part, dst, group=group, tag=tag))
+        pending.works.append(comm.isend(part, dst, group=group, tag=tag))
     return pending
 
 
@@ -96,9 +102,9 @@ def recv(src: int, device: torch.device, group: Any = None, tag: int = 0) -> Pay
     ``requires_grad=True`` (their ``.grad`` is what goes back); the others never ask for one.
     """
     length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src, group=group, tag=tag)
+    comm.recv(length, src, group=group, tag=tag)
     header = torch.empty(int(length.item()), dtype=torch.int64)
-    dist.recv(header, src, group=group, tag=tag)
+    comm.recv(header, src, group=group, tag=tag)
     fields = header.tolist()
     is_tuple, count, pos = bool(fields[0]), fields[1], 2
     out = []
@@ -107,7 +113,7 @@ def recv(src: int, device: torch.device, group: Any = None, tag: int = 0) -> Pay
         shape = fields[pos + 3:pos + 3 + ndim]
         pos += 3 + ndim
         wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype)
-        dist.recv(wire, src, group=group, tag=tag)
+        comm.recv(wire, src, group=group, tag=tag)
         t = (wire.view(torch.bool) if dtype == torch.bool else wire).to(device)
         out.append(t.requires_grad_(grad and t.is_floating_point()))
     return tuple(out) if is_tuple else out[0]

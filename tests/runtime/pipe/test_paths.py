@@ -50,3 +50,23 @@ def test_training_data_feeds_train_batch() -> None:
     got = run_world(_from_training_data, 2)
     assert got[0]["losses"] == got[1]["losses"] and got[0]["samples"] == 4 * 2 * helpers.MICRO
     assert all(r["reads"] and r["loader"] for r in got)  # first and last stage read the same batches
+
+
+def _logged(rank: int, world: int) -> list[str]:
+    import dslaunch
+    from dslaunch import comm
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    module = PipelineModule(helpers.layers(), num_stages=2, loss_fn=helpers.loss_fn)
+    engine, *_ = dslaunch.initialize(model=module, config=helpers.config(2, 0.01))
+    comm.configure(enabled=True)
+    engine.train_batch(helpers.replica_iter(1, 2, 1, 0))
+    comm.configure(enabled=False)
+    return sorted(comm.log_summary(return_dict=True) or {})
+
+
+def test_stage_messages_go_through_dslaunch_comm() -> None:
+    """The comms logger sees them, and every wait is marked for the monitor's hang blame."""
+    for ops in run_world(_logged, 2):
+        assert {"isend", "recv", "broadcast"} <= set(ops)
