@@ -24,7 +24,7 @@ _LAZY = {
 }
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
-_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "monitor", "profiling",
+_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "monitor", "pipe", "profiling",
                 "runtime", "utils", "zero")
 
 __all__ = ["__version__", *_LAZY, *_SUBPACKAGES]

@@ -68,16 +68,27 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         os.environ.update(slurm_env(os.environ))  # a task srun started: the world size is SLURM's
     world = (dist.get_world_size() if dist.is_initialized()
              else int(os.environ.get("WORLD_SIZE", "1")) if will_init else 1)
+    pipeline = _is_pipeline_module(model)
+    if pipeline:
+        if mpu is not None:
+            raise ConfigError("initialize(mpu=...) with a PipelineModule: the module's own grid is the mpu; "
+                              "remove mpu= (give the PipelineModule a topology instead)")
+        mpu = model.mpu()
     if mpu is not None:
         world = _checked_mpu(mpu).get_data_parallel_world_size()  # the batch is split over replicas
     cfg = load_config(source, world)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                      verbose=False, config=cfg)
-    from dslaunch.runtime.engine import DeepSpeedEngine
+    parts = {"optimizer": optimizer, "model_parameters": model_parameters, "training_data": training_data,
+             "lr_scheduler": lr_scheduler, "collate_fn": collate_fn}
+    if pipeline:
+        from dslaunch.runtime.pipe.engine import PipelineEngine
 
-    engine = DeepSpeedEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=training_data, lr_scheduler=lr_scheduler,
-                             collate_fn=collate_fn, mpu=mpu)
+        engine: Any = PipelineEngine(model, cfg, **parts)
+    else:
+        from dslaunch.runtime.engine import DeepSpeedEngine
+
+        engine = DeepSpeedEngine(model, cfg, mpu=mpu, **parts)
     register_clean_exit(engine)
     resume = resume_dir()
     if resume is not None:  # a restarted run of a job launched with --resume_from
@@ -88,6 +99,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                   f"{resume}: this run starts at step 0, not where the previous run stopped (the script "
                   "must save its checkpoints into that directory)", file=sys.stderr, flush=True)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _is_pipeline_module(model: Any) -> bool:
+    from dslaunch.runtime.pipe.module import PipelineModule
+
+    return isinstance(model, PipelineModule)
 
 
 _MPU_METHODS = tuple(f"get_{axis}_parallel_{what}" for axis in ("data", "model")

@@ -46,7 +46,7 @@ from typing import Any
 
 from dslaunch.errors import CheckpointError
 
-__all__ = ["DistributedDataLoader"]
+__all__ = ["DistributedDataLoader", "RepeatingLoader"]
 
 
 class DistributedDataLoader:
@@ -191,3 +191,23 @@ class DistributedDataLoader:
                                       f"this run has {key}={mine!r}; the same position would mean other samples")
         self.epoch = int(state["epoch"])
         self._offset = int(state["offset"])
+
+
+class RepeatingLoader:
+    """Iterate ``loader`` forever, restarting it when exhausted (DeepSpeed's
+    ``deepspeed.runtime.dataloader.RepeatingLoader``; the pipeline engine's ``train_batch`` pulls
+    micro batches from one)."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

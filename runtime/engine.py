@@ -176,22 +176,30 @@ class DeepSpeedEngine(torch.nn.Module):
                 raise UsageError("engine.step() at a gradient accumulation boundary inside no_sync(): "
                                  "the gradients are not reduced across ranks, so the ranks would "
                                  "diverge; leave no_sync() before the boundary micro step")
-            with self.events.phase("step"):
-                result = self.zero.step(self.loss_scaler.loss_scale, self._config.gradient_clipping,
-                                        check_overflow=self._config.fp16.enabled)
-            self.loss_scaler.update(result.overflow)
-            self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
-            if result.overflow:
-                self.skipped_steps += 1
-            elif self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-            self.global_steps += 1
-            self.global_samples += self._config.train_batch_size
-            self.events.step(self._step_record)
-            self._window_losses = []
+            self._take_model_step(lr_kwargs)
         else:
             self._step_applied = False
         self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict | None = None) -> None:
+        """The optimizer step of an accumulation boundary, its counters and its ``StepRecord``
+        (DeepSpeed's name; the pipeline engine calls it once per ``train_batch``).
+
+        collective: all ranks.
+        """
+        with self.events.phase("step"):
+            result = self.zero.step(self.loss_scaler.loss_scale, self._config.gradient_clipping,
+                                    check_overflow=self._config.fp16.enabled)
+        self.loss_scaler.update(result.overflow)
+        self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
+        if result.overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.global_samples += self._config.train_batch_size
+        self.events.step(self._step_record)
+        self._window_losses = []
 
     def _step_record(self) -> StepRecord:
         return StepRecord(self.global_steps, self.global_samples, self.micro_steps, self._loss, tuple(self.get_lr()),

@@ -100,7 +100,10 @@ def _timed(op: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     def done(_: Any = None) -> None:
         comms_logger.append(op, log_name, (time.perf_counter() - start) * 1000.0, size, n, rank)
 
-    future = result.get_future() if result is not None and hasattr(result, "get_future") else None
+    try:
+        future = result.get_future() if result is not None and hasattr(result, "get_future") else None
+    except RuntimeError:  # gloo's point-to-point Work (isend/irecv) has no future: time the launch
+        future = None
     if future is not None:
         future.add_done_callback(done)
     else:

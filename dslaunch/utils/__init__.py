@@ -23,6 +23,7 @@ _NAMES = {
     # the ZeRO state of one parameter, at any stage (import torch on first access)
     **dict.fromkeys(("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                      "safe_set_full_fp32_param"), "dslaunch.runtime.zero.full_state"),
+    "RepeatingLoader": "dslaunch.runtime.dataloader",  # deepspeed.utils.RepeatingLoader
 }
 
 __all__ = [*_SUBMODULES, *_NAMES]

@@ -36,6 +36,7 @@ from dslaunch.runtime.config.monitors import (
     check_packages,
 )
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
+from dslaunch.runtime.config.pipeline import PipelineConfig
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
     AioConfig,
@@ -68,7 +69,8 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "activation_checkpointing": ActivationCheckpointingConfig,
              "flops_profiler": FlopsProfilerConfig,
              "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
-             "comet": CometConfig, "comms_logger": CommsLoggerConfig}
+             "comet": CometConfig, "comms_logger": CommsLoggerConfig,
+             "pipeline": PipelineConfig}
 
 
 def _steps_per_print(path: str, value: Any) -> int | None:
@@ -122,6 +124,8 @@ class DeepSpeedConfig:
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     """Read by ``deepspeed.checkpointing`` (``initialize`` configures it when the block is given)."""
     """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Read only when the model is a ``PipelineModule`` (``runtime/pipe/engine.py``)."""
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     csv_monitor: CSVConfig = field(default_factory=CSVConfig)

@@ -390,9 +390,6 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "fp32_allreduce": False, "disable_allgather": False, "sparse_gradients": False,
     "managed_gradient_accumulation": True,  # dslaunch steps at the accumulation boundary
     # parallelism
-    "pipeline": Off({"stages": "auto", "partition": "best", "seed_layers": False,
-                     "activation_checkpoint_interval": 0, "pipe_partitioned": True,
-                     "grad_partitioned": True}),
     "tensor_parallel": Off({"autotp_size": 0}, switch="autotp_size"),
     "expert_parallel": _enabled(), "use_data_before_expert_parallelism": False,
     "sequence_parallel_size": 1, "seq_parallel_comm_data_type": "fp32",
@@ -418,7 +415,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
 def _explain_auto(cls: type, raw: Mapping[str, Any], prefix: str) -> None:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in raw.items():
-        if value == "auto" and not _stage3_only(cls, key):
+        if value == "auto" and not _stage3_only(cls, key) and key not in getattr(cls, "AUTO_OK", ()):
             f = fields.get(key)
             what = f.metadata["help"] if f is not None else "the actual value"
             default = f" (or remove the key for the default, {f.default!r})" if f is not None else ""
@@ -452,9 +449,9 @@ def parse_section(cls: type, raw: Any, prefix: str) -> Any:
                               "setting); keep one", key=f"{prefix}.{raw_key}")
         if key in cls.UNIMPLEMENTED:
             reject_unimplemented(f"{prefix}.{key}", value, cls.UNIMPLEMENTED[key])
-        elif key in names and not (value == "auto" and _stage3_only(cls, key)):
-            known[key] = value
-        elif not _stage3_only(cls, key):
+        elif value == "auto" and (_stage3_only(cls, key) or key in getattr(cls, "AUTO_OK", ())):
+            continue  # the default stands ("auto" is what DeepSpeed's default means there)
+        elif key in names or not _stage3_only(cls, key):
             known[key] = value
     fields = {f.name: Option(f.default, f.metadata["check"]) for f in dataclasses.fields(cls)}
     # INERT keys are checked like the others (and suggested for typos), then dropped.

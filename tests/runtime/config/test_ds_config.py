@@ -156,7 +156,6 @@ def test_zero_knobs_dslaunch_honours_one_way_reject_the_other(key: str, instead:
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
     ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write.pipeline_stage"),
     ({"timers": {"throughput": {"enabled": True}}}, "timers.throughput.enabled"),
-    ({"pipeline": {"stages": 2}}, "pipeline.stages"),
 ])
 def test_a_section_without_a_flag_is_off_only_at_its_off_values(raw: dict, path: str) -> None:
     msg = _error({"train_batch_size": 8, **raw})

@@ -1,0 +1,372 @@
+"""The pipeline engine (DeepSpeed's ``deepspeed.runtime.pipe.engine.PipelineEngine``).
+
+``initialize`` builds it when the model is a ``PipelineModule``; its mpu is the module's
+``PipelineParallelGrid``, so the data loader, ZeRO and the batch size come from the data axis and
+the gradient norm (clip factor, fp16 overflow skip) is agreed over the whole replica, as for any
+engine given that grid (``DeepSpeedEngine``).
+
+``train_batch()`` runs one optimizer step as a schedule (``runtime/pipe/schedule.py``): a list of
+instructions per stage, executed in order by ``_INSTRUCTION_MAP``. The ZeRO strategy sees each
+micro batch's backward as one micro step of the accumulation (the last one is the boundary), so
+stages 0-2, offload and the loss scaler work unchanged. The engine's ``events`` get a forward and a
+backward phase per micro batch and one ``StepRecord`` per ``train_batch``.
+
+Limitations: ZeRO-3 is refused (a one-line ``ConfigError``); tied layers need ZeRO stage 0 or 1;
+checkpoints are refused for model-parallel engines (``DeepSpeedEngine.checkpoint_parts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dslaunch import comm
+from dslaunch.errors import ConfigError, UsageError
+from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.dataloader import RepeatingLoader
+from dslaunch.runtime.engine import DeepSpeedEngine
+from dslaunch.runtime.heartbeat import waiting
+from dslaunch.runtime.pipe import p2p
+from dslaunch.runtime.pipe import schedule as sched
+from dslaunch.runtime.pipe.module import PipelineModule
+
+__all__ = ["PipelineEngine"]
+
+# Message tags: with virtual stages one direction between two ranks carries both kinds.
+_ACTIVATIONS, _GRADIENTS = 1, 2
+_ONLY_TRAIN_BATCH = "is not available with pipeline parallelism: use engine.train_batch() (and eval_batch())"
+
+
+@dataclass
+class _Batch:
+    """What one ``train_batch``/``eval_batch`` holds per micro batch until its backward is done."""
+
+    micro_batches: int
+    train: bool
+    inputs: dict[int, Any] = field(default_factory=dict)
+    labels: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    grads: dict[int, Any] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)
+    compute_loss: bool = True
+    keep_logits: bool = False
+    sends: list[p2p.PendingSend] = field(default_factory=list)
+    backwards_left: int = 0
+    """Backward passes still to run; the last one is the accumulation boundary."""
+
+
+class PipelineEngine(DeepSpeedEngine):
+    """Trains a ``PipelineModule``: each rank runs its stage of every micro batch.
+
+    Use ``loss = engine.train_batch()`` (or ``train_batch(data_iter)``) once per optimizer step;
+    ``forward``, ``backward`` and ``step`` raise ``UsageError`` as in DeepSpeed.
+
+    collective: construct, ``train_batch`` and ``eval_batch`` on all ranks.
+
+    Raises:
+        ConfigError: ZeRO stage 3, ``pipeline.stages`` other than the module's, or tied layers with
+            ZeRO stage 2.
+    """
+
+    def __init__(self, model: PipelineModule, config: DeepSpeedConfig, **kwargs: Any):
+        _check_config(model, config)
+        super().__init__(model, config, mpu=model.mpu(), **kwargs)
+        self.num_stages, self.stage_id = model.num_stages, model.stage_id
+        self.micro_batches = config.gradient_accumulation_steps
+        self.schedule_type = sched.SCHEDULES[config.pipeline.schedule]
+        if model.activation_checkpoint_interval == 0:
+            model.activation_checkpoint_interval = config.pipeline.activation_checkpoint_interval
+        self.chunks = model.virtual_stages
+        # Neighbours on a ring: with virtual stages the last stage feeds the first one's next chunk.
+        self.prev_stage = self.grid.stage_to_global((self.stage_id - 1) % self.num_stages)
+        self.next_stage = self.grid.stage_to_global((self.stage_id + 1) % self.num_stages)
+        self.data_iterator: Iterator | None = None
+        self.batch_fn: Callable | None = None
+        self.agg_train_loss: torch.Tensor | None = None
+        if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
+            self.set_dataiterator(RepeatingLoader(self.training_dataloader))
+
+    # ----- DeepSpeed's pipeline API -----------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """Where ``train_batch()``/``eval_batch()`` without an iterator read micro batches from."""
+        self.data_iterator = iterator
+
+    def set_batch_fn(self, fn: Callable) -> None:
+        """``fn(batch) -> (inputs, labels)`` applied to every micro batch read."""
+        self.batch_fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise UsageError(f"engine.forward() {_ONLY_TRAIN_BATCH}")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise UsageError(f"engine.backward() {_ONLY_TRAIN_BATCH}")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise UsageError(f"engine.step() {_ONLY_TRAIN_BATCH}")
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """Pull ``gradient_accumulation_steps`` micro batches, train on them, take one step.
+
+        Returns the mean loss of the micro batches (averaged over the data-parallel replicas),
+        on every stage.
+
+        collective: call on all ranks.
+
+        Raises:
+            UsageError: called under ``torch.no_grad()``, or no data iterator on a stage that reads data.
+        """
+        if not torch.is_grad_enabled():
+            raise UsageError("train_batch() was called under torch.no_grad(); use eval_batch() to evaluate")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.zero.pre_forward()
+        batch = _Batch(self.micro_batches, train=True)
+        self._execute(self.schedule_type(self.micro_batches, self.num_stages, self.stage_id, self.chunks), batch)
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> Any:
+        """Forward ``num_micro_batches`` (default: the accumulation steps) micro batches, no step.
+
+        Returns the loss averaged over micro batches and replicas (``reduce_output="avg"``), or the
+        list of per-micro-batch losses (None); with ``compute_loss=False`` the model's outputs
+        instead. ``bcast_loss`` broadcasts an averaged loss to every stage (else the other stages
+        return None). ``return_logits``: ``(loss, logits)``, the last stage's outputs of every
+        micro batch concatenated along dimension 0 (None elsewhere).
+
+        collective: call on all ranks.
+        """
+        if reduce_output not in ("avg", None):
+            raise UsageError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self.set_dataiterator(data_iter)
+        micro = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
+        batch = _Batch(micro, train=False, compute_loss=compute_loss, keep_logits=return_logits)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                self.zero.pre_forward()
+                self._execute(sched.InferenceSchedule(micro, self.num_stages, self.stage_id, self.chunks), batch)
+                self._wait_sends(batch)
+                result = self._eval_result(batch, reduce_output, bcast_loss)
+        finally:
+            self.module.train(was_training)
+        if not return_logits:
+            return result
+        logits = _concat(batch.logits) if self.is_last_stage() else None
+        return result, logits
+
+    # ----- the instructions -------------------------------------------------------------------
+    def _execute(self, schedule: sched.PipeSchedule, batch: _Batch) -> None:
+        batch.backwards_left = schedule.micro_batches * schedule.chunks
+        for step in schedule.steps():
+            for instruction in step:
+                self._INSTRUCTION_MAP[type(instruction)](self, instruction, batch)
+
+    def _ends(self, chunk: int) -> tuple[bool, bool]:
+        """Whether this rank's ``chunk`` is the model's first part, and its last."""
+        return self.is_first_stage() and chunk == 0, self.is_last_stage() and chunk == self.chunks - 1
+
+    def _exec_load_micro_batch(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        if self.data_iterator is None:
+            raise UsageError(f"stage {self.stage_id} reads data but has no data iterator: pass data_iter to "
+                             "train_batch()/eval_batch(), or training_data to initialize()")
+        data = next(self.data_iterator)
+        if self.batch_fn is not None:
+            data = self.batch_fn(data)
+        if not isinstance(data, tuple | list) or len(data) != 2:
+            raise UsageError("a pipeline micro batch must be (inputs, labels); use set_batch_fn() to convert "
+                             f"yours (got {type(data).__name__})")
+        first, last = self._ends(ins.chunk)
+        key = (ins.buffer_id, ins.chunk)
+        if first:  # floating inputs in the model's dtype (fp16/bf16), as the weights
+            batch.inputs[key] = _to(data[0], self.device, self.precision.model_dtype)
+        if last:
+            batch.labels[key] = _to(data[1], self.device)
+
+    def _exec_forward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        key, last = (ins.buffer_id, ins.chunk), self._ends(ins.chunk)[1]
+        with self.events.phase("forward"):
+            out = self.module(batch.inputs[key], chunk=ins.chunk)
+            if last:
+                if batch.keep_logits:
+                    batch.logits.append(out)
+                if batch.compute_loss and self.module.loss_fn is not None:
+                    out = self.module.loss_fn(out, batch.labels.pop(key))
+                batch.losses.append(_scalar(out) if batch.train else out)
+        if batch.train or not last:
+            batch.outputs[key] = out
+        if not batch.train:
+            batch.inputs.pop(key)
+
+    def _exec_send_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        key = (ins.buffer_id, ins.chunk)
+        out = batch.outputs[key] if batch.train else batch.outputs.pop(key)
+        batch.sends.append(p2p.send(out, self.next_stage, what=f"stage {self.stage_id}'s output",
+                                    tag=_ACTIVATIONS))
+
+    def _exec_recv_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        batch.inputs[(ins.buffer_id, ins.chunk)] = p2p.recv(self.prev_stage, self.device, tag=_ACTIVATIONS)
+
+    def _exec_recv_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        batch.grads[(ins.buffer_id, ins.chunk)] = p2p.recv(self.next_stage, self.device, tag=_GRADIENTS)
+
+    def _exec_backward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        batch.backwards_left -= 1
+        boundary = batch.backwards_left == 0
+        self.zero.begin_micro_step(boundary)
+        key = (ins.buffer_id, ins.chunk)
+        out = batch.outputs.pop(key)
+        with self.events.phase("backward"):
+            if self._ends(ins.chunk)[1]:
+                self.loss_scaler.scale_loss(out / batch.micro_batches).backward()
+            else:
+                tensors = [t for t in _as_tuple(out) if t.requires_grad]
+                grads = _as_tuple(batch.grads.pop(key))
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+        if not boundary:  # the boundary's reduction waits until this stage's last gradient is sent
+            self._backward_epilogue()
+
+    def _exec_send_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        inputs = [t for t in _as_tuple(batch.inputs.pop((ins.buffer_id, ins.chunk))) if t.requires_grad]
+        grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
+        batch.sends.append(p2p.send(grads, self.prev_stage, what=f"stage {self.stage_id}'s input gradients",
+                                    tag=_GRADIENTS))
+
+    def _exec_reduce_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        self._backward_epilogue()
+
+    def _exec_reduce_tied_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        self.module.allreduce_tied_weight_gradients()
+
+    def _exec_optimizer_step(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        self._wait_sends(batch)
+        local = torch.stack(batch.losses).mean() if self.is_last_stage() else None
+        self.agg_train_loss = self._loss = self._mean_loss(local)
+        self._window_losses = [self.agg_train_loss]  # the monitors log this window's mean: the batch's loss
+        self.micro_steps += batch.micro_batches - 1  # the record counts micro steps before the last
+        self._take_model_step()
+        self.micro_steps += 1
+
+    _INSTRUCTION_MAP: dict[type, Callable[[PipelineEngine, sched.PipeInstruction, _Batch], None]] = {
+        sched.LoadMicroBatch: _exec_load_micro_batch,
+        sched.ForwardPass: _exec_forward_pass,
+        sched.SendActivation: _exec_send_activations,
+        sched.RecvActivation: _exec_recv_activations,
+        sched.RecvGrad: _exec_recv_grads,
+        sched.BackwardPass: _exec_backward_pass,
+        sched.SendGrad: _exec_send_grads,
+        sched.ReduceGrads: _exec_reduce_grads,
+        sched.ReduceTiedGrads: _exec_reduce_tied_grads,
+        sched.OptimizerStep: _exec_optimizer_step,
+    }
+
+    # ----- losses -----------------------------------------------------------------------------
+    @staticmethod
+    def _wait_sends(batch: _Batch) -> None:
+        for pending in batch.sends:
+            pending.wait()
+        batch.sends.clear()
+
+    def _replica_mean(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` averaged over the data-parallel replicas (collective over the data axis)."""
+        value = local.detach().float().clone()
+        if self.dp_world_size > 1:
+            comm.all_reduce(value, group=self.grid.get_data_parallel_group())
+            value /= self.dp_world_size
+        return value
+
+    def _mean_loss(self, local: torch.Tensor | None, shape: tuple | None = ()) -> torch.Tensor:
+        """The last stage's mean loss (or averaged outputs; ``shape`` None: not known to the other
+        stages), averaged over the replicas, on every stage of the replica.
+
+        collective: every rank (data-parallel all-reduce on the last stage, pipe broadcasts).
+        """
+        value = self._replica_mean(local) if self.is_last_stage() else None
+        if self.num_stages == 1:
+            return value
+        group, src = self.grid.get_pipe_parallel_group(), self.grid.stage_to_global(self.num_stages - 1)
+        if shape is None:  # eval outputs: the other stages learn the shape first
+            shapes = [tuple(value.shape) if value is not None else None]
+            with waiting("pipeline broadcast of the eval output's shape"):
+                dist.broadcast_object_list(shapes, src=src, group=group)
+            shape = shapes[0]
+        if value is None:
+            value = torch.empty(shape, dtype=torch.float32, device=self.device)
+        comm.broadcast(value, src=src, group=group)
+        return value
+
+    def _eval_result(self, batch: _Batch, reduce_output: str | None, bcast_loss: bool) -> Any:
+        if reduce_output is None:
+            return batch.losses if self.is_last_stage() else None
+        local = torch.stack([x.detach().float() for x in batch.losses]).mean(0) if self.is_last_stage() else None
+        if bcast_loss:
+            return self._mean_loss(local, shape=None)
+        return self._replica_mean(local) if local is not None else None
+
+
+def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
+    stage = config.zero_optimization.stage
+    if stage == 3:
+        raise ConfigError("ZeRO stage 3 cannot be combined with pipeline parallelism (a PipelineModule); "
+                          "use zero_optimization.stage 0, 1 or 2", key="zero_optimization.stage")
+    stages = config.pipeline.stages
+    if stages != "auto" and stages != model.num_stages:
+        raise ConfigError(f"{stages} differs from the PipelineModule's {model.num_stages} stages; set it to "
+                          f"{model.num_stages} or \"auto\"", key="pipeline.stages")
+    schedule = sched.SCHEDULES[config.pipeline.schedule]
+    if model.virtual_stages > 1 and not schedule.chunks_allowed:
+        raise ConfigError(f"\"{config.pipeline.schedule}\" runs one part per stage, but the PipelineModule has "
+                          f"virtual_stages={model.virtual_stages}; use \"interleaved\" (or virtual_stages=1)",
+                          key="pipeline.schedule")
+    if model.virtual_stages > 1 and model.num_stages == 1:
+        raise ConfigError("virtual stages need at least 2 pipeline stages (a single stage has nothing to "
+                          "interleave with); use \"1f1b\" and virtual_stages=1", key="pipeline.schedule")
+    if schedule is sched.InterleavedSchedule and config.gradient_accumulation_steps % model.num_stages:
+        raise ConfigError(f"{config.gradient_accumulation_steps} micro batches: the interleaved schedule needs a "
+                          f"multiple of the {model.num_stages} pipeline stages", key="gradient_accumulation_steps")
+    if stage == 2 and model.tied_comms:
+        raise ConfigError("tied layers across stages (TiedLayerSpec) need ZeRO stage 0 or 1 (stage 2 keeps only "
+                          "gradient shards, which differ between the stages holding the tie)",
+                          key="zero_optimization.stage")
+
+
+def _to(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    if isinstance(data, torch.Tensor):
+        cast = dtype if dtype is not None and data.is_floating_point() else data.dtype
+        return data.to(device, cast).detach()
+    if isinstance(data, tuple | list):
+        return tuple(_to(x, device, dtype) for x in data)
+    return data
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, tuple | list) else (x,)
+
+
+def _scalar(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UsageError(f"the last stage's loss must be a single-element tensor, got {what}: give the "
+                         "PipelineModule a loss_fn that reduces (e.g. a mean)")
+    return loss.detach().reshape(())
+
+
+def _concat(outputs: list[Any]) -> Any:
+    if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+        return torch.cat(outputs)
+    return outputs

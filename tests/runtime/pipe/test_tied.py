@@ -1,0 +1,81 @@
+"""``TiedLayerSpec``: an input projection reused (through its weight) as the output projection on
+another stage; the copies start equal and their gradients are summed, so training matches one
+process where the two uses share one module. 2 stages x 2 replicas, ZeRO-1 on the data axis."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_world
+from tests.runtime.pipe import helpers
+
+pytestmark = pytest.mark.timeout(150)
+
+STEPS, GAS, LR, SEED = 20, 2, 0.1, 3
+
+
+def _out_proj(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, module.weight).sum(1, keepdim=True)
+
+
+def _specs() -> list:
+    from dslaunch.pipe import LayerSpec, TiedLayerSpec
+
+    w = helpers.WIDTH
+    return [TiedLayerSpec("proj", torch.nn.Linear, w, w), LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, w, w),
+            LayerSpec(torch.nn.Tanh), TiedLayerSpec("proj", torch.nn.Linear, w, w, forward_fn=_out_proj)]
+
+
+def _reference() -> tuple[list[float], list]:
+    specs, mods = _specs(), []
+    for idx, spec in enumerate(specs):
+        torch.manual_seed(SEED + idx)
+        mods.append(spec.build())
+    mods[4] = mods[0]  # one module, two uses
+    opt = torch.optim.SGD(torch.nn.ModuleList(mods[:4]).parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        per = []
+        for x, y in helpers.micro_batches(step, GAS * 2):
+            h = x
+            for m in mods[:4]:
+                h = m(h)
+            per.append(helpers.loss_fn(_out_proj(mods[0], h), y))
+        loss = torch.stack(per).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [mods[0].weight.detach().tolist(), mods[2].weight.detach().tolist()]
+
+
+def _train(rank: int, world: int, virtual: int) -> dict:
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    module = PipelineModule(_specs(), num_stages=2, loss_fn=helpers.loss_fn, seed_layers=True, base_seed=SEED,
+                            partition_method="uniform", virtual_stages=virtual)
+    schedule = "interleaved" if virtual > 1 else "1f1b"
+    cfg = helpers.config(GAS, LR, zero_optimization={"stage": 1}, pipeline={"schedule": schedule})
+    engine, *_ = dslaunch.initialize(model=module, config=cfg)
+    data = helpers.replica_iter(STEPS, GAS, 2, engine.grid.get_data_parallel_rank())
+    losses = [engine.train_batch(data).item() for _ in range(STEPS)]
+    middle = module._modules.get("2")
+    return {"losses": losses, "tied": module.tied_modules["proj"].weight.detach().tolist(),
+            "middle": middle.weight.detach().tolist() if middle is not None else None,
+            "tie_ranks": [comm["ranks"] for comm in module.tied_comms.values()]}
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_tied_weights_train_as_one_module(virtual: int) -> None:
+    """virtual 2: parts [proj, tanh] [linear] [tanh] [out proj], rank 0 holding the 1st and 3rd."""
+    want_losses, (want_tied, want_middle) = _reference()
+    got = run_world(_train, 4, virtual, timeout=140)
+    for rank, r in enumerate(got):
+        assert r["tie_ranks"] == [[rank % 2, rank % 2 + 2]]  # the stages of one replica
+        assert r["losses"] == pytest.approx(want_losses, rel=0, abs=1e-6)
+        torch.testing.assert_close(torch.tensor(r["tied"]), torch.tensor(want_tied), rtol=0, atol=2e-5)
+    for r in got[:2] if virtual == 1 else got[2:]:  # layer 2: stage 0 (uniform: 3 + 2) or stage 1's 1st part
+        torch.testing.assert_close(torch.tensor(r["middle"]), torch.tensor(want_middle), rtol=0, atol=2e-5)

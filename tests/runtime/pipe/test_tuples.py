@@ -1,0 +1,100 @@
+"""A 3-stage job whose stages pass (float with grad, float with grad, float without grad, int):
+two tensors carry gradients back, the others none; trained against the same layers in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS, GAS, LR = 20, 3, 0.05
+
+
+class Split(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = torch.tanh(self.lin(x))
+        return h, h * 2, x.abs(), (x > 0).long().sum(1)  # the third needs no gradient, the fourth is int
+
+
+class Mix(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, t: tuple) -> tuple:
+        h, g, mask, count = t
+        return torch.tanh(self.lin(h)) + g.mean(1, keepdim=True), g * 0.5, mask, count
+
+
+class Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, t: tuple) -> torch.Tensor:
+        h, g, mask, count = t
+        return self.lin(h + g) * (1 + count.float().unsqueeze(1) / 8) + mask.mean(1, keepdim=True) * 0.01
+
+
+def _specs() -> list:
+    from dslaunch.pipe import LayerSpec
+
+    return [LayerSpec(Split), LayerSpec(Mix), LayerSpec(Head)]
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(2, 6, generator=g) for _ in range(STEPS * GAS)]
+    return [(x, x.cos().mean(1, keepdim=True) * 0.5) for x in xs]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _reference() -> tuple[list[float], list[list]]:
+    mods = []
+    for idx, spec in enumerate(_specs()):
+        torch.manual_seed(11 + idx)
+        mods.append(spec.build())
+    model = torch.nn.Sequential(*mods)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data, losses = _batches(), []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = torch.stack([_loss(model(x), y) for x, y in data[step * GAS:(step + 1) * GAS]]).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [[p.detach().tolist() for p in m.parameters()] for m in mods]
+
+
+def _train(rank: int, world: int) -> dict:
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    module = PipelineModule(_specs(), num_stages=3, loss_fn=_loss, seed_layers=True, base_seed=11,
+                            partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 1e9,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+    engine, *_ = dslaunch.initialize(model=module, config=cfg)
+    data = iter(_batches())
+    losses = [engine.train_batch(data).item() for _ in range(STEPS)]
+    return {"losses": losses, "params": [p.detach().tolist() for p in module.parameters()]}
+
+
+def test_three_stages_pass_tuples_of_mixed_tensors() -> None:
+    want_losses, want_params = _reference()
+    got = run_world(_train, 3, timeout=100)
+    for stage, r in enumerate(got):
+        assert r["losses"] == pytest.approx(want_losses, rel=0, abs=1e-6)
+        for a, b in zip(r["params"], want_params[stage], strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=2e-5)
