@@ -102,6 +102,13 @@ class Heartbeat:
                 self._stack_signal = None
         self._send()
         threading.Thread(target=self._run, name="dslaunch-heartbeat", daemon=True).start()
+        # A script that reports through dslaunch.heartbeat() but made its process group itself
+        # (no init_distributed) must still free it before Python finalizes, or gloo's threads abort
+        # the process (SIGABRT, exit 134 instead of its own code): see runtime/shutdown.py.
+        # Imported here: shutdown imports this module. Registered first, so it runs after _flush.
+        from dslaunch.runtime.shutdown import register_clean_exit
+
+        register_clean_exit()
         atexit.register(self._flush)  # a rank that dies of an exception still tells its last step
 
     def _flush(self) -> None:
