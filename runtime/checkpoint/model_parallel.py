@@ -88,7 +88,9 @@ def describe(shape: dict[str, int] | None) -> str:
     """``pipe=2, data=1, model=1`` (None: a plain checkpoint, data-parallel only)."""
     if shape is None:
         return "no model parallelism"
-    return ", ".join(f"{axis}={size}" for axis, size in shape.items())
+    order = ["pipe", "data", "model"]  # a manifest's JSON keys come back sorted
+    return ", ".join(f"{axis}={shape[axis]}" for axis in sorted(shape, key=lambda a: (a not in order,
+                                                                                       order.index(a) if a in order else 0, a)))
 
 
 def _layer_file(idx: int, place: Placement) -> str:
@@ -263,7 +265,8 @@ def _refusal(meta: dict, shape: dict | None, unique: bool, place: Placement | No
                 f"{describe(shape)}, or pass load_module_strict=False for the buffers only")
     saved_layers = meta["model_parallel"].get("layer_count") if shape is not None else None
     if place is not None and place.layers is not None and saved_layers and saved_layers != place.layer_count:
-        return f"the checkpoint's PipelineModule has {saved_layers} layers, this one {place.layer_count}"
+        return (f"the checkpoint's PipelineModule has {saved_layers} layers, this one {place.layer_count}: build it "
+                f"from the same {saved_layers} layers (any number of stages)")
     return ""
 
 
