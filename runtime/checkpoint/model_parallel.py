@@ -18,8 +18,8 @@ without ``data``), its files and ZeRO partition map. Loading reads its own part 
 part exists with the same parameters (any data-parallel size and ZeRO stage: resharded over the
 data axis as a plain checkpoint); otherwise, for a pipeline, each rank finds its parameters by
 name in the parts that hold them (``reshard.by_name``): a tag saved at one pipeline depth loads at
-another, and a plain (single-part) tag loads into a pipeline and back. Tensor slices
-(a model axis that is not a pipeline) share names, so they load only at the saving shape.
+another, and a plain (single-part) tag loads into a pipeline and back. The parts of other
+model-parallel models (tensor slices) may share names, so they load only at the saving shape.
 """
 
 from __future__ import annotations
@@ -244,8 +244,8 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
         except CheckpointError as exc:  # raised by by_name for a model that does not fit only
             why = str(exc)
     # Not an error yet: a tag of another model must not make the loader fall back to an older one.
-    out["incompatible"] = CheckpointError(f"{why} (saved at {describe(shape)}; this engine runs at "
-                                          f"{describe(here)})", source)
+    out["incompatible"] = CheckpointError(f"{why} (saved at {describe(shape)}; this engine: {describe(here)})",
+                                          source)
     out["fp32"] = {} if not unique else {k: v for p in parts.values()
                                          for k, v in fp32_params(_consolidated(store, tag, manifest, p)).items()}
     return out
@@ -261,8 +261,9 @@ def _refusal(meta: dict, shape: dict | None, unique: bool, place: Placement | No
     """Why this tag's optimizer state cannot be mapped by name onto this engine ("" when it can)."""
     slices = place is not None and place.layers is None and place.shape.get("model", 1) * place.shape.get("pipe", 1) > 1
     if not unique or slices:
-        return ("a model-parallel checkpoint of tensor slices loads only at its saving shape: run at "
-                f"{describe(shape)}, or pass load_module_strict=False for the buffers only")
+        return ("a model-parallel checkpoint of a model that is no PipelineModule loads only at its saving shape "
+                f"(its parts may share parameter names): run at {describe(shape)}, or pass load_module_strict=False "
+                "for the buffers only")
     saved_layers = meta["model_parallel"].get("layer_count") if shape is not None else None
     if place is not None and place.layers is not None and saved_layers and saved_layers != place.layer_count:
         return (f"the checkpoint's PipelineModule has {saved_layers} layers, this one {place.layer_count}: build it "
@@ -275,12 +276,12 @@ def consolidate_parts(store: CheckpointStore, tag: str, manifest: Manifest, sour
     """The fp32 masters (by name) and saved module entries of a whole model-parallel tag.
 
     Raises:
-        CheckpointError: a tag of tensor slices (their names collide: there is no one state dict).
+        CheckpointError: a tag of a model that is no PipelineModule (names may collide across parts).
     """
     parts, shape, unique = _saved_parts(manifest.meta)
     if not unique:
-        raise CheckpointError(f"a model-parallel checkpoint of tensor slices ({describe(shape)}) has no single "
-                              "state dict: its parts share parameter names", source)
+        raise CheckpointError(f"a model-parallel checkpoint of a model that is no PipelineModule ({describe(shape)}) "
+                              "has no single state dict: its parts may share parameter names", source)
     masters: dict[str, torch.Tensor] = {}
     for part in parts.values():  # a tied layer's copies are equal: the first part's is kept
         for name, value in fp32_params(_consolidated(store, tag, manifest, part)).items():

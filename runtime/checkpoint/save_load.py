@@ -170,8 +170,9 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
                    leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
                    save_latest=save_latest, keep_last=cfg.keep_last or 0,
                    library_version=dslaunch.__version__)
-    if cfg.async_save:
-        _save_async(ck, parts.optimizer, job, zero_file(rank))
+    if cfg.async_save:  # the ZeRO shard is the big file, copied on the writer thread
+        big = zero_file(rank) if place is None else (record["zero"] or {}).get("file", "")
+        _save_async(ck, parts.optimizer, job, big)
     else:
         write_tag(ck.comm, job)
     return True

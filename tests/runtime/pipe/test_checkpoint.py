@@ -22,7 +22,7 @@ HALF, MICRO_PER_STEP = 4, 4  # steps before and after the save; micro batches pe
 SEED, OTHER_SEED = helpers.BASE_SEED, 99
 
 
-def _engine(stages: int, world: int, zero: int, seed: int = SEED, blocks: int = 2):
+def _engine(stages: int, world: int, zero: int, seed: int = SEED, blocks: int = 2, async_save: bool = False):
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
@@ -32,7 +32,7 @@ def _engine(stages: int, world: int, zero: int, seed: int = SEED, blocks: int = 
     gas = MICRO_PER_STEP // (world // stages)  # the same global batch at every shape
     cfg = helpers.config(gas, 0.01, optimizer={"type": "AdamW", "params": {"lr": 0.01}},
                          scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 6}},
-                         zero_optimization={"stage": zero})
+                         zero_optimization={"stage": zero}, checkpoint={"async_save": async_save})
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
     return engine
 
@@ -61,16 +61,20 @@ def _state(engine) -> dict:
             "lr": engine.get_lr()}
 
 
-def _save_runs(rank: int, world: int, root: str, shapes: list[tuple[int, int]]) -> dict:
+def _save_runs(rank: int, world: int, root: str, shapes: list[tuple[int, int]], async_save: bool = False) -> dict:
     """The uninterrupted run of the first shape, then each shape's first half, saved."""
     stages, zero = shapes[0]
     engine = _engine(stages, world, zero)
     out = {"straight": _train(engine, 0, 2 * HALF), "saved": {}}
     for stages, zero in shapes:
-        engine = _engine(stages, world, zero)
+        engine = _engine(stages, world, zero, async_save=async_save)
         _train(engine, 0, HALF)
+        state = _state(engine)
         engine.save_checkpoint(f"{root}/p{stages}z{zero}")
-        out["saved"][f"p{stages}z{zero}"] = _state(engine)
+        if async_save:
+            _train(engine, HALF, 2)  # the state changes while the writer thread saves the snapshot
+            engine.wait_for_checkpoint()
+        out["saved"][f"p{stages}z{zero}"] = state
     return out
 
 
@@ -143,8 +147,8 @@ def test_resume_at_pipe2_is_bitwise(world2: dict) -> None:
     assert {p.name for p in _tag(world2["root"], "p2z0").iterdir()} == _expected_files(2, 0)
 
 
-def test_resume_at_pipe2_with_2_replicas_at_zero1_is_bitwise(tmp_path: Path) -> None:
-    saved = run_world(_save_runs, 4, str(tmp_path), [(2, 1)], timeout=150)
+def test_resume_at_pipe2_with_2_replicas_at_zero1_is_bitwise_async_save_too(tmp_path: Path) -> None:
+    saved = run_world(_save_runs, 4, str(tmp_path), [(2, 1)], True, timeout=150)
     resumed = run_world(_resume_all, 4, str(tmp_path), [(2, 1, "p2z1", 2)], timeout=150)
     _assert_resumed_bitwise(saved, resumed, (2, 1, "p2z1", 2))
     assert {p.name for p in _tag(tmp_path, "p2z1").iterdir()} == _expected_files(4, 1)
@@ -214,8 +218,7 @@ def test_refusals_are_one_line_naming_the_file_and_what_fits(world2: dict, capsy
     got, root = world2["resumed"][0], world2["root"]
     other = got[(2, 0, "p2z0", 3)]
     assert other == (f"{_tag(root, 'p2z0')}: the checkpoint's PipelineModule has 8 layers, this one 10: build it from "
-                     "the same 8 layers (any number of stages) (saved at pipe=2, data=1; this engine runs at pipe=2, "
-                     "data=1)")
+                     "the same 8 layers (any number of stages) (saved at pipe=2, data=1; this engine: pipe=2, data=1)")
     missing, truncated = got[(2, 0, "nolayer", 2)], got[(2, 0, "truncated", 2)]
     assert missing.endswith(f"{_tag(root, 'nolayer') / 'layer_02-model_states.dsl'}: file is missing")
     assert f"{_tag(root, 'truncated') / 'zero_pipe_01-data_00.dsl'}: file is truncated" in truncated
