@@ -12,6 +12,9 @@ machinery in ``checkpointer``). A tag holds::
     rank_NNNNN.dsl        the training part (as "engine"), RNG states (python, numpy, torch), client_state
     manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32C checksums, version
 
+An engine with model parallelism (a pipeline, an mpu) names its files by topology coordinates
+instead (``model_parallel``), one file per layer of a ``PipelineModule``.
+
 Loading at the saving layout reads each rank's own files; at another world size or stage each
 rank reads the saved shards its new range overlaps and ``reshard.assemble`` cuts them
 to that range. The model-dtype weights of trained params are restored as the cast of their fp32

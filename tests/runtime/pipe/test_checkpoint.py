@@ -78,12 +78,32 @@ def _save_runs(rank: int, world: int, root: str, shapes: list[tuple[int, int]], 
     return out
 
 
+def _plain_and_back(world: int, root: str, saved: str) -> dict:
+    """A data-parallel engine of the same layers (``nn.Sequential``) loads a pipeline tag and saves
+    it; a 2-stage pipeline loads that plain tag."""
+    import dslaunch
+
+    torch.manual_seed(OTHER_SEED)
+    model = torch.nn.Sequential(*(spec.build() for spec in helpers.layers()))
+    cfg = helpers.config(MICRO_PER_STEP // world, 0.01, optimizer={"type": "AdamW", "params": {"lr": 0.01}},
+                         scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 6}})
+    plain, *_ = dslaunch.initialize(model=model, config=cfg)
+    plain.load_checkpoint(f"{root}/{saved}")
+    plain.save_checkpoint(f"{root}/plain")
+    engine = _engine(2, world, 0, seed=OTHER_SEED)
+    engine.load_checkpoint(f"{root}/plain")
+    return {"plain": _state(plain), "pipe": _state(engine)}
+
+
 def _resume_all(rank: int, world: int, root: str, jobs: list[tuple[int, int, str, int]]) -> dict:
     """Each job: a fresh engine at (stages, zero, layers' middle blocks) loads a tag and trains on,
-    or reports the one line it was refused with."""
+    or reports the one line it was refused with; 0 stages: ``_plain_and_back``."""
     out = {}
     for job in jobs:
         stages, zero, saved, blocks = job
+        if stages == 0:
+            out[job] = _plain_and_back(world, root, saved)
+            continue
         engine = _engine(stages, world, zero, seed=OTHER_SEED, blocks=blocks)  # other weights: the load replaces them
         try:
             path, _ = engine.load_checkpoint(f"{root}/{saved}")
@@ -116,7 +136,7 @@ def world2(tmp_path_factory) -> dict:
     saved = run_world(_save_runs, 2, str(root), [(2, 0), (1, 1)], timeout=150)
     _broken_copies(root)
     jobs = [(2, 0, "p2z0", 2), (1, 1, "p2z0", 2), (2, 0, "p1z1", 2), (2, 0, "p2z0", 3), (2, 0, "nolayer", 2),
-            (2, 0, "truncated", 2)]
+            (2, 0, "truncated", 2), (0, 0, "p2z0", 2)]
     resumed = run_world(_resume_all, 2, str(root), jobs, timeout=150)
     return {"root": root, "saved": saved, "resumed": resumed}
 
@@ -191,6 +211,17 @@ def test_a_tag_loads_at_another_pipeline_depth_and_data_width(world2: dict, job:
     straight = world2["saved"][0]["straight"][HALF:]
     for r in world2["resumed"]:
         assert r[job]["losses"] == pytest.approx(straight, rel=0, abs=1e-5)
+
+
+def test_a_pipeline_tag_loads_into_a_plain_engine_of_the_same_layers_and_back(world2: dict) -> None:
+    saved = _by_param([s["saved"]["p2z0"] for s in world2["saved"]])
+    got = [r[(0, 0, "p2z0", 2)] for r in world2["resumed"]]
+    for side in ("plain", "pipe"):
+        loaded = _by_param([g[side] for g in got])
+        assert set(loaded) == set(saved)
+        for name, state in loaded.items():
+            assert state.keys() == {"master", "exp_avg", "exp_avg_sq"}
+            assert all(np.array_equal(state[k], saved[name][k]) for k in state), (side, name)
 
 
 def _holder(states: list[dict], key: str) -> int:
