@@ -22,17 +22,19 @@ HALF, MICRO_PER_STEP = 4, 4  # steps before and after the save; micro batches pe
 SEED, OTHER_SEED = helpers.BASE_SEED, 99
 
 
-def _engine(stages: int, world: int, zero: int, seed: int = SEED, blocks: int = 2, async_save: bool = False):
+def _engine(stages: int, world: int, zero: int, seed: int = SEED, blocks: int = 2, async_save: bool = False,
+            virtual: int = 1):
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
     dslaunch.init_distributed(verbose=False)
     module = PipelineModule(helpers.layers(blocks), num_stages=stages, loss_fn=helpers.loss_fn, seed_layers=True,
-                            base_seed=seed)
+                            base_seed=seed, virtual_stages=virtual)
     gas = MICRO_PER_STEP // (world // stages)  # the same global batch at every shape
     cfg = helpers.config(gas, 0.01, optimizer={"type": "AdamW", "params": {"lr": 0.01}},
                          scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 6}},
-                         zero_optimization={"stage": zero}, checkpoint={"async_save": async_save})
+                         zero_optimization={"stage": zero}, checkpoint={"async_save": async_save},
+                         pipeline={"schedule": "interleaved" if virtual > 1 else "1f1b"})
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
     return engine
 
@@ -100,11 +102,12 @@ def _resume_all(rank: int, world: int, root: str, jobs: list[tuple[int, int, str
     or reports the one line it was refused with; 0 stages: ``_plain_and_back``."""
     out = {}
     for job in jobs:
-        stages, zero, saved, blocks = job
+        stages, zero, saved, blocks, *virtual = job  # and the virtual stages, where given
         if stages == 0:
             out[job] = _plain_and_back(world, root, saved)
             continue
-        engine = _engine(stages, world, zero, seed=OTHER_SEED, blocks=blocks)  # other weights: the load replaces them
+        # other weights: the load replaces them
+        engine = _engine(stages, world, zero, seed=OTHER_SEED, blocks=blocks, virtual=virtual[0] if virtual else 1)
         try:
             path, _ = engine.load_checkpoint(f"{root}/{saved}")
         except CheckpointError as err:
@@ -136,7 +139,7 @@ def world2(tmp_path_factory) -> dict:
     saved = run_world(_save_runs, 2, str(root), [(2, 0), (1, 1)], timeout=150)
     _broken_copies(root)
     jobs = [(2, 0, "p2z0", 2), (1, 1, "p2z0", 2), (2, 0, "p1z1", 2), (2, 0, "p2z0", 3), (2, 0, "nolayer", 2),
-            (2, 0, "truncated", 2), (0, 0, "p2z0", 2)]
+            (2, 0, "truncated", 2), (0, 0, "p2z0", 2), (2, 1, "p2z0", 2, 2)]
     resumed = run_world(_resume_all, 2, str(root), jobs, timeout=150)
     return {"root": root, "saved": saved, "resumed": resumed}
 
@@ -194,7 +197,8 @@ def _by_param(states: list[dict]) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
-@pytest.mark.parametrize("job", [(1, 1, "p2z0", 2), (2, 0, "p1z1", 2)], ids=["pipe2-to-pipe1x2dp", "pipe1x2dp-to-pipe2"])
+@pytest.mark.parametrize("job", [(1, 1, "p2z0", 2), (2, 0, "p1z1", 2), (2, 1, "p2z0", 2, 2)],
+                         ids=["pipe2-to-pipe1x2dp", "pipe1x2dp-to-pipe2", "pipe2-to-2-virtual-stages-each"])
 def test_a_tag_loads_at_another_pipeline_depth_and_data_width(world2: dict, job: tuple) -> None:
     """Weights and Adam's moments move bit for bit; training goes on as the uninterrupted run."""
     saved = [s["saved"][job[2]] for s in world2["saved"]]
