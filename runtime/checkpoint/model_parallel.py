@@ -11,6 +11,8 @@ engine with a pipeline (any ``PipelineModule``) or another model-parallel axis h
                                         their module keys (``layer_XX-model_MM-...`` with a model
                                         axis), from each part's data-parallel index 0
     module_pipe_PP-model_MM.dsl         the same for a model-parallel engine that is no PipelineModule
+                                        (for a PipelineModule: the keys of no layer, e.g. a loss
+                                        module's buffers; absent when there are none)
     rank_NNNNN.dsl                      as in every tag (counters, RNG, client_state)
 
 The manifest's ``model_parallel`` entry gives the topology and, per part (the coordinates
@@ -37,6 +39,7 @@ from dslaunch.runtime.checkpoint.reshard import (
     check_compatible,
     fp32_params,
     needed_ranks,
+    partition_map,
     partition_problem,
 )
 from dslaunch.runtime.checkpoint.store import CheckpointStore, Manifest
@@ -76,8 +79,9 @@ def placement(grid: Any, module: torch.nn.Module) -> Placement:
     else:  # a Megatron-style mpu: a model axis and a data axis
         shape = {"model": grid.get_model_parallel_world_size(), "data": grid.get_data_parallel_world_size()}
         coord = {"model": grid.get_model_parallel_rank(), "data": grid.get_data_parallel_rank()}
-    layers = module.checkpoint_layers() if hasattr(module, "checkpoint_layers") else None
-    return Placement(dict(shape), dict(coord), layers, len(getattr(module, "_layer_specs", ())))
+    if hasattr(module, "checkpoint_layers"):  # a PipelineModule
+        return Placement(dict(shape), dict(coord), module.checkpoint_layers(), module.num_layers)
+    return Placement(dict(shape), dict(coord), None)
 
 
 def coord_name(coord: dict[str, int]) -> str:
@@ -115,11 +119,12 @@ def part_record(place: Placement, zero_sd: dict, layout: dict, module_sd: dict, 
         record["zero"] = {"file": name, "layout": layout}
     if place.data == 0:
         kept = {k: v for k, v in module_sd.items() if k not in in_groups}
-        if place.layers is None:
-            groups = {f"module_{place.part}.dsl": list(module_sd)}
-        else:
-            groups = {_layer_file(i, place): [k for k in module_sd if k.startswith(p)]
-                      for i, p in place.layers.items()}
+        groups = {} if place.layers is None else {_layer_file(i, place): [k for k in module_sd if k.startswith(p)]
+                                                  for i, p in place.layers.items()}
+        in_layers = {k for keys in groups.values() for k in keys}
+        rest = [k for k in module_sd if k not in in_layers]  # another model's, or e.g. a loss module's buffers
+        if rest or place.layers is None:
+            groups[f"module_{place.part}.dsl"] = rest
         for name, keys in groups.items():
             files[name] = {"module": type(module_sd)((k, kept[k]) for k in keys if k in kept)}
             record["module_files"][name] = keys
@@ -142,8 +147,6 @@ def tag_meta(place: Placement, records: list[dict]) -> dict:
             part["zero_files"][str(rec["data"])] = rec["zero"]["file"]
             part["layouts"].append(rec["zero"]["layout"])
         part["module_files"].update(rec["module_files"])
-    from dslaunch.runtime.checkpoint.reshard import partition_map
-
     for part in parts.values():
         part["partition"] = partition_map(part.pop("layouts"))
     return {"shape": place.shape, "pipeline": place.layers is not None, "layer_count": place.layer_count,
@@ -164,7 +167,7 @@ def check_parts_meta(meta: dict) -> str | None:
         return "meta 'model_parallel' is malformed"
     for name, part in mp["parts"].items():
         if not (isinstance(part, dict) and isinstance(part.get("zero_files"), dict) and part["zero_files"]
-                and isinstance(part.get("module_files"), dict)):
+                and isinstance(part.get("module_files"), dict) and isinstance(part.get("coord"), dict)):
             return f"meta 'model_parallel' part {name!r} is malformed"
         problem = partition_problem(part.get("partition"))
         if problem:
@@ -180,7 +183,9 @@ def _saved_parts(meta: dict) -> tuple[dict[str, dict], dict[str, int] | None, bo
     """
     if "model_parallel" in meta:
         mp = meta["model_parallel"]
-        return mp["parts"], mp["shape"], bool(mp["pipeline"])
+        # lowest stage first: a tied layer's copy is taken from there
+        order = sorted(mp["parts"].items(), key=lambda kv: (kv[1]["coord"].get("pipe", 0), kv[1]["coord"].get("model", 0)))
+        return dict(order), mp["shape"], bool(mp["pipeline"])
     pmap = meta["partition"]
     ranks = sorted({int(r) for g in pmap["groups"] for r in g["ranges"]}) or [0]
     whole = {"zero_files": {str(r): zero_file(r) for r in ranks}, "partition": pmap,
@@ -283,7 +288,7 @@ def consolidate_parts(store: CheckpointStore, tag: str, manifest: Manifest, sour
         raise CheckpointError(f"a model-parallel checkpoint of a model that is no PipelineModule ({describe(shape)}) "
                               "has no single state dict: its parts may share parameter names", source)
     masters: dict[str, torch.Tensor] = {}
-    for part in parts.values():  # a tied layer's copies are equal: the first part's is kept
+    for part in parts.values():  # a tied layer's copies: the lowest stage's (parts are in that order)
         for name, value in fp32_params(_consolidated(store, tag, manifest, part)).items():
             masters.setdefault(name, value)
     return masters, _read_module(store, tag, manifest, parts, None)

@@ -330,6 +330,11 @@ class PipelineModule(torch.nn.Module):
         part = next(p for p in range(len(self.parts) - 1) if self.parts[p] <= layer_idx < self.parts[p + 1])
         return part % self.num_stages
 
+    @property
+    def num_layers(self) -> int:
+        """Layers of the whole model (all stages)."""
+        return len(self._layer_specs)
+
     def checkpoint_layers(self) -> dict[int, str]:
         """This rank's module layers: global layer index -> the prefix of its keys in
         ``state_dict()`` (``"3."``; ``"tied_modules.<key>."`` for a tied layer). Checkpoints keep one

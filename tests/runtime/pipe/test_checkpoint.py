@@ -22,14 +22,30 @@ HALF, MICRO_PER_STEP = 4, 4  # steps before and after the save; micro batches pe
 SEED, OTHER_SEED = helpers.BASE_SEED, 99
 
 
+def _out_proj(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, module.weight).sum(1, keepdim=True)
+
+
+def _layers(blocks: int) -> list:
+    """``helpers.layers(blocks)``; 0: the first layer's module used again, through its weight, as the
+    last (a tied layer on both stages)."""
+    from dslaunch.pipe import LayerSpec, TiedLayerSpec
+
+    if blocks:
+        return helpers.layers(blocks)
+    w, lin = helpers.WIDTH, torch.nn.Linear
+    return [TiedLayerSpec("proj", lin, w, w), LayerSpec(torch.nn.Tanh), LayerSpec(lin, w, w), LayerSpec(torch.nn.Tanh),
+            TiedLayerSpec("proj", lin, w, w, forward_fn=_out_proj)]
+
+
 def _engine(stages: int, world: int, zero: int, seed: int = SEED, blocks: int = 2, async_save: bool = False,
             virtual: int = 1):
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
     dslaunch.init_distributed(verbose=False)
-    module = PipelineModule(helpers.layers(blocks), num_stages=stages, loss_fn=helpers.loss_fn, seed_layers=True,
-                            base_seed=seed, virtual_stages=virtual)
+    module = PipelineModule(_layers(blocks), num_stages=stages, loss_fn=helpers.loss_fn, seed_layers=True,
+                            base_seed=seed, virtual_stages=virtual, partition_method="parameters" if blocks else "uniform")
     gas = MICRO_PER_STEP // (world // stages)  # the same global batch at every shape
     cfg = helpers.config(gas, 0.01, optimizer={"type": "AdamW", "params": {"lr": 0.01}},
                          scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 6}},
@@ -63,20 +79,22 @@ def _state(engine) -> dict:
             "lr": engine.get_lr()}
 
 
-def _save_runs(rank: int, world: int, root: str, shapes: list[tuple[int, int]], async_save: bool = False) -> dict:
-    """The uninterrupted run of the first shape, then each shape's first half, saved."""
+def _save_runs(rank: int, world: int, root: str, shapes: list[tuple[int, ...]], async_save: bool = False) -> dict:
+    """The uninterrupted run of the first shape, then each shape's first half, saved under
+    ``p<stages>z<zero>`` (``b<blocks>`` after it for other layers)."""
     stages, zero = shapes[0]
     engine = _engine(stages, world, zero)
     out = {"straight": _train(engine, 0, 2 * HALF), "saved": {}}
-    for stages, zero in shapes:
-        engine = _engine(stages, world, zero, async_save=async_save)
+    for stages, zero, *blocks in shapes:
+        engine = _engine(stages, world, zero, async_save=async_save, blocks=blocks[0] if blocks else 2)
         _train(engine, 0, HALF)
         state = _state(engine)
-        engine.save_checkpoint(f"{root}/p{stages}z{zero}")
+        name = f"p{stages}z{zero}" + (f"b{blocks[0]}" if blocks else "")
+        engine.save_checkpoint(f"{root}/{name}")
         if async_save:
             _train(engine, HALF, 2)  # the state changes while the writer thread saves the snapshot
             engine.wait_for_checkpoint()
-        out["saved"][f"p{stages}z{zero}"] = state
+        out["saved"][name] = state
     return out
 
 
@@ -136,10 +154,10 @@ def world2(tmp_path_factory) -> dict:
     """Saved at pipe=2 (ZeRO-0) and pipe=1 x 2 replicas (ZeRO-1); loaded (after a restart) at the
     same shape, the other shape, by a model with other layers, and from broken copies."""
     root = tmp_path_factory.mktemp("pipe_ckpt")
-    saved = run_world(_save_runs, 2, str(root), [(2, 0), (1, 1)], timeout=150)
+    saved = run_world(_save_runs, 2, str(root), [(2, 0), (1, 1), (2, 1, 0)], timeout=150)
     _broken_copies(root)
     jobs = [(2, 0, "p2z0", 2), (1, 1, "p2z0", 2), (2, 0, "p1z1", 2), (2, 0, "p2z0", 3), (2, 0, "nolayer", 2),
-            (2, 0, "truncated", 2), (0, 0, "p2z0", 2), (2, 1, "p2z0", 2, 2)]
+            (2, 0, "truncated", 2), (0, 0, "p2z0", 2), (2, 1, "p2z0", 2, 2), (1, 1, "p2z1b0", 0)]
     resumed = run_world(_resume_all, 2, str(root), jobs, timeout=150)
     return {"root": root, "saved": saved, "resumed": resumed}
 
@@ -192,7 +210,7 @@ def _by_param(states: list[dict]) -> dict[str, dict[str, np.ndarray]]:
         offset = 0
         for name, shape in zip(names, shapes, strict=True):
             n = int(np.prod(shape))
-            out.setdefault(name, {})[key] = flat[offset:offset + n]
+            out.setdefault(name, {}).setdefault(key, flat[offset:offset + n])  # a tied copy: the lowest stage's
             offset += n
     return out
 
@@ -226,6 +244,20 @@ def test_a_pipeline_tag_loads_into_a_plain_engine_of_the_same_layers_and_back(wo
         for name, state in loaded.items():
             assert state.keys() == {"master", "exp_avg", "exp_avg_sq"}
             assert all(np.array_equal(state[k], saved[name][k]) for k in state), (side, name)
+
+
+def test_tied_layers_held_by_both_stages_load_at_one_stage(world2: dict) -> None:
+    saved = [s["saved"]["p2z1b0"] for s in world2["saved"]]
+    tied = [s["module"]["tied_modules.proj.weight"] for s in saved]
+    assert np.array_equal(tied[0], tied[1])  # each stage saved its copy; the tied weight's are equal
+    # (the bias is tied by module only: its gradient is not summed, so the lowest stage's is loaded)
+    before = _by_param(saved)
+    loaded = [r[(1, 1, "p2z1b0", 0)] for r in world2["resumed"]]
+    after = _by_param([r["loaded"] for r in loaded])
+    assert set(after) == set(before) == {"tied_modules.proj.weight", "tied_modules.proj.bias", "2.weight", "2.bias"}
+    for name, state in after.items():
+        assert all(np.array_equal(state[k], before[name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
+    assert all(np.isfinite(r["losses"]).all() for r in loaded)
 
 
 def _holder(states: list[dict], key: str) -> int:
