@@ -293,3 +293,18 @@ def test_refusals_are_one_line_naming_the_file_and_what_fits(world2: dict, capsy
         code = cli(["zero-to-fp32", str(root / name), str(root / "out.pt")])
         err = capsys.readouterr().err
         assert code == 1 and err.count("\n") == 1 and victim in err, err
+
+
+def test_a_malformed_topology_record_is_one_line(world2: dict, tmp_path: Path) -> None:
+    from dslaunch.runtime.checkpoint.export import get_fp32_state_dict_from_zero_checkpoint
+    from dslaunch.runtime.checkpoint.store import MANIFEST, Manifest
+
+    tag = tmp_path / "p2z0" / f"global_step{HALF}"
+    shutil.copytree(_tag(world2["root"], "p2z0"), tag)
+    manifest = Manifest.from_json((tag / MANIFEST).read_text(), tag / MANIFEST)
+    manifest.meta["model_parallel"]["parts"]["pipe_01"]["partition"] = {"stage": 0, "groups": [{"names": 3}]}
+    (tag / MANIFEST).write_text(manifest.to_json())
+    with pytest.raises(CheckpointError) as err:
+        get_fp32_state_dict_from_zero_checkpoint(tag)
+    assert str(err.value) == (f"{tag / MANIFEST}: not an engine checkpoint this dslaunch version reads: meta "
+                              "'model_parallel' part 'pipe_01': partition group 0 is malformed")
