@@ -172,6 +172,9 @@ def check_parts_meta(meta: dict) -> str | None:
         problem = partition_problem(part.get("partition"))
         if problem:
             return f"meta 'model_parallel' part {name!r}: partition {problem}"
+        unnamed = {r for g in part["partition"]["groups"] for r in g["ranges"]} - set(part["zero_files"])
+        if unnamed:
+            return f"meta 'model_parallel' part {name!r} names no file for the shards of ranks {sorted(unnamed)[:3]}"
     return None
 
 
@@ -218,10 +221,10 @@ def _read_module(store: CheckpointStore, tag: str, manifest: Manifest, parts: di
 
 
 def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: dict,
-               place: Placement | None, module_keys: set[str], source: str) -> dict:
+               place: Placement | None, live_keys: set[str], source: str) -> dict:
     """What this rank loads from a model-parallel tag, or a plain tag into a model-parallel engine.
 
-    Returns ``_read_plan``'s dict: ``module`` (the saved entries of this rank's ``module_keys``),
+    Returns ``_read_plan``'s dict: ``module`` (the saved entries of this rank's ``live_keys``),
     and ``zero`` (this rank's strategy state), or ``incompatible`` (the error) and ``fp32``
     (the saved masters found by name) when the optimizer state cannot be mapped onto this engine.
     Raises CheckpointError for a missing, truncated or corrupt file.
@@ -231,7 +234,7 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
     here = place.shape if place is not None else None
     mine = parts.get(place.part) if place is not None and shape is not None else None
     targets = [(int(g["start"]), int(g["end"])) for g in current["groups"]]
-    out: dict[str, Any] = {"module": _read_module(store, tag, manifest, parts, module_keys), "incompatible": None}
+    out: dict[str, Any] = {"module": _read_module(store, tag, manifest, parts, live_keys), "incompatible": None}
     if mine is not None:
         try:
             check_compatible(mine["partition"], current, source)
@@ -251,8 +254,7 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
     # Not an error yet: a tag of another model must not make the loader fall back to an older one.
     out["incompatible"] = CheckpointError(f"{why} (saved at {describe(shape)}; this engine: {describe(here)})",
                                           source)
-    out["fp32"] = {} if not unique else {k: v for p in parts.values()
-                                         for k, v in fp32_params(_consolidated(store, tag, manifest, p)).items()}
+    out["fp32"] = _masters(store, tag, manifest, parts) if unique else {}
     return out
 
 
@@ -287,8 +289,13 @@ def consolidate_parts(store: CheckpointStore, tag: str, manifest: Manifest, sour
     if not unique:
         raise CheckpointError(f"a model-parallel checkpoint of a model that is no PipelineModule ({describe(shape)}) "
                               "has no single state dict: its parts may share parameter names", source)
+    return _masters(store, tag, manifest, parts), _read_module(store, tag, manifest, parts, None)
+
+
+def _masters(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Every part's fp32 masters by name; a tied layer's from the lowest stage (parts are in that order)."""
     masters: dict[str, torch.Tensor] = {}
-    for part in parts.values():  # a tied layer's copies: the lowest stage's (parts are in that order)
+    for part in parts.values():
         for name, value in fp32_params(_consolidated(store, tag, manifest, part)).items():
             masters.setdefault(name, value)
-    return masters, _read_module(store, tag, manifest, parts, None)
+    return masters
