@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import CheckpointError, UsageError
+from dslaunch.errors import UsageError
 from dslaunch.monitor.monitor import MonitorMaster
 from dslaunch.runtime import preempt
 from dslaunch.runtime.activation_checkpointing import checkpointing
@@ -331,18 +331,17 @@ class DeepSpeedEngine(torch.nn.Module):
         collective on the first call (it builds the engine's checkpoint group): all ranks.
         """
         from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
+        from dslaunch.runtime.checkpoint.model_parallel import placement
         from dslaunch.runtime.checkpoint.parts import CheckpointParts, StateFns
 
-        if self.mp_world_size > 1:
-            raise CheckpointError(f"checkpoints of a model-parallel engine (model-parallel size {self.mp_world_size} "
-                                  "from mpu=) are not implemented yet: every rank of a replica holds different "
-                                  "weights; save with torch.save per rank meanwhile")
         if self._checkpointer is None:
             self._checkpointer = Checkpointer()
+        # every rank of a replica holds another part: files named by topology coordinates
+        place = placement(self.grid, self.module) if self.mpu is not None else None
         return CheckpointParts(module=self.module, zero=self.zero,
                                training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
                                optimizer=self.optimizer, global_steps=self.global_steps,
-                               config=self._config.checkpoint, io=self._checkpointer)
+                               config=self._config.checkpoint, io=self._checkpointer, placement=place)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a pending asynchronous save is durable; raise its error if it failed."""
