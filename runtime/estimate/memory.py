@@ -351,24 +351,26 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup | Mapping[str, Any],
 
     # Reduce buckets (stages 2/3 stage every gradient through them).
     if s.stage >= 2:
-        bucket = min(s.reduce_bucket_size, params)
-        bucket = max(bucket, shape.largest_layer // (s.pipeline * s.tensor))
-        count = MAX_INFLIGHT_BUFFERS + 1 if s.overlap_comm else 1
+        # A bucket holds whole parameters: a larger one gets a bucket of its own.
+        largest_param = max(shape.param_sizes, default=shape.largest_layer) // s.tensor
+        bucket = max(min(s.reduce_bucket_size, params), largest_param)
+        count = min(MAX_INFLIGHT_BUFFERS + 1 if s.overlap_comm else 1, math.ceil(params / bucket))
         device += Parts(comm_buffers=bucket * m * count)
 
     # Stage 3: whole parameters while modules run.
     if s.stage == 3:
         persistent = shape.small_params(s.param_persistence_threshold) // (s.pipeline * s.tensor)
-        live = min(params, max(s.max_live_parameters, shape.largest_layer // s.tensor))
+        live = min(params - persistent, max(s.max_live_parameters, shape.largest_layer // s.tensor))
         device += Parts(gathered=(persistent + live) * m)
 
     device += Parts(buffers=shape.buffer_bytes // (s.pipeline * s.tensor))
     acts = _activations(shape, s)
     if acts is not None:
         device += Parts(activations=acts)
-    host_init = 0
-    if s.stage < 3 or not s.zero_init:  # each local rank builds the whole model (fp32) first
-        host_init = shape.params * 4 * s.gpus_per_node
+    # Each local rank builds the model in fp32 host memory first: whole, or under zero.Init one
+    # module at a time.
+    built = shape.largest_layer if s.stage == 3 and s.zero_init else shape.params
+    host_init = built * 4 * s.gpus_per_node
     k = s.gpus_per_node
     return MemoryEstimate(setup=s, device=device, host=host.scaled(k), nvme=disk.scaled(k),
                           activations_known=acts is not None, host_init=host_init)
