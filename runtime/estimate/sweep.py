@@ -3,9 +3,9 @@ of ``dslaunch estimate``.
 
 Each row is one setup estimated twice, without and with activation checkpointing. With a device
 memory given, rows that fit without checkpointing come first, then those that fit only with it,
-then the rest; within a group the likely fastest first (less offloading, then a lower stage: each
-step up adds communication), and smaller devices peaks first. Without one, rows are sorted by the
-device peak.
+then the rest; within the first two groups the likely fastest first (less offloading, then a lower
+stage: each step up adds communication), the rest by device peak, closest to fitting first.
+Without a device memory, rows are sorted by the device peak.
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def sort_rows(rows: Iterable[Row], device_memory: int | None = None, host_memory
     def key(r: Row) -> tuple:
         s = r.setup
         peak = r.plain.device_bytes if r.fit(device_memory, host_memory) != "ckpt" else r.checkpointed.device_bytes
-        if device_memory is None:
-            return (peak,)
-        return (group[r.fit(device_memory, host_memory)],
-                _OFFLOAD_COST[s.offload_optimizer] + _OFFLOAD_COST[s.offload_param], s.stage, peak)
+        fit = r.fit(device_memory, host_memory)
+        if device_memory is None or fit == "no":
+            return (group[fit], 0, 0, peak)
+        return (group[fit], _OFFLOAD_COST[s.offload_optimizer] + _OFFLOAD_COST[s.offload_param], s.stage, peak)
     return sorted(rows, key=key)
 
 
