@@ -81,6 +81,8 @@ class TrainingSetup:
             offloaded fp32 master is still the weights, and nothing is staged).
         sub_group_size: elements per offloaded-step bucket (pinned staging on a GPU host).
         nvme_buffer_count, nvme_buffer_size: ``offload_optimizer``'s NVMe ring in host memory.
+        param_buffer_count, param_buffer_size: ``offload_param``'s NVMe staging pool (16-bit
+            shards, or a GPU): at most that many buffers, never more than the file's chunks.
     """
 
     stage: int = 0
@@ -106,6 +108,8 @@ class TrainingSetup:
     sub_group_size: int = 1_000_000_000
     nvme_buffer_count: int = 4
     nvme_buffer_size: int = 100_000_000
+    param_buffer_count: int = 4
+    param_buffer_size: int = 100_000_000
 
     def __post_init__(self) -> None:
         checks = [
@@ -167,6 +171,7 @@ class TrainingSetup:
             "max_live_parameters": _stage3(zero, "max_live_parameters"),
             "max_in_cpu": par.get("max_in_cpu"), "sub_group_size": zero.get("sub_group_size"),
             "nvme_buffer_count": opt.get("buffer_count"), "nvme_buffer_size": opt.get("buffer_size"),
+            "param_buffer_count": par.get("buffer_count"), "param_buffer_size": par.get("buffer_size"),
         }
         kinds = {f.name: f.type for f in fields(cls)}
         values = {}
@@ -314,6 +319,10 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup | Mapping[str, Any],
         in_cpu = min(s.max_in_cpu, math.ceil(params / dp)) * m
         host += Parts(weights=in_cpu)
         disk += Parts(weights=weights - in_cpu)
+        on_disk = (weights - in_cpu) // m
+        if on_disk and (sixteen or s.accelerator == "cuda"):  # transfers that are no plain file read
+            buffer = min(s.param_buffer_size, on_disk)
+            host += Parts(comm_buffers=min(s.param_buffer_count, math.ceil(on_disk / buffer)) * buffer * m)
     else:
         device += Parts(weights=weights)
 
@@ -340,8 +349,7 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup | Mapping[str, Any],
             host += Parts(gradients=shard * 4)
         if s.offload_optimizer == "nvme":
             disk += Parts(optimizer_state=state)
-            ring = min(s.nvme_buffer_size, shard)
-            host += Parts(comm_buffers=s.nvme_buffer_count * ring * 4)
+            host += Parts(comm_buffers=_nvme_ring(s, shard))
         else:
             host += Parts(optimizer_state=state)
         if s.accelerator == "cuda" and s.offload_optimizer != "none":
@@ -374,6 +382,15 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup | Mapping[str, Any],
     k = s.gpus_per_node
     return MemoryEstimate(setup=s, device=device, host=host.scaled(k), nvme=disk.scaled(k),
                           activations_known=acts is not None, host_init=host_init)
+
+
+def _nvme_ring(s: TrainingSetup, shard: int) -> int:
+    """Bytes of ``offload_optimizer: nvme``'s ring in host memory: slots of one bucket of every
+    state tensor, ``buffer_count // tensors`` of them, never more than the buckets of a pass."""
+    tensors = max(1, OPTIMIZER_STATE_BYTES[s.optimizer] // 4)
+    bucket = max(1, min(s.sub_group_size, s.nvme_buffer_size, shard))
+    slots = max(1, min(s.nvme_buffer_count // tensors, math.ceil(shard / bucket)))
+    return slots * tensors * bucket * 4
 
 
 def _activations(shape: ModelShape, s: TrainingSetup) -> int | None:

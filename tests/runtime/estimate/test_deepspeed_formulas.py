@@ -126,3 +126,15 @@ def test_live_tables_at_deepspeeds_import_paths_match_deepspeed() -> None:
     out = subprocess.run([sys.executable, "-c", _LIVE_CALLS], capture_output=True, text=True, env=env, timeout=80)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout == LIVE
+
+
+def test_meta_parameters_are_counted_each() -> None:
+    """DeepSpeed counts by storage address, which is 0 for every meta tensor: it would see one."""
+    import torch
+
+    from dslaunch.runtime.estimate.deepspeed_formulas import count_params
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 20))
+    assert {p.data_ptr() for p in model.parameters()} == {0}
+    assert count_params(model.parameters()) == 110 + 220

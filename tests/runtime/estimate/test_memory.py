@@ -1,6 +1,6 @@
 """The estimator against the engine: on 5 configurations (ZeRO 0-3, CPU offload; fp32, bf16, fp16;
 2 gloo ranks) the estimate is within 10% of the peak bytes of the tensors the engine holds across a
-step (``tests/runtime/zero/held.py`` walks its object graph). Plus what the estimate must say
+step (``peak.py``; ``tests/runtime/zero/held.py`` walks its object graph). Plus what the estimate must say
 without an engine: where offloading moves bytes, ds_config reading, activations, invalid setups."""
 
 from __future__ import annotations
@@ -35,42 +35,16 @@ def _build():
     return torch.nn.Sequential(*[m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())])
 
 
-def engine_peak(model, config: dict, steps: int = 2) -> int:
-    """Peak bytes of the tensors an engine over ``model`` holds across ``steps`` steps: sampled
-    before each Linear's forward, at each weight gradient and after each step (collective)."""
-    import torch
-
-    import dslaunch
-    from tests.runtime.zero.held import held_bytes
-
-    engine, *_ = dslaunch.initialize(model=model, config=config)
-    samples: list[int] = []
-
-    def sample(*_: object) -> None:
-        samples.append(held_bytes(engine))
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_pre_hook(sample)
-            m.weight.register_hook(sample)
-    dtype = next(p.dtype for p in model.parameters())
-    batch = config["train_micro_batch_size_per_gpu"]
-    width = next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).in_features
-    for _ in range(steps):
-        engine.backward(engine(torch.randn(batch, width, dtype=dtype)).float().square().mean())
-        engine.step()
-        sample()
-    engine.destroy()
-    return max(samples)
-
-
 def _peaks(rank: int, world: int, configs: list[dict]) -> list[int]:
     import torch
+
+    from tests.runtime.estimate.peak import engine_peak
 
     out = []
     for cfg in configs:
         torch.manual_seed(0)
         out.append(engine_peak(_build(), {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-                                          "optimizer": ADAMW, **cfg}))
+                                          "optimizer": ADAMW, **cfg}, lambda dtype: torch.randn(BATCH, WIDTH, dtype=dtype)))
     return out
 
 
