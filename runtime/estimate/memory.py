@@ -145,7 +145,8 @@ class TrainingSetup:
         """The setup a ds_config dict describes; ``overrides`` (any field) win over it.
 
         Reads, does not validate: unknown keys are ignored and ``"auto"`` keeps the default (the
-        engine validates the config when it runs). Cluster fields (``gpus_per_node``, ``nodes``,
+        engine validates the config when it runs). Without ``train_micro_batch_size_per_gpu`` the
+        micro batch is ``train_batch_size / (gradient_accumulation_steps x data parallel)``. Cluster fields (``gpus_per_node``, ``nodes``,
         ``seq_len``, ``pipeline``) come from ``overrides``. ``activation_checkpointing`` is on when
         the config has a non-empty ``activation_checkpointing`` section.
 
@@ -173,6 +174,8 @@ class TrainingSetup:
             "nvme_buffer_count": opt.get("buffer_count"), "nvme_buffer_size": opt.get("buffer_size"),
             "param_buffer_count": par.get("buffer_count"), "param_buffer_size": par.get("buffer_size"),
         }
+        if not _known(read["micro_batch"]):  # from the batch triad, as the engine derives it
+            read["micro_batch"] = _micro_from_batch(config, {**overrides})
         kinds = {f.name: f.type for f in fields(cls)}
         values = {}
         for key, value in read.items():
@@ -186,6 +189,16 @@ class TrainingSetup:
     def with_(self, **changes: Any) -> TrainingSetup:
         """A copy with ``changes`` (validated again)."""
         return replace(self, **changes)
+
+
+def _micro_from_batch(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> int | None:
+    """``train_batch_size / (gradient_accumulation_steps x data parallel)`` when both are given."""
+    total, accum = config.get("train_batch_size"), config.get("gradient_accumulation_steps", 1)
+    if not (isinstance(total, int) and isinstance(accum, int)) or accum <= 0:
+        return None
+    world = overrides.get("gpus_per_node", 1) * overrides.get("nodes", 1)
+    dp = world // (overrides.get("pipeline", 1) * overrides.get("tensor", 1)) or 1
+    return max(1, total // (accum * dp))
 
 
 def _known(value: Any) -> bool:
