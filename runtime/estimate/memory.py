@@ -123,8 +123,17 @@ class TrainingSetup:
             (self.seq_len is None or self.seq_len > 0, "seq_len", "a positive integer"),
             (self.accelerator in ("cuda", "cpu"), "accelerator", "cuda or cpu"),
         ]
-        for name in ("micro_batch", "gpus_per_node", "nodes", "pipeline", "tensor", "reduce_bucket_size"):
+        for f in fields(self):  # whole numbers where the field is one (a config may hold "4" or 4.5)
+            value = getattr(self, f.name)
+            if f.type in ("int", "int | None") and value is not None and (isinstance(value, bool) or not
+                                                                         isinstance(value, int)):
+                raise UsageError(f"{f.name}: got {value!r}; valid: an integer")
+        for name in ("micro_batch", "gpus_per_node", "nodes", "pipeline", "tensor", "reduce_bucket_size",
+                     "sub_group_size", "nvme_buffer_count", "nvme_buffer_size", "param_buffer_count",
+                     "param_buffer_size"):
             checks.append((getattr(self, name) >= 1, name, "a positive integer"))
+        for name in ("param_persistence_threshold", "max_live_parameters", "max_in_cpu"):
+            checks.append((getattr(self, name) >= 0, name, "an integer >= 0"))
         for ok, name, valid in checks:
             if not ok:
                 raise UsageError(f"{name}: got {getattr(self, name)!r}; valid: {valid}")

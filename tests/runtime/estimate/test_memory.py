@@ -145,5 +145,7 @@ def test_ds_config_is_read_as_the_engine_reads_it() -> None:
     assert TrainingSetup.from_ds_config(triad, gpus_per_node=8, pipeline=2).micro_batch == 64 // (2 * 4)
     with pytest.raises(UsageError, match="offload_param: got 'cpu'; valid: none below stage 3"):
         TrainingSetup.from_ds_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    with pytest.raises(UsageError, match="micro_batch: got '4'; valid: an integer"):
+        TrainingSetup.from_ds_config({"train_micro_batch_size_per_gpu": "4"})
     with pytest.raises(UsageError, match="'zero_optimization': expected an object"):
         TrainingSetup.from_ds_config({"zero_optimization": 2})
