@@ -254,9 +254,6 @@ class Parts:
     def __add__(self, other: Parts) -> Parts:
         return Parts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
-    def __sub__(self, other: Parts) -> Parts:
-        return self + other.scaled(-1)
-
     def scaled(self, k: int) -> Parts:
         return Parts(**{f.name: getattr(self, f.name) * k for f in fields(self)})
 
@@ -326,84 +323,124 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup | Mapping[str, Any],
     elif overrides:
         setup = setup.with_(**overrides)
     s = setup
-    params = math.ceil(shape.params / (s.pipeline * s.tensor))  # this rank's model part
-    dp = s.data_parallel
-    shard = math.ceil(params / dp) if s.stage >= 1 else params  # the rank's range of master/state
-    m = _MODEL_BYTES[s.precision]
-    sixteen = m != 4
-    device, host, disk = Parts(), Parts(), Parts()
-
-    # Weights: whole below stage 3, the shard at stage 3 (where offload_param puts it).
-    weights = params * m if s.stage < 3 else math.ceil(params / dp) * m
-    if s.stage == 3 and s.offload_param == "cpu":
-        host += Parts(weights=weights)
-    elif s.stage == 3 and s.offload_param == "nvme":
-        in_cpu = min(s.max_in_cpu, math.ceil(params / dp)) * m
-        host += Parts(weights=in_cpu)
-        disk += Parts(weights=weights - in_cpu)
-        on_disk = (weights - in_cpu) // m
-        if on_disk and (sixteen or s.accelerator == "cuda"):  # transfers that are no plain file read
-            buffer = min(s.param_buffer_size, on_disk)
-            host += Parts(comm_buffers=min(s.param_buffer_count, math.ceil(on_disk / buffer)) * buffer * m)
-    else:
-        device += Parts(weights=weights)
-
-    # Gradients: whole (model dtype) at stages 0/1 plus an fp32 copy of the range for 16-bit;
-    # the rank's fp32 shard at stages 2/3.
-    grads = params * m + (shard * 4 if sixteen else 0) if s.stage < 2 else shard * 4
-    device += Parts(gradients=grads)
-
-    # Master and optimizer state: with the offloaded optimizer, or the stage-3 shard on the host,
-    # they live in host memory. The fp32 master is a copy for 16-bit models, or where it lives
-    # apart from the weights (on a CPU-only host the "offloaded" master still is the weights).
-    weights_home = "nvme" if s.stage == 3 and s.offload_param == "nvme" else \
-        "host" if s.stage == 3 and s.offload_param == "cpu" else "device"
-    master_home = "host" if s.offload_optimizer != "none" or weights_home == "host" else "device"
-    same = weights_home == master_home or (s.accelerator == "cpu" and weights_home != "nvme")
-    master = shard * 4 if sixteen or not same else 0
-    state = shard * OPTIMIZER_STATE_BYTES[s.optimizer]
-    if master_home == "device":
-        device += Parts(master=master, optimizer_state=state)
-    else:
-        host += Parts(master=master)
-        if s.stage < 2 and sixteen:  # stages 0/1: the fp32 gradient copy is made next to the master
-            device -= Parts(gradients=shard * 4)
-            host += Parts(gradients=shard * 4)
-        if s.offload_optimizer == "nvme":
-            disk += Parts(optimizer_state=state)
-            host += Parts(comm_buffers=_nvme_ring(s, shard))
-        else:
-            host += Parts(optimizer_state=state)
-        if s.accelerator == "cuda" and s.offload_optimizer != "none":
-            # pinned staging, two buckets ahead: gradients in, 16-bit parameters out
-            bucket = min(s.sub_group_size, shard)
-            host += Parts(comm_buffers=2 * bucket * 4 + (2 * bucket * m if sixteen else 0))
-
-    # Reduce buckets (stages 2/3 stage every gradient through them).
-    if s.stage >= 2:
-        # A bucket holds whole parameters: a larger one gets a bucket of its own.
-        largest_param = max(shape.param_sizes, default=shape.largest_layer) // s.tensor
-        bucket = max(min(s.reduce_bucket_size, params), largest_param)
-        count = min(MAX_INFLIGHT_BUFFERS + 1 if s.overlap_comm else 1, math.ceil(params / bucket))
-        device += Parts(comm_buffers=bucket * m * count)
-
-    # Stage 3: whole parameters while modules run.
-    if s.stage == 3:
-        persistent = shape.small_params(s.param_persistence_threshold) // (s.pipeline * s.tensor)
-        live = min(params - persistent, max(s.max_live_parameters, shape.largest_layer // s.tensor))
-        device += Parts(gathered=(persistent + live) * m)
-
-    device += Parts(buffers=shape.buffer_bytes // (s.pipeline * s.tensor))
+    r = _Rank.of(shape, s)
+    placed = _weights(s, r) + _gradients(s, r) + _master_and_state(s, r) + _buffers(shape, s, r)
     acts = _activations(shape, s)
-    if acts is not None:
-        device += Parts(activations=acts)
+    device = placed.device + Parts(activations=acts or 0)
     # Each local rank builds the model in fp32 host memory first: whole, or under zero.Init one
     # module at a time.
     built = shape.largest_layer if s.stage == 3 and s.zero_init else shape.params
-    host_init = built * 4 * s.gpus_per_node
     k = s.gpus_per_node
-    return MemoryEstimate(setup=s, device=device, host=host.scaled(k), nvme=disk.scaled(k),
-                          activations_known=acts is not None, host_init=host_init)
+    return MemoryEstimate(setup=s, device=device, host=placed.host.scaled(k), nvme=placed.disk.scaled(k),
+                          activations_known=acts is not None, host_init=built * 4 * k)
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """One rank's counts: its model part (``params``), the range it owns of the master/optimizer
+    state (``shard``), its stage-3 weight shard (``weights``), the model dtype's bytes ``m``."""
+
+    params: int
+    shard: int
+    weights: int
+    m: int
+
+    @classmethod
+    def of(cls, shape: ModelShape, s: TrainingSetup) -> _Rank:
+        params = math.ceil(shape.params / (s.pipeline * s.tensor))
+        part = math.ceil(params / s.data_parallel)
+        return cls(params, part if s.stage >= 1 else params, part if s.stage == 3 else params,
+                   _MODEL_BYTES[s.precision])
+
+    @property
+    def sixteen(self) -> bool:
+        return self.m != 4
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Bytes on the device, in this rank's host memory and in its swap files."""
+
+    device: Parts = Parts()
+    host: Parts = Parts()
+    disk: Parts = Parts()
+
+    def __add__(self, other: _Placed) -> _Placed:
+        return _Placed(self.device + other.device, self.host + other.host, self.disk + other.disk)
+
+
+def _weights_home(s: TrainingSetup) -> str:
+    if s.stage == 3 and s.offload_param != "none":
+        return "host" if s.offload_param == "cpu" else "nvme"
+    return "device"
+
+
+def _weights(s: TrainingSetup, r: _Rank) -> _Placed:
+    """The flat weights: whole below stage 3, the shard at stage 3 (where offload_param puts it;
+    with NVMe, all but ``max_in_cpu`` on disk, 16-bit or GPU transfers through a buffer pool)."""
+    home = _weights_home(s)
+    if home == "device":
+        return _Placed(device=Parts(weights=r.weights * r.m))
+    if home == "host":
+        return _Placed(host=Parts(weights=r.weights * r.m))
+    in_cpu = min(s.max_in_cpu, r.weights)
+    on_disk = r.weights - in_cpu
+    pool = 0
+    if on_disk and (r.sixteen or s.accelerator == "cuda"):  # transfers that are no plain file read
+        buffer = min(s.param_buffer_size, on_disk)
+        pool = min(s.param_buffer_count, math.ceil(on_disk / buffer)) * buffer * r.m
+    return _Placed(host=Parts(weights=in_cpu * r.m, comm_buffers=pool), disk=Parts(weights=on_disk * r.m))
+
+
+def _gradients(s: TrainingSetup, r: _Rank) -> _Placed:
+    """Whole (model dtype) at stages 0/1, plus an fp32 copy of the rank's range for 16-bit models,
+    made next to the master (so in host memory when that is offloaded); the fp32 shard at 2/3."""
+    if s.stage >= 2:
+        return _Placed(device=Parts(gradients=r.shard * 4))
+    copy = Parts(gradients=r.shard * 4 if r.sixteen else 0)
+    whole = _Placed(device=Parts(gradients=r.params * r.m))
+    return whole + (_Placed(host=copy) if _master_home(s) == "host" else _Placed(device=copy))
+
+
+def _master_home(s: TrainingSetup) -> str:
+    return "host" if s.offload_optimizer != "none" or _weights_home(s) == "host" else "device"
+
+
+def _master_and_state(s: TrainingSetup, r: _Rank) -> _Placed:
+    """The fp32 master and the optimizer state: in host memory with the offloaded optimizer or the
+    stage-3 shard on the host. The master is a copy for 16-bit models, or where it lives apart
+    from the weights (on a CPU-only host an "offloaded" fp32 master still is the weights)."""
+    weights, home = _weights_home(s), _master_home(s)
+    same = weights == home or (s.accelerator == "cpu" and weights != "nvme")
+    master = r.shard * 4 if r.sixteen or not same else 0
+    state = r.shard * OPTIMIZER_STATE_BYTES[s.optimizer]
+    if home == "device":
+        return _Placed(device=Parts(master=master, optimizer_state=state))
+    staging = 0
+    if s.accelerator == "cuda" and s.offload_optimizer != "none":
+        # pinned staging, two buckets ahead: gradients in, 16-bit parameters out
+        bucket = min(s.sub_group_size, r.shard)
+        staging = 2 * bucket * 4 + (2 * bucket * r.m if r.sixteen else 0)
+    if s.offload_optimizer == "nvme":
+        return _Placed(host=Parts(master=master, comm_buffers=staging + _nvme_ring(s, r.shard)),
+                       disk=Parts(optimizer_state=state))
+    return _Placed(host=Parts(master=master, optimizer_state=state, comm_buffers=staging))
+
+
+def _buffers(shape: ModelShape, s: TrainingSetup, r: _Rank) -> _Placed:
+    """Reduce buckets (stages 2/3), stage 3's whole parameters, the module's registered buffers."""
+    parts = Parts(buffers=shape.buffer_bytes // (s.pipeline * s.tensor))
+    if s.stage >= 2:
+        # A bucket holds whole parameters: a larger one gets a bucket of its own.
+        largest_param = max(shape.param_sizes, default=shape.largest_layer) // s.tensor
+        bucket = max(min(s.reduce_bucket_size, r.params), largest_param)
+        count = min(MAX_INFLIGHT_BUFFERS + 1 if s.overlap_comm else 1, math.ceil(r.params / bucket))
+        parts += Parts(comm_buffers=bucket * r.m * count)
+    if s.stage == 3:  # the persistent small ones, and up to max_live_parameters (at least a layer)
+        persistent = shape.small_params(s.param_persistence_threshold) // (s.pipeline * s.tensor)
+        live = min(r.params - persistent, max(s.max_live_parameters, shape.largest_layer // s.tensor))
+        parts += Parts(gathered=(persistent + live) * r.m)
+    return _Placed(device=parts)
 
 
 def _nvme_ring(s: TrainingSetup, shard: int) -> int:
