@@ -102,6 +102,14 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     return fetcher.apply_unhooked(cls, args, kwargs)
 
 
+def _saved_by(node: Any) -> tuple:
+    """What a custom Function's node saved ((): none, or unreadable now: torch reports that in backward)."""
+    try:
+        return tuple(node.saved_tensors) if node is not None and hasattr(node, "saved_tensors") else ()
+    except RuntimeError:
+        return ()
+
+
 def _first_node(out: Any) -> Any:
     """The backward node of a Function's outputs (the first output with a grad_fn), or None."""
     for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -193,8 +201,7 @@ class ParamFetcher:
         finally:
             self._saving.__enter__()
         node = _first_node(out)
-        saved = [t for t in (node.saved_tensors if node is not None and hasattr(node, "saved_tensors") else ())
-                 if zp.is_partitioned(t) and not t.ds_persist]
+        saved = [t for t in _saved_by(node) if zp.is_partitioned(t) and not t.ds_persist]
         if saved:
             node.register_prehook(lambda grads: self._gather_saved(saved))
         return out
