@@ -9,7 +9,9 @@ it; monitors can call it with a step's flops and time). The peak comes from:
 - on a CPU, a square-matmul microbenchmark in that dtype at the process's torch thread count,
   measured once (~0.5 s) and cached in ``$DSLAUNCH_PEAK_CACHE`` (default
   ``~/.cache/dslaunch/peak_flops.json``) under the CPU model, thread count, dtype and torch
-  version, so a later run (or another rank of the same machine) reads it.
+  version, so a later run (or another rank of the same machine) reads it. The cache is the
+  user's own (0700 directory, 0600 file); one that another user owns or may write, or that is not
+  JSON, is ignored with one warning line and replaced by a new measurement.
 
 An unknown GPU has no peak: MFU is None (the FLOP/s are still given).
 
@@ -21,9 +23,11 @@ with other work the measurement is as noisy as the machine (delete the cache fil
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +36,12 @@ import torch
 
 from dslaunch.errors import UsageError, quote
 
+# The same trust rules as the CPU kernels' cache.
+from dslaunch.kernels.cpu.build import _check_owner, _make_dirs, _Untrusted
+
 __all__ = ["GpuPeak", "GPU_PEAKS", "Peak", "Throughput", "peak_flops", "throughput", "PEAK_ENV", "CACHE_ENV"]
+
+log = logging.getLogger("dslaunch.profiling")
 
 PEAK_ENV = "DSLAUNCH_PEAK_FLOPS"
 CACHE_ENV = "DSLAUNCH_PEAK_CACHE"
@@ -166,19 +175,45 @@ def _cpu_peak(dtype: torch.dtype, cache: Path) -> Peak:
 
 
 def _read_cache(cache: Path) -> dict[str, float]:
+    """The cached peaks, or {} when there is no cache or it cannot be trusted (one warning line:
+    another user's file, or one others may write, or not JSON): measured again and rewritten."""
     try:
-        data = json.loads(cache.read_text())
-    except (OSError, ValueError):
+        fd = os.open(cache, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
         return {}
-    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+    except OSError as exc:
+        return _distrusted(cache, f"cannot open it ({exc.strerror})")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return _distrusted(cache, "it is not a regular file")
+        _check_owner(fd, "it")
+        with os.fdopen(fd, encoding="utf-8", closefd=False) as f:
+            data = json.load(f)
+    except _Untrusted as why:
+        return _distrusted(cache, str(why))
+    except (OSError, ValueError):
+        return _distrusted(cache, "it is not a JSON file of peaks")
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict):
+        return _distrusted(cache, "it is not a JSON file of peaks")
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and v > 0}
+
+
+def _distrusted(cache: Path, why: str) -> dict[str, float]:
+    log.warning("dslaunch: measuring the CPU peak again over %s: %s", quote(str(cache)), why)
+    return {}
 
 
 def _write_cache(cache: Path, known: dict[str, float]) -> None:
-    # Written to a temporary name and renamed: ranks of one machine may measure at once.
+    # Owner-only (0700 directories, a 0600 file), written to a temporary name and renamed: ranks
+    # of one machine may measure at once, and a rename replaces a distrusted file, never writes through it.
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(cache.parent)
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(known, f, indent=1, sort_keys=True)
         tmp.replace(cache)
     except OSError:
         pass  # a read-only home: measure again next time rather than fail the run
