@@ -100,15 +100,17 @@ class Heartbeat:
             except (OSError, ValueError, RuntimeError):  # e.g. a closed fd
                 self._stack_signal = None
         self._send()
-        threading.Thread(target=self._run, name="dslaunch-heartbeat", daemon=True).start()
         # A script that reports through dslaunch.heartbeat() but made its process group itself
         # (no init_distributed) must still free it before Python finalizes, or gloo's threads abort
         # the process (SIGABRT, exit 134 instead of its own code): see runtime/shutdown.py.
         # Imported here: shutdown imports this module. Registered first, so it runs after _flush.
+        # Before the sender thread starts: it reads sys.modules["torch"], which this import may
+        # leave half-initialised while it runs (the thread then died of an AttributeError).
         from dslaunch.runtime.shutdown import register_clean_exit
 
         register_clean_exit()
         atexit.register(self._flush)  # a rank that dies of an exception still tells its last step
+        threading.Thread(target=self._run, name="dslaunch-heartbeat", daemon=True).start()
 
     def _flush(self) -> None:
         if self._dirty:
