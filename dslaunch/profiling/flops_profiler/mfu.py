@@ -7,7 +7,7 @@ it; monitors can call it with a step's flops and time). The peak comes from:
 - on a GPU, ``GPU_PEAKS``: dense (no sparsity) peaks from the vendors' datasheets, by the name
   CUDA reports and the math dtype (bf16/fp16 tensor cores, tf32 when torch allows it, fp32);
 - on a CPU, a square-matmul microbenchmark in that dtype at the process's torch thread count,
-  measured once (~0.5 s) and cached in ``$DSLAUNCH_PEAK_CACHE`` (default
+  measured once (~0.5 s; ranks of one machine take turns on a lock file) and cached in ``$DSLAUNCH_PEAK_CACHE`` (default
   ``~/.cache/dslaunch/peak_flops.json``) under the CPU model, thread count, dtype and torch
   version, so a later run (or another rank of the same machine) reads it. The cache is the
   user's own (0700 directory, 0600 file); one that another user owns or may write, or that is not
@@ -22,6 +22,8 @@ with other work the measurement is as noisy as the machine (delete the cache fil
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -29,6 +31,7 @@ import os
 import platform
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,11 +170,31 @@ def _cpu_model() -> str:
 
 def _cpu_peak(dtype: torch.dtype, cache: Path) -> Peak:
     key = _cpu_key(dtype)
-    known = _read_cache(cache)
-    if key not in known:
-        known[key] = measure_cpu_matmul(dtype)
-        _write_cache(cache, known)
+    with _one_at_a_time(cache):  # the ranks of one machine: one measures, the others read its result
+        known = _read_cache(cache)
+        if key not in known:
+            known[key] = measure_cpu_matmul(dtype)
+            _write_cache(cache, known)
     return Peak(known[key], f"measured: {key} (cached in {cache})")
+
+
+@contextlib.contextmanager
+def _one_at_a_time(cache: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<cache>.lock`` while held: measuring side by side, each rank would
+    get a share of the cores and cache a fraction of the peak. Without a lock file (a read-only
+    home), no lock."""
+    try:
+        _make_dirs(cache.parent)
+        fd = os.open(cache.with_name(f"{cache.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _read_cache(cache: Path) -> dict[str, float]:

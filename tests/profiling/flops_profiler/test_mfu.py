@@ -3,8 +3,10 @@ override, and the CPU peak measured once and read back from its cache."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -72,7 +74,19 @@ def test_the_cpu_peak_cache_is_created_owner_only_and_reused(tmp_path, measured)
     assert cache.stat().st_mode & 0o777 == 0o600
     assert (cache.parent.stat().st_mode & 0o777, cache.parent.parent.stat().st_mode & 0o777) == (0o700, 0o700)
     assert peak_flops(torch.device("cpu")).flops == 5e9 and len(measured) == 1  # read back, not measured
-    assert [p.name for p in cache.parent.iterdir()] == ["peak.json"]  # no temporary file left
+    assert sorted(p.name for p in cache.parent.iterdir()) == ["peak.json", "peak.json.lock"]  # no temporary file
+
+
+def test_ranks_of_one_machine_measure_one_at_a_time(measured, monkeypatch) -> None:
+    def slow(dtype: torch.dtype) -> float:  # long enough for both threads to ask before it ends
+        measured.append(dtype)
+        time.sleep(0.3)
+        return 5e9
+
+    monkeypatch.setattr(mfu, "measure_cpu_matmul", slow)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        peaks = list(pool.map(lambda _: peak_flops(torch.device("cpu")).flops, range(2)))
+    assert peaks == [5e9, 5e9] and len(measured) == 1  # the second waited and read the first's
 
 
 @pytest.mark.parametrize("spoil, why", [
