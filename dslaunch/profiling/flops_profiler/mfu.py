@@ -7,8 +7,8 @@ it; monitors can call it with a step's flops and time). The peak comes from:
 - on a GPU, ``GPU_PEAKS``: dense (no sparsity) peaks from the vendors' datasheets, by the name
   CUDA reports and the math dtype (bf16/fp16 tensor cores, tf32 when torch allows it, fp32);
 - on a CPU, a square-matmul microbenchmark in that dtype at the process's torch thread count,
-  measured once (~0.5 s; ranks of one machine take turns on a lock file) and cached in ``$DSLAUNCH_PEAK_CACHE`` (default
-  ``~/.cache/dslaunch/peak_flops.json``) under the CPU model, thread count, dtype and torch
+  measured once (~0.5 s; ranks of one machine take turns on a lock file) and cached in
+  ``$DSLAUNCH_PEAK_CACHE`` (default ``~/.cache/dslaunch/peak_flops.json``) under the CPU model, thread count, dtype and torch
   version, so a later run (or another rank of the same machine) reads it. The cache is the
   user's own (0700 directory, 0600 file); one that another user owns or may write, or that is not
   JSON, is ignored with one warning line and replaced by a new measurement.
