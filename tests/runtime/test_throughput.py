@@ -14,7 +14,7 @@ from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import Heartbeat
 from dslaunch.runtime.observers import HeartbeatSender, MonitorEvents
 from dslaunch.runtime.throughput import PROFILED, SIX_N_TOKENS, WorkMeter, model_params
-from dslaunch.utils.beat import Beat
+from tests.runtime.test_heartbeat import _read_beats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,17 +54,6 @@ def test_without_token_ids_nor_a_profile_there_is_no_flops_count() -> None:
     model(torch.randn(3, 4))
     meter.on_step(_record(1, 3))
     assert (meter.tokens, meter.flops, meter.basis) == (0, 0.0, None)
-
-
-def _read_beats(fd: int) -> list[Beat]:
-    os.set_blocking(fd, False)
-    data = b""
-    try:
-        while chunk := os.read(fd, 65536):
-            data += chunk
-    except BlockingIOError:
-        pass
-    return [b for line in data.splitlines() if (b := Beat.from_line(line)) is not None]
 
 
 def test_the_beat_carries_tokens_per_second_and_mfu_of_the_same_window() -> None:
