@@ -147,6 +147,8 @@ def _fill_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype | None
     tensor object (tied parameters stay tied), cast to ``dtype``."""
     places: dict[int, list[tuple[nn.Module, str, str, bool]]] = {}
     for mod_name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue  # made from the source already
         for kind, table in ((True, module._parameters), (False, module._buffers)):
             for attr, t in table.items():
                 if t is not None:

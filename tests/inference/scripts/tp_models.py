@@ -68,11 +68,24 @@ def run(family: str, tp: int) -> dict:
     return result
 
 
+def mismatch_detected(tp: int) -> bool:
+    """Ranks that pass different inputs get an error on every rank, not a hang."""
+    engine = dslaunch.init_inference(build("llama"), tensor_parallel={"tp_size": tp})
+    rank = torch.distributed.get_rank()
+    try:
+        engine(torch.tensor([[1, 2, 3] + [4] * rank]))  # even the shapes differ
+    except dslaunch.DslaunchError as err:
+        return "different inputs" in str(err)
+    return False
+
+
 def main() -> None:
     torch.set_num_threads(1)
     families = [a for a in sys.argv[1:] if not a.startswith("--")] or list(CONFIGS)
     tp = int(os.environ.get("WORLD_SIZE", "1"))
-    results = {f: run(f, tp) for f in families}
+    results = {f"{f}@tp{t}": run(f, t) for f in families for t in dict.fromkeys((1, tp))}
+    if tp > 1:
+        results["mismatch_detected"] = mismatch_detected(tp)
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULTS " + json.dumps(results), flush=True)
     if torch.distributed.is_initialized():
