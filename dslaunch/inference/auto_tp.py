@@ -220,7 +220,8 @@ def _groups(producers_of: Mapping[str, frozenset[str]]) -> list[_Group]:
 def _policy_groups(model: nn.Module, policy: Mapping[Any, Any],
                    producers_of: Mapping[str, frozenset[str]]) -> list[_Group]:
     """``injection_policy``: in each named block class, the listed Linears are row-parallel and the
-    other Linears of the block that feed them (or, without a trace, all others) column-parallel."""
+    other Linears of the block that feed them column-parallel (without a trace: those registered
+    between the previous row Linear and this one, as q/k/v before o and gate/up before down)."""
     groups = []
     for block_name, block in model.named_modules():
         rows = next((tuple(v) for k, v in policy.items()
@@ -234,9 +235,14 @@ def _policy_groups(model: nn.Module, policy: Mapping[Any, Any],
         if missing:
             raise UsageError(f"injection_policy: {type(block).__name__} has no Linear {sorted(missing)[0]!r}; its "
                              f"Linears are {', '.join(n[len(prefix):] for n in linears)}")
-        for row in sorted(row_names):
-            fed_by = producers_of.get(row) or frozenset(set(linears) - row_names)
-            groups.append(_Group(row, tuple(sorted(fed_by & set(linears) - row_names))))
+        pending: list[str] = []  # without a trace: each other Linear feeds the next row Linear after it
+        for name in linears:
+            if name not in row_names:
+                pending.append(name)
+                continue
+            fed_by = producers_of.get(name) or frozenset(pending)
+            groups.append(_Group(name, tuple(sorted(fed_by & (set(linears) - row_names)))))
+            pending = []
     return groups
 
 

@@ -67,6 +67,8 @@ class InferenceCheckpointConfig:
     save_mp_checkpoint_path: str | None = _opt(None, optional(lambda p, v: str(v)), "null")
     base_dir: str | None = _opt(None, optional(lambda p, v: str(v)), "the directory the file names are in")
 
+    UNIMPLEMENTED = {}  # noqa: RUF012
+
 
 @dataclass(frozen=True)
 class WeightQuantConfig:
@@ -76,6 +78,8 @@ class WeightQuantConfig:
     num_bits: int = _opt(8, lambda p, v: _bits(p, v), "8")
     q_groups: int = _opt(1, integer(1), "ignored: one group per output row")
     q_type: str = _opt("symmetric", choice("symmetric"), "symmetric")
+
+    UNIMPLEMENTED = {}  # noqa: RUF012
 
 
 def _bits(path: str, value: Any) -> int:
@@ -154,6 +158,7 @@ class DeepSpeedInferenceConfig:
     tp_allreduce: str = _opt("auto", choice("auto", "shm", "torch"),
                              "auto (shared memory when every tensor-parallel rank is on this host), shm or torch")
 
+    AUTO_OK = ("replace_method", "tp_allreduce")  # "auto" is their default here, not the Trainer's placeholder
     UNIMPLEMENTED = {"zero": Off({"stage": 0}, switch="stage"), "use_triton": False,  # noqa: RUF012
                      "triton_autotune": False, "save_mp_checkpoint_path": None, "checkpoint_config": None,
                      "set_empty_params": False, "transposed_mode": False, "ep_size": 1, "moe_experts": (1, [1]),
