@@ -64,3 +64,19 @@ class TinyLM(nn.Module):
 def tiny_lm(**kwargs: int) -> TinyLM:
     torch.manual_seed(0)
     return TinyLM(**kwargs).eval()
+
+
+class GeluMLP(nn.Module):
+    """Linear -> GeLU (tanh) -> Linear, and a LayerNorm: what kernel injection fuses."""
+
+    def __init__(self, hidden: int = 16, inner: int = 40):
+        super().__init__()
+        self.config = SimpleNamespace()
+        self.embed = nn.Embedding(11, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc, self.act, self.proj = nn.Linear(hidden, inner), nn.GELU(approximate="tanh"), nn.Linear(inner, hidden)
+        self.other = nn.SiLU()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        return self.other(self.proj(self.act(self.fc(self.norm(x)))))
