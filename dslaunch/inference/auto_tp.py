@@ -7,8 +7,10 @@ other Linears its input was computed from since the last normalization layer (or
 - a Linear fed by no other Linear (its input is a norm's output: q/k/v, gate/up, fc1, fused qkv)
   is a *producer*; one fed only by producers (o/out/dense, down/fc2) is a *consumer*;
 - each consumer and the producers feeding it form a group: producers are sharded column-wise,
-  the consumer row-wise (one all-reduce after it). A producer that feeds no consumer (``lm_head``,
-  a pooler, a classifier) stays whole on every rank (replicated), as does anything else;
+  the consumer row-wise (one all-reduce after it). A producer that feeds no consumer and is as
+  wide as the vocabulary (``lm_head``, untied) is split over the vocabulary and its logits
+  gathered; other such producers (a pooler, a classifier) stay whole on every rank, as does
+  anything else (embeddings, norms);
 - the split follows attention heads when the consumer's input width is ``heads * head_dim``
   (from the model's config): q and o by query heads, k and v by KV heads (GQA: each rank takes
   whole KV groups, unevenly when the count does not divide; fewer KV heads than ranks replicates
@@ -21,7 +23,7 @@ runs unchanged. ``injection_policy`` ({block class: row-parallel Linear names}) 
 dataflow for the blocks it names.
 
 Limitations: the model must run on a ``input_ids`` tensor (Hugging Face-style) for the trace,
-or come with an ``injection_policy``. Embeddings and ``lm_head`` are replicated.
+or come with an ``injection_policy``. Embeddings, and an ``lm_head`` tied to them, are replicated.
 """
 
 from __future__ import annotations
@@ -63,12 +65,13 @@ def _is_reset(module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """One Linear's share on one rank: ``column`` keeps ``segments`` of the output features,
-    ``row`` keeps ``segments`` of the input features."""
+    """One Linear's share on one rank: ``column`` and ``vocab`` keep ``segments`` of the output
+    features, ``row`` keeps ``segments`` of the input features."""
 
     name: str
-    kind: str  # "column" | "row"
+    kind: str  # "column" | "row" | "vocab" (column, then gathered: every rank gets all logits)
     segments: Segments
+    widths: tuple[int, ...] = ()  # "vocab": every rank's number of output features, in rank order
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,25 @@ def _device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
+def _vocab_shards(model: nn.Module, producers_of: Mapping[str, frozenset[str]], sharded: set[str],
+                  shapes: Mapping[str, tuple[int, int]], tp: int, rank: int) -> list[ShardSpec]:
+    """The output layer (a traced producer as wide as the vocabulary, feeding no row layer): split
+    over the vocabulary and gathered, unless its weight is tied to the embedding (then sharding it
+    would add a copy instead of saving one)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    out = []
+    for name, fed_by in producers_of.items():
+        module = model.get_submodule(name)
+        if fed_by or name in sharded or shapes[name][0] != vocab or uses.get(id(module.weight), 0) != 1:
+            continue
+        parts = _even(vocab, tp)
+        out.append(ShardSpec(name, "vocab", ((parts[rank].start, parts[rank].stop),), tuple(len(p) for p in parts)))
+    return out
+
+
 def plan_tensor_parallel(model: nn.Module, tp: int, rank: int, policy: Mapping[Any, Any] | None = None) -> TPPlan:
     """The sharding of ``model`` on ``rank`` of ``tp`` (see the module docstring).
 
@@ -352,6 +374,7 @@ def plan_tensor_parallel(model: nn.Module, tp: int, rank: int, policy: Mapping[A
             q_heads, kv_heads = head_plan(heads.heads, heads.kv_heads, tp)[rank]
             scope = _common_prefix([group.consumer, *group.producers])
             attributes += _local_attributes(model, scope, heads, len(q_heads), len(kv_heads))
+    shards += _vocab_shards(model, producers_of, {s.name for s in shards}, shapes, tp, rank)
     sharded = {s.name for s in shards}
     return TPPlan(tuple(shards), tuple(dict.fromkeys(attributes)), tuple(n for n in shapes if n not in sharded))
 

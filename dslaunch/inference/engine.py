@@ -13,10 +13,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -24,7 +27,7 @@ from dslaunch import comm
 from dslaunch.errors import UsageError
 from dslaunch.inference.auto_tp import TPPlan, is_linear, plan_tensor_parallel
 from dslaunch.inference.config import DeepSpeedInferenceConfig, device_notes, parse_inference_config
-from dslaunch.inference.layers import ColumnParallelLinear, RowParallelLinear
+from dslaunch.inference.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear
 from dslaunch.inference.loading import ModuleSource, WeightSource, has_meta, open_checkpoint
 from dslaunch.inference.shm_allreduce import ShmAllReduce, same_host
 
@@ -57,12 +60,30 @@ def _tp_group(config: DeepSpeedInferenceConfig) -> Any:
     return grid.get_slice_parallel_group()  # the model axis: ranks that share each layer
 
 
-def _torch_all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+Gather = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What the sharded layers call: the row layers' all-reduce and the vocab layer's gather."""
+
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    gather: Gather  # (local slice, every rank's width) -> concatenated over the last dimension
+    name: str
+
+
+def _torch_collectives(group: Any) -> Collectives:
     def reduce(t: torch.Tensor) -> torch.Tensor:
         comm.inference_all_reduce(t, group=group)
         return t
 
-    return reduce
+    def gather(local: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        padded = F.pad(local, (0, max(widths) - local.shape[-1])).contiguous()  # gloo needs equal sizes
+        parts = [torch.empty_like(padded) for _ in widths]
+        comm.all_gather(parts, padded, group=group)
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths, strict=True)], dim=-1)
+
+    return Collectives(reduce, gather, "torch.distributed")
 
 
 def _shm_agrees(shm: ShmAllReduce, group: Any) -> bool:
@@ -77,25 +98,33 @@ def _shm_agrees(shm: ShmAllReduce, group: Any) -> bool:
     return bool(agree.item())
 
 
-def _all_reduce(group: Any, choice: str, device: torch.device) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
-    """The row-parallel layers' all-reduce and its name for the log line.
+def _collectives(group: Any, choice: str, device: torch.device) -> Collectives:
+    """Shared memory when every rank of ``group`` is on this host (and agrees with gloo), else
+    ``dslaunch.comm``.
 
     collective: every rank of ``group``.
     """
     if group is None:
-        return (lambda t: t), "none"
+        return Collectives(lambda t: t, lambda t, widths: t, "none")
+    fallback = _torch_collectives(group)
     if choice == "torch" or device.type != "cpu":
-        return _torch_all_reduce(group), "torch.distributed"
-    local = same_host(group)
-    if not local:
+        return fallback
+    if not same_host(group):
         if choice == "shm":
             raise UsageError("tp_allreduce='shm' needs every tensor-parallel rank on this host; use 'auto'")
-        return _torch_all_reduce(group), "torch.distributed"
+        return fallback
     shm = ShmAllReduce(group)
     if not _shm_agrees(shm, group):
         logger.warning("dslaunch inference: the shared-memory all-reduce disagreed with gloo's; using gloo")
-        return _torch_all_reduce(group), "torch.distributed"
-    return shm, "shared memory"
+        return fallback
+
+    def gather(local: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        # every rank decides alike: the shapes are the same on all of them
+        if shm.fits_gather(local, widths):
+            return shm.all_gather_last_dim(local, widths)
+        return fallback.gather(local, widths)
+
+    return Collectives(shm, gather, "shared memory")
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -109,22 +138,24 @@ def _weight_dims(module: nn.Module) -> tuple[int, int]:
 
 
 def _shard_linears(model: nn.Module, plan: TPPlan, source: WeightSource, dtype: torch.dtype, quantize: bool,
-                   reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                   comms: Collectives) -> None:
     """Put the planned column/row layers in place, each read from ``source`` as its slice only."""
     for spec in plan.shards:
         module = model.get_submodule(spec.name)
         out_dim, in_dim = _weight_dims(module)
-        dim = out_dim if spec.kind == "column" else in_dim
+        dim = in_dim if spec.kind == "row" else out_dim
         weight = source.read(f"{spec.name}.weight", dim, spec.segments)
         if out_dim == 1:
             weight = weight.t().contiguous()
         has_bias = getattr(module, "bias", None) is not None
-        if spec.kind == "column":
-            bias = source.read(f"{spec.name}.bias", 0, spec.segments) if has_bias else None
-            new: nn.Module = ColumnParallelLinear(weight, bias, quantize, dtype)
-        else:
+        if spec.kind == "row":
             bias = source.read(f"{spec.name}.bias") if has_bias else None
-            new = RowParallelLinear(weight, bias, quantize, dtype, reduce)
+            new: nn.Module = RowParallelLinear(weight, bias, quantize, dtype, comms.all_reduce)
+        else:
+            bias = source.read(f"{spec.name}.bias", 0, spec.segments) if has_bias else None
+            new = ColumnParallelLinear(weight, bias, quantize, dtype)
+            if spec.kind == "vocab":
+                new = VocabParallelLinear(weight, bias, quantize, dtype, partial(comms.gather, widths=list(spec.widths)))
         _replace(model, spec.name, new)
 
 
@@ -218,7 +249,8 @@ class InferenceEngine(nn.Module):
             logger.warning("dslaunch inference: %s", note)
         self.plan = plan_tensor_parallel(model, self.tp_size, self.tp_rank, config.injection_policy) \
             if self.tp_size > 1 else TPPlan((), (), ())
-        self._reduce, self.allreduce_name = _all_reduce(self.mp_group, config.tp_allreduce, device)
+        self._comms = _collectives(self.mp_group, config.tp_allreduce, device)
+        self.allreduce_name = self._comms.name
         self._load(model, config)
         for module_name, attr, value in self.plan.attributes:
             setattr(model.get_submodule(module_name), attr, value)
@@ -239,7 +271,7 @@ class InferenceEngine(nn.Module):
         else:
             source = ModuleSource(model)
         layer_dtype = compute or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        _shard_linears(model, self.plan, source, layer_dtype, quantize, self._reduce)
+        _shard_linears(model, self.plan, source, layer_dtype, quantize, self._comms)
         if quantize:
             _quantize_rest(model, source, layer_dtype)
         _fill_rest(model, source, compute, config.checkpoint is not None)

@@ -4,6 +4,8 @@
   no communication: its output stays split until the row-parallel layer that consumes it.
 - ``RowParallelLinear``: this rank's input features; the partial products are summed over the
   tensor-parallel group by one all-reduce, then the (whole, replicated) bias is added once.
+- ``VocabParallelLinear``: a column-parallel output layer whose slices of the logits are gathered,
+  so every rank returns the whole vocabulary (and samples the same token).
 - Weights may be stored as int8 with one fp32 scale per output row (``quant``): dequantized to the
   compute dtype in each forward (weight-only quantization: 1/4 of fp32's memory, same FLOPs).
 
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "quantize_int8"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelLinear", "quantize_int8"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -77,3 +79,18 @@ class RowParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._all_reduce(F.linear(x, self._weight()))
         return y if self.bias is None else y + self.bias
+
+
+class VocabParallelLinear(ColumnParallelLinear):
+    """``y = gather(x @ W_local^T + b_local)`` over the last dimension: whole logits on every rank.
+
+    collective: every rank of the tensor-parallel group runs it, with inputs of the same shape.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, dtype: torch.dtype,
+                 gather: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__(weight, bias, quantize, dtype)
+        self._gather = gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gather(super().forward(x))

@@ -59,7 +59,8 @@ def same_host(group: Any) -> bool:
 
 
 class ShmAllReduce:
-    """``__call__(tensor)`` sums ``tensor`` in place over ``group`` through shared memory.
+    """``__call__(tensor)`` sums ``tensor`` in place over ``group`` through shared memory;
+    ``all_gather_last_dim`` concatenates every rank's slice (vocab-parallel logits).
 
     collective: construct on every rank of ``group``.
 
@@ -108,24 +109,41 @@ class ShmAllReduce:
                     raise DslaunchError(f"shared-memory all-reduce: rank(s) {late} of the tensor-parallel group "
                                         f"did not arrive within {self.timeout_s:.0f} s (step {step})")
 
-    def _reduce_piece(self, piece: torch.Tensor) -> None:
+    def _exchange(self, piece: torch.Tensor) -> list[torch.Tensor]:
+        """Publish ``piece`` (at most a slot) and return every rank's, in rank order (valid until
+        the step after next)."""
         self._step += 1
         phase, n = self._step % 2, piece.numel()
-        self._slot(phase, self.rank, piece.dtype, n).copy_(piece)
+        self._slot(phase, self.rank, piece.dtype, n).copy_(piece.reshape(-1))
         self._steps[self.rank * _LINE] = self._step  # published after the data (x86 keeps store order)
         self._wait(self._step)
-        piece.copy_(self._slot(phase, 0, piece.dtype, n))
-        for r in range(1, self.world):
-            piece.add_(self._slot(phase, r, piece.dtype, n))
+        return [self._slot(phase, r, piece.dtype, n) for r in range(self.world)]
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         per_piece = self.slot_bytes // flat.element_size()
         for start in range(0, flat.numel(), per_piece):
-            self._reduce_piece(flat[start:start + per_piece])
+            piece = flat[start:start + per_piece]
+            slots = self._exchange(piece)
+            piece.copy_(slots[0])
+            for other in slots[1:]:
+                piece.add_(other)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
+
+    def fits_gather(self, local: torch.Tensor, widths: list[int]) -> bool:
+        return local.numel() // local.shape[-1] * max(widths) * local.element_size() <= self.slot_bytes
+
+    def all_gather_last_dim(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every rank's ``local`` (``[..., widths[r]]``) concatenated along the last dimension.
+        The caller checks ``fits_gather`` first (one slot per rank)."""
+        rows = local.numel() // local.shape[-1]
+        padded = torch.zeros(rows, max(widths), dtype=local.dtype)
+        padded[:, : local.shape[-1]] = local.reshape(rows, -1)
+        slots = self._exchange(padded)
+        parts = [s.view(rows, -1)[:, :w] for s, w in zip(slots, widths, strict=True)]
+        return torch.cat(parts, dim=-1).view(*local.shape[:-1], sum(widths))
 
 
 def _create(path: str, size: int) -> None:

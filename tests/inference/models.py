@@ -48,7 +48,8 @@ class TinyLM(nn.Module):
     def __init__(self, vocab: int = 37, hidden: int = 48, heads: int = 6, kv_heads: int = 3, inner: int = 80,
                  layers: int = 2):
         super().__init__()
-        self.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=hidden)
+        self.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=hidden,
+                                      vocab_size=vocab)
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads, kv_heads, inner) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)

@@ -36,7 +36,8 @@ def test_plan_comes_from_the_dataflow_not_the_names() -> None:
     assert kinds["blocks.0.attn.o"] == ("row", ((32, 48),))
     assert kinds["blocks.0.down"] == ("row", ((40, 80),))
     assert kinds["blocks.0.gate"][0] == kinds["blocks.0.up"][0] == "column"
-    assert plan.replicated == ("head",)  # feeds no row-parallel layer: whole on every rank
+    assert kinds["head"] == ("vocab", ((19, 37),))  # the output layer: split over the vocabulary, gathered
+    assert plan.replicated == ()
     assert ("blocks.0.attn", "num_heads", 2) in plan.attributes
     assert ("blocks.0.attn", "num_kv_heads", 1) in plan.attributes
 

@@ -45,6 +45,7 @@ def test_every_family_at_tp1_and_tp2_matches_the_unsharded_model(compat_bin: Pat
         _check_family(results, family, 1)
         _check_family(results, family, 2)
     assert results["mismatch_detected"], "ranks with different inputs must get an error, not a hang"
+    assert results["deepspeed_paths"]  # deepspeed.init_inference, .inference.config, .module_inject
 
 
 @pytest.mark.slow

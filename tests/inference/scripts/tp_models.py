@@ -86,6 +86,13 @@ def main() -> None:
     results = {f"{f}@tp{t}": run(f, t) for f in families for t in dict.fromkeys((1, tp))}
     if tp > 1:
         results["mismatch_detected"] = mismatch_detected(tp)
+    import deepspeed.inference.config
+    import deepspeed.module_inject
+
+    results["deepspeed_paths"] = (deepspeed.init_inference is dslaunch.init_inference
+                                  and deepspeed.inference.config.DeepSpeedInferenceConfig.__module__
+                                  == "dslaunch.inference.config"
+                                  and deepspeed.module_inject.LinearAllreduce.__name__ == "RowParallelLinear")
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULTS " + json.dumps(results), flush=True)
     if torch.distributed.is_initialized():
