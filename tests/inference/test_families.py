@@ -44,7 +44,7 @@ def test_every_family_at_tp1_and_tp2_matches_the_unsharded_model(compat_bin: Pat
     for family in FAMILIES:
         _check_family(results, family, 1)
         _check_family(results, family, 2)
-    assert results["mismatch_detected"], "ranks with different inputs must get an error, not a hang"
+    assert results["mismatch_detected"], "ranks with different inputs or seeds must get an error, not a hang"
     assert results["deepspeed_paths"]  # deepspeed.init_inference, .inference.config, .module_inject
 
 
@@ -52,8 +52,8 @@ def test_every_family_at_tp1_and_tp2_matches_the_unsharded_model(compat_bin: Pat
 @pytest.mark.timeout(200)
 def test_tp4_splits_gqa_heads_unevenly_and_repeats_kv_heads(compat_bin: Path, tmp_path: Path) -> None:
     """tp=4: Llama's 2 KV heads are each repeated on 2 ranks; Mistral's 6 go 2,2,1,1."""
-    results = _launch(compat_bin, tmp_path, 4, "tp_models.py", "llama", "mistral", "gpt2", "gpt_neox")
-    for family in ("llama", "mistral", "gpt2", "gpt_neox"):
+    results = _launch(compat_bin, tmp_path, 4, "tp_models.py", "llama", "mistral", "gpt2")
+    for family in ("llama", "mistral", "gpt2"):
         _check_family(results, family, 4)
 
 

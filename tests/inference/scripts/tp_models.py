@@ -69,14 +69,22 @@ def run(family: str, tp: int) -> dict:
 
 
 def mismatch_detected(tp: int) -> bool:
-    """Ranks that pass different inputs get an error on every rank, not a hang."""
+    """Ranks that pass different inputs, or sample with different seeds, get an error on every
+    rank, not a hang or different tokens."""
     engine = dslaunch.init_inference(build("llama"), tensor_parallel={"tp_size": tp})
     rank = torch.distributed.get_rank()
     try:
         engine(torch.tensor([[1, 2, 3] + [4] * rank]))  # even the shapes differ
+        return False
     except dslaunch.DslaunchError as err:
-        return "different inputs" in str(err)
-    return False
+        if "different inputs" not in str(err):
+            return False
+    torch.manual_seed(rank)  # same prompt, different sampling seeds
+    try:
+        engine.generate(torch.tensor([[1, 2, 3]]), do_sample=True, max_new_tokens=2, pad_token_id=0)
+        return False
+    except dslaunch.DslaunchError as err:
+        return "sampling seed" in str(err)
 
 
 def main() -> None:
