@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +31,7 @@ from dslaunch.inference.config import DeepSpeedInferenceConfig, device_notes, pa
 from dslaunch.inference.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear
 from dslaunch.inference.loading import ModuleSource, WeightSource, has_meta, open_checkpoint
 from dslaunch.inference.shm_allreduce import ShmAllReduce, same_host
+from dslaunch.runtime.heartbeat import waiting
 
 __all__ = ["init_inference", "InferenceEngine"]
 
@@ -124,7 +126,25 @@ def _collectives(group: Any, choice: str, device: torch.device) -> Collectives:
             return shm.all_gather_last_dim(local, widths)
         return fallback.gather(local, widths)
 
-    return Collectives(shm, gather, "shared memory")
+    return Collectives(_seen_by_comm(shm, group), gather, "shared memory")
+
+
+def _seen_by_comm(reduce: Callable[[torch.Tensor], torch.Tensor], group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The shm all-reduce as ``dslaunch.comm``'s own collectives are: marked as a wait on the peers
+    (the monitor's hang blame) and timed by the comms logger as ``inference_all_reduce`` when on."""
+    world, rank = dist.get_world_size(group), dist.get_rank()
+
+    def call(t: torch.Tensor) -> torch.Tensor:
+        with waiting("inference_all_reduce"):
+            if not (comm.comms_logger.enabled and comm.comms_logger.wants("inference_all_reduce", False)):
+                return reduce(t)
+            start = time.perf_counter()
+            out = reduce(t)
+            comm.comms_logger.append("inference_all_reduce", "inference_all_reduce",
+                                     (time.perf_counter() - start) * 1000.0, t.numel() * t.element_size(), world, rank)
+            return out
+
+    return call
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -66,9 +66,13 @@ def _sharded_logits(rank: int, world: int, allreduce: str) -> dict:
                                      tp_allreduce=allreduce)
     quantized = dslaunch.init_inference(copy.deepcopy(reference), tensor_parallel={"tp_size": world},
                                         tp_allreduce=allreduce, quant={"enabled": True})
+    dslaunch.comm.configure(enabled=True, prof_all=True)
     with torch.no_grad():
         want = reference(IDS)
-        return {"diff": float((engine(IDS) - want).abs().max()), "name": engine.allreduce_name,
+        got = engine(IDS)
+        logged = dslaunch.comm.comms_logger.summary().get("inference_all_reduce", {})
+        return {"diff": float((got - want).abs().max()), "name": engine.allreduce_name,
+                "logged": sum(row["count"] for row in logged.values()),
                 "int8_diff": float((quantized(IDS) - want).abs().max()), "scale": float(want.abs().max()),
                 "int8_dtypes": sorted({str(p.dtype) for n, p in quantized.module.named_parameters()
                                        if n.endswith("weight") and p.dim() == 2 and "embed" not in n})}
@@ -81,7 +85,8 @@ def test_tp2_logits_match_the_unsharded_model(allreduce: str) -> None:
         assert result["diff"] <= 1e-5
         assert result["name"] == {"shm": "shared memory", "torch": "torch.distributed"}[allreduce]
         assert result["int8_diff"] <= 0.02 * result["scale"]  # weight-only int8: close, not exact
-        assert result["int8_dtypes"] == ["torch.int8"]  # every Linear, the replicated head included
+        assert result["int8_dtypes"] == ["torch.int8"]  # every Linear, the vocab-parallel head included
+        assert result["logged"] == 4  # 2 blocks x (o, down): the comms logger sees either path
 
 
 def _shm_against_gloo(rank: int, world: int) -> list[bool]:
