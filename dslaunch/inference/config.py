@@ -228,8 +228,9 @@ def parse_inference_config(config: Any = None, **kwargs: Any) -> DeepSpeedInfere
 def device_notes(config: DeepSpeedInferenceConfig, on_cuda: bool) -> list[str]:
     """One line per key that is valid but changes nothing on this device (logged, never silent)."""
     notes = []
-    if config.enable_cuda_graph and not on_cuda:
-        notes.append("enable_cuda_graph: CUDA graphs need a CUDA device; running eagerly on CPU")
+    if config.enable_cuda_graph:
+        notes.append("enable_cuda_graph: " + ("not implemented by dslaunch yet; running eagerly" if on_cuda
+                                              else "CUDA graphs need a CUDA device; running eagerly on CPU"))
     if config.replace_with_kernel_inject and not on_cuda:
         notes.append("replace_with_kernel_inject: the fused kernels run on CUDA only; on CPU the modules stay "
                      "torch's (a no-op)")

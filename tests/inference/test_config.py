@@ -45,5 +45,5 @@ def test_keys_that_cannot_apply_on_cpu_are_each_one_note() -> None:
     notes = device_notes(config, on_cuda=False)
     assert [n.split(":")[0] for n in notes] == ["enable_cuda_graph", "replace_with_kernel_inject",
                                                  "keep_module_on_host"]
-    assert device_notes(config, on_cuda=True) == []
+    assert device_notes(config, on_cuda=True) == ["enable_cuda_graph: not implemented by dslaunch yet; running eagerly"]
     assert device_notes(parse_inference_config(), on_cuda=False) == []
