@@ -224,8 +224,8 @@ def _fill_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype | None
             if tuple(value.shape) != tuple(current.shape):
                 raise UsageError(f"checkpoint: {found!r} has shape {tuple(value.shape)}, the model expects "
                                  f"{tuple(current.shape)}")
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
+        if value.is_floating_point():  # the config's dtype, else the model's (a bf16 file into an fp32 model)
+            value = value.to(dtype or current.dtype)
         new = nn.Parameter(value, requires_grad=False) if is_param else value
         for mod, a, _, p in group:
             (mod._parameters if p else mod._buffers)[a] = new
