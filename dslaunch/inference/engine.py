@@ -93,10 +93,10 @@ def _shm_agrees(shm: ShmAllReduce, group: Any) -> bool:
     rank = dist.get_rank(group)
     probe = torch.linspace(-1.0, 1.0, 4099) * (rank + 1) + rank
     expected = probe.clone()
-    dist.all_reduce(expected, group=group)
+    comm.all_reduce(expected, group=group)
     got = shm(probe.clone())
     agree = torch.tensor([float(torch.allclose(got, expected, rtol=1e-6, atol=1e-6))])
-    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+    comm.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
     return bool(agree.item())
 
 
@@ -260,6 +260,7 @@ class InferenceEngine(nn.Module):
         self.mp_group = _tp_group(config)
         self.tp_size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
         self.tp_rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
+        self.mp_world_size = self.tp_size  # DeepSpeed's attribute name
         if self.mp_group is not None and self.tp_size != config.tensor_parallel.tp_size \
                 and config.tensor_parallel.tp_size != 1:
             raise UsageError(f"tensor_parallel.tp_size={config.tensor_parallel.tp_size} but the given group has "
@@ -301,8 +302,8 @@ class InferenceEngine(nn.Module):
             return
         mine = _fingerprint(values, with_rng)
         high, low = mine.clone(), mine.clone()
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.mp_group)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.mp_group)
+        comm.all_reduce(high, op=dist.ReduceOp.MAX, group=self.mp_group)
+        comm.all_reduce(low, op=dist.ReduceOp.MIN, group=self.mp_group)
         if not torch.equal(high, low):
             what = "inputs or random state (sampling seed)" if with_rng else "inputs"
             raise UsageError(f"init_inference: the tensor-parallel ranks got different {what}; every rank of the "
