@@ -35,6 +35,8 @@ def make_model(compat_python: Path, model_dir: Path) -> None:
 
 
 def run(cmd: list[str], env: dict[str, str]) -> dict:
+    if not Path(cmd[0]).exists():
+        return {"error": f"{cmd[0]} not found"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "RESULT {" in ln]
     if proc.returncode != 0 or not lines:
@@ -51,6 +53,11 @@ def main() -> None:
     compat = ROOT / ".venv-compat" / "bin"
     ds = Path(args.ds_venv) / "bin"
     model_dir = Path(args.model_dir)
+    if not (compat / "python").exists():
+        print("inference_bench: needs .venv-compat (make compat-venv) for transformers; skipped")
+        return
+    if not (ds / "python").exists():
+        print(f"inference_bench: no DeepSpeed venv at {args.ds_venv}: its rows will say so")
     make_model(compat / "python", model_dir)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": "/tmp/dslaunch-inference-bench-ext"}
