@@ -252,7 +252,7 @@ def _policy_groups(model: nn.Module, policy: Mapping[Any, Any],
 def _fused_layout(model: nn.Module) -> str:
     """How a fused qkv output is laid out: per head (GPT-NeoX) or as q|k|v blocks (the rest)."""
     model_type = getattr(getattr(model, "config", None), "model_type", "")
-    return "per_head" if model_type in ("gpt_neox", "gpt_neox_japanese", "bloom", "falcon") else "blocks"
+    return "per_head" if model_type in ("gpt_neox", "gpt_neox_japanese", "bloom") else "blocks"
 
 
 def _group_segments(group: _Group, shapes: Mapping[str, tuple[int, int]], heads: Heads | None, tp: int,
