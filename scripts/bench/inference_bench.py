@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dslaunch.utils.ports import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 RESULTS = HERE / "results"
@@ -34,9 +36,13 @@ def make_model(compat_python: Path, model_dir: Path) -> None:
     subprocess.run([str(compat_python), "-c", code, str(model_dir)], check=True)
 
 
+PORT = "{port}"  # replaced by a free port at each run: the machine's other jobs may hold 29500
+
+
 def run(cmd: list[str], env: dict[str, str]) -> dict:
     if not Path(cmd[0]).exists():
         return {"error": f"{cmd[0]} not found"}
+    cmd = [str(free_port()) if arg == PORT else arg for arg in cmd]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "RESULT {" in ln]
     if proc.returncode != 0 or not lines:
@@ -62,12 +68,14 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": "/tmp/dslaunch-inference-bench-ext"}
     worker = [str(WORKER)]
+    dslaunch2 = [str(compat / "dslaunch"), "--num_gpus", "2", "--master_port"]  # + a free port per run
     cases = {
         "dslaunch tp=1": [str(compat / "python"), *worker, "dslaunch", str(model_dir), "auto"],
-        "dslaunch tp=2 gloo": [str(compat / "dslaunch"), "--num_gpus", "2", *worker, "dslaunch", str(model_dir), "torch"],
-        "dslaunch tp=2 shm": [str(compat / "dslaunch"), "--num_gpus", "2", *worker, "dslaunch", str(model_dir), "shm"],
+        "dslaunch tp=2 gloo": [*dslaunch2, PORT, *worker, "dslaunch", str(model_dir), "torch"],
+        "dslaunch tp=2 shm": [*dslaunch2, PORT, *worker, "dslaunch", str(model_dir), "shm"],
         "deepspeed tp=1": [str(ds / "python"), *worker, "deepspeed", str(model_dir), "-"],
-        "deepspeed tp=2": [str(ds / "torchrun"), "--nproc-per-node", "2", *worker, "deepspeed", str(model_dir), "-"],
+        "deepspeed tp=2": [str(ds / "torchrun"), "--nproc-per-node", "2", "--master-port", PORT, *worker,
+                           "deepspeed", str(model_dir), "-"],
     }
     load = [os.getloadavg()]
     runs: dict[str, list[dict]] = {name: [] for name in cases}
