@@ -20,12 +20,14 @@ _LAZY = {
     "add_config_arguments": "dslaunch.runtime.api",
     "DeepSpeedEngine": "dslaunch.runtime.engine",
     "heartbeat": "dslaunch.runtime.heartbeat",
+    "init_inference": "dslaunch.inference.engine",
+    "InferenceEngine": "dslaunch.inference.engine",
     "DslaunchError": "dslaunch.errors",
 }
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
-_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "monitor", "pipe", "profiling",
-                "runtime", "utils", "zero")
+_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "inference", "launcher", "module_inject",
+                "monitor", "pipe", "profiling", "runtime", "utils", "zero")
 
 __all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
 

@@ -122,7 +122,9 @@ get_backend = _dist.get_backend
 barrier = _collective(_dist.barrier, "barrier")
 monitored_barrier = _collective(_dist.monitored_barrier, "monitored_barrier")
 all_reduce = _collective(_dist.all_reduce, "all_reduce")
-inference_all_reduce = all_reduce  # DeepSpeed's fast path for inference; the same result
+# DeepSpeed's name for the all-reduce of tensor-parallel inference: the same result, its own row in
+# the comms logger (dslaunch.inference uses it when its shared-memory all-reduce does not apply).
+inference_all_reduce = _collective(_dist.all_reduce, "inference_all_reduce")
 reduce = _collective(_dist.reduce, "reduce")
 broadcast = _collective(_dist.broadcast, "broadcast")
 all_gather = _collective(_dist.all_gather, "all_gather")

@@ -1,0 +1,157 @@
+"""A shared-memory all-reduce for tensor-parallel ranks on one host.
+
+Tensor parallelism all-reduces one small activation per row-parallel layer per token (a few KB
+when decoding): on gloo that costs a TCP round trip through the kernel. Here every rank of the
+group maps one file in ``/dev/shm``: rank ``r`` copies its tensor into its slot, publishes a step
+counter, waits until every rank's counter reached the step, and sums all slots in rank order,
+so every rank computes the same bits (gloo's result, up to the order of a sum over more than 2).
+
+Two slot sets alternate by step parity: a rank can only start step n+2 (overwriting step n's
+slots) after every rank published step n+1, i.e. after every rank finished reading step n. A
+tensor larger than a slot is reduced in slot-sized pieces. The file is unlinked as soon as
+every rank has mapped it: nothing is left in ``/dev/shm`` whatever happens to the job.
+
+collective: construct and call on every rank of the group, in the same order, with tensors of
+the same size. A rank that never arrives is reported after ``timeout_s`` (never a silent hang).
+
+Limitations: CPU tensors only; relies on x86's store order (a step counter is written after its
+data, by separate calls); spinning ranks yield the core, but more ranks than cores are slow.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dslaunch.errors import DslaunchError
+
+__all__ = ["ShmAllReduce", "same_host"]
+
+_HEADER = 4096  # the step counters, one cache line each
+_LINE = 64 // 8  # int64s per cache line
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def same_host(group: Any) -> bool:
+    """Whether every rank of ``group`` runs on this host (same host name and boot).
+
+    collective: every rank of ``group``.
+    """
+    mine = f"{socket.gethostname()}|{_boot_id()}"
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return all(x == mine for x in everyone)
+
+
+class ShmAllReduce:
+    """``__call__(tensor)`` sums ``tensor`` in place over ``group`` through shared memory;
+    ``all_gather_last_dim`` concatenates every rank's slice (vocab-parallel logits).
+
+    collective: construct on every rank of ``group``.
+
+    Raises:
+        DslaunchError: the file cannot be made or mapped (no ``/dev/shm``), or a peer is missing
+            for ``timeout_s`` during a call.
+    """
+
+    def __init__(self, group: Any, slot_bytes: int = 1 << 20, timeout_s: float = 300.0, directory: str = "/dev/shm"):
+        self.group, self.timeout_s, self.slot_bytes = group, timeout_s, slot_bytes
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        size = _HEADER + 2 * self.world * slot_bytes
+        name = [os.path.join(directory, f"dslaunch-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}")]
+        if self.rank == 0:
+            _create(name[0], size)
+        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+        try:
+            fd = os.open(name[0], os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        finally:
+            dist.barrier(group=group)  # every rank mapped it (or failed): the name can go
+            if self.rank == 0:
+                os.unlink(name[0])
+        self._steps = np.frombuffer(self._map, dtype=np.int64, count=_HEADER // 8)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER)
+        self._step = 0
+
+    def _slot(self, phase: int, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        start = (phase * self.world + rank) * self.slot_bytes
+        return self._bytes[start:start + numel * dtype.itemsize].view(dtype)
+
+    def _wait(self, step: int) -> None:
+        counters = self._steps[: self.world * _LINE : _LINE]
+        spins, deadline = 0, None
+        while counters.min() < step:
+            spins += 1
+            if spins > 64:
+                os.sched_yield()  # more ranks than free cores: let the others run
+            if spins % 4096 == 0:
+                deadline = deadline or time.monotonic() + self.timeout_s
+                if time.monotonic() > deadline:
+                    late = [r for r in range(self.world) if counters[r] < step]
+                    raise DslaunchError(f"shared-memory all-reduce: rank(s) {late} of the tensor-parallel group "
+                                        f"did not arrive within {self.timeout_s:.0f} s (step {step})")
+
+    def _exchange(self, piece: torch.Tensor) -> list[torch.Tensor]:
+        """Publish ``piece`` (at most a slot) and return every rank's, in rank order (valid until
+        the step after next)."""
+        self._step += 1
+        phase, n = self._step % 2, piece.numel()
+        self._slot(phase, self.rank, piece.dtype, n).copy_(piece.reshape(-1))
+        self._steps[self.rank * _LINE] = self._step  # published after the data (x86 keeps store order)
+        self._wait(self._step)
+        return [self._slot(phase, r, piece.dtype, n) for r in range(self.world)]
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        per_piece = self.slot_bytes // flat.element_size()
+        for start in range(0, flat.numel(), per_piece):
+            piece = flat[start:start + per_piece]
+            slots = self._exchange(piece)
+            piece.copy_(slots[0])
+            for other in slots[1:]:
+                piece.add_(other)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor
+
+    def fits_gather(self, local: torch.Tensor, widths: list[int]) -> bool:
+        return local.numel() // local.shape[-1] * max(widths) * local.element_size() <= self.slot_bytes
+
+    def all_gather_last_dim(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every rank's ``local`` (``[..., widths[r]]``) concatenated along the last dimension.
+        The caller checks ``fits_gather`` first (one slot per rank)."""
+        rows = local.numel() // local.shape[-1]
+        padded = torch.zeros(rows, max(widths), dtype=local.dtype)
+        padded[:, : local.shape[-1]] = local.reshape(rows, -1)
+        slots = self._exchange(padded)
+        parts = [s.view(rows, -1)[:, :w] for s, w in zip(slots, widths, strict=True)]
+        return torch.cat(parts, dim=-1).view(*local.shape[:-1], sum(widths))
+
+
+def _create(path: str, size: int) -> None:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as err:
+        raise DslaunchError(f"shared-memory all-reduce: cannot create {path} ({err.strerror})") from None
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)

@@ -1,0 +1,3 @@
+"""The model-family tests run jobs in ``.venv-compat`` (transformers), as tests/compat do."""
+
+from tests.compat.conftest import compat_bin  # noqa: F401 (the fixture, shared)

@@ -1,0 +1,63 @@
+"""Checkpoint sources for ``init_inference``: slices read from safetensors and torch files equal
+the slices of the full tensors; bad checkpoints are one line; a plain model fills from its file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import dslaunch
+from dslaunch.errors import CheckpointError, UsageError
+from dslaunch.inference import empty_init
+from dslaunch.inference.loading import open_checkpoint
+from tests.inference.models import tiny_lm
+
+SEGMENTS = ((1, 3), (5, 6))
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_slices_come_from_the_file_as_from_the_tensor(tmp_path: Path, suffix: str) -> None:
+    tensors = {"w": torch.arange(56, dtype=torch.float32).view(7, 8), "b": torch.arange(7.0)}
+    path = tmp_path / f"weights{suffix}"
+    save_file(tensors, str(path)) if suffix == ".safetensors" else torch.save(tensors, path)
+    source = open_checkpoint(str(path))
+    assert source.names() == {"w", "b"}
+    for dim in (0, 1):
+        want = torch.cat([tensors["w"].narrow(dim, a, b - a) for a, b in SEGMENTS], dim=dim)
+        assert torch.equal(source.read("w", dim, SEGMENTS), want)
+    assert torch.equal(source.read("b"), tensors["b"])
+
+
+def test_bad_checkpoints_are_one_line(tmp_path: Path) -> None:
+    cases = [(str(tmp_path / "missing"), CheckpointError, "does not exist"),
+             ({"type": "Megatron", "checkpoints": ["a.pt"]}, UsageError, "per-rank"),
+             ({"type": "ds_model"}, UsageError, "'checkpoints'"),
+             ({"type": "ds_model", "checkpoints": ["nope.pt"]}, CheckpointError, "does not exist"),
+             (str(tmp_path), CheckpointError, "holds no weights")]
+    for spec, error, words in cases:
+        with pytest.raises(error, match=words) as err:
+            open_checkpoint(spec, base_dir=str(tmp_path) if isinstance(spec, dict) else None)
+        assert "\n" not in str(err.value)
+
+
+def test_meta_model_fills_from_a_description_and_names_a_missing_tensor(tmp_path: Path) -> None:
+    reference = tiny_lm()
+    state = reference.state_dict()
+    torch.save(state, tmp_path / "full.pt")
+    (tmp_path / "ds.json").write_text(json.dumps({"type": "ds_model", "checkpoints": ["full.pt"], "version": 1.0}))
+    with empty_init():
+        model = type(reference)()
+    engine = dslaunch.init_inference(model.eval(), checkpoint=str(tmp_path / "ds.json"), dtype="bf16")
+    ids = torch.tensor([[1, 2, 3]])
+    assert engine.module.head.weight.dtype is torch.bfloat16
+    assert torch.allclose(engine(ids).float(), reference(ids), atol=0.1)
+    del state["norm.weight"]
+    torch.save(state, tmp_path / "partial.pt")
+    with empty_init():
+        model = type(reference)()
+    with pytest.raises(UsageError, match="no tensor for 'norm.weight'"):
+        dslaunch.init_inference(model, checkpoint=str(tmp_path / "partial.pt"))
