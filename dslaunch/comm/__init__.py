@@ -53,9 +53,11 @@ _PROFILING_KWARGS = ("prof", "log_name", "debug")
 comms_logger = CommsLogger()
 
 
-def _collective(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
+def _collective(fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
     """``fn`` taking DeepSpeed's comms-logger keyword arguments, marked as a wait on the peers;
-    timed while the logger is on."""
+    timed while the logger is on. ``name``: its name in the logger and the hang report (default:
+    ``fn``'s own)."""
+    op = name or fn.__name__
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -67,6 +69,7 @@ def _collective(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
         with waiting(op):
             return fn(*args, **kwargs)
 
+    call.__name__ = call.__qualname__ = op
     return call
 
 
@@ -119,25 +122,25 @@ new_group = _dist.new_group
 get_global_rank = _dist.get_global_rank
 get_backend = _dist.get_backend
 
-barrier = _collective(_dist.barrier, "barrier")
-monitored_barrier = _collective(_dist.monitored_barrier, "monitored_barrier")
-all_reduce = _collective(_dist.all_reduce, "all_reduce")
+barrier = _collective(_dist.barrier)
+monitored_barrier = _collective(_dist.monitored_barrier)
+all_reduce = _collective(_dist.all_reduce)
 # DeepSpeed's name for the all-reduce of tensor-parallel inference: the same result, its own row in
 # the comms logger (dslaunch.inference uses it when its shared-memory all-reduce does not apply).
 inference_all_reduce = _collective(_dist.all_reduce, "inference_all_reduce")
-reduce = _collective(_dist.reduce, "reduce")
-broadcast = _collective(_dist.broadcast, "broadcast")
-all_gather = _collective(_dist.all_gather, "all_gather")
-all_gather_into_tensor = _collective(_dist.all_gather_into_tensor, "all_gather_into_tensor")
-reduce_scatter = _collective(_dist.reduce_scatter, "reduce_scatter")
-reduce_scatter_tensor = _collective(_dist.reduce_scatter_tensor, "reduce_scatter_tensor")
-gather = _collective(_dist.gather, "gather")
-scatter = _collective(_dist.scatter, "scatter")
-all_to_all_single = _collective(_dist.all_to_all_single, "all_to_all_single")
-send = _collective(_dist.send, "send")
-recv = _collective(_dist.recv, "recv")
-isend = _collective(_dist.isend, "isend")
-irecv = _collective(_dist.irecv, "irecv")
+reduce = _collective(_dist.reduce)
+broadcast = _collective(_dist.broadcast)
+all_gather = _collective(_dist.all_gather)
+all_gather_into_tensor = _collective(_dist.all_gather_into_tensor)
+reduce_scatter = _collective(_dist.reduce_scatter)
+reduce_scatter_tensor = _collective(_dist.reduce_scatter_tensor)
+gather = _collective(_dist.gather)
+scatter = _collective(_dist.scatter)
+all_to_all_single = _collective(_dist.all_to_all_single)
+send = _collective(_dist.send)
+recv = _collective(_dist.recv)
+isend = _collective(_dist.isend)
+irecv = _collective(_dist.irecv)
 
 
 def _require_init(call: str) -> None:
