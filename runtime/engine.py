@@ -115,6 +115,13 @@ class DeepSpeedEngine(torch.nn.Module):
             watcher = events.add(MonitorEvents(self.monitor, config.train_batch_size, self.dp_world_size,
                                                config.fp16.enabled, self.device, breakdown))
             self.module.register_forward_pre_hook(watcher.count_tokens, with_kwargs=True)
+        if config.autotuning.metric_path is not None:  # an experiment of dslaunch --autotuning
+            from dslaunch.runtime.autotuning import ExperimentProfile
+
+            counted = self.flops_profiler
+            events.add(ExperimentProfile(config.autotuning, self.global_rank, self.device,
+                                         sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters()),
+                                         counted.get_total_flops if counted is not None else None))
         save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         if save_dir is not None:
             events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))

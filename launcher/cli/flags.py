@@ -94,7 +94,7 @@ class _NotSupported(argparse.Action):
 
 
 # DeepSpeed launcher flags answered with "not supported yet" (see _NotSupported).
-NOT_SUPPORTED = ("--autotuning", "--comment", "--account", "--venv_script")
+NOT_SUPPORTED = ("--comment", "--account", "--venv_script")
 
 
 def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-style training script on "
@@ -160,6 +160,10 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
       help="elastic: the fewest nodes to go on with (default 1)")
     g("--max_elastic_nodes", type=integer, default=-1,
       help="elastic: the most nodes to use (default: all selected hosts)")
+    if "--autotuning" not in unsupported:
+        a("--autotuning", choices=("tune", "run"), default=None,
+          help="tune: search the ds_config's autotuning space, each experiment a dslaunch job on these hosts, "
+               "and write the results and the best config; run: tune, then launch the job with the best")
     a("--dry-run", "--dry_run", dest="dry_run", action="store_true",
       help="print what would run on each host (command, environment) and exit")
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")

@@ -1,0 +1,91 @@
+"""A DeepSpeed script for ``dslaunch --autotuning``: a residual MLP trained on synthetic data.
+
+Its best configuration depends on memory and speed: activations grow with the micro batch,
+model states shrink with the ZeRO stage, checkpointing trades recompute for activation memory
+(the blocks are checkpointed when the ds_config has an ``activation_checkpointing`` block:
+``deepspeed.checkpointing.is_configured()``, as the tuner arranges), offload trades copies for
+device memory. The data comes through a DataLoader, so the measurement includes loading.
+
+    dslaunch --num_gpus 2 --autotuning tune scripts/examples/autotune_train.py \\
+        --deepspeed_config scripts/examples/autotune_config.json
+
+``--fail_stage S`` raises at that ZeRO stage and ``--hang_stage S`` makes rank 0 hang there
+after the first step (the tests' faulty experiments).
+"""
+
+import argparse
+import os
+import time
+
+import torch
+from torch import nn
+
+import dslaunch as deepspeed
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = deepspeed.checkpointing.checkpoint(block, x) if deepspeed.checkpointing.is_configured() else block(x)
+        return nn.functional.mse_loss(self.head(x).squeeze(-1), y)
+
+
+class Synthetic(torch.utils.data.Dataset):
+    def __init__(self, width: int, n: int = 1 << 16):
+        self.width, self.n = width, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(self.width, generator=g)
+        return x, x[:4].sum()
+
+
+def main():
+    parser = argparse.ArgumentParser(description="dslaunch autotuning example")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--fail_stage", type=int, default=-1)
+    parser.add_argument("--hang_stage", type=int, default=-1)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    deepspeed.init_distributed()
+    torch.manual_seed(0)
+    model = MLP(args.width, args.depth)
+    engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                                training_data=Synthetic(args.width))
+    stage = engine.zero_optimization_stage()
+    if stage == args.fail_stage:
+        raise RuntimeError(f"this script fails at ZeRO stage {stage} (--fail_stage)")
+    while engine.global_steps < args.steps:
+        for x, y in loader:
+            engine.backward(engine(x, y))
+            engine.step()
+            if stage == args.hang_stage and engine.global_steps >= 1 and engine.global_rank == 0:
+                time.sleep(3600)  # a stuck rank: the monitor's hang detection stops the experiment
+            if engine.global_steps >= args.steps:
+                break
+
+
+if __name__ == "__main__":
+    main()
