@@ -4,8 +4,8 @@
 limit is never run (``pruned``); an experiment that ran out of memory rules out every open
 candidate that needs at least as much (``space.dominates``); a failed, hung or timed-out
 experiment is recorded and the search goes on; the search stops after ``tuner_num_trials``
-experiments, after ``tuner_early_stopping`` experiments in a row without a better score, or when
-nothing is left. The tuner (``tuners.py``) only picks the next candidate; the runner
+experiments, after ``tuner_early_stopping`` experiments in a row without a better score (out of
+memory ones and those of the tuner's exploration not counted), or when nothing is left. The tuner (``tuners.py``) only picks the next candidate; the runner
 (``experiments.py``) only runs one.
 """
 
@@ -38,6 +38,9 @@ class SearchLimits:
     early_stopping: int = 5
     memory_limit: int | None = None
     """Bytes per rank; None: no pruning by the estimator."""
+    prune_after_oom: bool = True
+    """False: run every candidate even after a smaller one ran out of memory (the exhaustive grid
+    a benchmark compares with)."""
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,11 @@ def search(space: Sequence[Candidate], tuner: Tuner, run: Callable[[Candidate], 
         scores[c] = s
         if s is not None and (best is None or s > best[0]):
             best, stale = (s, c), 0
-        else:
-            stale += 1 if best is not None else 0  # no early stop before anything was measured
-        if outcome.status == "oom":
+        elif best is not None and outcome.status != "oom" and not tuner.exploring(open_, scores):
+            # no early stop before anything was measured; an OOM does not count either: it marks
+            # the memory frontier (where the best usually is) and prunes what lies beyond it
+            stale += 1
+        if outcome.status == "oom" and limits.prune_after_oom:
             for d in [d for d in open_ if dominates(c, d)]:
                 record(d, Outcome(d.name, "pruned", {}, f"needs at least the memory of {c.name}, "
                                   "which ran out of memory"))

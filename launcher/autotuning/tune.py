@@ -51,7 +51,10 @@ class TuneJob:
 def tune(job: TuneJob, on_result: Callable[[Candidate, Outcome], None] | None = None) -> SearchResult:
     """Run the search; every experiment through ``job.runner``. Results are not written here."""
     at = job.at
-    space = build_space(at, job.dp_world, int(job.base.get("gradient_accumulation_steps") or 1))
+    zero = job.base.get("zero_optimization")
+    # as DeepSpeed's autotuner: a stage the user's config names is the only one tuned
+    stages = (int(zero["stage"]),) if isinstance(zero, Mapping) and "stage" in zero else (0, 1, 2, 3)
+    space = build_space(at, job.dp_world, int(job.base.get("gradient_accumulation_steps") or 1), stages)
     if not space:
         raise ConfigError("leaves no micro batch to try: min_train_micro_batch_size_per_gpu, "
                           "max_train_micro_batch_size_per_gpu and max_train_batch_size exclude every size",

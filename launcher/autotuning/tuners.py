@@ -7,8 +7,11 @@ experiment that failed), higher is better, and returns one of the open candidate
 - ``gridsearch``: the space in order (stage, offload, checkpointing, micro batch, ...).
 - ``random``: a seeded random order.
 - ``model_based``: first a few candidates that together cover every value of every axis, then
-  always the open candidate a cost model predicts best: a ridge regression of the log score on
-  the axes (one-hot for the categorical ones, log2 for sizes), refitted after each result.
+  the open candidate a cost model predicts best: a ridge regression of the log score on the
+  axes (one-hot for the categorical ones, log2 for sizes), refitted after each result. When the
+  model says larger micro batches are faster, it chooses only among each family's largest micro
+  batch still open (``_frontier``): the additive model cannot know where memory runs out, and
+  the out-of-memory rule moves a family's frontier down.
   Multiplicative effects (ZeRO's communication, offload's copies, checkpointing's recompute,
   the batch's efficiency) are additive in the log, so few results fit the space well.
   DeepSpeed's model_based tuner fits XGBoost on the same kind of features; this one needs no
@@ -21,6 +24,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from dslaunch.launcher.autotuning.space import Candidate, axes
 
@@ -33,6 +37,11 @@ class Tuner(ABC):
     @abstractmethod
     def next(self, open_: Sequence[Candidate], scores: Mapping[Candidate, float | None]) -> Candidate:
         """One of ``open_`` (never empty); ``scores``: every result so far (None: it failed)."""
+
+    def exploring(self, open_: Sequence[Candidate], scores: Mapping[Candidate, float | None]) -> bool:
+        """Whether the tuner is still sampling to learn, not yet choosing by what it learnt: the
+        search does not stop early then."""
+        return False
 
 
 class GridSearch(Tuner):
@@ -55,6 +64,9 @@ class ModelBased(Tuner):
         self._rng = random.Random(seed)
         self._ridge = ridge
 
+    def exploring(self, open_: Sequence[Candidate], scores: Mapping[Candidate, float | None]) -> bool:
+        return bool(_uncovered(open_, scores))
+
     def next(self, open_: Sequence[Candidate], scores: Mapping[Candidate, float | None]) -> Candidate:
         uncovered = _uncovered(open_, scores)
         if uncovered:
@@ -67,7 +79,21 @@ class ModelBased(Tuner):
         if len(good) < 2:
             return self._rng.choice(list(open_))
         model = _fit(good, self._ridge)
+        probe = open_[0]
+        if model(replace(probe, micro_batch=2 * probe.micro_batch)) > model(probe):
+            open_ = _frontier(open_)  # a larger micro batch pays: each family's largest one left first
         return max(open_, key=lambda c: (model(c), c.micro_batch))
+
+
+def _frontier(open_: Sequence[Candidate]) -> list[Candidate]:
+    """The open candidates with the largest micro batch still open in their family (all axes but
+    the micro batch): where a family's best is when larger batches are faster, as long as it fits
+    (the search prunes what lies beyond an out-of-memory one)."""
+    top: dict[Candidate, int] = {}
+    for c in open_:
+        family = replace(c, micro_batch=0)
+        top[family] = max(top.get(family, 0), c.micro_batch)
+    return [c for c in open_ if c.micro_batch == top[replace(c, micro_batch=0)]]
 
 
 def _uncovered(open_: Sequence[Candidate], scores: Mapping[Candidate, float | None]) -> set[tuple]:

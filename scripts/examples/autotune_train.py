@@ -9,8 +9,8 @@ device memory. The data comes through a DataLoader, so the measurement includes 
     dslaunch --num_gpus 2 --autotuning tune scripts/examples/autotune_train.py \\
         --deepspeed_config scripts/examples/autotune_config.json
 
-``--fail_stage S`` raises at that ZeRO stage and ``--hang_stage S`` makes rank 0 hang there
-after the first step (the tests' faulty experiments).
+``--fail_micro_batch M`` raises at that micro batch and ``--hang_micro_batch M`` makes rank 0
+hang there after the first step (the tests' faulty experiments).
 """
 
 import argparse
@@ -63,8 +63,8 @@ def main():
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--fail_stage", type=int, default=-1)
-    parser.add_argument("--hang_stage", type=int, default=-1)
+    parser.add_argument("--fail_micro_batch", type=int, default=-1)
+    parser.add_argument("--hang_micro_batch", type=int, default=-1)
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -74,14 +74,14 @@ def main():
     model = MLP(args.width, args.depth)
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                                 training_data=Synthetic(args.width))
-    stage = engine.zero_optimization_stage()
-    if stage == args.fail_stage:
-        raise RuntimeError(f"this script fails at ZeRO stage {stage} (--fail_stage)")
+    micro = engine.train_micro_batch_size_per_gpu()
+    if micro == args.fail_micro_batch:
+        raise RuntimeError(f"this script fails at micro batch {micro} (--fail_micro_batch)")
     while engine.global_steps < args.steps:
         for x, y in loader:
             engine.backward(engine(x, y))
             engine.step()
-            if stage == args.hang_stage and engine.global_steps >= 1 and engine.global_rank == 0:
+            if micro == args.hang_micro_batch and engine.global_steps >= 1 and engine.global_rank == 0:
                 time.sleep(3600)  # a stuck rank: the monitor's hang detection stops the experiment
             if engine.global_steps >= args.steps:
                 break
