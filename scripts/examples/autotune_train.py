@@ -75,6 +75,9 @@ def main():
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                                 training_data=Synthetic(args.width))
     micro = engine.train_micro_batch_size_per_gpu()
+    if engine.global_rank == 0:
+        print(f"training: ZeRO stage {engine.zero_optimization_stage()}, micro batch {micro}, "
+              f"accumulation {engine.gradient_accumulation_steps()}", flush=True)
     if micro == args.fail_micro_batch:
         raise RuntimeError(f"this script fails at micro batch {micro} (--fail_micro_batch)")
     while engine.global_steps < args.steps:
