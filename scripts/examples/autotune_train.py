@@ -1,7 +1,9 @@
-"""A DeepSpeed script for ``dslaunch --autotuning``: a residual MLP trained on synthetic data.
+"""A DeepSpeed script for ``dslaunch --autotuning``: token embeddings and residual MLP blocks
+trained on synthetic sequences.
 
-Its best configuration depends on memory and speed: activations grow with the micro batch,
-model states shrink with the ZeRO stage, checkpointing trades recompute for activation memory
+Its best configuration depends on memory and speed: activations grow with the micro batch (and
+the sequence), model states (mostly the embedding table: cheap to compute, large to keep and to
+reduce) shrink with the ZeRO stage, checkpointing trades recompute for activation memory
 (the blocks are checkpointed when the ds_config has an ``activation_checkpointing`` block:
 ``deepspeed.checkpointing.is_configured()``, as the tuner arranges), offload trades copies for
 device memory. The data comes through a DataLoader, so the measurement includes loading.
@@ -33,34 +35,39 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-class MLP(nn.Module):
-    def __init__(self, width: int, depth: int):
+class Model(nn.Module):
+    def __init__(self, vocab: int, width: int, depth: int):
         super().__init__()
+        self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = nn.Linear(width, 1)
 
-    def forward(self, x, y):
+    def forward(self, ids, y):
+        x = self.embed(ids)
         for block in self.blocks:
             x = deepspeed.checkpointing.checkpoint(block, x) if deepspeed.checkpointing.is_configured() else block(x)
-        return nn.functional.mse_loss(self.head(x).squeeze(-1), y)
+        return nn.functional.mse_loss(self.head(x).mean(dim=(1, 2)), y)
 
 
 class Synthetic(torch.utils.data.Dataset):
-    def __init__(self, width: int, n: int = 1 << 16):
-        self.width, self.n = width, n
+    """Random token sequences; the target is the fraction of tokens in the vocabulary's lower half."""
+
+    def __init__(self, vocab: int, seq: int, n: int = 1 << 16):
+        self.vocab, self.seq, self.n = vocab, seq, n
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(self.width, generator=g)
-        return x, x[:4].sum()
+        ids = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
+        return ids, (ids < self.vocab // 2).float().mean()
 
 
 def main():
     parser = argparse.ArgumentParser(description="dslaunch autotuning example")
-    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--fail_micro_batch", type=int, default=-1)
@@ -71,9 +78,9 @@ def main():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed()
     torch.manual_seed(0)
-    model = MLP(args.width, args.depth)
+    model = Model(args.vocab, args.width, args.depth)
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                training_data=Synthetic(args.width))
+                                                training_data=Synthetic(args.vocab, args.seq))
     micro = engine.train_micro_batch_size_per_gpu()
     if engine.global_rank == 0:
         print(f"training: ZeRO stage {engine.zero_optimization_stage()}, micro batch {micro}, "

@@ -34,7 +34,7 @@ def test_a_tune_records_failed_and_hung_experiments_and_runs_the_best(tmp_path):
                      max_train_micro_batch_size_per_gpu=8, num_tuning_micro_batch_sizes=3, hang_timeout=5,
                      experiment_timeout=120)
     started = time.monotonic()
-    r = subprocess.run([*DSLAUNCH, "--num_gpus", "2", "--autotuning", "run", SCRIPT, "--width", "32", "--depth", "1",
+    r = subprocess.run([*DSLAUNCH, "--num_gpus", "2", "--autotuning", "run", SCRIPT, "--vocab", "256", "--seq", "4", "--depth", "1",
                         "--steps", "4", "--fail_micro_batch", "4", "--hang_micro_batch", "8",
                         "--deepspeed_config", config], capture_output=True, text=True, timeout=230,
                        env=tagged_env(new_tag()), cwd=tmp_path)
