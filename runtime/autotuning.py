@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.events import Observer, StepRecord
 
-__all__ = ["ExperimentProfile", "peak_memory", "reset_peak_memory"]
+__all__ = ["ExperimentProfile", "peak_memory", "reset_peak_memory", "model_counts"]
 
 _HWM = re.compile(r"VmHWM:\s+(\d+) kB")
 
@@ -71,15 +71,16 @@ class ExperimentProfile(Observer):
         cfg: the experiment's ``autotuning`` block (``metric_path`` set).
         rank: this rank.
         device: the engine's device.
-        num_params: the model's parameters on this rank before partitioning (written as model info).
+        module: the model (its size goes into the metrics: the tuner's model info).
         step_flops: this rank's flops of one profiled step (the flops profiler's), for ``metric: flops``.
         clock: the wall clock (tests pass their own).
     """
 
-    def __init__(self, cfg: AutotuningConfig, rank: int, device: torch.device, num_params: int,
+    def __init__(self, cfg: AutotuningConfig, rank: int, device: torch.device, module: torch.nn.Module,
                  step_flops: Callable[[], int] | None = None, clock: Callable[[], float] = time.perf_counter):
         assert cfg.metric_path is not None
-        self.cfg, self.rank, self.device, self.num_params = cfg, rank, device, num_params
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self.num_params, self.largest_layer = model_counts(module)
         self.step_flops, self.clock = step_flops, clock
         self._start: tuple[float, int] | None = None  # (time, samples) after start_profile_step
         reset_peak_memory(device)
@@ -102,12 +103,22 @@ class ExperimentProfile(Observer):
         if self.rank == 0:
             latency = seconds / steps
             metrics = {"throughput": (record.samples - self._start[1]) / seconds, "latency": latency,
-                       "peak_memory": peak, "num_params": self.num_params, "steps": steps}
+                       "peak_memory": peak, "num_params": self.num_params, "largest_layer": self.largest_layer,
+                       "steps": steps}
             if self.step_flops is not None:
                 metrics["FLOPS_per_gpu"] = self.step_flops() / latency
             _write_json(self.cfg.metric_path, metrics)
             print(f"[dslaunch] autotuning experiment measured: {metrics}", flush=True)
         raise SystemExit(0)  # the experiment is done: the tuner reads the file
+
+
+def model_counts(module: torch.nn.Module) -> tuple[int, int]:
+    """(parameters, the most one module holds itself), whole sizes also when ZeRO-3 partitioned them."""
+    def size(p: torch.nn.Parameter) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    own = [sum(size(p) for p in m.parameters(recurse=False)) for m in module.modules()]
+    return sum(size(p) for p in module.parameters()), max(own, default=0)
 
 
 def _max_over_ranks(value: int, device: torch.device) -> int:

@@ -119,8 +119,7 @@ class DeepSpeedEngine(torch.nn.Module):
             from dslaunch.runtime.autotuning import ExperimentProfile
 
             counted = self.flops_profiler
-            events.add(ExperimentProfile(config.autotuning, self.global_rank, self.device,
-                                         sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters()),
+            events.add(ExperimentProfile(config.autotuning, self.global_rank, self.device, self.module,
                                          counted.get_total_flops if counted is not None else None))
         save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         if save_dir is not None:

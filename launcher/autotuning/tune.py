@@ -17,12 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dslaunch.errors import ConfigError
-from dslaunch.launcher.autotuning.estimate import (
-    Estimate,
-    ModelInfo,
-    model_states_bytes,
-    model_states_estimate,
-)
+from dslaunch.launcher.autotuning.estimate import Estimate, ModelInfo
 from dslaunch.launcher.autotuning.experiments import Experiment, ExperimentRunner, Outcome
 from dslaunch.launcher.autotuning.search import SearchLimits, SearchResult, score, search
 from dslaunch.launcher.autotuning.space import OFFLOADS, Candidate, apply, build_space
@@ -44,8 +39,10 @@ class TuneJob:
     dp_world: int
     runner: ExperimentRunner
     memory_limit: int
-    estimator: Callable[[ModelInfo, int], Estimate] = model_states_estimate
-    """Builds the estimator from the model info (the memory estimator's seam)."""
+    estimator: Callable[[ModelInfo], Estimate]
+    """Builds the estimator from the model info (the memory estimator's seam: ``estimate.py``)."""
+    exhaustive: bool = False
+    """Run every candidate: no pruning, no early stop, no trial limit (a benchmark's baseline)."""
 
 
 def tune(job: TuneJob, on_result: Callable[[Candidate, Outcome], None] | None = None) -> SearchResult:
@@ -66,19 +63,27 @@ def tune(job: TuneJob, on_result: Callable[[Candidate, Outcome], None] | None = 
     def run(c: Candidate) -> Outcome:
         return job.runner.run(Experiment(c.name, config(c)))
 
+    if job.exhaustive:
+        every = len(space)
+        return search(space, make_tuner("gridsearch"), run, SearchLimits(at.metric, every, every + 1, None, False),
+                      on_result=on_result)
     prior: list[tuple[Candidate, Outcome]] = []
-    info = _given_info(at)
+    info, offset = _given_info(at), 0
     if info is None:
         probe = min(space, key=_least_memory)
         outcome = run(probe)
         prior.append((probe, outcome))
         if on_result is not None:
             on_result(probe, outcome)
-        info = _measured_info(outcome, config(probe), job.dp_world)
-    estimate = job.estimator(info, job.dp_world) if info is not None else None
+        info = _measured_info(outcome)
+        if info is not None:  # what the probe held beyond the estimate: the framework, its activations
+            offset = max(0, int(outcome.metrics.get("peak_memory", 0)) - job.estimator(info)(config(probe)))
+    estimate = None
+    if info is not None:
+        model = job.estimator(info)
+        estimate = lambda c: offset + model(config(c))  # noqa: E731
     limits = SearchLimits(at.metric, at.tuner_num_trials, at.tuner_early_stopping, job.memory_limit)
-    return search(space, make_tuner(at.tuner_type, at.seed), run, limits,
-                  (lambda c: estimate(config(c))) if estimate is not None else None, prior,
+    return search(space, make_tuner(at.tuner_type, at.seed), run, limits, estimate, prior,
                   on_result=_skip_first(on_result, len(prior)))
 
 
@@ -113,13 +118,12 @@ def _given_info(at: AutotuningConfig) -> ModelInfo | None:
     return ModelInfo(int(info["num_params"])) if info.get("num_params") else None
 
 
-def _measured_info(outcome: Outcome, cfg: Mapping[str, Any], dp_world: int) -> ModelInfo | None:
-    """The model info from the profiling experiment: its size, and what it used beyond its model states."""
+def _measured_info(outcome: Outcome) -> ModelInfo | None:
+    """The model info the profiling experiment measured (None when it failed)."""
     m = outcome.metrics
     if outcome.status != "ok" or not m.get("num_params"):
         return None
-    states = model_states_bytes(int(m["num_params"]), cfg.get("zero_optimization") or {}, dp_world)
-    return ModelInfo(int(m["num_params"]), max(0, int(m.get("peak_memory", 0)) - states))
+    return ModelInfo(int(m["num_params"]), int(m.get("largest_layer", 0)))
 
 
 def write_results(results_dir: str, result: SearchResult, job: TuneJob) -> str | None:

@@ -11,11 +11,12 @@ are one line.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 from dslaunch.errors import LaunchError, UsageError
 from dslaunch.launcher import gpus
-from dslaunch.launcher.autotuning.estimate import memory_limit
+from dslaunch.launcher.autotuning.estimate import engine_estimate, memory_limit
 from dslaunch.launcher.autotuning.experiments import ExperimentRunner, Outcome, set_flag
 from dslaunch.launcher.autotuning.space import Candidate
 from dslaunch.launcher.autotuning.tune import TuneJob, table, tune, write_results
@@ -64,10 +65,13 @@ def run(argv: list[str]) -> int:
     raw = read_config_file(Path(path))
     at = load_config(raw, job.world_size).autotuning  # the whole config is checked, not only the block
     dp_world = max(1, job.world_size // at.mp_size)
-    limit = memory_limit(at.memory_per_device, max(len(n.workers) for n in job.nodes), _gpu_bytes)
+    per_node = max(len(n.workers) for n in job.nodes)
+    acc = gpus.detect()  # this machine's; the hosts are taken to be alike
+    limit = memory_limit(at.memory_per_device, per_node, min(acc.memory) if acc.kind == "cuda" and acc.memory else None)
     runner = ExperimentRunner(flags, script, config_flag, at.exps_dir, at.experiment_timeout, at.hang_timeout,
                               at.arg_mappings, reuse=not at.overwrite)
-    tune_job = TuneJob(dict(raw), at, dp_world, runner, limit)
+    tune_job = TuneJob(dict(raw), at, dp_world, runner, limit,
+                       partial(engine_estimate, gpus_per_node=per_node, nodes=len(job.nodes), accelerator=acc.kind))
     print(f"dslaunch: autotuning: {at.tuner_type} over ZeRO stages, offload, activation checkpointing and "
           f"batch sizes; {limit / 2**20:.0f} MiB per rank; experiments in {at.exps_dir}", file=sys.stderr,
           flush=True)
@@ -88,8 +92,3 @@ def _progress(c: Candidate, o: Outcome) -> None:
     if o.status != "pruned":
         print(f"dslaunch: autotuning: {c.name}: {o.status} ({o.seconds:.1f} s){': ' + o.message if o.message else ''}",
               file=sys.stderr, flush=True)
-
-
-def _gpu_bytes() -> int | None:
-    acc = gpus.detect()
-    return min(acc.memory) if acc.kind == "cuda" and acc.memory else None

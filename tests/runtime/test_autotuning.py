@@ -26,7 +26,8 @@ def test_the_steps_between_start_and_end_are_timed_then_every_rank_leaves(tmp_pa
     path = tmp_path / "metrics.json"
     cfg = AutotuningConfig(start_profile_step=2, end_profile_step=5, metric_path=str(path))
     now = iter([10.0, 10.6]).__next__  # step 2 ends at 10.0, step 5 at 10.6
-    profile = ExperimentProfile(cfg, rank=0, device=CPU, num_params=123, step_flops=lambda: 3000, clock=now)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2))  # 110 + 22 parameters
+    profile = ExperimentProfile(cfg, rank=0, device=CPU, module=model, step_flops=lambda: 3000, clock=now)
     for step in (1, 2, 3, 4):
         profile.on_step(_record(step))
     assert not path.exists()
@@ -35,14 +36,15 @@ def test_the_steps_between_start_and_end_are_timed_then_every_rank_leaves(tmp_pa
     assert leave.value.code == 0
     m = json.loads(path.read_text())
     assert m["throughput"] == pytest.approx(3 * 8 / 0.6) and m["latency"] == pytest.approx(0.2)
-    assert m["FLOPS_per_gpu"] == pytest.approx(3000 / 0.2) and m["num_params"] == 123 and m["steps"] == 3
+    assert m["FLOPS_per_gpu"] == pytest.approx(3000 / 0.2) and m["steps"] == 3
+    assert (m["num_params"], m["largest_layer"]) == (132, 110)
     assert m["peak_memory"] > 50 * 2**20  # this process's resident set: torch alone is more
 
 
 def test_other_ranks_leave_without_writing(tmp_path):
     path = tmp_path / "metrics.json"
     profile = ExperimentProfile(AutotuningConfig(start_profile_step=1, end_profile_step=2, metric_path=str(path)),
-                                rank=1, device=CPU, num_params=1)
+                                rank=1, device=CPU, module=torch.nn.Linear(1, 1))
     profile.on_step(_record(1))
     with pytest.raises(SystemExit):
         profile.on_step(_record(2))
@@ -51,7 +53,7 @@ def test_other_ranks_leave_without_writing(tmp_path):
 
 def test_a_rank_above_the_memory_limit_fails_as_out_of_memory(tmp_path):
     cfg = AutotuningConfig(metric_path=str(tmp_path / "m.json"), memory_per_device=2**20)
-    profile = ExperimentProfile(cfg, rank=3, device=CPU, num_params=1)
+    profile = ExperimentProfile(cfg, rank=3, device=CPU, module=torch.nn.Linear(1, 1))
     with pytest.raises(MemoryError, match=r"out of memory: rank 3 peaked at \d+ MiB by step 1, above "
                                           r"autotuning.memory_per_device \(1 MiB\)"):
         profile.on_step(_record(1))
