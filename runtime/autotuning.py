@@ -72,16 +72,17 @@ class ExperimentProfile(Observer):
         rank: this rank.
         device: the engine's device.
         module: the model (its size goes into the metrics: the tuner's model info).
-        step_flops: this rank's flops of one profiled step (the flops profiler's), for ``metric: flops``.
+        flops_profiler: the engine's ``FlopsProfiler`` (the tuner enables it for ``metric: flops``): the
+            flops of the step it counted, before ``start_profile_step``.
         clock: the wall clock (tests pass their own).
     """
 
     def __init__(self, cfg: AutotuningConfig, rank: int, device: torch.device, module: torch.nn.Module,
-                 step_flops: Callable[[], int] | None = None, clock: Callable[[], float] = time.perf_counter):
+                 flops_profiler: Any = None, clock: Callable[[], float] = time.perf_counter):
         assert cfg.metric_path is not None
         self.cfg, self.rank, self.device = cfg, rank, device
         self.num_params, self.largest_layer = model_counts(module)
-        self.step_flops, self.clock = step_flops, clock
+        self.flops_profiler, self.clock = flops_profiler, clock
         self._start: tuple[float, int] | None = None  # (time, samples) after start_profile_step
         reset_peak_memory(device)
 
@@ -105,8 +106,9 @@ class ExperimentProfile(Observer):
             metrics = {"throughput": (record.samples - self._start[1]) / seconds, "latency": latency,
                        "peak_memory": peak, "num_params": self.num_params, "largest_layer": self.largest_layer,
                        "steps": steps}
-            if self.step_flops is not None:
-                metrics["FLOPS_per_gpu"] = self.step_flops() / latency
+            counted = getattr(self.flops_profiler, "last", None)  # its profile, once the step ended
+            if counted is not None:
+                metrics["FLOPS_per_gpu"] = (counted.fwd_flops + counted.bwd_flops) / latency
             _write_json(self.cfg.metric_path, metrics)
             print(f"[dslaunch] autotuning experiment measured: {metrics}", flush=True)
         raise SystemExit(0)  # the experiment is done: the tuner reads the file

@@ -118,9 +118,8 @@ class DeepSpeedEngine(torch.nn.Module):
         if config.autotuning.metric_path is not None:  # an experiment of dslaunch --autotuning
             from dslaunch.runtime.autotuning import ExperimentProfile
 
-            counted = self.flops_profiler
             events.add(ExperimentProfile(config.autotuning, self.global_rank, self.device, self.module,
-                                         counted.get_total_flops if counted is not None else None))
+                                         self.flops_profiler))
         save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         if save_dir is not None:
             events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))

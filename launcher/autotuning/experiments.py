@@ -118,8 +118,7 @@ class ExperimentRunner:
         config_path, metrics_path = os.path.join(where, "ds_config.json"), os.path.join(where, "metrics.json")
         if os.path.exists(metrics_path):
             os.remove(metrics_path)  # a stale one from an earlier tune would pass for this run's
-        cfg = json.loads(json.dumps(exp.ds_config))
-        cfg.setdefault("autotuning", {})["metric_path"] = os.path.abspath(metrics_path)
+        cfg = _measured(exp.ds_config, os.path.abspath(metrics_path), where)
         with open(config_path, "w") as f:
             json.dump(cfg, f, indent=2)
         started = time.monotonic()
@@ -148,6 +147,18 @@ class ExperimentRunner:
             child.send_signal(signal.SIGTERM)
             child.wait()
             raise
+
+
+def _measured(ds_config: Mapping[str, Any], metrics_path: str, where: str) -> dict[str, Any]:
+    """The experiment's config as it runs: ``metric_path`` set (the engine measures and leaves),
+    and for ``metric: flops`` the flops profiler counting the step before the timed ones."""
+    cfg = json.loads(json.dumps(ds_config))
+    at = cfg.setdefault("autotuning", {})
+    at["metric_path"] = metrics_path
+    if str(at.get("metric", "")).lower() == "flops":
+        cfg["flops_profiler"] = {"enabled": True, "profile_step": max(0, int(at.get("start_profile_step", 3)) - 1),
+                                 "detailed": False, "output_file": os.path.join(os.path.abspath(where), "flops.txt")}
+    return cfg
 
 
 def set_flag(args: Sequence[str], flag: str, value: str) -> list[str]:

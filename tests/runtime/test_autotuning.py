@@ -4,6 +4,7 @@ and the memory limit on CPU."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +28,8 @@ def test_the_steps_between_start_and_end_are_timed_then_every_rank_leaves(tmp_pa
     cfg = AutotuningConfig(start_profile_step=2, end_profile_step=5, metric_path=str(path))
     now = iter([10.0, 10.6]).__next__  # step 2 ends at 10.0, step 5 at 10.6
     model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2))  # 110 + 22 parameters
-    profile = ExperimentProfile(cfg, rank=0, device=CPU, module=model, step_flops=lambda: 3000, clock=now)
+    counted = SimpleNamespace(last=SimpleNamespace(fwd_flops=1000, bwd_flops=2000))  # a FlopsProfiler's
+    profile = ExperimentProfile(cfg, rank=0, device=CPU, module=model, flops_profiler=counted, clock=now)
     for step in (1, 2, 3, 4):
         profile.on_step(_record(step))
     assert not path.exists()

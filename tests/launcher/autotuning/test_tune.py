@@ -86,3 +86,22 @@ def test_a_bad_autotuning_block_is_one_line_before_anything_runs(tmp_path, capsy
 def test_autotuning_mode_must_be_tune_or_run(capsys):
     assert cli.main(["--autotuning", "search", FAKE]) == 2
     assert "invalid choice: 'search'" in capsys.readouterr().err
+
+
+def test_the_experiment_config_asks_the_engine_to_measure(tmp_path):
+    from dslaunch.launcher.autotuning.experiments import _measured
+
+    base = {"train_batch_size": 8, "autotuning": {"metric": "FLOPS", "start_profile_step": 4}}
+    cfg = _measured(base, "/m.json", str(tmp_path))
+    assert cfg["autotuning"]["metric_path"] == "/m.json" and "metric_path" not in base["autotuning"]
+    assert cfg["flops_profiler"]["enabled"] and cfg["flops_profiler"]["profile_step"] == 3  # before the timed steps
+    assert "flops_profiler" not in _measured({"autotuning": {}}, "/m.json", str(tmp_path))
+
+
+def test_set_flag_replaces_or_appends():
+    from dslaunch.launcher.autotuning.experiments import set_flag
+
+    assert set_flag(["--a", "1", "--deepspeed_config", "x.json"], "--deepspeed_config", "y") == [
+        "--a", "1", "--deepspeed_config", "y"]
+    assert set_flag(["--deepspeed_config=x.json"], "--deepspeed_config", "y") == ["--deepspeed_config=y"]
+    assert set_flag(["--a"], "--bs", "4") == ["--a", "--bs", "4"]
