@@ -67,17 +67,17 @@ def search(space: Sequence[Candidate], tuner: Tuner, run: Callable[[Candidate], 
     Args:
         estimate: a candidate's estimated bytes per rank (see ``estimate.Estimate``), or None.
         prior: experiments already run (the profiling one): they count as the first results.
-        on_result: called after each decision (the CLI prints a line).
+        on_result: called after each decision (the CLI prints a line), not for ``prior``.
     """
     decided: list[tuple[Candidate, Outcome]] = []
     scores: dict[Candidate, float | None] = {}
     open_ = list(space)
 
-    def record(c: Candidate, o: Outcome) -> None:
+    def record(c: Candidate, o: Outcome, report: bool = True) -> None:
         decided.append((c, o))
         if c in open_:
             open_.remove(c)
-        if on_result is not None:
+        if on_result is not None and report:
             on_result(c, o)
 
     if estimate is not None and limits.memory_limit is not None:
@@ -91,6 +91,7 @@ def search(space: Sequence[Candidate], tuner: Tuner, run: Callable[[Candidate], 
     stale = 0
     done = list(prior)
     while (done or open_) and len(scores) < limits.num_trials and stale < limits.early_stopping:
+        ran_before = bool(done)
         if done:
             c, outcome = done.pop(0)
         else:
@@ -98,7 +99,7 @@ def search(space: Sequence[Candidate], tuner: Tuner, run: Callable[[Candidate], 
             outcome = run(c)
         if estimate is not None:
             outcome = replace(outcome, estimate=estimate(c))
-        record(c, outcome)
+        record(c, outcome, report=not ran_before)
         s = score(limits.metric, outcome.metrics) if outcome.status == "ok" else None
         scores[c] = s
         if s is not None and (best is None or s > best[0]):

@@ -84,26 +84,11 @@ def tune(job: TuneJob, on_result: Callable[[Candidate, Outcome], None] | None = 
         estimate = lambda c: offset + model(config(c))  # noqa: E731
     limits = SearchLimits(at.metric, at.tuner_num_trials, at.tuner_early_stopping, job.memory_limit)
     return search(space, make_tuner(at.tuner_type, at.seed), run, limits, estimate, prior,
-                  on_result=_skip_first(on_result, len(prior)))
+                  on_result=on_result)
 
 
 def _least_memory(c: Candidate) -> tuple:
     return (-c.stage, -OFFLOADS.index(c.offload or "none"), not c.checkpointing, c.micro_batch, c.gas)
-
-
-def _skip_first(on_result: Callable[[Candidate, Outcome], None] | None, n: int
-                ) -> Callable[[Candidate, Outcome], None] | None:
-    """``on_result`` without the first ``n`` calls (the prior experiments were reported already)."""
-    if on_result is None:
-        return None
-    seen = [0]
-
-    def call(c: Candidate, o: Outcome) -> None:
-        seen[0] += 1
-        if seen[0] > n:
-            on_result(c, o)
-
-    return call
 
 
 def _given_info(at: AutotuningConfig) -> ModelInfo | None:
