@@ -24,7 +24,7 @@ from dslaunch.launcher.autotuning.space import OFFLOADS, Candidate, apply, build
 from dslaunch.launcher.autotuning.tuners import make_tuner
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 
-__all__ = ["TuneJob", "tune", "write_results", "OPTIMAL_CONFIG"]
+__all__ = ["TuneJob", "tune", "candidates", "write_results", "OPTIMAL_CONFIG"]
 
 OPTIMAL_CONFIG = "ds_config_optimal.json"  # DeepSpeed's name in results_dir
 
@@ -48,14 +48,7 @@ class TuneJob:
 def tune(job: TuneJob, on_result: Callable[[Candidate, Outcome], None] | None = None) -> SearchResult:
     """Run the search; every experiment through ``job.runner``. Results are not written here."""
     at = job.at
-    zero = job.base.get("zero_optimization")
-    # as DeepSpeed's autotuner: a stage the user's config names is the only one tuned
-    stages = (int(zero["stage"]),) if isinstance(zero, Mapping) and "stage" in zero else (0, 1, 2, 3)
-    space = build_space(at, job.dp_world, int(job.base.get("gradient_accumulation_steps") or 1), stages)
-    if not space:
-        raise ConfigError("leaves no micro batch to try: min_train_micro_batch_size_per_gpu, "
-                          "max_train_micro_batch_size_per_gpu and max_train_batch_size exclude every size",
-                          key="autotuning")
+    space = candidates(job)
 
     def config(c: Candidate) -> dict[str, Any]:
         return apply(job.base, c, job.dp_world)
@@ -85,6 +78,23 @@ def tune(job: TuneJob, on_result: Callable[[Candidate, Outcome], None] | None = 
     limits = SearchLimits(at.metric, at.tuner_num_trials, at.tuner_early_stopping, job.memory_limit)
     return search(space, make_tuner(at.tuner_type, at.seed), run, limits, estimate, prior,
                   on_result=on_result)
+
+
+def candidates(job: TuneJob) -> list[Candidate]:
+    """The space of ``job``'s config.
+
+    Raises:
+        ConfigError: the batch limits leave no micro batch.
+    """
+    zero = job.base.get("zero_optimization")
+    # as DeepSpeed's autotuner: a stage the user's config names is the only one tuned
+    stages = (int(zero["stage"]),) if isinstance(zero, Mapping) and "stage" in zero else (0, 1, 2, 3)
+    space = build_space(job.at, job.dp_world, int(job.base.get("gradient_accumulation_steps") or 1), stages)
+    if not space:
+        raise ConfigError("leaves no micro batch to try: min_train_micro_batch_size_per_gpu, "
+                          "max_train_micro_batch_size_per_gpu and max_train_batch_size exclude every size",
+                          key="autotuning")
+    return space
 
 
 def _least_memory(c: Candidate) -> tuple:

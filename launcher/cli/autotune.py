@@ -1,6 +1,6 @@
 """``dslaunch --autotuning tune|run [launcher options] script --deepspeed_config ds.json``.
 
-``tune`` searches the script's ``autotuning`` block's space, each experiment launched by
+``--dry-run`` prints the candidates and an experiment's command and runs nothing. ``tune`` searches the script's ``autotuning`` block's space, each experiment launched by
 dslaunch with the same launcher options on the same hosts, prints the results table and writes
 it with the best config to ``results_dir``; it exits 0 when the search finished (also when no
 candidate could be measured: the table says why). ``run`` tunes, then launches the job with the
@@ -10,6 +10,8 @@ are one line.
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from functools import partial
 from pathlib import Path
@@ -17,9 +19,9 @@ from pathlib import Path
 from dslaunch.errors import LaunchError, UsageError
 from dslaunch.launcher import gpus
 from dslaunch.launcher.autotuning.estimate import engine_estimate, memory_limit
-from dslaunch.launcher.autotuning.experiments import ExperimentRunner, Outcome, set_flag
+from dslaunch.launcher.autotuning.experiments import Experiment, ExperimentRunner, Outcome, set_flag
 from dslaunch.launcher.autotuning.space import Candidate
-from dslaunch.launcher.autotuning.tune import TuneJob, table, tune, write_results
+from dslaunch.launcher.autotuning.tune import TuneJob, candidates, table, tune, write_results
 from dslaunch.launcher.cli import launch
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.plan import build_job, ds_config_path
@@ -28,7 +30,8 @@ __all__ = ["run", "split_argv"]
 
 
 def split_argv(argv: list[str]) -> tuple[str, list[str], list[str]]:
-    """``argv`` -> (mode, the launcher's flags without ``--autotuning``, [script, *script args])."""
+    """``argv`` -> (mode, the launcher's flags without ``--autotuning``, [script, *script args]);
+    mode ``dry-run`` for ``--dry-run`` (then left out of the flags: they are the experiments')."""
     ns = build_parser().parse_args(argv)
     cut = len(argv) - len(ns.user_args) - 1
     flags, script = argv[:cut], argv[cut:]
@@ -39,9 +42,9 @@ def split_argv(argv: list[str]) -> tuple[str, list[str], list[str]]:
             skip = False
         elif arg == "--autotuning":
             skip = True
-        elif not arg.startswith("--autotuning="):
+        elif not arg.startswith("--autotuning=") and arg not in ("--dry-run", "--dry_run"):
             out.append(arg)
-    return ns.autotuning, out, script
+    return "dry-run" if ns.dry_run else ns.autotuning, out, script
 
 
 def run(argv: list[str]) -> int:
@@ -72,6 +75,8 @@ def run(argv: list[str]) -> int:
                               at.arg_mappings, reuse=not at.overwrite)
     tune_job = TuneJob(dict(raw), at, dp_world, runner, limit,
                        partial(engine_estimate, gpus_per_node=per_node, nodes=len(job.nodes), accelerator=acc.kind))
+    if mode == "dry-run":
+        return _dry_run(tune_job)
     print(f"dslaunch: autotuning: {at.tuner_type} over ZeRO stages, offload, activation checkpointing and "
           f"batch sizes; {limit / 2**20:.0f} MiB per rank; experiments in {at.exps_dir}", file=sys.stderr,
           flush=True)
@@ -86,6 +91,20 @@ def run(argv: list[str]) -> int:
         raise LaunchError(f"autotuning measured no candidate, so there is no config to run; see "
                           f"{at.results_dir}/summary.txt")
     return launch.run([*flags, script[0], *set_flag(script[1:], config_flag, best)])
+
+
+def _dry_run(job: TuneJob) -> int:
+    """Print the space and the first experiment's command; run nothing."""
+    space = candidates(job)
+    print(f"# autotuning: {len(space)} candidates ({job.at.tuner_type}, at most {job.at.tuner_num_trials} "
+          f"experiments, {job.memory_limit / 2**20:.0f} MiB per rank)", flush=True)
+    for c in space:
+        print(c.name, flush=True)
+    first = Experiment(space[0].name, {})
+    where = os.path.join(job.runner.exps_dir, first.name)
+    command = job.runner.command(first, os.path.join(where, "ds_config.json"), os.path.join(where, "logs"))
+    print(f"# each experiment, e.g.: {shlex.join(command)}", flush=True)
+    return 0
 
 
 def _progress(c: Candidate, o: Outcome) -> None:

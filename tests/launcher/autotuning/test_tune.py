@@ -105,3 +105,14 @@ def test_set_flag_replaces_or_appends():
         "--a", "1", "--deepspeed_config", "y"]
     assert set_flag(["--deepspeed_config=x.json"], "--deepspeed_config", "y") == ["--deepspeed_config=y"]
     assert set_flag(["--a"], "--bs", "4") == ["--a", "--bs", "4"]
+
+
+def test_dry_run_lists_the_candidates_and_an_experiments_command(tmp_path, capsys):
+    config = _config(tmp_path, max_train_micro_batch_size_per_gpu=4, num_tuning_micro_batch_sizes=2, offload=False)
+    assert cli.main(["--num_gpus", "2", "--dry-run", "--autotuning", "tune", FAKE, "--deepspeed_config", config]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# autotuning: 4 candidates") and out[1:5] == [
+        "z1_mb2_gas1", "z1_mb4_gas1", "z1_ckpt_mb2_gas1", "z1_ckpt_mb4_gas1"]
+    assert "--num_gpus 2 --hang_timeout 60" in out[5] and "--dry-run" not in out[5]
+    assert f"--deepspeed_config {tmp_path}/exps/z1_mb2_gas1/ds_config.json" in out[5]
+    assert not (tmp_path / "exps").exists()
