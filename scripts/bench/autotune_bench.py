@@ -14,8 +14,9 @@ so it can only cost time (the unit tests search it).
 1. The grid: every candidate run (``TuneJob.exhaustive``: no pruning, no early stop).
 2. The tuner as ``dslaunch --autotuning tune`` runs it: ``model_based``, ``tuner_num_trials`` a
    third of the grid, DeepSpeed's early stopping (5), the estimator's pruning, a real run.
-3. The same tuner replayed on the grid's measurements for 20 seeds (its choices looked up in the
-   grid's table: the search itself, without the machine's run-to-run noise).
+3. The same pipeline (profiling experiment, estimator, pruning, tuner) replayed on the grid's
+   measurements for 20 seeds: each experiment it asks for is looked up in the grid's table, so
+   this measures the search itself, without the machine's run-to-run noise.
 
 Run under ``flock /tmp/dslaunch-bench.lock`` (the machine is shared); writes
 ``results/autotune_bench.json`` and ``.md``.
@@ -28,15 +29,15 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 from dslaunch.launcher.autotuning.estimate import engine_estimate
 from dslaunch.launcher.autotuning.experiments import ExperimentRunner
-from dslaunch.launcher.autotuning.search import SearchLimits, score, search
+from dslaunch.launcher.autotuning.search import score
 from dslaunch.launcher.autotuning.space import build_space
 from dslaunch.launcher.autotuning.tune import TuneJob, table, tune
-from dslaunch.launcher.autotuning.tuners import ModelBased
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 
 HERE = Path(__file__).resolve().parent
@@ -60,6 +61,16 @@ def _job(cfg: dict, exps: Path, limit_mib: int, exhaustive: bool) -> TuneJob:
                               "--deepspeed_config", str(exps), at.experiment_timeout, at.hang_timeout)
     return TuneJob(cfg, at, 2, runner, limit_mib * 2**20,
                    partial(engine_estimate, gpus_per_node=2, nodes=1, accelerator="cpu"), exhaustive=exhaustive)
+
+
+class _Lookup:
+    """An experiment runner that answers from the grid's table (the replay)."""
+
+    def __init__(self, outcomes: dict) -> None:
+        self.outcomes = outcomes
+
+    def run(self, exp):
+        return self.outcomes[exp.name]
 
 
 def _progress(c, o) -> None:
@@ -99,9 +110,12 @@ def main() -> int:
     in_grid = score("throughput", measured[tuned.best].metrics) if tuned.best and measured[tuned.best].status == "ok" else None
 
     replays = []
-    limits = SearchLimits("throughput", trials, 5, None)  # no estimator: the grid's table has no estimate
+    by_name = {c.name: o for c, o in grid.runs}
     for seed in range(20):
-        r = search(space, ModelBased(seed), lambda c: measured[c], limits)
+        cfg = _config(args.limit_mib, args.work / "replay", trials)
+        cfg["autotuning"]["seed"] = seed
+        job = replace(_job(cfg, args.work / "replay", args.limit_mib, exhaustive=False), runner=_Lookup(by_name))
+        r = tune(job)
         best = score("throughput", measured[r.best].metrics) if r.best else 0.0
         replays.append({"seed": seed, "experiments": r.experiments, "best": r.best.name if r.best else None,
                         "ratio": round(best / grid_best, 4)})
