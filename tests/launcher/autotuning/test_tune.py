@@ -116,3 +116,28 @@ def test_dry_run_lists_the_candidates_and_an_experiments_command(tmp_path, capsy
     assert "--num_gpus 2 --hang_timeout 60" in out[5] and "--dry-run" not in out[5]
     assert f"--deepspeed_config {tmp_path}/exps/z1_mb2_gas1/ds_config.json" in out[5]
     assert not (tmp_path / "exps").exists()
+
+
+@pytest.mark.parametrize("code, timed_out, event, output, status", [
+    (1, False, {"kind": "failure", "cause": "oom", "exception": "MemoryError: out of memory: rank 1"}, "", "oom"),
+    (1, False, None, "dslaunch: error: rank 0 on localhost exited with code 1 raising torch.OutOfMemoryError: "
+                     "CUDA out of memory", "oom"),
+    (124, False, {"kind": "failure", "cause": "hang"}, "dslaunch: error: rank 1 on localhost is hung", "hang"),
+    (143, True, None, "", "timeout"),
+    (0, False, None, "", "no_metric"),
+    (1, False, {"kind": "failure", "cause": "exception"}, "dslaunch: error: rank 0 ... raising ValueError: x", "failed"),
+])
+def test_an_experiments_end_is_judged_from_its_files(tmp_path, code, timed_out, event, output, status):
+    from dslaunch.launcher.autotuning.experiments import _judge
+
+    if event is not None:
+        job = tmp_path / "logs" / "20260101-000000-1"
+        job.mkdir(parents=True)
+        (job / "events.jsonl").write_text(json.dumps({"t": 1.0, **event}) + "\n")
+    (tmp_path / "output.log").write_text(f"[rank0] hello\n{output}\n")
+    got, message, metrics = _judge(code, timed_out, str(tmp_path / "metrics.json"), str(tmp_path), 30)
+    assert got == status and metrics == {}
+    if output:
+        assert message == output.split("dslaunch: error: ", 1)[1]
+    (tmp_path / "metrics.json").write_text('{"throughput": 3.0}')
+    assert _judge(code, timed_out, str(tmp_path / "metrics.json"), str(tmp_path), 30)[::2] == ("ok", {"throughput": 3.0})
