@@ -8,7 +8,8 @@ optimizer state and the parameters: stage 3 only), activation checkpointing (the
 experiment's ds_config: the user's config with the candidate's keys set.
 
 ``dominates(a, b)``: ``b`` needs at least as much memory as ``a`` (larger micro batch, lower
-stage, less offload, no checkpointing); the search skips such ``b`` after ``a`` ran out of memory.
+stage, less offload, the same checkpointing); the search skips such ``b`` after ``a`` ran out of
+memory.
 Pure functions.
 """
 
@@ -128,8 +129,10 @@ def apply(base: Mapping[str, Any], c: Candidate, world: int) -> dict[str, Any]:
 
 def dominates(a: Candidate, b: Candidate) -> bool:
     """Whether ``b`` needs at least the memory ``a`` needs (so ``b`` fails where ``a`` ran out)."""
+    # Checkpointing is no axis of this order: it saves activations but holds the recompute's and
+    # the saved inputs' copies, and on a small model it measured more memory, not less.
     return (b.micro_batch >= a.micro_batch and b.stage <= a.stage and _rank(b.offload) <= _rank(a.offload)
-            and bool(b.checkpointing) <= bool(a.checkpointing))
+            and b.checkpointing == a.checkpointing)
 
 
 def _rank(offload: str | None) -> int:

@@ -64,7 +64,8 @@ def test_apply_sets_the_candidates_keys_and_keeps_the_rest():
 def test_dominates_is_more_memory_on_every_axis():
     small = Candidate(2, "optimizer", True, 8, 1)
     assert dominates(small, Candidate(1, "optimizer", True, 8, 1))
-    assert dominates(small, Candidate(2, "none", False, 16, 4))
+    assert dominates(small, Candidate(2, "none", True, 16, 4))
+    assert not dominates(small, Candidate(2, "optimizer", False, 8, 1))  # checkpointing may cost memory
     assert not dominates(small, Candidate(3, "none", False, 16, 1))  # a higher stage may fit
     assert not dominates(small, Candidate(2, "optimizer", True, 4, 1))
     assert not dominates(small, Candidate(0, "all", False, 16, 1))
