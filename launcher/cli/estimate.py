@@ -99,7 +99,7 @@ def _base_config(path: str | None) -> dict:
 @click.option("--num_nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes.")
 @click.option("--micro_batch", type=click.IntRange(min=1), help="Micro batch per GPU (default: the config's, or 1).")
 @click.option("--seq_len", type=click.IntRange(min=1), help="Tokens per sample (activations need it).")
-@click.option("--precision", default="bf16", show_default=True, help="Comma list of fp32, bf16, fp16.")
+@click.option("--precision", help="Comma list of fp32, bf16, fp16 (default: the config's, else bf16).")
 @click.option("--stages", default="0,1,2,3", show_default=True, help="Comma list of ZeRO stages.")
 @click.option("--offload", default="none,cpu,nvme", show_default=True, help="Offload devices to try.")
 @click.option("--optimizer", default=None, help="adamw (default), adam, adagrad, lion, sgd, sgd_momentum, lamb.")
@@ -111,7 +111,7 @@ def _base_config(path: str | None) -> dict:
 @click.option("--gpu_memory", help="Device memory to fit: 80GB (GB = 2^30 bytes).")
 @click.option("--cpu_memory", help="Host memory per node to fit.")
 @click.option("--deepspeed_config", type=click.Path(dir_okay=False),
-              help="A ds_config whose buckets, stage-3 knobs and micro batch the rows keep.")
+              help="A ds_config whose precision, optimizer, buckets, stage-3 knobs and micro batch the rows keep.")
 @click.option("--json", "as_json", is_flag=True, help="JSON rows for tools instead of the table.")
 @click.option("--deepspeed", "deepspeed_tables", is_flag=True,
               help="Print DeepSpeed's own ZeRO-2/3 tables (its formulas) instead.")
@@ -135,6 +135,8 @@ def command(params, largest_layer, hf_config, model, hidden, layers, heads, voca
     overrides.update({k: v for k, v in (("micro_batch", micro_batch), ("optimizer", optimizer)) if v is not None})
     base = TrainingSetup.from_ds_config(_base_config(deepspeed_config), **overrides)
     stage_list = tuple(int(x) for x in _csv("--stages", stages, ("0", "1", "2", "3")))
+    if precision is None:
+        precision = base.precision if deepspeed_config else "bf16"
     rows = sw.sweep(shape, sw.setups(base, stage_list, _csv("--precision", precision, PRECISIONS),
                                      _csv("--offload", offload, ("none", "cpu", "nvme"))))
     device = parse_bytes("--gpu_memory", gpu_memory) if gpu_memory else None

@@ -102,7 +102,8 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
     """The launch command's parser; ``dslaunch sbatch`` builds on it (its own ``prog``, and
     ``--account`` is an sbatch option there, not an unsupported flag)."""
     p = _Parser(prog=prog, allow_abbrev=False, description=description,
-                epilog="Also: dslaunch sbatch ...; dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR")
+                epilog="Also: dslaunch sbatch ...; dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR; "
+                       "dslaunch estimate --help; dslaunch report")
     a = p.add_argument
     a("-H", "--hostfile", default=None,
       help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")

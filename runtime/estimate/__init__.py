@@ -9,22 +9,15 @@ The library API, torch-free::
     est.device_bytes, est.host_bytes, est.fits(80 * 2**30)
 
 - ``shape``: ``ModelShape`` and its sources (``from_hf_config``, ``from_module``, ``from_builder``).
-- ``memory``: ``TrainingSetup`` (a ds_config's memory-relevant part + the cluster),
-  ``estimate_memory`` -> ``MemoryEstimate`` (``Parts`` by purpose on device, host, NVMe).
+- ``setup``: ``TrainingSetup`` (a ds_config's memory-relevant part + the cluster).
+- ``memory``: ``estimate_memory`` -> ``MemoryEstimate`` (``Parts`` by purpose on device, host, NVMe).
 - ``sweep``: every stage/offload/precision combination, sorted by what fits, and its table.
 - ``deepspeed_formulas``: DeepSpeed's own estimator formulas and table (the compatibility
   functions at ``deepspeed.runtime.zero.stage_1_and_2`` / ``stage3`` print them).
 """
 
-from dslaunch.runtime.estimate.memory import (
-    OFFLOAD_DEVICES,
-    OPTIMIZER_STATE_BYTES,
-    PRECISIONS,
-    MemoryEstimate,
-    Parts,
-    TrainingSetup,
-    estimate_memory,
-)
+from dslaunch.runtime.estimate.memory import MemoryEstimate, Parts, estimate_memory
+from dslaunch.runtime.estimate.setup import OFFLOAD_DEVICES, OPTIMIZER_STATE_BYTES, PRECISIONS, TrainingSetup
 from dslaunch.runtime.estimate.shape import ModelShape, from_builder, from_hf_config, from_module
 
 __all__ = ["ModelShape", "from_hf_config", "from_module", "from_builder", "TrainingSetup", "Parts",

@@ -91,12 +91,13 @@ _HF_KEYS = {
 }
 
 
+def _positive(cfg: dict, key: str) -> int | None:
+    value = cfg.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _hf_value(cfg: dict, dim: str) -> int | None:
-    for key in _HF_KEYS[dim]:
-        value = cfg.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    return next((v for key in _HF_KEYS[dim] if (v := _positive(cfg, key)) is not None), None)
 
 
 def from_hf_config(path: str) -> ModelShape:
@@ -131,14 +132,14 @@ def from_hf_config(path: str) -> ModelShape:
     h, n, v = dims["hidden"], dims["layers"], dims["vocab"]
     heads = dims["heads"] or 1
     ffn = dims["ffn"] or 4 * h
-    kv = h // heads * int(cfg.get("num_key_value_heads") or heads)
+    kv = h // heads * (_positive(cfg, "num_key_value_heads") or heads)
     gated = str(cfg.get("hidden_act", cfg.get("activation_function", ""))).lower() in ("silu", "swiglu", "swish")
     bias = bool(cfg.get("attention_bias", not gated))  # GPT-2 style layers carry biases
     attn = [h * h, h * kv, h * kv, h * h] + ([h, kv, kv, h] if bias else [])
     mlp = [h * ffn, ffn * h, h * ffn] if gated else [h * ffn, ffn, ffn * h, h]
     norms = [h, h] if gated else [h, h, h, h]  # RMSNorm weights; LayerNorm weight + bias
     layer = attn + mlp + norms
-    positions = [int(cfg["n_positions"]) * h] if isinstance(cfg.get("n_positions"), int) else []
+    positions = [_positive(cfg, "n_positions") * h] if _positive(cfg, "n_positions") else []
     tied = bool(cfg.get("tie_word_embeddings", not gated))
     outer = [v * h, *positions, *([h] if gated else [h, h]), *([] if tied else [v * h])]
     sizes = tuple(layer * n + outer)
@@ -184,8 +185,12 @@ def from_builder(spec: str) -> ModelShape:
         raise UsageError(f"--model {shorten(spec, 200)}: {module_name} has no function {func_name}")
     import torch
 
-    with torch.device("meta"):
-        model = build()
+    try:
+        with torch.device("meta"):
+            model = build()
+    except Exception as err:  # the user's code: say where it failed, in one line
+        raise UsageError(f"--model {shorten(spec, 200)}: {func_name}() raised {type(err).__name__}: "
+                         f"{shorten(str(err), 200)} (it is called with no arguments on the meta device)") from None
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"--model {shorten(spec, 200)}: {func_name}() returned {type(model).__name__}, "
                          "not a torch.nn.Module")

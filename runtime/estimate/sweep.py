@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from dslaunch.runtime.estimate.memory import MemoryEstimate, TrainingSetup, estimate_memory
+from dslaunch.runtime.estimate.memory import MemoryEstimate, estimate_memory
+from dslaunch.runtime.estimate.setup import TrainingSetup
 from dslaunch.runtime.estimate.shape import ModelShape
 
 __all__ = ["Row", "setups", "sweep", "sort_rows", "format_table", "rows_as_json", "format_bytes"]

@@ -3,6 +3,7 @@ it: metadata, version checks, module identity, the command, DeepSpeed's ``python
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -65,6 +66,21 @@ def test_deepspeed_command_is_dslaunchs_launcher(compat_bin: Path, tmp_path: Pat
     # dslaunch's plan: every worker's command with DSLAUNCH_* variables (DeepSpeed's runner has none)
     workers = [line for line in proc.stdout.splitlines() if "DSLAUNCH_RESTART_COUNT=0" in line]
     assert len(workers) == 2 and all("train.py --local_rank=" in w for w in workers), proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_ds_report_is_dslaunchs_report(compat_bin: Path) -> None:
+    """DeepSpeed's ``ds_report`` command (and ``python -m deepspeed.env_report``) print dslaunch's
+    report; in that environment transformers and accelerate are found and the ``deepspeed``
+    distribution is dslaunch's."""
+    proc = subprocess.run([str(compat_bin / "ds_report"), "--json"], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    versions = json.loads(proc.stdout)["versions"]
+    assert versions["transformers"] and versions["accelerate"], versions
+    assert "+dslaunch" in versions["deepspeed"], versions
+    text = subprocess.run([str(compat_bin / "python"), "-m", "deepspeed.env_report"], capture_output=True,
+                          text=True, timeout=50)
+    assert text.returncode == 0 and "dslaunch environment report" in text.stdout, text.stderr[-2000:]
 
 
 _RANKS = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n"

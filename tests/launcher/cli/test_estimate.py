@@ -59,6 +59,22 @@ def test_json_rows_carry_bytes_by_purpose() -> None:
     assert row["activations_known"] is False and row["fits"] in ("yes", "no")
 
 
+def test_deepspeed_config_knobs_hold_in_every_row(tmp_path) -> None:
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 32, "gradient_accumulation_steps": 2,
+                               "optimizer": {"type": "Lion", "params": {"lr": 1e-4}}, "fp16": {"enabled": True},
+                               "zero_optimization": {"stage": 1, "reduce_bucket_size": 1e6}}))
+    code, out, err = _estimate("--params", "1B", "--num_gpus", "4", "--deepspeed_config", str(cfg), "--json")
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert {r["setup"]["stage"] for r in rows} == {0, 1, 2, 3}  # the sweep still varies the stage
+    assert all(r["setup"]["optimizer"] == "lion" and r["setup"]["micro_batch"] == 4 for r in rows)
+    assert {r["setup"]["precision"] for r in rows} == {"fp16"}
+    assert all(r["setup"]["reduce_bucket_size"] == 1_000_000 for r in rows)
+    code, _, err = _estimate("--params", "1B", "--deepspeed_config", str(tmp_path / "nope.json"))
+    assert code != 0 and "nope.json" in err and err.count("\n") == 1
+
+
 def test_deepspeed_mode_prints_deepspeeds_tables() -> None:
     code, out, _ = _estimate("--params", "13B", "--largest_layer", "325M", "--num_gpus", "8", "--deepspeed")
     assert code == 0

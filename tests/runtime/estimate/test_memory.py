@@ -141,7 +141,11 @@ def test_ds_config_is_read_as_the_engine_reads_it() -> None:
     assert s.activation_checkpointing and s.param_persistence_threshold == 10_000
     assert s.max_live_parameters == 1_000_000_000 and s.reduce_bucket_size == 200_000_000
     assert TrainingSetup.from_ds_config({"zero_optimization": True}).stage == 1  # DeepSpeed's spelling
+    triad = {"train_batch_size": 64, "gradient_accumulation_steps": 2}
+    assert TrainingSetup.from_ds_config(triad, gpus_per_node=8, pipeline=2).micro_batch == 64 // (2 * 4)
     with pytest.raises(UsageError, match="offload_param: got 'cpu'; valid: none below stage 3"):
         TrainingSetup.from_ds_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    with pytest.raises(UsageError, match="micro_batch: got '4'; valid: an integer"):
+        TrainingSetup.from_ds_config({"train_micro_batch_size_per_gpu": "4"})
     with pytest.raises(UsageError, match="'zero_optimization': expected an object"):
         TrainingSetup.from_ds_config({"zero_optimization": 2})

@@ -74,11 +74,14 @@ def test_builder_is_called_on_the_meta_device(tmp_path, monkeypatch) -> None:
         "    assert m.weight.device.type == 'meta'\n"
         "    return m\n"
         "def not_a_module():\n"
-        "    return 3\n")
+        "    return 3\n"
+        "def needs_args(width):\n"
+        "    return torch.nn.Linear(width, width)\n")
     monkeypatch.chdir(tmp_path)
     assert from_builder("mymodels:build").params == 4096 * 4096 + 4096
     for spec, message in [("mymodels", "expected MODULE:FUNCTION"), ("nosuchmod:build", "cannot import"),
-                          ("mymodels:missing", "has no function missing"), ("mymodels:not_a_module", "returned int")]:
+                          ("mymodels:missing", "has no function missing"), ("mymodels:not_a_module", "returned int"),
+                          ("mymodels:needs_args", "needs_args\\(\\) raised TypeError")]:
         with pytest.raises(UsageError, match=message):
             from_builder(spec)
 
