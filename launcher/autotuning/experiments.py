@@ -94,12 +94,13 @@ class ExperimentRunner:
         self.launcher_argv, self.script, self.config_flag = list(launcher_argv), list(script), config_flag
         self.exps_dir, self.timeout, self.hang_timeout = exps_dir, timeout, hang_timeout
         self.arg_mappings, self.reuse, self.python = dict(arg_mappings or {}), reuse, python
-        self._port_given = any(a == "--master_port" or a.startswith("--master_port=") for a in launcher_argv)
+        # the user pinned the port: every experiment (and ``run``'s job) uses it; else each gets a free one
+        self.port_given = any(a == "--master_port" or a.startswith("--master_port=") for a in launcher_argv)
 
     def command(self, exp: Experiment, config_path: str, log_dir: str) -> list[str]:
         """The child ``dslaunch`` command of ``exp``."""
         extra = ["--hang_timeout", f"{self.hang_timeout:g}", "--log_dir", log_dir]
-        if not self._port_given:  # the last experiment's port may linger (TIME_WAIT)
+        if not self.port_given:  # the last experiment's port may linger (TIME_WAIT)
             extra += ["--master_port", str(free_port())]
         args = set_flag(self.script[1:], self.config_flag, config_path)
         for key, flag in self.arg_mappings.items():

@@ -25,6 +25,7 @@ from dslaunch.launcher.autotuning.tune import TuneJob, candidates, table, tune, 
 from dslaunch.launcher.cli import launch
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.plan import build_job, ds_config_path
+from dslaunch.utils.ports import free_port
 
 __all__ = ["run", "split_argv"]
 
@@ -90,7 +91,9 @@ def run(argv: list[str]) -> int:
     if best is None:
         raise LaunchError(f"autotuning measured no candidate, so there is no config to run; see "
                           f"{at.results_dir}/summary.txt")
-    return launch.run([*flags, script[0], *set_flag(script[1:], config_flag, best)])
+    # as a restart does: a fresh port unless one was given (the experiments' may linger in TIME_WAIT)
+    port = [] if runner.port_given else ["--master_port", str(free_port())]
+    return launch.run([*flags, *port, script[0], *set_flag(script[1:], config_flag, best)])
 
 
 def _dry_run(job: TuneJob) -> int:

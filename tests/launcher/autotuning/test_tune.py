@@ -38,7 +38,7 @@ def test_a_tune_records_failed_and_hung_experiments_and_runs_the_best(tmp_path):
                         "--steps", "4", "--fail_micro_batch", "4", "--hang_micro_batch", "8",
                         "--deepspeed_config", config], capture_output=True, text=True, timeout=230,
                        env=tagged_env(new_tag()), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, f"stdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
     results = {row["name"]: row for row in json.loads((tmp_path / "results" / "results.json").read_text())}
     assert {n: row["status"] for n, row in results.items()} == {
         "z1_mb2_gas1": "ok", "z1_mb4_gas1": "failed", "z1_mb8_gas1": "hang"}
