@@ -126,6 +126,11 @@ class DeepSpeedEngine(torch.nn.Module):
             assert work is not None
             events.add(MonitorEvents(self.monitor, config.train_batch_size, self.dp_world_size,
                                      config.fp16.enabled, self.device, work, breakdown, peak))
+        if config.autotuning.metric_path is not None:  # an experiment of dslaunch --autotuning
+            from dslaunch.runtime.autotuning import ExperimentProfile
+
+            events.add(ExperimentProfile(config.autotuning, self.global_rank, self.device, self.module,
+                                         self.flops_profiler))
         save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         if save_dir is not None:
             events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))

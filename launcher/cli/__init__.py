@@ -3,6 +3,7 @@
 - ``dslaunch [launcher options] user_script [args]``: the launch command (``launch``), DeepSpeed's
   exact flags through argparse (``flags``). Its path imports neither torch nor click (click alone costs
   ~70 ms), so workers start within milliseconds of the command.
+- ``dslaunch --autotuning tune|run ...``: the autotuner (``autotune``), the launch flags plus one.
 - ``dslaunch sbatch ...``: submit the job to SLURM (``sbatch``), the launch flags plus sbatch's
   through argparse like the launch command.
 - ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             from dslaunch.launcher.cli import sbatch
 
             return sbatch.run(argv[1:])
+        if _autotuning(argv):
+            from dslaunch.launcher.cli import autotune
+
+            return autotune.run(argv)
         return launch.run(argv)
     except DslaunchError as err:
         if verbose:
@@ -82,6 +87,13 @@ def _reader_gone() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return 128 + signal.SIGPIPE
+
+
+def _autotuning(argv: list[str]) -> bool:
+    """--autotuning among the launcher's own flags (a script's argument of that name is its own)."""
+    if not any(a == "--autotuning" or a.startswith("--autotuning=") for a in argv):
+        return False  # the usual case: no second parse
+    return build_parser().parse_args(argv).autotuning is not None
 
 
 def _verbose(argv: list[str]) -> bool:

@@ -94,7 +94,7 @@ class _NotSupported(argparse.Action):
 
 
 # DeepSpeed launcher flags answered with "not supported yet" (see _NotSupported).
-NOT_SUPPORTED = ("--autotuning", "--comment", "--account", "--venv_script")
+NOT_SUPPORTED = ("--comment", "--account", "--venv_script")
 
 
 def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-style training script on "
@@ -164,6 +164,10 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
     g("--no_warm_spares", action="store_true",
       help="with --max_restarts on one local node: start restarted workers fresh instead of handing "
            "them to spare interpreters kept with torch imported (about 250 MB each)")
+    if "--autotuning" not in unsupported:
+        a("--autotuning", choices=("tune", "run"), default=None,
+          help="tune: search the ds_config's autotuning space, each experiment a dslaunch job on these hosts, "
+               "and write the results and the best config; run: tune, then launch the job with the best")
     a("--dry-run", "--dry_run", dest="dry_run", action="store_true",
       help="print what would run on each host (command, environment) and exit")
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")

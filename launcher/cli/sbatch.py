@@ -140,7 +140,7 @@ def _one_line(what: str, value: str, fix: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = build_parser(prog="dslaunch sbatch", description="Submit a dslaunch job to SLURM (sbatch).",
-                     unsupported=tuple(f for f in NOT_SUPPORTED if f != "--account"))
+                     unsupported=(*(f for f in NOT_SUPPORTED if f != "--account"), "--autotuning"))
     g = p.add_argument_group("sbatch").add_argument
     g("--nodes", type=integer, required=True, help="nodes to allocate (sbatch --nodes)")
     g("--gpus_per_node", "--gpus-per-node", type=integer, default=None,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
+from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
@@ -70,7 +71,7 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "flops_profiler": FlopsProfilerConfig,
              "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
              "comet": CometConfig, "comms_logger": CommsLoggerConfig,
-             "pipeline": PipelineConfig}
+             "pipeline": PipelineConfig, "autotuning": AutotuningConfig}
 
 
 def _steps_per_print(path: str, value: Any) -> int | None:
@@ -132,6 +133,8 @@ class DeepSpeedConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     comet: CometConfig = field(default_factory=CometConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
+    """Read by ``dslaunch --autotuning`` and, inside an experiment, by the engine's profiler."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
@@ -313,6 +316,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     check_contiguous(act.contiguous_memory_optimization, act.partition_activations, act.number_checkpoints,
                      "activation_checkpointing.contiguous_memory_optimization")
     check_packages(cfg.monitor_config)
+    cfg.autotuning.check()
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization

@@ -378,7 +378,6 @@ _COMPRESSION = Off({"shared_parameters": _enabled()}, switch="shared_parameters"
 # runtime/config.py, constants.py and the feature configs it reads).
 UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # monitors, profilers, logging
-    "autotuning": _enabled(),
     # DeepSpeed prints a throughput line by default; dslaunch has no throughput timer.
     "timers": Off({"throughput": Off({"enabled": False, "synchronized": True}, switch="enabled")}),
     "memory_breakdown": False, "dump_state": False, "log_level": None,

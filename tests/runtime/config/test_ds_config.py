@@ -69,7 +69,7 @@ def test_auto_says_what_to_put_there() -> None:
 
 
 def test_unimplemented_keys_are_reported_not_ignored() -> None:
-    assert "not implemented" in _error({"train_batch_size": 8, "autotuning": {"enabled": True}})
+    assert "not implemented" in _error({"train_batch_size": 8, "hybrid_engine": {"enabled": True}})
     assert "not implemented" in _error({"train_batch_size": 8, "curriculum_learning": {"enabled": True}})
     # partial offload is implemented now (stage 3, tests/runtime/zero/test_offload_ratio.py)
     zero = load_config({"train_batch_size": 8, "zero_optimization": {
@@ -181,7 +181,6 @@ def test_sections_at_their_off_values_are_accepted() -> None:
      {"layer_reduction": {"enabled": True}}, {"layer_reduction": {"enabled": False}}),
     ("sparse_attention", {"mode": "fixed"}, None), ("curriculum_learning", {"enabled": True}, {"enabled": False}),
     ("data_efficiency", {"enabled": True}, {"enabled": False}),
-    ("autotuning", {"enabled": True}, {"enabled": False}),
     ("amp", {"enabled": True, "opt_level": "O1"}, {"enabled": False, "opt_level": "O1"}),
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
     ("graph_harvesting", True, False), ("torch_autocast", {"enabled": True}, {"enabled": False}),
