@@ -20,25 +20,15 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.errors import UsageError
-from dslaunch.monitor.monitor import MonitorMaster
-from dslaunch.runtime import preempt
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_setup import build_components
-from dslaunch.runtime.events import Events, StepRecord
+from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
-from dslaunch.runtime.observers import (
-    CheckpointProfile,
-    HeartbeatSender,
-    MonitorEvents,
-    PreemptionCheck,
-    ProgressLine,
-    WallClockBreakdown,
-)
+from dslaunch.runtime.observers import build_observers
 from dslaunch.runtime.pipe.topology import DataParallelGrid
 from dslaunch.runtime.precision import PrecisionPolicy
-from dslaunch.runtime.throughput import WorkMeter, device_peak, model_params
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
@@ -93,48 +83,10 @@ class DeepSpeedEngine(torch.nn.Module):
             from dslaunch import comm
 
             comm.configure(config)
-        self.events, self.timers = self._observers(config)
-
-    def _observers(self, config: DeepSpeedConfig) -> tuple[Events, Any]:
-        """The built-in observers of this engine's events, and DeepSpeed's ``engine.timers``."""
-        events = Events()
-        breakdown = events.add(WallClockBreakdown()) if config.wall_clock_breakdown else None
-        if config.steps_per_print:
-            events.add(ProgressLine(config.steps_per_print, self.global_rank, breakdown))
-            if config.activation_checkpointing.profile:
-                events.add(CheckpointProfile(config.steps_per_print, self.global_rank))
-        self.flops_profiler = None  # DeepSpeed's attribute: the FlopsProfiler of the profiled step
-        profiled = None
-        if config.flops_profiler.enabled:
-            # Imported only when on: torch's flop formulas and dispatch-mode machinery are not free.
-            from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
-
-            profiler = FlopsProfilerObserver(self, config.flops_profiler)
-            self.flops_profiler, profiled = profiler.profiler, profiler.step_flops
-        self.monitor = MonitorMaster(config.monitor_config, rank=self.global_rank)  # DeepSpeed's engine.monitor
-        watch = self.monitor.enabled and self.global_rank == 0
-        work, peak = None, None
-        if self._heartbeat is not None or watch:
-            work = events.add(WorkMeter(model_params(self.module), profiled))
-            self.module.register_forward_pre_hook(work.count_tokens, with_kwargs=True)
-            peak = device_peak(self.device, self.precision.model_dtype)
-        if self._heartbeat is not None:
-            events.add(HeartbeatSender(self._heartbeat, work, self.dp_world_size, peak))
-        if config.flops_profiler.enabled:
-            events.add(profiler)
-        if watch:
-            assert work is not None
-            events.add(MonitorEvents(self.monitor, config.train_batch_size, self.dp_world_size,
-                                     config.fp16.enabled, self.device, work, breakdown, peak))
-        if config.autotuning.metric_path is not None:  # an experiment of dslaunch --autotuning
-            from dslaunch.runtime.autotuning import ExperimentProfile
-
-            events.add(ExperimentProfile(config.autotuning, self.global_rank, self.device, self.module,
-                                         self.flops_profiler))
-        save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
-        if save_dir is not None:
-            events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))
-        return events, breakdown.timers if breakdown is not None else None
+        built = build_observers(self, config, self._heartbeat, self._leave_on_request)
+        self.events, self.timers = built.events, built.timers  # DeepSpeed's engine.timers
+        self.flops_profiler = built.flops_profiler  # DeepSpeed's: the FlopsProfiler of the profiled step
+        self.monitor = built.monitor  # DeepSpeed's engine.monitor
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

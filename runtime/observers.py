@@ -13,22 +13,26 @@
   the launcher may ask for one);
 - ``MonitorEvents`` (``tensorboard``/``csv_monitor``/``wandb``/``comet``): rank 0 hands each
   step's events to the monitors (``dslaunch.monitor``), which write them on their own thread.
+
+``build_observers`` makes the engine's set from its config, once, when the engine is built.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from dslaunch.monitor.monitor import MonitorMaster
 from dslaunch.runtime import preempt
-from dslaunch.runtime.events import PHASES, Observer, StepRecord
-from dslaunch.runtime.throughput import WorkMeter
+from dslaunch.runtime.events import PHASES, Events, Observer, StepRecord
+from dslaunch.runtime.throughput import WorkMeter, device_peak, model_params
 from dslaunch.runtime.timers import Timers
 from dslaunch.utils.restart import restart_count
 
 __all__ = ["WallClockBreakdown", "ProgressLine", "CheckpointProfile", "HeartbeatSender", "PreemptionCheck",
-           "MonitorEvents"]
+           "MonitorEvents", "BuiltObservers", "build_observers"]
 
 
 class WallClockBreakdown(Observer):
@@ -236,3 +240,68 @@ class MonitorEvents(Observer):
             ms[phase] = (total - self._totals.get(phase, 0.0)) * 1000.0
             self._totals[phase] = total
         return ms
+
+
+@dataclass(frozen=True)
+class BuiltObservers:
+    """An engine's observers and the objects DeepSpeed's engine exposes from them."""
+
+    events: Events
+    timers: Timers | None
+    """``engine.timers``: the breakdown's timers (``wall_clock_breakdown``), else None."""
+    flops_profiler: Any
+    """``engine.flops_profiler``: the FlopsProfiler of the profiled step, else None."""
+    monitor: MonitorMaster
+    """``engine.monitor``."""
+
+
+def build_observers(engine: Any, config: Any, heartbeat: Any,
+                    leave_on_request: Callable[[str], None]) -> BuiltObservers:
+    """The built-in observers of ``engine`` (a ``DeepSpeedEngine`` being built) for ``config``.
+
+    Order (each sees a step's events after those before it): breakdown, progress line, checkpoint
+    profile, work meter, heartbeat, flops profiler, monitors, the autotuning experiment's profile,
+    pre-emption check (last: it may save and leave).
+
+    Args:
+        heartbeat: the launcher's reporter (None outside dslaunch).
+        leave_on_request: saves into the directory given and leaves (the launcher's checkpoint
+            request; called once every rank agreed).
+    """
+    rank = engine.global_rank
+    events = Events()
+    breakdown = events.add(WallClockBreakdown()) if config.wall_clock_breakdown else None
+    if config.steps_per_print:
+        events.add(ProgressLine(config.steps_per_print, rank, breakdown))
+        if config.activation_checkpointing.profile:
+            events.add(CheckpointProfile(config.steps_per_print, rank))
+    profiler = flops_profiler = profiled = None
+    if config.flops_profiler.enabled:
+        # Imported only when on: torch's flop formulas and dispatch-mode machinery are not free.
+        from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
+
+        profiler = FlopsProfilerObserver(engine, config.flops_profiler)
+        flops_profiler, profiled = profiler.profiler, profiler.step_flops
+    monitor = MonitorMaster(config.monitor_config, rank=rank)
+    watch = monitor.enabled and rank == 0
+    work, peak = None, None
+    if heartbeat is not None or watch:
+        work = events.add(WorkMeter(model_params(engine.module), profiled))
+        engine.module.register_forward_pre_hook(work.count_tokens, with_kwargs=True)
+        peak = device_peak(engine.device, engine.precision.model_dtype)
+    if heartbeat is not None:
+        events.add(HeartbeatSender(heartbeat, work, engine.dp_world_size, peak))
+    if profiler is not None:
+        events.add(profiler)
+    if watch:
+        assert work is not None
+        events.add(MonitorEvents(monitor, config.train_batch_size, engine.dp_world_size, config.fp16.enabled,
+                                 engine.device, work, breakdown, peak))
+    if config.autotuning.metric_path is not None:  # an experiment of dslaunch --autotuning
+        from dslaunch.runtime.autotuning import ExperimentProfile
+
+        events.add(ExperimentProfile(config.autotuning, rank, engine.device, engine.module, flops_profiler))
+    save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
+    if save_dir is not None:
+        events.add(PreemptionCheck(engine.device, lambda: leave_on_request(save_dir)))
+    return BuiltObservers(events, breakdown.timers if breakdown is not None else None, flops_profiler, monitor)
