@@ -25,8 +25,8 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.precision import PrecisionPolicy
-from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.exchange import GradientExchange, build_exchange
+from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.registry import strategy_class
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec
 from dslaunch.runtime.zero.strategy import ZeroStrategy

@@ -25,10 +25,10 @@ from dslaunch.runtime.config.param_schema import (
     Option,
     betas,
     boolean,
-    integer,
     check_params,
     describe,
     finite,
+    integer,
     number,
 )
 
@@ -169,6 +169,29 @@ def _make_onebit_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> A
                                     process_group=exchange.pg), param_groups, kwargs)
 
 
+def _make_onebit_lamb(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    from dslaunch.runtime.optim.onebit import OneBitLamb
+
+    exchange = p.pop("exchange")
+    for key in ("amsgrad", "cuda_aware", "comm_backend_name"):
+        del p[key]  # checked; nothing to pass on
+    return OneBitLamb(_materialize(param_groups), exchange=exchange, process_group=exchange.pg, **p)
+
+
+def _onebit_lamb_schema() -> dict[str, Option]:
+    schema = {k: v for k, v in _onebit_schema().items() if k not in ("adam_w_mode", "torch_adam")}
+    return {**schema, "max_coeff": Option(10.0, number(0.0)), "min_coeff": Option(0.01, number(0.0)),
+            "coeff_beta": Option(0.9, number(0.0, 1.0)), "factor_max": Option(4.0, number(0.0)),
+            "factor_min": Option(0.5, number(0.0)), "factor_threshold": Option(0.1, number(0.0))}
+
+
+def _check_onebit_lamb(p: dict[str, Any]) -> None:
+    _check_lamb(p)
+    if p["factor_min"] > p["factor_max"]:
+        raise ConfigError(f"factor_min {p['factor_min']} is larger than factor_max {p['factor_max']}",
+                          key=f"{_KEY}.factor_min")
+
+
 def _check_onebit(p: dict[str, Any]) -> None:
     for key, ok in (("amsgrad", False), ("bias_correction", True), ("adam_w_mode", True),
                     ("eps_inside_sqrt", False)):
@@ -232,6 +255,8 @@ _ENTRIES = [
         "amsgrad": Option(False, boolean),
     }, _make_lamb, _check_lamb, layout_aware=True),
     _Entry("OneBitAdam", _onebit_schema(), _make_onebit_adam, _check_onebit, compressed=True),
+    _Entry("OneBitLamb", _onebit_lamb_schema(), _make_onebit_lamb, _check_onebit_lamb, layout_aware=True,
+           compressed=True),
 ]
 _REGISTRY = {entry.name.lower(): entry for entry in _ENTRIES}
 
@@ -239,7 +264,7 @@ OPTIMIZER_TYPES: tuple[str, ...] = tuple(entry.name for entry in _ENTRIES)
 
 
 # Types DeepSpeed knows that dslaunch does not implement.
-_DEEPSPEED_ONLY = ("ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Muon")
+_DEEPSPEED_ONLY = ("ZeroOneAdam", "MuAdam", "MuAdamW", "MuSGD", "Muon")
 
 
 def _entry(opt_type: str) -> _Entry:

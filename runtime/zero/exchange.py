@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dslaunch import comm
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.zero.partition import GroupLayout
 
 __all__ = ["GradientExchange", "FlatAllReduce", "HierarchicalAllReduce", "CompressedExchange",
            "NodeLayout", "build_exchange"]
@@ -43,13 +44,13 @@ class GradientExchange:
 
     def __init__(self, process_group: Any = None):
         self.pg = process_group
-        self.spans: list[tuple[int, int, int]] = []  # per param group: (numel, start, end) of this rank
+        self.layouts: list[GroupLayout] = []  # per param group: its params and this rank's [start, end)
         self.local_gradient: Callable[[int], torch.Tensor] | None = None
 
-    def bind(self, spans: list[tuple[int, int, int]], local_gradient: Callable[[int], torch.Tensor]) -> None:
-        """Called by the strategy once built: each param group's (numel, start, end) on this rank,
-        and a function returning group i's whole local gradient (where the strategy keeps it)."""
-        self.spans, self.local_gradient = spans, local_gradient
+    def bind(self, layouts: list[GroupLayout], local_gradient: Callable[[int], torch.Tensor]) -> None:
+        """Called by the strategy once built: each param group's layout on this rank, and a function
+        returning group i's whole local gradient (where the strategy keeps it)."""
+        self.layouts, self.local_gradient = layouts, local_gradient
 
     def all_reduce(self, buf: torch.Tensor) -> Any:
         """Start summing ``buf`` over the group; returns a handle to wait on (None: done)."""

@@ -103,8 +103,7 @@ class ZeroStrategy:
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
         gradients_type = FullGradients if self.exchange.needs_local_gradients else self.gradients_type
         self.gradients = gradients_type(self.groups, comm, self.world_size, self.exchange)
-        self.exchange.bind([(g.layout.numel, g.layout.start, g.layout.end) for g in self.groups],
-                           self.gradients.local_gradient)
+        self.exchange.bind([g.layout for g in self.groups], self.gradients.local_gradient)
         self.offload = None  # offload_optimizer: the update runs where the master is (host memory)
         if comm.offload_optimizer:
             from dslaunch.runtime.zero.offload.step import OffloadedStep
