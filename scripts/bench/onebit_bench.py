@@ -1,0 +1,147 @@
+"""1-bit optimizers and the hierarchical all-reduce: bytes sent per step and step time, in one run.
+
+A ~50M-parameter language model (an 8192 x 1024 embedding, 5 blocks of a 1024 -> 4096 -> 1024 MLP,
+a 1024 x 8192 head) trains on ``--world`` local gloo ranks (one thread each) with a tiny batch (8
+tokens per rank), so the gradient exchange dominates the step. Each configuration runs ``--warmup``
+steps (the 1-bit optimizers' warm-up: ``freeze_step`` = that) and then ``--steps`` measured steps:
+
+- ``Adam``: fp32 all-reduce of the gradients (flat);
+- ``Adam, hierarchical``: the same through ``hierarchical_allreduce: always`` with the ranks split
+  into 2 pretend nodes (``NODE_RANK``), world 4 only;
+- ``OneBitAdam`` and ``OneBitLamb``: the measured steps are compressed ones.
+
+Bytes: every collective's payload as the comms logger records it, times the share of it that
+leaves the rank (all-reduce 2(W-1)/W, all-to-all (W-1)/W, all-gather W-1 of its input), per rank
+and step. Time: the mean wall time of the measured steps on rank 0. Without a shaped link the ranks
+talk over loopback (~0.8 GB/s for gloo at world 2 here: FACTS.md), which already makes the fp32
+exchange the larger part of a step.
+
+Writes ``results/onebit_bench_w<world>.json`` and ``.md``. Run it under the benchmark lock:
+``flock /tmp/dslaunch-bench.lock python scripts/bench/onebit_bench.py [--world 2] [--steps 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).resolve().parent
+VOCAB, DIM, HIDDEN, LAYERS, TOKENS = 8192, 1024, 4096, 5, 8
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(),
+                                                              torch.nn.Linear(HIDDEN, DIM)) for _ in range(LAYERS))
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens[:, :-1])
+        for block in self.blocks:
+            h = h + block(h)
+        return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def configs(world: int, warmup: int) -> dict[str, dict]:
+    base = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10_000, "comms_logger": {"enabled": True}}
+    out = {
+        "Adam": {**base, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}},
+        "OneBitAdam": {**base, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": warmup}}},
+        "OneBitLamb": {**base, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-4, "freeze_step": warmup}}},
+    }
+    if world == 4:
+        out["Adam, hierarchical"] = {**out["Adam"], "hierarchical_allreduce": "always"}
+    return out
+
+
+def sent_bytes(summary: dict, world: int) -> float:
+    share = {"all_reduce": 2 * (world - 1) / world, "all_to_all_single": (world - 1) / world,
+             "all_gather_into_tensor": world - 1, "reduce": 1.0, "broadcast": 1.0}
+    return sum(share.get(op.split(" ")[0], 1.0) * size * row["count"]
+               for op, sizes in summary.items() for size, row in sizes.items())
+
+
+def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, steps: int, queue: object) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK=str(rank // 2))
+    torch.set_num_threads(1)
+    import dslaunch
+    from dslaunch import comm
+
+    torch.manual_seed(0)
+    engine, _, _, _ = dslaunch.initialize(model=Model(), config=cfg)
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            comm.comms_logger.reset()
+        tokens = torch.randint(0, VOCAB, (1, TOKENS + 1), generator=g)
+        start = time.perf_counter()
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+    summary = comm.comms_logger.summary()
+    if rank == 0:
+        params = sum(p.numel() for p in engine.module.parameters())
+        queue.put({"name": name, "params": params, "bytes_per_step": sent_bytes(summary, world) / steps,
+                   "step_s": sum(times[warmup:]) / steps,
+                   "ops": {op: sum(r["count"] for r in sizes.values()) // steps for op, sizes in summary.items()}})
+    engine.destroy()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2, choices=(2, 4))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+    from dslaunch.utils.ports import free_port
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for name, cfg in configs(args.world, args.warmup).items():
+        queue = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=run, args=(r, args.world, port, name, cfg, args.warmup, args.steps, queue))
+                 for r in range(args.world)]
+        for p in procs:
+            p.start()
+        rows.append(queue.get(timeout=1800))
+        for p in procs:
+            p.join()
+        print(rows[-1], flush=True)
+    adam = rows[0]
+    for row in rows:
+        row["bytes_vs_adam"] = adam["bytes_per_step"] / row["bytes_per_step"]
+        row["speedup_vs_adam"] = adam["step_s"] / row["step_s"]
+    result = {"world": args.world, "warmup": args.warmup, "steps": args.steps, "tokens_per_rank": TOKENS,
+              "link": "loopback (no shaping)", "loadavg_1m": os.getloadavg()[0], "torch": torch.__version__,
+              "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"onebit_bench_w{args.world}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"world {args.world}, {rows[0]['params'] / 1e6:.1f}M params, load average {result['loadavg_1m']:.1f}",
+             "", "| config | bytes sent per rank and step | vs Adam | step time (s) | speed-up vs Adam |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['bytes_per_step'] / 1e6:.2f} MB | {r['bytes_vs_adam']:.1f}x fewer | "
+              f"{r['step_s']:.3f} | {r['speedup_vs_adam']:.2f}x |" for r in rows]
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
