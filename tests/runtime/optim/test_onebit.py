@@ -111,3 +111,18 @@ def test_onebit_adam_accepts_deepspeeds_keys() -> None:
     spec = validate_optimizer("onebitadam", {"lr": 1e-3, "freeze_step": 400, "cuda_aware": False,
                                              "comm_backend_name": "nccl", "betas": [0.9, 0.999]})
     assert spec.name == "OneBitAdam" and spec.params["freeze_step"] == 400
+
+
+def _pipeline_runs(rank: int, world: int) -> list[list[float]]:
+    from tests.runtime.pipe.test_engine import _train
+
+    return [_train(rank, world, 2, 3, 1, {"optimizer": opt})["losses"] for opt in (
+        {"type": "Adam", "params": {"lr": 0.01}}, {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 5}})]
+
+
+@pytest.mark.timeout(150)
+def test_onebit_adam_in_the_pipeline_engine_2_stages_x_2_replicas_zero_1() -> None:
+    adam, onebit = run_world(_pipeline_runs, 4, timeout=140)[0]
+    assert onebit[:6] == adam[:6]  # 5 warm-up steps, and the 6th step's loss is computed before its update
+    assert onebit[6:] != adam[6:]
+    assert sum(onebit[-5:]) < 0.5 * sum(onebit[:5])  # it keeps training (20 steps, 3 micro batches each)
