@@ -69,9 +69,10 @@ def sent_bytes(summary: dict, world: int) -> float:
                for op, sizes in summary.items() for size, row in sizes.items())
 
 
-def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, steps: int, queue: object) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK=str(rank // 2))
+def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, steps: int, queue: object,
+        master: str = "127.0.0.1", per_node: int = 2) -> None:
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), NODE_RANK=str(rank // per_node))
     torch.set_num_threads(1)
     import dslaunch
     from dslaunch import comm
@@ -101,18 +102,93 @@ def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, ste
     dist.destroy_process_group()
 
 
+class _FileQueue:
+    """Rank 0's result into a file (a rank started in a network namespace by ``ip netns exec``)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def put(self, row: dict) -> None:
+        Path(self.path).write_text(json.dumps(row))
+
+
+def _worker(argv: list[str]) -> None:
+    rank, world, port, name, warmup, steps, master, out = argv
+    cfg = configs(int(world), int(warmup))[name]
+    run(int(rank), int(world), int(port), name, cfg, int(warmup), int(steps), _FileQueue(out), master, per_node=1)
+
+
+class ShapedHosts:
+    """``world`` private network namespaces (one rank each) on a bridge, each link shaped by
+    ``cluster.LinkShape`` (a token bucket both ways). Not the test cluster's names: it may be in use."""
+
+    def __init__(self, world: int, rate: str):
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("cluster", HERE.parent / "cluster" / "cluster.py")
+        self.cl = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.cl)
+        self.hosts = [self.cl.Host(f"dslob-n{k}", f"10.213.77.{10 + k}") for k in range(world)]
+        self.shape = self.cl.LinkShape(rate)
+
+    def __enter__(self) -> ShapedHosts:
+        run_ = self.cl._run
+        run_("ip", "link", "add", "dslob-br", "type", "bridge")
+        run_("ip", "addr", "add", "10.213.77.1/24", "dev", "dslob-br")
+        run_("ip", "link", "set", "dslob-br", "up")
+        for h in self.hosts:
+            run_("ip", "netns", "add", h.name)
+            run_("ip", "link", "add", f"{h.name}v", "type", "veth", "peer", "name", f"{h.name}p")
+            run_("ip", "link", "set", f"{h.name}p", "netns", h.name)
+            run_("ip", "-n", h.name, "link", "set", f"{h.name}p", "name", h.iface)
+            run_("ip", "link", "set", f"{h.name}v", "master", "dslob-br", "up")
+            run_("ip", "-n", h.name, "addr", "add", f"{h.addr}/24", "dev", h.iface)
+            run_("ip", "-n", h.name, "link", "set", h.iface, "up")
+            run_("ip", "-n", h.name, "link", "set", "lo", "up")
+            self.cl._shape_link(h, self.shape)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.hosts:
+            self.cl._run("ip", "netns", "del", h.name, check=False)
+        self.cl._run("ip", "link", "del", "dslob-br", check=False)
+
+    def run(self, name: str, warmup: int, steps: int, port: int) -> dict:
+        import subprocess
+        import sys
+        import tempfile
+
+        out = tempfile.mktemp(suffix=".json")
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen(["ip", "netns", "exec", h.name, sys.executable, __file__, "--worker", str(r),
+                                   str(len(self.hosts)), str(port), name, str(warmup), str(steps),
+                                   self.hosts[0].addr, out], env=env)
+                 for r, h in enumerate(self.hosts)]
+        for p in procs:
+            p.wait(timeout=1800)
+        return json.loads(Path(out).read_text())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2, choices=(2, 4))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--link-rate", default=None,
+                    help="one rank per private network namespace, each link shaped to this rate (tc units, e.g. 1gbit)")
     args = ap.parse_args()
     from dslaunch.utils.ports import free_port
 
     ctx = mp.get_context("spawn")
     rows = []
-    for name, cfg in configs(args.world, args.warmup).items():
+    if args.link_rate:
+        with ShapedHosts(args.world, args.link_rate) as hosts:
+            for name in configs(args.world, args.warmup):
+                if "hierarchical" not in name:  # one rank per host: nothing to do within a node
+                    rows.append(hosts.run(name, args.warmup, args.steps, free_port()))
+                    print(rows[-1], flush=True)
+    for name, cfg in configs(args.world, args.warmup).items() if not args.link_rate else ():
         queue = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=run, args=(r, args.world, port, name, cfg, args.warmup, args.steps, queue))
@@ -128,12 +204,14 @@ def main() -> int:
         row["bytes_vs_adam"] = adam["bytes_per_step"] / row["bytes_per_step"]
         row["speedup_vs_adam"] = adam["step_s"] / row["step_s"]
     result = {"world": args.world, "warmup": args.warmup, "steps": args.steps, "tokens_per_rank": TOKENS,
-              "link": "loopback (no shaping)", "loadavg_1m": os.getloadavg()[0], "torch": torch.__version__,
+              "link": f"{args.link_rate} per host (tc token bucket, both ways)" if args.link_rate else "loopback",
+              "loadavg_1m": os.getloadavg()[0], "torch": torch.__version__,
               "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"onebit_bench_w{args.world}"
+    stem = f"onebit_bench_w{args.world}" + ("_shaped" if args.link_rate else "")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"world {args.world}, {rows[0]['params'] / 1e6:.1f}M params, load average {result['loadavg_1m']:.1f}",
+    lines = [f"world {args.world}, {rows[0]['params'] / 1e6:.1f}M params, link {result['link']}, "
+             f"load average {result['loadavg_1m']:.1f}",
              "", "| config | bytes sent per rank and step | vs Adam | step time (s) | speed-up vs Adam |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['bytes_per_step'] / 1e6:.2f} MB | {r['bytes_vs_adam']:.1f}x fewer | "
@@ -144,4 +222,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+        raise SystemExit(0)
     raise SystemExit(main())
