@@ -323,8 +323,9 @@ def _check_compressed(cfg: DeepSpeedConfig) -> None:
         raise ConfigError(f"{name} does not run with fp16 loss scaling here (a rank skipping an overflowed "
                           "step would leave the others in the compressed exchange); use bf16 or fp32",
                           key="fp16.enabled")
-    if zero.stage not in (0, 1, 2):
-        raise ConfigError(f"{name} runs with ZeRO stages 0, 1 and 2, not {zero.stage}", key="zero_optimization.stage")
+    if zero.stage not in (0, 1, 2) or (name == "ZeroOneAdam" and zero.stage != 0):
+        stages = "stage 0 (its ranks step apart between synchronisations)" if name == "ZeroOneAdam" else "stages 0, 1 and 2"
+        raise ConfigError(f"{name} runs with ZeRO {stages}, not {zero.stage}", key="zero_optimization.stage")
     if zero.offload_optimizer.enabled:
         raise ConfigError(f"{name} does not run with an offloaded optimizer", key="zero_optimization.offload_optimizer")
 

@@ -1,7 +1,8 @@
 """1-bit Adam and 1-bit LAMB (``optimizer.type: "OneBitAdam"`` / ``"OneBitLamb"``): optimizers whose
 momentum, not their gradient, crosses the network in 1 bit per element after a warm-up.
 
-``OneBitLamb`` is described on its class (its trust ratios); what follows holds for both.
+``OneBitLamb`` is described on its class (its trust ratios); what follows holds for both (and the
+exchange for 0/1 Adam, ``zero_one_adam.py``, which builds on the same base).
 
 Two phases (Tang et al. 2021; DeepSpeed's ``OnebitAdam`` config keys):
 
@@ -101,13 +102,14 @@ class _CompressedMomentum:
                 "server_error": torch.zeros(padded // self.world_size, dtype=torch.float32, device=device)}
         return errors
 
-    def _exchange_momentum(self, gi: int, state: dict, beta1: float, factor: float,
+    def _exchange_momentum(self, gi: int, state: dict, group: dict, factor: float,
                            scaling: torch.Tensor | None = None) -> torch.Tensor:
         """Update the whole momentum with this rank's own gradient (times ``factor``), average it over
         the ranks 1-bit compressed (multiplied by ``scaling`` while compressed, if given), store this
-        rank's shard in ``exp_avg``; returns the shard."""
+        rank's shard in ``exp_avg``; returns the shard as the update uses it (``_usable``)."""
         lay = self.exchange.layouts[gi]
         numel, start, end = lay.numel, lay.start, lay.end
+        beta1 = group["betas"][0]
         m = self._whole_momentum(gi, state["exp_avg"])
         m[:numel].mul_(beta1).add_(self.exchange.local_gradient(gi).float(), alpha=(1.0 - beta1) * factor)
         m[numel:].zero_()  # padding carries nothing (it would only blur the scale)
@@ -120,7 +122,28 @@ class _CompressedMomentum:
                 m[:numel].div_(scaling)
         state["exp_avg"].copy_(m[start:end])
         state["step"] = state["step"] + 1
-        return state["exp_avg"]
+        return self._usable(state["exp_avg"], state, group)
+
+    def _adamw_step(self, closure: Any) -> Any:
+        """torch's AdamW step (the warm-up and 0/1 Adam's variance steps), unscaling for unfused kernels."""
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is None or self.defaults.get("fused"):  # fused kernels unscale themselves
+            return torch_optimizers.AdamW.step(self, closure)
+        torch._foreach_mul_([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None],
+                            1.0 / float(grad_scale))
+        del self.grad_scale  # torch's unfused Adam refuses one
+        try:
+            return torch_optimizers.AdamW.step(self, closure)
+        finally:
+            self.grad_scale = grad_scale
+
+    @staticmethod
+    def _usable(m: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        """``m`` with zeros where the gradients stayed below eps (a key bias, which softmax ignores, is
+        ~1e-11): Adam barely moves those, but a compressed momentum gives them a whole sign times the
+        scale, divided by ~eps. Masked where used, not where kept, so the momentum every rank holds
+        (and rebuilds after a load) stays the same everywhere. DeepSpeed takes such masks by hand."""
+        return m.masked_fill(state["exp_avg_sq"] < group["eps"] ** 2, 0.0)
 
     def _frozen_bias_corrections(self, group: dict, step: float) -> tuple[float, float]:
         """(1 - beta1^t, sqrt(1 - beta2^min(t, freeze_step))): the variance froze with its correction."""
@@ -155,7 +178,7 @@ class OneBitAdam(_CompressedMomentum, torch_optimizers.AdamW):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         if not self.compressing():
-            return self._warmup_step(closure)
+            return self._adamw_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -164,26 +187,13 @@ class OneBitAdam(_CompressedMomentum, torch_optimizers.AdamW):
         for gi, group in enumerate(self.param_groups):
             (p,) = group["params"]
             state = self.state[p]
-            m = self._exchange_momentum(gi, state, group["betas"][0], factor)
+            m = self._exchange_momentum(gi, state, group, factor)
             bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
             lr = float(group["lr"])
             p.mul_(1.0 - lr * group["weight_decay"])
             denom = state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
             p.addcdiv_(m, denom, value=-lr / bc1)
         return loss
-
-    def _warmup_step(self, closure: Any) -> Any:
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is None or self.defaults.get("fused"):  # fused kernels unscale themselves
-            return super().step(closure)
-        torch._foreach_mul_([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None],
-                            1.0 / float(grad_scale))
-        del self.grad_scale  # torch's unfused Adam refuses one
-        try:
-            return super().step(closure)
-        finally:
-            self.grad_scale = grad_scale
-
 
 class OneBitLamb(_CompressedMomentum, Lamb):
     """LAMB with a 1-bit compressed momentum exchange after ``freeze_step`` steps (DeepSpeed's ``OnebitLamb``).
@@ -236,9 +246,10 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         layout = self._layout(index, p)
         beta1, beta2 = group["betas"]
         previous = state["exp_avg"].clone()
-        m = self._exchange_momentum(index, state, beta1, self._inv_scale or 1.0, self._scaling(index, state))
+        m = self._exchange_momentum(index, state, group, self._inv_scale or 1.0, self._scaling(index, state))
         fresh = state.setdefault("exp_avg_sq_fresh", state["exp_avg_sq"].clone())
-        implied = m.sub(previous, alpha=beta1).div_(1.0 - beta1)  # the averaged gradient the momentum implies
+        # the averaged gradient the exchanged momentum implies
+        implied = state["exp_avg"].sub(previous, alpha=beta1).div_(1.0 - beta1)
         fresh.mul_(beta2).addcmul_(implied, implied, value=1.0 - beta2)
         denom = self._denominator(group, state["exp_avg_sq"])
         update = m / denom
@@ -309,3 +320,4 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         # the average the compressed phase starts from (DeepSpeed's lamb_coeff_freeze)
         coeff.index_copy_(0, ids, coeff[ids] * self.coeff_beta + seen[ids] * (1.0 - self.coeff_beta))
         return ratios
+

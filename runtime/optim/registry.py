@@ -169,6 +169,24 @@ def _make_onebit_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> A
                                     process_group=exchange.pg), param_groups, kwargs)
 
 
+def _make_zero_one_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    from functools import partial
+
+    from dslaunch.runtime.optim.zero_one_adam import ZeroOneAdam
+
+    exchange = p.pop("exchange")
+    kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    schedule = {k: p[k] for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")}
+    return _torch_optimizer(partial(ZeroOneAdam, exchange=exchange, process_group=exchange.pg, **schedule),
+                            param_groups, kwargs)
+
+
+def _zero_one_schema() -> dict[str, Option]:
+    schema = {k: v for k, v in _onebit_schema().items() if k != "freeze_step"}
+    return {**schema, "var_freeze_step": Option(100000, integer(1)), "var_update_scaler": Option(16, integer(1)),
+            "local_step_scaler": Option(32678, integer(1)), "local_step_clipper": Option(16, integer(1))}
+
+
 def _make_onebit_lamb(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
     from dslaunch.runtime.optim.onebit import OneBitLamb
 
@@ -255,6 +273,7 @@ _ENTRIES = [
         "amsgrad": Option(False, boolean),
     }, _make_lamb, _check_lamb, layout_aware=True),
     _Entry("OneBitAdam", _onebit_schema(), _make_onebit_adam, _check_onebit, compressed=True),
+    _Entry("ZeroOneAdam", _zero_one_schema(), _make_zero_one_adam, _check_onebit, compressed=True),
     _Entry("OneBitLamb", _onebit_lamb_schema(), _make_onebit_lamb, _check_onebit_lamb, layout_aware=True,
            compressed=True),
 ]
@@ -264,7 +283,7 @@ OPTIMIZER_TYPES: tuple[str, ...] = tuple(entry.name for entry in _ENTRIES)
 
 
 # Types DeepSpeed knows that dslaunch does not implement.
-_DEEPSPEED_ONLY = ("ZeroOneAdam", "MuAdam", "MuAdamW", "MuSGD", "Muon")
+_DEEPSPEED_ONLY = ("MuAdam", "MuAdamW", "MuSGD", "Muon")
 
 
 def _entry(opt_type: str) -> _Entry:
