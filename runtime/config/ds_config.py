@@ -89,7 +89,7 @@ _SCALARS = {
     "gradient_predivide_factor": (number(0.0, low_open=True), "a number > 0"),
     "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
     # not DeepSpeed's: node-local reduce, cross-node all-reduce, broadcast (runtime/zero/exchange.py)
-    "hierarchical_allreduce": (choice("auto", "always", "never"), "auto, always or never"),
+    "hierarchical_allreduce": (choice("topology", "always", "never"), "topology, always or never"),
     # DeepSpeed refuses client optimizers it has not tested with ZeRO unless this is true; dslaunch
     # refuses client optimizers that are not element-wise (engine_setup._checked_client).
     "zero_allow_untested_optimizer": (boolean, "true or false"),
@@ -113,7 +113,7 @@ class DeepSpeedConfig:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: str | None = None
-    hierarchical_allreduce: str = "auto"
+    hierarchical_allreduce: str = "topology"
     """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
     zero_allow_untested_optimizer: bool = False
     dataloader_drop_last: bool = False

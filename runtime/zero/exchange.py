@@ -176,7 +176,7 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
 
     Args:
         compressed: the optimizer is a 1-bit one (it exchanges momentum itself after warm-up).
-        hierarchical: ``"auto"`` (hierarchical where it pays, from ``LOCAL_WORLD_SIZE``),
+        hierarchical: ``"topology"`` (hierarchical where it pays, from each rank's node),
             ``"always"`` (wherever ranks share nodes) or ``"never"``.
 
     collective: all ranks (the hierarchical groups are created here).

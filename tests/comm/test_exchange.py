@@ -5,7 +5,7 @@
   fp32 all-reduce (the comms logger's payloads, times each collective's share that leaves the
   rank), and its error feedback makes the average of repeated exchanges converge to the true mean;
 - the hierarchical all-reduce (2 nodes x 2 ranks) equals the flat one within fp32 rounding, and
-  ``build_exchange`` picks it only where ranks share nodes.
+  ``build_exchange`` picks it only where ranks share nodes; an engine trains the same with either.
 """
 
 from __future__ import annotations
@@ -80,16 +80,25 @@ def _hierarchical(rank: int, world: int) -> dict:
 
     os.environ["NODE_RANK"] = str(rank // 2)  # 2 nodes of 2 ranks
     dist.init_process_group("gloo")
-    picked = build_exchange(False, "auto")
+    picked = build_exchange(False, "topology")
     x = torch.randn(10_001, generator=torch.Generator().manual_seed(rank))
     flat, hier = x.clone(), x.clone()
     FlatAllReduce().all_reduce(flat).wait()
     assert isinstance(picked, HierarchicalAllReduce)
     picked.all_reduce(hier)
+    # through the engine (ZeRO-1, buckets of whole parameters): the same training within rounding
+    from tests.runtime.optim.onebit_task import build, config, run_steps
+
+    adam = {"type": "Adam", "params": {"lr": 1e-2}}
+    runs = {}
+    for mode in ("topology", "never"):
+        engine = build(config(adam, 1, hierarchical_allreduce=mode))
+        runs[mode] = (type(engine.zero.exchange).__name__, run_steps(engine, rank, world, 0, 5))
+        engine.destroy()
     os.environ["NODE_RANK"] = "0"  # one node: flat is the only sensible choice
-    one_node = build_exchange(False, "auto")
+    one_node = build_exchange(False, "topology")
     return {"picked": picked.name, "one_node": one_node.name, "max_diff": float((flat - hier).abs().max()),
-            "scale": float(flat.abs().max())}
+            "scale": float(flat.abs().max()), "engine": runs}
 
 
 @pytest.mark.timeout(60)
@@ -97,3 +106,6 @@ def test_hierarchical_all_reduce_equals_flat_within_fp32_rounding() -> None:
     for r in run_world(_hierarchical, 4):
         assert (r["picked"], r["one_node"]) == ("hierarchical", "flat")
         assert r["max_diff"] <= 4 * torch.finfo(torch.float32).eps * r["scale"], r
+        (hier_name, hier_losses), (flat_name, flat_losses) = r["engine"]["topology"], r["engine"]["never"]
+        assert (hier_name, flat_name) == ("HierarchicalAllReduce", "FlatAllReduce")
+        assert hier_losses == pytest.approx(flat_losses, rel=1e-5)
