@@ -33,6 +33,7 @@ gradient with the norm of the local gradients.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -124,6 +125,20 @@ class _CompressedMomentum:
         state["step"] = state["step"] + 1
         return self._usable(state["exp_avg"], state, group)
 
+    def _step_groups(self, closure: Any, plain: bool, update: Callable[..., None]) -> Any:
+        """torch's AdamW step if ``plain``, else ``update(gi, group, state, master, grad factor)`` per group."""
+        if plain:
+            return self._adamw_step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        factor = self._grad_factor(self)
+        for gi, group in enumerate(self.param_groups):
+            (p,) = group["params"]
+            update(gi, group, self.state[p], p, factor)
+        return loss
+
     def _adamw_step(self, closure: Any) -> Any:
         """torch's AdamW step (the warm-up and 0/1 Adam's variance steps), unscaling for unfused kernels."""
         grad_scale = getattr(self, "grad_scale", None)
@@ -177,23 +192,15 @@ class OneBitAdam(_CompressedMomentum, torch_optimizers.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        if not self.compressing():
-            return self._adamw_step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        factor = self._grad_factor(self)
-        for gi, group in enumerate(self.param_groups):
-            (p,) = group["params"]
-            state = self.state[p]
-            m = self._exchange_momentum(gi, state, group, factor)
-            bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
-            lr = float(group["lr"])
-            p.mul_(1.0 - lr * group["weight_decay"])
-            denom = state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
-            p.addcdiv_(m, denom, value=-lr / bc1)
-        return loss
+        return self._step_groups(closure, not self.compressing(), self._compressed_update)
+
+    def _compressed_update(self, gi: int, group: dict, state: dict, p: torch.Tensor, factor: float) -> None:
+        m = self._exchange_momentum(gi, state, group, factor)
+        bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
+        lr = float(group["lr"])
+        p.mul_(1.0 - lr * group["weight_decay"])
+        denom = state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
+        p.addcdiv_(m, denom, value=-lr / bc1)
 
 class OneBitLamb(_CompressedMomentum, Lamb):
     """LAMB with a 1-bit compressed momentum exchange after ``freeze_step`` steps (DeepSpeed's ``OnebitLamb``).

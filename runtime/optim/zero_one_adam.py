@@ -76,30 +76,23 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         step = self.steps_taken() + 1
-        if self._variance_step(step):
-            return self._adamw_step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        factor = self._grad_factor(self)
-        for gi, group in enumerate(self.param_groups):
-            (p,) = group["params"]
-            state = self.state[p]
-            beta1, beta2 = group["betas"]
-            last_var = _doubling_schedule(min(step, self.freeze_step), self.var_update_scaler, 1 << 62)[1]
-            bc1, bc2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**last_var)  # v as of its last update
-            denom = state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
-            lr = float(group["lr"])
-            if step <= self.freeze_step:  # momentum exchanged 1-bit, variance kept
-                m = self._exchange_momentum(gi, state, group, factor)
-                p.mul_(1.0 - lr * group["weight_decay"])
-                p.addcdiv_(m, denom, value=-lr / bc1)
-                continue
-            self._local_step(gi, group, state, p, denom, lr / bc1, factor)
-            if self._sync_step(step):
-                self._synchronise(gi, group, state, p, denom)
-        return loss
+        return self._step_groups(closure, self._variance_step(step), self._sparse_update)
+
+    def _sparse_update(self, gi: int, group: dict, state: dict, p: torch.Tensor, factor: float) -> None:
+        step = int(state["step"]) + 1
+        beta1, beta2 = group["betas"]
+        last_var = _doubling_schedule(min(step, self.freeze_step), self.var_update_scaler, 1 << 62)[1]
+        bc1, bc2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**last_var)  # v as of its last update
+        denom = state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
+        lr = float(group["lr"])
+        if step <= self.freeze_step:  # momentum exchanged 1-bit, variance kept
+            m = self._exchange_momentum(gi, state, group, factor)
+            p.mul_(1.0 - lr * group["weight_decay"])
+            p.addcdiv_(m, denom, value=-lr / bc1)
+            return
+        self._local_step(gi, group, state, p, denom, lr / bc1, factor)
+        if self._sync_step(step):
+            self._synchronise(gi, group, state, p, denom)
 
     def _local_step(self, gi: int, group: dict, state: dict, p: torch.Tensor, denom: torch.Tensor,
                     size: float, factor: float) -> None:
