@@ -124,9 +124,11 @@ class ShapedHosts:
 
     def __init__(self, world: int, rate: str):
         import importlib.util
+        import sys
 
         spec = importlib.util.spec_from_file_location("cluster", HERE.parent / "cluster" / "cluster.py")
         self.cl = importlib.util.module_from_spec(spec)
+        sys.modules["cluster"] = self.cl  # dataclasses look their module up there
         spec.loader.exec_module(self.cl)
         self.hosts = [self.cl.Host(f"dslob-n{k}", f"10.213.77.{10 + k}") for k in range(world)]
         self.shape = self.cl.LinkShape(rate)
