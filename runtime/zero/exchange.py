@@ -184,7 +184,9 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
     if compressed:
         return CompressedExchange(process_group, world)
-    if world > 1 and hierarchical != "never":
+    # Only over the whole world: every rank must create every group, and with several data-parallel
+    # groups (pipeline stages, model parallel) each rank would create only its own group's.
+    if world > 1 and hierarchical != "never" and world == dist.get_world_size():
         layout = NodeLayout.gather(process_group)
         if layout.pays or (hierarchical == "always" and max(len(n) for n in layout.nodes) > 1):
             return HierarchicalAllReduce(layout, process_group)
