@@ -420,8 +420,11 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # ----- engine state (everything but weights, ZeRO state and RNG) --------------------------
     def engine_state_dict(self) -> dict:
-        """Counters, loss scaler, LR scheduler and data position (see the checkpoint contract)."""
-        return {"global_steps": self.global_steps, "global_samples": self.global_samples,
+        """Counters, loss scaler, LR scheduler, data position (see the checkpoint contract) and the
+        gradient exchange's state (a 1-bit optimizer's error feedback: this rank's own)."""
+        exchange = getattr(self.zero, "exchange", None)  # none without an optimizer
+        return {"grad_exchange": exchange.state_dict() if exchange is not None else None,
+                "global_steps": self.global_steps, "global_samples": self.global_samples,
                 "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
                 "loss_scaler": self.loss_scaler.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
@@ -432,6 +435,9 @@ class DeepSpeedEngine(torch.nn.Module):
         """Restore what ``engine_state_dict`` returned."""
         for key in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
             setattr(self, key, int(sd[key]))
+        exchange = getattr(self.zero, "exchange", None)
+        if exchange is not None:  # None saved (older checkpoints, load_optimizer_states=False): fresh
+            exchange.load_state_dict(sd.get("grad_exchange"))
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
         for part, key in ((self.lr_scheduler, "lr_scheduler"), (self.training_dataloader, "dataloader")):
             if part is not None and sd.get(key) is not None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.runtime.zero.exchange import GradientExchange, build_exchange
 from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.registry import strategy_class
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec
@@ -73,11 +74,21 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         max_live_parameters=zero_cfg.stage3_max_live_parameters,
                         max_reuse_distance=zero_cfg.stage3_max_reuse_distance)
     model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
-    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer), comm,
+    exchange = _exchange(cfg, optimizer, grid.get_data_parallel_group())
+    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer, exchange), comm,
                                           process_group=grid.get_data_parallel_group(), module=module,
-                                          model_parallel_group=model_parallel)
+                                          model_parallel_group=model_parallel, exchange=exchange)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
                        _dataloader(cfg, training_data, collate_fn, grid))
+
+
+def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> GradientExchange:
+    """The strategy's gradient exchange: compressed for a config's 1-bit optimizer, else flat or
+    hierarchical (``hierarchical_allreduce``). collective: all ranks."""
+    from dslaunch.runtime.optim.registry import is_compressed
+
+    compressed = client is None and is_compressed(cfg.optimizer)
+    return build_exchange(compressed, cfg.hierarchical_allreduce, process_group)
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:
@@ -162,7 +173,7 @@ def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:
                       key="zero_allow_untested_optimizer")
 
 
-def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
+def _optimizer_factory(cfg: DeepSpeedConfig, client: Any, exchange: GradientExchange) -> Any:
     if isinstance(client, torch.optim.Optimizer) or callable(client):
         _client_wins(cfg.optimizer, "optimizer")
     if isinstance(client, torch.optim.Optimizer):
@@ -185,7 +196,7 @@ def _optimizer_factory(cfg: DeepSpeedConfig, client: Any) -> Any:
 
         # The layouts let Lamb compute one trust ratio per original parameter, not per flat group.
         return lambda groups, flat: build_optimizer(cfg.optimizer, groups, flat_layouts=flat.layouts,
-                                                    norm_all_reduce=flat.norm_all_reduce)
+                                                    norm_all_reduce=flat.norm_all_reduce, exchange=exchange)
     raise AssertionError("build_components builds no optimizer factory without an optimizer")
 
 

@@ -377,8 +377,9 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
         training = dict(state["engine"])
         if not load_lr_scheduler_states:
             training["lr_scheduler"] = None
-        if not load_optimizer_states:  # the loss scale goes with the optimizer state: keep the live one
-            training["loss_scaler"] = parts.training.state_dict()["loss_scaler"]
+        if not load_optimizer_states:  # the loss scale and the exchange's error feedback go with
+            training["loss_scaler"] = parts.training.state_dict()["loss_scaler"]  # the optimizer state
+            training["grad_exchange"] = None
         parts.training.load_state_dict(training)
         if got["rank_src"] == ck.comm.rank:
             set_rng_state(state["rng"])

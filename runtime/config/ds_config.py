@@ -89,6 +89,8 @@ _SCALARS = {
     "prescale_gradients": (boolean, "true or false"),
     "gradient_predivide_factor": (number(0.0, low_open=True), "a number > 0"),
     "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
+    # not DeepSpeed's: node-local reduce, cross-node all-reduce, broadcast (runtime/zero/exchange.py)
+    "hierarchical_allreduce": (choice("topology", "always", "never"), "topology, always or never"),
     # DeepSpeed refuses client optimizers it has not tested with ZeRO unless this is true; dslaunch
     # refuses client optimizers that are not element-wise (engine_setup._checked_client).
     "zero_allow_untested_optimizer": (boolean, "true or false"),
@@ -112,6 +114,8 @@ class DeepSpeedConfig:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: str | None = None
+    hierarchical_allreduce: str = "topology"
+    """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
     zero_allow_untested_optimizer: bool = False
     dataloader_drop_last: bool = False
     dist_init_timeout: float = 1800.0
@@ -311,6 +315,24 @@ def _validate_typed(values: dict[str, Any]) -> None:
         values[key] = validate(section.type, section.params)
 
 
+def _check_compressed(cfg: DeepSpeedConfig) -> None:
+    """What the 1-bit optimizers (optim/onebit.py) cannot run with: one line naming the key."""
+    from dslaunch.runtime.optim.registry import is_compressed
+
+    if not is_compressed(cfg.optimizer):
+        return
+    name, zero = cfg.optimizer.name, cfg.zero_optimization
+    if cfg.fp16.enabled:
+        raise ConfigError(f"{name} does not run with fp16 loss scaling here (a rank skipping an overflowed "
+                          "step would leave the others in the compressed exchange); use bf16 or fp32",
+                          key="fp16.enabled")
+    if zero.stage not in (0, 1, 2) or (name == "ZeroOneAdam" and zero.stage != 0):
+        stages = "stage 0 (its ranks step apart between synchronisations)" if name == "ZeroOneAdam" else "stages 0, 1 and 2"
+        raise ConfigError(f"{name} runs with ZeRO {stages}, not {zero.stage}", key="zero_optimization.stage")
+    if zero.offload_optimizer.enabled:
+        raise ConfigError(f"{name} does not run with an offloaded optimizer", key="zero_optimization.offload_optimizer")
+
+
 def _cross_check(cfg: DeepSpeedConfig) -> None:
     act = cfg.activation_checkpointing
     check_contiguous(act.contiguous_memory_optimization, act.partition_activations, act.number_checkpoints,
@@ -320,6 +342,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization
+    _check_compressed(cfg)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
                           "device)", key="zero_optimization.offload_optimizer.device")

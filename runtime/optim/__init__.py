@@ -4,6 +4,9 @@
   defaults), ``validate_optimizer`` (config -> ``OptimizerSpec``, once, when the config is parsed)
   and ``build_optimizer`` (spec + param groups -> ``torch.optim.Optimizer``).
 - ``adam.py`` (Adam without bias correction), ``lion.py``, ``lamb.py``: the optimizers torch lacks.
+- ``onebit.py`` (OneBitAdam, OneBitLamb), ``zero_one_adam.py`` (ZeroOneAdam): the 1-bit optimizers,
+  exchanging their momentum through ``compression.py`` (sign + scale, error feedback) and the
+  ZeRO strategy's ``zero.exchange.CompressedExchange``.
 - ``chunks.py``: what those share (the step protocol, cache-sized batches of tensors).
 - ``torch_optimizers.py``: torch's optimizers, their update going through ``dslaunch.kernels``.
 

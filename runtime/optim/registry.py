@@ -28,10 +28,11 @@ from dslaunch.runtime.config.param_schema import (
     check_params,
     describe,
     finite,
+    integer,
     number,
 )
 
-__all__ = ["OptimizerSpec", "OPTIMIZER_TYPES", "validate_optimizer", "build_optimizer"]
+__all__ = ["OptimizerSpec", "OPTIMIZER_TYPES", "validate_optimizer", "build_optimizer", "is_compressed"]
 
 _KEY = "optimizer.params"
 
@@ -57,6 +58,9 @@ class _Entry:
     cross_check: Callable[[dict[str, Any]], None] = _no_cross_check
     # Needs to know how flat ZeRO tensors map to the original parameters (per-parameter norms).
     layout_aware: bool = False
+    # Exchanges its own state in compressed form after a warm-up: the strategy gets a
+    # zero.exchange.CompressedExchange, which the factory receives as params["exchange"].
+    compressed: bool = False
 
 
 # eps = 0 divides 0 by 0 on a parameter whose gradient is still zero: NaN weights.
@@ -134,6 +138,86 @@ def _make_lamb(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
     return Lamb(_materialize(param_groups), **p)
 
 
+# DeepSpeed's comm_backend_name values; what runs here goes through dslaunch.comm on the data-parallel
+# group's own backend (gloo or NCCL), so "nccl" also runs on gloo.
+_ONEBIT_BACKENDS = {"nccl": True, "gloo": True, "mpi": False, "hccl": False, "compressed": False}
+
+
+def _onebit_schema() -> dict[str, Option]:
+    return {**_adam_schema(), "freeze_step": Option(100000, integer(1)),
+            "cuda_aware": Option(False, boolean), "comm_backend_name": Option("nccl", _comm_backend),
+            "eps_inside_sqrt": Option(False, boolean)}
+
+
+def _comm_backend(path: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in _ONEBIT_BACKENDS:
+        raise ConfigError(f"must be one of {', '.join(_ONEBIT_BACKENDS)}, got {describe(value)}", key=path)
+    if not _ONEBIT_BACKENDS[value]:
+        raise ConfigError(f"{quote(value)} cannot run here (dslaunch exchanges through torch.distributed: "
+                          "use \"nccl\" or \"gloo\", which run on the process group's backend)", key=path)
+    return value
+
+
+def _make_onebit_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    from functools import partial
+
+    from dslaunch.runtime.optim.onebit import OneBitAdam
+
+    exchange = p.pop("exchange")
+    kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    return _torch_optimizer(partial(OneBitAdam, exchange=exchange, freeze_step=p["freeze_step"],
+                                    process_group=exchange.pg), param_groups, kwargs)
+
+
+def _make_zero_one_adam(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    from functools import partial
+
+    from dslaunch.runtime.optim.zero_one_adam import ZeroOneAdam
+
+    exchange = p.pop("exchange")
+    kwargs = {k: p[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    schedule = {k: p[k] for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")}
+    return _torch_optimizer(partial(ZeroOneAdam, exchange=exchange, process_group=exchange.pg, **schedule),
+                            param_groups, kwargs)
+
+
+def _zero_one_schema() -> dict[str, Option]:
+    schema = {k: v for k, v in _onebit_schema().items() if k != "freeze_step"}
+    return {**schema, "var_freeze_step": Option(100000, integer(1)), "var_update_scaler": Option(16, integer(1)),
+            "local_step_scaler": Option(32678, integer(1)), "local_step_clipper": Option(16, integer(1))}
+
+
+def _make_onebit_lamb(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    from dslaunch.runtime.optim.onebit import OneBitLamb
+
+    exchange = p.pop("exchange")
+    for key in ("amsgrad", "cuda_aware", "comm_backend_name"):
+        del p[key]  # checked; nothing to pass on
+    return OneBitLamb(_materialize(param_groups), exchange=exchange, process_group=exchange.pg, **p)
+
+
+def _onebit_lamb_schema() -> dict[str, Option]:
+    schema = {k: v for k, v in _onebit_schema().items() if k not in ("adam_w_mode", "torch_adam")}
+    return {**schema, "max_coeff": Option(10.0, number(0.0)), "min_coeff": Option(0.01, number(0.0)),
+            "coeff_beta": Option(0.9, number(0.0, 1.0)), "factor_max": Option(4.0, number(0.0)),
+            "factor_min": Option(0.5, number(0.0)), "factor_threshold": Option(0.1, number(0.0))}
+
+
+def _check_onebit_lamb(p: dict[str, Any]) -> None:
+    _check_lamb(p)
+    if p["factor_min"] > p["factor_max"]:
+        raise ConfigError(f"factor_min {p['factor_min']} is larger than factor_max {p['factor_max']}",
+                          key=f"{_KEY}.factor_min")
+
+
+def _check_onebit(p: dict[str, Any]) -> None:
+    for key, ok in (("amsgrad", False), ("bias_correction", True), ("adam_w_mode", True),
+                    ("eps_inside_sqrt", False)):
+        if p[key] != ok:
+            raise ConfigError(f"{str(p[key]).lower()} is not supported by the 1-bit optimizers (only "
+                              f"{str(ok).lower()})", key=f"{_KEY}.{key}")
+
+
 def _check_adam(p: dict[str, Any]) -> None:
     if p["amsgrad"] and not p["bias_correction"]:
         raise ConfigError("amsgrad together with bias_correction=false is not supported",
@@ -188,6 +272,10 @@ _ENTRIES = [
         "eps_inside_sqrt": Option(False, boolean),
         "amsgrad": Option(False, boolean),
     }, _make_lamb, _check_lamb, layout_aware=True),
+    _Entry("OneBitAdam", _onebit_schema(), _make_onebit_adam, _check_onebit, compressed=True),
+    _Entry("ZeroOneAdam", _zero_one_schema(), _make_zero_one_adam, _check_onebit, compressed=True),
+    _Entry("OneBitLamb", _onebit_lamb_schema(), _make_onebit_lamb, _check_onebit_lamb, layout_aware=True,
+           compressed=True),
 ]
 _REGISTRY = {entry.name.lower(): entry for entry in _ENTRIES}
 
@@ -195,7 +283,7 @@ OPTIMIZER_TYPES: tuple[str, ...] = tuple(entry.name for entry in _ENTRIES)
 
 
 # Types DeepSpeed knows that dslaunch does not implement.
-_DEEPSPEED_ONLY = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Muon")
+_DEEPSPEED_ONLY = ("MuAdam", "MuAdamW", "MuSGD", "Muon")
 
 
 def _entry(opt_type: str) -> _Entry:
@@ -271,9 +359,14 @@ def validate_optimizer(opt_type: str, params: Mapping[str, Any] | None) -> Optim
     return OptimizerSpec(entry.name, checked)
 
 
+def is_compressed(spec: OptimizerSpec | None) -> bool:
+    """Whether ``spec`` names a 1-bit optimizer (the strategy needs a ``CompressedExchange``)."""
+    return spec is not None and _entry(spec.name).compressed
+
+
 def build_optimizer(spec: OptimizerSpec, param_groups: Any, *,
                     flat_layouts: Sequence[Any] | None = None,
-                    norm_all_reduce: Callable[[Any], None] | None = None):
+                    norm_all_reduce: Callable[[Any], None] | None = None, exchange: Any = None):
     """Build the optimizer DeepSpeed would build for this ``optimizer`` section.
 
     Args:
@@ -293,4 +386,9 @@ def build_optimizer(spec: OptimizerSpec, param_groups: Any, *,
     kwargs = dict(spec.params)
     if entry.layout_aware:
         kwargs.update(flat_layouts=flat_layouts, norm_all_reduce=norm_all_reduce)
+    if entry.compressed:
+        if exchange is None:
+            raise ConfigError(f"optimizer {spec.name!r} runs only inside the engine (it needs the ZeRO "
+                              "strategy's compressed gradient exchange)", key="optimizer.type")
+        kwargs["exchange"] = exchange
     return entry.factory(param_groups, kwargs, spec.name)

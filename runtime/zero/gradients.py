@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
 from dslaunch.runtime.zero.specs import CommSettings
@@ -42,13 +43,13 @@ class GradientPath(ABC):
     collective: construct on all ranks; ``end_backward`` is a collective where it reduces.
     """
 
-    def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int, process_group: Any,
-                 *, max_inflight: int, source: Any = None, sink: Any = None):
+    def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
+                 exchange: GradientExchange | None, *, max_inflight: int, source: Any = None, sink: Any = None):
         self.groups, self.comm = groups, comm
         self._boundary = True
         self._sync = True  # False inside engine.no_sync()
         self.reducer = BucketReducer(groups, comm.reduce_bucket_numel, comm.comm_dtype, comm.pre_factor(),
-                                     max_inflight, world_size, process_group, source, sink)
+                                     max_inflight, world_size, exchange, source, sink)
         for gi, g in enumerate(groups):
             for pi, p in enumerate(g.params):
                 p.register_post_accumulate_grad_hook(self._hook(gi, pi))
@@ -81,6 +82,15 @@ class GradientPath(ABC):
     def zero_grad(self) -> None:
         """Forget the accumulated gradients."""
 
+    def local_gradient(self, gi: int) -> torch.Tensor:
+        """Group ``gi``'s whole gradient as this rank holds it (unreduced where the exchange left
+        it local); only where the full gradient is kept.
+
+        Raises:
+            UsageError: this gradient path keeps only a shard.
+        """
+        raise UsageError(f"{type(self).__name__} keeps only this rank's gradient shard, not the whole gradient")
+
     @abstractmethod
     def held_bytes(self) -> int:
         """Bytes of gradient storage this rank keeps between micro steps."""
@@ -90,14 +100,14 @@ class FullGradients(GradientPath):
     """The full gradient on every rank, all-reduced at the accumulation boundary (stages 0/1)."""
 
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
-                 process_group: Any = None):
+                 exchange: GradientExchange | None = None):
         # Every element in [0, numel) is written by the first backward (_adopt_grad) before use.
         self._gflat = [torch.empty(g.layout.padded, dtype=g.dtype, device=g.device) for g in groups]
         self._views = [g.param_views(gf) for g, gf in zip(groups, self._gflat, strict=True)]
         self._master_grads: list[torch.Tensor | None] = [None] * len(groups)
         self._unreduced = False  # a backward since the last reduction left rank-local gradients
         # Reduced in place: only a copy in another communication dtype holds a pooled buffer.
-        super().__init__(groups, comm, world_size, process_group, max_inflight=MAX_INFLIGHT_BUFFERS,
+        super().__init__(groups, comm, world_size, exchange, max_inflight=MAX_INFLIGHT_BUFFERS,
                          source=self._bucket_grads)
 
     def _bucket_grads(self, bi: int) -> torch.Tensor:
@@ -151,6 +161,10 @@ class FullGradients(GradientPath):
             grads.append(own)
         return grads
 
+    def local_gradient(self, gi: int) -> torch.Tensor:
+        self._adopt_all()  # a step without backward sees zero gradients
+        return self._gflat[gi][:self.groups[gi].layout.numel]
+
     def zero_grad(self) -> None:
         # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).
         self._unreduced = False
@@ -167,14 +181,14 @@ class ShardedGradients(GradientPath):
     """Only this rank's fp32 gradient shard; buckets reduced into it as backward runs (stage 2)."""
 
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
-                 process_group: Any = None):
+                 exchange: GradientExchange | None = None):
         self._shards = [torch.empty(g.layout.end - g.layout.start, dtype=torch.float32,
                                     device=g.device) for g in groups]
         self._fresh = True  # first micro step since zero_grad: copy into the shard instead of add
         for g in groups:
             for p in g.params:
                 p.grad = None
-        super().__init__(groups, comm, world_size, process_group,
+        super().__init__(groups, comm, world_size, exchange,
                          max_inflight=MAX_INFLIGHT_BUFFERS if comm.overlap_comm else 0, sink=self._fold)
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:

@@ -11,8 +11,9 @@ Buckets (``partition.plan_buckets`` of every group, ``reduce_bucket_size`` eleme
 fixed order on every rank, last bucket first, so the collectives always match: a bucket launches
 once each of its parameters reported ``ready`` and every later bucket has launched; ``flush``
 launches the rest and waits for all. A bucket is multiplied by the pre-division factor
-(``prescale_gradients``) and all-reduced in the communication dtype (on gloo an all-reduce beats
-reduce-scatter of the same buffer); a bucket in another dtype goes through a pooled copy that is
+(``prescale_gradients``) and summed over the ranks in the communication dtype by the strategy's
+``exchange.GradientExchange`` (flat: an all-reduce, on gloo faster than reduce-scatter of the same
+buffer; hierarchical; none at all in a 1-bit optimizer's compressed phase); a bucket in another dtype goes through a pooled copy that is
 copied back. Reductions holding a pooled buffer (a staging buffer or a converted copy) are capped
 at ``max_inflight``: past it the oldest is waited for, which bounds memory; finished reductions are
 completed as soon as they are seen, without blocking.
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-from dslaunch import comm
 from dslaunch.runtime.heartbeat import wait_all
+from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.partition import plan_buckets
 
@@ -101,7 +102,8 @@ class BucketReducer:
         comm_dtype: the dtype to reduce in (None: the gradients').
         prescale: multiplies a bucket before its reduction (1.0: none).
         max_inflight: reductions holding a pooled buffer that may be in flight at once.
-        process_group: the data-parallel group; ``world_size`` its size.
+        exchange: sums a bucket over the data-parallel group (None: a flat all-reduce over the
+            default group); ``world_size`` the group's size.
         source: bucket index -> its gradients, reduced in place; None: the bucket's staging buffer
             (filled by the caller through ``staging``).
         sink: called with (bucket index, reduced gradients) as each reduction completes.
@@ -110,10 +112,11 @@ class BucketReducer:
     """
 
     def __init__(self, groups: list[FlatGroup], bucket_numel: int, comm_dtype: torch.dtype | None,
-                 prescale: float, max_inflight: int, world_size: int, process_group: Any = None,
+                 prescale: float, max_inflight: int, world_size: int, exchange: GradientExchange | None = None,
                  source: Callable[[int], torch.Tensor] | None = None,
                  sink: Callable[[int, torch.Tensor], None] | None = None):
-        self.groups, self.world_size, self.pg = groups, world_size, process_group
+        self.groups, self.world_size = groups, world_size
+        self.exchange = exchange if exchange is not None else FlatAllReduce()
         self.comm_dtype, self.prescale, self.max_inflight = comm_dtype, prescale, max_inflight
         self._source, self._sink = source, sink
         self.buckets = [Bucket(gi, a, b, idx) for gi, g in enumerate(groups)
@@ -176,7 +179,7 @@ class BucketReducer:
         buf = grads if dtype == grads.dtype else self.pool.take(grads.numel(), dtype, grads.device).copy_(grads)
         if self.prescale != 1.0:
             buf.mul_(self.prescale)
-        work = comm.all_reduce(buf, group=self.pg, async_op=True) if self.world_size > 1 else None
+        work = self.exchange.all_reduce(buf) if self.world_size > 1 else None
         red = _Reduction(work, bi, buf, grads, staged)
         self._inflight.append(red)
         self._held += red.pooled

@@ -51,8 +51,8 @@ class Stage3(ZeroStrategy):
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
                  process_group: Any = None, module: torch.nn.Module | None = None,
-                 model_parallel_group: Any = None):
-        super().__init__(groups, make_optimizer, comm, process_group, module, model_parallel_group)
+                 model_parallel_group: Any = None, exchange: Any = None):
+        super().__init__(groups, make_optimizer, comm, process_group, module, model_parallel_group, exchange)
         params = [p for g in self.groups for p in g.params]
         limits = FetchLimits(comm.prefetch_bucket_numel, comm.max_live_parameters, comm.max_reuse_distance)
         self.fetcher = ParamFetcher(module, params, limits) if module is not None else None

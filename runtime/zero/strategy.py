@@ -37,7 +37,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.zero.gradients import GradientPath
+from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange
+from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
 from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
@@ -71,6 +72,9 @@ class ZeroStrategy:
         model_parallel_group: the ranks holding the other parts of this replica (pipeline stages,
             tensor slices; None: none): the gradient norm, hence the overflow skip and the clip
             factor, is summed over them too, so every part of the model takes the same step.
+        exchange: how gradient buckets are summed over the group (``exchange.py``; None: one flat
+            all-reduce). One that needs each rank's whole local gradient (the 1-bit optimizers')
+            keeps stage 0/1's full gradient buffer at stage 2 too.
 
     collective: construct on all ranks of the group.
     """
@@ -81,8 +85,9 @@ class ZeroStrategy:
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
                  process_group: Any = None, module: torch.nn.Module | None = None,
-                 model_parallel_group: Any = None):
+                 model_parallel_group: Any = None, exchange: GradientExchange | None = None):
         self.pg = process_group
+        self.exchange = exchange if exchange is not None else FlatAllReduce(process_group)
         mp_world = dist.get_world_size(model_parallel_group) if model_parallel_group is not None else 1
         self._model_parallel_sum = sum_over_ranks(mp_world, model_parallel_group)
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
@@ -96,7 +101,9 @@ class ZeroStrategy:
         # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
-        self.gradients = self.gradients_type(self.groups, comm, self.world_size, process_group)
+        gradients_type = FullGradients if self.exchange.needs_local_gradients else self.gradients_type
+        self.gradients = gradients_type(self.groups, comm, self.world_size, self.exchange)
+        self.exchange.bind([g.layout for g in self.groups], self.gradients.local_gradient)
         self.offload = None  # offload_optimizer: the update runs where the master is (host memory)
         if comm.offload_optimizer:
             from dslaunch.runtime.zero.offload.step import OffloadedStep
@@ -171,7 +178,7 @@ class ZeroStrategy:
 
     def _update(self, grads: list[torch.Tensor], loss_scale: float, clip: float,
                 check_overflow: bool) -> StepResult:
-        post = self.comm.post_factor(self.world_size) / loss_scale
+        post = self.comm.post_factor(self.exchange.summed_ranks(self.world_size)) / loss_scale
         guard = clip > 0 or check_overflow
         norm = self._global_norm(grads) * post if guard or self._always_norm else None
         if guard and not math.isfinite(norm):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A test cluster of SSH hosts on one Linux machine: ``cluster.py up|down|status [--hosts K]``.
+"""A test cluster of SSH hosts on one Linux machine: ``cluster.py up|down|status|shape [--hosts K]``.
 
 Each host is a network namespace ``dsl-nodeK`` with a veth pair to the bridge ``dsl-br`` in the
 root namespace and the address ``10.213.7.(10+K)/24`` (bridge: ``10.213.7.1``). The range is used
@@ -13,6 +13,13 @@ The state directory (default ``/tmp/dslaunch-cluster``, or ``$DSLAUNCH_CLUSTER_D
 client key ``id_ed25519``, ``known_hosts`` (each host key under its name and address),
 ``ssh_config`` (one ``Host`` block per host), ``hostfile`` (``dsl-nodeK slots=2``) and
 ``state.json`` (what ``up`` built; read by the pytest fixture and the benchmark).
+
+Link shaping (``up --link-rate 1gbit [--link-delay 1ms]``, or ``shape`` on a running cluster; ``shape``
+without limits removes them): a ``tc`` qdisc on both ends of each host's veth pair limits the
+host's traffic to the bridge to that rate (token bucket) and adds that delay in each direction (netem,
+where the kernel has it), so traffic between
+hosts is slower than within one (as between the nodes of a real cluster), while ranks on the same
+host still talk over loopback. ``state.json`` records the settings (``link``).
 
 ``up`` and ``down`` are idempotent and take well under a second per host. Needs root, iproute2,
 util-linux ``unshare`` and openssh-server (``scripts/system_deps.sh`` installs them).
@@ -112,6 +119,36 @@ def _host_net_up(host: Host) -> None:
     _run("ip", "-n", host.name, "addr", "replace", f"{host.addr}/24", "dev", host.iface)
     _run("ip", "-n", host.name, "link", "set", host.iface, "up")
     _run("ip", "-n", host.name, "link", "set", "lo", "up")
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """Per-host link limits: ``rate`` and ``delay`` in tc's units ("1gbit", "1ms"); None: unlimited."""
+
+    rate: str | None = None
+    delay: str | None = None
+
+    @property
+    def qdisc(self) -> list[str]:
+        """The tc qdisc: a token bucket for a rate alone (always built in); netem for a delay (a
+        kernel module some kernels lack, this machine's among them)."""
+        if self.delay:
+            return ["netem", "delay", self.delay, *(["rate", self.rate] if self.rate else [])]
+        # burst: what the link may send at once (>= one 64 KiB gloo/TCP segment); latency: queue bound
+        return ["tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"] if self.rate else []
+
+
+def _shape_link(host: Host, shape: LinkShape) -> None:
+    """Apply ``shape`` to both directions of ``host``'s link (or remove any shaping)."""
+    for ns, dev in ((host.name, host.iface), (None, f"{host.name}v")):
+        prefix = ["ip", "netns", "exec", ns] if ns else []
+        if not shape.qdisc:
+            _run(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)  # none there: fine
+            continue
+        done = _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", *shape.qdisc, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"cluster: tc cannot shape {dev} with {' '.join(shape.qdisc)}: "
+                             f"{done.stderr.strip()} (a delay needs the kernel's netem module)")
 
 
 def _write_etc_netns(hosts: list[Host]) -> None:
@@ -229,8 +266,9 @@ def _write_client_files(hosts: list[Host], state: Path, slots: int) -> None:
     (state / "hostfile").write_text("".join(f"{h.name} slots={slots}\n" for h in hosts))
 
 
-def _write_state(hosts: list[Host], state: Path) -> dict:
+def _write_state(hosts: list[Host], state: Path, shape: LinkShape = LinkShape()) -> dict:
     info = {
+        "link": asdict(shape),
         "state_dir": str(state),
         "hosts": [asdict(h) for h in hosts],
         "bridge": BRIDGE,
@@ -247,7 +285,7 @@ def _write_state(hosts: list[Host], state: Path) -> dict:
 
 # --- commands ----------------------------------------------------------------------------------
 
-def up(n_hosts: int, state: Path, slots: int = 2) -> dict:
+def up(n_hosts: int, state: Path, slots: int = 2, shape: LinkShape = LinkShape()) -> dict:
     """Build (or complete) a cluster of ``n_hosts``; returns the state.json contents."""
     why = missing_facilities()
     if why:
@@ -260,10 +298,20 @@ def up(n_hosts: int, state: Path, slots: int = 2) -> dict:
     _write_etc_netns(hosts)
     for h in hosts:
         _host_net_up(h)
+        _shape_link(h, shape)
         _sshd_up(h, state)
     _wait_ssh(hosts)
     _write_client_files(hosts, state, slots)
-    return _write_state(hosts, state)
+    return _write_state(hosts, state, shape)
+
+
+def reshape(state: Path, shape: LinkShape) -> dict:
+    """Change the link limits of the running cluster; returns the updated state.json contents."""
+    info = json.loads((state / "state.json").read_text())
+    hosts = [Host(**h) for h in info["hosts"]]
+    for h in hosts:
+        _shape_link(h, shape)
+    return _write_state(hosts, state, shape)
 
 
 def _our_namespaces() -> list[str]:
@@ -304,16 +352,21 @@ def status(state: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("command", choices=["up", "down", "status", "shape"])
     parser.add_argument("--hosts", type=int, default=3, help="number of hosts (up)")
     parser.add_argument("--slots", type=int, default=2, help="slots per host in the hostfile")
     parser.add_argument("--state-dir", type=Path, default=None)
+    parser.add_argument("--link-rate", default=None, help="each host's link rate (tc units, e.g. 1gbit)")
+    parser.add_argument("--link-delay", default=None, help="added delay each way (tc units, e.g. 1ms)")
     args = parser.parse_args(argv)
+    shape = LinkShape(args.link_rate, args.link_delay)
     state = args.state_dir or state_dir_default()
     if args.command == "up":
         if not 1 <= args.hosts <= 40:
             parser.error("--hosts must be between 1 and 40")
-        print(json.dumps(up(args.hosts, state, args.slots), indent=2))
+        print(json.dumps(up(args.hosts, state, args.slots, shape), indent=2))
+    elif args.command == "shape":
+        print(json.dumps(reshape(state, shape), indent=2))
     elif args.command == "down":
         down(state)
     else:

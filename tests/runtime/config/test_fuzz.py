@@ -99,7 +99,7 @@ def _document(value: st.SearchStrategy[Any]) -> st.SearchStrategy[dict]:
         "zero_optimization": section(_names(ZeroConfig) + ["stage3_prefetch_bucket_size"]),
         "fp16": section(_names(Fp16Config)), "bf16": section(_names(Bf16Config)),
         "checkpoint": section(_names(CheckpointConfig)),
-        "optimizer": typed([*optimizers.OPTIMIZER_TYPES, "RMSprop", "Adamax", "OneBitAdam"], _OPT_PARAMS),
+        "optimizer": typed([*optimizers.OPTIMIZER_TYPES, "RMSprop", "Adamax", "MuAdam"], _OPT_PARAMS),
         "scheduler": typed(list(lr_schedules.SCHEDULER_TYPES), _SCHED_PARAMS),
         **{key: value for key in config_module._SCALARS if key not in config_module._BATCH_KEYS},
     })

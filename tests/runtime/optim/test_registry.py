@@ -307,7 +307,7 @@ def test_other_torch_optimizers_by_exact_name_like_deepspeed() -> None:
 
 def test_deepspeed_only_types_are_reported_as_not_implemented() -> None:
     with pytest.raises(ConfigError, match="accepted by DeepSpeed but not implemented"):
-        validate_optimizer("OneBitAdam", {})
+        validate_optimizer("MuAdam", {})
     with pytest.raises(ConfigError, match="must be a string"):
         validate_optimizer(3, {})
 

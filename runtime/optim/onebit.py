@@ -1,0 +1,330 @@
+"""1-bit Adam and 1-bit LAMB (``optimizer.type: "OneBitAdam"`` / ``"OneBitLamb"``): optimizers whose
+momentum, not their gradient, crosses the network in 1 bit per element after a warm-up.
+
+``OneBitLamb`` is described on its class (its trust ratios); what follows holds for both (and the
+exchange for 0/1 Adam, ``zero_one_adam.py``, which builds on the same base).
+
+Two phases (Tang et al. 2021; DeepSpeed's ``OnebitAdam`` config keys):
+
+- warm-up, the first ``freeze_step`` steps: exactly torch's AdamW (the class the engine builds for
+  ``"Adam"``), on gradients the strategy all-reduced as usual: bitwise the same weights as plain Adam;
+- compressed phase: the variance ``exp_avg_sq`` is frozen; the gradient stays on its rank
+  (``zero.exchange.CompressedExchange``); each rank updates the momentum with its own whole gradient,
+  then the ranks average the momentum with ``compression.compressed_all_reduce`` (sign + one scale,
+  worker and server error feedback) and take the Adam step with it.
+
+Differences from DeepSpeed, on purpose: the warm-up steps from the first step (DeepSpeed's first step
+does not update) with bias correction, and the compressed phase keeps the bias correction of the
+momentum (``1 - beta1^t``) and the one of the variance frozen at ``freeze_step``, so the update is
+continuous with the warm-up (DeepSpeed applies no bias correction at all). The error feedback is
+checkpointed per rank (DeepSpeed resets it on every load), so a resume is bitwise.
+
+ZeRO: the full momentum is kept on every rank in the compressed phase (the exchange needs the whole
+local momentum, identical on all ranks after it); ``exp_avg`` (this rank's shard of it, what
+checkpoints hold) and ``exp_avg_sq`` are sharded as usual; at the first compressed step (and after a
+load) the whole momentum is rebuilt from the shards with one all-reduce.
+
+Limitations: ZeRO stages 0-2 (stage 2 keeps stage 1's full gradient buffer, since the compressed
+phase needs each rank's whole gradient); no fp16 loss scaling (a rank that skips a step would leave
+its peers in the exchange); ``gradient_clipping`` in the compressed phase clips each rank's local
+gradient with the norm of the local gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dslaunch import comm
+from dslaunch.errors import CheckpointError
+from dslaunch.runtime.heartbeat import wait_all
+from dslaunch.runtime.optim import torch_optimizers
+from dslaunch.runtime.optim.compression import compressed_all_reduce, padded_numel
+from dslaunch.runtime.optim.lamb import Lamb
+from dslaunch.runtime.zero.exchange import CompressedExchange
+from dslaunch.runtime.zero.partition import FlatLayout
+
+__all__ = ["OneBitAdam", "OneBitLamb"]
+
+
+class _CompressedMomentum:
+    """What the 1-bit optimizers share: the phase, the whole momentum, its compressed exchange.
+
+    Mixed into a torch optimizer whose per-parameter state has ``step``, ``exp_avg`` (this rank's
+    shard of the momentum) and ``exp_avg_sq``; one flat master tensor per param group.
+    """
+
+    state: Any
+    param_groups: list[dict]
+
+    def _attach(self, exchange: CompressedExchange, freeze_step: int, process_group: Any) -> None:
+        self.exchange, self.freeze_step, self.pg = exchange, freeze_step, process_group
+        self.world_size = exchange.world_size
+        self._momentum: dict[int, torch.Tensor] = {}  # group -> whole momentum (padded), compressed phase
+        exchange.compressing = self.compressing
+
+    def steps_taken(self) -> int:
+        state = self.state.get(self.param_groups[0]["params"][0], {})
+        return int(state["step"]) if "step" in state else 0
+
+    def compressing(self) -> bool:
+        """Whether the next step is a compressed one (gradients then stay local)."""
+        return self.steps_taken() >= self.freeze_step
+
+    def _forget_momentum(self) -> None:
+        self._momentum.clear()  # rebuilt from the loaded exp_avg shards at the next compressed step
+
+    @staticmethod
+    def _grad_factor(optimizer: Any) -> float:
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        return 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+
+    def _whole_momentum(self, gi: int, shard: torch.Tensor) -> torch.Tensor:
+        """Group ``gi``'s momentum over the whole flat group, padded for the exchange (every rank the
+        same): rebuilt from each rank's ``exp_avg`` shard by one sum when not held yet."""
+        if gi not in self._momentum:
+            lay = self.exchange.layouts[gi]
+            numel, start, end = lay.numel, lay.start, lay.end
+            m = torch.zeros(padded_numel(numel, self.world_size), dtype=torch.float32, device=shard.device)
+            m[start:end].copy_(shard)
+            if (start, end) != (0, numel) and self.world_size > 1:  # sharded: gather the others' pieces
+                wait_all((comm.all_reduce(m, group=self.pg, async_op=True),), "1-bit momentum rebuild")
+            self._momentum[gi] = m
+        return self._momentum[gi]
+
+    def _errors(self, gi: int, padded: int, device: torch.device) -> dict[str, torch.Tensor]:
+        errors = self.exchange.errors.get(gi)
+        if errors is None:
+            errors = self.exchange.errors[gi] = {
+                "worker_error": torch.zeros(padded, dtype=torch.float32, device=device),
+                "server_error": torch.zeros(padded // self.world_size, dtype=torch.float32, device=device)}
+        return errors
+
+    def _exchange_momentum(self, gi: int, state: dict, group: dict, factor: float,
+                           scaling: torch.Tensor | None = None) -> torch.Tensor:
+        """Update the whole momentum with this rank's own gradient (times ``factor``), average it over
+        the ranks 1-bit compressed (multiplied by ``scaling`` while compressed, if given), store this
+        rank's shard in ``exp_avg``; returns the shard as the update uses it (``_usable``)."""
+        lay = self.exchange.layouts[gi]
+        numel, start, end = lay.numel, lay.start, lay.end
+        beta1 = group["betas"][0]
+        m = self._whole_momentum(gi, state["exp_avg"])
+        m[:numel].mul_(beta1).add_(self.exchange.local_gradient(gi).float(), alpha=(1.0 - beta1) * factor)
+        m[numel:].zero_()  # padding carries nothing (it would only blur the scale)
+        if self.world_size > 1:
+            errors = self._errors(gi, m.numel(), m.device)
+            if scaling is not None:
+                m[:numel].mul_(scaling)
+            compressed_all_reduce(m, errors["worker_error"], errors["server_error"], self.world_size, self.pg)
+            if scaling is not None:
+                m[:numel].div_(scaling)
+        state["exp_avg"].copy_(m[start:end])
+        state["step"] = state["step"] + 1
+        return self._usable(state["exp_avg"], state, group)
+
+    def _step_groups(self, closure: Any, plain: bool, update: Callable[..., None]) -> Any:
+        """torch's AdamW step if ``plain``, else ``update(gi, group, state, master, grad factor)`` per group."""
+        if plain:
+            return self._adamw_step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        factor = self._grad_factor(self)
+        for gi, group in enumerate(self.param_groups):
+            (p,) = group["params"]
+            update(gi, group, self.state[p], p, factor)
+        return loss
+
+    def _adamw_step(self, closure: Any) -> Any:
+        """torch's AdamW step (the warm-up and 0/1 Adam's variance steps), unscaling for unfused kernels."""
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is None or self.defaults.get("fused"):  # fused kernels unscale themselves
+            return torch_optimizers.AdamW.step(self, closure)
+        torch._foreach_mul_([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None],
+                            1.0 / float(grad_scale))
+        del self.grad_scale  # torch's unfused Adam refuses one
+        try:
+            return torch_optimizers.AdamW.step(self, closure)
+        finally:
+            self.grad_scale = grad_scale
+
+    @staticmethod
+    def _usable(m: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        """``m`` with zeros where the gradients stayed below eps (a key bias, which softmax ignores, is
+        ~1e-11): Adam barely moves those, but a compressed momentum gives them a whole sign times the
+        scale, divided by ~eps. Masked where used, not where kept, so the momentum every rank holds
+        (and rebuilds after a load) stays the same everywhere. DeepSpeed takes such masks by hand."""
+        return m.masked_fill(state["exp_avg_sq"] < group["eps"] ** 2, 0.0)
+
+    def _frozen_bias_corrections(self, group: dict, step: float) -> tuple[float, float]:
+        """(1 - beta1^t, sqrt(1 - beta2^min(t, freeze_step))): the variance froze with its correction."""
+        beta1, beta2 = group["betas"]
+        return 1.0 - beta1**step, math.sqrt(1.0 - beta2**min(step, self.freeze_step))
+
+
+class OneBitAdam(_CompressedMomentum, torch_optimizers.AdamW):
+    """Adam (decoupled weight decay) with a 1-bit compressed momentum exchange after ``freeze_step`` steps.
+
+    Args:
+        params: the strategy's flat master tensors, one per param group.
+        exchange: the strategy's ``CompressedExchange`` (phase switch, error feedback, local gradients).
+        freeze_step: warm-up steps (plain Adam) before the variance freezes and compression starts.
+        process_group: the data-parallel group the momentum is averaged over.
+        **adamw: lr, betas, eps, weight_decay and torch's implementation flags (fused/foreach).
+
+    collective: ``step`` in the compressed phase (all ranks of the group).
+    """
+
+    _step_supports_amp_scaling = True  # the strategy hands the unscale/clip factor as grad_scale
+
+    def __init__(self, params: Any, exchange: CompressedExchange, freeze_step: int, process_group: Any = None,
+                 **adamw: Any):
+        super().__init__(params, **adamw)
+        self._attach(exchange, freeze_step, process_group)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._forget_momentum()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        return self._step_groups(closure, not self.compressing(), self._compressed_update)
+
+    def _compressed_update(self, gi: int, group: dict, state: dict, p: torch.Tensor, factor: float) -> None:
+        m = self._exchange_momentum(gi, state, group, factor)
+        bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
+        lr = float(group["lr"])
+        p.mul_(1.0 - lr * group["weight_decay"])
+        denom = state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
+        p.addcdiv_(m, denom, value=-lr / bc1)
+
+class OneBitLamb(_CompressedMomentum, Lamb):
+    """LAMB with a 1-bit compressed momentum exchange after ``freeze_step`` steps (DeepSpeed's ``OnebitLamb``).
+
+    Warm-up: dslaunch's ``Lamb`` (bitwise), keeping an average of each parameter's trust ratio
+    (``coeff_beta``). Compressed phase: the variance freezes; a fresh variance is tracked from the
+    gradients the exchanged momentum implies; each parameter's step is its averaged trust ratio
+    times a factor ``max(denominator / fresh denominator)`` (with weight decay, mixed towards 1 by
+    the share of the update that is not decay), kept in [``factor_min``, ``factor_max``] and within
+    ``factor_threshold`` of the last one.
+
+    Args:
+        exchange, freeze_step, process_group: as ``OneBitAdam``'s.
+        coeff_beta, factor_max, factor_min, factor_threshold: DeepSpeed's names and defaults.
+        **lamb: ``Lamb``'s arguments (lr, betas, eps, weight_decay, bias_correction, max_coeff,
+            min_coeff, eps_inside_sqrt, flat_layouts, norm_all_reduce).
+
+    Limitations: the averaged trust ratios are per rank (each rank's parameters): a checkpoint
+    resumes at the same world size only, as the error feedback.
+
+    collective: ``step`` (as Lamb's with ZeRO, and the exchange).
+    """
+
+    def __init__(self, params: Any, exchange: CompressedExchange, freeze_step: int, process_group: Any = None,
+                 coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
+                 factor_threshold: float = 0.1, **lamb: Any):
+        super().__init__(params, **lamb)
+        self._attach(exchange, freeze_step, process_group)
+        self.coeff_beta, self.factor_max, self.factor_min = coeff_beta, factor_max, factor_min
+        self.factor_threshold = factor_threshold
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = {s.get("coeff_world") for s in state_dict["state"].values()} - {None}
+        if saved and saved != {self.world_size}:
+            raise CheckpointError(f"OneBitLamb's averaged trust ratios were saved at data-parallel world size "
+                                  f"{saved.pop()}, this run has {self.world_size}: they are per rank; resume "
+                                  "at the same world size, or load with load_optimizer_states=False")
+        super().load_state_dict(state_dict)
+        self._forget_momentum()
+
+    def _layout(self, index: int, p: torch.Tensor) -> FlatLayout:
+        return self.flat_layouts[index] or FlatLayout(((0, p.numel()),), 1)
+
+    def _update_group(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        if not self.compressing():
+            super()._update_group(index, group, params)
+            return
+        (p,) = params
+        state = self.state[p]
+        layout = self._layout(index, p)
+        beta1, beta2 = group["betas"]
+        previous = state["exp_avg"].clone()
+        m = self._exchange_momentum(index, state, group, self._inv_scale or 1.0, self._scaling(index, state))
+        fresh = state.setdefault("exp_avg_sq_fresh", state["exp_avg_sq"].clone())
+        # the averaged gradient the exchanged momentum implies
+        implied = state["exp_avg"].sub(previous, alpha=beta1).div_(1.0 - beta1)
+        fresh.mul_(beta2).addcmul_(implied, implied, value=1.0 - beta2)
+        denom = self._denominator(group, state["exp_avg_sq"])
+        update = m / denom
+        stats = self._segment_stats(index, layout, [denom.div_(self._denominator(group, fresh))], "amax")
+        if group["weight_decay"] != 0.0:
+            decayed = update + group["weight_decay"] * p.view(-1)
+            sums = self._segment_stats(index, layout, [update.square(), decayed.square()], "sum")
+            share = (sums[0] / sums[1]).sqrt().clamp_(max=1.0).nan_to_num_(1.0)
+            stats[0] = stats[0] * share + (1.0 - share)
+            update = decayed
+        factor = stats[0].clamp_(self.factor_min, self.factor_max)
+        last = state.setdefault("last_factor", torch.ones_like(factor))
+        factor = torch.minimum(torch.maximum(factor, last * (1.0 - self.factor_threshold)),
+                               last * (1.0 + self.factor_threshold))
+        last.copy_(factor)
+        bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
+        size = float(group["lr"]) * (bc2_sqrt / bc1 if group["bias_correction"] else 1.0)
+        # the average of the warm-up's trust ratios, bias-corrected (it started from zero)
+        coeff = state["lamb_coeff"] / (1.0 - self.coeff_beta**self.freeze_step)
+        scales = (coeff * factor * -size).tolist()
+        for (pid, _), weight, piece in zip(layout.segments, *self._pieces(layout, ([p], [update])), strict=True):
+            weight.add_(piece, alpha=scales[pid])
+
+    def _scaling(self, index: int, state: dict) -> torch.Tensor:
+        """Per element, its parameter's momentum scaling (DeepSpeed's ``scaling_coeff``): the mean of
+        the parameters' RMS momenta over its own, fixed when compression starts. One scale per chunk
+        would otherwise drown the parameters with small momenta in the large ones' signs."""
+        lay = self.exchange.layouts[index]
+        sizes = [math.prod(shape) for shape in lay.shapes]
+        if "scaling_coeff" not in state:
+            m = self._whole_momentum(index, state["exp_avg"])[:lay.numel]
+            rms = torch.stack([piece.norm() / math.sqrt(piece.numel()) for piece in m.split(sizes)])
+            state["scaling_coeff"] = (rms.mean() / rms).nan_to_num_(1.0, 1.0, 1.0)
+        return state["scaling_coeff"].repeat_interleave(torch.tensor(sizes))
+
+    @staticmethod
+    def _denominator(group: dict[str, Any], v: torch.Tensor) -> torch.Tensor:
+        return v.add(group["eps"]).sqrt_() if group["eps_inside_sqrt"] else v.sqrt().add_(group["eps"])
+
+    def _segment_stats(self, index: int, layout: FlatLayout, values: list[torch.Tensor], how: str) -> torch.Tensor:
+        """Per original parameter (rows: ``values``), ``how`` ("sum" or "amax") over its elements on all ranks."""
+        ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
+        lengths = [length for _, length in layout.segments]
+        out = torch.zeros(len(values), layout.num_params, dtype=torch.float64)
+        for row, v in zip(out, values, strict=True):
+            pieces = torch.stack([piece.double().max() if how == "amax" else piece.double().sum()
+                                  for piece in v.split(lengths)]) if lengths else torch.zeros(0, dtype=torch.float64)
+            if how == "amax":
+                row.index_reduce_(0, ids, pieces, "amax", include_self=True)
+            else:
+                row.index_add_(0, ids, pieces)
+        lay = self.exchange.layouts[index]
+        numel, start, end = lay.numel, lay.start, lay.end
+        if self.world_size > 1 and (start, end) != (0, numel):  # sharded: parameters span ranks
+            op = comm.ReduceOp.MAX if how == "amax" else comm.ReduceOp.SUM
+            wait_all((comm.all_reduce(out, op=op, group=self.pg, async_op=True),), "1-bit LAMB statistics")
+        return out
+
+    def _trust_ratios(self, group: dict[str, Any], layout: FlatLayout | None, sq: torch.Tensor) -> list[float]:
+        ratios = super()._trust_ratios(group, layout, sq)
+        p = group["params"][0]
+        layout = layout or FlatLayout(tuple((i, 1) for i in range(len(ratios))), len(ratios))
+        state = self.state[p]
+        coeff = state.setdefault("lamb_coeff", torch.zeros(layout.num_params, dtype=torch.float64))
+        state["coeff_world"] = self.world_size
+        ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
+        seen = torch.zeros_like(coeff).index_copy_(0, ids, torch.tensor(ratios, dtype=torch.float64))
+        # the average the compressed phase starts from (DeepSpeed's lamb_coeff_freeze)
+        coeff.index_copy_(0, ids, coeff[ids] * self.coeff_beta + seen[ids] * (1.0 - self.coeff_beta))
+        return ratios
+

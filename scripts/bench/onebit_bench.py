@@ -1,0 +1,232 @@
+"""1-bit optimizers and the hierarchical all-reduce: bytes sent per step and step time, in one run.
+
+A ~50M-parameter language model (an 8192 x 1024 embedding, 5 blocks of a 1024 -> 4096 -> 1024 MLP,
+a 1024 x 8192 head) trains on ``--world`` local gloo ranks (one thread each) with a tiny batch (8
+tokens per rank), so the gradient exchange dominates the step. Each configuration runs ``--warmup``
+steps (the 1-bit optimizers' warm-up: ``freeze_step`` = that) and then ``--steps`` measured steps:
+
+- ``Adam``: fp32 all-reduce of the gradients (flat);
+- ``Adam, hierarchical``: the same through ``hierarchical_allreduce: always`` with the ranks split
+  into 2 pretend nodes (``NODE_RANK``), world 4 only;
+- ``OneBitAdam`` and ``OneBitLamb``: the measured steps are compressed ones.
+
+Bytes: every collective's payload as the comms logger records it, times the share of it that
+leaves the rank (all-reduce 2(W-1)/W, all-to-all (W-1)/W, all-gather W-1 of its input), per rank
+and step. Time: the mean wall time of the measured steps on rank 0. Without a shaped link the ranks
+talk over loopback (~0.8 GB/s for gloo at world 2 here: FACTS.md), which already makes the fp32
+exchange the larger part of a step.
+
+Writes ``results/onebit_bench_w<world>.json`` and ``.md``. Run it under the benchmark lock:
+``flock /tmp/dslaunch-bench.lock python scripts/bench/onebit_bench.py [--world 2] [--steps 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).resolve().parent
+VOCAB, DIM, HIDDEN, LAYERS, TOKENS = 8192, 1024, 4096, 5, 8
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(),
+                                                              torch.nn.Linear(HIDDEN, DIM)) for _ in range(LAYERS))
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens[:, :-1])
+        for block in self.blocks:
+            h = h + block(h)
+        return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def configs(world: int, warmup: int) -> dict[str, dict]:
+    base = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10_000, "comms_logger": {"enabled": True}}
+    out = {
+        "Adam": {**base, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}},
+        "OneBitAdam": {**base, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": warmup}}},
+        "OneBitLamb": {**base, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-4, "freeze_step": warmup}}},
+    }
+    if world == 4:
+        out["Adam, hierarchical"] = {**out["Adam"], "hierarchical_allreduce": "always"}
+    return out
+
+
+def sent_bytes(summary: dict, world: int) -> float:
+    share = {"all_reduce": 2 * (world - 1) / world, "all_to_all_single": (world - 1) / world,
+             "all_gather_into_tensor": world - 1, "reduce": 1.0, "broadcast": 1.0}
+    return sum(share.get(op.split(" ")[0], 1.0) * size * row["count"]
+               for op, sizes in summary.items() for size, row in sizes.items())
+
+
+def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, steps: int, queue: object,
+        master: str = "127.0.0.1", per_node: int = 2) -> None:
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), NODE_RANK=str(rank // per_node))
+    torch.set_num_threads(1)
+    import dslaunch
+    from dslaunch import comm
+
+    torch.manual_seed(0)
+    engine, _, _, _ = dslaunch.initialize(model=Model(), config=cfg)
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            comm.comms_logger.reset()
+        tokens = torch.randint(0, VOCAB, (1, TOKENS + 1), generator=g)
+        start = time.perf_counter()
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+    summary = comm.comms_logger.summary()
+    if rank == 0:
+        params = sum(p.numel() for p in engine.module.parameters())
+        queue.put({"name": name, "params": params, "bytes_per_step": sent_bytes(summary, world) / steps,
+                   "step_s": sum(times[warmup:]) / steps,
+                   "ops": {op: sum(r["count"] for r in sizes.values()) // steps for op, sizes in summary.items()}})
+    engine.destroy()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+class _FileQueue:
+    """Rank 0's result into a file (a rank started in a network namespace by ``ip netns exec``)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def put(self, row: dict) -> None:
+        Path(self.path).write_text(json.dumps(row))
+
+
+def _worker(argv: list[str]) -> None:
+    rank, world, port, name, warmup, steps, master, out = argv
+    cfg = configs(int(world), int(warmup))[name]
+    run(int(rank), int(world), int(port), name, cfg, int(warmup), int(steps), _FileQueue(out), master, per_node=1)
+
+
+class ShapedHosts:
+    """``world`` private network namespaces (one rank each) on a bridge, each link shaped by
+    ``cluster.LinkShape`` (a token bucket both ways). Not the test cluster's names: it may be in use."""
+
+    def __init__(self, world: int, rate: str):
+        import importlib.util
+        import sys
+
+        spec = importlib.util.spec_from_file_location("cluster", HERE.parent / "cluster" / "cluster.py")
+        self.cl = importlib.util.module_from_spec(spec)
+        sys.modules["cluster"] = self.cl  # dataclasses look their module up there
+        spec.loader.exec_module(self.cl)
+        self.hosts = [self.cl.Host(f"dslob-n{k}", f"10.213.77.{10 + k}") for k in range(world)]
+        self.shape = self.cl.LinkShape(rate)
+
+    def __enter__(self) -> ShapedHosts:
+        run_ = self.cl._run
+        run_("ip", "link", "add", "dslob-br", "type", "bridge")
+        run_("ip", "addr", "add", "10.213.77.1/24", "dev", "dslob-br")
+        run_("ip", "link", "set", "dslob-br", "up")
+        for h in self.hosts:
+            run_("ip", "netns", "add", h.name)
+            run_("ip", "link", "add", f"{h.name}v", "type", "veth", "peer", "name", f"{h.name}p")
+            run_("ip", "link", "set", f"{h.name}p", "netns", h.name)
+            run_("ip", "-n", h.name, "link", "set", f"{h.name}p", "name", h.iface)
+            run_("ip", "link", "set", f"{h.name}v", "master", "dslob-br", "up")
+            run_("ip", "-n", h.name, "addr", "add", f"{h.addr}/24", "dev", h.iface)
+            run_("ip", "-n", h.name, "link", "set", h.iface, "up")
+            run_("ip", "-n", h.name, "link", "set", "lo", "up")
+            self.cl._shape_link(h, self.shape)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.hosts:
+            self.cl._run("ip", "netns", "del", h.name, check=False)
+        self.cl._run("ip", "link", "del", "dslob-br", check=False)
+
+    def run(self, name: str, warmup: int, steps: int, port: int) -> dict:
+        import subprocess
+        import sys
+        import tempfile
+
+        out = tempfile.mktemp(suffix=".json")
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen(["ip", "netns", "exec", h.name, sys.executable, __file__, "--worker", str(r),
+                                   str(len(self.hosts)), str(port), name, str(warmup), str(steps),
+                                   self.hosts[0].addr, out], env=env)
+                 for r, h in enumerate(self.hosts)]
+        for p in procs:
+            p.wait(timeout=1800)
+        return json.loads(Path(out).read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2, choices=(2, 4))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--link-rate", default=None,
+                    help="one rank per private network namespace, each link shaped to this rate (tc units, e.g. 1gbit)")
+    args = ap.parse_args()
+    from dslaunch.utils.ports import free_port
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    if args.link_rate:
+        with ShapedHosts(args.world, args.link_rate) as hosts:
+            for name in configs(args.world, args.warmup):
+                if "hierarchical" not in name:  # one rank per host: nothing to do within a node
+                    rows.append(hosts.run(name, args.warmup, args.steps, free_port()))
+                    print(rows[-1], flush=True)
+    for name, cfg in configs(args.world, args.warmup).items() if not args.link_rate else ():
+        queue = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=run, args=(r, args.world, port, name, cfg, args.warmup, args.steps, queue))
+                 for r in range(args.world)]
+        for p in procs:
+            p.start()
+        rows.append(queue.get(timeout=1800))
+        for p in procs:
+            p.join()
+        print(rows[-1], flush=True)
+    adam = rows[0]
+    for row in rows:
+        row["bytes_vs_adam"] = adam["bytes_per_step"] / row["bytes_per_step"]
+        row["speedup_vs_adam"] = adam["step_s"] / row["step_s"]
+    result = {"world": args.world, "warmup": args.warmup, "steps": args.steps, "tokens_per_rank": TOKENS,
+              "link": f"{args.link_rate} per host (tc token bucket, both ways)" if args.link_rate else "loopback",
+              "loadavg_1m": os.getloadavg()[0], "torch": torch.__version__,
+              "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"onebit_bench_w{args.world}" + ("_shaped" if args.link_rate else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"world {args.world}, {rows[0]['params'] / 1e6:.1f}M params, link {result['link']}, "
+             f"load average {result['loadavg_1m']:.1f}",
+             "", "| config | bytes sent per rank and step | vs Adam | step time (s) | speed-up vs Adam |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['bytes_per_step'] / 1e6:.2f} MB | {r['bytes_vs_adam']:.1f}x fewer | "
+              f"{r['step_s']:.3f} | {r['speedup_vs_adam']:.2f}x |" for r in rows]
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+        raise SystemExit(0)
+    raise SystemExit(main())
