@@ -167,10 +167,18 @@ class DeepSpeedEngine(torch.nn.Module):
 
         collective: call on all ranks every micro step.
 
+        A script that ran ``loss.backward()`` itself (not ``engine.backward(loss)``) gets its
+        gradients reduced here, as ``engine.backward`` would have (DeepSpeed reduces them through
+        its hooks at ZeRO 1-3 and raises at ZeRO 0); the loss is not divided by the accumulation
+        steps then, as in DeepSpeed.
+
         Raises:
             UsageError: at an accumulation boundary inside ``no_sync()`` (the gradients are not
-                reduced, so ranks would diverge; DeepSpeed asserts on any step there).
+                reduced, so ranks would diverge; DeepSpeed asserts on any step there); after a
+                plain ``loss.backward()`` with fp16 (the loss was not scaled).
         """
+        if self.zero.backward_pending:
+            self._complete_plain_backward()
         if self.is_gradient_accumulation_boundary():
             if not self._sync:
                 raise UsageError("engine.step() at a gradient accumulation boundary inside no_sync(): "
@@ -180,6 +188,13 @@ class DeepSpeedEngine(torch.nn.Module):
         else:
             self._step_applied = False
         self.micro_steps += 1
+
+    def _complete_plain_backward(self) -> None:
+        """The script's own ``loss.backward()``: finish what ``engine.backward`` would have."""
+        if self._config.fp16.enabled:
+            raise UsageError("engine.step() after loss.backward(): with fp16 the loss must be scaled "
+                             "before backward; call engine.backward(loss) instead of loss.backward()")
+        self._backward_epilogue()
 
     def _take_model_step(self, lr_kwargs: dict | None = None) -> None:
         """The optimizer step of an accumulation boundary, its counters and its ``StepRecord``

@@ -3,7 +3,9 @@
 ``load_config(source, world_size)`` accepts a path (JSON or YAML), a dict, or an argparse
 namespace with ``deepspeed_config``, and returns a ``DeepSpeedConfig``. Everything is validated
 here, so nothing later reads raw dicts: unknown keys fail with a did-you-mean (DeepSpeed silently
-ignores them), wrong types and ranges name the key path, ``"auto"`` says what to put instead,
+ignores them), wrong types and ranges name the key path, ``"auto"`` and dotted top-level keys that
+libraries leave in (``client_forms.py``) fall back to the default or are ignored with a note, an
+``"auto"`` without a default (batch sizes, optimizer and scheduler params) says what to put instead,
 features DeepSpeed has but dslaunch lacks are reported unless switched off, and the batch triad
 ``train_batch_size = micro * gradient_accumulation_steps * world_size`` is completed or rejected
 with the arithmetic shown. Reading the file and bounding the document's size and depth (for a
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
+from dslaunch.runtime.config.client_forms import client_forms
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
@@ -138,6 +141,9 @@ class DeepSpeedConfig:
     source: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (a dict or the file's content): DeepSpeed's ``engine.config``."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    """Lines for the user about what was read differently from what was written (unfilled
+    ``"auto"``, dotted keys: ``client_forms.py``); ``initialize`` prints them once on rank 0."""
 
     @property
     def monitor_config(self) -> DeepSpeedMonitorConfig:
@@ -190,8 +196,10 @@ def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
 
 def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSpeedConfig:
     raw = _legacy_forms(raw)
+    # The batch sizes have no default for an unfilled "auto" to fall back on: they stay errors.
+    forms = client_forms(raw, _SECTIONS, {k: v for k, v in _SCALARS.items() if k not in _BATCH_KEYS})
     values: dict[str, Any] = {}
-    for key, value in raw.items():
+    for key, value in forms.raw.items():
         if key in _SECTIONS:
             values[key] = parse_section(_SECTIONS[key], value, key)
         elif key in _SCALARS:
@@ -208,7 +216,7 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
     elastic = values.get("elasticity")
     triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
              else _batch_triad(given, world_size))
-    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, **values)
+    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=forms.notes, **values)
     _cross_check(cfg)
     return cfg
 

@@ -415,10 +415,10 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
 def _explain_auto(cls: type, raw: Mapping[str, Any], prefix: str) -> None:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in raw.items():
-        if value == "auto" and not _stage3_only(cls, key) and key not in getattr(cls, "AUTO_OK", ()):
-            f = fields.get(key)
-            what = f.metadata["help"] if f is not None else "the actual value"
-            default = f" (or remove the key for the default, {f.default!r})" if f is not None else ""
+        f = fields.get(key)  # an unknown key is left to the did-you-mean below
+        if value == "auto" and f is not None and not _stage3_only(cls, key) and key not in getattr(cls, "AUTO_OK", ()):
+            what = f.metadata["help"]
+            default = f" (or remove the key for the default, {f.default!r})"
             raise ConfigError(f"'auto' is a Hugging Face Trainer placeholder that only the Trainer fills "
                               f"in; put {what} here{default}", key=f"{prefix}.{key}" if prefix else key)
 

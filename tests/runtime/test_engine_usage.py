@@ -273,3 +273,43 @@ def test_untested_client_optimizers_need_the_config_switch_at_every_stage() -> N
     assert from_callable.startswith("ConfigError: 'zero_allow_untested_optimizer'"), from_callable
     assert _client_optimizer_outcome(torch.optim.Adafactor, allow=True) == "Adafactor"
     assert _client_optimizer_outcome(torch.optim.SGD, allow=False) == "SGD"
+
+
+# ----- loss.backward() instead of engine.backward(loss) --------------------------------------------
+def _plain_backward(rank: int, world: int) -> dict:
+    import dslaunch
+
+    out: dict = {}
+    for stage in (0, 1, 2, 3):
+        runs = []
+        for plain in (False, True):
+            engine, *_ = dslaunch.initialize(model=make_model(), config=_cfg(stage))
+            for i in range(2):  # one optimizer step of two micro steps
+                loss = engine(*_mine(rank, world, i))
+                if plain:  # the script divides by the accumulation steps itself, as with DeepSpeed
+                    (loss / 2).backward()
+                else:
+                    engine.backward(loss)
+                engine.step()
+            runs.append(_weights(engine))
+        out[stage] = runs
+    fp16 = {**_cfg(0), "fp16": {"enabled": True}}
+    engine, *_ = dslaunch.initialize(model=make_model(), config=fp16)
+    engine(*_mine(rank, world, 0)).backward()
+    out["fp16"] = _error(engine.step)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_plain_loss_backward_is_reduced_across_ranks_at_every_stage() -> None:
+    """A script calling loss.backward() and then engine.step() (no engine.backward) trains exactly
+    as with engine.backward at ZeRO 0-3: step() completes the reduction across ranks. fp16, whose
+    loss must be scaled first, is refused in one line naming the fix."""
+    results = run_world(_plain_backward, 2)
+    for out in results:
+        for stage in (0, 1, 2, 3):
+            with_engine, plain = out[stage]
+            assert plain == with_engine, f"stage {stage}"
+        assert "call engine.backward(loss) instead of loss.backward()" in out["fp16"], out["fp16"]
+    for stage in (0, 1, 2, 3):  # the ranks agree (each saw different data)
+        assert results[0][stage][1] == results[1][stage][1], f"stage {stage}"
