@@ -74,6 +74,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.zero, self.optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
         self.training_dataloader = parts.dataloader
         self.loss_scaler = PrecisionPolicy.loss_scaler(config)
+        # A step with inf/NaN gradients is skipped under fp16, and under bf16 unless switched off (DeepSpeed's rules)
+        self._skips_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.dp_world_size = self.grid.get_data_parallel_world_size()
@@ -163,7 +165,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """Count a micro step; at the accumulation boundary update the weights.
 
         An fp16 step whose gradients overflowed is skipped (``skipped_steps``), the loss scale is
-        updated and the LR scheduler does not advance, as in DeepSpeed.
+        updated and the LR scheduler does not advance, as in DeepSpeed; so is a bf16 step with
+        inf/NaN gradients (``bf16.check_grad_overflow``, default true).
 
         collective: call on all ranks every micro step.
 
@@ -204,7 +207,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         with self.events.phase("step"):
             result = self.zero.step(self.loss_scaler.loss_scale, self._config.gradient_clipping,
-                                    check_overflow=self._config.fp16.enabled)
+                                    check_overflow=self._skips_overflow)
         self.loss_scaler.update(result.overflow)
         self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
         if result.overflow:

@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # the registries import this package's checkers: import them 
     from dslaunch.runtime.lr_schedules import SchedulerSpec
     from dslaunch.runtime.optim.registry import OptimizerSpec
 
-__all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
+__all__ = ["DeepSpeedConfig", "load_config", "OWN_DEFAULTS", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
 
 # Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
@@ -80,6 +80,13 @@ def _steps_per_print(path: str, value: Any) -> int | None:
     # The one number that may be infinite: accelerate's DeepSpeedPlugin always sets Infinity.
     return None if value == math.inf else integer(1)(path, value)
 
+
+# Defaults dslaunch keeps different from DeepSpeed 0.19.8 on purpose -> what the note says when the
+# config leaves them out (tests/runtime/config/test_defaults.py lists every default side by side).
+OWN_DEFAULTS = {
+    "steps_per_print": "steps_per_print is 10 when not given (DeepSpeed 0.19.8: no progress line): rank 0 "
+                       "prints a progress line every 10 steps; set it to choose",
+}
 
 _SCALARS = {
     "train_batch_size": (optional(integer(1)), "an integer: micro batch * accumulation steps * GPUs"),
@@ -110,7 +117,9 @@ class DeepSpeedConfig:
     steps_per_print: int | None = 10
     """None: never (accelerate writes Infinity there to silence DeepSpeed's log)."""
     wall_clock_breakdown: bool = False
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0
+    """DeepSpeed 0.19.8's default (``GRADIENT_CLIPPING_DEFAULT``): a config without the key clips
+    at a global norm of 1.0; 0 switches clipping off."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: str | None = None
@@ -143,7 +152,8 @@ class DeepSpeedConfig:
     """The config as given (a dict or the file's content): DeepSpeed's ``engine.config``."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Lines for the user about what was read differently from what was written (unfilled
-    ``"auto"``, dotted keys: ``client_forms.py``); ``initialize`` prints them once on rank 0."""
+    ``"auto"``, dotted keys: ``client_forms.py``) and about defaults unlike DeepSpeed's in effect
+    (``OWN_DEFAULTS``); ``initialize`` prints them once on rank 0."""
 
     @property
     def monitor_config(self) -> DeepSpeedMonitorConfig:
@@ -216,7 +226,8 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
     elastic = values.get("elasticity")
     triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
              else _batch_triad(given, world_size))
-    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=forms.notes, **values)
+    notes = (*forms.notes, *(note for key, note in OWN_DEFAULTS.items() if key not in forms.raw))
+    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=notes, **values)
     _cross_check(cfg)
     return cfg
 

@@ -87,13 +87,13 @@ def test_unfilled_auto_is_the_default_and_said_once() -> None:
     assert (cfg.gradient_clipping, cfg.steps_per_print, cfg.fp16) == \
         (default.gradient_clipping, default.steps_per_print, default.fp16)
     auto = [n for n in cfg.notes if n.startswith("'auto'")]
-    assert len(auto) == 1 and len(cfg.notes) == 2
+    assert len(auto) == 1 and len(cfg.notes) == 3  # "auto", dotted keys, steps_per_print's default
     for key in ("gradient_clipping", "steps_per_print", "zero_optimization.overlap_comm",
                 "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
                 "zero_optimization.offload_param.pin_memory", "fp16.enabled"):
         assert f"'{key}'" in auto[0]
     assert cfg.raw["zero_optimization"]["reduce_bucket_size"] == "auto"  # engine.config: as given
-    assert load_config({"train_batch_size": 8}, 2).notes == ()
+    assert load_config({"train_batch_size": 8, "steps_per_print": 10}, 2).notes == ()
 
 
 def test_dotted_top_level_keys_are_ignored_with_one_note() -> None:
