@@ -205,7 +205,7 @@ def test_state_dict_is_the_module_under_a_prefix(tmp_path) -> None:
 
 # ----- get_global_grad_norm ----------------------------------------------------------------------
 _NORM_CASES = {  # name -> (stage, config extras); DeepSpeed computes the norm for all but the first
-    "stage0-fp32": (0, {}),
+    "stage0-fp32": (0, {"gradient_clipping": 0.0}),  # (the default, 1.0, clips as DeepSpeed 0.19.8's)
     "stage0-fp32-clip": (0, {"gradient_clipping": 100.0}),
     "stage0-bf16": (0, {"bf16": {"enabled": True}}),
     "stage0-fp16": (0, {"fp16": {"enabled": True, "initial_scale_power": 8}}),
