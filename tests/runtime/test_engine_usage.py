@@ -313,3 +313,33 @@ def test_plain_loss_backward_is_reduced_across_ranks_at_every_stage() -> None:
         assert "call engine.backward(loss) instead of loss.backward()" in out["fp16"], out["fp16"]
     for stage in (0, 1, 2, 3):  # the ranks agree (each saw different data)
         assert results[0][stage][1] == results[1][stage][1], f"stage {stage}"
+
+
+# ----- default gradient clipping ---------------------------------------------------------------------
+def _sgd_step_norms(rank: int, world: int) -> dict:
+    import dslaunch
+
+    out = {}
+    for stage in (0, 2):
+        for extra in ({}, {"gradient_clipping": 0.0}):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(8, 1)
+            cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+                   "zero_optimization": {"stage": stage}, **extra}
+            engine, *_ = dslaunch.initialize(model=model, config=cfg)
+            before = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+            engine.backward(engine(torch.full((4, 8), 30.0)).pow(2).mean() * 100)
+            engine.step()
+            after = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+            out[(stage, bool(extra))] = torch.linalg.vector_norm(after - before).item()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_gradients_are_clipped_at_1_by_default_as_deepspeed_0_19_8() -> None:
+    """No gradient_clipping key: an SGD step (lr 1) of a huge gradient moves the weights by 1, as
+    DeepSpeed 0.19.8 (GRADIENT_CLIPPING_DEFAULT = 1.0); gradient_clipping 0 switches it off."""
+    norms = run_world(_sgd_step_norms, 2)[0]
+    for stage in (0, 2):
+        assert norms[(stage, False)] == pytest.approx(1.0, rel=1e-5)
+        assert norms[(stage, True)] > 100
