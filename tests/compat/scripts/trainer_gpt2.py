@@ -49,15 +49,13 @@ def ds_config(stage: int) -> dict:
 
 
 def process_group_for_zero3(stage: int) -> None:
-    """At ZeRO 3 ``from_pretrained`` builds the model under ``zero.Init``, which needs the process
-    group (the real DeepSpeed otherwise checks the batch sizes against a world of 1 and fails), and
-    accelerate on CPU creates it only later: create it first, as a launcher's script would."""
-    import os
+    """At ZeRO 3 ``from_pretrained`` builds the model under ``zero.Init``, which needs DeepSpeed's
+    process group (the real DeepSpeed otherwise checks the batch sizes against a world of 1 and
+    fails), and accelerate on CPU creates it only later: create it first, as DeepSpeed's docs do."""
+    if stage == 3:
+        import deepspeed
 
-    import torch.distributed as dist
-
-    if stage == 3 and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        deepspeed.init_distributed(dist_backend="gloo")
 
 
 def main() -> None:

@@ -27,7 +27,12 @@ def token_rows(n: int, vocab_from: int = 3, words: int = 60) -> list[list[int]]:
 
 
 def reloaded_loss(model_dir: str, saved: str, lora: bool) -> float:
-    """The loss on a fixed batch of the model rebuilt from disk, as a user reloads it."""
+    """The loss on a fixed batch of the model rebuilt from disk, as a user reloads it: in a process
+    of its own, that is without the ZeRO-3 config the Trainer made active (rank 0 alone would
+    otherwise build it under zero.Init, whose collectives need every rank)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
     if lora:
         from peft import PeftModel
 
