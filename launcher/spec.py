@@ -155,6 +155,15 @@ class NodeResult:
     """Why the run could not start (cause ``start``): the launch error's one line; for a hang, the
     allowance that ran out (``no progress for 60 s: ...``)."""
 
+    @property
+    def job_exit_code(self) -> int:
+        """The job's exit code when this is its failure: 1 for a rank that raised and was stopped
+        (SIGTERM, or SIGKILL after the grace period) while still tearing down, as its uncaught
+        exception would have ended it; otherwise ``exit_code``. Which signal reached a slow
+        teardown first is load, not the script's word."""
+        stopped = self.signal_name in ("SIGTERM", "SIGKILL") and self.cause == "exception"
+        return 1 if stopped and self.exception is not None else self.exit_code
+
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
         if self.cause == "hang":

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import CheckpointError, UsageError
+from dslaunch.errors import UsageError
 from dslaunch.monitor.monitor import MonitorMaster
 from dslaunch.runtime import preempt
 from dslaunch.runtime.activation_checkpointing import checkpointing
@@ -38,6 +38,7 @@ from dslaunch.runtime.observers import (
 )
 from dslaunch.runtime.pipe.topology import DataParallelGrid
 from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.runtime.throughput import WorkMeter, device_peak, model_params
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
@@ -104,19 +105,29 @@ class DeepSpeedEngine(torch.nn.Module):
             events.add(ProgressLine(config.steps_per_print, self.global_rank, breakdown))
             if config.activation_checkpointing.profile:
                 events.add(CheckpointProfile(config.steps_per_print, self.global_rank))
-        if self._heartbeat is not None:
-            events.add(HeartbeatSender(self._heartbeat))
         self.flops_profiler = None  # DeepSpeed's attribute: the FlopsProfiler of the profiled step
+        profiled = None
         if config.flops_profiler.enabled:
             # Imported only when on: torch's flop formulas and dispatch-mode machinery are not free.
             from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
 
-            self.flops_profiler = events.add(FlopsProfilerObserver(self, config.flops_profiler)).profiler
+            profiler = FlopsProfilerObserver(self, config.flops_profiler)
+            self.flops_profiler, profiled = profiler.profiler, profiler.step_flops
         self.monitor = MonitorMaster(config.monitor_config, rank=self.global_rank)  # DeepSpeed's engine.monitor
-        if self.monitor.enabled and self.global_rank == 0:
-            watcher = events.add(MonitorEvents(self.monitor, config.train_batch_size, self.dp_world_size,
-                                               config.fp16.enabled, self.device, breakdown))
-            self.module.register_forward_pre_hook(watcher.count_tokens, with_kwargs=True)
+        watch = self.monitor.enabled and self.global_rank == 0
+        work, peak = None, None
+        if self._heartbeat is not None or watch:
+            work = events.add(WorkMeter(model_params(self.module), profiled))
+            self.module.register_forward_pre_hook(work.count_tokens, with_kwargs=True)
+            peak = device_peak(self.device, self.precision.model_dtype)
+        if self._heartbeat is not None:
+            events.add(HeartbeatSender(self._heartbeat, work, self.dp_world_size, peak))
+        if config.flops_profiler.enabled:
+            events.add(profiler)
+        if watch:
+            assert work is not None
+            events.add(MonitorEvents(self.monitor, config.train_batch_size, self.dp_world_size,
+                                     config.fp16.enabled, self.device, work, breakdown, peak))
         save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
         if save_dir is not None:
             events.add(PreemptionCheck(self.device, lambda: self._leave_on_request(save_dir)))
@@ -349,18 +360,17 @@ class DeepSpeedEngine(torch.nn.Module):
         collective on the first call (it builds the engine's checkpoint group): all ranks.
         """
         from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
+        from dslaunch.runtime.checkpoint.model_parallel import placement
         from dslaunch.runtime.checkpoint.parts import CheckpointParts, StateFns
 
-        if self.mp_world_size > 1:
-            raise CheckpointError(f"checkpoints of a model-parallel engine (model-parallel size {self.mp_world_size} "
-                                  "from mpu=) are not implemented yet: every rank of a replica holds different "
-                                  "weights; save with torch.save per rank meanwhile")
         if self._checkpointer is None:
             self._checkpointer = Checkpointer()
+        # every rank of a replica holds another part: files named by topology coordinates
+        place = placement(self.grid, self.module) if self.mpu is not None else None
         return CheckpointParts(module=self.module, zero=self.zero,
                                training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
                                optimizer=self.optimizer, global_steps=self.global_steps,
-                               config=self._config.checkpoint, io=self._checkpointer)
+                               config=self._config.checkpoint, io=self._checkpointer, placement=place)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a pending asynchronous save is durable; raise its error if it failed."""

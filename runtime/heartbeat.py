@@ -19,8 +19,9 @@ module reports on them without the script doing anything beyond training:
 
 Cost: a ``waiting`` mark is a small object, a thread check, a few attribute writes and a clock read
 (~0.6 us measured on a loaded 2-core VM, against tens of us for the collective it marks). Per
-step, ``beat`` stores three fields and, when the sample count moved, reads the monotonic
-clock (vDSO: no system call); the loss is read
+step, ``beat`` stores a few fields and, when a running total (samples, tokens, FLOPs) moved,
+reads the monotonic clock once (vDSO: no system call); the rates (samples/s, tokens/s, and MFU
+against the peak the engine gave ``set_peak``) are worked out by the sender; the loss is read
 (``float()``, a device sync on GPU) only when the thread is about to send, i.e. at most twice a
 second. Everything is a no-op outside dslaunch (no pipes in the environment).
 
@@ -72,16 +73,14 @@ class Heartbeat:
         self._phase: str | None = None
         self._wait: tuple[str, float] | None = None  # (name, monotonic time it began): one write, atomic
         self._main = threading.main_thread().ident
-        self._samples = -1  # the last sample count reported (-1: none yet)
         self._loss: float | None = None
         self._want_loss = True
         self._dirty = False
         self._seq = 0
         self._memory = _MemorySampler()
-        # (time, samples) at the step that last moved the count, and at the one the rate runs from
-        self._moved: tuple[float, int] | None = None
-        self._rate_from: tuple[float, int] | None = None
-        self._samples_per_s: float | None = None
+        self._samples, self._tokens, self._flops = _Rate(), _Rate(), _Rate()
+        self._peak: float | None = None  # the device's peak FLOP/s (set_peak), for MFU
+        self._mfu_from: str | None = None
         self._stack_signal: int | None = None
         self._lock = threading.Lock()  # the thread and start() may both send
         self._started = False
@@ -101,36 +100,43 @@ class Heartbeat:
             except (OSError, ValueError, RuntimeError):  # e.g. a closed fd
                 self._stack_signal = None
         self._send()
-        threading.Thread(target=self._run, name="dslaunch-heartbeat", daemon=True).start()
         # A script that reports through dslaunch.heartbeat() but made its process group itself
         # (no init_distributed) must still free it before Python finalizes, or gloo's threads abort
         # the process (SIGABRT, exit 134 instead of its own code): see runtime/shutdown.py.
         # Imported here: shutdown imports this module. Registered first, so it runs after _flush.
+        # Before the sender thread starts: it reads sys.modules["torch"], which this import may
+        # leave half-initialised while it runs (the thread then died of an AttributeError).
         from dslaunch.runtime.shutdown import register_clean_exit
 
         register_clean_exit()
         atexit.register(self._flush)  # a rank that dies of an exception still tells its last step
+        threading.Thread(target=self._run, name="dslaunch-heartbeat", daemon=True).start()
 
     def _flush(self) -> None:
         if self._dirty:
             self._send()
 
-    def beat(self, step: int, loss: Any = None, samples: int | None = None) -> None:
-        """Record that ``step`` finished. Cheap: no system call (see the module docstring)."""
+    def beat(self, step: int, loss: Any = None, samples: int | None = None, tokens: int | None = None,
+             flops: float | None = None) -> None:
+        """Record that ``step`` finished, with the running totals of samples, tokens and model FLOPs
+        (any may be None: not counted). Cheap: no system call (see the module docstring)."""
         if not self._started:
             self.start()
         self._step = step
-        if samples is not None and samples != self._samples:
-            went_back = samples < self._samples  # a checkpoint loaded mid-process
-            self._samples = samples
-            # Step times, not send times: a job whose steps all fall within one tick has a rate too.
-            self._moved = (time.monotonic(), samples)
-            if self._rate_from is None or went_back:
-                self._rate_from = self._moved
+        now = None
+        for rate, count in ((self._samples, samples), (self._tokens, tokens), (self._flops, flops)):
+            if count is not None and count != rate.count:
+                # Step times, not send times: a job whose steps all fall within one tick has a rate too.
+                now = now or time.monotonic()
+                rate.mark(now, count)
         if loss is not None and self._want_loss:
             self._want_loss = False
             self._loss = _as_float(loss)
         self._dirty = True
+
+    def set_peak(self, peak: float | None, mfu_from: str | None) -> None:
+        """MFU is the FLOPs rate over ``peak`` (the device's FLOP/s), counted as ``mfu_from`` says."""
+        self._peak, self._mfu_from = peak, mfu_from
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -167,27 +173,15 @@ class Heartbeat:
             self._dirty = False
             self._want_loss = True
             self._seq += 1
-            self._update_rate()
             wait = self._wait
-            beat = Beat(self._rank, self._seq, self._step, self._samples_per_s, self._loss,
+            flops_per_s = self._flops.update()
+            mfu = round(flops_per_s / self._peak, 4) if flops_per_s is not None and self._peak else None
+            beat = Beat(self._rank, self._seq, self._step, self._samples.update(), self._loss,
                         self._memory.sample(), self._stack_signal, os.getpid(), preempt.armed_signal(),
                         self._phase, wait[0] if wait else None,
-                        round(time.monotonic() - wait[1], 3) if wait else None)
+                        round(time.monotonic() - wait[1], 3) if wait else None,
+                        _rounded(self._tokens.update()), mfu, self._mfu_from if mfu is not None else None)
             self._write(beat.to_line())
-
-    def _update_rate(self) -> None:
-        """Samples per second between the steps that moved the count since the previous send (or,
-        the first time, since the first step reported)."""
-        moved, start = self._moved, self._rate_from
-        if moved is None or start is None:
-            return
-        if moved[1] < start[1]:  # beat() re-anchored while this thread was between reads: again
-            self._rate_from = moved
-            return
-        if moved[1] == start[1] or moved[0] <= start[0]:
-            return  # nothing new: the last rate stands
-        self._samples_per_s = (moved[1] - start[1]) / (moved[0] - start[0])
-        self._rate_from = moved
 
     def _write(self, line: bytes) -> None:
         if self._fd is None:
@@ -199,6 +193,42 @@ class Heartbeat:
             pass  # the agent is behind: drop this beat, the next one carries the same news
         except OSError:  # the agent is gone (EPIPE) or the fd was closed by the script
             self._fd = None
+
+
+class _Rate:
+    """A running total's rate per second between the steps that moved it since the previous read
+    (or, the first time, since the first step reported). ``mark`` runs on the training thread,
+    ``update`` on the sender's."""
+
+    __slots__ = ("count", "_moved", "_from", "_per_s")
+
+    def __init__(self) -> None:
+        self.count: float = -1  # the last total reported (-1: none yet)
+        self._moved: tuple[float, float] | None = None  # (time, total) at the step that last moved it
+        self._from: tuple[float, float] | None = None  # ... and at the one the rate runs from
+        self._per_s: float | None = None
+
+    def mark(self, now: float, count: float) -> None:
+        went_back = count < self.count  # a checkpoint loaded mid-process
+        self.count = count
+        self._moved = (now, count)
+        if self._from is None or went_back:
+            self._from = self._moved
+
+    def update(self) -> float | None:
+        moved, start = self._moved, self._from
+        if moved is None or start is None:
+            return self._per_s
+        if moved[1] < start[1]:  # mark() re-anchored while this thread was between reads: again
+            self._from = moved
+        elif moved[1] != start[1] and moved[0] > start[0]:  # else nothing new: the last rate stands
+            self._per_s = (moved[1] - start[1]) / (moved[0] - start[0])
+            self._from = moved
+        return self._per_s
+
+
+def _rounded(rate: float | None) -> float | None:
+    return round(rate, 1) if rate is not None else None  # a short beat: tenths of a token are noise
 
 
 _OTHER_THREAD = ("", 0.0)  # _Waiting._prev of a mark made off the main thread: not recorded

@@ -5,7 +5,10 @@
   and, with the breakdown, each phase's mean ms per optimizer step;
 - ``CheckpointProfile`` (``activation_checkpointing.profile``): rank 0 prints the time spent in
   checkpointed forwards and recomputes with the progress line;
-- ``HeartbeatSender``: the step, loss and samples to the monitor (only under dslaunch);
+- ``WorkMeter`` (``runtime/throughput.py``, when the heartbeat or the monitors need rates): the
+  tokens and model FLOPs each step did;
+- ``HeartbeatSender``: the step, loss, samples, tokens and FLOPs to the monitor (only under
+  dslaunch);
 - ``PreemptionCheck``: when every rank agreed on a checkpoint request, save and leave (only when
   the launcher may ask for one);
 - ``MonitorEvents`` (``tensorboard``/``csv_monitor``/``wandb``/``comet``): rank 0 hands each
@@ -20,6 +23,7 @@ from typing import Any
 
 from dslaunch.runtime import preempt
 from dslaunch.runtime.events import PHASES, Observer, StepRecord
+from dslaunch.runtime.throughput import WorkMeter
 from dslaunch.runtime.timers import Timers
 from dslaunch.utils.restart import restart_count
 
@@ -87,13 +91,25 @@ class CheckpointProfile(Observer):
 
 
 class HeartbeatSender(Observer):
-    """The step to the monitor: ``Heartbeat.beat`` stores it (the loss is read when sent)."""
+    """The step to the monitor: ``Heartbeat.beat`` stores it (the loss is read when sent), with
+    ``work``'s totals (tokens as all data-parallel ranks', like the samples) for tokens/s and MFU
+    against ``peak`` (the device's FLOP/s; None: no MFU)."""
 
-    def __init__(self, heartbeat: Any):
-        self.heartbeat = heartbeat
+    def __init__(self, heartbeat: Any, work: WorkMeter | None = None, dp_world_size: int = 1,
+                 peak: float | None = None):
+        self.heartbeat, self.work, self.dp_world_size, self.peak = heartbeat, work, dp_world_size, peak
+        self._basis: str | None = None
 
     def on_step(self, record: StepRecord) -> None:
-        self.heartbeat.beat(record.step, record.loss, record.samples)
+        work = self.work
+        if work is None:
+            self.heartbeat.beat(record.step, record.loss, record.samples)
+            return
+        if work.basis != self._basis:  # once, and once more when the profiler's count arrives
+            self._basis = work.basis
+            self.heartbeat.set_peak(self.peak, work.basis)
+        self.heartbeat.beat(record.step, record.loss, record.samples,
+                            work.tokens * self.dp_world_size if work.tokens else None, work.flops or None)
 
 
 class PreemptionCheck(Observer):
@@ -157,29 +173,21 @@ class MonitorEvents(Observer):
     ``lr`` (first param group), ``loss_scale`` (fp16) and, with ``breakdown``, ``elapsed_time_ms_``
     ``forward``/``backward``/``backward_inner``/``backward_allreduce``/``step`` (this step's ms).
     Added by dslaunch: ``grad_norm`` (where computed), ``samples_per_sec``, ``tokens_per_sec`` (when
-    ``count_tokens`` saw integer inputs of 2+ dims: token ids) and ``peak_memory_MiB``; and, when the
+    ``work`` counted token ids: integer inputs of 2+ dims), ``mfu`` (this rank's model FLOP/s over
+    ``peak``, the device's peak FLOP/s, when both are known: see ``runtime/throughput.py``) and
+    ``peak_memory_MiB``; and, when the
     run resumed from a checkpoint or is a restart, the text ``Run/resume`` at the samples it resumed
     from (a marker where the curve continues).
     """
 
     def __init__(self, monitor: Any, batch_size: int, dp_world_size: int, fp16: bool, device: Any,
-                 breakdown: WallClockBreakdown | None = None, clock: Callable[[], float] = time.perf_counter):
+                 work: WorkMeter, breakdown: WallClockBreakdown | None = None, peak: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.monitor, self.batch_size, self.dp_world_size = monitor, batch_size, dp_world_size
-        self.fp16, self.device, self.breakdown, self.clock = fp16, device, breakdown, clock
-        self._last: tuple[float, int] | None = None  # (time, samples) at the previous step
-        self._tokens = 0  # this rank's tokens since the previous step
+        self.fp16, self.device, self.work, self.breakdown = fp16, device, work, breakdown
+        self.peak, self.clock = peak, clock
+        self._last: tuple[float, int, int, float] | None = None  # (time, samples, tokens, flops) at the previous step
         self._totals: dict[str, float] = {}
-
-    def count_tokens(self, module: Any, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook: count the tokens of a training forward (first integer input of 2+ dims)."""
-        import torch
-
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point():
-                self._tokens += value.numel()
-                return
 
     def on_step(self, record: StepRecord) -> None:
         now, x = self.clock(), record.samples
@@ -202,13 +210,23 @@ class MonitorEvents(Observer):
         if record.grad_norm is not None:
             events.append(("Train/Samples/grad_norm", record.grad_norm, x))
         if self._last is not None and now > self._last[0]:
-            seconds = now - self._last[0]
-            events.append(("Train/Samples/samples_per_sec", (x - self._last[1]) / seconds, x))
-            if self._tokens:
-                events.append(("Train/Samples/tokens_per_sec", self._tokens * self.dp_world_size / seconds, x))
+            events += self._rates(now - self._last[0], x)
         events.append(("Train/Samples/peak_memory_MiB", _peak_memory_mib(self.device), x))
-        self._last, self._tokens = (now, x), 0
+        self._last = (now, x, self.work.tokens, self.work.flops)
         self.monitor.write_events(events)
+
+    def _rates(self, seconds: float, x: int) -> list[tuple[str, Any, int]]:
+        """samples/s, tokens/s (all ranks': this rank's x the data-parallel size) and this rank's MFU
+        since the previous step."""
+        assert self._last is not None
+        _, samples, tokens, flops = self._last
+        events: list[tuple[str, Any, int]] = [("Train/Samples/samples_per_sec", (x - samples) / seconds, x)]
+        if self.work.tokens > tokens:
+            events.append(("Train/Samples/tokens_per_sec", (self.work.tokens - tokens) * self.dp_world_size / seconds,
+                           x))
+        if self.peak and self.work.flops > flops:
+            events.append(("Train/Samples/mfu", (self.work.flops - flops) / seconds / self.peak, x))
+        return events
 
     def _phase_ms(self) -> dict[str, float]:
         """Each phase's ms since the previous step (from the timers' never-reset totals)."""

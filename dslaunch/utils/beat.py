@@ -85,6 +85,13 @@ class Beat:
     waiting_s: float | None = None
     """How long it had been in ``waiting`` when the beat was sent (its own clock: a duration, so
     no clock is compared across hosts)."""
+    tokens_per_s: float | None = None
+    """Training tokens per second of the whole job as this rank sees them (its own x the
+    data-parallel size, like ``samples_per_s``); None: no token ids seen."""
+    mfu: float | None = None
+    """This rank's model FLOP/s over its device's peak (0..1); None: FLOPs or peak unknown."""
+    mfu_from: str | None = None
+    """How the FLOPs were counted: ``profiled`` (the flops profiler's step) or ``6N*tokens``."""
 
     def to_line(self) -> bytes:
         """One JSON line (newline included), never over ``MAX_LINE`` bytes."""

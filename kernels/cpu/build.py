@@ -36,7 +36,8 @@ from pathlib import Path
 
 from dslaunch.errors import quote
 
-__all__ = ["CACHE_ENV", "FLAGS", "SOURCE", "KernelBuildError", "cache_dir", "build", "library", "available"]
+__all__ = ["CACHE_ENV", "FLAGS", "SOURCE", "KernelBuildError", "cache_dir", "cached_path", "build", "library",
+           "available"]
 
 log = logging.getLogger("dslaunch.kernels")
 
@@ -184,10 +185,23 @@ def _compile(cc: str, dir_fd: int, name: str) -> None:
             pass
 
 
+def _library_name(cc: str) -> str:
+    return f"dslaunch_cpu_optim-{_key(cc)}.so"
+
+
+def cached_path(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where the library for this source, compiler and CPU is (or would be) cached; builds nothing.
+
+    Raises:
+        KernelBuildError: no usable compiler (the name depends on its version).
+    """
+    return cache_dir(environ) / _library_name(_compiler(environ))
+
+
 def _build_fd(environ: Mapping[str, str]) -> tuple[Path, int]:
     """The library's path and an open descriptor of it, trusted, compiling it first if needed."""
     cc = _compiler(environ)
-    name = f"dslaunch_cpu_optim-{_key(cc)}.so"
+    name = _library_name(cc)
     folder = cache_dir(environ)
     private = False
     try:

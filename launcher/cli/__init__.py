@@ -6,7 +6,7 @@
 - ``dslaunch sbatch ...``: submit the job to SLURM (``sbatch``), the launch flags plus sbatch's
   through argparse like the launch command.
 - ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
-  (``zero_to_fp32``, ``status``), imported only when named.
+  (``zero_to_fp32``, ``status``, ``estimate``, ``report``), imported only when named.
 
 User mistakes print one line (``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the
 traceback.
@@ -30,6 +30,8 @@ __all__ = ["main", "build_parser", "parse_config", "SUBCOMMANDS"]
 SUBCOMMANDS: dict[str, str] = {
     "zero-to-fp32": "dslaunch.launcher.cli.zero_to_fp32:command",
     "status": "dslaunch.launcher.cli.status:command",
+    "estimate": "dslaunch.launcher.cli.estimate:command",
+    "report": "dslaunch.launcher.cli.report:command",
 }
 """Subcommand name -> ``"module:click command"``, loaded only when that name is the first word."""
 

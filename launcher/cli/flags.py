@@ -102,7 +102,8 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
     """The launch command's parser; ``dslaunch sbatch`` builds on it (its own ``prog``, and
     ``--account`` is an sbatch option there, not an unsupported flag)."""
     p = _Parser(prog=prog, allow_abbrev=False, description=description,
-                epilog="Also: dslaunch sbatch ...; dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR")
+                epilog="Also: dslaunch sbatch ...; dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR; "
+                       "dslaunch estimate --help; dslaunch report")
     a = p.add_argument
     a("-H", "--hostfile", default=None,
       help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")
@@ -160,6 +161,9 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
       help="elastic: the fewest nodes to go on with (default 1)")
     g("--max_elastic_nodes", type=integer, default=-1,
       help="elastic: the most nodes to use (default: all selected hosts)")
+    g("--no_warm_spares", action="store_true",
+      help="with --max_restarts on one local node: start restarted workers fresh instead of handing "
+           "them to spare interpreters kept with torch imported (about 250 MB each)")
     a("--dry-run", "--dry_run", dest="dry_run", action="store_true",
       help="print what would run on each host (command, environment) and exit")
     a("-v", "--verbose", action="store_true", help="show tracebacks for errors")

@@ -6,7 +6,7 @@ the monitor writes:
 
 - ``start``: job id, hosts, world size, hang_timeout, the command;
 - ``ranks_up``: every rank sent its first heartbeat (``after_s`` since start);
-- ``summary``: periodic progress (step, slowest rank, samples/s, loss, memory);
+- ``summary``: periodic progress (step, slowest rank, samples/s, tokens/s, MFU, loss, memory);
 - ``failure``: the root cause (rank, host, cause, exit code, signal, exception, step), its
   ``fault_t`` (when it happened or was last known good) and ``detected_t`` (when the controller
   acted), and the error files written for it;
@@ -206,7 +206,8 @@ _KINDS: dict[str, _Check] = {
     "end": _fields({"exit_code": _opt(_int), "duration_s": _opt(_num)}),
     "summary": _fields({"step": _opt(_int), "samples_per_s": _opt(_num), "loss": _opt(_num),
                         "ranks_up": _opt(_int), "world": _opt(_int), "slowest_rank": _opt(_int),
-                        "slowest_step": _opt(_int), "memory": _opt(_MEMORY)}),
+                        "slowest_step": _opt(_int), "memory": _opt(_MEMORY), "tokens_per_s": _opt(_num),
+                        "mfu": _opt(_num), "mfu_from": _opt(_str)}),
     "failure": _fields({"message": _opt(_str), "fault_t": _opt(_num), "detected_t": _opt(_num),
                         "remedy": _opt(_str), "error_files": _list(_str), "others": _list(_str)}),
     "stacks": _fields({"behind": _list(_int), "ranks": _ranks}),

@@ -202,7 +202,7 @@ class Gang:
 
     def _result(self, failure: NodeResult | None, results: list[NodeResult]) -> GangResult:
         if failure is not None:
-            return GangResult(failure.exit_code, failure)
+            return GangResult(failure.job_exit_code, failure)
         if self._requested is not None and any(r.exit_code for r in results):
             return GangResult(128 + self._requested, stopped_by=signal.Signals(self._requested).name)
         bad = next((r for r in results if r.exit_code), None)  # e.g. a node failing while stopping

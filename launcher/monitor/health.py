@@ -157,6 +157,8 @@ class Health:
             return {"ranks_up": 0, "world": len(self.ranks)}
         slowest = min(heard, key=lambda h: (_order(h.step), h.rank))
         rates = [h.beat.samples_per_s for h in heard if h.beat.samples_per_s is not None]
+        tokens = [h.beat.tokens_per_s for h in heard if h.beat.tokens_per_s is not None]
+        mfus = [h.beat for h in heard if h.beat.mfu is not None]
         losses = [h.beat.loss for h in heard if h.beat.loss is not None]
         mems = [h.beat.memory for h in heard if h.beat.memory is not None]
         out: dict = {"ranks_up": len(heard), "world": len(self.ranks),
@@ -166,6 +168,11 @@ class Health:
                               and now - slowest.progressed_at > SILENT_AFTER_S)
         if rates:
             out["samples_per_s"] = round(max(rates), 3)  # the engine reports global samples
+        if tokens:
+            out["tokens_per_s"] = round(max(tokens), 1)  # ... and global tokens
+        if mfus:  # each rank's own device: the job's MFU is their mean
+            out["mfu"] = round(sum(b.mfu for b in mfus) / len(mfus), 4)
+            out["mfu_from"] = mfus[0].mfu_from
         if losses:
             out["loss"] = losses[0]
         if mems:

@@ -1,7 +1,7 @@
 """How the job's state reads for a person: the live status line and ``dslaunch status``.
 
 - ``StatusLine``: on the controller's terminal, one line redrawn every second when stderr is a
-  TTY (step, samples/s, slowest rank, memory); when it is not (a log file, CI), a plain line
+  TTY (step, samples/s, tokens/s, MFU, slowest rank, memory); when it is not (a log file, CI), a plain line
   every ``PLAIN_EVERY_S`` seconds, so logs stay readable;
 - ``describe_job``: a finished or running job summarised from its ``events.jsonl``, root cause
   first.
@@ -29,12 +29,17 @@ def _gib(n: int | None) -> str:
 
 
 def format_progress(summary: dict[str, Any]) -> str:
-    """``step 120 | 35.2 samples/s | loss 0.41 | slowest rank 1 (step 118) | mem 1.2/80.0 GiB (peak 2.1)``."""
+    """``step 120 | 35.2 samples/s | 9011 tokens/s | MFU 41.3% (6N*tokens) | loss 0.41 | slowest rank 1
+    (step 118) | GPU 1.2/80.0 GiB (peak 2.1)``."""
     if not summary.get("ranks_up"):
         return f"waiting for ranks (0/{summary.get('world', '?')} up)"
     parts = [f"step {summary['step']}" if summary.get("step") is not None else "before step 1"]
     if summary.get("samples_per_s") is not None:
         parts.append(f"{summary['samples_per_s']:.1f} samples/s")
+    if summary.get("tokens_per_s") is not None:
+        parts.append(f"{summary['tokens_per_s']:.0f} tokens/s")
+    if summary.get("mfu") is not None:
+        parts.append(f"MFU {100 * summary['mfu']:.1f}% ({_text(summary.get('mfu_from') or '?', 20)})")
     if summary.get("loss") is not None:
         parts.append(f"loss {summary['loss']:.4g}")
     if summary.get("ranks_up") != summary.get("world"):

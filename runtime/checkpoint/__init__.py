@@ -7,7 +7,8 @@ file (``format.py``), the checkpoint directory with its manifests, ``latest`` an
 (``store.py``), the leader's publication steps (``publish.py``) and what killed saves leave
 (``leftovers.py``), the collective save protocol
 and background writer (``writer.py``), resharding ZeRO state between world sizes and stages
-(``reshard.py``), and the offline fp32 export, DeepSpeed's ``zero_to_fp32`` (``export.py``).
+(``reshard.py``), the parts of model-parallel engines named by topology coordinates
+(``model_parallel.py``), and the offline fp32 export, DeepSpeed's ``zero_to_fp32`` (``export.py``).
 """
 
 from dslaunch.runtime.checkpoint.save_load import (

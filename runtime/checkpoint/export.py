@@ -37,6 +37,7 @@ import torch
 
 from dslaunch.errors import CheckpointError, DslaunchError, UsageError, shorten
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
+from dslaunch.runtime.checkpoint.model_parallel import consolidate_parts
 from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, fp32_params, needed_ranks
 from dslaunch.runtime.checkpoint.store import (
     LATEST,
@@ -97,11 +98,14 @@ def _frozen(meta: dict, module: dict, source: str) -> set[str]:
 def _consolidate(store: CheckpointStore, tag: str, exclude_frozen: bool) -> StateDict:
     manifest = store.manifest(tag)
     check_meta(manifest.meta, str(store.root / tag / MANIFEST))
-    pmap = manifest.meta["partition"]
-    full = [(0, int(g["numel"])) for g in pmap["groups"]]
-    shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
-    masters = fp32_params(assemble(shards, full))
-    module = store.read(tag, MODULE_FILE, manifest)["module"]
+    if "model_parallel" in manifest.meta:  # every part's masters, a pipeline's layer files
+        masters, module = consolidate_parts(store, tag, manifest, str(store.root / tag))
+    else:
+        pmap = manifest.meta["partition"]
+        full = [(0, int(g["numel"])) for g in pmap["groups"]]
+        shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
+        masters = fp32_params(assemble(shards, full))
+        module = store.read(tag, MODULE_FILE, manifest)["module"]
     skip = _frozen(manifest.meta, module, str(store.root / tag)) if exclude_frozen else set()
     out: StateDict = OrderedDict()
     for name in manifest.meta.get("module_keys", list(module)):  # the module's state_dict order

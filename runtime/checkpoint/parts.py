@@ -8,6 +8,9 @@ the engine. A tag holds these parts, plus each rank's RNG states and the client'
   load to any world size or stage;
 - ``training``: the counters, loss scaler, LR scheduler and data position.
 
+With model parallelism (a pipeline, an mpu) ``placement`` says which part of the model this rank
+holds; files are then named by its topology coordinates (``model_parallel``).
+
 ``optimizer`` is not saved through this record (its state is ``zero``'s): an asynchronous save makes
 its step wait for the snapshot copy. ``io`` is the engine's checkpoint machinery.
 """
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
+    from dslaunch.runtime.checkpoint.model_parallel import Placement
     from dslaunch.runtime.config.sections import CheckpointConfig
 
 __all__ = ["Stateful", "StateFns", "CheckpointParts"]
@@ -53,3 +57,5 @@ class CheckpointParts:
     global_steps: int
     config: CheckpointConfig
     io: Checkpointer
+    placement: Placement | None = None
+    """Where this rank's part of a model-parallel model sits; None: every rank holds the model."""

@@ -18,8 +18,8 @@ import torch
 
 from dslaunch.errors import CheckpointError
 
-__all__ = ["partition_map", "check_meta", "needed_ranks", "assemble", "fp32_params",
-           "check_compatible"]
+__all__ = ["partition_map", "check_meta", "partition_problem", "needed_ranks", "assemble", "fp32_params",
+           "by_name", "check_compatible"]
 
 Range = tuple[int, int]
 
@@ -66,16 +66,28 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
             return f"meta {key!r} is missing"
         if not _count(meta[key]):
             return f"meta {key!r} is {str(meta[key])[:40]!r}, expected a whole number"
-    pmap = meta.get("partition")
-    if not (isinstance(pmap, dict) and _count(pmap.get("stage")) and isinstance(pmap.get("groups"), list)):
-        return "meta 'partition' is missing or malformed"
-    bad = next((gi for gi, g in enumerate(pmap["groups"]) if not _group_ok(g)), None)
-    if bad is not None:
-        return f"meta 'partition' group {bad} is malformed"
+    if "model_parallel" in meta:  # one partition per part
+        from dslaunch.runtime.checkpoint.model_parallel import check_parts_meta
+
+        problem = check_parts_meta(meta)
+        if problem:
+            return problem
+    else:
+        problem = partition_problem(meta.get("partition"))
+        if problem:
+            return f"meta 'partition' {problem}"
     for key in ("module_keys", "frozen_parameters"):
         if key in meta and not (isinstance(meta[key], list) and all(isinstance(k, str) for k in meta[key])):
             return f"meta {key!r} is not a list of names"
     return None
+
+
+def partition_problem(pmap: Any) -> str | None:
+    """What is wrong with a partition map read from a manifest, or None."""
+    if not (isinstance(pmap, dict) and _count(pmap.get("stage")) and isinstance(pmap.get("groups"), list)):
+        return "is missing or malformed"
+    bad = next((gi for gi, g in enumerate(pmap["groups"]) if not _group_ok(g)), None)
+    return f"group {bad} is malformed" if bad is not None else None
 
 
 def needed_ranks(pmap: dict[str, Any], targets: list[Range]) -> list[int]:
@@ -154,6 +166,61 @@ def fp32_params(consolidated: dict) -> OrderedDict[str, torch.Tensor]:
             out[name] = g["master"][offset:offset + n].view(tuple(shape)).clone()
             offset += n
     return out
+
+
+def by_name(saved: list[dict], current: dict) -> dict:
+    """The live strategy's state (each group's [start, end)) built from consolidated states of
+    another layout (other pipeline stages), matching parameters by name within each group index.
+
+    Exact for the element-wise optimizers the flat groups allow: each parameter's master and
+    optimizer state move as they are. Scalars and hparams come from the part holding the group's
+    first parameter (every part of one model stepped together).
+
+    Raises:
+        CheckpointError: a live parameter is in no saved part or has another shape there, or the
+            parts holding one group disagree on which optimizer state they keep.
+    """
+    groups = [_group_by_name(gi, live, _locate(saved, gi)) for gi, live in enumerate(current["groups"])]
+    return {"stage": current["stage"], "world_size": current["world_size"], "rank": current["rank"], "groups": groups}
+
+
+_Where = dict[str, tuple[dict, int, tuple]]
+
+
+def _locate(saved: list[dict], gi: int) -> _Where:
+    """Group ``gi``'s parameters in the saved states: name -> (saved group, offset, shape)."""
+    where: _Where = {}
+    for sd in saved:
+        if gi < len(sd["groups"]):
+            g, offset = sd["groups"][gi], 0
+            for name, shape in zip(g["names"], g["shapes"], strict=True):
+                where.setdefault(name, (g, offset, tuple(shape)))
+                offset += math.prod(shape)
+    return where
+
+
+def _group_by_name(gi: int, live: dict, where: _Where) -> dict:
+    missing = [n for n in live["names"] if n not in where]
+    if missing:
+        raise CheckpointError(f"param group {gi}: parameters {missing[:3]} are in no part of the checkpoint")
+    for name, shape in zip(live["names"], live["shapes"], strict=True):
+        if where[name][2] != tuple(shape):
+            raise CheckpointError(f"{name!r} has shape {where[name][2]} in the checkpoint, {tuple(shape)} in the model")
+    used = [where[n] for n in live["names"]]
+    keys = {tuple(sorted(g["optim_state"])) for g, _, _ in used}
+    if len(keys) > 1:
+        raise CheckpointError(f"param group {gi}: the saved parts keep different optimizer state {sorted(keys)}")
+    a, b = live["start"], live["end"]
+
+    def gather(tensors: list[torch.Tensor]) -> torch.Tensor:
+        pieces = [t[off:off + math.prod(shape)] for t, (_, off, shape) in zip(tensors, used, strict=True)]
+        return torch.cat(pieces)[a:b] if pieces else torch.empty(0)
+
+    first = used[0][0] if used else {}
+    return {"names": list(live["names"]), "shapes": [tuple(s) for s in live["shapes"]], "numel": int(live["numel"]),
+            "start": a, "end": b, "master": gather([g["master"] for g, _, _ in used]),
+            "optim_state": {k: gather([g["optim_state"][k] for g, _, _ in used]) for k in (keys.pop() if keys else ())},
+            "optim_scalars": dict(first.get("optim_scalars", {})), "hparams": dict(first.get("hparams", live["hparams"]))}
 
 
 def check_compatible(pmap: dict[str, Any], current: dict, source: str) -> None:

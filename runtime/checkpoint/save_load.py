@@ -12,6 +12,9 @@ machinery in ``checkpointer``). A tag holds::
     rank_NNNNN.dsl        the training part (as "engine"), RNG states (python, numpy, torch), client_state
     manifest.json         world size, stage, partition map, dtypes/shapes, sizes, CRC32C checksums, version
 
+An engine with model parallelism (a pipeline, an mpu) names its files by topology coordinates
+instead (``model_parallel``), one file per layer of a ``PipelineModule``.
+
 Loading at the saving layout reads each rank's own files; at another world size or stage each
 rank reads the saved shards its new range overlaps and ``reshard.assemble`` cuts them
 to that range. The model-dtype weights of trained params are restored as the cast of their fp32
@@ -43,6 +46,14 @@ from dslaunch.runtime.checkpoint.checkpointer import (
     rng_state,
     set_rng_state,
     zero_file,
+)
+from dslaunch.runtime.checkpoint.model_parallel import (
+    Placement,
+    describe,
+    module_keys,
+    part_record,
+    read_parts,
+    tag_meta,
 )
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
 from dslaunch.runtime.checkpoint.reshard import (
@@ -115,7 +126,10 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     cfg = parts.config
     tag = validate_tag(str(tag) if tag is not None else f"global_step{parts.global_steps}")
     tag = _agreed_tag(ck, tag, cfg.tag_validation)
-    rank, zero = ck.comm.rank, parts.zero
+    rank, zero, place = ck.comm.rank, parts.zero, parts.placement
+    if place is not None and cfg.use_node_local_storage:
+        raise CheckpointError(f"checkpoint.use_node_local_storage is not supported with model parallelism "
+                              f"({describe(place.shape)}): save to a shared file system")
     module_writer = rank == 0 or (cfg.use_node_local_storage and ck.node_leader)
     zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage
     files: dict[str, Any] = {}
@@ -124,33 +138,44 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     # stage 3: partitioned params the optimizer does not hold (frozen ones, or all of them in an
     # engine without an optimizer) are gathered whole here, one module at a time
     module_sd = module_state_dict(parts.module, exclude_frozen_parameters, skip=frozenset(in_groups))
-    if module_writer:  # trained params live once, as fp32 masters in the ZeRO shards
-        files[MODULE_FILE] = {"module": type(module_sd)((k, v) for k, v in module_sd.items()
-                                                         if k not in in_groups)}
-    if zero_writer:
-        files[zero_file(rank)] = zero_sd
+    module_meta = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": in_groups.get(k, list(v.shape)),
+                       "in": "zero" if k in in_groups else "module"}
+                   for k, v in module_sd.items() if torch.is_tensor(v)}
+    frozen = [n for n, p in parts.module.named_parameters() if not p.requires_grad]
+    if place is not None:  # each rank's part, named by its coordinates
+        own, record = part_record(place, zero_sd, _layout(zero_sd), module_sd, set(in_groups), zero.partitioned)
+        files.update(own)
+    else:
+        if module_writer:  # trained params live once, as fp32 masters in the ZeRO shards
+            files[MODULE_FILE] = {"module": type(module_sd)((k, v) for k, v in module_sd.items()
+                                                             if k not in in_groups)}
+        if zero_writer:
+            files[zero_file(rank)] = zero_sd
     files[rank_file(rank)] = {"engine": parts.training.state_dict(), "rng": rng_state(),
                                "client_state": client_state if client_state is not None else {}}
-    layouts = ck.comm.all_gather_object(
-        _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
-                                                   and rank != 0) else None)
     meta = {"world_size": ck.comm.world_size, "zero_stage": zero.stage,
             "global_steps": parts.global_steps, "torch_version": torch.__version__,
             "node_local_storage": cfg.use_node_local_storage,
             "exclude_frozen_parameters": exclude_frozen_parameters,
             # lets zero-to-fp32 tell frozen params from buffers (exclude_frozen_parameters there)
-            "frozen_parameters": [n for n, p in parts.module.named_parameters() if not p.requires_grad],
-            "partition": partition_map([x for x in layouts if x is not None]),
-            "module_keys": list(module_sd),
-            "module": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": in_groups.get(k, list(v.shape)),
-                           "in": "zero" if k in in_groups else "module"}
-                       for k, v in module_sd.items() if torch.is_tensor(v)}}
+            "frozen_parameters": frozen, "module_keys": list(module_sd), "module": module_meta}
+    if place is not None:
+        records = ck.comm.all_gather_object({**record, "frozen": frozen, "module": module_meta})
+        meta.update(model_parallel=tag_meta(place, records), module_keys=module_keys(records, place.layers is not None),
+                    frozen_parameters=sorted({n for r in records for n in r["frozen"]}),
+                    module={k: v for r in records for k, v in r["module"].items()})
+    else:
+        layouts = ck.comm.all_gather_object(
+            _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
+                                                       and rank != 0) else None)
+        meta["partition"] = partition_map([x for x in layouts if x is not None])
     job = TagWrite(CheckpointStore(save_dir, durable=cfg.fsync), tag, files, meta,
                    leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
                    save_latest=save_latest, keep_last=cfg.keep_last or 0,
                    library_version=dslaunch.__version__)
-    if cfg.async_save:
-        _save_async(ck, parts.optimizer, job, zero_file(rank))
+    if cfg.async_save:  # the ZeRO shard is the big file, copied on the writer thread
+        big = zero_file(rank) if place is None else (record["zero"] or {}).get("file", "")
+        _save_async(ck, parts.optimizer, job, big)
     else:
         write_tag(ck.comm, job)
     return True
@@ -203,7 +228,8 @@ def _zero_sources(manifest: Manifest, current: dict, rank: int) -> list[int]:
     return needed_ranks(pmap, _targets(current))
 
 
-def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> dict:
+def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place: Placement | None,
+               live_keys: set[str]) -> dict:
     """Read and verify every file this rank needs from ``tag`` (raises CheckpointError).
 
     A checkpoint of a different model is not an error here (that would make the loader fall
@@ -212,10 +238,10 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> di
     manifest = store.manifest(tag)
     check_meta(manifest.meta, str(store.root / tag / MANIFEST))
     src = rank if rank < manifest.meta["world_size"] else 0
-    out: dict[str, Any] = {"manifest": manifest,
-                           "module": store.read(tag, MODULE_FILE, manifest)["module"],
-                           "rank": store.read(tag, rank_file(src), manifest), "rank_src": src,
-                           "incompatible": None}
+    head = {"manifest": manifest, "rank": store.read(tag, rank_file(src), manifest), "rank_src": src}
+    if place is not None or "model_parallel" in manifest.meta:
+        return {**head, **read_parts(store, tag, manifest, current, place, live_keys, str(store.root / tag))}
+    out: dict[str, Any] = {**head, "module": store.read(tag, MODULE_FILE, manifest)["module"], "incompatible": None}
     pmap = manifest.meta["partition"]
     try:
         check_compatible(pmap, current, str(store.root / tag))
@@ -230,11 +256,12 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict) -> di
     return out
 
 
-def _collective_read(ck: Checkpointer, store: CheckpointStore, tag: str, current: dict) -> dict:
+def _collective_read(ck: Checkpointer, store: CheckpointStore, tag: str, current: dict,
+                     place: Placement | None, live_keys: set[str]) -> dict:
     """Every rank reads its part; if any rank fails, all raise the same error."""
     got, err = None, None
     try:
-        got = _read_plan(store, tag, ck.comm.rank, current)
+        got = _read_plan(store, tag, ck.comm.rank, current, place, live_keys)
     except CheckpointError as exc:
         err = str(exc)
     errors = [f"rank {r}: {e}" if ck.comm.world_size > 1 else e
@@ -319,7 +346,8 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
                         "; ".join(notes) or "no tags")
         return None, None
     current = parts.zero.state_dict()
-    found = first_loadable(tags, lambda t: _collective_read(ck, store, t, current))
+    keys = set(parts.module.state_dict())
+    found = first_loadable(tags, lambda t: _collective_read(ck, store, t, current, parts.placement, keys))
     assert found is not None
     tag, got, skipped = found
     manifest: Manifest = got["manifest"]

@@ -11,8 +11,10 @@ micro batch's backward as one micro step of the accumulation (the last one is th
 stages 0-2, offload and the loss scaler work unchanged. The engine's ``events`` get a forward and a
 backward phase per micro batch and one ``StepRecord`` per ``train_batch``.
 
-Limitations: ZeRO-3 is refused (a one-line ``ConfigError``); tied layers need ZeRO stage 0 or 1;
-checkpoints are refused for model-parallel engines (``DeepSpeedEngine.checkpoint_parts``).
+Checkpoints hold each rank's part, named by its coordinates, with one file per layer
+(``runtime/checkpoint/model_parallel.py``); they load at another pipeline shape.
+
+Limitations: ZeRO-3 is refused (a one-line ``ConfigError``); tied layers need ZeRO stage 0 or 1.
 """
 
 from __future__ import annotations

@@ -330,6 +330,27 @@ class PipelineModule(torch.nn.Module):
         part = next(p for p in range(len(self.parts) - 1) if self.parts[p] <= layer_idx < self.parts[p + 1])
         return part % self.num_stages
 
+    @property
+    def num_layers(self) -> int:
+        """Layers of the whole model (all stages)."""
+        return len(self._layer_specs)
+
+    def checkpoint_layers(self) -> dict[int, str]:
+        """This rank's module layers: global layer index -> the prefix of its keys in
+        ``state_dict()`` (``"3."``; ``"tied_modules.<key>."`` for a tied layer). Checkpoints keep one
+        file per entry (DeepSpeed's ``layer_XX-model_states``), so another pipeline shape finds
+        each layer by its index."""
+        out: dict[int, str] = {}
+        for chunk in range(self.virtual_stages):
+            part = chunk * self.num_stages + self.stage_id
+            for idx in range(self.parts[part], self.parts[part + 1]):
+                layer = self._layer_specs[idx]
+                if isinstance(layer, TiedLayerSpec):
+                    out[idx] = f"tied_modules.{layer.key}."
+                elif isinstance(layer, LayerSpec | torch.nn.Module):
+                    out[idx] = f"{idx}."
+        return out
+
     def get_tied_weights_and_groups(self) -> list[tuple[torch.nn.Parameter, Any]]:
         return [(w, comm["group"]) for key, comm in self.tied_comms.items() for w in self._tied_weights(key)]
 

@@ -15,6 +15,15 @@ nothing is saved: evaluation costs one gather per module. Activation checkpointi
 not) recomputes forwards during backward: there the hooks gather as usual but leave the saved
 tensors to the checkpoint and keep the parameters whole until their gradients are taken.
 
+Custom autograd Functions: with any saved-tensor hook active torch hands a Function's backward
+plain tensors from ``ctx.saved_tensors``, never the saved Parameter, so its ``ds_*`` attributes are
+gone (TRL's chunked log-prob saves ``lm_head.weight`` and reads ``ds_status`` in backward, as
+DeepSpeed allows). While a hooked forward runs, ``Function.apply`` is wrapped: with this fetcher's
+hooks on top of torch's stack a Function saves without them (its Parameters are saved as
+themselves), and a pre-hook on its backward node gathers the partitioned Parameters it saved, so
+its backward sees them whole (``ds_status`` AVAILABLE), as the saved-tensor path would. Tensors it
+saves that are views of a partitioned Parameter keep the gathered storage alive until backward.
+
 Prefetch and reuse (``prefetch.py``): every gather above is a fetch event; the first iteration
 in each mode (``module.training`` x grad enabled) records them, later ones replay the record and,
 while event k runs, have the gathers of the next events in flight (``stage3_prefetch_bucket_size``
@@ -79,6 +88,36 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod; put back as it was
+# private, as torch.compile uses it; without it custom Functions save through the hooks (plain tensors)
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``Function.apply`` while a stage-3 forward runs: unhooked saves under a fetcher's hooks."""
+    top = _top_hooks(True) if _top_hooks is not None else None
+    fetcher = getattr(top[1], "__self__", None) if top is not None else None
+    if not isinstance(fetcher, ParamFetcher) or top[0] is not _pack:
+        return _FUNCTION_APPLY.__func__(cls, *args, **kwargs)
+    return fetcher.apply_unhooked(cls, args, kwargs)
+
+
+def _saved_by(node: Any) -> tuple:
+    """What a custom Function's node saved ((): none, or unreadable now: torch reports that in backward)."""
+    try:
+        return tuple(node.saved_tensors) if node is not None and hasattr(node, "saved_tensors") else ()
+    except RuntimeError:
+        return ()
+
+
+def _first_node(out: Any) -> Any:
+    """The backward node of a Function's outputs (the first output with a grad_fn), or None."""
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            return t.grad_fn
+    return None
+
+
 class ParamFetcher:
     """Registers the gather/release hooks on every submodule of ``module``.
 
@@ -94,6 +133,7 @@ class ParamFetcher:
         self.live = LiveParams(limits)
         self._stack: list[list[torch.nn.Parameter]] = []
         self._saving: contextlib.AbstractContextManager | None = None
+        self._wrapped_apply = False  # this fetcher put _apply in torch.autograd.Function
         self._traces: dict[tuple[bool, bool], Trace] = {}
         self._mode: tuple[bool, bool] | None = None  # None: no iteration open
         self._recording: list[Event] | None = None
@@ -152,6 +192,34 @@ class ParamFetcher:
         self.live.busy.discard(id(p))
         self.release([p])
 
+    # ----- custom autograd Functions -------------------------------------------------------------
+    def apply_unhooked(self, cls: type, args: tuple, kwargs: dict) -> Any:
+        """Run ``cls.apply`` with this fetcher's hooks (on top) lifted; gather what it saved in backward."""
+        self._saving.__exit__(None, None, None)
+        try:
+            out = _FUNCTION_APPLY.__func__(cls, *args, **kwargs)
+        finally:
+            self._saving.__enter__()
+        node = _first_node(out)
+        saved = [t for t in _saved_by(node) if zp.is_partitioned(t) and not t.ds_persist]
+        if saved:
+            node.register_prehook(lambda grads: self._gather_saved(saved))
+        return out
+
+    def _gather_saved(self, params: list[torch.nn.Parameter]) -> None:
+        for p in params:
+            self._unpack(_Saved(p, None))
+
+    def _wrap_apply(self) -> None:
+        if torch.autograd.Function.__dict__["apply"] is _FUNCTION_APPLY:
+            torch.autograd.Function.apply = classmethod(_apply)
+            self._wrapped_apply = True
+
+    def _unwrap_apply(self) -> None:
+        if self._wrapped_apply:
+            torch.autograd.Function.apply = _FUNCTION_APPLY
+            self._wrapped_apply = False
+
     # ----- hooks --------------------------------------------------------------------------------
     def _unpack(self, saved: Any) -> Any:
         if not isinstance(saved, _Saved):
@@ -170,6 +238,7 @@ class ParamFetcher:
             self._begin()
             self._saving = torch.autograd.graph.saved_tensors_hooks(_pack, self._unpack)
             self._saving.__enter__()
+            self._wrap_apply()
         used = self._used_by(m)
         self._stack.append(used)
         for p in used:  # held first: the prefetch's room-making must not release them
@@ -188,6 +257,7 @@ class ParamFetcher:
         else:
             self.release(used)
         if not self._stack and self._saving is not None:
+            self._unwrap_apply()
             self._saving.__exit__(None, None, None)
             self._saving = None
             if not torch.is_grad_enabled():

@@ -12,6 +12,13 @@ Same names, signatures and behaviour as ``deepspeed.runtime.zero.partition_param
   otherwise changes are dropped. Parameters that are not partitioned pass through untouched.
 - ``register_external_parameter(module, param)``: ``module``'s forward also gathers ``param``
   (a parameter of another module it reads directly).
+- Inside ``Init`` torch's tensor constructors (``torch.tensor``, ``empty``, ``zeros``, ``ones``,
+  ``full``, ``arange``, ``eye``, ``randn``) make tensors on the rank's device unless given one, and
+  floating-point ones in the Init's dtype, as DeepSpeed's. Each is built by
+  ``zero_wrapper_for_fp_tensor_constructor`` from the ``_orig_torch_*`` function, both read when
+  the outermost Init is entered: transformers replaces the first (``prevent_arange_dtype_change``)
+  to leave ``_orig_torch_arange``'s dtype alone. Differs from DeepSpeed: an Init without a 16-bit
+  dtype casts nothing (DeepSpeed's casts to fp32), and ``torch.Tensor(...)`` is left as it is.
 
 collective: entering ``Init`` blocks, building modules inside them and ``GatheredParameters``
 enter/exit run collectives: call them on all ranks.
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch import comm
+from dslaunch.accelerator import get_accelerator  # noqa: F401 (DeepSpeed's module has it; transformers reads it)
 from dslaunch.runtime.dist import device_for, init_distributed, local_rank
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.zero import params as zp
@@ -36,7 +45,49 @@ from dslaunch.runtime.zero.params import ZeroParamStatus
 from dslaunch.runtime.zero.partition import partition_range
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter"]
+           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+
+# torch's constructors as they were before any Init, under DeepSpeed's names (transformers compares
+# a constructor with ``_orig_torch_arange`` to tell arange apart)
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+_orig_torch_eye = torch.eye
+_orig_torch_randn = torch.randn
+_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype | None,
+                                           target_device: torch.device | None) -> Callable:
+    """``fn`` (a torch tensor constructor) as it runs inside ``Init`` (DeepSpeed's signature).
+
+    The tensor is made on ``target_device`` unless the call names a device; a floating-point
+    result is cast to ``target_fp_dtype`` in place (it stays a leaf). None leaves either alone.
+    """
+    def construct(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if target_device is not None and kwargs.get("device") is None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point() and tensor.dtype != target_fp_dtype:
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+    construct._dsl_init = True
+    return construct
+
+
+def _wrap_constructors(dtype: torch.dtype | None, device: torch.device) -> dict[str, Callable]:
+    """Put Init's constructors in torch; return what they replaced ({} when an Init's already are)."""
+    if getattr(torch.empty, "_dsl_init", False):
+        return {}
+    replaced = {name: getattr(torch, name) for name in _CONSTRUCTORS}
+    for name in _CONSTRUCTORS:
+        # the module's names are read now: transformers swaps the wrapper around Init's entry
+        setattr(torch, name, zero_wrapper_for_fp_tensor_constructor(globals()[f"_orig_torch_{name}"],
+                                                                    target_fp_dtype=dtype, target_device=device))
+    return replaced
 
 
 def _module_classes() -> list[type]:
@@ -90,6 +141,7 @@ class Init:
         self.home = torch.device("cpu") if remote_device == "cpu" else self.device
         self.dtype = dtype or _config_dtype(config_dict_or_path if config_dict_or_path is not None else config)
         self._patched: list[tuple[type, Any]] = []
+        self._constructors: dict[str, Callable] = {}
         self._built: list[list[torch.nn.Module]] = []
         self._subclass_hook = False
         if enabled and module is not None:
@@ -165,12 +217,16 @@ class Init:
         if "__init_subclass__" not in torch.nn.Module.__dict__:
             torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
             self._subclass_hook = True
+        self._constructors = _wrap_constructors(self.dtype, self.device)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for cls, init in reversed(self._patched):
             cls.__init__ = init
         self._patched.clear()
+        for name, fn in self._constructors.items():
+            setattr(torch, name, fn)
+        self._constructors = {}
         if self._subclass_hook:
             del torch.nn.Module.__init_subclass__
             self._subclass_hook = False

@@ -90,3 +90,17 @@ def _after_grad(fetcher: ParamFetcher | None):
         else:
             zp.release([p])
     return hook
+
+
+# DeepSpeed's memory estimator lives at this import path (its formulas and table, unchanged).
+from dslaunch.runtime.estimate.deepspeed_formulas import (  # noqa: E402
+    count_params_and_largest_layer as model_to_params,
+)
+from dslaunch.runtime.estimate.deepspeed_formulas import (  # noqa: E402
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
+
+__all__ += ["estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_mem_needs_all_live",
+            "estimate_zero3_model_states_mem_needs_all_cold", "model_to_params"]

@@ -3,7 +3,9 @@ it: metadata, version checks, module identity, the command, DeepSpeed's ``python
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -67,6 +69,21 @@ def test_deepspeed_command_is_dslaunchs_launcher(compat_bin: Path, tmp_path: Pat
     assert len(workers) == 2 and all("train.py --local_rank=" in w for w in workers), proc.stdout
 
 
+@pytest.mark.timeout(60)
+def test_ds_report_is_dslaunchs_report(compat_bin: Path) -> None:
+    """DeepSpeed's ``ds_report`` command (and ``python -m deepspeed.env_report``) print dslaunch's
+    report; in that environment transformers and accelerate are found and the ``deepspeed``
+    distribution is dslaunch's."""
+    proc = subprocess.run([str(compat_bin / "ds_report"), "--json"], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    versions = json.loads(proc.stdout)["versions"]
+    assert versions["transformers"] and versions["accelerate"], versions
+    assert "+dslaunch" in versions["deepspeed"], versions
+    text = subprocess.run([str(compat_bin / "python"), "-m", "deepspeed.env_report"], capture_output=True,
+                          text=True, timeout=50)
+    assert text.returncode == 0 and "dslaunch environment report" in text.stdout, text.stderr[-2000:]
+
+
 _RANKS = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n"
 
 
@@ -126,3 +143,74 @@ def test_python_m_deepspeed_utils_zero_to_fp32_consolidates(compat_bin: Path, tm
     assert bad.returncode == 1 and bad.stderr.splitlines() == [
         f"zero-to-fp32: error: {tmp_path / 'nope'}: not a directory (expected a save_dir or one of its tag "
         "directories)"], bad.stderr
+
+
+# What transformers 5.23, accelerate 1.15, peft 0.21 and trl 1.16 read from DeepSpeed's ZeRO,
+# utils and checkpoint modules (grepped from their installed sources; `pp` is transformers'
+# alias of partition_parameters). `deepspeed.utils.is_initialized` (transformers' ESMFold) is left
+# out: DeepSpeed 0.19.8 lacks it too.
+LIBRARY_NAMES = {
+    "deepspeed.runtime.zero.partition_parameters": (
+        "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator", "ZeroParamStatus",
+        "Init", "GatheredParameters", "register_external_parameter"),
+    "deepspeed.runtime.zero": ("partition_parameters", "GatheredParameters", "Init", "ZeroParamStatus"),
+    "deepspeed.zero": ("Init", "GatheredParameters", "register_external_parameter"),
+    "deepspeed.utils": ("groups", "logger", "set_z3_leaf_modules", "safe_get_full_grad"),
+    "deepspeed.utils.groups": ("_get_sequence_parallel_group", "_get_sequence_parallel_world_size",
+                               "_get_sequence_parallel_rank"),
+    "deepspeed.checkpoint.utils": ("clone_tensors_for_torch_save",),
+}
+_READ = re.compile(r"from (deepspeed\.(?:runtime\.zero|zero|utils|checkpoint)[\w.]*) import \(?([\w ,]+)"
+                   r"|\b(deepspeed\.(?:runtime\.zero|zero|utils|checkpoint)[\w.]*)\.(\w+)\(|\bpp\.(\w+)")
+
+_NAMES_PROBE = r"""
+import importlib, json, logging, sys, torch
+import deepspeed
+for module, names in json.loads(sys.argv[1]).items():
+    m = importlib.import_module(module)
+    missing = [n for n in names if not hasattr(m, n)]
+    assert not missing, (module, missing)
+from deepspeed.runtime.zero import partition_parameters as pp
+from deepspeed.utils import logger, groups
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+assert isinstance(logger, logging.Logger) and groups._get_sequence_parallel_world_size() == 1
+arange = pp.zero_wrapper_for_fp_tensor_constructor(pp._orig_torch_arange, torch.bfloat16, torch.device("cpu"))
+assert arange(2.0).dtype is torch.bfloat16 and pp.get_accelerator().device_name() == "cpu"
+shared = torch.arange(6.0)
+cloned = clone_tensors_for_torch_save({"a": shared[:2], "b": [shared[2:]]})
+assert cloned["a"].untyped_storage().size() == 8 and torch.equal(cloned["b"][0], shared[2:])
+print("ok")
+"""
+
+
+def _read_names(text: str) -> set[tuple[str, str]]:
+    """(module, name) pairs a library's source reads from DeepSpeed's zero/utils/checkpoint modules."""
+    found = set()
+    for imported, names, dotted, attr, pp_attr in _READ.findall(text):
+        if imported:
+            found |= {(imported, n.split(" as ")[0].strip()) for n in names.split(",") if n.strip()}
+        elif dotted:
+            found.add((dotted, attr))
+        elif "partition_parameters as pp" in text:
+            found.add(("deepspeed.runtime.zero.partition_parameters", pp_attr))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_names_the_libraries_read_are_there(compat_bin: Path) -> None:
+    """Every name the installed Hugging Face libraries read from DeepSpeed's ZeRO, utils and
+    checkpoint modules is listed here, and imports (and behaves) under the compat package."""
+    site = next((compat_bin.parent / "lib").glob("python*/site-packages"))
+    read = set()
+    for lib in ("transformers", "accelerate", "peft", "trl"):
+        for source in (site / lib).rglob("*.py") if (site / lib).is_dir() else ():
+            text = source.read_text(errors="replace") if "test_utils" not in source.parts else ""
+            if "deepspeed" in text:
+                read |= _read_names(text)
+    listed = {(m, n) for m, names in LIBRARY_NAMES.items() for n in names}
+    unlisted = {pair for pair in read - listed if pair[0] != "deepspeed.utils" or pair[1] != "is_initialized"}
+    assert ("deepspeed.runtime.zero.partition_parameters", "_orig_torch_arange") in read  # the scan works
+    assert not unlisted, f"the libraries read names this test does not list: {sorted(unlisted)}"
+    proc = subprocess.run([str(compat_bin / "python"), "-c", _NAMES_PROBE, json.dumps(LIBRARY_NAMES)],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-3000:]

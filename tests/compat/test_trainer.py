@@ -51,9 +51,10 @@ def test_trainer_saves_and_resumes_from_checkpoint(trained: tuple[Path, list[flo
 
 @pytest.mark.timeout(180)
 def test_trainer_at_zero3_trains_like_zero2(compat_bin: Path, tmp_path: Path) -> None:
-    """The same job at ZeRO 3: transformers builds the model under ``deepspeed.zero.Init`` (the
-    parameters are partitioned as it is built), the engine gathers them per module, and the run
-    trains to the same losses as DeepSpeed's ZeRO 2 (stage 3 reduces gradients alike)."""
+    """The same job at ZeRO 3: the model is built before TrainingArguments (plain torch; the engine
+    partitions it: models transformers builds under ``zero.Init`` are in test_zero3_models.py), the
+    engine gathers its parameters per module, and the run trains to the same losses as DeepSpeed's
+    ZeRO 2 (stage 3 reduces gradients alike)."""
     out = run_job([str(compat_bin / "dslaunch"), "--num_gpus", "2", "--master_port", str(free_port()),
                    str(SCRIPTS / "trainer_gpt2.py"), "out", "6", "3"], cwd=tmp_path)
     assert tagged(out, "LOSSES") == pytest.approx(DEEPSPEED_LOSSES, abs=TOLERANCE)

@@ -20,7 +20,7 @@ from tests.compat.conftest import SCRIPTS, run_job, tagged
 # 1.15.0, trl 1.16.0, peft 0.21.0, datasets 5.2.0) in a separate venv, from a model directory made by
 # `python scripts/tiny_lm.py lm`: `DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc-per-node 2
 # scripts/trl_sft.py lm out STAGE MODE 4` and `... scripts/trl_dpo.py lm out STAGE 4` (its CPU
-# all-reduce op, deepspeed_shm_comm, built for it). Every ZeRO-3 job ran there too.
+# all-reduce op, deepspeed_shm_comm, built for it), at ZeRO 3 with DS_INIT_BEFORE_MODEL=1.
 DEEPSPEED = {
     ("sft", 2, "full"): {"LOSSES": [4.193178176879883, 4.132778167724609, 4.186954975128174, 3.9982547760009766],
                          "RELOADED": 3.9026987552642822},

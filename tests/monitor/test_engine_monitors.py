@@ -137,8 +137,11 @@ def _accumulating(rank: int, world: int, out: str) -> dict:
     return {"losses": losses}
 
 
-def test_train_loss_is_the_window_mean_and_only_rank_0_writes(tmp_path) -> None:
-    out = str(tmp_path)
+def test_train_loss_is_the_window_mean_and_only_rank_0_writes(tmp_path, monkeypatch) -> None:
+    from tests.runtime.models import make_model
+
+    out, peak = str(tmp_path), 1e9
+    monkeypatch.setenv("DSLAUNCH_PEAK_FLOPS", str(peak))  # the ranks' device peak, for a known MFU
     got = run_world(_accumulating, 2, out)
     assert os.listdir(out) == ["rank0"]  # rank 1 created nothing (it would have written to rank1/)
     rows = _csv(f"{out}/rank0/Train_Samples_train_loss.csv")
@@ -149,5 +152,9 @@ def test_train_loss_is_the_window_mean_and_only_rank_0_writes(tmp_path) -> None:
     samples = _csv(f"{out}/rank0/Train_Samples_samples_per_sec.csv")
     # 6 tokens per sample (the batches' sequence length): the two rates agree at every step
     assert [float(t[1]) for t in tokens[1:]] == pytest.approx([6 * float(s[1]) for s in samples[1:]])
+    # rank 0's 6N FLOPs per token over the same window: half the 2 ranks' tokens/s
+    n = sum(p.numel() for p in make_model().parameters())
+    mfu = _csv(f"{out}/rank0/Train_Samples_mfu.csv")
+    assert [float(m[1]) for m in mfu[1:]] == pytest.approx([6 * n * float(t[1]) / 2 / peak for t in tokens[1:]])
     assert not os.path.exists(f"{out}/rank0/Train_Samples_elapsed_time_ms_forward.csv")  # no breakdown
     assert not os.path.exists(f"{out}/rank0/Train_Samples_loss_scale.csv")  # not fp16

@@ -118,7 +118,7 @@ def test_an_overflow_on_one_stage_skips_the_step_on_every_stage() -> None:
     assert all(r["unchanged"] for r in got) and len({r["scale"] for r in got}) == 1
 
 
-def _refusals(rank: int, world: int) -> list[str]:
+def _refusals(rank: int, world: int, root: str) -> dict:
     import dslaunch
     from dslaunch.errors import CheckpointError, ConfigError
     from dslaunch.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
@@ -130,20 +130,33 @@ def _refusals(rank: int, world: int) -> list[str]:
         messages.append(str(err))
     dslaunch.init_distributed(verbose=False)
     grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=2, num_dp=1))
-    engine, *_ = dslaunch.initialize(model=_piece(0), mpu=grid, config=_config(0))
+    engine, *_ = dslaunch.initialize(model=_piece(grid.get_stage_id()), mpu=grid, config=_config(0))
+    engine.save_checkpoint(root)  # each rank its part, by its coordinates
+    weights = [p.detach().clone() for p in engine.module.parameters()]
+    again, *_ = dslaunch.initialize(model=_piece(5), mpu=grid, config=_config(0))
+    again.load_checkpoint(root)
+    restored = all(torch.equal(a, b) for a, b in zip(weights, again.module.parameters(), strict=True))
+    plain, *_ = dslaunch.initialize(model=_piece(0), config=_config(0))  # no mpu: another shape
     try:
-        engine.save_checkpoint("/nonexistent-never-written")
+        plain.load_checkpoint(root)
     except CheckpointError as err:
         messages.append(str(err))
-    return messages
+    return {"messages": messages, "restored": restored}
 
 
-def test_a_bad_mpu_and_a_model_parallel_checkpoint_are_refused_in_one_line() -> None:
-    for messages in run_world(_refusals, 2):
+def test_a_bad_mpu_and_a_model_parallel_checkpoint_at_another_shape_are_refused_in_one_line(tmp_path) -> None:
+    for got in run_world(_refusals, 2, str(tmp_path)):
+        messages = got["messages"]
         assert messages[0] == ("initialize(mpu=...): object lacks get_data_parallel_group, get_data_parallel_rank, "
                                "get_data_parallel_world_size, get_model_parallel_group, get_model_parallel_rank, "
                                "get_model_parallel_world_size; an mpu must answer Megatron's "
                                "get_{data,model}_parallel_{group,rank,world_size}")
-        assert messages[1].startswith("checkpoints of a model-parallel engine (model-parallel size 2 from mpu=) "
-                                      "are not implemented yet")
+        assert got["restored"]
+        assert messages[1] == (f"{tmp_path / 'global_step0'}: a model-parallel checkpoint of a model that is no "
+                               "PipelineModule loads only at its saving shape (its parts may share parameter names): "
+                               "run at pipe=2, data=1, or pass load_module_strict=False for the buffers only (saved at "
+                               "pipe=2, data=1; this engine: no model parallelism)")
         assert "\n" not in "".join(messages)
+    names = sorted(p.name for p in (tmp_path / "global_step0").iterdir())
+    assert names == ["manifest.json", "module_pipe_00.dsl", "module_pipe_01.dsl", "rank_00000.dsl", "rank_00001.dsl",
+                     "zero_pipe_00-data_00.dsl", "zero_pipe_01-data_00.dsl"]

@@ -7,9 +7,11 @@ it; monitors can call it with a step's flops and time). The peak comes from:
 - on a GPU, ``GPU_PEAKS``: dense (no sparsity) peaks from the vendors' datasheets, by the name
   CUDA reports and the math dtype (bf16/fp16 tensor cores, tf32 when torch allows it, fp32);
 - on a CPU, a square-matmul microbenchmark in that dtype at the process's torch thread count,
-  measured once (~0.5 s) and cached in ``$DSLAUNCH_PEAK_CACHE`` (default
-  ``~/.cache/dslaunch/peak_flops.json``) under the CPU model, thread count, dtype and torch
-  version, so a later run (or another rank of the same machine) reads it.
+  measured once (~0.5 s; ranks of one machine take turns on a lock file) and cached in
+  ``$DSLAUNCH_PEAK_CACHE`` (default ``~/.cache/dslaunch/peak_flops.json``) under the CPU model, thread count, dtype and torch
+  version, so a later run (or another rank of the same machine) reads it. The cache is the
+  user's own (0700 directory, 0600 file); one that another user owns or may write, or that is not
+  JSON, is ignored with one warning line and replaced by a new measurement.
 
 An unknown GPU has no peak: MFU is None (the FLOP/s are still given).
 
@@ -20,11 +22,16 @@ with other work the measurement is as noisy as the machine (delete the cache fil
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import math
 import os
 import platform
+import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +39,12 @@ import torch
 
 from dslaunch.errors import UsageError, quote
 
+# The same trust rules as the CPU kernels' cache.
+from dslaunch.kernels.cpu.build import _check_owner, _make_dirs, _Untrusted
+
 __all__ = ["GpuPeak", "GPU_PEAKS", "Peak", "Throughput", "peak_flops", "throughput", "PEAK_ENV", "CACHE_ENV"]
+
+log = logging.getLogger("dslaunch.profiling")
 
 PEAK_ENV = "DSLAUNCH_PEAK_FLOPS"
 CACHE_ENV = "DSLAUNCH_PEAK_CACHE"
@@ -158,27 +170,73 @@ def _cpu_model() -> str:
 
 def _cpu_peak(dtype: torch.dtype, cache: Path) -> Peak:
     key = _cpu_key(dtype)
-    known = _read_cache(cache)
-    if key not in known:
-        known[key] = measure_cpu_matmul(dtype)
-        _write_cache(cache, known)
+    with _one_at_a_time(cache):  # the ranks of one machine: one measures, the others read its result
+        known = _read_cache(cache)
+        if key not in known:
+            known[key] = measure_cpu_matmul(dtype)
+            _write_cache(cache, known)
     return Peak(known[key], f"measured: {key} (cached in {cache})")
 
 
-def _read_cache(cache: Path) -> dict[str, float]:
+@contextlib.contextmanager
+def _one_at_a_time(cache: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<cache>.lock`` while held: measuring side by side, each rank would
+    get a share of the cores and cache a fraction of the peak. Without a lock file (a read-only
+    home), no lock."""
     try:
-        data = json.loads(cache.read_text())
-    except (OSError, ValueError):
+        _make_dirs(cache.parent)
+        fd = os.open(cache.with_name(f"{cache.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_cache(cache: Path) -> dict[str, float]:
+    """The cached peaks, or {} when there is no cache or it cannot be trusted (one warning line:
+    another user's file, or one others may write, or not JSON): measured again and rewritten."""
+    try:
+        fd = os.open(cache, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
         return {}
-    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+    except OSError as exc:
+        return _distrusted(cache, f"cannot open it ({exc.strerror})")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return _distrusted(cache, "it is not a regular file")
+        _check_owner(fd, "it")
+        with os.fdopen(fd, encoding="utf-8", closefd=False) as f:
+            data = json.load(f)
+    except _Untrusted as why:
+        return _distrusted(cache, str(why))
+    except (OSError, ValueError):
+        return _distrusted(cache, "it is not a JSON file of peaks")
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict):
+        return _distrusted(cache, "it is not a JSON file of peaks")
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and v > 0}
+
+
+def _distrusted(cache: Path, why: str) -> dict[str, float]:
+    log.warning("dslaunch: measuring the CPU peak again over %s: %s", quote(str(cache)), why)
+    return {}
 
 
 def _write_cache(cache: Path, known: dict[str, float]) -> None:
-    # Written to a temporary name and renamed: ranks of one machine may measure at once.
+    # Owner-only (0700 directories, a 0600 file), written to a temporary name and renamed: ranks
+    # of one machine may measure at once, and a rename replaces a distrusted file, never writes through it.
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(cache.parent)
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(known, f, indent=1, sort_keys=True)
         tmp.replace(cache)
     except OSError:
         pass  # a read-only home: measure again next time rather than fail the run

@@ -54,6 +54,7 @@ class FlopsProfilerObserver(Observer):
         self._tokens: int | None = None
         self._input_hook: Any = None
         self.done = False
+        self._step_flops: int | None = None
         self._sync = torch.cuda.synchronize if engine.device.type == "cuda" else None
         # Paid here, not in the profiled step: the first Python dispatch's imports (seconds) and
         # the CPU peak's measurement (~0.5 s, once per machine: cached).
@@ -113,9 +114,13 @@ class FlopsProfilerObserver(Observer):
                                               self.cfg.detailed, self.cfg.output_file)
         self.profiler.end_profile()
 
+    def step_flops(self) -> int | None:
+        """This rank's forward + backward FLOPs of the profiled step, once it is done (else None)."""
+        return self._step_flops
+
     def _timing(self, record: StepRecord, iter_s: float) -> StepTiming:
         e, p = self.engine, self.profiler.profile()
-        flops = p.fwd_flops + p.bwd_flops
+        flops = self._step_flops = p.fwd_flops + p.bwd_flops
         model_params, model_flops = self._model_sums(p.params, flops)
         tp = throughput(flops, iter_s, e.device, e.precision.model_dtype, self._peak)
         mfu = (f"{100 * tp.mfu:.2f}% of {number_to_string(tp.peak.flops)}FLOPS ({tp.peak.source})"

@@ -4,9 +4,11 @@ synthetic tokens. ``save_state``/``load_state`` checkpoint and resume.
 
 Nothing here names dslaunch. Rank 0 prints one line `LOSSES <json list>`: its loss at each optimizer step's last micro batch.
 
-Usage: accelerate_gpt2.py OUTPUT_DIR STEPS STAGE [SAVE_AT | resume:K]
+Usage: accelerate_gpt2.py OUTPUT_DIR STEPS STAGE [SAVE_AT | resume:K | init]
   SAVE_AT: save_state(OUTPUT_DIR/state) after that many optimizer steps.
   resume:K: load_state(OUTPUT_DIR/state) and continue from optimizer step K.
+  init: the plugin's zero3_init_flag is set and the model is built by AutoModelForCausalLM.from_config
+      after the Accelerator (at ZeRO 3 transformers then builds it under deepspeed.zero.Init).
 """
 
 import json
@@ -15,7 +17,7 @@ import sys
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 VOCAB, SEQ, GAS = 128, 16, 2
 
@@ -27,14 +29,15 @@ def main() -> None:
     plugin = DeepSpeedPlugin(hf_ds_config={
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": GAS,
         "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, "overlap_comm": True},
-        "steps_per_print": 1000})
+        "steps_per_print": 1000}, zero3_init_flag=mode == "init")
     # No cpu=True: accelerate would then train with DDP and leave DeepSpeed out (it picks the CPU anyway)
     accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=GAS)
     torch.manual_seed(0)
     # No dropout: accelerate's save_state keeps only rank 0's RNG state, so with dropout a resumed
     # run differs from an uninterrupted one (under DeepSpeed as under dslaunch).
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = AutoModelForCausalLM.from_config(config) if mode == "init" else GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     starts = torch.randint(0, VOCAB, (256, 1), generator=torch.Generator().manual_seed(1))
     loader = DataLoader(TensorDataset((starts + torch.arange(SEQ)) % VOCAB), batch_size=4, shuffle=False)

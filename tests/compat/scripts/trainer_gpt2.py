@@ -4,15 +4,22 @@ TrainingArguments, a tiny GPT-2 built from a config (nothing downloaded), synthe
 Nothing here names dslaunch: run it with `deepspeed`/`dslaunch` or `torchrun`. Rank 0 prints one
 line `LOSSES <json list of the logged losses>`.
 
-Usage: trainer_gpt2.py OUTPUT_DIR MAX_STEPS STAGE [resume]
+Usage: trainer_gpt2.py OUTPUT_DIR MAX_STEPS STAGE [resume] [OPTION ...]
+  build=config: the model is built by AutoModelForCausalLM.from_config after TrainingArguments (at
+      ZeRO 3 transformers then builds it under deepspeed.zero.Init); build=DIR: from_pretrained(DIR)
+      likewise. Without it the model is built before TrainingArguments (plain torch).
+  only_model: save_only_model=True.
+  final=DIR: trainer.save_model(DIR) after training.
+  save_model=DIR: only save the tiny model (seed 0) to DIR with save_pretrained, for build=DIR.
 """
 
 import json
+import os
 import sys
 
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 VOCAB, SEQ = 128, 16
 
@@ -48,29 +55,45 @@ def ds_config(stage: int) -> dict:
     }
 
 
-def process_group_for_zero3(stage: int) -> None:
-    """At ZeRO 3 ``from_pretrained`` builds the model under ``zero.Init``, which needs DeepSpeed's
-    process group (the real DeepSpeed otherwise checks the batch sizes against a world of 1 and
-    fails), and accelerate on CPU creates it only later: create it first, as DeepSpeed's docs do."""
-    if stage == 3:
+def init_deepspeed_comm_on_cpu() -> None:
+    """With DS_INIT_BEFORE_MODEL=1 only (recording with the real DeepSpeed on CPU): use_cpu=True lets
+    accelerate start torch.distributed, not deepspeed.comm, and DeepSpeed's zero.Init then reads a
+    world size of 1 and fails its batch-size check; dslaunch reads torch.distributed's."""
+    if os.environ.get("DS_INIT_BEFORE_MODEL") == "1":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed()
+
+
+def gpt2_config() -> GPT2Config:
+    return GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
 
 
 def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # DeepSpeed's launchers add it
-    out, max_steps, stage = argv[0], int(argv[1]), int(argv[2])
-    resume = len(argv) > 3 and argv[3] == "resume"
+    opts = dict(a.split("=", 1) if "=" in a else (a, "") for a in argv[3:])
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    if "save_model" in opts:
+        GPT2LMHeadModel(gpt2_config()).save_pretrained(opts["save_model"])
+        return
+    out, max_steps, stage = argv[0], int(argv[1]), int(argv[2])
+    build = opts.get("build")
+    model = GPT2LMHeadModel(gpt2_config()) if build is None else None
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              max_steps=max_steps, learning_rate=3e-3, warmup_steps=2, logging_steps=1,
                              save_strategy="steps", save_steps=max(max_steps // 2, 1), report_to=[],
                              deepspeed=ds_config(stage), use_cpu=True, seed=0, disable_tqdm=True,
-                             dataloader_num_workers=0)
+                             dataloader_num_workers=0, save_only_model="only_model" in opts)
+    if build is not None:
+        init_deepspeed_comm_on_cpu()
+    if build == "config":  # after TrainingArguments: transformers sees the ZeRO-3 config (zero.Init)
+        model = AutoModelForCausalLM.from_config(gpt2_config())
+    elif build is not None:
+        model = AutoModelForCausalLM.from_pretrained(build)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(256))
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.train(resume_from_checkpoint=True if "resume" in opts else None)
+    if "final" in opts:
+        trainer.save_model(opts["final"])
     if trainer.args.process_index == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print("LOSSES " + json.dumps(losses), flush=True)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 from datasets import Dataset
-from trainer_gpt2 import ds_config, process_group_for_zero3
+from trainer_gpt2 import ds_config, init_deepspeed_comm_on_cpu
 from trl import DPOConfig, DPOTrainer
 
 
@@ -30,7 +30,7 @@ def pairs(n: int, words: int = 60) -> dict[str, list[str]]:
 def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # DeepSpeed's launchers add it
     model_dir, out, stage, max_steps = argv[0], argv[1], int(argv[2]), int(argv[3])
-    process_group_for_zero3(stage)
+    init_deepspeed_comm_on_cpu()  # recording with the real DeepSpeed at ZeRO 3 only (see there)
     args = DPOConfig(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                      max_steps=max_steps, learning_rate=1e-2, warmup_steps=1, logging_steps=1, beta=0.1,
                      save_strategy="no", report_to=[], deepspeed=ds_config(stage), use_cpu=True, seed=0,

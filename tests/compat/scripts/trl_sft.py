@@ -13,7 +13,7 @@ import sys
 
 import torch
 from datasets import Dataset
-from trainer_gpt2 import ds_config, process_group_for_zero3
+from trainer_gpt2 import ds_config, init_deepspeed_comm_on_cpu
 from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
@@ -47,7 +47,7 @@ def reloaded_loss(model_dir: str, saved: str, lora: bool) -> float:
 def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # DeepSpeed's launchers add it
     model_dir, out, stage, mode, max_steps = argv[0], argv[1], int(argv[2]), argv[3], int(argv[4])
-    process_group_for_zero3(stage)
+    init_deepspeed_comm_on_cpu()  # recording with the real DeepSpeed at ZeRO 3 only (see there)
     lora = mode == "lora"
     peft_config = None
     if lora:

@@ -82,6 +82,16 @@ def test_the_cache_key_follows_the_source_and_the_compiler(tmp_path: Path, monke
     assert build.build(env) != first
 
 
+def test_cached_path_names_the_library_a_build_makes_without_building(tmp_path: Path) -> None:
+    """The report's lookup (``cached_path``) builds nothing and names the file ``build`` writes."""
+    env = {**os.environ, build.CACHE_ENV: str(tmp_path / "cache")}
+    path = build.cached_path(env)
+    assert not path.exists()
+    assert build.build(env) == path and path.is_file()
+    with pytest.raises(build.KernelBuildError, match="not found"):
+        build.cached_path({**env, "CC": str(tmp_path / "no-cc")})
+
+
 def test_the_default_cache_dir() -> None:
     assert build.cache_dir({"HOME": "/h"}) == Path(os.path.expanduser("~")) / ".cache/dslaunch/kernels"
     assert build.cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/dslaunch/kernels")

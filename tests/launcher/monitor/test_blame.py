@@ -18,6 +18,7 @@ import pytest
 from tests.launcher.helpers import ROOT, assert_no_job_process, new_tag, run_dslaunch
 
 STALL = str(ROOT / "tests" / "launcher" / "bin" / "stall_train.py")
+STALL_PIPE = str(ROOT / "tests" / "launcher" / "bin" / "stall_pipe.py")
 ENGINES = [("0", ""), ("1", ""), ("2", ""), ("3", ""), ("2", "optimizer"), ("3", "param")]
 
 
@@ -49,4 +50,26 @@ def test_the_rank_stalled_in_its_own_code_is_blamed_not_the_rank_waiting_for_it(
     assert waiter["waiting"] and waiter["waiting_in"] and waiter["waiting_s"] > 0, event
     assert not stalled["waiting"] and stalled["waiting_in"] is None, event
     assert stalled["stopped"] == (how == "stop"), event
+    assert_no_job_process(tag)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_stopped_pipeline_stage_is_blamed_not_the_stage_waiting_for_it(tmp_path, free_port, stage):
+    """Stage ``stage`` SIGSTOPs itself after step 2; the other stage waits for it in step 3's
+    pipeline receive (activations or gradients). With one replica the stage's rank is its id."""
+    tag = new_tag()
+    r = run_dslaunch(["--num_gpus", "2", "--master_port", str(free_port), "--hang_timeout", "4",
+                      "--log_dir", str(tmp_path / "logs"), STALL_PIPE], tag=tag, timeout=120,
+                     STALL_RANK=str(stage), STALL_AT="2")
+    other = 1 - stage
+    assert r.returncode == 124, r.stderr
+    assert re.search(rf"rank {stage} on localhost hung( at step [0-2])? \(", r.stderr), r.stderr
+    assert f"rank {other} waited for it in " in r.stderr, r.stderr
+    event = _stacks_event(tmp_path)
+    assert event["behind"] == [stage], event
+    waiter, stopped = event["ranks"][str(other)], event["ranks"][str(stage)]
+    assert waiter["waiting"] and waiter["waiting_in"] == "recv", event
+    assert stopped["stopped"] and not stopped["waiting"], event
     assert_no_job_process(tag)

@@ -57,6 +57,19 @@ def test_the_earliest_of_the_ranks_that_failed_on_their_own_is_the_root_cause():
     assert root_cause(echo, [late, early]) == early
 
 
+def test_a_rank_stopped_while_tearing_down_after_its_exception_makes_the_job_exit_1():
+    # Under load, a raising rank is still printing its traceback when its peer's collective fails
+    # and the launcher's SIGTERM reaches it: the job exited 143 (test_faults, once, at load 15).
+    raised = "RuntimeError: bad batch at step 3"
+    stopped = NodeResult(0, "localhost", 143, rank=1, signal_name="SIGTERM", exception=raised, cause="exception")
+    assert root_cause(_rank(0, GLOO), [stopped]) == stopped
+    assert stopped.job_exit_code == 1 and "was killed by SIGTERM (exit code 143) after raising" in stopped.describe()
+    assert replace(stopped, signal_name="SIGKILL", exit_code=137).job_exit_code == 1
+    assert replace(stopped, cause="oom").job_exit_code == 143  # the OOM killer's SIGKILL stays its own
+    assert replace(stopped, exception=None, cause="signal").job_exit_code == 143
+    assert replace(stopped, signal_name=None, exit_code=3).job_exit_code == 3
+
+
 @pytest.mark.parametrize("a, b", [
     ("RuntimeError: bad <Batch object at 0x7f3a2b1c4d90>", "RuntimeError: bad <Batch object at 0x7f11aa0c0010>"),
     (GLOO, GLOO.replace(":134", ":40522")),

@@ -135,3 +135,18 @@ def test_summary_reports_the_slowest_rank_and_memory():
 
     assert format_progress(s) == ("step 10 | 80.0 samples/s | loss 0.25 | slowest rank 1 (step 9) | "
                                   "GPU 4.0/80.0 GiB (peak 5.0)")
+
+
+def test_summary_takes_the_job_s_tokens_per_second_and_the_mean_mfu_of_the_ranks():
+    from dslaunch.launcher.monitor.status import format_progress
+
+    h = _health(world=3)
+    h.update({0: Beat(0, 1, 5, 8.0, tokens_per_s=512.0, mfu=0.30, mfu_from="profiled"),
+              1: Beat(1, 1, 5, 8.0, tokens_per_s=500.0, mfu=0.20, mfu_from="profiled"),
+              2: Beat(2, 1, 5, 8.0)}, now=0.0)  # a rank without token ids: no rates of its own
+    s = h.summary(now=1.0)
+    assert (s["tokens_per_s"], s["mfu"], s["mfu_from"]) == (512.0, 0.25, "profiled")
+    assert format_progress(s) == "step 5 | 8.0 samples/s | 512 tokens/s | MFU 25.0% (profiled)"
+    h = _health(world=1)
+    h.update({0: Beat(0, 1, 5, 8.0)}, now=0.0)
+    assert "tokens/s" not in format_progress(h.summary(now=1.0)) and "mfu" not in h.summary(now=1.0)

@@ -3,12 +3,15 @@ override, and the CPU peak measured once and read back from its cache."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
+import time
 
 import pytest
 import torch
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import UsageError, quote
 from dslaunch.profiling.flops_profiler import mfu
 from dslaunch.profiling.flops_profiler.mfu import _gpu_peak, peak_flops, throughput
 
@@ -53,3 +56,65 @@ def test_the_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch) -> None
     cache.write_text(json.dumps({key: 123.0}))  # a later call reads the cache, never measures again
     assert peak_flops(torch.device("cpu")).flops == 123.0
     assert throughput(246.0, 1.0).mfu == pytest.approx(2.0)
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch) -> list[torch.dtype]:
+    """A cache under a fresh directory tree, and a fake (instant) measurement that records its calls."""
+    calls: list[torch.dtype] = []
+    monkeypatch.setenv(mfu.CACHE_ENV, str(tmp_path / "new" / "dir" / "peak.json"))
+    monkeypatch.delenv(mfu.PEAK_ENV, raising=False)
+    monkeypatch.setattr(mfu, "measure_cpu_matmul", lambda dtype: calls.append(dtype) or 5e9)
+    return calls
+
+
+def test_the_cpu_peak_cache_is_created_owner_only_and_reused(tmp_path, measured) -> None:
+    cache = tmp_path / "new" / "dir" / "peak.json"
+    assert peak_flops(torch.device("cpu")).flops == 5e9 and len(measured) == 1
+    assert cache.stat().st_mode & 0o777 == 0o600
+    assert (cache.parent.stat().st_mode & 0o777, cache.parent.parent.stat().st_mode & 0o777) == (0o700, 0o700)
+    assert peak_flops(torch.device("cpu")).flops == 5e9 and len(measured) == 1  # read back, not measured
+    assert sorted(p.name for p in cache.parent.iterdir()) == ["peak.json", "peak.json.lock"]  # no temporary file
+
+
+def test_ranks_of_one_machine_measure_one_at_a_time(measured, monkeypatch) -> None:
+    def slow(dtype: torch.dtype) -> float:  # long enough for both threads to ask before it ends
+        measured.append(dtype)
+        time.sleep(0.3)
+        return 5e9
+
+    monkeypatch.setattr(mfu, "measure_cpu_matmul", slow)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        peaks = list(pool.map(lambda _: peak_flops(torch.device("cpu")).flops, range(2)))
+    assert peaks == [5e9, 5e9] and len(measured) == 1  # the second waited and read the first's
+
+
+@pytest.mark.parametrize("spoil, why", [
+    (lambda f: f.write_text("{not json"), "it is not a JSON file of peaks"),
+    (lambda f: f.write_text("[1, 2]"), "it is not a JSON file of peaks"),
+    (lambda f: f.chmod(0o666), "it is writable by others (mode 0666)"),
+])
+def test_a_spoiled_cache_is_measured_again_with_one_line(tmp_path, measured, caplog, spoil, why) -> None:
+    cache = tmp_path / "new" / "dir" / "peak.json"
+    peak_flops(torch.device("cpu"))
+    key = next(iter(json.loads(cache.read_text())))
+    cache.write_text(json.dumps({key: 123.0}))
+    spoil(cache)
+    with caplog.at_level("WARNING", logger="dslaunch.profiling"):
+        assert peak_flops(torch.device("cpu")).flops == 5e9  # not the planted 123
+    assert [r.getMessage() for r in caplog.records] == [f"dslaunch: measuring the CPU peak again over {quote(str(cache))}: {why}"]
+    assert len(measured) == 2 and cache.stat().st_mode & 0o777 == 0o600 and json.loads(cache.read_text()) == {key: 5e9}
+
+
+def test_a_cache_owned_by_another_user_is_ignored(tmp_path, measured, caplog, monkeypatch) -> None:
+    cache = tmp_path / "new" / "dir" / "peak.json"
+    peak_flops(torch.device("cpu"))
+    key = next(iter(json.loads(cache.read_text())))
+    cache.write_text(json.dumps({key: 123.0}))
+    me = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1)  # the file now reads as another user's
+    with caplog.at_level("WARNING", logger="dslaunch.profiling"):
+        assert peak_flops(torch.device("cpu")).flops == 5e9
+    assert [r.getMessage() for r in caplog.records] == [
+        f"dslaunch: measuring the CPU peak again over {quote(str(cache))}: it is owned by uid {me}, not by this user "
+        f"(uid {me + 1})"]

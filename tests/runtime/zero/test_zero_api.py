@@ -167,3 +167,120 @@ def test_import_paths() -> None:
     for name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                  "safe_set_full_fp32_param", "set_z3_leaf_modules"):
         assert callable(getattr(dslaunch.utils, name))
+
+
+def _constructors_under_init(rank: int, world: int) -> None:
+    import contextlib
+
+    import dslaunch.zero
+    from dslaunch.runtime.zero import partition_parameters as pp
+
+    with dslaunch.zero.Init(dtype=torch.bfloat16):
+        assert torch.zeros(2).dtype is torch.bfloat16 and torch.full((2,), 1.5).dtype is torch.bfloat16
+        assert torch.arange(3).dtype is torch.int64  # not floating point: kept
+        assert torch.arange(3.0).dtype is torch.bfloat16
+        assert torch.tensor([1.0], requires_grad=True).is_leaf  # cast in place
+        with dslaunch.zero.Init(dtype=torch.float16):  # nested: the outer one's constructors stay
+            assert torch.ones(1).dtype is torch.bfloat16
+        assert torch.ones(1).dtype is torch.bfloat16
+    assert torch.zeros(1).dtype is torch.float32 and torch.arange is pp._orig_torch_arange
+
+    @contextlib.contextmanager
+    def keep_arange():  # transformers' prevent_arange_dtype_change, shortened
+        original = pp.zero_wrapper_for_fp_tensor_constructor
+
+        def wrapper(fn, *args, **kwargs):
+            return fn if fn is pp._orig_torch_arange else original(fn, *args, **kwargs)
+        pp.zero_wrapper_for_fp_tensor_constructor = wrapper
+        try:
+            yield
+        finally:
+            pp.zero_wrapper_for_fp_tensor_constructor = original
+    with keep_arange(), dslaunch.zero.Init(config_dict_or_path={"bf16": {"enabled": True}}):
+        assert torch.arange(3.0).dtype is torch.float32 and torch.empty(2).dtype is torch.bfloat16
+        layer = torch.nn.Linear(4, 4)
+    assert layer.weight.ds_tensor.dtype is torch.bfloat16 and torch.empty(1).dtype is torch.float32
+
+
+@pytest.mark.timeout(60)
+def test_init_wraps_tensor_constructors_as_deepspeed() -> None:
+    """Inside Init torch's constructors make floating tensors in its dtype (transformers replaces
+    the wrapper to keep arange's), and are torch's again after it."""
+    run_world(_constructors_under_init, 2)
+
+
+class _HeadFunction(torch.autograd.Function):
+    """TRL's chunked log-prob pattern: saves the head's weight for backward and gathers it there
+    again by its ``ds_status`` (DeepSpeed hands backward the Parameter itself)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, weight)
+        return h @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import dslaunch.zero
+        from dslaunch.runtime.zero.partition_parameters import ZeroParamStatus
+
+        h, weight = ctx.saved_tensors
+        _HeadFunction.saw.append(weight)
+        gathered = hasattr(weight, "ds_numel") and weight.ds_status is not ZeroParamStatus.AVAILABLE
+        with dslaunch.zero.GatheredParameters([weight], enabled=gathered):
+            return grad @ weight, grad.t() @ h
+
+    saw: list[torch.Tensor] = []
+
+
+class _HeadByFunction(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(D, D)
+        self.head = torch.nn.Linear(D, V, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import dslaunch.zero
+
+        h = torch.tanh(self.body(x))
+        with dslaunch.zero.GatheredParameters([self.head.weight]):  # read outside its module, as TRL
+            logits = _HeadFunction.apply(h, self.head.weight)
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def _function_run(rank: int, world: int) -> None:
+    import dslaunch
+    import dslaunch.zero
+
+    torch.manual_seed(4)
+    ref = _HeadByFunction()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(4)
+    model = _HeadByFunction()
+    cfg = {"train_batch_size": 4, "steps_per_print": 1000, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(6)
+    micro = 4 // world
+    for _ in range(3):
+        x, labels = torch.randn(4, D, generator=g), torch.randint(0, V, (4,), generator=g)
+        ref_loss = ref(x, labels)
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _HeadFunction.saw.clear()
+        loss = engine(x[rank * micro:(rank + 1) * micro], labels[rank * micro:(rank + 1) * micro])
+        engine.backward(loss)
+        engine.step()
+        assert [w is model.head.weight for w in _HeadFunction.saw] == [True], _HeadFunction.saw
+    full = dslaunch.zero.GatheredParameters(list(model.parameters()))
+    with full:
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"  # torch's again
+
+
+@pytest.mark.timeout(60)
+def test_custom_function_saves_the_zero3_parameter_itself() -> None:
+    """A custom autograd Function that saves a ZeRO-3 Parameter gets the Parameter back in backward
+    (with its ``ds_*`` attributes) while stage 3's saved-tensor hooks run, and trains like torch."""
+    run_world(_function_run, 2)

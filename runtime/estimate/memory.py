@@ -1,0 +1,289 @@
+"""Bytes a training job holds per device and per host: ``estimate_memory(shape, setup)``.
+
+The model is dslaunch's engine as built (``runtime/zero/``), not a rule of thumb:
+
+- weights: the flat buffer in the model dtype, whole below stage 3, this rank's shard at stage 3
+  (in host memory with ``offload_param: cpu``, on disk with ``nvme`` beyond ``max_in_cpu``);
+- gradients: stages 0/1 keep the whole gradient in the model dtype (plus an fp32 copy of the rank's
+  range for 16-bit models); stages 2/3 keep only the rank's fp32 shard;
+- master: an fp32 copy of the rank's range for 16-bit models (an fp32 model's master *is* its
+  weights), in host memory with ``offload_optimizer``;
+- optimizer state: per master element (Adam 8 bytes), on the rank's range from stage 1, in host
+  memory with ``offload_optimizer: cpu``, on disk with ``nvme``;
+- communication buffers: stage 2/3 reduce buckets (staging in the model dtype, up to
+  ``MAX_INFLIGHT_BUFFERS + 1`` with ``overlap_comm``, else 1) of the largest bucket;
+- stage 3's whole parameters while modules run: the persistent small ones always, and up to
+  ``stage3_max_live_parameters`` elements (at least the largest layer) during forward/backward;
+- activations (when the transformer's dimensions are known): per layer, Korthikanti et al.'s
+  count generalised to any dtype and FFN width, or the layer inputs plus one layer recomputed with
+  activation checkpointing; the logits and their fp32 loss; pipeline stages hold their layers'
+  activations for up to ``pipeline`` micro batches in flight (1F1B's first stage).
+
+Data parallelism is ``world / (pipeline * tensor)``; a pipeline stage holds ``1/pipeline`` of the
+parameters, a tensor slice ``1/tensor`` (tensor parallelism does not exist in dslaunch yet: the
+degree is a what-if that divides parameters and activations, as Megatron with sequence
+parallelism does).
+
+Pure arithmetic and torch-free: the autotuner calls it for every candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dslaunch.runtime.estimate.setup import MODEL_BYTES, OPTIMIZER_STATE_BYTES, TrainingSetup
+from dslaunch.runtime.estimate.shape import ModelShape
+
+__all__ = ["Parts", "MemoryEstimate", "estimate_memory", "MAX_INFLIGHT_BUFFERS"]
+
+MAX_INFLIGHT_BUFFERS = 2  # runtime/zero/reducer.py's; a test keeps the two equal
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Bytes by purpose, in one place (a device, or one host's memory, or one host's disk)."""
+
+    weights: int = 0
+    gradients: int = 0
+    master: int = 0
+    optimizer_state: int = 0
+    comm_buffers: int = 0
+    gathered: int = 0  # stage 3: whole parameters while modules run (persistent ones included)
+    buffers: int = 0  # the module's registered buffers
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def model_states(self) -> int:
+        """Everything but activations."""
+        return self.total - self.activations
+
+    def __add__(self, other: Parts) -> Parts:
+        return Parts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def scaled(self, k: int) -> Parts:
+        return Parts(**{f.name: getattr(self, f.name) * k for f in fields(self)})
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The estimate of one setup.
+
+    Attributes:
+        setup: what was estimated.
+        device: one device's peak bytes while training, activations included (0 when unknown).
+        host: one host's bytes (every local rank's host-resident state; pinned staging included).
+        nvme: one host's bytes on disk (swap files of every local rank).
+        activations_known: the model's dimensions and ``seq_len`` were known.
+        host_init: one host's peak while the model is built, before training (ranks that
+            materialise the whole model in host memory, ``zero_init`` off or below stage 3).
+    """
+
+    setup: TrainingSetup
+    device: Parts
+    host: Parts
+    nvme: Parts
+    activations_known: bool
+    host_init: int
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device.total
+
+    @property
+    def host_bytes(self) -> int:
+        """One host's peak: steady-state training or model building, whichever is larger."""
+        return max(self.host.total, self.host_init)
+
+    @property
+    def rank_bytes(self) -> int:
+        """One rank's tensors wherever they are (device + its share of host memory): on a CPU-only
+        host, what a rank's process holds."""
+        return self.device.total + self.host.total // self.setup.gpus_per_node
+
+    def fits(self, device_memory: int, host_memory: int | None = None) -> bool:
+        """Whether the device (and, if given, the host) peak fits."""
+        return self.device_bytes <= device_memory and (host_memory is None or self.host_bytes <= host_memory)
+
+
+def estimate_memory(shape: ModelShape, setup: TrainingSetup | Mapping[str, Any], **overrides: Any) -> MemoryEstimate:
+    """Per-device and per-host bytes of training ``shape`` with ``setup``.
+
+    Args:
+        shape: the model.
+        setup: a ``TrainingSetup``, or a ds_config dict (read by ``TrainingSetup.from_ds_config``).
+        overrides: ``TrainingSetup`` fields that win over ``setup`` (e.g. ``gpus_per_node=8``).
+
+    Returns:
+        A ``MemoryEstimate``; exact for the model states of dslaunch's engine up to allocator
+        rounding (the tests hold it within 10% of the tensors an engine holds), activations
+        are a transformer formula (0 and ``activations_known=False`` without dimensions).
+
+    Raises:
+        UsageError: an invalid setup.
+    """
+    if not isinstance(setup, TrainingSetup):
+        setup = TrainingSetup.from_ds_config(setup, **overrides)
+    elif overrides:
+        setup = setup.with_(**overrides)
+    s = setup
+    r = _Rank.of(shape, s)
+    placed = _weights(s, r) + _gradients(s, r) + _master_and_state(s, r) + _buffers(shape, s, r)
+    acts = _activations(shape, s)
+    device = placed.device + Parts(activations=acts or 0)
+    # Each local rank builds the model in fp32 host memory first: whole, or under zero.Init one
+    # module at a time.
+    built = shape.largest_layer if s.stage == 3 and s.zero_init else shape.params
+    k = s.gpus_per_node
+    return MemoryEstimate(setup=s, device=device, host=placed.host.scaled(k), nvme=placed.disk.scaled(k),
+                          activations_known=acts is not None, host_init=built * 4 * k)
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """One rank's counts: its model part (``params``), the range it owns of the master/optimizer
+    state (``shard``), its stage-3 weight shard (``weights``), the model dtype's bytes ``m``."""
+
+    params: int
+    shard: int
+    weights: int
+    m: int
+
+    @classmethod
+    def of(cls, shape: ModelShape, s: TrainingSetup) -> _Rank:
+        params = math.ceil(shape.params / (s.pipeline * s.tensor))
+        part = math.ceil(params / s.data_parallel)
+        return cls(params, part if s.stage >= 1 else params, part if s.stage == 3 else params,
+                   MODEL_BYTES[s.precision])
+
+    @property
+    def sixteen(self) -> bool:
+        return self.m != 4
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Bytes on the device, in this rank's host memory and in its swap files."""
+
+    device: Parts = Parts()
+    host: Parts = Parts()
+    disk: Parts = Parts()
+
+    def __add__(self, other: _Placed) -> _Placed:
+        return _Placed(self.device + other.device, self.host + other.host, self.disk + other.disk)
+
+
+def _weights_home(s: TrainingSetup) -> str:
+    if s.stage == 3 and s.offload_param != "none":
+        return "host" if s.offload_param == "cpu" else "nvme"
+    return "device"
+
+
+def _weights(s: TrainingSetup, r: _Rank) -> _Placed:
+    """The flat weights: whole below stage 3, the shard at stage 3 (where offload_param puts it;
+    with NVMe, all but ``max_in_cpu`` on disk, 16-bit or GPU transfers through a buffer pool)."""
+    home = _weights_home(s)
+    if home == "device":
+        return _Placed(device=Parts(weights=r.weights * r.m))
+    if home == "host":
+        return _Placed(host=Parts(weights=r.weights * r.m))
+    in_cpu = min(s.max_in_cpu, r.weights)
+    on_disk = r.weights - in_cpu
+    pool = 0
+    if on_disk and (r.sixteen or s.accelerator == "cuda"):  # transfers that are no plain file read
+        buffer = min(s.param_buffer_size, on_disk)
+        pool = min(s.param_buffer_count, math.ceil(on_disk / buffer)) * buffer * r.m
+    return _Placed(host=Parts(weights=in_cpu * r.m, comm_buffers=pool), disk=Parts(weights=on_disk * r.m))
+
+
+def _gradients(s: TrainingSetup, r: _Rank) -> _Placed:
+    """Whole (model dtype) at stages 0/1, plus an fp32 copy of the rank's range for 16-bit models,
+    made next to the master (so in host memory when that is offloaded); the fp32 shard at 2/3."""
+    if s.stage >= 2:
+        return _Placed(device=Parts(gradients=r.shard * 4))
+    copy = Parts(gradients=r.shard * 4 if r.sixteen else 0)
+    whole = _Placed(device=Parts(gradients=r.params * r.m))
+    return whole + (_Placed(host=copy) if _master_home(s) == "host" else _Placed(device=copy))
+
+
+def _master_home(s: TrainingSetup) -> str:
+    return "host" if s.offload_optimizer != "none" or _weights_home(s) == "host" else "device"
+
+
+def _master_and_state(s: TrainingSetup, r: _Rank) -> _Placed:
+    """The fp32 master and the optimizer state: in host memory with the offloaded optimizer or the
+    stage-3 shard on the host. The master is a copy for 16-bit models, or where it lives apart
+    from the weights (on a CPU-only host an "offloaded" fp32 master still is the weights)."""
+    weights, home = _weights_home(s), _master_home(s)
+    same = weights == home or (s.accelerator == "cpu" and weights != "nvme")
+    master = r.shard * 4 if r.sixteen or not same else 0
+    state = r.shard * OPTIMIZER_STATE_BYTES[s.optimizer]
+    if home == "device":
+        return _Placed(device=Parts(master=master, optimizer_state=state))
+    staging = 0
+    if s.accelerator == "cuda" and s.offload_optimizer != "none":
+        # pinned staging, two buckets ahead: gradients in, 16-bit parameters out
+        bucket = min(s.sub_group_size, r.shard)
+        staging = 2 * bucket * 4 + (2 * bucket * r.m if r.sixteen else 0)
+    if s.offload_optimizer == "nvme":
+        return _Placed(host=Parts(master=master, comm_buffers=staging + _nvme_ring(s, r.shard)),
+                       disk=Parts(optimizer_state=state))
+    return _Placed(host=Parts(master=master, optimizer_state=state, comm_buffers=staging))
+
+
+def _buffers(shape: ModelShape, s: TrainingSetup, r: _Rank) -> _Placed:
+    """Reduce buckets (stages 2/3), stage 3's whole parameters, the module's registered buffers."""
+    parts = Parts(buffers=shape.buffer_bytes // (s.pipeline * s.tensor))
+    if s.stage >= 2:
+        # A bucket holds whole parameters: a larger one gets a bucket of its own.
+        largest_param = max(shape.param_sizes, default=shape.largest_layer) // s.tensor
+        bucket = max(min(s.reduce_bucket_size, r.params), largest_param)
+        count = min(MAX_INFLIGHT_BUFFERS + 1 if s.overlap_comm else 1, math.ceil(r.params / bucket))
+        parts += Parts(comm_buffers=bucket * r.m * count)
+    if s.stage == 3:  # the persistent small ones, and up to max_live_parameters (at least a layer)
+        persistent = shape.small_params(s.param_persistence_threshold) // (s.pipeline * s.tensor)
+        live = min(r.params - persistent, max(s.max_live_parameters, shape.largest_layer // s.tensor))
+        parts += Parts(gathered=(persistent + live) * r.m)
+    return _Placed(device=parts)
+
+
+def _nvme_ring(s: TrainingSetup, shard: int) -> int:
+    """Bytes of ``offload_optimizer: nvme``'s ring in host memory: slots of one bucket of every
+    state tensor, ``buffer_count // tensors`` of them, never more than the buckets of a pass."""
+    tensors = max(1, OPTIMIZER_STATE_BYTES[s.optimizer] // 4)
+    bucket = max(1, min(s.sub_group_size, s.nvme_buffer_size, shard))
+    slots = max(1, min(s.nvme_buffer_count // tensors, math.ceil(shard / bucket)))
+    return slots * tensors * bucket * 4
+
+
+def _activations(shape: ModelShape, s: TrainingSetup) -> int | None:
+    """Bytes of activations saved for backward on the busiest device; None when unknown."""
+    if not shape.transformer or s.seq_len is None:
+        return None
+    m = MODEL_BYTES[s.precision]
+    b, t, h = s.micro_batch, s.seq_len, shape.hidden
+    f = shape.ffn or 4 * h
+    a = shape.heads or 1
+    tokens = b * t
+    scores = 0 if s.flash_attention else (2 * m + 1) * a * t * tokens  # softmax, its dropout and mask
+    # Attention 5m+1 (inputs of QKV, Q, K, V, the projection; a dropout mask), MLP m+1 plus 2m per
+    # FFN element, two norms 2m: Korthikanti et al.'s 34 sbh + 5 a s^2 b at m = 2, f = 4h.
+    per_layer = tokens * h * (8 * m + 2) + 2 * m * tokens * f + scores
+    per_layer = math.ceil(per_layer / s.tensor)
+    layers = math.ceil(shape.layers / s.pipeline)
+    if s.activation_checkpointing:  # the layers' inputs, and one layer recomputed in backward
+        stored = layers * tokens * h * m + per_layer
+    else:
+        stored = layers * per_layer
+    in_flight = s.pipeline  # 1F1B: the first stage holds `pipeline` micro batches' activations
+    logits = tokens * (shape.vocab or 0) * (m + 4) // s.tensor  # logits and their fp32 loss input
+    return stored * in_flight + logits
