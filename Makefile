@@ -6,7 +6,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
-# transformers + accelerate on dslaunch's `deepspeed` distribution, for tests/compat (no real DeepSpeed)
+# transformers + accelerate (and trl, peft, datasets) on dslaunch's `deepspeed` distribution, for tests/compat (no real DeepSpeed)
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 

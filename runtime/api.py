@@ -90,6 +90,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
         engine = DeepSpeedEngine(model, cfg, mpu=mpu, **parts)
     register_clean_exit(engine)
+    if engine.global_rank == 0:
+        for note in cfg.notes:  # what the config says that was read differently (client_forms.py)
+            print(f"dslaunch: note: {note}", flush=True)
     resume = resume_dir()
     if resume is not None:  # a restarted run of a job launched with --resume_from
         loaded, _ = engine.load_checkpoint(resume)

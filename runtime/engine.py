@@ -65,6 +65,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.zero, self.optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
         self.training_dataloader = parts.dataloader
         self.loss_scaler = PrecisionPolicy.loss_scaler(config)
+        # A step with inf/NaN gradients is skipped under fp16, and under bf16 unless switched off (DeepSpeed's rules)
+        self._skips_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.dp_world_size = self.grid.get_data_parallel_world_size()
@@ -131,14 +133,23 @@ class DeepSpeedEngine(torch.nn.Module):
         """Count a micro step; at the accumulation boundary update the weights.
 
         An fp16 step whose gradients overflowed is skipped (``skipped_steps``), the loss scale is
-        updated and the LR scheduler does not advance, as in DeepSpeed.
+        updated and the LR scheduler does not advance, as in DeepSpeed; so is a bf16 step with
+        inf/NaN gradients (``bf16.check_grad_overflow``, default true).
 
         collective: call on all ranks every micro step.
 
+        A script that ran ``loss.backward()`` itself (not ``engine.backward(loss)``) gets its
+        gradients reduced here, as ``engine.backward`` would have (DeepSpeed reduces them through
+        its hooks at ZeRO 1-3 and raises at ZeRO 0); the loss is not divided by the accumulation
+        steps then, as in DeepSpeed.
+
         Raises:
             UsageError: at an accumulation boundary inside ``no_sync()`` (the gradients are not
-                reduced, so ranks would diverge; DeepSpeed asserts on any step there).
+                reduced, so ranks would diverge; DeepSpeed asserts on any step there); after a
+                plain ``loss.backward()`` with fp16 (the loss was not scaled).
         """
+        if self.zero.backward_pending:
+            self._complete_plain_backward()
         if self.is_gradient_accumulation_boundary():
             if not self._sync:
                 raise UsageError("engine.step() at a gradient accumulation boundary inside no_sync(): "
@@ -149,6 +160,13 @@ class DeepSpeedEngine(torch.nn.Module):
             self._step_applied = False
         self.micro_steps += 1
 
+    def _complete_plain_backward(self) -> None:
+        """The script's own ``loss.backward()``: finish what ``engine.backward`` would have."""
+        if self._config.fp16.enabled:
+            raise UsageError("engine.step() after loss.backward(): with fp16 the loss must be scaled "
+                             "before backward; call engine.backward(loss) instead of loss.backward()")
+        self._backward_epilogue()
+
     def _take_model_step(self, lr_kwargs: dict | None = None) -> None:
         """The optimizer step of an accumulation boundary, its counters and its ``StepRecord``
         (DeepSpeed's name; the pipeline engine calls it once per ``train_batch``).
@@ -157,7 +175,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         with self.events.phase("step"):
             result = self.zero.step(self.loss_scaler.loss_scale, self._config.gradient_clipping,
-                                    check_overflow=self._config.fp16.enabled)
+                                    check_overflow=self._skips_overflow)
         self.loss_scaler.update(result.overflow)
         self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
         if result.overflow:

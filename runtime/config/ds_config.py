@@ -3,7 +3,9 @@
 ``load_config(source, world_size)`` accepts a path (JSON or YAML), a dict, or an argparse
 namespace with ``deepspeed_config``, and returns a ``DeepSpeedConfig``. Everything is validated
 here, so nothing later reads raw dicts: unknown keys fail with a did-you-mean (DeepSpeed silently
-ignores them), wrong types and ranges name the key path, ``"auto"`` says what to put instead,
+ignores them), wrong types and ranges name the key path, ``"auto"`` and dotted top-level keys that
+libraries leave in (``client_forms.py``) fall back to the default or are ignored with a note, an
+``"auto"`` without a default (batch sizes, optimizer and scheduler params) says what to put instead,
 features DeepSpeed has but dslaunch lacks are reported unless switched off, and the batch triad
 ``train_batch_size = micro * gradient_accumulation_steps * world_size`` is completed or rejected
 with the arithmetic shown. Reading the file and bounding the document's size and depth (for a
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
 from dslaunch.runtime.config.autotuning import AutotuningConfig
+from dslaunch.runtime.config.client_forms import client_forms
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
@@ -57,7 +60,7 @@ if TYPE_CHECKING:  # the registries import this package's checkers: import them 
     from dslaunch.runtime.lr_schedules import SchedulerSpec
     from dslaunch.runtime.optim.registry import OptimizerSpec
 
-__all__ = ["DeepSpeedConfig", "load_config", "ZeroConfig", "Fp16Config", "Bf16Config",
+__all__ = ["DeepSpeedConfig", "load_config", "OWN_DEFAULTS", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
 
 # Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
@@ -78,6 +81,13 @@ def _steps_per_print(path: str, value: Any) -> int | None:
     # The one number that may be infinite: accelerate's DeepSpeedPlugin always sets Infinity.
     return None if value == math.inf else integer(1)(path, value)
 
+
+# Defaults dslaunch keeps different from DeepSpeed 0.19.8 on purpose -> what the note says when the
+# config leaves them out (tests/runtime/config/test_defaults.py lists every default side by side).
+OWN_DEFAULTS = {
+    "steps_per_print": "steps_per_print is 10 when not given (DeepSpeed 0.19.8: no progress line): rank 0 "
+                       "prints a progress line every 10 steps; set it to choose",
+}
 
 _SCALARS = {
     "train_batch_size": (optional(integer(1)), "an integer: micro batch * accumulation steps * GPUs"),
@@ -110,7 +120,9 @@ class DeepSpeedConfig:
     steps_per_print: int | None = 10
     """None: never (accelerate writes Infinity there to silence DeepSpeed's log)."""
     wall_clock_breakdown: bool = False
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0
+    """DeepSpeed 0.19.8's default (``GRADIENT_CLIPPING_DEFAULT``): a config without the key clips
+    at a global norm of 1.0; 0 switches clipping off."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     communication_data_type: str | None = None
@@ -145,6 +157,10 @@ class DeepSpeedConfig:
     source: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (a dict or the file's content): DeepSpeed's ``engine.config``."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    """Lines for the user about what was read differently from what was written (unfilled
+    ``"auto"``, dotted keys: ``client_forms.py``) and about defaults unlike DeepSpeed's in effect
+    (``OWN_DEFAULTS``); ``initialize`` prints them once on rank 0."""
 
     @property
     def monitor_config(self) -> DeepSpeedMonitorConfig:
@@ -197,8 +213,10 @@ def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
 
 def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSpeedConfig:
     raw = _legacy_forms(raw)
+    # The batch sizes have no default for an unfilled "auto" to fall back on: they stay errors.
+    forms = client_forms(raw, _SECTIONS, {k: v for k, v in _SCALARS.items() if k not in _BATCH_KEYS})
     values: dict[str, Any] = {}
-    for key, value in raw.items():
+    for key, value in forms.raw.items():
         if key in _SECTIONS:
             values[key] = parse_section(_SECTIONS[key], value, key)
         elif key in _SCALARS:
@@ -215,7 +233,8 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
     elastic = values.get("elasticity")
     triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
              else _batch_triad(given, world_size))
-    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, **values)
+    notes = (*forms.notes, *(note for key, note in OWN_DEFAULTS.items() if key not in forms.raw))
+    cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=notes, **values)
     _cross_check(cfg)
     return cfg
 

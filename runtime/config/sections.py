@@ -161,7 +161,7 @@ class OffloadConfig:
     between uses (``runtime/zero/offload/``)."""
 
     device: str = _opt("none", _offload_device, "\"cpu\", \"nvme\" or \"none\"")
-    pin_memory: bool = _opt(False, boolean, "true to page-lock the host copies (GPU hosts)")
+    pin_memory: bool = _opt(True, boolean, "true to page-lock the host copies (GPU hosts)")
     # offload_optimizer at stage 3 only: the fraction of each shard's master and state in host memory.
     ratio: float = _opt(1.0, number(0.0, 1.0), "a fraction, e.g. 0.5 (1.0: the whole optimizer state)")
     nvme_path: str | None = _opt(None, optional(_text), "a directory on the NVMe disk, e.g. \"/local_nvme\"")
@@ -194,14 +194,16 @@ class AioConfig:
     UNIMPLEMENTED = {"use_gds": False}  # noqa: RUF012
 
 
-def _offload_section(foreign: Mapping[str, str]) -> Callable[[str, Any], OffloadConfig]:
+def _offload_section(foreign: Mapping[str, str], **defaults: Any) -> Callable[[str, Any], OffloadConfig]:
     """The checker of one offload section: ``OffloadConfig``, less the keys of the other section
-    (``foreign``: key -> why), refused rather than read by no one."""
+    (``foreign``: key -> why), refused rather than read by no one; ``defaults`` where this section's
+    differ from ``OffloadConfig``'s."""
 
     def check(path: str, value: Any) -> OffloadConfig:
         for key in foreign.keys() & (value.keys() if isinstance(value, Mapping) else set()):
             raise ConfigError(f"is not read in this section: {foreign[key]}; remove it", key=f"{path}.{key}")
-        return parse_section(OffloadConfig, value, path)
+        given = {**defaults, **value} if isinstance(value, Mapping) else value
+        return parse_section(OffloadConfig, given, path)
 
     return check
 
@@ -211,7 +213,8 @@ _offload_optimizer = _offload_section({
                   "the share of the optimizer state in host memory is offload_optimizer.ratio (stage 3)"})
 _offload_param = _offload_section({
     "ratio": "it is an offload_optimizer key (stage 3); offloaded parameters are all off the device, "
-             "and with nvme offload_param.max_in_cpu keeps some in host memory"})
+             "and with nvme offload_param.max_in_cpu keeps some in host memory"},
+    buffer_count=5)  # DeepSpeed's parameter swapper defaults to 5 buffers, its optimizer swapper to 4
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,8 @@ class ZeroConfig:
     stage: int = _opt(0, integer(0, 3), f"the ZeRO stage: {stage_choices()}")
     reduce_bucket_size: int = _opt(500_000_000, integer(1), "elements reduced per bucket, e.g. 5e8")
     allgather_bucket_size: int = _opt(500_000_000, integer(1), "elements gathered per bucket, e.g. 5e8")
-    overlap_comm: bool = _opt(False, boolean, "true to overlap gradient reduction with backward")
+    overlap_comm: bool = _opt(None, optional(boolean), "true to overlap gradient reduction with backward")
+    """Default (null): true at stage 3, false below it, as DeepSpeed's."""
     contiguous_gradients: bool = _opt(True, _only(True, "dslaunch always copies gradients into contiguous "
                                                   "buffers (one flat buffer per param group at stages 0-1, "
                                                   "the reduce buckets at stage 2)"), "true")
@@ -276,10 +280,14 @@ class ZeroConfig:
 
     offload_optimizer: OffloadConfig = _opt(OffloadConfig(), _offload_optimizer, "an object such as "
                                             "{\"device\": \"cpu\"} (stages 1-3)")
-    offload_param: OffloadConfig = _opt(OffloadConfig(), _offload_param, "an object such as "
+    offload_param: OffloadConfig = _opt(OffloadConfig(buffer_count=5), _offload_param, "an object such as "
                                         "{\"device\": \"cpu\"} (stage 3)")
 
     # DeepSpeed keys not implemented here -> when they are off.
+    def __post_init__(self) -> None:
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+
     UNIMPLEMENTED = {"cpu_offload": False,
                      "cpu_offload_param": False, "cpu_offload_use_pin_memory": ANY, "zenflow": None,
                      "zero_quantized_weights": False, "zero_quantized_gradients": False,
@@ -326,8 +334,11 @@ class Bf16Config:
     """``bf16`` (alias ``bfloat16``): bf16 model with fp32 master weights, no loss scaling."""
 
     enabled: bool = _opt(False, boolean, "true or false")
+    check_grad_overflow: bool = _opt(True, boolean, "true to skip a step whose gradients hold inf/NaN")
+    """As DeepSpeed's (default true): a step whose global gradient norm is not finite is skipped
+    and counted in ``skipped_steps`` (bf16 has no loss scale to lower)."""
 
-    UNIMPLEMENTED = {"immediate_grad_update": False, "check_grad_overflow": False,
+    UNIMPLEMENTED = {"immediate_grad_update": False,
                      "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
     # fp16's loss-scaling keys, checked as in fp16 and then ignored: bf16 needs no loss scaling.
     # DeepSpeed's CIFAR example writes them into bf16 (DeepSpeed 0.19.8 itself rejects them there).
@@ -414,10 +425,10 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
 def _explain_auto(cls: type, raw: Mapping[str, Any], prefix: str) -> None:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in raw.items():
-        if value == "auto" and not _stage3_only(cls, key) and key not in getattr(cls, "AUTO_OK", ()):
-            f = fields.get(key)
-            what = f.metadata["help"] if f is not None else "the actual value"
-            default = f" (or remove the key for the default, {f.default!r})" if f is not None else ""
+        f = fields.get(key)  # an unknown key is left to the did-you-mean below
+        if value == "auto" and f is not None and not _stage3_only(cls, key) and key not in getattr(cls, "AUTO_OK", ()):
+            what = f.metadata["help"]
+            default = f" (or remove the key for the default, {f.default!r})"
             raise ConfigError(f"'auto' is a Hugging Face Trainer placeholder that only the Trainer fills "
                               f"in; put {what} here{default}", key=f"{prefix}.{key}" if prefix else key)
 

@@ -48,6 +48,7 @@ class Frozen:
 
     partitioned = False  # no master or optimizer shards: rank 0 alone writes the (empty) ZeRO file
     optimizer = None
+    backward_pending = False  # no gradient hooks: nothing to complete
 
     def __init__(self, stage: int, module: torch.nn.Module | None = None, persistence_threshold: int = 0,
                  offload_param: bool = False):

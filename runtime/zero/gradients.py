@@ -48,6 +48,7 @@ class GradientPath(ABC):
         self.groups, self.comm = groups, comm
         self._boundary = True
         self._sync = True  # False inside engine.no_sync()
+        self._pending = False  # gradients arrived that no end_backward has completed yet
         self.reducer = BucketReducer(groups, comm.reduce_bucket_numel, comm.comm_dtype, comm.pre_factor(),
                                      max_inflight, world_size, exchange, source, sink)
         for gi, g in enumerate(groups):
@@ -57,8 +58,15 @@ class GradientPath(ABC):
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         self._boundary, self._sync = boundary, sync
 
+    @property
+    def backward_pending(self) -> bool:
+        """A backward produced gradients since the last ``end_backward``: the script ran
+        ``loss.backward()`` itself and nothing has completed this micro step's reductions yet."""
+        return self._pending
+
     def _hook(self, gi: int, pi: int):
         def on_grad(p: torch.Tensor) -> None:
+            self._pending = True
             self._on_grad(gi, pi)
         return on_grad
 
@@ -137,6 +145,7 @@ class FullGradients(GradientPath):
                 self._adopt_grad(gi, pi, unused_is_zero=True)
 
     def end_backward(self) -> None:
+        self._pending = False
         self._adopt_all()
         if not (self._boundary and self._sync):
             self._unreduced = True
@@ -225,6 +234,7 @@ class ShardedGradients(GradientPath):
 
     def end_backward(self) -> None:
         # Buckets whose params got no gradient (unused in this forward) still reduce, as zeros.
+        self._pending = False
         self.reducer.flush(fill=self._take_grad)
         self._fresh = False  # every element of the shard has now been written
 

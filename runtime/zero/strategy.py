@@ -11,6 +11,7 @@ The engine drives it through a small lifecycle and never asks which stage it is:
     begin_micro_step(boundary)   before backward: will this micro step end an accumulation?
     post_backward()              right after loss.backward() (no-op below stage 3)
     end_backward()               after loss.backward(): finish the communication of this step
+    backward_pending             a backward ran whose end_backward has not (a script's loss.backward())
     step(loss_scale, clip)       at the boundary: unscale, clip, overflow check, update, publish
     zero_grad()                  forget accumulated gradients (the engine's, and ``engine.zero_grad()``)
     state_dict()/load_state_dict(sd)   the checkpoint format of the contract (all stages)
@@ -150,6 +151,12 @@ class ZeroStrategy:
     def end_backward(self) -> None:
         """After loss.backward(): complete this micro step's reductions (collective)."""
         self.gradients.end_backward()
+
+    @property
+    def backward_pending(self) -> bool:
+        """Gradients of a backward whose ``end_backward`` has not run (a script's own
+        ``loss.backward()``): the engine completes it before stepping."""
+        return self.gradients.backward_pending
 
     def zero_grad(self) -> None:
         """Forget the accumulated gradients."""

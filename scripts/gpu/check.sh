@@ -43,7 +43,7 @@ step() {
     return 0
 }
 
-GPU=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+export GPU=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 if [ "$GPU" != 1 ]; then
     echo "gpu-check: no CUDA device here: setup, bookkeeping and two engine configurations on CPU only"
 fi
@@ -55,6 +55,12 @@ setup() {
     fi
     if ! $PY -c "import dslaunch.launcher" 2>/dev/null; then  # a dev venv has it already
         $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e . || return 1
+    fi
+    # Lightning's DeepSpeed strategy (tests/gpu/test_lightning.py) imports `deepspeed`: dslaunch's
+    # distribution, unless a real DeepSpeed is there (then that test skips). GPU machines only: a
+    # dev venv must not get it (its tests, `make bench`'s real DeepSpeed).
+    if [ "$GPU" = 1 ] && ! $PY -c "import deepspeed" 2>/dev/null; then
+        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e compat/deepspeed || return 1
     fi
     $PY -c "import dslaunch.launcher, paramiko, crc32c; print('dslaunch importable with its dependencies')"
 }

@@ -1,6 +1,7 @@
 """The Hugging Face side runs in ``.venv-compat`` (``make compat-venv``: dslaunch, the ``deepspeed``
-compatibility distribution, transformers 5.23.0, accelerate 1.15.0, no real DeepSpeed); these
-tests start jobs with its commands. Without it they skip and say why."""
+compatibility distribution, transformers 5.23.0, accelerate 1.15.0, and for the fine-tuning tests
+trl 1.16.0, peft 0.21.0, datasets 5.2.0; no real DeepSpeed); these tests start jobs with its
+commands. Without it they skip and say why."""
 
 from __future__ import annotations
 
@@ -16,14 +17,25 @@ VENV = ROOT / ".venv-compat"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
+def _venv_bin(stamp: str, failure: str, what: str) -> Path:
+    """The compat venv's bin directory if ``stamp`` is there, or skip quoting ``failure``'s reason."""
+    if not (VENV / stamp).exists():
+        failed = VENV / failure
+        why = failed.read_text().strip().splitlines()[-1:] if failed.exists() else ["not built"]
+        pytest.skip(f"{what} could not be used ({' '.join(why)[:300]}); build it with `make compat-venv`")
+    return VENV / "bin"
+
+
 @pytest.fixture(scope="session")
 def compat_bin() -> Path:
     """The compat venv's bin directory, or skip naming why it is missing."""
-    if not (VENV / ".installed").exists():
-        failed = VENV / "BUILD_FAILED"
-        why = failed.read_text().strip().splitlines()[-1:] if failed.exists() else ["not built"]
-        pytest.skip(f"{VENV.name} could not be used ({' '.join(why)[:300]}); build it with `make compat-venv`")
-    return VENV / "bin"
+    return _venv_bin(".installed", "BUILD_FAILED", VENV.name)
+
+
+@pytest.fixture(scope="session")
+def finetune_bin(compat_bin: Path) -> Path:
+    """The compat venv's bin directory with trl, peft and datasets, or skip naming why not."""
+    return _venv_bin(".installed-finetune", "FINETUNE_FAILED", f"trl/peft/datasets in {VENV.name}")
 
 
 def run_job(cmd: list[str], cwd: Path, timeout: float = 150) -> str:

@@ -205,7 +205,7 @@ def test_state_dict_is_the_module_under_a_prefix(tmp_path) -> None:
 
 # ----- get_global_grad_norm ----------------------------------------------------------------------
 _NORM_CASES = {  # name -> (stage, config extras); DeepSpeed computes the norm for all but the first
-    "stage0-fp32": (0, {}),
+    "stage0-fp32": (0, {"gradient_clipping": 0.0}),  # (the default, 1.0, clips as DeepSpeed 0.19.8's)
     "stage0-fp32-clip": (0, {"gradient_clipping": 100.0}),
     "stage0-bf16": (0, {"bf16": {"enabled": True}}),
     "stage0-fp16": (0, {"fp16": {"enabled": True, "initial_scale_power": 8}}),
@@ -273,3 +273,73 @@ def test_untested_client_optimizers_need_the_config_switch_at_every_stage() -> N
     assert from_callable.startswith("ConfigError: 'zero_allow_untested_optimizer'"), from_callable
     assert _client_optimizer_outcome(torch.optim.Adafactor, allow=True) == "Adafactor"
     assert _client_optimizer_outcome(torch.optim.SGD, allow=False) == "SGD"
+
+
+# ----- loss.backward() instead of engine.backward(loss) --------------------------------------------
+def _plain_backward(rank: int, world: int) -> dict:
+    import dslaunch
+
+    out: dict = {}
+    for stage in (0, 1, 2, 3):
+        runs = []
+        for plain in (False, True):
+            engine, *_ = dslaunch.initialize(model=make_model(), config=_cfg(stage))
+            for i in range(2):  # one optimizer step of two micro steps
+                loss = engine(*_mine(rank, world, i))
+                if plain:  # the script divides by the accumulation steps itself, as with DeepSpeed
+                    (loss / 2).backward()
+                else:
+                    engine.backward(loss)
+                engine.step()
+            runs.append(_weights(engine))
+        out[stage] = runs
+    fp16 = {**_cfg(0), "fp16": {"enabled": True}}
+    engine, *_ = dslaunch.initialize(model=make_model(), config=fp16)
+    engine(*_mine(rank, world, 0)).backward()
+    out["fp16"] = _error(engine.step)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_plain_loss_backward_is_reduced_across_ranks_at_every_stage() -> None:
+    """A script calling loss.backward() and then engine.step() (no engine.backward) trains exactly
+    as with engine.backward at ZeRO 0-3: step() completes the reduction across ranks. fp16, whose
+    loss must be scaled first, is refused in one line naming the fix."""
+    results = run_world(_plain_backward, 2)
+    for out in results:
+        for stage in (0, 1, 2, 3):
+            with_engine, plain = out[stage]
+            assert plain == with_engine, f"stage {stage}"
+        assert "call engine.backward(loss) instead of loss.backward()" in out["fp16"], out["fp16"]
+    for stage in (0, 1, 2, 3):  # the ranks agree (each saw different data)
+        assert results[0][stage][1] == results[1][stage][1], f"stage {stage}"
+
+
+# ----- default gradient clipping ---------------------------------------------------------------------
+def _sgd_step_norms(rank: int, world: int) -> dict:
+    import dslaunch
+
+    out = {}
+    for stage in (0, 2):
+        for extra in ({}, {"gradient_clipping": 0.0}):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(8, 1)
+            cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+                   "zero_optimization": {"stage": stage}, **extra}
+            engine, *_ = dslaunch.initialize(model=model, config=cfg)
+            before = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+            engine.backward(engine(torch.full((4, 8), 30.0)).pow(2).mean() * 100)
+            engine.step()
+            after = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+            out[(stage, bool(extra))] = torch.linalg.vector_norm(after - before).item()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_gradients_are_clipped_at_1_by_default_as_deepspeed_0_19_8() -> None:
+    """No gradient_clipping key: an SGD step (lr 1) of a huge gradient moves the weights by 1, as
+    DeepSpeed 0.19.8 (GRADIENT_CLIPPING_DEFAULT = 1.0); gradient_clipping 0 switches it off."""
+    norms = run_world(_sgd_step_norms, 2)[0]
+    for stage in (0, 2):
+        assert norms[(stage, False)] == pytest.approx(1.0, rel=1e-5)
+        assert norms[(stage, True)] > 100

@@ -61,11 +61,56 @@ def test_batch_triad_inconsistency_shows_the_arithmetic() -> None:
     assert "train_micro_batch_size_per_gpu" in _error({"gradient_accumulation_steps": 2})
 
 
-def test_auto_says_what_to_put_there() -> None:
+def test_auto_without_a_default_says_what_to_put_there() -> None:
     msg = _error({"train_batch_size": "auto"})
     assert "Hugging Face" in msg and "an integer" in msg and "'train_batch_size'" in msg
-    msg = _error({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": "auto"}})
-    assert "'zero_optimization.reduce_bucket_size'" in msg and "elements" in msg and "500000000" in msg
+    msg = _error({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    assert "'optimizer.params.lr'" in msg and "auto" in msg
+
+
+# What TRL's reference-model helper passes to initialize before the Trainer has filled the config.
+_TRL_REF = {"train_batch_size": 8, "gradient_clipping": "auto", "steps_per_print": "auto",
+            "zero_optimization": {"stage": 3, "overlap_comm": "auto", "reduce_bucket_size": "auto",
+                                  "stage3_prefetch_bucket_size": "auto",
+                                  "offload_param": {"device": "none", "pin_memory": "auto"}},
+            "fp16": {"enabled": "auto"},
+            "zero_optimization.reduce_bucket_size": 1024,
+            "zero_optimization.stage3_param_persistence_threshold": 320,
+            "zero_optimization.stage3_prefetch_bucket_size": 921.6}
+
+
+def test_unfilled_auto_is_the_default_and_said_once() -> None:
+    """As DeepSpeed, an "auto" no Trainer filled means the default; the note names every key."""
+    cfg = load_config(_TRL_REF, 2)
+    default = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3}}, 2)
+    assert cfg.zero_optimization == default.zero_optimization
+    assert (cfg.gradient_clipping, cfg.steps_per_print, cfg.fp16) == \
+        (default.gradient_clipping, default.steps_per_print, default.fp16)
+    auto = [n for n in cfg.notes if n.startswith("'auto'")]
+    assert len(auto) == 1 and len(cfg.notes) == 3  # "auto", dotted keys, steps_per_print's default
+    for key in ("gradient_clipping", "steps_per_print", "zero_optimization.overlap_comm",
+                "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                "zero_optimization.offload_param.pin_memory", "fp16.enabled"):
+        assert f"'{key}'" in auto[0]
+    assert cfg.raw["zero_optimization"]["reduce_bucket_size"] == "auto"  # engine.config: as given
+    assert load_config({"train_batch_size": 8, "steps_per_print": 10}, 2).notes == ()
+
+
+def test_dotted_top_level_keys_are_ignored_with_one_note() -> None:
+    """DeepSpeed ignores TRL's "zero_optimization.x" keys; dslaunch too, and says so."""
+    cfg = load_config(_TRL_REF, 2)
+    dotted = [n for n in cfg.notes if n.startswith("top-level keys")]
+    assert len(dotted) == 1 and "'zero_optimization.stage3_prefetch_bucket_size'" in dotted[0]
+    assert cfg.zero_optimization.stage3_param_persistence_threshold == 100_000  # ignored, as DeepSpeed
+
+
+def test_typos_stay_errors_in_client_forms() -> None:
+    msg = _error({"train_batch_size": 8, "zero_optimization.reduce_bucket_sise": 5})
+    assert msg.startswith("'zero_optimization.reduce_bucket_sise': unknown key") and \
+        "did you mean 'reduce_bucket_size'" in msg
+    assert "did you mean 'zero_optimization'" in _error({"train_batch_size": 8, "zero_optimisation.stage": 2})
+    assert "did you mean 'overlap_comm'" in _error({"train_batch_size": 8,
+                                                    "zero_optimization": {"overlap_com": "auto"}})
 
 
 def test_unimplemented_keys_are_reported_not_ignored() -> None:
@@ -215,8 +260,6 @@ def test_stage3_keys_accept_auto_below_stage_3() -> None:
                                      "stage3_param_persistence_threshold": "auto", "sub_group_size": "auto",
                                      "stage3_gather_16bit_weights_on_model_save": "auto"}})
     assert cfg.zero_optimization.stage == 2
-    # keys stages 0-2 read still explain "auto"
-    assert "Hugging Face" in _error({"train_batch_size": 8, "zero_optimization": {"overlap_comm": "auto"}})
 
 
 def test_stage3_keys_under_both_spellings_and_auto() -> None:
