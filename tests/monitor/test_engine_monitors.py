@@ -124,9 +124,12 @@ def test_tensorboard_and_csv_read_as_one_run_across_a_kill_and_a_resume(tmp_path
         (8, "resumed at step 4 (8 samples), restart 0")]
 
 
-def _accumulating(rank: int, world: int, out: str) -> dict:
+def _accumulating(rank: int, world: int, out: str, peak: float) -> dict:
     import dslaunch
     from tests.runtime.models import make_model
+
+    # Set here: a forkserver started by an earlier test passes on its own environment, not ours.
+    os.environ["DSLAUNCH_PEAK_FLOPS"] = str(peak)  # the ranks' device peak, for a known MFU
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "steps_per_print": 1000,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
@@ -137,12 +140,11 @@ def _accumulating(rank: int, world: int, out: str) -> dict:
     return {"losses": losses}
 
 
-def test_train_loss_is_the_window_mean_and_only_rank_0_writes(tmp_path, monkeypatch) -> None:
+def test_train_loss_is_the_window_mean_and_only_rank_0_writes(tmp_path) -> None:
     from tests.runtime.models import make_model
 
     out, peak = str(tmp_path), 1e9
-    monkeypatch.setenv("DSLAUNCH_PEAK_FLOPS", str(peak))  # the ranks' device peak, for a known MFU
-    got = run_world(_accumulating, 2, out)
+    got = run_world(_accumulating, 2, out, peak)
     assert os.listdir(out) == ["rank0"]  # rank 1 created nothing (it would have written to rank1/)
     rows = _csv(f"{out}/rank0/Train_Samples_train_loss.csv")
     losses = got[0]["losses"]

@@ -65,8 +65,9 @@ def reference(steps: int, gas: int, dp: int, lr: float, clip: float = 0.0, block
 
 
 def config(gas: int, lr: float, **extra: Any) -> dict:
+    # No clipping unless asked (DeepSpeed's default clips at 1.0): the one-process reference does not.
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 1e9,
-            "optimizer": {"type": "SGD", "params": {"lr": lr}}, **extra}
+            "optimizer": {"type": "SGD", "params": {"lr": lr}}, "gradient_clipping": 0.0, **extra}
 
 
 def error_lines(calls: list, error: type) -> list[str]:

@@ -84,7 +84,7 @@ def _train(rank: int, world: int) -> dict:
     module = PipelineModule(_specs(), num_stages=3, loss_fn=_loss, seed_layers=True, base_seed=11,
                             partition_method="uniform")
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 1e9,
-           "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+           "optimizer": {"type": "SGD", "params": {"lr": LR}}, "gradient_clipping": 0.0}  # the reference does not clip
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
     data = iter(_batches())
     losses = [engine.train_batch(data).item() for _ in range(STEPS)]
