@@ -122,6 +122,10 @@ class JobSpec:
         return tuple(n.host for n in self.nodes)
 
 
+STOP_SIGNALS = {"SIGTERM": 128 + 15, "SIGKILL": 128 + 9}
+"""The signals that stop the other ranks after a failure, with the shell code of each."""
+
+
 @dataclass(frozen=True)
 class NodeResult:
     """How a node's workers ended: the first failure on that node, or success.
@@ -156,13 +160,19 @@ class NodeResult:
     allowance that ran out (``no progress for 60 s: ...``)."""
 
     @property
+    def ended_by_stop_signal(self) -> bool:
+        """Whether this worker ended the way the launcher stops ranks after a failure: killed by
+        SIGTERM or SIGKILL, or exiting with such a signal's shell code from a handler."""
+        return self.signal_name in STOP_SIGNALS or (self.signal_name is None
+                                                    and self.exit_code in STOP_SIGNALS.values())
+
+    @property
     def job_exit_code(self) -> int:
         """The job's exit code when this is its failure: 1 for a rank that raised and was stopped
-        (SIGTERM, or SIGKILL after the grace period) while still tearing down, as its uncaught
-        exception would have ended it; otherwise ``exit_code``. Which signal reached a slow
-        teardown first is load, not the script's word."""
-        stopped = self.signal_name in ("SIGTERM", "SIGKILL") and self.cause == "exception"
-        return 1 if stopped and self.exception is not None else self.exit_code
+        while still tearing down, as its uncaught exception would have ended it; otherwise
+        ``exit_code``. Which signal reached a slow teardown first is load, not the script's word."""
+        raised = self.cause == "exception" and self.exception is not None
+        return 1 if raised and self.ended_by_stop_signal else self.exit_code
 
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""

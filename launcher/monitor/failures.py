@@ -57,9 +57,6 @@ def root_cause(first: NodeResult, others: Iterable[NodeResult]) -> NodeResult:
     return min(own, key=lambda o: o.failed_at if o.failed_at is not None else float("inf"), default=first)
 
 
-_STOP_CODES = (128 + 15, 128 + 9)  # how a rank stopped after another's failure (SIGTERM, SIGKILL) exits
-
-
 def failed_on_its_own(r: NodeResult) -> bool:
     """Whether a rank's failure is its own, not an echo of another's: it raised something other
     than a peer loss, or it exited with a code of its own (``sys.exit(3)``), not by the signal
@@ -68,7 +65,7 @@ def failed_on_its_own(r: NodeResult) -> bool:
         return False
     if r.exception is not None:
         return not is_peer_loss(r.exception)
-    return r.signal_name is None and r.exit_code not in _STOP_CODES
+    return r.signal_name is None and not r.ended_by_stop_signal
 
 
 _VOLATILE = (
