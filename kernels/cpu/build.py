@@ -28,13 +28,13 @@ import functools
 import hashlib
 import logging
 import os
-import stat
 import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from dslaunch.errors import quote
+from dslaunch.utils.private_cache import Untrusted, check_owner, make_private_dirs, open_private_file
 
 __all__ = ["CACHE_ENV", "FLAGS", "SOURCE", "KernelBuildError", "cache_dir", "cached_path", "build", "library",
            "available"]
@@ -95,42 +95,17 @@ def _key(cc: str) -> str:
                                       _cpu_features().encode()])).hexdigest()[:20]
 
 
-class _Untrusted(Exception):
-    """A cache directory or file that another user could have written; the message says why."""
-
-
-def _check_owner(fd: int, what: str) -> None:
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        raise _Untrusted(f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
-    if st.st_mode & 0o022:
-        raise _Untrusted(f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
-
-
-def _make_dirs(folder: Path) -> None:
-    """Create the missing directories of ``folder``, each 0700: umask can only take bits away."""
-    missing = []
-    while not os.path.lexists(folder) and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-
-
 def _open_cache(folder: Path) -> int:
     """A descriptor of the cache directory, created if missing, after checking who can write it.
 
     Raises:
-        _Untrusted: the directory is another user's or writable by others.
+        Untrusted: the directory is another user's or writable by others.
     """
-    _make_dirs(folder)
+    make_private_dirs(folder)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        _check_owner(fd, "the directory")
-    except _Untrusted:
+        check_owner(fd, "the directory")
+    except Untrusted:
         os.close(fd)
         raise
     return fd
@@ -139,22 +114,14 @@ def _open_cache(folder: Path) -> int:
 def _open_library(dir_fd: int, name: str) -> int | None:
     """A descriptor of the cached library, or None when it is missing or untrusted (rebuild it)."""
     try:
-        # O_NOFOLLOW: not a symlink's target; O_NONBLOCK: a planted FIFO does not hang the open.
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        return open_private_file(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
         log.warning("dslaunch: rebuilding the CPU kernels over %s: cannot open it (%s)", name, exc.strerror)
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _Untrusted("it is not a regular file")
-        _check_owner(fd, "it")
-    except _Untrusted as why:
-        os.close(fd)
+    except Untrusted as why:
         log.warning("dslaunch: rebuilding the CPU kernels over %s: %s", name, why)
-        return None
-    return fd
+    return None
 
 
 def _compile(cc: str, dir_fd: int, name: str) -> None:
@@ -206,7 +173,7 @@ def _build_fd(environ: Mapping[str, str]) -> tuple[Path, int]:
     private = False
     try:
         dir_fd = _open_cache(folder)
-    except _Untrusted as why:
+    except Untrusted as why:
         log.warning("dslaunch: kernel cache %s not used: %s; building the CPU kernels privately for this "
                     "process (use a directory of yours that only you can write, or unset %s)",
                     quote(str(folder), 200), why, CACHE_ENV)

@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import platform
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import torch
 from dslaunch.errors import UsageError, quote
 
 # The same trust rules as the CPU kernels' cache.
-from dslaunch.kernels.cpu.build import _check_owner, _make_dirs, _Untrusted
+from dslaunch.utils.private_cache import Untrusted, make_private_dirs, open_private_file
 
 __all__ = ["GpuPeak", "GPU_PEAKS", "Peak", "Throughput", "peak_flops", "throughput", "PEAK_ENV", "CACHE_ENV"]
 
@@ -184,7 +183,7 @@ def _one_at_a_time(cache: Path) -> Iterator[None]:
     get a share of the cores and cache a fraction of the peak. Without a lock file (a read-only
     home), no lock."""
     try:
-        _make_dirs(cache.parent)
+        make_private_dirs(cache.parent)
         fd = os.open(cache.with_name(f"{cache.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
     except OSError:
@@ -201,19 +200,16 @@ def _read_cache(cache: Path) -> dict[str, float]:
     """The cached peaks, or {} when there is no cache or it cannot be trusted (one warning line:
     another user's file, or one others may write, or not JSON): measured again and rewritten."""
     try:
-        fd = os.open(cache, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_private_file(cache)
     except FileNotFoundError:
         return {}
     except OSError as exc:
         return _distrusted(cache, f"cannot open it ({exc.strerror})")
+    except Untrusted as why:
+        return _distrusted(cache, str(why))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return _distrusted(cache, "it is not a regular file")
-        _check_owner(fd, "it")
         with os.fdopen(fd, encoding="utf-8", closefd=False) as f:
             data = json.load(f)
-    except _Untrusted as why:
-        return _distrusted(cache, str(why))
     except (OSError, ValueError):
         return _distrusted(cache, "it is not a JSON file of peaks")
     finally:
@@ -232,7 +228,7 @@ def _write_cache(cache: Path, known: dict[str, float]) -> None:
     # Owner-only (0700 directories, a 0600 file), written to a temporary name and renamed: ranks
     # of one machine may measure at once, and a rename replaces a distrusted file, never writes through it.
     try:
-        _make_dirs(cache.parent)
+        make_private_dirs(cache.parent)
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
