@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -172,8 +173,12 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
 
 
 def job_id() -> str:
-    """A name for this run of the launcher, unique on this host: ``20261124-013512-4242``."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    """A name for this run of the launcher, unique on this host: ``20261124-013512-4242-9f3a1c``.
+
+    Sorted by time; the random tail makes it unguessable, because the job's directory must be new
+    and a name another user could predict (time and pid) could be planted first in a shared
+    ``--log_dir`` such as ``/tmp``, stopping the job."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def _monitor(cfg: LaunchConfig) -> MonitorSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import replace
@@ -267,3 +268,11 @@ def test_a_restart_plan_leaves_lost_hosts_out_caps_elastic_nodes_and_tells_the_w
     assert build_job(_cfg(tmp_path, hosts, max_nodes=2), CPU).job.hosts == ("a", "b")
     with pytest.raises(HostfileError, match="no host left: every selected host was lost"):
         build_job(_cfg(tmp_path, hosts, drop_hosts=("a", "b", "c")), CPU)
+
+
+def test_the_job_directory_name_cannot_be_guessed_from_the_time_and_pid(tmp_path):
+    """The job's directory must be new: a name predictable from the clock and the pid could be
+    created first by another user in a shared --log_dir, and the job would refuse to start."""
+    names = {os.path.basename(build_job(_cfg(tmp_path, num_gpus=1), CPU).job.monitor.log_dir) for _ in range(3)}
+    assert len(names) == 3  # same second, same pid: still three names
+    assert all(re.fullmatch(rf"\d{{8}}-\d{{6}}-{os.getpid()}-[0-9a-f]{{6}}", n) for n in names), names
