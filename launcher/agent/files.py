@@ -32,7 +32,7 @@ def create_new(path: str, mode: int = 0o600, dir_fd: int | None = None) -> int:
     return os.open(path, _NEW, mode, dir_fd=dir_fd)
 
 
-def create_replacing(path: str, mode: int = 0o644) -> int:
+def create_replacing(path: str, mode: int = 0o600) -> int:
     """Like ``create_new``, but an old file at ``path`` is unlinked first (its contents and any
     file a link there points at are left alone): the ``O_TRUNC`` of a log file, without writing
     through a link, a FIFO or a hard link someone else planted.

@@ -142,7 +142,7 @@ class Agent:
         node = self.node
         try:
             if node.log_dir:
-                os.makedirs(node.log_dir, exist_ok=True)
+                os.makedirs(node.log_dir, mode=0o700, exist_ok=True)
                 for w in node.workers:
                     path = os.path.join(node.log_dir, f"rank{w.global_rank}.log")
                     self._logs[w.global_rank] = Sink(create_replacing(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -230,6 +231,17 @@ def test_rank_logs_replace_what_is_there_without_writing_through_it(tmp_path, pl
     assert victim.read_text() == "precious\n" and victim.stat().st_nlink == 1
     assert not planted.is_symlink() and planted.read_text() == "out10\n"
     assert (logs / "rank11.log").read_text() == "out11\n"
+
+
+def test_rank_logs_and_their_new_directory_are_private(tmp_path):
+    """A rank's output may hold tokens or data paths: its log is the user's alone, as the job's
+    other files are (DeepSpeed leaves them to the umask, usually readable by everyone)."""
+    logs = tmp_path / "new" / "logs"
+    agent = Agent(_node(2, "print=out{rank}", log_dir=str(logs)))
+    agent.start()
+    assert agent.wait(timeout=10).exit_code == 0
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    assert {stat.S_IMODE((logs / f"rank1{r}.log").stat().st_mode) for r in (0, 1)} == {0o600}
 
 
 def test_a_rank_log_that_cannot_be_created_is_a_launch_error_before_any_worker(tmp_path):
