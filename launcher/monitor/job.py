@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import psutil
 
 from dslaunch.errors import name_ranks
 from dslaunch.launcher.monitor.events import EventLog
@@ -54,6 +57,7 @@ class JobMonitor:
         self.events.emit("start", job_id=os.path.basename(self.events.directory or ""),
                          hosts=list(self.job.hosts), world_size=self.job.world_size,
                          hang_timeout=self.job.monitor.hang_timeout, pid=os.getpid(),
+                         host=socket.gethostname(), pid_started=psutil.Process().create_time(),
                          argv=list(sys.argv if argv is None else argv))
 
     # -- each turn of the gang loop ------------------------------------------------------------

@@ -10,14 +10,18 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
+import psutil
+
 from dslaunch.errors import quote, shorten
 
-__all__ = ["StatusLine", "JobStory", "format_progress", "describe_job", "PLAIN_EVERY_S", "SHOWN_EACH"]
+__all__ = ["StatusLine", "JobStory", "format_progress", "describe_job", "controller_gone", "PLAIN_EVERY_S",
+           "SHOWN_EACH"]
 
 PLAIN_EVERY_S = 30.0
 _TTY_EVERY_S = 1.0
@@ -159,7 +163,26 @@ class JobStory:
             return f"state: finished, exit code {self.end.get('exit_code')}{after}"
         if self.start is None:
             return "state: unknown (no start event: not a dslaunch log, or its start was lost)"
-        return f"state: running (last event {now - (self.last_t or now):.0f} s ago)"
+        ago = f"last event {now - (self.last_t or now):.0f} s ago"
+        if controller_gone(self.start):
+            return (f"state: ended without a word ({ago}): its controller, pid {self.start['pid']}, is gone "
+                    "(killed with SIGKILL, or the machine restarted)")
+        return f"state: running ({ago})"
+
+
+def controller_gone(start: dict[str, Any]) -> bool:
+    """Whether the controller that wrote ``start`` is known to be gone: it ran on this host and its
+    pid no longer names that process (same pid, same start time). Elsewhere, or unreadable (another
+    user's process), it cannot be told from here: not gone."""
+    pid, started = start.get("pid"), start.get("pid_started")
+    if not isinstance(pid, int) or started is None or start.get("host") != socket.gethostname():
+        return False
+    try:
+        return abs(psutil.Process(pid).create_time() - started) > 1.0  # a reused pid
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
 
 
 def _failure(failure: dict[str, Any]) -> list[str]:

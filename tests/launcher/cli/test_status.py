@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dslaunch.launcher import cli
-from dslaunch.launcher.monitor.status import SHOWN_EACH
-from tests.launcher.helpers import run_dslaunch
+from dslaunch.launcher.monitor.status import SHOWN_EACH, controller_gone
+from tests.launcher.helpers import FAKE, job_processes, new_tag, run_dslaunch, start_dslaunch, wait_for_lines
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -165,3 +165,28 @@ def test_any_event_log_gives_a_bounded_escaped_story_or_one_line(lines, newline_
     else:
         assert code == 2 and out == "" and len(err.splitlines()) == 1, err
         assert err.startswith("dslaunch: error: dslaunch status: ") and "holds no valid event" in err, err
+
+
+def test_a_controller_killed_with_sigkill_is_not_shown_running(tmp_path, free_port):
+    """No end event is written when the controller is SIGKILLed: the log alone would read
+    "running" forever. Its start event names its pid and start time, checked from the same host."""
+    tag = new_tag()
+    proc = start_dslaunch(["--num_gpus", "1", "--master_port", str(free_port), "--log_dir", str(tmp_path),
+                           FAKE, "print=ready", "hang"], tag)
+    try:
+        wait_for_lines(proc, 1, timeout=60)
+        code, out, _ = _status(str(tmp_path))
+        assert code == 0 and "state: running (last event" in out, out
+        proc.kill()
+        proc.wait(timeout=10)
+        code, out, _ = _status(str(tmp_path))
+        assert code == 0 and "state: ended without a word (last event" in out, out
+        assert f"its controller, pid {proc.pid}, is gone (killed with SIGKILL, or the machine restarted)" in out
+    finally:
+        proc.kill()
+        for p in job_processes(tag):
+            p.kill()
+    # A pid reused by another process is not the controller either.
+    start = json.loads((next(tmp_path.iterdir()) / "events.jsonl").read_text().splitlines()[0])
+    assert controller_gone({**start, "pid": os.getpid()})
+    assert not controller_gone({**start, "host": "elsewhere"})  # cannot be told from here
