@@ -12,6 +12,10 @@ JIT-compiled on first use (minutes per op): a peer is used only when already com
 under a time limit). Writes ``results/optimizer_bench.json`` and ``results/optimizer_bench.md``. Timings on
 a shared 2-core machine are noisy: compare ratios.
 
+One more case calls the classes as a user does (`dslaunch.ops.adam.DeepSpeedCPUAdam` against
+DeepSpeed's and against `torch.optim.AdamW(fused=True)`), and each ratio comes with the quartiles of
+its paired per-round ratios. Run it with a Python that has both dslaunch and DeepSpeed.
+
 Usage: ``python scripts/bench/optimizer_bench.py [--numel 20000000] [--build-peers]``.
 """
 
@@ -36,7 +40,11 @@ CASES = {
     "Lion": ({"lr": 1e-4, "weight_decay": 0.01}, "deepspeed.ops.lion:DeepSpeedCPULion"),
     "Adagrad": ({"lr": 1e-2}, "deepspeed.ops.adagrad:DeepSpeedCPUAdagrad"),
     "Lamb": ({"lr": 1e-3, "weight_decay": 0.01}, None),  # DeepSpeed's FusedLamb is CUDA-only
+    # DeepSpeed's class as a user constructs it, rather than through the ds_config.
+    "AdamW (DeepSpeedCPUAdam class)": ({"lr": 1e-3, "weight_decay": 0.01}, "deepspeed.ops.adam:DeepSpeedCPUAdam"),
 }
+# Cases where dslaunch's contender is a class called directly (its DeepSpeed path), not the registry.
+OUR_CLASS = {"AdamW (DeepSpeedCPUAdam class)": "dslaunch.ops.adam:DeepSpeedCPUAdam"}
 # The JIT-built extension behind each DeepSpeed class (torch's extension cache).
 PEER_OPS = {"FusedAdam": "fused_adam", "DeepSpeedCPUAdam": "cpu_adam", "DeepSpeedCPULion": "cpu_lion",
             "DeepSpeedCPUAdagrad": "cpu_adagrad"}
@@ -49,6 +57,7 @@ def _peer_built(case: str) -> bool:
     op = PEER_OPS[CASES[case][1].split(":")[1]]
     return any(Path(get_default_build_root()).glob(f"*/{op}/{op}.so"))
 TORCH_REFERENCE = "torch AdamW (foreach)"
+TORCH_FUSED = "torch AdamW (fused=True)"
 
 
 def _type_of(case: str) -> str:
@@ -56,18 +65,20 @@ def _type_of(case: str) -> str:
 
 
 def _build(contender: str, case: str, param):
+    import importlib
+
+    import torch
+
     params = dict(CASES[case][0])
-    if contender == "dslaunch":
+    if contender == "dslaunch" and case not in OUR_CLASS:
         from dslaunch.runtime.optim.registry import build_optimizer, validate_optimizer
 
         return build_optimizer(validate_optimizer(_type_of(case), params), [param])
     if contender == "torch":
-        import torch
-
         return torch.optim.AdamW([param], foreach=True, **params)
-    module, name = CASES[case][1].split(":")
-    import importlib
-
+    if contender == "torch-fused":
+        return torch.optim.AdamW([param], fused=True, **params)
+    module, name = (OUR_CLASS[case] if contender == "dslaunch" else CASES[case][1]).split(":")
     cls = getattr(importlib.import_module(module), name)
     if name == "DeepSpeedCPUAdam":
         params["adamw_mode"] = params.pop("adam_w_mode", True)
@@ -80,7 +91,7 @@ def _measure(case: str, numel: int, with_peer: bool, rounds: int = 9, steps: int
 
     torch.set_num_threads(1)
     contenders = ["dslaunch"] + (["deepspeed"] if with_peer and CASES[case][1] else [])
-    contenders += ["torch"] if case == "AdamW" else []
+    contenders += ["torch"] if case == "AdamW" else ["torch-fused"] if case in OUR_CLASS else []
     results: dict = {}
     optimizers = {}
     for name in contenders:
@@ -122,8 +133,17 @@ def _in_child(case: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def _paired(peer: dict, ours: dict) -> str:
+    """Quartiles of the per-round ratios peer/ours (rounds are interleaved, so a load change hits
+    both sides of a pair alike): the spread says whether a ratio is a tie."""
+    ratios = [a / b for a, b in zip(peer["rounds_ms"], ours["rounds_ms"], strict=True)]
+    q1, q2, q3 = statistics.quantiles(ratios, n=4)
+    return f"{q2:.2f}x ({q1:.2f}-{q3:.2f})"
+
+
 def _table(results: dict, numel: int) -> str:
-    rows = ["| optimizer.type | dslaunch ms/step | DeepSpeed ms/step | DeepSpeed / dslaunch | implementations |",
+    rows = ["| optimizer.type | dslaunch ms/step | DeepSpeed ms/step | DeepSpeed / dslaunch (paired rounds: "
+            "median, quartiles) | implementations |",
             "| --- | ---: | ---: | ---: | --- |"]
     for case, res in results.items():
         ours, peer = res.get("dslaunch", {"error": "n/a"}), res.get("deepspeed")
@@ -132,18 +152,22 @@ def _table(results: dict, numel: int) -> str:
             peer_ms, ratio, peer_impl = "n/a (CUDA-only)", "", "-"
         elif "ms" in peer:
             peer_ms, peer_impl = f"{peer['ms']:.1f}", peer["impl"]
-            ratio = f"{peer['ms'] / ours['ms']:.2f}x" if "ms" in ours else ""
+            ratio = _paired(peer, ours) if "ms" in ours else ""
         else:
             peer_ms, ratio, peer_impl = peer["error"], "", "-"
         rows.append(f"| {case} | {ours_ms} | {peer_ms} | {ratio} | {ours.get('impl', '-')} vs {peer_impl} |")
     torch_ref = results["AdamW"].get("torch", {})
     ref = f"{torch_ref['ms']:.1f} ms/step" if "ms" in torch_ref else torch_ref.get("error", "n/a")
+    fused_lines = [f"{TORCH_FUSED} against `{OUR_CLASS[case].replace(':', '.')}` in the same rounds: "
+                   f"{res['torch-fused']['ms']:.1f} ms/step, torch / dslaunch {_paired(res['torch-fused'], res['dslaunch'])}."
+                   for case, res in results.items() if "ms" in res.get("torch-fused", {}) and "ms" in res["dslaunch"]]
     return "\n".join([
         "## Optimizer step on CPU (`scripts/bench/optimizer_bench.py`)", "",
         f"One flat fp32 tensor of {numel / 1e6:.0f}M elements, 1 thread; per type one process in which "
         "the contenders take turns (9 rounds of 5 steps, median round). Shared 2-core machine: "
         "timings are noisy, compare ratios.", "", *rows, "",
-        f"Reference: {TORCH_REFERENCE}: {ref}. Ratios > 1 mean dslaunch is faster.", ""])
+        f"Reference: {TORCH_REFERENCE}: {ref}. Ratios > 1 mean dslaunch is faster.", "", *fused_lines,
+        f"Load average {os.getloadavg()[0]:.1f} when the table was written.", ""])
 
 
 def main() -> None:
