@@ -43,19 +43,12 @@ def activation_peak(engine: Any, batch: Any) -> tuple[int, int]:
     the estimate counts with the model states). One step runs first, so the optimizer state and
     the gradient buffers exist before the measured one. ``engine(batch)`` must return the loss.
     """
-    from dslaunch.runtime.activation_checkpointing.memory import LiveBytes
+    from dslaunch.runtime.activation_checkpointing.memory import measure_step
 
     engine.backward(engine(batch))
     engine.step()
-    tracker = LiveBytes()
-    with tracker:
-        loss = engine(batch)
-        held = tracker.live
-        engine.backward(loss)
-        del loss
-        kept = tracker.live
-    engine.step()
-    return tracker.peak - kept, held
+    m = measure_step(engine, batch)
+    return m.peak - m.after_backward, m.held_after_forward
 
 
 class ActivationModels:
