@@ -1,9 +1,12 @@
 """One autotuning experiment, measured from inside the run: an observer on the engine's event seam.
 
 The tuner (``dslaunch --autotuning``) starts each experiment with ``autotuning.metric_path`` set
-in its ds_config; only then does the engine add ``ExperimentProfile``. It times the optimizer
-steps after ``start_profile_step`` up to ``end_profile_step`` by the wall clock between the two
-step records, so everything the script does between steps (data loading included) counts. At
+in its ds_config; only then does the engine add ``ExperimentProfile``. It times each optimizer
+step after ``start_profile_step`` up to ``end_profile_step`` by the wall clock between consecutive
+step records, so everything the script does between steps (data loading included) counts; the
+steps up to ``start_profile_step`` are warm-up and not timed. The metrics are the median step's
+(latency; throughput = its samples / the median step time): one slow step on a shared host (a
+page fault, a neighbour's burst) moves a mean but not the median. At
 ``end_profile_step`` rank 0 writes the metrics file and every rank leaves (``SystemExit(0)``), as
 DeepSpeed's engine does in an autotuning experiment.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,7 +87,8 @@ class ExperimentProfile(Observer):
         self.cfg, self.rank, self.device = cfg, rank, device
         self.num_params, self.largest_layer = model_counts(module)
         self.flops_profiler, self.clock = flops_profiler, clock
-        self._start: tuple[float, int] | None = None  # (time, samples) after start_profile_step
+        self._last: tuple[float, int] | None = None  # (time, samples) at the last profiled step's end
+        self._steps: list[tuple[float, int]] = []  # (seconds, samples) of each profiled step
         reset_peak_memory(device)
 
     def on_step(self, record: StepRecord) -> None:
@@ -92,26 +97,33 @@ class ExperimentProfile(Observer):
         if self.device.type != "cuda" and limit is not None and peak > limit:
             raise MemoryError(f"out of memory: rank {self.rank} peaked at {peak / 2**20:.0f} MiB by step "
                               f"{record.step}, above autotuning.memory_per_device ({limit / 2**20:.0f} MiB)")
-        if record.step == self.cfg.start_profile_step:
-            self._start = (self.clock(), record.samples)
-        elif record.step == self.cfg.end_profile_step and self._start is not None:
-            self._finish(record, peak)
+        if self.cfg.start_profile_step <= record.step <= self.cfg.end_profile_step:
+            now = self.clock()
+            if self._last is not None:
+                self._steps.append((max(now - self._last[0], 1e-9), record.samples - self._last[1]))
+            self._last = (now, record.samples)
+        if record.step == self.cfg.end_profile_step and self._steps:
+            self._finish(peak)
 
-    def _finish(self, record: StepRecord, peak: int) -> None:
-        seconds = max(self.clock() - self._start[0], 1e-9)
-        steps = self.cfg.end_profile_step - self.cfg.start_profile_step
+    def _finish(self, peak: int) -> None:
+        seconds, samples = _median_step(self._steps)
         peak = _max_over_ranks(peak, self.device)
         if self.rank == 0:
-            latency = seconds / steps
-            metrics = {"throughput": (record.samples - self._start[1]) / seconds, "latency": latency,
+            metrics = {"throughput": samples / seconds, "latency": seconds,
                        "peak_memory": peak, "num_params": self.num_params, "largest_layer": self.largest_layer,
-                       "steps": steps}
+                       "steps": len(self._steps), "step_seconds": [round(t, 6) for t, _ in self._steps]}
             counted = getattr(self.flops_profiler, "last", None)  # its profile, once the step ended
             if counted is not None:
-                metrics["FLOPS_per_gpu"] = (counted.fwd_flops + counted.bwd_flops) / latency
+                metrics["FLOPS_per_gpu"] = (counted.fwd_flops + counted.bwd_flops) / seconds
             _write_json(self.cfg.metric_path, metrics)
             print(f"[dslaunch] autotuning experiment measured: {metrics}", flush=True)
         raise SystemExit(0)  # the experiment is done: the tuner reads the file
+
+
+def _median_step(steps: list[tuple[float, int]]) -> tuple[float, float]:
+    """The median step's seconds and samples (every step has the same samples but the last of an
+    epoch's)."""
+    return statistics.median(t for t, _ in steps), statistics.median(n for _, n in steps)
 
 
 def model_counts(module: torch.nn.Module) -> tuple[int, int]:

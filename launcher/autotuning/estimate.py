@@ -6,9 +6,12 @@ one rank is expected to need. ``engine_estimate`` is dslaunch's memory estimator
 stage, offload and precision) for the model the profiling experiment measured; on a CPU host a
 rank's process holds its "device" and its "host" parts alike (offload saves nothing there), so
 it counts both. The tuner adds what the profiling experiment held beyond the estimate (the
-framework, the activations of its batch) to every candidate's estimate. Activations are not
-estimated (the tuner knows the model's size, not its shapes): the search's own rule prunes by
-micro batch (one that ran out of memory rules out larger ones).
+framework, the activations of its batch) to every candidate's estimate. The tuner knows the
+model's size, not its shapes, so activations come from the experiments instead (``ActivationFit``):
+a rank's peak beyond that estimate grows linearly with the micro batch (the estimator's own
+activation formula is linear in it), with one slope per checkpointing setting; once two micro
+batches of a setting were measured, every open candidate whose estimate plus its fitted
+activations is above the limit is pruned before it runs.
 ``model_states_estimate`` is the small fallback (fp32 Adam's 16 bytes per parameter divided by
 stage) for a build without the estimator.
 
@@ -23,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Estimate", "ModelInfo", "engine_estimate", "model_states_estimate", "memory_limit"]
+__all__ = ["Estimate", "ModelInfo", "ActivationFit", "engine_estimate", "model_states_estimate", "memory_limit"]
 
 Estimate = Callable[[Mapping[str, Any]], int]
 """A candidate's ds_config -> estimated peak bytes on one rank."""
@@ -36,6 +39,38 @@ class ModelInfo:
     num_params: int
     largest_layer: int = 0
     """The most parameters one module holds itself (what ZeRO-3 gathers at once); 0: unknown."""
+
+
+class ActivationFit:
+    """Activation bytes as a line in the micro batch, one per checkpointing setting, fitted (least
+    squares) to what measured experiments held beyond the model-states estimate.
+
+    A setting with fewer than two micro batches measured predicts nothing (None): one point cannot
+    tell the framework's constant from the batch's share. Not thread-safe; one per search.
+    """
+
+    def __init__(self) -> None:
+        self._points: dict[bool | None, list[tuple[int, float]]] = {}
+
+    def add(self, checkpointing: bool | None, micro_batch: int, beyond_estimate: float) -> None:
+        """An experiment of ``micro_batch`` held ``beyond_estimate`` bytes more than estimated."""
+        self._points.setdefault(checkpointing, []).append((micro_batch, beyond_estimate))
+
+    def slope(self, checkpointing: bool | None) -> tuple[float, float] | None:
+        """(bytes at micro batch 0, bytes per sample) of the setting, or None."""
+        points = self._points.get(checkpointing, [])
+        if len({mb for mb, _ in points}) < 2:
+            return None
+        n = len(points)
+        mx, my = sum(mb for mb, _ in points) / n, sum(y for _, y in points) / n
+        k = sum((mb - mx) * (y - my) for mb, y in points) / sum((mb - mx) ** 2 for mb, _ in points)
+        k = max(k, 0.0)  # noise can tilt two close points; activations never shrink with the batch
+        return my - k * mx, k
+
+    def predict(self, checkpointing: bool | None, micro_batch: int) -> float | None:
+        """Bytes beyond the model-states estimate at ``micro_batch``, or None (not fitted yet)."""
+        line = self.slope(checkpointing)
+        return None if line is None else line[0] + line[1] * micro_batch
 
 
 def engine_estimate(info: ModelInfo, gpus_per_node: int, nodes: int, accelerator: str) -> Estimate:

@@ -1,8 +1,12 @@
 """The search: prune by memory, ask the tuner, run, record, stop.
 
 ``search`` owns the rules every tuner shares: a candidate the estimator puts above the memory
-limit is never run (``pruned``); an experiment that ran out of memory rules out every open
-candidate that needs at least as much (``space.dominates``); a failed, hung or timed-out
+limit is never run (``pruned``); once two micro batches of a checkpointing setting were measured,
+the activations fitted to their peaks (``estimate.ActivationFit``) are added to the estimate and
+open candidates above the limit by more than ``ACTIVATION_MARGIN`` are pruned too; an
+experiment that ran out of memory rules out every open
+candidate that needs at least as much (``space.dominates``, or by the estimator: the same
+checkpointing, a micro batch as large and model states estimated as large); a failed, hung or timed-out
 experiment is recorded and the search goes on; the search stops after ``tuner_num_trials``
 experiments, after ``tuner_early_stopping`` experiments in a row without a better score (out of
 memory ones and those of the tuner's exploration not counted), or when nothing is left. The tuner (``tuners.py``) only picks the next candidate; the runner
@@ -15,11 +19,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dslaunch.launcher.autotuning.estimate import ActivationFit
 from dslaunch.launcher.autotuning.experiments import Outcome
 from dslaunch.launcher.autotuning.space import Candidate, dominates
 from dslaunch.launcher.autotuning.tuners import Tuner
 
-__all__ = ["SearchLimits", "SearchResult", "search", "score"]
+__all__ = ["SearchLimits", "SearchResult", "search", "score", "ACTIVATION_MARGIN"]
+
+ACTIVATION_MARGIN = 0.02
+"""A fitted prediction must pass the limit by this fraction of it to prune: a peak measured on a
+shared host moves by about that much between runs, and a candidate just under the limit is
+where the best usually is."""
 
 
 def score(metric: str, metrics: Mapping[str, Any]) -> float | None:
@@ -87,6 +97,24 @@ def search(space: Sequence[Candidate], tuner: Tuner, run: Callable[[Candidate], 
             if need > limits.memory_limit:
                 record(c, Outcome(c.name, "pruned", {}, f"estimated {need / 2**20:.0f} MiB per rank, above the "
                                   f"limit {limits.memory_limit / 2**20:.0f} MiB", estimate=need))
+    fit = ActivationFit()
+
+    def prune_by_activations(c: Candidate, o: Outcome) -> None:
+        """Learn from ``c``'s peak; prune the open candidates its setting's fit puts above the limit."""
+        peak = o.metrics.get("peak_memory")
+        if estimate is None or limits.memory_limit is None or o.status != "ok" or not peak:
+            return
+        fit.add(c.checkpointing, c.micro_batch, float(peak) - estimate(c))
+        line = fit.slope(c.checkpointing)
+        if line is None:
+            return
+        for d in [d for d in open_ if d.checkpointing == c.checkpointing]:
+            states, acts = estimate(d), fit.predict(d.checkpointing, d.micro_batch) or 0.0
+            if states + acts > limits.memory_limit * (1 + ACTIVATION_MARGIN):
+                record(d, Outcome(d.name, "pruned", {}, f"estimated {(states + acts) / 2**20:.0f} MiB per rank "
+                                  f"(activations fitted to measured peaks: {line[1] / 2**10:.1f} KiB per sample), "
+                                  f"above the limit {limits.memory_limit / 2**20:.0f} MiB", estimate=int(states + acts)))
+
     best: tuple[float, Candidate] | None = None
     stale = 0
     done = list(prior)
@@ -108,8 +136,18 @@ def search(space: Sequence[Candidate], tuner: Tuner, run: Callable[[Candidate], 
             # no early stop before anything was measured; an OOM does not count either: it marks
             # the memory frontier (where the best usually is) and prunes what lies beyond it
             stale += 1
+        prune_by_activations(c, outcome)
         if outcome.status == "oom" and limits.prune_after_oom:
-            for d in [d for d in open_ if dominates(c, d)]:
+            for d in [d for d in open_ if dominates(c, d) or _estimated_above(estimate, c, d)]:
                 record(d, Outcome(d.name, "pruned", {}, f"needs at least the memory of {c.name}, "
                                   "which ran out of memory"))
     return SearchResult(tuple(decided), best[1] if best else None)
+
+
+def _estimated_above(estimate: Callable[[Candidate], int] | None, oom: Candidate, d: Candidate) -> bool:
+    """Whether ``d`` needs at least what ``oom`` (out of memory) needed by the estimator: the same
+    checkpointing, a micro batch as large, model states estimated as large. The estimator orders
+    stages and offloads where ``dominates``'s fixed order cannot (stage 3 with the default
+    ``stage3_max_live_parameters`` keeps a small model whole, so it holds more than stage 2)."""
+    return (estimate is not None and d.checkpointing == oom.checkpointing and d.micro_batch >= oom.micro_batch
+            and estimate(d) >= estimate(oom))

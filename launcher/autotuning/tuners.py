@@ -6,8 +6,9 @@ experiment that failed), higher is better, and returns one of the open candidate
 
 - ``gridsearch``: the space in order (stage, offload, checkpointing, micro batch, ...).
 - ``random``: a seeded random order.
-- ``model_based``: first a few candidates that together cover every value of every axis, then
-  the open candidate a cost model predicts best: a ridge regression of the log score on the
+- ``model_based``: first a few candidates that together cover every value of every axis (among
+  those that show as many new values, the one the cost model predicts best once two results
+  fit it, else one at random), then the open candidate the model predicts best: a ridge regression of the log score on the
   axes (one-hot for the categorical ones, log2 for sizes), refitted after each result. When the
   model says larger micro batches are faster, it chooses only among each family's largest micro
   batch still open (``_frontier``): the additive model cannot know where memory runs out, and
@@ -68,17 +69,21 @@ class ModelBased(Tuner):
         return bool(_uncovered(open_, scores))
 
     def next(self, open_: Sequence[Candidate], scores: Mapping[Candidate, float | None]) -> Candidate:
+        good = {c: s for c, s in scores.items() if s is not None and s > 0}
+        model = _fit(good, self._ridge) if len(good) >= 2 else None
         uncovered = _uncovered(open_, scores)
         if uncovered:
-            # the open candidate that shows the most values not yet seen (ties: at random)
+            # the open candidate that shows the most values not yet seen; among those, the one the
+            # model predicts best once there is one (exploring where it may pay), else at random
             gain = {c: len(set(axes(c)) & uncovered) for c in open_}
             best = max(gain.values())
             if best > 0:
-                return self._rng.choice([c for c in open_ if gain[c] == best])
-        good = {c: s for c, s in scores.items() if s is not None and s > 0}
-        if len(good) < 2:
+                showing = [c for c in open_ if gain[c] == best]
+                if model is None:
+                    return self._rng.choice(showing)
+                return max(showing, key=lambda c: (model(c), c.micro_batch))
+        if model is None:
             return self._rng.choice(list(open_))
-        model = _fit(good, self._ridge)
         probe = open_[0]
         if model(replace(probe, micro_batch=2 * probe.micro_batch)) > model(probe):
             open_ = _frontier(open_)  # a larger micro batch pays: each family's largest one left first

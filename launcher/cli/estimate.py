@@ -107,6 +107,7 @@ def _base_config(path: str | None) -> dict:
 @click.option("--tensor", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel degree (a what-if: dslaunch has no tensor parallelism yet).")
 @click.option("--flash_attention", is_flag=True, help="Attention stores no seq x seq scores.")
+@click.option("--no_attention", is_flag=True, help="Layers are residual MLP blocks without attention.")
 @click.option("--no_zero_init", is_flag=True, help="Stage 3 models not built under zero.Init.")
 @click.option("--gpu_memory", help="Device memory to fit: 80GB (GB = 2^30 bytes).")
 @click.option("--cpu_memory", help="Host memory per node to fit.")
@@ -117,13 +118,13 @@ def _base_config(path: str | None) -> dict:
               help="Print DeepSpeed's own ZeRO-2/3 tables (its formulas) instead.")
 def command(params, largest_layer, hf_config, model, hidden, layers, heads, vocab, ffn, num_gpus, num_nodes,
             micro_batch, seq_len, precision, stages, offload, optimizer, pipeline, tensor, flash_attention,
-            no_zero_init, gpu_memory, cpu_memory, deepspeed_config, as_json, deepspeed_tables) -> int:
+            no_attention, no_zero_init, gpu_memory, cpu_memory, deepspeed_config, as_json, deepspeed_tables) -> int:
     """Per-GPU and per-node memory of every ZeRO stage, offload and precision, sorted by what fits."""
     from dslaunch.runtime.estimate import PRECISIONS, TrainingSetup
     from dslaunch.runtime.estimate import sweep as sw
 
     shape = _shape(params, largest_layer, hf_config, model).with_dims(
-        hidden=hidden, layers=layers, heads=heads, vocab=vocab, ffn=ffn)
+        hidden=hidden, layers=layers, heads=heads, vocab=vocab, ffn=ffn, attention=False if no_attention else None)
     if deepspeed_tables:
         from dslaunch.runtime.estimate.deepspeed_formulas import zero2_table, zero3_table
 

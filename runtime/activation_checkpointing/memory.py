@@ -6,12 +6,13 @@ runs on the calling thread). Each new tensor storage is counted from its creatio
 Tensors that existed before (parameters, gradient buffers, optimizer state) are not counted, so on
 a training step it measures activations: what the forward keeps, what the recompute makes, the
 gradients being produced. Used by the activation-checkpointing benchmark and tests; slow (Python
-per op), for measuring only.
+per op), for measuring only. ``measure_step``: one training step of an engine under it.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["LiveBytes"]
+__all__ = ["LiveBytes", "StepBytes", "measure_step"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -47,3 +48,27 @@ class LiveBytes(TorchDispatchMode):
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(st, self._freed, n)
         return out
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes of the tensors one step's forward + backward created: alive when the loss was
+    computed, alive after backward (what outlives it: fresh gradient buffers), alive at most."""
+
+    held_after_forward: int
+    after_backward: int
+    peak: int
+
+
+def measure_step(engine: Any, batch: Any) -> StepBytes:
+    """One forward (``engine(batch)`` returns the loss), backward and step of ``engine``; the forward
+    and backward measured by ``LiveBytes`` (the optimizer step is not)."""
+    tracker = LiveBytes()
+    with tracker:
+        loss = engine(batch)
+        held = tracker.live
+        engine.backward(loss)
+        del loss
+        kept = tracker.live
+    engine.step()
+    return StepBytes(held, kept, tracker.peak)

@@ -15,9 +15,14 @@ The model is dslaunch's engine as built (``runtime/zero/``), not a rule of thumb
 - stage 3's whole parameters while modules run: the persistent small ones always, and up to
   ``stage3_max_live_parameters`` elements (at least the largest layer) during forward/backward;
 - activations (when the transformer's dimensions are known): per layer, Korthikanti et al.'s
-  count generalised to any dtype and FFN width, or the layer inputs plus one layer recomputed with
-  activation checkpointing; the logits and their fp32 loss; pipeline stages hold their layers'
-  activations for up to ``pipeline`` micro batches in flight (1F1B's first stage).
+  count generalised to any dtype and FFN width (plus what a fused attention kernel keeps: its
+  output beside the projection's input, and the softmax statistics), or the layer inputs plus one
+  layer recomputed with activation checkpointing; then the logits and their fp32 loss, or
+  backward's working set (an FFN activation's gradient, the largest parameter's fresh gradient),
+  whichever is larger; pipeline stages hold their layers' activations for up to ``pipeline``
+  micro batches in flight (1F1B's first stage). Layers without attention
+  (``ModelShape.attention``) count the MLP half only. Checked against the peak of the tensors a
+  real forward + backward creates (``estimate_bench.py``).
 
 Data parallelism is ``world / (pipeline * tensor)``; a pipeline stage holds ``1/pipeline`` of the
 parameters, a tensor slice ``1/tensor`` (tensor parallelism does not exist in dslaunch yet: the
@@ -274,10 +279,17 @@ def _activations(shape: ModelShape, s: TrainingSetup) -> int | None:
     f = shape.ffn or 4 * h
     a = shape.heads or 1
     tokens = b * t
-    scores = 0 if s.flash_attention else (2 * m + 1) * a * t * tokens  # softmax, its dropout and mask
-    # Attention 5m+1 (inputs of QKV, Q, K, V, the projection; a dropout mask), MLP m+1 plus 2m per
-    # FFN element, two norms 2m: Korthikanti et al.'s 34 sbh + 5 a s^2 b at m = 2, f = 4h.
-    per_layer = tokens * h * (8 * m + 2) + 2 * m * tokens * f + scores
+    # Korthikanti et al.'s 34 sbh + 5 a s^2 b at m = 2, f = 4h, in two halves. MLP: the norm's
+    # input and output, a dropout mask, 2m per FFN element (the up projection's output, the
+    # activation's output).
+    per_layer = tokens * h * (2 * m + 1) + 2 * m * tokens * f
+    if shape.attention:
+        # the norm's input and output, Q, K, V, the projection's input, a dropout mask
+        per_layer += tokens * h * (6 * m + 1)
+        if s.flash_attention:  # the kernel keeps its output (the projection's input is a copy)
+            per_layer += tokens * h * m + 4 * a * tokens  # and the fp32 log-sum-exp per head
+        else:  # the scores: softmax output, its dropout's output and mask
+            per_layer += (2 * m + 1) * a * t * tokens
     per_layer = math.ceil(per_layer / s.tensor)
     layers = math.ceil(shape.layers / s.pipeline)
     if s.activation_checkpointing:  # the layers' inputs, and one layer recomputed in backward
@@ -286,4 +298,8 @@ def _activations(shape: ModelShape, s: TrainingSetup) -> int | None:
         stored = layers * per_layer
     in_flight = s.pipeline  # 1F1B: the first stage holds `pipeline` micro batches' activations
     logits = tokens * (shape.vocab or 0) * (m + 4) // s.tensor  # logits and their fp32 loss input
-    return stored * in_flight + logits
+    # The peak is at the forward's end (the logits alive) or in backward: the gradient of an FFN
+    # activation and the largest parameter's fresh gradient before it joins the gradient buffer.
+    largest_param = max(shape.param_sizes, default=shape.largest_layer) // (s.tensor * s.pipeline)
+    backward = (f * tokens // s.tensor + largest_param) * m
+    return stored * in_flight + max(logits, backward)

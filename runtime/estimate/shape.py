@@ -38,6 +38,8 @@ class ModelShape:
         buffer_bytes: bytes of registered buffers (not trained, held whole by every rank).
         hidden, layers, heads, vocab, ffn: the transformer's dimensions, for activations (unknown:
             None; then activations are not estimated). ``ffn`` defaults to 4 * hidden.
+        attention: the layers have self-attention; False: residual MLP blocks only (a norm, the
+            FFN's two matrices and a dropout: the transformer layer's MLP half).
         name: what the shape was read from, for tables.
     """
 
@@ -50,6 +52,7 @@ class ModelShape:
     heads: int | None = None
     vocab: int | None = None
     ffn: int | None = None
+    attention: bool = True
     name: str = ""
 
     def __post_init__(self) -> None:

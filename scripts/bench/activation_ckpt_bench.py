@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dslaunch
 from dslaunch import checkpointing
-from dslaunch.runtime.activation_checkpointing.memory import LiveBytes
+from dslaunch.runtime.activation_checkpointing.memory import measure_step
 
 HERE = Path(__file__).resolve().parent
 LAYERS, D, HEADS, SEQ, BATCH, VOCAB, DROPOUT = 12, 256, 4, 128, 4, 512, 0.1
@@ -135,14 +135,8 @@ def _step(engine: Any, tokens: torch.Tensor) -> None:
 
 
 def _memory(engine: Any, model: GPT, tokens: torch.Tensor) -> dict[str, int]:
-    tracker = LiveBytes()
-    with tracker:
-        loss = engine(tokens)
-        held = tracker.live
-        engine.backward(loss)
-        del loss
-    engine.step()
-    return {"held_after_forward": held, "peak": tracker.peak}
+    m = measure_step(engine, tokens)
+    return {"held_after_forward": m.held_after_forward, "peak": m.peak}
 
 
 def main() -> None:

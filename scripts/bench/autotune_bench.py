@@ -18,8 +18,13 @@ so it can only cost time (the unit tests search it).
    measurements for 20 seeds: each experiment it asks for is looked up in the grid's table, so
    this measures the search itself, without the machine's run-to-run noise.
 
-Run under ``flock /tmp/dslaunch-bench.lock`` (the machine is shared); writes
-``results/autotune_bench.json`` and ``.md``.
+Each experiment warms up for ``START`` optimizer steps, then times the next ``END - START`` steps
+one by one; its score is the median step's (``runtime/autotuning.py``), so one step stalled by a
+neighbour on the shared host does not move it.
+
+Run through ``/tmp/dsl/bench-quiet`` in two calls (each under 10 minutes): ``--phase grid`` runs
+the grid and keeps its table in ``--work``; ``--phase tuner`` runs the tuner and the replay and
+writes ``results/autotune_bench.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from functools import partial
 from pathlib import Path
 
 from dslaunch.launcher.autotuning.estimate import engine_estimate
-from dslaunch.launcher.autotuning.experiments import ExperimentRunner
-from dslaunch.launcher.autotuning.search import score
+from dslaunch.launcher.autotuning.experiments import ExperimentRunner, Outcome
+from dslaunch.launcher.autotuning.search import SearchResult, score
 from dslaunch.launcher.autotuning.space import build_space
 from dslaunch.launcher.autotuning.tune import TuneJob, table, tune
 from dslaunch.runtime.config.autotuning import AutotuningConfig
@@ -43,13 +48,14 @@ from dslaunch.runtime.config.autotuning import AutotuningConfig
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE.parent / "examples" / "autotune_train.py")
 MODEL = ["--vocab", "131072", "--seq", "32", "--depth", "2", "--width", "32"]
+START, END = 3, 13  # warm-up steps, then 10 timed one by one
 
 
 def _config(limit_mib: int, exps: Path, trials: int) -> dict:
     return {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 100000,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "autotuning": {"enabled": True, "tuner_type": "model_based", "metric": "throughput",
-                           "start_profile_step": 2, "end_profile_step": 6, "offload": False,
+                           "start_profile_step": START, "end_profile_step": END, "offload": False,
                            "max_train_micro_batch_size_per_gpu": 512, "num_tuning_micro_batch_sizes": 3,
                            "memory_per_device": limit_mib * 2**20, "tuner_num_trials": trials,
                            "hang_timeout": 60, "experiment_timeout": 300, "exps_dir": str(exps)}}
@@ -84,6 +90,7 @@ def main() -> int:
     ap.add_argument("--limit_mib", type=int, default=520, help="memory_per_device per rank, MiB")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--work", type=Path, default=Path("/tmp/dslaunch-autotune-bench"))
+    ap.add_argument("--phase", choices=("grid", "tuner"), required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -93,11 +100,21 @@ def main() -> int:
     space = build_space(at, 2, 1)
     trials = len(space) // 3
 
-    print(f"grid: {len(space)} candidates", flush=True)
-    grid_cfg = _config(args.limit_mib, args.work / "grid", trials)
-    started = time.monotonic()
-    grid = tune(_job(grid_cfg, args.work / "grid", args.limit_mib, exhaustive=True), on_result=_progress)
-    grid_s = time.monotonic() - started
+    kept = args.work / "grid.json"
+    if args.phase == "grid":
+        print(f"grid: {len(space)} candidates", flush=True)
+        grid_cfg = _config(args.limit_mib, args.work / "grid", trials)
+        started = time.monotonic()
+        grid = tune(_job(grid_cfg, args.work / "grid", args.limit_mib, exhaustive=True), on_result=_progress)
+        kept.write_text(json.dumps({"seconds": time.monotonic() - started, "load_avg_before": load_before,
+                                    "load_avg_after": os.getloadavg(), "best": grid.best.name if grid.best else None,
+                                    "runs": [json.loads(o.to_json()) for _, o in grid.runs]}))
+        return 0
+    saved = json.loads(kept.read_text())
+    outcomes = {o["name"]: Outcome.from_json(json.dumps(o)) for o in saved["runs"]}
+    grid = SearchResult(tuple((c, outcomes[c.name]) for c in space),
+                        next(c for c in space if c.name == saved["best"]))
+    grid_s = saved["seconds"]
     measured = {c: o for c, o in grid.runs}
     grid_best = score("throughput", measured[grid.best].metrics)
 
@@ -121,6 +138,7 @@ def main() -> int:
                         "ratio": round(best / grid_best, 4)})
 
     result = {
+        "load_avg_grid": [saved["load_avg_before"], saved["load_avg_after"]],
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "cpus": os.cpu_count(),
         "model": MODEL, "limit_mib": args.limit_mib, "space": len(space),
         "grid": {"experiments": grid.experiments, "seconds": round(grid_s, 1), "best": grid.best.name,

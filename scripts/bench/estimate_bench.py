@@ -15,6 +15,14 @@ every weight gradient and after each step). Compared with:
 
 Swap files on NVMe are not tensors and are not counted on either side. Nothing here is a timing.
 
+Activations (a second table): a GPT-like model (``ACT`` dims: pre-norm blocks, SDPA attention,
+a 4x GeLU MLP, dropout 0.1, an LM head) and a residual-MLP model (the same blocks without
+attention), with and without ``deepspeed.checkpointing`` on every block, at micro batches
+``ACT_BATCHES``, on one fp32 ZeRO-0 engine: the most bytes of the tensors one forward + backward
+creates alive at once (``LiveBytes``, a dispatch mode counting each storage from creation to
+free), less the gradients that outlive it (model states, counted above), against
+``estimate_memory(...).device.activations``.
+
 Usage: python scripts/bench/estimate_bench.py   (writes scripts/bench/results/estimate_bench.{json,md})
 """
 
@@ -35,6 +43,7 @@ DIM, LAYERS, BATCH, WORLD = 1024, 6, 8, 2
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-4}}
 BF16 = {"bf16": {"enabled": True}}
 LIVE = 2 * DIM * DIM  # stage3_max_live_parameters: two layers
+ACT_BATCHES = (2, 4, 8)
 
 
 def _configs(nvme: str) -> dict[str, dict]:
@@ -95,6 +104,48 @@ def _deepspeed(shape, cfg: dict) -> int | None:
     return gpu + (cpu // WORLD if opt == "cpu" else 0)
 
 
+def _measure_activations(rank: int, world: int) -> list[dict]:
+    from tests.runtime.estimate.peak import measure_activations
+
+    return measure_activations(_act_models(), ACT_BATCHES)
+
+
+def _act_models():
+    from tests.runtime.estimate.peak import ActivationModels
+
+    return ActivationModels(layers=4, hidden=256, heads=4, seq=128, vocab=1024)
+
+
+def _activation_rows() -> list[dict]:
+    from dslaunch.runtime.estimate import TrainingSetup, estimate_memory
+
+    models = _act_models()
+    rows = []
+    for row in run_world(_measure_activations, 1, timeout=600)[0]:
+        setup = TrainingSetup(micro_batch=row["micro_batch"], seq_len=models.seq, flash_attention=True,
+                              activation_checkpointing=row["checkpointing"], accelerator="cpu")
+        est = estimate_memory(models.shape(row["model"] == "gpt"), setup).device.activations
+        rows.append({**row, "estimate": est, "error": est / row["peak"] - 1})
+    return rows
+
+
+def _activation_lines(rows: list[dict]) -> list[str]:
+    m = _act_models()
+    mib = 2**20
+    lines = ["\n### Activations against a real forward + backward\n",
+             f"{m.layers} blocks, hidden {m.hidden}, {m.heads} heads, sequence {m.seq}; GPT-like (vocabulary "
+             f"{m.vocab}) and residual-MLP (the blocks without attention); fp32, one ZeRO-0 engine. Peak: the "
+             "most bytes of tensors created by one forward + backward alive at once, less the gradients that "
+             "outlive it. MiB.\n",
+             "| model | checkpointing | micro batch | held after forward | peak | estimate | error |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {'yes' if r['checkpointing'] else 'no'} | {r['micro_batch']} | "
+                     f"{r['held_after_forward'] / mib:.1f} | {r['peak'] / mib:.1f} | {r['estimate'] / mib:.1f} | "
+                     f"{r['error']:+.1%} |")
+    return lines
+
+
 def main() -> int:
     import torch
 
@@ -102,6 +153,7 @@ def main() -> int:
 
     with torch.device("meta"):
         shape = from_module(_build())
+    activations = _activation_rows()
     with tempfile.TemporaryDirectory(prefix="dsl-est-bench-") as nvme:
         configs = _configs(nvme)
         measured = run_world(_measure, WORLD, configs, timeout=600)
@@ -118,7 +170,7 @@ def main() -> int:
     results.mkdir(exist_ok=True)
     (results / "estimate_bench.json").write_text(json.dumps({
         "model": {"params": shape.params, "largest_layer": shape.largest_layer, "dim": DIM, "layers": LAYERS},
-        "world": WORLD, "micro_batch": BATCH, "rows": rows}, indent=1))
+        "world": WORLD, "micro_batch": BATCH, "rows": rows, "activations": activations}, indent=1))
     mib = 2**20
     lines = ["## Memory estimator against the engine (`scripts/bench/estimate_bench.py`)\n",
              f"{shape.params / 1e6:.1f}M-parameter MLP ({LAYERS} x Linear({DIM}, {DIM}) + LayerNorm), AdamW, "
@@ -132,6 +184,7 @@ def main() -> int:
         dse = "-" if r["deepspeed_error"] is None else f"{r['deepspeed_error']:+.1%}"
         lines.append(f"| {r['config']} | {r['measured_bytes'] / mib:.1f} | {r['estimate_bytes'] / mib:.1f} | "
                      f"{r['estimate_error']:+.1%} | {ds} | {dse} |")
+    lines += _activation_lines(activations)
     (results / "estimate_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

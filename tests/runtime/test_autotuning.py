@@ -23,10 +23,11 @@ def _record(step: int, batch: int = 8) -> StepRecord:
                       grad_norm=None, skipped=False, skipped_steps=0)
 
 
-def test_the_steps_between_start_and_end_are_timed_then_every_rank_leaves(tmp_path):
+def test_the_median_step_between_start_and_end_is_the_metric_then_every_rank_leaves(tmp_path):
     path = tmp_path / "metrics.json"
     cfg = AutotuningConfig(start_profile_step=2, end_profile_step=5, metric_path=str(path))
-    now = iter([10.0, 10.6]).__next__  # step 2 ends at 10.0, step 5 at 10.6
+    # steps 2-5 end at these times: steps 3, 4, 5 took 0.2, 0.7 (a stall) and 0.2 s
+    now = iter([10.0, 10.2, 10.9, 11.1]).__next__
     model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2))  # 110 + 22 parameters
     counted = SimpleNamespace(last=SimpleNamespace(fwd_flops=1000, bwd_flops=2000))  # a FlopsProfiler's
     profile = ExperimentProfile(cfg, rank=0, device=CPU, module=model, flops_profiler=counted, clock=now)
@@ -37,8 +38,10 @@ def test_the_steps_between_start_and_end_are_timed_then_every_rank_leaves(tmp_pa
         profile.on_step(_record(5))
     assert leave.value.code == 0
     m = json.loads(path.read_text())
-    assert m["throughput"] == pytest.approx(3 * 8 / 0.6) and m["latency"] == pytest.approx(0.2)
+    # the median step, not the mean: the stall does not count (warm-up steps 1-2 are not timed)
+    assert m["throughput"] == pytest.approx(8 / 0.2) and m["latency"] == pytest.approx(0.2)
     assert m["FLOPS_per_gpu"] == pytest.approx(3000 / 0.2) and m["steps"] == 3
+    assert m["step_seconds"] == pytest.approx([0.2, 0.7, 0.2])
     assert (m["num_params"], m["largest_layer"]) == (132, 110)
     assert m["peak_memory"] > 50 * 2**20  # this process's resident set: torch alone is more
 

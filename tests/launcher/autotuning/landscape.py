@@ -13,11 +13,14 @@ from dslaunch.launcher.autotuning.space import Candidate
 LIMIT = 1000
 
 
-def memory(c: Candidate) -> float:
-    states = 600 / (1, 2, 3, 4)[c.stage] * (0.5 if c.offload in ("optimizer", "all") else 1.0) * (
+def states(c: Candidate) -> float:
+    """The framework's and the model states' memory: what the estimator knows."""
+    return 100 + 600 / (1, 2, 3, 4)[c.stage] * (0.5 if c.offload in ("optimizer", "all") else 1.0) * (
         0.7 if c.offload == "all" else 1.0)
-    activations = 25 * c.micro_batch * (0.3 if c.checkpointing else 1.0)
-    return 100 + states + activations
+
+
+def memory(c: Candidate) -> float:
+    return states(c) + 25 * c.micro_batch * (0.3 if c.checkpointing else 1.0)
 
 
 def throughput(c: Candidate) -> float:
@@ -29,7 +32,8 @@ def throughput(c: Candidate) -> float:
 def outcome(c: Candidate) -> Outcome:
     if memory(c) > LIMIT:
         return Outcome(c.name, "oom", {}, "out of memory")
-    return Outcome(c.name, "ok", {"throughput": throughput(c), "latency": c.micro_batch / throughput(c)})
+    return Outcome(c.name, "ok", {"throughput": throughput(c), "latency": c.micro_batch / throughput(c),
+                                  "peak_memory": memory(c)})
 
 
 def best_feasible(space: list[Candidate]) -> float:

@@ -77,6 +77,47 @@ def test_the_estimator_prunes_before_anything_runs():
     assert _best(result) == landscape.best_feasible(SPACE)
 
 
+def test_activations_fitted_to_two_micro_batches_prune_larger_ones_before_they_run():
+    # The estimator knows the model states only; after two micro batches of a checkpointing
+    # setting ran, the activations fitted to their peaks rule out what cannot fit, unrun.
+    run = []
+    limits = SearchLimits(num_trials=100, early_stopping=100, memory_limit=landscape.LIMIT)
+    result = search(SPACE, GridSearch(), lambda c: run.append(c) or landscape.outcome(c), limits,
+                    estimate=landscape.states)
+    ooms = [c for c in run if landscape.memory(c) > landscape.LIMIT]
+    fitted = [o for _, o in result.runs if "fitted" in o.message]
+    assert fitted and all(o.status == "pruned" for o in fitted)
+    assert all(landscape.memory(c) > landscape.LIMIT for c, o in result.runs if o in fitted)
+    # one checkpointing setting's first out-of-memory run at most, before its line was known
+    assert len(ooms) <= 1, [c.name for c in ooms]
+    assert _best(result) == landscape.best_feasible(SPACE)
+
+
+def test_an_oom_prunes_what_the_estimator_says_needs_more_also_at_a_higher_stage():
+    # stage 3 keeping a small model whole holds more than stage 2: the fixed stage order cannot
+    # say so, the estimator can
+    space = [Candidate(2, "none", False, 4, 1), Candidate(3, "none", False, 4, 1), Candidate(3, "none", False, 2, 1)]
+    run = []
+
+    def outcome(c):
+        run.append(c)
+        return Outcome(c.name, "oom", {}, "out of memory") if c.micro_batch == 4 else landscape.outcome(c)
+
+    result = search(space, GridSearch(), outcome, SearchLimits(num_trials=10, early_stopping=10),
+                    estimate=lambda c: 600 if c.stage == 3 else 500)
+    assert run == [space[0], space[2]]
+    assert result.outcome(space[1]).status == "pruned" and space[0].name in result.outcome(space[1]).message
+
+
+def test_model_based_explores_where_its_model_predicts_best():
+    # two results fit the model (a larger micro batch pays); every open candidate shows one new
+    # stage: each seed picks the largest micro batch, not one at random
+    scores = {Candidate(0, "none", False, 2, 1): 100.0, Candidate(0, "none", False, 8, 1): 300.0}
+    open_ = [Candidate(1, "none", False, mb, 1) for mb in (2, 8)]
+    picks = {ModelBased(seed).next(open_, scores) for seed in range(10)}
+    assert picks == {open_[-1]}
+
+
 @pytest.mark.parametrize("bad", ["failed", "hang", "timeout", "no_metric"])
 def test_failed_experiments_never_stall_the_search(bad):
     """Every other experiment fails: the search still measures the rest and picks among them."""

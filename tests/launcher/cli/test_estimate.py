@@ -99,3 +99,14 @@ def test_bad_input_is_one_line(args, message) -> None:
     code, out, err = _estimate(*args)
     assert code != 0 and out == ""
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_layers_without_attention_hold_the_mlp_half() -> None:
+    args = ("--params", "10M", "--hidden", "256", "--layers", "4", "--seq_len", "128", "--micro_batch", "8",
+            "--stages", "0", "--precision", "fp32", "--json")
+    rows = [json.loads(_estimate(*args, *extra)[1])["rows"][0] for extra in ((), ("--no_attention",))]
+    with_attn, mlp = (r["plain"]["device"]["activations"] for r in rows)
+    tokens, h = 8 * 128, 256
+    # 4 layers of: norm in and out (4 bytes each), a dropout mask, the FFN's two 4h-wide tensors;
+    # then backward's gradient of a 4h-wide activation (no vocabulary, no parameter sizes given)
+    assert mlp == tokens * h * (4 * (9 + 2 * 4 * 4) + 4 * 4) and mlp < with_attn
