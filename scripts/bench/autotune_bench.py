@@ -159,7 +159,8 @@ def main() -> int:
                    "max_experiments": max(r["experiments"] for r in replays), "runs": replays},
     }
     (args.out / "autotune_bench.json").write_text(json.dumps(result, indent=1))
-    md = [f"grid ({grid.experiments} experiments, {grid_s:.0f} s):", "", "```",
+    md = ["## Autotuning: the exhaustive grid against the tuner (`scripts/bench/autotune_bench.py`)", "",
+          f"grid ({grid.experiments} experiments, {grid_s:.0f} s):", "", "```",
           table(grid, "throughput"), "```", "", f"tuner ({tuned.experiments} experiments, {tuner_s:.0f} s):",
           "", "```", table(tuned, "throughput"), "```"]
     (args.out / "autotune_bench.md").write_text("\n".join(md) + "\n")
