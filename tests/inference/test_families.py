@@ -56,19 +56,12 @@ def test_every_family_at_tp1_and_tp2_matches_the_unsharded_model(compat_bin: Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_tp4_splits_gqa_heads_unevenly_and_repeats_kv_heads(compat_bin: Path, tmp_path: Path) -> None:
-    """tp=4: Llama's 2 KV heads are each repeated on 2 ranks; Mistral's 6 go 2,2,1,1."""
-    results = _launch(compat_bin, tmp_path, 4, "tp_models.py", "llama", "mistral", "gpt2")
-    for family in ("llama", "mistral", "gpt2"):
-        _check_family(results, family, 4)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_tp4_the_other_families(compat_bin: Path, tmp_path: Path) -> None:
-    """GPT-NeoX (per-head fused qkv), OPT (tied lm_head) and BERT (tied decoder and bias) at tp=4."""
-    results = _launch(compat_bin, tmp_path, 4, "tp_models.py", "gpt_neox", "opt", "bert")
-    for family in ("gpt_neox", "opt", "bert"):
+@pytest.mark.parametrize("families", [("llama", "mistral", "gpt2"), ("gpt_neox", "opt", "bert")])
+def test_every_family_at_tp4(compat_bin: Path, tmp_path: Path, families: tuple[str, ...]) -> None:
+    """tp=4: Llama's 2 KV heads are each repeated on 2 ranks, Mistral's 6 go 2,2,1,1; GPT-NeoX's fused
+    qkv is split per head; OPT's lm_head and BERT's decoder (and bias) are tied to the embedding."""
+    results = _launch(compat_bin, tmp_path, 4, "tp_models.py", *families)
+    for family in families:
         _check_family(results, family, 4)
 
 
