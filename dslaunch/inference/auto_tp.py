@@ -8,9 +8,11 @@ other Linears its input was computed from since the last normalization layer (or
   is a *producer*; one fed only by producers (o/out/dense, down/fc2) is a *consumer*;
 - each consumer and the producers feeding it form a group: producers are sharded column-wise,
   the consumer row-wise (one all-reduce after it). A producer that feeds no consumer and is as
-  wide as the vocabulary (``lm_head``, untied) is split over the vocabulary and its logits
-  gathered; other such producers (a pooler, a classifier) stay whole on every rank, as does
-  anything else (embeddings, norms);
+  wide as the vocabulary (``lm_head``) is split over the vocabulary and its logits gathered;
+  other such producers (a pooler, a classifier) stay whole on every rank, as do norms;
+- an ``nn.Embedding`` with as many rows as the vocabulary is split over its rows (the same split
+  as the output layer: a tied ``lm_head`` holds the same shard); its partial embeddings are summed
+  by one all-reduce. Smaller embeddings (positions, token types) stay whole;
 - the split follows attention heads when the consumer's input width is ``heads * head_dim``
   (from the model's config): q and o by query heads, k and v by KV heads (GQA: each rank takes
   whole KV groups, unevenly when the count does not divide; fewer KV heads than ranks replicates
@@ -23,7 +25,8 @@ runs unchanged. ``injection_policy`` ({block class: row-parallel Linear names}) 
 dataflow for the blocks it names.
 
 Limitations: the model must run on a ``input_ids`` tensor (Hugging Face-style) for the trace,
-or come with an ``injection_policy``. Embeddings, and an ``lm_head`` tied to them, are replicated.
+or come with an ``injection_policy``. An embedding subclass with its own ``forward`` (Gemma's
+scaled one) is not split, nor then an ``lm_head`` tied to it.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class ShardSpec:
     features, ``row`` keeps ``segments`` of the input features."""
 
     name: str
-    kind: str  # "column" | "row" | "vocab" (column, then gathered: every rank gets all logits)
+    kind: str  # "column" | "row" | "vocab" (column, then gathered: every rank gets all logits) | "embedding"
     segments: Segments
     widths: tuple[int, ...] = ()  # "vocab": every rank's number of output features, in rank order
 
@@ -324,22 +327,44 @@ def _device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
+def _uses(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter's owners (module names): tied weights have several."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name.rpartition(".")[0])
+    return owners
+
+
+def _vocab_split(vocab: int, tp: int, rank: int) -> tuple[Segments, tuple[int, ...]]:
+    parts = _even(vocab, tp)
+    return ((parts[rank].start, parts[rank].stop),), tuple(len(p) for p in parts)
+
+
+def _embedding_shards(model: nn.Module, vocab: int | None, tp: int, rank: int) -> list[ShardSpec]:
+    """Embeddings as tall as the vocabulary, split over their rows. Only ``nn.Embedding``'s own
+    forward is known to be a plain lookup (a subclass may scale or normalize: it stays whole)."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward \
+                and module.num_embeddings == vocab and module.max_norm is None:
+            out.append(ShardSpec(name, "embedding", *_vocab_split(vocab, tp, rank)))
+    return out
+
+
 def _vocab_shards(model: nn.Module, producers_of: Mapping[str, frozenset[str]], sharded: set[str],
-                  shapes: Mapping[str, tuple[int, int]], tp: int, rank: int) -> list[ShardSpec]:
+                  shapes: Mapping[str, tuple[int, int]], vocab: int | None, tp: int, rank: int) -> list[ShardSpec]:
     """The output layer (a traced producer as wide as the vocabulary, feeding no row layer): split
-    over the vocabulary and gathered, unless its weight is tied to the embedding (then sharding it
-    would add a copy instead of saving one)."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
+    over the vocabulary and gathered. A weight tied to an embedding is split only when that
+    embedding is (the two then share one shard; a second, whole copy would cost memory instead)."""
+    owners = _uses(model)
     out = []
     for name, fed_by in producers_of.items():
         module = model.get_submodule(name)
-        if fed_by or name in sharded or shapes[name][0] != vocab or uses.get(id(module.weight), 0) != 1:
+        if fed_by or name in sharded or shapes[name][0] != vocab:
             continue
-        parts = _even(vocab, tp)
-        out.append(ShardSpec(name, "vocab", ((parts[rank].start, parts[rank].stop),), tuple(len(p) for p in parts)))
+        if any(owner != name and owner not in sharded for owner in owners.get(id(module.weight), [])):
+            continue
+        out.append(ShardSpec(name, "vocab", *_vocab_split(vocab, tp, rank)))
     return out
 
 
@@ -374,7 +399,9 @@ def plan_tensor_parallel(model: nn.Module, tp: int, rank: int, policy: Mapping[A
             q_heads, kv_heads = head_plan(heads.heads, heads.kv_heads, tp)[rank]
             scope = _common_prefix([group.consumer, *group.producers])
             attributes += _local_attributes(model, scope, heads, len(q_heads), len(kv_heads))
-    shards += _vocab_shards(model, producers_of, {s.name for s in shards}, shapes, tp, rank)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    shards += _embedding_shards(model, vocab, tp, rank)  # before the output layer: a tied one reuses the shard
+    shards += _vocab_shards(model, producers_of, {s.name for s in shards}, shapes, vocab, tp, rank)
     sharded = {s.name for s in shards}
     return TPPlan(tuple(shards), tuple(dict.fromkeys(attributes)), tuple(n for n in shapes if n not in sharded))
 

@@ -26,9 +26,14 @@ from torch.utils._pytree import tree_flatten
 
 from dslaunch import comm
 from dslaunch.errors import UsageError
-from dslaunch.inference.auto_tp import TPPlan, is_linear, plan_tensor_parallel
+from dslaunch.inference.auto_tp import ShardSpec, TPPlan, is_linear, plan_tensor_parallel
 from dslaunch.inference.config import DeepSpeedInferenceConfig, device_notes, parse_inference_config
-from dslaunch.inference.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear
+from dslaunch.inference.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLinear,
+)
 from dslaunch.inference.loading import ModuleSource, WeightSource, has_meta, open_checkpoint
 from dslaunch.inference.shm_allreduce import ShmAllReduce, same_host
 from dslaunch.runtime.heartbeat import waiting
@@ -157,26 +162,51 @@ def _weight_dims(module: nn.Module) -> tuple[int, int]:
     return (0, 1) if isinstance(module, nn.Linear) else (1, 0)
 
 
-def _shard_linears(model: nn.Module, plan: TPPlan, source: WeightSource, dtype: torch.dtype, quantize: bool,
+def _shard_modules(model: nn.Module, plan: TPPlan, source: WeightSource, dtype: torch.dtype, quantize: bool,
                    comms: Collectives) -> None:
-    """Put the planned column/row layers in place, each read from ``source`` as its slice only."""
+    """Put the planned column/row/vocab layers and vocab-parallel embeddings in place, each read from
+    ``source`` as its slice only. A tensor tied to one already split (GPT-2's ``lm_head`` and its
+    embedding, BERT's decoder bias) is not read again: every name that held it gets the same shard."""
+    shards: dict[int, nn.Parameter] = {}  # id(whole tensor) -> this rank's shard of it
+    wholes: list[torch.Tensor] = []  # alive until the end: their ids must not be reused meanwhile
     for spec in plan.shards:
         module = model.get_submodule(spec.name)
-        out_dim, in_dim = _weight_dims(module)
-        dim = in_dim if spec.kind == "row" else out_dim
-        weight = source.read(f"{spec.name}.weight", dim, spec.segments)
-        if out_dim == 1:
-            weight = weight.t().contiguous()
-        has_bias = getattr(module, "bias", None) is not None
-        if spec.kind == "row":
-            bias = source.read(f"{spec.name}.bias") if has_bias else None
-            new: nn.Module = RowParallelLinear(weight, bias, quantize, dtype, comms.all_reduce)
+        originals = dict(module.named_parameters(recurse=False))
+        wholes += originals.values()
+        if spec.kind == "embedding":
+            weight = shards.get(id(module.weight))
+            if weight is None:
+                weight = nn.Parameter(source.read(f"{spec.name}.weight", 0, spec.segments).to(dtype),
+                                      requires_grad=False)
+            new: nn.Module = VocabParallelEmbedding(weight, spec.segments[0][0], module.num_embeddings,
+                                                    module.padding_idx, comms.all_reduce)
         else:
-            bias = source.read(f"{spec.name}.bias", 0, spec.segments) if has_bias else None
-            new = ColumnParallelLinear(weight, bias, quantize, dtype)
-            if spec.kind == "vocab":
-                new = VocabParallelLinear(weight, bias, quantize, dtype, partial(comms.gather, widths=list(spec.widths)))
+            new = _sharded_linear(spec, module, source, dtype, quantize, comms, shards)
+        for attr, whole in originals.items():
+            shards.setdefault(id(whole), getattr(new, attr))
         _replace(model, spec.name, new)
+    for module in model.modules():  # other names of a split tensor: the same shard
+        for attr, t in list(module._parameters.items()):
+            if t is not None and id(t) in shards:
+                module._parameters[attr] = shards[id(t)]
+
+
+def _sharded_linear(spec: ShardSpec, module: nn.Module, source: WeightSource, dtype: torch.dtype, quantize: bool,
+                    comms: Collectives, shards: dict[int, nn.Parameter]) -> nn.Module:
+    """The column/row/vocab layer for ``spec``, read from ``source`` (or a tied embedding's shard)."""
+    out_dim, in_dim = _weight_dims(module)
+    weight = shards.get(id(module.weight))  # tied to an embedding split just before: its shard, as it is
+    if weight is None:
+        weight = source.read(f"{spec.name}.weight", in_dim if spec.kind == "row" else out_dim, spec.segments)
+        weight = weight.t().contiguous() if out_dim == 1 else weight
+    has_bias = getattr(module, "bias", None) is not None
+    if spec.kind == "row":
+        bias = source.read(f"{spec.name}.bias") if has_bias else None
+        return RowParallelLinear(weight, bias, quantize, dtype, comms.all_reduce)
+    bias = source.read(f"{spec.name}.bias", 0, spec.segments) if has_bias else None
+    if spec.kind == "vocab":
+        return VocabParallelLinear(weight, bias, quantize, dtype, partial(comms.gather, widths=list(spec.widths)))
+    return ColumnParallelLinear(weight, bias, quantize, dtype)
 
 
 def _quantize_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype) -> None:
@@ -193,16 +223,18 @@ def _quantize_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype) -
             _replace(model, name, ColumnParallelLinear(weight, bias, True, dtype))
 
 
+_SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
 def _fill_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype | None, from_checkpoint: bool) -> None:
     """Every parameter not sharded (and every buffer the checkpoint holds): read whole, once per
     tensor object (tied parameters stay tied), cast to ``dtype``."""
+    made = {id(t) for m in model.modules() if isinstance(m, _SHARDED) for t in (*m.parameters(), *m.buffers())}
     places: dict[int, list[tuple[nn.Module, str, str, bool]]] = {}
     for mod_name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            continue  # made from the source already
         for kind, table in ((True, module._parameters), (False, module._buffers)):
             for attr, t in table.items():
-                if t is not None:
+                if t is not None and id(t) not in made:  # shards were made from the source already
                     full = f"{mod_name}.{attr}" if mod_name else attr
                     places.setdefault(id(t), []).append((module, attr, full, kind))
     names = source.names()
@@ -292,7 +324,7 @@ class InferenceEngine(nn.Module):
         else:
             source = ModuleSource(model)
         layer_dtype = compute or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        _shard_linears(model, self.plan, source, layer_dtype, quantize, self._comms)
+        _shard_modules(model, self.plan, source, layer_dtype, quantize, self._comms)
         if quantize:
             _quantize_rest(model, source, layer_dtype)
         _fill_rest(model, source, compute, config.checkpoint is not None)

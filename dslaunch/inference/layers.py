@@ -6,10 +6,13 @@
   tensor-parallel group by one all-reduce, then the (whole, replicated) bias is added once.
 - ``VocabParallelLinear``: a column-parallel output layer whose slices of the logits are gathered,
   so every rank returns the whole vocabulary (and samples the same token).
+- ``VocabParallelEmbedding``: this rank's rows of an embedding table; ids it does not hold give
+  zeros and one all-reduce sums the partial embeddings. A tied output layer (GPT-2's ``lm_head``)
+  is a ``VocabParallelLinear`` holding the same ``Parameter``: the shard is stored once.
 - Weights may be stored as int8 with one fp32 scale per output row (``quant``): dequantized to the
   compute dtype in each forward (weight-only quantization: 1/4 of fp32's memory, same FLOPs).
 
-Both take exactly the input a ``Linear`` takes, so the model's own forward code calls them unchanged.
+Each takes exactly the input the layer it replaces takes, so the model's own forward code calls them unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelLinear", "quantize_int8"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelLinear", "VocabParallelEmbedding",
+           "quantize_int8"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -33,12 +37,15 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _ShardedLinear(nn.Module):
-    """A weight ``[out_local, in]`` (or ``[out, in_local]``), optionally int8 with row scales."""
+    """A weight ``[out_local, in]`` (or ``[out, in_local]``), optionally int8 with row scales. A
+    ``Parameter`` passed as ``weight`` is kept as it is (shared with a tied embedding)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, dtype: torch.dtype):
         super().__init__()
         self.compute_dtype = dtype
-        if quantize:
+        if isinstance(weight, nn.Parameter):
+            self.weight, self.weight_scale = weight, None
+        elif quantize:
             q, scale = quantize_int8(weight)
             self.weight = nn.Parameter(q, requires_grad=False)
             self.register_buffer("weight_scale", scale)
@@ -94,3 +101,29 @@ class VocabParallelLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._gather(super().forward(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[vocab_start, vocab_start + rows)`` of an ``nn.Embedding``: ``y = allreduce(E_local[ids])``
+    with zeros for the ids held by other ranks (each id is on exactly one rank: the sum is exact).
+
+    collective: every rank of the tensor-parallel group runs it, with the same ids.
+    """
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, num_embeddings: int, padding_idx: int | None,
+                 all_reduce: AllReduce):
+        super().__init__()
+        self.weight = weight
+        self.vocab_start, self.num_embeddings, self.padding_idx = vocab_start, num_embeddings, padding_idx
+        self.embedding_dim = weight.shape[1]
+        self._all_reduce = all_reduce
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self._all_reduce(out.masked_fill_(elsewhere.unsqueeze(-1), 0.0))
+
+    def extra_repr(self) -> str:
+        rows = self.weight.shape[0]
+        return f"rows {self.vocab_start}..{self.vocab_start + rows} of {self.num_embeddings}, dim={self.embedding_dim}"

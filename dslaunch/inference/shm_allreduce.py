@@ -88,15 +88,29 @@ class ShmAllReduce:
             if self.rank == 0:
                 os.unlink(name[0])
         self._steps = np.frombuffer(self._map, dtype=np.int64, count=_HEADER // 8)
+        self._counters = self._steps[: self.world * _LINE : _LINE]  # every rank's published step
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER)
         self._step = 0
+        # Slot views by (phase, dtype, numel): decoding all-reduces the same few shapes every
+        # token, and making views costs more than the copy of a few KB itself.
+        self._views: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, ...]] = {}
 
-    def _slot(self, phase: int, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        start = (phase * self.world + rank) * self.slot_bytes
-        return self._bytes[start:start + numel * dtype.itemsize].view(dtype)
+    def _slots(self, phase: int, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, ...]:
+        """Every rank's slot of ``phase`` as ``numel`` values of ``dtype``, in rank order."""
+        key = (phase, dtype, numel)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 256:  # prompts of ever new lengths: keep the table small
+                self._views.clear()
+            starts = ((phase * self.world + r) * self.slot_bytes for r in range(self.world))
+            views = tuple(self._bytes[a:a + numel * dtype.itemsize].view(dtype) for a in starts)
+            self._views[key] = views
+        return views
 
     def _wait(self, step: int) -> None:
-        counters = self._steps[: self.world * _LINE : _LINE]
+        counters = self._counters
+        if counters.min() >= step:  # the peers were first: no spin bookkeeping
+            return
         spins, deadline = 0, None
         while counters.min() < step:
             spins += 1
@@ -113,20 +127,20 @@ class ShmAllReduce:
         """Publish ``piece`` (at most a slot) and return every rank's, in rank order (valid until
         the step after next)."""
         self._step += 1
-        phase, n = self._step % 2, piece.numel()
-        self._slot(phase, self.rank, piece.dtype, n).copy_(piece.reshape(-1))
-        self._steps[self.rank * _LINE] = self._step  # published after the data (x86 keeps store order)
+        slots = self._slots(self._step % 2, piece.dtype, piece.numel())
+        slots[self.rank].copy_(piece.reshape(-1))
+        self._counters[self.rank] = self._step  # published after the data (x86 keeps store order)
         self._wait(self._step)
-        return [self._slot(phase, r, piece.dtype, n) for r in range(self.world)]
+        return slots
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         per_piece = self.slot_bytes // flat.element_size()
         for start in range(0, flat.numel(), per_piece):
-            piece = flat[start:start + per_piece]
+            piece = flat[start:start + per_piece] if flat.numel() > per_piece else flat
             slots = self._exchange(piece)
-            piece.copy_(slots[0])
-            for other in slots[1:]:
+            torch.add(slots[0], slots[1], out=piece)  # the same order as before: bits equal to gloo's
+            for other in slots[2:]:
                 piece.add_(other)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))

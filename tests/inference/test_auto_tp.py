@@ -37,6 +37,7 @@ def test_plan_comes_from_the_dataflow_not_the_names() -> None:
     assert kinds["blocks.0.down"] == ("row", ((40, 80),))
     assert kinds["blocks.0.gate"][0] == kinds["blocks.0.up"][0] == "column"
     assert kinds["head"] == ("vocab", ((19, 37),))  # the output layer: split over the vocabulary, gathered
+    assert kinds["embed"] == ("embedding", ((19, 37),))  # the embedding: the same rows
     assert plan.replicated == ()
     assert ("blocks.0.attn", "num_heads", 2) in plan.attributes
     assert ("blocks.0.attn", "num_kv_heads", 1) in plan.attributes
@@ -86,7 +87,35 @@ def test_tp2_logits_match_the_unsharded_model(allreduce: str) -> None:
         assert result["name"] == {"shm": "shared memory", "torch": "torch.distributed"}[allreduce]
         assert result["int8_diff"] <= 0.02 * result["scale"]  # weight-only int8: close, not exact
         assert result["int8_dtypes"] == ["torch.int8"]  # every Linear, the vocab-parallel head included
-        assert result["logged"] == 4  # 2 blocks x (o, down): the comms logger sees either path
+        assert result["logged"] == 5  # the embedding + 2 blocks x (o, down): the comms logger sees either path
+
+
+def _tied_embedding(rank: int, world: int, allreduce: str) -> dict:
+    import dslaunch
+
+    reference = tiny_lm(heads=8, kv_heads=4)  # heads that split over 4 ranks, no KV head repeated
+    reference.head.weight = reference.embed.weight  # GPT-2-style tying
+    engine = dslaunch.init_inference(copy.deepcopy(reference), tensor_parallel={"tp_size": world},
+                                     tp_allreduce=allreduce)
+    model = engine.module
+    with torch.no_grad():
+        diff = float((engine(IDS) - reference(IDS)).abs().max())
+    return {"diff": diff, "rows": model.embed.weight.shape[0], "shared": model.head.weight is model.embed.weight,
+            "params": sum(p.numel() for p in model.parameters()), "whole": sum(p.numel() for p in reference.parameters())}
+
+
+@pytest.mark.parametrize(("world", "allreduce"), [(2, "shm"), (2, "torch"), (4, "shm")])
+@pytest.mark.timeout(120)
+def test_tied_embedding_and_head_are_split_once_over_the_vocabulary(world: int, allreduce: str) -> None:
+    """Vocab rows split (37 = 19 + 18, or 10 + 9 + 9 + 9), ids of other ranks masked, partial embeddings
+    summed; the tied head is the same Parameter as the embedding shard, its logits gathered."""
+    results = run_world(_tied_embedding, world, allreduce)
+    assert [r["rows"] for r in results] == {2: [19, 18], 4: [10, 9, 9, 9]}[world]
+    for result in results:
+        assert result["diff"] <= 1e-5, result
+        assert result["shared"]  # one shard, held by both modules
+    # all but the norms and the row layers' biases (~1.6% each) is split: together about one copy
+    assert sum(r["params"] for r in results) <= results[0]["whole"] * 1.08
 
 
 def _shm_against_gloo(rank: int, world: int) -> list[bool]:

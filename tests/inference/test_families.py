@@ -1,7 +1,7 @@
 """``init_inference`` on tiny Hugging Face models of each family (Llama and Mistral with GQA, GPT-2,
 GPT-NeoX, OPT, BERT) under ``dslaunch --num_gpus N``: logits within 1e-5 of the unsharded model
-at tp=1 and tp=N, greedy ``generate`` token-identical, each rank holding about 1/tp of the sharded
-weights; and loading: meta-device models filled from safetensors, DeepSpeed's checkpoint
+at tp=1, 2 and 4, greedy ``generate`` token-identical, each rank holding about 1/tp of the
+weights, the embedding (and a tied lm_head, one shard for both) split over the vocabulary; and loading: meta-device models filled from safetensors, DeepSpeed's checkpoint
 description JSON and a ZeRO-3 checkpoint of dslaunch's training engine."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from tests.compat.conftest import run_job, tagged
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 FAMILIES = ("llama", "mistral", "gpt2", "gpt_neox", "opt", "bert")
 TOLERANCE = 1e-5  # fp32; measured here: <= 3.6e-7 (partial sums added in another order)
+# per rank, of the whole model: what stays whole (measured: BERT's MLM transform 0.553 at tp=2, 0.329 at tp=4)
+SLACK = {2: 0.06, 4: 0.1}
 
 
 def _launch(compat_bin: Path, tmp_path: Path, ranks: int, script: str, *args: str) -> dict:
@@ -33,8 +35,12 @@ def _check_family(results: dict, family: str, tp: int) -> None:
         assert got["bytes"] == got["full_bytes"]
         return
     assert got["allreduce"] == "shared memory"  # all ranks on this host: picked automatically
-    # embeddings, norms and lm_head stay whole: at most ~20% of these models
-    assert got["bytes"] <= got["full_bytes"] * (1 / tp + 0.2), (family, tp, got)
+    # the embedding split over the vocabulary (101 rows: 51 + 50, or 26 + 25 + 25 + 25), a tied
+    # lm_head holding the same shard
+    assert got["embedding_rows"] <= -(-got["vocab"] // tp), (family, tp, got)
+    assert got["tied_kept"] == got["tied"], (family, tp, got)
+    # only norms, biases and position embeddings stay whole (and repeated KV heads at tp=4)
+    assert got["bytes"] <= got["full_bytes"] * (1 / tp + SLACK[tp]), (family, tp, got)
 
 
 @pytest.mark.slow
@@ -50,10 +56,12 @@ def test_every_family_at_tp1_and_tp2_matches_the_unsharded_model(compat_bin: Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_tp4_splits_gqa_heads_unevenly_and_repeats_kv_heads(compat_bin: Path, tmp_path: Path) -> None:
-    """tp=4: Llama's 2 KV heads are each repeated on 2 ranks; Mistral's 6 go 2,2,1,1."""
-    results = _launch(compat_bin, tmp_path, 4, "tp_models.py", "llama", "mistral", "gpt2")
-    for family in ("llama", "mistral", "gpt2"):
+@pytest.mark.parametrize("families", [("llama", "mistral", "gpt2"), ("gpt_neox", "opt", "bert")])
+def test_every_family_at_tp4(compat_bin: Path, tmp_path: Path, families: tuple[str, ...]) -> None:
+    """tp=4: Llama's 2 KV heads are each repeated on 2 ranks, Mistral's 6 go 2,2,1,1; GPT-NeoX's fused
+    qkv is split per head; OPT's lm_head and BERT's decoder (and bias) are tied to the embedding."""
+    results = _launch(compat_bin, tmp_path, 4, "tp_models.py", *families)
+    for family in families:
         _check_family(results, family, 4)
 
 

@@ -59,9 +59,13 @@ def run(family: str, tp: int) -> dict:
     ids = torch.tensor([[5, 17, 3, 42, 8, 99, 23, 7, 64, 11]])
     with torch.no_grad():
         want, got = reference(ids).logits, engine(ids).logits
+    embedding = engine.module.get_input_embeddings().weight
     result = {"max_diff": float((want - got).abs().max()), "bytes": param_bytes(engine.module),
               "full_bytes": param_bytes(reference), "allreduce": engine.allreduce_name,
-              "replicated": len(engine.plan.replicated)}
+              "replicated": len(engine.plan.replicated), "vocab": reference.config.vocab_size,
+              "embedding_rows": embedding.shape[0],
+              "tied": reference.get_output_embeddings().weight is reference.get_input_embeddings().weight,
+              "tied_kept": engine.module.get_output_embeddings().weight is embedding}
     if family != "bert":
         kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
         result["same_tokens"] = reference.generate(ids, **kwargs).tolist() == engine.generate(ids, **kwargs).tolist()
