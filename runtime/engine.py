@@ -340,6 +340,9 @@ class DeepSpeedEngine(torch.nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
         from dslaunch.runtime import checkpoint
 
+        # The monitors' events up to this step reach their files before the checkpoint does: a run
+        # killed later and resumed from it continues a curve with no hole before the resume point.
+        self.monitor.flush()
         with self._checkpoint_phase():
             self.zero.synchronize()
             return checkpoint.save_checkpoint(self.checkpoint_parts(), save_dir, tag=tag, client_state=client_state,
