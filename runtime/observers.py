@@ -259,6 +259,8 @@ class BuiltObservers:
     """``engine.flops_profiler``: the FlopsProfiler of the profiled step, else None."""
     monitor: MonitorMaster
     """``engine.monitor``."""
+    work: WorkMeter | None
+    """The tokens and FLOPs meter behind tokens/s and MFU (None: neither heartbeat nor monitors)."""
 
 
 def build_observers(engine: Any, config: Any, heartbeat: Any,
@@ -310,4 +312,5 @@ def build_observers(engine: Any, config: Any, heartbeat: Any,
     save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
     if save_dir is not None:
         events.add(PreemptionCheck(engine.device, lambda: leave_on_request(save_dir)))
-    return BuiltObservers(events, breakdown.timers if breakdown is not None else None, flops_profiler, monitor)
+    return BuiltObservers(events, breakdown.timers if breakdown is not None else None, flops_profiler, monitor,
+                          work)
