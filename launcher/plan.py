@@ -95,6 +95,8 @@ class LaunchConfig:
     max_restarts: int = 0
     restart_count: int = 0
     """Which run this plan is for (0 = the first; set by the job loop, told to the workers)."""
+    restart_reason: str | None = None
+    """Why this run is a restart (the job loop's decision, told to the workers); None in the first run."""
     resume_from: str | None = None
     """``--resume_from``: checkpoint directory a restarted run's ``initialize()`` loads."""
     drop_hosts: tuple[str, ...] = ()
@@ -363,7 +365,8 @@ def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], 
         node_rank=node_rank, host=host, workers=workers, cwd=os.getcwd(),
         env={**node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
              # Under SLURM the ranks checkpoint into --resume_from on the time-limit warning.
-             **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from, on_request=slurm)},
+             **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from, on_request=slurm,
+                           reason=cfg.restart_reason)},
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
         pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import UsageError, quote
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
@@ -89,6 +89,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.events, self.timers = built.events, built.timers  # DeepSpeed's engine.timers
         self.flops_profiler = built.flops_profiler  # DeepSpeed's: the FlopsProfiler of the profiled step
         self.monitor = built.monitor  # DeepSpeed's engine.monitor
+        self._work = built.work
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -273,6 +274,21 @@ class DeepSpeedEngine(torch.nn.Module):
     def was_step_applied(self) -> bool:
         return self._step_applied
 
+    def report_tokens(self, n: int) -> None:
+        """Tell the engine how many tokens this rank's micro step trained on (dslaunch's; call it in
+        each micro step, before ``step()``). For loops whose forward gets no token ids (embeddings
+        made outside the engine, packed float inputs, a custom batch object): tokens/s and MFU on
+        the heartbeat, the status line and the monitors then use it instead of the automatic count
+        (the first integer input of 2+ dims) for that step. A no-op when nothing reports rates.
+
+        Raises:
+            UsageError: ``n`` is not an int >= 0.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise UsageError(f"engine.report_tokens({quote(n)}): expected the number of tokens, an int >= 0")
+        if self._work is not None:
+            self._work.report_tokens(n)
+
     # ----- DeepSpeed's public getters -------------------------------------------------------
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -340,6 +356,9 @@ class DeepSpeedEngine(torch.nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
         from dslaunch.runtime import checkpoint
 
+        # The monitors' events up to this step reach their files before the checkpoint does: a run
+        # killed later and resumed from it continues a curve with no hole before the resume point.
+        self.monitor.flush()
         with self._checkpoint_phase():
             self.zero.synchronize()
             return checkpoint.save_checkpoint(self.checkpoint_parts(), save_dir, tag=tag, client_state=client_state,

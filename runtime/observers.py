@@ -29,7 +29,7 @@ from dslaunch.runtime import preempt
 from dslaunch.runtime.events import PHASES, Events, Observer, StepRecord
 from dslaunch.runtime.throughput import WorkMeter, device_peak, model_params
 from dslaunch.runtime.timers import Timers
-from dslaunch.utils.restart import restart_count
+from dslaunch.utils.restart import restart_count, restart_reason
 
 __all__ = ["WallClockBreakdown", "ProgressLine", "CheckpointProfile", "HeartbeatSender", "PreemptionCheck",
            "MonitorEvents", "BuiltObservers", "build_observers"]
@@ -170,6 +170,13 @@ def _peak_memory_mib(device: Any) -> Any:
     return _PeakRss()
 
 
+def _resume_marker(step: int, samples: int) -> str:
+    """The text where a resumed curve continues: the step and samples, the launcher's restart count
+    and why it restarted (a hang, a lost host, a failure: the job monitor's words)."""
+    why = restart_reason()
+    return f"resumed at step {step} ({samples} samples), restart {restart_count()}" + (f" ({why})" if why else "")
+
+
 class MonitorEvents(Observer):
     """Rank 0: each optimizer step's events, at x = samples after the step, to ``monitor``.
 
@@ -181,7 +188,7 @@ class MonitorEvents(Observer):
     ``peak``, the device's peak FLOP/s, when both are known: see ``runtime/throughput.py``) and
     ``peak_memory_MiB``; and, when the
     run resumed from a checkpoint or is a restart, the text ``Run/resume`` at the samples it resumed
-    from (a marker where the curve continues).
+    from (a marker where the curve continues, with the launcher's reason for a restart).
     """
 
     def __init__(self, monitor: Any, batch_size: int, dp_world_size: int, fp16: bool, device: Any,
@@ -200,8 +207,7 @@ class MonitorEvents(Observer):
             resumed_at = x - self.batch_size
             self.monitor.start_at(resumed_at)
             if resumed_at > 0 or restart_count() > 0:
-                events.append(("Run/resume", f"resumed at step {record.step - 1} ({resumed_at} samples), "
-                                             f"restart {restart_count()}", resumed_at))
+                events.append(("Run/resume", _resume_marker(record.step - 1, resumed_at), resumed_at))
         if record.window_losses:
             events.append(("Train/Samples/train_loss", _MeanLoss(record.window_losses), x))
         events.append(("Train/Samples/lr", record.lr[0], x))
@@ -253,6 +259,8 @@ class BuiltObservers:
     """``engine.flops_profiler``: the FlopsProfiler of the profiled step, else None."""
     monitor: MonitorMaster
     """``engine.monitor``."""
+    work: WorkMeter | None
+    """The tokens and FLOPs meter behind tokens/s and MFU (None: neither heartbeat nor monitors)."""
 
 
 def build_observers(engine: Any, config: Any, heartbeat: Any,
@@ -304,4 +312,5 @@ def build_observers(engine: Any, config: Any, heartbeat: Any,
     save_dir = preempt.checkpoint_dir()  # None unless the launcher may ask for a checkpoint
     if save_dir is not None:
         events.add(PreemptionCheck(engine.device, lambda: leave_on_request(save_dir)))
-    return BuiltObservers(events, breakdown.timers if breakdown is not None else None, flops_profiler, monitor)
+    return BuiltObservers(events, breakdown.timers if breakdown is not None else None, flops_profiler, monitor,
+                          work)

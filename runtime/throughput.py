@@ -47,7 +47,8 @@ class WorkMeter(Observer):
         """Model FLOPs of the steps so far (this rank's), by ``basis``."""
         self.basis: str | None = None
         """How the last step's FLOPs were counted: ``PROFILED``, ``SIX_N_TOKENS`` or None (not)."""
-        self._pending = 0  # tokens of the step in progress
+        self._pending = 0  # tokens of the step in progress, counted by the forward pre-hook
+        self._reported = 0  # ... and as the script reported them (``report_tokens``), which wins
 
     def count_tokens(self, module: Any, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook: count the tokens of a training forward (first integer input of 2+ dims)."""
@@ -60,14 +61,20 @@ class WorkMeter(Observer):
                 self._pending += value.numel()
                 return
 
+    def report_tokens(self, n: int) -> None:
+        """The script's count of this rank's tokens in the step in progress (added up over its
+        micro steps); it replaces the forward pre-hook's count for that step."""
+        self._reported += n
+
     def on_step(self, record: StepRecord) -> None:
+        tokens = self._reported or self._pending
         step_flops = self.profiled() if self.profiled is not None else None
         if step_flops:
             self.flops, self.basis = self.flops + step_flops, PROFILED
-        elif self._pending:
-            self.flops, self.basis = self.flops + step_flops_6n(self.params, self._pending), SIX_N_TOKENS
-        self.tokens += self._pending
-        self._pending = 0
+        elif tokens:
+            self.flops, self.basis = self.flops + step_flops_6n(self.params, tokens), SIX_N_TOKENS
+        self.tokens += tokens
+        self._pending = self._reported = 0
 
 
 def step_flops_6n(params: int, tokens: int) -> float:

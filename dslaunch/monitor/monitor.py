@@ -7,11 +7,14 @@ A value is a number, a 0-d tensor (read on the writer thread, so the training th
 for the device) or a string (TensorBoard shows it as text; the other backends record it as is).
 
 ``MonitorMaster.write_events`` only enqueues: the backends write on one background thread
-(``writer.py``). As DeepSpeed's, only rank 0 writes; elsewhere the master holds no backend.
+(``writer.py``). As DeepSpeed's, only rank 0 writes; elsewhere the master holds no backend. What is
+still queued when the interpreter exits is written then (an ``atexit`` handler, bounded in time):
+a script that never closes its monitor, or whose engine was already collected, loses nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -22,6 +25,9 @@ from dslaunch.monitor.writer import BackgroundWriter
 __all__ = ["Monitor", "MonitorMaster", "Event"]
 
 Event = tuple[str, Any, int]
+
+EXIT_BOUND_S = 10.0
+"""How long the exit may wait for the monitors to write what was queued (a hung service)."""
 
 
 class Monitor:
@@ -109,6 +115,7 @@ class MonitorMaster(Monitor):
         if self.enabled and (_rank() if rank is None else rank) == 0:
             self.backends = _backends(monitor_config)
             self._writer = BackgroundWriter(self._write, self._flush_backends)
+            atexit.register(self.close, EXIT_BOUND_S)
 
     def start_at(self, samples: int) -> None:
         if self._writer is not None:
@@ -124,11 +131,12 @@ class MonitorMaster(Monitor):
         if self._writer is not None:
             self._writer.flush()
 
-    def close(self) -> None:
-        """Write what is queued and close every backend (later events are dropped)."""
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Write what is queued and close every backend (later events are dropped); waits at most
+        ``timeout`` seconds for the writer."""
         if self._writer is not None:
             writer, self._writer = self._writer, None
-            writer.close()
+            writer.close(timeout)
             for backend in self.backends:
                 backend.close()
 

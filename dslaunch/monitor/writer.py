@@ -4,7 +4,9 @@
 daemon thread, then ``flush()``. The thread wakes at most once per ``interval`` seconds and writes
 everything queued by then: a put never hands the GIL to a thread that would write at once, and
 files are flushed once per interval, not per step (a killed run loses at most the last interval's
-events). ``flush()`` and ``close()`` on the writer wait for what was queued before them. A failing write (disk full, a service gone) prints one warning line and stops
+events). ``flush()`` and ``close()`` on the writer wait for what was queued before them, and cut the
+interval short (the engine flushes before each checkpoint save: a resume from that checkpoint
+then finds every event up to it on disk). A failing write (disk full, a service gone) prints one warning line and stops
 the writer: monitoring must never stop training.
 """
 
@@ -13,7 +15,6 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ class BackgroundWriter:
         self._write, self._flush, self.name, self.interval = write, flush, name, interval
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.failed: str | None = None
+        self._wake = threading.Event()  # set by flush/close: write now, not after the interval
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -51,18 +53,21 @@ class BackgroundWriter:
             return True
         done = threading.Event()
         self._queue.put(done)
+        self._wake.set()
         return done.wait(timeout)
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Write what is queued, flush, and stop the thread."""
         if self._thread.is_alive():
             self._queue.put(_STOP)
+            self._wake.set()
             self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
             items = [self._queue.get()]
-            time.sleep(self.interval)  # not a timed get: each put would wake it
+            self._wake.wait(self.interval)  # not a timed get: each put would wake it
+            self._wake.clear()
             while True:
                 try:
                     items.append(self._queue.get_nowait())

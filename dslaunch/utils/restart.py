@@ -4,7 +4,9 @@ Every worker sees how many times its job was restarted, under torchrun's name an
 (``TORCHELASTIC_RESTART_COUNT``, ``DSLAUNCH_RESTART_COUNT``: 0 in the first run), the restart
 budget (``TORCHELASTIC_MAX_RESTARTS``), and, when the job was launched with ``--resume_from DIR``,
 that directory (``DSLAUNCH_RESUME_FROM``): ``initialize()`` of a restarted run loads the newest
-valid checkpoint in it. Shared by the launcher (which sets them) and the runtime (which reads
+valid checkpoint in it. A restarted run also gets why (``DSLAUNCH_RESTART_REASON``: the job
+monitor's one line, e.g. ``restart 1 of 3 in 1 s after hang: rank 1 on node2 hung at step 7 ...``),
+which the engine's monitors mark where the curve continues. Shared by the launcher (which sets them) and the runtime (which reads
 them), so the runtime never imports the launcher. Torch-free.
 """
 
@@ -13,14 +15,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from dslaunch.errors import shorten
+
 __all__ = ["RESTART_COUNT", "TORCH_RESTART_COUNT", "TORCH_MAX_RESTARTS", "RESUME_FROM", "CHECKPOINT_ON_REQUEST",
-           "PREEMPTED_EXIT_CODE", "MAX_RESTARTS", "restart_env",
-           "restart_count", "resume_dir"]
+           "RESTART_REASON", "REASON_LIMIT", "PREEMPTED_EXIT_CODE", "MAX_RESTARTS", "restart_env",
+           "restart_count", "restart_reason", "resume_dir"]
 
 RESTART_COUNT = "DSLAUNCH_RESTART_COUNT"
 TORCH_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 TORCH_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 RESUME_FROM = "DSLAUNCH_RESUME_FROM"
+RESTART_REASON = "DSLAUNCH_RESTART_REASON"
+REASON_LIMIT = 300
+"""The most characters of a restart reason a worker is given (it may quote a rank's exception)."""
 CHECKPOINT_ON_REQUEST = "DSLAUNCH_CHECKPOINT_ON_REQUEST"
 """Set (to 1) when the launcher may ask the ranks for a checkpoint into ``RESUME_FROM`` (SLURM
 pre-emption): the engine then takes ``CHECKPOINT_SIGNAL``, agrees on it at every step, saves
@@ -32,10 +39,14 @@ MAX_RESTARTS = 1_000_000
 real job."""
 
 
-def restart_env(count: int, max_restarts: int, resume_from: str | None, on_request: bool = False) -> dict[str, str]:
+def restart_env(count: int, max_restarts: int, resume_from: str | None, on_request: bool = False,
+                reason: str | None = None) -> dict[str, str]:
     """The variables the launcher gives every worker of run ``count`` (0 = the first run);
-    ``on_request``: the launcher may ask for a checkpoint into ``resume_from``."""
+    ``on_request``: the launcher may ask for a checkpoint into ``resume_from``; ``reason``: why
+    this run is a restart (one line, cut to ``REASON_LIMIT`` characters)."""
     env = {RESTART_COUNT: str(count), TORCH_RESTART_COUNT: str(count), TORCH_MAX_RESTARTS: str(max_restarts)}
+    if reason and count > 0:
+        env[RESTART_REASON] = shorten(reason, REASON_LIMIT)
     if resume_from:
         env[RESUME_FROM] = resume_from
         if on_request:
@@ -47,6 +58,12 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
     """How many times this job was restarted (0 in the first run, or when not launched by dslaunch)."""
     value = (os.environ if env is None else env).get(RESTART_COUNT, "0")
     return int(value) if value.isdigit() else 0
+
+
+def restart_reason(env: Mapping[str, str] | None = None) -> str | None:
+    """Why this run is a restart, as the launcher said it (None: a first run, or not said)."""
+    env = os.environ if env is None else env
+    return (env.get(RESTART_REASON) or None) if restart_count(env) > 0 else None
 
 
 def resume_dir(env: Mapping[str, str] | None = None) -> str | None:

@@ -218,7 +218,8 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
             return job
         # A fresh port per restart: the last run's may linger (TIME_WAIT, a straggler's store).
         fixed = cfg.master_port_given or cfg.no_ssh  # --no_ssh nodes cannot agree on a new one
-        again = replace(cfg, restart_count=attempt.restart_count, drop_hosts=tuple(sorted(attempt.drop)),
+        again = replace(cfg, restart_count=attempt.restart_count, restart_reason=attempt.reason,
+                        drop_hosts=tuple(sorted(attempt.drop)),
                         master_port=cfg.master_port if fixed else free_port())
         new = build_job(again, gpus.detect).job
         if new.world_size != job.world_size and (batch := elastic_batch_for(cfg, new.world_size)):

@@ -44,6 +44,9 @@ class Attempt:
     """0 for the first run, k for the k-th restart."""
     drop: frozenset[str] = frozenset()
     """Hosts to leave out (lost hosts of an elastic job)."""
+    reason: str | None = None
+    """Why this run is a restart (the policy's decision, e.g. ``restart 1 of 3 in 1 s after hang:
+    ...``), told to the workers; None for the first run."""
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,10 @@ class JobLoop:
         runs: list[Run] = []
         drop: frozenset[str] = frozenset()  # lost in the last run: left out of the next
         offered: frozenset[str] = frozenset()  # lost before: offered back, left out if they fail to start
+        reason: str | None = None  # the last decision's, for the run it restarts
         while True:
             count = len(runs)
-            result, job, left_out = self._one_run(Attempt(count, drop), offered, runs)
+            result, job, left_out = self._one_run(Attempt(count, drop, reason), offered, runs)
             lost = tuple(n.host for n in result.nodes if n.exit_code and cause_of(n) == "host_lost")
             runs.append(Run(result.exit_code, job.hosts, result.failure, result.stopped_by, lost))
             decision = decide(self._policy, runs)
@@ -104,6 +108,7 @@ class JobLoop:
                        cause=None if result.failure is None else cause_of(result.failure),
                        exit_code=result.exit_code, lost=list(lost))
             drop, offered = frozenset(decision.drop), (left_out | drop) - set(decision.drop)
+            reason = decision.reason
             self._wait(decision.delay)
             if self._requested is not None:
                 return JobOutcome(result.exit_code, result,
@@ -126,7 +131,7 @@ class JobLoop:
                 if not failed or not failed <= offered:
                     raise
                 left_out = attempt.drop | failed
-                job = self._plan(Attempt(attempt.restart_count, left_out))
+                job = self._plan(Attempt(attempt.restart_count, left_out, attempt.reason))
                 runner = self._new_runner(job)
                 self._start(runner, job, runs)
         except LaunchError as err:

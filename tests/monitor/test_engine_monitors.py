@@ -160,3 +160,36 @@ def test_train_loss_is_the_window_mean_and_only_rank_0_writes(tmp_path) -> None:
     assert [float(m[1]) for m in mfu[1:]] == pytest.approx([6 * n * float(t[1]) / 2 / peak for t in tokens[1:]])
     assert not os.path.exists(f"{out}/rank0/Train_Samples_elapsed_time_ms_forward.csv")  # no breakdown
     assert not os.path.exists(f"{out}/rank0/Train_Samples_loss_scale.csv")  # not fp16
+
+
+def _reporting(rank: int, world: int, out: str) -> str:
+    import torch
+
+    import dslaunch
+    from dslaunch.errors import UsageError
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "csv_monitor": {"enabled": True, "output_path": out, "job_name": "run"}}
+    engine, *_ = dslaunch.initialize(model=torch.nn.Linear(8, 4), config=cfg)
+    for _ in range(4):  # float inputs only: nothing the engine could count as tokens by itself
+        loss = engine(torch.randn(2, 8)).square().mean()
+        engine.report_tokens(5)
+        engine.backward(loss)
+        engine.step()
+    engine.monitor.flush()
+    try:
+        engine.report_tokens(-1)
+    except UsageError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_custom_loop_reports_its_tokens_for_tokens_per_sec(tmp_path) -> None:
+    (error,) = run_world(_reporting, 1, str(tmp_path))
+    assert error == "engine.report_tokens(-1): expected the number of tokens, an int >= 0"
+    tokens = _csv(f"{tmp_path}/run/Train_Samples_tokens_per_sec.csv")
+    samples = _csv(f"{tmp_path}/run/Train_Samples_samples_per_sec.csv")
+    assert len(tokens) == 4  # the header and steps 2-4 (a rate needs the step before it)
+    # 5 tokens and 2 samples a step: the rates agree at every step
+    assert [float(t[1]) for t in tokens[1:]] == pytest.approx([2.5 * float(s[1]) for s in samples[1:]])

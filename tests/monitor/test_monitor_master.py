@@ -80,3 +80,18 @@ def test_csv_resume_drops_a_torn_row_and_later_rows_and_keeps_one_header(tmp_pat
     fresh.write_events([("Train/Samples/lr", 0.45, 10)])  # no start_at (a script's own monitor): append
     fresh.close()
     assert (run / "Train_Samples_lr.csv").read_text().splitlines()[-2:] == ["8,0.35", "10,0.45"]
+
+
+def test_events_queued_when_the_process_exits_are_written(tmp_path) -> None:
+    # The script neither flushes nor closes, and exits well within the writer's 0.5 s interval.
+    import subprocess
+    import sys
+
+    script = ("from dslaunch.monitor.config import CSVConfig, DeepSpeedMonitorConfig\n"
+              "from dslaunch.monitor.monitor import MonitorMaster\n"
+              f"m = MonitorMaster(DeepSpeedMonitorConfig(csv_monitor=CSVConfig(enabled=True, output_path={str(tmp_path)!r},"
+              " job_name='run')), rank=0)\n"
+              "m.write_events([('Train/Samples/lr', 0.5, s) for s in (1, 2, 3)])\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=25)
+    with open(tmp_path / "run" / "Train_Samples_lr.csv") as f:
+        assert f.read().splitlines() == ["step,lr", "1,0.5", "2,0.5", "3,0.5"]

@@ -167,6 +167,10 @@ class FlopCounter(TorchDispatchMode):
         self._hooks: list[Any] = []
         self._grad_hooks: list[Any] = []
         self._counting = False
+        # id(operator overload) -> (formula, name) or None, looked up once per distinct operator:
+        # an overload's hash, ``overloadpacket`` and ``str`` are Python-level, too dear per call.
+        # (torch keeps every overload alive in its op namespaces, so an id is never reused.)
+        self._formula_of: dict[int, tuple[Callable[..., int], str] | None] = {}
 
     # ----- lifecycle -----------------------------------------------------------------------
     def start(self) -> FlopCounter:
@@ -215,10 +219,14 @@ class FlopCounter(TorchDispatchMode):
 
     # ----- operators -----------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        formula = FORMULAS.get(func.overloadpacket)
-        if formula is not None and not self._ignoring:
-            self._add(str(func.overloadpacket), formula(*args, **(kwargs or {}), out_val=out))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            entry = self._formula_of[id(func)]
+        except KeyError:
+            entry = self._formula_of[id(func)] = _formula_entry(func)
+        if entry is not None and not self._ignoring:
+            self._add(entry[1], entry[0](*args, **kwargs, out_val=out))
         return out
 
     def _add(self, op: str, flops: int) -> None:
@@ -300,6 +308,12 @@ class FlopCounter(TorchDispatchMode):
     def _bwd_done(self, task: int) -> None:
         for module in self._bwd_by_task.pop(task, ()):
             self._bwd_end(module)
+
+
+def _formula_entry(func: Any) -> tuple[Callable[..., int], str] | None:
+    packet = func.overloadpacket
+    formula = FORMULAS.get(packet)
+    return None if formula is None else (formula, str(packet))
 
 
 def _remove_last(stack: list, item: Any) -> None:

@@ -7,6 +7,7 @@ it; monitors can call it with a step's flops and time). The peak comes from:
 - on a GPU, ``GPU_PEAKS``: dense (no sparsity) peaks from the vendors' datasheets, by the name
   CUDA reports and the math dtype (bf16/fp16 tensor cores, tf32 when torch allows it, fp32);
 - on a CPU, a square-matmul microbenchmark in that dtype at the process's torch thread count,
+  times this rank's share when the machine's ranks oversubscribe its cores (``cpu_share``),
   measured once (~0.5 s; ranks of one machine take turns on a lock file) and cached in
   ``$DSLAUNCH_PEAK_CACHE`` (default ``~/.cache/dslaunch/peak_flops.json``) under the CPU model, thread count, dtype and torch
   version, so a later run (or another rank of the same machine) reads it. The cache is the
@@ -41,7 +42,8 @@ from dslaunch.errors import UsageError, quote
 # The same trust rules as the CPU kernels' cache.
 from dslaunch.utils.private_cache import Untrusted, make_private_dirs, open_private_file
 
-__all__ = ["GpuPeak", "GPU_PEAKS", "Peak", "Throughput", "peak_flops", "throughput", "PEAK_ENV", "CACHE_ENV"]
+__all__ = ["GpuPeak", "GPU_PEAKS", "Peak", "Throughput", "peak_flops", "throughput", "cpu_share", "PEAK_ENV",
+           "CACHE_ENV"]
 
 log = logging.getLogger("dslaunch.profiling")
 
@@ -174,7 +176,32 @@ def _cpu_peak(dtype: torch.dtype, cache: Path) -> Peak:
         if key not in known:
             known[key] = measure_cpu_matmul(dtype)
             _write_cache(cache, known)
-    return Peak(known[key], f"measured: {key} (cached in {cache})")
+    share, why = cpu_share()
+    return Peak(known[key] * share, f"measured: {key} (cached in {cache}){why}")
+
+
+def cpu_share(ranks: int | None = None, threads: int | None = None) -> tuple[float, str]:
+    """This rank's share of the peak measured alone at its thread count, and why (for the source).
+
+    The peak is measured by one rank at a time; when the ``LOCAL_WORLD_SIZE`` ranks of this machine
+    run together at ``threads`` each on fewer cores than that, each gets ``cores / (ranks x threads)``
+    of it. ``cores`` = the CPUs this process may run on; ranks whose CPU sets cannot overlap (each
+    has at most its 1/ranks of the machine: ``--bind_cores_to_rank``) share nothing.
+    Limitations: in a container limited to a CPU set that the machine's CPU count does not show,
+    ranks that do share it are taken for bound ones.
+    """
+    ranks = ranks if ranks is not None else _int_env("LOCAL_WORLD_SIZE", 1)
+    threads = threads if threads is not None else torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if ranks <= 1 or ranks * cores <= (os.cpu_count() or cores) or ranks * threads <= cores:
+        return 1.0, ""
+    share = cores / (ranks * threads)
+    return share, f" x {share:.2f}: {ranks} ranks of {threads} threads share {cores} cores"
+
+
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else default
 
 
 @contextlib.contextmanager

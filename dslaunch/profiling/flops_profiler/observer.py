@@ -47,6 +47,7 @@ class FlopsProfilerObserver(Observer):
     def __init__(self, engine: Any, cfg: FlopsProfilerConfig):
         self.engine, self.cfg = engine, cfg
         self.profiler = FlopsProfiler(engine.module, engine, cfg.recompute_fwd_factor)
+        self.profiler.prepare()
         self.phase_s: dict[str, float] = defaultdict(float)
         self._began: dict[str, float] = {}
         self._first: float | None = None

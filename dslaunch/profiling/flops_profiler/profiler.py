@@ -89,6 +89,17 @@ class FlopsProfiler:
         """Set by the engine's observer before printing: the step's latencies and sizes."""
         self.last: Profile | None = None
         """The counts as they were at ``end_profile``."""
+        self._stopped: Profile | None = None  # profile() since the last stop: the counts cannot change
+        self._ready: FlopCounter | None = None
+
+    def prepare(self) -> None:
+        """Build the counter now, for the next ``start_profile`` (the engine's observer does, so that
+        its profiled step only registers the hooks). Only once the model's modules and device are
+        final: the counter knows the modules it was built with."""
+        self._ready = self._new_counter()
+
+    def _new_counter(self) -> FlopCounter:
+        return FlopCounter(self.model, (), _sync_for(self.model))
 
     # ----- DeepSpeed's lifecycle ------------------------------------------------------------
     def start_profile(self, ignore_list: Sequence[type] | None = None) -> None:
@@ -96,7 +107,9 @@ class FlopsProfiler:
         if self.started:
             return
         if self.counter is None:
-            self.counter = FlopCounter(self.model, ignore_list or (), _sync_for(self.model))
+            self.counter, self._ready = self._ready or self._new_counter(), None
+            self.counter.ignore = tuple(ignore_list or ())
+        self._stopped = None
         self.counter.start()
         self.started = True
 
@@ -107,6 +120,7 @@ class FlopsProfiler:
         self.started = False
 
     def reset_profile(self) -> None:
+        self._stopped = None
         if self.counter is not None:
             self.counter.reset()
 
@@ -115,11 +129,14 @@ class FlopsProfiler:
         self.stop_profile()
         if self.counter is not None:
             self.last = self.profile()
-        self.counter = None
+        self.counter, self._stopped = None, None
 
     # ----- results ---------------------------------------------------------------------------
     def profile(self) -> Profile:
-        """The counts so far as a ``Profile`` (the tables' input)."""
+        """The counts so far as a ``Profile`` (the tables' input); built once after a stop (the
+        engine's profiled step reads it for the timing, the tables and ``last``)."""
+        if self._stopped is not None and not self.started:
+            return self._stopped
         c = self._counted()
         names = {m: name for name, m in self.model.named_modules()}
         params = _params_by_module(self.model)
@@ -130,8 +147,11 @@ class FlopsProfiler:
                                   params.get(name, 0), s.fwd_flops, s.bwd_flops, s.own_fwd_flops,
                                   s.own_bwd_flops, s.fwd_duration, s.calls))
         bwd_measured = bool(c.bwd_flops)
-        return Profile(tuple(rows), c.outside[0], c.outside[1], tuple(c.ops.most_common()), bwd_measured,
-                       self.recompute_fwd_factor)
+        p = Profile(tuple(rows), c.outside[0], c.outside[1], tuple(c.ops.most_common()), bwd_measured,
+                    self.recompute_fwd_factor)
+        if not self.started:
+            self._stopped = p
+        return p
 
     def _counted(self) -> FlopCounter:
         if self.counter is None:

@@ -12,6 +12,7 @@
   faults when it reaches that step: ``--fault kill`` (default) SIGKILLs itself, ``stop`` SIGSTOPs
   itself (a hang), ``raise`` raises ``RuntimeError`` (an exception that does not come back);
 - ``--sleep S``: each step takes S seconds more and prints ``rank<R> step=<N>`` (to fault it mid-run);
+- ``--monitor DIR``: the ``tensorboard`` and ``csv_monitor`` blocks write to ``DIR/run/``;
 - at the end rank 0 writes the weights to FILE; every rank prints ``rank<R> world=<W> resumed_at=<step>``
   (the step the run started from) once.
 """
@@ -53,6 +54,7 @@ def main() -> None:
         p.add_argument(name, type=kind, default=-1 if kind is int else None)
     p.add_argument("--fault", choices=("kill", "stop", "raise"), default="kill")
     p.add_argument("--load", action="store_true")
+    p.add_argument("--monitor", help="output_path of the tensorboard and csv_monitor blocks")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step, printing each step")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -61,6 +63,9 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "dist_init_timeout": 60,
               "steps_per_print": 1000}
+    if args.monitor:
+        config.update({block: {"enabled": True, "output_path": args.monitor, "job_name": "run"}
+                       for block in ("tensorboard", "csv_monitor")})
     engine, _, loader, _ = dslaunch.initialize(model=model, model_parameters=model.parameters(),
                                                training_data=Pairs(), config=config)
     if args.load:

@@ -118,3 +118,24 @@ def test_a_cache_owned_by_another_user_is_ignored(tmp_path, measured, caplog, mo
     assert [r.getMessage() for r in caplog.records] == [
         f"dslaunch: measuring the CPU peak again over {quote(str(cache))}: it is owned by uid {me}, not by this user "
         f"(uid {me + 1})"]
+
+
+def test_ranks_that_oversubscribe_the_cores_each_get_their_share_of_the_cpu_peak(measured, monkeypatch) -> None:
+    cores = len(os.sched_getaffinity(0))
+    if 2 * cores <= (os.cpu_count() or cores):
+        pytest.skip("this process may use at most half the machine: taken for a rank bound to its cores")
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    alone = peak_flops(torch.device("cpu"))
+    assert alone.flops == 5e9
+    torch.set_num_threads(cores)  # 2 ranks of `cores` threads each on `cores` cores: half each
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        shared = peak_flops(torch.device("cpu"))
+        assert shared.flops == pytest.approx(5e9 / 2)
+        assert shared.source.endswith(f"x 0.50: 2 ranks of {cores} threads share {cores} cores")
+        if cores >= 2:  # 2 ranks of cores/2 threads: no oversubscription, the whole measured peak
+            torch.set_num_threads(cores // 2)
+            assert peak_flops(torch.device("cpu")).flops == 5e9
+    finally:
+        torch.set_num_threads(threads)
