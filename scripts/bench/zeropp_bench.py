@@ -93,7 +93,7 @@ def worker(name: str, warmup: int, steps: int) -> None:
     dist.barrier()
     tx = _tx_bytes() - tx0  # this host's outgoing link: every rank of the host reads the same counter
     payload = sum(size * row["count"] for sizes in summary.values() for size, row in sizes.items())
-    params = sum(p.numel() for p in engine.module.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     engine.destroy()
     report({"local_rank": int(os.environ["LOCAL_RANK"]), "tx": tx, "payload": payload, "step_s": times[warmup:],
             "losses": losses, "params": params,
