@@ -114,17 +114,19 @@ def test_hpz_gathers_equal_zero3_and_zeropp_stays_within_one_percent() -> None:
         assert r["zero3"]["held_out"] < 0.7 * r["zero3"]["losses"][0]  # it trains
 
 
-@pytest.mark.parametrize("zero,fragment", [
-    ({"stage": 2, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights"),
-    ({"stage": 3, "zero_quantized_nontrainable_weights": True}, "zero_optimization.zero_quantized_nontrainable"),
+@pytest.mark.parametrize("zero,fragment,why", [
+    ({"stage": 2, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights", "needs ZeRO stage 3"),
+    ({"stage": 1, "zero_hpz_partition_size": 2}, "zero_optimization.zero_hpz_partition_size", "needs ZeRO stage 3"),
+    ({"stage": 3, "zero_quantized_nontrainable_weights": True}, "zero_optimization.zero_quantized_nontrainable",
+     "not implemented"),
 ])
-def test_zeropp_config_errors_name_the_key(zero: dict, fragment: str) -> None:
+def test_zeropp_config_errors_name_the_key(zero: dict, fragment: str, why: str) -> None:
     from dslaunch.errors import ConfigError
     from dslaunch.runtime.config.ds_config import load_config
 
     with pytest.raises(ConfigError) as err:
         load_config({"train_batch_size": 1, "zero_optimization": zero}, 1)
-    assert fragment in str(err.value) and "\n" not in str(err.value)
+    assert fragment in str(err.value) and why in str(err.value) and "\n" not in str(err.value)
 
 
 def _bad_hpz(rank: int, world: int) -> str:
