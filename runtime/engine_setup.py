@@ -72,7 +72,9 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         param_persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
                         prefetch_bucket_numel=zero_cfg.stage3_prefetch_bucket_size,
                         max_live_parameters=zero_cfg.stage3_max_live_parameters,
-                        max_reuse_distance=zero_cfg.stage3_max_reuse_distance)
+                        max_reuse_distance=zero_cfg.stage3_max_reuse_distance,
+                        quantized_weights=zero_cfg.zero_quantized_weights,
+                        hpz_partition_size=zero_cfg.zero_hpz_partition_size)
     model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
     exchange = _exchange(cfg, optimizer, grid.get_data_parallel_group())
     zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer, exchange), comm,
@@ -88,6 +90,10 @@ def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> Gradient
     from dslaunch.runtime.optim.registry import is_compressed
 
     compressed = client is None and is_compressed(cfg.optimizer)
+    if cfg.zero_optimization.zero_quantized_gradients:
+        from dslaunch.runtime.zero.zeropp import QuantizedReduceScatter
+
+        return QuantizedReduceScatter.build(process_group)
     return build_exchange(compressed, cfg.hierarchical_allreduce, process_group)
 
 

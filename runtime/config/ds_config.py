@@ -375,6 +375,12 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
         why = "partial offload needs ZeRO stage 3" if zero.stage != 3 else "partial offload needs \"device\": \"cpu\""
         raise ConfigError(f"{ratio} is refused: {why}; set it to 1.0 or remove it",
                           key="zero_optimization.offload_optimizer.ratio")
+    zeropp = {"zero_quantized_weights": zero.zero_quantized_weights, "zero_hpz_partition_size":
+              zero.zero_hpz_partition_size > 1, "zero_quantized_gradients": zero.zero_quantized_gradients}
+    for key, on in zeropp.items():
+        if on and zero.stage != 3:
+            raise ConfigError(f"ZeRO++ needs ZeRO stage 3, this config has stage {zero.stage}; set the stage "
+                              "to 3 or remove it", key=f"zero_optimization.{key}")
     if zero.offload_param.enabled and zero.stage != 3:
         raise ConfigError("needs ZeRO stage 3 (below it every rank holds all parameters)",
                           key="zero_optimization.offload_param.device")

@@ -262,6 +262,13 @@ class ZeroConfig:
                                           "again within this many is kept whole (0: always released)")
     stage3_gather_16bit_weights_on_model_save: bool = _opt(False, boolean, "true to gather the whole "
                                                            "16-bit model for save_16bit_model()")
+    # ZeRO++ (stage 3; see runtime/zero/zeropp.py)
+    zero_quantized_weights: bool = _opt(False, boolean, "true to gather parameters as block-quantized int8 "
+                                        "(stage 3)")
+    zero_quantized_gradients: bool = _opt(False, boolean, "true to reduce gradients as block-quantized int4 "
+                                          "in two hops, within each node then across (stage 3)")
+    zero_hpz_partition_size: int = _opt(1, integer(1), "ranks per secondary parameter shard: 1 (off) or the "
+                                        "ranks per node (or a divisor of it), e.g. 2 (stage 3)")
     sub_group_size: int = _opt(1_000_000_000, integer(1), "elements per offloaded optimizer bucket, e.g. 1e9")
     """Offload only: the master shard is updated in buckets of this many elements (DeepSpeed's
     optimizer sub-groups), so transfers of one bucket overlap the update of another."""
@@ -290,8 +297,7 @@ class ZeroConfig:
 
     UNIMPLEMENTED = {"cpu_offload": False,
                      "cpu_offload_param": False, "cpu_offload_use_pin_memory": ANY, "zenflow": None,
-                     "zero_quantized_weights": False, "zero_quantized_gradients": False,
-                     "zero_quantized_nontrainable_weights": False, "zero_hpz_partition_size": 1,
+                     "zero_quantized_nontrainable_weights": False,
                      "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
                      "legacy_stage1": False, "enable_sanity_checks": False}
     # Keys that only configure stage 3 (after STAGE3_ALIASES) and dslaunch does not read (the

@@ -56,6 +56,12 @@ class GradientExchange:
         """Start summing ``buf`` over the group; returns a handle to wait on (None: done)."""
         return comm.all_reduce(buf, group=self.pg, async_op=True)
 
+    def reduce_bucket(self, buf: torch.Tensor, group: int, begin: int) -> Any:
+        """Sum bucket ``buf`` (elements [begin, ...) of param group ``group``'s flat vector); the
+        default sums all of it (``all_reduce``). A reduce-scatter exchange (ZeRO++'s qgZ) may leave
+        only this rank's owned range summed."""
+        return self.all_reduce(buf)
+
     def summed_ranks(self, world_size: int) -> int:
         """How many ranks' gradients the reduced buffers hold (the mean divides by it)."""
         return world_size

@@ -66,6 +66,8 @@ class FlatShard:
     # offload_param nvme: the shard's values live here (``offload.param_store.ShardStore``) and
     # ``shard`` is a meta tensor (shape and dtype only); go through ``read``/``write``.
     store: Any = None
+    # ZeRO++ (``zeropp.ZeroPPGather``): how ranges are gathered (None: plain broadcasts)
+    gatherer: Any = None
 
     def __reduce__(self) -> tuple:
         # A pickled parameter (torch.save of the Parameter keeps its attributes) is a placeholder
@@ -89,6 +91,8 @@ class FlatShard:
 
     def write(self, lo: int, src: torch.Tensor) -> None:
         """Store ``src`` as this rank's elements ``[lo, lo + src.numel())``."""
+        if self.gatherer is not None:
+            self.gatherer.invalidate()
         if self.store is None:
             self.shard[lo:lo + src.numel()].copy_(src)
         else:
@@ -129,6 +133,13 @@ def gather_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[An
     Returns the buffer (valid once every returned work is waited for) and the works.
     collective: all ranks, same ranges, same order.
     """
+    if flat.gatherer is not None:
+        return flat.gatherer.gather(flat, a, b, _broadcast_range)
+    return _broadcast_range(flat, a, b)
+
+
+def _broadcast_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[Any]]:
+    """``gather_range`` by plain broadcasts: each owner its piece, all in flight at once."""
     out = torch.empty(b - a, dtype=flat.shard.dtype, device=flat.device or flat.shard.device)
     k = shard_slot(flat.numel, flat.world)
     works = []

@@ -35,6 +35,7 @@ from dslaunch.runtime.zero.offload.param_store import ShardStore
 from dslaunch.runtime.zero.partition import GroupLayout, shard_slot
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
+from dslaunch.runtime.zero.zeropp import build_gathers
 
 __all__ = ["ShardGroup", "Partitioned"]
 
@@ -58,7 +59,8 @@ class ShardGroup:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
-                 world_size: int, rank: int, process_group: Any, comm: CommSettings, in_cpu: int = 0):
+                 world_size: int, rank: int, process_group: Any, comm: CommSettings, in_cpu: int = 0,
+                 gatherer: Any = None):
         self.params, self.hparams = params, hparams
         self.dtype = group_dtype(params)
         shapes = [tuple(p.ds_shape) if zp.is_partitioned(p) else tuple(p.shape) for p in params]
@@ -90,7 +92,8 @@ class ShardGroup:
             self.shard = torch.empty(self.shard.shape, dtype=self.dtype, device="meta")
         aliased = self.store is None and self.master.data.data_ptr() == self.shard.data_ptr()
         self.flat = zp.FlatShard(self.shard, lay.numel, world_size, rank, process_group,
-                                 None if aliased else self.master.data, self.compute_device, self.store)
+                                 None if aliased else self.master.data, self.compute_device, self.store,
+                                 gatherer)
         for i, (p, full) in enumerate(zip(params, whole, strict=True)):
             if full is not None:
                 p.data = full.to(self.dtype).view(shapes[i]).clone()
@@ -139,9 +142,10 @@ class Partitioned(Placement):
 
     def _build_groups(self, specs: list[GroupSpec], comm: CommSettings) -> list[Any]:
         groups, in_cpu = [], comm.param_in_cpu  # max_in_cpu counts over this rank's groups, in order
-        for g in specs:
+        gathers = build_gathers(comm, self.pg, [_vector(g.params) for g in specs])
+        for g, gatherer in zip(specs, gathers, strict=True):
             groups.append(ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,
-                                     comm, in_cpu))
+                                     comm, in_cpu, gatherer))
             in_cpu = max(0, in_cpu - groups[-1].shard.numel())
         return groups
 
@@ -159,6 +163,8 @@ class Partitioned(Placement):
         """
         pending = []
         for g in self.groups:
+            if g.flat.gatherer is not None:  # the shard was updated: hpZ's copy is stale
+                g.flat.gatherer.invalidate()
             for owner, pieces in enumerate(_pieces_by_owner(g.flat, g.persistent)):
                 if pieces:
                     pending.append((pieces, *_broadcast_pieces(g.flat, owner, pieces)))
@@ -166,6 +172,12 @@ class Partitioned(Placement):
             wait_all((work,), "persistent parameters (broadcast)")
             dst = [p.data.view(-1)[lo - p._dsl_offset:hi - p._dsl_offset] for p, lo, hi in pieces]
             torch._foreach_copy_(dst, list(buf.split([hi - lo for _, lo, hi in pieces])))
+
+
+def _vector(params: list[torch.nn.Parameter]) -> tuple[int, torch.dtype, torch.device]:
+    """A param group's flat vector: its length, dtype and device (for ZeRO++'s gathers)."""
+    numel = sum(p.ds_numel if zp.is_partitioned(p) else p.numel() for p in params)
+    return numel, group_dtype(params), params[0].device
 
 
 def _pieces_by_owner(flat: zp.FlatShard, params: list[torch.nn.Parameter]) -> list[list[tuple]]:

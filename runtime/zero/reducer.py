@@ -179,7 +179,8 @@ class BucketReducer:
         buf = grads if dtype == grads.dtype else self.pool.take(grads.numel(), dtype, grads.device).copy_(grads)
         if self.prescale != 1.0:
             buf.mul_(self.prescale)
-        work = self.exchange.all_reduce(buf) if self.world_size > 1 else None
+        b = self.buckets[bi]
+        work = self.exchange.reduce_bucket(buf, b.group, b.begin) if self.world_size > 1 else None
         red = _Reduction(work, bi, buf, grads, staged)
         self._inflight.append(red)
         self._held += red.pooled

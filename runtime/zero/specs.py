@@ -69,6 +69,10 @@ class CommSettings:
     prefetch_bucket_numel: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
+    # ZeRO++ (stage 3, zeropp.py): int8 parameter gathers, a node-local secondary shard of this
+    # many ranks for backward's gathers (1: none)
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1
 
     def pre_factor(self) -> float:
         """Multiplies gradients before the reduction: 1 / ``gradient_predivide_factor`` with

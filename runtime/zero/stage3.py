@@ -20,6 +20,9 @@ Config knobs (``zero_optimization``, DeepSpeed's names and defaults):
   ``stage3_max_reuse_distance`` (1e9): the trace of the order parameters are used in, recorded in
   the first iteration, drives prefetch (gathers of the next modules in flight while one computes),
   a bound on the whole parameters and keeping the ones reused soon; see ``prefetch.py``.
+- ``zero_quantized_weights``, ``zero_quantized_gradients``, ``zero_hpz_partition_size`` (ZeRO++):
+  how gathers and the gradient reduction communicate (int8, int4, a node-local secondary shard);
+  see ``zeropp.py``.
 """
 
 from __future__ import annotations
