@@ -18,7 +18,8 @@ Measured per trial:
 - blamed: the rank(s) the launcher's report names as failed (the faulted one is rank 1);
 - success: the job exits 0 and its last step is the last one.
 
-Launchers: ``dslaunch --max_restarts 1``, ``torchrun --max-restarts 1`` (``--standalone``), and
+Launchers: ``dslaunch --max_restarts 1`` (restarted workers start in its warm spares;
+``dslaunch-cold`` adds ``--no_warm_spares``), ``torchrun --max-restarts 1`` (``--standalone``), and
 DeepSpeed's ``deepspeed`` launcher when it imports (no restarts: stop time only). Then a restart
 loop of ``--loop`` trials per restarting launcher counts the successes (faults taken in turn from
 ``--loop-faults``).
@@ -100,9 +101,10 @@ dist.destroy_process_group()
 def _command(system: str, fault: str, script: Path, steps: int, kill_at: int, work: Path) -> list[str]:
     timeout = HANG_GLOO_TIMEOUT_S if fault == "hang" else KILL_GLOO_TIMEOUT_S
     args = [str(script), str(steps), str(kill_at), str(work), FAULT_SIGNAL[fault], str(timeout)]
-    if system == "dslaunch":
+    if system.startswith("dslaunch"):
         hang = ["--hang_timeout", str(HANG_TIMEOUT_S)] if fault == "hang" else []
-        return [str(BIN / "dslaunch"), "--num_gpus", "2", "--max_restarts", "1", *hang,
+        cold = ["--no_warm_spares"] if system == "dslaunch-cold" else []
+        return [str(BIN / "dslaunch"), "--num_gpus", "2", "--max_restarts", "1", *hang, *cold,
                 "--log_dir", str(work / "logs"), *args]
     if system == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -142,7 +144,7 @@ def _read_time(path: Path) -> float | None:
 
 
 def _blamed(system: str, err: str) -> list[int]:
-    found = [next(g for g in m.groups() if g) for m in re.finditer(BLAME[system], err)]
+    found = [next(g for g in m.groups() if g) for m in re.finditer(BLAME[system.split("-")[0]], err)]
     return sorted({int(r) for r in found})
 
 

@@ -1,0 +1,152 @@
+"""Warm spare workers: a restarted run's workers start in interpreters that already imported torch,
+and behave as freshly spawned ones (argv, cwd, environment, output, exit codes, the monitor's
+heartbeats and hang report, no process left behind)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import pytest
+
+from dslaunch.launcher.agent.spare import runnable
+from dslaunch.utils.ports import free_port
+from tests.launcher.helpers import assert_no_job_process, job_processes, new_tag, run_dslaunch, start_dslaunch
+
+pytestmark = pytest.mark.slow
+
+# Each run reports whether torch was imported before its first line (a spare) and what it was given.
+SCRIPT = """
+import os, signal, sys, time
+warm = "torch" in sys.modules
+import torch
+import torch.distributed as dist
+run = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"run={run} rank={rank} warm={warm} argv={sys.argv[1:]} cwd={os.getcwd()} main={__name__} "
+      f"threads={torch.get_num_threads()} env={os.environ.get('SPARE_TEST')}")
+t = torch.ones(2)
+dist.all_reduce(t)
+fault = sys.argv[-1]
+while fault == "wait" and run == 0 and not os.path.exists("go"):
+    time.sleep(0.1)
+if run == 0 and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL) if fault == "kill" else sys.exit(7)
+if run == 1 and rank == 1 and fault == "raise":
+    raise ValueError("bad batch in the restarted run")
+if run == 1 and rank == 1 and fault == "hang":
+    from dslaunch import heartbeat
+    heartbeat(1)
+    time.sleep(600)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+
+_FLAGS = ("--num_gpus", "2", "--max_restarts", "1", "--master_port", str(free_port()))
+
+
+def test_runnable_takes_python_u_script_or_module_with_this_interpreter():
+    py = sys.executable
+    assert runnable([py, "-u", "train.py", "--x"]) and runnable([py, "-u", "-m", "pkg.train"])
+    assert not runnable([py, "train.py"]) and not runnable([py, "-u", "-m"])
+    assert not runnable(["/other/python", "-u", "train.py"]) and not runnable(["./train.sh"])
+
+
+def _lines(out: str, run: int) -> dict[int, str]:
+    found = {}
+    for line in out.splitlines():
+        if f"run={run} " in line:
+            found[int(line.split("rank=")[1].split()[0])] = line
+    return found
+
+
+def _job(tmp_path, fault: str, *flags: str, tag: str | None = None, timeout: float = 100):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    return run_dslaunch([*_FLAGS, "--log_dir", str(tmp_path / "logs"), *flags, "job.py", "a b", fault], tag=tag, cwd=str(tmp_path), timeout=timeout, SPARE_TEST="yes")
+
+
+@pytest.mark.timeout(150)
+def test_a_restarted_run_starts_in_warm_spares_given_everything_a_fresh_worker_gets(tmp_path):
+    tag = new_tag()
+    done = _job(tmp_path, "exit", tag=tag)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    first, second = _lines(out, 0), _lines(out, 1)
+    assert set(first) == set(second) == {0, 1}, out[-3000:]
+    assert all("warm=False" in line for line in first.values()), out[-3000:]
+    for rank, line in second.items():
+        assert line.startswith(f"[rank{rank}] run=1 rank={rank} warm=True "), out[-3000:]
+        assert f"argv=['--local_rank={rank}', 'a b', 'exit'] cwd={tmp_path} main=__main__ threads=1 env=yes" in line
+    assert_no_job_process(tag, within=5)  # the spares made for a third run are gone too
+
+
+@pytest.mark.timeout(150)
+def test_no_warm_spares_starts_restarted_workers_fresh(tmp_path):
+    done = _job(tmp_path, "kill", "--no_warm_spares")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert all("warm=False" in line for line in _lines(out, 1).values()) and len(_lines(out, 1)) == 2, out[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_worker_that_raises_is_blamed_with_its_exception_and_exit_code(tmp_path):
+    done = _job(tmp_path, "raise")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "warm=True" in _lines(done.stdout, 1)[1]
+    assert "rank 1 on localhost exited with code 1 raising ValueError: bad batch in the restarted run" in done.stderr
+    # The traceback is the script's, as `python job.py` prints it: no frame of the spare or runpy.
+    trace = done.stderr.split("[rank1] Traceback (most recent call last):")[-1].split("ValueError")[0]
+    assert 'File "job.py", line' in trace and "spare.py" not in trace and "runpy" not in trace, done.stderr[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_worker_reports_to_the_monitor_whose_hang_detection_names_it(tmp_path):
+    done = _job(tmp_path, "hang", "--hang_timeout", "3")
+    assert done.returncode == 124, done.stderr[-3000:]
+    assert "warm=True" in _lines(done.stdout, 1)[1]
+    assert "rank 1 on localhost hung" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_whose_spare_died_is_spawned_fresh(tmp_path):
+    tag = new_tag()
+    (tmp_path / "job.py").write_text(SCRIPT)
+    proc = start_dslaunch([*_FLAGS, "job.py", "wait"], tag, cwd=str(tmp_path))
+    spares = _spares(tag, 2, within=60)
+    spares[0].kill()
+    (tmp_path / "go").touch()
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0, err[-3000:]
+    assert sorted("warm=True" in line for line in _lines(out, 1).values()) == [False, True], out[-3000:]
+
+
+def _spares(tag: str, count: int, within: float) -> list:
+    """The job's spare processes, once ``count`` are up."""
+    deadline = time.monotonic() + within
+    while len(found := [p for p in job_processes(tag) if "agent.spare" in " ".join(p.cmdline())]) < count:
+        assert time.monotonic() < deadline, f"{len(found)} spare(s) after {within} s"
+        time.sleep(0.2)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_spares_die_with_a_killed_launcher(tmp_path):
+    (tmp_path / "job.py").write_text("import time\ntime.sleep(600)\n")
+    tag = new_tag()
+    proc = start_dslaunch([*_FLAGS, str(tmp_path / "job.py")], tag)
+    _spares(tag, 2, within=60)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert_no_job_process(tag, within=10)
+
+
+@pytest.mark.timeout(150)
+def test_the_module_form_runs_in_a_spare(tmp_path):
+    (tmp_path / "mod_job.py").write_text(SCRIPT)
+    done = run_dslaunch([*_FLAGS, "--log_dir", str(tmp_path / "logs"), "--module", "mod_job", "x", "exit"], cwd=str(tmp_path), timeout=100, SPARE_TEST="m")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert all("warm=True" in line and "main=__main__" in line for line in _lines(out, 1).values()), out[-3000:]
