@@ -216,13 +216,18 @@ def _warm(sock: socket.socket, idle: bool) -> None:
     """Import torch at idle priority where this process may leave it again, so that warming up
     never slows the run that is starting; an assignment (or the pool closing) restores the normal
     policy at once, mid-import if need be."""
-    idle = idle and _set_policy(os.SCHED_IDLE)
     if idle:
         def restore_on_news() -> None:
-            select.select([sock], [], [])
+            try:
+                select.select([sock], [], [])
+            except OSError:  # closed: the main thread got there first
+                return
             _set_policy(os.SCHED_OTHER)
 
+        # Started before the main thread turns idle: a thread inherits its creator's policy, and
+        # an idle one could starve on a busy host instead of restoring the main thread.
         threading.Thread(target=restore_on_news, daemon=True, name="spare-wake").start()
+        idle = _set_policy(os.SCHED_IDLE)
     for name in WARM_IMPORTS:
         importlib.import_module(name)
     if idle:

@@ -5,6 +5,7 @@ heartbeats and hang report, no process left behind)."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import time
 
@@ -53,6 +54,33 @@ def test_runnable_takes_python_u_script_or_module_with_this_interpreter():
     assert runnable([py, "-u", "train.py", "--x"]) and runnable([py, "-u", "-m", "pkg.train"])
     assert not runnable([py, "train.py"]) and not runnable([py, "-u", "-m"])
     assert not runnable(["/other/python", "-u", "train.py"]) and not runnable(["./train.sh"])
+
+
+WARM_PROBE = """
+import os, socket, threading
+from dslaunch.launcher.agent import spare
+seen = []
+class Probe:  # stands in for importlib: records the policies while "importing"
+    @staticmethod
+    def import_module(name):
+        wake = next(t for t in threading.enumerate() if t.name == "spare-wake")
+        seen.append((os.sched_getscheduler(0), os.sched_getscheduler(wake.native_id)))
+spare.importlib = Probe
+ours, theirs = socket.socketpair()
+spare._warm(theirs, idle=spare._may_leave_idle())
+print(seen[0][0] == os.SCHED_IDLE, seen[0][1] == os.SCHED_OTHER, os.sched_getscheduler(0) == os.SCHED_OTHER)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_warms_up_at_idle_priority_with_a_normal_thread_to_wake_it():
+    if not subprocess.run([sys.executable, "-c", "from dslaunch.launcher.agent.spare import _may_leave_idle as m; "
+                           "raise SystemExit(0 if m() else 1)"]).returncode == 0:
+        pytest.skip("this user may not leave SCHED_IDLE again (no CAP_SYS_NICE, RLIMIT_NICE too low)")
+    done = subprocess.run([sys.executable, "-c", WARM_PROBE], capture_output=True, text=True, timeout=50)
+    # idle while importing; the thread that restores it on news is not idle (it could starve);
+    # normal again afterwards
+    assert done.stdout.split() == ["True", "True", "True"], done.stdout + done.stderr
 
 
 def _lines(out: str, run: int) -> dict[int, str]:
