@@ -24,6 +24,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -38,7 +39,7 @@ from dslaunch.launcher.agent.procs import (
     kill_adopted,
     signal_group,
 )
-from dslaunch.launcher.agent.spare import Assignment, Spare, SparePool
+from dslaunch.launcher.agent.spare import Assignment, Spare, SpareLost, SparePool
 from dslaunch.launcher.agent.watchdog import Watchdog
 from dslaunch.launcher.monitor.failures import classify, oom_kills, root_cause
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
@@ -200,16 +201,18 @@ class Agent:
     def _hand_to(self, spare: Spare, spec: WorkerSpec, cores: tuple[int, ...],
                  fds: tuple[int, int]) -> tuple[subprocess.Popen, BinaryIO, BinaryIO] | None:
         """Make ``spare`` the worker ``spec``: its process, and the read ends of its stdout and
-        stderr; None when the spare is gone (the worker is then spawned fresh)."""
+        stderr; None when it did not take the worker (it is then dead and reaped, having run
+        none of it, and the worker is spawned fresh: said on stderr, as it costs seconds)."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             spare.assign(Assignment(spec.argv, process_env(os.environ, self.node, spec, cores), self.node.cwd or None,
                                     cores), (out_w, err_w, *fds))
-        except OSError:  # it died while waiting (OOM killer, say): nothing of the worker ran yet
+        except SpareLost as lost:
             for fd in (out_r, err_r):
                 os.close(fd)
-            spare.discard()
+            self.report(f"dslaunch: rank {spec.global_rank}: its warm spare (pid {spare.proc.pid}) did not "
+                        f"take it ({lost}); started fresh")
             return None
         finally:
             for fd in (out_w, err_w):
@@ -277,9 +280,9 @@ class Agent:
         """All workers exited: kill leftovers in their groups, drain output, record the result."""
         for w in self._workers:
             signal_group(w.proc.pid, signal.SIGKILL)  # grandchildren left behind in the group
-        if self._adopt:
-            spares = self._spares.pids() if self._spares is not None else set()
-            kill_adopted(keep={self._watchdog.pid, *self.pids, *spares})  # daemons that left the group
+        if self._adopt:  # daemons that left the group; never a spare, nor one being started
+            with self._spares.held() if self._spares is not None else nullcontext(set()) as spares:
+                kill_adopted(keep={self._watchdog.pid, *self.pids, *spares})
         deadline = time.monotonic() + 1.0  # a process outside the group may hold a pipe: do not hang
         for w in self._workers:
             for t in w.threads:

@@ -4,18 +4,22 @@ heartbeats and hang report, no process left behind)."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from dslaunch.launcher.agent.spare import runnable
+from dslaunch.launcher.agent.spare import Assignment, SpareLost, SparePool, runnable
 from dslaunch.utils.ports import free_port
 from tests.launcher.helpers import assert_no_job_process, job_processes, new_tag, run_dslaunch, start_dslaunch
 
 pytestmark = pytest.mark.slow
+STRESS = Path(__file__).resolve().parents[3] / "scripts" / "spare_stress.py"
 
 # Each run reports whether torch was imported before its first line (a spare) and what it was given.
 SCRIPT = """
@@ -60,14 +64,15 @@ WARM_PROBE = """
 import os, socket, threading
 from dslaunch.launcher.agent import spare
 seen = []
+ours, theirs = socket.socketpair()
 class Probe:  # stands in for importlib: records the policies while "importing"
     @staticmethod
     def import_module(name):
         wake = next(t for t in threading.enumerate() if t.name == "spare-wake")
         seen.append((os.sched_getscheduler(0), os.sched_getscheduler(wake.native_id)))
+        ours.close()  # the pool closes: the waiting thread ends
 spare.importlib = Probe
-ours, theirs = socket.socketpair()
-spare._warm(theirs, idle=spare._may_leave_idle())
+assert spare._warm(theirs, "token", delay=0) is None
 print(seen[0][0] == os.SCHED_IDLE, seen[0][1] == os.SCHED_OTHER, os.sched_getscheduler(0) == os.SCHED_OTHER)
 """
 
@@ -178,3 +183,50 @@ def test_the_module_form_runs_in_a_spare(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert all("warm=True" in line and "main=__main__" in line for line in _lines(out, 1).values()), out[-3000:]
+
+
+def _pipes(count: int) -> tuple[list[int], list[int]]:
+    pairs = [os.pipe() for _ in range(count)]
+    return [r for r, _ in pairs], [w for _, w in pairs]
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_refuses_an_assignment_addressed_to_another_and_runs_none_of_it(tmp_path):
+    """Each spare is started with a token and takes only what is addressed to it; one it refuses
+    is reported to the agent (SpareLost), and the spare is gone, having run nothing."""
+    (tmp_path / "job.py").write_text("open('ran', 'w').close()\n")
+    argv = (sys.executable, "-u", "job.py")
+    pool = SparePool(os.environ)
+    pool.fill(1)
+    spare = pool.take(argv)
+    assert spare is not None and not pool.pids()  # taken once: it left the pool
+    spare.token = "not-its-token"  # an assignment meant for another spare
+    reads, writes = _pipes(4)
+    try:
+        with pytest.raises(SpareLost, match="refused: addressed to another spare"):
+            spare.assign(Assignment(argv, dict(os.environ), str(tmp_path)), writes)
+    finally:
+        _close_all(reads + writes)
+        pool.close()
+    assert spare.proc.returncode is not None  # reaped before assign raised
+    assert not (tmp_path / "ran").exists()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+@pytest.mark.timeout(120)
+def test_spare_restarts_under_stress_hand_every_rank_to_its_own_spare(tmp_path):
+    """The short version of scripts/spare_stress.py: SIGKILL restarts in a row, some while the next
+    spares still import torch, one after a waiting spare was killed: no broken pipe, no fresh
+    start while a spare was alive, no hang, each rank run once, by the process the agent started
+    for it, in a spare never used before."""
+    out = tmp_path / "stress.json"
+    done = subprocess.run([sys.executable, str(STRESS), "--restarts", "5", "--kill-spare-every", "4",
+                           "--max-pause", "1", "--run-timeout", "40", "--json", str(out)],
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    counts = json.loads(out.read_text())["counts"]
+    assert counts["restarts"] == 5 and counts["warm_ranks"] + counts["expected_fallbacks"] == 10, counts
