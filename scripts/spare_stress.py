@@ -129,6 +129,12 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+def _write(path: Path, runs: list[dict], hogs: int) -> dict:
+    counts = {**summarize(runs), "load_avg": round(os.getloadavg()[0], 2), "hogs": hogs}
+    path.write_text(json.dumps({"counts": counts, "runs": runs}, indent=1) + "\n")
+    return counts
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--restarts", type=int, default=50)
@@ -154,16 +160,15 @@ def main(argv: list[str]) -> int:
                 r = runs[-1]
                 print(f"run {run}: {r['s']} s fresh={r['fresh']} spare_killed={r['spare_killed']} "
                       f"hung={r['hung']} wrong={r['wrong']} reports={r['reports']}{r['tail']}", flush=True)
+                if args.json:  # after every run: a stress stopped early still reports
+                    _write(args.json, runs, args.hogs)
     finally:
         pool.close()
         for hog in hogs:
             hog.kill()
             hog.wait()
-    counts = summarize(runs)
-    counts["load_avg"] = os.getloadavg()[0]
+    counts = _write(args.json, runs, args.hogs) if args.json else summarize(runs)
     print(json.dumps(counts), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"counts": counts, "runs": runs}, indent=1) + "\n")
     bad = ("hangs", "broken_pipes", "fallbacks", "missing_ranks", "wrong")
     return 0 if all(counts[k] == 0 for k in bad) else 1
 
