@@ -93,6 +93,8 @@ class LaunchConfig:
     master_port_given: bool = False
     """``--master_port`` was on the command line: every run uses it (else restarts pick a free one)."""
     max_restarts: int = 0
+    warm_spares: bool = True
+    """Restarted local workers run in spare interpreters kept warm (``launcher.agent.spare``)."""
     restart_count: int = 0
     """Which run this plan is for (0 = the first; set by the job loop, told to the workers)."""
     restart_reason: str | None = None

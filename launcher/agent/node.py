@@ -24,7 +24,9 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from dslaunch.errors import LaunchError
 from dslaunch.launcher.agent.channels import Channels
@@ -37,6 +39,7 @@ from dslaunch.launcher.agent.procs import (
     kill_adopted,
     signal_group,
 )
+from dslaunch.launcher.agent.spare import Assignment, Spare, SpareLost, SparePool
 from dslaunch.launcher.agent.watchdog import Watchdog
 from dslaunch.launcher.monitor.failures import classify, oom_kills, root_cause
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
@@ -82,11 +85,15 @@ class Agent:
             child process that is not a worker (daemons that left their worker's group). Only
             for a process that exists to run this job (the CLI, the agent command), never in a
             process with children of its own.
+        spares: warm spare workers (``spare``) to hand workers to instead of spawning them; the
+            pool belongs to the caller, which refills it (it outlives this run).
     """
 
     def __init__(self, node: NodeSpec, stdout_fd: int = 1, stderr_fd: int = 2,
-                 on_change: Callable[[], None] | None = None, adopt_orphans: bool = False) -> None:
+                 on_change: Callable[[], None] | None = None, adopt_orphans: bool = False,
+                 spares: SparePool | None = None) -> None:
         self.node = node
+        self._spares = spares
         self._adopt = adopt_orphans
         self._out, self._err = Sink(stdout_fd), Sink(stderr_fd)
         self._on_change = on_change
@@ -163,12 +170,18 @@ class Agent:
 
     def _spawn(self, spec: WorkerSpec, cores: tuple[int, ...]) -> None:
         fds = self._channels.pipes(spec.global_rank)
+        spare = self._spares.take(spec.argv) if self._spares is not None else None
         try:
-            proc = subprocess.Popen(
-                spec.argv, env=process_env(os.environ, self.node, spec, cores, monitor_env(*fds)),
-                cwd=self.node.cwd or None, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, preexec_fn=child_setup(cores), pass_fds=fds,
-            )
+            started = self._hand_to(spare, spec, cores, fds) if spare is not None else None
+            if started is not None:
+                proc, out, err = started
+            else:
+                proc = subprocess.Popen(
+                    spec.argv, env=process_env(os.environ, self.node, spec, cores, monitor_env(*fds)),
+                    cwd=self.node.cwd or None, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, preexec_fn=child_setup(cores), pass_fds=fds,
+                )
+                out, err = proc.stdout, proc.stderr
         finally:
             for fd in fds:  # the worker holds the write ends now: EOF comes when it (and its children) exit
                 os.close(fd)
@@ -176,7 +189,7 @@ class Agent:
         worker = Worker(spec, proc)
         log = self._logs.get(spec.global_rank)
         prefix = f"[rank{spec.global_rank}] ".encode()
-        for pipe, sink, watch in ((proc.stdout, self._out, None), (proc.stderr, self._err, worker.watch)):
+        for pipe, sink, watch in ((out, self._out, None), (err, self._err, worker.watch)):
             t = threading.Thread(target=pump, args=(pipe, prefix, sink, log, watch), daemon=True)
             t.start()
             worker.threads.append(t)
@@ -184,6 +197,27 @@ class Agent:
             self._workers.append(worker)
         threading.Thread(target=self._monitor, args=(worker,), daemon=True,
                          name=f"wait-rank{spec.global_rank}").start()
+
+    def _hand_to(self, spare: Spare, spec: WorkerSpec, cores: tuple[int, ...],
+                 fds: tuple[int, int]) -> tuple[subprocess.Popen, BinaryIO, BinaryIO] | None:
+        """Make ``spare`` the worker ``spec``: its process, and the read ends of its stdout and
+        stderr; None when it did not take the worker (it is then dead and reaped, having run
+        none of it, and the worker is spawned fresh: said on stderr, as it costs seconds)."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            spare.assign(Assignment(spec.argv, process_env(os.environ, self.node, spec, cores), self.node.cwd or None,
+                                    cores), (out_w, err_w, *fds))
+        except SpareLost as lost:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            self.report(f"dslaunch: rank {spec.global_rank}: its warm spare (pid {spare.proc.pid}) did not "
+                        f"take it ({lost}); started fresh")
+            return None
+        finally:
+            for fd in (out_w, err_w):
+                os.close(fd)
+        return spare.proc, open(out_r, "rb"), open(err_r, "rb")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop every worker from outside: ``sig`` now, SIGKILL after the grace period.
@@ -246,8 +280,9 @@ class Agent:
         """All workers exited: kill leftovers in their groups, drain output, record the result."""
         for w in self._workers:
             signal_group(w.proc.pid, signal.SIGKILL)  # grandchildren left behind in the group
-        if self._adopt:
-            kill_adopted(keep={self._watchdog.pid, *self.pids})  # daemons that left the group
+        if self._adopt:  # daemons that left the group; never a spare, nor one being started
+            with self._spares.held() if self._spares is not None else nullcontext(set()) as spares:
+                kill_adopted(keep={self._watchdog.pid, *self.pids, *spares})
         deadline = time.monotonic() + 1.0  # a process outside the group may hold a pipe: do not hang
         for w in self._workers:
             for t in w.threads:

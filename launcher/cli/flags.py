@@ -161,6 +161,9 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
       help="elastic: the fewest nodes to go on with (default 1)")
     g("--max_elastic_nodes", type=integer, default=-1,
       help="elastic: the most nodes to use (default: all selected hosts)")
+    g("--no_warm_spares", action="store_true",
+      help="with --max_restarts on one local node: start restarted workers fresh instead of handing "
+           "them to spare interpreters kept with torch imported (about 250 MB each)")
     if "--autotuning" not in unsupported:
         a("--autotuning", choices=("tune", "run"), default=None,
           help="tune: search the ds_config's autotuning space, each experiment a dslaunch job on these hosts, "

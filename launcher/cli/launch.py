@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError
 from dslaunch.launcher import gpus
+from dslaunch.launcher.agent.spare import SparePool
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
@@ -40,6 +41,7 @@ from dslaunch.launcher.plan import (
     elastic_batch_for,
 )
 from dslaunch.launcher.runners import get_runner
+from dslaunch.launcher.runners.local import LocalRunner
 from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocation
 from dslaunch.launcher.runners.slurm.preemption import Preemption
 from dslaunch.launcher.spec import JobSpec
@@ -81,7 +83,7 @@ def parse_config(argv: list[str],
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
         no_ssh=ns.no_ssh, node_rank=ns.node_rank, hang_timeout=ns.hang_timeout, log_dir=ns.log_dir,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
-        max_restarts=ns.max_restarts,
+        max_restarts=ns.max_restarts, warm_spares=not ns.no_warm_spares,
         # '' stays '' (abspath would make it the cwd) for the plan to refuse
         resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else ns.resume_from,
         max_nodes=ns.max_elastic_nodes if ns.elastic_training and ns.max_elastic_nodes > 0 else 0,
@@ -194,7 +196,9 @@ def _module_found(name: str) -> bool:
 def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config: Mapping[str, str]) -> int:
     plan = build_job(cfg, gpus.detect)
     job = plan.job
-    runner = get_runner(job.launcher)()  # an unknown --launcher fails before any note is printed
+    # Only a local node keeps spares: a remote agent is a new process at every run.
+    spares = SparePool(os.environ) if job.launcher == "local" and policy.max_restarts and cfg.warm_spares else None
+    runner = _runner(job.launcher, spares)  # an unknown --launcher fails before any note is printed
     if job.launcher == "local":
         check_script(cfg)  # also for --dry-run: it fails like a real run would
     for note in plan.notes:
@@ -230,7 +234,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
     events = EventLog(job.monitor.log_dir, echo=print_event)  # one log for the job, whatever its restarts
     preemption = Preemption(enabled=job.launcher == "slurm")
     loop = JobLoop(policy, plan_attempt,
-                   lambda j: preemption.track(next(runners, None) or get_runner(j.launcher)()), events)
+                   lambda j: preemption.track(next(runners, None) or _runner(j.launcher, spares)), events)
     started = time.monotonic()
     code: int | None = None
     try:
@@ -240,8 +244,15 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
         code = err.exit_code
         raise
     finally:
+        if spares is not None:
+            spares.close()
         events.emit("end", exit_code=code, duration_s=round(time.monotonic() - started, 3))
         events.close()
+
+
+def _runner(name: str, spares: SparePool | None):  # -> Runner
+    """A new runner for one run; the local one gets the job's spares."""
+    return LocalRunner(spares) if name == "local" else get_runner(name)()
 
 
 def _monitor_line(job: JobSpec) -> str:
@@ -276,7 +287,7 @@ def _run(loop: JobLoop, policy: RestartPolicy, preemption: Preemption) -> int:
         why = f"; {outcome.decision.reason}" if policy.max_restarts else ""
         raise WorkerFailedError(f"{f.describe()}; {stopped}{why}{details}",
                                 rank=f.rank if f.rank is not None else -1,
-                                exit_code=f.exit_code, host=f.host, signal_name=f.signal_name)
+                                exit_code=f.job_exit_code, host=f.host, signal_name=f.signal_name)
     if result.stopped_by:
         print(f"dslaunch: stopped by {result.stopped_by}; all workers stopped (exit code {code})",
               file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ import threading
 
 from dslaunch.errors import UsageError
 from dslaunch.launcher.agent.node import Agent
+from dslaunch.launcher.agent.spare import SparePool
 from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import Runner, format_node
 from dslaunch.launcher.spec import JobSpec, NodeResult
@@ -51,15 +52,27 @@ class _InProcessNode(NodeHandle):
 
 class LocalRunner(Runner):
     """Runs the single local node in-process. Call ``start`` from the main thread of a process
-    that exists for this job (it becomes the workers' subreaper, see ``Agent``)."""
+    that exists for this job (it becomes the workers' subreaper, see ``Agent``).
+
+    Args:
+        spares: warm spare workers kept across the job's runs (``agent.spare``): this run's
+            workers are handed to those ready, and the pool is refilled for the next run.
+    """
 
     name = "local"
+
+    def __init__(self, spares: SparePool | None = None) -> None:
+        super().__init__()
+        self._spares = spares
 
     def _start_nodes(self, job: JobSpec, wake: threading.Event) -> list[NodeHandle]:
         if len(job.nodes) != 1:
             raise UsageError(f"the local launcher runs one node, got {len(job.nodes)}: {', '.join(job.hosts)}")
-        agent = Agent(job.nodes[0], on_change=wake.set, adopt_orphans=True)  # the CLI process is the job's
+        # The CLI process is the job's: it adopts orphans and owns the spares.
+        agent = Agent(job.nodes[0], on_change=wake.set, adopt_orphans=True, spares=self._spares)
         agent.start()
+        if self._spares is not None:
+            self._spares.fill(len(job.nodes[0].workers))
         return [_InProcessNode(agent)]
 
     def dry_run(self, job: JobSpec) -> str:

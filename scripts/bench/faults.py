@@ -6,8 +6,9 @@ and a restarted run starts from it. In the first run rank 1 faults itself at a f
 writing the time. Faults:
 
 - ``kill``: SIGKILL (the rank dies: every launcher sees an exit);
+- ``none``: no fault (the uninterrupted wall time the others are compared with);
 - ``hang``: SIGSTOP (the rank is alive but makes no progress). dslaunch runs with
-  ``--hang_timeout 5`` (the script reports its step with ``dslaunch.heartbeat``, a no-op under the
+  ``--hang_timeout 8`` (the script reports its step with ``dslaunch.heartbeat``, a no-op under the
   peers); the peers can only notice when the survivor's collective times out (gloo timeout
   ``HANG_GLOO_TIMEOUT_S``, the script's ``init_process_group(timeout=...)``).
 
@@ -16,17 +17,21 @@ Measured per trial:
 - stop: fault -> the last worker of the first run is gone (psutil, polled every 5 ms);
 - resume: fault -> the restarted run's first finished step (written by rank 0);
 - blamed: the rank(s) the launcher's report names as failed (the faulted one is rank 1);
-- success: the job exits 0 and its last step is the last one.
+- success: the job exits 0 and its last step is the last one;
+- wall: the launcher's start to its exit; "extra" in the table = a fault's median wall time minus
+  the same launcher's median without a fault (what the fault cost the job).
 
-Launchers: ``dslaunch --max_restarts 1``, ``torchrun --max-restarts 1`` (``--standalone``), and
+Launchers: ``dslaunch --max_restarts 1`` (restarted workers start in its warm spares;
+``dslaunch-cold`` adds ``--no_warm_spares``), ``torchrun --max-restarts 1`` (``--standalone``), and
 DeepSpeed's ``deepspeed`` launcher when it imports (no restarts: stop time only). Then a restart
 loop of ``--loop`` trials per restarting launcher counts the successes (faults taken in turn from
 ``--loop-faults``).
 
 Writes ``results/faults.json`` and ``results/faults.md`` (or to ``--out``).
 
-Usage: ``python scripts/bench/faults.py [--trials 5] [--faults kill,hang] [--loop 50]
-[--loop-faults kill,hang] [--peer-loop 20] [--systems dslaunch,torchrun,deepspeed] [--out DIR]``.
+Usage: ``python scripts/bench/faults.py [--trials 5] [--faults none,kill,hang] [--loop 50]
+[--loop-faults kill,hang] [--peer-loop 20] [--systems dslaunch,torchrun,deepspeed] [--out DIR]
+[--append]`` (``--append`` adds to the results already in ``--out``: a long set in several calls).
 """
 
 from __future__ import annotations
@@ -53,8 +58,8 @@ JOB_TIMEOUT_S = 120
 LOOP_TIMEOUT_S = 60  # a loop job takes ~10 s here; past this its restart hangs
 KILL_GLOO_TIMEOUT_S = 60
 HANG_GLOO_TIMEOUT_S = 30  # the peers' only way to see a hang; DeepSpeed's default is 30 min
-HANG_TIMEOUT_S = 5  # dslaunch --hang_timeout
-FAULT_SIGNAL = {"kill": "SIGKILL", "hang": "SIGSTOP"}
+HANG_TIMEOUT_S = 8  # dslaunch --hang_timeout (issue 25's setting)
+FAULT_SIGNAL = {"kill": "SIGKILL", "hang": "SIGSTOP", "none": "SIGCONT"}  # none: never sent
 # How each launcher's report names the failed rank. torchrun: its "Root Cause" entry. DeepSpeed:
 # its "<cmd> exits with return code" line, whose cmd is the last rank it started, whatever failed.
 BLAME = {"dslaunch": r"rank (\d+) on \S+ (?:hung|was killed|exited|died|raised)",
@@ -99,10 +104,12 @@ dist.destroy_process_group()
 
 def _command(system: str, fault: str, script: Path, steps: int, kill_at: int, work: Path) -> list[str]:
     timeout = HANG_GLOO_TIMEOUT_S if fault == "hang" else KILL_GLOO_TIMEOUT_S
+    kill_at = steps + 1 if fault == "none" else kill_at
     args = [str(script), str(steps), str(kill_at), str(work), FAULT_SIGNAL[fault], str(timeout)]
-    if system == "dslaunch":
+    if system.startswith("dslaunch"):
         hang = ["--hang_timeout", str(HANG_TIMEOUT_S)] if fault == "hang" else []
-        return [str(BIN / "dslaunch"), "--num_gpus", "2", "--max_restarts", "1", *hang,
+        cold = ["--no_warm_spares"] if system == "dslaunch-cold" else []
+        return [str(BIN / "dslaunch"), "--num_gpus", "2", "--max_restarts", "1", *hang, *cold,
                 "--log_dir", str(work / "logs"), *args]
     if system == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -142,7 +149,7 @@ def _read_time(path: Path) -> float | None:
 
 
 def _blamed(system: str, err: str) -> list[int]:
-    found = [next(g for g in m.groups() if g) for m in re.finditer(BLAME[system], err)]
+    found = [next(g for g in m.groups() if g) for m in re.finditer(BLAME[system.split("-")[0]], err)]
     return sorted({int(r) for r in found})
 
 
@@ -156,6 +163,7 @@ def trial(system: str, fault: str = "kill", steps: int = 40, kill_at: int = 20, 
         script.write_text(SCRIPT)
         tag = uuid.uuid4().hex
         env = {**os.environ, TAG_VAR: tag, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+        began = time.monotonic()
         proc = subprocess.Popen(_command(system, fault, script, steps, kill_at, work), env=env, cwd=tmp,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # DeepSpeed logs to stdout
                                 start_new_session=True)
@@ -168,10 +176,11 @@ def trial(system: str, fault: str = "kill", steps: int = 40, kill_at: int = 20, 
         try:
             err, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             code = proc.returncode
+            wall = time.monotonic() - began
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the workers it left
             err, _ = proc.communicate()
-            code = "timeout"
+            code, wall = "timeout", None
         leftovers = _kill_leftovers(tag, str(script))
         killed, resumed = _read_time(work / "killed"), _read_time(work / "resumed")
         done = (work / "done").read_text() if (work / "done").exists() else None
@@ -179,6 +188,7 @@ def trial(system: str, fault: str = "kill", steps: int = 40, kill_at: int = 20, 
             "leftover_workers": leftovers, "success": code == 0 and done == str(steps),
             "stop_s": round(stopped - killed, 3) if stopped and killed else None,
             "resume_s": round(resumed - killed, 3) if resumed and killed else None,
+            "wall_s": round(wall, 3) if wall is not None else None,
             "tail": "" if code == 0 else (err or "")[-1500:]}
 
 
@@ -194,6 +204,12 @@ def _median(values: list) -> str:
     return f"{statistics.median(got):.2f}" if got else "n/a"
 
 
+def _extra(walls: list, calm: list) -> str:
+    """Median wall time with the fault minus the median without (the fault's cost)."""
+    got, base = [w for w in walls if w is not None], [w for w in calm if w is not None]
+    return f"{statistics.median(got) - statistics.median(base):.2f}" if got and base else "n/a"
+
+
 def _markdown(timed: list[dict], loop: list[dict]) -> str:
     lines = ["## Fault recovery: a rank SIGKILLed or SIGSTOPped mid-run (`scripts/bench/faults.py`)\n",
              "2 ranks, gloo, the same plain torch.distributed script under each launcher; rank 1 faults "
@@ -205,13 +221,17 @@ def _markdown(timed: list[dict], loop: list[dict]) -> str:
              "default is 30 min). DeepSpeed's launcher has no restarts. blamed `[]`: no failure reported "
              "(the restart finished); DeepSpeed's failure line names the last rank it started, whatever "
              "failed, which is rank 1 here.\n",
-             "| launcher | fault | trials | stop s (median) | resume s (median) | blamed | finished |",
-             "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
+             "| launcher | fault | trials | stop s (median) | resume s (median) | wall s (median) | extra s | "
+             "blamed | finished |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for system, fault in dict.fromkeys((r["system"], r.get("fault", "kill")) for r in timed):
         rs = [r for r in timed if r["system"] == system and r.get("fault", "kill") == fault]
         blamed = ", ".join(dict.fromkeys(str(r.get("blamed", "?")) for r in rs))
+        calm = [r.get("wall_s") for r in timed if r["system"] == system and r.get("fault") == "none"]
+        extra = _extra([r.get("wall_s") for r in rs], calm) if fault != "none" else "-"
         lines.append(f"| {system} | {fault} | {len(rs)} | {_median([r['stop_s'] for r in rs])} | "
-                     f"{_median([r['resume_s'] for r in rs])} | {blamed} | {sum(r['success'] for r in rs)} of {len(rs)} |")
+                     f"{_median([r['resume_s'] for r in rs])} | {_median([r.get('wall_s') for r in rs])} | {extra} | "
+                     f"{blamed} | {sum(r['success'] for r in rs)} of {len(rs)} |")
     if loop:
         lines += ["", "Restart loop: faults in turn, `--max_restarts 1` / `--max-restarts 1`, counting jobs "
                       f"that finish every step (a job past {LOOP_TIMEOUT_S} s is killed and counts as failed).\n",
@@ -223,7 +243,7 @@ def _markdown(timed: list[dict], loop: list[dict]) -> str:
             lines.append(f"| {system} | {fault} | {len(rs)} | {sum(r['success'] for r in rs)} of {len(rs)} | {codes} |")
     lines.append(f"\nTargets: job stopped < 0.5 s after a kill; a hang detected within --hang_timeout + 1 s "
                  f"(here {HANG_TIMEOUT_S + 1} s) with rank 1 named; first step after resume within 15 s of "
-                 "the fault; restarts succeed 50 of 50.\n")
+                 "the fault; restarts succeed 50 of 50; a SIGKILL restart's extra wall time < 8 s (issue 25).\n")
     return "\n".join(lines)
 
 
@@ -234,13 +254,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--peer-loop", type=int, default=20,
                         help="restart-loop trials of each restarting peer (its runs take longer here)")
     parser.add_argument("--systems", default="dslaunch,torchrun,deepspeed")
-    parser.add_argument("--faults", default="kill,hang", help="faults of the timed trials")
+    parser.add_argument("--faults", default="none,kill,hang", help="faults of the timed trials")
     parser.add_argument("--loop-faults", default="kill,hang", help="faults of the restart loop, in turn")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--append", action="store_true", help="add to the results already in --out")
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if _has(s) or print(f"{s}: not installed, skipped",
                                                                       file=sys.stderr)]
-    timed, loop = [], []
+    old = json.loads((args.out / "faults.json").read_text()) if args.append else {}
+    timed, loop = old.get("timed", []), old.get("loop", [])
     faults = args.faults.split(",")
     loop_faults = args.loop_faults.split(",")
     for i in range(args.trials):  # interleaved, so load changes hit every launcher alike

@@ -55,9 +55,9 @@ def run_dslaunch(args: list[str], tag: str | None = None, timeout: float = 30, c
                           text=True, timeout=timeout, cwd=cwd)
 
 
-def start_dslaunch(args: list[str], tag: str, **env: str) -> subprocess.Popen:
+def start_dslaunch(args: list[str], tag: str, cwd: str | None = None, **env: str) -> subprocess.Popen:
     return subprocess.Popen(DSLAUNCH + args, env=tagged_env(tag, **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
 
 
 def wait_for_lines(proc: subprocess.Popen, count: int, timeout: float = 10) -> list[str]:
