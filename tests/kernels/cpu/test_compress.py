@@ -16,14 +16,6 @@ pytestmark = [pytest.mark.skipif(not build.available(), reason="no C compiler: t
               pytest.mark.timeout(60)]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _values(n: int, seed: int) -> torch.Tensor:
     x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     if n >= 16:
