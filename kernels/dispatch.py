@@ -98,6 +98,8 @@ _CPU_KERNELS = {
     "torch.adam": "dslaunch.kernels.cpu.torch_steps:adam_step",
     "torch.adamw": "dslaunch.kernels.cpu.torch_steps:adam_step",
     "torch.adagrad": "dslaunch.kernels.cpu.torch_steps:adagrad_step",
+    "onebit_pack": "dslaunch.kernels.cpu.compress:onebit_pack",
+    "onebit_unpack": "dslaunch.kernels.cpu.compress:onebit_unpack",
 }
 # The Triton kernels of kernels/triton/: available where triton imports and a CUDA device exists.
 _TRITON_AVAILABLE = "dslaunch.kernels.triton:available"
@@ -106,6 +108,8 @@ _TRITON_KERNELS = {
     "layer_norm": "dslaunch.kernels.triton.norms:layer_norm",
     "rms_norm": "dslaunch.kernels.triton.norms:rms_norm",
     "bias_gelu": "dslaunch.kernels.triton.bias_gelu:bias_gelu",
+    "onebit_pack": "dslaunch.kernels.triton.onebit:onebit_pack",
+    "onebit_unpack": "dslaunch.kernels.triton.onebit:onebit_unpack",
 }
 
 
@@ -131,6 +135,8 @@ KERNELS = KernelTable(
         "layer_norm": "dslaunch.kernels.reference:layer_norm",
         "rms_norm": "dslaunch.kernels.reference:rms_norm",
         "bias_gelu": "dslaunch.kernels.reference:bias_gelu",
+        "onebit_pack": "dslaunch.runtime.optim.compression:pack_reference",
+        "onebit_unpack": "dslaunch.runtime.optim.compression:unpack_reference",
     },
     fused=_fused((("cpu",), _CPU_AVAILABLE, _CPU_KERNELS), (("cuda",), _TRITON_AVAILABLE, _TRITON_KERNELS)),
 )

@@ -1,4 +1,4 @@
-"""Build ``optim.c`` into a shared library on first use, cache it, load it with ctypes.
+"""Build ``optim.c`` (and ``compress.c``) into a shared library on first use, cache it, load it with ctypes.
 
 The library is compiled with the C compiler ``$CC`` (default ``gcc``) and ``FLAGS`` into
 ``$DSLAUNCH_KERNELS_CACHE`` (default ``$XDG_CACHE_HOME/dslaunch/kernels``, i.e.
@@ -36,13 +36,15 @@ from pathlib import Path
 from dslaunch.errors import quote
 from dslaunch.utils.private_cache import Untrusted, check_owner, make_private_dirs, open_private_file
 
-__all__ = ["CACHE_ENV", "FLAGS", "SOURCE", "KernelBuildError", "cache_dir", "cached_path", "build", "library",
+__all__ = ["CACHE_ENV", "FLAGS", "SOURCE", "EXTRA_SOURCES", "KernelBuildError", "cache_dir", "cached_path", "build", "library",
            "available"]
 
 log = logging.getLogger("dslaunch.kernels")
 
 CACHE_ENV = "DSLAUNCH_KERNELS_CACHE"
 SOURCE = Path(__file__).with_name("optim.c")
+# Compiled into the same library: the 1-bit compression kernels (runtime/optim/compression.py).
+EXTRA_SOURCES = (Path(__file__).with_name("compress.c"),)
 # -ffp-contract=off: a multiply-add is fused only where optim.c says so (fmaf, where torch's
 # vectorised kernels round once), so results equal torch's bit for bit on AVX2 and stay within
 # 1e-6 elsewhere. -fno-math-errno (sqrtf without errno) and -fno-trapping-math (no FP traps, so
@@ -90,8 +92,8 @@ def _cpu_features() -> str:
 
 
 def _key(cc: str) -> str:
-    source = SOURCE.read_bytes()
-    return hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
+    sources = [path.read_bytes() for path in (SOURCE, *EXTRA_SOURCES)]
+    return hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
                                       _cpu_features().encode()])).hexdigest()[:20]
 
 
@@ -134,7 +136,7 @@ def _compile(cc: str, dir_fd: int, name: str) -> None:
     os.close(fd)
     tmp_name = os.path.basename(tmp)
     try:
-        out = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+        out = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *map(str, EXTRA_SOURCES)], capture_output=True, text=True,
                              timeout=_TIMEOUT_S)
         if out.returncode != 0:
             first = next((ln for ln in out.stderr.splitlines() if "error" in ln), out.stderr.strip()[:200])
@@ -242,6 +244,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dsl_copy_out": ([p, p, i32, i64, i32], None),
         "dsl_stream": (rows + [i32], None),
         "dsl_stream_read": ([p, i32, i64, i32], ctypes.c_double),
+        "dsl_onebit_pack": ([p, p, p, i64, i64, i64, f32, i32], None),
+        "dsl_onebit_unpack": ([p, i64, i64, i64, p, i32, i32], None),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from dslaunch import comm
+from dslaunch import comm, kernels
 from dslaunch.runtime.heartbeat import wait_all
 
-__all__ = ["packbits", "unpackbits", "padded_numel", "compressed_all_reduce"]
+__all__ = ["packbits", "unpackbits", "padded_numel", "pack_reference", "unpack_reference", "compressed_all_reduce"]
 
 _SCALE_BYTES = 4  # an fp32 scale travels as 4 bytes behind its chunk of signs
 
@@ -62,25 +62,35 @@ def padded_numel(numel: int, world_size: int) -> int:
     return -(-numel // unit) * unit
 
 
-def _compress(x: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add ``error`` to ``x``, return (packed signs, scale as a 1-element tensor); the new error is
-    left in ``error``. ``x`` is consumed."""
-    x.add_(error)
-    scale = torch.linalg.vector_norm(x).div_(x.numel() ** 0.5).reshape(1)
+def pack_reference(x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+    """The ``"onebit_pack"`` op in torch: the signs of ``x`` (``x >= 0``) packed into ``rows``
+    (uint8, (rows, signs + 4): row r holds the r-th piece of ``x``, ``scale`` as fp32 behind it);
+    ``error`` = x - scale * sign(x)."""
     nonneg = x >= 0
     # error = x - scale * sign(x) = x + scale - 2 * scale * [x >= 0]
-    s = float(scale)
-    torch.add(x, nonneg, alpha=-2.0 * s, out=error).add_(s)
-    return packbits(nonneg), scale
+    torch.add(x, nonneg, alpha=-2.0 * scale, out=error).add_(scale)
+    rows[:, :-_SCALE_BYTES].copy_(packbits(nonneg).view(rows.shape[0], -1))
+    rows[:, -_SCALE_BYTES:].copy_(torch.tensor([scale], dtype=torch.float32).view(torch.uint8))
 
 
-def _with_scales(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(rows, bytes) of signs and (rows,) fp32 scales -> (rows, bytes + 4) uint8."""
-    return torch.cat([packed, scales.reshape(-1, 1).contiguous().view(torch.uint8)], dim=1)
+def unpack_reference(rows: torch.Tensor, out: torch.Tensor, mean: bool) -> None:
+    """The ``"onebit_unpack"`` op in torch: ``out`` = each row's signs times its scale, row after
+    row (``mean`` false), or the mean over the rows of that (``mean``: one row's worth)."""
+    signs = unpackbits(rows[:, :-_SCALE_BYTES])
+    scales = rows[:, -_SCALE_BYTES:].reshape(-1).clone().view(torch.float32).view(-1, 1)  # clone: aligned
+    if mean:  # summed in row order (torch's sum(dim=0) has another order past 4 rows, per CPU)
+        out.zero_()
+        for row in signs.mul_(scales):
+            out.add_(row)
+        out.div_(rows.shape[0])
+    else:
+        out.view(rows.shape[0], -1).copy_(signs).mul_(scales)
 
 
-def _split_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rows[:, :-_SCALE_BYTES], rows[:, -_SCALE_BYTES:].contiguous().view(torch.float32).reshape(-1)
+def _error_fed_scale(x: torch.Tensor, error: torch.Tensor) -> float:
+    """``x += error``; the scale ``||x|| / sqrt(n)`` (torch's norm: the same on every path)."""
+    x.add_(error)
+    return float(torch.linalg.vector_norm(x).div_(x.numel() ** 0.5))
 
 
 def compressed_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
@@ -97,17 +107,20 @@ def compressed_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_er
     """
     n = x.numel()
     chunk = n // world_size
-    packed, scale = _compress(x, worker_error)
-    send = _with_scales(packed.view(world_size, chunk // 8), scale.expand(world_size))
+    pack, unpack = kernels.get("onebit_pack", x.device), kernels.get("onebit_unpack", x.device)
+    row_bytes = chunk // 8 + _SCALE_BYTES
+    send = torch.empty(world_size, row_bytes, dtype=torch.uint8, device=x.device)
+    pack(x, worker_error, send, _error_fed_scale(x, worker_error))
     recv = torch.empty_like(send)
     wait_all((comm.all_to_all_single(recv, send, group=group, async_op=True),), "1-bit all_to_all")
-    signs, scales = _split_scales(recv)
-    # server: average the decompressed chunks of all workers (each worker's scale times its signs)
-    mine = unpackbits(signs).mul_(scales.reshape(-1, 1)).sum(dim=0).div_(world_size)
-    server_packed, server_scale = _compress(mine, server_error)
-    row = _with_scales(server_packed.view(1, -1), server_scale).view(-1)
-    gathered = torch.empty(world_size * row.numel(), dtype=torch.uint8, device=x.device)
-    wait_all((comm.all_gather_into_tensor(gathered, row, group=group, async_op=True),), "1-bit all_gather")
-    signs, scales = _split_scales(gathered.view(world_size, -1))
-    x.view(world_size, chunk).copy_(unpackbits(signs)).mul_(scales.reshape(-1, 1))
+    # server: average the decompressed chunks of all workers (each worker's scale times its signs),
+    # into x's first chunk (x itself is consumed: its error is kept, it is overwritten below)
+    mine = x[:chunk]
+    unpack(recv, mine, True)
+    row = torch.empty(1, row_bytes, dtype=torch.uint8, device=x.device)
+    pack(mine, server_error, row, _error_fed_scale(mine, server_error))
+    gathered = torch.empty(world_size, row_bytes, dtype=torch.uint8, device=x.device)
+    wait_all((comm.all_gather_into_tensor(gathered.view(-1), row.view(-1), group=group, async_op=True),),
+             "1-bit all_gather")
+    unpack(gathered, x, False)
     return x

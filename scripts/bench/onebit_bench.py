@@ -8,7 +8,9 @@ steps (the 1-bit optimizers' warm-up: ``freeze_step`` = that) and then ``--steps
 - ``Adam``: fp32 all-reduce of the gradients (flat);
 - ``Adam, hierarchical``: the same through ``hierarchical_allreduce: always`` with the ranks split
   into 2 pretend nodes (``NODE_RANK``), world 4 only;
-- ``OneBitAdam`` and ``OneBitLamb``: the measured steps are compressed ones.
+- ``OneBitAdam`` and ``OneBitLamb``: the measured steps are compressed ones;
+- ``ZeroOneAdam``: variance frozen after the warm-up, the measured steps local ones with a 1-bit
+  synchronisation every 1-2 steps.
 
 Bytes: every collective's payload as the comms logger records it, times the share of it that
 leaves the rank (all-reduce 2(W-1)/W, all-to-all (W-1)/W, all-gather W-1 of its input), per rank
@@ -56,6 +58,10 @@ def configs(world: int, warmup: int) -> dict[str, dict]:
         "Adam": {**base, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}},
         "OneBitAdam": {**base, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": warmup}}},
         "OneBitLamb": {**base, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-4, "freeze_step": warmup}}},
+        # variance frozen after the warm-up; the measured steps are local steps and 1-bit syncs
+        "ZeroOneAdam": {**base, "optimizer": {"type": "ZeroOneAdam", "params": {
+            "lr": 1e-4, "var_freeze_step": warmup, "var_update_scaler": 1, "local_step_scaler": 1,
+            "local_step_clipper": 2}}},
     }
     if world == 4:
         out["Adam, hierarchical"] = {**out["Adam"], "hierarchical_allreduce": "always"}

@@ -1,7 +1,8 @@
 """The gradient exchanges and the 1-bit compressed all-reduce on gloo ranks.
 
 - packbits/unpackbits round-trip the signs, 8 to a byte;
-- the compressed all-reduce leaves the same result on every rank, sends >= 30x fewer bytes than an
+- the compressed all-reduce leaves the same result on every rank, the same bits through the fused
+  kernels (C on CPU) as through the torch reference, sends >= 30x fewer bytes than an
   fp32 all-reduce (the comms logger's payloads, times each collective's share that leaves the
   rank), and its error feedback makes the average of repeated exchanges converge to the true mean;
 - the hierarchical all-reduce (2 nodes x 2 ranks) equals the flat one within fp32 rounding, and
@@ -58,16 +59,32 @@ def _compressed(rank: int, world: int) -> dict:
         total += compressed_all_reduce(x.clone(), worker, server, world)
     same = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(same, out)
-    return {"identical": all(torch.equal(s, out) for s in same), "fp32_bytes": 2 * (world - 1) / world * 4 * n,
+    return {"identical": all(torch.equal(s, out) for s in same), "fused_is_reference": _fused_is_reference(x, world),
+            "fp32_bytes": 2 * (world - 1) / world * 4 * n,
             "compressed_bytes": compressed, "one_shot_error": float((out - mean).norm() / mean.norm()),
             "averaged_error": float((total / 50 - mean).norm() / mean.norm())}
+
+
+def _fused_is_reference(x: torch.Tensor, world: int) -> bool:
+    """Three exchanges (errors carried) through the fused kernels (C on CPU) and through the torch
+    reference: the same bits, errors included."""
+    from dslaunch.runtime.optim.compression import compressed_all_reduce
+
+    runs = []
+    for mode in ("fused", "reference"):
+        os.environ["DSLAUNCH_KERNELS"] = mode
+        worker, server = torch.zeros_like(x), torch.zeros(x.numel() // world)
+        outs = [compressed_all_reduce(x.mul(k + 1), worker, server, world) for k in range(3)]
+        runs.append([*outs, worker, server])
+    del os.environ["DSLAUNCH_KERNELS"]
+    return all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 4])
 def test_compressed_all_reduce_agrees_sends_30x_less_and_feeds_back_its_error(world: int) -> None:
     for r in run_world(_compressed, world):
-        assert r["identical"]
+        assert r["identical"] and r["fused_is_reference"]
         assert r["fp32_bytes"] / r["compressed_bytes"] >= 30, r
         assert r["one_shot_error"] > 0.3  # one exchange is only a sign and a scale ...
         assert r["averaged_error"] < 0.1, r  # ... but the errors are carried, not lost

@@ -18,14 +18,6 @@ SIZES = [0, 1, 7, 8, 9, 1023, (1 << 16) + 3]
 TOL = 1e-6
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _pair(n: int, seed: int = 0) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
     p0 = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     return torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())

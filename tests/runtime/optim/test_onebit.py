@@ -135,3 +135,16 @@ def test_onebit_adam_in_the_pipeline_engine_2_stages_x_2_replicas_zero_1() -> No
     assert onebit[:6] == adam[:6]  # 5 warm-up steps, and the 6th step's loss is computed before its update
     assert onebit[6:] != adam[6:]
     assert sum(onebit[-5:]) < 0.5 * sum(onebit[:5])  # it keeps training (20 steps, 3 micro batches each)
+
+
+def _clipped_warmups(rank: int, world: int) -> list[list[float]]:
+    cfgs = [config(opt, 1, gradient_clipping=0.05) for opt in (ADAM, ONEBIT)]
+    return [train(rank, world, cfg, FREEZE, snapshots=(FREEZE,))["weights"][FREEZE] for cfg in cfgs]
+
+
+@pytest.mark.timeout(90)
+def test_onebit_adam_warmup_with_gradient_clipping_at_zero_1_is_bitwise_adam() -> None:
+    # the clip factor reaches both through the same strategy step (OneBitAdam as torch's AMP
+    # grad_scale, Adam as a multiply): the warm-up must stay bitwise
+    adam, onebit = run_world(_clipped_warmups, 2)[0]
+    np.testing.assert_array_equal(onebit, adam)
