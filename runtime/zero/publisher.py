@@ -45,7 +45,7 @@ class ShardPublisher:
         self._works: list[Any] = []
         self._ends: list[tuple[int, int]] = []  # (group, end element) of each work, ascending
         self._done = 0  # works before this index are complete
-        self._need: dict[int, tuple[int, int]] = {}  # gated module id -> the last (group, end) it reads
+        self._where: dict[int, tuple[int, int]] = {}  # param id -> (group, end element) in the flat
 
     def publish(self) -> None:
         """collective: call on all ranks after each rank updated its own shard."""
@@ -81,16 +81,12 @@ class ShardPublisher:
         the parameters it uses (only with ``overlap``). Returns the hook handles."""
         if not self.overlap or self.world == 1:
             return []
-        where = {id(p): (gi, g.layout.param_range(pi)[1]) for gi, g in enumerate(self.groups)
-                 for pi, p in enumerate(g.params)}
-        handles = []
-        for m in module.modules():
-            ends = [where[id(p)] for p in module_params(m) if id(p) in where]
-            if ends:
-                self._need[id(m)] = max(ends)
-                handles.append(m.register_forward_pre_hook(self._before))
-        return handles
+        self._where = {id(p): (gi, g.layout.param_range(pi)[1]) for gi, g in enumerate(self.groups)
+                       for pi, p in enumerate(g.params)}
+        return [m.register_forward_pre_hook(self._before) for m in module.modules()]
 
     def _before(self, m: torch.nn.Module, args: Any) -> None:
-        if self._works:
-            self.wait_until(self._need[id(m)])
+        if self._works:  # read at each call: external parameters may be registered after the engine
+            ends = [self._where[id(p)] for p in module_params(m) if id(p) in self._where]
+            if ends:
+                self.wait_until(max(ends))
