@@ -374,7 +374,7 @@ def _write(names: list[str], alone: dict, turns: list, load: list[float], args: 
         rows.append(f"| {LABELS[n]} | {s['step_ms']:.0f} | {vs_fsdp} "
                     f"| {vs_ds} | {s['rss_peak_mib']:.0f} "
                     f"| {_ratio(s, fsdp, 'rss_peak_mib', False)} | {_ratio(s, peer, 'rss_peak_mib', False)} "
-                    f"| {s['tensor_mib']:.0f} | {s['final_loss']:.6f}{diff} |")
+                    f"| {s['tensor_mib']:.1f} | {s['final_loss']:.6f}{diff} |")
     text = "\n".join(rows)
     (results / f"{stem}.md").write_text(text + "\n")
     print(text)
