@@ -5,7 +5,8 @@ The model is dslaunch's engine as built (``runtime/zero/``), not a rule of thumb
 - weights: the flat buffer in the model dtype, whole below stage 3, this rank's shard at stage 3
   (in host memory with ``offload_param: cpu``, on disk with ``nvme`` beyond ``max_in_cpu``);
 - gradients: stages 0/1 keep the whole gradient in the model dtype (plus an fp32 copy of the rank's
-  range for 16-bit models); stages 2/3 keep only the rank's fp32 shard;
+  range for 16-bit models); stage 2 keeps only the rank's fp32 shard, stage 3 only while backward
+  runs (not at its peak);
 - master: an fp32 copy of the rank's range for 16-bit models (an fp32 model's master *is* its
   weights), in host memory with ``offload_optimizer``;
 - optimizer state: per master element (Adam 8 bytes), on the rank's range from stage 1, in host
@@ -212,8 +213,12 @@ def _weights(s: TrainingSetup, r: _Rank) -> _Placed:
 
 def _gradients(s: TrainingSetup, r: _Rank) -> _Placed:
     """Whole (model dtype) at stages 0/1, plus an fp32 copy of the rank's range for 16-bit models,
-    made next to the master (so in host memory when that is offloaded); the fp32 shard at 2/3."""
-    if s.stage >= 2:
+    made next to the master (so in host memory when that is offloaded); the fp32 shard at 2. Stage
+    3 frees its shard after each step (``ScopedGradients``) and makes it in backward while the
+    gathered parameters are released: the peak is forward's (measured), so it adds nothing."""
+    if s.stage == 3:
+        return _Placed()
+    if s.stage == 2:
         return _Placed(device=Parts(gradients=r.shard * 4))
     copy = Parts(gradients=r.shard * 4 if r.sixteen else 0)
     whole = _Placed(device=Parts(gradients=r.params * r.m))

@@ -53,7 +53,7 @@ import torch
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.prefetch import Event, FetchLimits, LiveParams, Trace
 
-__all__ = ["ParamFetcher", "LEAF_TYPES", "external_params"]
+__all__ = ["ParamFetcher", "LEAF_TYPES", "external_params", "module_params"]
 
 LEAF_TYPES: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                                 torch.nn.TransformerDecoderLayer)
@@ -64,6 +64,15 @@ def external_params(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
     if "_dsl_external_params" not in module.__dict__:
         module._dsl_external_params = {}
     return module._dsl_external_params
+
+
+def module_params(m: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters ``m``'s forward uses: its own, a leaf module's whole subtree, and those
+    ``register_external_parameter`` attached to it (each once)."""
+    leaf = getattr(m, "_z3_leaf", False) or isinstance(m, LEAF_TYPES)
+    own = list(m.parameters(recurse=leaf))
+    extra = m.__dict__.get("_dsl_external_params", {})
+    return own + [p for p in extra.values() if all(p is not q for q in own)]
 
 
 class _Saved:
@@ -146,10 +155,7 @@ class ParamFetcher:
 
     @staticmethod
     def _used_by(m: torch.nn.Module) -> list[torch.nn.Parameter]:
-        leaf = getattr(m, "_z3_leaf", False) or isinstance(m, LEAF_TYPES)
-        own = [p for p in m.parameters(recurse=leaf) if zp.is_partitioned(p)]
-        extra = m.__dict__.get("_dsl_external_params", {})
-        return own + [p for p in extra.values() if zp.is_partitioned(p) and all(p is not q for q in own)]
+        return [p for p in module_params(m) if zp.is_partitioned(p)]
 
     # ----- iterations and events ----------------------------------------------------------------
     def _begin(self) -> None:

@@ -18,6 +18,11 @@ shard of ``partition_range`` size. With ``overlap_comm`` reductions run while ba
 reduced at once. Every micro step communicates (the shard is all a rank keeps), as in DeepSpeed,
 so ``no_sync()`` is refused.
 
+``ScopedGradients`` (stage 3) is ``ShardedGradients`` that frees the gradient shard and the
+reduction buffers at ``zero_grad`` (after each step), as FSDP2 does: between steps a rank holds
+only its parameter shard and optimizer state. The price is allocating them again in the next
+backward (page faults, ~2 ms per 4M floats here); stage 2 keeps them (its step is short).
+
 Both hand the strategy this rank's reduced, not yet post-scaled, gradient per group (``shards``).
 """
 
@@ -34,7 +39,7 @@ from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
 from dslaunch.runtime.zero.specs import CommSettings
 
-__all__ = ["GradientPath", "FullGradients", "ShardedGradients"]
+__all__ = ["GradientPath", "FullGradients", "ShardedGradients", "ScopedGradients"]
 
 
 class GradientPath(ABC):
@@ -191,8 +196,7 @@ class ShardedGradients(GradientPath):
 
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
                  exchange: GradientExchange | None = None):
-        self._shards = [torch.empty(g.layout.end - g.layout.start, dtype=torch.float32,
-                                    device=g.device) for g in groups]
+        self._shards: list[torch.Tensor | None] = [None] * len(groups)  # made by the first fold
         self._fresh = True  # first micro step since zero_grad: copy into the shard instead of add
         for g in groups:
             for p in g.params:
@@ -229,8 +233,14 @@ class ShardedGradients(GradientPath):
         lay = self.groups[b.group].layout
         lo, hi = max(b.begin, lay.start), min(b.end, lay.end)
         if lo < hi:
-            dst, src = self._shards[b.group][lo - lay.start:hi - lay.start], buf[lo - b.begin:hi - b.begin]
+            dst, src = self._shard(b.group)[lo - lay.start:hi - lay.start], buf[lo - b.begin:hi - b.begin]
             dst.copy_(src) if self._fresh else dst.add_(src)
+
+    def _shard(self, gi: int) -> torch.Tensor:
+        if self._shards[gi] is None:
+            g = self.groups[gi]
+            self._shards[gi] = torch.empty(g.layout.end - g.layout.start, dtype=torch.float32, device=g.device)
+        return self._shards[gi]
 
     def end_backward(self) -> None:
         # Buckets whose params got no gradient (unused in this forward) still reduce, as zeros.
@@ -239,10 +249,11 @@ class ShardedGradients(GradientPath):
         self._fresh = False  # every element of the shard has now been written
 
     def shards(self) -> list[torch.Tensor]:
+        shards = [self._shard(gi) for gi in range(len(self.groups))]
         if self._fresh:  # a step without backward sees zero gradients
-            for s in self._shards:
+            for s in shards:
                 s.zero_()
-        return self._shards
+        return shards
 
     def zero_grad(self) -> None:
         self._fresh = True  # no zeroing pass: the next reduction overwrites the shard
@@ -251,4 +262,13 @@ class ShardedGradients(GradientPath):
                 p.grad = None
 
     def held_bytes(self) -> int:
-        return sum(s.numel() * 4 for s in self._shards)
+        return sum(s.numel() * 4 for s in self._shards if s is not None)
+
+
+class ScopedGradients(ShardedGradients):
+    """Stage 2's gradient shard, freed with the reduction buffers at every ``zero_grad`` (stage 3)."""
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._shards = [None] * len(self.groups)
+        self.reducer.pool.clear()

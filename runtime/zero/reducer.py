@@ -66,6 +66,12 @@ class BufferPool:
         base = buf._base if buf._base is not None else buf
         self._free.setdefault((base.dtype, base.device), []).append(base)
 
+    def clear(self) -> None:
+        """Free every buffer not in use (the next ``take`` allocates again)."""
+        for bufs in self._free.values():
+            self.held_bytes -= sum(b.numel() * b.element_size() for b in bufs)
+        self._free.clear()
+
 
 @dataclass(frozen=True)
 class Bucket:

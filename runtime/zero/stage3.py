@@ -5,7 +5,8 @@ Each rank stores only its ``[start, end)`` of every param group's flat vector (`
 gathers a module's parameters just before its forward and releases them after it; backward gathers
 what autograd saved again and releases it once its gradient is taken. Gradients take stage 2's path
 (``ShardedGradients``: bucketed, reduced into the owning rank's fp32 shard as backward produces
-them; every micro step communicates, ``no_sync()`` is refused). The step is every stage's.
+them; every micro step communicates, ``no_sync()`` is refused), except that the gradient shard
+and the reduction buffers are freed after each step (``ScopedGradients``), as FSDP2 frees them. The step is every stage's.
 
 Memory per rank: 1/N of stage 0's parameters, gradients and optimizer state, plus the whole
 parameters (those of the running modules, prefetched, kept for reuse: at most
@@ -33,7 +34,7 @@ import torch
 
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import ParamFetcher
-from dslaunch.runtime.zero.gradients import ShardedGradients
+from dslaunch.runtime.zero.gradients import ScopedGradients
 from dslaunch.runtime.zero.partitioned import Partitioned
 from dslaunch.runtime.zero.prefetch import FetchLimits
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory
@@ -50,7 +51,7 @@ class Stage3(ZeroStrategy):
 
     stage = 3
     placement_type = Partitioned
-    gradients_type = ShardedGradients
+    gradients_type = ScopedGradients
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
                  process_group: Any = None, module: torch.nn.Module | None = None,

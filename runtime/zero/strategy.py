@@ -97,6 +97,8 @@ class ZeroStrategy:
         self.placement = self.placement_type(groups, comm, self.world_size, self.rank, process_group)
         self.groups = self.placement.groups
         self.publisher = self.placement.publisher  # None when replicated; tests watch its gathers
+        # with overlap_comm a forward waits per module for the last publish (publisher.gate)
+        self._gated = bool(self.publisher.gate(module)) if self.publisher is not None and module is not None else False
         self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups],
                                         self._flat_shards())
         # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
@@ -132,8 +134,10 @@ class ZeroStrategy:
     # ----- lifecycle --------------------------------------------------------------------------
     def pre_forward(self) -> None:
         """Before the module's forward: make the parameters usable (stages 0-2: wait for the last
-        publish; stage 3 will gather what this rank holds only a shard of)."""
-        self.synchronize()
+        publish, or let each module wait for its part where the publisher gates them; stage 3
+        gathers what this rank holds only a shard of)."""
+        if not self._gated:
+            self.synchronize()
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         """Before backward: whether this micro step ends an accumulation, and whether it reduces.
@@ -171,6 +175,7 @@ class ZeroStrategy:
 
         collective: call on all ranks at the accumulation boundary.
         """
+        self.synchronize()  # a gated publish whose params no forward used: the update rewrites its source
         grads = self.gradients.shards()
         if self.offload is None:  # (offloaded: the update streams them to the host bucket by bucket)
             for g, grad in zip(self.groups, grads, strict=True):

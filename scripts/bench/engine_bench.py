@@ -4,14 +4,19 @@ One run, same model and data for everyone: a ~21M-parameter MLP (5 x Linear(2048
 AdamW, 2 ranks on gloo, micro batch 32, no accumulation. Workers are started with the launcher's
 env contract (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), OMP_NUM_THREADS=1.
 
-Step time: each of ``--repeats`` runs starts one process pair holding every configuration, which
-take turns step by step (order rotated), so load from other processes on this shared machine hits
-all of them alike; per run the median of ``--steps`` steps after ``--warmup``, then the median
-over runs. Peak RSS: one fresh process pair per configuration. DeepSpeed (the peer) is measured
+Step time: each of ``--repeats`` runs (rounds) starts one process pair holding every configuration,
+which take turns (order rotated), ``--block`` consecutive steps per turn, so load from other
+processes on this shared machine hits all of them alike. Within a turn nothing waits between steps,
+as in a training loop: dslaunch's parameter publish of one step overlaps the next forward (ZeRO-1/2
+with ``overlap_comm``); the turn's last step also waits for what is still in flight. Per round the
+median over ``--steps`` turns after ``--warmup``; the table gives the median over rounds and
+``DDP / this`` per round plus the quartiles of the per-step ratios (steps of two configurations in
+the same turn slot ran back to back). Peak RSS: one fresh process pair per configuration. DeepSpeed (the peer) is measured
 only if it imports (DS_ACCELERATOR=cpu); it gets torch's fused AdamW as a client optimizer, the
 same kernel dslaunch's ``AdamW`` uses, so the comparison is about the engines.
 
-Usage: python scripts/bench/engine_bench.py [--repeats 3] [--steps 6] [--warmup 2] [--only ddp-0 ...]
+Usage: python scripts/bench/engine_bench.py [--repeats 3] [--steps 6] [--warmup 2] [--block 3]
+[--only ddp-0 ...]
 Writes scripts/bench/results/engine_bench.{json,md}.
 """
 
@@ -26,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from ranks import report, run_ranks
+from ranks import ratio_stats, ratio_text, report, run_ranks, slowest
 
 HERE = Path(__file__).resolve().parent
 DIM, LAYERS, MICRO, WORLD, LR = 2048, 5, 32, 2, 1e-4
@@ -66,7 +71,7 @@ def _build(kind: str, stage: int):
         engine = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=0.01, fused=True)
 
-        def step() -> None:
+        def step(last: bool = True) -> None:
             loss = torch.nn.functional.mse_loss(engine(x), y)
             loss.backward()
             opt.step()
@@ -82,11 +87,12 @@ def _build(kind: str, stage: int):
                                     model_parameters=model.parameters(), optimizer=client)
     finish = engine.zero.synchronize if kind == "dslaunch" else (lambda: None)
 
-    def ds_step() -> None:
+    def ds_step(last: bool = True) -> None:
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
-        finish()  # no parameter gather left in flight into another configuration's step
+        if last:
+            finish()  # no parameter gather left in flight into another configuration's turn
     return ds_step
 
 
@@ -100,9 +106,10 @@ def _init() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 
 
-def _timing_worker(configs: list[str], steps: int, warmup: int) -> None:
-    """All configurations in one process pair, one step of each in turn: load spikes from other
-    processes on the machine hit every configuration alike, so the ratios stay meaningful."""
+def _timing_worker(configs: list[str], steps: int, warmup: int, block: int) -> None:
+    """All configurations in one process pair, ``block`` steps of each in turn: load spikes from
+    other processes on the machine hit every configuration alike, so the ratios stay meaningful.
+    Reports every timed step (ms) of each configuration."""
     import torch.distributed as dist
 
     _init()
@@ -112,11 +119,12 @@ def _timing_worker(configs: list[str], steps: int, warmup: int) -> None:
         order = configs[i % len(configs):] + configs[:i % len(configs)]  # rotate the order
         for c in order:
             dist.barrier()
-            t0 = time.perf_counter()
-            fns[c]()
-            if i >= warmup:
-                times[c].append(time.perf_counter() - t0)
-    report({c: statistics.median(t) * 1e3 for c, t in times.items()})
+            for k in range(block):
+                t0 = time.perf_counter()
+                fns[c](k == block - 1)
+                if i >= warmup:
+                    times[c].append((time.perf_counter() - t0) * 1e3)
+    report(times)
 
 
 def _memory_worker(config: str, steps: int) -> None:
@@ -148,6 +156,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--block", type=int, default=3, help="consecutive steps per turn")
     ap.add_argument("--only", nargs="*", help="subset of configs, e.g. dslaunch-2 ddp-0")
     args = ap.parse_args()
     configs = ["ddp-0"] + [f"dslaunch-{s}" for s in (0, 1, 2, 3)]
@@ -156,11 +165,13 @@ def main() -> None:
     if args.only:
         configs = [c for c in configs if c in args.only]
     timing: list[list[dict]] = []
+    load = [os.getloadavg()[0]]
     for rep in range(args.repeats):
-        res = _run(["time", ",".join(configs), str(args.steps), str(args.warmup)])
+        res = _run(["time", ",".join(configs), str(args.steps), str(args.warmup), str(args.block)])
+        load.append(os.getloadavg()[0])
         if res:
             timing.append(res)
-            print(f"timing run {rep}: " + ", ".join(f"{c} {max(r[c] for r in res):.0f} ms"
+            print(f"timing run {rep}: " + ", ".join(f"{c} {statistics.median(slowest(res, c)):.0f} ms"
                                                    for c in configs), flush=True)
     memory: dict[str, list[dict]] = {}
     for c in configs:
@@ -169,36 +180,44 @@ def main() -> None:
             memory[c] = res
             print(f"memory {c}: " + ", ".join(f"rank{i} {r[c]:.0f} MiB" for i, r in enumerate(res)),
                   flush=True)
-    _write(configs, timing, memory, args)
+    load.append(os.getloadavg()[0])
+    _write(configs, timing, memory, load, args)
 
 
-def _write(configs: list[str], timing: list, memory: dict, args: argparse.Namespace) -> None:
+def _write(configs: list[str], timing: list, memory: dict, load: list[float], args: argparse.Namespace) -> None:
     summary = {}
     for c in configs:
-        runs = [max(r[c] for r in res) for res in timing]  # slowest rank of each run
+        runs = [statistics.median(slowest(res, c)) for res in timing]  # slowest rank per step
         if runs and c in memory:
-            summary[c] = {"step_ms": statistics.median(runs),
+            summary[c] = {"step_ms": statistics.median(runs), "rounds_ms": runs,
                           "rss_mib": max(r[c] for r in memory[c])}
+    if "ddp-0" in summary:
+        for c, s in summary.items():
+            if c != "ddp-0":
+                s["ddp_over_this"] = ratio_stats(timing, c, "ddp-0")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     (results / "engine_bench.json").write_text(json.dumps(
         {"model": f"MLP {LAYERS}x Linear({DIM},{DIM})", "params": LAYERS * (DIM * DIM + DIM),
          "world": WORLD, "micro_batch": MICRO, "repeats": args.repeats, "steps": args.steps,
-         "summary": summary, "timing_runs": timing, "memory_runs": memory}, indent=1))
+         "block": args.block, "load_average_1min": load, "summary": summary, "timing_runs": timing, "memory_runs": memory}, indent=1))
     rows = ["## Training engine (`engine_bench.py`)", "",
             f"{LAYERS * (DIM * DIM + DIM) / 1e6:.0f}M-parameter MLP, fp32 AdamW, {WORLD} ranks on gloo, "
             f"micro batch {MICRO}, same model and data for all. Step time: median over {args.repeats} "
-            f"runs of the per-run median of {args.steps} steps (slowest rank); in each run all "
-            "configurations share one process pair and take turns step by step, so load from other "
-            "processes hits them alike (the machine is a shared 2-core VM: absolute times are noisy, "
-            "ratios less so). Peak RSS: max over ranks of a separate run per configuration.", "",
-            "| config | step ms | DDP / this | DeepSpeed same stage / this | peak RSS/rank MiB "
-            "| RSS / DeepSpeed's |", "| --- | --- | --- | --- | --- | --- |"]
+            f"rounds of the per-round median of {args.steps} turns x {args.block} consecutive steps "
+            "(slowest rank per step); in each round all configurations share one process pair and "
+            "take turns, so load from other processes hits them alike (the machine is a shared 2-core "
+            "VM: absolute times are noisy, ratios less so). DDP / this: each round's ratio, then the "
+            "median [quartiles] of the per-step ratios over all rounds. Peak RSS: max over ranks of a "
+            f"separate run per configuration. Load average (1 min) during the run: {min(load):.1f}-"
+            f"{max(load):.1f}.", "",
+            "| config | step ms | DDP / this: per round (steps median [q1-q3]) | DeepSpeed same stage / this "
+            "| peak RSS/rank MiB | RSS / DeepSpeed's |", "| --- | --- | --- | --- | --- | --- |"]
     ddp = summary.get("ddp-0")
     for key, s in summary.items():
         kind, stage = key.split("-")
         peer = summary.get(f"deepspeed-{stage}") if kind == "dslaunch" else None
-        vs_ddp = f"{ddp['step_ms'] / s['step_ms']:.2f}x" if ddp and kind != "ddp" else "-"
+        vs_ddp = ratio_text(s["ddp_over_this"]) if ddp and kind != "ddp" else "-"
         vs_ds = f"{peer['step_ms'] / s['step_ms']:.2f}x" if peer else "-"
         rss_ds = f"{s['rss_mib'] / peer['rss_mib']:.2f}" if peer else "-"
         name = "torch DDP" if kind == "ddp" else f"{kind} ZeRO-{stage}"
@@ -209,7 +228,7 @@ def _write(configs: list[str], timing: list, memory: dict, args: argparse.Namesp
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1:3] == ["--worker", "time"]:
-        _timing_worker(sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5]))
+        _timing_worker(sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
     elif len(sys.argv) > 2 and sys.argv[1:3] == ["--worker", "memory"]:
         _memory_worker(sys.argv[3], int(sys.argv[4]))
     else:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 from dslaunch.utils.ports import free_port
 
-__all__ = ["report", "run_ranks"]
+__all__ = ["report", "run_ranks", "slowest", "ratio_stats", "ratio_text"]
 
 _TAG = "RESULT "
 
@@ -54,3 +55,28 @@ def run_ranks(script: str, argv: list[str], world: int, timeout: float) -> tuple
         if line.startswith(_TAG):
             return json.loads(line[len(_TAG):]), ""
     return None, f"worker exited {procs[0].returncode}: {(outs[0][1] or outs[-1][1])[-3000:]}"
+
+
+def slowest(res: list[dict], config: str) -> list[float]:
+    """Per step, the slowest rank's time of ``config`` in one round (each rank reported a list)."""
+    return [max(steps) for steps in zip(*(r[config] for r in res), strict=True)]
+
+
+def ratio_stats(rounds: list[list[dict]], this: str, peer: str) -> dict:
+    """``peer`` step time / ``this`` step time (> 1: ``this`` is faster), from rounds in which both
+    took turns step by step: each round's ratio of medians, and the quartiles of the per-step
+    ratios (step i of both ran back to back, under the same load) over all rounds."""
+    per_round, paired = [], []
+    for res in rounds:
+        a, b = slowest(res, this), slowest(res, peer)
+        per_round.append(statistics.median(b) / statistics.median(a))
+        paired += [y / x for x, y in zip(a, b, strict=True)]
+    q = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+    return {"rounds": per_round, "q1": q[0], "median": q[1], "q3": q[2],
+            "rounds_at_or_above_1": sum(r >= 1.0 for r in per_round)}
+
+
+def ratio_text(s: dict) -> str:
+    """``ratio_stats`` in a table cell: rounds, then the per-step median [q1-q3]."""
+    rounds = " ".join(f"{r:.2f}" for r in s["rounds"])
+    return f"{rounds} (steps {s['median']:.2f} [{s['q1']:.2f}-{s['q3']:.2f}])"

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ranks import report, run_ranks
+from ranks import ratio_stats, ratio_text, report, run_ranks, slowest
 
 HERE = Path(__file__).resolve().parent
 VOCAB, DIM, LAYERS, HEADS, SEQ, MICRO, WORLD, LR = 8192, 384, 8, 6, 64, 4, 2, 1e-4
@@ -252,8 +252,8 @@ def _turns_worker(names: list[str], steps: int, warmup: int, dtype: str) -> None
                 t0 = time.perf_counter()
                 steps_of[n](data[i % len(data)])
                 if i >= warmup:
-                    times[n].append(time.perf_counter() - t0)
-    report({n: statistics.median(t) * 1e3 for n, t in times.items()})
+                    times[n].append((time.perf_counter() - t0) * 1e3)
+    report(times)
 
 
 # ----- driver side ----------------------------------------------------------------------------
@@ -286,7 +286,8 @@ def main() -> None:
             print(f"turns round {rep} failed: {_failed(res)}", flush=True)
             continue
         turns.append(res)
-        print(f"turns round {rep}: " + ", ".join(f"{n} {max(r[n] for r in res):.0f} ms" for n in ok), flush=True)
+        print(f"turns round {rep}: " + ", ".join(f"{n} {statistics.median(slowest(res, n)):.0f} ms" for n in ok),
+              flush=True)
     _write(names, alone, turns, load, args)
 
 
@@ -308,7 +309,8 @@ def _summary(name: str, alone: list[dict] | dict, turns: list) -> dict:
     err = _failed(alone)
     if err:
         return {"error": err}
-    return {"step_ms": statistics.median(max(r[name] for r in res) for res in turns) if turns else float("nan"),
+    rounds = [statistics.median(slowest(res, name)) for res in turns]
+    return {"step_ms": statistics.median(rounds) if turns else float("nan"), "rounds_ms": rounds,
             "alone_step_ms": max(r["alone_step_ms"] for r in alone),
             "rss_peak_mib": max(r["rss_peak_mib"] for r in alone),
             "tensor_mib": max(r["tensor_mib"] for r in alone), "final_loss": alone[0]["final_loss"]}
@@ -323,6 +325,10 @@ def _ratio(this: dict, other: dict, key: str, speed: bool) -> str:
 
 def _write(names: list[str], alone: dict, turns: list, load: list[float], args: argparse.Namespace) -> None:
     summary = {n: _summary(n, alone[n], turns) for n in names}
+    for n in names:  # per-round ratios and per-step quartiles against the peers
+        for peer, key in (("fsdp2", "fsdp2_over_this"), (DS_PEER.get(n), "deepspeed_over_this")):
+            if n in DS_PEER and turns and "error" not in summary[n] and "error" not in summary.get(peer, {"error": 1}):
+                summary[n][key] = ratio_stats(turns, n, peer)
     import torch
 
     params = sum(p.numel() for p in _gpt().parameters())
@@ -347,7 +353,9 @@ def _write(names: list[str], alone: dict, turns: list, load: list[float], args: 
             "imports), live tensors (gc scan after the last step) and the final loss (mean over "
             f"ranks after {args.warmup + args.steps} steps) come from a separate fresh run per "
             f"configuration. Load average (1 min) during the run: {min(load):.1f}-{max(load):.1f} on "
-            "2 cores shared with other work: absolute times are noisy, ratios less so.", "",
+            "2 cores shared with other work: absolute times are noisy, ratios less so. For the "
+            "dslaunch configurations each ratio is the overall one, then per round, then the median "
+            "[quartiles] of the per-step ratios over all rounds.", "",
             "| config | step ms | FSDP2 / this | DeepSpeed / this | peak RSS/rank MiB | RSS / FSDP2's "
             "| RSS / DeepSpeed's | live tensors MiB | final loss (diff to dslaunch ZeRO-3) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -360,10 +368,13 @@ def _write(names: list[str], alone: dict, turns: list, load: list[float], args: 
             continue
         peer = summary.get(DS_PEER.get(n, ""), {})
         diff = f" ({s['final_loss'] - ref:+.1e})" if ref is not None and n != "dslaunch-z3" else ""
-        rows.append(f"| {LABELS[n]} | {s['step_ms']:.0f} | {_ratio(s, fsdp, 'step_ms', True)} "
-                    f"| {_ratio(s, peer, 'step_ms', True)} | {s['rss_peak_mib']:.0f} "
+        vs_fsdp, vs_ds = _ratio(s, fsdp, "step_ms", True), _ratio(s, peer, "step_ms", True)
+        vs_fsdp += f": {ratio_text(s['fsdp2_over_this'])}" if "fsdp2_over_this" in s else ""
+        vs_ds += f": {ratio_text(s['deepspeed_over_this'])}" if "deepspeed_over_this" in s else ""
+        rows.append(f"| {LABELS[n]} | {s['step_ms']:.0f} | {vs_fsdp} "
+                    f"| {vs_ds} | {s['rss_peak_mib']:.0f} "
                     f"| {_ratio(s, fsdp, 'rss_peak_mib', False)} | {_ratio(s, peer, 'rss_peak_mib', False)} "
-                    f"| {s['tensor_mib']:.0f} | {s['final_loss']:.6f}{diff} |")
+                    f"| {s['tensor_mib']:.1f} | {s['final_loss']:.6f}{diff} |")
     text = "\n".join(rows)
     (results / f"{stem}.md").write_text(text + "\n")
     print(text)
