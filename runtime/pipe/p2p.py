@@ -8,10 +8,11 @@ no gradient and with buffers reused across dtypes at 3+ stages cannot happen her
 
 The head has a fixed size (``HEAD`` int64s; a longer header continues in a second part), so a
 ``Receiver`` posts the heads of all the messages a batch will bring at once (``irecv``): a message
-sent while its receiver computes lands then, and taking it costs one round trip for its tensors
-(one part: a single tensor as it is, several packed into one byte buffer). On gloo a transfer
-starts only once the receiver has posted its buffer, so a message of three blocking parts cost
-three round trips on the schedule's critical path (scripts/bench/pipeline_bench.py).
+sent while its receiver computes lands then. Tensors that fit in the head's rest travel in it
+(small activations cost no round trip at all); larger ones follow in one part (a single tensor
+as it is, several packed into one byte buffer), one round trip. On gloo a transfer starts only
+once the receiver has posted its buffer, so a message of three blocking parts cost three round
+trips on the schedule's critical path (scripts/bench/pipeline_bench.py).
 
 Sends are non-blocking (``isend``: the sender goes on at once, a ``PendingSend`` keeps the
 tensors alive until ``wait``); receives block. Within one direction between two ranks messages
@@ -43,8 +44,9 @@ __all__ = ["Payload", "PendingSend", "Receiver", "send", "recv", "DTYPES", "HEAD
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
           torch.int16, torch.int32, torch.int64, torch.bool)
 _CODE = {dt: code for code, dt in enumerate(DTYPES)}
-HEAD = 32
-"""int64s in a message's first part: the header's length, then (the start of) the header."""
+HEAD = 512
+"""int64s in a message's first part (4 KiB): the header's length, then (the start of) the header,
+then the tensors' bytes when they fit in the rest."""
 _ALIGN = 8  # bytes: each packed tensor starts at a multiple, so its bytes view as its dtype
 
 Payload = torch.Tensor | tuple[torch.Tensor, ...]
@@ -94,6 +96,16 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def _packed_bytes(tensors: list[torch.Tensor]) -> int:
+    """The size of the tensor part: one tensor's own, several aligned one after the other."""
+    return tensors[0].nbytes if len(tensors) == 1 else sum(_padded(t.nbytes) for t in tensors)
+
+
+def _room(header_length: int) -> int:
+    """Bytes of the head left for tensors after a header of ``header_length`` fields (-1: none)."""
+    return (HEAD - 1 - header_length) * 8 if header_length < HEAD else -1
+
+
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The tensor part: one tensor as it is, several as one byte buffer; None: no bytes at all."""
     wires = [_wire(t) for t in tensors]
@@ -101,12 +113,21 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     if len(wires) == 1:
         return wires[0]
-    buf = torch.zeros(sum(_padded(w.nbytes) for w in wires), dtype=torch.uint8, device=wires[0].device)
+    buf = torch.zeros(_packed_bytes(wires), dtype=torch.uint8, device=wires[0].device)
     pos = 0
     for w in wires:
         buf[pos:pos + w.nbytes] = w.reshape(-1).view(torch.uint8)
         pos += _padded(w.nbytes)
     return buf
+
+
+def _split(buf: torch.Tensor, wires: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``_pack``'s inverse: views of ``buf`` (uint8) shaped as ``wires``."""
+    pos, out = 0, []
+    for w in wires:
+        out.append(buf[pos:pos + w.nbytes].view(w.dtype).view(w.shape))
+        pos += _padded(w.nbytes)
+    return out
 
 
 def send(payload: Payload, dst: int, group: Any = None, what: str = "message", tag: int = 0) -> PendingSend:
@@ -127,7 +148,10 @@ def send(payload: Payload, dst: int, group: Any = None, what: str = "message", t
     if len(fields) > len(first):
         parts.append((torch.tensor(fields[len(first):], dtype=torch.int64), 2 * tag + 1))
     data = _pack(tensors)
-    if data is not None:
+    if data is not None and data.device.type == "cpu" and data.nbytes <= _room(len(fields)):
+        start = (1 + len(fields)) * 8  # in the head: no part of its own
+        head.view(torch.uint8)[start:start + data.nbytes] = data.reshape(-1).view(torch.uint8)
+    elif data is not None:
         parts.append((data, 2 * tag + 1))
     pending = PendingSend(tensors=[t for t, _ in parts], dst=dst)
     for part, part_tag in parts:
@@ -163,27 +187,28 @@ class Receiver:
             comm.recv(rest, self.src, group=self.group, tag=2 * self.tag + 1)
             fields += rest.tolist()
         is_tuple, specs = _specs(fields)
-        wires = self._tensors(specs)
+        wires = self._tensors(specs, head, length)
         out = []
         for (dtype, grad, _), wire in zip(specs, wires, strict=True):
             t = (wire.view(torch.bool) if dtype == torch.bool else wire).to(device)
             out.append(t.requires_grad_(grad and t.is_floating_point()))
         return tuple(out) if is_tuple else out[0]
 
-    def _tensors(self, specs: list[tuple[torch.dtype, bool, list[int]]]) -> list[torch.Tensor]:
+    def _tensors(self, specs: list[tuple[torch.dtype, bool, list[int]]], head: torch.Tensor,
+                 length: int) -> list[torch.Tensor]:
         wires = [torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype) for dtype, _, shape in specs]
+        size = _packed_bytes(wires) if wires else 0
         if sum(w.numel() for w in wires) == 0:
             return wires
+        if size <= _room(length):  # they came in the head
+            start = (1 + length) * 8
+            return _split(head.view(torch.uint8)[start:start + size], wires)
         if len(wires) == 1:
             comm.recv(wires[0], self.src, group=self.group, tag=2 * self.tag + 1)
             return wires
-        buf = torch.empty(sum(_padded(w.nbytes) for w in wires), dtype=torch.uint8)
+        buf = torch.empty(size, dtype=torch.uint8)
         comm.recv(buf, self.src, group=self.group, tag=2 * self.tag + 1)
-        pos, out = 0, []
-        for w in wires:
-            out.append(buf[pos:pos + w.nbytes].view(w.dtype).view(w.shape))
-            pos += _padded(w.nbytes)
-        return out
+        return _split(buf, wires)
 
 
 def _specs(fields: list[int]) -> tuple[bool, list[tuple[torch.dtype, bool, list[int]]]]:
