@@ -8,7 +8,8 @@ with the run (1-5 for 1F1B, 1-2 rounds of the stages for interleaved). A run who
 finish within ``--timeout`` seconds is a hang (its ranks are killed); one that raises is a failure.
 
 Usage: ``python scripts/pipeline_hang_check.py [--runs 200] [--first 0] [--timeout 60] [--out DIR]``
-(``--first``: the index of the first run, to split the 200 over several calls). Writes
+(``--first``: the index of the first run, to split the 200 over several calls; ``--merge
+A.json B.json ...`` then makes one report of them). Writes
 ``pipeline_hang_check.json`` and ``.md`` into ``--out`` (default scripts/bench/results) and exits 1
 when any run hung or failed. ``tests/runtime/pipe/test_hang_check.py`` runs a short version.
 """
@@ -80,11 +81,11 @@ def check(runs: int, first: int, timeout: float) -> list[dict]:
     return records
 
 
-def _markdown(records: list[dict], load: tuple[list[float], list[float]], seconds: float) -> str:
+def _markdown(records: list[dict], load: str, seconds: float) -> str:
     count = {o: sum(r["outcome"] == o for r in records) for o in ("ok", "hang", "failed")}
     lines = [f"# Pipeline hang check: {len(records)} runs (runs {records[0]['run']}-{records[-1]['run']})", "",
              f"{count['hang']} hung, {count['failed']} failed, {count['ok']} finished; {seconds:.0f} s in all; "
-             f"load average before/after {load[0]} / {load[1]}.", "",
+             f"load average {load}.", "",
              "| stages x replicas | schedule | runs | hung | failed | median s |", "|---|---|---|---|---|---|"]
     for stages, world, schedule, virtual, zero in SHAPES:
         mine = [r for r in records if (r["stages"], r["world"], r["schedule"]) == (stages, world, schedule)]
@@ -97,22 +98,43 @@ def _markdown(records: list[dict], load: tuple[list[float], list[float]], second
     return "\n".join(lines) + "\n"
 
 
+def _write(out: Path, name: str, records: list[dict], load: list[list[float]], seconds: float) -> None:
+    """``load``: the load averages (1, 5, 15 min) at the start and end of each call."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"load": load, "seconds": round(seconds, 1),
+                                                  "runs": records}, indent=2) + "\n")
+    ones = [x[0] for x in load]
+    load = f"(1 min) {ones[0]} at the start, {ones[-1]} at the end, {min(ones)}-{max(ones)} between calls"
+    (out / f"{name}.md").write_text(_markdown(records, load, seconds))
+    print(_markdown(records, load, seconds))
+
+
+def _merge(parts: list[Path], out: Path) -> list[dict]:
+    """One report of several calls' (``--first``) JSON files: runs in order, times summed, the
+    load range."""
+    loaded = [json.loads(p.read_text()) for p in parts]
+    records = sorted((r for d in loaded for r in d["runs"]), key=lambda r: r["run"])
+    load = [x for d in loaded for x in d["load"]]
+    _write(out, "pipeline_hang_check", records, load, sum(d["seconds"] for d in loaded))
+    return records
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "bench" / "results")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON", help="combine these calls' results")
     args = parser.parse_args()
-    before, start = [round(x, 2) for x in os.getloadavg()], time.monotonic()
-    records = check(args.runs, args.first, args.timeout)
-    seconds, after = time.monotonic() - start, [round(x, 2) for x in os.getloadavg()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = "pipeline_hang_check" + (f"_from{args.first}" if args.first else "")
-    (args.out / f"{name}.json").write_text(json.dumps({"load": [before, after], "seconds": round(seconds, 1),
-                                                        "runs": records}, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(_markdown(records, (before, after), seconds))
-    print(_markdown(records, (before, after), seconds))
+    if args.merge:
+        records = _merge(args.merge, args.out)
+    else:
+        before, start = [round(x, 2) for x in os.getloadavg()], time.monotonic()
+        records = check(args.runs, args.first, args.timeout)
+        seconds, after = time.monotonic() - start, [round(x, 2) for x in os.getloadavg()]
+        name = "pipeline_hang_check" + (f"_from{args.first}" if args.first else "")
+        _write(args.out, name, records, [before, after], seconds)
     return 0 if all(r["outcome"] == "ok" for r in records) else 1
 
 
