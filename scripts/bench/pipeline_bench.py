@@ -219,8 +219,9 @@ def _summary(name: str, ranks: list[dict]) -> dict:
 def _markdown(results: dict, meta: dict) -> str:
     base = results.get("dslaunch-1f1b", {})
     ms = meta["forward_ms"]
-    lines = [f"# Pipeline bubble (p={STAGES}, m={MICRO_BATCHES}, {ms:g} ms forward + "
-             f"{2 * ms:g} ms backward per stage and micro batch, gloo, 4 ranks)", "",
+    lines = ["## Pipeline bubble and step time (`scripts/bench/pipeline_bench.py`)", "",
+             f"p={STAGES} stages, m={MICRO_BATCHES} micro batches, {ms:g} ms forward + {2 * ms:g} ms backward "
+             "(sleeps) per stage and micro batch, gloo, 4 ranks.", "",
              f"Load average before/after: {meta['load_before']} / {meta['load_after']}; {meta['steps']} steps "
              f"after {meta['warmup']} warm-up.", "",
              "| configuration | step ms | bubble measured | formula | points off | bubble / dslaunch 1F1B's |"
