@@ -11,6 +11,8 @@ module reports on them without the script doing anything beyond training:
 - a daemon thread sends what changed every ``TICK_S``, and a beat every ``LIVENESS_S`` anyway, so
   the monitor tells a rank that is alive but waiting from one that is frozen or stopped; at exit
   (also by an exception) the last unsent step goes out;
+- the pipeline engine says which instruction it runs (``activity``): the hang report then tells
+  what a waiting stage waits for (which micro batch, from which stage);
 - the engine's collectives and waits on its peers run inside ``waiting(name)``: the beat says "in
   <name> for <s> seconds", so on a hang the monitor blames the rank that is *not* waiting (its
   stack alone cannot tell: a ``work.wait()`` is a frame of dslaunch's, not of torch.distributed).
@@ -71,6 +73,7 @@ class Heartbeat:
         self._stack_fd = stack_fd
         self._step: int | None = None
         self._phase: str | None = None
+        self._activity: object = None  # str() of it in the sender thread: the training thread never formats
         self._wait: tuple[str, float] | None = None  # (name, monotonic time it began): one write, atomic
         self._main = threading.main_thread().ident
         self._loss: float | None = None
@@ -148,6 +151,11 @@ class Heartbeat:
         finally:
             self._phase, self._dirty = None, True
 
+    def set_activity(self, what: object) -> None:
+        """Say what the engine is doing now: ``str(what)`` (formatted when a beat goes out, so an
+        immutable object costs one attribute write per call); None: nothing."""
+        self._activity, self._dirty = what, True
+
     def waiting(self, name: str) -> contextlib.AbstractContextManager:
         """Mark the stretch where this rank waits for its peers in ``name`` (a collective, or a
         barrier-like wait). Nests: the innermost mark is reported, the outer one comes back after."""
@@ -173,14 +181,15 @@ class Heartbeat:
             self._dirty = False
             self._want_loss = True
             self._seq += 1
-            wait = self._wait
+            wait, activity = self._wait, self._activity
             flops_per_s = self._flops.update()
             mfu = round(flops_per_s / self._peak, 4) if flops_per_s is not None and self._peak else None
             beat = Beat(self._rank, self._seq, self._step, self._samples.update(), self._loss,
                         self._memory.sample(), self._stack_signal, os.getpid(), preempt.armed_signal(),
                         self._phase, wait[0] if wait else None,
                         round(time.monotonic() - wait[1], 3) if wait else None,
-                        _rounded(self._tokens.update()), mfu, self._mfu_from if mfu is not None else None)
+                        _rounded(self._tokens.update()), mfu, self._mfu_from if mfu is not None else None,
+                        str(activity)[:300] if activity is not None else None)
             self._write(beat.to_line())
 
     def _write(self, line: bytes) -> None:

@@ -20,6 +20,13 @@ from dslaunch.utils.ports import free_port
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed"])
 
+
+def preload(modules: list[str]) -> None:
+    """Import ``modules`` in the forkserver too (before the first ``run_world``): a script that
+    starts hundreds of worlds pays for their import once."""
+    _CTX.set_forkserver_preload(["torch", "torch.distributed", *modules])
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
     import torch
     import torch.distributed as dist

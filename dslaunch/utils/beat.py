@@ -92,6 +92,9 @@ class Beat:
     """This rank's model FLOP/s over its device's peak (0..1); None: FLOPs or peak unknown."""
     mfu_from: str | None = None
     """How the FLOPs were counted: ``profiled`` (the flops profiler's step) or ``6N*tokens``."""
+    activity: str | None = None
+    """What the engine is doing, in words, when it says (a pipeline stage's instruction: ``stage 2
+    waiting to receive activations of micro-batch 5 from stage 1``); None: nothing said."""
 
     def to_line(self) -> bytes:
         """One JSON line (newline included), never over ``MAX_LINE`` bytes."""

@@ -139,12 +139,17 @@ class Health:
         return self.wait_of(rank, dump, now) is not None or _in_collective(dump.get("stack"))
 
     def wait_of(self, rank: int, dump: Mapping, now: float | None = None) -> tuple[str, float] | None:
-        """The marked wait ``rank``'s beats say it is in (name, seconds), when they are current:
-        not for a rank found stopped or silent (its last beat may predate where it stopped)."""
-        beat = self.ranks[rank].beat
-        if beat is None or beat.waiting is None or dump.get("stopped") or self.silent(rank, now):
+        """The marked wait ``rank``'s beats say it is in (name, seconds), when they are current."""
+        beat = self.current_beat(rank, dump, now)
+        if beat is None or beat.waiting is None:
             return None
         return beat.waiting, beat.waiting_s or 0.0
+
+    def current_beat(self, rank: int, dump: Mapping, now: float | None = None) -> Beat | None:
+        """``rank``'s last beat, unless it was found stopped or silent (then its last beat may
+        predate where it stopped)."""
+        beat = self.ranks[rank].beat
+        return None if beat is None or dump.get("stopped") or self.silent(rank, now) else beat
 
     def summary(self, now: float | None = None) -> dict:
         """The job's progress now, for the status line and the periodic event.

@@ -112,11 +112,12 @@ class JobMonitor:
             info = stacks.get(rank, {})
             text = info.get("stack")
             path = self.events.write_file(f"stacks-rank{rank}.txt", text) if text else None
-            wait = self.health.wait_of(rank, info)
+            wait, beat = self.health.wait_of(rank, info), self.health.current_beat(rank, info)
             ranks[str(rank)] = {"host": h.host, "step": h.step, "stopped": bool(info.get("stopped")),
                                 "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path,
                                 "via": info.get("via"), "waiting": self.health.waiting(rank, info),
-                                "waiting_in": wait[0] if wait else None, "waiting_s": wait[1] if wait else None}
+                                "waiting_in": wait[0] if wait else None, "waiting_s": wait[1] if wait else None,
+                                "activity": beat.activity if beat is not None else None}
         if missing := {r: stacks.get(r, {}).get("why") or "no answer from its node"
                        for r in sorted(self.health.ranks) if not stacks.get(r, {}).get("stack")}:
             why = "; ".join(f"rank {r}: {w}" for r, w in missing.items())
@@ -210,12 +211,16 @@ class JobMonitor:
             parts.append("it was stopped: SIGSTOP")
         elif info.get("silent"):
             parts.append("silent: no heartbeat")
+        elif info.get("activity"):
+            parts.append(f"it was {info['activity']}")
         if info.get("top_frame"):
             parts.append(f"it was in {info['top_frame']}")
         waits: dict[str, list[int]] = {}
         for rank, r in ranks.items():
             if r.get("waiting_in") and int(rank) != failure.rank:
-                waits.setdefault(r["waiting_in"], []).append(int(rank))
+                # what the engine said it was doing, e.g. which pipeline receive
+                doing = f" ({r['activity']})" if r.get("activity") else ""
+                waits.setdefault(f"{r['waiting_in']}{doing}", []).append(int(rank))
         parts += [f"{name_ranks(rs)} waited for it in {name}" for name, rs in list(waits.items())[:3]]
         if self.events.directory:
             parts.append(f"every rank's stack is in {self.events.directory}")

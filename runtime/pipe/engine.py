@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dslaunch import comm
 from dslaunch.errors import ConfigError, UsageError
+from dslaunch.runtime import heartbeat
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.engine import DeepSpeedEngine
@@ -58,8 +59,22 @@ class _Batch:
     compute_loss: bool = True
     keep_logits: bool = False
     sends: list[p2p.PendingSend] = field(default_factory=list)
+    receivers: dict[type, p2p.Receiver] = field(default_factory=dict)
+    """Per receive instruction type, its messages of the batch, posted ahead."""
     backwards_left: int = 0
     """Backward passes still to run; the last one is the accumulation boundary."""
+
+
+@dataclass(frozen=True)
+class _Activity:
+    """An instruction as the heartbeat tells it (formatted only when a beat goes out)."""
+
+    stage: int
+    stages: int
+    instruction: sched.PipeInstruction
+
+    def __str__(self) -> str:
+        return self.instruction.describe(self.stage, self.stages)
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -174,9 +189,20 @@ class PipelineEngine(DeepSpeedEngine):
     # ----- the instructions -------------------------------------------------------------------
     def _execute(self, schedule: sched.PipeSchedule, batch: _Batch) -> None:
         batch.backwards_left = schedule.micro_batches * schedule.chunks
-        for step in schedule.steps():
-            for instruction in step:
+        instructions = [instruction for step in schedule.steps() for instruction in step]
+        for kind, src, tag in ((sched.RecvActivation, self.prev_stage, _ACTIVATIONS),
+                               (sched.RecvGrad, self.next_stage, _GRADIENTS)):
+            if count := sum(type(i) is kind for i in instructions):
+                batch.receivers[kind] = p2p.Receiver(src, count, tag=tag)
+        report = heartbeat.reporter()  # each instruction is published: a hang report names what a stage waits for
+        try:
+            for instruction in instructions:
+                if report is not None:
+                    report.set_activity(_Activity(self.stage_id, self.num_stages, instruction))
                 self._INSTRUCTION_MAP[type(instruction)](self, instruction, batch)
+        finally:
+            if report is not None:
+                report.set_activity(None)  # between batches the script's own code runs
 
     def _ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether this rank's ``chunk`` is the model's first part, and its last."""
@@ -221,10 +247,10 @@ class PipelineEngine(DeepSpeedEngine):
                                     tag=_ACTIVATIONS))
 
     def _exec_recv_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        batch.inputs[(ins.buffer_id, ins.chunk)] = p2p.recv(self.prev_stage, self.device, tag=_ACTIVATIONS)
+        batch.inputs[(ins.buffer_id, ins.chunk)] = batch.receivers[sched.RecvActivation].recv(self.device)
 
     def _exec_recv_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        batch.grads[(ins.buffer_id, ins.chunk)] = p2p.recv(self.next_stage, self.device, tag=_GRADIENTS)
+        batch.grads[(ins.buffer_id, ins.chunk)] = batch.receivers[sched.RecvGrad].recv(self.device)
 
     def _exec_backward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         batch.backwards_left -= 1

@@ -29,9 +29,19 @@ class PipeInstruction:
     buffer_id: int = -1
     chunk: int = 0
 
+    doing = "running {name}"
+    """What a stage running it does, for the hang report (``{mb}``: the micro batch, ``{prev}``,
+    ``{next}``: the neighbouring stages)."""
+
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def describe(self, stage: int, stages: int) -> str:
+        """``stage 2 waiting to receive activations of micro-batch 5 from stage 1``."""
+        mb = f"micro-batch {self.buffer_id}" + (f" (chunk {self.chunk})" if self.chunk else "")
+        what = self.doing.format(mb=mb, name=self.name, prev=(stage - 1) % stages, next=(stage + 1) % stages)
+        return f"stage {stage} {what}"
 
     def __repr__(self) -> str:
         where = f", chunk={self.chunk}" if self.chunk else ""
@@ -41,41 +51,61 @@ class PipeInstruction:
 class LoadMicroBatch(PipeInstruction):
     """First stage: the inputs; last stage: the labels (both read the same batch)."""
 
+    doing = "loading {mb}"
+
 
 class ForwardPass(PipeInstruction):
     """Run this stage's layers on the micro batch (the last stage also computes the loss)."""
+
+    doing = "in the forward pass of {mb}"
 
 
 class BackwardPass(PipeInstruction):
     """Backpropagate the loss (last stage) or the received output gradients."""
 
+    doing = "in the backward pass of {mb}"
+
 
 class SendActivation(PipeInstruction):
     """Send the outputs to the next stage."""
+
+    doing = "sending the activations of {mb} to stage {next}"
 
 
 class RecvActivation(PipeInstruction):
     """Receive the inputs from the previous stage."""
 
+    doing = "waiting to receive activations of {mb} from stage {prev}"
+
 
 class SendGrad(PipeInstruction):
     """Send the gradients of the received inputs back to the previous stage."""
+
+    doing = "sending the input gradients of {mb} to stage {prev}"
 
 
 class RecvGrad(PipeInstruction):
     """Receive the gradients of the outputs from the next stage."""
 
+    doing = "waiting to receive gradients of {mb} from stage {next}"
+
 
 class ReduceGrads(PipeInstruction):
     """Finish the data-parallel gradient reduction of the step (the ZeRO strategy's)."""
+
+    doing = "reducing gradients over the data-parallel replicas"
 
 
 class ReduceTiedGrads(PipeInstruction):
     """Sum tied weights' gradients over the stages holding them."""
 
+    doing = "summing tied weights' gradients over the stages holding them"
+
 
 class OptimizerStep(PipeInstruction):
     """Clip, check overflow and update (the whole replica agrees on the norm)."""
+
+    doing = "in the optimizer step (first waiting until its sends were received)"
 
 
 class PipeSchedule:

@@ -31,8 +31,10 @@ def report(values: dict) -> None:
     dist.destroy_process_group()
 
 
-def run_ranks(script: str, argv: list[str], world: int, timeout: float) -> tuple[list[dict] | None, str]:
-    """Run ``script --worker *argv`` as ranks 0..world-1 on this host (gloo, one thread each).
+def run_ranks(script: str, argv: list[str], world: int, timeout: float, python: str = sys.executable,
+              extra_env: dict[str, str] | None = None) -> tuple[list[dict] | None, str]:
+    """Run ``script --worker *argv`` as ranks 0..world-1 on this host (gloo, one thread each), with
+    ``python`` (another venv's, for a peer) and ``extra_env`` added to the environment.
 
     Returns:
         (each rank's reported values, "") or (None, why: a timeout or the end of rank 0's stderr).
@@ -42,8 +44,8 @@ def run_ranks(script: str, argv: list[str], world: int, timeout: float) -> tuple
     for r in range(world):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        procs.append(subprocess.Popen([sys.executable, script, "--worker", *argv], env=env,
+               "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **(extra_env or {})}
+        procs.append(subprocess.Popen([python, script, "--worker", *argv], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]

@@ -25,10 +25,10 @@ NOTES = RESULTS / "notes"
 OUT = HERE.parent.parent / "BENCHMARKS.md"
 # Tables in the order a user meets the product: launch, train, checkpoint.
 ORDER = ["launch_bench", "ssh_launch_bench", "slurm_submit_bench", "engine_bench", "zero3_bench", "zero3_bench_bf16",
-         "prefetch_bench", "activation_ckpt_bench", "nvme_bench", "estimate_bench", "heartbeat_bench", "flops_profiler_bench",
+         "pipeline_bench", "prefetch_bench", "activation_ckpt_bench", "nvme_bench", "estimate_bench", "heartbeat_bench", "flops_profiler_bench",
          "monitor_bench", "optimizer_bench", "cpu_kernels_bench", "gpu_check", "gpu_kernels_bench", "ckpt_bench",
          "inference_bench",
-         "faults", "host_faults", "exit_stress"]
+         "faults", "host_faults", "exit_stress", "pipeline_hang_check"]
 
 
 def _benches(names: list[str]) -> list[Path]:

@@ -58,18 +58,24 @@ def test_the_rank_stalled_in_its_own_code_is_blamed_not_the_rank_waiting_for_it(
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_stopped_pipeline_stage_is_blamed_not_the_stage_waiting_for_it(tmp_path, free_port, stage):
     """Stage ``stage`` SIGSTOPs itself after step 2; the other stage waits for it in step 3's
-    pipeline receive (activations or gradients). With one replica the stage's rank is its id."""
+    pipeline receive (activations or gradients), and the report says which (the engine publishes
+    each instruction). With one replica the stage's rank is its id."""
     tag = new_tag()
     r = run_dslaunch(["--num_gpus", "2", "--master_port", str(free_port), "--hang_timeout", "4",
                       "--log_dir", str(tmp_path / "logs"), STALL_PIPE], tag=tag, timeout=120,
                      STALL_RANK=str(stage), STALL_AT="2")
     other = 1 - stage
+    # 1F1B at 2 stages: stage 0 sends micro-batches 0 and 1, then waits for 0's gradients
+    what = ("stage 1 waiting to receive activations of micro-batch 0 from stage 0" if stage == 0 else
+            "stage 0 waiting to receive gradients of micro-batch 0 from stage 1")
     assert r.returncode == 124, r.stderr
     assert re.search(rf"rank {stage} on localhost hung( at step [0-2])? \(", r.stderr), r.stderr
-    assert f"rank {other} waited for it in " in r.stderr, r.stderr
+    assert f"rank {other} waited for it in pipeline receive from rank {stage} ({what})" in r.stderr, r.stderr
     event = _stacks_event(tmp_path)
     assert event["behind"] == [stage], event
     waiter, stopped = event["ranks"][str(other)], event["ranks"][str(stage)]
-    assert waiter["waiting"] and waiter["waiting_in"] == "recv", event
+    assert waiter["waiting"] and waiter["waiting_in"] == f"pipeline receive from rank {stage}", event
+    assert waiter["activity"] == what, event
+    assert stopped["activity"] is None, event  # it stopped between batches, in the script's code
     assert stopped["stopped"] and not stopped["waiting"], event
     assert_no_job_process(tag)

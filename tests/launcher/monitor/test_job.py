@@ -69,3 +69,12 @@ def test_the_allowance_named_is_the_one_that_ran_out_not_the_blamed_rank_s_longe
     text = _report({0: Beat(0, 1, 3, waiting="all_reduce of gradients", waiting_s=5.2), 1: Beat(1, 1, None)},
                    stalled=[0])
     assert text.startswith("rank 1 on node0 hung (no progress for 5 s: --hang_timeout)"), text
+
+
+def test_a_pipeline_stage_s_activity_is_told_for_the_blamed_rank_and_the_ranks_waiting_for_it():
+    text = _report({0: Beat(0, 1, 3, waiting="pipeline receive from rank 1", waiting_s=5.2,
+                            activity="stage 0 waiting to receive gradients of micro-batch 1 from stage 1"),
+                    1: Beat(1, 1, 3, activity="stage 1 in the forward pass of micro-batch 2")})
+    assert text == ("rank 1 on node0 hung at step 3 (no progress for 5 s: --hang_timeout); it was stage 1 in the "
+                    "forward pass of micro-batch 2; rank 0 waited for it in pipeline receive from rank 1 (stage 0 "
+                    "waiting to receive gradients of micro-batch 1 from stage 1)"), text

@@ -39,7 +39,7 @@ def _layers(blocks: int) -> list:
 
 
 def _engine(stages: int, world: int, zero: int, seed: int = SEED, blocks: int = 2, async_save: bool = False,
-            virtual: int = 1):
+            virtual: int = 1, fp16: dict | None = None):
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
@@ -50,7 +50,7 @@ def _engine(stages: int, world: int, zero: int, seed: int = SEED, blocks: int = 
     cfg = helpers.config(gas, 0.01, optimizer={"type": "AdamW", "params": {"lr": 0.01}},
                          scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 6}},
                          zero_optimization={"stage": zero}, checkpoint={"async_save": async_save},
-                         pipeline={"schedule": "interleaved" if virtual > 1 else "1f1b"})
+                         pipeline={"schedule": "interleaved" if virtual > 1 else "1f1b"}, **({"fp16": fp16} if fp16 else {}))
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
     return engine
 
@@ -76,17 +76,18 @@ def _state(engine) -> dict:
                       "optim": {k: v.numpy().copy() for k, v in g["optim_state"].items()},
                       "step": float(g["optim_scalars"].get("step", -1))} for g in zero["groups"]],
             "counters": {k: engine.engine_state_dict()[k] for k in ("global_steps", "micro_steps")},
-            "lr": engine.get_lr()}
+            "lr": engine.get_lr(), "scaler": engine.loss_scaler.state_dict()}
 
 
-def _save_runs(rank: int, world: int, root: str, shapes: list[tuple[int, ...]], async_save: bool = False) -> dict:
+def _save_runs(rank: int, world: int, root: str, shapes: list[tuple[int, ...]], async_save: bool = False,
+               fp16: dict | None = None) -> dict:
     """The uninterrupted run of the first shape, then each shape's first half, saved under
-    ``p<stages>z<zero>`` (``b<blocks>`` after it for other layers)."""
-    stages, zero = shapes[0]
-    engine = _engine(stages, world, zero)
+    ``p<stages>z<zero>`` (``b<blocks>`` after it for other layers); ``fp16``: that section."""
+    stages, zero = shapes[0][:2]
+    engine = _engine(stages, world, zero, fp16=fp16)
     out = {"straight": _train(engine, 0, 2 * HALF), "saved": {}}
     for stages, zero, *blocks in shapes:
-        engine = _engine(stages, world, zero, async_save=async_save, blocks=blocks[0] if blocks else 2)
+        engine = _engine(stages, world, zero, async_save=async_save, blocks=blocks[0] if blocks else 2, fp16=fp16)
         _train(engine, 0, HALF)
         state = _state(engine)
         name = f"p{stages}z{zero}" + (f"b{blocks[0]}" if blocks else "")
@@ -115,7 +116,8 @@ def _plain_and_back(world: int, root: str, saved: str) -> dict:
     return {"plain": _state(plain), "pipe": _state(engine)}
 
 
-def _resume_all(rank: int, world: int, root: str, jobs: list[tuple[int, int, str, int]]) -> dict:
+def _resume_all(rank: int, world: int, root: str, jobs: list[tuple[int, int, str, int]],
+                fp16: dict | None = None) -> dict:
     """Each job: a fresh engine at (stages, zero, layers' middle blocks) loads a tag and trains on,
     or reports the one line it was refused with; 0 stages: ``_plain_and_back``."""
     out = {}
@@ -125,7 +127,8 @@ def _resume_all(rank: int, world: int, root: str, jobs: list[tuple[int, int, str
             out[job] = _plain_and_back(world, root, saved)
             continue
         # other weights: the load replaces them
-        engine = _engine(stages, world, zero, seed=OTHER_SEED, blocks=blocks, virtual=virtual[0] if virtual else 1)
+        engine = _engine(stages, world, zero, seed=OTHER_SEED, blocks=blocks, virtual=virtual[0] if virtual else 1,
+                         fp16=fp16)
         try:
             path, _ = engine.load_checkpoint(f"{root}/{saved}")
         except CheckpointError as err:
@@ -168,6 +171,7 @@ def _assert_resumed_bitwise(saved: list[dict], resumed: list[dict], key: tuple) 
         assert got["losses"] == s["straight"][HALF:]  # bit for bit
         before, after = s["saved"][key[2]], got["loaded"]
         assert before["counters"] == after["counters"] and before["lr"] == after["lr"]
+        assert before["scaler"] == after["scaler"]
         for k, v in before["module"].items():
             assert np.array_equal(after["module"][k], v), k
         for g, h in zip(before["zero"], after["zero"], strict=True):
@@ -193,6 +197,21 @@ def test_resume_at_pipe2_with_2_replicas_at_zero1_is_bitwise_async_save_too(tmp_
     resumed = run_world(_resume_all, 4, str(tmp_path), [(2, 1, "p2z1", 2)], timeout=150)
     _assert_resumed_bitwise(saved, resumed, (2, 1, "p2z1", 2))
     assert {p.name for p in _tag(tmp_path, "p2z1").iterdir()} == _expected_files(4, 1)
+
+
+# Starts too high, so the first steps overflow and are skipped; grows back every 2 clean steps.
+FP16 = {"enabled": True, "initial_scale_power": 18, "loss_scale_window": 2, "hysteresis": 1}
+
+
+def test_resume_at_pipe2_with_2_replicas_at_zero2_and_fp16_is_bitwise(tmp_path: Path) -> None:
+    """ZeRO-2's gradient shards and fp16's loss scaler (scale, its window's count, the last
+    overflow) on the data axis come back as saved; training goes on bit for bit."""
+    saved = run_world(_save_runs, 4, str(tmp_path), [(2, 2)], False, FP16, timeout=150)
+    resumed = run_world(_resume_all, 4, str(tmp_path), [(2, 2, "p2z2", 2)], FP16, timeout=150)
+    _assert_resumed_bitwise(saved, resumed, (2, 2, "p2z2", 2))
+    scaler = saved[0]["saved"]["p2z2"]["scaler"]
+    assert scaler["last_overflow_iter"] >= 0 and scaler["cur_scale"] < 2.0**18, scaler  # it moved
+    assert {p.name for p in _tag(tmp_path, "p2z2").iterdir()} == _expected_files(4, 2)
 
 
 def _by_param(states: list[dict]) -> dict[str, dict[str, np.ndarray]]:

@@ -72,11 +72,14 @@ def test_composes_with_zero2_offload_checkpointing_and_clipping(zero: int, extra
         assert len({r["norm"] for r in got}) == 1 and got[0]["norm"] > 0.5  # the whole model's norm, clipped
 
 
-@pytest.mark.parametrize("stages, world, gas, zero", [(2, 2, 4, 0), (4, 4, 8, 0), (2, 4, 2, 1)])
-def test_interleaved_schedule_matches_one_process(stages: int, world: int, gas: int, zero: int) -> None:
-    """2 chunks per rank; 4 stages x 2 chunks = 8 parts: 6 middle blocks, one Linear per part."""
-    extra, blocks = {"pipeline": {"schedule": "interleaved"}}, 6 if stages == 4 else 2
-    got = run_world(_train, world, stages, gas, zero, extra, 2, blocks, timeout=150)
+@pytest.mark.parametrize("stages, world, gas, zero, virtual", [(2, 2, 4, 0, 2), (4, 4, 8, 0, 2), (2, 4, 2, 1, 2),
+                                                               (2, 2, 4, 0, 4)])
+def test_interleaved_schedule_matches_one_process(stages: int, world: int, gas: int, zero: int, virtual: int) -> None:
+    """``virtual`` chunks per rank; 8 parts (4 stages x 2, 2 x 4): 5 middle blocks, one Linear per part
+    (the bubble at 4 chunks is 1/4 of 1F1B's: scripts/bench/pipeline_bench.py)."""
+    parts = stages * virtual
+    extra, blocks = {"pipeline": {"schedule": "interleaved"}}, parts - 3 if parts > 4 else 2
+    got = run_world(_train, world, stages, gas, zero, extra, virtual, blocks, timeout=150)
     _check(got, gas, world // stages, blocks=blocks)
 
 

@@ -1,5 +1,6 @@
 """Messages between stages: every dtype, shape and gradient flag arrives as sent, in order,
-whatever the previous message was (no buffer reused across dtypes or shapes)."""
+whatever the previous message was (no buffer reused across dtypes or shapes), whether the tensors
+fit in the message's head or not, and with a header longer than the head."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def _payloads() -> list:
          torch.tensor(7, dtype=torch.int32), torch.empty(0, 4, dtype=torch.float64)),
         (),
         torch.randn(6, generator=g).requires_grad_(),
+        torch.randn(40, 40, generator=g),  # over the head's room: a part of its own
+        (torch.randn(30, 30, generator=g).half(), torch.arange(3, dtype=torch.int16), torch.randn(700, generator=g)),
+        tuple(torch.full((1,), float(i)) for i in range(200)),  # a header longer than the head
     ]
 
 

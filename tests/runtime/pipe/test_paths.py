@@ -69,4 +69,4 @@ def _logged(rank: int, world: int) -> list[str]:
 def test_stage_messages_go_through_dslaunch_comm() -> None:
     """The comms logger sees them, and every wait is marked for the monitor's hang blame."""
     for ops in run_world(_logged, 2):
-        assert {"isend", "recv", "broadcast"} <= set(ops)
+        assert {"isend", "irecv", "broadcast"} <= set(ops)  # (small messages travel in their head)

@@ -97,3 +97,11 @@ def test_1f1b_is_deepspeeds_order() -> None:
                      "LoadMicroBatch(1)", "ForwardPass(1)", "SendActivation(1)", "RecvGrad(0)", "BackwardPass(0)",
                      "LoadMicroBatch(2)", "ForwardPass(2)", "SendActivation(2)", "RecvGrad(1)", "BackwardPass(1)",
                      "RecvGrad(2)", "BackwardPass(2)", "ReduceGrads()", "ReduceTiedGrads()", "OptimizerStep()"]
+
+
+def test_instructions_say_what_a_stage_does_for_the_hang_report() -> None:
+    assert sched.RecvActivation(5).describe(2, 4) == "stage 2 waiting to receive activations of micro-batch 5 from stage 1"
+    assert sched.RecvGrad(0).describe(3, 4) == "stage 3 waiting to receive gradients of micro-batch 0 from stage 0"
+    assert sched.ForwardPass(3, chunk=1).describe(0, 2) == "stage 0 in the forward pass of micro-batch 3 (chunk 1)"
+    assert sched.OptimizerStep().describe(1, 2) == ("stage 1 in the optimizer step (first waiting until its sends "
+                                                    "were received)")
