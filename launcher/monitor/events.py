@@ -203,7 +203,7 @@ _MEMORY = _fields({"kind": _str, "used": _int, "peak": _int, "total": _opt(_int)
 _STACK = _fields({"host": _opt(_str), "step": _opt(_int), "top_frame": _opt(_str), "file": _opt(_str)})
 _KINDS: dict[str, _Check] = {
     "start": _fields({"job_id": _opt(_str), "hosts": _list(_str), "world_size": _opt(_int), "pid": _opt(_int),
-                      "host": _opt(_str), "pid_started": _opt(_num)}),
+                      "host": _opt(_str), "pid_start_ticks": _opt(_int)}),
     "end": _fields({"exit_code": _opt(_int), "duration_s": _opt(_num)}),
     "summary": _fields({"step": _opt(_int), "samples_per_s": _opt(_num), "loss": _opt(_num),
                         "ranks_up": _opt(_int), "world": _opt(_int), "slowest_rank": _opt(_int),

@@ -17,13 +17,11 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import psutil
-
 from dslaunch.errors import name_ranks
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.failures import OOM_REMEDIES, classify
 from dslaunch.launcher.monitor.health import Health, top_frame
-from dslaunch.launcher.monitor.status import StatusLine
+from dslaunch.launcher.monitor.status import StatusLine, process_start_ticks
 from dslaunch.launcher.spec import HANG_EXIT_CODE, JobSpec, NodeResult
 
 if TYPE_CHECKING:
@@ -57,7 +55,7 @@ class JobMonitor:
         self.events.emit("start", job_id=os.path.basename(self.events.directory or ""),
                          hosts=list(self.job.hosts), world_size=self.job.world_size,
                          hang_timeout=self.job.monitor.hang_timeout, pid=os.getpid(),
-                         host=socket.gethostname(), pid_started=psutil.Process().create_time(),
+                         host=socket.gethostname(), pid_start_ticks=process_start_ticks(os.getpid()),
                          argv=list(sys.argv if argv is None else argv))
 
     # -- each turn of the gang loop ------------------------------------------------------------

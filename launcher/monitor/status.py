@@ -16,12 +16,10 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
-import psutil
-
 from dslaunch.errors import quote, shorten
 
-__all__ = ["StatusLine", "JobStory", "format_progress", "describe_job", "controller_gone", "PLAIN_EVERY_S",
-           "SHOWN_EACH"]
+__all__ = ["StatusLine", "JobStory", "format_progress", "describe_job", "controller_gone", "process_start_ticks",
+           "PLAIN_EVERY_S", "SHOWN_EACH"]
 
 PLAIN_EVERY_S = 30.0
 _TTY_EVERY_S = 1.0
@@ -172,17 +170,24 @@ class JobStory:
 
 def controller_gone(start: dict[str, Any]) -> bool:
     """Whether the controller that wrote ``start`` is known to be gone: it ran on this host and its
-    pid no longer names that process (same pid, same start time). Elsewhere, or unreadable (another
-    user's process), it cannot be told from here: not gone."""
-    pid, started = start.get("pid"), start.get("pid_started")
+    pid no longer names that process (same pid, same start time). Elsewhere, or without ``/proc``,
+    it cannot be told from here: not gone."""
+    pid, started = start.get("pid"), start.get("pid_start_ticks")
     if not isinstance(pid, int) or started is None or start.get("host") != socket.gethostname():
         return False
+    return process_start_ticks(pid) != started  # None: no such process; another value: a reused pid
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``, field 22), or
+    None when there is no such process (or no ``/proc``). Read directly, not through psutil: the
+    controller imports neither psutil nor torch, to start fast."""
     try:
-        return abs(psutil.Process(pid).create_time() - started) > 1.0  # a reused pid
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(b")", 1)[1].split()[19])  # the name may hold spaces and ')': split after it
 
 
 def _failure(failure: dict[str, Any]) -> list[str]:
