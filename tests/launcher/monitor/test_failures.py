@@ -65,7 +65,9 @@ def test_a_rank_stopped_while_tearing_down_after_its_exception_makes_the_job_exi
     assert root_cause(_rank(0, GLOO), [stopped]) == stopped
     assert stopped.job_exit_code == 1 and "was killed by SIGTERM (exit code 143) after raising" in stopped.describe()
     assert replace(stopped, signal_name="SIGKILL", exit_code=137).job_exit_code == 1
-    assert replace(stopped, cause="oom").job_exit_code == 143  # the OOM killer's SIGKILL stays its own
+    assert replace(stopped, cause="oom").job_exit_code == 1  # torch's OutOfMemoryError raised, then stopped
+    killed = replace(stopped, cause="oom", exception=None, signal_name="SIGKILL", exit_code=137)
+    assert killed.job_exit_code == 137  # the kernel's OOM killer: no exception, its own signal stays
     assert replace(stopped, exception=None, cause="signal").job_exit_code == 143
     assert replace(stopped, signal_name=None, exit_code=3).job_exit_code == 3
 

@@ -411,7 +411,8 @@ def _edit(root: Path, tag: str, op: str, where: str, value: Any) -> None:
 
     if op in ("meta", "files"):
         path = root / tag / "manifest.json"
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        # RecursionError: an earlier edit may have written a deeply nested manifest; json cannot read it back
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, RecursionError):
             body = json.loads(path.read_text())["body"]
             body[op][where] = value
             text = json.dumps(body, sort_keys=True)
