@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 
+from dslaunch.launcher.agent.procs import proc_stat
 from dslaunch.utils.beat import Beat
 
 __all__ = ["Channels", "MAX_STACK_BYTES", "process_stopped"]
@@ -196,8 +197,5 @@ def _py_spy(tool: str, pid: int, wait: float) -> dict:
 
 def process_stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP/SIGTSTP, state T in /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    fields = proc_stat(pid)
+    return bool(fields) and fields[0] in ("T", "t")

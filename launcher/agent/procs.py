@@ -116,3 +116,13 @@ def _children() -> list[int]:
         except OSError:  # thread gone, or a kernel without CONFIG_PROC_CHILDREN
             continue
     return pids
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` from the state on (field 3 is index 0), or None when there
+    is no such process (or no ``/proc``). Split after the name, which may hold spaces and ')'."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().decode("ascii", "replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dslaunch.errors import quote, shorten
+from dslaunch.launcher.agent.procs import proc_stat
 
 __all__ = ["StatusLine", "JobStory", "format_progress", "describe_job", "controller_gone", "process_start_ticks",
            "PLAIN_EVERY_S", "SHOWN_EACH"]
@@ -180,14 +181,10 @@ def controller_gone(start: dict[str, Any]) -> bool:
 
 def process_start_ticks(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``, field 22), or
-    None when there is no such process (or no ``/proc``). Read directly, not through psutil: the
-    controller imports neither psutil nor torch, to start fast."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat.rsplit(b")", 1)[1].split()[19])  # the name may hold spaces and ')': split after it
+    None when there is no such process. Read directly, not through psutil: the controller imports
+    neither psutil nor torch, to start fast."""
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
 
 
 def _failure(failure: dict[str, Any]) -> list[str]:
