@@ -43,6 +43,7 @@ KEPT_OPS: dict[Any, int | None] = {
     _aten._scaled_dot_product_flash_attention.default: 3,
     _aten._scaled_dot_product_efficient_attention.default: 5,
 }
+_EFFICIENT_ATTENTION = _aten._scaled_dot_product_efficient_attention.default  # arg 4: compute_log_sumexp
 _DROPOUT = _aten.native_dropout.default  # dropout on CUDA: one kernel, (output, mask)
 _BERNOULLI = _aten.bernoulli_.float  # dropout on CPU: a 0/1 mask drawn in place, then div_ and mul
 
@@ -103,7 +104,7 @@ class MatmulCache(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.replaying:
             return self._replayed(func, args)
-        out = func(*args, **kwargs)
+        out = func(*_with_log_sumexp(func, args), **kwargs)
         self.kept.append(_dropout_kept(func, args, out) if dropout else _output_kept(func, out))
         return out
 
@@ -126,6 +127,18 @@ class MatmulCache(TorchDispatchMode):
         if func is _BERNOULLI:
             return args[0].copy_(k.mask)
         return args[0].mul(k.mask).mul_(k.scale), k.mask
+
+
+def _with_log_sumexp(func: Any, args: tuple) -> tuple:
+    """The arguments with the memory-efficient attention's ``compute_log_sumexp`` set.
+
+    A reentrant checkpoint's forward runs without grad, so SDPA asks this kernel for no log-sum-exp;
+    the replay (with grad) needs it for the backward. Computing it in the forward is what a run
+    without checkpointing does, and the output is the same.
+    """
+    if func is _EFFICIENT_ATTENTION and len(args) > 4 and not args[4]:
+        return (*args[:4], True, *args[5:])
+    return args
 
 
 def _output_kept(func: Any, out: Any) -> _Kept:

@@ -7,7 +7,8 @@ engine the flat vector is the param group's (the same layout as stages 1/2, so c
 the parameter alone. Between uses ``param.data`` is an empty placeholder. The parameter carries
 DeepSpeed's attributes: ``ds_numel``, ``ds_shape``, ``ds_tensor`` (this rank's piece, 1-D; may be
 empty: pieces follow the flat layout, not one equal piece per parameter), ``ds_status``
-(``ZeroParamStatus``), ``ds_persist`` (kept whole: small parameters) and ``ds_id``.
+(``ZeroParamStatus``), ``ds_persist`` (kept whole: small parameters), ``ds_id`` and the method
+``partition_numel()``.
 
 Users (a module's forward, ``GatheredParameters``) ``hold`` a parameter and ``unhold`` it; it is
 released when the last user is gone, unless persistent. Gathering a range: each owner broadcasts
@@ -22,6 +23,7 @@ call them on all ranks with the same parameters in the same order.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -119,12 +121,19 @@ def attach(p: torch.nn.Parameter, flat: FlatShard, offset: int, shape: torch.Siz
     p.ds_tensor = flat.shard[lo - flat.start:hi - flat.start] if hi > lo else flat.shard[:0]
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_IDS)
+    p.partition_numel = functools.partial(_partition_numel, p)
     p._dsl_users = getattr(p, "_dsl_users", 0)
     if persist:
         p.ds_status = ZeroParamStatus.AVAILABLE
     else:
         p.data = _placeholder(p)
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def _partition_numel(param: torch.nn.Parameter) -> int:
+    """``param.partition_numel()``, DeepSpeed's: the elements of this rank's piece (Lightning's
+    DeepSpeed model summary counts "Params per Device" with it)."""
+    return param.ds_tensor.numel()
 
 
 def gather_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, list[Any]]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dslaunch's GPU check: one command on a machine with one CUDA GPU, about 4 minutes on an H200.
+# dslaunch's GPU check: one command on a machine with one CUDA GPU, about 6 minutes on an H200.
 #
 #   scripts/gpu/check.sh [RESULT_DIR]        (default: $OUT, else ./gpu-check; `make gpu-check`)
 #
@@ -107,7 +107,9 @@ done <"$CFG.list"
 if [ "$GPU" = 1 ]; then
     step bench_gpu_kernels 240 $PY scripts/bench/gpu_kernels_bench.py --rounds 7 --steps 20
     step probe_norms 120 $PY scripts/gpu/norm_probe.py "$RESULT_DIR/norm_probe.json"
+    step bench_gpu_engine 300 $PY scripts/bench/gpu_engine_bench.py --timeout 150
     cp scripts/bench/results/gpu_kernels_bench.json scripts/bench/results/gpu_kernels_bench.md "$RESULT_DIR/"
+    cp scripts/bench/results/gpu_engine_bench.json scripts/bench/results/gpu_engine_bench.md "$RESULT_DIR/"
     $PY scripts/gpu/report.py --summarize "$RESULT_DIR" --results scripts/bench/results
 else
     step bench_gpu_kernels 120 $PY scripts/bench/gpu_kernels_bench.py --cpu-smoke

@@ -114,8 +114,9 @@ def summarize(out: Path, results: Path | None = None) -> int:
             (folder / f"{stem}.json").write_text(json.dumps(result, indent=2))
             (folder / f"{stem}.md").write_text(table)
     print(table)
-    if (bench := out / "gpu_kernels_bench.md").exists():
-        print(bench.read_text())
+    for name in ("gpu_kernels_bench.md", "gpu_engine_bench.md"):
+        if (bench := out / name).exists():
+            print(bench.read_text())
     print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}")
     return 1 if failed else 0
 

@@ -112,6 +112,8 @@ def _init_and_gather(rank: int, world: int) -> None:
         model = make_model()
     total = sum(p.numel() for p in full.parameters())
     held = sum(p.ds_tensor.numel() for p in model.parameters())
+    # Lightning's DeepSpeed model summary counts a rank's parameters with partition_numel()
+    assert sum(p.partition_numel() for p in model.parameters()) == held
     assert all(p.numel() == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
     assert held <= total / world + len(list(model.parameters())), (held, total)
     assert sum(run for run in [held]) * world >= total
