@@ -188,6 +188,7 @@ def _table(rows: list[dict], env: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=CASES, help="run one case in this process (internal)")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, results not saved")
     parser.add_argument("--timeout", type=float, default=240, help="seconds a case may take")
@@ -196,7 +197,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_case(args.case, args.steps, args.smoke)), flush=True)
         return
     rows = []
-    for case in CASES:
+    for case in args.cases.split(","):
         env = {**os.environ, **({"DSLAUNCH_KERNELS": "reference"} if case.endswith("_reference") else {})}
         cmd = [sys.executable, __file__, "--case", case, "--steps", str(args.steps)] + (["--smoke"] if args.smoke else [])
         try:

@@ -89,8 +89,12 @@ def _adam(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     errors = {}
     if not args.cpu_smoke:
         try:
+            import deepspeed
             from deepspeed.ops.adam import FusedAdam as DeepSpeedFusedAdam
 
+            # check.sh installs dslaunch's own `deepspeed` distribution (for Lightning) where none is
+            if "dslaunch" in deepspeed.__version__:
+                raise ModuleNotFoundError(f"the deepspeed here is dslaunch's ({deepspeed.__version__}), no peer")
             contenders["DeepSpeed FusedAdam"] = DeepSpeedFusedAdam(params(), **hyper).step
         except Exception as e:  # not installed, or its CUDA op fails to build here
             errors["DeepSpeed FusedAdam"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

@@ -51,7 +51,7 @@ def _against_fp64(ours, theirs, inputs: list[torch.Tensor], dtype: torch.dtype) 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (5, 7), (64, 1024), (3, 2, 4099), (16, 16384)])
 def test_layer_norm_and_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    from dslaunch.ops.normalization import layer_norm, rms_norm
+    from dslaunch.kernels.triton.norms import layer_norm, rms_norm
 
     n = shape[-1]
     x, w, b = _randn(*shape, dtype=dtype), _randn(n, dtype=dtype, seed=1), _randn(n, dtype=dtype, seed=2)
@@ -127,6 +127,18 @@ def test_fused_adam_matches_torch_adamw() -> None:
         theirs.step()
     for p, q in zip(model.parameters(), twin, strict=True):
         assert max_error(p, q) <= 1e-6
+
+
+def test_fused_norms_take_rows_of_fused_min_features_and_more() -> None:
+    """Narrower rows get torch's kernel (the Triton call's Python cost outweighs its device time in
+    a step), wider ones the Triton kernel: the same values, told apart by their autograd node."""
+    from dslaunch.ops.normalization import FUSED_MIN_FEATURES, FusedLayerNorm, FusedRMSNorm
+
+    for n, fused in ((FUSED_MIN_FEATURES // 2, False), (FUSED_MIN_FEATURES, True)):
+        x = _randn(4, n, dtype=torch.bfloat16).requires_grad_()
+        for norm in (FusedLayerNorm(n), FusedRMSNorm(n)):
+            y = norm.to(CUDA, torch.bfloat16)(x)
+            assert ("_NormFunction" in type(y.grad_fn).__name__) is fused, (n, type(y.grad_fn).__name__)
 
 
 def test_dispatch_picks_triton_on_cuda_and_the_reference_on_cpu() -> None:

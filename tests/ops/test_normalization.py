@@ -8,7 +8,7 @@ import torch
 
 from dslaunch.kernels import dispatch
 from dslaunch.kernels.dispatch import Kernel, KernelTable
-from dslaunch.ops.normalization import FusedLayerNorm, FusedRMSNorm, layer_norm, rms_norm
+from dslaunch.ops.normalization import FUSED_MIN_FEATURES, FusedLayerNorm, FusedRMSNorm, layer_norm, rms_norm
 
 
 @pytest.mark.timeout(30)
@@ -35,6 +35,10 @@ def test_the_modules_call_the_dispatch_point(monkeypatch: pytest.MonkeyPatch) ->
 
     table = KernelTable(dispatch.KERNELS.reference, {op: (Kernel(spy(op), ("cpu",)),) for op in ("layer_norm", "rms_norm")})
     monkeypatch.setattr(dispatch, "KERNELS", table)
-    FusedLayerNorm(5)(torch.randn(2, 5))
-    FusedRMSNorm(5, eps=None)(torch.randn(2, 5))
+    narrow, wide = FUSED_MIN_FEATURES - 1, FUSED_MIN_FEATURES
+    FusedLayerNorm(narrow)(torch.randn(2, narrow))  # narrow rows: torch's kernel, not the dispatch point
+    FusedRMSNorm(narrow, eps=None)(torch.randn(2, narrow))
+    assert calls == []
+    FusedLayerNorm(wide)(torch.randn(2, wide))
+    FusedRMSNorm(wide, eps=None)(torch.randn(2, wide))
     assert calls == ["layer_norm", "rms_norm"]
