@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -80,27 +79,21 @@ def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, ste
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), NODE_RANK=str(rank // per_node))
     torch.set_num_threads(1)
+    from ranks import timed_steps
+
     import dslaunch
     from dslaunch import comm
 
     torch.manual_seed(0)
     engine, _, _, _ = dslaunch.initialize(model=Model(), config=cfg)
     g = torch.Generator().manual_seed(rank)
-    times = []
-    for step in range(warmup + steps):
-        if step == warmup:
-            comm.comms_logger.reset()
-        tokens = torch.randint(0, VOCAB, (1, TOKENS + 1), generator=g)
-        start = time.perf_counter()
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-        times.append(time.perf_counter() - start)
+    times, _ = timed_steps(engine, lambda: torch.randint(0, VOCAB, (1, TOKENS + 1), generator=g), warmup, steps,
+                           comm.comms_logger.reset)
     summary = comm.comms_logger.summary()
     if rank == 0:
         params = sum(p.numel() for p in engine.module.parameters())
         queue.put({"name": name, "params": params, "bytes_per_step": sent_bytes(summary, world) / steps,
-                   "step_s": sum(times[warmup:]) / steps,
+                   "step_s": sum(times) / steps,
                    "ops": {op: sum(r["count"] for r in sizes.values()) // steps for op, sizes in summary.items()}})
     engine.destroy()
     import torch.distributed as dist

@@ -12,10 +12,13 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 from dslaunch.utils.ports import free_port
 
-__all__ = ["report", "run_ranks", "slowest", "ratio_stats", "ratio_text"]
+__all__ = ["report", "run_ranks", "slowest", "ratio_stats", "ratio_text", "timed_steps"]
 
 _TAG = "RESULT "
 
@@ -29,6 +32,25 @@ def report(values: dict) -> None:
     if dist.get_rank() == 0:
         print(_TAG + json.dumps(out), flush=True)
     dist.destroy_process_group()
+
+
+def timed_steps(engine: Any, batch: Callable[[], Any], warmup: int, steps: int,
+                at_warmup: Callable[[], None] = lambda: None) -> tuple[list[float], list[float]]:
+    """Train ``engine`` for ``warmup + steps`` steps on ``batch()``; ``at_warmup`` runs before the first
+    timed step (reset counters there). Returns the timed steps' seconds and every step's loss."""
+    times, losses = [], []
+    for step in range(warmup + steps):
+        if step == warmup:
+            at_warmup()
+        inputs = batch()
+        start = time.perf_counter()
+        loss = engine(inputs)
+        engine.backward(loss)
+        engine.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    return times, losses
 
 
 def run_ranks(script: str, argv: list[str], world: int, timeout: float, python: str = sys.executable,

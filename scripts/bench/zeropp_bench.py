@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -64,7 +63,7 @@ def worker(name: str, warmup: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
     from onebit_bench import TOKENS, VOCAB, Model
-    from ranks import report
+    from ranks import report, timed_steps
 
     import dslaunch
     from dslaunch import comm
@@ -76,26 +75,22 @@ def worker(name: str, warmup: int, steps: int) -> None:
     engine, _, _, _ = dslaunch.initialize(model=Model(), config=cfg)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
-    times, losses, tx0 = [], [], 0
-    for step in range(warmup + steps):
-        if step == warmup:
-            dist.barrier()
-            comm.comms_logger.reset()
-            tx0 = _tx_bytes()
-        tokens = torch.randint(0, VOCAB, (1, TOKENS + 1), generator=g)
-        start = time.perf_counter()
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+    tx0 = [0]
+
+    def at_warmup() -> None:
+        dist.barrier()
+        comm.comms_logger.reset()
+        tx0[0] = _tx_bytes()
+
+    times, losses = timed_steps(engine, lambda: torch.randint(0, VOCAB, (1, TOKENS + 1), generator=g), warmup,
+                                steps, at_warmup)
     summary = comm.comms_logger.summary()
     dist.barrier()
-    tx = _tx_bytes() - tx0  # this host's outgoing link: every rank of the host reads the same counter
+    tx = _tx_bytes() - tx0[0]  # this host's outgoing link: every rank of the host reads the same counter
     payload = sum(size * row["count"] for sizes in summary.values() for size, row in sizes.items())
     params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     engine.destroy()
-    report({"local_rank": int(os.environ["LOCAL_RANK"]), "tx": tx, "payload": payload, "step_s": times[warmup:],
+    report({"local_rank": int(os.environ["LOCAL_RANK"]), "tx": tx, "payload": payload, "step_s": times,
             "losses": losses, "params": params,
             "ops": {op: sum(r["count"] for r in sizes.values()) // steps for op, sizes in summary.items()}})
 
