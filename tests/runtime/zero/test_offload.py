@@ -51,3 +51,28 @@ def test_cpu_offload_matches_single_process(reference: list[float]) -> None:
     for per_rank in run_world(_train_and_place, 2, cfgs):
         for losses in per_rank:
             assert_close(losses, reference, 1e-5)
+
+
+def _buckets_of_a_large_shard(rank: int, world: int) -> tuple[int, int]:
+    import torch
+
+    import dslaunch
+    from dslaunch.runtime.zero.offload.step import MAX_BUCKET_NUMEL
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(MAX_BUCKET_NUMEL // 4096 + 1, 4096, bias=False)  # just over one bucket
+    cfg = _offload(2)
+    cfg["zero_optimization"]["sub_group_size"] = 10**9  # DeepSpeed's default, written out as HF's configs do
+    cfg["gradient_accumulation_steps"] = 1
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    engine.backward(engine(torch.ones(1, model.in_features)).square().mean())
+    engine.step()
+    return len(engine.zero.offload.buckets), engine.zero.offload.bucket_numel
+
+
+@pytest.mark.timeout(60)
+def test_a_large_sub_group_is_cut_into_buckets_that_pipeline() -> None:
+    """sub_group_size 1e9 over a shard of MAX_BUCKET_NUMEL + 4096 elements: two buckets, the first full."""
+    from dslaunch.runtime.zero.offload.step import MAX_BUCKET_NUMEL
+
+    assert run_world(_buckets_of_a_large_shard, 1) == [(2, MAX_BUCKET_NUMEL)]
