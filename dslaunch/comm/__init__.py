@@ -131,9 +131,13 @@ inference_all_reduce = _collective(_dist.all_reduce, "inference_all_reduce")
 reduce = _collective(_dist.reduce)
 broadcast = _collective(_dist.broadcast)
 all_gather = _collective(_dist.all_gather)
-all_gather_into_tensor = _collective(_dist.all_gather_into_tensor)
+# torch 2.13 renamed these two (the old names raise a FutureWarning in every process that calls them);
+# the functions are the same, DeepSpeed's names stay ours and the comms logger's
+all_gather_into_tensor = _collective(getattr(_dist, "all_gather_single", _dist.all_gather_into_tensor),
+                                     "all_gather_into_tensor")
 reduce_scatter = _collective(_dist.reduce_scatter)
-reduce_scatter_tensor = _collective(_dist.reduce_scatter_tensor)
+reduce_scatter_tensor = _collective(getattr(_dist, "reduce_scatter_single", _dist.reduce_scatter_tensor),
+                                    "reduce_scatter_tensor")
 gather = _collective(_dist.gather)
 scatter = _collective(_dist.scatter)
 all_to_all_single = _collective(_dist.all_to_all_single)

@@ -11,6 +11,9 @@ from tests.distributed import run_world
 
 
 def _collectives(rank: int, world: int) -> dict:
+    import warnings
+
+    warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates names under DeepSpeed's
     comm.init_distributed(dist_backend="gloo", verbose=False)
     t = torch.tensor([float(rank + 1)])
     comm.all_reduce(t, op=comm.ReduceOp.SUM, prof=True, log_name="x", debug="y")  # DeepSpeed's extras
@@ -20,12 +23,16 @@ def _collectives(rank: int, world: int) -> dict:
     comm.allgather_fn(gathered, torch.tensor([float(rank)]))
     shard = torch.empty(1)
     comm.reduce_scatter_fn(shard, torch.ones(world) * (rank + 1))
+    into = torch.empty(world)
+    comm.all_gather_into_tensor(into, torch.tensor([float(rank) * 2]))
+    scattered = torch.empty(1)
+    comm.reduce_scatter_tensor(scattered, torch.arange(float(world)))
     pair = [torch.tensor([1.0]), torch.tensor([2.0])]
     comm.all_reduce_coalesced(pair)
     src = torch.tensor([float(rank)])
     comm.broadcast(src, 0)
     comm.barrier()
-    return {"sum": t.item(), "max": maxed.item(), "gathered": gathered.tolist(), "shard": shard.item(),
+    return {"sum": t.item(), "max": maxed.item(), "gathered": gathered.tolist(), "shard": shard.item(), "into": into.tolist(), "scattered": scattered.item(),
             "pair": [p.item() for p in pair], "bcast": src.item(), "rank": comm.get_rank(),
             "world": comm.get_world_size(), "local": comm.get_local_rank(),
             "ranks": comm.get_all_ranks_from_group(), "init": comm.is_initialized()}
@@ -63,6 +70,7 @@ def test_collectives_and_queries_at_two_ranks() -> None:
     for rank, r in enumerate((r0, r1)):
         assert r["sum"] == 3.0 and r["max"] == 1.0 and r["gathered"] == [0.0, 1.0]
         assert r["shard"] == 3.0 and r["pair"] == [2.0, 4.0] and r["bcast"] == 0.0
+        assert r["into"] == [0.0, 2.0] and r["scattered"] == 2.0 * rank
         assert (r["rank"], r["world"], r["local"], r["ranks"], r["init"]) == (rank, 2, rank, [0, 1], True)
 
 
