@@ -169,10 +169,13 @@ class NodeResult:
     @property
     def job_exit_code(self) -> int:
         """The job's exit code when this is its failure: 1 for a rank that raised (a torch
-        ``OutOfMemoryError`` too) and was stopped while still tearing down, as its uncaught exception
-        would have ended it; otherwise ``exit_code`` (the kernel's OOM killer raises nothing: 137
-        stays). Which signal reached a slow teardown first is load, not the script's word."""
-        return 1 if self.exception is not None and self.ended_by_stop_signal else self.exit_code
+        ``OutOfMemoryError`` too) and was stopped while still tearing down, or aborted in that
+        teardown (SIGABRT: a C++ destructor of the process group, seen at load ~19), as its uncaught
+        exception would have ended it; otherwise ``exit_code`` (the kernel's OOM killer raises
+        nothing: 137 stays). Which signal reached a slow teardown first is load, not the script's
+        word."""
+        torn_down = self.ended_by_stop_signal or self.signal_name == "SIGABRT"
+        return 1 if self.exception is not None and torn_down else self.exit_code
 
     def describe(self) -> str:
         """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""

@@ -66,6 +66,8 @@ def test_a_rank_stopped_while_tearing_down_after_its_exception_makes_the_job_exi
     assert stopped.job_exit_code == 1 and "was killed by SIGTERM (exit code 143) after raising" in stopped.describe()
     assert replace(stopped, signal_name="SIGKILL", exit_code=137).job_exit_code == 1
     assert replace(stopped, cause="oom").job_exit_code == 1  # torch's OutOfMemoryError raised, then stopped
+    aborted = replace(stopped, signal_name="SIGABRT", exit_code=134)  # gloo's destructor in the teardown
+    assert aborted.job_exit_code == 1 and replace(aborted, exception=None).job_exit_code == 134
     killed = replace(stopped, cause="oom", exception=None, signal_name="SIGKILL", exit_code=137)
     assert killed.job_exit_code == 137  # the kernel's OOM killer: no exception, its own signal stays
     assert replace(stopped, exception=None, cause="signal").job_exit_code == 143
