@@ -85,14 +85,16 @@ $PY scripts/gpu/configs.py "$CFG" >"$CFG.list"
 [ "$GPU" = 1 ] || printf 'z3_offload\n' >"$CFG.list"  # CI: one configuration keeps the bookkeeping honest
 engine_pair() {  # the CPU run goes in the background: it uses cores, the GPU run the GPU
     local name=$1 cpu rc
-    # its own rendezvous port and NVMe folder: the two runs of a pair overlap
+    # its own NVMe folder and rendezvous port: the two runs of a pair overlap
     sed "s#$CFG/nvme#$CFG/nvme-cpu#" "$CFG/$name.json" >"$CFG/$name.cpu-config"
     mkdir -p "$CFG/nvme" "$CFG/nvme-cpu"
-    CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=2 dslaunch --num_gpus 1 --master_port 29611 --log_dir "$CFG/logs-cpu" \
+    local ports  # free ones, not 29500: another job on the machine (CI's tests) may hold it
+    ports=($($PY -c "from dslaunch.utils.ports import free_port as f; print(f(), f())"))
+    CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=2 dslaunch --num_gpus 1 --master_port "${ports[0]}" --log_dir "$CFG/logs-cpu" \
         scripts/gpu/engine_check.py --deepspeed_config "$CFG/$name.cpu-config" --out "$CFG/$name.cpu.json" \
         >"$CFG/$name.cpu.log" 2>&1 &
     cpu=$!
-    dslaunch --num_gpus 1 --log_dir "$CFG/logs" scripts/gpu/engine_check.py \
+    dslaunch --num_gpus 1 --master_port "${ports[1]}" --log_dir "$CFG/logs" scripts/gpu/engine_check.py \
         --deepspeed_config "$CFG/$name.json" --out "$CFG/$name.gpu.json"
     rc=$?
     wait $cpu || { echo "CPU run of $name failed:"; tail -n 20 "$CFG/$name.cpu.log"; return 1; }
