@@ -105,6 +105,8 @@ class PipelineEngine(DeepSpeedEngine):
         self.data_iterator: Iterator | None = None
         self.batch_fn: Callable | None = None
         self.agg_train_loss: torch.Tensor | None = None
+        self._out_of_step: str | None = None
+        """Set when a batch raised mid-schedule: what happened (``_refuse_out_of_step``)."""
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             self.set_dataiterator(RepeatingLoader(self.training_dataloader))
 
@@ -141,10 +143,12 @@ class PipelineEngine(DeepSpeedEngine):
         collective: call on all ranks.
 
         Raises:
-            UsageError: called under ``torch.no_grad()``, or no data iterator on a stage that reads data.
+            UsageError: called under ``torch.no_grad()``, no data iterator on a stage that reads data,
+                or an earlier batch raised mid-schedule on this rank (the stages are out of step).
         """
         if not torch.is_grad_enabled():
             raise UsageError("train_batch() was called under torch.no_grad(); use eval_batch() to evaluate")
+        self._refuse_out_of_step("train_batch")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
@@ -168,6 +172,7 @@ class PipelineEngine(DeepSpeedEngine):
         """
         if reduce_output not in ("avg", None):
             raise UsageError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self._refuse_out_of_step("eval_batch")
         self.set_dataiterator(data_iter)
         micro = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
         batch = _Batch(micro, train=False, compute_loss=compute_loss, keep_logits=return_logits)
@@ -200,9 +205,24 @@ class PipelineEngine(DeepSpeedEngine):
                 if report is not None:
                     report.set_activity(_Activity(self.stage_id, self.num_stages, instruction))
                 self._INSTRUCTION_MAP[type(instruction)](self, instruction, batch)
+        except BaseException as err:
+            if self.num_stages > 1:  # the other stages are still in this batch; its heads stay posted
+                first = (str(err).strip().splitlines() or [""])[0]
+                self._out_of_step = (f"{instruction.describe(self.stage_id, self.num_stages)}: "
+                                     f"{type(err).__name__}" + (f": {first}" if first else ""))
+            raise
         finally:
             if report is not None:
                 report.set_activity(None)  # between batches the script's own code runs
+
+    def _refuse_out_of_step(self, call: str) -> None:
+        """A batch that raised mid-schedule leaves this rank's receives of it posted (a message of
+        that batch would land in the next one's place) and the other stages waiting in it: no
+        batch can follow on any stage, only a restart."""
+        if self._out_of_step is not None:
+            raise UsageError(f"{call}() cannot run: an earlier batch failed ({self._out_of_step}) and the "
+                             "other stages are still in it (its messages half exchanged); restart the job (or "
+                             "resume from the last checkpoint)")
 
     def _ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether this rank's ``chunk`` is the model's first part, and its last."""

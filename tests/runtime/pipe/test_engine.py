@@ -182,3 +182,49 @@ def test_virtual_stages_need_the_interleaved_schedule_and_whole_rounds() -> None
         "pipeline stages",
         "'pipeline.schedule': virtual stages need at least 2 pipeline stages (a single stage has nothing to "
         "interleave with); use \"1f1b\" and virtual_stages=1"]
+
+
+def _raise_mid_batch(rank: int, world: int) -> list:
+    """Batch 2's loss raises on its first micro batch (last stage); the script catches every error
+    and calls ``train_batch`` again."""
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    calls = []
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 4:  # 3 micro batches a batch
+            raise ValueError("bad label")
+        return helpers.loss_fn(out, y)
+
+    module = PipelineModule(helpers.layers(), num_stages=2, loss_fn=loss, seed_layers=True,
+                            base_seed=helpers.BASE_SEED)
+    engine, *_ = dslaunch.initialize(model=module, config=helpers.config(3, LR))
+    data = helpers.replica_iter(3, 3, 1, 0)
+    out: list = [engine.train_batch(data).item()]
+    for _ in range(2):
+        try:
+            out.append(engine.train_batch(data).item())
+        except Exception as err:  # noqa: BLE001 - what the script sees
+            out.append(f"{type(err).__name__}: {err}")
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_that_raised_mid_schedule_stops_the_next_with_one_line() -> None:
+    """The failed batch's receives stay posted (a message of it would land in the next batch's place)
+    and the other stage still waits in it: the next ``train_batch`` is refused on every stage, the
+    last stage at once, the first once the last one's exit broke its wait (before: the last stage's
+    next batch waited forever)."""
+    got = run_world(_raise_mid_batch, 2, timeout=40)
+    want = helpers.reference(1, 3, 1, LR)[0][0]
+    for stage, (first, _failed, refused) in enumerate(got):
+        assert first == pytest.approx(want, rel=0, abs=1e-6)
+        assert "\n" not in refused and refused.startswith("UsageError: train_batch() cannot run: an earlier batch "
+                                                          f"failed (stage {stage} ")
+        assert refused.endswith("restart the job (or resume from the last checkpoint)")
+    assert got[1][1] == "ValueError: bad label"
+    assert "forward pass of micro-batch 0: ValueError: bad label)" in got[1][2]
+    assert "waiting to receive gradients of micro-batch 0 from stage 1:" in got[0][2]
