@@ -204,9 +204,9 @@ def _raise_mid_batch(rank: int, world: int) -> list:
     engine, *_ = dslaunch.initialize(model=module, config=helpers.config(3, LR))
     data = helpers.replica_iter(3, 3, 1, 0)
     out: list = [engine.train_batch(data).item()]
-    for _ in range(2):
+    for call in (lambda: engine.train_batch(data), lambda: engine.train_batch(data), lambda: engine.eval_batch(data)):
         try:
-            out.append(engine.train_batch(data).item())
+            out.append(call().item())
         except Exception as err:  # noqa: BLE001 - what the script sees
             out.append(f"{type(err).__name__}: {err}")
     return out
@@ -220,11 +220,12 @@ def test_a_batch_that_raised_mid_schedule_stops_the_next_with_one_line() -> None
     next batch waited forever)."""
     got = run_world(_raise_mid_batch, 2, timeout=40)
     want = helpers.reference(1, 3, 1, LR)[0][0]
-    for stage, (first, _failed, refused) in enumerate(got):
+    for stage, (first, _failed, refused, eval_refused) in enumerate(got):
         assert first == pytest.approx(want, rel=0, abs=1e-6)
         assert "\n" not in refused and refused.startswith("UsageError: train_batch() cannot run: an earlier batch "
                                                           f"failed (stage {stage} ")
         assert refused.endswith("restart the job (or resume from the last checkpoint)")
+        assert eval_refused == refused.replace("train_batch()", "eval_batch()")
     assert got[1][1] == "ValueError: bad label"
     assert "forward pass of micro-batch 0: ValueError: bad label)" in got[1][2]
     assert "waiting to receive gradients of micro-batch 0 from stage 1:" in got[0][2]
