@@ -226,7 +226,8 @@ class PipelineEngine(DeepSpeedEngine):
             first = (str(err).strip().splitlines() or [""])[0]
             self._out_of_step = (f"{left[0].describe(self.stage_id, self.num_stages)}: {type(err).__name__}"
                                  + (f": {first}" if first else ""))
-        peers = {sched.SendActivation: (self.next_stage, _ACTIVATIONS), sched.SendGrad: (self.prev_stage, _GRADIENTS)}
+        peers = {sched.SendActivation: (self.next_stage, _ACTIVATIONS),
+                 sched.SendGrad: (self.prev_stage, _GRADIENTS)}
         try:
             for instruction in left:
                 if type(instruction) in peers:
@@ -241,8 +242,8 @@ class PipelineEngine(DeepSpeedEngine):
         batch can follow on any stage, only a restart."""
         if self._out_of_step is not None:
             raise UsageError(f"{call}() cannot run: an earlier batch failed ({self._out_of_step}) and its "
-                             "messages between the stages are half exchanged; restart the job (or resume from "
-                             "the last checkpoint)")
+                             "messages between the stages are half exchanged; restart the job (or resume "
+                             "from the last checkpoint)")
 
     def _ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether this rank's ``chunk`` is the model's first part, and its last."""

@@ -14,16 +14,16 @@ as it is, several packed into one byte buffer), one round trip. On gloo a transf
 once the receiver has posted its buffer, so a message of three blocking parts cost three round
 trips on the schedule's critical path (scripts/bench/pipeline_bench.py).
 
-Sends are non-blocking (``isend``: the sender goes on at once, a ``PendingSend`` keeps the
-tensors alive until ``wait``); receives block. A rank whose batch failed sends a stop (``send_stop``:
-a head whose length is -1, then the reason) in place of each message it still owed; the receiver's
-``recv`` raises ``PipelineStageError`` with that reason instead of waiting. Within one direction between two ranks messages
-arrive in the order sent, so a schedule only needs every receive to have a matching send. Heads
-and tensors travel under two tags derived from the caller's (``2 * tag`` and ``2 * tag + 1``), so
-posted heads never match a tensor part. Booleans travel as uint8 (gloo has no bool). Everything
-goes through ``dslaunch.comm`` (the comms logger counts it) and every wait is marked as one on the
-peer (``heartbeat.waiting``): in a hang the monitor tells the stage that never sent from the ones
-waiting for it.
+Sends are non-blocking (``isend``: the sender goes on at once, a ``PendingSend`` keeps the tensors
+alive until ``wait``); receives block. A rank whose batch failed sends a stop (``send_stop``: a
+head whose length is -1, then the reason) in place of each message it still owed; the receiver's
+``recv`` raises ``PipelineStageError`` with that reason instead of waiting. Within one direction
+between two ranks messages arrive in the order sent, so a schedule only needs every receive to
+have a matching send. Heads and tensors travel under two tags derived from the caller's
+(``2 * tag`` and ``2 * tag + 1``), so posted heads never match a tensor part. Booleans travel as uint8
+(gloo has no bool). Everything goes through ``dslaunch.comm`` (the comms logger counts it) and
+every wait is marked as one on the peer (``heartbeat.waiting``): in a hang the monitor tells the
+stage that never sent from the ones waiting for it.
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ class Receiver:
             work.wait()
         length, *fields = head.tolist()
         if length == _STOP:
-            raise PipelineStageError(bytes(head.view(torch.uint8)[16:16 + fields[0]].tolist()).decode(errors="replace"))
+            reason = bytes(head.view(torch.uint8)[16:16 + fields[0]].tolist())
+            raise PipelineStageError(reason.decode(errors="replace"))
         fields = fields[:length]
         if length > len(fields):  # a long header: its rest is the next part
             rest = torch.empty(length - len(fields), dtype=torch.int64)

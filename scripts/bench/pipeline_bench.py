@@ -224,7 +224,8 @@ def _markdown(results: dict, meta: dict) -> str:
     lines = ["## Pipeline bubble and step time (`scripts/bench/pipeline_bench.py`)", "",
              f"p={STAGES} stages, m={MICRO_BATCHES} micro batches, {ms:g} ms forward + {2 * ms:g} ms backward "
              "(sleeps) per stage and micro batch, gloo, 4 ranks.", "",
-             f"{meta['steps']} steps after {meta['warmup']} warm-up. Load average before/after each call:", "",
+             f"{meta['steps']} steps after {meta['warmup']} warm-up. Load average before/after each call:",
+             "",
              *(f"- {c['start']}, {', '.join(c['only'])}: {c['load_before']} / {c['load_after']}"
                for c in meta["calls"]), "",
              "| configuration | step ms | bubble measured | formula | points off | bubble / dslaunch 1F1B's |"
@@ -268,9 +269,11 @@ def main() -> None:
     call = {"only": args.only, "load_before": [round(x, 2) for x in os.getloadavg()],
             "start": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for config in args.only:
-        python = str(Path(args.ds_venv) / "bin" / "python") if CONFIGS[config][0] == "deepspeed" else sys.executable
-        ranks, why = run_ranks(__file__, [config, str(args.steps), str(args.warmup), str(args.forward_ms)], STAGES,
-                               timeout=300, python=python, extra_env={"PYTHONPATH": str(ROOT)})
+        peer = CONFIGS[config][0] == "deepspeed"
+        python = str(Path(args.ds_venv) / "bin" / "python") if peer else sys.executable
+        argv = [config, str(args.steps), str(args.warmup), str(args.forward_ms)]
+        ranks, why = run_ranks(__file__, argv, STAGES, timeout=300, python=python,
+                               extra_env={"PYTHONPATH": str(ROOT)})
         results[config] = _summary(config, ranks) if ranks else {"error": why}
         print(config, json.dumps(results[config]), flush=True)
     call["load_after"] = [round(x, 2) for x in os.getloadavg()]

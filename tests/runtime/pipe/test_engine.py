@@ -204,7 +204,7 @@ def _raise_mid_batch(rank: int, world: int) -> list:
     engine, *_ = dslaunch.initialize(model=module, config=helpers.config(3, LR))
     data = helpers.replica_iter(3, 3, 1, 0)
     out: list = [engine.train_batch(data).item()]
-    for call in (lambda: engine.train_batch(data), lambda: engine.train_batch(data), lambda: engine.eval_batch(data)):
+    for call in (lambda: engine.train_batch(data),) * 2 + (lambda: engine.eval_batch(data),):
         try:
             out.append(call().item())
         except Exception as err:  # noqa: BLE001 - what the script sees
@@ -226,6 +226,7 @@ def test_a_batch_that_raised_mid_schedule_stops_every_stage_and_the_next_with_on
     assert [failed for _, failed, _, _ in got] == [stopped, stopped, "ValueError: bad label"]
     for first, _, refused, eval_refused in got:
         assert first == pytest.approx(want, rel=0, abs=1e-6)
-        assert refused == (f"UsageError: train_batch() cannot run: an earlier batch failed ({cause}) and its messages "
-                           "between the stages are half exchanged; restart the job (or resume from the last checkpoint)")
+        assert refused == (f"UsageError: train_batch() cannot run: an earlier batch failed ({cause}) and its "
+                           "messages between the stages are half exchanged; restart the job (or resume "
+                           "from the last checkpoint)")
         assert eval_refused == refused.replace("train_batch()", "eval_batch()")
