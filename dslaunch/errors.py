@@ -7,7 +7,8 @@ exits non-zero, with a traceback only under ``--verbose``.
 The kinds follow torch.distributed.elastic's split:
 
 - user errors: ``HostfileError``, ``ConfigError``, ``UsageError`` (bad input, fix and rerun);
-- worker errors: ``WorkerFailedError`` (a rank exited non-zero or was killed);
+- worker errors: ``WorkerFailedError`` (a rank exited non-zero or was killed),
+  ``PipelineStageError`` (another pipeline stage stopped the batch);
 - platform/infra errors: ``LaunchError`` (host unreachable, port busy, sshd refused);
 - data errors: ``CheckpointError`` (missing, truncated or corrupt checkpoint on disk).
 """
@@ -26,6 +27,7 @@ __all__ = [
     "ConfigError",
     "LaunchError",
     "WorkerFailedError",
+    "PipelineStageError",
     "CheckpointError",
     "did_you_mean",
     "quote",
@@ -101,6 +103,15 @@ class WorkerFailedError(DslaunchError):
         self.rank, self.host, self.signal_name = rank, host, signal_name
         self.exit_code = exit_code
         super().__init__(message)
+
+
+class PipelineStageError(DslaunchError):
+    """Another pipeline stage stopped the batch mid-schedule; ``reason`` names that stage, its
+    instruction and what it raised (``runtime/pipe``: the stage sends this instead of its messages)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"the pipeline batch stopped: {reason}")
 
 
 class CheckpointError(DslaunchError):

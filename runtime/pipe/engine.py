@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch import comm
-from dslaunch.errors import ConfigError, UsageError
+from dslaunch.errors import ConfigError, PipelineStageError, UsageError
 from dslaunch.runtime import heartbeat
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dataloader import RepeatingLoader
@@ -105,6 +105,10 @@ class PipelineEngine(DeepSpeedEngine):
         self.data_iterator: Iterator | None = None
         self.batch_fn: Callable | None = None
         self.agg_train_loss: torch.Tensor | None = None
+        self._out_of_step: str | None = None
+        """Set when a batch raised mid-schedule: what happened (``_refuse_out_of_step``)."""
+        self._stops: list[p2p.PendingSend] = []
+        """The stops sent for the messages of that batch (kept alive until they land)."""
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             self.set_dataiterator(RepeatingLoader(self.training_dataloader))
 
@@ -141,10 +145,12 @@ class PipelineEngine(DeepSpeedEngine):
         collective: call on all ranks.
 
         Raises:
-            UsageError: called under ``torch.no_grad()``, or no data iterator on a stage that reads data.
+            UsageError: called under ``torch.no_grad()``, no data iterator on a stage that reads data,
+                or an earlier batch raised mid-schedule on this rank (the stages are out of step).
         """
         if not torch.is_grad_enabled():
             raise UsageError("train_batch() was called under torch.no_grad(); use eval_batch() to evaluate")
+        self._refuse_out_of_step("train_batch")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
@@ -168,6 +174,7 @@ class PipelineEngine(DeepSpeedEngine):
         """
         if reduce_output not in ("avg", None):
             raise UsageError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self._refuse_out_of_step("eval_batch")
         self.set_dataiterator(data_iter)
         micro = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
         batch = _Batch(micro, train=False, compute_loss=compute_loss, keep_logits=return_logits)
@@ -196,13 +203,47 @@ class PipelineEngine(DeepSpeedEngine):
                 batch.receivers[kind] = p2p.Receiver(src, count, tag=tag)
         report = heartbeat.reporter()  # each instruction is published: a hang report names what a stage waits for
         try:
-            for instruction in instructions:
+            for done, instruction in enumerate(instructions):  # noqa: B007 - where it stopped, below
                 if report is not None:
                     report.set_activity(_Activity(self.stage_id, self.num_stages, instruction))
                 self._INSTRUCTION_MAP[type(instruction)](self, instruction, batch)
+        except BaseException as err:
+            if self.num_stages > 1:  # the other stages are still in this batch; its heads stay posted
+                self._stop_batch(instructions[done:], err)
+            raise
         finally:
             if report is not None:
                 report.set_activity(None)  # between batches the script's own code runs
+
+    def _stop_batch(self, left: list[sched.PipeInstruction], err: BaseException) -> None:
+        """``err`` stopped this rank's batch at ``left[0]``: remember why (``_refuse_out_of_step``) and
+        send a stop in place of each message ``left`` would have sent, so the stages waiting for them
+        raise ``PipelineStageError`` (and stop theirs in turn) instead of waiting for this process
+        to exit. The stops go out unwaited: the peers posted their heads at the batch's start."""
+        if isinstance(err, PipelineStageError):
+            self._out_of_step = err.reason  # the first stage that failed, passed on
+        else:
+            first = (str(err).strip().splitlines() or [""])[0]
+            self._out_of_step = (f"{left[0].describe(self.stage_id, self.num_stages)}: {type(err).__name__}"
+                                 + (f": {first}" if first else ""))
+        peers = {sched.SendActivation: (self.next_stage, _ACTIVATIONS),
+                 sched.SendGrad: (self.prev_stage, _GRADIENTS)}
+        try:
+            for instruction in left:
+                if type(instruction) in peers:
+                    dst, tag = peers[type(instruction)]
+                    self._stops.append(p2p.send_stop(self._out_of_step, dst, tag=tag))
+        except Exception:  # noqa: BLE001 - a peer already gone: the error being raised says more
+            pass
+
+    def _refuse_out_of_step(self, call: str) -> None:
+        """A batch that raised mid-schedule leaves this rank's receives of it posted (a message of
+        that batch would land in the next one's place) and the other stages waiting in it: no
+        batch can follow on any stage, only a restart."""
+        if self._out_of_step is not None:
+            raise UsageError(f"{call}() cannot run: an earlier batch failed ({self._out_of_step}) and its "
+                             "messages between the stages are half exchanged; restart the job (or resume "
+                             "from the last checkpoint)")
 
     def _ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether this rank's ``chunk`` is the model's first part, and its last."""

@@ -14,14 +14,16 @@ as it is, several packed into one byte buffer), one round trip. On gloo a transf
 once the receiver has posted its buffer, so a message of three blocking parts cost three round
 trips on the schedule's critical path (scripts/bench/pipeline_bench.py).
 
-Sends are non-blocking (``isend``: the sender goes on at once, a ``PendingSend`` keeps the
-tensors alive until ``wait``); receives block. Within one direction between two ranks messages
-arrive in the order sent, so a schedule only needs every receive to have a matching send. Heads
-and tensors travel under two tags derived from the caller's (``2 * tag`` and ``2 * tag + 1``), so
-posted heads never match a tensor part. Booleans travel as uint8 (gloo has no bool). Everything
-goes through ``dslaunch.comm`` (the comms logger counts it) and every wait is marked as one on the
-peer (``heartbeat.waiting``): in a hang the monitor tells the stage that never sent from the ones
-waiting for it.
+Sends are non-blocking (``isend``: the sender goes on at once, a ``PendingSend`` keeps the tensors
+alive until ``wait``); receives block. A rank whose batch failed sends a stop (``send_stop``: a
+head whose length is -1, then the reason) in place of each message it still owed; the receiver's
+``recv`` raises ``PipelineStageError`` with that reason instead of waiting. Within one direction
+between two ranks messages arrive in the order sent, so a schedule only needs every receive to
+have a matching send. Heads and tensors travel under two tags derived from the caller's
+(``2 * tag`` and ``2 * tag + 1``), so posted heads never match a tensor part. Booleans travel as uint8
+(gloo has no bool). Everything goes through ``dslaunch.comm`` (the comms logger counts it) and
+every wait is marked as one on the peer (``heartbeat.waiting``): in a hang the monitor tells the
+stage that never sent from the ones waiting for it.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from dslaunch import comm
-from dslaunch.errors import UsageError
+from dslaunch.errors import PipelineStageError, UsageError
 from dslaunch.runtime.heartbeat import waiting
 
-__all__ = ["Payload", "PendingSend", "Receiver", "send", "recv", "DTYPES", "HEAD"]
+__all__ = ["Payload", "PendingSend", "Receiver", "send", "send_stop", "recv", "DTYPES", "HEAD"]
 
 # The dtypes a message may carry, by wire code (the index).
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -48,6 +50,7 @@ HEAD = 512
 """int64s in a message's first part (4 KiB): the header's length, then (the start of) the header,
 then the tensors' bytes when they fit in the rest."""
 _ALIGN = 8  # bytes: each packed tensor starts at a multiple, so its bytes view as its dtype
+_STOP = -1  # a head's length field: the sender stopped its batch; then the reason's length and bytes
 
 Payload = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -159,6 +162,18 @@ def send(payload: Payload, dst: int, group: Any = None, what: str = "message", t
     return pending
 
 
+def send_stop(reason: str, dst: int, group: Any = None, tag: int = 0) -> PendingSend:
+    """In place of the next message under ``tag``: this rank stopped its batch (``reason``: which
+    stage, where, what it raised); the receiver's ``recv`` raises ``PipelineStageError(reason)``.
+    One head, which a posted receive takes at once."""
+    data = reason.encode()[:(HEAD - 2) * 8]
+    head = torch.zeros(HEAD, dtype=torch.int64)
+    head[0], head[1] = _STOP, len(data)
+    if data:
+        head.view(torch.uint8)[16:16 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return PendingSend([comm.isend(head, dst, group=group, tag=2 * tag)], [head], dst)
+
+
 class Receiver:
     """The next ``count`` messages from global rank ``src`` under ``tag``: their heads are posted
     at once (see the module docstring); ``recv`` takes them in order. Post exactly the messages
@@ -176,11 +191,17 @@ class Receiver:
 
         Floating tensors the sender marked as carrying a gradient come back as leaves with
         ``requires_grad=True`` (their ``.grad`` is what goes back); the others never ask for one.
+
+        Raises:
+            PipelineStageError: the sender stopped its batch (``send_stop``) instead.
         """
         head, work = self._heads.popleft()
         with waiting(f"pipeline receive from rank {self.src}"):
             work.wait()
         length, *fields = head.tolist()
+        if length == _STOP:
+            reason = bytes(head.view(torch.uint8)[16:16 + fields[0]].tolist())
+            raise PipelineStageError(reason.decode(errors="replace"))
         fields = fields[:length]
         if length > len(fields):  # a long header: its rest is the next part
             rest = torch.empty(length - len(fields), dtype=torch.int64)

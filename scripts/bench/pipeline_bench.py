@@ -20,7 +20,9 @@ after the other.
 
 Usage: ``/tmp/dsl/bench-quiet .venv/bin/python scripts/bench/pipeline_bench.py [--steps 8]
 [--forward-ms 50] [--only NAME ...]``. Writes results/pipeline_bench.{json,md}
-(``pipeline_bench_<ms>ms.*`` at another ``--forward-ms``).
+(``pipeline_bench_<ms>ms.*`` at another ``--forward-ms``); with ``--only`` some configurations,
+they replace theirs in that file and the others stay (same steps, warm-up and stage time), so a
+run can be split over calls; the load average of each call is recorded.
 """
 
 from __future__ import annotations
@@ -222,8 +224,10 @@ def _markdown(results: dict, meta: dict) -> str:
     lines = ["## Pipeline bubble and step time (`scripts/bench/pipeline_bench.py`)", "",
              f"p={STAGES} stages, m={MICRO_BATCHES} micro batches, {ms:g} ms forward + {2 * ms:g} ms backward "
              "(sleeps) per stage and micro batch, gloo, 4 ranks.", "",
-             f"Load average before/after: {meta['load_before']} / {meta['load_after']}; {meta['steps']} steps "
-             f"after {meta['warmup']} warm-up.", "",
+             f"{meta['steps']} steps after {meta['warmup']} warm-up. Load average before/after each call:",
+             "",
+             *(f"- {c['start']}, {', '.join(c['only'])}: {c['load_before']} / {c['load_after']}"
+               for c in meta["calls"]), "",
              "| configuration | step ms | bubble measured | formula | points off | bubble / dslaunch 1F1B's |"
              " step / dslaunch 1F1B's |", "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -237,6 +241,19 @@ def _markdown(results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _earlier(path: Path, args: argparse.Namespace) -> tuple[dict, dict]:
+    """With ``--only`` a subset: the results file's earlier calls and configurations (those of the same
+    steps, warm-up and stage time), so a run split over several calls ends as one file."""
+    if not path.exists():
+        return {}, {}
+    old = json.loads(path.read_text())
+    same = all(old["meta"].get(k) == v for k, v in
+               (("steps", args.steps), ("warmup", args.warmup), ("forward_ms", args.forward_ms)))
+    if not same or "calls" not in old["meta"]:
+        return {}, {}
+    return old["meta"], {k: v for k, v in old["results"].items() if k not in args.only}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
@@ -245,18 +262,23 @@ def main() -> None:
     parser.add_argument("--ds-venv", default="/tmp/venv-ds-inf")
     parser.add_argument("--only", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     args = parser.parse_args()
-    meta = {"load_before": [round(x, 2) for x in os.getloadavg()], "steps": args.steps, "warmup": args.warmup,
-            "forward_ms": args.forward_ms}
-    results = {}
-    for name in args.only:
-        python = str(Path(args.ds_venv) / "bin" / "python") if CONFIGS[name][0] == "deepspeed" else sys.executable
-        ranks, why = run_ranks(__file__, [name, str(args.steps), str(args.warmup), str(args.forward_ms)], STAGES, timeout=300,
-                               python=python, extra_env={"PYTHONPATH": str(ROOT)})
-        results[name] = _summary(name, ranks) if ranks else {"error": why}
-        print(name, json.dumps(results[name]), flush=True)
-    meta["load_after"] = [round(x, 2) for x in os.getloadavg()]
     out = HERE / "results"
     name = "pipeline_bench" + ("" if args.forward_ms == FORWARD_MS else f"_{args.forward_ms:g}ms")
+    meta, results = _earlier(out / f"{name}.json", args) if len(args.only) < len(CONFIGS) else ({}, {})
+    meta.update({"steps": args.steps, "warmup": args.warmup, "forward_ms": args.forward_ms})
+    call = {"only": args.only, "load_before": [round(x, 2) for x in os.getloadavg()],
+            "start": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    for config in args.only:
+        peer = CONFIGS[config][0] == "deepspeed"
+        python = str(Path(args.ds_venv) / "bin" / "python") if peer else sys.executable
+        argv = [config, str(args.steps), str(args.warmup), str(args.forward_ms)]
+        ranks, why = run_ranks(__file__, argv, STAGES, timeout=300, python=python,
+                               extra_env={"PYTHONPATH": str(ROOT)})
+        results[config] = _summary(config, ranks) if ranks else {"error": why}
+        print(config, json.dumps(results[config]), flush=True)
+    call["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    meta["calls"] = meta.get("calls", []) + [call]
+    results = {n: results[n] for n in CONFIGS if n in results}
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     (out / f"{name}.md").write_text(_markdown(results, meta))
     print(_markdown(results, meta))

@@ -182,3 +182,51 @@ def test_virtual_stages_need_the_interleaved_schedule_and_whole_rounds() -> None
         "pipeline stages",
         "'pipeline.schedule': virtual stages need at least 2 pipeline stages (a single stage has nothing to "
         "interleave with); use \"1f1b\" and virtual_stages=1"]
+
+
+def _raise_mid_batch(rank: int, world: int) -> list:
+    """Batch 2's loss raises on its first micro batch (last stage); the script catches every error
+    and calls ``train_batch`` again, then ``eval_batch``."""
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    calls = []
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 4:  # 3 micro batches a batch
+            raise ValueError("bad label")
+        return helpers.loss_fn(out, y)
+
+    module = PipelineModule(helpers.layers(), num_stages=world, loss_fn=loss, seed_layers=True,
+                            base_seed=helpers.BASE_SEED)
+    engine, *_ = dslaunch.initialize(model=module, config=helpers.config(3, LR))
+    data = helpers.replica_iter(3, 3, 1, 0)
+    out: list = [engine.train_batch(data).item()]
+    for call in (lambda: engine.train_batch(data),) * 2 + (lambda: engine.eval_batch(data),):
+        try:
+            out.append(call().item())
+        except Exception as err:  # noqa: BLE001 - what the script sees
+            out.append(f"{type(err).__name__}: {err}")
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_that_raised_mid_schedule_stops_every_stage_and_the_next_with_one_line() -> None:
+    """3 stages; the last one's loss raises in batch 2. Instead of its messages it sends stops, so the
+    stages waiting for them raise one line naming the failure and pass it on (before: they waited
+    until the failed process exited). The batch's receives stay posted (a message of it would land
+    in the next batch's place), so the next ``train_batch``/``eval_batch`` is refused on every stage
+    with one line (before: the last stage's next batch waited forever)."""
+    got = run_world(_raise_mid_batch, 3, timeout=40)
+    want = helpers.reference(1, 3, 1, LR)[0][0]
+    cause = "stage 2 in the forward pass of micro-batch 0: ValueError: bad label"
+    stopped = f"PipelineStageError: the pipeline batch stopped: {cause}"
+    assert [failed for _, failed, _, _ in got] == [stopped, stopped, "ValueError: bad label"]
+    for first, _, refused, eval_refused in got:
+        assert first == pytest.approx(want, rel=0, abs=1e-6)
+        assert refused == (f"UsageError: train_batch() cannot run: an earlier batch failed ({cause}) and its "
+                           "messages between the stages are half exchanged; restart the job (or resume "
+                           "from the last checkpoint)")
+        assert eval_refused == refused.replace("train_batch()", "eval_batch()")
