@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["torch_step", "adagrad_update", "cpu_adam_update", "layer_norm", "rms_norm", "bias_gelu", "check_bias_gelu"]
+__all__ = ["torch_step", "adagrad_update", "cpu_adam_update", "layer_norm", "rms_norm", "bias_gelu",
+           "check_bias_gelu"]
 
 
 def torch_step(optimizer: Any, closure: Any = None) -> Any:

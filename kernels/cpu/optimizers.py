@@ -3,10 +3,11 @@
 built on ``DeepSpeedCPUAdam``, is ``dslaunch.kernels.fused_adam``'s).
 
 Constructor arguments, defaults, state keys (``step`` as an int, ``exp_avg``, ``exp_avg_sq``) and
-``step()`` semantics follow DeepSpeed 0.19.8. The update is the ``"adam"``, ``"adagrad"`` or
-``"lion"`` op of ``dslaunch.kernels``: the C kernels on CPU (no JIT build of minutes: the library
-compiles in well under a second on first use), the torch reference elsewhere or with
-``DSLAUNCH_KERNELS=reference``. Parameters that are not fp32 (or states kept in the parameter dtype,
+``step()`` semantics follow DeepSpeed 0.19.8. The update is the ``"cpu_adam"`` (DeepSpeed's
+rounding, not torch's), ``"adagrad"`` or ``"lion"`` op of ``dslaunch.kernels``: the C kernels on
+CPU (no JIT build of minutes: the library compiles in well under a second on first use), the torch
+reference elsewhere or with ``DSLAUNCH_KERNELS=reference``. States of 4 MiB or more are advised onto
+huge pages. Parameters that are not fp32 (or states kept in the parameter dtype,
 ``fp32_optimizer_states=False``) are updated through fp32 copies, as DeepSpeed computes in fp32.
 
 Limitations: no ``step_subgroup``/``rollback_subgroup`` (ZeRO-3 offload's per-subgroup calls);

@@ -115,7 +115,8 @@ def _measure(case: str, numel: int, with_peer: bool, rounds: int = 9, steps: int
         results[name] = {"ms": statistics.median(times[name]), "rounds_ms": times[name],
                          "impl": type(opt).__module__ + "." + type(opt).__name__}
     if "deepspeed" in optimizers:  # every contender took the same steps from the same start
-        results["dslaunch"]["max_abs_diff_vs_deepspeed"] = (params["dslaunch"] - params["deepspeed"]).abs().max().item()
+        diff = (params["dslaunch"] - params["deepspeed"]).abs().max().item()
+        results["dslaunch"]["max_abs_diff_vs_deepspeed"] = diff
     return results
 
 
@@ -173,6 +174,9 @@ def _table(results: dict, numel: int) -> str:
     fused_lines = [f"{TORCH_FUSED} against `{OUR_CLASS[case].replace(':', '.')}` in the same rounds: "
                    f"{res['torch-fused']['ms']:.1f} ms/step, torch / dslaunch {_paired(res['torch-fused'], res['dslaunch'])}."
                    for case, res in results.items() if "ms" in res.get("torch-fused", {}) and "ms" in res["dslaunch"]]
+    fused_lines += [f"{case}: after the run's identical steps, max |dslaunch - DeepSpeed| of the parameters "
+                    f"{res['dslaunch']['max_abs_diff_vs_deepspeed']:.1e}."
+                    for case, res in results.items() if "max_abs_diff_vs_deepspeed" in res["dslaunch"]]
     return "\n".join([
         "## Optimizer step on CPU (`scripts/bench/optimizer_bench.py`)", "",
         f"One flat fp32 tensor of {numel / 1e6:.0f}M elements, 1 thread; per type one process in which "

@@ -72,7 +72,8 @@ def test_cpu_adam_rounds_as_deepspeed_and_fused_adam_as_torch() -> None:
     ds_p, fused_p, torch_p = ([torch.nn.Parameter(base.clone())] for _ in range(3))
     g = torch.Generator().manual_seed(3)
     kw = {"lr": 1e-2, "weight_decay": 0.1}
-    opts = [DeepSpeedCPUAdam(ds_p, **kw), FusedAdam(fused_p, **kw), torch.optim.AdamW(torch_p, fused=True, **kw)]
+    opts = [DeepSpeedCPUAdam(ds_p, **kw), FusedAdam(fused_p, **kw),
+            torch.optim.AdamW(torch_p, fused=True, **kw)]
     ds_want, m, v = ds_p[0].detach().clone(), torch.zeros(4097), torch.zeros(4097)
     for t in range(1, 4):
         grad = torch.randn(4097, generator=g)

@@ -86,7 +86,7 @@ def test_lion_op_against_the_reference(n, threads) -> None:
 def _adam_fp64_error(association: str, steps: int = 10, n: int = 100_000) -> float:
     """Max |fp32 kernel - fp64 AdamW| of the parameters after ``steps`` steps (lr 1e-3, wd 0.01)."""
     p64 = torch.randn(n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    m64, v64, p32, m32, v32 = torch.zeros_like(p64), torch.zeros_like(p64), p64.float(), torch.zeros(n), torch.zeros(n)
+    p32, (m64, v64), (m32, v32) = p64.float(), torch.zeros(2, n, dtype=torch.float64), torch.zeros(2, n)
     kw = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
     for t, g in enumerate(_grads(n, steps), start=1):
         ops.adam(p32, g, m32, v32, step=t, association=association, **kw)
@@ -97,10 +97,10 @@ def _adam_fp64_error(association: str, steps: int = 10, n: int = 100_000) -> flo
 
 @pytest.mark.timeout(60)
 def test_deepspeed_association_error_is_within_deepspeeds_own() -> None:
-    # DeepSpeed's DeepSpeedCPUAdam was measured 2.4e-6 from fp64 (BENCHMARKS.md); its association
-    # here must do no worse. torch's rounding (two divisions) is the more exact one.
-    ds, torch_error = _adam_fp64_error("deepspeed"), _adam_fp64_error("torch")
-    assert ds <= 2.4e-6 and torch_error <= 2.4e-6, (ds, torch_error)
+    # DeepSpeed's own DeepSpeedCPUAdam, run on these parameters and gradients (DeepSpeed 0.19.8,
+    # 2026-11-27), ends 1.63e-6 from fp64 (torch's fused AdamW 1.92e-6); its association here must
+    # do no worse (5% slack for other CPUs).
+    assert _adam_fp64_error("deepspeed") <= 1.63e-6 * 1.05
     with pytest.raises(ValueError, match="association must be one of torch, deepspeed, not 'numpy'"):
         ops.adam(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), step=1, lr=1e-3, beta1=0.9,
                  beta2=0.999, eps=1e-8, weight_decay=0.0, association="numpy")
