@@ -241,9 +241,9 @@ void dsl_adam(const Row *rows, int64_t count, int gdt, int odt, float beta1, flo
               float one_m_beta2, float eps, float weight_decay, float lr_wd, float decay, float step_size,
               float bc2_sqrt, float bc2_rsqrt, float grad_mul, float grad_div, int adamw_mode, int deepspeed,
               int threads) {
-    const int decays = weight_decay != 0.0f;
+    const int decays = weight_decay != 0.0f, l2 = decays && !adamw_mode, decoupled = decays && adamw_mode;
     const AdamArgs a = { beta1, one_m_beta1, beta2, one_m_beta2, eps, weight_decay, lr_wd, decay, step_size,
-                         bc2_sqrt, bc2_rsqrt, grad_mul, grad_div, decays && !adamw_mode, decays && adamw_mode };
+                         bc2_sqrt, bc2_rsqrt, grad_mul, grad_div, l2, decoupled };
     const Job job = { NULL, NULL, NULL, NULL, NULL, &a, grad_div != 1.0f };
     for_rows((deepspeed ? ADAM_DS : ADAM)[gdt * 3 + odt], &job, rows, count, threads);
 }

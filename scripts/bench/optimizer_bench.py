@@ -14,9 +14,11 @@ a shared 2-core machine are noisy: compare ratios.
 
 One more case calls the classes as a user does (`dslaunch.ops.adam.DeepSpeedCPUAdam` against
 DeepSpeed's and against `torch.optim.AdamW(fused=True)`), and each ratio comes with the quartiles of
-its paired per-round ratios. Run it with a Python that has both dslaunch and DeepSpeed.
+its paired per-round ratios, and the parameters' largest difference from DeepSpeed's after the run.
+Run it with a Python that has both dslaunch and DeepSpeed (e.g. a DeepSpeed venv with dslaunch
+installed editable from the tree under test); ``--case NAME`` runs one case and prints its ratios.
 
-Usage: ``python scripts/bench/optimizer_bench.py [--numel 20000000] [--build-peers]``.
+Usage: ``python scripts/bench/optimizer_bench.py [--numel 20000000] [--build-peers] [--case NAME]``.
 """
 
 from __future__ import annotations
