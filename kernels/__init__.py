@@ -3,7 +3,8 @@
 ``get`` returns the fused implementation registered for the op and the device's type when it can
 run here, else the reference (torch code). Adding one is a ``Kernel`` entry in
 ``dispatch.KERNELS.fused`` and nothing else. Registered: the C kernels of ``cpu/`` (built on first
-use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"lion"``, ``"adagrad"``,
+use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"cpu_adam"``, ``"lion"``,
+``"adagrad"``,
 ``"torch.adam"``, ``"torch.adamw"`` and ``"torch.adagrad"`` on CPU; ``"torch.sgd"`` has none. The
 Triton kernels of ``triton/`` (where triton imports and CUDA is there) for ``"adam"``,
 ``"layer_norm"``, ``"rms_norm"`` and ``"bias_gelu"`` on CUDA devices.
@@ -18,6 +19,10 @@ Ops, and the signature a fused implementation must have (all update tensors in p
   ``runtime.optim.adam.adam_update``, used by ``runtime.optim.adam.Adam`` and
   ``fused_adam.FusedAdam``. An implementation with ``handles_dtypes = True`` (the Triton one) takes
   bf16/fp16 lists and computes in fp32; FusedAdam gives the others fp32 copies.
+- ``"cpu_adam"``: ``"adam"``'s signature, rounded as DeepSpeed's ``DeepSpeedCPUAdam`` (the
+  second-moment correction a multiply, one division per element; ``"adam"`` rounds as torch's
+  fused AdamW). Reference: ``reference.cpu_adam_update``, used by
+  ``dslaunch.ops.adam.DeepSpeedCPUAdam``. No GPU kernel (the class is CPU-only).
 - ``"lion"``: ``(params, grads, exp_avgs, *, lr, betas, weight_decay, inv_scale, chunk_numel)``.
   Reference: ``runtime.optim.lion.lion_update``, used by ``runtime.optim.lion.Lion``.
 - ``"adagrad"``: ``(params, grads, state_sums, *, clr, eps, weight_decay, inv_scale)``: one

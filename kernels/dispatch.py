@@ -93,6 +93,7 @@ def _load(target: Target) -> Callable[..., Any]:
 _CPU_AVAILABLE = "dslaunch.kernels.cpu.build:available"
 _CPU_KERNELS = {
     "adam": "dslaunch.kernels.cpu.ops:adam_op",
+    "cpu_adam": "dslaunch.kernels.cpu.ops:cpu_adam_op",
     "lion": "dslaunch.kernels.cpu.ops:lion_op",
     "adagrad": "dslaunch.kernels.cpu.ops:adagrad_op",
     "torch.adam": "dslaunch.kernels.cpu.torch_steps:adam_step",
@@ -126,6 +127,7 @@ def _fused(*backends: tuple[tuple[str, ...], str, Mapping[str, str]]) -> dict[st
 KERNELS = KernelTable(
     reference={
         "adam": "dslaunch.runtime.optim.adam:adam_update",
+        "cpu_adam": "dslaunch.kernels.reference:cpu_adam_update",
         "lion": "dslaunch.runtime.optim.lion:lion_update",
         "adagrad": "dslaunch.kernels.reference:adagrad_update",
         "torch.adam": "dslaunch.kernels.reference:torch_step",

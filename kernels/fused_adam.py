@@ -36,6 +36,7 @@ class FusedAdam(optimizers.DeepSpeedCPUAdam):
     """
 
     cpu_only = False
+    op = "adam"  # torch's rounding, as the Triton kernel's (DeepSpeedCPUAdam's "cpu_adam" is DeepSpeed's)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["torch_step", "adagrad_update", "layer_norm", "rms_norm", "bias_gelu", "check_bias_gelu"]
+__all__ = ["torch_step", "adagrad_update", "cpu_adam_update", "layer_norm", "rms_norm", "bias_gelu",
+           "check_bias_gelu"]
 
 
 def torch_step(optimizer: Any, closure: Any = None) -> Any:
@@ -41,6 +42,33 @@ def adagrad_update(params: list[Any], grads: list[Any], state_sums: list[Any], *
             g = g.add(p, alpha=weight_decay)
         s.addcmul_(g, g)
         p.addcdiv_(g, torch.sqrt(s).add_(eps), value=-clr)
+
+
+def cpu_adam_update(params: list[Any], grads: list[Any], exp_avgs: list[Any], exp_avg_sqs: list[Any], *,
+                    step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                    bias_correction: bool, adam_w_mode: bool, inv_scale: float | None,
+                    chunk_numel: int | None = None) -> None:
+    """The reference ``"cpu_adam"`` kernel: ``"adam"`` in DeepSpeed's ``DeepSpeedCPUAdam`` association.
+
+    ``m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2; p += (-lr wd) p`` (AdamW mode);
+    ``p += (-lr / bc1) (m / (sqrt(v) / sqrt(bc2) + eps))`` with the correction as a multiply, so
+    one division per element. Same rounding steps as the C kernel except where it fuses a
+    multiply-add (within an ulp).
+    """
+    import torch
+
+    beta1, beta2 = betas
+    bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        g = g if inv_scale is None or inv_scale == 1.0 else g * inv_scale
+        if weight_decay != 0.0 and not adam_w_mode:
+            g = g.add(p, alpha=weight_decay)
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = torch.sqrt(v).mul_(1.0 / bc2**0.5).add_(eps)
+        if weight_decay != 0.0 and adam_w_mode:
+            p.add_(p, alpha=-lr * weight_decay)
+        p.add_(m / denom, alpha=-lr / bc1)
 
 
 def layer_norm(x: Any, weight: Any, bias: Any, eps: float = 1e-5, normalized_shape: Any = None) -> Any:

@@ -7,7 +7,7 @@
   CPU; without a compiler ``available()`` is false and the dispatch point keeps torch.
 - ``ops.py``: one call per list of flat tensors (``adam_many``, ``adagrad_many``, ``lion_many``;
   ``adam``, ``adagrad``, ``lion`` for one), ``grad_sumsq``, ``stream``, and the
-  ``"adam"``/``"lion"``/``"adagrad"`` dispatch ops.
+  ``"adam"``/``"cpu_adam"``/``"lion"``/``"adagrad"`` dispatch ops.
 - ``torch_steps.py``: the ``"torch.adam(w)"``/``"torch.adagrad"`` dispatch ops (torch's state).
 - ``offload.py``: the offloaded steps of Adam, Adagrad and Lion (unscale, overflow check, norm,
   clip, update, 16-bit copy) in two passes over the gradients.

@@ -237,11 +237,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     rows = [p, i64, i32, i32]  # the row table (an address), its length, gdt, odt
     signatures = {
-        "dsl_adam": (rows + [f32] * 10 + [i32, i32], None),
+        "dsl_adam": (rows + [f32] * 13 + [i32, i32, i32], None),
         "dsl_adagrad": (rows + [f32] * 5 + [i32], None),
         "dsl_lion": (rows + [f32] * 5 + [i32], None),
         "dsl_grad_sumsq": ([p, i32, i64, f32, i32], ctypes.c_double),
         "dsl_copy_out": ([p, p, i32, i64, i32], None),
+        "dsl_advise_huge": ([p, i64], ctypes.c_int),
         "dsl_stream": (rows + [i32], None),
         "dsl_stream_read": ([p, i32, i64, i32], ctypes.c_double),
         "dsl_onebit_pack": ([p, p, p, i64, i64, i64, f32, i32], None),

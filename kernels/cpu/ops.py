@@ -22,12 +22,15 @@ import torch
 from dslaunch.kernels.cpu.build import library
 
 __all__ = ["adam", "adagrad", "lion", "adam_many", "adagrad_many", "lion_many", "grad_sumsq", "copy_out",
-           "stream", "stream_read", "takes", "adam_op", "lion_op", "adagrad_op"]
+           "stream", "stream_read", "takes", "adam_op", "cpu_adam_op", "lion_op", "adagrad_op",
+           "advise_huge_pages"]
 
 # Dtype codes of optim.c (a parameter copy of code 0 means "no copy").
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
 _F32, _STRIDED = torch.float32, torch.strided
+# adam_many's roundings, by optim.c's code (its dsl_adam ``deepspeed`` flag).
+_ASSOCIATIONS = ("torch", "deepspeed")
 
 
 def takes(*tensors: torch.Tensor | None) -> bool:
@@ -117,9 +120,12 @@ def _describe(row: Row) -> str:
 def adam_many(params: Column, grads: Column, exp_avgs: Column, exp_avg_sqs: Column, *, step: int, lr: float,
               beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction: bool = True,
               adamw_mode: bool = True, grad_mul: float = 1.0, grad_div: float = 1.0,
-              outs: Column | None = None, partial: bool = False) -> list[Row]:
+              outs: Column | None = None, partial: bool = False, association: str = "torch") -> list[Row]:
     """One Adam/AdamW step of flat fp32 ``params`` (1-based ``step``), in place, in one call per
     gradient/copy dtype pair (so a list of small tensors costs one call, not one each).
+
+    ``association``: ``"torch"`` rounds as torch's fused AdamW (bit for bit on AVX2);
+    ``"deepspeed"`` as DeepSpeed's ``DeepSpeedCPUAdam`` (one division per element, not two).
 
     ``grads`` may be fp32, bf16 or fp16 and are multiplied by ``grad_mul`` and divided by
     ``grad_div`` first (torch's fused optimizers divide by ``grad_scale``: dividing here rounds
@@ -131,13 +137,16 @@ def adam_many(params: Column, grads: Column, exp_avgs: Column, exp_avg_sqs: Colu
         contiguous, not fp32, not on the CPU), left unchanged; with ``partial=False`` there must
         be none (ValueError naming the first).
     """
+    if association not in _ASSOCIATIONS:
+        raise ValueError(f"association must be one of {', '.join(_ASSOCIATIONS)}, not {association!r}")
     bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
     tables, rest = _tables(params, grads, exp_avgs, exp_avg_sqs, outs)
     for table, count, gdt, odt in _taken(tables, rest, partial):
         # Coefficients in double, rounded once to fp32, as torch's fused Adam computes them.
-        _lib().dsl_adam(table, count, gdt, odt, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
-                        1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2), grad_mul, grad_div,
-                        int(adamw_mode), torch.get_num_threads())
+        _lib().dsl_adam(table, count, gdt, odt, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
+                        lr * weight_decay, 1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2),
+                        1.0 / math.sqrt(bc2), grad_mul, grad_div, int(adamw_mode),
+                        _ASSOCIATIONS.index(association), torch.get_num_threads())
     return rest
 
 
@@ -189,6 +198,12 @@ def grad_sumsq(grad: torch.Tensor, grad_mul: float = 1.0) -> float:
                                  torch.get_num_threads())
 
 
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Asks the OS to back ``t``'s whole 2 MiB pages with huge pages; for a tensor not yet touched
+    (``torch.empty``), before it is written. Whether the advice was taken (not where THP is off)."""
+    return _lib().dsl_advise_huge(t.data_ptr(), t.numel() * t.element_size()) == 0
+
+
 def copy_out(param: torch.Tensor, out: torch.Tensor) -> None:
     """``out.copy_(param)`` for a bf16/fp16 ``out`` (round to nearest even, as torch)."""
     _lib().dsl_copy_out(param.data_ptr(), out.data_ptr(), _copy_code(out), param.numel(),
@@ -219,20 +234,29 @@ def stream_read(grad: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------- the dispatch ops "adam", "lion"
 
-def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-            exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float], eps: float,
-            weight_decay: float, bias_correction: bool, adam_w_mode: bool, inv_scale: float | None,
-            chunk_numel: int | None = None) -> None:
-    """The fused ``"adam"`` op of ``dslaunch.kernels`` (signature in its docstring)."""
-    rest = adam_many(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=betas[0], beta2=betas[1],
-                     eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-                     adamw_mode=adam_w_mode, grad_mul=_mul(inv_scale), partial=True)
-    if rest:
-        from dslaunch.runtime.optim.adam import adam_update
+def adam_op(*lists: list[torch.Tensor], **hyper: Any) -> None:
+    """The fused ``"adam"`` op of ``dslaunch.kernels`` (signature in its docstring): torch's rounding."""
+    _adam(lists, hyper, "torch")
 
-        adam_update(*_columns(rest, 4), step=step, lr=lr, betas=betas, eps=eps,
-                    weight_decay=weight_decay, bias_correction=bias_correction, adam_w_mode=adam_w_mode,
-                    inv_scale=inv_scale)
+
+def cpu_adam_op(*lists: list[torch.Tensor], **hyper: Any) -> None:
+    """The fused ``"cpu_adam"`` op (``"adam"``'s signature): DeepSpeed's rounding."""
+    _adam(lists, hyper, "deepspeed")
+
+
+def _adam(lists: Sequence[list[torch.Tensor]], hyper: dict[str, Any], association: str) -> None:
+    """``adam_many`` of the op's (params, grads, exp_avgs, exp_avg_sqs) and keyword arguments; the
+    rows it does not take go to the op's reference."""
+    h = hyper
+    rest = adam_many(*lists, step=h["step"], lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
+                     eps=h["eps"], weight_decay=h["weight_decay"], bias_correction=h["bias_correction"],
+                     adamw_mode=h["adam_w_mode"], grad_mul=_mul(h["inv_scale"]), partial=True,
+                     association=association)
+    if rest:
+        from dslaunch.kernels import dispatch
+
+        reference = dispatch.KERNELS.get("adam" if association == "torch" else "cpu_adam", "cpu", "reference")
+        reference(*_columns(rest, 4), **{k: v for k, v in hyper.items() if k != "chunk_numel"})
 
 
 def lion_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], *,

@@ -18,9 +18,10 @@
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/mman.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-/* Elements per OpenMP block: 64 KiB of fp32 per tensor, so a block's tensors sit in L2. */
+/* Elements per OpenMP block (the unit the threads' shares are cut in): 64 KiB of fp32 per tensor. */
 #define BLOCK 16384
 /* Below this many elements one thread does it all (a parallel region costs microseconds). */
 #define PARALLEL_MIN (1 << 16)
@@ -130,11 +131,12 @@ static void for_rows(RangeFn fn, const Job *job, const Row *rows, int64_t count,
             j.p = (float *)(intptr_t)rows[r].p, j.g = (const void *)(intptr_t)rows[r].g;
             j.s1 = (float *)(intptr_t)rows[r].s1, j.s2 = (float *)(intptr_t)rows[r].s2;
             j.out = (void *)(intptr_t)rows[r].out;
+            /* The thread's blocks of this row in one call (elementwise: the same result), so a
+             * loop's setup and remainder come once per row, not once per block. */
             const int64_t stop = end < first + row_blocks ? end : first + row_blocks;
-            for (; b < stop; b++) {
-                const ptrdiff_t lo = (b - first) * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-                fn(&j, lo, hi);
-            }
+            const ptrdiff_t lo = (b - first) * BLOCK, last = (stop - first) * BLOCK, hi = last < n ? last : n;
+            fn(&j, lo, hi);
+            b = stop;
         }
     }
 }
@@ -175,26 +177,27 @@ ALWAYS_INLINE float scaled_grad(const void *g, ptrdiff_t i, const int gdt, float
 /* Coefficients such as 1 - beta1 come computed in double and rounded once (as torch does):
  * 1.0f - 0.9f is not the float nearest to 0.1. */
 typedef struct {
-    float one_m_beta1, beta2, one_m_beta2, eps, weight_decay;
+    float beta1, one_m_beta1, beta2, one_m_beta2, eps, weight_decay;
+    float lr_wd;           /* lr * weight_decay */
     float decay;           /* 1 - lr * weight_decay */
     float step_size;       /* lr / (1 - beta1^t), or lr without bias correction */
     float bc2_sqrt;        /* sqrt(1 - beta2^t), or 1 */
+    float bc2_rsqrt;       /* 1 / sqrt(1 - beta2^t), or 1 */
     float grad_mul, grad_div;
-    int adamw_mode;        /* decoupled weight decay, else L2 added to the gradient */
+    int l2, decoupled;     /* weight decay added to the gradient (Adam), or to the parameter (AdamW) */
 } AdamArgs;
 
 /* s1 = exp_avg, s2 = exp_avg_sq. */
 ALWAYS_INLINE void adam_range(RANGE_PARAMS) {
     const AdamArgs a = *(const AdamArgs *)args;
-    const int l2 = !a.adamw_mode && a.weight_decay != 0.0f, decoupled = a.adamw_mode && a.weight_decay != 0.0f;
     for (ptrdiff_t i = lo; i < hi; i++) {
         float grad = scaled_grad(g, i, gdt, a.grad_mul, a.grad_div, divides);
         float param = p[i];
-        if (l2) grad = fmaf(param, a.weight_decay, grad);
+        if (a.l2) grad = fmaf(param, a.weight_decay, grad);
         float mi = lerp(s1[i], grad, a.one_m_beta1);
         float vi = fmaf(a.one_m_beta2 * grad, grad, s2[i] * a.beta2);
         float denom = sqrtf(vi) / a.bc2_sqrt + a.eps;
-        if (decoupled) param = param * a.decay;
+        if (a.decoupled) param = param * a.decay;
         /* The association torch's fused Adam uses: (-step_size * m) / denom. */
         param = param + (-a.step_size * mi) / denom;
         s1[i] = mi;
@@ -205,15 +208,44 @@ ALWAYS_INLINE void adam_range(RANGE_PARAMS) {
 }
 INSTANCES(ADAM, adam_range)
 
+/* DeepSpeed's association (its DeepSpeedCPUAdam's AVX loop): the moments as multiply + fma, the
+ * second-moment correction a multiply folded into the eps add, one division, and the weight decay
+ * and the step each one fma into the parameter. One division per element instead of two is ~6%
+ * of the step (it sits closer to the memory bound); the error against fp64 stays within
+ * DeepSpeed's own. */
+ALWAYS_INLINE void adam_ds_range(RANGE_PARAMS) {
+    const AdamArgs a = *(const AdamArgs *)args;
+    /* Unrolled: each iteration reads and writes longer runs of every stream (as DeepSpeed's loop,
+     * 8 vectors per stream), 4-5% faster on 20M elements than the plain vectorised loop. */
+    #pragma GCC unroll 16
+    for (ptrdiff_t i = lo; i < hi; i++) {
+        float grad = scaled_grad(g, i, gdt, a.grad_mul, a.grad_div, divides);
+        float param = p[i];
+        if (a.l2) grad = fmaf(param, a.weight_decay, grad);
+        float mi = fmaf(grad, a.one_m_beta1, s1[i] * a.beta1);
+        float vi = fmaf(grad * grad, a.one_m_beta2, s2[i] * a.beta2);
+        float denom = fmaf(sqrtf(vi), a.bc2_rsqrt, a.eps);
+        if (a.decoupled) param = fmaf(param, -a.lr_wd, param);
+        param = fmaf(mi / denom, -a.step_size, param);
+        s1[i] = mi;
+        s2[i] = vi;
+        p[i] = param;
+        store_copy(out, i, param, odt);
+    }
+}
+INSTANCES(ADAM_DS, adam_ds_range)
+
 /* One Adam/AdamW step of every row (s1 = exp_avg, s2 = exp_avg_sq); out (dtype odt, 0 = none)
- * receives the new params. */
-void dsl_adam(const Row *rows, int64_t count, int gdt, int odt, float one_m_beta1, float beta2,
-              float one_m_beta2, float eps, float weight_decay, float decay, float step_size, float bc2_sqrt,
-              float grad_mul, float grad_div, int adamw_mode, int threads) {
-    const AdamArgs a = { one_m_beta1, beta2, one_m_beta2, eps, weight_decay, decay, step_size, bc2_sqrt,
-                         grad_mul, grad_div, adamw_mode };
+ * receives the new params. deepspeed: DeepSpeed's association (adam_ds_range), else torch's. */
+void dsl_adam(const Row *rows, int64_t count, int gdt, int odt, float beta1, float one_m_beta1, float beta2,
+              float one_m_beta2, float eps, float weight_decay, float lr_wd, float decay, float step_size,
+              float bc2_sqrt, float bc2_rsqrt, float grad_mul, float grad_div, int adamw_mode, int deepspeed,
+              int threads) {
+    const int decays = weight_decay != 0.0f, l2 = decays && !adamw_mode, decoupled = decays && adamw_mode;
+    const AdamArgs a = { beta1, one_m_beta1, beta2, one_m_beta2, eps, weight_decay, lr_wd, decay, step_size,
+                         bc2_sqrt, bc2_rsqrt, grad_mul, grad_div, l2, decoupled };
     const Job job = { NULL, NULL, NULL, NULL, NULL, &a, grad_div != 1.0f };
-    for_rows(ADAM[gdt * 3 + odt], &job, rows, count, threads);
+    for_rows((deepspeed ? ADAM_DS : ADAM)[gdt * 3 + odt], &job, rows, count, threads);
 }
 
 /* --------------------------------------------------------------------------------- Adagrad */
@@ -357,4 +389,13 @@ void dsl_copy_out(const float *restrict p, void *restrict out, int odt, int64_t 
         if (odt == BF16) ((uint16_t *)out)[i] = f32_to_bf16(p[i]);
         else ((uint16_t *)out)[i] = f32_to_f16(p[i]);
     }
+}
+
+/* Asks the kernel to back the whole 2 MiB pages inside [addr, addr + bytes) with huge pages, for
+ * memory not yet touched (a fresh state tensor): a streaming update over 4 KiB pages spends ~4% of
+ * its time on TLB misses per tensor so placed. Returns madvise's result (0, or -1: no THP here). */
+int dsl_advise_huge(void *addr, int64_t bytes) {
+    const uintptr_t huge = (uintptr_t)2 << 20, start = (uintptr_t)addr, end = start + (uintptr_t)bytes;
+    const uintptr_t lo = (start + huge - 1) & ~(huge - 1), hi = end & ~(huge - 1);
+    return hi > lo ? madvise((void *)lo, hi - lo, MADV_HUGEPAGE) : 0;
 }

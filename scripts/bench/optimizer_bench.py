@@ -14,9 +14,11 @@ a shared 2-core machine are noisy: compare ratios.
 
 One more case calls the classes as a user does (`dslaunch.ops.adam.DeepSpeedCPUAdam` against
 DeepSpeed's and against `torch.optim.AdamW(fused=True)`), and each ratio comes with the quartiles of
-its paired per-round ratios. Run it with a Python that has both dslaunch and DeepSpeed.
+its paired per-round ratios, and the parameters' largest difference from DeepSpeed's after the run.
+Run it with a Python that has both dslaunch and DeepSpeed (e.g. a DeepSpeed venv with dslaunch
+installed editable from the tree under test); ``--case NAME`` runs one case and prints its ratios.
 
-Usage: ``python scripts/bench/optimizer_bench.py [--numel 20000000] [--build-peers]``.
+Usage: ``python scripts/bench/optimizer_bench.py [--numel 20000000] [--build-peers] [--case NAME]``.
 """
 
 from __future__ import annotations
@@ -93,9 +95,9 @@ def _measure(case: str, numel: int, with_peer: bool, rounds: int = 9, steps: int
     contenders = ["dslaunch"] + (["deepspeed"] if with_peer and CASES[case][1] else [])
     contenders += ["torch"] if case == "AdamW" else ["torch-fused"] if case in OUR_CLASS else []
     results: dict = {}
-    optimizers = {}
+    optimizers, params = {}, {}
     for name in contenders:
-        param = torch.zeros(numel, requires_grad=True)
+        param = params[name] = torch.zeros(numel, requires_grad=True)
         param.grad = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         try:
             optimizers[name] = _build(name, case, param)
@@ -114,7 +116,20 @@ def _measure(case: str, numel: int, with_peer: bool, rounds: int = 9, steps: int
     for name, opt in optimizers.items():
         results[name] = {"ms": statistics.median(times[name]), "rounds_ms": times[name],
                          "impl": type(opt).__module__ + "." + type(opt).__name__}
+    if "deepspeed" in optimizers:  # every contender took the same steps from the same start
+        diff = (params["dslaunch"] - params["deepspeed"]).abs().max().item()
+        results["dslaunch"]["max_abs_diff_vs_deepspeed"] = diff
     return results
+
+
+def _ratios(case: str, res: dict) -> str:
+    """One line: each peer's time over dslaunch's (paired rounds) and the parameters' difference."""
+    ours = res["dslaunch"]
+    parts = [f"{name} / dslaunch {_paired(peer, ours)}" for name, peer in res.items()
+             if name != "dslaunch" and "ms" in peer and "ms" in ours]
+    if "max_abs_diff_vs_deepspeed" in ours:
+        parts.append(f"max |dslaunch - deepspeed| {ours['max_abs_diff_vs_deepspeed']:.1e}")
+    return f"{case}: " + ", ".join(parts)
 
 
 def _in_child(case: str, args: argparse.Namespace) -> dict:
@@ -161,6 +176,9 @@ def _table(results: dict, numel: int) -> str:
     fused_lines = [f"{TORCH_FUSED} against `{OUR_CLASS[case].replace(':', '.')}` in the same rounds: "
                    f"{res['torch-fused']['ms']:.1f} ms/step, torch / dslaunch {_paired(res['torch-fused'], res['dslaunch'])}."
                    for case, res in results.items() if "ms" in res.get("torch-fused", {}) and "ms" in res["dslaunch"]]
+    fused_lines += [f"{case}: after the run's identical steps, max |dslaunch - DeepSpeed| of the parameters "
+                    f"{res['dslaunch']['max_abs_diff_vs_deepspeed']:.1e}."
+                    for case, res in results.items() if "max_abs_diff_vs_deepspeed" in res["dslaunch"]]
     return "\n".join([
         "## Optimizer step on CPU (`scripts/bench/optimizer_bench.py`)", "",
         f"One flat fp32 tensor of {numel / 1e6:.0f}M elements, 1 thread; per type one process in which "
@@ -175,6 +193,9 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=20_000_000)
     parser.add_argument("--build-peers", action="store_true",
                         help="JIT-compile DeepSpeed's CPU ops that are missing (minutes each)")
+    parser.add_argument("--case", action="append", choices=list(CASES), metavar="CASE",
+                        help="run only this case (repeatable); the results files are written only by a "
+                             f"run of all cases. Cases: {', '.join(CASES)}")
     parser.add_argument("--child", metavar="CASE", help=argparse.SUPPRESS)
     parser.add_argument("--no-peer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -182,9 +203,13 @@ def main() -> None:
         print(json.dumps(_measure(args.child, args.numel, with_peer=not args.no_peer)))
         return
     results: dict = {}
-    for case in CASES:
+    for case in args.case or CASES:
         results[case] = _in_child(case, args)
         print(case, {k: v.get("ms", v.get("error")) for k, v in results[case].items()}, flush=True)
+    if args.case:
+        for case, res in results.items():
+            print(_ratios(case, res), f"load average {os.getloadavg()[0]:.1f}")
+        return
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "optimizer_bench.json").write_text(json.dumps({"numel": args.numel, "results": results}, indent=2))
     table = _table(results, args.numel)

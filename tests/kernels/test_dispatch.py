@@ -76,8 +76,8 @@ def test_the_env_var_picks_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_cpu_kernels_are_registered_and_every_op_has_a_reference() -> None:
     on_cpu = {op for op, ks in dispatch.KERNELS.fused.items() if any("cpu" in k.device_types for k in ks)}
-    assert on_cpu == {"adam", "lion", "adagrad", "torch.adam", "torch.adamw", "torch.adagrad", "onebit_pack",
-                      "onebit_unpack"}
+    assert on_cpu == {"adam", "cpu_adam", "lion", "adagrad", "torch.adam", "torch.adamw", "torch.adagrad",
+                      "onebit_pack", "onebit_unpack"}
     for op in dispatch.KERNELS.reference:
         assert callable(dispatch.KERNELS.get(op, "cpu"))
     with pytest.raises(UsageError, match="no fused 'torch.sgd' kernel"):

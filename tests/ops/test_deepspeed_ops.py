@@ -3,9 +3,13 @@ arguments, state layout and step semantics, against torch (or the reference) wit
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from dslaunch import kernels
+from dslaunch.kernels.cpu import build
 from dslaunch.kernels.reference import adagrad_update
 from dslaunch.ops.adagrad import DeepSpeedCPUAdagrad
 from dslaunch.ops.adam import DeepSpeedCPUAdam, FusedAdam
@@ -14,6 +18,7 @@ from dslaunch.runtime.optim.adam import Adam as ReferenceAdam
 from dslaunch.runtime.optim.lion import Lion as ReferenceLion
 
 TOL = 1e-6
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _run(ours, theirs, params, steps: int = 4) -> None:
@@ -57,6 +62,56 @@ def test_cpu_adam_matches_torch_adamw_and_refuses_amsgrad() -> None:
     assert torch.allclose(ours_p[0], ref_p[0], rtol=0, atol=TOL)
     with pytest.raises(RuntimeError, match="does not support the AMSGrad variant"):
         DeepSpeedCPUAdam(ours_p, amsgrad=True)
+
+
+@pytest.mark.timeout(30)
+def test_cpu_adam_rounds_as_deepspeed_and_fused_adam_as_torch() -> None:
+    # DeepSpeed's class takes DeepSpeed's association (the "cpu_adam" op, one division per
+    # element), FusedAdam torch's (the "adam" op); the two differ in the last bits.
+    base = torch.randn(4097, generator=torch.Generator().manual_seed(0))
+    ds_p, fused_p, torch_p = ([torch.nn.Parameter(base.clone())] for _ in range(3))
+    g = torch.Generator().manual_seed(3)
+    kw = {"lr": 1e-2, "weight_decay": 0.1}
+    opts = [DeepSpeedCPUAdam(ds_p, **kw), FusedAdam(fused_p, **kw),
+            torch.optim.AdamW(torch_p, fused=True, **kw)]
+    ds_want, m, v = ds_p[0].detach().clone(), torch.zeros(4097), torch.zeros(4097)
+    for t in range(1, 4):
+        grad = torch.randn(4097, generator=g)
+        for side in (ds_p, fused_p, torch_p):
+            side[0].grad = grad.clone()
+        for opt in opts:
+            opt.step()
+        kernels.get("cpu_adam", "cpu")([ds_want], [grad], [m], [v], step=t, lr=1e-2, betas=(0.9, 0.999),
+                                       eps=1e-8, weight_decay=0.1, bias_correction=True, adam_w_mode=True,
+                                       inv_scale=None)
+    assert torch.equal(ds_p[0], ds_want) and torch.equal(fused_p[0], torch_p[0])
+    assert not torch.equal(ds_p[0], torch_p[0])
+    assert torch.allclose(ds_p[0], torch_p[0], rtol=0, atol=TOL)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not build.available() or not _THP.exists() or "[never]" in _THP.read_text(),
+                    reason="no C kernels or no transparent huge pages")
+def test_large_states_are_advised_onto_huge_pages() -> None:
+    # 8 MiB states: madvise(MADV_HUGEPAGE) before they are zeroed makes them THP-eligible.
+    p = torch.nn.Parameter(torch.zeros(2 << 20))
+    p.grad = torch.ones(2 << 20)
+    opt = DeepSpeedCPUAdam([p])
+    opt.step()
+    assert _thp_eligible(opt.state[p]["exp_avg"]) and _thp_eligible(opt.state[p]["exp_avg_sq"])
+
+
+def _thp_eligible(t: torch.Tensor) -> bool:
+    """Whether the mapping holding ``t``'s middle may use huge pages (``THPeligible`` in smaps)."""
+    addr, mapping = t.data_ptr() + t.numel() * t.element_size() // 2, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            mapping = lo <= addr < hi
+        elif mapping and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return False
 
 
 @pytest.mark.timeout(30)
