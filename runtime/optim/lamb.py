@@ -141,6 +141,11 @@ class Lamb(ChunkedOptimizer):
 
     def _trust_ratios(self, group: dict[str, Any], layout: FlatLayout | None, sq: torch.Tensor) -> list[float]:
         """Clamped ||w|| / ||u|| per row from the squared norms ``sq`` (2 x rows)."""
+        return self._clamped_ratios(group, *self._full_norms(layout, sq))
+
+    def _full_norms(self, layout: FlatLayout | None, sq: torch.Tensor) -> tuple[list[float], list[float]]:
+        """Per row, the norms of its whole original parameter's weight and update (collective with a
+        reducer and a layout)."""
         if layout is not None and self.norm_all_reduce is not None:
             # Params split across ranks: add the squared norms of the other ranks' pieces.
             ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
@@ -150,6 +155,10 @@ class Lamb(ChunkedOptimizer):
             sq = full[:, ids]
         # One synchronising .tolist() per group, not one per tensor.
         w_norms, u_norms = sq.sqrt().tolist()
+        return w_norms, u_norms
+
+    @staticmethod
+    def _clamped_ratios(group: dict[str, Any], w_norms: list[float], u_norms: list[float]) -> list[float]:
         low, high = group["min_coeff"], group["max_coeff"]
         return [min(max(w / u, low), high) if w != 0.0 and u != 0.0 else 1.0
                 for w, u in zip(w_norms, u_norms, strict=True)]

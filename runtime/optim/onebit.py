@@ -104,10 +104,11 @@ class _CompressedMomentum:
         return errors
 
     def _exchange_momentum(self, gi: int, state: dict, group: dict, factor: float,
-                           scaling: torch.Tensor | None = None) -> torch.Tensor:
+                           scaling: list[float] | None = None) -> torch.Tensor:
         """Update the whole momentum with this rank's own gradient (times ``factor``), average it over
-        the ranks 1-bit compressed (multiplied by ``scaling`` while compressed, if given), store this
-        rank's shard in ``exp_avg``; returns the shard as the update uses it (``_usable``)."""
+        the ranks 1-bit compressed (each original parameter's piece multiplied by its ``scaling`` while
+        compressed, if given), store this rank's shard in ``exp_avg``; returns the shard as the update
+        uses it (``_usable``)."""
         lay = self.exchange.layouts[gi]
         numel, start, end = lay.numel, lay.start, lay.end
         beta1 = group["betas"][0]
@@ -116,11 +117,12 @@ class _CompressedMomentum:
         m[numel:].zero_()  # padding carries nothing (it would only blur the scale)
         if self.world_size > 1:
             errors = self._errors(gi, m.numel(), m.device)
-            if scaling is not None:
-                m[:numel].mul_(scaling)
+            pieces = list(m[:numel].split([math.prod(shape) for shape in lay.shapes]))
+            if scaling is not None:  # in place on views: no n-sized scaling tensor
+                torch._foreach_mul_(pieces, scaling)
             compressed_all_reduce(m, errors["worker_error"], errors["server_error"], self.world_size, self.pg)
             if scaling is not None:
-                m[:numel].div_(scaling)
+                torch._foreach_div_(pieces, scaling)
         state["exp_avg"].copy_(m[start:end])
         state["step"] = state["step"] + 1
         return self._usable(state["exp_avg"], state, group)
@@ -206,10 +208,13 @@ class OneBitLamb(_CompressedMomentum, Lamb):
     """LAMB with a 1-bit compressed momentum exchange after ``freeze_step`` steps (DeepSpeed's ``OnebitLamb``).
 
     Warm-up: dslaunch's ``Lamb`` (bitwise), keeping an average of each parameter's trust ratio
-    (``coeff_beta``). Compressed phase: the variance freezes; a fresh variance is tracked from the
-    gradients the exchanged momentum implies; each parameter's step is its averaged trust ratio
-    times a factor ``max(denominator / fresh denominator)`` (with weight decay, mixed towards 1 by
-    the share of the update that is not decay), kept in [``factor_min``, ``factor_max``] and within
+    (``coeff_beta``; the steps where LAMB falls back to 1, a zero weight or update, are left out).
+    Compressed phase: the variance freezes; a fresh variance is tracked from the gradients the
+    exchanged momentum implies; each parameter's step is LAMB's step size (both bias corrections
+    at the current step: the trust ratio cancels the variance's scale, so unlike OneBitAdam's the
+    step keeps growing with ``sqrt(1 - beta2^t)``) times its averaged trust ratio times a factor
+    ``max(denominator / fresh denominator)`` (with weight decay, mixed towards 1 by the share of the
+    update that is not decay), kept in [``factor_min``, ``factor_max``] and within
     ``factor_threshold`` of the last one.
 
     Args:
@@ -262,8 +267,8 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         update = m / denom
         stats = self._segment_stats(index, layout, [denom.div_(self._denominator(group, fresh))], "amax")
         if group["weight_decay"] != 0.0:
-            decayed = update + group["weight_decay"] * p.view(-1)
-            sums = self._segment_stats(index, layout, [update.square(), decayed.square()], "sum")
+            decayed = torch.add(update, p.view(-1), alpha=group["weight_decay"])
+            sums = self._segment_stats(index, layout, [update, decayed], "sumsq")
             share = (sums[0] / sums[1]).sqrt().clamp_(max=1.0).nan_to_num_(1.0)
             stats[0] = stats[0] * share + (1.0 - share)
             update = decayed
@@ -272,16 +277,16 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         factor = torch.minimum(torch.maximum(factor, last * (1.0 - self.factor_threshold)),
                                last * (1.0 + self.factor_threshold))
         last.copy_(factor)
-        bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
-        size = float(group["lr"]) * (bc2_sqrt / bc1 if group["bias_correction"] else 1.0)
-        # the average of the warm-up's trust ratios, bias-corrected (it started from zero)
-        coeff = state["lamb_coeff"] / (1.0 - self.coeff_beta**self.freeze_step)
-        scales = (coeff * factor * -size).tolist()
+        # LAMB's own step size, the variance's correction not frozen: LAMB's trust ratio cancels the
+        # scale of its update, so its step keeps growing with sqrt(1 - beta2^t) while the variance
+        # warms up; frozen (as OneBitAdam's, whose update does use the variance) it lagged ~2x at 40 steps
+        size = self._step_size(group, int(state["step"]))
+        scales = (self._averaged_ratios(state) * factor * -size).tolist()
         for (pid, _), weight, piece in zip(layout.segments, *self._pieces(layout, ([p], [update])), strict=True):
             weight.add_(piece, alpha=scales[pid])
 
-    def _scaling(self, index: int, state: dict) -> torch.Tensor:
-        """Per element, its parameter's momentum scaling (DeepSpeed's ``scaling_coeff``): the mean of
+    def _scaling(self, index: int, state: dict) -> list[float]:
+        """Per original parameter, its momentum scaling (DeepSpeed's ``scaling_coeff``): the mean of
         the parameters' RMS momenta over its own, fixed when compression starts. One scale per chunk
         would otherwise drown the parameters with small momenta in the large ones' signs."""
         lay = self.exchange.layouts[index]
@@ -290,20 +295,21 @@ class OneBitLamb(_CompressedMomentum, Lamb):
             m = self._whole_momentum(index, state["exp_avg"])[:lay.numel]
             rms = torch.stack([piece.norm() / math.sqrt(piece.numel()) for piece in m.split(sizes)])
             state["scaling_coeff"] = (rms.mean() / rms).nan_to_num_(1.0, 1.0, 1.0)
-        return state["scaling_coeff"].repeat_interleave(torch.tensor(sizes))
+        return state["scaling_coeff"].tolist()
 
     @staticmethod
     def _denominator(group: dict[str, Any], v: torch.Tensor) -> torch.Tensor:
         return v.add(group["eps"]).sqrt_() if group["eps_inside_sqrt"] else v.sqrt().add_(group["eps"])
 
     def _segment_stats(self, index: int, layout: FlatLayout, values: list[torch.Tensor], how: str) -> torch.Tensor:
-        """Per original parameter (rows: ``values``), ``how`` ("sum" or "amax") over its elements on all ranks."""
+        """Per original parameter (rows: ``values``), ``how`` ("sumsq": the sum of squares, or "amax") over
+        its elements on all ranks (each piece reduced in place: no n-sized float64 copies)."""
         ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
         lengths = [length for _, length in layout.segments]
         out = torch.zeros(len(values), layout.num_params, dtype=torch.float64)
         for row, v in zip(out, values, strict=True):
-            pieces = torch.stack([piece.double().max() if how == "amax" else piece.double().sum()
-                                  for piece in v.split(lengths)]) if lengths else torch.zeros(0, dtype=torch.float64)
+            pieces = torch.stack([piece.amax() if how == "amax" else torch.linalg.vector_norm(piece).square()
+                                  for piece in v.split(lengths)]).double() if lengths else out[0, :0]
             if how == "amax":
                 row.index_reduce_(0, ids, pieces, "amax", include_self=True)
             else:
@@ -316,15 +322,30 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         return out
 
     def _trust_ratios(self, group: dict[str, Any], layout: FlatLayout | None, sq: torch.Tensor) -> list[float]:
-        ratios = super()._trust_ratios(group, layout, sq)
-        p = group["params"][0]
+        w_norms, u_norms = self._full_norms(layout, sq)
+        ratios = self._clamped_ratios(group, w_norms, u_norms)
         layout = layout or FlatLayout(tuple((i, 1) for i in range(len(ratios))), len(ratios))
-        state = self.state[p]
+        state = self.state[group["params"][0]]
         coeff = state.setdefault("lamb_coeff", torch.zeros(layout.num_params, dtype=torch.float64))
+        weight = state.setdefault("lamb_coeff_weight", torch.zeros_like(coeff))
         state["coeff_world"] = self.world_size
-        ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
-        seen = torch.zeros_like(coeff).index_copy_(0, ids, torch.tensor(ratios, dtype=torch.float64))
-        # the average the compressed phase starts from (DeepSpeed's lamb_coeff_freeze)
-        coeff.index_copy_(0, ids, coeff[ids] * self.coeff_beta + seen[ids] * (1.0 - self.coeff_beta))
+        # the average the compressed phase starts from (DeepSpeed's lamb_coeff_freeze), over the steps
+        # with a real ratio: a zero-initialised bias's first ratio is LAMB's fallback 1, ~100x its later
+        # ones (averaged in, it made such parameters step ~6x too far once compressed)
+        real = [(pid, r) for (pid, _), r, w, u in zip(layout.segments, ratios, w_norms, u_norms, strict=True)
+                if w != 0.0 and u != 0.0]
+        if real:
+            ids = torch.tensor([pid for pid, _ in real], dtype=torch.long)
+            seen = torch.tensor([r for _, r in real], dtype=torch.float64)
+            coeff.index_copy_(0, ids, coeff[ids] * self.coeff_beta + seen * (1.0 - self.coeff_beta))
+            weight.index_copy_(0, ids, weight[ids] * self.coeff_beta + (1.0 - self.coeff_beta))
         return ratios
+
+    def _averaged_ratios(self, state: dict) -> torch.Tensor:
+        """The warm-up's averaged trust ratios, bias-corrected (the average started from zero; a
+        parameter that never had a real ratio gets 1, LAMB's fallback)."""
+        weight = state.get("lamb_coeff_weight")
+        if weight is None:  # a checkpoint from before the weights were kept: every warm-up step counted
+            weight = torch.full_like(state["lamb_coeff"], 1.0 - self.coeff_beta**self.freeze_step)
+        return torch.where(weight > 0, state["lamb_coeff"] / weight.clamp(min=1e-300), 1.0)
 

@@ -5,7 +5,7 @@ a 1024 x 8192 head) trains on ``--world`` local gloo ranks (one thread each) wit
 tokens per rank), so the gradient exchange dominates the step. Each configuration runs ``--warmup``
 steps (the 1-bit optimizers' warm-up: ``freeze_step`` = that) and then ``--steps`` measured steps:
 
-- ``Adam``: fp32 all-reduce of the gradients (flat);
+- ``Adam``: fp32 all-reduce of the gradients (flat: ``hierarchical_allreduce: never``);
 - ``Adam, hierarchical``: the same through ``hierarchical_allreduce: always`` with the ranks split
   into 2 pretend nodes (``NODE_RANK``), world 4 only;
 - ``OneBitAdam`` and ``OneBitLamb``: the measured steps are compressed ones;
@@ -18,7 +18,7 @@ and step. Time: the mean wall time of the measured steps on rank 0. Without a sh
 talk over loopback (~0.8 GB/s for gloo at world 2 here: FACTS.md), which already makes the fp32
 exchange the larger part of a step.
 
-Writes ``results/onebit_bench_w<world>.json`` and ``.md``. Run it under the benchmark lock:
+Writes ``results/onebit_bench_w<world>[_shaped_<rate>].json`` and ``.md``. Run it under the benchmark lock:
 ``flock /tmp/dslaunch-bench.lock python scripts/bench/onebit_bench.py [--world 2] [--steps 3]``.
 """
 
@@ -64,7 +64,20 @@ def configs(world: int, warmup: int) -> dict[str, dict]:
     }
     if world == 4:
         out["Adam, hierarchical"] = {**out["Adam"], "hierarchical_allreduce": "always"}
+        # the default ("topology") would pick the hierarchical one too: the 2 pretend nodes hold 2 ranks each
+        out["Adam"] = {**out["Adam"], "hierarchical_allreduce": "never"}
     return out
+
+
+def _chosen(all_configs: dict[str, dict], only: list[str] | None) -> dict[str, dict]:
+    """The configurations ``--only`` names (Adam first, always: the rows are compared with it)."""
+    if not only:
+        return all_configs
+    names = ["Adam", *(n for n in dict.fromkeys(only) if n != "Adam")]
+    unknown = [n for n in names if n not in all_configs]
+    if unknown:
+        raise SystemExit(f"--only: unknown configuration {unknown[0]!r}; valid: {', '.join(all_configs)}")
+    return {n: all_configs[n] for n in names}
 
 
 def sent_bytes(summary: dict, world: int) -> float:
@@ -176,20 +189,24 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--out-suffix", default="", help="appended to the result files' names (split runs)")
+    ap.add_argument("--only", action="append", default=None, metavar="NAME",
+                    help="run this configuration (repeatable; Adam, the baseline, always runs first)")
     ap.add_argument("--link-rate", default=None,
                     help="one rank per private network namespace, each link shaped to this rate (tc units, e.g. 1gbit)")
     args = ap.parse_args()
     from dslaunch.utils.ports import free_port
 
     ctx = mp.get_context("spawn")
+    chosen = _chosen(configs(args.world, args.warmup), args.only)
     rows = []
     if args.link_rate:
         with ShapedHosts(args.world, args.link_rate) as hosts:
-            for name in configs(args.world, args.warmup):
+            for name in chosen:
                 if "hierarchical" not in name:  # one rank per host: nothing to do within a node
                     rows.append(hosts.run(name, args.warmup, args.steps, free_port()))
                     print(rows[-1], flush=True)
-    for name, cfg in configs(args.world, args.warmup).items() if not args.link_rate else ():
+    for name, cfg in chosen.items() if not args.link_rate else ():
         queue = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=run, args=(r, args.world, port, name, cfg, args.warmup, args.steps, queue))
@@ -209,7 +226,8 @@ def main() -> int:
               "loadavg_1m": os.getloadavg()[0], "torch": torch.__version__,
               "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"onebit_bench_w{args.world}" + ("_shaped" if args.link_rate else "")
+    stem = (f"onebit_bench_w{args.world}" + (f"_shaped_{args.link_rate}" if args.link_rate else "")
+            + (f"_{args.out_suffix}" if args.out_suffix else ""))
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"world {args.world}, {rows[0]['params'] / 1e6:.1f}M params, link {result['link']}, "
              f"load average {result['loadavg_1m']:.1f}",

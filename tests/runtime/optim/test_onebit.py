@@ -1,6 +1,7 @@
-"""OneBitAdam through the engine: bitwise Adam during warm-up, within 1% of Adam after it, at ZeRO
-stages 0-2 and world sizes 2 and 4; a resume that is bitwise; a one-line refusal at another world
-size; the config's one-line errors. The task is ``onebit_task`` (a tiny language model)."""
+"""OneBitAdam (and OneBitLamb against Lamb) through the engine: bitwise Adam during warm-up, within
+1% of Adam after it, at ZeRO stages 0-2 and world sizes 2 and 4; a resume that is bitwise; a one-line
+refusal at another world size; the config's one-line errors. The task is ``onebit_task`` (a tiny
+language model)."""
 
 from __future__ import annotations
 
@@ -32,27 +33,30 @@ def _assert_tracks(adam: dict, onebit: dict, what: str) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_onebit_adam_and_lamb_warmup_bitwise_then_adam_within_1pct_at_stages_0_1_2() -> None:
-    cfgs = ([config(ADAM)] + [config(ONEBIT, stage) for stage in (0, 1, 2)]
-            + [config(LAMB, 1), config(ONEBIT_LAMB, 1), config(ZERO_ONE)])
+def test_onebit_adam_warmup_bitwise_then_adam_within_1pct_at_stages_0_1_2() -> None:
+    cfgs = [config(ADAM)] + [config(ONEBIT, stage) for stage in (0, 1, 2)] + [config(ZERO_ONE)]
     results = run_world(_train_all, 2, cfgs)
-    adam, *onebit, lamb, onebit_lamb, zero_one = results[0]
+    adam, *onebit, zero_one = results[0]
     assert adam["held_out"] < 0.6 * adam["losses"][0]  # the task trains
     for stage, run in enumerate(onebit):
         _assert_tracks(adam, run, f"stage {stage}")
     for i in range(1, len(cfgs)):  # the ranks agree
         np.testing.assert_array_equal(results[0][i]["weights"][STEPS], results[1][i]["weights"][STEPS])
-    # OneBitLamb: bitwise Lamb while warming up; compressed it keeps training but lags Lamb (~10%
-    # here after 25 compressed steps: the frozen trust ratios, README "1-bit optimizers")
-    np.testing.assert_array_equal(onebit_lamb["weights"][FREEZE], lamb["weights"][FREEZE])
-    assert not np.array_equal(onebit_lamb["weights"][STEPS], lamb["weights"][STEPS])
-    at_freeze = np.mean(onebit_lamb["losses"][FREEZE - 3:FREEZE])
-    assert onebit_lamb["held_out"] < 0.85 * at_freeze < 0.85 * onebit_lamb["losses"][0]
     # ZeroOneAdam: its first 4 steps are variance steps (fp32 all-reduce, torch's AdamW: bitwise);
     # then 1-bit steps, local steps from step 21 with a synchronisation every 1, 2, 4 steps (the
     # last at 40: the ranks agree, checked above); ~5% above Adam here (README)
     assert zero_one["losses"][:5] == adam["losses"][:5]
     assert zero_one["held_out"] < 1.1 * adam["held_out"]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="1.3% above Lamb at world 2 (within 1% at world 4): the compression noise in the "
+                   "fresh variance lowers the scaling factor (README, 1-bit optimizers)")
+@pytest.mark.timeout(90)
+def test_onebit_lamb_warmup_bitwise_then_lamb_within_1pct_at_world_2() -> None:
+    results = run_world(_train_all, 2, [config(LAMB, 1), config(ONEBIT_LAMB, 1)])
+    np.testing.assert_array_equal(results[0][1]["weights"][STEPS], results[1][1]["weights"][STEPS])
+    _assert_tracks(*results[0], "OneBitLamb")
 
 
 def _resume(rank: int, world: int, save_dir: str) -> tuple:
@@ -80,11 +84,12 @@ def _load_elsewhere_then_track(rank: int, world: int, save_dir: str) -> tuple[st
     except CheckpointError as exc:
         message = str(exc)
     engine.destroy()
-    return message, _train_all(rank, world, [config(ADAM), config(ONEBIT, 1)])
+    cfgs = [config(ADAM), config(ONEBIT, 1), config(LAMB, 1), config(ONEBIT_LAMB, 1)]
+    return message, _train_all(rank, world, cfgs)
 
 
 @pytest.mark.timeout(150)
-def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_adam(tmp_path) -> None:
+def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_adam_and_lamb(tmp_path) -> None:
     for straight, resumed in run_world(_resume, 2, str(tmp_path)):
         np.testing.assert_array_equal(resumed, straight)
     # world 4: the world-2 checkpoint's error feedback is refused in one line; then 4 ranks train
@@ -92,8 +97,9 @@ def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_
     for message, _ in results:
         assert "error-feedback state was saved at data-parallel world size 2, this run has 4" in message
         assert "\n" not in message
-    adam, onebit = results[0][1]
+    adam, onebit, lamb, onebit_lamb = results[0][1]
     _assert_tracks(adam, onebit, "world 4, stage 1")
+    _assert_tracks(lamb, onebit_lamb, "OneBitLamb, world 4, stage 1")
 
 
 @pytest.mark.parametrize(("change", "key", "text"), [
