@@ -60,7 +60,8 @@ def _job(bin_dir: Path, script: str, *args: str, cwd: Path) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage, mode", [(2, "full"), (2, "lora"), (3, "lora"), (3, "full")])
+# LoRA at stage 3 (frozen, partitioned weights) covers what LoRA at stage 2 would
+@pytest.mark.parametrize("stage, mode", [(2, "full"), (3, "lora"), (3, "full")])
 def test_sft_matches_deepspeed_and_reloads(stage: int, mode: str, finetune_bin: Path, tiny_lm: Path,
                                            tmp_path: Path) -> None:
     out = _job(finetune_bin, "trl_sft.py", str(tiny_lm), "out", str(stage), mode, str(STEPS), cwd=tmp_path)
