@@ -51,7 +51,6 @@ bench: setup
 stress: setup
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation deepspeed
 	$(PY) scripts/bench/exit_stress.py
-	$(PY) scripts/bench/run_all.py --assemble-only
 
 # On a machine with a CUDA GPU and its own torch (no venv there: that torch is the one to test).
 # Without network, first run scripts/gpu/wheels.sh on a machine with PyPI and carry .whl/ over.

@@ -1,34 +1,24 @@
-"""Run every benchmark in scripts/bench/ and assemble BENCHMARKS.md from their result tables.
+"""Run every benchmark in scripts/bench/, one after another, and say which results are new.
 
 Each benchmark is a standalone script that writes ``results/<name>.json`` (raw numbers) and
-``results/<name>.md`` (a table with ratios against the peer measured in the same run). This
-script only runs them one after another (never in parallel: they share two cores) and
-concatenates the tables, so BENCHMARKS.md always shows the figures of the last run. What a
-person writes about a table (a reading, an earlier run) goes in ``results/notes/<name>.md``, put
-after that table: a rerun rewrites the table but never the notes, so re-read them after one.
+``results/<name>.md`` (a table with ratios against the peer measured in the same run). They run
+one after another, never in parallel (they share two cores). BENCHMARKS.md is written by people
+from those tables: each section carries a table, how it was run, the load and a reading, often
+several calls merged. So this script never rewrites it (it once regenerated the file and dropped
+that prose); it lists the result tables the run changed, whose sections then need a new reading.
 
-Usage: ``python scripts/bench/run_all.py [--assemble-only] [name ...]`` (default: every
-``*_bench.py``; ``--assemble-only`` rebuilds BENCHMARKS.md from the existing results).
+Usage: ``python scripts/bench/run_all.py [name ...]`` (default: every ``*_bench.py``).
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-NOTES = RESULTS / "notes"
-OUT = HERE.parent.parent / "BENCHMARKS.md"
-# Tables in the order a user meets the product: launch, train, checkpoint.
-ORDER = ["launch_bench", "ssh_launch_bench", "slurm_submit_bench", "engine_bench", "zero3_bench", "zero3_bench_bf16",
-         "pipeline_bench", "prefetch_bench", "activation_ckpt_bench", "nvme_bench", "estimate_bench", "heartbeat_bench", "flops_profiler_bench",
-         "monitor_bench", "optimizer_bench", "cpu_kernels_bench", "gpu_check", "gpu_kernels_bench", "ckpt_bench",
-         "inference_bench",
-         "faults", "host_faults", "exit_stress", "pipeline_hang_check"]
+REPORT = HERE.parent.parent / "BENCHMARKS.md"
 
 
 def _benches(names: list[str]) -> list[Path]:
@@ -43,38 +33,27 @@ def _run(bench: Path) -> bool:
     return subprocess.run([sys.executable, str(bench)], cwd=HERE.parent.parent).returncode == 0
 
 
-def _assemble() -> None:
-    import torch  # only for the version line
-
-    parts = [
-        "# Benchmarks\n",
-        "Produced by `make bench` (`scripts/bench/run_all.py`); raw numbers in "
-        "`scripts/bench/results/*.json`. Every ratio compares against a peer measured in the same "
-        "run on the same machine.\n",
-        f"Machine: {platform.machine()}, {_cores()} cores, Python {platform.python_version()}, "
-        f"torch {torch.__version__}. Assembled {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC.\n",
-    ]
-    tables = sorted(RESULTS.glob("*.md"), key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else len(ORDER), p.stem))
-    for md in tables:
-        parts.append(md.read_text().strip() + "\n")
-        if (notes := NOTES / md.name).exists():
-            parts.append(notes.read_text().strip() + "\n")
-    OUT.write_text("\n".join(parts))
-    print(f"wrote {OUT}")
+def _tables() -> dict[Path, int]:
+    return {md: md.stat().st_mtime_ns for md in RESULTS.glob("*.md")}
 
 
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
+def changed_tables(before: dict[Path, int], after: dict[Path, int]) -> list[str]:
+    """The result tables written since ``before`` (new files or a newer modification time)."""
+    return sorted(md.name for md, mtime in after.items() if before.get(md) != mtime)
 
 
 def main(argv: list[str]) -> int:
-    if "--assemble-only" in argv:
-        _assemble()
-        return 0
+    known = {p.stem for p in _benches([])} | {p.stem.removesuffix("_bench") for p in _benches([])}
+    if unknown := [name for name in argv if name not in known]:
+        print(f"run_all: no benchmark named {', '.join(unknown)}; valid: "
+              f"{', '.join(sorted(p.stem.removesuffix('_bench') for p in _benches([])))}", file=sys.stderr)
+        return 2
+    before = _tables()
     failed = [b.name for b in _benches(argv) if not _run(b)]
-    _assemble()
+    changed = changed_tables(before, _tables())
+    if changed:
+        print(f"new results in {RESULTS}: {', '.join(changed)}; "
+              f"update their sections of {REPORT} (tables and readings)")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
