@@ -186,6 +186,17 @@ class _Context:
 _NOWHERE = _Context()
 
 
+@dataclass
+class _Followed:
+    """What the replay follows from one recorded stretch into the next (a reading while started
+    splits the record): the modules in forward, innermost last; whether counting is paused; the
+    context each autograd node was made in, by (thread, sequence number)."""
+
+    forward: list = field(default_factory=list)
+    counting: bool = True
+    made: dict = field(default_factory=dict)
+
+
 def _session() -> Any:
     return torch.autograd.profiler.profile(record_shapes=True, use_device=None)
 
@@ -237,6 +248,7 @@ class FlopCounter:
         self._hooks: list[Any] = []
         self._session: Any = None
         self._counting = False
+        self._followed = _Followed()
 
     # ----- lifecycle -----------------------------------------------------------------------
     def start(self) -> FlopCounter:
@@ -268,6 +280,17 @@ class FlopCounter:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._count_recorded()
+
+    def flush(self) -> None:
+        """Count what was recorded so far and record on (DeepSpeed's readers may be called while
+        started: its own example reads the totals between forward and backward)."""
+        if self._session is not None:
+            self._count_recorded()
+            self._session = _session()
+            self._session.__enter__()
+
+    def _count_recorded(self) -> None:
         if self._session is None:
             return
         t0 = time.perf_counter()
@@ -283,6 +306,7 @@ class FlopCounter:
         self.outside = [0, 0]
         self.ops.clear()
         self.count_s = 0.0
+        self._followed = _Followed(self._followed.forward, self._followed.counting)
 
     # ----- totals --------------------------------------------------------------------------
     @property
@@ -319,10 +343,8 @@ class FlopCounter:
     def _replay(self, events: Iterable[Any]) -> None:
         """Walk the record in the order operators began, following the modules' markers, and
         count each outermost counted operator where it ran."""
-        forward: list[torch.nn.Module] = []  # modules in forward, innermost last
-        here = _NOWHERE  # the context ``forward`` makes
-        counting = True
-        made: dict[tuple[int, int], _Context] = {}  # (thread, sequence nr) -> context of the node's maker
+        f = self._followed
+        here = self._context(f.forward)  # the context the modules in forward make
         open_: dict[int, list[tuple[int, _Context | None]]] = {}  # thread -> (end, node context | None: an op)
         latest: dict[int, int] = {}  # thread -> when its latest operator began
         last: dict[int, tuple[str, int, _Context, bool, int]] = {}  # thread -> its latest count (..., end)
@@ -334,13 +356,13 @@ class FlopCounter:
                 if kind == "stop":
                     self._undo_unrun(last.pop(thread, None), latest.get(thread, 0))
                 elif kind == "pause" or kind == "resume":
-                    counting = kind == "resume"
+                    f.counting = kind == "resume"
                 else:
                     if kind == "pre":
-                        forward.append(module)
+                        f.forward.append(module)
                     else:
-                        _remove_last(forward, module)
-                    here = self._context(forward)
+                        _remove_last(f.forward, module)
+                    here = self._context(f.forward)
                 continue
             latest[thread] = begin
             formula = FORMULAS.get(name)
@@ -354,15 +376,15 @@ class FlopCounter:
             node = next((c for _, c in reversed(stack) if c is not None), None)
             where = here if node is None else here.joined(node)
             if node_begins:
-                stack.append((e.end_ns(), made.get((e.fwd_thread_id(), seq), _NOWHERE)))
+                stack.append((e.end_ns(), f.made.get((e.fwd_thread_id(), seq), _NOWHERE)))
                 continue
             if seq >= 0:
-                made[(thread, seq)] = where
+                f.made[(thread, seq)] = where
             if formula is None or any(c is None for _, c in stack):
                 continue  # not counted, or inside a counted operator
             end = e.end_ns()
             stack.append((end, None))
-            if counting and not where.ignored:
+            if f.counting and not where.ignored:
                 op, flops, backward = name, formula(*_arguments(e)), node is not None
                 self._add(op, flops, where, backward)
                 last[thread] = (op, flops, where, backward, end)

@@ -57,7 +57,7 @@ class FlopsProfilerObserver(Observer):
         self.done = False
         self._step_flops: int | None = None
         self._sync = torch.cuda.synchronize if engine.device.type == "cuda" else None
-        # Paid here, not in the profiled step: the first Python dispatch's imports (seconds) and
+        # Paid here, not in the profiled step: the first torch profiler session's set-up (seconds) and
         # the CPU peak's measurement (~0.5 s, once per machine: cached).
         warm_up()
         self._peak = peak_flops(engine.device, engine.precision.model_dtype)
