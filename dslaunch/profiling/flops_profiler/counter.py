@@ -81,8 +81,8 @@ class ModuleStats:
 
 @dataclass(frozen=True)
 class _Context:
-    """Where an operator ran: the modules running (children's parents included), the innermost,
-    and whether an ignored module is among them."""
+    """Where an operator ran: the modules running (each enclosing one too), the innermost, and
+    whether an ignored module is among them."""
 
     modules: frozenset = frozenset()
     own: Any = None
@@ -218,7 +218,6 @@ class FlopCounter:
         self.outside = [0, 0]
         self.ops.clear()
         self.count_s = 0.0
-        self._followed = _Followed(self._followed.forward, self._followed.counting)
 
     # ----- totals --------------------------------------------------------------------------
     @property
