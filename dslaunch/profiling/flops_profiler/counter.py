@@ -1,32 +1,42 @@
 """Flops counted at the aten operator level and attributed to the modules that ran them.
 
-``FlopCounter(model)`` is a ``TorchDispatchMode``: while it is active every aten operator the
-process runs on this thread passes through it, so it sees the matmuls inside ``F.linear``, ``@``,
-``einsum`` and ``bmm``, convolutions, ``scaled_dot_product_attention`` (each backend's forward and
-backward operator) and whatever autograd runs in backward, recomputation under activation
-checkpointing included. An operator counts as backward while autograd's engine runs a graph task.
+``FlopCounter(model)`` records while started with torch's own profiler (CPU activity, shapes
+recorded): a C++ callback notes every aten operator this thread and autograd's threads run, with
+its argument shapes, sequence number and nesting, ~1 us each. Forward pre/post hooks on every
+submodule of ``model`` add a named marker to the same record. Nothing is counted during the step:
+``stop()`` applies the formulas to the recorded shapes and replays the record in order.
 
-Which modules an operator belongs to: forward pre/post hooks on every submodule of ``model``
-keep the modules whose forward is running; for backward, hooks on the gradients of a module's
-outputs (its backward begins) and of its inputs (its backward ends) keep those whose backward is
-running, cleared when the graph task ends (a module whose inputs need no gradient never sees its
-end otherwise). A module's count includes its children's (as DeepSpeed's tables); ``own`` counts
-are what ran in the module itself, so the ``own`` counts plus ``outside`` sum to the total.
+- Which operators: the outermost counted operator of a nest (``addmm`` inside ``linear``; the
+  backend kernel inside ``aten::convolution`` does not count again). So it sees the matmuls
+  inside ``F.linear``, ``@``, ``einsum`` and ``bmm``, convolutions, ``scaled_dot_product_attention``
+  (each backend's forward and backward operator), what autograd runs in backward, recomputation
+  under activation checkpointing, and the aten operators a compiled graph calls.
+- Backward: autograd runs each node inside an ``evaluate_function`` range carrying the node's
+  sequence number, the number the forward operator that made the node recorded. A backward
+  operator belongs to the modules that were running when its node was made (plus, during a
+  recomputation, the modules whose forward runs again); it counts as backward.
+- Forward: an operator belongs to the modules whose forward is running (between their markers).
+  A module's count includes its children's (as DeepSpeed's tables); ``own`` counts are what ran
+  in the module itself, so the ``own`` counts plus ``outside`` sum to the total.
 
-The formulas: matmuls (mm, addmm, bmm, baddbmm) and the SDPA kernels' forward and backward (CPU
-flash, CUDA flash/efficient/cudnn) computed here from the shapes; the rest from torch's registry
-(``torch.utils.flop_counter.flop_registry``: _scaled_mm, convolutions and their backward, the
-varlen and nested attention kernels). Only these count: element-wise operators (activations, norms, softmax, adds)
-are not flops here, which is the convention MFU is defined on (PaLM, appendix B). Attention is
-counted as full ``T x T`` even when causal (torch's and the 12·L·H·Q·T convention). One MAC is two
-flops. Collectives and other operators pass through untouched.
+Why not a ``TorchDispatchMode`` (the first version): every operator then paid ~13 us of Python
+dispatch on this machine, more than a small model's operator itself; the profiler's callback is
+C++, and the Python work is paid once, after the step (``count_s``).
+
+The formulas (which operators count, from which shapes) are ``formulas.py``'s.
 
 Limitations: operators run by other threads (a DataLoader worker, gloo's) are not seen; a
-custom CUDA/Triton kernel that is not an aten operator counts nothing.
+custom CUDA/Triton kernel that is not an aten operator counts nothing; formulas that need tensor
+values (variable-length attention's cumulative lengths) are not applied; torch's profiler must
+not be running already (one profiler per process). When torch's non-reentrant checkpoint stops a
+recomputation early inside a matmul that saves its inputs first, the module hooks see the stop
+and that matmul is not counted; where the checkpointed code is a plain function, not a module,
+nothing sees it and that one matmul counts.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -34,65 +44,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+import torch.utils.checkpoint
 
-__all__ = ["FlopCounter", "ModuleStats", "FORMULAS", "warm_up"]
+from dslaunch.errors import UsageError
+from dslaunch.profiling.flops_profiler.formulas import ATTENTION_KERNELS, FORMULAS
 
-aten = torch.ops.aten
+__all__ = ["FlopCounter", "ModuleStats", "warm_up"]
 
+_MARK = "dslaunch.flops."
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "
+# What torch's non-reentrant checkpoint raises to end a recomputation once the tensors backward
+# needs are back: raised while an operator saves a tensor for backward (see ``_replay``).
+_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
 
-# The hot operators, from the tensors' shapes directly: torch's registered formulas walk every
-# argument with pytree first, which cost more than the operator itself on a small model.
-def _mm(a: Any, b: Any, *_: Any, **__: Any) -> int:
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-
-
-def _addmm(bias: Any, a: Any, b: Any, *_: Any, **__: Any) -> int:
-    return _mm(a, b)
-
-
-def _bmm(a: Any, b: Any, *_: Any, **__: Any) -> int:
-    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-
-
-def _baddbmm(bias: Any, a: Any, b: Any, *_: Any, **__: Any) -> int:
-    return _bmm(a, b)
-
-
-def _attention_sizes(q: Any, k: Any, v: Any) -> tuple[int, int, int]:
-    """(batch x query heads x query length x key length, q/k head dim, v head dim); grouped
-    key/value heads are broadcast to the query's, as the kernels do."""
-    b, h, sq, dq = q.shape
-    return b * h * sq * k.shape[-2], dq, v.shape[-1]
-
-
-def _attention(q: Any, k: Any, v: Any, *_: Any, **__: Any) -> int:
-    n, dq, dv = _attention_sizes(q, k, v)
-    return 2 * n * (dq + dv)  # Q·K^T, then P·V
-
-
-def _attention_backward(grad_out: Any, q: Any, k: Any, v: Any, *_: Any, **__: Any) -> int:
-    n, dq, dv = _attention_sizes(q, k, v)
-    # the kernel recomputes Q·K^T; dP = dO·V^T, dV = P^T·dO, dQ = dS·K, dK = dS^T·Q
-    return 2 * n * (3 * dq + 2 * dv)
-
-
-def _fast() -> dict[Any, Callable[..., int]]:
-    fast: dict[Any, Callable[..., int]] = {aten.mm: _mm, aten.addmm: _addmm, aten.bmm: _bmm,
-                                           aten.baddbmm: _baddbmm}
-    for kernel in ("flash_attention_for_cpu", "flash_attention", "efficient_attention", "cudnn_attention"):
-        for op, formula in ((f"_scaled_dot_product_{kernel}", _attention),
-                            (f"_scaled_dot_product_{kernel}_backward", _attention_backward)):
-            if hasattr(aten, op):  # the CPU flash kernels came with torch 2.2
-                fast[getattr(aten, op)] = formula
-    return fast
-
-
-FORMULAS: dict[Any, Callable[..., int]] = {**flop_registry, **_fast()}
-"""aten operator (overload packet) -> flops, called as ``f(*args, **kwargs, out_val=out)``."""
+try:  # a record-function range from Python at ~0.5 us (torch >= 2.2); else the public one
+    from torch._C._profiler import _RecordFunctionFast as _marker
+except ImportError:  # pragma: no cover - older torch
+    from torch.autograd.profiler import record_function as _marker
 
 
 @dataclass
@@ -111,95 +79,137 @@ class ModuleStats:
     """Operator name -> flops, its own operators only."""
 
 
-def _grad_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):  # the common case, without pytree's walk
-        return [value] if value.requires_grad else []
-    flat, _ = tree_flatten(value)
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+@dataclass(frozen=True)
+class _Context:
+    """Where an operator ran: the modules running (each enclosing one too), the innermost, and
+    whether an ignored module is among them."""
+
+    modules: frozenset = frozenset()
+    own: Any = None
+    ignored: bool = False
+
+    def joined(self, node: _Context) -> _Context:
+        """This forward context inside a backward node's (a recomputation), or the node's alone."""
+        if not self.modules:
+            return node
+        return _Context(self.modules | node.modules, self.own, self.ignored or node.ignored)
 
 
-def _in_backward() -> bool:
-    # What torch's ModuleTracker.is_bw reads: -1 unless autograd's engine runs a graph task here.
-    return torch._C._current_graph_task_id() != -1
+_NOWHERE = _Context()
 
 
-class _PassThrough(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
+@dataclass
+class _Followed:
+    """What the replay follows from one recorded stretch into the next (a reading while started
+    splits the record): the modules in forward, innermost last; whether counting is paused; the
+    context each autograd node was made in, by (thread, sequence number)."""
+
+    forward: list = field(default_factory=list)
+    counting: bool = True
+    made: dict = field(default_factory=dict)
+
+
+def _session() -> Any:
+    return torch.autograd.profiler.profile(record_shapes=True, use_device=None)
 
 
 def warm_up() -> None:
-    """Pay once, outside any timed step, what a process pays the first time operators meet a
-    Python dispatch mode: torch imports its decomposition machinery then (sympy, dynamo; ~5 s on a
-    busy 2-core machine). Afterwards this costs microseconds."""
-    with _PassThrough():
-        torch.embedding(torch.zeros(2, 2), torch.zeros(1, dtype=torch.long))
+    """Pay once, outside any timed step, what a process pays the first time torch's profiler
+    starts (kineto's set-up, ~1.5 s on a busy 2-core machine). Afterwards ~1 ms."""
+    if torch.autograd._profiler_enabled():
+        return
+    with _session():
+        with _marker(_MARK + "warm_up"):
+            torch.zeros(1).add_(1)
 
 
-class FlopCounter(TorchDispatchMode):
-    """Counts the flops of every operator run while active and gives them to ``model``'s modules.
+class FlopCounter:
+    """Counts the flops of every operator run while started and gives them to ``model``'s modules.
 
     Args:
         model: the modules to attribute to (all of ``model.modules()``).
-        ignore: module types whose operators (children's included) are not counted at all.
+        ignore: module types whose operators (children's included, forward and backward) are not
+            counted at all.
         sync: called around each module's forward for its time (``torch.cuda.synchronize`` on a
             GPU; None on a CPU).
 
-    Use ``start()`` / ``stop()`` (``pause()`` / ``resume()`` between: the hooks stay, operators are
-    not seen); ``stats``, ``outside`` and ``ops`` hold the counts.
+    Use ``start()`` / ``stop()`` (``pause()`` / ``resume()`` between: operators then run are not
+    counted, the modules are still followed); ``stats``, ``outside`` and ``ops`` hold the counts
+    once stopped, ``count_s`` the seconds ``stop()`` took to count them.
+
+    Raises:
+        UsageError: from ``start()``, when torch's profiler is already running.
     """
 
     def __init__(self, model: torch.nn.Module, ignore: Iterable[type] = (),
                  sync: Callable[[], None] | None = None):
-        super().__init__()
         self.model, self.ignore, self.sync = model, tuple(ignore), sync
         self.stats: dict[torch.nn.Module, ModuleStats] = {m: ModuleStats() for m in model.modules()}
         self.outside = [0, 0]
         """Flops (forward, backward) of operators run outside every module of ``model``."""
         self.ops: Counter = Counter()
-        self._fwd: Counter = Counter()  # module -> forward calls running (a module may re-enter)
-        self._bwd: Counter = Counter()  # module -> backward running
+        self.count_s = 0.0
+        """Seconds spent in ``stop()`` turning the record into counts (paid after the step)."""
         self._starts: dict[torch.nn.Module, list[float]] = {}
-        self._ignoring = 0
-        self._innermost: list[torch.nn.Module] = []  # modules in forward, innermost last
-        self._depth = {m: name.count(".") + (name != "") for name, m in model.named_modules()}
-        self._bwd_by_task: dict[int, list[torch.nn.Module]] = {}
+        self._names: dict[torch.nn.Module, tuple[str, str]] = {}
+        self._marks: dict[str, tuple[str, Any]] = {_MARK + k: (k, None) for k in ("pause", "resume", "stop")}
+        for i, m in enumerate(self.stats):
+            self._names[m] = (f"{_MARK}pre.{i}", f"{_MARK}post.{i}")
+            self._marks[self._names[m][0]] = ("pre", m)
+            self._marks[self._names[m][1]] = ("post", m)
         self._hooks: list[Any] = []
-        self._grad_hooks: list[Any] = []
+        self._session: Any = None
         self._counting = False
-        # id(operator overload) -> (formula, name) or None, looked up once per distinct operator:
-        # an overload's hash, ``overloadpacket`` and ``str`` are Python-level, too dear per call.
-        # (torch keeps every overload alive in its op namespaces, so an id is never reused.)
-        self._formula_of: dict[int, tuple[Callable[..., int], str] | None] = {}
+        self._followed = _Followed()
 
     # ----- lifecycle -----------------------------------------------------------------------
     def start(self) -> FlopCounter:
-        warm_up()
+        if torch.autograd._profiler_enabled():
+            raise UsageError("flops profiler: torch's profiler is already running in this process and "
+                             "the flops profiler records through it; stop torch.profiler first, or "
+                             "profile a step outside it")
         for m in self.stats:
             self._hooks.append(m.register_forward_pre_hook(self._pre))
             self._hooks.append(m.register_forward_hook(self._post, always_call=True))
-        self.resume()
+        self._session = _session()
+        self._session.__enter__()
+        self._counting = True
         return self
 
     def pause(self) -> None:
-        """Stop seeing operators; the module hooks stay (a backward still finds its modules)."""
-        if self._counting:
-            self.__exit__(None, None, None)
+        """Stop counting operators; the modules are still followed (a backward finds them)."""
+        if self._session is not None and self._counting:
+            self._mark(_MARK + "pause")
             self._counting = False
 
     def resume(self) -> None:
-        if not self._counting:
-            self.__enter__()
+        if self._session is not None and not self._counting:
+            self._mark(_MARK + "resume")
             self._counting = True
 
     def stop(self) -> None:
-        self.pause()
-        for h in (*self._hooks, *self._grad_hooks):
+        """Stop recording and count what was recorded (``count_s``)."""
+        for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._grad_hooks.clear()
-        self._fwd.clear()
-        self._bwd.clear()
+        self._count_recorded()
+
+    def flush(self) -> None:
+        """Count what was recorded so far and record on (DeepSpeed's readers may be called while
+        started: its own example reads the totals between forward and backward)."""
+        if self._session is not None:
+            self._count_recorded()
+            self._session = _session()
+            self._session.__enter__()
+
+    def _count_recorded(self) -> None:
+        if self._session is None:
+            return
+        t0 = time.perf_counter()
+        session, self._session = self._session, None
+        session.__exit__(None, None, None)
+        self._replay(session.kineto_results.events())
+        self.count_s += time.perf_counter() - t0
 
     def reset(self) -> None:
         """Zero every count (the hooks stay)."""
@@ -207,6 +217,7 @@ class FlopCounter(TorchDispatchMode):
             self.stats[m] = ModuleStats()
         self.outside = [0, 0]
         self.ops.clear()
+        self.count_s = 0.0
 
     # ----- totals --------------------------------------------------------------------------
     @property
@@ -217,103 +228,122 @@ class FlopCounter(TorchDispatchMode):
     def bwd_flops(self) -> int:
         return self.outside[1] + sum(s.own_bwd_flops for s in self.stats.values())
 
-    # ----- operators -----------------------------------------------------------------------
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        try:
-            entry = self._formula_of[id(func)]
-        except KeyError:
-            entry = self._formula_of[id(func)] = _formula_entry(func)
-        if entry is not None and not self._ignoring:
-            self._add(entry[1], entry[0](*args, **kwargs, out_val=out))
-        return out
+    # ----- module hooks (in the step: as little as possible) -------------------------------
+    @staticmethod
+    def _mark(name: str) -> None:
+        with _marker(name):
+            pass
 
-    def _add(self, op: str, flops: int) -> None:
-        backward = _in_backward()
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self.sync is not None:
+            self.sync()
+        self._mark(self._names[module][0])
+        self._starts.setdefault(module, []).append(time.perf_counter())
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.sync is not None:
+            self.sync()
+        if output is None and _STOP is not None and isinstance(sys.exc_info()[1], _STOP):
+            self._mark(_MARK + "stop")  # an always_call hook runs inside the forward's ``except``
+        self._mark(self._names[module][1])
+        s = self.stats[module]
+        s.fwd_duration += time.perf_counter() - self._starts[module].pop()
+        s.calls += 1
+
+    # ----- after the step --------------------------------------------------------------------
+    def _replay(self, events: Iterable[Any]) -> None:
+        """Walk the record in the order operators began, following the modules' markers, and
+        count each outermost counted operator where it ran."""
+        f = self._followed
+        here = self._context(f.forward)  # the context the modules in forward make
+        open_: dict[int, list[tuple[int, _Context | None]]] = {}  # thread -> (end, node context | None: an op)
+        latest: dict[int, int] = {}  # thread -> when its latest operator began
+        last: dict[int, tuple[str, int, _Context, bool, int]] = {}  # thread -> its latest count (..., end)
+        for e in sorted(events, key=lambda e: e.correlation_id()):
+            name, thread, begin = e.name(), e.start_thread_id(), e.start_ns()
+            mark = self._marks.get(name)
+            if mark is not None:
+                kind, module = mark
+                if kind == "stop":
+                    self._undo_unrun(last.pop(thread, None), latest.get(thread, 0))
+                elif kind == "pause" or kind == "resume":
+                    f.counting = kind == "resume"
+                else:
+                    if kind == "pre":
+                        f.forward.append(module)
+                    else:
+                        _remove_last(f.forward, module)
+                    here = self._context(f.forward)
+                continue
+            latest[thread] = begin
+            formula = FORMULAS.get(name)
+            node_begins = name.startswith(_BACKWARD_NODE)
+            seq = e.sequence_nr()
+            if formula is None and not node_begins and seq < 0:
+                continue
+            stack = open_.setdefault(thread, [])
+            while stack and stack[-1][0] <= begin:
+                stack.pop()
+            node = next((c for _, c in reversed(stack) if c is not None), None)
+            where = here if node is None else here.joined(node)
+            if node_begins:
+                stack.append((e.end_ns(), f.made.get((e.fwd_thread_id(), seq), _NOWHERE)))
+                continue
+            if seq >= 0:
+                f.made[(thread, seq)] = where
+            if formula is None or any(c is None for _, c in stack):
+                continue  # not counted, or inside a counted operator
+            end = e.end_ns()
+            stack.append((end, None))
+            if f.counting and not where.ignored:
+                op, flops, backward = name, formula(*_arguments(e)), node is not None
+                self._add(op, flops, where, backward)
+                last[thread] = (op, flops, where, backward, end)
+
+    def _undo_unrun(self, count: tuple[str, int, _Context, bool, int] | None, latest: int) -> None:
+        """A checkpoint's recomputation was stopped inside an operator. If it was the last counted
+        one (nothing began after it ended) and saves its inputs before it runs (a matmul, a
+        convolution: not an attention kernel, which saves its outputs last), it did not run."""
+        if count is not None and count[4] >= latest and count[0] not in ATTENTION_KERNELS:
+            op, flops, where, backward, _ = count
+            self._add(op, -flops, where, backward)
+
+    def _context(self, forward: list[torch.nn.Module]) -> _Context:
+        if not forward:
+            return _NOWHERE
+        ignored = bool(self.ignore) and any(isinstance(m, self.ignore) for m in forward)
+        return _Context(frozenset(forward), forward[-1], ignored)
+
+    def _add(self, name: str, flops: int, where: _Context, backward: bool) -> None:
+        op = name.replace("::", ".")
         self.ops[op] += flops
-        running = set(self._fwd) | set(self._bwd)
-        if not running:
+        if not self.ops[op]:
+            del self.ops[op]
+        if where.own is None:
             self.outside[backward] += flops
             return
-        for m in running:
+        for m in where.modules:
             s = self.stats[m]
             if backward:
                 s.bwd_flops += flops
             else:
                 s.fwd_flops += flops
-        own = self._own(running)
-        st = self.stats[own]
+        st = self.stats[where.own]
         st.ops[op] += flops
+        if not st.ops[op]:
+            del st.ops[op]
         if backward:
             st.own_bwd_flops += flops
         else:
             st.own_fwd_flops += flops
 
-    def _own(self, running: set[torch.nn.Module]) -> torch.nn.Module:
-        # The innermost running module: the forward entered last, else (backward) the deepest.
-        for m in reversed(self._innermost):
-            if m in running:
-                return m
-        return max(running, key=lambda m: self._depth.get(m, 0))
 
-    # ----- module hooks --------------------------------------------------------------------
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        self._fwd[module] += 1
-        self._innermost.append(module)
-        if isinstance(module, self.ignore):
-            self._ignoring += 1
-        if self.sync is not None:
-            self.sync()
-        self._starts.setdefault(module, []).append(time.perf_counter())
-        inputs = _grad_tensors(args)
-        if inputs and torch.is_grad_enabled():
-            self._grad_hooks.append(register_multi_grad_hook(inputs, lambda _g, m=module: self._bwd_end(m)))
-
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.sync is not None:
-            self.sync()
-        s = self.stats[module]
-        s.fwd_duration += time.perf_counter() - self._starts[module].pop()
-        s.calls += 1
-        if isinstance(module, self.ignore):
-            self._ignoring -= 1
-        _remove_last(self._innermost, module)
-        self._fwd[module] -= 1
-        if not self._fwd[module]:
-            del self._fwd[module]
-        if torch.is_grad_enabled():
-            # On the outputs' nodes, not the tensors: a tensor hook on the tensor backward starts
-            # from (the loss the model returns) never fires.
-            nodes = {t.grad_fn for t in _grad_tensors(output) if t.grad_fn is not None}
-            for node in nodes:
-                self._grad_hooks.append(node.register_prehook(lambda _g, m=module: self._bwd_begin(m)))
-
-    def _bwd_begin(self, module: torch.nn.Module) -> None:
-        self._bwd[module] += 1
-        task = torch._C._current_graph_task_id()
-        if task not in self._bwd_by_task:
-            # At the graph task's end: modules whose inputs need no gradient never end otherwise.
-            # Per task: reentrant checkpointing runs a nested backward inside the outer one.
-            self._bwd_by_task[task] = []
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._bwd_done(task))
-        self._bwd_by_task[task].append(module)
-
-    def _bwd_end(self, module: torch.nn.Module) -> None:
-        if self._bwd[module] > 0:
-            self._bwd[module] -= 1
-        if not self._bwd[module]:
-            del self._bwd[module]
-
-    def _bwd_done(self, task: int) -> None:
-        for module in self._bwd_by_task.pop(task, ()):
-            self._bwd_end(module)
-
-
-def _formula_entry(func: Any) -> tuple[Callable[..., int], str] | None:
-    packet = func.overloadpacket
-    formula = FORMULAS.get(packet)
-    return None if formula is None else (formula, str(packet))
+def _arguments(e: Any) -> list[Any]:
+    """A recorded operator's arguments: a tensor's shape, a scalar's value, None for None."""
+    shapes = e.shapes()
+    values = e.concrete_inputs() or [None] * len(shapes)  # none when torch records no values
+    return [value if value is not None else (None if dtype == "" else shape)
+            for shape, dtype, value in zip(shapes, e.dtypes(), values, strict=True)]
 
 
 def _remove_last(stack: list, item: Any) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from dslaunch.profiling.flops_profiler.counter import warm_up
-from dslaunch.profiling.flops_profiler.mfu import peak_flops, throughput
+from dslaunch.profiling.flops_profiler.mfu import log, peak_flops, throughput
 from dslaunch.profiling.flops_profiler.profiler import FlopsProfiler
 from dslaunch.profiling.flops_profiler.report import StepTiming, number_to_string
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
@@ -57,7 +57,7 @@ class FlopsProfilerObserver(Observer):
         self.done = False
         self._step_flops: int | None = None
         self._sync = torch.cuda.synchronize if engine.device.type == "cuda" else None
-        # Paid here, not in the profiled step: the first Python dispatch's imports (seconds) and
+        # Paid here, not in the profiled step: the first torch profiler session's set-up (seconds) and
         # the CPU peak's measurement (~0.5 s, once per machine: cached).
         warm_up()
         self._peak = peak_flops(engine.device, engine.precision.model_dtype)
@@ -69,6 +69,9 @@ class FlopsProfilerObserver(Observer):
         if not self._profiling():
             return
         if self._first is None:
+            if torch.autograd._profiler_enabled():
+                self._skip()
+                return
             self._start()
         if name == "forward":
             self._micro += 1
@@ -95,6 +98,16 @@ class FlopsProfilerObserver(Observer):
         assert self.profiler.counter is not None
         self.profiler.counter.pause()  # counted only inside forward and backward
         self._input_hook = self.engine.module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+
+    def _skip(self) -> None:
+        # The counter records through torch's profiler, one per process: a user's torch.profiler
+        # running over this step wins, and the training goes on.
+        log.warning("dslaunch flops profiler: torch.profiler is running at step %d; the flops profiler "
+                    "records through it, so this step is not profiled (choose another profile_step)",
+                    self.engine.global_steps)
+        self.done = True
+        if self.engine.mp_world_size > 1:
+            self._model_sums(0, 0)  # the ranks that profile sum over the model-parallel group: take part
 
     def _count_tokens(self, module: Any, args: Any, kwargs: Any) -> None:
         n = tokens_in(args, kwargs)

@@ -3,7 +3,8 @@
 ``FlopsProfiler(model)``: ``start_profile()``, run the model (forward, and backward too: it is
 counted, not assumed), ``stop_profile()``, read ``get_total_flops/macs/params/duration()`` or
 ``print_model_profile()``, ``end_profile()``. ``get_model_profile(model, input_shape=...)`` does
-that around one forward. Counting is ``counter.FlopCounter``'s (aten operators, module hooks).
+that around one forward. Counting is ``counter.FlopCounter``'s (aten operators recorded by
+torch's profiler, module hooks; counted at ``stop_profile``).
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ class FlopsProfiler:
 
     # ----- results ---------------------------------------------------------------------------
     def profile(self) -> Profile:
-        """The counts so far as a ``Profile`` (the tables' input); built once after a stop (the
-        engine's profiled step reads it for the timing, the tables and ``last``)."""
+        """The counts as a ``Profile`` (the tables' input): what was counted up to the last
+        ``stop_profile`` (the counting happens there); built once after a stop (the engine's
+        profiled step reads it for the timing, the tables and ``last``)."""
         if self._stopped is not None and not self.started:
             return self._stopped
         c = self._counted()
@@ -157,6 +159,8 @@ class FlopsProfiler:
         if self.counter is None:
             raise UsageError("FlopsProfiler: nothing counted yet; call start_profile(), run the model, then "
                              "stop_profile() before reading the counts")
+        if self.started:
+            self.counter.flush()  # read while started (DeepSpeed's example): what ran so far
         return self.counter
 
     def get_total_flops(self, as_string: bool = False) -> int | str:

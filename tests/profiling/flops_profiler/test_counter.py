@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dslaunch.errors import UsageError
 from dslaunch.profiling.flops_profiler import FlopsProfiler
 from tests.profiling.flops_profiler.gpt import GPT, analytic_step_flops, matmul_params
 
@@ -94,9 +95,10 @@ def test_convolutions_count_and_ignored_modules_do_not() -> None:
     assert prof.get_total_flops() == conv + 2 * 2 * 288 * 10
     prof.end_profile()
     prof.start_profile(ignore_list=[torch.nn.Conv2d])
-    model(x)
+    model(x.requires_grad_()).sum().backward()
     prof.stop_profile()
-    assert prof.get_total_flops() == 2 * 2 * 288 * 10
+    # the Linear's forward and backward (input and weight gradients); not the convolution's backward
+    assert prof.get_total_flops() == 3 * 2 * 2 * 288 * 10
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -110,3 +112,43 @@ def test_a_compiled_model_counts_as_the_eager_one(backend: str) -> None:
     except Exception as err:  # inductor needs a C compiler
         pytest.skip(f"torch.compile({backend}) unavailable here: {type(err).__name__}")
     assert _step(model).get_total_flops() == eager
+
+
+class _Attend(torch.nn.Module):
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+class _CheckpointedAttention(torch.nn.Module):
+    """Only the attention kernel checkpointed: its recomputation ends on the kernel's own outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attend = _Attend()
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.attend, q, use_reentrant=False)
+
+
+def test_a_recomputation_stopped_by_the_checkpoint_counts_what_ran() -> None:
+    # torch's non-reentrant checkpoint ends a recomputation by raising while the last tensor
+    # backward needs is saved: by the attention kernel after it ran (counted), by a matmul before.
+    q = torch.randn(2, 2, 8, 4, requires_grad=True)
+    model = torch.nn.Sequential(_CheckpointedAttention())
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(q).sum().backward()
+    prof.stop_profile()
+    fwd = 2 * (2 * 2 * 8 * 8) * (4 + 4)
+    assert prof.profile().fwd_flops == fwd
+    assert prof.profile().bwd_flops == fwd + 2 * (2 * 2 * 8 * 8) * (3 * 4 + 2 * 4)  # recomputed, then backward
+
+
+def test_profiling_inside_torchs_profiler_is_a_one_line_error() -> None:
+    prof = FlopsProfiler(GPT(seq=T))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with pytest.raises(UsageError, match="torch's profiler is already running") as err:
+            prof.start_profile()
+    assert "\n" not in str(err.value)
+    prof.start_profile()  # once torch's profiler is done
+    prof.stop_profile()

@@ -117,3 +117,35 @@ def test_nothing_is_counted_before_profile_step_or_when_off(tmp_path) -> None:
     out = tmp_path / "flops.txt"
     assert run_world(_not_reached, 1, str(out)) == [[True, True, True]]
     assert not out.exists()
+
+
+def _under_torch_profiler(rank: int, world: int, out: str) -> list:
+    import logging
+
+    import torch
+
+    import dslaunch
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dslaunch.profiling").addHandler(handler)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": out}}
+    engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 1), config=cfg)
+    for step in range(3):
+        if step == 1:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+                engine.backward(engine(torch.randn(2, 4)).sum())
+                engine.step()
+        else:
+            engine.backward(engine(torch.randn(2, 4)).sum())
+            engine.step()
+    return [engine.global_steps, engine.flops_profiler.last is None, seen]
+
+
+def test_a_step_under_torchs_profiler_is_skipped_with_one_line(tmp_path) -> None:
+    out = tmp_path / "flops.txt"
+    [[steps, nothing, seen]] = run_world(_under_torch_profiler, 1, str(out))
+    assert steps == 3 and nothing and not out.exists()  # trained on, nothing profiled
+    assert len(seen) == 1 and "torch.profiler is running at step 1" in seen[0] and "\n" not in seen[0]

@@ -56,6 +56,21 @@ def test_a_backward_while_profiling_is_measured_not_assumed(capsys) -> None:
     assert prof.last.rows[0].calls == 1
 
 
+def test_the_counts_read_while_started_are_what_ran_so_far() -> None:
+    # DeepSpeed's own example reads the totals between forward and backward, still started.
+    model = _mlp()
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    loss = model(torch.randn(5, 16)).sum()
+    assert prof.get_total_flops() == MLP_FWD
+    loss.backward()
+    prof.stop_profile()
+    bwd = 2 * 2 * 5 * 32 * 4 + 2 * 5 * 16 * 32  # as below: the first Linear's input needs no gradient
+    assert prof.get_total_flops() == MLP_FWD + bwd
+    rows = {r.name: r for r in prof.profile().rows}
+    assert rows["2"].bwd_flops == 2 * 2 * 5 * 32 * 4 and rows["0"].bwd_flops == 2 * 5 * 16 * 32  # still theirs
+
+
 def test_bad_arguments_are_one_line_errors() -> None:
     model = GPT()
     with pytest.raises(UsageError, match="mode='backward'.*'forward' or 'generate'"):
