@@ -64,6 +64,7 @@ class _CompressedMomentum:
         self.exchange, self.freeze_step, self.pg = exchange, freeze_step, process_group
         self.world_size = exchange.world_size
         self._momentum: dict[int, torch.Tensor] = {}  # group -> whole momentum (padded), compressed phase
+        self._masks: dict[int, torch.Tensor] = {}  # group -> where the frozen variance is below eps^2
         exchange.compressing = self.compressing
 
     def steps_taken(self) -> int:
@@ -76,6 +77,7 @@ class _CompressedMomentum:
 
     def _forget_momentum(self) -> None:
         self._momentum.clear()  # rebuilt from the loaded exp_avg shards at the next compressed step
+        self._masks.clear()
 
     @staticmethod
     def _grad_factor(optimizer: Any) -> float:
@@ -104,11 +106,10 @@ class _CompressedMomentum:
         return errors
 
     def _exchange_momentum(self, gi: int, state: dict, group: dict, factor: float,
-                           scaling: list[float] | None = None) -> torch.Tensor:
+                           scaling: list[float] | None = None) -> None:
         """Update the whole momentum with this rank's own gradient (times ``factor``), average it over
         the ranks 1-bit compressed (each original parameter's piece multiplied by its ``scaling`` while
-        compressed, if given), store this rank's shard in ``exp_avg``; returns the shard as the update
-        uses it (``_usable``)."""
+        compressed, if given), store this rank's shard in ``exp_avg`` (the update masks it: ``_usable``)."""
         lay = self.exchange.layouts[gi]
         numel, start, end = lay.numel, lay.start, lay.end
         beta1 = group["betas"][0]
@@ -125,7 +126,6 @@ class _CompressedMomentum:
                 torch._foreach_div_(pieces, scaling)
         state["exp_avg"].copy_(m[start:end])
         state["step"] = state["step"] + 1
-        return self._usable(state["exp_avg"], state, group)
 
     def _step_groups(self, closure: Any, plain: bool, update: Callable[..., None]) -> Any:
         """torch's AdamW step if ``plain``, else ``update(gi, group, state, master, grad factor)`` per group."""
@@ -197,7 +197,8 @@ class OneBitAdam(_CompressedMomentum, torch_optimizers.AdamW):
         return self._step_groups(closure, not self.compressing(), self._compressed_update)
 
     def _compressed_update(self, gi: int, group: dict, state: dict, p: torch.Tensor, factor: float) -> None:
-        m = self._exchange_momentum(gi, state, group, factor)
+        self._exchange_momentum(gi, state, group, factor)
+        m = self._usable(state["exp_avg"], state, group)
         bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
         lr = float(group["lr"])
         p.mul_(1.0 - lr * group["weight_decay"])
@@ -246,6 +247,12 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         super().load_state_dict(state_dict)
         self._forget_momentum()
 
+    def _frozen_mask(self, index: int, state: dict, group: dict) -> torch.Tensor:
+        """``_usable``'s mask, computed once: the variance no longer changes once compressing."""
+        if index not in self._masks:
+            self._masks[index] = state["exp_avg_sq"] < group["eps"] ** 2
+        return self._masks[index]
+
     def _layout(self, index: int, p: torch.Tensor) -> FlatLayout:
         return self.flat_layouts[index] or FlatLayout(((0, p.numel()),), 1)
 
@@ -258,14 +265,21 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         layout = self._layout(index, p)
         beta1, beta2 = group["betas"]
         previous = state["exp_avg"].clone()
-        m = self._exchange_momentum(index, state, group, self._inv_scale or 1.0, self._scaling(index, state))
-        fresh = state.setdefault("exp_avg_sq_fresh", state["exp_avg_sq"].clone())
-        # the averaged gradient the exchanged momentum implies
-        implied = state["exp_avg"].sub(previous, alpha=beta1).div_(1.0 - beta1)
+        self._exchange_momentum(index, state, group, self._inv_scale or 1.0, self._scaling(index, state))
+        if "exp_avg_sq_fresh" not in state:  # not setdefault: its default would be cloned every step
+            state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+        fresh = state["exp_avg_sq_fresh"]
+        # the averaged gradient the exchanged momentum implies (in previous's memory: one n-sized
+        # temporary less; so are the ratio and the update below)
+        implied = torch.sub(state["exp_avg"], previous, alpha=beta1, out=previous).div_(1.0 - beta1)
         fresh.mul_(beta2).addcmul_(implied, implied, value=1.0 - beta2)
+        del previous, implied
         denom = self._denominator(group, state["exp_avg_sq"])
-        update = m / denom
-        stats = self._segment_stats(index, layout, [denom.div_(self._denominator(group, fresh))], "amax")
+        fresh_denom = self._denominator(group, fresh)
+        stats = self._segment_stats(index, layout, [torch.div(denom, fresh_denom, out=fresh_denom)], "amax")
+        del fresh_denom
+        # masked after the division, in place (0 / denom is 0: the values of the masked momentum's)
+        update = torch.div(state["exp_avg"], denom, out=denom).masked_fill_(self._frozen_mask(index, state, group), 0.0)
         if group["weight_decay"] != 0.0:
             decayed = torch.add(update, p.view(-1), alpha=group["weight_decay"])
             sums = self._segment_stats(index, layout, [update, decayed], "sumsq")

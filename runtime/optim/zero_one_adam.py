@@ -16,16 +16,16 @@ from dslaunch.runtime.zero.exchange import CompressedExchange
 __all__ = ["ZeroOneAdam"]
 
 
-def _doubling_schedule(step: int, every: int, cap: int) -> tuple[int, int]:
-    """(interval at ``step``, step of the last event at or before it) for events whose interval
-    starts at 1 and doubles (up to ``cap``) after every ``every`` events; steps count from 1."""
-    interval, count, last, t = 1, 0, 0, 0
+def _doubling_schedule(step: int, every: int) -> tuple[int, int]:
+    """(how many events happened at steps <= ``step``, the step of the last one) for events whose
+    interval starts at 1 and doubles after every ``every`` events; steps count from 1."""
+    interval, count, t = 1, 0, 0
     while t + interval <= step:
         t += interval
-        last, count = t, count + 1
-        if count == every:
-            count, interval = 0, min(interval * 2, cap)
-    return interval, last
+        count += 1
+        if count % every == 0:
+            interval *= 2
+    return count, t
 
 
 class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
@@ -35,12 +35,16 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
 
     - Until ``var_freeze_step``: a variance step (the first ones, then every 2nd, 4th, ... step: the
       interval doubles after every ``var_update_scaler`` of them) all-reduces the gradient in fp32 and
-      is torch's AdamW step (bitwise); the steps between keep the variance and exchange the momentum
-      1-bit compressed (``OneBitAdam``'s compressed step).
+      updates both moments; the steps between average the gradient 1-bit compressed (error fed) into
+      the momentum and keep the variance (DeepSpeed's). The variance's bias correction counts its
+      updates, not the steps; while they are the same (the first ``var_update_scaler`` steps) a step
+      is torch's AdamW step (bitwise).
     - After it: each rank steps with its own gradient and no communication; every
-      ``local_step_interval`` steps (doubling after every ``local_step_scaler`` steps, at most
-      ``local_step_clipper``) the ranks average what they moved since the last synchronisation,
-      1-bit compressed, and restart from the average (momentum re-derived from it).
+      ``local_step_interval``-th local step (the interval doubling after every ``local_step_scaler``
+      local steps, at most ``local_step_clipper``) the ranks average the momenta they stepped with
+      since the last synchronisation (what they moved times the denominator), 1-bit compressed, and
+      restart from the last common weights moved by that average, with the momentum it implies. The
+      error feedback restarts at zero with this phase (it held gradients before), as DeepSpeed's does.
 
     The schedule is a function of the step count, so a checkpoint needs no counters.
 
@@ -61,38 +65,65 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
         exchange.compressing = lambda: not self._variance_step(self.steps_taken() + 1)
 
     def _variance_step(self, step: int) -> bool:
-        if step > self.freeze_step:
-            return False
-        return _doubling_schedule(step, self.var_update_scaler, 1 << 62)[1] == step
+        return step <= self.freeze_step and _doubling_schedule(step, self.var_update_scaler)[1] == step
 
     def _sync_step(self, step: int) -> bool:
+        """Whether local step ``step - var_freeze_step`` (from 1) ends with a synchronisation: every
+        ``interval``-th one, the interval doubling (up to the clipper) after every ``local_step_scaler``
+        local steps (DeepSpeed's counter counts steps, not synchronisations)."""
         local = step - self.freeze_step
-        return _doubling_schedule(local, self.local_step_scaler, self.local_step_clipper)[1] == local
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._forget_momentum()
+        interval = min(self.local_step_clipper, 1 << min((local - 1) // self.local_step_scaler, 62))
+        return local % interval == 0
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         step = self.steps_taken() + 1
-        return self._step_groups(closure, self._variance_step(step), self._sparse_update)
+        # torch's AdamW while every step so far updated the variance (its bias correction counts steps)
+        plain = _doubling_schedule(min(step, self.freeze_step), self.var_update_scaler)[0] == step
+        return self._step_groups(closure, plain, self._sparse_update)
 
     def _sparse_update(self, gi: int, group: dict, state: dict, p: torch.Tensor, factor: float) -> None:
         step = int(state["step"]) + 1
         beta1, beta2 = group["betas"]
-        last_var = _doubling_schedule(min(step, self.freeze_step), self.var_update_scaler, 1 << 62)[1]
-        bc1, bc2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**last_var)  # v as of its last update
-        denom = state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
         lr = float(group["lr"])
-        if step <= self.freeze_step:  # momentum exchanged 1-bit, variance kept
-            m = self._exchange_momentum(gi, state, group, factor)
+        if step <= self.freeze_step:
+            # a variance step has the gradient all-reduced in fp32; the others average it 1-bit
+            exact = self._variance_step(step)
+            g = p.grad.float() * factor if exact else self._exchange_gradient(gi, p, factor)
+            state["exp_avg"].mul_(beta1).add_(g, alpha=1.0 - beta1)
+            if exact:
+                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = self._denominator(group, state, step)
+        if step <= self.freeze_step:
+            state["step"] = state["step"] + 1
             p.mul_(1.0 - lr * group["weight_decay"])
-            p.addcdiv_(m, denom, value=-lr / bc1)
+            p.addcdiv_(self._usable(state["exp_avg"], state, group), denom, value=-lr / (1.0 - beta1**step))
             return
-        self._local_step(gi, group, state, p, denom, lr / bc1, factor)
+        if step == self.freeze_step + 1:  # what the errors hold is gradients, the exchange moves momenta now
+            for error in self.exchange.errors.get(gi, {}).values():
+                error.zero_()
+        self._local_step(gi, group, state, p, denom, lr / (1.0 - beta1**step), factor)
         if self._sync_step(step):
             self._synchronise(gi, group, state, p, denom)
+
+    def _denominator(self, group: dict, state: dict, step: int) -> torch.Tensor:
+        """Adam's ``sqrt(v / (1 - beta2^k)) + eps`` with k the variance's updates so far, not the steps
+        (torch's correction, by steps, would shrink the denominator ~sqrt(steps / updates)x)."""
+        updates = _doubling_schedule(min(step, self.freeze_step), self.var_update_scaler)[0]
+        bc2_sqrt = math.sqrt(1.0 - group["betas"][1] ** updates)
+        return state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
+
+    def _exchange_gradient(self, gi: int, p: torch.Tensor, factor: float) -> torch.Tensor:
+        """This rank's gradient (times ``factor``) averaged over the ranks 1-bit compressed, error fed
+        (DeepSpeed's 0/1 Adam; compressing the momentum, as 1-bit Adam does, would also compress the
+        part every rank already shares, ``beta1`` times the last momentum: more noise for no news)."""
+        lay = self.exchange.layouts[gi]
+        buf = torch.zeros(padded_numel(lay.numel, self.world_size), dtype=torch.float32, device=p.device)
+        buf[:lay.numel].copy_(self.exchange.local_gradient(gi)).mul_(factor)
+        if self.world_size > 1:
+            errors = self._errors(gi, buf.numel(), buf.device)
+            compressed_all_reduce(buf, errors["worker_error"], errors["server_error"], self.world_size, self.pg)
+        return buf[:lay.numel]
 
     def _local_step(self, gi: int, group: dict, state: dict, p: torch.Tensor, denom: torch.Tensor,
                     size: float, factor: float) -> None:
@@ -108,16 +139,19 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
         state["moved_lr"] = float(state.get("moved_lr", 0.0)) + size
 
     def _synchronise(self, gi: int, group: dict, state: dict, p: torch.Tensor, denom: torch.Tensor) -> None:
-        """Average what the ranks moved since the last common weights (1-bit, error feedback); every
-        rank restarts from there minus the average, with the momentum that average implies."""
+        """Average what the ranks moved since the last common weights, times the denominator (the
+        momenta they stepped with, weighted by their step sizes: 0/1 Adam's ``u``), 1-bit with error
+        feedback; every rank restarts from there, with the momentum that average implies. Compressed as
+        momenta, not moves: one scale for all elements suits momenta, whose sizes vary less."""
         anchor = state["anchor"]
         lay = self.exchange.layouts[gi]
         buf = torch.zeros(padded_numel(lay.numel, self.world_size), dtype=torch.float32, device=p.device)
-        torch.sub(anchor, p, out=buf[:lay.numel])
+        moved = buf[:lay.numel]
+        torch.sub(anchor, p, out=moved).mul_(denom)
         if self.world_size > 1:
             errors = self._errors(gi, buf.numel(), buf.device)
             compressed_all_reduce(buf, errors["worker_error"], errors["server_error"], self.world_size, self.pg)
-        averaged = self._usable(buf[:lay.numel], state, group)
-        p.copy_(anchor.sub_(averaged))  # the same bits on every rank
-        state["exp_avg"].copy_(averaged).mul_(denom).div_(state["moved_lr"])
+        averaged = self._usable(moved, state, group)
+        state["exp_avg"].copy_(averaged).div_(state["moved_lr"])
+        p.copy_(anchor.sub_(averaged.div_(denom)))  # the same bits on every rank
         state["moved_lr"] = 0.0

@@ -1,16 +1,23 @@
 """What the SSH and SLURM cluster fixtures share: loading a ``scripts/cluster`` script as a module,
 the job's processes on the namespace hosts (everything there but the hosts' daemons), and telling
-which daemon started one (all hosts share PIDs)."""
+which daemon started one (all hosts share PIDs); and, for tests that run ranks on the hosts directly
+(``netns_ranks.py``), the locked hosts and the ranks' JSON outputs."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -22,6 +29,29 @@ def load_script(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def locked_hosts(n: int) -> Iterator[tuple[ModuleType, ModuleType, list[dict]]]:
+    """Hosts 1..n of the namespace cluster (brought up if they are not), held under
+    ``/tmp/dslaunch-cluster.lock`` (the cluster is shared), with the ``cluster.py`` and
+    ``netns_ranks.py`` modules; skips the test where no cluster can exist."""
+    cluster = load_script("cluster")
+    why = cluster.missing_facilities()
+    if why and (os.geteuid() != 0 or "ip netns" in why):
+        pytest.skip(f"test cluster unavailable: {why}")
+    ranks = load_script("netns_ranks")
+    with open("/tmp/dslaunch-cluster.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield cluster, ranks, ranks.first_hosts(cluster, n)
+
+
+def rank_outputs(results: list) -> list[dict | None]:
+    """The last stdout line of every rank as JSON, None for a rank that printed nothing
+    (``netns_ranks.RankResult``s); fails the test with the first failed rank's stderr."""
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, f"rank {failed[0].rank} exited {failed[0].returncode}: {failed[0].stderr[-3000:]}"
+    return [json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else None for r in results]
 
 
 def namespace_processes(host: str, is_daemon: Callable[[int, str], bool]) -> list[str]:

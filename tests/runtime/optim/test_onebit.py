@@ -22,7 +22,7 @@ ONEBIT_LAMB = {"type": "OneBitLamb", "params": {"lr": 5e-2, "weight_decay": 0.01
 
 
 def _train_all(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
-    return [train(rank, world, cfg, STEPS, snapshots=(FREEZE, STEPS)) for cfg in cfgs]
+    return [train(rank, world, cfg, STEPS, snapshots=(FREEZE, 36, 38, STEPS)) for cfg in cfgs]
 
 
 def _assert_tracks(adam: dict, onebit: dict, what: str) -> None:
@@ -43,10 +43,12 @@ def test_onebit_adam_warmup_bitwise_then_adam_within_1pct_at_stages_0_1_2() -> N
     for i in range(1, len(cfgs)):  # the ranks agree
         np.testing.assert_array_equal(results[0][i]["weights"][STEPS], results[1][i]["weights"][STEPS])
     # ZeroOneAdam: its first 4 steps are variance steps (fp32 all-reduce, torch's AdamW: bitwise);
-    # then 1-bit steps, local steps from step 21 with a synchronisation every 1, 2, 4 steps (the
-    # last at 40: the ranks agree, checked above); ~5% above Adam here (README)
+    # then 1-bit steps, local steps from step 21 with a synchronisation at local steps 1-8, then
+    # every 2nd (to 36), then every 4th (40: the ranks agree, checked above; at 38 they do not)
     assert zero_one["losses"][:5] == adam["losses"][:5]
-    assert zero_one["held_out"] < 1.1 * adam["held_out"]
+    np.testing.assert_array_equal(results[0][-1]["weights"][36], results[1][-1]["weights"][36])
+    assert not np.array_equal(results[0][-1]["weights"][38], results[1][-1]["weights"][38])
+    assert abs(zero_one["held_out"] - adam["held_out"]) <= 0.01 * adam["held_out"], (zero_one["held_out"], adam["held_out"])
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
@@ -84,7 +86,7 @@ def _load_elsewhere_then_track(rank: int, world: int, save_dir: str) -> tuple[st
     except CheckpointError as exc:
         message = str(exc)
     engine.destroy()
-    cfgs = [config(ADAM), config(ONEBIT, 1), config(LAMB, 1), config(ONEBIT_LAMB, 1)]
+    cfgs = [config(ADAM), config(ONEBIT, 1), config(LAMB, 1), config(ONEBIT_LAMB, 1), config(ZERO_ONE)]
     return message, _train_all(rank, world, cfgs)
 
 
@@ -97,9 +99,13 @@ def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_
     for message, _ in results:
         assert "error-feedback state was saved at data-parallel world size 2, this run has 4" in message
         assert "\n" not in message
-    adam, onebit, lamb, onebit_lamb = results[0][1]
+    adam, onebit, lamb, onebit_lamb, zero_one = results[0][1]
     _assert_tracks(adam, onebit, "world 4, stage 1")
     _assert_tracks(lamb, onebit_lamb, "OneBitLamb, world 4, stage 1")
+    # 1.06% above Adam: the 1-bit averaged gradients between its variance steps (with them averaged
+    # exactly it ends 0.03% below; README, 1-bit optimizers)
+    assert abs(zero_one["held_out"] - adam["held_out"]) <= 0.015 * adam["held_out"], (zero_one["held_out"],
+                                                                                      adam["held_out"])
 
 
 @pytest.mark.parametrize(("change", "key", "text"), [
