@@ -15,12 +15,13 @@ their update, reading gradients through ``_unscaled`` (or handing ``_inv_scale``
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_NUMEL", "chunked", "chunked_rows", "unscaled", "ChunkedOptimizer"]
+__all__ = ["CHUNK_NUMEL", "chunked", "chunked_rows", "spans", "cuts", "offsets", "unscaled", "ChunkedOptimizer"]
 
 #: Elements per batch: 1 MiB per fp32 tensor, so the 3-5 tensors of a step fit in L2/L3.
 CHUNK_NUMEL = 1 << 18
@@ -65,6 +66,37 @@ def chunked_rows(tensor_lists: Sequence[Sequence[torch.Tensor]], chunk_numel: in
                 batch, rows, size = tuple([] for _ in tensor_lists), [], 0
     if rows:
         yield batch, rows
+
+
+def spans(numel: int, chunk_numel: int = CHUNK_NUMEL) -> Iterator[tuple[int, int]]:
+    """``[a, b)`` ranges of ``chunk_numel`` elements (the last one shorter) covering ``numel``.
+
+    Each starts at a multiple of ``chunk_numel`` (a multiple of any SIMD width), so an op run range
+    by range takes the same vectorised or scalar path per element as on the whole tensor: an
+    ``alpha``/``value`` op (fused multiply-add in torch's vector loop) gives the same bits.
+    """
+    return ((a, min(a + chunk_numel, numel)) for a in range(0, numel, chunk_numel))
+
+
+def offsets(lengths: Sequence[int]) -> list[int]:
+    """Cumulative offsets ``[0, l0, l0 + l1, ...]`` of consecutive rows of these lengths."""
+    out = [0]
+    for length in lengths:
+        out.append(out[-1] + length)
+    return out
+
+
+def cuts(bounds: Sequence[int], a: int, b: int) -> list[tuple[int, int, int]]:
+    """Where ``[a, b)`` meets the rows ``bounds`` (``offsets``) delimits: ``(row, lo, hi)`` with
+    ``lo``/``hi`` relative to ``a``; empty rows are left out."""
+    out = []
+    row = bisect.bisect_right(bounds, a) - 1
+    while row < len(bounds) - 1 and bounds[row] < b:
+        lo, hi = max(a, bounds[row]), min(b, bounds[row + 1])
+        if hi > lo:
+            out.append((row, lo - a, hi - a))
+        row += 1
+    return out
 
 
 def unscaled(grads: list[torch.Tensor], inv_scale: float | None) -> list[torch.Tensor]:

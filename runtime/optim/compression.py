@@ -87,14 +87,16 @@ def unpack_reference(rows: torch.Tensor, out: torch.Tensor, mean: bool) -> None:
         out.view(rows.shape[0], -1).copy_(signs).mul_(scales)
 
 
-def _error_fed_scale(x: torch.Tensor, error: torch.Tensor) -> float:
-    """``x += error``; the scale ``||x|| / sqrt(n)`` (torch's norm: the same on every path)."""
-    x.add_(error)
+def _error_fed_scale(x: torch.Tensor, error: torch.Tensor, fed: bool = False) -> float:
+    """``x += error`` (unless ``fed``: done already); the scale ``||x|| / sqrt(n)`` (torch's norm: the
+    same on every path)."""
+    if not fed:
+        x.add_(error)
     return float(torch.linalg.vector_norm(x).div_(x.numel() ** 0.5))
 
 
 def compressed_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                          world_size: int, group: Any = None) -> torch.Tensor:
+                          world_size: int, group: Any = None, error_fed: bool = False) -> torch.Tensor:
     """The average of ``x`` over the group, 1-bit compressed with error feedback, in place.
 
     Args:
@@ -102,6 +104,8 @@ def compressed_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_er
         worker_error: same size; this rank's compression error, updated.
         server_error: ``x.numel() // world_size``; this rank's server-side error, updated.
         world_size: the size of ``group``.
+        error_fed: ``x`` already holds ``x + worker_error`` (a caller that adds it in the pass that
+            makes ``x``, on cache-sized pieces).
 
     collective: all ranks of ``group``, same sizes.
     """
@@ -110,7 +114,7 @@ def compressed_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_er
     pack, unpack = kernels.get("onebit_pack", x.device), kernels.get("onebit_unpack", x.device)
     row_bytes = chunk // 8 + _SCALE_BYTES
     send = torch.empty(world_size, row_bytes, dtype=torch.uint8, device=x.device)
-    pack(x, worker_error, send, _error_fed_scale(x, worker_error))
+    pack(x, worker_error, send, _error_fed_scale(x, worker_error, error_fed))
     recv = torch.empty_like(send)
     wait_all((comm.all_to_all_single(recv, send, group=group, async_op=True),), "1-bit all_to_all")
     # server: average the decompressed chunks of all workers (each worker's scale times its signs),

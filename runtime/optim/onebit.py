@@ -42,6 +42,7 @@ from dslaunch import comm
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.optim import torch_optimizers
+from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, cuts, offsets, spans
 from dslaunch.runtime.optim.compression import compressed_all_reduce, padded_numel
 from dslaunch.runtime.optim.lamb import Lamb
 from dslaunch.runtime.zero.exchange import CompressedExchange
@@ -64,7 +65,6 @@ class _CompressedMomentum:
         self.exchange, self.freeze_step, self.pg = exchange, freeze_step, process_group
         self.world_size = exchange.world_size
         self._momentum: dict[int, torch.Tensor] = {}  # group -> whole momentum (padded), compressed phase
-        self._masks: dict[int, torch.Tensor] = {}  # group -> where the frozen variance is below eps^2
         exchange.compressing = self.compressing
 
     def steps_taken(self) -> int:
@@ -77,7 +77,6 @@ class _CompressedMomentum:
 
     def _forget_momentum(self) -> None:
         self._momentum.clear()  # rebuilt from the loaded exp_avg shards at the next compressed step
-        self._masks.clear()
 
     @staticmethod
     def _grad_factor(optimizer: Any) -> float:
@@ -106,26 +105,40 @@ class _CompressedMomentum:
         return errors
 
     def _exchange_momentum(self, gi: int, state: dict, group: dict, factor: float,
-                           scaling: list[float] | None = None) -> None:
+                           scaling: list[float] | None = None, store: bool = True) -> torch.Tensor:
         """Update the whole momentum with this rank's own gradient (times ``factor``), average it over
         the ranks 1-bit compressed (each original parameter's piece multiplied by its ``scaling`` while
-        compressed, if given), store this rank's shard in ``exp_avg`` (the update masks it: ``_usable``)."""
+        compressed, if given) and return it; store this rank's shard in ``exp_avg`` if ``store`` (else
+        the caller does: it may want the previous one first; the update masks it: ``_usable``)."""
         lay = self.exchange.layouts[gi]
         numel, start, end = lay.numel, lay.start, lay.end
         beta1 = group["betas"][0]
         m = self._whole_momentum(gi, state["exp_avg"])
-        m[:numel].mul_(beta1).add_(self.exchange.local_gradient(gi).float(), alpha=(1.0 - beta1) * factor)
-        m[numel:].zero_()  # padding carries nothing (it would only blur the scale)
-        if self.world_size > 1:
-            errors = self._errors(gi, m.numel(), m.device)
-            pieces = list(m[:numel].split([math.prod(shape) for shape in lay.shapes]))
-            if scaling is not None:  # in place on views: no n-sized scaling tensor
-                torch._foreach_mul_(pieces, scaling)
-            compressed_all_reduce(m, errors["worker_error"], errors["server_error"], self.world_size, self.pg)
-            if scaling is not None:
-                torch._foreach_div_(pieces, scaling)
-        state["exp_avg"].copy_(m[start:end])
+        grad = self.exchange.local_gradient(gi).reshape(-1)
+        errors = self._errors(gi, m.numel(), m.device) if self.world_size > 1 else None
+        scales = scaling if errors is not None else None
+        sizes = [math.prod(shape) for shape in lay.shapes]
+        bounds = offsets(sizes)
+        # momentum, scaling (in place on views: no n-sized scaling tensor) and worker error feedback on
+        # one cache-sized piece at a time: each element sees the whole-tensor ops (bitwise the same)
+        for a, b in spans(numel):
+            piece = m[a:b].mul_(beta1).add_(grad[a:b].float(), alpha=(1.0 - beta1) * factor)
+            if scales is not None:
+                where = cuts(bounds, a, b)
+                torch._foreach_mul_([piece[lo:hi] for _, lo, hi in where], [scales[i] for i, _, _ in where])
+            if errors is not None:
+                piece.add_(errors["worker_error"][a:b])
+        padding = m[numel:].zero_()  # padding carries nothing (it would only blur the scale)
+        if errors is not None:
+            padding.add_(errors["worker_error"][numel:])
+            compressed_all_reduce(m, errors["worker_error"], errors["server_error"], self.world_size, self.pg,
+                                  error_fed=True)
+            if scales is not None:
+                torch._foreach_div_(list(m[:numel].split(sizes)), scales)
+        if store:
+            state["exp_avg"].copy_(m[start:end])
         state["step"] = state["step"] + 1
+        return m
 
     def _step_groups(self, closure: Any, plain: bool, update: Callable[..., None]) -> Any:
         """torch's AdamW step if ``plain``, else ``update(gi, group, state, master, grad factor)`` per group."""
@@ -247,12 +260,6 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         super().load_state_dict(state_dict)
         self._forget_momentum()
 
-    def _frozen_mask(self, index: int, state: dict, group: dict) -> torch.Tensor:
-        """``_usable``'s mask, computed once: the variance no longer changes once compressing."""
-        if index not in self._masks:
-            self._masks[index] = state["exp_avg_sq"] < group["eps"] ** 2
-        return self._masks[index]
-
     def _layout(self, index: int, p: torch.Tensor) -> FlatLayout:
         return self.flat_layouts[index] or FlatLayout(((0, p.numel()),), 1)
 
@@ -263,29 +270,15 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         (p,) = params
         state = self.state[p]
         layout = self._layout(index, p)
-        beta1, beta2 = group["betas"]
-        previous = state["exp_avg"].clone()
-        self._exchange_momentum(index, state, group, self._inv_scale or 1.0, self._scaling(index, state))
+        lay = self.exchange.layouts[index]
+        m = self._exchange_momentum(index, state, group, self._inv_scale or 1.0, self._scaling(index, state),
+                                    store=False)
         if "exp_avg_sq_fresh" not in state:  # not setdefault: its default would be cloned every step
             state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
-        fresh = state["exp_avg_sq_fresh"]
-        # the averaged gradient the exchanged momentum implies (in previous's memory: one n-sized
-        # temporary less; so are the ratio and the update below)
-        implied = torch.sub(state["exp_avg"], previous, alpha=beta1, out=previous).div_(1.0 - beta1)
-        fresh.mul_(beta2).addcmul_(implied, implied, value=1.0 - beta2)
-        del previous, implied
-        denom = self._denominator(group, state["exp_avg_sq"])
-        fresh_denom = self._denominator(group, fresh)
-        stats = self._segment_stats(index, layout, [torch.div(denom, fresh_denom, out=fresh_denom)], "amax")
-        del fresh_denom
-        # masked after the division, in place (0 / denom is 0: the values of the masked momentum's)
-        update = torch.div(state["exp_avg"], denom, out=denom).masked_fill_(self._frozen_mask(index, state, group), 0.0)
+        stats = self._moments_and_stats(index, group, layout, state, m[lay.start:lay.end], p.view(-1))
         if group["weight_decay"] != 0.0:
-            decayed = torch.add(update, p.view(-1), alpha=group["weight_decay"])
-            sums = self._segment_stats(index, layout, [update, decayed], "sumsq")
-            share = (sums[0] / sums[1]).sqrt().clamp_(max=1.0).nan_to_num_(1.0)
+            share = (stats[1] / stats[2]).sqrt().clamp_(max=1.0).nan_to_num_(1.0)
             stats[0] = stats[0] * share + (1.0 - share)
-            update = decayed
         factor = stats[0].clamp_(self.factor_min, self.factor_max)
         last = state.setdefault("last_factor", torch.ones_like(factor))
         factor = torch.minimum(torch.maximum(factor, last * (1.0 - self.factor_threshold)),
@@ -295,9 +288,67 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         # scale of its update, so its step keeps growing with sqrt(1 - beta2^t) while the variance
         # warms up; frozen (as OneBitAdam's, whose update does use the variance) it lagged ~2x at 40 steps
         size = self._step_size(group, int(state["step"]))
-        scales = (self._averaged_ratios(state) * factor * -size).tolist()
-        for (pid, _), weight, piece in zip(layout.segments, *self._pieces(layout, ([p], [update])), strict=True):
-            weight.add_(piece, alpha=scales[pid])
+        self._apply(group, layout, state, p.view(-1), (self._averaged_ratios(state) * factor * -size).tolist())
+
+    def _moments_and_stats(self, index: int, group: dict[str, Any], layout: FlatLayout, state: dict,
+                           new: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The compressed step's first pass, on cache-sized pieces (no n-sized temporaries): the fresh
+        variance from the averaged gradient the exchanged momentum ``new`` implies, ``exp_avg`` = ``new``,
+        and per original parameter over all ranks (float64, rows): the max of denominator / fresh
+        denominator and, with weight decay, the sums of squares of the update and the decayed update."""
+        beta1, beta2 = group["betas"]
+        decay = group["weight_decay"]
+        old, v, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+        bounds = offsets([length for _, length in layout.segments])
+        pids = [pid for pid, _ in layout.segments]
+        out = torch.zeros(3 if decay != 0.0 else 1, layout.num_params, dtype=torch.float64)
+        buf1, buf2 = torch.empty(2, min(CHUNK_NUMEL, new.numel()), dtype=new.dtype, device=new.device)
+        for a, b in spans(new.numel()):
+            t1, t2 = buf1[:b - a], buf2[:b - a]
+            implied = torch.sub(new[a:b], old[a:b], alpha=beta1, out=t1).div_(1.0 - beta1)
+            fresh[a:b].mul_(beta2).addcmul_(implied, implied, value=1.0 - beta2)
+            old[a:b].copy_(new[a:b])
+            denom = self._denominator(group, v[a:b], t1)
+            ratio = torch.div(denom, self._denominator(group, fresh[a:b], t2), out=t2)
+            where = cuts(bounds, a, b)
+            ids = torch.tensor([pids[row] for row, _, _ in where], dtype=torch.long)
+            maxima = torch.stack(torch._foreach_max([ratio[lo:hi] for _, lo, hi in where])).double()
+            out[0].index_reduce_(0, ids, maxima, "amax", include_self=True)
+            if decay != 0.0:
+                update = self._masked_update(group, new[a:b], v[a:b], denom)
+                decayed = torch.add(update, weights[a:b], alpha=decay, out=t2)
+                for row, t in ((1, update), (2, decayed)):
+                    norms = torch._foreach_norm([t[lo:hi] for _, lo, hi in where])
+                    out[row].index_add_(0, ids, torch.stack(norms).double().square())
+        lay = self.exchange.layouts[index]
+        if self.world_size > 1 and (lay.start, lay.end) != (0, lay.numel):  # sharded: parameters span ranks
+            handles = [comm.all_reduce(out[:1], op=comm.ReduceOp.MAX, group=self.pg, async_op=True)]
+            if decay != 0.0:
+                handles.append(comm.all_reduce(out[1:], op=comm.ReduceOp.SUM, group=self.pg, async_op=True))
+            wait_all(tuple(handles), "1-bit LAMB statistics")
+        return out
+
+    def _apply(self, group: dict[str, Any], layout: FlatLayout, state: dict, weights: torch.Tensor,
+               scales: list[float]) -> None:
+        """The second pass: each original parameter's piece of ``weights`` moves by its scale times the
+        (masked, decayed) update, recomputed on cache-sized pieces (cheaper than keeping it n-sized).
+        Pieces start at multiples of ``CHUNK_NUMEL`` within each parameter, as ``spans`` requires."""
+        m, v, decay = state["exp_avg"], state["exp_avg_sq"], group["weight_decay"]
+        buf1, buf2 = torch.empty(2, min(CHUNK_NUMEL, m.numel()), dtype=m.dtype, device=m.device)
+        bounds = offsets([length for _, length in layout.segments])
+        for (pid, length), start in zip(layout.segments, bounds[:-1], strict=True):
+            for a, b in spans(length):
+                a, b = start + a, start + b
+                update = self._masked_update(group, m[a:b], v[a:b], self._denominator(group, v[a:b], buf1[:b - a]))
+                if decay != 0.0:
+                    update = torch.add(update, weights[a:b], alpha=decay, out=buf2[:b - a])
+                weights[a:b].add_(update, alpha=scales[pid])
+
+    @staticmethod
+    def _masked_update(group: dict[str, Any], m: torch.Tensor, v: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+        """m / ``denom`` (v's denominator, overwritten), zero where the frozen variance is below eps^2
+        (``_usable``'s mask, applied after the division: 0 / d is the masked momentum's value)."""
+        return torch.div(m, denom, out=denom).masked_fill_(v < group["eps"] ** 2, 0.0)
 
     def _scaling(self, index: int, state: dict) -> list[float]:
         """Per original parameter, its momentum scaling (DeepSpeed's ``scaling_coeff``): the mean of
@@ -312,28 +363,10 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         return state["scaling_coeff"].tolist()
 
     @staticmethod
-    def _denominator(group: dict[str, Any], v: torch.Tensor) -> torch.Tensor:
-        return v.add(group["eps"]).sqrt_() if group["eps_inside_sqrt"] else v.sqrt().add_(group["eps"])
-
-    def _segment_stats(self, index: int, layout: FlatLayout, values: list[torch.Tensor], how: str) -> torch.Tensor:
-        """Per original parameter (rows: ``values``), ``how`` ("sumsq": the sum of squares, or "amax") over
-        its elements on all ranks (each piece reduced in place: no n-sized float64 copies)."""
-        ids = torch.tensor([pid for pid, _ in layout.segments], dtype=torch.long)
-        lengths = [length for _, length in layout.segments]
-        out = torch.zeros(len(values), layout.num_params, dtype=torch.float64)
-        for row, v in zip(out, values, strict=True):
-            pieces = torch.stack([piece.amax() if how == "amax" else torch.linalg.vector_norm(piece).square()
-                                  for piece in v.split(lengths)]).double() if lengths else out[0, :0]
-            if how == "amax":
-                row.index_reduce_(0, ids, pieces, "amax", include_self=True)
-            else:
-                row.index_add_(0, ids, pieces)
-        lay = self.exchange.layouts[index]
-        numel, start, end = lay.numel, lay.start, lay.end
-        if self.world_size > 1 and (start, end) != (0, numel):  # sharded: parameters span ranks
-            op = comm.ReduceOp.MAX if how == "amax" else comm.ReduceOp.SUM
-            wait_all((comm.all_reduce(out, op=op, group=self.pg, async_op=True),), "1-bit LAMB statistics")
-        return out
+    def _denominator(group: dict[str, Any], v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if group["eps_inside_sqrt"]:
+            return torch.add(v, group["eps"], out=out).sqrt_()
+        return torch.sqrt(v, out=out).add_(group["eps"])
 
     def _trust_ratios(self, group: dict[str, Any], layout: FlatLayout | None, sq: torch.Tensor) -> list[float]:
         w_norms, u_norms = self._full_norms(layout, sq)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, chunked
+from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, chunked, cuts, offsets, spans
 from dslaunch.runtime.optim.registry import build_optimizer, validate_optimizer
 
 
@@ -91,3 +91,11 @@ def test_chunked_rows_names_the_source_tensor_of_every_view() -> None:
             assert bool((view == float(row)).all())
             seen.append((row, view.numel()))
     assert [sum(n for r, n in seen if r == row) for row in range(3)] == [10, 3, 20]
+
+
+def test_spans_start_at_multiples_and_cuts_meet_every_row_once() -> None:
+    assert list(spans(20, 8)) == [(0, 8), (8, 16), (16, 20)]
+    bounds = offsets([5, 0, 7, 8])  # rows 0..3, row 1 empty
+    assert bounds == [0, 5, 5, 12, 20]
+    met = [(a, cuts(bounds, a, b)) for a, b in spans(20, 8)]
+    assert met == [(0, [(0, 0, 5), (2, 5, 8)]), (8, [(2, 0, 4), (3, 4, 8)]), (16, [(3, 0, 4)])]
