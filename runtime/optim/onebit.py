@@ -258,7 +258,18 @@ class OneBitLamb(_CompressedMomentum, Lamb):
                                   f"{saved.pop()}, this run has {self.world_size}: they are per rank; resume "
                                   "at the same world size, or load with load_optimizer_states=False")
         super().load_state_dict(state_dict)
+        self._restore_float64(state_dict)
         self._forget_momentum()
+
+    def _restore_float64(self, state_dict: dict) -> None:
+        """torch's load casts floating state to its parameter's dtype; the trust ratios' averages
+        are float64 (a resume would round them to fp32 and step differently)."""
+        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(saved_ids, params, strict=True):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if torch.is_tensor(value) and value.dtype == torch.float64:
+                    self.state[p][key] = value.to(self.state[p][key].device, copy=True)
 
     def _layout(self, index: int, p: torch.Tensor) -> FlatLayout:
         return self.flat_layouts[index] or FlatLayout(((0, p.numel()),), 1)
@@ -313,7 +324,7 @@ class OneBitLamb(_CompressedMomentum, Lamb):
             where = cuts(bounds, a, b)
             ids = torch.tensor([pids[row] for row, _, _ in where], dtype=torch.long)
             maxima = torch.stack(torch._foreach_max([ratio[lo:hi] for _, lo, hi in where])).double()
-            out[0].index_reduce_(0, ids, maxima, "amax", include_self=True)
+            out[0, ids] = torch.maximum(out[0, ids], maxima)  # a parameter has one piece per span
             if decay != 0.0:
                 update = self._masked_update(group, new[a:b], v[a:b], denom)
                 decayed = torch.add(update, weights[a:b], alpha=decay, out=t2)
