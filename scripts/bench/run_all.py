@@ -21,11 +21,9 @@ RESULTS = HERE / "results"
 REPORT = HERE.parent.parent / "BENCHMARKS.md"
 
 
-def _benches(names: list[str]) -> list[Path]:
-    found = sorted(HERE.glob("*_bench.py"))
-    if not names:
-        return found
-    return [p for p in found if p.stem in names or p.stem.removesuffix("_bench") in names]
+def _benches() -> dict[str, Path]:
+    """Every benchmark by its short name (``zero3`` for ``zero3_bench.py``), in name order."""
+    return {p.stem.removesuffix("_bench"): p for p in sorted(HERE.glob("*_bench.py"))}
 
 
 def _run(bench: Path) -> bool:
@@ -43,13 +41,13 @@ def changed_tables(before: dict[Path, int], after: dict[Path, int]) -> list[str]
 
 
 def main(argv: list[str]) -> int:
-    known = {p.stem for p in _benches([])} | {p.stem.removesuffix("_bench") for p in _benches([])}
-    if unknown := [name for name in argv if name not in known]:
-        print(f"run_all: no benchmark named {', '.join(unknown)}; valid: "
-              f"{', '.join(sorted(p.stem.removesuffix('_bench') for p in _benches([])))}", file=sys.stderr)
+    benches = _benches()
+    names = [name.removesuffix("_bench") for name in argv]  # ``zero3`` or ``zero3_bench``
+    if unknown := [arg for arg, name in zip(argv, names, strict=True) if name not in benches]:
+        print(f"run_all: no benchmark named {', '.join(unknown)}; valid: {', '.join(benches)}", file=sys.stderr)
         return 2
     before = _tables()
-    failed = [b.name for b in _benches(argv) if not _run(b)]
+    failed = [benches[n].name for n in (names or benches) if not _run(benches[n])]
     changed = changed_tables(before, _tables())
     if changed:
         print(f"new results in {RESULTS}: {', '.join(changed)}; "
