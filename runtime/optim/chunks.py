@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_NUMEL", "chunked", "chunked_rows", "spans", "cuts", "offsets", "unscaled", "ChunkedOptimizer"]
+__all__ = ["CHUNK_NUMEL", "chunked", "chunked_rows", "spans", "cuts", "unscaled", "ChunkedOptimizer"]
 
 #: Elements per batch: 1 MiB per fp32 tensor, so the 3-5 tensors of a step fit in L2/L3.
 CHUNK_NUMEL = 1 << 18
@@ -78,16 +78,8 @@ def spans(numel: int, chunk_numel: int = CHUNK_NUMEL) -> Iterator[tuple[int, int
     return ((a, min(a + chunk_numel, numel)) for a in range(0, numel, chunk_numel))
 
 
-def offsets(lengths: Sequence[int]) -> list[int]:
-    """Cumulative offsets ``[0, l0, l0 + l1, ...]`` of consecutive rows of these lengths."""
-    out = [0]
-    for length in lengths:
-        out.append(out[-1] + length)
-    return out
-
-
 def cuts(bounds: Sequence[int], a: int, b: int) -> list[tuple[int, int, int]]:
-    """Where ``[a, b)`` meets the rows ``bounds`` (``offsets``) delimits: ``(row, lo, hi)`` with
+    """Where ``[a, b)`` meets the rows ``bounds`` (``FlatLayout.bounds``) delimits: ``(row, lo, hi)`` with
     ``lo``/``hi`` relative to ``a``; empty rows are left out."""
     out = []
     row = bisect.bisect_right(bounds, a) - 1

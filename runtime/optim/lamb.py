@@ -31,6 +31,7 @@ Limitations: dense gradients only; no amsgrad (DeepSpeed rejects it as well). Wi
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -131,13 +132,10 @@ class Lamb(ChunkedOptimizer):
         """Split each list's single flat tensor into the views of the layout's segments."""
         if len(rows[0]) != 1:
             raise ValueError("a Lamb param group with a FlatLayout must hold exactly one flat tensor")
-        bounds, offset = [], 0
-        for _, length in layout.segments:
-            bounds.append((offset, offset + length))
-            offset += length
-        if offset != rows[0][0].numel():
-            raise ValueError(f"Lamb FlatLayout covers {offset} elements, the tensor has {rows[0][0].numel()}")
-        return tuple([t[0].view(-1)[a:b] for a, b in bounds] for t in rows)
+        bounds = layout.bounds
+        if bounds[-1] != rows[0][0].numel():
+            raise ValueError(f"Lamb FlatLayout covers {bounds[-1]} elements, the tensor has {rows[0][0].numel()}")
+        return tuple([t[0].view(-1)[a:b] for a, b in itertools.pairwise(bounds)] for t in rows)
 
     def _trust_ratios(self, group: dict[str, Any], layout: FlatLayout | None, sq: torch.Tensor) -> list[float]:
         """Clamped ||w|| / ||u|| per row from the squared norms ``sq`` (2 x rows)."""

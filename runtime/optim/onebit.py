@@ -42,7 +42,7 @@ from dslaunch import comm
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.optim import torch_optimizers
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, cuts, offsets, spans
+from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, cuts, spans
 from dslaunch.runtime.optim.compression import compressed_all_reduce, padded_numel
 from dslaunch.runtime.optim.lamb import Lamb
 from dslaunch.runtime.zero.exchange import CompressedExchange
@@ -118,7 +118,7 @@ class _CompressedMomentum:
         errors = self._errors(gi, m.numel(), m.device) if self.world_size > 1 else None
         scales = scaling if errors is not None else None
         sizes = [math.prod(shape) for shape in lay.shapes]
-        bounds = offsets(sizes)
+        bounds = [*lay.offsets, numel]
         # momentum, scaling (in place on views: no n-sized scaling tensor) and worker error feedback on
         # one cache-sized piece at a time: each element sees the whole-tensor ops (bitwise the same)
         for a, b in spans(numel):
@@ -310,7 +310,7 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         beta1, beta2 = group["betas"]
         decay = group["weight_decay"]
         old, v, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
-        bounds = offsets([length for _, length in layout.segments])
+        bounds = layout.bounds
         pids = [pid for pid, _ in layout.segments]
         out = torch.zeros(3 if decay != 0.0 else 1, layout.num_params, dtype=torch.float64)
         buf1, buf2 = torch.empty(2, min(CHUNK_NUMEL, new.numel()), dtype=new.dtype, device=new.device)
@@ -346,7 +346,7 @@ class OneBitLamb(_CompressedMomentum, Lamb):
         Pieces start at multiples of ``CHUNK_NUMEL`` within each parameter, as ``spans`` requires."""
         m, v, decay = state["exp_avg"], state["exp_avg_sq"], group["weight_decay"]
         buf1, buf2 = torch.empty(2, min(CHUNK_NUMEL, m.numel()), dtype=m.dtype, device=m.device)
-        bounds = offsets([length for _, length in layout.segments])
+        bounds = layout.bounds
         for (pid, length), start in zip(layout.segments, bounds[:-1], strict=True):
             for a, b in spans(length):
                 a, b = start + a, start + b

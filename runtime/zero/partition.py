@@ -12,6 +12,7 @@ has a fixed slot of ``k`` elements; rank ``r`` owns ``partition_range(numel, wor
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,6 +97,12 @@ class FlatLayout:
                 segments.append((param_id, hi - lo))
             offset += numel
         return cls(tuple(segments), len(numels))
+
+    @property
+    def bounds(self) -> list[int]:
+        """Where each segment starts in the flat tensor, then where the last ends:
+        ``[0, l0, l0 + l1, ...]`` (segment ``i`` is ``[bounds[i], bounds[i + 1])``)."""
+        return [0, *itertools.accumulate(length for _, length in self.segments)]
 
 
 def plan_buckets(layout: GroupLayout, bucket_numel: int) -> list[tuple[int, int, tuple[int, ...]]]:

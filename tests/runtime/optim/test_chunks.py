@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, chunked, cuts, offsets, spans
+from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, chunked, cuts, spans
 from dslaunch.runtime.optim.registry import build_optimizer, validate_optimizer
+from dslaunch.runtime.zero.partition import FlatLayout
 
 
 def _build(opt_type, params, groups, **kwargs):
@@ -95,7 +96,7 @@ def test_chunked_rows_names_the_source_tensor_of_every_view() -> None:
 
 def test_spans_start_at_multiples_and_cuts_meet_every_row_once() -> None:
     assert list(spans(20, 8)) == [(0, 8), (8, 16), (16, 20)]
-    bounds = offsets([5, 0, 7, 8])  # rows 0..3, row 1 empty
+    bounds = FlatLayout(((0, 5), (1, 0), (2, 7), (3, 8)), 4).bounds  # rows 0..3, row 1 empty
     assert bounds == [0, 5, 5, 12, 20]
     met = [(a, cuts(bounds, a, b)) for a, b in spans(20, 8)]
     assert met == [(0, [(0, 0, 5), (2, 5, 8)]), (8, [(2, 0, 4), (3, 4, 8)]), (16, [(3, 0, 4)])]
