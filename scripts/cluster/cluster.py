@@ -46,6 +46,8 @@ BRIDGE = f"{PREFIX}br"
 SSH_PORTS = (22, 2222)
 SSHD = "/usr/sbin/sshd"
 DEFAULT_STATE_DIR = "/tmp/dslaunch-cluster"
+# A shaped link's token bucket: what it may send at once (>= one 64 KiB gloo/TCP segment)
+BURST_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,8 @@ class LinkShape:
         kernel module some kernels lack, this machine's among them)."""
         if self.delay:
             return ["netem", "delay", self.delay, *(["rate", self.rate] if self.rate else [])]
-        # burst: what the link may send at once (>= one 64 KiB gloo/TCP segment); latency: queue bound
-        return ["tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"] if self.rate else []
+        # latency: the queue's bound
+        return ["tbf", "rate", self.rate, "burst", str(BURST_BYTES), "latency", "50ms"] if self.rate else []
 
 
 def _shape_link(host: Host, shape: LinkShape) -> None:
