@@ -158,7 +158,9 @@ def _then(fn: Callable[[], Any], after: Callable[[], Any]) -> Callable[[], Any]:
 
 def _peer(ds_venv: str, pairs: int) -> dict:
     """DeepSpeed's side, in its venv: this script with ``--peer``; its last stdout line is JSON."""
-    env = {**os.environ, **ENV, "MASTER_PORT": "29632", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    from dslaunch.utils.ports import free_port  # here: the peer's venv has no dslaunch
+
+    env = {**os.environ, **ENV, "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([str(Path(ds_venv) / "bin" / "python"), __file__, "--peer", "--pairs", str(pairs)],
                           env=env, capture_output=True, text=True, timeout=540)
     if done.returncode != 0:
@@ -230,7 +232,9 @@ def main() -> None:
     if args.peer:
         _peer_main(args.pairs)
         return
-    os.environ.update(ENV, MASTER_PORT=os.environ.get("MASTER_PORT", "29631"))
+    from dslaunch.utils.ports import free_port
+
+    os.environ.update(ENV, MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     load0 = os.getloadavg()[0]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = {name: _ours(shape, args.pairs) for name, shape in SIZES.items()}
