@@ -1,13 +1,20 @@
-"""Suite-wide settings: one intra-op thread per process (2-core machines), bounded time, and a
-scratch working directory."""
+"""Suite-wide settings: one intra-op thread per process (2-core machines), bounded time, a
+scratch working directory, and Triton's interpreter where there is no GPU."""
 
 import os
 import shutil
 import tempfile
 
 import pytest
+import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# triton.language decorates its own helpers (tl.sum, tl.rand...) when first imported, reading
+# TRITON_INTERPRET then: any test module collected before tests/kernels/triton that imports triton
+# (torch.utils.flop_counter does) would leave them compiled-only and the interpreted kernels failing
+# with "Cannot call @triton.jit'd outside of the scope of a kernel". So it is set before collection.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
