@@ -18,7 +18,7 @@ from typing import Any
 from dslaunch.utils.ports import free_port
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest", "dslaunch.runtime.engine"])
 
 
 def preload(modules: list[str]) -> None:
