@@ -201,23 +201,29 @@ def _tx_bytes() -> int:
     return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
 
 
+def _retransmits() -> int:
+    """TCP segments this host (network namespace) sent again: a shaped link dropped packets."""
+    head, values = (ln.split() for ln in Path("/proc/net/snmp").read_text().splitlines() if ln.startswith("Tcp:"))
+    return int(values[head.index("RetransSegs")])
+
+
 def worker(name: str, warmup: int, steps: int) -> None:
-    """One rank on a cluster host: ``measure`` plus this host's outgoing link bytes."""
+    """One rank on a cluster host: ``measure`` plus this host's outgoing link bytes and retransmits."""
     import torch.distributed as dist
     from ranks import report
 
-    tx = [0]
+    link = [0, 0]
 
     def at_warmup() -> None:
         dist.barrier()
-        tx[0] = _tx_bytes()
+        link[:] = _tx_bytes(), _retransmits()
 
     def at_end() -> None:
-        dist.barrier()
-        tx[0] = _tx_bytes() - tx[0]  # every rank of a host reads the same counter
+        dist.barrier()  # every rank of a host reads the same counters
+        link[:] = _tx_bytes() - link[0], _retransmits() - link[1]
 
     values = measure(ROWS[name].config(warmup), warmup, steps, at_warmup, at_end)
-    report({**values, "local_rank": int(os.environ["LOCAL_RANK"]), "tx": tx[0]})
+    report({**values, "local_rank": int(os.environ["LOCAL_RANK"]), "tx": link[0], "retrans": link[1]})
 
 
 def run(name: str, hosts: list[dict], warmup: int, steps: int, timeout: float) -> dict:
@@ -234,7 +240,9 @@ def run(name: str, hosts: list[dict], warmup: int, steps: int, timeout: float) -
             "cross_node_bytes_per_step": sum(r["tx"] for r in per_rank if r["local_rank"] == 0) / steps,
             "sent_bytes_per_rank_step": sum(r["sent"] for r in per_rank) / len(per_rank),
             "payload_bytes_per_rank_step": sum(r["payload"] for r in per_rank) / len(per_rank),
-            "step_s": sum(per_rank[0]["step_s"]) / steps, "losses_rank0": per_rank[0]["losses"],
+            "step_s": sum(per_rank[0]["step_s"]) / steps, "step_s_rank0": per_rank[0]["step_s"],
+            "tcp_retransmits_per_step": sum(r["retrans"] for r in per_rank if r["local_rank"] == 0) / steps,
+            "losses_rank0": per_rank[0]["losses"],
             "ops_per_step_rank0": per_rank[0]["ops"]}
 
 
