@@ -59,8 +59,8 @@ LINK = {"optimizers": "200mbit", "zero": "1gbit"}  # each group's default: where
 # parameters re-gathered in backward: at most 10M whole at once (a model that does not fit whole)
 ZERO3 = (("stage", 3), ("stage3_max_reuse_distance", 0), ("stage3_max_live_parameters", 10_000_000),
          ("stage3_prefetch_bucket_size", 10_000_000))
-QWZ, QGZ, HPZ = ("zero_quantized_weights", True), ("zero_quantized_gradients", True), ("zero_hpz_partition_size",
-                                                                                     PER_HOST)
+QWZ, QGZ = ("zero_quantized_weights", True), ("zero_quantized_gradients", True)
+HPZ = ("zero_hpz_partition_size", PER_HOST)
 
 
 class Model(torch.nn.Module):
@@ -69,8 +69,9 @@ class Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, DIM)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(),
-                                                              torch.nn.Linear(HIDDEN, DIM)) for _ in range(LAYERS))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, DIM))
+            for _ in range(LAYERS))
         self.head = torch.nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,8 @@ class Model(torch.nn.Module):
 
 def optimizer(name: str, warmup: int) -> dict:
     """The ds_config ``optimizer`` section of ``name``; the 1-bit ones compress after ``warmup`` steps."""
-    params = {"Adam": {}, "Lamb": {}, "OneBitAdam": {"freeze_step": warmup}, "OneBitLamb": {"freeze_step": warmup},
+    params = {"Adam": {}, "Lamb": {}, "OneBitAdam": {"freeze_step": warmup},
+              "OneBitLamb": {"freeze_step": warmup},
               # variance frozen after the warm-up; the measured steps are local steps and 1-bit syncs
               "ZeroOneAdam": {"var_freeze_step": warmup, "var_update_scaler": 1, "local_step_scaler": 1,
                               "local_step_clipper": 2}}[name]
@@ -101,8 +103,9 @@ class Row:
     zero: tuple[tuple[str, object], ...] = ()
 
     def config(self, warmup: int) -> dict:
-        return {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10_000, "comms_logger": {"enabled": True},
-                "optimizer": optimizer(self.optimizer, warmup), "hierarchical_allreduce": self.hierarchical,
+        return {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10_000,
+                "comms_logger": {"enabled": True}, "optimizer": optimizer(self.optimizer, warmup),
+                "hierarchical_allreduce": self.hierarchical,
                 "zero_optimization": dict(self.zero) or {"stage": 0}}
 
 
@@ -184,8 +187,9 @@ def measure(cfg: dict, warmup: int, steps: int, at_warmup: Callable[[], None] = 
     at_end()
     params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     engine.destroy()
+    payload = sum(size * row["count"] for sizes in summary.values() for size, row in sizes.items())
     return {"step_s": times, "losses": losses, "params": params, "sent": sent / steps,
-            "payload": sum(size * row["count"] for sizes in summary.values() for size, row in sizes.items()) / steps,
+            "payload": payload / steps,
             "ops": {op: sum(r["count"] for r in sizes.values()) // steps for op, sizes in summary.items()}}
 
 
@@ -203,7 +207,8 @@ def _tx_bytes() -> int:
 
 def _retransmits() -> int:
     """TCP segments this host (network namespace) sent again: a shaped link dropped packets."""
-    head, values = (ln.split() for ln in Path("/proc/net/snmp").read_text().splitlines() if ln.startswith("Tcp:"))
+    lines = Path("/proc/net/snmp").read_text().splitlines()
+    head, values = (ln.split() for ln in lines if ln.startswith("Tcp:"))
     return int(values[head.index("RetransSegs")])
 
 
@@ -279,15 +284,17 @@ def markdown(result: dict) -> str:
     """The report: how each call ran, the table, and the issue's targets met or not."""
     rows = result["rows"]
     lines = [f"{result['hosts']} hosts x {result['ranks_per_host']} ranks of the namespace cluster, "
-             f"{rows[0]['params'] / 1e6:.1f}M params (fp32), {result['warmup']} warm-up and {result['steps']} "
-             "measured steps per row; links shaped per host (tc token bucket, both ways).", ""]
-    lines += [f"- call {c['call']}: {c['started']}, {c['seconds']:.0f} s, load average (1 min) {c['load'][0]:.2f} "
-              f"-> {c['load'][1]:.2f}" for c in result["calls"]]
-    lines += ["", "| call | link | row | baseline | sent / rank / step | vs baseline | cross-node / step | vs baseline "
-              "| step (s) | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{rows[0]['params'] / 1e6:.1f}M params (fp32), {result['warmup']} warm-up and "
+             f"{result['steps']} measured steps per row; links shaped per host (tc token bucket, "
+             "both ways).", ""]
+    lines += [f"- call {c['call']}: {c['started']}, {c['seconds']:.0f} s, load average (1 min) "
+              f"{c['load'][0]:.2f} -> {c['load'][1]:.2f}" for c in result["calls"]]
+    lines += ["", "| call | link | row | baseline | sent / rank / step | vs baseline | cross-node / step "
+              "| vs baseline | step (s) | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['call']} | {r['link']} | {r['name']} | {r['baseline'] or '-'} | "
               f"{r['sent_bytes_per_rank_step'] / 1e6:.2f} MB | {_cell(r['sent_vs_baseline'], '.3f')} | "
-              f"{r['cross_node_bytes_per_step'] / 1e6:.1f} MB | {_cell(r['cross_node_vs_baseline'], '.3f')} | "
+              f"{r['cross_node_bytes_per_step'] / 1e6:.1f} MB | "
+              f"{_cell(r['cross_node_vs_baseline'], '.3f')} | "
               f"{r['step_s']:.2f} | {_cell(r['speedup_vs_baseline'], '.2f')} |" for r in rows]
     return "\n".join(lines + ["", *targets(rows)]) + "\n"
 
@@ -351,19 +358,22 @@ def measure_on_cluster(names: list[str], link: str | None, warmup: int, steps: i
             cluster.down(state)
     call = {"call": 1, "started": started, "seconds": time.monotonic() - start,
             "load": [round(load0, 2), round(os.getloadavg()[0], 2)], "rows": names}
-    return {"hosts": 2, "ranks_per_host": PER_HOST, "warmup": warmup, "steps": steps, "torch": torch.__version__,
-            "calls": [call], "rows": rows}
+    return {"hosts": 2, "ranks_per_host": PER_HOST, "warmup": warmup, "steps": steps,
+            "torch": torch.__version__, "calls": [call], "rows": rows}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default=",".join(LINK), help="row or group names, comma-separated (default: all)")
-    ap.add_argument("--link-rate", default=None, help="every row's link rate (tc units; default: the group's)")
+    ap.add_argument("--rows", default=",".join(LINK),
+                    help="row or group names, comma-separated (default: all)")
+    ap.add_argument("--link-rate", default=None,
+                    help="every row's link rate (tc units; default: the group's)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--out-suffix", default="", help="appended to the result files' names (split calls)")
-    ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON", help="one report of these calls' results")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                    help="one report of these calls' results")
     args = ap.parse_args()
     if args.merge:
         if missing := [str(p) for p in args.merge if not p.is_file()]:
@@ -371,7 +381,8 @@ def main() -> int:
         result = merge(args.merge)
     else:
         if args.warmup < 1 or args.steps < 1:
-            raise SystemExit("comm_bench: --warmup and --steps must be at least 1 (the 1-bit optimizers warm up)")
+            raise SystemExit("comm_bench: --warmup and --steps must be at least 1 "
+                             "(the 1-bit optimizers warm up)")
         result = measure_on_cluster(chosen(args.rows), args.link_rate, args.warmup, args.steps)
     compare(result["rows"])
     _write(result, args.out, "comm_bench" + (f"_{args.out_suffix}" if args.out_suffix else ""))

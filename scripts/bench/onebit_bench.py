@@ -58,7 +58,8 @@ def _chosen(all_configs: dict[str, dict], only: list[str] | None) -> dict[str, d
 def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, steps: int, queue: object,
         master: str = "127.0.0.1", per_node: int = 2) -> None:
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), NODE_RANK=str(rank // per_node))
+                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                      NODE_RANK=str(rank // per_node))
     values = measure(cfg, warmup, steps)
     if rank == 0:
         queue.put({"name": name, "params": values["params"], "bytes_per_step": values["sent"],
