@@ -1,22 +1,24 @@
 """1-bit optimizers and the hierarchical all-reduce: bytes sent per step and step time, in one run.
 
-A ~50M-parameter language model (an 8192 x 1024 embedding, 5 blocks of a 1024 -> 4096 -> 1024 MLP,
-a 1024 x 8192 head) trains on ``--world`` local gloo ranks (one thread each) with a tiny batch (8
-tokens per rank), so the gradient exchange dominates the step. Each configuration runs ``--warmup``
-steps (the 1-bit optimizers' warm-up: ``freeze_step`` = that) and then ``--steps`` measured steps:
+``comm_bench``'s ~59M-parameter language model and optimizer rows (``comm_bench.ROWS``, group
+``optimizers``) on ``--world`` local gloo ranks (one thread each) with a tiny batch (8 tokens per
+rank), so the gradient exchange dominates the step; ``comm_bench`` runs the same rows on 2 hosts x 2
+ranks of the namespace cluster. Each configuration runs ``--warmup`` steps (the 1-bit optimizers'
+warm-up: ``freeze_step`` = that) and then ``--steps`` measured steps:
 
-- ``Adam``: fp32 all-reduce of the gradients (flat: ``hierarchical_allreduce: never``);
-- ``Adam, hierarchical``: the same through ``hierarchical_allreduce: always`` with the ranks split
-  into 2 pretend nodes (``NODE_RANK``), world 4 only;
+- ``Adam`` and ``Lamb``: fp32 all-reduce of the gradients (flat: ``hierarchical_allreduce: never``);
+- ``Adam hierarchical``: the same through ``hierarchical_allreduce: topology`` with the ranks split
+  into 2 pretend nodes (``NODE_RANK``), world 4 on loopback only;
 - ``OneBitAdam`` and ``OneBitLamb``: the measured steps are compressed ones;
 - ``ZeroOneAdam``: variance frozen after the warm-up, the measured steps local ones with a 1-bit
   synchronisation every 1-2 steps.
 
-Bytes: every collective's payload as the comms logger records it, times the share of it that
-leaves the rank (all-reduce 2(W-1)/W, all-to-all (W-1)/W, all-gather W-1 of its input), per rank
-and step. Time: the mean wall time of the measured steps on rank 0. Without a shaped link the ranks
-talk over loopback (~0.8 GB/s for gloo at world 2 here: FACTS.md), which already makes the fp32
-exchange the larger part of a step.
+Bytes: ``comm_bench.SentBytes``: every collective's payload as the comms logger records it, times
+the share of it that leaves a rank of its group (all-reduce 2(n-1)/n, all-to-all, broadcast and
+reduce (n-1)/n, all-gather n-1 of its input; n the group's size), per rank and step. Every row is
+compared with Adam. Time: the mean wall time of the measured steps on rank 0. Without a shaped
+link the ranks talk over loopback (~0.8 GB/s for gloo at world 2 here: FACTS.md), which already
+makes the fp32 exchange the larger part of a step.
 
 Writes ``results/onebit_bench_w<world>[_shaped_<rate>].json`` and ``.md``. Run it under the benchmark lock:
 ``flock /tmp/dslaunch-bench.lock python scripts/bench/onebit_bench.py [--world 2] [--steps 3]``.
@@ -31,42 +33,15 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from comm_bench import ROWS, TOKENS, measure
 
 HERE = Path(__file__).resolve().parent
-VOCAB, DIM, HIDDEN, LAYERS, TOKENS = 8192, 1024, 4096, 5, 8
-
-
-class Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, DIM)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(),
-                                                              torch.nn.Linear(HIDDEN, DIM)) for _ in range(LAYERS))
-        self.head = torch.nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens[:, :-1])
-        for block in self.blocks:
-            h = h + block(h)
-        return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
 def configs(world: int, warmup: int) -> dict[str, dict]:
-    base = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10_000, "comms_logger": {"enabled": True}}
-    out = {
-        "Adam": {**base, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}},
-        "OneBitAdam": {**base, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": warmup}}},
-        "OneBitLamb": {**base, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-4, "freeze_step": warmup}}},
-        # variance frozen after the warm-up; the measured steps are local steps and 1-bit syncs
-        "ZeroOneAdam": {**base, "optimizer": {"type": "ZeroOneAdam", "params": {
-            "lr": 1e-4, "var_freeze_step": warmup, "var_update_scaler": 1, "local_step_scaler": 1,
-            "local_step_clipper": 2}}},
-    }
-    if world == 4:
-        out["Adam, hierarchical"] = {**out["Adam"], "hierarchical_allreduce": "always"}
-        # the default ("topology") would pick the hierarchical one too: the 2 pretend nodes hold 2 ranks each
-        out["Adam"] = {**out["Adam"], "hierarchical_allreduce": "never"}
-    return out
+    """``comm_bench``'s optimizer rows; the hierarchical one at world 4 only (2 pretend nodes of 2)."""
+    return {r.name: r.config(warmup) for r in ROWS.values()
+            if r.group == "optimizers" and (world == 4 or r.hierarchical == "never")}
 
 
 def _chosen(all_configs: dict[str, dict], only: list[str] | None) -> dict[str, dict]:
@@ -80,35 +55,15 @@ def _chosen(all_configs: dict[str, dict], only: list[str] | None) -> dict[str, d
     return {n: all_configs[n] for n in names}
 
 
-def sent_bytes(summary: dict, world: int) -> float:
-    share = {"all_reduce": 2 * (world - 1) / world, "all_to_all_single": (world - 1) / world,
-             "all_gather_into_tensor": world - 1, "reduce": 1.0, "broadcast": 1.0}
-    return sum(share.get(op.split(" ")[0], 1.0) * size * row["count"]
-               for op, sizes in summary.items() for size, row in sizes.items())
-
-
 def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, steps: int, queue: object,
         master: str = "127.0.0.1", per_node: int = 2) -> None:
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), NODE_RANK=str(rank // per_node))
-    torch.set_num_threads(1)
-    from ranks import timed_steps
-
-    import dslaunch
-    from dslaunch import comm
-
-    torch.manual_seed(0)
-    engine, _, _, _ = dslaunch.initialize(model=Model(), config=cfg)
-    g = torch.Generator().manual_seed(rank)
-    times, _ = timed_steps(engine, lambda: torch.randint(0, VOCAB, (1, TOKENS + 1), generator=g), warmup, steps,
-                           comm.comms_logger.reset)
-    summary = comm.comms_logger.summary()
+                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                      NODE_RANK=str(rank // per_node))
+    values = measure(cfg, warmup, steps)
     if rank == 0:
-        params = sum(p.numel() for p in engine.module.parameters())
-        queue.put({"name": name, "params": params, "bytes_per_step": sent_bytes(summary, world) / steps,
-                   "step_s": sum(times) / steps,
-                   "ops": {op: sum(r["count"] for r in sizes.values()) // steps for op, sizes in summary.items()}})
-    engine.destroy()
+        queue.put({"name": name, "params": values["params"], "bytes_per_step": values["sent"],
+                   "step_s": sum(values["step_s"]) / steps, "ops": values["ops"]})
     import torch.distributed as dist
 
     dist.destroy_process_group()

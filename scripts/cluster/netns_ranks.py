@@ -2,7 +2,7 @@
 """Run a torch.distributed job directly on the test cluster's hosts: ``per_host`` ranks in each host's
 network namespace (``ip netns exec``), without SSH or the launcher, for tests and benchmarks whose
 subject is the traffic between hosts (ZeRO++'s, ``tests/runtime/zero/test_zeropp_cluster.py``,
-``scripts/bench/zeropp_bench.py``).
+``scripts/bench/comm_bench.py``).
 
 Ranks get torch's environment contract plus dslaunch's topology (``NODE_RANK``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``); rank 0's host is the master; ``GLOO_SOCKET_IFNAME`` names the host's
