@@ -14,12 +14,12 @@ STRESS = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "exit_stres
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_no_job_exits_with_a_wrong_code_under_load(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, str(STRESS), "--runs", "4", "--raising", "2",
+    proc = subprocess.run([sys.executable, str(STRESS), "--runs", "2", "--raising", "1",
                            "--systems", "dslaunch", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=380)
     records = json.loads((tmp_path / "exit_stress.json").read_text())
-    assert [(r["mode"], r["exit_code"]) for r in records if r["mode"] == "finish"] == [("finish", 0)] * 4, \
+    assert [(r["mode"], r["exit_code"]) for r in records if r["mode"] == "finish"] == [("finish", 0)] * 2, \
         proc.stderr[-3000:]
-    assert [r["exit_code"] for r in records if r["mode"] == "raise"] == [1, 1], proc.stderr[-3000:]
+    assert [r["exit_code"] for r in records if r["mode"] == "raise"] == [1], proc.stderr[-3000:]
     assert not any(r["abort"] for r in records)
     assert proc.returncode == 0
