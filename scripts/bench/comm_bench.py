@@ -231,10 +231,10 @@ def worker(name: str, warmup: int, steps: int) -> None:
     report({**values, "local_rank": int(os.environ["LOCAL_RANK"]), "tx": link[0], "retrans": link[1]})
 
 
-def run(name: str, hosts: list[dict], warmup: int, steps: int, timeout: float) -> dict:
-    """Row ``name`` on ``hosts`` (``PER_HOST`` ranks each): its numbers per step."""
+def run(name: str, hosts: list[dict], per_host: int, warmup: int, steps: int, timeout: float) -> dict:
+    """Row ``name`` on ``hosts`` (``per_host`` ranks each): its numbers per step."""
     results = _script("netns_ranks").run_on_hosts(
-        hosts, PER_HOST, [sys.executable, __file__, "--worker", name, str(warmup), str(steps)], timeout,
+        hosts, per_host, [sys.executable, __file__, "--worker", name, str(warmup), str(steps)], timeout,
         env={"PYTHONPATH": f"{HERE}:{HERE.parents[1]}", "DS_ACCELERATOR": "cpu"})
     line = next((ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -334,7 +334,7 @@ def merge(parts: list[Path]) -> dict:
     return {**loaded[0], "calls": calls, "rows": rows}
 
 
-def measure_on_cluster(names: list[str], link: str | None, warmup: int, steps: int) -> dict:
+def measure_on_cluster(names: list[str], link: str | None, warmup: int, steps: int, per_host: int = PER_HOST) -> dict:
     """The rows ``names`` on hosts 1-2 of the test cluster, one call; each group's link rate (or
     ``link``) set while its rows run. The cluster and its links are left as they were found."""
     cluster = _script("cluster")
@@ -349,7 +349,7 @@ def measure_on_cluster(names: list[str], link: str | None, warmup: int, steps: i
             rate = link or LINK[ROWS[name].group]
             cluster.reshape(state, cluster.LinkShape(rate))
             rows.append({"name": name, "baseline": ROWS[name].baseline, "link": rate, "call": 1,
-                         **run(name, hosts, warmup, steps, timeout=540)})
+                         **run(name, hosts, per_host, warmup, steps, timeout=540)})
             print({k: v for k, v in rows[-1].items() if k != "losses_rank0"}, flush=True)
     finally:
         if was_up:
@@ -357,8 +357,8 @@ def measure_on_cluster(names: list[str], link: str | None, warmup: int, steps: i
         else:
             cluster.down(state)
     call = {"call": 1, "started": started, "seconds": time.monotonic() - start,
-            "load": [round(load0, 2), round(os.getloadavg()[0], 2)], "rows": names}
-    return {"hosts": 2, "ranks_per_host": PER_HOST, "warmup": warmup, "steps": steps,
+            "load": [round(load0, 2), round(os.getloadavg()[0], 2)], "rows": names, "ranks_per_host": per_host}
+    return {"hosts": 2, "ranks_per_host": per_host, "warmup": warmup, "steps": steps,
             "torch": torch.__version__, "calls": [call], "rows": rows}
 
 
@@ -370,6 +370,8 @@ def main() -> int:
                     help="every row's link rate (tc units; default: the group's)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--ranks-per-host", type=int, default=PER_HOST, choices=(1, PER_HOST),
+                    help="1: world 2, a core per rank (optimizer rows without the hierarchical one)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--out-suffix", default="", help="appended to the result files' names (split calls)")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
@@ -383,7 +385,12 @@ def main() -> int:
         if args.warmup < 1 or args.steps < 1:
             raise SystemExit("comm_bench: --warmup and --steps must be at least 1 "
                              "(the 1-bit optimizers warm up)")
-        result = measure_on_cluster(chosen(args.rows), args.link_rate, args.warmup, args.steps)
+        names = chosen(args.rows)
+        if args.ranks_per_host == 1 and (bad := [n for n in names if ROWS[n].group != "optimizers"
+                                                 or ROWS[n].hierarchical != "never"]):
+            raise SystemExit(f"comm_bench: --ranks-per-host 1: rows {', '.join(bad)} need ranks that share "
+                             "a host (ZeRO++'s hpZ, the hierarchical all-reduce)")
+        result = measure_on_cluster(names, args.link_rate, args.warmup, args.steps, args.ranks_per_host)
     compare(result["rows"])
     _write(result, args.out, "comm_bench" + (f"_{args.out_suffix}" if args.out_suffix else ""))
     return 0
