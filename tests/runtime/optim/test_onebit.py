@@ -110,10 +110,9 @@ def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_
     adam, onebit, lamb, onebit_lamb, zero_one = results[0][1]
     _assert_tracks(adam, onebit, "world 4, stage 1")
     _assert_tracks(lamb, onebit_lamb, "OneBitLamb, world 4, stage 1")
-    # 1.06% above Adam: the 1-bit averaged gradients between its variance steps (with them averaged
-    # exactly it ends 0.03% below; README, 1-bit optimizers)
-    assert abs(zero_one["held_out"] - adam["held_out"]) <= 0.015 * adam["held_out"], (zero_one["held_out"],
-                                                                                      adam["held_out"])
+    # was 1.06% above before its 1-bit gradients were compressed over Adam's denominator
+    assert abs(zero_one["held_out"] - adam["held_out"]) <= 0.01 * adam["held_out"], (zero_one["held_out"],
+                                                                                     adam["held_out"])
 
 
 @pytest.mark.timeout(120)
