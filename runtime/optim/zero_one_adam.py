@@ -86,15 +86,16 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
         step = int(state["step"]) + 1
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
-        if step <= self.freeze_step:
-            # a variance step has the gradient all-reduced in fp32; the others average it 1-bit
-            exact = self._variance_step(step)
-            g = p.grad.float() * factor if exact else self._exchange_gradient(gi, p, factor)
+        # a variance step has the gradient all-reduced in fp32; the others average it 1-bit
+        exact = step <= self.freeze_step and self._variance_step(step)
+        if exact:
+            g = p.grad.float() * factor
             state["exp_avg"].mul_(beta1).add_(g, alpha=1.0 - beta1)
-            if exact:
-                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         denom = self._denominator(group, state, step)
         if step <= self.freeze_step:
+            if not exact:
+                state["exp_avg"].mul_(beta1).add_(self._exchange_gradient(gi, p, factor, denom), alpha=1.0 - beta1)
             state["step"] = state["step"] + 1
             p.mul_(1.0 - lr * group["weight_decay"])
             p.addcdiv_(self._usable(state["exp_avg"], state, group), denom, value=-lr / (1.0 - beta1**step))
@@ -113,17 +114,24 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
         bc2_sqrt = math.sqrt(1.0 - group["betas"][1] ** updates)
         return state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
 
-    def _exchange_gradient(self, gi: int, p: torch.Tensor, factor: float) -> torch.Tensor:
+    def _exchange_gradient(self, gi: int, p: torch.Tensor, factor: float, denom: torch.Tensor) -> torch.Tensor:
         """This rank's gradient (times ``factor``) averaged over the ranks 1-bit compressed, error fed
         (DeepSpeed's 0/1 Adam; compressing the momentum, as 1-bit Adam does, would also compress the
-        part every rank already shares, ``beta1`` times the last momentum: more noise for no news)."""
+        part every rank already shares, ``beta1`` times the last momentum: more noise for no news).
+
+        Compressed divided by Adam's denominator ``denom`` (the same on every rank), multiplied back
+        after: one scale for all elements fits g / denom (the update's direction, of similar size
+        everywhere) better than g, whose sizes differ by orders of magnitude between parameters, so
+        the sign noise lands evenly on the update (DeepSpeed compresses g itself). The error feedback
+        holds that scaled residual; a variance step between two exchanges rescales it slightly."""
         lay = self.exchange.layouts[gi]
         buf = torch.zeros(padded_numel(lay.numel, self.world_size), dtype=torch.float32, device=p.device)
-        buf[:lay.numel].copy_(self.exchange.local_gradient(gi)).mul_(factor)
+        scaled = buf[:lay.numel]
+        scaled.copy_(self.exchange.local_gradient(gi)).mul_(factor).div_(denom)
         if self.world_size > 1:
             errors = self._errors(gi, buf.numel(), buf.device)
             compressed_all_reduce(buf, errors["worker_error"], errors["server_error"], self.world_size, self.pg)
-        return buf[:lay.numel]
+        return scaled.mul_(denom)
 
     def _local_step(self, gi: int, group: dict, state: dict, p: torch.Tensor, denom: torch.Tensor,
                     size: float, factor: float) -> None:

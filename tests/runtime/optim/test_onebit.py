@@ -52,8 +52,8 @@ def test_onebit_adam_warmup_bitwise_then_adam_within_1pct_at_stages_0_1_2() -> N
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="1.3% above Lamb at world 2 (within 1% at world 4): the compression noise in the "
-                   "fresh variance lowers the scaling factor (README, 1-bit optimizers)")
+                   reason="1.3% above Lamb at world 2 (within 1% at world 4), though 3.3% below on average "
+                   "over lrs and seeds: its own step outruns LAMB's (README, 1-bit optimizers)")
 @pytest.mark.timeout(90)
 def test_onebit_lamb_warmup_bitwise_then_lamb_within_1pct_at_world_2() -> None:
     results = run_world(_train_all, 2, [config(LAMB, 1), config(ONEBIT_LAMB, 1)])
@@ -110,10 +110,9 @@ def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_
     adam, onebit, lamb, onebit_lamb, zero_one = results[0][1]
     _assert_tracks(adam, onebit, "world 4, stage 1")
     _assert_tracks(lamb, onebit_lamb, "OneBitLamb, world 4, stage 1")
-    # 1.06% above Adam: the 1-bit averaged gradients between its variance steps (with them averaged
-    # exactly it ends 0.03% below; README, 1-bit optimizers)
-    assert abs(zero_one["held_out"] - adam["held_out"]) <= 0.015 * adam["held_out"], (zero_one["held_out"],
-                                                                                      adam["held_out"])
+    # 0.14% below (1.06% above before its 1-bit gradients were compressed over Adam's denominator)
+    assert abs(zero_one["held_out"] - adam["held_out"]) <= 0.01 * adam["held_out"], (zero_one["held_out"],
+                                                                                     adam["held_out"])
 
 
 @pytest.mark.timeout(120)
