@@ -18,7 +18,9 @@ from typing import Any
 from dslaunch.utils.ports import free_port
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest", "dslaunch.runtime.engine"])
+# numpy and pytest too (every test module imports them), not dslaunch: a test may patch
+# torch.distributed before the engine's modules bind its collectives (test_engine's counter does).
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest"])
 
 
 def preload(modules: list[str]) -> None:
