@@ -59,12 +59,12 @@ def weights(engine: Any) -> torch.Tensor:
     return torch.cat([safe_get_full_fp32_param(p).reshape(-1).clone() for p in engine.module.parameters()])
 
 
-def run_steps(engine: Any, rank: int, world: int, first: int, last: int) -> list[float]:
-    """Steps [first, last): batch i is the i-th global batch; the global mean loss of each."""
+def run_steps(engine: Any, rank: int, world: int, first: int, last: int, seed: int = 0) -> list[float]:
+    """Steps [first, last): batch i is the i-th global batch (of data ``seed``); the global mean loss of each."""
     micro = GLOBAL // world
     losses = []
     for step in range(first, last):
-        batch = sequences(GLOBAL, seed=1000 + step)[rank * micro:(rank + 1) * micro]
+        batch = sequences(GLOBAL, seed=1000 + step + 100_000 * seed)[rank * micro:(rank + 1) * micro]
         loss = engine(batch)
         engine.backward(loss)
         engine.step()
@@ -74,29 +74,31 @@ def run_steps(engine: Any, rank: int, world: int, first: int, last: int) -> list
     return losses
 
 
-def held_out_loss(engine: Any) -> float:
+def held_out_loss(engine: Any, count: int = 64) -> float:
     with torch.no_grad():
-        return float(engine.module(sequences(64, seed=7)))
+        return float(engine.module(sequences(count, seed=7)))
 
 
-def build(cfg: dict) -> Any:
+def build(cfg: dict, seed: int = 0) -> Any:
     import dslaunch
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     engine, _, _, _ = dslaunch.initialize(model=TinyLM(), config=cfg)
     return engine
 
 
-def train(rank: int, world: int, cfg: dict, steps: int, snapshots: tuple[int, ...] = ()) -> dict:
-    """Train ``steps`` steps; the held-out loss, the losses and the weights after each step in ``snapshots``."""
-    engine = build(cfg)
+def train(rank: int, world: int, cfg: dict, steps: int, snapshots: tuple[int, ...] = (), seed: int = 0,
+          held_out: int = 64) -> dict:
+    """Train ``steps`` steps (model and data from ``seed``); the loss on ``held_out`` held-out sequences,
+    the losses and the weights after each step in ``snapshots``."""
+    engine = build(cfg, seed)
     out: dict[str, Any] = {"weights": {}, "losses": []}
     done = 0
     for stop in sorted({*snapshots, steps}):
-        out["losses"] += run_steps(engine, rank, world, done, stop)
+        out["losses"] += run_steps(engine, rank, world, done, stop, seed)
         done = stop
         if stop in snapshots:
             out["weights"][stop] = weights(engine).numpy().copy()
-    out["held_out"] = held_out_loss(engine)
+    out["held_out"] = held_out_loss(engine, held_out)
     engine.destroy()
     return out
