@@ -4,7 +4,7 @@ The library is compiled with the C compiler ``$CC`` (default ``gcc``) and ``FLAG
 ``$DSLAUNCH_KERNELS_CACHE`` (default ``$XDG_CACHE_HOME/dslaunch/kernels``, i.e.
 ``~/.cache/dslaunch/kernels``), named by a hash of the source, the flags, the compiler's
 ``--version`` and the CPU's feature flags (``-march=native`` code runs only on such a CPU). A build
-takes ~0.3 s. It is written to a temporary file in the cache directory and renamed into place, so
+takes ~7 s here (gcc -O3, 2 cores). It is written to a temporary file in the cache directory and renamed into place, so
 ranks that build at once each produce a complete file and the last rename wins; a reader never
 sees half a library.
 
