@@ -79,11 +79,18 @@ def _sharded_logits(rank: int, world: int, allreduce: str) -> dict:
                                        if n.endswith("weight") and p.dim() == 2 and "embed" not in n})}
 
 
+def _within_rounding(result: dict) -> bool:
+    """The sharded logits within 8 fp32 epsilons of the largest logit of the unsharded model's: sums
+    split over ranks round differently (3 ulps on an AMD EPYC at tp 4, 2 on the machine the bound was
+    first set on); a sharding mistake is off by O(1)."""
+    return result["diff"] <= 8 * torch.finfo(torch.float32).eps * result["scale"]
+
+
 @pytest.mark.parametrize("allreduce", ["shm", "torch"])
 @pytest.mark.timeout(120)
 def test_tp2_logits_match_the_unsharded_model(allreduce: str) -> None:
     for result in run_world(_sharded_logits, 2, allreduce):
-        assert result["diff"] <= 1e-5
+        assert _within_rounding(result), result
         assert result["name"] == {"shm": "shared memory", "torch": "torch.distributed"}[allreduce]
         assert result["int8_diff"] <= 0.02 * result["scale"]  # weight-only int8: close, not exact
         assert result["int8_dtypes"] == ["torch.int8"]  # every Linear, the vocab-parallel head included
@@ -99,8 +106,9 @@ def _tied_embedding(rank: int, world: int, allreduce: str) -> dict:
                                      tp_allreduce=allreduce)
     model = engine.module
     with torch.no_grad():
-        diff = float((engine(IDS) - reference(IDS)).abs().max())
-    return {"diff": diff, "rows": model.embed.weight.shape[0], "shared": model.head.weight is model.embed.weight,
+        want = reference(IDS)
+        diff = float((engine(IDS) - want).abs().max())
+    return {"diff": diff, "scale": float(want.abs().max()), "rows": model.embed.weight.shape[0], "shared": model.head.weight is model.embed.weight,
             "params": sum(p.numel() for p in model.parameters()), "whole": sum(p.numel() for p in reference.parameters())}
 
 
@@ -112,7 +120,7 @@ def test_tied_embedding_and_head_are_split_once_over_the_vocabulary(world: int, 
     results = run_world(_tied_embedding, world, allreduce)
     assert [r["rows"] for r in results] == {2: [19, 18], 4: [10, 9, 9, 9]}[world]
     for result in results:
-        assert result["diff"] <= 1e-5, result
+        assert _within_rounding(result), result
         assert result["shared"]  # one shard, held by both modules
     # all but the norms and the row layers' biases (~1.6% each) is split: together about one copy
     assert sum(r["params"] for r in results) <= results[0]["whole"] * 1.08

@@ -75,7 +75,8 @@ def test_tied_weights_train_as_one_module(virtual: int) -> None:
     got = run_world(_train, 4, virtual, timeout=140)
     for rank, r in enumerate(got):
         assert r["tie_ranks"] == [[rank % 2, rank % 2 + 2]]  # the stages of one replica
-        assert r["losses"] == pytest.approx(want_losses, rel=0, abs=1e-6)
+        # relative: 4 ranks sum in another order than one process; 6 ulps by step 10 on an AMD EPYC
+        assert r["losses"] == pytest.approx(want_losses, rel=4e-6, abs=0)
         torch.testing.assert_close(torch.tensor(r["tied"]), torch.tensor(want_tied), rtol=0, atol=2e-5)
     for r in got[:2] if virtual == 1 else got[2:]:  # layer 2: stage 0 (uniform: 3 + 2) or stage 1's 1st part
         torch.testing.assert_close(torch.tensor(r["middle"]), torch.tensor(want_middle), rtol=0, atol=2e-5)
