@@ -174,11 +174,16 @@ class NodeResult:
         exception would have ended it; otherwise ``exit_code`` (the kernel's OOM killer raises
         nothing: 137 stays). Which signal reached a slow teardown first is load, not the script's
         word."""
-        torn_down = self.ended_by_stop_signal or self.signal_name == "SIGABRT"
-        return 1 if self.exception is not None and torn_down else self.exit_code
+        return 1 if self.exception is not None and self._ended_in_teardown else self.exit_code
+
+    @property
+    def _ended_in_teardown(self) -> bool:
+        """Ended by a stop signal or SIGABRT: how a process that is tearing down ends under load."""
+        return self.ended_by_stop_signal or self.signal_name == "SIGABRT"
 
     def describe(self) -> str:
-        """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)``."""
+        """One line for the user, e.g. ``rank 3 on node1 was killed by SIGKILL (exit code 137)`` or
+        ``rank 1 on node2 raised ValueError: bad batch (exit code 1)``."""
         if self.cause == "hang":
             at = f" at step {self.step}" if self.step is not None else ""
             return f"rank {self.rank} on {self.host} hung{at} ({self.message or 'no progress within --hang_timeout'})"
@@ -193,13 +198,18 @@ class NodeResult:
             if self.stopped_by:
                 return f"node {self.host} was stopped by {self.stopped_by} (exit code {self.exit_code})"
             return f"node {self.host} exited with code {self.exit_code}"
-        how = (f"was killed by {self.signal_name} (exit code {self.exit_code})" if self.signal_name
-               else f"exited with code {self.exit_code}")
+        who = f"rank {self.rank} on {self.host}"
         if self.exception is None:
-            return f"rank {self.rank} on {self.host} {how}{at}"
-        # A signal after a traceback is the teardown of a process that had already failed.
-        after = "after raising" if self.signal_name else "raising"
-        return f"rank {self.rank} on {self.host} {how} {after} {self.exception}"
+            how = (f"was killed by {self.signal_name} (exit code {self.exit_code})" if self.signal_name
+                   else f"exited with code {self.exit_code}")
+            return f"{who} {how}{at}"
+        if self.signal_name is None:
+            return f"{who} raised {self.exception} (exit code {self.exit_code})"
+        if self._ended_in_teardown:
+            # the exception ended it; which signal reached its slow teardown first is load: the
+            # line starts the same either way
+            return f"{who} raised {self.exception} (then {self.signal_name} in its teardown: exit code {self.exit_code})"
+        return f"{who} was killed by {self.signal_name} (exit code {self.exit_code}) after raising {self.exception}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

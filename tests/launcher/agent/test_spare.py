@@ -132,7 +132,7 @@ def test_a_spare_worker_that_raises_is_blamed_with_its_exception_and_exit_code(t
     done = _job(tmp_path, "raise")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "warm=True" in _lines(done.stdout, 1)[1]
-    assert "rank 1 on localhost exited with code 1 raising ValueError: bad batch in the restarted run" in done.stderr
+    assert "rank 1 on localhost raised ValueError: bad batch in the restarted run" in done.stderr
     # The traceback is the script's, as `python job.py` prints it: no frame of the spare or runpy.
     trace = done.stderr.split("[rank1] Traceback (most recent call last):")[-1].split("ValueError")[0]
     assert 'File "job.py", line' in trace and "spare.py" not in trace and "runpy" not in trace, done.stderr[-3000:]

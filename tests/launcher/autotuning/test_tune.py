@@ -120,12 +120,12 @@ def test_dry_run_lists_the_candidates_and_an_experiments_command(tmp_path, capsy
 
 @pytest.mark.parametrize("code, timed_out, event, output, status", [
     (1, False, {"kind": "failure", "cause": "oom", "exception": "MemoryError: out of memory: rank 1"}, "", "oom"),
-    (1, False, None, "dslaunch: error: rank 0 on localhost exited with code 1 raising torch.OutOfMemoryError: "
+    (1, False, None, "dslaunch: error: rank 0 on localhost raised torch.OutOfMemoryError: "
                      "CUDA out of memory", "oom"),
     (124, False, {"kind": "failure", "cause": "hang"}, "dslaunch: error: rank 1 on localhost is hung", "hang"),
     (143, True, None, "", "timeout"),
     (0, False, None, "", "no_metric"),
-    (1, False, {"kind": "failure", "cause": "exception"}, "dslaunch: error: rank 0 ... raising ValueError: x", "failed"),
+    (1, False, {"kind": "failure", "cause": "exception"}, "dslaunch: error: rank 0 ... raised ValueError: x", "failed"),
 ])
 def test_an_experiments_end_is_judged_from_its_files(tmp_path, code, timed_out, event, output, status):
     from dslaunch.launcher.autotuning.experiments import _judge

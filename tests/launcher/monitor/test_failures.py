@@ -63,7 +63,7 @@ def test_a_rank_stopped_while_tearing_down_after_its_exception_makes_the_job_exi
     raised = "RuntimeError: bad batch at step 3"
     stopped = NodeResult(0, "localhost", 143, rank=1, signal_name="SIGTERM", exception=raised, cause="exception")
     assert root_cause(_rank(0, GLOO), [stopped]) == stopped
-    assert stopped.job_exit_code == 1 and "was killed by SIGTERM (exit code 143) after raising" in stopped.describe()
+    assert stopped.job_exit_code == 1 and "raised RuntimeError: bad batch at step 3 (then SIGTERM in its teardown: exit code 143)" in stopped.describe()
     assert replace(stopped, signal_name="SIGKILL", exit_code=137).job_exit_code == 1
     assert replace(stopped, cause="oom").job_exit_code == 1  # torch's OutOfMemoryError raised, then stopped
     aborted = replace(stopped, signal_name="SIGABRT", exit_code=134)  # gloo's destructor in the teardown

@@ -173,7 +173,7 @@ def test_exception_in_one_rank_error_file_has_the_traceback_root_cause_first(tmp
     proc = _start(tmp_path, free_port, tag=tag, FAIL_RANK="1", FAIL_AT="3")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err
-    assert "rank 1 on localhost exited with code 1 raising RuntimeError: bad batch at step 3" in err
+    assert "rank 1 on localhost raised RuntimeError: bad batch at step 3" in err
     job = _job_dir(tmp_path)
     with open(os.path.join(job, "error-rank1.json")) as f:
         record = json.load(f)

@@ -52,7 +52,7 @@ def test_the_same_exception_twice_is_the_scripts_bug_and_ends_the_restarts():
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("dslaunch: restart 1 of 5") == 1 and "restart 2" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("dslaunch: error: rank 0 on localhost exited with code 1 raising RuntimeError: boom")
+    assert last.startswith("dslaunch: error: rank 0 on localhost raised RuntimeError: boom")
     reason, details = last.split("; details: dslaunch status ")  # the monitor's pointer comes last
     assert reason.endswith("the same exception in two runs in a row: a bug in the script, not restarted"), last
     assert details

@@ -49,7 +49,7 @@ P3 = RestartPolicy(max_restarts=3)
     (P3, [_run(KILLED)] * 3, "restart", "restart 3 of 3 in 4 s"),
     (P3, [_run(KILLED)] * 4, "stop", "restart budget spent (3 of 3)"),
     (P3, [_run(HUNG)] * 2, "restart", "after hang: rank 2 on n2 hung at step 5"),
-    (P3, [_run(BOOM)], "restart", "after exception: rank 0 on n1 exited with code 1 raising RuntimeError: boom"),
+    (P3, [_run(BOOM)], "restart", "after exception: rank 0 on n1 raised RuntimeError: boom (exit code 1)"),
     (P3, [_run(BOOM)] * 2, "stop", "the same exception at step 5 in two runs in a row: a bug in the script"),
     (P3, [_run(BOOM), _run(BOOM_LATER)], "restart", "restart 2"),  # it got further: not the same
     (P3, [_run(BOOM), _run(OTHER)], "restart", "restart 2"),

@@ -73,8 +73,8 @@ def test_first_failure_stops_all_and_sets_exit_code(free_port):
 def test_failure_names_the_exception_the_rank_raised(free_port):
     r = run_dslaunch(_job(free_port, 2, "r1:raise=bad batch shape (4, 3)", "hang"))
     assert r.returncode == 1
-    assert ("rank 1 on localhost exited with code 1 raising RuntimeError: bad batch shape (4, 3); "
-            "stopped all other workers") in r.stderr
+    assert "rank 1 on localhost raised RuntimeError: bad batch shape (4, 3) (" in r.stderr
+    assert "; stopped all other workers" in r.stderr
 
 
 def test_signal_death_after_a_traceback_names_the_exception(free_port):
@@ -82,8 +82,8 @@ def test_signal_death_after_a_traceback_names_the_exception(free_port):
     # as the uncaught exception would have ended it; the line still tells the signal.
     r = run_dslaunch(_job(free_port, 2, "r1:atexit_signal=SIGABRT", "r1:raise=loss is nan", "hang"))
     assert r.returncode == 1
-    assert ("rank 1 on localhost was killed by SIGABRT (exit code 134) after raising "
-            "RuntimeError: loss is nan") in r.stderr
+    assert ("rank 1 on localhost raised RuntimeError: loss is nan (then SIGABRT in its teardown: "
+            "exit code 134)") in r.stderr
 
 
 @pytest.mark.parametrize("sig, code", [("SIGKILL", 137), ("SIGSEGV", 139), ("SIGTERM", 143)])
