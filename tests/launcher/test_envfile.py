@@ -159,7 +159,7 @@ _ENV_TEXT = st.lists(_ENV_LINE, max_size=4).map("\n".join)
 
 
 @pytest.mark.timeout(60)
-@settings(max_examples=300, deadline=500, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=2000) | _ENV_TEXT.map(lambda t: t.encode(errors="surrogateescape")))
 def test_random_bytes_give_a_result_or_one_clean_error(tmp_path, data):
     _check_outcome(_write(tmp_path / "fuzz.env", data))
@@ -174,7 +174,7 @@ _LINE = st.tuples(st.none() | st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullm
 
 
 @pytest.mark.timeout(60)
-@settings(max_examples=150, deadline=500, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(_LINE, max_size=10))
 def test_comments_never_assign_and_values_round_trip(tmp_path, lines):
     text = "".join(f"#{body}\n" if key is None else f"{key}={body}\n" for key, body in lines)

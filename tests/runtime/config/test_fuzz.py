@@ -32,7 +32,7 @@ from dslaunch.runtime.config.sections import (
 from dslaunch.runtime.optim import registry as optimizers
 
 pytestmark = pytest.mark.timeout(60)
-_FUZZ = settings(max_examples=200, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture,
+_FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                          HealthCheck.too_slow])
 
 
