@@ -168,12 +168,28 @@ class _CompressedMomentum:
             self.grad_scale = grad_scale
 
     @staticmethod
-    def _usable(m: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
-        """``m`` with zeros where the gradients stayed below eps (a key bias, which softmax ignores, is
-        ~1e-11): Adam barely moves those, but a compressed momentum gives them a whole sign times the
-        scale, divided by ~eps. Masked where used, not where kept, so the momentum every rank holds
-        (and rebuilds after a load) stays the same everywhere. DeepSpeed takes such masks by hand."""
-        return m.masked_fill(state["exp_avg_sq"] < group["eps"] ** 2, 0.0)
+    def _usable(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+        """``m`` with zeros where the gradients stayed below eps (``v < eps^2``; a key bias, which
+        softmax ignores, is ~1e-11): Adam barely moves those, but a compressed momentum gives them a
+        whole sign times the scale, divided by ~eps. Masked where used, not where kept, so the momentum
+        every rank holds (and rebuilds after a load) stays the same everywhere. DeepSpeed takes such
+        masks by hand."""
+        return m.masked_fill(v < eps**2, 0.0)
+
+    @staticmethod
+    def _adam_denominator(v: torch.Tensor, bc2_sqrt: float, eps: float, out: torch.Tensor) -> torch.Tensor:
+        """Adam's ``sqrt(v) / sqrt(1 - beta2^k) + eps`` into ``out``."""
+        return torch.sqrt(v, out=out).div_(bc2_sqrt).add_(eps)
+
+    @classmethod
+    def _adam_move(cls, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, denom: torch.Tensor, group: dict,
+                   size: float) -> None:
+        """Adam's step on a piece: ``w`` decays, then moves by ``-size * m / denom`` (``m`` ``_usable``).
+
+        The callers run it on cache-sized pieces (``spans``): whole-tensor temporaries cost more
+        than the arithmetic on CPU, their pages faulting in on first touch (BENCHMARKS.md)."""
+        w.mul_(1.0 - float(group["lr"]) * group["weight_decay"])
+        w.addcdiv_(cls._usable(m, v, group["eps"]), denom, value=-size)
 
     def _frozen_bias_corrections(self, group: dict, step: float) -> tuple[float, float]:
         """(1 - beta1^t, sqrt(1 - beta2^min(t, freeze_step))): the variance froze with its correction."""
@@ -211,12 +227,13 @@ class OneBitAdam(_CompressedMomentum, torch_optimizers.AdamW):
 
     def _compressed_update(self, gi: int, group: dict, state: dict, p: torch.Tensor, factor: float) -> None:
         self._exchange_momentum(gi, state, group, factor)
-        m = self._usable(state["exp_avg"], state, group)
         bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
-        lr = float(group["lr"])
-        p.mul_(1.0 - lr * group["weight_decay"])
-        denom = state["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(group["eps"])
-        p.addcdiv_(m, denom, value=-lr / bc1)
+        w, m, v = p.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        scratch = torch.empty(min(CHUNK_NUMEL, w.numel()), dtype=w.dtype, device=w.device)
+        for a, b in spans(w.numel()):
+            denom = self._adam_denominator(v[a:b], bc2_sqrt, group["eps"], scratch[:b - a])
+            self._adam_move(w[a:b], m[a:b], v[a:b], denom, group, float(group["lr"]) / bc1)
+
 
 class OneBitLamb(_CompressedMomentum, Lamb):
     """LAMB with a 1-bit compressed momentum exchange after ``freeze_step`` steps (DeepSpeed's ``OnebitLamb``).

@@ -11,8 +11,10 @@ compared with its baseline measured at the same link rate in the same call:
   ``hierarchical_allreduce: never``), ``Adam hierarchical`` (``topology``: it picks the
   hierarchical all-reduce for 2 hosts of 2 ranks), ``OneBitAdam``, ``ZeroOneAdam``, ``Lamb`` and
   ``OneBitLamb`` (against ``Lamb``). The warm-up steps are the 1-bit optimizers' (``freeze_step``,
-  ``var_freeze_step`` = ``--warmup``): the measured steps are compressed ones, ZeroOneAdam's local
-  steps with a 1-bit synchronisation every 1-2 steps.
+  ``var_freeze_step`` = ``--warmup``): the measured steps are compressed ones. ZeroOneAdam's are its
+  steady state (``local_step_clipper`` 2: a 1-bit synchronisation every 2nd local step; an even
+  ``--steps`` measures whole periods): its first 2 local steps, each synchronised, run untimed too
+  (``Row.ramp``; DeepSpeed's default clipper, 16, would synchronise 8x less often).
 - ``zero`` (default link 1 Gbit/s), Adam at ZeRO stage 3 with ``stage3_max_reuse_distance: 0`` and
   10M of ``stage3_max_live_parameters`` and prefetch (backward gathers its parameters again, as for
   a model too large to keep whole between forward and backward, which is where stage 3 is used):
@@ -85,7 +87,7 @@ def optimizer(name: str, warmup: int) -> dict:
     """The ds_config ``optimizer`` section of ``name``; the 1-bit ones compress after ``warmup`` steps."""
     params = {"Adam": {}, "Lamb": {}, "OneBitAdam": {"freeze_step": warmup},
               "OneBitLamb": {"freeze_step": warmup},
-              # variance frozen after the warm-up; the measured steps are local steps and 1-bit syncs
+              # variance frozen after the warm-up; then local steps, a 1-bit sync every 2nd from the 2nd
               "ZeroOneAdam": {"var_freeze_step": warmup, "var_update_scaler": 1, "local_step_scaler": 1,
                               "local_step_clipper": 2}}[name]
     return {"type": name, "params": {"lr": 1e-4, **params}}
@@ -101,6 +103,7 @@ class Row:
     baseline: str | None = None
     hierarchical: str = "never"  # hierarchical_allreduce
     zero: tuple[tuple[str, object], ...] = ()
+    ramp: int = 0  # untimed steps after the warm-up, before the optimizer's schedule is steady
 
     def config(self, warmup: int) -> dict:
         return {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10_000,
@@ -113,7 +116,7 @@ ROWS = {r.name: r for r in (
     Row("Adam", "optimizers", "Adam"),
     Row("Adam hierarchical", "optimizers", "Adam", "Adam", "topology"),
     Row("OneBitAdam", "optimizers", "OneBitAdam", "Adam"),
-    Row("ZeroOneAdam", "optimizers", "ZeroOneAdam", "Adam"),
+    Row("ZeroOneAdam", "optimizers", "ZeroOneAdam", "Adam", ramp=2),
     Row("Lamb", "optimizers", "Lamb", "Adam"),
     Row("OneBitLamb", "optimizers", "OneBitLamb", "Lamb"),
     Row("ZeRO-3 flat", "zero", "Adam", None, "never", ZERO3),
@@ -227,7 +230,7 @@ def worker(name: str, warmup: int, steps: int) -> None:
         dist.barrier()  # every rank of a host reads the same counters
         link[:] = _tx_bytes() - link[0], _retransmits() - link[1]
 
-    values = measure(ROWS[name].config(warmup), warmup, steps, at_warmup, at_end)
+    values = measure(ROWS[name].config(warmup), warmup + ROWS[name].ramp, steps, at_warmup, at_end)
     report({**values, "local_rank": int(os.environ["LOCAL_RANK"]), "tx": link[0], "retrans": link[1]})
 
 
@@ -241,7 +244,7 @@ def run(name: str, hosts: list[dict], per_host: int, warmup: int, steps: int, ti
         bad = next((r for r in results if r.returncode != 0), results[0])
         raise SystemExit(f"comm_bench: {name}: rank {bad.rank} exited {bad.returncode}: {bad.stderr[-3000:]}")
     per_rank = json.loads(line[len("RESULT "):])
-    return {"params": per_rank[0]["params"],
+    return {"params": per_rank[0]["params"], "untimed_steps": warmup + ROWS[name].ramp,
             "cross_node_bytes_per_step": sum(r["tx"] for r in per_rank if r["local_rank"] == 0) / steps,
             "sent_bytes_per_rank_step": sum(r["sent"] for r in per_rank) / len(per_rank),
             "payload_bytes_per_rank_step": sum(r["payload"] for r in per_rank) / len(per_rank),
@@ -286,7 +289,11 @@ def markdown(result: dict) -> str:
     lines = [f"{result['hosts']} hosts x {result['ranks_per_host']} ranks of the namespace cluster, "
              f"{rows[0]['params'] / 1e6:.1f}M params (fp32), {result['warmup']} warm-up and "
              f"{result['steps']} measured steps per row; links shaped per host (tc token bucket, "
-             "both ways).", ""]
+             "both ways)."]
+    ramps = [f"{r['name']} {r['untimed_steps'] - result['warmup']}" for r in rows
+             if r.get("untimed_steps", result["warmup"]) > result["warmup"]]
+    lines += [f"Untimed steps after the warm-up, before the optimizer's steady state: {', '.join(ramps)}."] * bool(ramps)
+    lines += [""]
     lines += [f"- call {c['call']}: {c['started']}, {c['seconds']:.0f} s, load average (1 min) "
               f"{c['load'][0]:.2f} -> {c['load'][1]:.2f}" for c in result["calls"]]
     lines += ["", "| call | link | row | baseline | sent / rank / step | vs baseline | cross-node / step "
