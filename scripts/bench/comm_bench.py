@@ -11,10 +11,11 @@ compared with its baseline measured at the same link rate in the same call:
   ``hierarchical_allreduce: never``), ``Adam hierarchical`` (``topology``: it picks the
   hierarchical all-reduce for 2 hosts of 2 ranks), ``OneBitAdam``, ``ZeroOneAdam``, ``Lamb`` and
   ``OneBitLamb`` (against ``Lamb``). The warm-up steps are the 1-bit optimizers' (``freeze_step``,
-  ``var_freeze_step`` = ``--warmup``): the measured steps are compressed ones. ZeroOneAdam's are its
-  steady state (``local_step_clipper`` 2: a 1-bit synchronisation every 2nd local step; an even
-  ``--steps`` measures whole periods): its first 2 local steps, each synchronised, run untimed too
-  (``Row.ramp``; DeepSpeed's default clipper, 16, would synchronise 8x less often).
+  ``var_freeze_step`` = ``--warmup``): the measured steps are compressed ones, in their steady
+  state (``Row.ramp`` more steps run untimed): OneBitAdam's and OneBitLamb's first compressed step
+  allocates their error feedback and whole momentum (~3x a later step's time, measured); ZeroOneAdam
+  (``local_step_clipper`` 2) synchronises its first 2 local steps, then every 2nd (an even ``--steps``
+  measures whole periods; DeepSpeed's default clipper, 16, would synchronise 8x less often).
 - ``zero`` (default link 1 Gbit/s), Adam at ZeRO stage 3 with ``stage3_max_reuse_distance: 0`` and
   10M of ``stage3_max_live_parameters`` and prefetch (backward gathers its parameters again, as for
   a model too large to keep whole between forward and backward, which is where stage 3 is used):
@@ -115,10 +116,10 @@ class Row:
 ROWS = {r.name: r for r in (
     Row("Adam", "optimizers", "Adam"),
     Row("Adam hierarchical", "optimizers", "Adam", "Adam", "topology"),
-    Row("OneBitAdam", "optimizers", "OneBitAdam", "Adam"),
+    Row("OneBitAdam", "optimizers", "OneBitAdam", "Adam", ramp=1),
     Row("ZeroOneAdam", "optimizers", "ZeroOneAdam", "Adam", ramp=2),
     Row("Lamb", "optimizers", "Lamb", "Adam"),
-    Row("OneBitLamb", "optimizers", "OneBitLamb", "Lamb"),
+    Row("OneBitLamb", "optimizers", "OneBitLamb", "Lamb", ramp=1),
     Row("ZeRO-3 flat", "zero", "Adam", None, "never", ZERO3),
     Row("ZeRO-3", "zero", "Adam", "ZeRO-3 flat", "topology", ZERO3),
     Row("qwZ", "zero", "Adam", "ZeRO-3", "topology", (*ZERO3, QWZ)),

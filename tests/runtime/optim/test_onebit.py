@@ -1,7 +1,11 @@
 """OneBitAdam (and OneBitLamb against Lamb) through the engine: bitwise Adam during warm-up, within
 1% of Adam after it, at ZeRO stages 0-2 and world sizes 2 and 4; a resume that is bitwise; a one-line
 refusal at another world size; the config's one-line errors. The task is ``onebit_task`` (a tiny
-language model)."""
+language model).
+
+"Within 1%": the mean over 3 seeds (model and data) of the held-out loss's relative gap, on 4096
+held-out sequences. One seed's gap on 64 sequences moved by up to 1.3% with the seed or the
+held-out set (``scripts/bench/onebit_convergence.py``): a 1% bound on it decided on noise."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from tests.distributed import run_world
 from tests.runtime.optim.onebit_task import build, config, run_steps, train, weights
 
 LR, FREEZE, STEPS = 1e-2, 10, 40
+SEEDS, HELD_OUT = (0, 1, 2), 4096
 ADAM = {"type": "Adam", "params": {"lr": LR}}
 ONEBIT = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": FREEZE}}
 LAMB = {"type": "Lamb", "params": {"lr": 5e-2, "weight_decay": 0.01}}
@@ -22,14 +27,28 @@ ONEBIT_LAMB = {"type": "OneBitLamb", "params": {"lr": 5e-2, "weight_decay": 0.01
 
 
 def _train_all(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
-    return [train(rank, world, cfg, STEPS, snapshots=(FREEZE, 36, 38, STEPS)) for cfg in cfgs]
+    """Each config trained from each of ``SEEDS``: seed 0's result (weights, losses) and every seed's
+    held-out loss (``held_outs``)."""
+    out = []
+    for cfg in cfgs:
+        first = train(rank, world, cfg, STEPS, snapshots=(FREEZE, 36, 38, STEPS), held_out=HELD_OUT)
+        others = [train(rank, world, cfg, STEPS, seed=seed, held_out=HELD_OUT)["held_out"] for seed in SEEDS[1:]]
+        out.append({**first, "held_outs": [first["held_out"], *others]})
+    return out
+
+
+def _mean_gap(plain: dict, compressed: dict) -> float:
+    return float(np.mean([c / p - 1.0 for p, c in zip(plain["held_outs"], compressed["held_outs"], strict=True)]))
+
+
+def _assert_warmup_bitwise(adam: dict, onebit: dict, what: str) -> None:
+    np.testing.assert_array_equal(onebit["weights"][FREEZE], adam["weights"][FREEZE], err_msg=f"{what}: warm-up")
+    assert not np.array_equal(onebit["weights"][STEPS], adam["weights"][STEPS]), f"{what}: never compressed"
 
 
 def _assert_tracks(adam: dict, onebit: dict, what: str) -> None:
-    np.testing.assert_array_equal(onebit["weights"][FREEZE], adam["weights"][FREEZE], err_msg=f"{what}: warm-up")
-    assert not np.array_equal(onebit["weights"][STEPS], adam["weights"][STEPS]), f"{what}: never compressed"
-    assert abs(onebit["held_out"] - adam["held_out"]) <= 0.01 * adam["held_out"], (what, onebit["held_out"],
-                                                                                   adam["held_out"])
+    _assert_warmup_bitwise(adam, onebit, what)
+    assert abs(_mean_gap(adam, onebit)) <= 0.01, (what, adam["held_outs"], onebit["held_outs"])
 
 
 @pytest.mark.timeout(150)
@@ -48,18 +67,23 @@ def test_onebit_adam_warmup_bitwise_then_adam_within_1pct_at_stages_0_1_2() -> N
     assert zero_one["losses"][:5] == adam["losses"][:5]
     np.testing.assert_array_equal(results[0][-1]["weights"][36], results[1][-1]["weights"][36])
     assert not np.array_equal(results[0][-1]["weights"][38], results[1][-1]["weights"][38])
-    assert abs(zero_one["held_out"] - adam["held_out"]) <= 0.01 * adam["held_out"], (zero_one["held_out"], adam["held_out"])
+    assert abs(_mean_gap(adam, zero_one)) <= 0.01, (adam["held_outs"], zero_one["held_outs"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="1.2% above Lamb at world 2 on the 64 held-out sequences (+0.01% on 4096), "
-                   "2.7% below on average over lrs and seeds (scripts/bench/onebit_convergence.py): "
-                   "DeepSpeed's step outruns LAMB's (README, 1-bit optimizers)")
-@pytest.mark.timeout(90)
-def test_onebit_lamb_warmup_bitwise_then_lamb_within_1pct_at_world_2() -> None:
-    results = run_world(_train_all, 2, [config(LAMB, 1), config(ONEBIT_LAMB, 1)])
-    np.testing.assert_array_equal(results[0][1]["weights"][STEPS], results[1][1]["weights"][STEPS])
-    _assert_tracks(*results[0], "OneBitLamb")
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 4])
+def test_onebit_lamb_warmup_bitwise_then_never_behind_lamb(world: int) -> None:
+    results = run_world(_train_all, world, [config(LAMB, 1), config(ONEBIT_LAMB, 1)])
+    np.testing.assert_array_equal(results[0][1]["weights"][STEPS], results[-1][1]["weights"][STEPS])
+    lamb, onebit_lamb = results[0]
+    _assert_warmup_bitwise(lamb, onebit_lamb, f"OneBitLamb, world {world}")
+    gap = _mean_gap(lamb, onebit_lamb)
+    assert gap <= 0.01, (lamb["held_outs"], onebit_lamb["held_outs"])  # more than 1% behind LAMB
+    if gap < -0.01:
+        # ahead: DeepSpeed's step (its factor, up to 4x) outruns LAMB's trust ratio on this task
+        # (README "1-bit optimizers"); the issue's "within 1%" is not met, so the test says so
+        pytest.xfail(f"OneBitLamb's held-out loss {-gap:.2%} below Lamb's (mean of {len(SEEDS)} seeds): ahead, "
+                     "not within 1% (DeepSpeed's step outruns LAMB's)")
 
 
 RESUMED = {  # compressed (or local) steps from step 4 or 6, a checkpoint at 8
@@ -95,12 +119,12 @@ def _load_elsewhere_then_track(rank: int, world: int, save_dir: str) -> tuple[st
     except CheckpointError as exc:
         message = str(exc)
     engine.destroy()
-    cfgs = [config(ADAM), config(ONEBIT, 1), config(LAMB, 1), config(ONEBIT_LAMB, 1), config(ZERO_ONE)]
+    cfgs = [config(ADAM), config(ONEBIT, 1), config(ZERO_ONE)]
     return message, _train_all(rank, world, cfgs)
 
 
 @pytest.mark.timeout(150)
-def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_adam_and_lamb(tmp_path) -> None:
+def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_adam(tmp_path) -> None:
     for straight, resumed in run_world(_resume, 2, str(tmp_path)):
         np.testing.assert_array_equal(resumed, straight)
     # world 4: the world-2 checkpoint's error feedback is refused in one line; then 4 ranks train
@@ -108,12 +132,9 @@ def test_onebit_adam_resume_bitwise_other_world_size_refused_and_world_4_tracks_
     for message, _ in results:
         assert "error-feedback state was saved at data-parallel world size 2, this run has 4" in message
         assert "\n" not in message
-    adam, onebit, lamb, onebit_lamb, zero_one = results[0][1]
+    adam, onebit, zero_one = results[0][1]
     _assert_tracks(adam, onebit, "world 4, stage 1")
-    _assert_tracks(lamb, onebit_lamb, "OneBitLamb, world 4, stage 1")
-    # 0.14% below (1.06% above before its 1-bit gradients were compressed over Adam's denominator)
-    assert abs(zero_one["held_out"] - adam["held_out"]) <= 0.01 * adam["held_out"], (zero_one["held_out"],
-                                                                                     adam["held_out"])
+    assert abs(_mean_gap(adam, zero_one)) <= 0.01, (adam["held_outs"], zero_one["held_outs"])
 
 
 @pytest.mark.timeout(120)
