@@ -9,9 +9,10 @@ warm-up: ``freeze_step`` = that) and then ``--steps`` measured steps:
 - ``Adam`` and ``Lamb``: fp32 all-reduce of the gradients (flat: ``hierarchical_allreduce: never``);
 - ``Adam hierarchical``: the same through ``hierarchical_allreduce: topology`` with the ranks split
   into 2 pretend nodes (``NODE_RANK``), world 4 on loopback only;
-- ``OneBitAdam`` and ``OneBitLamb``: the measured steps are compressed ones;
+- ``OneBitAdam`` and ``OneBitLamb``: the measured steps are compressed ones (the first, which
+  allocates their error feedback, untimed: ``comm_bench.Row.ramp``);
 - ``ZeroOneAdam``: variance frozen after the warm-up, the measured steps local ones with a 1-bit
-  synchronisation every 1-2 steps.
+  synchronisation every 2nd step (its first 2 local steps, both synchronised, untimed).
 
 Bytes: ``comm_bench.SentBytes``: every collective's payload as the comms logger records it, times
 the share of it that leaves a rank of its group (all-reduce 2(n-1)/n, all-to-all, broadcast and
@@ -60,7 +61,7 @@ def run(rank: int, world: int, port: int, name: str, cfg: dict, warmup: int, ste
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
                       NODE_RANK=str(rank // per_node))
-    values = measure(cfg, warmup, steps)
+    values = measure(cfg, warmup + ROWS[name].ramp, steps)  # the optimizer's steady state, as comm_bench
     if rank == 0:
         queue.put({"name": name, "params": values["params"], "bytes_per_step": values["sent"],
                    "step_s": sum(values["step_s"]) / steps, "ops": values["ops"]})

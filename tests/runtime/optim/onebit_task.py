@@ -52,6 +52,14 @@ def config(optimizer: dict, stage: int = 0, **extra: Any) -> dict:
             "gradient_clipping": 0.0, **extra}  # compared with torch's optimizers, which do not clip
 
 
+def linear_decay(lr: float, steps: int) -> dict:
+    """Config keys for ``lr`` decaying linearly to 0 over ``steps`` (DeepSpeed's ``WarmupDecayLR``,
+    which decays to ``warmup_min_lr``; its one warm-up step, the first, runs at lr 0)."""
+    return {"scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": steps, "warmup_num_steps": 1, "warmup_min_lr": 0.0, "warmup_max_lr": lr,
+        "warmup_type": "linear"}}}
+
+
 def weights(engine: Any) -> torch.Tensor:
     """The whole fp32 weights, flat (every rank the same)."""
     from dslaunch.utils import safe_get_full_fp32_param
