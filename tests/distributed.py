@@ -4,15 +4,18 @@ Ranks are forked from a forkserver that imported torch once, so a 4-rank test co
 milliseconds to start instead of four torch imports; each rank still gets a fresh process and
 its own process group. ``fn(rank, world_size, *args)`` must be a module-level function; its
 return value (picklable) comes back in a list ordered by rank. A rank that raises fails the
-test with that rank's traceback; a rank that hangs is killed at ``timeout``.
+test with that rank's traceback, one that exits without reporting with its exit code; a rank that
+hangs is killed at ``timeout``.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 from dslaunch.utils.ports import free_port
@@ -58,19 +61,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    failures: list[str] = []
+    failures = ["interrupted"]  # until _collect returns: stop the ranks below
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout)
-            if ok:
-                results[rank] = payload
-            else:
-                failures.append(f"rank {rank} failed:\n{payload}")
-                break  # peers would block in collectives; stop them below
-    except Exception as exc:  # queue.Empty: some rank hung
-        failures.append(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
-                        f"within {timeout}s ({type(exc).__name__})")
+        results, failures = _collect(procs, queue, timeout)
     finally:
         for p in procs:
             p.join(timeout=0 if failures else 10)
@@ -80,3 +73,30 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if failures:
         raise AssertionError("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def _collect(procs: list[Any], queue: Any, timeout: float) -> tuple[dict[int, Any], list[str]]:
+    """Each rank's report, by rank; stops at the first failure, at ranks that exited without
+    reporting (a crash, or an ``fn`` the rank could not unpickle: seen within ~2 s, not at
+    ``timeout``) or at ``timeout`` (a hang)."""
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    dead_before: set[int] = set()
+    while len(results) < len(procs):
+        try:
+            rank, ok, payload = queue.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+        except Empty:
+            dead = {r for r, p in enumerate(procs) if r not in results and p.exitcode is not None}
+            # a rank flushes its report before it exits: dead at the last poll too and still silent
+            if dead and dead <= dead_before:
+                codes = ", ".join(f"rank {r}: {procs[r].exitcode}" for r in sorted(dead))
+                return results, [f"ranks {sorted(dead)} exited without reporting (exit codes {codes})"]
+            dead_before = dead
+            if time.monotonic() >= deadline:
+                return results, [f"ranks {sorted(set(range(len(procs))) - set(results))} did not finish "
+                                 f"within {timeout}s (Empty)"]
+            continue
+        if not ok:
+            return results, [f"rank {rank} failed:\n{payload}"]  # peers would block in collectives: stopped
+        results[rank] = payload
+    return results, []
