@@ -168,13 +168,18 @@ class _CompressedMomentum:
             self.grad_scale = grad_scale
 
     @staticmethod
-    def _usable(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
-        """``m`` with zeros where the gradients stayed below eps (``v < eps^2``; a key bias, which
-        softmax ignores, is ~1e-11): Adam barely moves those, but a compressed momentum gives them a
-        whole sign times the scale, divided by ~eps. Masked where used, not where kept, so the momentum
-        every rank holds (and rebuilds after a load) stays the same everywhere. DeepSpeed takes such
-        masks by hand."""
-        return m.masked_fill(v < eps**2, 0.0)
+    def _negligible(v: torch.Tensor, eps: float) -> torch.Tensor:
+        """Where the gradients stayed below eps (``v < eps^2``; a key bias, which softmax ignores, is
+        ~1e-11): Adam barely moves those, but a compressed momentum gives them a whole sign times the
+        scale, divided by ~eps, so the 1-bit steps zero their momentum there. Masked where used, not
+        where kept, so the momentum every rank holds (and rebuilds after a load) stays the same
+        everywhere. DeepSpeed takes such masks by hand."""
+        return v < eps**2
+
+    @classmethod
+    def _usable(cls, m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+        """``m`` with zeros where ``_negligible``."""
+        return m.masked_fill(cls._negligible(v, eps), 0.0)
 
     @staticmethod
     def _adam_denominator(v: torch.Tensor, bc2_sqrt: float, eps: float, out: torch.Tensor) -> torch.Tensor:
@@ -230,9 +235,10 @@ class OneBitAdam(_CompressedMomentum, torch_optimizers.AdamW):
         bc1, bc2_sqrt = self._frozen_bias_corrections(group, float(state["step"]))
         w, m, v = p.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
         scratch = torch.empty(min(CHUNK_NUMEL, w.numel()), dtype=w.dtype, device=w.device)
+        size = float(group["lr"]) / bc1
         for a, b in spans(w.numel()):
             denom = self._adam_denominator(v[a:b], bc2_sqrt, group["eps"], scratch[:b - a])
-            self._adam_move(w[a:b], m[a:b], v[a:b], denom, group, float(group["lr"]) / bc1)
+            self._adam_move(w[a:b], m[a:b], v[a:b], denom, group, size)
 
 
 class OneBitLamb(_CompressedMomentum, Lamb):
@@ -372,11 +378,11 @@ class OneBitLamb(_CompressedMomentum, Lamb):
                     update = torch.add(update, weights[a:b], alpha=decay, out=buf2[:b - a])
                 weights[a:b].add_(update, alpha=scales[pid])
 
-    @staticmethod
-    def _masked_update(group: dict[str, Any], m: torch.Tensor, v: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
-        """m / ``denom`` (v's denominator, overwritten), zero where the frozen variance is below eps^2
-        (``_usable``'s mask, applied after the division: 0 / d is the masked momentum's value)."""
-        return torch.div(m, denom, out=denom).masked_fill_(v < group["eps"] ** 2, 0.0)
+    @classmethod
+    def _masked_update(cls, group: dict[str, Any], m: torch.Tensor, v: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+        """m / ``denom`` (v's denominator, overwritten), zero where ``_negligible`` (``_usable``'s mask,
+        applied after the division: 0 / d is the masked momentum's value)."""
+        return torch.div(m, denom, out=denom).masked_fill_(cls._negligible(v, group["eps"]), 0.0)
 
     def _scaling(self, index: int, state: dict) -> list[float]:
         """Per original parameter, its momentum scaling (DeepSpeed's ``scaling_coeff``): the mean of

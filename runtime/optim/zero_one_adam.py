@@ -120,7 +120,7 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
         if step == self.freeze_step + 1:  # what the errors hold is gradients, the exchange moves momenta now
             for error in self.exchange.errors.get(gi, {}).values():
                 error.zero_()
-        self._local_step(gi, group, state, factor, size, denominator)
+        self._local_step(gi, group, state, p, factor, size, denominator)
         if self._sync_step(step):
             self._synchronise(gi, group, state, p.view(-1), denominator)
 
@@ -156,10 +156,9 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
         self._all_reduce_compressed(gi, buf)
         return buf
 
-    def _local_step(self, gi: int, group: dict, state: dict, factor: float, size: float,
+    def _local_step(self, gi: int, group: dict, state: dict, p: torch.Tensor, factor: float, size: float,
                     denominator: Denominator) -> None:
         """This rank's own Adam step from its own gradient (``anchor``: the last common weights)."""
-        p = group["params"][0]
         w, m, v = p.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
         beta1 = group["betas"][0]
         if "anchor" not in state:
@@ -182,7 +181,7 @@ class ZeroOneAdam(_CompressedMomentum, torch_optimizers.AdamW):
             torch.sub(anchor[a:b], w[a:b], out=buf[a:b]).mul_(denominator(a, b))
         self._all_reduce_compressed(gi, buf)
         for a, b in spans(w.numel()):
-            averaged = buf[a:b].masked_fill_(v[a:b] < group["eps"] ** 2, 0.0)  # ``_usable``, in place
+            averaged = buf[a:b].masked_fill_(self._negligible(v[a:b], group["eps"]), 0.0)  # ``_usable``, in place
             m[a:b].copy_(averaged).div_(state["moved_lr"])
             w[a:b].copy_(anchor[a:b].sub_(averaged.div_(denominator(a, b))))  # the same bits on every rank
         state["moved_lr"] = 0.0

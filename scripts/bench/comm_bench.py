@@ -293,8 +293,9 @@ def markdown(result: dict) -> str:
              "both ways)."]
     ramps = [f"{r['name']} {r['untimed_steps'] - result['warmup']}" for r in rows
              if r.get("untimed_steps", result["warmup"]) > result["warmup"]]
-    lines += [f"Untimed steps after the warm-up, before the optimizer's steady state: {', '.join(ramps)}."] * bool(ramps)
-    lines += [""]
+    if ramps:
+        lines.append(f"Untimed steps after the warm-up, before the optimizer's steady state: {', '.join(ramps)}.")
+    lines.append("")
     lines += [f"- call {c['call']}: {c['started']}, {c['seconds']:.0f} s, load average (1 min) "
               f"{c['load'][0]:.2f} -> {c['load'][1]:.2f}" for c in result["calls"]]
     lines += ["", "| call | link | row | baseline | sent / rank / step | vs baseline | cross-node / step "

@@ -34,7 +34,7 @@ def _train_all(rank: int, world: int, cfgs: list[dict], steps: int = STEPS,
     held-out loss (``held_outs``)."""
     out = []
     for cfg in cfgs:
-        first = train(rank, world, cfg, steps, snapshots=snapshots, held_out=HELD_OUT)
+        first = train(rank, world, cfg, steps, snapshots=snapshots, seed=SEEDS[0], held_out=HELD_OUT)
         others = [train(rank, world, cfg, steps, seed=seed, held_out=HELD_OUT)["held_out"] for seed in SEEDS[1:]]
         out.append({**first, "held_outs": [first["held_out"], *others]})
     return out
