@@ -72,7 +72,7 @@ class Channels:
 
         Args:
             pids: rank -> pid of the ranks to dump (running ones).
-            wait: at most this long; a dump that keeps writing ends after 0.3 s of quiet.
+            wait: at most this long; a dump ends after 0.3 s of quiet at the end of a line.
 
         Returns:
             rank -> ``{"stopped": bool, "stack": text or None, "via": "faulthandler" or "py-spy"
@@ -111,9 +111,13 @@ class Channels:
             return {rank: {"stack": None, "via": None, **a} for rank, a in asked.items()}
 
     def _settled(self, ranks: list[int]) -> bool:
+        """Every rank's dump went quiet for 0.3 s on a whole line: faulthandler writes a frame's line
+        in pieces, and a rank descheduled mid-line under load once ended a dump at ``  File ``."""
         now = time.monotonic()
         with self._lock:
-            return all(r in self._stack_at and now - self._stack_at[r] > 0.3 for r in ranks)
+            return all(r in self._stack_at and now - self._stack_at[r] > 0.3
+                       and (self._stacks[r].endswith(b"\n") or len(self._stacks[r]) >= MAX_STACK_BYTES)
+                       for r in ranks)
 
     def close(self) -> None:
         """Stop reading (idempotent) once the workers' last writes are drained; the beats read so
