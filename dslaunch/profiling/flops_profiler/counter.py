@@ -23,11 +23,13 @@ Why not a ``TorchDispatchMode`` (the first version): every operator then paid ~1
 dispatch on this machine, more than a small model's operator itself; the profiler's callback is
 C++, and the Python work is paid once, after the step (``count_s``).
 
-The formulas (which operators count, from which shapes) are ``formulas.py``'s.
+The formulas (which operators count, from which shapes) are ``formulas.py``'s. An operator whose
+formula fails (or that is known to be uncountable from shapes) counts 0 and is named once in a
+warning (``uncounted``): the counting never raises into the step it profiles.
 
 Limitations: operators run by other threads (a DataLoader worker, gloo's) are not seen; a
-custom CUDA/Triton kernel that is not an aten operator counts nothing; formulas that need tensor
-values (variable-length attention's cumulative lengths) are not applied; torch's profiler must
+custom CUDA/Triton kernel that is not an aten operator counts nothing; operators whose flops need
+tensor values (variable-length attention's cumulative lengths) count 0 (warned); torch's profiler must
 not be running already (one profiler per process). When torch's non-reentrant checkpoint stops a
 recomputation early inside a matmul that saves its inputs first, the module hooks see the stop
 and that matmul is not counted; where the checkpointed code is a plain function, not a module,
@@ -36,6 +38,7 @@ nothing sees it and that one matmul counts.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections import Counter
@@ -47,9 +50,11 @@ import torch
 import torch.utils.checkpoint
 
 from dslaunch.errors import UsageError
-from dslaunch.profiling.flops_profiler.formulas import ATTENTION_KERNELS, FORMULAS
+from dslaunch.profiling.flops_profiler.formulas import ATTENTION_KERNELS, FORMULAS, Uncountable
 
 __all__ = ["FlopCounter", "ModuleStats", "warm_up"]
+
+log = logging.getLogger("dslaunch.profiling")
 
 _MARK = "dslaunch.flops."
 _BACKWARD_NODE = "autograd::engine::evaluate_function: "
@@ -150,6 +155,8 @@ class FlopCounter:
         self.ops: Counter = Counter()
         self.count_s = 0.0
         """Seconds spent in ``stop()`` turning the record into counts (paid after the step)."""
+        self.uncounted: dict[str, str] = {}
+        """Operators that ran but could not be counted (counted 0, warned once), with the reason."""
         self._starts: dict[torch.nn.Module, list[float]] = {}
         self._names: dict[torch.nn.Module, tuple[str, str]] = {}
         self._marks: dict[str, tuple[str, Any]] = {_MARK + k: (k, None) for k in ("pause", "resume", "stop")}
@@ -296,9 +303,22 @@ class FlopCounter:
             end = e.end_ns()
             stack.append((end, None))
             if f.counting and not where.ignored:
-                op, flops, backward = name, formula(*_arguments(e)), node is not None
+                op, flops, backward = name, self._flops(name, formula, e), node is not None
                 self._add(op, flops, where, backward)
                 last[thread] = (op, flops, where, backward, end)
+
+    def _flops(self, name: str, formula: Callable[..., int], e: Any) -> int:
+        """``formula`` on ``e``'s recorded arguments; an operator it cannot count counts 0, with one
+        warning per operator (a profiled step must never fail on the counting)."""
+        try:
+            return int(formula(*_arguments(e)))
+        except Exception as err:  # noqa: BLE001 - any formula's failure is the same to the step
+            if name not in self.uncounted:
+                why = str(err) if isinstance(err, Uncountable) else f"{type(err).__name__}: {err}"
+                self.uncounted[name] = why
+                log.warning("dslaunch flops profiler: %s not counted (%s); its flops are left out of the "
+                            "totals", name, why.splitlines()[0] if why else "no reason given")
+            return 0
 
     def _undo_unrun(self, count: tuple[str, int, _Context, bool, int] | None, latest: int) -> None:
         """A checkpoint's recomputation was stopped inside an operator. If it was the last counted

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from dslaunch.profiling.flops_profiler.counter import warm_up
 from dslaunch.profiling.flops_profiler.mfu import log, peak_flops, throughput
 from dslaunch.profiling.flops_profiler.profiler import FlopsProfiler
-from dslaunch.profiling.flops_profiler.report import StepTiming, number_to_string
+from dslaunch.profiling.flops_profiler.report import Profile, StepTiming, number_to_string
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
 from dslaunch.runtime.events import Observer, StepRecord
 
@@ -55,6 +55,8 @@ class FlopsProfilerObserver(Observer):
         self._tokens: int | None = None
         self._input_hook: Any = None
         self.done = False
+        self._broken: str | None = None
+        """Why profiling the step failed (warned once; training went on)."""
         self._step_flops: int | None = None
         self._sync = torch.cuda.synchronize if engine.device.type == "cuda" else None
         # Paid here, not in the profiled step: the first torch profiler session's set-up (seconds) and
@@ -63,11 +65,27 @@ class FlopsProfilerObserver(Observer):
         self._peak = peak_flops(engine.device, engine.precision.model_dtype)
 
     def _profiling(self) -> bool:
-        return not self.done and self.engine.global_steps == self.cfg.profile_step
+        return not self.done and self._broken is None and self.engine.global_steps == self.cfg.profile_step
 
+    # The step's hooks: whatever goes wrong in the profiling is one warning, never the user's step
+    # (``_give_up``); the counting stops, and the step's end still takes part in the sums.
     def phase_begin(self, name: str) -> None:
         if not self._profiling():
             return
+        try:
+            self._phase_begin(name)
+        except Exception as err:  # noqa: BLE001 - see above
+            self._give_up(err)
+
+    def phase_end(self, name: str) -> None:
+        if name not in self._began:
+            return
+        try:
+            self._phase_end(name)
+        except Exception as err:  # noqa: BLE001 - see above
+            self._give_up(err)
+
+    def _phase_begin(self, name: str) -> None:
         if self._first is None:
             if torch.autograd._profiler_enabled():
                 self._skip()
@@ -82,9 +100,7 @@ class FlopsProfilerObserver(Observer):
             self._sync()
         self._began[name] = time.perf_counter()
 
-    def phase_end(self, name: str) -> None:
-        if name not in self._began:
-            return
+    def _phase_end(self, name: str) -> None:
         if self._sync is not None:
             self._sync()
         self.phase_s[name] += time.perf_counter() - self._began.pop(name)
@@ -94,10 +110,25 @@ class FlopsProfilerObserver(Observer):
 
     def _start(self) -> None:
         self._first = time.perf_counter()
+        self._input_hook = self.engine.module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         self.profiler.start_profile()
         assert self.profiler.counter is not None
         self.profiler.counter.pause()  # counted only inside forward and backward
-        self._input_hook = self.engine.module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+
+    def _give_up(self, err: BaseException) -> None:
+        """One warning; the hooks and torch's profiler session end; training goes on."""
+        if self._broken is None:
+            self._broken = f"{type(err).__name__}: {err}".splitlines()[0]
+            log.warning("dslaunch flops profiler: profiling step %d failed (%s); no profile for it, training "
+                        "goes on", self.cfg.profile_step, self._broken)
+        self._began.clear()
+        if self._input_hook is not None:
+            self._input_hook.remove()
+            self._input_hook = None
+        try:
+            self.profiler.end_profile()
+        except Exception:  # noqa: BLE001 - already warned; a half-built profile is dropped
+            self.profiler.counter, self.profiler.started = None, False
 
     def _skip(self) -> None:
         # The counter records through torch's profiler, one per process: a user's torch.profiler
@@ -107,7 +138,7 @@ class FlopsProfilerObserver(Observer):
                     self.engine.global_steps)
         self.done = True
         if self.engine.mp_world_size > 1:
-            self._model_sums(0, 0)  # the ranks that profile sum over the model-parallel group: take part
+            self._model_sums(None)  # the ranks that profile sum over the model-parallel group: take part
 
     def _count_tokens(self, module: Any, args: Any, kwargs: Any) -> None:
         n = tokens_in(args, kwargs)
@@ -118,10 +149,27 @@ class FlopsProfilerObserver(Observer):
         if self._first is None or self.done:
             return
         iter_s = time.perf_counter() - self._first
-        self.profiler.stop_profile()
-        self._input_hook.remove()
         self.done = True
-        timing = self._timing(record, iter_s)
+        p = None
+        if self._broken is None:
+            try:
+                self.profiler.stop_profile()
+                p = self.profiler.profile()
+            except Exception as err:  # noqa: BLE001 - see phase_begin
+                self._give_up(err)
+        if self._input_hook is not None:
+            self._input_hook.remove()
+            self._input_hook = None
+        sums = self._model_sums(p)  # collective: also when this rank could not count
+        if p is None:
+            return
+        try:
+            self._report(record, p, iter_s, sums)
+        except Exception as err:  # noqa: BLE001 - see phase_begin
+            self._give_up(err)
+
+    def _report(self, record: StepRecord, p: Profile, iter_s: float, sums: tuple[int, int, int, bool]) -> None:
+        timing = self._timing(record, p, iter_s, sums)
         self.profiler.timing = timing
         if self.engine.global_rank == 0:
             self.profiler.print_model_profile(record.step - 1, self.cfg.module_depth, self.cfg.top_modules,
@@ -132,23 +180,29 @@ class FlopsProfilerObserver(Observer):
         """This rank's forward + backward FLOPs of the profiled step, once it is done (else None)."""
         return self._step_flops
 
-    def _timing(self, record: StepRecord, iter_s: float) -> StepTiming:
-        e, p = self.engine, self.profiler.profile()
+    def _timing(self, record: StepRecord, p: Profile, iter_s: float, sums: tuple[int, int, int, bool]) -> StepTiming:
+        e = self.engine
         flops = self._step_flops = p.fwd_flops + p.bwd_flops
-        model_params, model_flops = self._model_sums(p.params, flops)
+        model_params, model_fwd, model_flops, complete = sums
         tp = throughput(flops, iter_s, e.device, e.precision.model_dtype, self._peak)
         mfu = (f"{100 * tp.mfu:.2f}% of {number_to_string(tp.peak.flops)}FLOPS ({tp.peak.source})"
                if tp.mfu is not None and tp.peak is not None else "n/a (no peak known for this device)")
         tokens_per_s = self._tokens * e.dp_world_size / iter_s if self._tokens and iter_s > 0 else None
-        return StepTiming(record.step - 1, e.world_size, e.dp_world_size, e.mp_world_size, self._micro,
-                          e.train_micro_batch_size_per_gpu() * self._micro, self.phase_s["forward"],
-                          self.phase_s["backward"], self.phase_s["allreduce"], self.phase_s["step"], iter_s,
-                          model_params, model_flops, mfu, tokens_per_s)
+        micro_batch = e.train_micro_batch_size_per_gpu()
+        return StepTiming(record.step - 1, e.world_size, e.dp_world_size, e.mp_world_size, micro_batch, self._micro,
+                          micro_batch * self._micro, self.phase_s["forward"], self.phase_s["backward"],
+                          self.phase_s["allreduce"], self.phase_s["step"], iter_s, model_params, model_fwd,
+                          model_flops, mfu, tokens_per_s, complete)
 
-    def _model_sums(self, params: int, flops: int) -> tuple[int, int]:
-        """Params and flops of the whole model: summed over the model-parallel group (collective)."""
+    def _model_sums(self, p: Profile | None) -> tuple[int, int, int, bool]:
+        """Params, fwd flops and fwd+bwd flops of the whole model, summed over the model-parallel
+        group, and whether every rank of it counted (``p`` None: this one did not).
+
+        collective: every rank of the model-parallel group, profiled or not.
+        """
+        mine = [0, 0, 0, 1] if p is None else [p.params, p.fwd_flops, p.fwd_flops + p.bwd_flops, 0]
         if self.engine.mp_world_size <= 1:
-            return params, flops
-        both = torch.tensor([params, flops], dtype=torch.float64, device=self.engine.device)
+            return mine[0], mine[1], mine[2], not mine[3]
+        both = torch.tensor(mine, dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(both, group=self.engine.grid.get_model_parallel_group())
-        return int(both[0].item()), int(both[1].item())
+        return int(both[0].item()), int(both[1].item()), int(both[2].item()), not both[3].item()

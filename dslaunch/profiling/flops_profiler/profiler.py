@@ -197,9 +197,8 @@ class FlopsProfiler:
             output_file: write there (appending) instead of stdout.
         """
         p = self.profile()
-        lines = summary_lines(p, self.timing)
-        if self.timing is None:
-            lines[1] = lines[1].replace("Profile summary", f"Profile summary at step {profile_step}", 1)
+        fwd_s = p.rows[0].fwd_duration if p.rows else 0.0
+        lines = summary_lines(p, self.timing, profile_step, fwd_s)
         lines += aggregated_lines(p, module_depth, top_modules) + (detailed_lines(p, module_depth) if detailed else [])
         text = "\n".join(lines) + "\n"
         with open(output_file, "a", encoding="utf-8") if output_file else nullcontext(sys.stdout) as out:

@@ -110,6 +110,8 @@ class StepTiming:
     world_size: int
     dp_size: int
     mp_size: int
+    micro_batch: int
+    """``train_micro_batch_size_per_gpu`` (DeepSpeed's "batch size per GPU")."""
     micro_steps: int
     samples: int
     """Samples this rank processed in the step (micro batch x accumulation steps)."""
@@ -120,47 +122,77 @@ class StepTiming:
     iter_s: float
     """Wall time from the first forward's start to the optimizer step's end."""
     model_params: int
+    model_fwd_flops: int
     model_flops: int
-    """Forward + backward flops of the whole model: summed over the model-parallel group."""
+    """Forward (and forward + backward) flops of the whole model: summed over the model-parallel
+    group (None-free: a rank whose counting failed adds 0 and ``complete`` is False)."""
     mfu: str
     tokens_per_s: float | None = None
+    complete: bool = True
+    """Every rank of the model-parallel group counted its part."""
+
+
+_NOTE = ("flops: matmul-like aten operators counted as run (matmuls, convolutions, RNN kernels, attention), "
+         "1 MAC = 2 flops; bwd measured; model = summed over the model-parallel ranks; iter latency = first "
+         "forward to step end")
 
 
 def _line(label: str, value: object) -> str:
-    return f"{label + ':':<64}{value}"
+    """DeepSpeed's summary line: the label and ': ' padded to 70, two spaces, the value."""
+    return f"{label + ': ':<70}  {value}"
 
 
-def summary_lines(p: Profile, t: StepTiming | None) -> list[str]:
+def summary_lines(p: Profile, t: StepTiming | None, profile_step: int | None = None,
+                  fwd_s: float | None = None) -> list[str]:
+    """DeepSpeed's summary lines, in its order and with its names up to ``=`` or ``:`` (what a
+    log parser reads), plus dslaunch's (measured backward, allreduce, MFU, tokens/s) after the
+    line they belong with. Without an engine's ``t``: the counts and ``fwd_s`` (the model's
+    forward time), as DeepSpeed's ``FlopsProfiler`` alone prints them.
+    """
     fwd, bwd = p.fwd_flops, p.bwd_flops
+    step = t.step if t is not None else profile_step
     bwd_label = "bwd flops per GPU (measured)" if p.bwd_measured else \
         f"bwd flops per GPU (estimated: (2 + {p.recompute_fwd_factor:g}) x fwd)"
-    head = [f"{' dslaunch flops profiler ':-^90}",
-            f"Profile summary{f' at step {t.step}' if t else ''} (flops counted per aten operator: "
-            "matmuls, convolutions, attention; 1 MAC = 2 flops)"]
+    out = [f"{' dslaunch Flops Profiler ':-^78}",
+           f"Profile Summary{f' at step {step}' if step is not None else ''}:", _NOTE]
     if t is not None:
-        head += [_line("world size", t.world_size), _line("data parallel size", t.dp_size),
-                 _line("model parallel size", t.mp_size),
-                 _line("batch size per GPU (samples per step)", f"{t.samples} in {t.micro_steps} micro steps")]
-    out = [*head, _line("params per GPU", params_to_string(p.params))]
+        out += [_line("world size", t.world_size), _line("data parallel size", t.dp_size),
+                _line("model parallel size", t.mp_size), _line("batch size per GPU", t.micro_batch),
+                _line("gradient accumulation steps", t.micro_steps)]
+    out.append(_line("params per GPU", params_to_string(p.params)))
     if t is not None:
-        out.append(_line("params of model (summed over the model-parallel group)", params_to_string(t.model_params)))
-    out += [_line("fwd MACs per GPU", macs_to_string(fwd / 2)), _line("fwd flops per GPU", flops_to_string(fwd)),
-            _line(bwd_label, flops_to_string(bwd)), _line("fwd+bwd flops per GPU", flops_to_string(fwd + bwd))]
+        out.append(_line("params of model = params per GPU summed over mp ranks", _whole(t, t.model_params,
+                                                                                       params_to_string)))
+    out += [_line("fwd MACs per GPU", macs_to_string(fwd / 2)), _line("fwd flops per GPU", flops_to_string(fwd))]
+    if t is not None:
+        out.append(_line("fwd flops of model = fwd flops per GPU summed over mp ranks",
+                         _whole(t, t.model_fwd_flops, flops_to_string)))
+    out += [_line(bwd_label, flops_to_string(bwd)), _line("fwd+bwd flops per GPU", flops_to_string(fwd + bwd))]
     if t is None:
+        if fwd_s:
+            out += [_line("fwd latency", duration_to_string(fwd_s)),
+                    _line("fwd FLOPS per GPU = fwd flops per GPU / fwd latency", _rate(fwd, fwd_s))]
         return out
-    out += [_line("fwd+bwd flops of model (summed over the model-parallel group)", flops_to_string(t.model_flops)),
-            _line("fwd latency", duration_to_string(t.fwd_s)), _line("fwd FLOPS per GPU", _rate(fwd, t.fwd_s)),
-            _line("bwd latency", duration_to_string(t.bwd_s)), _line("bwd FLOPS per GPU", _rate(bwd, t.bwd_s)),
-            _line("fwd+bwd FLOPS per GPU", _rate(fwd + bwd, t.fwd_s + t.bwd_s)),
+    out += [_line("fwd+bwd flops of model = summed over mp ranks", _whole(t, t.model_flops, flops_to_string)),
+            _line("fwd latency", duration_to_string(t.fwd_s)),
+            _line("fwd FLOPS per GPU = fwd flops per GPU / fwd latency", _rate(fwd, t.fwd_s)),
+            _line("bwd latency", duration_to_string(t.bwd_s)),
+            _line("bwd FLOPS per GPU = bwd flops per GPU / bwd latency", _rate(bwd, t.bwd_s)),
+            _line("fwd+bwd FLOPS per GPU = fwd+bwd flops per GPU / (fwd+bwd latency)",
+                  _rate(fwd + bwd, t.fwd_s + t.bwd_s)),
             _line("allreduce latency", duration_to_string(t.allreduce_s)),
             _line("step latency", duration_to_string(t.step_s)),
-            _line("iter latency (first forward to step end)", duration_to_string(t.iter_s)),
-            _line("achieved FLOPS per GPU (fwd+bwd flops / iter latency)", _rate(fwd + bwd, t.iter_s)),
+            _line("iter latency", duration_to_string(t.iter_s)),
+            _line("FLOPS per GPU = fwd+bwd flops per GPU / iter latency", _rate(fwd + bwd, t.iter_s)),
             _line("MFU", t.mfu),
-            _line("samples/second (all ranks)", f"{t.samples * t.dp_size / t.iter_s:.2f}" if t.iter_s else "n/a")]
+            _line("samples/second", f"{t.samples * t.dp_size / t.iter_s:.2f}" if t.iter_s else "n/a")]
     if t.tokens_per_s is not None:
-        out.append(_line("tokens/second (all ranks)", f"{t.tokens_per_s:.1f}"))
+        out.append(_line("tokens/second", f"{t.tokens_per_s:.1f}"))
     return out
+
+
+def _whole(t: StepTiming, value: float, fmt: Callable[[float], str]) -> str:
+    return fmt(value) if t.complete else f"{fmt(value)} (incomplete: a model-parallel rank could not count)"
 
 
 def aggregated_lines(p: Profile, module_depth: int = -1, top_modules: int = 1) -> list[str]:
@@ -172,7 +204,7 @@ def aggregated_lines(p: Profile, module_depth: int = -1, top_modules: int = 1) -
             agg[0] += r.params
             agg[1] += r.fwd_flops / 2
             agg[2] += r.fwd_duration
-    out = [f"{' Aggregated profile per GPU ':-^90}",
+    out = [f"{' Aggregated Profile per GPU ':-^78}",
            f"Top {top_modules} module type(s) by params, fwd MACs and fwd latency at each depth:"]
     for depth in sorted(by_depth):
         types = by_depth[depth]
@@ -191,7 +223,7 @@ def detailed_lines(p: Profile, module_depth: int = -1) -> list[str]:
     """The module tree, one line per module: params, fwd MACs, fwd and bwd flops, latency, FLOPS."""
     total_params, total_fwd = max(p.params, 1), max(p.fwd_flops, 1)
     root_s = max(p.rows[0].fwd_duration, 1e-12) if p.rows else 1.0
-    out = [f"{' Detailed profile per GPU ':-^90}",
+    out = [f"{' Detailed Profile per GPU ':-^78}",
            "Each module: params (% of model), fwd MACs (% of model fwd), fwd flops, bwd flops, fwd latency "
            "(% of the model's), fwd FLOPS. A parent's counts include its children's; what runs in a parent "
            "outside its children (a functional loss, say) makes up the difference."]

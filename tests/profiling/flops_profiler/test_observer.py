@@ -16,6 +16,29 @@ pytestmark = pytest.mark.timeout(180)
 
 B, T, GAS = 2, 16, 2
 
+DEEPSPEED_SUMMARY = ["world size", "data parallel size", "model parallel size", "batch size per GPU",
+                     "params per GPU", "params of model", "fwd MACs per GPU", "fwd flops per GPU",
+                     "fwd flops of model", "fwd latency", "fwd FLOPS per GPU", "bwd latency", "bwd FLOPS per GPU",
+                     "fwd+bwd FLOPS per GPU", "step latency", "iter latency", "FLOPS per GPU", "samples/second"]
+"""The lines of DeepSpeed 0.19's ``print_model_profile`` summary with an engine, in its order, by
+their names up to `` = `` or ``:`` (what a log parser keys on)."""
+
+
+def _summary(text: str) -> dict[str, str]:
+    """The summary's ``name: value`` lines by name, in order (the first block of the text)."""
+    block = text.split("Aggregated Profile per GPU")[0]
+    out = {}
+    for line in block.splitlines():
+        if ":  " in line:
+            label, value = line.split(":", 1)
+            out[label.split(" = ")[0].strip()] = value.strip()
+    return out
+
+
+def _seconds(duration: str) -> float:
+    value, unit = duration.split()
+    return float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
 
 def _train(rank: int, world: int, stage: int, checkpoint: bool, out: str) -> list:
     import torch
@@ -58,8 +81,13 @@ def test_the_profiled_step_is_counted_exactly(tmp_path, stage: int, checkpoint: 
         assert (at, micro, samples, model_flops) == (1, GAS, B * GAS, fwd_flops + bwd_flops)
         assert tokens and whole
     text = open(out).read()
-    assert text.count("dslaunch flops profiler") == 1  # rank 0 only, once
-    assert "Profile summary at step 1" in text and "MFU:" in text and "measured" in text
+    assert text.count("dslaunch Flops Profiler") == 1  # rank 0 only, once
+    assert "Profile Summary at step 1:" in text and "MFU:" in text and "measured" in text
+    summary = _summary(text)
+    assert [name for name in summary if name in DEEPSPEED_SUMMARY] == DEEPSPEED_SUMMARY  # its names, its order
+    assert (summary["world size"], summary["data parallel size"], summary["model parallel size"],
+            summary["batch size per GPU"], summary["gradient accumulation steps"]) == ("2", "2", "1", str(B), str(GAS))
+    assert float(summary["samples/second"]) == pytest.approx(B * GAS * 2 / _seconds(summary["iter latency"]), rel=0.01)
     assert "(blocks): ModuleList" in text and "(attn): Attention" not in text  # module_depth 2
     assert "bwd flops per GPU (measured)" in text and "tokens/second" in text
 

@@ -31,7 +31,7 @@ def test_get_model_profile_counts_one_forward_after_warm_up(tmp_path) -> None:
     text = out.read_text()
     assert "fwd flops per GPU:" in text and "6.40 KFLOPs" in text
     assert "bwd flops per GPU (estimated: (2 + 0) x fwd)" in text  # no backward ran
-    assert "(0): Linear" in text and "(2): Linear" in text and "Aggregated profile" in text
+    assert "(0): Linear" in text and "(2): Linear" in text and "Aggregated Profile per GPU" in text
 
 
 def test_a_backward_while_profiling_is_measured_not_assumed(capsys) -> None:
@@ -49,7 +49,8 @@ def test_a_backward_while_profiling_is_measured_not_assumed(capsys) -> None:
     assert prof.get_total_duration() > 0 and prof.get_total_duration(as_string=True).endswith("s")
     prof.print_model_profile(profile_step=3, detailed=False)
     text = capsys.readouterr().out
-    assert "at step 3" in text and "bwd flops per GPU (measured)" in text and "Detailed" not in text
+    assert "Profile Summary at step 3:" in text and "bwd flops per GPU (measured)" in text and "Detailed" not in text
+    assert "fwd latency:" in text and "fwd FLOPS per GPU = fwd flops per GPU / fwd latency:" in text
     prof.end_profile()
     assert prof.last is not None and prof.last.bwd_measured and prof.counter is None
     model(x)  # hooks are gone
