@@ -201,6 +201,15 @@ class FlopCounter:
         self._hooks.clear()
         self._count_recorded()
 
+    def discard(self) -> None:
+        """Stop recording and count nothing (the hooks go, torch's profiler session ends)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        session, self._session = self._session, None
+        if session is not None:
+            session.__exit__(None, None, None)
+
     def flush(self) -> None:
         """Count what was recorded so far and record on (DeepSpeed's readers may be called while
         started: its own example reads the totals between forward and backward)."""

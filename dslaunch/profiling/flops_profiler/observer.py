@@ -115,20 +115,20 @@ class FlopsProfilerObserver(Observer):
         assert self.profiler.counter is not None
         self.profiler.counter.pause()  # counted only inside forward and backward
 
-    def _give_up(self, err: BaseException) -> None:
-        """One warning; the hooks and torch's profiler session end; training goes on."""
+    def _give_up(self, err: BaseException, keep_counts: bool = False) -> None:
+        """One warning; the hooks and torch's profiler session end; training goes on. The counts
+        are dropped unless ``keep_counts`` (only the report failed: ``last`` keeps them)."""
         if self._broken is None:
             self._broken = f"{type(err).__name__}: {err}".splitlines()[0]
-            log.warning("dslaunch flops profiler: profiling step %d failed (%s); no profile for it, training "
-                        "goes on", self.cfg.profile_step, self._broken)
+            log.warning("dslaunch flops profiler: profiling step %d failed (%s); training goes on", self.cfg.profile_step, self._broken)
         self._began.clear()
         if self._input_hook is not None:
             self._input_hook.remove()
             self._input_hook = None
-        try:
+        if keep_counts:
             self.profiler.end_profile()
-        except Exception:  # noqa: BLE001 - already warned; a half-built profile is dropped
-            self.profiler.counter, self.profiler.started = None, False
+        else:
+            self.profiler.discard()
 
     def _skip(self) -> None:
         # The counter records through torch's profiler, one per process: a user's torch.profiler
@@ -166,7 +166,7 @@ class FlopsProfilerObserver(Observer):
         try:
             self._report(record, p, iter_s, sums)
         except Exception as err:  # noqa: BLE001 - see phase_begin
-            self._give_up(err)
+            self._give_up(err, keep_counts=True)
 
     def _report(self, record: StepRecord, p: Profile, iter_s: float, sums: tuple[int, int, int, bool]) -> None:
         timing = self._timing(record, p, iter_s, sums)

@@ -132,6 +132,12 @@ class FlopsProfiler:
             self.last = self.profile()
         self.counter, self._stopped = None, None
 
+    def discard(self) -> None:
+        """Stop counting and drop the counts (``last`` keeps an earlier profile)."""
+        if self.counter is not None:
+            self.counter.discard()
+        self.counter, self._stopped, self.started = None, None, False
+
     # ----- results ---------------------------------------------------------------------------
     def profile(self) -> Profile:
         """The counts as a ``Profile`` (the tables' input): what was counted up to the last

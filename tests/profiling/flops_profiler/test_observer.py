@@ -177,3 +177,61 @@ def test_a_step_under_torchs_profiler_is_skipped_with_one_line(tmp_path) -> None
     [[steps, nothing, seen]] = run_world(_under_torch_profiler, 1, str(out))
     assert steps == 3 and nothing and not out.exists()  # trained on, nothing profiled
     assert len(seen) == 1 and "torch.profiler is running at step 1" in seen[0] and "\n" not in seen[0]
+
+
+def _cifar(rank: int, world: int, out: str, fail: str | None) -> list:
+    import logging
+
+    import torch
+    import torch.nn.functional as F
+
+    import dslaunch
+    from dslaunch.profiling.flops_profiler import mfu
+    from dslaunch.profiling.flops_profiler.counter import FlopCounter
+    from dslaunch.profiling.flops_profiler.formulas import FORMULAS
+    from tests.profiling.flops_profiler.cifar import cifar_net
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("made to fail")
+
+    os.environ[mfu.CACHE_ENV] = out + ".peak.json"
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dslaunch.profiling").addHandler(handler)
+    if fail == "formula":
+        FORMULAS["aten::convolution_backward"] = broken
+    elif fail == "counting":
+        FlopCounter._replay = broken  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 100,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "flops_profiler": {"enabled": True, "profile_step": 2, "output_file": out}}
+    engine, *_ = dslaunch.initialize(model=cifar_net(), config=cfg)
+    losses = []
+    for _ in range(4):
+        loss = F.cross_entropy(engine(torch.randn(4, 3, 32, 32)), torch.randint(0, 10, (4,)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    last = engine.flops_profiler.last
+    return [engine.global_steps, losses, last and (last.fwd_flops, last.bwd_flops), seen]
+
+
+def test_deepspeeds_cifar_model_is_profiled_and_a_failing_count_never_stops_training(tmp_path) -> None:
+    from tests.profiling.flops_profiler.cifar import cifar_flops
+
+    fwd, bwd, convs_bwd = cifar_flops(4)
+    runs = {fail: run_world(_cifar, 1, str(tmp_path / f"{fail}.txt"), fail)[0] for fail in (None, "formula", "counting")}
+    steps, losses, counts, seen = runs[None]
+    assert steps == 4 and counts == (fwd, bwd) and seen == []
+    assert "Profile Summary at step 2:" in (tmp_path / "None.txt").read_text()
+    for fail in ("formula", "counting"):
+        assert runs[fail][:2] == [4, losses]  # trained on, the same steps
+    _, _, counts, seen = runs["formula"]
+    assert counts == (fwd, bwd - convs_bwd)  # the operator skipped, the rest counted
+    assert len(seen) == 1 and "aten::convolution_backward not counted (RuntimeError: made to fail)" in seen[0]
+    _, _, counts, seen = runs["counting"]
+    assert counts is None and not (tmp_path / "counting.txt").exists()
+    assert len(seen) == 1 and "profiling step 2 failed (RuntimeError: made to fail)" in seen[0]
+    assert "training goes on" in seen[0] and "\n" not in seen[0]
