@@ -9,7 +9,8 @@ engine given that grid (``DeepSpeedEngine``).
 instructions per stage, executed in order by ``_INSTRUCTION_MAP``. The ZeRO strategy sees each
 micro batch's backward as one micro step of the accumulation (the last one is the boundary), so
 stages 0-2, offload and the loss scaler work unchanged. The engine's ``events`` get a forward and a
-backward phase per micro batch and one ``StepRecord`` per ``train_batch``.
+backward phase per micro batch and one ``StepRecord`` per ``train_batch``; every ``steps_per_print``
+steps rank 0 prints DeepSpeed's ``steps: N loss: X iter time (s): T samples/sec: S`` line.
 
 Checkpoints hold each rank's part, named by its coordinates, with one file per layer
 (``runtime/checkpoint/model_parallel.py``); they load at another pipeline shape.
@@ -36,6 +37,7 @@ from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.pipe import p2p
 from dslaunch.runtime.pipe import schedule as sched
 from dslaunch.runtime.pipe.module import PipelineModule
+from dslaunch.runtime.timers import Timer
 
 __all__ = ["PipelineEngine"]
 
@@ -109,6 +111,8 @@ class PipelineEngine(DeepSpeedEngine):
         """Set when a batch raised mid-schedule: what happened (``_refuse_out_of_step``)."""
         self._stops: list[p2p.PendingSend] = []
         """The stops sent for the messages of that batch (kept alive until they land)."""
+        self._batch_timer = Timer("train_batch")
+        """``train_batch``'s time since the last per-step line (``_print_batch_line``)."""
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             self.set_dataiterator(RepeatingLoader(self.training_dataloader))
 
@@ -156,8 +160,28 @@ class PipelineEngine(DeepSpeedEngine):
         self.module.train()
         self.zero.pre_forward()
         batch = _Batch(self.micro_batches, train=True)
-        self._execute(self.schedule_type(self.micro_batches, self.num_stages, self.stage_id, self.chunks), batch)
+        self._batch_timer.start()
+        try:
+            self._execute(self.schedule_type(self.micro_batches, self.num_stages, self.stage_id, self.chunks), batch)
+        finally:
+            self._batch_timer.stop()
+        self._print_batch_line()
         return self.agg_train_loss
+
+    def _print_batch_line(self) -> None:
+        """DeepSpeed's per-step line: every ``steps_per_print`` steps, global rank 0 prints the
+        batch's loss (its micro batches' mean, averaged over the replicas: ``agg_train_loss``),
+        the mean ``train_batch`` time since the last line and ``train_batch_size`` over it."""
+        every = self._config.steps_per_print
+        if not every or self.global_steps % every:
+            return
+        batches = self._batch_timer.count  # DeepSpeed divides by steps_per_print: wrong after a resume
+        seconds = self._batch_timer.elapsed(reset=True) / max(1, batches)
+        if self.global_rank != 0:
+            return
+        rate = f"{self.train_batch_size() / seconds:0.3f}" if seconds > 0 else "n/a"
+        print(f"steps: {self.global_steps} loss: {float(self.agg_train_loss):0.4f} iter time (s): {seconds:0.3f} "
+              f"samples/sec: {rate}", flush=True)
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", bcast_loss: bool = True,

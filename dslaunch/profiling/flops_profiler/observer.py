@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,18 +71,16 @@ class FlopsProfilerObserver(Observer):
     # The step's hooks: whatever goes wrong in the profiling is one warning, never the user's step
     # (``_give_up``); the counting stops, and the step's end still takes part in the sums.
     def phase_begin(self, name: str) -> None:
-        if not self._profiling():
-            return
-        try:
-            self._phase_begin(name)
-        except Exception as err:  # noqa: BLE001 - see above
-            self._give_up(err)
+        if self._profiling():
+            self._guarded(self._phase_begin, name)
 
     def phase_end(self, name: str) -> None:
-        if name not in self._began:
-            return
+        if name in self._began:
+            self._guarded(self._phase_end, name)
+
+    def _guarded(self, hook: Callable[[str], None], name: str) -> None:
         try:
-            self._phase_end(name)
+            hook(name)
         except Exception as err:  # noqa: BLE001 - see above
             self._give_up(err)
 

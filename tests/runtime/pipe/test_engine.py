@@ -230,3 +230,40 @@ def test_a_batch_that_raised_mid_schedule_stops_every_stage_and_the_next_with_on
                            "messages between the stages are half exchanged; restart the job (or resume "
                            "from the last checkpoint)")
         assert eval_refused == refused.replace("train_batch()", "eval_batch()")
+
+
+def _printed(rank: int, world: int, steps: int, every: int) -> dict:
+    import contextlib
+    import io
+
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    module = PipelineModule(helpers.layers(), num_stages=2, loss_fn=helpers.loss_fn, seed_layers=True,
+                            base_seed=helpers.BASE_SEED)
+    engine, *_ = dslaunch.initialize(model=module, config=helpers.config(2, LR, steps_per_print=every))
+    data = helpers.replica_iter(steps, 2, world // 2, engine.grid.get_data_parallel_rank())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = [engine.train_batch(data).item() for _ in range(steps)]
+    return {"lines": [line for line in out.getvalue().splitlines() if line.startswith("steps: ")],
+            "losses": losses, "batch": engine.train_batch_size()}
+
+
+def test_rank_0_prints_deepspeeds_per_step_line_with_the_replicas_mean_loss() -> None:
+    import re
+
+    got = run_world(_printed, 4, 5, 2, timeout=150)  # 2 stages x 2 replicas, 2 micro batches each
+    want, _ = helpers.reference(5, 2, 2, LR)  # the mean over the step's 4 micro batches, in one process
+    assert all(not r["lines"] for r in got[1:])  # DeepSpeed's: global rank 0 only
+    lines = got[0]["lines"]
+    assert len(lines) == 2  # at steps 2 and 4
+    for line, step in zip(lines, (2, 4), strict=True):
+        m = re.fullmatch(r"steps: (\d+) loss: (\d+\.\d{4}) iter time \(s\): (\d+\.\d{3}) samples/sec: (\d+\.\d{3})",
+                         line)
+        assert m, line
+        assert int(m[1]) == step and m[2] == f"{want[step - 1]:.4f}" == f"{got[0]['losses'][step - 1]:.4f}"
+        iter_s, rate = float(m[3]), float(m[4])  # the time printed to the ms: the rate within its rounding
+        assert iter_s > 0 and got[0]["batch"] / (iter_s + 5e-4) <= rate <= got[0]["batch"] / (iter_s - 5e-4)
+    assert got[0]["batch"] == 8  # micro batch 2 x 2 micro batches x 2 replicas
