@@ -17,6 +17,7 @@ once and counts 0.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from math import prod
 from typing import Any
 
 from torch.utils.flop_counter import flop_registry
@@ -65,13 +66,6 @@ def _attention_backward(grad_out: Shape, q: Shape, k: Shape, v: Shape, *_: Any) 
     return 2 * n * (3 * dq + 2 * dv)
 
 
-def _prod(dims: Sequence[int]) -> int:
-    out = 1
-    for d in dims:
-        out *= d
-    return out
-
-
 def _conv_out_spatial(x: Shape, w: Shape, stride: Sequence[int], padding: Sequence[int],
                       dilation: Sequence[int]) -> list[int]:
     """A (non-transposed) convolution's output sizes: the profiler records inputs only."""
@@ -86,7 +80,7 @@ def _conv_macs(batch: int, w: Shape, positions: Sequence[int]) -> int:
     """Every weight meets every input at each of ``positions``: the output's for a convolution,
     the input's for a transposed one (whose weight is in x out/groups x kernel); ``w``'s shape
     already holds the division by the groups. The bias adds no MAC."""
-    return batch * _prod(w) * _prod(positions)
+    return batch * prod(w) * prod(positions)
 
 
 def _conv(x: Shape, w: Shape, bias: Any, stride: Sequence[int], padding: Sequence[int],
@@ -112,7 +106,7 @@ def _rnn_layer(x: Shape, w_ih: Shape, w_hh: Shape, *_: Any) -> int:
     """One layer, one direction (oneDNN's ``mkldnn_rnn_layer``, torch's CPU LSTM): every token's
     input and previous hidden state through the gates' weights. The gate arithmetic is
     element-wise (not counted)."""
-    return 2 * (_prod(x) // x[-1]) * (_prod(w_ih) + _prod(w_hh))
+    return 2 * (prod(x) // x[-1]) * (prod(w_ih) + prod(w_hh))
 
 
 def _rnn_layer_backward(x: Shape, w_ih: Shape, w_hh: Shape, *_: Any) -> int:
@@ -126,7 +120,7 @@ def _cudnn_rnn_forward_macs(x: Shape, mode: int, hidden: int, proj: int, layers:
     (input and hidden, G x H x in + G x H x out) and an LSTM's projection (H x P)."""
     dirs = 2 if bidirectional else 1
     out = proj or hidden
-    tokens = _prod(x) // x[-1]
+    tokens = prod(x) // x[-1]
     per_token = 0
     for layer in range(layers):
         size_in = x[-1] if layer == 0 else out * dirs
