@@ -39,6 +39,12 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "writes the path safe_write.atomic_path (via store.write_atomic) just created exclusively",
     ("runtime/checkpoint/export.py", "<lambda>", "torch.save"):
         "writes the path safe_write.atomic_path (via store.write_atomic) just created exclusively",
+    ("runtime/checkpoint/export.py", "<lambda>", "save_file"):
+        "safetensors writes the path safe_write.atomic_path (via store.write_atomic) just created exclusively",
+    ("kernels/cpu/build.py", "_compile", "tempfile.mkstemp"):
+        "the compiler's output file, created exclusively (0600) in the checked cache directory",
+    ("kernels/cpu/build.py", "_build_fd", "tempfile.mkdtemp"):
+        "a fresh private (0700) build directory when the cache cannot be used; created exclusively",
     ("runtime/checkpoint/export.py", "<lambda>", "write_text"):
         "writes the path safe_write.atomic_path (via store.write_atomic) just created exclusively",
     ("runtime/checkpoint/publish.py", "<lambda>", "write_text"):
@@ -90,6 +96,8 @@ def write_call(call: ast.Call) -> str | None:
     owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else None
     if isinstance(func, ast.Name) and func.id == "open":
         return "open(w)" if _writes_mode(_mode(call, 1)) else None
+    if isinstance(func, ast.Name) and func.id == "save_file":  # safetensors
+        return "save_file"
     if not isinstance(func, ast.Attribute):
         return None
     name = func.attr
@@ -103,6 +111,8 @@ def write_call(call: ast.Call) -> str | None:
         return f"shutil.{name}"
     if owner == "torch" and name == "save":
         return "torch.save"
+    if owner == "tempfile" and name in ("mkstemp", "mkdtemp", "NamedTemporaryFile", "TemporaryDirectory"):
+        return f"tempfile.{name}"
     if owner == "io" and name == "open":
         return "open(w)" if _writes_mode(_mode(call, 1)) else None
     if name == "open" and owner != "os":  # Path.open(mode)
@@ -155,8 +165,9 @@ def f(p, fd, flags):
     os.makedirs(p); p.mkdir(); os.replace(p, q); os.rename(p, q); "a".replace("a", "b")
     shutil.copyfile(p, q); shutil.move(p, q); shutil.rmtree(p)
     p.write_text("x"); p.write_bytes(b""); p.open("w"); p.open(); torch.save(x, p)
+    tempfile.mkstemp(); save_file(d, p)
 """
     kinds = [kind for _, _, kind, _ in _walk(ast.parse(src), "x.py", "")]
     assert kinds == ["open(w)", "open(w)", "open(w)", "os.open(write)", "os.open(write)", "os.makedirs",
                      "mkdir", "os.replace", "os.rename", "shutil.copyfile", "shutil.move", "write_text",
-                     "write_bytes", "open(w)", "torch.save"]
+                     "write_bytes", "open(w)", "torch.save", "tempfile.mkstemp", "save_file"]
