@@ -271,6 +271,26 @@ def remove_own(path: str | os.PathLike[str], ident: FileId) -> None:
         pass
 
 
+def _tmp_name(name: str) -> str:
+    """An unpredictable temporary name beside ``name``: none a neighbour could plant in advance."""
+    return f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+
+
+@contextlib.contextmanager
+def _renamed_onto(dir_fd: int, tmp: str, name: str, durable: bool) -> Iterator[None]:
+    """The block fills ``tmp``; then it is renamed onto ``name`` (the directory fsynced when
+    ``durable``). On an error ``tmp`` is removed and ``name`` left as it was."""
+    try:
+        yield
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    if durable:
+        os.fsync(dir_fd)
+
+
 @contextlib.contextmanager
 def atomic_file(where: Where, name: str, mode: int = 0o644, durable: bool = False) -> Iterator[IO[bytes]]:
     """A binary file that becomes ``name`` in ``where`` when the block ends without an error:
@@ -285,21 +305,13 @@ def atomic_file(where: Where, name: str, mode: int = 0o644, durable: bool = Fals
         UnsafePath, OSError: as ``open_dir`` / the write / the rename.
     """
     with _dir(where) as dir_fd:
-        tmp = f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+        tmp = _tmp_name(name)
         f = os.fdopen(os.open(tmp, _NEW, mode, dir_fd=dir_fd), "wb")
-        try:
-            with f:
-                yield f
-                f.flush()
-                if durable:
-                    os.fsync(f.fileno())
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        if durable:
-            os.fsync(dir_fd)
+        with _renamed_onto(dir_fd, tmp, name, durable), f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
@@ -320,26 +332,19 @@ def atomic_path(path: str | os.PathLike[str], tmp_name: str | None = None, mode:
     """
     head, name = split_path(path)
     with _dir(head) as dir_fd:
-        tmp = tmp_name or f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+        tmp = tmp_name or _tmp_name(name)
         if tmp_name:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=dir_fd)
         os.close(os.open(tmp, _NEW, mode, dir_fd=dir_fd))
-        try:
+        with _renamed_onto(dir_fd, tmp, name, durable):
             yield Path(head) / tmp
-            if durable:
+            if durable:  # what the writer wrote by name: fsynced through a descriptor of our file
                 fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        if durable:
-            os.fsync(dir_fd)
 
 
 def write_file(where: Where, name: str, data: bytes | str, replace: bool = True, mode: int = 0o644,
