@@ -212,6 +212,26 @@ def test_links_planted_in_ones_own_checkpoint_dir_are_replaced_not_written_throu
     assert not os.path.islink(save_dir / "latest") and (save_dir / "latest").read_text() == "t1"
 
 
+def test_an_export_into_another_users_dir_is_an_error_and_a_planted_link_is_replaced(tmp_path):
+    from dslaunch.errors import UsageError
+    from dslaunch.runtime.checkpoint.export import convert_zero_checkpoint_to_fp32_state_dict
+
+    victim = Victim(tmp_path)
+    assert run_world(_save, 1, str(tmp_path / "ckpt")) == ["saved"]
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    victim.plant(theirs / "pytorch_model.bin", other_uid())
+    give(theirs, other_uid())
+    with pytest.raises(UsageError, match=rf"^cannot write {theirs}: directory owned by another user"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", theirs)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    victim.plant(mine / "pytorch_model.bin")
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", mine)
+    assert victim.untouched() and not os.path.islink(mine / "pytorch_model.bin")
+    assert set(__import__("torch").load(mine / "pytorch_model.bin")) == {"weight", "bias"}
+
+
 # ----- autotuning -------------------------------------------------------------------------------
 
 def _tune(tmp_path, results: str, exps: str) -> subprocess.CompletedProcess:
