@@ -10,9 +10,10 @@ leads. So, for every write through this module:
   (``O_DIRECTORY|O_NOFOLLOW``); a symbolic link on the way is followed only when this user (or
   root) owns it, so a link another user planted never moves the output elsewhere;
 - the directory written into, and any directory one is created in, must be this user's (or
-  root's) and not writable by others unless it is sticky (``/tmp``); otherwise ``UnsafePath`` names it (the rule of the launcher's log
-  directory, which was the first writer here). Group-writable directories are accepted: a team's
-  shared project directory is one, and no write below follows a link anyway;
+  root's) and not writable by others unless it is sticky (``/tmp``); otherwise ``UnsafePath``
+  names it (the rule of the launcher's log directory, the first writer here). Group-writable
+  directories are accepted: a team's shared project directory is one, and no write below follows
+  a link anyway;
 - directories it creates are this user's, mode 0755 (0700 for private ones) before the umask;
 - a file is never opened through a link: new files are created exclusively
   (``O_CREAT|O_EXCL|O_NOFOLLOW``); a replaced file is written to a temporary file with an
@@ -21,6 +22,10 @@ leads. So, for every write through this module:
 
 Callers decide what a refusal means: an observer (monitor, profiler) warns in one line and the job
 goes on; a checkpoint or an autotuning result raises an error naming the path.
+
+A small API for any new writer: ``open_dir``/``make_dirs``/``new_dir`` for directories,
+``write_file`` (whole, replacing), ``append_file``, ``create_new``, and ``atomic_path`` for a library
+that only takes a file name. ``tests/test_safe_write_callers.py`` fails on a write elsewhere.
 
 Limitations: Linux/POSIX only (``openat``-style ``dir_fd`` calls). A directory the job only reads
 is not checked here.
