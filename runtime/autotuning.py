@@ -22,7 +22,6 @@ collective: the engine adds the observer on every rank (the peak is all-reduced 
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import time
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.events import Observer, StepRecord
+from dslaunch.safe_write import split_path, write_file
 
 __all__ = ["ExperimentProfile", "peak_memory", "reset_peak_memory", "model_counts"]
 
@@ -146,8 +146,4 @@ def _max_over_ranks(value: int, device: torch.device) -> int:
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
     """Atomically: the tuner never reads half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    write_file(*split_path(path), json.dumps(data))  # by safe_write's rule: never through a link

@@ -4,6 +4,9 @@ the event (``Train/Samples/lr`` -> ``Train_Samples_lr.csv``), with the header ``
 Unlike DeepSpeed's, a resumed run (or a rerun under the same job name) appends to the files
 without a second header, and first drops the rows an earlier attempt logged past the point the run
 resumed from (``start_at``), and a row torn by a kill: each file stays one sorted series.
+
+Files are written by ``dslaunch.safe_write``'s rule: a planted link is never written through, and
+an output directory another user controls is refused with one warning (training goes on).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import IO, Any
 
 from dslaunch.monitor.config import CSVConfig
 from dslaunch.monitor.monitor import Event, Monitor
+from dslaunch.safe_write import append_file, open_dir, write_file
 
 __all__ = ["csvMonitor"]
 
@@ -23,10 +27,11 @@ def file_name(log_name: str) -> str:
     return log_name.replace("/", "_").replace(" ", "_") + ".csv"
 
 
-def _kept_lines(path: str, after: int | None) -> tuple[list[str], bool]:
-    """The header and the complete rows of ``path`` up to step ``after`` (all rows if None), and
-    whether anything was dropped."""
-    with open(path, newline="") as f:
+def _kept_lines(dir_fd: int, name: str, after: int | None) -> tuple[list[str], bool]:
+    """The header and the complete rows of ``name`` up to step ``after`` (all rows if None), and
+    whether anything was dropped. Read without following a link (``append_file`` checked it)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    with open(fd, newline="", encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
     kept = [line for line in lines if line.endswith("\n")]
     if kept:
@@ -45,25 +50,33 @@ class csvMonitor(Monitor):  # noqa: N801 (DeepSpeed's class name)
         self.log_dir = os.path.join(config.output_path, config.job_name)
         self._after: int | None = None
         self._files: dict[str, tuple[IO[str], Any]] = {}
+        self._dir_fd: int | None = None
 
     def start_at(self, samples: int) -> None:
         self._after = samples
 
     def _open(self, log_name: str) -> Any:
-        """The csv writer of ``log_name``'s file, opened (and repaired) on first use."""
+        """The csv writer of ``log_name``'s file, opened (and repaired) on first use, by
+        ``safe_write``'s rule: a link or a directory others control is refused, never written
+        through (the writer then warns once and this monitor stops)."""
         if log_name in self._files:
             return self._files[log_name][1]
-        os.makedirs(self.log_dir, exist_ok=True)
-        path = os.path.join(self.log_dir, file_name(log_name))
-        header = bool(os.path.exists(path) and os.path.getsize(path))
-        if header:
-            kept, dropped = _kept_lines(path, self._after)
-            if dropped:  # rewrite whole, then swap in: a kill now leaves the old file or the new one
-                with open(path + ".tmp", "w", newline="") as f:
-                    f.writelines(kept)
-                os.replace(path + ".tmp", path)
-            header = bool(kept)
-        f = open(path, "a", newline="")  # noqa: SIM115 (kept open for the run)
+        if self._dir_fd is None:
+            self._dir_fd = open_dir(self.log_dir)
+        name = file_name(log_name)
+        f = append_file(self._dir_fd, name)
+        try:
+            header = os.fstat(f.fileno()).st_size > 0
+            if header:
+                kept, dropped = _kept_lines(self._dir_fd, name, self._after)
+                if dropped:  # rewrite whole, then swap in: a kill now leaves the old file or the new one
+                    f.close()
+                    write_file(self._dir_fd, name, "".join(kept))
+                    f = append_file(self._dir_fd, name)
+                header = bool(kept)
+        except BaseException:
+            f.close()
+            raise
         writer = csv.writer(f)
         if not header:
             writer.writerow(["step", log_name.rsplit("/", 1)[-1]])
@@ -82,3 +95,6 @@ class csvMonitor(Monitor):  # noqa: N801 (DeepSpeed's class name)
         for f, _ in self._files.values():
             f.close()
         self._files.clear()
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None

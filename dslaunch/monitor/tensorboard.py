@@ -20,6 +20,7 @@ from typing import Any
 
 from dslaunch.monitor.config import TensorBoardConfig
 from dslaunch.monitor.monitor import Event, Monitor
+from dslaunch.safe_write import create_new
 
 __all__ = ["TensorBoardMonitor"]
 
@@ -73,10 +74,10 @@ class TensorBoardMonitor(Monitor):
     def _open(self) -> None:
         from tensorboard.compat.proto.event_pb2 import Event as EventProto
         from tensorboard.compat.proto.event_pb2 import SessionLog
-        os.makedirs(self.log_dir, exist_ok=True)
-        # TensorBoard's file name: readers order a directory's files by it (the time first)
+        # TensorBoard's file name: readers order a directory's files by it (the time first). Created
+        # new by safe_write's rule: a link planted under the name is refused, never written through.
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
-        self._file = open(os.path.join(self.log_dir, name), "wb")  # noqa: SIM115 (kept open for the run)
+        self._file = os.fdopen(create_new(self.log_dir, name, 0o644), "wb")
         first = [EventProto(wall_time=time.time(), file_version="brain.Event:2")]
         if self._purge_step is not None:
             first.append(EventProto(wall_time=time.time(), step=self._purge_step,

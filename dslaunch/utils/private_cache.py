@@ -3,7 +3,8 @@ trusting what is found there, in one place.
 
 A cache another user can write is a way into every job that loads it (a planted kernel library) or
 a way to skew it (a planted peak), so directories are created 0700 and every file is opened without
-following links and checked for owner and mode before use.
+following links and checked for owner and mode before use. This module owns the reading side;
+writes go through ``dslaunch.safe_write``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+
+from dslaunch.safe_write import open_dir
 
 
 class Untrusted(Exception):
@@ -27,16 +30,13 @@ def check_owner(fd: int, what: str) -> None:
 
 
 def make_private_dirs(folder: Path) -> None:
-    """Create the missing directories of ``folder``, each 0700: umask can only take bits away."""
-    missing = []
-    while not os.path.lexists(folder) and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
+    """Create the missing directories of ``folder``, each 0700, by ``safe_write``'s rule (no link
+    another user owns is followed); whether the result is trusted is ``check_owner``'s to say.
+
+    Raises:
+        OSError: a part cannot be made, or is a link another user owns (``UnsafePath``).
+    """
+    os.close(open_dir(folder, create=True, mode=0o700, check=False))
 
 
 def open_private_file(path: str | Path, dir_fd: int | None = None) -> int:

@@ -1,8 +1,8 @@
 """The node agent: starts one node's workers, streams their output, stops them as a gang.
 
 Mechanism only, for any transport: ``node`` (the ``Agent`` and its worker states), ``procs``
-(process groups, PDEATHSIG, the watchdog), ``output`` (prefixed worker output), ``files`` (pid
-and rank-log files created safely); ``remote``, the agent as its own process, and ``wire``, the
+(process groups, PDEATHSIG, the watchdog), ``output`` (prefixed worker output), pid
+and rank-log files (created by ``dslaunch.safe_write``); ``remote``, the agent as its own process, and ``wire``, the
 lines it reports through; ``bootstrap``, the command a transport starts on a host (look around
 for the preflight, then become the agent). What a failure means for the job is
 decided by ``dslaunch.launcher.monitor``.

@@ -30,7 +30,6 @@ from typing import BinaryIO
 
 from dslaunch.errors import LaunchError
 from dslaunch.launcher.agent.channels import Channels
-from dslaunch.launcher.agent.files import FileId, create_replacing, remove_own, write_new
 from dslaunch.launcher.agent.output import ExceptionWatch, Sink, pump
 from dslaunch.launcher.agent.procs import (
     become_subreaper,
@@ -44,6 +43,7 @@ from dslaunch.launcher.agent.watchdog import Watchdog
 from dslaunch.launcher.monitor.failures import classify, oom_kills, root_cause
 from dslaunch.launcher.spec import NodeResult, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import monitor_env, process_env
+from dslaunch.safe_write import FileId, create_replacing, open_dir, remove_own, write_new
 from dslaunch.utils.beat import Beat
 
 __all__ = ["Agent", "WorkerState"]
@@ -143,16 +143,23 @@ class Agent:
     def _prepare_files(self) -> None:
         """Rank logs and pid file, before anything starts (an error leaves no pid file behind).
 
-        Both may live in directories other users write to: see ``files`` for why each is created
+        Both may live in directories other users write to: see ``dslaunch.safe_write`` for why each is created
         new instead of opened with O_TRUNC.
         """
         node = self.node
         try:
             if node.log_dir:
-                os.makedirs(node.log_dir, mode=0o700, exist_ok=True)
-                for w in node.workers:
-                    path = os.path.join(node.log_dir, f"rank{w.global_rank}.log")
-                    self._logs[w.global_rank] = Sink(create_replacing(path))
+                dir_fd = open_dir(node.log_dir, mode=0o700)
+                try:
+                    for w in node.workers:
+                        name = f"rank{w.global_rank}.log"
+                        try:
+                            self._logs[w.global_rank] = Sink(create_replacing(dir_fd, name))
+                        except OSError as err:
+                            err.filename = os.path.join(node.log_dir, name)
+                            raise
+                finally:
+                    os.close(dir_fd)
             if node.pid_file:
                 self._pid_file = write_new(node.pid_file, f"{os.getpid()}\n".encode())
         except FileExistsError as err:  # only the pid file is never replaced

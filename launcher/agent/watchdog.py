@@ -13,7 +13,7 @@ import lock, an allocator's, a logging handler's) and can deadlock on its first 
 interpreter start (~50 ms of one core here, nothing the agent waits for), is paid while the workers
 import their own modules.
 
-Standard library only (and ``procs``/``files``, which are): it runs on every launch.
+Standard library only (and ``procs``/``dslaunch.safe_write``, which are): it runs on every launch.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from dslaunch.launcher.agent.files import FileId, remove_own
 from dslaunch.launcher.agent.procs import signal_group
+from dslaunch.safe_write import FileId, remove_own
 
 __all__ = ["Watchdog", "main"]
 
@@ -45,7 +45,7 @@ class Watchdog:
         return None if self._proc is None else self._proc.pid
 
     def start(self, remove: Sequence[tuple[str, FileId]] = ()) -> None:
-        """Start the watchdog; ``remove``: (path, file id) to unlink if the owner dies (``files``)."""
+        """Start the watchdog; ``remove``: (path, file id) to unlink if the owner dies (``safe_write.remove_own``)."""
         read_fd, write_fd = os.pipe()
         try:
             args = [str(read_fd)] + [f"{dev}:{ino}:{path}" for path, (dev, ino) in remove]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -27,9 +28,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dslaunch.errors import LaunchError
 from dslaunch.launcher.monitor.events import EVENTS_FILE, read_events
 from dslaunch.launcher.monitor.failures import is_oom_text
 from dslaunch.launcher.spec import HANG_EXIT_CODE
+from dslaunch.safe_write import create_replacing, explain, open_dir, remove_file, write_file
 from dslaunch.utils.ports import free_port
 
 __all__ = ["Experiment", "Outcome", "ExperimentRunner", "STATUSES", "set_flag"]
@@ -109,27 +112,41 @@ class ExperimentRunner:
         return [self.python, "-m", "dslaunch.launcher.cli", *self.launcher_argv, *extra, self.script[0], *args]
 
     def run(self, exp: Experiment) -> Outcome:
-        """Run ``exp`` to its end, its failure, its hang or its timeout; never raises for the job."""
+        """Run ``exp`` to its end, its failure, its hang or its timeout; never raises for the job's
+        own failure.
+
+        Raises:
+            LaunchError: the experiment's directory cannot be written safely (``safe_write``: a
+                directory another user owns or can write, a link planted there); names it.
+        """
         where = os.path.join(self.exps_dir, exp.name)
-        done = os.path.join(where, "result.json")
-        if self.reuse and os.path.exists(done):
-            with open(done) as f:
-                return Outcome.from_json(f.read())
-        os.makedirs(where, exist_ok=True)
+        try:
+            dir_fd = open_dir(where)
+        except OSError as err:
+            raise LaunchError(f"autotuning: cannot write the experiment's directory: {explain(err, where)}") from None
+        try:
+            return self._run_in(exp, where, dir_fd)
+        except OSError as err:
+            raise LaunchError(f"autotuning: cannot write the experiment's files: {explain(err, where)}") from None
+        finally:
+            os.close(dir_fd)
+
+    def _run_in(self, exp: Experiment, where: str, dir_fd: int) -> Outcome:
+        if self.reuse:
+            earlier = _read_own(dir_fd, "result.json")
+            if earlier is not None:
+                return Outcome.from_json(earlier)
         config_path, metrics_path = os.path.join(where, "ds_config.json"), os.path.join(where, "metrics.json")
-        if os.path.exists(metrics_path):
-            os.remove(metrics_path)  # a stale one from an earlier tune would pass for this run's
+        remove_file(dir_fd, "metrics.json")  # a stale one from an earlier tune would pass for this run's
         cfg = _measured(exp.ds_config, os.path.abspath(metrics_path), where)
-        with open(config_path, "w") as f:
-            json.dump(cfg, f, indent=2)
+        write_file(dir_fd, "ds_config.json", json.dumps(cfg, indent=2))
         started = time.monotonic()
-        with open(os.path.join(where, "output.log"), "wb") as out:
+        with os.fdopen(create_replacing(dir_fd, "output.log", 0o644), "wb") as out:
             code, timed_out = self._launch(self.command(exp, config_path, os.path.join(where, "logs")), out)
         seconds = round(time.monotonic() - started, 2)
         status, message, metrics = _judge(code, timed_out, metrics_path, where, self.timeout)
         outcome = Outcome(exp.name, status, metrics, message, seconds)
-        with open(done, "w") as f:
-            f.write(outcome.to_json())
+        write_file(dir_fd, "result.json", outcome.to_json())
         return outcome
 
     def _launch(self, argv: list[str], out: Any) -> tuple[int, bool]:
@@ -148,6 +165,17 @@ class ExperimentRunner:
             child.send_signal(signal.SIGTERM)
             child.wait()
             raise
+
+
+def _read_own(dir_fd: int, name: str) -> str | None:
+    """``name``'s text when it is a regular file of this user's (never read through a link), else None."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    with open(fd, encoding="utf-8", errors="replace") as f:
+        st = os.fstat(fd)
+        return f.read(1 << 20) if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() else None
 
 
 def _measured(ds_config: Mapping[str, Any], metrics_path: str, where: str) -> dict[str, Any]:

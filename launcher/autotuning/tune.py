@@ -16,13 +16,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dslaunch.errors import ConfigError
+from dslaunch.errors import ConfigError, LaunchError
 from dslaunch.launcher.autotuning.estimate import Estimate, ModelInfo
 from dslaunch.launcher.autotuning.experiments import Experiment, ExperimentRunner, Outcome
 from dslaunch.launcher.autotuning.search import SearchLimits, SearchResult, score, search
 from dslaunch.launcher.autotuning.space import OFFLOADS, Candidate, apply, build_space
 from dslaunch.launcher.autotuning.tuners import make_tuner
 from dslaunch.runtime.config.autotuning import AutotuningConfig
+from dslaunch.safe_write import explain, open_dir, write_file
 
 __all__ = ["TuneJob", "tune", "candidates", "write_results", "OPTIMAL_CONFIG"]
 
@@ -122,22 +123,29 @@ def _measured_info(outcome: Outcome) -> ModelInfo | None:
 
 
 def write_results(results_dir: str, result: SearchResult, job: TuneJob) -> str | None:
-    """Write ``results.json``, ``summary.txt`` and (when something was measured) the best config;
-    returns the best config's path, or None."""
-    os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, "results.json"), "w") as f:
-        json.dump([json.loads(o.to_json()) | {"ds_config": apply(job.base, c, job.dp_world)}
-                   for c, o in result.runs], f, indent=1)
-    with open(os.path.join(results_dir, "summary.txt"), "w") as f:
-        f.write(table(result, job.at.metric) + "\n")
-    if result.best is None:
-        return None
-    best = apply(job.base, result.best, job.dp_world)
-    best.get("autotuning", {}).pop("metric_path", None)
-    path = os.path.join(results_dir, OPTIMAL_CONFIG)
-    with open(path, "w") as f:
-        json.dump(best, f, indent=2)
-    return path
+    """Write ``results.json``, ``summary.txt`` and (when something was measured) the best config
+    by ``safe_write``'s rule (each replaced whole, never written through a link); returns the best
+    config's path, or None.
+
+    Raises:
+        LaunchError: ``results_dir`` or a file there cannot be written safely; names it.
+    """
+    runs = [json.loads(o.to_json()) | {"ds_config": apply(job.base, c, job.dp_world)} for c, o in result.runs]
+    files = {"results.json": json.dumps(runs, indent=1), "summary.txt": table(result, job.at.metric) + "\n"}
+    if result.best is not None:
+        best = apply(job.base, result.best, job.dp_world)
+        best.get("autotuning", {}).pop("metric_path", None)
+        files[OPTIMAL_CONFIG] = json.dumps(best, indent=2)
+    try:
+        dir_fd = open_dir(results_dir)
+        try:
+            for name, text in files.items():
+                write_file(dir_fd, name, text)
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        raise LaunchError(f"autotuning: cannot write the results: {explain(err, results_dir)}") from None
+    return os.path.join(results_dir, OPTIMAL_CONFIG) if result.best is not None else None
 
 
 def table(result: SearchResult, metric: str) -> str:

@@ -25,6 +25,7 @@ from dslaunch.launcher.autotuning.tune import TuneJob, candidates, table, tune, 
 from dslaunch.launcher.cli import launch
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.plan import build_job, ds_config_path
+from dslaunch.safe_write import explain, make_dirs
 from dslaunch.utils.ports import free_port
 
 __all__ = ["run", "split_argv"]
@@ -78,6 +79,11 @@ def run(argv: list[str]) -> int:
                        partial(engine_estimate, gpus_per_node=per_node, nodes=len(job.nodes), accelerator=acc.kind))
     if mode == "dry-run":
         return _dry_run(tune_job)
+    for key, where in (("exps_dir", at.exps_dir), ("results_dir", at.results_dir)):
+        try:  # before hours of experiments: a directory refused now, not at the end
+            make_dirs(where)
+        except OSError as err:
+            raise LaunchError(f"autotuning.{key}: {explain(err, where)}") from None
     print(f"dslaunch: autotuning: {at.tuner_type} over ZeRO stages, offload, activation checkpointing and "
           f"batch sizes; {limit / 2**20:.0f} MiB per rank; experiments in {at.exps_dir}", file=sys.stderr,
           flush=True)

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from dslaunch.errors import LaunchError, shorten
-from dslaunch.launcher.agent.files import create_new, write_all
 from dslaunch.launcher.monitor.logdir import open_job_dir, replace_file
+from dslaunch.safe_write import create_new, write_all
 
 __all__ = ["EventLog", "read_events", "valid_event", "EVENTS_FILE", "MAX_LINE_BYTES"]
 
@@ -63,7 +63,7 @@ class EventLog:
         if directory is not None:
             self._dir_fd = open_job_dir(directory)
             try:
-                self._fd = create_new(EVENTS_FILE, dir_fd=self._dir_fd)
+                self._fd = create_new(self._dir_fd, EVENTS_FILE)
             except OSError as err:
                 os.close(self._dir_fd)
                 raise LaunchError(f"--log_dir: cannot create {shorten(os.path.join(directory, EVENTS_FILE), 300)}: "

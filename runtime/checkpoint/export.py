@@ -48,6 +48,7 @@ from dslaunch.runtime.checkpoint.store import (
     validate_tag,
     write_atomic,
 )
+from dslaunch.safe_write import explain
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
            "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main"]
@@ -329,7 +330,7 @@ def _export(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, dt
         weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
         return _write_directory(state, output, weights, limit), tag, passed_over
     except OSError as err:
-        raise UsageError(f"cannot write {err.filename or output}: {err.strerror or err}") from None
+        raise UsageError(f"cannot write {explain(err, output)}") from None
     except RuntimeError as err:  # torch.save reports a failed write (e.g. a full disk) this way
         raise UsageError(f"cannot write {output}: the write failed with {_free_mb(output):.1f} MB free on "
                          f"its file system ({shorten(str(err).splitlines()[0] if str(err) else '', 120)})"

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from dslaunch.errors import CheckpointError, shorten
+from dslaunch.safe_write import create_new, split_path
 
 __all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "write_object", "read_object"]
 
@@ -158,7 +159,7 @@ def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> Fil
     prefix_len = _align(len(MAGIC) + 8 + len(header))
     prefix = MAGIC + struct.pack("<Q", len(header)) + header
     prefix += b"\0" * (prefix_len - len(prefix))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = create_new(*split_path(path), 0o644)  # safe_write's rule: a new file, never through a link
     try:
         crc = _write_all(fd, memoryview(prefix), 0, 0, durable)
         pos = 0

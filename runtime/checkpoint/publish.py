@@ -15,6 +15,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from dslaunch.runtime.checkpoint.store import (
     validate_tag,
     write_atomic,
 )
+from dslaunch.safe_write import UnsafePath, make_dirs, new_dir, write_file
 
 __all__ = ["LeaderSave"]
 
@@ -63,11 +65,19 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _read_bytes(path: Path) -> bytes | None:
-    """The file's content, or None when it does not exist (or cannot be read)."""
+    """The file's content, or None when it does not exist (or cannot be read). Never through a
+    link (one planted as ``latest`` would put another file's content into a message), at most
+    what a ``latest`` can hold."""
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        return os.read(fd, 4096) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 # ---- one save -----------------------------------------------------------------------------------
@@ -107,7 +117,10 @@ class LeaderSave:
         """
         store, tag = self.store, self.tag
         validate_tag(tag)
-        store.root.mkdir(parents=True, exist_ok=True)
+        try:
+            make_dirs(store.root)  # safe_write's rule: save_dir no other user controls
+        except UnsafePath as err:
+            raise CheckpointError(f"{err.strerror}; the checkpoint is not written", err.filename) from None
         owner = Owner.of(store, tag)
         if owner is not None and owner.alive():
             raise CheckpointError(f"another save of tag {tag!r} is in progress here (process "
@@ -117,8 +130,8 @@ class LeaderSave:
         clear(store, tag)
         self._before = _Before(_read_bytes(store.root / LATEST), manifest_time(store.root / tag))
         self._started = True
-        owner_file(store, tag).write_text(Owner.me().to_json())
-        store.tmp_dir(tag).mkdir()
+        write_file(store.root, owner_file(store, tag).name, Owner.me().to_json())
+        os.close(new_dir(store.root, store.tmp_dir(tag).name))
 
     def install(self, records: list[FileRecord], meta: dict, save_latest: bool = True,
                 library_version: str = "") -> Manifest:
@@ -130,11 +143,7 @@ class LeaderSave:
         store, tag, tmp = self.store, self.tag, self.store.tmp_dir(self.tag)
         self.manifest = Manifest(tag=tag, created=time.time(), files={r.name: r for r in records},
                                  meta=meta, library_version=library_version)
-        with open(tmp / MANIFEST, "w") as f:
-            f.write(self.manifest.to_json())
-            f.flush()
-            if store.durable:
-                os.fsync(f.fileno())
+        write_file(tmp, MANIFEST, self.manifest.to_json(), replace=False, durable=store.durable)
         fsync_dir(tmp, store.durable)
         self._displaced = self._move_into_place(tmp)
         self._installed = True

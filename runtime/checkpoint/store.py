@@ -24,7 +24,6 @@ what goes into the files.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 
 from dslaunch.errors import CheckpointError, quote, shorten
 from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
+from dslaunch.safe_write import atomic_path
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
            "write_atomic", "fsync_dir", "first_loadable", "summary"]
@@ -128,21 +128,15 @@ def write_atomic(path: Path, write: Callable[[Path], Any], durable: bool = True,
                  tmp: Path | None = None) -> None:
     """``write(tmp)`` beside ``path``, fsync it, rename it over ``path``, fsync the directory:
     a crash leaves the old file or the new one, never half of one (``durable=False``: no fsync).
-    A failure before the rename removes ``tmp`` (default ``.<name>.tmp<pid>``) and leaves ``path``
-    as it was."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp or path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        if durable:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent, durable)
+    A failure before the rename removes ``tmp`` (default ``.<name>.<random>.tmp``) and leaves
+    ``path`` as it was. By ``safe_write``'s rule (``atomic_path``): ``tmp`` is created
+    exclusively in a directory no other user controls, and a link at ``path`` is replaced.
+
+    Raises:
+        UnsafePath: the directory is another user's or writable by all (names it).
+    """
+    with atomic_path(path, tmp.name if tmp is not None else None, durable=durable) as fresh:
+        write(fresh)
 
 
 def validate_tag(tag: str) -> str:

@@ -40,6 +40,7 @@ import torch
 from dslaunch.errors import UsageError, quote
 
 # The same trust rules as the CPU kernels' cache.
+from dslaunch.safe_write import write_file
 from dslaunch.utils.private_cache import Untrusted, make_private_dirs, open_private_file
 
 __all__ = ["GpuPeak", "GPU_PEAKS", "Peak", "Throughput", "peak_flops", "throughput", "cpu_share", "PEAK_ENV",
@@ -256,11 +257,7 @@ def _write_cache(cache: Path, known: dict[str, float]) -> None:
     # of one machine may measure at once, and a rename replaces a distrusted file, never writes through it.
     try:
         make_private_dirs(cache.parent)
-        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(known, f, indent=1, sort_keys=True)
-        tmp.replace(cache)
+        write_file(cache.parent, cache.name, json.dumps(known, indent=1, sort_keys=True), mode=0o600)
     except OSError:
         pass  # a read-only home: measure again next time rather than fail the run
 

@@ -25,6 +25,7 @@ from dslaunch.profiling.flops_profiler.profiler import FlopsProfiler
 from dslaunch.profiling.flops_profiler.report import Profile, StepTiming, number_to_string
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
 from dslaunch.runtime.events import Observer, StepRecord
+from dslaunch.safe_write import explain
 
 __all__ = ["FlopsProfilerObserver", "tokens_in"]
 
@@ -171,9 +172,21 @@ class FlopsProfilerObserver(Observer):
         timing = self._timing(record, p, iter_s, sums)
         self.profiler.timing = timing
         if self.engine.global_rank == 0:
-            self.profiler.print_model_profile(record.step - 1, self.cfg.module_depth, self.cfg.top_modules,
-                                              self.cfg.detailed, self.cfg.output_file)
+            self._print(record.step - 1)
         self.profiler.end_profile()
+
+    def _print(self, step: int) -> None:
+        """The tables to ``output_file``; one that cannot be written safely (a missing directory, a
+        directory, a link, a full disk) is a warning and the tables go to stdout: training goes on."""
+        args = (step, self.cfg.module_depth, self.cfg.top_modules, self.cfg.detailed)
+        try:
+            self.profiler.print_model_profile(*args, self.cfg.output_file)
+            return
+        except OSError as err:
+            why = explain(err, self.cfg.output_file or "")
+        log.warning("dslaunch flops profiler: cannot write flops_profiler.output_file %s; the profile "
+                    "goes to stdout and training goes on", why)
+        self.profiler.print_model_profile(*args, None)
 
     def step_flops(self) -> int | None:
         """This rank's forward + backward FLOPs of the profiled step, once it is done (else None)."""

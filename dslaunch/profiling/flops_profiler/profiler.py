@@ -9,6 +9,7 @@ torch's profiler, module hooks; counted at ``stop_profile``).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -30,6 +31,7 @@ from dslaunch.profiling.flops_profiler.report import (
     params_to_string,
     summary_lines,
 )
+from dslaunch.safe_write import append_file, open_dir, split_path
 
 __all__ = ["FlopsProfiler", "get_model_profile", "model_params"]
 
@@ -207,12 +209,32 @@ class FlopsProfiler:
         lines = summary_lines(p, self.timing, profile_step, fwd_s)
         lines += aggregated_lines(p, module_depth, top_modules) + (detailed_lines(p, module_depth) if detailed else [])
         text = "\n".join(lines) + "\n"
-        with open(output_file, "a", encoding="utf-8") if output_file else nullcontext(sys.stdout) as out:
+        with _append(output_file) if output_file else nullcontext(sys.stdout) as out:
             out.write(text)
             out.flush()
 
     def print_model_aggregated_profile(self, module_depth: int = -1, top_modules: int = 1) -> None:
         print("\n".join(aggregated_lines(self.profile(), module_depth, top_modules)), flush=True)
+
+
+def _append(output_file: str) -> Any:
+    """``output_file`` opened for appending by ``safe_write``'s rule; its directory must exist.
+
+    Raises:
+        OSError: the directory is missing or refused (``UnsafePath``), the file is a link, a
+            directory or not this user's; each names the path.
+    """
+    head, name = split_path(output_file)
+    try:
+        dir_fd = open_dir(head, create=False)
+        try:
+            return append_file(dir_fd, name)
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        if err.filename in (None, name):  # the directory's own refusal names the directory
+            err.filename = output_file
+        raise
 
 
 def get_model_profile(model: torch.nn.Module, input_shape: tuple[int, ...] | None = None, args: Sequence = (),

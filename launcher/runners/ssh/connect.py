@@ -22,11 +22,11 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from dslaunch.errors import HostsError
 from dslaunch.launcher.runners.ssh.options import SSHOptions, SSHTarget, load_config, resolve
 from dslaunch.launcher.runners.ssh.sshlib import paramiko
+from dslaunch.safe_write import append_file, make_dirs, split_path
 
 __all__ = ["SSHOptions", "SSHTarget", "SSHError", "load_config", "resolve", "connect", "connect_all",
            "source_address"]
@@ -128,8 +128,9 @@ def _record_new_key(t: SSHTarget, key: paramiko.PKey) -> None:
     path = next((p for p in t.known_hosts_files if not p.startswith("/etc/")), None)
     if path is None:
         return
-    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with _KNOWN_HOSTS_LOCK, open(path, "a") as f:
+    folder, name = split_path(path)
+    make_dirs(folder, 0o700)  # safe_write's rule: no planted link followed, ~/.ssh private
+    with _KNOWN_HOSTS_LOCK, append_file(folder, name) as f:
         f.write(f"{_known_names(t)[0]} {key.get_name()} {key.get_base64()}\n")
 
 

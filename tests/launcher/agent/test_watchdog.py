@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dslaunch.launcher.agent.files import write_new
 from dslaunch.launcher.agent.watchdog import Watchdog
+from dslaunch.safe_write import write_new
 
 pytestmark = pytest.mark.timeout(30)
 

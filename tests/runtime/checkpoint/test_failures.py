@@ -53,22 +53,26 @@ def _enospc(path: object) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
+def _at(name: str, fd: int | None) -> Path:
+    """Where a call given ``name`` relative to the directory descriptor ``fd`` (safe_write's way) acts."""
+    return Path(os.readlink(f"/proc/self/fd/{fd}")) / name if fd is not None else Path(name)
+
+
 def _fail_mkdir_of_tmp(mp: pytest.MonkeyPatch) -> None:
-    real = Path.mkdir
-    mp.setattr(Path, "mkdir", lambda self, *a, **k: _enospc(self) if self.name.startswith(".tmp-")
-               else real(self, *a, **k))
+    real = os.mkdir
+    mp.setattr(os, "mkdir", lambda path, *a, **k: _enospc(_at(path, k.get("dir_fd")))
+               if Path(path).name.startswith(".tmp-") else real(path, *a, **k))
 
 
 def _fail_owner_record(mp: pytest.MonkeyPatch) -> None:
-    real = Path.write_text
+    real = os.replace  # the record is written whole, then renamed into place: that fails
 
-    def write_text(self: Path, data: str, *a, **k):
-        if self.name.startswith(".owner-"):
-            real(self, data[:3])  # a torn record, then the disk is full
-            _enospc(self)
-        return real(self, data, *a, **k)
+    def replace(a, b, **k):
+        if Path(b).name.startswith(".owner-"):
+            _enospc(_at(b, k.get("dst_dir_fd")))
+        return real(a, b, **k)
 
-    mp.setattr(Path, "write_text", write_text)
+    mp.setattr(os, "replace", replace)
 
 
 def _fail_second_file(mp: pytest.MonkeyPatch) -> None:
@@ -85,11 +89,9 @@ def _fail_second_file(mp: pytest.MonkeyPatch) -> None:
 
 
 def _fail_manifest(mp: pytest.MonkeyPatch) -> None:
-    import builtins
-
-    real = builtins.open
-    mp.setattr(checkpoint_publish, "open", lambda path, *a, **k: _enospc(path) if Path(path).name == MANIFEST
-               else real(path, *a, **k), raising=False)
+    real = checkpoint_publish.write_file
+    mp.setattr(checkpoint_publish, "write_file", lambda where, name, *a, **k: _enospc(Path(where) / name)
+               if name == MANIFEST else real(where, name, *a, **k))
 
 
 def _fail_rename_into_place(mp: pytest.MonkeyPatch) -> None:
@@ -106,21 +108,22 @@ def _fail_exchange(mp: pytest.MonkeyPatch) -> None:
 
 def _fail_latest(mp: pytest.MonkeyPatch) -> None:
     real = os.replace
-    mp.setattr(os, "replace", lambda a, b: _enospc(b) if Path(b).name == LATEST else real(a, b))
+    mp.setattr(os, "replace", lambda a, b, **k: _enospc(_at(b, k.get("dst_dir_fd"))) if Path(b).name == LATEST
+               else real(a, b, **k))
 
 
 def _fail_fsync_after_latest(mp: pytest.MonkeyPatch) -> None:
     """``latest`` is replaced, then fsyncing its directory fails: it must be put back."""
-    real_replace, real_fsync_dir, replaced = os.replace, checkpoint_io.fsync_dir, []
-    mp.setattr(os, "replace", lambda a, b: (replaced.append(Path(b).name), real_replace(a, b))[1])
+    real_replace, real_fsync, replaced = os.replace, os.fsync, []
+    mp.setattr(os, "replace", lambda a, b, **k: (replaced.append(Path(b).name), real_replace(a, b, **k))[1])
 
-    def fsync_dir(path: Path, durable: bool = True) -> None:
-        if replaced == [LATEST]:
+    def fsync(fd: int) -> None:
+        if replaced[-1:] == [LATEST] and "failed once" not in replaced:  # the next fsync: the directory's
             replaced.append("failed once")
-            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
-        real_fsync_dir(path, durable)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
 
-    mp.setattr(checkpoint_io, "fsync_dir", fsync_dir)
+    mp.setattr(os, "fsync", fsync)
 
 
 FAILURES = [
@@ -242,8 +245,8 @@ def test_node_local_leaders_all_roll_back_when_one_fails(tmp_path: Path, monkeyp
     for d in disks:
         _save(CheckpointStore(d), 1)
     real = os.replace
-    monkeypatch.setattr(os, "replace", lambda a, b: _enospc(b) if Path(b) == disks[1] / LATEST
-                        else real(a, b))
+    monkeypatch.setattr(os, "replace", lambda a, b, **k: _enospc(disks[1] / LATEST)
+                        if _at(b, k.get("dst_dir_fd")) == disks[1] / LATEST else real(a, b, **k))
     slots, barrier, errors = [None, None], threading.Barrier(2), [None, None]
 
     def rank(r: int) -> None:
