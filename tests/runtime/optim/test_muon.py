@@ -192,3 +192,30 @@ def test_deepspeed_import_paths() -> None:
     torch.testing.assert_close(momentum, want_m)
     torch.testing.assert_close(update, reference_orthogonalize(0.1 * g + 0.9 * want_m, 5), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(zeropower_via_gram_newtonschulz(g, 5), reference_orthogonalize(g, 5))
+
+
+def _resume(rank: int, world: int, save_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """3 steps, a checkpoint, 3 more; a new engine loads it and trains the same 3."""
+    import dslaunch
+    from dslaunch.utils import safe_get_full_fp32_param
+
+    def whole(engine) -> dict[str, Any]:
+        return {n: safe_get_full_fp32_param(p).numpy().copy() for n, p in engine.module.named_parameters()}
+
+    data = batches(6, GLOBAL)
+    cfg = config(2, optimizer=MUON)
+    first, _, _, _ = dslaunch.initialize(model=make_model(), config=cfg)
+    train_steps(first, rank, world, data[:3])
+    first.save_checkpoint(save_dir)
+    train_steps(first, rank, world, data[3:])
+    second, _, _, _ = dslaunch.initialize(model=make_model(seed=1), config=cfg)
+    second.load_checkpoint(save_dir)
+    train_steps(second, rank, world, data[3:])
+    return whole(first), whole(second)
+
+
+@pytest.mark.timeout(120)
+def test_zero2_checkpoint_resumes_muon_bitwise(tmp_path) -> None:
+    for straight, resumed in run_world(_resume, 2, str(tmp_path)):
+        for name in straight:
+            assert (straight[name] == resumed[name]).all(), name
