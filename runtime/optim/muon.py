@@ -145,7 +145,8 @@ def _mixed(g: torch.Tensor, m: torch.Tensor, beta: float, nesterov: bool) -> tor
 
 
 def split_muon_groups(groups: Sequence[Any], make: Callable[[Any, list[int], bool], Any]) -> list[Any]:
-    """Split each param group into its Muon part and its AdamW part (``use_muon`` True/False).
+    """Split each param group into its Muon part and its AdamW part (``use_muon`` True/False),
+    and set ``use_muon`` on each parameter (DeepSpeed's ``initialize`` does).
 
     Args:
         groups: the engine's groups; each has ``params`` and ``names``.
@@ -162,6 +163,7 @@ def split_muon_groups(groups: Sequence[Any], make: Callable[[Any, list[int], boo
             if flag and p.ndim < 2:
                 raise ValueError(f"parameter {name!r} (shape {tuple(p.shape)}) has use_muon=True, but "
                                  "Muon needs a matrix (2 or more dimensions): set use_muon=False on it")
+            p.use_muon = flag  # as DeepSpeed's initialize leaves it: scripts read it
         for wanted in (True, False):
             indices = [i for i, f in enumerate(flags) if f == wanted]
             if indices:

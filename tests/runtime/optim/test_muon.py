@@ -205,6 +205,9 @@ def _resume(rank: int, world: int, save_dir: str) -> tuple[dict[str, Any], dict[
     data = batches(6, GLOBAL)
     cfg = config(2, optimizer=MUON)
     first, _, _, _ = dslaunch.initialize(model=make_model(), config=cfg)
+    assert [n for n, p in first.module.named_parameters() if p.use_muon] == [
+        "block.self_attn.in_proj_weight", "block.self_attn.out_proj.weight", "block.linear1.weight",
+        "block.linear2.weight", "head.weight"]  # set by initialize, as DeepSpeed's
     train_steps(first, rank, world, data[:3])
     first.save_checkpoint(save_dir)
     train_steps(first, rank, world, data[3:])
