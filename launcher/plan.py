@@ -16,7 +16,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from dslaunch.errors import HostfileError, UsageError, quote, shorten
@@ -38,7 +38,7 @@ from dslaunch.utils.restart import restart_env
 
 __all__ = ["LaunchConfig", "Plan", "build_job", "check_numbers", "elastic_batch_for", "ds_config_path", "LOCAL_HOSTS",
            "DEFAULT_HOSTFILE",
-           "PID_FILE_DIR", "MAX_GRACE", "DEFAULT_LOG_DIR", "MAX_HANG_TIMEOUT", "job_id"]
+           "PID_FILE_DIR", "MAX_GRACE", "LOG_DIR_ENV", "default_log_dir", "MAX_HANG_TIMEOUT", "job_id"]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
@@ -46,8 +46,22 @@ PID_FILE_DIR = "/tmp"
 """``--save_pid`` writes ``PID_FILE_DIR/<controller pid>.deepspeed`` (DeepSpeed's path)."""
 # An hour is far beyond any clean shutdown; inf would kill the stop timer (OverflowError).
 MAX_GRACE = 3600.0
-DEFAULT_LOG_DIR = "dslaunch_logs"
-"""``--log_dir`` default, under the working directory; each job writes into ``<log_dir>/<job id>``."""
+LOG_DIR_ENV = "DSLAUNCH_LOG_DIR"
+"""Environment variable naming the default ``--log_dir`` (the flag and ``monitor.log_dir`` win)."""
+
+
+def default_log_dir(env: Mapping[str, str] | None = None) -> str:
+    """``--log_dir``'s default, an absolute path: ``$DSLAUNCH_LOG_DIR``, else the per-user XDG state
+    directory ``$XDG_STATE_HOME/dslaunch/logs`` (``~/.local/state/dslaunch/logs`` when that is
+    unset or relative, as the XDG spec says). Never the working directory: a job started in a
+    script's folder leaves nothing there. Each job writes into ``<log_dir>/<job id>``."""
+    env = os.environ if env is None else env
+    if env.get(LOG_DIR_ENV):
+        return os.path.abspath(env[LOG_DIR_ENV])
+    state = env.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        state = os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "dslaunch", "logs")
 
 
 @dataclass(frozen=True)
@@ -186,7 +200,7 @@ def job_id() -> str:
 
 
 def _monitor(cfg: LaunchConfig) -> MonitorSpec:
-    base = os.path.abspath(cfg.log_dir or DEFAULT_LOG_DIR)
+    base = os.path.abspath(cfg.log_dir or default_log_dir())
     suffix = f"-node{cfg.node_rank}" if cfg.no_ssh else ""  # every node runs its own controller
     return MonitorSpec(hang_timeout=cfg.hang_timeout, log_dir=os.path.join(base, job_id() + suffix))
 
@@ -320,7 +334,7 @@ def check_numbers(cfg: LaunchConfig) -> None:
                          "hang detection off)")
     if cfg.log_dir == "" or (cfg.log_dir and "\0" in cfg.log_dir):
         raise UsageError(f"--log_dir {quote(cfg.log_dir)}: not a path (empty, or a NUL character); give a "
-                         f"directory, or leave the flag out for ./{DEFAULT_LOG_DIR}")
+                         f"directory, or leave the flag out for {default_log_dir()}")
     if cfg.master_addr and (problem := hostname_problem(cfg.master_addr)):
         raise UsageError(f"--master_addr {quote(cfg.master_addr)}: {problem}")
 

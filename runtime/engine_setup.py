@@ -56,6 +56,10 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
         return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
     groups = _param_groups(module, optimizer, model_parameters)
+    if optimizer is None:  # Muon: its matrices and the AdamW rest in separate groups
+        from dslaunch.runtime.optim.registry import split_groups
+
+        groups = split_groups(cfg.optimizer, groups, _subgroup)
     comm = CommSettings(reduce_bucket_numel=zero_cfg.reduce_bucket_size,
                         allgather_bucket_numel=zero_cfg.allgather_bucket_size,
                         overlap_comm=zero_cfg.overlap_comm, comm_dtype=precision.comm_dtype,
@@ -145,6 +149,11 @@ def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any
     return groups
 
 
+def _subgroup(group: GroupSpec, indices: list[int], use_muon: bool) -> GroupSpec:
+    return GroupSpec([group.params[i] for i in indices], [group.names[i] for i in indices],
+                     {**group.hparams, "use_muon": use_muon})
+
+
 def _client_wins(section: Any, key: str) -> None:
     """DeepSpeed silently prefers a client optimizer/scheduler over the config's: say so on rank 0."""
     if section is not None and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -202,7 +211,8 @@ def _optimizer_factory(cfg: DeepSpeedConfig, client: Any, exchange: GradientExch
 
         # The layouts let Lamb compute one trust ratio per original parameter, not per flat group.
         return lambda groups, flat: build_optimizer(cfg.optimizer, groups, flat_layouts=flat.layouts,
-                                                    norm_all_reduce=flat.norm_all_reduce, exchange=exchange)
+                                                    norm_all_reduce=flat.norm_all_reduce, exchange=exchange,
+                                                    group_layouts=flat.group_layouts, gather=flat.gather)
     raise AssertionError("build_components builds no optimizer factory without an optimizer")
 
 

@@ -19,13 +19,21 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(autouse=True, scope="session")
 def _scratch_cwd():
-    """Jobs the tests launch write their default log dir (./dslaunch_logs) under the working
-    directory: run the tests (after collection, which needs the checkout) from a scratch
-    directory, so the suite leaves nothing in the checkout."""
+    """Run the tests (after collection, which needs the checkout) from a scratch directory, so the
+    suite leaves nothing in the checkout; and point the default ``--log_dir`` of the jobs the
+    tests launch ($XDG_STATE_HOME/dslaunch/logs) into it, not into the user's own state directory."""
     scratch, before = tempfile.mkdtemp(prefix="dslaunch-tests-"), os.getcwd()
+    saved = {k: os.environ.get(k) for k in ("XDG_STATE_HOME", "DSLAUNCH_LOG_DIR")}
+    os.environ["XDG_STATE_HOME"] = os.path.join(scratch, "state")
+    os.environ.pop("DSLAUNCH_LOG_DIR", None)
     os.chdir(scratch)
     yield
     os.chdir(before)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -148,7 +148,8 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
            "at least 60 s)")
     a("--log_dir", default=None, metavar="DIR",
       help="where each job writes events.jsonl, per-rank error files and stack dumps, in DIR/<job id> "
-           "(default ./dslaunch_logs; read with 'dslaunch status DIR')")
+           "(default $DSLAUNCH_LOG_DIR, else $XDG_STATE_HOME/dslaunch/logs or ~/.local/state/dslaunch/logs; "
+           "'dslaunch status' shows the newest job there)")
     g = p.add_argument_group("restart and elasticity").add_argument
     g("--max_restarts", type=integer, default=None,
       help="restart the job up to N times after a failure (default 0)")

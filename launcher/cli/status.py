@@ -1,7 +1,7 @@
 """``dslaunch status LOGDIR``: what a running or finished job is doing, from its ``events.jsonl``.
 
 LOGDIR is a job's directory (``<log_dir>/<job id>``) or the base ``--log_dir`` (the newest job in
-it is shown). A thin click command: reading and wording live in ``launcher.monitor``. The log is
+it is shown); left out, the default ``--log_dir`` (``plan.default_log_dir``), from any directory. A thin click command: reading and wording live in ``launcher.monitor``. The log is
 the job's (and a shared directory's other users'): lines that are no valid event are skipped and
 counted, the output is bounded and control characters are escaped.
 """
@@ -16,6 +16,7 @@ import click
 from dslaunch.errors import UsageError, shorten
 from dslaunch.launcher.monitor.events import EVENTS_FILE, read_events
 from dslaunch.launcher.monitor.status import JobStory
+from dslaunch.launcher.plan import default_log_dir
 
 __all__ = ["command", "find_events"]
 
@@ -37,7 +38,7 @@ def find_events(path: str) -> str:
     found = [(mtime, j) for j in jobs if os.path.isfile(j) and (mtime := _mtime(j)) is not None]
     if not found:
         raise UsageError(f"dslaunch status {shorten(path, 300)}: no {EVENTS_FILE} there nor in its "
-                         "subdirectories; give the --log_dir of a job (default ./dslaunch_logs)")
+                         f"subdirectories; give the --log_dir of a job (default {default_log_dir()})")
     return max(found)[1]
 
 
@@ -73,10 +74,11 @@ def read_story(path: str) -> JobStory:
 
 
 @click.command("status")
-@click.argument("logdir", default="dslaunch_logs")
-def command(logdir: str) -> int:
-    """Summarise a running or finished job from LOGDIR/events.jsonl (default: the newest job in ./dslaunch_logs)."""
-    path = find_events(logdir)
+@click.argument("logdir", required=False)
+def command(logdir: str | None) -> int:
+    """Summarise a running or finished job from LOGDIR/events.jsonl (default: the newest job in the
+    default --log_dir, $DSLAUNCH_LOG_DIR or $XDG_STATE_HOME/dslaunch/logs, else ~/.local/state/dslaunch/logs)."""
+    path = find_events(logdir if logdir is not None else default_log_dir())
     story = read_story(path)
     click.echo(f"{shorten(os.path.dirname(path), 300)}:")
     click.echo(story.describe())

@@ -352,6 +352,14 @@ def _check_compressed(cfg: DeepSpeedConfig) -> None:
         raise ConfigError(f"{name} does not run with an offloaded optimizer", key="zero_optimization.offload_optimizer")
 
 
+def _check_muon(cfg: DeepSpeedConfig) -> None:
+    """Muon (optim/muon.py) needs whole param groups at its step; the offloaded step has buckets."""
+    if cfg.optimizer is not None and cfg.optimizer.name == "Muon" and cfg.zero_optimization.offload_optimizer.enabled:
+        raise ConfigError("Muon does not run with an offloaded optimizer here (its step needs whole "
+                          "matrices; the offloaded step updates buckets): remove offload_optimizer",
+                          key="zero_optimization.offload_optimizer")
+
+
 def _cross_check(cfg: DeepSpeedConfig) -> None:
     act = cfg.activation_checkpointing
     check_contiguous(act.contiguous_memory_optimization, act.partition_activations, act.number_checkpoints,
@@ -362,6 +370,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization
     _check_compressed(cfg)
+    _check_muon(cfg)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
                           "device)", key="zero_optimization.offload_optimizer.device")

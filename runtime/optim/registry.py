@@ -6,7 +6,9 @@ Owns the registry ``optimizer.type`` -> (accepted ``optimizer.params`` with defa
 
 Types: ``Adam`` / ``AdamW`` (DeepSpeed's FusedAdam params; ``adam_w_mode`` defaults to true, so
 ``Adam`` means decoupled weight decay unless it is set false; ``AdamW`` is always decoupled),
-``SGD``, ``Adagrad``, ``Lion`` (``lion.py``) and ``Lamb`` (``lamb.py``); like DeepSpeed, any other
+``SGD``, ``Adagrad``, ``Lion`` (``lion.py``), ``Lamb`` (``lamb.py``) and ``Muon`` (``muon.py``:
+Muon for hidden matrices, AdamW for the rest, in separate param groups made by ``split_groups``);
+like DeepSpeed, any other
 ``torch.optim`` class by its exact name (``RMSprop``, ``NAdam``, ...). torch's optimizers are
 built with ``fused=True`` when the parameters allow it (CPU included: 3-10x faster than the
 per-tensor loop), else ``foreach=True``; the registered ones as ``torch_optimizers`` subclasses,
@@ -26,13 +28,15 @@ from dslaunch.runtime.config.param_schema import (
     betas,
     boolean,
     check_params,
+    choice,
     describe,
     finite,
     integer,
     number,
 )
 
-__all__ = ["OptimizerSpec", "OPTIMIZER_TYPES", "validate_optimizer", "build_optimizer", "is_compressed"]
+__all__ = ["OptimizerSpec", "OPTIMIZER_TYPES", "validate_optimizer", "build_optimizer", "is_compressed",
+           "split_groups"]
 
 _KEY = "optimizer.params"
 
@@ -61,6 +65,10 @@ class _Entry:
     # Exchanges its own state in compressed form after a warm-up: the strategy gets a
     # zero.exchange.CompressedExchange, which the factory receives as params["exchange"].
     compressed: bool = False
+    # Needs whole matrices (Muon): the factory gets the groups' GroupLayouts and a gather over the
+    # data-parallel group; the engine splits its param groups with ``split`` first.
+    matrix_aware: bool = False
+    split: Callable[[Any, Callable[[Any, list[int], bool], Any]], list[Any]] | None = None
 
 
 # eps = 0 divides 0 by 0 on a parameter whose gradient is still zero: NaN weights.
@@ -237,6 +245,47 @@ def _check_lamb(p: dict[str, Any]) -> None:
                           key=f"{_KEY}.min_coeff")
 
 
+def _muon_schema() -> dict[str, Option]:
+    # lr / muon_lr / adam_lr left out: DeepSpeed's per-part defaults (muon 0.02, adam 3e-4) apply.
+    rate = number(0.0, low_open=True)
+    return {"lr": Option(None, rate), "muon_lr": Option(None, rate), "adam_lr": Option(None, rate),
+            "momentum": Option(0.95, number(0.0, 1.0, high_open=True)), "weight_decay": Option(0.0, number(0.0)),
+            "betas": Option((0.9, 0.95), betas), "eps": Option(1e-10, _EPS),
+            "ns_method": Option("gram", choice("gram", "standard")), "ns_steps": Option(5, integer(1, 100)),
+            "nesterov": Option(True, boolean)}
+
+
+def _make_muon(param_groups: Any, p: dict[str, Any], type_name: str) -> Any:
+    from dslaunch.runtime.optim.muon import MuonWithAuxAdam, is_muon_param
+
+    layouts, gather = p.pop("group_layouts"), p.pop("gather")
+    groups = _materialize(param_groups)
+    if groups and not isinstance(groups[0], Mapping):  # bare tensors (not from the engine): by shape
+        groups = [{"params": [t for t in groups if is_muon_param("", t) == flag], "use_muon": flag}
+                  for flag in (True, False)]
+        groups = [g for g in groups if g["params"]]
+    keys = {True: ("momentum", "weight_decay", "ns_method", "ns_steps", "nesterov"),
+            False: ("betas", "eps", "weight_decay")}
+    built = []
+    for g in groups:
+        muon = bool(g.get("use_muon", False))
+        config = {k: p[k] for k in keys[muon]}
+        lr = p["muon_lr" if muon else "adam_lr"] or p["lr"]
+        if lr is not None:
+            config["lr"] = lr
+        built.append({**config, **g, "use_muon": muon})  # a group's own keys win, as in torch
+    return MuonWithAuxAdam(built, layouts=layouts, gather=gather)
+
+
+def _split_muon(groups: Any, make: Callable[[Any, list[int], bool], Any]) -> list[Any]:
+    from dslaunch.runtime.optim.muon import split_muon_groups
+
+    try:
+        return split_muon_groups(groups, make)
+    except ValueError as e:
+        raise ConfigError(str(e), key="optimizer.type") from None
+
+
 _ENTRIES = [
     _Entry("Adam", _adam_schema(), _make_adam, _check_adam),
     _Entry("AdamW", _adam_schema(), _make_adam, _check_adam),
@@ -272,6 +321,7 @@ _ENTRIES = [
         "eps_inside_sqrt": Option(False, boolean),
         "amsgrad": Option(False, boolean),
     }, _make_lamb, _check_lamb, layout_aware=True),
+    _Entry("Muon", _muon_schema(), _make_muon, matrix_aware=True, split=_split_muon),
     _Entry("OneBitAdam", _onebit_schema(), _make_onebit_adam, _check_onebit, compressed=True),
     _Entry("ZeroOneAdam", _zero_one_schema(), _make_zero_one_adam, _check_onebit, compressed=True),
     _Entry("OneBitLamb", _onebit_lamb_schema(), _make_onebit_lamb, _check_onebit_lamb, layout_aware=True,
@@ -283,7 +333,7 @@ OPTIMIZER_TYPES: tuple[str, ...] = tuple(entry.name for entry in _ENTRIES)
 
 
 # Types DeepSpeed knows that dslaunch does not implement.
-_DEEPSPEED_ONLY = ("MuAdam", "MuAdamW", "MuSGD", "Muon")
+_DEEPSPEED_ONLY = ("MuAdam", "MuAdamW", "MuSGD")
 
 
 def _entry(opt_type: str) -> _Entry:
@@ -364,9 +414,18 @@ def is_compressed(spec: OptimizerSpec | None) -> bool:
     return spec is not None and _entry(spec.name).compressed
 
 
+def split_groups(spec: OptimizerSpec | None, groups: list[Any], make: Callable[[Any, list[int], bool], Any]
+                 ) -> list[Any]:
+    """The engine's param groups as ``spec``'s optimizer wants them before they are flattened:
+    Muon's split into Muon and AdamW parts (``muon.split_muon_groups``), else unchanged."""
+    entry = _entry(spec.name) if spec is not None else None
+    return entry.split(groups, make) if entry is not None and entry.split is not None else groups
+
+
 def build_optimizer(spec: OptimizerSpec, param_groups: Any, *,
                     flat_layouts: Sequence[Any] | None = None,
-                    norm_all_reduce: Callable[[Any], None] | None = None, exchange: Any = None):
+                    norm_all_reduce: Callable[[Any], None] | None = None, exchange: Any = None,
+                    group_layouts: Sequence[Any] | None = None, gather: Callable[..., Any] | None = None):
     """Build the optimizer DeepSpeed would build for this ``optimizer`` section.
 
     Args:
@@ -378,6 +437,9 @@ def build_optimizer(spec: OptimizerSpec, param_groups: Any, *,
             depends on per-parameter norms (Lamb) use it; elementwise ones ignore it.
         norm_all_reduce: in-place sum over the ranks when each holds a shard of the flat
             tensors (ZeRO stage >= 1); with Lamb this makes ``step()`` a collective.
+        group_layouts, gather: for optimizers that need whole matrices (Muon), each group's
+            ``zero.partition.GroupLayout`` and the all-gather of a shard over the ranks (None when
+            each rank holds whole groups); with a gather, Muon's ``step()`` is a collective.
 
     Returns:
         A ``torch.optim.Optimizer``.
@@ -386,6 +448,8 @@ def build_optimizer(spec: OptimizerSpec, param_groups: Any, *,
     kwargs = dict(spec.params)
     if entry.layout_aware:
         kwargs.update(flat_layouts=flat_layouts, norm_all_reduce=norm_all_reduce)
+    if entry.matrix_aware:
+        kwargs.update(group_layouts=group_layouts, gather=gather)
     if entry.compressed:
         if exchange is None:
             raise ConfigError(f"optimizer {spec.name!r} runs only inside the engine (it needs the ZeRO "

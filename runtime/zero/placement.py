@@ -25,10 +25,11 @@ import torch.distributed as dist
 from dslaunch import comm
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.zero.flat import FlatGroup
+from dslaunch.runtime.zero.partition import GroupLayout
 from dslaunch.runtime.zero.publisher import ShardPublisher
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
 
-__all__ = ["Placement", "Replicated", "Sharded", "sum_over_ranks"]
+__all__ = ["Placement", "Replicated", "Sharded", "sum_over_ranks", "gather_over_ranks"]
 
 
 def sum_over_ranks(world_size: int, process_group: Any) -> Callable[[torch.Tensor], None] | None:
@@ -47,6 +48,23 @@ def sum_over_ranks(world_size: int, process_group: Any) -> Callable[[torch.Tenso
             else:
                 comm.all_reduce(t, group=process_group)
     return reduce
+
+
+def gather_over_ranks(world_size: int, process_group: Any
+                      ) -> Callable[[torch.Tensor, GroupLayout], torch.Tensor] | None:
+    """``gather(shard, layout)``: a group's whole flat vector (``layout.numel`` elements) from each
+    rank's [start, end) shard (collective); None in a world of one."""
+    if world_size == 1:
+        return None
+
+    def gather(shard: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+        slot = layout.padded // world_size  # every rank sends a full slot; the last ones pad
+        mine = shard if shard.numel() == slot else torch.cat([shard, shard.new_zeros(slot - shard.numel())])
+        out = shard.new_empty(layout.padded)
+        with waiting("all_gather of a Muon group"):
+            comm.all_gather_into_tensor(out, mine.contiguous(), group=process_group)
+        return out[:layout.numel]
+    return gather
 
 
 class Placement:

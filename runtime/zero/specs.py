@@ -12,22 +12,27 @@ from dataclasses import dataclass
 import torch
 
 from dslaunch.runtime.zero.offload.swap import SwapSettings
-from dslaunch.runtime.zero.partition import FlatLayout
+from dslaunch.runtime.zero.partition import FlatLayout, GroupLayout
 
 __all__ = ["GroupSpec", "CommSettings", "StepResult", "FlatShards", "OptimizerFactory"]
 
 
 @dataclass(frozen=True)
 class FlatShards:
-    """What the optimizer's flat tensors hold, for updates that need per-parameter norms (Lamb).
+    """What the optimizer's flat tensors hold, for updates that need per-parameter norms (Lamb)
+    or whole matrices (Muon).
 
     ``layouts[i]``: which original parameters (in flat order) group i's tensor holds, i.e. this
     rank's [start, end) of the group. ``norm_all_reduce``: in-place sum over the data-parallel
-    group when ranks hold disjoint shards (stages 1/2), else None.
+    group when ranks hold disjoint shards (stages 1-3), else None. ``group_layouts[i]``: group
+    i's shapes, offsets and this rank's range; ``gather(shard, layout)``: the group's whole flat
+    vector from every rank's shard (collective; None when each rank holds whole groups).
     """
 
     layouts: list[FlatLayout]
     norm_all_reduce: Callable[[torch.Tensor], None] | None
+    group_layouts: list[GroupLayout] | None = None
+    gather: Callable[[torch.Tensor, GroupLayout], torch.Tensor] | None = None
 
 
 OptimizerFactory = Callable[[list[dict], FlatShards], torch.optim.Optimizer]

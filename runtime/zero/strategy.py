@@ -41,7 +41,7 @@ import torch.distributed as dist
 from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange
 from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
 from dslaunch.runtime.zero.partition import FlatLayout
-from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
+from dslaunch.runtime.zero.placement import Placement, gather_over_ranks, sum_over_ranks
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
 
 __all__ = ["ZeroStrategy", "ParamSlot"]
@@ -125,7 +125,8 @@ class ZeroStrategy:
     def _flat_shards(self) -> FlatShards:
         layouts = [FlatLayout.of([math.prod(shape) for shape in g.layout.shapes], g.layout.start, g.layout.end)
                    for g in self.groups]
-        return FlatShards(layouts, self.placement.norm_all_reduce)
+        gather = gather_over_ranks(self.world_size, self.pg) if self.placement.partitioned else None
+        return FlatShards(layouts, self.placement.norm_all_reduce, [g.layout for g in self.groups], gather)
 
     def synchronize(self) -> None:
         """Wait for in-flight parameter gathers: call before anything reads the module weights."""

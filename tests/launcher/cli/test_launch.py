@@ -68,7 +68,7 @@ MISSING = "/nonexistent/train.py"
     (["--grace_period", "1_0", FAKE], "argument --grace_period: invalid float value: '1_0'"),
     (["--max_restarts", "2147483648", FAKE], "--max_restarts 2147483648: expected 0 to 1000000"),
     (["--log_dir", "", FAKE], "--log_dir '': not a path (empty, or a NUL character); give a directory, or leave "
-                              "the flag out for ./dslaunch_logs"),
+                              "the flag out for /"),
     (["--log_dir", "x\0" + "y" * 4300, FAKE], "--log_dir 'x\\x00yyyy"),
     (["--num_gpus", "1_0", FAKE], "argument --num_gpus/--num_accelerators: invalid integer value: '1_0'"),
     (["--master_port", "２９５００", FAKE], "argument --master_port: invalid integer value: '２９５００'"),
@@ -158,8 +158,9 @@ def test_dry_run_shows_the_monitor_and_writes_nothing(tmp_path):
     assert re.fullmatch(rf"# monitor: hang_timeout 5 s \(first step: 60 s\); events, error files and stacks in "
                         rf"{tmp_path}/l/\d{{8}}-\d{{6}}-\d+-[0-9a-f]{{6}}", last), last
     assert not (tmp_path / "l").exists()
-    r = run_dslaunch(["--num_gpus", "1", "--dry-run", FAKE], cwd=str(tmp_path))
-    assert f"# monitor: hang_timeout off; events, error files and stacks in {tmp_path}/dslaunch_logs/" in r.stdout
+    r = run_dslaunch(["--num_gpus", "1", "--dry-run", FAKE], cwd=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "s"))
+    assert f"# monitor: hang_timeout off; events, error files and stacks in {tmp_path}/s/dslaunch/logs/" in r.stdout
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_log_dir_that_cannot_be_created_is_one_line(tmp_path):

@@ -68,18 +68,18 @@ def test_a_sticky_shared_base_like_tmp_is_fine(tmp_path):
 
 @as_root
 def test_a_planted_log_dir_link_does_not_move_the_logs(tmp_path):
-    """``./dslaunch_logs`` planted as a link by another user: the job refuses to start, one line,
+    """The default log dir planted as a link by another user: the job refuses to start, one line,
     and nothing lands where the link points."""
     elsewhere = tmp_path / "root_owned"
     elsewhere.mkdir()
-    cwd = tmp_path / "work"
-    cwd.mkdir()
-    os.symlink(elsewhere, cwd / "dslaunch_logs")
-    os.lchown(cwd / "dslaunch_logs", OTHER_UID, OTHER_UID)
-    r = run_dslaunch(["--num_gpus", "1", FAKE, "print=ran"], cwd=str(cwd))
+    default = tmp_path / "state" / "dslaunch" / "logs"
+    default.parent.mkdir(parents=True)
+    os.symlink(elsewhere, default)
+    os.lchown(default, OTHER_UID, OTHER_UID)
+    r = run_dslaunch(["--num_gpus", "1", FAKE, "print=ran"], XDG_STATE_HOME=str(tmp_path / "state"))
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(
-        f"dslaunch: error: --log_dir {cwd}/dslaunch_logs: a symbolic link owned by another user (uid 65534)")
+        f"dslaunch: error: --log_dir {default}: a symbolic link owned by another user (uid 65534)")
     assert "Traceback" not in r.stderr and "ran" not in r.stdout
     assert os.listdir(elsewhere) == []
 
