@@ -222,15 +222,21 @@ def prefix_sum_inc(weights: Iterable[int]) -> list[int]:
 
 
 def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:
-    """``item`` with every tensor (in lists, tuples and dicts, recursively) moved to ``device``;
-    with ``criterion_func`` only the tensors it accepts."""
-    if isinstance(item, torch.Tensor):
-        return item.to(device) if criterion_func is None or criterion_func(item) else item
-    if isinstance(item, (list, tuple)):
-        return type(item)(move_to_device(x, device, criterion_func) for x in item)
+    """``item`` with every tensor (in lists, tuples and dicts, recursively) on ``device``.
+
+    A tensor ``criterion_func`` accepts is moved in place (its ``.data`` replaced: the same object
+    comes back, as DeepSpeed does for parameters); any other tensor is copied with ``.to(device)``.
+    Values that are neither tensors nor containers come back as they are.
+    """
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, (list, tuple)):  # a tuple of any kind comes back a plain tuple, as DeepSpeed's
+        moved = [move_to_device(x, device, criterion_func) for x in item]
+        return moved if isinstance(item, list) else tuple(moved)
     if isinstance(item, dict):
         return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
-    return item
+    return item.to(device) if isinstance(item, torch.Tensor) else item
 
 
 def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:

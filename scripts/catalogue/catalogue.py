@@ -8,17 +8,21 @@ Each row is ``name<TAB>kind<TAB>seen_in<TAB>answer``: a dotted ``deepspeed`` nam
   ``NotInDslaunchError`` whose message ends with ``<line>`` (what the feature is, what to use);
 - ``missing: <why>``: not importable yet, and who or what would add it (rows a sibling change owns).
 
-Usage (fills in the ``?`` rows ``scan.py --merge`` added, by resolving each name)::
+Usage::
 
-    python scripts/catalogue/catalogue.py fill compat/import_catalogue.tsv
+    python scripts/catalogue/catalogue.py fill compat/import_catalogue.tsv   # answer the ``?`` rows
+    python scripts/catalogue/catalogue.py check compat/import_catalogue.tsv  # one JSON verdict a row
 
-Run it with the venv that has dslaunch; it imports ``compat/deepspeed``'s alias from the source tree.
+``fill`` answers the rows ``scan.py --merge`` added by resolving each name; ``check`` verifies every
+row against dslaunch (``tests/compat/test_import_catalogue.py`` runs it). Run either with the venv
+that has dslaunch; they import ``compat/deepspeed``'s alias from the source tree.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,7 +152,54 @@ def fill(path: Path) -> int:
     return 0
 
 
+def verdict(row: Row) -> str | None:
+    """What is wrong with ``row`` (None: it holds). A ``missing`` row holds while it stays missing."""
+    try:
+        obj = resolve(row.name)
+    except (ImportError, AttributeError) as err:
+        return None if row.answer.startswith("missing: ") else f"does not resolve: {type(err).__name__}: {err}"
+    except Exception as err:  # noqa: BLE001 (a script would die at this import: that is the finding)
+        return f"dies at import: {type(err).__name__}: {err}"
+    if row.answer.startswith("missing: "):
+        return "resolves now: give it its answer (works or refused)"
+    if row.kind not in KINDS or kind_of(row.name, obj) != row.kind:
+        return f"kind is {kind_of(row.name, obj)}, the row says {row.kind}"
+    if row.answer == "works":
+        refused = is_refused(obj) or (isinstance(obj, ModuleType) and refused_names(obj))
+        return "refused on use, the row says works" if refused else None
+    if row.refusal is None:
+        return f"answer must be works, refused: <line> or missing: <why>, got {row.answer!r}"
+    uses = [getattr(obj, n) for n in refused_names(obj) or ()] if isinstance(obj, ModuleType) else [obj]
+    if not uses:
+        return "imports, but has no refused name to use"
+    return next(filter(None, (_refusal_problem(row, u) for u in uses)), None)
+
+
+def _refusal_problem(row: Row, obj: Any) -> str | None:
+    from dslaunch.errors import NotInDslaunchError
+
+    try:
+        use(obj)
+    except NotInDslaunchError as err:
+        text = str(err)
+        if "\n" in text or not text.endswith(": " + row.refusal) or not isinstance(err, NotImplementedError):
+            return f"refusal is {text!r}"
+        return None
+    except Exception as err:  # noqa: BLE001
+        return f"raised {type(err).__name__}: {err} instead of the refusal"
+    return "did not refuse"
+
+
+def check(path: Path) -> int:
+    """Print ``{"name": ..., "problem": ...}`` per row (problem null when the row holds)."""
+    install_alias()
+    for row in read(path):
+        print(json.dumps({"name": row.name, "problem": verdict(row)}), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "fill":
+    commands = {"fill": fill, "check": check}
+    if len(sys.argv) != 3 or sys.argv[1] not in commands:
         sys.exit(__doc__)
-    sys.exit(fill(Path(sys.argv[2])))
+    sys.exit(commands[sys.argv[1]](Path(sys.argv[2])))
