@@ -74,7 +74,7 @@ def test_clip_grad_norm_matches_torch_on_one_process(norm_type: float) -> None:
     total = utils.clip_grad_norm_(ours, max_norm=1.0, norm_type=norm_type)
     want = torch.nn.utils.clip_grad_norm_(theirs, max_norm=1.0, norm_type=norm_type)
     assert torch.allclose(total.reshape(()), want, rtol=1e-6)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
     assert utils.clip_grad_norm_(ours, max_norm=1.0, norm_type=norm_type).item() == pytest.approx(1.0, rel=1e-4)
 
@@ -83,7 +83,7 @@ def test_clip_grad_norm_leaves_small_gradients_alone() -> None:
     params = _grads(1)
     before = [p.grad.clone() for p in params]
     utils.clip_grad_norm_(params, max_norm=1e6)
-    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True))
 
 
 def _clip_on_rank(rank: int, world_size: int) -> tuple[float, list[float]]:
