@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from dslaunch.utils.ports import free_port
-from tests.compat.conftest import SCRIPTS, run_job
+from tests.compat.conftest import SCRIPTS, run_job, tagged
 
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 CHECKOUT = Path(os.environ.get("DEEPSPEED_EXAMPLES", "/work/.mirror/deepspeedai+DeepSpeedExamples/repo"))
@@ -114,3 +114,23 @@ def test_text_generation_example_at_tp2_gives_the_hf_tokens(compat_bin: Path, tm
     assert len(outputs["2"]) == 3 and outputs["2"] == outputs["1"], outputs
     assert all(len(o.split()) > len(i.split()) for o, i in zip(outputs["2"], ["DeepSpeed is a machine learning "
                "framework", "He is working on", "He has a"], strict=True))
+
+
+# ----- the same names, in our words (no checkout needed: what CI runs) ------------------------------
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stages,losses", [("2", 3), ("0", 6)])  # -p 0: the engine, 2 micro batches a step
+def test_pipeline_example_shape(compat_bin: Path, tmp_path: Path, stages: str, losses: int) -> None:
+    out = run_job([str(compat_bin / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                   str(SCRIPTS / "pipeline_train.py"), "--deepspeed_config", str(SCRIPTS / "pipeline_ds_config.json"),
+                   "-p", stages, "--steps", "3"], cwd=tmp_path, timeout=220)
+    got = tagged(out, "LOSSES")
+    assert len(got) == losses and all(math.isfinite(x) and 0.3 < x < 1.5 for x in got), got  # 2 classes: ~ln 2
+
+
+@pytest.mark.timeout(240)
+def test_text_generation_example_shape_at_tp2(compat_bin: Path, tmp_path: Path) -> None:
+    out = run_job([str(compat_bin / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                   str(SCRIPTS / "text_generation.py")], cwd=tmp_path, timeout=220)
+    assert tagged(out, "SAME") is True
+    assert "[rank0] before init" in out and "[rank0] CPU Virtual Memory:  used = " in out  # see_memory_usage
