@@ -23,11 +23,22 @@ _LAZY = {
     "init_inference": "dslaunch.inference.engine",
     "InferenceEngine": "dslaunch.inference.engine",
     "DslaunchError": "dslaunch.errors",
+    "PipelineEngine": "dslaunch.runtime.pipe.engine",
+    "DeepSpeedConfig": "dslaunch.runtime.config",
+    "get_accelerator": "dslaunch.accelerator",
+    "OnDevice": "dslaunch.runtime.zero.partition_parameters",
+    # DeepSpeed features dslaunch lacks, importable from the top as DeepSpeed's are; refused on use
+    "DeepSpeedTransformerLayer": "dslaunch.ops.transformer",
+    "DeepSpeedTransformerConfig": "dslaunch.ops.transformer",
+    "replace_transformer_layer": "dslaunch.module_inject",
+    "revert_transformer_layer": "dslaunch.module_inject",
+    "tp_model_init": "dslaunch.runtime.api",
 }
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
-_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "inference", "launcher", "module_inject",
-                "monitor", "pipe", "profiling", "runtime", "utils", "zero")
+_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "compression", "inference", "io",
+                "launcher", "module_inject", "moe", "monitor", "ops", "pipe", "profiling", "runtime", "sequence",
+                "utils", "zero")
 
 __all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
 

@@ -12,6 +12,7 @@ from dslaunch.runtime.activation_checkpointing.checkpointing import (
     get_cuda_rng_tracker,
     is_configured,
     model_parallel_cuda_manual_seed,
+    model_parallel_reconfigure_tp_seed,
     non_reentrant_checkpoint,
     profile_totals,
     reset,
@@ -20,5 +21,6 @@ from dslaunch.runtime.activation_checkpointing.checkpointing import (
 )
 
 __all__ = ["configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset", "set_num_layers",
-           "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "CudaRNGStatesTracker",
+           "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed",
+           "CudaRNGStatesTracker",
            "CheckpointSettings", "settings", "profile_totals"]

@@ -10,7 +10,8 @@ The kinds follow torch.distributed.elastic's split:
 - worker errors: ``WorkerFailedError`` (a rank exited non-zero or was killed),
   ``PipelineStageError`` (another pipeline stage stopped the batch);
 - platform/infra errors: ``LaunchError`` (host unreachable, port busy, sshd refused);
-- data errors: ``CheckpointError`` (missing, truncated or corrupt checkpoint on disk).
+- data errors: ``CheckpointError`` (missing, truncated or corrupt checkpoint on disk);
+- ``NotInDslaunchError``: a DeepSpeed feature dslaunch lacks was used (``dslaunch/utils/refused.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "WorkerFailedError",
     "PipelineStageError",
     "CheckpointError",
+    "NotInDslaunchError",
     "did_you_mean",
     "quote",
     "shorten",
@@ -120,6 +122,12 @@ class CheckpointError(DslaunchError):
     def __init__(self, message: str, path: str | None = None):
         self.path = path
         super().__init__(f"{path}: {message}" if path else message)
+
+
+class NotInDslaunchError(DslaunchError, NotImplementedError):
+    """A DeepSpeed feature dslaunch does not have was used (not merely imported): the message names
+    it and what to use instead. Also a ``NotImplementedError``, which callers probing for optional
+    features already catch."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

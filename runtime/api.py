@@ -18,9 +18,15 @@ from dslaunch.errors import ConfigError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import init_distributed, slurm_env
 from dslaunch.runtime.shutdown import register_clean_exit
+from dslaunch.utils.refused import Refusal, refused_function
 from dslaunch.utils.restart import restart_count, resume_dir
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "tp_model_init"]
+
+# DeepSpeed's AutoTP for training; dslaunch's AutoTP serves inference only (init_inference).
+tp_model_init = refused_function(__name__, "tp_model_init", Refusal(
+    "tensor-parallel training (AutoTP training, tp_model_init)",
+    "train with ZeRO or deepspeed.pipe; init_inference(tensor_parallel={'tp_size': N}) shards for inference"))
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,

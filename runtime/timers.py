@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["Timer", "Timers", "STEP_TIMERS"]
+__all__ = ["Timer", "Timers", "STEP_TIMERS", "SynchronizedWallClockTimer", "NoopTimer"]
 
 #: The phases the engine times, in log order.
 STEP_TIMERS = ("forward", "backward", "allreduce", "step")
@@ -146,3 +146,83 @@ class Timers:
         line = self.log_line(names, normalizer, reset)
         print_fn(line)
         return line
+
+
+class SynchronizedWallClockTimer:
+    """DeepSpeed's group of named timers (``deepspeed.utils.timer``), in milliseconds.
+
+    ``timers("fwd").start()``, ``.stop()``, ``.elapsed(reset=True)`` (ms), and ``timers.log(names)``,
+    which prints ``time (ms) | fwd: 12.31 | ...`` on rank 0 (``ranks`` to choose others). The same
+    timers as ``Timers`` (CUDA synchronised when in use), in DeepSpeed's units and shape.
+    """
+
+    class Timer(Timer):
+        """One timer; ``elapsed`` and ``mean`` in milliseconds as DeepSpeed's."""
+
+        def stop(self, reset: bool = False, record: bool = False) -> None:  # DeepSpeed's signature
+            super().stop()
+
+        def elapsed(self, reset: bool = True) -> float:
+            return super().elapsed(reset) * 1000.0
+
+        def mean(self) -> float:
+            return super().mean() * 1000.0
+
+    def __init__(self) -> None:
+        self.timers: dict[str, SynchronizedWallClockTimer.Timer] = {}
+
+    def __call__(self, name: str) -> SynchronizedWallClockTimer.Timer:
+        if name not in self.timers:
+            self.timers[name] = self.Timer(name)
+        return self.timers[name]
+
+    def get_timers(self) -> dict[str, SynchronizedWallClockTimer.Timer]:
+        return self.timers
+
+    def log(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True,
+            memory_breakdown: bool = False, ranks: list[int] | None = None) -> None:
+        """Print the timers in ``names`` that exist, each divided by ``normalizer``, on ``ranks`` (default [0])."""
+        from dslaunch.utils.logging import print_dist
+
+        if normalizer <= 0:
+            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+        parts = [f"{name}: {self.timers[name].elapsed(reset=reset) / normalizer:.2f}"
+                 for name in names if name in self.timers]
+        print_dist(" | ".join(["time (ms)", *parts]), ranks=ranks or [0])
+
+    def get_mean(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True) -> dict[str, float]:
+        """Mean milliseconds per interval of the timers in ``names`` that exist, divided by ``normalizer``."""
+        if normalizer <= 0:
+            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+        return {name: self.timers[name].mean() / normalizer for name in names if name in self.timers}
+
+
+class NoopTimer:
+    """DeepSpeed's timer group that times nothing (``wall_clock_breakdown`` off): same calls, no cost."""
+
+    class Timer:
+        def start(self) -> None: ...
+
+        def stop(self, **kwargs: object) -> None: ...
+
+        def reset(self) -> None: ...
+
+        def elapsed(self, **kwargs: object) -> float:
+            return 0
+
+        def mean(self) -> float:
+            return 0
+
+    def __init__(self) -> None:
+        self.timer = self.Timer()
+
+    def __call__(self, name: str) -> NoopTimer.Timer:
+        return self.timer
+
+    def get_timers(self) -> dict:
+        return {}
+
+    def log(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True,
+            memory_breakdown: bool = False, ranks: list[int] | None = None) -> None: ...
+
+    def get_mean(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True) -> None: ...

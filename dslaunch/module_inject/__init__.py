@@ -6,9 +6,14 @@ dataflow (``dslaunch.inference.auto_tp``). The layer names here are DeepSpeed's.
 
 from dslaunch.inference.auto_tp import ShardSpec, TPPlan, plan_tensor_parallel
 from dslaunch.inference.layers import ColumnParallelLinear, RowParallelLinear
+from dslaunch.module_inject.replace_policy import KERNEL_INJECTION
+from dslaunch.utils.refused import refuse
 
 LinearLayer = ColumnParallelLinear  # DeepSpeed's names for its column / row layers
 LinearAllreduce = RowParallelLinear
 
+# DeepSpeed's direct module surgery; dslaunch injects through init_inference only.
+globals().update(refuse(__name__, ("replace_transformer_layer", "revert_transformer_layer"), KERNEL_INJECTION))
+
 __all__ = ["plan_tensor_parallel", "ShardSpec", "TPPlan", "ColumnParallelLinear", "RowParallelLinear",
-           "LinearLayer", "LinearAllreduce"]
+           "LinearLayer", "LinearAllreduce", "replace_transformer_layer", "revert_transformer_layer"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("beat", "groups", "hostlist", "logging", "ports", "restart", "z3_leaf_module", "zero_to_fp32")
+_SUBMODULES = ("beat", "groups", "hostlist", "logging", "ports", "refused", "restart", "timer", "z3_leaf_module",
+               "zero_to_fp32")
 
 # name -> module that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
 _NAMES = {
@@ -24,6 +25,8 @@ _NAMES = {
     **dict.fromkeys(("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                      "safe_set_full_fp32_param"), "dslaunch.runtime.zero.full_state"),
     "RepeatingLoader": "dslaunch.runtime.dataloader",  # deepspeed.utils.RepeatingLoader
+    **dict.fromkeys(("SynchronizedWallClockTimer", "NoopTimer"), "dslaunch.runtime.timers"),
+    "OnDevice": "dslaunch.runtime.zero.partition_parameters",  # deepspeed.utils.OnDevice
 }
 
 __all__ = [*_SUBMODULES, *_NAMES]

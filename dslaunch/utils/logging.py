@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Iterable
 
-__all__ = ["logger", "log_dist", "print_dist", "log_dist_once", "get_dist_msg", "warning_once"]
+__all__ = ["LoggerFactory", "logger", "log_dist", "print_dist", "log_dist_once", "get_dist_msg", "warning_once"]
 
 
 def _make_logger(name: str, level: int = logging.WARNING) -> logging.Logger:
@@ -29,6 +29,17 @@ def _make_logger(name: str, level: int = logging.WARNING) -> logging.Logger:
 
 
 logger = _make_logger("DeepSpeed")
+
+
+class LoggerFactory:
+    """DeepSpeed's ``LoggerFactory.create_logger(name, level)``: a logger of that name formatted,
+    leveled and unpropagated like ``logger`` (its default level INFO, as DeepSpeed's)."""
+
+    @staticmethod
+    def create_logger(name: str | None = None, level: int = logging.INFO) -> logging.Logger:
+        if name is None:
+            raise ValueError("name for logger cannot be None")
+        return _make_logger(name, level)
 
 
 @functools.cache

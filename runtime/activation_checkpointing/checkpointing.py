@@ -59,7 +59,8 @@ from dslaunch.runtime.config.activation import (
 from dslaunch.runtime.config.param_schema import boolean, choice, integer
 
 __all__ = ["configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset", "set_num_layers",
-           "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "CudaRNGStatesTracker",
+           "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed",
+           "CudaRNGStatesTracker",
            "CheckpointSettings", "settings", "profile_totals", "ProfileTotals"]
 
 
@@ -204,6 +205,16 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     _STATE.tracker.reset()
     get_accelerator().manual_seed(data_seed)
     _STATE.tracker.add(MODEL_PARALLEL_RNG, tp_seed)
+
+
+def model_parallel_reconfigure_tp_seed(seed: int) -> None:
+    """Reseed the tracker's ``model-parallel-rng`` state with ``seed + 2718 + tensor-parallel rank``
+    (DeepSpeed's rule; Megatron-DeepSpeed calls it after changing the tensor-parallel layout); the
+    default generator is left as it was."""
+    seed = integer(0, 2**63 - 1)("model_parallel_reconfigure_tp_seed(seed=)", seed)
+    _, tp_seed = model_parallel_seeds(seed, _mp_rank(_STATE.settings.mpu))
+    with _STATE.tracker.fork():
+        get_accelerator().manual_seed(tp_seed)
 
 
 def _mp_ask(mpu: Any, what: str) -> Any:

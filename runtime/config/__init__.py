@@ -19,5 +19,18 @@ from dslaunch.runtime.config.sections import (
     ZeroConfig,
 )
 
+# DeepSpeed's names for ds_config's optimizer "type" values (``deepspeed.runtime.config``), lowercase as
+# DeepSpeed compares them; Megatron-DeepSpeed reads them. The registry (``runtime/optim``) accepts each.
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+ONEBIT_ADAM_OPTIMIZER = "onebitadam"
+ZERO_ONE_ADAM_OPTIMIZER = "zerooneadam"
+ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
+LION_OPTIMIZER = "lion"
+
 __all__ = ["DeepSpeedConfig", "load_config", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
-           "CheckpointConfig", "TypedSection", "OptimizerSection"]
+           "CheckpointConfig", "TypedSection", "OptimizerSection", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER",
+           "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "ZERO_ONE_ADAM_OPTIMIZER",
+           "ONEBIT_LAMB_OPTIMIZER", "LION_OPTIMIZER"]

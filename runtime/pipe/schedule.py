@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["PipeInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation",
-           "SendGrad", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "OptimizerStep", "PipeSchedule",
+__all__ = ["PipeInstruction", "BufferOpInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass",
+           "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "OptimizerStep", "PipeSchedule",
            "TrainSchedule", "InterleavedSchedule", "InferenceSchedule", "SCHEDULES", "schedule_choices"]
 
 
@@ -48,43 +48,47 @@ class PipeInstruction:
         return f"{self.name}({self.buffer_id}{where})" if self.buffer_id >= 0 else f"{self.name}()"
 
 
-class LoadMicroBatch(PipeInstruction):
+class BufferOpInstruction(PipeInstruction):
+    """An instruction on one micro batch (DeepSpeed's base class of those that carry a ``buffer_id``)."""
+
+
+class LoadMicroBatch(BufferOpInstruction):
     """First stage: the inputs; last stage: the labels (both read the same batch)."""
 
     doing = "loading {mb}"
 
 
-class ForwardPass(PipeInstruction):
+class ForwardPass(BufferOpInstruction):
     """Run this stage's layers on the micro batch (the last stage also computes the loss)."""
 
     doing = "in the forward pass of {mb}"
 
 
-class BackwardPass(PipeInstruction):
+class BackwardPass(BufferOpInstruction):
     """Backpropagate the loss (last stage) or the received output gradients."""
 
     doing = "in the backward pass of {mb}"
 
 
-class SendActivation(PipeInstruction):
+class SendActivation(BufferOpInstruction):
     """Send the outputs to the next stage."""
 
     doing = "sending the activations of {mb} to stage {next}"
 
 
-class RecvActivation(PipeInstruction):
+class RecvActivation(BufferOpInstruction):
     """Receive the inputs from the previous stage."""
 
     doing = "waiting to receive activations of {mb} from stage {prev}"
 
 
-class SendGrad(PipeInstruction):
+class SendGrad(BufferOpInstruction):
     """Send the gradients of the received inputs back to the previous stage."""
 
     doing = "sending the input gradients of {mb} to stage {prev}"
 
 
-class RecvGrad(PipeInstruction):
+class RecvGrad(BufferOpInstruction):
     """Receive the gradients of the outputs from the next stage."""
 
     doing = "waiting to receive gradients of {mb} from stage {next}"

@@ -45,7 +45,7 @@ from dslaunch.runtime.zero.params import ZeroParamStatus
 from dslaunch.runtime.zero.partition import partition_range
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor", "OnDevice"]
 
 # torch's constructors as they were before any Init, under DeepSpeed's names (transformers compares
 # a constructor with ``_orig_torch_arange`` to tell arange apart)
@@ -230,6 +230,27 @@ class Init:
         if self._subclass_hook:
             del torch.nn.Module.__init_subclass__
             self._subclass_hook = False
+
+
+class OnDevice:
+    """Modules and tensors built inside are made on ``device`` with floating-point values in
+    ``dtype`` (DeepSpeed's ``deepspeed.OnDevice``): ``with OnDevice(dtype=torch.bfloat16,
+    device="meta"): model = MyModel()``. ``enabled=False`` makes it a no-op. Inside a ``zero.Init``
+    the Init's constructors stay (it already places tensors)."""
+
+    def __init__(self, dtype: torch.dtype | None, device: str | torch.device = "meta", enabled: bool = True):
+        self.dtype, self.device, self.enabled = dtype, torch.device(device), enabled
+        self._constructors: dict[str, Callable] = {}
+
+    def __enter__(self) -> OnDevice:
+        if self.enabled:
+            self._constructors = _wrap_constructors(self.dtype, self.device)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._constructors.items():
+            setattr(torch, name, fn)
+        self._constructors = {}
 
 
 class GatheredParameters(contextlib.AbstractContextManager):

@@ -165,3 +165,24 @@ def test_engine_logs_forward_ms_per_optimizer_step_also_after_resume(tmp_path) -
     assert len(logged) == 1  # only at global step 4
     # Mean per step over the 2 steps since the resume: not their total, not divided by 4.
     assert SLEEP_S * 1000 <= logged[0] < 2 * SLEEP_S * 1000
+
+
+def test_synchronized_wall_clock_timer_is_deepspeeds_in_milliseconds(capsys: pytest.CaptureFixture[str]) -> None:
+    from dslaunch.runtime.timers import NoopTimer, SynchronizedWallClockTimer
+
+    timers = SynchronizedWallClockTimer()
+    timers("fwd").start()
+    time.sleep(0.05)
+    timers("fwd").stop()
+    assert 50 <= timers("fwd").elapsed(reset=False) < 2000  # milliseconds, as DeepSpeed's
+    assert 50 <= timers.get_mean(["fwd", "never"])["fwd"] < 2000
+    assert set(timers.get_timers()) == {"fwd"}
+    timers.log(["fwd", "never"], normalizer=2)  # no process group: printed as rank -1
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[Rank -1] time (ms) | fwd: ") and "never" not in line
+    assert 25 <= float(line.rsplit(" ", 1)[1]) < 1000
+    assert timers("fwd").elapsed() == 0  # the log reset it
+    noop = NoopTimer()
+    noop("x").start()
+    noop("x").stop(reset=True)
+    assert noop("x").elapsed(reset=False) == 0 and noop.get_timers() == {}

@@ -2,7 +2,9 @@
 ``get_accelerator`` imported on its first lines, ``init_distributed`` with the rank-0-first barrier
 around the data set, ``initialize(args=..., model_parameters=..., training_data=...)`` with the
 tutorial's ds_config (``--deepspeed_config cifar_ds_config.json``: bf16 with fp16's loss-scaling
-keys, ZeRO 0), inputs moved to ``get_accelerator().device_name(local_rank)``. Synthetic images
+keys, ZeRO 0), inputs moved to ``get_accelerator().device_name(local_rank)``, and the example's
+top-level ``deepspeed.moe.utils`` import: ``--moe-param-group`` splits the (dense) parameters with
+it, ``--moe`` builds ``deepspeed.moe.layer.MoE`` (refused by dslaunch on use). Synthetic images
 instead of the download. Rank 0 prints `bf16=True`, then `LOSSES <json>` and `STEPS <n>`.
 """
 
@@ -14,12 +16,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 
 def add_argument() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="CIFAR")
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--moe", action="store_true")
+    parser.add_argument("--moe-param-group", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -54,7 +59,11 @@ class Net(nn.Module):
 args = add_argument()
 torch.manual_seed(0)
 net = Net()
+if args.moe:
+    net.fc3 = deepspeed.moe.layer.MoE(hidden_size=84, expert=net.fc3, num_experts=2, ep_size=1)
 parameters = filter(lambda p: p.requires_grad, net.parameters())
+if args.moe_param_group:
+    parameters = split_params_into_different_moe_groups_for_optimizer({"params": list(parameters), "name": "p"})
 model_engine, optimizer, trainloader, __ = deepspeed.initialize(
     args=args, model=net, model_parameters=parameters, training_data=trainset)
 

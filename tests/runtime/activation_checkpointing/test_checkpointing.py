@@ -129,6 +129,17 @@ def test_model_parallel_cuda_manual_seed_uses_deepspeeds_offsets() -> None:
     assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(100 + 2718 + 1)))
 
 
+def test_model_parallel_reconfigure_tp_seed_reseeds_only_the_tracker_state() -> None:
+    ckpt.configure(_Mpu())
+    ckpt.model_parallel_cuda_manual_seed(100)
+    ckpt.model_parallel_reconfigure_tp_seed(5)
+    default_next = torch.rand(3, generator=torch.Generator().manual_seed(100))
+    with ckpt.get_cuda_rng_tracker().fork():
+        drawn = torch.rand(4)
+    assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(5 + 2718 + 1)))
+    assert torch.equal(torch.rand(3), default_next)  # the default stream did not move
+
+
 @pytest.mark.parametrize("which", list(CHECKPOINTS))
 def test_dropout_under_the_tracker_is_replayed(which: str) -> None:
     ckpt.model_parallel_cuda_manual_seed(1)

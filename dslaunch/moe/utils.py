@@ -1,0 +1,15 @@
+"""``deepspeed.moe.utils``: the expert/shared parameter helpers of ``dslaunch.runtime.moe``."""
+
+from dslaunch.runtime.moe import (
+    configure_moe_param_groups,
+    has_moe_layers,
+    is_moe_param,
+    is_moe_param_group,
+    split_params_grads_into_shared_and_expert_params,
+    split_params_into_different_moe_groups_for_optimizer,
+    split_params_into_shared_and_expert_params,
+)
+
+__all__ = ["has_moe_layers", "is_moe_param", "is_moe_param_group", "split_params_into_shared_and_expert_params",
+           "split_params_grads_into_shared_and_expert_params", "split_params_into_different_moe_groups_for_optimizer",
+           "configure_moe_param_groups"]

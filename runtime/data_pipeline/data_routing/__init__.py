@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.data_pipeline.data_routing``: random-LTD, refused on use."""

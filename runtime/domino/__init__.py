@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.domino``: Domino (tensor-parallel compute/communication overlap), refused on use."""

@@ -1,0 +1,8 @@
+"""``deepspeed.runtime.fp16.fused_optimizer``: ``FP16_Optimizer``, refused on use (see ``runtime/fp16/__init__.py``)."""
+
+from dslaunch.runtime.fp16 import MIXED_PRECISION_WRAPPER
+from dslaunch.utils.refused import refused_class
+
+FP16_Optimizer = refused_class(__name__, "FP16_Optimizer", MIXED_PRECISION_WRAPPER)
+
+__all__ = ["FP16_Optimizer"]

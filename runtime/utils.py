@@ -1,0 +1,285 @@
+"""DeepSpeed's ``deepspeed.runtime.utils``: the helpers training scripts import from it.
+
+Seeding (``set_random_seed``), memory reports (``see_memory_usage``, ``memory_status``), gradient
+and weight norms (``clip_grad_norm_``, ``get_global_norm``, ``get_grad_norm``, ``get_weight_norm``),
+pipeline partitioning (``partition_uniform``, ``partition_balanced``: the pipeline's own), and small
+conveniences (``move_to_device``, ``call_to_str``, ``noop_decorator``, ...). Same signatures and
+results as DeepSpeed's for a job without expert or tensor parallelism; with an ``mpu`` the norms
+are summed (max for inf) over its model-parallel group, as DeepSpeed's.
+
+Collective: ``clip_grad_norm_`` and the norms given an ``mpu`` all-reduce when torch.distributed
+is initialised; call them on every rank. Without it they are local.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dslaunch.runtime.pipe.module import partition_balanced, partition_uniform
+from dslaunch.utils.refused import Refusal, refused_class
+
+__all__ = ["set_random_seed", "see_memory_usage", "memory_status", "empty_cache", "get_ma_status",
+           "clip_grad_norm_", "get_global_norm", "get_grad_norm", "get_weight_norm", "get_grad_zeros",
+           "is_model_parallel_parameter", "partition_uniform", "partition_balanced", "prefix_sum_inc",
+           "move_to_device", "call_to_str", "get_only_unique_item", "noop_decorator", "noop_context",
+           "ensure_directory_exists", "DummyOptim", "PartitionedTensor"]
+
+_GIB = 1024 ** 3
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch (all devices) with ``seed``."""
+    import numpy
+
+    random.seed(seed)
+    numpy.random.seed(seed % 2 ** 32)  # NumPy takes 32-bit seeds only
+    torch.manual_seed(seed % 2 ** 63)
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _dist_ready() else 0
+
+
+def _accelerator() -> Any:
+    from dslaunch.accelerator import get_accelerator
+
+    return get_accelerator()
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """Print ``message`` and the device's and host's memory use, on rank 0, only when ``force``.
+
+    DeepSpeed calls it all over with ``force=False`` (a no-op), so scripts do too. Resets the
+    device's peak counters afterwards, so the next report shows the peak since this one.
+    """
+    if not force or _rank() != 0:
+        return
+    import psutil
+
+    gc.collect()  # count what is really alive
+    acc = _accelerator()
+    print(message)
+    print(f"MA {acc.memory_allocated() / _GIB:.2f} GB  Max_MA {acc.max_memory_allocated() / _GIB:.2f} GB  "
+          f"CA {acc.memory_reserved() / _GIB:.2f} GB  Max_CA {acc.max_memory_reserved() / _GIB:.2f} GB")
+    vm = psutil.virtual_memory()
+    print(f"CPU Virtual Memory:  used = {(vm.total - vm.available) / _GIB:.2f} GB, percent = {vm.percent}%")
+    acc._reset_peak()
+
+
+_last_status = {"allocated": 0, "reserved": 0}
+
+
+def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False) -> None:
+    """One ``RANK=r MEMSTATS msg ...`` line: allocated and reserved memory, change since the last call."""
+    rank = _rank()
+    if print_rank != -1 and rank != print_rank:
+        return
+    acc = _accelerator()
+    acc.synchronize()
+    if reset_max:
+        acc._reset_peak()
+    alloc, reserved = acc.memory_allocated(), acc.memory_reserved()
+    d_alloc, d_reserved = alloc - _last_status["allocated"], reserved - _last_status["reserved"]
+    _last_status.update(allocated=alloc, reserved=reserved)
+    print(f"RANK={rank} MEMSTATS {msg} device={acc.current_device_name()} "
+          f"current alloc={alloc / _GIB:0.4f}GB (delta={d_alloc / _GIB:0.4f}GB "
+          f"max={acc.max_memory_allocated() / _GIB:0.4f}GB) current cache={reserved / _GIB:0.4f}GB "
+          f"(delta={d_reserved / _GIB:0.4f}GB max={acc.max_memory_reserved() / _GIB:0.4f}GB)")
+
+
+def get_ma_status() -> int:
+    """Bytes allocated on the device, on rank 0 (0 elsewhere)."""
+    return _accelerator().memory_allocated() if _rank() == 0 else 0
+
+
+def empty_cache() -> None:
+    """Release the device's cached memory and reset its peak counters."""
+    acc = _accelerator()
+    acc.empty_cache()
+    acc._reset_peak()
+
+
+def is_model_parallel_parameter(p: torch.Tensor) -> bool:
+    """True for a parameter sliced over model/tensor-parallel ranks (Megatron's marks)."""
+    return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
+
+
+def get_global_norm(norm_list: Iterable[float]) -> float:
+    """The 2-norm of norms: ``sqrt(sum(n ** 2))``."""
+    return math.sqrt(sum(float(n) ** 2.0 for n in norm_list))
+
+
+def _mp_group(mpu: Any) -> Any:
+    return mpu.get_model_parallel_group() if mpu is not None else None
+
+
+def _local_norm(tensors: Sequence[torch.Tensor], norm_type: float, mpu: Any,
+                counted: Callable[[torch.Tensor], bool]) -> torch.Tensor:
+    """The ``norm_type`` norm over ``tensors`` on this rank and its model-parallel group (float32)."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if norm_type == math.inf:
+        local = max((t.detach().abs().max().float() for t in tensors), default=torch.zeros((), device=device))
+        total = local.reshape(1).clone()
+        if mpu is not None and _dist_ready():
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=_mp_group(mpu))
+        return total[0]
+    parts = [t.detach().float().norm(norm_type) ** norm_type for t in tensors if counted(t)]
+    total = (torch.stack(parts).sum() if parts else torch.zeros((), device=device)).reshape(1)
+    if mpu is not None and _dist_ready():
+        torch.distributed.all_reduce(total, group=_mp_group(mpu))
+    return total[0] ** (1.0 / norm_type)
+
+
+def _counted_once(mpu: Any) -> Callable[[torch.Tensor], bool]:
+    """With model parallelism, a replicated tensor counts on model-parallel rank 0 only."""
+    if mpu is None:
+        return lambda t: True
+    first = mpu.get_model_parallel_rank() == 0
+    return lambda t: first or is_model_parallel_parameter(t)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2, mpu: Any = None) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` in place so their total norm is at most ``max_norm``.
+
+    The norm covers the model-parallel group (``mpu``) and is averaged over the data-parallel
+    group, as DeepSpeed's (ranks' gradients are equal after the reduction, so the average is the
+    norm). Returns the total norm (a one-element tensor), before clipping.
+
+    Collective when torch.distributed is initialised: call on every rank of the data-parallel group.
+    """
+    from dslaunch.utils import groups
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = [p for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    # the parameter of each gradient decides whether it counts (model-parallel slices)
+    counted = _counted_once(mpu)
+    grads = [p.grad for p in params if norm_type == math.inf or counted(p)]
+    total = _local_norm(grads, norm_type, mpu, lambda t: True).reshape(1)
+    if _dist_ready():
+        group = groups.get_data_parallel_group()
+        total = total / torch.distributed.get_world_size(group=group)
+        torch.distributed.all_reduce(total, group=group)
+    if params:
+        total = total.to(params[0].device)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def get_grad_norm(parameters: Any, norm_type: float = 2, mpu: Any = None) -> float:
+    """The total norm of the gradients of ``parameters`` (model-parallel aware); -1 when not finite."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    counted = _counted_once(mpu)
+    grads = [p.grad for p in params if p.grad is not None and (float(norm_type) == math.inf or counted(p))]
+    return _finite_or_minus_one(_local_norm(grads, float(norm_type), mpu, lambda t: True))
+
+
+def get_weight_norm(parameters: Any, norm_type: float = 2, mpu: Any = None) -> float:
+    """The total norm of ``parameters`` themselves (model-parallel aware); -1 when not finite.
+
+    A parameter the pipeline replicates across stages (``ds_pipe_replicated``) counts once.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+    return _finite_or_minus_one(_local_norm(params, float(norm_type), mpu, _counted_once(mpu)))
+
+
+def _finite_or_minus_one(norm: torch.Tensor) -> float:
+    value = float(norm)
+    return value if math.isfinite(value) else -1.0
+
+
+def get_grad_zeros(parameters: Any, mpu: Any = None) -> float:
+    """How many gradient entries are exactly zero (summed over the model-parallel group)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    counted = _counted_once(mpu)
+    zeros = sum(int((p.grad == 0).sum()) for p in params if p.grad is not None and counted(p))
+    total = torch.tensor([float(zeros)])
+    if mpu is not None and _dist_ready():
+        torch.distributed.all_reduce(total, group=_mp_group(mpu))
+    return float(total[0])
+
+
+def prefix_sum_inc(weights: Iterable[int]) -> list[int]:
+    """Inclusive prefix sums: ``[3, 4, 5]`` -> ``[3, 7, 12]``."""
+    out: list[int] = []
+    for w in weights:
+        out.append(w + (out[-1] if out else 0))
+    return out
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:
+    """``item`` with every tensor (in lists, tuples and dicts, recursively) on ``device``.
+
+    A tensor ``criterion_func`` accepts is moved in place (its ``.data`` replaced: the same object
+    comes back, as DeepSpeed does for parameters); any other tensor is copied with ``.to(device)``.
+    Values that are neither tensors nor containers come back as they are.
+    """
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, (list, tuple)):  # a tuple of any kind comes back a plain tuple, as DeepSpeed's
+        moved = [move_to_device(x, device, criterion_func) for x in item]
+        return moved if isinstance(item, list) else tuple(moved)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device) if isinstance(item, torch.Tensor) else item
+
+
+def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+    """``"base(1, 'a', key=2)"``: how a call looks, for logs."""
+    return f"{base}({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
+
+
+def get_only_unique_item(items: Iterable[Any]) -> Any:
+    """The one distinct value of ``items``; RuntimeError when there are none or several."""
+    distinct = set(items)
+    if len(distinct) != 1:
+        raise RuntimeError(f"expected there to be only one unique element in {items}")
+    return next(iter(distinct))
+
+
+def noop_decorator(func: Callable) -> Callable:
+    return func
+
+
+class noop_context:  # noqa: N801 (DeepSpeed's name)
+    """A context manager that does nothing (``with noop_context():``)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def ensure_directory_exists(filename: str) -> None:
+    """Create the directory that will hold ``filename`` (and its parents) if missing."""
+    Path(filename).parent.mkdir(parents=True, exist_ok=True)
+
+
+class DummyOptim:
+    """A stand-in optimizer holding ``params`` in one param group (DeepSpeed uses it for ZeRO-3
+    without an optimizer); it has no ``step``."""
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self.param_groups = [{"params": list(params)}]
+        self.state: dict = {}
+
+
+PartitionedTensor = refused_class(__name__, "PartitionedTensor", Refusal(
+    "DeepSpeed's pipeline activation partitioning (PartitionedTensor)",
+    "dslaunch's pipeline sends whole activations; use deepspeed.pipe.PipelineModule without it"))
