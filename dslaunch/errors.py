@@ -34,6 +34,8 @@ __all__ = [
     "shorten",
     "name_ranks",
     "install_excepthook",
+    "CheckpointArgumentError",
+    "CheckpointTagMismatch",
 ]
 
 
@@ -120,6 +122,16 @@ class CheckpointError(DslaunchError):
     def __init__(self, message: str, path: str | None = None):
         self.path = path
         super().__init__(f"{path}: {message}" if path else message)
+
+
+class CheckpointArgumentError(CheckpointError, ValueError):
+    """A ``save_dir`` or tag a save or load cannot use (empty, not one directory name, ...).
+    A ``ValueError`` too: DeepSpeed raises that for an empty ``save_dir``, and its tests expect it."""
+
+
+class CheckpointTagMismatch(CheckpointError, AssertionError):
+    """The ranks named different tags under ``checkpoint.tag_validation: Fail``. An
+    ``AssertionError`` too: DeepSpeed asserts there, and its tests expect that type."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dslaunch.errors import CheckpointError, quote, shorten
+from dslaunch.errors import CheckpointArgumentError, CheckpointError, quote, shorten
 from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
@@ -146,13 +146,36 @@ def write_atomic(path: Path, write: Callable[[Path], Any], durable: bool = True,
 
 
 def validate_tag(tag: str) -> str:
-    """A tag must be one plain directory name; raises CheckpointError otherwise."""
+    """A tag must be one plain directory name; raises CheckpointArgumentError otherwise."""
+    if (problem := tag_problem(tag)) is not None:
+        raise CheckpointArgumentError(problem)
+    return tag
+
+
+def tag_problem(tag: str) -> str | None:
+    """Why ``tag`` is no plain directory name (one line), or None when it is one."""
     if (not tag or "/" in tag or "\\" in tag or "\0" in tag or tag in (".", "..", LATEST)
             or tag.startswith(_RESERVED) or tag != tag.strip() or len(tag.encode(errors="replace")) > _NAME_MAX):
-        raise CheckpointError(f"invalid checkpoint tag {quote(tag)}: use one directory name (at most "
-                              f"{_NAME_MAX} bytes) without '/', not '{LATEST}' and not starting with "
-                              f"{', '.join(_RESERVED)}")
-    return tag
+        return (f"invalid checkpoint tag {quote(tag)}: use one directory name (at most {_NAME_MAX} bytes) "
+                f"without '/', not '{LATEST}' and not starting with {', '.join(_RESERVED)}")
+    return None
+
+
+def save_dir_problem(save_dir: object) -> str | None:
+    """Why ``save_dir`` cannot be saved into (one line), or None: it must be a non-empty path
+    (str or os.PathLike) that is a directory or does not exist yet."""
+    if save_dir is None or not isinstance(save_dir, (str, os.PathLike)):
+        return f"save_dir must be a directory path, got {type(save_dir).__name__}"
+    path = os.fspath(save_dir)
+    if isinstance(path, bytes):
+        path = path.decode(errors="replace")
+    if not path:
+        return "save_dir is empty; give the directory to save into"
+    if "\0" in path:
+        return f"save_dir {quote(path)} holds a NUL character"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"save_dir {quote(path)} is not a directory"
+    return None
 
 
 class CheckpointStore:
