@@ -27,9 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dslaunch.errors import UsageError
 from dslaunch.launcher.monitor.events import EVENTS_FILE, read_events
 from dslaunch.launcher.monitor.failures import is_oom_text
 from dslaunch.launcher.spec import HANG_EXIT_CODE
+from dslaunch.textfile import Fail, read_json
 from dslaunch.utils.ports import free_port
 
 __all__ = ["Experiment", "Outcome", "ExperimentRunner", "STATUSES", "set_flag"]
@@ -112,9 +114,8 @@ class ExperimentRunner:
         """Run ``exp`` to its end, its failure, its hang or its timeout; never raises for the job."""
         where = os.path.join(self.exps_dir, exp.name)
         done = os.path.join(where, "result.json")
-        if self.reuse and os.path.exists(done):
-            with open(done) as f:
-                return Outcome.from_json(f.read())
+        if self.reuse and os.path.exists(done) and (reused := _reusable(done)) is not None:
+            return reused
         os.makedirs(where, exist_ok=True)
         config_path, metrics_path = os.path.join(where, "ds_config.json"), os.path.join(where, "metrics.json")
         if os.path.exists(metrics_path):
@@ -175,12 +176,35 @@ def set_flag(args: Sequence[str], flag: str, value: str) -> list[str]:
     return [*out, flag, value]
 
 
+RESULT_MAX_BYTES = 16 * 2**20
+"""An experiment's ``metrics.json`` or ``result.json``: a few numbers; more is not ours."""
+
+
+def _refused(path: str) -> Fail:
+    return lambda message, line: UsageError(f"{path}{f':{line}' if line else ''}: {message}")
+
+
+def _reusable(done: str) -> Outcome | None:
+    """The outcome an earlier tune recorded in ``done``, or None (then the experiment runs again)
+    when it is unreadable, not a regular file, too large or not an outcome."""
+    try:
+        raw = read_json(done, RESULT_MAX_BYTES, _refused(done))
+        return Outcome.from_json(json.dumps(raw))
+    except (UsageError, TypeError, ValueError):
+        return None
+
+
 def _judge(code: int, timed_out: bool, metrics_path: str, where: str, timeout: float
            ) -> tuple[str, str, Mapping[str, Any]]:
     """(status, message, metrics) of a finished experiment."""
     if os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            return "ok", "", json.load(f)
+        try:
+            metrics = read_json(metrics_path, RESULT_MAX_BYTES, _refused(metrics_path))
+        except UsageError as err:
+            return "failed", str(err), {}
+        if isinstance(metrics, dict):
+            return "ok", "", metrics
+        return "failed", f"{metrics_path}: expected a JSON object of metrics", {}
     failure = _failure_event(os.path.join(where, "logs"))
     error = _error_line(os.path.join(where, "output.log"))
     if timed_out:

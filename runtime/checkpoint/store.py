@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from dslaunch.errors import CheckpointArgumentError, CheckpointError, quote, shorten
 from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
+from dslaunch.textfile import read_text
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
            "write_atomic", "fsync_dir", "first_loadable", "summary"]
@@ -44,6 +45,9 @@ __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "v
 T = TypeVar("T")
 
 MANIFEST = "manifest.json"
+MANIFEST_MAX_BYTES = 256 * 2**20
+"""A manifest lists every file with its checksum and the model's parameter names and shapes: a
+few MiB for the largest models; more is no manifest this library wrote."""
 LATEST = "latest"
 _FORMAT = "dslaunch-checkpoint"
 _FORMAT_VERSION = 2  # 2: a file's checksum may be "crc32c" (1: zlib "crc32" only)
@@ -234,10 +238,11 @@ class CheckpointStore:
             if not tag_dir.is_dir():
                 raise CheckpointError(f"no checkpoint tag {quote(tag)} here{self._known_tags_hint()}",
                                       str(tag_dir))
-            if not path.is_file():
+            if not path.exists():
                 raise CheckpointError("manifest is missing: this is not a complete dslaunch checkpoint",
                                       str(path))
-            text = path.read_text()
+            text = read_text(path, MANIFEST_MAX_BYTES, lambda message, line: CheckpointError(
+                f"manifest {message}" if line is None else f"manifest, line {line}: {message}", str(path)))
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else shorten(str(exc), 200)
             raise CheckpointError(f"manifest is unreadable ({why})", str(path)) from exc
