@@ -43,9 +43,7 @@ def parser() -> argparse.ArgumentParser:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def command(args: tuple[str, ...]) -> int:
     """Consolidate a ZeRO checkpoint into one fp32 state dict (options: --help)."""
-    checkpoint_dir = parser().parse_args(list(args)).checkpoint_dir
-    if not os.path.isdir(checkpoint_dir):  # the message export gives, before torch is imported
-        raise CheckpointError("not a directory (expected a save_dir or one of its tag directories)", checkpoint_dir)
+    _refuse_a_file(list(args))
     try:
         from dslaunch.runtime.checkpoint.export import main
     except ModuleNotFoundError as err:
@@ -53,3 +51,17 @@ def command(args: tuple[str, ...]) -> int:
             raise
         raise UsageError("zero-to-fp32 is not available in this installation") from None
     return main(list(args)) or 0
+
+
+def _refuse_a_file(args: list[str]) -> None:
+    """A ``CHECKPOINT_DIR`` that exists and is no directory (a file, a FIFO, a device), refused as
+    the converter would, before torch is imported. Anything else (``--help``, a usage error, a
+    missing path) is the converter's to answer."""
+    if "-h" in args or "--help" in args:
+        return
+    try:
+        checkpoint_dir = parser().parse_args(args).checkpoint_dir
+    except SystemExit:  # argparse printed nothing useful to us yet: let the converter say it
+        return
+    if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise CheckpointError("not a directory (expected a save_dir or one of its tag directories)", checkpoint_dir)

@@ -242,7 +242,8 @@ class CheckpointStore:
                 raise CheckpointError("manifest is missing: this is not a complete dslaunch checkpoint",
                                       str(path))
             text = read_text(path, MANIFEST_MAX_BYTES, lambda message, line: CheckpointError(
-                f"manifest {message}" if line is None else f"manifest, line {line}: {message}", str(path)))
+                f"manifest is unreadable ({message.removeprefix('cannot read: ')}"
+                f"{f', line {line}' if line else ''})", str(path)))
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else shorten(str(exc), 200)
             raise CheckpointError(f"manifest is unreadable ({why})", str(path)) from exc
