@@ -36,6 +36,8 @@ __all__ = [
     "shorten",
     "name_ranks",
     "install_excepthook",
+    "CheckpointArgumentError",
+    "CheckpointTagMismatch",
 ]
 
 
@@ -128,6 +130,16 @@ class NotInDslaunchError(DslaunchError, NotImplementedError):
     """A DeepSpeed feature dslaunch does not have was used (not merely imported): the message names
     it and what to use instead. Also a ``NotImplementedError``, which callers probing for optional
     features already catch."""
+
+
+class CheckpointArgumentError(CheckpointError, ValueError):
+    """A ``save_dir`` or tag a save or load cannot use (empty, not one directory name, ...).
+    A ``ValueError`` too: DeepSpeed raises that for an empty ``save_dir``, and its tests expect it."""
+
+
+class CheckpointTagMismatch(CheckpointError, AssertionError):
+    """The ranks named different tags under ``checkpoint.tag_validation: Fail``. An
+    ``AssertionError`` too: DeepSpeed asserts there, and its tests expect that type."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -158,6 +158,9 @@ class NodeResult:
     message: str | None = None
     """Why the run could not start (cause ``start``): the launch error's one line; for a hang, the
     allowance that ran out (``no progress for 60 s: ...``)."""
+    raised_at: float | None = None
+    """When that worker raised its exception (``time.time()`` on its host, sent by the worker the
+    moment it raised): the blame goes to the first rank that raised, not the first to exit."""
 
     @property
     def ended_by_stop_signal(self) -> bool:

@@ -102,11 +102,15 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     resume = resume_dir()
     if resume is not None:  # a restarted run of a job launched with --resume_from
         loaded, _ = engine.load_checkpoint(resume)
-        if loaded is None and engine.global_rank == 0:
-            # Starting over silently would look like a resumed run that then trains for too long.
-            print(f"dslaunch: error: restart {restart_count()} of the job found no checkpoint in --resume_from "
-                  f"{resume}: this run starts at step 0, not where the previous run stopped (the script "
-                  "must save its checkpoints into that directory)", file=sys.stderr, flush=True)
+        if loaded is None:
+            # Starting over would look like a resumed run that then trains for too long (a typo in
+            # --resume_from, or a script that saves elsewhere): stop before any step, every rank.
+            if engine.global_rank == 0:
+                what = "holds no checkpoint" if os.path.isdir(resume) else "does not exist"
+                print(f"dslaunch: error: restart {restart_count()} of the job cannot resume: --resume_from "
+                      f"{resume} {what} (the script must save its checkpoints into that directory); not "
+                      "starting over at step 0", file=sys.stderr, flush=True)
+            raise SystemExit(2)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

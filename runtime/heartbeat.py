@@ -13,6 +13,9 @@ module reports on them without the script doing anything beyond training:
   (also by an exception) the last unsent step goes out;
 - the pipeline engine says which instruction it runs (``activity``): the hang report then tells
   what a waiting stage waits for (which micro batch, from which stage);
+- the moment the rank raises (the pipeline engine when a stage's batch fails, an uncaught
+  exception before the interpreter tears down), ``raised`` sends what and when at once: the
+  launcher blames the first rank that raised, whichever process exits first;
 - the engine's collectives and waits on its peers run inside ``waiting(name)``: the beat says "in
   <name> for <s> seconds", so on a hang the monitor blames the rank that is *not* waiting (its
   stack alone cannot tell: a ``work.wait()`` is a frame of dslaunch's, not of torch.distributed).
@@ -43,6 +46,7 @@ import resource
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -55,6 +59,10 @@ TICK_S = 0.5
 """The sender thread's period: progress reaches the agent within this (and costs <= 2 writes/s)."""
 LIVENESS_S = 2.0
 """A beat at least this often while the process runs, progress or not."""
+RAISED_CHARS = 300
+"""The exception line a beat carries (as ``ExceptionWatch`` keeps from stderr)."""
+RAISED_TRACE_CHARS = 2000
+"""The end of the traceback a beat carries: the beat stays one atomic pipe write."""
 
 
 class Heartbeat:
@@ -85,6 +93,7 @@ class Heartbeat:
         self._peak: float | None = None  # the device's peak FLOP/s (set_peak), for MFU
         self._mfu_from: str | None = None
         self._stack_signal: int | None = None
+        self._raised: tuple[str, float, str] | None = None  # (exception line, time.time(), traceback tail)
         self._lock = threading.Lock()  # the thread and start() may both send
         self._started = False
         self.writes = 0
@@ -103,6 +112,7 @@ class Heartbeat:
             except (OSError, ValueError, RuntimeError):  # e.g. a closed fd
                 self._stack_signal = None
         self._send()
+        _report_uncaught(self)
         # A script that reports through dslaunch.heartbeat() but made its process group itself
         # (no init_distributed) must still free it before Python finalizes, or gloo's threads abort
         # the process (SIGABRT, exit 134 instead of its own code): see runtime/shutdown.py.
@@ -167,6 +177,19 @@ class Heartbeat:
             self._phase = "exit"
             self._send()
 
+    def raised(self, err: BaseException) -> None:
+        """Tell the agent now that this rank raised ``err`` (once: the first one is the cause).
+
+        Called where the exception is first known for sure (the pipeline engine's failed batch,
+        the uncaught-exception hook), before anything that could make a peer fail first: the
+        stops sent to the other stages, the teardown that closes the process group."""
+        if self._raised is not None or not self._started:
+            return
+        line = "".join(traceback.format_exception_only(type(err), err)).strip().splitlines() or [type(err).__name__]
+        trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        self._raised = (_one_line(line[-1], RAISED_CHARS), time.time(), trace[-RAISED_TRACE_CHARS:])
+        self._send()
+
     def _run(self) -> None:
         last = time.monotonic()
         while self._fd is not None:
@@ -189,7 +212,7 @@ class Heartbeat:
                         self._phase, wait[0] if wait else None,
                         round(time.monotonic() - wait[1], 3) if wait else None,
                         _rounded(self._tokens.update()), mfu, self._mfu_from if mfu is not None else None,
-                        str(activity)[:300] if activity is not None else None)
+                        str(activity)[:300] if activity is not None else None, *(self._raised or ()))
             self._write(beat.to_line())
 
     def _write(self, line: bytes) -> None:
@@ -202,6 +225,30 @@ class Heartbeat:
             pass  # the agent is behind: drop this beat, the next one carries the same news
         except OSError:  # the agent is gone (EPIPE) or the fd was closed by the script
             self._fd = None
+
+
+def _one_line(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _report_uncaught(hb: Heartbeat) -> None:
+    """Wrap ``sys.excepthook`` so an uncaught exception reaches the agent before the traceback is
+    printed and the process tears down (its peers' collectives fail once it is gone, and one of
+    them may exit first). dslaunch's one-line hook goes inside, and the wrapper counts as it
+    (``install_excepthook`` then leaves it in place)."""
+    from dslaunch.errors import install_excepthook
+
+    install_excepthook()
+    inner = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        if isinstance(exc, Exception):  # Ctrl-C reaches every rank: nobody to blame
+            with contextlib.suppress(Exception):  # reporting never hides the exception itself
+                hb.raised(exc)
+        inner(exc_type, exc, tb)
+
+    hook._dslaunch = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 class _Rate:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dslaunch.errors import CheckpointError, UsageError, shorten
+from dslaunch.textfile import Fail, check_file, read_head, read_json
 
 __all__ = ["empty_init", "WeightSource", "ModuleSource", "DictSource", "FileSource", "open_checkpoint",
            "take_segments", "has_meta"]
@@ -100,7 +101,7 @@ class FileSource:
         self.origin = origin
         self._where: dict[str, Any] = {}  # name -> open safetensors handle or loaded torch dict
         for path in files:
-            if not path.is_file():
+            if not path.exists():
                 raise CheckpointError("is listed as a checkpoint file but does not exist", str(path))
             table = _open_file(path)
             for key in table.keys():  # noqa: SIM118 (safetensors handles have keys(), not iteration)
@@ -124,15 +125,31 @@ class FileSource:
         return torch.cat(pieces, dim=dim).contiguous()
 
 
+DESCRIPTION_MAX_BYTES = 64 * 2**20
+"""A checkpoint description or ``*.index.json``: a list of files, or one line per tensor (a few MiB
+for the largest models)."""
+SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
+"""The safetensors library's own limit on a header."""
+
+
+def _fail_for(path: Path) -> Fail:
+    return lambda message, line: CheckpointError(f"line {line}: {message}" if line else message, str(path))
+
+
 def _open_file(path: Path) -> Any:
+    check_file(path, None, _fail_for(path))  # a FIFO or a device is no weights file
     try:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
+            _check_safetensors_header(path)
             return safe_open(str(path), framework="pt", device="cpu")
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except (OSError, RuntimeError, ValueError) as err:
-        raise CheckpointError(f"cannot read weights ({shorten(str(err), 200)})", str(path)) from None
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError is no OSError: name the file
+        raise CheckpointError(f"cannot read weights ({type(err).__name__}: {shorten(str(err), 200)})",
+                              str(path)) from None
     if isinstance(state, Mapping) and "module" in state and isinstance(state["module"], Mapping):
         state = state["module"]  # DeepSpeed's mp_rank_00_model_states.pt layout
     if not isinstance(state, Mapping):
@@ -144,8 +161,36 @@ _WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json",
                  "pytorch_model.bin")
 
 
+def _check_safetensors_header(path: Path) -> None:
+    """A safetensors file starts with its header's length (8 bytes, little-endian) and the header
+    (a JSON object): check both, bounded, so a corrupt file is named (the library's error is not)."""
+    fail = _fail_for(path)
+    head, size = read_head(path, 8, fail)
+    length = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < length <= min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
+        raise CheckpointError(f"not a safetensors file: its header length ({length if length >= 0 else 'none'}) "
+                              f"does not fit its {size} bytes (corrupt or truncated)", str(path))
+    header, _ = read_head(path, 8 + length, fail)
+    try:
+        parsed = json.loads(header[8:])
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise CheckpointError("not a safetensors file: its header is not a JSON object (corrupt)", str(path))
+
+
+def _read_description(path: Path) -> Any:
+    """A checkpoint description or index (JSON), bounded; a JSON object or CheckpointError."""
+    desc = read_json(path, DESCRIPTION_MAX_BYTES, _fail_for(path))
+    if not isinstance(desc, dict):
+        raise CheckpointError("expected a JSON object (a checkpoint description or *.index.json)", str(path))
+    return desc
+
+
 def _index_files(index: Path) -> list[Path]:
-    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    weight_map = _read_description(index).get("weight_map", {})
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError("'weight_map' must map tensor names to file names", str(index))
     return [index.parent / f for f in dict.fromkeys(weight_map.values())]
 
 
@@ -197,11 +242,11 @@ def open_checkpoint(spec: str | Mapping[str, Any], base_dir: str | None = None) 
     path = Path(spec)
     if path.is_dir():
         return _directory(path)
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError("does not exist (checkpoint: a description JSON, a directory or a weights file)",
                               str(path))
     if path.suffix == ".json":
-        desc = json.loads(path.read_text())
+        desc = _read_description(path)
         if "weight_map" in desc:
             return FileSource(_index_files(path), str(path))
         return FileSource(_description_files(desc, Path(base_dir or path.parent)), str(path))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import signal
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 __all__ = ["Beat", "Memory", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "CHECKPOINT_SIGNAL", "MAX_LINE",
@@ -95,11 +95,24 @@ class Beat:
     activity: str | None = None
     """What the engine is doing, in words, when it says (a pipeline stage's instruction: ``stage 2
     waiting to receive activations of micro-batch 5 from stage 1``); None: nothing said."""
+    raised: str | None = None
+    """The exception this rank raised (``Type: message``, one line), sent the moment it was raised
+    (``runtime.heartbeat.Heartbeat.raised``): before its peers fail for lack of it and before its
+    own teardown, so the launcher blames the first rank that raised, not the first to exit."""
+    raised_at: float | None = None
+    """When it raised (``time.time()`` on the rank's host)."""
+    raised_trace: str | None = None
+    """The end of its traceback (bounded: the whole one comes from the rank's stderr if it gets
+    to print it)."""
 
     def to_line(self) -> bytes:
         """One JSON line (newline included), never over ``MAX_LINE`` bytes."""
         data = json.dumps(asdict(self), separators=(",", ":")).encode() + b"\n"
-        return data if len(data) <= MAX_LINE else Beat(self.rank, self.seq, self.step).to_line()
+        if len(data) <= MAX_LINE:
+            return data
+        if self.raised_trace:  # what it raised matters more than the rest: keep it, drop the trace
+            return replace(self, raised_trace=None).to_line()
+        return Beat(self.rank, self.seq, self.step, raised=self.raised, raised_at=self.raised_at).to_line()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

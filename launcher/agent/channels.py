@@ -10,6 +10,7 @@ Mechanism only: what a silent rank means is decided by ``dslaunch.launcher.monit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shutil
@@ -18,7 +19,7 @@ import subprocess
 import threading
 import time
 
-from dslaunch.launcher.agent.procs import proc_stat
+from dslaunch.launcher.agent.procs import proc_stat, signal_group
 from dslaunch.utils.beat import Beat
 
 __all__ = ["Channels", "MAX_STACK_BYTES", "process_stopped"]
@@ -63,52 +64,70 @@ class Channels:
             return dict(self._beats)
 
     def dump_stacks(self, pids: dict[int, int], wait: float = 2.0) -> dict[int, dict]:
-        """Ask each rank that registered a stack dump for it; collect its text.
+        """Freeze every rank, then take each one's Python stacks; the ranks are left frozen.
 
-        A stopped (SIGSTOP) process is resumed (SIGCONT) after the dump signal is queued, so it
-        dumps where it was stopped before it runs on (until the monitor's stop kills it); that it
-        was stopped is reported. A rank with no dump registered (it never beat, or beats without
-        dslaunch's runtime) is read from outside with ``py-spy dump`` when py-spy is on PATH.
+        Why frozen: a hang is declared once, and the job is then killed; nothing may train or
+        save meanwhile. A rank that was stopped (SIGSTOP) must run to answer its dump signal, and
+        once resumed it would train on with its peers (a pipeline stage trained 5 more steps and
+        saved checkpoints after its hang was declared). So every rank's process group is stopped
+        first; then the ranks that were running are resumed alone (their peers that were stopped
+        stay stopped: nothing can finish a step) and the ranks that were stopped after them, each
+        batch stopped again once its dumps are complete. A rank with no dump registered (it never
+        beat, or beats without dslaunch's runtime) is read from outside with ``py-spy dump``
+        while frozen, when py-spy is on PATH.
 
         Args:
             pids: rank -> pid of the ranks to dump (running ones).
-            wait: at most this long; a dump ends after 0.3 s of quiet at the end of a line.
+            wait: at most this long per batch; a dump ends after 0.3 s of quiet at the end of a line.
 
         Returns:
             rank -> ``{"stopped": bool, "stack": text or None, "via": "faulthandler" or "py-spy"
-            or None, "why": why there is no stack (only then)}``.
+            or None, "why": why there is no stack (only then)}``; ``stopped``: it was stopped
+            before the freeze.
         """
         beats = self.beats()
+        stopped = {rank: process_stopped(pid) for rank, pid in pids.items()}
+        for pid in pids.values():  # the whole group: data-loader workers too
+            signal_group(pid, signal.SIGSTOP)
         asked: dict[int, dict] = {}
         spy = shutil.which("py-spy")
         for rank, pid in pids.items():
-            stopped = process_stopped(pid)
             sig = beats[rank].stack_signal if rank in beats else None
             with self._lock:
                 self._stacks[rank] = bytearray()
                 self._stack_at.pop(rank, None)
-            asked[rank] = {"stopped": stopped, "signal": sig}
-            if not sig:  # read from outside, as it is (no SIGCONT needed), or say why not
+            asked[rank] = {"stopped": stopped[rank], "signal": sig}
+            if not sig:  # read from outside, as it is (frozen), or say why not
                 asked[rank].update(_py_spy(spy, pid, wait) if spy else
                                    {"why": "no faulthandler registered (the script does not use "
                                            "dslaunch's runtime) and no py-spy on PATH"})
-                continue
-            try:
-                os.kill(pid, sig)
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                asked[rank] = {"stopped": stopped, "signal": None, "why": "exited"}
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not self._settled([r for r, a in asked.items() if a["signal"]]):
-            time.sleep(0.05)
+        for was_stopped in (False, True):
+            batch = {r: pids[r] for r, a in asked.items() if a["signal"] and stopped[r] is was_stopped}
+            self._dump_batch(batch, asked, wait)
         with self._lock:
             for rank, a in asked.items():
                 if a.pop("signal"):
                     a["stack"] = bytes(self._stacks[rank]).decode("utf-8", "replace") or None
                     a["via"] = "faulthandler"
                     if a["stack"] is None:
-                        a["why"] = f"no faulthandler dump within {wait:g} s"
+                        a["why"] = a.get("why") or f"no faulthandler dump within {wait:g} s"
             return {rank: {"stack": None, "via": None, **a} for rank, a in asked.items()}
+
+    def _dump_batch(self, batch: dict[int, int], asked: dict[int, dict], wait: float) -> None:
+        """Resume the frozen ranks of ``batch`` (rank -> pid: the process, not its group) with
+        their dump signal queued first, so each dumps where it was; stop them again once done."""
+        for rank, pid in batch.items():
+            try:
+                os.kill(pid, asked[rank]["signal"])
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                asked[rank].update(signal=None, why="exited")
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not self._settled([r for r in batch if asked[r]["signal"]]):
+            time.sleep(0.05)
+        for pid in batch.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
 
     def _settled(self, ranks: list[int]) -> bool:
         """Every rank's dump went quiet for 0.3 s on a whole line: faulthandler writes a frame's line

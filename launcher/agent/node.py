@@ -112,6 +112,7 @@ class Agent:
         self._timer: threading.Timer | None = None
         self._channels = Channels()  # heartbeats and stack dumps (the monitor's view of each rank)
         self._oom_before: int | None = None
+        self._frozen = False  # stopped for a hang's stack dump: killed, never resumed
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -237,6 +238,8 @@ class Agent:
         self._terminate(sig)
 
     def _terminate(self, sig: int) -> None:
+        if self._frozen:  # SIGTERM would need a SIGCONT: the frozen ranks would run on, maybe save
+            sig = signal.SIGKILL
         with self._lock:
             first = not self._terminating
             self._terminating = True
@@ -332,10 +335,16 @@ class Agent:
         oom_now = oom_kills()
         oom_killed = oom_now is not None and self._oom_before is not None and oom_now > self._oom_before
         watch = w.watch
-        cause = classify(code, sig_name, watch.exception, watch.traceback, oom_killed)
+        # What it said it raised, the moment it raised: it may have been stopped (a peer it left
+        # waiting exited first) before it printed its traceback.
+        beat = self._channels.beats().get(w.spec.global_rank)
+        said = beat if beat is not None and beat.raised else None
+        exception = watch.exception or (said.raised if said else None)
+        trace = watch.traceback or (said.raised_trace if said else None)
+        cause = classify(code, sig_name, exception, trace, oom_killed)
         return NodeResult(self.node.node_rank, self.node.host, code, w.spec.global_rank, sig_name,
-                          exception=watch.exception, cause=cause, traceback=watch.traceback,
-                          failed_at=w.exited_at)
+                          exception=exception, cause=cause, traceback=trace, failed_at=w.exited_at,
+                          raised_at=said.raised_at if said else None)
 
     def poll(self) -> NodeResult | None:
         """The node's result once every worker has exited, else None."""
@@ -375,8 +384,11 @@ class Agent:
         return asked
 
     def dump_stacks(self, wait: float = 2.0) -> dict[int, dict]:
-        """Every running worker's Python stacks (see ``Channels.dump_stacks``). Blocks up to ``wait``."""
+        """Every running worker's Python stacks (see ``Channels.dump_stacks``). Blocks up to
+        ``wait`` per batch. The workers are left frozen: only a hang asks, and a hung job ends;
+        the stop that follows kills them at once (``_terminate``), never resumes them."""
         with self._lock:
+            self._frozen = True
             running = {w.spec.global_rank: w.proc.pid for w in self._workers if w.state is WorkerState.RUNNING}
         return self._channels.dump_stacks(running, wait)
 

@@ -28,11 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dslaunch.errors import LaunchError
+from dslaunch.errors import LaunchError, UsageError
 from dslaunch.launcher.monitor.events import EVENTS_FILE, read_events
 from dslaunch.launcher.monitor.failures import is_oom_text
 from dslaunch.launcher.spec import HANG_EXIT_CODE
 from dslaunch.safe_write import create_replacing, explain, open_dir, remove_file, write_file
+from dslaunch.textfile import Fail, read_json
 from dslaunch.utils.ports import free_port
 
 __all__ = ["Experiment", "Outcome", "ExperimentRunner", "STATUSES", "set_flag"]
@@ -132,10 +133,8 @@ class ExperimentRunner:
             os.close(dir_fd)
 
     def _run_in(self, exp: Experiment, where: str, dir_fd: int) -> Outcome:
-        if self.reuse:
-            earlier = _read_own(dir_fd, "result.json")
-            if earlier is not None:
-                return Outcome.from_json(earlier)
+        if self.reuse and (earlier := _reusable(dir_fd)) is not None:
+            return earlier
         config_path, metrics_path = os.path.join(where, "ds_config.json"), os.path.join(where, "metrics.json")
         remove_file(dir_fd, "metrics.json")  # a stale one from an earlier tune would pass for this run's
         cfg = _measured(exp.ds_config, os.path.abspath(metrics_path), where)
@@ -203,12 +202,35 @@ def set_flag(args: Sequence[str], flag: str, value: str) -> list[str]:
     return [*out, flag, value]
 
 
+RESULT_MAX_BYTES = 16 * 2**20
+"""An experiment's ``metrics.json`` or ``result.json``: a few numbers; more is not ours."""
+
+
+def _refused(path: str) -> Fail:
+    return lambda message, line: UsageError(f"{path}{f':{line}' if line else ''}: {message}")
+
+
+def _reusable(dir_fd: int) -> Outcome | None:
+    """The outcome an earlier tune recorded in the experiment's ``result.json``, or None (then the
+    experiment runs again) when it is missing, not this user's regular file, or not an outcome."""
+    earlier = _read_own(dir_fd, "result.json")
+    try:
+        return None if earlier is None else Outcome.from_json(earlier)
+    except (TypeError, ValueError):
+        return None
+
+
 def _judge(code: int, timed_out: bool, metrics_path: str, where: str, timeout: float
            ) -> tuple[str, str, Mapping[str, Any]]:
     """(status, message, metrics) of a finished experiment."""
     if os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            return "ok", "", json.load(f)
+        try:
+            metrics = read_json(metrics_path, RESULT_MAX_BYTES, _refused(metrics_path))
+        except UsageError as err:
+            return "failed", str(err), {}
+        if isinstance(metrics, dict):
+            return "ok", "", metrics
+        return "failed", f"{metrics_path}: expected a JSON object of metrics", {}
     failure = _failure_event(os.path.join(where, "logs"))
     error = _error_line(os.path.join(where, "output.log"))
     if timed_out:

@@ -24,6 +24,7 @@ from dslaunch.launcher.autotuning.space import OFFLOADS, Candidate, apply, build
 from dslaunch.launcher.autotuning.tuners import make_tuner
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.safe_write import explain, open_dir, write_file
+from dslaunch.textfile import read_json
 
 __all__ = ["TuneJob", "tune", "candidates", "write_results", "OPTIMAL_CONFIG"]
 
@@ -102,15 +103,21 @@ def _least_memory(c: Candidate) -> tuple:
     return (-c.stage, -OFFLOADS.index(c.offload or "none"), not c.checkpointing, c.micro_batch, c.gas)
 
 
+MODEL_INFO_MAX_BYTES = 2**20
+"""``model_info_path``: DeepSpeed's model_info.json holds a few numbers."""
+
+
 def _given_info(at: AutotuningConfig) -> ModelInfo | None:
     """The model's size from ``model_info`` or ``model_info_path``, else None (to be measured)."""
     info = dict(at.model_info or {})
     if at.model_info_path is not None and "num_params" not in info:
-        try:
-            with open(at.model_info_path) as f:
-                info = json.load(f)
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"cannot read {at.model_info_path}: {err}", key="autotuning.model_info_path") from None
+        def fail(message: str, line: int | None) -> ConfigError:
+            where = f"{at.model_info_path}{f':{line}' if line else ''}"
+            return ConfigError(f"{where}: {message}", key="autotuning.model_info_path")
+
+        info = read_json(at.model_info_path, MODEL_INFO_MAX_BYTES, fail)
+        if not isinstance(info, dict):
+            raise fail('expected a JSON object such as {"num_params": 124439808}', None)
     return ModelInfo(int(info["num_params"])) if info.get("num_params") else None
 
 

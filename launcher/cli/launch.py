@@ -96,14 +96,15 @@ def _apply_monitor_block(ns: argparse.Namespace) -> None:
     """Fill ``--hang_timeout``, ``--max_restarts`` and ``--log_dir`` that the command line left
     out from the ds_config's ``monitor`` block (a flag given always wins), and record where each
     came from for ``--dry-run``. The config is read only when the script is given one that exists
-    (a missing one is the workers' to report); the config code is torch-free and loaded only then.
+    (a missing one is the workers' to report; a FIFO, a device or a directory is refused here, at
+    once); the config code is torch-free and loaded only then.
 
     Raises:
         ConfigError: an unreadable config, or a bad ``monitor`` block (naming the key).
     """
     path = ds_config_path(tuple(ns.user_args))
     ns.monitor_from = {}
-    if path is not None and os.path.isfile(path):
+    if path is not None and os.path.exists(path):
         from dslaunch.runtime.config.monitor import monitor_block
 
         block = monitor_block(path)

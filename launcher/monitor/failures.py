@@ -27,9 +27,11 @@ __all__ = ["CAUSES", "classify", "is_oom_text", "is_peer_loss", "root_cause", "n
 
 CAUSES = ("exit", "signal", "exception", "hang", "host_lost", "oom", "start")
 
-# A collective failing because the rank at its other end went away (gloo, NCCL, the TCP store).
+# A collective failing because the rank at its other end went away (gloo, NCCL, the TCP store),
+# or a pipeline stage stopping because another stage's batch failed (``PipelineStageError``).
 _PEER_LOSS = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|remote process exited|"
-                        r"NCCL communicator was aborted|ncclRemoteError|DistNetworkError")
+                        r"NCCL communicator was aborted|ncclRemoteError|DistNetworkError|"
+                        r"the pipeline batch stopped: ")
 _OOM_TEXT = re.compile(r"OutOfMemoryError|CUDA out of memory|\bMemoryError\b|CUDA error: out of memory")
 
 OOM_REMEDIES = ("out of memory: try a higher ZeRO stage (zero_optimization.stage 2 or 3), CPU offload "
@@ -49,8 +51,19 @@ def is_peer_loss(exception: str | None) -> bool:
 
 
 def root_cause(first: NodeResult, others: Iterable[NodeResult]) -> NodeResult:
-    """The failure to blame: ``first`` (the first seen), unless it only raised because a peer
-    went away: then the one of ``others`` that failed on its own (``failed_on_its_own``) first."""
+    """The failure to blame.
+
+    The rank that raised first on its own (``raised_at``: the moment it raised, sent by the rank
+    at once, before its teardown), whichever process exited first: a rank that raised may still
+    be tearing down, or be stopped by the launcher before it printed anything, when a peer it
+    left waiting (a pipeline stage it sent a stop, a collective it left) already exited. Without
+    such a record (a script without dslaunch's runtime): ``first`` (the first seen), unless it
+    only raised because a peer went away; then the one of ``others`` that failed on its own
+    (``failed_on_its_own``) first."""
+    others = list(others)
+    raised = [r for r in (first, *others) if r.raised_at is not None and failed_on_its_own(r)]
+    if raised:
+        return min(raised, key=lambda r: r.raised_at)
     if not is_peer_loss(first.exception):
         return first
     own = [o for o in others if failed_on_its_own(o)]

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 
 from dslaunch.errors import name_ranks
 from dslaunch.launcher.monitor.events import EventLog
-from dslaunch.launcher.monitor.failures import OOM_REMEDIES, classify
+from dslaunch.launcher.monitor.failures import OOM_REMEDIES, classify, is_peer_loss
 from dslaunch.launcher.monitor.health import Health, top_frame
 from dslaunch.launcher.monitor.status import StatusLine, process_start_ticks
 from dslaunch.launcher.spec import HANG_EXIT_CODE, JobSpec, NodeResult
+from dslaunch.utils.beat import Beat
 
 if TYPE_CHECKING:
     from dslaunch.launcher.monitor.gang import GangResult, NodeHandle
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["JobMonitor", "SUMMARY_EVERY_S", "STACKS_WAIT_S"]
 
 SUMMARY_EVERY_S = 30.0
-STACKS_WAIT_S = 3.0
-"""How long a hang diagnosis waits for the nodes' stack dumps."""
+STACKS_WAIT_S = 5.0
+"""How long a hang diagnosis waits for the nodes' stack dumps: an agent takes them in two
+batches of up to 2 s each (the ranks that were running, then those that were stopped)."""
 
 
 class JobMonitor:
@@ -50,6 +52,7 @@ class JobMonitor:
         self._rss_said = False
         self._summary_at = self._start
         self._hang: tuple[NodeResult, dict, float] | None = None
+        self._raised: dict[int, str | None] = {}  # rank -> its error file, written when it raised
 
     def start(self, argv: list[str] | None = None) -> None:
         self.events.emit("start", job_id=os.path.basename(self.events.directory or ""),
@@ -66,6 +69,9 @@ class JobMonitor:
         for h in handles:
             beats.update(h.beats())
         self.health.update(beats, now)
+        for rank, beat in beats.items():
+            if beat.raised and rank not in self._raised and not is_peer_loss(beat.raised):
+                self._raised[rank] = self._raised_file(rank, beat)
         if not self._up_said and self.health.all_up():
             self._up_said = True
             self.events.emit("ranks_up", after_s=round(now - self._start, 3))
@@ -105,13 +111,19 @@ class JobMonitor:
                     waiting.discard(i)
             time.sleep(0.05)
         behind = self.health.behind(stacks) or sorted(stalled)
+        # The step each rank was in: a rank stopped right after a step had not sent it yet (beats
+        # go out twice a second); resumed for its dump while its peers were frozen, it did.
+        latest: dict[int, Beat] = {}
+        for h in handles:
+            latest.update(h.beats())
+        steps = {r: latest[r].step if r in latest else h.step for r, h in self.health.ranks.items()}
         ranks = {}
         for rank, h in sorted(self.health.ranks.items()):
             info = stacks.get(rank, {})
             text = info.get("stack")
             path = self.events.write_file(f"stacks-rank{rank}.txt", text) if text else None
             wait, beat = self.health.wait_of(rank, info), self.health.current_beat(rank, info)
-            ranks[str(rank)] = {"host": h.host, "step": h.step, "stopped": bool(info.get("stopped")),
+            ranks[str(rank)] = {"host": h.host, "step": steps[rank], "stopped": bool(info.get("stopped")),
                                 "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path,
                                 "via": info.get("via"), "waiting": self.health.waiting(rank, info),
                                 "waiting_in": wait[0] if wait else None, "waiting_s": wait[1] if wait else None,
@@ -126,7 +138,7 @@ class JobMonitor:
         # The allowance that ran out: the blamed rank's may be longer (no step of it heard yet)
         allowed, why = self.health.allowance(first.rank if first.rank in stalled else min(stalled))
         failure = NodeResult(self.job.nodes[first.node].node_rank, first.host, HANG_EXIT_CODE, rank=first.rank,
-                             cause="hang", step=first.step, failed_at=first.progressed_wall,
+                             cause="hang", step=steps[first.rank], failed_at=first.progressed_wall,
                              message=f"no progress for {allowed:g} s: {why}")
         self._hang = (failure, ranks, detected)
         return failure, {self.health.ranks[r].node for r in behind}
@@ -146,6 +158,8 @@ class JobMonitor:
             others = [self._complete(r) for r in results
                       if r.rank is not None and r.exit_code and r.cause and r.rank != failure.rank]
             files = [p for p in (self._error_file(f, root=f is failure) for f in [failure, *others]) if p]
+            told = {failure.rank, *(o.rank for o in others)}
+            files += [p for r, p in self._raised.items() if p and r not in told]  # raised, then stopped
             remedy = OOM_REMEDIES if failure.cause == "oom" else None
             fault_t = failure.failed_at or self._last_heard(failure)
             self.events.emit("failure", message=failure.describe(), rank=failure.rank, host=failure.host,
@@ -192,12 +206,24 @@ class JobMonitor:
         record = {"rank": r.rank, "host": r.host, "root_cause": root, "cause": r.cause,
                   "exit_code": r.exit_code, "signal": r.signal_name, "step": r.step,
                   "exception": r.exception, "traceback": r.traceback, "failed_at": r.failed_at,
-                  "message": r.describe()}
+                  "raised_at": r.raised_at, "message": r.describe()}
         if r.cause == "oom":
             record["remedy"] = OOM_REMEDIES
         if r.cause == "hang":
             record["stacks"] = self._hang[1].get(str(r.rank)) if self._hang else None
         return self.events.write_file(f"error-rank{r.rank}.json", json.dumps(record, indent=2) + "\n")
+
+    def _raised_file(self, rank: int, beat: Beat) -> str | None:
+        """``rank``'s error file the moment it said it raised, while the job still runs (its
+        peers fail next, and it may be stopped before it prints a traceback); ``finish``
+        rewrites it with how the rank ended."""
+        host = self.health.ranks[rank].host if rank in self.health.ranks else None
+        record = {"rank": rank, "host": host, "root_cause": None, "cause": classify(1, None, beat.raised,
+                                                                                    beat.raised_trace),
+                  "exit_code": None, "signal": None, "step": beat.step, "exception": beat.raised,
+                  "traceback": beat.raised_trace, "failed_at": None, "raised_at": beat.raised_at,
+                  "message": f"rank {rank} on {host} raised {beat.raised} (the job was still running)"}
+        return self.events.write_file(f"error-rank{rank}.json", json.dumps(record, indent=2) + "\n")
 
     def _hang_note(self) -> str:
         """What the blamed rank was doing, who waited for it, where the stacks are."""

@@ -22,7 +22,6 @@ parameter look alike in the saved module file).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -361,22 +360,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
 # ---- command line -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """``dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT [options]``; DslaunchError on bad input."""
-    parser = argparse.ArgumentParser(
-        prog="dslaunch zero-to-fp32",
-        description="Write one consolidated fp32 state dict from a dslaunch checkpoint saved at any "
-                    "world size and ZeRO stage.")
-    parser.add_argument("checkpoint_dir", help="the save_dir of save_checkpoint, or a tag directory in it")
-    parser.add_argument("output", help="a directory (pytorch_model.bin, or shards plus "
-                        "pytorch_model.bin.index.json, as DeepSpeed writes), or one file ending in .bin, "
-                        ".pt, .pth or .safetensors (e.g. model.safetensors)")
-    parser.add_argument("--max_shard_size", default=None,
-                        help="directory output: largest shard, e.g. 500MB (default 5GB)")
-    parser.add_argument("--safe_serialization", action="store_true",
-                        help="directory output: write model.safetensors (needs safetensors)")
-    parser.add_argument("-t", "--tag", default=None, help="tag to convert (default: latest)")
-    parser.add_argument("--exclude_frozen_parameters", action="store_true",
-                        help="leave out parameters saved with requires_grad=False")
-    args = parser.parse_args(argv)
+    from dslaunch.launcher.cli.zero_to_fp32 import parser
+
+    args = parser().parse_args(argv)
     if args.max_shard_size is not None and _is_single_file(Path(args.output)):
         raise UsageError(f"--max_shard_size shards a directory output; {args.output} names one file")
     files, tag, passed_over = _export(args.checkpoint_dir, args.output, torch.float32, args.max_shard_size or "5GB",

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import dslaunch
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointArgumentError, CheckpointError, CheckpointTagMismatch, name_ranks
 from dslaunch.runtime.checkpoint.checkpointer import (
     MODULE_FILE,
     Checkpointer,
@@ -69,7 +69,8 @@ from dslaunch.runtime.checkpoint.store import (
     CheckpointStore,
     Manifest,
     first_loadable,
-    validate_tag,
+    save_dir_problem,
+    tag_problem,
     write_atomic,
 )
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
@@ -89,15 +90,27 @@ def wait_for_checkpoint(engine: Any) -> None:
 
 
 # ---- save ---------------------------------------------------------------------------------------
-def _agreed_tag(ck: Checkpointer, tag: str, policy: str) -> str:
-    if policy == "Ignore":
-        return tag
-    tags = ck.comm.all_gather_object(tag)
-    if len(set(tags)) == 1:
+def _agreed_tag(ck: Checkpointer, save_dir: Any, tag: str, policy: str) -> str:
+    """The tag every rank saves under, once every rank's ``save_dir`` and tag are known good.
+
+    One all-gather, always: a rank that refused its arguments alone left the others waiting in
+    the save's first collective forever (``save_dir=""``). Every rank raises the same error.
+
+    Raises:
+        CheckpointArgumentError: a rank's ``save_dir`` or tag is unusable (a ``ValueError``).
+        CheckpointTagMismatch: the tags differ under ``tag_validation`` Fail (an ``AssertionError``).
+    """
+    problem = save_dir_problem(save_dir) or tag_problem(tag)
+    gathered = ck.comm.all_gather_object((problem, tag))
+    if bad := [r for r, (p, _) in enumerate(gathered) if p]:
+        where = "" if len(bad) == len(gathered) else f" (on {name_ranks(bad)})"
+        raise CheckpointArgumentError(f"save_checkpoint: {gathered[bad[0]][0]}{where}")
+    tags = [t for _, t in gathered]
+    if policy == "Ignore" or len(set(tags)) == 1:
         return tag
     msg = f"checkpoint tags differ across ranks: {dict(enumerate(tags))}"
     if policy == "Fail":
-        raise CheckpointError(msg + " (checkpoint.tag_validation is Fail)")
+        raise CheckpointTagMismatch(msg + " (checkpoint.tag_validation is Fail)")
     if ck.comm.rank == 0:
         log.warning("%s; every rank saves under rank 0's tag %r", msg, tags[0])
     return tags[0]
@@ -115,7 +128,10 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
         True (as DeepSpeed). With ``checkpoint.async_save`` the files are written in the
         background; the next save/load (or ``wait_for_checkpoint``) reports a failure.
     Raises:
-        CheckpointError: tags differ with tag_validation Fail, invalid tag, a rank failed to
+        CheckpointArgumentError: an empty or unusable ``save_dir``, or an invalid tag, on any
+            rank (every rank raises it; a ``ValueError`` as in DeepSpeed).
+        CheckpointTagMismatch: tags differ with tag_validation Fail (an ``AssertionError``).
+        CheckpointError: a rank failed to
             write or the tag could not be published: what the save created is removed and
             ``latest`` still names the previous tag (the message says what is on disk).
 
@@ -124,8 +140,8 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     ck = parts.io
     ck.writer.wait()
     cfg = parts.config
-    tag = validate_tag(str(tag) if tag is not None else f"global_step{parts.global_steps}")
-    tag = _agreed_tag(ck, tag, cfg.tag_validation)
+    tag = _agreed_tag(ck, save_dir, str(tag) if tag is not None else f"global_step{parts.global_steps}",
+                      cfg.tag_validation)
     rank, zero, place = ck.comm.rank, parts.zero, parts.placement
     if place is not None and cfg.use_node_local_storage:
         raise CheckpointError(f"checkpoint.use_node_local_storage is not supported with model parallelism "

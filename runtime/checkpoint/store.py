@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dslaunch.errors import CheckpointError, quote, shorten
+from dslaunch.errors import CheckpointArgumentError, CheckpointError, quote, shorten
 from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
 from dslaunch.safe_write import atomic_path
+from dslaunch.textfile import read_text
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
            "write_atomic", "fsync_dir", "first_loadable", "summary"]
@@ -44,6 +45,9 @@ __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "v
 T = TypeVar("T")
 
 MANIFEST = "manifest.json"
+MANIFEST_MAX_BYTES = 256 * 2**20
+"""A manifest lists every file with its checksum and the model's parameter names and shapes: a
+few MiB for the largest models; more is no manifest this library wrote."""
 LATEST = "latest"
 _FORMAT = "dslaunch-checkpoint"
 _FORMAT_VERSION = 2  # 2: a file's checksum may be "crc32c" (1: zlib "crc32" only)
@@ -140,13 +144,36 @@ def write_atomic(path: Path, write: Callable[[Path], Any], durable: bool = True,
 
 
 def validate_tag(tag: str) -> str:
-    """A tag must be one plain directory name; raises CheckpointError otherwise."""
+    """A tag must be one plain directory name; raises CheckpointArgumentError otherwise."""
+    if (problem := tag_problem(tag)) is not None:
+        raise CheckpointArgumentError(problem)
+    return tag
+
+
+def tag_problem(tag: str) -> str | None:
+    """Why ``tag`` is no plain directory name (one line), or None when it is one."""
     if (not tag or "/" in tag or "\\" in tag or "\0" in tag or tag in (".", "..", LATEST)
             or tag.startswith(_RESERVED) or tag != tag.strip() or len(tag.encode(errors="replace")) > _NAME_MAX):
-        raise CheckpointError(f"invalid checkpoint tag {quote(tag)}: use one directory name (at most "
-                              f"{_NAME_MAX} bytes) without '/', not '{LATEST}' and not starting with "
-                              f"{', '.join(_RESERVED)}")
-    return tag
+        return (f"invalid checkpoint tag {quote(tag)}: use one directory name (at most {_NAME_MAX} bytes) "
+                f"without '/', not '{LATEST}' and not starting with {', '.join(_RESERVED)}")
+    return None
+
+
+def save_dir_problem(save_dir: object) -> str | None:
+    """Why ``save_dir`` cannot be saved into (one line), or None: it must be a non-empty path
+    (str or os.PathLike) that is a directory or does not exist yet."""
+    if save_dir is None or not isinstance(save_dir, (str, os.PathLike)):
+        return f"save_dir must be a directory path, got {type(save_dir).__name__}"
+    path = os.fspath(save_dir)
+    if isinstance(path, bytes):
+        path = path.decode(errors="replace")
+    if not path:
+        return "save_dir is empty; give the directory to save into"
+    if "\0" in path:
+        return f"save_dir {quote(path)} holds a NUL character"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"save_dir {quote(path)} is not a directory"
+    return None
 
 
 class CheckpointStore:
@@ -205,10 +232,12 @@ class CheckpointStore:
             if not tag_dir.is_dir():
                 raise CheckpointError(f"no checkpoint tag {quote(tag)} here{self._known_tags_hint()}",
                                       str(tag_dir))
-            if not path.is_file():
+            if not path.exists():
                 raise CheckpointError("manifest is missing: this is not a complete dslaunch checkpoint",
                                       str(path))
-            text = path.read_text()
+            text = read_text(path, MANIFEST_MAX_BYTES, lambda message, line: CheckpointError(
+                f"manifest is unreadable ({message.removeprefix('cannot read: ')}"
+                f"{f', line {line}' if line else ''})", str(path)))
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else shorten(str(exc), 200)
             raise CheckpointError(f"manifest is unreadable ({why})", str(path)) from exc

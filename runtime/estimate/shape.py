@@ -13,15 +13,18 @@ Torch is imported only by the last two.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dslaunch.errors import UsageError, shorten
+from dslaunch.textfile import read_json
 
-__all__ = ["ModelShape", "from_hf_config", "from_module", "from_builder"]
+__all__ = ["ModelShape", "from_hf_config", "from_module", "from_builder", "HF_CONFIG_MAX_BYTES"]
+
+HF_CONFIG_MAX_BYTES = 16 * 2**20
+"""A config.json is a few KiB; the largest seen on the Hub are under 1 MiB."""
 
 
 @dataclass(frozen=True)
@@ -118,13 +121,10 @@ def from_hf_config(path: str) -> ModelShape:
     Raises:
         UsageError: the file cannot be read, is not JSON, or lacks hidden size, layers or vocab.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as err:
-        raise UsageError(f"--hf_config {shorten(path, 200)}: cannot read it: {err.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as err:
-        raise UsageError(f"--hf_config {shorten(path, 200)}: not a JSON file ({shorten(str(err), 120)})") from None
+    def fail(message: str, line: int | None) -> UsageError:
+        return UsageError(f"--hf_config {shorten(path, 200)}{f':{line}' if line else ''}: {message}")
+
+    cfg = read_json(path, HF_CONFIG_MAX_BYTES, fail)
     if not isinstance(cfg, dict):
         raise UsageError(f"--hf_config {shorten(path, 200)}: expected a JSON object (a config.json)")
     dims = {d: _hf_value(cfg, d) for d in _HF_KEYS}

@@ -232,6 +232,8 @@ class PipelineEngine(DeepSpeedEngine):
                     report.set_activity(_Activity(self.stage_id, self.num_stages, instruction))
                 self._INSTRUCTION_MAP[type(instruction)](self, instruction, batch)
         except BaseException as err:
+            if report is not None and isinstance(err, Exception) and not isinstance(err, PipelineStageError):
+                report.raised(err)  # first: the stops below make the other stages raise too
             if self.num_stages > 1:  # the other stages are still in this batch; its heads stay posted
                 self._stop_batch(instructions[done:], err)
             raise

@@ -61,3 +61,42 @@ def test_meta_model_fills_from_a_description_and_names_a_missing_tensor(tmp_path
         model = type(reference)()
     with pytest.raises(UsageError, match="no tensor for 'norm.weight'"):
         dslaunch.init_inference(model, checkpoint=str(tmp_path / "partial.pt"))
+
+
+@pytest.mark.timeout(60)
+def test_input_files_are_bounded_before_they_are_parsed(tmp_path: Path) -> None:
+    """A FIFO, /dev/zero, a 1 GB file and a directory where a description, an index or a weights
+    file is expected: one line naming it, at once (no read of a GB, no block on a FIFO)."""
+    fifo, big = tmp_path / "desc.json", tmp_path / "big.json"
+    import os
+
+    os.mkfifo(fifo)
+    with open(big, "wb") as f:
+        f.truncate(2**30)
+    (tmp_path / "folder.safetensors").mkdir()
+    cases = [(str(fifo), "not a regular file"), (str(big), "larger than 64 MiB"), ("/dev/zero", "not a regular file"),
+             ({"type": "ds_model", "checkpoints": ["folder.safetensors"]}, "is a directory"),
+             ({"type": "ds_model", "checkpoints": ["/dev/zero"]}, "not a regular file")]
+    for spec, words in cases:
+        with pytest.raises(CheckpointError, match=words) as err:
+            open_checkpoint(spec, base_dir=str(tmp_path) if isinstance(spec, dict) else None)
+        named = spec if isinstance(spec, str) else spec["checkpoints"][0]
+        assert "\n" not in str(err.value) and named in str(err.value), err.value
+    (tmp_path / "bad.index.json").write_text('{"weight_map": {"w": ')
+    with pytest.raises(CheckpointError, match=r"bad.index.json: line 1: not valid JSON"):
+        open_checkpoint(str(tmp_path / "bad.index.json"))
+
+
+@pytest.mark.parametrize(("what", "data", "words"), [
+    ("empty", b"", "header length"),
+    ("huge length", (2**40).to_bytes(8, "little") + b"{}", "header length"),
+    ("not JSON", (4).to_bytes(8, "little") + b"\xff\xfe{]", "not a JSON object"),
+    ("a list", (2).to_bytes(8, "little") + b"[]", "not a JSON object"),
+    ("bad entry", (25).to_bytes(8, "little") + b'{"w": {"dtype": "F32"}}  ', "SafetensorError"),
+])
+def test_a_corrupt_safetensors_file_is_named(tmp_path: Path, what: str, data: bytes, words: str) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=words) as err:
+        open_checkpoint(str(path))
+    assert str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value), err.value

@@ -111,8 +111,8 @@ print("STEP", engine.global_steps)
 """
 
 
-@pytest.mark.timeout(240)  # three processes importing torch, on a loaded machine
-def test_a_restart_that_finds_no_checkpoint_says_so_as_loudly_as_a_failure(tmp_path) -> None:
+@pytest.mark.timeout(300)  # four processes importing torch, on a loaded machine
+def test_a_restart_that_finds_no_checkpoint_stops_before_any_step_with_exit_2(tmp_path) -> None:
     script, saved, empty = tmp_path / "train.py", tmp_path / "saved", tmp_path / "empty"
     script.write_text(_RESUME_SCRIPT)
     empty.mkdir()
@@ -127,9 +127,9 @@ def test_a_restart_that_finds_no_checkpoint_says_so_as_loudly_as_a_failure(tmp_p
     assert first.returncode == 0 and "dslaunch: error" not in first.stderr, first.stderr
     resumed = run(1, saved)
     assert resumed.returncode == 0 and "dslaunch: error" not in resumed.stderr, resumed.stderr
-    lost = run(1, empty)  # e.g. the script saved elsewhere, or on a node-local disk
-    assert lost.returncode == 0 and "STEP 0" in lost.stdout
-    loud = [ln for ln in lost.stderr.splitlines() if ln.startswith("dslaunch: error: ")]
-    assert loud == [f"dslaunch: error: restart 1 of the job found no checkpoint in --resume_from {empty}: this "
-                    "run starts at step 0, not where the previous run stopped (the script must save its "
-                    "checkpoints into that directory)"], lost.stderr
+    for where, what in ((empty, "holds no checkpoint"), (tmp_path / "saevd", "does not exist")):  # elsewhere, a typo
+        lost = run(1, where)
+        assert lost.returncode == 2 and "STEP" not in lost.stdout, lost.stdout
+        assert lost.stderr.strip().splitlines()[-1:] == [
+            f"dslaunch: error: restart 1 of the job cannot resume: --resume_from {where} {what} (the script "
+            "must save its checkpoints into that directory); not starting over at step 0"], lost.stderr

@@ -200,3 +200,45 @@ def test_outside_dslaunch_everything_is_a_no_op():
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSLAUNCH_")}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
+
+
+def test_what_a_rank_raised_is_sent_at_once_and_only_the_first_time():
+    r, w = os.pipe()
+    hb = Heartbeat(w, rank=3)
+    hb.beat(4)
+    _read_beats(r)
+    before = time.time()
+    try:
+        raise ValueError("stage 3 broke")
+    except ValueError as err:
+        hb.raised(err)
+    (beat,) = _read_beats(r)  # sent by the call itself
+    assert beat.raised == "ValueError: stage 3 broke" and before <= beat.raised_at <= time.time()
+    assert beat.raised_trace.startswith("Traceback") and "stage 3 broke" in beat.raised_trace
+    hb.raised(RuntimeError("an echo of it, later"))
+    time.sleep(2 * TICK_S + 0.2)
+    hb.beat(5)
+    time.sleep(2 * TICK_S + 0.2)
+    later = _read_beats(r)
+    assert later and all(b.raised == "ValueError: stage 3 broke" for b in later)  # every later beat keeps it
+
+
+def test_a_huge_exception_still_fits_one_beat_and_keeps_what_was_raised():
+    line = Beat(0, 1, raised="E: " + "x" * 290, raised_at=1.0, raised_trace="y" * 2000,
+                activity="z" * 300).to_line()
+    assert len(line) <= 4000 and Beat.from_line(line).raised.startswith("E: x")
+    huge = Beat(0, 1, raised="E: x", raised_at=1.0, raised_trace="y" * 5000).to_line()
+    assert len(huge) <= 4000 and Beat.from_line(huge).raised == "E: x" and Beat.from_line(huge).raised_trace is None
+
+
+def test_an_uncaught_exception_reaches_the_agent_before_the_process_ends():
+    r, w = os.pipe()
+    code = ("import dslaunch.runtime.heartbeat as h; h.start(); "
+            "raise KeyError('the first one')")
+    env = {**os.environ, "DSLAUNCH_HEARTBEAT_FD": str(w), "RANK": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, pass_fds=(w,), capture_output=True, text=True,
+                         timeout=60)
+    os.close(w)
+    assert out.returncode == 1 and "KeyError: 'the first one'" in out.stderr  # still printed as Python does
+    raised = [b for b in _read_beats(r) if b.raised]
+    assert raised and raised[0].rank == 1 and raised[0].raised == "KeyError: 'the first one'"

@@ -141,3 +141,24 @@ def test_an_experiments_end_is_judged_from_its_files(tmp_path, code, timed_out, 
         assert message == output.split("dslaunch: error: ", 1)[1]
     (tmp_path / "metrics.json").write_text('{"throughput": 3.0}')
     assert _judge(code, timed_out, str(tmp_path / "metrics.json"), str(tmp_path), 30)[::2] == ("ok", {"throughput": 3.0})
+
+
+@pytest.mark.timeout(60)
+def test_model_info_path_is_bounded_and_one_line(tmp_path):
+    import os
+
+    from dslaunch.errors import ConfigError
+    from dslaunch.launcher.autotuning.tune import _given_info
+    from dslaunch.runtime.config.autotuning import AutotuningConfig
+
+    fifo, big, good = tmp_path / "info.fifo", tmp_path / "big.json", tmp_path / "info.json"
+    os.mkfifo(fifo)
+    with open(big, "wb") as f:
+        f.truncate(2**30)
+    good.write_text('{"num_params": 1000}')
+    assert _given_info(AutotuningConfig(model_info_path=str(good))).num_params == 1000
+    for path, words in ((fifo, "not a regular file"), (big, "larger than 1 MiB"), (tmp_path, "is a directory"),
+                        ("/dev/zero", "not a regular file")):
+        with pytest.raises(ConfigError, match=words) as err:
+            _given_info(AutotuningConfig(model_info_path=str(path)))
+        assert str(path) in str(err.value) and "\n" not in str(err.value)

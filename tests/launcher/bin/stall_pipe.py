@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """A 2-stage pipeline job on gloo in which one stage stops itself (SIGSTOP) after a step.
 
-``STALL_RANK``/``STALL_AT``: that rank stops after that optimizer step; the other stage goes on
-into the next ``train_batch`` and waits for it in a pipeline receive or send.
+``STALL_RANK``/``STALL_AT``: that rank stops after that optimizer step (and its checkpoint); the
+other stage goes on into the next ``train_batch`` and waits for it in a pipeline receive or send.
+Resumed, the stage would train on (as a stage stopped from outside would): the monitor must not
+let it. ``SAVE_DIR``: every step is checkpointed there. Each rank prints ``trained N`` per step.
 """
 
 import os
@@ -26,13 +28,16 @@ def main() -> None:
     engine, *_ = dslaunch.initialize(model=module, config=config)
     print(f"pid {engine.global_rank} {os.getpid()}", flush=True)
     stall_rank, stall_at = int(os.environ["STALL_RANK"]), int(os.environ["STALL_AT"])
+    save_dir = os.environ.get("SAVE_DIR")
     x = torch.randn(2, 8)
     data = iter(lambda: (x, x.sum(1, keepdim=True)), None)  # the same micro batch forever
     while True:
         engine.train_batch(data)
+        if save_dir:
+            engine.save_checkpoint(save_dir)
+        print(f"trained {engine.global_steps}", flush=True)
         if engine.global_rank == stall_rank and engine.global_steps == stall_at:
             os.kill(os.getpid(), signal.SIGSTOP)
-            time.sleep(3600)  # the monitor resumes it (SIGCONT) to take its stack, then kills it
         time.sleep(0.05)
 
 

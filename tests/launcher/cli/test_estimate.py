@@ -92,7 +92,7 @@ def test_deepspeed_mode_prints_deepspeeds_tables() -> None:
     (("--params", "1B", "--stages", "4"), "--stages: '4'"),
     (("--params", "1B", "--num_gpus", "8", "--pipeline", "3"), "must divide the world size 8"),
     (("--params", "1B", "--optimizer", "adamx"), "optimizer: got 'adamx'; valid: adam"),
-    (("--hf_config", "/nonexistent/config.json"), "--hf_config /nonexistent/config.json: cannot read it"),
+    (("--hf_config", "/nonexistent/config.json"), "--hf_config /nonexistent/config.json: cannot read: No such file"),
     (("--params", "1B", "--num_gpus", "0"), "--num_gpus"),
 ])
 def test_bad_input_is_one_line(args, message) -> None:

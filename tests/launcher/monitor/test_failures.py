@@ -25,6 +25,7 @@ def _rank(rank: int, exception: str | None, code: int = 1) -> NodeResult:
     ("RuntimeError: NCCL communicator was aborted on rank 3.", True),
     ("RuntimeError: injected fault at step 7", False),
     ("ValueError: bad shape", False),
+    ("the pipeline batch stopped: stage 1 in the forward pass of micro-batch 1: ValueError: x", True),
     (None, False),
 ])
 def test_peer_loss_is_told_from_the_scripts_own_errors(text, peer):
@@ -55,6 +56,19 @@ def test_the_earliest_of_the_ranks_that_failed_on_their_own_is_the_root_cause():
     late = replace(_rank(1, "ValueError: bad shape"), failed_at=20.0)
     early = replace(_rank(2, None, 3), failed_at=10.0)
     assert root_cause(echo, [late, early]) == early
+
+
+def test_the_rank_that_raised_first_is_the_root_cause_whichever_exited_first():
+    """A pipeline stage that raised sends its peers a stop, and they may exit before it does; the
+    launcher may even stop it before it printed anything: its beat said what and when."""
+    stage = "the pipeline batch stopped: stage 1 in the forward pass of micro-batch 1: ValueError: x"
+    echo = replace(_rank(0, stage), raised_at=11.0, failed_at=12.0)
+    raiser = replace(NodeResult(0, "localhost", 143, rank=1, signal_name="SIGTERM", exception="ValueError: x"),
+                     raised_at=10.0, failed_at=13.0)
+    assert root_cause(echo, [raiser]) == raiser
+    second = replace(_rank(2, "KeyError: 'y'"), raised_at=10.5, failed_at=11.5)
+    assert root_cause(second, [echo, raiser]) == raiser  # the first to raise on its own
+    assert root_cause(echo, [replace(raiser, raised_at=None)]) == replace(raiser, raised_at=None)  # old rule
 
 
 def test_a_rank_stopped_while_tearing_down_after_its_exception_makes_the_job_exit_1():

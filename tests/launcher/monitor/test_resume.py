@@ -77,9 +77,10 @@ def test_a_killed_rank_restarts_and_resumes_to_bitwise_equal_weights(tmp_path, b
 
 
 def test_a_hung_rank_leaves_its_stacks_then_the_job_restarts_and_finishes_bitwise_equal(tmp_path, baseline):
-    # The stacks are taken after a SIGCONT: the hung rank may train on (here to the end, saving
-    # at step 9) until the job is stopped, so the restart resumes from step 6 or 9.
-    r, got = _faulty(tmp_path, "stop", "--hang_timeout", "3", resumed="6|9")
+    # The job is frozen before the stacks are taken and killed after: the hung rank, resumed only
+    # for its dump while its peer is frozen, trains and saves nothing more (it once went on to
+    # save step 9), so the restart resumes from step 6.
+    r, got = _faulty(tmp_path, "stop", "--hang_timeout", "3", resumed="6")
     assert "dslaunch: restart 1 of 1 in 1 s after hang: rank 1 on localhost hung at step" in r.stderr, r.stderr
     events = _events(tmp_path)
     (stacks,) = [e for e in events if e["kind"] == "stacks"]
