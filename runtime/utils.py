@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dslaunch.runtime.pipe.module import partition_balanced, partition_uniform
+from dslaunch.safe_write import make_dirs
 from dslaunch.utils.refused import Refusal, refused_class
 
 __all__ = ["set_random_seed", "see_memory_usage", "memory_status", "empty_cache", "get_ma_status",
@@ -267,8 +268,9 @@ class noop_context:  # noqa: N801 (DeepSpeed's name)
 
 
 def ensure_directory_exists(filename: str) -> None:
-    """Create the directory that will hold ``filename`` (and its parents) if missing."""
-    Path(filename).parent.mkdir(parents=True, exist_ok=True)
+    """Create the directory that will hold ``filename`` (and its parents) if missing, by
+    ``safe_write``'s rule (no foreign link followed, no directory another user can write)."""
+    make_dirs(Path(filename).parent)
 
 
 class DummyOptim:
