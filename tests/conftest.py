@@ -34,3 +34,16 @@ def free_port() -> int:
     from tests.distributed import free_port as _free_port
 
     return _free_port()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Say so when another program holds the default rendezvous port: test launches take free ports
+    (tests/launcher/helpers.py: on_free_port), so it must not matter."""
+    from dslaunch.errors import LaunchError
+    from dslaunch.launcher.ports import check_port_free
+
+    try:
+        check_port_free(29500)
+    except (LaunchError, OSError) as err:
+        return f"port 29500: {err}"
+    return None
