@@ -45,5 +45,5 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     try:
         check_port_free(29500)
     except (LaunchError, OSError) as err:
-        return f"port 29500: {err}"
+        return f"port 29500 is held here (test launches take free ports): {err}"
     return None
