@@ -42,3 +42,39 @@ def free_port() -> int:
     from tests.distributed import free_port as _free_port
 
     return _free_port()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Say so when another program holds the default rendezvous port: test launches take free ports
+    (tests/launcher/helpers.py: on_free_port), so it must not matter."""
+    from dslaunch.errors import LaunchError
+    from dslaunch.launcher.ports import check_port_free
+
+    try:
+        check_port_free(29500)
+    except (LaunchError, OSError) as err:
+        return f"port 29500 is held here (test launches take free ports): {err}"
+    return None
+
+
+# A test's pytest-timeout guards against a hang; it measures no speed (timing promises are the
+# tests' own assertions). On a machine busy with other work (load average above its cores: the
+# suite took 74 min at load 6-11) a live test runs this much slower, so its guard grows with the
+# load when it starts, up to this factor.
+MAX_TIMEOUT_SCALE = 4.0
+
+
+def timeout_scale(load: float, cores: int) -> float:
+    """How much longer a test may take than its timeout says, at this 1-minute load average."""
+    return max(1.0, min(MAX_TIMEOUT_SCALE, load / max(cores, 1)))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
+    """pytest-timeout's own timer, with the test's timeout scaled by ``timeout_scale``."""
+    import pytest_timeout
+
+    scale = timeout_scale(os.getloadavg()[0], os.cpu_count() or 1)
+    if scale == 1.0:
+        return None  # the plugin's own, unchanged
+    return pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=settings.timeout * scale))

@@ -4,9 +4,12 @@ The library is compiled with the C compiler ``$CC`` (default ``gcc``) and ``FLAG
 ``$DSLAUNCH_KERNELS_CACHE`` (default ``$XDG_CACHE_HOME/dslaunch/kernels``, i.e.
 ``~/.cache/dslaunch/kernels``), named by a hash of the source, the flags, the compiler's
 ``--version`` and the CPU's feature flags (``-march=native`` code runs only on such a CPU). A build
-takes ~7 s here (gcc -O3, 2 cores). It is written to a temporary file in the cache directory and renamed into place, so
-ranks that build at once each produce a complete file and the last rename wins; a reader never
-sees half a library.
+takes ~7 s here (gcc -O3, 2 cores), minutes on a machine busy with other work. One process builds
+while the others that want the same library wait for it (an ``flock`` on ``<library>.lock`` in the
+cache directory, released by the kernel if the builder dies). The compiler is bounded by the CPU time
+it uses (``_CPU_LIMIT_S``), not by the wall clock, so a build starved by other work finishes; a
+compiler that neither works nor finishes is given up after ``_WALL_LIMIT_S``. The library is written to
+a temporary file in the cache directory and renamed into place, so a reader never sees half a library.
 
 Loading a library runs its constructors, and its name is public (a hash of public inputs), so the
 cache is trusted only as far as its owner: missing directories are created 0700 whatever the
@@ -23,14 +26,17 @@ reference.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import signal
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from dslaunch.errors import quote
@@ -52,7 +58,10 @@ EXTRA_SOURCES = (Path(__file__).with_name("compress.c"),)
 # would reorder sums and assume no NaN, which the overflow check relies on.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
          "-std=gnu11", "-shared", "-fPIC")
-_TIMEOUT_S = 120
+# ~17x a build's CPU time here: only a compiler that loops hits it, however busy the machine.
+_CPU_LIMIT_S = 120
+# A compiler blocked without computing (a stuck file system): given up long after any slow build.
+_WALL_LIMIT_S = 1800
 
 
 class KernelBuildError(RuntimeError):
@@ -73,7 +82,7 @@ def _compiler(environ: Mapping[str, str]) -> str:
 
 def _compiler_version(cc: str) -> str:
     try:
-        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=_TIMEOUT_S)
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=_WALL_LIMIT_S)
     except FileNotFoundError:
         raise KernelBuildError(f"C compiler {cc!r} not found; set CC to a C compiler") from None
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -135,9 +144,14 @@ def _compile(cc: str, dir_fd: int, name: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=f"/proc/{os.getpid()}/fd/{dir_fd}")
     os.close(fd)
     tmp_name = os.path.basename(tmp)
+    # The CPU limit through sh's ulimit, inherited by the compiler's own children (cc1, as, ld):
+    # preexec_fn is not safe in a process with threads, as a training process has.
+    limited = ["/bin/sh", "-c", f'ulimit -t {_CPU_LIMIT_S} && exec "$0" "$@"', cc]
     try:
-        out = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *map(str, EXTRA_SOURCES)], capture_output=True, text=True,
-                             timeout=_TIMEOUT_S)
+        out = subprocess.run([*limited, *FLAGS, "-o", tmp, str(SOURCE), *map(str, EXTRA_SOURCES)], capture_output=True,
+                             text=True, timeout=_WALL_LIMIT_S)
+        if out.returncode in (-signal.SIGKILL, -signal.SIGXCPU):  # the compiler itself hit the limit
+            raise KernelBuildError(f"'{cc}' used over {_CPU_LIMIT_S} s of CPU building {SOURCE.name}")
         if out.returncode != 0:
             first = next((ln for ln in out.stderr.splitlines() if "error" in ln), out.stderr.strip()[:200])
             raise KernelBuildError(f"'{cc}' failed to build {SOURCE.name} (exit {out.returncode}): {first}")
@@ -146,12 +160,32 @@ def _compile(cc: str, dir_fd: int, name: str) -> None:
         # atomic: concurrent builders each rename a complete file
         os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except subprocess.TimeoutExpired:
-        raise KernelBuildError(f"'{cc}' took over {_TIMEOUT_S} s to build {SOURCE.name}") from None
+        raise KernelBuildError(f"'{cc}' did not finish building {SOURCE.name} in {_WALL_LIMIT_S} s") from None
     finally:
         try:
             os.unlink(tmp_name, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
+
+
+@contextlib.contextmanager
+def _build_lock(dir_fd: int, name: str, private: bool) -> Iterator[None]:
+    """Hold ``<name>.lock`` in the cache directory ``dir_fd`` (waiting while another process builds);
+    none in a private directory, which only this process uses, nor where the lock cannot be made (a
+    read-only cache: nothing can be built into it, and a library there is still loaded)."""
+    try:
+        fd = None if private else os.open(f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                          0o600, dir_fd=dir_fd)
+    except OSError:
+        fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released at close, or by the kernel when a builder dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def _library_name(cc: str) -> str:
@@ -182,10 +216,11 @@ def _build_fd(environ: Mapping[str, str]) -> tuple[Path, int]:
         folder, private = Path(tempfile.mkdtemp(prefix="dslaunch-kernels-")), True  # mkdtemp: 0700
         dir_fd = _open_cache(folder)
     try:
-        fd = _open_library(dir_fd, name)
-        if fd is None:
-            _compile(cc, dir_fd, name)
+        with _build_lock(dir_fd, name, private):  # a process that waited here finds the build done
             fd = _open_library(dir_fd, name)
+            if fd is None:
+                _compile(cc, dir_fd, name)
+                fd = _open_library(dir_fd, name)
         if fd is None:
             raise KernelBuildError(f"the library built in {folder} could not be opened")
         if private:  # the descriptor keeps the library; nothing is left behind

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dslaunch.utils.ports import free_port
+
 _PROBE = r"""
 import importlib.metadata, importlib.util, sys
 import deepspeed, dslaunch
@@ -92,7 +94,8 @@ def test_python_m_deepspeed_launcher_runner_is_the_command(compat_bin: Path, tmp
     # DeepSpeed documents `python -m deepspeed.launcher.runner` as its launcher's module entry point.
     fail = "sys.exit(3 if os.environ['RANK'] == '1' and 'fail' in sys.argv else 0)\n"
     (tmp_path / "train.py").write_text(_RANKS + fail)
-    runner = [str(compat_bin / "python"), "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "train.py"]
+    runner = [str(compat_bin / "python"), "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+              str(free_port()), "train.py"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ok = subprocess.run([*runner, "x"], cwd=tmp_path, capture_output=True, text=True, timeout=50, env=env)
     assert ok.returncode == 0, ok.stderr

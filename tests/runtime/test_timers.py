@@ -114,7 +114,9 @@ def test_name_first_shorthands() -> None:
     assert timers.elapsed("allreduce") == 0.0
 
 
-SLEEP_S = 0.03  # per forward: far above the tiny model's own forward time
+# Per forward: far above the tiny model's own forward time, and long enough that a step's overshoot on
+# a machine at load 10 (tens of ms) keeps the mean below 2x, what the total of 2 steps would read.
+SLEEP_S = 0.1
 
 
 class _SlowModel(torch.nn.Module):

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from dslaunch.launcher.monitor.events import EVENTS_FILE
-from tests.launcher.helpers import DSLAUNCH, FAKE, ROOT, new_tag, tagged_env
+from tests.launcher.helpers import DSLAUNCH, FAKE, ROOT, new_tag, on_free_port, tagged_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,7 +37,7 @@ def _small_files(limit: int):
 def test_a_full_log_disk_keeps_the_jobs_exit_code(tmp_path, actions, code):
     logs = tmp_path / "logs"
     _compiled()
-    r = subprocess.run([*DSLAUNCH, "--num_gpus", "2", "--log_dir", str(logs), FAKE, *actions],
+    r = subprocess.run([*DSLAUNCH, *on_free_port(["--num_gpus", "2", "--log_dir", str(logs), FAKE, *actions])],
                        env=tagged_env(new_tag()), capture_output=True, text=True, timeout=30,
                        preexec_fn=_small_files(200))
     assert r.returncode == code, r.stderr

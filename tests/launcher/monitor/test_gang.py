@@ -112,7 +112,7 @@ def test_failure_stops_other_nodes_while_the_failed_node_is_still_stopping():
     The failed node's agent reports its failure at once (``failing``), so the other node is told
     to stop while the failed node is still waiting out its own grace period.
     """
-    grace = 1.0
+    grace = 2.5  # one grace period plus a busy machine's delays (up to ~2 s at load 10) stays below two
     wake = threading.Event()
     failed_at: list[float] = []
 
@@ -135,7 +135,7 @@ def test_failure_stops_other_nodes_while_the_failed_node_is_still_stopping():
             agent.wait(timeout=5)
     assert (r.exit_code, r.failure.rank, r.failure.host) == (3, 1, "host0")
     assert other.poll().stopped_by == "SIGTERM"
-    assert grace * 0.9 < took < grace * 1.6, f"stopping took {took:.2f} s for a grace period of {grace} s"
+    assert grace * 0.9 < took < grace * 2 - 0.5, f"stopping took {took:.2f} s for a grace period of {grace} s"
 
 
 class _SilentNode(ScriptedNode):

@@ -6,15 +6,19 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 
 import pytest
 
 from tests.launcher.helpers import (
+    DSLAUNCH,
     FAKE,
     assert_no_job_process,
     new_tag,
+    own_network,
     run_dslaunch,
     start_dslaunch,
+    tagged_env,
     wait_for_lines,
 )
 
@@ -39,7 +43,9 @@ def test_a_killed_rank_is_restarted_with_a_new_port_and_the_restart_count(free_p
 
 
 def test_restarts_pick_a_fresh_port_unless_one_was_given():
-    r = run_dslaunch(["--num_gpus", "1", "--max_restarts", "1", FAKE, "var=MASTER_PORT", "c0:exit=3"], timeout=40)
+    # in a network of its own: the first run is on the default port, which may be busy on this machine
+    r = subprocess.run([*own_network(), *DSLAUNCH, "--num_gpus", "1", "--max_restarts", "1", FAKE, "var=MASTER_PORT",
+                        "c0:exit=3"], env=tagged_env(new_tag()), capture_output=True, text=True, timeout=40)
     assert r.returncode == 0, r.stderr
     first, second = _ports(r.stdout)
     assert first == "29500" and second != first

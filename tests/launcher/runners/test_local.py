@@ -19,6 +19,7 @@ import pytest
 from tests.launcher.helpers import (
     ALLREDUCE,
     FAKE,
+    STOP_SLACK_S,
     assert_no_job_process,
     job_processes,
     new_tag,
@@ -93,7 +94,7 @@ def test_signal_death_is_never_exit_zero(free_port, sig, code):
     assert f"rank 0 on localhost was killed by {sig} (exit code {code})" in r.stderr
 
 
-def test_workers_ignoring_sigterm_are_killed_within_two_seconds(free_port):
+def test_workers_ignoring_sigterm_are_killed_after_the_grace_period(free_port):
     tag = new_tag()
     proc = start_dslaunch(_job(free_port, 3, "ignore_term", "print=ready", "r2:sleep=0.5", "r2:print=failing",
                                "r2:exit=3", "hang"), tag)
@@ -101,7 +102,7 @@ def test_workers_ignoring_sigterm_are_killed_within_two_seconds(free_port):
     wait_for_lines(proc, 1)  # rank 2 is about to exit 3
     t_fail = time.monotonic()
     assert proc.wait(timeout=10) == 3
-    assert time.monotonic() - t_fail < 2.0
+    assert time.monotonic() - t_fail < 1.0 + STOP_SLACK_S  # the default grace period, on a busy machine
     assert_no_job_process(tag, within=0.5)
 
 

@@ -127,7 +127,7 @@ def test_yaml_alias_bomb_is_refused_at_once(tmp_path: Path) -> None:
     start = time.monotonic()
     assert _error(path) == (f"{path}: line 2: YAML aliases (*a) are not accepted in a config; "
                             "write the value out")
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0  # expanding it would take minutes; 5 s holds at load 10
 
 
 def test_yaml_merge_of_an_alias_is_refused_too(tmp_path: Path) -> None:

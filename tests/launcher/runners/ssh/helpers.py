@@ -11,6 +11,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]
 FAKE = str(ROOT / "tests" / "launcher" / "bin" / "fake_worker.py")
 ALLREDUCE = str(ROOT / "scripts" / "examples" / "allreduce.py")
+# A launch that fails its preflight answers in ~1-3 s on an idle machine: a new dslaunch process,
+# 3 SSH connections and each host's probe, every wait bounded by a connect timeout of 2-4 s. At load
+# 30 here it took 10-11 s. The bound rules out an unbounded wait (TCP's 2 min, the store's timeout).
+PREFLIGHT_S = 20.0
 
 
 class Lines:
