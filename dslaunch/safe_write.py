@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import IO, Union
 
 __all__ = ["UnsafePath", "Where", "FileId", "open_dir", "make_dirs", "new_dir", "check_dir", "create_new",
-           "create_replacing", "write_new", "write_file", "atomic_file", "atomic_path", "append_file", "write_all",
+           "create_replacing", "write_new", "write_file", "atomic_file", "atomic_path", "append_file", "lock_file",
+           "write_all",
            "remove_file", "remove_own", "split_path", "explain"]
 
 Where = Union[int, str, "os.PathLike[str]"]
@@ -386,9 +387,27 @@ def append_file(where: Where, name: str, mode: int = 0o644, text: bool = True) -
         UnsafePath: it is not a regular file, not this user's, or has other hard links.
         UnsafePath, OSError: as ``open_dir`` when ``where`` is a path; the open fails.
     """
+    raw = os.fdopen(_open_own(where, name, _APPEND, mode), "ab")
+    return io.TextIOWrapper(raw, encoding="utf-8", newline="") if text else raw
+
+
+def lock_file(where: Where, name: str) -> int:
+    """A read-write descriptor of the lock file ``name`` in ``where`` (created if missing, mode
+    0600, shared by every process that locks it): like ``append_file``, never through a link, and
+    only a regular file of this user's with one link. Lock it with ``fcntl.flock``.
+
+    Raises:
+        UnsafePath, OSError: as ``append_file``.
+    """
+    return _open_own(where, name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+
+
+def _open_own(where: Where, name: str, flags: int, mode: int) -> int:
+    """``name`` opened with ``flags`` (which hold O_NOFOLLOW and O_NONBLOCK: a FIFO never blocks
+    the open), kept only when it is a regular file of this user's with one link; blocking again."""
     with _dir(where) as dir_fd:
         try:
-            fd = os.open(name, _APPEND, mode, dir_fd=dir_fd)
+            fd = os.open(name, flags, mode, dir_fd=dir_fd)
         except OSError as err:
             if err.errno in (errno.ELOOP, errno.ENXIO):
                 raise UnsafePath(_shown(where, name), "a symbolic link or FIFO is there; not written through: remove it") from None
@@ -399,13 +418,12 @@ def append_file(where: Where, name: str, mode: int = 0o644, text: bool = True) -
             raise UnsafePath(_shown(where, name), "not a regular file; not written through: remove it")
         if st.st_uid != os.geteuid() or st.st_nlink != 1:
             raise UnsafePath(_shown(where, name), f"owned by uid {st.st_uid} with {st.st_nlink} link(s): only a file of "
-                                   "this user's with one link is appended to; remove it")
+                                   "this user's with one link is opened; remove it")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
-    raw = os.fdopen(fd, "ab")
-    return io.TextIOWrapper(raw, encoding="utf-8", newline="") if text else raw
+    return fd
 
 
 def remove_file(where: Where, name: str) -> None:

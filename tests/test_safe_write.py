@@ -130,6 +130,23 @@ def test_appending_refuses_a_link_a_fifo_and_a_hard_link(tmp_path, victim):
     assert (tmp_path / "fine.csv").read_text() == "a\nb\n"
 
 
+def test_a_lock_file_is_shared_but_never_opened_through_a_link_a_fifo_or_a_hard_link(tmp_path, victim):
+    victim.plant(tmp_path / "link.lock")
+    os.mkfifo(tmp_path / "fifo.lock")
+    os.link(victim.path, tmp_path / "hard.lock")
+    for name in ("link.lock", "fifo.lock", "hard.lock"):
+        with pytest.raises(sw.UnsafePath, match=name):
+            sw.lock_file(tmp_path, name)
+    assert victim.untouched()
+    first, second = sw.lock_file(tmp_path, "build.lock"), sw.lock_file(tmp_path, "build.lock")
+    try:  # the same file for every process that locks it, private to this user
+        assert os.fstat(first).st_ino == os.fstat(second).st_ino
+        assert stat.S_IMODE(os.fstat(first).st_mode) == 0o600
+    finally:
+        os.close(first)
+        os.close(second)
+
+
 @as_root
 def test_appending_refuses_another_users_file(tmp_path):
     (tmp_path / "theirs.log").write_text("")

@@ -40,6 +40,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from dslaunch.errors import quote
+from dslaunch.safe_write import lock_file
 from dslaunch.utils.private_cache import Untrusted, check_owner, make_private_dirs, open_private_file
 
 __all__ = ["CACHE_ENV", "FLAGS", "SOURCE", "EXTRA_SOURCES", "KernelBuildError", "cache_dir", "cached_path", "build", "library",
@@ -174,8 +175,7 @@ def _build_lock(dir_fd: int, name: str, private: bool) -> Iterator[None]:
     none in a private directory, which only this process uses, nor where the lock cannot be made (a
     read-only cache: nothing can be built into it, and a library there is still loaded)."""
     try:
-        fd = None if private else os.open(f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                          0o600, dir_fd=dir_fd)
+        fd = None if private else lock_file(dir_fd, f"{name}.lock")
     except OSError:
         fd = None
     if fd is None:
