@@ -138,8 +138,10 @@ def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any
             raise ConfigError(f"param group {i} holds {len(missing)} tensor(s) that are not parameters "
                               "of the model passed to initialize()")
         if params:
+            # DeepSpeed's mark for a tied weight's copy that a lower pipeline stage counts in the norm
+            skipped = tuple(j for j, p in enumerate(params) if getattr(p, "ds_pipe_replicated", False))
             groups.append(GroupSpec(params, [names[id(p)] for p in params],
-                                    {k: v for k, v in g.items() if k != "params"}))
+                                    {k: v for k, v in g.items() if k != "params"}, skipped))
     if not groups:
         raise ConfigError("the model has no trainable parameters (requires_grad=True)")
     return groups

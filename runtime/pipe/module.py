@@ -259,12 +259,20 @@ class PipelineModule(torch.nn.Module):
                 if self.global_rank in ranks:
                     spec = next(x for x in self._layer_specs if isinstance(x, TiedLayerSpec) and x.key == key)
                     comms[key] = {"ranks": ranks, "group": group, "weight_attr": spec.tied_weight_attr}
+        for key, tie in comms.items():
+            # the summed gradient counts once in the global norm: on the tie's lowest rank
+            # (DeepSpeed's attribute, which the ZeRO param groups read)
+            for weight in self._tied_weights_of(key, tie):
+                weight.ds_pipe_replicated = self.global_rank != min(tie["ranks"])
         return comms
 
     def _tied_weights(self, key: str) -> list[torch.nn.Parameter]:
+        return self._tied_weights_of(key, self.tied_comms[key])
+
+    def _tied_weights_of(self, key: str, tie: dict[str, Any]) -> list[torch.nn.Parameter]:
         module = self.tied_modules[key]
         weights = []
-        for path in self.tied_comms[key]["weight_attr"]:
+        for path in tie["weight_attr"]:
             obj = module
             for part in path.split("."):
                 obj = getattr(obj, part)
