@@ -37,8 +37,9 @@ OptimizerFactory = Callable[[list[dict], FlatShards], torch.optim.Optimizer]
 class GroupSpec:
     """One param group as the engine hands it over: trainable params, their names, hparams, and
     ``norm_skipped``: the indices of params whose gradient another rank counts in the global norm
-    (a tied weight's copies above the lowest pipeline stage of the tie), so that every distinct
-    parameter counts once."""
+    (``runtime.parallel.mpu.counted_in_norm``: a tied weight's copies above the lowest pipeline
+    stage of the tie, a whole parameter on tensor slices other than the first), so that every
+    distinct parameter counts once."""
 
     params: list[torch.nn.Parameter]
     names: list[str]
