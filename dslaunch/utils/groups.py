@@ -102,8 +102,7 @@ def get_tensor_model_parallel_rank() -> int:
 def _axis(role: str) -> tuple[int, int]:
     """(size, my index) of my group of ``role`` on the grid's axes; (1, 0) for a grid without them."""
     grid_groups = getattr(mpu, "groups", None)
-    if grid_groups is None or not grid_groups.axes(role):
-        _dist()
+    if grid_groups is None or not grid_groups.axes(role):  # (answers without torch.distributed too)
         return 1, 0
     return grid_groups.size(role), grid_groups.rank_in(role)
 

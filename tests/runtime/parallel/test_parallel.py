@@ -4,6 +4,8 @@ DeepSpeed's ``groups`` API and the pipeline grid, and no other module creating p
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,11 @@ def test_groups_api_and_checkpointing_answer_from_the_grid() -> None:
         assert r["seq"] == (1, 0) and r["expert"][:2] == (1, 2)
         assert r["errors"] == ["'No sequence parallel group found (this job has no sequence parallelism)'",
                                "'No expert parallel group found (this job has no expert parallelism)'"]
+
+
+def test_the_base_engine_does_not_import_the_pipeline_package() -> None:
+    """(The config's pipeline section reads the schedule registry; the grid comes from here.)"""
+    code = ("import sys, dslaunch.runtime.engine; "
+            "print(sorted(m for m in sys.modules if m.startswith('dslaunch.runtime.pipe.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "['dslaunch.runtime.pipe.schedule']"
