@@ -133,6 +133,11 @@ def _checked_mpu(mpu: Any) -> Any:
     if not dist.is_initialized():
         raise ConfigError("initialize(mpu=...) needs torch.distributed initialised first (the mpu's groups "
                           "live in it): call deepspeed.init_distributed() before building the mpu")
+    from dslaunch.runtime.parallel.dims import mpu_problem
+
+    problem = mpu_problem(mpu, dist.get_world_size())
+    if problem is not None:
+        raise ConfigError(problem)
     return mpu
 
 

@@ -27,7 +27,7 @@ from dslaunch.runtime.engine_setup import build_components
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
-from dslaunch.runtime.pipe.topology import DataParallelGrid
+from dslaunch.runtime.parallel.grid import DataParallelGrid
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE

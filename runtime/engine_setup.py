@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.parallel.mpu import counted_in_norm, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.zero.exchange import GradientExchange, build_exchange
 from dslaunch.runtime.zero.offload.swap import SwapSettings
@@ -55,7 +56,7 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     zero_cfg = cfg.zero_optimization
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
         return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
-    groups = _param_groups(module, optimizer, model_parameters)
+    groups = _param_groups(module, optimizer, model_parameters, tensor_axis(grid, "rank"))
     if optimizer is None:  # Muon: its matrices and the AdamW rest in separate groups
         from dslaunch.runtime.optim.registry import split_groups
 
@@ -124,7 +125,8 @@ def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, tr
                        _dataloader(cfg, training_data, collate_fn, grid))
 
 
-def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any) -> list[GroupSpec]:
+def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any,
+                  tensor_rank: int = 0) -> list[GroupSpec]:
     names = {id(p): n for n, p in module.named_parameters()}
     if isinstance(optimizer, torch.optim.Optimizer):
         raw = optimizer.param_groups
@@ -142,8 +144,9 @@ def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any
             raise ConfigError(f"param group {i} holds {len(missing)} tensor(s) that are not parameters "
                               "of the model passed to initialize()")
         if params:
+            skipped = tuple(j for j, p in enumerate(params) if not counted_in_norm(p, tensor_rank))
             groups.append(GroupSpec(params, [names[id(p)] for p in params],
-                                    {k: v for k, v in g.items() if k != "params"}))
+                                    {k: v for k, v in g.items() if k != "params"}, skipped))
     if not groups:
         raise ConfigError("the model has no trainable parameters (requires_grad=True)")
     return groups
@@ -151,7 +154,8 @@ def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any
 
 def _subgroup(group: GroupSpec, indices: list[int], use_muon: bool) -> GroupSpec:
     return GroupSpec([group.params[i] for i in indices], [group.names[i] for i in indices],
-                     {**group.hparams, "use_muon": use_muon})
+                     {**group.hparams, "use_muon": use_muon},
+                     tuple(k for k, i in enumerate(indices) if i in group.norm_skipped))
 
 
 def _client_wins(section: Any, key: str) -> None:

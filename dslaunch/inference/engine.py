@@ -37,6 +37,9 @@ from dslaunch.inference.layers import (
 from dslaunch.inference.loading import ModuleSource, WeightSource, has_meta, open_checkpoint
 from dslaunch.inference.shm_allreduce import ShmAllReduce, same_host
 from dslaunch.runtime.heartbeat import waiting
+from dslaunch.runtime.parallel.dims import ParallelDims
+from dslaunch.runtime.parallel.groups import ParallelGroups
+from dslaunch.runtime.parallel.mpu import tensor_axis
 
 __all__ = ["init_inference", "InferenceEngine"]
 
@@ -49,22 +52,18 @@ def _tp_group(config: DeepSpeedInferenceConfig) -> Any:
     if tp.tp_group is not None:
         return tp.tp_group
     if tp.mpu is not None:
-        get = getattr(tp.mpu, "get_tensor_model_parallel_group", None) or tp.mpu.get_model_parallel_group
-        return get()
+        return tensor_axis(tp.mpu, "group")
     if tp.tp_size == 1:
         return None
     if not dist.is_initialized():
         comm.init_distributed()
     world = dist.get_world_size()
-    if world == tp.tp_size:
-        return dist.group.WORLD
-    if world % tp.tp_size:
-        raise UsageError(f"tensor_parallel.tp_size={tp.tp_size} does not divide the world size {world}")
-    from dslaunch.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
-
-    grid = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp.tp_size,
-                                                              num_dp=world // tp.tp_size))
-    return grid.get_slice_parallel_group()  # the model axis: ranks that share each layer
+    dims = ParallelDims(tensor=tp.tp_size, keys=(("tensor", "tensor_parallel.tp_size"),))
+    problem = dims.problem(world)
+    if problem is not None:
+        raise UsageError(problem)
+    # the ranks that share each layer (the world itself when tp_size is the world)
+    return ParallelGroups(dims.topology(world), dist.get_rank()).group("tensor")
 
 
 Gather = Callable[[torch.Tensor, list[int]], torch.Tensor]

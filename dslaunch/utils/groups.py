@@ -5,12 +5,18 @@ They come from ``mpu``, the grid of the last engine built (``initialize(mpu=...)
 one every rank is a data-parallel peer in the world group (DeepSpeed returns a clone of the world
 group; the world itself here: the same ranks, one communicator less), model and tensor sizes are
 1 and their ranks 0, and asking for their group raises ``KeyError`` as DeepSpeed does when no such
-group was set up. Sequence and expert parallelism do not exist in dslaunch (sizes 1).
+group was set up. Sequence and expert axes come from the grid's ``runtime.parallel`` groups (a
+dslaunch grid); no configuration enables them yet, so their sizes are 1, the sequence and expert
+groups raise ``KeyError`` and the expert-data group is the data-parallel group (DeepSpeed's answers
+without sequence or expert parallelism). The tensor group is looked up in the one order of
+``runtime.parallel.mpu``.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from dslaunch.runtime.parallel.mpu import tensor_axis
 
 __all__ = [
     "get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank",
@@ -66,10 +72,7 @@ def _model(what: str, tensor: bool = False) -> Any:
             raise KeyError(f"No {'tensor' if tensor else 'model'} parallel group found (no mpu: this job "
                            "runs data parallel only)")
         return 1 if what == "world_size" else 0
-    for name in ((f"get_tensor_model_parallel_{what}", f"get_slice_parallel_{what}") if tensor else ()):
-        if callable(getattr(mpu, name, None)):
-            return getattr(mpu, name)()
-    return getattr(mpu, f"get_model_parallel_{what}")()
+    return tensor_axis(mpu, what) if tensor else getattr(mpu, f"get_model_parallel_{what}")()
 
 
 def get_model_parallel_group() -> Any:
@@ -96,28 +99,61 @@ def get_tensor_model_parallel_rank() -> int:
     return _model("rank", tensor=True)
 
 
-def _one() -> int:
-    return 1
+def _axis(role: str) -> tuple[int, int]:
+    """(size, my index) of my group of ``role`` on the grid's axes; (1, 0) for a grid without them."""
+    grid_groups = getattr(mpu, "groups", None)
+    if grid_groups is None or not grid_groups.axes(role):  # (answers without torch.distributed too)
+        return 1, 0
+    return grid_groups.size(role), grid_groups.rank_in(role)
 
 
-def _zero() -> int:
-    return 0
+def _axis_group(role: str, kind: str) -> Any:
+    if _axis(role)[0] == 1:
+        raise KeyError(f"No {kind} parallel group found (this job has no {kind} parallelism)")
+    return mpu.groups.group(role)
 
 
-def _no_group(kind: str) -> Any:
-    def get() -> Any:
-        raise KeyError(f"No {kind} parallel group found (dslaunch has no {kind} parallelism)")
+def _get_sequence_parallel_world_size() -> int:
+    return _axis("sequence")[0]
 
-    get.__name__ = f"_get_{kind}_parallel_group"
-    return get
+
+def _get_sequence_parallel_rank() -> int:
+    return _axis("sequence")[1]
+
+
+def _get_sequence_parallel_group() -> Any:
+    return _axis_group("sequence", "sequence")
+
+
+def _get_expert_parallel_world_size(group_name: str | None = None) -> int:
+    return _axis("expert")[0]
+
+
+def _get_expert_parallel_rank(group_name: str | None = None) -> int:
+    return _axis("expert")[1]
+
+
+def _get_expert_parallel_group(group_name: str | None = None) -> Any:
+    return _axis_group("expert", "expert")
+
+
+def _get_expert_data_parallel_world_size(group_name: str | None = None) -> int:
+    return _get_data_parallel_world_size() // _get_expert_parallel_world_size()
+
+
+def _get_expert_data_parallel_rank(group_name: str | None = None) -> int:
+    return _get_data_parallel_rank() // _get_expert_parallel_world_size()
+
+
+def _get_expert_data_parallel_group(group_name: str | None = None) -> Any:
+    """The data ranks that hold the same experts: the data-parallel group without expert parallelism."""
+    return mpu.groups.group("expert_data") if _axis("expert")[0] > 1 else _get_data_parallel_group()
 
 
 _get_model_parallel_world_size = get_model_parallel_world_size
 _get_model_parallel_rank = get_model_parallel_rank
 _get_model_parallel_group = get_model_parallel_group
-_get_sequence_parallel_world_size = _get_expert_model_parallel_world_size = _one
-_get_sequence_parallel_rank = _zero
-_get_sequence_parallel_group = _no_group("sequence")
+_get_expert_model_parallel_world_size = _get_expert_parallel_world_size
 _get_sequence_data_parallel_world_size = _get_data_parallel_world_size
 _get_sequence_data_parallel_rank = _get_data_parallel_rank
 _get_sequence_data_parallel_group = _get_data_parallel_group

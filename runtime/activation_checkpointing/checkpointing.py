@@ -57,6 +57,7 @@ from dslaunch.runtime.config.activation import (
     parse_activation_checkpointing,
 )
 from dslaunch.runtime.config.param_schema import boolean, choice, integer
+from dslaunch.runtime.parallel.mpu import tensor_axis
 
 __all__ = ["configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset", "set_num_layers",
            "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed",
@@ -217,13 +218,11 @@ def model_parallel_reconfigure_tp_seed(seed: int) -> None:
         get_accelerator().manual_seed(tp_seed)
 
 
-def _mp_ask(mpu: Any, what: str) -> Any:
-    # DeepSpeed's order: the tensor-parallel group where the mpu has one (Megatron, a grid's slices)
-    for name in (f"get_tensor_model_parallel_{what}", f"get_slice_parallel_{what}", f"get_model_parallel_{what}"):
-        if callable(getattr(mpu, name, None)):
-            return getattr(mpu, name)()
-    raise UsageError(f"deepspeed.checkpointing: the mpu {type(mpu).__name__} has no "
-                     f"get_model_parallel_{what}()")
+def _mp_ask(mpu: Any, what: Any) -> Any:
+    try:
+        return tensor_axis(mpu, what)
+    except AttributeError as err:
+        raise UsageError(f"deepspeed.checkpointing: {err}") from None
 
 
 def _mp_rank(mpu: Any) -> int:

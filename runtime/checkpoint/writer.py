@@ -16,7 +16,6 @@ node-local storage.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 from collections import OrderedDict
@@ -31,6 +30,7 @@ from dslaunch.runtime.checkpoint.leftovers import SAVE_TIMEOUT_S
 from dslaunch.runtime.checkpoint.publish import LeaderSave
 from dslaunch.runtime.checkpoint.store import CheckpointStore, FileRecord, Manifest
 from dslaunch.runtime.heartbeat import waiting
+from dslaunch.runtime.parallel.groups import dedicated_world_group
 
 __all__ = ["Comm", "LocalComm", "GroupComm", "TagWrite", "write_tag", "Snapshot", "AsyncWriter"]
 
@@ -63,8 +63,7 @@ class GroupComm:
         import torch.distributed as dist
 
         self._dist = dist
-        # collective: every rank creates the group in the same order.
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = dedicated_world_group("gloo", timeout_s)  # collective: every rank
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -26,7 +26,10 @@ from typing import Any
 import torch
 
 from dslaunch.errors import UsageError, quote
-from dslaunch.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
+from dslaunch.runtime.parallel.dims import ParallelDims
+from dslaunch.runtime.parallel.grid import PipelineParallelGrid
+from dslaunch.runtime.parallel.groups import new_groups
+from dslaunch.runtime.parallel.topology import ProcessTopology
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "partition_uniform", "partition_balanced"]
 
@@ -238,10 +241,8 @@ class PipelineModule(torch.nn.Module):
     def _tie_groups(self) -> dict[str, dict[str, Any]]:
         """For each tie key held by more than one stage: the group of those stages in my replica.
 
-        Every rank creates every group (``new_group`` is collective over the world), in key order.
+        Every rank creates every group (collective over the world), in key order.
         """
-        import torch.distributed as dist
-
         stages: dict[str, list[int]] = {}
         for idx, layer in enumerate(self._layer_specs):
             if isinstance(layer, TiedLayerSpec):
@@ -253,18 +254,25 @@ class PipelineModule(torch.nn.Module):
         for key in sorted(stages):
             if len(stages[key]) < 2:
                 continue
-            for d in range(data):
-                ranks = [self._grid.stage_to_global(s, data=d) for s in stages[key]]
-                group = dist.new_group(ranks=ranks)
-                if self.global_rank in ranks:
-                    spec = next(x for x in self._layer_specs if isinstance(x, TiedLayerSpec) and x.key == key)
-                    comms[key] = {"ranks": ranks, "group": group, "weight_attr": spec.tied_weight_attr}
+            lists = [[self._grid.stage_to_global(s, data=d) for s in stages[key]] for d in range(data)]
+            group, ranks = new_groups(lists, self.global_rank)
+            if group is not None:
+                spec = next(x for x in self._layer_specs if isinstance(x, TiedLayerSpec) and x.key == key)
+                comms[key] = {"ranks": ranks, "group": group, "weight_attr": spec.tied_weight_attr}
+        for key, tie in comms.items():
+            # the summed gradient counts once in the global norm: on the tie's lowest rank
+            # (DeepSpeed's attribute, which the ZeRO param groups read)
+            for weight in self._tied_weights_of(key, tie):
+                weight.ds_pipe_replicated = self.global_rank != min(tie["ranks"])
         return comms
 
     def _tied_weights(self, key: str) -> list[torch.nn.Parameter]:
+        return self._tied_weights_of(key, self.tied_comms[key])
+
+    def _tied_weights_of(self, key: str, tie: dict[str, Any]) -> list[torch.nn.Parameter]:
         module = self.tied_modules[key]
         weights = []
-        for path in self.tied_comms[key]["weight_attr"]:
+        for path in tie["weight_attr"]:
             obj = module
             for part in path.split("."):
                 obj = getattr(obj, part)
@@ -367,9 +375,11 @@ def _topology(num_stages: int | None, topology: ProcessTopology | None) -> Proce
     if not dist.is_initialized():
         raise UsageError("PipelineModule needs torch.distributed: call deepspeed.init_distributed() first")
     world = dist.get_world_size()
-    if num_stages < 1 or world % num_stages:
-        raise UsageError(f"PipelineModule: num_stages={num_stages} must divide the world size {world}")
-    return PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+    dims = ParallelDims(pipe=num_stages, keys=(("pipe", "num_stages"),))
+    problem = dims.problem(world)
+    if problem is not None:
+        raise UsageError(f"PipelineModule: {problem}")
+    return dims.topology(world)
 
 
 class _TiedCall:

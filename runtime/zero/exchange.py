@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dslaunch import comm
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.zero.partition import GroupLayout
 
 __all__ = ["GradientExchange", "FlatAllReduce", "HierarchicalAllReduce", "CompressedExchange",
@@ -117,15 +118,9 @@ class HierarchicalAllReduce(GradientExchange):
     def __init__(self, layout: NodeLayout, process_group: Any = None):
         super().__init__(process_group)
         me = dist.get_rank()
-        self.node_group: Any = None
-        self.leader = -1
-        for members in layout.nodes:  # every rank creates every group (torch's rule)
-            group = dist.new_group(members)
-            if me in members:
-                self.node_group, self.leader = group, members[0]
-        leaders = [members[0] for members in layout.nodes]
-        cross = dist.new_group(leaders)
-        self.cross_group = cross if me in leaders else None
+        self.node_group, members = new_groups(layout.nodes, me)
+        self.leader = members[0]
+        self.cross_group = new_groups([[members[0] for members in layout.nodes]], me)[0]
 
     def all_reduce(self, buf: torch.Tensor) -> Any:
         comm.reduce(buf, dst=self.leader, group=self.node_group)

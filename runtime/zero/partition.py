@@ -65,6 +65,23 @@ class GroupLayout:
     def param_range(self, i: int) -> tuple[int, int]:
         return self.offsets[i], self.offsets[i] + math.prod(self.shapes[i])
 
+    def counted_pieces(self, skipped: Sequence[int]) -> list[tuple[int, int]] | None:
+        """The pieces of this rank's range [start, end) that count in the global gradient norm,
+        relative to ``start``, leaving out the params ``skipped`` (another rank counts them);
+        None: the whole range counts (no piece to cut, nothing extra per step)."""
+        cut = [(max(a, self.start), min(b, self.end)) for a, b in map(self.param_range, skipped)]
+        cut = sorted((a, b) for a, b in cut if b > a)
+        if not cut:
+            return None
+        pieces, at = [], self.start
+        for a, b in cut:
+            if a > at:
+                pieces.append((at - self.start, a - self.start))
+            at = max(at, b)
+        if self.end > at:
+            pieces.append((at - self.start, self.end - self.start))
+        return pieces
+
     def rank_range(self, rank: int, world_size: int) -> tuple[int, int]:
         """Slot of ``rank`` in the padded buffer (k elements; may extend past numel)."""
         k = self.padded // world_size

@@ -40,11 +40,16 @@ OptimizerFactory = Callable[[list[dict], FlatShards], torch.optim.Optimizer]
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One param group as the engine hands it over: trainable params, their names, hparams."""
+    """One param group as the engine hands it over: trainable params, their names, hparams, and
+    ``norm_skipped``: the indices of params whose gradient another rank counts in the global norm
+    (``runtime.parallel.mpu.counted_in_norm``: a tied weight's copies above the lowest pipeline
+    stage of the tie, a whole parameter on tensor slices other than the first), so that every
+    distinct parameter counts once."""
 
     params: list[torch.nn.Parameter]
     names: list[str]
     hparams: dict
+    norm_skipped: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

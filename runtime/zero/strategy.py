@@ -96,6 +96,9 @@ class ZeroStrategy:
         self.comm = comm
         self.placement = self.placement_type(groups, comm, self.world_size, self.rank, process_group)
         self.groups = self.placement.groups
+        # Per group, the pieces of this rank's gradient shard that count in the global norm (None: all)
+        self._norm_pieces = [g.layout.counted_pieces(spec.norm_skipped) for g, spec in zip(self.groups, groups,
+                                                                                             strict=True)]
         self.publisher = self.placement.publisher  # None when replicated; tests watch its gathers
         # with overlap_comm a forward waits per module for the last publish (publisher.gate)
         self._gated = bool(self.publisher.gate(module)) if self.publisher is not None and module is not None else False
@@ -228,10 +231,15 @@ class ZeroStrategy:
             opt.step()
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """The norm of every distinct parameter's gradient, each counted once: this rank's shards
+        (less the pieces another rank counts) summed over the data group, then over the replica.
+
+        collective: all ranks of the data group and of the model-parallel group."""
         sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)  # CUDA scalars can't add to CPU
-        for t in grads:
-            if t.numel():
-                sq += torch.linalg.vector_norm(t, dtype=torch.float32).double() ** 2
+        for t, pieces in zip(grads, self._norm_pieces, strict=True):
+            for part in ([t] if pieces is None else [t[a:b] for a, b in pieces]):
+                if part.numel():
+                    sq += torch.linalg.vector_norm(part, dtype=torch.float32).double() ** 2
         for reduce in (self.placement.norm_all_reduce, self._model_parallel_sum):
             if reduce is not None:
                 reduce(sq)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from dslaunch import comm
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.heartbeat import wait_all
+from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.zero.exchange import GradientExchange, NodeLayout
 from dslaunch.runtime.zero.partition import partition_range, shard_slot
 from dslaunch.runtime.zero.quantize import GRADIENTS, WEIGHTS, BlockQuant
@@ -80,20 +81,11 @@ class NodeGroups:
                               "use 1 (off) or a divisor of the ranks per node", key=key)
         node_index = next(i for i, n in enumerate(nodes) if me in n)
         local = nodes[node_index].index(me)
-        node_group = cross_group = secondary_group = None
-        for i, n in enumerate(nodes):
-            g = dist.new_group(list(n))
-            node_group = g if i == node_index else node_group
-        for j in range(len(nodes[0])):
-            g = dist.new_group([n[j] for n in nodes])
-            cross_group = g if j == local else cross_group
-        secondary = (me,)
-        for n in nodes:
-            for c in range(0, len(n), secondary_size):
-                chunk = n[c:c + secondary_size]
-                g = dist.new_group(list(chunk)) if secondary_size > 1 else None
-                if me in chunk:
-                    secondary, secondary_group = chunk, g
+        node_group = new_groups(nodes, me)[0]
+        cross_group = new_groups([[n[j] for n in nodes] for j in range(len(nodes[0]))], me)[0]
+        chunks = [n[c:c + secondary_size] for n in nodes for c in range(0, len(n), secondary_size)]
+        secondary = next(chunk for chunk in chunks if me in chunk)
+        secondary_group = new_groups(chunks, me)[0] if secondary_size > 1 else None
         return cls(tuple(nodes), node_index, local, node_group, cross_group, secondary, secondary_group)
 
 

@@ -1,6 +1,9 @@
 """``TiedLayerSpec``: an input projection reused (through its weight) as the output projection on
 another stage; the copies start equal and their gradients are summed, so training matches one
-process where the two uses share one module. 2 stages x 2 replicas, ZeRO-1 on the data axis."""
+process where the two uses share one module. 2 stages x 2 replicas, ZeRO-1 on the data axis.
+
+With clipping on, the global gradient norm counts the tie once (as the one process does), so the
+clip factor and the weights are the one process's too."""
 
 from __future__ import annotations
 
@@ -27,15 +30,17 @@ def _specs() -> list:
             LayerSpec(torch.nn.Tanh), TiedLayerSpec("proj", torch.nn.Linear, w, w, forward_fn=_out_proj)]
 
 
-def _reference() -> tuple[list[float], list]:
+def _reference(steps: int = STEPS, adam: bool = False, clip: float = 0.0) -> tuple[list[float], list, list[float]]:
+    """Losses, final [tied, middle] weights and the gradient norm of every step in one process."""
     specs, mods = _specs(), []
     for idx, spec in enumerate(specs):
         torch.manual_seed(SEED + idx)
         mods.append(spec.build())
     mods[4] = mods[0]  # one module, two uses
-    opt = torch.optim.SGD(torch.nn.ModuleList(mods[:4]).parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
+    params = list(torch.nn.ModuleList(mods[:4]).parameters())
+    opt = torch.optim.Adam(params, lr=LR) if adam else torch.optim.SGD(params, lr=LR)
+    losses, norms = [], []
+    for step in range(steps):
         opt.zero_grad()
         per = []
         for x, y in helpers.micro_batches(step, GAS * 2):
@@ -45,12 +50,14 @@ def _reference() -> tuple[list[float], list]:
             per.append(helpers.loss_fn(_out_proj(mods[0], h), y))
         loss = torch.stack(per).mean()
         loss.backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
         opt.step()
         losses.append(loss.item())
-    return losses, [mods[0].weight.detach().tolist(), mods[2].weight.detach().tolist()]
+    return losses, [mods[0].weight.detach().tolist(), mods[2].weight.detach().tolist()], norms
 
 
-def _train(rank: int, world: int, virtual: int) -> dict:
+def _train(rank: int, world: int, virtual: int, steps: int = STEPS, adam: bool = False, clip: float = 0.0) -> dict:
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
@@ -58,12 +65,18 @@ def _train(rank: int, world: int, virtual: int) -> dict:
     module = PipelineModule(_specs(), num_stages=2, loss_fn=helpers.loss_fn, seed_layers=True, base_seed=SEED,
                             partition_method="uniform", virtual_stages=virtual)
     schedule = "interleaved" if virtual > 1 else "1f1b"
-    cfg = helpers.config(GAS, LR, zero_optimization={"stage": 1}, pipeline={"schedule": schedule})
+    cfg = helpers.config(GAS, LR, zero_optimization={"stage": 1}, pipeline={"schedule": schedule},
+                         gradient_clipping=clip)
+    if adam:
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": LR}}
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
-    data = helpers.replica_iter(STEPS, GAS, 2, engine.grid.get_data_parallel_rank())
-    losses = [engine.train_batch(data).item() for _ in range(STEPS)]
+    data = helpers.replica_iter(steps, GAS, 2, engine.grid.get_data_parallel_rank())
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(engine.train_batch(data).item())
+        norms.append(engine.get_global_grad_norm())
     middle = module._modules.get("2")
-    return {"losses": losses, "tied": module.tied_modules["proj"].weight.detach().tolist(),
+    return {"losses": losses, "norms": norms, "tied": module.tied_modules["proj"].weight.detach().tolist(),
             "middle": middle.weight.detach().tolist() if middle is not None else None,
             "tie_ranks": [comm["ranks"] for comm in module.tied_comms.values()]}
 
@@ -71,7 +84,7 @@ def _train(rank: int, world: int, virtual: int) -> dict:
 @pytest.mark.parametrize("virtual", [1, 2])
 def test_tied_weights_train_as_one_module(virtual: int) -> None:
     """virtual 2: parts [proj, tanh] [linear] [tanh] [out proj], rank 0 holding the 1st and 3rd."""
-    want_losses, (want_tied, want_middle) = _reference()
+    want_losses, (want_tied, want_middle), _ = _reference()
     got = run_world(_train, 4, virtual, timeout=140)
     for rank, r in enumerate(got):
         assert r["tie_ranks"] == [[rank % 2, rank % 2 + 2]]  # the stages of one replica
@@ -80,3 +93,18 @@ def test_tied_weights_train_as_one_module(virtual: int) -> None:
         torch.testing.assert_close(torch.tensor(r["tied"]), torch.tensor(want_tied), rtol=0, atol=2e-5)
     for r in got[:2] if virtual == 1 else got[2:]:  # layer 2: stage 0 (uniform: 3 + 2) or stage 1's 1st part
         torch.testing.assert_close(torch.tensor(r["middle"]), torch.tensor(want_middle), rtol=0, atol=2e-5)
+
+
+def test_tied_weights_clip_as_one_module() -> None:
+    """Adam, clipping at 0.05 (every step clips): each rank's global norm is the one process's, so
+    the clip factor is too, and the weights stay within 1e-6 (3.6e-5 apart when the tie counted twice)."""
+    steps, clip = 5, 0.05
+    want_losses, (want_tied, want_middle), want_norms = _reference(steps, adam=True, clip=clip)
+    assert min(want_norms) > clip  # the factor clip / (norm + 1e-6) acts at every step
+    got = run_world(_train, 4, 1, steps, True, clip, timeout=140)
+    for r in got:
+        assert r["norms"] == pytest.approx(want_norms, rel=1e-6, abs=0)
+        assert r["losses"] == pytest.approx(want_losses, rel=4e-6, abs=0)
+        torch.testing.assert_close(torch.tensor(r["tied"]), torch.tensor(want_tied), rtol=0, atol=1e-6)
+    for r in got[:2]:
+        torch.testing.assert_close(torch.tensor(r["middle"]), torch.tensor(want_middle), rtol=0, atol=1e-6)

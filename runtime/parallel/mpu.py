@@ -1,0 +1,59 @@
+"""What a Megatron-style mpu answers for the tensor axis (the one lookup order), and which
+parameters this rank counts in the global gradient norm.
+
+An mpu may be Megatron's (``get_tensor_model_parallel_*``), DeepSpeed's pipeline grid
+(``get_slice_parallel_*``: its tensor slices) or an older one with only ``get_model_parallel_*``
+(where model parallel means tensor parallel). DeepSpeed asks in that order; so does every
+dslaunch module that needs the tensor group (activation checkpointing, ``deepspeed.utils.groups``,
+inference), through ``tensor_axis``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+__all__ = ["tensor_axis", "has_tensor_axis", "counted_in_norm"]
+
+What = Literal["group", "rank", "world_size"]
+_ORDER = ("get_tensor_model_parallel_{}", "get_slice_parallel_{}", "get_model_parallel_{}")
+
+
+def _method(mpu: Any, what: What) -> Any:
+    for name in _ORDER:
+        get = getattr(mpu, name.format(what), None)
+        if callable(get):
+            return get
+    return None
+
+
+def has_tensor_axis(mpu: Any, what: What = "group") -> bool:
+    """Whether ``mpu`` answers ``what`` of the tensor axis under any of the three names."""
+    return _method(mpu, what) is not None
+
+
+def tensor_axis(mpu: Any, what: What) -> Any:
+    """The tensor-parallel ``group``, ``rank`` or ``world_size`` of ``mpu``.
+
+    Raises:
+        AttributeError: the mpu has none of the three methods (the caller says what it needed).
+    """
+    get = _method(mpu, what)
+    if get is None:
+        raise AttributeError(f"the mpu {type(mpu).__name__} has no get_model_parallel_{what}()")
+    return get()
+
+
+def counted_in_norm(param: Any, tensor_rank: int) -> bool:
+    """Whether this rank counts ``param``'s gradient in the global norm, so that every distinct
+    parameter counts once over the replica (DeepSpeed's rule):
+
+    - a tied pipeline weight's copy above the tie's lowest stage (``ds_pipe_replicated``) does not:
+      the lowest stage counts the summed gradient;
+    - a parameter every tensor slice holds whole (a layer norm) counts on tensor rank 0 only; a
+      tensor-parallel shard (``tensor_model_parallel`` or ``model_parallel`` set, as Megatron
+      marks them) counts on every slice, the shards summing to the whole.
+    """
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    sharded = getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False)
+    return tensor_rank == 0 or bool(sharded)
