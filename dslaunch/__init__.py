@@ -12,6 +12,9 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+# DeepSpeed's build facts, which version checks read (``deepspeed.__git_hash__``)
+__git_hash__ = "unknown"
+__git_branch__ = "unknown"
 
 # name -> module that defines it; imported on first access.
 _LAZY = {
@@ -23,13 +26,14 @@ _LAZY = {
     "init_inference": "dslaunch.inference.engine",
     "InferenceEngine": "dslaunch.inference.engine",
     "DslaunchError": "dslaunch.errors",
+    "DeepSpeedConfigError": "dslaunch.errors",
 }
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
-_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "inference", "launcher", "module_inject",
-                "monitor", "pipe", "profiling", "runtime", "utils", "zero")
+_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "elasticity", "inference", "launcher", "module_inject",
+                "monitor", "moe", "ops", "pipe", "profiling", "runtime", "utils", "zero")
 
-__all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
+__all__ = ["__version__", "__git_hash__", "__git_branch__", *_LAZY, *_SUBPACKAGES]
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,8 @@ __all__ = [
     "WorkerFailedError",
     "PipelineStageError",
     "CheckpointError",
+    "TagMismatchError",
+    "DeepSpeedConfigError",
     "did_you_mean",
     "quote",
     "shorten",
@@ -71,6 +73,9 @@ class ConfigError(DslaunchError):
         prefix = f"{shorten(source, 300)}: " if source else ""
         prefix += f"'{shorten(key, 120)}': " if key else ""
         super().__init__(f"{prefix}{message}")
+
+
+DeepSpeedConfigError = ConfigError  # DeepSpeed's name (``deepspeed.DeepSpeedConfigError``)
 
 
 class LaunchError(DslaunchError):
@@ -120,6 +125,11 @@ class CheckpointError(DslaunchError):
     def __init__(self, message: str, path: str | None = None):
         self.path = path
         super().__init__(f"{path}: {message}" if path else message)
+
+
+class TagMismatchError(CheckpointError, AssertionError):
+    """Ranks asked to save under different tags with ``checkpoint.tag_validation`` "Fail". Also an
+    ``AssertionError``: what DeepSpeed raises there, so scripts that catch it keep working."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

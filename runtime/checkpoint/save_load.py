@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import dslaunch
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointError, TagMismatchError
 from dslaunch.runtime.checkpoint.checkpointer import (
     MODULE_FILE,
     Checkpointer,
@@ -97,7 +97,7 @@ def _agreed_tag(ck: Checkpointer, tag: str, policy: str) -> str:
         return tag
     msg = f"checkpoint tags differ across ranks: {dict(enumerate(tags))}"
     if policy == "Fail":
-        raise CheckpointError(msg + " (checkpoint.tag_validation is Fail)")
+        raise TagMismatchError(msg + " (checkpoint.tag_validation is Fail)")
     if ck.comm.rank == 0:
         log.warning("%s; every rank saves under rank 0's tag %r", msg, tags[0])
     return tags[0]

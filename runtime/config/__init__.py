@@ -19,5 +19,10 @@ from dslaunch.runtime.config.sections import (
     ZeroConfig,
 )
 
-__all__ = ["DeepSpeedConfig", "load_config", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
+# DeepSpeed's names of the optimizer types (``optimizer.type``, any case)
+ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
+LION_OPTIMIZER, MUON_OPTIMIZER = "lion", "muon"
+
+__all__ = ["ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "LION_OPTIMIZER",
+           "MUON_OPTIMIZER", "DeepSpeedConfig", "load_config", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection", "OptimizerSection"]

@@ -50,6 +50,7 @@ from dslaunch.runtime.config.sections import (
     OptimizerSection,
     TypedSection,
     ZeroConfig,
+    legacy_zero_forms,
     optional,
     parse_section,
     reject_unimplemented,
@@ -109,9 +110,36 @@ _SCALARS = {
 }
 
 
+def _data_parallel_size(mpu: Any) -> int:
+    """DeepSpeed's world for the batch triad: the model-parallel unit's data-parallel ranks, else
+    the process group's, else 1 (no group yet)."""
+    if mpu is not None:
+        return int(mpu.get_data_parallel_world_size())
+    import torch.distributed as dist  # only this constructor form needs torch
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class _ConfigType(type):
+    """Lets ``DeepSpeedConfig`` also be called as DeepSpeed's class is: ``DeepSpeedConfig(config,
+    mpu=None, mesh_device=None)`` with a dict or a path parses it (``load_config``) for the
+    data-parallel world of ``mpu`` or of the process group."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        source = args[0] if args else kwargs.get("config")
+        if isinstance(source, _SOURCE_TYPES) and len(args) <= 3 and set(kwargs) <= {"config", "mpu", "mesh_device"}:
+            mpu = args[1] if len(args) > 1 else kwargs.get("mpu")
+            return load_config(source, _data_parallel_size(mpu))
+        return super().__call__(*args, **kwargs)
+
+
 @dataclass(frozen=True)
-class DeepSpeedConfig:
-    """The whole validated ds_config; batch sizes are resolved for ``world_size``."""
+class DeepSpeedConfig(metaclass=_ConfigType):
+    """The whole validated ds_config; batch sizes are resolved for ``world_size``.
+
+    ``DeepSpeedConfig(config_dict_or_path, mpu=None)`` parses a config as DeepSpeed's class does;
+    the fields are the parsed values (``load_config``).
+    """
 
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
@@ -243,7 +271,8 @@ def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:
     """DeepSpeed's older spellings, still in its docs, in today's form (a copy; ``given`` is kept).
 
     ``bfloat16`` is ``bf16``; ``"zero_optimization": true`` is stage 1 (false: stage 0), with the
-    top-level ``allgather_size`` as its ``allgather_bucket_size``.
+    top-level ``allgather_size`` as its ``allgather_bucket_size``; ``zero_optimization.cpu_offload``
+    and ``cpu_offload_param`` are the offload sections (``legacy_zero_forms``).
     """
     raw = dict(given)
     if "bfloat16" in raw:
@@ -255,6 +284,8 @@ def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:
         if "allgather_size" in raw:
             zero["allgather_bucket_size"] = raw.pop("allgather_size")
         raw["zero_optimization"] = zero
+    if isinstance(raw.get("zero_optimization"), Mapping):
+        raw["zero_optimization"] = legacy_zero_forms(raw["zero_optimization"])
     return raw
 
 
