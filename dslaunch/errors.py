@@ -64,8 +64,10 @@ def _where(path: str | None, line: int | None) -> str:
     return f"{path}:{line}: " if path and line else (f"{path}: " if path else "")
 
 
-class ConfigError(DslaunchError):
-    """A ds_config value is invalid. Names the key path, e.g. ``zero_optimization.stage``."""
+class ConfigError(DslaunchError, ValueError):
+    """A ds_config value is invalid. Names the key path, e.g. ``zero_optimization.stage``.
+
+    Also a ``ValueError``: what DeepSpeed raises for a bad value, so callers that catch it keep working."""
 
     def __init__(self, message: str, key: str | None = None, source: str | None = None):
         self.key, self.source = key, source

@@ -146,3 +146,36 @@ def test_the_deepspeed_command_passes_quoted_user_args(tmp_path) -> None:
                           "--prompt", prompt], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
     assert repr(["--local_rank=0", "--prompt", prompt]) in out.stdout, out.stdout + out.stderr
+
+
+def test_prime_factors_refuse_what_has_none() -> None:
+    from dslaunch.runtime.pipe.topology import _prime_factors
+
+    assert _prime_factors(12) == [2, 2, 3] and _prime_factors(1) == []
+    with pytest.raises(ValueError):
+        _prime_factors(0)
+
+
+def test_runtime_utils_seed_and_memory_line(caplog) -> None:
+    import logging
+
+    from dslaunch.runtime.utils import see_memory_usage, set_random_seed
+
+    set_random_seed(3)
+    a = torch.rand(3)
+    set_random_seed(3)
+    assert torch.equal(a, torch.rand(3))
+    with caplog.at_level(logging.INFO, logger="dslaunch"):
+        see_memory_usage("before", force=False)
+        see_memory_usage("after init", force=True)
+    assert [r.getMessage().split(" |")[0] for r in caplog.records] == ["after init"]
+    assert "host peak" in caplog.records[0].getMessage()
+
+
+def test_config_errors_are_value_errors() -> None:
+    from dslaunch.errors import ConfigError
+    from dslaunch.runtime.config import load_config
+
+    with pytest.raises(ValueError, match="unknown key"):
+        load_config({"train_batch_size": 2, "nope": 1}, 1)
+    assert issubclass(ConfigError, ValueError)

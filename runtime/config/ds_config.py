@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.errors import ConfigError, did_you_mean, quote
 from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.config.client_forms import client_forms
@@ -78,6 +78,15 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "pipeline": PipelineConfig, "autotuning": AutotuningConfig}
 
 
+def _allreduce_op(path: str, value: Any) -> str:
+    # DeepSpeed reads it case-blind ("SUM" is "sum")
+    op = value.lower() if isinstance(value, str) else value
+    if op not in ("mean", "sum"):
+        raise ConfigError(f"Invalid gradient_allreduce_op {quote(value)}: use \"mean\" (the default: "
+                          "gradients averaged over the data-parallel ranks) or \"sum\"", key=path)
+    return op
+
+
 def _steps_per_print(path: str, value: Any) -> int | None:
     # The one number that may be infinite: accelerate's DeepSpeedPlugin always sets Infinity.
     return None if value == math.inf else integer(1)(path, value)
@@ -99,6 +108,7 @@ _SCALARS = {
     "gradient_clipping": (number(0.0), "a number: max global gradient norm (0 = off)"),
     "prescale_gradients": (boolean, "true or false"),
     "gradient_predivide_factor": (number(0.0, low_open=True), "a number > 0"),
+    "gradient_allreduce_op": (_allreduce_op, "\"mean\" or \"sum\""),
     "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
     # not DeepSpeed's: node-local reduce, cross-node all-reduce, broadcast (runtime/zero/exchange.py)
     "hierarchical_allreduce": (choice("topology", "always", "never"), "topology, always or never"),
@@ -153,6 +163,9 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     at a global norm of 1.0; 0 switches clipping off."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    gradient_allreduce_op: str = "mean"
+    """How data-parallel gradients combine: averaged ("mean", DeepSpeed's default) or summed ("sum":
+    each rank's gradients add up, as if the batch's losses were summed; not at ZeRO stage 3)."""
     communication_data_type: str | None = None
     hierarchical_allreduce: str = "topology"
     """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
@@ -392,6 +405,9 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization
+    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
+        raise ConfigError("'sum' is not supported with ZeRO stage 3 (as in DeepSpeed: its partitioned "
+                          "reduction averages); use \"mean\" or stage 0-2", key="gradient_allreduce_op")
     _check_compressed(cfg)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "

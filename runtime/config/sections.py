@@ -457,7 +457,6 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # precision and numerics
     "amp": _enabled(), "torch_autocast": _enabled(),
     "data_types": Off({"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None}),
-    "gradient_allreduce_op": "mean",  # dslaunch averages: "sum" would be the unimplemented choice
     "fp32_allreduce": False, "disable_allgather": False, "sparse_gradients": False,
     "managed_gradient_accumulation": True,  # dslaunch steps at the accumulation boundary
     # parallelism
