@@ -53,7 +53,7 @@ class MultiNodeRunner(ABC):
     def parse_user_args(self) -> list[str]:
         return self.args.user_args
 
-    def validate_args(self) -> None:
+    def validate_args(self) -> None:  # noqa: B027 (optional hook, as DeepSpeed's)
         """Check ``self.args`` for this backend (nothing by default)."""
 
     @property
