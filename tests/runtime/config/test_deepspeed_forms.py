@@ -74,3 +74,26 @@ def test_bfloat16_block_under_either_name() -> None:
     assert not get_bfloat16_config({}).enabled
     with pytest.raises(ConfigError, match="not both"):
         get_bfloat16_config({"bf16": {}, "bfloat16": {}})
+
+
+def test_config_model_base_class_as_deepspeeds() -> None:
+    pytest.importorskip("pydantic", reason="DeepSpeedConfigModel needs pydantic, which dslaunch does not require")
+    from pydantic import Field, ValidationError
+
+    from dslaunch.runtime.config_utils import DeepSpeedConfigModel
+
+    class Section(DeepSpeedConfigModel):
+        size: int = 0
+        old_names: str | None = Field(None, json_schema_extra={"deprecated": True, "new_param": "names",
+                                                                "new_param_fn": lambda v: [v]})
+        names: list[str] | None = None
+        rate: float = Field(1.0, alias="rate_alias")
+
+    assert Section(old_names="a").names == ["a"]
+    assert Section(rate_alias=2.0).rate == Section(rate=2.0).rate == 2.0
+    assert Section(size="auto").size == 0  # "auto" keeps the default
+    for bad in ({"size": "x"}, {"sise": 1}):
+        with pytest.raises(ValidationError):
+            Section(**bad)
+    with pytest.raises(AssertionError, match="not both"):
+        Section(old_names="a", names=["b"])
