@@ -16,7 +16,7 @@ import functools
 import logging
 from typing import Any
 
-__all__ = ["DeepSpeedConfigModel"]
+__all__ = ["DeepSpeedConfigModel"]  # noqa: F822 (built on first use by __getattr__)
 
 log = logging.getLogger("dslaunch")
 
