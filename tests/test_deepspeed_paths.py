@@ -179,3 +179,21 @@ def test_config_errors_are_value_errors() -> None:
     with pytest.raises(ValueError, match="unknown key"):
         load_config({"train_batch_size": 2, "nope": 1}, 1)
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("in_splits, out_splits", [(1, 1), (2, 3), (5, 5)])
+def test_tiled_linear_matches_the_layer_it_splits(in_splits: int, out_splits: int) -> None:
+    from dslaunch.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(23, 29)
+    tiled = TiledLinear(23, 29, in_splits=in_splits, out_splits=out_splits, init_linear=base)
+    assert [len(row) for row in tiled.linears] == [in_splits] * out_splits
+    assert all((tile.bias is not None) == (i == in_splits - 1) for row in tiled.linears for i, tile in enumerate(row))
+    x = torch.randn(4, 23)
+    assert torch.allclose(tiled(x), base(x), atol=1e-6)
+    out, bias = TiledLinearReturnBias(23, 29, in_splits=in_splits, out_splits=out_splits, init_linear=base)(x)
+    assert torch.allclose(out + bias, base(x), atol=1e-6)
+    for bad in (0, 24):
+        with pytest.raises(RuntimeError, match="in_splits"):
+            TiledLinear(23, 29, in_splits=bad)
