@@ -90,15 +90,16 @@ def wait_for_checkpoint(engine: Any) -> None:
 
 # ---- save ---------------------------------------------------------------------------------------
 def _agreed_tag(ck: Checkpointer, tag: str, policy: str) -> str:
-    if policy == "Ignore":
-        return tag
+    """The one tag every rank saves under: rank 0's. "Fail" refuses tags that differ, "Warn" says
+    so, "Ignore" is silent; none lets ranks write one checkpoint into several directories (a save
+    is collective; DeepSpeed's "Ignore" would, and that checkpoint could not be loaded)."""
     tags = ck.comm.all_gather_object(tag)
     if len(set(tags)) == 1:
         return tag
     msg = f"checkpoint tags differ across ranks: {dict(enumerate(tags))}"
     if policy == "Fail":
         raise TagMismatchError(msg + " (checkpoint.tag_validation is Fail)")
-    if ck.comm.rank == 0:
+    if policy == "Warn" and ck.comm.rank == 0:
         log.warning("%s; every rank saves under rank 0's tag %r", msg, tags[0])
     return tags[0]
 
