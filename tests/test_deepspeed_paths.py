@@ -197,3 +197,17 @@ def test_tiled_linear_matches_the_layer_it_splits(in_splits: int, out_splits: in
     for bad in (0, 24):
         with pytest.raises(RuntimeError, match="in_splits"):
             TiledLinear(23, 29, in_splits=bad)
+
+
+def test_csv_monitor_names_its_settings_as_deepspeed() -> None:
+    from dslaunch.monitor.csv_monitor import csvMonitor
+    from dslaunch.runtime.config import DeepSpeedConfig
+    from dslaunch.runtime.config.monitors import DeepSpeedMonitorConfig
+
+    cfg = DeepSpeedConfig({"train_batch_size": 2, "csv_monitor": {"enabled": True, "output_path": "out/",
+                                                                   "job_name": "j"}})
+    monitor = csvMonitor(cfg.monitor_config.csv_monitor)
+    assert (monitor.enabled, monitor.output_path, monitor.job_name) == (True, "out/", "j")
+    default = csvMonitor(DeepSpeedMonitorConfig().csv_monitor)
+    assert (default.output_path, default.job_name) == (DeepSpeedMonitorConfig().csv_monitor.output_path,
+                                                       DeepSpeedMonitorConfig().csv_monitor.job_name)
