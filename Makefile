@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
-.PHONY: setup compat-venv demo test lint bench stress system-deps gpu-check clean
+.PHONY: setup compat-venv demo test lint bench stress system-deps gpu-check clean conformance
 
 setup: $(STAMP)
 
@@ -27,6 +27,13 @@ compat-venv: $(COMPAT_STAMP)
 # dslaunch is editable there, so only the compat package or this recipe rebuild it (not pyproject.toml).
 $(COMPAT_STAMP): compat/deepspeed/pyproject.toml scripts/compat_venv.sh | $(STAMP)
 	bash scripts/compat_venv.sh $(PY) $(VENV_COMPAT)
+
+# DeepSpeed's own unit tests against real DeepSpeed 0.19.8 and against dslaunch (two venvs under
+# .venv-conformance/, built once); DEEPSPEED_SRC is a DeepSpeed source checkout (its tests/ folder).
+# CONFORMANCE_FLAGS: e.g. --no-distributed (quick), --file unit/...py, --side dslaunch.
+conformance: setup
+	@test -n "$(DEEPSPEED_SRC)" || { echo "make conformance DEEPSPEED_SRC=<DeepSpeed source checkout>"; exit 2; }
+	OMP_NUM_THREADS=1 $(PY) scripts/conformance/run.py --deepspeed-src "$(DEEPSPEED_SRC)" $(CONFORMANCE_FLAGS)
 
 # A real ZeRO-2 training job on localhost with 2 worker processes.
 demo: setup

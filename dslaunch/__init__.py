@@ -12,6 +12,9 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+# DeepSpeed's build facts, which version checks read (``deepspeed.__git_hash__``)
+__git_hash__ = "unknown"
+__git_branch__ = "unknown"
 
 # name -> module that defines it; imported on first access.
 _LAZY = {
@@ -33,6 +36,7 @@ _LAZY = {
     "replace_transformer_layer": "dslaunch.module_inject",
     "revert_transformer_layer": "dslaunch.module_inject",
     "tp_model_init": "dslaunch.runtime.api",
+    "DeepSpeedConfigError": "dslaunch.errors",
 }
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
@@ -40,7 +44,7 @@ _SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "compressi
                 "launcher", "module_inject", "moe", "monitor", "ops", "pipe", "profiling", "runtime", "sequence",
                 "utils", "zero")
 
-__all__ = ["__version__", *_LAZY, *_SUBPACKAGES]
+__all__ = ["__version__", "__git_hash__", "__git_branch__", *_LAZY, *_SUBPACKAGES]
 
 
 def __getattr__(name: str) -> Any:

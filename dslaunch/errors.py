@@ -31,13 +31,14 @@ __all__ = [
     "PipelineStageError",
     "CheckpointError",
     "NotInDslaunchError",
+    "TagMismatchError",
+    "DeepSpeedConfigError",
     "did_you_mean",
     "quote",
     "shorten",
     "name_ranks",
     "install_excepthook",
     "CheckpointArgumentError",
-    "CheckpointTagMismatch",
 ]
 
 
@@ -66,8 +67,10 @@ def _where(path: str | None, line: int | None) -> str:
     return f"{path}:{line}: " if path and line else (f"{path}: " if path else "")
 
 
-class ConfigError(DslaunchError):
-    """A ds_config value is invalid. Names the key path, e.g. ``zero_optimization.stage``."""
+class ConfigError(DslaunchError, ValueError):
+    """A ds_config value is invalid. Names the key path, e.g. ``zero_optimization.stage``.
+
+    Also a ``ValueError``: what DeepSpeed raises for a bad value, so callers that catch it keep working."""
 
     def __init__(self, message: str, key: str | None = None, source: str | None = None):
         self.key, self.source = key, source
@@ -75,6 +78,9 @@ class ConfigError(DslaunchError):
         prefix = f"{shorten(source, 300)}: " if source else ""
         prefix += f"'{shorten(key, 120)}': " if key else ""
         super().__init__(f"{prefix}{message}")
+
+
+DeepSpeedConfigError = ConfigError  # DeepSpeed's name (``deepspeed.DeepSpeedConfigError``)
 
 
 class LaunchError(DslaunchError):
@@ -137,9 +143,9 @@ class CheckpointArgumentError(CheckpointError, ValueError):
     A ``ValueError`` too: DeepSpeed raises that for an empty ``save_dir``, and its tests expect it."""
 
 
-class CheckpointTagMismatch(CheckpointError, AssertionError):
-    """The ranks named different tags under ``checkpoint.tag_validation: Fail``. An
-    ``AssertionError`` too: DeepSpeed asserts there, and its tests expect that type."""
+class TagMismatchError(CheckpointError, AssertionError):
+    """Ranks asked to save under different tags with ``checkpoint.tag_validation`` "Fail". Also an
+    ``AssertionError``: what DeepSpeed raises there, so scripts that catch it keep working."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

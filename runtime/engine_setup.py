@@ -66,6 +66,7 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         overlap_comm=zero_cfg.overlap_comm, comm_dtype=precision.comm_dtype,
                         prescale_gradients=cfg.prescale_gradients,
                         gradient_predivide_factor=cfg.gradient_predivide_factor,
+                        average=cfg.gradient_allreduce_op == "mean",
                         # ratio 0 keeps the whole optimizer on the device: no offload at all
                         offload_optimizer=zero_cfg.offload_optimizer.enabled and zero_cfg.offload_optimizer.ratio > 0,
                         offload_ratio=zero_cfg.offload_optimizer.ratio,

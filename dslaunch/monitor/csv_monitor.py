@@ -47,6 +47,7 @@ def _keeps(line: str, after: int | None) -> bool:
 class csvMonitor(Monitor):  # noqa: N801 (DeepSpeed's class name)
     def __init__(self, config: CSVConfig):
         super().__init__(config)
+        self.output_path, self.job_name = config.output_path, config.job_name  # DeepSpeed's attributes
         self.log_dir = os.path.join(config.output_path, config.job_name)
         self._after: int | None = None
         self._files: dict[str, tuple[IO[str], Any]] = {}

@@ -6,3 +6,14 @@ Thin facades only: ``adam`` (``DeepSpeedCPUAdam``, ``FusedAdam``), ``adagrad``
 ``normalization`` (``layer_norm``, ``rms_norm``, ``FusedLayerNorm``, ``FusedRMSNorm``) and
 ``bias_gelu`` (``bias_gelu``, ``BiasGeLU``) call the ops of ``dslaunch.kernels`` (Triton on CUDA).
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    # DeepSpeed's op table (``deepspeed.ops.__compatible_ops__``), built on first use
+    if name in ("__compatible_ops__", "__installed_ops__"):
+        from dslaunch.ops.op_builder import compatible_ops
+
+        return compatible_ops()
+    raise AttributeError(f"module 'deepspeed.ops' has no attribute {name!r}")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("beat", "groups", "hostlist", "logging", "ports", "refused", "restart", "timer", "z3_leaf_module",
-               "zero_to_fp32")
+_SUBMODULES = ("beat", "groups", "hostlist", "logging", "numa", "ports", "refused", "restart", "timer", "torch",
+               "z3_leaf_module", "zero_to_fp32")
 
 # name -> module that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
 _NAMES = {

@@ -1,10 +1,12 @@
 """``deepspeed.utils.timer``: DeepSpeed's timer group and its timer names.
 
 ``SynchronizedWallClockTimer`` and ``NoopTimer`` are ``dslaunch.runtime.timers``'; the names are
-DeepSpeed's keys for the engine's phases (Megatron-DeepSpeed imports them for its own timers).
+DeepSpeed's keys for the engine's phases (Megatron-DeepSpeed imports them for its own timers);
+``trim_mean`` is the comms logger's.
 """
 
 from dslaunch.runtime.timers import NoopTimer, SynchronizedWallClockTimer
+from dslaunch.utils.comms_logging import trim_mean
 
 FORWARD_MICRO_TIMER = "fwd_microstep"
 FORWARD_GLOBAL_TIMER = "fwd"
@@ -17,7 +19,7 @@ BACKWARD_REDUCE_GLOBAL_TIMER = "bwd_allreduce"
 STEP_MICRO_TIMER = "step_microstep"
 STEP_GLOBAL_TIMER = "step"
 
-__all__ = ["SynchronizedWallClockTimer", "NoopTimer", "FORWARD_MICRO_TIMER", "FORWARD_GLOBAL_TIMER",
+__all__ = ["SynchronizedWallClockTimer", "NoopTimer", "trim_mean", "FORWARD_MICRO_TIMER", "FORWARD_GLOBAL_TIMER",
            "BACKWARD_MICRO_TIMER", "BACKWARD_GLOBAL_TIMER", "BACKWARD_INNER_MICRO_TIMER",
            "BACKWARD_INNER_GLOBAL_TIMER", "BACKWARD_REDUCE_MICRO_TIMER", "BACKWARD_REDUCE_GLOBAL_TIMER",
            "STEP_MICRO_TIMER", "STEP_GLOBAL_TIMER"]

@@ -79,7 +79,7 @@ def parse_config(argv: list[str],
         launcher_args=ns.launcher_args, module=ns.module, no_python=ns.no_python,
         no_local_rank=ns.no_local_rank, force_multi=ns.force_multi, save_pid=ns.save_pid,
         each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
-        bind_core_list=_core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
+        bind_core_list=core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, grace=ns.grace_period,
         no_ssh=ns.no_ssh, node_rank=ns.node_rank, hang_timeout=ns.hang_timeout, log_dir=ns.log_dir,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
@@ -145,8 +145,12 @@ def restart_policy(ns: argparse.Namespace, requeued_by_slurm: bool = False) -> R
 _CORE_RANGE = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")  # 5 digits: no typo builds a huge list
 
 
-def _core_list(text: str) -> tuple[int, ...]:
-    """'0-3,8' -> (0, 1, 2, 3, 8)."""
+def core_list(text: str) -> tuple[int, ...]:
+    """'0-3,8' -> (0, 1, 2, 3, 8) (``--bind_core_list``; DeepSpeed's ``utils.numa.parse_range_list``).
+
+    Raises:
+        UsageError: a part that is not a core or a range, an empty range, a core listed twice.
+    """
     cores: list[int] = []
     for part in text.split(",") if text else ():
         m = _CORE_RANGE.fullmatch(part.strip())

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import dslaunch
-from dslaunch.errors import CheckpointArgumentError, CheckpointError, CheckpointTagMismatch, name_ranks
+from dslaunch.errors import CheckpointArgumentError, CheckpointError, TagMismatchError, name_ranks
 from dslaunch.runtime.checkpoint.checkpointer import (
     MODULE_FILE,
     Checkpointer,
@@ -91,14 +91,17 @@ def wait_for_checkpoint(engine: Any) -> None:
 
 # ---- save ---------------------------------------------------------------------------------------
 def _agreed_tag(ck: Checkpointer, save_dir: Any, tag: str, policy: str) -> str:
-    """The tag every rank saves under, once every rank's ``save_dir`` and tag are known good.
+    """The one tag every rank saves under, rank 0's, once every rank's ``save_dir`` and tag are
+    known good. "Fail" refuses tags that differ, "Warn" says so, "Ignore" is silent; none lets ranks
+    write one checkpoint into several directories (a save is collective; DeepSpeed's "Ignore" would,
+    and that checkpoint could not be loaded).
 
     One all-gather, always: a rank that refused its arguments alone left the others waiting in
     the save's first collective forever (``save_dir=""``). Every rank raises the same error.
 
     Raises:
         CheckpointArgumentError: a rank's ``save_dir`` or tag is unusable (a ``ValueError``).
-        CheckpointTagMismatch: the tags differ under ``tag_validation`` Fail (an ``AssertionError``).
+        TagMismatchError: the tags differ under ``tag_validation`` Fail (an ``AssertionError``).
     """
     problem = save_dir_problem(save_dir) or tag_problem(tag)
     gathered = ck.comm.all_gather_object((problem, tag))
@@ -106,12 +109,12 @@ def _agreed_tag(ck: Checkpointer, save_dir: Any, tag: str, policy: str) -> str:
         where = "" if len(bad) == len(gathered) else f" (on {name_ranks(bad)})"
         raise CheckpointArgumentError(f"save_checkpoint: {gathered[bad[0]][0]}{where}")
     tags = [t for _, t in gathered]
-    if policy == "Ignore" or len(set(tags)) == 1:
+    if len(set(tags)) == 1:
         return tag
     msg = f"checkpoint tags differ across ranks: {dict(enumerate(tags))}"
     if policy == "Fail":
-        raise CheckpointTagMismatch(msg + " (checkpoint.tag_validation is Fail)")
-    if ck.comm.rank == 0:
+        raise TagMismatchError(msg + " (checkpoint.tag_validation is Fail)")
+    if policy == "Warn" and ck.comm.rank == 0:
         log.warning("%s; every rank saves under rank 0's tag %r", msg, tags[0])
     return tags[0]
 
@@ -130,7 +133,7 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     Raises:
         CheckpointArgumentError: an empty or unusable ``save_dir``, or an invalid tag, on any
             rank (every rank raises it; a ``ValueError`` as in DeepSpeed).
-        CheckpointTagMismatch: tags differ with tag_validation Fail (an ``AssertionError``).
+        TagMismatchError: tags differ with tag_validation Fail (an ``AssertionError``).
         CheckpointError: a rank failed to
             write or the tag could not be published: what the save created is removed and
             ``latest`` still names the previous tag (the message says what is on disk).

@@ -29,8 +29,9 @@ ONEBIT_ADAM_OPTIMIZER = "onebitadam"
 ZERO_ONE_ADAM_OPTIMIZER = "zerooneadam"
 ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
 LION_OPTIMIZER = "lion"
+MUON_OPTIMIZER = "muon"
 
 __all__ = ["DeepSpeedConfig", "load_config", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection", "OptimizerSection", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER",
            "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "ZERO_ONE_ADAM_OPTIMIZER",
-           "ONEBIT_LAMB_OPTIMIZER", "LION_OPTIMIZER"]
+           "ONEBIT_LAMB_OPTIMIZER", "LION_OPTIMIZER", "MUON_OPTIMIZER"]

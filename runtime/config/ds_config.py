@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.errors import ConfigError, did_you_mean, quote
 from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.config.client_forms import client_forms
@@ -50,6 +50,7 @@ from dslaunch.runtime.config.sections import (
     OptimizerSection,
     TypedSection,
     ZeroConfig,
+    legacy_zero_forms,
     optional,
     parse_section,
     reject_unimplemented,
@@ -77,6 +78,15 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "pipeline": PipelineConfig, "autotuning": AutotuningConfig}
 
 
+def _allreduce_op(path: str, value: Any) -> str:
+    # DeepSpeed reads it case-blind ("SUM" is "sum")
+    op = value.lower() if isinstance(value, str) else value
+    if op not in ("mean", "sum"):
+        raise ConfigError(f"Invalid gradient_allreduce_op {quote(value)}: use \"mean\" (the default: "
+                          "gradients averaged over the data-parallel ranks) or \"sum\"", key=path)
+    return op
+
+
 def _steps_per_print(path: str, value: Any) -> int | None:
     # The one number that may be infinite: accelerate's DeepSpeedPlugin always sets Infinity.
     return None if value == math.inf else integer(1)(path, value)
@@ -98,6 +108,7 @@ _SCALARS = {
     "gradient_clipping": (number(0.0), "a number: max global gradient norm (0 = off)"),
     "prescale_gradients": (boolean, "true or false"),
     "gradient_predivide_factor": (number(0.0, low_open=True), "a number > 0"),
+    "gradient_allreduce_op": (_allreduce_op, "\"mean\" or \"sum\""),
     "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
     # not DeepSpeed's: node-local reduce, cross-node all-reduce, broadcast (runtime/zero/exchange.py)
     "hierarchical_allreduce": (choice("topology", "always", "never"), "topology, always or never"),
@@ -109,9 +120,36 @@ _SCALARS = {
 }
 
 
+def _data_parallel_size(mpu: Any) -> int:
+    """DeepSpeed's world for the batch triad: the model-parallel unit's data-parallel ranks, else
+    the process group's, else 1 (no group yet)."""
+    if mpu is not None:
+        return int(mpu.get_data_parallel_world_size())
+    import torch.distributed as dist  # only this constructor form needs torch
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class _ConfigType(type):
+    """Lets ``DeepSpeedConfig`` also be called as DeepSpeed's class is: ``DeepSpeedConfig(config,
+    mpu=None, mesh_device=None)`` with a dict or a path parses it (``load_config``) for the
+    data-parallel world of ``mpu`` or of the process group."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        source = args[0] if args else kwargs.get("config")
+        if isinstance(source, _SOURCE_TYPES) and len(args) <= 3 and set(kwargs) <= {"config", "mpu", "mesh_device"}:
+            mpu = args[1] if len(args) > 1 else kwargs.get("mpu")
+            return load_config(source, _data_parallel_size(mpu))
+        return super().__call__(*args, **kwargs)
+
+
 @dataclass(frozen=True)
-class DeepSpeedConfig:
-    """The whole validated ds_config; batch sizes are resolved for ``world_size``."""
+class DeepSpeedConfig(metaclass=_ConfigType):
+    """The whole validated ds_config; batch sizes are resolved for ``world_size``.
+
+    ``DeepSpeedConfig(config_dict_or_path, mpu=None)`` parses a config as DeepSpeed's class does;
+    the fields are the parsed values (``load_config``).
+    """
 
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
@@ -125,6 +163,9 @@ class DeepSpeedConfig:
     at a global norm of 1.0; 0 switches clipping off."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    gradient_allreduce_op: str = "mean"
+    """How data-parallel gradients combine: averaged ("mean", DeepSpeed's default) or summed ("sum":
+    each rank's gradients add up, as if the batch's losses were summed; not at ZeRO stage 3)."""
     communication_data_type: str | None = None
     hierarchical_allreduce: str = "topology"
     """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
@@ -243,7 +284,8 @@ def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:
     """DeepSpeed's older spellings, still in its docs, in today's form (a copy; ``given`` is kept).
 
     ``bfloat16`` is ``bf16``; ``"zero_optimization": true`` is stage 1 (false: stage 0), with the
-    top-level ``allgather_size`` as its ``allgather_bucket_size``.
+    top-level ``allgather_size`` as its ``allgather_bucket_size``; ``zero_optimization.cpu_offload``
+    and ``cpu_offload_param`` are the offload sections (``legacy_zero_forms``).
     """
     raw = dict(given)
     if "bfloat16" in raw:
@@ -255,6 +297,8 @@ def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:
         if "allgather_size" in raw:
             zero["allgather_bucket_size"] = raw.pop("allgather_size")
         raw["zero_optimization"] = zero
+    if isinstance(raw.get("zero_optimization"), Mapping):
+        raw["zero_optimization"] = legacy_zero_forms(raw["zero_optimization"])
     return raw
 
 
@@ -369,6 +413,9 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization
+    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
+        raise ConfigError("'sum' is not supported with ZeRO stage 3 (as in DeepSpeed: its partitioned "
+                          "reduction averages); use \"mean\" or stage 0-2", key="gradient_allreduce_op")
     _check_compressed(cfg)
     _check_muon(cfg)
     if zero.offload_optimizer.enabled and zero.stage == 0:

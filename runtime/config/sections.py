@@ -30,7 +30,7 @@ from dslaunch.runtime.config.param_schema import (
 )
 from dslaunch.runtime.zero.registry import stage_choices
 
-__all__ = ["parse_section", "ZeroConfig", "OffloadConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
+__all__ = ["parse_section", "legacy_zero_forms", "offload_optimizer_section", "offload_param_section", "ZeroConfig", "OffloadConfig", "Fp16Config", "Bf16Config", "CheckpointConfig",
            "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
            "reject_unimplemented"]
 
@@ -180,6 +180,11 @@ class OffloadConfig:
     def enabled(self) -> bool:
         return self.device != "none"
 
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's summary of the two: any overlap of swaps with the update."""
+        return self.pipeline_read or self.pipeline_write
+
 
 @dataclass(frozen=True)
 class AioConfig:
@@ -208,10 +213,10 @@ def _offload_section(foreign: Mapping[str, str], **defaults: Any) -> Callable[[s
     return check
 
 
-_offload_optimizer = _offload_section({
+offload_optimizer_section = _offload_optimizer = _offload_section({
     "max_in_cpu": "it is an offload_param key (parameter elements kept in host memory with nvme); "
                   "the share of the optimizer state in host memory is offload_optimizer.ratio (stage 3)"})
-_offload_param = _offload_section({
+offload_param_section = _offload_param = _offload_section({
     "ratio": "it is an offload_optimizer key (stage 3); offloaded parameters are all off the device, "
              "and with nvme offload_param.max_in_cpu keeps some in host memory"},
     buffer_count=5)  # DeepSpeed's parameter swapper defaults to 5 buffers, its optimizer swapper to 4
@@ -295,8 +300,33 @@ class ZeroConfig:
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
 
-    UNIMPLEMENTED = {"cpu_offload": False,
-                     "cpu_offload_param": False, "cpu_offload_use_pin_memory": ANY, "zenflow": None,
+    # DeepSpeed's attribute names for the stage-3 settings (its config object has no prefix)
+    @property
+    def param_persistence_threshold(self) -> int:
+        return self.stage3_param_persistence_threshold
+
+    @property
+    def prefetch_bucket_size(self) -> int:
+        return self.stage3_prefetch_bucket_size
+
+    @property
+    def max_live_parameters(self) -> int:
+        return self.stage3_max_live_parameters
+
+    @property
+    def max_reuse_distance(self) -> int:
+        return self.stage3_max_reuse_distance
+
+    @property
+    def gather_16bit_weights_on_model_save(self) -> bool:
+        return self.stage3_gather_16bit_weights_on_model_save
+
+    @property
+    def pipeline_loading_checkpoint(self) -> bool:
+        """Always False: dslaunch loads pipeline checkpoints one way (the key is accepted, unread)."""
+        return False
+
+    UNIMPLEMENTED = {"zenflow": None,
                      "zero_quantized_nontrainable_weights": False,
                      "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
                      "legacy_stage1": False, "enable_sanity_checks": False}
@@ -310,6 +340,31 @@ class ZeroConfig:
         "allgather_sequential", "partition_stream_chunk_size", "zeropp_loco_param", "log_trace_cache_warnings",
         "pipeline_loading_checkpoint", "override_module_apply", "memory_efficient_linear", "leaf_module",
         "save_muon_momentum_buffer_in_memory"))
+
+
+_LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def legacy_zero_forms(section: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's deprecated offload switches in today's form (a copy): ``"cpu_offload": true`` is
+    ``"offload_optimizer": {"device": "cpu"}``, ``"cpu_offload_param": true`` is ``"offload_param":
+    {"device": "cpu"}``, and ``cpu_offload_use_pin_memory`` their ``pin_memory``; false drops them.
+
+    Raises:
+        ConfigError: a switch that is not true or false, or given beside the section it stands for.
+    """
+    raw = dict(section)
+    pin = raw.pop("cpu_offload_use_pin_memory", None)
+    for old, new in _LEGACY_OFFLOAD.items():
+        if old not in raw:
+            continue
+        on = boolean(f"zero_optimization.{old}", raw.pop(old))
+        if on and raw.get(new) is not None:
+            raise ConfigError(f"sets the same thing as 'zero_optimization.{new}' (DeepSpeed's older "
+                              f"spelling); keep '{new}'", key=f"zero_optimization.{old}")
+        if on:
+            raw[new] = {"device": "cpu", **({"pin_memory": pin} if pin is not None else {})}
+    return raw
 
 
 # A scale of 2**64 already overflows any fp16 gradient (max 65504); more only skips more steps
@@ -402,7 +457,6 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # precision and numerics
     "amp": _enabled(), "torch_autocast": _enabled(),
     "data_types": Off({"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None}),
-    "gradient_allreduce_op": "mean",  # dslaunch averages: "sum" would be the unimplemented choice
     "fp32_allreduce": False, "disable_allgather": False, "sparse_gradients": False,
     "managed_gradient_accumulation": True,  # dslaunch steps at the accumulation boundary
     # parallelism

@@ -17,9 +17,13 @@ Step semantics: see the package docstring. Formulas (t = last_batch_iteration, W
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
 
 from dslaunch.errors import ConfigError
 
@@ -44,13 +48,40 @@ def _per_group(value: Any, n_groups: int, name: str) -> list[Any]:
     return [value] * n_groups
 
 
+def _validated(init: Callable[..., None]) -> Callable[..., None]:
+    """Check a schedule's keyword params as ``scheduler.params`` are checked (the registry's
+    schema), so a schedule built in Python refuses what a config would (a zero step size, a
+    negative warmup) with the same one-line ``ConfigError``, before any lr is written."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        if type(self).__init__ is checked:  # not when a subclass's __init__ calls it
+            from dslaunch.runtime.lr_schedules import validate_lr_scheduler
+
+            bound = signature.bind(self, *args, **kwargs)
+            # None where None is the default means "derive it" (warmup_max_lr: the optimizer's lr)
+            given = {k: v for k, v in bound.arguments.items() if k not in ("self", "optimizer")
+                     and not (v is None and signature.parameters[k].default is None)}
+            validate_lr_scheduler(type(self).__name__, given)
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+def _lr_value(lr: Any) -> Any:
+    """A group's lr as a number: a tensor lr is written in place later, so a copy taken from it
+    as a base must not be the tensor itself."""
+    return lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+
+
 class Schedule:
     """Shared mechanics: the iteration counter, writing lrs into the optimizer, state."""
 
     def __init__(self, optimizer: Any, last_batch_iteration: int = -1):
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
-        self._last_lr: list[float] = [group["lr"] for group in self._groups]
+        self._last_lr: list[float] = [_lr_value(group["lr"]) for group in self._groups]
 
     @property
     def _groups(self) -> list[dict[str, Any]]:
@@ -72,7 +103,10 @@ class Schedule:
     def _apply(self) -> None:
         lrs = self.get_lr()
         for group, lr in zip(self._groups, lrs, strict=True):
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # a tensor lr (for compiled steps) stays that tensor
+                group["lr"].copy_(torch.as_tensor(lr, dtype=group["lr"].dtype))
+            else:
+                group["lr"] = lr
         self._last_lr = list(lrs)
 
     def step(self, last_batch_iteration: int | None = None) -> None:
@@ -101,12 +135,13 @@ def _warmup_gamma(t: int, warmup_steps: int, warmup_type: str) -> float:
 class WarmupLR(Schedule):
     """Warm up from warmup_min_lr to warmup_max_lr over warmup_num_steps, then hold."""
 
+    @_validated
     def __init__(self, optimizer: Any, warmup_min_lr: Any = 0.0, warmup_max_lr: Any = None,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
         super().__init__(optimizer, last_batch_iteration)
         n = len(self._groups)
         if warmup_max_lr is None:  # DeepSpeed (0.19): the optimizer's configured lr
-            warmup_max_lr = [group["lr"] for group in self._groups]
+            warmup_max_lr = [_lr_value(group["lr"]) for group in self._groups]
         self.min_lrs = _per_group(warmup_min_lr, n, "warmup_min_lr")
         self.max_lrs = _per_group(warmup_max_lr, n, "warmup_max_lr")
         self.warmup_num_steps = max(2, warmup_num_steps)
@@ -129,6 +164,7 @@ class WarmupLR(Schedule):
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps."""
 
+    @_validated
     def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_lr: Any = 0.0,
                  warmup_max_lr: Any = 0.001, warmup_num_steps: int = 1000, warmup_type: str = "log",
                  last_batch_iteration: int = -1):
@@ -146,6 +182,7 @@ class WarmupDecayLR(WarmupLR):
 class WarmupCosineLR(Schedule):
     """Scale the optimizer's own lr: warm up to ratio 1, then cosine-decay to cos_min_ratio."""
 
+    @_validated
     def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
                  last_batch_iteration: int = -1):
@@ -155,7 +192,7 @@ class WarmupCosineLR(Schedule):
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
         self.warmup_type = warmup_type
-        self.base_lrs = [group["lr"] for group in self._groups]
+        self.base_lrs = [_lr_value(group["lr"]) for group in self._groups]
         self._start()
 
     def get_lr_ratio(self) -> float:
@@ -181,6 +218,7 @@ class OneCycle(Schedule):
     optimizers without betas it is skipped, as in DeepSpeed.
     """
 
+    @_validated
     def __init__(self, optimizer: Any, cycle_min_lr: Any, cycle_max_lr: Any, decay_lr_rate: float = 0.0,
                  cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
                  cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
@@ -266,6 +304,7 @@ class OneCycle(Schedule):
 class LRRangeTest(Schedule):
     """Grow the lr from lr_range_test_min_lr linearly (or in stairs) to find a usable maximum."""
 
+    @_validated
     def __init__(self, optimizer: Any, lr_range_test_min_lr: Any = 1e-3, lr_range_test_step_size: int = 2000,
                  lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False,
                  last_batch_iteration: int = -1):

@@ -150,6 +150,13 @@ def default_topology(world_size: int) -> ProcessTopology:
 
 
 def _prime_factors(n: int) -> list[int]:
+    """[2, 2, 3] for 12 (ascending); [] for 1.
+
+    Raises:
+        ValueError: ``n`` below 1 (it has no factorisation; the loop would return [] silently).
+    """
+    if n < 1:
+        raise ValueError(f"prime factors of {n}: need an integer >= 1")
     factors, p = [], 2
     while n > 1:
         while n % p == 0:

@@ -124,6 +124,19 @@ class PipeSchedule:
         self.micro_batches, self.stages, self.stage_id, self.chunks = micro_batches, stages, stage_id, chunks
         self.is_first_stage, self.is_last_stage = stage_id == 0, stage_id == stages - 1
 
+    # DeepSpeed's names for the same facts (its schedules expose them as properties)
+    @property
+    def stage(self) -> int:
+        return self.stage_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches
+
     def steps(self) -> Iterator[list[PipeInstruction]]:
         raise NotImplementedError
 

@@ -7,6 +7,7 @@ from dslaunch.runtime.parallel.topology import (
     PipeDataParallelTopology,
     PipeModelDataParallelTopology,
     ProcessTopology,
+    _prime_factors,  # noqa: F401 (DeepSpeed's unit tests import it from here)
 )
 
 __all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology",

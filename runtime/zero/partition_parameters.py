@@ -45,7 +45,23 @@ from dslaunch.runtime.zero.params import ZeroParamStatus
 from dslaunch.runtime.zero.partition import partition_range
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor", "OnDevice"]
+           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor", "OnDevice",
+           "MultipleAllGatherHandles", "partitioned_param_data_shape"]
+
+# The shape of a partitioned parameter's ``.data`` outside a gather (``params._placeholder``)
+partitioned_param_data_shape = [0]
+
+
+class MultipleAllGatherHandles:
+    """Several in-flight gathers waited on as one (DeepSpeed's; its ``wait`` passes
+    ``handle_dependency`` on by keyword, whatever each handle's ``wait`` signature)."""
+
+    def __init__(self, handles: list[Any]):
+        self.handles = handles
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
 
 # torch's constructors as they were before any Init, under DeepSpeed's names (transformers compares
 # a constructor with ``_orig_torch_arange`` to tell arange apart)

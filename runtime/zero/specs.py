@@ -62,6 +62,7 @@ class CommSettings:
     comm_dtype: torch.dtype | None = None  # None: the gradient dtype
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    average: bool = True  # gradient_allreduce_op "mean"; False: "sum" (no division by the world)
     # Where state lives between uses (``offload_optimizer``/``offload_param`` with device cpu):
     # the fp32 master and optimizer state / stage 3's parameter shards in host memory.
     offload_optimizer: bool = False
@@ -90,8 +91,9 @@ class CommSettings:
         return 1.0 / self._predivide()
 
     def post_factor(self, world_size: int) -> float:
-        """Multiplies the reduced sum so that, with ``pre_factor``, it becomes the mean."""
-        return self._predivide() / world_size
+        """Multiplies the reduced sum so that, with ``pre_factor``, it becomes the mean (or stays
+        the sum, with ``average`` off)."""
+        return self._predivide() / world_size if self.average else self._predivide()
 
     def _predivide(self) -> float:
         return self.gradient_predivide_factor if self.prescale_gradients else 1.0

@@ -40,7 +40,7 @@ from dslaunch.runtime.zero.prefetch import FetchLimits
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 
-__all__ = ["Stage3"]
+__all__ = ["Stage3", "DeepSpeedZeroOptimizer_Stage3"]
 
 
 class Stage3(ZeroStrategy):
@@ -108,3 +108,6 @@ from dslaunch.runtime.estimate.deepspeed_formulas import (  # noqa: E402
 
 __all__ += ["estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_mem_needs_all_live",
             "estimate_zero3_model_states_mem_needs_all_cold", "model_to_params"]
+
+
+DeepSpeedZeroOptimizer_Stage3 = Stage3  # DeepSpeed's name for its stage-3 optimizer

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointError, TagMismatchError
 from tests.distributed import run_world
 from tests.runtime.models import make_model
 
@@ -274,6 +274,11 @@ def _fallback_and_errors(rank: int, world: int, root: str) -> list[str]:
         save_checkpoint(_fail_tags(engine.checkpoint_parts()), root, tag=f"t{rank}")
     engine.save_checkpoint(root, tag=f"w{rank}", save_latest=False)  # Warn: rank 0's tag wins
     assert (Path(root) / "w0" / "rank_00001.dsl").is_file() and not (Path(root) / "w1").exists()
+    # Ignore: no check, no warning, still one directory (DeepSpeed's ranks would write two)
+    with pytest.raises(TagMismatchError):  # also DeepSpeed's AssertionError
+        save_checkpoint(_fail_tags(engine.checkpoint_parts()), root, tag=f"t{rank}")
+    save_checkpoint(_tags(engine.checkpoint_parts(), "Ignore"), root, tag=f"i{rank}", save_latest=False)
+    assert (Path(root) / "i0" / "rank_00001.dsl").is_file() and not (Path(root) / "i1").exists()
     _check_partial_loads(engine, loader, root, at2)
     assert engine.save_16bit_model(os.path.join(root, "export"))
     if rank == 0:
@@ -302,11 +307,15 @@ def _check_partial_loads(engine, loader, root: str, at2: dict) -> None:
     assert not np.array_equal(now["zero"][0]["optim"]["exp_avg"], at2["zero"][0]["optim"]["exp_avg"])
 
 
-def _fail_tags(parts):
-    """The engine's checkpoint parts, with checkpoint.tag_validation = Fail."""
+def _tags(parts, policy: str):
+    """The engine's checkpoint parts, with checkpoint.tag_validation = ``policy``."""
     import dataclasses
 
-    return dataclasses.replace(parts, config=dataclasses.replace(parts.config, tag_validation="Fail"))
+    return dataclasses.replace(parts, config=dataclasses.replace(parts.config, tag_validation=policy))
+
+
+def _fail_tags(parts):
+    return _tags(parts, "Fail")
 
 
 @pytest.mark.timeout(60)

@@ -229,7 +229,7 @@ def test_sections_at_their_off_values_are_accepted() -> None:
     ("amp", {"enabled": True, "opt_level": "O1"}, {"enabled": False, "opt_level": "O1"}),
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
     ("graph_harvesting", True, False), ("torch_autocast", {"enabled": True}, {"enabled": False}),
-    ("compile", {"deepcompile": True}, {"deepcompile": False}), ("gradient_allreduce_op", "sum", "mean"),
+    ("compile", {"deepcompile": True}, {"deepcompile": False}),
     ("managed_gradient_accumulation", False, True), ("sequence_parallel_size", 2, 1),
     ("tensor_parallel", {"autotp_size": 2}, {"autotp_size": 0}), ("log_level", "debug", None),
 ])

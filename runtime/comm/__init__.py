@@ -1,0 +1,1 @@
+"""DeepSpeed's ``deepspeed.runtime.comm`` path: collectives over several tensors at once."""

@@ -1,0 +1,29 @@
+"""DeepSpeed's ``deepspeed.runtime.precision_config``: the ``bf16`` and ``fp16`` blocks of a config
+dict, parsed as ``load_config`` parses them (``runtime/config/sections.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dslaunch.errors import ConfigError
+from dslaunch.runtime.config.sections import Bf16Config, Fp16Config, parse_section
+
+__all__ = ["get_bfloat16_config", "get_float16_config"]
+
+
+def get_bfloat16_config(param_dict: Mapping[str, Any]) -> Bf16Config:
+    """The ``bf16`` block (or its alias ``bfloat16``); disabled when absent.
+
+    Raises:
+        ConfigError: both spellings given, or a bad value in the block.
+    """
+    if "bf16" in param_dict and "bfloat16" in param_dict:
+        raise ConfigError("give either 'bf16' or its alias 'bfloat16', not both", key="bfloat16")
+    key = "bf16" if "bf16" in param_dict else "bfloat16"
+    return parse_section(Bf16Config, param_dict.get(key), key)
+
+
+def get_float16_config(param_dict: Mapping[str, Any]) -> Fp16Config:
+    """The ``fp16`` block; disabled when absent."""
+    return parse_section(Fp16Config, param_dict.get("fp16"), "fp16")

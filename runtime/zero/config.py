@@ -1,0 +1,90 @@
+"""DeepSpeed's ``deepspeed.runtime.zero.config``: the ``zero_optimization`` block as an object.
+
+``DeepSpeedZeroConfig(**section)`` parses a ``zero_optimization`` dict exactly as ``load_config``
+does (``runtime/config/sections.py``: DeepSpeed's older ``cpu_offload`` switches and the
+``stage3_``-less aliases included) and returns dslaunch's frozen ``ZeroConfig``, which also
+answers DeepSpeed's attribute names (``prefetch_bucket_size``, ``gather_16bit_weights_on_model_save``).
+
+Limitation: the offload sections are always objects (``device: "none"`` when off), where
+DeepSpeed's are None when the config leaves them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+from dslaunch.runtime.config.sections import (
+    OffloadConfig,
+    ZeroConfig,
+    legacy_zero_forms,
+    offload_optimizer_section,
+    offload_param_section,
+    parse_section,
+)
+
+__all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
+           "OffloadDeviceEnum", "ZeroStageEnum", "ZeroConfig", "OffloadConfig"]
+
+
+class ZeroStageEnum(int, Enum):
+    """The ZeRO stages by DeepSpeed's names."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+class OffloadDeviceEnum(str, Enum):
+    """Where an offload section puts its tensors."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class _SectionName(type):
+    """A DeepSpeed config class name: calling it parses keyword settings into dslaunch's frozen
+    section (``_parse``), and ``isinstance`` accepts that section."""
+
+    _parsed: type
+    _parse: Callable[[dict[str, Any]], Any]
+
+    def __call__(cls, **section: Any) -> Any:
+        return cls._parse(section)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls._parsed)
+
+
+class DeepSpeedZeroConfig(metaclass=_SectionName):
+    """``DeepSpeedZeroConfig(stage=3, ...)``: a parsed ``ZeroConfig`` (raises ``ConfigError``)."""
+
+    _parsed = ZeroConfig
+
+    @staticmethod
+    def _parse(section: dict[str, Any]) -> ZeroConfig:
+        return parse_section(ZeroConfig, legacy_zero_forms(section), "zero_optimization")
+
+
+class DeepSpeedZeroOffloadOptimizerConfig(metaclass=_SectionName):
+    """``DeepSpeedZeroOffloadOptimizerConfig(device="cpu", ...)``: a parsed ``OffloadConfig``."""
+
+    _parsed = OffloadConfig
+
+    @staticmethod
+    def _parse(section: dict[str, Any]) -> OffloadConfig:
+        return offload_optimizer_section("zero_optimization.offload_optimizer", section)
+
+
+class DeepSpeedZeroOffloadParamConfig(metaclass=_SectionName):
+    """``DeepSpeedZeroOffloadParamConfig(device="cpu", ...)``: a parsed ``OffloadConfig``."""
+
+    _parsed = OffloadConfig
+
+    @staticmethod
+    def _parse(section: dict[str, Any]) -> OffloadConfig:
+        return offload_param_section("zero_optimization.offload_param", section)

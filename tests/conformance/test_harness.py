@@ -1,0 +1,155 @@
+"""The conformance harness (``scripts/conformance``) without a DeepSpeed checkout: its pytest shim
+records every outcome of a real pytest run, and the report counts them per area and computes the
+share of DeepSpeed's passes that dslaunch keeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parents[2] / "scripts" / "conformance"
+sys.path.insert(0, str(HERE))
+
+import report  # noqa: E402
+
+_TESTS = '''
+import pytest
+
+def test_passes():
+    assert 1 + 1 == 2
+
+def test_fails():
+    assert 1 + 1 == 3
+
+def test_skips():
+    pytest.skip("not here")
+
+@pytest.fixture
+def broken():
+    yield
+    raise RuntimeError("teardown broke")
+
+def test_teardown_error(broken):
+    pass
+'''
+
+
+def _run_shim(tmp_path: Path) -> Path:
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "unit" / "test_sample.py").write_text(_TESTS)
+    (tmp_path / "unit" / "test_broken.py").write_text("import no_such_module_here\n\ndef test_x():\n    pass\n")
+    events = tmp_path / "events.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(HERE / "shim"), CONFORMANCE_EVENTS=str(events))
+    env.pop("LOCAL_SIZE", None)
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance_shim", "-p", "no:cacheprovider",
+                    "--continue-on-collection-errors", "-q", "unit"], cwd=tmp_path, env=env,
+                   capture_output=True, timeout=60, check=False)
+    return events
+
+
+@pytest.mark.timeout(90)
+def test_shim_records_each_outcome_and_collection_error(tmp_path: Path) -> None:
+    run = report.read_events(_run_shim(tmp_path))
+    outcomes = {nodeid.split("::")[1]: r.outcome for nodeid, r in run.results.items()}
+    assert outcomes == {"test_passes": "passed", "test_fails": "failed", "test_skips": "skipped",
+                        "test_teardown_error": "failed"}
+    assert run.results["unit/test_sample.py::test_skips"].reason.endswith("not here")
+    assert "teardown broke" in run.results["unit/test_sample.py::test_teardown_error"].reason
+    assert "no_such_module_here" in run.collect_errors["unit/test_broken.py"]
+
+
+@pytest.mark.timeout(90)
+def test_shim_sets_the_cpu_accelerator_and_its_device_count(tmp_path: Path) -> None:
+    (tmp_path / "test_env.py").write_text(
+        "import os\n\ndef test_env():\n    assert os.environ['DS_ACCELERATOR'] == 'cpu'\n"
+        "    assert os.environ['LOCAL_SIZE'] == '4'\n")
+    events = tmp_path / "events.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "LOCAL_SIZE")}
+    env.update(PYTHONPATH=str(HERE / "shim"), CONFORMANCE_EVENTS=str(events))
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance_shim", "-p", "no:cacheprovider", "-q",
+                    "test_env.py"], cwd=tmp_path, env=env, capture_output=True, timeout=60, check=False)
+    assert [r.outcome for r in report.read_events(events).results.values()] == ["passed"]
+
+
+@pytest.mark.timeout(90)
+def test_shim_leaves_out_distributed_tests_when_asked(tmp_path: Path) -> None:
+    (tmp_path / "test_dist.py").write_text(
+        "class TestRanks:\n    is_dist_test = True\n\n    def test_a(self):\n        pass\n\n"
+        "def test_plain():\n    pass\n")
+    events = tmp_path / "events.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(HERE / "shim"), CONFORMANCE_EVENTS=str(events),
+               CONFORMANCE_NO_DISTRIBUTED="1")
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance_shim", "-p", "no:cacheprovider", "-q",
+                    "test_dist.py"], cwd=tmp_path, env=env, capture_output=True, timeout=60, check=False)
+    assert list(report.read_events(events, unfinished_reason="x").results) == ["test_dist.py::test_plain"]
+
+
+def test_a_run_of_some_files_replaces_only_theirs() -> None:
+    old = report.SideRun({"a.py::t": report.Result("failed"), "a.py::d": report.Result("passed"),
+                          "b.py::t": report.Result("passed")}, {"c.py": "E  ImportError"})
+    new = report.SideRun({"a.py::t": report.Result("passed")}, {})
+    merged = report.replace_files(old, new, ["a.py", "c.py"])
+    assert merged.results == {"a.py::t": report.Result("passed"), "b.py::t": report.Result("passed")}
+    assert merged.collect_errors == {}
+    # a quick run (distributed tests left out) keeps the file's other recorded outcomes
+    partial = report.replace_files(old, new, ["a.py"], complete=False)
+    assert partial.results["a.py::d"] == report.Result("passed") and partial.results["a.py::t"].outcome == "passed"
+
+
+def test_saved_outcomes_load_back(tmp_path: Path) -> None:
+    run = report.SideRun({"a.py::t": report.Result("failed", "E  boom")}, {"b.py": "E  ImportError"})
+    report.save(run, tmp_path / "side.json")
+    assert report.load(tmp_path / "side.json") == run
+
+
+def _events(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_killed_run_fails_its_unfinished_tests(tmp_path: Path) -> None:
+    events = _events(tmp_path / "e.jsonl", [
+        {"event": "collected", "nodeid": "a.py::t1"}, {"event": "collected", "nodeid": "a.py::t2"},
+        {"event": "file", "path": "a.py"}, {"event": "report", "nodeid": "a.py::t1", "outcome": "passed"}])
+    run = report.read_events(events, unfinished_reason="timed out after 5 s")
+    assert run.results["a.py::t1"].outcome == "passed"
+    assert run.results["a.py::t2"] == report.Result("failed", "timed out after 5 s")
+    assert "a.py::t2" not in report.read_events(events).results
+
+
+def test_table_counts_per_area_and_the_kept_share(tmp_path: Path) -> None:
+    ds = report.read_events(_events(tmp_path / "ds.jsonl", [
+        {"event": "report", "nodeid": "a.py::t1", "outcome": "passed"},
+        {"event": "report", "nodeid": "a.py::t2", "outcome": "passed"},
+        {"event": "report", "nodeid": "a.py::t3", "outcome": "failed"},
+        {"event": "report", "nodeid": "b.py::t1", "outcome": "passed"},
+        {"event": "report", "nodeid": "b.py::t2", "outcome": "skipped"}]))
+    dl = report.read_events(_events(tmp_path / "dl.jsonl", [
+        {"event": "report", "nodeid": "a.py::t1", "outcome": "passed"},
+        {"event": "report", "nodeid": "a.py::t2", "outcome": "failed", "reason": "E  boom"},
+        {"event": "report", "nodeid": "a.py::t3", "outcome": "passed"},
+        {"event": "collect_error", "nodeid": "b.py", "reason": "E  ImportError: x"}]))
+    rows = report.area_rows({"A": ["a.py"], "B": ["b.py"]}, ds, dl)
+    assert rows[0] == report.AreaRow("A", {"passed": 2, "failed": 1, "skipped": 0},
+                                     {"passed": 2, "failed": 1, "skipped": 0}, kept=1)
+    # b.py never loaded on dslaunch: each of DeepSpeed's tests there is a dslaunch failure
+    assert rows[1].dslaunch == {"passed": 0, "failed": 2, "skipped": 0} and rows[1].kept == 0
+    assert report.share_kept(rows) == (1, 3, pytest.approx(100 / 3))
+    text = report.table(rows)
+    assert "dslaunch passes 1 of the 3 tests DeepSpeed passes: 33.3%" in text
+    lost = report.regressions(ds, dl)
+    assert set(lost) == {"a.py::t2", "b.py::t1"}
+    assert lost["b.py::t1"].reason == "not loaded: E  ImportError: x"
+
+
+def test_expected_failures_are_read_from_the_table(tmp_path: Path) -> None:
+    md = tmp_path / "EXPECTED.md"
+    md.write_text("| test | kind | reason |\n|---|---|---|\n| `a.py::t2` | internals | x |\n"
+                  "| `b.py::t[1-2]` | deliberate difference | y |\nnot a row `c.py::t`\n")
+    assert report.expected_failures(md) == {"a.py::t2", "b.py::t[1-2]"}
+    assert report.expected_failures(tmp_path / "missing.md") == set()

@@ -1,0 +1,99 @@
+"""The config objects as DeepSpeed's classes are called: ``DeepSpeedConfig(dict_or_path, mpu)``,
+``DeepSpeedZeroConfig(**section)`` and its offload sections, DeepSpeed's deprecated switches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dslaunch.errors import ConfigError
+from dslaunch.runtime.config import DeepSpeedConfig, load_config
+from dslaunch.runtime.precision_config import get_bfloat16_config
+from dslaunch.runtime.zero.config import (
+    DeepSpeedZeroConfig,
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+)
+
+
+class _Mpu:
+    def get_data_parallel_world_size(self) -> int:
+        return 4
+
+
+def test_deepspeed_config_parses_a_dict_a_path_and_an_mpu_world(tmp_path: Path) -> None:
+    cfg = DeepSpeedConfig({"train_batch_size": 8})
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.world_size) == (8, 8, 1)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8}))
+    assert DeepSpeedConfig(str(path), mpu=_Mpu()).train_micro_batch_size_per_gpu == 2
+    assert DeepSpeedConfig(config={"train_batch_size": 8}, mpu=_Mpu()).world_size == 4
+    with pytest.raises(ConfigError, match="unknown key"):
+        DeepSpeedConfig({"train_batch_size": 8, "train_bach_size": 8})
+    # the dataclass's own constructor (and dataclasses.replace) still work field by field
+    assert DeepSpeedConfig(train_batch_size=2, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+                           world_size=1).train_batch_size == 2
+
+
+def test_cpu_offload_switches_are_the_offload_sections() -> None:
+    zero = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "cpu_offload": True, "cpu_offload_param": True, "cpu_offload_use_pin_memory": False}},
+        1).zero_optimization
+    assert zero.offload_optimizer.device == zero.offload_param.device == "cpu"
+    assert not zero.offload_optimizer.pin_memory
+    off = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": False}},
+                      1).zero_optimization
+    assert not off.offload_optimizer.enabled
+    with pytest.raises(ConfigError, match="sets the same thing as 'zero_optimization.offload_optimizer'"):
+        load_config({"train_batch_size": 8, "zero_optimization": {
+            "stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}}, 1)
+    with pytest.raises(ConfigError, match="cpu_offload"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": "yes"}}, 1)
+
+
+def test_zero_config_as_deepspeeds_class() -> None:
+    zero = DeepSpeedZeroConfig(stage3_prefetch_bucket_size=12345, param_persistence_threshold=7,
+                               stage3_gather_fp16_weights_on_model_save=True)
+    assert isinstance(zero, DeepSpeedZeroConfig)
+    assert (zero.prefetch_bucket_size, zero.param_persistence_threshold, zero.gather_16bit_weights_on_model_save) \
+        == (12345, 7, True)
+    assert [DeepSpeedZeroConfig(stage=s).overlap_comm for s in range(4)] == [False, False, False, True]
+    assert not DeepSpeedZeroConfig(stage=1).pipeline_loading_checkpoint
+    assert isinstance(DeepSpeedZeroConfig(stage=3, cpu_offload_param=True).offload_param,
+                      DeepSpeedZeroOffloadParamConfig)
+    assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline
+    assert not DeepSpeedZeroOffloadOptimizerConfig().pipeline
+    with pytest.raises(ConfigError, match="did you mean"):
+        DeepSpeedZeroConfig(stag=3)
+
+
+def test_bfloat16_block_under_either_name() -> None:
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled
+    assert not get_bfloat16_config({}).enabled
+    with pytest.raises(ConfigError, match="not both"):
+        get_bfloat16_config({"bf16": {}, "bfloat16": {}})
+
+
+def test_config_model_base_class_as_deepspeeds() -> None:
+    pytest.importorskip("pydantic", reason="DeepSpeedConfigModel needs pydantic, which dslaunch does not require")
+    from pydantic import Field, ValidationError
+
+    from dslaunch.runtime.config_utils import DeepSpeedConfigModel
+
+    class Section(DeepSpeedConfigModel):
+        size: int = 0
+        old_names: str | None = Field(None, json_schema_extra={"deprecated": True, "new_param": "names",
+                                                                "new_param_fn": lambda v: [v]})
+        names: list[str] | None = None
+        rate: float = Field(1.0, alias="rate_alias")
+
+    assert Section(old_names="a").names == ["a"]
+    assert Section(rate_alias=2.0).rate == Section(rate=2.0).rate == 2.0
+    assert Section(size="auto").size == 0  # "auto" keeps the default
+    for bad in ({"size": "x"}, {"sise": 1}):
+        with pytest.raises(ValidationError):
+            Section(**bad)
+    with pytest.raises(AssertionError, match="not both"):
+        Section(old_names="a", names=["b"])
