@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from dslaunch.errors import CheckpointArgumentError, CheckpointError, CheckpointTagMismatch
+from dslaunch.errors import CheckpointArgumentError, CheckpointError, TagMismatchError
 from tests.distributed import run_world
 
 
@@ -63,7 +63,7 @@ def _differing(rank: int, world: int, root: str) -> tuple[bool, bool]:
     engine = _engine("Fail")
     with pytest.raises(AssertionError) as err:
         engine.save_checkpoint(root, tag=f"tag-{rank}")
-    return isinstance(err.value, CheckpointTagMismatch), "checkpoint tags differ" in str(err.value)
+    return isinstance(err.value, TagMismatchError), "checkpoint tags differ" in str(err.value)
 
 
 @pytest.mark.timeout(120)
