@@ -2,8 +2,9 @@
 
 dslaunch's runners (``launcher/runners/``: ssh with its own agent, SLURM, local) take a typed
 ``LaunchConfig``, not argparse namespaces, and dslaunch has no pdsh or MPI runner, so DeepSpeed's
-``PDSHRunner``, ``OpenMPIRunner``, ``MPICHRunner``, ``MVAPICHRunner``, ``SlurmRunner`` are not
-here. What is: ``MultiNodeRunner``, the base a script subclasses for its own backend, with
+``PDSHRunner``, ``OpenMPIRunner``, ``MPICHRunner``, ``IMPIRunner``, ``MVAPICHRunner`` and
+``SlurmRunner`` import but refuse to be made, in one line naming the launcher flag to use. What
+works: ``MultiNodeRunner``, the base a script subclasses for its own backend, with
 DeepSpeed's constructor and its rule for exported values (quoted when the shell would read
 them otherwise).
 """
@@ -14,7 +15,17 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any
 
-__all__ = ["MultiNodeRunner"]
+from dslaunch.utils.refused import Refusal, refuse
+
+_OTHER_HOSTS = ("PDSHRunner", "OpenMPIRunner", "MPICHRunner", "IMPIRunner", "MVAPICHRunner")
+globals().update(refuse(__name__, _OTHER_HOSTS,
+                        Refusal("DeepSpeed's pdsh/MPI runner class", "dslaunch starts every host over its own SSH "
+                                "agent: run `dslaunch --hostfile ...` (the default --launcher ssh)")))
+_SRUN = ("SlurmRunner",)
+globals().update(refuse(__name__, _SRUN,
+                        Refusal("DeepSpeed's srun runner class", "run `dslaunch --launcher slurm` or `dslaunch sbatch`")))
+
+__all__ = ["MultiNodeRunner", *_OTHER_HOSTS, *_SRUN]
 
 # Characters a shell reads literally in an unquoted word (DeepSpeed's set).
 _PLAIN = re.compile(r"[\w@%+=:,./-]*")

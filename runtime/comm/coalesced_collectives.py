@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import DslaunchError
 from dslaunch.runtime.zero.partition import partition_range
+from dslaunch.utils.refused import Refusal, refused_function
 
 __all__ = ["reduce_scatter_coalesced", "all_to_all_quant_reduce"]
 
@@ -37,6 +37,7 @@ def reduce_scatter_coalesced(tensors: Sequence[torch.Tensor], group: Any = None)
     return out
 
 
-def all_to_all_quant_reduce(tensors: Sequence[torch.Tensor], groups: Any) -> list[torch.Tensor]:
-    raise DslaunchError("all_to_all_quant_reduce needs DeepSpeed's quantizer op, which dslaunch does not "
-                        "have; ZeRO++ quantized gradients are the config's zero_quantized_gradients")
+all_to_all_quant_reduce = refused_function(
+    __name__, "all_to_all_quant_reduce",
+    Refusal("DeepSpeed's quantized all-to-all reduce (its quantizer op)",
+            "ZeRO++ quantized gradients are the config's zero_optimization.zero_quantized_gradients"))
