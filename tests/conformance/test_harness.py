@@ -43,13 +43,8 @@ def _run_shim(tmp_path: Path) -> Path:
     (tmp_path / "unit").mkdir()
     (tmp_path / "unit" / "test_sample.py").write_text(_TESTS)
     (tmp_path / "unit" / "test_broken.py").write_text("import no_such_module_here\n\ndef test_x():\n    pass\n")
-    events = tmp_path / "events.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(HERE / "shim"), CONFORMANCE_EVENTS=str(events))
-    env.pop("LOCAL_SIZE", None)
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance_shim", "-p", "no:cacheprovider",
-                    "--continue-on-collection-errors", "-q", "unit"], cwd=tmp_path, env=env,
-                   capture_output=True, timeout=60, check=False)
-    return events
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_SIZE"}
+    return _shim_pytest(tmp_path, ["--continue-on-collection-errors", "unit"], env)
 
 
 @pytest.mark.timeout(90)
@@ -68,11 +63,8 @@ def test_shim_sets_the_cpu_accelerator_and_its_device_count(tmp_path: Path) -> N
     (tmp_path / "test_env.py").write_text(
         "import os\n\ndef test_env():\n    assert os.environ['DS_ACCELERATOR'] == 'cpu'\n"
         "    assert os.environ['LOCAL_SIZE'] == '4'\n")
-    events = tmp_path / "events.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "LOCAL_SIZE")}
-    env.update(PYTHONPATH=str(HERE / "shim"), CONFORMANCE_EVENTS=str(events))
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance_shim", "-p", "no:cacheprovider", "-q",
-                    "test_env.py"], cwd=tmp_path, env=env, capture_output=True, timeout=60, check=False)
+    events = _shim_pytest(tmp_path, ["test_env.py"], env)
     assert [r.outcome for r in report.read_events(events).results.values()] == ["passed"]
 
 
@@ -81,11 +73,7 @@ def test_shim_leaves_out_distributed_tests_when_asked(tmp_path: Path) -> None:
     (tmp_path / "test_dist.py").write_text(
         "class TestRanks:\n    is_dist_test = True\n\n    def test_a(self):\n        pass\n\n"
         "def test_plain():\n    pass\n")
-    events = tmp_path / "events.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(HERE / "shim"), CONFORMANCE_EVENTS=str(events),
-               CONFORMANCE_NO_DISTRIBUTED="1")
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance_shim", "-p", "no:cacheprovider", "-q",
-                    "test_dist.py"], cwd=tmp_path, env=env, capture_output=True, timeout=60, check=False)
+    events = _shim_pytest(tmp_path, ["test_dist.py"], dict(os.environ, CONFORMANCE_NO_DISTRIBUTED="1"))
     assert list(report.read_events(events, unfinished_reason="x").results) == ["test_dist.py::test_plain"]
 
 
@@ -153,3 +141,12 @@ def test_expected_failures_are_read_from_the_table(tmp_path: Path) -> None:
                   "| `b.py::t[1-2]` | deliberate difference | y |\nnot a row `c.py::t`\n")
     assert report.expected_failures(md) == {"a.py::t2", "b.py::t[1-2]"}
     assert report.expected_failures(tmp_path / "missing.md") == set()
+
+
+def _shim_pytest(where: Path, args: list[str], env: dict[str, str]) -> Path:
+    """Run pytest with ``args`` in ``where``, the shim loaded; the events file it wrote."""
+    events = where / "events.jsonl"
+    env = dict(env, PYTHONPATH=str(HERE / "shim"), CONFORMANCE_EVENTS=str(events))
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance_shim", "-p", "no:cacheprovider", "-q", *args],
+                   cwd=where, env=env, capture_output=True, timeout=60, check=False)
+    return events
