@@ -142,8 +142,10 @@ def test_the_deepspeed_command_passes_quoted_user_args(tmp_path) -> None:
     script = tmp_path / "args.py"
     script.write_text("import sys\nprint(repr(sys.argv[1:]))\n")
     prompt = """I'm going to tell them "DeepSpeed is the best\""""
-    out = subprocess.run([sys.executable, "-m", "dslaunch.launcher.runner", "--num_gpus", "1", str(script),
-                          "--prompt", prompt], capture_output=True, text=True, timeout=120,
+    from dslaunch.utils.ports import free_port
+
+    out = subprocess.run([sys.executable, "-m", "dslaunch.launcher.runner", "--num_gpus", "1",
+                          "--master_port", str(free_port()), str(script), "--prompt", prompt], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
     assert repr(["--local_rank=0", "--prompt", prompt]) in out.stdout, out.stdout + out.stderr
 

@@ -2,40 +2,21 @@
 
 A thin click command: the arguments go unchanged to ``dslaunch.runtime.checkpoint.export.main``,
 which ``python -m dslaunch.utils.zero_to_fp32`` runs too; both parse them with ``parser`` (here:
-torch-free), so they accept the same options and ``--help`` shows them. That module imports torch,
+``dslaunch.runtime.export_cli``, torch-free), so they accept the same options and ``--help`` shows them. That module imports torch,
 only when this command runs and after ``CHECKPOINT_DIR`` is known to be a directory: a file, a
 FIFO or a device is refused at once, without seconds of imports.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import click
 
 from dslaunch.errors import CheckpointError, UsageError
+from dslaunch.runtime.export_cli import parser
 
 __all__ = ["command", "parser"]
-
-
-def parser() -> argparse.ArgumentParser:
-    """The command line of ``dslaunch zero-to-fp32`` (and ``python -m dslaunch.utils.zero_to_fp32``)."""
-    p = argparse.ArgumentParser(
-        prog="dslaunch zero-to-fp32",
-        description="Write one consolidated fp32 state dict from a dslaunch checkpoint saved at any "
-                    "world size and ZeRO stage.")
-    p.add_argument("checkpoint_dir", help="the save_dir of save_checkpoint, or a tag directory in it")
-    p.add_argument("output", help="a directory (pytorch_model.bin, or shards plus "
-                   "pytorch_model.bin.index.json, as DeepSpeed writes), or one file ending in .bin, "
-                   ".pt, .pth or .safetensors (e.g. model.safetensors)")
-    p.add_argument("--max_shard_size", default=None, help="directory output: largest shard, e.g. 500MB (default 5GB)")
-    p.add_argument("--safe_serialization", action="store_true",
-                   help="directory output: write model.safetensors (needs safetensors)")
-    p.add_argument("-t", "--tag", default=None, help="tag to convert (default: latest)")
-    p.add_argument("--exclude_frozen_parameters", action="store_true",
-                   help="leave out parameters saved with requires_grad=False")
-    return p
 
 
 @click.command("zero-to-fp32", add_help_option=False,

@@ -360,7 +360,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
 # ---- command line -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """``dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT [options]``; DslaunchError on bad input."""
-    from dslaunch.launcher.cli.zero_to_fp32 import parser
+    from dslaunch.runtime.export_cli import parser
 
     args = parser().parse_args(argv)
     if args.max_shard_size is not None and _is_single_file(Path(args.output)):

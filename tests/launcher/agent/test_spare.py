@@ -69,6 +69,8 @@ group_nice = lambda: open("/proc/self/autogroup").read().split()[-1] if os.path.
 class Probe:  # stands in for importlib: records the policies while "importing"
     @staticmethod
     def import_module(name):
+        if seen:  # the first import tells; by a later one the waiting thread may be gone (pool closed)
+            return
         wake = next(t for t in threading.enumerate() if t.name == "spare-wake")
         seen.append((os.sched_getscheduler(0), os.sched_getscheduler(wake.native_id), group_nice()))
         ours.close()  # the pool closes: the waiting thread ends
