@@ -98,6 +98,9 @@ class JobMonitor:
         ranks behind (stopped at once, without a grace period).
         """
         detected = time.time()
+        # Silence is judged as of now: the dumps below freeze the ranks (up to STACKS_WAIT_S), and
+        # a rank whose last beat came a moment earlier than its peer's would look silent after.
+        judged_at = time.monotonic()
         for h in handles:
             h.request_stacks()
         stacks: dict[int, dict] = {}
@@ -110,7 +113,7 @@ class JobMonitor:
                     stacks.update(got)
                     waiting.discard(i)
             time.sleep(0.05)
-        behind = self.health.behind(stacks) or sorted(stalled)
+        behind = self.health.behind(stacks, judged_at) or sorted(stalled)
         # The step each rank was in: a rank stopped right after a step had not sent it yet (beats
         # go out twice a second); resumed for its dump while its peers were frozen, it did.
         latest: dict[int, Beat] = {}
@@ -122,10 +125,10 @@ class JobMonitor:
             info = stacks.get(rank, {})
             text = info.get("stack")
             path = self.events.write_file(f"stacks-rank{rank}.txt", text) if text else None
-            wait, beat = self.health.wait_of(rank, info), self.health.current_beat(rank, info)
+            wait, beat = self.health.wait_of(rank, info, judged_at), self.health.current_beat(rank, info, judged_at)
             ranks[str(rank)] = {"host": h.host, "step": steps[rank], "stopped": bool(info.get("stopped")),
-                                "silent": self.health.silent(rank), "top_frame": top_frame(text), "file": path,
-                                "via": info.get("via"), "waiting": self.health.waiting(rank, info),
+                                "silent": self.health.silent(rank, judged_at), "top_frame": top_frame(text), "file": path,
+                                "via": info.get("via"), "waiting": self.health.waiting(rank, info, judged_at),
                                 "waiting_in": wait[0] if wait else None, "waiting_s": wait[1] if wait else None,
                                 "activity": beat.activity if beat is not None else None}
         if missing := {r: stacks.get(r, {}).get("why") or "no answer from its node"

@@ -3,11 +3,13 @@ gang loop feeds it, through a node handle that answers with them."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.gang import GangResult, NodeHandle
-from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
+from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S, SILENT_AFTER_S
 from dslaunch.launcher.monitor.job import JobMonitor
 from dslaunch.launcher.spec import HANG_EXIT_CODE, JobSpec, MonitorSpec, NodeResult, NodeSpec, WorkerSpec
 from dslaunch.utils.beat import Beat
@@ -78,3 +80,34 @@ def test_a_pipeline_stage_s_activity_is_told_for_the_blamed_rank_and_the_ranks_w
     assert text == ("rank 1 on node0 hung at step 3 (no progress for 5 s: --hang_timeout); it was stage 1 in the "
                     "forward pass of micro-batch 2; rank 0 waited for it in pipeline receive from rank 1 (stage 0 "
                     "waiting to receive gradients of micro-batch 1 from stage 1)"), text
+
+
+class SlowDumpNode(BeatingNode):
+    """Its ranks' stacks come ``after_s`` after they were asked for (dumps of many ranks, a loaded
+    machine); meanwhile the ranks are frozen and send no beat."""
+
+    def __init__(self, beats: dict[int, Beat], after_s: float) -> None:
+        super().__init__(beats, {r: {"stopped": False, "stack": None} for r in beats})
+        self._after_s, self._ready_at = after_s, None
+
+    def request_stacks(self) -> None:
+        self._ready_at = time.monotonic() + self._after_s
+
+    def stacks(self) -> dict[int, dict] | None:
+        return self._stacks if self._ready_at is not None and time.monotonic() >= self._ready_at else None
+
+
+def test_silence_is_judged_when_the_hang_is_found_not_after_the_stack_dumps():
+    # Rank 0's last beat was heard a second before rank 1's; both were alive. The dumps take long
+    # enough that, judged after them, rank 0 alone would look silent and be blamed (a flake seen
+    # beside two CPU hogs): the rank not waiting for its peers is the one behind.
+    node = SlowDumpNode({0: Beat(0, 1, 3, waiting="all_reduce of gradients", waiting_s=1.0), 1: Beat(1, 1, 3)},
+                        after_s=SILENT_AFTER_S - 0.5)
+    job = JobSpec((node.node,), "127.0.0.1", 29500, 2, monitor=MonitorSpec(4.0))
+    monitor = JobMonitor(job, EventLog(None))
+    monitor.observe([node])
+    time.sleep(1.0)
+    node._beats = {**node._beats, 1: Beat(1, 2, 3)}
+    monitor.observe([node])
+    failure, _ = monitor.diagnose_hang([node], [0, 1])
+    assert failure.rank == 1, failure.describe()
