@@ -48,14 +48,18 @@ class DslaunchError(Exception):
     exit_code: int = 1
 
 
-class UsageError(DslaunchError):
-    """A command-line flag or argument is invalid."""
+class UsageError(DslaunchError, ValueError):
+    """A command-line flag or argument is invalid.
+
+    Also a ``ValueError``: what DeepSpeed's ``runner.main`` raises for conflicting flags."""
 
     exit_code = 2
 
 
-class HostfileError(DslaunchError):
-    """A hostfile (or include/exclude filter) is invalid. Names the file and line."""
+class HostfileError(DslaunchError, ValueError):
+    """A hostfile (or include/exclude filter) is invalid. Names the file and line.
+
+    Also a ``ValueError``: what DeepSpeed's runner raises for a bad hostfile or filter."""
 
     def __init__(self, message: str, path: str | None = None, line: int | None = None):
         self.path, self.line = path, line

@@ -14,8 +14,9 @@ or NEL inside a comment neither ends the comment nor shifts the line numbers. Th
 regular file of at most ``MAX_HOSTFILE_BYTES``, and all hosts together at most ``MAX_WORLD`` slots.
 
 Filter syntax (``-i/--include``, ``-e/--exclude``): ``host1:0,2@host2``: hosts separated by
-``@``; ``host:slots`` picks slot indices; a bare host means all its slots. Naming a host or slot
-the hostfile does not have is an error (DeepSpeed silently ignores some of these).
+``@``; ``host:slots`` picks slot indices; a bare host means all its slots. A host or slot named
+twice counts once (``h1:1,1@h1:0`` is ``h1:0,1``, as DeepSpeed reads it). Naming a host or slot
+the hostfile does not have is an error.
 
 A *pool* is the ordered mapping ``host -> selected slot indices`` the rest of the launcher uses.
 """
@@ -25,12 +26,13 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from dslaunch.errors import HostfileError, did_you_mean, quote
 from dslaunch.utils.hostlist import hostname_problem
 
-__all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "full_pool", "ascii_int",
+__all__ = ["Pool", "parse_hostfile", "read_hostfile", "parse_filter", "apply_filter", "filter_pool", "full_pool",
+           "ascii_int",
            "hostname_problem", "MAX_SLOTS", "MAX_WORLD", "MAX_HOSTFILE_BYTES"]
 
 Pool = dict[str, tuple[int, ...]]
@@ -192,6 +194,9 @@ def full_pool(hosts: Mapping[str, int]) -> Pool:
 def parse_filter(expr: str, flag: str) -> dict[str, tuple[int, ...] | None]:
     """Parse ``host1:0,2@host2`` into ``{host: slots or None (= all)}``.
 
+    A host named twice gets the union of its slots (a bare mention: all of them); a repeated slot
+    counts once. Hosts keep the spelling of their first mention (names are case-insensitive).
+
     Raises:
         HostfileError: malformed expression (names ``flag``).
     """
@@ -203,18 +208,14 @@ def parse_filter(expr: str, flag: str) -> dict[str, tuple[int, ...] | None]:
             raise HostfileError(f"{where}: empty host name (syntax: host1:0,2@host2)")
         if problem := hostname_problem(host):
             raise HostfileError(f"{where}: invalid hostname {quote(host)}: {problem}")
-        if host.lower() in (h.lower() for h in out):
-            raise HostfileError(f"{where}: host {host!r} named twice (host names are case-insensitive)")
-        if not colon:
-            out[host] = None
-            continue
-        numbers = [ascii_int(s) for s in slots.split(",")]
+        host = next((h for h in out if h.lower() == host.lower()), host)
+        numbers = [ascii_int(s) for s in slots.split(",")] if colon else []
         if None in numbers:
             raise HostfileError(f"{where}: slots of {host!r} must be integers, got {quote(slots)}")
-        picked = tuple(n for n in numbers if n is not None)  # all of them; the filter narrows the type
-        if len(set(picked)) != len(picked):
-            raise HostfileError(f"{where}: slot listed twice for host {host!r}")
-        out[host] = picked
+        if not colon or (host in out and out[host] is None):
+            out[host] = None
+        else:
+            out[host] = tuple(dict.fromkeys([*(out.get(host) or ()), *(n for n in numbers if n is not None)]))
     return out
 
 
@@ -226,34 +227,50 @@ def apply_filter(hosts: Mapping[str, int], include: str = "", exclude: str = "")
     Raises:
         HostfileError: both given, malformed, an unknown host or slot, or nothing left.
     """
+    result = filter_pool(full_pool(hosts), include, exclude)
+    if not result:
+        raise HostfileError(f"{'--include' if include else '--exclude'} {quote(include or exclude)} "
+                            "leaves no slots to run on")
+    return result
+
+
+def filter_pool(pool: Mapping[str, Sequence[int]], include: str = "", exclude: str = "") -> Pool:
+    """``pool`` narrowed by ``include`` or ``exclude``; empty when everything is excluded.
+
+    Raises:
+        HostfileError: both given, malformed, or an unknown host or slot.
+    """
     if include and exclude:
         raise HostfileError("--include and --exclude are mutually exclusive")
-    pool = full_pool(hosts)
+    pool = {h: tuple(s) for h, s in pool.items()}
     if not include and not exclude:
         return pool
     flag = "--include" if include else "--exclude"
-    spelling = {h.lower(): h for h in hosts}
+    spelling = {h.lower(): h for h in pool}
     chosen: dict[str, tuple[int, ...] | None] = {}
     for host, slots in parse_filter(include or exclude, flag).items():
         if host.lower() not in spelling:
-            listed = ", ".join(list(hosts)[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")
-            raise HostfileError(f"{flag}: unknown host {host!r}{did_you_mean(host, hosts)}; hosts: {listed}")
+            listed = ", ".join(list(pool)[:8]) + (f" and {len(pool) - 8} more" if len(pool) > 8 else "")
+            raise HostfileError(f"{flag}: unknown host {host!r}{did_you_mean(host, pool)}; hosts: {listed}")
         host = spelling[host.lower()]
-        bad = [s for s in slots or () if not 0 <= s < hosts[host]]
+        bad = [s for s in slots or () if s not in pool[host]]
         if bad:
-            raise HostfileError(f"{flag}: host {host!r} has slots 0-{hosts[host] - 1}, not {bad[0]}")
+            raise HostfileError(f"{flag}: host {host!r} has slots {_slot_range(pool[host])}, not {bad[0]}")
         chosen[host] = slots
     if include:
-        result = {h: (tuple(sorted(chosen[h])) if chosen[h] is not None else pool[h])
-                  for h in pool if h in chosen}
-    else:
-        result = {}
-        for h, slots in pool.items():
-            dropped = chosen.get(h, ())
-            if dropped is None:  # a bare host: all of its slots are excluded
-                continue
-            if left := tuple(s for s in slots if s not in dropped):
-                result[h] = left
-    if not result:
-        raise HostfileError(f"{flag} {quote(include or exclude)} leaves no slots to run on")
+        return {h: (tuple(sorted(chosen[h])) if chosen[h] is not None else pool[h]) for h in pool if h in chosen}
+    result = {}
+    for h, slots in pool.items():
+        dropped = chosen.get(h, ())
+        if dropped is None:  # a bare host: all of its slots are excluded
+            continue
+        if left := tuple(s for s in slots if s not in dropped):
+            result[h] = left
     return result
+
+
+def _slot_range(slots: tuple[int, ...]) -> str:
+    """``0-3`` for a host's usual slots, else the list (a pool already filtered: ``0,2``)."""
+    if slots and slots == tuple(range(len(slots))):
+        return f"0-{len(slots) - 1}"
+    return ",".join(map(str, slots)) or "none"

@@ -26,7 +26,7 @@ from dslaunch.launcher.cli import launch
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.cli.launch import parse_config
 
-__all__ = ["main", "build_parser", "parse_config", "SUBCOMMANDS"]
+__all__ = ["main", "run", "report", "build_parser", "parse_config", "SUBCOMMANDS"]
 
 SUBCOMMANDS: dict[str, str] = {
     "zero-to-fp32": "dslaunch.launcher.cli.zero_to_fp32:command",
@@ -40,28 +40,41 @@ SUBCOMMANDS: dict[str, str] = {
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dslaunch`` console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    verbose = _verbose(argv)
     try:
-        if argv and argv[0] in SUBCOMMANDS:
-            return _subcommand(argv)
-        if argv and argv[0] == "sbatch":
-            from dslaunch.launcher.cli import sbatch
-
-            return sbatch.run(argv[1:])
-        if _autotuning(argv):
-            from dslaunch.launcher.cli import autotune
-
-            return autotune.run(argv)
-        return launch.run(argv)
+        return run(argv)
     except DslaunchError as err:
-        if verbose:
-            traceback.print_exc()
-        print(f"dslaunch: error: {err}", file=sys.stderr, flush=True)
-        return err.exit_code
+        return report(err, argv)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except BrokenPipeError:
         return _reader_gone()
+
+
+def run(argv: list[str]) -> int:
+    """Run the command ``argv`` names (no program name); return its exit code.
+
+    Raises:
+        DslaunchError: a user mistake or a failed job, for the caller to print (``main``, ``report``).
+    """
+    if argv and argv[0] in SUBCOMMANDS:
+        return _subcommand(argv)
+    if argv and argv[0] == "sbatch":
+        from dslaunch.launcher.cli import sbatch
+
+        return sbatch.run(argv[1:])
+    if _autotuning(argv):
+        from dslaunch.launcher.cli import autotune
+
+        return autotune.run(argv)
+    return launch.run(argv)
+
+
+def report(err: DslaunchError, argv: list[str]) -> int:
+    """Print ``err`` as one line (with its traceback under ``--verbose``); return its exit code."""
+    if _verbose(argv):
+        traceback.print_exc()
+    print(f"dslaunch: error: {err}", file=sys.stderr, flush=True)
+    return err.exit_code
 
 
 def _subcommand(argv: list[str]) -> int:

@@ -43,14 +43,22 @@ class _Parser(argparse.ArgumentParser):
             arg = argv[i]
             if not arg.startswith("-") or arg == "--":
                 return out + argv[i:]  # the user script (or '--'): the rest is not ours
-            action = self._option_string_actions.get(arg)
+            action = self._option_string_actions.get(arg) or self._abbreviated(arg)
             takes_value = action is not None and action.nargs != 0 and i + 1 < len(argv)
-            if takes_value and arg in _ATTACHED:
-                out.append(f"{arg}={argv[i + 1]}")
+            attached = [flag for flag in action.option_strings if flag in _ATTACHED] if takes_value else []
+            if attached:
+                out.append(f"{attached[0]}={argv[i + 1]}")
             else:
                 out.extend(argv[i:i + 2] if takes_value else [arg])
             i += 2 if takes_value else 1
         return out
+
+    def _abbreviated(self, arg: str) -> argparse.Action | None:
+        """The one option ``arg`` abbreviates (``--launcher_arg``), where abbreviations are allowed."""
+        if not self.allow_abbrev or not arg.startswith("--") or "=" in arg:
+            return None
+        matches = {a for flag, a in self._option_string_actions.items() if flag.startswith(arg)}
+        return matches.pop() if len(matches) == 1 else None
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if "unrecognized arguments" in message or message.startswith("unrecognized"):
@@ -98,10 +106,12 @@ NOT_SUPPORTED = ("--comment", "--account", "--venv_script")
 
 
 def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-style training script on "
-                 "one or many nodes.", unsupported: tuple[str, ...] = NOT_SUPPORTED) -> argparse.ArgumentParser:
+                 "one or many nodes.", unsupported: tuple[str, ...] = NOT_SUPPORTED,
+                 allow_abbrev: bool = False) -> argparse.ArgumentParser:
     """The launch command's parser; ``dslaunch sbatch`` builds on it (its own ``prog``, and
-    ``--account`` is an sbatch option there, not an unsupported flag)."""
-    p = _Parser(prog=prog, allow_abbrev=False, description=description,
+    ``--account`` is an sbatch option there, not an unsupported flag). ``allow_abbrev``: unique
+    prefixes of long flags (``--launcher_arg``), for DeepSpeed's ``runner.parse_args``."""
+    p = _Parser(prog=prog, allow_abbrev=allow_abbrev, description=description,
                 epilog="Also: dslaunch sbatch ...; dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR; "
                        "dslaunch estimate --help; dslaunch report")
     a = p.add_argument
