@@ -44,6 +44,10 @@ class PipelineConfig:
     """Checked against the ``PipelineModule``'s stages when given as a number."""
     activation_checkpoint_interval: int = _opt(0, integer(0), "layers per checkpointed chunk, e.g. 1 (0: off)")
     """Used when the ``PipelineModule`` was built with interval 0 (its own argument wins)."""
+    use_reentrant: bool = _opt(True, boolean, "false to checkpoint with non_reentrant_checkpoint")
+    """DeepSpeed's: false swaps the ``PipelineModule``'s checkpoint function for
+    ``deepspeed.checkpointing.non_reentrant_checkpoint`` (whatever the interval: a later
+    ``set_checkpoint_interval`` uses it too); true keeps the module's own."""
     schedule: str = _opt("1f1b", choice(*SCHEDULES), f"a schedule: {schedule_choices()}")
     """dslaunch's key: the training schedule from ``runtime/pipe/schedule.py``'s registry."""
 

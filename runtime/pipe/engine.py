@@ -30,6 +30,7 @@ import torch.distributed as dist
 from dslaunch import comm
 from dslaunch.errors import ConfigError, PipelineStageError, UsageError
 from dslaunch.runtime import heartbeat
+from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.engine import DeepSpeedEngine
@@ -100,6 +101,8 @@ class PipelineEngine(DeepSpeedEngine):
         self.schedule_type = sched.SCHEDULES[config.pipeline.schedule]
         if model.activation_checkpoint_interval == 0:
             model.activation_checkpoint_interval = config.pipeline.activation_checkpoint_interval
+        if not config.pipeline.use_reentrant:
+            model.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
         self.chunks = model.virtual_stages
         # Neighbours on a ring: with virtual stages the last stage feeds the first one's next chunk.
         self.prev_stage = self.grid.stage_to_global((self.stage_id - 1) % self.num_stages)
@@ -122,6 +125,13 @@ class PipelineEngine(DeepSpeedEngine):
 
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether this stage checkpoints with the reentrant ``deepspeed.checkpointing.checkpoint``
+        (DeepSpeed then makes the first stage's inputs require grad; dslaunch's reentrant
+        checkpoint anchors its outputs in the graph itself, so nothing else changes)."""
+        return self.module.activation_checkpoint_interval > 0 and \
+            self.module.activation_checkpoint_func is checkpointing.checkpoint
 
     def set_dataiterator(self, iterator: Iterator) -> None:
         """Where ``train_batch()``/``eval_batch()`` without an iterator read micro batches from."""

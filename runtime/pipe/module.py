@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from dslaunch.errors import UsageError, quote
+from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.grid import PipelineParallelGrid
 from dslaunch.runtime.parallel.groups import new_groups
@@ -166,6 +167,11 @@ class PipelineModule(torch.nn.Module):
         activation_checkpoint_interval: run every that many layers under
             ``activation_checkpoint_func`` (0: no checkpointing); only chunks with parameters, or
             with a layer whose class name is in ``checkpointable_layers`` where given.
+        activation_checkpoint_func: as DeepSpeed's default, ``deepspeed.checkpointing.checkpoint``
+            (the ds_config's ``activation_checkpointing`` block applies to it; the config's
+            ``pipeline.use_reentrant: false`` swaps in ``non_reentrant_checkpoint``).
+        dynamic_shape: DeepSpeed's switch for activations whose shape changes between micro
+            batches; accepted and unneeded: every message carries its shapes (``p2p.py``).
         virtual_stages: (dslaunch) cut the layers into ``num_stages * virtual_stages`` parts;
             rank ``s`` holds parts ``s, s + num_stages, ...`` (its chunks), for the interleaved
             schedule (``pipeline.schedule: "interleaved"``). 1: one contiguous part per stage.
@@ -182,7 +188,8 @@ class PipelineModule(torch.nn.Module):
                  seed_layers: bool = False, seed_fn: Callable[[int], Any] | None = None, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable | None = None,
-                 checkpointable_layers: Sequence[str] | None = None, virtual_stages: int = 1):
+                 checkpointable_layers: Sequence[str] | None = None, dynamic_shape: bool = False,
+                 virtual_stages: int = 1):
         super().__init__()
         layers = list(layers)
         for i, layer in enumerate(layers):
@@ -191,9 +198,6 @@ class PipelineModule(torch.nn.Module):
                                  "torch.nn.Module or callable")
         if int(virtual_stages) < 1:
             raise UsageError(f"PipelineModule: virtual_stages must be >= 1, got {virtual_stages}")
-        if int(activation_checkpoint_interval) < 0:
-            raise UsageError("PipelineModule: activation_checkpoint_interval must be >= 0 (0: no checkpointing), "
-                             f"got {activation_checkpoint_interval}")
         self._topo = _topology(num_stages, topology)
         self._grid = PipelineParallelGrid(self._topo)
         self.num_stages = self._topo.get_dim("pipe")
@@ -201,9 +205,9 @@ class PipelineModule(torch.nn.Module):
         self.global_rank = self._grid.get_global_rank()
         self.loss_fn, self.partition_method = loss_fn, partition_method
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn or torch.manual_seed, base_seed
-        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
-        self.activation_checkpoint_func = activation_checkpoint_func or _default_checkpoint
+        self.activation_checkpoint_func = activation_checkpoint_func or checkpointing.checkpoint
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
+        self.dynamic_shape = bool(dynamic_shape)
         self._layer_specs = layers
         self.virtual_stages = int(virtual_stages)
         self.parts = _partition(layers, self.num_stages * self.virtual_stages, partition_method)
@@ -214,6 +218,32 @@ class PipelineModule(torch.nn.Module):
         self.forward_funcs = [f for funcs in self.chunk_funcs for f in funcs]
         self.tied_comms = self._tie_groups()
         self._synchronize_tied_weights()
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+
+    @property
+    def activation_checkpoint_interval(self) -> int:
+        return self._checkpoint_interval
+
+    @activation_checkpoint_interval.setter
+    def activation_checkpoint_interval(self, interval: int) -> None:
+        self.set_checkpoint_interval(interval)
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every ``interval`` layers from now on (0: off); which chunks qualify is
+        worked out again for the new interval."""
+        if int(interval) < 0:
+            raise UsageError(f"PipelineModule: activation_checkpoint_interval must be >= 0 (0: no checkpointing), "
+                             f"got {interval}")
+        self._checkpoint_interval = int(interval)
+        self._precompute_checkpointable_values()
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Per chunk, whether each run of ``interval`` layers is checkpointed (DeepSpeed's
+        ``is_checkpointable_results`` is the first chunk's)."""
+        interval = self._checkpoint_interval
+        self._checkpointable = [[self._is_checkpointable(funcs[i:i + interval]) for i in range(0, len(funcs), interval)]
+                                if interval else [] for funcs in self.chunk_funcs]
+        self.is_checkpointable_results = self._checkpointable[0]
 
     # ----- building ---------------------------------------------------------------------------
     def _build(self, part: int) -> list[Callable]:
@@ -304,13 +334,13 @@ class PipelineModule(torch.nn.Module):
     def forward(self, inputs: Any, chunk: int = 0) -> Any:
         """Run this rank's layers (of ``chunk``, with virtual stages) on ``inputs``."""
         layers = self.chunk_funcs[chunk]
-        interval = self.activation_checkpoint_interval
+        interval = self._checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():
             return _run(layers, inputs)
         x = inputs
-        for start in range(0, len(layers), interval):
+        for start, checkpointed in zip(range(0, len(layers), interval), self._checkpointable[chunk], strict=True):
             funcs = layers[start:start + interval]
-            if self._is_checkpointable(funcs):
+            if checkpointed:
                 args = x if isinstance(x, tuple) else (x,)
                 x = self.activation_checkpoint_func(_chunk(funcs), *args)
             else:
@@ -411,10 +441,3 @@ def _chunk(funcs: Sequence[Callable]) -> Callable:
         return _run(funcs, args[0] if len(args) == 1 else args)
 
     return run
-
-
-def _default_checkpoint(function: Callable, *args: Any) -> Any:
-    # Non-reentrant: it handles inputs that need no gradient and outputs of any structure.
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint(function, *args, use_reentrant=False)

@@ -63,6 +63,7 @@ def test_zero1_on_the_data_axis_matches_one_process() -> None:
     (2, {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 50}}),
     (1, {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}),
     (0, {"pipeline": {"activation_checkpoint_interval": 1}}),
+    (0, {"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": False}}),
     (1, {"gradient_clipping": 0.5}),
 ])
 def test_composes_with_zero2_offload_checkpointing_and_clipping(zero: int, extra: dict) -> None:

@@ -100,3 +100,44 @@ def test_bad_arguments_are_one_line_each() -> None:
     assert msgs[6].startswith("PipelineModule: activation_checkpoint_interval must be >= 0")
     assert msgs[7].startswith("LayerSpec: typename must be a torch.nn.Module subclass")
     assert len(msgs) == 8 and not any("\n" in m for m in msgs)
+
+
+def _checkpointing(rank: int, world: int) -> dict:
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+    from dslaunch.runtime.activation_checkpointing import checkpointing
+
+    dslaunch.init_distributed(verbose=False)
+    torch.manual_seed(0)
+    layers = [torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)]
+    calls: list[int] = []
+
+    def counted(function, *args):
+        calls.append(1)
+        return checkpointing.non_reentrant_checkpoint(function, *args)
+
+    module = PipelineModule(layers, num_stages=1, activation_checkpoint_interval=4, dynamic_shape=True)
+    default_func = module.activation_checkpoint_func
+    first = list(module.is_checkpointable_results)
+    module.activation_checkpoint_func = counted
+    module.set_checkpoint_interval(1)  # a ReLU alone has no weights: only the Linear chunks are checkpointed
+    out = {"default": default_func is checkpointing.checkpoint, "first": first,
+           "second": list(module.is_checkpointable_results)}
+    module(torch.ones(2, 4)).sum().backward()
+    out["calls"] = len(calls)
+    for shape in [(3, 4), (5, 4)]:  # dynamic_shape: any batch shape runs (one stage)
+        module(torch.ones(*shape))
+    engine, _, _, _ = dslaunch.initialize(model=PipelineModule(list(layers), num_stages=1), config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "pipeline": {"activation_checkpoint_interval": 0, "use_reentrant": False}})
+    out["non_reentrant"] = engine.module.activation_checkpoint_func is checkpointing.non_reentrant_checkpoint
+    out["reentrant_query"] = engine._reentrant_activation_checkpointing()
+    return out
+
+
+def test_checkpoint_interval_setter_and_use_reentrant() -> None:
+    (got,) = run_world(_checkpointing, 1, timeout=80)
+    assert got["default"], "DeepSpeed's default: deepspeed.checkpointing.checkpoint"
+    assert got["first"] == [True] and got["second"] == [False, True, False, True], got
+    assert got["calls"] == 2, got
+    assert got["non_reentrant"] and not got["reentrant_query"], got
