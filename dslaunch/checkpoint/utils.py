@@ -4,6 +4,9 @@ Why: dslaunch's parameters are views into ZeRO's flat buffers, and ``torch.save`
 whole storage: a state dict of views would hold the flat buffer instead of each parameter's part,
 and every loaded tensor would keep all of it alive. accelerate and transformers call this (DeepSpeed's helper)
 on a model's state dict before saving it.
+
+``get_model_ckpt_name_for_rank`` names a file of DeepSpeed's own layout (``runtime/checkpoint/
+deepspeed_layout.py``), which dslaunch's checkpoints do not contain.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["clone_tensors_for_torch_save"]
+from dslaunch.runtime.checkpoint.deepspeed_layout import get_model_ckpt_name_for_rank
+
+__all__ = ["clone_tensors_for_torch_save", "get_model_ckpt_name_for_rank"]
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:

@@ -3,7 +3,8 @@ collective, and its summary table.
 
 A record is one operation: its name (``log_name``, or the op), the bytes each rank contributes,
 the latency from issue to completion and the bandwidths derived from them, kept per name and per
-message size. Bandwidths follow nccl-tests (``algbw = bytes moved / time``; ``busbw`` scales it by
+message size in DeepSpeed's layout, ``comms_dict[name][size] = [count, latencies, algbws, busbws]``
+(index i of the three lists is the i-th operation; scripts read it through ``get_raw_data``). Bandwidths follow nccl-tests (``algbw = bytes moved / time``; ``busbw`` scales it by
 what each link carries), with the group's own size. Asynchronous operations are timed up to their
 completion (a callback of their future), not made synchronous. Records may arrive from gloo's
 threads, so ``append`` takes a lock.
@@ -73,15 +74,6 @@ def trim_mean(values: list[float], trim: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
-class _Row:
-    __slots__ = ("latencies", "algbw", "busbw")
-
-    def __init__(self) -> None:
-        self.latencies: list[float] = []
-        self.algbw: list[float] = []
-        self.busbw: list[float] = []
-
-
 class CommsLogger:
     """What ``comms_logger`` counts; ``dslaunch.comm`` holds the one instance (DeepSpeed's
     module-level ``comms_logger``). Off until ``configure`` enables it."""
@@ -92,7 +84,7 @@ class CommsLogger:
         self.debug = False
         self.prof_all = True
         self.prof_ops: list[str] = []
-        self.comms_dict: dict[str, dict[int, _Row]] = {}
+        self.comms_dict: dict[str, dict[int, list]] = {}
         self._lock = threading.Lock()
 
     def configure(self, config: Any) -> None:
@@ -121,10 +113,10 @@ class CommsLogger:
         """Record one completed operation (any thread)."""
         algbw, busbw = calc_bw_log(raw_name, msg_size, latency_ms, n)
         with self._lock:
-            row = self.comms_dict.setdefault(record_name, {}).setdefault(msg_size, _Row())
-            row.latencies.append(latency_ms)
-            row.algbw.append(algbw)
-            row.busbw.append(busbw)
+            row = self.comms_dict.setdefault(record_name, {}).setdefault(msg_size, [0, [], [], []])
+            row[0] += 1
+            for values, value in zip(row[1:], (latency_ms, algbw, busbw), strict=True):
+                values.append(value)
         if self.verbose and rank == 0:
             print(f"rank={rank} | comm op: {record_name} | time (ms): {latency_ms:.2f} | msg size: "
                   f"{convert_size(msg_size)} | algbw (Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}", flush=True)
@@ -133,17 +125,19 @@ class CommsLogger:
         with self._lock:
             self.comms_dict = {}
 
+    def _rows(self) -> dict[str, dict[int, tuple[list[float], list[float], list[float]]]]:
+        """A copy of every record's three lists (a summary must never reorder what was stored)."""
+        with self._lock:
+            return {name: {size: (list(r[1]), list(r[2]), list(r[3])) for size, r in by.items()}
+                    for name, by in self.comms_dict.items()}
+
     def latencies(self) -> dict[tuple[str, int], list[float]]:
         """Each ``(name, size)``'s latencies in ms, in the order they completed."""
-        with self._lock:
-            return {(name, size): list(r.latencies) for name, by in self.comms_dict.items()
-                    for size, r in by.items()}
+        return {(name, size): lat for name, by in self._rows().items() for size, (lat, _, _) in by.items()}
 
     def summary(self) -> dict:
         """``{name: {size: {count, total_latency, avg_latency, algbw, busbw}}}``, sorted."""
-        with self._lock:
-            rows = {name: {size: (list(r.latencies), list(r.algbw), list(r.busbw)) for size, r in by.items()}
-                    for name, by in self.comms_dict.items()}
+        rows = self._rows()
         out: dict[str, dict[int, dict[str, Any]]] = {}
         for name in sorted(rows):
             for size in sorted(rows[name]):
@@ -152,6 +146,23 @@ class CommsLogger:
                          "algbw": trim_mean(algbw), "busbw": trim_mean(busbw)}
                 out.setdefault(name, {})[size] = entry
         return out
+
+    def get_raw_data(self) -> dict[str, dict[int, list]]:
+        """``{name: {size: [count, latencies, algbws, busbws]}}``: the records themselves (a shallow
+        copy of the outer dict, as DeepSpeed's)."""
+        return self.comms_dict.copy()
+
+    def get_operation_summary(self, operation_name: str) -> dict[int, dict[str, Any]] | None:
+        """DeepSpeed's per-size statistics of one operation name (``count``, ``total_latency_ms``,
+        ``avg_latency_ms``, ``tput_avg_gbps``, ``busbw_avg_gbps``, ``msg_size_bytes``,
+        ``msg_size_str``; means trimmed as ``summary``'s), or None if it was never recorded."""
+        entries = self.summary().get(operation_name)
+        if entries is None:
+            return None
+        return {size: {"count": e["count"], "total_latency_ms": e["total_latency"],
+                       "avg_latency_ms": e["avg_latency"], "tput_avg_gbps": e["algbw"],
+                       "busbw_avg_gbps": e["busbw"], "msg_size_bytes": size, "msg_size_str": convert_size(size)}
+                for size, e in entries.items()}
 
     def log_all(self, summary: dict, print_fn: Callable[[str], Any] = print) -> None:
         """Print ``summary`` as DeepSpeed's table (a straggler column when it has one)."""

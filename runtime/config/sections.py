@@ -248,7 +248,8 @@ class ZeroConfig:
     dslaunch has no offload (``offload_optimizer`` is rejected), so it changes nothing."""
     elastic_checkpoint: bool = _opt(False, boolean, "true or false (no effect)")
     """DeepSpeed's choice of on-disk layout for stage 1/2 optimizer state; dslaunch has one layout,
-    which loads at any world size and ZeRO stage 0-2 with either value."""
+    which loads at any world size and ZeRO stage 0-3 with either value. True at stage 3 warns, as
+    DeepSpeed (which deprecated it there) does."""
     ignore_unused_parameters: bool = _opt(True, _only(True, "a parameter that gets no gradient "
                                                       "is always treated as a zero gradient"), "true")
     load_from_fp32_weights: bool = _opt(True, _only(True, "the fp32 master weights are always restored "
@@ -299,6 +300,12 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
+        if self.elastic_checkpoint and self.stage == 3:
+            from dslaunch.utils.logging import logger
+
+            logger.warning("zero_optimization.elastic_checkpoint: ZeRO-3 elastic checkpointing is deprecated "
+                           "(DeepSpeed) and has no effect: dslaunch's stage-3 checkpoints load at any world "
+                           "size and ZeRO stage; remove the key")
 
     # DeepSpeed's attribute names for the stage-3 settings (its config object has no prefix)
     @property

@@ -245,6 +245,12 @@ class OneCycle(Schedule):
             self._apply()
             self._set_momentum(self.min_moms)
 
+    @property
+    def step_ratio(self) -> float:
+        """The rising part's share of the cycle (DeepSpeed's attribute): 1.0 when
+        ``cycle_second_step_size`` is 0, i.e. the lr rises the whole cycle and then drops."""
+        return self.first_step_size / self.total_size
+
     def _scale(self) -> float:
         """Position in the triangle, 0 at cycle_min and 1 at the peak."""
         position = (self.last_batch_iteration + 1) % self.total_size

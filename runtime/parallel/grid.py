@@ -86,7 +86,7 @@ class PipelineParallelGrid:
         dist = _dist()
         self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._topo = topology if topology is not None else default_topology(self.world_size)
-        if self._topo.world_size() != self.world_size:
+        if not self._is_grid_valid():
             raise UsageError(f"the topology has {self._topo.world_size()} ranks ({self._topo.shape()}) but the "
                              f"world has {self.world_size}")
         self.data_parallel_size = max(self._topo.get_dim("data"), 1)
@@ -109,6 +109,11 @@ class PipelineParallelGrid:
 
     def _role(self, role: str) -> tuple[Any, list[int]]:
         return self.groups.group(role), self.groups.ranks(role)
+
+    def _is_grid_valid(self) -> bool:
+        """Whether the topology's axes multiply out to the world: every rank has one coordinate.
+        (DeepSpeed's name; its tests call it.)"""
+        return self._topo.world_size() == self.world_size
 
     def get_stage_id(self) -> int:
         return self.stage_id

@@ -1,4 +1,4 @@
-"""``clone_tensors_for_torch_save``: each tensor saved with only its own data."""
+"""``clone_tensors_for_torch_save``: each tensor saved with only its own data; DeepSpeed's file names."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import torch
 
-from dslaunch.checkpoint.utils import clone_tensors_for_torch_save
+from dslaunch.checkpoint.utils import clone_tensors_for_torch_save, get_model_ckpt_name_for_rank
 
 
 def test_views_of_a_flat_buffer_are_saved_alone() -> None:
@@ -24,3 +24,9 @@ def test_views_of_a_flat_buffer_are_saved_alone() -> None:
     assert saved_bytes(state) > 4 << 20 > 100 * saved_bytes(cloned)
     flat[0] = 1.0
     assert cloned["a"][0] == 0.0  # a copy, not a view
+
+
+def test_deepspeeds_model_states_file_name(tmp_path) -> None:
+    tag = tmp_path / "global_step0"
+    assert get_model_ckpt_name_for_rank(tag, "00") == str(tag / "mp_rank_00_model_states.pt")
+    assert get_model_ckpt_name_for_rank("ckpt/step5", "01").endswith("step5/mp_rank_01_model_states.pt")

@@ -137,3 +137,25 @@ def test_an_async_collective_is_timed_to_its_completion_not_its_launch() -> None
     assert late["issued_s"] < 0.1 and late["latency_ms"] > 200
     assert got[0]["printed"].startswith("rank=0 | comm op: broadcast | time (ms): ")  # verbose: rank 0 prints
     assert got[1]["printed"] == ""
+
+
+def test_raw_records_keep_deepspeeds_layout_and_a_summary_does_not_reorder_them() -> None:
+    from dslaunch.utils.comms_logging import CommsLogger, convert_size
+
+    logger = CommsLogger()
+    for latency_ms in (3.0, 1.0, 2.0):
+        logger.append("all_reduce", "all_reduce", latency_ms, 1024, n=2)
+    before = {name: {size: [row[0], *map(list, row[1:])] for size, row in by.items()}
+              for name, by in logger.get_raw_data().items()}
+    summary = logger.get_operation_summary("all_reduce")
+    count, latencies, algbws, busbws = logger.get_raw_data()["all_reduce"][1024]
+    assert (count, latencies) == (3, [3.0, 1.0, 2.0])  # [count, latencies, algbws, busbws], in call order
+    assert len({round(lat * bw, 9) for lat, bw in zip(latencies, algbws, strict=True)}) == 1  # still paired
+    assert busbws == pytest.approx(algbws)  # all_reduce on 2 ranks: busbw = algbw * 2 * 1/2
+    assert logger.get_raw_data() == before
+    assert summary == {1024: {"count": 3, "total_latency_ms": 6.0, "avg_latency_ms": 2.0,
+                              "tput_avg_gbps": pytest.approx(sum(algbws) / 3),
+                              "busbw_avg_gbps": pytest.approx(sum(busbws) / 3), "msg_size_bytes": 1024,
+                              "msg_size_str": convert_size(1024)}}
+    assert logger.get_operation_summary("broadcast") is None
+    assert logger.summary()["all_reduce"][1024]["avg_latency"] == 2.0

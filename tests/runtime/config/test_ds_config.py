@@ -187,6 +187,28 @@ def test_zero_knobs_without_effect_on_results_accept_both_values(key: str) -> No
     assert "true or false" in _error({"train_batch_size": 8, "zero_optimization": {key: "yes"}})
 
 
+def test_elastic_checkpoint_at_stage_3_warns_that_it_has_no_effect() -> None:
+    import logging
+
+    from dslaunch.runtime.zero.config import DeepSpeedZeroConfig
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    deepspeed_logger = logging.getLogger("DeepSpeed")  # dslaunch.utils.logger (not propagated)
+    deepspeed_logger.addHandler(handler)
+    try:
+        DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+        _ok({"zero_optimization": {"stage": 3, "elastic_checkpoint": False}})
+        assert seen == []
+        _ok({"zero_optimization": {"stage": 3, "elastic_checkpoint": True}})
+        DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    finally:
+        deepspeed_logger.removeHandler(handler)
+    assert len(seen) == 2 and all(m.startswith("zero_optimization.elastic_checkpoint: ZeRO-3 elastic "
+                                               "checkpointing is deprecated") and "no effect" in m for m in seen)
+
+
 @pytest.mark.parametrize("key, instead", [("contiguous_gradients", "contiguous buffers"),
                                           ("ignore_unused_parameters", "zero gradient"),
                                           ("load_from_fp32_weights", "fp32 copy")])

@@ -112,6 +112,16 @@ def test_one_cycle_lr_and_momentum() -> None:
     assert max(_lrs_by_step(peak, 6)) == pytest.approx(1.0)
 
 
+def test_one_cycle_with_no_second_half_rises_the_whole_cycle_then_drops() -> None:
+    sched = _sched("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": 4,
+                                "cycle_second_step_size": 0}, _adam())
+    assert sched.step_ratio == 1.0  # DeepSpeed's attribute: the rising part's share of the cycle
+    assert _lrs_by_step(sched, 5) == pytest.approx([0.0, 0.25, 0.5, 0.75, 0.0, 0.0])
+    even = _sched("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": 3,
+                               "cycle_second_step_size": 9}, _adam())
+    assert even.step_ratio == 0.25
+
+
 def test_one_cycle_stairs_and_sgd_without_betas() -> None:
     sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
     sched = _sched("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": 6,

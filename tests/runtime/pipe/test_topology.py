@@ -79,7 +79,8 @@ def _groups(rank: int, world: int, dims: tuple[int, int, int]) -> dict:
             "mp_members": members(grid.get_model_parallel_group()),
             "pipe_members": members(grid.get_pipe_parallel_group()),
             "slice_members": members(grid.get_slice_parallel_group()),
-            "first_last": (grid.is_first_stage, grid.is_last_stage), "next": grid.stage_to_global(grid.pipe_parallel_size - 1 - grid.stage_id)}
+            "first_last": (grid.is_first_stage, grid.is_last_stage), "next": grid.stage_to_global(grid.pipe_parallel_size - 1 - grid.stage_id),
+            "valid": grid._is_grid_valid(), "rank_lists": (grid.pp_group, grid.dp_group)}
 
 
 def test_the_grid_groups_reach_exactly_their_ranks() -> None:
@@ -92,6 +93,8 @@ def test_the_grid_groups_reach_exactly_their_ranks() -> None:
         assert g["mp_members"] == g["pipe_members"] == [data, 2 + data] and g["mp"] == (pipe, 2)
         assert g["slice_members"] == [rank] and g["slice"] == (0, 1)
         assert g["next"] == (1 - pipe) * 2 + data
+        # DeepSpeed's names: the rank lists beside the groups, and its grid check (its tests call it)
+        assert g["valid"] and g["rank_lists"] == (g["pipe_members"], g["dp_members"])
 
 
 def test_tensor_slices_are_the_fastest_axis() -> None:
