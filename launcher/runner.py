@@ -26,12 +26,15 @@ from dslaunch.errors import DslaunchError
 from dslaunch.launcher import cli
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.envfile import ENV_FILE_NAMES
-from dslaunch.launcher.hostfile import filter_pool, parse_hostfile
+from dslaunch.launcher.hostfile import filter_pool, parse_hostfile, read_hostfile
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE
+from dslaunch.utils.logging import logger
 
-__all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "main", "parse_args", "parse_resource_filter", "encode_world_info"]
+__all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "DLTS_HOSTFILE", "main", "parse_args", "fetch_hostfile", "parse_resource_filter",
+           "parse_inclusion_exclusion", "encode_world_info"]
 
 DEEPSPEED_ENVIRONMENT_NAME = ENV_FILE_NAMES[0]  # ".deepspeed_env", read from ~ and the working dir
+DLTS_HOSTFILE = DEFAULT_HOSTFILE  # "/job/hostfile": GPT-NeoX reads DeepSpeed's name for it
 
 
 def main(args: Sequence[str] | None = None) -> None:
@@ -76,6 +79,27 @@ def _parse_hostfile(hostfile_lines: Iterable[str]) -> OrderedDict[str, int]:
         HostfileError: naming the first bad line (a ``ValueError``).
     """
     return OrderedDict(parse_hostfile("\n".join(line.rstrip("\n") for line in hostfile_lines)))
+
+
+def fetch_hostfile(hostfile_path: str) -> OrderedDict[str, int] | None:
+    """``{host: slots}`` of the hostfile at ``hostfile_path``, or None (with a warning) where there
+    is none: the job then runs on this machine only, as DeepSpeed's.
+
+    Raises:
+        HostfileError: naming the file and its first bad line, or a file that is not a regular one.
+    """
+    pool = read_hostfile(hostfile_path, explicit=False)
+    if pool is None:
+        logger.warning("no hostfile at %s: training with local resources only", hostfile_path)
+        return None
+    return OrderedDict(pool)
+
+
+def parse_inclusion_exclusion(resource_pool: Mapping[str, int], inclusion: str,
+                              exclusion: str) -> OrderedDict[str, list[int]]:
+    """``{host: slots}`` (as ``fetch_hostfile`` gives) narrowed by an ``--include`` or
+    ``--exclude`` expression: ``parse_resource_filter`` over every host's slots ``0..n-1``."""
+    return parse_resource_filter({host: range(slots) for host, slots in resource_pool.items()}, inclusion, exclusion)
 
 
 def parse_resource_filter(host_info: Mapping[str, Sequence[int]], include_str: str = "",

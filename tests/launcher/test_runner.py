@@ -61,6 +61,25 @@ def test_parse_resource_filter_is_deepspeeds_on_a_two_host_pool():
         parse_resource_filter({"a": [0, 2]}, include_str="a:1")
 
 
+def test_gpt_neox_hostfile_helpers(tmp_path, caplog):
+    """GPT-NeoX's ``megatron/utils.py`` reads the hostfile with ``fetch_hostfile`` and narrows it
+    with ``parse_inclusion_exclusion``; its arguments default to ``DLTS_HOSTFILE``."""
+    from dslaunch.launcher.runner import DLTS_HOSTFILE, fetch_hostfile, parse_inclusion_exclusion
+
+    assert DLTS_HOSTFILE == "/job/hostfile"
+    path = tmp_path / "hosts"
+    path.write_text("worker-0 slots=4\nworker-1 slots=2\n")
+    pool = fetch_hostfile(str(path))
+    assert list(pool.items()) == [("worker-0", 4), ("worker-1", 2)]
+    assert parse_inclusion_exclusion(pool, "", "worker-0:1,2") == {"worker-0": [0, 3], "worker-1": [0, 1]}
+    assert parse_inclusion_exclusion(pool, "worker-1", "") == {"worker-1": [0, 1]}
+    assert fetch_hostfile(str(tmp_path / "none")) is None  # local resources only, said in a warning
+    assert "no hostfile at" in caplog.text
+    path.write_text("worker-0 slots=4\nworker-0 slots=1\n")
+    with pytest.raises(ValueError, match="hosts:2: duplicate host 'worker-0'"):
+        fetch_hostfile(str(path))
+
+
 CONFLICT = "--num_nodes/--num_gpus cannot be combined with --include/--exclude"
 
 
