@@ -5,8 +5,9 @@
 the gradient norm (clip factor, fp16 overflow skip) is agreed over the whole replica, as for any
 engine given that grid (``DeepSpeedEngine``).
 
-``train_batch()`` runs one optimizer step as a schedule (``runtime/pipe/schedule.py``): a list of
-instructions per stage, executed in order by ``_INSTRUCTION_MAP``. The ZeRO strategy sees each
+``train_batch()`` runs one optimizer step as a schedule (``runtime/pipe/schedule.py``): DeepSpeed's
+time steps of instructions per stage, executed one by one by ``_INSTRUCTION_MAP`` in
+``schedule.execution_order`` (each step's sends first: they never block). The ZeRO strategy sees each
 micro batch's backward as one micro step of the accumulation (the last one is the boundary), so
 stages 0-2, offload and the loss scaler work unchanged. The engine's ``events`` get a forward and a
 backward phase per micro batch and one ``StepRecord`` per ``train_batch``; every ``steps_per_print``

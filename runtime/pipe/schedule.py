@@ -151,7 +151,6 @@ class PipeSchedule:
         if chunks > 1 and not self.chunks_allowed:
             raise ValueError(f"{type(self).__name__} runs one chunk per stage, not {chunks}")
         self.micro_batches, self.stages, self.stage_id, self.chunks = micro_batches, stages, stage_id, chunks
-        self.is_first_stage, self.is_last_stage = stage_id == 0, stage_id == stages - 1
 
     # DeepSpeed's names for the same facts (its schedules expose them as properties)
     @property
@@ -165,6 +164,14 @@ class PipeSchedule:
     @property
     def num_micro_batches(self) -> int:
         return self.micro_batches
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.stages - 1
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
         raise NotImplementedError
