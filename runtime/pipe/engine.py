@@ -5,8 +5,9 @@
 the gradient norm (clip factor, fp16 overflow skip) is agreed over the whole replica, as for any
 engine given that grid (``DeepSpeedEngine``).
 
-``train_batch()`` runs one optimizer step as a schedule (``runtime/pipe/schedule.py``): a list of
-instructions per stage, executed in order by ``_INSTRUCTION_MAP``. The ZeRO strategy sees each
+``train_batch()`` runs one optimizer step as a schedule (``runtime/pipe/schedule.py``): DeepSpeed's
+time steps of instructions per stage, executed one by one by ``_INSTRUCTION_MAP`` in
+``schedule.execution_order`` (each step's sends first: they never block). The ZeRO strategy sees each
 micro batch's backward as one micro step of the accumulation (the last one is the boundary), so
 stages 0-2, offload and the loss scaler work unchanged. The engine's ``events`` get a forward and a
 backward phase per micro batch and one ``StepRecord`` per ``train_batch``; every ``steps_per_print``
@@ -66,6 +67,8 @@ class _Batch:
     """Per receive instruction type, its messages of the batch, posted ahead."""
     backwards_left: int = 0
     """Backward passes still to run; the last one is the accumulation boundary."""
+    reduced: bool = False
+    """The boundary's data-parallel reduction is complete (``_finish_reduction``)."""
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ class PipelineEngine(DeepSpeedEngine):
     # ----- the instructions -------------------------------------------------------------------
     def _execute(self, schedule: sched.PipeSchedule, batch: _Batch) -> None:
         batch.backwards_left = schedule.micro_batches * schedule.chunks
-        instructions = [instruction for step in schedule.steps() for instruction in step]
+        instructions = sched.execution_order(schedule)
         for kind, src, tag in ((sched.RecvActivation, self.prev_stage, _ACTIVATIONS),
                                (sched.RecvGrad, self.next_stage, _GRADIENTS)):
             if count := sum(type(i) is kind for i in instructions):
@@ -296,14 +299,14 @@ class PipelineEngine(DeepSpeedEngine):
             raise UsageError("a pipeline micro batch must be (inputs, labels); use set_batch_fn() to convert "
                              f"yours (got {type(data).__name__})")
         first, last = self._ends(ins.chunk)
-        key = (ins.buffer_id, ins.chunk)
+        key = (ins.micro_batch, ins.chunk)
         if first:  # floating inputs in the model's dtype (fp16/bf16), as the weights
             batch.inputs[key] = _to(data[0], self.device, self.precision.model_dtype)
         if last:
             batch.labels[key] = _to(data[1], self.device)
 
     def _exec_forward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        key, last = (ins.buffer_id, ins.chunk), self._ends(ins.chunk)[1]
+        key, last = (ins.micro_batch, ins.chunk), self._ends(ins.chunk)[1]
         with self.events.phase("forward"):
             out = self.module(batch.inputs[key], chunk=ins.chunk)
             if last:
@@ -318,22 +321,22 @@ class PipelineEngine(DeepSpeedEngine):
             batch.inputs.pop(key)
 
     def _exec_send_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        key = (ins.buffer_id, ins.chunk)
+        key = (ins.micro_batch, ins.chunk)
         out = batch.outputs[key] if batch.train else batch.outputs.pop(key)
         batch.sends.append(p2p.send(out, self.next_stage, what=f"stage {self.stage_id}'s output",
                                     tag=_ACTIVATIONS))
 
     def _exec_recv_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        batch.inputs[(ins.buffer_id, ins.chunk)] = batch.receivers[sched.RecvActivation].recv(self.device)
+        batch.inputs[(ins.micro_batch, ins.chunk)] = batch.receivers[sched.RecvActivation].recv(self.device)
 
     def _exec_recv_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        batch.grads[(ins.buffer_id, ins.chunk)] = batch.receivers[sched.RecvGrad].recv(self.device)
+        batch.grads[(ins.micro_batch, ins.chunk)] = batch.receivers[sched.RecvGrad].recv(self.device)
 
     def _exec_backward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         batch.backwards_left -= 1
         boundary = batch.backwards_left == 0
         self.zero.begin_micro_step(boundary)
-        key = (ins.buffer_id, ins.chunk)
+        key = (ins.micro_batch, ins.chunk)
         out = batch.outputs.pop(key)
         with self.events.phase("backward"):
             if self._ends(ins.chunk)[1]:
@@ -347,16 +350,26 @@ class PipelineEngine(DeepSpeedEngine):
             self._backward_epilogue()
 
     def _exec_send_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        inputs = [t for t in _as_tuple(batch.inputs.pop((ins.buffer_id, ins.chunk))) if t.requires_grad]
+        inputs = [t for t in _as_tuple(batch.inputs.pop((ins.micro_batch, ins.chunk))) if t.requires_grad]
         grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
         batch.sends.append(p2p.send(grads, self.prev_stage, what=f"stage {self.stage_id}'s input gradients",
                                     tag=_GRADIENTS))
 
     def _exec_reduce_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        self._backward_epilogue()
+        self._finish_reduction(batch)
 
     def _exec_reduce_tied_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
+        # DeepSpeed's schedule sums tied gradients first; here the data-parallel reduction must be
+        # complete before (with overlap_comm its buckets may still be reducing the .grad the tie
+        # sums in place). Both are sums, so the result is the same in either order.
+        self._finish_reduction(batch)
         self.module.allreduce_tied_weight_gradients()
+
+    def _finish_reduction(self, batch: _Batch) -> None:
+        """The boundary's data-parallel reduction, once per batch (collective over the data axis)."""
+        if not batch.reduced:
+            batch.reduced = True
+            self._backward_epilogue()
 
     def _exec_optimizer_step(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         self._wait_sends(batch)

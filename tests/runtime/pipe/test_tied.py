@@ -57,7 +57,8 @@ def _reference(steps: int = STEPS, adam: bool = False, clip: float = 0.0) -> tup
     return losses, [mods[0].weight.detach().tolist(), mods[2].weight.detach().tolist()], norms
 
 
-def _train(rank: int, world: int, virtual: int, steps: int = STEPS, adam: bool = False, clip: float = 0.0) -> dict:
+def _train(rank: int, world: int, virtual: int, steps: int = STEPS, adam: bool = False, clip: float = 0.0,
+           zero: dict | None = None) -> dict:
     import dslaunch
     from dslaunch.pipe import PipelineModule
 
@@ -65,7 +66,7 @@ def _train(rank: int, world: int, virtual: int, steps: int = STEPS, adam: bool =
     module = PipelineModule(_specs(), num_stages=2, loss_fn=helpers.loss_fn, seed_layers=True, base_seed=SEED,
                             partition_method="uniform", virtual_stages=virtual)
     schedule = "interleaved" if virtual > 1 else "1f1b"
-    cfg = helpers.config(GAS, LR, zero_optimization={"stage": 1}, pipeline={"schedule": schedule},
+    cfg = helpers.config(GAS, LR, zero_optimization=zero or {"stage": 1}, pipeline={"schedule": schedule},
                          gradient_clipping=clip)
     if adam:
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": LR}}
@@ -81,11 +82,14 @@ def _train(rank: int, world: int, virtual: int, steps: int = STEPS, adam: bool =
             "tie_ranks": [comm["ranks"] for comm in module.tied_comms.values()]}
 
 
-@pytest.mark.parametrize("virtual", [1, 2])
-def test_tied_weights_train_as_one_module(virtual: int) -> None:
-    """virtual 2: parts [proj, tanh] [linear] [tanh] [out proj], rank 0 holding the 1st and 3rd."""
+@pytest.mark.parametrize("virtual, zero", [(1, None), (2, None), (1, {"stage": 0, "overlap_comm": True})])
+def test_tied_weights_train_as_one_module(virtual: int, zero: dict | None) -> None:
+    """virtual 2: parts [proj, tanh] [linear] [tanh] [out proj], rank 0 holding the 1st and 3rd.
+    overlap_comm: the data-parallel buckets reduce during the last backward, in place in the
+    ``.grad`` the tie sums; the schedule's ReduceTiedGrads comes first (DeepSpeed's order) and
+    must wait for them."""
     want_losses, (want_tied, want_middle), _ = _reference()
-    got = run_world(_train, 4, virtual, timeout=140)
+    got = run_world(_train, 4, virtual, STEPS, False, 0.0, zero, timeout=140)
     for rank, r in enumerate(got):
         assert r["tie_ranks"] == [[rank % 2, rank % 2 + 2]]  # the stages of one replica
         # relative: 4 ranks sum in another order than one process; 6 ulps by step 10 on an AMD EPYC
