@@ -43,14 +43,14 @@ def _run(rank: int, world: int, stage: int, offload: str, precision: str, nvme_p
            "zero_optimization": {"stage": stage}}
     if offload != "none":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": nvme_path}
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
     model = _model()
     engine, *_ = dslaunch.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ref = {n: torch.nn.Parameter(v) for n, v in _values(model, 1).items()}  # the plain-torch twin
     opt = torch.optim.Adam(ref.values(), lr=LR)
     params = dict(model.named_parameters())
-    x = torch.rand(2, 5, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    x = torch.rand(2, 5, dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision])
 
     for step, seed in enumerate((2, 3)):
         engine.backward(engine(x).float().pow(2).mean())
@@ -71,7 +71,7 @@ def _run(rank: int, world: int, stage: int, offload: str, precision: str, nvme_p
                 safe_set_full_grad(p, grads[n])
         for n, p in params.items():
             assert torch.equal(safe_get_full_grad(p), grads[n]), n
-            ref[n].grad = grads[n].clone()
+            ref[n].grad = grads[n] / engine.loss_scaler.loss_scale  # fp16: grads are read and set scaled
         if stage == 3:  # this rank's pieces, in rank order, are the whole parameter
             for n, p in params.items():
                 assert safe_get_local_grad(p).shape == p.ds_tensor.shape, n
@@ -108,6 +108,6 @@ def _run(rank: int, world: int, stage: int, offload: str, precision: str, nvme_p
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("stage", "offload", "precision"),
                          [(1, "none", "fp32"), (2, "cpu", "fp32"), (2, "none", "bf16"), (3, "none", "fp32"),
-                          (3, "cpu", "bf16"), (3, "nvme", "fp32")])
+                          (3, "cpu", "bf16"), (3, "nvme", "fp32"), (1, "cpu", "fp16")])
 def test_fragments_set_get_and_step_as_torch(stage: int, offload: str, precision: str, tmp_path) -> None:
     run_world(_run, 2, stage, offload, precision, str(tmp_path))
