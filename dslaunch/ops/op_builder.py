@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["OpBuilder", "NotImplementedBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder",
-           "FusedAdamBuilder", "compatible_ops"]
+           "FusedAdamBuilder", "AsyncIOBuilder", "compatible_ops"]
 
 _USE_INSTEAD = ("dslaunch has no JIT-built DeepSpeed ops: use the optimizer classes of deepspeed.ops.adam, "
                 "deepspeed.ops.adagrad, deepspeed.ops.lion, or name the optimizer in the config")
@@ -53,16 +53,24 @@ class FusedAdamBuilder(OpBuilder):
     NAME, available = "fused_adam", True
 
 
+class AsyncIOBuilder(OpBuilder):
+    """DeepSpeed's native ``aio_handle`` (libaio): not here, so not compatible. dslaunch's NVMe
+    offload (``offload_optimizer``/``offload_param`` with ``device: nvme``) needs no such op: its
+    swap files are read and written with ``os.preadv``/``os.pwritev`` on a thread pool."""
+
+    NAME = "async_io"
+
+
 _HAVE = (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder)
 
 
 def compatible_ops() -> dict[str, bool]:
     """DeepSpeed's ``__compatible_ops__``: op name -> whether it runs here."""
-    return {NotImplementedBuilder.NAME: False, **{builder.NAME: True for builder in _HAVE}}
+    return {NotImplementedBuilder.NAME: False, AsyncIOBuilder.NAME: False, **{builder.NAME: True for builder in _HAVE}}
 
 
 def __getattr__(name: str) -> type[OpBuilder]:
-    # FusedLambBuilder, QuantizerBuilder, AsyncIOBuilder, InferenceBuilder, ...: importable, not compatible
+    # FusedLambBuilder, QuantizerBuilder, InferenceBuilder, ...: importable, not compatible
     if name.endswith("Builder"):
         return NotImplementedBuilder
     raise AttributeError(f"module 'deepspeed.ops.op_builder' has no attribute {name!r}")

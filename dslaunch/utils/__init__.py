@@ -1,6 +1,7 @@
 """``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts and libraries use
 (``zero_to_fp32``, ``logger``/``log_dist`` from ``logging``, ``groups``, the ZeRO-3 leaf flags of
-``z3_leaf_module``, the ZeRO ``safe_get_full_*`` / ``safe_set_full_fp32_param``), and what both
+``z3_leaf_module``, the ZeRO ``safe_get/set_full_*`` and
+``safe_get/set_local_*``), and what both
 the launcher and the runtime need (``ports.free_port``, ``beat``: the heartbeat wire format, the
 restart variables in ``restart``, host names and SLURM hostlists in ``hostlist``), so the runtime
 never imports the launcher.
@@ -23,7 +24,11 @@ _NAMES = {
                      "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module"), f"{__name__}.z3_leaf_module"),
     # the ZeRO state of one parameter, at any stage (import torch on first access)
     **dict.fromkeys(("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-                     "safe_set_full_fp32_param"), "dslaunch.runtime.zero.full_state"),
+                     "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+                     "safe_update_full_grad_vectorized"), "dslaunch.runtime.zero.full_state"),
+    **dict.fromkeys(("safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+                     "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"),
+                    "dslaunch.runtime.zero.local_state"),
     "RepeatingLoader": "dslaunch.runtime.dataloader",  # deepspeed.utils.RepeatingLoader
     **dict.fromkeys(("SynchronizedWallClockTimer", "NoopTimer"), "dslaunch.runtime.timers"),
     "OnDevice": "dslaunch.runtime.zero.partition_parameters",  # deepspeed.utils.OnDevice

@@ -21,7 +21,9 @@ asks the stage again. What lives where:
   (the recorded order of use: prefetch, live-parameter bound, reuse).
 - ``partition_parameters.py``: DeepSpeed's user API (``Init``, ``GatheredParameters``,
   ``ZeroParamStatus``, external parameters), also importable as ``dslaunch.zero``;
-  ``full_state.py``: ``safe_get_full_*`` (``dslaunch.utils``).
+  DeepSpeed's tensor-fragment API (``dslaunch.utils``): ``fragment.py`` (one parameter's piece of
+  the master, gradient and optimizer state on this rank), ``full_state.py`` (``safe_get/set_full_*``)
+  and ``local_state.py`` (stage 3's ``safe_get/set_local_*``).
 
 - ``offload/``: the optimizer step of an offloaded master (``offload_optimizer``): buckets,
   transfers overlapped with the update, the optimizer state in host memory or NVMe swap files;

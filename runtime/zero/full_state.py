@@ -1,100 +1,127 @@
-"""Whole values at any stage: DeepSpeed's ``safe_get_full_*`` and the consolidated state dict.
+"""Whole values at any stage: DeepSpeed's ``safe_get/set_full_*`` and the consolidated state dict.
 
 ``deepspeed.utils`` names (re-exported by ``dslaunch.utils``): ``safe_get_full_fp32_param``,
-``safe_get_full_grad``, ``safe_get_full_optimizer_state`` and ``safe_set_full_fp32_param``. A
-parameter the engine trains knows its slot (``_dsl_slot``: strategy, group, index); its range of
-the group's flat vector is gathered from the ranks that own it (``params.gather_range``).
+``safe_get_full_grad``, ``safe_get_full_optimizer_state``, their setters ``safe_set_full_fp32_param``,
+``safe_set_full_grad``, ``safe_set_full_optimizer_state``, and ``safe_update_full_grad_vectorized``.
+Each rank's fragment of a parameter (``fragment.py``) is gathered from the ranks that own it
+(``params.gather_range``) or written from the whole value. A setter writes where the next step
+reads (the fp32 master, and the model weights; the gradient the step will apply; the optimizer
+state, in the swap file with NVMe); the 16-bit copy of an optimizer state set is not kept.
+Parameters not trained by an engine (frozen): getters return None, setters of grads and states do
+nothing (as DeepSpeed's); ``safe_set_full_fp32_param`` raises.
 
-collective: the getters at stages 1-3 (every rank must call them, same parameters, same order);
-``safe_set_full_fp32_param`` is local (every rank passes the same value).
+collective: the getters at stages 1-3 and ``safe_update_full_grad_vectorized`` (every rank must
+call them, same parameters, same order); the setters are local (every rank passes the same value).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero import params as zp
+from dslaunch.runtime.zero.fragment import GRAD, PARAM, Fragment, locate, rank_tensor, write
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "module_state_dict", "load_module_state_dict"]
-
-
-def _slot(param: torch.nn.Parameter) -> tuple[Any, Any, int] | None:
-    slot = getattr(param, "_dsl_slot", None)
-    strategy = slot[0]() if slot is not None else None
-    return None if strategy is None else (strategy, strategy.groups[slot[1]], slot[2])
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_update_full_grad_vectorized", "module_state_dict", "load_module_state_dict"]
 
 
 def _shape(param: torch.nn.Parameter) -> torch.Size:
     return param.ds_shape if zp.is_partitioned(param) else param.shape
 
 
-def _gather(strategy: Any, group: Any, local: torch.Tensor, index: int) -> torch.Tensor:
-    """Elements of param ``index`` from ``local``, this rank's [start, end) of ``group``'s vector."""
-    a, b = group.layout.param_range(index)
-    if not strategy.partitioned:
-        return local[a:b].clone()
-    flat = zp.FlatShard(local, group.layout.numel, strategy.world_size, strategy.rank, strategy.pg)
-    buf, works = zp.gather_range(flat, a, b)
-    wait_all(works, "parameter gather (broadcast)")
-    return buf
+def _get_full(param: torch.nn.Parameter, what: str) -> torch.Tensor | None:
+    """The whole fp32 ``what`` of ``param``, gathered from the ranks that own its elements."""
+    frag = locate(param)
+    if frag is None:
+        return None
+    s = frag.strategy
+    s.synchronize()
+    local = rank_tensor(frag, what)
+    if local is None:
+        return None
+    if not s.partitioned:
+        full = local[frag.a:frag.b].to(torch.float32, copy=True)
+    else:
+        flat = zp.FlatShard(local, frag.group.layout.numel, s.world_size, s.rank, s.pg)
+        full, works = zp.gather_range(flat, frag.a, frag.b)
+        wait_all(works, "parameter gather (broadcast)")
+        full = full.float()
+    if what == GRAD:
+        full.mul_(s.comm.post_factor(s.exchange.summed_ranks(s.world_size)))
+    return full.view(_shape(param))
+
+
+def _set_full(frag: Fragment, what: str, value: torch.Tensor, name: str, param: torch.nn.Parameter) -> None:
+    if value.numel() != frag.b - frag.a:
+        raise ValueError(f"{name}: the value has {value.numel()} elements, the parameter "
+                         f"{tuple(_shape(param))} has {frag.b - frag.a}")
+    write(frag, what, value.detach().reshape(-1)[frag.lo - frag.a:frag.hi - frag.a])
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The whole fp32 master value of ``param`` (None: not trained by an engine)."""
-    found = _slot(param)
-    if found is None:
-        return None
-    strategy, group, i = found
-    strategy.synchronize()
-    return _gather(strategy, group, group.master.data, i).view(_shape(param))
+    return _get_full(param, PARAM)
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The whole fp32 optimizer state ``optim_state_key`` (e.g. ``exp_avg``) of ``param``."""
-    found = _slot(param)
-    if found is None:
-        return None
-    strategy, group, i = found
-    state = strategy.optimizer.state.get(group.master, {}).get(optim_state_key)
-    if state is None and getattr(strategy, "offload", None) is not None:  # NVMe: in the swap file
-        state = strategy.offload.state_tensor(strategy.groups.index(group), optim_state_key)
-    if not torch.is_tensor(state) or state.numel() != group.master.numel():
-        return None
-    return _gather(strategy, group, state, i).view(_shape(param))
+    return _get_full(param, optim_state_key)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The whole averaged fp32 gradient of ``param`` (after backward, before the step; still
     multiplied by the fp16 loss scale, as DeepSpeed's)."""
-    found = _slot(param)
-    if found is None:
-        return None
-    strategy, group, i = found
-    grads = strategy.gradients.shards()[strategy.groups.index(group)]
-    full = _gather(strategy, group, grads, i).float()
-    return full.mul_(strategy.comm.post_factor(strategy.world_size)).view(_shape(param))
+    return _get_full(param, GRAD)
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the fp32 master (and the model weights) of ``param`` to the whole ``value``."""
-    found = _slot(param)
-    if found is None:
+    frag = locate(param)
+    if frag is None:
         raise ValueError("safe_set_full_fp32_param: the parameter is not trained by a dslaunch engine")
-    strategy, group, i = found
-    strategy.synchronize()
-    a, b = group.layout.param_range(i)
-    lay, src = group.layout, value.detach().reshape(-1).float()
-    lo, hi = max(a, lay.start), min(b, lay.end)
-    if hi > lo:
-        group.master.data[lo - lay.start:hi - lay.start].copy_(src[lo - a:hi - a])
+    frag.strategy.synchronize()
+    _set_full(frag, PARAM, value, "safe_set_full_fp32_param", param)
+    src = value.detach().reshape(-1).float()
     if zp.is_partitioned(param):
         zp.scatter_into(param, src)
     if not zp.is_partitioned(param) or param.ds_status is zp.ZeroParamStatus.AVAILABLE:
         param.data.copy_(src.view(_shape(param)))
+
+
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set the averaged gradient of ``param`` the next step applies to the whole ``value`` (after
+    backward, before the step; fp16: multiplied by the loss scale, as ``safe_get_full_grad``'s)."""
+    frag = locate(param)
+    if frag is not None:
+        _set_full(frag, GRAD, value, "safe_set_full_grad", param)
+
+
+def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set the fp32 optimizer state ``optim_state_key`` of ``param`` to the whole ``value``.
+
+    Raises:
+        ValueError: the optimizer has no such state (before the first step, or another key).
+    """
+    frag = locate(param)
+    if frag is not None:
+        _set_full(frag, optim_state_key, value, "safe_set_full_optimizer_state", param)
+
+
+def safe_update_full_grad_vectorized(param_list: Iterable[torch.nn.Parameter],
+                                     update_func: Callable[[torch.Tensor, torch.nn.Parameter], torch.Tensor]) -> None:
+    """Replace each parameter's whole gradient ``g`` by ``update_func(g, param)``: the averaged fp32
+    gradient of a trained parameter, ``param.grad`` of one outside an engine (skipped without)."""
+    for p in param_list:
+        if locate(p) is None:
+            if p.grad is not None:
+                p.grad.copy_(update_func(p.grad, p))
+            continue
+        safe_set_full_grad(p, update_func(safe_get_full_grad(p), p))
 
 
 def module_state_dict(module: torch.nn.Module, exclude_frozen: bool = False,

@@ -91,6 +91,11 @@ class GradientPath(ABC):
             UsageError: the gradients were not reduced across ranks.
         """
 
+    def shard(self, gi: int) -> torch.Tensor:
+        """Group ``gi``'s part of ``shards()`` where the next step reads it (in the group's dtype
+        where the whole gradient is kept): a write to it changes that step."""
+        return self.shards()[gi]
+
     @abstractmethod
     def zero_grad(self) -> None:
         """Forget the accumulated gradients."""
@@ -174,6 +179,11 @@ class FullGradients(GradientPath):
                 own = self._master_grads[gi].copy_(own)
             grads.append(own)
         return grads
+
+    def shard(self, gi: int) -> torch.Tensor:
+        self.shards()  # the checks; its 16-bit fp32 copy is remade from the buffer at every call
+        lay = self.groups[gi].layout
+        return self._gflat[gi][lay.start:lay.end]
 
     def local_gradient(self, gi: int) -> torch.Tensor:
         self._adopt_all()  # a step without backward sees zero gradients

@@ -357,6 +357,18 @@ class OffloadedStep:
         self.swap.read(self._offsets[group, key], t).wait()
         return t
 
+    def store_state(self, group: int, key: str, t: torch.Tensor) -> None:
+        """NVMe: write ``t``, the whole state ``key`` of ``group`` (as ``state_tensor`` read it), back
+        to the swap file.
+
+        Raises:
+            ValueError: the state is split between device and host (``ratio`` < 1).
+        """
+        if self.split is not None or self.swap is None:
+            raise ValueError(f"optimizer state {key!r} is split between device and host "
+                             "(offload_optimizer.ratio < 1): it cannot be written here")
+        self.swap.write(self._offsets[group, key], t.to(torch.float32).contiguous()).wait()
+
     def store_loaded(self, fresh: bool = False) -> None:
         """NVMe: move the state tensors the optimizer holds (a loaded checkpoint, or state created
         at construction) into the swap file, keeping only the scalars in host memory. Missing
