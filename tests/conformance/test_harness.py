@@ -77,6 +77,16 @@ def test_shim_leaves_out_distributed_tests_when_asked(tmp_path: Path) -> None:
     assert list(report.read_events(events, unfinished_reason="x").results) == ["test_dist.py::test_plain"]
 
 
+@pytest.mark.timeout(90)
+def test_tests_deselected_by_mark_are_not_counted(tmp_path: Path) -> None:
+    # DeepSpeed's pytest.ini deselects ``-m "not sequential"``: such a test never runs on either
+    # side and must not count as an unfinished (failed) one.
+    (tmp_path / "test_marks.py").write_text(
+        "import pytest\n\n@pytest.mark.sequential\ndef test_seq():\n    pass\n\ndef test_plain():\n    pass\n")
+    events = _shim_pytest(tmp_path, ["-m", "not sequential", "-p", "no:warnings", "test_marks.py"], dict(os.environ))
+    assert list(report.read_events(events, unfinished_reason="x").results) == ["test_marks.py::test_plain"]
+
+
 def test_a_run_of_some_files_replaces_only_theirs() -> None:
     old = report.SideRun({"a.py::t": report.Result("failed"), "a.py::d": report.Result("passed"),
                           "b.py::t": report.Result("passed")}, {"c.py": "E  ImportError"})
