@@ -31,6 +31,7 @@ from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.grid import PipelineParallelGrid
 from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.parallel.topology import ProcessTopology
+from dslaunch.runtime.zero.partition_parameters import register_external_parameter
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "partition_uniform", "partition_balanced"]
 
@@ -218,6 +219,13 @@ class PipelineModule(torch.nn.Module):
         self.forward_funcs = [f for funcs in self.chunk_funcs for f in funcs]
         self.tied_comms = self._tie_groups()
         self._synchronize_tied_weights()
+        # A tied layer's forward_fn reads the module's weights without calling the module, so the
+        # module's forward hooks (where ZeRO's overlapped publishing of updated weights is waited
+        # for) never fire there: the pipeline module's own forward declares it uses them.
+        for f in self.forward_funcs:
+            if isinstance(f, _TiedCall) and f.forward_fn is not None:
+                for p in f.module.parameters():
+                    register_external_parameter(self, p)
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
 
     @property
