@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dslaunch.accelerator import get_accelerator
 from dslaunch.errors import UsageError, quote
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
@@ -203,6 +204,14 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
+
+    def empty_partition_cache(self) -> None:
+        """Free the whole parameters ZeRO-3 gathered and still keeps (e.g. after ``eval`` or
+        generation, before another model takes the memory), as DeepSpeed's; nothing below
+        stage 3. The next forward gathers them again."""
+        self.zero.synchronize()
+        self.zero.release_gathered()
+        get_accelerator().empty_cache()
 
     def destroy(self) -> None:
         """Release what the engine holds of torch.distributed, as DeepSpeed's ``engine.destroy``.

@@ -67,6 +67,10 @@ class Stage3(ZeroStrategy):
 
     def post_backward(self) -> None:
         """Release what backward gathered and did not release (a parameter without gradient)."""
+        self.release_gathered()
+
+    def release_gathered(self) -> None:
+        """Release every gathered parameter no forward holds (``engine.empty_partition_cache``)."""
         if self.fetcher is not None:
             self.fetcher.release_idle()
 

@@ -152,6 +152,9 @@ class ZeroStrategy:
         """
         self.gradients.begin_micro_step(boundary, sync)
 
+    def release_gathered(self) -> None:
+        """Stage 3 releases the whole parameters it gathered; below it nothing is gathered."""
+
     def post_backward(self) -> None:
         """Right after loss.backward(), before ``end_backward``: a no-op below stage 3, which will
         release the parameters gathered for backward here."""

@@ -111,3 +111,35 @@ def test_activation_checkpointing(reentrant: bool) -> None:
     """torch.utils.checkpoint recomputes forwards inside backward: gradients still match torch and
     every parameter is released after backward."""
     run_world(_checkpointed, 2, reentrant)
+
+
+def _empty_cache(rank: int, world: int, empty: bool) -> tuple[int, list[float]]:
+    import torch
+
+    import dslaunch
+    from dslaunch.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    whole = 0
+    for _ in range(2):
+        with torch.no_grad():
+            engine(x)  # an evaluation between steps
+        if empty:
+            engine.empty_partition_cache()
+            whole = max(whole, sum(p.numel() for p in model.parameters()))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return whole, safe_get_full_fp32_param(model[2].weight).reshape(-1).tolist()
+
+
+@pytest.mark.timeout(90)
+def test_empty_partition_cache_leaves_nothing_gathered_and_training_unchanged() -> None:
+    plain = run_world(_empty_cache, 2, False, timeout=80)
+    emptied = run_world(_empty_cache, 2, True, timeout=80)
+    for (_, want), (whole, got) in zip(plain, emptied, strict=True):
+        assert whole == 0 and got == want
