@@ -281,8 +281,14 @@ class OneCycle(Schedule):
             return list(self.min_lrs)
         return [lo / (1.0 + self.decay_lr_rate * interval) for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float]:
-        """beta1 of each group at ``last_batch_iteration``."""
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Each group's ``betas`` at ``last_batch_iteration``, as DeepSpeed's: (cycled beta1, the
+        optimizer's beta2); None without momentum cycling."""
+        if not self.cycle_momentum:
+            return None
+        return [(mom, group["betas"][1]) for mom, group in zip(self._beta1s(), self._groups, strict=True)]
+
+    def _beta1s(self) -> list[float]:
         if self.last_batch_iteration < self.total_size:
             scale = self._scale()
             return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms, strict=True)]
@@ -299,12 +305,12 @@ class OneCycle(Schedule):
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         super().step(last_batch_iteration)
-        self._set_momentum(self.get_mom())
+        self._set_momentum(self._beta1s())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         if self.last_batch_iteration >= 0:
-            self._set_momentum(self.get_mom())
+            self._set_momentum(self._beta1s())
 
 
 class LRRangeTest(Schedule):

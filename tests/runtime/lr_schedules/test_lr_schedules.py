@@ -102,10 +102,12 @@ def test_one_cycle_lr_and_momentum() -> None:
             k = (t - 10 + 1) / 2
             expected_lr.append(0.01 / (1 + 0.5 * k))
             expected_mom.append(0.9 * (1 + 0.1 * k))
+    assert sched.get_mom() == [(pytest.approx(0.9), 0.999)]  # DeepSpeed's: each group's betas to come
     for t in range(14):
         sched.step()
         assert opt.param_groups[0]["lr"] == pytest.approx(expected_lr[t]), t
         assert opt.param_groups[0]["betas"][0] == pytest.approx(expected_mom[t]), t
+        assert sched.get_mom() == [opt.param_groups[0]["betas"]], t
     # the peak is reached exactly at the end of the first half
     peak = _sched("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0,
                                            "cycle_first_step_size": 3}, _adam())
@@ -131,7 +133,7 @@ def test_one_cycle_stairs_and_sgd_without_betas() -> None:
     rising = [math.floor(p * 3 / 6) / 3 for p in range(1, 7)]
     falling = [math.floor((12 - p) * 3 / 6) / 3 for p in range(7, 13)]
     assert lrs[1:] == pytest.approx(rising + falling)
-    assert "betas" not in sgd.param_groups[0]
+    assert "betas" not in sgd.param_groups[0] and sched.get_mom() is None  # nothing to cycle
 
 
 @pytest.mark.parametrize("staircase", [False, True])
