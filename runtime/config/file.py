@@ -4,7 +4,8 @@ Owns the limits that keep a hostile or broken config from crashing, hanging or f
 output before the key-by-key validation in ``config.py`` runs:
 
 - the file: a regular file of at most ``MAX_FILE_BYTES``, UTF-8 or UTF-16 with a BOM
-  (``dslaunch.textfile``); ``.yaml``/``.yml`` in any case is YAML, anything else JSON;
+  (``dslaunch.textfile``); ``.yaml``/``.yml`` in any case is YAML, anything else JSON (HJSON,
+  as DeepSpeed reads it, where the ``hjson`` package is installed);
 - YAML aliases (``*name``) are refused: a few hundred bytes of nested aliases expand to
   billions of values (the "billion laughs");
 - integer literals of more than ``_MAX_INT_DIGITS`` digits become ``HugeInt``, which the key's
@@ -54,8 +55,24 @@ def read_config_file(path: Path) -> Any:
     try:
         return json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as err:
-        raise fail(f"invalid JSON at column {err.colno}: {shorten(err.msg, 200)}", err.lineno) from None
+        return _load_hjson(text, err, fail)
     except RecursionError:  # the C decoder's own depth guard, far below the file size limit
+        raise fail(f"nested deeper than {MAX_DEPTH} levels", None) from None
+
+
+def _load_hjson(text: str, json_error: json.JSONDecodeError, fail: Fail) -> Any:
+    """DeepSpeed reads config files as HJSON (comments, unquoted keys, trailing commas): so does
+    dslaunch where the ``hjson`` package is installed (DeepSpeed requires it; the ``hjson`` extra)."""
+    try:
+        import hjson
+    except ImportError:
+        raise fail(f"invalid JSON at column {json_error.colno}: {shorten(json_error.msg, 200)} (DeepSpeed also "
+                   "reads HJSON: pip install hjson to read this file as it does)", json_error.lineno) from None
+    try:
+        return hjson.loads(text, parse_int=_parse_int, object_pairs_hook=dict)
+    except hjson.HjsonDecodeError as err:
+        raise fail(f"invalid JSON/HJSON at column {err.colno}: {shorten(err.msg, 200)}", err.lineno) from None
+    except RecursionError:
         raise fail(f"nested deeper than {MAX_DEPTH} levels", None) from None
 
 

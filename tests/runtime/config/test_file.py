@@ -198,3 +198,32 @@ def test_keys_must_be_strings(key: object) -> None:
 def test_messages_quote_user_values_bounded_on_one_line(raw: dict) -> None:
     msg = _error({"train_batch_size": 2, **raw})
     assert len(msg) <= 600 and msg.isprintable(), msg
+
+
+# ---------------------------------------------------------------- HJSON (DeepSpeed reads config files with hjson)
+HJSON = """{
+  # the batch
+  train_batch_size: 8
+  "gradient_accumulation_steps": 2,  // trailing commas, comments, quoteless keys and strings
+  optimizer: {
+    type: Adam
+    params: {lr: 0.001,},
+  },
+}
+"""
+
+
+def test_an_hjson_config_file_reads_as_deepspeed_reads_it(tmp_path: Path) -> None:
+    cfg = load_config(_file(tmp_path, "c.json", HJSON), 2)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps, cfg.train_micro_batch_size_per_gpu) == (8, 2, 2)
+    assert cfg.optimizer.name == "Adam" and cfg.optimizer.params["lr"] == 0.001
+    bad = _file(tmp_path, "bad.json", '{\n"train_batch_size": 2,\n"fp16": {enabled: true\n')
+    assert _error(bad).startswith(f"{bad}: line "), _error(bad)
+    assert "invalid JSON/HJSON at column" in _error(bad)
+
+
+def test_without_hjson_a_non_json_file_says_how_deepspeed_reads_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "hjson", None)  # import hjson fails
+    path = _file(tmp_path, "c.json", HJSON)
+    msg = _error(path)
+    assert msg.startswith(f"{path}: line 2: invalid JSON at column 3: ") and "pip install hjson" in msg, msg
