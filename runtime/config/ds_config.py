@@ -437,9 +437,6 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
         if on and zero.stage != 3:
             raise ConfigError(f"ZeRO++ needs ZeRO stage 3, this config has stage {zero.stage}; set the stage "
                               "to 3 or remove it", key=f"zero_optimization.{key}")
-    if zero.offload_param.enabled and zero.stage != 3:
-        raise ConfigError("needs ZeRO stage 3 (below it every rank holds all parameters)",
-                          key="zero_optimization.offload_param.device")
     if cfg.zero_optimization.stage not in STAGES:
         raise ConfigError(f"ZeRO stage {cfg.zero_optimization.stage} is accepted by DeepSpeed but not "
                           f"implemented by dslaunch yet; use {stage_choices()}", key="zero_optimization.stage")

@@ -300,9 +300,14 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
-        if self.elastic_checkpoint and self.stage == 3:
-            from dslaunch.utils.logging import logger
+        from dslaunch.utils.logging import logger
 
+        if self.offload_param.enabled and self.stage != 3:
+            # DeepSpeed ignores it silently; refusing would stop a config DeepSpeed runs.
+            logger.warning(f"zero_optimization.offload_param: has no effect at ZeRO stage {self.stage} (every rank "
+                           "holds all parameters below stage 3), as in DeepSpeed; remove it or use stage 3")
+            object.__setattr__(self, "offload_param", OffloadConfig(buffer_count=5))
+        if self.elastic_checkpoint and self.stage == 3:
             logger.warning("zero_optimization.elastic_checkpoint: ZeRO-3 elastic checkpointing is deprecated "
                            "(DeepSpeed) and has no effect: dslaunch's stage-3 checkpoints load at any world "
                            "size and ZeRO stage; remove the key")
