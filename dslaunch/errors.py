@@ -87,6 +87,10 @@ class ConfigError(DslaunchError, ValueError):
 DeepSpeedConfigError = ConfigError  # DeepSpeed's name (``deepspeed.DeepSpeedConfigError``)
 
 
+class ModelRequiredError(ConfigError, AssertionError):
+    """``initialize()`` without a model. Also an ``AssertionError``: what DeepSpeed raises there."""
+
+
 class LaunchError(DslaunchError):
     """The job could not be started: host unreachable, port busy, interpreter missing."""
 

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dslaunch.errors import ConfigError, install_excepthook
+from dslaunch.errors import ConfigError, ModelRequiredError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import init_distributed, slurm_env
 from dslaunch.runtime.shutdown import register_clean_exit
+from dslaunch.utils.logging import logger
 from dslaunch.utils.refused import Refusal, refused_function
 from dslaunch.utils.restart import restart_count, resume_dir
 
@@ -66,7 +67,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     """
     install_excepthook()  # a config mistake reads as one line in the worker's output
     if model is None:
-        raise ConfigError("initialize() needs model=<torch.nn.Module>")
+        where = " (the first positional argument is args, as in DeepSpeed)" if args is not None else ""
+        raise ModelRequiredError(f"initialize() needs model=<torch.nn.Module>{where}")
     source = _config_source(args, config if config is not None else config_params)
     # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
     will_init = not dist.is_initialized() and dist_init_required is not False
@@ -143,6 +145,9 @@ def _checked_mpu(mpu: Any) -> Any:
 
 def _config_source(args: Any, config: Any) -> Any:
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is None and getattr(args, "deepscale_config", None) is not None:
+        logger.warning("--deepscale_config is deprecated (DeepSpeed's old name): use --deepspeed_config")
+        from_args = args.deepscale_config
     if config is not None and from_args is not None:
         raise ConfigError("a config was given both as --deepspeed_config and to initialize(config=...); "
                           "give exactly one")
@@ -156,4 +161,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="Enable DeepSpeed (helper flag for user code, no impact on dslaunch)")
     group.add_argument("--deepspeed_config", default=None, type=str,
                        help="DeepSpeed json/yaml configuration file.")
+    # DeepSpeed's deprecated spellings, still read by initialize(args=...)
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser

@@ -133,3 +133,24 @@ def test_a_restart_that_finds_no_checkpoint_stops_before_any_step_with_exit_2(tm
         assert lost.stderr.strip().splitlines()[-1:] == [
             f"dslaunch: error: restart 1 of the job cannot resume: --resume_from {where} {what} (the script "
             "must save its checkpoints into that directory); not starting over at step 0"], lost.stderr
+
+
+@pytest.mark.timeout(60)
+def test_no_model_is_an_assertion_error_as_in_deepspeed(tmp_path, caplog) -> None:
+    import argparse
+
+    import torch
+
+    import dslaunch
+
+    config = {"train_batch_size": 2}
+    with pytest.raises(AssertionError, match=r"needs model=<torch.nn.Module>$"):
+        dslaunch.initialize(model=None, config=config)
+    with pytest.raises(ValueError, match="the first positional argument is args"):
+        dslaunch.initialize(torch.nn.Linear(2, 2), config=config)  # DeepSpeed's signature: args first
+    # DeepSpeed's deprecated --deepscale_config still names the config, with a warning
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 2, "gradient_accumulation_steps": 2}))
+    args = dslaunch.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepscale_config", str(path)])
+    engine, *_ = dslaunch.initialize(args=args, model=torch.nn.Linear(2, 2), dist_init_required=False)
+    assert engine.gradient_accumulation_steps() == 2 and "--deepscale_config is deprecated" in caplog.text
