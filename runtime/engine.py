@@ -24,7 +24,7 @@ from dslaunch.errors import UsageError, quote
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
-from dslaunch.runtime.engine_setup import build_components
+from dslaunch.runtime.engine_setup import build_components, data_loader
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
@@ -204,6 +204,16 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train",
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+                     num_local_io_workers: int | None = None) -> Any:
+        """A loader of this data-parallel rank's share of ``dataset``, as DeepSpeed's (what
+        ``initialize(training_data=...)`` returns): batches of ``batch_size`` (default the config's
+        micro batch), ``data_sampler`` instead of the rank's shuffled share where given. ``route``
+        (train/eval/predict) changes nothing here; ``pin_memory`` applies where CUDA is in use."""
+        return data_loader(self._config, dataset, self.grid, batch_size, collate_fn, num_local_io_workers or 0,
+                           pin_memory and self.device.type == "cuda", data_sampler)
 
     def empty_partition_cache(self) -> None:
         """Free the whole parameters ZeRO-3 gathered and still keeps (e.g. after ``eval`` or

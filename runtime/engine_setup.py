@@ -233,12 +233,21 @@ def _scheduler(cfg: DeepSpeedConfig, client: Any, optimizer: torch.optim.Optimiz
 
 
 def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any, grid: Any) -> Any:
-    """The data-parallel rank's share: the parts of one replica (pipeline stages, tensor slices)
-    read the same samples."""
-    if data is None:
-        return None
+    return None if data is None else data_loader(cfg, data, grid, collate_fn=collate_fn)
+
+
+def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | None = None, collate_fn: Any = None,
+                num_workers: int = 0, pin_memory: bool = False, sampler: Any = None) -> Any:
+    """The data-parallel rank's share of ``data`` in batches of ``batch_size`` (default: the
+    config's micro batch): the parts of one replica (pipeline stages, tensor slices) read the same
+    samples. With a ``sampler`` (DeepSpeed's ``data_sampler``), torch's loader over it instead."""
     from dslaunch.runtime.dataloader import DistributedDataLoader
 
-    return DistributedDataLoader(data, cfg.train_micro_batch_size_per_gpu, grid.get_data_parallel_rank(),
-                                 grid.get_data_parallel_world_size(),
-                                 collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+    batch_size = batch_size or cfg.train_micro_batch_size_per_gpu
+    if sampler is not None:
+        return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                                           num_workers=num_workers, pin_memory=pin_memory,
+                                           drop_last=cfg.dataloader_drop_last)
+    return DistributedDataLoader(data, batch_size, grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(),
+                                 collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, num_workers=num_workers,
+                                 pin_memory=pin_memory)

@@ -219,3 +219,26 @@ def test_iterating_does_not_touch_the_global_rng(num_workers: int) -> None:
         pass
     _epoch(loader)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def _io(rank: int, world: int) -> dict:
+    import dslaunch
+
+    engine, *_ = dslaunch.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 4})
+    given, _ = engine.deepspeed_io(Squares(16)), engine.deepspeed_io(Squares(16), route="eval")
+    sized = engine.deepspeed_io(Squares(16), batch_size=3, num_local_io_workers=0)
+    ordered = engine.deepspeed_io(Squares(8), data_sampler=torch.utils.data.SequentialSampler(range(8)))
+    return {"given": [_ids(b) for b in given], "sized": [len(_ids(b)) for b in sized],
+            "ordered": [_ids(b) for b in ordered]}
+
+
+def test_engine_deepspeed_io_gives_each_rank_its_share() -> None:
+    """DeepSpeed's ``engine.deepspeed_io``: the micro batch by default, the rank's own samples."""
+    from tests.distributed import run_world
+
+    got = run_world(_io, 2, timeout=50)
+    shares = [sorted(i for b in r["given"] for i in b) for r in got]
+    assert all(len(b) == 2 for r in got for b in r["given"])  # train_batch_size 4 over 2 ranks
+    assert sorted(shares[0] + shares[1]) == list(range(16)) and not set(shares[0]) & set(shares[1])
+    assert got[0]["sized"] == [3, 3, 2]  # 8 samples per rank; dataloader_drop_last is false by default
+    assert got[0]["ordered"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the sampler decides
