@@ -237,10 +237,11 @@ def _dataloader(cfg: DeepSpeedConfig, data: Any, collate_fn: Any, grid: Any) -> 
 
 
 def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | None = None, collate_fn: Any = None,
-                num_workers: int = 0, pin_memory: bool = False, sampler: Any = None) -> Any:
+                num_workers: int = 0, pin_memory: bool = False, sampler: Any = None, shuffle: bool = True) -> Any:
     """The data-parallel rank's share of ``data`` in batches of ``batch_size`` (default: the
-    config's micro batch): the parts of one replica (pipeline stages, tensor slices) read the same
-    samples. With a ``sampler`` (DeepSpeed's ``data_sampler``), torch's loader over it instead."""
+    config's micro batch), reshuffled each epoch unless ``shuffle`` is False: the parts of one
+    replica (pipeline stages, tensor slices) read the same samples. With a ``sampler`` (DeepSpeed's
+    ``data_sampler``), torch's loader over it instead."""
     from dslaunch.runtime.dataloader import DistributedDataLoader
 
     batch_size = batch_size or cfg.train_micro_batch_size_per_gpu
@@ -249,5 +250,5 @@ def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | No
                                            num_workers=num_workers, pin_memory=pin_memory,
                                            drop_last=cfg.dataloader_drop_last)
     return DistributedDataLoader(data, batch_size, grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(),
-                                 collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last, num_workers=num_workers,
-                                 pin_memory=pin_memory)
+                                 collate_fn=collate_fn, shuffle=shuffle, drop_last=cfg.dataloader_drop_last,
+                                 num_workers=num_workers, pin_memory=pin_memory)

@@ -35,6 +35,7 @@ from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.engine import DeepSpeedEngine
+from dslaunch.runtime.engine_setup import data_loader
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.pipe import p2p
 from dslaunch.runtime.pipe import schedule as sched
@@ -98,7 +99,13 @@ class PipelineEngine(DeepSpeedEngine):
 
     def __init__(self, model: PipelineModule, config: DeepSpeedConfig, **kwargs: Any):
         _check_config(model, config)
+        training_data = kwargs.pop("training_data", None)
         super().__init__(model, config, mpu=model.mpu(), **kwargs)
+        if training_data is not None:
+            # In order, as DeepSpeed's pipeline reads it (its sampler does not shuffle): a micro
+            # batch holds neighbouring samples, which a dataset may make alike in shape.
+            self.training_dataloader = data_loader(config, training_data, self.grid, collate_fn=kwargs.get("collate_fn"),
+                                                   shuffle=False)
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
         self.micro_batches = config.gradient_accumulation_steps
         self.schedule_type = sched.SCHEDULES[config.pipeline.schedule]

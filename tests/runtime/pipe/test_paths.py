@@ -43,13 +43,13 @@ def _from_training_data(rank: int, world: int) -> dict:
     engine, _, loader, _ = dslaunch.initialize(model=module, config=helpers.config(2, 0.01), training_data=data)
     losses = [engine.train_batch().item() for _ in range(4)]
     return {"losses": losses, "samples": engine.global_samples, "reads": engine.data_iterator is not None,
-            "loader": loader is not None}
+            "loader": loader is not None, "in_order": not loader.shuffle}  # as DeepSpeed's pipeline reads data
 
 
 def test_training_data_feeds_train_batch() -> None:
     got = run_world(_from_training_data, 2)
     assert got[0]["losses"] == got[1]["losses"] and got[0]["samples"] == 4 * 2 * helpers.MICRO
-    assert all(r["reads"] and r["loader"] for r in got)  # first and last stage read the same batches
+    assert all(r["reads"] and r["loader"] and r["in_order"] for r in got)  # both stages read the same batches
 
 
 def _logged(rank: int, world: int) -> list[str]:
