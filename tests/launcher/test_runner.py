@@ -96,11 +96,12 @@ def test_runner_main_raises_value_error_where_the_command_prints_one_line(tmp_pa
 
 
 @pytest.mark.timeout(90)
-def test_runner_main_ends_the_process_with_a_failed_jobs_code(tmp_path):
+def test_runner_main_ends_the_process_with_a_failed_jobs_code(tmp_path, free_port):
     """GPT-NeoX's deepy.py calls runner.main(args) and ignores what it returns, as DeepSpeed's exits."""
     (tmp_path / "fail.py").write_text("import sys; sys.exit(3)\n")
     (tmp_path / "ok.py").write_text("")
-    call = "from dslaunch.launcher.runner import main; print(main(['--num_gpus', '1', {!r}]))"
+    call = ("from dslaunch.launcher.runner import main; "
+            f"print(main(['--num_gpus', '1', '--master_port', '{free_port}', {{!r}}]))")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     for script, code, printed in [("fail.py", 3, []), ("ok.py", 0, ["None"])]:  # main() returned None
         r = subprocess.run([sys.executable, "-c", call.format(script)], cwd=tmp_path, env=env,

@@ -143,9 +143,9 @@ def test_nvme_param_bad_path_is_one_line_error(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="offload_param.nvme_path'.*is required"):
         load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, 1)
-    with pytest.raises(ConfigError, match="offload_param.device'.*stage 3"):
-        load_config({"train_batch_size": 2, "zero_optimization": {
-            "stage": 2, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}, 1)
+    # below stage 3 DeepSpeed ignores it; so does dslaunch, with a warning (tests/runtime/config)
+    assert not load_config({"train_batch_size": 2, "zero_optimization": {
+        "stage": 2, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}, 1).zero_optimization.offload_param.enabled
 
 
 @pytest.mark.timeout(90)
