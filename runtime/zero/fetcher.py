@@ -127,6 +127,34 @@ def _first_node(out: Any) -> Any:
     return None
 
 
+class _WatchedParams(dict):
+    """A module's ``_parameters`` that tells the fetcher when a forward reads a parameter that is
+    not whole (``module.weight`` goes through ``__getitem__``; iteration and ``state_dict`` do not).
+    Copies and pickles are plain dicts: the fetcher belongs to this engine's model only."""
+
+    def __init__(self, params: dict, fetcher: ParamFetcher):
+        super().__init__(params)
+        self._fetcher = fetcher
+
+    def __getitem__(self, key: str) -> Any:
+        p = super().__getitem__(key)
+        if (self._fetcher._running and zp.is_partitioned(p)
+                and p.ds_status is not zp.ZeroParamStatus.AVAILABLE):
+            self._fetcher.read_outside(p)
+        return p
+
+    def __reduce__(self) -> tuple:
+        return dict, (dict(self),)
+
+    def __copy__(self) -> dict:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        import copy
+
+        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+
+
 class ParamFetcher:
     """Registers the gather/release hooks on every submodule of ``module``.
 
@@ -149,9 +177,11 @@ class ParamFetcher:
         self.replay: Trace | None = None
         self.cursor = 0
         self.handles = []
+        self._running: list[torch.nn.Module] = []  # the hooked forwards in flight, innermost last
         for m in module.modules():
             self.handles.append(m.register_forward_pre_hook(self._before))
             self.handles.append(m.register_forward_hook(self._after, always_call=True))
+            m.__dict__["_parameters"] = _WatchedParams(m._parameters, self)
 
     @staticmethod
     def _used_by(m: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -247,6 +277,7 @@ class ParamFetcher:
             self._wrap_apply()
         used = self._used_by(m)
         self._stack.append(used)
+        self._running.append(m)
         for p in used:  # held first: the prefetch's room-making must not release them
             p._dsl_users += 1
         if used:
@@ -254,6 +285,7 @@ class ParamFetcher:
 
     def _after(self, m: torch.nn.Module, args: Any, out: Any) -> None:
         used = self._stack.pop()
+        self._running.pop()
         for p in used:
             p._dsl_users -= 1
         if _in_backward():
@@ -268,6 +300,18 @@ class ParamFetcher:
             self._saving = None
             if not torch.is_grad_enabled():
                 self._end()  # nothing saved for a backward: the iteration is over
+
+    def read_outside(self, p: torch.nn.Parameter) -> None:
+        """A forward read ``p``, a partitioned parameter of a module not running (``F.linear(x,
+        self.other.weight)``): gather it now and from now on with the running module, as if it
+        had been named with ``register_external_parameter`` (DeepSpeed finds these the same way).
+
+        collective: every rank's forward reads the same parameters in the same order."""
+        m = self._running[-1]
+        external_params(m)[id(p)] = p
+        self._stack[-1].append(p)  # released with the running module's own
+        p._dsl_users += 1
+        self._event(("x", id(m), p.ds_id), [p])
 
     def release_idle(self) -> None:
         """End the iteration: release every parameter no forward holds (after backward)."""

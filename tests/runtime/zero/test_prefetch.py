@@ -53,8 +53,12 @@ def _probe(engine, model) -> list[tuple[str, int, list[str], int]]:
     """Samples (phase, layer, status of every layer's weight, whole-or-in-flight elements)."""
     samples: list[tuple[str, int, list[str], int]] = []
 
+    # Held once, outside any forward: reading ``lin.weight`` inside one would gather it (a
+    # parameter read outside its module's forward is fetched, as DeepSpeed fetches it).
+    weights = [next(lin.parameters()) for lin in model.layers]
+
     def sample(phase: str, k: int) -> None:
-        status = [lin.weight.ds_status.name for lin in model.layers]
+        status = [w.ds_status.name for w in weights]
         samples.append((phase, k, status, engine.zero.fetcher.live.numel()))
 
     for k, lin in enumerate(model.layers):

@@ -143,3 +143,53 @@ def test_empty_partition_cache_leaves_nothing_gathered_and_training_unchanged() 
     emptied = run_world(_empty_cache, 2, True, timeout=80)
     for (_, want), (whole, got) in zip(plain, emptied, strict=True):
         assert whole == 0 and got == want
+
+
+def _outside_read(rank: int, world: int, steps: int) -> list[float]:
+    import torch
+
+    import dslaunch
+
+    class ReadsAnother(torch.nn.Module):
+        """The root's forward reads linear1's weight itself (DeepSpeed's test_ext_param_getattr)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear1, self.linear2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.linear2(self.linear1(x))
+            return torch.nn.functional.linear(h, self.linear1.weight).square().mean()
+
+    torch.manual_seed(0)
+    model = ReadsAnother()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    if world == 0:  # the plain torch reference, one process, the whole batch
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(steps):
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    share = x[rank * 2:(rank + 1) * 2]
+    losses = []
+    for _ in range(steps):
+        loss = engine(share)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(90)
+def test_a_parameter_read_outside_its_module_is_gathered_without_registration() -> None:
+    want = _outside_read(0, 0, 4)
+    got = run_world(_outside_read, 2, 4, timeout=80)
+    mean = [(a + b) / 2 for a, b in zip(got[0], got[1], strict=True)]
+    assert mean == pytest.approx(want, rel=1e-5)
