@@ -251,7 +251,11 @@ class PipelineModule(torch.nn.Module):
         interval = self._checkpoint_interval
         self._checkpointable = [[self._is_checkpointable(funcs[i:i + interval]) for i in range(0, len(funcs), interval)]
                                 if interval else [] for funcs in self.chunk_funcs]
-        self.is_checkpointable_results = self._checkpointable[0]
+
+    @property
+    def is_checkpointable_results(self) -> list[bool]:
+        """DeepSpeed's name for the first chunk's checkpointed runs of layers."""
+        return self._checkpointable[0]
 
     # ----- building ---------------------------------------------------------------------------
     def _build(self, part: int) -> list[Callable]:

@@ -138,7 +138,7 @@ class _WatchedParams(dict):
 
     def __getitem__(self, key: str) -> Any:
         p = super().__getitem__(key)
-        if (self._fetcher._running and zp.is_partitioned(p)
+        if (self._fetcher._stack and zp.is_partitioned(p)
                 and p.ds_status is not zp.ZeroParamStatus.AVAILABLE):
             self._fetcher.read_outside(p)
         return p
@@ -168,7 +168,8 @@ class ParamFetcher:
                  limits: FetchLimits = FetchLimits()):
         self.module, self.params = module, params
         self.live = LiveParams(limits)
-        self._stack: list[list[torch.nn.Parameter]] = []
+        # the hooked forwards in flight, innermost last: each module and the parameters it holds
+        self._stack: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
         self._saving: contextlib.AbstractContextManager | None = None
         self._wrapped_apply = False  # this fetcher put _apply in torch.autograd.Function
         self._traces: dict[tuple[bool, bool], Trace] = {}
@@ -177,7 +178,6 @@ class ParamFetcher:
         self.replay: Trace | None = None
         self.cursor = 0
         self.handles = []
-        self._running: list[torch.nn.Module] = []  # the hooked forwards in flight, innermost last
         for m in module.modules():
             self.handles.append(m.register_forward_pre_hook(self._before))
             self.handles.append(m.register_forward_hook(self._after, always_call=True))
@@ -276,16 +276,14 @@ class ParamFetcher:
             self._saving.__enter__()
             self._wrap_apply()
         used = self._used_by(m)
-        self._stack.append(used)
-        self._running.append(m)
+        self._stack.append((m, used))
         for p in used:  # held first: the prefetch's room-making must not release them
             p._dsl_users += 1
         if used:
             self._event(("f", id(m)), used)
 
     def _after(self, m: torch.nn.Module, args: Any, out: Any) -> None:
-        used = self._stack.pop()
-        self._running.pop()
+        _, used = self._stack.pop()
         for p in used:
             p._dsl_users -= 1
         if _in_backward():
@@ -307,9 +305,9 @@ class ParamFetcher:
         had been named with ``register_external_parameter`` (DeepSpeed finds these the same way).
 
         collective: every rank's forward reads the same parameters in the same order."""
-        m = self._running[-1]
+        m, used = self._stack[-1]
         external_params(m)[id(p)] = p
-        self._stack[-1].append(p)  # released with the running module's own
+        used.append(p)  # released with the running module's own
         p._dsl_users += 1
         self._event(("x", id(m), p.ds_id), [p])
 
