@@ -63,7 +63,8 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
         groups = split_groups(cfg.optimizer, groups, _subgroup)
     comm = CommSettings(reduce_bucket_numel=zero_cfg.reduce_bucket_size,
                         allgather_bucket_numel=zero_cfg.allgather_bucket_size,
-                        overlap_comm=zero_cfg.overlap_comm, comm_dtype=precision.comm_dtype,
+                        overlap_comm=zero_cfg.overlap_comm, overlap_param_gather=zero_cfg.overlap_param_gather,
+                        comm_dtype=precision.comm_dtype,
                         prescale_gradients=cfg.prescale_gradients,
                         gradient_predivide_factor=cfg.gradient_predivide_factor,
                         average=cfg.gradient_allreduce_op == "mean",

@@ -231,6 +231,13 @@ class ZeroConfig:
     allgather_bucket_size: int = _opt(500_000_000, integer(1), "elements gathered per bucket, e.g. 5e8")
     overlap_comm: bool = _opt(None, optional(boolean), "true to overlap gradient reduction with backward")
     """Default (null): true at stage 3, false below it, as DeepSpeed's."""
+    overlap_param_gather: bool = _opt(False, boolean, "true to keep stage 1/2's publish of updated weights "
+                                      "in flight into the next forward")
+    """dslaunch's key (Megatron's name; DeepSpeed has none): at stages 1 and 2 the broadcasts of the
+    updated shards stay in flight after ``step()`` and each module's forward waits only for its own
+    weights. Off by default because a script that reads weights between ``step()`` and the next
+    forward (an EMA, a weight-norm log through ``parameters()``) would read a mix of old and new
+    values; the engine's own readers (save, ``state_dict``, eval) wait first."""
     contiguous_gradients: bool = _opt(True, _only(True, "dslaunch always copies gradients into contiguous "
                                                   "buffers (one flat buffer per param group at stages 0-1, "
                                                   "the reduce buckets at stage 2)"), "true")

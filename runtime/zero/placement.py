@@ -119,7 +119,7 @@ class Sharded(Placement):
                  process_group: Any = None):
         super().__init__(specs, comm, world_size, rank, process_group)
         self.publisher = ShardPublisher(self.groups, world_size, rank, comm.allgather_bucket_numel,
-                                        comm.overlap_comm, process_group)
+                                        comm.overlap_param_gather, process_group)
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:

@@ -59,6 +59,7 @@ class CommSettings:
     reduce_bucket_numel: int = 500_000_000
     allgather_bucket_numel: int = 500_000_000
     overlap_comm: bool = False
+    overlap_param_gather: bool = False  # stages 1/2: the publish stays in flight into the next forward
     comm_dtype: torch.dtype | None = None  # None: the gradient dtype
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0

@@ -4,7 +4,7 @@ Gradients are reduced exactly as in stage 0 (``FullGradients``: full flat buffer
 all-reduce at the boundary: on gloo an all-reduce beats reduce-scatter of the same buffer), but
 each rank then updates only its own shard ``partition_range(numel, world, rank)`` with the
 optimizer, and the updated shards are broadcast to every rank in chunks of
-``allgather_bucket_size`` elements (``Sharded``, through ``ShardPublisher``; with ``overlap_comm``
+``allgather_bucket_size`` elements (``Sharded``, through ``ShardPublisher``; with ``overlap_param_gather``
 the gather overlaps whatever runs before the next forward). Optimizer state and master weights
 per rank: 1/N of stage 0.
 """

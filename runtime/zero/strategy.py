@@ -100,7 +100,7 @@ class ZeroStrategy:
         self._norm_pieces = [g.layout.counted_pieces(spec.norm_skipped) for g, spec in zip(self.groups, groups,
                                                                                              strict=True)]
         self.publisher = self.placement.publisher  # None when replicated; tests watch its gathers
-        # with overlap_comm a forward waits per module for the last publish (publisher.gate)
+        # with overlap_param_gather a forward waits per module for the last publish (publisher.gate)
         self._gated = bool(self.publisher.gate(module)) if self.publisher is not None and module is not None else False
         self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups],
                                         self._flat_shards())

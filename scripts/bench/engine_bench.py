@@ -8,7 +8,7 @@ Step time: each of ``--repeats`` runs (rounds) starts one process pair holding e
 which take turns (order rotated), ``--block`` consecutive steps per turn, so load from other
 processes on this shared machine hits all of them alike. Within a turn nothing waits between steps,
 as in a training loop: dslaunch's parameter publish of one step overlaps the next forward (ZeRO-1/2
-with ``overlap_comm``); the turn's last step also waits for what is still in flight. Per round the
+with ``overlap_param_gather``); the turn's last step also waits for what is still in flight. Per round the
 median over ``--steps`` turns after ``--warmup``; the table gives the median over rounds and
 ``DDP / this`` per round plus the quartiles of the per-step ratios (steps of two configurations in
 the same turn slot ran back to back). Peak RSS: one fresh process pair per configuration. DeepSpeed (the peer) is measured
@@ -45,6 +45,8 @@ def _ds_config(stage: int, peer: bool) -> dict:
                                  "allgather_bucket_size": BUCKET, "overlap_comm": stage > 0}}
     if peer:  # DeepSpeed gets torch's fused AdamW as a client optimizer (its FusedAdam needs CUDA)
         return {**cfg, "zero_allow_untested_optimizer": True}
+    # dslaunch's publish stays in flight into the next forward (its own key; DeepSpeed has none)
+    cfg["zero_optimization"]["overlap_param_gather"] = stage in (1, 2)
     return {**cfg, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
 
 

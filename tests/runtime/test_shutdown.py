@@ -49,7 +49,8 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
 config = {"train_micro_batch_size_per_gpu": 4,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 4000,
+          "zero_optimization": {"stage": 2, "overlap_comm": True, "overlap_param_gather": True,
+                                "reduce_bucket_size": 4000,
                                 "allgather_bucket_size": 2000}}
 engine, *_ = deepspeed.initialize(model=model, config=config)
 engine_box.append(engine)

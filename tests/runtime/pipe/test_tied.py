@@ -76,7 +76,7 @@ def _train(rank: int, world: int, virtual: int, steps: int = STEPS, adam: bool =
     for _ in range(steps):
         losses.append(engine.train_batch(data).item())
         norms.append(engine.get_global_grad_norm())
-    # The state dict waits for the last publish (with overlap_comm still in flight after the step).
+    # The state dict waits for the last publish (with overlap_param_gather still in flight after the step).
     weights = engine.module_state_dict()
     middle = weights.get("2.weight")
     return {"losses": losses, "norms": norms, "tied": weights["tied_modules.proj.weight"].tolist(),
@@ -85,7 +85,7 @@ def _train(rank: int, world: int, virtual: int, steps: int = STEPS, adam: bool =
 
 
 @pytest.mark.parametrize("virtual, zero", [(1, None), (2, None), (1, {"stage": 0, "overlap_comm": True}),
-                                           (1, {"stage": 1, "overlap_comm": True})])
+                                           (1, {"stage": 1, "overlap_comm": True, "overlap_param_gather": True})])
 def test_tied_weights_train_as_one_module(virtual: int, zero: dict | None) -> None:
     """virtual 2: parts [proj, tanh] [linear] [tanh] [out proj], rank 0 holding the 1st and 3rd.
     overlap_comm: the data-parallel buckets reduce during the last backward, in place in the

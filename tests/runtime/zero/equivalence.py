@@ -23,7 +23,8 @@ def config(stage: int, **extra) -> dict:
     return {"train_batch_size": GLOBAL, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
-                                  "allgather_bucket_size": 200, "overlap_comm": True},
+                                  "allgather_bucket_size": 200, "overlap_comm": True,
+                                  "overlap_param_gather": True},
             "steps_per_print": 1000, **extra}
 
 

@@ -1,6 +1,8 @@
-"""Stages 1/2 publish the updated shards in flight into the next forward (``publisher.gate``).
+"""Stages 1/2 publish the updated shards in flight into the next forward (``publisher.gate``)
+only with ``overlap_param_gather``; ``overlap_comm`` alone (Hugging Face's ZeRO-2 configs set it)
+overlaps the gradient reduction and leaves the weights whole when ``step()`` returns.
 
-With ``overlap_comm`` each module waits, before its forward, only for the broadcasts up to the
+With ``overlap_param_gather`` each module waits, before its forward, only for the broadcasts up to the
 end of its own parameters: the first layer runs while later layers' broadcasts are still
 pending, and every rank still ends up with the same, fully updated weights.
 """
@@ -23,7 +25,8 @@ def _forward_waits(rank: int, world: int, stage: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     cfg = {"train_batch_size": 4 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2 * WIDTH * WIDTH,
+           "zero_optimization": {"stage": stage, "overlap_comm": True, "overlap_param_gather": True,
+                                 "reduce_bucket_size": 2 * WIDTH * WIDTH,
                                  "allgather_bucket_size": 2 * WIDTH}}  # many small broadcasts
     engine, *_ = dslaunch.initialize(model=model, config=cfg)
     pub = engine.zero.publisher
@@ -71,7 +74,7 @@ def _external_waits(rank: int, world: int) -> list[bool]:
     layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
     model = torch.nn.Sequential(ReadsLast(layers[-1]), *layers)
     cfg = {"train_batch_size": 4 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 1, "overlap_comm": True, "allgather_bucket_size": 2 * WIDTH}}
+           "zero_optimization": {"stage": 1, "overlap_param_gather": True, "allgather_bucket_size": 2 * WIDTH}}
     engine, *_ = dslaunch.initialize(model=model, config=cfg)
     dslaunch.zero.register_external_parameter(model[0], layers[-1].weight)  # after the engine exists
     pub, seen = engine.zero.publisher, []
@@ -94,3 +97,36 @@ def test_a_registered_external_parameter_is_waited_for() -> None:
     even after initialize) waits for that weight's broadcasts before its forward."""
     for seen in run_world(_external_waits, 2):
         assert seen == [True]
+
+
+def _read_after_step(rank: int, world: int, stage: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import dslaunch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    cfg = {"train_batch_size": 4 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "overlap_comm": True, "allgather_bucket_size": 2 * WIDTH}}
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    torch.manual_seed(1 + rank)
+    engine.backward(engine(torch.randn(4, WIDTH)).square().mean())
+    engine.step()
+    pending = len(engine.zero.publisher._works)
+    # What an EMA or a weight-norm log reads right after step(), without any engine call between.
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    every = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
+    return {"pending": pending, "same": all(torch.equal(flat, e) for e in every)}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_comm_alone_leaves_weights_whole_after_step(stage: int) -> None:
+    """DeepSpeed's overlap_comm overlaps only the gradient reduction: weights read through
+    parameters() right after step() are every rank's same, fully updated values (with the publish
+    deferred, the shards of other ranks would still be the old ones here)."""
+    for r in run_world(_read_after_step, 2, stage):
+        assert r["pending"] == 0
+        assert r["same"]
