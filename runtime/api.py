@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dslaunch.errors import ConfigError, ModelRequiredError, install_excepthook
 from dslaunch.runtime.config import load_config
-from dslaunch.runtime.dist import init_distributed, slurm_env
+from dslaunch.runtime.dist import discovered_env, init_distributed
 from dslaunch.runtime.shutdown import register_clean_exit
 from dslaunch.utils.logging import logger
 from dslaunch.utils.refused import Refusal, refused_function
@@ -73,7 +73,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
     will_init = not dist.is_initialized() and dist_init_required is not False
     if will_init:
-        os.environ.update(slurm_env(os.environ))  # a task srun started: the world size is SLURM's
+        os.environ.update(discovered_env(os.environ))  # a task srun or mpirun started: the world size is theirs
     world = (dist.get_world_size() if dist.is_initialized()
              else int(os.environ.get("WORLD_SIZE", "1")) if will_init else 1)
     pipeline = _is_pipeline_module(model)

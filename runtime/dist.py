@@ -2,7 +2,9 @@
 
 The launcher exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to every worker.
 A script started by ``srun`` directly (one task per GPU, no launcher) gets them from SLURM's
-variables instead (``slurm_env``); a script started without either runs as a world of one.
+variables instead (``slurm_env``), one started by a site's own ``mpirun``/``mpiexec`` from its
+MPI's (``mpi_env``: Open MPI, MPICH and Intel MPI's Hydra, MVAPICH2); a script started by none of
+them runs as a world of one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dslaunch.runtime.shutdown import register_clean_exit
 from dslaunch.utils.hostlist import expand
 from dslaunch.utils.ports import free_port
 
-__all__ = ["init_distributed", "default_timeout", "local_rank", "device_for", "slurm_env"]
+__all__ = ["init_distributed", "default_timeout", "local_rank", "device_for", "slurm_env", "mpi_env",
+           "discovered_env", "mpi_discovery"]
 
 TIMEOUT_ENV = "DSLAUNCH_DIST_TIMEOUT"
 _DEFAULT_TIMEOUT_S = 1800.0  # DeepSpeed's default; passed explicitly so every backend honours it
@@ -84,6 +87,77 @@ def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in found.items() if k not in env}
 
 
+_MPI_FLAVOURS = (  # (rank, size, local rank, local size): what each MPI's launcher exports
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MVAPICH2", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
+     "MV2_COMM_WORLD_LOCAL_SIZE"),
+    ("MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def mpi_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's variables for a process an MPI launcher started directly, from its MPI's
+    variables; {} when a launcher set ``RANK`` or no MPI started this process.
+
+    DeepSpeed asks mpi4py (``mpi_discovery``); the launchers' variables say the same without
+    initialising MPI in every rank. ``MASTER_ADDR``: kept when set (``mpirun -x MASTER_ADDR=...``),
+    127.0.0.1 when every rank runs on this host; across hosts without it, rank 0's address comes
+    from mpi4py when installed (``mpi_discovery``), else one line says what to set.
+
+    Raises:
+        UsageError: the ranks span hosts, ``MASTER_ADDR`` is unset and mpi4py is not installed.
+    """
+    if "RANK" in env:
+        return {}
+    flavour = next((f for f in _MPI_FLAVOURS if f[1] in env and f[2] in env), None)
+    if flavour is None:
+        return {}
+    name, rank, size, local, local_size = flavour
+    found = {"RANK": env[rank], "WORLD_SIZE": env[size], "LOCAL_RANK": env.get(local, "0")}
+    if "MASTER_ADDR" not in env:
+        if env.get(local_size) == env[size]:
+            found["MASTER_ADDR"] = "127.0.0.1"
+        else:
+            found["MASTER_ADDR"] = _rank0_address(name)
+    return found
+
+
+def _rank0_address(flavour: str) -> str:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise UsageError(f"started by {flavour}'s launcher on several hosts, but MASTER_ADDR is not set: pass "
+                         "rank 0's host (mpirun -x MASTER_ADDR=<host>, or export it in the job script), or "
+                         "install mpi4py so the ranks can ask each other") from None
+    import socket
+
+    return MPI.COMM_WORLD.bcast(socket.gethostbyname(socket.gethostname()), root=0)
+
+
+def discovered_env(env: Mapping[str, str], mpi: bool = True) -> dict[str, str]:
+    """The launcher's variables from whatever started this process without one: SLURM's ``srun``,
+    else (with ``mpi``: DeepSpeed's ``auto_mpi_discovery``) an MPI launcher."""
+    return slurm_env(env) or (mpi_env(env) if mpi else {})
+
+
+def mpi_discovery(distributed_port: int = 29500, verbose: bool = True) -> None:
+    """DeepSpeed's ``deepspeed.comm.mpi_discovery``: set RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT for a process an MPI launcher started (``mpi_env``).
+
+    Raises:
+        UsageError: no MPI launcher's variables in the environment, or ``mpi_env``'s reason.
+    """
+    found = mpi_env({k: v for k, v in os.environ.items() if k != "RANK"})
+    if not found:
+        raise UsageError("mpi_discovery(): this process was not started by mpirun/mpiexec (no OMPI_COMM_WORLD_RANK, "
+                         "PMI_RANK or MV2_COMM_WORLD_RANK); start it with the deepspeed/dslaunch command or mpirun")
+    os.environ.update({**found, "MASTER_PORT": str(distributed_port)})
+    if verbose and found["RANK"] == "0":
+        print(f"[dslaunch] mpi_discovery: world_size={found['WORLD_SIZE']} master_addr={os.environ['MASTER_ADDR']} "
+              f"master_port={distributed_port}", flush=True)
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -114,7 +188,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """Initialise torch.distributed as DeepSpeed's ``init_distributed`` does (same signature).
 
     Backend: ``nccl`` with GPUs, ``gloo`` without (or ``dist_backend``). Rank and world size come
-    from the arguments, else RANK/WORLD_SIZE; without them the job is a world of one on
+    from the arguments, else RANK/WORLD_SIZE (from ``srun``'s or, with ``auto_mpi_discovery``, an
+    MPI launcher's variables when no launcher set them); without them the job is a world of one on
     127.0.0.1. Timeout: ``timeout``, else $DSLAUNCH_DIST_TIMEOUT, else ``dist_init_timeout`` of
     ``config`` (a ``DeepSpeedConfig`` or a ds_config dict), else 30 minutes.
 
@@ -132,7 +207,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     heartbeat.start()  # the rank is up, and its stacks can be dumped while it waits for its peers
     if dist.is_initialized():
         return
-    os.environ.update(slurm_env(os.environ))  # the script may read them too (LOCAL_RANK, ...)
+    os.environ.update(discovered_env(os.environ, auto_mpi_discovery))  # the script may read them too
     rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
     world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
     if init_method is None:

@@ -30,10 +30,9 @@ import torch.distributed as _dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
 
 from dslaunch.errors import UsageError
-from dslaunch.runtime.dist import init_distributed
+from dslaunch.runtime.dist import init_distributed, mpi_discovery
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.utils.comms_logging import CommsLogger, message_size
-from dslaunch.utils.refused import Refusal, refused_function
 
 __all__ = [
     "ReduceOp", "ProcessGroup", "Work", "init_distributed", "is_initialized", "is_available",
@@ -122,10 +121,6 @@ destroy_process_group = _dist.destroy_process_group
 new_group = _dist.new_group
 get_global_rank = _dist.get_global_rank
 get_backend = _dist.get_backend
-# DeepSpeed reads an mpirun job's rank and address through mpi4py; dslaunch's launcher sets them.
-mpi_discovery = refused_function(__name__, "mpi_discovery", Refusal(
-    "MPI rank discovery through mpi4py (mpi_discovery)",
-    "start the ranks with the deepspeed/dslaunch command (it sets RANK, WORLD_SIZE, MASTER_ADDR) or torchrun"))
 
 barrier = _collective(_dist.barrier)
 monitored_barrier = _collective(_dist.monitored_barrier)
