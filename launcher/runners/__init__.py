@@ -1,4 +1,4 @@
-"""Runners start node agents on hosts: one module per transport (local, ssh, slurm).
+"""Runners start node agents on hosts: one module per transport (local, ssh, slurm, mpi).
 
 ``RUNNERS`` maps a ``--launcher`` name to a lazy ``"module:Class"`` string, so choosing the
 local runner never imports paramiko. ``get_runner(name)`` resolves it.
@@ -16,10 +16,14 @@ RUNNERS: dict[str, str] = {
     "local": "dslaunch.launcher.runners.local:LocalRunner",
     "ssh": "dslaunch.launcher.runners.ssh.runner:SSHRunner",
     "slurm": "dslaunch.launcher.runners.slurm.runner:SlurmRunner",
+    "openmpi": "dslaunch.launcher.runners.mpi:OpenMPIRunner",
+    "mpich": "dslaunch.launcher.runners.mpi:MPICHRunner",
+    "impi": "dslaunch.launcher.runners.mpi:IMPIRunner",
+    "mvapich": "dslaunch.launcher.runners.mpi:MVAPICHRunner",
 }
 
 # DeepSpeed's other launcher names, answered with a clear "not supported" instead of a typo hint.
-_UNSUPPORTED = ("pdsh", "openmpi", "mpich", "impi", "mvapich")
+_UNSUPPORTED = ("pdsh",)
 
 
 def get_runner(name: str):

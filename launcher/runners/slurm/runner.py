@@ -25,24 +25,22 @@ speaks every second; the controller sends it ``ALIVE`` every second the other wa
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
-import threading
 
 from dslaunch.errors import HostsError
 from dslaunch.launcher.agent.wire import CHECKPOINT_REQUEST
 from dslaunch.launcher.envfile import collect_env
-from dslaunch.launcher.runners.base import format_node
+from dslaunch.launcher.runners.child import ChildNode, ChildRunner
 from dslaunch.launcher.runners.preflight import agent_argv, probe_request
-from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
-from dslaunch.launcher.runners.slurm.session import SrunSession
-from dslaunch.launcher.runners.stream import StreamNode
 from dslaunch.launcher.spec import JobSpec, NodeSpec
-from dslaunch.launcher.workerenv import remote_node
 
 __all__ = ["SlurmRunner", "SlurmError", "srun_argv"]
 
 SRUN = "srun"
+# srun's own line after the agent's status line said the same (and named the rank)
+_SRUN_EXIT_LINE = re.compile(rb"srun: error: \S+: task \d+: Exited with exit code \d+\s*$")
 
 
 class SlurmError(HostsError):
@@ -66,33 +64,11 @@ def srun_argv(job: JobSpec, node: NodeSpec, cpus: int | None = None) -> list[str
     return [SRUN, *opts, *agent_argv(python, request)]
 
 
-def _diagnose(python: str, exit_code: int | None, stderr: str, lost: bool) -> tuple[str, str]:
-    """Why a node answered without a probe line: (cause, message)."""
-    tail = " | ".join(stderr.strip().splitlines()[-3:])
-    if exit_code is None:
-        return "timeout", f"the agent did not answer through srun in time (node busy?): {tail or 'no output'}"
-    if "No module named" in stderr:
-        return "interpreter", f"{python} cannot import dslaunch on this node: {tail}"
-    if "No such file or directory" in stderr and python in stderr:
-        return "interpreter", (f"python interpreter {python} not found on this node; the controller's "
-                               "interpreter path must exist on every node")
-    return "srun", f"srun exited with code {exit_code}: {tail or 'no output'}"
+class _SrunNode(ChildNode):
+    command = SRUN
 
 
-class _SrunNode(StreamNode):
-    """A node agent seen through its srun."""
-
-    session: SrunSession
-
-    def lost(self) -> tuple[str, str]:
-        return (f"lost node {self.node.host} (srun exited with {self.session.exit_code} without the agent's "
-                "status)", "lost srun step")
-
-    def kill(self) -> None:
-        self.session.terminate()
-
-
-class SlurmRunner(RemoteRunner):
+class SlurmRunner(ChildRunner):
     """Runs each node's agent as a step of the current SLURM job. See the module docstring."""
 
     name = "slurm"
@@ -114,30 +90,10 @@ class SlurmRunner(RemoteRunner):
         alloc = from_env(os.environ)
         return dict(zip(alloc.hosts, alloc.cpus, strict=True)) if alloc and alloc.cpus else {}
 
-    def dry_run(self, job: JobSpec) -> str:
-        cpus = self._cpus()
-        exported = self._exported()
-        out = []
-        for node in job.nodes:
-            out.append(f"{shlex.join(srun_argv(job, node, cpus.get(node.host)))}\n"
-                       "  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
-            out.append(format_node(remote_node(node, job.master_addr, exported, IFACE_AT_LAUNCH)))
-        return "\n".join(out)
+    epilogue = _SRUN_EXIT_LINE
 
-    def _open_sessions(self, job: JobSpec, wake: threading.Event) -> str:
-        cpus = self._cpus()
-        for node in job.nodes:
-            session = SrunSession(node.host, srun_argv(job, node, cpus.get(node.host)), self._out, self._err,
-                                  on_change=wake.set)
-            self.sessions[node.host] = session
-            try:
-                session.start()
-            except OSError as exc:
-                raise SlurmError({n.host: ("srun", f"cannot run {SRUN}: {exc.strerror or exc}")
-                                  for n in job.nodes}) from None
-        return job.master_addr
-
-    _diagnose = staticmethod(_diagnose)
+    def _argv(self, job: JobSpec, node: NodeSpec) -> list[str]:
+        return srun_argv(job, node, self._cpus().get(node.host))
 
     def request_checkpoint(self) -> None:
         """Ask every node's agent to signal its ranks for a checkpoint (signal-handler safe:
