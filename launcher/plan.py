@@ -30,6 +30,7 @@ from dslaunch.launcher.hostfile import (
     hostname_problem,
     read_hostfile,
 )
+from dslaunch.launcher.pod import Pod
 from dslaunch.launcher.runners.slurm.allocation import Allocation, slurm_pool
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
@@ -119,6 +120,9 @@ class LaunchConfig:
     """Hosts left out of this run (lost hosts of an elastic job), after include/exclude."""
     max_nodes: int = 0
     """``--max_elastic_nodes`` of an elastic job: use at most this many hosts (0 = no limit)."""
+    pod: Pod | None = None
+    """The Kubernetes pod this node runs in (``launcher.pod``; None elsewhere): with it, the job's
+    nodes are its pods and this one is ``no_ssh`` node ``node_rank``."""
     allocation: Allocation | None = None
     """The SLURM allocation the launcher runs in (None outside SLURM): without a ``--hostfile``
     its nodes are the hosts and the job runs through ``srun`` (``--launcher slurm``)."""
@@ -151,9 +155,11 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
     if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not slurm):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
-    hosts = None if slurm else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
-    source = "SLURM_JOB_NODELIST" if slurm else cfg.hostfile if hosts is not None else None
-    if slurm:
+    hosts = None if slurm or cfg.pod else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
+    source = "SLURM_JOB_NODELIST" if slurm else "PET_NNODES" if cfg.pod else cfg.hostfile if hosts is not None else None
+    if cfg.pod:
+        pool, use_gpus = _pod_pool(cfg, cfg.pod, detect)
+    elif slurm:
         # SLURM gives the step its own CUDA_VISIBLE_DEVICES: the plan leaves it alone.
         pool, use_gpus = slurm_pool(cfg.allocation, cfg.include, cfg.exclude, cfg.num_gpus, notes), False
     elif hosts is None:
@@ -175,7 +181,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         rank += len(slots)
     if cfg.no_ssh:  # every node plans the whole job (same ranks everywhere), then starts only its own
         nodes = [nodes[cfg.node_rank]]
-        notes.append(_no_ssh_note(nodes[0], len(pool), world))
+        notes.append(_no_ssh_note(nodes[0], len(pool), world, cfg.pod))
     if launcher == "local" and len(nodes) > 1:  # checked here so that --dry-run fails like a real run
         raise UsageError(f"the local launcher runs one node, but {len(nodes)} hosts are selected "
                          f"({', '.join(n.host for n in nodes)}); use --launcher ssh, or select one host "
@@ -219,6 +225,15 @@ def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators], notes: lis
         notes.append(f"no GPU ({reason}) and no --num_gpus: starting 1 CPU worker process")
         count = 1
     return apply_filter({"localhost": count}, cfg.include, cfg.exclude), False
+
+
+def _pod_pool(cfg: LaunchConfig, pod: Pod, detect: Callable[[], Accelerators]) -> tuple[Pool, bool]:
+    """Every pod of the job with this pod's workers: ``PET_NPROC_PER_NODE``, else its GPUs, else
+    ``--num_gpus`` CPU workers, else one (every pod of a job has the same shape)."""
+    acc = detect()
+    gpus = acc.kind == "cuda" and cfg.visible_devices != ""
+    count = pod.nproc_per_node or (acc.count if gpus else max(cfg.num_gpus, 1))
+    return {h: tuple(range(count)) for h in pod.hosts()}, gpus
 
 
 def _uses_slurm(cfg: LaunchConfig) -> bool:
@@ -311,9 +326,12 @@ def _check_no_ssh(cfg: LaunchConfig, pool: Pool) -> None:
                          "reachable from every node")
 
 
-def _no_ssh_note(node: NodeSpec, num_nodes: int, world: int) -> str:
+def _no_ssh_note(node: NodeSpec, num_nodes: int, world: int, pod: Pod | None) -> str:
     first, last = node.workers[0].global_rank, node.workers[-1].global_rank
     ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    if pod is not None:
+        return (f"Kubernetes pod {node.node_rank} of {num_nodes} (PET_* variables): {ranks} of {world} here, "
+                f"node 0 at {pod.master_addr}")
     return (f"--no_ssh: starting node {node.node_rank} of {num_nodes} ({node.host}: {ranks} of {world}) "
             "here; start each other node the same way with its own --node_rank")
 

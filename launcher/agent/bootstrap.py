@@ -29,7 +29,7 @@ import sys
 
 from dslaunch import __version__
 
-__all__ = ["PROBE_MARKER", "probe", "main"]
+__all__ = ["PROBE_MARKER", "probe", "main", "route"]
 
 PROBE_MARKER = "@@dslaunch-probe "
 _SIOCGIFADDR = 0x8915
@@ -67,7 +67,7 @@ def _iface_of(addr: str) -> str | None:
     return None
 
 
-def _route(master_ip: str, port: int) -> dict:
+def route(master_ip: str, port: int) -> dict:
     """Source address and interface the kernel picks to reach the master (no packet sent)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -138,7 +138,7 @@ def probe(request: dict) -> dict:
                 # job would hang at rendezvous.
                 info["master"] = {"status": "loopback"}
                 return info
-            info["route"] = _route(master_ip, port)
+            info["route"] = route(master_ip, port)
             info["master"] = _reach(master_ip, port)
             if request.get("is_master"):
                 info["port"] = _port_free(port)

@@ -40,6 +40,7 @@ from dslaunch.launcher.plan import (
     ds_config_path,
     elastic_batch_for,
 )
+from dslaunch.launcher.pod import pod_from_env
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.runners.local import LocalRunner
 from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocation
@@ -89,7 +90,20 @@ def parse_config(argv: list[str],
         max_nodes=ns.max_elastic_nodes if ns.elastic_training and ns.max_elastic_nodes > 0 else 0,
         allocation=slurm_allocation(os.environ if env is None else env),
     )
-    return cfg, ns
+    return _in_pod(cfg, ns, os.environ if env is None else env), ns
+
+
+def _in_pod(cfg: LaunchConfig, ns: argparse.Namespace, env: Mapping[str, str]) -> LaunchConfig:
+    """Inside a Kubernetes training job's pod (``launcher.pod``) with no hostfile, launcher or
+    ``--no_ssh`` of the user's: this pod is ``--no_ssh`` node ``PET_NODE_RANK``; flags win."""
+    if ns.hostfile is not None or ns.launcher or ns.no_ssh or cfg.allocation is not None:
+        return cfg
+    pod = pod_from_env(env)
+    if pod is None:
+        return cfg
+    port_given = ns.master_port is not None or pod.master_port is not None
+    return replace(cfg, pod=pod, no_ssh=True, node_rank=pod.node_rank, master_addr=ns.master_addr or pod.master_addr,
+                   master_port=ns.master_port or pod.master_port or cfg.master_port, master_port_given=port_given)
 
 
 def _apply_monitor_block(ns: argparse.Namespace) -> None:
@@ -198,9 +212,24 @@ def _module_found(name: str) -> bool:
     return found or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
 
 
+def _toward_master(job: JobSpec, env: Mapping[str, str]) -> JobSpec:
+    """A ``--no_ssh`` node (a pod) names its interface toward node 0 for gloo and NCCL, as the SSH
+    runner's probe does for its hosts: otherwise gloo advertises whatever the host name resolves
+    to, 127.0.0.1 on hosts without a DNS entry for themselves. The user's variables win."""
+    from dslaunch.launcher.agent.bootstrap import route
+    from dslaunch.launcher.workerenv import IFNAME_VARS
+
+    node = job.nodes[0]
+    iface = route(job.master_addr, job.master_port).get("iface")
+    if not iface or iface == "lo":
+        return job
+    named = {var: iface for var in IFNAME_VARS if var not in env and var not in node.env}
+    return replace(job, nodes=(replace(node, env={**node.env, **named}),))
+
+
 def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config: Mapping[str, str]) -> int:
     plan = build_job(cfg, gpus.detect)
-    job = plan.job
+    job = _toward_master(plan.job, os.environ) if cfg.no_ssh else plan.job
     # Only a local node keeps spares: a remote agent is a new process at every run.
     spares = SparePool(os.environ) if job.launcher == "local" and policy.max_restarts and cfg.warm_spares else None
     runner = _runner(job.launcher, spares)  # an unknown --launcher fails before any note is printed
