@@ -30,7 +30,7 @@ from dslaunch.launcher.hostfile import (
     hostname_problem,
     read_hostfile,
 )
-from dslaunch.launcher.pod import Pod
+from dslaunch.launcher.kubernetes import Pod
 from dslaunch.launcher.runners.slurm.allocation import Allocation, slurm_pool
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
@@ -121,7 +121,7 @@ class LaunchConfig:
     max_nodes: int = 0
     """``--max_elastic_nodes`` of an elastic job: use at most this many hosts (0 = no limit)."""
     pod: Pod | None = None
-    """The Kubernetes pod this node runs in (``launcher.pod``; None elsewhere): with it, the job's
+    """The Kubernetes pod this node runs in (``launcher.kubernetes``; None elsewhere): with it, the job's
     nodes are its pods and this one is ``no_ssh`` node ``node_rank``."""
     allocation: Allocation | None = None
     """The SLURM allocation the launcher runs in (None outside SLURM): without a ``--hostfile``

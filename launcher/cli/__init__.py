@@ -7,7 +7,7 @@
 - ``dslaunch sbatch ...``: submit the job to SLURM (``sbatch``), the launch flags plus sbatch's
   through argparse like the launch command.
 - ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
-  (``zero_to_fp32``, ``status``, ``estimate``, ``report``), imported only when named.
+  (``zero_to_fp32``, ``status``, ``estimate``, ``report``, ``k8s``), imported only when named.
 
 User mistakes print one line (``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the
 traceback.
@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, str] = {
     "status": "dslaunch.launcher.cli.status:command",
     "estimate": "dslaunch.launcher.cli.estimate:command",
     "report": "dslaunch.launcher.cli.report:command",
+    "k8s": "dslaunch.launcher.cli.k8s:command",
 }
 """Subcommand name -> ``"module:click command"``, loaded only when that name is the first word."""
 

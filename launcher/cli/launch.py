@@ -40,7 +40,7 @@ from dslaunch.launcher.plan import (
     ds_config_path,
     elastic_batch_for,
 )
-from dslaunch.launcher.pod import pod_from_env
+from dslaunch.launcher.kubernetes import pod_from_env
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.runners.local import LocalRunner
 from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocation
@@ -94,7 +94,7 @@ def parse_config(argv: list[str],
 
 
 def _in_pod(cfg: LaunchConfig, ns: argparse.Namespace, env: Mapping[str, str]) -> LaunchConfig:
-    """Inside a Kubernetes training job's pod (``launcher.pod``) with no hostfile, launcher or
+    """Inside a Kubernetes training job's pod (``launcher.kubernetes``) with no hostfile, launcher or
     ``--no_ssh`` of the user's: this pod is ``--no_ssh`` node ``PET_NODE_RANK``; flags win."""
     if ns.hostfile is not None or ns.launcher or ns.no_ssh or cfg.allocation is not None:
         return cfg

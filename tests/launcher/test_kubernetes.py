@@ -1,11 +1,11 @@
-"""A pod of a Kubernetes training job (launcher.pod): the operator's variables make it a --no_ssh node."""
+"""Kubernetes (launcher.kubernetes): the operator's variables make a pod a --no_ssh node; the manifests."""
 
 from __future__ import annotations
 
 import pytest
 
 from dslaunch.errors import UsageError
-from dslaunch.launcher.pod import Pod, pod_from_env
+from dslaunch.launcher.kubernetes import Pod, pod_from_env
 from tests.launcher.helpers import FAKE, run_dslaunch
 
 pytestmark = pytest.mark.timeout(60)
