@@ -21,7 +21,7 @@ variables itself and the pod's ``JOB_COMPLETION_INDEX`` is its node rank.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 

@@ -29,6 +29,7 @@ from dslaunch.errors import DslaunchError, UsageError, WorkerFailedError
 from dslaunch.launcher import gpus
 from dslaunch.launcher.agent.spare import SparePool
 from dslaunch.launcher.cli.flags import build_parser
+from dslaunch.launcher.kubernetes import pod_from_env
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
 from dslaunch.launcher.monitor.loop import Attempt, JobLoop, print_event
@@ -40,7 +41,6 @@ from dslaunch.launcher.plan import (
     ds_config_path,
     elastic_batch_for,
 )
-from dslaunch.launcher.kubernetes import pod_from_env
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.runners.local import LocalRunner
 from dslaunch.launcher.runners.slurm.allocation import from_env as slurm_allocation
