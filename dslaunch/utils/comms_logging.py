@@ -125,6 +125,22 @@ class CommsLogger:
         with self._lock:
             self.comms_dict = {}
 
+    reset_data = reset  # DeepSpeed's name
+
+    def has_data(self) -> bool:
+        """Whether any operation was recorded."""
+        return bool(self.comms_dict)
+
+    def get_operation_names(self) -> list[str]:
+        """The recorded operation names, in first-recorded order."""
+        with self._lock:
+            return list(self.comms_dict)
+
+    def get_total_operations(self) -> int:
+        """How many operations were recorded, over every name and size."""
+        with self._lock:
+            return sum(row[0] for by in self.comms_dict.values() for row in by.values())
+
     def _rows(self) -> dict[str, dict[int, tuple[list[float], list[float], list[float]]]]:
         """A copy of every record's three lists (a summary must never reorder what was stored)."""
         with self._lock:

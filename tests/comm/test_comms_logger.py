@@ -159,3 +159,17 @@ def test_raw_records_keep_deepspeeds_layout_and_a_summary_does_not_reorder_them(
                               "msg_size_str": convert_size(1024)}}
     assert logger.get_operation_summary("broadcast") is None
     assert logger.summary()["all_reduce"][1024]["avg_latency"] == 2.0
+
+
+def test_deepspeeds_record_queries_count_names_and_clear() -> None:
+    from dslaunch.utils.comms_logging import CommsLogger
+
+    logger = CommsLogger()
+    assert not logger.has_data() and logger.get_total_operations() == 0 and logger.get_operation_names() == []
+    for name, size in (("broadcast", 8), ("all_reduce", 1024), ("all_reduce", 1024), ("all_reduce", 16)):
+        logger.append(name, name, 1.0, size, n=2)
+    assert logger.has_data()
+    assert logger.get_operation_names() == ["broadcast", "all_reduce"]
+    assert logger.get_total_operations() == 4
+    logger.reset_data()
+    assert not logger.has_data() and logger.get_raw_data() == {}
