@@ -99,3 +99,17 @@ def _no_launch_outlives_its_test(request):
             proc.kill()
             proc.wait()
     cluster.launched.clear()
+
+
+@pytest.fixture(scope="session")
+def local_losses_world4() -> list[tuple[int, float]]:
+    """The example ZeRO-2 job's (step, loss) lines at 4 ranks on this host (``test_train.TRAIN``):
+    the reference every 2-host x 2-rank transport (mpirun, pods) must reproduce."""
+    from tests.distributed import free_port
+    from tests.launcher.runners.ssh.test_train import TRAIN, _losses
+
+    local = subprocess.run([sys.executable, "-m", "dslaunch.launcher.cli", "--num_gpus", "4", "--master_port",
+                            str(free_port()), *TRAIN], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert local.returncode == 0, local.stderr[-3000:]
+    return _losses(local.stdout)

@@ -1,5 +1,5 @@
 """--launcher openmpi across two namespace hosts: Open MPI's mpirun (its rsh agent is ssh with the
-cluster's config) starts each host's agent; the job trains as under --launcher ssh."""
+cluster's config) starts each host's agent; the job trains as the same 4 ranks on one host."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow,
 
 
 @pytest.mark.timeout(150)
-def test_zero2_through_mpirun_on_two_hosts_matches_ssh(cluster, free_port, tmp_path):
+def test_zero2_through_mpirun_on_two_hosts_matches_one_host(cluster, free_port, tmp_path, local_losses_world4):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{h} slots=2\n" for h in cluster.hosts[:2]))
     rsh = f"--mca plm_rsh_agent 'ssh -F {cluster.ssh_config}'"
@@ -23,9 +23,8 @@ def test_zero2_through_mpirun_on_two_hosts_matches_ssh(cluster, free_port, tmp_p
                                  hostfile=str(hostfile), launcher_args=rsh))
     assert mpi.finish(120) == 0, mpi.text("err")[-3000:]
     assert cluster.wait_no_job_processes(5) == {}
-    ssh = Lines(cluster.dslaunch("--master_port", str(free_port), *TRAIN, hostfile=str(hostfile)))
-    assert ssh.finish(120) == 0, ssh.text("err")[-3000:]
-    got, want = _losses(mpi.text("out")), _losses(ssh.text("out"))
+    got = _losses(mpi.text("out"))
     assert [s for s, _ in got] == [10, 20] and got[1][1] < got[0][1]
-    assert got == want  # the same ranks on the same hosts: the same floats
+    # as test_train's ssh job against one host: same ranks, gloo's sums may round apart
+    assert [v for _, v in got] == pytest.approx([v for _, v in local_losses_world4], abs=1e-4)
     assert f"{cluster.hosts[0]}: [rank0] world_size=4 zero_stage=2" in mpi.text("out")

@@ -32,16 +32,12 @@ def _pod(cluster, k: int, port: int, steps: str) -> Lines:
 
 
 @pytest.mark.timeout(150)
-def test_two_pods_train_as_one_job_and_a_dead_pod_stops_the_other(cluster, free_port):
+def test_two_pods_train_as_one_job_and_a_dead_pod_stops_the_other(cluster, free_port, local_losses_world4):
     pods = [_pod(cluster, k, free_port, "20") for k in range(2)]
     assert [p.finish(120) for p in pods] == [0, 0], pods[1].text("err")[-2000:] + pods[0].text("err")[-2000:]
-    local = subprocess.run([sys.executable, "-m", "dslaunch.launcher.cli", "--num_gpus", "4",
-                            "--master_port", str(free_port), *TRAIN], capture_output=True, text=True, cwd=ROOT,
-                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert local.returncode == 0, local.stderr[-2000:]
     got = _losses(pods[0].text("out"))
     assert [s for s, _ in got] == [10, 20] and got[1][1] < got[0][1]
-    assert [v for _, v in got] == pytest.approx([v for _, v in _losses(local.stdout)], abs=1e-4)
+    assert [v for _, v in got] == pytest.approx([v for _, v in local_losses_world4], abs=1e-4)
     assert "Kubernetes pod 1 of 2 (PET_* variables): ranks 2-3 of 4 here" in pods[1].text("err")
 
     pods = [_pod(cluster, k, free_port, "100000") for k in range(2)]
