@@ -202,8 +202,8 @@ class TopKGate(torch.nn.Module):
         self.gate_time = 0.0
 
     def _set_ep_group(self, ep_group: object) -> None:
-        if self.ep_group is not None:
-            raise RuntimeError("TopKGate: its expert-parallel group is already set")
+        if self.ep_group is not None and ep_group is not self.ep_group:
+            raise RuntimeError("TopKGate: its expert-parallel group is already set to another group")
         self.ep_group = ep_group
 
     def forward(self, input: Tensor, used_token: Tensor | None = None) -> GateOutput:  # noqa: A002 (DeepSpeed's name)
