@@ -92,14 +92,18 @@ def test_cifar_example_trains_with_its_run_script(compat_bin: Path, tmp_path: Pa
 
 
 @pytest.mark.timeout(420)
-def test_cifar_example_moe_run_stops_with_one_line(compat_bin: Path, tmp_path: Path) -> None:
+def test_cifar_example_trains_with_its_moe_flags(compat_bin: Path, tmp_path: Path) -> None:
+    """training/cifar's ``--moe`` run with the flags of its ``run_ds_moe.sh`` (2 experts over 2
+    expert-parallel ranks, top-1, RSample noise, expert param groups) through ``run_ds.sh``."""
     folder = _example("training/cifar", tmp_path)
-    proc = _run(_own_network(["bash", "run_ds.sh", "--epochs", "1", "--moe", "--num-experts", "2"]), folder,
-                _env(compat_bin))
-    assert proc.returncode != 0
-    summary = [line for line in proc.stderr.splitlines() if line.startswith("dslaunch: error:")]
-    assert summary and "MoE: mixture of experts (expert parallelism) is not in dslaunch" in summary[0], \
-        proc.stderr[-3000:]
+    proc = _run(_own_network(["bash", "run_ds.sh", "--epochs", "1", "--log-interval", "1", "--moe",
+                              "--ep-world-size", "2", "--num-experts", "2", "--top-k", "1",
+                              "--noisy-gate-policy", "RSample", "--moe-param-group"]), folder, _env(compat_bin))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    losses = [float(x) for x in re.findall(r"\] loss:\s+([0-9.]+)", out)]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses), out[-3000:]  # 64 images / 16
+    assert "Finished Training" in out and "Accuracy of the network on the 40 test images" in out
 
 
 def _generated(out: str) -> list[str]:
