@@ -7,7 +7,7 @@ top-level ``deepspeed.moe.utils`` import: ``--moe-param-group`` splits the param
 ``--moe`` puts the example's MoE layer (``deepspeed.moe.layer.MoE`` of copies of an 84 x 84 Linear,
 its flags ``--ep-world-size``, ``--num-experts``, ``--top-k``, ``--noisy-gate-policy``) between
 ``fc2`` and the head. Synthetic images instead of the download. Rank 0 prints `bf16=True`, then
-`LOSSES <json>` and `STEPS <n>`; with ``--moe`` every rank prints `EXPERTS <sum of its experts' weights>`.
+`LOSSES <json>` and `STEPS <n>`; with ``--moe`` every rank prints `EXPERTS <sum of its experts' fp32 weights>`.
 """
 
 import argparse
@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import safe_get_full_fp32_param
 
 
 def add_argument() -> argparse.Namespace:
@@ -101,6 +102,6 @@ for i, data in enumerate(trainloader):
 if local_rank == 0:
     print("LOSSES " + json.dumps(losses), flush=True)
     print(f"STEPS {model_engine.global_steps}", flush=True)
-if net.moe is not None:
+if net.moe is not None:  # the fp32 master weights: a few small steps may not move the bf16 copy
     experts = net.moe.deepspeed_moe.experts.parameters()
-    print("EXPERTS " + json.dumps(sum(p.detach().float().sum().item() for p in experts)), flush=True)
+    print("EXPERTS " + json.dumps(sum(safe_get_full_fp32_param(p).sum().item() for p in experts)), flush=True)
