@@ -15,7 +15,8 @@ import torch
 
 from dslaunch.runtime.moe.layer import MoE
 
-__all__ = ["has_moe_layers", "is_moe_param", "is_moe_param_group", "split_params_into_shared_and_expert_params",
+__all__ = ["has_moe_layers", "is_moe_param", "is_moe_param_group", "expert_group_name",
+           "split_params_into_shared_and_expert_params",
            "split_params_grads_into_shared_and_expert_params", "split_params_into_different_moe_groups_for_optimizer",
            "configure_moe_param_groups"]
 
@@ -35,6 +36,25 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 def is_moe_param_group(param_group: Mapping[str, Any]) -> bool:
     return bool(param_group.get("moe", False))
+
+
+def expert_group_name(param: torch.Tensor) -> str | None:
+    """The expert group an expert parameter reduces over (``param.group_name``); None for a dense one.
+
+    Raises:
+        UsageError: an expert parameter without a ``group_name`` of DeepSpeed's form ``ep_size_<N>``.
+    """
+    if not is_moe_param(param):
+        return None
+    name = getattr(param, "group_name", None)
+    prefix, _, size = str(name).rpartition("_")
+    if prefix != "ep_size" or not size.isdigit() or int(size) < 1:
+        from dslaunch.errors import UsageError
+
+        raise UsageError(f"a parameter marked as an expert's (allreduce = False) of shape {tuple(param.shape)} "
+                         f"has group_name {name!r}: set param.group_name = \"ep_size_<N>\" (N: the expert "
+                         "parallel size), as DeepSpeed's MoE layer does")
+    return str(name)
 
 
 def split_params_into_shared_and_expert_params(params: Iterable[torch.nn.Parameter]
@@ -80,6 +100,7 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups: Any, max_
     Raises:
         ValueError: ``param_groups`` is not a dict, tuple or list of dicts; a group holding expert
             parameters has no ``name``.
+        UsageError: an expert parameter without a ``group_name`` (``expert_group_name``).
     """
     if isinstance(param_groups, dict):
         groups = [param_groups]
@@ -97,7 +118,7 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups: Any, max_
                              "names each expert group after its source group); give every group a 'name'")
         by_name: dict[str, list[torch.nn.Parameter]] = {}
         for p in expert:
-            by_name.setdefault(p.group_name, []).append(p)
+            by_name.setdefault(expert_group_name(p), []).append(p)
         for name, members in by_name.items():
             runs = [members] if max_group_size is None else _chunks(members, max_group_size)
             expert_groups += [{**group, "name": name, "moe": True, "params": run} for run in runs]

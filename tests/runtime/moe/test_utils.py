@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dslaunch.errors import UsageError
 from dslaunch.moe import utils
 from dslaunch.moe.layer import MoE
+from dslaunch.runtime.moe import expert_group_name
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -47,6 +49,23 @@ def test_expert_marks_are_read_as_deepspeed_marks_them() -> None:
     model(torch.ones(1, 4)).sum().backward()
     shared_grads, expert_grads = utils.split_params_grads_into_shared_and_expert_params(model.parameters())
     assert len(shared_grads) == 3 and torch.equal(expert_grads[0], model[1].weight.grad)
+    with pytest.raises(UsageError, match=r"has group_name None: set param.group_name = \"ep_size_<N>\""):
+        utils.split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
+
+
+def test_expert_parameters_move_to_groups_of_their_own_as_deepspeed_moves_them() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    for p in [*model[1].parameters(), *model[2].parameters()]:
+        p.allreduce, p.group_name = False, "ep_size_2"
+    model[2].bias.group_name = "ep_size_4"
+    dense = {"params": model.parameters(), "name": "p", "lr": 0.1}
+    groups = utils.split_params_into_different_moe_groups_for_optimizer(dense, max_group_size=10)
+    assert [(g["name"], g.get("moe", False), [tuple(p.shape) for p in g["params"]]) for g in groups] == [
+        ("p", False, [(3, 4), (3,)]),
+        ("ep_size_2", True, [(3, 3)]), ("ep_size_2", True, [(3,), (2, 3)]),  # chunks of <= 10 elements
+        ("ep_size_4", True, [(2,)])]
+    assert groups[0] is dense and all(g["lr"] == 0.1 for g in groups)
+    assert expert_group_name(model[2].bias) == "ep_size_4" and expert_group_name(model[0].bias) is None
 
 
 def test_expert_parameters_get_groups_of_their_own_per_expert_group() -> None:
