@@ -1,11 +1,13 @@
 """The router of a mixture-of-experts layer: DeepSpeed's ``TopKGate`` and its top-1, top-2 and
 top-k gating functions (GShard's gating, as ``deepspeed.moe.sharded_moe`` has it).
 
-A gating function takes the router's logits ``[S, E]`` for this rank's ``S`` tokens and returns
-``(l_aux, combine_weights, dispatch_mask, exp_counts)``: the load-balancing loss, the weights
-``[S, E, C]`` that put each token's expert outputs back together, the boolean slot map ``[S, E, C]``
-that sends it to expert slots (``C``, the capacity, is the same on every rank of the expert group),
-and how many tokens chose each expert (before any was dropped).
+A gating function takes the router's logits ``[S, E]`` for this rank's ``S`` tokens and decides
+``Routes``: for each of a token's ``k`` routes the expert (-1: dropped), the slot in that expert's
+``C`` slots (``C``, the capacity, is the same on every rank of the expert group) and the gate
+weight, with the load-balancing loss and how many tokens chose each expert (before any was
+dropped). ``MOELayer`` moves tokens by those slot indices; the public functions return DeepSpeed's
+dense form ``(l_aux, combine_weights [S, E, C], dispatch_mask [S, E, C], exp_counts)``, or with
+``sparse_routes`` DeepSpeed's ``(l_aux, capacity, E, indices, locations, gates, exp_counts)``.
 
 The capacity rule is DeepSpeed's: with ``drop_tokens`` an expert takes at most
 ``max(ceil(S / E * capacity_factor * k), min_capacity)`` tokens and the rest are dropped (their
@@ -21,13 +23,14 @@ generator on each call, with no cache of distributions per device.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TopKGate", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample"]
+__all__ = ["TopKGate", "Routes", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample"]
 
 GateOutput = tuple[Tensor, Tensor, Tensor, Tensor]
 NoisyGatePolicy = Literal["Jitter", "RSample", "None"] | None
@@ -63,16 +66,67 @@ def _busiest(exp_counts: Tensor, ep_group: object | None) -> int:
     return int(busiest.item())
 
 
-def _combine(gates: Tensor, locations: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
-    """``combine_weights[s, e, c]``: token ``s``'s gate for expert ``e`` if it sits in slot ``c``."""
-    slots = F.one_hot((locations * mask).sum(dim=1).long(), num_classes=max(capacity, 1)).to(gates.dtype)
-    combine = (gates * mask).unsqueeze(2) * slots.unsqueeze(1)
-    return combine, combine.bool()
+@dataclass(frozen=True)
+class Routes:
+    """Where this rank's tokens go: ``experts``, ``locations`` and ``gates`` are ``[k, S]`` (route
+    ``r`` of token ``s``: expert, -1 when dropped; its slot among the expert's ``capacity``; its
+    weight in the output, differentiable)."""
+
+    l_aux: Tensor
+    capacity: int
+    num_experts: int
+    experts: Tensor
+    locations: Tensor
+    gates: Tensor
+    exp_counts: Tensor
+
+    def slots(self) -> Tensor:
+        """``[k, S]`` flat slot ``expert * capacity + location``; a dropped route gets the scratch
+        slot ``num_experts * capacity`` (one past the end), so moving tokens needs no branch."""
+        flat = self.experts * self.capacity + self.locations
+        return torch.where(self.experts >= 0, flat, torch.full_like(flat, self.num_experts * self.capacity))
+
+    def dense(self) -> GateOutput:
+        """DeepSpeed's dense form: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
+        k, num_tokens = self.experts.shape
+        width = self.num_experts * self.capacity
+        flat = self.gates.new_zeros(num_tokens, width + 1).scatter_add(1, self.slots().t(), self.gates.t())
+        combine = flat[:, :width].reshape(num_tokens, self.num_experts, self.capacity)
+        return self.l_aux, combine, combine.bool(), self.exp_counts
+
+    def as_tuple(self) -> tuple[Tensor, int, int, Tensor, Tensor, Tensor, Tensor]:
+        """DeepSpeed's ``sparse_routes`` form: ``(l_aux, capacity, E, indices, locations, gates, exp_counts)``."""
+        return (self.l_aux, self.capacity, self.num_experts, self.experts.to(torch.int32),
+                self.locations.to(torch.int32), self.gates, self.exp_counts)
+
+
+def _route(mask: Tensor, locations: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One route per token from a one-hot ``mask`` ``[S, E]`` (all zero: dropped): its expert
+    (-1), location and gate (``gates`` ``[S, E]`` or ``[S, 1]``)."""
+    experts = torch.where(mask.any(dim=1), mask.argmax(dim=1), torch.full_like(mask[:, 0], -1))
+    return experts, (locations * mask).sum(dim=1), (gates * mask).sum(dim=1)
+
+
+def _routes(l_aux: Tensor, capacity: int, exp_counts: Tensor, *routes: tuple[Tensor, Tensor, Tensor]) -> Routes:
+    experts, locations, gates = (torch.stack(column) for column in zip(*routes, strict=True))
+    # at least one slot: an all-dropped step still exchanges blocks of one shape on every rank
+    return Routes(l_aux, max(capacity, 1), exp_counts.shape[0], experts.long(), locations.long(), gates,
+                  exp_counts)
+
+
+def _output(routes: Routes, sparse_routes: bool) -> GateOutput | tuple:
+    return routes.as_tuple() if sparse_routes else routes.dense()
 
 
 def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Tensor | None = None,
                noisy_gate_policy: NoisyGatePolicy = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group: object | None = None) -> GateOutput:
+               ep_group: object | None = None, sparse_routes: bool = False) -> GateOutput | tuple:
+    return _output(_top1(logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens,
+                         use_rts, ep_group), sparse_routes)
+
+
+def _top1(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Tensor | None,
+          noisy_gate_policy: NoisyGatePolicy, drop_tokens: bool, use_rts: bool, ep_group: object | None) -> Routes:
     """Top-1 gating: each token goes to its most likely expert (with RSample, the most likely after
     Gumbel noise); over capacity, kept tokens are chosen at random (``use_rts``) or by position.
 
@@ -102,12 +156,18 @@ def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_t
     else:
         locations = torch.cumsum(mask, dim=0) - 1
         mask = mask * (locations < capacity)
-    combine, dispatch = _combine(gates, locations, mask, capacity)
-    return l_aux, combine, dispatch, exp_counts
+    return _routes(l_aux, capacity, exp_counts, _route(mask, locations, gates))
 
 
 def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: object | None = None, top2_2nd_expert_sampling: bool = True) -> GateOutput:
+               ep_group: object | None = None, top2_2nd_expert_sampling: bool = True,
+               sparse_routes: bool = False) -> GateOutput | tuple:
+    return _output(_top2(logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling),
+                   sparse_routes)
+
+
+def _top2(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool, ep_group: object | None,
+          top2_2nd_expert_sampling: bool) -> Routes:
     """Top-2 gating: the most likely expert, then the next (sampled with Gumbel noise when
     ``top2_2nd_expert_sampling``); first choices take slots before second ones; the two kept gates
     are renormalised to sum to 1."""
@@ -130,14 +190,17 @@ def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_t
     gates1 = (gates * mask1).sum(dim=1)
     gates2 = (gates * mask2).sum(dim=1)
     denom = torch.clamp(gates1 + gates2, min=torch.finfo(gates.dtype).eps)
-    combine1, _ = _combine((gates1 / denom).unsqueeze(1), locations1, mask1, capacity)
-    combine2, _ = _combine((gates2 / denom).unsqueeze(1), locations2, mask2, capacity)
-    combine = combine1 + combine2
-    return l_aux, combine, combine.bool(), exp_counts
+    return _routes(l_aux, capacity, exp_counts, _route(mask1, locations1, (gates1 / denom).unsqueeze(1)),
+                   _route(mask2, locations2, (gates2 / denom).unsqueeze(1)))
 
 
 def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: object | None = None) -> GateOutput:
+               ep_group: object | None = None, sparse_routes: bool = False) -> GateOutput | tuple:
+    return _output(_topk(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group), sparse_routes)
+
+
+def _topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool,
+          ep_group: object | None) -> Routes:
     """Top-k gating for ``k`` > 2: the ``k`` most likely experts, gates renormalised over those
     kept; over capacity an expert keeps its highest-gate tokens (DeepSpeed's ``probs`` policy)."""
     num_tokens, num_experts = logits.shape
@@ -156,9 +219,10 @@ def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int
     locations = torch.cumsum(mask, dim=0) - 1
     kept = gates * mask
     kept = kept / torch.clamp(kept.sum(dim=1, keepdim=True), min=torch.finfo(gates.dtype).eps)
-    slots = F.one_hot((locations * mask).long(), num_classes=max(capacity, 1)).to(gates.dtype)
-    combine = kept.unsqueeze(2) * slots
-    return l_aux, combine, combine.bool(), exp_counts
+    taken = mask.gather(1, top_idx) > 0
+    experts = torch.where(taken, top_idx, torch.full_like(top_idx, -1))
+    places, weights = (locations * mask).gather(1, top_idx), kept.gather(1, top_idx)
+    return _routes(l_aux, capacity, exp_counts, *((experts[:, j], places[:, j], weights[:, j]) for j in range(k)))
 
 
 class TopKGate(torch.nn.Module):
@@ -206,19 +270,25 @@ class TopKGate(torch.nn.Module):
             raise RuntimeError("TopKGate: its expert-parallel group is already set to another group")
         self.ep_group = ep_group
 
-    def forward(self, input: Tensor, used_token: Tensor | None = None) -> GateOutput:  # noqa: A002 (DeepSpeed's name)
-        """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` for tokens ``input`` ``[S, M]``
-        (routing in fp32 whatever the input's dtype)."""
+    def forward(self, input: Tensor, used_token: Tensor | None = None, sparse_routes: bool = False,  # noqa: A002
+                use_tutel: bool = False) -> GateOutput | tuple:
+        """DeepSpeed's gate output for tokens ``input`` ``[S, M]``: the dense
+        ``(l_aux, combine_weights, dispatch_mask, exp_counts)``, or with ``sparse_routes``
+        ``(l_aux, capacity, E, indices, locations, gates, exp_counts)``."""
+        return _output(self.route(input, used_token), sparse_routes)
+
+    def route(self, input: Tensor, used_token: Tensor | None = None) -> Routes:  # noqa: A002 (DeepSpeed's name)
+        """The ``Routes`` of tokens ``input`` ``[S, M]`` (routing in fp32 whatever the input's dtype)."""
         tokens = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             tokens = multiplicative_jitter(tokens)
         logits = F.linear(tokens, self.wg.weight.float())
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
-            return top1gating(logits, capacity_factor, self.min_capacity, used_token,
-                              self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,
-                              self.ep_group)
+            return _top1(logits, capacity_factor, self.min_capacity, used_token,
+                         self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,
+                         self.ep_group)
         if self.k == 2:
-            return top2gating(logits, capacity_factor, self.min_capacity, self.drop_tokens, self.ep_group,
-                              self.top2_2nd_expert_sampling)
-        return topkgating(logits, self.k, capacity_factor, self.min_capacity, self.drop_tokens, self.ep_group)
+            return _top2(logits, capacity_factor, self.min_capacity, self.drop_tokens, self.ep_group,
+                         self.top2_2nd_expert_sampling)
+        return _topk(logits, self.k, capacity_factor, self.min_capacity, self.drop_tokens, self.ep_group)

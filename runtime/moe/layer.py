@@ -8,8 +8,8 @@ peers holding the same experts. ``forward`` returns ``(output, l_aux, exp_counts
 One step of ``MOELayer``: the gate assigns this rank's tokens to expert slots (``[E, C, M]``), an
 all-to-all over the expert group sends each expert its slots from every rank of the group, the
 local experts run, and a second all-to-all brings the outputs back to be weighted by the gates.
-Tokens are placed with dense ``[S, E, C]`` maps (GShard's einsum form), which is simple and exact
-but costs ``S * E * C`` memory; DeepSpeed gathers by slot index instead.
+Tokens move by slot index (one ``index_add`` in, one ``index_select`` out), never through dense
+``[S, E, C]`` maps: memory and time grow with ``S * k``, not ``S * E * C``.
 
 Collective: with ``ep_size`` > 1 ``forward`` is collective on the expert group (every rank of it
 must call it, with the same number of tokens); without ``drop_tokens`` the gate agrees on the
@@ -96,14 +96,21 @@ class MOELayer(torch.nn.Module):
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:  # noqa: A002 (DeepSpeed's signature)
         hidden = input[0]
         used_token = input[1] if len(input) > 1 else None
-        tokens = hidden.reshape(-1, hidden.shape[-1])
-        self.l_aux, combine, dispatch, self.exp_counts = self.gate(tokens, used_token)
-        slots = torch.einsum("sec,sm->ecm", dispatch.to(tokens.dtype), tokens)
-        received = self._exchange(slots)
-        expert_in = received.reshape(self.ep_size, self.num_local_experts, -1, tokens.shape[-1])
-        expert_out = self.experts(expert_in).reshape(self.ep_size * self.num_local_experts, -1, tokens.shape[-1])
+        width = hidden.shape[-1]
+        tokens = hidden.reshape(-1, width)
+        routes = self.gate.route(tokens, used_token)
+        self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        experts, capacity = routes.num_experts, routes.capacity
+        slots = routes.slots().reshape(-1)  # route-major: route 0 of every token, then route 1, ...
+        # each slot holds at most one token; dropped routes pile up in the scratch row, cut off
+        placed = tokens.new_zeros(experts * capacity + 1, width).index_add(0, slots, tokens.repeat(routes.gates.shape[0], 1))
+        received = self._exchange(placed[:-1].reshape(experts, capacity, width))
+        expert_in = received.reshape(self.ep_size, self.num_local_experts, capacity, width)
+        expert_out = self.experts(expert_in).reshape(experts * capacity, width)
         returned = self._exchange(expert_out)
-        combined = torch.einsum("sec,ecm->sm", combine.to(tokens.dtype), returned)
+        padded = torch.cat([returned, returned.new_zeros(1, width)])
+        picked = padded.index_select(0, slots).reshape(-1, tokens.shape[0], width)
+        combined = (picked * routes.gates.unsqueeze(-1).to(picked.dtype)).sum(dim=0)
         return combined.reshape(hidden.shape)
 
 

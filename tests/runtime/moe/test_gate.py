@@ -120,3 +120,24 @@ def test_expert_parameters_carry_deepspeeds_marks() -> None:
     assert all(p.allreduce is False and p.group_name == "ep_size_2" for p in experts.parameters())
     dense = [p for n, p in layer.named_parameters() if "deepspeed_experts" not in n]
     assert dense and not any(hasattr(p, "allreduce") for p in dense)  # gate, residual mlp, coefficient
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sparse_routes_and_the_dense_form_agree(k: int) -> None:
+    """DeepSpeed's two forms of a gate's answer: ``(l_aux, capacity, E, indices, locations, gates,
+    counts)`` put each kept route where the dense ``combine_weights`` has its gate."""
+    torch.manual_seed(k)
+    gate = MoE(HIDDEN, _expert(), num_experts=EXPERTS, k=k, min_capacity=2, use_rts=False,
+               top2_2nd_expert_sampling=False).deepspeed_moe.gate
+    tokens = torch.randn(TOKENS, HIDDEN) * 2
+    l_aux, combine, dispatch, counts = gate(tokens)
+    sparse_l_aux, capacity, experts, indices, locations, gates, sparse_counts = gate(tokens, sparse_routes=True)
+    assert torch.equal(l_aux, sparse_l_aux) and torch.equal(counts, sparse_counts) and experts == EXPERTS
+    assert combine.shape == (TOKENS, EXPERTS, capacity) and torch.equal(dispatch, combine > 0)
+    rebuilt = torch.zeros_like(combine)
+    for route in range(k):
+        for s in range(TOKENS):
+            if indices[route, s] >= 0:
+                rebuilt[s, indices[route, s], locations[route, s]] += gates[route, s]
+    assert torch.equal(rebuilt, combine)
+    assert int((indices >= 0).sum()) < TOKENS * k  # some routes were dropped
