@@ -16,7 +16,7 @@ from tests.runtime.moe.models import CASES, TinyMoENet, batch, expert_index
 WORLD = 4
 
 
-def _ranks(rank: int, world: int, ep_size: int) -> list[dict]:
+def _ranks(rank: int, world: int, ep_size: int, data_before_expert: bool) -> list[dict]:
     import torch.distributed as dist
 
     import dslaunch
@@ -26,7 +26,7 @@ def _ranks(rank: int, world: int, ep_size: int) -> list[dict]:
     results = []
     for case in CASES:
         model = TinyMoENet(case, ep_size)
-        model.moe.set_deepspeed_parallelism()
+        model.moe.set_deepspeed_parallelism(data_before_expert)
         name = model.moe.expert_group_name
         first = groups._get_expert_parallel_rank(name) * model.moe.num_local_experts
         model.set_expert_weights(first)
@@ -57,9 +57,10 @@ def _reference(case, world: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ep_size", [1, 2, 4])
-def test_expert_parallel_layer_equals_one_process_holding_every_expert(ep_size: int) -> None:
-    got = run_world(_ranks, WORLD, ep_size, timeout=110)
+@pytest.mark.parametrize(("ep_size", "data_before_expert"), [(1, False), (2, False), (4, False), (2, True)])
+def test_expert_parallel_layer_equals_one_process_holding_every_expert(ep_size: int, data_before_expert: bool) -> None:
+    """``data_before_expert``: DeepSpeed's D + E layout (expert groups [0, 2] and [1, 3])."""
+    got = run_world(_ranks, WORLD, ep_size, data_before_expert, timeout=110)
     for i, case in enumerate(CASES):
         want = _reference(case, WORLD)
         for rank in range(WORLD):
