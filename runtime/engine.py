@@ -28,7 +28,6 @@ from dslaunch.runtime.engine_setup import build_components, data_loader
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
-from dslaunch.runtime.parallel.grid import DataParallelGrid
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
@@ -50,7 +49,7 @@ class DeepSpeedEngine(torch.nn.Module):
                  collate_fn: Any = None, mpu: Any = None):
         super().__init__()
         # Where this rank sits: a Megatron-style mpu, or every rank a data-parallel peer.
-        self.grid = mpu if mpu is not None else DataParallelGrid()
+        self.grid = groups.grid = mpu if mpu is not None else groups.data_parallel_grid()
         self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's mpu
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
@@ -61,6 +60,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.device = device_for(self.local_rank)
         self.precision = PrecisionPolicy.from_config(config)
         self.module = self.precision.cast_module(model.to(self.device))
+        _set_parallelism(self.module, config.use_data_before_expert_parallelism)
         parts = build_components(self.module, config, self.precision, optimizer, model_parameters,
                                  lr_scheduler, training_data, collate_fn, self.grid)
         self.zero, self.optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
@@ -499,3 +499,14 @@ class DeepSpeedEngine(torch.nn.Module):
             if part is not None and sd.get(key) is not None:
                 part.load_state_dict(sd[key])
 
+
+def _set_parallelism(module: torch.nn.Module, data_before_expert: bool) -> None:
+    """Let every submodule that asks (DeepSpeed's MoE layers: ``set_deepspeed_parallelism``) make
+    its expert groups before ZeRO places their parameters, as DeepSpeed's engine does.
+
+    collective: every rank (the layers create process groups).
+    """
+    for sub in module.modules():
+        setter = getattr(sub, "set_deepspeed_parallelism", None)
+        if callable(setter):
+            setter(data_before_expert)

@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.moe import expert_group_name
 from dslaunch.runtime.parallel.mpu import counted_in_norm, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.zero.exchange import GradientExchange, build_exchange
 from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.registry import strategy_class
-from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec
+from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, ReduceGroup
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 
 __all__ = ["EngineParts", "build_components"]
@@ -57,6 +58,7 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
         return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
     groups = _param_groups(module, optimizer, model_parameters, tensor_axis(grid, "rank"))
+    reduce_groups = _expert_groups(groups, grid, cfg)
     if optimizer is None:  # Muon: its matrices and the AdamW rest in separate groups
         from dslaunch.runtime.optim.registry import split_groups
 
@@ -84,11 +86,43 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         hpz_partition_size=zero_cfg.zero_hpz_partition_size)
     model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
     exchange = _exchange(cfg, optimizer, grid.get_data_parallel_group())
-    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer, exchange), comm,
+    zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer, exchange, groups), comm,
                                           process_group=grid.get_data_parallel_group(), module=module,
-                                          model_parallel_group=model_parallel, exchange=exchange)
+                                          model_parallel_group=model_parallel, exchange=exchange,
+                                          reduce_groups=reduce_groups)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
                        _dataloader(cfg, training_data, collate_fn, grid))
+
+
+def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig) -> dict[str, ReduceGroup]:
+    """The expert-data group (reduce, shard) and expert group (the norm's spread) of every expert
+    group name the param groups use, from the grid's expert split of that size (made here if no
+    module made it: collective, every rank the same names in the same order).
+
+    Raises:
+        ConfigError: expert parameters with an mpu that is not a dslaunch grid, or with an optimizer
+            that reads the flat shards as one data-parallel group (Lamb, Muon, the 1-bit ones).
+    """
+    names = list(dict.fromkeys(g.reduce_group for g in groups if g.reduce_group != "data"))
+    if not names:
+        return {}
+    home = getattr(grid, "groups", None)
+    if home is None:
+        raise ConfigError(f"expert parameters (group_name {names[0]}) need the ranks' layout: the mpu "
+                          f"{type(grid).__name__} is not a deepspeed PipelineParallelGrid; pass one (or no mpu)")
+    if cfg.optimizer is not None:
+        from dslaunch.runtime.optim.registry import sees_flat_shards
+
+        if sees_flat_shards(cfg.optimizer):
+            raise ConfigError(f"optimizer {cfg.optimizer.name!r} reads its flat shards over the data-parallel "
+                              f"group, and expert parameters ({names[0]}) shard over their expert-data group; "
+                              "use an element-wise optimizer (Adam, AdamW, SGD, Lion) with experts",
+                              key="optimizer.type")
+    out = {}
+    for name in names:
+        split = home.experts(int(name.rpartition("_")[2]), cfg.use_data_before_expert_parallelism)
+        out[name] = ReduceGroup(split.group("expert_data"), split.group("expert"))
+    return out
 
 
 def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> GradientExchange:
@@ -145,10 +179,15 @@ def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any
         if missing:
             raise ConfigError(f"param group {i} holds {len(missing)} tensor(s) that are not parameters "
                               "of the model passed to initialize()")
-        if params:
-            skipped = tuple(j for j, p in enumerate(params) if not counted_in_norm(p, tensor_rank))
-            groups.append(GroupSpec(params, [names[id(p)] for p in params],
-                                    {k: v for k, v in g.items() if k != "params"}, skipped))
+        hparams = {k: v for k, v in g.items() if k != "params"}
+        # Expert parameters (allreduce False) reduce over their own group: a group of their own each.
+        by_reduce = {name: [p for p in params if (expert_group_name(p) or "data") == name]
+                     for name in dict.fromkeys(expert_group_name(p) or "data" for p in params)}
+        for reduce_group, mine in by_reduce.items():
+            skipped = tuple(j for j, p in enumerate(mine) if not counted_in_norm(p, tensor_rank))
+            extra = {} if reduce_group == "data" else {"name": reduce_group, "moe": True}
+            groups.append(GroupSpec(mine, [names[id(p)] for p in mine], {**hparams, **extra}, skipped,
+                                    reduce_group))
     if not groups:
         raise ConfigError("the model has no trainable parameters (requires_grad=True)")
     return groups
@@ -157,7 +196,7 @@ def _param_groups(module: torch.nn.Module, optimizer: Any, model_parameters: Any
 def _subgroup(group: GroupSpec, indices: list[int], use_muon: bool) -> GroupSpec:
     return GroupSpec([group.params[i] for i in indices], [group.names[i] for i in indices],
                      {**group.hparams, "use_muon": use_muon},
-                     tuple(k for k, i in enumerate(indices) if i in group.norm_skipped))
+                     tuple(k for k, i in enumerate(indices) if i in group.norm_skipped), group.reduce_group)
 
 
 def _client_wins(section: Any, key: str) -> None:
@@ -194,15 +233,26 @@ def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:
                       key="zero_allow_untested_optimizer")
 
 
-def _optimizer_factory(cfg: DeepSpeedConfig, client: Any, exchange: GradientExchange) -> Any:
+def _origins(client_groups: list[dict], specs: list[GroupSpec]) -> list[dict]:
+    """The client param group each spec came from (by its first parameter)."""
+    home = {id(p): g for g in client_groups for p in g["params"]}
+    return [home[id(spec.params[0])] for spec in specs]
+
+
+def _optimizer_factory(cfg: DeepSpeedConfig, client: Any, exchange: GradientExchange,
+                       specs: list[GroupSpec]) -> Any:
     if isinstance(client, torch.optim.Optimizer) or callable(client):
         _client_wins(cfg.optimizer, "optimizer")
     if isinstance(client, torch.optim.Optimizer):
         _checked_client(client, cfg)  # before the client's param groups are touched
 
         def repoint(groups: list[dict], flat: FlatShards) -> torch.optim.Optimizer:
-            # Same object, same hyperparameters; only the tensors change to the flat shards.
+            # Same object, same hyperparameters; only the tensors change to the flat shards. A group
+            # holding dense and expert parameters became several: each a copy of the client's.
             kept = [g for g in client.param_groups if any(p.requires_grad for p in g["params"])]
+            if len(kept) != len(groups):
+                kept = [{**g, **theirs} for g, theirs in zip(_origins(client.param_groups, specs), groups,
+                                                             strict=True)]
             for mine, theirs in zip(kept, groups, strict=True):
                 mine["params"] = theirs["params"]
             client.param_groups[:] = kept

@@ -55,12 +55,16 @@ def test_trim_mean_keeps_its_argument() -> None:
     assert data == [3.0, 1.0, 2.0, 100.0, 2.0]
 
 
-def test_moe_layer_imports_and_refuses_on_use() -> None:
-    from dslaunch.errors import DslaunchError
+def test_moe_paths_are_deepspeeds() -> None:
+    from dslaunch.moe.experts import Experts
     from dslaunch.moe.layer import MoE
+    from dslaunch.moe.sharded_moe import MOELayer, TopKGate
 
-    with pytest.raises(DslaunchError, match=r"MoE: mixture of experts \(expert parallelism\) is not in dslaunch"):
-        MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)
+    layer = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)
+    assert isinstance(layer.deepspeed_moe, MOELayer) and isinstance(layer.deepspeed_moe.gate, TopKGate)
+    assert isinstance(layer.deepspeed_moe.experts, Experts)
+    out, l_aux, counts = layer(torch.randn(2, 4, 8))
+    assert out.shape == (2, 4, 8) and l_aux.ndim == 0 and int(counts.sum()) == 8
 
 
 def test_multinode_runner_base_quotes_exports_as_deepspeed() -> None:

@@ -1,5 +1,5 @@
-"""``deepspeed.moe.layer``: ``MoE`` imports fine and refuses to be built (``dslaunch.runtime.moe``)."""
+"""``deepspeed.moe.layer``: ``MoE``, the mixture-of-experts layer (``dslaunch.runtime.moe.layer``)."""
 
-from dslaunch.runtime.moe import MoE
+from dslaunch.runtime.moe.layer import MoE
 
 __all__ = ["MoE"]

@@ -1,6 +1,6 @@
-"""``deepspeed.moe.utils``: the expert/shared parameter helpers of ``dslaunch.runtime.moe``."""
+"""``deepspeed.moe.utils``: the expert-parameter helpers (``dslaunch.runtime.moe.utils``)."""
 
-from dslaunch.runtime.moe import (
+from dslaunch.runtime.moe.utils import (
     configure_moe_param_groups,
     has_moe_layers,
     is_moe_param,

@@ -37,7 +37,7 @@ import torch
 from dslaunch.errors import CheckpointError, DslaunchError, UsageError, shorten
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
 from dslaunch.runtime.checkpoint.model_parallel import consolidate_parts
-from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, fp32_params, needed_ranks
+from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, expert_groups, fp32_params, needed_ranks
 from dslaunch.runtime.checkpoint.store import (
     LATEST,
     MANIFEST,
@@ -102,6 +102,11 @@ def _consolidate(store: CheckpointStore, tag: str, exclude_frozen: bool) -> Stat
         masters, module = consolidate_parts(store, tag, manifest, str(store.root / tag))
     else:
         pmap = manifest.meta["partition"]
+        experts = expert_groups(pmap)
+        if experts:  # every expert rank's parameters have the same names
+            raise CheckpointError(f"the checkpoint holds expert parameters ({experts[0]}), whose values differ by "
+                                  "expert rank under one name: one state dict cannot hold them; load the tag "
+                                  "with the engine at the layout it was saved", str(store.root / tag))
         full = [(0, int(g["numel"])) for g in pmap["groups"]]
         shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
         masters = fp32_params(assemble(shards, full))

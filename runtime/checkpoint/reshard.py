@@ -33,7 +33,8 @@ def partition_map(shards: list[dict]) -> dict[str, Any]:
         groups.append({"names": list(g["names"]), "shapes": [list(s) for s in g["shapes"]],
                        "numel": int(g["numel"]),
                        "ranges": {str(sd["rank"]): [int(sd["groups"][gi]["start"]),
-                                                    int(sd["groups"][gi]["end"])] for sd in shards}})
+                                                    int(sd["groups"][gi]["end"])] for sd in shards},
+                       **({"reduce_group": g["reduce_group"]} if "reduce_group" in g else {})})
     return {"stage": int(first["stage"]), "world_size": int(first["world_size"]), "groups": groups}
 
 
@@ -252,3 +253,9 @@ def _first_difference(saved: dict, live: dict) -> str:
     extra = sn[len(ln):] or ln[len(sn):]
     where = "checkpoint" if len(sn) > len(ln) else "model"
     return f"only the {where} has {extra[:3]}"
+
+
+def expert_groups(pmap: dict[str, Any]) -> list[str]:
+    """The expert group names of a partition map's param groups (their values differ by expert
+    rank: each rank's own shard file holds its experts)."""
+    return [g["reduce_group"] for g in pmap["groups"] if "reduce_group" in g]

@@ -60,6 +60,7 @@ from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     check_compatible,
     check_meta,
+    expert_groups,
     fp32_params,
     needed_ranks,
     partition_map,
@@ -150,9 +151,15 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
         raise CheckpointError(f"checkpoint.use_node_local_storage is not supported with model parallelism "
                               f"({describe(place.shape)}): save to a shared file system")
     module_writer = rank == 0 or (cfg.use_node_local_storage and ck.node_leader)
-    zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage
     files: dict[str, Any] = {}
     zero_sd = zero.state_dict()
+    experts = [g["reduce_group"] for g in zero_sd["groups"] if "reduce_group" in g]
+    if experts and place is not None:
+        raise CheckpointError(f"saving expert parameters ({experts[0]}) with model parallelism "
+                              f"({describe(place.shape)}) is not supported yet: save without pipeline or "
+                              "tensor parallelism")
+    # every rank's experts differ: each rank keeps its own shard file, at stage 0 too
+    zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage or bool(experts)
     in_groups = {n: list(s) for g in zero_sd["groups"] for n, s in zip(g["names"], g["shapes"], strict=True)}
     # stage 3: partitioned params the optimizer does not hold (frozen ones, or all of them in an
     # engine without an optimizer) are gathered whole here, one module at a time
@@ -228,7 +235,7 @@ def _save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> No
 def _layout(zero_sd: dict) -> dict:
     """A shard's state dict without its tensors (enough for the partition map)."""
     return {"stage": zero_sd["stage"], "world_size": zero_sd["world_size"], "rank": zero_sd["rank"],
-            "groups": [{k: g[k] for k in ("names", "shapes", "numel", "start", "end")}
+            "groups": [{k: g[k] for k in ("names", "shapes", "numel", "start", "end", "reduce_group") if k in g}
                        for g in zero_sd["groups"]]}
 
 
@@ -244,7 +251,18 @@ def _zero_sources(manifest: Manifest, current: dict, rank: int) -> list[int]:
     same_layout = meta["world_size"] == current["world_size"] and pmap["stage"] == current["stage"]
     if same_layout and zero_file(rank) in manifest.files:
         return [rank]  # the fast path: this rank's own shard, nothing to cut
+    _refuse_experts(pmap, f"{zero_file(rank)} is missing" if same_layout else
+                    f"now world size {current['world_size']}, ZeRO stage {current['stage']}", manifest.meta)
     return needed_ranks(pmap, _targets(current))
+
+
+def _refuse_experts(pmap: dict, now: str, meta: dict) -> None:
+    """Expert shards load only where they were saved: another layout would mix experts."""
+    experts = expert_groups(pmap)
+    if experts:
+        raise CheckpointError(f"the checkpoint holds expert parameters ({experts[0]}) saved at world size "
+                              f"{meta['world_size']}, ZeRO stage {pmap['stage']}; each rank loads only its own "
+                              f"shard file at that layout ({now})")
 
 
 def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place: Placement | None,
@@ -265,6 +283,7 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place
     try:
         check_compatible(pmap, current, str(store.root / tag))
     except CheckpointError as exc:  # keep what can be matched by name: the fp32 weights
+        _refuse_experts(pmap, "this model's param groups differ", manifest.meta)
         out["incompatible"] = exc
         full = [(0, int(g["numel"])) for g in pmap["groups"]]
         shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]

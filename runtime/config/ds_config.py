@@ -116,6 +116,7 @@ _SCALARS = {
     # refuses client optimizers that are not element-wise (engine_setup._checked_client).
     "zero_allow_untested_optimizer": (boolean, "true or false"),
     "dataloader_drop_last": (boolean, "true or false"),
+    "use_data_before_expert_parallelism": (boolean, "true or false"),
     "dist_init_timeout": (number(0.0, MAX_TIMEOUT_S, low_open=True), "seconds to wait for peers (default 1800)"),
 }
 
@@ -171,6 +172,9 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
     zero_allow_untested_optimizer: bool = False
     dataloader_drop_last: bool = False
+    use_data_before_expert_parallelism: bool = False
+    """Expert groups laid out D + E (the ranks holding the same experts neighbours) instead of
+    E + D; passed to every module's ``set_deepspeed_parallelism`` (DeepSpeed's MoE layers)."""
     dist_init_timeout: float = 1800.0
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)

@@ -480,7 +480,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "managed_gradient_accumulation": True,  # dslaunch steps at the accumulation boundary
     # parallelism
     "tensor_parallel": Off({"autotp_size": 0}, switch="autotp_size"),
-    "expert_parallel": _enabled(), "use_data_before_expert_parallelism": False,
+    "expert_parallel": _enabled(),
     "sequence_parallel_size": 1, "seq_parallel_comm_data_type": "fp32",
     "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use
     "hybrid_engine": _enabled(),

@@ -36,7 +36,7 @@ from dslaunch.runtime.config.param_schema import (
 )
 
 __all__ = ["OptimizerSpec", "OPTIMIZER_TYPES", "validate_optimizer", "build_optimizer", "is_compressed",
-           "split_groups"]
+           "sees_flat_shards", "split_groups"]
 
 _KEY = "optimizer.params"
 
@@ -412,6 +412,14 @@ def validate_optimizer(opt_type: str, params: Mapping[str, Any] | None) -> Optim
 def is_compressed(spec: OptimizerSpec | None) -> bool:
     """Whether ``spec`` names a 1-bit optimizer (the strategy needs a ``CompressedExchange``)."""
     return spec is not None and _entry(spec.name).compressed
+
+
+def sees_flat_shards(spec: OptimizerSpec | None) -> bool:
+    """Whether ``spec``'s optimizer reads more than its own elements of the flat shards (per-parameter
+    norms, whole matrices, its own compressed exchange): it assumes every group shards over the
+    data-parallel group."""
+    entry = _entry(spec.name) if spec is not None else None
+    return entry is not None and (entry.layout_aware or entry.matrix_aware or entry.compressed)
 
 
 def split_groups(spec: OptimizerSpec | None, groups: list[Any], make: Callable[[Any, list[int], bool], Any]

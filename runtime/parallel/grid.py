@@ -33,7 +33,8 @@ def _dist() -> Any:
 class DataParallelGrid:
     """The one-axis grid: every rank a data-parallel peer in the world group; no model parallelism.
 
-    The engine reads this when no ``mpu`` and no pipeline topology is given. It creates no group.
+    The engine reads this when no ``mpu`` and no pipeline topology is given. It creates no group
+    but the expert groups a job with expert parameters asks for (``groups.experts``).
     """
 
     def __init__(self) -> None:
@@ -42,6 +43,8 @@ class DataParallelGrid:
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._topo = PipeDataParallelTopology(1, self.world_size)
+        # Only expert groups (``groups.experts``) are ever made from it: the data group is the world.
+        self.groups = ParallelGroups(self._topo, self.global_rank)
 
     def topology(self) -> ProcessTopology:
         return self._topo

@@ -93,10 +93,32 @@ class ParallelGroups:
     collective: ``group(role)`` the first time for each role, on every rank, in the same order.
     """
 
-    def __init__(self, topology: ProcessTopology, rank: int, expert: int = 1):
-        self.topology = topology.split("data", "expert_data", "expert", expert) if expert > 1 else topology
+    def __init__(self, topology: ProcessTopology, rank: int, expert: int = 1, data_before_expert: bool = False):
+        self.base_topology = topology
+        self.topology = _split_data(topology, expert, data_before_expert) if expert > 1 else topology
         self.rank = rank
         self._made: dict[str, Any] = {}
+        self._experts: dict[int, ParallelGroups] = {}
+
+    def experts(self, size: int, data_before_expert: bool = False) -> ParallelGroups:
+        """The groups of this topology with the data axis split into ``size`` expert ranks (the
+        ``expert`` and ``expert_data`` roles; size 1 too), one split per size, kept: DeepSpeed's
+        groups named ``ep_size_<size>``. ``data_before_expert`` (DeepSpeed's
+        ``use_data_before_expert_parallel_``) counts only when a size is first asked for, as
+        DeepSpeed creates a name once.
+
+        Raises:
+            UsageError: ``size`` does not divide the data axis (one line naming both).
+        """
+        if size not in self._experts:
+            split = ParallelGroups(self.base_topology, self.rank)
+            split.topology = _split_data(self.base_topology, size, data_before_expert)
+            self._experts[size] = split
+        return self._experts[size]
+
+    def expert_sizes(self) -> list[int]:
+        """The expert-parallel sizes split so far, in the order first asked for."""
+        return list(self._experts)
 
     def axes(self, role: str) -> list[str]:
         """The topology axes ``role`` varies over."""
@@ -129,3 +151,21 @@ class ParallelGroups:
         if role not in self._made:
             self._made[role] = new_groups(self.lists(role), self.rank)[0]
         return self._made[role]
+
+
+def _split_data(topology: ProcessTopology, expert: int, data_before_expert: bool) -> ProcessTopology:
+    """``topology`` with its data axis cut into expert x expert-data ranks: expert fastest (DeepSpeed's
+    E + D default: the ranks holding different experts are neighbours), or expert-data fastest
+    (D + E: the ranks holding the same experts are).
+
+    Raises:
+        UsageError: ``expert`` does not divide the data axis.
+    """
+    data = topology.get_dim("data")
+    if expert < 1 or data % expert:
+        from dslaunch.errors import UsageError
+
+        raise UsageError(f"expert parallel size {expert} must divide the data-parallel size {data}")
+    if data_before_expert:
+        return topology.split("data", "expert", "expert_data", data // expert)
+    return topology.split("data", "expert_data", "expert", expert)

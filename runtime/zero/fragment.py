@@ -72,7 +72,7 @@ def rank_tensor(frag: Fragment, what: str) -> torch.Tensor | None:
     if what == PARAM:
         return g.master.data
     if what == GRAD:
-        return s.gradients.shard(frag.gi)
+        return s.grad_shard(frag.gi)
     state = s.optimizer.state.get(g.master, {}).get(what)
     if state is None and s.offload is not None:  # NVMe: in the swap file
         state = s.offload.state_tensor(frag.gi, what)

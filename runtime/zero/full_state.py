@@ -47,7 +47,7 @@ def _get_full(param: torch.nn.Parameter, what: str) -> torch.Tensor | None:
     if not s.partitioned:
         full = local[frag.a:frag.b].to(torch.float32, copy=True)
     else:
-        flat = zp.FlatShard(local, frag.group.layout.numel, s.world_size, s.rank, s.pg)
+        flat = zp.FlatShard(local, frag.group.layout.numel, *s.group_comm(frag.gi))
         full, works = zp.gather_range(flat, frag.a, frag.b)
         wait_all(works, "parameter gather (broadcast)")
         full = full.float()

@@ -1,6 +1,6 @@
 """What the engine hands a ZeRO strategy and what it gets back: plain frozen records.
 
-``GroupSpec`` (a param group), ``CommSettings`` (the communication knobs, read from the config
+``GroupSpec`` (a param group), ``ReduceGroup`` (the ranks a group of them reduces over), ``CommSettings`` (the communication knobs, read from the config
 once), ``FlatShards`` (what the optimizer's flat tensors hold) and ``StepResult``.
 """
 
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.partition import FlatLayout, GroupLayout
 
-__all__ = ["GroupSpec", "CommSettings", "StepResult", "FlatShards", "OptimizerFactory"]
+__all__ = ["GroupSpec", "ReduceGroup", "CommSettings", "StepResult", "FlatShards", "OptimizerFactory"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,27 @@ class GroupSpec:
     names: list[str]
     hparams: dict
     norm_skipped: tuple[int, ...] = ()
+    reduce_group: str = "data"
+    """The ranks its gradients are averaged over and its state is sharded over, by name: ``"data"``
+    (the data-parallel group) or an expert group's name, ``"ep_size_<N>"`` (that split's
+    expert-data group: the ranks holding the same experts). The strategy is handed a
+    ``ReduceGroup`` for every name other than ``"data"``."""
+
+
+@dataclass(frozen=True)
+class ReduceGroup:
+    """Where a ``GroupSpec`` of that name reduces and shards: ``process_group`` (its gradients are
+    summed there, its state partitioned there) and ``spread_group``: the ranks that hold *different*
+    parameters of it (the expert axis: each holds other experts; None: every rank holds the same),
+    over which the squared gradient norm sums once more so that every distinct parameter counts.
+
+    The average still divides by the data-parallel size: an expert's gradient summed over its
+    expert-data ranks holds the tokens of every data rank routed to it, so dividing by the data
+    size is the gradient of the global mean loss (DeepSpeed's ``_reduce_expert_gradients`` and
+    ZeRO-1/2 divide the same way)."""
+
+    process_group: Any
+    spread_group: Any = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ Config knobs (``zero_optimization``, DeepSpeed's names and defaults):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from dslaunch.runtime.zero.fetcher import ParamFetcher
 from dslaunch.runtime.zero.gradients import ScopedGradients
 from dslaunch.runtime.zero.partitioned import Partitioned
 from dslaunch.runtime.zero.prefetch import FetchLimits
-from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory
+from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory, ReduceGroup
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 
 __all__ = ["Stage3", "DeepSpeedZeroOptimizer_Stage3"]
@@ -55,8 +56,10 @@ class Stage3(ZeroStrategy):
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
                  process_group: Any = None, module: torch.nn.Module | None = None,
-                 model_parallel_group: Any = None, exchange: Any = None):
-        super().__init__(groups, make_optimizer, comm, process_group, module, model_parallel_group, exchange)
+                 model_parallel_group: Any = None, exchange: Any = None,
+                 reduce_groups: Mapping[str, ReduceGroup] | None = None):
+        super().__init__(groups, make_optimizer, comm, process_group, module, model_parallel_group, exchange,
+                         reduce_groups)
         params = [p for g in self.groups for p in g.params]
         limits = FetchLimits(comm.prefetch_bucket_numel, comm.max_live_parameters, comm.max_reuse_distance)
         self.fetcher = ParamFetcher(module, params, limits) if module is not None else None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -42,9 +43,16 @@ from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange
 from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
 from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement, gather_over_ranks, sum_over_ranks
-from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, OptimizerFactory, StepResult
+from dslaunch.runtime.zero.specs import (
+    CommSettings,
+    FlatShards,
+    GroupSpec,
+    OptimizerFactory,
+    ReduceGroup,
+    StepResult,
+)
 
-__all__ = ["ZeroStrategy", "ParamSlot"]
+__all__ = ["ZeroStrategy", "ReducePart", "ParamSlot"]
 
 
 class ParamSlot(tuple):
@@ -86,7 +94,8 @@ class ZeroStrategy:
 
     def __init__(self, groups: list[GroupSpec], make_optimizer: OptimizerFactory, comm: CommSettings,
                  process_group: Any = None, module: torch.nn.Module | None = None,
-                 model_parallel_group: Any = None, exchange: GradientExchange | None = None):
+                 model_parallel_group: Any = None, exchange: GradientExchange | None = None,
+                 reduce_groups: Mapping[str, ReduceGroup] | None = None):
         self.pg = process_group
         self.exchange = exchange if exchange is not None else FlatAllReduce(process_group)
         mp_world = dist.get_world_size(model_parallel_group) if model_parallel_group is not None else 1
@@ -94,22 +103,27 @@ class ZeroStrategy:
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         self.comm = comm
-        self.placement = self.placement_type(groups, comm, self.world_size, self.rank, process_group)
-        self.groups = self.placement.groups
+        self.reduce_group_names = [spec.reduce_group for spec in groups]  # checkpoints record them
+        self.parts = self._build_parts(groups, {"data": ReduceGroup(process_group), **(reduce_groups or {})})
+        main = self.parts[0]  # the data group's (the first part): what a dense model has alone
+        self.placement, self.gradients = main.placement, main.gradients
+        self.groups: list[Any] = [None] * len(groups)
+        for part in self.parts:
+            for gi, g in zip(part.indices, part.placement.groups, strict=True):
+                self.groups[gi] = g
         # Per group, the pieces of this rank's gradient shard that count in the global norm (None: all)
         self._norm_pieces = [g.layout.counted_pieces(spec.norm_skipped) for g, spec in zip(self.groups, groups,
                                                                                              strict=True)]
         self.publisher = self.placement.publisher  # None when replicated; tests watch its gathers
-        # with overlap_param_gather a forward waits per module for the last publish (publisher.gate)
-        self._gated = bool(self.publisher.gate(module)) if self.publisher is not None and module is not None else False
+        # with overlap_param_gather a forward waits per module for the last publish (publisher.gate); the
+        # parts whose publisher does not gate are waited for whole before the forward
+        self._ungated = [part for part in self.parts if part.placement.publisher is None or module is None
+                         or not part.placement.publisher.gate(module)]
         self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups],
                                         self._flat_shards())
         # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
-        gradients_type = FullGradients if self.exchange.needs_local_gradients else self.gradients_type
-        self.gradients = gradients_type(self.groups, comm, self.world_size, self.exchange)
-        self.exchange.bind([g.layout for g in self.groups], self.gradients.local_gradient)
         self.offload = None  # offload_optimizer: the update runs where the master is (host memory)
         if comm.offload_optimizer:
             from dslaunch.runtime.zero.offload.step import OffloadedStep
@@ -119,6 +133,26 @@ class ZeroStrategy:
         for gi, g in enumerate(self.groups):  # for safe_get_full_* (dslaunch.utils): param -> its slot
             for pi, p in enumerate(g.params):
                 p._dsl_slot = ParamSlot(weakref.ref(self), gi, pi)
+
+    def _build_parts(self, specs: list[GroupSpec], reduce_groups: Mapping[str, ReduceGroup]) -> list[ReducePart]:
+        """One ``ReducePart`` per reduce group the specs name, the data group's first (built even
+        without a group of its own: the engine's loop reads its gradient path)."""
+        names = ["data", *dict.fromkeys(s.reduce_group for s in specs if s.reduce_group != "data")]
+        parts = []
+        for name in names:
+            if name not in reduce_groups:
+                raise ValueError(f"a param group reduces over {name!r}, which the strategy was not given "
+                                 f"(given: {sorted(reduce_groups)})")
+            indices = [i for i, spec in enumerate(specs) if spec.reduce_group == name]
+            if name == "data" and not indices and len(names) > 1:
+                continue
+            exchange = self.exchange if name == "data" else FlatAllReduce(reduce_groups[name].process_group)
+            if exchange.needs_local_gradients and name != "data":
+                raise ValueError(f"the {self.exchange.name} gradient exchange (1-bit optimizers) runs over the "
+                                 f"data-parallel group only; param group(s) {indices} reduce over {name!r}")
+            parts.append(ReducePart(type(self), [specs[i] for i in indices], indices, self.comm,
+                                    reduce_groups[name], exchange))
+        return parts
 
     @property
     def partitioned(self) -> bool:
@@ -131,17 +165,31 @@ class ZeroStrategy:
         gather = gather_over_ranks(self.world_size, self.pg) if self.placement.partitioned else None
         return FlatShards(layouts, self.placement.norm_all_reduce, [g.layout for g in self.groups], gather)
 
+    def group_comm(self, gi: int) -> tuple[int, int, Any]:
+        """(ranks, my index, process group) that group ``gi``'s state is sharded over."""
+        part = self._part_of(gi)
+        return part.world_size, part.rank, part.pg
+
+    def _part_of(self, gi: int) -> ReducePart:
+        return next(part for part in self.parts if gi in part.indices)
+
+    def grad_shard(self, gi: int) -> torch.Tensor:
+        """Group ``gi``'s gradient where the next step reads it (``GradientPath.shard``)."""
+        part = self._part_of(gi)
+        return part.gradients.shard(part.indices.index(gi))
+
     def synchronize(self) -> None:
         """Wait for in-flight parameter gathers: call before anything reads the module weights."""
-        self.placement.wait()
+        for part in self.parts:
+            part.placement.wait()
 
     # ----- lifecycle --------------------------------------------------------------------------
     def pre_forward(self) -> None:
         """Before the module's forward: make the parameters usable (stages 0-2: wait for the last
         publish, or let each module wait for its part where the publisher gates them; stage 3
         gathers what this rank holds only a shard of)."""
-        if not self._gated:
-            self.synchronize()
+        for part in self._ungated:
+            part.placement.wait()
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         """Before backward: whether this micro step ends an accumulation, and whether it reduces.
@@ -150,7 +198,8 @@ class ZeroStrategy:
             UsageError: ``sync=False`` (``no_sync()``) where gradients must be reduced every micro
                 step (stage 2).
         """
-        self.gradients.begin_micro_step(boundary, sync)
+        for part in self.parts:
+            part.gradients.begin_micro_step(boundary, sync)
 
     def release_gathered(self) -> None:
         """Stage 3 releases the whole parameters it gathered; below it nothing is gathered."""
@@ -161,17 +210,19 @@ class ZeroStrategy:
 
     def end_backward(self) -> None:
         """After loss.backward(): complete this micro step's reductions (collective)."""
-        self.gradients.end_backward()
+        for part in self.parts:
+            part.gradients.end_backward()
 
     @property
     def backward_pending(self) -> bool:
         """Gradients of a backward whose ``end_backward`` has not run (a script's own
         ``loss.backward()``): the engine completes it before stepping."""
-        return self.gradients.backward_pending
+        return any(part.gradients.backward_pending for part in self.parts)
 
     def zero_grad(self) -> None:
         """Forget the accumulated gradients."""
-        self.gradients.zero_grad()
+        for part in self.parts:
+            part.gradients.zero_grad()
 
     def step(self, loss_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = False) -> StepResult:
         """Unscale and clip this rank's gradient shard, skip on overflow, else update and publish.
@@ -183,7 +234,7 @@ class ZeroStrategy:
         collective: call on all ranks at the accumulation boundary.
         """
         self.synchronize()  # a gated publish whose params no forward used: the update rewrites its source
-        grads = self.gradients.shards()
+        grads = self._shards()
         if self.offload is None:  # (offloaded: the update streams them to the host bucket by bucket)
             for g, grad in zip(self.groups, grads, strict=True):
                 g.master.grad = grad
@@ -211,8 +262,17 @@ class ZeroStrategy:
             self._optimizer_step(grads, factor)
             for g in self.groups:
                 g.copy_master_to_model()
-        self.placement.publish()
+        for part in self.parts:
+            part.placement.publish()
         return StepResult(False, norm)
+
+    def _shards(self) -> list[torch.Tensor]:
+        """Every group's reduced gradient shard (``GradientPath.shards``), in group order."""
+        out: list[Any] = [None] * len(self.groups)
+        for part in self.parts:
+            for gi, t in zip(part.indices, part.gradients.shards(), strict=True):
+                out[gi] = t
+        return out
 
     def _optimizer_step(self, grads: list[torch.Tensor], factor: float) -> None:
         """optimizer.step() on gradients multiplied by ``factor``.
@@ -234,19 +294,27 @@ class ZeroStrategy:
             opt.step()
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        """The norm of every distinct parameter's gradient, each counted once: this rank's shards
-        (less the pieces another rank counts) summed over the data group, then over the replica.
+        """The norm of every distinct parameter's gradient, each counted once: per reduce group,
+        this rank's shards (less the pieces another rank counts) summed over the ranks sharing the
+        group's state, then over the ranks holding other parameters of it (expert groups: the
+        other experts); then the groups' sum over the replica.
 
-        collective: all ranks of the data group and of the model-parallel group."""
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)  # CUDA scalars can't add to CPU
-        for t, pieces in zip(grads, self._norm_pieces, strict=True):
-            for part in ([t] if pieces is None else [t[a:b] for a, b in pieces]):
-                if part.numel():
-                    sq += torch.linalg.vector_norm(part, dtype=torch.float32).double() ** 2
-        for reduce in (self.placement.norm_all_reduce, self._model_parallel_sum):
-            if reduce is not None:
-                reduce(sq)
-        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("nan")
+        collective: all ranks of every reduce group (and spread group) and of the model-parallel group."""
+        total = torch.zeros((), dtype=torch.float64, device=grads[0].device)  # CUDA scalars can't add to CPU
+        for reduce_part in self.parts:
+            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+            for gi in reduce_part.indices:
+                t, pieces = grads[gi], self._norm_pieces[gi]
+                for piece in ([t] if pieces is None else [t[a:b] for a, b in pieces]):
+                    if piece.numel():
+                        sq += torch.linalg.vector_norm(piece, dtype=torch.float32).double() ** 2
+            for reduce in (reduce_part.placement.norm_all_reduce, reduce_part.spread_sum):
+                if reduce is not None:
+                    reduce(sq)
+            total += sq
+        if self._model_parallel_sum is not None:
+            self._model_parallel_sum(total)
+        return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
 
     def sync_master_from_model(self) -> None:
         """Copy this rank's slice of the module weights into the fp32 master (16-bit models).
@@ -276,7 +344,8 @@ class ZeroStrategy:
             hparams = {k: v for k, v in opt_sd["param_groups"][gi].items() if k != "params"}
             out.append({"names": list(lay.names), "shapes": list(lay.shapes), "numel": lay.numel,
                         "start": lay.start, "end": lay.end, "master": g.master.data,
-                        "optim_state": tensors, "optim_scalars": scalars, "hparams": hparams})
+                        "optim_state": tensors, "optim_scalars": scalars, "hparams": hparams,
+                        **({} if self.reduce_group_names[gi] == "data" else {"reduce_group": self.reduce_group_names[gi]})})
         return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
                 "groups": out}
 
@@ -316,7 +385,8 @@ class ZeroStrategy:
         for g in self.groups:
             g.copy_master_to_model()
         if not full:
-            self.placement.publish()
+            for part in self.parts:
+                part.placement.publish()
         self.zero_grad()
 
     # ----- introspection ------------------------------------------------------------------
@@ -334,5 +404,27 @@ class ZeroStrategy:
         master = sum(g.master.numel() * 4 for g in self.groups if g.dtype != torch.float32)
         if self.offload is not None and self.offload.split is not None:  # partial offload keeps its own
             opt += self.offload.split.state_bytes()
-        return {"optimizer_state": opt, "master": master, "gradients": self.gradients.held_bytes(),
-                "comm_buffers": self.gradients.reducer.pool.held_bytes}
+        return {"optimizer_state": opt, "master": master,
+                "gradients": sum(part.gradients.held_bytes() for part in self.parts),
+                "comm_buffers": sum(part.gradients.reducer.pool.held_bytes for part in self.parts)}
+
+
+class ReducePart:
+    """The param groups of a strategy that reduce and shard over one process group: their
+    placement, gradient path and exchange (a dense model has one; expert parameters add one per
+    expert group).
+
+    collective: construct on all ranks of the group.
+    """
+
+    def __init__(self, strategy: type[ZeroStrategy], specs: list[GroupSpec], indices: list[int],
+                 comm: CommSettings, group: ReduceGroup, exchange: GradientExchange):
+        self.indices, self.pg, self.exchange = indices, group.process_group, exchange
+        self.world_size = dist.get_world_size(self.pg) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(self.pg) if dist.is_initialized() else 0
+        spread = group.spread_group
+        self.spread_sum = sum_over_ranks(dist.get_world_size(spread), spread) if spread is not None else None
+        self.placement = strategy.placement_type(specs, comm, self.world_size, self.rank, self.pg)
+        gradients_type = FullGradients if exchange.needs_local_gradients else strategy.gradients_type
+        self.gradients = gradients_type(self.placement.groups, comm, self.world_size, exchange)
+        exchange.bind([g.layout for g in self.placement.groups], self.gradients.local_gradient)

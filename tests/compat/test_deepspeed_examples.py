@@ -92,14 +92,21 @@ def test_cifar_example_trains_with_its_run_script(compat_bin: Path, tmp_path: Pa
 
 
 @pytest.mark.timeout(420)
-def test_cifar_example_moe_run_stops_with_one_line(compat_bin: Path, tmp_path: Path) -> None:
+def test_cifar_example_trains_with_its_moe_flags(compat_bin: Path, tmp_path: Path) -> None:
+    """training/cifar's ``--moe`` run as its ``run_ds_moe.sh`` starts it (2 ranks, 2 experts over 2
+    expert-parallel ranks, top-1, RSample noise, expert param groups; fp16 by default), for 2 epochs
+    with a loss line per step (the script's own defaults are 30 epochs, a line per 100 steps)."""
     folder = _example("training/cifar", tmp_path)
-    proc = _run(_own_network(["bash", "run_ds.sh", "--epochs", "1", "--moe", "--num-experts", "2"]), folder,
-                _env(compat_bin))
-    assert proc.returncode != 0
-    summary = [line for line in proc.stderr.splitlines() if line.startswith("dslaunch: error:")]
-    assert summary and "MoE: mixture of experts (expert parallelism) is not in dslaunch" in summary[0], \
-        proc.stderr[-3000:]
+    assert "--ep-world-size ${EP_SIZE}" in (folder / "run_ds_moe.sh").read_text()  # the flags below are its
+    proc = _run([str(compat_bin / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                 "--bind_cores_to_rank", "cifar10_deepspeed.py", "--deepspeed", "--moe", "--ep-world-size", "2",
+                 "--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample", "--moe-param-group",
+                 "--epochs", "2", "--log-interval", "1"], folder, _env(compat_bin))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    losses = [float(x) for x in re.findall(r"\] loss:\s+([0-9.]+)", out)]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses), out[-3000:]  # 64 images / 16, 2 epochs
+    assert "Finished Training" in out and "Accuracy of the network on the 40 test images" in out
 
 
 def _generated(out: str) -> list[str]:

@@ -3,9 +3,11 @@
 around the data set, ``initialize(args=..., model_parameters=..., training_data=...)`` with the
 tutorial's ds_config (``--deepspeed_config cifar_ds_config.json``: bf16 with fp16's loss-scaling
 keys, ZeRO 0), inputs moved to ``get_accelerator().device_name(local_rank)``, and the example's
-top-level ``deepspeed.moe.utils`` import: ``--moe-param-group`` splits the (dense) parameters with
-it, ``--moe`` builds ``deepspeed.moe.layer.MoE`` (refused by dslaunch on use). Synthetic images
-instead of the download. Rank 0 prints `bf16=True`, then `LOSSES <json>` and `STEPS <n>`.
+top-level ``deepspeed.moe.utils`` import: ``--moe-param-group`` splits the parameters with it,
+``--moe`` puts the example's MoE layer (``deepspeed.moe.layer.MoE`` of copies of an 84 x 84 Linear,
+its flags ``--ep-world-size``, ``--num-experts``, ``--top-k``, ``--noisy-gate-policy``) between
+``fc2`` and the head. Synthetic images instead of the download. Rank 0 prints `bf16=True`, then
+`LOSSES <json>` and `STEPS <n>`; with ``--moe`` every rank prints `EXPERTS <sum of its experts' fp32 weights>`.
 """
 
 import argparse
@@ -17,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import safe_get_full_fp32_param
 
 
 def add_argument() -> argparse.Namespace:
@@ -25,6 +28,10 @@ def add_argument() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--moe", action="store_true")
     parser.add_argument("--moe-param-group", action="store_true")
+    parser.add_argument("--ep-world-size", default=1, type=int)
+    parser.add_argument("--num-experts", default=2, type=int)
+    parser.add_argument("--top-k", default=1, type=int)
+    parser.add_argument("--noisy-gate-policy", default=None, type=str)
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -40,27 +47,33 @@ if torch.distributed.get_rank() == 0:
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 6, 5)
         self.pool = nn.MaxPool2d(2, 2)
         self.conv2 = nn.Conv2d(6, 16, 5)
         self.fc1 = nn.Linear(16 * 5 * 5, 120)
         self.fc2 = nn.Linear(120, 84)
+        self.moe = None
+        if args.moe:  # as the example: experts copy an 84 x 84 Linear, a head after them
+            self.moe = deepspeed.moe.layer.MoE(hidden_size=84, expert=nn.Linear(84, 84), num_experts=args.num_experts,
+                                               ep_size=args.ep_world_size, k=args.top_k,
+                                               noisy_gate_policy=args.noisy_gate_policy)
         self.fc3 = nn.Linear(84, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
         x = x.view(-1, 16 * 5 * 5)
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+        x = F.relu(self.fc2(F.relu(self.fc1(x))))
+        if self.moe is not None:
+            x, _, _ = self.moe(x)
+        return self.fc3(x)
 
 
 args = add_argument()
 torch.manual_seed(0)
-net = Net()
-if args.moe:
-    net.fc3 = deepspeed.moe.layer.MoE(hidden_size=84, expert=net.fc3, num_experts=2, ep_size=1)
+net = Net(args)
 parameters = filter(lambda p: p.requires_grad, net.parameters())
 if args.moe_param_group:
     parameters = split_params_into_different_moe_groups_for_optimizer({"params": list(parameters), "name": "p"})
@@ -89,3 +102,6 @@ for i, data in enumerate(trainloader):
 if local_rank == 0:
     print("LOSSES " + json.dumps(losses), flush=True)
     print(f"STEPS {model_engine.global_steps}", flush=True)
+if net.moe is not None:  # the fp32 master weights: a few small steps may not move the bf16 copy
+    experts = net.moe.deepspeed_moe.experts.parameters()
+    print("EXPERTS " + json.dumps(sum(safe_get_full_fp32_param(p).sum().item() for p in experts)), flush=True)

@@ -1,0 +1,13 @@
+"""Mixture of experts with expert parallelism (DeepSpeed's ``deepspeed.moe``).
+
+``gate`` routes tokens (``TopKGate``, top-1/top-2/top-k gating), ``experts`` holds a rank's expert
+copies, ``layer`` has ``MoE`` and the all-to-all ``MOELayer``, ``utils`` the expert-parameter
+helpers (``expert_group_name``: the expert group ZeRO reduces a parameter over). ``dslaunch/moe/`` re-exports them at DeepSpeed's import paths.
+"""
+
+from dslaunch.runtime.moe.experts import Experts
+from dslaunch.runtime.moe.gate import TopKGate
+from dslaunch.runtime.moe.layer import MoE, MOELayer
+from dslaunch.runtime.moe.utils import expert_group_name
+
+__all__ = ["MoE", "MOELayer", "TopKGate", "Experts", "expert_group_name"]

@@ -1,0 +1,191 @@
+"""A mixture-of-experts layer with expert parallelism: DeepSpeed's ``MoE`` and ``MOELayer``.
+
+``MoE(hidden_size, expert, num_experts, ep_size, k, ...)`` routes each token to ``k`` of
+``num_experts`` copies of ``expert``. The experts are spread over the ``ep_size`` ranks of an
+expert-parallel group (``num_experts / ep_size`` on each); the world's other ranks are expert-data
+peers holding the same experts. ``forward`` returns ``(output, l_aux, exp_counts)``.
+
+One step of ``MOELayer``: the gate assigns this rank's tokens to expert slots (``[E, C, M]``), an
+all-to-all over the expert group sends each expert its slots from every rank of the group, the
+local experts run, and a second all-to-all brings the outputs back to be weighted by the gates.
+Tokens move by slot index (one ``index_add`` in, one ``index_select`` out), never through dense
+``[S, E, C]`` maps: memory and time grow with ``S * k``, not ``S * E * C``.
+
+Collective: with ``ep_size`` > 1 ``forward`` is collective on the expert group (every rank of it
+must call it, with the same number of tokens); without ``drop_tokens`` the gate agrees on the
+capacity with an all-reduce there too.
+
+Limitations: no Tutel (``use_tutel`` is logged and ignored, as DeepSpeed does without Tutel
+installed); no tensor parallelism inside or beside the experts (refused at
+``set_deepspeed_parallelism``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dslaunch.runtime.moe.experts import Experts
+from dslaunch.runtime.moe.gate import NoisyGatePolicy, TopKGate
+
+__all__ = ["MoE", "MOELayer"]
+
+log = logging.getLogger(__name__)
+
+NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal blocks of dim 0 exchanged over ``group``; the gradient takes the way back."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, input: Tensor) -> Tensor:  # noqa: A002
+        import torch.distributed as dist
+
+        ctx.group = group
+        input = input.contiguous()
+        output = torch.empty_like(input)
+        dist.all_to_all_single(output, input, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
+        return None, _AllToAll.apply(ctx.group, grad)
+
+
+class MOELayer(torch.nn.Module):
+    """Gate, dispatch over the expert group, local experts, combine (see the module docstring).
+
+    After ``forward``, ``l_aux`` and ``exp_counts`` hold the step's load-balancing loss and
+    per-expert token counts.
+    """
+
+    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int,
+                 num_local_experts: int, use_tutel: bool = False) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.ep_group: Any = None
+        self.ep_size = ep_size
+        self.ep_group_name = ep_group_name
+        self.num_local_experts = num_local_experts
+        self.use_tutel = False
+        self.wall_clock_breakdown = False
+        self.time_falltoall = self.time_salltoall = self.time_moe = 0.0
+        if use_tutel:
+            log.warning("MoE: use_tutel is ignored (dslaunch has no Tutel); routing without it")
+
+    def _set_ep_group(self, ep_group: Any) -> None:
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)
+
+    def _exchange(self, blocks: Tensor) -> Tensor:
+        if self.ep_size == 1:
+            return blocks
+        if self.ep_group is None:
+            from dslaunch.errors import UsageError
+
+            raise UsageError(f"MoE layer with ep_size={self.ep_size} has no expert-parallel group: build the "
+                             "engine with deepspeed.initialize(model=...) (or call set_deepspeed_parallelism()) first")
+        return _AllToAll.apply(self.ep_group, blocks)
+
+    def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:  # noqa: A002 (DeepSpeed's signature)
+        hidden = input[0]
+        used_token = input[1] if len(input) > 1 else None
+        width = hidden.shape[-1]
+        tokens = hidden.reshape(-1, width)
+        routes = self.gate.route(tokens, used_token)
+        self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        experts, capacity = routes.num_experts, routes.capacity
+        slots = routes.slots().reshape(-1)  # route-major: route 0 of every token, then route 1, ...
+        # each slot holds at most one token; dropped routes pile up in the scratch row, cut off
+        placed = tokens.new_zeros(experts * capacity + 1, width).index_add(0, slots, tokens.repeat(routes.gates.shape[0], 1))
+        received = self._exchange(placed[:-1].reshape(experts, capacity, width))
+        expert_in = received.reshape(self.ep_size, self.num_local_experts, capacity, width)
+        expert_out = self.experts(expert_in).reshape(experts * capacity, width)
+        returned = self._exchange(expert_out)
+        padded = torch.cat([returned, returned.new_zeros(1, width)])
+        picked = padded.index_select(0, slots).reshape(-1, tokens.shape[0], width)
+        combined = (picked * routes.gates.unsqueeze(-1).to(picked.dtype)).sum(dim=0)
+        return combined.reshape(hidden.shape)
+
+
+class MoE(torch.nn.Module):
+    """DeepSpeed's mixture-of-experts layer (``deepspeed.moe.layer.MoE``).
+
+    Args:
+        hidden_size: the tokens' size, in and out.
+        expert: the module each expert copies (an MLP, a Linear); its output may be a tuple
+            ``(output, bias)``, of which the output is used.
+        num_experts: experts in the layer, over the expert-parallel group.
+        ep_size: ranks the experts are spread over (divides ``num_experts`` and the world size).
+        k: experts per token (1 and 2 as DeepSpeed documents; more routes by top-k).
+        capacity_factor, eval_capacity_factor, min_capacity, noisy_gate_policy, drop_tokens,
+            use_rts, top2_2nd_expert_sampling: the gate's (``TopKGate``).
+        use_residual: Residual MoE: the output mixes the experts' and a dense copy of ``expert``
+            (``mlp``) by a learned per-token softmax coefficient.
+        use_tutel: ignored with a warning (no Tutel).
+        enable_expert_tensor_parallelism: accepted; without tensor parallelism it changes nothing.
+
+    Raises:
+        UsageError: ``num_experts`` not a multiple of ``ep_size``, or an unknown noisy gate policy.
+    """
+
+    def __init__(self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: NoisyGatePolicy = None, drop_tokens: bool = True,
+                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True) -> None:
+        super().__init__()
+        from dslaunch.errors import UsageError
+
+        if ep_size < 1 or num_experts % ep_size:
+            raise UsageError(f"MoE: num_experts={num_experts} must be a multiple of ep_size={ep_size}")
+        if noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise UsageError(f"MoE: noisy_gate_policy={noisy_gate_policy!r} is not one of "
+                             f"{', '.join(map(repr, NOISY_GATE_POLICIES))}")
+        self.use_residual = use_residual
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        self.ep_size = ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        log.info("MoE layer: %d experts, %d on each of %d expert-parallel ranks", num_experts,
+                 self.num_local_experts, ep_size)
+        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                        noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
+        experts = Experts(expert, self.num_local_experts, self.expert_group_name)
+        self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts,
+                                      use_tutel=use_tutel)
+        if use_residual:
+            self.mlp = expert
+            self.coefficient = torch.nn.Linear(hidden_size, 2)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Create (once per ``ep_size``) the expert and expert-data groups and give this layer its
+        expert group. The engine calls it on every module that has it. Collective: all ranks."""
+        from dslaunch.utils import groups
+
+        if groups.get_tensor_model_parallel_world_size() > 1:
+            from dslaunch.errors import NotInDslaunchError
+
+            raise NotInDslaunchError("MoE with tensor parallelism (expert or token slicing over the tensor group) "
+                                     "is not in dslaunch; train MoE layers without a tensor-parallel mpu")
+        groups._create_expert_and_data_parallel(self.ep_size,
+                                                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
+
+    def forward(self, hidden_states: Tensor, used_token: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(output, l_aux, exp_counts)``; ``used_token`` (``[S]``, 0 or 1) keeps padding out of
+        routing (top-1)."""
+        output = self.deepspeed_moe(hidden_states, used_token)
+        if self.use_residual:
+            dense = self.mlp(hidden_states)
+            dense = dense[0] if isinstance(dense, tuple) else dense
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + dense * coef[..., 1:]
+        return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts

@@ -1,0 +1,96 @@
+"""MoE through ``deepspeed.initialize`` on gloo, world 4: 20 training steps at ZeRO 0, 2 and 3, with
+gradient clipping active, experts spread over 2 and 4 ranks give, on every rank, the losses of the
+run where every rank holds every expert (ep 1), within 1e-6."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_world
+from tests.runtime.moe.models import MoECase, TinyMoENet, batch
+
+WORLD, STEPS = 4, 20
+ENGINE_CASES = [MoECase(1, False, True), MoECase(2, True, False)]
+
+
+def _train(rank: int, world: int, ep_size: int, stage: int) -> list[list[float]]:
+    import dslaunch as deepspeed
+    from dslaunch.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from dslaunch.utils import groups
+
+    runs = []
+    for case in ENGINE_CASES:
+        model = TinyMoENet(case, ep_size)
+        model.set_expert_weights((rank % ep_size) * model.moe.num_local_experts)  # DeepSpeed's E + D layout
+        params = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
+        config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 1000,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}},
+                  "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        assert groups._get_expert_parallel_rank(model.moe.expert_group_name) == rank % ep_size
+        losses, clipped = [], 0
+        for step in range(STEPS):
+            loss = engine(*batch(rank, step))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            clipped += engine.get_global_grad_norm() > 0.05
+        assert clipped, "the clip never acted: raise the learning rate or lower gradient_clipping"
+        runs.append(losses)
+    groups.grid = None
+    return runs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_training_at_ep_2_and_4_gives_the_losses_of_ep_1(stage: int) -> None:
+    dense = run_world(_train, WORLD, 1, stage, timeout=120)
+    for ep_size in (2, 4):
+        expert = run_world(_train, WORLD, ep_size, stage, timeout=120)
+        for rank in range(WORLD):
+            for case, want, got in zip(ENGINE_CASES, dense[rank], expert[rank], strict=True):
+                worst = max(abs(a - b) for a, b in zip(want, got, strict=True))
+                assert worst <= 1e-6, f"ep {ep_size} rank {rank} {case.label}: losses differ by {worst:.2e}"
+    assert dense[0][0][0] != dense[0][0][-1]  # it trains
+
+
+def _starving(rank: int, world: int, steps: int) -> dict:
+    import torch
+
+    import dslaunch as deepspeed
+    from dslaunch.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from tests.runtime.moe.models import HIDDEN, TOKENS
+
+    model = TinyMoENet(MoECase(1, False, False), ep_size=2)
+    with torch.no_grad():  # expert 0 takes even ranks' tokens, expert 1 odd ranks'; 2 and 3 none
+        model.inp.weight.copy_(torch.eye(HIDDEN))
+        model.inp.bias.zero_()
+        wg = model.moe.deepspeed_moe.gate.wg.weight
+        wg.zero_()
+        wg[0, 0], wg[1, 0], wg[2, 1], wg[3, 1] = 10.0, -10.0, -10.0, -10.0
+    params = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
+    config = {"train_micro_batch_size_per_gpu": 16, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    counts, losses = [], []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step * world + rank)
+        x = torch.randn(TOKENS, HIDDEN, generator=gen) * 0.01
+        x[:, 0], x[:, 1] = 1.0 if rank % 2 == 0 else -1.0, 1.0
+        loss = engine(x, torch.randint(0, 3, (TOKENS,), generator=gen))
+        engine.backward(loss)
+        engine.step()
+        counts.append(model.moe.deepspeed_moe.exp_counts.tolist())
+        losses.append(loss.item())
+    return {"counts": counts, "losses": losses}
+
+
+@pytest.mark.timeout(200)
+def test_experts_no_rank_routes_to_do_not_stall_zero3() -> None:
+    """Routing forced so that experts 2 and 3 (both on expert rank 1) get no token from any rank
+    and expert 1 none from even ranks: 50 ZeRO-3 steps finish on every rank."""
+    results = run_world(_starving, WORLD, 50, timeout=180)
+    for rank, got in enumerate(results):
+        starved = [0, 16, 0, 0] if rank % 2 else [16, 0, 0, 0]
+        assert got["counts"][0] == starved and got["counts"][-1] == starved, got["counts"][-1]
+        assert len(got["losses"]) == 50 and all(x == x for x in got["losses"])
