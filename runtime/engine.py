@@ -28,7 +28,8 @@ from dslaunch.runtime.engine_setup import build_components, data_loader
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
-from dslaunch.runtime.parallel.grid import DataParallelGrid
+from dslaunch.runtime.parallel.grid import DataParallelGrid, grid_from_config
+from dslaunch.runtime.parallel.mpu import gradient_reduce_group
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
@@ -49,9 +50,15 @@ class DeepSpeedEngine(torch.nn.Module):
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  collate_fn: Any = None, mpu: Any = None):
         super().__init__()
-        # Where this rank sits: a Megatron-style mpu, or every rank a data-parallel peer.
-        self.grid = mpu if mpu is not None else DataParallelGrid()
-        self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's mpu
+        # Where this rank sits: a Megatron-style mpu, the config's own degrees (sequence_parallel_size),
+        # or every rank a data-parallel peer.
+        built = grid_from_config(config) if mpu is None else None
+        self.grid = mpu if mpu is not None else built if built is not None else DataParallelGrid()
+        self.mpu = mpu
+        groups.mpu = mpu if mpu is not None else built  # deepspeed.utils.groups answers from the last engine's
+        self.sequence_parallel_size = getattr(self.grid, "get_sequence_parallel_world_size", lambda: 1)()
+        self.seq_parallel_group = self.grid.get_sequence_parallel_group() if self.sequence_parallel_size > 1 else None
+        self.seq_data_parallel_group = gradient_reduce_group(self.grid)  # where gradients average (DeepSpeed's name)
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config

@@ -6,8 +6,9 @@ one every rank is a data-parallel peer in the world group (DeepSpeed returns a c
 group; the world itself here: the same ranks, one communicator less), model and tensor sizes are
 1 and their ranks 0, and asking for their group raises ``KeyError`` as DeepSpeed does when no such
 group was set up. Sequence and expert axes come from the grid's ``runtime.parallel`` groups (a
-dslaunch grid); no configuration enables them yet, so their sizes are 1, the sequence and expert
-groups raise ``KeyError`` and the expert-data group is the data-parallel group (DeepSpeed's answers
+dslaunch grid: ``sequence_parallel_size`` in the config, or the mpu ``UlyssesSPAttentionHF``
+returns); without them their sizes are 1, the sequence and expert groups raise ``KeyError``, the
+sequence-data group is the data-parallel group and the expert-data group too (DeepSpeed's answers
 without sequence or expert parallelism). The tensor group is looked up in the one order of
 ``runtime.parallel.mpu``.
 """
@@ -125,6 +126,28 @@ def _get_sequence_parallel_group() -> Any:
     return _axis_group("sequence", "sequence")
 
 
+def _sequence_data(what: str) -> Any:
+    """The grid's data x sequence answer (where gradients average); the data-parallel one without."""
+    get = getattr(mpu, f"get_sequence_data_parallel_{what}", None)
+    if callable(get):
+        _dist()
+        return get()
+    return {"group": _get_data_parallel_group, "rank": _get_data_parallel_rank,
+            "world_size": _get_data_parallel_world_size}[what]()
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    return _sequence_data("group")
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    return _sequence_data("world_size")
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    return _sequence_data("rank")
+
+
 def _get_expert_parallel_world_size(group_name: str | None = None) -> int:
     return _axis("expert")[0]
 
@@ -154,9 +177,6 @@ _get_model_parallel_world_size = get_model_parallel_world_size
 _get_model_parallel_rank = get_model_parallel_rank
 _get_model_parallel_group = get_model_parallel_group
 _get_expert_model_parallel_world_size = _get_expert_parallel_world_size
-_get_sequence_data_parallel_world_size = _get_data_parallel_world_size
-_get_sequence_data_parallel_rank = _get_data_parallel_rank
-_get_sequence_data_parallel_group = _get_data_parallel_group
 
 get_data_parallel_group = _get_data_parallel_group
 get_data_parallel_world_size = _get_data_parallel_world_size
