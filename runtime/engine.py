@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.accelerator import get_accelerator
-from dslaunch.errors import UsageError, quote
+from dslaunch.errors import ConfigError, UsageError, quote
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
@@ -57,6 +57,10 @@ class DeepSpeedEngine(torch.nn.Module):
         self.mpu = mpu
         groups.mpu = mpu if mpu is not None else built  # deepspeed.utils.groups answers from the last engine's
         self.sequence_parallel_size = getattr(self.grid, "get_sequence_parallel_world_size", lambda: 1)()
+        if config.sequence_parallel_size not in (1, self.sequence_parallel_size):  # an mpu that disagrees
+            raise ConfigError(f"{config.sequence_parallel_size}, but the mpu given to initialize() splits each "
+                              f"sequence over {self.sequence_parallel_size} rank(s); make them agree or remove "
+                              "the key", key="sequence_parallel_size")
         self.seq_parallel_group = self.grid.get_sequence_parallel_group() if self.sequence_parallel_size > 1 else None
         self.seq_data_parallel_group = gradient_reduce_group(self.grid)  # where gradients average (DeepSpeed's name)
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block

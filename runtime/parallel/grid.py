@@ -26,7 +26,7 @@ from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.groups import ParallelGroups
 from dslaunch.runtime.parallel.topology import PipeDataParallelTopology, ProcessTopology, default_topology
 
-__all__ = ["PipelineParallelGrid", "DataParallelGrid", "grid_from_config"]
+__all__ = ["PipelineParallelGrid", "DataParallelGrid", "grid_from_config", "sequence_grid"]
 
 
 def _dist() -> Any:
@@ -210,9 +210,22 @@ def grid_from_config(cfg: Any) -> PipelineParallelGrid | None:
 
     collective: every rank, the same config.
     """
-    dims = ParallelDims(sequence=cfg.sequence_parallel_size, keys=(("sequence", "sequence_parallel_size"),))
-    if dims.replica_size == 1:
-        return None
-    return PipelineParallelGrid(dims.topology(_dist().get_world_size()))
+    return sequence_grid(cfg.sequence_parallel_size) if cfg.sequence_parallel_size > 1 else None
+
+
+def sequence_grid(sequence: int, key: str = "sequence_parallel_size") -> PipelineParallelGrid:
+    """The grid of ``sequence`` ranks per sample and the data-parallel replicas the world leaves.
+
+    collective: every rank.
+
+    Raises:
+        UsageError: ``sequence`` does not divide the world (naming ``key``).
+    """
+    dims = ParallelDims(sequence=sequence, keys=(("sequence", key),))
+    world = _dist().get_world_size()
+    problem = dims.problem(world)
+    if problem:
+        raise UsageError(problem)
+    return PipelineParallelGrid(dims.topology(world))
 
 

@@ -57,7 +57,7 @@ def shard_batch(batch: Mapping[str, Any], rank: int, ranks: int, pad_token_id: i
         if value.dim() < 2 or value.shape[1] != length:
             raise UsageError(f"sequence parallelism: batch[{key!r}] has shape {tuple(value.shape)}; every tensor "
                              f"must be [batch, sequence, ...] with input_ids' sequence length {length}")
-        out[key] = _padded(key, value, full - length, pad_token_id)[:, rank * chunk:(rank + 1) * chunk]
+        out[key] = _padded(key, value, full - length, pad_token_id)[:, rank * chunk:(rank + 1) * chunk].contiguous()
     return out
 
 
