@@ -71,10 +71,12 @@ def main() -> None:
         shift_labels = micro["shift_labels"]
         # the model's loss on pre-shifted labels (Hugging Face's Trainer passes them as labels too)
         loss = engine(**micro, labels=shift_labels).loss
-        if sp > 1:  # the tutorial's weighting: every shard's mean by its counted tokens
-            shards = torch.distributed.nn.functional.all_gather(loss, group=sp_group)
-            counted = torch.distributed.nn.functional.all_gather((shift_labels != -100).sum(), group=sp_group)
-            loss = sum(s * c for s, c in zip(shards, counted, strict=True)) / sum(counted)
+        if sp > 1:  # the tutorial's weighting (every shard's mean by its counted tokens) in its
+            # all-reduce form: torch's differentiable all_gather fails backward on gloo when the
+            # group is not the world (its fallback scatters from global ranks)
+            counted = (shift_labels != -100).sum()
+            total = torch.distributed.nn.functional.all_reduce(loss * counted, group=sp_group)
+            loss = total / torch.distributed.nn.functional.all_reduce(counted.float(), group=sp_group)
         engine.backward(loss)
         grads.append(torch.cat([deepspeed.utils.safe_get_full_grad(p).reshape(-1)
                                 for p in engine.module.parameters()]).tolist())

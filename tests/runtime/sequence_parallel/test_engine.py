@@ -2,7 +2,8 @@
 (grouped-query attention with one key/value head, fewer than the sequence ranks) on sequences of
 63 tokens (not a multiple of N: padded and masked), 20 steps at ZeRO 0, 1, 2 and 3, fp32. Per step,
 every rank's loss and the averaged gradient equal those of the sp=1 run over the same samples
-(world 2 at sp 2 against one process; world 4 at sp 2 x dp 2 against dp 2)."""
+(world 2 at sp 2 against one process; world 4 at sp 2 x dp 2 against dp 2, and at sp 4 against
+one process, ZeRO 2 and 3)."""
 
 from __future__ import annotations
 
@@ -129,9 +130,12 @@ def _compare(sp_run: list[dict], reference: list[dict]) -> tuple[float, float]:
     return loss_err, grad_err
 
 
+_LAYOUTS = [(world, sp, stage) for world, sp in ((2, 2), (4, 2)) for stage in (0, 1, 2, 3)]
+_LAYOUTS += [(4, 4, 2), (4, 4, 3)]  # sp 4: one key/value head repeated 4 times, 16 positions a rank
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize(("world", "sp"), [(2, 2), (4, 2)])
+@pytest.mark.parametrize(("world", "sp", "stage"), _LAYOUTS)
 def test_sequence_parallel_training_equals_the_sp1_run(world: int, sp: int, stage: int) -> None:
     reference = run_world(_train, world // sp, 1, stage, timeout=200)
     sp_run = run_world(_train, world, sp, stage, timeout=200)
