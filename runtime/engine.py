@@ -61,6 +61,11 @@ class DeepSpeedEngine(torch.nn.Module):
             raise ConfigError(f"{config.sequence_parallel_size}, but the mpu given to initialize() splits each "
                               f"sequence over {self.sequence_parallel_size} rank(s); make them agree or remove "
                               "the key", key="sequence_parallel_size")
+        if self.sequence_parallel_size > 1 and config.gradient_allreduce_op == "sum":
+            # every sequence rank holds N times its part (sequence_parallel/loss.py): a sum over data x
+            # sequence would be N times the samples' sum
+            raise ConfigError("\"sum\" with sequence parallelism is not supported: use \"mean\" (scale the loss "
+                              "for a sum)", key="gradient_allreduce_op")
         self.seq_parallel_group = self.grid.get_sequence_parallel_group() if self.sequence_parallel_size > 1 else None
         self.seq_data_parallel_group = gradient_reduce_group(self.grid)  # where gradients average (DeepSpeed's name)
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block

@@ -9,7 +9,8 @@ Every step is an optimizer step on one micro batch; the group's ranks read diffe
 order, as a job with SP=1 on the data-parallel ranks alone. Each rank writes
 ``OUT/rank<N>.json``: its data-parallel index, per-step losses and full averaged gradients.
 
-Usage: ulysses_llama.py OUT SP STAGE LENGTH [STEPS]
+Usage: ulysses_llama.py OUT SP STAGE LENGTH [STEPS] [lora]
+  lora: train LoRA adapters (peft, rank 4 on q_proj and v_proj) of the frozen model instead.
 """
 
 import json
@@ -45,12 +46,18 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's, as DeepSpeed's
     out, sp, stage, length = Path(args[0]), int(args[1]), int(args[2]), int(args[3])
     steps = int(args[4]) if len(args) > 4 else 20
+    lora = "lora" in args[5:]
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
                       tie_word_embeddings=False, attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights="gaussian"))
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sp,
         micro_batch_size=MICRO, seq_length=length, seq_length_is_variable=True)
@@ -79,7 +86,7 @@ def main() -> None:
             loss = total / torch.distributed.nn.functional.all_reduce(counted.float(), group=sp_group)
         engine.backward(loss)
         grads.append(torch.cat([deepspeed.utils.safe_get_full_grad(p).reshape(-1)
-                                for p in engine.module.parameters()]).tolist())
+                                for p in engine.module.parameters() if p.requires_grad]).tolist())
         engine.step()
         losses.append(loss.item())
     record = {"replica": replica, "losses": losses, "grads": grads}

@@ -162,3 +162,29 @@ def test_the_sequence_ranks_of_a_replica_read_the_same_samples() -> None:
     assert [(d, s) for d, s, _ in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert got[0][2] == got[1][2] and got[2][2] == got[3][2] and got[0][2] != got[2][2]
     assert all(len(b) == 2 for _, _, b in got)  # 4 samples over 2 data ranks
+
+
+def _refused(rank: int, world: int, config: dict, mpu_sp: int) -> str:
+    import dslaunch as deepspeed
+    from dslaunch.errors import ConfigError
+    from dslaunch.runtime.parallel.grid import sequence_grid
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    mpu = sequence_grid(mpu_sp) if mpu_sp > 1 else None
+    try:
+        deepspeed.initialize(model=torch.nn.Linear(2, 2), config={**base, **config}, mpu=mpu)
+    except ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("config", "mpu_sp", "message"), [
+    ({"sequence_parallel_size": 2, "gradient_allreduce_op": "sum"}, 1, "'gradient_allreduce_op': \"sum\" with sequence"),
+    ({"sequence_parallel_size": 4}, 2, "'sequence_parallel_size': 4, but the mpu given to initialize() splits each "
+                                       "sequence over 2 rank(s)"),
+    ({"sequence_parallel_size": 3}, 1, "'sequence_parallel_size': sequence_parallel_size=3 must divide the world size 2"),
+], ids=["sum", "mpu-disagrees", "indivisible"])
+def test_configs_that_would_train_wrongly_are_refused(config: dict, mpu_sp: int, message: str) -> None:
+    assert all(got.startswith(message) for got in run_world(_refused, 2, config, mpu_sp, timeout=45))
