@@ -24,7 +24,7 @@ def _records(compat_bin: Path, work: Path, world: int, sp: int, stage: int, *ext
     out.mkdir()
     run_job([str(compat_bin / "dslaunch"), "--num_gpus", str(world), "--master_port", str(free_port()),
              str(SCRIPTS / "ulysses_llama.py"), str(out), str(sp), str(stage), str(LENGTH), "20", *extra],
-            cwd=work, timeout=240)
+            cwd=work, timeout=420)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -32,7 +32,7 @@ _LAYOUTS = [(world, sp, stage, ()) for world, sp in ((2, 2), (4, 2)) for stage i
 _LAYOUTS += [(2, 2, 3, ("lora",))]  # a PEFT model: LoRA adapters on a frozen Llama
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(("world", "sp", "stage", "extra"), _LAYOUTS)
 def test_ulysses_llama_trains_as_the_sp1_job(compat_bin: Path, tmp_path: Path, world: int, sp: int,
                                                stage: int, extra: tuple[str, ...]) -> None:
@@ -49,7 +49,7 @@ def test_ulysses_llama_trains_as_the_sp1_job(compat_bin: Path, tmp_path: Path, w
     assert loss_err < 1e-6 and grad_err < 1e-6, (loss_err, grad_err)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_with_accelerates_parallelism_config_trains_as_sp1(compat_bin: Path, tmp_path: Path,
                                                                     stage: int) -> None:
@@ -60,7 +60,7 @@ def test_trainer_with_accelerates_parallelism_config_trains_as_sp1(compat_bin: P
     for world, sp in ((1, 1), (2, 2)):
         out = run_job([str(compat_bin / "dslaunch"), "--num_gpus", str(world), "--master_port", str(free_port()),
                        str(SCRIPTS / "trainer_ulysses.py"), f"out{sp}", str(sp), str(stage), "8"], cwd=tmp_path,
-                      timeout=240)
+                      timeout=420)
         losses[sp] = tagged(out, "LOSSES")
     assert len(losses[2]) == 8 and losses[1][0] - losses[1][-1] > 0.3
     assert losses[2] == pytest.approx(losses[1], abs=1e-6)
