@@ -65,3 +65,41 @@ def test_trainer_with_accelerates_parallelism_config_trains_as_sp1(compat_bin: P
         losses[sp] = tagged(out, "LOSSES")
     assert len(losses[2]) == 8 and losses[1][0] - losses[1][-1] > 0.3
     assert losses[2] == pytest.approx(losses[1], abs=1e-6)
+
+
+_REFUSALS = """
+import os, torch
+import deepspeed
+from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+from transformers import LlamaConfig, LlamaForCausalLM
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+torch.distributed.init_process_group("gloo")
+def model(attn):
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=1, attn_implementation=attn))
+for attn, core, sp in (("eager", "eager", 2), ("sdpa", "flash_attention_2", 2), ("sdpa", "sdpa", 2)):
+    try:
+        UlyssesSPAttentionHF.register_with_transformers(model(attn), core, sp, 1, seq_length=64)
+        print("ACCEPTED")
+    except Exception as err:
+        print(type(err).__name__, str(err).splitlines()[0])
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_register_with_transformers_refuses_what_would_be_wrong_in_one_line(compat_bin: Path) -> None:
+    import os
+    import subprocess
+
+    env = {**os.environ, "PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(compat_bin / "python"), "-c", _REFUSALS], env=env, capture_output=True, text=True,
+                          timeout=100)
+    lines = [line for line in proc.stdout.splitlines() if line]
+    assert lines == [
+        "UsageError Ulysses sequence parallelism with attn_implementation='eager': it needs the 4D attention mask, "
+        "which is quadratic in the sequence and dropped under Ulysses; use 'sdpa' or a flash attention implementation",
+        "UsageError register_with_transformers: core_attn_implementation='flash_attention_2' but the model runs "
+        "attn_implementation='sdpa'; set both to the same value",
+        "UsageError sequence_parallel_size=2 must divide the world size 1",
+    ], proc.stdout + proc.stderr[-2000:]
