@@ -84,7 +84,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         mpu = model.mpu()
     if mpu is not None:
         world = _checked_mpu(mpu).get_data_parallel_world_size()  # the batch is split over replicas
-    cfg = load_config(source, world)
+    cfg = load_config(source, world, data_only=mpu is not None)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                      verbose=False, config=cfg)
     parts = {"optimizer": optimizer, "model_parameters": model_parameters, "training_data": training_data,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.accelerator import get_accelerator
-from dslaunch.errors import UsageError, quote
+from dslaunch.errors import ConfigError, UsageError, quote
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dist import device_for, local_rank
@@ -28,6 +28,8 @@ from dslaunch.runtime.engine_setup import build_components, data_loader
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
+from dslaunch.runtime.parallel.grid import grid_from_config
+from dslaunch.runtime.parallel.mpu import gradient_reduce_group
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
@@ -48,9 +50,25 @@ class DeepSpeedEngine(torch.nn.Module):
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  collate_fn: Any = None, mpu: Any = None):
         super().__init__()
-        # Where this rank sits: a Megatron-style mpu, or every rank a data-parallel peer.
-        self.grid = groups.grid = mpu if mpu is not None else groups.data_parallel_grid()
-        self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's mpu
+        # Where this rank sits: a Megatron-style mpu, the config's own degrees (sequence_parallel_size),
+        # or every rank a data-parallel peer.
+        built = grid_from_config(config) if mpu is None else None
+        self.grid = groups.grid = (mpu if mpu is not None else built if built is not None
+                                   else groups.data_parallel_grid())
+        self.mpu = mpu
+        groups.mpu = mpu if mpu is not None else built  # deepspeed.utils.groups answers from the last engine's
+        self.sequence_parallel_size = getattr(self.grid, "get_sequence_parallel_world_size", lambda: 1)()
+        if config.sequence_parallel_size not in (1, self.sequence_parallel_size):  # an mpu that disagrees
+            raise ConfigError(f"{config.sequence_parallel_size}, but the mpu given to initialize() splits each "
+                              f"sequence over {self.sequence_parallel_size} rank(s); make them agree or remove "
+                              "the key", key="sequence_parallel_size")
+        if self.sequence_parallel_size > 1 and config.gradient_allreduce_op == "sum":
+            # every sequence rank holds N times its part (sequence_parallel/loss.py): a sum over data x
+            # sequence would be N times the samples' sum
+            raise ConfigError("\"sum\" with sequence parallelism is not supported: use \"mean\" (scale the loss "
+                              "for a sum)", key="gradient_allreduce_op")
+        self.seq_parallel_group = self.grid.get_sequence_parallel_group() if self.sequence_parallel_size > 1 else None
+        self.seq_data_parallel_group = gradient_reduce_group(self.grid)  # where gradients average (DeepSpeed's name)
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config

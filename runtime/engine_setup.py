@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.moe import expert_group_name
-from dslaunch.runtime.parallel.mpu import counted_in_norm, tensor_axis
+from dslaunch.runtime.parallel.mpu import counted_in_norm, gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.zero.exchange import GradientExchange, build_exchange
 from dslaunch.runtime.zero.offload.swap import SwapSettings
@@ -50,7 +50,8 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     """Build the strategy (and with it the optimizer), the scheduler and the loader.
 
     ``grid`` places this rank (``pipe.topology.DataParallelGrid`` or an mpu): the strategy works on
-    its data-parallel group, the loader reads the data-parallel rank's share.
+    its gradient-reduce group (data x sequence: ``parallel.mpu.gradient_reduce_group``), the loader
+    reads the data-parallel rank's share.
 
     collective: call on all ranks.
     """
@@ -85,9 +86,10 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         quantized_weights=zero_cfg.zero_quantized_weights,
                         hpz_partition_size=zero_cfg.zero_hpz_partition_size)
     model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
-    exchange = _exchange(cfg, optimizer, grid.get_data_parallel_group())
+    reduce_group = gradient_reduce_group(grid)
+    exchange = _exchange(cfg, optimizer, reduce_group)
     zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer, exchange, groups), comm,
-                                          process_group=grid.get_data_parallel_group(), module=module,
+                                          process_group=reduce_group, module=module,
                                           model_parallel_group=model_parallel, exchange=exchange,
                                           reduce_groups=reduce_groups)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),

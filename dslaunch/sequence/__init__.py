@@ -1,4 +1,4 @@
-"""``deepspeed.sequence``: sequence parallelism (Ulysses), refused on use (``layer``)."""
+"""``deepspeed.sequence``: sequence parallelism (Ulysses ``layer.DistributedAttention``; FPDT refused)."""
 
 from dslaunch.utils.lazy import submodule_getattr
 

@@ -1,10 +1,6 @@
-"""``deepspeed.sequence.layer``: Ulysses sequence parallelism's attention, refused on use."""
+"""``deepspeed.sequence.layer``: DeepSpeed-Ulysses' ``DistributedAttention``
+(``runtime/sequence_parallel/attention.py``)."""
 
-from dslaunch.utils.refused import Refusal, refused_class
+from dslaunch.runtime.sequence_parallel.attention import DistributedAttention
 
-SEQUENCE_PARALLEL = Refusal("sequence parallelism (DeepSpeed-Ulysses DistributedAttention)",
-                            "shard the batch (data parallel/ZeRO) or the layers (deepspeed.pipe) instead")
-
-DistributedAttention = refused_class(__name__, "DistributedAttention", SEQUENCE_PARALLEL)
-
-__all__ = ["SEQUENCE_PARALLEL", "DistributedAttention"]
+__all__ = ["DistributedAttention"]

@@ -5,8 +5,11 @@ They come from ``mpu``, the grid of the last engine built (``initialize(mpu=...)
 one every rank is a data-parallel peer in the world group (DeepSpeed returns a clone of the world
 group; the world itself here: the same ranks, one communicator less), model and tensor sizes are
 1 and their ranks 0, and asking for their group raises ``KeyError`` as DeepSpeed does when no such
-group was set up. The sequence axis comes from the grid's ``runtime.parallel`` groups (a
-dslaunch grid). The tensor group is looked up in the one order of ``runtime.parallel.mpu``.
+group was set up. Sequence axes come from the grid's ``runtime.parallel`` groups (a dslaunch grid:
+``sequence_parallel_size`` in the config, or the mpu ``UlyssesSPAttentionHF`` returns); without
+one its size is 1, the sequence group raises ``KeyError`` and the sequence-data group is the
+data-parallel group (DeepSpeed's answers without sequence parallelism). The tensor group is looked
+up in the one order of ``runtime.parallel.mpu``.
 
 Expert groups answer by name, as DeepSpeed's: ``_create_expert_and_data_parallel(N)`` splits each
 pipeline stage's data ranks into expert groups of ``N`` and expert-data groups (named
@@ -250,6 +253,28 @@ def _get_max_expert_parallel_group() -> Any:
     return _get_expert_parallel_group(_get_max_expert_size_name())
 
 
+def _sequence_data(what: str) -> Any:
+    """The grid's data x sequence answer (where gradients average); the data-parallel one without."""
+    get = getattr(mpu, f"get_sequence_data_parallel_{what}", None)
+    if callable(get):
+        _dist()
+        return get()
+    return {"group": _get_data_parallel_group, "rank": _get_data_parallel_rank,
+            "world_size": _get_data_parallel_world_size}[what]()
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    return _sequence_data("group")
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    return _sequence_data("world_size")
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    return _sequence_data("rank")
+
+
 def _get_expert_parallel_world_size(group_name: str | None = None) -> int:
     """The ranks of my ``group_name`` expert group (without a name: the grid's expert axis, 1
     without one)."""
@@ -313,9 +338,6 @@ _get_model_parallel_world_size = get_model_parallel_world_size
 _get_model_parallel_rank = get_model_parallel_rank
 _get_model_parallel_group = get_model_parallel_group
 _get_expert_model_parallel_world_size = _get_expert_parallel_world_size
-_get_sequence_data_parallel_world_size = _get_data_parallel_world_size
-_get_sequence_data_parallel_rank = _get_data_parallel_rank
-_get_sequence_data_parallel_group = _get_data_parallel_group
 
 get_data_parallel_group = _get_data_parallel_group
 get_data_parallel_world_size = _get_data_parallel_world_size

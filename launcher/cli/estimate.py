@@ -106,6 +106,8 @@ def _base_config(path: str | None) -> dict:
 @click.option("--pipeline", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
 @click.option("--tensor", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel degree (a what-if: dslaunch has no tensor parallelism yet).")
+@click.option("--sequence_parallel_size", "sequence", type=click.IntRange(min=1),
+              help="Ranks that split each sequence (Ulysses; default: the config's, or 1).")
 @click.option("--flash_attention", is_flag=True, help="Attention stores no seq x seq scores.")
 @click.option("--no_attention", is_flag=True, help="Layers are residual MLP blocks without attention.")
 @click.option("--no_zero_init", is_flag=True, help="Stage 3 models not built under zero.Init.")
@@ -117,7 +119,7 @@ def _base_config(path: str | None) -> dict:
 @click.option("--deepspeed", "deepspeed_tables", is_flag=True,
               help="Print DeepSpeed's own ZeRO-2/3 tables (its formulas) instead.")
 def command(params, largest_layer, hf_config, model, hidden, layers, heads, vocab, ffn, num_gpus, num_nodes,
-            micro_batch, seq_len, precision, stages, offload, optimizer, pipeline, tensor, flash_attention,
+            micro_batch, seq_len, precision, stages, offload, optimizer, pipeline, tensor, sequence, flash_attention,
             no_attention, no_zero_init, gpu_memory, cpu_memory, deepspeed_config, as_json, deepspeed_tables) -> int:
     """Per-GPU and per-node memory of every ZeRO stage, offload and precision, sorted by what fits."""
     from dslaunch.runtime.estimate import PRECISIONS, TrainingSetup
@@ -133,7 +135,8 @@ def command(params, largest_layer, hf_config, model, hidden, layers, heads, voca
         return 0
     overrides = {"gpus_per_node": num_gpus, "nodes": num_nodes, "seq_len": seq_len, "pipeline": pipeline,
                  "tensor": tensor, "flash_attention": flash_attention, "zero_init": not no_zero_init}
-    overrides.update({k: v for k, v in (("micro_batch", micro_batch), ("optimizer", optimizer)) if v is not None})
+    overrides.update({k: v for k, v in (("micro_batch", micro_batch), ("optimizer", optimizer), ("sequence", sequence))
+                      if v is not None})
     base = TrainingSetup.from_ds_config(_base_config(deepspeed_config), **overrides)
     stage_list = tuple(int(x) for x in _csv("--stages", stages, ("0", "1", "2", "3")))
     if precision is None:

@@ -109,6 +109,7 @@ _SCALARS = {
     "prescale_gradients": (boolean, "true or false"),
     "gradient_predivide_factor": (number(0.0, low_open=True), "a number > 0"),
     "gradient_allreduce_op": (_allreduce_op, "\"mean\" or \"sum\""),
+    "sequence_parallel_size": (integer(1), "an integer >= 1: ranks that split each sequence (Ulysses)"),
     "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
     # not DeepSpeed's: node-local reduce, cross-node all-reduce, broadcast (runtime/zero/exchange.py)
     "hierarchical_allreduce": (choice("topology", "always", "never"), "topology, always or never"),
@@ -140,7 +141,7 @@ class _ConfigType(type):
         source = args[0] if args else kwargs.get("config")
         if isinstance(source, _SOURCE_TYPES) and len(args) <= 3 and set(kwargs) <= {"config", "mpu", "mesh_device"}:
             mpu = args[1] if len(args) > 1 else kwargs.get("mpu")
-            return load_config(source, _data_parallel_size(mpu))
+            return load_config(source, _data_parallel_size(mpu), data_only=mpu is not None)
         return super().__call__(*args, **kwargs)
 
 
@@ -167,6 +168,9 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     gradient_allreduce_op: str = "mean"
     """How data-parallel gradients combine: averaged ("mean", DeepSpeed's default) or summed ("sum":
     each rank's gradients add up, as if the batch's losses were summed; not at ZeRO stage 3)."""
+    sequence_parallel_size: int = 1
+    """Ranks that split each sample's sequence (Ulysses, ``runtime/sequence_parallel``); they read the
+    same samples, so the batch triad counts ``world / sequence_parallel_size`` data-parallel ranks."""
     communication_data_type: str | None = None
     hierarchical_allreduce: str = "topology"
     """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
@@ -213,12 +217,15 @@ class DeepSpeedConfig(metaclass=_ConfigType):
         return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
 
-def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
+def load_config(source: Any, world_size: int, data_only: bool = False) -> DeepSpeedConfig:
     """Parse and validate a ds_config.
 
     Args:
         source: a path (str/Path, JSON or YAML), a dict, or an object with ``deepspeed_config``.
-        world_size: data-parallel ranks, to resolve the batch triad.
+        world_size: the job's ranks, to resolve the batch triad: the config's
+            ``sequence_parallel_size`` divides them first (its ranks read the same samples), as
+            DeepSpeed's config does without an mpu.
+        data_only: ``world_size`` is already the data-parallel ranks (an mpu's): not divided.
 
     Returns:
         The validated ``DeepSpeedConfig``.
@@ -231,7 +238,7 @@ def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
     """
     raw, where = _read(source)
     try:
-        return _parse(raw, world_size, where)
+        return _parse(raw, world_size, where, data_only)
     except ConfigError as err:
         if where and not err.source:
             raise ConfigError(str(err), source=where) from None
@@ -256,7 +263,7 @@ def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
     return raw, where
 
 
-def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSpeedConfig:
+def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, data_only: bool = False) -> DeepSpeedConfig:
     raw = _legacy_forms(raw)
     # The batch sizes have no default for an unfilled "auto" to fall back on: they stay errors.
     forms = client_forms(raw, _SECTIONS, {k: v for k, v in _SCALARS.items() if k not in _BATCH_KEYS})
@@ -274,6 +281,8 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
             raise ConfigError(f"unknown key{hint}; valid top-level keys: {_listing(sorted(valid))}",
                               key=str(key))
     _validate_typed(values)
+    if not data_only:
+        world_size = _data_ranks(world_size, values.get("sequence_parallel_size", 1))
     given = {k: values.pop(k, None) for k in _BATCH_KEYS}
     elastic = values.get("elasticity")
     triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
@@ -282,6 +291,21 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=notes, **values)
     _cross_check(cfg)
     return cfg
+
+
+def _data_ranks(world_size: int, sequence: int) -> int:
+    """The data-parallel ranks of ``world_size`` when ``sequence`` ranks split each sample.
+
+    Raises:
+        ConfigError: ``sequence`` does not divide the world (naming the key).
+    """
+    from dslaunch.runtime.parallel.dims import ParallelDims
+
+    dims = ParallelDims(sequence=sequence, keys=(("sequence", "sequence_parallel_size"),))
+    problem = dims.problem(world_size)
+    if problem:
+        raise ConfigError(problem, key="sequence_parallel_size")
+    return dims.data(world_size)
 
 
 def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:

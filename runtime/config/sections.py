@@ -481,7 +481,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # parallelism
     "tensor_parallel": Off({"autotp_size": 0}, switch="autotp_size"),
     "expert_parallel": _enabled(),
-    "sequence_parallel_size": 1, "seq_parallel_comm_data_type": "fp32",
+    "seq_parallel_comm_data_type": "fp32",
     "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use
     "hybrid_engine": _enabled(),
     # model and training techniques

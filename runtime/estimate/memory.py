@@ -25,7 +25,8 @@ The model is dslaunch's engine as built (``runtime/zero/``), not a rule of thumb
   (``ModelShape.attention``) count the MLP half only. Checked against the peak of the tensors a
   real forward + backward creates (``estimate_bench.py``).
 
-Data parallelism is ``world / (pipeline * tensor)``; a pipeline stage holds ``1/pipeline`` of the
+Data parallelism is ``world / (pipeline * tensor * sequence)``; ZeRO partitions over data x
+sequence, and a sequence rank holds ``1/sequence`` of each sample's activations (Ulysses); a pipeline stage holds ``1/pipeline`` of the
 parameters, a tensor slice ``1/tensor`` (tensor parallelism does not exist in dslaunch yet: the
 degree is a what-if that divides parameters and activations, as Megatron with sequence
 parallelism does).
@@ -167,7 +168,7 @@ class _Rank:
     @classmethod
     def of(cls, shape: ModelShape, s: TrainingSetup) -> _Rank:
         params = math.ceil(shape.params / (s.pipeline * s.tensor))
-        part = math.ceil(params / s.data_parallel)
+        part = math.ceil(params / (s.data_parallel * s.sequence))  # ZeRO partitions over data x sequence
         return cls(params, part if s.stage >= 1 else params, part if s.stage == 3 else params,
                    MODEL_BYTES[s.precision])
 
@@ -283,7 +284,9 @@ def _activations(shape: ModelShape, s: TrainingSetup) -> int | None:
     b, t, h = s.micro_batch, s.seq_len, shape.hidden
     f = shape.ffn or 4 * h
     a = shape.heads or 1
-    tokens = b * t
+    # Ulysses: a rank holds 1/sequence of the tokens; around attention the whole sequence of
+    # 1/sequence of the heads, the same a * t * tokens scores as written below
+    tokens = b * math.ceil(t / s.sequence)
     # Korthikanti et al.'s 34 sbh + 5 a s^2 b at m = 2, f = 4h, in two halves. MLP: the norm's
     # input and output, a dropout mask, 2m per FFN element (the up projection's output, the
     # activation's output).

@@ -45,6 +45,8 @@ class TrainingSetup:
         gpus_per_node, nodes: the cluster; world = their product.
         pipeline: pipeline-parallel degree (``PipelineModule(num_stages=...)``).
         tensor: tensor-parallel degree (a what-if: dslaunch has no tensor parallelism yet).
+        sequence: ranks that split each sequence (Ulysses, ``sequence_parallel_size``): each holds
+            ``1/sequence`` of a sample's tokens; ZeRO partitions over data x sequence.
         reduce_bucket_size: elements per reduce bucket (``zero_optimization.reduce_bucket_size``).
         overlap_comm: reductions in flight while backward runs (more buckets alive).
         param_persistence_threshold, max_live_parameters: stage 3's knobs (DeepSpeed's names).
@@ -72,6 +74,7 @@ class TrainingSetup:
     nodes: int = 1
     pipeline: int = 1
     tensor: int = 1
+    sequence: int = 1
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = False
     param_persistence_threshold: int = 100_000
@@ -102,7 +105,7 @@ class TrainingSetup:
             if f.type in ("int", "int | None") and value is not None and (isinstance(value, bool) or not
                                                                          isinstance(value, int)):
                 raise UsageError(f"{f.name}: got {value!r}; valid: an integer")
-        for name in ("micro_batch", "gpus_per_node", "nodes", "pipeline", "tensor", "reduce_bucket_size",
+        for name in ("micro_batch", "gpus_per_node", "nodes", "pipeline", "tensor", "sequence", "reduce_bucket_size",
                      "sub_group_size", "nvme_buffer_count", "nvme_buffer_size", "param_buffer_count",
                      "param_buffer_size"):
             checks.append((getattr(self, name) >= 1, name, "a positive integer"))
@@ -111,9 +114,9 @@ class TrainingSetup:
         for ok, name, valid in checks:
             if not ok:
                 raise UsageError(f"{name}: got {getattr(self, name)!r}; valid: {valid}")
-        if self.world % (self.pipeline * self.tensor):
-            raise UsageError(f"pipeline * tensor = {self.pipeline * self.tensor} must divide the "
-                             f"world size {self.world} (gpus_per_node x nodes)")
+        if self.world % (self.pipeline * self.tensor * self.sequence):
+            raise UsageError(f"pipeline * tensor * sequence = {self.pipeline * self.tensor * self.sequence} must "
+                             f"divide the world size {self.world} (gpus_per_node x nodes)")
 
     @property
     def world(self) -> int:
@@ -121,7 +124,7 @@ class TrainingSetup:
 
     @property
     def data_parallel(self) -> int:
-        return self.world // (self.pipeline * self.tensor)
+        return self.world // (self.pipeline * self.tensor * self.sequence)
 
     @classmethod
     def from_ds_config(cls, config: Mapping[str, Any], **overrides: Any) -> TrainingSetup:
@@ -149,6 +152,7 @@ class TrainingSetup:
             "offload_optimizer": opt.get("device"), "offload_param": par.get("device"),
             "optimizer": optimizer if optimizer in OPTIMIZER_STATE_BYTES else None,
             "micro_batch": config.get("train_micro_batch_size_per_gpu"),
+            "sequence": config.get("sequence_parallel_size"),
             "activation_checkpointing": bool(_section(config, "activation_checkpointing")) or None,
             "reduce_bucket_size": zero.get("reduce_bucket_size"), "overlap_comm": zero.get("overlap_comm"),
             "param_persistence_threshold": _stage3(zero, "param_persistence_threshold"),
@@ -180,7 +184,9 @@ def _micro_from_batch(config: Mapping[str, Any], overrides: Mapping[str, Any]) -
     if not (isinstance(total, int) and isinstance(accum, int)) or accum <= 0:
         return None
     world = overrides.get("gpus_per_node", 1) * overrides.get("nodes", 1)
-    dp = world // (overrides.get("pipeline", 1) * overrides.get("tensor", 1)) or 1
+    sequence = overrides.get("sequence", config.get("sequence_parallel_size", 1))
+    sequence = sequence if isinstance(sequence, int) and sequence >= 1 else 1
+    dp = world // (overrides.get("pipeline", 1) * overrides.get("tensor", 1) * sequence) or 1
     return max(1, total // (accum * dp))
 
 

@@ -95,7 +95,8 @@ def _describe(shape: ModelShape, s: TrainingSetup) -> list[str]:
     work = f"micro batch {s.micro_batch}" + (f", sequence {s.seq_len}" if s.seq_len else "")
     return [f"Model{' ' + shape.name if shape.name else ''}: {', '.join(dims)}",
             f"Cluster: {s.nodes} node(s) x {s.gpus_per_node} GPU(s); data parallel {s.data_parallel}, "
-            f"pipeline {s.pipeline}, tensor {s.tensor} (a what-if); {work}; optimizer {s.optimizer}"]
+            f"pipeline {s.pipeline}, tensor {s.tensor} (a what-if)"
+            + (f", sequence parallel {s.sequence}" if s.sequence > 1 else "") + f"; {work}; optimizer {s.optimizer}"]
 
 
 def format_table(shape: ModelShape, rows: list[Row], device_memory: int | None = None,

@@ -6,6 +6,12 @@
   i.e. all pipeline stages and tensor slices of one replica), plus the pipe and slice groups.
 - ``DataParallelGrid()``: the same methods for the one-axis case (every rank a data-parallel peer,
   the world group itself): no group is created, so a job without model parallelism pays nothing.
+- ``grid_from_config(cfg)``: the grid of the degrees a ds_config sets itself
+  (``sequence_parallel_size``), for an engine given no mpu.
+
+A grid with a sequence axis also answers the sequence questions DeepSpeed's
+``parallel_state_sp`` answers: ``get_sequence_parallel_*`` (the ranks that split one sample) and
+``get_sequence_data_parallel_*`` (data x sequence: where gradients average and ZeRO partitions).
 
 Every rank must build a grid at the same point, with the same topology: group creation is
 collective over the world (``groups.py``).
@@ -16,10 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.groups import ParallelGroups
 from dslaunch.runtime.parallel.topology import PipeDataParallelTopology, ProcessTopology, default_topology
 
-__all__ = ["PipelineParallelGrid", "DataParallelGrid"]
+__all__ = ["PipelineParallelGrid", "DataParallelGrid", "grid_from_config", "sequence_grid"]
 
 
 def _dist() -> Any:
@@ -109,6 +116,9 @@ class PipelineParallelGrid:
         self.slice_proc_group, self.slice_group = self._role("tensor")
         self.ds_model_rank = self.ds_model_ranks.index(self.global_rank)
         self.ds_model_world_size = len(self.ds_model_ranks)
+        self.sequence_parallel_size = max(self._topo.get_dim("sequence"), 1)
+        if self.sequence_parallel_size > 1:  # made here, in one order on every rank
+            self.sp_proc_group, self.seq_dp_proc_group = self.groups.group("sequence"), self.groups.group("gradient_reduce")
 
     def _role(self, role: str) -> tuple[Any, list[int]]:
         return self.groups.group(role), self.groups.ranks(role)
@@ -171,5 +181,54 @@ class PipelineParallelGrid:
 
     def get_slice_parallel_group(self) -> Any:
         return self.slice_proc_group
+
+    # DeepSpeed's parallel_state_sp questions (1, 0 and no group without a sequence axis)
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sequence_parallel_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return getattr(self._topo.get_coord(self.global_rank), "sequence", 0)
+
+    def get_sequence_parallel_group(self) -> Any:
+        if self.sequence_parallel_size == 1:
+            raise KeyError("No sequence parallel group found (this grid has no sequence axis)")
+        return self.sp_proc_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size * self.sequence_parallel_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.data_parallel_id * self.sequence_parallel_size + self.get_sequence_parallel_rank()
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self.seq_dp_proc_group if self.sequence_parallel_size > 1 else self.dp_proc_group
+
+
+def grid_from_config(cfg: Any) -> PipelineParallelGrid | None:
+    """The grid of the parallel degrees ``cfg`` (a ``DeepSpeedConfig``) sets itself, or None when
+    it sets none (every rank a data-parallel peer).
+
+    ``sequence_parallel_size`` = N: ranks ``[pipe, data, sequence]``, the N ranks of one sample
+    neighbours (DeepSpeed's ``parallel_state_sp`` order).
+
+    collective: every rank, the same config.
+    """
+    return sequence_grid(cfg.sequence_parallel_size) if cfg.sequence_parallel_size > 1 else None
+
+
+def sequence_grid(sequence: int, key: str = "sequence_parallel_size") -> PipelineParallelGrid:
+    """The grid of ``sequence`` ranks per sample and the data-parallel replicas the world leaves.
+
+    collective: every rank.
+
+    Raises:
+        UsageError: ``sequence`` does not divide the world (naming ``key``).
+    """
+    dims = ParallelDims(sequence=sequence, keys=(("sequence", key),))
+    world = _dist().get_world_size()
+    problem = dims.problem(world)
+    if problem:
+        raise UsageError(problem)
+    return PipelineParallelGrid(dims.topology(world))
 
 

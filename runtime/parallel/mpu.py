@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["tensor_axis", "has_tensor_axis", "counted_in_norm"]
+__all__ = ["tensor_axis", "has_tensor_axis", "counted_in_norm", "gradient_reduce_group"]
 
 What = Literal["group", "rank", "world_size"]
 _ORDER = ("get_tensor_model_parallel_{}", "get_slice_parallel_{}", "get_model_parallel_{}")
@@ -57,3 +57,15 @@ def counted_in_norm(param: Any, tensor_rank: int) -> bool:
         return False
     sharded = getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False)
     return tensor_rank == 0 or bool(sharded)
+
+
+def gradient_reduce_group(mpu: Any) -> Any:
+    """Where dense gradients average and ZeRO partitions: data x sequence (DeepSpeed's
+    ``seq_data_parallel_group``) for an mpu with a sequence axis, else its data-parallel group.
+
+    Each sequence rank of a sample backpropagates the whole sequence's loss through an all-reduce
+    (``sequence_parallel.loss``), so it holds N times its part of the gradient: the average over
+    data x sequence is the parts summed, averaged over the samples.
+    """
+    get = getattr(mpu, "get_sequence_data_parallel_group", None)
+    return get() if callable(get) else mpu.get_data_parallel_group()

@@ -1,2 +1,14 @@
-"""``deepspeed.runtime.sequence_parallel``: Ulysses sequence parallelism for Hugging Face models
-(ALST), refused on use (``ulysses_sp``)."""
+"""Ulysses sequence parallelism: the ranks of a sequence group each hold a part of every sample's
+sequence and switch to a head split around attention.
+
+- ``layout.py``: the differentiable all-to-all between the two layouts; key/value head replication.
+- ``attention.py``: ``DistributedAttention`` (``deepspeed.sequence.layer``).
+- ``batch.py``: one rank's shard of a batch (``shift_labels``, pad-and-mask, global positions).
+- ``loss.py``: a shard's loss weighted over the whole sequence.
+- ``ulysses_sp.py``: ALST's Hugging Face integration (``UlyssesSPAttentionHF``,
+  ``UlyssesSPDataLoaderAdapter``), DeepSpeed's ``deepspeed.runtime.sequence_parallel.ulysses_sp``.
+
+The sequence axis and its groups come from ``runtime/parallel`` (``sequence_parallel_size`` in
+the config, or the mpu ``register_with_transformers`` returns); the engine averages gradients over
+data x sequence (``parallel.mpu.gradient_reduce_group``).
+"""

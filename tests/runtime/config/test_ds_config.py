@@ -252,7 +252,7 @@ def test_sections_at_their_off_values_are_accepted() -> None:
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
     ("graph_harvesting", True, False), ("torch_autocast", {"enabled": True}, {"enabled": False}),
     ("compile", {"deepcompile": True}, {"deepcompile": False}),
-    ("managed_gradient_accumulation", False, True), ("sequence_parallel_size", 2, 1),
+    ("managed_gradient_accumulation", False, True),
     ("tensor_parallel", {"autotp_size": 2}, {"autotp_size": 0}), ("log_level", "debug", None),
 ])
 def test_deepspeed_keys_are_not_implemented_not_unknown(key: str, on: object, off: object) -> None:
@@ -352,3 +352,14 @@ def test_an_offload_key_of_the_other_section_is_refused() -> None:
     zero = _ok({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 5,
                                       "offload_param": {"device": "cpu", "max_in_cpu": 10}}}).zero_optimization
     assert zero.offload_param.max_in_cpu == 10  # each key in its own section stays valid
+
+
+def test_sequence_parallel_size_divides_the_world_before_the_batch_triad() -> None:
+    """DeepSpeed's rule without an mpu: the sequence ranks of a sample are one data-parallel rank."""
+    cfg = load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2}, 8)
+    assert (cfg.world_size, cfg.gradient_accumulation_steps, cfg.sequence_parallel_size) == (4, 1, 2)
+    # an mpu's data-parallel size is not divided again
+    assert load_config({"train_batch_size": 8, "sequence_parallel_size": 2}, 4, data_only=True).world_size == 4
+    assert _error({"train_batch_size": 8, "sequence_parallel_size": 4}, 6) == (
+        "'sequence_parallel_size': sequence_parallel_size=4 must divide the world size 6")
+    assert "sequence_parallel_size" in _error({"train_batch_size": 8, "sequence_parallel_size": 0})

@@ -159,6 +159,20 @@ def test_pipeline_and_tensor_degrees_divide_the_model() -> None:
         TrainingSetup(gpus_per_node=8, pipeline=3)
 
 
+def test_sequence_parallelism_divides_activations_and_partitions_over_data_x_sequence() -> None:
+    """Ulysses: 1/4 of the tokens per rank (the attention scores too: the whole sequence of 1/4 of
+    the heads); ZeRO-3 still partitions over all 8 ranks; the batch counts 2 data ranks."""
+    whole, split = _est(stage=3, precision="bf16"), _est(stage=3, precision="bf16", sequence=4)
+    assert split.setup.data_parallel == 2
+    assert split.device.activations * 4 == whole.device.activations
+    assert split.device.weights == whole.device.weights and split.device.master == whole.device.master
+    cfg = {"train_batch_size": 16, "sequence_parallel_size": 4}
+    s = TrainingSetup.from_ds_config(cfg, gpus_per_node=8)
+    assert (s.sequence, s.micro_batch) == (4, 8)
+    with pytest.raises(UsageError, match="pipeline \\* tensor \\* sequence = 3 must divide the world size 8"):
+        TrainingSetup(gpus_per_node=8, sequence=3)
+
+
 def test_ds_config_is_read_as_the_engine_reads_it() -> None:
     cfg = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
            "optimizer": {"type": "Lion"}, "activation_checkpointing": {"partition_activations": True},
