@@ -84,7 +84,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         mpu = model.mpu()
     if mpu is not None:
         world = _checked_mpu(mpu).get_data_parallel_world_size()  # the batch is split over replicas
-    cfg = load_config(source, world)
+    # Without an mpu the config's own degrees (tensor_parallel.autotp_size) split the world.
+    cfg = load_config(source, world, global_world=mpu is None)
+    if pipeline and cfg.tensor_parallel.size > 1:
+        raise ConfigError("AutoTP training with a PipelineModule is not implemented: remove tensor_parallel, or "
+                          "train the model without deepspeed.pipe", key="tensor_parallel.autotp_size")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                      verbose=False, config=cfg)
     parts = {"optimizer": optimizer, "model_parameters": model_parameters, "training_data": training_data,

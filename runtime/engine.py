@@ -28,6 +28,7 @@ from dslaunch.runtime.engine_setup import build_components, data_loader
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
+from dslaunch.runtime.parallel.from_config import grid_from_config
 from dslaunch.runtime.parallel.grid import DataParallelGrid
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
@@ -49,9 +50,17 @@ class DeepSpeedEngine(torch.nn.Module):
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  collate_fn: Any = None, mpu: Any = None):
         super().__init__()
-        # Where this rank sits: a Megatron-style mpu, or every rank a data-parallel peer.
-        self.grid = mpu if mpu is not None else DataParallelGrid()
+        # Where this rank sits: a Megatron-style mpu, else the axes the config sets (AutoTP's
+        # tensor slices), else every rank a data-parallel peer.
+        self.grid = mpu if mpu is not None else grid_from_config(config)
+        if mpu is None and not isinstance(self.grid, DataParallelGrid):
+            mpu = self.grid  # the config's grid answers as an mpu would (groups, checkpointing, ZeRO)
         self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's mpu
+        if config.tensor_parallel.size > 1:  # AutoTP training: shard before anything reads the parameters
+            from dslaunch.runtime.tensor_parallel.training import repoint_parameters, shard_for_training
+
+            self.tp_plan, replaced = shard_for_training(model, self.grid, config.tensor_parallel.size)
+            model_parameters = repoint_parameters(replaced, optimizer, model_parameters)
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config

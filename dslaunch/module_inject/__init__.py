@@ -4,9 +4,9 @@ DeepSpeed's ``AutoTP`` picks row-parallel layers by name; dslaunch's planner wor
 dataflow (``dslaunch.runtime.tensor_parallel.auto_tp``). The layer names here are DeepSpeed's.
 """
 
+from dslaunch.module_inject.replace_policy import KERNEL_INJECTION
 from dslaunch.runtime.tensor_parallel.auto_tp import ShardSpec, TPPlan, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from dslaunch.module_inject.replace_policy import KERNEL_INJECTION
 from dslaunch.utils.refused import refuse
 
 LinearLayer = ColumnParallelLinear  # DeepSpeed's names for its column / row layers

@@ -55,6 +55,8 @@ from dslaunch.runtime.config.sections import (
     parse_section,
     reject_unimplemented,
 )
+from dslaunch.runtime.config.tensor_parallel import TensorParallelConfig
+from dslaunch.runtime.parallel.from_config import config_dims, data_world_size
 from dslaunch.runtime.zero.registry import STAGES, stage_choices
 
 if TYPE_CHECKING:  # the registries import this package's checkers: import them at use
@@ -75,7 +77,8 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "flops_profiler": FlopsProfilerConfig,
              "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
              "comet": CometConfig, "comms_logger": CommsLoggerConfig,
-             "pipeline": PipelineConfig, "autotuning": AutotuningConfig}
+             "pipeline": PipelineConfig, "autotuning": AutotuningConfig,
+             "tensor_parallel": TensorParallelConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -139,7 +142,7 @@ class _ConfigType(type):
         source = args[0] if args else kwargs.get("config")
         if isinstance(source, _SOURCE_TYPES) and len(args) <= 3 and set(kwargs) <= {"config", "mpu", "mesh_device"}:
             mpu = args[1] if len(args) > 1 else kwargs.get("mpu")
-            return load_config(source, _data_parallel_size(mpu))
+            return load_config(source, _data_parallel_size(mpu), global_world=mpu is None)
         return super().__call__(*args, **kwargs)
 
 
@@ -191,6 +194,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     comet: CometConfig = field(default_factory=CometConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    """AutoTP training: ``autotp_size`` ranks split each layer (``runtime/tensor_parallel/``)."""
     """Read by ``dslaunch --autotuning`` and, inside an experiment, by the engine's profiler."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
@@ -209,12 +214,14 @@ class DeepSpeedConfig(metaclass=_ConfigType):
         return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
 
-def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
+def load_config(source: Any, world_size: int, global_world: bool = False) -> DeepSpeedConfig:
     """Parse and validate a ds_config.
 
     Args:
         source: a path (str/Path, JSON or YAML), a dict, or an object with ``deepspeed_config``.
         world_size: data-parallel ranks, to resolve the batch triad.
+        global_world: ``world_size`` counts every rank (no mpu): the model-parallel degrees the
+            config sets itself (``tensor_parallel.autotp_size``) divide it into the data world.
 
     Returns:
         The validated ``DeepSpeedConfig``.
@@ -227,7 +234,7 @@ def load_config(source: Any, world_size: int) -> DeepSpeedConfig:
     """
     raw, where = _read(source)
     try:
-        return _parse(raw, world_size, where)
+        return _parse(raw, world_size, where, global_world)
     except ConfigError as err:
         if where and not err.source:
             raise ConfigError(str(err), source=where) from None
@@ -252,7 +259,8 @@ def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
     return raw, where
 
 
-def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSpeedConfig:
+def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_world: bool = False
+           ) -> DeepSpeedConfig:
     raw = _legacy_forms(raw)
     # The batch sizes have no default for an unfilled "auto" to fall back on: they stay errors.
     forms = client_forms(raw, _SECTIONS, {k: v for k, v in _SCALARS.items() if k not in _BATCH_KEYS})
@@ -270,6 +278,8 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None) -> DeepSp
             raise ConfigError(f"unknown key{hint}; valid top-level keys: {_listing(sorted(valid))}",
                               key=str(key))
     _validate_typed(values)
+    if global_world:
+        world_size = data_world_size(config_dims(values.get("tensor_parallel")), world_size)
     given = {k: values.pop(k, None) for k in _BATCH_KEYS}
     elastic = values.get("elasticity")
     triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
@@ -418,6 +428,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
                           "reduction averages); use \"mean\" or stage 0-2", key="gradient_allreduce_op")
     _check_compressed(cfg)
     _check_muon(cfg)
+    cfg.tensor_parallel.check(zero.stage)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
                           "device)", key="zero_optimization.offload_optimizer.device")

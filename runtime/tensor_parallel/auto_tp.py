@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 from dslaunch.errors import UsageError
 
-__all__ = ["ShardSpec", "TPPlan", "plan_tensor_parallel", "is_linear", "head_plan", "linear_shape"]
+__all__ = ["ShardSpec", "TPPlan", "plan_tensor_parallel", "is_linear", "head_plan", "linear_shape", "config_heads"]
 
 Segments = tuple[tuple[int, int], ...]  # [start, stop) ranges of one dimension, in order
 
@@ -148,7 +148,7 @@ class Heads:
     head_dim: int
 
 
-def _config_heads(model: nn.Module) -> Heads | None:
+def config_heads(model: nn.Module) -> Heads | None:
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -385,7 +385,7 @@ def plan_tensor_parallel(model: nn.Module, tp: int, rank: int, policy: Mapping[A
                              "{BlockClass: ('row_linear_name', ...)}") from None
         producers_of = {}
     groups = _policy_groups(model, policy, producers_of) if policy else _groups(producers_of)
-    heads, layout = _config_heads(model), _fused_layout(model)
+    heads, layout = config_heads(model), _fused_layout(model)
     shards: list[ShardSpec] = []
     attributes: list[tuple[str, str, int]] = []
     for group in groups:

@@ -1,0 +1,58 @@
+"""The parallel degrees a ds_config sets itself, and the grid they make when no mpu is given.
+
+DeepSpeed reads two model-parallel degrees from the config (no mpu needed):
+``tensor_parallel.autotp_size`` (AutoTP training) and ``sequence_parallel_size`` (Ulysses). Both
+shrink the data-parallel world the batch sizes are resolved for, and both need a grid with their
+axis. This module is the one place that turns them into ``ParallelDims`` and a grid.
+
+Torch-free at import (the grid imports torch.distributed when built).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dslaunch.errors import ConfigError
+from dslaunch.runtime.parallel.dims import ParallelDims
+
+__all__ = ["config_dims", "data_world_size", "grid_from_config"]
+
+
+def config_dims(tensor_parallel: Any = None) -> ParallelDims:
+    """The degrees the config's sections set (``tensor_parallel``: a ``TensorParallelConfig`` or None)."""
+    tensor = tensor_parallel.size if tensor_parallel is not None else 1
+    return ParallelDims(tensor=tensor, keys=(("tensor", "tensor_parallel.autotp_size"),) if tensor > 1 else ())
+
+
+def data_world_size(dims: ParallelDims, world: int) -> int:
+    """The data-parallel degree ``dims`` leave of ``world`` ranks.
+
+    Raises:
+        ConfigError: the degrees do not divide the world (one line naming the keys).
+    """
+    problem = dims.problem(world)
+    if problem is not None:
+        raise ConfigError(problem)
+    return dims.data(world)
+
+
+def grid_from_config(config: Any) -> Any:
+    """The grid (mpu) of a job whose config sets model-parallel degrees and passes no mpu: the
+    one-axis ``DataParallelGrid`` when it sets none, else a ``PipelineParallelGrid`` over the
+    topology of its degrees (the ``model`` axis for the tensor slices).
+
+    collective: every rank of the world (it creates process groups).
+
+    Raises:
+        ConfigError: the degrees do not divide the world.
+    """
+    import torch.distributed as dist
+
+    from dslaunch.runtime.parallel.grid import DataParallelGrid, PipelineParallelGrid
+
+    dims = config_dims(config.tensor_parallel)
+    if dims.replica_size == 1:
+        return DataParallelGrid()
+    world = dist.get_world_size()
+    data_world_size(dims, world)
+    return PipelineParallelGrid(dims.topology(world))

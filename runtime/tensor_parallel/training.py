@@ -1,0 +1,92 @@
+"""AutoTP training: the model sharded over the tensor-parallel group at ``initialize``.
+
+As DeepSpeed (0.16.4+), ``initialize`` shards the model when ``tensor_parallel.autotp_size`` > 1:
+every rank builds the whole model (same seed, same weights), the planner (``auto_tp.py``) picks
+the column/row/vocab layers from the model's dataflow, and each rank keeps its slices as trainable
+parameters marked ``tensor_model_parallel`` (whole parameters such as norms stay on every slice and
+count once in the gradient norm). The layers' autograd collectives (``collectives.py``) make the
+gradients of every slice those of the whole model: ZeRO then only reduces over the data group.
+
+Parameters the caller already holds (``model_parameters``, a client optimizer's param groups)
+are pointed at the shards that replaced them.
+
+Limitations: fewer KV heads than ``autotp_size`` is refused (each KV head would be held by
+several ranks, each with part of its gradient); dropout in the replicated parts must draw the same
+mask on every slice (the same seed on every rank does that, as DeepSpeed requires too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dslaunch.errors import ConfigError
+from dslaunch.runtime.parallel.mpu import tensor_axis
+from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, plan_tensor_parallel
+from dslaunch.runtime.tensor_parallel.collectives import training_collectives
+from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
+
+__all__ = ["shard_for_training", "repoint_parameters"]
+
+
+def shard_for_training(model: nn.Module, grid: Any, tp_size: int) -> tuple[TPPlan, dict[int, nn.Parameter]]:
+    """Replace ``model``'s layers by this rank's trainable shards (in place).
+
+    Args:
+        model: the whole model, with the same weights on every rank of the tensor group.
+        grid: the mpu whose tensor axis is the group (``runtime.parallel.mpu.tensor_axis``).
+        tp_size: ``tensor_parallel.autotp_size``; the grid's tensor group must have that many ranks.
+
+    Returns:
+        The plan, and for each replaced parameter (by ``id``) the shard that holds its slice.
+
+    Raises:
+        ConfigError: a grid whose tensor group is another size, fewer KV heads than ranks, or a
+            model the planner cannot trace (one line each).
+
+    collective: every rank of the tensor group.
+    """
+    from dslaunch.errors import UsageError
+    from dslaunch.inference.loading import ModuleSource
+
+    group, rank = tensor_axis(grid, "group"), tensor_axis(grid, "rank")
+    size = tensor_axis(grid, "world_size")
+    if size != tp_size:
+        raise ConfigError(f"{tp_size} but the mpu's tensor-parallel group has {size} ranks; make them equal",
+                          key="tensor_parallel.autotp_size")
+    heads = config_heads(model)
+    if heads is not None and heads.kv_heads < tp_size:
+        raise ConfigError(f"{tp_size} is more than the model's {heads.kv_heads} key/value heads: in training each "
+                          f"rank must hold whole KV heads; use a divisor of {heads.kv_heads}",
+                          key="tensor_parallel.autotp_size")
+    try:
+        plan = plan_tensor_parallel(model, tp_size, rank)
+    except UsageError as err:
+        raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    shard_modules(model, plan, ModuleSource(model), dtype, False, training_collectives(group), trainable=True)
+    set_local_attributes(model, plan)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    return plan, {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
+
+
+def repoint_parameters(replaced: dict[int, nn.Parameter], optimizer: Any, model_parameters: Any) -> Any:
+    """Point a client optimizer's param groups (in place) and ``model_parameters`` (returned) at
+    the shards that replaced the whole parameters they name."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = _mapped(replaced, group["params"])
+    if model_parameters is None or not replaced:
+        return model_parameters
+    given = list(model_parameters)
+    if given and isinstance(given[0], dict):
+        return [{**g, "params": _mapped(replaced, g["params"])} for g in given]
+    return _mapped(replaced, given)
+
+
+def _mapped(replaced: dict[int, nn.Parameter], params: Iterable[Any]) -> list[Any]:
+    return [replaced.get(id(p), p) for p in params]
