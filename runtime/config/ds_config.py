@@ -120,6 +120,8 @@ _SCALARS = {
     "zero_allow_untested_optimizer": (boolean, "true or false"),
     "dataloader_drop_last": (boolean, "true or false"),
     "dist_init_timeout": (number(0.0, MAX_TIMEOUT_S, low_open=True), "seconds to wait for peers (default 1800)"),
+    # DeepSpeed's examples state it beside tensor_parallel / sequence_parallel_size: checked, not used
+    "data_parallel_size": (optional(integer(1)), "an integer: the data-parallel ranks (world / model-parallel ranks)"),
 }
 
 
@@ -280,6 +282,10 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_wo
     _validate_typed(values)
     if global_world:
         world_size = data_world_size(config_dims(values.get("tensor_parallel")), world_size)
+    stated = values.pop("data_parallel_size", None)
+    if stated is not None and stated != world_size:
+        raise ConfigError(f"{stated} but the job has {world_size} data-parallel ranks (the world divided by the "
+                          "model-parallel degrees); fix it or remove the key", key="data_parallel_size")
     given = {k: values.pop(k, None) for k in _BATCH_KEYS}
     elastic = values.get("elasticity")
     triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled

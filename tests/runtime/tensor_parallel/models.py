@@ -64,6 +64,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.config = cfg = cfg or TinyConfig()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        nn.init.normal_(self.embed_tokens.weight, std=0.02)  # as Hugging Face's: a tied lm_head's logits stay small
         self.embed_positions = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = nn.LayerNorm(cfg.hidden_size)

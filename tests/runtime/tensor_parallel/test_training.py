@@ -39,7 +39,42 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _train(rank: int, world: int, tp: int, stage: int, tied: bool) -> dict:
+class ExampleMPU:
+    """The minimal mpu of DeepSpeedExamples' ``training/tensor_parallel/basic_example``: its
+    model-parallel group is the tensor group (tensor fastest), built by the script itself."""
+
+    def __init__(self, rank: int, world: int, tp: int):
+        import torch.distributed as dist
+
+        dp = world // tp
+        self.tp_rank, self.dp_rank, self.tp_size, self.dp_size = rank % tp, rank // tp, tp, dp
+        for ranks in [list(range(d * tp, (d + 1) * tp)) for d in range(dp)]:
+            group = dist.new_group(ranks)
+            self.tp_group = group if rank in ranks else getattr(self, "tp_group", None)
+        for ranks in [[t + d * tp for d in range(dp)] for t in range(tp)]:
+            group = dist.new_group(ranks)
+            self.dp_group = group if rank in ranks else getattr(self, "dp_group", None)
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_data_parallel_world_size(self):
+        return self.dp_size
+
+    def get_model_parallel_world_size(self):
+        return self.tp_size
+
+    def get_data_parallel_rank(self):
+        return self.dp_rank
+
+    def get_model_parallel_rank(self):
+        return self.tp_rank
+
+
+def _train(rank: int, world: int, tp: int, stage: int, tied: bool, example_mpu: bool = False) -> dict:
     import torch.distributed as dist
 
     import dslaunch
@@ -49,8 +84,16 @@ def _train(rank: int, world: int, tp: int, stage: int, tied: bool) -> dict:
     model = TinyLM(cfg)
     whole = _nbytes({id(p): p for p in model.parameters()}.values())
     dp = world // tp
-    engine, optimizer, *_ = dslaunch.initialize(model=model, config=_config(tp, stage, dp))
+    config = _config(tp, stage, dp)
+    if example_mpu:  # as the example: its own groups, a client optimizer built on the whole model
+        dslaunch.init_distributed()
+        client = torch.optim.Adam(model.parameters(), lr=config.pop("optimizer")["params"]["lr"])
+        engine, optimizer, *_ = dslaunch.initialize(model=model, optimizer=client, config=config,
+                                                    mpu=ExampleMPU(rank, world, tp))
+    else:
+        engine, optimizer, *_ = dslaunch.initialize(model=model, config=config)
     data_rank, micro = engine.grid.get_data_parallel_rank(), GLOBAL_BATCH // dp
+    assert engine.dp_world_size == dp
     losses = []
     for step in range(STEPS):
         ids = _batch(step, cfg)[data_rank * micro:(data_rank + 1) * micro]
@@ -85,3 +128,44 @@ def test_losses_equal_the_unsharded_run(reference: dict, tp: int, stage: int) ->
     assert got[0]["params"] <= bound * ref["params"], (got[0]["params"], ref["params"])
     # ZeRO splits the optimizer state over the dp data ranks: rank 0 holds its 1/dp of its slice's
     assert got[0]["state"] * dp <= bound * ref["state"], (got[0]["state"], ref["state"])
+
+
+def test_tied_embedding_and_output_layer() -> None:
+    """GPT-2's tie: the lm_head holds the embedding's vocabulary shard (one Parameter)."""
+    ref = run_world(_train, 1, 1, 1, True)[0]
+    got = run_world(_train, 4, 2, 1, True, timeout=200)
+    worst = max(abs(a - b) for a, b in zip(got[0]["losses"], ref["losses"], strict=True))
+    assert worst <= 1e-6, worst
+    assert got[0]["params"] <= (0.5 + 0.1) * ref["params"]
+
+
+def test_an_mpu_and_a_client_optimizer_as_deepspeed_examples_pass_them(reference: dict) -> None:
+    got = run_world(_train, 4, 2, 2, False, True, timeout=200)
+    worst = max(abs(a - b) for a, b in zip(got[0]["losses"], reference[False]["losses"], strict=True))
+    assert worst <= 1e-6, worst
+    assert got[0]["state"] * 2 <= 0.6 * reference[False]["state"]
+
+
+def _refused(rank: int, world: int) -> list[str]:
+    import dslaunch
+    from dslaunch.pipe import LayerSpec, PipelineModule
+
+    messages = []
+    torch.manual_seed(0)
+    config = _config(4, 1, 1)
+    try:  # 4 slices of a model with 2 KV heads
+        dslaunch.initialize(model=TinyLM(TinyConfig(num_key_value_heads=2)), config=config)
+    except Exception as err:  # noqa: BLE001 (the message is the assertion)
+        messages.append(str(err))
+    try:
+        pipe = PipelineModule([LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1)
+        dslaunch.initialize(model=pipe, config=_config(4, 1, world))  # its grid: 4 data ranks
+    except Exception as err:  # noqa: BLE001
+        messages.append(str(err))
+    return messages
+
+
+def test_what_autotp_training_refuses() -> None:
+    messages = run_world(_refused, 4)[0]
+    assert messages[0].startswith("'tensor_parallel.autotp_size': 4 is more than the model's 2 key/value heads")
+    assert messages[1].startswith("'tensor_parallel.autotp_size': AutoTP training with a PipelineModule is not")
