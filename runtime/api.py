@@ -18,16 +18,12 @@ from dslaunch.errors import ConfigError, ModelRequiredError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import init_distributed, slurm_env
 from dslaunch.runtime.shutdown import register_clean_exit
+from dslaunch.runtime.tensor_parallel.training import tp_model_init, with_tp_model_init
 from dslaunch.utils.logging import logger
-from dslaunch.utils.refused import Refusal, refused_function
 from dslaunch.utils.restart import restart_count, resume_dir
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "tp_model_init"]
 
-# DeepSpeed's AutoTP for training; dslaunch's AutoTP serves inference only (init_inference).
-tp_model_init = refused_function(__name__, "tp_model_init", Refusal(
-    "tensor-parallel training (AutoTP training, tp_model_init)",
-    "train with ZeRO or deepspeed.pipe; init_inference(tensor_parallel={'tp_size': N}) shards for inference"))
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -69,7 +65,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if model is None:
         where = " (the first positional argument is args, as in DeepSpeed)" if args is not None else ""
         raise ModelRequiredError(f"initialize() needs model=<torch.nn.Module>{where}")
-    source = _config_source(args, config if config is not None else config_params)
+    source = with_tp_model_init(_config_source(args, config if config is not None else config_params), model)
     # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
     will_init = not dist.is_initialized() and dist_init_required is not False
     if will_init:

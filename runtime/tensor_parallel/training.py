@@ -17,7 +17,8 @@ mask on every slice (the same seed on every rank does that, as DeepSpeed require
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +30,9 @@ from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, plan_
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
 from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
 
-__all__ = ["shard_for_training", "repoint_parameters"]
+__all__ = ["shard_for_training", "repoint_parameters", "tp_model_init", "with_tp_model_init"]
+
+_RECORD = "ds_tp_model_init"  # the attribute tp_model_init leaves on the model: (tp_size, dtype)
 
 
 def shard_for_training(model: nn.Module, grid: Any, tp_size: int) -> tuple[TPPlan, dict[int, nn.Parameter]]:
@@ -90,3 +93,55 @@ def repoint_parameters(replaced: dict[int, nn.Parameter], optimizer: Any, model_
 
 def _mapped(replaced: dict[int, nn.Parameter], params: Iterable[Any]) -> list[Any]:
     return [replaced.get(id(p), p) for p in params]
+
+
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None, **kwargs: Any) -> nn.Module:
+    """DeepSpeed's ``deepspeed.tp_model_init``: record the tensor-parallel degree on ``model``;
+    ``initialize`` shards it (as DeepSpeed 0.17+ does: this call itself changes no weight).
+
+    Args:
+        model: the whole model.
+        tp_size: the tensor-parallel degree; ``initialize`` uses it as ``tensor_parallel.autotp_size``
+            when the config has none, and refuses a config that sets another.
+        dtype: a floating dtype (the training precision is the config's ``fp16``/``bf16`` blocks').
+        config: accepted for DeepSpeed's signature; ``initialize`` reads the config it is given.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ConfigError: ``tp_size`` below 1, a non-floating ``dtype``, or ``tp_group=`` (give
+            ``initialize`` an ``mpu`` whose tensor group it is instead).
+    """
+    if "tp_group" in kwargs:
+        raise ConfigError("tp_model_init(tp_group=...) is not supported by dslaunch: pass initialize(mpu=...) "
+                          "whose model-parallel group is that group, or let tensor_parallel.autotp_size build it")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_model_init(tp_size={tp_size!r}): the degree must be an integer >= 1")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"tp_model_init(dtype={dtype!r}): a floating torch dtype (torch.bfloat16, ...)")
+    setattr(model, _RECORD, (tp_size, dtype))
+    return model
+
+
+def with_tp_model_init(source: Any, model: Any) -> Any:
+    """The config ``source`` with ``tensor_parallel.autotp_size`` from a ``tp_model_init`` record on
+    ``model`` (a dict copy; a file is read), or ``source`` itself when there is none.
+
+    Raises:
+        ConfigError: the config sets another ``autotp_size`` than the record.
+    """
+    record = getattr(model, _RECORD, None)
+    if record is None or source is None:
+        return source
+    from dslaunch.runtime.config.file import read_config_file
+
+    raw = source if isinstance(source, Mapping) else read_config_file(Path(source))
+    if not isinstance(raw, Mapping):
+        return source  # load_config says what is wrong with it
+    section = raw.get("tensor_parallel") or {}
+    given = section.get("autotp_size", 0) if isinstance(section, Mapping) else 0
+    if given not in (0, 1, record[0]):
+        raise ConfigError(f"{given} but tp_model_init(tp_size={record[0]}) was called on the model; make them "
+                          "equal or drop one", key="tensor_parallel.autotp_size")
+    return {**raw, "tensor_parallel": {**section, "autotp_size": record[0]}}

@@ -8,6 +8,9 @@ within 1e-6, and rank 0 must hold at most 1/tp + 10% of the parameter and optimi
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,7 +77,8 @@ class ExampleMPU:
         return self.tp_rank
 
 
-def _train(rank: int, world: int, tp: int, stage: int, tied: bool, example_mpu: bool = False) -> dict:
+def _train(rank: int, world: int, tp: int, stage: int, tied: bool, example_mpu: bool = False,
+           via_tp_model_init: bool = False) -> dict:
     import torch.distributed as dist
 
     import dslaunch
@@ -90,6 +94,10 @@ def _train(rank: int, world: int, tp: int, stage: int, tied: bool, example_mpu: 
         client = torch.optim.Adam(model.parameters(), lr=config.pop("optimizer")["params"]["lr"])
         engine, optimizer, *_ = dslaunch.initialize(model=model, optimizer=client, config=config,
                                                     mpu=ExampleMPU(rank, world, tp))
+    elif via_tp_model_init:  # DeepSpeed's older entry: the degree recorded on the model, not in the config
+        del config["tensor_parallel"]
+        engine, optimizer, *_ = dslaunch.initialize(model=dslaunch.tp_model_init(model, tp, torch.float32),
+                                                    config=config)
     else:
         engine, optimizer, *_ = dslaunch.initialize(model=model, config=config)
     data_rank, micro = engine.grid.get_data_parallel_rank(), GLOBAL_BATCH // dp
@@ -146,6 +154,13 @@ def test_an_mpu_and_a_client_optimizer_as_deepspeed_examples_pass_them(reference
     assert got[0]["state"] * 2 <= 0.6 * reference[False]["state"]
 
 
+def test_tp_model_init_records_the_degree_that_initialize_shards_with(reference: dict) -> None:
+    got = run_world(_train, 4, 4, 1, False, False, True, timeout=200)
+    worst = max(abs(a - b) for a, b in zip(got[0]["losses"], reference[False]["losses"], strict=True))
+    assert worst <= 1e-6, worst
+    assert got[0]["params"] <= (0.25 + 0.1) * reference[False]["params"]
+
+
 def _refused(rank: int, world: int) -> list[str]:
     import dslaunch
     from dslaunch.pipe import LayerSpec, PipelineModule
@@ -158,6 +173,11 @@ def _refused(rank: int, world: int) -> list[str]:
     except Exception as err:  # noqa: BLE001 (the message is the assertion)
         messages.append(str(err))
     try:
+        model = dslaunch.tp_model_init(TinyLM(), 2, torch.float32)
+        dslaunch.initialize(model=model, config=_config(4, 1, 1))
+    except Exception as err:  # noqa: BLE001
+        messages.append(str(err))
+    try:
         pipe = PipelineModule([LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1)
         dslaunch.initialize(model=pipe, config=_config(4, 1, world))  # its grid: 4 data ranks
     except Exception as err:  # noqa: BLE001
@@ -168,4 +188,28 @@ def _refused(rank: int, world: int) -> list[str]:
 def test_what_autotp_training_refuses() -> None:
     messages = run_world(_refused, 4)[0]
     assert messages[0].startswith("'tensor_parallel.autotp_size': 4 is more than the model's 2 key/value heads")
-    assert messages[1].startswith("'tensor_parallel.autotp_size': AutoTP training with a PipelineModule is not")
+    assert messages[1].startswith("'tensor_parallel.autotp_size': 4 but tp_model_init(tp_size=2) was called")
+    assert messages[2].startswith("'tensor_parallel.autotp_size': AutoTP training with a PipelineModule is not")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hugging_face_llama_and_gpt2(compat_bin, tmp_path) -> None:
+    """Tiny Llama (GQA) and GPT-2 (tied, Conv1D, fused qkv) from transformers configs, trained at
+    tp 2 x dp 2 and tp 4 in one 4-rank job, against the same script in one process."""
+    from dslaunch.utils.ports import free_port
+    from tests.compat.conftest import run_job, tagged
+
+    script = str(Path(__file__).resolve().parent / "scripts" / "hf_train.py")
+    alone = run_job([str(compat_bin / "python"), script, "1"], cwd=tmp_path, timeout=150)
+    ref = json.loads(alone.split("RESULTS ", 1)[1].splitlines()[0])
+    got = tagged(run_job([str(compat_bin / "dslaunch"), "--num_gpus", "4", "--master_port", str(free_port()),
+                          script, "2", "4"], cwd=tmp_path, timeout=240), "RESULTS")
+    for family in ("llama", "gpt2"):
+        want = ref[f"{family}@tp1"]
+        assert want["losses"][-1] < want["losses"][0] - 0.05, want["losses"]
+        for tp in (2, 4):
+            mine = got[f"{family}@tp{tp}"]
+            worst = max(abs(a - b) for a, b in zip(mine["losses"], want["losses"], strict=True))
+            assert worst <= 1e-6, (family, tp, worst)
+            assert mine["bytes"] <= (1 / tp + 0.1) * want["whole"], (family, tp, mine["bytes"], want["whole"])
