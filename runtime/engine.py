@@ -30,6 +30,7 @@ from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
 from dslaunch.runtime.parallel.from_config import grid_from_config
 from dslaunch.runtime.parallel.grid import DataParallelGrid
+from dslaunch.runtime.parallel.mpu import tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
@@ -56,11 +57,13 @@ class DeepSpeedEngine(torch.nn.Module):
         if mpu is None and not isinstance(self.grid, DataParallelGrid):
             mpu = self.grid  # the config's grid answers as an mpu would (groups, checkpointing, ZeRO)
         self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's mpu
+        self.tp_plan = self._unchecked_tp_group = None
         if config.tensor_parallel.size > 1:  # AutoTP training: shard before anything reads the parameters
             from dslaunch.runtime.tensor_parallel.training import repoint_parameters, shard_for_training
 
             self.tp_plan, replaced = shard_for_training(model, self.grid, config.tensor_parallel.size)
             model_parameters = repoint_parameters(replaced, optimizer, model_parameters)
+            self._unchecked_tp_group = tensor_axis(self.grid, "group")  # the first batch is compared over it
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config
@@ -103,6 +106,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._unchecked_tp_group is not None:
+            self._check_tp_inputs(args, kwargs)
         self.zero.pre_forward()  # parameters gathered after the last step must be in place
         if self.optimizer is not None:
             # The micro step starts here too: with several engines under one loss, DeepSpeed's
@@ -110,6 +115,17 @@ class DeepSpeedEngine(torch.nn.Module):
             self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
         with self.events.phase("forward"):
             return self.module(*args, **kwargs)
+
+    def _check_tp_inputs(self, args: tuple, kwargs: dict) -> None:
+        """The first batch must be the same on every tensor slice (as DeepSpeed checks it): slices
+        fed different samples would train a model no rank computes. collective: the tensor group."""
+        from dslaunch.runtime.tensor_parallel.collectives import inputs_agree
+
+        group, self._unchecked_tp_group = self._unchecked_tp_group, None
+        if not inputs_agree((args, kwargs), group):
+            raise UsageError("tensor_parallel.autotp_size: the tensor-parallel ranks of one replica got different "
+                             "inputs in their first forward; every slice must read the same batch (use the "
+                             "engine's data loader, or index your data by engine.grid.get_data_parallel_rank())")
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
                  ) -> torch.Tensor:

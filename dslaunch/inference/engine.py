@@ -10,7 +10,6 @@ different tokens, or wait on each other forever when their shapes differ.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from dslaunch import comm
 from dslaunch.errors import UsageError
@@ -31,7 +29,12 @@ from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.groups import ParallelGroups
 from dslaunch.runtime.parallel.mpu import tensor_axis
 from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, is_linear, plan_tensor_parallel
-from dslaunch.runtime.tensor_parallel.collectives import NO_COLLECTIVES, Collectives, inference_collectives
+from dslaunch.runtime.tensor_parallel.collectives import (
+    NO_COLLECTIVES,
+    Collectives,
+    inference_collectives,
+    inputs_agree,
+)
 from dslaunch.runtime.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -177,22 +180,6 @@ def _fill_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype | None
             (mod._parameters if p else mod._buffers)[a] = new
 
 
-def _fingerprint(values: Any, with_rng: bool) -> torch.Tensor:
-    """A fixed-size summary of the tensors (shapes, dtypes, contents) and optionally the RNG state:
-    the same size on every rank whatever the inputs, so comparing it can never hang."""
-    h = hashlib.blake2b(digest_size=16)
-    for leaf in tree_flatten(values)[0]:
-        if isinstance(leaf, torch.Tensor):
-            h.update(f"{tuple(leaf.shape)}{leaf.dtype}".encode())
-            h.update(leaf.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        elif isinstance(leaf, (int, float, bool, str, type(None))):
-            h.update(repr(leaf).encode())
-    if with_rng:
-        h.update(torch.get_rng_state().numpy().tobytes())
-    digest = h.digest()
-    return torch.tensor([int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)], dtype=torch.float64)
-
-
 class InferenceEngine(nn.Module):
     """The model, sharded over the tensor-parallel group; call it as the model (DeepSpeed's
     ``InferenceEngine``). ``module`` is the (modified) model itself.
@@ -245,11 +232,7 @@ class InferenceEngine(nn.Module):
     def _check_same_inputs(self, values: Any, with_rng: bool) -> None:
         if self.mp_group is None:
             return
-        mine = _fingerprint(values, with_rng)
-        high, low = mine.clone(), mine.clone()
-        comm.all_reduce(high, op=dist.ReduceOp.MAX, group=self.mp_group)
-        comm.all_reduce(low, op=dist.ReduceOp.MIN, group=self.mp_group)
-        if not torch.equal(high, low):
+        if not inputs_agree(values, self.mp_group, with_rng):
             what = "inputs or random state (sampling seed)" if with_rng else "inputs"
             raise UsageError(f"init_inference: the tensor-parallel ranks got different {what}; every rank of the "
                              "group must call with the same inputs (and seed, e.g. torch.manual_seed(s) on every rank)")

@@ -22,16 +22,19 @@ tensors of the same shape.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
 
 from dslaunch import comm
 
-__all__ = ["Collectives", "NO_COLLECTIVES", "inference_collectives", "training_collectives", "gather_last_dim"]
+__all__ = ["Collectives", "NO_COLLECTIVES", "inference_collectives", "training_collectives", "gather_last_dim",
+           "inputs_agree"]
 
 Gather = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
@@ -122,3 +125,33 @@ def training_collectives(group: Any) -> Collectives:
     """The collectives over ``group`` with their backward collectives (autograd functions)."""
     return Collectives(lambda t: _Sum.apply(t, group), lambda local, widths: _Gather.apply(local, widths, group),
                        "torch.distributed (training)", lambda x: _Enter.apply(x, group))
+
+
+def _fingerprint(values: Any, with_rng: bool) -> torch.Tensor:
+    """A fixed-size summary of the tensors (shapes, dtypes, contents) and optionally the RNG state:
+    the same size on every rank whatever the inputs, so comparing it can never hang."""
+    h = hashlib.blake2b(digest_size=16)
+    for leaf in tree_flatten(values)[0]:
+        if isinstance(leaf, torch.Tensor):
+            h.update(f"{tuple(leaf.shape)}{leaf.dtype}".encode())
+            h.update(leaf.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(leaf, (int, float, bool, str, type(None))):
+            h.update(repr(leaf).encode())
+    if with_rng:
+        h.update(torch.get_rng_state().numpy().tobytes())
+    digest = h.digest()
+    return torch.tensor([int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)], dtype=torch.float64)
+
+
+def inputs_agree(values: Any, group: Any, with_rng: bool = False) -> bool:
+    """Whether every rank of ``group`` holds the same ``values`` (tensors by shape, dtype and
+    content; plain scalars by value) and, with ``with_rng``, the same torch RNG state. Compares a
+    fixed-size fingerprint, so ranks with different shapes get False, never a hang.
+
+    collective: every rank of ``group``.
+    """
+    mine = _fingerprint(values, with_rng)
+    high, low = mine.clone(), mine.clone()
+    comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
+    comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(torch.equal(high, low))

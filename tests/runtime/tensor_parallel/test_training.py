@@ -177,6 +177,13 @@ def _refused(rank: int, world: int) -> list[str]:
         dslaunch.initialize(model=model, config=_config(4, 1, 1))
     except Exception as err:  # noqa: BLE001
         messages.append(str(err))
+    torch.manual_seed(0)
+    engine = dslaunch.initialize(model=TinyLM(), config=_config(2, 1, 2))[0]
+    try:  # each rank its own batch: the slices of a replica disagree
+        ids = _batch(rank, TinyConfig())[:4]
+        engine(input_ids=ids, labels=ids)
+    except Exception as err:  # noqa: BLE001
+        messages.append(str(err))
     try:
         pipe = PipelineModule([LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1)
         dslaunch.initialize(model=pipe, config=_config(4, 1, world))  # its grid: 4 data ranks
@@ -189,7 +196,9 @@ def test_what_autotp_training_refuses() -> None:
     messages = run_world(_refused, 4)[0]
     assert messages[0].startswith("'tensor_parallel.autotp_size': 4 is more than the model's 2 key/value heads")
     assert messages[1].startswith("'tensor_parallel.autotp_size': 4 but tp_model_init(tp_size=2) was called")
-    assert messages[2].startswith("'tensor_parallel.autotp_size': AutoTP training with a PipelineModule is not")
+    assert messages[2].startswith("tensor_parallel.autotp_size: the tensor-parallel ranks of one replica got "
+                                  "different inputs in their first forward")
+    assert messages[3].startswith("'tensor_parallel.autotp_size': AutoTP training with a PipelineModule is not")
 
 
 @pytest.mark.slow
