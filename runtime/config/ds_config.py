@@ -223,7 +223,8 @@ def load_config(source: Any, world_size: int, global_world: bool = False) -> Dee
         source: a path (str/Path, JSON or YAML), a dict, or an object with ``deepspeed_config``.
         world_size: data-parallel ranks, to resolve the batch triad.
         global_world: ``world_size`` counts every rank (no mpu): the model-parallel degrees the
-            config sets itself (``tensor_parallel.autotp_size``) divide it into the data world.
+            config sets itself (``tensor_parallel.autotp_size``) must divide it. The batch triad
+            still counts every rank, as DeepSpeed's does without an mpu.
 
     Returns:
         The validated ``DeepSpeedConfig``.
@@ -280,11 +281,12 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_wo
             raise ConfigError(f"unknown key{hint}; valid top-level keys: {_listing(sorted(valid))}",
                               key=str(key))
     _validate_typed(values)
-    if global_world:
-        world_size = data_world_size(config_dims(values.get("tensor_parallel")), world_size)
+    # Without an mpu DeepSpeed resolves the batch against every rank, tensor slices included
+    # (train_batch_size = micro * gas * world): so does dslaunch, for the configs written for it.
+    data = data_world_size(config_dims(values.get("tensor_parallel")), world_size) if global_world else world_size
     stated = values.pop("data_parallel_size", None)
-    if stated is not None and stated != world_size:
-        raise ConfigError(f"{stated} but the job has {world_size} data-parallel ranks (the world divided by the "
+    if stated is not None and stated != data:
+        raise ConfigError(f"{stated} but the job has {data} data-parallel ranks (the world divided by the "
                           "model-parallel degrees); fix it or remove the key", key="data_parallel_size")
     given = {k: values.pop(k, None) for k in _BATCH_KEYS}
     elastic = values.get("elasticity")

@@ -7,16 +7,18 @@ import pytest
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import load_config
 
-BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
+BASE = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}
 
 
-def test_autotp_size_divides_the_world_for_the_batch() -> None:
-    cfg = load_config({**BASE, "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}, "dtype": "bf16",
-                                                   "tp_overlap_comm": False}, "data_parallel_size": 4},
-                      8, global_world=True)
-    assert (cfg.tensor_parallel.size, cfg.world_size, cfg.gradient_accumulation_steps) == (2, 4, 1)
+def test_the_batch_counts_every_rank_as_deepspeed_does_without_an_mpu() -> None:
+    """DeepSpeed (no mpu) resolves train_batch_size against the whole world, tensor slices included
+    (what accelerate writes: micro * gas * processes); data_parallel_size is the true one."""
+    cfg = load_config({**BASE, "train_batch_size": 16, "data_parallel_size": 4,
+                       "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}, "dtype": "bf16",
+                                           "tp_overlap_comm": False}}, 8, global_world=True)
+    assert (cfg.tensor_parallel.size, cfg.world_size, cfg.gradient_accumulation_steps) == (2, 8, 1)
     # with an mpu the world given is already the data-parallel one
-    assert load_config({**BASE, "tensor_parallel": {"autotp_size": 2}}, 4).world_size == 4
+    assert load_config({**BASE, "tensor_parallel": {"autotp_size": 2}}, 4).gradient_accumulation_steps == 2
     assert load_config(BASE, 4, global_world=True).tensor_parallel.size == 1  # off: 0 (the default) or 1
 
 

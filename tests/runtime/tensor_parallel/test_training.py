@@ -23,7 +23,8 @@ STEPS, GLOBAL_BATCH, SEQ = 20, 8, 12
 
 
 def _config(tp: int, stage: int, dp: int, optimizer: dict | None = None) -> dict:
-    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
+    # no train_batch_size: DeepSpeed's (and dslaunch's) count without an mpu includes the slices
+    return {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
             "optimizer": optimizer or ADAM, "gradient_clipping": 0.5,
             "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp},
             "steps_per_print": 1000}

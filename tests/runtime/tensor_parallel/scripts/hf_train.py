@@ -48,7 +48,7 @@ def train(family: str, tp: int) -> dict:
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = world // tp
-    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
+    config = {"train_batch_size": GLOBAL_BATCH // dp * world, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
               "optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}, "steps_per_print": 1000}
     engine, *_ = dslaunch.initialize(model=model, config=config)
