@@ -134,7 +134,7 @@ def _fingerprint(values: Any, with_rng: bool) -> torch.Tensor:
     for leaf in tree_flatten(values)[0]:
         if isinstance(leaf, torch.Tensor):
             h.update(f"{tuple(leaf.shape)}{leaf.dtype}".encode())
-            h.update(leaf.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(leaf.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-d too
         elif isinstance(leaf, (int, float, bool, str, type(None))):
             h.update(repr(leaf).encode())
     if with_rng:

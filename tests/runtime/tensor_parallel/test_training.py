@@ -275,3 +275,23 @@ def test_a_tag_saved_at_another_tp_is_refused_in_one_line(tmp_path) -> None:
     got = run_world(_resume, 4, str(tmp_path), 2, 4, timeout=200)[0]
     assert "error" in got and "\n" not in got["error"], got
     assert "loads only at its saving shape" in got["error"] and "model=2" in got["error"], got["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_hugging_face_trainer_at_autotp_2(compat_bin, tmp_path) -> None:
+    """The Trainer (accelerate, "auto" values, tp_model_init from transformers) with
+    ``autotp_size: 2`` on 2 ranks trains GPT-2 as the same job on one rank does (dropout off)."""
+    from dslaunch.utils.ports import free_port
+    from tests.compat.conftest import run_job, tagged
+
+    script = str(Path(__file__).resolve().parents[2] / "compat" / "scripts" / "trainer_gpt2.py")
+
+    def losses(ranks: int, *opts: str) -> list[float]:
+        out = run_job([str(compat_bin / "dslaunch"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
+                       script, f"out{ranks}", "6", "2", *opts], cwd=tmp_path, timeout=200)
+        return tagged(out, "LOSSES")
+
+    alone, sliced = losses(1, "autotp=1"), losses(2, "autotp=2")
+    assert alone[-1] < alone[0] - 0.05, alone
+    assert max(abs(a - b) for a, b in zip(alone, sliced, strict=True)) <= 1e-6, (alone, sliced)
