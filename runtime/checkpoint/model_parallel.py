@@ -36,6 +36,7 @@ from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
 from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     by_name,
+    by_slices,
     check_compatible,
     fp32_params,
     needed_ranks,
@@ -60,6 +61,8 @@ class Placement:
     layers: dict[int, str] | None
     """A PipelineModule's layers on this rank: index -> key prefix; None for other models."""
     layer_count: int = 0
+    tensors: dict[str, list] | None = None
+    """AutoTP's slices on this rank (``name -> [dim, segments, whole size]``); None without AutoTP."""
 
     @property
     def part(self) -> str:
@@ -81,7 +84,7 @@ def placement(grid: Any, module: torch.nn.Module) -> Placement:
         coord = {"model": grid.get_model_parallel_rank(), "data": grid.get_data_parallel_rank()}
     if hasattr(module, "checkpoint_layers"):  # a PipelineModule
         return Placement(dict(shape), dict(coord), module.checkpoint_layers(), module.num_layers)
-    return Placement(dict(shape), dict(coord), None)
+    return Placement(dict(shape), dict(coord), None, tensors=getattr(module, "ds_tensor_layout", None))
 
 
 def coord_name(coord: dict[str, int]) -> str:
@@ -112,7 +115,7 @@ def part_record(place: Placement, zero_sd: dict, layout: dict, module_sd: dict, 
     """
     files: _Files = {}
     record: dict[str, Any] = {"part": place.part, "coord": {a: c for a, c in place.coord.items() if a != "data"},
-                              "data": place.data, "zero": None, "module_files": {}}
+                              "data": place.data, "zero": None, "module_files": {}, "tensors": place.tensors}
     if partitioned or place.data == 0:
         name = f"zero_{coord_name(place.coord)}.dsl"
         files[name] = zero_sd
@@ -143,6 +146,8 @@ def tag_meta(place: Placement, records: list[dict]) -> dict:
     for rec in records:
         part = parts.setdefault(rec["part"], {"coord": rec["coord"], "zero_files": {}, "layouts": [],
                                               "module_files": {}})
+        if rec.get("tensors"):
+            part["tensors"] = rec["tensors"]
         if rec["zero"] is not None:
             part["zero_files"][str(rec["data"])] = rec["zero"]["file"]
             part["layouts"].append(rec["zero"]["layout"])
@@ -243,6 +248,17 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
     if mine is not None:
         out["zero"] = _read_zero(store, tag, manifest, mine, targets)
         return out
+    if _resliceable(parts, place):
+        try:
+            saved = by_slices([_consolidated(store, tag, manifest, p) for p in parts.values()],
+                              [p["tensors"] for p in parts.values()], place.tensors)  # type: ignore[union-attr]
+            out["zero"] = by_name([saved], current)
+            return out
+        except CheckpointError as exc:
+            out["incompatible"] = CheckpointError(f"{exc} (saved at {describe(shape)}; this engine: {describe(here)})",
+                                                  source)
+            out["fp32"] = {}
+            return out
     why = _refusal(meta, shape, unique, place)
     if not why:
         saved = [_consolidated(store, tag, manifest, p) for p in _relevant(parts, current)]
@@ -256,6 +272,13 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
                                           source)
     out["fp32"] = _masters(store, tag, manifest, parts) if unique else {}
     return out
+
+
+def _resliceable(parts: dict[str, dict], place: Placement | None) -> bool:
+    """A tag of AutoTP slices (every part records its slices) into an AutoTP engine: its masters
+    and optimizer state are joined and cut again (``reshard.by_slices``), whatever the two degrees."""
+    return (place is not None and bool(place.tensors) and place.layers is None
+            and all(p.get("tensors") for p in parts.values()))
 
 
 def _relevant(parts: dict[str, dict], current: dict) -> list[dict]:

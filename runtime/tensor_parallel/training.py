@@ -26,11 +26,11 @@ from torch import nn
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.parallel.mpu import tensor_axis
-from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, plan_tensor_parallel
+from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
 from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
 
-__all__ = ["shard_for_training", "repoint_parameters", "tp_model_init", "with_tp_model_init"]
+__all__ = ["shard_for_training", "repoint_parameters", "tensor_layout", "tp_model_init", "with_tp_model_init"]
 
 _RECORD = "ds_tp_model_init"  # the attribute tp_model_init leaves on the model: (tp_size, dtype)
 
@@ -70,11 +70,30 @@ def shard_for_training(model: nn.Module, grid: Any, tp_size: int) -> tuple[TPPla
     except UsageError as err:
         raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    layout = tensor_layout(model, plan)
     before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
     shard_modules(model, plan, ModuleSource(model), dtype, False, training_collectives(group), trainable=True)
     set_local_attributes(model, plan)
+    model.ds_tensor_layout = layout  # checkpoints record it: a tag saved at one tp loads at another
     after = dict(model.named_parameters(remove_duplicate=False))
     return plan, {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
+
+
+def tensor_layout(model: nn.Module, plan: TPPlan) -> dict[str, list]:
+    """Every parameter this rank holds a slice of: ``name -> [dim, segments, whole size of dim]``
+    in the sharded layers' layout (a weight ``[out, in]``, GPT-2's Conv1D too). Call before sharding."""
+    out: dict[str, list] = {}
+    for spec in plan.shards:
+        module = model.get_submodule(spec.name)
+        segments = [list(s) for s in spec.segments]
+        if spec.kind == "embedding":
+            out[f"{spec.name}.weight"] = [0, segments, module.num_embeddings]
+            continue
+        features, inputs = linear_shape(module)
+        out[f"{spec.name}.weight"] = [1, segments, inputs] if spec.kind == "row" else [0, segments, features]
+        if spec.kind != "row" and getattr(module, "bias", None) is not None:
+            out[f"{spec.name}.bias"] = [0, segments, features]
+    return out
 
 
 def repoint_parameters(replaced: dict[int, nn.Parameter], optimizer: Any, model_parameters: Any) -> Any:
