@@ -20,8 +20,11 @@ without ``data``), its files and ZeRO partition map. Loading reads its own part 
 part exists with the same parameters (any data-parallel size and ZeRO stage: resharded over the
 data axis as a plain checkpoint); otherwise, for a pipeline, each rank finds its parameters by
 name in the parts that hold them (``reshard.by_name``): a tag saved at one pipeline depth loads at
-another, and a plain (single-part) tag loads into a pipeline and back. The parts of other
-model-parallel models (tensor slices) may share names, so they load only at the saving shape.
+another, and a plain (single-part) tag loads into a pipeline and back. AutoTP's parts record
+their slices (``tensors``): their masters and optimizer state are joined and cut again for another
+tensor-parallel degree (``reshard.by_slices``), and joined whole for ``zero_to_fp32``. The parts of
+other model-parallel models (Megatron's tensor slices) may share names, so they load only at the
+saving shape.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from dslaunch.runtime.checkpoint.reshard import (
     by_name,
     by_slices,
     check_compatible,
+    cut_slice,
     fp32_params,
+    join_slices,
     needed_ranks,
     partition_map,
     partition_problem,
@@ -249,6 +254,7 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
         out["zero"] = _read_zero(store, tag, manifest, mine, targets)
         return out
     if _resliceable(parts, place):
+        out["module"] = _module_slices(store, tag, manifest, parts, live_keys, place.tensors)  # type: ignore[union-attr]
         try:
             saved = by_slices([_consolidated(store, tag, manifest, p) for p in parts.values()],
                               [p["tensors"] for p in parts.values()], place.tensors)  # type: ignore[union-attr]
@@ -309,10 +315,48 @@ def consolidate_parts(store: CheckpointStore, tag: str, manifest: Manifest, sour
         CheckpointError: a tag of a model that is no PipelineModule (names may collide across parts).
     """
     parts, shape, unique = _saved_parts(manifest.meta)
+    if shape is not None and all(p.get("tensors") for p in parts.values()):  # AutoTP slices: joined
+        return _joined_masters(store, tag, manifest, parts), _module_slices(store, tag, manifest, parts, None, None)
     if not unique:
         raise CheckpointError(f"a model-parallel checkpoint of a model that is no PipelineModule ({describe(shape)}) "
                               "has no single state dict: its parts may share parameter names", source)
     return _masters(store, tag, manifest, parts), _read_module(store, tag, manifest, parts, None)
+
+
+def _module_slices(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[str, dict],
+                   wanted: set[str] | None, mine: dict | None) -> dict:
+    """The saved module entries of an AutoTP tag (``wanted`` keys, None: all): a sliced one (a tied
+    alias of a sliced parameter, a frozen slice) joined from every part, then cut to ``mine``'s
+    slice (None: whole, in the model's own layout)."""
+    layouts = [p["tensors"] for p in parts.values()]
+    pieces: dict[str, list[Any]] = {}
+    for part in parts.values():
+        for name, keys in part["module_files"].items():
+            if wanted is None or wanted.intersection(keys):
+                for k, v in store.read(tag, name, manifest)["module"].items():
+                    if wanted is None or k in wanted:
+                        pieces.setdefault(k, []).append(v)
+    out: dict[str, Any] = {}
+    for key, values in pieces.items():
+        if key not in layouts[0] or len(values) != len(layouts):
+            out[key] = values[0]
+            continue
+        whole = join_slices(values, layouts, key)
+        if mine is not None:
+            out[key] = cut_slice(whole, mine[key]) if key in mine else whole
+        else:
+            out[key] = whole.t().contiguous() if len(layouts[0][key]) > 3 and layouts[0][key][3] else whole
+    return out
+
+
+def _joined_masters(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[str, dict]
+                    ) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 masters from every AutoTP slice, in the model's own layout (a
+    Conv1D weight transposed back to ``[in, out]``)."""
+    layouts = [p["tensors"] for p in parts.values()]
+    joined = fp32_params(by_slices([_consolidated(store, tag, manifest, p) for p in parts.values()], layouts, {}))
+    return {name: (t.t().contiguous() if len(layouts[0].get(name, ())) > 3 and layouts[0][name][3] else t)
+            for name, t in joined.items()}
 
 
 def _masters(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[str, dict]) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from dslaunch.errors import CheckpointError
 
 __all__ = ["partition_map", "check_meta", "partition_problem", "needed_ranks", "assemble", "fp32_params",
-           "by_name", "by_slices", "check_compatible"]
+           "by_name", "by_slices", "join_slices", "cut_slice", "check_compatible"]
 
 Range = tuple[int, int]
 
@@ -254,9 +254,9 @@ def _first_difference(saved: dict, live: dict) -> str:
     return f"only the {where} has {extra[:3]}"
 
 
-def _whole(pieces: list[torch.Tensor], layouts: list[dict], name: str) -> torch.Tensor:
+def join_slices(pieces: list[torch.Tensor], layouts: list[dict], name: str) -> torch.Tensor:
     """One parameter's tensor put together from every tensor slice's piece (slice order)."""
-    dim, _, full = layouts[0][name]
+    dim, full = layouts[0][name][0], layouts[0][name][2]
     shape = list(pieces[0].shape)
     shape[dim] = full
     whole = pieces[0].new_empty(shape)
@@ -268,13 +268,19 @@ def _whole(pieces: list[torch.Tensor], layouts: list[dict], name: str) -> torch.
     return whole
 
 
+def cut_slice(whole: torch.Tensor, entry: list) -> torch.Tensor:
+    """A rank's slice of a whole tensor (``entry``: its ``[dim, segments, ...]`` record)."""
+    dim, segments = entry[0], entry[1]
+    return torch.cat([whole.narrow(dim, a, b - a) for a, b in segments], dim=dim)
+
+
 def by_slices(saved: list[dict], layouts: list[dict], mine: dict) -> dict:
     """One consolidated state holding this rank's tensor slices, from the consolidated states of
     every tensor slice of a tag saved at another tensor-parallel degree (for ``by_name``).
 
     Args:
         saved: each saved slice's consolidated strategy state, in slice order.
-        layouts: each saved slice's ``name -> [dim, segments, whole size]`` (AutoTP's record).
+        layouts: each saved slice's ``name -> [dim, segments, whole size, ...]`` (AutoTP's record).
         mine: the same for this rank; a parameter in neither layout is whole on every slice.
 
     Exact for the element-wise optimizers of the flat groups: masters and optimizer state are cut
@@ -296,10 +302,9 @@ def by_slices(saved: list[dict], layouts: list[dict], mine: dict) -> dict:
                                  for t in (g["master"], *(g["optim_state"][k] for k in keys))])
             kinds = []
             for k in range(1 + len(keys)):
-                whole = _whole([p[k] for p in per_part], layouts, name) if name in layouts[0] else per_part[0][k]
+                whole = join_slices([p[k] for p in per_part], layouts, name) if name in layouts[0] else per_part[0][k]
                 if name in mine:
-                    dim, segments, _ = mine[name]
-                    whole = torch.cat([whole.narrow(dim, a, b - a) for a, b in segments], dim=dim)
+                    whole = cut_slice(whole, mine[name])
                 kinds.append(whole.reshape(-1))
             shapes.append(tuple(whole.shape))
             for k, t in enumerate(kinds):

@@ -80,19 +80,22 @@ def shard_for_training(model: nn.Module, grid: Any, tp_size: int) -> tuple[TPPla
 
 
 def tensor_layout(model: nn.Module, plan: TPPlan) -> dict[str, list]:
-    """Every parameter this rank holds a slice of: ``name -> [dim, segments, whole size of dim]``
-    in the sharded layers' layout (a weight ``[out, in]``, GPT-2's Conv1D too). Call before sharding."""
+    """Every parameter this rank holds a slice of: ``name -> [dim, segments, whole size of dim,
+    transposed]`` in the sharded layers' layout (a weight ``[out, in]``; ``transposed``: the model's
+    own module stores it ``[in, out]``, GPT-2's Conv1D). Call before sharding."""
     out: dict[str, list] = {}
     for spec in plan.shards:
         module = model.get_submodule(spec.name)
         segments = [list(s) for s in spec.segments]
         if spec.kind == "embedding":
-            out[f"{spec.name}.weight"] = [0, segments, module.num_embeddings]
+            out[f"{spec.name}.weight"] = [0, segments, module.num_embeddings, False]
             continue
         features, inputs = linear_shape(module)
-        out[f"{spec.name}.weight"] = [1, segments, inputs] if spec.kind == "row" else [0, segments, features]
+        transposed = not isinstance(module, nn.Linear)
+        out[f"{spec.name}.weight"] = [1, segments, inputs, transposed] if spec.kind == "row" else \
+            [0, segments, features, transposed]
         if spec.kind != "row" and getattr(module, "bias", None) is not None:
-            out[f"{spec.name}.bias"] = [0, segments, features]
+            out[f"{spec.name}.bias"] = [0, segments, features, False]
     return out
 
 

@@ -217,10 +217,10 @@ def test_hugging_face_llama_and_gpt2(compat_bin, tmp_path) -> None:
     from tests.compat.conftest import run_job, tagged
 
     script = str(Path(__file__).resolve().parent / "scripts" / "hf_train.py")
-    alone = run_job([str(compat_bin / "python"), script, "1"], cwd=tmp_path, timeout=150)
+    alone = run_job([str(compat_bin / "python"), script, str(tmp_path / "alone"), "1"], cwd=tmp_path, timeout=150)
     ref = json.loads(alone.split("RESULTS ", 1)[1].splitlines()[0])
     got = tagged(run_job([str(compat_bin / "dslaunch"), "--num_gpus", "4", "--master_port", str(free_port()),
-                          script, "2", "4"], cwd=tmp_path, timeout=240), "RESULTS")
+                          script, str(tmp_path / "sliced"), "2", "4"], cwd=tmp_path, timeout=240), "RESULTS")
     for family in ("llama", "gpt2"):
         want = ref[f"{family}@tp1"]
         assert want["losses"][-1] < want["losses"][0] - 0.05, want["losses"]
@@ -229,6 +229,8 @@ def test_hugging_face_llama_and_gpt2(compat_bin, tmp_path) -> None:
             worst = max(abs(a - b) for a, b in zip(mine["losses"], want["losses"], strict=True))
             assert worst <= 1e-6, (family, tp, worst)
             assert mine["bytes"] <= (1 / tp + 0.1) * want["whole"], (family, tp, mine["bytes"], want["whole"])
+            # zero_to_fp32 of the tp tag is the whole model (GPT-2's Conv1D back in its [in, out] layout)
+            assert abs(mine["exported"] - mine["next"]) <= 1e-6, (family, tp, mine["exported"], mine["next"])
 
 
 def _engine_at(tp: int, world: int):
@@ -271,10 +273,18 @@ def _resume(rank: int, world: int, root: str) -> dict:
 
 
 def test_a_tag_resumes_at_the_same_tp_and_reshards_to_another(tmp_path) -> None:
+    from dslaunch.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     for got in run_world(_resume, 4, str(tmp_path), timeout=240):
         assert got["same"] == got["straight"], got  # bit for bit
         assert got["back"] == got["straight"], got  # 2 -> 4 -> 2: the slices joined and cut exactly
         assert max(abs(a - b) for a, b in zip(got["tp4"], got["straight"], strict=True)) <= 1e-6, got
+    # zero_to_fp32 of the tp 2 tag: the whole model, whose loss on the next batch is the run's
+    whole = TrainableLM()
+    whole.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t10"))
+    with torch.no_grad():
+        loss = whole(input_ids=_batch(10), labels=_batch(10)).item()
+    assert abs(loss - got["straight"][0]) <= 1e-6, (loss, got["straight"][0])
 
 
 @pytest.mark.slow

@@ -3,7 +3,10 @@ and GPT-2 (tied lm_head, Conv1D layers, fused qkv). Each family trains 10 AdamW 
 tp in argv (data parallel: what the world leaves) on one fixed global batch per step; rank 0
 prints ``RESULTS {json}`` with the losses (averaged over the data ranks) and its parameter bytes.
 
-Usage: dslaunch --num_gpus N hf_train.py TP [TP...]   (also alone: python hf_train.py 1)
+Each run's tag is saved under DIR and exported by zero_to_fp32 into the whole model: its loss on
+the next batch is reported beside the engine's.
+
+Usage: dslaunch --num_gpus N hf_train.py DIR TP [TP...]   (also alone: python hf_train.py DIR 1)
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def batch(step: int) -> torch.Tensor:
     return torch.stack(ids, dim=1)
 
 
-def train(family: str, tp: int) -> dict:
+def train(family: str, tp: int, root: str) -> dict:
     model = build(family)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -64,14 +67,44 @@ def train(family: str, tp: int) -> dict:
             dist.all_reduce(mean)
             mean /= world
         losses.append(mean.item())
+    engine.save_checkpoint(root, tag=f"{family}-tp{tp}")
     return {"losses": losses, "bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
-            "whole": whole}
+            "whole": whole, "next": next_loss(engine, rank * micro, (rank + 1) * micro, world)}
+
+
+def next_loss(model: torch.nn.Module, start: int, stop: int, world: int) -> float:
+    """The loss on the batch after the last step (the data ranks' mean), no update."""
+    ids = batch(STEPS)[start:stop]
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(loss)
+        loss /= world
+    return loss.item()
+
+
+def exported(family: str, root: str, tag: str) -> float:
+    """zero_to_fp32 of the tag into the whole model: its loss on the next batch."""
+    from dslaunch.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    model = build(family)
+    model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag), strict=False)
+    model.tie_weights()  # GPT-2's lm_head is the embedding: saved once
+    ids = batch(STEPS)
+    with torch.no_grad():
+        return model(input_ids=ids, labels=ids).loss.item()
 
 
 def main() -> None:
     tps = [int(a) for a in sys.argv[1:] if a.isdigit()]  # the launcher appends --local_rank
-    results = {f"{family}@tp{tp}": train(family, tp) for tp in tps for family in CONFIGS}
+    root = next(a for a in sys.argv[1:] if not a.isdigit() and not a.startswith("--"))
+    results = {f"{family}@tp{tp}": train(family, tp, root) for tp in tps for family in CONFIGS}
+    if dist.is_initialized():
+        dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
+        for key, got in results.items():
+            family, tp = key.split("@")
+            got["exported"] = exported(family, root, f"{family}-{tp}")
         print("RESULTS " + json.dumps(results), flush=True)
 
 
