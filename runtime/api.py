@@ -25,7 +25,6 @@ from dslaunch.utils.restart import restart_count, resume_dir
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "tp_model_init"]
 
 
-
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500,
                mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
