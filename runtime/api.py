@@ -18,16 +18,11 @@ from dslaunch.errors import ConfigError, ModelRequiredError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import discovered_env, init_distributed
 from dslaunch.runtime.shutdown import register_clean_exit
+from dslaunch.runtime.tensor_parallel.training import tp_model_init, with_tp_model_init
 from dslaunch.utils.logging import logger
-from dslaunch.utils.refused import Refusal, refused_function
 from dslaunch.utils.restart import restart_count, resume_dir
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "tp_model_init"]
-
-# DeepSpeed's AutoTP for training; dslaunch's AutoTP serves inference only (init_inference).
-tp_model_init = refused_function(__name__, "tp_model_init", Refusal(
-    "tensor-parallel training (AutoTP training, tp_model_init)",
-    "train with ZeRO or deepspeed.pipe; init_inference(tensor_parallel={'tp_size': N}) shards for inference"))
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -69,7 +64,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if model is None:
         where = " (the first positional argument is args, as in DeepSpeed)" if args is not None else ""
         raise ModelRequiredError(f"initialize() needs model=<torch.nn.Module>{where}")
-    source = _config_source(args, config if config is not None else config_params)
+    source = with_tp_model_init(_config_source(args, config if config is not None else config_params), model)
     # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
     will_init = not dist.is_initialized() and dist_init_required is not False
     if will_init:
@@ -84,7 +79,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         mpu = model.mpu()
     if mpu is not None:
         world = _checked_mpu(mpu).get_data_parallel_world_size()  # the batch is split over replicas
-    cfg = load_config(source, world, data_only=mpu is not None)
+    # Without an mpu the config's own degrees (tensor_parallel.autotp_size) split the world.
+    cfg = load_config(source, world, global_world=mpu is None)
+    if pipeline and cfg.tensor_parallel.size > 1:
+        raise ConfigError("AutoTP training with a PipelineModule is not implemented: remove tensor_parallel, or "
+                          "train the model without deepspeed.pipe", key="tensor_parallel.autotp_size")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                      verbose=False, config=cfg)
     parts = {"optimizer": optimizer, "model_parameters": model_parameters, "training_data": training_data,

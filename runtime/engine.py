@@ -28,8 +28,8 @@ from dslaunch.runtime.engine_setup import build_components, data_loader
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
-from dslaunch.runtime.parallel.grid import grid_from_config
-from dslaunch.runtime.parallel.mpu import gradient_reduce_group
+from dslaunch.runtime.parallel.from_config import grid_from_config
+from dslaunch.runtime.parallel.mpu import gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
@@ -50,13 +50,12 @@ class DeepSpeedEngine(torch.nn.Module):
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  collate_fn: Any = None, mpu: Any = None):
         super().__init__()
-        # Where this rank sits: a Megatron-style mpu, the config's own degrees (sequence_parallel_size),
-        # or every rank a data-parallel peer.
-        built = grid_from_config(config) if mpu is None else None
-        self.grid = groups.grid = (mpu if mpu is not None else built if built is not None
-                                   else groups.data_parallel_grid())
-        self.mpu = mpu
-        groups.mpu = mpu if mpu is not None else built  # deepspeed.utils.groups answers from the last engine's
+        # Where this rank sits: a Megatron-style mpu, else the axes the config sets (AutoTP's tensor
+        # slices, sequence_parallel_size), else every rank a data-parallel peer.
+        if mpu is None:
+            mpu = grid_from_config(config)  # the config's grid answers as an mpu would (groups, ZeRO, ...)
+        self.grid = groups.grid = mpu if mpu is not None else groups.data_parallel_grid()
+        self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's
         self.sequence_parallel_size = getattr(self.grid, "get_sequence_parallel_world_size", lambda: 1)()
         if config.sequence_parallel_size not in (1, self.sequence_parallel_size):  # an mpu that disagrees
             raise ConfigError(f"{config.sequence_parallel_size}, but the mpu given to initialize() splits each "
@@ -69,6 +68,13 @@ class DeepSpeedEngine(torch.nn.Module):
                               "for a sum)", key="gradient_allreduce_op")
         self.seq_parallel_group = self.grid.get_sequence_parallel_group() if self.sequence_parallel_size > 1 else None
         self.seq_data_parallel_group = gradient_reduce_group(self.grid)  # where gradients average (DeepSpeed's name)
+        self.tp_plan = self._unchecked_tp_group = None
+        if config.tensor_parallel.size > 1:  # AutoTP training: shard before anything reads the parameters
+            from dslaunch.runtime.tensor_parallel.training import repoint_parameters, shard_for_training
+
+            self.tp_plan, replaced = shard_for_training(model, self.grid, config.tensor_parallel.size)
+            model_parameters = repoint_parameters(replaced, optimizer, model_parameters)
+            self._unchecked_tp_group = tensor_axis(self.grid, "group")  # the first batch is compared over it
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config
@@ -112,6 +118,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._unchecked_tp_group is not None:
+            self._check_tp_inputs(args, kwargs)
         self.zero.pre_forward()  # parameters gathered after the last step must be in place
         if self.optimizer is not None:
             # The micro step starts here too: with several engines under one loss, DeepSpeed's
@@ -119,6 +127,17 @@ class DeepSpeedEngine(torch.nn.Module):
             self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
         with self.events.phase("forward"):
             return self.module(*args, **kwargs)
+
+    def _check_tp_inputs(self, args: tuple, kwargs: dict) -> None:
+        """The first batch must be the same on every tensor slice (as DeepSpeed checks it): slices
+        fed different samples would train a model no rank computes. collective: the tensor group."""
+        from dslaunch.runtime.tensor_parallel.collectives import inputs_agree
+
+        group, self._unchecked_tp_group = self._unchecked_tp_group, None
+        if not inputs_agree((args, kwargs), group):
+            raise UsageError("tensor_parallel.autotp_size: the tensor-parallel ranks of one replica got different "
+                             "inputs in their first forward; every slice must read the same batch (use the "
+                             "engine's data loader, or index your data by engine.grid.get_data_parallel_rank())")
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
                  ) -> torch.Tensor:

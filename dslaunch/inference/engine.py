@@ -10,36 +10,37 @@ different tokens, or wait on each other forever when their shapes differ.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from dslaunch import comm
 from dslaunch.errors import UsageError
-from dslaunch.inference.auto_tp import ShardSpec, TPPlan, is_linear, plan_tensor_parallel
 from dslaunch.inference.config import DeepSpeedInferenceConfig, device_notes, parse_inference_config
-from dslaunch.inference.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelLinear,
-)
 from dslaunch.inference.loading import ModuleSource, WeightSource, has_meta, open_checkpoint
 from dslaunch.inference.shm_allreduce import ShmAllReduce, same_host
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.groups import ParallelGroups
 from dslaunch.runtime.parallel.mpu import tensor_axis
+from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, is_linear, plan_tensor_parallel
+from dslaunch.runtime.tensor_parallel.collectives import (
+    NO_COLLECTIVES,
+    Collectives,
+    inference_collectives,
+    inputs_agree,
+)
+from dslaunch.runtime.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from dslaunch.runtime.tensor_parallel.shard import replace_module, set_local_attributes, shard_modules
 
 __all__ = ["init_inference", "InferenceEngine"]
 
@@ -66,32 +67,6 @@ def _tp_group(config: DeepSpeedInferenceConfig) -> Any:
     return ParallelGroups(dims.topology(world), dist.get_rank()).group("tensor")
 
 
-Gather = Callable[[torch.Tensor, list[int]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Collectives:
-    """What the sharded layers call: the row layers' all-reduce and the vocab layer's gather."""
-
-    all_reduce: Callable[[torch.Tensor], torch.Tensor]
-    gather: Gather  # (local slice, every rank's width) -> concatenated over the last dimension
-    name: str
-
-
-def _torch_collectives(group: Any) -> Collectives:
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        comm.inference_all_reduce(t, group=group)
-        return t
-
-    def gather(local: torch.Tensor, widths: list[int]) -> torch.Tensor:
-        padded = F.pad(local, (0, max(widths) - local.shape[-1])).contiguous()  # gloo needs equal sizes
-        parts = [torch.empty_like(padded) for _ in widths]
-        comm.all_gather(parts, padded, group=group)
-        return torch.cat([p[..., :w] for p, w in zip(parts, widths, strict=True)], dim=-1)
-
-    return Collectives(reduce, gather, "torch.distributed")
-
-
 def _shm_agrees(shm: ShmAllReduce, group: Any) -> bool:
     """One all-reduce of a rank-dependent tensor by both paths: the same sums (to rounding)."""
     rank = dist.get_rank(group)
@@ -111,8 +86,8 @@ def _collectives(group: Any, choice: str, device: torch.device) -> Collectives:
     collective: every rank of ``group``.
     """
     if group is None:
-        return Collectives(lambda t: t, lambda t, widths: t, "none")
-    fallback = _torch_collectives(group)
+        return NO_COLLECTIVES
+    fallback = inference_collectives(group)
     if choice == "torch" or device.type != "cpu":
         return fallback
     if not same_host(group):
@@ -151,63 +126,6 @@ def _seen_by_comm(reduce: Callable[[torch.Tensor], torch.Tensor], group: Any) ->
     return call
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, new)
-
-
-def _weight_dims(module: nn.Module) -> tuple[int, int]:
-    """(output dim, input dim) of the stored weight: Conv1D stores ``[in, out]``."""
-    return (0, 1) if isinstance(module, nn.Linear) else (1, 0)
-
-
-def _shard_modules(model: nn.Module, plan: TPPlan, source: WeightSource, dtype: torch.dtype, quantize: bool,
-                   comms: Collectives) -> None:
-    """Put the planned column/row/vocab layers and vocab-parallel embeddings in place, each read from
-    ``source`` as its slice only. A tensor tied to one already split (GPT-2's ``lm_head`` and its
-    embedding, BERT's decoder bias) is not read again: every name that held it gets the same shard."""
-    shards: dict[int, nn.Parameter] = {}  # id(whole tensor) -> this rank's shard of it
-    wholes: list[torch.Tensor] = []  # alive until the end: their ids must not be reused meanwhile
-    for spec in plan.shards:
-        module = model.get_submodule(spec.name)
-        originals = dict(module.named_parameters(recurse=False))
-        wholes += originals.values()
-        if spec.kind == "embedding":
-            weight = shards.get(id(module.weight))
-            if weight is None:
-                weight = nn.Parameter(source.read(f"{spec.name}.weight", 0, spec.segments).to(dtype),
-                                      requires_grad=False)
-            new: nn.Module = VocabParallelEmbedding(weight, spec.segments[0][0], module.num_embeddings,
-                                                    module.padding_idx, comms.all_reduce)
-        else:
-            new = _sharded_linear(spec, module, source, dtype, quantize, comms, shards)
-        for attr, whole in originals.items():
-            shards.setdefault(id(whole), getattr(new, attr))
-        _replace(model, spec.name, new)
-    for module in model.modules():  # other names of a split tensor: the same shard
-        for attr, t in list(module._parameters.items()):
-            if t is not None and id(t) in shards:
-                module._parameters[attr] = shards[id(t)]
-
-
-def _sharded_linear(spec: ShardSpec, module: nn.Module, source: WeightSource, dtype: torch.dtype, quantize: bool,
-                    comms: Collectives, shards: dict[int, nn.Parameter]) -> nn.Module:
-    """The column/row/vocab layer for ``spec``, read from ``source`` (or a tied embedding's shard)."""
-    out_dim, in_dim = _weight_dims(module)
-    weight = shards.get(id(module.weight))  # tied to an embedding split just before: its shard, as it is
-    if weight is None:
-        weight = source.read(f"{spec.name}.weight", in_dim if spec.kind == "row" else out_dim, spec.segments)
-        weight = weight.t().contiguous() if out_dim == 1 else weight
-    has_bias = getattr(module, "bias", None) is not None
-    if spec.kind == "row":
-        bias = source.read(f"{spec.name}.bias") if has_bias else None
-        return RowParallelLinear(weight, bias, quantize, dtype, comms.all_reduce)
-    bias = source.read(f"{spec.name}.bias", 0, spec.segments) if has_bias else None
-    if spec.kind == "vocab":
-        return VocabParallelLinear(weight, bias, quantize, dtype, partial(comms.gather, widths=list(spec.widths)))
-    return ColumnParallelLinear(weight, bias, quantize, dtype)
-
-
 def _quantize_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype) -> None:
     """With ``quant``: the Linears kept whole become int8 too (tied ones, e.g. an lm_head that is the
     embedding, stay as they are)."""
@@ -219,7 +137,7 @@ def _quantize_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype) -
             weight = source.read(f"{name}.weight")
             weight = weight if isinstance(module, nn.Linear) else weight.t().contiguous()
             bias = source.read(f"{name}.bias") if getattr(module, "bias", None) is not None else None
-            _replace(model, name, ColumnParallelLinear(weight, bias, True, dtype))
+            replace_module(model, name, ColumnParallelLinear(weight, bias, True, dtype))
 
 
 _SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
@@ -262,22 +180,6 @@ def _fill_rest(model: nn.Module, source: WeightSource, dtype: torch.dtype | None
             (mod._parameters if p else mod._buffers)[a] = new
 
 
-def _fingerprint(values: Any, with_rng: bool) -> torch.Tensor:
-    """A fixed-size summary of the tensors (shapes, dtypes, contents) and optionally the RNG state:
-    the same size on every rank whatever the inputs, so comparing it can never hang."""
-    h = hashlib.blake2b(digest_size=16)
-    for leaf in tree_flatten(values)[0]:
-        if isinstance(leaf, torch.Tensor):
-            h.update(f"{tuple(leaf.shape)}{leaf.dtype}".encode())
-            h.update(leaf.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        elif isinstance(leaf, (int, float, bool, str, type(None))):
-            h.update(repr(leaf).encode())
-    if with_rng:
-        h.update(torch.get_rng_state().numpy().tobytes())
-    digest = h.digest()
-    return torch.tensor([int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)], dtype=torch.float64)
-
-
 class InferenceEngine(nn.Module):
     """The model, sharded over the tensor-parallel group; call it as the model (DeepSpeed's
     ``InferenceEngine``). ``module`` is the (modified) model itself.
@@ -304,8 +206,7 @@ class InferenceEngine(nn.Module):
         self._comms = _collectives(self.mp_group, config.tp_allreduce, device)
         self.allreduce_name = self._comms.name
         self._load(model, config)
-        for module_name, attr, value in self.plan.attributes:
-            setattr(model.get_submodule(module_name), attr, value)
+        set_local_attributes(model, self.plan)
         if config.replace_with_kernel_inject and device.type == "cuda":
             from dslaunch.inference.kernel_inject import inject_kernels
 
@@ -323,7 +224,7 @@ class InferenceEngine(nn.Module):
         else:
             source = ModuleSource(model)
         layer_dtype = compute or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        _shard_modules(model, self.plan, source, layer_dtype, quantize, self._comms)
+        shard_modules(model, self.plan, source, layer_dtype, quantize, self._comms)
         if quantize:
             _quantize_rest(model, source, layer_dtype)
         _fill_rest(model, source, compute, config.checkpoint is not None)
@@ -331,11 +232,7 @@ class InferenceEngine(nn.Module):
     def _check_same_inputs(self, values: Any, with_rng: bool) -> None:
         if self.mp_group is None:
             return
-        mine = _fingerprint(values, with_rng)
-        high, low = mine.clone(), mine.clone()
-        comm.all_reduce(high, op=dist.ReduceOp.MAX, group=self.mp_group)
-        comm.all_reduce(low, op=dist.ReduceOp.MIN, group=self.mp_group)
-        if not torch.equal(high, low):
+        if not inputs_agree(values, self.mp_group, with_rng):
             what = "inputs or random state (sampling seed)" if with_rng else "inputs"
             raise UsageError(f"init_inference: the tensor-parallel ranks got different {what}; every rank of the "
                              "group must call with the same inputs (and seed, e.g. torch.manual_seed(s) on every rank)")

@@ -23,10 +23,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dslaunch.inference.auto_tp import example_input, is_linear
-from dslaunch.inference.layers import ColumnParallelLinear
 from dslaunch.ops.bias_gelu import BiasGeLU
 from dslaunch.ops.normalization import FusedLayerNorm, FusedRMSNorm
+from dslaunch.runtime.tensor_parallel.auto_tp import example_input, is_linear
+from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear
 
 __all__ = ["inject_kernels"]
 

@@ -1,12 +1,12 @@
 """DeepSpeed's ``deepspeed.module_inject`` import path: AutoTP's planner and the sharded layers.
 
 DeepSpeed's ``AutoTP`` picks row-parallel layers by name; dslaunch's planner works on the traced
-dataflow (``dslaunch.inference.auto_tp``). The layer names here are DeepSpeed's.
+dataflow (``dslaunch.runtime.tensor_parallel.auto_tp``). The layer names here are DeepSpeed's.
 """
 
-from dslaunch.inference.auto_tp import ShardSpec, TPPlan, plan_tensor_parallel
-from dslaunch.inference.layers import ColumnParallelLinear, RowParallelLinear
 from dslaunch.module_inject.replace_policy import KERNEL_INJECTION
+from dslaunch.runtime.tensor_parallel.auto_tp import ShardSpec, TPPlan, plan_tensor_parallel
+from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dslaunch.utils.refused import refuse
 
 LinearLayer = ColumnParallelLinear  # DeepSpeed's names for its column / row layers

@@ -1,6 +1,6 @@
 """``deepspeed.module_inject.replace_policy``: DeepSpeed's per-architecture kernel-injection
 policies, refused on use. dslaunch's ``init_inference`` finds the layers to shard itself
-(``injection_policy`` takes layer names, ``dslaunch.inference.auto_tp``)."""
+(``injection_policy`` takes layer names, ``dslaunch.runtime.tensor_parallel.auto_tp``)."""
 
 from dslaunch.utils.refused import Refusal, refuse
 

@@ -20,8 +20,11 @@ without ``data``), its files and ZeRO partition map. Loading reads its own part 
 part exists with the same parameters (any data-parallel size and ZeRO stage: resharded over the
 data axis as a plain checkpoint); otherwise, for a pipeline, each rank finds its parameters by
 name in the parts that hold them (``reshard.by_name``): a tag saved at one pipeline depth loads at
-another, and a plain (single-part) tag loads into a pipeline and back. The parts of other
-model-parallel models (tensor slices) may share names, so they load only at the saving shape.
+another, and a plain (single-part) tag loads into a pipeline and back. AutoTP's parts record
+their slices (``tensors``): their masters and optimizer state are joined and cut again for another
+tensor-parallel degree (``reshard.by_slices``), and joined whole for ``zero_to_fp32``. The parts of
+other model-parallel models (Megatron's tensor slices) may share names, so they load only at the
+saving shape.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
 from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     by_name,
+    by_slices,
     check_compatible,
+    cut_slice,
     fp32_params,
+    join_slices,
     needed_ranks,
     partition_map,
     partition_problem,
@@ -60,6 +66,8 @@ class Placement:
     layers: dict[int, str] | None
     """A PipelineModule's layers on this rank: index -> key prefix; None for other models."""
     layer_count: int = 0
+    tensors: dict[str, list] | None = None
+    """AutoTP's slices on this rank (``name -> [dim, segments, whole size]``); None without AutoTP."""
 
     @property
     def part(self) -> str:
@@ -81,7 +89,7 @@ def placement(grid: Any, module: torch.nn.Module) -> Placement:
         coord = {"model": grid.get_model_parallel_rank(), "data": grid.get_data_parallel_rank()}
     if hasattr(module, "checkpoint_layers"):  # a PipelineModule
         return Placement(dict(shape), dict(coord), module.checkpoint_layers(), module.num_layers)
-    return Placement(dict(shape), dict(coord), None)
+    return Placement(dict(shape), dict(coord), None, tensors=getattr(module, "ds_tensor_layout", None))
 
 
 def coord_name(coord: dict[str, int]) -> str:
@@ -112,7 +120,7 @@ def part_record(place: Placement, zero_sd: dict, layout: dict, module_sd: dict, 
     """
     files: _Files = {}
     record: dict[str, Any] = {"part": place.part, "coord": {a: c for a, c in place.coord.items() if a != "data"},
-                              "data": place.data, "zero": None, "module_files": {}}
+                              "data": place.data, "zero": None, "module_files": {}, "tensors": place.tensors}
     if partitioned or place.data == 0:
         name = f"zero_{coord_name(place.coord)}.dsl"
         files[name] = zero_sd
@@ -143,6 +151,8 @@ def tag_meta(place: Placement, records: list[dict]) -> dict:
     for rec in records:
         part = parts.setdefault(rec["part"], {"coord": rec["coord"], "zero_files": {}, "layouts": [],
                                               "module_files": {}})
+        if rec.get("tensors"):
+            part["tensors"] = rec["tensors"]
         if rec["zero"] is not None:
             part["zero_files"][str(rec["data"])] = rec["zero"]["file"]
             part["layouts"].append(rec["zero"]["layout"])
@@ -243,6 +253,18 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
     if mine is not None:
         out["zero"] = _read_zero(store, tag, manifest, mine, targets)
         return out
+    if _resliceable(parts, place):
+        out["module"] = _module_slices(store, tag, manifest, parts, live_keys, place.tensors)  # type: ignore[union-attr]
+        try:
+            saved = by_slices([_consolidated(store, tag, manifest, p) for p in parts.values()],
+                              [p["tensors"] for p in parts.values()], place.tensors)  # type: ignore[union-attr]
+            out["zero"] = by_name([saved], current)
+            return out
+        except CheckpointError as exc:
+            out["incompatible"] = CheckpointError(f"{exc} (saved at {describe(shape)}; this engine: {describe(here)})",
+                                                  source)
+            out["fp32"] = {}
+            return out
     why = _refusal(meta, shape, unique, place)
     if not why:
         saved = [_consolidated(store, tag, manifest, p) for p in _relevant(parts, current)]
@@ -256,6 +278,13 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
                                           source)
     out["fp32"] = _masters(store, tag, manifest, parts) if unique else {}
     return out
+
+
+def _resliceable(parts: dict[str, dict], place: Placement | None) -> bool:
+    """A tag of AutoTP slices (every part records its slices) into an AutoTP engine: its masters
+    and optimizer state are joined and cut again (``reshard.by_slices``), whatever the two degrees."""
+    return (place is not None and bool(place.tensors) and place.layers is None
+            and all(p.get("tensors") for p in parts.values()))
 
 
 def _relevant(parts: dict[str, dict], current: dict) -> list[dict]:
@@ -286,10 +315,48 @@ def consolidate_parts(store: CheckpointStore, tag: str, manifest: Manifest, sour
         CheckpointError: a tag of a model that is no PipelineModule (names may collide across parts).
     """
     parts, shape, unique = _saved_parts(manifest.meta)
+    if shape is not None and all(p.get("tensors") for p in parts.values()):  # AutoTP slices: joined
+        return _joined_masters(store, tag, manifest, parts), _module_slices(store, tag, manifest, parts, None, None)
     if not unique:
         raise CheckpointError(f"a model-parallel checkpoint of a model that is no PipelineModule ({describe(shape)}) "
                               "has no single state dict: its parts may share parameter names", source)
     return _masters(store, tag, manifest, parts), _read_module(store, tag, manifest, parts, None)
+
+
+def _module_slices(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[str, dict],
+                   wanted: set[str] | None, mine: dict | None) -> dict:
+    """The saved module entries of an AutoTP tag (``wanted`` keys, None: all): a sliced one (a tied
+    alias of a sliced parameter, a frozen slice) joined from every part, then cut to ``mine``'s
+    slice (None: whole, in the model's own layout)."""
+    layouts = [p["tensors"] for p in parts.values()]
+    pieces: dict[str, list[Any]] = {}
+    for part in parts.values():
+        for name, keys in part["module_files"].items():
+            if wanted is None or wanted.intersection(keys):
+                for k, v in store.read(tag, name, manifest)["module"].items():
+                    if wanted is None or k in wanted:
+                        pieces.setdefault(k, []).append(v)
+    out: dict[str, Any] = {}
+    for key, values in pieces.items():
+        if key not in layouts[0] or len(values) != len(layouts):
+            out[key] = values[0]
+            continue
+        whole = join_slices(values, layouts, key)
+        if mine is not None:
+            out[key] = cut_slice(whole, mine[key]) if key in mine else whole
+        else:
+            out[key] = whole.t().contiguous() if len(layouts[0][key]) > 3 and layouts[0][key][3] else whole
+    return out
+
+
+def _joined_masters(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[str, dict]
+                    ) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 masters from every AutoTP slice, in the model's own layout (a
+    Conv1D weight transposed back to ``[in, out]``)."""
+    layouts = [p["tensors"] for p in parts.values()]
+    joined = fp32_params(by_slices([_consolidated(store, tag, manifest, p) for p in parts.values()], layouts, {}))
+    return {name: (t.t().contiguous() if len(layouts[0].get(name, ())) > 3 and layouts[0][name][3] else t)
+            for name, t in joined.items()}
 
 
 def _masters(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[str, dict]) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from dslaunch.errors import CheckpointError
 
 __all__ = ["partition_map", "check_meta", "partition_problem", "needed_ranks", "assemble", "fp32_params",
-           "by_name", "check_compatible"]
+           "by_name", "by_slices", "join_slices", "cut_slice", "check_compatible"]
 
 Range = tuple[int, int]
 
@@ -259,3 +259,67 @@ def expert_groups(pmap: dict[str, Any]) -> list[str]:
     """The expert group names of a partition map's param groups (their values differ by expert
     rank: each rank's own shard file holds its experts)."""
     return [g["reduce_group"] for g in pmap["groups"] if "reduce_group" in g]
+
+
+def join_slices(pieces: list[torch.Tensor], layouts: list[dict], name: str) -> torch.Tensor:
+    """One parameter's tensor put together from every tensor slice's piece (slice order)."""
+    dim, full = layouts[0][name][0], layouts[0][name][2]
+    shape = list(pieces[0].shape)
+    shape[dim] = full
+    whole = pieces[0].new_empty(shape)
+    for piece, layout in zip(pieces, layouts, strict=True):
+        at = 0
+        for a, b in layout[name][1]:
+            whole.narrow(dim, a, b - a).copy_(piece.narrow(dim, at, b - a))
+            at += b - a
+    return whole
+
+
+def cut_slice(whole: torch.Tensor, entry: list) -> torch.Tensor:
+    """A rank's slice of a whole tensor (``entry``: its ``[dim, segments, ...]`` record)."""
+    dim, segments = entry[0], entry[1]
+    return torch.cat([whole.narrow(dim, a, b - a) for a, b in segments], dim=dim)
+
+
+def by_slices(saved: list[dict], layouts: list[dict], mine: dict) -> dict:
+    """One consolidated state holding this rank's tensor slices, from the consolidated states of
+    every tensor slice of a tag saved at another tensor-parallel degree (for ``by_name``).
+
+    Args:
+        saved: each saved slice's consolidated strategy state, in slice order.
+        layouts: each saved slice's ``name -> [dim, segments, whole size, ...]`` (AutoTP's record).
+        mine: the same for this rank; a parameter in neither layout is whole on every slice.
+
+    Exact for the element-wise optimizers of the flat groups: masters and optimizer state are cut
+    and joined as the weights are.
+    """
+    groups = []
+    for gi, base in enumerate(saved[0]["groups"]):
+        parts = [sd["groups"][gi] for sd in saved]
+        keys = sorted(base["optim_state"])
+        pieces: dict[str, list[torch.Tensor]] = {}  # per name, per tensor kind: my slice
+        shapes = []
+        for name in base["names"]:
+            per_part = []
+            for g in parts:
+                i = g["names"].index(name)
+                offset = sum(math.prod(s) for s in g["shapes"][:i])
+                shape = tuple(g["shapes"][i])
+                per_part.append([t[offset:offset + math.prod(shape)].view(shape)
+                                 for t in (g["master"], *(g["optim_state"][k] for k in keys))])
+            kinds = []
+            for k in range(1 + len(keys)):
+                whole = join_slices([p[k] for p in per_part], layouts, name) if name in layouts[0] else per_part[0][k]
+                if name in mine:
+                    whole = cut_slice(whole, mine[name])
+                kinds.append(whole.reshape(-1))
+            shapes.append(tuple(whole.shape))
+            for k, t in enumerate(kinds):
+                pieces.setdefault(str(k), []).append(t)
+        flat = {k: torch.cat(v) if v else torch.empty(0) for k, v in pieces.items()}
+        numel = sum(math.prod(s) for s in shapes)
+        groups.append({"names": list(base["names"]), "shapes": shapes, "numel": numel, "start": 0, "end": numel,
+                       "master": flat.get("0", torch.empty(0)),
+                       "optim_state": {key: flat[str(k + 1)] for k, key in enumerate(keys)},
+                       "optim_scalars": dict(base["optim_scalars"]), "hparams": dict(base["hparams"])})
+    return {"stage": saved[0]["stage"], "world_size": saved[0]["world_size"], "rank": 0, "groups": groups}

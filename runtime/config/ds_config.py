@@ -55,6 +55,8 @@ from dslaunch.runtime.config.sections import (
     parse_section,
     reject_unimplemented,
 )
+from dslaunch.runtime.config.tensor_parallel import TensorParallelConfig
+from dslaunch.runtime.parallel.from_config import config_dims, data_world_size
 from dslaunch.runtime.zero.registry import STAGES, stage_choices
 
 if TYPE_CHECKING:  # the registries import this package's checkers: import them at use
@@ -75,7 +77,8 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "flops_profiler": FlopsProfilerConfig,
              "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
              "comet": CometConfig, "comms_logger": CommsLoggerConfig,
-             "pipeline": PipelineConfig, "autotuning": AutotuningConfig}
+             "pipeline": PipelineConfig, "autotuning": AutotuningConfig,
+             "tensor_parallel": TensorParallelConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -119,6 +122,8 @@ _SCALARS = {
     "dataloader_drop_last": (boolean, "true or false"),
     "use_data_before_expert_parallelism": (boolean, "true or false"),
     "dist_init_timeout": (number(0.0, MAX_TIMEOUT_S, low_open=True), "seconds to wait for peers (default 1800)"),
+    # DeepSpeed's examples state it beside tensor_parallel / sequence_parallel_size: checked, not used
+    "data_parallel_size": (optional(integer(1)), "an integer: the data-parallel ranks (world / model-parallel ranks)"),
 }
 
 
@@ -141,7 +146,7 @@ class _ConfigType(type):
         source = args[0] if args else kwargs.get("config")
         if isinstance(source, _SOURCE_TYPES) and len(args) <= 3 and set(kwargs) <= {"config", "mpu", "mesh_device"}:
             mpu = args[1] if len(args) > 1 else kwargs.get("mpu")
-            return load_config(source, _data_parallel_size(mpu), data_only=mpu is not None)
+            return load_config(source, _data_parallel_size(mpu), global_world=mpu is None)
         return super().__call__(*args, **kwargs)
 
 
@@ -199,6 +204,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     comet: CometConfig = field(default_factory=CometConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    """AutoTP training: ``autotp_size`` ranks split each layer (``runtime/tensor_parallel/``)."""
     """Read by ``dslaunch --autotuning`` and, inside an experiment, by the engine's profiler."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
@@ -217,15 +224,17 @@ class DeepSpeedConfig(metaclass=_ConfigType):
         return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
 
-def load_config(source: Any, world_size: int, data_only: bool = False) -> DeepSpeedConfig:
+def load_config(source: Any, world_size: int, global_world: bool = True) -> DeepSpeedConfig:
     """Parse and validate a ds_config.
 
     Args:
         source: a path (str/Path, JSON or YAML), a dict, or an object with ``deepspeed_config``.
-        world_size: the job's ranks, to resolve the batch triad: the config's
-            ``sequence_parallel_size`` divides them first (its ranks read the same samples), as
-            DeepSpeed's config does without an mpu.
-        data_only: ``world_size`` is already the data-parallel ranks (an mpu's): not divided.
+        world_size: the job's ranks (``global_world``) or an mpu's data-parallel ranks, to resolve
+            the batch triad.
+        global_world: ``world_size`` counts every rank (no mpu): the model-parallel degrees the
+            config sets itself (``tensor_parallel.autotp_size``, ``sequence_parallel_size``) must
+            divide it, and the sequence ranks of a sample count once in the batch triad (they read
+            the same samples); tensor slices count each, as DeepSpeed's config does without an mpu.
 
     Returns:
         The validated ``DeepSpeedConfig``.
@@ -238,7 +247,7 @@ def load_config(source: Any, world_size: int, data_only: bool = False) -> DeepSp
     """
     raw, where = _read(source)
     try:
-        return _parse(raw, world_size, where, data_only)
+        return _parse(raw, world_size, where, global_world)
     except ConfigError as err:
         if where and not err.source:
             raise ConfigError(str(err), source=where) from None
@@ -263,7 +272,8 @@ def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
     return raw, where
 
 
-def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, data_only: bool = False) -> DeepSpeedConfig:
+def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_world: bool = True
+           ) -> DeepSpeedConfig:
     raw = _legacy_forms(raw)
     # The batch sizes have no default for an unfilled "auto" to fall back on: they stay errors.
     forms = client_forms(raw, _SECTIONS, {k: v for k, v in _SCALARS.items() if k not in _BATCH_KEYS})
@@ -281,8 +291,16 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, data_only
             raise ConfigError(f"unknown key{hint}; valid top-level keys: {_listing(sorted(valid))}",
                               key=str(key))
     _validate_typed(values)
-    if not data_only:
-        world_size = _data_ranks(world_size, values.get("sequence_parallel_size", 1))
+    data = world_size
+    if global_world:
+        dims = config_dims(values.get("tensor_parallel"), values.get("sequence_parallel_size", 1))
+        data = data_world_size(dims, world_size)
+        # DeepSpeed without an mpu: train_batch_size = micro * gas * world / sequence_parallel_size
+        world_size //= dims.sequence
+    stated = values.pop("data_parallel_size", None)
+    if stated is not None and stated != data:
+        raise ConfigError(f"{stated} but the job has {data} data-parallel ranks (the world divided by the "
+                          "model-parallel degrees); fix it or remove the key", key="data_parallel_size")
     given = {k: values.pop(k, None) for k in _BATCH_KEYS}
     elastic = values.get("elasticity")
     triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
@@ -291,21 +309,6 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, data_only
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=notes, **values)
     _cross_check(cfg)
     return cfg
-
-
-def _data_ranks(world_size: int, sequence: int) -> int:
-    """The data-parallel ranks of ``world_size`` when ``sequence`` ranks split each sample.
-
-    Raises:
-        ConfigError: ``sequence`` does not divide the world (naming the key).
-    """
-    from dslaunch.runtime.parallel.dims import ParallelDims
-
-    dims = ParallelDims(sequence=sequence, keys=(("sequence", "sequence_parallel_size"),))
-    problem = dims.problem(world_size)
-    if problem:
-        raise ConfigError(problem, key="sequence_parallel_size")
-    return dims.data(world_size)
 
 
 def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -446,6 +449,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
                           "reduction averages); use \"mean\" or stage 0-2", key="gradient_allreduce_op")
     _check_compressed(cfg)
     _check_muon(cfg)
+    cfg.tensor_parallel.check(zero.stage)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
                           "device)", key="zero_optimization.offload_optimizer.device")

@@ -26,7 +26,7 @@ from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.groups import ParallelGroups
 from dslaunch.runtime.parallel.topology import PipeDataParallelTopology, ProcessTopology, default_topology
 
-__all__ = ["PipelineParallelGrid", "DataParallelGrid", "grid_from_config", "sequence_grid"]
+__all__ = ["PipelineParallelGrid", "DataParallelGrid", "sequence_grid"]
 
 
 def _dist() -> Any:
@@ -202,18 +202,6 @@ class PipelineParallelGrid:
 
     def get_sequence_data_parallel_group(self) -> Any:
         return self.seq_dp_proc_group if self.sequence_parallel_size > 1 else self.dp_proc_group
-
-
-def grid_from_config(cfg: Any) -> PipelineParallelGrid | None:
-    """The grid of the parallel degrees ``cfg`` (a ``DeepSpeedConfig``) sets itself, or None when
-    it sets none (every rank a data-parallel peer).
-
-    ``sequence_parallel_size`` = N: ranks ``[pipe, data, sequence]``, the N ranks of one sample
-    neighbours (DeepSpeed's ``parallel_state_sp`` order).
-
-    collective: every rank, the same config.
-    """
-    return sequence_grid(cfg.sequence_parallel_size) if cfg.sequence_parallel_size > 1 else None
 
 
 def sequence_grid(sequence: int, key: str = "sequence_parallel_size") -> PipelineParallelGrid:

@@ -11,6 +11,9 @@ Usage: trainer_gpt2.py OUTPUT_DIR MAX_STEPS STAGE [resume] [OPTION ...]
   only_model: save_only_model=True.
   final=DIR: trainer.save_model(DIR) after training.
   save_model=DIR: only save the tiny model (seed 0) to DIR with save_pretrained, for build=DIR.
+  autotp=N: "tensor_parallel": {"autotp_size": N} in the config (AutoTP training); dropout off
+      (a tensor slice draws its own attention-dropout mask: only without dropout can the losses
+      equal an unsharded run's).
 """
 
 import json
@@ -65,8 +68,9 @@ def init_deepspeed_comm_on_cpu() -> None:
         deepspeed.init_distributed()
 
 
-def gpt2_config() -> GPT2Config:
-    return GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+def gpt2_config(dropout: float | None = None) -> GPT2Config:
+    off = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
+    return GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, **off)
 
 
 def main() -> None:
@@ -78,11 +82,14 @@ def main() -> None:
         return
     out, max_steps, stage = argv[0], int(argv[1]), int(argv[2])
     build = opts.get("build")
-    model = GPT2LMHeadModel(gpt2_config()) if build is None else None
+    config = ds_config(stage)
+    if "autotp" in opts:
+        config["tensor_parallel"] = {"autotp_size": int(opts["autotp"])}
+    model = GPT2LMHeadModel(gpt2_config(0.0 if "autotp" in opts else None)) if build is None else None
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              max_steps=max_steps, learning_rate=3e-3, warmup_steps=2, logging_steps=1,
                              save_strategy="steps", save_steps=max(max_steps // 2, 1), report_to=[],
-                             deepspeed=ds_config(stage), use_cpu=True, seed=0, disable_tqdm=True,
+                             deepspeed=config, use_cpu=True, seed=0, disable_tqdm=True,
                              dataloader_num_workers=0, save_only_model="only_model" in opts)
     if build is not None:
         init_deepspeed_comm_on_cpu()

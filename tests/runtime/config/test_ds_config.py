@@ -252,8 +252,7 @@ def test_sections_at_their_off_values_are_accepted() -> None:
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
     ("graph_harvesting", True, False), ("torch_autocast", {"enabled": True}, {"enabled": False}),
     ("compile", {"deepcompile": True}, {"deepcompile": False}),
-    ("managed_gradient_accumulation", False, True),
-    ("tensor_parallel", {"autotp_size": 2}, {"autotp_size": 0}), ("log_level", "debug", None),
+    ("managed_gradient_accumulation", False, True), ("log_level", "debug", None),
 ])
 def test_deepspeed_keys_are_not_implemented_not_unknown(key: str, on: object, off: object) -> None:
     msg = _error({"train_batch_size": 8, key: on})
@@ -359,7 +358,7 @@ def test_sequence_parallel_size_divides_the_world_before_the_batch_triad() -> No
     cfg = load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2}, 8)
     assert (cfg.world_size, cfg.gradient_accumulation_steps, cfg.sequence_parallel_size) == (4, 1, 2)
     # an mpu's data-parallel size is not divided again
-    assert load_config({"train_batch_size": 8, "sequence_parallel_size": 2}, 4, data_only=True).world_size == 4
+    assert load_config({"train_batch_size": 8, "sequence_parallel_size": 2}, 4, global_world=False).world_size == 4
     assert _error({"train_batch_size": 8, "sequence_parallel_size": 4}, 6) == (
         "'sequence_parallel_size': sequence_parallel_size=4 must divide the world size 6")
     assert "sequence_parallel_size" in _error({"train_batch_size": 8, "sequence_parallel_size": 0})

@@ -1,0 +1,90 @@
+"""The ds_config ``tensor_parallel`` block: AutoTP training (DeepSpeed 0.16.4+).
+
+``{"tensor_parallel": {"autotp_size": 2}}``
+
+``autotp_size`` > 1 splits every transformer layer of the model over that many ranks
+(``runtime/tensor_parallel/``); the data-parallel degree is what the world leaves. 0 or 1 is off.
+The rest of DeepSpeed's keys are checked: ``dtype`` and ``tp_overlap_comm`` change nothing (the
+precision is the ``fp16``/``bf16`` blocks'; the all-reduces are not overlapped), ``tp.tp_size``
+must repeat ``autotp_size``, and the hand-written layer rules (``partition_config``,
+``preset_model``, ``injection_policy_tuple``) are refused: dslaunch's planner finds the layers from
+the model's dataflow. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dslaunch.errors import ConfigError
+from dslaunch.runtime.config.param_schema import boolean, describe, integer
+from dslaunch.runtime.config.sections import _opt
+
+__all__ = ["TensorParallelConfig"]
+
+_DTYPES = ("fp16", "float16", "torch.float16", "bf16", "bfloat16", "torch.bfloat16", "fp32", "float32",
+           "float", "torch.float32")
+_PLANNER = "dslaunch's AutoTP finds the column/row layers from the model's dataflow"
+
+
+def _dtype(path: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in _DTYPES:
+        raise ConfigError(f"must be a dtype name ({', '.join(_DTYPES[:6])}, fp32...), got {describe(value)}",
+                          key=path)
+    return value
+
+
+def _tp(path: str, value: Any) -> Mapping[str, Any]:
+    """DeepSpeed's inner ``tp`` block: ``tp_size`` (1 or the autotp_size, checked by the section)
+    and ``tp_grain_size`` (1: DeepSpeed's training ignores it too)."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"must be an object, got {describe(value)}", key=path)
+    for key, item in value.items():
+        if key not in ("tp_size", "tp_grain_size"):
+            raise ConfigError("unknown key; valid keys: tp_size, tp_grain_size", key=f"{path}.{key}")
+        integer(1)(f"{path}.{key}", item)
+    return value
+
+
+def _refused(what: str) -> Any:
+    def check(path: str, value: Any) -> None:
+        if value is not None:
+            raise ConfigError(f"is not implemented by dslaunch ({what}: {_PLANNER}); remove the key", key=path)
+
+    return check
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """``tensor_parallel``: the AutoTP degree for training."""
+
+    autotp_size: int = _opt(0, integer(0), "ranks that split each layer, e.g. 2 (0 or 1: off)")
+    """Tensor-parallel degree; it must divide the world (data parallel = world / autotp_size)."""
+    tp: Mapping[str, Any] | None = _opt(None, _tp, "an object {\"tp_size\": <autotp_size>}")
+    """DeepSpeed's inner block; ``tp.tp_size`` other than 1 must equal ``autotp_size``."""
+
+    INERT = {"dtype": _dtype, "tp_overlap_comm": boolean, "keep_module_on_host": boolean,  # noqa: RUF012
+             "partition_config": _refused("custom layer specs"), "preset_model": _refused("model presets"),
+             "injection_policy_tuple": _refused("an injection policy")}
+    UNIMPLEMENTED = {}  # noqa: RUF012
+
+    @property
+    def size(self) -> int:
+        """The tensor-parallel degree (1 when off)."""
+        return max(self.autotp_size, 1)
+
+    def check(self, zero_stage: int) -> None:
+        """The combinations DeepSpeed refuses, one line each.
+
+        Raises:
+            ConfigError: ``tp.tp_size`` differing from ``autotp_size``, or ZeRO stage 3 with AutoTP.
+        """
+        inner = (self.tp or {}).get("tp_size", 1)
+        if self.size > 1 and inner not in (1, self.autotp_size):
+            raise ConfigError(f"{inner} does not match tensor_parallel.autotp_size ({self.autotp_size}); "
+                              "remove it or make them equal", key="tensor_parallel.tp.tp_size")
+        if self.size > 1 and zero_stage == 3:
+            raise ConfigError("AutoTP training composes with ZeRO stages 0-2 only (as DeepSpeed 0.16.4-0.19.3; stage 3 "
+                              "would partition the tensor-parallel shards again); use zero_optimization.stage "
+                              "1 or 2, or remove tensor_parallel", key="tensor_parallel.autotp_size")

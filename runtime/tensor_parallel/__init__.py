@@ -1,0 +1,14 @@
+"""Tensor parallelism (AutoTP), for inference and training: one planner, one set of layers.
+
+- ``auto_tp.py``: the planner (which Linears are column-, row- or vocab-parallel, from the model's
+  dataflow and head geometry).
+- ``layers.py``: the sharded layers that replace them.
+- ``collectives.py``: the collectives those layers call; for training, autograd functions with
+  the backward collective of each (column: all-reduce of the input gradient; row and embedding:
+  all-reduce forward, identity backward; vocab: gather forward, slice backward).
+- ``shard.py``: putting a plan's layers in place of a model's modules.
+- ``training.py``: ``tensor_parallel.autotp_size`` in the training engine (the grid and the
+  sharding at ``initialize``).
+
+DeepSpeed's ``deepspeed.module_inject`` and ``deepspeed.inference`` answer from here.
+"""

@@ -1,0 +1,169 @@
+"""AutoTP training: the model sharded over the tensor-parallel group at ``initialize``.
+
+As DeepSpeed (0.16.4+), ``initialize`` shards the model when ``tensor_parallel.autotp_size`` > 1:
+every rank builds the whole model (same seed, same weights), the planner (``auto_tp.py``) picks
+the column/row/vocab layers from the model's dataflow, and each rank keeps its slices as trainable
+parameters marked ``tensor_model_parallel`` (whole parameters such as norms stay on every slice and
+count once in the gradient norm). The layers' autograd collectives (``collectives.py``) make the
+gradients of every slice those of the whole model: ZeRO then only reduces over the data group.
+
+Parameters the caller already holds (``model_parameters``, a client optimizer's param groups)
+are pointed at the shards that replaced them.
+
+Limitations: fewer KV heads than ``autotp_size`` is refused (each KV head would be held by
+several ranks, each with part of its gradient); dropout in the replicated parts must draw the same
+mask on every slice (the same seed on every rank does that, as DeepSpeed requires too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dslaunch.errors import ConfigError
+from dslaunch.runtime.parallel.mpu import tensor_axis
+from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
+from dslaunch.runtime.tensor_parallel.collectives import training_collectives
+from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
+
+__all__ = ["shard_for_training", "repoint_parameters", "tensor_layout", "tp_model_init", "with_tp_model_init"]
+
+_RECORD = "ds_tp_model_init"  # the attribute tp_model_init leaves on the model: (tp_size, dtype)
+
+
+def shard_for_training(model: nn.Module, grid: Any, tp_size: int) -> tuple[TPPlan, dict[int, nn.Parameter]]:
+    """Replace ``model``'s layers by this rank's trainable shards (in place).
+
+    Args:
+        model: the whole model, with the same weights on every rank of the tensor group.
+        grid: the mpu whose tensor axis is the group (``runtime.parallel.mpu.tensor_axis``).
+        tp_size: ``tensor_parallel.autotp_size``; the grid's tensor group must have that many ranks.
+
+    Returns:
+        The plan, and for each replaced parameter (by ``id``) the shard that holds its slice.
+
+    Raises:
+        ConfigError: a grid whose tensor group is another size, fewer KV heads than ranks, or a
+            model the planner cannot trace (one line each).
+
+    collective: every rank of the tensor group.
+    """
+    from dslaunch.errors import UsageError
+    from dslaunch.inference.loading import ModuleSource
+
+    group, rank = tensor_axis(grid, "group"), tensor_axis(grid, "rank")
+    size = tensor_axis(grid, "world_size")
+    if size != tp_size:
+        raise ConfigError(f"{tp_size} but the mpu's tensor-parallel group has {size} ranks; make them equal",
+                          key="tensor_parallel.autotp_size")
+    heads = config_heads(model)
+    if heads is not None and heads.kv_heads < tp_size:
+        raise ConfigError(f"{tp_size} is more than the model's {heads.kv_heads} key/value heads: in training each "
+                          f"rank must hold whole KV heads; use a divisor of {heads.kv_heads}",
+                          key="tensor_parallel.autotp_size")
+    try:
+        plan = plan_tensor_parallel(model, tp_size, rank)
+    except UsageError as err:
+        raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    layout = tensor_layout(model, plan)
+    before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    shard_modules(model, plan, ModuleSource(model), dtype, False, training_collectives(group), trainable=True)
+    set_local_attributes(model, plan)
+    model.ds_tensor_layout = layout  # checkpoints record it: a tag saved at one tp loads at another
+    after = dict(model.named_parameters(remove_duplicate=False))
+    return plan, {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
+
+
+def tensor_layout(model: nn.Module, plan: TPPlan) -> dict[str, list]:
+    """Every parameter this rank holds a slice of: ``name -> [dim, segments, whole size of dim,
+    transposed]`` in the sharded layers' layout (a weight ``[out, in]``; ``transposed``: the model's
+    own module stores it ``[in, out]``, GPT-2's Conv1D). Call before sharding."""
+    out: dict[str, list] = {}
+    for spec in plan.shards:
+        module = model.get_submodule(spec.name)
+        segments = [list(s) for s in spec.segments]
+        if spec.kind == "embedding":
+            out[f"{spec.name}.weight"] = [0, segments, module.num_embeddings, False]
+            continue
+        features, inputs = linear_shape(module)
+        transposed = not isinstance(module, nn.Linear)
+        out[f"{spec.name}.weight"] = [1, segments, inputs, transposed] if spec.kind == "row" else \
+            [0, segments, features, transposed]
+        if spec.kind != "row" and getattr(module, "bias", None) is not None:
+            out[f"{spec.name}.bias"] = [0, segments, features, False]
+    return out
+
+
+def repoint_parameters(replaced: dict[int, nn.Parameter], optimizer: Any, model_parameters: Any) -> Any:
+    """Point a client optimizer's param groups (in place) and ``model_parameters`` (returned) at
+    the shards that replaced the whole parameters they name."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = _mapped(replaced, group["params"])
+    if model_parameters is None or not replaced:
+        return model_parameters
+    given = list(model_parameters)
+    if given and isinstance(given[0], dict):
+        return [{**g, "params": _mapped(replaced, g["params"])} for g in given]
+    return _mapped(replaced, given)
+
+
+def _mapped(replaced: dict[int, nn.Parameter], params: Iterable[Any]) -> list[Any]:
+    return [replaced.get(id(p), p) for p in params]
+
+
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None, **kwargs: Any) -> nn.Module:
+    """DeepSpeed's ``deepspeed.tp_model_init``: record the tensor-parallel degree on ``model``;
+    ``initialize`` shards it (as DeepSpeed 0.17+ does: this call itself changes no weight).
+
+    Args:
+        model: the whole model.
+        tp_size: the tensor-parallel degree; ``initialize`` uses it as ``tensor_parallel.autotp_size``
+            when the config has none, and refuses a config that sets another.
+        dtype: a floating dtype (the training precision is the config's ``fp16``/``bf16`` blocks').
+        config: accepted for DeepSpeed's signature; ``initialize`` reads the config it is given.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ConfigError: ``tp_size`` below 1, a non-floating ``dtype``, or ``tp_group=`` (give
+            ``initialize`` an ``mpu`` whose tensor group it is instead).
+    """
+    if "tp_group" in kwargs:
+        raise ConfigError("tp_model_init(tp_group=...) is not supported by dslaunch: pass initialize(mpu=...) "
+                          "whose model-parallel group is that group, or let tensor_parallel.autotp_size build it")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_model_init(tp_size={tp_size!r}): the degree must be an integer >= 1")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"tp_model_init(dtype={dtype!r}): a floating torch dtype (torch.bfloat16, ...)")
+    setattr(model, _RECORD, (tp_size, dtype))
+    return model
+
+
+def with_tp_model_init(source: Any, model: Any) -> Any:
+    """The config ``source`` with ``tensor_parallel.autotp_size`` from a ``tp_model_init`` record on
+    ``model`` (a dict copy; a file is read), or ``source`` itself when there is none.
+
+    Raises:
+        ConfigError: the config sets another ``autotp_size`` than the record.
+    """
+    record = getattr(model, _RECORD, None)
+    if record is None or source is None:
+        return source
+    from dslaunch.runtime.config.file import read_config_file
+
+    raw = source if isinstance(source, Mapping) else read_config_file(Path(source))
+    if not isinstance(raw, Mapping):
+        return source  # load_config says what is wrong with it
+    section = raw.get("tensor_parallel") or {}
+    given = section.get("autotp_size", 0) if isinstance(section, Mapping) else 0
+    if given not in (0, 1, record[0]):
+        raise ConfigError(f"{given} but tp_model_init(tp_size={record[0]}) was called on the model; make them "
+                          "equal or drop one", key="tensor_parallel.autotp_size")
+    return {**raw, "tensor_parallel": {**section, "autotp_size": record[0]}}

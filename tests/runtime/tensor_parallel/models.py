@@ -1,0 +1,31 @@
+"""The inference tests' tiny GQA language model (``tests/inference/models.py``: plain torch, shaped
+as Hugging Face's) with a loss: ``model(input_ids=..., labels=...)`` returns the next-token loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.inference.models import TinyLM
+
+VOCAB = 64
+
+
+class TrainableLM(nn.Module):
+    """8 query heads over 4 KV heads (or ``kv_heads``), width 32; ``tied``: GPT-2's tie of the output
+    layer to the token embedding."""
+
+    def __init__(self, kv_heads: int = 4, tied: bool = False):
+        super().__init__()
+        self.lm = TinyLM(vocab=VOCAB, hidden=32, heads=8, kv_heads=kv_heads, inner=64)
+        nn.init.normal_(self.lm.embed.weight, std=0.02)  # as Hugging Face's: a tied head's logits stay small
+        if tied:
+            self.lm.head.weight = self.lm.embed.weight
+        self.config = self.lm.config
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm(input_ids)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
