@@ -29,7 +29,7 @@ from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
 from dslaunch.runtime.parallel.from_config import grid_from_config
-from dslaunch.runtime.parallel.mpu import gradient_reduce_group, tensor_axis
+from dslaunch.runtime.parallel.mpu import gradient_reduce_group, holds_model_parts, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
@@ -69,6 +69,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.seq_parallel_group = self.grid.get_sequence_parallel_group() if self.sequence_parallel_size > 1 else None
         self.seq_data_parallel_group = gradient_reduce_group(self.grid)  # where gradients average (DeepSpeed's name)
         self.tp_plan = self._unchecked_tp_group = None
+        if config.tensor_parallel.size > 1 and self.sequence_parallel_size > 1:
+            raise ConfigError("AutoTP training with sequence parallelism is not implemented yet: use one of "
+                              "tensor_parallel.autotp_size and sequence_parallel_size", key="tensor_parallel.autotp_size")
         if config.tensor_parallel.size > 1:  # AutoTP training: shard before anything reads the parameters
             from dslaunch.runtime.tensor_parallel.training import repoint_parameters, shard_for_training
 
@@ -395,7 +398,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if self._checkpointer is None:
             self._checkpointer = Checkpointer()
         # every rank of a replica holds another part: files named by topology coordinates
-        place = placement(self.grid, self.module) if self.mpu is not None else None
+        place = placement(self.grid, self.module) if self.mpu is not None and holds_model_parts(self.grid) else None
         return CheckpointParts(module=self.module, zero=self.zero,
                                training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
                                optimizer=self.optimizer, global_steps=self.global_steps,

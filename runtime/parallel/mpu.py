@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["tensor_axis", "has_tensor_axis", "counted_in_norm", "gradient_reduce_group"]
+__all__ = ["tensor_axis", "has_tensor_axis", "counted_in_norm", "gradient_reduce_group", "holds_model_parts"]
 
 What = Literal["group", "rank", "world_size"]
 _ORDER = ("get_tensor_model_parallel_{}", "get_slice_parallel_{}", "get_model_parallel_{}")
@@ -69,3 +69,15 @@ def gradient_reduce_group(mpu: Any) -> Any:
     """
     get = getattr(mpu, "get_sequence_data_parallel_group", None)
     return get() if callable(get) else mpu.get_data_parallel_group()
+
+
+def holds_model_parts(mpu: Any) -> bool:
+    """Whether the ranks of one replica hold different parts of the model (pipeline stages, tensor
+    slices), so that a checkpoint names its files by their coordinates. Sequence ranks hold the same
+    model, as data ranks do: ZeRO partitions over both (``gradient_reduce_group``), and a job with
+    only those axes saves as a data-parallel one. A Megatron-style mpu without a topology counts as
+    holding parts."""
+    topology = mpu.topology() if hasattr(mpu, "topology") else None
+    if topology is None:
+        return True
+    return any(size > 1 for axis, size in topology.shape().items() if axis not in ("data", "sequence"))
