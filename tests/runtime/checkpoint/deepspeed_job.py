@@ -1,0 +1,98 @@
+"""One training job that real DeepSpeed and dslaunch both run, for the checkpoint interop tests.
+
+As a script (``python deepspeed_job.py OUT.json``, one process per rank with RANK/WORLD_SIZE/
+MASTER_ADDR/MASTER_PORT set) it runs under whichever ``deepspeed`` the interpreter imports: real
+DeepSpeed in its own venv. ``run(deepspeed, ...)`` is the same job for dslaunch (``run_world``).
+
+The job: a tiny MLP whose parameters have odd sizes (213 elements: DeepSpeed pads its flat
+partitions), torch's AdamW as a client optimizer, DeepSpeed's ``WarmupLR`` from the config, and
+a fixed global batch of 8 per step split evenly over the ranks, so the mean of the ranks' losses
+is the same at any world size that divides 8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+GLOBAL_BATCH = 8
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 10),
+                               torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+
+def config(stage: int, world: int, bf16: bool = False) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                     "warmup_num_steps": 20}},
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+    n = GLOBAL_BATCH // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: int,
+        load: str | None = None, save: str | None = None, save_at: int | None = None, bf16: bool = False,
+        load_kwargs: dict | None = None) -> dict[str, Any]:
+    """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
+    step ``save_at`` (default: after the last step).
+
+    Returns this rank's losses, what ``load_checkpoint`` returned (client state), the engine's
+    counters after loading and its parameters' fp32 values at the end.
+    """
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(stage, world, bf16))
+    out: dict[str, Any] = {"losses": []}
+    if load is not None:
+        path, client = engine.load_checkpoint(load, **(load_kwargs or {}))
+        out.update(path=path, client=client, global_steps=engine.global_steps,
+                   global_samples=engine.global_samples, skipped_steps=engine.skipped_steps,
+                   lr=engine.lr_scheduler.get_last_lr())
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    for step in range(first, first + steps):
+        if save is not None and step == save_at:
+            engine.save_checkpoint(save, client_state={"note": "from the job", "step": step})
+        x, y = batch(step, rank, world)
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(loss.item())
+    if save is not None and save_at is None:
+        engine.save_checkpoint(save, client_state={"note": "from the job", "step": first + steps})
+    return out
+
+
+def main() -> None:
+    import deepspeed
+
+    args = json.loads(sys.argv[2])
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    out = run(deepspeed, rank, world, **args)
+    with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
+        json.dump({k: v for k, v in out.items() if k != "client"}, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
