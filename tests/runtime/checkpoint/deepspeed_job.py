@@ -48,14 +48,28 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
+def full_state(deepspeed: Any, engine: Any) -> dict[str, list[float]]:
+    """Each parameter's whole fp32 master and Adam moments, through ``deepspeed.utils``'s
+    ``safe_get_full_*`` (collective; stage 0 has no such state: empty)."""
+    if engine.zero_optimization_stage() == 0:
+        return {}
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[name] = deepspeed.utils.safe_get_full_fp32_param(p).reshape(-1).tolist()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}:{key}"] = deepspeed.utils.safe_get_full_optimizer_state(p, key).reshape(-1).tolist()
+    return out
+
+
 def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: int,
         load: str | None = None, save: str | None = None, save_at: int | None = None, bf16: bool = False,
-        load_kwargs: dict | None = None) -> dict[str, Any]:
+        load_kwargs: dict | None = None, probe: bool = True) -> dict[str, Any]:
     """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
     step ``save_at`` (default: after the last step).
 
-    Returns this rank's losses, what ``load_checkpoint`` returned (client state), the engine's
-    counters after loading and its parameters' fp32 values at the end.
+    Returns this rank's losses, what ``load_checkpoint`` returned (path, client state), the
+    engine's counters and LR after loading, and (``probe``) the ``full_state`` after loading or
+    when saving.
     """
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
@@ -66,10 +80,13 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
         out.update(path=path, client=client, global_steps=engine.global_steps,
                    global_samples=engine.global_samples, skipped_steps=engine.skipped_steps,
                    lr=engine.lr_scheduler.get_last_lr())
+        if probe:
+            out["state"] = full_state(deepspeed, engine)
     dtype = torch.bfloat16 if bf16 else torch.float32
     for step in range(first, first + steps):
         if save is not None and step == save_at:
             engine.save_checkpoint(save, client_state={"note": "from the job", "step": step})
+            out["state"] = full_state(deepspeed, engine)
         x, y = batch(step, rank, world)
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
@@ -82,7 +99,10 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
 
 def main() -> None:
     import deepspeed
+    import deepspeed.comm.torch
 
+    # DeepSpeed's CPU shared-memory all-reduce (inference only) is a JIT build of minutes: not used
+    deepspeed.comm.torch.build_shm_op = lambda: None
     args = json.loads(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
