@@ -47,15 +47,16 @@ def ckpt_name(checkpoints_path: str | os.PathLike, tag: object, partitioned: boo
     return os.path.join(checkpoints_path, str(tag), name)
 
 
-def zero_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, dp_rank: int, bf16: bool) -> str:
+def zero_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, dp_rank: int, bf16: bool,
+                   mp_rank: int = 0) -> str:
     """DeepSpeed's ``engine._get_zero_ckpt_name``: this rank's ZeRO optimizer-states file."""
-    return os.path.join(checkpoints_path, str(tag), optim_states_name(dp_rank, bf16))
+    return os.path.join(checkpoints_path, str(tag), optim_states_name(dp_rank, bf16, mp_rank))
 
 
-def optimizer_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, expp_rank: int) -> str:
+def optimizer_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, expp_rank: int, mp_rank: int = 0) -> str:
     """DeepSpeed's ``engine._get_optimizer_ckpt_name``: the optimizer file of expert-parallel rank
     ``expp_rank`` (MoE models without ZeRO)."""
-    return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_00_optim_states.pt")
+    return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
 
 
 def deepspeed_tag(load_dir: str | os.PathLike, tag: object = None) -> Path | None:

@@ -98,11 +98,13 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
 
 
 def main() -> None:
+    import importlib
+
     import deepspeed
-    import deepspeed.comm.torch
 
     # DeepSpeed's CPU shared-memory all-reduce (inference only) is a JIT build of minutes: not used
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # (the module by its full name: the package's ``torch`` attribute is torch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     args = json.loads(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -106,19 +106,23 @@ def _mean_losses(results: list[dict], skip: int = 0) -> list[float]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("ds_stage", "ds_world", "stage", "world"), [
-    (1, 2, 1, 2), (1, 2, 1, 1), (2, 2, 2, 2), (2, 2, 2, 1), (3, 2, 3, 2), (3, 2, 3, 1),
-    (2, 2, 3, 2),  # another stage
-    (0, 2, 0, 2), (0, 2, 2, 1),  # no ZeRO: the client optimizer's own state dict
-    (3, 4, 3, 4), (3, 4, 1, 2),
+@pytest.mark.parametrize(("ds_stage", "ds_world", "stage", "world", "bf16"), [
+    (1, 2, 1, 2, False), (1, 2, 1, 1, False), (2, 2, 2, 2, False), (2, 2, 2, 1, False), (3, 2, 3, 2, False),
+    (3, 2, 3, 1, False),
+    (2, 2, 3, 2, False),  # another stage
+    (0, 2, 0, 2, False), (0, 2, 2, 1, False),  # no ZeRO: the client optimizer's own state dict
+    (3, 4, 3, 4, False), (3, 4, 1, 2, False),
+    (2, 2, 2, 2, True), (2, 2, 3, 1, True),  # bf16_zero_pp_rank_* files, fp32 masters in them
 ])
 def test_dslaunch_continues_deepspeed(deepspeed_runs: Any, ds_stage: int, ds_world: int, stage: int,
-                                      world: int) -> None:
-    folder, ds = deepspeed_runs(ds_stage, ds_world)
-    got = _dslaunch(stage, world, folder)
+                                      world: int, bf16: bool) -> None:
+    folder, ds = deepspeed_runs(ds_stage, ds_world, bf16)
+    got = _dslaunch(stage, world, folder, bf16)
     want = _mean_losses(ds, skip=SAVE_AT)
     have = _mean_losses(got)
-    assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
+    # bf16 at another world size sums other bf16 partial results: only the loaded state is exact
+    if not bf16 or world == ds_world:
+        assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
     first = got[0]
     assert first["path"] == str(folder / "global_step3" / ("zero_pp_rank_0_mp_rank_00_model_states.pt"
                                                            if ds_stage == 3 else "mp_rank_00_model_states.pt"))
@@ -178,3 +182,26 @@ def test_broken_deepspeed_checkpoints_name_the_file(deepspeed_runs: Any, tmp_pat
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def _names(rank: int, world: int, stage: int, load: str) -> list[str]:
+    import dslaunch
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    net = deepspeed_job.model()
+    engine, *_ = dslaunch.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters()),
+                                     config=deepspeed_job.config(stage, world))
+    return [engine._get_ckpt_name(load, "global_step3"), engine._get_zero_ckpt_name(load, "global_step3"),
+            engine._get_optimizer_ckpt_name(load, "global_step3", 0),
+            engine._get_ckpt_name(load, "global_step3", mp_placeholder="*")]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_name_helpers_name_deepspeeds_files(deepspeed_runs: Any, stage: int) -> None:
+    folder, _ = deepspeed_runs(stage, 2)
+    for rank, (model, zero, optim, pattern) in enumerate(run_world(_names, 2, stage, str(folder))):
+        assert Path(model).is_file() and Path(zero).is_file(), (model, zero)
+        assert Path(zero).name == f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        assert optim == str(folder / "global_step3" / "expp_rank_0_mp_rank_00_optim_states.pt")
+        assert pattern.endswith("mp_rank_*_model_states.pt")
