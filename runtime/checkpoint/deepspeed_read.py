@@ -63,6 +63,7 @@ def read_file(path: Path) -> dict:
     """
     if not path.is_file():
         raise CheckpointError("missing: the DeepSpeed checkpoint has no such file", str(path))
+    unsafe: list[str] = []
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
         stand_ins = [_stand_in(g) for g in unsafe if g.startswith("deepspeed.")]
@@ -231,7 +232,7 @@ def _zero(base: DeepSpeedState, shapes: list[dict], osds: list[dict], files: lis
         by_group: dict[int, list[str]] = {}
         for unit, unit_names in enumerate(names):
             by_group.setdefault(group_of_unit[unit], []).extend(unit_names)
-        first_unit = {g: min(i for i, o in owner.items() if o == g) for g in range(len(param_groups))}
+        first_unit = {g: min((i for i, o in owner.items() if o == g), default=-1) for g in range(len(param_groups))}
         groups = [DeepSpeedGroup(by_group.get(g, []), scalars.get(first_unit[g], {}), _hparams(pg))
                   for g, pg in enumerate(param_groups)]
     else:
@@ -247,7 +248,7 @@ def _zero(base: DeepSpeedState, shapes: list[dict], osds: list[dict], files: lis
                          f"{base.folder} param group {g}")
         groups = [DeepSpeedGroup(list(s), scalars[g], _hparams(param_groups[g]) if g < len(param_groups) else {})
                   for g, s in enumerate(shapes)]
-    module = {**base.module, **{k: v for k, v in fp32.items()}}
+    module = {**base.module, **fp32}
     scaler = osds[0].get("loss_scaler")
     scaler_sd = {k: v for k, v in vars(scaler).items() if k != "args"} if isinstance(scaler, _StandIn) else {}
     return DeepSpeedState(base.folder, base.model_file, _stage(osds[0]) if not partitioned else 3, base.world_size,

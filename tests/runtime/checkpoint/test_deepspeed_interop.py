@@ -170,6 +170,9 @@ def test_broken_deepspeed_checkpoints_name_the_file(deepspeed_runs: Any, tmp_pat
     optim.write_bytes(optim.read_bytes()[:1000])
     msg = run_world(_load_once, 1, str(broken))[0]
     assert str(optim) in msg and "truncated" in msg, msg
+    torch.save({"something": "else"}, optim)
+    msg = run_world(_load_once, 1, str(broken))[0]
+    assert str(optim) in msg and "'optimizer_state_dict' is missing" in msg, msg
     optim.unlink()
     msg = run_world(_load_once, 1, str(broken))[0]
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in msg and "2 data-parallel ranks" in msg, msg
