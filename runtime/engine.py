@@ -437,6 +437,27 @@ class DeepSpeedEngine(torch.nn.Module):
                                               load_lr_scheduler_states=load_lr_scheduler_states,
                                               load_module_only=load_module_only)
 
+    # DeepSpeed's file names in its own layout (``checkpoint/deepspeed_layout.py``): files that
+    # dslaunch reads from a checkpoint real DeepSpeed wrote, never ones dslaunch writes.
+    def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: str | None = None,
+                       pp_placeholder: str | None = None) -> str:
+        from dslaunch.runtime.checkpoint.deepspeed_layout import ckpt_name
+
+        mp = mp_placeholder if mp_placeholder is not None else f"{self.grid.get_model_parallel_rank():02d}"
+        dp = pp_placeholder if pp_placeholder is not None else self.grid.get_data_parallel_rank()
+        return ckpt_name(checkpoints_path, tag, self.zero.stage == 3, dp, mp)
+
+    def _get_zero_ckpt_name(self, checkpoints_path: str, tag: Any) -> str:
+        from dslaunch.runtime.checkpoint.deepspeed_layout import zero_ckpt_name
+
+        return zero_ckpt_name(checkpoints_path, tag, self.grid.get_data_parallel_rank(), self.bfloat16_enabled(),
+                              self.grid.get_model_parallel_rank())
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: Any, expp_rank: int) -> str:
+        from dslaunch.runtime.checkpoint.deepspeed_layout import optimizer_ckpt_name
+
+        return optimizer_ckpt_name(checkpoints_path, tag, expp_rank, self.grid.get_model_parallel_rank())
+
     def _checkpoint_phase(self) -> contextlib.AbstractContextManager:
         """Saving or loading is not a training step: the monitor's hang rule allows it longer."""
         return self._heartbeat.phase("checkpoint") if self._heartbeat is not None else contextlib.nullcontext()

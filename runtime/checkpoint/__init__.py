@@ -8,7 +8,9 @@ file (``format.py``), the checkpoint directory with its manifests, ``latest`` an
 (``leftovers.py``), the collective save protocol
 and background writer (``writer.py``), resharding ZeRO state between world sizes and stages
 (``reshard.py``), the parts of model-parallel engines named by topology coordinates
-(``model_parallel.py``), and the offline fp32 export, DeepSpeed's ``zero_to_fp32`` (``export.py``).
+(``model_parallel.py``), the offline fp32 export, DeepSpeed's ``zero_to_fp32`` (``export.py``), and
+loading checkpoints real DeepSpeed wrote (``deepspeed_layout.py`` names its files,
+``deepspeed_read.py`` reads them into whole per-parameter state, ``deepspeed_load.py`` places it).
 """
 
 from dslaunch.runtime.checkpoint.save_load import (

@@ -1,18 +1,77 @@
-"""The file names of DeepSpeed's own checkpoint layout, for scripts that look inside a checkpoint
-real DeepSpeed wrote.
+"""The file names of DeepSpeed's own checkpoint layout, and telling such a tag from dslaunch's.
 
-dslaunch writes its own layout (a manifest and ``.dsl`` files per tag, ``checkpointer.py``), not
-these files: a name from here points into a DeepSpeed checkpoint, never into one of dslaunch's.
+A tag folder real DeepSpeed 0.19 wrote (``save_dir/<tag>/``, ``save_dir/latest`` naming the
+newest tag) holds::
+
+    mp_rank_00_model_states.pt                      stages 0-2: module, counters, scheduler,
+                                                    client state (model-parallel rank 00)
+    zero_pp_rank_R_mp_rank_00_model_states.pt       stage 3: the same, one per data-parallel rank R
+    [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt  ZeRO: rank R's fp32 partition and optimizer
+                                                    state (``bf16_`` from DeepSpeed's bf16 optimizer)
+
+dslaunch writes its own layout (a manifest and ``.dsl`` files per tag, ``checkpointer.py``); it
+reads this one (``deepspeed_read.py``), and these names point into it, never into dslaunch's.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-__all__ = ["get_model_ckpt_name_for_rank"]
+from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST
+
+__all__ = ["get_model_ckpt_name_for_rank", "model_states_name", "optim_states_name", "ckpt_name",
+           "zero_ckpt_name", "optimizer_ckpt_name", "deepspeed_tag"]
 
 
 def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: str) -> str:
     """The model-states file of model-parallel rank ``mp_rank_str`` (zero-padded, e.g. ``"00"``) in
     the tag folder ``base_folder`` of a DeepSpeed checkpoint: ``<base_folder>/mp_rank_00_model_states.pt``."""
     return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")
+
+
+def model_states_name(dp_rank: int | None = None, mp_rank: int = 0) -> str:
+    """``mp_rank_00_model_states.pt``; with ``dp_rank`` (stage 3) ``zero_pp_rank_R_mp_rank_00_...``."""
+    prefix = "" if dp_rank is None else f"zero_pp_rank_{dp_rank}_"
+    return f"{prefix}mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(dp_rank: int, bf16: bool = False, mp_rank: int = 0) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def ckpt_name(checkpoints_path: str | os.PathLike, tag: object, partitioned: bool, dp_rank: int = 0,
+              mp_rank: str = "00") -> str:
+    """DeepSpeed's ``engine._get_ckpt_name``: the model-states file of this rank in ``tag``."""
+    name = (f"zero_pp_rank_{dp_rank}_" if partitioned else "") + f"mp_rank_{mp_rank}_model_states.pt"
+    return os.path.join(checkpoints_path, str(tag), name)
+
+
+def zero_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, dp_rank: int, bf16: bool,
+                   mp_rank: int = 0) -> str:
+    """DeepSpeed's ``engine._get_zero_ckpt_name``: this rank's ZeRO optimizer-states file."""
+    return os.path.join(checkpoints_path, str(tag), optim_states_name(dp_rank, bf16, mp_rank))
+
+
+def optimizer_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, expp_rank: int, mp_rank: int = 0) -> str:
+    """DeepSpeed's ``engine._get_optimizer_ckpt_name``: the optimizer file of expert-parallel rank
+    ``expp_rank`` (MoE models without ZeRO)."""
+    return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
+
+def deepspeed_tag(load_dir: str | os.PathLike, tag: object = None) -> Path | None:
+    """The tag folder to load if ``load_dir`` holds a DeepSpeed checkpoint there, else None.
+
+    ``tag`` None: the tag ``load_dir/latest`` names. A folder is DeepSpeed's when it has a
+    ``*model_states.pt`` file and no dslaunch manifest.
+    """
+    root = Path(load_dir)
+    if tag is None:
+        try:
+            tag = (root / LATEST).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+    folder = root / str(tag)
+    if not folder.is_dir() or (folder / MANIFEST).exists():
+        return None
+    return folder if any(folder.glob("*model_states.pt")) else None

@@ -325,13 +325,13 @@ def _master_from_module(module: torch.nn.Module, current: dict) -> list[torch.Te
     return out
 
 
-def _with_masters(current: dict, masters: list[torch.Tensor]) -> dict:
+def with_masters(current: dict, masters: list[torch.Tensor]) -> dict:
     """The live strategy state with only the fp32 master weights replaced."""
     return {**current, "groups": [{**g, "master": m} for g, m in zip(current["groups"], masters,
                                                                       strict=True)]}
 
 
-def _load_module(module: torch.nn.Module, sd: dict, strict: bool, meta: dict, held: set[str],
+def load_module_weights(module: torch.nn.Module, sd: dict, strict: bool, meta: dict, held: set[str],
                  source: str) -> None:
     """Load buffers and untrained params; ``held`` names the params restored from fp32 masters.
 
@@ -358,7 +358,8 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False
                     ) -> tuple[str | None, dict | None]:
-    """Load a checkpoint saved at any world size and ZeRO stage into an engine's ``parts``.
+    """Load a checkpoint saved at any world size and ZeRO stage into an engine's ``parts``: one of
+    dslaunch's, or one real DeepSpeed wrote (``deepspeed_load``: its ``latest`` and tag folder).
 
     Args:
         tag: the tag to load; None: the one ``latest`` names, or else the newest valid tag
@@ -376,6 +377,14 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
     """
     ck = parts.io
     ck.writer.wait()
+    # deepspeed_load builds on this module's loading steps, hence the import here
+    from dslaunch.runtime.checkpoint.deepspeed_load import find_deepspeed_tag, load_deepspeed
+
+    folder = find_deepspeed_tag(ck, load_dir, tag)
+    if folder is not None:
+        return load_deepspeed(parts, folder, load_module_strict=load_module_strict,
+                              load_optimizer_states=load_optimizer_states,
+                              load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     store = CheckpointStore(load_dir)
     tags, notes = _candidates(ck, store, tag)
     if not tags:
@@ -395,19 +404,19 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
     meta = manifest.meta
     if got["incompatible"] is None:
         held = {n for g in current["groups"] for n in g["names"]}
-        _load_module(parts.module, got["module"], load_module_strict, meta, held, source)
+        load_module_weights(parts.module, got["module"], load_module_strict, meta, held, source)
         saved_masters = [g["master"] for g in got["zero"]["groups"]]
     else:
         if load_module_strict:
             raise got["incompatible"]
         params = dict(parts.module.named_parameters())
         weights = {k: v.to(params[k].dtype) for k, v in got["fp32"].items() if k in params}
-        _load_module(parts.module, {**got["module"], **weights}, False, meta, set(), source)
+        load_module_weights(parts.module, {**got["module"], **weights}, False, meta, set(), source)
         log.warning("checkpoint %s: optimizer state does not fit this model; loaded module "
                     "weights only (load_module_strict=False)", source)
         load_module_only, saved_masters = True, _master_from_module(parts.module, current)
     if load_module_only or not load_optimizer_states:
-        parts.zero.load_state_dict(_with_masters(current, saved_masters))
+        parts.zero.load_state_dict(with_masters(current, saved_masters))
     else:
         parts.zero.load_state_dict(got["zero"])
     state = got["rank"]

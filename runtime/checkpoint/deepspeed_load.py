@@ -1,0 +1,170 @@
+"""``engine.load_checkpoint`` of a checkpoint real DeepSpeed wrote, at any world size and stage.
+
+Owns placing a ``deepspeed_read.DeepSpeedState`` (whole per-parameter fp32 masters and optimizer
+state) into an engine's ``parts``: the module's other weights and buffers through the same path as
+dslaunch's own checkpoints (``save_load.load_module_weights``), the masters and moments as one
+consolidated strategy state that ``strategy.load_state_dict`` cuts to this rank's range (so the
+saving world size and ZeRO stage do not matter), and the counters, LR scheduler and loss scale
+into the training part. The flags mean what DeepSpeed's mean: ``load_optimizer_states=False``
+keeps the fresh optimizer state (masters from the checkpoint's fp32 weights), and
+``load_module_only=True`` takes only the module's weights (masters: those weights, as DeepSpeed's
+``refresh_fp32_params``), no counters or scheduler. The client state is what DeepSpeed returns:
+the model-states file's keys less those it consumed.
+
+DeepSpeed saves no RNG state and no data position: those stay as they are (as in DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
+from dslaunch.runtime.checkpoint.deepspeed_layout import deepspeed_tag, model_states_name
+from dslaunch.runtime.checkpoint.deepspeed_read import DeepSpeedState, read_deepspeed
+from dslaunch.runtime.checkpoint.parts import CheckpointParts
+from dslaunch.runtime.checkpoint.save_load import load_module_weights, with_masters
+
+__all__ = ["find_deepspeed_tag", "load_deepspeed"]
+
+log = logging.getLogger("dslaunch.checkpoint")
+
+# The keys DeepSpeed's load consumes; the rest of the model-states file is the client state.
+_ALWAYS = ("module",)
+_TRAINING = ("skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd")
+_LOSS_SCALER_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def find_deepspeed_tag(ck: Checkpointer, load_dir: str | os.PathLike, tag: Any) -> Path | None:
+    """The DeepSpeed tag folder to load, or None (a dslaunch checkpoint, or none at all).
+
+    Rank 0 decides, so every rank takes the same path. collective: call on all ranks.
+    """
+    found = deepspeed_tag(load_dir, tag) if ck.comm.rank == 0 else None
+    found = ck.comm.all_gather_object(str(found) if found is not None else None)[0]
+    return Path(found) if found is not None else None
+
+
+def _read(ck: Checkpointer, folder: Path, optimizer: bool, trained: list[str]) -> DeepSpeedState:
+    """Every rank reads the tag; if any rank fails, all raise the same error."""
+    got, err = None, None
+    try:
+        got = read_deepspeed(folder, optimizer, trained)
+    except CheckpointError as exc:
+        err = str(exc)
+    errors = [e for e in ck.comm.all_gather_object(err) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    assert got is not None
+    return got
+
+
+def _consolidated(state: DeepSpeedState, current: dict, strict: bool) -> dict:
+    """The live strategy's groups, whole ([0, numel)), from the checkpoint's per-parameter state."""
+    group_of = {n: g for g in state.groups for n in g.names}
+    groups = []
+    for gi, live in enumerate(current["groups"]):
+        missing = [n for n in live["names"] if n not in state.fp32]
+        if missing:
+            raise CheckpointError(f"param group {gi}: parameters {missing[:3]} are not in the DeepSpeed "
+                                  "checkpoint", str(state.folder))
+        for n, shape in zip(live["names"], live["shapes"], strict=True):
+            if tuple(state.fp32[n].shape) != tuple(shape):
+                raise CheckpointError(f"{n!r} has shape {tuple(state.fp32[n].shape)} in the checkpoint, "
+                                      f"{tuple(shape)} in the model", str(state.folder))
+        saved = group_of.get(live["names"][0]) if live["names"] else None
+        keys = sorted({k for n in live["names"] for k in state.optim.get(n, {})})
+        lacking = [n for n in live["names"] if sorted(state.optim.get(n, {})) != keys]
+        if lacking and strict:
+            raise CheckpointError(f"param group {gi}: {lacking[:3]} have no optimizer state {keys}",
+                                  str(state.folder))
+        hparams = dict(live["hparams"])
+        hparams.update({k: v for k, v in (saved.hparams if saved else {}).items() if k in hparams})
+        groups.append({"names": list(live["names"]), "shapes": [tuple(s) for s in live["shapes"]],
+                       "numel": int(live["numel"]), "start": 0, "end": int(live["numel"]),
+                       "master": _flat([state.fp32[n] for n in live["names"]]),
+                       "optim_state": {} if lacking else {k: _flat([state.optim[n][k] for n in live["names"]])
+                                                          for k in keys},
+                       "optim_scalars": dict(saved.scalars) if saved and not lacking else {},
+                       "hparams": hparams})
+    return {**current, "groups": groups}
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.empty(0)
+
+
+def _masters_from(weights: dict[str, torch.Tensor], current: dict, folder: Path) -> list[torch.Tensor]:
+    """This rank's range of each group's masters, from whole weights (``load_module_only``)."""
+    out = []
+    for g in current["groups"]:
+        missing = [n for n in g["names"] if n not in weights]
+        if missing:
+            raise CheckpointError(f"parameters {missing[:3]} are not in the DeepSpeed checkpoint's module",
+                                  str(folder))
+        out.append(_flat([weights[n] for n in g["names"]])[g["start"]:g["end"]])
+    return out
+
+
+def _training(parts: CheckpointParts, state: DeepSpeedState, lr_scheduler: bool, optimizer: bool) -> dict:
+    sd = state.states
+    training = dict(parts.training.state_dict())
+    steps = int(sd.get("global_steps", 0))
+    training.update(global_steps=steps, global_samples=int(sd.get("global_samples", training["global_samples"])),
+                    skipped_steps=int(sd.get("skipped_steps", 0)), grad_exchange=None, dataloader=None,
+                    lr_scheduler=sd.get("lr_scheduler") if lr_scheduler else None)
+    if optimizer and "cur_scale" in state.loss_scaler and isinstance(training.get("loss_scaler"), dict):
+        training["loss_scaler"] = {**training["loss_scaler"],
+                                   **{k: state.loss_scaler[k] for k in _LOSS_SCALER_KEYS if k in state.loss_scaler}}
+    return training
+
+
+def _client_state(sd: dict, module_only: bool, lr_scheduler: bool, optimizer: bool) -> dict:
+    used = set(_ALWAYS) | (set() if module_only else set(_TRAINING))
+    used |= {"lr_scheduler"} if lr_scheduler else set()
+    used |= {"optimizer"} if optimizer else set()
+    return {k: v for k, v in sd.items() if k not in used}
+
+
+def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: bool = True,
+                   load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                   load_module_only: bool = False) -> tuple[str, dict]:
+    """Load the DeepSpeed tag ``folder`` (``find_deepspeed_tag``) into ``parts``.
+
+    Returns:
+        ``(model-states file, client_state)``, as DeepSpeed's ``load_checkpoint``.
+    Raises:
+        CheckpointError: a file is missing, truncated or malformed, or the checkpoint does not
+            fit the model (names the file or the parameter).
+
+    collective: call on all ranks.
+    """
+    ck = parts.io
+    if parts.placement is not None:
+        raise CheckpointError("loading a DeepSpeed checkpoint into a model-parallel engine (pipeline, "
+                              "mpu) is not supported", str(folder))
+    current = parts.zero.state_dict()
+    trained = [n for g in current["groups"] for n in g["names"]]
+    read_optimizer = load_optimizer_states and not load_module_only
+    state = _read(ck, folder, read_optimizer, trained)
+    source = str(state.model_file)
+    held = set(trained)
+    load_module_weights(parts.module, state.module, load_module_strict, {}, held, source)
+    if read_optimizer:
+        parts.zero.load_state_dict(_consolidated(state, current, load_module_strict))
+    else:  # masters from the fp32 weights where read (stage 3), else the module's, as DeepSpeed
+        parts.zero.load_state_dict(with_masters(current, _masters_from(state.fp32 or state.module, current,
+                                                                       folder)))
+    if not load_module_only:
+        parts.training.load_state_dict(_training(parts, state, load_lr_scheduler_states, load_optimizer_states))
+    if ck.comm.rank == 0:
+        log.info("loaded DeepSpeed checkpoint %s (saved at data-parallel world size %d, ZeRO stage %d; now %d, "
+                 "stage %d)", folder, state.world_size, state.stage, ck.comm.world_size, parts.zero.stage)
+    own = folder / model_states_name(ck.comm.rank) if state.stage == 3 and ck.comm.rank < state.world_size \
+        else state.model_file
+    return str(own), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)
