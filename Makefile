@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
-.PHONY: setup compat-venv demo test lint bench stress system-deps gpu-check clean conformance
+.PHONY: setup compat-venv deepspeed-venv demo test lint bench stress system-deps gpu-check clean conformance
 
 setup: $(STAMP)
 
@@ -31,6 +31,12 @@ $(COMPAT_STAMP): compat/deepspeed/pyproject.toml scripts/compat_venv.sh | $(STAM
 # DeepSpeed's own unit tests against real DeepSpeed 0.19.8 and against dslaunch (two venvs under
 # .venv-conformance/, built once); DEEPSPEED_SRC is a DeepSpeed source checkout (its tests/ folder).
 # CONFORMANCE_FLAGS: e.g. --no-distributed (quick), --file unit/...py, --side dslaunch.
+# Real DeepSpeed (its own venv, torch pinned to the main venv's): the checkpoint-interop tests run it
+# as the peer that writes checkpoints dslaunch loads. Built once (a stamp in the venv).
+deepspeed-venv: setup
+	cd scripts/conformance && $(abspath $(PY)) -c "import run, torch; from pathlib import Path; \
+	run.build_venv('deepspeed', Path('../../.venv-conformance/deepspeed').resolve(), torch.__version__)"
+
 conformance: setup
 	@test -n "$(DEEPSPEED_SRC)" || { echo "make conformance DEEPSPEED_SRC=<DeepSpeed source checkout>"; exit 2; }
 	OMP_NUM_THREADS=1 $(PY) scripts/conformance/run.py --deepspeed-src "$(DEEPSPEED_SRC)" $(CONFORMANCE_FLAGS)
@@ -47,7 +53,7 @@ system-deps:
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup compat-venv system-deps lint
+test: setup compat-venv deepspeed-venv system-deps lint
 	$(PY) -m pytest -q
 
 bench: setup
