@@ -28,7 +28,9 @@ def _records(compat_bin: Path, work: Path, world: int, sp: int, stage: int, *ext
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-_LAYOUTS = [(world, sp, stage, "full") for world, sp in ((2, 2), (4, 2)) for stage in (1, 2, 3)]
+# Every ZeRO stage at every layout is the plain-torch model's (tests/runtime/sequence_parallel/
+# test_engine.py); through Hugging Face one stage per layout (suite time: ~15 s a launch).
+_LAYOUTS = [(2, 2, 1, "full"), (4, 2, 3, "full")]
 _LAYOUTS += [(2, 2, 3, "lora")]  # a PEFT model: LoRA adapters on a frozen Llama
 
 
@@ -51,7 +53,7 @@ def test_ulysses_llama_trains_as_the_sp1_job(compat_bin: Path, tmp_path: Path, w
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3])  # ZeRO-2 ran the same (the stages are test_engine.py's)
 def test_trainer_with_accelerates_parallelism_config_trains_as_sp1(compat_bin: Path, tmp_path: Path,
                                                                     stage: int) -> None:
     """``TrainingArguments(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))``

@@ -42,7 +42,7 @@ def _train(rank: int, world: int, ep_size: int, stage: int) -> list[list[float]]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])  # stage 0's expert reduction: tests/runtime/zero/test_experts.py
 def test_training_at_ep_2_and_4_gives_the_losses_of_ep_1(stage: int) -> None:
     dense = run_world(_train, WORLD, 1, stage, timeout=120)
     for ep_size in (2, 4):
