@@ -29,7 +29,7 @@ from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.runners.base import format_node
 from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.stream import AgentStream, StreamNode
-from dslaunch.launcher.spec import JobSpec, NodeSpec
+from dslaunch.launcher.spec import JobSpec
 from dslaunch.launcher.workerenv import remote_node
 
 __all__ = ["ChildSession", "ChildNode", "ChildRunner"]
@@ -122,26 +122,27 @@ class ChildNode(StreamNode):
 class ChildRunner(RemoteRunner):
     """A remote runner whose session to each node is a local child command (``srun``,
     ``mpirun``) running that node's agent. Subclasses set ``cause`` (the command's name),
-    ``epilogue`` and ``node_type`` (a ``ChildNode`` with that ``command``) and implement ``_argv``."""
+    ``epilogue`` and ``node_type`` (a ``ChildNode`` with that ``command``) and implement ``_argvs``."""
 
     epilogue: ClassVar[re.Pattern[bytes] | None] = None
 
-    def _argv(self, job: JobSpec, node: NodeSpec) -> list[str]:
-        """The command line that starts ``node``'s agent (probe first, see ``agent.bootstrap``)."""
+    def _argvs(self, job: JobSpec) -> dict[str, list[str]]:
+        """Each node's command line that starts its agent (probe first, see ``agent.bootstrap``)."""
         raise NotImplementedError
 
     def dry_run(self, job: JobSpec) -> str:
-        exported = self._exported()
+        exported, argvs = self._exported(), self._argvs(job)
         out = []
         for node in job.nodes:
-            out.append(f"{shlex.join(self._argv(job, node))}\n"
+            out.append(f"{shlex.join(argvs[node.host])}\n"
                        "  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
             out.append(format_node(remote_node(node, job.master_addr, exported, IFACE_AT_LAUNCH)))
         return "\n".join(out)
 
     def _open_sessions(self, job: JobSpec, wake: threading.Event) -> str:
+        argvs = self._argvs(job)
         for node in job.nodes:
-            session = ChildSession(node.host, self._argv(job, node), self._out, self._err, on_change=wake.set,
+            session = ChildSession(node.host, argvs[node.host], self._out, self._err, on_change=wake.set,
                                    epilogue=self.epilogue)
             self.sessions[node.host] = session
             try:

@@ -24,13 +24,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import sys
 from typing import ClassVar
 
 from dslaunch.errors import HostsError
 from dslaunch.launcher.runners.child import ChildNode, ChildRunner
-from dslaunch.launcher.runners.preflight import agent_argv, probe_request
-from dslaunch.launcher.spec import JobSpec, NodeSpec
+from dslaunch.launcher.runners.preflight import node_agent_argv
+from dslaunch.launcher.spec import JobSpec
 
 __all__ = ["MPIError", "OpenMPIRunner", "MPICHRunner", "IMPIRunner", "MVAPICHRunner"]
 
@@ -56,21 +55,20 @@ class _MPIRunner(ChildRunner):
     placement: ClassVar[tuple[str, ...]] = ()
     """The options that run one task on the host (``{host}`` replaced)."""
 
-    def _argv(self, job: JobSpec, node: NodeSpec) -> list[str]:
-        python = job.python or sys.executable
-        is_master = node.node_rank == 0 and not job.master_given
-        request = probe_request(node.cwd, job.master_addr, job.master_port, is_master, job.user_script)
-        opts = [o.format(host=node.host) for o in self.placement]
-        return [MPIRUN, *opts, *shlex.split(job.launcher_args), *agent_argv(python, request)]
+    def _options(self) -> tuple[str, ...]:
+        return self.placement
+
+    def _argvs(self, job: JobSpec) -> dict[str, list[str]]:
+        return {node.host: [MPIRUN, *(o.format(host=node.host) for o in self._options()),
+                            *shlex.split(job.launcher_args), *node_agent_argv(job, node)] for node in job.nodes}
 
 
 class OpenMPIRunner(_MPIRunner):
     name = "openmpi"
     placement = ("-n", "1", "--host", "{host}", "--bind-to", "none")
 
-    def _argv(self, job: JobSpec, node: NodeSpec) -> list[str]:
-        argv = super()._argv(job, node)
-        return argv[:1] + ["--allow-run-as-root"] + argv[1:] if os.geteuid() == 0 else argv
+    def _options(self) -> tuple[str, ...]:
+        return (("--allow-run-as-root",) if os.geteuid() == 0 else ()) + self.placement
 
 
 class MPICHRunner(_MPIRunner):

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 import time
 from collections.abc import Callable, Mapping
 
 from dslaunch.errors import HostsError
+from dslaunch.launcher.spec import JobSpec, NodeSpec
 
 __all__ = ["PROBE_TIMEOUT", "probe_request", "agent_argv", "remote_command", "check_probes", "gather_probes"]
 
@@ -40,6 +42,14 @@ def probe_request(cwd: str | None, master_addr: str, master_port: int, is_master
 def agent_argv(python: str, request: Mapping) -> list[str]:
     """What each host runs: probe, then the node agent (``agent.bootstrap.main``)."""
     return [python, "-m", "dslaunch.launcher.agent.bootstrap", json.dumps(dict(request), separators=(",", ":"))]
+
+
+def node_agent_argv(job: JobSpec, node: NodeSpec) -> list[str]:
+    """``agent_argv`` for ``node`` of ``job``, for a transport that runs it as a command line
+    (``srun``, ``mpirun``): node 0 hosts the rendezvous unless ``--master_addr`` named another."""
+    request = probe_request(node.cwd, job.master_addr, job.master_port,
+                            node.node_rank == 0 and not job.master_given, job.user_script)
+    return agent_argv(job.python or sys.executable, request)
 
 
 def remote_command(python: str, request: Mapping) -> str:

@@ -6,8 +6,9 @@
   i.e. all pipeline stages and tensor slices of one replica), plus the pipe and slice groups.
 - ``DataParallelGrid()``: the same methods for the one-axis case (every rank a data-parallel peer,
   the world group itself): no group is created, so a job without model parallelism pays nothing.
-- ``grid_from_config(cfg)``: the grid of the degrees a ds_config sets itself
-  (``sequence_parallel_size``), for an engine given no mpu.
+- ``sequence_grid(N)``: the grid of N sequence ranks per sample (the mpu
+  ``UlyssesSPAttentionHF.register_with_transformers`` returns). The grid of the degrees a ds_config
+  sets itself is ``from_config.grid_from_config``.
 
 A grid with a sequence axis also answers the sequence questions DeepSpeed's
 ``parallel_state_sp`` answers: ``get_sequence_parallel_*`` (the ranks that split one sample) and

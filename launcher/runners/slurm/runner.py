@@ -27,13 +27,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import sys
 
 from dslaunch.errors import HostsError
 from dslaunch.launcher.agent.wire import CHECKPOINT_REQUEST
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.runners.child import ChildNode, ChildRunner
-from dslaunch.launcher.runners.preflight import agent_argv, probe_request
+from dslaunch.launcher.runners.preflight import node_agent_argv
 from dslaunch.launcher.spec import JobSpec, NodeSpec
 
 __all__ = ["SlurmRunner", "SlurmError", "srun_argv"]
@@ -55,13 +54,10 @@ def srun_argv(job: JobSpec, node: NodeSpec, cpus: int | None = None) -> list[str
     ``--cpus-per-task``: all the node's CPUs, so that a task plugin that pins steps does not pin
     every worker of the node to one CPU.
     """
-    python = job.python or sys.executable
-    is_master = node.node_rank == 0 and not job.master_given
-    request = probe_request(node.cwd, job.master_addr, job.master_port, is_master, job.user_script)
     opts = ["--nodes=1", "--ntasks=1", f"--nodelist={node.host}", "--overlap", "--quiet",
             f"--job-name=dslaunch-node{node.node_rank}", *([f"--cpus-per-task={cpus}"] if cpus else []),
             *shlex.split(job.launcher_args)]
-    return [SRUN, *opts, *agent_argv(python, request)]
+    return [SRUN, *opts, *node_agent_argv(job, node)]
 
 
 class _SrunNode(ChildNode):
@@ -92,8 +88,9 @@ class SlurmRunner(ChildRunner):
 
     epilogue = _SRUN_EXIT_LINE
 
-    def _argv(self, job: JobSpec, node: NodeSpec) -> list[str]:
-        return srun_argv(job, node, self._cpus().get(node.host))
+    def _argvs(self, job: JobSpec) -> dict[str, list[str]]:
+        cpus = self._cpus()  # the allocation read once per job
+        return {node.host: srun_argv(job, node, cpus.get(node.host)) for node in job.nodes}
 
     def request_checkpoint(self) -> None:
         """Ask every node's agent to signal its ranks for a checkpoint (signal-handler safe:
