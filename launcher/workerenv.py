@@ -30,7 +30,7 @@ from dataclasses import replace
 from dslaunch.launcher.spec import NodeSpec, WorkerSpec
 from dslaunch.utils.beat import HEARTBEAT_FD_ENV, STACK_FD_ENV
 
-__all__ = ["IFNAME_VARS", "node_env", "worker_env", "remote_node", "process_env", "monitor_env"]
+__all__ = ["IFNAME_VARS", "node_env", "worker_env", "interface_env", "remote_node", "process_env", "monitor_env"]
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -53,6 +53,14 @@ def worker_env(global_rank: int, local_rank: int) -> dict[str, str]:
     return {"RANK": str(global_rank), "LOCAL_RANK": str(local_rank)}
 
 
+def interface_env(iface: str | None, given: Mapping[str, str]) -> dict[str, str]:
+    """gloo's and NCCL's interface variables for ``iface`` (the host's interface toward the
+    master), each only where ``given`` does not set it: the user's value wins. None or ``lo``: none."""
+    if not iface or iface == "lo":
+        return {}
+    return {var: iface for var in IFNAME_VARS if var not in given}
+
+
 def remote_node(node: NodeSpec, master_addr: str, exported: Mapping[str, str], iface: str | None) -> NodeSpec:
     """Layers 2 and 3 for a node started over a transport that does not carry the controller's
     environment: ``node`` with the exported variables under its own and the resolved master.
@@ -63,11 +71,7 @@ def remote_node(node: NodeSpec, master_addr: str, exported: Mapping[str, str], i
         exported: ``envfile.collect_env()``.
         iface: the host's interface toward the master address, if known (``lo`` is ignored).
     """
-    env = dict(exported)
-    if iface and iface != "lo":
-        for var in IFNAME_VARS:
-            env.setdefault(var, iface)  # the user's value (env or env file) wins
-    env.update(node.env)
+    env = {**exported, **interface_env(iface, exported), **node.env}  # the user's value (env file) wins
     env["MASTER_ADDR"] = master_addr
     return replace(node, env=env)
 

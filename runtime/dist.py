@@ -87,7 +87,7 @@ def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in found.items() if k not in env}
 
 
-_MPI_FLAVOURS = (  # (rank, size, local rank, local size): what each MPI's launcher exports
+_MPI_FLAVOURS = (  # (name, rank, size, local rank, local size): what each MPI's launcher exports
     ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("MVAPICH2", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",

@@ -217,14 +217,11 @@ def _toward_master(job: JobSpec, env: Mapping[str, str]) -> JobSpec:
     runner's probe does for its hosts: otherwise gloo advertises whatever the host name resolves
     to, 127.0.0.1 on hosts without a DNS entry for themselves. The user's variables win."""
     from dslaunch.launcher.agent.bootstrap import route
-    from dslaunch.launcher.workerenv import IFNAME_VARS
+    from dslaunch.launcher.workerenv import interface_env
 
     node = job.nodes[0]
-    iface = route(job.master_addr, job.master_port).get("iface")
-    if not iface or iface == "lo":
-        return job
-    named = {var: iface for var in IFNAME_VARS if var not in env and var not in node.env}
-    return replace(job, nodes=(replace(node, env={**node.env, **named}),))
+    named = interface_env(route(job.master_addr, job.master_port).get("iface"), {**env, **node.env})
+    return replace(job, nodes=(replace(node, env={**node.env, **named}),)) if named else job
 
 
 def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config: Mapping[str, str]) -> int:
