@@ -25,6 +25,7 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.moe import expert_group_name
+from dslaunch.runtime.parallel.groups import ep_size_of
 from dslaunch.runtime.parallel.mpu import counted_in_norm, gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.zero.exchange import GradientExchange, build_exchange
@@ -122,7 +123,7 @@ def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig) -> 
                               key="optimizer.type")
     out = {}
     for name in names:
-        split = home.experts(int(name.rpartition("_")[2]), cfg.use_data_before_expert_parallelism)
+        split = home.experts(ep_size_of(name), cfg.use_data_before_expert_parallelism)
         out[name] = ReduceGroup(split.group("expert_data"), split.group("expert"))
     return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dslaunch.runtime.parallel.groups import ep_size_of
 from dslaunch.runtime.parallel.mpu import tensor_axis
 
 __all__ = [
@@ -175,11 +176,11 @@ def data_parallel_grid() -> Any:
 
 def _ep_size(group_name: str) -> int:
     """The expert-parallel size in a DeepSpeed group name, ``ep_size_<N>``."""
-    prefix, _, size = str(group_name).rpartition("_")
-    if prefix != "ep_size" or not size.isdigit():
+    size = ep_size_of(group_name)
+    if size is None:
         raise KeyError(f"expert group name {group_name!r}: DeepSpeed's names are ep_size_<N> (N the expert "
                        "parallel size)")
-    return int(size)
+    return size
 
 
 def _experts(group_name: str | None) -> Any:

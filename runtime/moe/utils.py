@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dslaunch.runtime.moe.layer import MoE
+from dslaunch.runtime.parallel.groups import ep_size_of
 
 __all__ = ["has_moe_layers", "is_moe_param", "is_moe_param_group", "expert_group_name",
            "split_params_into_shared_and_expert_params",
@@ -47,8 +48,7 @@ def expert_group_name(param: torch.Tensor) -> str | None:
     if not is_moe_param(param):
         return None
     name = getattr(param, "group_name", None)
-    prefix, _, size = str(name).rpartition("_")
-    if prefix != "ep_size" or not size.isdigit() or int(size) < 1:
+    if ep_size_of(name) is None:
         from dslaunch.errors import UsageError
 
         raise UsageError(f"a parameter marked as an expert's (allreduce = False) of shape {tuple(param.shape)} "

@@ -33,7 +33,7 @@ from typing import Any
 
 from dslaunch.runtime.parallel.topology import ProcessTopology
 
-__all__ = ["ROLES", "ParallelGroups", "new_groups", "dedicated_world_group"]
+__all__ = ["ROLES", "ParallelGroups", "new_groups", "dedicated_world_group", "ep_size_of"]
 
 _DATA = ("data", "expert_data", "expert")
 ROLE_AXES: dict[str, tuple[str, ...]] = {
@@ -43,6 +43,13 @@ ROLE_AXES: dict[str, tuple[str, ...]] = {
 }
 """The topology axes each role varies over (``replica``: every axis not in ``loss``)."""
 ROLES = (*ROLE_AXES, "replica")
+
+
+def ep_size_of(group_name: Any) -> int | None:
+    """The expert-parallel size an expert group's name carries (DeepSpeed's ``ep_size_<N>``, N >= 1);
+    None for any other name."""
+    prefix, _, size = str(group_name).rpartition("_")
+    return int(size) if prefix == "ep_size" and size.isdigit() and int(size) >= 1 else None
 
 
 def _dist() -> Any:
