@@ -53,8 +53,11 @@ system-deps:
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Two pytest workers (pytest-xdist): much of the suite waits on subprocesses, sockets and timeouts.
+# A test file is a unit of work, the namespace cluster's tests one unit (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup compat-venv deepspeed-venv system-deps lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: setup
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install -q --no-build-isolation deepspeed

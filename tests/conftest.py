@@ -17,6 +17,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Tests that use the namespace hosts (scripts/cluster). Under pytest-xdist they all run on one
+# worker, since the session fixture that brings the hosts up also takes them down at its worker's
+# end; every other test file is a unit of its own, so a module-scoped fixture is built once.
+CLUSTER_PATHS = ("tests/launcher/runners/ssh/", "tests/launcher/runners/slurm/")
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work a test belongs to under ``make test``'s two workers."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith(CLUSTER_PATHS) or path.endswith("_cluster.py"):
+        return "cluster"
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's scope scheduler with ``xdist_scope`` as the scope (its own ``loadgroup`` marks by
+    rewriting node ids, which pytest 9.2 no longer reads). Units go out largest first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileClusterAsOne(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return ByFileClusterAsOne(config, log)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _scratch_cwd():
     """Run the tests (after collection, which needs the checkout) from a scratch directory, so the

@@ -74,7 +74,7 @@ def test_onebit_adam_warmup_bitwise_then_adam_within_1pct_at_stages_0_1_2() -> N
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [4])  # world 2 measured the same (+0.12% vs +0.16%); 28 s of suite time
+@pytest.mark.parametrize("world", [2])  # world 4 measured the same (+0.16% vs +0.12%) in 66 s instead of 28 s
 def test_onebit_lamb_warmup_bitwise_then_lamb_within_1pct(world: int) -> None:
     cfgs = [config({"type": name, "params": {"lr": LAMB_LR, "weight_decay": 0.01, **extra}}, 1,
                    **linear_decay(LAMB_LR, LAMB_STEPS))
