@@ -4,7 +4,8 @@
 
 A paragraph is a run of non-blank lines (a code block counts whole). Compared after collapsing
 whitespace, dropping heading marks and link targets (a README anchor became ``page.md#anchor``).
-Prints each paragraph not found, with its line; exits 1 if there is one. Read-only.
+Headings alone are not checked (pages retitle and merge sections). Prints each paragraph not
+found, with its line; exits 1 if there is one. Read-only.
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ def _norm(text: str) -> str:
 
 
 def paragraphs(text: str) -> list[tuple[int, str]]:
-    """(first line, text) of each paragraph; a fenced block is one paragraph, blank lines and all."""
+    """(first line, text) of each paragraph; a fenced block is one paragraph, blank lines and all;
+    headings and HTML comments are left out."""
     out, cur, start, fence = [], [], 0, False
     for i, line in enumerate(text.splitlines(), 1):
         if line.startswith("```"):
             fence = not fence
-        if not fence and (not line.strip() or line.startswith(("#", "<!--"))):  # headings stand alone
+        if not fence and (not line.strip() or line.startswith(("#", "<!--"))):
             if cur:
                 out.append((start, "\n".join(cur)))
             cur = []
-            if not line.strip():
-                continue
+            continue  # a heading or marker is structure, not text: pages retitle and merge sections
         if not cur:
             start = i
         cur.append(line)
