@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
-.PHONY: setup compat-venv deepspeed-venv demo test lint bench stress system-deps gpu-check clean conformance
+.PHONY: setup compat-venv deepspeed-venv demo test lint docs bench stress system-deps gpu-check clean conformance
 
 setup: $(STAMP)
 
@@ -53,10 +53,16 @@ system-deps:
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The documentation site (mkdocs.yml, docs/) into .site/, strict: a broken link or anchor fails it;
+# the reference pages are generated from the code while it builds (scripts/docs/hooks.py).
+# NO_MKDOCS_2_WARNING: mkdocs-material 9.7+ prints a banner about MkDocs 2 on every build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 # Two pytest workers (pytest-xdist): much of the suite waits on subprocesses, sockets and timeouts.
 # A test file is a unit of work, the namespace cluster's tests one unit (tests/conftest.py).
 TEST_WORKERS ?= 2
-test: setup compat-venv deepspeed-venv system-deps lint
+test: setup compat-venv deepspeed-venv system-deps lint docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: setup
@@ -74,4 +80,4 @@ gpu-check:
 	bash scripts/gpu/check.sh $(or $(OUT),gpu-check)
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache .ruff_cache *.egg-info .site
