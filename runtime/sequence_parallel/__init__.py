@@ -5,6 +5,8 @@ sequence and switch to a head split around attention.
 - ``attention.py``: ``DistributedAttention`` (``deepspeed.sequence.layer``).
 - ``batch.py``: one rank's shard of a batch (``shift_labels``, pad-and-mask, global positions).
 - ``loss.py``: a shard's loss weighted over the whole sequence.
+- ``tiling.py``: ALST's tiled computations (``TiledMLP``, ``TiledFusedLogitsLoss``,
+  ``sequence_tiled_compute``): one slice of a long sequence's activations at a time.
 - ``ulysses_sp.py``: ALST's Hugging Face integration (``UlyssesSPAttentionHF``,
   ``UlyssesSPDataLoaderAdapter``), DeepSpeed's ``deepspeed.runtime.sequence_parallel.ulysses_sp``.
 

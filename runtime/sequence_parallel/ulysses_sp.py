@@ -8,6 +8,8 @@ models (ALST's ``UlyssesSPAttentionHF`` and ``UlyssesSPDataLoaderAdapter``), as 
   ``PipelineParallelGrid`` with a sequence axis) for ``deepspeed.initialize(mpu=...)``.
 - ``UlyssesSPDataLoaderAdapter`` turns each batch of a loader into this rank's sequence shard
   (``batch.shard_batch``: ``shift_labels``, pad-and-mask, global ``position_ids``).
+- ALST's tiling, ``TiledMLP``, ``TiledFusedLogitsLoss``, ``sequence_tiled_compute`` (and
+  ``SequenceTiledCompute``), live in ``tiling.py`` and are importable from here, as in DeepSpeed.
 
 The loss of a shard is averaged over the whole sequence by the caller (Hugging Face's Trainer
 does it; in a loop of your own: ``sequence_parallel.loss.sequence_parallel_loss``).
@@ -36,8 +38,15 @@ import torch.distributed.nn  # noqa: F401  (transformers' SP loss calls torch.di
 from dslaunch.errors import UsageError
 from dslaunch.runtime.sequence_parallel.batch import padded_length, shard_batch
 from dslaunch.runtime.sequence_parallel.layout import kv_replication, replicate_kv_heads, seq_all_to_all
+from dslaunch.runtime.sequence_parallel.tiling import (
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
 
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "TiledMLP", "TiledFusedLogitsLoss",
+           "SequenceTiledCompute", "sequence_tiled_compute"]
 
 _REFUSED_ATTENTION = {
     "eager": "it needs the 4D attention mask, which is quadratic in the sequence and dropped under Ulysses",

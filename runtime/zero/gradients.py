@@ -39,7 +39,13 @@ from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
 from dslaunch.runtime.zero.specs import CommSettings
 
-__all__ = ["GradientPath", "FullGradients", "ShardedGradients", "ScopedGradients"]
+__all__ = ["GradientPath", "FullGradients", "ShardedGradients", "ScopedGradients", "gradient_is_whole"]
+
+
+def gradient_is_whole(p: torch.Tensor) -> bool:
+    """False while a tiled computation (ALST's ``TiledMLP``...) has added only some of its slices'
+    gradients to ``p.grad`` (DeepSpeed's ``ds_grad_is_ready``): not reduced or released before."""
+    return getattr(p, "ds_grad_is_ready", True) is not False
 
 
 class GradientPath(ABC):
@@ -72,7 +78,8 @@ class GradientPath(ABC):
     def _hook(self, gi: int, pi: int):
         def on_grad(p: torch.Tensor) -> None:
             self._pending = True
-            self._on_grad(gi, pi)
+            if gradient_is_whole(p):
+                self._on_grad(gi, pi)
         return on_grad
 
     @abstractmethod

@@ -35,7 +35,7 @@ import torch
 
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import ParamFetcher
-from dslaunch.runtime.zero.gradients import ScopedGradients
+from dslaunch.runtime.zero.gradients import ScopedGradients, gradient_is_whole
 from dslaunch.runtime.zero.partitioned import Partitioned
 from dslaunch.runtime.zero.prefetch import FetchLimits
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory, ReduceGroup
@@ -94,6 +94,8 @@ def _shape_for_grad(p: torch.nn.Parameter):
 def _after_grad(fetcher: ParamFetcher | None):
     """Backward is done with the parameter: release it (unless the trace reuses it soon)."""
     def hook(p: torch.nn.Parameter) -> None:
+        if not gradient_is_whole(p):  # a tiled computation's next slice uses it again
+            return
         if p.ds_status is zp.ZeroParamStatus.NOT_AVAILABLE:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if fetcher is not None:

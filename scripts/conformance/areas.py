@@ -53,6 +53,7 @@ AREAS: dict[str, list[str]] = {
         "unit/runtime/zero/test_zero_tiled.py",
         "unit/runtime/zero/test_zero_tensor_fragment.py",
     ],
+    "sequence parallel (ALST tiling)": ["unit/ulysses_alst/test_tiled_compute.py"],
     "inference config": [
         "unit/inference/test_inference_config.py",
         "unit/inference/test_checkpoint_sharding.py",
