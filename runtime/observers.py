@@ -286,7 +286,7 @@ def build_observers(engine: Any, config: Any, heartbeat: Any,
     profiler = flops_profiler = profiled = None
     if config.flops_profiler.enabled:
         # Imported only when on: torch's flop formulas and dispatch-mode machinery are not free.
-        from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
+        from dslaunch.runtime.profiling.observer import FlopsProfilerObserver
 
         profiler = FlopsProfilerObserver(engine, config.flops_profiler)
         flops_profiler, profiled = profiler.profiler, profiler.step_flops

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dslaunch import comm
 from dslaunch.errors import UsageError
-from dslaunch.inference.config import DeepSpeedInferenceConfig, device_notes, parse_inference_config
-from dslaunch.inference.loading import ModuleSource, WeightSource, has_meta, open_checkpoint
-from dslaunch.inference.shm_allreduce import ShmAllReduce, same_host
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import waiting
+from dslaunch.runtime.inference.config import DeepSpeedInferenceConfig, device_notes, parse_inference_config
+from dslaunch.runtime.inference.loading import ModuleSource, WeightSource, has_meta, open_checkpoint
+from dslaunch.runtime.inference.shm_allreduce import ShmAllReduce, same_host
 from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.groups import ParallelGroups
 from dslaunch.runtime.parallel.mpu import tensor_axis
@@ -208,7 +208,7 @@ class InferenceEngine(nn.Module):
         self._load(model, config)
         set_local_attributes(model, self.plan)
         if config.replace_with_kernel_inject and device.type == "cuda":
-            from dslaunch.inference.kernel_inject import inject_kernels
+            from dslaunch.runtime.inference.kernel_inject import inject_kernels
 
             inject_kernels(model)
         self.module = model.eval()

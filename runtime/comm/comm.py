@@ -1,9 +1,10 @@
-"""``dslaunch.comm`` (DeepSpeed's ``deepspeed.comm``): collectives and process-group queries.
+"""DeepSpeed's ``deepspeed.comm`` (re-exported as ``dslaunch.comm``): collectives and process-group
+queries.
 
 Thin over ``torch.distributed``: the same functions with DeepSpeed's extra keyword arguments
 (``prof``, ``log_name``, ``debug``) for the comms logger (``comms_logger`` in the ds_config, or
 ``configure(enabled=True)``): while it is on, every collective called here (the ZeRO stages' own
-too) is timed to its completion and counted (``dslaunch.utils.comms_logging``), and
+too) is timed to its completion and counted (``comms_logging``), and
 ``log_summary()`` prints DeepSpeed's table; while it is off a call costs one attribute check more
 than ``torch.distributed``'s (scripts/bench/monitor_bench.py). ``init_distributed`` is the engine's (``dslaunch.runtime.dist``): gloo without GPUs,
 nccl with them, the timeout always explicit.
@@ -30,9 +31,9 @@ import torch.distributed as _dist
 from torch.distributed import ProcessGroup, ReduceOp, Work
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime.comm.comms_logging import CommsLogger, message_size
 from dslaunch.runtime.dist import init_distributed, mpi_discovery
 from dslaunch.runtime.heartbeat import waiting
-from dslaunch.utils.comms_logging import CommsLogger, message_size
 
 __all__ = [
     "ReduceOp", "ProcessGroup", "Work", "init_distributed", "is_initialized", "is_available",

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from dslaunch.errors import UsageError
-from dslaunch.profiling.flops_profiler.counter import FlopCounter
-from dslaunch.profiling.flops_profiler.report import (
+from dslaunch.runtime.profiling.counter import FlopCounter
+from dslaunch.runtime.profiling.report import (
     ModuleRow,
     Profile,
     StepTiming,

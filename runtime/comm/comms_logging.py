@@ -75,7 +75,7 @@ def trim_mean(values: list[float], trim: float = 0.1) -> float:
 
 
 class CommsLogger:
-    """What ``comms_logger`` counts; ``dslaunch.comm`` holds the one instance (DeepSpeed's
+    """What ``comms_logger`` counts; ``comm.py`` (``dslaunch.comm``) holds the one instance (DeepSpeed's
     module-level ``comms_logger``). Off until ``configure`` enables it."""
 
     def __init__(self) -> None:
