@@ -2,8 +2,9 @@
 
 Modules: ``dispatch.py`` (the op table and ``get``), ``reference.py`` (every op's torch
 reference), ``chunks.py`` (the cache-sized batches the references and optimizers step over),
-``cpu/`` (C kernels), ``triton/`` (GPU kernels), ``fused_adam.py`` (DeepSpeed's ``FusedAdam``,
-re-exported by ``dslaunch.ops.adam``). The lowest layer above ``dslaunch``'s base: nothing here
+``cpu/`` (C kernels), ``triton/`` (GPU kernels), and the modules and optimizers built on the
+ops that DeepSpeed's ``deepspeed.ops`` paths re-export: ``fused_adam.py`` (``FusedAdam``),
+``normalization.py`` (``FusedLayerNorm``, ``FusedRMSNorm``), ``bias_gelu.py`` (``BiasGeLU``). The lowest layer above ``dslaunch``'s base: nothing here
 imports ``dslaunch.runtime`` or the launcher (``tests/test_layering.py``).
 
 ``get`` returns the fused implementation registered for the op and the device's type when it can
@@ -41,11 +42,11 @@ Ops, and the signature a fused implementation must have (all update tensors in p
 
 - ``"layer_norm"``: ``(x, weight, bias, eps=1e-5, normalized_shape=None) -> y``, differentiable:
   ``F.layer_norm`` over ``weight``'s shape (``normalized_shape`` when weight is None). Reference:
-  ``reference.layer_norm``, used by ``dslaunch.ops.normalization``.
+  ``reference.layer_norm``, used by ``normalization.py`` (``dslaunch.ops.normalization``).
 - ``"rms_norm"``: ``(x, weight, eps=1e-6, normalized_shape=None) -> y``, as ``F.rms_norm``.
 - ``"bias_gelu"``: ``(x, bias, approximate="none", p=0.0, training=True, seed=None) -> y``,
   differentiable: ``dropout(gelu(x + bias, approximate), p)``; ``seed`` fixes the dropout mask
-  (which differs between implementations; only its law is shared). Used by ``dslaunch.ops.bias_gelu``.
+  (which differs between implementations; only its law is shared). Used by ``bias_gelu.py`` (``dslaunch.ops.bias_gelu``).
 - ``"onebit_pack"``: ``(x, error, rows, scale)``: the signs of ``x`` packed 8 to a byte into the
   uint8 ``rows`` (``scale`` as 4 fp32 bytes behind each row's signs); ``error = x - scale * sign(x)``.
   ``"onebit_unpack"``: ``(rows, out, mean)``: each row's signs times its scale into ``out``, or

@@ -5,7 +5,7 @@ dslaunch's own optimizers' updates (``adam_update`` for ``runtime.optim.adam.Ada
 for ``runtime.optim.lion.Lion``, over cache-sized batches: ``chunks``), torch's own optimizer
 steps, the flat Adagrad and CPU Adam updates of DeepSpeed's CPU optimizers, the 1-bit packing of
 ``runtime.optim.compression`` (``pack_reference``/``unpack_reference``), and the norms and bias +
-GeLU of ``dslaunch.ops.normalization``/``dslaunch.ops.bias_gelu`` (torch's functional ops).
+GeLU of ``kernels/normalization.py``/``kernels/bias_gelu.py`` (torch's functional ops).
 They live here, not next to their callers in ``runtime``, so ``kernels`` imports nothing above it.
 """
 

@@ -6,7 +6,8 @@ Owns ``cli/`` (one module per command), ``plan.py`` (command line + hostfile -> 
 (local accelerators), ``ports.py`` (is the rendezvous port free), ``workerenv.py`` (every variable
 a worker gets, decided in one place), ``agent/`` (starts and stops one node's workers),
 ``monitor/`` (job policy: the gang loop, restarts), ``runners/`` (transports: local, ssh, slurm,
-mpi), ``kubernetes.py`` (a pod as a ``--no_ssh`` node, ``dslaunch k8s manifest``) and
-``autotuning/`` (``dslaunch --autotuning``). DeepSpeed's import paths ``runner.py`` and
+mpi), ``kubernetes.py`` (a pod as a ``--no_ssh`` node, ``dslaunch k8s manifest``),
+``autotuning/`` (``dslaunch --autotuning``) and ``env_report.py`` (``dslaunch report``, DeepSpeed's
+``ds_report``). DeepSpeed's import paths ``runner.py`` and
 ``multinode_runner.py`` answer from these.
 """

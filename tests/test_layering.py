@@ -39,12 +39,6 @@ ALLOWED = {
        for importer in ("dslaunch.runtime.engine", "dslaunch.runtime.utils", "dslaunch.runtime.moe.layer")},
     ("dslaunch.runtime.observers", "dslaunch.monitor.monitor"):
         "deepspeed.monitor (the TensorBoard/CSV/wandb/Comet writers, ~550 lines) is implemented at its DeepSpeed path",
-    ("dslaunch.runtime.inference.kernel_inject", "dslaunch.ops.bias_gelu"):
-        "deepspeed.ops' fused modules (BiasGeLU) are implemented at their DeepSpeed path",
-    ("dslaunch.runtime.inference.kernel_inject", "dslaunch.ops.normalization"):
-        "deepspeed.ops' fused modules (FusedLayerNorm/FusedRMSNorm) are implemented at their DeepSpeed path",
-    ("dslaunch.launcher.cli.report", "dslaunch.env_report"):
-        "ds_report (deepspeed.env_report, 403 lines) is implemented at its DeepSpeed path",
 }
 
 

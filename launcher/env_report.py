@@ -160,7 +160,7 @@ def _devices() -> Section:
                           "small: NCCL and data loaders need more (docker --shm-size)")
         return _sized("shm", "shared memory /dev/shm", size, "ok")
 
-    from dslaunch.accelerator import get_accelerator
+    from dslaunch.runtime.accelerator import get_accelerator
 
     return Section("devices", "devices", (
         _probe("accelerator", "accelerator", lambda: (get_accelerator().device_name(), "ok", "")),
