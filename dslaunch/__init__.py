@@ -15,8 +15,8 @@ Layers, lowest first (``tests/test_layering.py`` keeps imports pointing down):
 - DeepSpeed's import paths, thin re-exports of the above: ``accelerator/``, ``checkpoint/``,
   ``checkpointing.py``, ``comm/``, ``compression/``, ``env_report.py`` (``ds_report``),
   ``git_version_info.py``, ``inference/``, ``io.py``, ``module_inject/``, ``moe/``, ``monitor/``,
-  ``ops/``, ``pipe.py``, ``profiling/``, ``sequence/``, ``zero.py``. Two still hold their
-  implementation (``monitor/``, ``utils/groups.py``): the layering test lists them.
+  ``ops/``, ``pipe.py``, ``profiling/``, ``sequence/``, ``zero.py``. ``utils/groups.py`` still
+  holds its implementation: the layering test lists it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@
 - watching a run: ``events.py`` (the engine's one seam for observers), ``observers.py`` (the
   built-in ones), ``heartbeat.py`` (beats to the launcher's monitor), ``preempt.py`` (checkpoint
   on request), ``shutdown.py`` (leaving cleanly at exit), ``timers.py``, ``throughput.py``,
-  ``profiling/`` (the flops profiler, MFU), ``autotuning.py`` (one autotuning experiment).
+  ``profiling/`` (the flops profiler, MFU), ``monitors/`` (TensorBoard, CSV, wandb, Comet),
+  ``autotuning.py`` (one autotuning experiment).
 - tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line).
 - DeepSpeed's import paths answered from the above: ``utils.py``,
   ``config_utils.py``, ``precision_config.py``, ``bf16_optimizer.py``, ``fp16/``,

@@ -12,7 +12,7 @@
 - ``PreemptionCheck``: when every rank agreed on a checkpoint request, save and leave (only when
   the launcher may ask for one);
 - ``MonitorEvents`` (``tensorboard``/``csv_monitor``/``wandb``/``comet``): rank 0 hands each
-  step's events to the monitors (``dslaunch.monitor``), which write them on their own thread.
+  step's events to the monitors (``dslaunch.runtime.monitors``), which write them on their own thread.
 
 ``build_observers`` makes the engine's set from its config, once, when the engine is built.
 """
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dslaunch.monitor.monitor import MonitorMaster
 from dslaunch.runtime import preempt
 from dslaunch.runtime.events import PHASES, Events, Observer, StepRecord
+from dslaunch.runtime.monitors.monitor import MonitorMaster
 from dslaunch.runtime.throughput import WorkMeter, device_peak, model_params
 from dslaunch.runtime.timers import Timers
 from dslaunch.utils.restart import restart_count, restart_reason

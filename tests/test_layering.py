@@ -37,8 +37,6 @@ ALLOWED = {
     **{(importer, "dslaunch.utils.groups"): "deepspeed.utils.groups' expert-group logic (345 lines) is "
        "implemented at its DeepSpeed path (h35-door's to move)"
        for importer in ("dslaunch.runtime.engine", "dslaunch.runtime.utils", "dslaunch.runtime.moe.layer")},
-    ("dslaunch.runtime.observers", "dslaunch.monitor.monitor"):
-        "deepspeed.monitor (the TensorBoard/CSV/wandb/Comet writers, ~550 lines) is implemented at its DeepSpeed path",
 }
 
 

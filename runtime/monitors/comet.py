@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dslaunch.monitor.config import CometConfig
-from dslaunch.monitor.monitor import Event, Monitor
+from dslaunch.runtime.config.monitors import CometConfig
+from dslaunch.runtime.monitors.monitor import Event, Monitor
 
 __all__ = ["CometMonitor"]
 

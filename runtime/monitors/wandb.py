@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dslaunch.monitor.config import WandbConfig
-from dslaunch.monitor.monitor import Event, Monitor
+from dslaunch.runtime.config.monitors import WandbConfig
+from dslaunch.runtime.monitors.monitor import Event, Monitor
 
 __all__ = ["WandbMonitor"]
 

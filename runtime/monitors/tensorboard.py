@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dslaunch.monitor.config import TensorBoardConfig
-from dslaunch.monitor.monitor import Event, Monitor
+from dslaunch.runtime.config.monitors import TensorBoardConfig
+from dslaunch.runtime.monitors.monitor import Event, Monitor
 from dslaunch.safe_write import create_new
 
 __all__ = ["TensorBoardMonitor"]

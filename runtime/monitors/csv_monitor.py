@@ -16,8 +16,8 @@ import os
 from collections.abc import Sequence
 from typing import IO, Any
 
-from dslaunch.monitor.config import CSVConfig
-from dslaunch.monitor.monitor import Event, Monitor
+from dslaunch.runtime.config.monitors import CSVConfig
+from dslaunch.runtime.monitors.monitor import Event, Monitor
 from dslaunch.safe_write import append_file, open_dir, write_file
 
 __all__ = ["csvMonitor"]

@@ -1,5 +1,5 @@
-"""DeepSpeed's ``deepspeed.monitor.monitor``: ``Monitor`` (one backend) and ``MonitorMaster`` (all
-the enabled ones).
+"""``Monitor`` (one backend) and ``MonitorMaster`` (all the enabled ones); DeepSpeed's
+``deepspeed.monitor.monitor`` re-exports them.
 
 An event is DeepSpeed's tuple ``(name, value, step)``: the engine's names are
 ``Train/Samples/<metric>`` and its step is the number of samples trained (``global_samples``).
@@ -19,8 +19,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from dslaunch.monitor.config import DeepSpeedMonitorConfig
-from dslaunch.monitor.writer import BackgroundWriter
+from dslaunch.runtime.config.monitors import DeepSpeedMonitorConfig
+from dslaunch.runtime.monitors.writer import BackgroundWriter
 
 __all__ = ["Monitor", "MonitorMaster", "Event"]
 
@@ -66,19 +66,19 @@ def _backends(config: DeepSpeedMonitorConfig) -> list[Monitor]:
     """The enabled backends, each imported only when enabled (its package may be missing)."""
     made: list[Monitor] = []
     if config.tensorboard.enabled:
-        from dslaunch.monitor.tensorboard import TensorBoardMonitor
+        from dslaunch.runtime.monitors.tensorboard import TensorBoardMonitor
 
         made.append(TensorBoardMonitor(config.tensorboard))
     if config.csv_monitor.enabled:
-        from dslaunch.monitor.csv_monitor import csvMonitor
+        from dslaunch.runtime.monitors.csv_monitor import csvMonitor
 
         made.append(csvMonitor(config.csv_monitor))
     if config.wandb.enabled:
-        from dslaunch.monitor.wandb import WandbMonitor
+        from dslaunch.runtime.monitors.wandb import WandbMonitor
 
         made.append(WandbMonitor(config.wandb))
     if config.comet.enabled:
-        from dslaunch.monitor.comet import CometMonitor
+        from dslaunch.runtime.monitors.comet import CometMonitor
 
         made.append(CometMonitor(config.comet))
     return made
