@@ -4,6 +4,19 @@ A training script written for DeepSpeed runs unchanged with ``import dslaunch as
 
 The public API is resolved lazily so that ``import dslaunch`` (done by the ``dslaunch`` command
 itself) never pays for importing torch: the launcher starts in milliseconds, only workers import torch.
+
+Layers, lowest first (``tests/test_layering.py`` keeps imports pointing down):
+
+- base: ``errors.py`` (typed user-facing errors), ``safe_write.py`` (every file written on a
+  user's behalf), ``textfile.py`` (reading a file a user gave), ``constants.py``, and the shared
+  utilities of ``utils/``;
+- ``kernels/`` (the dispatched ops), ``runtime/`` (the engines), ``launcher/`` (the command, the
+  agents, the monitor): the implementation;
+- DeepSpeed's import paths, thin re-exports of the above: ``accelerator/``, ``checkpoint/``,
+  ``checkpointing.py``, ``comm/``, ``compression/``, ``env_report.py`` (``ds_report``),
+  ``git_version_info.py``, ``inference/``, ``io.py``, ``module_inject/``, ``moe/``, ``monitor/``,
+  ``ops/``, ``pipe.py``, ``profiling/``, ``sequence/``, ``zero.py``. ``utils/groups.py`` still
+  holds its implementation: the layering test lists it.
 """
 
 from __future__ import annotations
@@ -23,8 +36,8 @@ _LAZY = {
     "add_config_arguments": "dslaunch.runtime.api",
     "DeepSpeedEngine": "dslaunch.runtime.engine",
     "heartbeat": "dslaunch.runtime.heartbeat",
-    "init_inference": "dslaunch.inference.engine",
-    "InferenceEngine": "dslaunch.inference.engine",
+    "init_inference": "dslaunch.runtime.inference.engine",
+    "InferenceEngine": "dslaunch.runtime.inference.engine",
     "DslaunchError": "dslaunch.errors",
     "PipelineEngine": "dslaunch.runtime.pipe.engine",
     "DeepSpeedConfig": "dslaunch.runtime.config",

@@ -1,13 +1,20 @@
 """Kernels: ONE dispatch point, ``get(op, device)``, for every op a fused implementation may replace.
 
+Modules: ``dispatch.py`` (the op table and ``get``), ``reference.py`` (every op's torch
+reference), ``chunks.py`` (the cache-sized batches the references and optimizers step over),
+``cpu/`` (C kernels), ``triton/`` (GPU kernels), and the modules and optimizers built on the
+ops that DeepSpeed's ``deepspeed.ops`` paths re-export: ``fused_adam.py`` (``FusedAdam``),
+``normalization.py`` (``FusedLayerNorm``, ``FusedRMSNorm``), ``bias_gelu.py`` (``BiasGeLU``). The lowest layer above ``dslaunch``'s base: nothing here
+imports ``dslaunch.runtime`` or the launcher (``tests/test_layering.py``).
+
 ``get`` returns the fused implementation registered for the op and the device's type when it can
 run here, else the reference (torch code). Adding one is a ``Kernel`` entry in
 ``dispatch.KERNELS.fused`` and nothing else. Registered: the C kernels of ``cpu/`` (built on first
 use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"cpu_adam"``, ``"lion"``,
-``"adagrad"``,
-``"torch.adam"``, ``"torch.adamw"`` and ``"torch.adagrad"`` on CPU; ``"torch.sgd"`` has none. The
-Triton kernels of ``triton/`` (where triton imports and CUDA is there) for ``"adam"``,
-``"layer_norm"``, ``"rms_norm"`` and ``"bias_gelu"`` on CUDA devices.
+``"adagrad"``, ``"torch.adam"``, ``"torch.adamw"``, ``"torch.adagrad"``, ``"onebit_pack"`` and
+``"onebit_unpack"`` on CPU; ``"torch.sgd"`` has none. The Triton kernels of ``triton/`` (where
+triton imports and CUDA is there) for ``"adam"``, ``"layer_norm"``, ``"rms_norm"``,
+``"bias_gelu"``, ``"onebit_pack"`` and ``"onebit_unpack"`` on CUDA devices.
 The environment variable ``DSLAUNCH_KERNELS`` overrides the choice: ``auto`` (default),
 ``reference`` (never fused) or ``fused`` (fail with ``UsageError`` where no fused kernel runs).
 
@@ -16,7 +23,7 @@ Ops, and the signature a fused implementation must have (all update tensors in p
 - ``"adam"``: ``(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, betas, eps, weight_decay,
   bias_correction, adam_w_mode, inv_scale, chunk_numel)``: one Adam/AdamW step of parameters
   that share the step count ``step`` (DeepSpeed FusedAdam semantics). Reference:
-  ``runtime.optim.adam.adam_update``, used by ``runtime.optim.adam.Adam`` and
+  ``reference.adam_update``, used by ``runtime.optim.adam.Adam`` and
   ``fused_adam.FusedAdam``. An implementation with ``handles_dtypes = True`` (the Triton one) takes
   bf16/fp16 lists and computes in fp32; FusedAdam gives the others fp32 copies.
 - ``"cpu_adam"``: ``"adam"``'s signature, rounded as DeepSpeed's ``DeepSpeedCPUAdam`` (the
@@ -24,7 +31,7 @@ Ops, and the signature a fused implementation must have (all update tensors in p
   fused AdamW). Reference: ``reference.cpu_adam_update``, used by
   ``dslaunch.ops.adam.DeepSpeedCPUAdam``. No GPU kernel (the class is CPU-only).
 - ``"lion"``: ``(params, grads, exp_avgs, *, lr, betas, weight_decay, inv_scale, chunk_numel)``.
-  Reference: ``runtime.optim.lion.lion_update``, used by ``runtime.optim.lion.Lion``.
+  Reference: ``reference.lion_update``, used by ``runtime.optim.lion.Lion``.
 - ``"adagrad"``: ``(params, grads, state_sums, *, clr, eps, weight_decay, inv_scale)``: one
   Adagrad step at the current learning rate ``clr``. Reference: ``reference.adagrad_update``, used
   by ``dslaunch.ops.adagrad.DeepSpeedCPUAdagrad``.
@@ -35,11 +42,16 @@ Ops, and the signature a fused implementation must have (all update tensors in p
 
 - ``"layer_norm"``: ``(x, weight, bias, eps=1e-5, normalized_shape=None) -> y``, differentiable:
   ``F.layer_norm`` over ``weight``'s shape (``normalized_shape`` when weight is None). Reference:
-  ``reference.layer_norm``, used by ``dslaunch.ops.normalization``.
+  ``reference.layer_norm``, used by ``normalization.py`` (``dslaunch.ops.normalization``).
 - ``"rms_norm"``: ``(x, weight, eps=1e-6, normalized_shape=None) -> y``, as ``F.rms_norm``.
 - ``"bias_gelu"``: ``(x, bias, approximate="none", p=0.0, training=True, seed=None) -> y``,
   differentiable: ``dropout(gelu(x + bias, approximate), p)``; ``seed`` fixes the dropout mask
-  (which differs between implementations; only its law is shared). Used by ``dslaunch.ops.bias_gelu``.
+  (which differs between implementations; only its law is shared). Used by ``bias_gelu.py`` (``dslaunch.ops.bias_gelu``).
+- ``"onebit_pack"``: ``(x, error, rows, scale)``: the signs of ``x`` packed 8 to a byte into the
+  uint8 ``rows`` (``scale`` as 4 fp32 bytes behind each row's signs); ``error = x - scale * sign(x)``.
+  ``"onebit_unpack"``: ``(rows, out, mean)``: each row's signs times its scale into ``out``, or
+  their mean over the rows. References: ``reference.pack_reference``/``unpack_reference``, used by
+  ``runtime.optim.compression`` (the 1-bit optimizers' exchange).
 
 ``inv_scale`` is None or the factor gradients are multiplied by inside the update (the gradients
 themselves stay as they are); ``chunk_numel`` is the reference's cache-sized batch, which a fused

@@ -126,9 +126,9 @@ def _fused(*backends: tuple[tuple[str, ...], str, Mapping[str, str]]) -> dict[st
 # The ops and their signatures are listed in the package docstring (``dslaunch.kernels``).
 KERNELS = KernelTable(
     reference={
-        "adam": "dslaunch.runtime.optim.adam:adam_update",
+        "adam": "dslaunch.kernels.reference:adam_update",
         "cpu_adam": "dslaunch.kernels.reference:cpu_adam_update",
-        "lion": "dslaunch.runtime.optim.lion:lion_update",
+        "lion": "dslaunch.kernels.reference:lion_update",
         "adagrad": "dslaunch.kernels.reference:adagrad_update",
         "torch.adam": "dslaunch.kernels.reference:torch_step",
         "torch.adamw": "dslaunch.kernels.reference:torch_step",
@@ -137,8 +137,8 @@ KERNELS = KernelTable(
         "layer_norm": "dslaunch.kernels.reference:layer_norm",
         "rms_norm": "dslaunch.kernels.reference:rms_norm",
         "bias_gelu": "dslaunch.kernels.reference:bias_gelu",
-        "onebit_pack": "dslaunch.runtime.optim.compression:pack_reference",
-        "onebit_unpack": "dslaunch.runtime.optim.compression:unpack_reference",
+        "onebit_pack": "dslaunch.kernels.reference:pack_reference",
+        "onebit_unpack": "dslaunch.kernels.reference:unpack_reference",
     },
     fused=_fused((("cpu",), _CPU_AVAILABLE, _CPU_KERNELS), (("cuda",), _TRITON_AVAILABLE, _TRITON_KERNELS)),
 )

@@ -1,4 +1,24 @@
-"""The training runtime: config, engine, ZeRO stages, precision, optimizers, checkpoints.
+"""The training runtime: config, engines, ZeRO stages, precision, optimizers, checkpoints.
+
+- entry points and engines: ``api.py`` (``initialize`` and DeepSpeed's other entry points),
+  ``engine.py`` (``DeepSpeedEngine``), ``engine_setup.py`` (assembling its parts once),
+  ``engine_checkpoint.py`` (its checkpoint methods), ``pipe/`` (the pipeline engine),
+  ``inference/`` (``init_inference``).
+- what the engine delegates to: ``config/`` (the ds_config), ``zero/`` (the ZeRO strategies),
+  ``precision/`` (dtypes and loss scaling), ``optim/``, ``lr_schedules/``, ``checkpoint/``,
+  ``dataloader.py``, ``activation_checkpointing/``, ``moe/``, ``tensor_parallel/``,
+  ``sequence_parallel/``, ``parallel/`` (topology and process groups), ``dist.py``
+  (process-group setup), ``comm/`` (the collectives, DeepSpeed's ``deepspeed.comm``),
+  ``accelerator.py`` (the device, DeepSpeed's ``get_accelerator``).
+- watching a run: ``events.py`` (the engine's one seam for observers), ``observers.py`` (the
+  built-in ones), ``heartbeat.py`` (beats to the launcher's monitor), ``preempt.py`` (checkpoint
+  on request), ``shutdown.py`` (leaving cleanly at exit), ``timers.py``, ``throughput.py``,
+  ``profiling/`` (the flops profiler, MFU), ``monitors/`` (TensorBoard, CSV, wandb, Comet),
+  ``autotuning.py`` (one autotuning experiment).
+- tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line).
+- DeepSpeed's import paths answered from the above: ``utils.py``,
+  ``config_utils.py``, ``precision_config.py``, ``bf16_optimizer.py``, ``fp16/``,
+  ``swap_tensor/``, and the refused ``data_pipeline/`` and ``domino/``.
 
 Submodules are attributes after a bare import (``dslaunch.runtime.lr_schedules``), imported on
 first access, as DeepSpeed's ``deepspeed.runtime`` offers them.

@@ -12,7 +12,7 @@
 - ``PreemptionCheck``: when every rank agreed on a checkpoint request, save and leave (only when
   the launcher may ask for one);
 - ``MonitorEvents`` (``tensorboard``/``csv_monitor``/``wandb``/``comet``): rank 0 hands each
-  step's events to the monitors (``dslaunch.monitor``), which write them on their own thread.
+  step's events to the monitors (``dslaunch.runtime.monitors``), which write them on their own thread.
 
 ``build_observers`` makes the engine's set from its config, once, when the engine is built.
 """
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dslaunch.monitor.monitor import MonitorMaster
 from dslaunch.runtime import preempt
 from dslaunch.runtime.events import PHASES, Events, Observer, StepRecord
+from dslaunch.runtime.monitors.monitor import MonitorMaster
 from dslaunch.runtime.throughput import WorkMeter, device_peak, model_params
 from dslaunch.runtime.timers import Timers
 from dslaunch.utils.restart import restart_count, restart_reason
@@ -286,7 +286,7 @@ def build_observers(engine: Any, config: Any, heartbeat: Any,
     profiler = flops_profiler = profiled = None
     if config.flops_profiler.enabled:
         # Imported only when on: torch's flop formulas and dispatch-mode machinery are not free.
-        from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
+        from dslaunch.runtime.profiling.observer import FlopsProfilerObserver
 
         profiler = FlopsProfilerObserver(engine, config.flops_profiler)
         flops_profiler, profiled = profiler.profiler, profiler.step_flops

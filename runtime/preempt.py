@@ -70,8 +70,8 @@ def agreed(device: Any) -> bool:
     import torch  # here: the heartbeat reads this module's state without importing torch
     import torch.distributed as dist
 
-    from dslaunch import comm
     from dslaunch.runtime import heartbeat  # here: it imports this module
+    from dslaunch.runtime.comm import comm
 
     flag = torch.tensor([1 if _request.is_set() else 0], dtype=torch.int32, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -88,10 +88,10 @@ def model_params(module: Any) -> int:
 
 
 def device_peak(device: Any, dtype: Any) -> float | None:
-    """The peak FLOP/s of ``device`` in ``dtype`` (``flops_profiler.mfu.peak_flops``: a datasheet
+    """The peak FLOP/s of ``device`` in ``dtype`` (``runtime.profiling.mfu.peak_flops``: a datasheet
     table for GPUs, a cached matmul measurement on CPU); None: unknown. Call it outside any timed
     step: the first CPU lookup on a machine measures for about half a second."""
-    from dslaunch.profiling.flops_profiler.mfu import peak_flops
+    from dslaunch.runtime.profiling.mfu import peak_flops
 
     peak = peak_flops(device, dtype)
     return peak.flops if peak is not None else None

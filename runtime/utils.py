@@ -53,7 +53,7 @@ def _rank() -> int:
 
 
 def _accelerator() -> Any:
-    from dslaunch.accelerator import get_accelerator
+    from dslaunch.runtime.accelerator import get_accelerator
 
     return get_accelerator()
 

@@ -23,14 +23,14 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a kernel interface file (/proc/self/clear_refs), not a file on disk",
     ("launcher/cli/__init__.py", "_reader_gone", "os.open(write)"):
         "opens /dev/null for writing: a device, never created",
-    ("dslaunch/inference/shm_allreduce.py", "_create", "os.open(write)"):
+    ("runtime/inference/shm_allreduce.py", "_create", "os.open(write)"):
         "a shared-memory segment in /dev/shm created with O_CREAT|O_EXCL (never an existing file), "
         "its name unpredictable; not a file written on the user's behalf",
-    ("dslaunch/inference/shm_allreduce.py", "__init__", "os.open(write)"):
+    ("runtime/inference/shm_allreduce.py", "__init__", "os.open(write)"):
         "attaches O_RDWR (no O_CREAT) to the segment rank 0 created",
     ("runtime/zero/offload/swap.py", "_open_anonymous", "os.open(write)"):
         "an unnamed O_TMPFILE (or O_EXCL, unlinked at once) swap file: no name another user can plant",
-    ("dslaunch/profiling/flops_profiler/mfu.py", "_one_at_a_time", "os.open(write)"):
+    ("runtime/profiling/mfu.py", "_one_at_a_time", "os.open(write)"):
         "the peak cache's lock file in the private (0700) cache directory, O_NOFOLLOW; only flock'ed, never written",
     ("kernels/cpu/build.py", "_compile", "os.replace"):
         "the compiler needs a file name: it writes a mkstemp file (created exclusively) in the cache "

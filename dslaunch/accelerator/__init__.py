@@ -3,11 +3,12 @@
 The device a rank trains on, behind DeepSpeed's accelerator interface, for the scripts and
 libraries that ask it (DeepSpeed's tutorials, accelerate, transformers): CUDA when torch sees a
 GPU, else CPU, the same choice ``dslaunch.runtime.dist`` makes for the process group. Also
-``DS_ACCELERATOR=cpu|cuda`` as DeepSpeed reads it. Implementation: ``device.py``.
+``DS_ACCELERATOR=cpu|cuda`` as DeepSpeed reads it. Implemented in ``dslaunch.runtime.accelerator``;
+``real_accelerator.py`` is DeepSpeed's module path of ``get_accelerator``.
 """
 
 from __future__ import annotations
 
-from dslaunch.accelerator.device import Accelerator, get_accelerator, is_current_accelerator_supported
+from dslaunch.runtime.accelerator import Accelerator, get_accelerator, is_current_accelerator_supported
 
 __all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported"]

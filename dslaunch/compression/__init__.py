@@ -1,5 +1,6 @@
-"""``deepspeed.compression``: DeepSpeed Compression (``compress``: refused on use) and its small
-module-path helpers (``helper``). Submodules are attributes after ``import deepspeed``."""
+"""``deepspeed.compression``: DeepSpeed Compression (``compress.py``: refused on use) and its small
+module-path helpers (``helper.py``). Submodules are attributes after ``import deepspeed``.
+"""
 
 from dslaunch.utils.lazy import submodule_getattr
 

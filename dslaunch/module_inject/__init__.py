@@ -1,7 +1,8 @@
 """DeepSpeed's ``deepspeed.module_inject`` import path: AutoTP's planner and the sharded layers.
 
 DeepSpeed's ``AutoTP`` picks row-parallel layers by name; dslaunch's planner works on the traced
-dataflow (``dslaunch.runtime.tensor_parallel.auto_tp``). The layer names here are DeepSpeed's.
+dataflow (``dslaunch.runtime.tensor_parallel.auto_tp``). The layer names here are DeepSpeed's;
+its per-architecture injection policies (``replace_policy.py``) are refused on use.
 """
 
 from dslaunch.module_inject.replace_policy import KERNEL_INJECTION

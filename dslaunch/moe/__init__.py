@@ -1,6 +1,8 @@
-"""DeepSpeed's ``deepspeed.moe`` import paths: ``layer`` (``MoE``), ``sharded_moe`` (``TopKGate``,
-``MOELayer``, the gating functions), ``experts`` (``Experts``) and ``utils`` (the expert-parameter
-helpers), re-exports of ``dslaunch.runtime.moe``; submodules are attributes after ``import deepspeed``."""
+"""DeepSpeed's ``deepspeed.moe`` import paths: ``layer.py`` (``MoE``), ``sharded_moe.py``
+(``TopKGate``, ``MOELayer``, the gating functions), ``experts.py`` (``Experts``) and ``utils.py``
+(the expert-parameter helpers), re-exports of ``dslaunch.runtime.moe``; submodules are attributes
+after ``import deepspeed``.
+"""
 
 from dslaunch.utils.lazy import submodule_getattr
 

@@ -1,10 +1,12 @@
 """DeepSpeed's ``deepspeed.ops`` import paths, for scripts written against DeepSpeed.
 
-Thin facades only: ``adam`` (``DeepSpeedCPUAdam``, ``FusedAdam``), ``adagrad``
-(``DeepSpeedCPUAdagrad``) and ``lion`` (``DeepSpeedCPULion``) re-export the classes of
+Thin facades only: ``adam.py`` (``DeepSpeedCPUAdam``, ``FusedAdam``), ``adagrad.py``
+(``DeepSpeedCPUAdagrad``) and ``lion.py`` (``DeepSpeedCPULion``) re-export the classes of
 ``dslaunch.kernels.cpu.optimizers`` and ``dslaunch.kernels.fused_adam``, which own them;
-``normalization`` (``layer_norm``, ``rms_norm``, ``FusedLayerNorm``, ``FusedRMSNorm``) and
-``bias_gelu`` (``bias_gelu``, ``BiasGeLU``) call the ops of ``dslaunch.kernels`` (Triton on CUDA).
+``normalization.py`` (``layer_norm``, ``rms_norm``, ``FusedLayerNorm``, ``FusedRMSNorm``) and
+``bias_gelu.py`` (``bias_gelu``, ``BiasGeLU``) re-export ``dslaunch.kernels.normalization`` and
+``dslaunch.kernels.bias_gelu`` (Triton on CUDA); ``op_builder.py`` answers DeepSpeed's op builders with what dslaunch has (``aio.py`` is its
+``AsyncIOBuilder`` path); ``transformer.py`` and ``sparse_attention/`` are refused on use.
 """
 
 from typing import Any

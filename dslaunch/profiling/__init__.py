@@ -1,1 +1,3 @@
-"""``deepspeed.profiling``: the flops profiler (``dslaunch.profiling.flops_profiler``)."""
+"""``deepspeed.profiling``: the flops profiler (``flops_profiler/``, implemented in
+``dslaunch.runtime.profiling``).
+"""

@@ -1,4 +1,6 @@
-"""``deepspeed.sequence``: sequence parallelism (Ulysses ``layer.DistributedAttention``; FPDT refused)."""
+"""``deepspeed.sequence``: sequence parallelism (Ulysses ``DistributedAttention`` in ``layer.py``;
+FPDT, ``fpdt_layer.py``, refused on use), re-exports of ``dslaunch.runtime.sequence_parallel``.
+"""
 
 from dslaunch.utils.lazy import submodule_getattr
 

@@ -1,10 +1,15 @@
-"""``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts and libraries use
-(``zero_to_fp32``, ``logger``/``log_dist`` from ``logging``, ``groups``, the ZeRO-3 leaf flags of
-``z3_leaf_module``, the ZeRO ``safe_get/set_full_*`` and
-``safe_get/set_local_*``), and what both
-the launcher and the runtime need (``ports.free_port``, ``beat``: the heartbeat wire format, the
-restart variables in ``restart``, host names and SLURM hostlists in ``hostlist``), so the runtime
-never imports the launcher.
+"""``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts and libraries use, and the small
+utilities both the launcher and the runtime need (so the runtime never imports the launcher).
+
+- DeepSpeed's paths: ``zero_to_fp32.py``, ``logging.py`` (``logger``, ``log_dist``), ``groups.py``
+  (this rank's data/model/expert groups), ``z3_leaf_module.py`` (the ZeRO-3 leaf flags),
+  ``comms_logging.py`` (the comms logger's records and table), ``timer.py``, ``numa.py``
+  (``--bind_core_list`` syntax), ``torch.py`` (``required_torch_version``); the ZeRO
+  ``safe_get/set_full_*`` and ``safe_get/set_local_*`` names resolve to ``dslaunch.runtime.zero``.
+- shared by launcher and runtime: ``ports.py`` (``free_port``), ``beat.py`` (the heartbeat wire
+  format), ``restart.py`` (the restart variables), ``hostlist.py`` (host names, SLURM hostlists),
+  ``private_cache.py`` (owner-only caches), ``refused.py`` (DeepSpeed names dslaunch refuses on
+  use), ``lazy.py`` (submodules imported on first access).
 
 Submodules and names are imported on first access, so ``import dslaunch.utils`` never imports torch.
 """

@@ -5,8 +5,8 @@ DeepSpeed's keys for the engine's phases (Megatron-DeepSpeed imports them for it
 ``trim_mean`` is the comms logger's.
 """
 
+from dslaunch.runtime.comm.comms_logging import trim_mean
 from dslaunch.runtime.timers import NoopTimer, SynchronizedWallClockTimer
-from dslaunch.utils.comms_logging import trim_mean
 
 FORWARD_MICRO_TIMER = "fwd_microstep"
 FORWARD_GLOBAL_TIMER = "fwd"

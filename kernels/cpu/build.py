@@ -50,7 +50,7 @@ log = logging.getLogger("dslaunch.kernels")
 
 CACHE_ENV = "DSLAUNCH_KERNELS_CACHE"
 SOURCE = Path(__file__).with_name("optim.c")
-# Compiled into the same library: the 1-bit compression kernels (runtime/optim/compression.py).
+# Compiled into the same library: the 1-bit compression kernels (the 1-bit exchange of runtime/optim/compression.py).
 EXTRA_SOURCES = (Path(__file__).with_name("compress.c"),)
 # -ffp-contract=off: a multiply-add is fused only where optim.c says so (fmaf, where torch's
 # vectorised kernels round once), so results equal torch's bit for bit on AVX2 and stay within

@@ -266,7 +266,7 @@ def lion_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
     rest = lion_many(params, grads, exp_avgs, lr=lr, beta1=betas[0], beta2=betas[1],
                      weight_decay=weight_decay, grad_mul=_mul(inv_scale), partial=True)
     if rest:
-        from dslaunch.runtime.optim.lion import lion_update
+        from dslaunch.kernels.reference import lion_update
 
         lion_update(*_columns(rest, 3), lr=lr, betas=betas, weight_decay=weight_decay,
                     inv_scale=inv_scale)

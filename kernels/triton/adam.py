@@ -5,7 +5,7 @@ offset chunk ``i`` covers from two small index tables, and that tensor's address
 tables (int64 addresses cast to pointers), as apex's ``multi_tensor_apply`` does with CUDA
 structs. Parameters, gradients and moments may each be fp32, bf16 or fp16 (one launch per
 combination of dtypes): every element is computed in fp32 and stored back in its tensor's dtype. Math per element, step t
-(as ``runtime.optim.adam.adam_update``, the reference, and torch's AdamW)::
+(as ``reference.adam_update``, the reference, and torch's AdamW)::
 
     g = g * inv_scale;  g += wd * p (L2 mode)
     m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
@@ -74,7 +74,7 @@ def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
 
     The ``"adam"`` op of ``dslaunch.kernels`` (signature there); ``chunk_numel`` is ignored. One
     launch per combination of dtypes (one, usually); entries with a non-contiguous tensor go to the
-    reference (``runtime.optim.adam.adam_update``), as the CPU kernels do.
+    reference (``reference.adam_update``), as the CPU kernels do.
 
     Raises:
         ValueError: lists of different lengths, or a tensor not shaped as its parameter.
@@ -94,7 +94,7 @@ def adam_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: lis
     for index in by_dtypes.values():
         _launch([[x[i] for i in index] for x in lists], **hyper)
     if rest:
-        from dslaunch.runtime.optim.adam import adam_update
+        from dslaunch.kernels.reference import adam_update
 
         adam_update(*([x[i] for i in rest] for x in lists), **hyper)
 

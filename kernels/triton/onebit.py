@@ -1,6 +1,6 @@
 """1-bit compression in Triton (the ``"onebit_pack"``/``"onebit_unpack"`` ops on CUDA devices).
 
-The torch reference is ``runtime.optim.compression`` (``pack_reference``/``unpack_reference``);
+The torch reference is ``reference.pack_reference``/``reference.unpack_reference``;
 these compute the same thing, operation by operation, bitwise:
 
 - pack: one program per ``BLOCK`` bytes of signs reads their 8 * ``BLOCK`` elements once, writes
@@ -19,10 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dslaunch.kernels.reference import SCALE_BYTES
+
 __all__ = ["onebit_pack", "onebit_unpack"]
 
 _BLOCK = 512  # bytes of signs per program: 4096 elements
-_SCALE_BYTES = 4
 
 
 @triton.jit
@@ -68,7 +69,7 @@ def _check(rows: torch.Tensor, *floats: torch.Tensor) -> None:
 def onebit_pack(x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
     """As ``compression.pack_reference``: signs of ``x`` into ``rows`` (scale behind each row), error kept."""
     _check(rows, x, error)
-    nrows, row_bytes = rows.shape[0], rows.shape[1] - _SCALE_BYTES
+    nrows, row_bytes = rows.shape[0], rows.shape[1] - SCALE_BYTES
     total = nrows * row_bytes
     assert x.numel() == error.numel() == 8 * total, (x.numel(), error.numel(), tuple(rows.shape))
     rows[:, row_bytes:].copy_(torch.tensor([scale], dtype=torch.float32).view(torch.uint8))
@@ -80,7 +81,7 @@ def onebit_pack(x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, scale:
 def onebit_unpack(rows: torch.Tensor, out: torch.Tensor, mean: bool) -> None:
     """As ``compression.unpack_reference``: signs times scales, row after row, or their mean."""
     _check(rows, out)
-    nrows, row_bytes = rows.shape[0], rows.shape[1] - _SCALE_BYTES
+    nrows, row_bytes = rows.shape[0], rows.shape[1] - SCALE_BYTES
     assert out.numel() == 8 * row_bytes * (1 if mean else nrows), (out.numel(), tuple(rows.shape), mean)
     scales = rows[:, row_bytes:].reshape(-1).clone().view(torch.float32)  # clone: aligned
     total = row_bytes if mean else nrows * row_bytes

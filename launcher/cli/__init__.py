@@ -1,13 +1,15 @@
 """The ``dslaunch`` command line: one module per command, errors printed in one place.
 
-- ``dslaunch [launcher options] user_script [args]``: the launch command (``launch``), DeepSpeed's
-  exact flags through argparse (``flags``). Its path imports neither torch nor click (click alone costs
+- ``dslaunch [launcher options] user_script [args]``: the launch command (``launch.py``),
+  DeepSpeed's exact flags through argparse (``flags.py``); ``__main__.py`` is ``python -m
+  dslaunch.launcher.cli``. Its path imports neither torch nor click (click alone costs
   ~70 ms), so workers start within milliseconds of the command.
-- ``dslaunch --autotuning tune|run ...``: the autotuner (``autotune``), the launch flags plus one.
-- ``dslaunch sbatch ...``: submit the job to SLURM (``sbatch``), the launch flags plus sbatch's
+- ``dslaunch --autotuning tune|run ...``: the autotuner (``autotune.py``), the launch flags plus one.
+- ``dslaunch sbatch ...``: submit the job to SLURM (``sbatch.py``), the launch flags plus sbatch's
   through argparse like the launch command.
 - ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
-  (``zero_to_fp32``, ``status``, ``estimate``, ``report``, ``k8s``), imported only when named.
+  (``zero_to_fp32.py``, ``status.py``, ``estimate.py``, ``report.py``, ``k8s.py``), imported only
+  when named.
 
 User mistakes print one line (``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the
 traceback.

@@ -1,6 +1,6 @@
 """``dslaunch report [--json]``: the environment report (``ds_report`` under DeepSpeed's name).
 
-A thin click command over ``dslaunch.env_report`` (which imports torch, only when this runs).
+A thin click command over ``dslaunch.launcher.env_report`` (which imports torch, only when this runs).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __all__ = ["command"]
 @click.option("--hide_errors_and_warnings", is_flag=True, help="Leave out notes and warnings (ds_report's flag).")
 def command(as_json: bool, hide_operator_status: bool, hide_errors_and_warnings: bool) -> int:
     """Versions, devices, NVML, compilers, kernels, network interfaces, launchers, install paths."""
-    from dslaunch.env_report import main
+    from dslaunch.launcher.env_report import main
 
     main(hide_operator_status, hide_errors_and_warnings, as_json)
     return 0

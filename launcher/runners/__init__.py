@@ -1,4 +1,11 @@
-"""Runners start node agents on hosts: one module per transport (local, ssh, slurm, mpi).
+"""Runners start node agents on hosts: one module per transport.
+
+``base.py``: the ``Runner`` interface (start a job's node agents, then run the gang loop);
+``local.py``: the agent inside the controller process (one node, this machine); ``remote.py``:
+what every runner of remote agents shares (a session per node, preflight, hand over), with
+``preflight.py`` (is every host ready) and ``stream.py`` (an agent's streams, line by line);
+``ssh/`` (paramiko), ``slurm/`` (``srun``) and ``mpi.py`` (the site's ``mpirun``), the last two
+through ``child.py`` (an agent behind a local child command).
 
 ``RUNNERS`` maps a ``--launcher`` name to a lazy ``"module:Class"`` string, so choosing the
 local runner never imports paramiko. ``get_runner(name)`` resolves it.

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.accelerator import get_accelerator
 from dslaunch.errors import ConfigError, UsageError
+from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing.rng import (
     MODEL_PARALLEL_RNG,
     CudaRNGStatesTracker,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dslaunch.accelerator import get_accelerator
+from dslaunch.runtime.accelerator import get_accelerator
 
 __all__ = ["CudaRNGStatesTracker", "RngSnapshot", "MODEL_PARALLEL_RNG", "model_parallel_seeds"]
 

@@ -2,7 +2,8 @@
 
 Owns what goes into a tag and the load plan (``save_load.py``: ``save_checkpoint``,
 ``load_checkpoint``, ``save_16bit_model``, ``wait_for_checkpoint``, which the engine's methods
-call), the per-engine machinery and file names (``checkpointer.py``), the on-disk format of one
+call), the named parts a checkpoint holds, each with its ``state_dict`` (``parts.py``), the
+per-engine machinery and file names (``checkpointer.py``), the on-disk format of one
 file (``format.py``), the checkpoint directory with its manifests, ``latest`` and retention
 (``store.py``), the leader's publication steps (``publish.py``) and what killed saves leave
 (``leftovers.py``), the collective save protocol

@@ -1,10 +1,18 @@
 """``dslaunch.runtime.config``: the ds_config, parsed once at the edge into frozen dataclasses.
 
-Owns reading the document (``file.py``: JSON/YAML, size and depth bounds), the sections as
-typed frozen dataclasses and the one way a section is parsed (``sections.py``), the checkers of
-every value and of free-form ``params`` dicts (``param_schema.py``), DeepSpeed's elastic batch
-for a world size (``elasticity.py``), the launcher's ``monitor`` block (``monitor.py``), and the
-whole config with its batch triad and cross-checks (``ds_config.py``: ``load_config`` -> ``DeepSpeedConfig``).
+- ``file.py``: reading the document (JSON/YAML, size and depth bounds).
+- ``ds_config.py``: the whole config, its batch triad and cross-checks (``load_config`` ->
+  ``DeepSpeedConfig``); ``client_forms.py``: what libraries write into a ds_config that a user
+  would not (``"auto"`` left unfilled, dotted keys).
+- ``sections.py``: the one way a section is parsed, and the small sections (``fp16``, ``bf16``,
+  ``checkpoint``, ``optimizer``/``scheduler``); ``param_schema.py``: the checkers of every value
+  and of free-form ``params`` dicts.
+- one module per bigger section: ``zero.py`` (``zero_optimization``, its offload sections,
+  ``aio``), ``activation.py`` (``activation_checkpointing``), ``autotuning.py``,
+  ``comms_logger.py``, ``elasticity.py`` (DeepSpeed's elastic batch for a world size),
+  ``flops_profiler.py``, ``monitors.py`` (``tensorboard``, ``csv_monitor``, ``wandb``, ``comet``),
+  ``monitor.py`` (the launcher's ``monitor`` block), ``pipeline.py``, ``tensor_parallel.py``.
+
 Each component is handed its parsed section; nothing after ``load_config`` reads a raw dict.
 Torch-free.
 """
@@ -16,8 +24,8 @@ from dslaunch.runtime.config.sections import (
     Fp16Config,
     OptimizerSection,
     TypedSection,
-    ZeroConfig,
 )
+from dslaunch.runtime.config.zero import ZeroConfig
 
 # DeepSpeed's names for ds_config's optimizer "type" values (``deepspeed.runtime.config``), lowercase as
 # DeepSpeed compares them; Megatron-DeepSpeed reads them. The registry (``runtime/optim``) accepts each.

@@ -43,19 +43,17 @@ from dslaunch.runtime.config.param_schema import boolean, choice, describe, inte
 from dslaunch.runtime.config.pipeline import PipelineConfig
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
-    AioConfig,
     Bf16Config,
     CheckpointConfig,
     Fp16Config,
     OptimizerSection,
     TypedSection,
-    ZeroConfig,
-    legacy_zero_forms,
     optional,
     parse_section,
     reject_unimplemented,
 )
 from dslaunch.runtime.config.tensor_parallel import TensorParallelConfig
+from dslaunch.runtime.config.zero import AioConfig, ZeroConfig, legacy_zero_forms
 from dslaunch.runtime.parallel.from_config import config_dims, data_world_size
 from dslaunch.runtime.zero.registry import STAGES, stage_choices
 

@@ -3,7 +3,7 @@
 ``{"flops_profiler": {"enabled": true, "profile_step": 1, "module_depth": -1, "top_modules": 1,
 "detailed": true, "output_file": null, "recompute_fwd_factor": 0.0}}``
 
-The engine reads it (``dslaunch.profiling.flops_profiler.observer``): when enabled, the optimizer
+The engine reads it (``dslaunch.runtime.profiling.observer``): when enabled, the optimizer
 step that starts with ``profile_step`` steps done is counted and rank 0 prints its tables.
 Torch-free.
 """

@@ -1,1 +1,3 @@
-"""``deepspeed.runtime.domino``: Domino (tensor-parallel compute/communication overlap), refused on use."""
+"""``deepspeed.runtime.domino``: Domino (tensor-parallel compute/communication overlap), refused on
+use (``transformer.py``).
+"""

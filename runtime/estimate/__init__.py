@@ -8,11 +8,11 @@ The library API, torch-free::
     est = estimate_memory(shape, ds_config_dict, gpus_per_node=8, nodes=1, seq_len=2048)
     est.device_bytes, est.host_bytes, est.fits(80 * 2**30)
 
-- ``shape``: ``ModelShape`` and its sources (``from_hf_config``, ``from_module``, ``from_builder``).
-- ``setup``: ``TrainingSetup`` (a ds_config's memory-relevant part + the cluster).
-- ``memory``: ``estimate_memory`` -> ``MemoryEstimate`` (``Parts`` by purpose on device, host, NVMe).
-- ``sweep``: every stage/offload/precision combination, sorted by what fits, and its table.
-- ``deepspeed_formulas``: DeepSpeed's own estimator formulas and table (the compatibility
+- ``shape.py``: ``ModelShape`` and its sources (``from_hf_config``, ``from_module``, ``from_builder``).
+- ``setup.py``: ``TrainingSetup`` (a ds_config's memory-relevant part + the cluster).
+- ``memory.py``: ``estimate_memory`` -> ``MemoryEstimate`` (``Parts`` by purpose on device, host, NVMe).
+- ``sweep.py``: every stage/offload/precision combination, sorted by what fits, and its table.
+- ``deepspeed_formulas.py``: DeepSpeed's own estimator formulas and table (the compatibility
   functions at ``deepspeed.runtime.zero.stage_1_and_2`` / ``stage3`` print them).
 """
 

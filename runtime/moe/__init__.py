@@ -1,8 +1,9 @@
 """Mixture of experts with expert parallelism (DeepSpeed's ``deepspeed.moe``).
 
-``gate`` routes tokens (``TopKGate``, top-1/top-2/top-k gating), ``experts`` holds a rank's expert
-copies, ``layer`` has ``MoE`` and the all-to-all ``MOELayer``, ``utils`` the expert-parameter
-helpers (``expert_group_name``: the expert group ZeRO reduces a parameter over). ``dslaunch/moe/`` re-exports them at DeepSpeed's import paths.
+``gate.py`` routes tokens (``TopKGate``, top-1/top-2/top-k gating), ``experts.py`` holds a rank's
+expert copies, ``layer.py`` has ``MoE`` and the all-to-all ``MOELayer``, ``utils.py`` the
+expert-parameter helpers (``expert_group_name``: the expert group ZeRO reduces a parameter over).
+``dslaunch/moe/`` re-exports them at DeepSpeed's import paths.
 """
 
 from dslaunch.runtime.moe.experts import Experts

@@ -7,7 +7,9 @@
 - ``onebit.py`` (OneBitAdam, OneBitLamb), ``zero_one_adam.py`` (ZeroOneAdam): the 1-bit optimizers,
   exchanging their momentum through ``compression.py`` (sign + scale, error feedback) and the
   ZeRO strategy's ``zero.exchange.CompressedExchange``.
-- ``chunks.py``: what those share (the step protocol, cache-sized batches of tensors).
+- ``muon.py``: Muon (orthogonalized momentum for hidden matrices, AdamW for the rest).
+- ``chunks.py``: the base class those share (the step protocol over cache-sized batches of
+  tensors, ``dslaunch.kernels.chunks``); their reference updates are ``dslaunch.kernels.reference``'s.
 - ``torch_optimizers.py``: torch's optimizers, their update going through ``dslaunch.kernels``.
 
 Importing this package does not import torch.

@@ -13,22 +13,21 @@ served by torch's fused implementation (see ``registry.py``). Per parameter, ste
 
 State per parameter: ``step`` (0-dim float tensor), ``exp_avg``, ``exp_avg_sq``, as torch's Adam,
 so checkpoints and ZeRO shards look the same. The update is the ``"adam"`` op of
-``dslaunch.kernels``; its reference (``adam_update``) runs torch's ``_foreach`` kernels over
+``dslaunch.kernels``; its reference (``kernels.reference.adam_update``) runs torch's ``_foreach`` kernels over
 cache-sized batches (``chunks``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from dslaunch import kernels
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, ChunkedOptimizer, chunked, unscaled
+from dslaunch.runtime.optim.chunks import ChunkedOptimizer
 
-__all__ = ["Adam", "adam_update"]
+__all__ = ["Adam"]
 
 
 class Adam(ChunkedOptimizer):
@@ -63,26 +62,3 @@ class Adam(ChunkedOptimizer):
                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                    bias_correction=group["bias_correction"], adam_w_mode=group["adam_w_mode"],
                    inv_scale=self._inv_scale, chunk_numel=self.chunk_numel)
-
-
-def adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float],
-                eps: float, weight_decay: float, bias_correction: bool, adam_w_mode: bool,
-                inv_scale: float | None, chunk_numel: int = CHUNK_NUMEL) -> None:
-    """The reference ``"adam"`` kernel: one step of params sharing the step count ``step``, in place."""
-    wd = weight_decay
-    beta1, beta2 = betas
-    bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
-    for ps, gs, ms, vs in chunked((params, grads, exp_avgs, exp_avg_sqs), chunk_numel):
-        gs = unscaled(gs, inv_scale)
-        if wd != 0.0 and not adam_w_mode:
-            gs = torch._foreach_add(gs, ps, alpha=wd)
-        torch._foreach_lerp_(ms, gs, 1.0 - beta1)
-        torch._foreach_mul_(vs, beta2)
-        torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
-        denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, math.sqrt(bc2))
-        torch._foreach_add_(denom, eps)
-        if wd != 0.0 and adam_w_mode:
-            torch._foreach_mul_(ps, 1.0 - lr * wd)
-        torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bc1)

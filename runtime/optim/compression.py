@@ -17,74 +17,21 @@ of 4n): ~32x less. ``sign(0)`` is +1. The buffer is padded to a multiple of 8 * 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from dslaunch import comm, kernels
+from dslaunch import kernels
+from dslaunch.kernels.reference import SCALE_BYTES
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 
-__all__ = ["packbits", "unpackbits", "padded_numel", "pack_reference", "unpack_reference", "compressed_all_reduce"]
-
-_SCALE_BYTES = 4  # an fp32 scale travels as 4 bytes behind its chunk of signs
-
-
-def packbits(nonneg: torch.Tensor) -> torch.Tensor:
-    """Bools (``x >= 0``; numel a multiple of 8) -> uint8, first element in the high bit.
-
-    Plain torch (8 shifted ORs over strided columns: ~2x faster here than a multiply-and-sum).
-    """
-    bits = nonneg.view(-1, 8).view(torch.uint8)
-    packed = bits[:, 0] << 7
-    for i in range(1, 8):
-        packed |= bits[:, i] << (7 - i)
-    return packed
-
-
-@functools.cache
-def _sign_table(device: torch.device) -> torch.Tensor:
-    """Row b: the 8 signs (+1/-1, fp32) that byte b packs."""
-    b = torch.arange(256, dtype=torch.int64).unsqueeze(1)
-    bits = (b >> torch.arange(7, -1, -1)).bitwise_and_(1)
-    return bits.float().mul_(2.0).sub_(1.0).to(device)
-
-
-def unpackbits(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 -> signs as fp32 +1/-1 (8 per byte, high bit first): one table lookup per byte."""
-    signs = _sign_table(packed.device)[packed.reshape(-1).long()]
-    return signs.view(*packed.shape[:-1], -1)
-
+__all__ = ["padded_numel", "compressed_all_reduce"]
 
 def padded_numel(numel: int, world_size: int) -> int:
     """``numel`` rounded up so every rank's chunk is a whole number of bytes of signs."""
     unit = 8 * world_size
     return -(-numel // unit) * unit
-
-
-def pack_reference(x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
-    """The ``"onebit_pack"`` op in torch: the signs of ``x`` (``x >= 0``) packed into ``rows``
-    (uint8, (rows, signs + 4): row r holds the r-th piece of ``x``, ``scale`` as fp32 behind it);
-    ``error`` = x - scale * sign(x)."""
-    nonneg = x >= 0
-    # error = x - scale * sign(x) = x + scale - 2 * scale * [x >= 0]
-    torch.add(x, nonneg, alpha=-2.0 * scale, out=error).add_(scale)
-    rows[:, :-_SCALE_BYTES].copy_(packbits(nonneg).view(rows.shape[0], -1))
-    rows[:, -_SCALE_BYTES:].copy_(torch.tensor([scale], dtype=torch.float32).view(torch.uint8))
-
-
-def unpack_reference(rows: torch.Tensor, out: torch.Tensor, mean: bool) -> None:
-    """The ``"onebit_unpack"`` op in torch: ``out`` = each row's signs times its scale, row after
-    row (``mean`` false), or the mean over the rows of that (``mean``: one row's worth)."""
-    signs = unpackbits(rows[:, :-_SCALE_BYTES])
-    scales = rows[:, -_SCALE_BYTES:].reshape(-1).clone().view(torch.float32).view(-1, 1)  # clone: aligned
-    if mean:  # summed in row order (torch's sum(dim=0) has another order past 4 rows, per CPU)
-        out.zero_()
-        for row in signs.mul_(scales):
-            out.add_(row)
-        out.div_(rows.shape[0])
-    else:
-        out.view(rows.shape[0], -1).copy_(signs).mul_(scales)
 
 
 def _error_fed_scale(x: torch.Tensor, error: torch.Tensor, fed: bool = False) -> float:
@@ -112,7 +59,7 @@ def compressed_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_er
     n = x.numel()
     chunk = n // world_size
     pack, unpack = kernels.get("onebit_pack", x.device), kernels.get("onebit_unpack", x.device)
-    row_bytes = chunk // 8 + _SCALE_BYTES
+    row_bytes = chunk // 8 + SCALE_BYTES
     send = torch.empty(world_size, row_bytes, dtype=torch.uint8, device=x.device)
     pack(x, worker_error, send, _error_fed_scale(x, worker_error, error_fed))
     recv = torch.empty_like(send)

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from dslaunch.runtime.optim.chunks import ChunkedOptimizer, chunked_rows
+from dslaunch.kernels.chunks import chunked_rows
+from dslaunch.runtime.optim.chunks import ChunkedOptimizer
 from dslaunch.runtime.zero.partition import FlatLayout
 
 __all__ = ["Lamb"]

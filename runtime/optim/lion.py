@@ -7,7 +7,7 @@ Semantics follow DeepSpeed's ``Lion`` (``optimizer.type: "Lion"``; Chen et al. 2
     m = beta2 * m + (1 - beta2) * g
 
 State per parameter: ``exp_avg`` (m). The update is the ``"lion"`` op of ``dslaunch.kernels``;
-its reference (``lion_update``) runs torch's ``_foreach`` kernels over cache-sized batches of the
+its reference (``kernels.reference.lion_update``) runs torch's ``_foreach`` kernels over cache-sized batches of the
 parameters (``chunks``).
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from dslaunch import kernels
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, ChunkedOptimizer, chunked, unscaled
+from dslaunch.runtime.optim.chunks import ChunkedOptimizer
 
-__all__ = ["Lion", "lion_update"]
+__all__ = ["Lion"]
 
 
 class Lion(ChunkedOptimizer):
@@ -43,18 +43,3 @@ class Lion(ChunkedOptimizer):
             params, [p.grad for p in params], [self._state(p)["exp_avg"] for p in params],
             lr=float(group["lr"]), betas=group["betas"], weight_decay=float(group["weight_decay"]),
             inv_scale=self._inv_scale, chunk_numel=self.chunk_numel)
-
-
-def lion_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], *,
-                lr: float, betas: tuple[float, float], weight_decay: float, inv_scale: float | None,
-                chunk_numel: int = CHUNK_NUMEL) -> None:
-    """The reference ``"lion"`` kernel: one Lion step, in place."""
-    beta1, beta2 = betas
-    for ps, gs, ms in chunked((params, grads, exp_avgs), chunk_numel):
-        gs = unscaled(gs, inv_scale)
-        if weight_decay != 0.0:
-            torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
-        update = torch._foreach_lerp(ms, gs, 1.0 - beta1)
-        torch._foreach_sign_(update)
-        torch._foreach_add_(ps, update, alpha=-lr)
-        torch._foreach_lerp_(ms, gs, 1.0 - beta2)

@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from dslaunch import comm
 from dslaunch.errors import CheckpointError
+from dslaunch.kernels.chunks import CHUNK_NUMEL, cuts, spans
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.optim import torch_optimizers
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, cuts, spans
 from dslaunch.runtime.optim.compression import compressed_all_reduce, padded_numel
 from dslaunch.runtime.optim.lamb import Lamb
 from dslaunch.runtime.zero.exchange import CompressedExchange

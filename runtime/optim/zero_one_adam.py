@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from dslaunch.kernels.chunks import CHUNK_NUMEL, spans
 from dslaunch.runtime.optim import torch_optimizers
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, spans
 from dslaunch.runtime.optim.compression import compressed_all_reduce, padded_numel
 from dslaunch.runtime.optim.onebit import _CompressedMomentum
 from dslaunch.runtime.zero.exchange import CompressedExchange

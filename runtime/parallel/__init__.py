@@ -10,6 +10,7 @@
   the one-axis ``DataParallelGrid``.
 - ``mpu.py``: what any mpu answers for an axis (the tensor group's one lookup order) and which
   parameters count in the global gradient norm on this rank.
+- ``from_config.py``: the degrees a ds_config sets itself, and the grid they make without an mpu.
 
 DeepSpeed's import paths (``deepspeed.runtime.pipe.topology``, ``deepspeed.utils.groups``) answer
 from here.

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch import comm
 from dslaunch.errors import ConfigError, PipelineStageError, UsageError
 from dslaunch.runtime import heartbeat
 from dslaunch.runtime.activation_checkpointing import checkpointing
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.engine import DeepSpeedEngine

@@ -323,7 +323,7 @@ class PipelineModule(torch.nn.Module):
 
     def _synchronize_tied_weights(self) -> None:
         """Every copy of a tied module starts as the lowest stage's (collective over the tie)."""
-        from dslaunch import comm
+        from dslaunch.runtime.comm import comm
 
         for key, tie in self.tied_comms.items():
             for weight in self._tied_weights(key):
@@ -334,7 +334,7 @@ class PipelineModule(torch.nn.Module):
 
         Call after every backward of the step has accumulated into ``.grad``.
         """
-        from dslaunch import comm
+        from dslaunch.runtime.comm import comm
 
         for key, tie in self.tied_comms.items():
             for weight in self._tied_weights(key):

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch import comm
 from dslaunch.errors import PipelineStageError, UsageError
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import waiting
 
 __all__ = ["Payload", "PendingSend", "Receiver", "send", "send_stop", "recv", "DTYPES", "HEAD"]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
-from dslaunch import comm
+from dslaunch.runtime.comm import comm
 
 __all__ = ["Collectives", "NO_COLLECTIVES", "inference_collectives", "training_collectives", "gather_last_dim",
            "inputs_agree"]

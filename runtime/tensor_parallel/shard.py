@@ -28,7 +28,7 @@ __all__ = ["WeightReader", "shard_modules", "replace_module", "set_local_attribu
 
 
 class WeightReader(Protocol):
-    """Where the shards are read from (``dslaunch.inference.loading``'s sources)."""
+    """Where the shards are read from (``dslaunch.runtime.inference.loading``'s sources)."""
 
     def read(self, name: str, dim: int | None = None, segments: Segments | None = None) -> torch.Tensor: ...
 

@@ -53,7 +53,7 @@ def shard_for_training(model: nn.Module, grid: Any, tp_size: int) -> tuple[TPPla
     collective: every rank of the tensor group.
     """
     from dslaunch.errors import UsageError
-    from dslaunch.inference.loading import ModuleSource
+    from dslaunch.runtime.inference.loading import ModuleSource
 
     group, rank = tensor_axis(grid, "group"), tensor_axis(grid, "rank")
     size = tensor_axis(grid, "world_size")

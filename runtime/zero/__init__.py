@@ -6,11 +6,15 @@ asks the stage again. What lives where:
 - ``registry.py``: stage -> strategy class; the valid stages for config validation and help text.
 - ``strategy.py``: ``ZeroStrategy``, the lifecycle the engine drives, the step every stage shares,
   and the checkpoint state format.
-- ``stage0.py`` to ``stage3.py``: each stage as a placement + a gradient path.
+- ``stage0.py``, ``stage1.py``, ``stage2.py``, ``stage3.py``: each stage as a placement + a gradient
+  path.
 - ``placement.py``: where the fp32 master and optimizer state live (replicated or sharded).
 - ``gradients.py``: how gradients are kept and reduced (full buffer at the boundary, or into the
   rank's shard as backward runs).
-- ``reducer.py``: the bucket reducer (and its buffer pool) both gradient paths use.
+- ``reducer.py``: the bucket reducer (and its buffer pool) both gradient paths use; ``exchange.py``:
+  how a bucket is exchanged (all-reduce, reduce-scatter, 1-bit compressed).
+- ``zeropp.py``: ZeRO++ at stage 3 (quantized gathers, hpZ, qgZ); ``quantize.py``: its block
+  quantization.
 - ``publisher.py``: broadcasting updated shards to every rank's model.
 - ``flat.py``: a param group's flat storage; ``partition.py``: its layout and the partition rule.
 - ``specs.py``: the records the engine hands a strategy and gets back.
@@ -27,7 +31,9 @@ asks the stage again. What lives where:
 
 - ``offload/``: the optimizer step of an offloaded master (``offload_optimizer``): buckets,
   transfers overlapped with the update, the optimizer state in host memory or NVMe swap files;
-  stage 3's parameter shards on NVMe (``offload_param``, ``param_store.py``).
+  stage 3's parameter shards on NVMe (``offload_param``, ``offload/param_store.py``).
+- DeepSpeed's import paths: ``config.py`` (``DeepSpeedZeroConfig``), ``offload_config.py``,
+  ``stage_1_and_2.py`` (its memory estimator), ``tiling.py`` (``TiledLinear``), ``muon/``.
 
 Importing this package does not import torch (``Init``, ``GatheredParameters``, ``ZeroParamStatus``
 and the external-parameter functions resolve on first access, as ``deepspeed.runtime.zero``'s).

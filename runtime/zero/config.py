@@ -1,7 +1,7 @@
 """DeepSpeed's ``deepspeed.runtime.zero.config``: the ``zero_optimization`` block as an object.
 
 ``DeepSpeedZeroConfig(**section)`` parses a ``zero_optimization`` dict exactly as ``load_config``
-does (``runtime/config/sections.py``: DeepSpeed's older ``cpu_offload`` switches and the
+does (``runtime/config/zero.py``: DeepSpeed's older ``cpu_offload`` switches and the
 ``stage3_``-less aliases included) and returns dslaunch's frozen ``ZeroConfig``, which also
 answers DeepSpeed's attribute names (``prefetch_bucket_size``, ``gather_16bit_weights_on_model_save``).
 
@@ -15,13 +15,13 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from dslaunch.runtime.config.sections import (
+from dslaunch.runtime.config.sections import parse_section
+from dslaunch.runtime.config.zero import (
     OffloadConfig,
     ZeroConfig,
     legacy_zero_forms,
     offload_optimizer_section,
     offload_param_section,
-    parse_section,
 )
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch import comm
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.zero.partition import GroupLayout
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch import comm
-from dslaunch.accelerator import get_accelerator  # noqa: F401 (DeepSpeed's module has it; transformers reads it)
+from dslaunch.runtime.accelerator import get_accelerator  # noqa: F401 (DeepSpeed's module has it; transformers reads it)
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.dist import device_for, init_distributed, local_rank
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.zero import params as zp

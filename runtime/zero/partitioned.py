@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dslaunch import comm
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.flat import group_dtype, to_host

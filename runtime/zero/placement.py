@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from dslaunch import comm
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.partition import GroupLayout

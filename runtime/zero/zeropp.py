@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch import comm
 from dslaunch.errors import ConfigError
+from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.zero.exchange import GradientExchange, NodeLayout

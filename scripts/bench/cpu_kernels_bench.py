@@ -89,7 +89,7 @@ def _torch_update(case: str, params: list, states: list | None = None, **kw) -> 
     import torch
 
     if case == "Lion":  # torch has no Lion: dslaunch's reference, torch _foreach ops (not the Lion
-        from dslaunch.runtime.optim.lion import lion_update  # class: it dispatches to the C kernel)
+        from dslaunch.kernels.reference import lion_update  # class: it dispatches to the C kernel)
 
         ms = states[0] if states else [torch.zeros_like(p) for p in params]
         return lambda: lion_update([p.data for p in params], [p.grad for p in params], ms, lr=kw["lr"],

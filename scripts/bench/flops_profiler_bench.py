@@ -101,8 +101,8 @@ def _pairs(off: Callable[[], float], on: Callable[[], tuple[float, float, int]],
 
 def _ours(shape: tuple[int, ...], pairs: int) -> dict:
     import dslaunch
-    from dslaunch.profiling.flops_profiler.observer import FlopsProfilerObserver
     from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
+    from dslaunch.runtime.profiling.observer import FlopsProfilerObserver
 
     vocab, d, layers, heads, seq, batch = shape
     cfg = {"train_micro_batch_size_per_gpu": batch, "steps_per_print": 10**6,

@@ -140,7 +140,7 @@ def test_an_async_collective_is_timed_to_its_completion_not_its_launch() -> None
 
 
 def test_raw_records_keep_deepspeeds_layout_and_a_summary_does_not_reorder_them() -> None:
-    from dslaunch.utils.comms_logging import CommsLogger, convert_size
+    from dslaunch.runtime.comm.comms_logging import CommsLogger, convert_size
 
     logger = CommsLogger()
     for latency_ms in (3.0, 1.0, 2.0):
@@ -162,7 +162,7 @@ def test_raw_records_keep_deepspeeds_layout_and_a_summary_does_not_reorder_them(
 
 
 def test_deepspeeds_record_queries_count_names_and_clear() -> None:
-    from dslaunch.utils.comms_logging import CommsLogger
+    from dslaunch.runtime.comm.comms_logging import CommsLogger
 
     logger = CommsLogger()
     assert not logger.has_data() and logger.get_total_operations() == 0 and logger.get_operation_names() == []

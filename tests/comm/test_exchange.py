@@ -20,7 +20,7 @@ from tests.distributed import run_world
 
 
 def test_packbits_round_trips_signs() -> None:
-    from dslaunch.runtime.optim.compression import packbits, unpackbits
+    from dslaunch.kernels.reference import packbits, unpackbits
 
     x = torch.randn(64)
     packed = packbits(x >= 0)

@@ -129,7 +129,7 @@ def test_tied_embedding_and_head_are_split_once_over_the_vocabulary(world: int, 
 def _shm_against_gloo(rank: int, world: int) -> list[bool]:
     import torch.distributed as dist
 
-    from dslaunch.inference.shm_allreduce import ShmAllReduce
+    from dslaunch.runtime.inference.shm_allreduce import ShmAllReduce
 
     dist.init_process_group("gloo")
     shm = ShmAllReduce(dist.group.WORLD, slot_bytes=4096)  # small slots: the big tensor goes in pieces

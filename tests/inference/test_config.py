@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dslaunch.errors import ConfigError
-from dslaunch.inference.config import DeepSpeedInferenceConfig, device_notes, parse_inference_config
+from dslaunch.runtime.inference.config import DeepSpeedInferenceConfig, device_notes, parse_inference_config
 
 
 def test_deepspeed_spellings_parse_to_one_config() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dslaunch.inference.kernel_inject import inject_kernels
 from dslaunch.ops.bias_gelu import BiasGeLU
 from dslaunch.ops.normalization import FusedLayerNorm, FusedRMSNorm
+from dslaunch.runtime.inference.kernel_inject import inject_kernels
 from tests.inference.models import GeluMLP, tiny_lm
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 import dslaunch
 from dslaunch.errors import CheckpointError, UsageError
 from dslaunch.inference import empty_init
-from dslaunch.inference.loading import open_checkpoint
+from dslaunch.runtime.inference.loading import open_checkpoint
 from tests.inference.models import tiny_lm
 
 SEGMENTS = ((1, 3), (5, 6))

@@ -1,5 +1,6 @@
 """``deepspeed.ops.sparse_attention``: importable, refused on use (dslaunch has no block-sparse
-attention kernels). The refusal is ``sparsity_config.SPARSE_ATTENTION``."""
+attention kernels). The refusal is ``sparsity_config.SPARSE_ATTENTION`` (``sparsity_config.py``).
+"""
 
 from dslaunch.ops.sparse_attention.sparsity_config import SPARSE_ATTENTION as _WHY
 from dslaunch.ops.sparse_attention.sparsity_config import (

@@ -1,17 +1,15 @@
-"""``deepspeed.profiling.flops_profiler`` under dslaunch's name.
+"""DeepSpeed's ``deepspeed.profiling.flops_profiler``, implemented in ``dslaunch.runtime.profiling``.
 
-``FlopsProfiler``, ``get_model_profile`` and the number formatters (DeepSpeed's names), defined
-in ``profiler.py`` / ``report.py``; the counting is ``counter.py``'s (aten operators), achieved
-FLOP/s and MFU ``mfu.py``'s (``throughput``), the engine's ``flops_profiler`` block
-``observer.py``'s. Importing this module imports torch; ``FlopsProfiler`` and
-``get_model_profile`` are imported when first used: their counter pulls in torch's flop formulas
-(~1 s), which the engine's live MFU (``mfu.py`` only) should not pay at every start.
+``profiler.py`` is DeepSpeed's path of ``FlopsProfiler``, ``get_model_profile`` and the number
+formatters. ``FlopsProfiler`` and ``get_model_profile`` are imported when first used: their
+counter pulls in torch's flop formulas (~1 s), which the engine's live MFU
+(``dslaunch.runtime.profiling.mfu`` only) should not pay at every start.
 """
 
 from typing import Any
 
-from dslaunch.profiling.flops_profiler.mfu import Throughput, peak_flops, throughput
-from dslaunch.profiling.flops_profiler.report import (
+from dslaunch.runtime.profiling.mfu import Throughput, peak_flops, throughput
+from dslaunch.runtime.profiling.report import (
     duration_to_string,
     flops_to_string,
     macs_to_string,

@@ -1,1 +1,2 @@
-"""``deepspeed.runtime.data_pipeline.data_routing``: random-LTD, refused on use."""
+"""``deepspeed.runtime.data_pipeline.data_routing``: random-LTD, refused on use (``helper.py``).
+"""

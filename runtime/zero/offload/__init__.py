@@ -17,5 +17,6 @@ What lives where:
   ``device: nvme``): one param group's stage-3 shard in a ``SwapFile`` (but ``max_in_cpu``
   elements), read by range for gathers, written back by the step, staged through a bounded pool.
 
-Not here: ``offload_param: cpu`` (stage 3's parameter shards in host memory, ``partitioned.py``).
+Not here: ``offload_param: cpu`` (stage 3's parameter shards in host memory,
+``runtime/zero/partitioned.py``).
 """

@@ -103,7 +103,7 @@ def main() -> None:
 
     results["deepspeed_paths"] = (deepspeed.init_inference is dslaunch.init_inference
                                   and deepspeed.inference.config.DeepSpeedInferenceConfig.__module__
-                                  == "dslaunch.inference.config"
+                                  == "dslaunch.runtime.inference.config"
                                   and deepspeed.module_inject.LinearAllreduce.__name__ == "RowParallelLinear")
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULTS " + json.dumps(results), flush=True)

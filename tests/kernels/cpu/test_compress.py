@@ -10,7 +10,7 @@ import torch
 
 from dslaunch.kernels.cpu import build
 from dslaunch.kernels.cpu.compress import onebit_pack, onebit_unpack
-from dslaunch.runtime.optim.compression import pack_reference, unpack_reference
+from dslaunch.kernels.reference import pack_reference, unpack_reference
 
 pytestmark = [pytest.mark.skipif(not build.available(), reason="no C compiler: the torch reference runs"),
               pytest.mark.timeout(60)]

@@ -11,7 +11,7 @@ import torch
 
 from dslaunch.kernels.cpu import build
 from dslaunch.kernels.cpu.offload import offload_adagrad_step, offload_adam_step, offload_lion_step
-from dslaunch.runtime.optim.lion import lion_update
+from dslaunch.kernels.reference import lion_update
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="no C compiler")
 

@@ -8,9 +8,7 @@ import torch
 
 from dslaunch.kernels.cpu import build, ops
 from dslaunch.kernels.cpu.torch_steps import adagrad_step, adam_step
-from dslaunch.kernels.reference import cpu_adam_update
-from dslaunch.runtime.optim.adam import adam_update
-from dslaunch.runtime.optim.lion import lion_update
+from dslaunch.kernels.reference import adam_update, cpu_adam_update, lion_update
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="no C compiler: the torch reference runs")
 

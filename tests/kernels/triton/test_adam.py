@@ -10,8 +10,8 @@ import torch
 
 from dslaunch.kernels import dispatch
 from dslaunch.kernels.dispatch import Kernel, KernelTable
+from dslaunch.kernels.reference import adam_update
 from dslaunch.ops.adam import FusedAdam
-from dslaunch.runtime.optim.adam import adam_update
 from tests.kernels.triton.interpret import kernel_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]

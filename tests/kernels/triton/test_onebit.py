@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dslaunch.runtime.optim.compression import pack_reference, unpack_reference
+from dslaunch.kernels.reference import pack_reference, unpack_reference
 from tests.kernels.triton.interpret import kernel_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

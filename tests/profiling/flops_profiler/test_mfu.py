@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dslaunch.errors import UsageError, quote
-from dslaunch.profiling.flops_profiler import mfu
-from dslaunch.profiling.flops_profiler.mfu import _gpu_peak, peak_flops, throughput
+from dslaunch.runtime.profiling import mfu
+from dslaunch.runtime.profiling.mfu import _gpu_peak, peak_flops, throughput
 
 pytestmark = pytest.mark.timeout(60)
 

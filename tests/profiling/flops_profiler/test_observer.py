@@ -44,7 +44,7 @@ def _train(rank: int, world: int, stage: int, checkpoint: bool, out: str) -> lis
     import torch
 
     import dslaunch
-    from dslaunch.profiling.flops_profiler import mfu
+    from dslaunch.runtime.profiling import mfu
     from tests.profiling.flops_profiler.gpt import GPT
 
     os.environ[mfu.CACHE_ENV] = out + ".peak.json"
@@ -96,9 +96,9 @@ def _stage(rank: int, world: int, out: str, fail_rank: int | None = None) -> lis
     import torch
 
     import dslaunch
-    from dslaunch.profiling.flops_profiler import mfu
-    from dslaunch.profiling.flops_profiler.counter import FlopCounter
     from dslaunch.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+    from dslaunch.runtime.profiling import mfu
+    from dslaunch.runtime.profiling.counter import FlopCounter
 
     def broken(*_: object) -> None:
         raise RuntimeError("made to fail")
@@ -203,9 +203,9 @@ def _cifar(rank: int, world: int, out: str, fail: str | None) -> list:
     import torch.nn.functional as F
 
     import dslaunch
-    from dslaunch.profiling.flops_profiler import mfu
-    from dslaunch.profiling.flops_profiler.counter import FlopCounter
-    from dslaunch.profiling.flops_profiler.formulas import FORMULAS
+    from dslaunch.runtime.profiling import mfu
+    from dslaunch.runtime.profiling.counter import FlopCounter
+    from dslaunch.runtime.profiling.formulas import FORMULAS
     from tests.profiling.flops_profiler.cifar import cifar_net
 
     def broken(*_: object) -> None:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dslaunch.profiling.flops_profiler import FlopsProfiler
-from dslaunch.profiling.flops_profiler import formulas as formulas_module
-from dslaunch.profiling.flops_profiler.formulas import FORMULAS
+from dslaunch.runtime.profiling import formulas as formulas_module
+from dslaunch.runtime.profiling.formulas import FORMULAS
 from tests.profiling.flops_profiler.cifar import cifar_flops, cifar_net
 
 pytestmark = pytest.mark.timeout(120)

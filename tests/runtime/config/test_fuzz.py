@@ -27,8 +27,8 @@ from dslaunch.runtime.config.sections import (
     Bf16Config,
     CheckpointConfig,
     Fp16Config,
-    ZeroConfig,
 )
+from dslaunch.runtime.config.zero import ZeroConfig
 from dslaunch.runtime.optim import registry as optimizers
 
 pytestmark = pytest.mark.timeout(60)

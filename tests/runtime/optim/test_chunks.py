@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL, chunked, cuts, spans
+from dslaunch.kernels.chunks import CHUNK_NUMEL, chunked, cuts, spans
 from dslaunch.runtime.optim.registry import build_optimizer, validate_optimizer
 from dslaunch.runtime.zero.partition import FlatLayout
 
@@ -82,7 +82,7 @@ def test_amp_protocol_grad_scale_and_found_inf(name: str) -> None:
 
 
 def test_chunked_rows_names_the_source_tensor_of_every_view() -> None:
-    from dslaunch.runtime.optim.chunks import chunked_rows
+    from dslaunch.kernels.chunks import chunked_rows
 
     tensors = [torch.full((10,), 0.0), torch.full((3,), 1.0), torch.full((20,), 2.0)]
     seen = []

@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from dslaunch.runtime.optim.chunks import CHUNK_NUMEL
+from dslaunch.kernels.chunks import CHUNK_NUMEL
 from tests.distributed import run_world
 
 pytestmark = pytest.mark.timeout(90)

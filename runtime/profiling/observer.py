@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from dslaunch.profiling.flops_profiler.counter import warm_up
-from dslaunch.profiling.flops_profiler.mfu import log, peak_flops, throughput
-from dslaunch.profiling.flops_profiler.profiler import FlopsProfiler
-from dslaunch.profiling.flops_profiler.report import Profile, StepTiming, number_to_string
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
 from dslaunch.runtime.events import Observer, StepRecord
+from dslaunch.runtime.profiling.counter import warm_up
+from dslaunch.runtime.profiling.mfu import log, peak_flops, throughput
+from dslaunch.runtime.profiling.profiler import FlopsProfiler
+from dslaunch.runtime.profiling.report import Profile, StepTiming, number_to_string
 from dslaunch.safe_write import explain
 
 __all__ = ["FlopsProfilerObserver", "tokens_in"]

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dslaunch.ops.bias_gelu import BiasGeLU
-from dslaunch.ops.normalization import FusedLayerNorm, FusedRMSNorm
+from dslaunch.kernels.bias_gelu import BiasGeLU
+from dslaunch.kernels.normalization import FusedLayerNorm, FusedRMSNorm
 from dslaunch.runtime.tensor_parallel.auto_tp import example_input, is_linear
 from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear
 

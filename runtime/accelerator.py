@@ -1,4 +1,5 @@
-"""One ``Accelerator`` for CPU and CUDA with DeepSpeed's method names and results.
+"""One ``Accelerator`` for CPU and CUDA with DeepSpeed's method names and results (DeepSpeed's
+``deepspeed.accelerator``, which ``dslaunch.accelerator`` re-exports).
 
 CUDA delegates to ``torch.cuda``. CPU follows DeepSpeed's CPU accelerator: memory queries are
 the process RSS and its peak (psutil), ``current_device()`` is ``LOCAL_RANK``, streams, events

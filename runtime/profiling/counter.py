@@ -50,7 +50,7 @@ import torch
 import torch.utils.checkpoint
 
 from dslaunch.errors import UsageError
-from dslaunch.profiling.flops_profiler.formulas import ATTENTION_KERNELS, FORMULAS, Uncountable
+from dslaunch.runtime.profiling.formulas import ATTENTION_KERNELS, FORMULAS, Uncountable
 
 __all__ = ["FlopCounter", "ModuleStats", "warm_up"]
 

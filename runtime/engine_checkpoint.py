@@ -1,0 +1,170 @@
+"""``DeepSpeedEngine``'s checkpoint methods: save and load (``dslaunch.runtime.checkpoint`` does the
+work), the 16-bit model export, DeepSpeed's checkpoint file names, and the engine's own state
+(counters, loss scaler, LR scheduler, data position) that a checkpoint holds.
+
+A mixin of ``runtime.engine.DeepSpeedEngine`` only: it reads the engine's attributes (``zero``,
+``module``, ``grid``, ``_config``, ...), so these DeepSpeed methods stay on the engine while its
+training loop stays short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from dslaunch.runtime.parallel.mpu import holds_model_parts
+
+__all__ = ["EngineCheckpoints"]
+
+
+class EngineCheckpoints:
+    """Checkpoint methods of ``DeepSpeedEngine`` (see the module docstring)."""
+
+    # ----- checkpoints (dslaunch.runtime.checkpoint) ---------------------------------------------
+    def checkpoint_parts(self) -> Any:
+        """The named parts a checkpoint of this engine holds (``checkpoint.parts.CheckpointParts``).
+
+        collective on the first call (it builds the engine's checkpoint group): all ranks.
+        """
+        from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
+        from dslaunch.runtime.checkpoint.model_parallel import placement
+        from dslaunch.runtime.checkpoint.parts import CheckpointParts, StateFns
+
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer()
+        # every rank of a replica holds another part: files named by topology coordinates
+        place = placement(self.grid, self.module) if self.mpu is not None and holds_model_parts(self.grid) else None
+        return CheckpointParts(module=self.module, zero=self.zero,
+                               training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
+                               optimizer=self.optimizer, global_steps=self.global_steps,
+                               config=self._config.checkpoint, io=self._checkpointer, placement=place)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a pending asynchronous save is durable; raise its error if it failed."""
+        # No import here: destroy() runs at exit, where a first import can reset CPython's note of
+        # an uncaught KeyboardInterrupt (the exit code would be 1 instead of 130).
+        if self._checkpointer is not None:
+            self._checkpointer.writer.wait()
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
+        from dslaunch.runtime import checkpoint
+
+        # The monitors' events up to this step reach their files before the checkpoint does: a run
+        # killed later and resumed from it continues a curve with no hole before the resume point.
+        self.monitor.flush()
+        with self._checkpoint_phase():
+            self.zero.synchronize()
+            return checkpoint.save_checkpoint(self.checkpoint_parts(), save_dir, tag=tag, client_state=client_state,
+                                              save_latest=save_latest,
+                                              exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[Any, Any]:
+        from dslaunch.runtime import checkpoint
+
+        with self._checkpoint_phase():
+            self.zero.synchronize()
+            return checkpoint.load_checkpoint(self.checkpoint_parts(), load_dir, tag=tag,
+                                              load_module_strict=load_module_strict,
+                                              load_optimizer_states=load_optimizer_states,
+                                              load_lr_scheduler_states=load_lr_scheduler_states,
+                                              load_module_only=load_module_only)
+
+    # DeepSpeed's file names in its own layout (``checkpoint/deepspeed_layout.py``): files that
+    # dslaunch reads from a checkpoint real DeepSpeed wrote, never ones dslaunch writes.
+    def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: str | None = None,
+                       pp_placeholder: str | None = None) -> str:
+        from dslaunch.runtime.checkpoint.deepspeed_layout import ckpt_name
+
+        mp = mp_placeholder if mp_placeholder is not None else f"{self.grid.get_model_parallel_rank():02d}"
+        dp = pp_placeholder if pp_placeholder is not None else self.grid.get_data_parallel_rank()
+        return ckpt_name(checkpoints_path, tag, self.zero.stage == 3, dp, mp)
+
+    def _get_zero_ckpt_name(self, checkpoints_path: str, tag: Any) -> str:
+        from dslaunch.runtime.checkpoint.deepspeed_layout import zero_ckpt_name
+
+        return zero_ckpt_name(checkpoints_path, tag, self.grid.get_data_parallel_rank(), self.bfloat16_enabled(),
+                              self.grid.get_model_parallel_rank())
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: Any, expp_rank: int) -> str:
+        from dslaunch.runtime.checkpoint.deepspeed_layout import optimizer_ckpt_name
+
+        return optimizer_ckpt_name(checkpoints_path, tag, expp_rank, self.grid.get_model_parallel_rank())
+
+    def _checkpoint_phase(self) -> contextlib.AbstractContextManager:
+        """Saving or loading is not a training step: the monitor's hang rule allows it longer."""
+        return self._heartbeat.phase("checkpoint") if self._heartbeat is not None else contextlib.nullcontext()
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> Any:
+        """Rank 0 writes the whole module state dict (model dtype). With partitioned parameters
+        (stage 3) only if ``stage3_gather_16bit_weights_on_model_save`` (else False, as DeepSpeed).
+
+        collective: call on all ranks.
+        """
+        from dslaunch.runtime import checkpoint
+        from dslaunch.runtime.zero.params import is_partitioned
+
+        if (not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+                and any(is_partitioned(p) for p in self.module.parameters())):
+            if self.global_rank == 0:
+                print("dslaunch: warning: save_16bit_model() saved nothing: the parameters are "
+                      "partitioned; set zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                      "to true (or use zero_to_fp32)", flush=True)
+            return False
+        with self._checkpoint_phase():
+            self.zero.synchronize()
+            return checkpoint.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename=save_filename,
+                                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole module state dict (model dtype) on rank 0 ({} elsewhere), as DeepSpeed's.
+
+        collective: call on all ranks (partitioned parameters are gathered module by module).
+        """
+        from dslaunch.runtime.zero.full_state import module_state_dict
+
+        self.zero.synchronize()
+        sd = module_state_dict(self.module, exclude_frozen_parameters)
+        return sd if self.global_rank == 0 else {}
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """The wrapped module's state dict (no ``module.`` prefix), as DeepSpeed's.
+
+        ``exclude_frozen_parameters`` drops parameters with ``requires_grad=False``.
+        """
+        self.zero.synchronize()
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
+            for key in frozen & set(sd):
+                del sd[key]
+        return sd
+
+    # ----- engine state (everything but weights, ZeRO state and RNG) --------------------------
+    def engine_state_dict(self) -> dict:
+        """Counters, loss scaler, LR scheduler, data position (see the checkpoint contract) and the
+        gradient exchange's state (a 1-bit optimizer's error feedback: this rank's own)."""
+        exchange = getattr(self.zero, "exchange", None)  # none without an optimizer
+        return {"grad_exchange": exchange.state_dict() if exchange is not None else None,
+                "global_steps": self.global_steps, "global_samples": self.global_samples,
+                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+                "loss_scaler": self.loss_scaler.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                "dataloader": (self.training_dataloader.state_dict()
+                               if self.training_dataloader is not None else None)}
+
+    def load_engine_state_dict(self, sd: dict) -> None:
+        """Restore what ``engine_state_dict`` returned."""
+        for key in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+            setattr(self, key, int(sd[key]))
+        exchange = getattr(self.zero, "exchange", None)
+        if exchange is not None:  # None saved (older checkpoints, load_optimizer_states=False): fresh
+            exchange.load_state_dict(sd.get("grad_exchange"))
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        for part, key in ((self.lr_scheduler, "lr_scheduler"), (self.training_dataloader, "dataloader")):
+            if part is not None and sd.get(key) is not None:
+                part.load_state_dict(sd[key])
