@@ -402,7 +402,9 @@ class DeepSpeedEngine(torch.nn.Module):
         return CheckpointParts(module=self.module, zero=self.zero,
                                training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
                                optimizer=self.optimizer, global_steps=self.global_steps,
-                               config=self._config.checkpoint, io=self._checkpointer, placement=place)
+                               config=self._config.checkpoint, io=self._checkpointer, placement=place,
+                               ds_config=self.config, gradient_clipping=self._config.gradient_clipping,
+                               bf16=self._config.bf16.enabled)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a pending asynchronous save is durable; raise its error if it failed."""
