@@ -43,8 +43,26 @@ from dslaunch.runtime.checkpoint.deepspeed_read import (
     read_file,
 )
 
-__all__ = ["LATEST_UNIVERSAL", "ZERO_FOLDER", "OPTIMIZER_STATE", "PARAM", "universal_tag", "read_universal",
+__all__ = ["INFO_KEYS", "LATEST_UNIVERSAL", "ZERO_FOLDER", "OPTIMIZER_STATE", "PARAM", "universal_tag", "read_universal",
            "convert"]
+
+# The keys of a model's ``universal_checkpoint_info`` (the model-states file; Megatron-DeepSpeed sets
+# it) that tell ``ds_to_universal`` how to merge tensor-parallel slices: DeepSpeed's names and values.
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
+UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.4
+VOCABULARY_PARAMETER_PATTERNS = "vocabulary_parameter_patterns"
+PIPELINE_REPLICATED_PARAMETER_PATTERNS = "pipeline_replicated_parameter_patterns"
+PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
+TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
+PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
+PADDED_VOCAB_SIZE = "padded_vocab_size"
+ORIGINAL_VOCAB_SIZE = "original_vocab_size"
+INFO_KEYS = ("UNIVERSAL_CHECKPOINT_INFO", "UNIVERSAL_CHECKPOINT_VERSION_KEY", "UNIVERSAL_CHECKPOINT_VERSION_VALUE",
+             "VOCABULARY_PARAMETER_PATTERNS", "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
+             "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS", "TP_REPLICATED_PARAMETER_PATTERNS",
+             "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0", "PADDED_VOCAB_SIZE", "ORIGINAL_VOCAB_SIZE")
+"""The names above, re-exported by ``dslaunch.checkpoint`` (DeepSpeed's ``deepspeed.checkpoint``)."""
 
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_FOLDER = "zero"
