@@ -439,8 +439,8 @@ class DeepSpeedEngine(torch.nn.Module):
                                               load_lr_scheduler_states=load_lr_scheduler_states,
                                               load_module_only=load_module_only)
 
-    # DeepSpeed's file names in its own layout (``checkpoint/deepspeed_layout.py``): files that
-    # dslaunch reads from a checkpoint real DeepSpeed wrote, never ones dslaunch writes.
+    # DeepSpeed's file names in its own layout (``checkpoint/deepspeed_layout.py``): files of a
+    # checkpoint DeepSpeed wrote, or dslaunch with checkpoint.format "deepspeed" (never its own layout).
     def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: str | None = None,
                        pp_placeholder: str | None = None) -> str:
         from dslaunch.runtime.checkpoint.deepspeed_layout import ckpt_name

@@ -12,7 +12,8 @@ world size and ZeRO stage (names in ``deepspeed_layout``), from the engine's ``p
   group as one flat vector cut into equal partitions (padded to a multiple of 2 x world size, the
   padding on the last rank, dropped from its saved fp32 partition but kept in its Adam moments, as
   DeepSpeed's rigid ``state_dict``); stage 3 every parameter cut into ``ceil(numel / world)``
-  elements per rank, concatenated (``fp32_flat_groups``), one sub-group per param group.
+  elements per rank, concatenated (``fp32_flat_groups``), in DeepSpeed's sub-groups
+  (``zero_optimization.sub_group_size``).
 - ``latest`` (rank 0, last): the tag's name.
 
 DeepSpeed's classes in these files (its loss scaler, ``fragment_address``) are written by name
@@ -57,6 +58,8 @@ DEEPSPEED_VERSION = "0.19.8"
 
 # DeepSpeed aligns each flat group to this many elements per rank (4 bytes of 16-bit values)
 _ALIGNMENT = 2
+# DeepSpeed's default zero_optimization.sub_group_size (elements per rank in one ZeRO-3 sub-group)
+_SUB_GROUP_SIZE = 1_000_000_000
 
 
 def _whole_groups(ck: Any, zero_sd: dict) -> list[dict]:
@@ -132,17 +135,43 @@ def _stage3_slices(flat: torch.Tensor, shapes: list, rank: int, world: int) -> t
     return torch.cat(out) if out else torch.empty(0)
 
 
-def _zero3_file(groups: list[dict], rank: int, world: int) -> dict:
-    """Rank ``rank``'s ZeRO-3 optimizer state, as DeepSpeed's ``_rigid_state_dict``."""
-    fp32, states = [], []
+def _sub_groups(shapes: list, world: int, sub_group_size: int) -> list[range]:
+    """DeepSpeed's ZeRO-3 sub-groups of one param group: parameters in order, a sub-group closed
+    once its per-rank elements reach ``sub_group_size`` (all in one when the group is no larger)."""
+    parts = [math.ceil(math.prod(s) / world) for s in shapes]
+    if sub_group_size >= sum(parts):
+        return [range(len(shapes))]
+    out, first, size = [], 0, 0
+    for i, n in enumerate(parts):
+        size += n
+        if size >= sub_group_size or i == len(parts) - 1:
+            out.append(range(first, i + 1))
+            first, size = i + 1, 0
+    return out
+
+
+def _zero3_file(groups: list[dict], rank: int, world: int, sub_group_size: int) -> dict:
+    """Rank ``rank``'s ZeRO-3 optimizer state, as DeepSpeed's ``_rigid_state_dict``: one flat
+    fp32 partition per sub-group, each a parameter of its param group in the inner optimizer."""
+    fp32, states, param_groups = [], [], []
     for g in groups:
-        flat = _stage3_slices(g["master"].reshape(-1), g["shapes"], rank, world)
-        fp32.append(flat)
-        state = _scalars(g)
-        state.update({k: _stage3_slices(v.reshape(-1), g["shapes"], rank, world) for k, v in g["optim_state"].items()})
-        states.append(state)
+        ids = []
+        offsets = [0]
+        for shape in g["shapes"]:
+            offsets.append(offsets[-1] + math.prod(shape))
+        for sub in _sub_groups(g["shapes"], world, sub_group_size):
+            lo, hi = offsets[sub.start], offsets[sub.stop]
+            shapes = g["shapes"][sub.start:sub.stop]
+            fp32.append(_stage3_slices(g["master"].reshape(-1)[lo:hi], shapes, rank, world))
+            state = _scalars(g)
+            state.update({k: _stage3_slices(v.reshape(-1)[lo:hi], shapes, rank, world)
+                          for k, v in g["optim_state"].items()})
+            ids.append(len(states))
+            states.append(state)
+        param_groups.append({**g["hparams"], "params": ids})
     return {"zero_stage": 3, "loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-            "partition_count": world, "optimizer_state_dict": _base_optimizer(groups, states),
+            "partition_count": world,
+            "optimizer_state_dict": {"state": dict(enumerate(states)), "param_groups": param_groups},
             "fp32_flat_groups": fp32}
 
 
@@ -257,7 +286,8 @@ def save_deepspeed(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str
         files[model_states_name(rank if stage == 3 else None)] = _model_states(
             parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters)
     if stage > 0 and parts.optimizer is not None:
-        osd = _zero3_file(groups, rank, world) if stage == 3 else \
+        sub_group_size = int((parts.ds_config.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP_SIZE))
+        osd = _zero3_file(groups, rank, world, sub_group_size) if stage == 3 else \
             _zero12_file(groups, rank, world, stage, parts.gradient_clipping)
         files[optim_states_name(rank, parts.bf16)] = {"optimizer_state_dict": osd, "ds_config": dict(parts.ds_config),
                                                       "ds_version": DEEPSPEED_VERSION}

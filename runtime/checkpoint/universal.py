@@ -14,19 +14,20 @@ and ZeRO stage can load it::
 
 ``read_universal`` turns such a folder into ``deepspeed_read.DeepSpeedState``, which
 ``deepspeed_load`` places at the engine's world size and stage; ``convert`` writes the layout from
-a DeepSpeed-format tag (DeepSpeed's or dslaunch's ``format: deepspeed``), copying its model-states
-files as ``ds_to_universal`` does. Writes go through ``safe_write``; DeepSpeed's classes by name
+a DeepSpeed-format tag (DeepSpeed's or dslaunch's ``format: deepspeed``; its model-states files
+copied, as ``ds_to_universal`` does) or a tag in dslaunch's own layout (model-states files for
+DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders made from it). Writes go through ``safe_write``; DeepSpeed's classes by name
 (``deepspeed_pickle``).
 
 Limitations: no tensor or pipeline parallelism (the ``universal_checkpoint_info`` patterns that
 merge TP slices), no MoE experts, no vocabulary padding; ``convert`` reads the whole fp32 state
-into host memory. A checkpoint in dslaunch's own layout converts once it is saved with
-``format: deepspeed`` (or loaded and saved again).
+into host memory.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 
 from dslaunch import safe_write
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, rank_file, zero_file
 from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name
 from dslaunch.runtime.checkpoint.deepspeed_pickle import loss_scaler, to_bytes
 from dslaunch.runtime.checkpoint.deepspeed_read import (
@@ -42,6 +44,9 @@ from dslaunch.runtime.checkpoint.deepspeed_read import (
     read_deepspeed,
     read_file,
 )
+from dslaunch.runtime.checkpoint.deepspeed_write import DEEPSPEED_VERSION
+from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, expert_groups, needed_ranks
+from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore
 
 __all__ = ["INFO_KEYS", "LATEST_UNIVERSAL", "ZERO_FOLDER", "OPTIMIZER_STATE", "PARAM", "universal_tag", "read_universal",
            "convert"]
@@ -167,12 +172,58 @@ def _optimizer_state(state: DeepSpeedState) -> dict:
     param_groups = [{**g.hparams, "params": [i]} for i, g in enumerate(state.groups)]
     steps = {i: {"step": _as_step(g.scalars["step"])} for i, g in enumerate(state.groups) if "step" in g.scalars}
     return {"zero_stage": state.stage, "loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-            "partition_count": state.world_size, "ds_version": state.states.get("ds_version", "0.19.8"),
+            "partition_count": state.world_size, "ds_version": DEEPSPEED_VERSION,
             "optimizer_state_dict": {"state": steps, "param_groups": param_groups}, "param_groups": param_groups}
 
 
 def _as_step(step: Any) -> torch.Tensor:
     return step.detach().clone().float() if torch.is_tensor(step) else torch.tensor(float(step))
+
+
+def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes]]:
+    """A tag in dslaunch's own layout, whole, and the model-states files DeepSpeed loads a universal
+    checkpoint with: ``mp_rank_00_model_states.pt`` (ZeRO 1/2: whole weights) and
+    ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (ZeRO-3: placeholders for the trained ones)."""
+    store, tag = CheckpointStore(src.parent), src.name
+    manifest = store.manifest(tag)
+    meta = manifest.meta
+    check_meta(meta, str(src / MANIFEST))
+    if "model_parallel" in meta or expert_groups(meta["partition"]):
+        raise CheckpointError("holds pipeline, tensor-parallel or expert parameters: not convertible to a "
+                              "universal checkpoint yet", str(src))
+    pmap = meta["partition"]
+    full = [(0, int(g["numel"])) for g in pmap["groups"]]
+    whole = assemble([store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)], full)
+    training = store.read(tag, rank_file(0), manifest)
+    module = dict(store.read(tag, MODULE_FILE, manifest)["module"])
+    fp32, optim, groups = {}, {}, []
+    for g in whole["groups"]:
+        offset = 0
+        for name, shape in zip(g["names"], g["shapes"], strict=True):
+            n = math.prod(shape)
+            fp32[name] = g["master"][offset:offset + n].float().view(tuple(shape)).clone()
+            optim[name] = {k: v[offset:offset + n].float().view(tuple(shape)).clone() for k, v in g["optim_state"].items()}
+            offset += n
+        groups.append(DeepSpeedGroup(list(g["names"]), dict(g["optim_scalars"]), dict(g["hparams"])))
+    dtypes = {k: getattr(torch, v["dtype"]) for k, v in meta.get("module", {}).items()}
+    weights = {**module, **{k: v.to(dtypes.get(k, torch.float32)) for k, v in fp32.items()}}
+    order = meta.get("module_keys") or list(weights)
+    engine = training["engine"]
+    states = {"buffer_names": [], "optimizer": None,
+              "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in zip(g["names"], g["shapes"], strict=True))
+                               for g in whole["groups"]],
+              "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
+              "lr_scheduler": engine.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
+              "skipped_steps": int(engine["skipped_steps"]), "global_steps": int(engine["global_steps"]),
+              "global_samples": int(engine["global_samples"]), "dp_world_size": int(meta["world_size"]),
+              "mp_world_size": 1, "ds_config": {}, "ds_version": DEEPSPEED_VERSION, **training.get("client_state", {})}
+    whole_module = OrderedDict((k, weights[k]) for k in order if k in weights)
+    placeholders = OrderedDict((k, torch.empty(0, dtype=v.dtype) if k in fp32 else v) for k, v in whole_module.items())
+    files = {model_states_name(): to_bytes({"module": whole_module, **states}),
+             model_states_name(0): to_bytes({"module": placeholders, **states})}
+    state = DeepSpeedState(src, src / MODULE_FILE, int(meta["zero_stage"]), int(meta["world_size"]), states,
+                           whole_module, fp32, optim, groups)
+    return state, files
 
 
 def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
@@ -184,13 +235,14 @@ def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
             missing or malformed (names it), or a write failed.
     """
     src, out = Path(input_folder), Path(output_folder)
-    if (src / "manifest.json").exists():
-        raise CheckpointError("is a checkpoint in dslaunch's own layout: save it with "
-                              '"checkpoint": {"format": "deepspeed"} first (load it, then save_checkpoint)', str(src))
-    if not src.is_dir() or not any(src.glob("*model_states.pt")):
-        raise CheckpointError("is not a DeepSpeed checkpoint tag folder (no *model_states.pt): pass the tag "
-                              "folder, e.g. <save_dir>/global_step100", str(src))
-    state = read_deepspeed(src)
+    if (src / MANIFEST).exists():
+        state, model_files = _read_dslaunch(src)
+    elif src.is_dir() and any(src.glob("*model_states.pt")):
+        state = read_deepspeed(src)
+        model_files = {f.name: f.read_bytes() for f in sorted(src.glob("*model_states.pt"))}
+    else:
+        raise CheckpointError("is neither a DeepSpeed checkpoint tag folder (*model_states.pt) nor a dslaunch one "
+                              f"({MANIFEST}): pass the tag folder, e.g. <save_dir>/global_step100", str(src))
     if state.stage == 0:
         raise CheckpointError("holds no ZeRO optimizer files (ZeRO stage 0): universal checkpoints are made "
                               "from ZeRO checkpoints", str(src))
@@ -205,8 +257,8 @@ def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
                 if "step" in g.scalars:
                     safe_write.write_file(where, "step.pt", to_bytes(_as_step(g.scalars["step"])))
         safe_write.write_file(out / ZERO_FOLDER, OPTIMIZER_STATE, to_bytes(_optimizer_state(state)))
-        for f in sorted(src.glob("*model_states.pt")):
-            safe_write.write_file(out, f.name, f.read_bytes())
+        for name, data in model_files.items():
+            safe_write.write_file(out, name, data)
         safe_write.write_file(out.parent, LATEST_UNIVERSAL, out.name)
     except OSError as exc:
         raise CheckpointError(f"cannot write the universal checkpoint: {safe_write.explain(exc, out)}") from None

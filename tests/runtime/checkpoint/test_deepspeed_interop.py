@@ -216,12 +216,16 @@ def test_checkpoint_name_helpers_name_deepspeeds_files(deepspeed_runs: Any, stag
 
 
 # ---- dslaunch writes DeepSpeed's format ("checkpoint": {"format": "deepspeed"}) -----------------
+# ZeRO-3 in several sub-groups (DeepSpeed's default sub_group_size holds the whole tiny model in one)
+ZERO = {3: {"sub_group_size": 40}}
+
+
 def _save_as_deepspeed(rank: int, world: int, stage: int, save: str, bf16: bool) -> dict:
     import dslaunch
 
     dslaunch.init_distributed(dist_backend="gloo")
     return deepspeed_job.run(dslaunch, rank, world, stage, first=0, steps=SAVE_AT + STEPS, save=save, save_at=SAVE_AT,
-                             bf16=bf16, checkpoint={"format": "deepspeed"})
+                             bf16=bf16, checkpoint={"format": "deepspeed"}, zero=ZERO.get(stage))
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +256,7 @@ def test_deepspeed_continues_dslaunch(deepspeed_python: Path, dslaunch_writes: A
                     if not g.startswith(("deepspeed.", "torch.", "collections.", "builtins."))], f
     theirs = _deepspeed_job(deepspeed_python, tmp_path / "continue.json", tmp_path / "ext", 2,
                             {"stage": stage, "first": SAVE_AT, "steps": STEPS, "load": str(folder), "bf16": bf16,
-                             "probe": False})  # DeepSpeed's safe_get_full_* fail before its first step after a load
+                             "probe": False, "zero": ZERO.get(stage)})  # DeepSpeed's safe_get_full_* fail before its first step after a load
     want, have = _mean_losses(ours, skip=SAVE_AT), _mean_losses(theirs)
     assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
     first = theirs[0]
@@ -263,15 +267,16 @@ def test_deepspeed_continues_dslaunch(deepspeed_python: Path, dslaunch_writes: A
 @pytest.mark.timeout(600)
 def test_zero_to_fp32_reads_dslaunch_written_folders(deepspeed_python: Path, dslaunch_writes: Any,
                                                      tmp_path: Path) -> None:
-    for stage in (1, 3):
-        folder, ours = dslaunch_writes(stage, False)
-        out = tmp_path / f"fp32_z{stage}.pt"
-        subprocess.run([str(deepspeed_python), "-c", "import sys, torch; "
-                        "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
-                        "torch.save(dict(g(sys.argv[1])), sys.argv[2])", str(folder), str(out)],
-                       check=True, env={**os.environ, "PYTHONPATH": "", "DS_ACCELERATOR": "cpu"},
-                       capture_output=True, timeout=300)
-        weights = torch.load(out, weights_only=True)
+    runs = {stage: dslaunch_writes(stage, False) for stage in (1, 3)}
+    # one interpreter for both folders: importing DeepSpeed is most of the time
+    subprocess.run([str(deepspeed_python), "-c", "import sys, torch; "
+                    "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
+                    "[torch.save(dict(g(a)), b) for a, b in zip(sys.argv[1::2], sys.argv[2::2])]",
+                    *[str(x) for stage, (folder, _) in runs.items() for x in (folder, tmp_path / f"z{stage}.pt")]],
+                   check=True, env={**os.environ, "PYTHONPATH": "", "DS_ACCELERATOR": "cpu"},
+                   capture_output=True, timeout=300)
+    for stage, (_, ours) in runs.items():
+        weights = torch.load(tmp_path / f"z{stage}.pt", weights_only=True)
         names = [n for n in ours[0]["state"] if ":" not in n]
         assert sorted(weights) == sorted(names)
         for n in names:
@@ -318,6 +323,25 @@ def test_universal_round_trip(deepspeed_python: Path, deepspeed_runs: Any, dslau
     assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
 
 
+def _save_own_layout(rank: int, world: int, save: str) -> dict:
+    import dslaunch
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    return deepspeed_job.run(dslaunch, rank, world, 2, first=0, steps=SAVE_AT + STEPS, save=save, save_at=SAVE_AT)
+
+
+@pytest.mark.timeout(600)
+def test_ds_to_universal_converts_dslaunchs_own_layout(tmp_path: Path) -> None:
+    from dslaunch.runtime.checkpoint.universal import convert
+
+    ours = run_world(_save_own_layout, 2, str(tmp_path / "ck"), timeout=240)  # ZeRO-2 at world 2, manifest
+    convert(tmp_path / "ck" / "global_step3", tmp_path / "uni" / "global_step3_universal")
+    got = run_world(_continue_universal, 1, 3, str(tmp_path / "uni"), timeout=240)  # ZeRO-3 at world 1
+    want, have = _mean_losses(ours, skip=SAVE_AT), _mean_losses(got)
+    assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
+    assert (got[0]["global_steps"], got[0]["global_samples"]) == (3, 24)
+
+
 def _load_universal_once(rank: int, world: int, load: str) -> str:
     import dslaunch
 
@@ -339,7 +363,7 @@ def test_bad_universal_input_names_the_file(dslaunch_writes: Any, tmp_path: Path
     folder, _ = dslaunch_writes(3, False)
     neither = tmp_path / "neither"
     neither.mkdir()
-    with pytest.raises(CheckpointError, match="not a DeepSpeed checkpoint tag folder") as exc:
+    with pytest.raises(CheckpointError, match="neither a DeepSpeed checkpoint tag folder") as exc:
         convert(neither, tmp_path / "out")
     assert str(neither) in str(exc.value)
     out = convert(folder / "global_step3", tmp_path / "uni" / "global_step3_universal")
