@@ -48,11 +48,15 @@ from dslaunch.runtime.checkpoint.deepspeed_write import DEEPSPEED_VERSION
 from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, expert_groups, needed_ranks
 from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore
 
-__all__ = ["INFO_KEYS", "LATEST_UNIVERSAL", "ZERO_FOLDER", "OPTIMIZER_STATE", "PARAM", "universal_tag", "read_universal",
-           "convert"]
+__all__ = ["UNIVERSAL_CHECKPOINT_INFO", "UNIVERSAL_CHECKPOINT_VERSION_KEY", "UNIVERSAL_CHECKPOINT_VERSION_VALUE",
+           "VOCABULARY_PARAMETER_PATTERNS", "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
+           "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS", "TP_REPLICATED_PARAMETER_PATTERNS",
+           "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0", "PADDED_VOCAB_SIZE", "ORIGINAL_VOCAB_SIZE",
+           "LATEST_UNIVERSAL", "ZERO_FOLDER", "OPTIMIZER_STATE", "PARAM", "universal_tag", "read_universal", "convert"]
 
 # The keys of a model's ``universal_checkpoint_info`` (the model-states file; Megatron-DeepSpeed sets
-# it) that tell ``ds_to_universal`` how to merge tensor-parallel slices: DeepSpeed's names and values.
+# it) that tell ``ds_to_universal`` how to merge tensor-parallel slices: DeepSpeed's names and values
+# (``dslaunch.checkpoint`` re-exports them as DeepSpeed's ``deepspeed.checkpoint`` does).
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
 UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.4
@@ -63,11 +67,6 @@ TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
 PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
 PADDED_VOCAB_SIZE = "padded_vocab_size"
 ORIGINAL_VOCAB_SIZE = "original_vocab_size"
-INFO_KEYS = ("UNIVERSAL_CHECKPOINT_INFO", "UNIVERSAL_CHECKPOINT_VERSION_KEY", "UNIVERSAL_CHECKPOINT_VERSION_VALUE",
-             "VOCABULARY_PARAMETER_PATTERNS", "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
-             "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS", "TP_REPLICATED_PARAMETER_PATTERNS",
-             "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0", "PADDED_VOCAB_SIZE", "ORIGINAL_VOCAB_SIZE")
-"""The names above, re-exported by ``dslaunch.checkpoint`` (DeepSpeed's ``deepspeed.checkpoint``)."""
 
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_FOLDER = "zero"
@@ -202,7 +201,8 @@ def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes]]:
         for name, shape in zip(g["names"], g["shapes"], strict=True):
             n = math.prod(shape)
             fp32[name] = g["master"][offset:offset + n].float().view(tuple(shape)).clone()
-            optim[name] = {k: v[offset:offset + n].float().view(tuple(shape)).clone() for k, v in g["optim_state"].items()}
+            optim[name] = {k: v[offset:offset + n].float().view(tuple(shape)).clone()
+                           for k, v in g["optim_state"].items()}
             offset += n
         groups.append(DeepSpeedGroup(list(g["names"]), dict(g["optim_scalars"]), dict(g["hparams"])))
     dtypes = {k: getattr(torch, v["dtype"]) for k, v in meta.get("module", {}).items()}

@@ -254,14 +254,15 @@ def test_deepspeed_continues_dslaunch(deepspeed_python: Path, dslaunch_writes: A
     for f in tag.iterdir():  # DeepSpeed unpickles these without dslaunch: no class of ours in them
         assert not [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
                     if not g.startswith(("deepspeed.", "torch.", "collections.", "builtins."))], f
+    # probe False: DeepSpeed's safe_get_full_* fail before its first step after a load
     theirs = _deepspeed_job(deepspeed_python, tmp_path / "continue.json", tmp_path / "ext", 2,
                             {"stage": stage, "first": SAVE_AT, "steps": STEPS, "load": str(folder), "bf16": bf16,
-                             "probe": False, "zero": ZERO.get(stage)})  # DeepSpeed's safe_get_full_* fail before its first step after a load
+                             "probe": False, "zero": ZERO.get(stage)})
     want, have = _mean_losses(ours, skip=SAVE_AT), _mean_losses(theirs)
     assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
     first = theirs[0]
     assert (first["global_steps"], first["global_samples"], first["skipped_steps"]) == (3, 24, 0)
-    # DeepSpeed's get_last_lr() reads 0 until its first step after a load: the losses show the scheduler
+    # DeepSpeed's get_last_lr() reads 0 until its first step after a load: the losses show the scheduler's state
 
 
 @pytest.mark.timeout(600)
