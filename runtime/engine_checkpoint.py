@@ -37,7 +37,9 @@ class EngineCheckpoints:
         return CheckpointParts(module=self.module, zero=self.zero,
                                training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
                                optimizer=self.optimizer, global_steps=self.global_steps,
-                               config=self._config.checkpoint, io=self._checkpointer, placement=place)
+                               config=self._config.checkpoint, io=self._checkpointer, placement=place,
+                               ds_config=self.config, gradient_clipping=self._config.gradient_clipping,
+                               bf16=self._config.bf16.enabled)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a pending asynchronous save is durable; raise its error if it failed."""
@@ -72,8 +74,8 @@ class EngineCheckpoints:
                                               load_lr_scheduler_states=load_lr_scheduler_states,
                                               load_module_only=load_module_only)
 
-    # DeepSpeed's file names in its own layout (``checkpoint/deepspeed_layout.py``): files that
-    # dslaunch reads from a checkpoint real DeepSpeed wrote, never ones dslaunch writes.
+    # DeepSpeed's file names in its own layout (``checkpoint/deepspeed_layout.py``): files of a
+    # checkpoint DeepSpeed wrote, or dslaunch with checkpoint.format "deepspeed" (never its own layout).
     def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: str | None = None,
                        pp_placeholder: str | None = None) -> str:
         from dslaunch.runtime.checkpoint.deepspeed_layout import ckpt_name

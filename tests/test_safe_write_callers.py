@@ -37,6 +37,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "directory checked by check_owner, renamed by descriptor (dir_fd) onto the library",
     ("runtime/checkpoint/save_load.py", "<lambda>", "torch.save"):
         "writes the path safe_write.atomic_path (via store.write_atomic) just created exclusively",
+    ("runtime/checkpoint/deepspeed_pickle.py", "to_bytes", "torch.save"):
+        "serializes into an io.BytesIO in memory; the callers write the bytes with safe_write.write_file",
     ("runtime/checkpoint/export.py", "<lambda>", "torch.save"):
         "writes the path safe_write.atomic_path (via store.write_atomic) just created exclusively",
     ("runtime/checkpoint/export.py", "<lambda>", "save_file"):

@@ -8,8 +8,8 @@
 - ``dslaunch sbatch ...``: submit the job to SLURM (``sbatch.py``), the launch flags plus sbatch's
   through argparse like the launch command.
 - ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
-  (``zero_to_fp32.py``, ``status.py``, ``estimate.py``, ``report.py``, ``k8s.py``), imported only
-  when named.
+  (``zero_to_fp32.py``, ``ds_to_universal.py``, ``status.py``, ``estimate.py``, ``report.py``,
+  ``k8s.py``), imported only when named.
 
 User mistakes print one line (``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the
 traceback.
@@ -32,6 +32,7 @@ __all__ = ["main", "run", "report", "build_parser", "parse_config", "SUBCOMMANDS
 
 SUBCOMMANDS: dict[str, str] = {
     "zero-to-fp32": "dslaunch.launcher.cli.zero_to_fp32:command",
+    "ds-to-universal": "dslaunch.launcher.cli.ds_to_universal:command",
     "status": "dslaunch.launcher.cli.status:command",
     "estimate": "dslaunch.launcher.cli.estimate:command",
     "report": "dslaunch.launcher.cli.report:command",

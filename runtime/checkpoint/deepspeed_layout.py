@@ -9,8 +9,10 @@ newest tag) holds::
     [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt  ZeRO: rank R's fp32 partition and optimizer
                                                     state (``bf16_`` from DeepSpeed's bf16 optimizer)
 
-dslaunch writes its own layout (a manifest and ``.dsl`` files per tag, ``checkpointer.py``); it
-reads this one (``deepspeed_read.py``), and these names point into it, never into dslaunch's.
+dslaunch writes its own layout by default (a manifest and ``.dsl`` files per tag,
+``checkpointer.py``); it reads this one (``deepspeed_read.py``) and writes it with
+``"checkpoint": {"format": "deepspeed"}`` (``deepspeed_write.py``). These names point into this
+layout, never into dslaunch's.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ from dslaunch.runtime.checkpoint.save_load import load_module_weights, with_mast
 __all__ = ["find_deepspeed_tag", "load_deepspeed"]
 
 log = logging.getLogger("dslaunch.checkpoint")
+
+Reader = Callable[[Path, bool, list[str]], DeepSpeedState]
+"""(tag folder, read the optimizer state, trained names in the optimizer's order) -> the state."""
 
 # The keys DeepSpeed's load consumes; the rest of the model-states file is the client state.
 _ALWAYS = ("module",)
@@ -50,11 +54,11 @@ def find_deepspeed_tag(ck: Checkpointer, load_dir: str | os.PathLike, tag: Any) 
     return Path(found) if found is not None else None
 
 
-def _read(ck: Checkpointer, folder: Path, optimizer: bool, trained: list[str]) -> DeepSpeedState:
+def _read(ck: Checkpointer, folder: Path, optimizer: bool, trained: list[str], reader: Reader) -> DeepSpeedState:
     """Every rank reads the tag; if any rank fails, all raise the same error."""
     got, err = None, None
     try:
-        got = read_deepspeed(folder, optimizer, trained)
+        got = reader(folder, optimizer, trained)
     except CheckpointError as exc:
         err = str(exc)
     errors = [e for e in ck.comm.all_gather_object(err) if e]
@@ -133,8 +137,9 @@ def _client_state(sd: dict, module_only: bool, lr_scheduler: bool, optimizer: bo
 
 def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: bool = True,
                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                   load_module_only: bool = False) -> tuple[str, dict]:
-    """Load the DeepSpeed tag ``folder`` (``find_deepspeed_tag``) into ``parts``.
+                   load_module_only: bool = False, reader: Reader = read_deepspeed) -> tuple[str, dict]:
+    """Load the DeepSpeed tag ``folder`` (``find_deepspeed_tag``) into ``parts``; ``reader``:
+    ``universal.read_universal`` for a universal checkpoint.
 
     Returns:
         ``(model-states file, client_state)``, as DeepSpeed's ``load_checkpoint``.
@@ -151,7 +156,7 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     current = parts.zero.state_dict()
     trained = [n for g in current["groups"] for n in g["names"]]
     read_optimizer = load_optimizer_states and not load_module_only
-    state = _read(ck, folder, read_optimizer, trained)
+    state = _read(ck, folder, read_optimizer, trained, reader)
     source = str(state.model_file)
     held = set(trained)
     load_module_weights(parts.module, state.module, load_module_strict, {}, held, source)
@@ -166,5 +171,5 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
         log.info("loaded DeepSpeed checkpoint %s (saved at data-parallel world size %d, ZeRO stage %d; now %d, "
                  "stage %d)", folder, state.world_size, state.stage, ck.comm.world_size, parts.zero.stage)
     own = folder / model_states_name(ck.comm.rank) if state.stage == 3 and ck.comm.rank < state.world_size \
-        else state.model_file
+        and (folder / model_states_name(ck.comm.rank)).exists() else state.model_file
     return str(own), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)

@@ -17,8 +17,8 @@ its step wait for the snapshot copy. ``io`` is the engine's checkpoint machinery
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -59,3 +59,8 @@ class CheckpointParts:
     io: Checkpointer
     placement: Placement | None = None
     """Where this rank's part of a model-parallel model sits; None: every rank holds the model."""
+    ds_config: Mapping[str, Any] = field(default_factory=dict)
+    """The engine's config as the user gave it (DeepSpeed's format saves it: ``ds_config``)."""
+    gradient_clipping: float = 0.0
+    bf16: bool = False
+    """bf16 training (DeepSpeed's format names its ZeRO files ``bf16_...``)."""

@@ -146,6 +146,10 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     cfg = parts.config
     tag = _agreed_tag(ck, save_dir, str(tag) if tag is not None else f"global_step{parts.global_steps}",
                       cfg.tag_validation)
+    if cfg.format == "deepspeed":  # DeepSpeed's own layout: its load_checkpoint reads it
+        from dslaunch.runtime.checkpoint.deepspeed_write import save_deepspeed
+
+        return save_deepspeed(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     rank, zero, place = ck.comm.rank, parts.zero, parts.placement
     if place is not None and cfg.use_node_local_storage:
         raise CheckpointError(f"checkpoint.use_node_local_storage is not supported with model parallelism "
@@ -380,11 +384,15 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
     # deepspeed_load builds on this module's loading steps, hence the import here
     from dslaunch.runtime.checkpoint.deepspeed_load import find_deepspeed_tag, load_deepspeed
 
+    flags = {"load_module_strict": load_module_strict, "load_optimizer_states": load_optimizer_states,
+             "load_lr_scheduler_states": load_lr_scheduler_states, "load_module_only": load_module_only}
+    if parts.config.load_universal:  # DeepSpeed's universal layout, the tag from latest_universal
+        from dslaunch.runtime.checkpoint.universal import read_universal, universal_tag
+
+        return load_deepspeed(parts, universal_tag(load_dir, tag), reader=read_universal, **flags)
     folder = find_deepspeed_tag(ck, load_dir, tag)
     if folder is not None:
-        return load_deepspeed(parts, folder, load_module_strict=load_module_strict,
-                              load_optimizer_states=load_optimizer_states,
-                              load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        return load_deepspeed(parts, folder, **flags)
     store = CheckpointStore(load_dir)
     tags, notes = _candidates(ck, store, tag)
     if not tags:

@@ -192,8 +192,13 @@ class CheckpointConfig:
     use_node_local_storage: bool = _opt(False, boolean, "true if each node saves to local disk")
     fsync: bool = _opt(True, boolean, "false to skip fsync as DeepSpeed does: a save then survives a "
                        "killed process but not a power loss")
+    format: str = _opt("dslaunch", choice("dslaunch", "deepspeed"), "dslaunch (manifest, any world size on "
+                       "load) or deepspeed (the files DeepSpeed 0.19's load_checkpoint reads at the saving "
+                       "world size and stage); dslaunch-only")
+    load_universal: bool = _opt(False, boolean, "true to load a universal checkpoint (ds_to_universal's "
+                                "layout; the tag from latest_universal)")
 
-    UNIMPLEMENTED = {"load_universal": False, "parallel_write": Off({"pipeline_stage": False}),
+    UNIMPLEMENTED = {"parallel_write": Off({"pipeline_stage": False}),
                      "writer": None, "checkpoint_serialization": True}
 
 

@@ -28,16 +28,19 @@ def model() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(10, 3))
 
 
-def config(stage: int, world: int, bf16: bool = False) -> dict[str, Any]:
+def config(stage: int, world: int, bf16: bool = False, checkpoint: dict | None = None,
+           zero: dict | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero or {})},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                      "warmup_num_steps": 20}},
     }
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if checkpoint:
+        cfg["checkpoint"] = checkpoint
     return cfg
 
 
@@ -63,9 +66,11 @@ def full_state(deepspeed: Any, engine: Any) -> dict[str, list[float]]:
 
 def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: int,
         load: str | None = None, save: str | None = None, save_at: int | None = None, bf16: bool = False,
-        load_kwargs: dict | None = None, probe: bool = True) -> dict[str, Any]:
+        load_kwargs: dict | None = None, probe: bool = True, checkpoint: dict | None = None,
+        zero: dict | None = None) -> dict[str, Any]:
     """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
-    step ``save_at`` (default: after the last step).
+    step ``save_at`` (default: after the last step); ``checkpoint``: the config's ``checkpoint`` block, ``zero``: more
+    ``zero_optimization`` keys.
 
     Returns this rank's losses, what ``load_checkpoint`` returned (path, client state), the
     engine's counters and LR after loading, and (``probe``) the ``full_state`` after loading or
@@ -73,7 +78,7 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
     """
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
-    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(stage, world, bf16))
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(stage, world, bf16, checkpoint, zero))
     out: dict[str, Any] = {"losses": []}
     if load is not None:
         path, client = engine.load_checkpoint(load, **(load_kwargs or {}))

@@ -63,9 +63,14 @@ def deepspeed_runs(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFact
 def _run_deepspeed(python: Path, base: Path, ext: Path, stage: int, world: int, bf16: bool
                    ) -> tuple[Path, list[dict]]:
     name = f"z{stage}_w{world}{'_bf16' if bf16 else ''}"
-    ckpt, out = base / name, base / f"{name}.json"
-    args = json.dumps({"stage": stage, "first": 0, "steps": SAVE_AT + STEPS, "save": str(ckpt),
-                       "save_at": SAVE_AT, "bf16": bf16})
+    ckpt = base / name
+    return ckpt, _deepspeed_job(python, base / f"{name}.json", ext, world, {
+        "stage": stage, "first": 0, "steps": SAVE_AT + STEPS, "save": str(ckpt), "save_at": SAVE_AT, "bf16": bf16})
+
+
+def _deepspeed_job(python: Path, out: Path, ext: Path, world: int, job: dict) -> list[dict]:
+    """Real DeepSpeed runs ``deepspeed_job.run(**job)`` at ``world`` ranks: each rank's results."""
+    name, args = out.stem, json.dumps(job)
     port = free_port()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(ext), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -82,7 +87,7 @@ def _run_deepspeed(python: Path, base: Path, ext: Path, stage: int, world: int, 
             pytest.fail(f"DeepSpeed {name} did not finish in 400 s")
     if any(p.returncode for p in procs):
         pytest.fail(f"DeepSpeed {name} failed (exit codes {[p.returncode for p in procs]}):\n{logs[0][-3000:]}")
-    return ckpt, [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
 
 
 def _continue(rank: int, world: int, stage: int, load: str, bf16: bool, load_kwargs: dict, probe: bool) -> dict:
@@ -208,3 +213,170 @@ def test_checkpoint_name_helpers_name_deepspeeds_files(deepspeed_runs: Any, stag
         assert Path(zero).name == f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         assert optim == str(folder / "global_step3" / "expp_rank_0_mp_rank_00_optim_states.pt")
         assert pattern.endswith("mp_rank_*_model_states.pt")
+
+
+# ---- dslaunch writes DeepSpeed's format ("checkpoint": {"format": "deepspeed"}) -----------------
+# ZeRO-3 in several sub-groups (DeepSpeed's default sub_group_size holds the whole tiny model in one)
+ZERO = {3: {"sub_group_size": 40}}
+
+
+def _save_as_deepspeed(rank: int, world: int, stage: int, save: str, bf16: bool) -> dict:
+    import dslaunch
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    return deepspeed_job.run(dslaunch, rank, world, stage, first=0, steps=SAVE_AT + STEPS, save=save, save_at=SAVE_AT,
+                             bf16=bf16, checkpoint={"format": "deepspeed"}, zero=ZERO.get(stage))
+
+
+@pytest.fixture(scope="module")
+def dslaunch_writes(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``run(stage, bf16)``: dslaunch trains at world 2, saves DeepSpeed's format before step
+    ``SAVE_AT`` and goes on (its own continuation); the folder and per-rank results, once each."""
+    base = tmp_path_factory.mktemp("dslaunch-ds-format")
+    cache: dict[tuple, tuple[Path, list[dict]]] = {}
+
+    def run(stage: int, bf16: bool) -> tuple[Path, list[dict]]:
+        if (stage, bf16) not in cache:
+            folder = base / f"z{stage}{'_bf16' if bf16 else ''}"
+            cache[stage, bf16] = folder, run_world(_save_as_deepspeed, 2, stage, str(folder), bf16, timeout=240)
+        return cache[stage, bf16]
+
+    return run
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("stage", "bf16"), [(1, False), (2, True), (3, False)])
+def test_deepspeed_continues_dslaunch(deepspeed_python: Path, dslaunch_writes: Any, tmp_path: Path, stage: int,
+                                      bf16: bool) -> None:
+    folder, ours = dslaunch_writes(stage, bf16)
+    tag = folder / "global_step3"
+    assert (folder / "latest").read_text() == "global_step3"
+    for f in tag.iterdir():  # DeepSpeed unpickles these without dslaunch: no class of ours in them
+        assert not [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
+                    if not g.startswith(("deepspeed.", "torch.", "collections.", "builtins."))], f
+    # probe False: DeepSpeed's safe_get_full_* fail before its first step after a load
+    theirs = _deepspeed_job(deepspeed_python, tmp_path / "continue.json", tmp_path / "ext", 2,
+                            {"stage": stage, "first": SAVE_AT, "steps": STEPS, "load": str(folder), "bf16": bf16,
+                             "probe": False, "zero": ZERO.get(stage)})
+    want, have = _mean_losses(ours, skip=SAVE_AT), _mean_losses(theirs)
+    assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
+    first = theirs[0]
+    assert (first["global_steps"], first["global_samples"], first["skipped_steps"]) == (3, 24, 0)
+    # DeepSpeed's get_last_lr() reads 0 until its first step after a load: the losses show the scheduler's state
+
+
+@pytest.mark.timeout(600)
+def test_zero_to_fp32_reads_dslaunch_written_folders(deepspeed_python: Path, dslaunch_writes: Any,
+                                                     tmp_path: Path) -> None:
+    runs = {stage: dslaunch_writes(stage, False) for stage in (1, 3)}
+    # one interpreter for both folders: importing DeepSpeed is most of the time
+    subprocess.run([str(deepspeed_python), "-c", "import sys, torch; "
+                    "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
+                    "[torch.save(dict(g(a)), b) for a, b in zip(sys.argv[1::2], sys.argv[2::2])]",
+                    *[str(x) for stage, (folder, _) in runs.items() for x in (folder, tmp_path / f"z{stage}.pt")]],
+                   check=True, env={**os.environ, "PYTHONPATH": "", "DS_ACCELERATOR": "cpu"},
+                   capture_output=True, timeout=300)
+    for stage, (_, ours) in runs.items():
+        weights = torch.load(tmp_path / f"z{stage}.pt", weights_only=True)
+        names = [n for n in ours[0]["state"] if ":" not in n]
+        assert sorted(weights) == sorted(names)
+        for n in names:
+            assert weights[n].reshape(-1).tolist() == ours[0]["state"][n], (stage, n)
+
+
+# ---- universal checkpoints (DeepSpeed's ds_to_universal layout) -----------------------------------
+DSLAUNCH = Path(sys.executable).with_name("dslaunch")
+
+
+def _continue_universal(rank: int, world: int, stage: int, load: str) -> dict:
+    import dslaunch
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    return deepspeed_job.run(dslaunch, rank, world, stage, first=SAVE_AT, steps=STEPS, load=load, probe=False,
+                             checkpoint={"load_universal": True})
+
+
+@pytest.mark.timeout(900)
+def test_universal_round_trip(deepspeed_python: Path, deepspeed_runs: Any, dslaunch_writes: Any,
+                              tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    # DeepSpeed's ds_to_universal of its ZeRO-3 world-2 save -> dslaunch at world 1, ZeRO-1
+    folder, ds = deepspeed_runs(3, 2)
+    uni = tmp_path / "from_deepspeed" / "global_step3_universal"
+    subprocess.run([str(deepspeed_python), "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(folder / "global_step3"), "--output_folder", str(uni)], check=True, env=env,
+                   capture_output=True, timeout=300)
+    got = run_world(_continue_universal, 1, 1, str(uni.parent), timeout=240)
+    want, have = _mean_losses(ds, skip=SAVE_AT), _mean_losses(got)
+    assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
+    assert got[0]["global_steps"] == 3
+    # dslaunch's ds-to-universal of its own DeepSpeed-format world-2 save -> real DeepSpeed at world 1
+    folder, ours = dslaunch_writes(3, False)
+    out = tmp_path / "from_dslaunch" / "global_step3_universal"
+    done = subprocess.run([str(DSLAUNCH), "ds-to-universal", "--input_folder", str(folder / "global_step3"),
+                           "--output_folder", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (out.parent / "latest_universal").read_text() == out.name
+    theirs = _deepspeed_job(deepspeed_python, tmp_path / "universal.json", tmp_path / "ext", 1,
+                            {"stage": 3, "first": SAVE_AT, "steps": STEPS, "load": str(out.parent), "probe": False,
+                             "checkpoint": {"load_universal": True}})
+    want, have = _mean_losses(ours, skip=SAVE_AT), _mean_losses(theirs)
+    assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
+
+
+def _save_own_layout(rank: int, world: int, save: str) -> dict:
+    import dslaunch
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    return deepspeed_job.run(dslaunch, rank, world, 2, first=0, steps=SAVE_AT + STEPS, save=save, save_at=SAVE_AT)
+
+
+@pytest.mark.timeout(600)
+def test_ds_to_universal_converts_dslaunchs_own_layout(tmp_path: Path) -> None:
+    from dslaunch.runtime.checkpoint.universal import convert
+
+    ours = run_world(_save_own_layout, 2, str(tmp_path / "ck"), timeout=240)  # ZeRO-2 at world 2, manifest
+    convert(tmp_path / "ck" / "global_step3", tmp_path / "uni" / "global_step3_universal")
+    got = run_world(_continue_universal, 1, 3, str(tmp_path / "uni"), timeout=240)  # ZeRO-3 at world 1
+    want, have = _mean_losses(ours, skip=SAVE_AT), _mean_losses(got)
+    assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)
+    assert (got[0]["global_steps"], got[0]["global_samples"]) == (3, 24)
+
+
+def _load_universal_once(rank: int, world: int, load: str) -> str:
+    import dslaunch
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    net = deepspeed_job.model()
+    engine, *_ = dslaunch.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters()),
+                                     config=deepspeed_job.config(2, world, checkpoint={"load_universal": True}))
+    try:
+        engine.load_checkpoint(load)
+    except CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.timeout(600)
+def test_bad_universal_input_names_the_file(dslaunch_writes: Any, tmp_path: Path) -> None:
+    from dslaunch.runtime.checkpoint.universal import convert
+
+    folder, _ = dslaunch_writes(3, False)
+    neither = tmp_path / "neither"
+    neither.mkdir()
+    with pytest.raises(CheckpointError, match="neither a DeepSpeed checkpoint tag folder") as exc:
+        convert(neither, tmp_path / "out")
+    assert str(neither) in str(exc.value)
+    out = convert(folder / "global_step3", tmp_path / "uni" / "global_step3_universal")
+    bias = out / "zero" / "0.bias" / "fp32.pt"
+    good = bias.read_bytes()
+    torch.save({"param": torch.zeros(4)}, bias)
+    msg = run_world(_load_universal_once, 1, str(out.parent))[0]
+    assert str(bias) in msg and "(4,)" in msg and "(10,)" in msg, msg
+    bias.write_bytes(good)
+    (out / "zero" / "2.weight" / "exp_avg.pt").unlink()
+    msg = run_world(_load_universal_once, 1, str(out.parent))[0]
+    assert str(out / "zero" / "2.weight" / "exp_avg.pt") in msg and "missing" in msg, msg
+    msg = run_world(_load_universal_once, 1, str(folder))[0]  # a plain DeepSpeed-format save_dir
+    assert "latest_universal" in msg and "ds-to-universal" in msg, msg
+    assert all("\n" not in m for m in (msg, str(exc.value)))

@@ -1,0 +1,27 @@
+"""``dslaunch ds-to-universal --input_folder TAG --output_folder OUT``: DeepSpeed's universal layout.
+
+A thin click command with DeepSpeed's ``ds_to_universal`` flag names: ``dslaunch.runtime.checkpoint.
+universal.convert`` does the work (torch is imported only when this command runs). DeepSpeed's
+worker-count flags are accepted and have nothing to tune here (one process converts).
+"""
+
+from __future__ import annotations
+
+import click
+
+__all__ = ["command"]
+
+
+@click.command("ds-to-universal")
+@click.option("--input_folder", required=True, help="the DeepSpeed-format tag folder, e.g. <save_dir>/global_step100")
+@click.option("--output_folder", required=True, help="the universal tag folder to write (latest_universal beside it)")
+@click.option("--num_extract_workers", type=int, default=4, hidden=True, help="accepted as DeepSpeed's; unused")
+@click.option("--num_merge_workers", type=int, default=2, hidden=True, help="accepted as DeepSpeed's; unused")
+def command(input_folder: str, output_folder: str, num_extract_workers: int, num_merge_workers: int) -> int:
+    """Convert a DeepSpeed-format checkpoint tag into a universal checkpoint (load it with
+    "checkpoint": {"load_universal": true} at any world size and ZeRO stage)."""
+    from dslaunch.runtime.checkpoint.universal import convert
+
+    out = convert(input_folder, output_folder)
+    click.echo(f"wrote universal checkpoint {out}")
+    return 0

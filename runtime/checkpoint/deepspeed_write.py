@@ -1,0 +1,320 @@
+"""``engine.save_checkpoint`` in DeepSpeed 0.19's own layout (``"checkpoint": {"format": "deepspeed"}``).
+
+Owns building the files real DeepSpeed's ``load_checkpoint`` reads at the saving data-parallel
+world size and ZeRO stage (names in ``deepspeed_layout``), from the engine's ``parts``:
+
+- ``mp_rank_00_model_states.pt`` (stages 0-2, rank 0) or ``zero_pp_rank_R_mp_rank_00_model_states.pt``
+  (stage 3, every rank): the module's state dict (stage 3: empty placeholders for the params the
+  optimizer holds), ``buffer_names``, ``param_shapes``, ``frozen_param_*``, ``shared_params``, the
+  LR scheduler, counters, ``ds_config``, ``ds_version`` and the client state; stage 0 adds the
+  client optimizer's state dict (``optimizer``).
+- ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` (ZeRO, every rank R): stages 1/2 each param
+  group as one flat vector cut into equal partitions (padded to a multiple of 2 x world size, the
+  padding on the last rank, dropped from its saved fp32 partition but kept in its Adam moments, as
+  DeepSpeed's rigid ``state_dict``); stage 3 every parameter cut into ``ceil(numel / world)``
+  elements per rank, concatenated (``fp32_flat_groups``), in DeepSpeed's sub-groups
+  (``zero_optimization.sub_group_size``).
+- ``latest`` (rank 0, last): the tag's name.
+
+DeepSpeed's classes in these files (its loss scaler, ``fragment_address``) are written by name
+(``deepspeed_pickle``); nothing of dslaunch is pickled, so DeepSpeed reads them without dslaunch.
+
+Each rank gathers the whole fp32 state (all-gather of the ZeRO shards) and writes only its own
+files, each through ``safe_write`` (atomic per file); ``latest`` is written once every rank
+succeeded, so a failed save leaves ``latest`` naming the previous tag.
+
+Limitations: no model parallelism (pipeline, tensor), no MoE experts, no node-local storage;
+written synchronously (``async_save`` waits); each rank holds the whole fp32 state once while
+saving (host memory). DeepSpeed also copies its ``zero_to_fp32.py`` into the tag: dslaunch does
+not ship DeepSpeed's script (``python -m deepspeed.utils.zero_to_fp32`` reads these files).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dslaunch import safe_write
+from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name, optim_states_name
+from dslaunch.runtime.checkpoint.deepspeed_pickle import fragment_address, loss_scaler, to_bytes
+from dslaunch.runtime.checkpoint.parts import CheckpointParts
+from dslaunch.runtime.checkpoint.reshard import assemble
+from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST
+from dslaunch.runtime.zero.full_state import module_state_dict
+
+__all__ = ["DEEPSPEED_VERSION", "save_deepspeed"]
+
+log = logging.getLogger("dslaunch.checkpoint")
+
+DEEPSPEED_VERSION = "0.19.8"
+"""The DeepSpeed release whose layout these files follow (its ``ds_version``)."""
+
+# DeepSpeed aligns each flat group to this many elements per rank (4 bytes of 16-bit values)
+_ALIGNMENT = 2
+# DeepSpeed's default zero_optimization.sub_group_size (elements per rank in one ZeRO-3 sub-group)
+_SUB_GROUP_SIZE = 1_000_000_000
+
+
+def _whole_groups(ck: Any, zero_sd: dict) -> list[dict]:
+    """Every param group whole ([0, numel)), from all ranks' shards. collective."""
+    full = [(0, int(g["numel"])) for g in zero_sd["groups"]]
+    if all((int(g["start"]), int(g["end"])) == r for g, r in zip(zero_sd["groups"], full, strict=True)):
+        return zero_sd["groups"]
+    shards = ck.comm.all_gather_object({**zero_sd, "groups": [
+        {**g, "master": g["master"].detach().cpu(), "optim_state": {k: v.detach().cpu() for k, v in
+                                                                    g["optim_state"].items()}}
+        for g in zero_sd["groups"]]})
+    return assemble([s for s in shards if s is not None], full)["groups"]
+
+
+def _scalars(group: dict) -> dict[str, Any]:
+    """The optimizer's per-group scalars as torch's Adam keeps them (``step`` a float tensor)."""
+    return {k: (v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v)))
+            if k == "step" else v for k, v in group["optim_scalars"].items()}
+
+
+def _adam_state(group: dict, lo: int, hi: int, size: int) -> dict[str, Any]:
+    """Scalars, and each moment's [lo, hi) of the group's flat vector zero-padded to ``size``."""
+    out = _scalars(group)
+    for k, v in group["optim_state"].items():
+        part = v.reshape(-1)[lo:hi].float()
+        out[k] = torch.cat([part, part.new_zeros(size - part.numel())])
+    return out
+
+
+def _base_optimizer(groups: list[dict], states: list[dict]) -> dict:
+    """A torch optimizer state dict with one flat parameter per group."""
+    return {"state": {i: s for i, s in enumerate(states)},
+            "param_groups": [{**g["hparams"], "params": [i]} for i, g in enumerate(groups)]}
+
+
+def _zero12_file(groups: list[dict], rank: int, world: int, stage: int, clip: float) -> dict:
+    """Rank ``rank``'s ZeRO-1/2 optimizer state, as DeepSpeed's rigid ``state_dict``."""
+    fp32, states, paddings, mappings = [], [], [], []
+    for g in groups:
+        numel = int(g["numel"])
+        padded = math.ceil(numel / (_ALIGNMENT * world)) * _ALIGNMENT * world
+        size = padded // world
+        lo, hi = min(rank * size, numel), min((rank + 1) * size, numel)
+        fp32.append(g["master"].reshape(-1)[lo:hi].float().clone())
+        states.append(_adam_state(g, lo, hi, size))
+        paddings.append(padded - numel if rank == world - 1 else 0)
+        mapping, offset = OrderedDict(), 0
+        for name, shape in zip(g["names"], g["shapes"], strict=True):
+            n = math.prod(shape)
+            a, b = max(offset, lo), min(offset + n, hi)
+            if a < b:
+                mapping[name] = fragment_address(b - a, a - lo)
+            offset += n
+        mappings.append(mapping)
+    return {"loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False, "clip_grad": float(clip),
+            "base_optimizer_state": _base_optimizer(groups, states), "single_partition_of_fp32_groups": fp32,
+            "zero_stage": stage, "group_paddings": paddings,
+            "param_alignment_paddings": [[0] * len(g["names"]) for g in groups],
+            "partition_count": [world] * len(groups), "ds_version": DEEPSPEED_VERSION,
+            "param_slice_mappings": mappings}
+
+
+def _stage3_slices(flat: torch.Tensor, shapes: list, rank: int, world: int) -> torch.Tensor:
+    """This rank's ``ceil(numel / world)`` elements of each parameter in ``flat``, zero-padded."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        part = math.ceil(n / world)
+        lo, hi = offset + min(rank * part, n), offset + min((rank + 1) * part, n)
+        piece = flat[lo:hi].float()
+        out.append(torch.cat([piece, piece.new_zeros(part - piece.numel())]))
+        offset += n
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def _sub_groups(shapes: list, world: int, sub_group_size: int) -> list[range]:
+    """DeepSpeed's ZeRO-3 sub-groups of one param group: parameters in order, a sub-group closed
+    once its per-rank elements reach ``sub_group_size`` (all in one when the group is no larger)."""
+    parts = [math.ceil(math.prod(s) / world) for s in shapes]
+    if sub_group_size >= sum(parts):
+        return [range(len(shapes))]
+    out, first, size = [], 0, 0
+    for i, n in enumerate(parts):
+        size += n
+        if size >= sub_group_size or i == len(parts) - 1:
+            out.append(range(first, i + 1))
+            first, size = i + 1, 0
+    return out
+
+
+def _zero3_file(groups: list[dict], rank: int, world: int, sub_group_size: int) -> dict:
+    """Rank ``rank``'s ZeRO-3 optimizer state, as DeepSpeed's ``_rigid_state_dict``: one flat
+    fp32 partition per sub-group, each a parameter of its param group in the inner optimizer."""
+    fp32, states, param_groups = [], [], []
+    for g in groups:
+        ids = []
+        offsets = [0]
+        for shape in g["shapes"]:
+            offsets.append(offsets[-1] + math.prod(shape))
+        for sub in _sub_groups(g["shapes"], world, sub_group_size):
+            lo, hi = offsets[sub.start], offsets[sub.stop]
+            shapes = g["shapes"][sub.start:sub.stop]
+            fp32.append(_stage3_slices(g["master"].reshape(-1)[lo:hi], shapes, rank, world))
+            state = _scalars(g)
+            state.update({k: _stage3_slices(v.reshape(-1)[lo:hi], shapes, rank, world)
+                          for k, v in g["optim_state"].items()})
+            ids.append(len(states))
+            states.append(state)
+        param_groups.append({**g["hparams"], "params": ids})
+    return {"zero_stage": 3, "loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+            "partition_count": world,
+            "optimizer_state_dict": {"state": dict(enumerate(states)), "param_groups": param_groups},
+            "fp32_flat_groups": fp32}
+
+
+def _stage0_optimizer(groups: list[dict]) -> dict:
+    """The client optimizer's state dict (torch's, parameters numbered in group order)."""
+    state, param_groups, index = {}, [], 0
+    for g in groups:
+        ids = []
+        offset = 0
+        for shape in g["shapes"]:
+            n = math.prod(shape)
+            entry = _scalars(g)
+            entry.update({k: v.reshape(-1)[offset:offset + n].float().view(tuple(shape)).clone()
+                          for k, v in g["optim_state"].items()})
+            if g["optim_state"]:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+            offset += n
+        param_groups.append({**g["hparams"], "params": ids})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _buffer_names(module: torch.nn.Module) -> list[str]:
+    """Persistent buffers, by their state-dict names (DeepSpeed's ``_get_buffer_names``)."""
+    out = []
+    for prefix, m in module.named_modules():
+        out += [f"{prefix}.{n}" if prefix else n for n, b in m.named_buffers(recurse=False)
+                if b is not None and n not in m._non_persistent_buffers_set]
+    return out
+
+
+def _shared_params(module: torch.nn.Module) -> dict[str, str]:
+    """Each further name of a tied parameter -> its first name."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def _frozen(module: torch.nn.Module, sd: dict, rank: int, world: int, partitioned: bool) -> tuple[dict, dict]:
+    """``frozen_param_shapes`` and this rank's ``frozen_param_fragments`` (stage 3: its slice)."""
+    shapes, frags = OrderedDict(), OrderedDict()
+    for name, p in module.named_parameters():
+        if p.requires_grad or name not in sd:
+            continue
+        whole = sd[name]
+        shapes[name] = torch.Size(whole.shape)
+        frags[name] = _stage3_slices(whole.reshape(-1), [whole.shape], rank, world).to(whole.dtype) \
+            if partitioned else whole
+    return shapes, frags
+
+
+def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: int, world: int,
+                  client_state: dict, exclude_frozen: bool) -> dict:
+    module = parts.module
+    trained = {n for g in groups for n in g["names"]}
+    sd = module_state_dict(module, exclude_frozen, skip=frozenset(trained) if stage == 3 else frozenset())
+    if stage == 3:  # DeepSpeed's partitioned params are empty in its module state dict
+        params = dict(module.named_parameters())
+        sd = OrderedDict((k, torch.empty(0, dtype=params[k].dtype) if k in trained else v) for k, v in sd.items())
+    training = parts.training.state_dict()
+    zero = stage > 0
+    frozen = _frozen(module, sd, rank, world, stage == 3) if stage >= 2 and not exclude_frozen else (None, None)
+    state = {"module": sd, "buffer_names": _buffer_names(module),
+             "optimizer": _stage0_optimizer(groups) if not zero and parts.optimizer is not None else None,
+             "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in zip(g["names"], g["shapes"], strict=True))
+                              for g in groups] if zero and parts.optimizer is not None else None,
+             "frozen_param_shapes": frozen[0], "shared_params": _shared_params(module) if zero else None,
+             "frozen_param_fragments": frozen[1], "lr_scheduler": training.get("lr_scheduler"),
+             "data_sampler": None, "random_ltd": None, "skipped_steps": int(training["skipped_steps"]),
+             "global_steps": int(training["global_steps"]), "global_samples": int(training["global_samples"]),
+             "dp_world_size": world, "mp_world_size": 1,
+             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+             "ds_config": dict(parts.ds_config), "ds_version": DEEPSPEED_VERSION}
+    state.update(client_state)
+    return state
+
+
+def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
+    what = ("model parallelism (pipeline, tensor)" if parts.placement is not None else
+            "checkpoint.use_node_local_storage" if parts.config.use_node_local_storage else
+            "expert (MoE) parameters" if any("reduce_group" in g for g in zero_sd["groups"]) else None)
+    if what:
+        raise CheckpointError(f'checkpoint.format "deepspeed" cannot save {what} yet: use format "dslaunch"')
+
+
+def save_deepspeed(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str, client_state: dict | None,
+                   save_latest: bool, exclude_frozen_parameters: bool) -> bool:
+    """Write ``save_dir/tag`` in DeepSpeed's layout (the module docstring), ``tag`` already agreed
+    by every rank.
+
+    Raises:
+        CheckpointError: a layout DeepSpeed's files cannot express, ``tag`` already holds a dslaunch
+            checkpoint, or a rank failed to write (every rank raises it; ``latest`` unchanged).
+
+    collective: call on all ranks.
+    """
+    ck = parts.io
+    rank, world = ck.comm.rank, ck.comm.world_size
+    zero_sd = parts.zero.state_dict()
+    _refuse(parts, zero_sd)
+    stage = int(parts.zero.stage)
+    groups = _whole_groups(ck, zero_sd)
+    folder = Path(save_dir) / str(tag)
+    files: dict[str, dict] = {}
+    if stage == 3 or rank == 0:
+        files[model_states_name(rank if stage == 3 else None)] = _model_states(
+            parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters)
+    if stage > 0 and parts.optimizer is not None:
+        sub_group_size = int((parts.ds_config.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP_SIZE))
+        osd = _zero3_file(groups, rank, world, sub_group_size) if stage == 3 else \
+            _zero12_file(groups, rank, world, stage, parts.gradient_clipping)
+        files[optim_states_name(rank, parts.bf16)] = {"optimizer_state_dict": osd, "ds_config": dict(parts.ds_config),
+                                                      "ds_version": DEEPSPEED_VERSION}
+    err = None
+    try:
+        if (folder / MANIFEST).exists():
+            raise CheckpointError("holds a dslaunch checkpoint (manifest.json): save the DeepSpeed format "
+                                  "under another tag", str(folder))
+        safe_write.make_dirs(folder)
+        for name, obj in files.items():
+            safe_write.write_file(folder, name, to_bytes(obj), durable=parts.config.fsync)
+    except CheckpointError as exc:
+        err = str(exc)
+    except OSError as exc:
+        err = f"cannot write the DeepSpeed checkpoint: {safe_write.explain(exc, folder)}"
+    errors = [f"rank {r}: {e}" if world > 1 else e for r, e in enumerate(ck.comm.all_gather_object(err)) if e]
+    if errors:
+        raise CheckpointError("; ".join(errors) + f" (latest in {save_dir} unchanged)")
+    if rank == 0 and save_latest:
+        try:
+            safe_write.write_file(Path(save_dir), LATEST, str(tag), durable=parts.config.fsync)
+        except OSError as exc:
+            err = f"cannot write {Path(save_dir) / LATEST}: {safe_write.explain(exc, Path(save_dir) / LATEST)}"
+    errors = [e for e in ck.comm.all_gather_object(err) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    if rank == 0:
+        log.info("saved DeepSpeed-format checkpoint %s (data-parallel world size %d, ZeRO stage %d)",
+                 folder, world, stage)
+    return True
