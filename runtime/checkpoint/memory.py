@@ -94,8 +94,8 @@ class Resumed:
     """Where a restarted run's state came from."""
 
     source: str
-    """``memory`` (own host's store), ``peer memory`` (a file came from another host's replica) or
-    ``storage``."""
+    """``memory`` (every rank read files its own host's ranks saved) or ``peer memory`` (some rank
+    read a replica another host pushed, or a file fetched from another host)."""
     step: int
     tag: str
     storage_step: int | None
@@ -183,6 +183,7 @@ class MemoryCheckpoint:
             parts.config, async_save=True, fsync=False, keep_last=1, use_node_local_storage=True,
             tag_validation="Ignore"))
         job, big = tag_job(parts, self.store.root, f"{TAG_PREFIX}{parts.global_steps}", None, True, False)
+        job = dataclasses.replace(job, meta={**job.meta, "hosts": self.hosts})  # tells replicas from own files
         if any(p is not None for p in self.peer_of):
             job = dataclasses.replace(job, replicate=PeerReplica(parts.io.comm, self.store, job.tag, self.peer_of))
         save_async(parts.io, parts.optimizer, job, big)
@@ -223,7 +224,11 @@ class MemoryCheckpoint:
         manifest = Manifest.from_json(text[holders[0]], self.store.root / tag / MANIFEST)
         fetched = self._fetch(parts, tag, manifest, text[holders[0]], inventory)
         load(str(self.store.root), tag)
-        resumed = Resumed("peer memory" if fetched else "memory", step, tag, from_storage)
+        saved_on = manifest.meta.get("hosts") or []
+        replica = any(saved_on[manifest.files[name].rank] != self.host for name in _needed(manifest, parts, comm.rank)
+                      if name != MODULE_FILE and manifest.files[name].rank < len(saved_on))
+        peer = fetched or any(comm.all_gather_object(replica))
+        resumed = Resumed("peer memory" if peer else "memory", step, tag, from_storage)
         self._pending = step  # complete: the next snapshot reports it
         if comm.rank == 0:
             newest = f"step {from_storage}" if from_storage is not None else "none"
