@@ -81,3 +81,39 @@ def test_a_killed_rank_resumes_from_memory_bitwise_as_from_storage_at_that_step(
     assert held and all(v["bytes"] > 0 for h in held for v in h.values())
     # the job's memory is freed when it ends
     assert not list(mem.glob("dslaunch-*")), list(mem.glob("*/*"))
+
+
+def test_the_monitor_reports_the_restore_with_the_steps_lost_and_each_host_s_store(tmp_path):
+    from dslaunch.launcher.monitor.events import EventLog
+    from dslaunch.launcher.monitor.job import JobMonitor
+    from dslaunch.launcher.monitor.memory_store import free_memory_stores
+    from dslaunch.launcher.monitor.status import format_progress
+    from dslaunch.launcher.spec import JobSpec, MonitorSpec
+    from dslaunch.utils.beat import Beat
+    from tests.launcher.monitor.test_job import BeatingNode
+
+    events = EventLog(None)
+    events.emit("summary", step=14)  # the furthest the job got before the restart
+    events.emit("resume", restart=1)
+    store = tmp_path / f"dslaunch-{os.getuid()}-job1"
+    (store / "node0").mkdir(parents=True)
+    beat = Beat(0, 1, None, memory_checkpoint={"host": "node0", "step": 10, "bytes": 3 << 30, "store": str(store),
+                                               "restored": {"source": "peer memory", "step": 10,
+                                                            "storage_step": 5}})
+    node = BeatingNode({0: beat}, {})
+    monitor = JobMonitor(JobSpec((node.node,), "127.0.0.1", 29500, 1, monitor=MonitorSpec(5.0)), events,
+                         owns_log=False)
+    monitor.observe([node])
+    monitor.observe([node])  # said once
+    (restored,) = [e for e in events.events if e["kind"] == "restored"]
+    assert (restored["source"], restored["step"], restored["storage_step"], restored["steps_lost"]) == \
+        ("peer memory", 10, 5, 4)
+    summary = monitor._summary()
+    assert summary["memory_checkpoint"] == {"node0": {"step": 10, "bytes": 3 << 30}}
+    assert format_progress({**summary, "ranks_up": 1, "world": 1, "step": 11}).endswith(
+        "memory checkpoint step 10 (3.0 GiB on 1 host(s))")
+    other = tmp_path / "someone-else"
+    other.mkdir()
+    events.emit("memory_store", host="x", path=str(other))  # not the job's: left alone
+    assert free_memory_stores(events.events, "job1") == [str(store)]
+    assert not store.exists() and other.exists()
