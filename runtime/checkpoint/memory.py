@@ -223,7 +223,14 @@ class MemoryCheckpoint:
         text = comm.all_gather_object(_manifest_text(self.store, tag) if comm.rank == holders[0] else None)
         manifest = Manifest.from_json(text[holders[0]], self.store.root / tag / MANIFEST)
         fetched = self._fetch(parts, tag, manifest, text[holders[0]], inventory)
-        load(str(self.store.root), tag)
+        try:
+            load(str(self.store.root), tag)  # every rank raises the same error (a collective read)
+        except CheckpointError as err:
+            if from_storage is None:
+                raise
+            if comm.rank == 0:  # storage overwrites whatever this load had put in place
+                log.warning("memory snapshot %s cannot be loaded (%s); resuming from storage instead", tag, err)
+            return None
         saved_on = manifest.meta.get("hosts") or []
         replica = any(saved_on[manifest.files[name].rank] != self.host for name in _needed(manifest, parts, comm.rank)
                       if name != MODULE_FILE and manifest.files[name].rank < len(saved_on))

@@ -14,6 +14,7 @@ import torch
 
 from dslaunch.runtime.checkpoint.memory import _inventory, choose, peers
 from dslaunch.runtime.checkpoint.store import CheckpointStore
+from dslaunch.runtime.checkpoint.writer import LocalComm, TagWrite, write_tag
 from dslaunch.utils.ports import free_port
 from tests.launcher.helpers import ROOT, run_dslaunch
 
@@ -39,10 +40,17 @@ def test_the_newest_snapshot_the_live_hosts_hold_between_them_is_chosen():
 
 
 def test_a_snapshot_being_written_or_with_a_short_file_is_not_offered(tmp_path):
-    store = CheckpointStore(tmp_path)
+    store = CheckpointStore(tmp_path, durable=False)
+    files = {"zero_rank_00000.dsl": {"w": torch.ones(4)}, "rank_00000.dsl": {"step": 6}}
+    write_tag(LocalComm(), TagWrite(store, "memory_step6", files, {"global_steps": 6}, leader=True))
     (tmp_path / ".tmp-memory_step9").mkdir()  # a host died while writing it: never published
     (tmp_path / ".tmp-memory_step9" / "zero_rank_00000.dsl").write_bytes(b"x" * 10)
-    assert _inventory(store) == {}
+    step, held, every = _inventory(store)["memory_step6"]
+    assert list(_inventory(store)) == ["memory_step6"] and step == 6
+    assert set(held) == {"manifest.json", *files} and set(every) == set(files)
+    shard = tmp_path / "memory_step6" / "zero_rank_00000.dsl"
+    shard.write_bytes(shard.read_bytes()[:-1])  # cut short (a copy that never finished)
+    assert "zero_rank_00000.dsl" not in _inventory(store)["memory_step6"][1]
 
 
 def _train(tmp_path, name: str, *extra: str, resume: str):
