@@ -55,7 +55,7 @@ from dslaunch.runtime.checkpoint.save_load import save_async, tag_job, zero_sour
 from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore, FileRecord, Manifest
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
 from dslaunch.runtime.heartbeat import reporter
-from dslaunch.safe_write import create_new, make_dirs, write_all, write_file
+from dslaunch.safe_write import create_new, explain, make_dirs, write_all, write_file
 from dslaunch.utils.restart import JOB_ID
 
 __all__ = ["TAG_PREFIX", "Resumed", "MemoryCheckpoint", "job_store", "host_store", "peers",
@@ -163,7 +163,15 @@ class MemoryCheckpoint:
         self.cfg = cfg
         self.host = socket.gethostname()
         self.store = CheckpointStore(host_store(cfg, job, self.host), durable=False)
-        self.hosts: list[str] = parts.io.comm.all_gather_object(self.host)
+        problem = None
+        try:
+            make_dirs(self.store.root.parent, mode=0o700)  # the job's snapshots are its user's alone
+        except OSError as err:
+            problem = f"memory_checkpoint.dir {cfg.dir!r} cannot hold the snapshots: {explain(err, cfg.dir)}"
+        said = parts.io.comm.all_gather_object((self.host, problem))  # every rank raises, none waits
+        if bad := [p for _, p in said if p]:
+            raise CheckpointError(bad[0])
+        self.hosts: list[str] = [h for h, _ in said]
         self.peer_of = peers(self.hosts) if cfg.replicas else [None] * len(self.hosts)
         self.leader = self.hosts.index(self.host) == parts.io.comm.rank  # reports its host's store
         self._pending: int | None = None  # the step of the snapshot being written
