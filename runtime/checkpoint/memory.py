@@ -230,9 +230,9 @@ class MemoryCheckpoint:
         holders = [r for r, (h, tags) in enumerate(inventory) if tag in tags and MANIFEST in tags[tag][1]]
         text = comm.all_gather_object(_manifest_text(self.store, tag) if comm.rank == holders[0] else None)
         manifest = Manifest.from_json(text[holders[0]], self.store.root / tag / MANIFEST)
-        fetched = self._fetch(parts, tag, manifest, text[holders[0]], inventory)
-        try:
-            load(str(self.store.root), tag)  # every rank raises the same error (a collective read)
+        try:  # every rank raises the same error (agreed, or a collective read)
+            fetched = self._fetch(parts, tag, manifest, text[holders[0]], inventory)
+            load(str(self.store.root), tag)
         except CheckpointError as err:
             if from_storage is None:
                 raise
@@ -284,9 +284,12 @@ class MemoryCheckpoint:
                     raise CheckpointError(f"memory snapshot {tag!r}: no live host holds {name}", str(self.store.root))
                 plan.append((r, providers[0], name))
         folder = self.store.root / tag
-        if MANIFEST not in held[self.host] and self.hosts.index(self.host) == comm.rank:
-            make_dirs(folder)  # this host lost its copy (or never had one): the tag starts here
+        if any(receiver == comm.rank for receiver, _, _ in plan):
+            make_dirs(folder)  # this host may have lost its copy (or never had one)
+        if MANIFEST not in held[self.host] and self.leader:
+            make_dirs(folder)
             write_file(folder, MANIFEST, text, replace=False)
+        problem = None
         for receiver, provider, name in plan:
             if provider == comm.rank:
                 data = torch.from_numpy(np.fromfile(folder / name, dtype=np.uint8))
@@ -294,8 +297,13 @@ class MemoryCheckpoint:
             elif receiver == comm.rank:
                 buf = torch.empty(manifest.files[name].size, dtype=torch.uint8)
                 dist.recv(buf, provider, group=comm.group)
-                _write_bytes(folder, name, buf)
-        comm.all_gather_object(None)  # every fetched file is in place before anyone reads
+                try:  # after the transfer: its provider never waits on a failed write
+                    _write_bytes(folder, name, buf)
+                except OSError as err:
+                    problem = problem or f"memory snapshot {tag!r}: cannot write {explain(err, folder / name)}"
+        # every fetched file is in place before anyone reads; a failed write fails every rank
+        if errors := [p for p in comm.all_gather_object(problem) if p]:
+            raise CheckpointError(errors[0])
         return bool(plan)
 
 
