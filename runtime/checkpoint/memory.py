@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from dslaunch.runtime.heartbeat import reporter
 from dslaunch.safe_write import create_new, explain, make_dirs, write_all, write_file
 from dslaunch.utils.restart import JOB_ID
 
-__all__ = ["TAG_PREFIX", "Resumed", "MemoryCheckpoint", "job_store", "host_store", "peers",
+__all__ = ["TAG_PREFIX", "Resumed", "MemoryCheckpoint", "attach", "job_store", "host_store", "peers",
            "choose", "storage_step"]
 
 log = logging.getLogger("dslaunch.checkpoint")
@@ -370,11 +369,6 @@ def storage_step(storage_dir: str | None) -> int | None:
         return None
     steps = [int(m.meta["global_steps"]) for m in tags if isinstance(m.meta.get("global_steps"), int)]
     return max(steps) if steps else None
-
-
-def remove_job_store(cfg: MemoryCheckpointConfig, job: str) -> None:
-    """Free this host's memory of a finished job's snapshots."""
-    shutil.rmtree(job_store(cfg, job), ignore_errors=True)
 
 
 def attach(engine: Any, cfg: MemoryCheckpointConfig) -> MemoryCheckpoint | None:
