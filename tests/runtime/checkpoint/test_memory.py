@@ -125,3 +125,47 @@ def test_the_monitor_reports_the_restore_with_the_steps_lost_and_each_host_s_sto
     events.emit("memory_store", host="x", path=str(other))  # not the job's: left alone
     assert free_memory_stores(events.events, "job1") == [str(store)]
     assert not store.exists() and other.exists()
+
+
+def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool]:
+    """Two "hosts" of one rank each (hostnames patched): a snapshot at step 2, the second host's
+    store is lost, the weights are spoiled, and the resume fetches its files from the first host's
+    replica. Returns the source and whether the weights are the snapshot's."""
+    import shutil
+    import socket
+
+    import dslaunch
+    from dslaunch.runtime.checkpoint.memory import MemoryCheckpoint
+    from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
+
+    socket.gethostname = lambda: f"host{rank}"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    engine, *_ = dslaunch.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    memory = MemoryCheckpoint(MemoryCheckpointConfig(enabled=True, interval=2, dir=root), engine.checkpoint_parts(),
+                              "job")
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 8)).square().mean())
+        engine.step()
+    memory.snapshot(engine.checkpoint_parts())
+    engine.wait_for_checkpoint()
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    torch.distributed.barrier()
+    if rank == 1:
+        shutil.rmtree(memory.store.root)  # its RAM is gone; the host is back
+    torch.distributed.barrier()
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.zero_()
+    resumed = memory.resume(engine.checkpoint_parts(), None, lambda d, t: engine.load_checkpoint(d, tag=t))
+    same = all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
+    return resumed.source, same and engine.global_steps == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_host_whose_store_was_lost_fetches_its_files_from_the_peer_replica(tmp_path):
+    from tests.distributed import run_world
+
+    assert run_world(_lost_store_comes_back, 2, str(tmp_path)) == [("peer memory", True)] * 2
