@@ -116,6 +116,9 @@ class LaunchConfig:
     """Why this run is a restart (the job loop's decision, told to the workers); None in the first run."""
     resume_from: str | None = None
     """``--resume_from``: checkpoint directory a restarted run's ``initialize()`` loads."""
+    job_id: str = ""
+    """The job's id, the same in every run (its log directory's name; the workers' ``DSLAUNCH_JOB_ID``,
+    which names the job's in-memory checkpoints); "" = made when the job is planned."""
     drop_hosts: tuple[str, ...] = ()
     """Hosts left out of this run (lost hosts of an elastic job), after include/exclude."""
     max_nodes: int = 0
@@ -148,6 +151,8 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         UsageError: inconsistent flags (e.g. more GPUs than slots).
     """
     check_numbers(cfg)
+    if not cfg.job_id:
+        cfg = replace(cfg, job_id=job_id())
     slurm = _uses_slurm(cfg)
     if slurm and cfg.allocation.requeues:  # a requeued SLURM job is a restart of the job
         cfg = replace(cfg, restart_count=cfg.restart_count + cfg.allocation.requeues)
@@ -208,7 +213,7 @@ def job_id() -> str:
 def _monitor(cfg: LaunchConfig) -> MonitorSpec:
     base = os.path.abspath(cfg.log_dir or default_log_dir())
     suffix = f"-node{cfg.node_rank}" if cfg.no_ssh else ""  # every node runs its own controller
-    return MonitorSpec(hang_timeout=cfg.hang_timeout, log_dir=os.path.join(base, job_id() + suffix))
+    return MonitorSpec(hang_timeout=cfg.hang_timeout, log_dir=os.path.join(base, (cfg.job_id or job_id()) + suffix))
 
 
 def _localhost(cfg: LaunchConfig, detect: Callable[[], Accelerators], notes: list[str]) -> tuple[Pool, bool]:
@@ -400,7 +405,7 @@ def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], 
         env={**node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
              # Under SLURM the ranks checkpoint into --resume_from on the time-limit warning.
              **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from, on_request=slurm,
-                           reason=cfg.restart_reason)},
+                           reason=cfg.restart_reason, job=cfg.job_id)},
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
         pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,

@@ -101,6 +101,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         for note in cfg.notes:  # what the config says that was read differently (client_forms.py)
             print(f"dslaunch: note: {note}", flush=True)
     resume = resume_dir()
+    if _resumed_from_memory(engine, cfg, resume):
+        resume = None
     if resume is not None:  # a restarted run of a job launched with --resume_from
         loaded, _ = engine.load_checkpoint(resume)
         if loaded is None:
@@ -112,7 +114,24 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                       f"{resume} {what} (the script must save its checkpoints into that directory); not "
                       "starting over at step 0", file=sys.stderr, flush=True)
             raise SystemExit(2)
+        if engine.memory_checkpoint is not None:
+            engine.memory_checkpoint.report_storage_resume(engine.global_rank, engine.global_steps)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _resumed_from_memory(engine: Any, cfg: Any, storage_dir: str | None) -> bool:
+    """With a ``memory_checkpoint`` block: attach the engine's memory snapshots and, in a restarted
+    run, load the newest complete one unless storage holds a newer checkpoint. collective."""
+    if not cfg.memory_checkpoint.enabled:
+        return False
+    from dslaunch.runtime.checkpoint.memory import attach
+
+    memory = attach(engine, cfg.memory_checkpoint)
+    if memory is None or restart_count() == 0:
+        return False
+    resumed = memory.resume(engine.checkpoint_parts(), storage_dir,
+                            lambda folder, tag: engine.load_checkpoint(folder, tag=tag))
+    return resumed is not None
 
 
 def _is_pipeline_module(model: Any) -> bool:

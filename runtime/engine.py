@@ -108,6 +108,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self.is_compiled = False
         self._checkpointer: Any = None  # built (collectively) by the first save or load
+        self.memory_checkpoint: Any = None  # a checkpoint.memory.MemoryCheckpoint (initialize() sets it)
         self._loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
         self._heartbeat = reporter()  # None outside dslaunch
@@ -230,6 +231,10 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self.global_samples += self._config.train_batch_size
         self.events.step(self._step_record)
         self._window_losses = []
+        if self.memory_checkpoint is not None and self.memory_checkpoint.due(self.global_steps):
+            with self._checkpoint_phase():
+                self.zero.synchronize()
+                self.memory_checkpoint.snapshot(self.checkpoint_parts())
 
     def _step_record(self) -> StepRecord:
         return StepRecord(self.global_steps, self.global_samples, self.micro_steps, self._loss, tuple(self.get_lr()),

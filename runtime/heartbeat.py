@@ -94,6 +94,7 @@ class Heartbeat:
         self._mfu_from: str | None = None
         self._stack_signal: int | None = None
         self._raised: tuple[str, float, str] | None = None  # (exception line, time.time(), traceback tail)
+        self._memory_checkpoint: dict[str, Any] | None = None
         self._lock = threading.Lock()  # the thread and start() may both send
         self._started = False
         self.writes = 0
@@ -171,6 +172,11 @@ class Heartbeat:
         barrier-like wait). Nests: the innermost mark is reported, the outer one comes back after."""
         return _Waiting(self, name)
 
+    def set_memory_checkpoint(self, info: dict[str, Any]) -> None:
+        """Report the in-memory checkpoints (``Beat.memory_checkpoint``); the keys given replace
+        the ones said before."""
+        self._memory_checkpoint, self._dirty = {**(self._memory_checkpoint or {}), **info}, True
+
     def exiting(self) -> None:
         """The script is done: say so now (tearing down a process may outlast ``hang_timeout``)."""
         if self._started:
@@ -212,7 +218,8 @@ class Heartbeat:
                         self._phase, wait[0] if wait else None,
                         round(time.monotonic() - wait[1], 3) if wait else None,
                         _rounded(self._tokens.update()), mfu, self._mfu_from if mfu is not None else None,
-                        str(activity)[:300] if activity is not None else None, *(self._raised or ()))
+                        str(activity)[:300] if activity is not None else None, *(self._raised or (None,) * 3),
+                        memory_checkpoint=self._memory_checkpoint)
             self._write(beat.to_line())
 
     def _write(self, line: bytes) -> None:

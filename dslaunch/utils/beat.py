@@ -104,6 +104,10 @@ class Beat:
     raised_trace: str | None = None
     """The end of its traceback (bounded: the whole one comes from the rank's stderr if it gets
     to print it)."""
+    memory_checkpoint: dict[str, Any] | None = None
+    """In-memory checkpoints (``runtime.checkpoint.memory``): ``host``, ``step`` (the newest complete
+    snapshot) and ``bytes`` (its host's store) from each host's first rank, and once after a restart
+    ``restored``: ``{"source", "step", "storage_step"}`` from rank 0."""
 
     def to_line(self) -> bytes:
         """One JSON line (newline included), never over ``MAX_LINE`` bytes."""

@@ -4,7 +4,7 @@ Every worker sees how many times its job was restarted, under torchrun's name an
 (``TORCHELASTIC_RESTART_COUNT``, ``DSLAUNCH_RESTART_COUNT``: 0 in the first run), the restart
 budget (``TORCHELASTIC_MAX_RESTARTS``), and, when the job was launched with ``--resume_from DIR``,
 that directory (``DSLAUNCH_RESUME_FROM``): ``initialize()`` of a restarted run loads the newest
-valid checkpoint in it. A restarted run also gets why (``DSLAUNCH_RESTART_REASON``: the job
+valid checkpoint in it, and the job's id (``DSLAUNCH_JOB_ID``, the same in every run). A restarted run also gets why (``DSLAUNCH_RESTART_REASON``: the job
 monitor's one line, e.g. ``restart 1 of 3 in 1 s after hang: rank 1 on node2 hung at step 7 ...``),
 which the engine's monitors mark where the curve continues. Shared by the launcher (which sets them) and the runtime (which reads
 them), so the runtime never imports the launcher. Torch-free.
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dslaunch.errors import shorten
 
 __all__ = ["RESTART_COUNT", "TORCH_RESTART_COUNT", "TORCH_MAX_RESTARTS", "RESUME_FROM", "CHECKPOINT_ON_REQUEST",
-           "RESTART_REASON", "REASON_LIMIT", "PREEMPTED_EXIT_CODE", "MAX_RESTARTS", "restart_env",
+           "RESTART_REASON", "JOB_ID", "REASON_LIMIT", "PREEMPTED_EXIT_CODE", "MAX_RESTARTS", "restart_env",
            "restart_count", "restart_reason", "resume_dir"]
 
 RESTART_COUNT = "DSLAUNCH_RESTART_COUNT"
@@ -26,6 +26,8 @@ TORCH_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 TORCH_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 RESUME_FROM = "DSLAUNCH_RESUME_FROM"
 RESTART_REASON = "DSLAUNCH_RESTART_REASON"
+JOB_ID = "DSLAUNCH_JOB_ID"
+"""The job's id, the same in every run of it (names the job's in-memory checkpoints)."""
 REASON_LIMIT = 300
 """The most characters of a restart reason a worker is given (it may quote a rank's exception)."""
 CHECKPOINT_ON_REQUEST = "DSLAUNCH_CHECKPOINT_ON_REQUEST"
@@ -40,11 +42,14 @@ real job."""
 
 
 def restart_env(count: int, max_restarts: int, resume_from: str | None, on_request: bool = False,
-                reason: str | None = None) -> dict[str, str]:
+                reason: str | None = None, job: str = "") -> dict[str, str]:
     """The variables the launcher gives every worker of run ``count`` (0 = the first run);
     ``on_request``: the launcher may ask for a checkpoint into ``resume_from``; ``reason``: why
-    this run is a restart (one line, cut to ``REASON_LIMIT`` characters)."""
+    this run is a restart (one line, cut to ``REASON_LIMIT`` characters); ``job``: the job's id,
+    the same in every run."""
     env = {RESTART_COUNT: str(count), TORCH_RESTART_COUNT: str(count), TORCH_MAX_RESTARTS: str(max_restarts)}
+    if job:
+        env[JOB_ID] = job
     if reason and count > 0:
         env[RESTART_REASON] = shorten(reason, REASON_LIMIT)
     if resume_from:

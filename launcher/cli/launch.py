@@ -33,6 +33,7 @@ from dslaunch.launcher.kubernetes import pod_from_env
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
 from dslaunch.launcher.monitor.loop import Attempt, JobLoop, print_event
+from dslaunch.launcher.monitor.memory_store import free_memory_stores
 from dslaunch.launcher.monitor.restart import RestartPolicy
 from dslaunch.launcher.plan import (
     DEFAULT_HOSTFILE,
@@ -40,6 +41,7 @@ from dslaunch.launcher.plan import (
     build_job,
     ds_config_path,
     elastic_batch_for,
+    job_id,
 )
 from dslaunch.launcher.runners import get_runner
 from dslaunch.launcher.runners.local import LocalRunner
@@ -225,6 +227,7 @@ def _toward_master(job: JobSpec, env: Mapping[str, str]) -> JobSpec:
 
 
 def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config: Mapping[str, str]) -> int:
+    cfg = replace(cfg, job_id=job_id())  # every run of the job has it (its restarts are re-planned from cfg)
     plan = build_job(cfg, gpus.detect)
     job = _toward_master(plan.job, os.environ) if cfg.no_ssh else plan.job
     # Only a local node keeps spares: a remote agent is a new process at every run.
@@ -277,6 +280,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
     finally:
         if spares is not None:
             spares.close()
+        free_memory_stores(events.events, cfg.job_id)  # the job's snapshots in host memory
         events.emit("end", exit_code=code, duration_s=round(time.monotonic() - started, 3))
         events.close()
 

@@ -53,6 +53,8 @@ class JobMonitor:
         self._summary_at = self._start
         self._hang: tuple[NodeResult, dict, float] | None = None
         self._raised: dict[int, str | None] = {}  # rank -> its error file, written when it raised
+        self._memory_held: dict[str, dict] = {}  # host -> its memory checkpoints: newest step, bytes
+        self._restored_said = False
 
     def start(self, argv: list[str] | None = None) -> None:
         self.events.emit("start", job_id=os.path.basename(self.events.directory or ""),
@@ -72,10 +74,12 @@ class JobMonitor:
         for rank, beat in beats.items():
             if beat.raised and rank not in self._raised and not is_peer_loss(beat.raised):
                 self._raised[rank] = self._raised_file(rank, beat)
+            if beat.memory_checkpoint:
+                self._memory_checkpoint(beat.memory_checkpoint)
         if not self._up_said and self.health.all_up():
             self._up_said = True
             self.events.emit("ranks_up", after_s=round(now - self._start, 3))
-        summary = self.health.summary()
+        summary = self._summary()
         mem = summary.get("memory")
         if mem and mem["kind"] == "rss" and not self._rss_said:
             self._rss_said = True  # said once per job, here and on the status line ("RSS")
@@ -85,6 +89,33 @@ class JobMonitor:
             self._summary_at = now
             self.events.emit("summary", **summary)
         self.status.show(summary, now)
+
+    def _summary(self) -> dict:
+        """The health's summary, with each host's memory checkpoints (newest step, bytes held)."""
+        summary = self.health.summary()
+        if self._memory_held:
+            summary["memory_checkpoint"] = {h: dict(v) for h, v in self._memory_held.items()}
+        return summary
+
+    def _memory_checkpoint(self, info: dict) -> None:
+        """A rank's report on the in-memory checkpoints: its host's store, or (once) where the
+        restarted run's state came from, with the steps lost: the furthest step the job had
+        reached (its last progress summary or failure before this run) minus the restored one."""
+        if isinstance(info.get("host"), str) and isinstance(info.get("bytes"), int):
+            if info["host"] not in self._memory_held and isinstance(info.get("store"), str):
+                self.events.emit("memory_store", host=info["host"], path=info["store"])  # freed at the end
+            self._memory_held[info["host"]] = {"step": info.get("step"), "bytes": info["bytes"]}
+        restored = info.get("restored")
+        if isinstance(restored, dict) and not self._restored_said and isinstance(restored.get("step"), int):
+            self._restored_said = True
+            log = self.events.events
+            runs = [i for i, e in enumerate(log) if e.get("kind") == "resume"]  # this run's start
+            before = [e.get("step") for e in log[:runs[-1] if runs else len(log)]
+                      if e.get("kind") in ("summary", "failure")]
+            reached = max((s for s in before if isinstance(s, int)), default=None)
+            lost = reached - restored["step"] if reached is not None else None
+            self.events.emit("restored", source=restored.get("source"), step=restored["step"],
+                             storage_step=restored.get("storage_step"), steps_lost=lost)
 
     def stalled(self) -> list[int]:
         return self.health.stalled()
@@ -154,7 +185,7 @@ class JobMonitor:
         self.status.clear()
         notes: list[str] = []
         if self.health.summary().get("ranks_up"):
-            self.events.emit("summary", **self.health.summary())  # the last known progress
+            self.events.emit("summary", **self._summary())  # the last known progress
         failure = result.failure
         if failure is not None:
             failure = self._complete(failure)

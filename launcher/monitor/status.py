@@ -33,7 +33,7 @@ def _gib(n: int | None) -> str:
 
 def format_progress(summary: dict[str, Any]) -> str:
     """``step 120 | 35.2 samples/s | 9011 tokens/s | MFU 41.3% (6N*tokens) | loss 0.41 | slowest rank 1
-    (step 118) | GPU 1.2/80.0 GiB (peak 2.1)``."""
+    (step 118) | GPU 1.2/80.0 GiB (peak 2.1) | memory checkpoint step 115 (3.0 GiB on 2 host(s))``."""
     if not summary.get("ranks_up"):
         return f"waiting for ranks (0/{summary.get('world', '?')} up)"
     parts = [f"step {summary['step']}" if summary.get("step") is not None else "before step 1"]
@@ -54,6 +54,12 @@ def format_progress(summary: dict[str, Any]) -> str:
         what = "GPU" if mem.get("kind") == "gpu" else "RSS"
         total = f"/{_gib(mem.get('total'))}" if mem.get("total") else ""
         parts.append(f"{what} {_gib(mem.get('used'))}{total} GiB (peak {_gib(mem.get('peak'))})")
+    held = summary.get("memory_checkpoint")
+    if isinstance(held, dict) and held:  # host -> newest complete snapshot's step, bytes its store holds
+        steps = [v.get("step") for v in held.values() if isinstance(v, dict) and isinstance(v.get("step"), int)]
+        size = sum(v.get("bytes") or 0 for v in held.values() if isinstance(v, dict))
+        parts.append(f"memory checkpoint step {min(steps) if steps else '-'} ({_gib(size)} GiB on "
+                     f"{len(held)} host(s))")
     return " | ".join(parts)
 
 

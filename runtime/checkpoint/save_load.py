@@ -141,6 +141,21 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
 
     collective: call on all ranks.
     """
+    job, big = tag_job(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    if parts.config.async_save:  # the ZeRO shard is the big file, copied on the writer thread
+        save_async(parts.io, parts.optimizer, job, big)
+    else:
+        write_tag(parts.io.comm, job)
+    return True
+
+
+def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, client_state: dict | None,
+            save_latest: bool, exclude_frozen_parameters: bool) -> tuple[TagWrite, str]:
+    """What this rank writes into one tag (after the previous async save finished), and the name
+    of its big file (the ZeRO shard) that an async save copies on the writer thread.
+
+    collective: call on all ranks (it agrees on the tag and gathers the partition map).
+    """
     ck = parts.io
     ck.writer.wait()
     cfg = parts.config
@@ -203,15 +218,10 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
                    leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
                    save_latest=save_latest, keep_last=cfg.keep_last or 0,
                    library_version=dslaunch.__version__)
-    if cfg.async_save:  # the ZeRO shard is the big file, copied on the writer thread
-        big = zero_file(rank) if place is None else (record["zero"] or {}).get("file", "")
-        _save_async(ck, parts.optimizer, job, big)
-    else:
-        write_tag(ck.comm, job)
-    return True
+    return job, zero_file(rank) if place is None else (record["zero"] or {}).get("file", "")
 
 
-def _save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> None:
+def save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> None:
     """Copy the small state now and the ZeRO shard on the writer thread, then write.
 
     Only the optimizer step changes the ZeRO state (master weights, moments), so the shard is
@@ -248,7 +258,7 @@ def _targets(current: dict) -> list[tuple[int, int]]:
     return [(int(g["start"]), int(g["end"])) for g in current["groups"]]
 
 
-def _zero_sources(manifest: Manifest, current: dict, rank: int) -> list[int]:
+def zero_sources(manifest: Manifest, current: dict, rank: int) -> list[int]:
     """Saved ranks whose ZeRO shards this rank must read."""
     meta = manifest.meta
     pmap = meta["partition"]
@@ -293,7 +303,7 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place
         shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
         out["fp32"] = fp32_params(assemble(shards, full))
         return out
-    shards = [store.read(tag, zero_file(r), manifest) for r in _zero_sources(manifest, current, rank)]
+    shards = [store.read(tag, zero_file(r), manifest) for r in zero_sources(manifest, current, rank)]
     out["zero"] = assemble(shards, _targets(current))
     return out
 

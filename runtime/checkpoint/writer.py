@@ -85,6 +85,9 @@ class TagWrite:
     save_latest: bool = True
     keep_last: int = 0
     library_version: str = ""
+    replicate: Callable[[list[FileRecord]], list[FileRecord]] | None = None
+    """Called with this rank's written records before they are gathered: writes copies of other
+    ranks' files into this rank's tmp dir and returns their records (``memory.PeerReplica``)."""
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -160,7 +163,8 @@ def _write_tag(comm: Comm, job: TagWrite, leader: LeaderSave | None) -> Manifest
     _fail_if_any(comm, leader, comm.all_gather_object(err), f"creating {store.tmp_dir(tag)}", tag)
 
     def write_all() -> list[FileRecord]:
-        return [store.write(tag, name, obj, comm.rank) for name, obj in job.files.items()]
+        own = [store.write(tag, name, obj, comm.rank) for name, obj in job.files.items()]
+        return own + job.replicate(own) if job.replicate is not None else own
 
     records, err = _attempt(write_all)
     gathered = comm.all_gather_object((records, err))

@@ -30,6 +30,7 @@ from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
+from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
 from dslaunch.runtime.config.monitor import MonitorConfig
 from dslaunch.runtime.config.monitors import (
     CometConfig,
@@ -76,7 +77,7 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
              "comet": CometConfig, "comms_logger": CommsLoggerConfig,
              "pipeline": PipelineConfig, "autotuning": AutotuningConfig,
-             "tensor_parallel": TensorParallelConfig}
+             "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -205,6 +206,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """AutoTP training: ``autotp_size`` ranks split each layer (``runtime/tensor_parallel/``)."""
     """Read by ``dslaunch --autotuning`` and, inside an experiment, by the engine's profiler."""
+    memory_checkpoint: MemoryCheckpointConfig = field(default_factory=MemoryCheckpointConfig)
+    """dslaunch's own block: snapshots in host memory a restart resumes from (``checkpoint/memory.py``)."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None

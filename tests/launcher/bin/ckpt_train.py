@@ -13,6 +13,9 @@
   itself (a hang), ``raise`` raises ``RuntimeError`` (an exception that does not come back);
 - ``--sleep S``: each step takes S seconds more and prints ``rank<R> step=<N>`` (to fault it mid-run);
 - ``--monitor DIR``: the ``tensorboard`` and ``csv_monitor`` blocks write to ``DIR/run/``;
+- ``--memory_every K --memory_dir DIR``: the ``memory_checkpoint`` block (snapshots every K steps into
+  DIR); a faulting rank first waits for its pending snapshot, so that the test knows which one is
+  complete when it dies;
 - at the end rank 0 writes the weights to FILE; every rank prints ``rank<R> world=<W> resumed_at=<step>``
   (the step the run started from) once.
 """
@@ -56,6 +59,8 @@ def main() -> None:
     p.add_argument("--load", action="store_true")
     p.add_argument("--monitor", help="output_path of the tensorboard and csv_monitor blocks")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step, printing each step")
+    p.add_argument("--memory_every", type=int, default=0, help="memory_checkpoint.interval (0: no block)")
+    p.add_argument("--memory_dir", help="memory_checkpoint.dir")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -66,6 +71,8 @@ def main() -> None:
     if args.monitor:
         config.update({block: {"enabled": True, "output_path": args.monitor, "job_name": "run"}
                        for block in ("tensorboard", "csv_monitor")})
+    if args.memory_every:
+        config["memory_checkpoint"] = {"enabled": True, "interval": args.memory_every, "dir": args.memory_dir}
     engine, _, loader, _ = dslaunch.initialize(model=model, model_parameters=model.parameters(),
                                                training_data=Pairs(), config=config)
     if args.load:
@@ -81,6 +88,8 @@ def main() -> None:
             if step % args.save_every == 0:
                 engine.save_checkpoint(args.ckpt)
             if first_run and engine.global_rank == args.fault_rank and step == args.fault_step:
+                if args.memory_every:
+                    engine.wait_for_checkpoint()
                 _fault(args.fault, step)
             if args.sleep:
                 print(f"rank{engine.global_rank} step={step}", flush=True)

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""In-memory peer checkpoints: recovery from a lost host, memory vs storage, and the step-time
+cost of the background snapshots, on the SSH test cluster (2 hosts x 2 ranks, gloo, CPU).
+
+The job is ``memory_checkpoint_worker.py`` (an MLP of ``--layers`` x Linear(H, H), ZeRO-1, AdamW).
+
+- overhead: the same job without and with ``memory_checkpoint`` (every 5 steps, one replica);
+  the mean and median step time of rank 0 over steps 3..N (a snapshot step counts with its share);
+- recovery: snapshots (or storage checkpoints, into a directory on disk) every 5 steps; when rank 0
+  has finished step 12 every process of the second host is stopped and killed (and, for memory, its
+  store removed: its RAM is gone); the elastic restart runs on the first host's 2 ranks. Measured:
+  from the kill to the restarted run's first finished step (``recovery_s``), the restarted run's
+  ``initialize()`` including the resume (``init_s``), the step resumed from and the steps lost.
+  A storage checkpoint just written is still in the page cache: its read is a memory read too,
+  so the difference is what the storage path costs beyond that (fsync'd write on save, checksums).
+
+Writes ``results/memory_checkpoint_bench.{json,md}``. Needs root (the cluster); run it under
+``flock /tmp/dslaunch-bench.lock flock /tmp/dslaunch-cluster.lock``.
+
+Usage: ``python scripts/bench/memory_checkpoint_bench.py [--hidden 2048 --layers 30] [--steps 20]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PY = sys.executable
+WORKER = HERE / "memory_checkpoint_worker.py"
+sys.path.insert(0, str(ROOT / "scripts" / "cluster"))
+sys.path.insert(0, str(HERE))
+import cluster as cluster_mod  # noqa: E402  (a script directory, not a package)
+from host_faults import _host_processes, _signal_all  # noqa: E402
+
+KILL_AFTER, EVERY = 12, 5
+STEP = re.compile(r"step=(\d+) end=([\d.]+) dt=([\d.]+)")
+INIT = re.compile(r"init_s=([\d.]+) resumed_at=(\d+) world=(\d+)")
+
+
+class Job:
+    def __init__(self, info: dict, state: Path, work: Path, model: list[str]) -> None:
+        self.info, self.state, self.work, self.model = info, state, work, model
+        self.first, self.second = (h["name"] for h in info["hosts"][:2])
+        self.port = 29900
+
+    def launch(self, name: str, steps: int, *extra: str, resume: str | None = None) -> subprocess.Popen:
+        self.port += 1
+        hostfile = self.work / "hostfile"
+        hostfile.write_text(f"{self.first} slots=2\n{self.second} slots=2\n")
+        cmd = [PY, "-m", "dslaunch.launcher.cli", "--hostfile", str(hostfile), "--launcher_args",
+               f"-F {self.info['ssh_config']}", "--master_port", str(self.port), "--max_restarts", "1",
+               "--elastic_training", "--min_elastic_nodes", "1", "--log_dir", str(self.work / f"logs_{name}"),
+               *(["--resume_from", resume] if resume else []), str(WORKER), "--steps", str(steps), *self.model, *extra]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.work / f"{name}.err", "w"),  # noqa: SIM115
+                                text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                start_new_session=True)
+
+    def kill_second(self, memory_dir: str | None) -> float:
+        sshd = int((self.state / self.second / "sshd.pid").read_text().split()[0])
+        t = time.time()
+        _signal_all(_host_processes(self.second, sshd), signal.SIGSTOP, signal.SIGKILL)
+        if memory_dir is not None:  # its RAM is gone with it
+            for store in glob.glob(os.path.join(memory_dir, "dslaunch-*", self.second)):
+                shutil.rmtree(store)
+        return t
+
+
+def _lines(proc: subprocess.Popen, on_line=None, timeout: float = 1500) -> list[str]:
+    out, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        out.append(line)
+        if on_line is not None:
+            on_line(line)
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait()
+    return out
+
+
+def overhead(job: Job, steps: int, memory_dir: str) -> dict:
+    result = {}
+    for name, extra in (("none", ()), ("memory", ("--memory_every", str(EVERY), "--memory_dir", memory_dir))):
+        proc = job.launch(f"overhead_{name}", steps, *extra)
+        lines = _lines(proc)
+        dts = [float(m[3]) for line in lines if (m := STEP.search(line)) and int(m[1]) >= 3]
+        result[name] = {"exit_code": proc.returncode, "steps": len(dts),
+                        "mean_step_s": round(statistics.mean(dts), 4) if dts else None,
+                        "median_step_s": round(statistics.median(dts), 4) if dts else None}
+    a, b = result["none"]["mean_step_s"], result["memory"]["mean_step_s"]
+    result["overhead_mean_pct"] = round(100 * (b / a - 1), 2) if a and b else None
+    a, b = result["none"]["median_step_s"], result["memory"]["median_step_s"]
+    result["overhead_median_pct"] = round(100 * (b / a - 1), 2) if a and b else None
+    return result
+
+
+def recovery(job: Job, steps: int, source: str, memory_dir: str) -> dict:
+    ckpt = str(job.work / "ckpt")
+    extra = (("--memory_every", str(EVERY), "--memory_dir", memory_dir) if source == "memory"
+             else ("--save_every", str(EVERY), "--ckpt", ckpt))
+    proc = job.launch(f"recovery_{source}", steps, *extra, resume=ckpt)
+    killed: list[float] = []
+
+    def on_line(line: str) -> None:
+        m = STEP.search(line)
+        if m and int(m[1]) == KILL_AFTER and not killed:
+            killed.append(job.kill_second(memory_dir if source == "memory" else None))
+
+    lines = _lines(proc, on_line)
+    text = "".join(lines)
+    inits = INIT.findall(text)
+    after = text.split("init_s=")[-1] if len(inits) > 1 else ""
+    first = STEP.search(after)
+    restarted = inits[1] if len(inits) > 1 else None
+    said = re.search(r"dslaunch: resumed from ([a-z ]+) at step", text)
+    return {"exit_code": proc.returncode, "killed_after_step": KILL_AFTER,
+            "resumed_at": int(restarted[1]) if restarted else None, "world_after": int(restarted[2]) if restarted else None,
+            "source": said[1] if said else ("storage" if restarted else None),
+            "steps_lost": KILL_AFTER - int(restarted[1]) if restarted else None,
+            "init_s": float(restarted[0]) if restarted else None,
+            "recovery_s": round(float(first[2]) - killed[0], 3) if first and killed else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    state = cluster_mod.state_dir_default()
+    info = cluster_mod.up(3, state)
+    params = args.layers * (args.hidden * args.hidden + args.hidden)
+    with tempfile.TemporaryDirectory(prefix="memckpt-bench-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="memckpt-bench-", dir="/dev/shm") as shm:
+        work = Path(tmp)
+        os.chmod(work, 0o755)
+        job = Job(info, state, work, ["--hidden", str(args.hidden), "--layers", str(args.layers)])
+        t0 = time.time()
+        results = {"overhead": overhead(job, args.steps, shm)}
+        results["recovery"] = {s: recovery(job, args.steps, s, shm) for s in ("memory", "storage")}
+    load = os.getloadavg()
+    out = {"params": params, "hosts": 2, "ranks_per_host": 2, "zero_stage": 1, "snapshot_every": EVERY,
+           "machine": f"{platform.node()}, {os.cpu_count()} cores, load average {load[0]:.1f} at the end",
+           "duration_s": round(time.time() - t0, 1), **results}
+    results_dir = HERE / "results"
+    (results_dir / "memory_checkpoint_bench.json").write_text(json.dumps(out, indent=2) + "\n")
+    (results_dir / "memory_checkpoint_bench.md").write_text(_table(out))
+    print(_table(out))
+
+
+def _table(r: dict) -> str:
+    o, rec = r["overhead"], r["recovery"]
+    rows = [f"# memory_checkpoint_bench: {r['params'] / 1e6:.0f}M parameters, 2 hosts x 2 ranks, ZeRO-1, "
+            f"snapshot every {r['snapshot_every']} steps ({r['machine']})", "",
+            "| snapshots | mean step (s) | median step (s) |", "| --- | --- | --- |",
+            f"| none | {o['none']['mean_step_s']} | {o['none']['median_step_s']} |",
+            f"| memory, 1 replica | {o['memory']['mean_step_s']} | {o['memory']['median_step_s']} |",
+            f"| overhead | {o['overhead_mean_pct']}% | {o['overhead_median_pct']}% |", "",
+            "| restore from | resumed at | steps lost | world after | restarted initialize() (s) | kill -> first step (s) |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    rows += [f"| {k} ({v['source']}) | {v['resumed_at']} | {v['steps_lost']} | {v['world_after']} | {v['init_s']} | "
+             f"{v['recovery_s']} |" for k, v in rec.items()]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    main()
