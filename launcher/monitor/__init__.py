@@ -8,5 +8,6 @@ behind), ``failures.py`` (what a death's cause is, OOM remedies), ``events.py`` 
 ``status.py`` (the live status line, ``dslaunch status``); the restart policy (``restart.py``:
 restart, stop, or leave a lost host out; a pure ``decide`` over how each run ended) and the job
 loop that applies it (``loop.py``: run, decide, re-plan with a fresh port and the restart count,
-run again). Runners and the agent only start, poll and stop.
+run again), and freeing the job's in-memory checkpoint stores when it ends (``memory_store.py``).
+Runners and the agent only start, poll and stop.
 """

@@ -13,7 +13,8 @@ and background writer (``writer.py``), resharding ZeRO state between world sizes
 loading checkpoints real DeepSpeed wrote (``deepspeed_layout.py`` names its files,
 ``deepspeed_read.py`` reads them into whole per-parameter state, ``deepspeed_load.py`` places it),
 writing them (``deepspeed_write.py``, with DeepSpeed's own classes pickled by name:
-``deepspeed_pickle.py``), and DeepSpeed's universal checkpoints both ways (``universal.py``).
+``deepspeed_pickle.py``), and DeepSpeed's universal checkpoints both ways (``universal.py``); snapshots in host memory,
+replicated to a peer host, that a restart resumes from (``memory.py``).
 """
 
 from dslaunch.runtime.checkpoint.save_load import (
