@@ -1,4 +1,4 @@
-"""Runners start node agents on hosts: one module per transport (local, ssh, slurm, mpi).
+"""Runners start node agents on hosts: one module per transport (local, ssh, slurm, mpi, ray).
 
 ``RUNNERS`` maps a ``--launcher`` name to a lazy ``"module:Class"`` string, so choosing the
 local runner never imports paramiko. ``get_runner(name)`` resolves it.
@@ -20,6 +20,7 @@ RUNNERS: dict[str, str] = {
     "mpich": "dslaunch.launcher.runners.mpi:MPICHRunner",
     "impi": "dslaunch.launcher.runners.mpi:IMPIRunner",
     "mvapich": "dslaunch.launcher.runners.mpi:MVAPICHRunner",
+    "ray": "dslaunch.launcher.runners.ray.runner:RayRunner",
 }
 
 # DeepSpeed's other launcher names, answered with a clear "not supported" instead of a typo hint.
