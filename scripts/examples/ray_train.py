@@ -9,7 +9,7 @@ group before the loop runs: ``initialize`` uses it.
     dslaunch --num_gpus 2 scripts/examples/ray_train.py --steps 8         # the same loop, launched
     dslaunch --launcher ray --ray_address auto scripts/examples/ray_train.py --steps 8   # on Ray nodes
 
-Options for tests: ``--losses FILE`` (rank 0 appends one JSON line per step: step, loss, world),
+Options for tests: ``--losses FILE`` (rank 0 appends one JSON line per step: step, loss, world, time),
 ``--ckpt DIR --save_every K`` (checkpoint every K steps), ``--load DIR --load_tag TAG`` (resume from
 that checkpoint), ``--sleep S`` (seconds per step), ``--max_failures N`` (Ray Train's restarts).
 """
@@ -75,7 +75,8 @@ def train_loop_per_worker(config: dict) -> None:
                 print(f"step {step} loss {loss.item():.6f}", flush=True)
                 if config["losses"]:
                     with open(config["losses"], "a") as f:
-                        f.write(json.dumps({"step": step, "loss": loss.item(), "world": engine.world_size}) + "\n")
+                        f.write(json.dumps({"step": step, "loss": loss.item(), "world": engine.world_size,
+                                            "t": time.time()}) + "\n")
             if config["save_every"] and step % config["save_every"] == 0:
                 _save(engine, config, step, in_ray)
             time.sleep(config["sleep"])
