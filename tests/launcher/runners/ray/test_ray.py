@@ -70,7 +70,7 @@ def test_a_killed_ray_node_is_a_lost_host_and_the_job_finishes_smaller(ray_clust
     proc = start_dslaunch(["--launcher", "ray", "--ray_address", ray_cluster.address, "--max_restarts", "1",
                            "--elastic_training", "--min_elastic_nodes", "2", "--resume_from", str(ckpt),
                            "--log_dir", str(tmp_path / "logs"), *args, "--losses", str(out)], tag=tag)
-    victim = sorted(ray_cluster.worker_nodes(), key=lambda n: n.unique_id)[-1]
+    victim = sorted(ray_cluster.worker_nodes(), key=lambda n: n.node_id)[-1]
     try:
         deadline = time.monotonic() + 150
         while max(_losses(out), default=0) < 3 and proc.poll() is None and time.monotonic() < deadline:
@@ -84,7 +84,7 @@ def test_a_killed_ray_node_is_a_lost_host_and_the_job_finishes_smaller(ray_clust
             proc.kill()
         ray_cluster.replace_node(victim)
     assert proc.returncode == 0, stderr[-4000:]
-    assert re.search(r"without lost host\(s\) \S+-" + victim.unique_id[:8], stderr), stderr[-3000:]
+    assert re.search(r"without lost host\(s\) \S+-" + victim.node_id[:8], stderr), stderr[-3000:]
     assert "world size 3" in stderr, stderr[-3000:]
     resumed = [int(s) for s in re.findall(r"world=3 resumed_at=(\d+)", stdout)]
     assert len(resumed) == 1 and resumed[0] >= 2 and resumed[0] % 2 == 0, stdout
