@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
-.PHONY: setup compat-venv deepspeed-venv demo test lint bench stress system-deps gpu-check clean conformance
+.PHONY: setup compat-venv deepspeed-venv ray demo test lint bench stress system-deps gpu-check clean conformance
 
 setup: $(STAMP)
 
@@ -53,7 +53,12 @@ system-deps:
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup compat-venv deepspeed-venv system-deps lint
+# Ray for tests/launcher/runners/ray (`--launcher ray`, Ray Train): the `ray` extra, ~500 MB and ~100 s
+# here, so not in `dev`; the torch pin keeps the CPU build. Without it those tests skip and say why.
+ray: setup
+	$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q 'ray[train]>=2.60' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+
+test: setup compat-venv deepspeed-venv ray system-deps lint
 	$(PY) -m pytest -q
 
 bench: setup

@@ -11,7 +11,8 @@ group before the loop runs: ``initialize`` uses it.
 
 Options for tests: ``--losses FILE`` (rank 0 appends one JSON line per step: step, loss, world, time),
 ``--ckpt DIR --save_every K`` (checkpoint every K steps), ``--load DIR --load_tag TAG`` (resume from
-that checkpoint), ``--sleep S`` (seconds per step), ``--max_failures N`` (Ray Train's restarts).
+that checkpoint), ``--sleep S`` (seconds per step), ``--max_failures N`` (Ray Train's restarts), ``--min_workers N``
+(Ray Train's elastic worker group).
 """
 
 import argparse
@@ -107,7 +108,10 @@ def _trainer(config: dict):
         ray.init(address=config["ray_address"], include_dashboard=False)
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=config["num_workers"], use_gpu=torch.cuda.is_available()),
+        # (min, max): Ray Train's elastic group, restarted with as many workers as fit
+        scaling_config=ScalingConfig(num_workers=(config["min_workers"], config["num_workers"])
+                                     if config["min_workers"] else config["num_workers"],
+                                     use_gpu=torch.cuda.is_available()),
         run_config=RunConfig(name="ray_train", storage_path=config["storage"] or tempfile.mkdtemp(),
                              failure_config=FailureConfig(max_failures=config["max_failures"])))
     return trainer.fit()
@@ -117,6 +121,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--num_workers", type=int, default=2, help="Ray Train's workers (TorchTrainer only)")
+    p.add_argument("--min_workers", type=int, default=0,
+                   help="TorchTrainer only: elastic, ScalingConfig(num_workers=(MIN, --num_workers))")
     p.add_argument("--ray_address", default=None, help="TorchTrainer only: the cluster to join (default: local)")
     p.add_argument("--storage", default=None, help="TorchTrainer only: RunConfig(storage_path=...)")
     p.add_argument("--max_failures", type=int, default=0, help="TorchTrainer only: FailureConfig(max_failures=...)")
