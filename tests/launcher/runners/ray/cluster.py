@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from unittest import mock
 
 import psutil
 
@@ -65,24 +66,20 @@ def local_cluster() -> Iterator[RayTestCluster]:
 
     tmp = tempfile.mkdtemp(prefix="dsl-ray-", dir="/tmp")
     os.makedirs(os.path.join(tmp, "ray"))
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "PYTHONPATH")}
-    os.environ["RAY_TMPDIR"] = tmp  # also where the dslaunch processes the tests start look
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved["PYTHONPATH"]]))
+    # RAY_TMPDIR: also where the dslaunch processes the tests start look; PYTHONPATH: Ray's
+    # workers import the tests' modules.
+    env = {"RAY_TMPDIR": tmp, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cluster = None
     try:
-        cluster = Cluster(initialize_head=True, connect=False,
-                          head_node_args={"num_cpus": NODE_CPUS[0], "object_store_memory": _STORE,
-                                          "include_dashboard": False})
-        for cpus in NODE_CPUS[1:]:
-            cluster.add_node(num_cpus=cpus, object_store_memory=_STORE)
-        cluster.wait_for_nodes()
-        yield RayTestCluster(cluster)
+        with mock.patch.dict(os.environ, env):
+            cluster = Cluster(initialize_head=True, connect=False,
+                              head_node_args={"num_cpus": NODE_CPUS[0], "object_store_memory": _STORE,
+                                              "include_dashboard": False})
+            for cpus in NODE_CPUS[1:]:
+                cluster.add_node(num_cpus=cpus, object_store_memory=_STORE)
+            cluster.wait_for_nodes()
+            yield RayTestCluster(cluster)
     finally:
         if cluster is not None:
             cluster.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(tmp, ignore_errors=True)
