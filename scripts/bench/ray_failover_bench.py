@@ -14,7 +14,7 @@ published), every process of one 1-CPU node is SIGKILLed (raylet, actors, worker
   reported checkpoint.
 
 Measured per trial, seconds from the kill: ``detect`` (dslaunch's failure event; Ray Train logs
-none), ``first_step`` (the first step finished after the kill, from rank 0's step log), the new
+none), ``restarted`` (dslaunch's resume event: the new run's agents have their specs), ``first_step`` (the first step finished after the kill, from rank 0's step log), the new
 world size, and whether the job finished (exit 0). The load average is recorded: the machine is
 shared, and every start-up (Ray workers, torch imports) stretches with it.
 
@@ -59,13 +59,17 @@ def _command(system: str, address: str, tmp: Path) -> list[str]:
             "--max_failures", "1", "--storage", str(tmp / "storage"), *JOB, "--losses", str(tmp / "losses.jsonl")]
 
 
-def _detected(tmp: Path) -> float | None:
+def _event_times(tmp: Path) -> dict[str, float]:
+    """When dslaunch detected the failure and when the restarted run's agents had their specs."""
+    times: dict[str, float] = {}
     for events in glob.glob(str(tmp / "logs" / "*" / "events.jsonl")):
         with open(events) as f:
             for event in map(json.loads, f):
-                if event["kind"] == "failure":
-                    return event.get("detected_t")
-    return None
+                if event["kind"] == "failure" and "detect" not in times:
+                    times["detect"] = event.get("detected_t")
+                elif event["kind"] == "resume":
+                    times["restarted"] = event.get("t")
+    return times
 
 
 def trial(cluster, system: str) -> dict:
@@ -91,9 +95,9 @@ def trial(cluster, system: str) -> dict:
                 proc.kill()
             cluster.replace_node(victim)
         after = [r for r in _records(losses) if r["t"] > killed]
-        detected = _detected(tmp)
+        times = _event_times(tmp)
         return {"system": system, "exit_code": proc.returncode, "load_avg_1m": round(load, 1),
-                "detect_s": round(detected - killed, 2) if detected else None,
+                **{f"{k}_s": round(v - killed, 2) if v else None for k, v in times.items()},
                 "first_step_s": round(after[0]["t"] - killed, 2) if after else None,
                 "world_after": after[0]["world"] if after else None,
                 "resumed_at": after[0]["step"] - 1 if after else None,
@@ -101,11 +105,11 @@ def trial(cluster, system: str) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| system | exit | load (1 min) | detect (s) | first step after the kill (s) | world after | resumed at step |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| system | exit | load (1 min) | detect (s) | agents restarted (s) | first step after the kill (s) "
+             "| world after | resumed at step |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['system']} | {r['exit_code']} | {r['load_avg_1m']} | {r['detect_s'] if r['detect_s'] is not None else '-'} "
-                     f"| {r['first_step_s']} | {r['world_after']} | {r['resumed_at']} |")
+        lines.append(f"| {r['system']} | {r['exit_code']} | {r['load_avg_1m']} | {r.get('detect_s', '-')} "
+                     f"| {r.get('restarted_s', '-')} | {r['first_step_s']} | {r['world_after']} | {r['resumed_at']} |")
     return "\n".join(lines)
 
 

@@ -92,11 +92,14 @@ def _save(engine, config: dict, step: int, in_ray: bool) -> None:
     import ray.train
     import torch.distributed as dist
 
-    # Ray's guide: every rank saves its shards into a directory of its own, then reports it.
-    with tempfile.TemporaryDirectory() as path:
-        engine.save_checkpoint(path)
-        dist.barrier()
-        ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(path))
+    # Every rank saves into one directory all ranks see (dslaunch's checkpoints are published by
+    # rank 0 from a shared directory: a rank's own temporary directory, as in Ray's guide, would
+    # leave its shards unpublished); rank 0 reports it, Ray Train copies it into its storage.
+    path = os.path.join(config["storage"], "shared", f"step{step}")
+    engine.save_checkpoint(path)
+    dist.barrier()
+    checkpoint = ray.train.Checkpoint.from_directory(path) if engine.global_rank == 0 else None
+    ray.train.report({"step": step}, checkpoint=checkpoint)
 
 
 def _trainer(config: dict):
@@ -112,7 +115,7 @@ def _trainer(config: dict):
         scaling_config=ScalingConfig(num_workers=(config["min_workers"], config["num_workers"])
                                      if config["min_workers"] else config["num_workers"],
                                      use_gpu=torch.cuda.is_available()),
-        run_config=RunConfig(name="ray_train", storage_path=config["storage"] or tempfile.mkdtemp(),
+        run_config=RunConfig(name="ray_train", storage_path=config["storage"],
                              failure_config=FailureConfig(max_failures=config["max_failures"])))
     return trainer.fit()
 
@@ -124,7 +127,8 @@ def main() -> None:
     p.add_argument("--min_workers", type=int, default=0,
                    help="TorchTrainer only: elastic, ScalingConfig(num_workers=(MIN, --num_workers))")
     p.add_argument("--ray_address", default=None, help="TorchTrainer only: the cluster to join (default: local)")
-    p.add_argument("--storage", default=None, help="TorchTrainer only: RunConfig(storage_path=...)")
+    p.add_argument("--storage", default=None,
+                   help="TorchTrainer only: RunConfig(storage_path=...), a directory every node sees")
     p.add_argument("--max_failures", type=int, default=0, help="TorchTrainer only: FailureConfig(max_failures=...)")
     p.add_argument("--losses", default=None)
     p.add_argument("--ckpt", default=None)
@@ -136,6 +140,7 @@ def main() -> None:
     config = vars(p.parse_args())
     # Started by a launcher (dslaunch, deepspeed, torchrun): run the loop here; else Ray Train runs it.
     config["trainer"] = "RANK" not in os.environ
+    config["storage"] = os.path.abspath(config["storage"] or tempfile.mkdtemp())
     if config["trainer"]:
         _trainer(config)
     else:
