@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
-.PHONY: setup compat-venv deepspeed-venv demo test lint docs bench stress system-deps gpu-check clean conformance
+.PHONY: setup compat-venv deepspeed-venv ray demo test lint docs bench stress system-deps gpu-check clean conformance
 
 setup: $(STAMP)
 
@@ -53,6 +53,11 @@ system-deps:
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Ray for tests/launcher/runners/ray (`--launcher ray`, Ray Train): the `ray` extra, ~500 MB and ~100 s
+# here, so not in `dev`; the torch pin keeps the CPU build. Without it those tests skip and say why.
+ray: setup
+	$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q 'ray[train]>=2.60' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+
 # The documentation site (mkdocs.yml, docs/) into .site/, strict: a broken link or anchor fails it;
 # the reference pages are generated from the code while it builds (scripts/docs/hooks.py).
 # NO_MKDOCS_2_WARNING: mkdocs-material 9.7+ prints a banner about MkDocs 2 on every build.
@@ -62,7 +67,7 @@ docs: setup
 # Two pytest workers (pytest-xdist): much of the suite waits on subprocesses, sockets and timeouts.
 # A test file is a unit of work, the namespace cluster's tests one unit (tests/conftest.py).
 TEST_WORKERS ?= 2
-test: setup compat-venv deepspeed-venv system-deps lint docs
+test: setup compat-venv deepspeed-venv ray system-deps lint docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: setup

@@ -31,6 +31,7 @@ from dslaunch.launcher.hostfile import (
     read_hostfile,
 )
 from dslaunch.launcher.kubernetes import Pod
+from dslaunch.launcher.runners.ray.cluster import RayCluster, ray_pool
 from dslaunch.launcher.runners.slurm.allocation import Allocation, slurm_pool
 from dslaunch.launcher.spec import DEFAULT_GRACE, JobSpec, MonitorSpec, NodeSpec, WorkerSpec
 from dslaunch.launcher.workerenv import node_env, worker_env
@@ -129,6 +130,8 @@ class LaunchConfig:
     allocation: Allocation | None = None
     """The SLURM allocation the launcher runs in (None outside SLURM): without a ``--hostfile``
     its nodes are the hosts and the job runs through ``srun`` (``--launcher slurm``)."""
+    ray: RayCluster | None = None
+    """``--launcher ray``: the Ray cluster joined (or started) for the job; its nodes are the hosts."""
 
 
 @dataclass(frozen=True)
@@ -158,11 +161,15 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         cfg = replace(cfg, restart_count=cfg.restart_count + cfg.allocation.requeues)
     notes: list[str] = _resume_notes(cfg)
     # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
-    if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not slurm):
+    if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not (slurm or cfg.ray)):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
-    hosts = None if slurm or cfg.pod else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
-    source = "SLURM_JOB_NODELIST" if slurm else "PET_NNODES" if cfg.pod else cfg.hostfile if hosts is not None else None
-    if cfg.pod:
+    hosts = None if slurm or cfg.pod or cfg.ray else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
+    source = ("SLURM_JOB_NODELIST" if slurm else "PET_NNODES" if cfg.pod else f"Ray cluster {cfg.ray.address}"
+              if cfg.ray else cfg.hostfile if hosts is not None else None)
+    if cfg.ray:
+        # As under SLURM, Ray gives each node's actor its GPUs: the plan leaves CUDA_VISIBLE_DEVICES alone.
+        pool, use_gpus = ray_pool(cfg.ray, cfg.include, cfg.exclude, cfg.num_gpus, notes), False
+    elif cfg.pod:
         pool, use_gpus = _pod_pool(cfg, cfg.pod, detect)
     elif slurm:
         # SLURM gives the step its own CUDA_VISIBLE_DEVICES: the plan leaves it alone.
@@ -178,7 +185,9 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         raise HostfileError(f"no host left: every selected host was lost ({', '.join(cfg.drop_hosts)})", source)
     _check_no_ssh(cfg, pool)
     launcher = "slurm" if slurm else _launcher(cfg, pool)
-    master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else next(iter(pool)))
+    first = next(iter(pool))
+    master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else cfg.ray.node(first).address
+                                      if cfg.ray else first)
     world = sum(len(s) for s in pool.values())
     nodes, rank = [], 0
     for node_rank, (host, slots) in enumerate(pool.items()):
@@ -196,7 +205,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
         ssh_port=cfg.ssh_port, ssh_accept_new_host_keys=cfg.ssh_accept_new_host_keys,
         hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
-        master_given=bool(cfg.master_addr), monitor=_monitor(cfg),
+        master_given=bool(cfg.master_addr), monitor=_monitor(cfg), ray_address=cfg.ray.address if cfg.ray else None,
     )
     return Plan(job, tuple(notes))
 

@@ -50,7 +50,7 @@ def main(args: Sequence[str] | None = None) -> None:
     except DslaunchError as err:
         if isinstance(err, ValueError):
             raise
-        code = cli.report(err, argv)
+        code = cli.report_error(err, argv)
     if code:
         sys.exit(code)
 

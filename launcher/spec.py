@@ -115,6 +115,8 @@ class JobSpec:
     each host has it, so a missing file is one line per host, not one Python error per rank."""
     master_given: bool = False
     """``master_addr`` is the user's ``--master_addr`` (a runner keeps it), not the plan's default."""
+    ray_address: str | None = None
+    """``--launcher ray``: the Ray cluster the nodes are (``--ray_address``, or ``local``)."""
     monitor: MonitorSpec = field(default_factory=MonitorSpec)
 
     @property

@@ -28,7 +28,7 @@ from dslaunch.launcher.cli import launch
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.cli.launch import parse_config
 
-__all__ = ["main", "run", "report", "build_parser", "parse_config", "SUBCOMMANDS"]
+__all__ = ["main", "run", "report_error", "build_parser", "parse_config", "SUBCOMMANDS"]
 
 SUBCOMMANDS: dict[str, str] = {
     "zero-to-fp32": "dslaunch.launcher.cli.zero_to_fp32:command",
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
     except DslaunchError as err:
-        return report(err, argv)
+        return report_error(err, argv)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except BrokenPipeError:
@@ -58,7 +58,7 @@ def run(argv: list[str]) -> int:
     """Run the command ``argv`` names (no program name); return its exit code.
 
     Raises:
-        DslaunchError: a user mistake or a failed job, for the caller to print (``main``, ``report``).
+        DslaunchError: a user mistake or a failed job, for the caller to print (``main``, ``report_error``).
     """
     if argv and argv[0] in SUBCOMMANDS:
         return _subcommand(argv)
@@ -73,8 +73,11 @@ def run(argv: list[str]) -> int:
     return launch.run(argv)
 
 
-def report(err: DslaunchError, argv: list[str]) -> int:
-    """Print ``err`` as one line (with its traceback under ``--verbose``); return its exit code."""
+def report_error(err: DslaunchError, argv: list[str]) -> int:
+    """Print ``err`` as one line (with its traceback under ``--verbose``); return its exit code.
+
+    Not named ``report``: importing the ``report`` subcommand's module binds that name on this
+    package, and ``main`` then called the module instead of printing the error."""
     if _verbose(argv):
         traceback.print_exc()
     print(f"dslaunch: error: {err}", file=sys.stderr, flush=True)

@@ -131,9 +131,12 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
     a("--node_rank", type=integer, default=-1,
       help="with --no_ssh: this node's index among the selected hosts, in hostfile order")
     a("--launcher", default="",
-      help="local, ssh, slurm, openmpi, mpich, impi or mvapich (default: slurm inside a SLURM allocation "
+      help="local, ssh, slurm, openmpi, mpich, impi, mvapich or ray (default: slurm inside a SLURM allocation "
            "without --hostfile; else ssh when a host is remote, else local)")
     a("--launcher_args", default="", help="extra arguments for the launcher transport (ssh, srun, mpirun), verbatim")
+    a("--ray_address", default=None, metavar="ADDR",
+      help="with --launcher ray: the Ray cluster to run on (its head's host:port, or 'auto' on a node where "
+           "'ray start' ran); default: start a local Ray cluster for the job")
     a("--module", action="store_true", help="run user_script as a module (python -m)")
     a("--no_python", action="store_true", help="run user_script directly, not through python")
     a("--no_local_rank", action="store_true", help="do not append --local_rank=N to the script arguments")

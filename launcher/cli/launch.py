@@ -90,9 +90,27 @@ def parse_config(argv: list[str],
         # '' stays '' (abspath would make it the cwd) for the plan to refuse
         resume_from=os.path.abspath(ns.resume_from) if ns.resume_from else ns.resume_from,
         max_nodes=ns.max_elastic_nodes if ns.elastic_training and ns.max_elastic_nodes > 0 else 0,
-        allocation=slurm_allocation(os.environ if env is None else env),
+        allocation=slurm_allocation(os.environ if env is None else env), ray=_ray_cluster(ns),
     )
     return _in_pod(cfg, ns, os.environ if env is None else env), ns
+
+
+def _ray_cluster(ns: argparse.Namespace):  # -> RayCluster | None
+    """``--launcher ray``: join the cluster (``--ray_address``) or start a local one; read its nodes.
+
+    Raises:
+        UsageError: ``--ray_address`` without ``--launcher ray``, Ray missing, or no cluster there.
+    """
+    if ns.launcher != "ray":
+        if ns.ray_address is not None:
+            raise UsageError(f"--ray_address {ns.ray_address} is only used with --launcher ray")
+        return None
+    if ns.no_ssh or ns.hostfile is not None:
+        raise UsageError("--launcher ray runs on the Ray cluster's nodes: leave out "
+                         f"{'--no_ssh' if ns.no_ssh else '--hostfile'}")
+    from dslaunch.launcher.runners.ray.cluster import connect
+
+    return connect(ns.ray_address)
 
 
 def _in_pod(cfg: LaunchConfig, ns: argparse.Namespace, env: Mapping[str, str]) -> LaunchConfig:

@@ -5,7 +5,8 @@
 what every runner of remote agents shares (a session per node, preflight, hand over), with
 ``preflight.py`` (is every host ready) and ``stream.py`` (an agent's streams, line by line);
 ``ssh/`` (paramiko), ``slurm/`` (``srun``) and ``mpi.py`` (the site's ``mpirun``), the last two
-through ``child.py`` (an agent behind a local child command).
+through ``child.py`` (an agent behind a local child command), and ``ray/`` (an actor per Ray node
+running its agent).
 
 ``RUNNERS`` maps a ``--launcher`` name to a lazy ``"module:Class"`` string, so choosing the
 local runner never imports paramiko. ``get_runner(name)`` resolves it.
@@ -27,6 +28,7 @@ RUNNERS: dict[str, str] = {
     "mpich": "dslaunch.launcher.runners.mpi:MPICHRunner",
     "impi": "dslaunch.launcher.runners.mpi:IMPIRunner",
     "mvapich": "dslaunch.launcher.runners.mpi:MVAPICHRunner",
+    "ray": "dslaunch.launcher.runners.ray.runner:RayRunner",
 }
 
 # DeepSpeed's other launcher names, answered with a clear "not supported" instead of a typo hint.

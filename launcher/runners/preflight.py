@@ -27,7 +27,8 @@ from collections.abc import Callable, Mapping
 from dslaunch.errors import HostsError
 from dslaunch.launcher.spec import JobSpec, NodeSpec
 
-__all__ = ["PROBE_TIMEOUT", "probe_request", "agent_argv", "remote_command", "check_probes", "gather_probes"]
+__all__ = ["PROBE_TIMEOUT", "probe_request", "node_request", "node_agent_argv", "agent_argv", "remote_command",
+           "check_probes", "gather_probes"]
 
 # Python start-up plus a login shell's rc files, on a loaded machine.
 PROBE_TIMEOUT = 20.0
@@ -44,12 +45,17 @@ def agent_argv(python: str, request: Mapping) -> list[str]:
     return [python, "-m", "dslaunch.launcher.agent.bootstrap", json.dumps(dict(request), separators=(",", ":"))]
 
 
+def node_request(job: JobSpec, node: NodeSpec) -> dict:
+    """``probe_request`` for ``node`` of ``job``: node 0 hosts the rendezvous unless
+    ``--master_addr`` named another."""
+    return probe_request(node.cwd, job.master_addr, job.master_port, node.node_rank == 0 and not job.master_given,
+                         job.user_script)
+
+
 def node_agent_argv(job: JobSpec, node: NodeSpec) -> list[str]:
     """``agent_argv`` for ``node`` of ``job``, for a transport that runs it as a command line
-    (``srun``, ``mpirun``): node 0 hosts the rendezvous unless ``--master_addr`` named another."""
-    request = probe_request(node.cwd, job.master_addr, job.master_port,
-                            node.node_rank == 0 and not job.master_given, job.user_script)
-    return agent_argv(job.python or sys.executable, request)
+    (``srun``, ``mpirun``)."""
+    return agent_argv(job.python or sys.executable, node_request(job, node))
 
 
 def remote_command(python: str, request: Mapping) -> str:
