@@ -18,11 +18,11 @@ import argparse
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dslaunch.errors import ConfigError, did_you_mean, quote
+from dslaunch.errors import BatchSizeError, ConfigError, did_you_mean, quote
 from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.config.client_forms import client_forms
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # the registries import this package's checkers: import them 
     from dslaunch.runtime.lr_schedules import SchedulerSpec
     from dslaunch.runtime.optim.registry import OptimizerSpec
 
-__all__ = ["DeepSpeedConfig", "load_config", "OWN_DEFAULTS", "ZeroConfig", "Fp16Config", "Bf16Config",
+__all__ = ["DeepSpeedConfig", "DeepSpeedFormConfig", "load_config", "OWN_DEFAULTS", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
 
 # Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
@@ -140,13 +140,14 @@ def _data_parallel_size(mpu: Any) -> int:
 class _ConfigType(type):
     """Lets ``DeepSpeedConfig`` also be called as DeepSpeed's class is: ``DeepSpeedConfig(config,
     mpu=None, mesh_device=None)`` with a dict or a path parses it (``load_config``) for the
-    data-parallel world of ``mpu`` or of the process group."""
+    data-parallel world of ``mpu`` or of the process group, into a ``DeepSpeedFormConfig``."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         source = args[0] if args else kwargs.get("config")
         if isinstance(source, _SOURCE_TYPES) and len(args) <= 3 and set(kwargs) <= {"config", "mpu", "mesh_device"}:
             mpu = args[1] if len(args) > 1 else kwargs.get("mpu")
-            return load_config(source, _data_parallel_size(mpu), global_world=mpu is None)
+            cfg = load_config(source, _data_parallel_size(mpu), global_world=mpu is None)
+            return DeepSpeedFormConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
         return super().__call__(*args, **kwargs)
 
 
@@ -222,6 +223,36 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     def monitor_config(self) -> DeepSpeedMonitorConfig:
         """DeepSpeed's name for the four monitor blocks together (``MonitorMaster`` takes it)."""
         return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
+
+
+class DeepSpeedFormConfig(DeepSpeedConfig):
+    """What ``DeepSpeedConfig(config, mpu)`` returns: the parsed config, whose three batch sizes may
+    be assigned and completed again by ``_configure_train_batch_size()``, as on DeepSpeed's object
+    (code written against DeepSpeed's config sets them and re-resolves). Every other field stays
+    frozen, and the engine never holds one of these: ``initialize`` parses its own.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _BATCH_KEYS:
+            super().__setattr__(name, value)  # FrozenInstanceError, as on any DeepSpeedConfig
+        object.__setattr__(self, name, value)
+
+    def _configure_train_batch_size(self) -> None:
+        """Complete the assigned batch sizes for ``world_size`` with the same rules as parsing.
+
+        Raises:
+            BatchSizeError: (also an ``AssertionError``, as DeepSpeed's) a value that is not a
+                positive integer, neither ``train_batch_size`` nor the micro batch set, or sizes
+                that do not add up; the batch sizes are left as assigned.
+        """
+        given = {k: getattr(self, k) for k in _BATCH_KEYS}
+        try:
+            checked = {k: None if v is None else _scalar(k, v) for k, v in given.items()}
+            triad = _batch_triad(checked, self.world_size)
+        except ConfigError as err:  # a value's checker: DeepSpeed asserts there too
+            raise BatchSizeError(str(err)) from None
+        for key, value in triad.items():
+            object.__setattr__(self, key, value)
 
 
 def load_config(source: Any, world_size: int, global_world: bool = True) -> DeepSpeedConfig:
@@ -355,10 +386,12 @@ def _elastic_triad(cfg: ElasticityConfig, given: dict[str, int | None], world: i
 
 
 def _batch_triad(b: dict[str, int | None], world: int) -> dict[str, int]:
-    """Complete train_batch_size = micro * gas * world from any two (or one) of them."""
+    """Complete train_batch_size = micro * gas * world from any two (or one) of them.
+
+    Raises ``BatchSizeError``, also an ``AssertionError`` as DeepSpeed's batch checks."""
     tb, mb, gas = (b[k] for k in _BATCH_KEYS)
     if tb is None and mb is None:
-        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (or both)",
+        raise BatchSizeError("set train_batch_size or train_micro_batch_size_per_gpu (or both)",
                           key="train_batch_size")
     if tb is None:
         gas = gas or 1
@@ -366,16 +399,16 @@ def _batch_triad(b: dict[str, int | None], world: int) -> dict[str, int]:
     elif mb is None:
         gas = gas or 1
         if tb % (gas * world):
-            raise ConfigError(f"{tb} is not divisible by gradient_accumulation_steps * world_size = "
+            raise BatchSizeError(f"{tb} is not divisible by gradient_accumulation_steps * world_size = "
                               f"{gas} * {world} = {gas * world}", key="train_batch_size")
         mb = tb // (gas * world)
     elif gas is None:
         if tb % (mb * world):
-            raise ConfigError(f"{tb} is not divisible by train_micro_batch_size_per_gpu * world_size = "
+            raise BatchSizeError(f"{tb} is not divisible by train_micro_batch_size_per_gpu * world_size = "
                               f"{mb} * {world} = {mb * world}", key="train_batch_size")
         gas = tb // (mb * world)
     elif tb != mb * gas * world:
-        raise ConfigError(f"{tb} != train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
+        raise BatchSizeError(f"{tb} != train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
                           f"world_size = {mb} * {gas} * {world} = {mb * gas * world}",
                           key="train_batch_size")
     return {"train_batch_size": tb, "train_micro_batch_size_per_gpu": mb,
