@@ -10,6 +10,8 @@
   the one-axis ``DataParallelGrid``.
 - ``mpu.py``: what any mpu answers for an axis (the tensor group's one lookup order) and which
   parameters count in the global gradient norm on this rank.
+- ``deepspeed_groups.py``: DeepSpeed's ``groups`` module (``deepspeed.utils.groups`` is it): this
+  rank's groups from the last engine's grid, expert groups by ``ep_size_<N>`` name.
 
 DeepSpeed's import paths (``deepspeed.runtime.pipe.topology``, ``deepspeed.utils.groups``) answer
 from here.
