@@ -28,10 +28,10 @@ from dslaunch.runtime.engine_setup import build_components, data_loader
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
+from dslaunch.runtime.parallel import deepspeed_groups as groups
 from dslaunch.runtime.parallel.from_config import grid_from_config
 from dslaunch.runtime.parallel.mpu import gradient_reduce_group, holds_model_parts, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
-from dslaunch.runtime.parallel import deepspeed_groups as groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
 __all__ = ["DeepSpeedEngine"]
