@@ -9,7 +9,7 @@ Each component is handed its parsed section; nothing after ``load_config`` reads
 Torch-free.
 """
 
-from dslaunch.runtime.config.ds_config import MAX_TIMEOUT_S, DeepSpeedConfig, load_config
+from dslaunch.runtime.config.ds_config import MAX_TIMEOUT_S, DeepSpeedConfig, load_config, with_batch
 from dslaunch.runtime.config.sections import (
     Bf16Config,
     CheckpointConfig,
@@ -31,7 +31,7 @@ ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
 LION_OPTIMIZER = "lion"
 MUON_OPTIMIZER = "muon"
 
-__all__ = ["DeepSpeedConfig", "load_config", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
+__all__ = ["DeepSpeedConfig", "load_config", "with_batch", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection", "OptimizerSection", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER",
            "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "ZERO_ONE_ADAM_OPTIMIZER",
            "ONEBIT_LAMB_OPTIMIZER", "LION_OPTIMIZER", "MUON_OPTIMIZER"]

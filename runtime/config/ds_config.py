@@ -18,7 +18,7 @@ import argparse
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # the registries import this package's checkers: import them 
     from dslaunch.runtime.lr_schedules import SchedulerSpec
     from dslaunch.runtime.optim.registry import OptimizerSpec
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedFormConfig", "load_config", "OWN_DEFAULTS", "ZeroConfig", "Fp16Config", "Bf16Config",
+__all__ = ["DeepSpeedConfig", "DeepSpeedFormConfig", "load_config", "with_batch", "OWN_DEFAULTS", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
 
 # Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
@@ -245,14 +245,30 @@ class DeepSpeedFormConfig(DeepSpeedConfig):
                 positive integer, neither ``train_batch_size`` nor the micro batch set, or sizes
                 that do not add up; the batch sizes are left as assigned.
         """
-        given = {k: getattr(self, k) for k in _BATCH_KEYS}
-        try:
-            checked = {k: None if v is None else _scalar(k, v) for k, v in given.items()}
-            triad = _batch_triad(checked, self.world_size)
-        except ConfigError as err:  # a value's checker: DeepSpeed asserts there too
-            raise BatchSizeError(str(err)) from None
-        for key, value in triad.items():
+        for key, value in _checked_triad({k: getattr(self, k) for k in _BATCH_KEYS}, self.world_size).items():
             object.__setattr__(self, key, value)
+
+
+def with_batch(cfg: DeepSpeedConfig, **sizes: int | None) -> DeepSpeedConfig:
+    """``cfg`` with its batch triad completed anew from ``sizes`` (any of ``train_batch_size``,
+    ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``) for its ``world_size``,
+    by the rules of parsing.
+
+    Raises:
+        BatchSizeError: a size that is not a positive integer, or sizes that do not add up.
+    """
+    unknown = set(sizes) - set(_BATCH_KEYS)
+    if unknown:
+        raise TypeError(f"with_batch() takes only {', '.join(_BATCH_KEYS)}, not {', '.join(sorted(unknown))}")
+    return replace(cfg, **_checked_triad({k: sizes.get(k) for k in _BATCH_KEYS}, cfg.world_size))
+
+
+def _checked_triad(given: dict[str, Any], world: int) -> dict[str, int]:
+    """Each given size checked as when parsed, then ``_batch_triad``; every error a ``BatchSizeError``."""
+    try:
+        return _batch_triad({k: None if v is None else _scalar(k, v) for k, v in given.items()}, world)
+    except ConfigError as err:  # a value's checker: DeepSpeed asserts there too
+        raise BatchSizeError(str(err)) from None
 
 
 def load_config(source: Any, world_size: int, global_world: bool = True) -> DeepSpeedConfig:

@@ -160,6 +160,13 @@ class PipelineEngine(DeepSpeedEngine):
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise UsageError(f"engine.step() {_ONLY_TRAIN_BATCH}")
 
+    def _use_batch(self, config: DeepSpeedConfig) -> None:
+        """A new batch triad (``set_train_batch_size``): ``train_batch`` runs its accumulation steps
+        as micro batches, checked against this pipeline as the config was (the interleaved schedule)."""
+        _check_config(self.module, config)
+        super()._use_batch(config)
+        self.micro_batches = config.gradient_accumulation_steps
+
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """Pull ``gradient_accumulation_steps`` micro batches, train on them, take one step.
 
