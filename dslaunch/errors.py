@@ -33,6 +33,7 @@ __all__ = [
     "NotInDslaunchError",
     "TagMismatchError",
     "DeepSpeedConfigError",
+    "BatchSizeError",
     "did_you_mean",
     "quote",
     "shorten",
@@ -89,6 +90,12 @@ DeepSpeedConfigError = ConfigError  # DeepSpeed's name (``deepspeed.DeepSpeedCon
 
 class ModelRequiredError(ConfigError, AssertionError):
     """``initialize()`` without a model. Also an ``AssertionError``: what DeepSpeed raises there."""
+
+
+class BatchSizeError(ConfigError, AssertionError):
+    """The batch triad (``train_batch_size``, ``train_micro_batch_size_per_gpu``,
+    ``gradient_accumulation_steps``) cannot be completed or does not add up. Also an
+    ``AssertionError``: what DeepSpeed's config raises there."""
 
 
 class LaunchError(DslaunchError):

@@ -23,17 +23,17 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
-from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.config import DeepSpeedConfig, with_batch
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
 from dslaunch.runtime.engine_setup import build_components, data_loader
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
+from dslaunch.runtime.parallel import deepspeed_groups as groups
 from dslaunch.runtime.parallel.from_config import grid_from_config
 from dslaunch.runtime.parallel.mpu import gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
-from dslaunch.utils import groups
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
 __all__ = ["DeepSpeedEngine"]
@@ -111,6 +111,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self.memory_checkpoint: Any = None  # a checkpoint.memory.MemoryCheckpoint (initialize() sets it)
         self._loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
+        self._window_start = 0  # the micro step the accumulation windows count from (set_train_batch_size)
         self._heartbeat = reporter()  # None outside dslaunch
         if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
             from dslaunch.runtime.comm import comm
@@ -288,7 +289,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary is not None:
             return self._boundary
-        return (self.micro_steps + 1) % self._config.gradient_accumulation_steps == 0
+        return (self.micro_steps - self._window_start + 1) % self._config.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Decide the accumulation boundary yourself from now on, as DeepSpeed's (accelerate does).
@@ -367,6 +368,32 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         fp32 stage 0 step without clipping, and before the first step.
         """
         return self._grad_norm
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Train on ``train_batch_size`` samples per optimizer step from now on, by changing the
+        accumulation steps (the micro batch stays), as DeepSpeed's (Megatron-DeepSpeed's batch-size
+        ramp-up calls it). Call it between optimizer steps: the next window is the new size.
+
+        Raises:
+            BatchSizeError: (a ``ValueError``, as DeepSpeed's) ``train_batch_size`` is not a multiple
+                of the micro batch times the data-parallel ranks; nothing changes then.
+        """
+        self._use_batch(with_batch(self._config, train_batch_size=train_batch_size,
+                                   train_micro_batch_size_per_gpu=self._config.train_micro_batch_size_per_gpu))
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Use ``micro_batch_size`` samples per rank per micro step from now on; the accumulation
+        steps stay, so the global batch follows (as DeepSpeed's). A data loader already built
+        keeps its batch size: build a new one (``deepspeed_io``).
+
+        Raises:
+            BatchSizeError: ``micro_batch_size`` is not a positive integer; nothing changes then.
+        """
+        self._use_batch(with_batch(self._config, train_micro_batch_size_per_gpu=micro_batch_size,
+                                   gradient_accumulation_steps=self._config.gradient_accumulation_steps))
+
+    def _use_batch(self, config: DeepSpeedConfig) -> None:
+        self._config, self._window_start = config, self.micro_steps
 
     def train_batch_size(self) -> int:
         return self._config.train_batch_size

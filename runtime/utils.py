@@ -159,7 +159,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2, mpu:
 
     Collective when torch.distributed is initialised: call on every rank of the data-parallel group.
     """
-    from dslaunch.utils import groups
+    from dslaunch.runtime.parallel import deepspeed_groups as groups
 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     params = [p for p in params if p.grad is not None]

@@ -33,11 +33,7 @@ LAYERS = ("base", "kernels", "runtime", "launcher", "deepspeed paths")
 
 #: (importer, imported) -> why it stays for now. Each is implementation still at a DeepSpeed path
 #: under dslaunch/ (issue 42: to move under runtime/ or launcher/ with a thin re-export left).
-ALLOWED = {
-    **{(importer, "dslaunch.utils.groups"): "deepspeed.utils.groups' expert-group logic (345 lines) is "
-       "implemented at its DeepSpeed path (h35-door's to move)"
-       for importer in ("dslaunch.runtime.engine", "dslaunch.runtime.utils", "dslaunch.runtime.moe.layer")},
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def layer(name: str) -> int:

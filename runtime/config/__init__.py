@@ -1,9 +1,10 @@
 """``dslaunch.runtime.config``: the ds_config, parsed once at the edge into frozen dataclasses.
 
 - ``file.py``: reading the document (JSON/YAML, size and depth bounds).
-- ``ds_config.py``: the whole config, its batch triad and cross-checks (``load_config`` ->
-  ``DeepSpeedConfig``); ``client_forms.py``: what libraries write into a ds_config that a user
-  would not (``"auto"`` left unfilled, dotted keys).
+- ``ds_config.py``: the whole config and its cross-checks (``load_config`` -> ``DeepSpeedConfig``);
+  ``batch.py``: the batch triad, completed from the sizes given or the ``elasticity`` block;
+  ``client_forms.py``: what libraries write into a ds_config that a user would not (``"auto"``
+  left unfilled, dotted keys).
 - ``sections.py``: the one way a section is parsed, and the small sections (``fp16``, ``bf16``,
   ``checkpoint``, ``optimizer``/``scheduler``); ``param_schema.py``: the checkers of every value
   and of free-form ``params`` dicts.
@@ -20,7 +21,7 @@ Each component is handed its parsed section; nothing after ``load_config`` reads
 Torch-free.
 """
 
-from dslaunch.runtime.config.ds_config import MAX_TIMEOUT_S, DeepSpeedConfig, load_config
+from dslaunch.runtime.config.ds_config import MAX_TIMEOUT_S, DeepSpeedConfig, load_config, with_batch
 from dslaunch.runtime.config.sections import (
     Bf16Config,
     CheckpointConfig,
@@ -42,7 +43,7 @@ ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
 LION_OPTIMIZER = "lion"
 MUON_OPTIMIZER = "muon"
 
-__all__ = ["DeepSpeedConfig", "load_config", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
+__all__ = ["DeepSpeedConfig", "load_config", "with_batch", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection", "OptimizerSection", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER",
            "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "ZERO_ONE_ADAM_OPTIMIZER",
            "ONEBIT_LAMB_OPTIMIZER", "LION_OPTIMIZER", "MUON_OPTIMIZER"]

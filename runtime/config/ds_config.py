@@ -18,16 +18,17 @@ import argparse
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dslaunch.errors import ConfigError, did_you_mean, quote
+from dslaunch.errors import BatchSizeError, ConfigError, did_you_mean, quote
 from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
 from dslaunch.runtime.config.autotuning import AutotuningConfig
+from dslaunch.runtime.config.batch import BATCH_KEYS, batch_triad, elastic_triad
 from dslaunch.runtime.config.client_forms import client_forms
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
-from dslaunch.runtime.config.elasticity import ElasticityConfig, elastic_batch
+from dslaunch.runtime.config.elasticity import ElasticityConfig
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
@@ -62,13 +63,12 @@ if TYPE_CHECKING:  # the registries import this package's checkers: import them 
     from dslaunch.runtime.lr_schedules import SchedulerSpec
     from dslaunch.runtime.optim.registry import OptimizerSpec
 
-__all__ = ["DeepSpeedConfig", "load_config", "OWN_DEFAULTS", "ZeroConfig", "Fp16Config", "Bf16Config",
+__all__ = ["DeepSpeedConfig", "DeepSpeedFormConfig", "load_config", "with_batch", "OWN_DEFAULTS", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection"]
 
 # Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
 MAX_TIMEOUT_S = 1e8
 _SOURCE_TYPES = (str, os.PathLike, Mapping)
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
              "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig,
@@ -139,13 +139,14 @@ def _data_parallel_size(mpu: Any) -> int:
 class _ConfigType(type):
     """Lets ``DeepSpeedConfig`` also be called as DeepSpeed's class is: ``DeepSpeedConfig(config,
     mpu=None, mesh_device=None)`` with a dict or a path parses it (``load_config``) for the
-    data-parallel world of ``mpu`` or of the process group."""
+    data-parallel world of ``mpu`` or of the process group, into a ``DeepSpeedFormConfig``."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         source = args[0] if args else kwargs.get("config")
         if isinstance(source, _SOURCE_TYPES) and len(args) <= 3 and set(kwargs) <= {"config", "mpu", "mesh_device"}:
             mpu = args[1] if len(args) > 1 else kwargs.get("mpu")
-            return load_config(source, _data_parallel_size(mpu), global_world=mpu is None)
+            cfg = load_config(source, _data_parallel_size(mpu), global_world=mpu is None)
+            return DeepSpeedFormConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
         return super().__call__(*args, **kwargs)
 
 
@@ -225,6 +226,52 @@ class DeepSpeedConfig(metaclass=_ConfigType):
         return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
 
+class DeepSpeedFormConfig(DeepSpeedConfig):
+    """What ``DeepSpeedConfig(config, mpu)`` returns: the parsed config, whose three batch sizes may
+    be assigned and completed again by ``_configure_train_batch_size()``, as on DeepSpeed's object
+    (code written against DeepSpeed's config sets them and re-resolves). Every other field stays
+    frozen, and the engine never holds one of these: ``initialize`` parses its own.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in BATCH_KEYS:
+            super().__setattr__(name, value)  # FrozenInstanceError, as on any DeepSpeedConfig
+        object.__setattr__(self, name, value)
+
+    def _configure_train_batch_size(self) -> None:
+        """Complete the assigned batch sizes for ``world_size`` with the same rules as parsing.
+
+        Raises:
+            BatchSizeError: (also an ``AssertionError``, as DeepSpeed's) a value that is not a
+                positive integer, neither ``train_batch_size`` nor the micro batch set, or sizes
+                that do not add up; the batch sizes are left as assigned.
+        """
+        for key, value in _checked_triad({k: getattr(self, k) for k in BATCH_KEYS}, self.world_size).items():
+            object.__setattr__(self, key, value)
+
+
+def with_batch(cfg: DeepSpeedConfig, **sizes: int | None) -> DeepSpeedConfig:
+    """``cfg`` with its batch triad completed anew from ``sizes`` (any of ``train_batch_size``,
+    ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``) for its ``world_size``,
+    by the rules of parsing.
+
+    Raises:
+        BatchSizeError: a size that is not a positive integer, or sizes that do not add up.
+    """
+    unknown = set(sizes) - set(BATCH_KEYS)
+    if unknown:
+        raise TypeError(f"with_batch() takes only {', '.join(BATCH_KEYS)}, not {', '.join(sorted(unknown))}")
+    return replace(cfg, **_checked_triad({k: sizes.get(k) for k in BATCH_KEYS}, cfg.world_size))
+
+
+def _checked_triad(given: dict[str, Any], world: int) -> dict[str, int]:
+    """Each given size checked as when parsed, then ``batch.batch_triad``; every error a ``BatchSizeError``."""
+    try:
+        return batch_triad({k: None if v is None else _scalar(k, v) for k, v in given.items()}, world)
+    except ConfigError as err:  # a value's checker: DeepSpeed asserts there too
+        raise BatchSizeError(str(err)) from None
+
+
 def load_config(source: Any, world_size: int, global_world: bool = True) -> DeepSpeedConfig:
     """Parse and validate a ds_config.
 
@@ -277,7 +324,7 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_wo
            ) -> DeepSpeedConfig:
     raw = _legacy_forms(raw)
     # The batch sizes have no default for an unfilled "auto" to fall back on: they stay errors.
-    forms = client_forms(raw, _SECTIONS, {k: v for k, v in _SCALARS.items() if k not in _BATCH_KEYS})
+    forms = client_forms(raw, _SECTIONS, {k: v for k, v in _SCALARS.items() if k not in BATCH_KEYS})
     values: dict[str, Any] = {}
     for key, value in forms.raw.items():
         if key in _SECTIONS:
@@ -302,10 +349,10 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_wo
     if stated is not None and stated != data:
         raise ConfigError(f"{stated} but the job has {data} data-parallel ranks (the world divided by the "
                           "model-parallel degrees); fix it or remove the key", key="data_parallel_size")
-    given = {k: values.pop(k, None) for k in _BATCH_KEYS}
+    given = {k: values.pop(k, None) for k in BATCH_KEYS}
     elastic = values.get("elasticity")
-    triad = (_elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
-             else _batch_triad(given, world_size))
+    triad = (elastic_triad(elastic, given, world_size) if elastic is not None and elastic.enabled
+             else batch_triad(given, world_size))
     notes = (*forms.notes, *(note for key, note in OWN_DEFAULTS.items() if key not in forms.raw))
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=notes, **values)
     _cross_check(cfg)
@@ -340,47 +387,6 @@ def _scalar(key: str, value: Any) -> Any:
         raise ConfigError("'auto' is a Hugging Face Trainer placeholder that only the Trainer fills in; "
                           f"put {help_text} here", key=key)
     return check(key, value)
-
-
-def _elastic_triad(cfg: ElasticityConfig, given: dict[str, int | None], world: int) -> dict[str, int]:
-    """The triad from the ``elasticity`` block; as DeepSpeed, batch keys given beside it are an
-    error unless ``ignore_non_elastic_batch_info`` says they are to be ignored."""
-    clash = [k for k, v in given.items() if v is not None]
-    if clash and not cfg.ignore_non_elastic_batch_info:
-        raise ConfigError("is set while elasticity is enabled, which picks the batch for each world "
-                          "size; remove it, or set elasticity.ignore_non_elastic_batch_info to true",
-                          key=clash[0])
-    b = elastic_batch(cfg, world)
-    return {"train_batch_size": b.train_batch_size, "train_micro_batch_size_per_gpu": b.micro_batch,
-            "gradient_accumulation_steps": b.gradient_accumulation_steps}
-
-
-def _batch_triad(b: dict[str, int | None], world: int) -> dict[str, int]:
-    """Complete train_batch_size = micro * gas * world from any two (or one) of them."""
-    tb, mb, gas = (b[k] for k in _BATCH_KEYS)
-    if tb is None and mb is None:
-        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (or both)",
-                          key="train_batch_size")
-    if tb is None:
-        gas = gas or 1
-        tb = mb * gas * world
-    elif mb is None:
-        gas = gas or 1
-        if tb % (gas * world):
-            raise ConfigError(f"{tb} is not divisible by gradient_accumulation_steps * world_size = "
-                              f"{gas} * {world} = {gas * world}", key="train_batch_size")
-        mb = tb // (gas * world)
-    elif gas is None:
-        if tb % (mb * world):
-            raise ConfigError(f"{tb} is not divisible by train_micro_batch_size_per_gpu * world_size = "
-                              f"{mb} * {world} = {mb * world}", key="train_batch_size")
-        gas = tb // (mb * world)
-    elif tb != mb * gas * world:
-        raise ConfigError(f"{tb} != train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
-                          f"world_size = {mb} * {gas} * {world} = {mb * gas * world}",
-                          key="train_batch_size")
-    return {"train_batch_size": tb, "train_micro_batch_size_per_gpu": mb,
-            "gradient_accumulation_steps": gas}
 
 
 def _listing(names: list[str], limit: int = 300) -> str:

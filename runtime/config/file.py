@@ -53,11 +53,30 @@ def read_config_file(path: Path) -> Any:
     if path.suffix.lower() in _YAML_SUFFIXES:
         return _load_yaml(text, fail)
     try:
-        return json.loads(text, parse_int=_parse_int)
-    except json.JSONDecodeError as err:
-        return _load_hjson(text, err, fail)
+        try:
+            return json.loads(text, parse_int=_parse_int, object_pairs_hook=_unique_keys)
+        except json.JSONDecodeError as err:
+            return _load_hjson(text, err, fail)
+    except _DuplicateKey as dup:
+        raise fail(f"the key {shorten(repr(dup.key), 120)} is given twice in one object (the later one would "
+                   "silently win; DeepSpeed refuses it too): keep one", None) from None
     except RecursionError:  # the C decoder's own depth guard, far below the file size limit
         raise fail(f"nested deeper than {MAX_DEPTH} levels", None) from None
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict; a key given twice raises (a plain dict keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _load_hjson(text: str, json_error: json.JSONDecodeError, fail: Fail) -> Any:
@@ -69,7 +88,7 @@ def _load_hjson(text: str, json_error: json.JSONDecodeError, fail: Fail) -> Any:
         raise fail(f"invalid JSON at column {json_error.colno}: {shorten(json_error.msg, 200)} (DeepSpeed also "
                    "reads HJSON: pip install hjson to read this file as it does)", json_error.lineno) from None
     try:
-        return hjson.loads(text, parse_int=_parse_int, object_pairs_hook=dict)
+        return hjson.loads(text, parse_int=_parse_int, object_pairs_hook=_unique_keys)
     except hjson.HjsonDecodeError as err:
         raise fail(f"invalid JSON/HJSON at column {err.colno}: {shorten(err.msg, 200)}", err.lineno) from None
     except RecursionError:

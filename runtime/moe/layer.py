@@ -168,7 +168,7 @@ class MoE(torch.nn.Module):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Create (once per ``ep_size``) the expert and expert-data groups and give this layer its
         expert group. The engine calls it on every module that has it. Collective: all ranks."""
-        from dslaunch.utils import groups
+        from dslaunch.runtime.parallel import deepspeed_groups as groups
 
         if groups.get_tensor_model_parallel_world_size() > 1:
             from dslaunch.errors import NotInDslaunchError

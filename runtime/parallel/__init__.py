@@ -11,6 +11,8 @@
 - ``mpu.py``: what any mpu answers for an axis (the tensor group's one lookup order) and which
   parameters count in the global gradient norm on this rank.
 - ``from_config.py``: the degrees a ds_config sets itself, and the grid they make without an mpu.
+- ``deepspeed_groups.py``: DeepSpeed's ``groups`` module (``deepspeed.utils.groups`` is it): this
+  rank's groups from the last engine's grid, expert groups by ``ep_size_<N>`` name.
 
 DeepSpeed's import paths (``deepspeed.runtime.pipe.topology``, ``deepspeed.utils.groups``) answer
 from here.

@@ -2,7 +2,8 @@
 
 ``module.py``: ``PipelineModule`` and ``LayerSpec``/``TiedLayerSpec``, a model cut into stages;
 ``schedule.py``: the instruction streams of each stage (DeepSpeed's 1F1B ``TrainSchedule``);
-``engine.py``: ``PipelineEngine``, which runs them (``train_batch``/``eval_batch``); ``p2p.py``:
+``engine.py``: ``PipelineEngine``, which runs them (``train_batch``/``eval_batch``), ``data.py`` what
+it does to the tensors it moves; ``p2p.py``:
 activations and gradients between neighbouring stages; ``topology.py``: DeepSpeed's path of the
 rank topology (``dslaunch.runtime.parallel``).
 """

@@ -39,6 +39,7 @@ from dslaunch.runtime.engine_setup import data_loader
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.pipe import p2p
 from dslaunch.runtime.pipe import schedule as sched
+from dslaunch.runtime.pipe.data import as_tuple, concat, scalar_loss, to_device
 from dslaunch.runtime.pipe.module import PipelineModule
 from dslaunch.runtime.timers import Timer
 
@@ -160,6 +161,13 @@ class PipelineEngine(DeepSpeedEngine):
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise UsageError(f"engine.step() {_ONLY_TRAIN_BATCH}")
 
+    def _use_batch(self, config: DeepSpeedConfig) -> None:
+        """A new batch triad (``set_train_batch_size``): ``train_batch`` runs its accumulation steps
+        as micro batches, checked against this pipeline as the config was (the interleaved schedule)."""
+        _check_config(self.module, config)
+        super()._use_batch(config)
+        self.micro_batches = config.gradient_accumulation_steps
+
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """Pull ``gradient_accumulation_steps`` micro batches, train on them, take one step.
 
@@ -234,7 +242,7 @@ class PipelineEngine(DeepSpeedEngine):
             self.module.train(was_training)
         if not return_logits:
             return result
-        logits = _concat(batch.logits) if self.is_last_stage() else None
+        logits = concat(batch.logits) if self.is_last_stage() else None
         return result, logits
 
     # ----- the instructions -------------------------------------------------------------------
@@ -308,9 +316,9 @@ class PipelineEngine(DeepSpeedEngine):
         first, last = self._ends(ins.chunk)
         key = (ins.micro_batch, ins.chunk)
         if first:  # floating inputs in the model's dtype (fp16/bf16), as the weights
-            batch.inputs[key] = _to(data[0], self.device, self.precision.model_dtype)
+            batch.inputs[key] = to_device(data[0], self.device, self.precision.model_dtype)
         if last:
-            batch.labels[key] = _to(data[1], self.device)
+            batch.labels[key] = to_device(data[1], self.device)
 
     def _exec_forward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         key, last = (ins.micro_batch, ins.chunk), self._ends(ins.chunk)[1]
@@ -321,7 +329,7 @@ class PipelineEngine(DeepSpeedEngine):
                     batch.logits.append(out)
                 if batch.compute_loss and self.module.loss_fn is not None:
                     out = self.module.loss_fn(out, batch.labels.pop(key))
-                batch.losses.append(_scalar(out) if batch.train else out)
+                batch.losses.append(scalar_loss(out) if batch.train else out)
         if batch.train or not last:
             batch.outputs[key] = out
         if not batch.train:
@@ -349,15 +357,15 @@ class PipelineEngine(DeepSpeedEngine):
             if self._ends(ins.chunk)[1]:
                 self.loss_scaler.scale_loss(out / batch.micro_batches).backward()
             else:
-                tensors = [t for t in _as_tuple(out) if t.requires_grad]
-                grads = _as_tuple(batch.grads.pop(key))
+                tensors = [t for t in as_tuple(out) if t.requires_grad]
+                grads = as_tuple(batch.grads.pop(key))
                 if tensors:
                     torch.autograd.backward(tensors, grads)
         if not boundary:  # the boundary's reduction waits until this stage's last gradient is sent
             self._backward_epilogue()
 
     def _exec_send_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        inputs = [t for t in _as_tuple(batch.inputs.pop((ins.micro_batch, ins.chunk))) if t.requires_grad]
+        inputs = [t for t in as_tuple(batch.inputs.pop((ins.micro_batch, ins.chunk))) if t.requires_grad]
         grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
         batch.sends.append(p2p.send(grads, self.prev_stage, what=f"stage {self.stage_id}'s input gradients",
                                     tag=_GRADIENTS))
@@ -469,29 +477,3 @@ def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
                           "gradient shards, which differ between the stages holding the tie)",
                           key="zero_optimization.stage")
 
-
-def _to(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    if isinstance(data, torch.Tensor):
-        cast = dtype if dtype is not None and data.is_floating_point() else data.dtype
-        return data.to(device, cast).detach()
-    if isinstance(data, tuple | list):
-        return tuple(_to(x, device, dtype) for x in data)
-    return data
-
-
-def _as_tuple(x: Any) -> tuple:
-    return tuple(x) if isinstance(x, tuple | list) else (x,)
-
-
-def _scalar(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise UsageError(f"the last stage's loss must be a single-element tensor, got {what}: give the "
-                         "PipelineModule a loss_fn that reduces (e.g. a mean)")
-    return loss.detach().reshape(())
-
-
-def _concat(outputs: list[Any]) -> Any:
-    if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
-        return torch.cat(outputs)
-    return outputs

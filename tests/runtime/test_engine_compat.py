@@ -104,3 +104,37 @@ def _compiled(rank: int, world: int) -> tuple[list, list, bool]:
 def test_compile_trains_as_eager() -> None:
     for eager, compiled, is_compiled in run_world(_compiled, 2):
         assert is_compiled and compiled == pytest.approx(eager, abs=1e-6)
+
+
+def _ramp(rank: int, world: int) -> dict:
+    import dslaunch
+    from dslaunch.errors import BatchSizeError
+
+    engine, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(2))
+    boundaries = []
+
+    def micro(i: int) -> None:
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(*_micro(rank, world, i % 8)))
+        engine.step()
+
+    for i in range(4):  # 2 steps of 2 micro steps
+        micro(i)
+    # Megatron-DeepSpeed's ramp-up: 2 -> 3 accumulation steps; windows count from here, not from 0
+    engine.set_train_batch_size(MICRO * world * 3)
+    with pytest.raises(BatchSizeError, match="not divisible by train_micro_batch_size_per_gpu"):
+        engine.set_train_batch_size(MICRO * world * 3 + 1)  # a ValueError, as DeepSpeed's
+    for i in range(6):
+        micro(i)
+    engine.set_train_micro_batch_size(1)
+    return {"boundaries": boundaries, "steps": engine.global_steps, "samples": engine.global_samples,
+            "sizes": (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                      engine.gradient_accumulation_steps())}
+
+
+@pytest.mark.timeout(90)
+def test_set_train_batch_size_changes_the_accumulation_window_from_the_next_step() -> None:
+    for out in run_world(_ramp, 2):
+        assert out["boundaries"] == [False, True, False, True, False, False, True, False, False, True]
+        assert (out["steps"], out["samples"]) == (4, 2 * 8 + 2 * 12)
+        assert out["sizes"] == (1 * 2 * 3, 1, 3)  # the micro batch changed, the accumulation steps stayed

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,23 @@ def test_config_model_base_class_as_deepspeeds() -> None:
             Section(**bad)
     with pytest.raises(AssertionError, match="not both"):
         Section(old_names="a", names=["b"])
+
+
+def test_deepspeed_form_config_re_resolves_assigned_batch_sizes() -> None:
+    cfg = DeepSpeedConfig({"train_batch_size": 8}, mpu=_Mpu())
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = None, 3, 2
+    cfg._configure_train_batch_size()
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (24, 3, 2)
+    # DeepSpeed's check is an assertion: both its type and ours (a ValueError naming the arithmetic)
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu = 30, None
+    with pytest.raises(AssertionError, match="not divisible by gradient_accumulation_steps"):
+        cfg._configure_train_batch_size()
+    cfg.train_batch_size = 0
+    with pytest.raises(AssertionError, match="'train_batch_size': must be an integer in \\[1, "):
+        cfg._configure_train_batch_size()
+    with pytest.raises(AssertionError, match="24 != .* = 2 \\* 2 \\* 4 = 16"):
+        DeepSpeedConfig({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2,
+                         "gradient_accumulation_steps": 2}, mpu=_Mpu())
+    with pytest.raises(FrozenInstanceError):
+        cfg.steps_per_print = 1  # only the batch sizes are DeepSpeed's mutable ones
+    assert not hasattr(load_config({"train_batch_size": 8}, 1), "_configure_train_batch_size")

@@ -227,3 +227,13 @@ def test_without_hjson_a_non_json_file_says_how_deepspeed_reads_it(tmp_path: Pat
     path = _file(tmp_path, "c.json", HJSON)
     msg = _error(path)
     assert msg.startswith(f"{path}: line 2: invalid JSON at column 3: ") and "pip install hjson" in msg, msg
+
+
+@pytest.mark.parametrize("text", ['{"train_batch_size": 8, "fp16": {"enabled": true, "enabled": false}}',
+                                  '{\n "train_batch_size": 24,\n "train_batch_size": 24,\n}\n'],  # HJSON: trailing comma
+                         ids=["json", "hjson"])
+def test_a_key_given_twice_is_refused_not_last_wins(tmp_path: Path, text: str) -> None:
+    pytest.importorskip("hjson")
+    path = _file(tmp_path, "c.json", text)
+    message = _error(path)
+    assert message.startswith(f"{path}: the key ") and "is given twice in one object" in message, message

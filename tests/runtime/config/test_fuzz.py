@@ -101,7 +101,7 @@ def _document(value: st.SearchStrategy[Any]) -> st.SearchStrategy[dict]:
         "checkpoint": section(_names(CheckpointConfig)),
         "optimizer": typed([*optimizers.OPTIMIZER_TYPES, "RMSprop", "Adamax", "MuAdam"], _OPT_PARAMS),
         "scheduler": typed(list(lr_schedules.SCHEDULER_TYPES), _SCHED_PARAMS),
-        **{key: value for key in config_module._SCALARS if key not in config_module._BATCH_KEYS},
+        **{key: value for key in config_module._SCALARS if key not in config_module.BATCH_KEYS},
     })
     odd = st.dictionaries(st.sampled_from([*UNIMPLEMENTED_KEYS, "bfloat16"]) | _ODD_KEY, value, max_size=3)
     return st.tuples(known, odd).map(lambda parts: {**parts[1], **parts[0]})

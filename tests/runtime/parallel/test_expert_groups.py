@@ -121,3 +121,16 @@ def _engine_asks_modules(rank: int, world: int) -> dict:
 def test_the_engine_asks_every_module_to_make_its_expert_groups() -> None:
     for rank, got in enumerate(run_world(_engine_asks_modules, 4, timeout=80)):
         assert got == {"asked": True, "expert_data": [[0, 1], [2, 3]][rank // 2], "grid": True}
+
+
+def test_deepspeeds_groups_name_is_the_implementing_module_and_shares_its_globals() -> None:
+    from dslaunch.runtime.parallel import deepspeed_groups
+    from dslaunch.utils import groups
+
+    assert groups is deepspeed_groups  # one module: the engine's writes of grid/mpu are what users read
+    before = groups.grid
+    try:
+        groups.grid = marker = object()
+        assert deepspeed_groups.grid is marker
+    finally:
+        groups.grid = before

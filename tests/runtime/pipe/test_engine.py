@@ -268,3 +268,23 @@ def test_rank_0_prints_deepspeeds_per_step_line_with_the_replicas_mean_loss() ->
         iter_s, rate = float(m[3]), float(m[4])  # the time printed to the ms: the rate within its rounding
         assert iter_s > 0 and got[0]["batch"] / (iter_s + 5e-4) <= rate <= got[0]["batch"] / (iter_s - 5e-4)
     assert got[0]["batch"] == 8  # micro batch 2 x 2 micro batches x 2 replicas
+
+
+def _ramped(rank: int, world: int) -> dict:
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    module = PipelineModule(helpers.layers(), num_stages=2, loss_fn=helpers.loss_fn, seed_layers=True,
+                            base_seed=helpers.BASE_SEED)
+    engine, *_ = dslaunch.initialize(model=module, config=helpers.config(2, LR))
+    data = iter(helpers.micro_batches(0, 2 + 4))
+    engine.train_batch(data)
+    engine.set_train_batch_size(helpers.MICRO * 4)  # Megatron-DeepSpeed's ramp-up: 2 -> 4 micro batches
+    engine.train_batch(data)
+    return {"left": len(list(data)), "samples": engine.global_samples, "micro_batches": engine.micro_batches}
+
+
+def test_set_train_batch_size_gives_train_batch_more_micro_batches() -> None:
+    for out in run_world(_ramped, 2, timeout=150):
+        assert out == {"left": 0, "samples": 2 * 2 + 2 * 4, "micro_batches": 4}
