@@ -224,7 +224,8 @@ def test_what_autotp_training_refuses() -> None:
 @pytest.mark.timeout(400)
 def test_hugging_face_llama_and_gpt2(compat_bin, tmp_path) -> None:
     """Tiny Llama (GQA) and GPT-2 (tied, Conv1D, fused qkv) from transformers configs, trained at
-    tp 2 x dp 2 and tp 4 in one 4-rank job, against the same script in one process."""
+    tp 2 x dp 2 and tp 4 (the vocab-parallel loss through the model's own loss_function) in one
+    4-rank job, against the same script in one process."""
     from dslaunch.utils.ports import free_port
     from tests.compat.conftest import run_job, tagged
 
@@ -241,6 +242,7 @@ def test_hugging_face_llama_and_gpt2(compat_bin, tmp_path) -> None:
             worst = max(abs(a - b) for a, b in zip(mine["losses"], want["losses"], strict=True))
             assert worst <= 1e-6, (family, tp, worst)
             assert mine["bytes"] <= (1 / tp + 0.1) * want["whole"], (family, tp, mine["bytes"], want["whole"])
+            assert mine["width"] == (want["width"] // tp if tp == 4 else want["width"])  # tp 4: loss_parallel
             # zero_to_fp32 of the tp tag is the whole model (GPT-2's Conv1D back in its [in, out] layout)
             assert abs(mine["exported"] - mine["next"]) <= 1e-6, (family, tp, mine["exported"], mine["next"])
 

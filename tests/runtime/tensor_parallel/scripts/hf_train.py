@@ -70,8 +70,10 @@ def train(family: str, tp: int, root: str) -> dict:
             mean /= world
         losses.append(mean.item())
     engine.save_checkpoint(root, tag=f"{family}-tp{tp}")
+    with torch.no_grad():  # loss_parallel: this rank's vocabulary slice of the logits
+        width = engine(input_ids=ids).logits.shape[-1]
     return {"losses": losses, "bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
-            "whole": whole, "next": next_loss(engine, rank * micro, (rank + 1) * micro, world)}
+            "whole": whole, "next": next_loss(engine, rank * micro, (rank + 1) * micro, world), "width": width}
 
 
 def next_loss(model: torch.nn.Module, start: int, stop: int, world: int) -> float:
