@@ -8,7 +8,8 @@ The rest of DeepSpeed's keys are checked: ``dtype`` and ``tp_overlap_comm`` chan
 precision is the ``fp16``/``bf16`` blocks'; the all-reduces are not overlapped), ``tp.tp_size``
 must repeat ``autotp_size``, and the hand-written layer rules (``partition_config``,
 ``preset_model``, ``injection_policy_tuple``) are refused: dslaunch's planner finds the layers from
-the model's dataflow. Torch-free.
+the model's dataflow. ``loss_parallel`` (dslaunch's) keeps the logits split over the vocabulary
+into the loss. Torch-free.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class TensorParallelConfig:
     """Tensor-parallel degree; it must divide the world (data parallel = world / autotp_size)."""
     tp: Mapping[str, Any] | None = _opt(None, _tp, "an object {\"tp_size\": <autotp_size>}")
     """DeepSpeed's inner block; ``tp.tp_size`` other than 1 must equal ``autotp_size``."""
+    loss_parallel: bool = _opt(False, boolean, "true or false")
+    """dslaunch's (torchtitan's name; DeepSpeed has none): the output layer's logits stay split
+    over the vocabulary and the model's ``loss_function`` (Hugging Face's hook) becomes the
+    vocab-parallel cross-entropy (``runtime/tensor_parallel/loss.py``); ``outputs.logits`` is then
+    this rank's slice of the vocabulary."""
 
     INERT = {"dtype": _dtype, "tp_overlap_comm": boolean, "keep_module_on_host": boolean,  # noqa: RUF012
              "partition_config": _refused("custom layer specs"), "preset_model": _refused("model presets"),
@@ -85,6 +91,6 @@ class TensorParallelConfig:
             raise ConfigError(f"{inner} does not match tensor_parallel.autotp_size ({self.autotp_size}); "
                               "remove it or make them equal", key="tensor_parallel.tp.tp_size")
         if self.size > 1 and zero_stage == 3:
-            raise ConfigError("AutoTP training composes with ZeRO stages 0-2 only (as DeepSpeed 0.16.4-0.19.3; stage 3 "
-                              "would partition the tensor-parallel shards again); use zero_optimization.stage "
-                              "1 or 2, or remove tensor_parallel", key="tensor_parallel.autotp_size")
+            raise ConfigError("AutoTP training composes with ZeRO stages 0-2 only in dslaunch (DeepSpeed 0.16.4-0.19.3 "
+                              "refused stage 3 too; 0.19.4+ trains it); use zero_optimization.stage 1 or 2, or "
+                              "remove tensor_parallel", key="tensor_parallel.autotp_size")

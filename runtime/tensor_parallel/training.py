@@ -18,6 +18,7 @@ mask on every slice (the same seed on every rank does that, as DeepSpeed require
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.parallel.mpu import tensor_axis
 from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
+from dslaunch.runtime.tensor_parallel.loss import causal_lm_loss
 from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
 
 __all__ = ["shard_for_training", "repoint_parameters", "tensor_layout", "tp_model_init", "with_tp_model_init"]
@@ -35,20 +37,24 @@ __all__ = ["shard_for_training", "repoint_parameters", "tensor_layout", "tp_mode
 _RECORD = "ds_tp_model_init"  # the attribute tp_model_init leaves on the model: (tp_size, dtype)
 
 
-def shard_for_training(model: nn.Module, grid: Any, tp_size: int) -> tuple[TPPlan, dict[int, nn.Parameter]]:
+def shard_for_training(model: nn.Module, grid: Any, tp_size: int,
+                       loss_parallel: bool = False) -> tuple[TPPlan, dict[int, nn.Parameter]]:
     """Replace ``model``'s layers by this rank's trainable shards (in place).
 
     Args:
         model: the whole model, with the same weights on every rank of the tensor group.
         grid: the mpu whose tensor axis is the group (``runtime.parallel.mpu.tensor_axis``).
         tp_size: ``tensor_parallel.autotp_size``; the grid's tensor group must have that many ranks.
+        loss_parallel: ``tensor_parallel.loss_parallel``: the output layer keeps its slice of the
+            logits and the model's ``loss_function`` becomes the vocab-parallel cross-entropy.
 
     Returns:
         The plan, and for each replaced parameter (by ``id``) the shard that holds its slice.
 
     Raises:
-        ConfigError: a grid whose tensor group is another size, fewer KV heads than ranks, or a
-            model the planner cannot trace (one line each).
+        ConfigError: a grid whose tensor group is another size, fewer KV heads than ranks, a
+            model the planner cannot trace, or ``loss_parallel`` for a model without a split output
+            layer or a ``loss_function`` (one line each).
 
     collective: every rank of the tensor group.
     """
@@ -69,14 +75,36 @@ def shard_for_training(model: nn.Module, grid: Any, tp_size: int) -> tuple[TPPla
         plan = plan_tensor_parallel(model, tp_size, rank)
     except UsageError as err:
         raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
+    comms = training_collectives(group)
+    if loss_parallel:
+        comms = replace(comms, gather=_keep_slice)
+        model.loss_function = causal_lm_loss(_vocab_start(model, plan), group)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     layout = tensor_layout(model, plan)
     before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
-    shard_modules(model, plan, ModuleSource(model), dtype, False, training_collectives(group), trainable=True)
+    shard_modules(model, plan, ModuleSource(model), dtype, False, comms, trainable=True)
     set_local_attributes(model, plan)
     model.ds_tensor_layout = layout  # checkpoints record it: a tag saved at one tp loads at another
     after = dict(model.named_parameters(remove_duplicate=False))
     return plan, {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
+
+
+def _keep_slice(local: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    return local  # loss_parallel: the vocab-parallel loss reads this rank's logits as they are
+
+
+def _vocab_start(model: nn.Module, plan: TPPlan) -> int:
+    """This rank's first vocabulary id in the output layer, checking ``loss_parallel`` applies."""
+    heads = [spec for spec in plan.shards if spec.kind == "vocab"]
+    if not heads:
+        raise ConfigError("true but AutoTP found no output layer as wide as the model's vocabulary "
+                          "(config.vocab_size) to split; remove it", key="tensor_parallel.loss_parallel")
+    if not hasattr(model, "loss_function"):
+        raise ConfigError(f"true but {type(model).__name__} has no loss_function (Hugging Face's hook the "
+                          "vocab-parallel loss is installed on); remove it, or call "
+                          "runtime.tensor_parallel.loss.vocab_parallel_cross_entropy on the split logits "
+                          "yourself", key="tensor_parallel.loss_parallel")
+    return heads[0].segments[0][0]
 
 
 def tensor_layout(model: nn.Module, plan: TPPlan) -> dict[str, list]:

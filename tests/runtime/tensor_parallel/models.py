@@ -1,5 +1,6 @@
 """The inference tests' tiny GQA language model (``tests/inference/models.py``: plain torch, shaped
-as Hugging Face's) with a loss: ``model(input_ids=..., labels=...)`` returns the next-token loss."""
+as Hugging Face's) with a loss: ``model(input_ids=..., labels=...)`` returns the next-token loss,
+through a ``loss_function`` attribute as Hugging Face's models (the hook ``loss_parallel`` replaces)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,15 @@ class TrainableLM(nn.Module):
         if tied:
             self.lm.head.weight = self.lm.embed.weight
         self.config = self.lm.config
+        self.loss_function = next_token_loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.lm(input_ids)
         if labels is None:
             return logits
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return self.loss_function(logits=logits, labels=labels, vocab_size=VOCAB)
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **kwargs) -> torch.Tensor:
+    """Each position predicts the next token (Hugging Face's ``ForCausalLMLoss`` without its options)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size), labels[:, 1:].reshape(-1))

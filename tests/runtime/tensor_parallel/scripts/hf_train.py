@@ -1,6 +1,6 @@
 """AutoTP training of tiny Hugging Face models built from configs (no download): Llama with GQA
 and GPT-2 (tied lm_head, Conv1D layers, fused qkv). Each family trains 10 AdamW steps at every
-tp in argv (data parallel: what the world leaves) on one fixed global batch per step; rank 0
+tp in argv (data parallel: what the world leaves; tp 4 with ``loss_parallel``) on one fixed global batch per step; rank 0
 prints ``RESULTS {json}`` with the losses (averaged over the data ranks) and its parameter bytes.
 
 Each run's tag is saved under DIR and exported by zero_to_fp32 into the whole model: its loss on
@@ -53,7 +53,9 @@ def train(family: str, tp: int, root: str) -> dict:
     dp = world // tp
     config = {"train_batch_size": GLOBAL_BATCH // dp * world, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
               "optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}, "steps_per_print": 1000}
+              "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+              # tp 4: the logits stay split into the model's own loss_function (the vocab-parallel one)
+              "tensor_parallel": {"autotp_size": tp, "loss_parallel": tp == 4}}
     engine, *_ = dslaunch.initialize(model=model, config=config)
     rank, micro = engine.grid.get_data_parallel_rank(), GLOBAL_BATCH // dp
     losses = []
@@ -68,8 +70,10 @@ def train(family: str, tp: int, root: str) -> dict:
             mean /= world
         losses.append(mean.item())
     engine.save_checkpoint(root, tag=f"{family}-tp{tp}")
+    with torch.no_grad():  # loss_parallel: this rank's vocabulary slice of the logits
+        width = engine(input_ids=ids).logits.shape[-1]
     return {"losses": losses, "bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
-            "whole": whole, "next": next_loss(engine, rank * micro, (rank + 1) * micro, world)}
+            "whole": whole, "next": next_loss(engine, rank * micro, (rank + 1) * micro, world), "width": width}
 
 
 def next_loss(model: torch.nn.Module, start: int, stop: int, world: int) -> float:
