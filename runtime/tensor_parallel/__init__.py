@@ -9,6 +9,8 @@
 - ``shard.py``: putting a plan's layers in place of a model's modules.
 - ``training.py``: ``tensor_parallel.autotp_size`` in the training engine (the grid and the
   sharding at ``initialize``).
+- ``loss.py``: the vocab-parallel cross entropy (``tensor_parallel.loss_parallel``): the logits
+  stay split over the vocabulary.
 
 DeepSpeed's ``deepspeed.module_inject`` and ``deepspeed.inference`` answer from here.
 """

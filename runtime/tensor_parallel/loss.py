@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dslaunch import comm
+from dslaunch.runtime.comm import comm
 
 __all__ = ["vocab_parallel_cross_entropy", "causal_lm_loss"]
 
