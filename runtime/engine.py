@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import ConfigError, UsageError, quote
+from dslaunch.errors import ConfigError, NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.config import DeepSpeedConfig, with_batch
@@ -271,6 +271,18 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self.zero.synchronize()
         self.zero.release_gathered()
         get_accelerator().empty_cache()
+
+    def offload_states(self, *args: Any, **kwargs: Any) -> None:
+        """DeepSpeed's ``offload_states(include, device, pin_memory, non_blocking)``: refused in one
+        line (a script that never calls it still imports ``OffloadStateTypeEnum`` and runs)."""
+        raise NotInDslaunchError("engine.offload_states: moving ZeRO's states off the accelerator between "
+                                 "steps is not in dslaunch; keep them off it for the whole run with "
+                                 "zero_optimization.offload_optimizer / offload_param")
+
+    def reload_states(self, *args: Any, **kwargs: Any) -> None:
+        """DeepSpeed's counterpart of ``offload_states``: refused as it is."""
+        raise NotInDslaunchError("engine.reload_states: offload_states/reload_states are not in dslaunch; "
+                                 "use zero_optimization.offload_optimizer / offload_param")
 
     def destroy(self) -> None:
         """Release what the engine holds of torch.distributed, as DeepSpeed's ``engine.destroy``.

@@ -5,7 +5,7 @@ Thin facades only: ``adam.py`` (``DeepSpeedCPUAdam``, ``FusedAdam``), ``adagrad.
 ``dslaunch.kernels.cpu.optimizers`` and ``dslaunch.kernels.fused_adam``, which own them;
 ``normalization.py`` (``layer_norm``, ``rms_norm``, ``FusedLayerNorm``, ``FusedRMSNorm``) and
 ``bias_gelu.py`` (``bias_gelu``, ``BiasGeLU``) re-export ``dslaunch.kernels.normalization`` and
-``dslaunch.kernels.bias_gelu`` (Triton on CUDA); ``op_builder.py`` answers DeepSpeed's op builders with what dslaunch has (``aio.py`` is its
+``dslaunch.kernels.bias_gelu`` (Triton on CUDA); ``op_builder/`` answers DeepSpeed's op builders with what dslaunch has (``aio.py`` is its
 ``AsyncIOBuilder`` path); ``transformer.py`` and ``sparse_attention/`` are refused on use.
 """
 

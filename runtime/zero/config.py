@@ -25,7 +25,7 @@ from dslaunch.runtime.config.zero import (
 )
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
-           "OffloadDeviceEnum", "ZeroStageEnum", "ZeroConfig", "OffloadConfig"]
+           "OffloadDeviceEnum", "OffloadStateTypeEnum", "ZeroStageEnum", "ZeroConfig", "OffloadConfig"]
 
 
 class ZeroStageEnum(int, Enum):
@@ -44,6 +44,17 @@ class OffloadDeviceEnum(str, Enum):
     none = "none"
     cpu = "cpu"
     nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, Enum):
+    """The states ``engine.offload_states(include=...)`` names (DeepSpeed's values); dslaunch has no
+    ``offload_states`` yet, so these only name them."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
 class _SectionName(type):

@@ -4,6 +4,8 @@ from dslaunch.runtime.zero.config import (
     DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,
     OffloadDeviceEnum,
+    OffloadStateTypeEnum,
 )
 
-__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum"]
+__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
+           "OffloadStateTypeEnum"]

@@ -183,3 +183,31 @@ def test_the_reference_adagrad_is_torch_adagrad() -> None:
         b.grad = g
         opt.step()
     assert torch.allclose(a, b, rtol=0, atol=TOL)
+
+
+def test_a_scripts_own_op_builder_imports_and_its_load_is_one_line() -> None:
+    """Megatron-DeepSpeed subclasses ``op_builder.builder.OpBuilder`` for its fused kernels and
+    checks ``TORCH_MAJOR``/``TORCH_MINOR``: importing works, building says dslaunch builds none."""
+    from dslaunch.ops.op_builder.builder import TORCH_MAJOR, TORCH_MINOR, OpBuilder
+
+    class FusedKernels(OpBuilder):
+        NAME = "megatron_fused_kernels"
+
+    assert (TORCH_MAJOR, TORCH_MINOR) == tuple(int(x) for x in torch.__version__.split(".")[:2])
+    assert not FusedKernels().is_compatible()
+    with pytest.raises(RuntimeError, match=r"^FusedKernels.load\(\): dslaunch has no JIT-built DeepSpeed ops"):
+        FusedKernels().load()
+
+
+def test_offload_states_names_import_and_the_calls_are_one_line() -> None:
+    """DeepSpeedExamples' offload_states script imports the enum at its top; the engine calls are
+    refused in one line (dslaunch has no offload_states)."""
+    from dslaunch.errors import NotInDslaunchError
+    from dslaunch.runtime.engine import DeepSpeedEngine
+    from dslaunch.runtime.zero.offload_config import OffloadStateTypeEnum
+
+    assert [e.value for e in OffloadStateTypeEnum] == ["optim_states", "hp_params", "lp_params", "lp_grads",
+                                                      "contiguous_grad_buffer"]
+    for call in (DeepSpeedEngine.offload_states, DeepSpeedEngine.reload_states):
+        with pytest.raises(NotInDslaunchError, match=rf"^engine.{call.__name__}: .* not in dslaunch"):
+            call(None, include=[OffloadStateTypeEnum.optim_states])

@@ -6,7 +6,8 @@ dslaunch ships its ops prebuilt (``dslaunch.kernels``), so a builder here only a
 optimizer ops dslaunch has on every device (``cpu_adam``, ``cpu_adagrad``, ``cpu_lion``,
 ``fused_adam``) are compatible; every other builder is DeepSpeed's "not implemented" builder on
 this accelerator (its ``NAME`` is ``deepspeed_not_implemented``, as on DeepSpeed's CPU
-accelerator), and ``load()`` names the feature and what to use instead.
+accelerator), and ``load()`` names the feature and what to use instead. ``builder.py`` is
+DeepSpeed's ``op_builder.builder`` path (``OpBuilder`` for a script's own ops, the torch version).
 """
 
 from __future__ import annotations
