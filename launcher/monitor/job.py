@@ -100,7 +100,7 @@ class JobMonitor:
     def _memory_checkpoint(self, info: dict) -> None:
         """A rank's report on the in-memory checkpoints: its host's store, or (once) where the
         restarted run's state came from, with the steps lost: the furthest step the job had
-        reached (its last progress summary or failure before this run) minus the restored one."""
+        reached (its last progress summary, failure or run end before this run) minus the restored one."""
         if isinstance(info.get("host"), str) and isinstance(info.get("bytes"), int):
             if info["host"] not in self._memory_held and isinstance(info.get("store"), str):
                 self.events.emit("memory_store", host=info["host"], path=info["store"])  # freed at the end
@@ -111,9 +111,10 @@ class JobMonitor:
             log = self.events.events
             runs = [i for i, e in enumerate(log) if e.get("kind") == "resume"]  # this run's start
             before = [e.get("step") for e in log[:runs[-1] if runs else len(log)]
-                      if e.get("kind") in ("summary", "failure")]
+                      if e.get("kind") in ("summary", "failure", "run_end")]
             reached = max((s for s in before if isinstance(s, int)), default=None)
-            lost = reached - restored["step"] if reached is not None else None
+            # heartbeats are sampled: the furthest step heard may trail the restored one (never < 0)
+            lost = max(0, reached - restored["step"]) if reached is not None else None
             self.events.emit("restored", source=restored.get("source"), step=restored["step"],
                              storage_step=restored.get("storage_step"), steps_lost=lost)
 
@@ -213,8 +214,9 @@ class JobMonitor:
     def end(self, exit_code: int, **fields: object) -> None:
         """The run's last event: ``end`` when this monitor owns the log (then closed), else
         ``run_end`` (the log spans several runs: its owner writes the job's ``end``)."""
+        # step: the furthest any rank reported in this run (a restart's steps lost are counted from it)
         self.events.emit("end" if self._owns_log else "run_end", exit_code=exit_code, **fields,
-                         duration_s=round(time.monotonic() - self._start, 3))
+                         step=self.health.summary().get("step"), duration_s=round(time.monotonic() - self._start, 3))
         if self._owns_log:
             self.events.close()
 

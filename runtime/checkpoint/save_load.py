@@ -141,12 +141,24 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
 
     collective: call on all ranks.
     """
+    if parts.config.format == "deepspeed":  # DeepSpeed's own layout: its load_checkpoint reads it
+        from dslaunch.runtime.checkpoint.deepspeed_write import save_deepspeed
+
+        parts.io.writer.wait()
+        return save_deepspeed(parts, save_dir, _tag_for(parts, save_dir, tag), client_state, save_latest,
+                              exclude_frozen_parameters)
     job, big = tag_job(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     if parts.config.async_save:  # the ZeRO shard is the big file, copied on the writer thread
         save_async(parts.io, parts.optimizer, job, big)
     else:
         write_tag(parts.io.comm, job)
     return True
+
+
+def _tag_for(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any) -> str:
+    """The tag every rank saves under (``global_step<N>`` by default). collective."""
+    given = str(tag) if tag is not None else f"global_step{parts.global_steps}"
+    return _agreed_tag(parts.io, save_dir, given, parts.config.tag_validation)
 
 
 def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, client_state: dict | None,
@@ -159,12 +171,7 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
     ck = parts.io
     ck.writer.wait()
     cfg = parts.config
-    tag = _agreed_tag(ck, save_dir, str(tag) if tag is not None else f"global_step{parts.global_steps}",
-                      cfg.tag_validation)
-    if cfg.format == "deepspeed":  # DeepSpeed's own layout: its load_checkpoint reads it
-        from dslaunch.runtime.checkpoint.deepspeed_write import save_deepspeed
-
-        return save_deepspeed(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    tag = _tag_for(parts, save_dir, tag)
     rank, zero, place = ck.comm.rank, parts.zero, parts.placement
     if place is not None and cfg.use_node_local_storage:
         raise CheckpointError(f"checkpoint.use_node_local_storage is not supported with model parallelism "

@@ -152,13 +152,15 @@ def test_flags_mean_what_deepspeeds_mean(deepspeed_runs: Any) -> None:
     assert abs(_mean_losses(no_optim)[1] - want[1]) > 1e-6  # a fresh Adam takes another step
 
 
-def _load_once(rank: int, world: int, load: str) -> str:
+def _load_once(rank: int, world: int, load: str, checkpoint: dict | None = None) -> str:
+    """Load ``load`` once into a fresh ZeRO-2 engine (``checkpoint``: the config's block); the
+    one-line error, or "loaded"."""
     import dslaunch
 
     dslaunch.init_distributed(dist_backend="gloo")
     net = deepspeed_job.model()
-    opt = torch.optim.AdamW(net.parameters())
-    engine, *_ = dslaunch.initialize(model=net, optimizer=opt, config=deepspeed_job.config(2, world))
+    config = deepspeed_job.config(2, world, checkpoint=checkpoint)
+    engine, *_ = dslaunch.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters()), config=config)
     try:
         engine.load_checkpoint(load)
     except CheckpointError as exc:
@@ -343,18 +345,7 @@ def test_ds_to_universal_converts_dslaunchs_own_layout(tmp_path: Path) -> None:
     assert (got[0]["global_steps"], got[0]["global_samples"]) == (3, 24)
 
 
-def _load_universal_once(rank: int, world: int, load: str) -> str:
-    import dslaunch
-
-    dslaunch.init_distributed(dist_backend="gloo")
-    net = deepspeed_job.model()
-    engine, *_ = dslaunch.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters()),
-                                     config=deepspeed_job.config(2, world, checkpoint={"load_universal": True}))
-    try:
-        engine.load_checkpoint(load)
-    except CheckpointError as exc:
-        return str(exc)
-    return "loaded"
+UNIVERSAL = {"load_universal": True}
 
 
 @pytest.mark.timeout(600)
@@ -371,12 +362,12 @@ def test_bad_universal_input_names_the_file(dslaunch_writes: Any, tmp_path: Path
     bias = out / "zero" / "0.bias" / "fp32.pt"
     good = bias.read_bytes()
     torch.save({"param": torch.zeros(4)}, bias)
-    msg = run_world(_load_universal_once, 1, str(out.parent))[0]
+    msg = run_world(_load_once, 1, str(out.parent), UNIVERSAL)[0]
     assert str(bias) in msg and "(4,)" in msg and "(10,)" in msg, msg
     bias.write_bytes(good)
     (out / "zero" / "2.weight" / "exp_avg.pt").unlink()
-    msg = run_world(_load_universal_once, 1, str(out.parent))[0]
+    msg = run_world(_load_once, 1, str(out.parent), UNIVERSAL)[0]
     assert str(out / "zero" / "2.weight" / "exp_avg.pt") in msg and "missing" in msg, msg
-    msg = run_world(_load_universal_once, 1, str(folder))[0]  # a plain DeepSpeed-format save_dir
+    msg = run_world(_load_once, 1, str(folder), UNIVERSAL)[0]  # a plain DeepSpeed-format save_dir
     assert "latest_universal" in msg and "ds-to-universal" in msg, msg
     assert all("\n" not in m for m in (msg, str(exc.value)))
