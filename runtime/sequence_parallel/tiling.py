@@ -72,11 +72,20 @@ def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return t.detach().requires_grad_(requires_grad)
 
 
-def _backward_slice(output: torch.Tensor, grad: torch.Tensor, piece: torch.Tensor) -> torch.Tensor | None:
-    """Back-propagate one slice's recomputed ``output`` (into the weights' ``.grad`` too); the
-    gradient of the slice's input ``piece`` (a leaf), None where it needs none."""
-    torch.autograd.backward(output, grad)
-    return piece.grad if piece.requires_grad else None
+def _backward_by_slices(source: torch.Tensor, dim: int, slices: list[tuple[int, int]], needs_grad: bool,
+                        params: list[torch.Tensor],
+                        run: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """Each slice of ``source`` (along ``dim``) in turn: ``run(i, piece)`` recomputes its output and
+    gives that output's incoming gradient, which is back-propagated (into the weights' ``.grad``
+    too, marked whole only at the last slice). Returns ``source``'s gradient, None if not needed."""
+    source_grad = torch.zeros_like(source) if needs_grad else None
+    for i, (s, n) in enumerate(slices):
+        piece = _leaf(source.narrow(dim, s, n), needs_grad)
+        with _gradient_whole_at_last(params, i == len(slices) - 1), torch.enable_grad():
+            torch.autograd.backward(*run(i, piece))
+        if source_grad is not None:
+            source_grad.narrow(dim, s, n).copy_(piece.grad)
+    return source_grad
 
 
 class TiledMLP(torch.autograd.Function):
@@ -93,15 +102,12 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
         (x,) = ctx.saved_tensors
-        x_grad = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
         slices = _slices(x.shape[-2], ctx.shards)
-        for i, (s, n) in enumerate(slices):
-            piece = _leaf(x.narrow(-2, s, n), x_grad is not None)
-            with _gradient_whole_at_last(ctx.params, i == len(slices) - 1), torch.enable_grad():
-                out = ctx.fn(ctx.module, piece)
-                g = _backward_slice(out, grad.narrow(-2, s, n), piece)
-            if g is not None:
-                x_grad.narrow(-2, s, n).copy_(g)
+
+        def run(i: int, piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return ctx.fn(ctx.module, piece), grad.narrow(-2, *slices[i])
+
+        x_grad = _backward_by_slices(x, -2, slices, ctx.needs_input_grad[2], ctx.params, run)
         return None, None, x_grad, None, None
 
 
@@ -144,7 +150,7 @@ class SequenceTiledCompute(torch.autograd.Function):
         outputs = []
         with torch.no_grad():
             for i in range(len(ctx.slices)):
-                outputs.append(fn(**ctx_kwargs(ctx, i, ctx.values)))
+                outputs.append(fn(**_slice_kwargs(ctx, i, ctx.values)))
         ctx.out_offsets = None if dim == 0 else _offsets([o.shape[dim] for o in outputs])
         joined = _join(outputs, dim)
         ctx.joined_shape = joined.shape
@@ -154,23 +160,19 @@ class SequenceTiledCompute(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple:
         grad = _expand_grad(grad, ctx.joined_shape, ctx.reduction)
         key = list(ctx.values)[ctx.grad_index]
-        source = ctx.values[key]
-        source_grad = torch.zeros_like(source) if ctx.needs_input_grad[9 + ctx.grad_index] else None
-        for i, (s, n) in enumerate(ctx.slices):
-            kwargs = ctx_kwargs(ctx, i, ctx.values)
-            kwargs[key] = piece = _leaf(kwargs[key], source_grad is not None)
-            with _gradient_whole_at_last(ctx.params, i == len(ctx.slices) - 1), torch.enable_grad():
-                out = ctx.fn(**kwargs)
-                g_out = grad[i] if ctx.dim == 0 else grad.narrow(ctx.dim, *ctx.out_offsets[i])
-                g = _backward_slice(out, g_out, piece)
-            if g is not None:
-                source_grad.narrow(1, s, n).copy_(g)
+
+        def run(i: int, piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = ctx.fn(**{**_slice_kwargs(ctx, i, ctx.values), key: piece})
+            return out, grad[i] if ctx.dim == 0 else grad.narrow(ctx.dim, *ctx.out_offsets[i])
+
+        source_grad = _backward_by_slices(ctx.values[key], 1, ctx.slices, ctx.needs_input_grad[9 + ctx.grad_index],
+                                          ctx.params, run)
         grads: list[torch.Tensor | None] = [None] * ctx.n_args
         grads[ctx.grad_index] = source_grad
         return (None,) * 9 + tuple(grads)
 
 
-def ctx_kwargs(ctx: Any, i: int, values: dict[str, Any]) -> dict[str, Any]:
+def _slice_kwargs(ctx: Any, i: int, values: dict[str, Any]) -> dict[str, Any]:
     """Slice ``i``'s keyword arguments: the sharded ones cut on dimension 1, the others as given."""
     s, n = ctx.slices[i]
     return {k: (v.narrow(1, s, n) if k in ctx.keys_to_shard else v) for k, v in values.items()}
@@ -217,14 +219,11 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         x, y, *mask = ctx.saved_tensors
         rows = [x, y, mask[0] if ctx.has_mask else None]
         per_slice = grad / len(ctx.slices) if ctx.reduction == "mean" else grad
-        x_grad = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
-        for i, (s, n) in enumerate(ctx.slices):
-            args = _row_args(rows, s, n)
-            args[0] = piece = _leaf(args[0], x_grad is not None)
-            with _gradient_whole_at_last(ctx.params, i == len(ctx.slices) - 1), torch.enable_grad():
-                g = _backward_slice(ctx.fn(ctx.module, *args), per_slice, piece)
-            if g is not None:
-                x_grad.narrow(0, s, n).copy_(g)
+
+        def run(i: int, piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return ctx.fn(ctx.module, piece, *_row_args(rows[1:], *ctx.slices[i])), per_slice
+
+        x_grad = _backward_by_slices(x, 0, ctx.slices, ctx.needs_input_grad[2], ctx.params, run)
         return None, None, None if x_grad is None else x_grad.view(ctx.x_shape), None, None, None, None, None
 
 
