@@ -54,26 +54,15 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         super().__init__()
         # Where this rank sits: a Megatron-style mpu, else the axes the config sets (AutoTP's tensor
         # slices, sequence_parallel_size), else every rank a data-parallel peer.
+        _refuse_sequence_conflicts(config, mpu)  # before any group exists: a refusal must not strand a peer
         if mpu is None:
             mpu = grid_from_config(config)  # the config's grid answers as an mpu would (groups, ZeRO, ...)
         self.grid = groups.grid = mpu if mpu is not None else groups.data_parallel_grid()
         self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's
-        self.sequence_parallel_size = getattr(self.grid, "get_sequence_parallel_world_size", lambda: 1)()
-        if config.sequence_parallel_size not in (1, self.sequence_parallel_size):  # an mpu that disagrees
-            raise ConfigError(f"{config.sequence_parallel_size}, but the mpu given to initialize() splits each "
-                              f"sequence over {self.sequence_parallel_size} rank(s); make them agree or remove "
-                              "the key", key="sequence_parallel_size")
-        if self.sequence_parallel_size > 1 and config.gradient_allreduce_op == "sum":
-            # every sequence rank holds N times its part (sequence_parallel/loss.py): a sum over data x
-            # sequence would be N times the samples' sum
-            raise ConfigError("\"sum\" with sequence parallelism is not supported: use \"mean\" (scale the loss "
-                              "for a sum)", key="gradient_allreduce_op")
+        self.sequence_parallel_size = _sequence_size(self.grid)
         self.seq_parallel_group = self.grid.get_sequence_parallel_group() if self.sequence_parallel_size > 1 else None
         self.seq_data_parallel_group = gradient_reduce_group(self.grid)  # where gradients average (DeepSpeed's name)
         self.tp_plan = self._unchecked_tp_group = None
-        if config.tensor_parallel.size > 1 and self.sequence_parallel_size > 1:
-            raise ConfigError("AutoTP training with sequence parallelism is not implemented yet: use one of "
-                              "tensor_parallel.autotp_size and sequence_parallel_size", key="tensor_parallel.autotp_size")
         if config.tensor_parallel.size > 1:  # AutoTP training: shard before anything reads the parameters
             from dslaunch.runtime.tensor_parallel.training import repoint_parameters, shard_for_training
 
@@ -469,3 +458,24 @@ def _set_parallelism(module: torch.nn.Module, data_before_expert: bool) -> None:
         setter = getattr(sub, "set_deepspeed_parallelism", None)
         if callable(setter):
             setter(data_before_expert)
+
+
+def _sequence_size(mpu: Any) -> int:
+    return getattr(mpu, "get_sequence_parallel_world_size", lambda: 1)() if mpu is not None else 1
+
+
+def _refuse_sequence_conflicts(config: DeepSpeedConfig, mpu: Any) -> None:
+    """Refuse what sequence parallelism cannot train, on every rank alike and before any collective."""
+    size = _sequence_size(mpu) if mpu is not None else config.sequence_parallel_size
+    if config.sequence_parallel_size not in (1, size):  # an mpu that disagrees
+        raise ConfigError(f"{config.sequence_parallel_size}, but the mpu given to initialize() splits each "
+                          f"sequence over {size} rank(s); make them agree or remove the key",
+                          key="sequence_parallel_size")
+    if size > 1 and config.gradient_allreduce_op == "sum":
+        # every sequence rank holds N times its part (sequence_parallel/loss.py): a sum over data x
+        # sequence would be N times the samples' sum
+        raise ConfigError("\"sum\" with sequence parallelism is not supported: use \"mean\" (scale the loss "
+                          "for a sum)", key="gradient_allreduce_op")
+    if size > 1 and config.tensor_parallel.size > 1:
+        raise ConfigError("AutoTP training with sequence parallelism is not implemented yet: use one of "
+                          "tensor_parallel.autotp_size and sequence_parallel_size", key="tensor_parallel.autotp_size")

@@ -91,7 +91,11 @@ class RemoteSession(AgentStream):
             self.close()
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
+        """Drop the channel and the connection; a connection already dead has nothing left to close."""
+        try:
+            if self._channel is not None:
+                self._channel.close()  # sends a close message: EOFError/OSError once the link is gone
+        except self.transport_errors:
+            pass
         if self.transport is not None:
             self.transport.close()
