@@ -131,10 +131,10 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
             started = _started_files(events)
             if started and started[-1] != current:
                 current, since = started[-1], time.monotonic()
-            if time.monotonic() - since > args.file_timeout:
+            if time.monotonic() - since > _file_limit(current, args.file_timeout):
                 timed_out = True
                 _stop(proc)
-        why = f"timed out after {args.file_timeout} s" if timed_out else f"pytest stopped (exit code {proc.returncode})"
+        why = f"timed out after {_file_limit(current, args.file_timeout)} s" if timed_out else f"pytest stopped (exit code {proc.returncode})"
         part = report.read_events(events, unfinished_reason=why)
         run.results.update(part.results)
         run.collect_errors.update(part.collect_errors)
@@ -149,6 +149,16 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
         events.rename(events.with_suffix(f".{len(run.results)}.jsonl"))
     log.close()
     return run
+
+
+# Files whose tests are many multi-process runs: at the common cap they passed on a quiet machine
+# and were cut under load (11 tests in one loaded run, all passing at 1200 s).
+LONG_FILES = {"unit/comm/test_dist.py": 3, "unit/checkpoint/test_zero_optimizer.py": 3}
+
+
+def _file_limit(file: str | None, base: int) -> int:
+    """Seconds ``file`` may run: ``--file-timeout``, times the file's factor in ``LONG_FILES``."""
+    return base * LONG_FILES.get(file or "", 1)
 
 
 def main(argv: list[str] | None = None) -> int:

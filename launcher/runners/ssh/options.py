@@ -217,9 +217,20 @@ def _checked_hostname(hostname: str, alias: str) -> str:
     return hostname
 
 
+def _refuse_proxies(cfg: dict, alias: str) -> None:
+    """dslaunch connects straight to each host: a proxy the ssh config asks for must not be skipped silently."""
+    for key, name in (("proxyjump", "ProxyJump"), ("proxycommand", "ProxyCommand")):
+        value = cfg.get(key)
+        if value and str(value).lower() != "none":
+            raise UsageError(f"ssh config {name} for {alias}: {quote(str(value))}: dslaunch connects to each host "
+                             "directly and does not support jump hosts; run dslaunch on a host that reaches "
+                             f"{alias} directly, or set {name} none for it")
+
+
 def resolve(alias: str, options: SSHOptions, config: paramiko.SSHConfig | None = None) -> SSHTarget:
     """Apply the ssh config and the user's options to one hostfile name."""
     cfg = lookup(config or load_config(options.config_file), alias)
+    _refuse_proxies(cfg, alias)
     port = options.port or _port(cfg.get("port", "22"), f"ssh config Port for {alias}")
     identity = tuple(_expand(p) for p in (*options.identity_files, *cfg.get("identityfile", [])))
     known = options.known_hosts_files or tuple(cfg.get("userknownhostsfile", "").split())

@@ -162,3 +162,15 @@ def test_launcher_args_ssh_options(tmp_path):
                         ("-F", "-F FILE")):
         with pytest.raises(UsageError, match=needle):
             SSHOptions.from_launcher_args(bad)
+
+
+def test_a_jump_host_in_the_ssh_config_is_refused_not_skipped(tmp_path):
+    """dslaunch connects straight to each host: a ProxyJump/ProxyCommand it ignored would connect
+    elsewhere than ssh(1) does (or time out), so it is one line naming the host and the key."""
+    config = tmp_path / "config"
+    config.write_text("Host a\n  ProxyJump bastion\nHost b\n  ProxyCommand ssh -W %h:%p gw\n"
+                      "Host c\n  ProxyJump none\n")
+    for alias, name in (("a", "ProxyJump"), ("b", "ProxyCommand")):
+        with pytest.raises(UsageError, match=f"^ssh config {name} for {alias}: .* does not support jump hosts"):
+            resolve(alias, SSHOptions(config_file=str(config)))
+    assert resolve("c", SSHOptions(config_file=str(config))).hostname == "c"
