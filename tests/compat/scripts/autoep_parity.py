@@ -10,7 +10,7 @@ unconverted one. Run it on N ranks (`dslaunch --num_gpus N autoep_parity.py FAMI
   unconverted model trained in one process on the mean of the ranks' losses (SGD with momentum,
   gradient clipping at 1.0 that acts).
 
-FAMILY (one or more): mixtral, qwen3_moe (norm_topk_prob false) or qwen3_moe_norm (true).
+FAMILY (one or more): mixtral, qwen3_moe (norm_topk_prob false), qwen3_moe_norm (true), deepseek_v3.
 """
 
 import json
@@ -25,20 +25,32 @@ VOCAB, STEPS, LR = 64, 3, 0.5
 
 def tiny(family: str) -> torch.nn.Module:
     """Two MoE layers of 4 experts, top-2; the routers' weights scaled up so the routing is uneven."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
     torch.manual_seed(0)
     common = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
               "num_key_value_heads": 1, "max_position_embeddings": 32, "num_experts_per_tok": 2}
     if family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4, **common))
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=32, num_local_experts=4,
+                                                                           **common))
+    elif family == "deepseek_v3":  # layer 0 dense; sigmoid scores, 2 groups of which 1 is chosen, shared experts
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, n_group=2,
+            topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=8,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, **common))
     else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=32, intermediate_size=32, num_experts=4,
-                                                   head_dim=8, norm_topk_prob=family.endswith("norm"), **common))
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            moe_intermediate_size=32, intermediate_size=32, num_experts=4, head_dim=8,
+            norm_topk_prob=family.endswith("norm"), **common))
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 1.0)
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0.0, 1.0)
     return model.float().train()
+
+
+def _preset(family: str) -> str:
+    return family.removesuffix("_norm")
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -59,7 +71,7 @@ def forward_parity(family: str, rank: int, world: int) -> dict:
     ref_loss.backward()
     want = grads(ref)
     model = tiny(family)
-    convert_for_expert_parallel(model, ExpertParallelConfig(enabled=True, autoep_size=world, preset_model=family[:9]))
+    convert_for_expert_parallel(model, ExpertParallelConfig(enabled=True, autoep_size=world, preset_model=_preset(family)))
     for module in model.modules():
         if hasattr(module, "set_deepspeed_parallelism"):
             module.set_deepspeed_parallelism()
@@ -69,14 +81,14 @@ def forward_parity(family: str, rank: int, world: int) -> dict:
     worst_expert = worst_dense = 0.0
     local = 4 // world
     for name, g in got.items():
-        if name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name:
+        if name.endswith(("gate_up_proj", "down_proj")) and ".mlp.experts." in name:
             whole = want[name].clone()
             dist.all_reduce(whole)
             worst_expert = max(worst_expert, (g - whole[rank * local:(rank + 1) * local]).abs().max().item())
         else:
             source = name.replace(".gate.router.", ".gate.")
             worst_dense = max(worst_dense, (g - want[source]).abs().max().item())
-    expert_names = [n for n in got if ".experts." in n]
+    expert_names = [n for n in got if ".mlp.experts." in n]
     return {"loss": abs(loss.item() - ref_loss.item()), "dense_grad": worst_dense, "expert_grad": worst_expert,
             "expert_shapes": [list(got[n].shape) for n in expert_names[:2]], "grads": len(got), "ref_grads": len(want)}
 
@@ -95,7 +107,7 @@ def training_parity(family: str, rank: int, world: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
               "zero_optimization": {"stage": 2},
-              "expert_parallel": {"enabled": True, "autoep_size": world, "preset_model": family[:9]}}
+              "expert_parallel": {"enabled": True, "autoep_size": world, "preset_model": _preset(family)}}
     engine, *_ = deepspeed.initialize(model=tiny(family), config=config)
     converted = [m for m in engine.module.modules() if type(m).__name__ == "AutoEPMoE"]
     got = []
