@@ -14,9 +14,10 @@ model's (its router module runs unchanged, which also keeps ``output_router_logi
 auxiliary loss working); a router that returns only logits is routed by the preset's rule
 (softmax or sigmoid, top-k, renormalised when ``route_norm``).
 
-Names: a converted block keeps its path; its router is ``<block>.gate.router`` and its experts'
-weights keep their names (``<block>.experts.gate_up_proj``) with ``num_experts / autoep_size``
-rows, experts ``[ep_rank * n, (ep_rank + 1) * n)`` of the model's.
+Names: a converted block keeps its path; its router is ``<block>.gate.router`` and its experts are
+``<block>.experts`` (``MOELayer``'s name), whose weights keep the model's names
+(``<block>.experts.gate_up_proj``) with ``num_experts / autoep_size`` rows: experts
+``[ep_rank * n, (ep_rank + 1) * n)`` of the model's.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class AutoEPMoE(MOELayer):
         act_fn = torch.nn.SiLU() if act_fn is None else act_fn
         group_name = f"ep_size_{ep_size}"
         router = getattr(block, preset.router)
-        gate = RouterGate(router, spec.num_experts, spec.top_k, preset.score_func, preset.route_norm is not False)
+        gate = RouterGate(router, spec.num_experts, spec.top_k, spec.score_func, spec.route_norm, spec.route_scale)
         super().__init__(gate, GroupedExperts(weights, names, act_fn, use_grouped_mm, group_name),  # type: ignore[arg-type]
                          group_name, ep_size, local)
         self.num_experts = spec.num_experts

@@ -56,12 +56,17 @@ PRESETS: dict[str, Preset] = {
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One MoE block found: its module name and what its conversion needs."""
+    """One MoE block found: its module name and what its conversion needs. The routing rule
+    (``score_func``, ``route_norm``, ``route_scale``) is used only by a router that returns bare
+    logits (a custom model's); Hugging Face 5's routers choose themselves."""
 
     name: str
     preset: Preset
     num_experts: int
     top_k: int
+    score_func: str = "softmax"
+    route_norm: bool = True
+    route_scale: float = 1.0
 
 
 def _with_overrides(preset: Preset, cfg: ExpertParallelConfig) -> Preset:
@@ -136,11 +141,16 @@ def _spec(model: torch.nn.Module, name: str, preset: Preset, family: str, model_
     top_k = getattr(model_config, preset.top_k_attr, None)
     router_k = getattr(getattr(block, preset.router), "top_k", None)
     top_k = int(router_k if router_k is not None else top_k if top_k is not None else 0)
+    custom = family == "custom"  # the block's routing keys are the rule (DeepSpeed's custom defaults)
+    top_k = cfg.top_k if custom and isinstance(cfg.top_k, int) else top_k
     if top_k < 1:
         raise ConfigError(f"cannot tell how many experts {name} routes each token to: set top_k_attr to the "
                           "model.config attribute that holds it", key="expert_parallel.top_k_attr")
+    if custom:
+        return LayerSpec(name, preset, num_experts, top_k, "softmax" if cfg.score_func == "auto" else cfg.score_func,
+                         True if cfg.route_norm is None else cfg.route_norm, cfg.route_scale)
     _check_routing(cfg, preset, model_config, top_k, family)
-    return LayerSpec(name, preset, num_experts, top_k)
+    return LayerSpec(name, preset, num_experts, top_k, preset.score_func, preset.route_norm is not False)
 
 
 def _check_routing(cfg: ExpertParallelConfig, preset: Preset, model_config: Any, top_k: int, family: str) -> None:
