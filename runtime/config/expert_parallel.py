@@ -22,9 +22,9 @@ from typing import Any
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
-from dslaunch.runtime.config.sections import _opt, optional
+from dslaunch.runtime.config.sections import _opt, optional, parse_section
 
-__all__ = ["ExpertParallelConfig", "PRESET_NAMES"]
+__all__ = ["ExpertParallelConfig", "PRESET_NAMES", "parse_autoep_config"]
 
 PRESET_NAMES = ("mixtral", "qwen3_moe", "deepseek_v3")
 
@@ -128,3 +128,12 @@ class ExpertParallelConfig:
         if self.enabled and tensor_parallel > 1:
             raise ConfigError("AutoEP with AutoTP (tensor_parallel.autotp_size > 1) is not implemented (nor in "
                               "DeepSpeed); remove one of the blocks", key="expert_parallel.enabled")
+
+
+def parse_autoep_config(param_dict: Any) -> ExpertParallelConfig:
+    """DeepSpeed's ``parse_autoep_config``: the ``expert_parallel`` section (a dict or None) parsed.
+
+    Raises:
+        ConfigError: as ``load_config`` for the block (unknown key, bad value).
+    """
+    return parse_section(ExpertParallelConfig, param_dict, "expert_parallel")

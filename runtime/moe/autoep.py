@@ -35,7 +35,7 @@ from dslaunch.runtime.moe.gate import Routes, _busiest
 from dslaunch.runtime.moe.grouped_experts import GroupedExperts
 from dslaunch.runtime.moe.layer import MOELayer
 
-__all__ = ["AutoEPMoE", "RouterGate", "convert_for_expert_parallel"]
+__all__ = ["AutoEP", "AutoEPMoE", "RouterGate", "convert_for_expert_parallel"]
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +87,16 @@ class RouterGate(torch.nn.Module):
 
 
 class AutoEPMoE(MOELayer):
-    """A converted MoE block: the model's router, this rank's experts, the shared experts if any.
+    """A converted MoE block (DeepSpeed's ``AutoEPMoELayer``): the model's router, this rank's
+    experts (``ep_rank``'s slice of ``source_module``'s), the shared experts if any.
 
     ``forward(hidden_states)`` returns the block's output, shaped as its input, as the Hugging Face
     block does. collective: the expert group (every rank of it calls each layer, each step).
     """
 
-    def __init__(self, spec: LayerSpec, block: torch.nn.Module, ep_size: int, ep_rank: int,
-                 use_grouped_mm: bool, jitter_noise: float = 0.0) -> None:
-        preset = spec.preset
+    def __init__(self, spec: LayerSpec, source_module: torch.nn.Module, ep_size: int, ep_rank: int,
+                 config: ExpertParallelConfig, jitter_noise: float = 0.0) -> None:
+        preset, block = spec.preset, source_module
         local = spec.num_experts // ep_size
         source = getattr(block, preset.experts)
         names = (preset.w1, preset.w2, preset.w3)
@@ -106,7 +107,7 @@ class AutoEPMoE(MOELayer):
         group_name = f"ep_size_{ep_size}"
         router = getattr(block, preset.router)
         gate = RouterGate(router, spec.num_experts, spec.top_k, spec.score_func, spec.route_norm, spec.route_scale)
-        super().__init__(gate, GroupedExperts(weights, names, act_fn, use_grouped_mm, group_name),  # type: ignore[arg-type]
+        super().__init__(gate, GroupedExperts(weights, names, act_fn, config.use_grouped_mm, group_name),  # type: ignore[arg-type]
                          group_name, ep_size, local)
         self.num_experts = spec.num_experts
         self.jitter_noise = jitter_noise
@@ -138,6 +139,37 @@ class AutoEPMoE(MOELayer):
         return output
 
 
+class AutoEP:
+    """DeepSpeed's ``AutoEP(model, config)``: ``ep_parser()`` finds the MoE blocks,
+    ``replace_moe_layers(specs, ep_size, ep_rank)`` converts them in place."""
+
+    def __init__(self, model: torch.nn.Module, config: ExpertParallelConfig) -> None:
+        self.model, self.config = model, config
+
+    def ep_parser(self) -> list[LayerSpec]:
+        """The blocks to convert (``autoep_presets.detect``; raises its ``ConfigError``)."""
+        return detect(self.model, self.config)
+
+    def replace_moe_layers(self, specs: list[LayerSpec], ep_size: int, ep_rank: int) -> dict[int, torch.nn.Parameter]:
+        """Replace each block by an ``AutoEPMoE`` holding expert rank ``ep_rank``'s experts.
+
+        Returns:
+            For each replaced expert weight (by ``id``) the local weight holding this rank's slice.
+        """
+        jitter = float(getattr(getattr(self.model, "config", None), "router_jitter_noise", 0.0) or 0.0)
+        replaced: dict[int, torch.nn.Parameter] = {}
+        for spec in specs:
+            parent_name, _, child = spec.name.rpartition(".")
+            parent = self.model.get_submodule(parent_name)
+            block = getattr(parent, child)
+            layer = AutoEPMoE(spec, block, ep_size, ep_rank, self.config, jitter)
+            source = getattr(block, spec.preset.experts)
+            for name in filter(None, (spec.preset.w1, spec.preset.w2, spec.preset.w3)):
+                replaced[id(getattr(source, name))] = getattr(layer.experts, name)
+            setattr(parent, child, layer)
+        return replaced
+
+
 def convert_for_expert_parallel(model: torch.nn.Module, cfg: ExpertParallelConfig, data_before_expert: bool = False
                                 ) -> dict[int, torch.nn.Parameter]:
     """Replace ``model``'s MoE blocks (in place) by ``AutoEPMoE`` layers holding this rank's experts.
@@ -160,24 +192,15 @@ def convert_for_expert_parallel(model: torch.nn.Module, cfg: ExpertParallelConfi
     from dslaunch.runtime.comm import comm
     from dslaunch.runtime.parallel import deepspeed_groups as groups
 
-    specs = detect(model, cfg)
+    auto = AutoEP(model, cfg)
+    specs = auto.ep_parser()
     world = comm.get_world_size() if comm.is_initialized() else 1
     if world % cfg.autoep_size:
         raise ConfigError(f"{cfg.autoep_size} does not divide the world of {world} ranks; use a divisor",
                           key="expert_parallel.autoep_size")
     groups._create_expert_and_data_parallel(cfg.autoep_size, use_data_before_expert_parallel_=data_before_expert)
     ep_rank = groups._get_expert_parallel_rank(f"ep_size_{cfg.autoep_size}")
-    jitter = float(getattr(getattr(model, "config", None), "router_jitter_noise", 0.0) or 0.0)
-    replaced: dict[int, torch.nn.Parameter] = {}
-    for spec in specs:
-        parent_name, _, child = spec.name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        block = getattr(parent, child)
-        layer = AutoEPMoE(spec, block, cfg.autoep_size, ep_rank, cfg.use_grouped_mm, jitter)
-        source = getattr(block, spec.preset.experts)
-        for name in filter(None, (spec.preset.w1, spec.preset.w2, spec.preset.w3)):
-            replaced[id(getattr(source, name))] = getattr(layer.experts, name)
-        setattr(parent, child, layer)
+    replaced = auto.replace_moe_layers(specs, cfg.autoep_size, ep_rank)
     log.info("AutoEP: %d MoE blocks converted; %d of %d experts on each of %d expert-parallel ranks (this one: %d)",
              len(specs), specs[0].num_experts // cfg.autoep_size, specs[0].num_experts, cfg.autoep_size, ep_rank)
     return replaced
