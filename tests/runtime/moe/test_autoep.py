@@ -1,7 +1,8 @@
 """AutoEP without transformers (the Hugging Face models: tests/compat/test_autoep.py): the
 ``expert_parallel`` block's checks, the grouped experts against the loop, the detection's refusals,
 and a model of the custom form (a ``moe_layer_pattern``, a plain linear router returning logits)
-converted at world 2 giving the unconverted model's loss and gradients."""
+converted at world 2 giving the unconverted model's loss and gradients, and trained three steps at
+ZeRO-3 to the losses of the unconverted model trained in one process."""
 
 from __future__ import annotations
 
@@ -154,9 +155,38 @@ def _converted(rank: int, world: int) -> dict:
             out["expert"] = max(out["expert"], (p.grad - whole[rank * local:(rank + 1) * local]).abs().max().item())
         else:
             out["dense"] = max(out["dense"], (p.grad - want[name.replace(".gate.router.", ".router.")]).abs().max().item())
+    out["zero3"] = _zero3_steps(rank, world)
     return out
 
 
-def test_a_custom_model_converted_at_world_2_equals_the_unconverted_one() -> None:
+def _zero3_steps(rank: int, world: int) -> float:
+    """Three steps through initialize at ZeRO-3 against the unconverted model trained in one process."""
+    import torch.distributed as dist
+
+    import dslaunch as deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 6, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3}, "expert_parallel": {**CUSTOM, "autoep_size": world}}
+    engine, *_ = deepspeed.initialize(model=Net(), config=config)
+    ref = Net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(3):
+        xs = [torch.randn(6, 3, HIDDEN, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        want = sum(ref(x) for x in xs) / world
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default clip
+        opt.step()
+        opt.zero_grad()
+        loss = engine(xs[rank])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        worst = max(worst, abs(mean.item() / world - want.item()))
+    return worst
+
+
+def test_a_custom_model_converted_at_world_2_equals_the_unconverted_one_and_trains_at_zero3() -> None:
     for rank, got in enumerate(run_world(_converted, 2)):
         assert max(got.values()) <= 1e-5, f"rank {rank}: {got}"
