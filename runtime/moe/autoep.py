@@ -101,7 +101,12 @@ class AutoEPMoE(MOELayer):
         source = getattr(block, preset.experts)
         names = (preset.w1, preset.w2, preset.w3)
         first = ep_rank * local
-        weights = {name: getattr(source, name)[first:first + local] for name in names if name is not None}
+        from dslaunch.runtime.zero.partition_parameters import GatheredParameters
+
+        whole = [getattr(source, name) for name in names if name is not None]
+        with GatheredParameters(whole):  # built under zero.Init: whole again for the slice (collective)
+            weights = {name: w[first:first + local].detach().clone().requires_grad_(w.requires_grad)
+                       for name, w in zip(filter(None, names), whole, strict=True)}
         act_fn = getattr(source, "act_fn", None)
         act_fn = torch.nn.SiLU() if act_fn is None else act_fn
         group_name = f"ep_size_{ep_size}"

@@ -91,9 +91,14 @@ def _candidates(model_config: Any, cfg: ExpertParallelConfig) -> list[tuple[str,
     return [(name, _with_overrides(preset, cfg)) for name, preset in PRESETS.items()]
 
 
+def _shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """The whole shape, also of a parameter zero.Init has partitioned (``ds_shape``)."""
+    return tuple(getattr(weight, "ds_shape", weight.shape))
+
+
 def _fused_weight(experts: torch.nn.Module, name: str) -> torch.Tensor | None:
     weight = getattr(experts, name, None)
-    return weight if isinstance(weight, torch.Tensor) and weight.dim() == 3 else None
+    return weight if isinstance(weight, torch.Tensor) and len(_shape(weight)) == 3 else None
 
 
 def _find(model: torch.nn.Module, preset: Preset) -> list[str]:
@@ -133,7 +138,7 @@ def _spec(model: torch.nn.Module, name: str, preset: Preset, family: str, model_
         if weight is not None and _fused_weight(experts, weight) is None:
             raise ConfigError(f"{name}.{preset.experts} has no 3D weight '{weight}' (the {family} layout); set "
                               "expert_w2/expert_w3 to the model's names", key="expert_parallel.expert_w2")
-    num_experts = int(w1.shape[0])
+    num_experts = _shape(w1)[0]
     if num_experts % cfg.autoep_size:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ConfigError(f"{cfg.autoep_size} does not divide the {num_experts} experts of {name}; use one of "

@@ -8,7 +8,7 @@ computes ``down(act(x @ gate_j^T) * (x @ up_j^T))``, the Hugging Face expert's a
 ``use_grouped_mm`` each projection is one ``torch._grouped_mm`` over all local experts (equal groups
 of ``ep_size * capacity`` rows); where the operator is missing, or a row of a weight is not a
 multiple of 16 bytes (its alignment rule), a loop over the experts does the same work and a log
-line says so.
+line says so (and the loop takes over if the operator fails on the device).
 
 Each weight carries DeepSpeed's marks of an expert parameter (``allreduce = False``, ``group_name``
 ``ep_size_<N>``), so ZeRO reduces it over its expert-data group only.
@@ -67,19 +67,39 @@ class GroupedExperts(torch.nn.Module):
             param.group_name = expert_group_name
             self.register_parameter(name, param)
         self.num_local_experts = weights[names[0]].shape[0]
-        self.grouped = use_grouped_mm and grouped_mm_fits(list(weights.values()))
-        if use_grouped_mm and not self.grouped:
+        self.use_grouped_mm = use_grouped_mm
+        self._said = False
+
+    @property
+    def grouped(self) -> bool:
+        """Whether ``forward`` runs ``torch._grouped_mm`` (asked anew: the engine may cast the weights
+        to a dtype whose rows no longer fit)."""
+        fits = self.use_grouped_mm and grouped_mm_fits(list(self.parameters()))
+        if self.use_grouped_mm and not fits and not self._said:
+            self._said = True
             log.info("AutoEP: torch._grouped_mm is %s; the %d local experts run in a loop",
                      "missing" if not hasattr(torch, "_grouped_mm") else "not usable with rows of these sizes "
                      "(not multiples of 16 bytes)", self.num_local_experts)
+        return fits
 
     def forward(self, inputs: Tensor) -> Tensor:
         ep_size, local, capacity, width = inputs.shape
         x = inputs.transpose(0, 1).reshape(local, ep_size * capacity, width)
+        try:
+            out = self._mlp(x, self.grouped)
+        except (RuntimeError, NotImplementedError) as err:  # an operator this device's build lacks
+            if not self.grouped:
+                raise
+            log.info("AutoEP: torch._grouped_mm failed on %s (%s); the local experts run in a loop from now on",
+                     x.device, str(err).splitlines()[0][:200])
+            self.use_grouped_mm = self._said = False
+            out = self._mlp(x, False)
+        return out.reshape(local, ep_size, capacity, width).transpose(0, 1)
+
+    def _mlp(self, x: Tensor, grouped: bool) -> Tensor:
         w1, w2, w3 = (getattr(self, n) if n is not None else None for n in self.names)
         if w3 is None:
-            gate, up = _project(x, w1, self.grouped).chunk(2, dim=-1)
+            gate, up = _project(x, w1, grouped).chunk(2, dim=-1)
         else:
-            gate, up = _project(x, w1, self.grouped), _project(x, w3, self.grouped)
-        out = _project(self.act_fn(gate) * up, w2, self.grouped)
-        return out.reshape(local, ep_size, capacity, width).transpose(0, 1)
+            gate, up = _project(x, w1, grouped), _project(x, w3, grouped)
+        return _project(self.act_fn(gate) * up, w2, grouped)

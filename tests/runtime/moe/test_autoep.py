@@ -2,7 +2,7 @@
 ``expert_parallel`` block's checks, the grouped experts against the loop, the detection's refusals,
 and a model of the custom form (a ``moe_layer_pattern``, a plain linear router returning logits)
 converted at world 2 giving the unconverted model's loss and gradients, and trained three steps at
-ZeRO-3 to the losses of the unconverted model trained in one process."""
+ZeRO-3 (built under zero.Init) to the losses of the unconverted model trained in one process."""
 
 from __future__ import annotations
 
@@ -115,6 +115,11 @@ def test_grouped_mm_equals_the_loop_forward_and_backward() -> None:
         assert getattr(grouped, name).allreduce is False and getattr(grouped, name).group_name == "ep_size_2"
     odd = {"gate_up_proj": torch.randn(2, 6, 6), "down_proj": torch.randn(2, 6, 3)}  # rows of 24 and 12 bytes
     assert not GroupedExperts(odd, names, torch.nn.SiLU(), True, "ep_size_2").grouped
+    # rows of 12 fp32 (48 bytes) fit, of 12 bf16 (24 bytes) not: asked again after the engine's cast
+    mixed = GroupedExperts({"gate_up_proj": torch.randn(2, 24, 12), "down_proj": torch.randn(2, 12, 12)}, names,
+                           torch.nn.SiLU(), True, "ep_size_2")
+    assert mixed.grouped == hasattr(torch, "_grouped_mm") and not mixed.to(torch.bfloat16).grouped
+    assert mixed(torch.randn(1, 2, 3, 12, dtype=torch.bfloat16)).shape == (1, 2, 3, 12)
 
 
 def test_detection_refuses_what_it_cannot_convert() -> None:
@@ -160,14 +165,17 @@ def _converted(rank: int, world: int) -> dict:
 
 
 def _zero3_steps(rank: int, world: int) -> float:
-    """Three steps through initialize at ZeRO-3 against the unconverted model trained in one process."""
+    """Three steps through initialize at ZeRO-3, the model built under zero.Init (partitioned before
+    AutoEP slices it), against the unconverted model trained in one process."""
     import torch.distributed as dist
 
     import dslaunch as deepspeed
 
     config = {"train_micro_batch_size_per_gpu": 6, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 3}, "expert_parallel": {**CUSTOM, "autoep_size": world}}
-    engine, *_ = deepspeed.initialize(model=Net(), config=config)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = Net()
+    engine, *_ = deepspeed.initialize(model=model, config=config)
     ref = Net()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     worst = 0.0
