@@ -2,7 +2,8 @@
 under ``dslaunch --num_gpus 2`` (gloo, fp32): tiny Mixtral, Qwen3-MoE (``norm_topk_prob`` false and
 true) and DeepSeek-V3 converted with their experts spread over both ranks give the unconverted
 model's loss and gradients, and three ZeRO-2 steps through ``deepspeed.initialize`` give the losses
-of the unconverted model trained in one process; a Trainer job with the block trains."""
+of the unconverted model trained in one process (Mixtral's with its router's auxiliary loss, whose
+logits Hugging Face records from the router module); a Trainer job with the block trains."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def test_converted_models_equal_the_unconverted_ones(compat_bin: Path, tmp_path:
         for key in ("loss", "dense_grad", "expert_grad", "train_losses"):
             assert got[key] <= TOLERANCE, f"{family}: {key} differs by {got[key]:.2e}"
         assert got["clipped"], f"{family}: the gradient clip never acted"
+        want, aux = got["aux_loss"]
+        assert abs(want - aux) <= TOLERANCE and (want > 0) == (family == "mixtral"), f"{family}: aux loss {got['aux_loss']}"
         assert len(set(got["losses"])) == len(got["losses"]), f"{family}: the steps changed nothing"
 
 

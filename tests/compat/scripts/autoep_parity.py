@@ -30,9 +30,9 @@ def tiny(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     common = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
               "num_key_value_heads": 1, "max_position_embeddings": 32, "num_experts_per_tok": 2}
-    if family == "mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=32, num_local_experts=4,
-                                                                           **common))
+    if family == "mixtral":  # with the router's auxiliary loss: the logits are recorded from the router module
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=32, num_local_experts=4, output_router_logits=True, router_aux_loss_coef=0.1, **common))
     elif family == "deepseek_v3":  # layer 0 dense; sigmoid scores, 2 groups of which 1 is chosen, shared experts
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, n_group=2,
@@ -59,6 +59,11 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 def grads(model: torch.nn.Module) -> dict:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def aux_loss(model: torch.nn.Module, x: torch.Tensor) -> float:
+    out = model(input_ids=x, labels=x)
+    return 0.0 if getattr(out, "aux_loss", None) is None else out.aux_loss.item()
 
 
 def forward_parity(family: str, rank: int, world: int) -> dict:
@@ -89,7 +94,8 @@ def forward_parity(family: str, rank: int, world: int) -> dict:
             source = name.replace(".gate.router.", ".gate.")
             worst_dense = max(worst_dense, (g - want[source]).abs().max().item())
     expert_names = [n for n in got if ".mlp.experts." in n]
-    return {"loss": abs(loss.item() - ref_loss.item()), "dense_grad": worst_dense, "expert_grad": worst_expert,
+    return {"loss": abs(loss.item() - ref_loss.item()), "aux_loss": [aux_loss(ref, x), aux_loss(model, x)],
+            "dense_grad": worst_dense, "expert_grad": worst_expert,
             "expert_shapes": [list(got[n].shape) for n in expert_names[:2]], "grads": len(got), "ref_grads": len(want)}
 
 
