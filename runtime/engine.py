@@ -70,6 +70,12 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
                                                        config.tensor_parallel.loss_parallel)
             model_parameters = repoint_parameters(replaced, optimizer, model_parameters)
             self._unchecked_tp_group = tensor_axis(self.grid, "group")  # the first batch is compared over it
+        if config.expert_parallel.enabled:  # AutoEP: this rank's experts only, before ZeRO sees the parameters
+            from dslaunch.runtime.moe.autoep import convert_for_expert_parallel
+            from dslaunch.runtime.tensor_parallel.training import repoint_parameters
+
+            replaced = convert_for_expert_parallel(model, config.expert_parallel, config.use_data_before_expert_parallelism)
+            model_parameters = repoint_parameters(replaced, optimizer, model_parameters)
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config

@@ -2,7 +2,9 @@
 
 DeepSpeed's ``AutoTP`` picks row-parallel layers by name; dslaunch's planner works on the traced
 dataflow (``dslaunch.runtime.tensor_parallel.auto_tp``). The layer names here are DeepSpeed's;
-its per-architecture injection policies (``replace_policy.py``) are refused on use.
+its per-architecture injection policies (``replace_policy.py``) are refused on use. AutoEP's
+paths: ``auto_ep.py`` (``AutoEP``), ``auto_ep_config.py`` (``AutoEPConfig``, ``parse_autoep_config``),
+``auto_ep_layer.py`` (``AutoEPMoELayer``), re-exporting ``dslaunch.runtime.moe.autoep``.
 """
 
 from dslaunch.module_inject.replace_policy import KERNEL_INJECTION

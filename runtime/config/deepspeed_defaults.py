@@ -54,4 +54,9 @@ DEEPSPEED_0_19_8: dict[str, object] = {
     "wandb.enabled": False, "wandb.project": "deepspeed", "comet.enabled": False, "comet.samples_log_interval": 100,
     "comms_logger.enabled": False, "comms_logger.verbose": False, "comms_logger.prof_all": True,
     "comms_logger.debug": False,
+    # parse_autoep_config's defaults (deepspeed/module_inject/auto_ep_config.py of 0.19.8)
+    "expert_parallel.enabled": False, "expert_parallel.autoep_size": 1, "expert_parallel.preset_model": None,
+    "expert_parallel.use_grouped_mm": True, "expert_parallel.route_norm": None, "expert_parallel.route_scale": 1.0,
+    "expert_parallel.score_func": "auto", "expert_parallel.top_k": "auto", "expert_parallel.routed_scaling_factor": "auto",
+    "expert_parallel.num_expert_groups": None, "expert_parallel.moe_layer_pattern": None,
 }

@@ -29,6 +29,7 @@ from dslaunch.runtime.config.batch import BATCH_KEYS, batch_triad, elastic_triad
 from dslaunch.runtime.config.client_forms import client_forms
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig
+from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
@@ -77,7 +78,8 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig,
              "comet": CometConfig, "comms_logger": CommsLoggerConfig,
              "pipeline": PipelineConfig, "autotuning": AutotuningConfig,
-             "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig}
+             "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig,
+             "expert_parallel": ExpertParallelConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -206,6 +208,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """AutoTP training: ``autotp_size`` ranks split each layer (``runtime/tensor_parallel/``)."""
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+    """AutoEP: a Hugging Face MoE model's experts spread over ``autoep_size`` ranks (``runtime/moe/autoep.py``)."""
     """Read by ``dslaunch --autotuning`` and, inside an experiment, by the engine's profiler."""
     memory_checkpoint: MemoryCheckpointConfig = field(default_factory=MemoryCheckpointConfig)
     """dslaunch's own block: snapshots in host memory a restart resumes from (``checkpoint/memory.py``)."""
@@ -457,6 +461,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     _check_compressed(cfg)
     _check_muon(cfg)
     cfg.tensor_parallel.check(zero.stage)
+    cfg.expert_parallel.check(cfg.tensor_parallel.size)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
                           "device)", key="zero_optimization.offload_optimizer.device")

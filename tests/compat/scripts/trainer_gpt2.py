@@ -14,6 +14,9 @@ Usage: trainer_gpt2.py OUTPUT_DIR MAX_STEPS STAGE [resume] [OPTION ...]
   autotp=N: "tensor_parallel": {"autotp_size": N} in the config (AutoTP training); dropout off
       (a tensor slice draws its own attention-dropout mask: only without dropout can the losses
       equal an unsharded run's).
+  autoep=N: a tiny Mixtral (4 experts, top-2, with its router's auxiliary loss) instead of GPT-2,
+      and "expert_parallel": {"enabled": true, "autoep_size": N} in the config (AutoEP); rank 0
+      also prints `CONVERTED <MoE blocks the engine's model holds in expert-parallel form>`.
 """
 
 import json
@@ -22,7 +25,15 @@ import sys
 
 import torch
 from torch.utils.data import Dataset
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 
 VOCAB, SEQ = 128, 16
 
@@ -85,7 +96,14 @@ def main() -> None:
     config = ds_config(stage)
     if "autotp" in opts:
         config["tensor_parallel"] = {"autotp_size": int(opts["autotp"])}
+    if "autoep" in opts:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": int(opts["autoep"])}
     model = GPT2LMHeadModel(gpt2_config(0.0 if "autotp" in opts else None)) if build is None else None
+    if "autoep" in opts:
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 max_position_embeddings=SEQ, output_router_logits=True))
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              max_steps=max_steps, learning_rate=3e-3, warmup_steps=2, logging_steps=1,
                              save_strategy="steps", save_steps=max(max_steps // 2, 1), report_to=[],
@@ -104,6 +122,9 @@ def main() -> None:
     if trainer.args.process_index == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print("LOSSES " + json.dumps(losses), flush=True)
+        if "autoep" in opts:
+            blocks = [m for m in trainer.model_wrapped.module.modules() if type(m).__name__ == "AutoEPMoE"]
+            print(f"CONVERTED {len(blocks)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,8 @@
+"""``deepspeed.module_inject.auto_ep_config``: the ``expert_parallel`` block's config class
+(``AutoEPConfig``, dslaunch's frozen ``ExpertParallelConfig``), its parser and the presets."""
+
+from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig as AutoEPConfig
+from dslaunch.runtime.config.expert_parallel import parse_autoep_config
+from dslaunch.runtime.moe.autoep_presets import PRESETS as PRESET_MODELS
+
+__all__ = ["AutoEPConfig", "parse_autoep_config", "PRESET_MODELS"]
