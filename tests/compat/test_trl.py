@@ -1,6 +1,8 @@
 """TRL jobs unchanged under ``dslaunch --num_gpus 2`` (CPU, gloo): SFT full and LoRA (PEFT) at ZeRO 2
 and 3 with a reload of what ``save_model`` wrote, and DPO with TRL's reference engine at ZeRO 2 and
-3. Each against the losses the real DeepSpeed 0.19.8 gave for the same job and seeds.
+3. Each against the losses the real DeepSpeed 0.19.8 gave for the same job and seeds. SFT with
+DeepSpeed's sequence parallelism (accelerate's ``ParallelismConfig``) at ZeRO 3 against the same job
+in one process.
 
 The model is a 2-layer Llama and a word-level tokenizer built from configs (``scripts/tiny_lm.py``),
 saved once per session and loaded by TRL with ``from_pretrained``, as a hub model.
