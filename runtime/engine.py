@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError, NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
+from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
 from dslaunch.runtime.config import DeepSpeedConfig, with_batch
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
@@ -128,7 +129,11 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
             # The micro step starts here too: with several engines under one loss, DeepSpeed's
             # users call loss.backward() themselves, and the gradient hooks read this state.
             self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), self._sync)
-        with self.events.phase("forward"):
+        # cpu_checkpointing: the hidden states Hugging Face's checkpointed layers save wait in host
+        # memory (ALST's offload; deepspeed.checkpointing's own inputs follow the key in storage.py)
+        offload = CheckpointHiddenStatesOffload() if self._config.activation_checkpointing.cpu_checkpointing \
+            else contextlib.nullcontext()
+        with self.events.phase("forward"), offload:
             return self.module(*args, **kwargs)
 
     def _check_tp_inputs(self, args: tuple, kwargs: dict) -> None:

@@ -5,7 +5,11 @@ During the optimizer step that starts with ``profile_step`` steps done, the ``fo
 recomputation included) and every phase is timed; after the step, rank 0 prints the summary (with
 achieved FLOP/s and MFU, ``mfu.throughput``) and the module tables. Every rank counts, so with a
 model-parallel group (``mpu=``: pipeline stages, tensor slices) the model's params and flops are
-summed over it (collective: the engine adds this observer on every rank).
+summed over it (collective: the engine adds this observer on every rank). Under sequence
+parallelism each rank of a sequence group runs ``1/N`` of the sequence's tokens and ``1/N`` of its
+attention heads over the whole sequence, so the model's flops are also summed over that group:
+attention counts once per sequence (params are replicated there and are not); tokens/s counts the
+tokens of every data and sequence rank.
 """
 
 from __future__ import annotations
@@ -137,8 +141,8 @@ class FlopsProfilerObserver(Observer):
                     "records through it, so this step is not profiled (choose another profile_step)",
                     self.engine.global_steps)
         self.done = True
-        if self.engine.mp_world_size > 1:
-            self._model_sums(None)  # the ranks that profile sum over the model-parallel group: take part
+        if self.engine.mp_world_size > 1 or self.engine.sequence_parallel_size > 1:
+            self._model_sums(None)  # the ranks that profile sum over the model/sequence group: take part
 
     def _count_tokens(self, module: Any, args: Any, kwargs: Any) -> None:
         n = tokens_in(args, kwargs)
@@ -199,7 +203,8 @@ class FlopsProfilerObserver(Observer):
         tp = throughput(flops, iter_s, e.device, e.precision.model_dtype, self._peak)
         mfu = (f"{100 * tp.mfu:.2f}% of {number_to_string(tp.peak.flops)}FLOPS ({tp.peak.source})"
                if tp.mfu is not None and tp.peak is not None else "n/a (no peak known for this device)")
-        tokens_per_s = self._tokens * e.dp_world_size / iter_s if self._tokens and iter_s > 0 else None
+        ranks = e.dp_world_size * e.sequence_parallel_size  # a sequence rank's tokens are its own
+        tokens_per_s = self._tokens * ranks / iter_s if self._tokens and iter_s > 0 else None
         micro_batch = e.train_micro_batch_size_per_gpu()
         return StepTiming(record.step - 1, e.world_size, e.dp_world_size, e.mp_world_size, micro_batch, self._micro,
                           micro_batch * self._micro, self.phase_s["forward"], self.phase_s["backward"],
@@ -208,13 +213,18 @@ class FlopsProfilerObserver(Observer):
 
     def _model_sums(self, p: Profile | None) -> tuple[int, int, int, bool]:
         """Params, fwd flops and fwd+bwd flops of the whole model, summed over the model-parallel
-        group, and whether every rank of it counted (``p`` None: this one did not).
+        group (the flops also over the sequence group), and whether every rank counted (``p``
+        None: this one did not).
 
-        collective: every rank of the model-parallel group, profiled or not.
+        collective: every rank of the model-parallel and sequence groups, profiled or not.
         """
-        mine = [0, 0, 0, 1] if p is None else [p.params, p.fwd_flops, p.fwd_flops + p.bwd_flops, 0]
-        if self.engine.mp_world_size <= 1:
-            return mine[0], mine[1], mine[2], not mine[3]
-        both = torch.tensor(mine, dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(both, group=self.engine.grid.get_model_parallel_group())
-        return int(both[0].item()), int(both[1].item()), int(both[2].item()), not both[3].item()
+        e = self.engine
+        mine = torch.tensor([0, 0, 0, 1] if p is None else [p.params, p.fwd_flops, p.fwd_flops + p.bwd_flops, 0],
+                            dtype=torch.float64, device=e.device)
+        if e.mp_world_size > 1:
+            dist.all_reduce(mine, group=e.grid.get_model_parallel_group())
+        if e.sequence_parallel_size > 1:
+            flops = mine[1:].clone()
+            dist.all_reduce(flops, group=e.seq_parallel_group)
+            mine[1:] = flops
+        return int(mine[0].item()), int(mine[1].item()), int(mine[2].item()), not mine[3].item()

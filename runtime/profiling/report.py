@@ -133,8 +133,8 @@ class StepTiming:
 
 
 _NOTE = ("flops: matmul-like aten operators counted as run (matmuls, convolutions, RNN kernels, attention), "
-         "1 MAC = 2 flops; bwd measured; model = summed over the model-parallel ranks; iter latency = first "
-         "forward to step end")
+         "1 MAC = 2 flops; bwd measured; model = summed over the model-parallel ranks (flops also over the "
+         "sequence-parallel ranks); iter latency = first forward to step end")
 
 
 def _line(label: str, value: object) -> str:

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,10 +38,15 @@ LAYERS, HIDDEN, HEADS, MLP, VOCAB = 2, 128, 4, 2048, 16384
 LOGIT_ROWS = 256  # rows of logits alive at once when tiled
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention over ``[batch, heads, sequence, head_dim]`` (``sp_bench`` puts Ulysses around it)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Block(nn.Module):
-    def __init__(self, tiled: bool) -> None:
+    def __init__(self, tiled: bool, attend: Callable[..., torch.Tensor] = causal_attention) -> None:
         super().__init__()
-        self.tiled = tiled
+        self.tiled, self.attend = tiled, attend
         self.n1, self.n2 = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
         self.qkv, self.o = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False), nn.Linear(HIDDEN, HIDDEN, bias=False)
         self.gate, self.up = nn.Linear(HIDDEN, MLP, bias=False), nn.Linear(HIDDEN, MLP, bias=False)
@@ -52,7 +58,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.qkv(self.n1(x)).view(b, s, 3, HEADS, HIDDEN // HEADS).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, HIDDEN)
+        a = self.attend(q, k, v).transpose(1, 2).reshape(b, s, HIDDEN)
         x = x + self.o(a)
         h = self.n2(x)
         if not self.tiled:
@@ -62,11 +68,11 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self, tiled: bool) -> None:
+    def __init__(self, tiled: bool, attend: Callable[..., torch.Tensor] = causal_attention) -> None:
         super().__init__()
         self.tiled = tiled
         self.tok = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block(tiled) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(tiled, attend) for _ in range(LAYERS))
         self.norm, self.head = nn.RMSNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

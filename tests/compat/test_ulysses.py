@@ -105,3 +105,45 @@ def test_register_with_transformers_refuses_what_would_be_wrong_in_one_line(comp
         "attn_implementation='sdpa'; set both to the same value",
         "UsageError sequence_parallel_size=2 must divide the world size 1",
     ], proc.stdout + proc.stderr[-2000:]
+
+
+_OFFLOAD = """
+import torch
+from deepspeed.runtime.activation_checkpointing.offload_activations import (
+    get_checkpoint_hidden_states_offloading_ctx_manager)
+from transformers import GradientCheckpointingLayer, LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=1, attn_implementation="sdpa"))
+model.gradient_checkpointing_enable({"use_reentrant": False})
+model.train()
+ids = torch.randint(0, 32, (2, 40), generator=torch.Generator().manual_seed(1))
+def grads(ctx):
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+plain = grads(torch.enable_grad())
+ctx = get_checkpoint_hidden_states_offloading_ctx_manager(min_offload_bytes=0)
+offloaded = grads(ctx)
+print("EQUAL", all(torch.equal(a, b) for a, b in zip(plain, offloaded)))
+s = ctx.stats
+print("STATS", s.marked_tensors, s.offloaded_tensors, s.kept_last_tensors, s.restored_tensors, s.offloaded_bytes)
+print("UNPATCHED", "__call__" not in vars(GradientCheckpointingLayer) or
+      vars(GradientCheckpointingLayer)["__call__"].__name__ != "marked_call")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_checkpointed_hidden_states_offload_on_a_hugging_face_llama(compat_bin: Path) -> None:
+    """ALST's context manager on transformers' own ``GradientCheckpointingLayer`` (3 layers,
+    non-reentrant checkpointing): 2 of the 3 layer inputs go to host memory and come back, the
+    gradients are bit for bit those without it, and the layer class is restored afterwards."""
+    import os
+    import subprocess
+
+    proc = subprocess.run([str(compat_bin / "python"), "-c", _OFFLOAD], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=100)
+    lines = [line for line in proc.stdout.splitlines() if line]
+    assert lines == ["EQUAL True", f"STATS 3 2 1 2 {2 * 2 * 40 * 32 * 4}", "UNPATCHED True"], proc.stdout + proc.stderr[-2000:]

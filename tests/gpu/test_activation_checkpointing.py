@@ -1,6 +1,7 @@
 """``deepspeed.checkpointing`` on a CUDA device: the CUDA generator is replayed (gradients bit for
 bit, dropout through the fused ``native_dropout``, both modes), and ``cpu_checkpointing`` keeps
-the inputs in pinned host memory, so the device holds less after the forward. Marked ``gpu``.
+the inputs in pinned host memory, so the device holds less after the forward; so does ALST's offload
+of checkpointed hidden states. Marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -52,3 +53,28 @@ def test_cpu_checkpointing_moves_inputs_to_pinned_host_memory() -> None:
     assert torch.cuda.memory_allocated() - before == y.numel() * 4  # the output only
     y.sum().backward()
     assert torch.equal(w.grad, torch.autograd.grad(((x.detach() * 2) @ w).tanh().sum(), w)[0])
+
+
+def test_checkpointed_hidden_states_offload_to_pinned_memory_frees_the_device() -> None:
+    """ALST's offload context on CUDA: gradients bit for bit, and after the forward the device holds
+    the newest layer's input only (the others wait in pinned host memory)."""
+    from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+    from tests.runtime.activation_checkpointing.test_offload_activations import HIDDEN, LAYERS, SEQ
+    from tests.runtime.activation_checkpointing.test_offload_activations import Stack as Layers
+
+    torch.manual_seed(0)
+    model = Layers().cuda()
+    x = torch.randn(2, SEQ, 8, device="cuda")
+    results = {}
+    for name, ctx in (("plain", None), ("offload", CheckpointHiddenStatesOffload(min_offload_bytes=0))):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = model(x)
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+        results[name] = held, [p.grad.clone() for p in model.parameters()]
+    one = 2 * SEQ * HIDDEN * 4
+    assert results["plain"][0] - results["offload"][0] == (LAYERS - 1) * one
+    assert all(torch.equal(a, b) for a, b in zip(results["plain"][1], results["offload"][1], strict=True))

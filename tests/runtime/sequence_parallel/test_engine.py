@@ -7,6 +7,8 @@ one process, ZeRO 2 and 3)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,7 @@ class TinyLM(torch.nn.Module):
 
         attend = DistributedAttention(_causal, None, scatter_idx=2, gather_idx=1) if sequence_parallel else None
         self.attend, self.sp_group = attend, None
+        self.checkpoint: Any = None  # a checkpoint function to run each block under (test_composition.py)
         self.tok, self.pos = torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Embedding(128, HIDDEN)
         self.blocks = torch.nn.ModuleList([Block(attend), Block(attend)])
         self.norm, self.head = torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, VOCAB)
@@ -67,7 +70,7 @@ class TinyLM(torch.nn.Module):
 
         x = self.tok(input_ids) + self.pos(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.checkpoint is None else self.checkpoint(block, x)
         logits = self.head(self.norm(x))
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), shift_labels.reshape(-1), ignore_index=-100)
         if self.sp_group is None:
