@@ -11,7 +11,8 @@ group before the loop runs: ``initialize`` uses it.
 
 Options for tests: ``--losses FILE`` (rank 0 appends one JSON line per step: step, loss, world, time),
 ``--ckpt DIR --save_every K`` (checkpoint every K steps), ``--load DIR --load_tag TAG`` (resume from
-that checkpoint), ``--sleep S`` (seconds per step), ``--phases FILE`` (rank 0 appends when its process started, had
+that checkpoint), ``--sleep S`` (seconds per step), ``--fail_at K`` (the last rank raises at step K in a run that
+started from step 0: a fault for Ray Train's restart), ``--phases FILE`` (rank 0 appends when its process started, had
 imported torch and the engine, and had initialized and loaded: a restart's breakdown), ``--max_failures N`` (Ray Train's restarts), ``--min_workers N``
 (Ray Train's elastic worker group).
 """
@@ -67,6 +68,7 @@ def train_loop_per_worker(config: dict) -> None:
     elif config["load"]:
         engine.load_checkpoint(config["load"], tag=config["load_tag"])
     rank0 = engine.global_rank == 0
+    fail_at = config["fail_at"] if engine.global_steps == 0 and engine.global_rank == engine.world_size - 1 else 0
     if rank0:
         print(f"world={engine.world_size} resumed_at={engine.global_steps}", flush=True)
         if config["phases"]:
@@ -85,6 +87,8 @@ def train_loop_per_worker(config: dict) -> None:
                                             "t": time.time()}) + "\n")
             if config["save_every"] and step % config["save_every"] == 0:
                 _save(engine, config, step, in_ray)
+            if step == fail_at:
+                raise RuntimeError(f"--fail_at {fail_at}: the injected fault")
             time.sleep(config["sleep"])
             if step >= config["steps"]:
                 break
@@ -151,6 +155,7 @@ def main() -> None:
     p.add_argument("--load_tag", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--phases", default=None)
+    p.add_argument("--fail_at", type=int, default=0)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     config = vars(p.parse_args())
     # Started by a launcher (dslaunch, deepspeed, torchrun): run the loop here; else Ray Train runs it.

@@ -43,37 +43,38 @@ class AgentProcess:
         self._proc: subprocess.Popen | None = None
         self._standby: subprocess.Popen | None = None
 
-    def start(self, request: Mapping) -> str:
+    def start(self, request: Mapping) -> int:
         """Start this run's agent (the standby, when one is up) with this node's interpreter and
-        make the next run's standby; return the Ray node id it runs on."""
-        import ray
-
+        make the next run's standby; return the agent's pid, which ``write`` and ``close_stdin``
+        name (a late write of a finished run never reaches the next run's agent)."""
         if self._proc is not None and self._proc.poll() is None:  # the last run's, never stopped
             self.kill()
         standby, self._standby = self._standby, None
         if standby is not None and standby.poll() is None:
             self._proc = standby
-            self.write(json.dumps(dict(request), separators=(",", ":")).encode() + b"\n")
+            self.write(json.dumps(dict(request), separators=(",", ":")).encode() + b"\n", standby.pid)
         else:
             self._proc = _agent([*agent_argv(sys.executable, request)])
         if self._spares:
             self._standby = _agent([sys.executable, "-m", "dslaunch.launcher.agent.bootstrap", STANDBY,
                                     str(self._spares)])
-        return ray.get_runtime_context().get_node_id()
+        return self._proc.pid
 
     def read(self, stream: str, size: int) -> bytes:
         """The next bytes of the agent's ``stream`` (one of ``STREAMS``); b'' at its end."""
         return os.read(getattr(self._proc, stream).fileno(), size)
 
-    def write(self, data: bytes) -> None:
-        self._proc.stdin.write(data)
-        self._proc.stdin.flush()
+    def write(self, data: bytes, pid: int) -> None:
+        if self._proc.pid == pid:
+            self._proc.stdin.write(data)
+            self._proc.stdin.flush()
 
-    def close_stdin(self) -> None:
-        try:
-            self._proc.stdin.close()
-        except OSError:
-            pass
+    def close_stdin(self, pid: int) -> None:
+        if self._proc.pid == pid:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
 
     def wait(self) -> int:
         """The agent's exit code (128+N for signal N, as a shell says)."""

@@ -65,20 +65,25 @@ class RaySession(AgentStream):
         """The actor died or was torn down: not to be used by another run."""
         self._writes: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._closed = False
+        self._started = None  # the actor's answer to start: the agent's pid
 
     def start(self, request: dict) -> None:
         """Start the agent; readers and the writer run in threads (non-blocking)."""
-        started = self.actor.start.remote(request)
-        readers = [threading.Thread(target=self._read, args=(self._recv(started, s), h), daemon=True)
+        self._started = self.actor.start.remote(request)
+        readers = [threading.Thread(target=self._read, args=(self._recv(s), h), daemon=True)
                    for s, h in zip(STREAMS, (self._stdout_line, self._stderr_line), strict=True)]
         for t in readers:
             t.start()
         threading.Thread(target=self._write_all, daemon=True, name=f"ray-in-{self.alias}").start()
         threading.Thread(target=self._finish, args=(readers,), daemon=True, name=f"ray-{self.alias}").start()
 
-    def _recv(self, started, stream: str):
+    def _pid(self) -> int:
+        """The agent's pid, once it started (raises if the actor never ran)."""
+        return self._ray.get(self._started)
+
+    def _recv(self, stream: str):
         def recv(size: int) -> bytes:
-            self._ray.get(started)  # the first read waits for the agent (raises if the actor never ran)
+            self._pid()  # the first read waits for the agent
             return self._ray.get(self.actor.read.remote(stream, size))
         return recv
 
@@ -86,11 +91,11 @@ class RaySession(AgentStream):
         """Writes in order, one at a time (a threaded actor would not keep their order)."""
         while (data := self._writes.get()) is not None:
             try:
-                self._ray.get(self.actor.write.remote(data))
+                self._ray.get(self.actor.write.remote(data, self._pid()))
             except self.transport_errors:
                 return
         try:
-            self._ray.get(self.actor.close_stdin.remote())
+            self._ray.get(self.actor.close_stdin.remote(self._pid()))
         except self.transport_errors:
             pass
 
