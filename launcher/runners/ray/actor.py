@@ -7,7 +7,7 @@ agent stops its workers and exits, as over SSH). The controller keeps one call p
 flight, so a threaded actor (``max_concurrency``) serves both streams and the writes at once.
 
 The actor outlives a run: the job keeps it for the next (``nodes.RayNodes``), and ``start`` runs
-a new agent each time. With ``spares`` N it keeps a standby agent ready for the next run
+a new agent each time. Asked for ``spares`` N, it keeps a standby agent ready for the next run
 (``agent.bootstrap --standby N``: N warm spare workers with torch imported, at idle priority), so
 that a restart hands the request to an agent that is already up, and its workers to interpreters
 that have already imported torch; the first run's agent starts fresh, the standby after it.
@@ -35,18 +35,18 @@ STREAMS = ("stdout", "stderr")
 
 
 class AgentProcess:
-    """The node agent of one Ray node, started by ``start(request)`` (``preflight.probe_request``)
-    once per run; ``spares``: warm spare workers for the next run's agent (0: none)."""
+    """The node agent of one Ray node, started by ``start(request, spares)``
+    (``preflight.probe_request``) once per run."""
 
-    def __init__(self, spares: int = 0) -> None:
-        self._spares = spares
+    def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
         self._standby: subprocess.Popen | None = None
 
-    def start(self, request: Mapping) -> int:
-        """Start this run's agent (the standby, when one is up) with this node's interpreter and
-        make the next run's standby; return the agent's pid, which ``write`` and ``close_stdin``
-        name (a late write of a finished run never reaches the next run's agent)."""
+    def start(self, request: Mapping, spares: int = 0) -> int:
+        """Start this run's agent (the standby, when one is up) with this node's interpreter and,
+        with ``spares``, the next run's standby with that many warm spares. Returns the agent's
+        pid, which ``write`` and ``close_stdin`` name (a late write of a finished run never
+        reaches the next run's agent)."""
         if self._proc is not None and self._proc.poll() is None:  # the last run's, never stopped
             self.kill()
         standby, self._standby = self._standby, None
@@ -55,9 +55,8 @@ class AgentProcess:
             self.write(json.dumps(dict(request), separators=(",", ":")).encode() + b"\n", standby.pid)
         else:
             self._proc = _agent([*agent_argv(sys.executable, request)])
-        if self._spares:
-            self._standby = _agent([sys.executable, "-m", "dslaunch.launcher.agent.bootstrap", STANDBY,
-                                    str(self._spares)])
+        if spares:
+            self._standby = _agent([sys.executable, "-m", "dslaunch.launcher.agent.bootstrap", STANDBY, str(spares)])
         return self._proc.pid
 
     def read(self, stream: str, size: int) -> bytes:

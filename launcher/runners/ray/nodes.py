@@ -41,11 +41,13 @@ class RayNodes:
     """The placement group and the actors of one job (see the module docstring).
 
     Args:
-        warm: keep a standby agent with one warm spare per worker on each node (the job may restart).
+        restarts: how many restarts the job may make; while one is left, each node's actor keeps
+            a standby agent with one warm spare per worker for the next run (0: none).
     """
 
-    def __init__(self, warm: bool = False) -> None:
-        self._warm = warm
+    def __init__(self, restarts: int = 0) -> None:
+        self._restarts = restarts
+        self._runs = 0
         self._pg = None
         self._bundles: dict[str, tuple[int, dict[str, float]]] = {}  # host -> (index, resources)
         self._actors: dict[str, object] = {}
@@ -59,6 +61,7 @@ class RayNodes:
         ray = import_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self._runs += 1
         alive = {n.host: n for n in cluster.nodes}
         wanted = {n.host: bundle(n, alive[n.host].gpus) for n in job.nodes}
         if any(self._bundles.get(h, (0, None))[1] != res for h, res in wanted.items()):
@@ -71,8 +74,13 @@ class RayNodes:
                 self._actors[node.host] = remote.options(
                     num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0), max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, index),
-                ).remote(len(node.workers) if self._warm else 0)
+                ).remote()
         return {n.host: self._actors[n.host] for n in job.nodes}
+
+    def spares(self, node: NodeSpec) -> int:
+        """Warm spares for ``node``'s standby agent: one per worker while the job has a restart
+        left after the run ``actors`` was last called for."""
+        return len(node.workers) if self._runs <= self._restarts else 0
 
     def _reserve(self, job: JobSpec, wanted: dict[str, dict[str, float]], alive: dict) -> None:
         """One placement group, ``STRICT_SPREAD``, each bundle tied to its node by the

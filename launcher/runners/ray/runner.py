@@ -67,9 +67,10 @@ class RaySession(AgentStream):
         self._closed = False
         self._started = None  # the actor's answer to start: the agent's pid
 
-    def start(self, request: dict) -> None:
-        """Start the agent; readers and the writer run in threads (non-blocking)."""
-        self._started = self.actor.start.remote(request)
+    def start(self, request: dict, spares: int = 0) -> None:
+        """Start the agent (``AgentProcess.start``); readers and the writer run in threads
+        (non-blocking)."""
+        self._started = self.actor.start.remote(request, spares)
         readers = [threading.Thread(target=self._read, args=(self._recv(s), h), daemon=True)
                    for s, h in zip(STREAMS, (self._stdout_line, self._stderr_line), strict=True)]
         for t in readers:
@@ -182,7 +183,7 @@ class RayRunner(RemoteRunner):
         for node in job.nodes:
             session = RaySession(node.host, actors[node.host], self._out, self._err, on_change=wake.set)
             self.sessions[node.host] = session
-            session.start(node_request(job, node))
+            session.start(node_request(job, node), self._nodes.spares(node))
         return job.master_addr
 
     def _diagnose(self, python: str, exit_code: int | None, stderr: str, lost: bool) -> tuple[str, str]:
