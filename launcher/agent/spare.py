@@ -28,9 +28,9 @@ Limitations (why a worker is spawned fresh instead): only ``python -u script`` a
 ``python -u -m module`` with the interpreter the spares run (not ``--no_python``); interpreter
 options read at start-up (``PYTHONHASHSEED``, ``-X``, ``PYTHONSAFEPATH``) are the spare's, while
 ``PYTHONPATH`` entries are added to ``sys.path``. A spare costs the memory of an imported torch
-(about 370 MB resident with torch._dynamo) for as long as the job runs, and the CPU of one import, taken at idle
-priority (``SCHED_IDLE``) where the spare may leave it again (root, or an ``RLIMIT_NICE`` that
-allows it), else at normal priority after ``delay_s``. A host too busy to leave any CPU idle
+and ``torch._dynamo`` (about 370 MB resident) for as long as the job runs, and the CPU of one
+import, taken at idle priority (``SCHED_IDLE``) where the spare may leave it again (root, or an
+``RLIMIT_NICE`` that allows it), else at normal priority after ``delay_s``. A host too busy to leave any CPU idle
 starves an idle-priority import (measured here at a load of 18 on 2 cores: 0.1 s of CPU in 12 s,
 short of the ~1.5 s an import of torch takes): ``promote`` puts the spares back to normal
 priority from outside (from inside, the thread that would do it waits for the GIL that the

@@ -54,7 +54,7 @@ class AgentProcess:
             self._proc = standby
             self.write(json.dumps(dict(request), separators=(",", ":")).encode() + b"\n", standby.pid)
         else:
-            self._proc = _agent([*agent_argv(sys.executable, request)])
+            self._proc = _agent(agent_argv(sys.executable, request))
         if spares:
             self._standby = _agent([sys.executable, "-m", "dslaunch.launcher.agent.bootstrap", STANDBY, str(spares)])
         return self._proc.pid
