@@ -11,6 +11,12 @@ one SSH command (no second round trip, which would cost a login shell per host).
 2. runs the node agent in this same process (``remote.main``): it waits for the NodeSpec line the
    controller sends once every host's probe passed, or for EOF when preflight failed elsewhere.
 
+``--standby N`` instead of the request (a Ray node's actor keeps one such agent ready for the
+job's next run): start N warm spare workers (``spare``: torch imported at idle priority, at
+normal priority after ``STANDBY_PROMOTE_S`` on a host too busy to leave idle CPU), then
+wait for the request as the first line on stdin; the agent then hands its workers to the spares.
+EOF before the request: the spares are ended and it exits 0.
+
 Standard library only and never imports torch (its version is read from torch/version.py), so the
 probe answers in tens of milliseconds.
 """
@@ -26,12 +32,17 @@ import re
 import socket
 import struct
 import sys
+import threading
 
 from dslaunch import __version__
 
-__all__ = ["PROBE_MARKER", "probe", "main", "route"]
+__all__ = ["PROBE_MARKER", "STANDBY", "probe", "main", "route"]
 
 PROBE_MARKER = "@@dslaunch-probe "
+STANDBY = "--standby"
+STANDBY_PROMOTE_S = 10.0
+"""A standby's spares import at normal priority from this long after its start: a failure soon
+after a run's start finds them warm on a busy host too, and the run's own start goes first."""
 _SIOCGIFADDR = 0x8915
 _CONNECT_TIMEOUT = 2.0
 
@@ -147,12 +158,44 @@ def probe(request: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    spares = None
+    if argv[:1] == [STANDBY]:
+        from dslaunch.launcher.agent.spare import SparePool
+
+        spares = SparePool(os.environ)
+        spares.fill(int(argv[1]))
+        asked = threading.Event()
+        threading.Thread(target=_promote, args=(spares, asked), daemon=True, name="promote").start()
+        argv = [_request_line()]
+        asked.set()
+        if not argv[0]:
+            spares.close()
+            return 0
     request = json.loads(argv[0]) if argv else {}
     line = PROBE_MARKER + json.dumps(probe(request), separators=(",", ":")) + "\n"
     os.write(1, line.encode())
     from dslaunch.launcher.agent import remote  # after the probe: its answer should not wait for imports
 
-    return remote.main()
+    return remote.main(spares)
+
+
+def _promote(spares, asked: threading.Event) -> None:
+    """From ``STANDBY_PROMOTE_S`` on, keep the spares at normal priority until the request came."""
+    if asked.wait(STANDBY_PROMOTE_S):
+        return
+    while True:
+        spares.promote()
+        if asked.wait(1.0):
+            return
+
+
+def _request_line() -> str:
+    """The request, the first line on stdin ('' at EOF), read a byte at a time: the NodeSpec line
+    that follows it is the agent's to read from the same descriptor."""
+    data = b""
+    while not data.endswith(b"\n") and (byte := os.read(0, 1)):
+        data += byte
+    return data.decode().strip()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import time
 
 from dslaunch.errors import LaunchError
 from dslaunch.launcher.agent.node import Agent
+from dslaunch.launcher.agent.spare import SparePool
 from dslaunch.launcher.agent.wire import (
     ALIVE,
     ALIVE_EVERY_S,
@@ -36,15 +37,24 @@ from dslaunch.launcher.spec import NodeResult, NodeSpec
 __all__ = ["main"]
 
 
-def main() -> int:
-    """Agent entry point: NodeSpec JSON line on stdin; exit code = the node's exit code."""
+def main(spares: SparePool | None = None) -> int:
+    """Agent entry point: NodeSpec JSON line on stdin; exit code = the node's exit code.
+    ``spares``: warm spare workers to start the workers in (ended when the node is)."""
+    try:
+        return _run(spares)
+    finally:
+        if spares is not None:
+            spares.close()
+
+
+def _run(spares: SparePool | None) -> int:
     line, rest = _first_line(0)
     if not line.strip():
         print("dslaunch agent: expected one NodeSpec JSON line on stdin, got EOF", file=sys.stderr)
         return 2
     node = NodeSpec.from_json(line.decode())
     news = threading.Event()
-    agent = Agent(node, on_change=news.set, adopt_orphans=True)
+    agent = Agent(node, on_change=news.set, adopt_orphans=True, spares=spares)
     pending: list[int] = []  # the handler only records: taking locks in a signal handler can deadlock
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: pending.append(signum))

@@ -28,9 +28,13 @@ Limitations (why a worker is spawned fresh instead): only ``python -u script`` a
 ``python -u -m module`` with the interpreter the spares run (not ``--no_python``); interpreter
 options read at start-up (``PYTHONHASHSEED``, ``-X``, ``PYTHONSAFEPATH``) are the spare's, while
 ``PYTHONPATH`` entries are added to ``sys.path``. A spare costs the memory of an imported torch
-(about 250 MB resident) for as long as the job runs, and the CPU of one import, taken at idle
-priority (``SCHED_IDLE``) where the spare may leave it again (root, or an ``RLIMIT_NICE`` that
-allows it), else at normal priority after ``delay_s``.
+and ``torch._dynamo`` (about 370 MB resident) for as long as the job runs, and the CPU of one
+import, taken at idle priority (``SCHED_IDLE``) where the spare may leave it again (root, or an
+``RLIMIT_NICE`` that allows it), else at normal priority after ``delay_s``. A host too busy to leave any CPU idle
+starves an idle-priority import (measured here at a load of 18 on 2 cores: 0.1 s of CPU in 12 s,
+short of the ~1.5 s an import of torch takes): ``promote`` puts the spares back to normal
+priority from outside (from inside, the thread that would do it waits for the GIL that the
+starving import holds).
 
 No torch in this module's agent half (``SparePool``, ``Spare``): the spare half imports it.
 """
@@ -61,7 +65,10 @@ from dslaunch.launcher.workerenv import monitor_env
 
 __all__ = ["Assignment", "Spare", "SpareLost", "SparePool", "runnable"]
 
-WARM_IMPORTS = ("torch", "torch.distributed")
+WARM_IMPORTS = ("torch", "torch.distributed", "torch._dynamo")
+"""``torch._dynamo``: the first ``torch.optim`` optimizer a script builds imports it (its
+``__init__`` is wrapped in ``_disable_dynamo``): ~1 s on an idle core, 8 s at a load of 26 here,
+and ~150 MB resident that the worker would hold after its first step anyway."""
 ANSWER_TIMEOUT_S = 15.0
 """How long the agent waits for a spare to confirm an assignment (it answers in milliseconds, from
 a thread that does not wait for its import): past it, the worker is spawned fresh."""
@@ -218,6 +225,13 @@ class SparePool:
                     return spare
                 spare.discard()
         return None
+
+    def promote(self) -> None:
+        """Every ready spare to normal priority (one still importing goes on at full speed)."""
+        with self._lock:
+            for spare in self._ready:
+                if spare.ready():
+                    _normal_policy(spare.proc.pid)
 
     def pids(self) -> set[int]:
         with self._lock:

@@ -248,9 +248,12 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
     cfg = replace(cfg, job_id=job_id())  # every run of the job has it (its restarts are re-planned from cfg)
     plan = build_job(cfg, gpus.detect)
     job = _toward_master(plan.job, os.environ) if cfg.no_ssh else plan.job
-    # Only a local node keeps spares: a remote agent is a new process at every run.
-    spares = SparePool(os.environ) if job.launcher == "local" and policy.max_restarts and cfg.warm_spares else None
-    runner = _runner(job.launcher, spares)  # an unknown --launcher fails before any note is printed
+    # Only a local node keeps spares here: a remote agent is a new process at every run (a Ray
+    # node's actor, kept for the job, keeps them itself: ``RayNodes``).
+    restarts = policy.max_restarts if cfg.warm_spares else 0
+    spares = SparePool(os.environ) if job.launcher == "local" and restarts else None
+    kept = _kept(job.launcher, spares, restarts)
+    runner = _runner(job.launcher, kept)  # an unknown --launcher fails before any note is printed
     if job.launcher == "local":
         check_script(cfg)  # also for --dry-run: it fails like a real run would
     for note in plan.notes:
@@ -286,7 +289,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
     events = EventLog(job.monitor.log_dir, echo=print_event)  # one log for the job, whatever its restarts
     preemption = Preemption(enabled=job.launcher == "slurm")
     loop = JobLoop(policy, plan_attempt,
-                   lambda j: preemption.track(next(runners, None) or _runner(j.launcher, spares)), events)
+                   lambda j: preemption.track(next(runners, None) or _runner(j.launcher, kept)), events)
     started = time.monotonic()
     code: int | None = None
     try:
@@ -296,16 +299,29 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
         code = err.exit_code
         raise
     finally:
-        if spares is not None:
-            spares.close()
+        if kept is not None:
+            kept.close()
         free_memory_stores(events.events, cfg.job_id)  # the job's snapshots in host memory
         events.emit("end", exit_code=code, duration_s=round(time.monotonic() - started, 3))
         events.close()
 
 
-def _runner(name: str, spares: SparePool | None):  # -> Runner
-    """A new runner for one run; the local one gets the job's spares."""
-    return LocalRunner(spares) if name == "local" else get_runner(name)()
+def _kept(name: str, spares: SparePool | None, restarts: int):  # -> SparePool | RayNodes | None
+    """What the job keeps across its runs (closed when it ends): the local node's spares, or the
+    Ray nodes' placement group and actors (with standby agents and spares while one of
+    ``restarts`` is left)."""
+    if name == "ray":
+        from dslaunch.launcher.runners.ray.nodes import RayNodes
+
+        return RayNodes(restarts)
+    return spares
+
+
+def _runner(name: str, kept):  # -> Runner
+    """A new runner for one run, given what the job keeps (``_kept``)."""
+    if name == "local":
+        return LocalRunner(kept)
+    return get_runner(name)(kept) if name == "ray" else get_runner(name)()
 
 
 def _monitor_line(job: JobSpec) -> str:

@@ -11,7 +11,9 @@ group before the loop runs: ``initialize`` uses it.
 
 Options for tests: ``--losses FILE`` (rank 0 appends one JSON line per step: step, loss, world, time),
 ``--ckpt DIR --save_every K`` (checkpoint every K steps), ``--load DIR --load_tag TAG`` (resume from
-that checkpoint), ``--sleep S`` (seconds per step), ``--max_failures N`` (Ray Train's restarts), ``--min_workers N``
+that checkpoint), ``--sleep S`` (seconds per step), ``--fail_at K`` (the last rank raises at step K in a run that
+started from step 0: a fault for Ray Train's restart), ``--phases FILE`` (rank 0 appends when its process started, had
+imported torch and the engine, and had initialized and loaded: a restart's breakdown), ``--max_failures N`` (Ray Train's restarts), ``--min_workers N``
 (Ray Train's elastic worker group).
 """
 
@@ -25,6 +27,8 @@ import torch
 from torch import nn
 
 import dslaunch as deepspeed
+
+IMPORTED_AT = time.time()  # torch and the engine imported (a warm spare had them before the run)
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -64,8 +68,11 @@ def train_loop_per_worker(config: dict) -> None:
     elif config["load"]:
         engine.load_checkpoint(config["load"], tag=config["load_tag"])
     rank0 = engine.global_rank == 0
+    fail_at = config["fail_at"] if engine.global_steps == 0 and engine.global_rank == engine.world_size - 1 else 0
     if rank0:
         print(f"world={engine.world_size} resumed_at={engine.global_steps}", flush=True)
+        if config["phases"]:
+            _phases(config["phases"], initialized=time.time())
     while engine.global_steps < config["steps"]:
         for x, y in loader:
             loss = nn.functional.mse_loss(engine(x), y)
@@ -80,9 +87,20 @@ def train_loop_per_worker(config: dict) -> None:
                                             "t": time.time()}) + "\n")
             if config["save_every"] and step % config["save_every"] == 0:
                 _save(engine, config, step, in_ray)
+            if step == fail_at:
+                raise RuntimeError(f"--fail_at {fail_at}: the injected fault")
             time.sleep(config["sleep"])
             if step >= config["steps"]:
                 break
+
+
+def _phases(path: str, **times: float) -> None:
+    """One JSON line: this process's start, its imports done, and ``times``."""
+    import psutil
+
+    record = {"pid": os.getpid(), "started": psutil.Process().create_time(), "imported": IMPORTED_AT, **times}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _save(engine, config: dict, step: int, in_ray: bool) -> None:
@@ -136,6 +154,8 @@ def main() -> None:
     p.add_argument("--load", default=None)
     p.add_argument("--load_tag", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--phases", default=None)
+    p.add_argument("--fail_at", type=int, default=0)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     config = vars(p.parse_args())
     # Started by a launcher (dslaunch, deepspeed, torchrun): run the loop here; else Ray Train runs it.

@@ -8,7 +8,9 @@ Launch pipeline (``remote.RemoteRunner``: open, preflight, hand over):
    clear error after ``PROBE_TIMEOUT``, nothing started);
 2. start one ``actor.AgentProcess`` in each bundle; it runs ``agent.bootstrap`` (probe, then the
    agent) with the node's interpreter; its stdout/stderr come back through the actor
-   (``RaySession``) and are sorted as any agent's (``stream.AgentStream``);
+   (``RaySession``) and are sorted as any agent's (``stream.AgentStream``). The placement group
+   and the actors are the job's (``nodes.RayNodes``): a restart reuses the surviving nodes'
+   actors, and their standby agents and warm spares;
 3. the probes are checked as over SSH, then each agent gets its NodeSpec.
 
 From then on dslaunch's monitor does the rest, as for SSH and SLURM: heartbeats, hang blame, the
@@ -17,9 +19,10 @@ with it: the controller's pending read fails at once (``ActorUnavailableError``/
 the node is a lost host (cause ``host_lost``), and an elastic job restarts without it. A node that
 freezes is caught by the gang's silence rule (``HOST_SILENT_S``).
 
-The placement group and the actors are released when the run ends (``wait``) or fails to start;
-if the controller itself dies, Ray ends its actors, and each agent, finding its stdin closed,
-stops its workers.
+The placement group and the actors are released when the job ends (a runner given no
+``RayNodes``: when its run ends or fails to start); an actor that died or was torn down is
+forgotten after its run. If the controller itself dies, Ray ends its actors, and each agent,
+finding its stdin closed, stops its workers.
 """
 
 from __future__ import annotations
@@ -34,27 +37,20 @@ from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import format_node
 from dslaunch.launcher.runners.preflight import PROBE_TIMEOUT, agent_argv, node_request
-from dslaunch.launcher.runners.ray.actor import STREAMS, AgentProcess
+from dslaunch.launcher.runners.ray.actor import STREAMS
 from dslaunch.launcher.runners.ray.cluster import RayCluster, connect, import_ray
+from dslaunch.launcher.runners.ray.nodes import NoRoom, RayNodes, bundle
 from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.stream import AgentStream, StreamNode
-from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, JobSpec, NodeSpec
+from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, JobSpec
 from dslaunch.launcher.workerenv import remote_node
 
-__all__ = ["RayRunner", "RayError", "RaySession", "bundle"]
-
-# A threaded actor: one read in flight per stream, one write, and the control calls.
-_ACTOR_THREADS = 4
+__all__ = ["RayRunner", "RayError", "RaySession"]
 
 
 class RayError(HostsError):
     """One or more Ray nodes could not start their agent. Causes: ``ray`` (no room for the
     placement group, the actor died while starting), ``timeout``, and preflight's."""
-
-
-def bundle(node: NodeSpec, gpus: int) -> dict[str, float]:
-    """The resources one node's bundle (and actor) holds: its workers' GPUs, else CPUs."""
-    return {"GPU": float(len(node.workers))} if gpus else {"CPU": float(len(node.workers))}
 
 
 class RaySession(AgentStream):
@@ -65,22 +61,30 @@ class RaySession(AgentStream):
         self._ray = import_ray()
         self.transport_errors = (OSError, EOFError, self._ray.exceptions.RayError)
         self.actor = actor
+        self.actor_gone = False
+        """The actor died or was torn down: not to be used by another run."""
         self._writes: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._closed = False
+        self._started = None  # the actor's answer to start: the agent's pid
 
-    def start(self, request: dict) -> None:
-        """Start the agent; readers and the writer run in threads (non-blocking)."""
-        started = self.actor.start.remote(request)
-        readers = [threading.Thread(target=self._read, args=(self._recv(started, s), h), daemon=True)
+    def start(self, request: dict, spares: int = 0) -> None:
+        """Start the agent (``AgentProcess.start``); readers and the writer run in threads
+        (non-blocking)."""
+        self._started = self.actor.start.remote(request, spares)
+        readers = [threading.Thread(target=self._read, args=(self._recv(s), h), daemon=True)
                    for s, h in zip(STREAMS, (self._stdout_line, self._stderr_line), strict=True)]
         for t in readers:
             t.start()
         threading.Thread(target=self._write_all, daemon=True, name=f"ray-in-{self.alias}").start()
         threading.Thread(target=self._finish, args=(readers,), daemon=True, name=f"ray-{self.alias}").start()
 
-    def _recv(self, started, stream: str):
+    def _pid(self) -> int:
+        """The agent's pid, once it started (raises if the actor never ran)."""
+        return self._ray.get(self._started)
+
+    def _recv(self, stream: str):
         def recv(size: int) -> bytes:
-            self._ray.get(started)  # the first read waits for the agent (raises if the actor never ran)
+            self._pid()  # the first read waits for the agent
             return self._ray.get(self.actor.read.remote(stream, size))
         return recv
 
@@ -88,11 +92,11 @@ class RaySession(AgentStream):
         """Writes in order, one at a time (a threaded actor would not keep their order)."""
         while (data := self._writes.get()) is not None:
             try:
-                self._ray.get(self.actor.write.remote(data))
+                self._ray.get(self.actor.write.remote(data, self._pid()))
             except self.transport_errors:
                 return
         try:
-            self._ray.get(self.actor.close_stdin.remote())
+            self._ray.get(self.actor.close_stdin.remote(self._pid()))
         except self.transport_errors:
             pass
 
@@ -102,6 +106,7 @@ class RaySession(AgentStream):
         try:
             code, lost = self._ray.get(self.actor.wait.remote()), False
         except self._ray.exceptions.RayError as exc:  # the actor (its node) is gone
+            self.actor_gone = True
             self._stderr_line(f"ray: {str(exc).splitlines()[0]}\n".encode())
             code, lost = HOST_LOST_EXIT_CODE, True
         self._ended(code, lost=lost or (self.status is None and code != 0))
@@ -119,6 +124,7 @@ class RaySession(AgentStream):
 
     def terminate(self) -> None:
         """Last resort: kill the agent, then its actor."""
+        self.actor_gone = True
         try:
             self.actor.kill.remote()
             self._ray.kill(self.actor, no_restart=True)
@@ -146,10 +152,10 @@ class RayRunner(RemoteRunner):
     cause = "ray"
     lost_on_start = "the Ray node's actor died while starting"
 
-    def __init__(self, out_fd: int = 1, err_fd: int = 2) -> None:
+    def __init__(self, nodes: RayNodes | None = None, out_fd: int = 1, err_fd: int = 2) -> None:
         super().__init__(out_fd, err_fd)
-        self._pg = None
-        self._actors: list = []
+        self._owns_nodes = nodes is None
+        self._nodes = RayNodes() if nodes is None else nodes
 
     def _exported(self) -> dict[str, str]:
         # Ray gives each actor the GPUs of its bundle (CUDA_VISIBLE_DEVICES): never the controller's.
@@ -163,32 +169,21 @@ class RayRunner(RemoteRunner):
         return connect(None if job.ray_address == "local" else job.ray_address)
 
     def _open_sessions(self, job: JobSpec, wake: threading.Event) -> str:
-        ray = import_ray()
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         cluster = self._cluster(job)
         alive = {n.host: n for n in cluster.nodes}
         gone = [n.host for n in job.nodes if n.host not in alive]
         if gone:
             raise self.error({h: ("ray", "this Ray node is no longer in the cluster") for h in gone})
-        bundles = [bundle(n, alive[n.host].gpus) for n in job.nodes]
-        self._pg = ray.util.placement_group(
-            bundles, strategy="STRICT_SPREAD",
-            bundle_label_selector=[{"ray.io/node-id": alive[n.host].node_id} for n in job.nodes])
-        ready, _ = ray.wait([self._pg.ready()], timeout=PROBE_TIMEOUT)
-        if not ready:
-            raise self.error({n.host: ("ray", f"the Ray cluster did not reserve {_show(b)} on this node within "
-                                              f"{PROBE_TIMEOUT:g} s (busy with other jobs, or gone)")
-                              for n, b in zip(job.nodes, bundles, strict=True)})
-        remote = ray.remote(max_concurrency=_ACTOR_THREADS)(AgentProcess)
-        for i, (node, res) in enumerate(zip(job.nodes, bundles, strict=True)):
-            actor = remote.options(num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0), max_restarts=0,
-                                   name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i)
-                                   ).remote()
-            self._actors.append(actor)
-            session = RaySession(node.host, actor, self._out, self._err, on_change=wake.set)
+        try:
+            actors = self._nodes.actors(job, cluster)
+        except NoRoom as err:
+            raise self.error({h: ("ray", f"the Ray cluster did not reserve {_show(b)} on this node within "
+                                         f"{PROBE_TIMEOUT:g} s (busy with other jobs, or gone)")
+                              for h, b in err.bundles.items()}) from None
+        for node in job.nodes:
+            session = RaySession(node.host, actors[node.host], self._out, self._err, on_change=wake.set)
             self.sessions[node.host] = session
-            session.start(node_request(job, node))
+            session.start(node_request(job, node), self._nodes.spares(node))
         return job.master_addr
 
     def _diagnose(self, python: str, exit_code: int | None, stderr: str, lost: bool) -> tuple[str, str]:
@@ -213,17 +208,13 @@ class RayRunner(RemoteRunner):
             self._release()
 
     def _release(self) -> None:
-        """End the actors (each agent then finds its stdin closed) and free the placement group."""
-        ray = import_ray()
-        for actor in self._actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except ray.exceptions.RayError:
-                pass
-        self._actors = []
-        if self._pg is not None:
-            ray.util.remove_placement_group(self._pg)
-            self._pg = None
+        """Forget the actors that are gone or were torn down; end them all when the runner owns
+        its nodes (no job-wide ``RayNodes`` given)."""
+        for host, session in self.sessions.items():
+            if session.actor_gone:
+                self._nodes.forget(host)
+        if self._owns_nodes:
+            self._nodes.close()
 
     def dry_run(self, job: JobSpec) -> str:
         gpus = {n.host: n.gpus for n in self._cluster(job).nodes}

@@ -27,9 +27,24 @@ _STORE = 100 * 2**20
 class RayTestCluster:
     """The cluster and what tests do to it: its address, its nodes, killing one."""
 
-    def __init__(self, cluster) -> None:
+    def __init__(self, cluster, tmp: str) -> None:
         self.cluster = cluster
         self.address = cluster.address
+        self.tmp = tmp
+        """``RAY_TMPDIR`` of its nodes: every process they start carries it."""
+
+    def agents(self) -> list[psutil.Process]:
+        """dslaunch processes its nodes' actors started and that are alive: agents (standby ones
+        too) and their warm spares."""
+        found = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if (p.environ().get("RAY_TMPDIR") == self.tmp and p.status() != psutil.STATUS_ZOMBIE
+                        and any(a.startswith("dslaunch.launcher.agent") for a in p.cmdline())):
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
 
     def worker_nodes(self) -> list:
         return list(self.cluster.worker_nodes)
@@ -78,7 +93,7 @@ def local_cluster() -> Iterator[RayTestCluster]:
             for cpus in NODE_CPUS[1:]:
                 cluster.add_node(num_cpus=cpus, object_store_memory=_STORE)
             cluster.wait_for_nodes()
-            yield RayTestCluster(cluster)
+            yield RayTestCluster(cluster, tmp)
     finally:
         if cluster is not None:
             cluster.shutdown()
