@@ -13,7 +13,9 @@ Tokens move by slot index (one ``index_add`` in, one ``index_select`` out), neve
 
 Collective: with ``ep_size`` > 1 ``forward`` is collective on the expert group (every rank of it
 must call it, with the same number of tokens); without ``drop_tokens`` the gate agrees on the
-capacity with an all-reduce there too.
+capacity with an all-reduce there too. Each all-to-all waits marked for the hang monitor with the
+layer (``layer_id``: the engine numbers the layers, ``number_moe_layers``) and the expert group
+(``dslaunch.utils.beat.ExpertExchange``), and the comms logger counts it.
 
 Limitations: no Tutel (``use_tutel`` is logged and ignored, as DeepSpeed does without Tutel
 installed); no tensor parallelism inside or beside the experts (refused at
