@@ -16,12 +16,13 @@ collective, so every rank stops moving at once. The ones to name are those at th
 among those, a rank found stopped (SIGSTOP), then one that went silent (no beat at all: its
 process is frozen), then one an MoE layer's all-to-all waits for (a member of a waiting rank's
 expert group that is not in that exchange: it skipped it, or called another collective; the
-beat names the layer and group, ``ExpertExchange``), then one that is not waiting for its peers. A rank waits when its beat says
-so (``Beat.waiting``: the engine's collectives and waits, and ``dslaunch.comm``'s, mark
-themselves), or, for a collective the script calls on ``torch.distributed`` itself (nothing marks
-those), when its main thread's innermost frame is in ``torch.distributed``. Each filter applies
-only when it narrows the set. File paths alone cannot tell: the engine waits in its own frames
-(``work.wait()`` in the gradient reducer), where a rank stuck in the script's code is too.
+beat names the layer and group, ``ExpertExchange``), then one that is not waiting for its peers.
+A rank waits when its beat says so (``Beat.waiting``: the engine's collectives and waits, and
+``dslaunch.comm``'s, mark themselves), or, for a collective the script calls on
+``torch.distributed`` itself (nothing marks those), when its main thread's innermost frame is in
+``torch.distributed``. Each filter applies only when it narrows the set. File paths alone cannot
+tell: the engine waits in its own frames (``work.wait()`` in the gradient reducer), where a rank
+stuck in the script's code is too.
 """
 
 from __future__ import annotations
