@@ -461,7 +461,8 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
 
 def _set_parallelism(module: torch.nn.Module, data_before_expert: bool) -> None:
     """Let every submodule that asks (DeepSpeed's MoE layers: ``set_deepspeed_parallelism``) make
-    its expert groups before ZeRO places their parameters, as DeepSpeed's engine does.
+    its expert groups before ZeRO places their parameters, as DeepSpeed's engine does; number the
+    MoE layers (``moe_layer_id``).
 
     collective: every rank (the layers create process groups).
     """
@@ -469,6 +470,9 @@ def _set_parallelism(module: torch.nn.Module, data_before_expert: bool) -> None:
         setter = getattr(sub, "set_deepspeed_parallelism", None)
         if callable(setter):
             setter(data_before_expert)
+    from dslaunch.runtime.moe.layer import number_moe_layers
+
+    number_moe_layers(module)
 
 
 def _sequence_size(mpu: Any) -> int:

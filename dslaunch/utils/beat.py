@@ -19,11 +19,13 @@ The channel, set up by the agent for every worker (see ``launcher/workerenv.py``
 from __future__ import annotations
 
 import json
+import re
 import signal
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-__all__ = ["Beat", "Memory", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "CHECKPOINT_SIGNAL", "MAX_LINE",
+__all__ = ["Beat", "Memory", "ExpertExchange", "HEARTBEAT_FD_ENV", "STACK_FD_ENV", "STACK_SIGNAL", "CHECKPOINT_SIGNAL", "MAX_LINE",
            "MAX_HANG_TIMEOUT", "MIN_HANG_TIMEOUT"]
 
 HEARTBEAT_FD_ENV = "DSLAUNCH_HEARTBEAT_FD"
@@ -139,3 +141,74 @@ class Beat:
             return cls.from_dict(raw) if isinstance(raw, dict) else None
         except (ValueError, TypeError, KeyError):
             return None
+
+
+@dataclass(frozen=True)
+class ExpertExchange:
+    """An MoE layer's all-to-all over its expert group, as the name of a wait (``Beat.waiting``):
+    ``moe all_to_all (dispatch) of layer 3, experts 0-7 on ranks 4-7``. The worker names the whole
+    group (made once per layer); the monitor reads it back (``parse``) and names the experts the
+    waiting rank waits for (``name(ranks)``: those on the ranks that are not in it).
+
+    ``phase``: ``dispatch``, ``combine``, or either followed by ``, backward``; ``layer``: the MoE
+    layer's index in the model (DeepSpeed's ``moe_layer_id``), None when not numbered; ``ranks``:
+    the expert group's global ranks in group order (group rank ``i`` holds experts
+    ``i * experts_per_rank`` to ``(i + 1) * experts_per_rank - 1``).
+    """
+
+    phase: str
+    layer: int | None
+    ranks: tuple[int, ...]
+    experts_per_rank: int
+
+    def __str__(self) -> str:
+        return self.name(self.ranks)
+
+    def name(self, ranks: Collection[int]) -> str:
+        """The exchange named by the experts on ``ranks`` (those of its group among them)."""
+        held = [r for r in self.ranks if r in ranks]
+        n = self.experts_per_rank
+        experts = [self.ranks.index(r) * n + j for r in held for j in range(n)]
+        layer = f" of layer {self.layer}" if self.layer is not None else ""
+        return (f"moe all_to_all ({self.phase}){layer}, expert{'s' * (len(experts) != 1)} {_spans(experts)} "
+                f"on rank{'s' * (len(held) != 1)} {_spans(held)}")
+
+    @classmethod
+    def parse(cls, text: str | None) -> ExpertExchange | None:
+        """The exchange a wait's name describes (its whole group, as ``str`` writes it), or None."""
+        m = _EXCHANGE.match(text or "")
+        if m is None:
+            return None
+        ranks, experts = _unspans(m["ranks"]), _unspans(m["experts"])
+        if not ranks or len(experts) % len(ranks):
+            return None
+        layer = int(m["layer"]) if m["layer"] is not None else None
+        return cls(m["phase"], layer, tuple(ranks), len(experts) // len(ranks))
+
+
+_EXCHANGE = re.compile(r"^moe all_to_all \((?P<phase>[^)]+)\)(?: of layer (?P<layer>\d+))?, "
+                       r"experts? (?P<experts>[\d,-]+) on ranks? (?P<ranks>[\d,-]+)$")
+
+
+def _spans(numbers: Iterable[int]) -> str:
+    """``0-3,8,10-11``: runs of consecutive numbers, in the order given."""
+    runs: list[list[int]] = []
+    for x in numbers:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def _unspans(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or int(last or first) - int(first) > _MAX_SPAN:
+            return []
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
+_MAX_SPAN = 1 << 20  # more ranks or experts than any job has: not a name the runtime wrote

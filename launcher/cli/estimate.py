@@ -108,6 +108,10 @@ def _base_config(path: str | None) -> dict:
               help="Tensor-parallel degree (a what-if: dslaunch has no tensor parallelism yet).")
 @click.option("--sequence_parallel_size", "sequence", type=click.IntRange(min=1),
               help="Ranks that split each sequence (Ulysses; default: the config's, or 1).")
+@click.option("--expert_parallel_size", "expert_parallel", type=click.IntRange(min=1),
+              help="Ranks each MoE layer's experts are spread over (default: the config's AutoEP size, or 1).")
+@click.option("--expert_params", help="With --params: how many of them are MoE experts' (all experts): 45B.")
+@click.option("--num_experts", type=click.IntRange(min=1), help="Experts per MoE layer (with --params).")
 @click.option("--flash_attention", is_flag=True, help="Attention stores no seq x seq scores.")
 @click.option("--no_attention", is_flag=True, help="Layers are residual MLP blocks without attention.")
 @click.option("--no_zero_init", is_flag=True, help="Stage 3 models not built under zero.Init.")
@@ -119,14 +123,19 @@ def _base_config(path: str | None) -> dict:
 @click.option("--deepspeed", "deepspeed_tables", is_flag=True,
               help="Print DeepSpeed's own ZeRO-2/3 tables (its formulas) instead.")
 def command(params, largest_layer, hf_config, model, hidden, layers, heads, vocab, ffn, num_gpus, num_nodes,
-            micro_batch, seq_len, precision, stages, offload, optimizer, pipeline, tensor, sequence, flash_attention,
-            no_attention, no_zero_init, gpu_memory, cpu_memory, deepspeed_config, as_json, deepspeed_tables) -> int:
+            micro_batch, seq_len, precision, stages, offload, optimizer, pipeline, tensor, sequence, expert_parallel,
+            expert_params, num_experts, flash_attention, no_attention, no_zero_init, gpu_memory, cpu_memory, deepspeed_config, as_json, deepspeed_tables) -> int:
     """Per-GPU and per-node memory of every ZeRO stage, offload and precision, sorted by what fits."""
     from dslaunch.runtime.estimate import PRECISIONS, TrainingSetup
     from dslaunch.runtime.estimate import sweep as sw
 
+    if (expert_params or num_experts) and not params:
+        raise UsageError("dslaunch estimate --expert_params/--num_experts: only with --params (a config or a "
+                         "model given counts its own experts)")
+    experts = parse_count("--expert_params", expert_params) if expert_params else None
     shape = _shape(params, largest_layer, hf_config, model).with_dims(
-        hidden=hidden, layers=layers, heads=heads, vocab=vocab, ffn=ffn, attention=False if no_attention else None)
+        hidden=hidden, layers=layers, heads=heads, vocab=vocab, ffn=ffn, attention=False if no_attention else None,
+        expert_params=experts, num_experts=num_experts)
     if deepspeed_tables:
         from dslaunch.runtime.estimate.deepspeed_formulas import zero2_table, zero3_table
 
@@ -135,8 +144,8 @@ def command(params, largest_layer, hf_config, model, hidden, layers, heads, voca
         return 0
     overrides = {"gpus_per_node": num_gpus, "nodes": num_nodes, "seq_len": seq_len, "pipeline": pipeline,
                  "tensor": tensor, "flash_attention": flash_attention, "zero_init": not no_zero_init}
-    overrides.update({k: v for k, v in (("micro_batch", micro_batch), ("optimizer", optimizer), ("sequence", sequence))
-                      if v is not None})
+    overrides.update({k: v for k, v in (("micro_batch", micro_batch), ("optimizer", optimizer), ("sequence", sequence),
+                                        ("expert_parallel", expert_parallel)) if v is not None})
     base = TrainingSetup.from_ds_config(_base_config(deepspeed_config), **overrides)
     stage_list = tuple(int(x) for x in _csv("--stages", stages, ("0", "1", "2", "3")))
     if precision is None:

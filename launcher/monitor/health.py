@@ -14,12 +14,15 @@ runtime) is not judged.
 Blame (``behind``): in a data-parallel job one stuck rank stalls all others in their next
 collective, so every rank stops moving at once. The ones to name are those at the lowest step;
 among those, a rank found stopped (SIGSTOP), then one that went silent (no beat at all: its
-process is frozen), then one that is not waiting for its peers. A rank waits when its beat says
-so (``Beat.waiting``: the engine's collectives and waits, and ``dslaunch.comm``'s, mark
-themselves), or, for a collective the script calls on ``torch.distributed`` itself (nothing marks
-those), when its main thread's innermost frame is in ``torch.distributed``. Each filter applies
-only when it narrows the set. File paths alone cannot tell: the engine waits in its own frames
-(``work.wait()`` in the gradient reducer), where a rank stuck in the script's code is too.
+process is frozen), then one an MoE layer's all-to-all waits for (a member of a waiting rank's
+expert group that is not in that exchange: it skipped it, or called another collective; the
+beat names the layer and group, ``ExpertExchange``), then one that is not waiting for its peers.
+A rank waits when its beat says so (``Beat.waiting``: the engine's collectives and waits, and
+``dslaunch.comm``'s, mark themselves), or, for a collective the script calls on
+``torch.distributed`` itself (nothing marks those), when its main thread's innermost frame is in
+``torch.distributed``. Each filter applies only when it narrows the set. File paths alone cannot
+tell: the engine waits in its own frames (``work.wait()`` in the gradient reducer), where a rank
+stuck in the script's code is too.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from dslaunch.utils.beat import Beat
+from dslaunch.utils.beat import Beat, ExpertExchange
 
-__all__ = ["Health", "RankHealth", "top_frame", "FIRST_STEP_ALLOWANCE_S", "SILENT_AFTER_S"]
+__all__ = ["Health", "RankHealth", "top_frame", "waited_for", "FIRST_STEP_ALLOWANCE_S", "SILENT_AFTER_S"]
 
 FIRST_STEP_ALLOWANCE_S = 60.0
 SILENT_AFTER_S = 4.0
@@ -122,9 +125,11 @@ class Health:
             return []
         low = min(_order(h.step) for h in heard)
         suspects = [h.rank for h in heard if _order(h.step) == low]
+        absent = self.absent_from_exchanges(stacks, now)
         filters = (
             lambda r: bool(stacks.get(r, {}).get("stopped")),
             lambda r: self.silent(r, now),
+            lambda r: r in absent,
             lambda r: not self.waiting(r, stacks.get(r, {}), now),
         )
         for keep in filters:
@@ -132,6 +137,13 @@ class Health:
             if narrowed and len(narrowed) < len(suspects):
                 suspects = narrowed
         return sorted(suspects)
+
+    def absent_from_exchanges(self, stacks: Mapping[int, dict], now: float | None = None) -> set[int]:
+        """The ranks an MoE layer's all-to-all waits for: members of a waiting rank's expert group
+        (``ExpertExchange``) that are not in that same exchange (elsewhere, or in another wait)."""
+        waits = {r: self.wait_of(r, stacks.get(r, {}), now) for r in self.ranks}
+        names = {r: w[0] for r, w in waits.items() if w is not None}
+        return {r for name, exchange in _exchanges(names) for r in _not_in(name, exchange, names)}
 
     def waiting(self, rank: int, dump: Mapping, now: float | None = None) -> bool:
         """Whether ``rank`` waits for its peers (see the module docstring); ``dump``: its node's
@@ -187,6 +199,27 @@ class Health:
         if out["step"] < 0:
             out["step"] = None
         return out
+
+
+def waited_for(name: str, waits: Mapping[int, str | None]) -> str:
+    """``name`` (a wait) as the hang report says it: an MoE layer's all-to-all names the experts
+    it waits on, those on the members of its group not in it (``waits``: each rank's wait)."""
+    exchange = ExpertExchange.parse(name)
+    if exchange is None:
+        return name
+    missing = _not_in(name, exchange, waits)
+    return exchange.name(missing) if missing else name
+
+
+def _exchanges(names: Mapping[int, str]) -> list[tuple[str, ExpertExchange]]:
+    """The distinct MoE exchanges ranks wait in (name, exchange)."""
+    parsed = {name: ExpertExchange.parse(name) for name in set(names.values())}
+    return [(name, ex) for name, ex in parsed.items() if ex is not None]
+
+
+def _not_in(name: str, exchange: ExpertExchange, waits: Mapping[int, str | None]) -> list[int]:
+    """The members of ``exchange``'s group whose wait (``waits``) is not it (``name``)."""
+    return [r for r in exchange.ranks if waits.get(r) != name]
 
 
 _PHASES = {"checkpoint": "while saving or loading a checkpoint", "exit": "while the process exits"}

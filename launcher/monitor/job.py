@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from dslaunch.errors import name_ranks
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.failures import OOM_REMEDIES, classify, is_peer_loss
-from dslaunch.launcher.monitor.health import Health, top_frame
+from dslaunch.launcher.monitor.health import Health, top_frame, waited_for
 from dslaunch.launcher.monitor.status import StatusLine, process_start_ticks
 from dslaunch.launcher.spec import HANG_EXIT_CODE, JobSpec, NodeResult
 from dslaunch.utils.beat import Beat
@@ -273,14 +273,17 @@ class JobMonitor:
             parts.append("silent: no heartbeat")
         elif info.get("activity"):
             parts.append(f"it was {info['activity']}")
+        if info.get("waiting_in"):  # in another collective than its peers (an MoE exchange's)
+            parts.append(f"it was waiting in {info['waiting_in']}")
         if info.get("top_frame"):
             parts.append(f"it was in {info['top_frame']}")
         waits: dict[str, list[int]] = {}
+        waiting_in = {int(rank): r.get("waiting_in") for rank, r in ranks.items()}
         for rank, r in ranks.items():
             if r.get("waiting_in") and int(rank) != failure.rank:
                 # what the engine said it was doing, e.g. which pipeline receive
                 doing = f" ({r['activity']})" if r.get("activity") else ""
-                waits.setdefault(f"{r['waiting_in']}{doing}", []).append(int(rank))
+                waits.setdefault(f"{waited_for(r['waiting_in'], waiting_in)}{doing}", []).append(int(rank))
         parts += [f"{name_ranks(rs)} waited for it in {name}" for name, rs in list(waits.items())[:3]]
         if self.events.directory:
             parts.append(f"every rank's stack is in {self.events.directory}")

@@ -26,7 +26,9 @@ The model is dslaunch's engine as built (``runtime/zero/``), not a rule of thumb
   real forward + backward creates (``estimate_bench.py``).
 
 Data parallelism is ``world / (pipeline * tensor * sequence)``; ZeRO partitions over data x
-sequence, and a sequence rank holds ``1/sequence`` of each sample's activations (Ulysses); a pipeline stage holds ``1/pipeline`` of the
+sequence; expert parameters (``ModelShape.expert_params``) are held ``1/expert_parallel`` a rank
+and partitioned over the expert-data group (data x sequence / expert_parallel), so from stage 1 a
+rank's share of the master and optimizer state is the dense one's, ``1/(data x sequence)``; and a sequence rank holds ``1/sequence`` of each sample's activations (Ulysses); a pipeline stage holds ``1/pipeline`` of the
 parameters, a tensor slice ``1/tensor`` (tensor parallelism does not exist in dslaunch yet: the
 degree is a what-if that divides parameters and activations, as Megatron with sequence
 parallelism does).
@@ -41,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dslaunch.errors import UsageError
 from dslaunch.runtime.estimate.setup import MODEL_BYTES, OPTIMIZER_STATE_BYTES, TrainingSetup
 from dslaunch.runtime.estimate.shape import ModelShape
 
@@ -136,20 +139,24 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup | Mapping[str, Any],
         are a transformer formula (0 and ``activations_known=False`` without dimensions).
 
     Raises:
-        UsageError: an invalid setup.
+        UsageError: an invalid setup (also: ``expert_parallel`` not dividing the model's experts).
     """
     if not isinstance(setup, TrainingSetup):
         setup = TrainingSetup.from_ds_config(setup, **overrides)
     elif overrides:
         setup = setup.with_(**overrides)
     s = setup
+    if shape.num_experts and shape.num_experts % s.expert_parallel:
+        raise UsageError(f"expert_parallel: got {s.expert_parallel}; valid: a divisor of the model's "
+                         f"{shape.num_experts} experts a layer")
     r = _Rank.of(shape, s)
     placed = _weights(s, r) + _gradients(s, r) + _master_and_state(s, r) + _buffers(shape, s, r)
     acts = _activations(shape, s)
     device = placed.device + Parts(activations=acts or 0)
     # Each local rank builds the model in fp32 host memory first: whole, or under zero.Init one
-    # module at a time.
-    built = shape.largest_layer if s.stage == 3 and s.zero_init else shape.params
+    # module at a time; a model with experts builds only this rank's.
+    held = shape.params - shape.expert_params + math.ceil(shape.expert_params / s.expert_parallel)
+    built = shape.largest_layer if s.stage == 3 and s.zero_init else held
     k = s.gpus_per_node
     return MemoryEstimate(setup=s, device=device, host=placed.host.scaled(k), nvme=placed.disk.scaled(k),
                           activations_known=acts is not None, host_init=built * 4 * k)
@@ -167,8 +174,12 @@ class _Rank:
 
     @classmethod
     def of(cls, shape: ModelShape, s: TrainingSetup) -> _Rank:
-        params = math.ceil(shape.params / (s.pipeline * s.tensor))
-        part = math.ceil(params / (s.data_parallel * s.sequence))  # ZeRO partitions over data x sequence
+        model_part = s.pipeline * s.tensor
+        dense = math.ceil((shape.params - shape.expert_params) / model_part)
+        experts = math.ceil(shape.expert_params / (s.expert_parallel * model_part))  # this rank's experts
+        zero = s.data_parallel * s.sequence  # ZeRO partitions over data x sequence; experts over their part of it
+        part = math.ceil(dense / zero) + math.ceil(experts * s.expert_parallel / zero)
+        params = dense + experts
         return cls(params, part if s.stage >= 1 else params, part if s.stage == 3 else params,
                    MODEL_BYTES[s.precision])
 

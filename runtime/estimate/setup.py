@@ -47,6 +47,9 @@ class TrainingSetup:
         tensor: tensor-parallel degree (a what-if: dslaunch has no tensor parallelism yet).
         sequence: ranks that split each sequence (Ulysses, ``sequence_parallel_size``): each holds
             ``1/sequence`` of a sample's tokens; ZeRO partitions over data x sequence.
+        expert_parallel: ranks an MoE layer's experts are spread over (``ep_size``; AutoEP's
+            ``expert_parallel.autoep_size``): each holds ``1/expert_parallel`` of the experts, and
+            ZeRO partitions those over the rest of data parallelism (the expert-data group).
         reduce_bucket_size: elements per reduce bucket (``zero_optimization.reduce_bucket_size``).
         overlap_comm: reductions in flight while backward runs (more buckets alive).
         param_persistence_threshold, max_live_parameters: stage 3's knobs (DeepSpeed's names).
@@ -75,6 +78,7 @@ class TrainingSetup:
     pipeline: int = 1
     tensor: int = 1
     sequence: int = 1
+    expert_parallel: int = 1
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = False
     param_persistence_threshold: int = 100_000
@@ -105,7 +109,8 @@ class TrainingSetup:
             if f.type in ("int", "int | None") and value is not None and (isinstance(value, bool) or not
                                                                          isinstance(value, int)):
                 raise UsageError(f"{f.name}: got {value!r}; valid: an integer")
-        for name in ("micro_batch", "gpus_per_node", "nodes", "pipeline", "tensor", "sequence", "reduce_bucket_size",
+        for name in ("micro_batch", "gpus_per_node", "nodes", "pipeline", "tensor", "sequence", "expert_parallel",
+                     "reduce_bucket_size",
                      "sub_group_size", "nvme_buffer_count", "nvme_buffer_size", "param_buffer_count",
                      "param_buffer_size"):
             checks.append((getattr(self, name) >= 1, name, "a positive integer"))
@@ -117,6 +122,9 @@ class TrainingSetup:
         if self.world % (self.pipeline * self.tensor * self.sequence):
             raise UsageError(f"pipeline * tensor * sequence = {self.pipeline * self.tensor * self.sequence} must "
                              f"divide the world size {self.world} (gpus_per_node x nodes)")
+        if self.data_parallel % self.expert_parallel:
+            raise UsageError(f"expert_parallel: got {self.expert_parallel}; valid: a divisor of the data-parallel "
+                             f"size {self.data_parallel} (experts are spread over data-parallel ranks)")
 
     @property
     def world(self) -> int:
@@ -153,6 +161,7 @@ class TrainingSetup:
             "optimizer": optimizer if optimizer in OPTIMIZER_STATE_BYTES else None,
             "micro_batch": config.get("train_micro_batch_size_per_gpu"),
             "sequence": config.get("sequence_parallel_size"),
+            "expert_parallel": _autoep_size(config),
             "activation_checkpointing": bool(_section(config, "activation_checkpointing")) or None,
             "reduce_bucket_size": zero.get("reduce_bucket_size"), "overlap_comm": zero.get("overlap_comm"),
             "param_persistence_threshold": _stage3(zero, "param_persistence_threshold"),
@@ -188,6 +197,12 @@ def _micro_from_batch(config: Mapping[str, Any], overrides: Mapping[str, Any]) -
     sequence = sequence if isinstance(sequence, int) and sequence >= 1 else 1
     dp = world // (overrides.get("pipeline", 1) * overrides.get("tensor", 1) * sequence) or 1
     return max(1, total // (accum * dp))
+
+
+def _autoep_size(config: Mapping[str, Any]) -> Any:
+    """AutoEP's expert-parallel size (``expert_parallel.autoep_size`` when ``enabled``), or None."""
+    block = _section(config, "expert_parallel")
+    return block.get("autoep_size") if block.get("enabled") is True else None
 
 
 def _known(value: Any) -> bool:

@@ -43,6 +43,9 @@ class ModelShape:
             None; then activations are not estimated). ``ffn`` defaults to 4 * hidden.
         attention: the layers have self-attention; False: residual MLP blocks only (a norm, the
             FFN's two matrices and a dropout: the transformer layer's MLP half).
+        expert_params: the part of ``params`` in the experts of mixture-of-experts layers (all
+            experts counted): spread over the expert-parallel ranks (``TrainingSetup.expert_parallel``).
+        num_experts: experts per MoE layer, when known (the expert-parallel size must divide it).
         name: what the shape was read from, for tables.
     """
 
@@ -56,6 +59,8 @@ class ModelShape:
     vocab: int | None = None
     ffn: int | None = None
     attention: bool = True
+    expert_params: int = 0
+    num_experts: int | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -63,14 +68,17 @@ class ModelShape:
             raise UsageError(f"model: params must be a positive count, got {self.params}")
         if not 0 <= self.largest_layer <= self.params:
             raise UsageError(f"model: largest_layer must be in [0, params={self.params}], got {self.largest_layer}")
-        for name in ("hidden", "layers", "heads", "vocab", "ffn"):
+        if not 0 <= self.expert_params <= self.params:
+            raise UsageError(f"model: expert_params must be in [0, params={self.params}], got {self.expert_params}")
+        for name in ("hidden", "layers", "heads", "vocab", "ffn", "num_experts"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise UsageError(f"model: {name} must be a positive integer, got {value}")
 
     @classmethod
     def from_counts(cls, params: int, largest_layer: int = 0, **dims: Any) -> ModelShape:
-        """A shape from counts the user knows (``dims``: hidden, layers, heads, vocab, ffn, name)."""
+        """A shape from counts the user knows (``dims``: hidden, layers, heads, vocab, ffn,
+        expert_params, num_experts, name)."""
         return cls(params=int(params), largest_layer=int(largest_layer), **dims)
 
     @property
@@ -115,8 +123,16 @@ def from_hf_config(path: str) -> ModelShape:
     config has ``n_positions`` (GPT-2), the final norm and an untied output head. Exact for GPT-2
     and Llama-family checkpoints (GPT-2 small: 124,439,808; Llama-2-7B: 6,738,415,616).
 
-    Limitations: encoder-decoder and mixture-of-experts configs are counted as a plain decoder
-    (build such a model with ``from_builder`` instead).
+    Mixture of experts (``num_local_experts`` as Mixtral, ``num_experts`` as Qwen-MoE,
+    ``n_routed_experts``): an MoE layer's MLP is a router (hidden x experts) and every expert's MLP
+    (``moe_intermediate_size`` wide, else ``intermediate_size``), each matrix one tensor over the
+    experts (as transformers stores them), plus shared experts where the config has them
+    (``shared_expert_intermediate_size`` with its gate, ``n_shared_experts``); the layers that stay
+    dense are ``mlp_only_layers``, the first ``first_k_dense_replace`` and those off
+    ``decoder_sparse_step``.
+
+    Limitations: encoder-decoder configs are counted as a plain decoder, and so is DeepSeek's
+    multi-head latent attention (build such a model with ``from_builder`` instead).
 
     Raises:
         UsageError: the file cannot be read, is not JSON, or lacks hidden size, layers or vocab.
@@ -139,16 +155,45 @@ def from_hf_config(path: str) -> ModelShape:
     gated = str(cfg.get("hidden_act", cfg.get("activation_function", ""))).lower() in ("silu", "swiglu", "swish")
     bias = bool(cfg.get("attention_bias", not gated))  # GPT-2 style layers carry biases
     attn = [h * h, h * kv, h * kv, h * h] + ([h, kv, kv, h] if bias else [])
-    mlp = [h * ffn, ffn * h, h * ffn] if gated else [h * ffn, ffn, ffn * h, h]
+    mlp = _mlp(h, ffn, gated)
     norms = [h, h] if gated else [h, h, h, h]  # RMSNorm weights; LayerNorm weight + bias
     layer = attn + mlp + norms
     positions = [_positive(cfg, "n_positions") * h] if _positive(cfg, "n_positions") else []
     tied = bool(cfg.get("tie_word_embeddings", not gated))
     outer = [v * h, *positions, *([h] if gated else [h, h]), *([] if tied else [v * h])]
-    sizes = tuple(layer * n + outer)
+    experts = next((e for key in _HF_EXPERT_KEYS if (e := _positive(cfg, key)) is not None), None)
+    sparse = _sparse_layers(cfg, n) if experts else 0
+    expert_mlp = _mlp(h, _positive(cfg, "moe_intermediate_size") or ffn, gated) if experts else []
+    moe_layer = attn + [h * (experts or 0)] + [experts * x for x in expert_mlp] + _shared_experts(cfg, h, gated) + norms
+    sizes = tuple(layer * (n - sparse) + moe_layer * sparse + outer)
     return ModelShape(params=sum(sizes), largest_layer=max(sizes),
                       param_sizes=sizes, hidden=h, layers=n, heads=heads, vocab=v, ffn=ffn,
+                      expert_params=sum(expert_mlp) * (experts or 0) * sparse, num_experts=experts,
                       name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path)
+
+
+_HF_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _mlp(h: int, ffn: int, gated: bool) -> list[int]:
+    return [h * ffn, ffn * h, h * ffn] if gated else [h * ffn, ffn, ffn * h, h]
+
+
+def _sparse_layers(cfg: dict, layers: int) -> int:
+    """How many of ``layers`` are MoE layers (Qwen-MoE's and DeepSeek's rules for the dense ones)."""
+    step = _positive(cfg, "decoder_sparse_step") or 1
+    first = _positive(cfg, "first_k_dense_replace") or 0
+    only = cfg.get("mlp_only_layers") if isinstance(cfg.get("mlp_only_layers"), list) else []
+    return sum(1 for i in range(layers) if i >= first and i not in only and (i + 1) % step == 0)
+
+
+def _shared_experts(cfg: dict, h: int, gated: bool) -> list[int]:
+    """Shared experts beside the routed ones: Qwen2-MoE's (with a 1-wide gate), DeepSeek's."""
+    if width := _positive(cfg, "shared_expert_intermediate_size"):
+        return _mlp(h, width, gated) + [h]
+    if count := _positive(cfg, "n_shared_experts"):
+        return _mlp(h, count * (_positive(cfg, "moe_intermediate_size") or h), gated)
+    return []
 
 
 def from_module(model: Any, name: str = "") -> ModelShape:
@@ -156,13 +201,24 @@ def from_module(model: Any, name: str = "") -> ModelShape:
 
     Trainable parameters only; a tensor shared by several modules counts once (by identity, so
     meta tensors, which share no storage address, are deduplicated too). ``largest_layer`` is the
-    most parameters any one module holds itself.
+    most parameters any one module holds itself. Expert parameters (DeepSpeed's MoE marks) count
+    every expert of the layer, also those a model built at ``ep_size`` N leaves to other ranks.
     """
-    params = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
+    from dslaunch.runtime.moe.layer import MoE
+    from dslaunch.runtime.moe.utils import expert_group_name
+    from dslaunch.runtime.parallel.groups import ep_size_of
+
+    trained = {id(p): p for p in model.parameters() if p.requires_grad}
+    params = {k: p.numel() for k, p in trained.items()}
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return ModelShape(params=sum(params.values()), largest_layer=min(largest, sum(params.values())),
-                      param_sizes=tuple(params.values()), buffer_bytes=buffers, name=name)
+    # a model built at ep_size N holds 1/N of its experts: every expert counts
+    held = {k: ep_size_of(group) or 1 for k, p in trained.items() if (group := expert_group_name(p)) is not None}
+    experts = sum(params[k] * n for k, n in held.items())
+    total = sum(params.values()) - sum(params[k] for k in held) + experts
+    num_experts = max((m.num_experts for m in model.modules() if isinstance(m, MoE)), default=None)
+    return ModelShape(params=total, largest_layer=min(largest, total), param_sizes=tuple(params.values()),
+                      buffer_bytes=buffers, expert_params=experts, num_experts=num_experts, name=name)
 
 
 def from_builder(spec: str) -> ModelShape:

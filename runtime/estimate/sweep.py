@@ -89,6 +89,9 @@ def format_bytes(n: int) -> str:
 
 def _describe(shape: ModelShape, s: TrainingSetup) -> list[str]:
     dims = [f"{shape.params / 1e6:,.1f}M parameters", f"largest layer {shape.largest_layer / 1e6:,.1f}M"]
+    if shape.expert_params:
+        dims.append(f"{shape.expert_params / 1e6:,.1f}M in "
+                    + (f"{shape.num_experts} experts a layer" if shape.num_experts else "experts"))
     if shape.transformer:
         dims.append(f"hidden {shape.hidden}, {shape.layers} layers, {shape.heads or '?'} heads, "
                     f"vocab {shape.vocab or '?'}")
@@ -96,7 +99,9 @@ def _describe(shape: ModelShape, s: TrainingSetup) -> list[str]:
     return [f"Model{' ' + shape.name if shape.name else ''}: {', '.join(dims)}",
             f"Cluster: {s.nodes} node(s) x {s.gpus_per_node} GPU(s); data parallel {s.data_parallel}, "
             f"pipeline {s.pipeline}, tensor {s.tensor} (a what-if)"
-            + (f", sequence parallel {s.sequence}" if s.sequence > 1 else "") + f"; {work}; optimizer {s.optimizer}"]
+            + (f", sequence parallel {s.sequence}" if s.sequence > 1 else "")
+            + (f", expert parallel {s.expert_parallel}" if s.expert_parallel > 1 else "")
+            + f"; {work}; optimizer {s.optimizer}"]
 
 
 def format_table(shape: ModelShape, rows: list[Row], device_memory: int | None = None,

@@ -8,6 +8,7 @@ and ``group_name`` (the expert group, ``ep_size_<N>``, whose expert-data ranks h
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -24,10 +25,23 @@ class Experts(torch.nn.Module):
         super().__init__()
         self.deepspeed_experts = torch.nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
         self.num_local_experts = num_local_experts
+        self.routed: tuple[Tensor, int] | None = None
+        """The last call's routes (``[k, S]``: each route's expert, -1 when dropped) and the slots
+        it ran (``num_experts * capacity``), set by ``MOELayer``: for ``flops_share``."""
         for local in self.deepspeed_experts:
             for param in local.parameters():
                 param.allreduce = False
                 param.group_name = expert_group_name
+
+    @property
+    def flops_share(self) -> Callable[[], float] | None:
+        """For the flops profiler: the share of this call's slots that holds a routed token (kept
+        routes over slots, read after the step). A rank counts its own tokens' expert work: over
+        the expert group the counts add up to the experts' real work."""
+        if self.routed is None:
+            return None
+        experts, slots = self.routed
+        return lambda: int((experts >= 0).sum()) / slots
 
     def forward(self, inputs: Tensor) -> Tensor:
         outputs = []

@@ -13,7 +13,9 @@ Tokens move by slot index (one ``index_add`` in, one ``index_select`` out), neve
 
 Collective: with ``ep_size`` > 1 ``forward`` is collective on the expert group (every rank of it
 must call it, with the same number of tokens); without ``drop_tokens`` the gate agrees on the
-capacity with an all-reduce there too.
+capacity with an all-reduce there too. Each all-to-all waits marked for the hang monitor with the
+layer (``layer_id``: the engine numbers the layers, ``number_moe_layers``) and the expert group
+(``dslaunch.utils.beat.ExpertExchange``), and the comms logger counts it.
 
 Limitations: no Tutel (``use_tutel`` is logged and ignored, as DeepSpeed does without Tutel
 installed); no tensor parallelism inside or beside the experts (refused at
@@ -29,10 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dslaunch.runtime.comm import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.moe.experts import Experts
 from dslaunch.runtime.moe.gate import NoisyGatePolicy, TopKGate
+from dslaunch.utils.beat import ExpertExchange
 
-__all__ = ["MoE", "MOELayer"]
+__all__ = ["MoE", "MOELayer", "number_moe_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +45,21 @@ NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
 
 class _AllToAll(torch.autograd.Function):
-    """Equal blocks of dim 0 exchanged over ``group``; the gradient takes the way back."""
+    """Equal blocks of dim 0 exchanged over ``group``; the gradient takes the way back. The wait
+    is marked ``names[0]`` (``names[1]`` in backward) for the hang monitor; the comms logger
+    counts the exchange (``deepspeed.comm``'s ``all_to_all_single``)."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, input: Tensor) -> Tensor:  # noqa: A002
-        import torch.distributed as dist
-
-        ctx.group = group
+    def forward(ctx: Any, group: Any, input: Tensor, names: tuple[str, str]) -> Tensor:  # noqa: A002
+        ctx.group, ctx.names = group, names
         input = input.contiguous()
         output = torch.empty_like(input)
-        dist.all_to_all_single(output, input, group=group)
+        wait_all((comm.all_to_all_single(output, input, group=group, async_op=True),), names[0])
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
-        return None, _AllToAll.apply(ctx.group, grad)
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:
+        return None, _AllToAll.apply(ctx.group, grad, ctx.names[::-1]), None
 
 
 class MOELayer(torch.nn.Module):
@@ -73,6 +78,10 @@ class MOELayer(torch.nn.Module):
         self.ep_size = ep_size
         self.ep_group_name = ep_group_name
         self.num_local_experts = num_local_experts
+        self.layer_id: int | None = None
+        """DeepSpeed's ``moe_layer_id``: this layer's index among the model's MoE layers
+        (``number_moe_layers``), for the hang report; None until numbered."""
+        self._waits: dict[str, tuple[str, str]] | None = None
         self.use_tutel = False
         self.wall_clock_breakdown = False
         self.time_falltoall = self.time_salltoall = self.time_moe = 0.0
@@ -80,10 +89,25 @@ class MOELayer(torch.nn.Module):
             log.warning("MoE: use_tutel is ignored (dslaunch has no Tutel); routing without it")
 
     def _set_ep_group(self, ep_group: Any) -> None:
-        self.ep_group = ep_group
+        self.ep_group, self._waits = ep_group, None
         self.gate._set_ep_group(ep_group)
 
-    def _exchange(self, blocks: Tensor) -> Tensor:
+    def set_layer_id(self, layer_id: int) -> None:
+        self.layer_id, self._waits = layer_id, None
+
+    def _wait_names(self, phase: str) -> tuple[str, str]:
+        """What a rank in this layer's ``phase`` exchange waits for, forward and backward
+        (``ExpertExchange``), made once: a mark then costs no formatting."""
+        if self._waits is None:
+            ranks = tuple(comm.get_all_ranks_from_group(self.ep_group))
+
+            def name(p: str) -> str:
+                return str(ExpertExchange(p, self.layer_id, ranks, self.num_local_experts))
+
+            self._waits = {p: (name(p), name(f"{p}, backward")) for p in ("dispatch", "combine")}
+        return self._waits[phase]
+
+    def _exchange(self, blocks: Tensor, phase: str) -> Tensor:
         if self.ep_size == 1:
             return blocks
         if self.ep_group is None:
@@ -91,7 +115,7 @@ class MOELayer(torch.nn.Module):
 
             raise UsageError(f"MoE layer with ep_size={self.ep_size} has no expert-parallel group: build the "
                              "engine with deepspeed.initialize(model=...) (or call set_deepspeed_parallelism()) first")
-        return _AllToAll.apply(self.ep_group, blocks)
+        return _AllToAll.apply(self.ep_group, blocks, self._wait_names(phase))
 
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:  # noqa: A002 (DeepSpeed's signature)
         hidden = input[0]
@@ -104,10 +128,11 @@ class MOELayer(torch.nn.Module):
         slots = routes.slots().reshape(-1)  # route-major: route 0 of every token, then route 1, ...
         # each slot holds at most one token; dropped routes pile up in the scratch row, cut off
         placed = tokens.new_zeros(experts * capacity + 1, width).index_add(0, slots, tokens.repeat(routes.gates.shape[0], 1))
-        received = self._exchange(placed[:-1].reshape(experts, capacity, width))
+        received = self._exchange(placed[:-1].reshape(experts, capacity, width), "dispatch")
         expert_in = received.reshape(self.ep_size, self.num_local_experts, capacity, width)
+        self.experts.routed = (routes.experts, experts * capacity)  # the flops profiler's share
         expert_out = self.experts(expert_in).reshape(experts * capacity, width)
-        returned = self._exchange(expert_out)
+        returned = self._exchange(expert_out, "combine")
         padded = torch.cat([returned, returned.new_zeros(1, width)])
         picked = padded.index_select(0, slots).reshape(-1, tokens.shape[0], width)
         combined = (picked * routes.gates.unsqueeze(-1).to(picked.dtype)).sum(dim=0)
@@ -189,3 +214,10 @@ class MoE(torch.nn.Module):
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + dense * coef[..., 1:]
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+
+
+def number_moe_layers(model: torch.nn.Module) -> None:
+    """Give each ``MoE`` layer of ``model`` its index among them in ``model.modules()`` order
+    (DeepSpeed's ``moe_layer_id``: its checkpoints' ``layer_<id>`` and the hang report's layer)."""
+    for layer_id, layer in enumerate(m for m in model.modules() if isinstance(m, MoE)):
+        layer.deepspeed_moe.set_layer_id(layer_id)

@@ -19,6 +19,11 @@ submodule of ``model`` add a named marker to the same record. Nothing is counted
   A module's count includes its children's (as DeepSpeed's tables); ``own`` counts are what ran
   in the module itself, so the ``own`` counts plus ``outside`` sum to the total.
 
+- Routed work: a module with a ``flops_share`` (an MoE layer's ``Experts``: a callable, or None)
+  runs more than its real work (every slot of every expert's capacity, empty ones too); each of
+  its calls counts that share of its operators, forward and backward (the share is taken when
+  the call begins and read after the step: no device sync in it).
+
 Why not a ``TorchDispatchMode`` (the first version): every operator then paid ~13 us of Python
 dispatch on this machine, more than a small model's operator itself; the profiler's callback is
 C++, and the Python work is paid once, after the step (``count_s``).
@@ -39,9 +44,10 @@ nothing sees it and that one matmul counts.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,12 +98,15 @@ class _Context:
     modules: frozenset = frozenset()
     own: Any = None
     ignored: bool = False
+    share: float = 1.0
+    """The part of its operators' flops that counts (``flops_share`` of the modules running)."""
 
     def joined(self, node: _Context) -> _Context:
         """This forward context inside a backward node's (a recomputation), or the node's alone."""
         if not self.modules:
             return node
-        return _Context(self.modules | node.modules, self.own, self.ignored or node.ignored)
+        share = self.share if self.share != 1.0 else node.share
+        return _Context(self.modules | node.modules, self.own, self.ignored or node.ignored, share)
 
 
 _NOWHERE = _Context()
@@ -112,6 +121,8 @@ class _Followed:
     forward: list = field(default_factory=list)
     counting: bool = True
     made: dict = field(default_factory=dict)
+    shares: dict = field(default_factory=dict)
+    """Module -> the share of its call now running (modules with a ``flops_share``)."""
 
 
 def _session() -> Any:
@@ -158,6 +169,7 @@ class FlopCounter:
         self.uncounted: dict[str, str] = {}
         """Operators that ran but could not be counted (counted 0, warned once), with the reason."""
         self._starts: dict[torch.nn.Module, list[float]] = {}
+        self._shares: dict[torch.nn.Module, deque] = {}  # per call of a module with a flops_share
         self._names: dict[torch.nn.Module, tuple[str, str]] = {}
         self._marks: dict[str, tuple[str, Any]] = {_MARK + k: (k, None) for k in ("pause", "resume", "stop")}
         for i, m in enumerate(self.stats):
@@ -255,6 +267,9 @@ class FlopCounter:
             self.sync()
         self._mark(self._names[module][0])
         self._starts.setdefault(module, []).append(time.perf_counter())
+        share = getattr(module, "flops_share", None)
+        if share is not None:
+            self._shares.setdefault(module, deque()).append(share)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.sync is not None:
@@ -287,6 +302,8 @@ class FlopCounter:
                 else:
                     if kind == "pre":
                         f.forward.append(module)
+                        if self._shares.get(module):
+                            f.shares[module] = float(self._shares[module].popleft()())
                     else:
                         _remove_last(f.forward, module)
                     here = self._context(f.forward)
@@ -312,7 +329,7 @@ class FlopCounter:
             end = e.end_ns()
             stack.append((end, None))
             if f.counting and not where.ignored:
-                op, flops, backward = name, self._flops(name, formula, e), node is not None
+                op, flops, backward = name, round(self._flops(name, formula, e) * where.share), node is not None
                 self._add(op, flops, where, backward)
                 last[thread] = (op, flops, where, backward, end)
 
@@ -341,7 +358,8 @@ class FlopCounter:
         if not forward:
             return _NOWHERE
         ignored = bool(self.ignore) and any(isinstance(m, self.ignore) for m in forward)
-        return _Context(frozenset(forward), forward[-1], ignored)
+        share = math.prod(self._followed.shares.get(m, 1.0) for m in forward)
+        return _Context(frozenset(forward), forward[-1], ignored, share)
 
     def _add(self, name: str, flops: int, where: _Context, backward: bool) -> None:
         op = name.replace("::", ".")

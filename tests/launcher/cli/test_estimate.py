@@ -110,3 +110,17 @@ def test_layers_without_attention_hold_the_mlp_half() -> None:
     # 4 layers of: norm in and out (4 bytes each), a dropout mask, the FFN's two 4h-wide tensors;
     # then backward's gradient of a 4h-wide activation (no vocabulary, no parameter sizes given)
     assert mlp == tokens * h * (4 * (9 + 2 * 4 * 4) + 4 * 4) and mlp < with_attn
+
+
+def test_expert_parallel_size_spreads_the_experts() -> None:
+    args = ("--params", "10B", "--expert_params", "8B", "--num_experts", "8", "--num_gpus", "8", "--stages", "1",
+            "--precision", "bf16", "--offload", "none", "--json")
+    code, out, err = _estimate(*args, "--expert_parallel_size", "4")
+    assert code == 0, err
+    (row,) = json.loads(out)["rows"]
+    assert row["setup"]["expert_parallel"] == 4
+    assert row["plain"]["device"]["optimizer_state"] == (2 * 10**9 // 8 + 2 * 10**9 // 2) * 8  # hand count
+    code, out, err = _estimate(*args[:-1], "--expert_parallel_size", "4")
+    assert code == 0 and "8,000.0M in 8 experts a layer" in out and "expert parallel 4" in out, out
+    code, _, err = _estimate("--hf_config", "x.json", "--num_experts", "8")
+    assert code != 0 and "--expert_params/--num_experts: only with --params" in err, err

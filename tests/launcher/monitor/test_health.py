@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S, SILENT_AFTER_S, Health, top_frame
-from dslaunch.utils.beat import Beat
+from dslaunch.launcher.monitor.health import (
+    FIRST_STEP_ALLOWANCE_S,
+    SILENT_AFTER_S,
+    Health,
+    top_frame,
+    waited_for,
+)
+from dslaunch.utils.beat import Beat, ExpertExchange
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -98,6 +104,30 @@ def test_a_rank_waiting_in_a_collective_the_engine_marked_is_not_blamed_whatever
     # A collective the script calls on torch.distributed itself is not marked: its stack tells.
     h.update({0: Beat(0, 2, 3)}, now=1.0)
     assert h.behind({0: {"stack": WAITING}, 1: {"stack": COMPUTING}}, now=1.0) == [1]
+
+
+def test_the_member_an_moe_all_to_all_waits_for_is_blamed_though_it_waits_elsewhere():
+    # World 4, one expert group over ranks 0-3 (2 experts each): rank 3 skipped layer 1's dispatch
+    # and waits in the gradient all-reduce; every rank waits, only the exchange tells who is missing.
+    dispatch = ExpertExchange("dispatch", 1, (0, 1, 2, 3), 2)
+    assert str(dispatch) == "moe all_to_all (dispatch) of layer 1, experts 0-7 on ranks 0-3"
+    assert ExpertExchange.parse(str(dispatch)) == dispatch and ExpertExchange.parse("all_reduce") is None
+    h = _health(world=4)
+    h.update({r: Beat(r, 1, 5, waiting=str(dispatch), waiting_s=5.0) for r in range(3)}, now=0.0)
+    h.update({3: Beat(3, 1, 5, waiting="all_reduce of gradients", waiting_s=5.0)}, now=0.0)
+    stacks = {r: {"stopped": False, "stack": ENGINE_WAIT} for r in range(4)}
+    assert h.absent_from_exchanges(stacks, now=1.0) == {3}
+    assert h.behind(stacks, now=1.0) == [3]
+    waits = {r: str(dispatch) for r in range(3)} | {3: "all_reduce of gradients"}
+    assert waited_for(str(dispatch), waits) == "moe all_to_all (dispatch) of layer 1, experts 6-7 on rank 3"
+    assert waited_for("all_reduce of gradients", waits) == "all_reduce of gradients"
+    # Two expert groups (ranks 0,2 and 1,3, one expert each): only the group with a rank missing counts.
+    even, odd = ExpertExchange("combine, backward", 0, (0, 2), 1), ExpertExchange("combine, backward", 0, (1, 3), 1)
+    h.update({0: Beat(0, 2, 5, waiting=str(even)), 2: Beat(2, 2, 5, waiting=str(even)),
+              1: Beat(1, 2, 5, waiting=str(odd)), 3: Beat(3, 2, 5)}, now=1.0)
+    stacks[3] = {"stopped": False, "stack": COMPUTING}
+    assert h.behind(stacks, now=1.5) == [3]
+    assert waited_for(str(odd), {1: str(odd)}) == "moe all_to_all (combine, backward) of layer 0, expert 1 on rank 3"
 
 
 def test_the_allowance_that_applies_is_named():
