@@ -88,12 +88,10 @@ def test_sft_with_deepspeed_sequence_parallelism_trains_as_sp1(finetune_bin: Pat
     """``SFTConfig(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))`` at ZeRO-3
     (SP = the world: torch 2.13's differentiable all_gather, which the Trainer's SP loss uses, fails in
     backward on gloo for a group smaller than the world), SGD so that a gradient's scale shows: the
-    logged losses and gradient norms are those of the one-process job. Measured: the first step's
-    loss equal to 1e-15; gradient norms 8.6e-5 relative apart at the first step (9.7e-4 by the
-    fourth), at ZeRO 2 and 3,
-    with and without gradient checkpointing: TRL computes its loss otherwise with SP (the model's
-    fused head on ``shift_labels``, reduced by ``Trainer``) than without (the Trainer path without
-    TRL agrees to 2e-7)."""
+    logged losses and gradient norms are those of the one-process job, in fp32 (``bf16=False``: under
+    SFTConfig's default bf16 each rank's weight gradients over its half of the tokens are rounded to
+    bf16 before the ranks add them, 9e-5 apart on the norm, as any data-parallel split). Measured:
+    losses within 2.4e-7, gradient norms within 7.7e-7 relative over the four steps."""
     got = {}
     for world, sp in ((1, 1), (2, 2)):
         out = run_job([str(finetune_bin / "dslaunch"), "--num_gpus", str(world), "--master_port", str(free_port()),
@@ -102,7 +100,6 @@ def test_sft_with_deepspeed_sequence_parallelism_trains_as_sp1(finetune_bin: Pat
         got[sp] = tagged(out, "LOSSES"), tagged(out, "GRAD_NORMS")
     (losses1, norms1), (losses2, norms2) = got[1], got[2]
     assert len(losses2) == STEPS and losses1[0] - losses1[-1] > 0.5  # it trains
-    assert losses2[0] == pytest.approx(losses1[0], abs=1e-6)
-    assert losses2 == pytest.approx(losses1, abs=1e-3)
-    # a gradient 2x (or 1/2) too large would be far outside; after the first step the weights carry its difference
-    assert norms2[0] == pytest.approx(norms1[0], rel=2e-4) and norms2 == pytest.approx(norms1, rel=2e-3)
+    assert losses2 == pytest.approx(losses1, abs=1e-6)
+    # fp32 rounding only: a token counted twice or dropped (1 of 22) would move the norm by percents
+    assert norms2 == pytest.approx(norms1, rel=1e-5)
