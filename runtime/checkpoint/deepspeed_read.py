@@ -15,8 +15,11 @@ Files are read with ``torch.load(weights_only=True)``: DeepSpeed's own pickled c
 scaler, its ZeRO stage enum) are read as plain stand-ins that keep their attributes. Nothing is
 written.
 
-Limitations: only model-parallel rank 00 (no tensor or pipeline parallelism), no MoE expert
-files, no NVMe-offloaded optimizer state (``offloaded_tensors/``); each rank reads every
+MoE checkpoints (``deepspeed_experts``): the experts' files add their weights under global expert
+numbers, and an expert param group's partitions are joined per expert rank and named globally.
+
+Limitations: only model-parallel rank 00 (no tensor or pipeline parallelism), no MoE optimizer
+state without ZeRO (``expp_rank_*`` files), no NVMe-offloaded optimizer state (``offloaded_tensors/``); each rank reads every
 optimizer file (host memory: the whole fp32 state once per rank).
 """
 
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.deepspeed_experts import expert_sets, renumber
 from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name, optim_states_name
 
 __all__ = ["DeepSpeedGroup", "DeepSpeedState", "read_deepspeed", "read_file"]
@@ -145,6 +149,13 @@ def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | No
     if zero and not (isinstance(shapes, list) and all(isinstance(s, dict) for s in shapes)):
         raise CheckpointError("key 'param_shapes' is not a list of {name: shape}", str(model_file))
     module = dict(states["module"])
+    if isinstance(states.get("num_experts"), list):  # MoE: each global expert's weights in a file
+        for f in sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):
+            module.update(read_file(f))
+        if not zero and optimizer:
+            raise CheckpointError("a DeepSpeed MoE checkpoint without ZeRO keeps its optimizer state per expert "
+                                  "rank (expp_rank_* files), which dslaunch does not read yet: load it with "
+                                  "load_optimizer_states=False, or save it at ZeRO stage 1 or 2", str(folder))
     if partitioned:
         frozen = _frozen_stage3(folder, world, states)
         module.update(frozen)
@@ -237,17 +248,24 @@ def _zero(base: DeepSpeedState, shapes: list[dict], osds: list[dict], files: lis
                   for g, pg in enumerate(param_groups)]
     else:
         paddings = osds[0].get("param_alignment_paddings")
+        counts = osds[0].get("partition_count")
+        names: dict[int, list[str]] = {}
         for g, group_shapes in enumerate(shapes):
             state_key = param_groups[g]["params"][0] if g < len(param_groups) else g
-            flat = torch.cat([f[g].reshape(-1).float() for f in flats])
-            states = [sd.get("state", {}).get(state_key, {}) for sd in base_sds]
-            per_rank = [_split_state(s, f[g].numel()) for s, f in zip(states, flats, strict=True)]
-            moments = {k: torch.cat([t[k].reshape(-1) for t, _ in per_rank]) for k in per_rank[0][0]}
-            scalars[g] = per_rank[0][1]
-            _unpack_flat(group_shapes, flat, moments, paddings[g] if paddings else None, fp32, optim,
-                         f"{base.folder} param group {g}")
-        groups = [DeepSpeedGroup(list(s), scalars[g], _hparams(param_groups[g]) if g < len(param_groups) else {})
-                  for g, s in enumerate(shapes)]
+            count = counts[g] if isinstance(counts, list) and g < len(counts) else base.world_size
+            # an MoE group is cut over its expert-data peers only, each expert rank's experts apart
+            for e, ranks in enumerate(expert_sets(base.world_size, count)):
+                flat = torch.cat([flats[r][g].reshape(-1).float() for r in ranks])
+                states = [base_sds[r].get("state", {}).get(state_key, {}) for r in ranks]
+                per_rank = [_split_state(st, flats[r][g].numel()) for st, r in zip(states, ranks, strict=True)]
+                moments = {k: torch.cat([t[k].reshape(-1) for t, _ in per_rank]) for k in per_rank[0][0]}
+                scalars[g] = per_rank[0][1]
+                renamed = OrderedDict(zip(renumber(list(group_shapes), e), group_shapes.values(), strict=True))
+                names.setdefault(g, []).extend(renamed)
+                _unpack_flat(renamed, flat, moments, paddings[g] if paddings else None, fp32, optim,
+                             f"{base.folder} param group {g}")
+        groups = [DeepSpeedGroup(names[g], scalars[g], _hparams(param_groups[g]) if g < len(param_groups) else {})
+                  for g in range(len(shapes))]
     module = {**base.module, **fp32}
     scaler = osds[0].get("loss_scaler")
     scaler_sd = {k: v for k, v in vars(scaler).items() if k != "args"} if isinstance(scaler, _StandIn) else {}

@@ -22,13 +22,13 @@ import torch
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.reshard import assemble, check_compatible, group_by_name
 
-__all__ = ["EXPERT_PREFIX", "expert_names", "expert_record", "live_experts", "experts_problem",
+__all__ = ["EXPERT_PREFIX", "ep_rank", "expert_names", "expert_record", "live_experts", "experts_problem",
            "unchanged", "expert_sources", "assemble_experts"]
 
 EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 
 
-def _ep_rank(layer: Any) -> int:
+def ep_rank(layer: Any) -> int:
     """This rank's index in the layer's expert group (0 without expert parallelism)."""
     if getattr(layer, "ep_size", 1) == 1 or layer.ep_group is None:
         return 0
@@ -47,7 +47,7 @@ def expert_names(module: torch.nn.Module) -> dict[str, str]:
             continue
         layer = module.get_submodule(head + "deepspeed_moe")
         local, _, rest = tail.partition(".")
-        first = _ep_rank(layer) * layer.num_local_experts
+        first = ep_rank(layer) * layer.num_local_experts
         out[name] = f"{head}{sep}{first + int(local)}.{rest}"
     return out
 
