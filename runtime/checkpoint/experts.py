@@ -23,7 +23,7 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.reshard import assemble, check_compatible, group_by_name
 
 __all__ = ["EXPERT_PREFIX", "ep_rank", "expert_names", "expert_record", "live_experts", "experts_problem",
-           "unchanged", "expert_sources", "assemble_experts"]
+           "unchanged", "expert_sources", "assemble_experts", "whole_experts"]
 
 EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -60,13 +60,19 @@ def live_experts(module: torch.nn.Module, current: dict) -> dict[int, list[str]]
             if "reduce_group" in g}
 
 
-def expert_record(comm: Any, module: torch.nn.Module, zero_sd: dict) -> dict[str, dict[str, list[str]]]:
-    """``meta["experts"]``: saved rank -> expert group index -> its params' global names.
+def expert_record(comm: Any, module: torch.nn.Module, zero_sd: dict) -> dict[str, dict[str, list[str]]] | None:
+    """``meta["experts"]``: saved rank -> expert group index -> its params' global names; None when
+    a parameter marked as an expert's is not in an MoE layer's experts (marked by hand: which
+    global expert it is cannot be told, and the tag then loads only at its saving layout).
 
     collective: call on all ranks.
     """
     mine = {str(gi): names for gi, names in live_experts(module, zero_sd).items()}
-    return {str(r): got for r, got in enumerate(comm.all_gather_object(mine))}
+    known = all(EXPERT_PREFIX in n for names in mine.values() for n in names)
+    gathered = comm.all_gather_object(mine if known else None)
+    if any(got is None for got in gathered):
+        return None
+    return {str(r): got for r, got in enumerate(gathered)}
 
 
 def experts_problem(record: Any) -> str | None:
@@ -187,3 +193,19 @@ def assemble_experts(read: Callable[[int], dict], ranks: list[int], meta: dict, 
         out[gi] = {**got, "names": list(mine["names"]), "hparams": hparams, "reduce_group": mine["reduce_group"]}
     return {"stage": current["stage"], "world_size": current["world_size"], "rank": current["rank"],
             "groups": out}
+
+
+def whole_experts(read: Callable[[int], dict], meta: dict) -> dict[str, torch.Tensor]:
+    """Every global expert's fp32 master (global name -> tensor of its shape), from the shards of
+    one expert-data group per expert rank (``read(rank)``: that rank's strategy state)."""
+    pmap, out = meta["partition"], {}
+    for (gi, names), ranks in _holders(meta).items():
+        g = pmap["groups"][gi]
+        have = [read(r) for r in sorted(_cover(g["ranges"], 0, g["numel"], ranks, ranks[0], f"expert param group {gi}"))]
+        whole = assemble([{**sd, "groups": [sd["groups"][gi]]} for sd in have], [(0, int(g["numel"]))])["groups"][0]
+        offset = 0
+        for name, shape in zip(names, whole["shapes"], strict=True):
+            n = int(torch.Size(shape).numel())
+            out[name] = whole["master"][offset:offset + n].view(tuple(shape)).clone()
+            offset += n
+    return out

@@ -228,8 +228,8 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
             _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
                                                        and rank != 0) else None)
         meta["partition"] = partition_map([x for x in layouts if x is not None])
-        if experts:  # which global experts each rank's expert groups hold: a load may place them anew
-            meta["experts"] = expert_record(ck.comm, parts.module, zero_sd)
+        if experts and (record := expert_record(ck.comm, parts.module, zero_sd)) is not None:
+            meta["experts"] = record  # which global experts each rank holds: a load may place them anew
     job = TagWrite(CheckpointStore(save_dir, durable=cfg.fsync), tag, files, meta,
                    leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
                    save_latest=save_latest, keep_last=cfg.keep_last or 0,
