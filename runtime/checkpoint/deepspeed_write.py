@@ -49,7 +49,7 @@ from dslaunch.runtime.checkpoint.deepspeed_layout import (
     optim_states_name,
 )
 from dslaunch.runtime.checkpoint.deepspeed_pickle import fragment_address, loss_scaler, to_bytes
-from dslaunch.runtime.checkpoint.experts import EXPERT_PREFIX, ep_rank, live_experts
+from dslaunch.runtime.checkpoint.experts import ep_rank, expert_names, live_experts
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
 from dslaunch.runtime.checkpoint.reshard import assemble
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST
@@ -270,13 +270,17 @@ def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: 
     return state
 
 
+def _expert_params(zero_sd: dict) -> list[str]:
+    return [n for g in zero_sd["groups"] if "reduce_group" in g for n in g["names"]]
+
+
 def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
     what = ("model parallelism (pipeline, tensor)" if parts.placement is not None else
             "checkpoint.use_node_local_storage" if parts.config.use_node_local_storage else
             "expert (MoE) parameters at ZeRO stage 3 (DeepSpeed refuses its MoE layer there)"
             if parts.zero.stage == 3 and any("reduce_group" in g for g in zero_sd["groups"]) else
             "expert parameters outside an MoE layer's experts (marked by hand: DeepSpeed's files number experts)"
-            if any(EXPERT_PREFIX not in n for names in live_experts(parts.module, zero_sd).values() for n in names)
+            if not set(_expert_params(zero_sd)) <= set(expert_names(parts.module))
             else None)
     if what:
         raise CheckpointError(f'checkpoint.format "deepspeed" cannot save {what} yet: use format "dslaunch"')

@@ -30,11 +30,12 @@ EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 
 def ep_rank(layer: Any) -> int:
     """This rank's index in the layer's expert group (0 without expert parallelism)."""
-    if getattr(layer, "ep_size", 1) == 1 or layer.ep_group is None:
+    group = getattr(layer, "ep_group", None)
+    if getattr(layer, "ep_size", 1) == 1 or group is None:
         return 0
     import torch.distributed as dist
 
-    return dist.get_rank(group=layer.ep_group)
+    return dist.get_rank(group=group)
 
 
 def expert_names(module: torch.nn.Module) -> dict[str, str]:
@@ -45,10 +46,11 @@ def expert_names(module: torch.nn.Module) -> dict[str, str]:
         head, sep, tail = name.partition(EXPERT_PREFIX)
         if not sep:
             continue
-        layer = module.get_submodule(head + "deepspeed_moe")
+        layer = getattr(module.get_submodule(head.rstrip(".")) if head else module, "deepspeed_moe", None)
         local, _, rest = tail.partition(".")
-        first = ep_rank(layer) * layer.num_local_experts
-        out[name] = f"{head}{sep}{first + int(local)}.{rest}"
+        if layer is None or not local.isdigit() or not hasattr(layer, "num_local_experts"):
+            continue  # not DeepSpeed's MoE layer: no global number (the tag records no experts)
+        out[name] = f"{head}{sep}{ep_rank(layer) * layer.num_local_experts + int(local)}.{rest}"
     return out
 
 
@@ -67,8 +69,10 @@ def expert_record(comm: Any, module: torch.nn.Module, zero_sd: dict) -> dict[str
 
     collective: call on all ranks.
     """
-    mine = {str(gi): names for gi, names in live_experts(module, zero_sd).items()}
-    known = all(EXPERT_PREFIX in n for names in mine.values() for n in names)
+    rename = expert_names(module)
+    mine = {str(gi): [rename.get(n, n) for n in g["names"]] for gi, g in enumerate(zero_sd["groups"])
+            if "reduce_group" in g}
+    known = all(n in rename for g in zero_sd["groups"] if "reduce_group" in g for n in g["names"])
     gathered = comm.all_gather_object(mine if known else None)
     if any(got is None for got in gathered):
         return None
