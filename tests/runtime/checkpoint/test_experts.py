@@ -128,3 +128,16 @@ def test_moe_tag_loads_at_another_expert_layout(tmp_path, saved, now, stage) -> 
           f"run {drift:.2e}; next {AFTER} losses within {worst:.2e}")
     assert worst <= 1e-6, f"the resumed losses differ from the unbroken run's by {worst:.2e}"
     assert after[0]["resumed"][0] != after[0]["resumed"][-1]  # it trains
+
+
+def test_a_malformed_experts_record_is_named() -> None:
+    from dslaunch.errors import CheckpointError
+    from dslaunch.runtime.checkpoint.reshard import check_meta
+
+    meta = {"world_size": 2, "zero_stage": 1,
+            "partition": {"stage": 1, "groups": [{"names": ["w"], "shapes": [[2]], "numel": 2, "ranges": {"0": [0, 2]}}]}}
+    check_meta({**meta, "experts": {"0": {"0": ["w"]}}}, "m.json")
+    for bad, why in (([], "is not a map of ranks"), ({"x": {}}, "rank 'x' is malformed"),
+                     ({"0": {"0": "w"}}, "rank '0' is malformed")):
+        with pytest.raises(CheckpointError, match=f"meta 'experts' {why}"):
+            check_meta({**meta, "experts": bad}, "m.json")
