@@ -13,7 +13,9 @@ and background writer (``writer.py``), resharding ZeRO state between world sizes
 loading checkpoints real DeepSpeed wrote (``deepspeed_layout.py`` names its files,
 ``deepspeed_read.py`` reads them into whole per-parameter state, ``deepspeed_load.py`` places it),
 writing them (``deepspeed_write.py``, with DeepSpeed's own classes pickled by name:
-``deepspeed_pickle.py``), and DeepSpeed's universal checkpoints both ways (``universal.py``); snapshots in host memory,
+``deepspeed_pickle.py``), DeepSpeed's MoE files, one per global expert (``deepspeed_experts.py``),
+and DeepSpeed's universal checkpoints both ways (``universal.py``); expert parameters named by
+global expert and moved to another expert-parallel layout on load (``experts.py``); snapshots in host memory,
 replicated to a peer host, that a restart resumes from (``memory.py``).
 """
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST
 
 __all__ = ["get_model_ckpt_name_for_rank", "model_states_name", "optim_states_name", "ckpt_name",
-           "zero_ckpt_name", "optimizer_ckpt_name", "deepspeed_tag"]
+           "zero_ckpt_name", "optimizer_ckpt_name", "expert_optim_name", "deepspeed_tag"]
 
 
 def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: str) -> str:
@@ -58,7 +58,12 @@ def zero_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, dp_rank: in
 def optimizer_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, expp_rank: int, mp_rank: int = 0) -> str:
     """DeepSpeed's ``engine._get_optimizer_ckpt_name``: the optimizer file of expert-parallel rank
     ``expp_rank`` (MoE models without ZeRO)."""
-    return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+    return os.path.join(checkpoints_path, str(tag), expert_optim_name(expp_rank, mp_rank))
+
+
+def expert_optim_name(expp_rank: int, mp_rank: int = 0) -> str:
+    """``expp_rank_R_mp_rank_00_optim_states.pt``: expert rank R's optimizer state without ZeRO."""
+    return f"expp_rank_{expp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
 def deepspeed_tag(load_dir: str | os.PathLike, tag: object = None) -> Path | None:

@@ -26,6 +26,7 @@ import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
+from dslaunch.runtime.checkpoint.deepspeed_experts import global_names, localize
 from dslaunch.runtime.checkpoint.deepspeed_layout import deepspeed_tag, model_states_name
 from dslaunch.runtime.checkpoint.deepspeed_read import DeepSpeedState, read_deepspeed
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
@@ -154,16 +155,19 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
         raise CheckpointError("loading a DeepSpeed checkpoint into a model-parallel engine (pipeline, "
                               "mpu) is not supported", str(folder))
     current = parts.zero.state_dict()
-    trained = [n for g in current["groups"] for n in g["names"]]
+    named = global_names(parts.module, current)  # experts by their global number, as the files name them
+    trained = [n for g in named["groups"] for n in g["names"]]
     read_optimizer = load_optimizer_states and not load_module_only
     state = _read(ck, folder, read_optimizer, trained, reader)
     source = str(state.model_file)
-    held = set(trained)
-    load_module_weights(parts.module, state.module, load_module_strict, {}, held, source)
+    held = {n for g in current["groups"] for n in g["names"]}
+    load_module_weights(parts.module, localize(parts.module, state.module), load_module_strict, {}, held, source)
     if read_optimizer:
-        parts.zero.load_state_dict(_consolidated(state, current, load_module_strict))
+        whole = _consolidated(state, named, load_module_strict)
+        parts.zero.load_state_dict({**whole, "groups": [{**g, "names": live["names"]} for g, live in
+                                                        zip(whole["groups"], current["groups"], strict=True)]})
     else:  # masters from the fp32 weights where read (stage 3), else the module's, as DeepSpeed
-        parts.zero.load_state_dict(with_masters(current, _masters_from(state.fp32 or state.module, current,
+        parts.zero.load_state_dict(with_masters(current, _masters_from(state.fp32 or state.module, named,
                                                                        folder)))
     if not load_module_only:
         parts.training.load_state_dict(_training(parts, state, load_lr_scheduler_states, load_optimizer_states))

@@ -15,8 +15,12 @@ Files are read with ``torch.load(weights_only=True)``: DeepSpeed's own pickled c
 scaler, its ZeRO stage enum) are read as plain stand-ins that keep their attributes. Nothing is
 written.
 
-Limitations: only model-parallel rank 00 (no tensor or pipeline parallelism), no MoE expert
-files, no NVMe-offloaded optimizer state (``offloaded_tensors/``); each rank reads every
+MoE checkpoints (``deepspeed_experts``): the experts' files add their weights under global expert
+numbers, and an expert param group's partitions are joined per expert rank and named globally.
+
+Limitations: only model-parallel rank 00 (no tensor or pipeline parallelism), MoE optimizer
+state without ZeRO (``expp_rank_*`` files) only at the saving expert-parallel size, no NVMe-offloaded
+optimizer state (``offloaded_tensors/``); each rank reads every
 optimizer file (host memory: the whole fp32 state once per rank).
 """
 
@@ -25,14 +29,20 @@ from __future__ import annotations
 import math
 import pickle
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name, optim_states_name
+from dslaunch.runtime.checkpoint.deepspeed_experts import expert_sets, renumber
+from dslaunch.runtime.checkpoint.deepspeed_layout import (
+    expert_optim_name,
+    model_states_name,
+    optim_states_name,
+)
+from dslaunch.runtime.checkpoint.experts import EXPERT_PREFIX
 
 __all__ = ["DeepSpeedGroup", "DeepSpeedState", "read_deepspeed", "read_file"]
 
@@ -145,10 +155,15 @@ def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | No
     if zero and not (isinstance(shapes, list) and all(isinstance(s, dict) for s in shapes)):
         raise CheckpointError("key 'param_shapes' is not a list of {name: shape}", str(model_file))
     module = dict(states["module"])
+    if isinstance(states.get("num_experts"), list):  # MoE: each global expert's weights in a file
+        for f in sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):
+            module.update(read_file(f))
     if partitioned:
         frozen = _frozen_stage3(folder, world, states)
         module.update(frozen)
     base = DeepSpeedState(folder, model_file, 3 if partitioned else (1 if zero else 0), world, states, module)
+    if not zero and isinstance(states.get("num_experts"), list) and optimizer:
+        return _stage0_experts(base, trained or [])
     if not zero:
         return _stage0(base, optimizer, trained or [])
     if not optimizer and not partitioned:
@@ -237,17 +252,24 @@ def _zero(base: DeepSpeedState, shapes: list[dict], osds: list[dict], files: lis
                   for g, pg in enumerate(param_groups)]
     else:
         paddings = osds[0].get("param_alignment_paddings")
+        counts = osds[0].get("partition_count")
+        names: dict[int, list[str]] = {}
         for g, group_shapes in enumerate(shapes):
             state_key = param_groups[g]["params"][0] if g < len(param_groups) else g
-            flat = torch.cat([f[g].reshape(-1).float() for f in flats])
-            states = [sd.get("state", {}).get(state_key, {}) for sd in base_sds]
-            per_rank = [_split_state(s, f[g].numel()) for s, f in zip(states, flats, strict=True)]
-            moments = {k: torch.cat([t[k].reshape(-1) for t, _ in per_rank]) for k in per_rank[0][0]}
-            scalars[g] = per_rank[0][1]
-            _unpack_flat(group_shapes, flat, moments, paddings[g] if paddings else None, fp32, optim,
-                         f"{base.folder} param group {g}")
-        groups = [DeepSpeedGroup(list(s), scalars[g], _hparams(param_groups[g]) if g < len(param_groups) else {})
-                  for g, s in enumerate(shapes)]
+            count = counts[g] if isinstance(counts, list) and g < len(counts) else base.world_size
+            # an MoE group is cut over its expert-data peers only, each expert rank's experts apart
+            for e, ranks in enumerate(expert_sets(base.world_size, count)):
+                flat = torch.cat([flats[r][g].reshape(-1).float() for r in ranks])
+                states = [base_sds[r].get("state", {}).get(state_key, {}) for r in ranks]
+                per_rank = [_split_state(st, flats[r][g].numel()) for st, r in zip(states, ranks, strict=True)]
+                moments = {k: torch.cat([t[k].reshape(-1) for t, _ in per_rank]) for k in per_rank[0][0]}
+                scalars[g] = per_rank[0][1]
+                renamed = OrderedDict(zip(renumber(list(group_shapes), e), group_shapes.values(), strict=True))
+                names.setdefault(g, []).extend(renamed)
+                _unpack_flat(renamed, flat, moments, paddings[g] if paddings else None, fp32, optim,
+                             f"{base.folder} param group {g}")
+        groups = [DeepSpeedGroup(names[g], scalars[g], _hparams(param_groups[g]) if g < len(param_groups) else {})
+                  for g in range(len(shapes))]
     module = {**base.module, **fp32}
     scaler = osds[0].get("loss_scaler")
     scaler_sd = {k: v for k, v in vars(scaler).items() if k != "args"} if isinstance(scaler, _StandIn) else {}
@@ -322,3 +344,53 @@ def _stage0(base: DeepSpeedState, optimizer: bool, trained: list[str]) -> DeepSp
         groups.append(DeepSpeedGroup(names, scalars, _hparams(g)))
     fp32 = {n: module[n].float() for n in trained if n in module}
     return DeepSpeedState(base.folder, base.model_file, 0, base.world_size, base.states, module, fp32, optim, groups)
+
+
+def _stage0_experts(base: DeepSpeedState, trained: list[str]) -> DeepSpeedState:
+    """No ZeRO, MoE: expert rank R's optimizer state dict (``expp_rank_R_...``) numbers the dense
+    parameters and R's experts in the optimizer's order; ``trained`` (this engine's, experts
+    numbered globally) gives that order at the same expert-parallel size.
+
+    Raises:
+        CheckpointError: the checkpoint has another number of expert ranks than this engine.
+    """
+    files = sorted(base.folder.glob("expp_rank_*_mp_rank_00_optim_states.pt"),
+                   key=lambda f: int(f.name.split("_")[2]))
+    local = _rank0_numbers(trained)
+    merged: DeepSpeedState | None = None
+    for r, f in enumerate(files):
+        if f.name != expert_optim_name(r):
+            raise CheckpointError(f"expected {expert_optim_name(r)} among the expert ranks' optimizer files",
+                                  str(base.folder))
+        osd = _need(read_file(f), "optimizer", f, dict)
+        got = _stage0(replace(base, states={**base.states, "optimizer": osd}), True, renumber(local, r))
+        if merged is None:
+            merged = got
+            continue
+        groups = [replace(a, names=a.names + [n for n in b.names if n not in a.names])
+                  for a, b in zip(merged.groups, got.groups, strict=True)]
+        merged = replace(merged, fp32={**merged.fp32, **got.fp32}, optim={**merged.optim, **got.optim}, groups=groups)
+    if merged is None:
+        raise CheckpointError("a DeepSpeed MoE checkpoint without ZeRO has no expp_rank_*_optim_states.pt files",
+                              str(base.folder))
+    missing = [n for n in trained if n not in merged.optim]
+    if missing:
+        raise CheckpointError(f"the checkpoint has {len(files)} expert ranks' optimizer files, which do not hold "
+                              f"{missing[:2]}: load at the expert-parallel size it was saved at, or save at ZeRO "
+                              "stage 1 or 2 (loads at any)", str(base.folder))
+    return replace(merged, states=base.states)
+
+
+def _rank0_numbers(names: list[str]) -> list[str]:
+    """Expert names renumbered from 0 in each layer (as expert rank 0 numbers its experts)."""
+    low: dict[str, int] = {}
+    for n in names:
+        head, sep, tail = n.partition(EXPERT_PREFIX)
+        if sep:
+            low[head] = min(low.get(head, 1 << 30), int(tail.split(".", 1)[0]))
+    out = []
+    for n in names:
+        head, sep, tail = n.partition(EXPERT_PREFIX)
+        index, _, rest = tail.partition(".")
+        out.append(f"{head}{sep}{int(index) - low[head]}.{rest}" if sep else n)
+    return out

@@ -42,8 +42,14 @@ import torch
 
 from dslaunch import safe_write
 from dslaunch.errors import CheckpointError
-from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name, optim_states_name
+from dslaunch.runtime.checkpoint.deepspeed_experts import dense_state, expert_files, moe_layers
+from dslaunch.runtime.checkpoint.deepspeed_layout import (
+    expert_optim_name,
+    model_states_name,
+    optim_states_name,
+)
 from dslaunch.runtime.checkpoint.deepspeed_pickle import fragment_address, loss_scaler, to_bytes
+from dslaunch.runtime.checkpoint.experts import ep_rank, expert_names, live_experts
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
 from dslaunch.runtime.checkpoint.reshard import assemble
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST
@@ -62,16 +68,18 @@ _ALIGNMENT = 2
 _SUB_GROUP_SIZE = 1_000_000_000
 
 
-def _whole_groups(ck: Any, zero_sd: dict) -> list[dict]:
-    """Every param group whole ([0, numel)), from all ranks' shards. collective."""
+def _whole_groups(ck: Any, zero_sd: dict, experts: dict[int, list[str]]) -> list[dict]:
+    """Every param group whole ([0, numel)), from all ranks' shards; an expert group from the
+    ranks holding the same experts as this one (``experts``: group -> global names). collective."""
     full = [(0, int(g["numel"])) for g in zero_sd["groups"]]
     if all((int(g["start"]), int(g["end"])) == r for g, r in zip(zero_sd["groups"], full, strict=True)):
         return zero_sd["groups"]
-    shards = ck.comm.all_gather_object({**zero_sd, "groups": [
+    shards = ck.comm.all_gather_object(({**zero_sd, "groups": [
         {**g, "master": g["master"].detach().cpu(), "optim_state": {k: v.detach().cpu() for k, v in
                                                                     g["optim_state"].items()}}
-        for g in zero_sd["groups"]]})
-    return assemble([s for s in shards if s is not None], full)["groups"]
+        for g in zero_sd["groups"]]}, experts))
+    return [assemble([{**s, "groups": [s["groups"][gi]]} for s, theirs in shards
+                      if theirs.get(gi) == experts.get(gi)], [whole])["groups"][0] for gi, whole in enumerate(full)]
 
 
 def _scalars(group: dict) -> dict[str, Any]:
@@ -95,10 +103,12 @@ def _base_optimizer(groups: list[dict], states: list[dict]) -> dict:
             "param_groups": [{**g["hparams"], "params": [i]} for i, g in enumerate(groups)]}
 
 
-def _zero12_file(groups: list[dict], rank: int, world: int, stage: int, clip: float) -> dict:
-    """Rank ``rank``'s ZeRO-1/2 optimizer state, as DeepSpeed's rigid ``state_dict``."""
+def _zero12_file(groups: list[dict], splits: list[tuple[int, int]], stage: int, clip: float) -> dict:
+    """This rank's ZeRO-1/2 optimizer state, as DeepSpeed's rigid ``state_dict``; ``splits``: per
+    group, the ranks it is cut over and this rank's index among them (an expert group: its
+    expert-data group)."""
     fp32, states, paddings, mappings = [], [], [], []
-    for g in groups:
+    for g, (world, rank) in zip(groups, splits, strict=True):
         numel = int(g["numel"])
         padded = math.ceil(numel / (_ALIGNMENT * world)) * _ALIGNMENT * world
         size = padded // world
@@ -118,7 +128,7 @@ def _zero12_file(groups: list[dict], rank: int, world: int, stage: int, clip: fl
             "base_optimizer_state": _base_optimizer(groups, states), "single_partition_of_fp32_groups": fp32,
             "zero_stage": stage, "group_paddings": paddings,
             "param_alignment_paddings": [[0] * len(g["names"]) for g in groups],
-            "partition_count": [world] * len(groups), "ds_version": DEEPSPEED_VERSION,
+            "partition_count": [world for world, _ in splits], "ds_version": DEEPSPEED_VERSION,
             "param_slice_mappings": mappings}
 
 
@@ -234,6 +244,9 @@ def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: 
     module = parts.module
     trained = {n for g in groups for n in g["names"]}
     sd = module_state_dict(module, exclude_frozen, skip=frozenset(trained) if stage == 3 else frozenset())
+    layers = moe_layers(module)
+    if layers:  # the experts' weights are in files of their own
+        sd = dense_state(sd)
     if stage == 3:  # DeepSpeed's partitioned params are empty in its module state dict
         params = dict(module.named_parameters())
         sd = OrderedDict((k, torch.empty(0, dtype=params[k].dtype) if k in trained else v) for k, v in sd.items())
@@ -251,14 +264,24 @@ def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: 
              "dp_world_size": world, "mp_world_size": 1,
              "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
              "ds_config": dict(parts.ds_config), "ds_version": DEEPSPEED_VERSION}
+    if layers:
+        state.update(num_experts=[m.num_experts for _, m in layers], ds_autoep_layers=None)
     state.update(client_state)
     return state
+
+
+def _expert_params(zero_sd: dict) -> list[str]:
+    return [n for g in zero_sd["groups"] if "reduce_group" in g for n in g["names"]]
 
 
 def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
     what = ("model parallelism (pipeline, tensor)" if parts.placement is not None else
             "checkpoint.use_node_local_storage" if parts.config.use_node_local_storage else
-            "expert (MoE) parameters" if any("reduce_group" in g for g in zero_sd["groups"]) else None)
+            "expert (MoE) parameters at ZeRO stage 3 (DeepSpeed refuses its MoE layer there)"
+            if parts.zero.stage == 3 and any("reduce_group" in g for g in zero_sd["groups"]) else
+            "expert parameters outside an MoE layer's experts (marked by hand: DeepSpeed's files number experts)"
+            if not set(_expert_params(zero_sd)) <= set(expert_names(parts.module))
+            else None)
     if what:
         raise CheckpointError(f'checkpoint.format "deepspeed" cannot save {what} yet: use format "dslaunch"')
 
@@ -279,16 +302,24 @@ def save_deepspeed(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str
     zero_sd = parts.zero.state_dict()
     _refuse(parts, zero_sd)
     stage = int(parts.zero.stage)
-    groups = _whole_groups(ck, zero_sd)
+    experts = live_experts(parts.module, zero_sd)
+    groups = _whole_groups(ck, zero_sd, experts)
     folder = Path(save_dir) / str(tag)
     files: dict[str, dict] = {}
     if stage == 3 or rank == 0:
         files[model_states_name(rank if stage == 3 else None)] = _model_states(
             parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters)
+    splits = [parts.zero.group_comm(gi)[:2] for gi in range(len(groups))]
+    if experts:  # expert-data rank 0 writes its experts (and, without ZeRO, their optimizer state)
+        writer = all(splits[gi][1] == 0 for gi in experts)
+        files.update(expert_files(parts.module, parts.module.state_dict(), writer))
+        if writer and stage == 0 and parts.optimizer is not None:
+            files[expert_optim_name(ep_rank(moe_layers(parts.module)[0][1].deepspeed_moe))] = \
+                {"optimizer": _stage0_optimizer(groups)}
     if stage > 0 and parts.optimizer is not None:
         sub_group_size = int((parts.ds_config.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP_SIZE))
         osd = _zero3_file(groups, rank, world, sub_group_size) if stage == 3 else \
-            _zero12_file(groups, rank, world, stage, parts.gradient_clipping)
+            _zero12_file(groups, splits, stage, parts.gradient_clipping)
         files[optim_states_name(rank, parts.bf16)] = {"optimizer_state_dict": osd, "ds_config": dict(parts.ds_config),
                                                       "ds_version": DEEPSPEED_VERSION}
     err = None

@@ -36,6 +36,7 @@ import torch
 
 from dslaunch.errors import CheckpointError, DslaunchError, UsageError, shorten
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
+from dslaunch.runtime.checkpoint.experts import whole_experts
 from dslaunch.runtime.checkpoint.model_parallel import consolidate_parts
 from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, expert_groups, fp32_params, needed_ranks
 from dslaunch.runtime.checkpoint.store import (
@@ -103,13 +104,19 @@ def _consolidate(store: CheckpointStore, tag: str, exclude_frozen: bool) -> Stat
     else:
         pmap = manifest.meta["partition"]
         experts = expert_groups(pmap)
-        if experts:  # every expert rank's parameters have the same names
+        if experts and "experts" not in manifest.meta:  # every expert rank's parameters have the same names
             raise CheckpointError(f"the checkpoint holds expert parameters ({experts[0]}), whose values differ by "
-                                  "expert rank under one name: one state dict cannot hold them; load the tag "
-                                  "with the engine at the layout it was saved", str(store.root / tag))
-        full = [(0, int(g["numel"])) for g in pmap["groups"]]
-        shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
-        masters = fp32_params(assemble(shards, full))
+                                  "expert rank under one name, and no record of which is which (saved by an "
+                                  "older dslaunch): load the tag with the engine at the layout it was saved",
+                                  str(store.root / tag))
+        dense = [gi for gi, g in enumerate(pmap["groups"]) if "reduce_group" not in g]
+        dense_map = {**pmap, "groups": [pmap["groups"][gi] for gi in dense]}
+        full = [(0, int(g["numel"])) for g in dense_map["groups"]]
+        shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(dense_map, full)] if full else []
+        masters = fp32_params(assemble([{**sd, "groups": [sd["groups"][gi] for gi in dense]} for sd in shards],
+                                       full)) if full else OrderedDict()
+        if experts:  # each global expert under its own number (DeepSpeed's checkpoint keys)
+            masters.update(whole_experts(lambda r: store.read(tag, zero_file(r), manifest), manifest.meta))
         module = store.read(tag, MODULE_FILE, manifest)["module"]
     skip = _frozen(manifest.meta, module, str(store.root / tag)) if exclude_frozen else set()
     out: StateDict = OrderedDict()

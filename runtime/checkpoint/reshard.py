@@ -19,7 +19,7 @@ import torch
 from dslaunch.errors import CheckpointError
 
 __all__ = ["partition_map", "check_meta", "partition_problem", "needed_ranks", "assemble", "fp32_params",
-           "by_name", "by_slices", "join_slices", "cut_slice", "check_compatible"]
+           "by_name", "group_by_name", "by_slices", "join_slices", "cut_slice", "check_compatible"]
 
 Range = tuple[int, int]
 
@@ -77,6 +77,11 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
         problem = partition_problem(meta.get("partition"))
         if problem:
             return f"meta 'partition' {problem}"
+    if "experts" in meta:
+        from dslaunch.runtime.checkpoint.experts import experts_problem
+
+        if problem := experts_problem(meta["experts"]):
+            return f"meta 'experts' {problem}"
     for key in ("module_keys", "frozen_parameters"):
         if key in meta and not (isinstance(meta[key], list) and all(isinstance(k, str) for k in meta[key])):
             return f"meta {key!r} is not a list of names"
@@ -181,7 +186,7 @@ def by_name(saved: list[dict], current: dict) -> dict:
         CheckpointError: a live parameter is in no saved part or has another shape there, or the
             parts holding one group disagree on which optimizer state they keep.
     """
-    groups = [_group_by_name(gi, live, _locate(saved, gi)) for gi, live in enumerate(current["groups"])]
+    groups = [group_by_name(gi, live, _locate(saved, gi)) for gi, live in enumerate(current["groups"])]
     return {"stage": current["stage"], "world_size": current["world_size"], "rank": current["rank"], "groups": groups}
 
 
@@ -200,7 +205,14 @@ def _locate(saved: list[dict], gi: int) -> _Where:
     return where
 
 
-def _group_by_name(gi: int, live: dict, where: _Where) -> dict:
+def group_by_name(gi: int, live: dict, where: _Where) -> dict:
+    """Live group ``gi``'s [start, end) of master and optimizer state, each parameter taken by name
+    from ``where`` (name -> (consolidated saved group, offset, shape)).
+
+    Raises:
+        CheckpointError: a parameter is missing or has another shape, or the groups holding them
+            keep different optimizer state.
+    """
     missing = [n for n in live["names"] if n not in where]
     if missing:
         raise CheckpointError(f"param group {gi}: parameters {missing[:3]} are in no part of the checkpoint")

@@ -47,6 +47,13 @@ from dslaunch.runtime.checkpoint.checkpointer import (
     set_rng_state,
     zero_file,
 )
+from dslaunch.runtime.checkpoint.experts import (
+    assemble_experts,
+    expert_record,
+    expert_sources,
+    live_experts,
+    unchanged,
+)
 from dslaunch.runtime.checkpoint.model_parallel import (
     Placement,
     describe,
@@ -221,6 +228,8 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
             _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
                                                        and rank != 0) else None)
         meta["partition"] = partition_map([x for x in layouts if x is not None])
+        if experts and (record := expert_record(ck.comm, parts.module, zero_sd)) is not None:
+            meta["experts"] = record  # which global experts each rank holds: a load may place them anew
     job = TagWrite(CheckpointStore(save_dir, durable=cfg.fsync), tag, files, meta,
                    leader=ck.node_leader if cfg.use_node_local_storage else rank == 0,
                    save_latest=save_latest, keep_last=cfg.keep_last or 0,
@@ -287,7 +296,7 @@ def _refuse_experts(pmap: dict, now: str, meta: dict) -> None:
 
 
 def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place: Placement | None,
-               live_keys: set[str]) -> dict:
+               live_keys: set[str], live: dict[int, list[str]]) -> dict:
     """Read and verify every file this rank needs from ``tag`` (raises CheckpointError).
 
     A checkpoint of a different model is not an error here (that would make the loader fall
@@ -300,7 +309,11 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place
     if place is not None or "model_parallel" in manifest.meta:
         return {**head, **read_parts(store, tag, manifest, current, place, live_keys, str(store.root / tag))}
     out: dict[str, Any] = {**head, "module": store.read(tag, MODULE_FILE, manifest)["module"], "incompatible": None}
-    pmap = manifest.meta["partition"]
+    pmap, meta = manifest.meta["partition"], manifest.meta
+    if "experts" in meta and not unchanged(meta, current, live, rank):  # experts move: by global name
+        ranks = expert_sources(meta, current, live, rank, str(store.root / tag))
+        out["zero"] = assemble_experts(lambda r: store.read(tag, zero_file(r), manifest), ranks, meta, current, live)
+        return out
     try:
         check_compatible(pmap, current, str(store.root / tag))
     except CheckpointError as exc:  # keep what can be matched by name: the fp32 weights
@@ -316,11 +329,11 @@ def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place
 
 
 def _collective_read(ck: Checkpointer, store: CheckpointStore, tag: str, current: dict,
-                     place: Placement | None, live_keys: set[str]) -> dict:
+                     place: Placement | None, live_keys: set[str], live: dict[int, list[str]]) -> dict:
     """Every rank reads its part; if any rank fails, all raise the same error."""
     got, err = None, None
     try:
-        got = _read_plan(store, tag, ck.comm.rank, current, place, live_keys)
+        got = _read_plan(store, tag, ck.comm.rank, current, place, live_keys, live)
     except CheckpointError as exc:
         err = str(exc)
     errors = [f"rank {r}: {e}" if ck.comm.world_size > 1 else e
@@ -418,8 +431,8 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
                         "; ".join(notes) or "no tags")
         return None, None
     current = parts.zero.state_dict()
-    keys = set(parts.module.state_dict())
-    found = first_loadable(tags, lambda t: _collective_read(ck, store, t, current, parts.placement, keys))
+    keys, live = set(parts.module.state_dict()), live_experts(parts.module, current)
+    found = first_loadable(tags, lambda t: _collective_read(ck, store, t, current, parts.placement, keys, live))
     assert found is not None
     tag, got, skipped = found
     manifest: Manifest = got["manifest"]

@@ -28,6 +28,28 @@ def model() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(10, 3))
 
 
+class MoENet(torch.nn.Module):
+    """Linear, DeepSpeed's ``MoE`` (4 experts of ``Linear(8, 8)``, top-1, no token dropping),
+    Linear; global expert ``g`` gets the same weights whichever rank holds it."""
+
+    def __init__(self, deepspeed: Any, ep_size: int, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.inp, self.out = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.moe = deepspeed.moe.layer.MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=ep_size, k=1,
+                                           min_capacity=0, drop_tokens=False, use_rts=False)
+        local = self.moe.num_local_experts
+        with torch.no_grad():  # expert ranks are neighbours (DeepSpeed's default): rank % ep_size
+            for j, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                gen = torch.Generator().manual_seed(50 + (rank % ep_size) * local + j)
+                for p in expert.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _, _ = self.moe(torch.tanh(self.inp(x)))
+        return self.out(hidden)
+
+
 def config(stage: int, world: int, bf16: bool = False, checkpoint: dict | None = None,
            zero: dict | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
@@ -60,24 +82,34 @@ def full_state(deepspeed: Any, engine: Any) -> dict[str, list[float]]:
     for name, p in engine.module.named_parameters():
         out[name] = deepspeed.utils.safe_get_full_fp32_param(p).reshape(-1).tolist()
         for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{name}:{key}"] = deepspeed.utils.safe_get_full_optimizer_state(p, key).reshape(-1).tolist()
+            try:
+                out[f"{name}:{key}"] = deepspeed.utils.safe_get_full_optimizer_state(p, key).reshape(-1).tolist()
+            except ValueError:  # DeepSpeed 0.19.8's fragments of MoE groups: "exp_avg not found"
+                pass
     return out
 
 
 def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: int,
         load: str | None = None, save: str | None = None, save_at: int | None = None, bf16: bool = False,
         load_kwargs: dict | None = None, probe: bool = True, checkpoint: dict | None = None,
-        zero: dict | None = None) -> dict[str, Any]:
+        zero: dict | None = None, ep_size: int = 0) -> dict[str, Any]:
     """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
     step ``save_at`` (default: after the last step); ``checkpoint``: the config's ``checkpoint`` block, ``zero``: more
     ``zero_optimization`` keys.
 
     Returns this rank's losses, what ``load_checkpoint`` returned (path, client state), the
     engine's counters and LR after loading, and (``probe``) the ``full_state`` after loading or
-    when saving.
+    when saving. ``ep_size``: train ``MoENet`` with its experts over that many ranks instead.
     """
-    net = model()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
+    if ep_size:  # real DeepSpeed's package does not import its moe modules itself
+        import importlib
+
+        for name in ("moe.layer", "moe.utils"):
+            importlib.import_module(f"{deepspeed.__name__}.{name}")
+    net = MoENet(deepspeed, ep_size, rank) if ep_size else model()
+    params = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters()), "name": "p"}) if ep_size else net.parameters()
+    opt = torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(stage, world, bf16, checkpoint, zero))
     out: dict[str, Any] = {"losses": []}
     if load is not None:

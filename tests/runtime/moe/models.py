@@ -72,3 +72,57 @@ def expert_index(name: str, first_global: int) -> str:
         return name
     local, _, rest = tail.partition(".")
     return f"{head}{sep}{first_global + int(local)}.{rest}"
+
+
+def starving_model() -> TinyMoENet:
+    """A top-1 ep-2 net whose routing is forced: expert 0 takes the even ranks' tokens (of
+    ``starving_batch``), expert 1 the odd ranks'; experts 2 and 3 (both on expert rank 1) get none."""
+    model = TinyMoENet(MoECase(1, False, False), ep_size=2)
+    with torch.no_grad():
+        model.inp.weight.copy_(torch.eye(HIDDEN))
+        model.inp.bias.zero_()
+        wg = model.moe.deepspeed_moe.gate.wg.weight
+        wg.zero_()
+        wg[0, 0], wg[1, 0], wg[2, 1], wg[3, 1] = 10.0, -10.0, -10.0, -10.0
+    return model
+
+
+def starving_batch(rank: int, world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s tokens for ``starving_model``: feature 0 says which expert takes them."""
+    gen = torch.Generator().manual_seed(step * world + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen) * 0.01
+    x[:, 0], x[:, 1] = 1.0 if rank % 2 == 0 else -1.0, 1.0
+    return x, torch.randint(0, CLASSES, (TOKENS,), generator=gen)
+
+
+def starving_counts(rank: int) -> list[int]:
+    """The tokens per expert ``starving_model`` routes from ``rank``."""
+    return [0, TOKENS, 0, 0] if rank % 2 else [TOKENS, 0, 0, 0]
+
+
+def train_starving(rank: int, world: int, steps: int, timeout_s: float = 1800.0) -> dict:
+    """``steps`` ZeRO-3 steps of ``starving_model`` (SGD, ``timeout_s`` on every collective: a
+    rank left waiting raises instead of hanging). Returns the per-expert token counts of the
+    first and last step, every loss and the loop's wall time."""
+    import datetime
+    import time
+
+    import dslaunch as deepspeed
+    from dslaunch.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+    model = starving_model()
+    params = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
+    config = {"train_micro_batch_size_per_gpu": TOKENS, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    counts, losses = [], []
+    start = time.perf_counter()
+    for step in range(steps):
+        loss = engine(*starving_batch(rank, world, step))
+        engine.backward(loss)
+        engine.step()
+        if step in (0, steps - 1):
+            counts.append(model.moe.deepspeed_moe.exp_counts.tolist())
+        losses.append(loss.item())
+    return {"counts": counts, "losses": losses, "wall_s": time.perf_counter() - start}
