@@ -72,6 +72,7 @@ from dslaunch.runtime.checkpoint.store import (
     first_loadable,
     save_dir_problem,
     tag_problem,
+    validate_tag,
     write_atomic,
 )
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
@@ -142,12 +143,14 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     collective: call on all ranks.
     """
     if parts.config.format == "deepspeed":  # DeepSpeed's own layout: its load_checkpoint reads it
-        from dslaunch.runtime.checkpoint.deepspeed_write import save_deepspeed
+        from dslaunch.runtime.checkpoint.deepspeed_write import deepspeed_job
 
         parts.io.writer.wait()
-        return save_deepspeed(parts, save_dir, _tag_for(parts, save_dir, tag), client_state, save_latest,
-                              exclude_frozen_parameters)
-    job, big = tag_job(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        job = deepspeed_job(parts, save_dir, _tag_for(parts, save_dir, tag), client_state, save_latest,
+                            exclude_frozen_parameters)
+        big = ""  # its files are copied whole before the step goes on
+    else:
+        job, big = tag_job(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     if parts.config.async_save:  # the ZeRO shard is the big file, copied on the writer thread
         save_async(parts.io, parts.optimizer, job, big)
     else:
@@ -162,16 +165,21 @@ def _tag_for(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any) -> s
 
 
 def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, client_state: dict | None,
-            save_latest: bool, exclude_frozen_parameters: bool) -> tuple[TagWrite, str]:
+            save_latest: bool, exclude_frozen_parameters: bool, agreed: bool = False,
+            partition: dict | None = None) -> tuple[TagWrite, str]:
     """What this rank writes into one tag (after the previous async save finished), and the name
     of its big file (the ZeRO shard) that an async save copies on the writer thread.
 
-    collective: call on all ranks (it agrees on the tag and gathers the partition map).
+    ``agreed``: every rank computed the same ``tag`` (no gather to agree on it); ``partition``: the
+    partition map of an earlier save of this engine (its layout never changes: no gather).
+
+    collective: call on all ranks (it agrees on the tag and gathers the partition map, unless
+    both are given).
     """
     ck = parts.io
     ck.writer.wait()
     cfg = parts.config
-    tag = _tag_for(parts, save_dir, tag)
+    tag = validate_tag(str(tag)) if agreed else _tag_for(parts, save_dir, tag)
     rank, zero, place = ck.comm.rank, parts.zero, parts.placement
     if place is not None and cfg.use_node_local_storage:
         raise CheckpointError(f"checkpoint.use_node_local_storage is not supported with model parallelism "
@@ -216,6 +224,8 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
         meta.update(model_parallel=tag_meta(place, records), module_keys=module_keys(records, place.layers is not None),
                     frozen_parameters=sorted({n for r in records for n in r["frozen"]}),
                     module={k: v for r in records for k, v in r["module"].items()})
+    elif partition is not None:
+        meta["partition"] = partition
     else:
         layouts = ck.comm.all_gather_object(
             _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
@@ -228,12 +238,16 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
     return job, zero_file(rank) if place is None else (record["zero"] or {}).get("file", "")
 
 
-def save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> None:
+def save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str, direct: bool = False) -> None:
     """Copy the small state now and the ZeRO shard on the writer thread, then write.
 
     Only the optimizer step changes the ZeRO state (master weights, moments), so the shard is
     copied while the next forward/backward runs and the next ``optimizer.step()`` waits for the
     copy to finish: the training loop only stalls if the copy outlasts forward + backward.
+
+    ``direct``: the store is host memory (a tmpfs): the live shard is written straight into its
+    file, which is the copy to host memory (no second copy into a buffer first); the next
+    ``optimizer.step()`` waits for that write, not for the rest of the save.
     """
     files = dict(job.files)
     live = files.pop(big, None)
@@ -244,6 +258,10 @@ def save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> Non
 
     def run() -> None:
         try:
+            if direct:  # the shard first: the step waits for it alone
+                own = {big: live, **files} if live is not None else files
+                write_tag(ck.comm, dataclasses.replace(job, files=own, written=ck.snapshot_done.set))
+                return
             if live is not None:
                 files[big] = ck.snapshot.take(live)
         finally:
