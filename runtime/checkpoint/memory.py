@@ -68,6 +68,7 @@ __all__ = ["TAG_PREFIX", "Resumed", "MemoryCheckpoint", "attach", "job_store", "
 log = logging.getLogger("dslaunch.checkpoint")
 
 TAG_PREFIX = "memory_step"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # a replica's pages mapped at once, not one fault per page
 
 
 def job_store(cfg: MemoryCheckpointConfig, job: str) -> Path:
@@ -163,7 +164,7 @@ def _receive_into(folder: Path, name: str, size: int) -> tuple[torch.Tensor, str
             if size == 0:
                 return _scratch(0), None
             os.posix_fallocate(fd, 0, size)  # a full tmpfs fails here, not with SIGBUS mid-receive
-            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
     except OSError as err:
