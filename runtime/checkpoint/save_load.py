@@ -146,9 +146,8 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
         from dslaunch.runtime.checkpoint.deepspeed_write import deepspeed_job
 
         parts.io.writer.wait()
-        job = deepspeed_job(parts, save_dir, _tag_for(parts, save_dir, tag), client_state, save_latest,
-                            exclude_frozen_parameters)
-        big = ""  # its files are copied whole before the step goes on
+        job, big = deepspeed_job(parts, save_dir, _tag_for(parts, save_dir, tag), client_state, save_latest,
+                                 exclude_frozen_parameters), ""  # an async save copies every file first
     else:
         job, big = tag_job(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     if parts.config.async_save:  # the ZeRO shard is the big file, copied on the writer thread
@@ -170,11 +169,9 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
     """What this rank writes into one tag (after the previous async save finished), and the name
     of its big file (the ZeRO shard) that an async save copies on the writer thread.
 
-    ``agreed``: every rank computed the same ``tag`` (no gather to agree on it); ``partition``: the
-    partition map of an earlier save of this engine (its layout never changes: no gather).
-
-    collective: call on all ranks (it agrees on the tag and gathers the partition map, unless
-    both are given).
+    ``agreed``: every rank computed the same ``tag``; ``partition``: the map of an earlier save of
+    this engine (its layout never changes). collective: call on all ranks (it agrees on the tag
+    and gathers the partition map, unless told both).
     """
     ck = parts.io
     ck.writer.wait()
@@ -224,7 +221,7 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
         meta.update(model_parallel=tag_meta(place, records), module_keys=module_keys(records, place.layers is not None),
                     frozen_parameters=sorted({n for r in records for n in r["frozen"]}),
                     module={k: v for r in records for k, v in r["module"].items()})
-    elif partition is not None:
+    elif partition is not None:  # gathered by an earlier save
         meta["partition"] = partition
     else:
         layouts = ck.comm.all_gather_object(
@@ -246,8 +243,7 @@ def save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str, direct
     copy to finish: the training loop only stalls if the copy outlasts forward + backward.
 
     ``direct``: the store is host memory (a tmpfs): the live shard is written straight into its
-    file, which is the copy to host memory (no second copy into a buffer first); the next
-    ``optimizer.step()`` waits for that write, not for the rest of the save.
+    file (that is the copy); the next ``optimizer.step()`` waits for that write only.
     """
     files = dict(job.files)
     live = files.pop(big, None)
