@@ -99,16 +99,19 @@ def overhead(job: Job, steps: int, memory_dir: str) -> dict:
     for name, extra in (("none", ()), ("memory", ("--memory_every", str(EVERY), "--memory_dir", memory_dir))):
         proc = job.launch(f"overhead_{name}", steps, *extra)
         lines = _lines(proc)
-        steps = [m for line in lines if (m := STEP.search(line)) and int(m[1]) >= 3]
-        dts = [float(m[3]) for m in steps]
+        if proc.returncode:
+            print(f"overhead run {name!r} failed ({proc.returncode}):", "".join(lines[-20:]),
+                  (job.work / f"overhead_{name}.err").read_text()[-3000:], sep="\n", file=sys.stderr)
+        rows = [m for line in lines if (m := STEP.search(line)) and int(m[1]) >= 3]
+        dts = [float(m[3]) for m in rows]
         result[name] = {"exit_code": proc.returncode, "steps": len(dts),
                         "mean_step_s": round(statistics.mean(dts), 4) if dts else None,
                         "median_step_s": round(statistics.median(dts), 4) if dts else None}
         copy = [float(m[1]) for line in lines if (m := COPY.search(line))]
-        if name == "memory" and steps:
+        if name == "memory" and rows:
             # a snapshot's blocking: starting it (its step) and the next optimizer step's wait for its copy
-            per = [float(m[4] or 0) + (float(steps[i + 1][4] or 0) if i + 1 < len(steps) else 0.0)
-                   for i, m in enumerate(steps) if int(m[1]) % EVERY == 0]
+            per = [float(m[4] or 0) + (float(rows[i + 1][4] or 0) if i + 1 < len(rows) else 0.0)
+                   for i, m in enumerate(rows) if int(m[1]) % EVERY == 0]
             result[name].update(snapshots=len(per), block_mean_s=round(statistics.mean(per), 4) if per else None,
                                 block_max_s=round(max(per), 4) if per else None,
                                 shard_copy_s=round(copy[0], 4) if copy else None)
