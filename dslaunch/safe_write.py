@@ -222,15 +222,17 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def create_new(where: Where, name: str, mode: int = 0o600) -> int:
-    """A write-only descriptor of a file that did not exist before this call.
+def create_new(where: Where, name: str, mode: int = 0o600, readable: bool = False) -> int:
+    """A write-only descriptor of a file that did not exist before this call (``readable``: read
+    and write, as a shared memory map of it needs).
 
     Raises:
         FileExistsError: anything is at ``name`` already (a link too: it is not followed).
         UnsafePath, OSError: as ``open_dir`` when ``where`` is a path; the directory is not writable.
     """
+    flags = (_NEW & ~os.O_WRONLY) | os.O_RDWR if readable else _NEW
     with _dir(where) as dir_fd:
-        return os.open(name, _NEW, mode, dir_fd=dir_fd)
+        return os.open(name, flags, mode, dir_fd=dir_fd)
 
 
 def create_replacing(where: Where, name: str, mode: int = 0o600) -> int:

@@ -1,8 +1,8 @@
 """``dslaunch.runtime.checkpoint``: engine checkpoints and their offline export.
 
-Owns what goes into a tag and the load plan (``save_load.py``: ``save_checkpoint``,
+Owns what goes into a tag (``save_load.py``: ``save_checkpoint``,
 ``load_checkpoint``, ``save_16bit_model``, ``wait_for_checkpoint``, which the engine's methods
-call), the named parts a checkpoint holds, each with its ``state_dict`` (``parts.py``), the
+call) and what each rank reads of it on load (``load_plan.py``), the named parts a checkpoint holds, each with its ``state_dict`` (``parts.py``), the
 per-engine machinery and file names (``checkpointer.py``), the on-disk format of one
 file (``format.py``), the checkpoint directory with its manifests, ``latest`` and retention
 (``store.py``), the leader's publication steps (``publish.py``) and what killed saves leave

@@ -20,10 +20,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST
+from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore
 
 __all__ = ["get_model_ckpt_name_for_rank", "model_states_name", "optim_states_name", "ckpt_name",
-           "zero_ckpt_name", "optimizer_ckpt_name", "expert_optim_name", "deepspeed_tag"]
+           "zero_ckpt_name", "optimizer_ckpt_name", "expert_optim_name", "deepspeed_tag", "is_deepspeed_folder"]
 
 
 def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: str) -> str:
@@ -79,6 +80,17 @@ def deepspeed_tag(load_dir: str | os.PathLike, tag: object = None) -> Path | Non
         except (OSError, UnicodeDecodeError):
             return None
     folder = root / str(tag)
-    if not folder.is_dir() or (folder / MANIFEST).exists():
-        return None
-    return folder if any(folder.glob("*model_states.pt")) else None
+    return folder if is_deepspeed_folder(folder) else None
+
+
+def is_deepspeed_folder(folder: Path) -> bool:
+    """A tag folder in DeepSpeed's layout: ``*model_states.pt`` files and no dslaunch manifest, or
+    the manifest dslaunch writes beside the files of a DeepSpeed-format save (``checkpoint.format``)."""
+    if not folder.is_dir() or not any(folder.glob("*model_states.pt")):
+        return False
+    if not (folder / MANIFEST).exists():
+        return True
+    try:
+        return CheckpointStore(folder.parent).manifest(folder.name).meta.get("format") == "deepspeed"
+    except CheckpointError:  # a broken dslaunch tag: its loader says what is wrong
+        return False

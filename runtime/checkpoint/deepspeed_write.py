@@ -19,13 +19,18 @@ world size and ZeRO stage (names in ``deepspeed_layout``), from the engine's ``p
 DeepSpeed's classes in these files (its loss scaler, ``fragment_address``) are written by name
 (``deepspeed_pickle``); nothing of dslaunch is pickled, so DeepSpeed reads them without dslaunch.
 
-Each rank gathers the whole fp32 state (all-gather of the ZeRO shards) and writes only its own
-files, each through ``safe_write`` (atomic per file); ``latest`` is written once every rank
-succeeded, so a failed save leaves ``latest`` naming the previous tag.
+Each rank gathers the whole fp32 state (all-gather of the ZeRO shards) and contributes only its own
+files. They are written and published by dslaunch's own save protocol (``writer.write_tag``), so a
+DeepSpeed-format tag is as safe as a dslaunch one: written into ``.tmp-<tag>``, renamed into place
+with a ``manifest.json`` (sizes and checksums; its ``meta.format`` is ``"deepspeed"``; DeepSpeed
+ignores it), ``latest`` replaced last; a save killed or failed at any point leaves the previous tag
+and ``latest`` as they were. ``checkpoint.async_save`` (the files are serialized and written on the
+writer thread, from a copy in host memory), ``fsync`` and ``keep_last`` (retention among the tags
+with a manifest) apply as to dslaunch's format.
 
-Limitations: no model parallelism (pipeline, tensor), no MoE experts, no node-local storage;
-written synchronously (``async_save`` waits); each rank holds the whole fp32 state once while
-saving (host memory). DeepSpeed also copies its ``zero_to_fp32.py`` into the tag: dslaunch does
+Limitations: no model parallelism (pipeline, tensor), no MoE experts, no node-local storage; each
+rank holds the whole fp32 state once while saving (host memory), and an async save keeps its copy
+of the rank's files in host memory between saves. DeepSpeed also copies its ``zero_to_fp32.py`` into the tag: dslaunch does
 not ship DeepSpeed's script (``python -m deepspeed.utils.zero_to_fp32`` reads these files).
 """
 
@@ -35,12 +40,11 @@ import logging
 import math
 import os
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from dslaunch import safe_write
+import dslaunch
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.deepspeed_experts import dense_state, expert_files, moe_layers
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
@@ -50,12 +54,14 @@ from dslaunch.runtime.checkpoint.deepspeed_layout import (
 )
 from dslaunch.runtime.checkpoint.deepspeed_pickle import fragment_address, loss_scaler, to_bytes
 from dslaunch.runtime.checkpoint.experts import ep_rank, expert_names, live_experts
+from dslaunch.runtime.checkpoint.format import Encoded
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
 from dslaunch.runtime.checkpoint.reshard import assemble
-from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST
+from dslaunch.runtime.checkpoint.store import CheckpointStore
+from dslaunch.runtime.checkpoint.writer import TagWrite
 from dslaunch.runtime.zero.full_state import module_state_dict
 
-__all__ = ["DEEPSPEED_VERSION", "save_deepspeed"]
+__all__ = ["DEEPSPEED_VERSION", "deepspeed_job"]
 
 log = logging.getLogger("dslaunch.checkpoint")
 
@@ -286,16 +292,16 @@ def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
         raise CheckpointError(f'checkpoint.format "deepspeed" cannot save {what} yet: use format "dslaunch"')
 
 
-def save_deepspeed(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str, client_state: dict | None,
-                   save_latest: bool, exclude_frozen_parameters: bool) -> bool:
-    """Write ``save_dir/tag`` in DeepSpeed's layout (the module docstring), ``tag`` already agreed
-    by every rank.
+def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str, client_state: dict | None,
+                  save_latest: bool, exclude_frozen_parameters: bool) -> TagWrite:
+    """What this rank writes into ``save_dir/tag`` in DeepSpeed's layout (the module docstring),
+    ``tag`` already agreed by every rank. The save protocol (``writer.write_tag``) writes and
+    publishes it as it does a dslaunch tag.
 
     Raises:
-        CheckpointError: a layout DeepSpeed's files cannot express, ``tag`` already holds a dslaunch
-            checkpoint, or a rank failed to write (every rank raises it; ``latest`` unchanged).
+        CheckpointError: a layout DeepSpeed's files cannot express.
 
-    collective: call on all ranks.
+    collective: call on all ranks (ZeRO-1/2/3 gather the whole fp32 state).
     """
     ck = parts.io
     rank, world = ck.comm.rank, ck.comm.world_size
@@ -304,8 +310,7 @@ def save_deepspeed(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str
     stage = int(parts.zero.stage)
     experts = live_experts(parts.module, zero_sd)
     groups = _whole_groups(ck, zero_sd, experts)
-    folder = Path(save_dir) / str(tag)
-    files: dict[str, dict] = {}
+    files: dict[str, Any] = {}
     if stage == 3 or rank == 0:
         files[model_states_name(rank if stage == 3 else None)] = _model_states(
             parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters)
@@ -322,30 +327,9 @@ def save_deepspeed(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str
             _zero12_file(groups, splits, stage, parts.gradient_clipping)
         files[optim_states_name(rank, parts.bf16)] = {"optimizer_state_dict": osd, "ds_config": dict(parts.ds_config),
                                                       "ds_version": DEEPSPEED_VERSION}
-    err = None
-    try:
-        if (folder / MANIFEST).exists():
-            raise CheckpointError("holds a dslaunch checkpoint (manifest.json): save the DeepSpeed format "
-                                  "under another tag", str(folder))
-        safe_write.make_dirs(folder)
-        for name, obj in files.items():
-            safe_write.write_file(folder, name, to_bytes(obj), durable=parts.config.fsync)
-    except CheckpointError as exc:
-        err = str(exc)
-    except OSError as exc:
-        err = f"cannot write the DeepSpeed checkpoint: {safe_write.explain(exc, folder)}"
-    errors = [f"rank {r}: {e}" if world > 1 else e for r, e in enumerate(ck.comm.all_gather_object(err)) if e]
-    if errors:
-        raise CheckpointError("; ".join(errors) + f" (latest in {save_dir} unchanged)")
-    if rank == 0 and save_latest:
-        try:
-            safe_write.write_file(Path(save_dir), LATEST, str(tag), durable=parts.config.fsync)
-        except OSError as exc:
-            err = f"cannot write {Path(save_dir) / LATEST}: {safe_write.explain(exc, Path(save_dir) / LATEST)}"
-    errors = [e for e in ck.comm.all_gather_object(err) if e]
-    if errors:
-        raise CheckpointError(errors[0])
-    if rank == 0:
-        log.info("saved DeepSpeed-format checkpoint %s (data-parallel world size %d, ZeRO stage %d)",
-                 folder, world, stage)
-    return True
+    cfg = parts.config
+    meta = {"format": "deepspeed", "ds_version": DEEPSPEED_VERSION, "world_size": world, "zero_stage": stage,
+            "global_steps": parts.global_steps}
+    return TagWrite(CheckpointStore(save_dir, durable=cfg.fsync), tag,
+                    {name: Encoded(obj, to_bytes) for name, obj in files.items()}, meta, leader=rank == 0,
+                    save_latest=save_latest, keep_last=cfg.keep_last or 0, library_version=dslaunch.__version__)

@@ -38,7 +38,7 @@ import torch
 from dslaunch.errors import CheckpointError, shorten
 from dslaunch.safe_write import create_new, split_path
 
-__all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "write_object", "read_object"]
+__all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "Encoded", "write_object", "read_object", "file_bytes"]
 
 MAGIC = b"DSLCKPT1"
 _ALIGN = 64
@@ -137,8 +137,18 @@ def _write_all(fd: int, data: memoryview, crc: int, offset: int, durable: bool) 
     return crc
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """A file in another format (DeepSpeed's ``torch.save`` files): ``encode(obj)`` gives its bytes,
+    written as they are, when the file is written (on the writer thread of an async save)."""
+
+    obj: Any
+    encode: Callable[[Any], bytes]
+
+
 def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> FileDigest:
-    """Write ``obj`` (any picklable tree of dicts, lists, tensors...) to ``path`` and fsync it.
+    """Write ``obj`` (any picklable tree of dicts, lists, tensors...) to ``path`` and fsync it;
+    an ``Encoded`` object is written as its own bytes.
 
     ``durable=False`` leaves the data in the page cache (no writeback, no fsync), as DeepSpeed's
     saves do: it survives a killed process, not a power loss or kernel crash.
@@ -146,6 +156,8 @@ def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> Fil
     Returns:
         The file's size and CRC32, to be recorded in the manifest.
     """
+    if isinstance(obj, Encoded):
+        return _write_raw(path, obj.encode(obj.obj), durable)
     buf = io.BytesIO()
     pickler = _TensorPickler(buf)
     pickler.dump(obj)
@@ -175,7 +187,18 @@ def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> Fil
     return FileDigest(size=prefix_len + pos, checksum=crc, algorithm=DEFAULT_CHECKSUM)
 
 
-def _read_exact(path: Path, size: int) -> torch.Tensor:
+def _write_raw(path: str | os.PathLike, data: bytes, durable: bool) -> FileDigest:
+    fd = create_new(*split_path(path), 0o644)
+    try:
+        crc = _write_all(fd, memoryview(data), 0, 0, durable)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return FileDigest(size=len(data), checksum=crc, algorithm=DEFAULT_CHECKSUM)
+
+
+def file_bytes(path: Path, size: int) -> torch.Tensor:
     """The file's bytes as a uint8 tensor: a private memory map of the page cache (no copy)
     for large files, a plain read for small ones."""
     actual = path.stat().st_size
@@ -218,7 +241,7 @@ def read_object(path: str | os.PathLike, expect: FileDigest | None = None) -> An
         if not path.is_file():
             raise CheckpointError("file is missing", str(path))
         size = expect.size if expect else path.stat().st_size
-        data = _read_exact(path, size)
+        data = file_bytes(path, size)
     except OSError as exc:  # permissions, I/O error: say which file, not a traceback
         raise CheckpointError(f"cannot read the file ({exc.strerror or exc})", str(path)) from exc
     view = memoryview(data.numpy()).cast("B") if size else memoryview(b"")

@@ -14,10 +14,14 @@ host is up, whatever happens to the processes that wrote it; a killed rank, a ki
 a snapshot with them, and no process has to hand its contents over. Writing it is a memory copy.
 
 A snapshot is a tag written by the checkpoint save protocol (``writer.write_tag``) with node-local
-leaders, no fsync and ``keep_last`` 1, asynchronously (``save_load.save_async``): the step waits
-only for the copy of the small state to host memory; the ZeRO shard is copied while the next
-forward/backward runs, and the writes, the replica exchange (point to point on the checkpoint's
-private gloo group) and the publication run on the writer thread. A tag is published on a host
+leaders, no fsync and ``keep_last`` 1, asynchronously (``save_load.save_async`` with ``direct``):
+the step waits only for the copy of the small state to host memory; the ZeRO shard is written
+straight into its file in the store (one copy, to host memory) while the next forward/backward
+runs, and the next optimizer step waits for that write only. The replica exchange (point to point
+on the checkpoint's private gloo group: each file sent from its mapped pages in the store, received
+straight into the pages of its copy) and the publication run on the writer thread after it. The
+tag is named from the step and the partition map is gathered at the first snapshot only, so a
+snapshot starts with no collective on the training thread. A tag is published on a host
 only after every rank wrote its files and every replica arrived (the protocol's all-gather), so a
 snapshot a host died in the middle of stays a ``.tmp-`` directory and is never read. Each host
 holds at most the newest complete snapshot and the one being written.
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import os
 import socket
 from collections.abc import Callable
@@ -44,17 +49,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, rank_file, zero_file
+from dslaunch.runtime.checkpoint.format import file_bytes
+from dslaunch.runtime.checkpoint.load_plan import zero_sources
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
-from dslaunch.runtime.checkpoint.save_load import save_async, tag_job, zero_sources
+from dslaunch.runtime.checkpoint.save_load import save_async, tag_job
 from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore, FileRecord, Manifest
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
 from dslaunch.runtime.heartbeat import reporter
-from dslaunch.safe_write import create_new, explain, make_dirs, write_all, write_file
+from dslaunch.safe_write import create_new, explain, make_dirs, write_file
 from dslaunch.utils.restart import JOB_ID
 
 __all__ = ["TAG_PREFIX", "Resumed", "MemoryCheckpoint", "attach", "job_store", "host_store", "peers",
@@ -63,6 +69,7 @@ __all__ = ["TAG_PREFIX", "Resumed", "MemoryCheckpoint", "attach", "job_store", "
 log = logging.getLogger("dslaunch.checkpoint")
 
 TAG_PREFIX = "memory_step"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # a replica's pages mapped at once, not one fault per page
 
 
 def job_store(cfg: MemoryCheckpointConfig, job: str) -> Path:
@@ -105,7 +112,8 @@ class Resumed:
 class PeerReplica:
     """The writer-thread hook that copies this rank's files to its peer and receives the files of
     the ranks whose peer it is (``TagWrite.replicate``). Every rank sends and receives at once
-    (isend/irecv), so a ring of any length never waits on itself."""
+    (isend/irecv), so a ring of any length never waits on itself. A file is sent from its pages
+    in the store (mapped, not read back) and received straight into the pages of its copy."""
 
     def __init__(self, comm: Any, store: CheckpointStore, tag: str, peer_of: list[int | None]):
         self.comm, self.store, self.tag, self.peer_of = comm, store, tag, peer_of
@@ -120,22 +128,22 @@ class PeerReplica:
         reqs, bufs = [], []
         if self.peer_of[me] is not None:
             for rec in sendable(own):
-                data = torch.from_numpy(np.fromfile(tmp / rec.name, dtype=np.uint8))
+                data = file_bytes(tmp / rec.name, rec.size)
                 reqs.append(dist.isend(data, self.peer_of[me], group=self.comm.group))
                 bufs.append(data)  # alive until sent
-        got = []
+        mine = {rec.name for rec in own}
+        got, problem = [], None
         for r in senders:
             for rec in sendable(every[r]):
-                buf = torch.empty(rec.size, dtype=torch.uint8)
+                buf, err = (_scratch(rec.size), None) if rec.name in mine else _receive_into(tmp, rec.name, rec.size)
+                problem = problem or err
                 reqs.append(dist.irecv(buf, r, group=self.comm.group))
                 got.append((rec, buf))
         for req in reqs:
             req.wait()
         # only after every transfer: a rank failing to write never leaves its sender waiting
-        mine = {rec.name for rec in own}
-        for rec, buf in got:
-            if rec.name not in mine:
-                _write_bytes(tmp, rec.name, buf)
+        if problem:
+            raise CheckpointError(f"memory snapshot {self.tag!r}: cannot hold a peer's replica: {problem}")
         return [rec for rec, _ in got if rec.name not in mine]
 
 
@@ -144,12 +152,25 @@ def sendable(records: list[FileRecord]) -> list[FileRecord]:
     return [rec for rec in records if rec.name != MODULE_FILE]
 
 
-def _write_bytes(folder: Path, name: str, data: torch.Tensor) -> None:
-    fd = create_new(folder, name, 0o600)
+def _scratch(size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def _receive_into(folder: Path, name: str, size: int) -> tuple[torch.Tensor, str | None]:
+    """A new file of ``size`` bytes in ``folder``, mapped, to receive a copy straight into; or a
+    scratch buffer (its sender must not wait forever) and why the file cannot be made."""
     try:
-        write_all(fd, memoryview(data.numpy()))
-    finally:
-        os.close(fd)
+        fd = create_new(folder, name, 0o600, readable=True)
+        try:
+            if size == 0:
+                return _scratch(0), None
+            os.posix_fallocate(fd, 0, size)  # a full tmpfs fails here, not with SIGBUS mid-receive
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        return _scratch(size), explain(err, folder / name)
+    return torch.frombuffer(mapped, dtype=torch.uint8), None
 
 
 class MemoryCheckpoint:
@@ -174,6 +195,7 @@ class MemoryCheckpoint:
         self.peer_of = peers(self.hosts) if cfg.replicas else [None] * len(self.hosts)
         self.leader = self.hosts.index(self.host) == parts.io.comm.rank  # reports its host's store
         self._pending: int | None = None  # the step of the snapshot being written
+        self._partition: dict | None = None  # the partition map: gathered at the first snapshot only
         if parts.placement is not None:
             raise CheckpointError("memory_checkpoint is not supported with model parallelism (pipeline, tensor "
                                   "parallel or an mpu) yet: remove the memory_checkpoint block")
@@ -189,11 +211,14 @@ class MemoryCheckpoint:
         parts = dataclasses.replace(parts, config=dataclasses.replace(
             parts.config, async_save=True, fsync=False, keep_last=1, use_node_local_storage=True,
             tag_validation="Ignore"))
-        job, big = tag_job(parts, self.store.root, f"{TAG_PREFIX}{parts.global_steps}", None, True, False)
+        # every rank names the tag alike and the layout never changes: no collective here after the first
+        job, big = tag_job(parts, self.store.root, f"{TAG_PREFIX}{parts.global_steps}", None, True, False,
+                           agreed=True, partition=self._partition)
+        self._partition = job.meta.get("partition")
         job = dataclasses.replace(job, meta={**job.meta, "hosts": self.hosts})  # tells replicas from own files
         if any(p is not None for p in self.peer_of):
             job = dataclasses.replace(job, replicate=PeerReplica(parts.io.comm, self.store, job.tag, self.peer_of))
-        save_async(parts.io, parts.optimizer, job, big)
+        save_async(parts.io, parts.optimizer, job, big, direct=True)
         # tag_job waited for the previous snapshot: it is complete now
         complete, self._pending = self._pending, parts.global_steps
         hb = reporter()
@@ -291,15 +316,12 @@ class MemoryCheckpoint:
         problem = None
         for receiver, provider, name in plan:
             if provider == comm.rank:
-                data = torch.from_numpy(np.fromfile(folder / name, dtype=np.uint8))
-                dist.send(data, receiver, group=comm.group)
+                dist.send(file_bytes(folder / name, manifest.files[name].size), receiver, group=comm.group)
             elif receiver == comm.rank:
-                buf = torch.empty(manifest.files[name].size, dtype=torch.uint8)
-                dist.recv(buf, provider, group=comm.group)
-                try:  # after the transfer: its provider never waits on a failed write
-                    _write_bytes(folder, name, buf)
-                except OSError as err:
-                    problem = problem or f"memory snapshot {tag!r}: cannot write {explain(err, folder / name)}"
+                buf, err = _receive_into(folder, name, manifest.files[name].size)
+                dist.recv(buf, provider, group=comm.group)  # also on error: its provider never waits
+                if err:
+                    problem = problem or f"memory snapshot {tag!r}: cannot write {err}"
         # every fetched file is in place before anyone reads; a failed write fails every rank
         if errors := [p for p in comm.all_gather_object(problem) if p]:
             raise CheckpointError(errors[0])

@@ -1,6 +1,6 @@
 """``engine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``: what goes into a tag.
 
-Owns the contents of a checkpoint and the load plan; the engine's methods delegate here with the
+Owns the contents of a checkpoint (what each rank reads of it on load: ``load_plan``); the engine's methods delegate here with the
 engine's ``parts.CheckpointParts`` (module, ZeRO strategy, training state: each saves itself with
 ``state_dict``); this module only names the files, adds RNG states and client state, and hands
 the result to the storage layer (``store`` via ``writer``; per-engine
@@ -48,37 +48,27 @@ from dslaunch.runtime.checkpoint.checkpointer import (
     zero_file,
 )
 from dslaunch.runtime.checkpoint.experts import (
-    assemble_experts,
     expert_record,
-    expert_sources,
     live_experts,
-    unchanged,
 )
+from dslaunch.runtime.checkpoint.load_plan import collective_read
 from dslaunch.runtime.checkpoint.model_parallel import (
-    Placement,
     describe,
     module_keys,
     part_record,
-    read_parts,
     tag_meta,
 )
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
 from dslaunch.runtime.checkpoint.reshard import (
-    assemble,
-    check_compatible,
-    check_meta,
-    expert_groups,
-    fp32_params,
-    needed_ranks,
     partition_map,
 )
 from dslaunch.runtime.checkpoint.store import (
-    MANIFEST,
     CheckpointStore,
     Manifest,
     first_loadable,
     save_dir_problem,
     tag_problem,
+    validate_tag,
     write_atomic,
 )
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
@@ -149,12 +139,13 @@ def save_checkpoint(parts: CheckpointParts, save_dir: str | os.PathLike, tag: An
     collective: call on all ranks.
     """
     if parts.config.format == "deepspeed":  # DeepSpeed's own layout: its load_checkpoint reads it
-        from dslaunch.runtime.checkpoint.deepspeed_write import save_deepspeed
+        from dslaunch.runtime.checkpoint.deepspeed_write import deepspeed_job
 
         parts.io.writer.wait()
-        return save_deepspeed(parts, save_dir, _tag_for(parts, save_dir, tag), client_state, save_latest,
-                              exclude_frozen_parameters)
-    job, big = tag_job(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        job, big = deepspeed_job(parts, save_dir, _tag_for(parts, save_dir, tag), client_state, save_latest,
+                                 exclude_frozen_parameters), ""  # an async save copies every file first
+    else:
+        job, big = tag_job(parts, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     if parts.config.async_save:  # the ZeRO shard is the big file, copied on the writer thread
         save_async(parts.io, parts.optimizer, job, big)
     else:
@@ -169,16 +160,19 @@ def _tag_for(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any) -> s
 
 
 def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, client_state: dict | None,
-            save_latest: bool, exclude_frozen_parameters: bool) -> tuple[TagWrite, str]:
+            save_latest: bool, exclude_frozen_parameters: bool, agreed: bool = False,
+            partition: dict | None = None) -> tuple[TagWrite, str]:
     """What this rank writes into one tag (after the previous async save finished), and the name
     of its big file (the ZeRO shard) that an async save copies on the writer thread.
 
-    collective: call on all ranks (it agrees on the tag and gathers the partition map).
+    ``agreed``: every rank computed the same ``tag``; ``partition``: the map of an earlier save of
+    this engine (its layout never changes). collective: call on all ranks (it agrees on the tag
+    and gathers the partition map, unless told both).
     """
     ck = parts.io
     ck.writer.wait()
     cfg = parts.config
-    tag = _tag_for(parts, save_dir, tag)
+    tag = validate_tag(str(tag)) if agreed else _tag_for(parts, save_dir, tag)
     rank, zero, place = ck.comm.rank, parts.zero, parts.placement
     if place is not None and cfg.use_node_local_storage:
         raise CheckpointError(f"checkpoint.use_node_local_storage is not supported with model parallelism "
@@ -223,6 +217,8 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
         meta.update(model_parallel=tag_meta(place, records), module_keys=module_keys(records, place.layers is not None),
                     frozen_parameters=sorted({n for r in records for n in r["frozen"]}),
                     module={k: v for r in records for k, v in r["module"].items()})
+    elif partition is not None:  # gathered by an earlier save
+        meta["partition"] = partition
     else:
         layouts = ck.comm.all_gather_object(
             _layout(zero_sd) if zero_writer and not (cfg.use_node_local_storage and not zero.partitioned
@@ -237,12 +233,15 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
     return job, zero_file(rank) if place is None else (record["zero"] or {}).get("file", "")
 
 
-def save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> None:
+def save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str, direct: bool = False) -> None:
     """Copy the small state now and the ZeRO shard on the writer thread, then write.
 
     Only the optimizer step changes the ZeRO state (master weights, moments), so the shard is
     copied while the next forward/backward runs and the next ``optimizer.step()`` waits for the
     copy to finish: the training loop only stalls if the copy outlasts forward + backward.
+
+    ``direct``: the store is host memory (a tmpfs): the live shard is written straight into its
+    file (that is the copy); the next ``optimizer.step()`` waits for that write only.
     """
     files = dict(job.files)
     live = files.pop(big, None)
@@ -253,6 +252,10 @@ def save_async(ck: Checkpointer, optimizer: Any, job: TagWrite, big: str) -> Non
 
     def run() -> None:
         try:
+            if direct:  # the shard first: the step waits for it alone
+                own = {big: live, **files} if live is not None else files
+                write_tag(ck.comm, dataclasses.replace(job, files=own, written=ck.snapshot_done.set))
+                return
             if live is not None:
                 files[big] = ck.snapshot.take(live)
         finally:
@@ -270,79 +273,6 @@ def _layout(zero_sd: dict) -> dict:
 
 
 # ---- load ---------------------------------------------------------------------------------------
-def _targets(current: dict) -> list[tuple[int, int]]:
-    return [(int(g["start"]), int(g["end"])) for g in current["groups"]]
-
-
-def zero_sources(manifest: Manifest, current: dict, rank: int) -> list[int]:
-    """Saved ranks whose ZeRO shards this rank must read."""
-    meta = manifest.meta
-    pmap = meta["partition"]
-    same_layout = meta["world_size"] == current["world_size"] and pmap["stage"] == current["stage"]
-    if same_layout and zero_file(rank) in manifest.files:
-        return [rank]  # the fast path: this rank's own shard, nothing to cut
-    _refuse_experts(pmap, f"{zero_file(rank)} is missing" if same_layout else
-                    f"now world size {current['world_size']}, ZeRO stage {current['stage']}", manifest.meta)
-    return needed_ranks(pmap, _targets(current))
-
-
-def _refuse_experts(pmap: dict, now: str, meta: dict) -> None:
-    """Expert shards load only where they were saved: another layout would mix experts."""
-    experts = expert_groups(pmap)
-    if experts:
-        raise CheckpointError(f"the checkpoint holds expert parameters ({experts[0]}) saved at world size "
-                              f"{meta['world_size']}, ZeRO stage {pmap['stage']}; each rank loads only its own "
-                              f"shard file at that layout ({now})")
-
-
-def _read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place: Placement | None,
-               live_keys: set[str], live: dict[int, list[str]]) -> dict:
-    """Read and verify every file this rank needs from ``tag`` (raises CheckpointError).
-
-    A checkpoint of a different model is not an error here (that would make the loader fall
-    back to an older tag): it is reported as ``incompatible`` and the ZeRO shards are skipped.
-    """
-    manifest = store.manifest(tag)
-    check_meta(manifest.meta, str(store.root / tag / MANIFEST))
-    src = rank if rank < manifest.meta["world_size"] else 0
-    head = {"manifest": manifest, "rank": store.read(tag, rank_file(src), manifest), "rank_src": src}
-    if place is not None or "model_parallel" in manifest.meta:
-        return {**head, **read_parts(store, tag, manifest, current, place, live_keys, str(store.root / tag))}
-    out: dict[str, Any] = {**head, "module": store.read(tag, MODULE_FILE, manifest)["module"], "incompatible": None}
-    pmap, meta = manifest.meta["partition"], manifest.meta
-    if "experts" in meta and not unchanged(meta, current, live, rank):  # experts move: by global name
-        ranks = expert_sources(meta, current, live, rank, str(store.root / tag))
-        out["zero"] = assemble_experts(lambda r: store.read(tag, zero_file(r), manifest), ranks, meta, current, live)
-        return out
-    try:
-        check_compatible(pmap, current, str(store.root / tag))
-    except CheckpointError as exc:  # keep what can be matched by name: the fp32 weights
-        _refuse_experts(pmap, "this model's param groups differ", manifest.meta)
-        out["incompatible"] = exc
-        full = [(0, int(g["numel"])) for g in pmap["groups"]]
-        shards = [store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)]
-        out["fp32"] = fp32_params(assemble(shards, full))
-        return out
-    shards = [store.read(tag, zero_file(r), manifest) for r in zero_sources(manifest, current, rank)]
-    out["zero"] = assemble(shards, _targets(current))
-    return out
-
-
-def _collective_read(ck: Checkpointer, store: CheckpointStore, tag: str, current: dict,
-                     place: Placement | None, live_keys: set[str], live: dict[int, list[str]]) -> dict:
-    """Every rank reads its part; if any rank fails, all raise the same error."""
-    got, err = None, None
-    try:
-        got = _read_plan(store, tag, ck.comm.rank, current, place, live_keys, live)
-    except CheckpointError as exc:
-        err = str(exc)
-    errors = [f"rank {r}: {e}" if ck.comm.world_size > 1 else e
-              for r, e in enumerate(ck.comm.all_gather_object(err)) if e]
-    if errors:
-        raise CheckpointError("; ".join(errors))
-    return got
-
-
 def _candidates(ck: Checkpointer, store: CheckpointStore, tag: Any) -> tuple[list[str], list[str]]:
     if tag is not None:
         return [str(tag)], []
@@ -432,7 +362,7 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
         return None, None
     current = parts.zero.state_dict()
     keys, live = set(parts.module.state_dict()), live_experts(parts.module, current)
-    found = first_loadable(tags, lambda t: _collective_read(ck, store, t, current, parts.placement, keys, live))
+    found = first_loadable(tags, lambda t: collective_read(ck, store, t, current, parts.placement, keys, live))
     assert found is not None
     tag, got, skipped = found
     manifest: Manifest = got["manifest"]

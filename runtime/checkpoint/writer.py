@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from dslaunch.errors import CheckpointError, DslaunchError, name_ranks
+from dslaunch.runtime.checkpoint.format import Encoded
 from dslaunch.runtime.checkpoint.leftovers import SAVE_TIMEOUT_S
 from dslaunch.runtime.checkpoint.publish import LeaderSave
 from dslaunch.runtime.checkpoint.store import CheckpointStore, FileRecord, Manifest
@@ -88,6 +89,9 @@ class TagWrite:
     replicate: Callable[[list[FileRecord]], list[FileRecord]] | None = None
     """Called with this rank's written records before they are gathered: writes copies of other
     ranks' files into this rank's tmp dir and returns their records (``memory.PeerReplica``)."""
+    written: Callable[[], None] | None = None
+    """Called once this rank's own files are written (before ``replicate``): an async save's
+    optimizer step may go on from then (``save_load.save_async``'s ``direct``)."""
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -164,6 +168,8 @@ def _write_tag(comm: Comm, job: TagWrite, leader: LeaderSave | None) -> Manifest
 
     def write_all() -> list[FileRecord]:
         own = [store.write(tag, name, obj, comm.rank) for name, obj in job.files.items()]
+        if job.written is not None:
+            job.written()
         return own + job.replicate(own) if job.replicate is not None else own
 
     records, err = _attempt(write_all)
@@ -211,6 +217,8 @@ class Snapshot:
                 return type(x)(items) if type(x) in (dict, OrderedDict) else items
             if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
                 return type(x)(walk(v) for v in x)
+            if isinstance(x, Encoded):  # serialized later, from the copy
+                return Encoded(walk(x.obj), x.encode)
             return copy.deepcopy(x)
 
         out = walk(obj)

@@ -17,7 +17,8 @@ The job is ``memory_checkpoint_worker.py`` (an MLP of ``--layers`` x Linear(H, H
 Writes ``results/memory_checkpoint_bench.{json,md}``. Needs root (the cluster); run it under
 ``flock /tmp/dslaunch-bench.lock flock /tmp/dslaunch-cluster.lock``.
 
-Usage: ``python scripts/bench/memory_checkpoint_bench.py [--hidden 2048 --layers 30] [--steps 20]``.
+Usage: ``python scripts/bench/memory_checkpoint_bench.py [--hidden 2048 --layers 30] [--steps 20]
+[--only overhead|recovery]``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ import cluster as cluster_mod  # noqa: E402  (a script directory, not a package)
 from host_faults import _host_processes, _signal_all  # noqa: E402
 
 KILL_AFTER, EVERY = 12, 5
-STEP = re.compile(r"step=(\d+) end=([\d.]+) dt=([\d.]+)")
+STEP = re.compile(r"step=(\d+) end=([\d.]+) dt=([\d.]+)(?: block=([\d.]+))?")
+COPY = re.compile(r"shard_copy_s=([\d.]+)")
 INIT = re.compile(r"init_s=([\d.]+) resumed_at=(\d+) world=(\d+)")
 
 
@@ -97,10 +99,22 @@ def overhead(job: Job, steps: int, memory_dir: str) -> dict:
     for name, extra in (("none", ()), ("memory", ("--memory_every", str(EVERY), "--memory_dir", memory_dir))):
         proc = job.launch(f"overhead_{name}", steps, *extra)
         lines = _lines(proc)
-        dts = [float(m[3]) for line in lines if (m := STEP.search(line)) and int(m[1]) >= 3]
+        if proc.returncode:
+            print(f"overhead run {name!r} failed ({proc.returncode}):", "".join(lines[-20:]),
+                  (job.work / f"overhead_{name}.err").read_text()[-3000:], sep="\n", file=sys.stderr)
+        rows = [m for line in lines if (m := STEP.search(line)) and int(m[1]) >= 3]
+        dts = [float(m[3]) for m in rows]
         result[name] = {"exit_code": proc.returncode, "steps": len(dts),
                         "mean_step_s": round(statistics.mean(dts), 4) if dts else None,
                         "median_step_s": round(statistics.median(dts), 4) if dts else None}
+        copy = [float(m[1]) for line in lines if (m := COPY.search(line))]
+        if name == "memory" and rows:
+            # a snapshot's blocking: starting it (its step) and the next optimizer step's wait for its copy
+            per = [float(m[4] or 0) + (float(rows[i + 1][4] or 0) if i + 1 < len(rows) else 0.0)
+                   for i, m in enumerate(rows) if int(m[1]) % EVERY == 0]
+            result[name].update(snapshots=len(per), block_mean_s=round(statistics.mean(per), 4) if per else None,
+                                block_max_s=round(max(per), 4) if per else None,
+                                shard_copy_s=round(copy[0], 4) if copy else None)
     a, b = result["none"]["mean_step_s"], result["memory"]["mean_step_s"]
     result["overhead_mean_pct"] = round(100 * (b / a - 1), 2) if a and b else None
     a, b = result["none"]["median_step_s"], result["memory"]["median_step_s"]
@@ -140,6 +154,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--only", choices=("overhead", "recovery"), help="run one half (default: both)")
     args = ap.parse_args()
     state = cluster_mod.state_dir_default()
     info = cluster_mod.up(3, state)
@@ -150,11 +165,16 @@ def main() -> None:
         os.chmod(work, 0o755)
         job = Job(info, state, work, ["--hidden", str(args.hidden), "--layers", str(args.layers)])
         t0 = time.time()
-        results = {"overhead": overhead(job, args.steps, shm)}
-        results["recovery"] = {s: recovery(job, args.steps, s, shm) for s in ("memory", "storage")}
+        load_start = os.getloadavg()[0]
+        results = {}
+        if args.only != "recovery":
+            results["overhead"] = overhead(job, args.steps, shm)
+        if args.only != "overhead":
+            results["recovery"] = {s: recovery(job, args.steps, s, shm) for s in ("memory", "storage")}
     load = os.getloadavg()
     out = {"params": params, "hosts": 2, "ranks_per_host": 2, "zero_stage": 1, "snapshot_every": EVERY,
-           "machine": f"{platform.node()}, {os.cpu_count()} cores, load average {load[0]:.1f} at the end",
+           "machine": f"{platform.node()}, {os.cpu_count()} cores, load average {load_start:.1f} at the start, "
+                      f"{load[0]:.1f} at the end",
            "duration_s": round(time.time() - t0, 1), **results}
     results_dir = HERE / "results"
     (results_dir / "memory_checkpoint_bench.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -163,17 +183,22 @@ def main() -> None:
 
 
 def _table(r: dict) -> str:
-    o, rec = r["overhead"], r["recovery"]
     rows = [f"# memory_checkpoint_bench: {r['params'] / 1e6:.0f}M parameters, 2 hosts x 2 ranks, ZeRO-1, "
-            f"snapshot every {r['snapshot_every']} steps ({r['machine']})", "",
-            "| snapshots | mean step (s) | median step (s) |", "| --- | --- | --- |",
-            f"| none | {o['none']['mean_step_s']} | {o['none']['median_step_s']} |",
-            f"| memory, 1 replica | {o['memory']['mean_step_s']} | {o['memory']['median_step_s']} |",
-            f"| overhead | {o['overhead_mean_pct']}% | {o['overhead_median_pct']}% |", "",
-            "| restore from | resumed at | steps lost | world after | restarted initialize() (s) | kill -> first step (s) |",
-            "| --- | --- | --- | --- | --- | --- |"]
-    rows += [f"| {k} ({v['source']}) | {v['resumed_at']} | {v['steps_lost']} | {v['world_after']} | {v['init_s']} | "
-             f"{v['recovery_s']} |" for k, v in rec.items()]
+            f"snapshot every {r['snapshot_every']} steps ({r['machine']})", ""]
+    if (o := r.get("overhead")) is not None:
+        m = o["memory"]
+        rows += ["| snapshots | mean step (s) | median step (s) |", "| --- | --- | --- |",
+                 f"| none | {o['none']['mean_step_s']} | {o['none']['median_step_s']} |",
+                 f"| memory, 1 replica | {m['mean_step_s']} | {m['median_step_s']} |",
+                 f"| overhead | {o['overhead_mean_pct']}% | {o['overhead_median_pct']}% |", "",
+                 f"Training thread blocked per snapshot (rank 0, {m.get('snapshots')} snapshots): mean "
+                 f"{m.get('block_mean_s')} s, max {m.get('block_max_s')} s; one copy of its ZeRO shard into ready "
+                 f"host buffers: {m.get('shard_copy_s')} s.", ""]
+    if (rec := r.get("recovery")) is not None:
+        rows += ["| restore from | resumed at | steps lost | world after | restarted initialize() (s) | "
+                 "kill -> first step (s) |", "| --- | --- | --- | --- | --- | --- |"]
+        rows += [f"| {k} ({v['source']}) | {v['resumed_at']} | {v['steps_lost']} | {v['world_after']} | "
+                 f"{v['init_s']} | {v['recovery_s']} |" for k, v in rec.items()]
     return "\n".join(rows) + "\n"
 
 

@@ -5,8 +5,10 @@
 ``--memory_every K``: the ``memory_checkpoint`` block (snapshots every K steps into ``--memory_dir``);
 ``--save_every K``: a storage checkpoint into ``--ckpt`` every K steps. Rank 0 prints
 ``init_s=<s> resumed_at=<step>`` once (the time ``initialize()`` took: in a restarted run it
-includes the resume) and ``step=<N> end=<time.time()> dt=<s>`` for every step (dt includes the
-snapshot's share of the step).
+includes the resume) and ``step=<N> end=<time.time()> dt=<s> block=<s>`` for every step (dt includes the
+snapshot's share of the step; block: the time the training thread spent starting a snapshot or
+waiting for its copy in that step), and at the end ``shard_copy_s=<s>`` (one copy of rank 0's ZeRO
+shard into ready host buffers).
 """
 
 import argparse
@@ -41,16 +43,50 @@ def main() -> None:
     if engine.global_rank == 0:
         print(f"init_s={time.perf_counter() - t0:.3f} resumed_at={engine.global_steps} world={engine.world_size}",
               flush=True)
+    blocked = _time_snapshots(engine)
     g = torch.Generator().manual_seed(engine.global_rank)
     while engine.global_steps < args.steps:
         start = time.perf_counter()
+        before = blocked()
         x = torch.randn(1, args.hidden, generator=g)
         engine.backward(engine(x).pow(2).mean())
         engine.step()
         if args.save_every and engine.global_steps % args.save_every == 0:
             engine.save_checkpoint(args.ckpt)
         if engine.global_rank == 0:
-            print(f"step={engine.global_steps} end={time.time():.3f} dt={time.perf_counter() - start:.4f}", flush=True)
+            print(f"step={engine.global_steps} end={time.time():.3f} dt={time.perf_counter() - start:.4f} "
+                  f"block={blocked() - before:.4f}", flush=True)
+    if engine.global_rank == 0:
+        print(f"shard_copy_s={_shard_copy_s(engine):.4f}", flush=True)
+
+
+def _time_snapshots(engine):
+    """The seconds the training thread spent in memory snapshots so far: starting them, and the
+    optimizer steps that waited for a snapshot's copy (``Checkpointer.gate_wait_s``)."""
+    mem, spent = engine.memory_checkpoint, [0.0]
+    if mem is None:
+        return lambda: 0.0
+    snapshot = mem.snapshot
+
+    def timed(parts) -> None:
+        t = time.perf_counter()
+        snapshot(parts)
+        spent[0] += time.perf_counter() - t
+
+    mem.snapshot = timed
+    return lambda: spent[0] + engine.checkpoint_parts().io.gate_wait_s
+
+
+def _shard_copy_s(engine) -> float:
+    """One copy of this rank's ZeRO shard (fp32 masters and moments) into ready host buffers: the
+    issue's bound on what a snapshot may block a step for."""
+    from dslaunch.runtime.checkpoint.writer import Snapshot
+
+    snap, state = Snapshot(), engine.zero.state_dict()
+    snap.take(state)
+    t = time.perf_counter()
+    snap.take(state)
+    return time.perf_counter() - t
 
 
 if __name__ == "__main__":

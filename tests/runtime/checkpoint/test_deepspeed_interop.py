@@ -253,7 +253,8 @@ def test_deepspeed_continues_dslaunch(deepspeed_python: Path, dslaunch_writes: A
     folder, ours = dslaunch_writes(stage, bf16)
     tag = folder / "global_step3"
     assert (folder / "latest").read_text() == "global_step3"
-    for f in tag.iterdir():  # DeepSpeed unpickles these without dslaunch: no class of ours in them
+    assert json.loads((tag / "manifest.json").read_text())["body"]["meta"]["format"] == "deepspeed"
+    for f in tag.glob("*.pt"):  # DeepSpeed unpickles these without dslaunch: no class of ours in them
         assert not [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
                     if not g.startswith(("deepspeed.", "torch.", "collections.", "builtins."))], f
     # probe False: DeepSpeed's safe_get_full_* fail before its first step after a load

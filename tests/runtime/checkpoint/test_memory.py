@@ -129,14 +129,18 @@ def test_the_monitor_reports_the_restore_with_the_steps_lost_and_each_host_s_sto
     assert not store.exists() and other.exists()
 
 
-def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool]:
-    """Two "hosts" of one rank each (hostnames patched): a snapshot at step 2, the second host's
-    store is lost, the weights are spoiled, and the resume fetches its files from the first host's
-    replica. Returns the source and whether the weights are the snapshot's."""
+def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool, list[str], bool]:
+    """Two "hosts" of one rank each (hostnames patched): snapshots at steps 2 and 4, the second
+    host's store is lost, the weights are spoiled, and the resume fetches its files from the first
+    host's replica. Returns the source, whether the weights are the snapshot's, the checkpoint
+    collectives the training thread ran during the second snapshot, and whether the replica of
+    the peer's shard equals the peer's own copy byte for byte."""
     import shutil
     import socket
+    import threading
 
     import dslaunch
+    from dslaunch.runtime.checkpoint.checkpointer import zero_file
     from dslaunch.runtime.checkpoint.memory import MemoryCheckpoint
     from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
 
@@ -148,12 +152,28 @@ def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool]
         "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
     memory = MemoryCheckpoint(MemoryCheckpointConfig(enabled=True, interval=2, dir=root), engine.checkpoint_parts(),
                               "job")
-    for _ in range(2):
-        engine.backward(engine(torch.randn(2, 8)).square().mean())
-        engine.step()
-    memory.snapshot(engine.checkpoint_parts())
-    engine.wait_for_checkpoint()
+    comm = engine.checkpoint_parts().io.comm
+    gather, on_main = comm.all_gather_object, []
+
+    def watched(obj):
+        if threading.current_thread() is threading.main_thread():
+            on_main.append(type(obj).__name__)
+        return gather(obj)
+
+    comm.all_gather_object = watched
+    for _snapshot in range(2):
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, 8)).square().mean())
+            engine.step()
+        on_main.clear()  # the first snapshot gathers the partition map; later ones run none here
+        memory.snapshot(engine.checkpoint_parts())
+        engine.wait_for_checkpoint()
+    during = list(on_main)
     saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    torch.distributed.barrier()
+    peer = 1 - rank  # its replica here is byte for byte the file it wrote on its own host
+    here, there = (memory.store.root.parent / f"host{h}" / "memory_step4" / zero_file(peer) for h in (rank, peer))
+    replica_equal = here.read_bytes() == there.read_bytes()
     torch.distributed.barrier()
     if rank == 1:
         shutil.rmtree(memory.store.root)  # its RAM is gone; the host is back
@@ -163,11 +183,22 @@ def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool]
             p.zero_()
     resumed = memory.resume(engine.checkpoint_parts(), None, lambda d, t: engine.load_checkpoint(d, tag=t))
     same = all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
-    return resumed.source, same and engine.global_steps == 2
+    return resumed.source, same and engine.global_steps == 4, during, replica_equal
 
 
 @pytest.mark.timeout(120)
 def test_a_host_whose_store_was_lost_fetches_its_files_from_the_peer_replica(tmp_path):
     from tests.distributed import run_world
 
-    assert run_world(_lost_store_comes_back, 2, str(tmp_path)) == [("peer memory", True)] * 2
+    assert run_world(_lost_store_comes_back, 2, str(tmp_path)) == [("peer memory", True, [], True)] * 2
+
+
+def test_a_replica_that_cannot_be_stored_is_still_received(tmp_path):
+    from dslaunch.runtime.checkpoint.memory import _receive_into
+
+    buf, err = _receive_into(tmp_path, "zero_rank_00001.dsl", 1 << 20)
+    assert err is None and buf.numel() == 1 << 20
+    buf[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8)  # received straight into the file's pages
+    assert (tmp_path / "zero_rank_00001.dsl").read_bytes()[:4] == bytes([1, 2, 3, 0])
+    buf, err = _receive_into(tmp_path, "zero_rank_00001.dsl", 16)  # exists: no file, but a buffer
+    assert buf.numel() == 16 and "zero_rank_00001.dsl" in err
