@@ -104,8 +104,8 @@ def _base_config(path: str | None) -> dict:
 @click.option("--offload", default="none,cpu,nvme", show_default=True, help="Offload devices to try.")
 @click.option("--optimizer", default=None, help="adamw (default), adam, adagrad, lion, sgd, sgd_momentum, lamb.")
 @click.option("--pipeline", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
-@click.option("--tensor", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Tensor-parallel degree (a what-if: dslaunch has no tensor parallelism yet).")
+@click.option("--tensor", type=click.IntRange(min=1),
+              help="Tensor-parallel degree (AutoTP training; default: the config's tensor_parallel.autotp_size, or 1).")
 @click.option("--sequence_parallel_size", "sequence", type=click.IntRange(min=1),
               help="Ranks that split each sequence (Ulysses; default: the config's, or 1).")
 @click.option("--expert_parallel_size", "expert_parallel", type=click.IntRange(min=1),
@@ -143,9 +143,9 @@ def command(params, largest_layer, hf_config, model, hidden, layers, heads, voca
         click.echo(zero3_table(shape.params, shape.largest_layer, num_gpus, num_nodes))
         return 0
     overrides = {"gpus_per_node": num_gpus, "nodes": num_nodes, "seq_len": seq_len, "pipeline": pipeline,
-                 "tensor": tensor, "flash_attention": flash_attention, "zero_init": not no_zero_init}
+                 "flash_attention": flash_attention, "zero_init": not no_zero_init}
     overrides.update({k: v for k, v in (("micro_batch", micro_batch), ("optimizer", optimizer), ("sequence", sequence),
-                                        ("expert_parallel", expert_parallel)) if v is not None})
+                                        ("expert_parallel", expert_parallel), ("tensor", tensor)) if v is not None})
     base = TrainingSetup.from_ds_config(_base_config(deepspeed_config), **overrides)
     stage_list = tuple(int(x) for x in _csv("--stages", stages, ("0", "1", "2", "3")))
     if precision is None:

@@ -36,6 +36,8 @@ import torch
 
 from dslaunch.errors import CheckpointError, DslaunchError, UsageError, shorten
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
+from dslaunch.runtime.checkpoint.deepspeed_layout import is_deepspeed_folder
+from dslaunch.runtime.checkpoint.deepspeed_read import read_deepspeed
 from dslaunch.runtime.checkpoint.experts import whole_experts
 from dslaunch.runtime.checkpoint.model_parallel import consolidate_parts
 from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, expert_groups, fp32_params, needed_ranks
@@ -96,7 +98,28 @@ def _frozen(meta: dict, module: dict, source: str) -> set[str]:
     return set()
 
 
+def _deepspeed_state(folder: Path, exclude_frozen: bool) -> StateDict:
+    """A tag in DeepSpeed's layout (DeepSpeed's own, or ``checkpoint.format: "deepspeed"``): the
+    module's tensors with each trained parameter's fp32 master in its place."""
+    ds = read_deepspeed(folder, optimizer=False)
+    if ds.stage in (1, 2):  # the masters live in the optimizer files (stage 3 read them already)
+        ds = read_deepspeed(folder)
+    if exclude_frozen and ds.stage == 0:
+        raise UsageError(f"{folder}: cannot leave out frozen parameters: a DeepSpeed checkpoint without ZeRO "
+                         "does not record which parameters were trained; convert without exclude_frozen_parameters")
+    buffers = set(ds.states.get("buffer_names") or ())
+    out: StateDict = OrderedDict()
+    for name, value in ds.module.items():
+        value = ds.fp32.get(name, value)
+        frozen = name not in ds.fp32 and name not in buffers
+        if torch.is_tensor(value) and not (exclude_frozen and frozen):
+            out[name] = value.float().clone() if value.is_floating_point() else value.clone()
+    return out
+
+
 def _consolidate(store: CheckpointStore, tag: str, exclude_frozen: bool) -> StateDict:
+    if is_deepspeed_folder(store.root / tag):
+        return _deepspeed_state(store.root / tag, exclude_frozen)
     manifest = store.manifest(tag)
     check_meta(manifest.meta, str(store.root / tag / MANIFEST))
     if "model_parallel" in manifest.meta:  # every part's masters, a pipeline's layer files

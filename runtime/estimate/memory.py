@@ -29,9 +29,9 @@ Data parallelism is ``world / (pipeline * tensor * sequence)``; ZeRO partitions 
 sequence; expert parameters (``ModelShape.expert_params``) are held ``1/expert_parallel`` a rank
 and partitioned over the expert-data group (data x sequence / expert_parallel), so from stage 1 a
 rank's share of the master and optimizer state is the dense one's, ``1/(data x sequence)``; and a sequence rank holds ``1/sequence`` of each sample's activations (Ulysses); a pipeline stage holds ``1/pipeline`` of the
-parameters, a tensor slice ``1/tensor`` (tensor parallelism does not exist in dslaunch yet: the
-degree is a what-if that divides parameters and activations, as Megatron with sequence
-parallelism does).
+parameters, a tensor slice ``1/tensor`` (AutoTP training; parameters and activations divided, as Megatron
+with sequence parallelism does: AutoTP keeps norms and the activations between blocks whole on
+every tensor rank, so for AutoTP this is a lower bound).
 
 Pure arithmetic and torch-free: the autotuner calls it for every candidate.
 """

@@ -44,7 +44,8 @@ class TrainingSetup:
         flash_attention: attention that stores no seq x seq scores (torch SDPA, flash-attn).
         gpus_per_node, nodes: the cluster; world = their product.
         pipeline: pipeline-parallel degree (``PipelineModule(num_stages=...)``).
-        tensor: tensor-parallel degree (a what-if: dslaunch has no tensor parallelism yet).
+        tensor: tensor-parallel degree (AutoTP training, ``tensor_parallel.autotp_size``): each rank holds
+            ``1/tensor`` of the sliced weights and activations.
         sequence: ranks that split each sequence (Ulysses, ``sequence_parallel_size``): each holds
             ``1/sequence`` of a sample's tokens; ZeRO partitions over data x sequence.
         expert_parallel: ranks an MoE layer's experts are spread over (``ep_size``; AutoEP's
@@ -161,6 +162,7 @@ class TrainingSetup:
             "optimizer": optimizer if optimizer in OPTIMIZER_STATE_BYTES else None,
             "micro_batch": config.get("train_micro_batch_size_per_gpu"),
             "sequence": config.get("sequence_parallel_size"),
+            "tensor": _section(config, "tensor_parallel").get("autotp_size"),
             "expert_parallel": _autoep_size(config),
             "activation_checkpointing": bool(_section(config, "activation_checkpointing")) or None,
             "reduce_bucket_size": zero.get("reduce_bucket_size"), "overlap_comm": zero.get("overlap_comm"),
@@ -195,7 +197,9 @@ def _micro_from_batch(config: Mapping[str, Any], overrides: Mapping[str, Any]) -
     world = overrides.get("gpus_per_node", 1) * overrides.get("nodes", 1)
     sequence = overrides.get("sequence", config.get("sequence_parallel_size", 1))
     sequence = sequence if isinstance(sequence, int) and sequence >= 1 else 1
-    dp = world // (overrides.get("pipeline", 1) * overrides.get("tensor", 1) * sequence) or 1
+    tensor = overrides.get("tensor", _section(config, "tensor_parallel").get("autotp_size", 1))
+    tensor = tensor if isinstance(tensor, int) and tensor >= 1 else 1
+    dp = world // (overrides.get("pipeline", 1) * tensor * sequence) or 1
     return max(1, total // (accum * dp))
 
 

@@ -54,7 +54,8 @@ def _save_async_rotate_load(rank: int, world: int, root: str) -> dict:
     path, _ = fresh.load_checkpoint(root)
     loaded, steps = deepspeed_job.full_state(dslaunch, fresh), fresh.global_steps
     theirs = _train(fresh, rank, world, range(3, 6))
-    return {"path": path, "same_state": loaded == saved, "losses": (ours, theirs), "steps": steps}
+    masters = {name: saved[name] for name, _ in engine.module.named_parameters()}
+    return {"path": path, "same_state": loaded == saved, "losses": (ours, theirs), "steps": steps, "fp32": masters}
 
 
 @pytest.mark.timeout(120)
@@ -71,6 +72,11 @@ def test_deepspeed_format_saves_in_the_background_and_keeps_the_last_tags(tmp_pa
     for r in results:  # the loaded tag is the save's state bit for bit, and continues alike
         assert r["path"] == str(tag / "mp_rank_00_model_states.pt") and r["same_state"] and r["steps"] == 3
         assert r["losses"][0] == r["losses"][1]
+    # dslaunch's own zero-to-fp32 reads the format too (the newest tag: latest)
+    from dslaunch.runtime.checkpoint.export import get_fp32_state_dict_from_zero_checkpoint
+
+    exported = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    assert {name: t.reshape(-1).tolist() for name, t in exported.items()} == results[0]["fp32"]
 
 
 def _stalled_second_save(root: str, port: int) -> None:

@@ -173,6 +173,16 @@ def test_sequence_parallelism_divides_activations_and_partitions_over_data_x_seq
         TrainingSetup(gpus_per_node=8, sequence=3)
 
 
+def test_the_configs_autotp_size_is_the_tensor_degree_and_the_flag_wins() -> None:
+    """AutoTP training's degree comes from ``tensor_parallel.autotp_size``, as the engine reads it; the
+    batch triad counts data ranks only (world / tensor)."""
+    cfg = {"train_batch_size": 16, "tensor_parallel": {"autotp_size": 2}}
+    s = TrainingSetup.from_ds_config(cfg, gpus_per_node=8)
+    assert (s.tensor, s.data_parallel, s.micro_batch) == (2, 4, 4)
+    assert TrainingSetup.from_ds_config(cfg, gpus_per_node=8, tensor=4).tensor == 4
+    assert TrainingSetup.from_ds_config({}, gpus_per_node=8).tensor == 1
+
+
 def test_ds_config_is_read_as_the_engine_reads_it() -> None:
     cfg = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
            "optimizer": {"type": "Lion"}, "activation_checkpointing": {"partition_activations": True},
