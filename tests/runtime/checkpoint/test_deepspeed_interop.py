@@ -285,6 +285,11 @@ def test_zero_to_fp32_reads_dslaunch_written_folders(deepspeed_python: Path, dsl
         assert sorted(weights) == sorted(names)
         for n in names:
             assert weights[n].reshape(-1).tolist() == ours[0]["state"][n], (stage, n)
+        # dslaunch's own zero-to-fp32 gives the same (stage 3: the masters from every rank's file)
+        from dslaunch.runtime.checkpoint.export import get_fp32_state_dict_from_zero_checkpoint
+
+        exported = get_fp32_state_dict_from_zero_checkpoint(runs[stage][0])
+        assert {n: exported[n].reshape(-1).tolist() for n in names} == {n: ours[0]["state"][n] for n in names}
 
 
 # ---- universal checkpoints (DeepSpeed's ds_to_universal layout) -----------------------------------
@@ -398,7 +403,8 @@ def test_moe_checkpoints_cross_between_deepspeed_and_dslaunch(deepspeed_python: 
                      timeout=240)
     files = sorted(f.name for f in (tmp_path / "ds" / "global_step3").iterdir())
     assert "layer_0_expert_3_mp_rank_00_model_states.pt" in files
-    assert sorted(f.name for f in (tmp_path / "dsl" / "global_step3").iterdir()) == files
+    ours_files = sorted(f.name for f in (tmp_path / "dsl" / "global_step3").iterdir())
+    assert ours_files == sorted([*files, "manifest.json"])  # dslaunch's manifest beside DeepSpeed's files
     resumed = {**job, "first": SAVE_AT, "steps": steps}
     by_us = run_world(_moe_job, 2, {**resumed, "load": str(tmp_path / "ds")}, timeout=240)
     by_them = _deepspeed_job(deepspeed_python, tmp_path / "back.json", tmp_path / "ext", 2,
