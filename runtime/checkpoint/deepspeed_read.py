@@ -137,7 +137,8 @@ def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | No
         optimizer: read the fp32 masters and optimizer state (stage 3 reads its weights there
             anyway). False: weights come from the module (DeepSpeed's ``load_module_only``).
         trained: the live engine's trained parameter names in its optimizer's order; stage 0's
-            optimizer state has no names, only that order.
+            optimizer state has no names, only that order. None (no engine: an export): stage 0
+            gives the module's weights only.
     Raises:
         CheckpointError: a file is missing, truncated or not what DeepSpeed writes (names it).
     """
@@ -162,10 +163,12 @@ def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | No
         frozen = _frozen_stage3(folder, world, states)
         module.update(frozen)
     base = DeepSpeedState(folder, model_file, 3 if partitioned else (1 if zero else 0), world, states, module)
+    if not zero and trained is None:
+        return base  # the optimizer state names no parameter: only an engine's order could place it
     if not zero and isinstance(states.get("num_experts"), list) and optimizer:
-        return _stage0_experts(base, trained or [])
+        return _stage0_experts(base, trained)
     if not zero:
-        return _stage0(base, optimizer, trained or [])
+        return _stage0(base, optimizer, trained)
     if not optimizer and not partitioned:
         return base
     files = _optim_files(folder, world)

@@ -101,9 +101,7 @@ def _frozen(meta: dict, module: dict, source: str) -> set[str]:
 def _deepspeed_state(folder: Path, exclude_frozen: bool) -> StateDict:
     """A tag in DeepSpeed's layout (DeepSpeed's own, or ``checkpoint.format: "deepspeed"``): the
     module's tensors with each trained parameter's fp32 master in its place."""
-    ds = read_deepspeed(folder, optimizer=False)
-    if ds.stage in (1, 2):  # the masters live in the optimizer files (stage 3 read them already)
-        ds = read_deepspeed(folder)
+    ds = read_deepspeed(folder)  # no engine: stage 0 gives the module's weights (its masters)
     if exclude_frozen and ds.stage == 0:
         raise UsageError(f"{folder}: cannot leave out frozen parameters: a DeepSpeed checkpoint without ZeRO "
                          "does not record which parameters were trained; convert without exclude_frozen_parameters")
