@@ -173,7 +173,8 @@ class TrainingSetup:
             "param_buffer_count": par.get("buffer_count"), "param_buffer_size": par.get("buffer_size"),
         }
         if not _known(read["micro_batch"]):  # from the batch triad, as the engine derives it
-            read["micro_batch"] = _micro_from_batch(config, {**overrides})
+            degrees = {k: read[k] for k in ("sequence", "tensor") if _known(read[k])}
+            read["micro_batch"] = _micro_from_batch(config, {**degrees, **overrides})
         kinds = {f.name: f.type for f in fields(cls)}
         values = {}
         for key, value in read.items():
@@ -189,18 +190,18 @@ class TrainingSetup:
         return replace(self, **changes)
 
 
-def _micro_from_batch(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> int | None:
-    """``train_batch_size / (gradient_accumulation_steps x data parallel)`` when both are given."""
+def _micro_from_batch(config: Mapping[str, Any], given: Mapping[str, Any]) -> int | None:
+    """``train_batch_size / (gradient_accumulation_steps x data parallel)`` when both are given;
+    ``given``: the world and the model-parallel degrees (the config's, the caller's overrides)."""
     total, accum = config.get("train_batch_size"), config.get("gradient_accumulation_steps", 1)
     if not (isinstance(total, int) and isinstance(accum, int)) or accum <= 0:
         return None
-    world = overrides.get("gpus_per_node", 1) * overrides.get("nodes", 1)
-    sequence = overrides.get("sequence", config.get("sequence_parallel_size", 1))
-    sequence = sequence if isinstance(sequence, int) and sequence >= 1 else 1
-    tensor = overrides.get("tensor", _section(config, "tensor_parallel").get("autotp_size", 1))
-    tensor = tensor if isinstance(tensor, int) and tensor >= 1 else 1
-    dp = world // (overrides.get("pipeline", 1) * tensor * sequence) or 1
-    return max(1, total // (accum * dp))
+    world = given.get("gpus_per_node", 1) * given.get("nodes", 1)
+    model_parallel = 1
+    for axis in ("pipeline", "tensor", "sequence"):  # a bad value is the setup's own error later
+        degree = given.get(axis, 1)
+        model_parallel *= degree if isinstance(degree, int) and degree >= 1 else 1
+    return max(1, total // (accum * (world // model_parallel or 1)))
 
 
 def _autoep_size(config: Mapping[str, Any]) -> Any:
