@@ -28,10 +28,11 @@ and ``latest`` as they were. ``checkpoint.async_save`` (the files are serialized
 writer thread, from a copy in host memory), ``fsync`` and ``keep_last`` (retention among the tags
 with a manifest) apply as to dslaunch's format.
 
-Limitations: no model parallelism (pipeline, tensor), no MoE experts, no node-local storage; each
-rank holds the whole fp32 state once while saving (host memory), and an async save keeps its copy
-of the rank's files in host memory between saves. DeepSpeed also copies its ``zero_to_fp32.py`` into the tag: dslaunch does
-not ship DeepSpeed's script (``python -m deepspeed.utils.zero_to_fp32`` reads these files).
+Limitations: no model parallelism (pipeline, tensor), no MoE at ZeRO-3 (nor experts marked by
+hand), no node-local storage; each rank holds the whole fp32 state once while saving (host memory),
+and an async save keeps its copy of the rank's files in host memory between saves. DeepSpeed also
+copies its ``zero_to_fp32.py`` into the tag: dslaunch does not ship DeepSpeed's script
+(``python -m deepspeed.utils.zero_to_fp32`` reads these files).
 """
 
 from __future__ import annotations
