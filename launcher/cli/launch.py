@@ -250,9 +250,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
     job = _toward_master(plan.job, os.environ) if cfg.no_ssh else plan.job
     # Only a local node keeps spares here: a remote agent is a new process at every run (a Ray
     # node's actor, kept for the job, keeps them itself: ``RayNodes``).
-    restarts = policy.max_restarts if cfg.warm_spares else 0
-    spares = SparePool(os.environ) if job.launcher == "local" and restarts else None
-    kept = _kept(job.launcher, spares, restarts)
+    kept = _kept(job.launcher, policy.max_restarts if cfg.warm_spares else 0)
     runner = _runner(job.launcher, kept)  # an unknown --launcher fails before any note is printed
     if job.launcher == "local":
         check_script(cfg)  # also for --dry-run: it fails like a real run would
@@ -306,7 +304,7 @@ def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config
         events.close()
 
 
-def _kept(name: str, spares: SparePool | None, restarts: int):  # -> SparePool | RayNodes | None
+def _kept(name: str, restarts: int):  # -> SparePool | RayNodes | None
     """What the job keeps across its runs (closed when it ends): the local node's spares, or the
     Ray nodes' placement group and actors (with standby agents and spares while one of
     ``restarts`` is left)."""
@@ -314,7 +312,7 @@ def _kept(name: str, spares: SparePool | None, restarts: int):  # -> SparePool |
         from dslaunch.launcher.runners.ray.nodes import RayNodes
 
         return RayNodes(restarts)
-    return spares
+    return SparePool(os.environ) if name == "local" and restarts else None
 
 
 def _runner(name: str, kept):  # -> Runner
