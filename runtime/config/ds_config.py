@@ -32,6 +32,7 @@ from dslaunch.runtime.config.elasticity import ElasticityConfig
 from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
+from dslaunch.runtime.config.layout_invariant import LayoutInvariantConfig
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
 from dslaunch.runtime.config.monitor import MonitorConfig
 from dslaunch.runtime.config.monitors import (
@@ -79,7 +80,7 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "comet": CometConfig, "comms_logger": CommsLoggerConfig,
              "pipeline": PipelineConfig, "autotuning": AutotuningConfig,
              "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig,
-             "expert_parallel": ExpertParallelConfig}
+             "expert_parallel": ExpertParallelConfig, "layout_invariant": LayoutInvariantConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -213,6 +214,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     """Read by ``dslaunch --autotuning`` and, inside an experiment, by the engine's profiler."""
     memory_checkpoint: MemoryCheckpointConfig = field(default_factory=MemoryCheckpointConfig)
     """dslaunch's own block: snapshots in host memory a restart resumes from (``checkpoint/memory.py``)."""
+    layout_invariant: LayoutInvariantConfig = field(default_factory=LayoutInvariantConfig)
+    """dslaunch's own block: reductions in one fixed order at any tensor, expert or data degree."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
