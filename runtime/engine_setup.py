@@ -85,7 +85,8 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         max_live_parameters=zero_cfg.stage3_max_live_parameters,
                         max_reuse_distance=zero_cfg.stage3_max_reuse_distance,
                         quantized_weights=zero_cfg.zero_quantized_weights,
-                        hpz_partition_size=zero_cfg.zero_hpz_partition_size)
+                        hpz_partition_size=zero_cfg.zero_hpz_partition_size,
+                        layout_invariant=cfg.layout_invariant.enabled)
     model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
     reduce_group = gradient_reduce_group(grid)
     exchange = _exchange(cfg, optimizer, reduce_group)

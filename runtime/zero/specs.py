@@ -107,6 +107,9 @@ class CommSettings:
     # many ranks for backward's gathers (1: none)
     quantized_weights: bool = False
     hpz_partition_size: int = 1
+    # ``layout_invariant``: reductions in one fixed order whatever the layout (the norm's pieces in
+    # float64, so that their grouping, which the layout decides, cannot change the fp32 result)
+    layout_invariant: bool = False
 
     def pre_factor(self) -> float:
         """Multiplies gradients before the reduction: 1 / ``gradient_predivide_factor`` with

@@ -301,13 +301,16 @@ class ZeroStrategy:
 
         collective: all ranks of every reduce group (and spread group) and of the model-parallel group."""
         total = torch.zeros((), dtype=torch.float64, device=grads[0].device)  # CUDA scalars can't add to CPU
+        # fp32 pieces' norms depend on where the layout cuts them; in float64 the sum is exact to
+        # ~1e-16, so the fp32 clip factor comes out the same at any layout (but for a rounding tie)
+        piece_dtype = torch.float64 if self.comm.layout_invariant else torch.float32
         for reduce_part in self.parts:
             sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
             for gi in reduce_part.indices:
                 t, pieces = grads[gi], self._norm_pieces[gi]
                 for piece in ([t] if pieces is None else [t[a:b] for a, b in pieces]):
                     if piece.numel():
-                        sq += torch.linalg.vector_norm(piece, dtype=torch.float32).double() ** 2
+                        sq += torch.linalg.vector_norm(piece, dtype=piece_dtype).double() ** 2
             for reduce in (reduce_part.placement.norm_all_reduce, reduce_part.spread_sum):
                 if reduce is not None:
                     reduce(sq)
