@@ -1,7 +1,10 @@
 """Building and loading the C kernels: the cache, concurrent builders, the fallback to torch.
 
 A build takes ~7 s on an idle machine and minutes on a busy one: a test waits for its builds to
-end, as the user's job would, and only pytest-timeout (``BUILDS``) bounds it.
+end, as the user's job would, and only pytest-timeout (``BUILDS``) bounds it. The tests of what
+happens around a compile (the lock, the cache's trust, the file modes) compile through
+``fast_cc``: gcc's name and version, the library built once for the module written as a linker
+writes its output; ``test_the_cache_key...`` and ``test_ops`` compile with gcc itself.
 """
 
 from __future__ import annotations
@@ -32,6 +35,20 @@ print("PARAM", round(float(p[0].detach()), 6))
 """
 
 
+@pytest.fixture(scope="module")
+def fast_cc(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A compiler that answers ``--version`` as gcc (so the library keeps its name) and writes the
+    library built once with gcc into ``-o`` as the linker does (created ``0666 & ~umask``), in
+    milliseconds instead of a ~7-40 s ``-O3`` build per test."""
+    built = build.build()  # the user's cache, as every kernel test: built once per machine
+    cc = tmp_path_factory.mktemp("fast-cc") / "cc"
+    cc.write_text('#!/bin/sh\n[ "$1" = --version ] && exec gcc --version\n'
+                  'while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
+                  f'rm -f "$out" && cat {built} > "$out"\n')
+    cc.chmod(0o755)
+    return cc
+
+
 def _probe(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     full = {**os.environ, build.CACHE_ENV: str(tmp_path / "cache"), **env}
     return subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True)
@@ -59,9 +76,15 @@ def test_a_compiler_that_fails_falls_back(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @BUILDS
-def test_concurrent_builders_wait_for_one_build(tmp_path: Path) -> None:
+def test_concurrent_builders_wait_for_one_build(tmp_path: Path, fast_cc: Path) -> None:
     compiles, cc = tmp_path / "compiles", tmp_path / "cc"
-    cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec gcc --version\necho build >> {compiles}\nexec gcc "$@"\n')
+    # Each process asks the version (the library's name) just before it takes the build lock: the
+    # build goes on once both have, so the second one surely finds it under way and waits.
+    asked = tmp_path / "asked"
+    cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo $PPID >> {asked}; exec gcc --version; }}\n'
+                  f'echo build >> {compiles}\n'
+                  f'for i in $(seq 600); do [ $(sort -u {asked} | wc -l) -ge 2 ] && break; sleep 0.1; done\n'
+                  f'sleep 0.5\nexec {fast_cc} "$@"\n')
     cc.chmod(0o755)
     env = {**os.environ, build.CACHE_ENV: str(tmp_path / "cache"), "CC": str(cc)}
     procs = [subprocess.Popen([sys.executable, "-c", _PROBE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -140,9 +163,10 @@ def _one_line(stderr: str) -> str:
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @BUILDS
-def test_under_umask_000_the_cache_and_the_library_are_private(tmp_path: Path) -> None:
+def test_under_umask_000_the_cache_and_the_library_are_private(tmp_path: Path, fast_cc: Path) -> None:
     cache = tmp_path / "a" / "b" / "cache"
-    out = subprocess.run([sys.executable, "-c", _PROBE], env={**os.environ, build.CACHE_ENV: str(cache)},
+    out = subprocess.run([sys.executable, "-c", _PROBE],
+                         env={**os.environ, build.CACHE_ENV: str(cache), "CC": str(fast_cc)},
                          capture_output=True, text=True, preexec_fn=lambda: os.umask(0))
     assert out.returncode == 0 and "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout, out.stderr
     for folder in (tmp_path / "a", tmp_path / "a" / "b", cache):
@@ -154,7 +178,7 @@ def test_under_umask_000_the_cache_and_the_library_are_private(tmp_path: Path) -
 
 @pytest.mark.skipif(not HAVE_CC or os.geteuid() != 0, reason="needs a C compiler and root (chown)")
 @BUILDS
-def test_a_library_planted_in_a_cache_of_another_user_never_runs(tmp_path: Path) -> None:
+def test_a_library_planted_in_a_cache_of_another_user_never_runs(tmp_path: Path, fast_cc: Path) -> None:
     shared, marker, private_tmp = tmp_path / "shared", tmp_path / "ran-as-root", tmp_path / "tmp"
     shared.mkdir()
     private_tmp.mkdir()
@@ -162,7 +186,7 @@ def test_a_library_planted_in_a_cache_of_another_user_never_runs(tmp_path: Path)
     for path in (shared, *shared.iterdir()):
         os.chown(path, 65534, 65534)  # user nobody, as in the issue
         path.chmod(0o777)
-    out = _probe(tmp_path, **{build.CACHE_ENV: str(shared), "TMPDIR": str(private_tmp)})
+    out = _probe(tmp_path, **{build.CACHE_ENV: str(shared), "TMPDIR": str(private_tmp), "CC": str(fast_cc)})
     assert out.returncode == 0 and "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout, out.stderr
     assert "PARAM 0.8" in out.stdout
     assert not marker.exists()
@@ -175,13 +199,13 @@ def test_a_library_planted_in_a_cache_of_another_user_never_runs(tmp_path: Path)
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @BUILDS
-def test_a_library_others_could_write_is_rebuilt_not_loaded(tmp_path: Path) -> None:
+def test_a_library_others_could_write_is_rebuilt_not_loaded(tmp_path: Path, fast_cc: Path) -> None:
     cache, marker = tmp_path / "cache", tmp_path / "ran"
     cache.mkdir(mode=0o700)
     lib = cache / _library_name(tmp_path)
     _plant(lib, marker)
     lib.chmod(0o666)
-    out = _probe(tmp_path)
+    out = _probe(tmp_path, CC=str(fast_cc))
     assert out.returncode == 0 and "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout, out.stderr
     assert not marker.exists()
     assert "rebuilding the CPU kernels" in _one_line(out.stderr) and "writable by others" in out.stderr
@@ -189,7 +213,7 @@ def test_a_library_others_could_write_is_rebuilt_not_loaded(tmp_path: Path) -> N
     if os.geteuid() == 0:  # a file of another user in this user's directory: the same
         _plant(lib, marker)
         os.chown(lib, 65534, 65534)
-        out = _probe(tmp_path)
+        out = _probe(tmp_path, CC=str(fast_cc))
         assert "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout and not marker.exists(), out.stderr
         assert "owned by uid 65534" in _one_line(out.stderr)
 
