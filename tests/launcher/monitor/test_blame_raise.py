@@ -43,9 +43,10 @@ def run_and_check_blame(tmp_path, port: int, stages: int, fail: int, world: int,
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("stages", "fail"), [(2, 0), (2, 1), (4, 0), (4, 2), (4, 3)],
-                         ids=["2-stages-first", "2-stages-last", "4-stages-first", "4-stages-middle",
-                              "4-stages-last"])
+# The first and the last stage at 2 stages, a middle one at 4 (4-stages-first and -last ran as
+# the 2-stage cases, ~11 s a job).
+@pytest.mark.parametrize(("stages", "fail"), [(2, 0), (2, 1), (4, 2)],
+                         ids=["2-stages-first", "2-stages-last", "4-stages-middle"])
 def test_a_pipeline_stage_that_raises_is_blamed(tmp_path, free_port, stages, fail):
     run_and_check_blame(tmp_path, free_port, stages, fail, world=stages)
 
