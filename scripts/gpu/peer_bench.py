@@ -59,7 +59,7 @@ def _deepspeed(side: str) -> Any:
     import deepspeed
 
     version = importlib.metadata.version("deepspeed")
-    if "dslaunch" in version or Path(deepspeed.__file__).resolve().is_relative_to(ROOT):
+    if "dslaunch" in version or deepspeed.initialize.__module__.startswith("dslaunch"):
         raise SystemExit(f"peer_bench: `import deepspeed` in {sys.executable} is dslaunch's compatibility "
                          f"package ({version}, {deepspeed.__file__}), not DeepSpeed: name a venv with real DeepSpeed")
     return deepspeed
