@@ -95,6 +95,7 @@ deepspeed_setup() {
     if [ -z "$DS_PY" ]; then
         echo "no real DeepSpeed: run scripts/gpu/wheels.sh (needs PyPI) or name one with DSLAUNCH_DEEPSPEED_PYTHON"
         [ "$GPU" != 1 ]  # a failure only where the comparison is the point
+        return
     fi
     if [ "$DS_PY" = "$DS_VENV/bin/python" ] && [ "$(cat "$DS_VENV/.installed" 2>/dev/null)" != "$(command -v "$PY")" ]; then
         rm -rf "$DS_VENV"
@@ -103,7 +104,11 @@ deepspeed_setup() {
         site=$("$DS_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
         $PY -c "import site, sysconfig; p = sysconfig.get_paths(); print(*dict.fromkeys(site.getsitepackages() + [p['purelib'], p['platlib']]), sep='\n')" >"$site/_dslaunch_beside.pth"
         [ -d .whl-local/deepspeed ] && links+=(--find-links .whl-local/deepspeed)  # this machine's Python, if not 3.12
-        "$DS_PY" -m pip install -q --no-index --no-compile --disable-pip-version-check "${links[@]}" deepspeed==0.19.8 || return 1
+        # First DeepSpeed alone: $PY may hold dslaunch's `deepspeed` (0.19.8+dslaunch...), which pip
+        # would take for deepspeed==0.19.8; then what it requires that $PY lacks.
+        local pip=("$DS_PY" -m pip install -q --no-index --no-compile --disable-pip-version-check)
+        "${pip[@]}" --no-deps --ignore-installed .whl/deepspeed/deepspeed-0.19.8-*.whl || return 1
+        "${pip[@]}" "${links[@]}" deepspeed==0.19.8 || return 1
         command -v "$PY" >"$DS_VENV/.installed"
     fi
     "$DS_PY" -c "import deepspeed, torch; print('DeepSpeed', deepspeed.__version__, 'at', deepspeed.__file__, 'with torch', torch.__version__)"
@@ -112,7 +117,7 @@ deepspeed_setup() {
 # in the background while the tests run. A build killed earlier leaves a lock that blocks forever.
 deepspeed_ops() {
     mkdir -p "$DS_EXT" && find "$DS_EXT" -name lock -delete && rm -f "$DS_EXT/fused_adam.built"
-    local build='import sys; from deepspeed.ops import op_builder as b; getattr(b, sys.argv[1])().load(); print(sys.argv[1], "loaded")'
+    local build='import sys; from deepspeed.accelerator import get_accelerator as a; a().create_op_builder(sys.argv[1]).load(); print(sys.argv[1], "loaded")'
     local env=(env TORCH_EXTENSIONS_DIR="$DS_EXT" DS_ACCELERATOR=cuda PATH="$(dirname "$DS_PY"):$PATH")
     "${env[@]}" "$DS_PY" -c "$build" CPUAdamBuilder &
     local cpu=$! rc=0
