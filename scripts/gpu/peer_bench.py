@@ -122,7 +122,7 @@ def _run_side(python: str, side: str, case: str, args: argparse.Namespace) -> di
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "DS_ACCELERATOR": "cuda" if cuda else "cpu", "TORCH_EXTENSIONS_DIR": str(args.extensions_dir),
-           "PYTHONPATH": ""}
+           "PYTHONPATH": "", "PATH": f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # its ninja
     cmd = [python, __file__, "--run", f"{side}:{case}", "--steps", str(args.steps), "--optimizer", args.optimizer]
     try:
         done = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env, capture_output=True, text=True,
