@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# dslaunch's GPU check: one command on a machine with one CUDA GPU, about 6 minutes on an H200.
+# dslaunch's GPU check: one command on a machine with one CUDA GPU, about 6 minutes on an H200
+# before the DeepSpeed comparison, which adds an estimated 2-3 (its install ~15 s, its op builds
+# hidden behind the tests, six 1.1B runs of ~15-30 s each): give it 600 s.
 #
 #   scripts/gpu/check.sh [RESULT_DIR]        (default: $OUT, else ./gpu-check; `make gpu-check`)
 #
