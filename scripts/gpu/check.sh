@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# dslaunch's GPU check: one command on a machine with one CUDA GPU, about 6 minutes on an H200.
+# dslaunch's GPU check: one command on a machine with one CUDA GPU, about 6 minutes on an H200
+# before the DeepSpeed comparison, which adds an estimated 2-3 (its install ~15 s, its op builds
+# hidden behind the tests, six 1.1B runs of ~15-30 s each): give it 600 s.
 #
 #   scripts/gpu/check.sh [RESULT_DIR]        (default: $OUT, else ./gpu-check; `make gpu-check`)
 #
@@ -14,10 +16,17 @@
 # dependencies it lacks (paramiko and its needs, crc32c) come as wheels in ./.whl (git-ignored),
 # prepared on a machine with PyPI by
 #   scripts/gpu/wheels.sh [PYTHON_VERSION]     (default 3.12)
-# and carried with the working tree.
+# and carried with the working tree (the paths to carry: scripts/gpu/carry.txt). Real DeepSpeed
+# 0.19.8 comes the same way (.whl/deepspeed): it is installed into a venv of its own beside
+# dslaunch's that sees the same torch, its FusedAdam and CPU Adam JIT-build there once (into
+# ./.ds-ext, reused by a rerun on the same machine), and scripts/gpu/peer_bench.py runs ZeRO-2,
+# ZeRO-3 and ZeRO-2 + CPU offload on a 1.1B GPT under both, taking turns: that table comes first,
+# right after the tests, before the longer engine and kernel checks.
 # Without a CUDA device (CI: tests/gpu/test_check_script.py) it says so in one line, runs its
-# setup, the tests (which skip) and one engine configuration on CPU to exercise the bookkeeping,
-# writes nothing under scripts/, and exits 0 when those pass.
+# setup, the tests (which skip), the DeepSpeed comparison on a tiny model with gloo (where a real
+# DeepSpeed is at hand: DSLAUNCH_DEEPSPEED_PYTHON, .whl/deepspeed, or .venv-conformance/deepspeed)
+# and one engine configuration on CPU to exercise the bookkeeping, writes nothing under scripts/,
+# and exits 0 when those pass.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 RESULT_DIR=${1:-${OUT:-gpu-check}}
@@ -70,6 +79,65 @@ export PATH="$(dirname "$(command -v "$PY")"):$PATH"  # the dslaunch command bes
 
 step env 60 $PY scripts/gpu/report.py --env "$RESULT_DIR/env.json"
 
+# --- real DeepSpeed in a venv beside dslaunch's ------------------------------------------------
+export DS_VENV=$PWD/.venv-gpu-deepspeed DS_EXT=$PWD/.ds-ext
+if [ -n "${DSLAUNCH_DEEPSPEED_PYTHON:-}" ]; then
+    export DS_PY=$DSLAUNCH_DEEPSPEED_PYTHON
+elif ls .whl/deepspeed/deepspeed-*.whl >/dev/null 2>&1; then
+    export DS_PY=$DS_VENV/bin/python
+elif [ "$GPU" != 1 ] && [ -x .venv-conformance/deepspeed/bin/python ]; then
+    export DS_PY=$PWD/.venv-conformance/deepspeed/bin/python
+else
+    export DS_PY=
+fi
+# deepspeed_setup: the venv from the carried wheels, offline. $PY may itself be a venv (the GPU
+# image's is), whose packages --system-site-packages would not show: a .pth names them instead,
+# after the venv's own, so that its deepspeed comes first and torch is $PY's.
+deepspeed_setup() {
+    if [ -z "$DS_PY" ]; then
+        echo "no real DeepSpeed: run scripts/gpu/wheels.sh (needs PyPI) or name one with DSLAUNCH_DEEPSPEED_PYTHON"
+        [ "$GPU" != 1 ]  # a failure only where the comparison is the point
+        return
+    fi
+    if [ "$DS_PY" = "$DS_VENV/bin/python" ] && [ "$(cat "$DS_VENV/.installed" 2>/dev/null)" != "$(command -v "$PY")" ]; then
+        rm -rf "$DS_VENV"
+        $PY -m venv --without-pip "$DS_VENV" || return 1
+        local site links=(--find-links .whl/deepspeed)
+        site=$("$DS_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        $PY -c "import site, sysconfig; p = sysconfig.get_paths(); print(*dict.fromkeys(site.getsitepackages() + [p['purelib'], p['platlib']]), sep='\n')" >"$site/_dslaunch_beside.pth"
+        [ -d .whl-local/deepspeed ] && links+=(--find-links .whl-local/deepspeed)  # this machine's Python, if not 3.12
+        # First DeepSpeed alone: $PY may hold dslaunch's `deepspeed` (0.19.8+dslaunch...), which pip
+        # would take for deepspeed==0.19.8; then what it requires that $PY lacks.
+        local pip=("$DS_PY" -m pip install -q --no-index --no-compile --disable-pip-version-check)
+        "${pip[@]}" --no-deps --ignore-installed .whl/deepspeed/deepspeed-0.19.8-*.whl || return 1
+        "${pip[@]}" "${links[@]}" deepspeed==0.19.8 || return 1
+        command -v "$PY" >"$DS_VENV/.installed"
+    fi
+    "$DS_PY" -c "import deepspeed, torch; print('DeepSpeed', deepspeed.__version__, 'at', deepspeed.__file__, 'with torch', torch.__version__)"
+}
+# deepspeed_ops: its FusedAdam (nvcc) and CPU Adam (the host compiler) JIT-built once into $DS_EXT,
+# in the background while the tests run. A build killed earlier leaves a lock that blocks forever.
+deepspeed_ops() {
+    mkdir -p "$DS_EXT" && find "$DS_EXT" -name lock -delete && rm -f "$DS_EXT/fused_adam.built"
+    local build='import sys; from deepspeed.accelerator import get_accelerator as a; a().create_op_builder(sys.argv[1]).load(); print(sys.argv[1], "loaded")'
+    local env=(env TORCH_EXTENSIONS_DIR="$DS_EXT" DS_ACCELERATOR=cuda PATH="$(dirname "$DS_PY"):$PATH")
+    "${env[@]}" "$DS_PY" -c "$build" CPUAdamBuilder &
+    local cpu=$! rc=0
+    if command -v nvcc >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+        "${env[@]}" "$DS_PY" -c "$build" FusedAdamBuilder && touch "$DS_EXT/fused_adam.built" || rc=1
+    else
+        echo "no nvcc: DeepSpeed's FusedAdam cannot be built; the z2/z3 rows use torch's fused AdamW on both sides"
+    fi
+    wait $cpu && return $rc
+}
+export -f deepspeed_setup deepspeed_ops
+step deepspeed_setup 180 deepspeed_setup
+ops=
+if [ "$GPU" = 1 ] && [ -n "$DS_PY" ]; then
+    step deepspeed_ops 300 deepspeed_ops &
+    ops=$!
+fi
+
 # --- tests on the device ----------------------------------------------------------------------
 step pytest_gpu 240 $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 if [ "$GPU" = 1 ]; then  # tests that take another path when CUDA is present (CI runs them on CPU)
@@ -77,6 +145,17 @@ if [ "$GPU" = 1 ]; then  # tests that take another path when CUDA is present (CI
         tests/kernels/test_dispatch.py tests/accelerator tests/kernels/triton/test_availability.py \
         tests/runtime/test_dist.py tests/runtime/test_timers.py tests/launcher/test_plan.py \
         tests/launcher/test_workerenv.py tests/runtime/test_heartbeat.py
+fi
+
+# --- dslaunch beside DeepSpeed: the same GPT script under both, taking turns ----------------------
+if [ -n "$ops" ]; then
+    wait "$ops"
+    opt=$([ -e "$DS_EXT/fused_adam.built" ] && echo config || echo torch)
+    step bench_peer 420 $PY scripts/gpu/peer_bench.py --deepspeed-python "$DS_PY" --optimizer "$opt" \
+        --steps 8 --timeout 120 --extensions-dir "$DS_EXT" --out "$RESULT_DIR"
+elif [ "$GPU" != 1 ] && [ -n "$DS_PY" ]; then  # the same path on a tiny model (DeepSpeed's CPU Adam: minutes to build)
+    step bench_peer 300 $PY scripts/gpu/peer_bench.py --deepspeed-python "$DS_PY" --smoke --cases z2,z3 \
+        --optimizer torch --steps 2 --extensions-dir "$DS_EXT" --out "$RESULT_DIR"
 fi
 
 # --- the engine on NCCL against the same run on gloo ------------------------------------------
@@ -112,6 +191,7 @@ if [ "$GPU" = 1 ]; then
     step bench_gpu_engine 300 $PY scripts/bench/gpu_engine_bench.py --timeout 150
     cp scripts/bench/results/gpu_kernels_bench.json scripts/bench/results/gpu_kernels_bench.md "$RESULT_DIR/"
     cp scripts/bench/results/gpu_engine_bench.json scripts/bench/results/gpu_engine_bench.md "$RESULT_DIR/"
+    [ -e "$RESULT_DIR/peer_bench.md" ] && cp "$RESULT_DIR/peer_bench.json" "$RESULT_DIR/peer_bench.md" scripts/bench/results/
     $PY scripts/gpu/report.py --summarize "$RESULT_DIR" --results scripts/bench/results
 else
     step bench_gpu_kernels 120 $PY scripts/bench/gpu_kernels_bench.py --cpu-smoke

@@ -114,7 +114,7 @@ def summarize(out: Path, results: Path | None = None) -> int:
             (folder / f"{stem}.json").write_text(json.dumps(result, indent=2))
             (folder / f"{stem}.md").write_text(table)
     print(table)
-    for name in ("gpu_kernels_bench.md", "gpu_engine_bench.md"):
+    for name in ("peer_bench.md", "gpu_kernels_bench.md", "gpu_engine_bench.md"):
         if (bench := out / name).exists():
             print(bench.read_text())
     print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}")
