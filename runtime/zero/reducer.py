@@ -129,6 +129,8 @@ class BucketReducer:
                         for a, b, idx in plan_buckets(g.layout, bucket_numel)]
         self._bucket_of = {(b.group, pi): bi for bi, b in enumerate(self.buckets) for pi in b.params}
         self.pool = BufferPool(max(b.end - b.begin for b in self.buckets))
+        if self.exchange.deferred:  # its work runs when waited for: wait only at the flush
+            self.max_inflight = len(self.buckets)
         self.reset()
 
     def reset(self) -> None:
