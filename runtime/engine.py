@@ -472,9 +472,10 @@ def _set_parallelism(module: torch.nn.Module, config: DeepSpeedConfig) -> None:
         setter = getattr(sub, "set_deepspeed_parallelism", None)
         if callable(setter):
             setter(config.use_data_before_expert_parallelism)
-        if isinstance(sub, MOELayer):
-            sub.layout_invariant = config.layout_invariant.enabled
     number_moe_layers(module)
+    for sub in module.modules():
+        if isinstance(sub, MOELayer):
+            sub.set_layout_invariant(config.layout_invariant.enabled)
 
 
 def _sequence_size(mpu: Any) -> int:

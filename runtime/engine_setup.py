@@ -332,4 +332,5 @@ def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | No
                                            drop_last=cfg.dataloader_drop_last)
     return DistributedDataLoader(data, batch_size, grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(),
                                  collate_fn=collate_fn, shuffle=shuffle, drop_last=cfg.dataloader_drop_last,
-                                 num_workers=num_workers, pin_memory=pin_memory)
+                                 num_workers=num_workers, pin_memory=pin_memory,
+                                 blocked=cfg.layout_invariant.enabled)

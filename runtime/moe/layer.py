@@ -96,6 +96,25 @@ class MOELayer(torch.nn.Module):
         self.ep_group, self._waits = ep_group, None
         self.gate._set_ep_group(ep_group)
 
+    def set_layout_invariant(self, on: bool) -> None:
+        """Run the experts per source block (``layout_invariant``); the engine calls it.
+
+        Raises:
+            ConfigError: ``on`` for experts other than ``Experts`` (AutoEP's grouped weights).
+        """
+        if on and not isinstance(self.experts, Experts):
+            from dslaunch.errors import ConfigError
+
+            raise ConfigError(f"true: {type(self.experts).__name__} (AutoEP's grouped experts) has no per-block "
+                              "form yet; use deepspeed.moe.layer.MoE or disable layout_invariant",
+                              key="layout_invariant.enabled")
+        draws = self.gate.random_draws() if on else []
+        if draws:
+            log.warning("MoE layer %s: %s draw(s) from each rank's random generator, which a layout feeds other "
+                        "samples: training is layout-invariant only without random routing", self.layer_id,
+                        ", ".join(draws))
+        self.layout_invariant = on
+
     def set_layer_id(self, layer_id: int) -> None:
         self.layer_id, self._waits = layer_id, None
 

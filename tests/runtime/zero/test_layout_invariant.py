@@ -88,3 +88,19 @@ def test_what_cannot_be_invariant_is_refused_in_one_line(extra: dict, key: str) 
     with pytest.raises(ConfigError, match=key) as err:
         deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert "\n" not in str(err.value)
+
+
+def test_the_engine_loader_gives_a_rank_the_same_micro_batch_at_any_world_size() -> None:
+    """Under the mode (``blocked``) rank ``r``'s ``j``-th batch at world ``W`` is micro batch
+    ``j * W + r`` of the epoch, whatever ``W``; the default interleaving is not."""
+    from dslaunch.runtime.dataloader import DistributedDataLoader
+
+    def batches(world: int, blocked: bool) -> dict[int, list[int]]:
+        out = {}
+        for rank in range(world):
+            loader = DistributedDataLoader(list(range(64)), 4, rank, world, collate_fn=list, blocked=blocked)
+            out.update({j * world + rank: b for j, b in enumerate(loader)})
+        return out
+
+    assert batches(1, True) == batches(2, True) == batches(4, True)
+    assert batches(2, False) != batches(4, False)
