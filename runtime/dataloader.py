@@ -7,7 +7,9 @@ Order: each epoch is one permutation of the dataset, ``torch.randperm(len, seed 
 (``arange`` without shuffle) -- the same permutation and the same rank interleaving as torch's
 ``DistributedSampler``, which DeepSpeed's loader uses. Step k of an epoch takes the next
 ``world_size * batch_size`` entries of the permutation; rank r gets every ``world_size``-th of
-them starting at r. So in one epoch:
+them starting at r (with ``blocked``, the ``layout_invariant`` order: the r-th run of
+``batch_size`` of them, so that a rank's batch is the same piece of the permutation at any world
+size: micro batch ``k * world_size + r`` of the epoch). So in one epoch:
 
 - ``drop_last=True``: the permutation is cut to a multiple of ``world_size * batch_size``; every
   kept sample is seen exactly once, on exactly one rank, all batches full.
@@ -61,6 +63,8 @@ class DistributedDataLoader:
         seed: base seed; epoch e uses ``seed + e`` on every rank.
         drop_last: see the module docstring.
         num_workers, pin_memory: passed to the torch ``DataLoader`` that fetches the samples.
+        blocked: each step's entries split into runs of ``batch_size``, one per rank, instead of
+            interleaved (see the module docstring).
 
     Raises:
         ValueError: non-positive batch size or world size, rank outside [0, world_size).
@@ -69,7 +73,7 @@ class DistributedDataLoader:
 
     def __init__(self, dataset: Any, batch_size: int, rank: int, world_size: int,
                  collate_fn: Callable[[list[Any]], Any] | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False):
+                 drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False, blocked: bool = False):
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need batch_size >= 1, world_size >= 1 and 0 <= rank < world_size; got "
                              f"batch_size={batch_size}, rank={rank}, world_size={world_size}")
@@ -88,6 +92,7 @@ class DistributedDataLoader:
         self.seed = seed
         self.drop_last = drop_last
         self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.blocked = blocked
         self.epoch = 0
         self._offset = 0  # permutation entries of this epoch already handed out (all ranks)
 
@@ -136,7 +141,7 @@ class DistributedDataLoader:
         if not chunks:
             self._next_epoch()
             return
-        for k, batch in enumerate(self._fetch([chunk[self.rank::self.world_size] for chunk in chunks])):
+        for k, batch in enumerate(self._fetch([self._share(chunk) for chunk in chunks])):
             # Advance before yielding: a state_dict() taken while the caller holds this batch
             # already points at the next one (the last batch moves to the next epoch).
             if k == len(chunks) - 1:
@@ -144,6 +149,13 @@ class DistributedDataLoader:
             else:
                 self._offset += len(chunks[k])
             yield batch
+
+    def _share(self, chunk: list[int]) -> list[int]:
+        """This rank's entries of one step's ``chunk`` (a short last chunk: an even split)."""
+        if not self.blocked:
+            return chunk[self.rank::self.world_size]
+        run = math.ceil(len(chunk) / self.world_size)
+        return chunk[self.rank * run:(self.rank + 1) * run]
 
     def _fetch(self, batches: list[list[int]]) -> Iterator[Any]:
         import torch

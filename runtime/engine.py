@@ -86,7 +86,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self.device = device_for(self.local_rank)
         self.precision = PrecisionPolicy.from_config(config)
         self.module = self.precision.cast_module(model.to(self.device))
-        _set_parallelism(self.module, config.use_data_before_expert_parallelism)
+        _set_parallelism(self.module, config)
         parts = build_components(self.module, config, self.precision, optimizer, model_parameters,
                                  lr_scheduler, training_data, collate_fn, self.grid)
         self.zero, self.optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
@@ -459,20 +459,23 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         return result
 
 
-def _set_parallelism(module: torch.nn.Module, data_before_expert: bool) -> None:
+def _set_parallelism(module: torch.nn.Module, config: DeepSpeedConfig) -> None:
     """Let every submodule that asks (DeepSpeed's MoE layers: ``set_deepspeed_parallelism``) make
     its expert groups before ZeRO places their parameters, as DeepSpeed's engine does; number the
-    MoE layers (``moe_layer_id``).
+    MoE layers (``moe_layer_id``) and tell them ``layout_invariant``.
 
     collective: every rank (the layers create process groups).
     """
+    from dslaunch.runtime.moe.layer import MOELayer, number_moe_layers
+
     for sub in module.modules():
         setter = getattr(sub, "set_deepspeed_parallelism", None)
         if callable(setter):
-            setter(data_before_expert)
-    from dslaunch.runtime.moe.layer import number_moe_layers
-
+            setter(config.use_data_before_expert_parallelism)
     number_moe_layers(module)
+    for sub in module.modules():
+        if isinstance(sub, MOELayer):
+            sub.set_layout_invariant(config.layout_invariant.enabled)
 
 
 def _sequence_size(mpu: Any) -> int:

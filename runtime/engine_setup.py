@@ -28,7 +28,7 @@ from dslaunch.runtime.moe import expert_group_name
 from dslaunch.runtime.parallel.groups import ep_size_of
 from dslaunch.runtime.parallel.mpu import counted_in_norm, gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
-from dslaunch.runtime.zero.exchange import GradientExchange, build_exchange
+from dslaunch.runtime.zero.exchange import GradientExchange, TreeAllReduce, build_exchange
 from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.registry import strategy_class
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, ReduceGroup
@@ -135,11 +135,37 @@ def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> Gradient
     from dslaunch.runtime.optim.registry import is_compressed
 
     compressed = client is None and is_compressed(cfg.optimizer)
+    if cfg.layout_invariant.enabled:
+        _refuse_variant_reductions(cfg, compressed)
+        return TreeAllReduce(process_group)
     if cfg.zero_optimization.zero_quantized_gradients:
         from dslaunch.runtime.zero.zeropp import QuantizedReduceScatter
 
         return QuantizedReduceScatter.build(process_group)
     return build_exchange(compressed, cfg.hierarchical_allreduce, process_group)
+
+
+def _refuse_variant_reductions(cfg: DeepSpeedConfig, compressed: bool) -> None:
+    """Refuse, under ``layout_invariant``, what would sum gradients in a layout-dependent order
+    (every rank alike, from the config alone, before any collective).
+
+    Raises:
+        ConfigError: naming the key that conflicts and what would be valid.
+    """
+    gas = cfg.gradient_accumulation_steps
+    why = "layout_invariant sums gradients in one fixed tree"
+    if cfg.zero_optimization.stage != 2:
+        raise ConfigError(f"{cfg.zero_optimization.stage}: {why}, built on ZeRO stage 2's reduction at every "
+                          "micro step; use stage 2 or disable layout_invariant", key="zero_optimization.stage")
+    if gas & (gas - 1):
+        raise ConfigError(f"{gas}: {why} over micro steps too, which needs a power of two (1, 2, 4...)",
+                          key="gradient_accumulation_steps")
+    if compressed or cfg.zero_optimization.zero_quantized_gradients:
+        raise ConfigError(f"{why}; 1-bit optimizers and quantized gradients exchange them otherwise: "
+                          "use another optimizer or disable layout_invariant", key="layout_invariant.enabled")
+    if cfg.use_data_before_expert_parallelism:
+        raise ConfigError(f"true: {why} over neighbouring ranks' expert blocks, which needs the default "
+                          "expert groups of neighbouring ranks; set it to false", key="use_data_before_expert_parallelism")
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:
@@ -306,4 +332,5 @@ def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | No
                                            drop_last=cfg.dataloader_drop_last)
     return DistributedDataLoader(data, batch_size, grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(),
                                  collate_fn=collate_fn, shuffle=shuffle, drop_last=cfg.dataloader_drop_last,
-                                 num_workers=num_workers, pin_memory=pin_memory)
+                                 num_workers=num_workers, pin_memory=pin_memory,
+                                 blocked=cfg.layout_invariant.enabled)

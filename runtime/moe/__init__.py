@@ -2,7 +2,8 @@
 
 ``gate.py`` routes tokens (``TopKGate``, top-1/top-2/top-k gating), ``experts.py`` holds a rank's
 expert copies, ``layer.py`` has ``MoE`` and the all-to-all ``MOELayer``, ``utils.py`` the
-expert-parameter helpers (``expert_group_name``: the expert group ZeRO reduces a parameter over).
+expert-parameter helpers (``expert_group_name``: the expert group ZeRO reduces a parameter over),
+``layout_invariant.py`` the experts' per-source-block calls under ``layout_invariant``.
 AutoEP (the ds_config ``expert_parallel`` block): ``autoep.py`` converts a Hugging Face MoE model's
 blocks into ``MOELayer``s at ``initialize``, ``autoep_presets.py`` finds the blocks, and
 ``grouped_experts.py`` holds a rank's slice of the fused expert weights.

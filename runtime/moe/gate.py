@@ -270,6 +270,13 @@ class TopKGate(torch.nn.Module):
             raise RuntimeError("TopKGate: its expert-parallel group is already set to another group")
         self.ep_group = ep_group
 
+    def random_draws(self) -> list[str]:
+        """The options under which training routes by random draws (empty: none)."""
+        return [what for what, yes in (
+            (f"noisy_gate_policy={self.noisy_gate_policy}", self.noisy_gate_policy in ("RSample", "Jitter")),
+            ("top2_2nd_expert_sampling", self.k == 2 and self.top2_2nd_expert_sampling),
+            ("use_rts with drop_tokens", self.k == 1 and self.use_rts and self.drop_tokens)) if yes]
+
     def forward(self, input: Tensor, used_token: Tensor | None = None, sparse_routes: bool = False,  # noqa: A002
                 use_tutel: bool = False) -> GateOutput | tuple:
         """DeepSpeed's gate output for tokens ``input`` ``[S, M]``: the dense

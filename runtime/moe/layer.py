@@ -34,7 +34,8 @@ from torch import Tensor
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.moe.experts import Experts
-from dslaunch.runtime.moe.gate import NoisyGatePolicy, TopKGate
+from dslaunch.runtime.moe.gate import NoisyGatePolicy, Routes, TopKGate
+from dslaunch.runtime.moe.layout_invariant import run_by_source
 from dslaunch.utils.beat import ExpertExchange
 
 __all__ = ["MoE", "MOELayer", "number_moe_layers"]
@@ -78,6 +79,9 @@ class MOELayer(torch.nn.Module):
         self.ep_size = ep_size
         self.ep_group_name = ep_group_name
         self.num_local_experts = num_local_experts
+        self.layout_invariant = False
+        """Each source rank's block is its own expert call and the expert gradients a fixed tree over
+        them (``layout_invariant.run_by_source``); set by the engine from the ``layout_invariant`` block."""
         self.layer_id: int | None = None
         """DeepSpeed's ``moe_layer_id``: this layer's index among the model's MoE layers
         (``number_moe_layers``), for the hang report; None until numbered."""
@@ -91,6 +95,25 @@ class MOELayer(torch.nn.Module):
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group, self._waits = ep_group, None
         self.gate._set_ep_group(ep_group)
+
+    def set_layout_invariant(self, on: bool) -> None:
+        """Run the experts per source block (``layout_invariant``); the engine calls it.
+
+        Raises:
+            ConfigError: ``on`` for experts other than ``Experts`` (AutoEP's grouped weights).
+        """
+        if on and not isinstance(self.experts, Experts):
+            from dslaunch.errors import ConfigError
+
+            raise ConfigError(f"true: {type(self.experts).__name__} (AutoEP's grouped experts) has no per-block "
+                              "form yet; use deepspeed.moe.layer.MoE or disable layout_invariant",
+                              key="layout_invariant.enabled")
+        draws = self.gate.random_draws() if on else []
+        if draws:
+            log.warning("MoE layer %s: %s draw(s) from each rank's random generator, which a layout feeds other "
+                        "samples: training is layout-invariant only without random routing", self.layer_id,
+                        ", ".join(draws))
+        self.layout_invariant = on
 
     def set_layer_id(self, layer_id: int) -> None:
         self.layer_id, self._waits = layer_id, None
@@ -117,6 +140,19 @@ class MOELayer(torch.nn.Module):
                              "engine with deepspeed.initialize(model=...) (or call set_deepspeed_parallelism()) first")
         return _AllToAll.apply(self.ep_group, blocks, self._wait_names(phase))
 
+    def _source_rows(self, routes: Routes) -> Tensor:
+        """How many rows each source rank of the expert group routed to each local expert, in the
+        dispatch's block order (an all-to-all of this rank's kept counts; collective there). A
+        gate fills an expert's slots from 0 up, so these are the block's first rows."""
+        kept = routes.experts[routes.experts >= 0]
+        counts = torch.bincount(kept, minlength=routes.num_experts).to(torch.int64)
+        if self.ep_size == 1:
+            return counts
+        received = torch.empty_like(counts)
+        wait_all((comm.all_to_all_single(received, counts, group=self.ep_group, async_op=True),),
+                 self._wait_names("dispatch")[0])
+        return received
+
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:  # noqa: A002 (DeepSpeed's signature)
         hidden = input[0]
         used_token = input[1] if len(input) > 1 else None
@@ -131,7 +167,12 @@ class MOELayer(torch.nn.Module):
         received = self._exchange(placed[:-1].reshape(experts, capacity, width), "dispatch")
         expert_in = received.reshape(self.ep_size, self.num_local_experts, capacity, width)
         self.experts.routed = (routes.experts, experts * capacity)  # the flops profiler's share
-        expert_out = self.experts(expert_in).reshape(experts * capacity, width)
+        if self.layout_invariant:
+            rows = self._source_rows(routes).reshape(self.ep_size, self.num_local_experts)
+            expert_out = run_by_source(self.experts.deepspeed_experts, expert_in, rows)
+        else:
+            expert_out = self.experts(expert_in)
+        expert_out = expert_out.reshape(experts * capacity, width)
         returned = self._exchange(expert_out, "combine")
         padded = torch.cat([returned, returned.new_zeros(1, width)])
         picked = padded.index_select(0, slots).reshape(-1, tokens.shape[0], width)

@@ -4,6 +4,8 @@ The bucket reducer (``reducer.py``) never calls a collective itself: it hands ea
 strategy's ``GradientExchange``, picked once when the engine is built (``build_exchange``):
 
 - ``FlatAllReduce``: one all-reduce (sum) over the data-parallel group; the default.
+- ``TreeAllReduce``: the same sum in one fixed pairwise tree over the group's ranks, under
+  ``layout_invariant`` (gloo's ring adds the ranks in a chain whose start depends on the element).
 - ``HierarchicalAllReduce``: when several ranks share a node, reduce to one leader per node, all-reduce
   between the leaders, broadcast within the node; chosen from the topology (hosts x local ranks)
   where it moves fewer bytes across nodes.
@@ -25,12 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointError, ConfigError
 from dslaunch.runtime.comm import comm
+from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.zero.partition import GroupLayout
 
-__all__ = ["GradientExchange", "FlatAllReduce", "HierarchicalAllReduce", "CompressedExchange",
+__all__ = ["GradientExchange", "FlatAllReduce", "TreeAllReduce", "HierarchicalAllReduce", "CompressedExchange",
            "NodeLayout", "build_exchange"]
 
 
@@ -42,6 +45,7 @@ class GradientExchange:
 
     name = "flat"
     needs_local_gradients = False  # the optimizer reads each rank's full unreduced gradient
+    deferred = False  # reduce_bucket's handle does the work in wait(): the reducer holds buckets to flush
 
     def __init__(self, process_group: Any = None):
         self.pg = process_group
@@ -76,6 +80,63 @@ class GradientExchange:
 
 class FlatAllReduce(GradientExchange):
     """One all-reduce over the whole data-parallel group."""
+
+
+class TreeAllReduce(GradientExchange):
+    """Recursive doubling: in round ``k`` group rank ``i`` swaps its buffer with rank ``i ^ 2**k``
+    and both add (``a + b`` equals ``b + a`` bit for bit). The result is the pairwise tree over the
+    ranks in group order, ``((r0 + r1) + (r2 + r3)) + ...``: the tree a smaller world completes by
+    accumulating micro steps (``gradients.ShardedGradients``) and the expert blocks
+    (``moe.layout_invariant``) start, so the sum is the same at any layout. Synchronous; moves
+    ``log2(W)`` buffers per rank where a ring moves ``2 (W - 1) / W``.
+
+    Raises:
+        ConfigError: the group's size is not a power of two (no such tree at every layout).
+    """
+
+    name = "tree"
+    # Blocking point-to-point rounds inside backward would deadlock against the MoE all-to-alls
+    # wherever ranks reach their buckets in another order (a rank whose experts got no token):
+    # the rounds run at the flush, in the reducer's fixed bucket order.
+    deferred = True
+
+    def __init__(self, process_group: Any = None):
+        super().__init__(process_group)
+        self.ranks = comm.get_all_ranks_from_group(process_group) if dist.is_initialized() else [0]
+        self.me = dist.get_rank(process_group) if dist.is_initialized() else 0
+        if len(self.ranks) & (len(self.ranks) - 1):
+            raise ConfigError(f"true needs power-of-two reduce groups; this one has {len(self.ranks)} ranks "
+                              f"({self.ranks}): use 1, 2, 4, 8... data and expert-data ranks",
+                              key="layout_invariant.enabled")
+
+    def all_reduce(self, buf: torch.Tensor) -> _Rounds:
+        return _Rounds(self, buf)
+
+    def run(self, buf: torch.Tensor) -> None:
+        """The rounds, now (collective on the group, point to point)."""
+        other = torch.empty_like(buf)
+        step = 1
+        while step < len(self.ranks):
+            peer = self.ranks[self.me ^ step]
+            wait_all((comm.isend(buf, peer, group=self.pg), comm.irecv(other, peer, group=self.pg)),
+                     "all_reduce of gradients (fixed tree)")
+            buf.add_(other)
+            step *= 2
+
+
+class _Rounds:
+    """A ``TreeAllReduce`` of one buffer, run by ``wait``."""
+
+    def __init__(self, tree: TreeAllReduce, buf: torch.Tensor):
+        self.tree, self.buf, self.ran = tree, buf, False
+
+    def is_completed(self) -> bool:
+        return self.ran
+
+    def wait(self) -> None:
+        if not self.ran:
+            self.tree.run(self.buf)
+            self.ran = True
 
 
 class NodeLayout:

@@ -16,7 +16,9 @@ and frees it; each reduced bucket's part inside this rank's range is added to an
 shard of ``partition_range`` size. With ``overlap_comm`` reductions run while backward continues
 (backward waits only past ``MAX_INFLIGHT_BUFFERS`` buckets in flight); without it each bucket is
 reduced at once. Every micro step communicates (the shard is all a rank keeps), as in DeepSpeed,
-so ``no_sync()`` is refused.
+so ``no_sync()`` is refused. Under ``layout_invariant`` the micro steps' reduced gradients are
+added in a pairwise tree (``(m0 + m1) + (m2 + m3)``, a binary counter of partial sums: one extra
+shard per level), not a chain, so that they complete the data group's fixed tree over ranks.
 
 ``ScopedGradients`` (stage 3) is ``ShardedGradients`` that frees the gradient shard and the
 reduction buffers at ``zero_grad`` (after each step), as FSDP2 does: between steps a rank holds
@@ -215,6 +217,8 @@ class ShardedGradients(GradientPath):
                  exchange: GradientExchange | None = None):
         self._shards: list[torch.Tensor | None] = [None] * len(groups)  # made by the first fold
         self._fresh = True  # first micro step since zero_grad: copy into the shard instead of add
+        self._micro = 0  # micro steps reduced since zero_grad (layout_invariant's tree)
+        self._partials: dict[tuple[int, int], torch.Tensor] = {}  # (group, level) -> partial sum
         for g in groups:
             for p in g.params:
                 p.grad = None
@@ -251,7 +255,25 @@ class ShardedGradients(GradientPath):
         lo, hi = max(b.begin, lay.start), min(b.end, lay.end)
         if lo < hi:
             dst, src = self._shard(b.group)[lo - lay.start:hi - lay.start], buf[lo - b.begin:hi - b.begin]
-            dst.copy_(src) if self._fresh else dst.add_(src)
+            if self.comm.layout_invariant:
+                self._fold_tree(b.group, lo - lay.start, hi - lay.start, src)
+            else:
+                dst.copy_(src) if self._fresh else dst.add_(src)
+
+    def _fold_tree(self, gi: int, lo: int, hi: int, src: torch.Tensor) -> None:
+        """Micro step ``m``'s reduced gradient joins the partial sums of the levels its trailing
+        one bits name; the boundary's total goes into the shard (a power-of-two count ends with
+        every level joined), anything else waits at the next level."""
+        carry, level = src, 0
+        while self._micro >> level & 1:
+            carry = self._partial(gi, level)[lo:hi] + carry
+            level += 1
+        (self._shard(gi) if self._boundary else self._partial(gi, level))[lo:hi].copy_(carry)
+
+    def _partial(self, gi: int, level: int) -> torch.Tensor:
+        if (gi, level) not in self._partials:
+            self._partials[(gi, level)] = torch.empty_like(self._shard(gi))
+        return self._partials[(gi, level)]
 
     def _shard(self, gi: int) -> torch.Tensor:
         if self._shards[gi] is None:
@@ -264,6 +286,7 @@ class ShardedGradients(GradientPath):
         self._pending = False
         self.reducer.flush(fill=self._take_grad)
         self._fresh = False  # every element of the shard has now been written
+        self._micro += 1
 
     def shards(self) -> list[torch.Tensor]:
         shards = [self._shard(gi) for gi in range(len(self.groups))]
@@ -273,13 +296,14 @@ class ShardedGradients(GradientPath):
         return shards
 
     def zero_grad(self) -> None:
-        self._fresh = True  # no zeroing pass: the next reduction overwrites the shard
+        self._fresh, self._micro = True, 0  # no zeroing pass: the next reduction overwrites the shard
         for g in self.groups:
             for p in g.params:
                 p.grad = None
 
     def held_bytes(self) -> int:
-        return sum(s.numel() * 4 for s in self._shards if s is not None)
+        partials = sum(t.numel() * 4 for t in self._partials.values())
+        return partials + sum(s.numel() * 4 for s in self._shards if s is not None)
 
 
 class ScopedGradients(ShardedGradients):
@@ -288,4 +312,5 @@ class ScopedGradients(ShardedGradients):
     def zero_grad(self) -> None:
         super().zero_grad()
         self._shards = [None] * len(self.groups)
+        self._partials.clear()
         self.reducer.pool.clear()

@@ -16,7 +16,8 @@ launches the rest and waits for all. A bucket is multiplied by the pre-division 
 buffer; hierarchical; none at all in a 1-bit optimizer's compressed phase); a bucket in another dtype goes through a pooled copy that is
 copied back. Reductions holding a pooled buffer (a staging buffer or a converted copy) are capped
 at ``max_inflight``: past it the oldest is waited for, which bounds memory; finished reductions are
-completed as soon as they are seen, without blocking.
+completed as soon as they are seen, without blocking. A deferred exchange (``TreeAllReduce``) does its
+work when waited for, so its buckets are all held until ``flush``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ class BucketReducer:
                         for a, b, idx in plan_buckets(g.layout, bucket_numel)]
         self._bucket_of = {(b.group, pi): bi for bi, b in enumerate(self.buckets) for pi in b.params}
         self.pool = BufferPool(max(b.end - b.begin for b in self.buckets))
+        if self.exchange.deferred:  # its work runs when waited for: wait only at the flush
+            self.max_inflight = len(self.buckets)
         self.reset()
 
     def reset(self) -> None:

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange
+from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange, TreeAllReduce
 from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
 from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement, gather_over_ranks, sum_over_ranks
@@ -146,7 +146,8 @@ class ZeroStrategy:
             indices = [i for i, spec in enumerate(specs) if spec.reduce_group == name]
             if name == "data" and not indices and len(names) > 1:
                 continue
-            exchange = self.exchange if name == "data" else FlatAllReduce(reduce_groups[name].process_group)
+            expert_exchange = TreeAllReduce if self.comm.layout_invariant else FlatAllReduce
+            exchange = self.exchange if name == "data" else expert_exchange(reduce_groups[name].process_group)
             if exchange.needs_local_gradients and name != "data":
                 raise ValueError(f"the {self.exchange.name} gradient exchange (1-bit optimizers) runs over the "
                                  f"data-parallel group only; param group(s) {indices} reduce over {name!r}")

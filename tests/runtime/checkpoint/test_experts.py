@@ -17,7 +17,7 @@ BEFORE, AFTER, GLOBAL_BATCH = 2, 3, 64
 CASE = MoECase(1, False, False)  # no token dropping: the same tokens reach each expert at any layout
 
 
-def _engine(rank: int, world: int, ep_size: int, stage: int):  # noqa: ANN202
+def _engine(rank: int, world: int, ep_size: int, stage: int, extra: dict | None = None):  # noqa: ANN202
     import dslaunch as deepspeed
     from dslaunch.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -26,7 +26,7 @@ def _engine(rank: int, world: int, ep_size: int, stage: int):  # noqa: ANN202
     params = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
     config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 16,
               "steps_per_print": 1000, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-              "zero_optimization": {"stage": stage}}
+              "zero_optimization": {"stage": stage}, **(extra or {})}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     return engine, model
 
@@ -60,10 +60,10 @@ def _full_state(model) -> dict[str, list]:  # noqa: ANN001
             for n, p in model.named_parameters()}
 
 
-def _save(rank: int, world: int, ep_size: int, stage: int, save_dir: str) -> dict:
+def _save(rank: int, world: int, ep_size: int, stage: int, save_dir: str, extra: dict | None = None) -> dict:
     from dslaunch.utils import groups
 
-    engine, model = _engine(rank, world, ep_size, stage)
+    engine, model = _engine(rank, world, ep_size, stage, extra)
     _steps(engine, rank, world, 0, BEFORE)
     engine.save_checkpoint(save_dir, tag="saved")
     state = _full_state(model)
@@ -76,20 +76,23 @@ def _save(rank: int, world: int, ep_size: int, stage: int, save_dir: str) -> dic
     return state
 
 
-def _resume(rank: int, world: int, ep_size: int, stage: int, load_dir: str) -> dict:
-    """A run at the new layout that never stopped, then one resumed there from ``load_dir``."""
+def _resume(rank: int, world: int, ep_size: int, stage: int, load_dir: str, extra: dict | None = None) -> dict:
+    """A run at the new layout that never stopped, then one resumed there from ``load_dir``
+    (each with its state at the save and after ``AFTER`` more steps)."""
     from dslaunch.utils import groups
 
-    engine, model = _engine(rank, world, ep_size, stage)
+    engine, model = _engine(rank, world, ep_size, stage, extra)
     _steps(engine, rank, world, 0, BEFORE)
     unbroken_at_save = _full_state(model)
     unbroken = _steps(engine, rank, world, BEFORE, AFTER)
-    engine, model = _engine(rank, world, ep_size, stage)
+    unbroken_end = _full_state(model)
+    engine, model = _engine(rank, world, ep_size, stage, extra)
     engine.load_checkpoint(load_dir, tag="saved")
     loaded = _full_state(model)
     resumed = _steps(engine, rank, world, BEFORE, AFTER)
     groups.grid = None
-    return {"unbroken_at_save": unbroken_at_save, "unbroken": unbroken, "loaded": loaded, "resumed": resumed}
+    return {"unbroken_at_save": unbroken_at_save, "unbroken": unbroken, "loaded": loaded, "resumed": resumed,
+            "unbroken_end": unbroken_end, "resumed_end": _full_state(model)}
 
 
 def _merged(states: list[dict]) -> dict:
@@ -127,6 +130,30 @@ def test_moe_tag_loads_at_another_expert_layout(tmp_path, saved, now, stage) -> 
     print(f"saved at world/ep {saved}, loaded at {now}, ZeRO-{stage}: state at the save vs the unbroken "
           f"run {drift:.2e}; next {AFTER} losses within {worst:.2e}")
     assert worst <= 1e-6, f"the resumed losses differ from the unbroken run's by {worst:.2e}"
+    assert after[0]["resumed"][0] != after[0]["resumed"][-1]  # it trains
+
+
+INVARIANT = {"layout_invariant": {"enabled": True}, "gradient_clipping": 0.05}
+
+
+def _unequal(a: dict, b: dict) -> list[str]:
+    kinds = ("fp32", "exp_avg", "exp_avg_sq")
+    return [f"{n} {k}: {float(abs(x - y).max()):.2e}" for n in a
+            for k, x, y in zip(kinds, a[n], b[n], strict=True) if not (x == y).all()]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("saved", "now"), [((4, 4), (4, 2)), ((2, 2), (4, 2))], ids=["ep4-to-ep2", "world2-to-world4"])
+def test_layout_invariant_resume_is_bit_for_bit(tmp_path, saved, now) -> None:  # noqa: ANN001
+    """Under ``layout_invariant`` (ZeRO-2, clipping on) the run saved at one layout is, at the save,
+    the very state a run at the new layout reaches, and resumed there it continues bit for bit."""
+    states = run_world(_save, saved[0], saved[1], 2, str(tmp_path), INVARIANT, timeout=150)
+    states[0].pop("export")
+    before = _merged(states)
+    after = run_world(_resume, now[0], now[1], 2, str(tmp_path), INVARIANT, timeout=200)
+    assert not _unequal(before, _merged([r["unbroken_at_save"] for r in after]))
+    assert not _unequal(_merged([r["unbroken_end"] for r in after]), _merged([r["resumed_end"] for r in after]))
+    assert [r["unbroken"] for r in after] == [r["resumed"] for r in after]
     assert after[0]["resumed"][0] != after[0]["resumed"][-1]  # it trains
 
 
