@@ -72,6 +72,7 @@ from dslaunch.runtime.checkpoint.store import (
     write_atomic,
 )
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
+from dslaunch.runtime.moe.autoep_state import local_layout, unconverted_state_dict
 from dslaunch.runtime.zero.full_state import load_module_state_dict, module_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
@@ -361,7 +362,9 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
                         "; ".join(notes) or "no tags")
         return None, None
     current = parts.zero.state_dict()
-    keys, live = set(parts.module.state_dict()), live_experts(parts.module, current)
+    with local_layout(parts.module):
+        keys = set(parts.module.state_dict())
+    live = live_experts(parts.module, current)
     found = first_loadable(tags, lambda t: collective_read(ck, store, t, current, parts.placement, keys, live))
     assert found is not None
     tag, got, skipped = found
@@ -416,7 +419,8 @@ def save_16bit_model(parts: CheckpointParts, save_dir: str | os.PathLike, save_f
     ck = parts.io
     ck.writer.wait()
     err = None
-    sd = module_state_dict(parts.module, exclude_frozen_parameters)  # stage 3: gathered on all ranks
+    # stage 3: gathered on all ranks; AutoEP's experts put together (the Hugging Face model's layout)
+    sd = unconverted_state_dict(parts.module, module_state_dict(parts.module, exclude_frozen_parameters))
     if ck.comm.rank == 0:
         path = Path(save_dir) / save_filename
         try:

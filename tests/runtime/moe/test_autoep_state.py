@@ -1,0 +1,115 @@
+"""AutoEP's dispatch with exact counts and what a converted model saves (the custom model of
+test_autoep.py, world 2, fp32): on a skewed routing the exact dispatch gives the padded one's loss
+and gradients (and the unconverted model's) and moves fewer all-to-all bytes (comms logger); the
+converted model's ``state_dict()`` is the unconverted model's (names, whole fused expert shapes)
+and loads into it with the same output; ``save_16bit_model`` at ZeRO-3 writes that layout too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.distributed import run_world
+from tests.runtime.moe.test_autoep import CUSTOM, EXPERTS, HIDDEN, Net
+
+
+def _skewed(model: Net) -> Net:
+    """Routers that send almost every (positive) token to experts 0 and 1 of 4."""
+    with torch.no_grad():
+        for block in model.moe:
+            block.router.weight.copy_(torch.tensor([1.0, 0.5, -1.0, -1.0]).unsqueeze(1).expand(EXPERTS, HIDDEN))
+    return model
+
+
+def _a2a_bytes() -> int:
+    from dslaunch.runtime.comm.comm import comms_logger
+
+    return sum(size * row[0] for name, rows in comms_logger.comms_dict.items() if "all_to_all" in name
+               for size, row in rows.items())
+
+
+def _loss_and_grads(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(x)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _dispatch_and_state(rank: int, world: int, folder: str) -> dict:
+    import torch.distributed as dist
+
+    from dslaunch.runtime.comm.comm import comms_logger
+    from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
+    from dslaunch.runtime.moe.autoep import convert_for_expert_parallel
+
+    dist.init_process_group("gloo")
+    x = torch.randn(6, 3, HIDDEN, generator=torch.Generator().manual_seed(rank)).abs() + 0.5
+    ref = _skewed(Net())
+    model = _skewed(Net())
+    convert_for_expert_parallel(model, ExpertParallelConfig(**{**CUSTOM, "autoep_size": world}))
+    for module in model.modules():
+        if hasattr(module, "set_deepspeed_parallelism"):
+            module.set_deepspeed_parallelism()
+    comms_logger.enabled = comms_logger.prof_all = True
+    out: dict = {}
+    for padded in (True, False):
+        for block in model.moe:
+            block.padded = padded
+        before = _a2a_bytes()
+        out[padded] = _loss_and_grads(model, x)
+        out[f"bytes_{padded}"] = _a2a_bytes() - before
+    comms_logger.enabled = False
+    (loss, grads), (padded_loss, padded_grads) = out[False], out[True]
+    diff = {"vs_padded": max(abs(loss - padded_loss), *((grads[n] - padded_grads[n]).abs().max().item() for n in grads)),
+            "vs_unconverted": abs(loss - ref(x).item())}
+    sd = model.state_dict()  # collective: the experts put together
+    whole = Net()
+    whole.load_state_dict(sd)  # strict: the unconverted model's names and shapes
+    diff["reloaded"] = abs(whole(x).item() - loss)
+    back = _skewed(Net())
+    convert_for_expert_parallel(back, ExpertParallelConfig(**{**CUSTOM, "autoep_size": world}))
+    for module in back.modules():
+        if hasattr(module, "set_deepspeed_parallelism"):
+            module.set_deepspeed_parallelism()
+    back.load_state_dict(sd)  # the converted model takes the whole layout back (its rows)
+    diff["round_trip"] = abs(back(x).item() - loss)
+    return {"diff": diff, "bytes": (out["bytes_True"], out["bytes_False"]),
+            "shapes": {k: tuple(v.shape) for k, v in sd.items()}, "want": {k: tuple(v.shape) for k, v in ref.state_dict().items()},
+            "zero3": _zero3_export(rank, world, folder)}
+
+
+def _zero3_export(rank: int, world: int, folder: str) -> float:
+    """One ZeRO-3 step, then ``save_16bit_model``: the file loads into the unconverted model and
+    gives the engine's loss."""
+    import torch.distributed as dist
+
+    import dslaunch as deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 6, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+              "expert_parallel": {**CUSTOM, "autoep_size": world}}
+    engine, *_ = deepspeed.initialize(model=Net(), config=config)
+    x = torch.randn(6, 3, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x))
+    engine.step()
+    loss = engine(x).item()
+    assert engine.save_16bit_model(folder)
+    dist.barrier()
+    whole = Net()
+    whole.load_state_dict(torch.load(Path(folder) / "pytorch_model.bin"))
+    return abs(whole(x).item() - loss)
+
+
+def test_exact_dispatch_equals_padded_with_fewer_bytes_and_the_saved_model_is_the_unconverted_one(tmp_path: Path) -> None:
+    results = run_world(_dispatch_and_state, 2, str(tmp_path))
+    for rank, got in enumerate(results):
+        assert max(got["diff"].values()) <= 1e-5 and got["zero3"] <= 1e-5, f"rank {rank}: {got['diff']} {got['zero3']}"
+        assert got["shapes"] == got["want"], f"rank {rank}: {got['shapes']}"
+    padded, exact = (sum(got["bytes"][i] for got in results) for i in (0, 1))
+    # over the group every route's row crosses 4 times a layer (dispatch, combine, both backward; the
+    # first layer's dispatch has no backward: the input needs no gradient), plus the counts (4 int64
+    # per rank a layer): nothing padded
+    routes, row = 2 * 6 * 3 * 2, HIDDEN * 4
+    assert exact == (3 + 4) * routes * row + 2 * 2 * EXPERTS * 8, exact
+    assert exact <= 0.75 * padded, f"all-to-all bytes: exact {exact}, padded {padded}"
