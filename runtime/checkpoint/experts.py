@@ -9,7 +9,9 @@ A save records, for every rank and expert param group, the global names of the g
 reads, for each global expert it now holds, the shards of one expert-data group that saved it,
 puts each parameter's fp32 master and optimizer state together by global name and cuts this
 rank's range (``reshard.group_by_name``): exact, since the optimizers are element-wise. Dense
-groups are resharded as without experts (``reshard.assemble``).
+groups are resharded as without experts (``reshard.assemble``). An AutoEP block's fused expert
+weight holds several global experts, one per row: each row is named for its expert
+(``expert_rows``), so the same by-name assembly places them at another ``autoep_size``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.reshard import assemble, check_compatible, group_by_name
 
-__all__ = ["EXPERT_PREFIX", "ep_rank", "expert_names", "expert_record", "live_experts", "experts_problem",
-           "unchanged", "expert_sources", "assemble_experts", "whole_experts"]
+__all__ = ["EXPERT_PREFIX", "ep_rank", "expert_names", "expert_rows", "row_shapes", "expert_record", "live_experts",
+           "experts_problem", "unchanged", "expert_sources", "assemble_experts", "whole_experts"]
 
 EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -54,11 +56,53 @@ def expert_names(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def expert_rows(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Each expert parameter's global names: one for a ``deepspeed.moe`` expert's parameter
+    (``expert_names``); one per row for an AutoEP block's fused weight, whose rows are global
+    experts ``ep_rank * n ... + n - 1``: ``<block>.experts.<w>[<global expert>]``. A fused weight's
+    rows lie one after another in its group, so a row is a parameter of its own to resharding."""
+    from dslaunch.runtime.moe.autoep import AutoEPMoE
+
+    out = {local: [name] for local, name in expert_names(module).items()}
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, AutoEPMoE):
+            first = layer.ep_rank * layer.num_local_experts
+            for w, _ in layer.experts.named_parameters():
+                head = f"{prefix}.experts.{w}" if prefix else f"experts.{w}"
+                out[head] = [f"{head}[{first + j}]" for j in range(layer.num_local_experts)]
+    return out
+
+
+def row_shapes(names: list[str], shapes: list) -> list[tuple[int, ...]]:
+    """The shapes of ``names`` (``expert_rows``' names of a group) from the group's parameter
+    ``shapes``: a fused weight's rows each have its shape less the first dimension."""
+    out: list[tuple[int, ...]] = []
+    for shape in shapes:
+        shape = tuple(shape)
+        row = names[len(out)].endswith("]")
+        out += [shape[1:]] * shape[0] if row else [shape]
+    return out
+
+
+def _stack_rows(masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rows named ``<weight>[<expert>]`` stacked back into ``<weight>`` in expert order."""
+    rows: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, value in masters.items():
+        head, sep, index = name.rpartition("[")
+        if sep and index.endswith("]") and index[:-1].isdigit():
+            rows.setdefault(head, {})[int(index[:-1])] = value
+        else:
+            out[name] = value
+    out.update({head: torch.stack([got[e] for e in sorted(got)]) for head, got in rows.items()})
+    return out
+
+
 def live_experts(module: torch.nn.Module, current: dict) -> dict[int, list[str]]:
     """Per expert param group of the live strategy state (``reduce_group`` set), the global names of
-    its parameters, in the group's order."""
-    names = expert_names(module)
-    return {gi: [names.get(n, n) for n in g["names"]] for gi, g in enumerate(current["groups"])
+    its parameters (``expert_rows``), in the group's order."""
+    names = expert_rows(module)
+    return {gi: [gn for n in g["names"] for gn in names.get(n, [n])] for gi, g in enumerate(current["groups"])
             if "reduce_group" in g}
 
 
@@ -69,8 +113,8 @@ def expert_record(comm: Any, module: torch.nn.Module, zero_sd: dict) -> dict[str
 
     collective: call on all ranks.
     """
-    rename = expert_names(module)
-    mine = {str(gi): [rename.get(n, n) for n in g["names"]] for gi, g in enumerate(zero_sd["groups"])
+    rename = expert_rows(module)
+    mine = {str(gi): [gn for n in g["names"] for gn in rename.get(n, [n])] for gi, g in enumerate(zero_sd["groups"])
             if "reduce_group" in g}
     known = all(n in rename for g in zero_sd["groups"] if "reduce_group" in g for n in g["names"])
     gathered = comm.all_gather_object(mine if known else None)
@@ -187,14 +231,15 @@ def assemble_experts(read: Callable[[int], dict], ranks: list[int], meta: dict, 
         whole = assemble([{**sd, "groups": [sd["groups"][gi]]} for sd in have],
                          [(0, int(meta["partition"]["groups"][gi]["numel"]))])["groups"][0]
         offset = 0
-        for name, shape in zip(names, whole["shapes"], strict=True):
+        for name, shape in zip(names, row_shapes(list(names), whole["shapes"]), strict=True):
             where[name] = (whole, offset, tuple(shape))
             offset += int(torch.Size(shape).numel())
     for gi, names in live.items():
         mine = current["groups"][gi]
-        got = group_by_name(gi, {**mine, "names": names}, where)
+        got = group_by_name(gi, {**mine, "names": names, "shapes": row_shapes(names, mine["shapes"])}, where)
         hparams = {**got["hparams"], **({"name": mine["hparams"]["name"]} if "name" in mine["hparams"] else {})}
-        out[gi] = {**got, "names": list(mine["names"]), "hparams": hparams, "reduce_group": mine["reduce_group"]}
+        out[gi] = {**got, "names": list(mine["names"]), "shapes": [tuple(x) for x in mine["shapes"]],
+                   "hparams": hparams, "reduce_group": mine["reduce_group"]}
     return {"stage": current["stage"], "world_size": current["world_size"], "rank": current["rank"],
             "groups": out}
 
@@ -208,8 +253,8 @@ def whole_experts(read: Callable[[int], dict], meta: dict) -> dict[str, torch.Te
         have = [read(r) for r in sorted(_cover(g["ranges"], 0, g["numel"], ranks, ranks[0], f"expert param group {gi}"))]
         whole = assemble([{**sd, "groups": [sd["groups"][gi]]} for sd in have], [(0, int(g["numel"]))])["groups"][0]
         offset = 0
-        for name, shape in zip(names, whole["shapes"], strict=True):
+        for name, shape in zip(names, row_shapes(list(names), whole["shapes"]), strict=True):
             n = int(torch.Size(shape).numel())
             out[name] = whole["master"][offset:offset + n].view(tuple(shape)).clone()
             offset += n
-    return out
+    return _stack_rows(out)

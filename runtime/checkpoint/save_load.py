@@ -72,7 +72,12 @@ from dslaunch.runtime.checkpoint.store import (
     write_atomic,
 )
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
-from dslaunch.runtime.moe.autoep_state import local_layout, unconverted_state_dict
+from dslaunch.runtime.moe.autoep_state import (
+    local_layout,
+    local_state_dict,
+    unconverted_state_dict,
+    whole_untrained,
+)
 from dslaunch.runtime.zero.full_state import load_module_state_dict, module_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
@@ -192,6 +197,7 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
     # stage 3: partitioned params the optimizer does not hold (frozen ones, or all of them in an
     # engine without an optimizer) are gathered whole here, one module at a time
     module_sd = module_state_dict(parts.module, exclude_frozen_parameters, skip=frozenset(in_groups))
+    module_sd = whole_untrained(parts.module, module_sd, set(in_groups))  # AutoEP: every rank's frozen experts
     module_meta = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": in_groups.get(k, list(v.shape)),
                        "in": "zero" if k in in_groups else "module"}
                    for k, v in module_sd.items() if torch.is_tensor(v)}
@@ -307,7 +313,7 @@ def load_module_weights(module: torch.nn.Module, sd: dict, strict: bool, meta: d
     held_ids = {id(params[n]) for n in held if n in params}
     # every name of a held param (a tied one has several) comes from the masters
     held = set(held) | {n for n, p in params.items() if id(p) in held_ids}
-    sd = {k: v for k, v in sd.items() if k not in held}
+    sd = {k: v for k, v in local_state_dict(module, sd).items() if k not in held}  # AutoEP: this rank's rows
     missing, unexpected = load_module_state_dict(module, sd, False, module.load_state_dict)
     excused = set(held)
     if meta.get("exclude_frozen_parameters"):

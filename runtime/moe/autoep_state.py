@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["whole_rows", "unconverted", "local", "local_layout", "unconverted_state_dict"]
+__all__ = ["whole_rows", "unconverted", "local", "local_layout", "unconverted_state_dict", "whole_untrained",
+           "local_state_dict"]
 
 ROUTER = "gate.router."  # where RouterGate keeps the model's router
 EXPERTS = "experts."  # MOELayer's name of its experts
@@ -66,16 +67,18 @@ def local(layer: Any, sd: dict, prefix: str) -> None:
     """Rewrite the model's layout of ``layer``'s entries (whole expert weights, the router under
     its own name) into the converted one, in place: this rank's rows, ``gate.router``. Entries
     already converted (``num_experts / ep_size`` rows, ``gate.router.``) are left as they are."""
+    first = layer.ep_rank * layer.num_local_experts
     for name in filter(None, layer.experts.names):
-        key, mine = f"{prefix}{layer.experts_name}.{name}", f"{prefix}{EXPERTS}{name}"
-        value = sd.get(key)
-        if not isinstance(value, Tensor) or (key == mine and value.shape[0] != layer.num_experts):
-            continue
-        if value.shape[0] == layer.num_experts:
-            first = layer.ep_rank * layer.num_local_experts
-            value = value[first:first + layer.num_local_experts]
-        del sd[key]
-        sd[mine] = value
+        mine = f"{prefix}{EXPERTS}{name}"
+        for key in dict.fromkeys((f"{prefix}{layer.experts_name}.{name}", mine)):
+            value = sd.get(key)
+            if not isinstance(value, Tensor) or (key == mine and value.shape[0] != layer.num_experts):
+                continue
+            if value.shape[0] == layer.num_experts:
+                value = value[first:first + layer.num_local_experts]
+            del sd[key]
+            sd[mine] = value
+            break
     for name in layer.gate.router.state_dict(keep_vars=True):
         key, mine = f"{prefix}{layer.router_name}.{name}", f"{prefix}{ROUTER}{name}"
         if key in sd and mine not in sd:
@@ -108,6 +111,27 @@ def unconverted_state_dict(module: torch.nn.Module, sd: dict) -> dict:
     in the unconverted model's layout; unchanged without AutoEP blocks. collective: every rank."""
     for prefix, layer in _autoep_layers(module):
         unconverted(layer, sd, prefix)
+    return sd
+
+
+def whole_untrained(module: torch.nn.Module, sd: dict, trained: set[str]) -> dict:
+    """``sd`` (the converted layout, as dslaunch's checkpoints save it) with each AutoEP block's
+    expert entries that no optimizer holds (frozen weights, buffers with a row per local expert)
+    made whole over the expert group, under their own names: the module file, written by one
+    rank, then keeps every rank's experts, and ``local`` takes a rank's rows back at any
+    ``autoep_size``. collective: every rank."""
+    for prefix, layer in _autoep_layers(module):
+        for key in [k for k in sd if k.startswith(prefix + EXPERTS) and k not in trained]:
+            if isinstance(sd[key], Tensor) and sd[key].dim() and sd[key].shape[0] == layer.num_local_experts:
+                sd[key] = whole_rows(sd[key], layer.ep_group, layer.ep_size)
+    return sd
+
+
+def local_state_dict(module: torch.nn.Module, sd: dict) -> dict:
+    """``sd`` with every AutoEP block's entries in the converted layout (``local``); local."""
+    sd = dict(sd)
+    for prefix, layer in _autoep_layers(module):
+        local(layer, sd, prefix)
     return sd
 
 

@@ -2,7 +2,9 @@
 test_autoep.py, world 2, fp32): on a skewed routing the exact dispatch gives the padded one's loss
 and gradients (and the unconverted model's) and moves fewer all-to-all bytes (comms logger); the
 converted model's ``state_dict()`` is the unconverted model's (names, whole fused expert shapes)
-and loads into it with the same output; ``save_16bit_model`` at ZeRO-3 writes that layout too."""
+and loads into it with the same output; ``save_16bit_model`` at ZeRO-3 writes that layout too.
+A checkpoint saved at ``autoep_size`` 2 loads at 1 and back at 2 with every expert's master, Adam
+moments and a frozen expert weight (each rank's own) as saved."""
 
 from __future__ import annotations
 
@@ -113,3 +115,62 @@ def test_exact_dispatch_equals_padded_with_fewer_bytes_and_the_saved_model_is_th
     routes, row = 2 * 6 * 3 * 2, HIDDEN * 4
     assert exact == (3 + 4) * routes * row + 2 * 2 * EXPERTS * 8, exact
     assert exact <= 0.75 * padded, f"all-to-all bytes: exact {exact}, padded {padded}"
+
+
+def _experts_now(engine: object) -> dict[str, torch.Tensor]:
+    """Every expert's fp32 master and Adam moments (trained weights) or value (frozen), whole."""
+    from dslaunch.runtime.moe.autoep import AutoEPMoE
+    from dslaunch.runtime.moe.autoep_state import whole_rows
+    from dslaunch.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for prefix, layer in engine.module.named_modules():
+        if isinstance(layer, AutoEPMoE):
+            for name, p in layer.experts.named_parameters():
+                values = {"value": p.detach().float()} if not p.requires_grad else {
+                    "master": safe_get_full_fp32_param(p), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+                    "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+                for what, v in values.items():
+                    out[f"{prefix}.{name}.{what}"] = whole_rows(v, layer.ep_group, layer.ep_size)
+    return out
+
+
+def _engine(ep: int, fresh: bool) -> object:
+    import dslaunch as deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 6, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 2}, "expert_parallel": {**CUSTOM, "autoep_size": ep}}
+    net = Net()
+    if not fresh:  # a model that is not the saved one until the load
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(1.0)
+    net.moe[1].mlp_experts.down_proj.requires_grad_(False)  # a frozen expert weight
+    return deepspeed.initialize(model=net, config=config)[0]
+
+
+def _resume(rank: int, world: int, folder: str) -> dict:
+    """Two Adam steps at ep 2, saved; loaded at ep 1, saved again; loaded at ep 2."""
+    saved = _engine(world, True)
+    for step in range(2):
+        x = torch.randn(6, 3, HIDDEN, generator=torch.Generator().manual_seed(10 * step + rank))
+        saved.backward(saved(x))
+        saved.step()
+    want = _experts_now(saved)
+    saved.save_checkpoint(f"{folder}/ep{world}", tag="t")
+    worst = {}
+    for ep, source in ((1, f"{folder}/ep{world}"), (world, f"{folder}/ep1")):
+        engine = _engine(ep, False)
+        engine.load_checkpoint(source, tag="t")
+        got = _experts_now(engine)
+        assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+        worst[ep] = max((got[k] - want[k]).abs().max().item() for k in want)
+        if ep == 1:
+            engine.save_checkpoint(f"{folder}/ep1", tag="t")
+    frozen = want["moe.1.down_proj.value"]  # each rank's half differs: a rank-0-only save would lose one
+    return {"worst": worst, "frozen_differs": bool((frozen[:2] - frozen[2:]).abs().max() > 0)}
+
+
+def test_resume_at_another_autoep_size_restores_every_expert_and_its_adam_moments(tmp_path: Path) -> None:
+    for rank, got in enumerate(run_world(_resume, 2, str(tmp_path))):
+        assert got["worst"] == {1: 0.0, 2: 0.0} and got["frozen_differs"], f"rank {rank}: {got}"
