@@ -11,12 +11,14 @@ puts each parameter's fp32 master and optimizer state together by global name an
 rank's range (``reshard.group_by_name``): exact, since the optimizers are element-wise. Dense
 groups are resharded as without experts (``reshard.assemble``). An AutoEP block's fused expert
 weight holds several global experts, one per row: each row is named for its expert
-(``expert_rows``), so the same by-name assembly places them at another ``autoep_size``.
+(``expert_rows``), so the same by-name assembly places them at another ``autoep_size``. Expert
+entries no optimizer holds (frozen parameters, buffers) go into the module file under their global
+names, every rank's (``every_untrained``); a load takes those it holds now (``own_untrained``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.reshard import assemble, check_compatible, group_by_name
 
 __all__ = ["EXPERT_PREFIX", "ep_rank", "expert_names", "expert_rows", "row_shapes", "expert_record", "live_experts",
-           "experts_problem", "unchanged", "expert_sources", "assemble_experts", "whole_experts"]
+           "experts_problem", "unchanged", "every_untrained", "own_untrained", "expert_sources", "assemble_experts", "whole_experts"]
 
 EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -40,11 +42,12 @@ def ep_rank(layer: Any) -> int:
     return dist.get_rank(group=group)
 
 
-def expert_names(module: torch.nn.Module) -> dict[str, str]:
+def expert_names(module: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, str]:
     """Local expert parameter name -> its global name (the local index replaced by the global one),
-    for every parameter under an MoE layer's ``deepspeed_moe.experts.deepspeed_experts``."""
+    for every parameter (or, given ``names``, every state-dict entry named) under an MoE layer's
+    ``deepspeed_moe.experts.deepspeed_experts``."""
     out: dict[str, str] = {}
-    for name, _ in module.named_parameters():
+    for name in (n for n, _ in module.named_parameters()) if names is None else names:
         head, sep, tail = name.partition(EXPERT_PREFIX)
         if not sep:
             continue
@@ -54,6 +57,39 @@ def expert_names(module: torch.nn.Module) -> dict[str, str]:
             continue  # not DeepSpeed's MoE layer: no global number (the tag records no experts)
         out[name] = f"{head}{sep}{ep_rank(layer) * layer.num_local_experts + int(local)}.{rest}"
     return out
+
+
+def every_untrained(comm: Any, module: torch.nn.Module, sd: dict, trained: set[str]
+                    ) -> tuple[dict, list[str], list[str]]:
+    """``sd`` with the ``deepspeed.moe`` experts' entries no optimizer holds (frozen parameters,
+    buffers) under their global names, every rank's: one rank writes the module file, and each
+    rank's experts differ. Also the global names put in, and those of them that are frozen
+    parameters (``sd`` unchanged and empty lists without any). collective: every rank (the same
+    model on each).
+    """
+    rename = {k: g for k, g in expert_names(module, list(sd)).items() if k not in trained}
+    if not rename:
+        return sd, [], []
+    params = {n for n, _ in module.named_parameters()}
+    mine = {g: (sd[k].detach().cpu(), k in params) for k, g in rename.items()}
+    out = type(sd)((k, v) for k, v in sd.items() if k not in rename)
+    saved: set[str] = set()
+    frozen: set[str] = set()
+    for theirs in comm.all_gather_object(mine):
+        for g, (value, is_param) in theirs.items():
+            out[g] = value
+            saved.add(g)
+            frozen |= {g} if is_param else set()
+    return out, sorted(saved), sorted(frozen)
+
+
+def own_untrained(module: torch.nn.Module, sd: dict, saved: list[str]) -> dict:
+    """The module file's ``saved`` global expert entries (``every_untrained``) this rank holds,
+    under their local names; the other ranks' dropped. Local."""
+    local = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    to_local = {g: n for n, g in expert_names(module, local).items()}
+    saved_set = set(saved)
+    return {to_local.get(k, k): v for k, v in sd.items() if k not in saved_set or k in to_local}
 
 
 def expert_rows(module: torch.nn.Module) -> dict[str, list[str]]:

@@ -174,3 +174,42 @@ def _resume(rank: int, world: int, folder: str) -> dict:
 def test_resume_at_another_autoep_size_restores_every_expert_and_its_adam_moments(tmp_path: Path) -> None:
     for rank, got in enumerate(run_world(_resume, 2, str(tmp_path))):
         assert got["worst"] == {1: 0.0, 2: 0.0} and got["frozen_differs"], f"rank {rank}: {got}"
+
+
+def _moe_frozen(rank: int, world: int, folder: str) -> float:
+    """A deepspeed.moe layer at ep 2 with a frozen expert weight and an expert buffer (each rank's
+    own values), saved and loaded into a model whose values differ: each rank gets its own back."""
+    import dslaunch as deepspeed
+    from dslaunch.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from tests.runtime.moe.models import MoECase, TinyMoENet
+
+    def engine(fill: float | None) -> tuple[object, list[torch.Tensor]]:
+        model = TinyMoENet(MoECase(1, False, False), world)
+        model.set_expert_weights(rank * model.moe.num_local_experts)
+        for j, expert in enumerate(model.moe.deepspeed_moe.experts.deepspeed_experts):
+            expert[0].weight.requires_grad_(False)
+            expert.register_buffer("seen", torch.full((3,), float(10 * rank + j)))
+            if fill is not None:
+                with torch.no_grad():
+                    expert[0].weight.fill_(fill)
+                    expert.seen.fill_(fill)
+        params = split_params_into_different_moe_groups_for_optimizer(
+            {"params": [p for p in model.parameters() if p.requires_grad], "name": "p"})
+        config = {"train_micro_batch_size_per_gpu": 16, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+                  "zero_optimization": {"stage": 2}}
+        eng = deepspeed.initialize(model=model, model_parameters=params, config=config)[0]
+        experts = model.moe.deepspeed_moe.experts.deepspeed_experts
+        return eng, [t.detach().clone() for e in experts for t in (e[0].weight, e.seen)]
+
+    saved, want = engine(None)
+    saved.save_checkpoint(folder, tag="t")
+    loaded, before = engine(0.0)
+    loaded.load_checkpoint(folder, tag="t")
+    experts = loaded.module.moe.deepspeed_moe.experts.deepspeed_experts
+    got = [t for e in experts for t in (e[0].weight, e.seen)]
+    assert max((a - b).abs().max().item() for a, b in zip(before, want, strict=True)) > 0
+    return max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+
+
+def test_each_ranks_frozen_experts_and_expert_buffers_survive_a_checkpoint(tmp_path: Path) -> None:
+    assert run_world(_moe_frozen, 2, str(tmp_path)) == [0.0, 0.0]
