@@ -4,7 +4,8 @@ and gradients (and the unconverted model's) and moves fewer all-to-all bytes (co
 converted model's ``state_dict()`` is the unconverted model's (names, whole fused expert shapes)
 and loads into it with the same output; ``save_16bit_model`` at ZeRO-3 writes that layout too.
 A checkpoint saved at ``autoep_size`` 2 loads at 1 and back at 2 with every expert's master, Adam
-moments and a frozen expert weight (each rank's own) as saved."""
+moments and a frozen expert weight (each rank's own) as saved; zero-to-fp32 of the tag gives the
+whole fused expert weights."""
 
 from __future__ import annotations
 
@@ -158,7 +159,11 @@ def _resume(rank: int, world: int, folder: str) -> dict:
         saved.step()
     want = _experts_now(saved)
     saved.save_checkpoint(f"{folder}/ep{world}", tag="t")
-    worst = {}
+    from dslaunch.runtime.checkpoint.export import get_fp32_state_dict_from_zero_checkpoint
+
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(f"{folder}/ep{world}", tag="t")  # the rows stacked back
+    worst = {"fp32": max((fp32[f"moe.{i}.experts.gate_up_proj"] - want[f"moe.{i}.gate_up_proj.master"]).abs().max().item()
+                         for i in (0, 1))}
     for ep, source in ((1, f"{folder}/ep{world}"), (world, f"{folder}/ep1")):
         engine = _engine(ep, False)
         engine.load_checkpoint(source, tag="t")
@@ -173,7 +178,7 @@ def _resume(rank: int, world: int, folder: str) -> dict:
 
 def test_resume_at_another_autoep_size_restores_every_expert_and_its_adam_moments(tmp_path: Path) -> None:
     for rank, got in enumerate(run_world(_resume, 2, str(tmp_path))):
-        assert got["worst"] == {1: 0.0, 2: 0.0} and got["frozen_differs"], f"rank {rank}: {got}"
+        assert got["worst"] == {"fp32": 0.0, 1: 0.0, 2: 0.0} and got["frozen_differs"], f"rank {rank}: {got}"
 
 
 def _moe_frozen(rank: int, world: int, folder: str) -> float:
