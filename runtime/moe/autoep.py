@@ -10,9 +10,9 @@ rank must build the same model (same seed or the same checkpoint) before ``initi
 No token is dropped, as in the Hugging Face model, so the outputs and gradients are those of the
 unconverted model: each rank sends each expert exactly its routes (``autoep_dispatch.py``: a small
 all-to-all of the counts, then one of variable sizes), or, with ``padded``, ``MOELayer``'s
-dispatch gives every expert as many slots as the busiest expert of the group receives. The router's top-k and normalisation are the
-model's (its router module runs unchanged, which also keeps ``output_router_logits`` and the
-auxiliary loss working); a router that returns only logits is routed by the preset's rule
+dispatch gives every expert as many slots as the busiest expert of the group receives. The
+router's top-k and normalisation are the model's (its router module runs unchanged, which also
+keeps ``output_router_logits`` and the auxiliary loss working); a router that returns only logits is routed by the preset's rule
 (softmax or sigmoid, top-k, renormalised when ``route_norm``).
 
 Names: a converted block keeps its path; its router is ``<block>.gate.router`` and its experts are
