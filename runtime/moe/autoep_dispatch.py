@@ -78,7 +78,7 @@ def dispatch_exact(layer: Any, tokens: Tensor, experts: Tensor, gates: Tensor) -
     # arrived rows are (source, local expert)-major; the experts take them (local expert, source)-major
     segment = torch.repeat_interleave(torch.arange(received.numel(), device=tokens.device), received.reshape(-1))
     by_expert = torch.argsort((segment % local) * layer.ep_size + segment // local, stable=True)
-    out = layer.experts.rows(arrived.index_select(0, by_expert), received.sum(dim=0).tolist())
+    out = layer.experts(arrived.index_select(0, by_expert), received.sum(dim=0).tolist())  # a call: ZeRO-3's hooks
     back = torch.empty_like(out).index_copy(0, by_expert, out)
     returned = back if alone else _AllToAllV.apply(layer.ep_group, back, recv, send, combine)
     routed = torch.empty_like(returned).index_copy(0, order, returned).reshape(k, num_tokens, -1)

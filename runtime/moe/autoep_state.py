@@ -42,8 +42,10 @@ def whole_rows(rows: Tensor, group: Any, ep_size: int) -> Tensor:
     return torch.cat(parts)
 
 
-def _is_partitioned(weight: Tensor) -> bool:
-    return hasattr(weight, "ds_shape") and tuple(weight.ds_shape) != tuple(weight.shape)
+def _whole_local(value: Any, layer: Any) -> bool:
+    """``value`` holds this rank's rows whole (not the placeholder of a weight ZeRO-3 partitioned,
+    as a plain ``state_dict()`` gives it)."""
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == layer.num_local_experts
 
 
 def unconverted(layer: Any, sd: dict, prefix: str) -> None:
@@ -56,7 +58,7 @@ def unconverted(layer: Any, sd: dict, prefix: str) -> None:
         if key not in sd:
             continue
         value = sd.pop(key)
-        if not _is_partitioned(getattr(layer.experts, name)):
+        if _whole_local(value, layer):
             value = whole_rows(value, layer.ep_group, layer.ep_size)
         sd[f"{prefix}{layer.experts_name}.{name}"] = value
     for key in [k for k in sd if k.startswith(prefix + ROUTER)]:
@@ -122,7 +124,7 @@ def whole_untrained(module: torch.nn.Module, sd: dict, trained: set[str]) -> dic
     ``autoep_size``. collective: every rank."""
     for prefix, layer in _autoep_layers(module):
         for key in [k for k in sd if k.startswith(prefix + EXPERTS) and k not in trained]:
-            if isinstance(sd[key], Tensor) and sd[key].dim() and sd[key].shape[0] == layer.num_local_experts:
+            if _whole_local(sd[key], layer):
                 sd[key] = whole_rows(sd[key], layer.ep_group, layer.ep_size)
     return sd
 

@@ -83,7 +83,12 @@ class GroupedExperts(torch.nn.Module):
                      "(not multiples of 16 bytes)", self.num_local_experts)
         return fits
 
-    def forward(self, inputs: Tensor) -> Tensor:
+    def forward(self, inputs: Tensor, counts: list[int] | None = None) -> Tensor:
+        """``inputs [ep_size, num_local, capacity, hidden]`` (equal groups), or, with ``counts``,
+        rows ``[N, hidden]`` held expert-major (``rows``). Called as a module, so ZeRO-3 gathers
+        the weights first."""
+        if counts is not None:
+            return self.rows(inputs, counts)
         ep_size, local, capacity, width = inputs.shape
         x = inputs.transpose(0, 1).reshape(local, ep_size * capacity, width)
         try:

@@ -90,7 +90,8 @@ def _zero3_export(rank: int, world: int, folder: str) -> float:
     import dslaunch as deepspeed
 
     config = {"train_micro_batch_size_per_gpu": 6, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+              "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                                    "stage3_param_persistence_threshold": 0},  # the experts partitioned too
               "expert_parallel": {**CUSTOM, "autoep_size": world}}
     engine, *_ = deepspeed.initialize(model=Net(), config=config)
     x = torch.randn(6, 3, HIDDEN, generator=torch.Generator().manual_seed(rank))
