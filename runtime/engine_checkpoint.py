@@ -126,10 +126,11 @@ class EngineCheckpoints:
 
         collective: call on all ranks (partitioned parameters are gathered module by module).
         """
+        from dslaunch.runtime.moe.autoep_state import unconverted_state_dict
         from dslaunch.runtime.zero.full_state import module_state_dict
 
         self.zero.synchronize()
-        sd = module_state_dict(self.module, exclude_frozen_parameters)
+        sd = unconverted_state_dict(self.module, module_state_dict(self.module, exclude_frozen_parameters))
         return sd if self.global_rank == 0 else {}
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,

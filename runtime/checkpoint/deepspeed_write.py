@@ -60,6 +60,7 @@ from dslaunch.runtime.checkpoint.parts import CheckpointParts
 from dslaunch.runtime.checkpoint.reshard import assemble
 from dslaunch.runtime.checkpoint.store import CheckpointStore
 from dslaunch.runtime.checkpoint.writer import TagWrite
+from dslaunch.runtime.moe.autoep_state import local_layout
 from dslaunch.runtime.zero.full_state import module_state_dict
 
 __all__ = ["DEEPSPEED_VERSION", "deepspeed_job"]
@@ -318,7 +319,8 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
     splits = [parts.zero.group_comm(gi)[:2] for gi in range(len(groups))]
     if experts:  # expert-data rank 0 writes its experts (and, without ZeRO, their optimizer state)
         writer = all(splits[gi][1] == 0 for gi in experts)
-        files.update(expert_files(parts.module, parts.module.state_dict(), writer))
+        with local_layout(parts.module):
+            files.update(expert_files(parts.module, parts.module.state_dict(), writer))
         if writer and stage == 0 and parts.optimizer is not None:
             files[expert_optim_name(ep_rank(moe_layers(parts.module)[0][1].deepspeed_moe))] = \
                 {"optimizer": _stage0_optimizer(groups)}

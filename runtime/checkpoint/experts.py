@@ -9,12 +9,16 @@ A save records, for every rank and expert param group, the global names of the g
 reads, for each global expert it now holds, the shards of one expert-data group that saved it,
 puts each parameter's fp32 master and optimizer state together by global name and cuts this
 rank's range (``reshard.group_by_name``): exact, since the optimizers are element-wise. Dense
-groups are resharded as without experts (``reshard.assemble``).
+groups are resharded as without experts (``reshard.assemble``). An AutoEP block's fused expert
+weight holds several global experts, one per row: each row is named for its expert
+(``expert_rows``), so the same by-name assembly places them at another ``autoep_size``. Expert
+entries no optimizer holds (frozen parameters, buffers) go into the module file under their global
+names, every rank's (``every_untrained``); a load takes those it holds now (``own_untrained``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,8 +26,8 @@ import torch
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.reshard import assemble, check_compatible, group_by_name
 
-__all__ = ["EXPERT_PREFIX", "ep_rank", "expert_names", "expert_record", "live_experts", "experts_problem",
-           "unchanged", "expert_sources", "assemble_experts", "whole_experts"]
+__all__ = ["EXPERT_PREFIX", "ep_rank", "expert_names", "expert_rows", "row_shapes", "expert_record", "live_experts",
+           "experts_problem", "unchanged", "every_untrained", "own_untrained", "expert_sources", "assemble_experts", "whole_experts"]
 
 EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -38,11 +42,12 @@ def ep_rank(layer: Any) -> int:
     return dist.get_rank(group=group)
 
 
-def expert_names(module: torch.nn.Module) -> dict[str, str]:
+def expert_names(module: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, str]:
     """Local expert parameter name -> its global name (the local index replaced by the global one),
-    for every parameter under an MoE layer's ``deepspeed_moe.experts.deepspeed_experts``."""
+    for every parameter (or, given ``names``, every state-dict entry named) under an MoE layer's
+    ``deepspeed_moe.experts.deepspeed_experts``."""
     out: dict[str, str] = {}
-    for name, _ in module.named_parameters():
+    for name in (n for n, _ in module.named_parameters()) if names is None else names:
         head, sep, tail = name.partition(EXPERT_PREFIX)
         if not sep:
             continue
@@ -54,11 +59,86 @@ def expert_names(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def every_untrained(comm: Any, module: torch.nn.Module, sd: dict, trained: set[str]
+                    ) -> tuple[dict, list[str], list[str]]:
+    """``sd`` with the ``deepspeed.moe`` experts' entries no optimizer holds (frozen parameters,
+    buffers) under their global names, every rank's: one rank writes the module file, and each
+    rank's experts differ. Also the global names put in, and those of them that are frozen
+    parameters (``sd`` unchanged and empty lists without any). collective: every rank (the same
+    model on each).
+    """
+    rename = {k: g for k, g in expert_names(module, list(sd)).items() if k not in trained}
+    if not rename:
+        return sd, [], []
+    params = {n for n, _ in module.named_parameters()}
+    mine = {g: (sd[k].detach().cpu(), k in params) for k, g in rename.items()}
+    out = type(sd)((k, v) for k, v in sd.items() if k not in rename)
+    saved: set[str] = set()
+    frozen: set[str] = set()
+    for theirs in comm.all_gather_object(mine):
+        for g, (value, is_param) in theirs.items():
+            out[g] = value
+            saved.add(g)
+            frozen |= {g} if is_param else set()
+    return out, sorted(saved), sorted(frozen)
+
+
+def own_untrained(module: torch.nn.Module, sd: dict, saved: list[str]) -> dict:
+    """The module file's ``saved`` global expert entries (``every_untrained``) this rank holds,
+    under their local names; the other ranks' dropped. Local."""
+    local = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    to_local = {g: n for n, g in expert_names(module, local).items()}
+    saved_set = set(saved)
+    return {to_local.get(k, k): v for k, v in sd.items() if k not in saved_set or k in to_local}
+
+
+def expert_rows(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Each expert parameter's global names: one for a ``deepspeed.moe`` expert's parameter
+    (``expert_names``); one per row for an AutoEP block's fused weight, whose rows are global
+    experts ``ep_rank * n ... + n - 1``: ``<block>.experts.<w>[<global expert>]``. A fused weight's
+    rows lie one after another in its group, so a row is a parameter of its own to resharding."""
+    from dslaunch.runtime.moe.autoep import AutoEPMoE
+
+    out = {local: [name] for local, name in expert_names(module).items()}
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, AutoEPMoE):
+            first = layer.ep_rank * layer.num_local_experts
+            for w, _ in layer.experts.named_parameters():
+                head = f"{prefix}.experts.{w}" if prefix else f"experts.{w}"
+                out[head] = [f"{head}[{first + j}]" for j in range(layer.num_local_experts)]
+    return out
+
+
+def row_shapes(names: list[str], shapes: list) -> list[tuple[int, ...]]:
+    """The shapes of ``names`` (``expert_rows``' names of a group) from the group's parameter
+    ``shapes``: a fused weight's rows each have its shape less the first dimension."""
+    out: list[tuple[int, ...]] = []
+    for shape in shapes:
+        shape = tuple(shape)
+        row = names[len(out)].endswith("]")
+        out += [shape[1:]] * shape[0] if row else [shape]
+    return out
+
+
+def _stack_rows(masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rows named ``<weight>[<expert>]`` stacked back into ``<weight>`` in expert order."""
+    rows: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, value in masters.items():
+        head, sep, index = name.rpartition("[")
+        if sep and index.endswith("]") and index[:-1].isdigit():
+            rows.setdefault(head, {})[int(index[:-1])] = value
+        else:
+            out[name] = value
+    out.update({head: torch.stack([got[e] for e in sorted(got)]) for head, got in rows.items()})
+    return out
+
+
 def live_experts(module: torch.nn.Module, current: dict) -> dict[int, list[str]]:
     """Per expert param group of the live strategy state (``reduce_group`` set), the global names of
-    its parameters, in the group's order."""
-    names = expert_names(module)
-    return {gi: [names.get(n, n) for n in g["names"]] for gi, g in enumerate(current["groups"])
+    its parameters (``expert_rows``), in the group's order."""
+    names = expert_rows(module)
+    return {gi: [gn for n in g["names"] for gn in names.get(n, [n])] for gi, g in enumerate(current["groups"])
             if "reduce_group" in g}
 
 
@@ -69,8 +149,8 @@ def expert_record(comm: Any, module: torch.nn.Module, zero_sd: dict) -> dict[str
 
     collective: call on all ranks.
     """
-    rename = expert_names(module)
-    mine = {str(gi): [rename.get(n, n) for n in g["names"]] for gi, g in enumerate(zero_sd["groups"])
+    rename = expert_rows(module)
+    mine = {str(gi): [gn for n in g["names"] for gn in rename.get(n, [n])] for gi, g in enumerate(zero_sd["groups"])
             if "reduce_group" in g}
     known = all(n in rename for g in zero_sd["groups"] if "reduce_group" in g for n in g["names"])
     gathered = comm.all_gather_object(mine if known else None)
@@ -187,14 +267,15 @@ def assemble_experts(read: Callable[[int], dict], ranks: list[int], meta: dict, 
         whole = assemble([{**sd, "groups": [sd["groups"][gi]]} for sd in have],
                          [(0, int(meta["partition"]["groups"][gi]["numel"]))])["groups"][0]
         offset = 0
-        for name, shape in zip(names, whole["shapes"], strict=True):
+        for name, shape in zip(names, row_shapes(list(names), whole["shapes"]), strict=True):
             where[name] = (whole, offset, tuple(shape))
             offset += int(torch.Size(shape).numel())
     for gi, names in live.items():
         mine = current["groups"][gi]
-        got = group_by_name(gi, {**mine, "names": names}, where)
+        got = group_by_name(gi, {**mine, "names": names, "shapes": row_shapes(names, mine["shapes"])}, where)
         hparams = {**got["hparams"], **({"name": mine["hparams"]["name"]} if "name" in mine["hparams"] else {})}
-        out[gi] = {**got, "names": list(mine["names"]), "hparams": hparams, "reduce_group": mine["reduce_group"]}
+        out[gi] = {**got, "names": list(mine["names"]), "shapes": [tuple(x) for x in mine["shapes"]],
+                   "hparams": hparams, "reduce_group": mine["reduce_group"]}
     return {"stage": current["stage"], "world_size": current["world_size"], "rank": current["rank"],
             "groups": out}
 
@@ -208,8 +289,8 @@ def whole_experts(read: Callable[[int], dict], meta: dict) -> dict[str, torch.Te
         have = [read(r) for r in sorted(_cover(g["ranges"], 0, g["numel"], ranks, ranks[0], f"expert param group {gi}"))]
         whole = assemble([{**sd, "groups": [sd["groups"][gi]]} for sd in have], [(0, int(g["numel"]))])["groups"][0]
         offset = 0
-        for name, shape in zip(names, whole["shapes"], strict=True):
+        for name, shape in zip(names, row_shapes(list(names), whole["shapes"]), strict=True):
             n = int(torch.Size(shape).numel())
             out[name] = whole["master"][offset:offset + n].view(tuple(shape)).clone()
             offset += n
-    return out
+    return _stack_rows(out)

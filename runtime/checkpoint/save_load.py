@@ -48,8 +48,10 @@ from dslaunch.runtime.checkpoint.checkpointer import (
     zero_file,
 )
 from dslaunch.runtime.checkpoint.experts import (
+    every_untrained,
     expert_record,
     live_experts,
+    own_untrained,
 )
 from dslaunch.runtime.checkpoint.load_plan import collective_read
 from dslaunch.runtime.checkpoint.model_parallel import (
@@ -72,6 +74,12 @@ from dslaunch.runtime.checkpoint.store import (
     write_atomic,
 )
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
+from dslaunch.runtime.moe.autoep_state import (
+    local_layout,
+    local_state_dict,
+    unconverted_state_dict,
+    whole_untrained,
+)
 from dslaunch.runtime.zero.full_state import load_module_state_dict, module_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
@@ -191,10 +199,13 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
     # stage 3: partitioned params the optimizer does not hold (frozen ones, or all of them in an
     # engine without an optimizer) are gathered whole here, one module at a time
     module_sd = module_state_dict(parts.module, exclude_frozen_parameters, skip=frozenset(in_groups))
+    # each rank's experts differ: the module file takes every rank's frozen ones (and buffers)
+    module_sd = whole_untrained(parts.module, module_sd, set(in_groups))  # AutoEP: whole fused weights
+    module_sd, untrained, frozen_experts = every_untrained(ck.comm, parts.module, module_sd, set(in_groups))
     module_meta = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": in_groups.get(k, list(v.shape)),
                        "in": "zero" if k in in_groups else "module"}
                    for k, v in module_sd.items() if torch.is_tensor(v)}
-    frozen = [n for n, p in parts.module.named_parameters() if not p.requires_grad]
+    frozen = [n for n, p in parts.module.named_parameters() if not p.requires_grad] + frozen_experts
     if place is not None:  # each rank's part, named by its coordinates
         own, record = part_record(place, zero_sd, _layout(zero_sd), module_sd, set(in_groups), zero.partitioned)
         files.update(own)
@@ -211,7 +222,8 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
             "node_local_storage": cfg.use_node_local_storage,
             "exclude_frozen_parameters": exclude_frozen_parameters,
             # lets zero-to-fp32 tell frozen params from buffers (exclude_frozen_parameters there)
-            "frozen_parameters": frozen, "module_keys": list(module_sd), "module": module_meta}
+            "frozen_parameters": frozen, "module_keys": list(module_sd), "module": module_meta,
+            "untrained_experts": untrained}  # global names: a load takes those it holds (own_untrained)
     if place is not None:
         records = ck.comm.all_gather_object({**record, "frozen": frozen, "module": module_meta})
         meta.update(model_parallel=tag_meta(place, records), module_keys=module_keys(records, place.layers is not None),
@@ -306,7 +318,9 @@ def load_module_weights(module: torch.nn.Module, sd: dict, strict: bool, meta: d
     held_ids = {id(params[n]) for n in held if n in params}
     # every name of a held param (a tied one has several) comes from the masters
     held = set(held) | {n for n, p in params.items() if id(p) in held_ids}
-    sd = {k: v for k, v in sd.items() if k not in held}
+    if meta.get("untrained_experts"):  # deepspeed.moe's frozen experts and buffers, every rank's
+        sd = own_untrained(module, sd, meta["untrained_experts"])
+    sd = {k: v for k, v in local_state_dict(module, sd).items() if k not in held}  # AutoEP: this rank's rows
     missing, unexpected = load_module_state_dict(module, sd, False, module.load_state_dict)
     excused = set(held)
     if meta.get("exclude_frozen_parameters"):
@@ -361,7 +375,9 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
                         "; ".join(notes) or "no tags")
         return None, None
     current = parts.zero.state_dict()
-    keys, live = set(parts.module.state_dict()), live_experts(parts.module, current)
+    with local_layout(parts.module):
+        keys = set(parts.module.state_dict())
+    live = live_experts(parts.module, current)
     found = first_loadable(tags, lambda t: collective_read(ck, store, t, current, parts.placement, keys, live))
     assert found is not None
     tag, got, skipped = found
@@ -416,7 +432,8 @@ def save_16bit_model(parts: CheckpointParts, save_dir: str | os.PathLike, save_f
     ck = parts.io
     ck.writer.wait()
     err = None
-    sd = module_state_dict(parts.module, exclude_frozen_parameters)  # stage 3: gathered on all ranks
+    # stage 3: gathered on all ranks; AutoEP's experts put together (the Hugging Face model's layout)
+    sd = unconverted_state_dict(parts.module, module_state_dict(parts.module, exclude_frozen_parameters))
     if ck.comm.rank == 0:
         path = Path(save_dir) / save_filename
         try:

@@ -7,17 +7,20 @@ experts, combine) whose gate is the model's own router and whose experts are thi
 ``num_experts / autoep_size`` slices of the fused expert weights (``grouped_experts.py``). Every
 rank must build the same model (same seed or the same checkpoint) before ``initialize``.
 
-No token is dropped, as in the Hugging Face model: the gate gives every expert as many slots as
-the busiest expert of the group receives (an all-reduce of one number), so the outputs and
-gradients are those of the unconverted model. The router's top-k and normalisation are the
-model's (its router module runs unchanged, which also keeps ``output_router_logits`` and the
-auxiliary loss working); a router that returns only logits is routed by the preset's rule
+No token is dropped, as in the Hugging Face model, so the outputs and gradients are those of the
+unconverted model: each rank sends each expert exactly its routes (``autoep_dispatch.py``: a small
+all-to-all of the counts, then one of variable sizes), or, with ``padded``, ``MOELayer``'s
+dispatch gives every expert as many slots as the busiest expert of the group receives. The
+router's top-k and normalisation are the model's (its router module runs unchanged, which also
+keeps ``output_router_logits`` and the auxiliary loss working); a router that returns only logits is routed by the preset's rule
 (softmax or sigmoid, top-k, renormalised when ``route_norm``).
 
 Names: a converted block keeps its path; its router is ``<block>.gate.router`` and its experts are
 ``<block>.experts`` (``MOELayer``'s name), whose weights keep the model's names
 (``<block>.experts.gate_up_proj``) with ``num_experts / autoep_size`` rows: experts
-``[ep_rank * n, (ep_rank + 1) * n)`` of the model's.
+``[ep_rank * n, (ep_rank + 1) * n)`` of the model's. ``state_dict()`` speaks the unconverted
+model's layout (``autoep_state.py``: whole experts, the router under its name; collective on the
+expert group), so what the Trainer saves loads with ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
+from dslaunch.runtime.moe import autoep_state
+from dslaunch.runtime.moe.autoep_dispatch import dispatch_exact
 from dslaunch.runtime.moe.autoep_presets import LayerSpec, detect
 from dslaunch.runtime.moe.gate import Routes, _busiest
 from dslaunch.runtime.moe.grouped_experts import GroupedExperts
@@ -114,8 +119,15 @@ class AutoEPMoE(MOELayer):
         gate = RouterGate(router, spec.num_experts, spec.top_k, spec.score_func, spec.route_norm, spec.route_scale)
         super().__init__(gate, GroupedExperts(weights, names, act_fn, config.use_grouped_mm, group_name),  # type: ignore[arg-type]
                          group_name, ep_size, local)
-        self.num_experts = spec.num_experts
+        self.num_experts, self.ep_rank = spec.num_experts, ep_rank
+        self.router_name, self.experts_name = preset.router, preset.experts
         self.jitter_noise = jitter_noise
+        self.padded = False
+        """True: ``MOELayer``'s dispatch (every expert padded to the busiest one's rows); False
+        (default): ``autoep_dispatch.py``'s exact counts, the same result with fewer bytes."""
+        self._local_layout = False  # autoep_state.local_layout: state_dict() keeps this rank's rows
+        self.register_state_dict_post_hook(autoep_state.save_hook)
+        self.register_load_state_dict_pre_hook(autoep_state.load_hook)
         self.shared_names = (preset.shared_experts, preset.shared_experts_gate)
         for name in self.shared_names:
             if name is not None and getattr(block, name, None) is not None:
@@ -129,11 +141,22 @@ class AutoEPMoE(MOELayer):
         groups._create_expert_and_data_parallel(self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         self._set_ep_group(groups._get_expert_parallel_group(self.ep_group_name))
 
+    def _exact(self, hidden_states: Tensor) -> Tensor:
+        """The routed experts' output by ``autoep_dispatch.dispatch_exact`` (no padding)."""
+        if self.ep_size > 1 and self.ep_group is None:
+            return super().forward(hidden_states)  # MOELayer's refusal: no expert group yet
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        scores, indices = self.gate._choose(tokens)
+        experts = indices.t().long()
+        self.l_aux = scores.new_zeros(())
+        self.exp_counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).detach()
+        return dispatch_exact(self, tokens, experts, scores.t()).reshape(hidden_states.shape)
+
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # type: ignore[override]
         if self.training and self.jitter_noise > 0:  # Mixtral's router jitter, as its block applies it
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        output = super().forward(hidden_states)
+        output = super().forward(hidden_states) if self.padded else self._exact(hidden_states)
         shared_name, gate_name = self.shared_names
         shared = getattr(self, shared_name) if shared_name is not None and hasattr(self, shared_name) else None
         if shared is not None:

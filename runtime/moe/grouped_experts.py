@@ -36,10 +36,11 @@ def grouped_mm_fits(weights: list[Tensor]) -> bool:
     return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)
 
 
-def _project(x: Tensor, weight: Tensor, grouped: bool) -> Tensor:
-    """``x [L, N, in] @ weight[L, out, in]^T`` per expert."""
+def _project(x: Tensor, weight: Tensor, grouped: bool, offsets: Tensor | None = None) -> Tensor:
+    """``x [L, N, in] @ weight[L, out, in]^T`` per expert; with ``offsets``, ``x [N, in]`` whose
+    rows ``[offsets[j-1], offsets[j])`` are expert ``j``'s."""
     if grouped:
-        return torch._grouped_mm(x, weight.transpose(-2, -1))
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     return torch.stack([F.linear(x[j], weight[j]) for j in range(weight.shape[0])])
 
 
@@ -82,7 +83,12 @@ class GroupedExperts(torch.nn.Module):
                      "(not multiples of 16 bytes)", self.num_local_experts)
         return fits
 
-    def forward(self, inputs: Tensor) -> Tensor:
+    def forward(self, inputs: Tensor, counts: list[int] | None = None) -> Tensor:
+        """``inputs [ep_size, num_local, capacity, hidden]`` (equal groups), or, with ``counts``,
+        rows ``[N, hidden]`` held expert-major (``rows``). Called as a module, so ZeRO-3 gathers
+        the weights first."""
+        if counts is not None:
+            return self.rows(inputs, counts)
         ep_size, local, capacity, width = inputs.shape
         x = inputs.transpose(0, 1).reshape(local, ep_size * capacity, width)
         try:
@@ -96,10 +102,29 @@ class GroupedExperts(torch.nn.Module):
             out = self._mlp(x, False)
         return out.reshape(local, ep_size, capacity, width).transpose(0, 1)
 
-    def _mlp(self, x: Tensor, grouped: bool) -> Tensor:
+    def rows(self, x: Tensor, counts: list[int]) -> Tensor:
+        """The experts on rows ``x [N, hidden]`` held expert-major, ``counts[j]`` rows for local
+        expert ``j`` (AutoEP's exact dispatch: groups of any size, none padded)."""
+        if self.grouped and x.shape[0] > 0:
+            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            try:
+                return self._mlp(x, True, offsets)
+            except (RuntimeError, NotImplementedError) as err:  # as in forward: the loop takes over
+                log.info("AutoEP: torch._grouped_mm failed on %s (%s); the local experts run in a loop from now on",
+                         x.device, str(err).splitlines()[0][:200])
+                self.use_grouped_mm = self._said = False
+        parts = [self._mlp(chunk.unsqueeze(0), False, None, j).squeeze(0)
+                 for j, chunk in enumerate(x.split(counts))]
+        return torch.cat(parts) if parts else x
+
+    def _mlp(self, x: Tensor, grouped: bool, offsets: Tensor | None = None, expert: int | None = None) -> Tensor:
+        """The experts' MLP on ``x``: ``[L, N, in]`` one group per expert, or ``[N, in]`` in
+        ``offsets`` groups (grouped), or ``[1, N, in]`` of local expert ``expert`` alone."""
         w1, w2, w3 = (getattr(self, n) if n is not None else None for n in self.names)
+        if expert is not None:
+            w1, w2, w3 = (w[expert:expert + 1] if w is not None else None for w in (w1, w2, w3))
         if w3 is None:
-            gate, up = _project(x, w1, grouped).chunk(2, dim=-1)
+            gate, up = _project(x, w1, grouped, offsets).chunk(2, dim=-1)
         else:
-            gate, up = _project(x, w1, grouped), _project(x, w3, grouped)
-        return _project(self.act_fn(gate) * up, w2, grouped)
+            gate, up = _project(x, w1, grouped, offsets), _project(x, w3, grouped, offsets)
+        return _project(self.act_fn(gate) * up, w2, grouped, offsets)

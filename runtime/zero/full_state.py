@@ -131,14 +131,18 @@ def module_state_dict(module: torch.nn.Module, exclude_frozen: bool = False,
 
     Partitioned parameters are gathered one module at a time (the whole model is built once, in
     the result), except those named in ``skip`` (the caller stores them elsewhere: their entries
-    are placeholders). Without partitioned parameters this is ``module.state_dict()``.
+    are placeholders). Without partitioned parameters this is ``module.state_dict()``. AutoEP's
+    blocks keep this rank's experts (``moe/autoep_state.py``: ``unconverted_state_dict`` makes it
+    the Hugging Face model's).
 
     collective: every rank, when any parameter is partitioned.
     """
+    from dslaunch.runtime.moe.autoep_state import local_layout
     from dslaunch.runtime.zero.partition_parameters import GatheredParameters
 
     if not any(zp.is_partitioned(p) for p in module.parameters()):
-        sd = module.state_dict()
+        with local_layout(module):  # AutoEP's blocks: each rank's own experts (unconverted_state_dict)
+            sd = module.state_dict()
     else:
         sd = {}
         for prefix, m in module.named_modules():

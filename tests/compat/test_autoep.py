@@ -3,7 +3,9 @@ under ``dslaunch --num_gpus 2`` (gloo, fp32): tiny Mixtral, Qwen3-MoE (``norm_to
 true) and DeepSeek-V3 converted with their experts spread over both ranks give the unconverted
 model's loss and gradients, and three ZeRO-2 steps through ``deepspeed.initialize`` give the losses
 of the unconverted model trained in one process (Mixtral's with its router's auxiliary loss, whose
-logits Hugging Face records from the router module); a Trainer job with the block trains."""
+logits Hugging Face records from the router module); a Trainer job with the block trains, and the
+model its save_model writes loads with from_pretrained into the unconverted class, giving the
+trained model's logits."""
 
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ def test_converted_models_equal_the_unconverted_ones(compat_bin: Path, tmp_path:
 @pytest.mark.timeout(240)
 def test_trainer_with_an_expert_parallel_block_trains(compat_bin: Path, tmp_path: Path) -> None:
     out = run_job([str(compat_bin / "dslaunch"), "--num_gpus", "2", "--master_port", str(free_port()),
-                   str(SCRIPTS / "trainer_gpt2.py"), "out", "6", "2", "autoep=2"], cwd=tmp_path, timeout=200)
+                   str(SCRIPTS / "trainer_gpt2.py"), "out", "6", "2", "autoep=2", "final=final"], cwd=tmp_path, timeout=200)
     losses = tagged(out, "LOSSES")
     assert tagged(out, "CONVERTED") == 2
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
+    # save_model wrote the unconverted Mixtral: every expert, the model's names (from_pretrained)
+    reloaded = tagged(out, "RELOADED")
+    assert not reloaded["problems"] and reloaded["diff"] <= TOLERANCE, reloaded

@@ -16,7 +16,8 @@ Usage: trainer_gpt2.py OUTPUT_DIR MAX_STEPS STAGE [resume] [OPTION ...]
       equal an unsharded run's).
   autoep=N: a tiny Mixtral (4 experts, top-2, with its router's auxiliary loss) instead of GPT-2,
       and "expert_parallel": {"enabled": true, "autoep_size": N} in the config (AutoEP); rank 0
-      also prints `CONVERTED <MoE blocks the engine's model holds in expert-parallel form>`.
+      also prints `CONVERTED <MoE blocks the engine's model holds in expert-parallel form>`; with
+      final=DIR, `RELOADED` (reload_autoep: the saved model against the engine's).
 """
 
 import json
@@ -84,6 +85,21 @@ def gpt2_config(dropout: float | None = None) -> GPT2Config:
     return GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, **off)
 
 
+def reload_autoep(trainer: Trainer, folder: str) -> None:
+    """Rank 0 prints `RELOADED {"diff": ..., "problems": ...}`: the saved model loaded with
+    from_pretrained into the unconverted Mixtral class (the loading info's missing, unexpected or
+    mismatched keys) and its logits against the trained engine's model on one batch."""
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = trainer.model_wrapped.module.eval()(input_ids=x).logits  # collective: the experts' all-to-all
+    if trainer.args.process_index == 0:
+        model, info = MixtralForCausalLM.from_pretrained(folder, output_loading_info=True)
+        with torch.no_grad():
+            got = model.eval()(input_ids=x).logits
+        problems = {k: list(v) for k, v in info.items() if v}
+        print("RELOADED " + json.dumps({"diff": (got - want).abs().max().item(), "problems": problems}), flush=True)
+
+
 def main() -> None:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # DeepSpeed's launchers add it
     opts = dict(a.split("=", 1) if "=" in a else (a, "") for a in argv[3:])
@@ -119,6 +135,8 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=True if "resume" in opts else None)
     if "final" in opts:
         trainer.save_model(opts["final"])
+        if "autoep" in opts:
+            reload_autoep(trainer, opts["final"])
     if trainer.args.process_index == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print("LOSSES " + json.dumps(losses), flush=True)

@@ -113,6 +113,9 @@ def test_grouped_mm_equals_the_loop_forward_and_backward() -> None:
     for name in ("gate_up_proj", "down_proj"):
         assert (getattr(grouped, name).grad - getattr(loop, name).grad).abs().max() <= 1e-4
         assert getattr(grouped, name).allreduce is False and getattr(grouped, name).group_name == "ep_size_2"
+    rows = torch.randn(5, HIDDEN)  # the exact dispatch's groups: any size, empty ones too
+    a, b = grouped.rows(rows, [5, 0]), loop.rows(rows, [5, 0])
+    assert (a - b).abs().max() <= 1e-5 and (a[:5] - grouped(rows[:5].reshape(1, 1, 5, HIDDEN).expand(1, 2, 5, HIDDEN))[0, 0]).abs().max() <= 1e-5
     odd = {"gate_up_proj": torch.randn(2, 6, 6), "down_proj": torch.randn(2, 6, 3)}  # rows of 24 and 12 bytes
     assert not GroupedExperts(odd, names, torch.nn.SiLU(), True, "ep_size_2").grouped
     # rows of 12 fp32 (48 bytes) fit, of 12 bf16 (24 bytes) not: asked again after the engine's cast
