@@ -136,6 +136,13 @@ def _client_state(sd: dict, module_only: bool, lr_scheduler: bool, optimizer: bo
     return {k: v for k, v in sd.items() if k not in used}
 
 
+def _own_file(folder: Path, state: DeepSpeedState, rank: int, stage: int) -> Path:
+    """The model-states file DeepSpeed's load names to this rank (its partition's at ZeRO-3, its
+    stage's in a pipeline) where the tag has it, else the first."""
+    own = folder / (model_states_name(rank) if state.stage == 3 else model_states_name(None, stage))
+    return own if own.exists() and (state.stage != 3 or rank < state.world_size) else state.model_file
+
+
 def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: bool = True,
                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                    load_module_only: bool = False, reader: Reader = read_deepspeed) -> tuple[str, dict]:
@@ -151,9 +158,10 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     collective: call on all ranks.
     """
     ck = parts.io
-    if parts.placement is not None:
-        raise CheckpointError("loading a DeepSpeed checkpoint into a model-parallel engine (pipeline, "
-                              "mpu) is not supported", str(folder))
+    place = parts.placement
+    if place is not None and (place.layers is None or place.shape.get("model", 1) > 1):
+        raise CheckpointError("loading a DeepSpeed checkpoint into a tensor-parallel engine (mpu, AutoTP, a "
+                              "pipeline with a model axis) is not supported", str(folder))
     current = parts.zero.state_dict()
     named = global_names(parts.module, current)  # experts by their global number, as the files name them
     trained = [n for g in named["groups"] for n in g["names"]]
@@ -161,7 +169,11 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     state = _read(ck, folder, read_optimizer, trained, reader)
     source = str(state.model_file)
     held = {n for g in current["groups"] for n in g["names"]}
-    load_module_weights(parts.module, localize(parts.module, state.module), load_module_strict, {}, held, source)
+    weights = localize(parts.module, state.module)
+    if place is not None:  # a pipeline stage: the layers of the others are not its own
+        own = parts.module.state_dict().keys()
+        weights = {k: v for k, v in weights.items() if k in own}
+    load_module_weights(parts.module, weights, load_module_strict, {}, held, source)
     if read_optimizer:
         whole = _consolidated(state, named, load_module_strict)
         parts.zero.load_state_dict({**whole, "groups": [{**g, "names": live["names"]} for g, live in
@@ -174,6 +186,4 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     if ck.comm.rank == 0:
         log.info("loaded DeepSpeed checkpoint %s (saved at data-parallel world size %d, ZeRO stage %d; now %d, "
                  "stage %d)", folder, state.world_size, state.stage, ck.comm.world_size, parts.zero.stage)
-    own = folder / model_states_name(ck.comm.rank) if state.stage == 3 and ck.comm.rank < state.world_size \
-        and (folder / model_states_name(ck.comm.rank)).exists() else state.model_file
-    return str(own), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)
+    return str(_own_file(folder, state, ck.comm.rank, place.coord.get("pipe", 0) if place else 0)), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)
