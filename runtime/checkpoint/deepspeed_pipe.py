@@ -1,4 +1,4 @@
-"""DeepSpeed's pipeline checkpoints (``PipelineModule``): read whole, and this rank's files written.
+"""DeepSpeed's pipeline checkpoints (``PipelineModule``): read whole, and what differs in writing them.
 
 Owns what is particular to a pipeline's tag (names in ``deepspeed_layout``): stage S has the files of
 a plain ZeRO checkpoint under ``mp_rank_SS`` (its model states, with ``module`` None and
@@ -7,11 +7,12 @@ parameters), and every layer with weights has ``layer_XX-model_states.pt`` (its 
 from data-parallel rank 0 of its stage). Parameters are named as DeepSpeed's and dslaunch's
 ``PipelineModule`` name them (``<layer>.<param>``, ``tied_modules.<key>.<param>``), which are the
 names of an ``nn.Sequential`` of the same layers: a pipeline tag loads by name at any stage count or
-data-parallel size, and into a plain engine.
+data-parallel size, and into a plain engine. ``deepspeed_write`` writes a stage's files with
+``stage_states`` and ``layer_files``.
 
-Limitations: ZeRO stage 1 (DeepSpeed's pipelines run at stages 0 and 1; stage 0's optimizer state
-numbers the parameters of one stage only: load it with ``load_optimizer_states=False``), no tensor
-axis in the pipeline (``layer_XX-model_YY-...``).
+Limitations: loading, ZeRO stage 1 (DeepSpeed's pipelines run at stages 0 and 1; stage 0's optimizer
+state numbers the parameters of one stage only: load it with ``load_optimizer_states=False``);
+no tensor axis in the pipeline (``layer_XX-model_YY-...``) either way.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.deepspeed_layout import layer_name, model_states_name
 from dslaunch.runtime.checkpoint.deepspeed_read import DeepSpeedState, read_file, read_part
+from dslaunch.runtime.checkpoint.model_parallel import Placement
 
-__all__ = ["read_pipeline", "stages_of"]
+__all__ = ["read_pipeline", "stages_of", "stage_states", "layer_files"]
 
 _LAYER = re.compile(r"layer_(\d+)-model_states\.pt")
 
@@ -92,3 +95,19 @@ def read_pipeline(folder: Path, optimizer: bool = True, trained: list[str] | Non
         joined = replace(joined, fp32={**joined.fp32, **p.fp32}, optim={**joined.optim, **p.optim},
                          groups=joined.groups + p.groups)
     return replace(joined, module=module)
+
+
+def stage_states(states: dict, place: Placement) -> dict:
+    """A plain tag's model states (``deepspeed_write``) as stage ``place``'s: no ``module`` (the layer
+    files hold it), the stage count as the model-parallel size."""
+    stages = place.shape.get("pipe", 1)
+    return {**states, "module": None, "mp_world_size": stages,
+            "checkpoint_parallel_dimensions": {"pp_degree": stages, "tp_degree": 1}}
+
+
+def layer_files(module_sd: dict[str, Any], place: Placement) -> dict[str, dict]:
+    """``layer_XX-model_states.pt`` of each layer on this stage: its keys less the layer's prefix
+    (a layer without weights gets an empty file, as DeepSpeed writes one)."""
+    assert place.layers is not None
+    return {layer_name(idx): {k[len(prefix):]: v for k, v in module_sd.items() if k.startswith(prefix)}
+            for idx, prefix in sorted(place.layers.items())}
