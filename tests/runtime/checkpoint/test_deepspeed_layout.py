@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
@@ -42,6 +43,15 @@ def test_a_deepspeed_tag_is_found_by_latest_or_name(tmp_path: Path) -> None:
 def test_model_parallel_deepspeed_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
     (tmp_path / model_states_name()).write_bytes(b"")
     (tmp_path / model_states_name(mp_rank=1)).write_bytes(b"")
-    with pytest.raises(CheckpointError, match="only model-parallel rank 00") as info:
+    with pytest.raises(CheckpointError, match="tensor-parallel .* cannot be loaded yet") as info:
         read_deepspeed(tmp_path)
     assert "\n" not in str(info.value)
+
+
+def test_tensor_parallel_pipelines_are_refused_in_one_line(tmp_path: Path) -> None:
+    torch.save({"module": None, "dp_world_size": 1, "mp_world_size": 4,
+                "checkpoint_parallel_dimensions": {"pp_degree": 2, "tp_degree": 2}}, tmp_path / model_states_name())
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "layer_00-model_00-model_states.pt")
+    with pytest.raises(CheckpointError, match="tp_degree 2") as info:
+        read_deepspeed(tmp_path)
+    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
