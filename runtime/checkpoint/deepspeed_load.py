@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from dslaunch.runtime.checkpoint.deepspeed_experts import global_names, localize
 from dslaunch.runtime.checkpoint.deepspeed_layout import deepspeed_tag, model_states_name
 from dslaunch.runtime.checkpoint.deepspeed_read import DeepSpeedState, read_deepspeed
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
+from dslaunch.runtime.checkpoint.reshard import cut_slice
 from dslaunch.runtime.checkpoint.save_load import load_module_weights, with_masters
 
 __all__ = ["find_deepspeed_tag", "load_deepspeed"]
@@ -136,6 +138,17 @@ def _client_state(sd: dict, module_only: bool, lr_scheduler: bool, optimizer: bo
     return {k: v for k, v in sd.items() if k not in used}
 
 
+def _sliced(state: DeepSpeedState, layout: dict[str, list]) -> DeepSpeedState:
+    """``state`` with each parameter AutoTP cuts (``layout``: name -> [dim, segments, ...]) cut to
+    this rank's slice."""
+    def cut(name: str, t: torch.Tensor) -> torch.Tensor:
+        return cut_slice(t, layout[name]).contiguous() if name in layout and torch.is_tensor(t) else t
+
+    return replace(state, module={k: cut(k, v) for k, v in state.module.items()},
+                   fp32={k: cut(k, v) for k, v in state.fp32.items()},
+                   optim={k: {s: cut(k, v) for s, v in st.items()} for k, st in state.optim.items()})
+
+
 def _own_file(folder: Path, state: DeepSpeedState, rank: int, stage: int) -> Path:
     """The model-states file DeepSpeed's load names to this rank (its partition's at ZeRO-3, its
     stage's in a pipeline) where the tag has it, else the first."""
@@ -159,14 +172,16 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     """
     ck = parts.io
     place = parts.placement
-    if place is not None and (place.layers is None or place.shape.get("model", 1) > 1):
-        raise CheckpointError("loading a DeepSpeed checkpoint into a tensor-parallel engine (mpu, AutoTP, a "
-                              "pipeline with a model axis) is not supported", str(folder))
+    if place is not None and place.tensors is None and (place.layers is None or place.shape.get("model", 1) > 1):
+        raise CheckpointError("loading a DeepSpeed checkpoint into a Megatron-style model-parallel engine (an mpu, "
+                              "a pipeline with a model axis) is not supported: only pipelines and AutoTP", str(folder))
     current = parts.zero.state_dict()
     named = global_names(parts.module, current)  # experts by their global number, as the files name them
     trained = [n for g in named["groups"] for n in g["names"]]
     read_optimizer = load_optimizer_states and not load_module_only
     state = _read(ck, folder, read_optimizer, trained, reader)
+    if place is not None and place.tensors:  # AutoTP: this rank's slices of the whole tensors
+        state = _sliced(state, place.tensors)
     source = str(state.model_file)
     held = {n for g in current["groups"] for n in g["names"]}
     weights = localize(parts.module, state.module)
@@ -186,4 +201,5 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     if ck.comm.rank == 0:
         log.info("loaded DeepSpeed checkpoint %s (saved at data-parallel world size %d, ZeRO stage %d; now %d, "
                  "stage %d)", folder, state.world_size, state.stage, ck.comm.world_size, parts.zero.stage)
-    return str(_own_file(folder, state, ck.comm.rank, place.coord.get("pipe", 0) if place else 0)), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)
+    mp_rank = place.coord.get("pipe", place.coord.get("model", 0)) if place else 0
+    return str(_own_file(folder, state, ck.comm.rank, mp_rank)), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)

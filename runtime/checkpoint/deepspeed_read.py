@@ -18,9 +18,10 @@ written.
 MoE checkpoints (``deepspeed_experts``): the experts' files add their weights under global expert
 numbers, and an expert param group's partitions are joined per expert rank and named globally.
 
-Pipelines (``deepspeed_pipe``): each stage's files read as one such checkpoint, then joined.
+Pipelines (``deepspeed_pipe``) and AutoTP (``deepspeed_tp``): each stage's or tensor-parallel
+rank's files read as one such checkpoint, then joined.
 
-Limitations: no tensor parallelism (model-parallel ranks other than pipeline stages), MoE optimizer
+Limitations: MoE optimizer
 state without ZeRO (``expp_rank_*`` files) only at the saving expert-parallel size, no NVMe-offloaded
 optimizer state (``offloaded_tensors/``); each rank reads every
 optimizer file (host memory: the whole fp32 state once per rank).
@@ -135,7 +136,8 @@ class DeepSpeedState:
 
 def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | None = None) -> DeepSpeedState:
     """Read the DeepSpeed tag ``folder``; a pipeline's (``layer_XX-model_states.pt``): every stage's
-    files, by ``deepspeed_pipe.read_pipeline``.
+    files, by ``deepspeed_pipe.read_pipeline``; AutoTP's (``mp_rank_01`` without layer files):
+    every tensor-parallel rank's, by ``deepspeed_tp.read_tensor_parallel``.
 
     Args:
         optimizer: read the fp32 masters and optimizer state (stage 3 reads its weights there
@@ -150,9 +152,10 @@ def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | No
         from dslaunch.runtime.checkpoint.deepspeed_pipe import read_pipeline  # it reads each stage here
 
         return read_pipeline(folder, optimizer, trained)
-    if (folder / model_states_name(mp_rank=1)).exists() or (folder / model_states_name(0, mp_rank=1)).exists():
-        raise CheckpointError("tensor-parallel DeepSpeed checkpoints (mp_rank_01 files without layer_* "
-                              "files) cannot be loaded yet: only pipelines and model-parallel rank 00", str(folder))
+    from dslaunch.runtime.checkpoint.deepspeed_tp import is_tensor_parallel, read_tensor_parallel
+
+    if is_tensor_parallel(folder):
+        return read_tensor_parallel(folder, optimizer, trained)
     return read_part(folder, optimizer, trained)
 
 
