@@ -201,5 +201,6 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     if ck.comm.rank == 0:
         log.info("loaded DeepSpeed checkpoint %s (saved at data-parallel world size %d, ZeRO stage %d; now %d, "
                  "stage %d)", folder, state.world_size, state.stage, ck.comm.world_size, parts.zero.stage)
-    mp_rank = place.coord.get("pipe", place.coord.get("model", 0)) if place else 0
+    # DeepSpeed's model-parallel rank: the stage in a pipeline, the tensor rank under AutoTP
+    mp_rank = place.coord.get("pipe" if place.layers is not None else "model", 0) if place else 0
     return str(_own_file(folder, state, ck.comm.rank, mp_rank)), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)

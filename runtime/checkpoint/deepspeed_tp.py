@@ -29,7 +29,7 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name
 from dslaunch.runtime.checkpoint.deepspeed_read import DeepSpeedState, read_file, read_part
 
-__all__ = ["is_tensor_parallel", "read_tensor_parallel"]
+__all__ = ["is_tensor_parallel", "joiner", "read_tensor_parallel"]
 
 
 def is_tensor_parallel(folder: Path) -> bool:
@@ -47,7 +47,7 @@ def _affine_map(states: dict, path: Path) -> dict[str, dict]:
     return params
 
 
-def _joiner(params: dict[str, dict], folder: Path) -> Any:
+def joiner(params: dict[str, dict], folder: Path) -> Any:
     """``join(name, [each rank's tensor]) -> whole``, by the affine map."""
     patterns = [(re.compile(p), entry) for p, entry in params.items()]
 
@@ -91,7 +91,7 @@ def read_tensor_parallel(folder: Path, optimizer: bool = True, trained: list[str
     if missing:
         raise CheckpointError(f"the checkpoint was saved at tensor-parallel degree {degree} (tp_degree) but "
                               f"{missing[:3]} are missing", str(folder))
-    join = _joiner(_affine_map(first, folder / model_states_name(None, 0)), folder)
+    join = joiner(_affine_map(first, folder / model_states_name(None, 0)), folder)
     parts = [read_part(folder, optimizer, None, t) for t in range(degree)]
     if optimizer and parts[0].stage == 0 and parts[0].states.get("optimizer") is not None:
         raise CheckpointError("a DeepSpeed AutoTP checkpoint without ZeRO numbers each rank's optimizer state by "

@@ -75,7 +75,8 @@ def _deepspeed_job(python: Path, out: Path, ext: Path, world: int, job: dict, sc
     port = free_port()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(ext), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": ""}
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+           "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}  # e.g. transformers for AutoTP
     procs = [subprocess.Popen([str(python), str(script), str(out), args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
