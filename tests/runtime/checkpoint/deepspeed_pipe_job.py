@@ -3,7 +3,7 @@ tests of DeepSpeed's pipeline layout (``layer_XX-model_states.pt``, ``mp_rank_SS
 
 As a script (``python deepspeed_pipe_job.py OUT ARGS_JSON``, one process per rank with RANK/
 WORLD_SIZE/MASTER_ADDR/MASTER_PORT set) it runs under whichever ``deepspeed`` the interpreter
-imports. ``run(deepspeed, ...)`` is the same job for dslaunch (``run_world``).
+imports (``deepspeed_job.main``). ``run(deepspeed, ...)`` is the same job for dslaunch (``run_world``).
 
 The job: a ``PipelineModule`` of six layers (four ``Linear`` with odd sizes: DeepSpeed pads its
 flat partitions), torch's AdamW as a client optimizer, ZeRO-1, DeepSpeed's ``WarmupLR``, and 4
@@ -13,9 +13,6 @@ degree that divides 4. ``train_batch`` returns the step's loss averaged over tha
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from typing import Any
 
 import torch
@@ -72,7 +69,7 @@ def full_state(deepspeed: Any, engine: Any) -> dict[str, list[float]]:
     return out
 
 
-def run(deepspeed: Any, world: int, stages: int, first: int, steps: int, stage: int = 1, load: str | None = None,
+def run(deepspeed: Any, rank: int, world: int, stages: int, first: int, steps: int, stage: int = 1, load: str | None = None,
         save: str | None = None, save_at: int | None = None, checkpoint: dict | None = None,
         load_kwargs: dict | None = None, probe: bool = True) -> dict[str, Any]:
     """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
@@ -107,23 +104,7 @@ def run(deepspeed: Any, world: int, stages: int, first: int, steps: int, stage: 
     return out
 
 
-def main() -> None:
-    import importlib
+if __name__ == "__main__":  # run as a script: its folder is on the path
+    import deepspeed_job
 
-    import deepspeed
-
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # see deepspeed_job.py
-    importlib.import_module(f"{deepspeed.__name__}.pipe")
-    args = json.loads(sys.argv[2])
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    out = run(deepspeed, world, **args)
-    with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
-        json.dump(out, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    deepspeed_job.main(run)

@@ -13,9 +13,6 @@ of 4 sequences per step split over the data-parallel replicas.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from typing import Any
 
 import torch
@@ -137,22 +134,7 @@ def run(deepspeed: Any, rank: int, world: int, tp: int, first: int, steps: int, 
     return out
 
 
-def main() -> None:
-    import importlib
+if __name__ == "__main__":  # run as a script: its folder is on the path
+    import deepspeed_job
 
-    import deepspeed
-
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # see deepspeed_job.py
-    args = json.loads(sys.argv[2])
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    out = run(deepspeed, rank, world, **args)
-    with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
-        json.dump(out, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    deepspeed_job.main(run)

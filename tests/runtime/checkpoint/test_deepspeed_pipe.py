@@ -53,7 +53,7 @@ def _continue(rank: int, world: int, stages: int, load: str, kwargs: dict) -> di
     import dslaunch
 
     dslaunch.init_distributed(dist_backend="gloo")
-    return job.run(dslaunch, world, stages, first=SAVE_AT, steps=STEPS, load=load, **kwargs)
+    return job.run(dslaunch, rank, world, stages, first=SAVE_AT, steps=STEPS, load=load, **kwargs)
 
 
 @pytest.mark.parametrize(("stages", "world"), [(2, 2), (2, 4), (1, 2)])
@@ -75,7 +75,7 @@ def _load_once(rank: int, world: int, load: str) -> str:
 
     dslaunch.init_distributed(dist_backend="gloo")
     try:
-        job.run(dslaunch, world, 2, first=SAVE_AT, steps=0, load=load, probe=False)
+        job.run(dslaunch, rank, world, 2, first=SAVE_AT, steps=0, load=load, probe=False)
     except CheckpointError as exc:
         return str(exc)
     return "loaded"
@@ -99,7 +99,7 @@ def _save(rank: int, world: int, save: str) -> dict:
     import dslaunch
 
     dslaunch.init_distributed(dist_backend="gloo")
-    return job.run(dslaunch, world, 2, first=0, steps=SAVE_AT + STEPS, save=save, save_at=SAVE_AT,
+    return job.run(dslaunch, rank, world, 2, first=0, steps=SAVE_AT + STEPS, save=save, save_at=SAVE_AT,
                    checkpoint={"format": "deepspeed"})
 
 
