@@ -185,7 +185,7 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     source = str(state.model_file)
     held = {n for g in current["groups"] for n in g["names"]}
     weights = localize(parts.module, state.module)
-    if place is not None:  # a pipeline stage: the layers of the others are not its own
+    if place is not None:  # a pipeline stage: the other stages' layers are not in its module
         own = parts.module.state_dict().keys()
         weights = {k: v for k, v in weights.items() if k in own}
     load_module_weights(parts.module, weights, load_module_strict, {}, held, source)
@@ -203,4 +203,5 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
                  "stage %d)", folder, state.world_size, state.stage, ck.comm.world_size, parts.zero.stage)
     # DeepSpeed's model-parallel rank: the stage in a pipeline, the tensor rank under AutoTP
     mp_rank = place.coord.get("pipe" if place.layers is not None else "model", 0) if place else 0
-    return str(_own_file(folder, state, ck.comm.rank, mp_rank)), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)
+    client = _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)
+    return str(_own_file(folder, state, ck.comm.rank, mp_rank)), client
