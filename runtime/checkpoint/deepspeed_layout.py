@@ -15,6 +15,9 @@ in a file of its own, written by data-parallel rank 0 of the layer's stage::
 
     layer_XX-model_states.pt                        layer XX's ``state_dict()`` (global layer index)
 
+An AutoTP training tag (``tensor_parallel.autotp_size``, ``deepspeed_tp``) has the first files once
+per tensor-parallel rank T (``mp_rank_TT``), each holding T's slices.
+
 dslaunch writes its own layout by default (a manifest and ``.dsl`` files per tag,
 ``checkpointer.py``); it reads this one (``deepspeed_read.py``) and writes it with
 ``"checkpoint": {"format": "deepspeed"}`` (``deepspeed_write.py``). These names point into this
