@@ -57,7 +57,7 @@ def test_tensor_parallel_pipelines_are_refused_in_one_line(tmp_path: Path) -> No
     assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
 
 
-def _autotp_tag(folder: Path, whole: dict[str, torch.Tensor], slice_map: bool = True) -> None:
+def _autotp_tag(folder: Path, whole: dict[str, torch.Tensor], slice_map: bool = True, degree: int = 2) -> None:
     """A ZeRO-1 AutoTP tag of 2 tensor ranks as DeepSpeed 0.19 lays it out: ``a.weight`` cut by
     rows, ``b.weight`` by columns, ``c.bias`` whole on both; moments 2x and 3x the weights."""
     from collections import OrderedDict
@@ -80,7 +80,7 @@ def _autotp_tag(folder: Path, whole: dict[str, torch.Tensor], slice_map: bool = 
                  "optim_scalars": {"step": 3}, "hparams": {"lr": 0.1}}
         states = {"module": dict(mine), "dp_world_size": 1, "mp_world_size": 2,
                   "param_shapes": [OrderedDict((n, v.shape) for n, v in mine.items())],
-                  "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2}}
+                  "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": degree}}
         if slice_map:
             states["universal_checkpoint_info"] = {"affine_map": {"version": 1, "params": params}}
         (folder / model_states_name(None, t)).write_bytes(to_bytes(states))
@@ -97,6 +97,9 @@ def test_autotp_slices_are_joined_by_deepspeeds_slice_map(tmp_path: Path) -> Non
     for name, w in whole.items():
         assert torch.equal(state.fp32[name], w) and torch.equal(state.module[name], w), name
         assert torch.equal(state.optim[name]["exp_avg"], 2 * w) and torch.equal(state.optim[name]["exp_avg_sq"], 3 * w)
+    _autotp_tag(tmp_path, whole, degree=3)  # the model states say 3 tensor ranks, the tag has 2
+    with pytest.raises(CheckpointError, match="tensor-parallel degree 3 .*mp_rank_02_model_states.pt"):
+        read_deepspeed(tmp_path)
     _autotp_tag(tmp_path, whole, slice_map=False)
     with pytest.raises(CheckpointError, match="slice map") as info:
         read_deepspeed(tmp_path)
