@@ -11,7 +11,9 @@ and background writer (``writer.py``), resharding ZeRO state between world sizes
 (``reshard.py``), the parts of model-parallel engines named by topology coordinates
 (``model_parallel.py``), the offline fp32 export, DeepSpeed's ``zero_to_fp32`` (``export.py``), and
 loading checkpoints real DeepSpeed wrote (``deepspeed_layout.py`` names its files,
-``deepspeed_read.py`` reads them into whole per-parameter state, ``deepspeed_load.py`` places it),
+``deepspeed_read.py`` reads them into whole per-parameter state, ``deepspeed_load.py`` places it;
+a pipeline's, one file per layer and a set per stage: ``deepspeed_pipe.py``; AutoTP's, a set per
+tensor-parallel rank joined by DeepSpeed's slice map: ``deepspeed_tp.py``),
 writing them (``deepspeed_write.py``, with DeepSpeed's own classes pickled by name:
 ``deepspeed_pickle.py``), DeepSpeed's MoE files, one per global expert (``deepspeed_experts.py``),
 and DeepSpeed's universal checkpoints both ways (``universal.py``); expert parameters named by

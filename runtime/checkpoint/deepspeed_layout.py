@@ -9,6 +9,15 @@ newest tag) holds::
     [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt  ZeRO: rank R's fp32 partition and optimizer
                                                     state (``bf16_`` from DeepSpeed's bf16 optimizer)
 
+A pipeline's tag (``PipelineModule``, ``deepspeed_pipe``) has these files once per stage S (the
+``mp_rank_SS`` of the names; ``module`` is None in its model states) and the weights of each layer
+in a file of its own, written by data-parallel rank 0 of the layer's stage::
+
+    layer_XX-model_states.pt                        layer XX's ``state_dict()`` (global layer index)
+
+An AutoTP training tag (``tensor_parallel.autotp_size``, ``deepspeed_tp``) has the first files once
+per tensor-parallel rank T (``mp_rank_TT``), each holding T's slices.
+
 dslaunch writes its own layout by default (a manifest and ``.dsl`` files per tag,
 ``checkpointer.py``); it reads this one (``deepspeed_read.py``) and writes it with
 ``"checkpoint": {"format": "deepspeed"}`` (``deepspeed_write.py``). These names point into this
@@ -24,7 +33,8 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore
 
 __all__ = ["get_model_ckpt_name_for_rank", "model_states_name", "optim_states_name", "ckpt_name",
-           "zero_ckpt_name", "optimizer_ckpt_name", "expert_optim_name", "deepspeed_tag", "is_deepspeed_folder"]
+           "zero_ckpt_name", "optimizer_ckpt_name", "expert_optim_name", "layer_name", "is_pipeline", "deepspeed_tag",
+           "is_deepspeed_folder"]
 
 
 def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: str) -> str:
@@ -65,6 +75,16 @@ def optimizer_ckpt_name(checkpoints_path: str | os.PathLike, tag: object, expp_r
 def expert_optim_name(expp_rank: int, mp_rank: int = 0) -> str:
     """``expp_rank_R_mp_rank_00_optim_states.pt``: expert rank R's optimizer state without ZeRO."""
     return f"expp_rank_{expp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def layer_name(index: int) -> str:
+    """``layer_XX-model_states.pt``: a pipeline layer's weights (``XX``: its index in the model)."""
+    return f"layer_{index:02d}-model_states.pt"
+
+
+def is_pipeline(folder: Path) -> bool:
+    """A pipeline's tag: it has layer files (MoE experts' ``layer_L_expert_E_...`` are not such)."""
+    return any(folder.glob("layer_*-model_states.pt"))
 
 
 def deepspeed_tag(load_dir: str | os.PathLike, tag: object = None) -> Path | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from dslaunch.runtime.checkpoint.deepspeed_experts import global_names, localize
 from dslaunch.runtime.checkpoint.deepspeed_layout import deepspeed_tag, model_states_name
 from dslaunch.runtime.checkpoint.deepspeed_read import DeepSpeedState, read_deepspeed
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
+from dslaunch.runtime.checkpoint.reshard import cut_slice
 from dslaunch.runtime.checkpoint.save_load import load_module_weights, with_masters
 
 __all__ = ["find_deepspeed_tag", "load_deepspeed"]
@@ -136,6 +138,24 @@ def _client_state(sd: dict, module_only: bool, lr_scheduler: bool, optimizer: bo
     return {k: v for k, v in sd.items() if k not in used}
 
 
+def _sliced(state: DeepSpeedState, layout: dict[str, list]) -> DeepSpeedState:
+    """``state`` with each parameter AutoTP cuts (``layout``: name -> [dim, segments, ...]) cut to
+    this rank's slice."""
+    def cut(name: str, t: torch.Tensor) -> torch.Tensor:
+        return cut_slice(t, layout[name]).contiguous() if name in layout and torch.is_tensor(t) else t
+
+    return replace(state, module={k: cut(k, v) for k, v in state.module.items()},
+                   fp32={k: cut(k, v) for k, v in state.fp32.items()},
+                   optim={k: {s: cut(k, v) for s, v in st.items()} for k, st in state.optim.items()})
+
+
+def _own_file(folder: Path, state: DeepSpeedState, rank: int, stage: int) -> Path:
+    """The model-states file DeepSpeed's load names to this rank (its partition's at ZeRO-3, its
+    stage's in a pipeline) where the tag has it, else the first."""
+    own = folder / (model_states_name(rank) if state.stage == 3 else model_states_name(None, stage))
+    return own if own.exists() and (state.stage != 3 or rank < state.world_size) else state.model_file
+
+
 def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: bool = True,
                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                    load_module_only: bool = False, reader: Reader = read_deepspeed) -> tuple[str, dict]:
@@ -151,17 +171,24 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     collective: call on all ranks.
     """
     ck = parts.io
-    if parts.placement is not None:
-        raise CheckpointError("loading a DeepSpeed checkpoint into a model-parallel engine (pipeline, "
-                              "mpu) is not supported", str(folder))
+    place = parts.placement
+    if place is not None and place.tensors is None and (place.layers is None or place.shape.get("model", 1) > 1):
+        raise CheckpointError("loading a DeepSpeed checkpoint into a Megatron-style model-parallel engine (an mpu, "
+                              "a pipeline with a model axis) is not supported: only pipelines and AutoTP", str(folder))
     current = parts.zero.state_dict()
     named = global_names(parts.module, current)  # experts by their global number, as the files name them
     trained = [n for g in named["groups"] for n in g["names"]]
     read_optimizer = load_optimizer_states and not load_module_only
     state = _read(ck, folder, read_optimizer, trained, reader)
+    if place is not None and place.tensors:  # AutoTP: this rank's slices of the whole tensors
+        state = _sliced(state, place.tensors)
     source = str(state.model_file)
     held = {n for g in current["groups"] for n in g["names"]}
-    load_module_weights(parts.module, localize(parts.module, state.module), load_module_strict, {}, held, source)
+    weights = localize(parts.module, state.module)
+    if place is not None:  # a pipeline stage: the other stages' layers are not in its module
+        own = parts.module.state_dict().keys()
+        weights = {k: v for k, v in weights.items() if k in own}
+    load_module_weights(parts.module, weights, load_module_strict, {}, held, source)
     if read_optimizer:
         whole = _consolidated(state, named, load_module_strict)
         parts.zero.load_state_dict({**whole, "groups": [{**g, "names": live["names"]} for g, live in
@@ -174,6 +201,7 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     if ck.comm.rank == 0:
         log.info("loaded DeepSpeed checkpoint %s (saved at data-parallel world size %d, ZeRO stage %d; now %d, "
                  "stage %d)", folder, state.world_size, state.stage, ck.comm.world_size, parts.zero.stage)
-    own = folder / model_states_name(ck.comm.rank) if state.stage == 3 and ck.comm.rank < state.world_size \
-        and (folder / model_states_name(ck.comm.rank)).exists() else state.model_file
-    return str(own), _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)
+    # DeepSpeed's model-parallel rank: the stage in a pipeline, the tensor rank under AutoTP
+    mp_rank = place.coord.get("pipe" if place.layers is not None else "model", 0) if place else 0
+    client = _client_state(state.states, load_module_only, load_lr_scheduler_states, load_optimizer_states)
+    return str(_own_file(folder, state, ck.comm.rank, mp_rank)), client

@@ -18,7 +18,10 @@ written.
 MoE checkpoints (``deepspeed_experts``): the experts' files add their weights under global expert
 numbers, and an expert param group's partitions are joined per expert rank and named globally.
 
-Limitations: only model-parallel rank 00 (no tensor or pipeline parallelism), MoE optimizer
+Pipelines (``deepspeed_pipe``) and AutoTP (``deepspeed_tp``): each stage's or tensor-parallel
+rank's files read as one such checkpoint, then joined.
+
+Limitations: MoE optimizer
 state without ZeRO (``expp_rank_*`` files) only at the saving expert-parallel size, no NVMe-offloaded
 optimizer state (``offloaded_tensors/``); each rank reads every
 optimizer file (host memory: the whole fp32 state once per rank).
@@ -39,12 +42,13 @@ from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.deepspeed_experts import expert_sets, renumber
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
     expert_optim_name,
+    is_pipeline,
     model_states_name,
     optim_states_name,
 )
 from dslaunch.runtime.checkpoint.experts import EXPERT_PREFIX
 
-__all__ = ["DeepSpeedGroup", "DeepSpeedState", "read_deepspeed", "read_file"]
+__all__ = ["DeepSpeedGroup", "DeepSpeedState", "read_deepspeed", "read_part", "read_file"]
 
 
 class _StandIn:
@@ -131,7 +135,9 @@ class DeepSpeedState:
 
 
 def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | None = None) -> DeepSpeedState:
-    """Read the DeepSpeed tag ``folder``.
+    """Read the DeepSpeed tag ``folder``; a pipeline's (``layer_XX-model_states.pt``): every stage's
+    files, by ``deepspeed_pipe.read_pipeline``; AutoTP's (``mp_rank_01`` without layer files):
+    every tensor-parallel rank's, by ``deepspeed_tp.read_tensor_parallel``.
 
     Args:
         optimizer: read the fp32 masters and optimizer state (stage 3 reads its weights there
@@ -142,20 +148,31 @@ def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | No
     Raises:
         CheckpointError: a file is missing, truncated or not what DeepSpeed writes (names it).
     """
-    if list(folder.glob("layer_*-model_states.pt")) or (folder / model_states_name(mp_rank=1)).exists() \
-            or (folder / model_states_name(0, mp_rank=1)).exists():
-        raise CheckpointError("tensor- or pipeline-parallel DeepSpeed checkpoints (mp_rank_01, layer_* "
-                              "files) cannot be loaded yet: only model-parallel rank 00", str(folder))
-    partitioned = (folder / model_states_name(0)).exists()
-    model_file = folder / model_states_name(0 if partitioned else None)
+    if is_pipeline(folder):
+        from dslaunch.runtime.checkpoint.deepspeed_pipe import read_pipeline  # it reads each stage here
+
+        return read_pipeline(folder, optimizer, trained)
+    from dslaunch.runtime.checkpoint.deepspeed_tp import is_tensor_parallel, read_tensor_parallel
+
+    if is_tensor_parallel(folder):
+        return read_tensor_parallel(folder, optimizer, trained)
+    return read_part(folder, optimizer, trained)
+
+
+def read_part(folder: Path, optimizer: bool = True, trained: list[str] | None = None, mp_rank: int = 0
+              ) -> DeepSpeedState:
+    """``read_deepspeed`` of the files of model-parallel rank ``mp_rank`` alone (a pipeline
+    stage's: its parameters, its optimizer files)."""
+    partitioned = (folder / model_states_name(0, mp_rank)).exists()
+    model_file = folder / model_states_name(0 if partitioned else None, mp_rank)
     states = read_file(model_file)
-    _need(states, "module", model_file, dict)
+    _need(states, "module", model_file, (dict, type(None)))
     world = _need(states, "dp_world_size", model_file, int)
     shapes = states.get("param_shapes")
     zero = shapes is not None
     if zero and not (isinstance(shapes, list) and all(isinstance(s, dict) for s in shapes)):
         raise CheckpointError("key 'param_shapes' is not a list of {name: shape}", str(model_file))
-    module = dict(states["module"])
+    module = dict(states["module"] or {})  # a pipeline stage's is None: its layers have files
     if isinstance(states.get("num_experts"), list):  # MoE: each global expert's weights in a file
         for f in sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):
             module.update(read_file(f))
@@ -171,23 +188,24 @@ def read_deepspeed(folder: Path, optimizer: bool = True, trained: list[str] | No
         return _stage0(base, optimizer, trained)
     if not optimizer and not partitioned:
         return base
-    files = _optim_files(folder, world)
+    files = _optim_files(folder, world, mp_rank)
     shards = [read_file(f) for f in files]
     osds = [_need(sd, "optimizer_state_dict", f, dict) for sd, f in zip(shards, files, strict=True)]
     return _zero(base, shapes, osds, files, partitioned)
 
 
-def _optim_files(folder: Path, world: int) -> list[Path]:
+def _optim_files(folder: Path, world: int, mp_rank: int) -> list[Path]:
     """Every rank's optimizer file: ``zero_pp_rank_R_...`` or ``bf16_zero_pp_rank_R_...``."""
     for bf16 in (False, True):
-        files = [folder / optim_states_name(r, bf16) for r in range(world)]
+        files = [folder / optim_states_name(r, bf16, mp_rank) for r in range(world)]
         if files[0].exists():
             missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise CheckpointError(f"the checkpoint was saved by {world} data-parallel ranks "
                                       f"(dp_world_size) but {missing[:3]} are missing", str(folder))
             return files
-    raise CheckpointError(f"no ZeRO optimizer files ({optim_states_name(0)} or {optim_states_name(0, True)}) "
+    raise CheckpointError(f"no ZeRO optimizer files ({optim_states_name(0, False, mp_rank)} or "
+                          f"{optim_states_name(0, True, mp_rank)}) "
                           f"for the {world} data-parallel ranks the model states name", str(folder))
 
 

@@ -28,7 +28,11 @@ and ``latest`` as they were. ``checkpoint.async_save`` (the files are serialized
 writer thread, from a copy in host memory), ``fsync`` and ``keep_last`` (retention among the tags
 with a manifest) apply as to dslaunch's format.
 
-Limitations: no model parallelism (pipeline, tensor), no MoE at ZeRO-3 (nor experts marked by
+A pipeline's tag (``deepspeed_pipe``) has these files per stage (``mp_rank_SS``, the model states
+without ``module``) and a ``layer_XX-model_states.pt`` per layer, from data-parallel rank 0 of each stage.
+
+Limitations: no tensor parallelism (an mpu, AutoTP), pipelines at ZeRO stages 0 and 1 only (as
+DeepSpeed's) and without MoE, no MoE at ZeRO-3 (nor experts marked by
 hand), no node-local storage; each rank holds the whole fp32 state once while saving (host memory),
 and an async save keeps its copy of the rank's files in host memory between saves. DeepSpeed also
 copies its ``zero_to_fp32.py`` into the tag: dslaunch does not ship DeepSpeed's script
@@ -54,6 +58,7 @@ from dslaunch.runtime.checkpoint.deepspeed_layout import (
     optim_states_name,
 )
 from dslaunch.runtime.checkpoint.deepspeed_pickle import fragment_address, loss_scaler, to_bytes
+from dslaunch.runtime.checkpoint.deepspeed_pipe import layer_files, stage_states
 from dslaunch.runtime.checkpoint.experts import ep_rank, expert_names, live_experts
 from dslaunch.runtime.checkpoint.format import Encoded
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
@@ -76,18 +81,20 @@ _ALIGNMENT = 2
 _SUB_GROUP_SIZE = 1_000_000_000
 
 
-def _whole_groups(ck: Any, zero_sd: dict, experts: dict[int, list[str]]) -> list[dict]:
+def _whole_groups(ck: Any, zero_sd: dict, experts: dict[int, list[str]], part: str) -> list[dict]:
     """Every param group whole ([0, numel)), from all ranks' shards; an expert group from the
-    ranks holding the same experts as this one (``experts``: group -> global names). collective."""
+    ranks holding the same experts as this one (``experts``: group -> global names), a pipeline
+    stage's from the ranks of that ``part``. collective."""
     full = [(0, int(g["numel"])) for g in zero_sd["groups"]]
     if all((int(g["start"]), int(g["end"])) == r for g, r in zip(zero_sd["groups"], full, strict=True)):
         return zero_sd["groups"]
     shards = ck.comm.all_gather_object(({**zero_sd, "groups": [
         {**g, "master": g["master"].detach().cpu(), "optim_state": {k: v.detach().cpu() for k, v in
                                                                     g["optim_state"].items()}}
-        for g in zero_sd["groups"]]}, experts))
-    return [assemble([{**s, "groups": [s["groups"][gi]]} for s, theirs in shards
-                      if theirs.get(gi) == experts.get(gi)], [whole])["groups"][0] for gi, whole in enumerate(full)]
+        for g in zero_sd["groups"]]}, experts, part))
+    return [assemble([{**s, "groups": [s["groups"][gi]]} for s, theirs, where in shards
+                      if theirs.get(gi) == experts.get(gi) and where == part], [whole])["groups"][0]
+            for gi, whole in enumerate(full)]
 
 
 def _scalars(group: dict) -> dict[str, Any]:
@@ -283,7 +290,12 @@ def _expert_params(zero_sd: dict) -> list[str]:
 
 
 def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
-    what = ("model parallelism (pipeline, tensor)" if parts.placement is not None else
+    place = parts.placement
+    what = ("tensor parallelism (an mpu, AutoTP, a pipeline's model axis)" if place is not None and (
+        place.layers is None or place.shape.get("model", 1) > 1) else
+            "a pipeline at ZeRO stage 2 or 3 (DeepSpeed's PipelineEngine runs stages 0 and 1)"
+            if place is not None and parts.zero.stage > 1 else
+            "a pipeline with expert (MoE) parameters" if place is not None and _expert_params(zero_sd) else
             "checkpoint.use_node_local_storage" if parts.config.use_node_local_storage else
             "expert (MoE) parameters at ZeRO stage 3 (DeepSpeed refuses its MoE layer there)"
             if parts.zero.stage == 3 and any("reduce_group" in g for g in zero_sd["groups"]) else
@@ -311,9 +323,16 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
     _refuse(parts, zero_sd)
     stage = int(parts.zero.stage)
     experts = live_experts(parts.module, zero_sd)
-    groups = _whole_groups(ck, zero_sd, experts)
+    place = parts.placement
+    groups = _whole_groups(ck, zero_sd, experts, place.part if place else "")
     files: dict[str, Any] = {}
-    if stage == 3 or rank == 0:
+    if place is not None:  # a pipeline: data-parallel rank 0 of each stage writes the stage's states
+        if place.data == 0:
+            files[model_states_name(None, place.coord.get("pipe", 0))] = stage_states(_model_states(
+                parts, groups, stage, 0, place.shape.get("data", 1), client_state or {}, exclude_frozen_parameters),
+                place)
+            files.update(layer_files(parts.module.state_dict(), place))
+    elif stage == 3 or rank == 0:
         files[model_states_name(rank if stage == 3 else None)] = _model_states(
             parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters)
     splits = [parts.zero.group_comm(gi)[:2] for gi in range(len(groups))]
@@ -328,8 +347,9 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
         sub_group_size = int((parts.ds_config.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP_SIZE))
         osd = _zero3_file(groups, rank, world, sub_group_size) if stage == 3 else \
             _zero12_file(groups, splits, stage, parts.gradient_clipping)
-        files[optim_states_name(rank, parts.bf16)] = {"optimizer_state_dict": osd, "ds_config": dict(parts.ds_config),
-                                                      "ds_version": DEEPSPEED_VERSION}
+        name = optim_states_name(place.data, parts.bf16, place.coord.get("pipe", 0)) if place else \
+            optim_states_name(rank, parts.bf16)
+        files[name] = {"optimizer_state_dict": osd, "ds_config": dict(parts.ds_config), "ds_version": DEEPSPEED_VERSION}
     cfg = parts.config
     meta = {"format": "deepspeed", "ds_version": DEEPSPEED_VERSION, "world_size": world, "zero_stage": stage,
             "global_steps": parts.global_steps}

@@ -134,7 +134,9 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
     return out
 
 
-def main() -> None:
+def main(job: Any = None) -> None:
+    """Run ``job`` (``run`` by default; another job script's ``run`` with the same arguments) on this
+    rank under the ``deepspeed`` the interpreter imports, and write its results to ``OUT.rankR``."""
     import importlib
 
     import deepspeed
@@ -142,13 +144,14 @@ def main() -> None:
     # DeepSpeed's CPU shared-memory all-reduce (inference only) is a JIT build of minutes: not used
     # (the module by its full name: the package's ``torch`` attribute is torch itself)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    importlib.import_module(f"{deepspeed.__name__}.pipe")  # real DeepSpeed's package does not import it
     args = json.loads(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    out = run(deepspeed, rank, world, **args)
+    out = (job or run)(deepspeed, rank, world, **args)
     with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
-        json.dump({k: v for k, v in out.items() if k != "client"}, f)
+        json.dump({k: v for k, v in out.items() if k != "client" or job is not None}, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

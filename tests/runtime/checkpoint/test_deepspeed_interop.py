@@ -68,14 +68,16 @@ def _run_deepspeed(python: Path, base: Path, ext: Path, stage: int, world: int, 
         "stage": stage, "first": 0, "steps": SAVE_AT + STEPS, "save": str(ckpt), "save_at": SAVE_AT, "bf16": bf16})
 
 
-def _deepspeed_job(python: Path, out: Path, ext: Path, world: int, job: dict) -> list[dict]:
-    """Real DeepSpeed runs ``deepspeed_job.run(**job)`` at ``world`` ranks: each rank's results."""
+def _deepspeed_job(python: Path, out: Path, ext: Path, world: int, job: dict, script: Path = JOB) -> list[dict]:
+    """Real DeepSpeed runs ``deepspeed_job.run(**job)`` (or ``script``'s ``run``) at ``world`` ranks:
+    each rank's results."""
     name, args = out.stem, json.dumps(job)
     port = free_port()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(ext), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": ""}
-    procs = [subprocess.Popen([str(python), str(JOB), str(out), args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+           "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}  # e.g. transformers for AutoTP
+    procs = [subprocess.Popen([str(python), str(script), str(out), args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
     for p in procs:

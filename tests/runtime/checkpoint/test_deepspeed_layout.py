@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
@@ -39,9 +40,67 @@ def test_a_deepspeed_tag_is_found_by_latest_or_name(tmp_path: Path) -> None:
     assert deepspeed_tag(tmp_path) is None
 
 
-def test_model_parallel_deepspeed_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
+def test_broken_tensor_parallel_files_are_named_in_one_line(tmp_path: Path) -> None:
     (tmp_path / model_states_name()).write_bytes(b"")
     (tmp_path / model_states_name(mp_rank=1)).write_bytes(b"")
-    with pytest.raises(CheckpointError, match="only model-parallel rank 00") as info:
+    with pytest.raises(CheckpointError, match="unreadable or truncated") as info:
         read_deepspeed(tmp_path)
-    assert "\n" not in str(info.value)
+    assert str(tmp_path / model_states_name()) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tensor_parallel_pipelines_are_refused_in_one_line(tmp_path: Path) -> None:
+    torch.save({"module": None, "dp_world_size": 1, "mp_world_size": 4,
+                "checkpoint_parallel_dimensions": {"pp_degree": 2, "tp_degree": 2}}, tmp_path / model_states_name())
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "layer_00-model_00-model_states.pt")
+    with pytest.raises(CheckpointError, match="tp_degree 2") as info:
+        read_deepspeed(tmp_path)
+    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+
+
+def _autotp_tag(folder: Path, whole: dict[str, torch.Tensor], slice_map: bool = True, degree: int = 2) -> None:
+    """A ZeRO-1 AutoTP tag of 2 tensor ranks as DeepSpeed 0.19 lays it out: ``a.weight`` cut by
+    rows, ``b.weight`` by columns, ``c.bias`` whole on both; moments 2x and 3x the weights."""
+    from collections import OrderedDict
+
+    from dslaunch.runtime.checkpoint.deepspeed_pickle import to_bytes
+    from dslaunch.runtime.checkpoint.deepspeed_write import _zero12_file
+
+    cuts = {"a.weight": 0, "b.weight": 1}
+    params = {f"^{n}$".replace(".", "\\."): {"logical_shape": list(whole[n].shape), "ranks": {
+        t: {"shard_shape": list(whole[n].chunk(2, d)[t].shape), "pieces": [{
+            "shape": list(whole[n].chunk(2, d)[t].shape),
+            "source": [t * whole[n].chunk(2, d)[0].shape[d] * whole[n].stride(d), list(whole[n].stride())],
+            "dest": [0, list(whole[n].chunk(2, d)[t].contiguous().stride())], "locations": [t]}]}
+        for t in range(2)}} for n, d in cuts.items()}
+    for t in range(2):
+        mine = OrderedDict((n, whole[n].chunk(2, cuts[n])[t].contiguous() if n in cuts else whole[n]) for n in whole)
+        flat = torch.cat([v.reshape(-1) for v in mine.values()])
+        group = {"names": list(mine), "shapes": [tuple(v.shape) for v in mine.values()], "numel": flat.numel(),
+                 "master": flat, "optim_state": {"exp_avg": 2 * flat, "exp_avg_sq": 3 * flat},
+                 "optim_scalars": {"step": 3}, "hparams": {"lr": 0.1}}
+        states = {"module": dict(mine), "dp_world_size": 1, "mp_world_size": 2,
+                  "param_shapes": [OrderedDict((n, v.shape) for n, v in mine.items())],
+                  "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": degree}}
+        if slice_map:
+            states["universal_checkpoint_info"] = {"affine_map": {"version": 1, "params": params}}
+        (folder / model_states_name(None, t)).write_bytes(to_bytes(states))
+        (folder / optim_states_name(0, False, t)).write_bytes(
+            to_bytes({"optimizer_state_dict": _zero12_file([group], [(1, 0)], 1, 0.0)}))
+
+
+def test_autotp_slices_are_joined_by_deepspeeds_slice_map(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    whole = {"a.weight": torch.randn(4, 3, generator=g), "b.weight": torch.randn(3, 4, generator=g),
+             "c.bias": torch.randn(3, generator=g)}
+    _autotp_tag(tmp_path, whole)
+    state = read_deepspeed(tmp_path)
+    for name, w in whole.items():
+        assert torch.equal(state.fp32[name], w) and torch.equal(state.module[name], w), name
+        assert torch.equal(state.optim[name]["exp_avg"], 2 * w) and torch.equal(state.optim[name]["exp_avg_sq"], 3 * w)
+    _autotp_tag(tmp_path, whole, degree=3)  # the model states say 3 tensor ranks, the tag has 2
+    with pytest.raises(CheckpointError, match="tensor-parallel degree 3 .*mp_rank_02_model_states.pt"):
+        read_deepspeed(tmp_path)
+    _autotp_tag(tmp_path, whole, slice_map=False)
+    with pytest.raises(CheckpointError, match="slice map") as info:
+        read_deepspeed(tmp_path)
+    assert str(tmp_path / model_states_name()) in str(info.value) and "\n" not in str(info.value)
