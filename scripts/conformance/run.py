@@ -43,7 +43,9 @@ TEST_REQUIREMENTS = ["pytest==8.3.5", "pytest-timeout", "hjson", "pydantic>=2", 
 
 def side_packages(side: str) -> list[str]:
     if side == "deepspeed":
-        return ["--no-build-isolation", f"deepspeed=={DEEPSPEED_VERSION}"]
+        # transformers: DeepSpeed's AutoTP training finds a model's layers through it (the
+        # checkpoint interop tests run it); the compat venv's pin
+        return ["--no-build-isolation", f"deepspeed=={DEEPSPEED_VERSION}", "transformers==5.23.0"]
     return ["-e", str(REPO), "-e", str(REPO / "compat" / "deepspeed")]
 
 
