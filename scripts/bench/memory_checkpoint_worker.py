@@ -16,8 +16,9 @@ shard into ready host buffers).
 alternate snapshots on and off (on-off, then off-on, ...: pairing cancels the drift of a shared
 machine); an "on" block takes one snapshot at its first step, and every block ends by waiting for
 the snapshot in flight, so a block holds the whole of its snapshot's cost. Rank 0 prints
-``block=<i> on=<0|1> wall=<s> cpu=<s>`` per block: the wall time and the process CPU time (all of
-its threads: the writer thread and gloo's I/O threads too), each the mean over the ranks.
+``block=<i> on=<0|1> wall=<s> cpu=<s> published=<0|1>`` per block: the wall time and the process
+CPU time (all of its threads: the writer thread and gloo's I/O threads too), each the mean over the
+ranks, and whether the block's snapshot is published in rank 0's store.
 """
 
 import argparse
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dslaunch
+from dslaunch.runtime.checkpoint.memory import TAG_PREFIX
 
 
 def main() -> None:
@@ -38,6 +40,8 @@ def main() -> None:
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--gpt_layers", type=int, default=12)  # smaller only for the bench's short test
+    p.add_argument("--gpt_width", type=int, default=768)
     p.add_argument("--pairs", type=int, default=0)
     p.add_argument("--memory_every", type=int, default=0)
     p.add_argument("--memory_dir", default="/dev/shm")
@@ -46,7 +50,7 @@ def main() -> None:
     p.add_argument("--local_rank", type=int)
     args = p.parse_args()
     torch.manual_seed(0)
-    model = GPT() if args.model == "gpt" else nn.Sequential(*[nn.Linear(args.hidden, args.hidden)
+    model = GPT(width=args.gpt_width, layers=args.gpt_layers) if args.model == "gpt" else nn.Sequential(*[nn.Linear(args.hidden, args.hidden)
                                                                for _ in range(args.layers)])
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 100000,
@@ -113,6 +117,8 @@ class GPT(nn.Module):
         self.tokens, self.positions = nn.Embedding(VOCAB, width), nn.Embedding(context, width)
         self.layers = nn.ModuleList(_Block(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
+        for table in (self.tokens, self.positions):  # GPT-2's scale: the first loss is ~ln(VOCAB)
+            nn.init.normal_(table.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
@@ -144,7 +150,8 @@ def _interleaved(engine, train_step, every: int, pairs: int) -> None:
         torch.distributed.all_reduce(spent)
         if engine.global_rank == 0:
             wall_s, cpu_s = (spent / engine.world_size).tolist()
-            print(f"block={i} on={int(on)} wall={wall_s:.4f} cpu={cpu_s:.4f}", flush=True)
+            published = on and (mem.store.root / f"{TAG_PREFIX}{snap_at[0]}").is_dir()
+            print(f"block={i} on={int(on)} wall={wall_s:.4f} cpu={cpu_s:.4f} published={int(published)}", flush=True)
 
 
 def _time_snapshots(engine):
