@@ -220,11 +220,12 @@ def main() -> None:
 
 
 def _table(r: dict) -> str:
-    rows = [f"# memory_checkpoint_bench: {r['params'] / 1e6:.0f}M parameters, 2 hosts x 2 ranks, ZeRO-1, "
-            f"snapshot every {r['snapshot_every']} steps ({r['machine']})", ""]
+    rows = [f"# memory_checkpoint_bench: 2 hosts x 2 ranks, ZeRO-1, snapshot every {r['snapshot_every']} steps "
+            f"({r['machine']})", ""]
     if (o := r.get("overhead")) is not None:
         m = o["memory"]
-        rows += ["| snapshots | mean step (s) | median step (s) |", "| --- | --- | --- |",
+        rows += [f"MLP, {r['params'] / 1e6:.0f}M parameters, one sample per rank and step:", "",
+                 "| snapshots | mean step (s) | median step (s) |", "| --- | --- | --- |",
                  f"| none | {o['none']['mean_step_s']} | {o['none']['median_step_s']} |",
                  f"| memory, 1 replica | {m['mean_step_s']} | {m['median_step_s']} |",
                  f"| overhead | {o['overhead_mean_pct']}% | {o['overhead_median_pct']}% |", "",
@@ -241,7 +242,8 @@ def _table(r: dict) -> str:
                  f"| overhead | {g['overhead_pct']}% (median of paired ratios) | {g['cpu_bound_pct']}% "
                  f"({g['snapshot_cpu_s']} s per snapshot) |", ""]
     if (rec := r.get("recovery")) is not None:
-        rows += ["| restore from | resumed at | steps lost | world after | restarted initialize() (s) | "
+        rows += [f"Recovery (the MLP, {r['params'] / 1e6:.0f}M parameters):", "",
+                 "| restore from | resumed at | steps lost | world after | restarted initialize() (s) | "
                  "kill -> first step (s) |", "| --- | --- | --- | --- | --- | --- |"]
         rows += [f"| {k} ({v['source']}) | {v['resumed_at']} | {v['steps_lost']} | {v['world_after']} | "
                  f"{v['init_s']} | {v['recovery_s']} |" for k, v in rec.items()]
