@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import IO, Union
 
 __all__ = ["UnsafePath", "Where", "FileId", "open_dir", "make_dirs", "new_dir", "check_dir", "create_new", "take_over",
+           "create_reusing",
            "create_replacing", "write_new", "write_file", "atomic_file", "atomic_path", "append_file", "lock_file",
            "write_all",
            "remove_file", "remove_own", "split_path", "explain"]
@@ -255,6 +256,23 @@ def take_over(where: Where, name: str, old_where: Where, old_name: str) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=dir_fd)
             raise
+
+
+def create_reusing(where: Where, name: str, reuse: Path | None, mode: int = 0o600,
+                   readable: bool = False) -> tuple[int, bool]:
+    """``take_over`` of ``reuse`` (a file path) to ``name`` in ``where`` where it can be (it is
+    there, and a regular file of this user's with one link), else ``create_new``; and whether the
+    file is ``reuse`` (then it holds old bytes to overwrite or truncate).
+
+    Raises:
+        FileExistsError, UnsafePath, OSError: as ``create_new``.
+    """
+    if reuse is not None:
+        try:
+            return take_over(where, name, str(reuse.parent), reuse.name), True
+        except OSError:  # gone, or not a file of ours: a new one serves as well
+            pass
+    return create_new(where, name, mode, readable), False
 
 
 def create_replacing(where: Where, name: str, mode: int = 0o600) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from dslaunch.errors import CheckpointError, shorten
-from dslaunch.safe_write import create_new, split_path, take_over
+from dslaunch.safe_write import create_reusing, split_path
 
 __all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "Encoded", "write_object", "read_object", "file_bytes"]
 
@@ -176,7 +176,7 @@ def write_object(path: str | os.PathLike, obj: Any, durable: bool = True, reuse:
     prefix_len = _align(len(MAGIC) + 8 + len(header))
     prefix = MAGIC + struct.pack("<Q", len(header)) + header
     prefix += b"\0" * (prefix_len - len(prefix))
-    fd, reused = _open_new(path, reuse)
+    fd, reused = create_reusing(*split_path(path), reuse, 0o644)
     try:
         crc = _write_all(fd, memoryview(prefix), 0, 0, durable)
         pos = 0
@@ -192,25 +192,13 @@ def write_object(path: str | os.PathLike, obj: Any, durable: bool = True, reuse:
 
 
 def _write_raw(path: str | os.PathLike, data: bytes, durable: bool, reuse: Path | None = None) -> FileDigest:
-    fd, reused = _open_new(path, reuse)
+    fd, reused = create_reusing(*split_path(path), reuse, 0o644)
     try:
         crc = _write_all(fd, memoryview(data), 0, 0, durable)
         _finish(fd, len(data), reused, durable)
     finally:
         os.close(fd)
     return FileDigest(size=len(data), checksum=crc, algorithm=DEFAULT_CHECKSUM)
-
-
-def _open_new(path: str | os.PathLike, reuse: Path | None) -> tuple[int, bool]:
-    """A descriptor of the file at ``path``: ``reuse`` moved there, else a new file (safe_write's
-    rule either way: never through a link); and whether it was ``reuse``."""
-    where, name = split_path(path)
-    if reuse is not None:
-        try:
-            return take_over(where, name, str(reuse.parent), reuse.name), True
-        except OSError:  # gone, or not a file of ours: a new one serves as well
-            pass
-    return create_new(where, name, 0o644), False
 
 
 def _finish(fd: int, size: int, reused: bool, durable: bool) -> None:

@@ -67,7 +67,7 @@ from dslaunch.runtime.checkpoint.save_load import save_async, tag_job
 from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore, FileRecord, Manifest
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
 from dslaunch.runtime.heartbeat import reporter
-from dslaunch.safe_write import create_new, explain, make_dirs, take_over, write_file
+from dslaunch.safe_write import create_reusing, explain, make_dirs, write_file
 from dslaunch.utils.restart import JOB_ID
 
 __all__ = ["TAG_PREFIX", "Resumed", "MemoryCheckpoint", "attach", "job_store", "host_store", "peers",
@@ -170,7 +170,7 @@ def _receive_into(folder: Path, name: str, size: int, reuse: Path | None = None)
     an old file taken over for it, its pages reused, when it can be); or a scratch buffer (its
     sender must not wait forever) and why the file cannot be made."""
     try:
-        fd = _take_or_create(folder, name, reuse)
+        fd, _ = create_reusing(folder, name, reuse, 0o600, readable=True)
         try:
             if size == 0:
                 return _scratch(0), None
@@ -182,15 +182,6 @@ def _receive_into(folder: Path, name: str, size: int, reuse: Path | None = None)
     except OSError as err:
         return _scratch(size), explain(err, folder / name)
     return torch.frombuffer(mapped, dtype=torch.uint8), None
-
-
-def _take_or_create(folder: Path, name: str, reuse: Path | None) -> int:
-    if reuse is not None:
-        try:
-            return take_over(folder, name, reuse.parent, reuse.name)
-        except OSError:  # gone (taken, a fetched snapshot), or not ours: a new file
-            pass
-    return create_new(folder, name, 0o600, readable=True)
 
 
 class MemoryCheckpoint:
