@@ -24,8 +24,8 @@ Callers decide what a refusal means: an observer (monitor, profiler) warns in on
 goes on; a checkpoint or an autotuning result raises an error naming the path.
 
 A small API for any new writer: ``open_dir``/``make_dirs``/``new_dir`` for directories,
-``write_file`` (whole, replacing), ``append_file``, ``create_new``, and ``atomic_path`` for a library
-that only takes a file name. ``tests/test_safe_write_callers.py`` fails on a write elsewhere.
+``write_file`` (whole, replacing), ``append_file``, ``create_new``, ``take_over`` (an old file's pages
+reused under a new name), and ``atomic_path`` for a library that only takes a file name. ``tests/test_safe_write_callers.py`` fails on a write elsewhere.
 
 Limitations: Linux/POSIX only (``openat``-style ``dir_fd`` calls). A directory the job only reads
 is not checked here.
@@ -43,7 +43,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Union
 
-__all__ = ["UnsafePath", "Where", "FileId", "open_dir", "make_dirs", "new_dir", "check_dir", "create_new",
+__all__ = ["UnsafePath", "Where", "FileId", "open_dir", "make_dirs", "new_dir", "check_dir", "create_new", "take_over",
+           "create_reusing",
            "create_replacing", "write_new", "write_file", "atomic_file", "atomic_path", "append_file", "lock_file",
            "write_all",
            "remove_file", "remove_own", "split_path", "explain"]
@@ -233,6 +234,45 @@ def create_new(where: Where, name: str, mode: int = 0o600, readable: bool = Fals
     flags = (_NEW & ~os.O_WRONLY) | os.O_RDWR if readable else _NEW
     with _dir(where) as dir_fd:
         return os.open(name, flags, mode, dir_fd=dir_fd)
+
+
+def take_over(where: Where, name: str, old_where: Where, old_name: str) -> int:
+    """A read-write descriptor of the file ``old_name`` in ``old_where``, moved to ``name`` in
+    ``where`` (new there) to be overwritten in place: on a tmpfs its pages are reused, so writing it
+    allocates, zeroes and later frees no memory. The move is exclusive (a hard link, which fails
+    when anything is at ``name``, then the old name unlinked) and the file is kept only when it is
+    a regular file of this user's with one link; it is never opened through a link.
+
+    Raises:
+        FileExistsError, FileNotFoundError, UnsafePath, OSError: nothing was opened; ``name`` is
+            as it was (the old file may be gone).
+    """
+    with _dir(where) as dir_fd, _dir(old_where) as old_fd:
+        os.link(old_name, name, src_dir_fd=old_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        try:
+            os.unlink(old_name, dir_fd=old_fd)
+            return _open_own(dir_fd, name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+            raise
+
+
+def create_reusing(where: Where, name: str, reuse: Path | None, mode: int = 0o600,
+                   readable: bool = False) -> tuple[int, bool]:
+    """``take_over`` of ``reuse`` (a file path) to ``name`` in ``where`` where it can be (it is
+    there, and a regular file of this user's with one link), else ``create_new``; and whether the
+    file is ``reuse`` (then it holds old bytes to overwrite or truncate).
+
+    Raises:
+        FileExistsError, UnsafePath, OSError: as ``create_new``.
+    """
+    if reuse is not None:
+        try:
+            return take_over(where, name, str(reuse.parent), reuse.name), True
+        except OSError:  # gone, or not a file of ours: a new one serves as well
+            pass
+    return create_new(where, name, mode, readable), False
 
 
 def create_replacing(where: Where, name: str, mode: int = 0o600) -> int:

@@ -147,6 +147,29 @@ def test_a_lock_file_is_shared_but_never_opened_through_a_link_a_fifo_or_a_hard_
         os.close(second)
 
 
+
+def test_a_taken_over_file_keeps_its_pages_but_never_a_link_or_a_shared_inode(tmp_path, victim):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir(), new.mkdir()
+    (old / "shard").write_bytes(b"x" * 100)
+    inode = os.stat(old / "shard").st_ino
+    fd = sw.take_over(new, "shard", old, "shard")
+    try:  # the same file (its pages), under the new name only, to overwrite in place
+        assert os.fstat(fd).st_ino == inode and not (old / "shard").exists()
+        os.write(fd, b"y")
+    finally:
+        os.close(fd)
+    assert (new / "shard").read_bytes() == b"y" + b"x" * 99
+    with pytest.raises(FileExistsError):  # a name already there is never replaced
+        sw.take_over(new, "shard", new, "shard")
+    victim.plant(old / "link")
+    os.link(victim.path, old / "hard")
+    for name in ("link", "hard"):  # refused, and nothing left at the new name
+        with pytest.raises(sw.UnsafePath):
+            sw.take_over(new, name, old, name)
+        assert not (new / name).exists()
+    assert victim.untouched()
+
 @as_root
 def test_appending_refuses_another_users_file(tmp_path):
     (tmp_path / "theirs.log").write_text("")

@@ -36,15 +36,16 @@ from typing import Any
 import torch
 
 from dslaunch.errors import CheckpointError, shorten
-from dslaunch.safe_write import create_new, split_path
+from dslaunch.safe_write import create_reusing, split_path
 
 __all__ = ["MAGIC", "FileDigest", "DEFAULT_CHECKSUM", "Encoded", "write_object", "read_object", "file_bytes"]
 
 MAGIC = b"DSLCKPT1"
 _ALIGN = 64
-_CHUNK = 16 << 20
+_CHUNK = 16 << 20  # writeback granularity: large enough for full disk speed
+_PASS = 1 << 20  # write then checksum this much: the checksum reads it from L2, where the write left it
 _OWN_STORAGE_BELOW = 1 << 20
-_MAP_FROM = 4 << 20  # files at least this large are memory-mapped instead of read  # write/CRC granularity: large enough for full disk speed, small for the cache
+_MAP_FROM = 4 << 20  # files at least this large are memory-mapped instead of read
 
 
 try:
@@ -126,10 +127,12 @@ def _write_all(fd: int, data: memoryview, crc: int, offset: int, durable: bool) 
     checksum = _CHECKSUMS[DEFAULT_CHECKSUM]
     for i in range(0, len(data), _CHUNK):
         part = data[i:i + _CHUNK]
-        crc = checksum(part, crc)
-        written = 0
-        while written < len(part):
-            written += os.write(fd, part[written:])
+        for j in range(0, len(part), _PASS):
+            piece = part[j:j + _PASS]
+            written = 0
+            while written < len(piece):
+                written += os.write(fd, piece[written:])
+            crc = checksum(piece, crc)
         if durable and _START_WRITEBACK is not None and len(part) >= _CHUNK // 4:
             # Start flushing this chunk now, so the final fsync finds little left to write:
             # the disk works while the next chunk is checksummed and copied.
@@ -146,18 +149,20 @@ class Encoded:
     encode: Callable[[Any], bytes]
 
 
-def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> FileDigest:
+def write_object(path: str | os.PathLike, obj: Any, durable: bool = True, reuse: Path | None = None) -> FileDigest:
     """Write ``obj`` (any picklable tree of dicts, lists, tensors...) to ``path`` and fsync it;
     an ``Encoded`` object is written as its own bytes.
 
     ``durable=False`` leaves the data in the page cache (no writeback, no fsync), as DeepSpeed's
-    saves do: it survives a killed process, not a power loss or kernel crash.
+    saves do: it survives a killed process, not a power loss or kernel crash. ``reuse``: an old
+    file that is moved to ``path`` and overwritten (``safe_write.take_over``: its pages are
+    reused), or a new file when it cannot be.
 
     Returns:
         The file's size and CRC32, to be recorded in the manifest.
     """
     if isinstance(obj, Encoded):
-        return _write_raw(path, obj.encode(obj.obj), durable)
+        return _write_raw(path, obj.encode(obj.obj), durable, reuse)
     buf = io.BytesIO()
     pickler = _TensorPickler(buf)
     pickler.dump(obj)
@@ -171,7 +176,7 @@ def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> Fil
     prefix_len = _align(len(MAGIC) + 8 + len(header))
     prefix = MAGIC + struct.pack("<Q", len(header)) + header
     prefix += b"\0" * (prefix_len - len(prefix))
-    fd = create_new(*split_path(path), 0o644)  # safe_write's rule: a new file, never through a link
+    fd, reused = create_reusing(*split_path(path), reuse, 0o644)
     try:
         crc = _write_all(fd, memoryview(prefix), 0, 0, durable)
         pos = 0
@@ -180,22 +185,27 @@ def write_object(path: str | os.PathLike, obj: Any, durable: bool = True) -> Fil
                 crc = _write_all(fd, memoryview(b"\0" * (off - pos)), crc, prefix_len + pos, durable)
             crc = _write_all(fd, _as_bytes(t), crc, prefix_len + off, durable)
             pos = off + nbytes
-        if durable:
-            os.fsync(fd)
+        _finish(fd, prefix_len + pos, reused, durable)
     finally:
         os.close(fd)
     return FileDigest(size=prefix_len + pos, checksum=crc, algorithm=DEFAULT_CHECKSUM)
 
 
-def _write_raw(path: str | os.PathLike, data: bytes, durable: bool) -> FileDigest:
-    fd = create_new(*split_path(path), 0o644)
+def _write_raw(path: str | os.PathLike, data: bytes, durable: bool, reuse: Path | None = None) -> FileDigest:
+    fd, reused = create_reusing(*split_path(path), reuse, 0o644)
     try:
         crc = _write_all(fd, memoryview(data), 0, 0, durable)
-        if durable:
-            os.fsync(fd)
+        _finish(fd, len(data), reused, durable)
     finally:
         os.close(fd)
     return FileDigest(size=len(data), checksum=crc, algorithm=DEFAULT_CHECKSUM)
+
+
+def _finish(fd: int, size: int, reused: bool, durable: bool) -> None:
+    if reused:  # an old, longer file: its tail is not this file's
+        os.ftruncate(fd, size)
+    if durable:
+        os.fsync(fd)
 
 
 def file_bytes(path: Path, size: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ host is up, whatever happens to the processes that wrote it; a killed rank, a ki
 a snapshot with them, and no process has to hand its contents over. Writing it is a memory copy.
 
 A snapshot is a tag written by the checkpoint save protocol (``writer.write_tag``) with node-local
-leaders, no fsync and ``keep_last`` 1, asynchronously (``save_load.save_async`` with ``direct``):
+leaders, no fsync and ``keep_last`` 2, asynchronously (``save_load.save_async`` with ``direct``):
 the step waits only for the copy of the small state to host memory; the ZeRO shard is written
 straight into its file in the store (one copy, to host memory) while the next forward/backward
 runs, and the next optimizer step waits for that write only. The replica exchange (point to point
@@ -23,8 +23,15 @@ straight into the pages of its copy) and the publication run on the writer threa
 tag is named from the step and the partition map is gathered at the first snapshot only, so a
 snapshot starts with no collective on the training thread. A tag is published on a host
 only after every rank wrote its files and every replica arrived (the protocol's all-gather), so a
-snapshot a host died in the middle of stays a ``.tmp-`` directory and is never read. Each host
-holds at most the newest complete snapshot and the one being written.
+snapshot a host died in the middle of stays a ``.tmp-`` directory and is never read.
+
+Memory: each host holds two snapshots, the newest complete one and the one before it; a new
+snapshot's files take over the pages of the older one's (``CheckpointStore.reuse_from``: each file
+moved into the new tag and overwritten in place, each replica received into its old copy's pages),
+so a snapshot neither allocates, zeroes nor frees memory (about half its CPU on a tmpfs). The older
+snapshot stays loadable until its first file is taken; one with a file taken is no longer complete
+and is never chosen. At most two snapshots' pages, as before (the newest complete and the one being
+written), but held between snapshots too.
 
 Resume (collective): every rank lists the complete tags of its host's store and which of their
 files it holds; the newest tag whose files the live hosts hold between them is chosen; a rank
@@ -60,7 +67,7 @@ from dslaunch.runtime.checkpoint.save_load import save_async, tag_job
 from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore, FileRecord, Manifest
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
 from dslaunch.runtime.heartbeat import reporter
-from dslaunch.safe_write import create_new, explain, make_dirs, write_file
+from dslaunch.safe_write import create_reusing, explain, make_dirs, write_file
 from dslaunch.utils.restart import JOB_ID
 
 __all__ = ["TAG_PREFIX", "Resumed", "MemoryCheckpoint", "attach", "job_store", "host_store", "peers",
@@ -116,7 +123,7 @@ class PeerReplica:
     in the store (mapped, not read back) and received straight into the pages of its copy."""
 
     def __init__(self, comm: Any, store: CheckpointStore, tag: str, peer_of: list[int | None]):
-        self.comm, self.store, self.tag, self.peer_of = comm, store, tag, peer_of
+        self.comm, self.store, self.tag, self.peer_of = comm, store, tag, peer_of  # store.reuse_from: old copies
 
     def __call__(self, own: list[FileRecord]) -> list[FileRecord]:
         import torch.distributed as dist
@@ -135,7 +142,9 @@ class PeerReplica:
         got, problem = [], None
         for r in senders:
             for rec in sendable(every[r]):
-                buf, err = (_scratch(rec.size), None) if rec.name in mine else _receive_into(tmp, rec.name, rec.size)
+                reuse = self.store.reuse_from / rec.name if self.store.reuse_from is not None else None
+                buf, err = (_scratch(rec.size), None) if rec.name in mine else _receive_into(tmp, rec.name, rec.size,
+                                                                                              reuse)
                 problem = problem or err
                 reqs.append(dist.irecv(buf, r, group=self.comm.group))
                 got.append((rec, buf))
@@ -156,14 +165,16 @@ def _scratch(size: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8)
 
 
-def _receive_into(folder: Path, name: str, size: int) -> tuple[torch.Tensor, str | None]:
-    """A new file of ``size`` bytes in ``folder``, mapped, to receive a copy straight into; or a
-    scratch buffer (its sender must not wait forever) and why the file cannot be made."""
+def _receive_into(folder: Path, name: str, size: int, reuse: Path | None = None) -> tuple[torch.Tensor, str | None]:
+    """A new file of ``size`` bytes in ``folder``, mapped, to receive a copy straight into (``reuse``:
+    an old file taken over for it, its pages reused, when it can be); or a scratch buffer (its
+    sender must not wait forever) and why the file cannot be made."""
     try:
-        fd = create_new(folder, name, 0o600, readable=True)
+        fd, _ = create_reusing(folder, name, reuse, 0o600, readable=True)
         try:
             if size == 0:
                 return _scratch(0), None
+            os.ftruncate(fd, size)  # an old copy: its length, now this one's (new: a no-op)
             os.posix_fallocate(fd, 0, size)  # a full tmpfs fails here, not with SIGBUS mid-receive
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -195,6 +206,7 @@ class MemoryCheckpoint:
         self.peer_of = peers(self.hosts) if cfg.replicas else [None] * len(self.hosts)
         self.leader = self.hosts.index(self.host) == parts.io.comm.rank  # reports its host's store
         self._pending: int | None = None  # the step of the snapshot being written
+        self._older: int | None = None  # the step of the snapshot before it, whose pages the next one takes
         self._partition: dict | None = None  # the partition map: gathered at the first snapshot only
         if parts.placement is not None:
             raise CheckpointError("memory_checkpoint is not supported with model parallelism (pipeline, tensor "
@@ -209,18 +221,21 @@ class MemoryCheckpoint:
         collective: call on all ranks.
         """
         parts = dataclasses.replace(parts, config=dataclasses.replace(
-            parts.config, async_save=True, fsync=False, keep_last=1, use_node_local_storage=True,
+            parts.config, async_save=True, fsync=False, keep_last=2, use_node_local_storage=True,
             tag_validation="Ignore"))
         # every rank names the tag alike and the layout never changes: no collective here after the first
         job, big = tag_job(parts, self.store.root, f"{TAG_PREFIX}{parts.global_steps}", None, True, False,
                            agreed=True, partition=self._partition)
         self._partition = job.meta.get("partition")
-        job = dataclasses.replace(job, meta={**job.meta, "hosts": self.hosts})  # tells replicas from own files
+        older = self.store.root / f"{TAG_PREFIX}{self._older}" if self._older is not None else None
+        job = dataclasses.replace(job, meta={**job.meta, "hosts": self.hosts},  # tells replicas from own files
+                                  store=CheckpointStore(job.store.root, durable=False, reuse_from=older))
         if any(p is not None for p in self.peer_of):
-            job = dataclasses.replace(job, replicate=PeerReplica(parts.io.comm, self.store, job.tag, self.peer_of))
+            job = dataclasses.replace(job, replicate=PeerReplica(parts.io.comm, job.store, job.tag, self.peer_of))
         save_async(parts.io, parts.optimizer, job, big, direct=True)
         # tag_job waited for the previous snapshot: it is complete now
         complete, self._pending = self._pending, parts.global_steps
+        self._older = complete
         hb = reporter()
         if self.leader and hb is not None:
             hb.set_memory_checkpoint({"host": self.host, "step": complete, "bytes": self.held_bytes(),

@@ -183,12 +183,15 @@ class CheckpointStore:
     into ``tmp_dir``, which the leader's ``publish.LeaderSave`` creates and publishes.
     """
 
-    def __init__(self, root: str | os.PathLike, durable: bool = True):
+    def __init__(self, root: str | os.PathLike, durable: bool = True, reuse_from: Path | None = None):
         """``durable=False`` skips every fsync (``checkpoint.fsync: false``): the order of the
         steps, and so the safety against a killed process, stays; a power loss may tear the
-        newest tag, which loading then detects by its checksums."""
+        newest tag, which loading then detects by its checksums. ``reuse_from``: a directory (an
+        older tag) whose file of the same name each ``write`` takes over and overwrites, reusing
+        its pages (memory snapshots on a tmpfs); a new file where it has none."""
         self.root = Path(root)
         self.durable = durable
+        self.reuse_from = reuse_from
 
     # ---- writing -------------------------------------------------------------------------
     def tmp_dir(self, tag: str) -> Path:
@@ -196,7 +199,8 @@ class CheckpointStore:
 
     def write(self, tag: str, name: str, obj: Any, rank: int = 0) -> FileRecord:
         """Any rank: write one file of ``tag`` (fsynced) and return its record."""
-        digest = write_object(self.tmp_dir(tag) / name, obj, self.durable)
+        reuse = self.reuse_from / name if self.reuse_from is not None else None
+        digest = write_object(self.tmp_dir(tag) / name, obj, self.durable, reuse)
         return FileRecord(name, rank, digest.size, digest.checksum, digest.algorithm)
 
     def discard(self, path: Path) -> None:

@@ -2,10 +2,16 @@
 """In-memory peer checkpoints: recovery from a lost host, memory vs storage, and the step-time
 cost of the background snapshots, on the SSH test cluster (2 hosts x 2 ranks, gloo, CPU).
 
-The job is ``memory_checkpoint_worker.py`` (an MLP of ``--layers`` x Linear(H, H), ZeRO-1, AdamW).
+The job is ``memory_checkpoint_worker.py`` (ZeRO-1, AdamW): an MLP of ``--layers`` x Linear(H, H),
+the worst case (little compute per byte of state), or a GPT-2-small-shaped transformer (124M).
 
 - overhead: the same job without and with ``memory_checkpoint`` (every 5 steps, one replica);
   the mean and median step time of rank 0 over steps 3..N (a snapshot step counts with its share);
+- gpt: the transformer (``--batch`` sequences of ``--seq`` tokens per rank) in one run whose blocks
+  of 5 steps alternate snapshots on and off (an "on" block takes one snapshot and waits for it to
+  finish: the block holds its whole cost); the overhead is the median over adjacent on/off pairs of
+  the ratio of their wall times, and, as a bound that the machine's load cannot blur, the extra
+  process CPU of an "on" block (all threads, mean over ranks) over the CPU of an "off" block;
 - recovery: snapshots (or storage checkpoints, into a directory on disk) every 5 steps; when rank 0
   has finished step 12 every process of the second host is stopped and killed (and, for memory, its
   store removed: its RAM is gone); the elastic restart runs on the first host's 2 ranks. Measured:
@@ -18,7 +24,7 @@ Writes ``results/memory_checkpoint_bench.{json,md}``. Needs root (the cluster); 
 ``flock /tmp/dslaunch-bench.lock flock /tmp/dslaunch-cluster.lock``.
 
 Usage: ``python scripts/bench/memory_checkpoint_bench.py [--hidden 2048 --layers 30] [--steps 20]
-[--only overhead|recovery]``.
+[--pairs 2 --seq 512 --batch 1] [--only overhead|gpt|recovery]``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ KILL_AFTER, EVERY = 12, 5
 STEP = re.compile(r"step=(\d+) end=([\d.]+) dt=([\d.]+)(?: block=([\d.]+))?")
 COPY = re.compile(r"shard_copy_s=([\d.]+)")
 INIT = re.compile(r"init_s=([\d.]+) resumed_at=(\d+) world=(\d+)")
+BLOCK = re.compile(r"block=(\d+) on=([01]) wall=([\d.]+) cpu=([\d.]+)")
 
 
 class Job:
@@ -122,6 +129,31 @@ def overhead(job: Job, steps: int, memory_dir: str) -> dict:
     return result
 
 
+def interleaved(job: Job, pairs: int, seq: int, batch: int, memory_dir: str) -> dict:
+    """The GPT job with snapshots on and off in alternating blocks (see the module docstring)."""
+    proc = job.launch("gpt", 0, "--model", "gpt", "--seq", str(seq), "--batch", str(batch), "--pairs", str(pairs),
+                      "--memory_every", str(EVERY), "--memory_dir", memory_dir)
+    lines = _lines(proc)
+    if proc.returncode:
+        print(f"gpt run failed ({proc.returncode}):", "".join(lines[-20:]),
+              (job.work / "gpt.err").read_text()[-3000:], sep="\n", file=sys.stderr)
+    blocks = [(bool(int(m[2])), float(m[3]), float(m[4])) for line in lines if (m := BLOCK.search(line))]
+    on = [b for b in blocks if b[0]]
+    off = [b for b in blocks if not b[0]]
+    ratios = [a[1] / b[1] for a, b in zip(on, off, strict=False)]  # the i-th of each: an adjacent pair
+    extra = [a[2] - b[2] for a, b in zip(on, off, strict=False)]
+    out = {"exit_code": proc.returncode, "seq": seq, "batch_per_rank": batch, "pairs": len(ratios),
+           "blocks": [{"on": o, "wall_s": w, "cpu_s": c} for o, w, c in blocks]}
+    if ratios:
+        cpu_off = statistics.median(b[2] for b in off)
+        out.update(block_wall_off_s=round(statistics.median(b[1] for b in off), 3),
+                   block_wall_on_s=round(statistics.median(b[1] for b in on), 3),
+                   overhead_pct=round(100 * (statistics.median(ratios) - 1), 2),
+                   snapshot_cpu_s=round(statistics.median(extra), 3), block_cpu_off_s=round(cpu_off, 3),
+                   cpu_bound_pct=round(100 * statistics.median(extra) / cpu_off, 2))
+    return out
+
+
 def recovery(job: Job, steps: int, source: str, memory_dir: str) -> dict:
     ckpt = str(job.work / "ckpt")
     extra = (("--memory_every", str(EVERY), "--memory_dir", memory_dir) if source == "memory"
@@ -154,7 +186,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--only", choices=("overhead", "recovery"), help="run one half (default: both)")
+    ap.add_argument("--pairs", type=int, default=2, help="GPT: on/off block pairs (5 steps a block)")
+    ap.add_argument("--seq", type=int, default=512, help="GPT: tokens per sequence")
+    ap.add_argument("--batch", type=int, default=1, help="GPT: sequences per rank and step")
+    ap.add_argument("--only", choices=("overhead", "gpt", "recovery"), help="run one part (default: all)")
     args = ap.parse_args()
     state = cluster_mod.state_dir_default()
     info = cluster_mod.up(3, state)
@@ -167,9 +202,11 @@ def main() -> None:
         t0 = time.time()
         load_start = os.getloadavg()[0]
         results = {}
-        if args.only != "recovery":
+        if args.only in (None, "overhead"):
             results["overhead"] = overhead(job, args.steps, shm)
-        if args.only != "overhead":
+        if args.only in (None, "gpt"):
+            results["gpt"] = interleaved(job, args.pairs, args.seq, args.batch, shm)
+        if args.only in (None, "recovery"):
             results["recovery"] = {s: recovery(job, args.steps, s, shm) for s in ("memory", "storage")}
     load = os.getloadavg()
     out = {"params": params, "hosts": 2, "ranks_per_host": 2, "zero_stage": 1, "snapshot_every": EVERY,
@@ -183,19 +220,30 @@ def main() -> None:
 
 
 def _table(r: dict) -> str:
-    rows = [f"# memory_checkpoint_bench: {r['params'] / 1e6:.0f}M parameters, 2 hosts x 2 ranks, ZeRO-1, "
-            f"snapshot every {r['snapshot_every']} steps ({r['machine']})", ""]
+    rows = [f"# memory_checkpoint_bench: 2 hosts x 2 ranks, ZeRO-1, snapshot every {r['snapshot_every']} steps "
+            f"({r['machine']})", ""]
     if (o := r.get("overhead")) is not None:
         m = o["memory"]
-        rows += ["| snapshots | mean step (s) | median step (s) |", "| --- | --- | --- |",
+        rows += [f"MLP, {r['params'] / 1e6:.0f}M parameters, one sample per rank and step:", "",
+                 "| snapshots | mean step (s) | median step (s) |", "| --- | --- | --- |",
                  f"| none | {o['none']['mean_step_s']} | {o['none']['median_step_s']} |",
                  f"| memory, 1 replica | {m['mean_step_s']} | {m['median_step_s']} |",
                  f"| overhead | {o['overhead_mean_pct']}% | {o['overhead_median_pct']}% |", "",
                  f"Training thread blocked per snapshot (rank 0, {m.get('snapshots')} snapshots): mean "
                  f"{m.get('block_mean_s')} s, max {m.get('block_max_s')} s; one copy of its ZeRO shard into ready "
                  f"host buffers: {m.get('shard_copy_s')} s.", ""]
+    if (g := r.get("gpt")) is not None and "overhead_pct" in g:
+        rows += [f"GPT-2-small shape (124M parameters), {g['batch_per_rank']} x {g['seq']} tokens per rank and step, "
+                 f"{g['pairs']} pairs of 5-step blocks:", "",
+                 "| snapshots | block of 5 steps (s, median) | process CPU per rank (s, median) |", "| --- | --- | --- |",
+                 f"| none | {g['block_wall_off_s']} | {g['block_cpu_off_s']} |",
+                 f"| memory, 1 replica (one snapshot) | {g['block_wall_on_s']} | "
+                 f"{round(g['block_cpu_off_s'] + g['snapshot_cpu_s'], 3)} |",
+                 f"| overhead | {g['overhead_pct']}% (median of paired ratios) | {g['cpu_bound_pct']}% "
+                 f"({g['snapshot_cpu_s']} s per snapshot) |", ""]
     if (rec := r.get("recovery")) is not None:
-        rows += ["| restore from | resumed at | steps lost | world after | restarted initialize() (s) | "
+        rows += [f"Recovery (the MLP, {r['params'] / 1e6:.0f}M parameters):", "",
+                 "| restore from | resumed at | steps lost | world after | restarted initialize() (s) | "
                  "kill -> first step (s) |", "| --- | --- | --- | --- | --- | --- |"]
         rows += [f"| {k} ({v['source']}) | {v['resumed_at']} | {v['steps_lost']} | {v['world_after']} | "
                  f"{v['init_s']} | {v['recovery_s']} |" for k, v in rec.items()]

@@ -78,12 +78,12 @@ def _fail_owner_record(mp: pytest.MonkeyPatch) -> None:
 def _fail_second_file(mp: pytest.MonkeyPatch) -> None:
     real, calls = checkpoint_io.write_object, []
 
-    def write_object(path, obj, durable=True):
+    def write_object(path, obj, durable=True, reuse=None):
         calls.append(path)
         if len(calls) == 2:  # after one complete file and part of the next
             Path(path).write_bytes(b"partial")
             _enospc(path)
-        return real(path, obj, durable)
+        return real(path, obj, durable, reuse)
 
     mp.setattr(checkpoint_io, "write_object", write_object)
 

@@ -129,12 +129,14 @@ def test_the_monitor_reports_the_restore_with_the_steps_lost_and_each_host_s_sto
     assert not store.exists() and other.exists()
 
 
-def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool, list[str], bool]:
-    """Two "hosts" of one rank each (hostnames patched): snapshots at steps 2 and 4, the second
-    host's store is lost, the weights are spoiled, and the resume fetches its files from the first
-    host's replica. Returns the source, whether the weights are the snapshot's, the checkpoint
-    collectives the training thread ran during the second snapshot, and whether the replica of
-    the peer's shard equals the peer's own copy byte for byte."""
+def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool, list[str], bool, bool]:
+    """Two "hosts" of one rank each (hostnames patched): snapshots at steps 2, 4, 6 and 8, the
+    second host's store is lost, the weights are spoiled, and the resume fetches its files from the
+    first host's replica. Returns the source, whether the weights are the snapshot's, the
+    checkpoint collectives the training thread ran during the second snapshot, whether the replica
+    of the peer's shard equals the peer's own copy byte for byte, and whether the snapshots of
+    steps 6 and 8 took over the files (the pages) of those of steps 2 and 4, own shard and replica
+    alike, leaving two snapshots in the store."""
     import shutil
     import socket
     import threading
@@ -161,18 +163,24 @@ def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool,
         return gather(obj)
 
     comm.all_gather_object = watched
-    for _snapshot in range(2):
+    store, inodes = memory.store.root, {}
+    for snapshot in range(4):
         for _ in range(2):
             engine.backward(engine(torch.randn(2, 8)).square().mean())
             engine.step()
         on_main.clear()  # the first snapshot gathers the partition map; later ones run none here
         memory.snapshot(engine.checkpoint_parts())
         engine.wait_for_checkpoint()
-    during = list(on_main)
+        if snapshot == 1:
+            during = list(on_main)
+        inodes[2 * snapshot + 2] = {r: os.stat(store / f"memory_step{2 * snapshot + 2}" / zero_file(r)).st_ino
+                                    for r in range(2)}
+    reused = inodes[6] == inodes[2] and inodes[8] == inodes[4] and \
+        sorted(p.name for p in store.iterdir() if p.is_dir()) == ["memory_step6", "memory_step8"]
     saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
     torch.distributed.barrier()
     peer = 1 - rank  # its replica here is byte for byte the file it wrote on its own host
-    here, there = (memory.store.root.parent / f"host{h}" / "memory_step4" / zero_file(peer) for h in (rank, peer))
+    here, there = (memory.store.root.parent / f"host{h}" / "memory_step8" / zero_file(peer) for h in (rank, peer))
     replica_equal = here.read_bytes() == there.read_bytes()
     torch.distributed.barrier()
     if rank == 1:
@@ -183,14 +191,14 @@ def _lost_store_comes_back(rank: int, world: int, root: str) -> tuple[str, bool,
             p.zero_()
     resumed = memory.resume(engine.checkpoint_parts(), None, lambda d, t: engine.load_checkpoint(d, tag=t))
     same = all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
-    return resumed.source, same and engine.global_steps == 4, during, replica_equal
+    return resumed.source, same and engine.global_steps == 8, during, replica_equal, reused
 
 
 @pytest.mark.timeout(120)
 def test_a_host_whose_store_was_lost_fetches_its_files_from_the_peer_replica(tmp_path):
     from tests.distributed import run_world
 
-    assert run_world(_lost_store_comes_back, 2, str(tmp_path)) == [("peer memory", True, [], True)] * 2
+    assert run_world(_lost_store_comes_back, 2, str(tmp_path)) == [("peer memory", True, [], True, True)] * 2
 
 
 def test_a_replica_that_cannot_be_stored_is_still_received(tmp_path):
