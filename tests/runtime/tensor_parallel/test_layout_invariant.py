@@ -12,19 +12,10 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.runtime.tensor_parallel.models import VOCAB, TrainableLM
+from tests.runtime.tensor_parallel.models import TrainableLM, rule_batch
 
-GLOBAL_BATCH, SEQ, HALF = 8, 12, 4
+HALF = 4  # samples: half the global batch of rule_batch's 8
 BEFORE, AFTER = 2, 2  # steps before the save, and after it
-
-
-def _batch(step: int) -> torch.Tensor:
-    """Random tokens, then next = 5 * token + 3 mod vocab (learnable)."""
-    g = torch.Generator().manual_seed(2000 + step)
-    ids = [torch.randint(0, VOCAB, (GLOBAL_BATCH,), generator=g)]
-    for _ in range(SEQ - 1):
-        ids.append((5 * ids[-1] + 3) % VOCAB)
-    return torch.stack(ids, dim=1)
 
 
 def _engine(tp: int, stage: int, chunks: int = 4):
@@ -46,7 +37,7 @@ def _steps(engine, first: int, count: int) -> list[float]:
         halves = torch.zeros(2)
         for micro in range(engine.gradient_accumulation_steps()):
             half = engine.grid.get_data_parallel_rank() + micro  # dp 2 x gas 1 or dp 1 x gas 2
-            ids = _batch(step)[half * HALF:(half + 1) * HALF]
+            ids = rule_batch(step)[half * HALF:(half + 1) * HALF]
             loss = engine(input_ids=ids, labels=ids)
             engine.backward(loss)
             engine.step()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.runtime.tensor_parallel.models import VOCAB, TrainableLM
+from tests.runtime.tensor_parallel.models import VOCAB, TrainableLM, rule_batch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,12 +31,7 @@ def _config(tp: int, stage: int, dp: int, optimizer: dict | None = None, loss_pa
 
 
 def _batch(step: int) -> torch.Tensor:
-    """Sequences that follow one rule (next = 5 * token + 3 mod vocab) from random starts: learnable."""
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = [torch.randint(0, VOCAB, (GLOBAL_BATCH,), generator=g)]
-    for _ in range(SEQ - 1):
-        ids.append((5 * ids[-1] + 3) % VOCAB)
-    return torch.stack(ids, dim=1)
+    return rule_batch(step, GLOBAL_BATCH, SEQ)
 
 
 def _nbytes(tensors) -> int:
