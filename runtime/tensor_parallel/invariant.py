@@ -155,20 +155,19 @@ class _Row(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, pieces: Pieces) -> torch.Tensor:
-        ranges = pieces.local()
-        xs = _cut(x.reshape(-1, x.shape[-1]), ranges, 1)
+        ranges, flat = pieces.local(), x.reshape(-1, x.shape[-1])
+        xs = _cut(flat, ranges, 1)
         partial = torch.stack([xp @ wp.t() for xp, wp in zip(xs, _cut(weight, ranges, 1), strict=True)])
-        ctx.save_for_backward(weight, *xs)
+        ctx.save_for_backward(weight, flat)  # not the pieces: cut again backward, no second copy kept
         ctx.ranges, ctx.shape = ranges, x.shape
         return pieces.sum(partial).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        weight, *xs = ctx.saved_tensors
+        weight, flat = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1]).contiguous()
-        w = _cut(weight, ctx.ranges, 1)
-        grad_x = torch.cat([g @ wp for wp in w], dim=-1)
-        grad_w = torch.cat([g.t() @ xp for xp in xs], dim=1)
+        grad_x = torch.cat([g @ wp for wp in _cut(weight, ctx.ranges, 1)], dim=-1)
+        grad_w = torch.cat([g.t() @ xp for xp in _cut(flat, ctx.ranges, 1)], dim=1)
         return grad_x.view(ctx.shape), grad_w, None
 
 
