@@ -11,9 +11,12 @@ the global piece index, ``((p0 + p1) + (p2 + p3))``:
 - row-parallel forward: the partial outputs of the ``C`` input-feature pieces;
 - column-parallel backward: the input gradient's parts from the ``C`` output-feature pieces.
 
-The weight gradients are per-piece products of the same shapes at every degree: no sum. Attention
-over a rank's heads needs nothing (measured: per-head results are the same bits at H/tp as at H
-heads), nor does the vocab-parallel embedding (its sum adds zeros) or the gathered logits.
+Attention: the plain-torch model's SDPA over a rank's heads is the same bits at H/tp as at H heads
+(measured); Hugging Face's eager attention is not (its kernels see other head counts and strides),
+so a Hugging Face model's attention runs one KV head at a time (``fix_attention_pieces``).
+
+The weight gradients are per-piece products of the same shapes at every degree: no sum. The
+vocab-parallel embedding needs nothing (its sum adds zeros), nor do the gathered logits.
 
 Limitations: fp32 only; not with ``tensor_parallel.loss_parallel`` (its softmax sums over the
 vocabulary slices); every segment a rank holds must divide into ``C / tp`` pieces.
@@ -22,15 +25,17 @@ vocabulary slices); every segment a rank holds must divide into ``C / tp`` piece
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.tensor_parallel.auto_tp import Segments
 
-__all__ = ["Pieces", "invariant_chunks", "tree_sum", "column_linear", "row_linear"]
+__all__ = ["Pieces", "invariant_chunks", "tree_sum", "column_linear", "row_linear", "fix_attention_pieces"]
 
 
 def invariant_chunks(config: Any) -> int | None:
@@ -184,3 +189,42 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, pieces: Pieces) -> torch.T
 
     collective: every rank of the tensor group."""
     return _Row.apply(x, weight, pieces)
+
+
+def fix_attention_pieces(model: nn.Module) -> None:
+    """A Hugging Face model's attention run one KV head (and its query heads) at a time, whatever
+    the degree: its kernels otherwise see other head counts and strides at each degree (measured:
+    eager attention at 2 query heads over 1 KV head rounds apart from 4 over 2, 1.5e-8). Registered
+    in Hugging Face's attention functions as ``dslaunch_layout_invariant|<the model's own>``. A model
+    without Hugging Face's attention dispatch (``config._attn_implementation``) is left as it is.
+    """
+    inner = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if inner is None or inner.startswith("dslaunch_layout_invariant|"):
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = f"dslaunch_layout_invariant|{inner}"
+    AttentionInterface.register(name, partial(_attention_by_kv_head, inner))
+    if inner in ALL_MASK_ATTENTION_FUNCTIONS:  # else Hugging Face builds no mask for the new name
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    for sub in model.modules():  # every config the attention modules read (a composite model's too)
+        cfg = getattr(sub, "config", None)
+        if getattr(cfg, "_attn_implementation", None) == inner:
+            cfg._attn_implementation = name
+
+
+def _attention_by_kv_head(inner: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``inner`` attention once per KV head, on contiguous copies: the same shapes and strides
+    at every degree. Returns ``[batch, seq, heads, dim]`` (Hugging Face's layout), no weights."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    run = ALL_ATTENTION_FUNCTIONS.get_interface(inner, sys.modules[type(module).__module__].eager_attention_forward)
+    kv, group = key.shape[1], query.shape[1] // key.shape[1]
+    outs = [run(module, query[:, i * group:(i + 1) * group].contiguous(), key[:, i:i + 1].contiguous(),
+                value[:, i:i + 1].contiguous(), attention_mask, **kwargs)[0] for i in range(kv)]
+    return torch.cat(outs, dim=2), None

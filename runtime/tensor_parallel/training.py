@@ -29,7 +29,7 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.parallel.mpu import tensor_axis
 from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
-from dslaunch.runtime.tensor_parallel.invariant import Pieces, invariant_chunks
+from dslaunch.runtime.tensor_parallel.invariant import Pieces, fix_attention_pieces, invariant_chunks
 from dslaunch.runtime.tensor_parallel.loss import causal_lm_loss
 from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
 
@@ -82,6 +82,7 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
     comms = training_collectives(group)
     if chunks is not None:
         comms = replace(comms, pieces=Pieces(group, tp_size, chunks))
+        fix_attention_pieces(model)
     if loss_parallel:
         comms = replace(comms, gather=_keep_slice)
         model.loss_function = causal_lm_loss(_vocab_start(model, plan), group)
