@@ -86,3 +86,22 @@ def test_a_tag_saved_at_one_degree_resumes_bit_for_bit_at_another(tmp_path, stag
         assert resumed[4] == runs[4][BEFORE:], (resumed[4], runs[4])  # 2 -> 4
         assert resumed[2] == runs[2][BEFORE:], (resumed[2], runs[2])  # 4 -> 2
         assert resumed["equal4"] and resumed["equal2"], resumed  # every weight and Adam moment
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hugging_face_llama_and_gpt2(compat_bin, tmp_path) -> None:
+    """Llama's eager attention rounds apart at 2 vs 4 query heads a rank unless run one KV head at
+    a time (measured: 4.8e-7 apart by the 2nd step with the block off)."""
+    from pathlib import Path
+
+    from dslaunch.utils.ports import free_port
+    from tests.compat.conftest import run_job, tagged
+
+    script = str(Path(__file__).resolve().parent / "scripts" / "hf_invariant.py")
+    got = tagged(run_job([str(compat_bin / "dslaunch"), "--num_gpus", "4", "--master_port", str(free_port()),
+                          script], cwd=tmp_path, timeout=300), "RESULTS")
+    for family in ("llama", "gpt2"):
+        on = got[f"{family}@on"]
+        assert on["2"] == on["4"], (family, on)
+        assert on["2"] == pytest.approx(got[f"{family}@off"]["2"], abs=1e-6)  # the same model, rounded alike or nearly
