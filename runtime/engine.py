@@ -67,8 +67,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         if config.tensor_parallel.size > 1:  # AutoTP training: shard before anything reads the parameters
             from dslaunch.runtime.tensor_parallel.training import repoint_parameters, shard_for_training
 
-            self.tp_plan, replaced = shard_for_training(model, self.grid, config.tensor_parallel.size,
-                                                       config.tensor_parallel.loss_parallel)
+            self.tp_plan, replaced = shard_for_training(model, self.grid, config)
             model_parameters = repoint_parameters(replaced, optimizer, model_parameters)
             self._unchecked_tp_group = tensor_axis(self.grid, "group")  # the first batch is compared over it
         if config.expert_parallel.enabled:  # AutoEP: this rank's experts only, before ZeRO sees the parameters

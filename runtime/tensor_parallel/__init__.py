@@ -6,6 +6,8 @@
 - ``collectives.py``: the collectives those layers call; for training, autograd functions with
   the backward collective of each (column: all-reduce of the input gradient; row and embedding:
   all-reduce forward, identity backward; vocab: gather forward, slice backward).
+- ``invariant.py``: layout-invariant training (the ``layout_invariant`` block): the column and row
+  layers in fixed pieces summed in a fixed tree, the same bits at every degree.
 - ``shard.py``: putting a plan's layers in place of a model's modules.
 - ``training.py``: ``tensor_parallel.autotp_size`` in the training engine (the grid and the
   sharding at ``initialize``).

@@ -51,6 +51,7 @@ class Collectives:
     gather: Gather  # (local slice, every rank's width) -> concatenated over the last dimension
     name: str
     enter: Callable[[torch.Tensor], torch.Tensor] = _identity
+    pieces: Any = None  # layout-invariant training: the ``invariant.Pieces`` the column/row layers cut by
 
 
 NO_COLLECTIVES = Collectives(_identity, lambda t, widths: t, "none")

@@ -13,6 +13,9 @@
 - Weights may be stored as int8 with one fp32 scale per output row (``quant``): dequantized to the
   compute dtype in each forward (weight-only quantization: 1/4 of fp32's memory, same FLOPs).
 
+Layout-invariant training (``pieces``, ``invariant.py``): the column and row layers compute in
+fixed pieces and sum them in a fixed tree, the same bits at every degree.
+
 Each takes exactly the input the layer it replaces takes, so the model's own forward code calls them unchanged.
 The collectives are passed in (``collectives.py``): in place for inference, autograd functions with
 their backward collectives for training (``trainable``: the parameters then require gradients).
@@ -25,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dslaunch.runtime.tensor_parallel.invariant import Pieces, column_linear, row_linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelLinear", "VocabParallelEmbedding",
            "quantize_int8"]
@@ -72,15 +77,18 @@ class _ShardedLinear(nn.Module):
 class ColumnParallelLinear(_ShardedLinear):
     """``y_local = x @ W_local^T + b_local``: this rank's slice of the output features.
 
-    ``enter`` (training): the identity whose backward sums the input gradient over the group.
+    ``enter`` (training): the identity whose backward sums the input gradient over the group;
+    ``pieces`` (layout-invariant training, of the output features) does that sum itself.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, dtype: torch.dtype,
-                 trainable: bool = False, enter: AllReduce | None = None):
+                 trainable: bool = False, enter: AllReduce | None = None, pieces: Pieces | None = None):
         super().__init__(weight, bias, quantize, dtype, trainable)
-        self._enter = enter
+        self._enter, self._pieces = enter, pieces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._pieces is not None:
+            return column_linear(x, self._weight(), self.bias, self._pieces)
         x = x if self._enter is None else self._enter(x)
         return F.linear(x, self._weight(), self.bias)
 
@@ -88,16 +96,21 @@ class ColumnParallelLinear(_ShardedLinear):
 class RowParallelLinear(_ShardedLinear):
     """``y = allreduce(x_local @ W_local^T) + b``: x arrives already split (a column layer's output).
 
+    ``pieces`` (layout-invariant training, of the input features): the sum in a fixed tree.
+
     collective: every rank of the tensor-parallel group runs it, with inputs of the same shape.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, dtype: torch.dtype,
-                 all_reduce: AllReduce, trainable: bool = False):
+                 all_reduce: AllReduce, trainable: bool = False, pieces: Pieces | None = None):
         super().__init__(weight, bias, quantize, dtype, trainable)
-        self._all_reduce = all_reduce
+        self._all_reduce, self._pieces = all_reduce, pieces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._all_reduce(F.linear(x, self._weight()))
+        if self._pieces is not None:
+            y = row_linear(x, self._weight(), self._pieces)
+        else:
+            y = self._all_reduce(F.linear(x, self._weight()))
         return y if self.bias is None else y + self.bias
 
 
@@ -109,8 +122,8 @@ class VocabParallelLinear(ColumnParallelLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, dtype: torch.dtype,
                  gather: Callable[[torch.Tensor], torch.Tensor], trainable: bool = False,
-                 enter: AllReduce | None = None):
-        super().__init__(weight, bias, quantize, dtype, trainable, enter)
+                 enter: AllReduce | None = None, pieces: Pieces | None = None):
+        super().__init__(weight, bias, quantize, dtype, trainable, enter, pieces)
         self._gather = gather
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -96,14 +96,15 @@ def _sharded_linear(spec: ShardSpec, module: nn.Module, source: WeightReader, dt
         weight = weight.t().contiguous() if out_dim == 1 else weight
     has_bias = getattr(module, "bias", None) is not None
     enter = comms.enter if trainable else None
+    pieces = None if comms.pieces is None else comms.pieces.of(spec.segments)
     if spec.kind == "row":
         bias = source.read(f"{spec.name}.bias") if has_bias else None
-        return RowParallelLinear(weight, bias, quantize, dtype, comms.all_reduce, trainable)
+        return RowParallelLinear(weight, bias, quantize, dtype, comms.all_reduce, trainable, pieces)
     bias = source.read(f"{spec.name}.bias", 0, spec.segments) if has_bias else None
     if spec.kind == "vocab":
         return VocabParallelLinear(weight, bias, quantize, dtype, partial(comms.gather, widths=list(spec.widths)),
-                                   trainable, enter)
-    return ColumnParallelLinear(weight, bias, quantize, dtype, trainable, enter)
+                                   trainable, enter, pieces)
+    return ColumnParallelLinear(weight, bias, quantize, dtype, trainable, enter, pieces)
 
 
 def set_local_attributes(model: nn.Module, plan: TPPlan) -> None:

@@ -29,6 +29,7 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.parallel.mpu import tensor_axis
 from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
+from dslaunch.runtime.tensor_parallel.invariant import Pieces, fix_attention_pieces, invariant_chunks
 from dslaunch.runtime.tensor_parallel.loss import causal_lm_loss
 from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
 
@@ -37,16 +38,17 @@ __all__ = ["shard_for_training", "repoint_parameters", "tensor_layout", "tp_mode
 _RECORD = "ds_tp_model_init"  # the attribute tp_model_init leaves on the model: (tp_size, dtype)
 
 
-def shard_for_training(model: nn.Module, grid: Any, tp_size: int,
-                       loss_parallel: bool = False) -> tuple[TPPlan, dict[int, nn.Parameter]]:
+def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan, dict[int, nn.Parameter]]:
     """Replace ``model``'s layers by this rank's trainable shards (in place).
 
     Args:
         model: the whole model, with the same weights on every rank of the tensor group.
         grid: the mpu whose tensor axis is the group (``runtime.parallel.mpu.tensor_axis``).
-        tp_size: ``tensor_parallel.autotp_size``; the grid's tensor group must have that many ranks.
-        loss_parallel: ``tensor_parallel.loss_parallel``: the output layer keeps its slice of the
-            logits and the model's ``loss_function`` becomes the vocab-parallel cross-entropy.
+        config: the ``DeepSpeedConfig``; read: ``tensor_parallel.autotp_size`` (the grid's tensor
+            group must have that many ranks), ``tensor_parallel.loss_parallel`` (the output layer
+            keeps its slice of the logits and the model's ``loss_function`` becomes the
+            vocab-parallel cross-entropy) and the ``layout_invariant`` block (the column and row
+            layers compute in its ``chunks`` fixed pieces at any degree: ``invariant.py``).
 
     Returns:
         The plan, and for each replaced parameter (by ``id``) the shard that holds its slice.
@@ -54,13 +56,15 @@ def shard_for_training(model: nn.Module, grid: Any, tp_size: int,
     Raises:
         ConfigError: a grid whose tensor group is another size, fewer KV heads than ranks, a
             model the planner cannot trace, or ``loss_parallel`` for a model without a split output
-            layer or a ``loss_function`` (one line each).
+            layer or a ``loss_function``, or what ``invariant.invariant_chunks`` refuses (one line each).
 
     collective: every rank of the tensor group.
     """
     from dslaunch.errors import UsageError
     from dslaunch.runtime.inference.loading import ModuleSource
 
+    tp_size, loss_parallel = config.tensor_parallel.size, config.tensor_parallel.loss_parallel
+    chunks = invariant_chunks(config)  # before any collective: every rank refuses alike
     group, rank = tensor_axis(grid, "group"), tensor_axis(grid, "rank")
     size = tensor_axis(grid, "world_size")
     if size != tp_size:
@@ -76,6 +80,9 @@ def shard_for_training(model: nn.Module, grid: Any, tp_size: int,
     except UsageError as err:
         raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
     comms = training_collectives(group)
+    if chunks is not None:
+        comms = replace(comms, pieces=Pieces(group, tp_size, chunks))
+        fix_attention_pieces(model)
     if loss_parallel:
         comms = replace(comms, gather=_keep_slice)
         model.loss_function = causal_lm_loss(_vocab_start(model, plan), group)

@@ -33,6 +33,16 @@ class TrainableLM(nn.Module):
         return self.loss_function(logits=logits, labels=labels, vocab_size=VOCAB)
 
 
+def rule_batch(step: int, batch: int = 8, seq: int = 12) -> torch.Tensor:
+    """Step ``step``'s ``[batch, seq]`` token ids: random starts, then next = 5 * token + 3 mod
+    vocab (a rule the model can learn); the same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = [torch.randint(0, VOCAB, (batch,), generator=g)]
+    for _ in range(seq - 1):
+        ids.append((5 * ids[-1] + 3) % VOCAB)
+    return torch.stack(ids, dim=1)
+
+
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **kwargs) -> torch.Tensor:
     """Each position predicts the next token (Hugging Face's ``ForCausalLMLoss`` without its options)."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size), labels[:, 1:].reshape(-1))

@@ -38,3 +38,39 @@ def test_refusals_are_one_line(extra: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config({**BASE, **extra}, 8, global_world=True)
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+INVARIANT = {"layout_invariant": {"enabled": True, "chunks": 4}}
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"layout_invariant": {"enabled": True, "chunks": 6}},
+     "'layout_invariant.chunks': 6 is not a multiple of tensor_parallel.autotp_size 4"),
+    ({"bf16": {"enabled": True}, **INVARIANT},
+     "'layout_invariant.enabled': true with bf16: layout-invariant tensor-parallel training is fp32 only"),
+    ({"fp16": {"enabled": True}, **INVARIANT},
+     "'layout_invariant.enabled': true with fp16: layout-invariant tensor-parallel training is fp32 only"),
+    ({"tensor_parallel": {"autotp_size": 4, "loss_parallel": True}, **INVARIANT},
+     "'layout_invariant.enabled': true with tensor_parallel.loss_parallel, whose softmax sums"),
+])
+def test_what_layout_invariant_training_refuses(extra: dict, message: str) -> None:
+    from dslaunch.runtime.tensor_parallel.invariant import invariant_chunks
+
+    raw = {**BASE, "tensor_parallel": {"autotp_size": 4}, **extra}
+    with pytest.raises(ConfigError) as err:
+        invariant_chunks(load_config(raw, 8, global_world=True))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_layout_invariant_pieces_cut_every_segment_alike() -> None:
+    from dslaunch.runtime.tensor_parallel.invariant import Pieces, tree_sum
+
+    assert Pieces(None, 2, 8).of(((0, 8), (32, 40))).local() == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12),
+                                                              (12, 14), (14, 16)]
+    with pytest.raises(ConfigError, match="'layout_invariant.chunks': 8 does not cut a layer evenly: a rank's slice "
+                                          "of 6 features does not divide into 4 pieces"):
+        Pieces(None, 2, 8).of(((0, 6),))
+    import torch
+
+    parts = [torch.tensor(v) for v in (1e8, 1.0, -1e8, 1.0)]  # ((1e8 + 1) + (-1e8 + 1)): 0, where left to right gives 1
+    assert tree_sum(parts).item() == 0.0 and tree_sum(parts[:3]).item() == 0.0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.runtime.tensor_parallel.models import VOCAB, TrainableLM
+from tests.runtime.tensor_parallel.models import VOCAB, TrainableLM, rule_batch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,12 +31,7 @@ def _config(tp: int, stage: int, dp: int, optimizer: dict | None = None, loss_pa
 
 
 def _batch(step: int) -> torch.Tensor:
-    """Sequences that follow one rule (next = 5 * token + 3 mod vocab) from random starts: learnable."""
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = [torch.randint(0, VOCAB, (GLOBAL_BATCH,), generator=g)]
-    for _ in range(SEQ - 1):
-        ids.append((5 * ids[-1] + 3) % VOCAB)
-    return torch.stack(ids, dim=1)
+    return rule_batch(step, GLOBAL_BATCH, SEQ)
 
 
 def _nbytes(tensors) -> int:
@@ -309,6 +304,7 @@ def test_a_tag_resumes_at_the_same_tp_and_reshards_to_another(tmp_path) -> None:
         # batch gradient is summed in another order; and at one dp a column layer's input gradient
         # is all-reduced over 4 parts instead of 2 (float32 addition is not associative). Measured:
         # this first loss is equal (the forward rounded alike), the second step's 2.4e-7 apart.
+        # (The layout_invariant block makes it bit for bit: test_layout_invariant.py.)
         assert abs(got["first"][4] - got["first"][2]) <= 1e-6, got["first"]
         assert max(abs(a - b) for a, b in zip(got["tp4"], got["straight"], strict=True)) <= 1e-6, got
     # zero_to_fp32 of the tp 2 tag: the whole model, whose loss on the next batch is the run's
