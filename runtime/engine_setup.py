@@ -154,9 +154,10 @@ def _refuse_variant_reductions(cfg: DeepSpeedConfig, compressed: bool) -> None:
     """
     gas = cfg.gradient_accumulation_steps
     why = "layout_invariant sums gradients in one fixed tree"
-    if cfg.zero_optimization.stage != 2:
+    if cfg.zero_optimization.stage not in (1, 2):
         raise ConfigError(f"{cfg.zero_optimization.stage}: {why}, built on ZeRO stage 2's reduction at every "
-                          "micro step; use stage 2 or disable layout_invariant", key="zero_optimization.stage")
+                          "micro step (stage 1 reduces so too under it); use stage 1 or 2 or disable "
+                          "layout_invariant", key="zero_optimization.stage")
     if gas & (gas - 1):
         raise ConfigError(f"{gas}: {why} over micro steps too, which needs a power of two (1, 2, 4...)",
                           key="gradient_accumulation_steps")

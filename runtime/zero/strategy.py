@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange, TreeAllReduce
-from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
+from dslaunch.runtime.zero.gradients import FullGradients, GradientPath, ShardedGradients
 from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement, gather_over_ranks, sum_over_ranks
 from dslaunch.runtime.zero.specs import (
@@ -430,5 +430,9 @@ class ReducePart:
         self.spread_sum = sum_over_ranks(dist.get_world_size(spread), spread) if spread is not None else None
         self.placement = strategy.placement_type(specs, comm, self.world_size, self.rank, self.pg)
         gradients_type = FullGradients if exchange.needs_local_gradients else strategy.gradients_type
+        if comm.layout_invariant and strategy.placement_type.partitioned:
+            # stage 1 too: its sum at the boundary would put each rank's micro steps in one
+            # subtree, which another world size cannot form; stage 2's reduction per micro step can
+            gradients_type = ShardedGradients
         self.gradients = gradients_type(self.placement.groups, comm, self.world_size, exchange)
         exchange.bind([g.layout for g in self.placement.groups], self.gradients.local_gradient)
