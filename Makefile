@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
-.PHONY: setup compat-venv deepspeed-venv ray demo test lint docs bench stress system-deps gpu-check clean conformance
+.PHONY: setup compat-venv deepspeed-venv ray demo test lint docs bench stress system-deps gpu-check gpu-wheels clean conformance
 
 setup: $(STAMP)
 
@@ -67,7 +67,7 @@ docs: setup
 # Two pytest workers (pytest-xdist): much of the suite waits on subprocesses, sockets and timeouts.
 # A test file is a unit of work, the namespace cluster's tests one unit (tests/conftest.py).
 TEST_WORKERS ?= 2
-test: setup compat-venv deepspeed-venv ray system-deps lint docs
+test: setup compat-venv deepspeed-venv ray system-deps gpu-wheels lint docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: setup
@@ -83,6 +83,13 @@ stress: setup
 # Without network, first run scripts/gpu/wheels.sh on a machine with PyPI and carry .whl/ over.
 gpu-check:
 	bash scripts/gpu/check.sh $(or $(OUT),gpu-check)
+
+# The wheels a GPU check carries (real DeepSpeed 0.19.8 among them): needs PyPI; the tests check
+# that they install offline (tests/gpu/test_carry.py).
+gpu-wheels: .whl/.built
+.whl/.built: scripts/gpu/wheels.sh | $(STAMP)
+	bash scripts/gpu/wheels.sh
+	touch $@
 
 clean:
 	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache .ruff_cache *.egg-info .site
