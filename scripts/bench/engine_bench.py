@@ -205,8 +205,8 @@ def _write(configs: list[str], timing: list, memory: dict, load: list[float], ar
         summary["dslaunch-3"]["zero0_over_this"] = ratio_stats(timing, "dslaunch-3", "dslaunch-0")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    name = "engine_bench" if args.world == WORLD else f"engine_bench_world{args.world}"
-    (results / f"{name}.json").write_text(json.dumps(
+    stem = "engine_bench" if args.world == WORLD else f"engine_bench_world{args.world}"
+    (results / f"{stem}.json").write_text(json.dumps(
         {"model": f"MLP {LAYERS}x Linear({DIM},{DIM})", "params": LAYERS * (DIM * DIM + DIM),
          "world": args.world, "micro_batch": MICRO, "repeats": args.repeats, "steps": args.steps,
          "block": args.block, "load_average_1min": load, "summary": summary, "timing_runs": timing, "memory_runs": memory}, indent=1))
@@ -234,7 +234,7 @@ def _write(configs: list[str], timing: list, memory: dict, load: list[float], ar
     if "zero0_over_this" in summary.get("dslaunch-3", {}):
         rows += ["", "dslaunch ZeRO-0 / ZeRO-3 (> 1: ZeRO-3 faster): "
                  + ratio_text(summary["dslaunch-3"]["zero0_over_this"])]
-    (results / f"{name}.md").write_text("\n".join(rows) + "\n")
+    (results / f"{stem}.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
 
 
