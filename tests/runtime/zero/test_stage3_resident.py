@@ -2,7 +2,8 @@
 
 The parameters are views of the group's shard (``partitioned.py``'s resident groups) and the
 module is not hooked; training gives stage 0's losses and weights, ``GatheredParameters`` with a
-modifier still writes through to the fp32 master, and a checkpoint round trip resumes alike.
+modifier still writes through to the fp32 master, and a checkpoint round trip resumes alike. The
+gradients go straight into the shard (no reduction buffer is ever taken).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _train(rank: int, world: int, stage: int, tmp: str) -> dict:
         out["views"] = all(lo <= p.data_ptr() < hi and p.ds_status is zp.ZeroParamStatus.AVAILABLE
                            for p in model.parameters())
         out["hooked"] = engine.zero.fetcher is not None
+        out["comm_buffers"] = engine.zero.held_bytes()["comm_buffers"]  # gradients went straight to the shard
         with GatheredParameters([model[0].weight], modifier_rank=0):
             model[0].weight.data.mul_(0.5)
         # the master took the modified weight: the next step's update starts from it
@@ -75,6 +77,6 @@ def test_world_one_gathers_nothing_and_trains_as_stage0(tmp_path) -> None:
     (z3,) = run_world(_train, 1, 3, str(tmp_path / "z3"))
     assert z3["losses"] == z0["losses"]
     assert z3["weights"] == z0["weights"]
-    assert z3["views"] and not z3["hooked"]
+    assert z3["views"] and not z3["hooked"] and z3["comm_buffers"] == 0
     assert z3["calls"] == {"gather": 0, "release": 0}
     assert z3["master_halved"] and z3["resumed_alike"]
