@@ -15,6 +15,7 @@ The model is dslaunch's engine as built (``runtime/zero/``), not a rule of thumb
   ``MAX_INFLIGHT_BUFFERS + 1`` with ``overlap_comm``, else 1) of the largest bucket;
 - stage 3's whole parameters while modules run: the persistent small ones always, and up to
   ``stage3_max_live_parameters`` elements (at least the largest layer) during forward/backward;
+  none where one rank holds the whole shard where the modules run (its parameters are views of it);
 - activations (when the transformer's dimensions are known): per layer, Korthikanti et al.'s
   count generalised to any dtype and FFN width (plus what a fused attention kernel keeps: its
   output beside the projection's input, and the softmax statistics), or the layer inputs plus one
@@ -271,11 +272,18 @@ def _buffers(shape: ModelShape, s: TrainingSetup, r: _Rank) -> _Placed:
         bucket = max(min(s.reduce_bucket_size, r.params), largest_param)
         count = min(MAX_INFLIGHT_BUFFERS + 1 if s.overlap_comm else 1, math.ceil(r.params / bucket))
         parts += Parts(comm_buffers=bucket * r.m * count)
-    if s.stage == 3:  # the persistent small ones, and up to max_live_parameters (at least a layer)
+    if s.stage == 3 and not _resident(s):  # the persistent small ones, and up to max_live_parameters (at least a layer)
         persistent = shape.small_params(s.param_persistence_threshold) // (s.pipeline * s.tensor)
         live = min(r.params - persistent, max(s.max_live_parameters, shape.largest_layer // s.tensor))
         parts += Parts(gathered=(persistent + live) * r.m)
     return _Placed(device=parts)
+
+
+def _resident(s: TrainingSetup) -> bool:
+    """Stage 3 whose shard is the whole model where the modules run (one rank partitions it, no
+    offload to another device): the parameters are views of the shard, none is gathered."""
+    home = _weights_home(s)
+    return s.data_parallel * s.sequence == 1 and (home == "device" or (home == "host" and s.accelerator == "cpu"))
 
 
 def _nvme_ring(s: TrainingSetup, shard: int) -> int:

@@ -13,7 +13,8 @@ gradient and the ranks would silently diverge, so the step raises ``UsageError``
 ``ShardedGradients`` (stage 2): no full gradient buffer is kept. A post-accumulate-grad hook copies
 each fresh ``param.grad`` into its bucket's staging buffer (``contiguous_gradients`` always on)
 and frees it; each reduced bucket's part inside this rank's range is added to an fp32 gradient
-shard of ``partition_range`` size. With ``overlap_comm`` reductions run while backward continues
+shard of ``partition_range`` size (on one rank, with nothing to scale or convert, the gradient is
+written into the shard by the hook itself: the reduction would be the identity). With ``overlap_comm`` reductions run while backward continues
 (backward waits only past ``MAX_INFLIGHT_BUFFERS`` buckets in flight); without it each bucket is
 reduced at once. Every micro step communicates (the shard is all a rank keeps), as in DeepSpeed,
 so ``no_sync()`` is refused. Under ``layout_invariant`` the micro steps' reduced gradients are
@@ -23,7 +24,8 @@ shard per level), not a chain, so that they complete the data group's fixed tree
 ``ScopedGradients`` (stage 3) is ``ShardedGradients`` that frees the gradient shard and the
 reduction buffers at ``zero_grad`` (after each step), as FSDP2 does: between steps a rank holds
 only its parameter shard and optimizer state. The price is allocating them again in the next
-backward (page faults, ~2 ms per 4M floats here); stage 2 keeps them (its step is short).
+backward (page faults, ~2 ms per 4M floats here); stage 2 keeps them (its step is short), and so
+does stage 3 where every group is resident (one rank: no gathered parameter needs the room).
 
 Both hand the strategy this rank's reduced, not yet post-scaled, gradient per group (``shards``).
 """
@@ -224,6 +226,11 @@ class ShardedGradients(GradientPath):
                 p.grad = None
         super().__init__(groups, comm, world_size, exchange,
                          max_inflight=MAX_INFLIGHT_BUFFERS if comm.overlap_comm else 0, sink=self._fold)
+        # One rank, nothing to scale or convert: the reduction is the identity, so each gradient
+        # goes straight into the shard (no staging copy, no fold copy, no buffers); same values.
+        self._direct = (world_size == 1 and comm.pre_factor() == 1.0
+                        and all(comm.comm_dtype in (None, g.dtype) for g in groups))
+        self._arrived: set[tuple[int, int]] = set()  # direct: the params written this backward
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         if not sync:
@@ -232,8 +239,23 @@ class ShardedGradients(GradientPath):
         super().begin_micro_step(boundary, sync)
 
     def _on_grad(self, gi: int, pi: int) -> None:
+        if self._direct:
+            self._arrived.add((gi, pi))
+            self._write_grad(gi, pi)
+            return
         self._take_grad(gi, pi)
         self.reducer.ready(gi, pi)
+
+    def _write_grad(self, gi: int, pi: int) -> None:
+        """Direct: param pi's gradient (zeros if it got none) into the shard, as a fold would; freed."""
+        p = self.groups[gi].params[pi]
+        pa, pb = self.groups[gi].layout.param_range(pi)
+        dst = self._shard(gi)[pa:pb]  # one rank: the shard starts at 0
+        if p.grad is not None:
+            dst.copy_(p.grad.reshape(-1)) if self._fresh else dst.add_(p.grad.reshape(-1))
+            p.grad = None
+        elif self._fresh:
+            dst.zero_()
 
     def _take_grad(self, gi: int, pi: int) -> None:
         """Move param pi's gradient (zeros if it got none) into its bucket and free it."""
@@ -284,7 +306,14 @@ class ShardedGradients(GradientPath):
     def end_backward(self) -> None:
         # Buckets whose params got no gradient (unused in this forward) still reduce, as zeros.
         self._pending = False
-        self.reducer.flush(fill=self._take_grad)
+        if self._direct:
+            for gi, g in enumerate(self.groups):
+                for pi in range(len(g.params)):
+                    if (gi, pi) not in self._arrived:
+                        self._write_grad(gi, pi)
+            self._arrived.clear()
+        else:
+            self.reducer.flush(fill=self._take_grad)
         self._fresh = False  # every element of the shard has now been written
         self._micro += 1
 
@@ -311,6 +340,8 @@ class ScopedGradients(ShardedGradients):
 
     def zero_grad(self) -> None:
         super().zero_grad()
+        if all(getattr(g, "resident", False) for g in self.groups):
+            return  # nothing is ever gathered (one rank): freeing lowers no peak, only costs faults
         self._shards = [None] * len(self.groups)
         self._partials.clear()
         self.reducer.pool.clear()

@@ -15,6 +15,12 @@ all but ``max_in_cpu`` elements): ``shard`` is then a meta tensor, every access 
 ``flat.read``/``flat.write``, and the fp32 master (host memory) is a separate copy even for an
 fp32 model.
 
+Resident groups: where the shard is the whole vector and lives where the parameters are used (one
+rank in the shard group, no ``offload_param`` to another device, no NVMe, no ZeRO++ gather) there
+is nothing to gather: every parameter is a view of the shard, whole all along (``ds_persist``), and
+stays so; no gather, release or publish ever runs for it and the optimizer's update of the shard
+(or the master's copy into it) is the parameters' update. Stage 3 then hooks nothing (``stage3.py``).
+
 Parameters built under ``zero.Init`` arrive already partitioned (alone); each is gathered once
 here, on every rank, to copy this rank's part into the group shard: one parameter at a time, so
 building the engine never holds the whole model.
@@ -91,14 +97,21 @@ class ShardGroup:
             self.store.write(0, self.shard)
             self.shard = torch.empty(self.shard.shape, dtype=self.dtype, device="meta")
         aliased = self.store is None and self.master.data.data_ptr() == self.shard.data_ptr()
+        # the shard is the whole vector, where the parameters are used: they can be views of it
+        self.resident = (world_size == 1 and self.store is None and gatherer is None
+                         and self.shard.device == self.compute_device)
         self.flat = zp.FlatShard(self.shard, lay.numel, world_size, rank, process_group,
                                  None if aliased else self.master.data, self.compute_device, self.store,
                                  gatherer)
         for i, (p, full) in enumerate(zip(params, whole, strict=True)):
-            if full is not None:
+            if self.resident:
+                a, b = lay.param_range(i)
+                p.data = self.shard[a - lay.start:b - lay.start].view(shapes[i])
+            elif full is not None:
                 p.data = full.to(self.dtype).view(shapes[i]).clone()
             p._dsl_users = 0
-            zp.attach(p, self.flat, lay.offsets[i], torch.Size(shapes[i]), persist=full is not None)
+            zp.attach(p, self.flat, lay.offsets[i], torch.Size(shapes[i]),
+                      persist=self.resident or full is not None)
 
     @property
     def numel(self) -> int:
@@ -117,7 +130,8 @@ class ShardGroup:
 
     @property
     def persistent(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.params if p.ds_persist]
+        """The whole copies a step must refresh (a resident group's parameters are the shard)."""
+        return [] if self.resident else [p for p in self.params if p.ds_persist]
 
     def copy_master_to_model(self) -> None:
         if self.flat.master is not None:

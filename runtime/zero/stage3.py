@@ -62,8 +62,11 @@ class Stage3(ZeroStrategy):
                          reduce_groups)
         params = [p for g in self.groups for p in g.params]
         limits = FetchLimits(comm.prefetch_bucket_numel, comm.max_live_parameters, comm.max_reuse_distance)
-        self.fetcher = ParamFetcher(module, params, limits) if module is not None else None
+        self.fetcher = (ParamFetcher(module, params, limits) if module is not None and _gathers(module)
+                        else None)
         for p in params:
+            if p.ds_persist:  # whole all along: nothing to shape, nothing to release
+                continue
             p.register_hook(_shape_for_grad(p))
             # after the gradient path's hook: the gradient is taken, release
             p.register_post_accumulate_grad_hook(_after_grad(self.fetcher))
@@ -76,6 +79,12 @@ class Stage3(ZeroStrategy):
         """Release every gathered parameter no forward holds (``engine.empty_partition_cache``)."""
         if self.fetcher is not None:
             self.fetcher.release_idle()
+
+
+def _gathers(module: torch.nn.Module) -> bool:
+    """Whether any of ``module``'s parameters is ever gathered: without one (every group resident,
+    ``partitioned.py``, or every parameter persistent) the module is left unhooked, as at stage 0."""
+    return any(zp.is_partitioned(p) and not p.ds_persist for p in module.parameters())
 
 
 def _shape_for_grad(p: torch.nn.Parameter):

@@ -31,6 +31,7 @@ unscale and the clip coefficient are folded into ONE multiply of this rank's fp3
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Mapping
@@ -251,7 +252,8 @@ class ZeroStrategy:
                 check_overflow: bool) -> StepResult:
         post = self.comm.post_factor(self.exchange.summed_ranks(self.world_size)) / loss_scale
         guard = clip > 0 or check_overflow
-        norm = self._global_norm(grads) * post if guard or self._always_norm else None
+        with self.offload.begin() if self.offload is not None else contextlib.nullcontext():
+            norm = self._global_norm(grads) * post if guard or self._always_norm else None
         if guard and not math.isfinite(norm):
             return StepResult(True, norm)
         factor = post

@@ -15,9 +15,12 @@ the same turn slot ran back to back). Peak RSS: one fresh process pair per confi
 only if it imports (DS_ACCELERATOR=cpu); it gets torch's fused AdamW as a client optimizer, the
 same kernel dslaunch's ``AdamW`` uses, so the comparison is about the engines.
 
+``--world 1`` measures one rank (issue 43: ZeRO-3 with nothing to gather against ZeRO-0); the
+table then adds ZeRO-0 / ZeRO-3 per round.
+
 Usage: python scripts/bench/engine_bench.py [--repeats 3] [--steps 6] [--warmup 2] [--block 3]
-[--only ddp-0 ...]
-Writes scripts/bench/results/engine_bench.{json,md}.
+[--world 2] [--only ddp-0 ...]
+Writes scripts/bench/results/engine_bench.{json,md} (``engine_bench_world<N>.*`` for another world).
 """
 
 from __future__ import annotations
@@ -141,8 +144,8 @@ def _memory_worker(config: str, steps: int) -> None:
 
 
 # ----- driver side ----------------------------------------------------------------------------
-def _run(argv: list[str]) -> list[dict] | None:
-    res, why = run_ranks(__file__, argv, WORLD, timeout=900)
+def _run(argv: list[str], world: int) -> list[dict] | None:
+    res, why = run_ranks(__file__, argv, world, timeout=900)
     if res is None:
         print(f"  worker {argv} failed:\n{why}", file=sys.stderr)
     return res
@@ -160,6 +163,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--block", type=int, default=3, help="consecutive steps per turn")
     ap.add_argument("--only", nargs="*", help="subset of configs, e.g. dslaunch-2 ddp-0")
+    ap.add_argument("--world", type=int, default=WORLD, help="ranks (gloo, one thread each)")
     args = ap.parse_args()
     configs = ["ddp-0"] + [f"dslaunch-{s}" for s in (0, 1, 2, 3)]
     if _has_deepspeed():
@@ -169,7 +173,7 @@ def main() -> None:
     timing: list[list[dict]] = []
     load = [os.getloadavg()[0]]
     for rep in range(args.repeats):
-        res = _run(["time", ",".join(configs), str(args.steps), str(args.warmup), str(args.block)])
+        res = _run(["time", ",".join(configs), str(args.steps), str(args.warmup), str(args.block)], args.world)
         load.append(os.getloadavg()[0])
         if res:
             timing.append(res)
@@ -177,7 +181,7 @@ def main() -> None:
                                                    for c in configs), flush=True)
     memory: dict[str, list[dict]] = {}
     for c in configs:
-        res = _run(["memory", c, str(args.warmup + 2)])
+        res = _run(["memory", c, str(args.warmup + 2)], args.world)
         if res:
             memory[c] = res
             print(f"memory {c}: " + ", ".join(f"rank{i} {r[c]:.0f} MiB" for i, r in enumerate(res)),
@@ -197,14 +201,17 @@ def _write(configs: list[str], timing: list, memory: dict, load: list[float], ar
         for c, s in summary.items():
             if c != "ddp-0":
                 s["ddp_over_this"] = ratio_stats(timing, c, "ddp-0")
+    if "dslaunch-0" in summary and "dslaunch-3" in summary:
+        summary["dslaunch-3"]["zero0_over_this"] = ratio_stats(timing, "dslaunch-3", "dslaunch-0")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    (results / "engine_bench.json").write_text(json.dumps(
+    stem = "engine_bench" if args.world == WORLD else f"engine_bench_world{args.world}"
+    (results / f"{stem}.json").write_text(json.dumps(
         {"model": f"MLP {LAYERS}x Linear({DIM},{DIM})", "params": LAYERS * (DIM * DIM + DIM),
-         "world": WORLD, "micro_batch": MICRO, "repeats": args.repeats, "steps": args.steps,
+         "world": args.world, "micro_batch": MICRO, "repeats": args.repeats, "steps": args.steps,
          "block": args.block, "load_average_1min": load, "summary": summary, "timing_runs": timing, "memory_runs": memory}, indent=1))
     rows = ["## Training engine (`engine_bench.py`)", "",
-            f"{LAYERS * (DIM * DIM + DIM) / 1e6:.0f}M-parameter MLP, fp32 AdamW, {WORLD} ranks on gloo, "
+            f"{LAYERS * (DIM * DIM + DIM) / 1e6:.0f}M-parameter MLP, fp32 AdamW, {args.world} rank(s) on gloo, "
             f"micro batch {MICRO}, same model and data for all. Step time: median over {args.repeats} "
             f"rounds of the per-round median of {args.steps} turns x {args.block} consecutive steps "
             "(slowest rank per step); in each round all configurations share one process pair and "
@@ -224,7 +231,10 @@ def _write(configs: list[str], timing: list, memory: dict, load: list[float], ar
         rss_ds = f"{s['rss_mib'] / peer['rss_mib']:.2f}" if peer else "-"
         name = "torch DDP" if kind == "ddp" else f"{kind} ZeRO-{stage}"
         rows.append(f"| {name} | {s['step_ms']:.0f} | {vs_ddp} | {vs_ds} | {s['rss_mib']:.0f} | {rss_ds} |")
-    (results / "engine_bench.md").write_text("\n".join(rows) + "\n")
+    if "zero0_over_this" in summary.get("dslaunch-3", {}):
+        rows += ["", "dslaunch ZeRO-0 / ZeRO-3 (> 1: ZeRO-3 faster): "
+                 + ratio_text(summary["dslaunch-3"]["zero0_over_this"])]
+    (results / f"{stem}.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
 
 

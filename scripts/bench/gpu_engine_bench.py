@@ -14,7 +14,8 @@ Each case runs in its own process (a clean CUDA allocator for its peak), 3 warm-
   CPU update and the copy back); the overlap column is how much of the gradients' device-to-host
   copy and the CPU update was hidden behind the backward: 1 - (step - fwd/bwd of z2) / (optimizer
   step alone), where "alone" is ``DeepSpeedCPUAdam`` on as many elements, timed on its own after
-  the run.
+  the run. Its ``phases`` are the engine's own split of the optimizer step (median per phase:
+  norm, gradients in, update, write-back; ``engine.zero.offload.phases``).
 
     python scripts/bench/gpu_engine_bench.py              (a CUDA device; results/gpu_engine_bench.*)
     python scripts/bench/gpu_engine_bench.py --smoke      (CPU, a tiny model: the bookkeeping only)
@@ -124,7 +125,7 @@ def run_case(case: str, steps: int, smoke: bool) -> dict:
             engine.backward(engine(tokens))
 
         update = engine.step
-    times, split = [], []
+    times, split, phases = [], [], []
     for i in range(3 + steps):
         _sync(device)
         t0 = time.perf_counter()
@@ -136,10 +137,13 @@ def run_case(case: str, steps: int, smoke: bool) -> dict:
         if i >= 3:
             times.append(time.perf_counter() - t0)
             split.append(t1 - t0)
+            if case == "z2_offload":
+                phases.append(engine.zero.offload.phases.ms)
     out = {"case": case, "params": params, "tokens": shape["batch"] * shape["seq"],
            "step_ms": 1e3 * statistics.median(times), "fwd_bwd_ms": 1e3 * statistics.median(split),
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     if case == "z2_offload":
+        out["phases_ms"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
         del engine, model
         out["cpu_update_ms"] = _cpu_update_ms(params)
     return out
@@ -182,6 +186,8 @@ def _table(rows: list[dict], env: dict) -> str:
         lines.append(f"| {r['case']} | {r['step_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | "
                      f"{r['step_ms'] - r['fwd_bwd_ms']:.1f} | {r['tokens'] / r['step_ms'] * 1e3:,.0f} | {ratio} | "
                      f"{peak} | {overlap} |")
+    lines += [f"\n{r['case']} optimizer step by phase (ms, median): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items()) for r in rows if "phases_ms" in r]
     return "\n".join(lines) + "\n"
 
 

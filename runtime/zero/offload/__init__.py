@@ -8,6 +8,8 @@ What lives where:
   swapped through a file per rank (``device: nvme``), with read-ahead and write-behind.
 - ``rules.py``: the update of one bucket for the optimizers with CPU kernels (Adam/AdamW fused with
   the 16-bit copy, Adagrad, Lion); other optimizers run torch's own step over the whole shard.
+- ``phases.py``: ``PhaseClock``/``StepPhases``, an offloaded step's time by phase (norm, gradients
+  in, update, state I/O, write-back) and the bytes its copies moved.
 - ``split.py``: ``SplitState``, partial offload (``ratio`` < 1, stage 3): the optimizer state cut
   into a device part (updated by the device kernel) and a host part (updated by ``step.py``).
 - ``swap.py``: ``SwapFile``, a rank's nameless swap file (freed by the kernel at any exit) read and

@@ -24,16 +24,21 @@ on the device and is updated there after the host buckets (``split.SplitState``)
 
 With NVMe, ``optimizer.state[master]`` holds only the step count between steps; ``state_tensors``
 reads the rest back for checkpoints and ``store_loaded`` writes a loaded state out again.
+
+Each step's time beyond the update is split by phase (norm, gradients in, state I/O, write-back;
+``phases.py``): ``phases`` is the last step's.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dslaunch.errors import ConfigError
+from dslaunch.runtime.zero.offload.phases import PhaseClock, StepPhases
 from dslaunch.runtime.zero.offload.rules import Rule, rule_for
 from dslaunch.runtime.zero.offload.split import SplitState
 from dslaunch.runtime.zero.offload.swap import Pending, SwapFile, SwapSettings, buffer_slots
@@ -144,6 +149,8 @@ class OffloadedStep:
         self._staged = device.type != "cpu"
         self._grads = _Staging(self.bucket_numel, device) if self._staged else None
         self._outs: dict[torch.dtype, _Staging] = {}
+        self.clock = PhaseClock()
+        self.phases: StepPhases | None = None  # the last step's, by phase
         if swap is not None:
             keys = self.rule.state_keys
             self._offsets = {}  # (group, key) -> byte offset of that state tensor in the file
@@ -188,6 +195,11 @@ class OffloadedStep:
         return self.rule
 
     # ----- the step ---------------------------------------------------------------------------
+    def begin(self) -> contextlib.AbstractContextManager:
+        """A step starts: the phase clock restarts; returns the phase the caller's norm runs in."""
+        self.clock.restart()
+        return self.clock.phase("norm")
+
     def update(self, grads: list[torch.Tensor], factor: float,
                torch_step: Callable[[list[torch.Tensor], float], None]) -> None:
         """Update every master shard with ``grads * factor``; refresh the model's shards.
@@ -200,22 +212,27 @@ class OffloadedStep:
             self._torch_update(grads, factor, torch_step)
         else:
             self._bucket_update(grads, factor)
+        self.phases = self.clock.snapshot()
 
     def _torch_update(self, grads: list[torch.Tensor], factor: float,
                       torch_step: Callable[[list[torch.Tensor], float], None]) -> None:
-        host = [t.to("cpu") for t in grads]
+        with self.clock.phase("grads"):
+            host = [t.to("cpu") for t in grads]
+        self.clock.grad_bytes += sum(t.numel() * t.element_size() for t in grads if t.device.type != "cpu")
         for g, t in zip(self.groups, host, strict=True):
             g.master.grad = t
         try:
-            torch_step(host, factor)
+            with self.clock.phase("update"):
+                torch_step(host, factor)
         finally:
             for g in self.groups:
                 g.master.grad = None
-        for g in self.groups:
-            g.copy_master_to_model()
+        with self.clock.phase("write_back"):
+            for g in self.groups:
+                g.copy_master_to_model()
 
     def _bucket_update(self, grads: list[torch.Tensor], factor: float) -> None:
-        rule = self.rule
+        rule, clock = self.rule, self.clock
         args = [rule.begin(self.optimizer, gi) for gi in range(len(self.groups))]
         buckets = self.buckets
         pending_out: list[object | None] = []
@@ -233,20 +250,27 @@ class OffloadedStep:
             master = g.master.data[b.lo:b.hi]
             if self.split is not None:  # the master stays with the shard: on a device, a host copy
                 host = master.to("cpu")
-                rule.apply(args[b.group], host, grad, states, factor, None)
+                with clock.phase("update"):
+                    rule.apply(args[b.group], host, grad, states, factor, None)
                 if host.data_ptr() != master.data_ptr():
-                    master.copy_(host)
+                    with clock.phase("write_back"):
+                        master.copy_(host)
             elif getattr(g, "store", None) is not None:  # offload_param nvme: the bucket goes to the file
-                rule.apply(args[b.group], master, grad, states, factor, None)
-                g.flat.write(b.lo, master)
+                with clock.phase("update"):
+                    rule.apply(args[b.group], master, grad, states, factor, None)
+                with clock.phase("write_back"):
+                    g.flat.write(b.lo, master)
+                clock.param_bytes += master.numel() * g.dtype.itemsize
             else:
                 pending_out.append(self._apply_to_model(i, b, args[b.group], master, grad, states, factor))
             self._write_state(i, b, states)
             if self.swap is not None and not self._read_ahead and i + 1 < len(buckets):
                 self._read_state(i + 1, buckets[i + 1])
-        for event in pending_out:
-            _wait(event)
-        self._drain()
+        with clock.phase("write_back"):
+            for event in pending_out:
+                _wait(event)
+        with clock.phase("state"):
+            self._drain()
         if self.split is not None:
             self.split.update_device(args, grads, factor)
             for g in self.groups:
@@ -261,22 +285,29 @@ class OffloadedStep:
         out = None
         if not aliased and model.dtype != torch.float32:
             out = model if model.device.type == "cpu" else self._out_buffer(i, model.dtype)[:b.numel]
-        self.rule.apply(args, master, grad, states, factor, out)
-        if not aliased and model.device.type != "cpu":
-            return self._send(i, model, master if out is None else out)
-        if not aliased and out is None:
+        with self.clock.phase("update"):
+            self.rule.apply(args, master, grad, states, factor, out)
+        if aliased or (out is model):  # the update wrote the model's values in its own pass
+            return None
+        self.clock.param_bytes += model.numel() * model.element_size()
+        with self.clock.phase("write_back"):
+            if model.device.type != "cpu":
+                return self._send(i, model, master if out is None else out)
             model.copy_(master)
         return None
 
     # ----- gradients in, parameters out -------------------------------------------------------
     def _fetch_grad(self, i: int, b: Bucket, grads: list[torch.Tensor]) -> None:
         if self._grads is not None and grads[b.group].device.type != "cpu":
-            self._grads.fetch(i, grads[b.group][b.lo:b.hi])
+            with self.clock.phase("grads"):
+                self._grads.fetch(i, grads[b.group][b.lo:b.hi])
+            self.clock.grad_bytes += b.numel * grads[b.group].element_size()
 
     def _grad_ready(self, i: int, b: Bucket, grads: list[torch.Tensor]) -> torch.Tensor:
         if self._grads is None or grads[b.group].device.type == "cpu":  # on the host already
             return grads[b.group][b.lo:b.hi]
-        self._grads.ready(i)
+        with self.clock.phase("grads"):
+            self._grads.ready(i)
         return self._grads.buffer(i)[:b.numel]
 
     def _out_buffer(self, i: int, dtype: torch.dtype) -> torch.Tensor:
@@ -317,8 +348,9 @@ class OffloadedStep:
                 if key not in state:  # created on first use, as the optimizer would
                     state[key] = torch.zeros_like(self.groups[b.group].master.data)
             return [state[key][b.lo:b.hi] for key in self.rule.state_keys]
-        for r in self._reads.pop(i):
-            r.wait()
+        with self.clock.phase("state"):
+            for r in self._reads.pop(i):
+                r.wait()
         buf = self._slot(i)
         return [buf[j, :b.numel] for j in range(len(self.rule.state_keys))]
 

@@ -120,6 +120,9 @@ def test_stages_shrink_the_device_and_offload_moves_bytes_off_it() -> None:
     assert dev[0] > dev[1] > dev[2] > dev[3]
     # under the default bound (1e9 elements) stage 3 keeps this whole 1B model gathered, as the engine does
     assert _est(stage=3, precision="bf16").device.gathered == 2 * P
+    # one rank: the parameters are views of the shard (the engine's resident groups), none gathered
+    alone = estimate_memory(SHAPE, TrainingSetup(gpus_per_node=1, seq_len=2048, stage=3, precision="bf16"))
+    assert alone.device.gathered == 0 and alone.device.weights == 2 * P
     # bf16 stage 0: 2 weights + 2 grads + 4 fp32 grad copy + 4 master + 8 Adam = 20 bytes/param
     assert dev[0] == 20 * P
     cpu = _est(stage=2, precision="bf16", offload_optimizer="cpu")
