@@ -228,7 +228,8 @@ class ShardedGradients(GradientPath):
                          max_inflight=MAX_INFLIGHT_BUFFERS if comm.overlap_comm else 0, sink=self._fold)
         # One rank, nothing to scale or convert: the reduction is the identity, so each gradient
         # goes straight into the shard (no staging copy, no fold copy, no buffers); same values.
-        self._direct = (world_size == 1 and comm.pre_factor() == 1.0
+        # (Not under layout_invariant: its micro steps are added in a tree, which the fold does.)
+        self._direct = (world_size == 1 and comm.pre_factor() == 1.0 and not comm.layout_invariant
                         and all(comm.comm_dtype in (None, g.dtype) for g in groups))
         self._arrived: set[tuple[int, int]] = set()  # direct: the params written this backward
 
