@@ -16,7 +16,9 @@ def test_logger_is_deepspeeds() -> None:
     assert logger.name == "DeepSpeed" and logger.level == logging.WARNING and not logger.propagate
 
 
-def test_log_dist_without_a_group_logs_as_rank_minus_one() -> None:
+def test_log_dist_without_a_group_logs_as_rank_minus_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # whatever group an earlier test of this worker process left: this is the no-group branch
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]

@@ -88,8 +88,13 @@ def test_what_cannot_be_invariant_is_refused_in_one_line(extra: dict, key: str) 
     model = torch.nn.Linear(4, 2)
     config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
               "zero_optimization": {"stage": 2}, "layout_invariant": {"enabled": True}, **extra}
-    with pytest.raises(ConfigError, match=key) as err:
-        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    had_group = torch.distributed.is_initialized()
+    try:
+        with pytest.raises(ConfigError, match=key) as err:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    finally:  # initialize made a world-1 group in this worker process: later tests expect none
+        if not had_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert "\n" not in str(err.value)
 
 
