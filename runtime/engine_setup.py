@@ -135,38 +135,13 @@ def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> Gradient
     from dslaunch.runtime.optim.registry import is_compressed
 
     compressed = client is None and is_compressed(cfg.optimizer)
-    if cfg.layout_invariant.enabled:
-        _refuse_variant_reductions(cfg, compressed)
+    if cfg.layout_invariant.enabled:  # what it cannot keep invariant was refused at load (config/layout_invariant.py)
         return TreeAllReduce(process_group)
     if cfg.zero_optimization.zero_quantized_gradients:
         from dslaunch.runtime.zero.zeropp import QuantizedReduceScatter
 
         return QuantizedReduceScatter.build(process_group)
     return build_exchange(compressed, cfg.hierarchical_allreduce, process_group)
-
-
-def _refuse_variant_reductions(cfg: DeepSpeedConfig, compressed: bool) -> None:
-    """Refuse, under ``layout_invariant``, what would sum gradients in a layout-dependent order
-    (every rank alike, from the config alone, before any collective).
-
-    Raises:
-        ConfigError: naming the key that conflicts and what would be valid.
-    """
-    gas = cfg.gradient_accumulation_steps
-    why = "layout_invariant sums gradients in one fixed tree"
-    if cfg.zero_optimization.stage not in (1, 2):
-        raise ConfigError(f"{cfg.zero_optimization.stage}: {why}, built on ZeRO stage 2's reduction at every "
-                          "micro step (stage 1 reduces so too under it); use stage 1 or 2 or disable "
-                          "layout_invariant", key="zero_optimization.stage")
-    if gas & (gas - 1):
-        raise ConfigError(f"{gas}: {why} over micro steps too, which needs a power of two (1, 2, 4...)",
-                          key="gradient_accumulation_steps")
-    if compressed or cfg.zero_optimization.zero_quantized_gradients:
-        raise ConfigError(f"{why}; 1-bit optimizers and quantized gradients exchange them otherwise: "
-                          "use another optimizer or disable layout_invariant", key="layout_invariant.enabled")
-    if cfg.use_data_before_expert_parallelism:
-        raise ConfigError(f"true: {why} over neighbouring ranks' expert blocks, which needs the default "
-                          "expert groups of neighbouring ranks; set it to false", key="use_data_before_expert_parallelism")
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:

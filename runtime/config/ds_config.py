@@ -465,6 +465,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     _check_muon(cfg)
     cfg.tensor_parallel.check(zero.stage)
     cfg.expert_parallel.check(cfg.tensor_parallel.size)
+    cfg.layout_invariant.check(cfg)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
                           "device)", key="zero_optimization.offload_optimizer.device")

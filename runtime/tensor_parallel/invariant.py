@@ -35,33 +35,7 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.tensor_parallel.auto_tp import Segments
 
-__all__ = ["Pieces", "invariant_chunks", "tree_sum", "column_linear", "row_linear", "fix_attention_pieces"]
-
-
-def invariant_chunks(config: Any) -> int | None:
-    """``layout_invariant.chunks`` when the block is on (``None`` when off), checked against what
-    the tensor-parallel mode can keep invariant.
-
-    Raises:
-        ConfigError: fp16/bf16, ``loss_parallel``, or an ``autotp_size`` that does not divide
-            ``chunks`` (one line naming the keys).
-    """
-    block = config.layout_invariant
-    if not block.enabled:
-        return None
-    tp = config.tensor_parallel.size
-    if block.chunks % tp:
-        raise ConfigError(f"{block.chunks} is not a multiple of tensor_parallel.autotp_size {tp}: every degree the "
-                          "job may run at must divide it", key="layout_invariant.chunks")
-    for half in ("fp16", "bf16"):
-        if getattr(config, half).enabled:
-            raise ConfigError(f"true with {half}: layout-invariant tensor-parallel training is fp32 only; "
-                              f"disable one of layout_invariant.enabled and {half}.enabled",
-                              key="layout_invariant.enabled")
-    if config.tensor_parallel.loss_parallel:
-        raise ConfigError("true with tensor_parallel.loss_parallel, whose softmax sums over each rank's vocabulary "
-                          "slice; disable one of them", key="layout_invariant.enabled")
-    return block.chunks
+__all__ = ["Pieces", "tree_sum", "column_linear", "row_linear", "fix_attention_pieces"]
 
 
 @dataclass(frozen=True)

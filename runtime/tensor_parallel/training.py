@@ -29,7 +29,7 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.parallel.mpu import tensor_axis
 from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
-from dslaunch.runtime.tensor_parallel.invariant import Pieces, fix_attention_pieces, invariant_chunks
+from dslaunch.runtime.tensor_parallel.invariant import Pieces, fix_attention_pieces
 from dslaunch.runtime.tensor_parallel.loss import causal_lm_loss
 from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
 
@@ -56,7 +56,7 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
     Raises:
         ConfigError: a grid whose tensor group is another size, fewer KV heads than ranks, a
             model the planner cannot trace, or ``loss_parallel`` for a model without a split output
-            layer or a ``loss_function``, or what ``invariant.invariant_chunks`` refuses (one line each).
+            layer or a ``loss_function`` (one line each).
 
     collective: every rank of the tensor group.
     """
@@ -64,7 +64,8 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
     from dslaunch.runtime.inference.loading import ModuleSource
 
     tp_size, loss_parallel = config.tensor_parallel.size, config.tensor_parallel.loss_parallel
-    chunks = invariant_chunks(config)  # before any collective: every rank refuses alike
+    # what the block cannot keep invariant was refused at load (config/layout_invariant.py)
+    chunks = config.layout_invariant.chunks if config.layout_invariant.enabled else None
     group, rank = tensor_axis(grid, "group"), tensor_axis(grid, "rank")
     size = tensor_axis(grid, "world_size")
     if size != tp_size:

@@ -54,11 +54,9 @@ INVARIANT = {"layout_invariant": {"enabled": True, "chunks": 4}}
      "'layout_invariant.enabled': true with tensor_parallel.loss_parallel, whose softmax sums"),
 ])
 def test_what_layout_invariant_training_refuses(extra: dict, message: str) -> None:
-    from dslaunch.runtime.tensor_parallel.invariant import invariant_chunks
-
-    raw = {**BASE, "tensor_parallel": {"autotp_size": 4}, **extra}
+    raw = {**BASE, "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 4}, **extra}
     with pytest.raises(ConfigError) as err:
-        invariant_chunks(load_config(raw, 8, global_world=True))
+        load_config(raw, 8, global_world=True)
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
 
 

@@ -78,24 +78,20 @@ def test_one_global_batch_gives_the_same_bits_at_world_1_and_4(stage: int) -> No
     ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage': 3: layout_invariant"),
     ({"gradient_accumulation_steps": 3, "train_batch_size": 24}, "'gradient_accumulation_steps': 3"),
     ({"use_data_before_expert_parallelism": True}, "'use_data_before_expert_parallelism': true"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 0.01}}}, "'layout_invariant.enabled': true: .*1-bit"),
+    ({"expert_parallel": {"enabled": True}}, "'layout_invariant.enabled': true with expert_parallel"),
 ])
 def test_what_cannot_be_invariant_is_refused_in_one_line(extra: dict, key: str) -> None:
-    import torch
-
-    import dslaunch as deepspeed
+    """At load, from the config alone: every rank refuses alike before any group exists."""
     from dslaunch.errors import ConfigError
+    from dslaunch.runtime.config.ds_config import load_config
 
-    model = torch.nn.Linear(4, 2)
     config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
               "zero_optimization": {"stage": 2}, "layout_invariant": {"enabled": True}, **extra}
-    had_group = torch.distributed.is_initialized()
-    try:
-        with pytest.raises(ConfigError, match=key) as err:
-            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    finally:  # initialize made a world-1 group in this worker process: later tests expect none
-        if not had_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    with pytest.raises(ConfigError, match=key) as err:
+        load_config(config, 1)
     assert "\n" not in str(err.value)
+    load_config({**config, "layout_invariant": {"enabled": False}}, 1)  # the mode is what refuses
 
 
 def test_the_engine_loader_gives_a_rank_the_same_micro_batch_at_any_world_size() -> None:
