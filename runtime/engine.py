@@ -20,14 +20,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import ConfigError, NotInDslaunchError, UsageError, quote
+from dslaunch.errors import NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
 from dslaunch.runtime.config import DeepSpeedConfig, with_batch
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
-from dslaunch.runtime.engine_setup import build_components, data_loader
+from dslaunch.runtime.engine_setup import (
+    build_components,
+    data_loader,
+    refuse_sequence_conflicts,
+    sequence_size,
+)
 from dslaunch.runtime.events import StepRecord
 from dslaunch.runtime.heartbeat import reporter
 from dslaunch.runtime.observers import build_observers
@@ -55,12 +60,12 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         super().__init__()
         # Where this rank sits: a Megatron-style mpu, else the axes the config sets (AutoTP's tensor
         # slices, sequence_parallel_size), else every rank a data-parallel peer.
-        _refuse_sequence_conflicts(config, mpu)  # before any group exists: a refusal must not strand a peer
+        refuse_sequence_conflicts(config, mpu)  # before any group exists: a refusal must not strand a peer
         if mpu is None:
             mpu = grid_from_config(config)  # the config's grid answers as an mpu would (groups, ZeRO, ...)
         self.grid = groups.grid = mpu if mpu is not None else groups.data_parallel_grid()
         self.mpu = groups.mpu = mpu  # deepspeed.utils.groups answers from the last engine's
-        self.sequence_parallel_size = _sequence_size(self.grid)
+        self.sequence_parallel_size = sequence_size(self.grid)
         self.seq_parallel_group = self.grid.get_sequence_parallel_group() if self.sequence_parallel_size > 1 else None
         self.seq_data_parallel_group = gradient_reduce_group(self.grid)  # where gradients average (DeepSpeed's name)
         self.tp_plan = self._unchecked_tp_group = None
@@ -475,24 +480,3 @@ def _set_parallelism(module: torch.nn.Module, config: DeepSpeedConfig) -> None:
     for sub in module.modules():
         if isinstance(sub, MOELayer):
             sub.set_layout_invariant(config.layout_invariant.enabled)
-
-
-def _sequence_size(mpu: Any) -> int:
-    return getattr(mpu, "get_sequence_parallel_world_size", lambda: 1)() if mpu is not None else 1
-
-
-def _refuse_sequence_conflicts(config: DeepSpeedConfig, mpu: Any) -> None:
-    """Refuse what sequence parallelism cannot train, on every rank alike and before any collective."""
-    size = _sequence_size(mpu) if mpu is not None else config.sequence_parallel_size
-    if config.sequence_parallel_size not in (1, size):  # an mpu that disagrees
-        raise ConfigError(f"{config.sequence_parallel_size}, but the mpu given to initialize() splits each "
-                          f"sequence over {size} rank(s); make them agree or remove the key",
-                          key="sequence_parallel_size")
-    if size > 1 and config.gradient_allreduce_op == "sum":
-        # every sequence rank holds N times its part (sequence_parallel/loss.py): a sum over data x
-        # sequence would be N times the samples' sum
-        raise ConfigError("\"sum\" with sequence parallelism is not supported: use \"mean\" (scale the loss "
-                          "for a sum)", key="gradient_allreduce_op")
-    if size > 1 and config.tensor_parallel.size > 1:
-        raise ConfigError("AutoTP training with sequence parallelism is not implemented yet: use one of "
-                          "tensor_parallel.autotp_size and sequence_parallel_size", key="tensor_parallel.autotp_size")

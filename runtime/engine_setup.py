@@ -34,7 +34,7 @@ from dslaunch.runtime.zero.registry import strategy_class
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, ReduceGroup
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 
-__all__ = ["EngineParts", "build_components"]
+__all__ = ["EngineParts", "build_components", "refuse_sequence_conflicts", "sequence_size"]
 
 
 @dataclass
@@ -310,3 +310,25 @@ def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | No
                                  collate_fn=collate_fn, shuffle=shuffle, drop_last=cfg.dataloader_drop_last,
                                  num_workers=num_workers, pin_memory=pin_memory,
                                  blocked=cfg.layout_invariant.enabled)
+
+
+def sequence_size(mpu: Any) -> int:
+    """The sequence-parallel degree an mpu (or grid) reports; 1 without one."""
+    return getattr(mpu, "get_sequence_parallel_world_size", lambda: 1)() if mpu is not None else 1
+
+
+def refuse_sequence_conflicts(config: DeepSpeedConfig, mpu: Any) -> None:
+    """Refuse what sequence parallelism cannot train, on every rank alike and before any collective."""
+    size = sequence_size(mpu) if mpu is not None else config.sequence_parallel_size
+    if config.sequence_parallel_size not in (1, size):  # an mpu that disagrees
+        raise ConfigError(f"{config.sequence_parallel_size}, but the mpu given to initialize() splits each "
+                          f"sequence over {size} rank(s); make them agree or remove the key",
+                          key="sequence_parallel_size")
+    if size > 1 and config.gradient_allreduce_op == "sum":
+        # every sequence rank holds N times its part (sequence_parallel/loss.py): a sum over data x
+        # sequence would be N times the samples' sum
+        raise ConfigError("\"sum\" with sequence parallelism is not supported: use \"mean\" (scale the loss "
+                          "for a sum)", key="gradient_allreduce_op")
+    if size > 1 and config.tensor_parallel.size > 1:
+        raise ConfigError("AutoTP training with sequence parallelism is not implemented yet: use one of "
+                          "tensor_parallel.autotp_size and sequence_parallel_size", key="tensor_parallel.autotp_size")
