@@ -17,7 +17,21 @@ built from seed 0 on the device, and the tokens are the same on both sides. A pr
 
 Per side: the median step (3 warm-up steps, then ``--steps`` timed), tokens/s, the device's peak
 allocated memory, the process's peak resident memory, and the first losses (the same model on
-the same tokens: they agree to bf16 rounding, or the comparison is not like for like).
+the same tokens: they agree to bf16 rounding, or the comparison is not like for like). Beside
+them, what a user choosing between the two for a job also waits on:
+
+- start-up: from the command that starts the rank's process to its first finished step (the
+  interpreter, ``import deepspeed``, the model on the device, ``initialize``, the first step,
+  whose one-time costs, allocator growth and kernel choice, land there), split at the import and
+  at ``initialize``; no launcher on either side (one rank, its environment set as a launcher
+  would), so a launcher's own cost is not in it;
+- checkpoints: ``save_checkpoint`` and ``load_checkpoint`` of the whole state (bf16 module, fp32
+  master weights and Adam moments) into ``--checkpoint-dir`` and back, each side's defaults, and
+  whether the load restored it: the step after the load repeats the loss of the step after the
+  save exactly (the same weights give the same forward).
+
+Each run's result is appended to ``--out``'s files as it comes, so a run stopped part way leaves
+the table of the cases that finished.
 
     python scripts/gpu/peer_bench.py --deepspeed-python .venv-gpu-deepspeed/bin/python --out DIR
     python scripts/gpu/peer_bench.py --deepspeed-python PY --smoke    (CPU, a tiny model, gloo)
@@ -31,9 +45,11 @@ import importlib.metadata
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -65,9 +81,34 @@ def _deepspeed(side: str) -> Any:
     return deepspeed
 
 
-def run_case(side: str, case: str, steps: int, smoke: bool, optimizer: str) -> dict[str, Any]:
-    """One side of one case in this process: median step, peaks, first losses."""
+def _checkpoint_times(engine: Any, step: Any, folder: Path) -> dict[str, Any]:
+    """``save_checkpoint`` then ``load_checkpoint`` of the whole state, timed; whether the load
+    restored it (the step after it repeats the loss of the step after the save); its size."""
+    out: dict[str, Any] = {}
+    ckpt = Path(tempfile.mkdtemp(prefix="peer-ckpt-", dir=folder))
+    try:
+        start = time.perf_counter()
+        engine.save_checkpoint(str(ckpt), tag="peer")
+        out["save_s"] = time.perf_counter() - start
+        out["checkpoint_gib"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30
+        after_save = step()
+        start = time.perf_counter()
+        engine.load_checkpoint(str(ckpt), tag="peer")
+        out["load_s"] = time.perf_counter() - start
+        after_load = step()
+        out.update(loss_after_save=after_save, loss_after_load=after_load, load_restores=after_save == after_load)
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return out
+
+
+def run_case(side: str, case: str, steps: int, smoke: bool, optimizer: str, launched_at: float,
+             checkpoint_dir: Path | None) -> dict[str, Any]:
+    """One side of one case in this process: start-up, median step, peaks, first losses and, with
+    ``checkpoint_dir``, the checkpoint's save and load. ``launched_at``: the wall clock (epoch
+    seconds) when the command starting this process was issued."""
     deepspeed = _deepspeed(side)
+    imported_at = time.time()
     shape = _shape(smoke)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -85,10 +126,14 @@ def run_case(side: str, case: str, steps: int, smoke: bool, optimizer: str) -> d
         # (the package's own `torch` attribute is torch itself: reach the submodule by name)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    ready_at = time.time()
     engine, *_ = deepspeed.initialize(model=model, optimizer=client, model_parameters=model.parameters(),
                                       config=config)
+    initialized_at = time.time()
     step_s, fwd_bwd_s, losses = [], [], []
-    for i in range(WARMUP + steps):
+
+    def step() -> float:
+        """One training step; its loss. Appends (step, forward + backward) seconds to the lists."""
         _sync(device)
         start = time.perf_counter()
         loss = engine(tokens)
@@ -97,19 +142,30 @@ def run_case(side: str, case: str, steps: int, smoke: bool, optimizer: str) -> d
         backward_done = time.perf_counter()
         engine.step()
         _sync(device)
-        losses.append(loss.item())
-        if i >= WARMUP:
-            step_s.append(time.perf_counter() - start)
-            fwd_bwd_s.append(backward_done - start)
-    step_ms = 1e3 * statistics.median(step_s)
+        step_s.append(time.perf_counter() - start)
+        fwd_bwd_s.append(backward_done - start)
+        return loss.item()
+
+    for i in range(WARMUP + steps):
+        losses.append(step())
+        if i == 0:
+            first_step_at = time.time()
+    step_ms = 1e3 * statistics.median(step_s[WARMUP:])
+    fwd_bwd_ms = 1e3 * statistics.median(fwd_bwd_s[WARMUP:])
+    startup = {"startup_s": first_step_at - launched_at, "import_s": imported_at - launched_at,
+               "model_dist_s": ready_at - imported_at, "initialize_s": initialized_at - ready_at,
+               "first_step_s": first_step_at - initialized_at}
+    # the peaks of training, before the checkpoint's own buffers
+    peaks = {"peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+             "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    saved = _checkpoint_times(engine, step, checkpoint_dir) if checkpoint_dir is not None else {}
     return {"side": side, "case": case, "version": importlib.metadata.version(side),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "backend": torch.distributed.get_backend(), "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
             "params": params,
             "tokens": shape["batch"] * shape["seq"], "step_ms": step_ms,
-            "fwd_bwd_ms": 1e3 * statistics.median(fwd_bwd_s), "tokens_per_s": 1e3 * shape["batch"] * shape["seq"] / step_ms,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-            "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "losses": losses}
+            "fwd_bwd_ms": fwd_bwd_ms, "tokens_per_s": 1e3 * shape["batch"] * shape["seq"] / step_ms,
+            "losses": losses, **peaks, **startup, **saved}
 
 
 def _run_side(python: str, side: str, case: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -124,8 +180,10 @@ def _run_side(python: str, side: str, case: str, args: argparse.Namespace) -> di
            "DS_ACCELERATOR": "cuda" if cuda else "cpu", "TORCH_EXTENSIONS_DIR": str(args.extensions_dir),
            "PYTHONPATH": "", "PATH": f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # its ninja
     cmd = [python, __file__, "--run", f"{side}:{case}", "--steps", str(args.steps), "--optimizer", args.optimizer]
+    cmd += ["--smoke"] if args.smoke else []
+    cmd += [] if args.no_checkpoint else ["--checkpoint-dir", str(args.checkpoint_dir)]
     try:
-        done = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env, capture_output=True, text=True,
+        done = subprocess.run(cmd + ["--launched-at", repr(time.time())], env=env, capture_output=True, text=True,
                               timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"side": side, "case": case, "error": f"timed out after {args.timeout:.0f} s"}
@@ -139,16 +197,18 @@ def _run_side(python: str, side: str, case: str, args: argparse.Namespace) -> di
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One line per case: dslaunch / DeepSpeed tokens/s and peak memory, and whether both trained
-    the same thing (first losses within bf16 rounding)."""
+    """One line per case: dslaunch / DeepSpeed tokens/s, peak memory, start-up and checkpoint
+    times, and whether both trained the same thing (first losses within bf16 rounding). A side
+    that has not run yet (a run stopped part way) is an error "not run"."""
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
-        ours, theirs = (next(r for r in rows if r["case"] == case and r["side"] == side) for side in SIDES)
+        ours, theirs = (next((r for r in rows if r["case"] == case and r["side"] == side),
+                             {"side": side, "case": case, "error": "not run"}) for side in SIDES)
         line: dict[str, Any] = {"case": case, "dslaunch": ours, "deepspeed": theirs}
         if "error" not in ours and "error" not in theirs:
             first = abs(ours["losses"][0] - theirs["losses"][0]) / max(1.0, abs(theirs["losses"][0]))
             line.update(speedup=ours["tokens_per_s"] / theirs["tokens_per_s"], first_loss_diff=first,
-                        same_start=first < 2e-2)
+                        same_start=first < 2e-2, startup_ratio=ours["startup_s"] / theirs["startup_s"])
             if ours["peak_gib"] is not None and theirs["peak_gib"] is not None:
                 line["peak_ratio"] = ours["peak_gib"] / theirs["peak_gib"]
         out.append(line)
@@ -157,6 +217,10 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     return "" if row.get(key) is None else format(row[key], fmt)
+
+
+def _pair(ours: dict[str, Any], theirs: dict[str, Any], key: str, fmt: str) -> str:
+    return f"{_cell(ours, key, fmt) or '-'} / {_cell(theirs, key, fmt) or '-'}"
 
 
 def table(lines: list[dict[str, Any]], optimizer: str, steps: int) -> str:
@@ -188,7 +252,35 @@ def table(lines: list[dict[str, Any]], optimizer: str, steps: int) -> str:
                    f"{line['speedup']:.2f}x | {_cell(ours, 'peak_gib', '.1f')} | {_cell(theirs, 'peak_gib', '.1f')} | "
                    f"{_cell(line, 'peak_ratio', '.2f')} | {ours['host_peak_gib']:.1f} / {theirs['host_peak_gib']:.1f} | "
                    f"{loss} |")
+    out += ["", "Start-up (the rank's command to its first finished step: to `import deepspeed` done, the "
+            "model on the device and `init_distributed`, `initialize`, the first step) and the checkpoint of the whole state (`save_checkpoint`, "
+            "`load_checkpoint`, each side's defaults; dslaunch's save is durable, fsynced, DeepSpeed's "
+            "torch.save is not); restored: the step after the load repeats the step after the save. "
+            "Seconds, dslaunch / DeepSpeed; start-up ratio < 1: dslaunch starts sooner.", "",
+            "| config | start-up s | start-up ratio | import s | model + dist s | initialize s | first step s | "
+            "checkpoint GiB | save s | load s | restored |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for line in lines:
+        ours, theirs = line["dslaunch"], line["deepspeed"]
+        if "speedup" not in line:
+            continue
+        restored = " / ".join({True: "yes", False: "NO"}.get(r.get("load_restores"), "-") for r in (ours, theirs))
+        out.append(f"| {line['case']} | {_pair(ours, theirs, 'startup_s', '.1f')} | {line['startup_ratio']:.2f} | "
+                   f"{_pair(ours, theirs, 'import_s', '.1f')} | {_pair(ours, theirs, 'model_dist_s', '.1f')} | "
+                   f"{_pair(ours, theirs, 'initialize_s', '.1f')} | {_pair(ours, theirs, 'first_step_s', '.2f')} | "
+                   f"{_pair(ours, theirs, 'checkpoint_gib', '.2f')} | {_pair(ours, theirs, 'save_s', '.2f')} | "
+                   f"{_pair(ours, theirs, 'load_s', '.2f')} | {restored} |")
     return "\n".join(out) + "\n"
+
+
+def _write(out: Path, rows: list[dict[str, Any]], optimizer: str, steps: int) -> str:
+    """peer_bench.json and .md in ``out`` from the runs so far; the table."""
+    lines = compare(rows)
+    text = table(lines, optimizer, steps)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peer_bench.json").write_text(json.dumps({"optimizer": optimizer, "steps": steps, "rows": lines}, indent=1))
+    (out / "peer_bench.md").write_text("## dslaunch beside DeepSpeed (`scripts/gpu/peer_bench.py`)\n\n" + text)
+    return text
 
 
 def main() -> int:
@@ -202,12 +294,18 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=150, help="seconds one side of a case may take")
     parser.add_argument("--extensions-dir", type=Path, default=ROOT / ".ds-ext",
                         help="TORCH_EXTENSIONS_DIR: where DeepSpeed's JIT-built ops are kept and reused")
-    parser.add_argument("--out", type=Path, help="write peer_bench.json and peer_bench.md here")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()),
+                        help="where each run saves its checkpoint (a folder of its own, removed after the load)")
+    parser.add_argument("--no-checkpoint", action="store_true", help="leave out the checkpoint's save and load")
+    parser.add_argument("--out", type=Path, help="write peer_bench.json and peer_bench.md here, after each run")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # SIDE:CASE in this process (internal)
+    parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)  # epoch seconds (internal)
     args = parser.parse_args()
     if args.run:
         side, case = args.run.split(":")
-        print("RESULT " + json.dumps(run_case(side, case, args.steps, args.smoke, args.optimizer)), flush=True)
+        checkpoint = None if args.no_checkpoint else args.checkpoint_dir
+        result = run_case(side, case, args.steps, args.smoke, args.optimizer, args.launched_at or time.time(), checkpoint)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     if not args.deepspeed_python:
         parser.error("--deepspeed-python is required: the interpreter of a venv with real DeepSpeed")
@@ -217,13 +315,10 @@ def main() -> int:
             python = sys.executable if side == "dslaunch" else args.deepspeed_python
             rows.append(_run_side(python, side, case, args))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "losses"}), flush=True)
+            if args.out:
+                _write(args.out, rows, args.optimizer, args.steps)
     lines = compare(rows)
-    text = table(lines, args.optimizer, args.steps)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "peer_bench.json").write_text(json.dumps({"optimizer": args.optimizer, "rows": lines}, indent=1))
-        (args.out / "peer_bench.md").write_text("## dslaunch beside DeepSpeed (`scripts/gpu/peer_bench.py`)\n\n" + text)
+    print(table(lines, args.optimizer, args.steps))
     return 0 if all("speedup" in line for line in lines) else 1
 
 
