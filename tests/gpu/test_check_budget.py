@@ -7,20 +7,30 @@ stopped part way."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
-import peer_bench  # noqa: E402
-import report  # noqa: E402
+
+
+def _script(name: str) -> ModuleType:
+    """scripts/gpu/NAME.py as a module of its own name (tests/conformance imports another ``report``)."""
+    spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", ROOT / "scripts" / "gpu" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+peer_bench, report = _script("peer_bench"), _script("report")
 
 
 def _steps(out: Path, deadline: int, script: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
