@@ -58,6 +58,8 @@ step env 5 60 $PY scripts/gpu/report.py --env "$RESULT_DIR/env.json"
 export GPU=$($PY -c "import json, sys; print(int(bool(json.load(open(sys.argv[1]))['gpu'])))" "$RESULT_DIR/env.json" 2>/dev/null || echo 0)
 if [ "$GPU" != 1 ]; then
     echo "gpu-check: no CUDA device here: setup, bookkeeping and one engine configuration on CPU only"
+else  # DeepSpeed's JIT builds for this device alone, and its runs find them built for the same list
+    export TORCH_CUDA_ARCH_LIST=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['capability'])" "$RESULT_DIR/env.json")
 fi
 
 # --- setup: dslaunch onto the machine's own torch ------------------------------------------
@@ -119,16 +121,14 @@ deepspeed_setup() {
 }
 # deepspeed_ops: its FusedAdam (nvcc) and CPU Adam (the host compiler) JIT-built once into $DS_EXT,
 # both at once, in the background while the untimed parts run: for this device's capability alone
-# (DeepSpeed's JIT does so too; torch's extension loader would add every architecture it knows),
-# each build with half the cores. A build killed earlier leaves a lock that blocks forever.
+# (TORCH_CUDA_ARCH_LIST, exported above; without it torch's extension loader may add every
+# architecture it knows), each build with half the cores. A build killed earlier leaves a lock that blocks forever.
 deepspeed_ops() {
     mkdir -p "$DS_EXT" && find "$DS_EXT" -name lock -delete && rm -f "$DS_EXT/fused_adam.built"
     local build='import sys; from deepspeed.accelerator import get_accelerator as a; a().create_op_builder(sys.argv[1]).load(); print(sys.argv[1], "loaded")'
-    local arch
-    arch=$("$DS_PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") || return 1
-    local env=(env TORCH_EXTENSIONS_DIR="$DS_EXT" DS_ACCELERATOR=cuda PATH="$(dirname "$DS_PY"):$PATH"
-               TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS=$((CORES / 2 > 1 ? CORES / 2 : 1)))
-    echo "building for capability $arch with MAX_JOBS=$((CORES / 2 > 1 ? CORES / 2 : 1)) each"
+    local jobs=$((CORES / 2 > 1 ? CORES / 2 : 1))
+    local env=(env TORCH_EXTENSIONS_DIR="$DS_EXT" DS_ACCELERATOR=cuda PATH="$(dirname "$DS_PY"):$PATH" MAX_JOBS=$jobs)
+    echo "building for capability ${TORCH_CUDA_ARCH_LIST:-?} with MAX_JOBS=$jobs each"
     "${env[@]}" "$DS_PY" -c "$build" CPUAdamBuilder &
     local cpu=$! rc=0
     if command -v nvcc >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then

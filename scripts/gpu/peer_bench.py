@@ -26,8 +26,9 @@ them, what a user choosing between the two for a job also waits on:
   at ``initialize``; no launcher on either side (one rank, its environment set as a launcher
   would), so a launcher's own cost is not in it;
 - checkpoints: ``save_checkpoint`` and ``load_checkpoint`` of the whole state (bf16 module, fp32
-  master weights and Adam moments) into ``--checkpoint-dir`` and back, each side's defaults, and
-  whether the load restored it: the step after the load repeats the loss of the step after the
+  master weights and Adam moments) into ``--checkpoint-dir`` and back, each side's defaults, the
+  ``os.sync()`` after the save until the files are on disk (dslaunch's save fsyncs its files
+  before it returns, DeepSpeed's does not), and whether the load restored it: the step after the load repeats the loss of the step after the
   save exactly (the same weights give the same forward).
 
 Each run's result is appended to ``--out``'s files as it comes, so a run stopped part way leaves
@@ -90,6 +91,9 @@ def _checkpoint_times(engine: Any, step: Any, folder: Path) -> dict[str, Any]:
         start = time.perf_counter()
         engine.save_checkpoint(str(ckpt), tag="peer")
         out["save_s"] = time.perf_counter() - start
+        start = time.perf_counter()  # then until it is on disk: a save that returned before is not yet safe
+        os.sync()
+        out["sync_s"] = time.perf_counter() - start
         out["checkpoint_gib"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30
         after_save = step()
         start = time.perf_counter()
@@ -254,12 +258,13 @@ def table(lines: list[dict[str, Any]], optimizer: str, steps: int) -> str:
                    f"{loss} |")
     out += ["", "Start-up (the rank's command to its first finished step: to `import deepspeed` done, the "
             "model on the device and `init_distributed`, `initialize`, the first step) and the checkpoint of the whole state (`save_checkpoint`, "
-            "`load_checkpoint`, each side's defaults; dslaunch's save is durable, fsynced, DeepSpeed's "
-            "torch.save is not); restored: the step after the load repeats the step after the save. "
+            "`load_checkpoint`, each side's defaults; dslaunch's save returns once the files are fsynced, "
+            "DeepSpeed's once torch.save has handed them to the page cache: sync s is the `os.sync()` after the "
+            "save returned, until it is on disk); restored: the step after the load repeats the step after the save. "
             "Seconds, dslaunch / DeepSpeed; start-up ratio < 1: dslaunch starts sooner.", "",
             "| config | start-up s | start-up ratio | import s | model + dist s | initialize s | first step s | "
-            "checkpoint GiB | save s | load s | restored |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "checkpoint GiB | save s | sync s | load s | restored |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for line in lines:
         ours, theirs = line["dslaunch"], line["deepspeed"]
         if "speedup" not in line:
@@ -269,6 +274,7 @@ def table(lines: list[dict[str, Any]], optimizer: str, steps: int) -> str:
                    f"{_pair(ours, theirs, 'import_s', '.1f')} | {_pair(ours, theirs, 'model_dist_s', '.1f')} | "
                    f"{_pair(ours, theirs, 'initialize_s', '.1f')} | {_pair(ours, theirs, 'first_step_s', '.2f')} | "
                    f"{_pair(ours, theirs, 'checkpoint_gib', '.2f')} | {_pair(ours, theirs, 'save_s', '.2f')} | "
+                   f"{_pair(ours, theirs, 'sync_s', '.2f')} | "
                    f"{_pair(ours, theirs, 'load_s', '.2f')} | {restored} |")
     return "\n".join(out) + "\n"
 
