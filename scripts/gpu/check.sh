@@ -15,11 +15,11 @@
 # go to scripts/bench/results/ (gpu_check.*, peer_bench.*, gpu_kernels_bench.*, gpu_engine_bench.*),
 # which BENCHMARKS.md is assembled from. The exit status is 0 only when every step passed.
 #
-# In order: dslaunch's setup; then, in the background, real DeepSpeed's venv and its two JIT-built
-# ops (FusedAdam with nvcc, CPU Adam with the host compiler, at once, MAX_JOBS from the cores,
-# TORCH_CUDA_ARCH_LIST the device's capability alone), while the untimed parts run in the
-# foreground: the machine's description, the GPU tests beside the CUDA-path tests, the engine on
-# NCCL against gloo (four configurations at a time). The builds are waited for before the first
+# In order: the machine's description; then, in the background, real DeepSpeed's venv and its two
+# JIT-built ops (FusedAdam with nvcc, CPU Adam with the host compiler, at once, MAX_JOBS from the
+# cores, TORCH_CUDA_ARCH_LIST the device's capability alone), while the untimed parts run in the
+# foreground: dslaunch's setup, the GPU tests beside the CUDA-path tests, the engine on NCCL
+# against gloo (four configurations at a time). The builds are waited for before the first
 # timed part, not pinned to cores of their own: the offloaded step's CPU Adam, which the
 # benchmarks time, uses every core, and the kernel benchmark's launch costs are CPU time too.
 # Then the timed parts, one at a time: dslaunch beside DeepSpeed (scripts/gpu/peer_bench.py: ZeRO-2,
@@ -61,27 +61,6 @@ if [ "$GPU" != 1 ]; then
 else  # DeepSpeed's JIT builds for this device alone, and its runs find them built for the same list
     export TORCH_CUDA_ARCH_LIST=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['capability'])" "$RESULT_DIR/env.json")
 fi
-
-# --- setup: dslaunch onto the machine's own torch ------------------------------------------
-setup() {
-    if ! $PY -c "import paramiko, crc32c" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || return 1
-    fi
-    if ! $PY -c "import dslaunch.launcher" 2>/dev/null; then  # a dev venv has it already
-        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e . || return 1
-    fi
-    # Lightning's DeepSpeed strategy (tests/gpu/test_lightning.py) imports `deepspeed`: dslaunch's
-    # distribution, unless a real DeepSpeed is there (then that test skips). GPU machines only: a
-    # dev venv must not get it (its tests, `make bench`'s real DeepSpeed).
-    if [ "$GPU" = 1 ] && ! $PY -c "import deepspeed" 2>/dev/null; then
-        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e compat/deepspeed || return 1
-    fi
-    $PY -c "import dslaunch.launcher, paramiko, crc32c; print('dslaunch importable with its dependencies')"
-}
-export -f setup
-step setup 10 120 setup
-export PATH="$(dirname "$(command -v "$PY")"):$PATH"  # the dslaunch command beside that python
-
 
 # --- real DeepSpeed in a venv beside dslaunch's ------------------------------------------------
 export DS_VENV=$PWD/.venv-gpu-deepspeed DS_EXT=$PWD/.ds-ext
@@ -149,6 +128,26 @@ deepspeed_background() {  # the venv, then (on a GPU) the ops
 deepspeed_background &
 ds=$!
 
+# --- setup: dslaunch onto the machine's own torch ------------------------------------------
+setup() {
+    if ! $PY -c "import paramiko, crc32c" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || return 1
+    fi
+    if ! $PY -c "import dslaunch.launcher" 2>/dev/null; then  # a dev venv has it already
+        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e . || return 1
+    fi
+    # Lightning's DeepSpeed strategy (tests/gpu/test_lightning.py) imports `deepspeed`: dslaunch's
+    # distribution, unless a real DeepSpeed is there (then that test skips). GPU machines only: a
+    # dev venv must not get it (its tests, `make bench`'s real DeepSpeed).
+    if [ "$GPU" = 1 ] && ! $PY -c "import deepspeed" 2>/dev/null; then
+        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e compat/deepspeed || return 1
+    fi
+    $PY -c "import dslaunch.launcher, paramiko, crc32c; print('dslaunch importable with its dependencies')"
+}
+export -f setup
+step setup 10 120 setup
+export PATH="$(dirname "$(command -v "$PY")"):$PATH"  # the dslaunch command beside that python
+
 # --- untimed, in the foreground while DeepSpeed installs and builds ------------------------------
 # the tests on the device, and beside them the tests that take another path when CUDA is present
 # (CI runs those on CPU), spread over four workers where pytest-xdist is installed
@@ -192,8 +191,12 @@ xargs -P 4 -I NAME bash -c 'step engine_NAME 10 120 engine_pair NAME' <"$CFG.lis
 wait_for deepspeed "$ds"
 if [ "$GPU" = 1 ] && [ -n "$DS_PY" ]; then
     opt=$([ -e "$DS_EXT/fused_adam.built" ] && echo config || echo torch)
+    # The checkpoints (16 GiB each at 1.14B) on tmpfs where it has room: the two libraries' own cost,
+    # not the machine's disk, which is the same for both (and seconds a run off the budget).
+    ckpt=${TMPDIR:-/tmp}
+    [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1)" -gt $((40 << 20)) ] 2>/dev/null && ckpt=/dev/shm
     step bench_peer 150 300 $PY scripts/gpu/peer_bench.py --deepspeed-python "$DS_PY" --optimizer "$opt" \
-        --steps 8 --timeout 120 --extensions-dir "$DS_EXT" --checkpoint-dir "${TMPDIR:-/tmp}" --out "$RESULT_DIR"
+        --steps 8 --timeout 120 --extensions-dir "$DS_EXT" --checkpoint-dir "$ckpt" --out "$RESULT_DIR"
 elif [ -n "$DS_PY" ]; then  # the same path on a tiny model (DeepSpeed's CPU Adam: minutes to build)
     step bench_peer 40 300 $PY scripts/gpu/peer_bench.py --deepspeed-python "$DS_PY" --smoke --cases z2,z3 \
         --optimizer torch --steps 2 --extensions-dir "$DS_EXT" --out "$RESULT_DIR"

@@ -82,10 +82,21 @@ def _deepspeed(side: str) -> Any:
     return deepspeed
 
 
+def _filesystem(folder: Path) -> str:
+    """The type of the filesystem ``folder`` is on (tmpfs, ext4, ...), from /proc/mounts."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "?"
+    path = str(folder.resolve())
+    found = [(len(m), kind) for m, kind in mounts if path == m or path.startswith(m.rstrip("/") + "/")]
+    return max(found)[1] if found else "?"
+
+
 def _checkpoint_times(engine: Any, step: Any, folder: Path) -> dict[str, Any]:
     """``save_checkpoint`` then ``load_checkpoint`` of the whole state, timed; whether the load
     restored it (the step after it repeats the loss of the step after the save); its size."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"checkpoint_fs": _filesystem(folder)}
     ckpt = Path(tempfile.mkdtemp(prefix="peer-ckpt-", dir=folder))
     try:
         start = time.perf_counter()
@@ -261,7 +272,8 @@ def table(lines: list[dict[str, Any]], optimizer: str, steps: int) -> str:
             "`load_checkpoint`, each side's defaults; dslaunch's save returns once the files are fsynced, "
             "DeepSpeed's once torch.save has handed them to the page cache: sync s is the `os.sync()` after the "
             "save returned, until it is on disk); restored: the step after the load repeats the step after the save. "
-            "Seconds, dslaunch / DeepSpeed; start-up ratio < 1: dslaunch starts sooner.", "",
+            f"Checkpoints on {first.get('checkpoint_fs', '-')}. Seconds, dslaunch / DeepSpeed; start-up ratio < 1: "
+            "dslaunch starts sooner.", "",
             "| config | start-up s | start-up ratio | import s | model + dist s | initialize s | first step s | "
             "checkpoint GiB | save s | sync s | load s | restored |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -42,7 +42,10 @@ def test_without_a_gpu_the_check_runs_its_bookkeeping_on_cpu(tmp_path: Path) -> 
     assert [n for n in names if n != "deepspeed_setup"] == [
         "env", "setup", "pytest_gpu", "engine_z3_offload", "wait_deepspeed", *(["bench_peer"] if peer else []),
         "bench_gpu_kernels"], names
-    assert names.index("setup") < names.index("deepspeed_setup") < names.index("wait_deepspeed")
+    at = {s["step"]: s for s in steps}
+    assert at["env"]["end_s"] <= at["deepspeed_setup"]["start_s"] <= at["setup"]["end_s"], steps
+    assert at["engine_z3_offload"]["end_s"] <= at["wait_deepspeed"]["start_s"], steps  # the untimed parts first
+    assert at["deepspeed_setup"]["end_s"] <= at["wait_deepspeed"]["end_s"] <= at["bench_gpu_kernels"]["start_s"], steps
     assert all(s["rc"] == 0 and s["ms"] >= 0 and s["start_s"] <= s["end_s"] for s in steps), steps
     # each part's start and end, in seconds since the check began, printed as it ran
     assert re.search(r"\[ +[0-9.]+s\] == pytest_gpu \(budget \d+s, limit \d+s\)", done.stdout), done.stdout
