@@ -2,8 +2,8 @@
 is stuck or the deadline comes: each step's limit is capped by the check's deadline, a part past its
 limit is recorded as timed out, one the deadline leaves no time is recorded as skipped, and the
 report (``scripts/gpu/report.py``) still writes the table of what ran and the targets, measured or
-not. Also the targets' verdicts from the benchmarks' results, and ``peer_bench``'s table from a run
-stopped part way."""
+not. Also the targets' verdicts from the benchmarks' results, and the benchmarks' results from a run
+stopped part way (``peer_bench``'s table, ``gpu_engine_bench``'s files)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def test_a_stuck_step_costs_its_limit_and_the_deadline_skips_the_rest(tmp_path: 
     assert "late skipped: " in done.stdout and (tmp_path / "quick.log").read_text() == "hi\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run scripts/gpu/check.sh itself")
 def test_the_check_past_its_deadline_still_writes_the_table_of_what_ran(tmp_path: Path) -> None:
@@ -115,3 +116,21 @@ def test_a_peer_run_stopped_part_way_leaves_the_table_of_what_finished(tmp_path:
         ("z2", 1.25, 0.625), ("z3", None, None)]
     assert "| z2 | 100 | 80 | 1.25x |" in text and "| z3 | | | | | | | | deepspeed: not run |" in text
     assert "| z2 | 5.0 / 8.0 | 0.62 | - / - |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_engine_benchmark_leaves_each_finished_case_and_its_target_for_the_report(tmp_path: Path) -> None:
+    # the second case fails at once: the first one's result is there all the same, and the report reads it
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu_engine_bench.py"), "--smoke", "--steps", "1",
+                           "--cases", "z2_offload,nonesuch", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    offload, failed = json.loads((tmp_path / "gpu_engine_bench.json").read_text())["rows"]
+    assert offload["case"] == "z2_offload" and offload["step_ms"] > 0 and offload["cpu_update_ms"] > 0, offload
+    assert failed["case"] == "nonesuch" and "invalid choice" in failed["error"], failed
+    assert "| nonesuch | " in (tmp_path / "gpu_engine_bench.md").read_text()
+    found = {t["target"]: t for t in report.targets(tmp_path)}
+    beyond = found["offloaded step beyond fwd+bwd and the CPU update"]
+    assert beyond["met"] in (True, False) and beyond["value"].endswith(f"update {offload['cpu_update_ms']:.1f})"), beyond
+    assert found["ZeRO-3 at world size 1 / ZeRO-0 tokens/s"]["met"] is None  # no z0, no z3 in this run
