@@ -267,28 +267,32 @@ def table(lines: list[dict[str, Any]], optimizer: str, steps: int) -> str:
                    f"{line['speedup']:.2f}x | {_cell(ours, 'peak_gib', '.1f')} | {_cell(theirs, 'peak_gib', '.1f')} | "
                    f"{_cell(line, 'peak_ratio', '.2f')} | {ours['host_peak_gib']:.1f} / {theirs['host_peak_gib']:.1f} | "
                    f"{loss} |")
-    out += ["", "Start-up (the rank's command to its first finished step: to `import deepspeed` done, the "
-            "model on the device and `init_distributed`, `initialize`, the first step) and the checkpoint of the whole state (`save_checkpoint`, "
-            "`load_checkpoint`, each side's defaults; dslaunch's save returns once the files are fsynced, "
-            "DeepSpeed's once torch.save has handed them to the page cache: sync s is the `os.sync()` after the "
-            "save returned, until it is on disk); restored: the step after the load repeats the step after the save. "
-            f"Checkpoints on {first.get('checkpoint_fs', '-')}. Seconds, dslaunch / DeepSpeed; start-up ratio < 1: "
-            "dslaunch starts sooner.", "",
-            "| config | start-up s | start-up ratio | import s | model + dist s | initialize s | first step s | "
-            "checkpoint GiB | save s | sync s | load s | restored |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for line in lines:
+    return "\n".join(out + ["", *_startup_table(lines, first.get("checkpoint_fs", "-"))]) + "\n"
+
+
+# start-up and checkpoint columns after the config and the start-up ratio: (key, format)
+STARTUP_COLUMNS = [("import_s", ".1f"), ("model_dist_s", ".1f"), ("initialize_s", ".1f"), ("first_step_s", ".2f"),
+                   ("checkpoint_gib", ".2f"), ("save_s", ".2f"), ("sync_s", ".2f"), ("load_s", ".2f")]
+
+
+def _startup_table(lines: list[dict[str, Any]], filesystem: str) -> list[str]:
+    out = ["Start-up (the rank's command to its first finished step: to `import deepspeed` done, the model on the "
+           "device and `init_distributed`, `initialize`, the first step) and the checkpoint of the whole state "
+           "(`save_checkpoint`, `load_checkpoint`, each side's defaults; dslaunch's save returns once the files are "
+           "fsynced, DeepSpeed's once torch.save has handed them to the page cache: sync s is the `os.sync()` after "
+           "the save returned, until it is on disk); restored: the step after the load repeats the step after the "
+           f"save. Checkpoints on {filesystem}. Seconds, dslaunch / DeepSpeed; start-up ratio < 1: dslaunch starts "
+           "sooner.", "",
+           "| config | start-up s | start-up ratio | import s | model + dist s | initialize s | first step s | "
+           "checkpoint GiB | save s | sync s | load s | restored |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for line in (line for line in lines if "speedup" in line):
         ours, theirs = line["dslaunch"], line["deepspeed"]
-        if "speedup" not in line:
-            continue
         restored = " / ".join({True: "yes", False: "NO"}.get(r.get("load_restores"), "-") for r in (ours, theirs))
-        out.append(f"| {line['case']} | {_pair(ours, theirs, 'startup_s', '.1f')} | {line['startup_ratio']:.2f} | "
-                   f"{_pair(ours, theirs, 'import_s', '.1f')} | {_pair(ours, theirs, 'model_dist_s', '.1f')} | "
-                   f"{_pair(ours, theirs, 'initialize_s', '.1f')} | {_pair(ours, theirs, 'first_step_s', '.2f')} | "
-                   f"{_pair(ours, theirs, 'checkpoint_gib', '.2f')} | {_pair(ours, theirs, 'save_s', '.2f')} | "
-                   f"{_pair(ours, theirs, 'sync_s', '.2f')} | "
-                   f"{_pair(ours, theirs, 'load_s', '.2f')} | {restored} |")
-    return "\n".join(out) + "\n"
+        cells = [line["case"], _pair(ours, theirs, "startup_s", ".1f"), f"{line['startup_ratio']:.2f}",
+                 *(_pair(ours, theirs, key, fmt) for key, fmt in STARTUP_COLUMNS), restored]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def _write(out: Path, rows: list[dict[str, Any]], optimizer: str, steps: int) -> str:
