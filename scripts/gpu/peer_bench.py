@@ -22,8 +22,9 @@ them, what a user choosing between the two for a job also waits on:
 
 - start-up: from the command that starts the rank's process to its first finished step (the
   interpreter, ``import deepspeed``, the model on the device, ``initialize``, the first step,
-  whose one-time costs, allocator growth and kernel choice, land there), split at the import and
-  at ``initialize``; no launcher on either side (one rank, its environment set as a launcher
+  whose one-time costs, allocator growth and kernel choice, land there), split into the import,
+  the script's setup (the model, a client optimizer, ``init_distributed``), ``initialize`` and
+  the first step; no launcher on either side (one rank, its environment set as a launcher
   would), so a launcher's own cost is not in it;
 - checkpoints: ``save_checkpoint`` and ``load_checkpoint`` of the whole state (bf16 module, fp32
   master weights and Adam moments) into ``--checkpoint-dir`` and back, each side's defaults, the
@@ -168,7 +169,7 @@ def run_case(side: str, case: str, steps: int, smoke: bool, optimizer: str, laun
     step_ms = 1e3 * statistics.median(step_s[WARMUP:])
     fwd_bwd_ms = 1e3 * statistics.median(fwd_bwd_s[WARMUP:])
     startup = {"startup_s": first_step_at - launched_at, "import_s": imported_at - launched_at,
-               "model_dist_s": ready_at - imported_at, "initialize_s": initialized_at - ready_at,
+               "setup_s": ready_at - imported_at, "initialize_s": initialized_at - ready_at,
                "first_step_s": first_step_at - initialized_at}
     # the peaks of training, before the checkpoint's own buffers
     peaks = {"peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
@@ -271,19 +272,20 @@ def table(lines: list[dict[str, Any]], optimizer: str, steps: int) -> str:
 
 
 # start-up and checkpoint columns after the config and the start-up ratio: (key, format)
-STARTUP_COLUMNS = [("import_s", ".1f"), ("model_dist_s", ".1f"), ("initialize_s", ".1f"), ("first_step_s", ".2f"),
+STARTUP_COLUMNS = [("import_s", ".1f"), ("setup_s", ".1f"), ("initialize_s", ".1f"), ("first_step_s", ".2f"),
                    ("checkpoint_gib", ".2f"), ("save_s", ".2f"), ("sync_s", ".2f"), ("load_s", ".2f")]
 
 
 def _startup_table(lines: list[dict[str, Any]], filesystem: str) -> list[str]:
-    out = ["Start-up (the rank's command to its first finished step: to `import deepspeed` done, the model on the "
-           "device and `init_distributed`, `initialize`, the first step) and the checkpoint of the whole state "
+    out = ["Start-up (the rank's command to its first finished step: to `import deepspeed` done, the script's "
+           "setup (the model on the device, a client optimizer if any, `init_distributed`), `initialize`, the first "
+           "step) and the checkpoint of the whole state "
            "(`save_checkpoint`, `load_checkpoint`, each side's defaults; dslaunch's save returns once the files are "
            "fsynced, DeepSpeed's once torch.save has handed them to the page cache: sync s is the `os.sync()` after "
            "the save returned, until it is on disk); restored: the step after the load repeats the step after the "
            f"save. Checkpoints on {filesystem}. Seconds, dslaunch / DeepSpeed; start-up ratio < 1: dslaunch starts "
            "sooner.", "",
-           "| config | start-up s | start-up ratio | import s | model + dist s | initialize s | first step s | "
+           "| config | start-up s | start-up ratio | import s | script setup s | initialize s | first step s | "
            "checkpoint GiB | save s | sync s | load s | restored |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for line in (line for line in lines if "speedup" in line):
