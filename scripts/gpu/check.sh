@@ -15,11 +15,12 @@
 # go to scripts/bench/results/ (gpu_check.*, peer_bench.*, gpu_kernels_bench.*, gpu_engine_bench.*),
 # which BENCHMARKS.md is assembled from. The exit status is 0 only when every step passed.
 #
-# In order: the machine's description; then, in the background, real DeepSpeed's venv and its two
-# JIT-built ops (FusedAdam with nvcc, CPU Adam with the host compiler, at once, MAX_JOBS from the
-# cores, TORCH_CUDA_ARCH_LIST the device's capability alone), while the untimed parts run in the
-# foreground: dslaunch's setup, the GPU tests beside the CUDA-path tests, the engine on NCCL
-# against gloo (four configurations at a time). The builds are waited for before the first
+# In order: the machine's description, dslaunch's setup (before DeepSpeed's venv, which sees the
+# same site-packages: no pip installs into them while its pip resolves); then, in the background,
+# real DeepSpeed's venv and its two JIT-built ops (FusedAdam with nvcc, CPU Adam with the host
+# compiler, at once, MAX_JOBS from the cores, TORCH_CUDA_ARCH_LIST the device's capability alone),
+# while the untimed parts run in the foreground: the GPU tests beside the CUDA-path tests, the
+# engine on NCCL against gloo (four configurations at a time). The builds are waited for before the first
 # timed part, not pinned to cores of their own: the offloaded step's CPU Adam, which the
 # benchmarks time, uses every core, and the kernel benchmark's launch costs are CPU time too.
 # Then the timed parts, one at a time: dslaunch beside DeepSpeed (scripts/gpu/peer_bench.py: ZeRO-2,
@@ -61,6 +62,27 @@ if [ "$GPU" != 1 ]; then
 else  # DeepSpeed's JIT builds for this device alone, and its runs find them built for the same list
     export TORCH_CUDA_ARCH_LIST=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['capability'])" "$RESULT_DIR/env.json")
 fi
+
+# --- setup: dslaunch onto the machine's own torch ------------------------------------------
+setup() {
+    if ! $PY -c "import paramiko, crc32c" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || return 1
+    fi
+    if ! $PY -c "import dslaunch.launcher" 2>/dev/null; then  # a dev venv has it already
+        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e . || return 1
+    fi
+    # Lightning's DeepSpeed strategy (tests/gpu/test_lightning.py) imports `deepspeed`: dslaunch's
+    # distribution, unless a real DeepSpeed is there (then that test skips). GPU machines only: a
+    # dev venv must not get it (its tests, `make bench`'s real DeepSpeed).
+    if [ "$GPU" = 1 ] && ! $PY -c "import deepspeed" 2>/dev/null; then
+        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e compat/deepspeed || return 1
+    fi
+    $PY -c "import dslaunch.launcher, paramiko, crc32c; print('dslaunch importable with its dependencies')"
+}
+export -f setup
+step setup 10 120 setup
+export PATH="$(dirname "$(command -v "$PY")"):$PATH"  # the dslaunch command beside that python
+
 
 # --- real DeepSpeed in a venv beside dslaunch's ------------------------------------------------
 export DS_VENV=$PWD/.venv-gpu-deepspeed DS_EXT=$PWD/.ds-ext
@@ -127,26 +149,6 @@ deepspeed_background() {  # the venv, then (on a GPU) the ops
 }
 deepspeed_background &
 ds=$!
-
-# --- setup: dslaunch onto the machine's own torch ------------------------------------------
-setup() {
-    if ! $PY -c "import paramiko, crc32c" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || return 1
-    fi
-    if ! $PY -c "import dslaunch.launcher" 2>/dev/null; then  # a dev venv has it already
-        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e . || return 1
-    fi
-    # Lightning's DeepSpeed strategy (tests/gpu/test_lightning.py) imports `deepspeed`: dslaunch's
-    # distribution, unless a real DeepSpeed is there (then that test skips). GPU machines only: a
-    # dev venv must not get it (its tests, `make bench`'s real DeepSpeed).
-    if [ "$GPU" = 1 ] && ! $PY -c "import deepspeed" 2>/dev/null; then
-        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile -e compat/deepspeed || return 1
-    fi
-    $PY -c "import dslaunch.launcher, paramiko, crc32c; print('dslaunch importable with its dependencies')"
-}
-export -f setup
-step setup 10 120 setup
-export PATH="$(dirname "$(command -v "$PY")"):$PATH"  # the dslaunch command beside that python
 
 # --- untimed, in the foreground while DeepSpeed installs and builds ------------------------------
 # the tests on the device, and beside them the tests that take another path when CUDA is present
