@@ -3,7 +3,12 @@
 # an H100/H200 with the DeepSpeed comparison, and never more than GPU_CHECK_DEADLINE_S (default
 # 460 s): give the device call 600 s.
 #
-#   scripts/gpu/check.sh [RESULT_DIR]        (default: $OUT, else ./gpu-check; `make gpu-check`)
+#   scripts/gpu/check.sh [RESULT_DIR]        (default ./gpu-check; `make gpu-check`)
+#
+# Under the device tool ($OUT set, no RESULT_DIR), the results are written to a folder of their
+# own and packed into $OUT after each part: gpu-check.md/.json, steps.jsonl, env.json,
+# peer_bench.json, gpu_engine_bench.json and gpu-check-files.tar.gz (everything else: the logs,
+# the tables), 7 files, within the 8 the tool brings back.
 #
 # The timeline (scripts/gpu/steps.sh): each part is a step with a budget (the seconds it should
 # take) and a hard limit (its timeout), both within the check's deadline; each prints its start and
@@ -45,7 +50,12 @@
 # and exits 0 when those pass.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-RESULT_DIR=${1:-${OUT:-gpu-check}}
+if [ -z "${1:-}" ] && [ -n "${OUT:-}" ]; then  # the device tool's folder: 8 files come back (pack_results)
+    export PACK_DIR=$OUT
+    RESULT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+else
+    RESULT_DIR=${1:-gpu-check}
+fi
 mkdir -p "$RESULT_DIR"
 RESULT_DIR=$(cd "$RESULT_DIR" && pwd)
 export PY=${PYTHON:-python3} RESULT_DIR STEPS="$RESULT_DIR/steps.jsonl"
@@ -217,3 +227,6 @@ else
     step bench_gpu_kernels 10 120 $PY scripts/bench/gpu_kernels_bench.py --cpu-smoke
     $PY scripts/gpu/report.py --summarize "$RESULT_DIR"
 fi
+status=$?
+pack_results
+exit $status

@@ -8,7 +8,23 @@
 #   {"step", "rc": null, "skipped": "...", "budget", "start_s"}    the deadline left it no time
 # Needs, exported: RESULT_DIR (each step's output is RESULT_DIR/<step>.log), STEPS,
 # CHECK_START (date +%s%N at the check's start), CHECK_DEADLINE_S (seconds from CHECK_START by
-# which every step has ended), CHECK_MIN_S (a step is skipped with less than this left).
+# which every step has ended), CHECK_MIN_S (a step is skipped with less than this left); and
+# PACK_DIR where the results go back through the device tool (see pack_results).
+
+# pack_results: the device tool brings back at most 8 files from $OUT, two folders deep. With
+# PACK_DIR set, after each step: the report's files and the results it reads as files of their own
+# there, and everything else the check wrote (logs, each run's results; not the NVMe offload's swap
+# files) as one archive, each replaced whole (copied beside, then renamed).
+PACKED="gpu-check.md gpu-check.json steps.jsonl env.json peer_bench.json gpu_engine_bench.json"
+pack_results() {
+    [ -n "${PACK_DIR:-}" ] || return 0
+    local f part="part$BASHPID"
+    for f in $PACKED; do
+        [ -e "$RESULT_DIR/$f" ] && cp "$RESULT_DIR/$f" "$PACK_DIR/$f.$part" && mv "$PACK_DIR/$f.$part" "$PACK_DIR/$f"
+    done
+    tar czf "$PACK_DIR/gpu-check-files.tar.gz.$part" -C "$RESULT_DIR" --exclude='nvme*' . 2>/dev/null
+    mv "$PACK_DIR/gpu-check-files.tar.gz.$part" "$PACK_DIR/gpu-check-files.tar.gz"
+}
 
 # check_elapsed_ms: milliseconds since the check began.
 check_elapsed_ms() {
@@ -49,6 +65,7 @@ step() {
         "$name" "$rc" $((end - start)) "$budget" "$limit" "$(check_seconds "$start")" "$(check_seconds "$end")" >>"$STEPS"
     echo "$(check_clock "$end")    $name rc=$rc in $(check_seconds $((end - start)))s$over" \
         "($(tail -n 1 "$RESULT_DIR/$name.log" | cut -c1-140))"
+    pack_results
     return "$rc"
 }
 
@@ -63,6 +80,8 @@ wait_for() {
     printf '{"step": "%s", "rc": %d, "ms": %d, "budget": 0, "limit": 0, "start_s": %s, "end_s": %s}\n' \
         "wait_$name" "$rc" $((end - start)) "$(check_seconds "$start")" "$(check_seconds "$end")" >>"$STEPS"
     echo "$(check_clock "$end")    waited $(check_seconds $((end - start)))s for $name (rc=$rc)"
+    pack_results
     return "$rc"
 }
-export -f check_elapsed_ms check_seconds check_clock step wait_for
+export PACKED
+export -f check_elapsed_ms check_seconds check_clock step wait_for pack_results

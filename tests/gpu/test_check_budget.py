@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -33,9 +34,9 @@ def _script(name: str) -> ModuleType:
 peer_bench, report = _script("peer_bench"), _script("report")
 
 
-def _steps(out: Path, deadline: int, script: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _steps(out: Path, deadline: int, script: str, **env_vars: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     env = {**os.environ, "RESULT_DIR": str(out), "STEPS": str(out / "steps.jsonl"), "CHECK_DEADLINE_S": str(deadline),
-           "CHECK_MIN_S": "1"}
+           "CHECK_MIN_S": "1", **env_vars}
     done = subprocess.run(["bash", "-c", f'export CHECK_START=$(date +%s%N); source scripts/gpu/steps.sh; {script}'],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     return done, [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
@@ -55,6 +56,24 @@ def test_a_stuck_step_costs_its_limit_and_the_deadline_skips_the_rest(tmp_path: 
     assert "rc 0\n" in done.stdout and "rc 124\n" in done.stdout and "rc 125\n" in done.stdout
     assert "stuck rc=124 in" in done.stdout and "OVER its budget, TIMED OUT at its limit" in done.stdout
     assert "late skipped: " in done.stdout and (tmp_path / "quick.log").read_text() == "hi\n"
+
+
+def test_under_the_device_tool_each_step_packs_the_results_into_8_files_at_most(tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "engine" / "nvme").mkdir(parents=True)
+    out.mkdir()
+    (work / "engine" / "nvme" / "swap.bin").write_bytes(b"\0" * 4096)  # the NVMe offload's: not carried back
+    (work / "engine" / "z0.gpu.json").write_text("{}")
+    _steps(work, 30, 'step one 5 30 echo first; echo \'{"rows": []}\' >"$RESULT_DIR/peer_bench.json"; '
+                     'step two 5 30 echo second', PACK_DIR=str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check-files.tar.gz", "peer_bench.json", "steps.jsonl"]
+    assert len((out / "steps.jsonl").read_text().splitlines()) == 2  # packed after the second step too
+    with tarfile.open(out / "gpu-check-files.tar.gz") as tar:
+        names = {Path(n).as_posix().removeprefix("./") for n in tar.getnames()}
+    assert {"one.log", "two.log", "steps.jsonl", "engine/z0.gpu.json"} <= names and not any("nvme" in n for n in names)
+    packed = subprocess.run(["bash", "-c", "source scripts/gpu/steps.sh; echo $PACKED"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=30).stdout
+    assert len(packed.split()) + 1 <= 8  # the files of their own and the archive
 
 
 @pytest.mark.slow
