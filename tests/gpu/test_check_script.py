@@ -1,7 +1,8 @@
 """``scripts/gpu/check.sh`` on a machine without a GPU (CI): it says so in one line, runs its setup,
-its steps, the comparison with real DeepSpeed on a tiny model with gloo (where one is at hand: the
-wheels of ``scripts/gpu/wheels.sh``, ``DSLAUNCH_DEEPSPEED_PYTHON`` or ``.venv-conformance``), one
-engine configuration on CPU, and its report, so that the script does not rot between the sessions
+its steps on its timeline (DeepSpeed's venv in the background, the timed parts after it), the
+comparison with real DeepSpeed on a tiny model with gloo (where one is at hand: the wheels of
+``scripts/gpu/wheels.sh``, ``DSLAUNCH_DEEPSPEED_PYTHON`` or ``.venv-conformance``) with each side's
+start-up and checkpoint, one engine configuration on CPU, and its report with the targets, so that the script does not rot between the sessions
 that have a GPU. On a GPU machine the script itself is the test."""
 
 from __future__ import annotations
