@@ -6,7 +6,9 @@ interpreter ``--deepspeed-python`` names (a venv holding real DeepSpeed, whose `
 checked to be DeepSpeed's own distribution, not dslaunch's compatibility one). The two take turns
 case by case, the one going first alternating. The model is ``gpu_engine_bench.py``'s GPT-like
 model with ``nn.LayerNorm`` (the script a DeepSpeed user has: no dslaunch kernel in the model),
-built from seed 0 on the device, and the tokens are the same on both sides. A process is one rank
+built from seed 0 on the device, and the tokens are the same on both sides. A run is one rank
+started by its side's launcher (``dslaunch --num_gpus 1 peer_bench.py ...``, ``deepspeed --num_gpus
+1 peer_bench.py ...`` from the DeepSpeed venv), or with ``--no-launcher`` the rank's process alone
 (RANK=0, WORLD_SIZE=1 in its environment): NCCL on a GPU, gloo on CPU. Cases, bf16:
 
 - ``z2``, ``z3``: ZeRO-2 and ZeRO-3, the config's ``AdamW`` (DeepSpeed's ``FusedAdam``, which it
@@ -20,17 +22,17 @@ allocated memory, the process's peak resident memory, and the first losses (the 
 the same tokens: they agree to bf16 rounding, or the comparison is not like for like). Beside
 them, what a user choosing between the two for a job also waits on:
 
-- start-up: from the command that starts the rank's process to its first finished step (the
+- start-up: from the launch command to the first finished step (the launcher, the rank's
   interpreter, ``import deepspeed``, the model on the device, ``initialize``, the first step,
-  whose one-time costs, allocator growth and kernel choice, land there), split into the import,
-  the script's setup (the model, a client optimizer, ``init_distributed``), ``initialize`` and
-  the first step; no launcher on either side (one rank, its environment set as a launcher
-  would), so a launcher's own cost is not in it;
+  whose one-time costs, allocator growth and kernel choice, land there), split into the launcher
+  (until this script's first line runs), the imports, the script's setup (the model, a client
+  optimizer, ``init_distributed``), ``initialize`` and the first step;
 - checkpoints: ``save_checkpoint`` and ``load_checkpoint`` of the whole state (bf16 module, fp32
   master weights and Adam moments) into ``--checkpoint-dir`` and back, each side's defaults, the
   ``os.sync()`` after the save until the files are on disk (dslaunch's save fsyncs its files
-  before it returns, DeepSpeed's does not), and whether the load restored it: the step after the load repeats the loss of the step after the
-  save exactly (the same weights give the same forward).
+  before it returns, DeepSpeed's does not), and whether the load restored it: the step after the
+  load repeats the loss of the step after the save exactly (the same weights give the same
+  forward).
 
 Each run's result is appended to ``--out``'s files as it comes, so a run stopped part way leaves
 the table of the cases that finished.
@@ -56,8 +58,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
+STARTED_AT = time.time()  # the rank's first line: the launcher's share of the start-up ends here
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
@@ -168,7 +172,8 @@ def run_case(side: str, case: str, steps: int, smoke: bool, optimizer: str, laun
             first_step_at = time.time()
     step_ms = 1e3 * statistics.median(step_s[WARMUP:])
     fwd_bwd_ms = 1e3 * statistics.median(fwd_bwd_s[WARMUP:])
-    startup = {"startup_s": first_step_at - launched_at, "import_s": imported_at - launched_at,
+    startup = {"startup_s": first_step_at - launched_at, "launcher_s": STARTED_AT - launched_at,
+               "import_s": imported_at - STARTED_AT,
                "setup_s": ready_at - imported_at, "initialize_s": initialized_at - ready_at,
                "first_step_s": first_step_at - initialized_at}
     # the peaks of training, before the checkpoint's own buffers
@@ -184,28 +189,41 @@ def run_case(side: str, case: str, steps: int, smoke: bool, optimizer: str, laun
             "losses": losses, **peaks, **startup, **saved}
 
 
+def _command(python: str, side: str, args: argparse.Namespace) -> list[str]:
+    """What starts one rank: its side's launcher beside ``python`` (one GPU or, on CPU, one worker),
+    or with ``--no-launcher`` the interpreter alone."""
+    if args.no_launcher:
+        return [python]
+    from dslaunch.utils.ports import free_port
+
+    launcher = Path(python).parent / ("dslaunch" if side == "dslaunch" else "deepspeed")
+    return [str(launcher), "--num_gpus", "1", "--master_port", str(free_port())]
+
+
 def _run_side(python: str, side: str, case: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``run_case`` in a process of its own on ``python``: its result, or why there is none."""
+    """``run_case`` in a rank of its own started from ``python``'s side: its result, or why there is none."""
     from dslaunch.utils.ports import free_port
 
     cuda = torch.cuda.is_available()
-    # One rank, no launcher: DeepSpeed would otherwise look for MPI. PYTHONPATH emptied so that
-    # the DeepSpeed side sees its venv alone (and this checkout only through sys.path above).
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "DS_ACCELERATOR": "cuda" if cuda else "cpu", "TORCH_EXTENSIONS_DIR": str(args.extensions_dir),
+    # PYTHONPATH emptied so that the DeepSpeed side sees its venv alone (and this checkout only
+    # through sys.path above). Without a launcher the rank's environment is set here, as one would.
+    env = {**os.environ, "DS_ACCELERATOR": "cuda" if cuda else "cpu", "TORCH_EXTENSIONS_DIR": str(args.extensions_dir),
            "PYTHONPATH": "", "PATH": f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # its ninja
-    cmd = [python, __file__, "--run", f"{side}:{case}", "--steps", str(args.steps), "--optimizer", args.optimizer]
+    if args.no_launcher:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", LOCAL_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [__file__, "--run", f"{side}:{case}", "--steps", str(args.steps), "--optimizer", args.optimizer]
     cmd += ["--smoke"] if args.smoke else []
-    cmd += [] if args.no_checkpoint else ["--checkpoint-dir", str(args.checkpoint_dir)]
+    cmd += ["--no-checkpoint"] if args.no_checkpoint else ["--checkpoint-dir", str(args.checkpoint_dir)]
     try:
-        done = subprocess.run(cmd + ["--launched-at", repr(time.time())], env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
+        done = subprocess.run(_command(python, side, args) + cmd + ["--launched-at", repr(time.time())], env=env,
+                              capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"side": side, "case": case, "error": f"timed out after {args.timeout:.0f} s"}
-    found = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    # a launcher may put a prefix before the rank's lines ("[rank0] ")
+    found = [line.partition("RESULT ")[2] for line in done.stdout.splitlines() if "RESULT {" in line]
     if found:
-        return json.loads(found[-1])
+        return {**json.loads(found[-1]), "launcher": Path(_command(python, side, args)[0]).name}
     print(f"--- {side} {case}: exit status {done.returncode}, last lines:\n" + "\n".join(
         (done.stdout + done.stderr).strip().splitlines()[-30:]), flush=True)
     why = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
@@ -268,26 +286,29 @@ def table(lines: list[dict[str, Any]], optimizer: str, steps: int) -> str:
                    f"{line['speedup']:.2f}x | {_cell(ours, 'peak_gib', '.1f')} | {_cell(theirs, 'peak_gib', '.1f')} | "
                    f"{_cell(line, 'peak_ratio', '.2f')} | {ours['host_peak_gib']:.1f} / {theirs['host_peak_gib']:.1f} | "
                    f"{loss} |")
-    return "\n".join(out + ["", *_startup_table(lines, first.get("checkpoint_fs", "-"))]) + "\n"
+    return "\n".join(out + ["", *_startup_table(lines, first)]) + "\n"
 
 
 # start-up and checkpoint columns after the config and the start-up ratio: (key, format)
-STARTUP_COLUMNS = [("import_s", ".1f"), ("setup_s", ".1f"), ("initialize_s", ".1f"), ("first_step_s", ".2f"),
+STARTUP_COLUMNS = [("launcher_s", ".1f"), ("import_s", ".1f"), ("setup_s", ".1f"), ("initialize_s", ".1f"), ("first_step_s", ".2f"),
                    ("checkpoint_gib", ".2f"), ("save_s", ".2f"), ("sync_s", ".2f"), ("load_s", ".2f")]
 
 
-def _startup_table(lines: list[dict[str, Any]], filesystem: str) -> list[str]:
-    out = ["Start-up (the rank's command to its first finished step: to `import deepspeed` done, the script's "
+def _startup_table(lines: list[dict[str, Any]], first: dict[str, Any]) -> list[str]:
+    launch = ("the launch command, `dslaunch --num_gpus 1` / `deepspeed --num_gpus 1`"
+              if first.get("launcher") in ("dslaunch", "deepspeed") else "the rank's process started alone")
+    out = [f"Start-up ({launch}, to the first finished step: the launcher until the rank's first line, its "
+           "imports to `import deepspeed` done, the script's "
            "setup (the model on the device, a client optimizer if any, `init_distributed`), `initialize`, the first "
            "step) and the checkpoint of the whole state "
            "(`save_checkpoint`, `load_checkpoint`, each side's defaults; dslaunch's save returns once the files are "
            "fsynced, DeepSpeed's once torch.save has handed them to the page cache: sync s is the `os.sync()` after "
            "the save returned, until it is on disk); restored: the step after the load repeats the step after the "
-           f"save. Checkpoints on {filesystem}. Seconds, dslaunch / DeepSpeed; start-up ratio < 1: dslaunch starts "
+           f"save. Checkpoints on {first.get('checkpoint_fs', '-')}. Seconds, dslaunch / DeepSpeed; start-up ratio < 1: dslaunch starts "
            "sooner.", "",
-           "| config | start-up s | start-up ratio | import s | script setup s | initialize s | first step s | "
-           "checkpoint GiB | save s | sync s | load s | restored |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+           "| config | start-up s | start-up ratio | launcher s | import s | script setup s | initialize s | "
+           "first step s | checkpoint GiB | save s | sync s | load s | restored |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for line in (line for line in lines if "speedup" in line):
         ours, theirs = line["dslaunch"], line["deepspeed"]
         restored = " / ".join({True: "yes", False: "NO"}.get(r.get("load_restores"), "-") for r in (ours, theirs))
@@ -321,9 +342,12 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where each run saves its checkpoint (a folder of its own, removed after the load)")
     parser.add_argument("--no-checkpoint", action="store_true", help="leave out the checkpoint's save and load")
+    parser.add_argument("--no-launcher", action="store_true",
+                        help="start each rank's process alone, not through its side's launcher")
     parser.add_argument("--out", type=Path, help="write peer_bench.json and peer_bench.md here, after each run")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # SIDE:CASE in this process (internal)
     parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)  # epoch seconds (internal)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # what both launchers pass
     args = parser.parse_args()
     if args.run:
         side, case = args.run.split(":")

@@ -69,10 +69,11 @@ def test_without_a_gpu_the_check_runs_its_bookkeeping_on_cpu(tmp_path: Path) -> 
         assert line["deepspeed"]["version"] == "0.19.8" and line["deepspeed"]["backend"] == "gloo", line["deepspeed"]
         assert line["dslaunch"]["version"] != line["deepspeed"]["version"]
         assert line["speedup"] > 0 and line["same_start"], line
-        for side in ("dslaunch", "deepspeed"):  # start-up split in its parts; the checkpoint saved, loaded, restored
-            run = line[side]
-            parts = run["import_s"] + run["setup_s"] + run["initialize_s"] + run["first_step_s"]
-            assert 0 < run["first_step_s"] and abs(parts - run["startup_s"]) < 1e-6, run
+        for side in ("dslaunch", "deepspeed"):  # start-up from each side's launcher, split in its parts;
+            run = line[side]                    # the checkpoint saved, loaded, restored
+            parts = run["launcher_s"] + run["import_s"] + run["setup_s"] + run["initialize_s"] + run["first_step_s"]
+            assert run["launcher"] == side and 0 < run["launcher_s"] and 0 < run["first_step_s"], run
+            assert abs(parts - run["startup_s"]) < 1e-6, run
             assert run["save_s"] > 0 and run["load_s"] > 0 and run["checkpoint_gib"] > 0, run
             assert run["load_restores"] and run["loss_after_load"] == run["loss_after_save"], run
     assert "DeepSpeed 0.19.8" in done.stdout and "| z3 | " in done.stdout
