@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dslaunch's GPU check: one command on a machine with one CUDA GPU, projected at about 6 minutes on
+# dslaunch's GPU check: one command on a machine with one CUDA GPU, projected at about 6.5 minutes on
 # an H100/H200 with the DeepSpeed comparison, and never more than GPU_CHECK_DEADLINE_S (default
 # 460 s): give the device call 600 s.
 #
@@ -207,7 +207,7 @@ if [ "$GPU" = 1 ] && [ -n "$DS_PY" ]; then
     # not the machine's disk, which is the same for both (and seconds a run off the budget).
     ckpt=${TMPDIR:-/tmp}
     [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1)" -gt $((40 << 20)) ] 2>/dev/null && ckpt=/dev/shm
-    step bench_peer 150 300 $PY scripts/gpu/peer_bench.py --deepspeed-python "$DS_PY" --optimizer "$opt" \
+    step bench_peer 165 300 $PY scripts/gpu/peer_bench.py --deepspeed-python "$DS_PY" --optimizer "$opt" \
         --steps 8 --timeout 120 --extensions-dir "$DS_EXT" --checkpoint-dir "$ckpt" --out "$RESULT_DIR"
 elif [ -n "$DS_PY" ]; then  # the same path on a tiny model (DeepSpeed's CPU Adam: minutes to build)
     step bench_peer 40 300 $PY scripts/gpu/peer_bench.py --deepspeed-python "$DS_PY" --smoke --cases z2,z3 \
