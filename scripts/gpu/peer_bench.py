@@ -200,6 +200,23 @@ def _command(python: str, side: str, args: argparse.Namespace) -> list[str]:
     return [str(launcher), "--num_gpus", "1", "--master_port", str(free_port())]
 
 
+def _run_tree(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that, past ``timeout``, kills the command's whole tree: a launcher's rank
+    left behind would hold the GPU through the next runs. Raises ``TimeoutExpired`` then."""
+    import psutil
+
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _run_side(python: str, side: str, case: str, args: argparse.Namespace) -> dict[str, Any]:
     """``run_case`` in a rank of its own started from ``python``'s side: its result, or why there is none."""
     from dslaunch.utils.ports import free_port
@@ -216,8 +233,7 @@ def _run_side(python: str, side: str, case: str, args: argparse.Namespace) -> di
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--no-checkpoint"] if args.no_checkpoint else ["--checkpoint-dir", str(args.checkpoint_dir)]
     try:
-        done = subprocess.run(_command(python, side, args) + cmd + ["--launched-at", repr(time.time())], env=env,
-                              capture_output=True, text=True, timeout=args.timeout)
+        done = _run_tree(_command(python, side, args) + cmd + ["--launched-at", repr(time.time())], env, args.timeout)
     except subprocess.TimeoutExpired:
         return {"side": side, "case": case, "error": f"timed out after {args.timeout:.0f} s"}
     # a launcher may put a prefix before the rank's lines ("[rank0] ")
