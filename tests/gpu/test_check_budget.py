@@ -154,21 +154,3 @@ def test_the_engine_benchmark_leaves_each_finished_case_and_its_target_for_the_r
     assert beyond["met"] in (True, False) and beyond["value"].endswith(f"update {offload['cpu_update_ms']:.1f})"), beyond
     assert found["ZeRO-3 at world size 1 / ZeRO-0 tokens/s"]["met"] is None  # no z0, no z3 in this run
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(60)
-@pytest.mark.skipif(not os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON"), reason="needs a real DeepSpeed's interpreter")
-def test_a_peer_run_past_its_timeout_leaves_no_rank_behind(tmp_path: Path) -> None:
-    import psutil
-
-    # 3 s: inside the launchers' start-up here, so each side's rank is stopped wherever it is
-    done = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/peer_bench.py"), "--deepspeed-python",
-                           os.environ["DSLAUNCH_DEEPSPEED_PYTHON"], "--smoke", "--cases", "z2", "--optimizer", "torch",
-                           "--steps", "1", "--timeout", "3", "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=50, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
-    (line,) = json.loads((tmp_path / "peer_bench.json").read_text())["rows"]
-    assert line["dslaunch"]["error"] == line["deepspeed"]["error"] == "timed out after 3 s", line
-    time.sleep(1)  # a dslaunch worker dies with its agent (PDEATHSIG)
-    left = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
-    assert not left, left
