@@ -171,15 +171,17 @@ def summarize(out: Path, results: Path | None = None) -> int:
     result = {"env": env, "steps": steps, "engine": engine}
     failed = [s["step"] for s in steps if s["rc"] != 0] + [r["config"] for r in engine if not r["ok"]]
     result["targets"] = targets(out)
-    table = _table(env, steps, engine) + "\n" + targets_block(out)
+    checks, block = _table(env, steps, engine), targets_block(out)
     for folder, stem in ((out, "gpu-check"), (results, "gpu_check")):
         if folder is not None:
             (folder / f"{stem}.json").write_text(json.dumps(result, indent=2))
-            (folder / f"{stem}.md").write_text(table)
-    print(table)
-    for name in ("gpu_engine_bench.md", "gpu_kernels_bench.md"):  # peer_bench.md: in the targets block
+            (folder / f"{stem}.md").write_text(checks + "\n" + block)
+    # the targets block last: the device tool returns the output's end (12,000 characters)
+    print(checks)
+    for name in ("gpu_kernels_bench.md", "gpu_engine_bench.md"):  # peer_bench.md: in the targets block
         if (bench := out / name).exists():
             print(bench.read_text())
+    print(block)
     print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}")
     return 1 if failed else 0
 
