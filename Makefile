@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 VENV_COMPAT  ?= .venv-compat
 COMPAT_STAMP  = $(VENV_COMPAT)/.installed
 
-.PHONY: setup compat-venv deepspeed-venv ray demo test lint docs bench stress system-deps gpu-check gpu-wheels clean conformance
+.PHONY: setup compat-venv deepspeed-venv ray demo test lint docs bench stress system-deps gpu-check gpu-targets gpu-wheels clean conformance
 
 setup: $(STAMP)
 
@@ -81,8 +81,13 @@ stress: setup
 
 # On a machine with a CUDA GPU and its own torch (no venv there: that torch is the one to test).
 # Without network, first run scripts/gpu/wheels.sh on a machine with PyPI and carry .whl/ over.
+# GPU_CHECK_DEADLINE_S (default 460) bounds the whole check; `make gpu-targets` prints the block
+# BENCHMARKS.md records from its results (the GPU's name, dslaunch beside DeepSpeed, the targets).
 gpu-check:
 	bash scripts/gpu/check.sh $(or $(OUT),gpu-check)
+
+gpu-targets:
+	$(PYTHON) scripts/gpu/report.py --targets $(or $(OUT),gpu-check)
 
 # The wheels a GPU check carries (real DeepSpeed 0.19.8 among them): needs PyPI; the tests check
 # that they install offline (tests/gpu/test_carry.py).

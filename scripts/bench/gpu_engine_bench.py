@@ -191,6 +191,15 @@ def _table(rows: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write(folder: Path, rows: list[dict], env: dict) -> str:
+    """gpu_engine_bench.json and .md in ``folder`` from the cases so far; the table."""
+    table = _table(rows, env)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "gpu_engine_bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    (folder / "gpu_engine_bench.md").write_text("## One-GPU engine step (`scripts/bench/gpu_engine_bench.py`)\n\n" + table)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=CASES, help="run one case in this process (internal)")
@@ -198,31 +207,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, results not saved")
     parser.add_argument("--timeout", type=float, default=240, help="seconds a case may take")
+    parser.add_argument("--out", type=Path, help="also write the results here, after each case (a run stopped "
+                                                 "part way leaves those that finished)")
     args = parser.parse_args()
     if args.case:
         print("RESULT " + json.dumps(run_case(args.case, args.steps, args.smoke)), flush=True)
         return
+    env = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU smoke)",
+           "torch": torch.__version__}
     rows = []
     for case in args.cases.split(","):
-        env = {**os.environ, **({"DSLAUNCH_KERNELS": "reference"} if case.endswith("_reference") else {})}
+        env_vars = {**os.environ, **({"DSLAUNCH_KERNELS": "reference"} if case.endswith("_reference") else {})}
         cmd = [sys.executable, __file__, "--case", case, "--steps", str(args.steps)] + (["--smoke"] if args.smoke else [])
         try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            done = subprocess.run(cmd, env=env_vars, capture_output=True, text=True, timeout=args.timeout)
             found = [ln[7:] for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
             rows.append(json.loads(found[-1]) if found else
                         {"case": case, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]})
         except subprocess.TimeoutExpired:
             rows.append({"case": case, "error": f"timed out after {args.timeout:.0f} s"})
         print(json.dumps(rows[-1]), flush=True)
-    env = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU smoke)",
-           "torch": torch.__version__}
-    table = _table(rows, env)
-    print(table)
+        if args.out:
+            _write(args.out, rows, env)
+    print(_table(rows, env))
     if not args.smoke:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "gpu_engine_bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-        (RESULTS / "gpu_engine_bench.md").write_text("## One-GPU engine step (`scripts/bench/gpu_engine_bench.py`)\n\n"
-                                                     + table)
+        _write(RESULTS, rows, env)
     sys.exit(0 if all("step_ms" in r for r in rows) else 1)
 
 

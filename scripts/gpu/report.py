@@ -4,7 +4,15 @@
     report.py --summarize DIR [--results RESULTS]
                                   DIR/gpu-check.json and gpu-check.md from what check.sh left in DIR
                                   (also RESULTS/gpu_check.json and .md, for BENCHMARKS.md); exit 1
-                                  when a step failed or an engine run disagreed with CPU
+                                  when a step failed or was skipped, or an engine run disagreed with CPU
+    report.py --targets DIR       the block BENCHMARKS.md records from a GPU call: the GPU's name,
+                                  dslaunch beside DeepSpeed, and each target met / not met
+
+The targets (issue 43), from ``peer_bench.json`` and ``gpu_engine_bench.json`` in DIR:
+dslaunch >= 1.1x DeepSpeed's tokens/s in each of ZeRO-2, ZeRO-3, ZeRO-2 + offload, at no more
+peak memory; ZeRO-3 at world size 1 >= 0.98x ZeRO-0's tokens/s; the offloaded step <= the CPU
+update + 30 ms, i.e. what it spends beyond ZeRO-2's forward + backward and ``DeepSpeedCPUAdam``
+alone on as many elements is at most 30 ms. A target whose runs are missing is "not measured".
 
 An engine configuration passes when its CUDA run's losses match the CPU (gloo) run's (relative to
 max(1, |loss|)) and the resumed run repeats the losses after the checkpoint exactly (same device,
@@ -97,26 +105,83 @@ def engine_row(cfg_file: Path) -> dict[str, Any]:
     return {**row, "ok": not problems, "why": "; ".join(problems)}
 
 
-def _status(rc: int) -> str:
+def _status(step: dict[str, Any]) -> str:
+    rc = step["rc"]
+    if rc is None:
+        return f"skipped ({step.get('skipped', 'no time left')})"
     return "ok" if rc == 0 else "timed out" if rc in (124, 137) else f"rc {rc}"
+
+
+SPEEDUP, OVERHEAD_MS, Z3_VS_Z0 = 1.1, 30.0, 0.98
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def targets(out: Path) -> list[dict[str, Any]]:
+    """Each target of issue 43: what was measured, the bound, and whether it is met (None: not measured)."""
+    peer = {line["case"]: line for line in _load(out / "peer_bench.json").get("rows", [])}
+    found: list[dict[str, Any]] = []
+    for case in ("z2", "z3", "z2_offload"):
+        line = peer.get(case, {})
+        speed, peak = line.get("speedup"), line.get("peak_ratio")
+        found.append({"target": f"{case}: dslaunch / DeepSpeed tokens/s", "bound": f">= {SPEEDUP}x",
+                      "value": None if speed is None else f"{speed:.2f}x",
+                      "met": None if speed is None else speed >= SPEEDUP})
+        found.append({"target": f"{case}: dslaunch / DeepSpeed peak memory", "bound": "<= 1.00",
+                      "value": None if peak is None else f"{peak:.2f}",
+                      "met": None if peak is None else peak <= 1.0})
+    engine = {r["case"]: r for r in _load(out / "gpu_engine_bench.json").get("rows", []) if "step_ms" in r}
+    z0, z2, z3, off = (engine.get(c) for c in ("z0", "z2", "z3", "z2_offload"))
+    ratio = z0["step_ms"] / z3["step_ms"] if z0 and z3 else None
+    found.append({"target": "ZeRO-3 at world size 1 / ZeRO-0 tokens/s", "bound": f">= {Z3_VS_Z0}x",
+                  "value": None if ratio is None else f"{ratio:.3f}x", "met": None if ratio is None else ratio >= Z3_VS_Z0})
+    beyond = None
+    if off and "cpu_update_ms" in off:  # against ZeRO-2's backward: work moved into the backward counts
+        beyond = off["step_ms"] - (z2 or off)["fwd_bwd_ms"] - off["cpu_update_ms"]
+    found.append({"target": "offloaded step beyond fwd+bwd and the CPU update", "bound": f"<= {OVERHEAD_MS:.0f} ms",
+                  "value": None if beyond is None else (f"{beyond:.1f} ms (step {off['step_ms']:.1f}, update "
+                                                        f"{off['cpu_update_ms']:.1f})"),
+                  "met": None if beyond is None else beyond <= OVERHEAD_MS})
+    return found
+
+
+def targets_block(out: Path) -> str:
+    """What BENCHMARKS.md records from a GPU call: the GPU, dslaunch beside DeepSpeed, the targets."""
+    env = _load(out / "env.json")
+    lines = [f"### On {env.get('gpu') or 'no GPU (CPU-only run)'} (`scripts/gpu/check.sh`)", "",
+             f"Driver {env.get('driver', '-')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+             f"{env.get('multiprocessors', '-')} SMs, {env.get('gpu_memory_gib', '-')} GiB.", ""]
+    if (peer := out / "peer_bench.md").exists():
+        lines += [peer.read_text().split("\n", 2)[-1].strip(), ""]
+    lines += ["| target | bound | measured | verdict |", "| --- | --- | --- | --- |"]
+    for t in targets(out):
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['bound']} | {t['value'] or '-'} | {verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(out: Path, results: Path | None = None) -> int:
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
     env = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {}
-    names = (out / "engine.list").read_text().split()  # the configurations check.sh ran
+    # the configurations check.sh ran (none when the deadline came first)
+    names = (out / "engine.list").read_text().split() if (out / "engine.list").exists() else []
     engine = [engine_row(out / "engine" / f"{name}.json") for name in names]
     result = {"env": env, "steps": steps, "engine": engine}
     failed = [s["step"] for s in steps if s["rc"] != 0] + [r["config"] for r in engine if not r["ok"]]
-    table = _table(env, steps, engine)
+    result["targets"] = targets(out)
+    checks, block = _table(env, steps, engine), targets_block(out)
     for folder, stem in ((out, "gpu-check"), (results, "gpu_check")):
         if folder is not None:
             (folder / f"{stem}.json").write_text(json.dumps(result, indent=2))
-            (folder / f"{stem}.md").write_text(table)
-    print(table)
-    for name in ("peer_bench.md", "gpu_kernels_bench.md", "gpu_engine_bench.md"):
+            (folder / f"{stem}.md").write_text(checks + "\n" + block)
+    # the targets block last: the device tool returns the output's end (12,000 characters)
+    print(checks)
+    for name in ("gpu_kernels_bench.md", "gpu_engine_bench.md"):  # peer_bench.md: in the targets block
         if (bench := out / name).exists():
             print(bench.read_text())
+    print(block)
     print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}")
     return 1 if failed else 0
 
@@ -125,8 +190,17 @@ def _table(env: dict[str, Any], steps: list[dict[str, Any]], engine: list[dict[s
     lines = ["## GPU check (`scripts/gpu/check.sh`)", "",
              f"GPU: {env.get('gpu') or 'none (CPU-only run)'}; driver {env.get('driver', '-')}, torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, NCCL {env.get('nccl', '-')}, triton {env.get('triton')}.", "",
-             "| step | status | seconds |", "| --- | --- | ---: |"]
-    lines += [f"| {s['step']} | {_status(s['rc'])} | {s['ms'] / 1000:.1f} |" for s in steps]
+             "Each part's start and end in seconds since the check began, its budget (what it should take) and "
+             "its limit (its timeout, within the check's deadline); parts that overlap ran at once.", "",
+             "| step | status | start s | end s | seconds | budget s | limit s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for s in steps:
+        took = s.get("ms")
+        over = " (over budget)" if took is not None and s.get("budget") and took > 1000 * s["budget"] else ""
+        lines.append(f"| {s['step']} | {_status(s)}{over} | {s.get('start_s', '-')} | {s.get('end_s', '-')} | "
+                     f"{'-' if took is None else f'{took / 1000:.1f}'} | {s.get('budget', '-')} | {s.get('limit', '-')} |")
+    ends = [s["end_s"] for s in steps if "end_s" in s]
+    lines += ["", f"Wall time to the last step's end: {max(ends, default=0):.1f} s."]
     lines += ["", f"Engine: {len(engine)} configurations, each trained 8 steps (2 micro-batches each), saved at "
               "step 4 and resumed, on CUDA and on CPU; differences relative to max(1, |loss|).", "",
               f"| config | precision | backend | first {EARLY} vs CPU | all vs CPU | resume | peak MiB | verdict |",
@@ -144,12 +218,16 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--env", type=Path, metavar="FILE")
     group.add_argument("--summarize", type=Path, metavar="DIR")
+    group.add_argument("--targets", type=Path, metavar="DIR")
     parser.add_argument("--results", type=Path, metavar="RESULTS", help="also write gpu_check.{json,md} here")
     args = parser.parse_args()
     if args.env:
         env = environment()
         args.env.write_text(json.dumps(env, indent=2))
         print(json.dumps(env))
+        return 0
+    if args.targets:
+        print(targets_block(args.targets))
         return 0
     return summarize(args.summarize, args.results)
 
