@@ -23,13 +23,16 @@ from dslaunch.utils.ports import free_port
 _CTX = mp.get_context("forkserver")
 # numpy and pytest too (every test module imports them), not dslaunch: a test may patch
 # torch.distributed before the engine's modules bind its collectives (test_engine's counter does).
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest"])
+# torch._dynamo: torch.optim.Optimizer's methods import it on first call (~1.5 s a rank quiet, 5-10 s
+# under load), so every rank that builds an optimizer paid it again.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+_CTX.set_forkserver_preload([*PRELOAD, "numpy", "pytest"])
 
 
 def preload(modules: list[str]) -> None:
     """Import ``modules`` in the forkserver too (before the first ``run_world``): a script that
     starts hundreds of worlds pays for their import once."""
-    _CTX.set_forkserver_preload(["torch", "torch.distributed", *modules])
+    _CTX.set_forkserver_preload([*PRELOAD, *modules])
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
