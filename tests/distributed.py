@@ -6,12 +6,19 @@ its own process group. ``fn(rank, world_size, *args)`` must be a module-level fu
 return value (picklable) comes back in a list ordered by rank. A rank that raises fails the
 test with that rank's traceback, one that exits without reporting with its exit code; a rank that
 hangs is killed at ``timeout``.
+
+``run_python(code, env)`` runs ``code`` as ``python -c code`` would in a new interpreter with
+environment ``env``, forked from the same forkserver: a test of what a new process does (a kernel
+build, a cache check) without paying a torch import and an interpreter shutdown per process.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -23,13 +30,16 @@ from dslaunch.utils.ports import free_port
 _CTX = mp.get_context("forkserver")
 # numpy and pytest too (every test module imports them), not dslaunch: a test may patch
 # torch.distributed before the engine's modules bind its collectives (test_engine's counter does).
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest"])
+# torch._dynamo: torch.optim.Optimizer's methods import it on first call (~1.5 s a rank quiet, 5-10 s
+# under load), so every rank that builds an optimizer paid it again.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+_CTX.set_forkserver_preload([*PRELOAD, "numpy", "pytest"])
 
 
 def preload(modules: list[str]) -> None:
     """Import ``modules`` in the forkserver too (before the first ``run_world``): a script that
     starts hundreds of worlds pays for their import once."""
-    _CTX.set_forkserver_preload(["torch", "torch.distributed", *modules])
+    _CTX.set_forkserver_preload([*PRELOAD, *modules])
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
@@ -100,3 +110,56 @@ def _collect(procs: list[Any], queue: Any, timeout: float) -> tuple[dict[int, An
             return results, [f"rank {rank} failed:\n{payload}"]  # peers would block in collectives: stopped
         results[rank] = payload
     return results, []
+
+
+def _python_entry(code: str, env: dict[str, str], umask: int | None, out: str, err: str) -> None:
+    """A new interpreter's view: only ``env``, TMPDIR read again, stdout and stderr (also of the
+    processes it starts) into files."""
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # cached by an import in the forkserver; a new interpreter reads TMPDIR
+    if umask is not None:
+        os.umask(umask)
+    for fd, path in ((1, out), (2, err)):
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), fd)
+    code_out = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:
+        code_out = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code_out = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code_out)
+
+
+def run_python(code: str, env: dict[str, str], *, umask: int | None = None, copies: int = 1,
+               timeout: float = 300.0) -> list[subprocess.CompletedProcess]:
+    """``copies`` processes at once, each running ``code`` as ``python -c`` with environment ``env``
+    (and ``umask``) would; each one's exit code, stdout and stderr, in start order."""
+    with tempfile.TemporaryDirectory(prefix="dslaunch-run-python-") as folder:
+        files = [(os.path.join(folder, f"{i}.out"), os.path.join(folder, f"{i}.err")) for i in range(copies)]
+        procs = [_CTX.Process(target=_python_entry, args=(code, dict(env), umask, out, err)) for out, err in files]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+            p.join()
+        assert not hung, f"{len(hung)} of {copies} processes running {code[:60]!r}... did not end within {timeout}s"
+        return [subprocess.CompletedProcess(["python", "-c", code], p.exitcode, _text(out), _text(err))
+                for p, (out, err) in zip(procs, files, strict=True)]
+
+
+def _text(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()

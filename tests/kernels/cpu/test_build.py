@@ -1,8 +1,10 @@
 """Building and loading the C kernels: the cache, concurrent builders, the fallback to torch.
 
 A build takes ~7 s on an idle machine and minutes on a busy one: a test waits for its builds to
-end, as the user's job would, and only pytest-timeout (``BUILDS``) bounds it. The tests of what
-happens around a compile (the lock, the cache's trust, the file modes) compile through
+end, as the user's job would, and only pytest-timeout (``BUILDS``) bounds it. The probes (a new
+process importing the kernels) are forked with torch already imported (``run_python``): a new
+interpreter spends seconds on importing torch and shutting down, which no test here is about.
+The tests of what happens around a compile (the lock, the cache's trust, the file modes) compile through
 ``fast_cc``: gcc's name and version, the library built once for the module written as a linker
 writes its output; ``test_the_cache_key...`` and ``test_ops`` compile with gcc itself.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dslaunch.kernels.cpu import build
+from tests.distributed import run_python
 
 HAVE_CC = build.available()
 # Holds a few builds and torch imports on 2 cores at load 10 (~40 s each there, ~8 s idle).
@@ -56,8 +59,7 @@ def fast_cc(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _probe(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, build.CACHE_ENV: str(tmp_path / "cache"), **env}
-    return subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True)
+    return run_python(_PROBE, {**os.environ, build.CACHE_ENV: str(tmp_path / "cache"), **env})[0]
 
 
 def test_without_a_compiler_the_reference_runs_and_says_so_once(tmp_path: Path) -> None:
@@ -93,13 +95,11 @@ def test_concurrent_builders_wait_for_one_build(tmp_path: Path, fast_cc: Path) -
                   f'sleep 0.5\nexec {fast_cc} "$@"\n')
     cc.chmod(0o755)
     env = {**os.environ, build.CACHE_ENV: str(tmp_path / "cache"), "CC": str(cc)}
-    procs = [subprocess.Popen([sys.executable, "-c", _PROBE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outs = [p.communicate() for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
-    names = {ln.split()[-1] for out, _ in outs for ln in out.splitlines() if ln.startswith("IMPL")}
-    assert all("IMPL dslaunch.kernels.cpu.torch_steps" in out for out, _ in outs)
-    assert len(names) == 1 and "PARAM 0.8" in outs[0][0]
+    procs = run_python(_PROBE, env, copies=2)
+    assert all(p.returncode == 0 for p in procs), [p.stderr for p in procs]
+    names = {ln.split()[-1] for p in procs for ln in p.stdout.splitlines() if ln.startswith("IMPL")}
+    assert all("IMPL dslaunch.kernels.cpu.torch_steps" in p.stdout for p in procs)
+    assert len(names) == 1 and "PARAM 0.8" in procs[0].stdout
     assert compiles.read_text() == "build\n"  # the second process waited for the first one's build
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
     (name,) = names
@@ -171,9 +171,7 @@ def _one_line(stderr: str) -> str:
 @BUILDS
 def test_under_umask_000_the_cache_and_the_library_are_private(tmp_path: Path, fast_cc: Path) -> None:
     cache = tmp_path / "a" / "b" / "cache"
-    out = subprocess.run([sys.executable, "-c", _PROBE],
-                         env={**os.environ, build.CACHE_ENV: str(cache), "CC": str(fast_cc)},
-                         capture_output=True, text=True, preexec_fn=lambda: os.umask(0))
+    (out,) = run_python(_PROBE, {**os.environ, build.CACHE_ENV: str(cache), "CC": str(fast_cc)}, umask=0)
     assert out.returncode == 0 and "IMPL dslaunch.kernels.cpu.torch_steps" in out.stdout, out.stderr
     for folder in (tmp_path / "a", tmp_path / "a" / "b", cache):
         assert folder.stat().st_mode & 0o777 == 0o700, folder
