@@ -23,13 +23,17 @@ from dslaunch.utils.ports import free_port
 _CTX = mp.get_context("forkserver")
 # numpy and pytest too (every test module imports them), not dslaunch: a test may patch
 # torch.distributed before the engine's modules bind its collectives (test_engine's counter does).
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest"])
+# torch._dynamo: the first torch.optim optimizer a rank builds imports it (``add_param_group`` is
+# wrapped in ``torch._disable_dynamo``), ~1.3 s of CPU per rank on an idle core, 5-10 s under load:
+# once in the forkserver instead of once in every rank that builds an engine.
+_WARM = ["torch", "torch.distributed", "torch._dynamo"]
+_CTX.set_forkserver_preload([*_WARM, "numpy", "pytest"])
 
 
 def preload(modules: list[str]) -> None:
     """Import ``modules`` in the forkserver too (before the first ``run_world``): a script that
     starts hundreds of worlds pays for their import once."""
-    _CTX.set_forkserver_preload(["torch", "torch.distributed", *modules])
+    _CTX.set_forkserver_preload([*_WARM, *modules])
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
