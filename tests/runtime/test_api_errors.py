@@ -111,28 +111,44 @@ print("STEP", engine.global_steps)
 """
 
 
-@pytest.mark.timeout(300)  # four processes importing torch, on a loaded machine
-def test_a_restart_that_finds_no_checkpoint_stops_before_any_step_with_exit_2(tmp_path) -> None:
+@pytest.mark.timeout(120)
+def test_a_restart_that_finds_no_checkpoint_stops_before_any_step_with_exit_2(tmp_path, monkeypatch,
+                                                                            capsys) -> None:
+    import runpy
+
     script, saved, empty = tmp_path / "train.py", tmp_path / "saved", tmp_path / "empty"
     script.write_text(_RESUME_SCRIPT)
     empty.mkdir()
 
-    def run(restart: int, resume: Path, *argv: str) -> subprocess.CompletedProcess:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DSLAUNCH_RESTART_COUNT": str(restart),
-               "DSLAUNCH_RESUME_FROM": str(resume)}
-        return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, env=env,
-                              timeout=75)
+    def in_process(restart: int, resume: Path, *argv: str) -> tuple[str, str]:
+        # The save and the resume that works end as the script does: in this process (no torch
+        # import of its own); only an exit code needs a process of its own.
+        monkeypatch.setenv("DSLAUNCH_RESTART_COUNT", str(restart))
+        monkeypatch.setenv("DSLAUNCH_RESUME_FROM", str(resume))
+        monkeypatch.setattr(sys, "argv", [str(script), *argv])
+        runpy.run_path(str(script), run_name="__main__")
+        out = capsys.readouterr()
+        return out.out, out.err
 
-    first = run(0, saved, str(saved))  # the first run saves where restarts resume from
-    assert first.returncode == 0 and "dslaunch: error" not in first.stderr, first.stderr
-    resumed = run(1, saved)
-    assert resumed.returncode == 0 and "dslaunch: error" not in resumed.stderr, resumed.stderr
-    for where, what in ((empty, "holds no checkpoint"), (tmp_path / "saevd", "does not exist")):  # elsewhere, a typo
-        lost = run(1, where)
-        assert lost.returncode == 2 and "STEP" not in lost.stdout, lost.stdout
-        assert lost.stderr.strip().splitlines()[-1:] == [
-            f"dslaunch: error: restart 1 of the job cannot resume: --resume_from {where} {what} (the script "
-            "must save its checkpoints into that directory); not starting over at step 0"], lost.stderr
+    def expected(where: Path, what: str) -> list[str]:
+        return [f"dslaunch: error: restart 1 of the job cannot resume: --resume_from {where} {what} (the script "
+                "must save its checkpoints into that directory); not starting over at step 0"]
+
+    out, err = in_process(0, saved, str(saved))  # the first run saves where restarts resume from
+    assert "STEP 0" in out and "dslaunch: error" not in err, err
+    out, err = in_process(1, saved)
+    assert "STEP 0" in out and "dslaunch: error" not in err, err
+    typo = tmp_path / "saevd"  # elsewhere, a typo: stops before any step, as SystemExit(2)
+    with pytest.raises(SystemExit) as stop:
+        in_process(1, typo)
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and "STEP" not in out and err.strip().splitlines()[-1:] == expected(
+        typo, "does not exist"), err
+    # and a real process exits with that code, the error its last line
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DSLAUNCH_RESTART_COUNT": "1", "DSLAUNCH_RESUME_FROM": str(empty)}
+    lost = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=100)
+    assert lost.returncode == 2 and "STEP" not in lost.stdout, lost.stdout + lost.stderr
+    assert lost.stderr.strip().splitlines()[-1:] == expected(empty, "holds no checkpoint"), lost.stderr
 
 
 @pytest.mark.timeout(60)

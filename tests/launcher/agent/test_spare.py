@@ -16,6 +16,7 @@ import pytest
 
 from dslaunch.launcher.agent.spare import Assignment, SpareLost, SparePool, runnable
 from dslaunch.utils.ports import free_port
+from tests.conftest import timeout_scale
 from tests.launcher.helpers import assert_no_job_process, job_processes, new_tag, run_dslaunch, start_dslaunch
 
 pytestmark = pytest.mark.slow
@@ -222,16 +223,19 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_spare_restarts_under_stress_hand_every_rank_to_its_own_spare(tmp_path):
     """The short version of scripts/spare_stress.py: SIGKILL restarts in a row, some while the next
     spares still import torch, one after a waiting spare was killed: no broken pipe, no fresh
     start while a spare was alive, no hang, each rank run once, by the process the agent started
     for it, in a spare never used before."""
     out = tmp_path / "stress.json"
+    # 31 s on an idle machine, 108 s at load 36: the bounds (a hang guard, and what counts as a
+    # hung run) grow with the load, as the test's own timeout does (tests/conftest.py).
+    scale = timeout_scale(os.getloadavg()[0], os.cpu_count() or 1)
     done = subprocess.run([sys.executable, str(STRESS), "--restarts", "4", "--kill-spare-every", "4",
-                           "--max-pause", "1", "--run-timeout", "40", "--json", str(out)],
-                          capture_output=True, text=True, timeout=110)
+                           "--max-pause", "1", "--run-timeout", f"{40 * scale:.0f}", "--json", str(out)],
+                          capture_output=True, text=True, timeout=220 * scale)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     counts = json.loads(out.read_text())["counts"]
     assert counts["restarts"] == 4 and counts["warm_ranks"] + counts["expected_fallbacks"] == 8, counts
