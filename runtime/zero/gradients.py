@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
@@ -74,6 +75,12 @@ class GradientPath(ABC):
         self._boundary, self._sync = boundary, sync
 
     @property
+    def boundary_done(self) -> bool:
+        """The last ``end_backward`` completed a boundary micro step with views of its gradients for
+        ``shards`` (no copy to make): the step's gradients are final and can be read ahead."""
+        return False
+
+    @property
     def backward_pending(self) -> bool:
         """A backward produced gradients since the last ``end_backward``: the script ran
         ``loss.backward()`` itself and nothing has completed this micro step's reductions yet."""
@@ -106,6 +113,12 @@ class GradientPath(ABC):
         """Group ``gi``'s part of ``shards()`` where the next step reads it (in the group's dtype
         where the whole gradient is kept): a write to it changes that step."""
         return self.shards()[gi]
+
+    def folded_sumsq(self, gi: int) -> list[grad_norm.Sum] | None:
+        """Group ``gi``'s gradient norm units' sums of squares (``grad_norm.units`` of the whole
+        shard), taken as the boundary backward wrote the gradients; None where this path does not
+        fold them or something may have changed the gradients since."""
+        return None
 
     @abstractmethod
     def zero_grad(self) -> None:
@@ -232,12 +245,17 @@ class ShardedGradients(GradientPath):
         self._direct = (world_size == 1 and comm.pre_factor() == 1.0 and not comm.layout_invariant
                         and all(comm.comm_dtype in (None, g.dtype) for g in groups))
         self._arrived: set[tuple[int, int]] = set()  # direct: the params written this backward
+        # direct: each param's sum of squares, taken by its last write of a boundary backward (the
+        # norm's units, folded: no pass over the shard at the step); None: not (all) taken
+        self._sums: list[list[grad_norm.Sum | None]] = [[None] * len(g.params) for g in groups]
+        self._folded = False
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         if not sync:
             raise UsageError("no_sync() is not supported with ZeRO stage 2: gradients are reduced "
                              "into their owning shard every micro step (same as DeepSpeed)")
         super().begin_micro_step(boundary, sync)
+        self._folded = False
 
     def _on_grad(self, gi: int, pi: int) -> None:
         if self._direct:
@@ -252,11 +270,19 @@ class ShardedGradients(GradientPath):
         p = self.groups[gi].params[pi]
         pa, pb = self.groups[gi].layout.param_range(pi)
         dst = self._shard(gi)[pa:pb]  # one rank: the shard starts at 0
+        fold = self._boundary and pb > pa  # this write is the gradient's last before the step
         if p.grad is not None:
-            dst.copy_(p.grad.reshape(-1)) if self._fresh else dst.add_(p.grad.reshape(-1))
+            src = p.grad.reshape(-1)
+            if fold:
+                self._sums[gi][pi] = grad_norm.write_sumsq(dst, src, add=not self._fresh)
+            else:
+                dst.copy_(src) if self._fresh else dst.add_(src)
             p.grad = None
-        elif self._fresh:
+            return
+        if self._fresh:
             dst.zero_()
+        if fold:
+            self._sums[gi][pi] = grad_norm.sumsq(dst)
 
     def _take_grad(self, gi: int, pi: int) -> None:
         """Move param pi's gradient (zeros if it got none) into its bucket and free it."""
@@ -313,6 +339,7 @@ class ShardedGradients(GradientPath):
                     if (gi, pi) not in self._arrived:
                         self._write_grad(gi, pi)
             self._arrived.clear()
+            self._folded = self._boundary
         else:
             self.reducer.flush(fill=self._take_grad)
         self._fresh = False  # every element of the shard has now been written
@@ -325,7 +352,22 @@ class ShardedGradients(GradientPath):
                 s.zero_()
         return shards
 
+    def shard(self, gi: int) -> torch.Tensor:
+        self._folded = False  # handed out for writing: the folded sums may no longer hold
+        return super().shard(gi)
+
+    @property
+    def boundary_done(self) -> bool:
+        return self._boundary and not self._fresh and not self._pending
+
+    def folded_sumsq(self, gi: int) -> list[grad_norm.Sum] | None:
+        if not self._folded:
+            return None
+        return [s for s, (a, b) in zip(self._sums[gi], map(self.groups[gi].layout.param_range,
+                                                            range(len(self._sums[gi]))), strict=True) if b > a]
+
     def zero_grad(self) -> None:
+        self._folded = False
         self._fresh, self._micro = True, 0  # no zeroing pass: the next reduction overwrites the shard
         for g in self.groups:
             for p in g.params:

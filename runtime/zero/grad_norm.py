@@ -1,0 +1,81 @@
+"""The global gradient norm's sums of squares, in one order whether a pass at the step takes them or
+the gradients' last write into the shard does (the fold).
+
+A group's gradient shard counts in units: each parameter's part of this rank's range, cut further
+where another rank counts a parameter (``GroupLayout.counted_pieces``), in parameter order. A
+unit's sum of squares is taken by ``sumsq`` (a pass over the shard) or by ``write_sumsq`` (the
+write that puts the unit's final gradient into the shard: a copy or an add, then its sum while
+the bytes are in cache); the two give the same bits for the same values, so a step whose
+gradients were folded and one whose were not clip alike, and stages whose shards hold the same
+values (stage 0 and stage 3 on one rank) take the same step. ``total`` adds the units' sums in
+their order.
+
+On the CPU the sums are the C kernel's (``kernels.cpu.ops.fold_sumsq``: double accumulation in
+fixed blocks, the same bits at any thread count); elsewhere (a device, or no compiler) torch's
+``vector_norm`` in ``piece_dtype`` squared in double, as the norm always was.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from dslaunch.runtime.zero.partition import GroupLayout
+
+__all__ = ["units", "sumsq", "write_sumsq", "total"]
+
+Sum = float | torch.Tensor  # a Python float on the CPU kernel's path, a float64 scalar tensor elsewhere
+
+
+def units(layout: GroupLayout, pieces: Sequence[tuple[int, int]] | None) -> list[tuple[int, int, int]]:
+    """(param index, lo, hi) of each non-empty unit of this rank's shard, relative to its start, in
+    order; ``pieces``: the counted pieces (None: the whole range counts)."""
+    out = []
+    for pi in range(len(layout.shapes)):
+        a, b = layout.param_range(pi)
+        lo, hi = max(a, layout.start) - layout.start, min(b, layout.end) - layout.start
+        for pa, pb in ([(lo, hi)] if pieces is None else pieces):
+            if min(hi, pb) > max(lo, pa):
+                out.append((pi, max(lo, pa), min(hi, pb)))
+    return out
+
+
+@functools.cache
+def _kernel() -> bool:
+    from dslaunch.kernels.cpu.build import available
+
+    return available()
+
+
+def _on_kernel(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.dtype is torch.float32 and t.is_contiguous() and _kernel()
+
+
+def sumsq(t: torch.Tensor, piece_dtype: torch.dtype = torch.float32) -> Sum:
+    """The sum of squares of the fp32 gradient unit ``t``."""
+    if _on_kernel(t):
+        from dslaunch.kernels.cpu.ops import fold_sumsq
+
+        return fold_sumsq(t)
+    return torch.linalg.vector_norm(t, dtype=piece_dtype).double() ** 2
+
+
+def write_sumsq(dst: torch.Tensor, src: torch.Tensor, add: bool, piece_dtype: torch.dtype = torch.float32) -> Sum:
+    """``dst.copy_(src)`` (or ``dst.add_(src)``) and then ``sumsq(dst)``: in one pass on the CPU."""
+    if _on_kernel(dst) and src.is_cpu and src.is_contiguous() and src.dtype in (torch.float32, torch.bfloat16,
+                                                                               torch.float16):
+        from dslaunch.kernels.cpu.ops import fold_sumsq
+
+        return fold_sumsq(dst, src, "add" if add else "copy")
+    dst.add_(src) if add else dst.copy_(src)
+    return sumsq(dst, piece_dtype)
+
+
+def total(sums: Sequence[Sum], device: torch.device) -> torch.Tensor:
+    """The units' sums added in order (double), a float64 scalar on ``device``."""
+    acc: Sum = 0.0
+    for s in sums:
+        acc = acc + s
+    return torch.as_tensor(acc, dtype=torch.float64, device=device)
