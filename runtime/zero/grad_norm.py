@@ -2,7 +2,8 @@
 the gradients' last write into the shard does (the fold).
 
 A group's gradient shard counts in units: each parameter's part of this rank's range, cut further
-where another rank counts a parameter (``GroupLayout.counted_pieces``), in parameter order. A
+where another rank counts a parameter (``GroupLayout.counted_pieces``) and where the gradient
+path writes the shard in separate pieces (its reduction buckets' edges, ``norm_cuts``), in order. A
 unit's sum of squares is taken by ``sumsq`` (a pass over the shard) or by ``write_sumsq`` (the
 write that puts the unit's final gradient into the shard: a copy or an add, then its sum while
 the bytes are in cache); the two give the same bits for the same values, so a step whose
@@ -18,6 +19,7 @@ fixed blocks, the same bits at any thread count); elsewhere (a device, or no com
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -29,16 +31,20 @@ __all__ = ["units", "sumsq", "write_sumsq", "total"]
 Sum = float | torch.Tensor  # a Python float on the CPU kernel's path, a float64 scalar tensor elsewhere
 
 
-def units(layout: GroupLayout, pieces: Sequence[tuple[int, int]] | None) -> list[tuple[int, int, int]]:
+def units(layout: GroupLayout, pieces: Sequence[tuple[int, int]] | None,
+          cuts: Sequence[int] = ()) -> list[tuple[int, int, int]]:
     """(param index, lo, hi) of each non-empty unit of this rank's shard, relative to its start, in
-    order; ``pieces``: the counted pieces (None: the whole range counts)."""
+    order; ``pieces``: the counted pieces (None: the whole range counts); ``cuts``: positions in
+    the group's flat vector where units are cut too."""
+    inner = sorted({c - layout.start for c in cuts if layout.start < c < layout.end})
     out = []
     for pi in range(len(layout.shapes)):
         a, b = layout.param_range(pi)
         lo, hi = max(a, layout.start) - layout.start, min(b, layout.end) - layout.start
         for pa, pb in ([(lo, hi)] if pieces is None else pieces):
-            if min(hi, pb) > max(lo, pa):
-                out.append((pi, max(lo, pa), min(hi, pb)))
+            ua, ub = max(lo, pa), min(hi, pb)
+            edges = [ua, *(c for c in inner if ua < c < ub), ub]
+            out += [(pi, x, y) for x, y in itertools.pairwise(edges) if y > x]
     return out
 
 
@@ -74,7 +80,10 @@ def write_sumsq(dst: torch.Tensor, src: torch.Tensor, add: bool, piece_dtype: to
 
 
 def total(sums: Sequence[Sum], device: torch.device) -> torch.Tensor:
-    """The units' sums added in order (double), a float64 scalar on ``device``."""
+    """The units' sums added (double), a float64 scalar on ``device``: in order on the CPU kernel's
+    floats, in one reduction over a device's tensors (one launch, not one per unit)."""
+    if sums and all(isinstance(s, torch.Tensor) for s in sums):
+        return torch.stack(list(sums)).sum().to(device)
     acc: Sum = 0.0
     for s in sums:
         acc = acc + s

@@ -116,8 +116,8 @@ class ZeroStrategy:
         # Per group, the pieces of this rank's gradient shard that count in the global norm (None: all)
         self._norm_pieces = [g.layout.counted_pieces(spec.norm_skipped) for g, spec in zip(self.groups, groups,
                                                                                              strict=True)]
-        self._norm_units = [grad_norm.units(g.layout, pieces) for g, pieces in zip(self.groups, self._norm_pieces,
-                                                                                   strict=True)]
+        self._norm_units = [grad_norm.units(g.layout, self._norm_pieces[gi], self._part_of(gi).gradients.norm_cuts(
+            self._part_of(gi).indices.index(gi))) for gi, g in enumerate(self.groups)]
         self.publisher = self.placement.publisher  # None when replicated; tests watch its gathers
         # with overlap_param_gather a forward waits per module for the last publish (publisher.gate); the
         # parts whose publisher does not gate are waited for whole before the forward
@@ -321,7 +321,8 @@ class ZeroStrategy:
             sums: list[grad_norm.Sum] = []
             for gi in reduce_part.indices:
                 folded = reduce_part.gradients.folded_sumsq(reduce_part.indices.index(gi))
-                if folded is not None and self._norm_pieces[gi] is None:  # taken as backward wrote them
+                if (folded is not None and self._norm_pieces[gi] is None
+                        and len(folded) == len(self._norm_units[gi])):  # taken as backward wrote them
                     sums += folded
                 else:
                     sums += [grad_norm.sumsq(grads[gi][lo:hi], piece_dtype) for _, lo, hi in self._norm_units[gi]]

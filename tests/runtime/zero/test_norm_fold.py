@@ -94,6 +94,22 @@ def test_folded_norm_trains_bit_for_bit_as_the_pass() -> None:
     assert runs["zero3", 0.05, True]["weights"] != runs["zero3", 0.0, True]["weights"]
 
 
+def _two_ranks(rank: int, world: int) -> dict:
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 600}  # several buckets
+    return {(clip, fold): _run(zero, clip, fold) for clip in (0.05, 0.0) for fold in (True, False)}
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_fold_each_reduced_bucket_bit_for_bit() -> None:
+    """ZeRO-2 at two ranks: the norm's sums taken as each reduced bucket is added into the shard."""
+    for runs in run_world(_two_ranks, 2):
+        for clip in (0.05, 0.0):
+            folded, passed = runs[clip, True], runs[clip, False]
+            for key in ("losses", "norms", "weights"):
+                assert folded[key] == passed[key], (clip, key)
+            assert folded["norm_bytes"] == [0] * STEPS and min(passed["norm_bytes"]) > 0
+
+
 def _shard_access_drops_the_fold(rank: int, world: int) -> tuple[bool, bool, bool]:
     import torch
 
