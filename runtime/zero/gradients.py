@@ -318,16 +318,17 @@ class ShardedGradients(GradientPath):
             if self.comm.layout_invariant:
                 self._fold_tree(b.group, lo - lay.start, hi - lay.start, src)
             elif self._boundary and self._fold_norm:  # the last write: the norm's units too
-                self._fold_units(b.group, lo, hi, src)
+                self._fold_units(b.group, b.params, lo, hi, src)
             else:
                 dst.copy_(src) if self._fresh else dst.add_(src)
 
-    def _fold_units(self, gi: int, lo: int, hi: int, src: torch.Tensor) -> None:
-        """Write flat elements [lo, hi) of group ``gi`` (``src``) into the shard, unit by unit (the
-        bucket's edges are cuts: ``norm_cuts``), taking each unit's sum of squares."""
+    def _fold_units(self, gi: int, params: tuple[int, ...], lo: int, hi: int, src: torch.Tensor) -> None:
+        """Write flat elements [lo, hi) of group ``gi`` (``src``, a bucket of ``params``) into the
+        shard, unit by unit (the bucket's edges are cuts: ``norm_cuts``), taking each one's sum of
+        squares."""
         lay = self.groups[gi].layout
         shard = self._shard(gi)
-        for pi in range(len(lay.shapes)):
+        for pi in params:
             a, b = lay.param_range(pi)
             ua, ub = max(a, lo), min(b, hi)
             if ub > ua:
