@@ -12,8 +12,9 @@ values (stage 0 and stage 3 on one rank) take the same step. ``total`` adds the 
 their order.
 
 On the CPU the sums are the C kernel's (``kernels.cpu.ops.fold_sumsq``: double accumulation in
-fixed blocks, the same bits at any thread count); elsewhere (a device, or no compiler) torch's
-``vector_norm`` in ``piece_dtype`` squared in double, as the norm always was.
+fixed blocks, the same bits at any thread count); elsewhere (a device, no compiler, or
+``DSLAUNCH_KERNELS=reference``) torch's ``vector_norm`` in ``piece_dtype`` squared in double, per
+unit.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ def units(layout: GroupLayout, pieces: Sequence[tuple[int, int]] | None,
 
 @functools.cache
 def _kernel() -> bool:
+    """Whether the C kernel takes the sums: once per process (fold and pass must agree), and not
+    under ``DSLAUNCH_KERNELS=reference``."""
+    from dslaunch import kernels
     from dslaunch.kernels.cpu.build import available
 
-    return available()
+    return kernels.mode() != "reference" and available()
 
 
 def _on_kernel(t: torch.Tensor) -> bool:
