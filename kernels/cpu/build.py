@@ -276,6 +276,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dsl_adagrad": (rows + [f32] * 5 + [i32], None),
         "dsl_lion": (rows + [f32] * 5 + [i32], None),
         "dsl_grad_sumsq": ([p, i32, i64, f32, i32], ctypes.c_double),
+        "dsl_fold_sumsq": ([p, p, i32, i64, i32, i32], ctypes.c_double),
         "dsl_copy_out": ([p, p, i32, i64, i32], None),
         "dsl_advise_huge": ([p, i64], ctypes.c_int),
         "dsl_stream": (rows + [i32], None),

@@ -2,7 +2,7 @@
 
 ``adam_many``, ``adagrad_many`` and ``lion_many`` update lists of contiguous fp32 CPU tensors and
 their states in place in one C call per dtype pair (``adam``, ``adagrad``, ``lion``: one tensor);
-``grad_sumsq`` reduces one gradient; the dispatch-op functions below them take the op signatures of
+``grad_sumsq`` reduces one gradient (``fold_sumsq``: while writing it); the dispatch-op functions below them take the op signatures of
 ``dslaunch.kernels`` (lists of tensors, or a torch optimizer) and hand any tensor the C code
 does not take (not fp32, not contiguous, not on the CPU) to the torch reference.
 
@@ -21,7 +21,7 @@ import torch
 
 from dslaunch.kernels.cpu.build import library
 
-__all__ = ["adam", "adagrad", "lion", "adam_many", "adagrad_many", "lion_many", "grad_sumsq", "copy_out",
+__all__ = ["adam", "adagrad", "lion", "adam_many", "adagrad_many", "lion_many", "grad_sumsq", "fold_sumsq", "copy_out",
            "stream", "stream_read", "takes", "adam_op", "cpu_adam_op", "lion_op", "adagrad_op",
            "advise_huge_pages"]
 
@@ -196,6 +196,24 @@ def grad_sumsq(grad: torch.Tensor, grad_mul: float = 1.0) -> float:
     """Sum of squares of ``grad * grad_mul`` in double: inf or NaN iff a gradient is inf/NaN."""
     return _lib().dsl_grad_sumsq(grad.data_ptr(), _grad_code(grad), grad.numel(), grad_mul,
                                  torch.get_num_threads())
+
+
+_FOLD_MODES = {None: 0, "copy": 1, "add": 2}
+
+
+def fold_sumsq(dst: torch.Tensor, src: torch.Tensor | None = None, mode: str | None = None) -> float:
+    """Sum of squares of the contiguous fp32 CPU ``dst`` in double, after (``mode``) ``"copy"``:
+    ``dst = src`` or ``"add"``: ``dst += src`` in the same pass (``src`` fp32/bf16/fp16, as many
+    elements). Its order depends only on ``dst.numel()``: fused or not, at any thread count, the
+    same values give the same bits."""
+    if not (dst.dtype is _F32 and _dense(dst)):
+        raise ValueError(f"fold_sumsq writes a contiguous fp32 CPU tensor, got {dst.dtype} on {dst.device}")
+    code = 0 if src is None else _grad_code(src)
+    if src is not None and src.numel() != dst.numel():
+        raise ValueError(f"fold_sumsq: {src.numel()} source elements for {dst.numel()} destination elements")
+    out = _lib().dsl_fold_sumsq(dst.data_ptr(), None if src is None else src.data_ptr(), code, dst.numel(),
+                                _FOLD_MODES[mode if src is not None else None], torch.get_num_threads())
+    return out
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:

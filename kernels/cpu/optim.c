@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <sys/mman.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -380,6 +381,51 @@ double dsl_grad_sumsq(const void *g, int gdt, int64_t n, float grad_mul, int thr
 /* The streaming reference of pass 1: read every gradient once, add them up. */
 double dsl_stream_read(const void *g, int gdt, int64_t n, int threads) {
     return sum_blocks(SUM[0][gdt], g, n, 1.0f, threads);
+}
+
+/* ------------------------------------------------- the gradient norm folded into its writes */
+
+/* One block of dsl_fold_sumsq: dst = src (mode 1) or dst += src (mode 2), or nothing (mode 0),
+ * then the sum of squares of dst's block while it is in cache. */
+ALWAYS_INLINE double fold_block(float *restrict dst, const void *restrict src, ptrdiff_t lo, ptrdiff_t hi,
+                                const int sdt, const int mode) {
+    if (mode == 1)
+        for (ptrdiff_t i = lo; i < hi; i++) dst[i] = load_grad(src, i, sdt);
+    else if (mode == 2)
+        for (ptrdiff_t i = lo; i < hi; i++) dst[i] = dst[i] + load_grad(src, i, sdt);
+    return sum_F32_1(dst, lo, hi, 1.0f);
+}
+
+typedef double (*FoldFn)(float *dst, const void *src, ptrdiff_t lo, ptrdiff_t hi);
+#define FOLD_INSTANCE(G, M)                                                                       \
+    static double fold_##G##_##M(float *dst, const void *src, ptrdiff_t lo, ptrdiff_t hi) {      \
+        return fold_block(dst, src, lo, hi, G, M);                                                \
+    }
+FOLD_INSTANCE(F32, 0) FOLD_INSTANCE(F32, 1) FOLD_INSTANCE(BF16, 1) FOLD_INSTANCE(F16, 1)
+FOLD_INSTANCE(F32, 2) FOLD_INSTANCE(BF16, 2) FOLD_INSTANCE(F16, 2)
+static const FoldFn FOLD[3][3] = { { fold_F32_0, fold_F32_0, fold_F32_0 },
+                                   { fold_F32_1, fold_BF16_1, fold_F16_1 },
+                                   { fold_F32_2, fold_BF16_2, fold_F16_2 } };
+
+/* Write a gradient into fp32 dst (mode 1: copy src, 2: add src, 0: leave dst) and return the sum of
+ * squares of dst's n elements in double. The order is fixed by n alone: each BLOCK's sum in its
+ * own partial, the partials added in block order after the parallel region, so the result is the
+ * same bits at any thread count and whether the write was fused or not (mode 0 on the written
+ * dst). The partials live on the stack up to 256 blocks (4M elements), else one malloc. */
+double dsl_fold_sumsq(float *dst, const void *src, int sdt, int64_t n, int mode, int threads) {
+    const ptrdiff_t blocks = (n + BLOCK - 1) / BLOCK;
+    double stack[256], *partial = blocks <= 256 ? stack : (double *)malloc((size_t)blocks * sizeof(double));
+    if (partial == NULL) return NAN;
+    const FoldFn fn = FOLD[mode][sdt];
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const ptrdiff_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        partial[b] = fn(dst, src, lo, hi);
+    }
+    double total = 0.0;
+    for (ptrdiff_t b = 0; b < blocks; b++) total += partial[b];
+    if (partial != stack) free(partial);
+    return total;
 }
 
 /* Copy of fp32 params to bf16/fp16 (for a step that was skipped, or an initial copy). */

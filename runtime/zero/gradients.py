@@ -17,7 +17,9 @@ shard of ``partition_range`` size (on one rank, with nothing to scale or convert
 written into the shard by the hook itself: the reduction would be the identity). With ``overlap_comm`` reductions run while backward continues
 (backward waits only past ``MAX_INFLIGHT_BUFFERS`` buckets in flight); without it each bucket is
 reduced at once. Every micro step communicates (the shard is all a rank keeps), as in DeepSpeed,
-so ``no_sync()`` is refused. Under ``layout_invariant`` the micro steps' reduced gradients are
+so ``no_sync()`` is refused. The boundary micro step's write into the shard (the hook's on one
+rank, each bucket's fold otherwise) also takes the global norm's sums of squares
+(``grad_norm.py``: ``folded_sumsq``), so the step reads the shard only for the update. Under ``layout_invariant`` the micro steps' reduced gradients are
 added in a pairwise tree (``(m0 + m1) + (m2 + m3)``, a binary counter of partial sums: one extra
 shard per level), not a chain, so that they complete the data group's fixed tree over ranks.
 
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
@@ -74,6 +77,12 @@ class GradientPath(ABC):
         self._boundary, self._sync = boundary, sync
 
     @property
+    def boundary_done(self) -> bool:
+        """The last ``end_backward`` completed a boundary micro step with views of its gradients for
+        ``shards`` (no copy to make): the step's gradients are final and can be read ahead."""
+        return False
+
+    @property
     def backward_pending(self) -> bool:
         """A backward produced gradients since the last ``end_backward``: the script ran
         ``loss.backward()`` itself and nothing has completed this micro step's reductions yet."""
@@ -106,6 +115,17 @@ class GradientPath(ABC):
         """Group ``gi``'s part of ``shards()`` where the next step reads it (in the group's dtype
         where the whole gradient is kept): a write to it changes that step."""
         return self.shards()[gi]
+
+    def norm_cuts(self, gi: int) -> list[int]:
+        """Positions in group ``gi``'s flat vector where this path writes the final gradient in
+        separate pieces: the gradient norm's units are cut there too (``grad_norm.units``)."""
+        return []
+
+    def folded_sumsq(self, gi: int) -> list[grad_norm.Sum] | None:
+        """Group ``gi``'s gradient norm units' sums of squares (``grad_norm.units`` of the whole
+        shard), taken as the boundary backward wrote the gradients; None where this path does not
+        fold them or something may have changed the gradients since."""
+        return None
 
     @abstractmethod
     def zero_grad(self) -> None:
@@ -232,12 +252,21 @@ class ShardedGradients(GradientPath):
         self._direct = (world_size == 1 and comm.pre_factor() == 1.0 and not comm.layout_invariant
                         and all(comm.comm_dtype in (None, g.dtype) for g in groups))
         self._arrived: set[tuple[int, int]] = set()  # direct: the params written this backward
+        # direct: each param's sum of squares, taken by its last write of a boundary backward (the
+        # norm's units, folded: no pass over the shard at the step); None: not (all) taken
+        self._sums: list[list[grad_norm.Sum | None]] = [[None] * len(g.params) for g in groups]
+        self._folded = False
+        # reduced buckets: each unit's sum by (group, its first element in the shard), taken by the fold
+        # of the boundary micro step (not under layout_invariant: its tree adds the micro steps last)
+        self._fold_norm = not comm.layout_invariant
+        self._unit_sums: dict[tuple[int, int], grad_norm.Sum] = {}
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         if not sync:
             raise UsageError("no_sync() is not supported with ZeRO stage 2: gradients are reduced "
                              "into their owning shard every micro step (same as DeepSpeed)")
         super().begin_micro_step(boundary, sync)
+        self._folded = False
 
     def _on_grad(self, gi: int, pi: int) -> None:
         if self._direct:
@@ -252,11 +281,19 @@ class ShardedGradients(GradientPath):
         p = self.groups[gi].params[pi]
         pa, pb = self.groups[gi].layout.param_range(pi)
         dst = self._shard(gi)[pa:pb]  # one rank: the shard starts at 0
+        fold = self._boundary and pb > pa  # this write is the gradient's last before the step
         if p.grad is not None:
-            dst.copy_(p.grad.reshape(-1)) if self._fresh else dst.add_(p.grad.reshape(-1))
+            src = p.grad.reshape(-1)
+            if fold:
+                self._sums[gi][pi] = grad_norm.write_sumsq(dst, src, add=not self._fresh)
+            else:
+                dst.copy_(src) if self._fresh else dst.add_(src)
             p.grad = None
-        elif self._fresh:
+            return
+        if self._fresh:
             dst.zero_()
+        if fold:
+            self._sums[gi][pi] = grad_norm.sumsq(dst)
 
     def _take_grad(self, gi: int, pi: int) -> None:
         """Move param pi's gradient (zeros if it got none) into its bucket and free it."""
@@ -280,8 +317,23 @@ class ShardedGradients(GradientPath):
             dst, src = self._shard(b.group)[lo - lay.start:hi - lay.start], buf[lo - b.begin:hi - b.begin]
             if self.comm.layout_invariant:
                 self._fold_tree(b.group, lo - lay.start, hi - lay.start, src)
+            elif self._boundary and self._fold_norm:  # the last write: the norm's units too
+                self._fold_units(b.group, b.params, lo, hi, src)
             else:
                 dst.copy_(src) if self._fresh else dst.add_(src)
+
+    def _fold_units(self, gi: int, params: tuple[int, ...], lo: int, hi: int, src: torch.Tensor) -> None:
+        """Write flat elements [lo, hi) of group ``gi`` (``src``, a bucket of ``params``) into the
+        shard, unit by unit (the bucket's edges are cuts: ``norm_cuts``), taking each one's sum of
+        squares."""
+        lay = self.groups[gi].layout
+        shard = self._shard(gi)
+        for pi in params:
+            a, b = lay.param_range(pi)
+            ua, ub = max(a, lo), min(b, hi)
+            if ub > ua:
+                self._unit_sums[gi, ua - lay.start] = grad_norm.write_sumsq(
+                    shard[ua - lay.start:ub - lay.start], src[ua - lo:ub - lo], add=not self._fresh)
 
     def _fold_tree(self, gi: int, lo: int, hi: int, src: torch.Tensor) -> None:
         """Micro step ``m``'s reduced gradient joins the partial sums of the levels its trailing
@@ -313,8 +365,10 @@ class ShardedGradients(GradientPath):
                     if (gi, pi) not in self._arrived:
                         self._write_grad(gi, pi)
             self._arrived.clear()
+            self._folded = self._boundary
         else:
             self.reducer.flush(fill=self._take_grad)
+            self._folded = self._boundary and self._fold_norm
         self._fresh = False  # every element of the shard has now been written
         self._micro += 1
 
@@ -325,7 +379,32 @@ class ShardedGradients(GradientPath):
                 s.zero_()
         return shards
 
+    def shard(self, gi: int) -> torch.Tensor:
+        self._folded = False  # handed out for writing: the folded sums may no longer hold
+        return super().shard(gi)
+
+    @property
+    def boundary_done(self) -> bool:
+        return self._boundary and not self._fresh and not self._pending
+
+    def norm_cuts(self, gi: int) -> list[int]:
+        if self._direct or not self._fold_norm:
+            return []
+        return [b.begin for b in self.reducer.buckets if b.group == gi]
+
+    def folded_sumsq(self, gi: int) -> list[grad_norm.Sum] | None:
+        if not self._folded:
+            return None
+        if not self._direct:
+            lay = self.groups[gi].layout
+            return [self._unit_sums[gi, lo] for lo in sorted(k for g, k in self._unit_sums if g == gi)
+                    if lo < lay.end - lay.start]
+        return [s for s, (a, b) in zip(self._sums[gi], map(self.groups[gi].layout.param_range,
+                                                            range(len(self._sums[gi]))), strict=True) if b > a]
+
     def zero_grad(self) -> None:
+        self._folded = False
+        self._unit_sums.clear()
         self._fresh, self._micro = True, 0  # no zeroing pass: the next reduction overwrites the shard
         for g in self.groups:
             for p in g.params:

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange, TreeAllReduce
 from dslaunch.runtime.zero.gradients import FullGradients, GradientPath, ShardedGradients
 from dslaunch.runtime.zero.partition import FlatLayout
@@ -115,6 +116,8 @@ class ZeroStrategy:
         # Per group, the pieces of this rank's gradient shard that count in the global norm (None: all)
         self._norm_pieces = [g.layout.counted_pieces(spec.norm_skipped) for g, spec in zip(self.groups, groups,
                                                                                              strict=True)]
+        self._norm_units = [grad_norm.units(g.layout, self._norm_pieces[gi], self._part_of(gi).gradients.norm_cuts(
+            self._part_of(gi).indices.index(gi))) for gi, g in enumerate(self.groups)]
         self.publisher = self.placement.publisher  # None when replicated; tests watch its gathers
         # with overlap_param_gather a forward waits per module for the last publish (publisher.gate); the
         # parts whose publisher does not gate are waited for whole before the forward
@@ -178,6 +181,8 @@ class ZeroStrategy:
     def grad_shard(self, gi: int) -> torch.Tensor:
         """Group ``gi``'s gradient where the next step reads it (``GradientPath.shard``)."""
         part = self._part_of(gi)
+        if self.offload is not None:  # a write to it would miss the copy read ahead
+            self.offload.forget_prefetch()
         return part.gradients.shard(part.indices.index(gi))
 
     def synchronize(self) -> None:
@@ -214,6 +219,8 @@ class ZeroStrategy:
         """After loss.backward(): complete this micro step's reductions (collective)."""
         for part in self.parts:
             part.gradients.end_backward()
+        if self.offload is not None and all(part.gradients.boundary_done for part in self.parts):
+            self.offload.prefetch(self._shards())  # the first bucket's copy overlaps what precedes the step
 
     @property
     def backward_pending(self) -> bool:
@@ -225,6 +232,8 @@ class ZeroStrategy:
         """Forget the accumulated gradients."""
         for part in self.parts:
             part.gradients.zero_grad()
+        if self.offload is not None:
+            self.offload.forget_prefetch()
 
     def step(self, loss_scale: float = 1.0, clip: float = 0.0, check_overflow: bool = False) -> StepResult:
         """Unscale and clip this rank's gradient shard, skip on overflow, else update and publish.
@@ -300,7 +309,8 @@ class ZeroStrategy:
         """The norm of every distinct parameter's gradient, each counted once: per reduce group,
         this rank's shards (less the pieces another rank counts) summed over the ranks sharing the
         group's state, then over the ranks holding other parameters of it (expert groups: the
-        other experts); then the groups' sum over the replica.
+        other experts); then the groups' sum over the replica. A shard's sum is its units'
+        (``grad_norm.py``), folded into the backward's writes where the gradient path took them.
 
         collective: all ranks of every reduce group (and spread group) and of the model-parallel group."""
         total = torch.zeros((), dtype=torch.float64, device=grads[0].device)  # CUDA scalars can't add to CPU
@@ -308,12 +318,17 @@ class ZeroStrategy:
         # ~1e-16, so the fp32 clip factor comes out the same at any layout (but for a rounding tie)
         piece_dtype = torch.float64 if self.comm.layout_invariant else torch.float32
         for reduce_part in self.parts:
-            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+            sums: list[grad_norm.Sum] = []
             for gi in reduce_part.indices:
-                t, pieces = grads[gi], self._norm_pieces[gi]
-                for piece in ([t] if pieces is None else [t[a:b] for a, b in pieces]):
-                    if piece.numel():
-                        sq += torch.linalg.vector_norm(piece, dtype=piece_dtype).double() ** 2
+                folded = reduce_part.gradients.folded_sumsq(reduce_part.indices.index(gi))
+                if (folded is not None and self._norm_pieces[gi] is None
+                        and len(folded) == len(self._norm_units[gi])):  # taken as backward wrote them
+                    sums += folded
+                else:
+                    sums += [grad_norm.sumsq(grads[gi][lo:hi], piece_dtype) for _, lo, hi in self._norm_units[gi]]
+                    if self.offload is not None:
+                        self.offload.clock.norm_bytes += sum(hi - lo for _, lo, hi in self._norm_units[gi]) * 4
+            sq = grad_norm.total(sums, grads[0].device)
             for reduce in (reduce_part.placement.norm_all_reduce, reduce_part.spread_sum):
                 if reduce is not None:
                     reduce(sq)

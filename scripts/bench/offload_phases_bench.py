@@ -3,7 +3,8 @@
 One rank, the ``engine_bench`` MLP (5 x Linear(2048, 2048), ~21M parameters) in bf16, AdamW,
 micro batch 32, optional gradient clipping. Per timed step: forward + backward, the whole
 ``engine.step()``, and the engine's own split of it (``engine.zero.offload.phases``: norm,
-gradients in, update, NVMe state, write-back) with the bytes its copies moved. Medians over
+gradients in, update, NVMe state, write-back) with the bytes its copies moved and the bytes a
+separate norm pass read (0 where the backward folded the norm into its writes). Medians over
 ``--steps`` after ``--warmup``. On a CPU host the "device" is the host: the copies move nothing
 and the overhead beyond the update is the norm pass and the step's bookkeeping.
 
@@ -47,7 +48,7 @@ def main() -> None:
            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     engine, *_ = dslaunch.initialize(model=model, config=cfg)
     x, y = torch.randn(MICRO, DIM).bfloat16(), torch.randn(MICRO, DIM)
-    rows: list[tuple[float, float, dict, int, int]] = []
+    rows: list[tuple[float, float, dict, int, int, int | None]] = []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))
@@ -56,7 +57,8 @@ def main() -> None:
         t2 = time.perf_counter()
         ph = engine.zero.offload.phases
         if i >= args.warmup:
-            rows.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, ph.ms, ph.grad_bytes, ph.param_bytes))
+            rows.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, ph.ms, ph.grad_bytes, ph.param_bytes,
+                         getattr(ph, "norm_bytes", None)))  # None: a tree from before the norm was folded
     med = statistics.median
     step = med(r[1] for r in rows)
     phases = {k: med(r[2][k] for r in rows) for k in rows[0][2]}
@@ -64,10 +66,11 @@ def main() -> None:
     print(f"{params / 1e6:.0f}M parameters, bf16, ZeRO-2 + offload_optimizer cpu, 1 rank, clip {args.clip}; "
           f"medians of {args.steps} steps; load average {os.getloadavg()[0]:.1f}\n")
     print("| fwd+bwd ms | engine.step ms | " + " | ".join(f"{k} ms" for k in phases)
-          + " | step - update ms | grad bytes | param bytes |")
-    print("| " + " | ".join(["---:"] * (len(phases) + 5)) + " |")
+          + " | step - update ms | grad bytes | param bytes | norm pass bytes |")
+    print("| " + " | ".join(["---:"] * (len(phases) + 6)) + " |")
     print(f"| {med(r[0] for r in rows):.1f} | {step:.1f} | " + " | ".join(f"{v:.1f}" for v in phases.values())
-          + f" | {step - phases['update']:.1f} | {rows[-1][3]} | {rows[-1][4]} |")
+          + f" | {step - phases['update']:.1f} | {rows[-1][3]} | {rows[-1][4]} | "
+          + f"{'-' if rows[-1][5] is None else rows[-1][5]} |")
     dist.destroy_process_group()
 
 

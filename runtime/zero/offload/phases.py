@@ -1,8 +1,10 @@
 """Where an offloaded step's time goes beyond the update itself: a clock per phase, bytes moved.
 
-An offloaded step is: the global gradient norm (``norm``: before any update, for exact clipping),
-the gradients' way to the host (``grads``: the time spent waiting for a bucket's copy, so only
-what the update did not hide), the update of the host master (``update``: the optimizer's kernel,
+An offloaded step is: the global gradient norm (``norm``: before any update, for exact clipping;
+where the backward folded its sums of squares into the gradients' last write, only their sum and
+reduction, ``norm_bytes`` 0), the gradients' way to the host (``grads``: the time spent waiting
+for a bucket's copy, so only what the update did not hide; the first bucket's copy starts at the
+end of the backward), the update of the host master (``update``: the optimizer's kernel,
 the 16-bit copy fused into it where it can be), the NVMe state's reads and writes waited for
 (``state``) and the updated parameters' way back to the model
 (``write_back``: a separate copy where the 16-bit copy is not fused, sends to the device and the
@@ -34,11 +36,14 @@ class StepPhases:
         grad_bytes: gradient bytes copied to host buffers (0 where they are on the host already).
         param_bytes: parameter bytes copied back to the model's storage outside the update's
             kernel (0 where the update wrote them in its own pass).
+        norm_bytes: gradient bytes the norm read in a pass of its own (0 where the backward
+            folded the norm into its writes).
     """
 
     ms: dict[str, float]
     grad_bytes: int = 0
     param_bytes: int = 0
+    norm_bytes: int = 0
 
     @property
     def overhead_ms(self) -> float:
@@ -54,7 +59,7 @@ class PhaseClock:
 
     def restart(self) -> None:
         self._ms = dict.fromkeys(PHASES, 0.0)
-        self.grad_bytes = self.param_bytes = 0
+        self.grad_bytes = self.param_bytes = self.norm_bytes = 0
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -65,4 +70,4 @@ class PhaseClock:
             self._ms[name] += (time.perf_counter() - t0) * 1e3
 
     def snapshot(self) -> StepPhases:
-        return StepPhases(dict(self._ms), self.grad_bytes, self.param_bytes)
+        return StepPhases(dict(self._ms), self.grad_bytes, self.param_bytes, self.norm_bytes)

@@ -3,8 +3,10 @@
 The fp32 master shard of each param group lives in host memory; its optimizer state in host
 memory (``device: cpu``) or in this rank's swap file (``device: nvme``). The strategy computes the
 global gradient norm first, over all the gradient shards where they are (exact clipping needs it
-before any update), and hands ``update`` the one factor the gradients are multiplied by (average,
-unscale, clip). ``update`` then walks the buckets (``sub_group_size`` elements, at most
+before any update; on one rank the backward folded its sums of squares into the gradients' writes,
+``grad_norm.py``), and hands ``update`` the one factor the gradients are multiplied by (average,
+unscale, clip). The first bucket's copy to the host starts as the backward ends (``prefetch``: on
+a side stream, while the step's norm is summed), so the first update waits less. ``update`` then walks the buckets (``sub_group_size`` elements, at most
 ``MAX_BUCKET_NUMEL``, and ``buffer_size`` with NVMe) in order; for bucket i:
 
 - its gradient slice is already on the way to the host (the copy of bucket i+1 is started before
@@ -149,6 +151,10 @@ class OffloadedStep:
         self._staged = device.type != "cpu"
         self._grads = _Staging(self.bucket_numel, device) if self._staged else None
         self._outs: dict[torch.dtype, _Staging] = {}
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # the prefetch's
+        self._prefetched: torch.Tensor | None = None  # bucket 0's gradient, copied by ``prefetch``
+        self._prefetch_bytes = 0
+        self.prefetch_event: object | None = None  # its copy's end (None on the CPU: nothing to copy)
         self.clock = PhaseClock()
         self.phases: StepPhases | None = None  # the last step's, by phase
         if swap is not None:
@@ -195,9 +201,39 @@ class OffloadedStep:
         return self.rule
 
     # ----- the step ---------------------------------------------------------------------------
+    def prefetch(self, grads: list[torch.Tensor]) -> None:
+        """The backward is done (the boundary's ``end_backward``): start the first bucket's copy to
+        the host now, on a side stream behind the backward's kernels, so that it runs while the
+        step's norm is taken; the update waits for it. On a host (gradients on the CPU) there is
+        nothing to copy and the update reads the shard in place: the same bits either way."""
+        self._prefetched, self._prefetch_bytes = None, 0
+        if self.rule is None or not self.buckets:
+            return
+        b = self.buckets[0]
+        src = grads[b.group][b.lo:b.hi]
+        self._prefetched = src
+        if self._grads is None or src.device.type == "cpu":
+            return
+        self._side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self._side):
+            self._grads.fetch(0, src)
+            src.record_stream(self._side)
+        self.prefetch_event = self._grads.events[0]
+        self.clock.grad_bytes += b.numel * src.element_size()
+
+    @property
+    def prefetched(self) -> bool:
+        """``prefetch`` read the first bucket ahead and no update has taken it yet."""
+        return self._prefetched is not None
+
+    def forget_prefetch(self) -> None:
+        """The gradients the prefetch copied are gone (``zero_grad``): the next update fetches anew."""
+        self._prefetched = None
+
     def begin(self) -> contextlib.AbstractContextManager:
         """A step starts: the phase clock restarts; returns the phase the caller's norm runs in."""
         self.clock.restart()
+        self.clock.grad_bytes = self._prefetch_bytes if self._prefetched is not None else 0
         return self.clock.phase("norm")
 
     def update(self, grads: list[torch.Tensor], factor: float,
@@ -237,7 +273,9 @@ class OffloadedStep:
         buckets = self.buckets
         pending_out: list[object | None] = []
         if buckets:
-            self._fetch_grad(0, buckets[0], grads)
+            if not self._is_prefetched(buckets[0], grads):
+                self._fetch_grad(0, buckets[0], grads)
+            self._prefetched = None
             self._read_state(0, buckets[0])
         for i, b in enumerate(buckets):
             g = self.groups[b.group]
@@ -297,6 +335,11 @@ class OffloadedStep:
         return None
 
     # ----- gradients in, parameters out -------------------------------------------------------
+    def _is_prefetched(self, b: Bucket, grads: list[torch.Tensor]) -> bool:
+        """``prefetch`` copied bucket ``b``'s gradient from these very elements."""
+        src, pre = grads[b.group][b.lo:b.hi], self._prefetched
+        return pre is not None and pre.data_ptr() == src.data_ptr() and pre.numel() == src.numel()
+
     def _fetch_grad(self, i: int, b: Bucket, grads: list[torch.Tensor]) -> None:
         if self._grads is not None and grads[b.group].device.type != "cpu":
             with self.clock.phase("grads"):

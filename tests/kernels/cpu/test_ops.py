@@ -304,3 +304,28 @@ def test_a_list_of_tensors_is_one_call_equal_to_one_call_each(kernel, threads) -
         for g, w in zip(got, want, strict=True):
             assert (g is None and w is None) or torch.equal(g, w)
     assert not torch.equal(params[6], tensors()[0][6])  # and the update did happen
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fold_sumsq_writes_and_sums_the_same_bits_fused_or_not_at_any_thread_count(dtype) -> None:
+    # more than one block and above the parallel threshold: the partials' order is what is checked
+    n = (1 << 17) + 7
+    src, base = (torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in (4, 5))
+    src = src.to(dtype)
+    before = torch.get_num_threads()
+    for mode, want in (("copy", src.float()), ("add", base + src.float())):
+        sums = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            try:
+                dst = base.clone()
+                sums.append(ops.fold_sumsq(dst, src, mode))
+                assert torch.equal(dst, want), mode
+                sums.append(ops.fold_sumsq(dst))  # the pass over the written tensor
+            finally:
+                torch.set_num_threads(before)
+        assert len(set(sums)) == 1, (mode, sums)
+        assert sums[0] == pytest.approx(want.double().square().sum().item(), rel=1e-12)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        ops.fold_sumsq(src.to(torch.bfloat16))
