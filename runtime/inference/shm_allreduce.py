@@ -159,17 +159,19 @@ def map_segment(group: Any, size: int, tag: str, directory: str = "/dev/shm") ->
     name = [os.path.join(directory, f"dslaunch-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")]
     if dist.get_rank(group) == 0:
         _create(name[0], size)
-    dist.broadcast_object_list(name, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     try:
+        dist.broadcast_object_list(name, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
         fd = os.open(name[0], os.O_RDWR)
         try:
             return mmap.mmap(fd, size)
         finally:
             os.close(fd)
     finally:
-        dist.barrier(group=group)  # every rank mapped it (or failed): the name can go
-        if dist.get_rank(group) == 0:
-            os.unlink(name[0])
+        try:
+            dist.barrier(group=group)  # every rank mapped it (or failed): the name can go
+        finally:  # also when the peers are gone: nothing may stay in the directory
+            if dist.get_rank(group) == 0:
+                os.unlink(name[0])
 
 
 def _create(path: str, size: int) -> None:
