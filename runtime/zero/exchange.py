@@ -219,6 +219,11 @@ class SharedMemoryExchange(GradientExchange):
         self.shm = shm
         self.buffers: list[SharedTensors] = []
 
+    def bind(self, layouts: list[GroupLayout], local_gradient: Callable[[int], torch.Tensor],
+             owned_only: bool = False) -> None:
+        super().bind(layouts, local_gradient, owned_only)
+        self.shm.limit(max((lay.padded for lay in layouts), default=0) * 4)  # no bucket is larger (fp32)
+
     def gradient_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
             return super().gradient_buffer(numel, dtype, device)

@@ -160,6 +160,8 @@ class Partitioned(Placement):
         gathers = build_gathers(comm, self.pg, [_vector(g.params) for g in specs])
         if not any(gathers):  # no ZeRO++: same-host ranks gather through shared memory
             shm = SharedMemoryCollectives.build(self.pg, comm.shared_memory)
+            if shm is not None:  # no gather is larger than a group (fp32 at most)
+                shm.limit(max(numel for numel, _, _ in map(_vector, (g.params for g in specs))) * 4)
             gathers = [zp.SharedMemoryGather(shm) if shm is not None else None for _ in specs]
         for g, gatherer in zip(specs, gathers, strict=True):
             groups.append(ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,

@@ -25,8 +25,9 @@ and a dead peer fails the wait at once (gloo notices a closed connection). Two s
 per operation: a rank starts writing operation n+2 only after it passed operation n+1's wait,
 which every rank reaches only after it finished reading operation n.
 
-Memory: ``2 * world * SLOT_BYTES`` of shared pages per group (world 2: 32 MiB), mapped by
-every rank (RssShmem), whatever the model or bucket size: larger tensors go through in
+Memory: ``2 * world * SLOT_BYTES`` of shared pages per group at most (world 2: 32 MiB; less
+where the largest param group is smaller, ``limit``; none until an operation needs the slots),
+mapped by every rank (RssShmem), whatever the model or bucket size: larger tensors go through in
 slot-sized pieces. The file is unlinked as soon as every rank mapped it
 (``inference.shm_allreduce.map_segment``): a killed job leaves nothing in ``/dev/shm``.
 
@@ -76,8 +77,7 @@ class SharedMemoryCollectives:
     def __init__(self, group: Any, slot_bytes: int = SLOT_BYTES):
         self.group, self.slot_bytes = group, slot_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._map = map_segment(group, 2 * self.world * slot_bytes, "zero")
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._bytes: torch.Tensor | None = None  # the slots, mapped at their first use (``_slots``)
         self._set = 0  # the slot set the next operation uses
         self._flag = torch.zeros(1, dtype=torch.int32)
 
@@ -95,8 +95,18 @@ class SharedMemoryCollectives:
     def applies(*tensors: torch.Tensor) -> bool:
         return all(t.device.type == "cpu" for t in tensors)
 
+    def limit(self, nbytes: int) -> None:
+        """No operation will move more than ``nbytes`` at once: slots no larger (a small model's
+        transport holds little). Only before the first operation; the same on every rank."""
+        if self._bytes is None:
+            self.slot_bytes = max(64, min(self.slot_bytes, -(-nbytes // 64) * 64))
+
     def _slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every rank's whole slot of the current set as values of ``dtype``, in rank order."""
+        """Every rank's whole slot of the current set as values of ``dtype``, in rank order
+        (mapped at the first call: every operation is collective, so every rank maps it here)."""
+        if self._bytes is None:
+            self._map = map_segment(self.group, 2 * self.world * self.slot_bytes, "zero")
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         base, n = self._set * self.world * self.slot_bytes, self.slot_bytes // dtype.itemsize * dtype.itemsize
         return [self._bytes[base + r * self.slot_bytes:base + r * self.slot_bytes + n].view(dtype)
                 for r in range(self.world)]
