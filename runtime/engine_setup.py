@@ -86,7 +86,8 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         max_reuse_distance=zero_cfg.stage3_max_reuse_distance,
                         quantized_weights=zero_cfg.zero_quantized_weights,
                         hpz_partition_size=zero_cfg.zero_hpz_partition_size,
-                        layout_invariant=cfg.layout_invariant.enabled)
+                        layout_invariant=cfg.layout_invariant.enabled,
+                        shared_memory=cfg.shared_memory_collectives)
     model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
     reduce_group = gradient_reduce_group(grid)
     exchange = _exchange(cfg, optimizer, reduce_group)
@@ -141,7 +142,7 @@ def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> Gradient
         from dslaunch.runtime.zero.zeropp import QuantizedReduceScatter
 
         return QuantizedReduceScatter.build(process_group)
-    return build_exchange(compressed, cfg.hierarchical_allreduce, process_group)
+    return build_exchange(compressed, cfg.hierarchical_allreduce, process_group, cfg.shared_memory_collectives)
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:

@@ -26,7 +26,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("runtime/inference/shm_allreduce.py", "_create", "os.open(write)"):
         "a shared-memory segment in /dev/shm created with O_CREAT|O_EXCL (never an existing file), "
         "its name unpredictable; not a file written on the user's behalf",
-    ("runtime/inference/shm_allreduce.py", "__init__", "os.open(write)"):
+    ("runtime/inference/shm_allreduce.py", "map_segment", "os.open(write)"):
         "attaches O_RDWR (no O_CREAT) to the segment rank 0 created",
     ("runtime/zero/offload/swap.py", "_open_anonymous", "os.open(write)"):
         "an unnamed O_TMPFILE (or O_EXCL, unlinked at once) swap file: no name another user can plant",

@@ -118,6 +118,8 @@ _SCALARS = {
     "communication_data_type": (optional(choice("fp32", "fp16", "bf16")), "fp32, fp16 or bf16"),
     # not DeepSpeed's: node-local reduce, cross-node all-reduce, broadcast (runtime/zero/exchange.py)
     "hierarchical_allreduce": (choice("topology", "always", "never"), "topology, always or never"),
+    # not DeepSpeed's: the ZeRO collectives through /dev/shm when every rank is on one host (runtime/zero/shm.py)
+    "shared_memory_collectives": (choice("auto", "never"), "auto or never"),
     # DeepSpeed refuses client optimizers it has not tested with ZeRO unless this is true; dslaunch
     # refuses client optimizers that are not element-wise (engine_setup._checked_client).
     "zero_allow_untested_optimizer": (boolean, "true or false"),
@@ -182,6 +184,10 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     communication_data_type: str | None = None
     hierarchical_allreduce: str = "topology"
     """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
+    shared_memory_collectives: str = "auto"
+    """The ZeRO engine's gradient reductions, shard publish and stage 3 gathers through shared
+    memory where every data-parallel rank runs on this host on gloo ("auto"), or never ("never";
+    also ``DSLAUNCH_SHM_COLLECTIVES=0``). Not DeepSpeed's key."""
     zero_allow_untested_optimizer: bool = False
     dataloader_drop_last: bool = False
     use_data_before_expert_parallelism: bool = False

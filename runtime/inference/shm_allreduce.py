@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from dslaunch.errors import DslaunchError
 
-__all__ = ["ShmAllReduce", "same_host"]
+__all__ = ["ShmAllReduce", "same_host", "map_segment"]
 
 _HEADER = 4096  # the step counters, one cache line each
 _LINE = 64 // 8  # int64s per cache line
@@ -72,21 +72,7 @@ class ShmAllReduce:
     def __init__(self, group: Any, slot_bytes: int = 1 << 20, timeout_s: float = 300.0, directory: str = "/dev/shm"):
         self.group, self.timeout_s, self.slot_bytes = group, timeout_s, slot_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        size = _HEADER + 2 * self.world * slot_bytes
-        name = [os.path.join(directory, f"dslaunch-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}")]
-        if self.rank == 0:
-            _create(name[0], size)
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
-        try:
-            fd = os.open(name[0], os.O_RDWR)
-            try:
-                self._map = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        finally:
-            dist.barrier(group=group)  # every rank mapped it (or failed): the name can go
-            if self.rank == 0:
-                os.unlink(name[0])
+        self._map = map_segment(group, _HEADER + 2 * self.world * slot_bytes, "tp", directory)
         self._steps = np.frombuffer(self._map, dtype=np.int64, count=_HEADER // 8)
         self._counters = self._steps[: self.world * _LINE : _LINE]  # every rank's published step
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER)
@@ -160,12 +146,43 @@ class ShmAllReduce:
         return torch.cat(parts, dim=-1).view(*local.shape[:-1], sum(widths))
 
 
+def map_segment(group: Any, size: int, tag: str, directory: str = "/dev/shm") -> mmap.mmap:
+    """A ``size``-byte file in ``directory`` mapped shared by every rank of ``group``: rank 0
+    creates it, the others attach, and it is unlinked once all have mapped it (or failed to), so
+    nothing stays in ``directory`` whatever happens to the job afterwards.
+
+    collective: every rank of ``group``.
+
+    Raises:
+        DslaunchError: the file cannot be made (no room in ``directory``, no ``/dev/shm``).
+    """
+    name = [os.path.join(directory, f"dslaunch-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")]
+    if dist.get_rank(group) == 0:
+        _create(name[0], size)
+    try:
+        dist.broadcast_object_list(name, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        fd = os.open(name[0], os.O_RDWR)
+        try:
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    finally:
+        try:
+            dist.barrier(group=group)  # every rank mapped it (or failed): the name can go
+        finally:  # also when the peers are gone: nothing may stay in the directory
+            if dist.get_rank(group) == 0:
+                os.unlink(name[0])
+
+
 def _create(path: str, size: int) -> None:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as err:
         raise DslaunchError(f"shared-memory all-reduce: cannot create {path} ({err.strerror})") from None
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # the pages now: a full /dev/shm fails here, not with SIGBUS later
+    except OSError as err:
+        os.unlink(path)
+        raise DslaunchError(f"shared-memory segment: cannot reserve {size} bytes in {path} ({err.strerror})") from None
     finally:
         os.close(fd)

@@ -17,6 +17,8 @@ asks the stage again. What lives where:
 - ``zeropp.py``: ZeRO++ at stage 3 (quantized gathers, hpZ, qgZ); ``quantize.py``: its block
   quantization.
 - ``publisher.py``: broadcasting updated shards to every rank's model.
+- ``shm.py``: the same-host shared-memory collectives (gradient sums, the publish, stage 3's
+  gathers) where every rank of the group is on this host (``shared_memory_collectives``).
 - ``flat.py``: a param group's flat storage; ``partition.py``: its layout and the partition rule.
 - ``specs.py``: the records the engine hands a strategy and gets back.
 - ``frozen.py``: what an engine without an optimizer (forward only) uses instead of a stage.

@@ -9,6 +9,9 @@ strategy's ``GradientExchange``, picked once when the engine is built (``build_e
 - ``HierarchicalAllReduce``: when several ranks share a node, reduce to one leader per node, all-reduce
   between the leaders, broadcast within the node; chosen from the topology (hosts x local ranks)
   where it moves fewer bytes across nodes.
+- ``SharedMemoryExchange``: every rank of the group on this host, CPU tensors (``shm.py``): the same
+  sum through ``/dev/shm`` instead of loopback TCP; a reduce-scatter into this rank's range where the
+  gradient path keeps only that range (stages 2/3, ``owned_only``).
 - ``CompressedExchange``: for the 1-bit optimizers (``optim.onebit``). During their warm-up it is the
   flat all-reduce; afterwards the gradients stay local (the optimizer exchanges its momentum,
   sign-compressed with error feedback, through ``optim.compression``) and the exchange owns that
@@ -32,9 +35,11 @@ from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.zero.partition import GroupLayout
+from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
+from dslaunch.utils.logging import log_dist
 
 __all__ = ["GradientExchange", "FlatAllReduce", "TreeAllReduce", "HierarchicalAllReduce", "CompressedExchange",
-           "NodeLayout", "build_exchange"]
+           "SharedMemoryExchange", "NodeLayout", "build_exchange"]
 
 
 class GradientExchange:
@@ -51,15 +56,23 @@ class GradientExchange:
         self.pg = process_group
         self.layouts: list[GroupLayout] = []  # per param group: its params and this rank's [start, end)
         self.local_gradient: Callable[[int], torch.Tensor] | None = None
+        self.owned_only = False  # the gradient path reads only this rank's range of a reduced bucket
 
-    def bind(self, layouts: list[GroupLayout], local_gradient: Callable[[int], torch.Tensor]) -> None:
-        """Called by the strategy once built: each param group's layout on this rank, and a function
-        returning group i's whole local gradient (where the strategy keeps it)."""
-        self.layouts, self.local_gradient = layouts, local_gradient
+    def bind(self, layouts: list[GroupLayout], local_gradient: Callable[[int], torch.Tensor],
+             owned_only: bool = False) -> None:
+        """Called by the strategy once built: each param group's layout on this rank, a function
+        returning group i's whole local gradient (where the strategy keeps it), and whether only
+        this rank's range [start, end) of each reduced bucket is read."""
+        self.layouts, self.local_gradient, self.owned_only = layouts, local_gradient, owned_only
 
     def all_reduce(self, buf: torch.Tensor) -> Any:
         """Start summing ``buf`` over the group; returns a handle to wait on (None: done)."""
         return comm.all_reduce(buf, group=self.pg, async_op=True)
+
+    def gradient_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A whole-gradient buffer for a gradient path to keep (stage 0/1), which this exchange may
+        read in place. collective: all ranks, in the same order."""
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def reduce_bucket(self, buf: torch.Tensor, group: int, begin: int) -> Any:
         """Sum bucket ``buf`` (elements [begin, ...) of param group ``group``'s flat vector); the
@@ -191,6 +204,58 @@ class HierarchicalAllReduce(GradientExchange):
         return None
 
 
+class SharedMemoryExchange(GradientExchange):
+    """The flat sum through same-host shared memory (``shm.SharedMemoryCollectives``): an
+    all-reduce, or with ``owned_only`` a reduce-scatter into this rank's range (half the bytes
+    moved at world 2). A bucket inside a buffer from ``gradient_buffer`` (stage 0/1's whole
+    gradient, in shared memory) is summed in place, reading the peers' buffers (no copy in);
+    any other goes through the slots. Synchronous; the sum is in group-rank order. A bucket on
+    another device than the CPU takes the flat all-reduce."""
+
+    name = "shared_memory"
+
+    def __init__(self, shm: SharedMemoryCollectives, process_group: Any = None):
+        super().__init__(process_group)
+        self.shm = shm
+        self.buffers: list[SharedTensors] = []
+
+    def bind(self, layouts: list[GroupLayout], local_gradient: Callable[[int], torch.Tensor],
+             owned_only: bool = False) -> None:
+        super().bind(layouts, local_gradient, owned_only)
+        self.shm.limit(max((lay.padded for lay in layouts), default=0) * 4)  # no bucket is larger (fp32)
+
+    def gradient_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return super().gradient_buffer(numel, dtype, device)
+        self.buffers.append(SharedTensors(self.shm, numel, dtype))
+        return self.buffers[-1].mine
+
+    def _in_place(self, buf: torch.Tensor, lo: int, hi: int, scatter: bool) -> bool:
+        """Sum ``buf`` in place where it lies in a shared gradient buffer; False: it does not."""
+        for shared in self.buffers:
+            at = shared.offset(buf)
+            if at is not None:
+                shared.reduce(at, buf.numel(), lo, hi, scatter, "reduce of gradients (shared memory)")
+                return True
+        return False
+
+    def all_reduce(self, buf: torch.Tensor) -> Any:
+        if not self.shm.applies(buf):
+            return super().all_reduce(buf)
+        if not self._in_place(buf, 0, 0, scatter=False):
+            self.shm.all_reduce(buf)
+        return None
+
+    def reduce_bucket(self, buf: torch.Tensor, group: int, begin: int) -> Any:
+        if not (self.owned_only and self.shm.applies(buf)):
+            return self.all_reduce(buf)
+        lay = self.layouts[group]
+        lo, hi = max(0, lay.start - begin), min(buf.numel(), lay.end - begin)
+        if not self._in_place(buf, lo, max(lo, hi), scatter=True):
+            self.shm.reduce_scatter(buf, lay.start - begin, lay.end - begin)
+        return None
+
+
 class CompressedExchange(GradientExchange):
     """The flat all-reduce during a 1-bit optimizer's warm-up; no gradient exchange afterwards.
 
@@ -233,19 +298,28 @@ class CompressedExchange(GradientExchange):
         self.errors = {int(gi): {k: v.clone() for k, v in e.items()} for gi, e in errors.items()}
 
 
-def build_exchange(compressed: bool, hierarchical: str, process_group: Any = None) -> GradientExchange:
-    """The exchange for this engine: compressed for a 1-bit optimizer, else flat or hierarchical.
+def build_exchange(compressed: bool, hierarchical: str, process_group: Any = None,
+                   shared_memory: str = "auto") -> GradientExchange:
+    """The exchange for this engine: compressed for a 1-bit optimizer, else shared memory where
+    every rank is on this host (gloo), else flat or hierarchical. Says which on rank 0's log.
 
     Args:
         compressed: the optimizer is a 1-bit one (it exchanges momentum itself after warm-up).
         hierarchical: ``"topology"`` (hierarchical where it pays, from each rank's node),
             ``"always"`` (wherever ranks share nodes) or ``"never"``.
+        shared_memory: ``shared_memory_collectives``: ``"auto"`` or ``"never"``.
 
-    collective: all ranks (the hierarchical groups are created here).
+    collective: all ranks (the hierarchical groups and the shared segment are created here).
     """
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
     if compressed:
         return CompressedExchange(process_group, world)
+    shm = SharedMemoryCollectives.build(process_group, shared_memory)
+    if shm is not None:
+        log_dist(f"ZeRO collectives: shared memory ({world} ranks on one host, /dev/shm)", ranks=[0])
+        return SharedMemoryExchange(shm, process_group)
+    if world > 1:
+        log_dist(f"ZeRO collectives: {dist.get_backend(process_group)} ({world} ranks)", ranks=[0])
     # Only over the whole world: every rank must create every group, and with several data-parallel
     # groups (pipeline stages, model parallel) each rank would create only its own group's.
     if world > 1 and hierarchical != "never" and world == dist.get_world_size():

@@ -10,6 +10,8 @@ holds only this rank's shard, is ``partitioned.ShardGroup``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dslaunch.runtime.zero.partition import GroupLayout
@@ -39,17 +41,23 @@ def group_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
     return params[0].dtype
 
 
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 class FlatGroup:
     """One param group's flat storage: parameters re-pointed into a single contiguous buffer.
 
     ``flat`` (model dtype, ``layout.padded`` elements) holds the weights; each parameter's
     ``.data`` is a view into it. ``master`` is this rank's fp32 shard (a view of ``flat`` when the
     model is fp32, a separate copy otherwise; in host memory with ``offload``), wrapped as the
-    Parameter the optimizer updates.
+    Parameter the optimizer updates. ``alloc(numel, dtype, device)`` makes ``flat`` (None:
+    ``torch.empty``; the shared-memory publish passes one in shared memory).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], hparams: dict,
-                 world_size: int, rank: int, partitioned: bool, offload: bool = False, pin: bool = False):
+                 world_size: int, rank: int, partitioned: bool, offload: bool = False, pin: bool = False,
+                 alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None):
         self.params = params
         self.hparams = hparams
         self.dtype = group_dtype(params)
@@ -58,7 +66,7 @@ class FlatGroup:
         lay = self.layout
         # empty, not zeros: pages are touched as each param moves in and its old storage is freed,
         # so flattening never holds two copies of the model (peak RSS).
-        self.flat = torch.empty(lay.padded, dtype=self.dtype, device=params[0].device)
+        self.flat = (alloc or _empty)(lay.padded, self.dtype, params[0].device)
         self.flat[lay.numel:].zero_()
         for i, p in enumerate(params):
             a, b = lay.param_range(i)

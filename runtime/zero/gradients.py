@@ -61,6 +61,8 @@ class GradientPath(ABC):
     collective: construct on all ranks; ``end_backward`` is a collective where it reduces.
     """
 
+    owned_only = False  # only this rank's range of a reduced bucket is read (the exchange may skip the rest)
+
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
                  exchange: GradientExchange | None, *, max_inflight: int, source: Any = None, sink: Any = None):
         self.groups, self.comm = groups, comm
@@ -151,7 +153,9 @@ class FullGradients(GradientPath):
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
                  exchange: GradientExchange | None = None):
         # Every element in [0, numel) is written by the first backward (_adopt_grad) before use.
-        self._gflat = [torch.empty(g.layout.padded, dtype=g.dtype, device=g.device) for g in groups]
+        # (from the exchange: with shared-memory collectives it lives where the peers can sum it in place)
+        self._gflat = [(exchange or GradientExchange()).gradient_buffer(g.layout.padded, g.dtype, g.device)
+                       for g in groups]
         self._views = [g.param_views(gf) for g, gf in zip(groups, self._gflat, strict=True)]
         self._master_grads: list[torch.Tensor | None] = [None] * len(groups)
         self._unreduced = False  # a backward since the last reduction left rank-local gradients
@@ -234,6 +238,8 @@ class FullGradients(GradientPath):
 
 class ShardedGradients(GradientPath):
     """Only this rank's fp32 gradient shard; buckets reduced into it as backward runs (stage 2)."""
+
+    owned_only = True
 
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
                  exchange: GradientExchange | None = None):

@@ -37,7 +37,7 @@ from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.partition import partition_range, shard_slot
 
 __all__ = ["ZeroParamStatus", "FlatShard", "is_partitioned", "attach", "start_fetch", "fetch", "hold", "unhold",
-           "release", "gather_range", "owner_pieces", "global_rank", "write_back", "scatter_into"]
+           "release", "gather_range", "SharedMemoryGather", "owner_pieces", "global_rank", "write_back", "scatter_into"]
 
 _IDS = itertools.count()
 
@@ -68,7 +68,7 @@ class FlatShard:
     # offload_param nvme: the shard's values live here (``offload.param_store.ShardStore``) and
     # ``shard`` is a meta tensor (shape and dtype only); go through ``read``/``write``.
     store: Any = None
-    # ZeRO++ (``zeropp.ZeroPPGather``): how ranges are gathered (None: plain broadcasts)
+    # how ranges are gathered: ZeRO++'s ``zeropp.ZeroPPGather``, ``SharedMemoryGather`` (None: plain broadcasts)
     gatherer: Any = None
 
     def __reduce__(self) -> tuple:
@@ -159,6 +159,31 @@ def _broadcast_range(flat: FlatShard, a: int, b: int) -> tuple[torch.Tensor, lis
         if flat.world > 1:
             works.append(comm.broadcast(piece, src=global_rank(flat, r), group=flat.group, async_op=True))
     return out, works
+
+
+class SharedMemoryGather:
+    """``gather_range`` through same-host shared memory (``shm.py``): each owner writes its piece,
+    every rank copies the others' (at once, no works to wait for). A ``FlatShard.gatherer``, as
+    ZeRO++'s; ranges landing on another device than the CPU take the plain broadcasts."""
+
+    def __init__(self, shm: Any):
+        self.shm = shm
+
+    def invalidate(self) -> None:
+        """Nothing kept between gathers."""
+
+    def gather(self, flat: FlatShard, a: int, b: int, plain: Any) -> tuple[torch.Tensor, list[Any]]:
+        out = torch.empty(b - a, dtype=flat.shard.dtype, device=flat.device or flat.shard.device)
+        if not self.shm.applies(out):
+            return plain(flat, a, b)
+        k = shard_slot(flat.numel, flat.world)
+        outs = [out[:0]] * flat.world
+        for r, lo, hi in owner_pieces(flat, a, b):
+            outs[r] = out[lo - a:hi - a]
+            if r == flat.rank:
+                flat.read(lo - r * k, hi - r * k, outs[r])
+        self.shm.all_gather(outs, "parameter gather (shared memory)")
+        return out, []
 
 
 def owner_pieces(flat: FlatShard, a: int, b: int) -> list[tuple[int, int, int]]:

@@ -40,6 +40,7 @@ from dslaunch.runtime.zero.flat import group_dtype, to_host
 from dslaunch.runtime.zero.offload.param_store import ShardStore
 from dslaunch.runtime.zero.partition import GroupLayout, shard_slot
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
+from dslaunch.runtime.zero.shm import SharedMemoryCollectives
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
 from dslaunch.runtime.zero.zeropp import build_gathers
 
@@ -157,6 +158,11 @@ class Partitioned(Placement):
     def _build_groups(self, specs: list[GroupSpec], comm: CommSettings) -> list[Any]:
         groups, in_cpu = [], comm.param_in_cpu  # max_in_cpu counts over this rank's groups, in order
         gathers = build_gathers(comm, self.pg, [_vector(g.params) for g in specs])
+        if not any(gathers):  # no ZeRO++: same-host ranks gather through shared memory
+            shm = SharedMemoryCollectives.build(self.pg, comm.shared_memory)
+            if shm is not None:  # no gather is larger than a group (fp32 at most)
+                shm.limit(max(numel for numel, _, _ in map(_vector, (g.params for g in specs))) * 4)
+            gathers = [zp.SharedMemoryGather(shm) if shm is not None else None for _ in specs]
         for g, gatherer in zip(specs, gathers, strict=True):
             groups.append(ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,
                                      comm, in_cpu, gatherer))

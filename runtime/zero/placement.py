@@ -27,6 +27,7 @@ from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.partition import GroupLayout
 from dslaunch.runtime.zero.publisher import ShardPublisher
+from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
 
 __all__ = ["Placement", "Replicated", "Sharded", "sum_over_ranks", "gather_over_ranks"]
@@ -90,7 +91,11 @@ class Placement:
 
     def _build_groups(self, specs: list[GroupSpec], comm: CommSettings) -> list[Any]:
         return [FlatGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.partitioned,
-                          comm.offload_optimizer, comm.pin_memory) for g in specs]
+                          comm.offload_optimizer, comm.pin_memory, self._alloc) for g in specs]
+
+    def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A group's flat weights (``FlatGroup``'s ``alloc``)."""
+        return torch.empty(numel, dtype=dtype, device=device)
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:
@@ -117,9 +122,18 @@ class Sharded(Placement):
 
     def __init__(self, specs: list[GroupSpec], comm: CommSettings, world_size: int, rank: int,
                  process_group: Any = None):
+        # same-host ranks: each rank's flat weights in shared memory, published by copying in place
+        self.shm = SharedMemoryCollectives.build(process_group, comm.shared_memory) if world_size > 1 else None
+        self.shared: list[SharedTensors] = []
         super().__init__(specs, comm, world_size, rank, process_group)
         self.publisher = ShardPublisher(self.groups, world_size, rank, comm.allgather_bucket_numel,
-                                        comm.overlap_param_gather, process_group)
+                                        comm.overlap_param_gather, process_group, self.shm, self.shared)
+
+    def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.shm is None or device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        self.shared.append(SharedTensors(self.shm, numel, dtype))
+        return self.shared[-1].mine
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:

@@ -9,6 +9,9 @@ first layers compute while the last ones are still arriving. The broadcasts comp
 they were issued (flat order, usually forward order), so waiting for one waits for all before it.
 Which parameters a module uses follows stage 3's rule (``fetcher.module_params``): its own, those
 attached with ``register_external_parameter``, and a leaf module's whole subtree.
+
+Where every rank of the group is on this host (``shm.py``) the shards go through shared memory
+instead, at once (no overlap: on the CPU the copies are the work, on the same cores).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.fetcher import module_params
 from dslaunch.runtime.zero.flat import FlatGroup
+from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
 
 __all__ = ["ShardPublisher"]
 
@@ -38,8 +42,11 @@ class ShardPublisher:
     """
 
     def __init__(self, groups: list[FlatGroup], world_size: int, rank: int, bucket_numel: int,
-                 overlap: bool, process_group: Any = None):
-        self.groups, self.world, self.rank, self.pg = groups, world_size, rank, process_group
+                 overlap: bool, process_group: Any = None, shm: SharedMemoryCollectives | None = None,
+                 shared: list[SharedTensors] | None = None):
+        self.groups, self.world, self.rank, self.pg, self.shm = groups, world_size, rank, process_group, shm
+        # each group's flat weights as a shared buffer (peers copy in place), where they are one
+        self._shared = {id(g): next((s for s in shared or () if s.offset(g.flat) == 0), None) for g in groups}
         self.overlap = overlap
         self.chunk = max(1, bucket_numel // max(1, world_size))
         self._works: list[Any] = []
@@ -51,6 +58,14 @@ class ShardPublisher:
         """collective: call on all ranks after each rank updated its own shard."""
         self.wait()
         if self.world == 1:
+            return
+        if self.shm is not None and self.shm.applies(*(g.flat for g in self.groups)):
+            for g in self.groups:
+                ranges = [g.layout.rank_range(r, self.world) for r in range(self.world)]
+                if self._shared[id(g)] is not None:
+                    self._shared[id(g)].gather(ranges, "parameter publish (shared memory)")
+                else:
+                    self.shm.all_gather([g.flat[a:b] for a, b in ranges], "parameter publish (shared memory)")
             return
         for gi, g in enumerate(self.groups):
             for r in range(self.world):

@@ -452,4 +452,5 @@ class ReducePart:
             # subtree, which another world size cannot form; stage 2's reduction per micro step can
             gradients_type = ShardedGradients
         self.gradients = gradients_type(self.placement.groups, comm, self.world_size, exchange)
-        exchange.bind([g.layout for g in self.placement.groups], self.gradients.local_gradient)
+        exchange.bind([g.layout for g in self.placement.groups], self.gradients.local_gradient,
+                      owned_only=self.gradients.owned_only or self.placement.partitioned)

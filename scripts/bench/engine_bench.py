@@ -41,7 +41,7 @@ DIM, LAYERS, MICRO, WORLD, LR = 2048, 5, 32, 2, 1e-4
 BUCKET = 5_000_000  # elements per reduce/all-gather bucket, for dslaunch and DeepSpeed alike
 
 
-def _ds_config(stage: int, peer: bool) -> dict:
+def _ds_config(stage: int, peer: bool, gloo: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
            "steps_per_print": 10**6,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET,
@@ -50,6 +50,8 @@ def _ds_config(stage: int, peer: bool) -> dict:
         return {**cfg, "zero_allow_untested_optimizer": True}
     # dslaunch's publish stays in flight into the next forward (its own key; DeepSpeed has none)
     cfg["zero_optimization"]["overlap_param_gather"] = stage in (1, 2)
+    if gloo:  # dslaunch without its same-host shared-memory collectives (the "before" of issue 43)
+        cfg["shared_memory_collectives"] = "never"
     return {**cfg, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
 
 
@@ -88,9 +90,9 @@ def _build(kind: str, stage: int):
         import dslaunch as ds
     client = (torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
               if kind == "deepspeed" else None)
-    engine, _, _, _ = ds.initialize(model=model, config=_ds_config(stage, kind == "deepspeed"),
+    engine, _, _, _ = ds.initialize(model=model, config=_ds_config(stage, kind == "deepspeed", kind == "gloo"),
                                     model_parameters=model.parameters(), optimizer=client)
-    finish = engine.zero.synchronize if kind == "dslaunch" else (lambda: None)
+    finish = engine.zero.synchronize if kind != "deepspeed" else (lambda: None)
 
     def ds_step(last: bool = True) -> None:
         loss = torch.nn.functional.mse_loss(engine(x), y)
@@ -164,8 +166,12 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=3, help="consecutive steps per turn")
     ap.add_argument("--only", nargs="*", help="subset of configs, e.g. dslaunch-2 ddp-0")
     ap.add_argument("--world", type=int, default=WORLD, help="ranks (gloo, one thread each)")
+    ap.add_argument("--gloo", action="store_true",
+                    help="also dslaunch without shared-memory collectives (gloo-N: shared_memory_collectives never)")
     args = ap.parse_args()
     configs = ["ddp-0"] + [f"dslaunch-{s}" for s in (0, 1, 2, 3)]
+    if args.gloo:
+        configs += [f"gloo-{s}" for s in (0, 1, 2, 3)]
     if _has_deepspeed():
         configs += [f"deepspeed-{s}" for s in (0, 1, 2, 3)]
     if args.only:
@@ -229,7 +235,8 @@ def _write(configs: list[str], timing: list, memory: dict, load: list[float], ar
         vs_ddp = ratio_text(s["ddp_over_this"]) if ddp and kind != "ddp" else "-"
         vs_ds = f"{peer['step_ms'] / s['step_ms']:.2f}x" if peer else "-"
         rss_ds = f"{s['rss_mib'] / peer['rss_mib']:.2f}" if peer else "-"
-        name = "torch DDP" if kind == "ddp" else f"{kind} ZeRO-{stage}"
+        name = ("torch DDP" if kind == "ddp" else f"dslaunch ZeRO-{stage}, gloo only" if kind == "gloo"
+                else f"{kind} ZeRO-{stage}")
         rows.append(f"| {name} | {s['step_ms']:.0f} | {vs_ddp} | {vs_ds} | {s['rss_mib']:.0f} | {rss_ds} |")
     if "zero0_over_this" in summary.get("dslaunch-3", {}):
         rows += ["", "dslaunch ZeRO-0 / ZeRO-3 (> 1: ZeRO-3 faster): "

@@ -47,6 +47,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "dslaunch-z3-offload-opt": ("dslaunch", {"offload_optimizer": {"device": "cpu"}}),
     "dslaunch-z3-offload-param": ("dslaunch", {"offload_param": {"device": "cpu"}}),
     "dslaunch-z3-nvme-opt": ("dslaunch", {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}"}}),
+    # dslaunch without its same-host shared-memory collectives: gloo for everything (before issue 43's)
+    "dslaunch-z3-gloo": ("dslaunch-gloo", {}),
     "fsdp2": ("fsdp2", {}),
     "deepspeed-z3": ("deepspeed", {}),
     "deepspeed-z3-offload-opt": ("deepspeed", {"offload_optimizer": {"device": "cpu"}}),
@@ -56,11 +58,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 LABELS = {"dslaunch-z3": "dslaunch ZeRO-3", "dslaunch-z3-offload-opt": "dslaunch ZeRO-3 + offload_optimizer cpu",
           "dslaunch-z3-offload-param": "dslaunch ZeRO-3 + offload_param cpu",
           "dslaunch-z3-nvme-opt": "dslaunch ZeRO-3 + offload_optimizer nvme", "fsdp2": "torch FSDP2",
+          "dslaunch-z3-gloo": "dslaunch ZeRO-3, gloo only",
           "deepspeed-z3": "DeepSpeed ZeRO-3", "deepspeed-z3-offload-opt": "DeepSpeed ZeRO-3 + offload_optimizer cpu",
           "deepspeed-z3-offload-param": "DeepSpeed ZeRO-3 + offload_param cpu",
           "deepspeed-z3-nvme-opt": "DeepSpeed ZeRO-3 + offload_optimizer nvme"}
 # the peer each dslaunch configuration is compared with (besides FSDP2)
-DS_PEER = {"dslaunch-z3": "deepspeed-z3", "dslaunch-z3-offload-opt": "deepspeed-z3-offload-opt",
+DS_PEER = {"dslaunch-z3": "deepspeed-z3", "dslaunch-z3-gloo": "deepspeed-z3", "dslaunch-z3-offload-opt": "deepspeed-z3-offload-opt",
            "dslaunch-z3-offload-param": "deepspeed-z3-offload-param", "dslaunch-z3-nvme-opt": "deepspeed-z3-nvme-opt"}
 
 
@@ -156,9 +159,11 @@ def _build(name: str, dtype: str, nvme: str):
         client = None
         cfg = {**_ds_config(zero, dtype, nvme),
                "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
+        if system == "dslaunch-gloo":
+            cfg["shared_memory_collectives"] = "never"
     engine, _, _, _ = ds.initialize(model=model, config=cfg, model_parameters=model.parameters(),
                                     optimizer=client)
-    finish = engine.zero.synchronize if system == "dslaunch" else (lambda: None)
+    finish = engine.zero.synchronize if system != "deepspeed" else (lambda: None)
 
     def ds_step(seq):
         loss = _loss(engine(seq[:, :-1]), seq)

@@ -24,7 +24,8 @@ def _forward_waits(rank: int, world: int, stage: int) -> dict:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    cfg = {"train_batch_size": 4 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": "never",  # gloo's overlap
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": stage, "overlap_comm": True, "overlap_param_gather": True,
                                  "reduce_bucket_size": 2 * WIDTH * WIDTH,
                                  "allgather_bucket_size": 2 * WIDTH}}  # many small broadcasts
@@ -73,7 +74,8 @@ def _external_waits(rank: int, world: int) -> list[bool]:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
     model = torch.nn.Sequential(ReadsLast(layers[-1]), *layers)
-    cfg = {"train_batch_size": 4 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": "never",  # gloo's overlap
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": 1, "overlap_param_gather": True, "allgather_bucket_size": 2 * WIDTH}}
     engine, *_ = dslaunch.initialize(model=model, config=cfg)
     dslaunch.zero.register_external_parameter(model[0], layers[-1].weight)  # after the engine exists
@@ -107,7 +109,8 @@ def _read_after_step(rank: int, world: int, stage: int) -> dict:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    cfg = {"train_batch_size": 4 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": "never",  # gloo's overlap
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": stage, "overlap_comm": True, "allgather_bucket_size": 2 * WIDTH}}
     engine, *_ = dslaunch.initialize(model=model, config=cfg)
     torch.manual_seed(1 + rank)

@@ -97,7 +97,7 @@ def _train(rank: int, world: int, cases: dict, steps: int) -> dict:
         losses = run_steps(engine, rank, world, 0, steps)
         gathers = [g.flat.gatherer for g in engine.zero.placement.groups]
         out[name] = {"losses": losses, "held_out": held_out_loss(engine),
-                     "secondary_gathers": sum(g.secondary_gathers for g in gathers if g is not None)}
+                     "secondary_gathers": sum(getattr(g, "secondary_gathers", 0) for g in gathers)}
         engine.destroy()
     return out
 

@@ -1,0 +1,177 @@
+"""Same-host shared-memory collectives (``runtime/zero/shm.py``, ``shared_memory_collectives``).
+
+- the collectives against gloo's: bit for bit at world 2, the sum in group-rank order at world 4,
+  through slots smaller than the tensors (several pieces) and in place in shared buffers;
+- training through them equals training over gloo bit for bit (ZeRO-1/2/3, world 2): the same
+  sums, so the same weights; the stages' equality at world 4 is ``test_equivalence_matrix``'s;
+- the switch: ``"never"`` and ``DSLAUNCH_SHM_COLLECTIVES=0`` keep gloo;
+- a rank killed with SIGKILL mid-step leaves nothing of the job in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from tests.distributed import run_world
+
+WIDTH = 24
+
+
+def _collectives(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors, split
+
+    dist.init_process_group("gloo")
+    shm = SharedMemoryCollectives(None, slot_bytes=4 * 40)  # 40 floats a slot: every call in pieces
+    n = 101
+    every = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    mine = every[rank]
+    in_order = every[0] + every[1]
+    for t in every[2:]:
+        in_order = in_order + t
+    gloo = mine.clone()
+    dist.all_reduce(gloo)
+    out = {"order": in_order}
+    x = mine.clone()
+    shm.all_reduce(x)
+    out["all_reduce"] = x
+    lo, hi = split(n, world, rank)
+    x = mine.clone()
+    shm.reduce_scatter(x, lo, hi)
+    out["reduce_scatter"] = (x[lo:hi], x[:lo], x[hi:])
+    lengths = [7 + 30 * r for r in range(world)]  # unequal, some longer than a slot
+    gathered = [torch.full((k,), -1.0) for k in lengths]
+    gathered[rank] = torch.arange(lengths[rank], dtype=torch.float32) + 1000 * rank
+    shm.all_gather(gathered)
+    out["all_gather"] = gathered
+    shared = SharedTensors(shm, n, torch.float32)
+    shared.mine.copy_(mine)
+    shared.reduce(10, 50, 0, 0, scatter=False, name="t")  # elements [10, 60) on every rank
+    out["in_place"] = shared.mine.clone()
+    shared.mine.copy_(mine)
+    a, b = split(50, world, rank)
+    shared.reduce(10, 50, a, b, scatter=True, name="t")
+    out["in_place_scatter"] = (shared.mine[10 + a:10 + b].clone(), (a, b))
+    out["gloo"], out["mine"], out["lo_hi"] = gloo, mine, (lo, hi)
+    out["left"] = glob.glob(f"/dev/shm/dslaunch-zero*-{os.getpid()}-*")
+    return _plain(out)
+
+
+def _plain(x):
+    """Tensors as lists (a tensor sent back through the result queue needs its sender alive)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_sum_in_rank_order_and_match_gloo_at_two_ranks(world: int) -> None:
+    for r in run_world(_collectives, world):  # float32 values as Python floats: equal means same bits
+        order, mine = r["order"], r["mine"]
+        assert r["all_reduce"] == order
+        if world == 2:  # a + b == b + a: gloo's bits
+            assert r["gloo"] == order
+        lo, hi = r["lo_hi"]
+        own, before, after = r["reduce_scatter"]
+        assert own == order[lo:hi]
+        assert before == mine[:lo] and after == mine[hi:]  # the rest untouched
+        for q, got in enumerate(r["all_gather"]):
+            assert got == [float(i + 1000 * q) for i in range(len(got))]
+        assert r["in_place"][10:60] == order[10:60]
+        assert r["in_place"][:10] == mine[:10] and r["in_place"][60:] == mine[60:]
+        got, (a, b) = r["in_place_scatter"]
+        assert got == order[10 + a:10 + b]
+        assert r["left"] == []  # unlinked once mapped
+
+
+def _train(rank: int, world: int, stage: int) -> dict:
+    import torch
+
+    import dslaunch
+    from dslaunch.runtime.zero.exchange import SharedMemoryExchange
+
+    out = {}
+    for setting in ("auto", "never"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 3))
+        cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": setting, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 300,
+                                     "allgather_bucket_size": 300, "stage3_param_persistence_threshold": 30}}
+        engine, *_ = dslaunch.initialize(model=model, config=cfg)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            engine.backward(engine(torch.randn(4, WIDTH, generator=g)).square().mean())
+            engine.step()
+        engine.zero.synchronize()
+        with dslaunch.zero.GatheredParameters(list(model.parameters())):
+            out[setting] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+        out[f"{setting}_shm"] = isinstance(engine.zero.exchange, SharedMemoryExchange)
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_training_through_shared_memory_equals_gloo(stage: int) -> None:
+    for r in run_world(_train, 2, stage, timeout=140):
+        assert r["auto_shm"] and not r["never_shm"]
+        assert r["auto"] == r["never"]  # bit for bit
+
+
+def _switch(rank: int, world: int) -> list:
+    import torch
+
+    import dslaunch
+
+    os.environ["DSLAUNCH_SHM_COLLECTIVES"] = "0"
+    engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_batch_size": 2 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 1}})
+    return [engine.zero.exchange.name, engine.zero.publisher.shm is None]
+
+
+def test_the_environment_switch_keeps_gloo() -> None:
+    for r in run_world(_switch, 2):
+        assert r == ["flat", True]
+
+
+def _killed(rank: int, world: int, pids: str) -> None:
+    import signal
+
+    import torch
+
+    import dslaunch
+
+    with open(os.path.join(pids, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH))
+    engine, *_ = dslaunch.initialize(model=model, config={
+        "train_batch_size": 2 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": WIDTH * WIDTH}})
+    if rank == 1:  # dies in backward, between two buckets' reductions
+        model[1].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, WIDTH)).square().mean())
+        engine.step()
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_killed_mid_step_leaves_nothing_in_dev_shm(tmp_path) -> None:
+    with pytest.raises(AssertionError, match="rank"):
+        run_world(_killed, 2, str(tmp_path), timeout=60)
+    pids = [(tmp_path / str(r)).read_text() for r in range(2)]
+    assert pids[0] and pids[1]
+    left = [f for pid in pids for f in glob.glob(f"/dev/shm/dslaunch-*-{pid}-*")]
+    assert left == []
