@@ -299,7 +299,7 @@ class CompressedExchange(GradientExchange):
 
 
 def build_exchange(compressed: bool, hierarchical: str, process_group: Any = None,
-                   shared_memory: str = "auto") -> GradientExchange:
+                   shared_memory: str = "never") -> GradientExchange:
     """The exchange for this engine: compressed for a 1-bit optimizer, else shared memory where
     every rank is on this host (gloo), else flat or hierarchical. Says which on rank 0's log.
 
@@ -307,7 +307,7 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
         compressed: the optimizer is a 1-bit one (it exchanges momentum itself after warm-up).
         hierarchical: ``"topology"`` (hierarchical where it pays, from each rank's node),
             ``"always"`` (wherever ranks share nodes) or ``"never"``.
-        shared_memory: ``shared_memory_collectives``: ``"auto"`` or ``"never"``.
+        shared_memory: ``shared_memory_collectives``: ``"on"`` or ``"never"``.
 
     collective: all ranks (the hierarchical groups and the shared segment are created here).
     """

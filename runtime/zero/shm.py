@@ -31,8 +31,9 @@ mapped by every rank (RssShmem), whatever the model or bucket size: larger tenso
 slot-sized pieces. The file is unlinked as soon as every rank mapped it
 (``inference.shm_allreduce.map_segment``): a killed job leaves nothing in ``/dev/shm``.
 
-Switch: the ds_config key ``shared_memory_collectives`` (``"auto"``, the default: wherever it
-applies; ``"never"``), or ``DSLAUNCH_SHM_COLLECTIVES=0`` in the environment (debugging).
+Switch: the ds_config key ``shared_memory_collectives`` (``"on"``: wherever it applies; ``"never"``,
+the default, as the suite found tied pipeline weights trained wrong through it), or
+``DSLAUNCH_SHM_COLLECTIVES=0`` in the environment (debugging). Not under pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class SharedMemoryCollectives:
         self._flag = torch.zeros(1, dtype=torch.int32)
 
     @classmethod
-    def build(cls, group: Any, setting: str = "auto") -> SharedMemoryCollectives | None:
+    def build(cls, group: Any, setting: str = "on") -> SharedMemoryCollectives | None:
         """The transport for ``group`` where it applies (allowed, gloo, several ranks, one host),
         else None (the callers keep gloo). collective: every rank of ``group``."""
         if not (wanted(setting) and dist.is_initialized()) or dist.get_world_size(group) == 1:

@@ -110,8 +110,8 @@ class CommSettings:
     # ``layout_invariant``: reductions in one fixed order whatever the layout (the norm's pieces in
     # float64, so that their grouping, which the layout decides, cannot change the fp32 result)
     layout_invariant: bool = False
-    # ``shared_memory_collectives``: "auto" (same-host gloo groups through /dev/shm, ``shm.py``) or "never"
-    shared_memory: str = "auto"
+    # ``shared_memory_collectives``: "on" (same-host gloo groups through /dev/shm, ``shm.py``) or "never"
+    shared_memory: str = "never"
 
     def pre_factor(self) -> float:
         """Multiplies gradients before the reduction: 1 / ``gradient_predivide_factor`` with

@@ -50,8 +50,8 @@ def _ds_config(stage: int, peer: bool, gloo: bool = False) -> dict:
         return {**cfg, "zero_allow_untested_optimizer": True}
     # dslaunch's publish stays in flight into the next forward (its own key; DeepSpeed has none)
     cfg["zero_optimization"]["overlap_param_gather"] = stage in (1, 2)
-    if gloo:  # dslaunch without its same-host shared-memory collectives (the "before" of issue 43)
-        cfg["shared_memory_collectives"] = "never"
+    # dslaunch's rows with its same-host shared-memory collectives (opt-in), gloo-N without (the "before")
+    cfg["shared_memory_collectives"] = "never" if gloo else "on"
     return {**cfg, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
 
 

@@ -159,8 +159,8 @@ def _build(name: str, dtype: str, nvme: str):
         client = None
         cfg = {**_ds_config(zero, dtype, nvme),
                "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
-        if system == "dslaunch-gloo":
-            cfg["shared_memory_collectives"] = "never"
+        # same-host shared-memory collectives are opt-in; dslaunch-z3-gloo runs without
+        cfg["shared_memory_collectives"] = "never" if system == "dslaunch-gloo" else "on"
     engine, _, _, _ = ds.initialize(model=model, config=cfg, model_parameters=model.parameters(),
                                     optimizer=client)
     finish = engine.zero.synchronize if system != "deepspeed" else (lambda: None)

@@ -103,7 +103,7 @@ def _train(rank: int, world: int, stage: int) -> dict:
     from dslaunch.runtime.zero.exchange import SharedMemoryExchange
 
     out = {}
-    for setting in ("auto", "never"):
+    for setting in ("on", "never"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 3))
         cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": setting, "gradient_clipping": 1.0,
@@ -126,8 +126,8 @@ def _train(rank: int, world: int, stage: int) -> dict:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_training_through_shared_memory_equals_gloo(stage: int) -> None:
     for r in run_world(_train, 2, stage, timeout=140):
-        assert r["auto_shm"] and not r["never_shm"]
-        assert r["auto"] == r["never"]  # bit for bit
+        assert r["on_shm"] and not r["never_shm"]
+        assert r["on"] == r["never"]  # bit for bit
 
 
 def _switch(rank: int, world: int) -> list:
@@ -137,7 +137,7 @@ def _switch(rank: int, world: int) -> list:
 
     os.environ["DSLAUNCH_SHM_COLLECTIVES"] = "0"
     engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 4), config={
-        "train_batch_size": 2 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "train_batch_size": 2 * world, "shared_memory_collectives": "on", "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": 1}})
     return [engine.zero.exchange.name, engine.zero.publisher.shm is None]
 
@@ -159,7 +159,7 @@ def _killed(rank: int, world: int, pids: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH))
     engine, *_ = dslaunch.initialize(model=model, config={
         "train_batch_size": 2 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": WIDTH * WIDTH}})
+        "shared_memory_collectives": "on", "zero_optimization": {"stage": 2, "reduce_bucket_size": WIDTH * WIDTH}})
     if rank == 1:  # dies in backward, between two buckets' reductions
         model[1].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
     for _ in range(2):
