@@ -91,6 +91,9 @@ def _load_hjson(text: str, json_error: json.JSONDecodeError, fail: Fail) -> Any:
         return hjson.loads(text, parse_int=_parse_int, object_pairs_hook=_unique_keys)
     except hjson.HjsonDecodeError as err:
         raise fail(f"invalid JSON/HJSON at column {err.colno}: {shorten(err.msg, 200)}", err.lineno) from None
+    except (OverflowError, ValueError) as err:  # hjson's own number scan: int(float("inf")) for 1e999
+        raise fail(f"invalid JSON/HJSON: a number out of range ({shorten(str(err), 120)}); numbers must be finite",
+                   None) from None
     except RecursionError:
         raise fail(f"nested deeper than {MAX_DEPTH} levels", None) from None
 

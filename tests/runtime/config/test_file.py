@@ -74,6 +74,17 @@ def test_file_holding_a_list_is_named(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- size, depth, numbers
+def test_an_infinite_hjson_number_is_one_line(tmp_path: Path) -> None:
+    """hjson (the fallback for what is not JSON) turns 1e999 into int(inf): one line, not its
+    OverflowError (found by test_fuzz)."""
+    pytest.importorskip("hjson")
+    path = tmp_path / "ds.json"
+    path.write_text("{train_batch_size: 1e999}")
+    with pytest.raises(ConfigError, match="a number out of range") as err:
+        load_config(str(path), 1)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
 def test_5000_digit_integer_names_the_key(tmp_path: Path) -> None:
     path = _file(tmp_path, "c.json", '{"train_batch_size": ' + "9" * 5000 + "}")
     assert _error(path) == (f"{path}: 'train_batch_size': must be an integer in [1, 1e12], "
