@@ -37,8 +37,9 @@ alive into finalization, exactly as in plain torch. An object alive at exit whos
 form a cycle is not finalized (Python does not promise ``__del__`` at exit either): its files are
 flushed, not closed (a ``gzip`` file in such a cycle lacks its trailer); a process that needs
 finalization's collections registers ``gc.unfreeze`` with ``atexit`` before calling
-``initialize``/``init_distributed``. A process that loaded a nanobind extension (triton) keeps
-them: nanobind reports each object it bound that was never freed.
+``initialize``/``init_distributed``. A process that loaded a nanobind extension keeps them
+(nanobind reports each object it bound that was never freed): triton is one, which
+``torch._dynamo`` loads wherever it is installed (every CUDA build of torch).
 """
 
 from __future__ import annotations
@@ -111,17 +112,21 @@ def _leave() -> None:
 def _spare_final_collections() -> None:
     """Collect now, flush open files, freeze the rest (see the module docstring); not in a process
     with a nanobind extension (triton), which reports every object it bound that was never freed."""
+    if _nanobind_loaded():
+        return
     gc.collect()
-    files = []
     for obj in gc.get_objects():
-        kind = type(obj)  # never isinstance(): it reads __class__, which warns on deprecated module attributes
-        if issubclass(kind, _io._IOBase):  # _io's C base: every file object, C or Python (gzip's too)
-            files.append(obj)
-        elif issubclass(kind, type) and kind.__module__ == "nanobind":  # a class nanobind bound
-            return
-    for file in files:
-        _flush(file)
+        # type(), never isinstance(): the latter reads __class__, which warns on deprecated module
+        # attributes. _io's C base: every file object, C or Python (gzip's too).
+        if issubclass(type(obj), _io._IOBase):
+            _flush(obj)
     gc.freeze()
+
+
+def _nanobind_loaded() -> bool:
+    """A class bound by nanobind exists (its metaclass is nanobind's): triton, imported by
+    ``torch._dynamo`` (so by every torch optimizer) wherever it is installed."""
+    return any(issubclass(type(obj), type) and type(obj).__module__ == "nanobind" for obj in gc.get_objects())
 
 
 def _flush(file: Any) -> None:
