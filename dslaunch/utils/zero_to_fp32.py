@@ -2,20 +2,34 @@
 
 A script doing ``from deepspeed.utils.zero_to_fp32 import ...`` works with ``dslaunch`` in place
 of ``deepspeed``; ``python -m dslaunch.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT`` is the same as
-``dslaunch zero-to-fp32``. The code lives in ``dslaunch.runtime.checkpoint.export``.
+``dslaunch zero-to-fp32``. The code lives in ``dslaunch.runtime.checkpoint.export``, imported on
+first use of a name: run as a script, the arguments are checked (``dslaunch.runtime.export_cli``)
+before torch is imported, so a mistake is answered at once.
 """
 
-from dslaunch.runtime.checkpoint.export import (
-    convert_zero_checkpoint_to_fp32_state_dict,
-    convert_zero_checkpoint_to_state_dict,
-    get_fp32_state_dict_from_zero_checkpoint,
-    load_state_dict_from_zero_checkpoint,
-    main,
-    run_as_script,
-)
+from __future__ import annotations
 
-__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
-           "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main"]
+import importlib
+from typing import Any
+
+# DeepSpeed's names, resolved on first access (``__getattr__``)
+_NAMES = ("get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
+          "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main")
+
+__all__ = [*_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module("dslaunch.runtime.checkpoint.export"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES))
+
 
 if __name__ == "__main__":
+    from dslaunch.runtime.export_cli import run_as_script
+
     run_as_script()

@@ -1,13 +1,18 @@
 """``dslaunch ds-to-universal --input_folder TAG --output_folder OUT``: DeepSpeed's universal layout.
 
 A thin click command with DeepSpeed's ``ds_to_universal`` flag names: ``dslaunch.runtime.checkpoint.
-universal.convert`` does the work (torch is imported only when this command runs). DeepSpeed's
+universal.convert`` does the work; an input folder that is no checkpoint tag is refused before torch
+is imported (seconds), which happens only once the input is known to be one. DeepSpeed's
 worker-count flags are accepted and have nothing to tune here (one process converts).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
+
+from dslaunch.runtime.checkpoint.deepspeed_layout import tag_folder_format
 
 __all__ = ["command"]
 
@@ -20,6 +25,7 @@ __all__ = ["command"]
 def command(input_folder: str, output_folder: str, num_extract_workers: int, num_merge_workers: int) -> int:
     """Convert a DeepSpeed-format checkpoint tag into a universal checkpoint (load it with
     "checkpoint": {"load_universal": true} at any world size and ZeRO stage)."""
+    tag_folder_format(Path(input_folder))
     from dslaunch.runtime.checkpoint.universal import convert
 
     out = convert(input_folder, output_folder)

@@ -21,11 +21,17 @@ global expert and moved to another expert-parallel layout on load (``experts.py`
 replicated to a peer host, that a restart resumes from (``memory.py``).
 """
 
-from dslaunch.runtime.checkpoint.save_load import (
-    load_checkpoint,
-    save_16bit_model,
-    save_checkpoint,
-    wait_for_checkpoint,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
+
+
+def __getattr__(name: str) -> Any:
+    """``save_load``'s names on first use: it imports torch, and the torch-free modules here
+    (``store``, ``deepspeed_layout``) serve the commands' argument checks."""
+    if name in __all__:
+        return getattr(importlib.import_module(f"{__name__}.save_load"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -114,3 +114,18 @@ def is_deepspeed_folder(folder: Path) -> bool:
         return CheckpointStore(folder.parent).manifest(folder.name).meta.get("format") == "deepspeed"
     except CheckpointError:  # a broken dslaunch tag: its loader says what is wrong
         return False
+
+
+def tag_folder_format(folder: Path) -> str:
+    """``"deepspeed"`` or ``"dslaunch"``: the layout of the tag folder ``folder``, without torch (a
+    command checks its input with it before importing what reads the files).
+
+    Raises:
+        CheckpointError: ``folder`` is neither (names it, says what to pass).
+    """
+    if is_deepspeed_folder(folder):
+        return "deepspeed"
+    if (folder / MANIFEST).exists():
+        return "dslaunch"
+    raise CheckpointError("is neither a DeepSpeed checkpoint tag folder (*model_states.pt) nor a dslaunch one "
+                          f"({MANIFEST}): pass the tag folder, e.g. <save_dir>/global_step100", str(folder))

@@ -22,6 +22,7 @@ parameter look alike in the saved module file).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import CheckpointError, DslaunchError, UsageError, shorten
+from dslaunch.errors import CheckpointError, UsageError, shorten
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
 from dslaunch.runtime.checkpoint.deepspeed_layout import is_deepspeed_folder
 from dslaunch.runtime.checkpoint.deepspeed_read import read_deepspeed
@@ -47,8 +48,14 @@ from dslaunch.runtime.checkpoint.store import (
     CheckpointStore,
     first_loadable,
     summary,
-    validate_tag,
     write_atomic,
+)
+from dslaunch.runtime.export_cli import (
+    check_arguments,
+    check_output,
+    no_checkpoint,
+    open_source,
+    run_as_script,
 )
 from dslaunch.safe_write import explain
 
@@ -59,28 +66,12 @@ StateDict = OrderedDict[str, torch.Tensor]
 
 log = logging.getLogger("dslaunch.checkpoint")
 
-_FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 _SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # decimal, as Hugging Face
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 # ---- reading ------------------------------------------------------------------------------------
-def _store_and_tag(checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[CheckpointStore, str | None]:
-    path = Path(checkpoint_dir)
-    if tag is not None:
-        validate_tag(str(tag))  # '../..' would read outside the checkpoint directory
-    try:
-        if not path.is_dir():
-            raise CheckpointError("not a directory (expected a save_dir or one of its tag directories)",
-                                  str(path))
-        if (path / MANIFEST).is_file() and tag is None:  # a tag directory itself
-            return CheckpointStore(path.parent), path.name
-    except OSError as exc:
-        raise CheckpointError(f"cannot read the directory ({exc.strerror or exc})", str(path)) from exc
-    return CheckpointStore(path), tag
-
-
 def _frozen(meta: dict, module: dict, source: str) -> set[str]:
     """Names of the frozen parameters in the saved module file (to leave out of the export)."""
     if meta.get("exclude_frozen_parameters"):
@@ -177,14 +168,13 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike, 
 def _resolve(checkpoint_dir: str | os.PathLike, tag: str | None,
              exclude_frozen: bool) -> tuple[str, StateDict, list[str]]:
     """The tag consolidated, its state dict, and why newer tags (or ``latest``) were passed over."""
-    store, tag = _store_and_tag(checkpoint_dir, tag)
+    store, tag = open_source(checkpoint_dir, tag)
     if tag is not None:
         return tag, _consolidate(store, tag, exclude_frozen), []
     tags, notes = store.candidates()
     found = first_loadable(tags, lambda t: _consolidate(store, t, exclude_frozen))
     if found is None:
-        raise CheckpointError("no checkpoint here (" + ("; ".join(notes) or "no tags") + ")",
-                              str(store.root))
+        raise no_checkpoint(store, notes)
     latest_given = os.path.lexists(store.root / LATEST)  # without one, the newest tag is no fallback
     return found[0], found[1], (notes if latest_given else []) + found[2]
 
@@ -305,11 +295,6 @@ def _write_directory(state: StateDict, out: Path, weights: str, limit: int | Non
     return written
 
 
-def _is_single_file(output: Path) -> bool:
-    """True for a path naming one weights file (``model.pt``) rather than an output directory."""
-    return not output.is_dir() and output.suffix in _FILE_SUFFIXES
-
-
 def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                                           dtype: Any = torch.float32, max_shard_size: int | str | None = "5GB",
                                           safe_serialization: bool = False, tag: str | None = None,
@@ -340,19 +325,9 @@ def _export(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, dt
     """``convert_zero_checkpoint_to_state_dict``, also returning the tag written and why newer
     ones were passed over."""
     cast, limit, output = _output_dtype(dtype), _shard_limit(max_shard_size), Path(output_dir)
-    try:
-        single = _is_single_file(output)
-        exists_not_dir = not single and output.exists() and not output.is_dir()
-    except OSError as err:
-        raise UsageError(f"cannot use the output {output}: {err.strerror or err}") from None
-    if single and safe_serialization and output.suffix != ".safetensors":
-        raise UsageError(f"{output}: safe_serialization writes safetensors; name the file *.safetensors "
-                         "or give a directory")
+    single = check_output(output, safe_serialization)
     if (output.suffix == ".safetensors") if single else safe_serialization:
         _require_safetensors(output)
-    if exists_not_dir:
-        raise UsageError(f"{output}: exists and is not a directory; give a directory, or a file name "
-                         f"ending in {', '.join(_FILE_SUFFIXES)}")
     tag, state, passed_over = _resolve(checkpoint_dir, tag, exclude_frozen_parameters)
     state = OrderedDict((k, v.to(cast) if v.is_floating_point() else v) for k, v in state.items())
     try:
@@ -393,11 +368,11 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
 # ---- command line -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """``dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT [options]``; DslaunchError on bad input."""
-    from dslaunch.runtime.export_cli import parser
+    return run(check_arguments(argv))
 
-    args = parser().parse_args(argv)
-    if args.max_shard_size is not None and _is_single_file(Path(args.output)):
-        raise UsageError(f"--max_shard_size shards a directory output; {args.output} names one file")
+
+def run(args: argparse.Namespace) -> int:
+    """The export ``args`` (from ``export_cli.check_arguments``, already checked) ask for."""
     files, tag, passed_over = _export(args.checkpoint_dir, args.output, torch.float32, args.max_shard_size or "5GB",
                                       args.safe_serialization, args.tag, args.exclude_frozen_parameters)
     if passed_over:
@@ -406,15 +381,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {files[0] if len(files) == 1 else f'{len(files)} files to {files[0].parent}'} "
           f"({size:.1f} MB) from tag {tag!r}")
     return 0
-
-
-def run_as_script(argv: list[str] | None = None) -> None:
-    """``python -m`` entry: errors print as one line with the error's exit code."""
-    try:
-        sys.exit(main(argv))
-    except DslaunchError as err:
-        print(f"zero-to-fp32: error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,17 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dslaunch.errors import CheckpointArgumentError, CheckpointError, quote, shorten
-from dslaunch.runtime.checkpoint.format import FileDigest, read_object, write_object
 from dslaunch.safe_write import atomic_path
 from dslaunch.textfile import read_text
+
+# ``format`` (the file format) imports torch, which reading ``latest`` and manifests does not need:
+# imported where a file is read or written, so ``dslaunch zero-to-fp32`` checks its arguments
+# against the directory (a missing tag, no checkpoint) before seconds of torch imports.
+if TYPE_CHECKING:
+    from dslaunch.runtime.checkpoint.format import FileDigest
 
 __all__ = ["MANIFEST", "LATEST", "FileRecord", "Manifest", "CheckpointStore", "validate_tag",
            "write_atomic", "fsync_dir", "first_loadable", "summary"]
@@ -68,6 +73,8 @@ class FileRecord:
 
     @property
     def digest(self) -> FileDigest:
+        from dslaunch.runtime.checkpoint.format import FileDigest
+
         return FileDigest(self.size, self.checksum, self.algorithm)
 
     def to_json(self) -> dict:
@@ -199,8 +206,10 @@ class CheckpointStore:
 
     def write(self, tag: str, name: str, obj: Any, rank: int = 0) -> FileRecord:
         """Any rank: write one file of ``tag`` (fsynced) and return its record."""
+        from dslaunch.runtime.checkpoint import format
+
         reuse = self.reuse_from / name if self.reuse_from is not None else None
-        digest = write_object(self.tmp_dir(tag) / name, obj, self.durable, reuse)
+        digest = format.write_object(self.tmp_dir(tag) / name, obj, self.durable, reuse)
         return FileRecord(name, rank, digest.size, digest.checksum, digest.algorithm)
 
     def discard(self, path: Path) -> None:
@@ -253,7 +262,9 @@ class CheckpointStore:
         if rec is None:
             raise CheckpointError(f"the manifest of tag {tag!r} lists no file {name!r}",
                                   str(self.root / tag / MANIFEST))
-        return read_object(self.root / tag / name, rec.digest)
+        from dslaunch.runtime.checkpoint import format
+
+        return format.read_object(self.root / tag / name, rec.digest)
 
     def tags(self) -> list[Manifest]:
         """Published tags with a readable manifest, newest first (files not verified)."""

@@ -36,7 +36,7 @@ import torch
 from dslaunch import safe_write
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, rank_file, zero_file
-from dslaunch.runtime.checkpoint.deepspeed_layout import is_deepspeed_folder, model_states_name
+from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name, tag_folder_format
 from dslaunch.runtime.checkpoint.deepspeed_pickle import loss_scaler, to_bytes
 from dslaunch.runtime.checkpoint.deepspeed_read import (
     DeepSpeedGroup,
@@ -235,14 +235,11 @@ def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
             missing or malformed (names it), or a write failed.
     """
     src, out = Path(input_folder), Path(output_folder)
-    if is_deepspeed_folder(src):
+    if tag_folder_format(src) == "deepspeed":
         state = read_deepspeed(src)
         model_files = {f.name: f.read_bytes() for f in sorted(src.glob("*model_states.pt"))}
-    elif (src / MANIFEST).exists():
-        state, model_files = _read_dslaunch(src)
     else:
-        raise CheckpointError("is neither a DeepSpeed checkpoint tag folder (*model_states.pt) nor a dslaunch one "
-                              f"({MANIFEST}): pass the tag folder, e.g. <save_dir>/global_step100", str(src))
+        state, model_files = _read_dslaunch(src)
     if state.stage == 0:
         raise CheckpointError("holds no ZeRO optimizer files (ZeRO stage 0): universal checkpoints are made "
                               "from ZeRO checkpoints", str(src))

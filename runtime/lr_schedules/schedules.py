@@ -23,9 +23,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from dslaunch.errors import ConfigError
+
+# torch is imported where a schedule meets an optimizer (torch is loaded then): checking a
+# config's ``scheduler`` section (``--autotuning``, the launcher) must not pay for importing it.
 
 __all__ = ["Schedule", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
@@ -72,6 +73,8 @@ def _validated(init: Callable[..., None]) -> Callable[..., None]:
 def _lr_value(lr: Any) -> Any:
     """A group's lr as a number: a tensor lr is written in place later, so a copy taken from it
     as a base must not be the tensor itself."""
+    import torch
+
     return lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
 
 
@@ -101,6 +104,8 @@ class Schedule:
         return list(self._last_lr)
 
     def _apply(self) -> None:
+        import torch
+
         lrs = self.get_lr()
         for group, lr in zip(self._groups, lrs, strict=True):
             if isinstance(group["lr"], torch.Tensor):  # a tensor lr (for compiled steps) stays that tensor

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint import format as checkpoint_format
 from dslaunch.runtime.checkpoint import leftovers as checkpoint_leftovers
 from dslaunch.runtime.checkpoint import publish as checkpoint_publish
-from dslaunch.runtime.checkpoint import store as checkpoint_io
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore, write_atomic
 from dslaunch.runtime.checkpoint.writer import LocalComm, TagWrite, write_tag
 from tests.runtime.checkpoint.helpers import verify
@@ -76,7 +76,7 @@ def _fail_owner_record(mp: pytest.MonkeyPatch) -> None:
 
 
 def _fail_second_file(mp: pytest.MonkeyPatch) -> None:
-    real, calls = checkpoint_io.write_object, []
+    real, calls = checkpoint_format.write_object, []
 
     def write_object(path, obj, durable=True, reuse=None):
         calls.append(path)
@@ -85,7 +85,7 @@ def _fail_second_file(mp: pytest.MonkeyPatch) -> None:
             _enospc(path)
         return real(path, obj, durable, reuse)
 
-    mp.setattr(checkpoint_io, "write_object", write_object)
+    mp.setattr(checkpoint_format, "write_object", write_object)
 
 
 def _fail_manifest(mp: pytest.MonkeyPatch) -> None:
