@@ -299,7 +299,7 @@ class CompressedExchange(GradientExchange):
 
 
 def build_exchange(compressed: bool, hierarchical: str, process_group: Any = None,
-                   shared_memory: str = "never") -> GradientExchange:
+                   shared_memory: str = "on") -> GradientExchange:
     """The exchange for this engine: compressed for a 1-bit optimizer, else shared memory where
     every rank is on this host (gloo), else flat or hierarchical. Says which on rank 0's log.
 
@@ -307,7 +307,7 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
         compressed: the optimizer is a 1-bit one (it exchanges momentum itself after warm-up).
         hierarchical: ``"topology"`` (hierarchical where it pays, from each rank's node),
             ``"always"`` (wherever ranks share nodes) or ``"never"``.
-        shared_memory: ``shared_memory_collectives``: ``"on"`` or ``"never"``.
+        shared_memory: ``shared_memory_collectives``: ``"on"`` or ``"never"`` (``shm.wanted``).
 
     collective: all ranks (the hierarchical groups and the shared segment are created here).
     """
@@ -318,12 +318,14 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
     if shm is not None:
         log_dist(f"ZeRO collectives: shared memory ({world} ranks on one host, /dev/shm)", ranks=[0])
         return SharedMemoryExchange(shm, process_group)
-    if world > 1:
-        log_dist(f"ZeRO collectives: {dist.get_backend(process_group)} ({world} ranks)", ranks=[0])
+    exchange: GradientExchange = FlatAllReduce(process_group)
     # Only over the whole world: every rank must create every group, and with several data-parallel
     # groups (pipeline stages, model parallel) each rank would create only its own group's.
     if world > 1 and hierarchical != "never" and world == dist.get_world_size():
         layout = NodeLayout.gather(process_group)
         if layout.pays or (hierarchical == "always" and max(len(n) for n in layout.nodes) > 1):
-            return HierarchicalAllReduce(layout, process_group)
-    return FlatAllReduce(process_group)
+            exchange = HierarchicalAllReduce(layout, process_group)
+    if world > 1:
+        how = "hierarchical: within each node, then across nodes" if exchange.name == "hierarchical" else "flat"
+        log_dist(f"ZeRO collectives: {dist.get_backend(process_group)}, {how} ({world} ranks)", ranks=[0])
+    return exchange

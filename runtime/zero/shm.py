@@ -31,9 +31,9 @@ mapped by every rank (RssShmem), whatever the model or bucket size: larger tenso
 slot-sized pieces. The file is unlinked as soon as every rank mapped it
 (``inference.shm_allreduce.map_segment``): a killed job leaves nothing in ``/dev/shm``.
 
-Switch: the ds_config key ``shared_memory_collectives`` (``"on"``: wherever it applies; ``"never"``,
-the default, as the suite found tied pipeline weights trained wrong through it), or
-``DSLAUNCH_SHM_COLLECTIVES=0`` in the environment (debugging). Not under pipeline parallelism.
+Switch: the ds_config key ``shared_memory_collectives`` (``"on"``, the default: wherever it
+applies; ``"never"``: gloo), overridden by ``DSLAUNCH_SHM_COLLECTIVES`` in the environment (``0``
+off for debugging, ``1`` on whatever the config says: the suite run through it).
 """
 
 from __future__ import annotations
@@ -48,24 +48,25 @@ import torch.distributed as dist
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.inference.shm_allreduce import map_segment, same_host
+from dslaunch.runtime.zero.partition import partition_range
 
-__all__ = ["SharedMemoryCollectives", "SharedTensors", "SLOT_BYTES", "ENV_SWITCH", "wanted", "split"]
+__all__ = ["SharedMemoryCollectives", "SharedTensors", "SLOT_BYTES", "ENV_SWITCH", "wanted"]
 
 SLOT_BYTES = 8 << 20
 """One rank's slot per slot set: the largest piece one wait moves (fewer waits against more
 shared memory; 8 MiB: ~11 pieces for 84 MB of gradients)."""
 ENV_SWITCH = "DSLAUNCH_SHM_COLLECTIVES"
-"""``0`` (or ``off``/``never``/``false``) turns the transport off whatever the config says."""
+"""``0`` (or ``off``/``never``/``false``) turns the transport off, ``1`` (``on``/``true``) on,
+whatever the config says."""
 
 
 def wanted(setting: str) -> bool:
-    """Whether the config (``shared_memory_collectives``) and the environment allow the transport."""
-    return setting != "never" and os.environ.get(ENV_SWITCH, "").strip().lower() not in ("0", "off", "never", "false")
-
-
-def split(numel: int, world: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s piece [lo, hi) of ``numel`` elements cut in ``world`` near-equal pieces."""
-    return numel * rank // world, numel * (rank + 1) // world
+    """Whether the transport is wanted: the environment's ``ENV_SWITCH`` if set, else the config's
+    ``shared_memory_collectives``."""
+    forced = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if forced in ("0", "off", "never", "false"):
+        return False
+    return forced in ("1", "on", "true") or setting != "never"
 
 
 class SharedMemoryCollectives:
@@ -134,13 +135,15 @@ class SharedMemoryCollectives:
         for at in self._pieces(flat.numel(), flat.dtype):
             piece = flat[at:at + self.slot_bytes // flat.element_size()]
             slots = self._publish(piece, name)
-            lo, hi = split(piece.numel(), self.world, self.rank)
+            # which rank sums which part: any cut the ranks agree on gives the same bits (the order
+            # is per element); the shards' cut, so that "rank r's part" has one rule
+            lo, hi = partition_range(piece.numel(), self.world, self.rank)
             _sum([s[lo:hi] for s in slots], out=piece[lo:hi])
             slots[self.rank][lo:hi].copy_(piece[lo:hi])
             self._wait(name)
             for r in range(self.world):
                 if r != self.rank:
-                    a, b = split(piece.numel(), self.world, r)
+                    a, b = partition_range(piece.numel(), self.world, r)
                     piece[a:b].copy_(slots[r][a:b])
 
     def reduce_scatter(self, buf: torch.Tensor, lo: int, hi: int,
@@ -201,7 +204,7 @@ class SharedTensors:
         shm, mine = self.shm, self.mine
         shm._wait(name)  # every rank wrote the range
         if not scatter:
-            lo, hi = split(n, shm.world, shm.rank)
+            lo, hi = partition_range(n, shm.world, shm.rank)
         if lo < hi:
             parts = [v[at + lo:at + hi] for v in self.views]
             if shm.rank < 2:  # the output is one of the first two operands: in place is exact
@@ -211,7 +214,7 @@ class SharedTensors:
         shm._wait(name)  # every rank summed its range
         if not scatter:
             for r in range(shm.world):
-                a, b = split(n, shm.world, r)
+                a, b = partition_range(n, shm.world, r)
                 if r != shm.rank and a < b:
                     mine[at + a:at + b].copy_(self.views[r][at + a:at + b])
             shm._wait(name)  # every rank read the sums: the buffers may be written again

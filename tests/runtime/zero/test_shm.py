@@ -24,7 +24,8 @@ def _collectives(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors, split
+    from dslaunch.runtime.zero.partition import partition_range as split
+    from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
 
     dist.init_process_group("gloo")
     shm = SharedMemoryCollectives(None, slot_bytes=4 * 40)  # 40 floats a slot: every call in pieces
@@ -175,3 +176,29 @@ def test_a_rank_killed_mid_step_leaves_nothing_in_dev_shm(tmp_path) -> None:
     assert pids[0] and pids[1]
     left = [f for pid in pids for f in glob.glob(f"/dev/shm/dslaunch-*-{pid}-*")]
     assert left == []
+
+
+def _full_gradient(rank: int, world: int) -> dict:
+    import torch
+
+    import dslaunch
+
+    out = {}
+    for setting in ("on", "never"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 3))
+        engine, *_ = dslaunch.initialize(model=model, config={
+            "train_batch_size": 2 * world, "shared_memory_collectives": setting,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}})
+        engine.backward(engine(torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank))).square().mean())
+        out[setting] = [p.grad.reshape(-1).tolist() for p in model.parameters()]
+    return out
+
+
+def test_stage_1_keeps_the_whole_reduced_gradient() -> None:
+    # after backward every rank reads every element of the reduced gradient, as over gloo
+    # (the pipeline's tied-weight sum reads ranges another rank updates)
+    results = run_world(_full_gradient, 2)
+    for r in results:
+        assert r["on"] == r["never"]  # bit for bit at world 2
+    assert results[0]["on"] == results[1]["on"]
