@@ -257,7 +257,9 @@ class SharedMemoryExchange(GradientExchange):
 
 
 class CompressedExchange(GradientExchange):
-    """The flat all-reduce during a 1-bit optimizer's warm-up; no gradient exchange afterwards.
+    """The flat all-reduce during a 1-bit optimizer's warm-up (through ``shm`` where given: the sum
+    the other optimizers' exchange makes, so the warm-up is theirs bit for bit); no gradient
+    exchange afterwards.
 
     The optimizer tells it the phase (``compressing``) and uses its error-feedback buffers, one
     pair per param group (``errors``). Those differ on every rank and are checkpointed per rank;
@@ -267,14 +269,19 @@ class CompressedExchange(GradientExchange):
     name = "compressed"
     needs_local_gradients = True
 
-    def __init__(self, process_group: Any = None, world_size: int = 1):
+    def __init__(self, process_group: Any = None, world_size: int = 1, shm: SharedMemoryCollectives | None = None):
         super().__init__(process_group)
-        self.world_size = world_size
+        self.world_size, self.shm = world_size, shm
         self.compressing: Callable[[], bool] = lambda: False  # set by the optimizer
         self.errors: dict[int, dict[str, torch.Tensor]] = {}  # group -> worker/server error
 
     def all_reduce(self, buf: torch.Tensor) -> Any:
-        return None if self.compressing() else super().all_reduce(buf)
+        if self.compressing():
+            return None
+        if self.shm is not None and self.shm.applies(buf):
+            self.shm.all_reduce(buf)
+            return None
+        return super().all_reduce(buf)
 
     def summed_ranks(self, world_size: int) -> int:
         return 1 if self.compressing() else world_size
@@ -312,9 +319,9 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
     collective: all ranks (the hierarchical groups and the shared segment are created here).
     """
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    if compressed:
-        return CompressedExchange(process_group, world)
     shm = SharedMemoryCollectives.build(process_group, shared_memory)
+    if compressed:
+        return CompressedExchange(process_group, world, shm)
     if shm is not None:
         log_dist(f"ZeRO collectives: shared memory ({world} ranks on one host, /dev/shm)", ranks=[0])
         return SharedMemoryExchange(shm, process_group)

@@ -19,9 +19,11 @@ bucket or piece boundaries, in every stage; so stages 0-3 get the same bits at a
 and at world 2 the bits of gloo's sum (``a + b == b + a``). ``layout_invariant`` keeps its own
 ``TreeAllReduce``.
 
-Waits are a one-element ``all_reduce`` on the group through ``dslaunch.comm`` inside
-``heartbeat.waiting(name)``: a rank that is late is blamed by the monitor as for any collective,
-and a dead peer fails the wait at once (gloo notices a closed connection). Two slot sets alternate
+Waits are a one-element ``all_reduce`` on the group inside ``heartbeat.waiting(name)``: a rank
+that is late is blamed by the monitor as for any collective, and a dead peer fails the wait at once
+(gloo notices a closed connection). The comms logger (``dslaunch.comm``'s) counts each operation
+once under the collective's name (``all_reduce``, ``reduce_scatter``, ``all_gather``) with the
+bytes this rank contributes, as gloo's would be; its waits are not collectives of their own there. Two slot sets alternate
 per operation: a rank starts writing operation n+2 only after it passed operation n+1's wait,
 which every rank reaches only after it finished reading operation n.
 
@@ -39,6 +41,7 @@ off for debugging, ``1`` on whatever the config says: the suite run through it).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,8 +117,17 @@ class SharedMemoryCollectives:
                 for r in range(self.world)]
 
     def _wait(self, name: str) -> None:
-        """Every rank of the group got here (a one-element collective, blamed as ``name``)."""
-        wait_all((comm.all_reduce(self._flag, group=self.group, async_op=True),), name)
+        """Every rank of the group got here (a one-element collective, blamed as ``name``; not
+        through ``dslaunch.comm``: the logger counts the operation, ``counted``, not its waits)."""
+        wait_all((dist.all_reduce(self._flag, group=self.group, async_op=True),), name)
+
+    def counted(self, op: str, nbytes: int, start: float) -> None:
+        """Record operation ``op`` begun at ``start`` (``time.perf_counter``), ``nbytes`` from this
+        rank, in the comms logger where it counts ``op``."""
+        logger = comm.comms_logger
+        if logger.enabled and logger.wants(op, False):
+            logger.append(op, op, (time.perf_counter() - start) * 1000.0, nbytes, self.world,
+                                     dist.get_rank())
 
     def _pieces(self, numel: int, dtype: torch.dtype) -> range:
         return range(0, numel, max(1, self.slot_bytes // dtype.itemsize))
@@ -131,7 +143,7 @@ class SharedMemoryCollectives:
 
     def all_reduce(self, buf: torch.Tensor, name: str = "all_reduce of gradients (shared memory)") -> None:
         """Sum contiguous ``buf`` over the group, in place."""
-        flat = buf.view(-1)
+        flat, start = buf.view(-1), time.perf_counter()
         for at in self._pieces(flat.numel(), flat.dtype):
             piece = flat[at:at + self.slot_bytes // flat.element_size()]
             slots = self._publish(piece, name)
@@ -145,12 +157,13 @@ class SharedMemoryCollectives:
                 if r != self.rank:
                     a, b = partition_range(piece.numel(), self.world, r)
                     piece[a:b].copy_(slots[r][a:b])
+        self.counted("all_reduce", flat.numel() * flat.element_size(), start)
 
     def reduce_scatter(self, buf: torch.Tensor, lo: int, hi: int,
                        name: str = "reduce_scatter of gradients (shared memory)") -> None:
         """Sum over the group only ``buf[lo:hi]`` (this rank's range; the ranks' ranges may
         differ); the rest of ``buf`` is left as it was."""
-        flat = buf.view(-1)
+        flat, start = buf.view(-1), time.perf_counter()
         step = max(1, self.slot_bytes // flat.element_size())
         for at in self._pieces(flat.numel(), flat.dtype):
             piece = flat[at:at + step]
@@ -158,11 +171,12 @@ class SharedMemoryCollectives:
             a, b = max(lo, at) - at, min(hi, at + piece.numel()) - at
             if a < b:
                 _sum([s[a:b] for s in slots], out=piece[a:b])
+        self.counted("reduce_scatter", max(0, min(hi, flat.numel()) - max(lo, 0)) * flat.element_size(), start)
 
     def all_gather(self, outs: Sequence[torch.Tensor], name: str = "parameter gather (shared memory)") -> None:
         """Every rank's ``outs[r]`` filled from rank r's ``outs[r]`` (contiguous 1-D, the same
         lengths on every rank; this rank's own is the input)."""
-        mine, dtype = outs[self.rank], outs[self.rank].dtype
+        mine, dtype, start = outs[self.rank], outs[self.rank].dtype, time.perf_counter()
         longest = max(o.numel() for o in outs)
         step = max(1, self.slot_bytes // dtype.itemsize)
         for at in self._pieces(longest, dtype):
@@ -171,6 +185,7 @@ class SharedMemoryCollectives:
                 n = min(step, out.numel() - at)
                 if r != self.rank and n > 0:
                     out[at:at + n].copy_(slots[r][:n])
+        self.counted("all_gather", mine.numel() * dtype.itemsize, start)
 
 
 class SharedTensors:
@@ -201,7 +216,7 @@ class SharedTensors:
         """Sum elements [at, at + n) of every rank's buffer, in place: with ``scatter`` only this
         rank's [lo, hi) of them (offsets into the range), else all of it on every rank. Every
         rank must have written the range; afterwards no rank reads a peer's range any more."""
-        shm, mine = self.shm, self.mine
+        shm, mine, start = self.shm, self.mine, time.perf_counter()
         shm._wait(name)  # every rank wrote the range
         if not scatter:
             lo, hi = partition_range(n, shm.world, shm.rank)
@@ -218,15 +233,20 @@ class SharedTensors:
                 if r != shm.rank and a < b:
                     mine[at + a:at + b].copy_(self.views[r][at + a:at + b])
             shm._wait(name)  # every rank read the sums: the buffers may be written again
+        shm.counted("reduce_scatter" if scatter else "all_reduce", (hi - lo if scatter else n) * mine.element_size(),
+                    start)
 
     def gather(self, ranges: Sequence[tuple[int, int]], name: str) -> None:
         """Copy rank r's ``ranges[r]`` of its buffer into this rank's, for every other rank (each
         rank wrote its own range)."""
+        start = time.perf_counter()
         self.shm._wait(name)
         for r, (a, b) in enumerate(ranges):
             if r != self.shm.rank and a < b:
                 self.mine[a:b].copy_(self.views[r][a:b])
         self.shm._wait(name)
+        a, b = ranges[self.shm.rank]
+        self.shm.counted("all_gather", max(0, b - a) * self.mine.element_size(), start)
 
 
 def _summed(parts: list[torch.Tensor]) -> torch.Tensor:
