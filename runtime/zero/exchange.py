@@ -235,7 +235,8 @@ class SharedMemoryExchange(GradientExchange):
         for shared in self.buffers:
             at = shared.offset(buf)
             if at is not None:
-                shared.reduce(at, buf.numel(), lo, hi, scatter, "reduce of gradients (shared memory)")
+                op = "reduce_scatter" if scatter else "all_reduce"  # the hang report's name, as gloo's
+                shared.reduce(at, buf.numel(), lo, hi, scatter, f"{op} of gradients (shared memory)")
                 return True
         return False
 

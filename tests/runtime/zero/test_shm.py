@@ -4,8 +4,10 @@
   through slots smaller than the tensors (several pieces) and in place in shared buffers;
 - training through them equals training over gloo bit for bit (ZeRO-1/2/3, world 2): the same
   sums, so the same weights; the stages' equality at world 4 is ``test_equivalence_matrix``'s;
-- the switch: ``"never"`` and ``DSLAUNCH_SHM_COLLECTIVES=0`` keep gloo;
-- a rank killed with SIGKILL mid-step leaves nothing of the job in ``/dev/shm``.
+- the switch: ``"never"`` and ``DSLAUNCH_SHM_COLLECTIVES=0`` keep gloo, ``=1`` overrides ``"never"``,
+  ``"auto"`` is the default (on);
+- a rank killed with SIGKILL mid-step leaves nothing of the job in ``/dev/shm``; a segment left by
+  a creator killed during setup is removed by the next one made, once its creator is gone.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _collectives(rank: int, world: int) -> dict:
     shared.reduce(10, 50, a, b, scatter=True, name="t")
     out["in_place_scatter"] = (shared.mine[10 + a:10 + b].clone(), (a, b))
     out["gloo"], out["mine"], out["lo_hi"] = gloo, mine, (lo, hi)
-    out["left"] = glob.glob(f"/dev/shm/dslaunch-zero*-{os.getpid()}-*")
+    out["left"] = glob.glob(f"/dev/shm/dslaunch-shm-zero*-{os.getpid()}-*")
     return _plain(out)
 
 
@@ -136,16 +138,19 @@ def _switch(rank: int, world: int) -> list:
 
     import dslaunch
 
-    os.environ["DSLAUNCH_SHM_COLLECTIVES"] = "0"
-    engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 4), config={
-        "train_batch_size": 2 * world, "shared_memory_collectives": "on", "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 1}})
-    return [engine.zero.exchange.name, engine.zero.publisher.shm is None]
+    out = []
+    for env, setting in (("0", "on"), ("1", "never"), ("", "auto")):
+        os.environ["DSLAUNCH_SHM_COLLECTIVES"] = env
+        engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 4), config={
+            "train_batch_size": 2 * world, "shared_memory_collectives": setting,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}})
+        out.append([engine.zero.exchange.name, engine.zero.publisher.shm is None])
+    return out
 
 
-def test_the_environment_switch_keeps_gloo() -> None:
+def test_the_environment_switch_overrides_the_config_and_auto_is_on() -> None:
     for r in run_world(_switch, 2):
-        assert r == ["flat", True]
+        assert r == [["flat", True], ["shared_memory", False], ["shared_memory", False]]
 
 
 def _killed(rank: int, world: int, pids: str) -> None:
@@ -202,3 +207,23 @@ def test_stage_1_keeps_the_whole_reduced_gradient() -> None:
     for r in results:
         assert r["on"] == r["never"]  # bit for bit at world 2
     assert results[0]["on"] == results[1]["on"]
+
+
+def test_a_segment_whose_creator_is_gone_is_removed_by_the_next(tmp_path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from dslaunch.runtime.inference.shm_allreduce import ORPHAN_AGE_S, remove_orphans
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    old = time.time() - 2 * ORPHAN_AGE_S
+    files = {"orphan": f"dslaunch-shm-zero-buf-{dead}-0123456789ab", "young": f"dslaunch-shm-zero-{dead}-0123456789ac",
+             "live": f"dslaunch-shm-zero-{os.getpid()}-0123456789ad", "other": f"dslaunch-{os.getuid()}-job-{dead}-x"}
+    for key, name in files.items():
+        (tmp_path / name).write_bytes(b"x")
+        if key != "young":
+            os.utime(tmp_path / name, (old, old))
+    assert remove_orphans(str(tmp_path)) == [str(tmp_path / files["orphan"])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in files.items() if k != "orphan")
