@@ -22,6 +22,11 @@ from tests.distributed import run_world
 WIDTH = 24
 
 
+def _config_decides() -> None:
+    """These tests are about the transport: the config picks it, whatever the suite's environment."""
+    os.environ.pop("DSLAUNCH_SHM_COLLECTIVES", None)
+
+
 def _collectives(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -100,6 +105,7 @@ def test_collectives_sum_in_rank_order_and_match_gloo_at_two_ranks(world: int) -
 
 
 def _train(rank: int, world: int, stage: int) -> dict:
+    _config_decides()
     import torch
 
     import dslaunch
@@ -154,6 +160,7 @@ def test_the_environment_switch_overrides_the_config_and_auto_is_on() -> None:
 
 
 def _killed(rank: int, world: int, pids: str) -> None:
+    _config_decides()
     import signal
 
     import torch
@@ -184,6 +191,7 @@ def test_a_rank_killed_mid_step_leaves_nothing_in_dev_shm(tmp_path) -> None:
 
 
 def _full_gradient(rank: int, world: int) -> dict:
+    _config_decides()
     import torch
 
     import dslaunch
