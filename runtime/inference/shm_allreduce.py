@@ -48,12 +48,20 @@ def _boot_id() -> str:
         return ""
 
 
+def _network_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        return ""
+
+
 def same_host(group: Any) -> bool:
-    """Whether every rank of ``group`` runs on this host (same host name and boot).
+    """Whether every rank of ``group`` runs on this host (same host name, boot and network
+    namespace: hosts made of namespaces on one machine, as the test cluster's, are hosts apart).
 
     collective: every rank of ``group``.
     """
-    mine = f"{socket.gethostname()}|{_boot_id()}"
+    mine = f"{socket.gethostname()}|{_boot_id()}|{_network_namespace()}"
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     return all(x == mine for x in everyone)
