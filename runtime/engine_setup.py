@@ -57,10 +57,6 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     collective: call on all ranks.
     """
     zero_cfg = cfg.zero_optimization
-    # shared-memory collectives are not used under pipeline parallelism: tied weights trained wrong
-    # through them (tests/runtime/pipe/test_tied.py), not yet understood
-    pipe = getattr(grid, "get_pipe_parallel_world_size", lambda: 1)()
-    shared_memory = cfg.shared_memory_collectives if pipe == 1 else "never"
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
         return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
     groups = _param_groups(module, optimizer, model_parameters, tensor_axis(grid, "rank"))
@@ -91,10 +87,10 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         quantized_weights=zero_cfg.zero_quantized_weights,
                         hpz_partition_size=zero_cfg.zero_hpz_partition_size,
                         layout_invariant=cfg.layout_invariant.enabled,
-                        shared_memory=shared_memory)
+                        shared_memory=cfg.shared_memory_collectives)
     model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
     reduce_group = gradient_reduce_group(grid)
-    exchange = _exchange(cfg, optimizer, reduce_group, shared_memory)
+    exchange = _exchange(cfg, optimizer, reduce_group)
     zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer, exchange, groups), comm,
                                           process_group=reduce_group, module=module,
                                           model_parallel_group=model_parallel, exchange=exchange,
@@ -134,7 +130,7 @@ def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig) -> 
     return out
 
 
-def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any, shared_memory: str) -> GradientExchange:
+def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> GradientExchange:
     """The strategy's gradient exchange: compressed for a config's 1-bit optimizer, else flat or
     hierarchical (``hierarchical_allreduce``). collective: all ranks."""
     from dslaunch.runtime.optim.registry import is_compressed
@@ -146,7 +142,7 @@ def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any, shared_memo
         from dslaunch.runtime.zero.zeropp import QuantizedReduceScatter
 
         return QuantizedReduceScatter.build(process_group)
-    return build_exchange(compressed, cfg.hierarchical_allreduce, process_group, shared_memory)
+    return build_exchange(compressed, cfg.hierarchical_allreduce, process_group, cfg.shared_memory_collectives)
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:

@@ -119,7 +119,7 @@ _SCALARS = {
     # not DeepSpeed's: node-local reduce, cross-node all-reduce, broadcast (runtime/zero/exchange.py)
     "hierarchical_allreduce": (choice("topology", "always", "never"), "topology, always or never"),
     # not DeepSpeed's: the ZeRO collectives through /dev/shm when every rank is on one host (runtime/zero/shm.py)
-    "shared_memory_collectives": (choice("on", "never"), "on or never (the default)"),
+    "shared_memory_collectives": (choice("on", "never"), "on (the default) or never"),
     # DeepSpeed refuses client optimizers it has not tested with ZeRO unless this is true; dslaunch
     # refuses client optimizers that are not element-wise (engine_setup._checked_client).
     "zero_allow_untested_optimizer": (boolean, "true or false"),
@@ -184,10 +184,11 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     communication_data_type: str | None = None
     hierarchical_allreduce: str = "topology"
     """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
-    shared_memory_collectives: str = "never"  # opt-in: see docs/zero-offload.md
+    shared_memory_collectives: str = "on"  # see docs/zero-offload.md
     """The ZeRO engine's gradient reductions, shard publish and stage 3 gathers through shared
-    memory where every data-parallel rank runs on this host on gloo ("on"), or never ("never", the
-    default; ``DSLAUNCH_SHM_COLLECTIVES=0`` turns "on" off). Not DeepSpeed's key."""
+    memory where every data-parallel rank runs on this host on gloo ("on", the default; "auto"
+    too), or never ("never"). ``DSLAUNCH_SHM_COLLECTIVES`` overrides it: ``0`` off, ``1`` on.
+    Not DeepSpeed's key."""
     zero_allow_untested_optimizer: bool = False
     dataloader_drop_last: bool = False
     use_data_before_expert_parallelism: bool = False

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import socket
 import time
 import uuid
@@ -47,12 +48,20 @@ def _boot_id() -> str:
         return ""
 
 
+def _network_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        return ""
+
+
 def same_host(group: Any) -> bool:
-    """Whether every rank of ``group`` runs on this host (same host name and boot).
+    """Whether every rank of ``group`` runs on this host (same host name, boot and network
+    namespace: hosts made of namespaces on one machine, as the test cluster's, are hosts apart).
 
     collective: every rank of ``group``.
     """
-    mine = f"{socket.gethostname()}|{_boot_id()}"
+    mine = f"{socket.gethostname()}|{_boot_id()}|{_network_namespace()}"
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     return all(x == mine for x in everyone)
@@ -146,18 +155,28 @@ class ShmAllReduce:
         return torch.cat(parts, dim=-1).view(*local.shape[:-1], sum(widths))
 
 
+_SEGMENT = re.compile(r"dslaunch-shm-[a-z-]+-(\d+)-[0-9a-f]{12}")
+"""A segment's file name: its tag, the creating process's id, a random part (``map_segment``)."""
+ORPHAN_AGE_S = 60.0
+"""A segment whose creator is gone is removed once this old: not while a creator in another pid
+namespace sharing the directory (which looks gone from here) may still be in its setup."""
+
+
 def map_segment(group: Any, size: int, tag: str, directory: str = "/dev/shm") -> mmap.mmap:
     """A ``size``-byte file in ``directory`` mapped shared by every rank of ``group``: rank 0
     creates it, the others attach, and it is unlinked once all have mapped it (or failed to), so
-    nothing stays in ``directory`` whatever happens to the job afterwards.
+    nothing stays in ``directory`` whatever happens to the job afterwards. Only a rank 0 killed
+    between creating and unlinking leaves its file: the next segment made in ``directory``
+    removes it (``remove_orphans``).
 
     collective: every rank of ``group``.
 
     Raises:
         DslaunchError: the file cannot be made (no room in ``directory``, no ``/dev/shm``).
     """
-    name = [os.path.join(directory, f"dslaunch-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")]
+    name = [os.path.join(directory, f"dslaunch-shm-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")]
     if dist.get_rank(group) == 0:
+        remove_orphans(directory)
         _create(name[0], size)
     try:
         dist.broadcast_object_list(name, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
@@ -172,6 +191,38 @@ def map_segment(group: Any, size: int, tag: str, directory: str = "/dev/shm") ->
         finally:  # also when the peers are gone: nothing may stay in the directory
             if dist.get_rank(group) == 0:
                 os.unlink(name[0])
+
+
+def remove_orphans(directory: str, now: float | None = None) -> list[str]:
+    """Remove this user's segment files in ``directory`` whose creating process is gone and that
+    are older than ``ORPHAN_AGE_S``; returns their paths."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:  # no directory: creating the segment says so
+        return removed
+    for entry in entries:
+        found = _SEGMENT.fullmatch(entry.name)
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if (found and entry.is_file(follow_symlinks=False) and st.st_uid == os.getuid()
+                    and now - st.st_mtime > ORPHAN_AGE_S and not _alive(int(found.group(1)))):
+                os.unlink(entry.path)
+                removed.append(entry.path)
+        except OSError:  # gone meanwhile (a peer's job unlinked it): nothing to do
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _create(path: str, size: int) -> None:

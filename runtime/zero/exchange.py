@@ -235,7 +235,8 @@ class SharedMemoryExchange(GradientExchange):
         for shared in self.buffers:
             at = shared.offset(buf)
             if at is not None:
-                shared.reduce(at, buf.numel(), lo, hi, scatter, "reduce of gradients (shared memory)")
+                op = "reduce_scatter" if scatter else "all_reduce"  # the hang report's name, as gloo's
+                shared.reduce(at, buf.numel(), lo, hi, scatter, f"{op} of gradients (shared memory)")
                 return True
         return False
 
@@ -257,7 +258,9 @@ class SharedMemoryExchange(GradientExchange):
 
 
 class CompressedExchange(GradientExchange):
-    """The flat all-reduce during a 1-bit optimizer's warm-up; no gradient exchange afterwards.
+    """The flat all-reduce during a 1-bit optimizer's warm-up (through ``shm`` where given: the sum
+    the other optimizers' exchange makes, so the warm-up is theirs bit for bit); no gradient
+    exchange afterwards.
 
     The optimizer tells it the phase (``compressing``) and uses its error-feedback buffers, one
     pair per param group (``errors``). Those differ on every rank and are checkpointed per rank;
@@ -267,14 +270,19 @@ class CompressedExchange(GradientExchange):
     name = "compressed"
     needs_local_gradients = True
 
-    def __init__(self, process_group: Any = None, world_size: int = 1):
+    def __init__(self, process_group: Any = None, world_size: int = 1, shm: SharedMemoryCollectives | None = None):
         super().__init__(process_group)
-        self.world_size = world_size
+        self.world_size, self.shm = world_size, shm
         self.compressing: Callable[[], bool] = lambda: False  # set by the optimizer
         self.errors: dict[int, dict[str, torch.Tensor]] = {}  # group -> worker/server error
 
     def all_reduce(self, buf: torch.Tensor) -> Any:
-        return None if self.compressing() else super().all_reduce(buf)
+        if self.compressing():
+            return None
+        if self.shm is not None and self.shm.applies(buf):
+            self.shm.all_reduce(buf)
+            return None
+        return super().all_reduce(buf)
 
     def summed_ranks(self, world_size: int) -> int:
         return 1 if self.compressing() else world_size
@@ -299,7 +307,7 @@ class CompressedExchange(GradientExchange):
 
 
 def build_exchange(compressed: bool, hierarchical: str, process_group: Any = None,
-                   shared_memory: str = "never") -> GradientExchange:
+                   shared_memory: str = "on") -> GradientExchange:
     """The exchange for this engine: compressed for a 1-bit optimizer, else shared memory where
     every rank is on this host (gloo), else flat or hierarchical. Says which on rank 0's log.
 
@@ -307,23 +315,25 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
         compressed: the optimizer is a 1-bit one (it exchanges momentum itself after warm-up).
         hierarchical: ``"topology"`` (hierarchical where it pays, from each rank's node),
             ``"always"`` (wherever ranks share nodes) or ``"never"``.
-        shared_memory: ``shared_memory_collectives``: ``"on"`` or ``"never"``.
+        shared_memory: ``shared_memory_collectives``: ``"on"`` or ``"never"`` (``shm.wanted``).
 
     collective: all ranks (the hierarchical groups and the shared segment are created here).
     """
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    if compressed:
-        return CompressedExchange(process_group, world)
     shm = SharedMemoryCollectives.build(process_group, shared_memory)
+    if compressed:
+        return CompressedExchange(process_group, world, shm)
     if shm is not None:
         log_dist(f"ZeRO collectives: shared memory ({world} ranks on one host, /dev/shm)", ranks=[0])
         return SharedMemoryExchange(shm, process_group)
-    if world > 1:
-        log_dist(f"ZeRO collectives: {dist.get_backend(process_group)} ({world} ranks)", ranks=[0])
+    exchange: GradientExchange = FlatAllReduce(process_group)
     # Only over the whole world: every rank must create every group, and with several data-parallel
     # groups (pipeline stages, model parallel) each rank would create only its own group's.
     if world > 1 and hierarchical != "never" and world == dist.get_world_size():
         layout = NodeLayout.gather(process_group)
         if layout.pays or (hierarchical == "always" and max(len(n) for n in layout.nodes) > 1):
-            return HierarchicalAllReduce(layout, process_group)
-    return FlatAllReduce(process_group)
+            exchange = HierarchicalAllReduce(layout, process_group)
+    if world > 1:
+        how = "hierarchical: within each node, then across nodes" if exchange.name == "hierarchical" else "flat"
+        log_dist(f"ZeRO collectives: {dist.get_backend(process_group)}, {how} ({world} ranks)", ranks=[0])
+    return exchange

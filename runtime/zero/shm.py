@@ -19,9 +19,11 @@ bucket or piece boundaries, in every stage; so stages 0-3 get the same bits at a
 and at world 2 the bits of gloo's sum (``a + b == b + a``). ``layout_invariant`` keeps its own
 ``TreeAllReduce``.
 
-Waits are a one-element ``all_reduce`` on the group through ``dslaunch.comm`` inside
-``heartbeat.waiting(name)``: a rank that is late is blamed by the monitor as for any collective,
-and a dead peer fails the wait at once (gloo notices a closed connection). Two slot sets alternate
+Waits are a one-element ``all_reduce`` on the group inside ``heartbeat.waiting(name)``: a rank
+that is late is blamed by the monitor as for any collective, and a dead peer fails the wait at once
+(gloo notices a closed connection). The comms logger (``dslaunch.comm``'s) counts each operation
+once under the collective's name (``all_reduce``, ``reduce_scatter``, ``all_gather``) with the
+bytes this rank contributes, as gloo's would be; its waits are not collectives of their own there. Two slot sets alternate
 per operation: a rank starts writing operation n+2 only after it passed operation n+1's wait,
 which every rank reaches only after it finished reading operation n.
 
@@ -31,14 +33,15 @@ mapped by every rank (RssShmem), whatever the model or bucket size: larger tenso
 slot-sized pieces. The file is unlinked as soon as every rank mapped it
 (``inference.shm_allreduce.map_segment``): a killed job leaves nothing in ``/dev/shm``.
 
-Switch: the ds_config key ``shared_memory_collectives`` (``"on"``: wherever it applies; ``"never"``,
-the default, as the suite found tied pipeline weights trained wrong through it), or
-``DSLAUNCH_SHM_COLLECTIVES=0`` in the environment (debugging). Not under pipeline parallelism.
+Switch: the ds_config key ``shared_memory_collectives`` (``"on"``, the default: wherever it
+applies; ``"never"``: gloo), overridden by ``DSLAUNCH_SHM_COLLECTIVES`` in the environment (``0``
+off for debugging, ``1`` on whatever the config says: the suite run through it).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,24 +51,25 @@ import torch.distributed as dist
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.inference.shm_allreduce import map_segment, same_host
+from dslaunch.runtime.zero.partition import partition_range
 
-__all__ = ["SharedMemoryCollectives", "SharedTensors", "SLOT_BYTES", "ENV_SWITCH", "wanted", "split"]
+__all__ = ["SharedMemoryCollectives", "SharedTensors", "SLOT_BYTES", "ENV_SWITCH", "wanted"]
 
 SLOT_BYTES = 8 << 20
 """One rank's slot per slot set: the largest piece one wait moves (fewer waits against more
 shared memory; 8 MiB: ~11 pieces for 84 MB of gradients)."""
 ENV_SWITCH = "DSLAUNCH_SHM_COLLECTIVES"
-"""``0`` (or ``off``/``never``/``false``) turns the transport off whatever the config says."""
+"""``0`` (or ``off``/``never``/``false``) turns the transport off, ``1`` (``on``/``true``) on,
+whatever the config says."""
 
 
 def wanted(setting: str) -> bool:
-    """Whether the config (``shared_memory_collectives``) and the environment allow the transport."""
-    return setting != "never" and os.environ.get(ENV_SWITCH, "").strip().lower() not in ("0", "off", "never", "false")
-
-
-def split(numel: int, world: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s piece [lo, hi) of ``numel`` elements cut in ``world`` near-equal pieces."""
-    return numel * rank // world, numel * (rank + 1) // world
+    """Whether the transport is wanted: the environment's ``ENV_SWITCH`` if set, else the config's
+    ``shared_memory_collectives``."""
+    forced = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if forced in ("0", "off", "never", "false"):
+        return False
+    return forced in ("1", "on", "true") or setting != "never"
 
 
 class SharedMemoryCollectives:
@@ -113,8 +117,17 @@ class SharedMemoryCollectives:
                 for r in range(self.world)]
 
     def _wait(self, name: str) -> None:
-        """Every rank of the group got here (a one-element collective, blamed as ``name``)."""
-        wait_all((comm.all_reduce(self._flag, group=self.group, async_op=True),), name)
+        """Every rank of the group got here (a one-element collective, blamed as ``name``; not
+        through ``dslaunch.comm``: the logger counts the operation, ``counted``, not its waits)."""
+        wait_all((dist.all_reduce(self._flag, group=self.group, async_op=True),), name)
+
+    def counted(self, op: str, nbytes: int, start: float) -> None:
+        """Record operation ``op`` begun at ``start`` (``time.perf_counter``), ``nbytes`` from this
+        rank, in the comms logger where it counts ``op``."""
+        logger = comm.comms_logger
+        if logger.enabled and logger.wants(op, False):
+            logger.append(op, op, (time.perf_counter() - start) * 1000.0, nbytes, self.world,
+                                     dist.get_rank())
 
     def _pieces(self, numel: int, dtype: torch.dtype) -> range:
         return range(0, numel, max(1, self.slot_bytes // dtype.itemsize))
@@ -130,24 +143,27 @@ class SharedMemoryCollectives:
 
     def all_reduce(self, buf: torch.Tensor, name: str = "all_reduce of gradients (shared memory)") -> None:
         """Sum contiguous ``buf`` over the group, in place."""
-        flat = buf.view(-1)
+        flat, start = buf.view(-1), time.perf_counter()
         for at in self._pieces(flat.numel(), flat.dtype):
             piece = flat[at:at + self.slot_bytes // flat.element_size()]
             slots = self._publish(piece, name)
-            lo, hi = split(piece.numel(), self.world, self.rank)
+            # which rank sums which part: any cut the ranks agree on gives the same bits (the order
+            # is per element); the shards' cut, so that "rank r's part" has one rule
+            lo, hi = partition_range(piece.numel(), self.world, self.rank)
             _sum([s[lo:hi] for s in slots], out=piece[lo:hi])
             slots[self.rank][lo:hi].copy_(piece[lo:hi])
             self._wait(name)
             for r in range(self.world):
                 if r != self.rank:
-                    a, b = split(piece.numel(), self.world, r)
+                    a, b = partition_range(piece.numel(), self.world, r)
                     piece[a:b].copy_(slots[r][a:b])
+        self.counted("all_reduce", flat.numel() * flat.element_size(), start)
 
     def reduce_scatter(self, buf: torch.Tensor, lo: int, hi: int,
                        name: str = "reduce_scatter of gradients (shared memory)") -> None:
         """Sum over the group only ``buf[lo:hi]`` (this rank's range; the ranks' ranges may
         differ); the rest of ``buf`` is left as it was."""
-        flat = buf.view(-1)
+        flat, start = buf.view(-1), time.perf_counter()
         step = max(1, self.slot_bytes // flat.element_size())
         for at in self._pieces(flat.numel(), flat.dtype):
             piece = flat[at:at + step]
@@ -155,11 +171,12 @@ class SharedMemoryCollectives:
             a, b = max(lo, at) - at, min(hi, at + piece.numel()) - at
             if a < b:
                 _sum([s[a:b] for s in slots], out=piece[a:b])
+        self.counted("reduce_scatter", max(0, min(hi, flat.numel()) - max(lo, 0)) * flat.element_size(), start)
 
     def all_gather(self, outs: Sequence[torch.Tensor], name: str = "parameter gather (shared memory)") -> None:
         """Every rank's ``outs[r]`` filled from rank r's ``outs[r]`` (contiguous 1-D, the same
         lengths on every rank; this rank's own is the input)."""
-        mine, dtype = outs[self.rank], outs[self.rank].dtype
+        mine, dtype, start = outs[self.rank], outs[self.rank].dtype, time.perf_counter()
         longest = max(o.numel() for o in outs)
         step = max(1, self.slot_bytes // dtype.itemsize)
         for at in self._pieces(longest, dtype):
@@ -168,6 +185,7 @@ class SharedMemoryCollectives:
                 n = min(step, out.numel() - at)
                 if r != self.rank and n > 0:
                     out[at:at + n].copy_(slots[r][:n])
+        self.counted("all_gather", mine.numel() * dtype.itemsize, start)
 
 
 class SharedTensors:
@@ -198,10 +216,10 @@ class SharedTensors:
         """Sum elements [at, at + n) of every rank's buffer, in place: with ``scatter`` only this
         rank's [lo, hi) of them (offsets into the range), else all of it on every rank. Every
         rank must have written the range; afterwards no rank reads a peer's range any more."""
-        shm, mine = self.shm, self.mine
+        shm, mine, start = self.shm, self.mine, time.perf_counter()
         shm._wait(name)  # every rank wrote the range
         if not scatter:
-            lo, hi = split(n, shm.world, shm.rank)
+            lo, hi = partition_range(n, shm.world, shm.rank)
         if lo < hi:
             parts = [v[at + lo:at + hi] for v in self.views]
             if shm.rank < 2:  # the output is one of the first two operands: in place is exact
@@ -211,19 +229,24 @@ class SharedTensors:
         shm._wait(name)  # every rank summed its range
         if not scatter:
             for r in range(shm.world):
-                a, b = split(n, shm.world, r)
+                a, b = partition_range(n, shm.world, r)
                 if r != shm.rank and a < b:
                     mine[at + a:at + b].copy_(self.views[r][at + a:at + b])
             shm._wait(name)  # every rank read the sums: the buffers may be written again
+        shm.counted("reduce_scatter" if scatter else "all_reduce", (hi - lo if scatter else n) * mine.element_size(),
+                    start)
 
     def gather(self, ranges: Sequence[tuple[int, int]], name: str) -> None:
         """Copy rank r's ``ranges[r]`` of its buffer into this rank's, for every other rank (each
         rank wrote its own range)."""
+        start = time.perf_counter()
         self.shm._wait(name)
         for r, (a, b) in enumerate(ranges):
             if r != self.shm.rank and a < b:
                 self.mine[a:b].copy_(self.views[r][a:b])
         self.shm._wait(name)
+        a, b = ranges[self.shm.rank]
+        self.shm.counted("all_gather", max(0, b - a) * self.mine.element_size(), start)
 
 
 def _summed(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -111,7 +111,7 @@ class CommSettings:
     # float64, so that their grouping, which the layout decides, cannot change the fp32 result)
     layout_invariant: bool = False
     # ``shared_memory_collectives``: "on" (same-host gloo groups through /dev/shm, ``shm.py``) or "never"
-    shared_memory: str = "never"
+    shared_memory: str = "on"
 
     def pre_factor(self) -> float:
         """Multiplies gradients before the reduction: 1 / ``gradient_predivide_factor`` with

@@ -452,5 +452,7 @@ class ReducePart:
             # subtree, which another world size cannot form; stage 2's reduction per micro step can
             gradients_type = ShardedGradients
         self.gradients = gradients_type(self.placement.groups, comm, self.world_size, exchange)
+        # Only the gradient path decides: stage 1 keeps (and lets hooks, the pipeline's tied-weight
+        # sum and ``safe_get_full_grad`` read) the whole reduced gradient, though it updates its range.
         exchange.bind([g.layout for g in self.placement.groups], self.gradients.local_gradient,
-                      owned_only=self.gradients.owned_only or self.placement.partitioned)
+                      owned_only=self.gradients.owned_only)

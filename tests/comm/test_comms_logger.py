@@ -39,7 +39,8 @@ def _train(rank: int, world: int, logger: dict | None, steps: int) -> dict:
     with contextlib.redirect_stdout(out):
         table = comm.log_summary(show_straggler=True, return_dict=True)
     n_params = sum(p.numel() for p in engine.module.parameters())
-    return {"engine": _plain(engine_rows), "table": _plain(table), "printed": out.getvalue(), "n_params": n_params}
+    return {"engine": _plain(engine_rows), "table": _plain(table), "printed": out.getvalue(), "n_params": n_params,
+            "exchange": engine.zero.exchange.name}
 
 
 def _plain(summary: dict) -> dict:
@@ -48,13 +49,19 @@ def _plain(summary: dict) -> dict:
 
 def test_engine_and_user_collectives_are_counted_and_printed_as_deepspeeds_table() -> None:
     got = run_world(_train, 2, {"enabled": True}, 3)
-    for g in got:
+    # the reducer's buckets and the publisher's shards: over gloo all-reduces and broadcasts; through
+    # shared memory (the default on one host) a reduce-scatter into each rank's range and all-gathers
+    shm = got[0]["exchange"] == "shared_memory"
+    gradients = "reduce_scatter" if shm else "all_reduce"
+    reduced = [sum(size * e["count"] for size, e in g["engine"][gradients].items()) for g in got]
+    grads = 3 * got[0]["n_params"] * 4  # every step reduces every gradient once (fp32)
+    if shm:
+        assert sum(reduced) == grads  # each rank counts the bytes of its range
+    for g, mine in zip(got, reduced, strict=True):
         engine = g["engine"]
-        assert set(engine) >= {"all_reduce", "broadcast"}  # the reducer's buckets, the publisher's shards
-        reduced = sum(size * e["count"] for size, e in engine["all_reduce"].items())
-        # every step all-reduces every gradient once (fp32), plus the 1-element norm reductions
-        grads = 3 * g["n_params"] * 4
-        assert grads <= reduced <= grads + 3 * 8 * 4
+        assert set(engine) >= {"all_reduce", "all_gather" if shm else "broadcast"}
+        if not shm:  # plus the 1-element norm reductions
+            assert grads <= mine <= grads + 3 * 8 * 4
         for by in engine.values():
             for e in by.values():
                 assert e["count"] > 0 and e["total_latency"] > 0 and e["avg_latency"] > 0

@@ -4,8 +4,10 @@
   through slots smaller than the tensors (several pieces) and in place in shared buffers;
 - training through them equals training over gloo bit for bit (ZeRO-1/2/3, world 2): the same
   sums, so the same weights; the stages' equality at world 4 is ``test_equivalence_matrix``'s;
-- the switch: ``"never"`` and ``DSLAUNCH_SHM_COLLECTIVES=0`` keep gloo;
-- a rank killed with SIGKILL mid-step leaves nothing of the job in ``/dev/shm``.
+- the switch: ``"never"`` and ``DSLAUNCH_SHM_COLLECTIVES=0`` keep gloo, ``=1`` overrides ``"never"``,
+  ``"auto"`` is the default (on);
+- a rank killed with SIGKILL mid-step leaves nothing of the job in ``/dev/shm``; a segment left by
+  a creator killed during setup is removed by the next one made, once its creator is gone.
 """
 
 from __future__ import annotations
@@ -20,11 +22,17 @@ from tests.distributed import run_world
 WIDTH = 24
 
 
+def _config_decides() -> None:
+    """These tests are about the transport: the config picks it, whatever the suite's environment."""
+    os.environ.pop("DSLAUNCH_SHM_COLLECTIVES", None)
+
+
 def _collectives(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors, split
+    from dslaunch.runtime.zero.partition import partition_range as split
+    from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
 
     dist.init_process_group("gloo")
     shm = SharedMemoryCollectives(None, slot_bytes=4 * 40)  # 40 floats a slot: every call in pieces
@@ -58,7 +66,7 @@ def _collectives(rank: int, world: int) -> dict:
     shared.reduce(10, 50, a, b, scatter=True, name="t")
     out["in_place_scatter"] = (shared.mine[10 + a:10 + b].clone(), (a, b))
     out["gloo"], out["mine"], out["lo_hi"] = gloo, mine, (lo, hi)
-    out["left"] = glob.glob(f"/dev/shm/dslaunch-zero*-{os.getpid()}-*")
+    out["left"] = glob.glob(f"/dev/shm/dslaunch-shm-zero*-{os.getpid()}-*")
     return _plain(out)
 
 
@@ -97,6 +105,7 @@ def test_collectives_sum_in_rank_order_and_match_gloo_at_two_ranks(world: int) -
 
 
 def _train(rank: int, world: int, stage: int) -> dict:
+    _config_decides()
     import torch
 
     import dslaunch
@@ -135,19 +144,23 @@ def _switch(rank: int, world: int) -> list:
 
     import dslaunch
 
-    os.environ["DSLAUNCH_SHM_COLLECTIVES"] = "0"
-    engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 4), config={
-        "train_batch_size": 2 * world, "shared_memory_collectives": "on", "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 1}})
-    return [engine.zero.exchange.name, engine.zero.publisher.shm is None]
+    out = []
+    for env, setting in (("0", "on"), ("1", "never"), ("", "auto")):
+        os.environ["DSLAUNCH_SHM_COLLECTIVES"] = env
+        engine, *_ = dslaunch.initialize(model=torch.nn.Linear(4, 4), config={
+            "train_batch_size": 2 * world, "shared_memory_collectives": setting,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}})
+        out.append([engine.zero.exchange.name, engine.zero.publisher.shm is None])
+    return out
 
 
-def test_the_environment_switch_keeps_gloo() -> None:
+def test_the_environment_switch_overrides_the_config_and_auto_is_on() -> None:
     for r in run_world(_switch, 2):
-        assert r == ["flat", True]
+        assert r == [["flat", True], ["shared_memory", False], ["shared_memory", False]]
 
 
 def _killed(rank: int, world: int, pids: str) -> None:
+    _config_decides()
     import signal
 
     import torch
@@ -175,3 +188,50 @@ def test_a_rank_killed_mid_step_leaves_nothing_in_dev_shm(tmp_path) -> None:
     assert pids[0] and pids[1]
     left = [f for pid in pids for f in glob.glob(f"/dev/shm/dslaunch-*-{pid}-*")]
     assert left == []
+
+
+def _full_gradient(rank: int, world: int) -> dict:
+    _config_decides()
+    import torch
+
+    import dslaunch
+
+    out = {}
+    for setting in ("on", "never"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 3))
+        engine, *_ = dslaunch.initialize(model=model, config={
+            "train_batch_size": 2 * world, "shared_memory_collectives": setting,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}})
+        engine.backward(engine(torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank))).square().mean())
+        out[setting] = [p.grad.reshape(-1).tolist() for p in model.parameters()]
+    return out
+
+
+def test_stage_1_keeps_the_whole_reduced_gradient() -> None:
+    # after backward every rank reads every element of the reduced gradient, as over gloo
+    # (the pipeline's tied-weight sum reads ranges another rank updates)
+    results = run_world(_full_gradient, 2)
+    for r in results:
+        assert r["on"] == r["never"]  # bit for bit at world 2
+    assert results[0]["on"] == results[1]["on"]
+
+
+def test_a_segment_whose_creator_is_gone_is_removed_by_the_next(tmp_path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from dslaunch.runtime.inference.shm_allreduce import ORPHAN_AGE_S, remove_orphans
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    old = time.time() - 2 * ORPHAN_AGE_S
+    files = {"orphan": f"dslaunch-shm-zero-buf-{dead}-0123456789ab", "young": f"dslaunch-shm-zero-{dead}-0123456789ac",
+             "live": f"dslaunch-shm-zero-{os.getpid()}-0123456789ad", "other": f"dslaunch-{os.getuid()}-job-{dead}-x"}
+    for key, name in files.items():
+        (tmp_path / name).write_bytes(b"x")
+        if key != "young":
+            os.utime(tmp_path / name, (old, old))
+    assert remove_orphans(str(tmp_path)) == [str(tmp_path / files["orphan"])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in files.items() if k != "orphan")
