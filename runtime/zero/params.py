@@ -190,9 +190,12 @@ class SharedMemoryGather:
 
 class SharedShards:
     """``gather_range`` where every rank's shard itself lives in one shared segment
-    (``shm.SharedTensors``: ``FlatShard.shard`` is ``buffers.mine``): a gather copies each owner's
-    piece straight out of its shard, with no wait and no work per gather (``SharedMemoryGather``
-    waits for every rank at each one, which under load costs more than the copy).
+    (``shm.SharedTensors``: ``FlatShard.shard`` is ``buffers.mine``): a gather needs no wait and no
+    work (``SharedMemoryGather`` waits for every rank at each one, which under load costs more
+    than the copy). A range inside one owner's shard is gathered as a view of it, no copy and no
+    memory (the whole parameters a step uses cost nothing beyond the shards); a range across
+    owners is copied out of their shards. Such views are read only: ``hold`` (``GatheredParameters``,
+    whose caller may write them) gives its parameters copies instead.
 
     The shards are read without asking their owners, so writes are fenced (``fence``: one wait of
     the group): every rank passes one after a write to a shard and before it reads again (the
@@ -213,9 +216,19 @@ class SharedShards:
         self.shm._wait("parameter shards (shared memory)")
 
     def gather(self, flat: FlatShard, a: int, b: int, plain: Any) -> tuple[torch.Tensor, list[Any]]:
+        pieces = owner_pieces(flat, a, b)
+        if len(pieces) == 1:  # one owner's shard holds the whole range: read it there
+            r, lo, hi = pieces[0]
+            k = shard_slot(flat.numel, flat.world)
+            return self.buffers.views[r][lo - r * k:hi - r * k], []
         out = torch.empty(b - a, dtype=flat.shard.dtype, device=flat.device or flat.shard.device)
         self.gather_into(flat, a, b, out)
         return out, []
+
+    def shares(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in the shared shards (a gathered view, not a copy)."""
+        first, last = self.buffers.views[0], self.buffers.views[-1]
+        return first.data_ptr() <= t.data_ptr() < last.data_ptr() + last.numel() * last.element_size()
 
     def gather_into(self, flat: FlatShard, a: int, b: int, out: torch.Tensor) -> None:
         """Elements [a, b) of ``flat``'s vector into contiguous ``out``. Local."""
@@ -319,6 +332,9 @@ def hold(params: list[torch.nn.Parameter]) -> None:
     fence(flats(params))
     fetch(params)
     for p in params:
+        gatherer = p._dsl_flat.gatherer if is_partitioned(p) else None
+        if isinstance(gatherer, SharedShards) and gatherer.shares(p.data):
+            p.data = p.data.clone()  # the holder may write it: not into the owner's shard
         p._dsl_users += 1
 
 

@@ -21,6 +21,12 @@ is nothing to gather: every parameter is a view of the shard, whole all along (`
 stays so; no gather, release or publish ever runs for it and the optimizer's update of the shard
 (or the master's copy into it) is the parameters' update. Stage 3 then hooks nothing (``stage3.py``).
 
+Same-host ranks (``shared_memory_collectives``, ``shm.py``): each rank's shard is its slot of one
+shared segment (``params.SharedShards``), so a gather reads the owners' shards directly, waiting
+for nobody; a parameter inside one owner's shard is gathered as a view of it (no copy, no memory).
+Where the shard lives elsewhere (``offload_param``, another device) gathers go through the
+shared-memory slots (``params.SharedMemoryGather``).
+
 Parameters built under ``zero.Init`` arrive already partitioned (alone); each is gathered once
 here, on every rank, to copy this rank's part into the group shard: one parameter at a time, so
 building the engine never holds the whole model.
