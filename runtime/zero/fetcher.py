@@ -167,6 +167,7 @@ class ParamFetcher:
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter],
                  limits: FetchLimits = FetchLimits()):
         self.module, self.params = module, params
+        self._flats = zp.flats(params)
         self.live = LiveParams(limits)
         # the hooked forwards in flight, innermost last: each module and the parameters it holds
         self._stack: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
@@ -190,6 +191,7 @@ class ParamFetcher:
     # ----- iterations and events ----------------------------------------------------------------
     def _begin(self) -> None:
         self._end()
+        zp.fence(self._flats)  # shared shards: what any rank wrote since the last step is seen
         self._mode = (self.module.training, torch.is_grad_enabled())
         self.replay = self._traces.get(self._mode)
         self._recording = None if self.replay is not None else []

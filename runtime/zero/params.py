@@ -37,7 +37,8 @@ from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero.partition import partition_range, shard_slot
 
 __all__ = ["ZeroParamStatus", "FlatShard", "is_partitioned", "attach", "start_fetch", "fetch", "hold", "unhold",
-           "release", "gather_range", "SharedMemoryGather", "owner_pieces", "global_rank", "write_back", "scatter_into"]
+           "release", "gather_range", "SharedMemoryGather", "SharedShards", "fence", "flats", "owner_pieces", "global_rank",
+           "write_back", "scatter_into"]
 
 _IDS = itertools.count()
 
@@ -68,7 +69,8 @@ class FlatShard:
     # offload_param nvme: the shard's values live here (``offload.param_store.ShardStore``) and
     # ``shard`` is a meta tensor (shape and dtype only); go through ``read``/``write``.
     store: Any = None
-    # how ranges are gathered: ZeRO++'s ``zeropp.ZeroPPGather``, ``SharedMemoryGather`` (None: plain broadcasts)
+    # how ranges are gathered: ZeRO++'s ``zeropp.ZeroPPGather``, ``SharedMemoryGather``, ``SharedShards``
+    # (None: plain broadcasts)
     gatherer: Any = None
 
     def __reduce__(self) -> tuple:
@@ -186,6 +188,71 @@ class SharedMemoryGather:
         return out, []
 
 
+class SharedShards:
+    """``gather_range`` where every rank's shard itself lives in one shared segment
+    (``shm.SharedTensors``: ``FlatShard.shard`` is ``buffers.mine``): a gather needs no wait and no
+    work (``SharedMemoryGather`` waits for every rank at each one, which under load costs more
+    than the copy). A range inside one owner's shard is gathered as a view of it, no copy and no
+    memory (the whole parameters a step uses cost nothing beyond the shards); a range across
+    owners is copied out of their shards. Such views are read only: ``hold`` (``GatheredParameters``,
+    whose caller may write them) gives its parameters copies instead.
+
+    The shards are read without asking their owners, so writes are fenced (``fence``: one wait of
+    the group): every rank passes one after a write to a shard and before it reads again (the
+    placement's publish after each step's update, the start of each forward iteration, ``hold``
+    and around ``write_back``); and no rank updates its shard before every rank finished the
+    step's reads: stage 3 always all-reduces the gradient norm before the update, which each rank
+    enters after its backward's last gather.
+    """
+
+    def __init__(self, shm: Any, buffers: Any):
+        self.shm, self.buffers = shm, buffers  # buffers: ``shm.SharedTensors`` of one slot per rank
+
+    def invalidate(self) -> None:
+        """Nothing kept between gathers (writes are fenced by their callers, see above)."""
+
+    def fence(self) -> None:
+        """collective: every rank of the group got here (what any rank wrote before is visible)."""
+        self.shm._wait("parameter shards (shared memory)")
+
+    def gather(self, flat: FlatShard, a: int, b: int, plain: Any) -> tuple[torch.Tensor, list[Any]]:
+        pieces = owner_pieces(flat, a, b)
+        if len(pieces) == 1:  # one owner's shard holds the whole range: read it there
+            r, lo, hi = pieces[0]
+            k = shard_slot(flat.numel, flat.world)
+            return self.buffers.views[r][lo - r * k:hi - r * k], []
+        out = torch.empty(b - a, dtype=flat.shard.dtype, device=flat.device or flat.shard.device)
+        self.gather_into(flat, a, b, out)
+        return out, []
+
+    def shares(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in the shared shards (a gathered view, not a copy)."""
+        first, last = self.buffers.views[0], self.buffers.views[-1]
+        return first.data_ptr() <= t.data_ptr() < last.data_ptr() + last.numel() * last.element_size()
+
+    def gather_into(self, flat: FlatShard, a: int, b: int, out: torch.Tensor) -> None:
+        """Elements [a, b) of ``flat``'s vector into contiguous ``out``. Local."""
+        k = shard_slot(flat.numel, flat.world)
+        for r, lo, hi in owner_pieces(flat, a, b):
+            out[lo - a:hi - a].copy_(self.buffers.views[r][lo - r * k:hi - r * k])
+
+
+def fence(flats: Iterable[FlatShard]) -> None:
+    """Pass the ``fence`` of every ``SharedShards`` gatherer among ``flats`` (one wait per group of
+    ranks). collective: all ranks, the same vectors."""
+    seen: set[int] = set()
+    for flat in flats:
+        gatherer = flat.gatherer
+        if isinstance(gatherer, SharedShards) and id(gatherer.shm) not in seen:
+            seen.add(id(gatherer.shm))
+            gatherer.fence()
+
+
+def flats(params: Iterable[torch.nn.Parameter]) -> list[FlatShard]:
+    """The flat vectors ``params`` are ranges of (each once; a parameter not partitioned has none)."""
+    return list({id(p._dsl_flat): p._dsl_flat for p in params if is_partitioned(p)}.values())
+
+
 def owner_pieces(flat: FlatShard, a: int, b: int) -> list[tuple[int, int, int]]:
     """Elements [a, b) of ``flat``'s vector cut by owner: (rank, lo, hi) in rank order."""
     k = shard_slot(flat.numel, flat.world)
@@ -261,9 +328,13 @@ def _runs(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
 
 
 def hold(params: list[torch.nn.Parameter]) -> None:
-    """Fetch ``params`` and count one more user of each."""
+    """Fetch ``params`` and count one more user of each (after a ``fence``: a write before it is seen)."""
+    fence(flats(params))
     fetch(params)
     for p in params:
+        gatherer = p._dsl_flat.gatherer if is_partitioned(p) else None
+        if isinstance(gatherer, SharedShards) and gatherer.shares(p.data):
+            p.data = p.data.clone()  # the holder may write it: not into the owner's shard
         p._dsl_users += 1
 
 
@@ -304,5 +375,8 @@ def write_back(params: list[torch.nn.Parameter], src_rank: int) -> None:
     works = [comm.broadcast(p.data, src=global_rank(p._dsl_flat, src_rank), group=p._dsl_flat.group,
                             async_op=True) for p in params if p._dsl_flat.world > 1]
     wait_all(works, "parameter write-back (broadcast)")
+    vectors = flats(params)
+    fence(vectors)  # nobody reads a shared shard while it changes
     for p in params:
         scatter_into(p, p.data)
+    fence(vectors)

@@ -21,6 +21,12 @@ is nothing to gather: every parameter is a view of the shard, whole all along (`
 stays so; no gather, release or publish ever runs for it and the optimizer's update of the shard
 (or the master's copy into it) is the parameters' update. Stage 3 then hooks nothing (``stage3.py``).
 
+Same-host ranks (``shared_memory_collectives``, ``shm.py``): each rank's shard is its slot of one
+shared segment (``params.SharedShards``), so a gather reads the owners' shards directly, waiting
+for nobody; a parameter inside one owner's shard is gathered as a view of it (no copy, no memory).
+Where the shard lives elsewhere (``offload_param``, another device) gathers go through the
+shared-memory slots (``params.SharedMemoryGather``).
+
 Parameters built under ``zero.Init`` arrive already partitioned (alone); each is gathered once
 here, on every rank, to copy this rank's part into the group shard: one parameter at a time, so
 building the engine never holds the whole model.
@@ -40,7 +46,7 @@ from dslaunch.runtime.zero.flat import group_dtype, to_host
 from dslaunch.runtime.zero.offload.param_store import ShardStore
 from dslaunch.runtime.zero.partition import GroupLayout, shard_slot
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
-from dslaunch.runtime.zero.shm import SharedMemoryCollectives
+from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
 from dslaunch.runtime.zero.zeropp import build_gathers
 
@@ -74,7 +80,10 @@ class ShardGroup:
         self.layout = lay = GroupLayout.build(names, shapes, world_size, rank, True)
         self.compute_device = params[0].device
         home = torch.device("cpu") if comm.offload_param else self.compute_device
-        self.shard = torch.empty(lay.end - lay.start, dtype=self.dtype, device=home)
+        if isinstance(gatherer, zp.SharedShards):  # the shard is this rank's slot of the shared segment
+            self.shard = gatherer.buffers.mine[:lay.end - lay.start]
+        else:
+            self.shard = torch.empty(lay.end - lay.start, dtype=self.dtype, device=home)
         if comm.offload_param and comm.pin_memory and self.compute_device.type != "cpu":
             self.shard = self.shard.pin_memory()
         whole = []
@@ -159,14 +168,12 @@ class Partitioned(Placement):
         groups, in_cpu = [], comm.param_in_cpu  # max_in_cpu counts over this rank's groups, in order
         gathers = build_gathers(comm, self.pg, [_vector(g.params) for g in specs])
         if not any(gathers):  # no ZeRO++: same-host ranks gather through shared memory
-            shm = SharedMemoryCollectives.build(self.pg, comm.shared_memory)
-            if shm is not None:  # no gather is larger than a group (fp32 at most)
-                shm.limit(max(numel for numel, _, _ in map(_vector, (g.params for g in specs))) * 4)
-            gathers = [zp.SharedMemoryGather(shm) if shm is not None else None for _ in specs]
+            gathers = _shared_gathers(self.pg, comm, specs)
         for g, gatherer in zip(specs, gathers, strict=True):
             groups.append(ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,
                                      comm, in_cpu, gatherer))
             in_cpu = max(0, in_cpu - groups[-1].shard.numel())
+        zp.fence(g.flat for g in groups)  # every shard written before any rank reads one
         return groups
 
     @property
@@ -181,8 +188,13 @@ class Partitioned(Placement):
         of one per parameter and owner (measured: ~70 parameters of a GPT block stack, 3% of a
         step as separate broadcasts).
         """
+        zp.fence(g.flat for g in self.groups)  # shared shards: every rank's update is done
         pending = []
         for g in self.groups:
+            if isinstance(g.flat.gatherer, zp.SharedShards):  # copied out of the owners' shards
+                for p in g.persistent:
+                    g.flat.gatherer.gather_into(g.flat, p._dsl_offset, p._dsl_offset + p.ds_numel, p.data.view(-1))
+                continue
             if g.flat.gatherer is not None:  # the shard was updated: hpZ's copy is stale
                 g.flat.gatherer.invalidate()
             for owner, pieces in enumerate(_pieces_by_owner(g.flat, g.persistent)):
@@ -192,6 +204,21 @@ class Partitioned(Placement):
             wait_all((work,), "persistent parameters (broadcast)")
             dst = [p.data.view(-1)[lo - p._dsl_offset:hi - p._dsl_offset] for p, lo, hi in pieces]
             torch._foreach_copy_(dst, list(buf.split([hi - lo for _, lo, hi in pieces])))
+
+
+def _shared_gathers(pg: Any, comm: CommSettings, specs: list[GroupSpec]) -> list[Any]:
+    """Each group's gatherer where the group's ranks share this host (``shm.py``), else None:
+    ``SharedShards`` (the shards themselves shared, gathers wait for nobody) where the shard lives
+    in host memory where the parameters are used, else ``SharedMemoryGather`` (through slots)."""
+    shm = SharedMemoryCollectives.build(pg, comm.shared_memory)
+    if shm is None:
+        return [None] * len(specs)
+    vectors = [_vector(g.params) for g in specs]
+    if comm.offload_param or any(device.type != "cpu" for _, _, device in vectors):
+        shm.limit(max(numel for numel, _, _ in vectors) * 4)  # no gather is larger than a group (fp32 at most)
+        return [zp.SharedMemoryGather(shm) for _ in specs]
+    return [zp.SharedShards(shm, SharedTensors(shm, shard_slot(numel, shm.world), dtype))
+            for numel, dtype, _ in vectors]
 
 
 def _vector(params: list[torch.nn.Parameter]) -> tuple[int, torch.dtype, torch.device]:

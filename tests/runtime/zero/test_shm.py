@@ -4,6 +4,9 @@
   through slots smaller than the tensors (several pieces) and in place in shared buffers;
 - training through them equals training over gloo bit for bit (ZeRO-1/2/3, world 2): the same
   sums, so the same weights; the stages' equality at world 4 is ``test_equivalence_matrix``'s;
+- stage 3's gathers read the owners' shards in place: a forward's parameter inside one owner's
+  shard is a view of it (no copy), ``GatheredParameters`` gets copies, and the modifier rank's
+  write (only its) reaches the shards;
 - the switch: ``"never"`` and ``DSLAUNCH_SHM_COLLECTIVES=0`` keep gloo, ``=1`` overrides ``"never"``,
   ``"auto"`` is the default (on);
 - a rank killed with SIGKILL mid-step leaves nothing of the job in ``/dev/shm``; a segment left by
@@ -137,6 +140,41 @@ def test_training_through_shared_memory_equals_gloo(stage: int) -> None:
     for r in run_world(_train, 2, stage, timeout=140):
         assert r["on_shm"] and not r["never_shm"]
         assert r["on"] == r["never"]  # bit for bit
+
+
+def _shared_shards(rank: int, world: int) -> dict:
+    import torch
+
+    import dslaunch
+    from dslaunch.runtime.zero import params as zp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 3))
+    engine, *_ = dslaunch.initialize(model=model, config={
+        "train_batch_size": 2 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "shared_memory_collectives": "on", "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    in_place = []
+    for m in model:
+        m.register_forward_hook(lambda m, i, o: in_place.append(m.weight._dsl_flat.gatherer.shares(m.weight)))
+    engine.backward(engine(torch.randn(2, WIDTH)).square().mean())
+    engine.step()
+    w = model[1].weight
+    with dslaunch.zero.GatheredParameters([w], modifier_rank=0):
+        copied = not w._dsl_flat.gatherer.shares(w)
+        w.data.fill_(1.0 if rank == 0 else 2.0)  # rank 1's write is discarded
+    with dslaunch.zero.GatheredParameters([w]):
+        after = sorted(set(w.reshape(-1).tolist()))
+    return {"in_place": in_place, "shared": isinstance(w._dsl_flat.gatherer, zp.SharedShards), "copied": copied,
+            "after": after}
+
+
+def test_stage3_gathers_read_the_shards_in_place_and_gathered_parameters_write_them() -> None:
+    for r in run_world(_shared_shards, 2):
+        assert r["shared"] and r["copied"]
+        # 675 elements, 338 a rank: the first weight [0, 576) spans both shards (copied), the
+        # second [600, 672) lies in rank 1's (a view of it)
+        assert r["in_place"] == [False, True]
+        assert r["after"] == [1.0]
 
 
 def _switch(rank: int, world: int) -> list:
