@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dslaunch.errors import DslaunchError
 
-__all__ = ["ShmAllReduce", "same_host", "map_segment"]
+__all__ = ["ShmAllReduce", "same_host", "map_segment", "segment_directory"]
 
 _HEADER = 4096  # the step counters, one cache line each
 _LINE = 64 // 8  # int64s per cache line
@@ -78,7 +78,7 @@ class ShmAllReduce:
             for ``timeout_s`` during a call.
     """
 
-    def __init__(self, group: Any, slot_bytes: int = 1 << 20, timeout_s: float = 300.0, directory: str = "/dev/shm"):
+    def __init__(self, group: Any, slot_bytes: int = 1 << 20, timeout_s: float = 300.0, directory: str | None = None):
         self.group, self.timeout_s, self.slot_bytes = group, timeout_s, slot_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._map = map_segment(group, _HEADER + 2 * self.world * slot_bytes, "tp", directory)
@@ -162,24 +162,46 @@ ORPHAN_AGE_S = 60.0
 namespace sharing the directory (which looks gone from here) may still be in its setup."""
 
 
-def map_segment(group: Any, size: int, tag: str, directory: str = "/dev/shm") -> mmap.mmap:
-    """A ``size``-byte file in ``directory`` mapped shared by every rank of ``group``: rank 0
-    creates it, the others attach, and it is unlinked once all have mapped it (or failed to), so
-    nothing stays in ``directory`` whatever happens to the job afterwards. Only a rank 0 killed
-    between creating and unlinking leaves its file: the next segment made in ``directory``
-    removes it (``remove_orphans``).
+DIRECTORY_ENV = "DSLAUNCH_SHM_DIR"
+"""Where the segments are made (default ``/dev/shm``): any tmpfs the ranks share, e.g. where a
+container's ``/dev/shm`` is small."""
+
+
+def segment_directory() -> str:
+    return os.environ.get(DIRECTORY_ENV) or "/dev/shm"
+
+
+def map_segment(group: Any, size: int, tag: str, directory: str | None = None,
+                optional: bool = False) -> mmap.mmap | None:
+    """A ``size``-byte file in ``directory`` (``segment_directory()``) mapped shared by every rank
+    of ``group``: rank 0 creates it, the others attach, and it is unlinked once all have mapped it
+    (or failed to), so nothing stays in ``directory`` whatever happens to the job afterwards. Only
+    a rank 0 killed between creating and unlinking leaves its file: the next segment made in
+    ``directory`` removes it (``remove_orphans``).
+
+    With ``optional``, a file that cannot be made (no room) is None on every rank, for callers
+    that can do without (private memory, gloo).
 
     collective: every rank of ``group``.
 
     Raises:
-        DslaunchError: the file cannot be made (no room in ``directory``, no ``/dev/shm``).
+        DslaunchError: the file cannot be made (no room in ``directory``, no ``/dev/shm``) and
+            it is not ``optional``.
     """
+    directory = directory or segment_directory()
     name = [os.path.join(directory, f"dslaunch-shm-{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")]
     if dist.get_rank(group) == 0:
         remove_orphans(directory)
-        _create(name[0], size)
+        try:
+            _create(name[0], size)
+        except DslaunchError:
+            if not optional:
+                raise
+            name = [""]
     try:
         dist.broadcast_object_list(name, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        if not name[0]:
+            return None
         fd = os.open(name[0], os.O_RDWR)
         try:
             return mmap.mmap(fd, size)
@@ -189,7 +211,7 @@ def map_segment(group: Any, size: int, tag: str, directory: str = "/dev/shm") ->
         try:
             dist.barrier(group=group)  # every rank mapped it (or failed): the name can go
         finally:  # also when the peers are gone: nothing may stay in the directory
-            if dist.get_rank(group) == 0:
+            if dist.get_rank(group) == 0 and name[0]:
                 os.unlink(name[0])
 
 

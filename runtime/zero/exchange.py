@@ -33,6 +33,7 @@ import torch.distributed as dist
 from dslaunch.errors import CheckpointError, ConfigError
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
+from dslaunch.runtime.inference.shm_allreduce import segment_directory
 from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.zero.partition import GroupLayout
 from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
@@ -225,10 +226,11 @@ class SharedMemoryExchange(GradientExchange):
         self.shm.limit(max((lay.padded for lay in layouts), default=0) * 4)  # no bucket is larger (fp32)
 
     def gradient_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu":
+        shared = SharedTensors.make(self.shm, numel, dtype) if device.type == "cpu" else None
+        if shared is None:  # elsewhere, or no room in /dev/shm: private, summed through the slots
             return super().gradient_buffer(numel, dtype, device)
-        self.buffers.append(SharedTensors(self.shm, numel, dtype))
-        return self.buffers[-1].mine
+        self.buffers.append(shared)
+        return shared.mine
 
     def _in_place(self, buf: torch.Tensor, lo: int, hi: int, scatter: bool) -> bool:
         """Sum ``buf`` in place where it lies in a shared gradient buffer; False: it does not."""
@@ -324,7 +326,7 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
     if compressed:
         return CompressedExchange(process_group, world, shm)
     if shm is not None:
-        log_dist(f"ZeRO collectives: shared memory ({world} ranks on one host, /dev/shm)", ranks=[0])
+        log_dist(f"ZeRO collectives: shared memory ({world} ranks on one host, {segment_directory()})", ranks=[0])
         return SharedMemoryExchange(shm, process_group)
     exchange: GradientExchange = FlatAllReduce(process_group)
     # Only over the whole world: every rank must create every group, and with several data-parallel

@@ -213,7 +213,7 @@ class SharedShards:
 
     def fence(self) -> None:
         """collective: every rank of the group got here (what any rank wrote before is visible)."""
-        self.shm._wait("parameter shards (shared memory)")
+        self.shm.wait("parameter shards (shared memory)")
 
     def gather(self, flat: FlatShard, a: int, b: int, plain: Any) -> tuple[torch.Tensor, list[Any]]:
         pieces = owner_pieces(flat, a, b)

@@ -130,10 +130,11 @@ class Sharded(Placement):
                                         comm.overlap_param_gather, process_group, self.shm, self.shared)
 
     def _alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self.shm is None or device.type != "cpu":
+        shared = SharedTensors.make(self.shm, numel, dtype) if self.shm is not None and device.type == "cpu" else None
+        if shared is None:  # elsewhere, or no room in /dev/shm: private, published through the slots
             return torch.empty(numel, dtype=dtype, device=device)
-        self.shared.append(SharedTensors(self.shm, numel, dtype))
-        return self.shared[-1].mine
+        self.shared.append(shared)
+        return shared.mine
 
     @property
     def norm_all_reduce(self) -> Callable[[torch.Tensor], None] | None:

@@ -40,7 +40,9 @@ off for debugging, ``1`` on whatever the config says: the suite run through it).
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,8 +52,9 @@ import torch.distributed as dist
 
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
-from dslaunch.runtime.inference.shm_allreduce import map_segment, same_host
+from dslaunch.runtime.inference.shm_allreduce import DIRECTORY_ENV, map_segment, same_host, segment_directory
 from dslaunch.runtime.zero.partition import partition_range
+from dslaunch.utils.logging import log_dist
 
 __all__ = ["SharedMemoryCollectives", "SharedTensors", "SLOT_BYTES", "ENV_SWITCH", "wanted"]
 
@@ -79,10 +82,13 @@ class SharedMemoryCollectives:
     the same sizes. CPU tensors only (the callers check ``applies``).
     """
 
-    def __init__(self, group: Any, slot_bytes: int = SLOT_BYTES):
+    def __init__(self, group: Any, slot_bytes: int = SLOT_BYTES, segment: Any = None):
         self.group, self.slot_bytes = group, slot_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._bytes: torch.Tensor | None = None  # the slots, mapped at their first use (``_slots``)
+        # the slots: ``segment`` (``2 * world * slot_bytes`` or more), else mapped at their first use
+        self._map = segment
+        self._bytes = None if segment is None else torch.frombuffer(segment, dtype=torch.uint8)
+        self._used = False  # an operation ran: the slot size is fixed
         self._set = 0  # the slot set the next operation uses
         self._flag = torch.zeros(1, dtype=torch.int32)
 
@@ -94,7 +100,13 @@ class SharedMemoryCollectives:
             return None
         if dist.get_backend(group) != "gloo" or not same_host(group):
             return None
-        return cls(group)
+        # the slots are reserved here, so that a directory without room means gloo from the start
+        nbytes = 2 * dist.get_world_size(group) * SLOT_BYTES
+        segment = map_segment(group, nbytes, "zero", optional=True)
+        if segment is None:
+            no_room("the slots", nbytes, "gloo")
+            return None
+        return cls(group, segment=segment)
 
     @staticmethod
     def applies(*tensors: torch.Tensor) -> bool:
@@ -103,12 +115,13 @@ class SharedMemoryCollectives:
     def limit(self, nbytes: int) -> None:
         """No operation will move more than ``nbytes`` at once: slots no larger (a small model's
         transport holds little). Only before the first operation; the same on every rank."""
-        if self._bytes is None:
+        if not self._used:
             self.slot_bytes = max(64, min(self.slot_bytes, -(-nbytes // 64) * 64))
 
     def _slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's whole slot of the current set as values of ``dtype``, in rank order
         (mapped at the first call: every operation is collective, so every rank maps it here)."""
+        self._used = True
         if self._bytes is None:
             self._map = map_segment(self.group, 2 * self.world * self.slot_bytes, "zero")
             self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -116,7 +129,7 @@ class SharedMemoryCollectives:
         return [self._bytes[base + r * self.slot_bytes:base + r * self.slot_bytes + n].view(dtype)
                 for r in range(self.world)]
 
-    def _wait(self, name: str) -> None:
+    def wait(self, name: str) -> None:
         """Every rank of the group got here (a one-element collective, blamed as ``name``; not
         through ``dslaunch.comm``: the logger counts the operation, ``counted``, not its waits)."""
         wait_all((dist.all_reduce(self._flag, group=self.group, async_op=True),), name)
@@ -138,7 +151,7 @@ class SharedMemoryCollectives:
         slots = self._slots(piece.dtype)
         self._set ^= 1
         slots[self.rank][:piece.numel()].copy_(piece)
-        self._wait(name)
+        self.wait(name)
         return slots
 
     def all_reduce(self, buf: torch.Tensor, name: str = "all_reduce of gradients (shared memory)") -> None:
@@ -152,7 +165,7 @@ class SharedMemoryCollectives:
             lo, hi = partition_range(piece.numel(), self.world, self.rank)
             _sum([s[lo:hi] for s in slots], out=piece[lo:hi])
             slots[self.rank][lo:hi].copy_(piece[lo:hi])
-            self._wait(name)
+            self.wait(name)
             for r in range(self.world):
                 if r != self.rank:
                     a, b = partition_range(piece.numel(), self.world, r)
@@ -198,13 +211,28 @@ class SharedTensors:
     collective: construct on every rank of ``shm``'s group.
     """
 
-    def __init__(self, shm: SharedMemoryCollectives, numel: int, dtype: torch.dtype):
+    def __init__(self, shm: SharedMemoryCollectives, numel: int, dtype: torch.dtype, segment: Any = None):
         self.shm, self.numel = shm, numel
-        self._map = map_segment(shm.group, max(1, shm.world * numel * dtype.itemsize), "zero-buf")
+        self._map = segment or map_segment(shm.group, self.nbytes(shm, numel, dtype), "zero-buf")
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         size = numel * dtype.itemsize
         self.views = [whole[r * size:(r + 1) * size].view(dtype) for r in range(shm.world)]
         self.mine = self.views[shm.rank]
+
+    @staticmethod
+    def nbytes(shm: SharedMemoryCollectives, numel: int, dtype: torch.dtype) -> int:
+        return max(1, shm.world * numel * dtype.itemsize)
+
+    @classmethod
+    def make(cls, shm: SharedMemoryCollectives, numel: int, dtype: torch.dtype) -> SharedTensors | None:
+        """The buffers, or None on every rank where the segment directory has no room for them
+        (said on rank 0): the caller keeps a private buffer, its collectives go through the slots."""
+        nbytes = cls.nbytes(shm, numel, dtype)
+        segment = map_segment(shm.group, nbytes, "zero-buf", optional=True)
+        if segment is None:
+            no_room("a shared buffer", nbytes, "private memory, through the slots (slower)")
+            return None
+        return cls(shm, numel, dtype, segment)
 
     def offset(self, t: torch.Tensor) -> int | None:
         """Where contiguous ``t`` starts in ``mine`` (elements), None if it is not inside it."""
@@ -217,7 +245,7 @@ class SharedTensors:
         rank's [lo, hi) of them (offsets into the range), else all of it on every rank. Every
         rank must have written the range; afterwards no rank reads a peer's range any more."""
         shm, mine, start = self.shm, self.mine, time.perf_counter()
-        shm._wait(name)  # every rank wrote the range
+        shm.wait(name)  # every rank wrote the range
         if not scatter:
             lo, hi = partition_range(n, shm.world, shm.rank)
         if lo < hi:
@@ -226,13 +254,13 @@ class SharedTensors:
                 _sum(parts, out=mine[at + lo:at + hi])
             else:
                 mine[at + lo:at + hi].copy_(_summed(parts))
-        shm._wait(name)  # every rank summed its range
+        shm.wait(name)  # every rank summed its range
         if not scatter:
             for r in range(shm.world):
                 a, b = partition_range(n, shm.world, r)
                 if r != shm.rank and a < b:
                     mine[at + a:at + b].copy_(self.views[r][at + a:at + b])
-            shm._wait(name)  # every rank read the sums: the buffers may be written again
+            shm.wait(name)  # every rank read the sums: the buffers may be written again
         shm.counted("reduce_scatter" if scatter else "all_reduce", (hi - lo if scatter else n) * mine.element_size(),
                     start)
 
@@ -240,13 +268,25 @@ class SharedTensors:
         """Copy rank r's ``ranges[r]`` of its buffer into this rank's, for every other rank (each
         rank wrote its own range)."""
         start = time.perf_counter()
-        self.shm._wait(name)
+        self.shm.wait(name)
         for r, (a, b) in enumerate(ranges):
             if r != self.shm.rank and a < b:
                 self.mine[a:b].copy_(self.views[r][a:b])
-        self.shm._wait(name)
+        self.shm.wait(name)
         a, b = ranges[self.shm.rank]
         self.shm.counted("all_gather", max(0, b - a) * self.mine.element_size(), start)
+
+
+def no_room(what: str, nbytes: int, instead: str) -> None:
+    """Say on rank 0 that the segment directory had no room for ``what`` and what is used instead."""
+    directory = segment_directory()
+    try:
+        free = f"{shutil.disk_usage(directory).free >> 20} MiB free"
+    except OSError as err:
+        free = err.strerror or "missing"
+    log_dist(f"ZeRO collectives: {directory} has no room for {what} ({nbytes >> 20} MiB; {free}): {instead}; "
+             f"give it more (docker run --shm-size) or set {DIRECTORY_ENV} to a larger tmpfs",
+             ranks=[0], level=logging.WARNING)
 
 
 def _summed(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -147,7 +147,9 @@ def _shared_shards(rank: int, world: int) -> dict:
 
     import dslaunch
     from dslaunch.runtime.zero import params as zp
+    from dslaunch.runtime.zero import partitioned
 
+    partitioned.IN_PLACE = True  # off by default (a race under load, see partitioned.py): the mechanism
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 3))
     engine, *_ = dslaunch.initialize(model=model, config={
