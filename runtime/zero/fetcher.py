@@ -294,6 +294,10 @@ class ParamFetcher:
             self.live.busy.update(id(p) for p in used)
         else:
             self.release(used)
+        if not self._stack and not _in_backward():
+            # shared shards: every rank's reads of this forward are done before any rank writes its
+            # shard (a load_state_dict after an evaluation; backward's reads end at its last reduce)
+            zp.fence(self._flats)
         if not self._stack and self._saving is not None:
             self._unwrap_apply()
             self._saving.__exit__(None, None, None)

@@ -50,12 +50,6 @@ from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
 from dslaunch.runtime.zero.zeropp import build_gathers
 
-# Stage 3 reading the owners' shards in place (``params.SharedShards``): off. Under a CPU hog the
-# tied-weight test (tests/runtime/zero/test_zero_api.py, stage 3, evaluation after training)
-# computed a wrong loss on one rank in 2 of 5 runs: a read of a shard not fenced from its write,
-# not yet found. Gathers go through the slots (``SharedMemoryGather``, one wait each) meanwhile.
-IN_PLACE = False
-
 __all__ = ["ShardGroup", "Partitioned"]
 
 
@@ -221,7 +215,7 @@ def _shared_gathers(pg: Any, comm: CommSettings, specs: list[GroupSpec]) -> list
         return [None] * len(specs)
     vectors = [_vector(g.params) for g in specs]
     shards = [None] * len(specs)
-    if IN_PLACE and not (comm.offload_param or any(device.type != "cpu" for _, _, device in vectors)):
+    if not (comm.offload_param or any(device.type != "cpu" for _, _, device in vectors)):
         shards = [SharedTensors.make(shm, shard_slot(numel, shm.world), dtype) for numel, dtype, _ in vectors]
     if None in shards:  # gathers through the slots (no room in /dev/shm for a group's shards)
         shm.limit(max(numel for numel, _, _ in vectors) * 4)  # no gather is larger than a group (fp32 at most)

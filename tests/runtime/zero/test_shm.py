@@ -147,9 +147,7 @@ def _shared_shards(rank: int, world: int) -> dict:
 
     import dslaunch
     from dslaunch.runtime.zero import params as zp
-    from dslaunch.runtime.zero import partitioned
 
-    partitioned.IN_PLACE = True  # off by default (a race under load, see partitioned.py): the mechanism
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 3))
     engine, *_ = dslaunch.initialize(model=model, config={
@@ -177,6 +175,40 @@ def test_stage3_gathers_read_the_shards_in_place_and_gathered_parameters_write_t
         # second [600, 672) lies in rank 1's (a view of it)
         assert r["in_place"] == [False, True]
         assert r["after"] == [1.0]
+
+
+
+def _write_after_a_slow_read(rank: int, world: int) -> dict:
+    import time
+
+    import torch
+
+    import dslaunch
+
+    torch.manual_seed(0)
+    # 600 elements, 300 a rank: the first weight [0, 96) lies in rank 0's shard (a view of it)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 4), torch.nn.Linear(4, 100))
+    zeros = {f"module.{k}": torch.zeros_like(v) for k, v in model.state_dict().items()}
+    engine, *_ = dslaunch.initialize(model=model, config={
+        "train_batch_size": 2 * world, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "shared_memory_collectives": "on", "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(0))
+    engine.eval()
+    with torch.no_grad():
+        before = engine(x).tolist()
+    if rank == 1:  # after the gather (the engine's hook runs first), before the read
+        model[0].register_forward_pre_hook(lambda m, a: time.sleep(1.0))
+    with torch.no_grad():
+        out = engine(x).tolist()
+    # rank 0 gets here first: its shard must not change under rank 1's read
+    engine.load_state_dict(zeros)
+    return {"same": out == before}
+
+
+def test_a_shard_is_not_written_while_a_peer_still_reads_it() -> None:
+    # each forward ends with a wait of the group: rank 0's write waits for rank 1's slow read
+    for r in run_world(_write_after_a_slow_read, 2):
+        assert r["same"]
 
 
 def _switch(rank: int, world: int) -> list:
