@@ -189,11 +189,12 @@ class Partitioned(Placement):
         step as separate broadcasts).
         """
         zp.fence(g.flat for g in self.groups)  # shared shards: every rank's update is done
-        pending = []
+        pending, read = [], []
         for g in self.groups:
             if isinstance(g.flat.gatherer, zp.SharedShards):  # copied out of the owners' shards
                 for p in g.persistent:
                     g.flat.gatherer.gather_into(g.flat, p._dsl_offset, p._dsl_offset + p.ds_numel, p.data.view(-1))
+                    read.append(g.flat)
                 continue
             if g.flat.gatherer is not None:  # the shard was updated: hpZ's copy is stale
                 g.flat.gatherer.invalidate()
@@ -204,6 +205,7 @@ class Partitioned(Placement):
             wait_all((work,), "persistent parameters (broadcast)")
             dst = [p.data.view(-1)[lo - p._dsl_offset:hi - p._dsl_offset] for p, lo, hi in pieces]
             torch._foreach_copy_(dst, list(buf.split([hi - lo for _, lo, hi in pieces])))
+        zp.fence(read)  # those reads done before any rank writes its shard again (a load right after)
 
 
 def _shared_gathers(pg: Any, comm: CommSettings, specs: list[GroupSpec]) -> list[Any]:
