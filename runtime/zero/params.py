@@ -197,12 +197,12 @@ class SharedShards:
     owners is copied out of their shards. Such views are read only: ``hold`` (``GatheredParameters``,
     whose caller may write them) gives its parameters copies instead.
 
-    The shards are read without asking their owners, so writes are fenced (``fence``: one wait of
-    the group): every rank passes one after a write to a shard and before it reads again (the
-    placement's publish after each step's update, the start of each forward iteration, ``hold``
-    and around ``write_back``); and no rank updates its shard before every rank finished the
-    step's reads: stage 3 always all-reduces the gradient norm before the update, which each rank
-    enters after its backward's last gather.
+    The shards are read without asking their owners, so reads and writes are kept apart by
+    ``fence`` (one wait of the group). After a write, before anyone reads: the placement's publish
+    after each step's update, the start of each forward, ``hold``, after ``write_back``. After the
+    reads, before anyone writes: the end of each forward, the end of the publish's refresh of
+    persistent parameters, before ``write_back``; a backward's reads end before its last gradient
+    reduction, which every rank passes before its update.
     """
 
     def __init__(self, shm: Any, buffers: Any):

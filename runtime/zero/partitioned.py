@@ -194,7 +194,7 @@ class Partitioned(Placement):
             if isinstance(g.flat.gatherer, zp.SharedShards):  # copied out of the owners' shards
                 for p in g.persistent:
                     g.flat.gatherer.gather_into(g.flat, p._dsl_offset, p._dsl_offset + p.ds_numel, p.data.view(-1))
-                    read.append(g.flat)
+                read += [g.flat] if g.persistent else []
                 continue
             if g.flat.gatherer is not None:  # the shard was updated: hpZ's copy is stale
                 g.flat.gatherer.invalidate()

@@ -27,9 +27,10 @@ bytes this rank contributes, as gloo's would be; its waits are not collectives o
 per operation: a rank starts writing operation n+2 only after it passed operation n+1's wait,
 which every rank reaches only after it finished reading operation n.
 
-Memory: ``2 * world * SLOT_BYTES`` of shared pages per group at most (world 2: 32 MiB; less
-where the largest param group is smaller, ``limit``; none until an operation needs the slots),
-mapped by every rank (RssShmem), whatever the model or bucket size: larger tensors go through in
+Memory: ``2 * world * SLOT_BYTES`` of shared pages per group (world 2: 32 MiB), reserved in the
+segment directory when the transport is built (no room there: gloo from the start), of which the
+operations touch less where the largest param group is smaller (``limit``); mapped by every rank
+(RssShmem), whatever the model or bucket size: larger tensors go through in
 slot-sized pieces. The file is unlinked as soon as every rank mapped it
 (``inference.shm_allreduce.map_segment``): a killed job leaves nothing in ``/dev/shm``.
 
@@ -85,9 +86,9 @@ class SharedMemoryCollectives:
     def __init__(self, group: Any, slot_bytes: int = SLOT_BYTES, segment: Any = None):
         self.group, self.slot_bytes = group, slot_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        # the slots: ``segment`` (``2 * world * slot_bytes`` or more), else mapped at their first use
-        self._map = segment
-        self._bytes = None if segment is None else torch.frombuffer(segment, dtype=torch.uint8)
+        # the slots: ``segment`` (``2 * world * slot_bytes`` or more, from ``build``), else mapped here
+        self._map = segment or map_segment(group, 2 * self.world * slot_bytes, "zero")
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._used = False  # an operation ran: the slot size is fixed
         self._set = 0  # the slot set the next operation uses
         self._flag = torch.zeros(1, dtype=torch.int32)
@@ -119,12 +120,8 @@ class SharedMemoryCollectives:
             self.slot_bytes = max(64, min(self.slot_bytes, -(-nbytes // 64) * 64))
 
     def _slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every rank's whole slot of the current set as values of ``dtype``, in rank order
-        (mapped at the first call: every operation is collective, so every rank maps it here)."""
+        """Every rank's whole slot of the current set as values of ``dtype``, in rank order."""
         self._used = True
-        if self._bytes is None:
-            self._map = map_segment(self.group, 2 * self.world * self.slot_bytes, "zero")
-            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         base, n = self._set * self.world * self.slot_bytes, self.slot_bytes // dtype.itemsize * dtype.itemsize
         return [self._bytes[base + r * self.slot_bytes:base + r * self.slot_bytes + n].view(dtype)
                 for r in range(self.world)]
