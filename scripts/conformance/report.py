@@ -80,6 +80,15 @@ def load(path: Path) -> SideRun:
     return SideRun({n: Result(**r) for n, r in data["results"].items()}, data["collect_errors"])
 
 
+def load_recorded(results: Path, side: str) -> SideRun:
+    """One side's outcomes as a results file (``conformance.json``) records them; empty if absent."""
+    if not results.exists():
+        return SideRun()
+    data = json.loads(results.read_text())
+    return SideRun({n: Result(**r) for n, r in data["tests"].get(side, {}).items()},
+                   data.get("collect_errors", {}).get(side, {}))
+
+
 def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 

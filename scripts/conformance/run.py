@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     for side in SIDES:
         # Each side's outcomes accumulate over runs: a run of some files replaces only theirs.
         store = args.work / f"{side}.results.json"
-        runs[side] = report.load(store) if store.exists() else report.SideRun()
+        # A fresh checkout starts from the committed record, so a run of some files keeps the rest.
+        runs[side] = report.load(store) if store.exists() else report.load_recorded(args.results, side)
         if side in sides:
             build_venv(side, args.venvs / side, torch_version)
             started = time.monotonic()

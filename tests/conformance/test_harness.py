@@ -105,6 +105,16 @@ def test_saved_outcomes_load_back(tmp_path: Path) -> None:
     assert report.load(tmp_path / "side.json") == run
 
 
+def test_a_fresh_checkout_starts_from_the_recorded_outcomes(tmp_path: Path) -> None:
+    recorded = {"tests": {"dslaunch": {"a.py::t": {"outcome": "passed", "reason": ""}}},
+                "collect_errors": {"dslaunch": {"b.py": "E  ImportError"}}}
+    (tmp_path / "conformance.json").write_text(json.dumps(recorded))
+    run = report.load_recorded(tmp_path / "conformance.json", "dslaunch")
+    assert run == report.SideRun({"a.py::t": report.Result("passed")}, {"b.py": "E  ImportError"})
+    assert report.load_recorded(tmp_path / "conformance.json", "deepspeed") == report.SideRun()
+    assert report.load_recorded(tmp_path / "absent.json", "dslaunch") == report.SideRun()
+
+
 def _events(path: Path, lines: list[dict]) -> Path:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
