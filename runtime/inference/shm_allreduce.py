@@ -168,7 +168,17 @@ container's ``/dev/shm`` is small."""
 
 
 def segment_directory() -> str:
-    return os.environ.get(DIRECTORY_ENV) or "/dev/shm"
+    """``DIRECTORY_ENV``'s directory, else ``/dev/shm``.
+
+    Raises:
+        DslaunchError: ``DIRECTORY_ENV`` names no directory (a typo is not "no room": the user
+            asked for that place, so gloo in its stead would hide the mistake).
+    """
+    chosen = os.environ.get(DIRECTORY_ENV)
+    if chosen and not os.path.isdir(chosen):
+        raise DslaunchError(f"{DIRECTORY_ENV}={chosen[:200]}: not a directory; name a tmpfs directory "
+                            "every rank on the host shares (e.g. /dev/shm), or unset it")
+    return chosen or "/dev/shm"
 
 
 def map_segment(group: Any, size: int, tag: str, directory: str | None = None,
