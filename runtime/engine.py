@@ -25,6 +25,7 @@ from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
 from dslaunch.runtime.config import DeepSpeedConfig, with_batch
+from dslaunch.runtime.data_pipeline.curriculum_scheduler import legacy_scheduler
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
 from dslaunch.runtime.engine_setup import (
@@ -114,6 +115,8 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
         self._window_start = 0  # the micro step the accumulation windows count from (set_train_batch_size)
         self._heartbeat = reporter()  # None outside dslaunch
+        half = config.fp16.enabled or config.bf16.enabled
+        self.curriculum_scheduler_legacy = legacy_scheduler(config.curriculum_learning, half)  # DeepSpeed's name
         if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
             from dslaunch.runtime.comm import comm
 
@@ -137,8 +140,18 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         # memory (ALST's offload; deepspeed.checkpointing's own inputs follow the key in storage.py)
         offload = CheckpointHiddenStatesOffload() if self._config.activation_checkpointing.cpu_checkpointing \
             else contextlib.nullcontext()
+        if self.curriculum_scheduler_legacy is not None and self.module.training:
+            kwargs = self.curriculum_scheduler_legacy.forward_kwargs(kwargs, self.global_steps + 1)
         with self.events.phase("forward"), offload:
             return self.module(*args, **kwargs)
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self._config.curriculum_learning.enabled
+
+    def curriculum_params_legacy(self) -> dict | bool:
+        """The ``curriculum_learning`` block as given, less ``enabled`` (False without one), as DeepSpeed's."""
+        block = self._config.raw.get("curriculum_learning")
+        return {k: v for k, v in block.items() if k != "enabled"} if block is not None else False
 
     def _check_tp_inputs(self, args: tuple, kwargs: dict) -> None:
         """The first batch must be the same on every tensor slice (as DeepSpeed checks it): slices

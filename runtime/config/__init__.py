@@ -15,7 +15,7 @@
   ``monitor.py`` (the launcher's ``monitor`` block), ``pipeline.py``, ``tensor_parallel.py``,
   ``expert_parallel.py`` (AutoEP),
   ``memory_checkpoint.py`` (dslaunch's ``memory_checkpoint`` block), ``layout_invariant.py``
-  (dslaunch's ``layout_invariant`` block).
+  (dslaunch's ``layout_invariant`` block), ``curriculum.py`` (``curriculum_learning``).
 - ``deepspeed_defaults.py``: DeepSpeed 0.19.8's own defaults (data), which the tests and the docs'
   config reference compare dslaunch's with.
 

@@ -28,6 +28,7 @@ from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.config.batch import BATCH_KEYS, batch_triad, elastic_triad
 from dslaunch.runtime.config.client_forms import client_forms
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
+from dslaunch.runtime.config.curriculum import CurriculumLearningConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig
 from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
 from dslaunch.runtime.config.file import check_shape, read_config_file
@@ -80,7 +81,8 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "comet": CometConfig, "comms_logger": CommsLoggerConfig,
              "pipeline": PipelineConfig, "autotuning": AutotuningConfig,
              "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig,
-             "expert_parallel": ExpertParallelConfig, "layout_invariant": LayoutInvariantConfig}
+             "expert_parallel": ExpertParallelConfig, "layout_invariant": LayoutInvariantConfig, "curriculum_learning":
+             CurriculumLearningConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -185,10 +187,9 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     hierarchical_allreduce: str = "topology"
     """Gradient all-reduce within nodes first where ranks share nodes (not DeepSpeed's key)."""
     shared_memory_collectives: str = "on"  # see docs/zero-offload.md
-    """The ZeRO engine's gradient reductions, shard publish and stage 3 gathers through shared
-    memory where every data-parallel rank runs on this host on gloo ("on", the default; "auto"
-    too), or never ("never"). ``DSLAUNCH_SHM_COLLECTIVES`` overrides it: ``0`` off, ``1`` on.
-    Not DeepSpeed's key."""
+    """The ZeRO engine's gradient reductions, shard publish and stage 3 gathers through shared memory
+    where every data-parallel rank runs on this host on gloo ("on", the default; "auto" too), or never
+    ("never"). ``DSLAUNCH_SHM_COLLECTIVES`` overrides it: ``0`` off, ``1`` on. Not DeepSpeed's key."""
     zero_allow_untested_optimizer: bool = False
     dataloader_drop_last: bool = False
     use_data_before_expert_parallelism: bool = False
@@ -202,9 +203,9 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     """Read by ``deepspeed.checkpointing`` (``initialize`` configures it when the block is given)."""
-    """dslaunch's own block: the launcher reads it (``monitor.py``); validated here too."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Read only when the model is a ``PipelineModule`` (``runtime/pipe/engine.py``)."""
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
@@ -214,15 +215,16 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     comet: CometConfig = field(default_factory=CometConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
+    """Read by ``dslaunch --autotuning`` and, inside an experiment, by the engine's profiler."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     """AutoTP training: ``autotp_size`` ranks split each layer (``runtime/tensor_parallel/``)."""
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     """AutoEP: a Hugging Face MoE model's experts spread over ``autoep_size`` ranks (``runtime/moe/autoep.py``)."""
-    """Read by ``dslaunch --autotuning`` and, inside an experiment, by the engine's profiler."""
     memory_checkpoint: MemoryCheckpointConfig = field(default_factory=MemoryCheckpointConfig)
     """dslaunch's own block: snapshots in host memory a restart resumes from (``checkpoint/memory.py``)."""
     layout_invariant: LayoutInvariantConfig = field(default_factory=LayoutInvariantConfig)
     """dslaunch's own block: reductions in one fixed order at any tensor, expert or data degree."""
+    curriculum_learning: CurriculumLearningConfig = field(default_factory=CurriculumLearningConfig)
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
@@ -462,6 +464,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
                      "activation_checkpointing.contiguous_memory_optimization")
     check_packages(cfg.monitor_config)
     cfg.autotuning.check()
+    cfg.curriculum_learning.check()
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization

@@ -186,6 +186,11 @@ class PipelineEngine(DeepSpeedEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
+        if self.curriculum_scheduler_legacy is not None:
+            # as DeepSpeed's: the stages read the difficulty themselves (nothing is passed to a
+            # stage's forward); every message carries its shapes, so a new seqlen needs no reset
+            self.curriculum_scheduler_legacy.update_difficulty(self.global_steps + 1)
+            self.curriculum_scheduler_legacy.first_step = False
         self.zero.pre_forward()
         batch = _Batch(self.micro_batches, train=True)
         self._batch_timer.start()
