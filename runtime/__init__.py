@@ -2,10 +2,12 @@
 
 - entry points and engines: ``api.py`` (``initialize`` and DeepSpeed's other entry points),
   ``engine.py`` (``DeepSpeedEngine``), ``engine_setup.py`` (assembling its parts once),
-  ``engine_checkpoint.py`` (its checkpoint methods), ``pipe/`` (the pipeline engine),
+  ``engine_checkpoint.py`` (its checkpoint methods), ``engine_settings.py`` (its getters of the
+  settings), ``pipe/`` (the pipeline engine),
   ``inference/`` (``init_inference``).
 - what the engine delegates to: ``config/`` (the ds_config), ``zero/`` (the ZeRO strategies),
-  ``precision/`` (dtypes and loss scaling), ``optim/``, ``lr_schedules/``, ``checkpoint/``,
+  ``precision/`` (dtypes and loss scaling), ``torch_autocast.py`` (forwards under
+  ``torch.autocast``), ``optim/``, ``lr_schedules/``, ``checkpoint/``,
   ``dataloader.py``, ``activation_checkpointing/``, ``moe/``, ``tensor_parallel/``,
   ``sequence_parallel/``, ``parallel/`` (topology and process groups), ``dist.py``
   (process-group setup), ``comm/`` (the collectives, DeepSpeed's ``deepspeed.comm``),
@@ -18,7 +20,8 @@
 - tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line).
 - DeepSpeed's import paths answered from the above: ``utils.py``,
   ``config_utils.py``, ``precision_config.py``, ``bf16_optimizer.py``, ``fp16/``,
-  ``swap_tensor/``, and the refused ``data_pipeline/`` and ``domino/``.
+  ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused) and the refused
+  ``domino/``.
 
 Submodules are attributes after a bare import (``dslaunch.runtime.lr_schedules``), imported on
 first access, as DeepSpeed's ``deepspeed.runtime`` offers them.

@@ -28,6 +28,7 @@ from dslaunch.runtime.config import DeepSpeedConfig, with_batch
 from dslaunch.runtime.data_pipeline.curriculum_scheduler import legacy_scheduler
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
+from dslaunch.runtime.engine_settings import EngineSettings
 from dslaunch.runtime.engine_setup import (
     build_components,
     data_loader,
@@ -41,12 +42,13 @@ from dslaunch.runtime.parallel import deepspeed_groups as groups
 from dslaunch.runtime.parallel.from_config import grid_from_config
 from dslaunch.runtime.parallel.mpu import gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.runtime.torch_autocast import Autocast
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
 __all__ = ["DeepSpeedEngine"]
 
 
-class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
     """Wraps ``module`` for data-parallel training configured by a ``DeepSpeedConfig``.
 
     Use ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` every micro step;
@@ -98,7 +100,8 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self.training_dataloader = parts.dataloader
         self.loss_scaler = PrecisionPolicy.loss_scaler(config)
         # A step with inf/NaN gradients is skipped under fp16, and under bf16 unless switched off (DeepSpeed's rules)
-        self._skips_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
+        self._skips_overflow = PrecisionPolicy.scales_loss(config) or (config.bf16.enabled and config.bf16.check_grad_overflow)
+        self._autocast = Autocast.from_config(config.torch_autocast, self.device)  # forwards under torch.autocast
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.dp_world_size = self.grid.get_data_parallel_world_size()
@@ -115,7 +118,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
         self._window_start = 0  # the micro step the accumulation windows count from (set_train_batch_size)
         self._heartbeat = reporter()  # None outside dslaunch
-        half = config.fp16.enabled or config.bf16.enabled
+        half = config.fp16.enabled or config.bf16.enabled or config.torch_autocast.enabled
         self.curriculum_scheduler_legacy = legacy_scheduler(config.curriculum_learning, half)  # DeepSpeed's name
         if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
             from dslaunch.runtime.comm import comm
@@ -142,16 +145,8 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
             else contextlib.nullcontext()
         if self.curriculum_scheduler_legacy is not None and self.module.training:
             kwargs = self.curriculum_scheduler_legacy.forward_kwargs(kwargs, self.global_steps + 1)
-        with self.events.phase("forward"), offload:
+        with self.events.phase("forward"), offload, self._autocast():
             return self.module(*args, **kwargs)
-
-    def curriculum_enabled_legacy(self) -> bool:
-        return self._config.curriculum_learning.enabled
-
-    def curriculum_params_legacy(self) -> dict | bool:
-        """The ``curriculum_learning`` block as given, less ``enabled`` (False without one), as DeepSpeed's."""
-        block = self._config.raw.get("curriculum_learning")
-        return {k: v for k, v in block.items() if k != "enabled"} if block is not None else False
 
     def _check_tp_inputs(self, args: tuple, kwargs: dict) -> None:
         """The first batch must be the same on every tensor slice (as DeepSpeed checks it): slices
@@ -226,7 +221,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
 
     def _complete_plain_backward(self) -> None:
         """The script's own ``loss.backward()``: finish what ``engine.backward`` would have."""
-        if self._config.fp16.enabled:
+        if PrecisionPolicy.scales_loss(self._config):
             raise UsageError("engine.step() after loss.backward(): with fp16 the loss must be scaled "
                              "before backward; call engine.backward(loss) instead of loss.backward()")
         self._backward_epilogue()
@@ -424,30 +419,6 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
 
     def _use_batch(self, config: DeepSpeedConfig) -> None:
         self._config, self._window_start = config, self.micro_steps
-
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.zero.stage
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-
-    def fp16_enabled(self) -> bool:
-        return self._config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self._config.bf16.enabled
-
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
 
     # ----- module weights, as DeepSpeed's nn.Module engine ---------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:  # type: ignore[override]

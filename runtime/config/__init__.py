@@ -4,7 +4,7 @@
 - ``ds_config.py``: the whole config and its cross-checks (``load_config`` -> ``DeepSpeedConfig``);
   ``batch.py``: the batch triad, completed from the sizes given or the ``elasticity`` block;
   ``client_forms.py``: what libraries write into a ds_config that a user would not (``"auto"``
-  left unfilled, dotted keys).
+  left unfilled, dotted keys); ``legacy.py``: DeepSpeed's older spellings in today's form.
 - ``sections.py``: the one way a section is parsed, and the small sections (``fp16``, ``bf16``,
   ``checkpoint``, ``optimizer``/``scheduler``); ``param_schema.py``: the checkers of every value
   and of free-form ``params`` dicts.
@@ -15,7 +15,8 @@
   ``monitor.py`` (the launcher's ``monitor`` block), ``pipeline.py``, ``tensor_parallel.py``,
   ``expert_parallel.py`` (AutoEP),
   ``memory_checkpoint.py`` (dslaunch's ``memory_checkpoint`` block), ``layout_invariant.py``
-  (dslaunch's ``layout_invariant`` block), ``curriculum.py`` (``curriculum_learning``).
+  (dslaunch's ``layout_invariant`` block), ``curriculum.py`` (``curriculum_learning``),
+  ``torch_autocast.py``.
 - ``deepspeed_defaults.py``: DeepSpeed 0.19.8's own defaults (data), which the tests and the docs'
   config reference compare dslaunch's with.
 

@@ -34,6 +34,7 @@ from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
 from dslaunch.runtime.config.layout_invariant import LayoutInvariantConfig
+from dslaunch.runtime.config.legacy import legacy_forms
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
 from dslaunch.runtime.config.monitor import MonitorConfig
 from dslaunch.runtime.config.monitors import (
@@ -58,7 +59,8 @@ from dslaunch.runtime.config.sections import (
     reject_unimplemented,
 )
 from dslaunch.runtime.config.tensor_parallel import TensorParallelConfig
-from dslaunch.runtime.config.zero import AioConfig, ZeroConfig, legacy_zero_forms
+from dslaunch.runtime.config.torch_autocast import TorchAutocastConfig
+from dslaunch.runtime.config.zero import AioConfig, ZeroConfig
 from dslaunch.runtime.parallel.from_config import config_dims, data_world_size
 from dslaunch.runtime.zero.registry import STAGES, stage_choices
 
@@ -82,7 +84,7 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "pipeline": PipelineConfig, "autotuning": AutotuningConfig,
              "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig,
              "expert_parallel": ExpertParallelConfig, "layout_invariant": LayoutInvariantConfig, "curriculum_learning":
-             CurriculumLearningConfig}
+             CurriculumLearningConfig, "torch_autocast": TorchAutocastConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -225,6 +227,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     layout_invariant: LayoutInvariantConfig = field(default_factory=LayoutInvariantConfig)
     """dslaunch's own block: reductions in one fixed order at any tensor, expert or data degree."""
     curriculum_learning: CurriculumLearningConfig = field(default_factory=CurriculumLearningConfig)
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
+    """Forwards under ``torch.autocast`` (``runtime/torch_autocast.py``)."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None
@@ -338,7 +342,7 @@ def _read(source: Any) -> tuple[Mapping[str, Any], str | None]:
 
 def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_world: bool = True
            ) -> DeepSpeedConfig:
-    raw = _legacy_forms(raw)
+    raw = legacy_forms(raw)
     # The batch sizes have no default for an unfilled "auto" to fall back on: they stay errors.
     forms = client_forms(raw, _SECTIONS, {k: v for k, v in _SCALARS.items() if k not in BATCH_KEYS})
     values: dict[str, Any] = {}
@@ -373,28 +377,6 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_wo
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=notes, **values)
     _cross_check(cfg)
     return cfg
-
-
-def _legacy_forms(given: Mapping[str, Any]) -> dict[str, Any]:
-    """DeepSpeed's older spellings, still in its docs, in today's form (a copy; ``given`` is kept).
-
-    ``bfloat16`` is ``bf16``; ``"zero_optimization": true`` is stage 1 (false: stage 0), with the
-    top-level ``allgather_size`` as its ``allgather_bucket_size``; ``zero_optimization.cpu_offload``
-    and ``cpu_offload_param`` are the offload sections (``legacy_zero_forms``).
-    """
-    raw = dict(given)
-    if "bfloat16" in raw:
-        if "bf16" in raw:
-            raise ConfigError("give either 'bf16' or its alias 'bfloat16', not both", key="bfloat16")
-        raw["bf16"] = raw.pop("bfloat16")
-    if isinstance(raw.get("zero_optimization"), bool):
-        zero: dict[str, Any] = {"stage": int(raw["zero_optimization"])}
-        if "allgather_size" in raw:
-            zero["allgather_bucket_size"] = raw.pop("allgather_size")
-        raw["zero_optimization"] = zero
-    if isinstance(raw.get("zero_optimization"), Mapping):
-        raw["zero_optimization"] = legacy_zero_forms(raw["zero_optimization"])
-    return raw
 
 
 def _scalar(key: str, value: Any) -> Any:

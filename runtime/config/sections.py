@@ -235,7 +235,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "memory_breakdown": False, "dump_state": False, "log_level": None,
     "disable_python_gc": False,  # DeepSpeed 0.19's switch to turn off Python's cyclic GC in training
     # precision and numerics
-    "amp": _enabled(), "torch_autocast": _enabled(),
+    "amp": _enabled(),
     "data_types": Off({"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None}),
     "fp32_allreduce": False, "disable_allgather": False, "sparse_gradients": False,
     "managed_gradient_accumulation": True,  # dslaunch steps at the accumulation boundary

@@ -328,7 +328,8 @@ class PipelineEngine(DeepSpeedEngine):
     def _exec_forward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         key, last = (ins.micro_batch, ins.chunk), self._ends(ins.chunk)[1]
         with self.events.phase("forward"):
-            out = self.module(batch.inputs[key], chunk=ins.chunk)
+            with self._autocast():
+                out = self.module(batch.inputs[key], chunk=ins.chunk)
             if last:
                 if batch.keep_logits:
                     batch.logits.append(out)

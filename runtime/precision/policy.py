@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.config.sections import Fp16Config
 from dslaunch.runtime.precision.loss_scaler import LossScaler, build_loss_scaler
+from dslaunch.runtime.torch_autocast import scales_loss
 
 __all__ = ["PrecisionPolicy"]
 
@@ -39,5 +41,13 @@ class PrecisionPolicy:
 
     @staticmethod
     def loss_scaler(cfg: DeepSpeedConfig) -> LossScaler:
-        """The loss scaler strategy: dynamic/static for fp16, a no-op scaler otherwise."""
+        """The loss scaler strategy: dynamic/static for fp16, dynamic (the fp16 block's defaults)
+        for float16 ``torch_autocast``, a no-op scaler otherwise."""
+        if not cfg.fp16.enabled and scales_loss(cfg.torch_autocast):
+            return build_loss_scaler(Fp16Config(enabled=True))
         return build_loss_scaler(cfg.fp16)
+
+    @staticmethod
+    def scales_loss(cfg: DeepSpeedConfig) -> bool:
+        """The loss is scaled: ``engine.backward`` must see it (a plain ``loss.backward()`` cannot)."""
+        return cfg.fp16.enabled or scales_loss(cfg.torch_autocast)

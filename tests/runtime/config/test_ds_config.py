@@ -250,7 +250,7 @@ def test_sections_at_their_off_values_are_accepted() -> None:
     ("data_efficiency", {"enabled": True}, {"enabled": False}),
     ("amp", {"enabled": True, "opt_level": "O1"}, {"enabled": False, "opt_level": "O1"}),
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
-    ("graph_harvesting", True, False), ("torch_autocast", {"enabled": True}, {"enabled": False}),
+    ("graph_harvesting", True, False),
     ("compile", {"deepcompile": True}, {"deepcompile": False}),
     ("managed_gradient_accumulation", False, True), ("log_level", "debug", None),
 ])

@@ -1,0 +1,64 @@
+"""DeepSpeed's engine getters of its settings (``engine.fp16_enabled()``, ``engine.train_batch_size()``,
+...): what the config and the engine's parts answer, under DeepSpeed's names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dslaunch.runtime.torch_autocast import get_default_autocast_lower_precision_modules
+
+__all__ = ["EngineSettings"]
+
+
+class EngineSettings:
+    """Mixed into ``DeepSpeedEngine``: reads its ``_config``, ``zero`` and ``loss_scaler``."""
+
+    _config: Any
+    zero: Any
+    loss_scaler: Any
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero.stage
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self._config.curriculum_learning.enabled
+
+    def curriculum_params_legacy(self) -> dict | bool:
+        """The ``curriculum_learning`` block as given, less ``enabled`` (False without one), as DeepSpeed's."""
+        block = self._config.raw.get("curriculum_learning")
+        return {k: v for k, v in block.items() if k != "enabled"} if block is not None else False
+
+    def torch_autocast_enabled(self) -> bool:
+        return self._config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """The forwards' autocast dtype (None when ``torch_autocast`` is off, as DeepSpeed's)."""
+        autocast = self._config.torch_autocast
+        return getattr(torch, autocast.dtype) if autocast.enabled else None
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        names = self._config.torch_autocast.lower_precision_safe_modules
+        return get_default_autocast_lower_precision_modules() if names is None else list(names)
