@@ -7,7 +7,7 @@
   ``inference/`` (``init_inference``).
 - what the engine delegates to: ``config/`` (the ds_config), ``zero/`` (the ZeRO strategies),
   ``precision/`` (dtypes and loss scaling), ``torch_autocast.py`` (forwards under
-  ``torch.autocast``), ``optim/``, ``lr_schedules/``, ``checkpoint/``,
+  ``torch.autocast``), ``progressive_layer_drop.py`` (the keep probability handed to forwards), ``optim/``, ``lr_schedules/``, ``checkpoint/``,
   ``dataloader.py``, ``activation_checkpointing/``, ``moe/``, ``tensor_parallel/``,
   ``sequence_parallel/``, ``parallel/`` (topology and process groups), ``dist.py``
   (process-group setup), ``comm/`` (the collectives, DeepSpeed's ``deepspeed.comm``),

@@ -42,6 +42,7 @@ from dslaunch.runtime.parallel import deepspeed_groups as groups
 from dslaunch.runtime.parallel.from_config import grid_from_config
 from dslaunch.runtime.parallel.mpu import gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
+from dslaunch.runtime.progressive_layer_drop import ProgressiveLayerDrop
 from dslaunch.runtime.torch_autocast import Autocast
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
@@ -120,6 +121,8 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self._heartbeat = reporter()  # None outside dslaunch
         half = config.fp16.enabled or config.bf16.enabled or config.torch_autocast.enabled
         self.curriculum_scheduler_legacy = legacy_scheduler(config.curriculum_learning, half)  # DeepSpeed's name
+        pld = config.progressive_layer_drop
+        self.progressive_layer_drop = ProgressiveLayerDrop(pld.theta, pld.gamma) if pld.enabled else None
         if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
             from dslaunch.runtime.comm import comm
 
@@ -143,8 +146,11 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         # memory (ALST's offload; deepspeed.checkpointing's own inputs follow the key in storage.py)
         offload = CheckpointHiddenStatesOffload() if self._config.activation_checkpointing.cpu_checkpointing \
             else contextlib.nullcontext()
-        if self.curriculum_scheduler_legacy is not None and self.module.training:
-            kwargs = self.curriculum_scheduler_legacy.forward_kwargs(kwargs, self.global_steps + 1)
+        if self.module.training:  # what DeepSpeed's engine hands a training forward
+            if self.progressive_layer_drop is not None:
+                kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}
+            if self.curriculum_scheduler_legacy is not None:
+                kwargs = self.curriculum_scheduler_legacy.forward_kwargs(kwargs, self.global_steps + 1)
         with self.events.phase("forward"), offload, self._autocast():
             return self.module(*args, **kwargs)
 
@@ -232,6 +238,8 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
 
         collective: all ranks.
         """
+        if self.progressive_layer_drop is not None:  # before the step is counted, as DeepSpeed's
+            self.progressive_layer_drop.update_state(self.global_steps)
         with self.events.phase("step"):
             result = self.zero.step(self.loss_scaler.loss_scale, self._config.gradient_clipping,
                                     check_overflow=self._skips_overflow)

@@ -48,8 +48,7 @@ class EngineSettings:
 
     def curriculum_params_legacy(self) -> dict | bool:
         """The ``curriculum_learning`` block as given, less ``enabled`` (False without one), as DeepSpeed's."""
-        block = self._config.raw.get("curriculum_learning")
-        return {k: v for k, v in block.items() if k != "enabled"} if block is not None else False
+        return _block_params(self._config.raw, "curriculum_learning")
 
     def torch_autocast_enabled(self) -> bool:
         return self._config.torch_autocast.enabled
@@ -62,3 +61,26 @@ class EngineSettings:
     def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
         names = self._config.torch_autocast.lower_precision_safe_modules
         return get_default_autocast_lower_precision_modules() if names is None else list(names)
+
+    def pld_enabled(self) -> bool:
+        return self._config.progressive_layer_drop.enabled
+
+    def pld_params(self) -> dict | bool:
+        """The ``progressive_layer_drop`` block as given, less ``enabled`` (False without one), as DeepSpeed's."""
+        return _block_params(self._config.raw, "progressive_layer_drop")
+
+    def pld_theta(self) -> float:
+        return self._config.progressive_layer_drop.theta
+
+    def pld_gamma(self) -> float:
+        return self._config.progressive_layer_drop.gamma
+
+    def get_pld_theta(self) -> float | None:
+        """The keep probability now (None without progressive layer drop)."""
+        pld = getattr(self, "progressive_layer_drop", None)
+        return pld.get_theta() if pld is not None else None
+
+
+def _block_params(raw: Any, key: str) -> dict | bool:
+    block = raw.get(key)
+    return {k: v for k, v in block.items() if k != "enabled"} if block is not None else False

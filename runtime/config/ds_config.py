@@ -47,6 +47,7 @@ from dslaunch.runtime.config.monitors import (
 )
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.pipeline import PipelineConfig
+from dslaunch.runtime.config.progressive_layer_drop import ProgressiveLayerDropConfig
 from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
     Bf16Config,
@@ -84,7 +85,8 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "pipeline": PipelineConfig, "autotuning": AutotuningConfig,
              "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig,
              "expert_parallel": ExpertParallelConfig, "layout_invariant": LayoutInvariantConfig, "curriculum_learning":
-             CurriculumLearningConfig, "torch_autocast": TorchAutocastConfig}
+             CurriculumLearningConfig, "torch_autocast": TorchAutocastConfig,
+             "progressive_layer_drop": ProgressiveLayerDropConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -229,6 +231,7 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     curriculum_learning: CurriculumLearningConfig = field(default_factory=CurriculumLearningConfig)
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     """Forwards under ``torch.autocast`` (``runtime/torch_autocast.py``)."""
+    progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None

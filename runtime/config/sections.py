@@ -249,7 +249,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
                                  "sparse_pruning": _COMPRESSION, "row_pruning": _COMPRESSION,
                                  "head_pruning": _COMPRESSION, "channel_pruning": _COMPRESSION,
                                  "layer_reduction": _enabled()}),
-    "quantize_training": _enabled(), "eigenvalue": _enabled(), "progressive_layer_drop": _enabled(),
+    "quantize_training": _enabled(), "eigenvalue": _enabled(),
     "data_efficiency": _enabled(),
     "compile": Off({"deepcompile": False}, switch="deepcompile"), "graph_harvesting": False,
     # checkpoint engines

@@ -460,6 +460,9 @@ class PipelineEngine(DeepSpeedEngine):
 
 def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
     stage = config.zero_optimization.stage
+    if config.progressive_layer_drop.enabled:
+        raise ConfigError("not with a PipelineModule: its stages take no keyword arguments to drop layers by "
+                          "(DeepSpeed fails there with a TypeError); set it to false", key="progressive_layer_drop.enabled")
     if stage == 3:
         raise ConfigError("ZeRO stage 3 cannot be combined with pipeline parallelism (a PipelineModule); "
                           "use zero_optimization.stage 0, 1 or 2", key="zero_optimization.stage")
