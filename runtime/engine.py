@@ -146,6 +146,8 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         # memory (ALST's offload; deepspeed.checkpointing's own inputs follow the key in storage.py)
         offload = CheckpointHiddenStatesOffload() if self._config.activation_checkpointing.cpu_checkpointing \
             else contextlib.nullcontext()
+        if self._config.fp16.enabled and self._config.fp16.auto_cast:
+            args = PrecisionPolicy.half_inputs(args)
         if self.module.training:  # what DeepSpeed's engine hands a training forward
             if self.progressive_layer_drop is not None:
                 kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}

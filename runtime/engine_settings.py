@@ -37,6 +37,9 @@ class EngineSettings:
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
 
+    def fp16_auto_cast(self) -> bool:
+        return self._config.fp16.auto_cast
+
     def bfloat16_enabled(self) -> bool:
         return self._config.bf16.enabled
 

@@ -162,7 +162,9 @@ class Fp16Config:
     min_loss_scale: float = _opt(1.0, number(0.0, MAX_LOSS_SCALE, low_open=True),
                                  "the smallest dynamic scale, e.g. 1")
 
-    UNIMPLEMENTED = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+    auto_cast: bool = _opt(False, boolean, "true to cast the forward's floating-point positional inputs to fp16")
+
+    UNIMPLEMENTED = {"fp16_master_weights_and_grads": False}
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ The loss scaler itself is a strategy (``loss_scaler.py``), built from the parsed
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +47,18 @@ class PrecisionPolicy:
         if not cfg.fp16.enabled and scales_loss(cfg.torch_autocast):
             return build_loss_scaler(Fp16Config(enabled=True))
         return build_loss_scaler(cfg.fp16)
+
+    @staticmethod
+    def half_inputs(inputs: Any) -> Any:
+        """``fp16.auto_cast``: every floating-point tensor in ``inputs`` (through lists, tuples and
+        dicts) as fp16, the rest as it is, as DeepSpeed's engine casts a forward's positional inputs."""
+        if isinstance(inputs, list | tuple):
+            return type(inputs)(PrecisionPolicy.half_inputs(v) for v in inputs)
+        if isinstance(inputs, dict):
+            return {k: PrecisionPolicy.half_inputs(v) for k, v in inputs.items()}
+        if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+            return inputs.half()
+        return inputs
 
     @staticmethod
     def scales_loss(cfg: DeepSpeedConfig) -> bool:
