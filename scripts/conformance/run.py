@@ -46,7 +46,8 @@ def side_packages(side: str) -> list[str]:
         # transformers: DeepSpeed's AutoTP training finds a model's layers through it (the
         # checkpoint interop tests run it); the compat venv's pin
         return ["--no-build-isolation", f"deepspeed=={DEEPSPEED_VERSION}", "transformers==5.23.0"]
-    return ["-e", str(REPO), "-e", str(REPO / "compat" / "deepspeed")]
+    # transformers as on DeepSpeed's side: tests build Hugging Face models under zero.Init
+    return ["-e", str(REPO), "-e", str(REPO / "compat" / "deepspeed"), "transformers==5.23.0"]
 
 
 def build_venv(side: str, venv: Path, torch_version: str) -> None:
