@@ -109,8 +109,8 @@ def _deepspeed_state(folder: Path, exclude_frozen: bool) -> StateDict:
 def _tied(out: StateDict, shared: dict[str, str] | None) -> StateDict:
     """Each further name of a tied parameter gets its first name's tensor, the one object (its fp32
     master, not the 16-bit copy the module file kept), as DeepSpeed's export ties them."""
-    for alias, first in (shared or {}).items():
-        if alias in out and first in out:
+    for alias, first in (shared.items() if isinstance(shared, dict) else ()):
+        if isinstance(first, str) and alias in out and first in out and out[alias].shape == out[first].shape:
             out[alias] = out[first]
     return out
 

@@ -395,7 +395,8 @@ _CONTENT = st.one_of(st.sampled_from([b"[" * 50_000, b"x" * 300, b"x" * 300_000,
                      _JSON.map(lambda v: json.dumps(v).encode()))
 _PATHS = ["latest", "{tag}", "{tag}/manifest.json", "{tag}/module.dsl", "{tag}/zero_rank_00000.dsl",
           "{tag}/rank_00000.dsl", "newer", "newer/manifest.json", ".tmp-{tag}", "{tag}/../other"]
-_META_KEYS = ["world_size", "partition", "module_keys", "frozen_parameters", "exclude_frozen_parameters", "stage"]
+_META_KEYS = ["world_size", "partition", "module_keys", "frozen_parameters", "exclude_frozen_parameters", "stage",
+              "shared_params"]
 _EDIT = st.one_of(
     st.tuples(st.just("write"), st.sampled_from(_PATHS), _CONTENT),
     st.tuples(st.just("remove"), st.sampled_from(_PATHS), st.none()),
