@@ -330,3 +330,15 @@ def test_unwrap_model_for_generation_holds_every_parameter_whole_and_training_go
     for whole, same, released, losses, expected in run_world(_unwrapped, 2):
         assert whole and same and released
         assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_mics_is_refused_in_one_line() -> None:
+    """``deepspeed.zero.MiCS_Init`` imports (a script may import it at its top) and refuses on use."""
+    import dslaunch.zero
+    from dslaunch.errors import NotInDslaunchError
+    from dslaunch.runtime import zero
+
+    assert dslaunch.zero.MiCS_Init is zero.MiCS_Init
+    with pytest.raises(NotInDslaunchError, match=r"^dslaunch\.runtime\.zero\.mics\.MiCS_Init: MiCS .* is not in dslaunch; "
+                       r"use deepspeed\.zero\.Init with ZeRO stage 3"):
+        dslaunch.zero.MiCS_Init(config_dict_or_path={"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
