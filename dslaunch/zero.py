@@ -2,9 +2,11 @@
 
 ``Init``, ``GatheredParameters``, ``ZeroParamStatus``, ``register_external_parameter`` and
 ``unregister_external_parameter``, defined in ``dslaunch.runtime.zero.partition_parameters``
-(DeepSpeed's path for them too). Importing this module imports torch.
+(DeepSpeed's path for them too), and ``MiCS_Init`` (refused on use: ``dslaunch.runtime.zero.mics``).
+Importing this module imports torch.
 """
 
+from dslaunch.runtime.zero.mics import MiCS_Init
 from dslaunch.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -14,4 +16,4 @@ from dslaunch.runtime.zero.partition_parameters import (
 )
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter"]
+           "unregister_external_parameter", "MiCS_Init"]

@@ -58,6 +58,9 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
     collective: construct, ``backward`` and ``step`` on all ranks.
     """
 
+    # DeepSpeed's names of the embeddings reduced as sparse tensors: none (sparse_gradients is refused)
+    sparse_tensor_module_names: frozenset[str] = frozenset()
+
     def __init__(self, model: torch.nn.Module, config: DeepSpeedConfig, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                  collate_fn: Any = None, mpu: Any = None):
@@ -132,6 +135,20 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self.flops_profiler = built.flops_profiler  # DeepSpeed's: the FlopsProfiler of the profiled step
         self.monitor = built.monitor  # DeepSpeed's engine.monitor
         self._work = built.work
+
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped model's attributes the engine does not have (``engine.generate(...)``), as
+        DeepSpeed's engine passes them through; the engine's own come first."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (``module`` itself)
+        except AttributeError as own:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise own from None  # names the engine, as DeepSpeed's message does
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

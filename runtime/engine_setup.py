@@ -29,6 +29,7 @@ from dslaunch.runtime.parallel.groups import ep_size_of
 from dslaunch.runtime.parallel.mpu import counted_in_norm, gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.zero.exchange import GradientExchange, TreeAllReduce, build_exchange
+from dslaunch.runtime.zero.leaf_modules import apply_leaf_config
 from dslaunch.runtime.zero.offload.swap import SwapSettings
 from dslaunch.runtime.zero.registry import strategy_class
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, ReduceGroup
@@ -57,6 +58,7 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     collective: call on all ranks.
     """
     zero_cfg = cfg.zero_optimization
+    apply_leaf_config(module, zero_cfg.leaf_module)  # before stage 3's hooks read the flags
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
         return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
     groups = _param_groups(module, optimizer, model_parameters, tensor_axis(grid, "rank"))

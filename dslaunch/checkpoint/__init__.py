@@ -1,6 +1,7 @@
 """``dslaunch.checkpoint`` (DeepSpeed's ``deepspeed.checkpoint``): helpers for saving what the
-engine holds with ``torch.save`` (``utils.py``: ``clone_tensors_for_torch_save``). The engine's
-own checkpoints are ``dslaunch.runtime.checkpoint``.
+engine holds with ``torch.save`` (``utils.py``: ``clone_tensors_for_torch_save``), and the
+universal-checkpoint converter (``ds_to_universal.py``). The engine's own checkpoints are
+``dslaunch.runtime.checkpoint``.
 """
 
 from dslaunch.runtime.checkpoint.universal import (

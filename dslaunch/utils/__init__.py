@@ -17,16 +17,21 @@ Submodules and names are imported on first access, so ``import dslaunch.utils`` 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
+# ``z3_leaf_module`` is not among them: as in DeepSpeed, that name is the function of the same name.
+_SHADOWED = frozenset({"z3_leaf_module"})
 _SUBMODULES = ("beat", "groups", "hostlist", "logging", "numa", "ports", "refused", "restart", "timer", "torch",
-               "z3_leaf_module", "zero_to_fp32")
+               "zero_to_fp32")
 
 # name -> module that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
 _NAMES = {
     **dict.fromkeys(("logger", "log_dist", "log_dist_once", "print_dist"), f"{__name__}.logging"),
     **dict.fromkeys(("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
-                     "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module"), f"{__name__}.z3_leaf_module"),
+                     "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
+                     "set_z3_leaf_modules_by_suffix"), "dslaunch.runtime.zero.leaf_modules"),
     # the ZeRO state of one parameter, at any stage (import torch on first access)
     **dict.fromkeys(("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                      "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
@@ -40,6 +45,20 @@ _NAMES = {
 }
 
 __all__ = [*_SUBMODULES, *_NAMES]
+
+
+class _Package(types.ModuleType):
+    """Keeps ``_SHADOWED`` names for their functions: importing the submodule of the same name
+    (``import dslaunch.utils.z3_leaf_module``) would otherwise bind the module there, and
+    ``from deepspeed.utils import z3_leaf_module`` must give the function, as DeepSpeed's does."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

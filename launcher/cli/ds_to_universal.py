@@ -3,7 +3,8 @@
 A thin click command with DeepSpeed's ``ds_to_universal`` flag names: ``dslaunch.runtime.checkpoint.
 universal.convert`` does the work; an input folder that is no checkpoint tag is refused before torch
 is imported (seconds), which happens only once the input is known to be one. DeepSpeed's
-worker-count flags are accepted and have nothing to tune here (one process converts).
+worker-count, temp-folder, strictness and state-injection flags are accepted and have nothing to
+tune here (one process converts, straight into the output, always checking every parameter).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ __all__ = ["command"]
 @click.option("--output_folder", required=True, help="the universal tag folder to write (latest_universal beside it)")
 @click.option("--num_extract_workers", type=int, default=4, hidden=True, help="accepted as DeepSpeed's; unused")
 @click.option("--num_merge_workers", type=int, default=2, hidden=True, help="accepted as DeepSpeed's; unused")
-def command(input_folder: str, output_folder: str, num_extract_workers: int, num_merge_workers: int) -> int:
+@click.option("--keep_temp_folder", is_flag=True, hidden=True, help="accepted as DeepSpeed's; no temp folder is made")
+@click.option("--no_strict", is_flag=True, hidden=True, help="accepted as DeepSpeed's; every parameter is checked")
+@click.option("--inject_missing_state", is_flag=True, hidden=True,
+              help="accepted as DeepSpeed's; no universal_checkpoint_info is needed")
+def command(input_folder: str, output_folder: str, num_extract_workers: int, num_merge_workers: int,
+            keep_temp_folder: bool, no_strict: bool, inject_missing_state: bool) -> int:
     """Convert a DeepSpeed-format checkpoint tag into a universal checkpoint (load it with
     "checkpoint": {"load_universal": true} at any world size and ZeRO stage)."""
     tag_folder_format(Path(input_folder))

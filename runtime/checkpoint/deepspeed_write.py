@@ -66,7 +66,7 @@ from dslaunch.runtime.checkpoint.reshard import assemble
 from dslaunch.runtime.checkpoint.store import CheckpointStore
 from dslaunch.runtime.checkpoint.writer import TagWrite
 from dslaunch.runtime.moe.autoep_state import local_layout
-from dslaunch.runtime.zero.full_state import module_state_dict
+from dslaunch.runtime.zero.full_state import module_state_dict, shared_params
 
 __all__ = ["DEEPSPEED_VERSION", "deepspeed_job"]
 
@@ -229,18 +229,6 @@ def _buffer_names(module: torch.nn.Module) -> list[str]:
     return out
 
 
-def _shared_params(module: torch.nn.Module) -> dict[str, str]:
-    """Each further name of a tied parameter -> its first name."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            out[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return out
-
-
 def _frozen(module: torch.nn.Module, sd: dict, rank: int, world: int, partitioned: bool) -> tuple[dict, dict]:
     """``frozen_param_shapes`` and this rank's ``frozen_param_fragments`` (stage 3: its slice)."""
     shapes, frags = OrderedDict(), OrderedDict()
@@ -272,7 +260,7 @@ def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: 
              "optimizer": _stage0_optimizer(groups) if not zero and parts.optimizer is not None else None,
              "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in zip(g["names"], g["shapes"], strict=True))
                               for g in groups] if zero and parts.optimizer is not None else None,
-             "frozen_param_shapes": frozen[0], "shared_params": _shared_params(module) if zero else None,
+             "frozen_param_shapes": frozen[0], "shared_params": shared_params(module) if zero else None,
              "frozen_param_fragments": frozen[1], "lr_scheduler": training.get("lr_scheduler"),
              "data_sampler": None, "random_ltd": None, "skipped_steps": int(training["skipped_steps"]),
              "global_steps": int(training["global_steps"]), "global_samples": int(training["global_samples"]),

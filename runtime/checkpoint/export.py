@@ -103,6 +103,15 @@ def _deepspeed_state(folder: Path, exclude_frozen: bool) -> StateDict:
         frozen = name not in ds.fp32 and name not in buffers
         if torch.is_tensor(value) and not (exclude_frozen and frozen):
             out[name] = value.float().clone() if value.is_floating_point() else value.clone()
+    return _tied(out, ds.states.get("shared_params"))
+
+
+def _tied(out: StateDict, shared: dict[str, str] | None) -> StateDict:
+    """Each further name of a tied parameter gets its first name's tensor, the one object (its fp32
+    master, not the 16-bit copy the module file kept), as DeepSpeed's export ties them."""
+    for alias, first in (shared.items() if isinstance(shared, dict) else ()):
+        if isinstance(first, str) and alias in out and first in out and out[alias].shape == out[first].shape:
+            out[alias] = out[first]
     return out
 
 
@@ -139,7 +148,7 @@ def _consolidate(store: CheckpointStore, tag: str, exclude_frozen: bool) -> Stat
             value = module[name]
             out[name] = value.float().clone() if value.is_floating_point() else value.clone()
     out.update(masters)
-    return out
+    return _tied(out, manifest.meta.get("shared_params"))
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike, tag: str | None = None,
@@ -246,13 +255,23 @@ def _require_safetensors(where: Path) -> None:
                          "(pip install safetensors), or write the torch format (.bin/.pt)") from None
 
 
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, a copy for each further name of a tied one: safetensors refuses
+    tensors that share memory."""
+    seen: set[int] = set()
+    out = {}
+    for name, value in state.items():
+        out[name] = value.clone() if id(value) in seen else value.contiguous()
+        seen.add(id(value))
+    return out
+
+
 def _write(state: dict[str, torch.Tensor], output: Path) -> None:
     if output.suffix == ".safetensors":
         from safetensors.torch import save_file
 
         # "format": "pt" is what transformers checks before loading a safetensors file.
-        write_atomic(output, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
-                                               metadata={"format": "pt"}))
+        write_atomic(output, lambda tmp: save_file(_unshared(state), str(tmp), metadata={"format": "pt"}))
     else:
         write_atomic(output, lambda tmp: torch.save(state, tmp))
 

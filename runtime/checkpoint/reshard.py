@@ -85,6 +85,9 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     for key in ("module_keys", "frozen_parameters"):
         if key in meta and not (isinstance(meta[key], list) and all(isinstance(k, str) for k in meta[key])):
             return f"meta {key!r} is not a list of names"
+    shared = meta.get("shared_params", {})
+    if not (isinstance(shared, dict) and all(isinstance(v, str) for v in shared.values())):
+        return "meta 'shared_params' is not a map of names"
     return None
 
 

@@ -80,7 +80,7 @@ from dslaunch.runtime.moe.autoep_state import (
     unconverted_state_dict,
     whole_untrained,
 )
-from dslaunch.runtime.zero.full_state import load_module_state_dict, module_state_dict
+from dslaunch.runtime.zero.full_state import load_module_state_dict, module_state_dict, shared_params
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
 
@@ -223,6 +223,8 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
             "exclude_frozen_parameters": exclude_frozen_parameters,
             # lets zero-to-fp32 tell frozen params from buffers (exclude_frozen_parameters there)
             "frozen_parameters": frozen, "module_keys": list(module_sd), "module": module_meta,
+            # zero-to-fp32 gives a tied parameter's every name its one fp32 master
+            "shared_params": shared_params(parts.module),
             "untrained_experts": untrained}  # global names: a load takes those it holds (own_untrained)
     if place is not None:
         records = ck.comm.all_gather_object({**record, "frozen": frozen, "module": module_meta})

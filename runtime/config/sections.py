@@ -277,6 +277,11 @@ def _stage3_only(cls: type, key: str) -> bool:
     return getattr(cls, "STAGE3_ALIASES", {}).get(key, key) in getattr(cls, "STAGE3_ONLY", ())
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default; a fresh one from its factory (a list field must not share one list)."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def parse_section(cls: type, raw: Any, prefix: str) -> Any:
     """Parse ``raw`` (a dict or None) into the frozen dataclass ``cls``.
 
@@ -303,7 +308,7 @@ def parse_section(cls: type, raw: Any, prefix: str) -> Any:
             continue  # the default stands ("auto" is what DeepSpeed's default means there)
         elif key in names or not _stage3_only(cls, key):
             known[key] = value
-    fields = {f.name: Option(f.default, f.metadata["check"]) for f in dataclasses.fields(cls)}
+    fields = {f.name: Option(_default(f), f.metadata["check"]) for f in dataclasses.fields(cls)}
     # INERT keys are checked like the others (and suggested for typos), then dropped.
     inert = {key: Option(None, check) for key, check in getattr(cls, "INERT", {}).items()}
     params = check_params(known, {**fields, **inert}, prefix, f"section '{prefix}'")

@@ -8,16 +8,17 @@ Parsed by ``sections.parse_section`` like every section; ``runtime.zero.config``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.sections import ANY, _only, _opt, optional, parse_section
 from dslaunch.runtime.zero.registry import stage_choices
 
-__all__ = ["ZeroConfig", "OffloadConfig", "AioConfig", "offload_optimizer_section", "offload_param_section",
-           "legacy_zero_forms"]
+__all__ = ["ZeroConfig", "OffloadConfig", "AioConfig", "LeafModuleConfig", "offload_optimizer_section",
+           "offload_param_section", "legacy_zero_forms", "DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES",
+           "DEFAULT_LEAF_MODULE_NAME_SUFFIXES"]
 
 
 def _offload_device(path: str, value: Any) -> str:
@@ -74,6 +75,52 @@ class AioConfig:
     INERT = {"thread_count": integer(1), "single_submit": boolean,  # noqa: RUF012
              "overlap_events": boolean, "intra_op_parallelism": integer(1)}
     UNIMPLEMENTED = {"use_gds": False}  # noqa: RUF012
+
+
+# Hugging Face MoE blocks run their experts in a data-dependent order: DeepSpeed flags them as ZeRO-3
+# leaf modules unless the config says otherwise (its defaults, by the same names).
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
+def _names(path: str, value: Any) -> list[str]:
+    """A string or a list of strings, as a list without repeats (DeepSpeed's coercion)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) and v for v in items):
+        raise ConfigError(f"must be a name or a list of names, e.g. [\"experts\"], got {describe(value)}", key=path)
+    return list(dict.fromkeys(items))
+
+
+@dataclass(frozen=True)
+class LeafModuleConfig:
+    """``zero_optimization.leaf_module``: modules ZeRO-3 gathers whole on entry (their children's
+    parameters with them), by class, by ``named_modules()`` name, or by name suffix; applied when
+    the engine is built (``runtime/zero/leaf_modules.py``)."""
+
+    classes: list[str] = field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES),
+                               metadata={"check": _names, "help": "class names, plain or with their module, "
+                                         "e.g. [\"MyMoEBlock\"]"})
+    names: list[str] = field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES),
+                             metadata={"check": _names, "help": "module names as named_modules() gives them, "
+                                       "e.g. [\"model.layers.0.mlp\"]"})
+    name_suffixes: list[str] = field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES),
+                                     metadata={"check": _names, "help": "endings of module names, e.g. [\"experts\"]"})
+    UNIMPLEMENTED: ClassVar[dict[str, Any]] = {}
+
+    @property
+    def customized(self) -> bool:
+        """Whether the config changed any of DeepSpeed's defaults (then a miss is worth a warning)."""
+        return (self.classes != DEFAULT_LEAF_MODULE_CLASSES or self.names != DEFAULT_LEAF_MODULE_NAMES
+                or self.name_suffixes != DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+
+
+def _leaf_module(path: str, value: Any) -> LeafModuleConfig:
+    return parse_section(LeafModuleConfig, {} if value is None else value, path)
 
 
 def _offload_section(foreign: Mapping[str, str], **defaults: Any) -> Callable[[str, Any], OffloadConfig]:
@@ -179,6 +226,8 @@ class ZeroConfig:
                                             "{\"device\": \"cpu\"} (stages 1-3)")
     offload_param: OffloadConfig = _opt(OffloadConfig(buffer_count=5), _offload_param, "an object such as "
                                         "{\"device\": \"cpu\"} (stage 3)")
+    leaf_module: LeafModuleConfig = _opt(LeafModuleConfig(), _leaf_module, "an object such as "
+                                         "{\"classes\": [\"MyMoEBlock\"]} (stage 3)")
 
     # DeepSpeed keys not implemented here -> when they are off.
     def __post_init__(self) -> None:
@@ -234,7 +283,7 @@ class ZeroConfig:
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
         "model_persistence_threshold", "module_granularity_threshold", "use_all_reduce_for_fetch_params",
         "allgather_sequential", "partition_stream_chunk_size", "zeropp_loco_param", "log_trace_cache_warnings",
-        "pipeline_loading_checkpoint", "override_module_apply", "memory_efficient_linear", "leaf_module",
+        "pipeline_loading_checkpoint", "override_module_apply", "memory_efficient_linear",
         "save_muon_momentum_buffer_in_memory"))
 
 

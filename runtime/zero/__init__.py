@@ -35,11 +35,14 @@ asks the stage again. What lives where:
 - ``offload/``: the optimizer step of an offloaded master (``offload_optimizer``): buckets,
   transfers overlapped with the update, the optimizer state in host memory or NVMe swap files;
   stage 3's parameter shards on NVMe (``offload_param``, ``offload/param_store.py``).
+- ``leaf_modules.py``: the ZeRO-3 leaf-module flags (``set_z3_leaf_modules`` and the
+  ``zero_optimization.leaf_module`` section) the fetcher reads.
 - DeepSpeed's import paths: ``config.py`` (``DeepSpeedZeroConfig``), ``offload_config.py``,
+  ``leaf_module_config.py``, ``mics.py`` (MiCS, refused on use),
   ``stage_1_and_2.py`` (its memory estimator), ``tiling.py`` (``TiledLinear``), ``muon/``.
 
-Importing this package does not import torch (``Init``, ``GatheredParameters``, ``ZeroParamStatus``
-and the external-parameter functions resolve on first access, as ``deepspeed.runtime.zero``'s).
+Importing this package does not import torch (``Init``, ``GatheredParameters``, ``ZeroParamStatus``,
+``unwrap_model_for_generation`` and the external-parameter functions resolve on first access, as ``deepspeed.runtime.zero``'s).
 """
 
 from __future__ import annotations
@@ -50,12 +53,14 @@ from typing import Any
 from dslaunch.runtime.zero.registry import STAGES, STRATEGIES, strategy_class
 
 _API = ("Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-        "unregister_external_parameter")
+        "unregister_external_parameter", "unwrap_model_for_generation")
 
-__all__ = ["STAGES", "STRATEGIES", "strategy_class", *_API]
+__all__ = ["STAGES", "STRATEGIES", "strategy_class", *_API, "MiCS_Init"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "MiCS_Init":  # refused on use (``mics.py``)
+        return importlib.import_module(f"{__name__}.mics").MiCS_Init
     if name not in _API:
         raise AttributeError(f"module 'dslaunch.runtime.zero' has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.partition_parameters"), name)

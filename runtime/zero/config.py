@@ -17,6 +17,7 @@ from typing import Any
 
 from dslaunch.runtime.config.sections import parse_section
 from dslaunch.runtime.config.zero import (
+    LeafModuleConfig,
     OffloadConfig,
     ZeroConfig,
     legacy_zero_forms,
@@ -25,7 +26,8 @@ from dslaunch.runtime.config.zero import (
 )
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
-           "OffloadDeviceEnum", "OffloadStateTypeEnum", "ZeroStageEnum", "ZeroConfig", "OffloadConfig"]
+           "OffloadDeviceEnum", "OffloadStateTypeEnum", "ZeroStageEnum", "ZeroConfig", "OffloadConfig",
+           "DeepSpeedZeroLeafModuleConfig"]
 
 
 class ZeroStageEnum(int, Enum):
@@ -99,3 +101,13 @@ class DeepSpeedZeroOffloadParamConfig(metaclass=_SectionName):
     @staticmethod
     def _parse(section: dict[str, Any]) -> OffloadConfig:
         return offload_param_section("zero_optimization.offload_param", section)
+
+
+class DeepSpeedZeroLeafModuleConfig(metaclass=_SectionName):
+    """``DeepSpeedZeroLeafModuleConfig(classes=[...], ...)``: a parsed ``LeafModuleConfig``."""
+
+    _parsed = LeafModuleConfig
+
+    @staticmethod
+    def _parse(section: dict[str, Any]) -> LeafModuleConfig:
+        return parse_section(LeafModuleConfig, section, "zero_optimization.leaf_module")

@@ -27,7 +27,7 @@ from dslaunch.runtime.zero.fragment import GRAD, PARAM, Fragment, locate, rank_t
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
-           "safe_update_full_grad_vectorized", "module_state_dict", "load_module_state_dict"]
+           "safe_update_full_grad_vectorized", "module_state_dict", "load_module_state_dict", "shared_params"]
 
 
 def _shape(param: torch.nn.Parameter) -> torch.Size:
@@ -122,6 +122,18 @@ def safe_update_full_grad_vectorized(param_list: Iterable[torch.nn.Parameter],
                 p.grad.copy_(update_func(p.grad, p))
             continue
         safe_set_full_grad(p, update_func(safe_get_full_grad(p), p))
+
+
+def shared_params(module: torch.nn.Module) -> dict[str, str]:
+    """Each further name of a tied parameter -> its first name (DeepSpeed's ``shared_params``)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
 
 
 def module_state_dict(module: torch.nn.Module, exclude_frozen: bool = False,

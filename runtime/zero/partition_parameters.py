@@ -10,6 +10,8 @@ Same names, signatures and behaviour as ``deepspeed.runtime.zero.partition_param
 - ``GatheredParameters(params, modifier_rank=None)``: the parameters are whole inside the block;
   with ``modifier_rank`` what that rank wrote is broadcast and stored in every shard on exit,
   otherwise changes are dropped. Parameters that are not partitioned pass through untouched.
+- ``unwrap_model_for_generation(engine)``: a ``GatheredParameters`` over all of the engine's
+  parameters, yielding the engine (generation gathers nothing per step); training goes on after it.
 - ``register_external_parameter(module, param)``: ``module``'s forward also gathers ``param``
   (a parameter of another module it reads directly).
 - Inside ``Init`` torch's tensor constructors (``torch.tensor``, ``empty``, ``zeros``, ``ones``,
@@ -46,7 +48,7 @@ from dslaunch.runtime.zero.partition import partition_range
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
            "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor", "OnDevice",
-           "MultipleAllGatherHandles", "partitioned_param_data_shape"]
+           "MultipleAllGatherHandles", "partitioned_param_data_shape", "unwrap_model_for_generation"]
 
 # The shape of a partitioned parameter's ``.data`` outside a gather (``params._placeholder``)
 partitioned_param_data_shape = [0]
@@ -309,3 +311,18 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     """Undo ``register_external_parameter``."""
     external_params(module).pop(id(parameter), None)
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any) -> Any:
+    """Every parameter of ``model`` (an engine or a module) whole inside the block, which yields
+    ``model``: generation runs without a gather per module and step (DeepSpeed's helper for it).
+
+    Changes to the weights inside are dropped, as with ``GatheredParameters``. The stage-3 hooks stay
+    installed (DeepSpeed removes and re-adds its own): on parameters held whole they gather and release
+    nothing. Below stage 3 it does nothing.
+
+    collective: call on all ranks.
+    """
+    with GatheredParameters(model.parameters()):
+        yield model

@@ -46,7 +46,8 @@ def side_packages(side: str) -> list[str]:
         # transformers: DeepSpeed's AutoTP training finds a model's layers through it (the
         # checkpoint interop tests run it); the compat venv's pin
         return ["--no-build-isolation", f"deepspeed=={DEEPSPEED_VERSION}", "transformers==5.23.0"]
-    return ["-e", str(REPO), "-e", str(REPO / "compat" / "deepspeed")]
+    # transformers as on DeepSpeed's side: tests build Hugging Face models under zero.Init
+    return ["-e", str(REPO), "-e", str(REPO / "compat" / "deepspeed"), "transformers==5.23.0"]
 
 
 def build_venv(side: str, venv: Path, torch_version: str) -> None:
@@ -123,6 +124,7 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
         lock.unlink()
     run = report.SideRun()
     remaining = list(files)
+    cuts = 0
     log = events.with_suffix(".log").open("w")
     while remaining:
         proc = subprocess.Popen(command + remaining, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -148,7 +150,10 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
         last = started[-1]
         remaining = remaining[remaining.index(last) + 1:] if last in remaining else []
         print(f"conformance: {side}: {why} in {last}; going on", flush=True)
-        events.rename(events.with_suffix(f".{len(run.results)}.jsonl"))
+        # numbered by pytest process: len(run.results) counts every collected test, the same after each
+        # cut, so a second cut overwrote the first one's events
+        cuts += 1
+        events.rename(events.with_suffix(f".part{cuts}.jsonl"))
     log.close()
     return run
 

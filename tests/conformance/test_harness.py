@@ -181,3 +181,31 @@ def test_long_files_get_their_own_cap_and_are_files_of_the_suite() -> None:
     long_file = next(iter(run.LONG_FILES))
     assert run._file_limit(long_file, 420) == 420 * run.LONG_FILES[long_file] > 420
     assert run._file_limit("unit/runtime/test_ds_config_dict.py", 420) == run._file_limit(None, 420) == 420
+
+
+@pytest.mark.timeout(120)
+def test_each_file_cut_by_its_cap_keeps_its_own_events_file(tmp_path: Path) -> None:
+    """Two files that hang, each cut at the file cap: the run goes on after each, both files'
+    unfinished tests count as failed, and each pytest process's events stay on disk (a second cut
+    once overwrote the first one's)."""
+    import argparse
+
+    import run as conformance_run
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "unit").mkdir()
+    files = []
+    for name in ("a", "b", "c"):
+        body = "import time\n\ndef test_hang():\n    time.sleep(60)\n" if name != "c" else "def test_ok():\n    pass\n"
+        (tmp_path / "unit" / f"test_{name}.py").write_text(body)
+        files.append(f"unit/test_{name}.py")
+    args = argparse.Namespace(local_size=2, test_timeout=60, no_distributed=False, file_timeout=3)
+    events = tmp_path / "side.jsonl"
+    venv = Path(sys.executable).parent.parent
+    result = conformance_run.run_side("dslaunch", venv, tmp_path, files, events, args)
+    outcomes = {n: r.outcome for n, r in result.results.items()}
+    assert outcomes == {"unit/test_a.py::test_hang": "failed", "unit/test_b.py::test_hang": "failed",
+                        "unit/test_c.py::test_ok": "passed"}
+    parts = sorted(p.name for p in tmp_path.glob("side.part*.jsonl"))
+    assert parts == ["side.part1.jsonl", "side.part2.jsonl"]
+    assert "test_a.py" in (tmp_path / parts[0]).read_text() and "test_b.py" in (tmp_path / parts[1]).read_text()

@@ -138,3 +138,41 @@ def test_set_train_batch_size_changes_the_accumulation_window_from_the_next_step
         assert out["boundaries"] == [False, True, False, True, False, False, True, False, False, True]
         assert (out["steps"], out["samples"]) == (4, 2 * 8 + 2 * 12)
         assert out["sizes"] == (1 * 2 * 3, 1, 3)  # the micro batch changed, the accumulation steps stayed
+
+
+class _WithMethods(torch.nn.Module):
+    """A model with its own methods and attributes, as scripts call them on the engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.tag = "mine"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).sum()
+
+    def magic(self, x: int) -> int:
+        return x + 41
+
+
+def _pass_through(rank: int, world: int, stage: int) -> tuple[int, str, bool, str, bool]:
+    import dslaunch
+
+    model = _WithMethods()
+    engine, *_ = dslaunch.initialize(model=model, config=_cfg(1, stage))
+    try:
+        message = f"found {engine.not_there!r}"
+    except AttributeError as e:
+        message = str(e)
+    # the engine's own names win over the model's (both have ``forward``, ``parameters``)
+    own = engine.forward.__self__ is engine and engine.optimizer is not None
+    return engine.magic(1), engine.tag, engine.proj is model.proj, message, own
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_engine_answers_the_models_attributes(stage: int) -> None:
+    """``engine.magic()`` calls the model's method (DeepSpeed's engine passes unknown names on)."""
+    for answer, tag, same, message, own in run_world(_pass_through, 2, stage):
+        assert (answer, tag, same, own) == (42, "mine", True, True)
+        assert "'DeepSpeedEngine' object has no attribute 'not_there'" in message

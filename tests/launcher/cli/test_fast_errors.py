@@ -77,3 +77,16 @@ def test_bad_input_is_one_line_without_importing_torch(tmp_path: Path) -> None:
         assert (got["code"], got["torch"]) == (code, False), (case, got)
         lines = got["err"].splitlines()  # one line; argparse's usage may come before it
         assert words in lines[-1] and (len(lines) == 1 or lines[0].startswith("usage:")), (case, got["err"])
+
+
+@pytest.mark.timeout(60)
+def test_deepspeeds_ds_to_universal_module_takes_its_flags(tmp_path: Path) -> None:
+    """``python -m deepspeed.checkpoint.ds_to_universal`` with all of DeepSpeed's flags: a folder that
+    is no tag is one line (its package imports torch, so this one is not torch-free)."""
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(tmp_path), "--output_folder", str(tmp_path / "out"), "--no_strict",
+                           "--inject_missing_state", "--keep_temp_folder", "--num_extract_workers", "1",
+                           "--num_merge_workers", "1"], capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": str(COMPAT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "is neither a DeepSpeed checkpoint tag folder" in proc.stderr

@@ -343,10 +343,15 @@ def _save_own_layout(rank: int, world: int, save: str) -> dict:
 
 @pytest.mark.timeout(600)
 def test_ds_to_universal_converts_dslaunchs_own_layout(tmp_path: Path) -> None:
-    from dslaunch.runtime.checkpoint.universal import convert
+    from types import SimpleNamespace
+
+    from dslaunch.checkpoint.ds_to_universal import main as convert_to_universal
 
     ours = run_world(_save_own_layout, 2, str(tmp_path / "ck"), timeout=240)  # ZeRO-2 at world 2, manifest
-    convert(tmp_path / "ck" / "global_step3", tmp_path / "uni" / "global_step3_universal")
+    # DeepSpeed's module and its parsed arguments, as its tests and Megatron's scripts call it
+    convert_to_universal(SimpleNamespace(
+        input_folder=str(tmp_path / "ck" / "global_step3"), output_folder=str(tmp_path / "uni" / "global_step3_universal"),
+        num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
     got = run_world(_continue_universal, 1, 3, str(tmp_path / "uni"), timeout=240)  # ZeRO-3 at world 1
     want, have = _mean_losses(ours, skip=SAVE_AT), _mean_losses(got)
     assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)

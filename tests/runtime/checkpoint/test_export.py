@@ -395,7 +395,8 @@ _CONTENT = st.one_of(st.sampled_from([b"[" * 50_000, b"x" * 300, b"x" * 300_000,
                      _JSON.map(lambda v: json.dumps(v).encode()))
 _PATHS = ["latest", "{tag}", "{tag}/manifest.json", "{tag}/module.dsl", "{tag}/zero_rank_00000.dsl",
           "{tag}/rank_00000.dsl", "newer", "newer/manifest.json", ".tmp-{tag}", "{tag}/../other"]
-_META_KEYS = ["world_size", "partition", "module_keys", "frozen_parameters", "exclude_frozen_parameters", "stage"]
+_META_KEYS = ["world_size", "partition", "module_keys", "frozen_parameters", "exclude_frozen_parameters", "stage",
+              "shared_params"]
 _EDIT = st.one_of(
     st.tuples(st.just("write"), st.sampled_from(_PATHS), _CONTENT),
     st.tuples(st.just("remove"), st.sampled_from(_PATHS), st.none()),
@@ -460,3 +461,56 @@ def test_any_checkpoint_tree_exports_or_fails_in_one_short_line(saved: dict, lat
             assert code == 0
             written = out if out.suffix else out / "pytorch_model.bin"
             assert written.is_file()
+
+
+class _Tied(torch.nn.Module):
+    """``second.weight`` is ``first.weight`` (a tied embedding and head, in small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(6, 6)
+        self.second = torch.nn.Linear(6, 6)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.first.weight.dtype)
+        return self.second(torch.tanh(self.first(x))).float().square().mean()
+
+
+def _train_tied(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
+    import dslaunch
+    from dslaunch.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(0)
+    model = _Tied()
+    engine, *_ = dslaunch.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 6)))
+        engine.step()
+    engine.save_checkpoint(root, tag="t")
+    return {n: safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(90)
+def test_tied_parameters_export_as_one_fp32_tensor(tmp_path: Path) -> None:
+    """A tied parameter's every name is its one fp32 master, the same tensor object (DeepSpeed's
+    export keeps the tie), never the 16-bit copy; safetensors output copies it per name."""
+    from tests.distributed import run_world
+
+    masters = run_world(_train_tied, 2, str(tmp_path / "ckpt"))[0]
+    state = z2f.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    assert state["second.weight"] is state["first.weight"]
+    torch.testing.assert_close(state["first.weight"], masters["first.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(state["second.bias"], masters["second.bias"], rtol=0, atol=0)
+    z2f.convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "bin")
+    loaded = torch.load(tmp_path / "bin" / "pytorch_model.bin")
+    assert loaded["second.weight"].data_ptr() == loaded["first.weight"].data_ptr()
+    if HAS_SAFETENSORS:
+        from safetensors.torch import load_file
+
+        z2f.convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "st", safe_serialization=True)
+        tensors = load_file(tmp_path / "st" / "model.safetensors")
+        torch.testing.assert_close(tensors["second.weight"], masters["first.weight"], rtol=0, atol=0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.runtime.models import make_model
+from tests.runtime.models import batches, make_model
 from tests.runtime.zero.equivalence import STEPS, assert_close, config, engine_losses
 
 V, D = 12, 8
@@ -287,3 +287,58 @@ def test_custom_function_saves_the_zero3_parameter_itself() -> None:
     """A custom autograd Function that saves a ZeRO-3 Parameter gets the Parameter back in backward
     (with its ``ds_*`` attributes) while stage 3's saved-tensor hooks run, and trains like torch."""
     run_world(_function_run, 2)
+
+
+def _unwrapped(rank: int, world: int) -> tuple[bool, bool, bool, list[float], list[float]]:
+    import dslaunch
+    from dslaunch.runtime.zero import unwrap_model_for_generation
+    from dslaunch.runtime.zero.partition_parameters import ZeroParamStatus
+
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    cfg = {"train_batch_size": 2 * world, "steps_per_print": 1000, "gradient_clipping": 0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = dslaunch.initialize(model=make_model(), config=cfg)
+    params = list(engine.module.parameters())
+    losses, expected = [], []
+    whole = same = True
+    for i, (tokens, labels) in enumerate(batches(3, 2 * world)):
+        loss = engine(tokens[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])
+        engine.backward(loss)
+        engine.step()
+        ref_losses = [ref(tokens[2 * r:2 * r + 2], labels[2 * r:2 * r + 2]) for r in range(world)]
+        (sum(ref_losses) / world).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        expected.append(ref_losses[rank].item())
+        if i == 0:  # between steps, as TRL generates between its training steps
+            with unwrap_model_for_generation(engine) as unwrapped, torch.no_grad():
+                whole = unwrapped is engine and all(
+                    p.ds_status is ZeroParamStatus.AVAILABLE and p.shape == q.shape
+                    for p, q in zip(params, ref.parameters(), strict=True))
+                same = all(torch.allclose(p, q, rtol=1e-5, atol=1e-7) for p, q in zip(params, ref.parameters(), strict=True))
+    released = all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in params)
+    return whole, same, released, losses, expected
+
+
+@pytest.mark.timeout(60)
+def test_unwrap_model_for_generation_holds_every_parameter_whole_and_training_goes_on() -> None:
+    """Inside the block every parameter is whole (the trained values); after it they are
+    partitioned again and the next steps train as plain torch."""
+    for whole, same, released, losses, expected in run_world(_unwrapped, 2):
+        assert whole and same and released
+        assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_mics_is_refused_in_one_line() -> None:
+    """``deepspeed.zero.MiCS_Init`` imports (a script may import it at its top) and refuses on use."""
+    import dslaunch.zero
+    from dslaunch.errors import NotInDslaunchError
+    from dslaunch.runtime import zero
+
+    assert dslaunch.zero.MiCS_Init is zero.MiCS_Init
+    with pytest.raises(NotInDslaunchError, match=r"^dslaunch\.runtime\.zero\.mics\.MiCS_Init: MiCS .* is not in dslaunch; "
+                       r"use deepspeed\.zero\.Init with ZeRO stage 3"):
+        dslaunch.zero.MiCS_Init(config_dict_or_path={"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
