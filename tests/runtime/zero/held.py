@@ -49,6 +49,21 @@ def held_storages(root: Any) -> dict[int, tuple[int, str]]:
     return out
 
 
-def held_bytes(root: Any, device: str | None = None) -> int:
-    """Bytes of the storages reachable from ``root`` (on ``device`` type only, if given)."""
-    return sum(n for n, dev in held_storages(root).values() if device is None or dev == device)
+def held_bytes(root: Any, device: str | None = None, outside: list[tuple[int, int]] | None = None) -> int:
+    """Bytes of the storages reachable from ``root`` (on ``device`` type only, if given; not those
+    starting inside one of the address ranges ``outside``, e.g. ``shared_segments()``)."""
+    return sum(n for ptr, (n, dev) in held_storages(root).items()
+               if (device is None or dev == device) and not any(lo <= ptr < hi for lo, hi in outside or ()))
+
+
+def shared_segments() -> list[tuple[int, int]]:
+    """The address ranges where this process maps dslaunch's shared-memory segments (their files
+    are named ``dslaunch-shm-*``; unlinked, so "(deleted)")."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "/dslaunch-shm-" in fields[5]:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges

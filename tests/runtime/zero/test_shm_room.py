@@ -14,8 +14,6 @@ import logging
 import math
 import os
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -24,24 +22,6 @@ from tests.distributed import run_world
 WIDTH = 1100  # 1.2M weights: 9.7 MB of a shared buffer at world 2, more than the room left
 TINY = 24  # 650 weights
 PAGE = 4096
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    mounted = tmp_path / "shm"
-    mounted.mkdir()
-
-    def mount(size: str) -> Path:
-        opts = f"size={size}" + (",remount" if os.path.ismount(mounted) else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mounted)],
-                              capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-        return mounted
-
-    yield mount
-    if os.path.ismount(mounted):
-        subprocess.run(["umount", "-l", str(mounted)], check=False)
 
 
 def _segments(directory: str) -> list[tuple[str, int]]:
