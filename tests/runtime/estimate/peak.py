@@ -25,7 +25,7 @@ def engine_peak(model: Any, config: dict, batch: Callable[[Any], Any], steps: in
     engine, *_ = dslaunch.initialize(model=model, config=config)
     if on_start is not None:
         on_start(engine)
-    shared = shared_segments() if private else []
+    shared = [(lo, hi) for _, lo, hi in shared_segments()] if private else []
     samples: list[int] = []
 
     def sample(*_: object) -> None:

@@ -7,6 +7,7 @@ buffers, reduce buckets, in-flight gathers, the optimizer's state), each storage
 
 from __future__ import annotations
 
+import os
 import types
 from collections import deque
 from typing import Any
@@ -56,14 +57,16 @@ def held_bytes(root: Any, device: str | None = None, outside: list[tuple[int, in
                if (device is None or dev == device) and not any(lo <= ptr < hi for lo, hi in outside or ()))
 
 
-def shared_segments() -> list[tuple[int, int]]:
-    """The address ranges where this process maps dslaunch's shared-memory segments (their files
-    are named ``dslaunch-shm-*``; unlinked, so "(deleted)")."""
-    ranges = []
+def shared_segments(directory: str = "") -> list[tuple[str, int, int]]:
+    """Where this process maps dslaunch's shared-memory segments (files named ``dslaunch-shm-*``,
+    in ``directory`` if given; unlinked, so "(deleted)"): each one's path and address range."""
+    found = []
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and "/dslaunch-shm-" in fields[5]:
+            path = fields[5].rstrip("\n").removesuffix(" (deleted)") if len(fields) == 6 else ""
+            where, name = os.path.split(path)
+            if name.startswith("dslaunch-shm-") and (not directory or where == str(directory)):
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                ranges.append((lo, hi))
-    return ranges
+                found.append((path, lo, hi))
+    return found

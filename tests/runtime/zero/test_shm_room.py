@@ -18,6 +18,7 @@ import shutil
 import pytest
 
 from tests.distributed import run_world
+from tests.runtime.zero.held import shared_segments
 
 WIDTH = 1100  # 1.2M weights: 9.7 MB of a shared buffer at world 2, more than the room left
 TINY = 24  # 650 weights
@@ -25,17 +26,10 @@ PAGE = 4096
 
 
 def _segments(directory: str) -> list[tuple[str, int]]:
-    """This process's mappings of segments in ``directory`` (unlinked, so "(deleted)"): each one's
-    tag (``zero``: slots, ``zero-buf``: shared buffers) and length, sorted."""
-    found = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(os.path.join(directory, "dslaunch-shm-")):
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                tag = "zero-buf" if "dslaunch-shm-zero-buf-" in fields[5] else "zero"
-                found.append((tag, hi - lo))
-    return sorted(found)
+    """This process's mappings of segments in ``directory``: each one's tag (``zero``: slots,
+    ``zero-buf``: shared buffers) and length, sorted."""
+    return sorted(("zero-buf" if "dslaunch-shm-zero-buf-" in path else "zero", hi - lo)
+                  for path, lo, hi in shared_segments(directory))
 
 
 def _train(rank: int, world: int, directory: str, stage: int, width: int = WIDTH) -> dict:
