@@ -92,7 +92,7 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                         shared_memory=cfg.shared_memory_collectives)
     model_parallel = grid.get_model_parallel_group() if grid.get_model_parallel_world_size() > 1 else None
     reduce_group = gradient_reduce_group(grid)
-    exchange = _exchange(cfg, optimizer, reduce_group)
+    exchange = _exchange(cfg, optimizer, reduce_group, groups)
     zero = strategy_class(zero_cfg.stage)(groups, _optimizer_factory(cfg, optimizer, exchange, groups), comm,
                                           process_group=reduce_group, module=module,
                                           model_parallel_group=model_parallel, exchange=exchange,
@@ -132,7 +132,7 @@ def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig) -> 
     return out
 
 
-def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> GradientExchange:
+def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any, groups: list[GroupSpec]) -> GradientExchange:
     """The strategy's gradient exchange: compressed for a config's 1-bit optimizer, else flat or
     hierarchical (``hierarchical_allreduce``). collective: all ranks."""
     from dslaunch.runtime.optim.registry import is_compressed
@@ -144,7 +144,8 @@ def _exchange(cfg: DeepSpeedConfig, client: Any, process_group: Any) -> Gradient
         from dslaunch.runtime.zero.zeropp import QuantizedReduceScatter
 
         return QuantizedReduceScatter.build(process_group)
-    return build_exchange(compressed, cfg.hierarchical_allreduce, process_group, cfg.shared_memory_collectives)
+    return build_exchange(compressed, cfg.hierarchical_allreduce, process_group, cfg.shared_memory_collectives,
+                          groups)
 
 
 def _swap_settings(cfg: DeepSpeedConfig, section: str) -> SwapSettings | None:

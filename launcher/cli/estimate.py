@@ -115,6 +115,8 @@ def _base_config(path: str | None) -> dict:
 @click.option("--flash_attention", is_flag=True, help="Attention stores no seq x seq scores.")
 @click.option("--no_attention", is_flag=True, help="Layers are residual MLP blocks without attention.")
 @click.option("--no_zero_init", is_flag=True, help="Stage 3 models not built under zero.Init.")
+@click.option("--accelerator", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cpu: ranks on the CPU (gloo); adds what /dev/shm must hold (docker run --shm-size).")
 @click.option("--gpu_memory", help="Device memory to fit: 80GB (GB = 2^30 bytes).")
 @click.option("--cpu_memory", help="Host memory per node to fit.")
 @click.option("--deepspeed_config", type=click.Path(dir_okay=False),
@@ -124,7 +126,8 @@ def _base_config(path: str | None) -> dict:
               help="Print DeepSpeed's own ZeRO-2/3 tables (its formulas) instead.")
 def command(params, largest_layer, hf_config, model, hidden, layers, heads, vocab, ffn, num_gpus, num_nodes,
             micro_batch, seq_len, precision, stages, offload, optimizer, pipeline, tensor, sequence, expert_parallel,
-            expert_params, num_experts, flash_attention, no_attention, no_zero_init, gpu_memory, cpu_memory, deepspeed_config, as_json, deepspeed_tables) -> int:
+            expert_params, num_experts, flash_attention, no_attention, no_zero_init, accelerator, gpu_memory, cpu_memory,
+            deepspeed_config, as_json, deepspeed_tables) -> int:
     """Per-GPU and per-node memory of every ZeRO stage, offload and precision, sorted by what fits."""
     from dslaunch.runtime.estimate import PRECISIONS, TrainingSetup
     from dslaunch.runtime.estimate import sweep as sw
@@ -143,7 +146,7 @@ def command(params, largest_layer, hf_config, model, hidden, layers, heads, voca
         click.echo(zero3_table(shape.params, shape.largest_layer, num_gpus, num_nodes))
         return 0
     overrides = {"gpus_per_node": num_gpus, "nodes": num_nodes, "seq_len": seq_len, "pipeline": pipeline,
-                 "flash_attention": flash_attention, "zero_init": not no_zero_init}
+                 "flash_attention": flash_attention, "zero_init": not no_zero_init, "accelerator": accelerator}
     overrides.update({k: v for k, v in (("micro_batch", micro_batch), ("optimizer", optimizer), ("sequence", sequence),
                                         ("expert_parallel", expert_parallel), ("tensor", tensor)) if v is not None})
     base = TrainingSetup.from_ds_config(_base_config(deepspeed_config), **overrides)

@@ -13,6 +13,13 @@ The model is dslaunch's engine as built (``runtime/zero/``), not a rule of thumb
   memory with ``offload_optimizer: cpu``, on disk with ``nvme``;
 - communication buffers: stage 2/3 reduce buckets (staging in the model dtype, up to
   ``MAX_INFLIGHT_BUFFERS + 1`` with ``overlap_comm``, else 1) of the largest bucket;
+- shared memory (``shared_memory_collectives``, CPU ranks whose data-parallel group is on one
+  host): ``/dev/shm`` segments instead of private buffers (``runtime/zero/shm.py``): the slots of
+  each transport (two sets of a slot per rank, the slot the largest piece one operation moves, at
+  most 8 MiB), and the buffers the ranks read from each other: the whole gradient at stages 0/1,
+  the flat weights at 1/2, the weight shards at 3 (not with ``offload_param``); those leave the
+  rank's private memory (``device``), and so do stage 3's gathered parameters inside one owner's
+  shard (views of it). Counted per host (``shm``): what ``--shm-size`` must hold;
 - stage 3's whole parameters while modules run: the persistent small ones always, and up to
   ``stage3_max_live_parameters`` elements (at least the largest layer) during forward/backward;
   none where one rank holds the whole shard where the modules run (its parameters are views of it);
@@ -48,9 +55,11 @@ from dslaunch.errors import UsageError
 from dslaunch.runtime.estimate.setup import MODEL_BYTES, OPTIMIZER_STATE_BYTES, TrainingSetup
 from dslaunch.runtime.estimate.shape import ModelShape
 
-__all__ = ["Parts", "MemoryEstimate", "estimate_memory", "MAX_INFLIGHT_BUFFERS"]
+__all__ = ["Parts", "MemoryEstimate", "estimate_memory", "MAX_INFLIGHT_BUFFERS", "SLOT_BYTES"]
 
 MAX_INFLIGHT_BUFFERS = 2  # runtime/zero/reducer.py's; a test keeps the two equal
+SLOT_BYTES = 8 << 20  # runtime/zero/shm.py's: the largest shared-memory slot; a test keeps the two equal
+PAGE = 4096  # a tmpfs segment holds whole pages
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,9 @@ class Parts:
     def __add__(self, other: Parts) -> Parts:
         return Parts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
+    def __sub__(self, other: Parts) -> Parts:
+        return Parts(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
     def scaled(self, k: int) -> Parts:
         return Parts(**{f.name: getattr(self, f.name) * k for f in fields(self)})
 
@@ -97,6 +109,10 @@ class MemoryEstimate:
         activations_known: the model's dimensions and ``seq_len`` were known.
         host_init: one host's peak while the model is built, before training (ranks that
             materialise the whole model in host memory, ``zero_init`` off or below stage 3).
+        shm: one host's bytes in the shared-memory segment directory (``/dev/shm``, or
+            ``DSLAUNCH_SHM_DIR``): every local data-parallel group's segments (0 unless
+            ``setup.shared_memory`` applies: CPU ranks, one node, several data-parallel ranks).
+            Host memory too, but apart from ``device`` and ``host``.
     """
 
     setup: TrainingSetup
@@ -105,6 +121,7 @@ class MemoryEstimate:
     nvme: Parts
     activations_known: bool
     host_init: int
+    shm: Parts = Parts()
 
     @property
     def device_bytes(self) -> int:
@@ -117,9 +134,9 @@ class MemoryEstimate:
 
     @property
     def rank_bytes(self) -> int:
-        """One rank's tensors wherever they are (device + its share of host memory): on a CPU-only
-        host, what a rank's process holds."""
-        return self.device.total + self.host.total // self.setup.gpus_per_node
+        """One rank's tensors wherever they are (device + its share of host and shared memory): on
+        a CPU-only host, what a rank's process holds."""
+        return self.device.total + (self.host.total + self.shm.total) // self.setup.gpus_per_node
 
     def fits(self, device_memory: int, host_memory: int | None = None) -> bool:
         """Whether the device (and, if given, the host) peak fits."""
@@ -153,25 +170,29 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup | Mapping[str, Any],
     r = _Rank.of(shape, s)
     placed = _weights(s, r) + _gradients(s, r) + _master_and_state(s, r) + _buffers(shape, s, r)
     acts = _activations(shape, s)
-    device = placed.device + Parts(activations=acts or 0)
+    segments, moved = _shared_memory(s, r) if _shared(s) else (Parts(), Parts())
+    device = placed.device - moved + Parts(activations=acts or 0)
     # Each local rank builds the model in fp32 host memory first: whole, or under zero.Init one
     # module at a time; a model with experts builds only this rank's.
     held = shape.params - shape.expert_params + math.ceil(shape.expert_params / s.expert_parallel)
     built = shape.largest_layer if s.stage == 3 and s.zero_init else held
     k = s.gpus_per_node
     return MemoryEstimate(setup=s, device=device, host=placed.host.scaled(k), nvme=placed.disk.scaled(k),
-                          activations_known=acts is not None, host_init=built * 4 * k)
+                          activations_known=acts is not None, host_init=built * 4 * k,
+                          shm=segments.scaled(k // (s.data_parallel * s.sequence) if segments.total else 0))
 
 
 @dataclass(frozen=True)
 class _Rank:
     """One rank's counts: its model part (``params``), the range it owns of the master/optimizer
-    state (``shard``), its stage-3 weight shard (``weights``), the model dtype's bytes ``m``."""
+    state (``shard``), its stage-3 weight shard (``weights``), the model dtype's bytes ``m``, and
+    ``dense``: its part of the dense (non-expert) parameters."""
 
     params: int
     shard: int
     weights: int
     m: int
+    dense: int
 
     @classmethod
     def of(cls, shape: ModelShape, s: TrainingSetup) -> _Rank:
@@ -182,7 +203,7 @@ class _Rank:
         part = math.ceil(dense / zero) + math.ceil(experts * s.expert_parallel / zero)
         params = dense + experts
         return cls(params, part if s.stage >= 1 else params, part if s.stage == 3 else params,
-                   MODEL_BYTES[s.precision])
+                   MODEL_BYTES[s.precision], dense)
 
     @property
     def sixteen(self) -> bool:
@@ -275,6 +296,11 @@ def _buffers(shape: ModelShape, s: TrainingSetup, r: _Rank) -> _Placed:
     if s.stage == 3 and not _resident(s):  # the persistent small ones, and up to max_live_parameters (at least a layer)
         persistent = shape.small_params(s.param_persistence_threshold) // (s.pipeline * s.tensor)
         live = min(r.params - persistent, max(s.max_live_parameters, shape.largest_layer // s.tensor))
+        if _shared(s) and _weights_home(s) == "device":
+            # shards in shared memory: a parameter inside one owner's shard is a view of it; only
+            # those across a shard's edge (one per edge at most) are copies
+            largest_param = max(shape.param_sizes, default=shape.largest_layer) // s.tensor
+            live = min(live, (s.data_parallel * s.sequence - 1) * largest_param)
         parts += Parts(gathered=(persistent + live) * r.m)
     return _Placed(device=parts)
 
@@ -284,6 +310,44 @@ def _resident(s: TrainingSetup) -> bool:
     offload to another device): the parameters are views of the shard, none is gathered."""
     home = _weights_home(s)
     return s.data_parallel * s.sequence == 1 and (home == "device" or (home == "host" and s.accelerator == "cpu"))
+
+
+def _shared(s: TrainingSetup) -> bool:
+    """Whether the engine's same-host shared-memory collectives apply: wanted, CPU ranks, a
+    data-parallel (x sequence) group of several ranks, every rank on one host."""
+    return s.shared_memory and s.accelerator == "cpu" and s.nodes == 1 and s.data_parallel * s.sequence > 1
+
+
+def _shared_memory(s: TrainingSetup, r: _Rank) -> tuple[Parts, Parts]:
+    """(one data-parallel group's ``/dev/shm`` segments, what they take out of each rank's private
+    memory), for the dense parameters as one param group (the engine's largest group bounds its
+    slots; experts' groups keep their buffers private here)."""
+    w, m = s.data_parallel * s.sequence, r.m
+    k = math.ceil(r.dense / w)  # one rank's shard; k * w: the group padded for the ranks
+    # the gradient exchange: a bucket holds at most the whole group, summed in fp32 at most
+    segments, moved = Parts(comm_buffers=_slots(w, k * w * 4)), Parts()
+    if s.stage <= 1:  # the whole gradient, summed in place (stage 0's is not padded)
+        segments += Parts(gradients=_pages(w * (r.dense if s.stage == 0 else k * w) * m))
+        moved += Parts(gradients=r.dense * m)
+    if s.stage in (1, 2):  # the flat weights, published in place; slots of a shard where they had no room
+        segments += Parts(weights=_pages(w * k * w * m), comm_buffers=_slots(w, k * m))
+        moved += Parts(weights=r.dense * m)
+    if s.stage == 3 and _weights_home(s) == "device":  # the shards, read in place: slots for the waits only
+        segments += Parts(weights=_pages(w * k * m), comm_buffers=_slots(w, 0))
+        moved += Parts(weights=k * m)
+    elif s.stage == 3:  # offloaded shards: gathers through slots of a shard
+        segments += Parts(comm_buffers=_slots(w, k * m))
+    return segments, moved
+
+
+def _slots(world: int, piece: int) -> int:
+    """A transport's slot segment: two sets of ``world`` slots, each ``piece`` bytes rounded up to
+    64 and at most ``SLOT_BYTES``."""
+    return _pages(2 * world * max(64, min(SLOT_BYTES, -(-piece // 64) * 64)))
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
 
 
 def _nvme_ring(s: TrainingSetup, shard: int) -> int:

@@ -59,6 +59,9 @@ class TrainingSetup:
             else every local rank materialises the whole model in host memory before ``initialize``.
         accelerator: ``cuda`` (a device apart from host memory) or ``cpu`` (ranks on CPU: an
             offloaded fp32 master is still the weights, and nothing is staged).
+        shared_memory: ``shared_memory_collectives`` is not ``"never"``: on a CPU host
+            (``accelerator: cpu``, one node) the engine keeps the buffers the data-parallel ranks
+            read from each other in ``/dev/shm`` (``MemoryEstimate.shm``), not in private memory.
         sub_group_size: elements per offloaded-step bucket (pinned staging on a GPU host).
         nvme_buffer_count, nvme_buffer_size: ``offload_optimizer``'s NVMe ring in host memory.
         param_buffer_count, param_buffer_size: ``offload_param``'s NVMe staging pool (16-bit
@@ -87,6 +90,7 @@ class TrainingSetup:
     max_in_cpu: int = 1_000_000_000
     zero_init: bool = True
     accelerator: Literal["cuda", "cpu"] = "cuda"
+    shared_memory: bool = True
     sub_group_size: int = 1_000_000_000
     nvme_buffer_count: int = 4
     nvme_buffer_size: int = 100_000_000
@@ -169,6 +173,7 @@ class TrainingSetup:
             "param_persistence_threshold": _stage3(zero, "param_persistence_threshold"),
             "max_live_parameters": _stage3(zero, "max_live_parameters"),
             "max_in_cpu": par.get("max_in_cpu"), "sub_group_size": zero.get("sub_group_size"),
+            "shared_memory": _shared_memory(config.get("shared_memory_collectives")),
             "nvme_buffer_count": opt.get("buffer_count"), "nvme_buffer_size": opt.get("buffer_size"),
             "param_buffer_count": par.get("buffer_count"), "param_buffer_size": par.get("buffer_size"),
         }
@@ -202,6 +207,11 @@ def _micro_from_batch(config: Mapping[str, Any], given: Mapping[str, Any]) -> in
         degree = given.get(axis, 1)
         model_parallel *= degree if isinstance(degree, int) and degree >= 1 else 1
     return max(1, total // (accum * (world // model_parallel or 1)))
+
+
+def _shared_memory(setting: Any) -> bool | None:
+    """``shared_memory_collectives``: off only for ``"never"``; None (the default, on) when unset."""
+    return None if setting is None else setting != "never"
 
 
 def _autoep_size(config: Mapping[str, Any]) -> Any:

@@ -109,6 +109,9 @@ def format_table(shape: ModelShape, rows: list[Row], device_memory: int | None =
     """The table ``dslaunch estimate`` prints: per-GPU and per-node GiB of each setup."""
     head = ("stage", "offload_opt", "offload_param", "dtype", "GPU states", "GPU +act", "GPU +act ckpt",
             "node CPU", "node NVMe")
+    shared = any(r.plain.shm.total for r in rows)  # CPU ranks on one host: what /dev/shm must hold
+    if shared:
+        head = (*head, "node /dev/shm")
     if device_memory is not None:
         head = (*head, f"fits {format_bytes(device_memory)}GiB")
     known = bool(rows) and rows[0].plain.activations_known
@@ -118,10 +121,13 @@ def format_table(shape: ModelShape, rows: list[Row], device_memory: int | None =
         act = (format_bytes(p.device_bytes), format_bytes(c.device_bytes)) if known else ("-", "-")
         cells = (str(s.stage), s.offload_optimizer, s.offload_param, s.precision,
                  format_bytes(p.device.model_states), *act, format_bytes(p.host_bytes), format_bytes(p.nvme.total))
+        cells = (*cells, format_bytes(p.shm.total)) if shared else cells
         body.append((*cells, r.fit(device_memory, host_memory)) if device_memory is not None else cells)
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
     lines = _describe(shape, rows[0].setup) if rows else []
-    lines.append("GiB per GPU and per node (all its GPUs' host memory and NVMe files)")
+    lines.append("GiB per GPU and per node (all its GPUs' host memory and NVMe files)"
+                 + ("; CPU ranks: 'GPU' is a rank's private memory, /dev/shm the shared segments of all "
+                    "(docker run --shm-size)" if shared else ""))
     for cells in (head, *body):
         lines.append("  ".join(x.rjust(w) for x, w in zip(cells, widths, strict=True)).rstrip())
     if not known:
@@ -134,8 +140,8 @@ def rows_as_json(rows: list[Row], device_memory: int | None = None, host_memory:
     """The rows for tools: setup fields, bytes by purpose (device, host, NVMe) both ways, the fit."""
     def one(e: MemoryEstimate) -> dict:
         return {"device_bytes": e.device_bytes, "host_bytes": e.host_bytes, "nvme_bytes": e.nvme.total,
-                "device": e.device.as_dict(), "host": e.host.as_dict(), "nvme": e.nvme.as_dict(),
-                "host_init_bytes": e.host_init}
+                "shm_bytes": e.shm.total, "device": e.device.as_dict(), "host": e.host.as_dict(),
+                "nvme": e.nvme.as_dict(), "shm": e.shm.as_dict(), "host_init_bytes": e.host_init}
     return [{"setup": {k: v for k, v in asdict(r.setup).items() if k != "activation_checkpointing"},
              "activations_known": r.plain.activations_known, "plain": one(r.plain),
              "checkpointed": one(r.checkpointed), "fits": r.fit(device_memory, host_memory) or None}

@@ -36,7 +36,8 @@ from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.inference.shm_allreduce import segment_directory
 from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.zero.partition import GroupLayout
-from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
+from dslaunch.runtime.zero.shm import SLOT_BYTES, SharedMemoryCollectives, SharedTensors
+from dslaunch.runtime.zero.specs import GroupSpec, largest_piece
 from dslaunch.utils.logging import log_dist
 
 __all__ = ["GradientExchange", "FlatAllReduce", "TreeAllReduce", "HierarchicalAllReduce", "CompressedExchange",
@@ -220,11 +221,6 @@ class SharedMemoryExchange(GradientExchange):
         self.shm = shm
         self.buffers: list[SharedTensors] = []
 
-    def bind(self, layouts: list[GroupLayout], local_gradient: Callable[[int], torch.Tensor],
-             owned_only: bool = False) -> None:
-        super().bind(layouts, local_gradient, owned_only)
-        self.shm.limit(max((lay.padded for lay in layouts), default=0) * 4)  # no bucket is larger (fp32)
-
     def gradient_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         shared = SharedTensors.make(self.shm, numel, dtype) if device.type == "cpu" else None
         if shared is None:  # elsewhere, or no room in /dev/shm: private, summed through the slots
@@ -309,7 +305,7 @@ class CompressedExchange(GradientExchange):
 
 
 def build_exchange(compressed: bool, hierarchical: str, process_group: Any = None,
-                   shared_memory: str = "on") -> GradientExchange:
+                   shared_memory: str = "on", specs: list[GroupSpec] | None = None) -> GradientExchange:
     """The exchange for this engine: compressed for a 1-bit optimizer, else shared memory where
     every rank is on this host (gloo), else flat or hierarchical. Says which on rank 0's log.
 
@@ -318,11 +314,15 @@ def build_exchange(compressed: bool, hierarchical: str, process_group: Any = Non
         hierarchical: ``"topology"`` (hierarchical where it pays, from each rank's node),
             ``"always"`` (wherever ranks share nodes) or ``"never"``.
         shared_memory: ``shared_memory_collectives``: ``"on"`` or ``"never"`` (``shm.wanted``).
+        specs: the param groups, whose ``"data"`` ones this exchange sums: they bound a bucket's
+            size, so the shared-memory slots (None: the largest, ``shm.SLOT_BYTES``).
 
     collective: all ranks (the hierarchical groups and the shared segment are created here).
     """
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    shm = SharedMemoryCollectives.build(process_group, shared_memory)
+    data = [g for g in specs if g.reduce_group == "data"] if specs is not None else None
+    largest = SLOT_BYTES if data is None else largest_piece(data, world, whole=True, at_least=4)
+    shm = SharedMemoryCollectives.build(process_group, shared_memory, largest)
     if compressed:
         return CompressedExchange(process_group, world, shm)
     if shm is not None:

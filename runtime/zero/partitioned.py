@@ -47,7 +47,7 @@ from dslaunch.runtime.zero.offload.param_store import ShardStore
 from dslaunch.runtime.zero.partition import GroupLayout, shard_slot
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
 from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
-from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
+from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, group_numel, largest_piece
 from dslaunch.runtime.zero.zeropp import build_gathers
 
 __all__ = ["ShardGroup", "Partitioned"]
@@ -168,7 +168,7 @@ class Partitioned(Placement):
         groups, in_cpu = [], comm.param_in_cpu  # max_in_cpu counts over this rank's groups, in order
         gathers = build_gathers(comm, self.pg, [_vector(g.params) for g in specs])
         if not any(gathers):  # no ZeRO++: same-host ranks gather through shared memory
-            gathers = _shared_gathers(self.pg, comm, specs)
+            gathers = _shared_gathers(self.pg, self.world_size, comm, specs)
         for g, gatherer in zip(specs, gathers, strict=True):
             groups.append(ShardGroup(g.params, g.names, dict(g.hparams), self.world_size, self.rank, self.pg,
                                      comm, in_cpu, gatherer))
@@ -208,26 +208,29 @@ class Partitioned(Placement):
         zp.fence(read)  # those reads done before any rank writes its shard again (a load right after)
 
 
-def _shared_gathers(pg: Any, comm: CommSettings, specs: list[GroupSpec]) -> list[Any]:
+def _shared_gathers(pg: Any, world: int, comm: CommSettings, specs: list[GroupSpec]) -> list[Any]:
     """Each group's gatherer where the group's ranks share this host (``shm.py``), else None:
     ``SharedShards`` (the shards themselves shared, gathers wait for nobody) where the shard lives
-    in host memory where the parameters are used, else ``SharedMemoryGather`` (through slots)."""
-    shm = SharedMemoryCollectives.build(pg, comm.shared_memory)
+    in host memory where the parameters are used, else ``SharedMemoryGather`` (through slots of
+    one rank's shard at most, reserved only then: shared shards need none)."""
+    vectors = [_vector(g.params) for g in specs]
+    in_place = not (comm.offload_param or any(device.type != "cpu" for _, _, device in vectors))
+    slots = largest_piece(specs, world, whole=False)
+    shm = SharedMemoryCollectives.build(pg, comm.shared_memory, 0 if in_place else slots)
     if shm is None:
         return [None] * len(specs)
-    vectors = [_vector(g.params) for g in specs]
-    shards = [None] * len(specs)
-    if not (comm.offload_param or any(device.type != "cpu" for _, _, device in vectors)):
-        shards = [SharedTensors.make(shm, shard_slot(numel, shm.world), dtype) for numel, dtype, _ in vectors]
-    if None in shards:  # gathers through the slots (no room in /dev/shm for a group's shards)
-        shm.limit(max(numel for numel, _, _ in vectors) * 4)  # no gather is larger than a group (fp32 at most)
-    return [zp.SharedMemoryGather(shm) if s is None else zp.SharedShards(shm, s) for s in shards]
+    if not in_place:
+        return [zp.SharedMemoryGather(shm) for _ in specs]
+    shards = [SharedTensors.make(shm, shard_slot(numel, world), dtype) for numel, dtype, _ in vectors]
+    # no room in /dev/shm for a group's shards: its gathers through slots (no room for them: gloo)
+    through = SharedMemoryCollectives.build(pg, comm.shared_memory, slots) if None in shards else None
+    return [zp.SharedShards(shm, s) if s is not None else None if through is None else zp.SharedMemoryGather(through)
+            for s in shards]
 
 
 def _vector(params: list[torch.nn.Parameter]) -> tuple[int, torch.dtype, torch.device]:
     """A param group's flat vector: its length, dtype and device (for ZeRO++'s gathers)."""
-    numel = sum(p.ds_numel if zp.is_partitioned(p) else p.numel() for p in params)
-    return numel, group_dtype(params), params[0].device
+    return group_numel(params), group_dtype(params), params[0].device
 
 
 def _pieces_by_owner(flat: zp.FlatShard, params: list[torch.nn.Parameter]) -> list[list[tuple]]:

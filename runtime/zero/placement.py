@@ -28,7 +28,7 @@ from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.partition import GroupLayout
 from dslaunch.runtime.zero.publisher import ShardPublisher
 from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
-from dslaunch.runtime.zero.specs import CommSettings, GroupSpec
+from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, largest_piece
 
 __all__ = ["Placement", "Replicated", "Sharded", "sum_over_ranks", "gather_over_ranks"]
 
@@ -122,8 +122,11 @@ class Sharded(Placement):
 
     def __init__(self, specs: list[GroupSpec], comm: CommSettings, world_size: int, rank: int,
                  process_group: Any = None):
-        # same-host ranks: each rank's flat weights in shared memory, published by copying in place
-        self.shm = SharedMemoryCollectives.build(process_group, comm.shared_memory) if world_size > 1 else None
+        # same-host ranks: each rank's flat weights in shared memory, published by copying in place;
+        # where one has no room there, through slots of one rank's shard at most
+        self.shm = (SharedMemoryCollectives.build(process_group, comm.shared_memory,
+                                                  largest_piece(specs, world_size, whole=False))
+                    if world_size > 1 else None)
         self.shared: list[SharedTensors] = []
         super().__init__(specs, comm, world_size, rank, process_group)
         self.publisher = ShardPublisher(self.groups, world_size, rank, comm.allgather_bucket_numel,

@@ -27,11 +27,13 @@ bytes this rank contributes, as gloo's would be; its waits are not collectives o
 per operation: a rank starts writing operation n+2 only after it passed operation n+1's wait,
 which every rank reaches only after it finished reading operation n.
 
-Memory: ``2 * world * SLOT_BYTES`` of shared pages per group (world 2: 32 MiB), reserved in the
-segment directory when the transport is built (no room there: gloo from the start), of which the
-operations touch less where the largest param group is smaller (``limit``); mapped by every rank
-(RssShmem), whatever the model or bucket size: larger tensors go through in
-slot-sized pieces. The file is unlinked as soon as every rank mapped it
+Memory: ``2 * world * slot`` of shared pages per group, reserved in the segment directory when
+the transport is built (no room there: gloo from the start), where ``slot`` is the largest piece
+one operation of the group can move (``largest``, which the caller bounds from its param groups'
+sizes: a whole padded group of gradients, one rank's shard of weights), rounded up to 64 bytes and
+at most ``SLOT_BYTES``: a small model's group holds little, a larger one ``2 * world * 8 MiB``
+(world 2: 32 MiB), whatever the model or bucket size (larger tensors go through in slot-sized
+pieces). Mapped by every rank (RssShmem). The file is unlinked as soon as every rank mapped it
 (``inference.shm_allreduce.map_segment``): a killed job leaves nothing in ``/dev/shm``.
 
 Switch: the ds_config key ``shared_memory_collectives`` (``"on"``, the default: wherever it
@@ -57,7 +59,7 @@ from dslaunch.runtime.inference.shm_allreduce import DIRECTORY_ENV, map_segment,
 from dslaunch.runtime.zero.partition import partition_range
 from dslaunch.utils.logging import log_dist
 
-__all__ = ["SharedMemoryCollectives", "SharedTensors", "SLOT_BYTES", "ENV_SWITCH", "wanted"]
+__all__ = ["SharedMemoryCollectives", "SharedTensors", "SLOT_BYTES", "ENV_SWITCH", "wanted", "slot_size"]
 
 SLOT_BYTES = 8 << 20
 """One rank's slot per slot set: the largest piece one wait moves (fewer waits against more
@@ -65,6 +67,12 @@ shared memory; 8 MiB: ~11 pieces for 84 MB of gradients)."""
 ENV_SWITCH = "DSLAUNCH_SHM_COLLECTIVES"
 """``0`` (or ``off``/``never``/``false``) turns the transport off, ``1`` (``on``/``true``) on,
 whatever the config says."""
+
+
+def slot_size(largest: int) -> int:
+    """One rank's slot for operations of at most ``largest`` bytes: that, rounded up to 64 bytes
+    (a cache line, so that slots never share one), and at most ``SLOT_BYTES``."""
+    return max(64, min(SLOT_BYTES, -(-largest // 64) * 64))
 
 
 def wanted(setting: str) -> bool:
@@ -87,41 +95,44 @@ class SharedMemoryCollectives:
         self.group, self.slot_bytes = group, slot_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         # the slots: ``segment`` (``2 * world * slot_bytes`` or more, from ``build``), else mapped here
-        self._map = segment or map_segment(group, 2 * self.world * slot_bytes, "zero")
+        self._map = segment or map_segment(group, self.nbytes(self.world, slot_bytes), "zero")
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._used = False  # an operation ran: the slot size is fixed
         self._set = 0  # the slot set the next operation uses
         self._flag = torch.zeros(1, dtype=torch.int32)
 
+    @staticmethod
+    def nbytes(world: int, slot_bytes: int) -> int:
+        """The segment of ``world`` ranks' slots: two sets of ``slot_bytes`` each."""
+        return 2 * world * slot_bytes
+
     @classmethod
-    def build(cls, group: Any, setting: str = "on") -> SharedMemoryCollectives | None:
+    def build(cls, group: Any, setting: str = "on", largest: int = SLOT_BYTES) -> SharedMemoryCollectives | None:
         """The transport for ``group`` where it applies (allowed, gloo, several ranks, one host),
-        else None (the callers keep gloo). collective: every rank of ``group``."""
+        else None (the callers keep gloo). ``largest``: no operation the caller makes through the
+        slots moves more bytes at once (an upper bound; the ranks' largest counts, so the slots
+        are the same on every rank); 0 where only the waits and ``SharedTensors`` are used.
+        collective: every rank of ``group``."""
         if not (wanted(setting) and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return None
         if dist.get_backend(group) != "gloo" or not same_host(group):
             return None
+        agreed = torch.tensor([largest], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        slot = slot_size(int(agreed))
         # the slots are reserved here, so that a directory without room means gloo from the start
-        nbytes = 2 * dist.get_world_size(group) * SLOT_BYTES
+        nbytes = cls.nbytes(dist.get_world_size(group), slot)
         segment = map_segment(group, nbytes, "zero", optional=True)
         if segment is None:
             no_room("the slots", nbytes, "gloo")
             return None
-        return cls(group, segment=segment)
+        return cls(group, slot, segment)
 
     @staticmethod
     def applies(*tensors: torch.Tensor) -> bool:
         return all(t.device.type == "cpu" for t in tensors)
 
-    def limit(self, nbytes: int) -> None:
-        """No operation will move more than ``nbytes`` at once: slots no larger (a small model's
-        transport holds little). Only before the first operation; the same on every rank."""
-        if not self._used:
-            self.slot_bytes = max(64, min(self.slot_bytes, -(-nbytes // 64) * 64))
-
     def _slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's whole slot of the current set as values of ``dtype``, in rank order."""
-        self._used = True
         base, n = self._set * self.world * self.slot_bytes, self.slot_bytes // dtype.itemsize * dtype.itemsize
         return [self._bytes[base + r * self.slot_bytes:base + r * self.slot_bytes + n].view(dtype)
                 for r in range(self.world)]
@@ -281,7 +292,8 @@ def no_room(what: str, nbytes: int, instead: str) -> None:
         free = f"{shutil.disk_usage(directory).free >> 20} MiB free"
     except OSError as err:
         free = err.strerror or "missing"
-    log_dist(f"ZeRO collectives: {directory} has no room for {what} ({nbytes >> 20} MiB; {free}): {instead}; "
+    size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{-(-nbytes >> 10)} KiB"
+    log_dist(f"ZeRO collectives: {directory} has no room for {what} ({size}; {free}): {instead}; "
              f"give it more (docker run --shm-size) or set {DIRECTORY_ENV} to a larger tmpfs",
              ranks=[0], level=logging.WARNING)
 

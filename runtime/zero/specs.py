@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from dslaunch.runtime.zero.offload.swap import SwapSettings
-from dslaunch.runtime.zero.partition import FlatLayout, GroupLayout
+from dslaunch.runtime.zero.partition import FlatLayout, GroupLayout, shard_slot
 
-__all__ = ["GroupSpec", "ReduceGroup", "CommSettings", "StepResult", "FlatShards", "OptimizerFactory"]
+__all__ = ["GroupSpec", "ReduceGroup", "CommSettings", "StepResult", "FlatShards", "OptimizerFactory",
+           "group_numel", "largest_piece"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,20 @@ class GroupSpec:
     (the data-parallel group) or an expert group's name, ``"ep_size_<N>"`` (that split's
     expert-data group: the ranks holding the same experts). The strategy is handed a
     ``ReduceGroup`` for every name other than ``"data"``."""
+
+
+def group_numel(params: list[torch.nn.Parameter]) -> int:
+    """Elements of a param group's flat vector (a partitioned stage 3 parameter counts whole)."""
+    return sum(p.ds_numel if getattr(p, "_dsl_flat", None) is not None else p.numel() for p in params)
+
+
+def largest_piece(specs: list[GroupSpec], world: int, whole: bool, at_least: int = 1) -> int:
+    """Bytes of the largest piece of one of ``specs``' groups that a collective over ``world``
+    ranks moves at once: a whole group padded for ``world`` ranks (``whole``: a gradient bucket
+    holds at most its group) or one rank's shard of it (the publish, stage 3's gathers), in the
+    group's dtype or ``at_least`` bytes an element (gradients may be summed in fp32: 4)."""
+    return max((shard_slot(group_numel(g.params), world) * (world if whole else 1)
+                * max([at_least] + [p.element_size() for p in g.params]) for g in specs), default=0)
 
 
 @dataclass(frozen=True)

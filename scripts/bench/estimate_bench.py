@@ -83,7 +83,8 @@ def _measure(rank: int, world: int, configs: dict[str, dict]) -> dict[str, int]:
     out = {}
     for name, cfg in configs.items():
         torch.manual_seed(0)
-        full = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "optimizer": ADAMW, **cfg}
+        full = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "optimizer": ADAMW,
+                "shared_memory_collectives": "never", **cfg}  # shared memory: tests/runtime/estimate/test_shared_memory.py
         out[name] = engine_peak(_build(), full, lambda dtype: torch.randn(BATCH, DIM, dtype=dtype))
     return out
 
@@ -159,7 +160,8 @@ def main() -> int:
         measured = run_world(_measure, WORLD, configs, timeout=600)
     rows = []
     for name, cfg in configs.items():
-        est = estimate_memory(shape, cfg, gpus_per_node=WORLD, accelerator="cpu", micro_batch=BATCH)
+        est = estimate_memory(shape, cfg, gpus_per_node=WORLD, accelerator="cpu", micro_batch=BATCH,
+                              shared_memory=False)  # as measured
         got = max(r[name] for r in measured)
         ds = _deepspeed(shape, cfg)
         rows.append({"config": name, "measured_bytes": got, "estimate_bytes": est.rank_bytes,

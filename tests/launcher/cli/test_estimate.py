@@ -59,6 +59,21 @@ def test_json_rows_carry_bytes_by_purpose() -> None:
     assert row["activations_known"] is False and row["fits"] in ("yes", "no")
 
 
+def test_cpu_ranks_add_what_dev_shm_must_hold() -> None:
+    args = ("--params", "100M", "--largest_layer", "10M", "--num_gpus", "4", "--stages", "1", "--offload", "none",
+            "--precision", "fp32")
+    code, out, err = _estimate(*args, "--accelerator", "cpu")
+    assert code == 0, err
+    assert "node /dev/shm" in out and "--shm-size" in out
+    (row,) = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    # 4 ranks' gradients and flat weights (400 MB each) and two transports' slots (2 x 4 x 8 MiB)
+    assert row[-1] == f"{(2 * 4 * 4 * 10**8 + 2 * 64 * 2**20) / 2**30:.2f}"
+    doc = json.loads(_estimate(*args, "--accelerator", "cpu", "--json")[1])
+    assert doc["rows"][0]["plain"]["shm_bytes"] == 2 * 4 * 4 * 10**8 + 2 * 64 * 2**20
+    gpu = _estimate(*args)[1]
+    assert "/dev/shm" not in gpu  # a GPU's tensors never go through /dev/shm
+
+
 def test_deepspeed_config_knobs_hold_in_every_row(tmp_path) -> None:
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 32, "gradient_accumulation_steps": 2,

@@ -7,23 +7,29 @@ from collections.abc import Callable
 from typing import Any
 
 
-def engine_peak(model: Any, config: dict, batch: Callable[[Any], Any], steps: int = 2) -> int:
+def engine_peak(model: Any, config: dict, batch: Callable[[Any], Any], steps: int = 2, private: bool = False,
+                on_start: Callable[[Any], None] | None = None) -> int:
     """Build an engine over ``model`` with ``config``, train ``steps`` steps on ``batch(dtype)``
     (loss: the mean square of the output) and return the most bytes it held: sampled before each
-    Linear's forward, at each Linear weight's gradient and after each step.
+    Linear's forward, at each Linear weight's gradient and after each step. With ``private``, not
+    the storages in shared-memory segments (the host holds those once, in ``/dev/shm``).
+    ``on_start(engine)`` runs once the engine is built.
 
     collective: call on all ranks.
     """
     import torch
 
     import dslaunch
-    from tests.runtime.zero.held import held_bytes
+    from tests.runtime.zero.held import held_bytes, shared_segments
 
     engine, *_ = dslaunch.initialize(model=model, config=config)
+    if on_start is not None:
+        on_start(engine)
+    shared = [(lo, hi) for _, lo, hi in shared_segments()] if private else []
     samples: list[int] = []
 
     def sample(*_: object) -> None:
-        samples.append(held_bytes(engine))
+        samples.append(held_bytes(engine, outside=shared))
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             m.register_forward_pre_hook(sample)

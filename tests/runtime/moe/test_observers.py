@@ -69,7 +69,8 @@ def test_layers_are_numbered_their_all_to_alls_counted_and_their_memory_estimate
 
     with torch.device("meta"):
         shape = from_module(_net(WIDE, 2))
-    est = estimate_memory(shape, TrainingSetup(stage=1, gpus_per_node=2, expert_parallel=2, accelerator="cpu"))
+    est = estimate_memory(shape, TrainingSetup(stage=1, gpus_per_node=2, expert_parallel=2, accelerator="cpu",
+                                               shared_memory=False))  # the engine's config says "never"
     capacity = TOKENS // EXPERTS  # ceil(16 tokens / 4 experts x capacity factor 1.0)
     for got in run_world(_train, 2):
         assert got["ids"] == [0, 1], got

@@ -7,6 +7,7 @@ buffers, reduce buckets, in-flight gathers, the optimizer's state), each storage
 
 from __future__ import annotations
 
+import os
 import types
 from collections import deque
 from typing import Any
@@ -49,6 +50,23 @@ def held_storages(root: Any) -> dict[int, tuple[int, str]]:
     return out
 
 
-def held_bytes(root: Any, device: str | None = None) -> int:
-    """Bytes of the storages reachable from ``root`` (on ``device`` type only, if given)."""
-    return sum(n for n, dev in held_storages(root).values() if device is None or dev == device)
+def held_bytes(root: Any, device: str | None = None, outside: list[tuple[int, int]] | None = None) -> int:
+    """Bytes of the storages reachable from ``root`` (on ``device`` type only, if given; not those
+    starting inside one of the address ranges ``outside``, e.g. ``shared_segments()``)."""
+    return sum(n for ptr, (n, dev) in held_storages(root).items()
+               if (device is None or dev == device) and not any(lo <= ptr < hi for lo, hi in outside or ()))
+
+
+def shared_segments(directory: str = "") -> list[tuple[str, int, int]]:
+    """Where this process maps dslaunch's shared-memory segments (files named ``dslaunch-shm-*``,
+    in ``directory`` if given; unlinked, so "(deleted)"): each one's path and address range."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            path = fields[5].rstrip("\n").removesuffix(" (deleted)") if len(fields) == 6 else ""
+            where, name = os.path.split(path)
+            if name.startswith("dslaunch-shm-") and (not directory or where == str(directory)):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                found.append((path, lo, hi))
+    return found
