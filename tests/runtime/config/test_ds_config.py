@@ -34,7 +34,16 @@ def test_wrong_type_names_the_path() -> None:
 
 def test_out_of_range_names_the_path() -> None:
     assert "'gradient_clipping'" in _error({"train_batch_size": 8, "gradient_clipping": -1})
-    assert "'fp16.loss_scale_window'" in _error({"train_batch_size": 8, "fp16": {"loss_scale_window": 0}})
+    dynamic = {"enabled": True, "loss_scale": 0}
+    assert "'fp16.loss_scale_window'" in _error({"train_batch_size": 8, "fp16": {**dynamic, "loss_scale_window": 0}})
+    assert "'fp16.min_loss_scale'" in _error({"train_batch_size": 8, "fp16": {**dynamic, "min_loss_scale": 0}})
+
+
+@pytest.mark.parametrize("fp16", [{"enabled": True, "loss_scale": 128}, {"enabled": False}])
+def test_dynamic_scaling_settings_are_unchecked_where_unused(fp16: dict) -> None:
+    # DeepSpeed keeps them there (a static-scale config may carry 0): refusing would break its configs
+    cfg = load_config({"train_batch_size": 8, "fp16": {**fp16, "loss_scale_window": 0, "min_loss_scale": -1}}, 1)
+    assert (cfg.fp16.loss_scale_window, cfg.fp16.min_loss_scale) == (0, -1)
 
 
 @pytest.mark.parametrize("raw, world, want", [
