@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import NoSyncError, UsageError
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
@@ -269,8 +269,9 @@ class ShardedGradients(GradientPath):
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         if not sync:
-            raise UsageError("no_sync() is not supported with ZeRO stage 2: gradients are reduced "
-                             "into their owning shard every micro step (same as DeepSpeed)")
+            raise NoSyncError("no_sync context manager is incompatible with ZeRO stages 2 and 3: gradients "
+                              "are reduced into their owning shard every micro step (as in DeepSpeed); "
+                              "accumulate with gradient_accumulation_steps instead")
         super().begin_micro_step(boundary, sync)
         self._folded = False
 

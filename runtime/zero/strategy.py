@@ -202,8 +202,8 @@ class ZeroStrategy:
         """Before backward: whether this micro step ends an accumulation, and whether it reduces.
 
         Raises:
-            UsageError: ``sync=False`` (``no_sync()``) where gradients must be reduced every micro
-                step (stage 2).
+            NoSyncError: ``sync=False`` (``no_sync()``) where gradients must be reduced every micro
+                step (stages 2 and 3).
         """
         for part in self.parts:
             part.gradients.begin_micro_step(boundary, sync)
