@@ -142,6 +142,11 @@ class GradientPath(ABC):
         """
         raise UsageError(f"{type(self).__name__} keeps only this rank's gradient shard, not the whole gradient")
 
+    def unreduced_gradient(self, gi: int) -> torch.Tensor | None:
+        """Group ``gi``'s whole gradient as this rank summed it, while a backward since the last
+        reduction left it local (inside ``no_sync()``, before the boundary); None otherwise."""
+        return None
+
     @abstractmethod
     def held_bytes(self) -> int:
         """Bytes of gradient storage this rank keeps between micro steps."""
@@ -223,6 +228,9 @@ class FullGradients(GradientPath):
     def local_gradient(self, gi: int) -> torch.Tensor:
         self._adopt_all()  # a step without backward sees zero gradients
         return self._gflat[gi][:self.groups[gi].layout.numel]
+
+    def unreduced_gradient(self, gi: int) -> torch.Tensor | None:
+        return self.local_gradient(gi) if self._unreduced else None
 
     def zero_grad(self) -> None:
         # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).
