@@ -101,6 +101,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.dp_world_size = self.grid.get_data_parallel_world_size()
+        self.data_parallel_group = self.grid.get_data_parallel_group()  # DeepSpeed's attribute
         self.mp_world_size = self.grid.get_model_parallel_world_size()
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._step_applied = False
