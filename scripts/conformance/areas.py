@@ -77,10 +77,10 @@ AREAS: dict[str, list[str]] = {
         "unit/runtime/half_precision/test_fp16.py",
         "unit/runtime/half_precision/test_zero_optim_overflow.py",
     ],
-    # Left out: test_hybrid_adam.py (its one test needs CUDA: it skips on both sides).
     "optimizers (CPU Adam, Adagrad, Lion)": [
         "unit/ops/adam/test_cpu_adam.py",
         "unit/ops/adam/test_adamw.py",
+        "unit/ops/adam/test_hybrid_adam.py",
         "unit/ops/adagrad/test_cpu_adagrad.py",
         "unit/ops/lion/test_cpu_lion.py",
         "unit/ops/lion/test_lion.py",
