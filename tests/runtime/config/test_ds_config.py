@@ -218,14 +218,22 @@ def test_elastic_checkpoint_at_stage_3_warns_that_it_has_no_effect() -> None:
                                                "checkpointing is deprecated") and "no effect" in m for m in seen)
 
 
-@pytest.mark.parametrize("key, instead", [("contiguous_gradients", "contiguous buffers"),
-                                          ("ignore_unused_parameters", "zero gradient"),
+@pytest.mark.parametrize("key, instead", [("ignore_unused_parameters", "zero gradient"),
                                           ("load_from_fp32_weights", "fp32 copy")])
 def test_zero_knobs_dslaunch_honours_one_way_reject_the_other(key: str, instead: str) -> None:
     assert getattr(_ok({"zero_optimization": {key: True}}).zero_optimization, key) is True
     msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 1, key: False}})
     assert msg.startswith(f"'zero_optimization.{key}': false is not implemented")
     assert instead in msg and msg.endswith("set it to true")
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_contiguous_gradients_is_a_layout_knob_taking_either_value(value: bool) -> None:
+    # as reduce_scatter / allgather_partitions: DeepSpeed's configs set it either way, results are the same
+    cfg = _ok({"zero_optimization": {"stage": 2, "contiguous_gradients": value}})
+    assert cfg.zero_optimization.contiguous_gradients is value
+    assert "'zero_optimization.contiguous_gradients'" in _error({"train_batch_size": 8, "zero_optimization": {
+        "contiguous_gradients": "no"}})
 
 
 @pytest.mark.parametrize("raw, path", [
