@@ -216,12 +216,16 @@ def _client_wins(section: Any, key: str) -> None:
 def _elementwise_optimizers() -> tuple[type, ...]:
     """Client optimizer types whose update is element-wise: on one flat tensor per param group they
     compute exactly what they compute per parameter."""
+    from dslaunch.kernels.cpu.optimizers import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion
+    from dslaunch.kernels.fused_adam import FusedAdam
     from dslaunch.runtime.optim.adam import Adam
     from dslaunch.runtime.optim.lion import Lion
 
     o = torch.optim
+    # DeepSpeed's own optimizer classes too: scripts pass them as client optimizers (DeepSpeed-Chat:
+    # DeepSpeedCPUAdam with offload, else FusedAdam), and DeepSpeed's ZeRO supports them
     return (o.Adam, o.AdamW, o.SGD, o.Adagrad, o.RMSprop, o.Adadelta, o.Adamax, o.NAdam, o.RAdam,
-            o.Rprop, o.ASGD, Adam, Lion)
+            o.Rprop, o.ASGD, Adam, Lion, FusedAdam, DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)
 
 
 def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:

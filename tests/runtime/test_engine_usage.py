@@ -291,6 +291,12 @@ def test_untested_client_optimizers_need_the_config_switch_at_every_stage() -> N
     assert from_callable.startswith("ConfigError: 'zero_allow_untested_optimizer'"), from_callable
     assert _client_optimizer_outcome(torch.optim.Adafactor, allow=True) == "Adafactor"
     assert _client_optimizer_outcome(torch.optim.SGD, allow=False) == "SGD"
+    from dslaunch.ops.adagrad import DeepSpeedCPUAdagrad
+    from dslaunch.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from dslaunch.ops.lion import DeepSpeedCPULion
+
+    for deepspeeds in (FusedAdam, DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion):  # element-wise too
+        assert _client_optimizer_outcome(deepspeeds, allow=False) == deepspeeds.__name__
 
 
 # ----- loss.backward() instead of engine.backward(loss) --------------------------------------------
