@@ -41,6 +41,7 @@ __all__ = [
     "install_excepthook",
     "CheckpointArgumentError",
     "NoSyncError",
+    "UntestedOptimizerError",
 ]
 
 
@@ -102,6 +103,11 @@ class BatchSizeError(ConfigError, AssertionError):
 class NoSyncError(UsageError, AssertionError):
     """``engine.no_sync()`` misused: nested, at ZeRO stage 2 or 3, or a boundary ``step()`` inside
     it. Also an ``AssertionError``: what DeepSpeed raises there."""
+
+
+class UntestedOptimizerError(ConfigError, AssertionError):
+    """A client optimizer ZeRO is not known to run exactly (not element-wise) without
+    ``zero_allow_untested_optimizer``. Also an ``AssertionError``: what DeepSpeed raises there."""
 
 
 class LaunchError(DslaunchError):

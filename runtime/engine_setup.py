@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import ConfigError
+from dslaunch.errors import ConfigError, UntestedOptimizerError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.moe import expert_group_name
 from dslaunch.runtime.parallel.groups import ep_size_of
@@ -237,11 +237,11 @@ def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:
     if type(opt) in allowed or cfg.zero_allow_untested_optimizer:
         return opt
     names = ", ".join(sorted({t.__name__ for t in allowed}))
-    raise ConfigError(f"client optimizer {type(opt).__module__}.{type(opt).__name__} is untested with "
-                      "dslaunch's ZeRO: it runs on one flat fp32 tensor per param group (at every "
-                      f"stage), which is exact only for element-wise optimizers ({names}); set "
-                      "\"zero_allow_untested_optimizer\": true to run it anyway",
-                      key="zero_allow_untested_optimizer")
+    raise UntestedOptimizerError(f"client optimizer {type(opt).__module__}.{type(opt).__name__} is untested "
+                                 "with dslaunch's ZeRO: it runs on one flat fp32 tensor per param group (at "
+                                 f"every stage), which is exact only for element-wise optimizers ({names}); "
+                                 "set \"zero_allow_untested_optimizer\": true to run it anyway",
+                                 key="zero_allow_untested_optimizer")
 
 
 def _origins(client_groups: list[dict], specs: list[GroupSpec]) -> list[dict]:
