@@ -40,6 +40,8 @@ __all__ = [
     "name_ranks",
     "install_excepthook",
     "CheckpointArgumentError",
+    "NoSyncError",
+    "UntestedOptimizerError",
 ]
 
 
@@ -96,6 +98,16 @@ class BatchSizeError(ConfigError, AssertionError):
     """The batch triad (``train_batch_size``, ``train_micro_batch_size_per_gpu``,
     ``gradient_accumulation_steps``) cannot be completed or does not add up. Also an
     ``AssertionError``: what DeepSpeed's config raises there."""
+
+
+class NoSyncError(UsageError, AssertionError):
+    """``engine.no_sync()`` misused: nested, at ZeRO stage 2 or 3, or a boundary ``step()`` inside
+    it. Also an ``AssertionError``: what DeepSpeed raises there."""
+
+
+class UntestedOptimizerError(ConfigError, AssertionError):
+    """A client optimizer ZeRO is not known to run exactly (not element-wise) without
+    ``zero_allow_untested_optimizer``. Also an ``AssertionError``: what DeepSpeed raises there."""
 
 
 class LaunchError(DslaunchError):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -28,7 +30,8 @@ __all__ = ["initialize", "init_distributed", "add_config_arguments", "tp_model_i
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500,
                mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
-               config: Any = None, config_params: Any = None) -> tuple[Any, Any, Any, Any]:
+               config: Any = None, mesh_param: tuple[int, int] | None = None,
+               config_params: Any = None) -> tuple[Any, Any, Any, Any]:
     """Build a training engine around ``model``.
 
     Args:
@@ -48,6 +51,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         dist_init_required: False never initialises torch.distributed; None does so if needed.
         collate_fn: passed to the training data loader.
         config / config_params: the ds_config (dict or JSON/YAML path).
+        mesh_param: DeepSpeed's ``(data_parallel_size, sequence_parallel_size)``: the same as those
+            two config keys (Ulysses: each run of ``sequence_parallel_size`` neighbouring ranks
+            splits a sequence).
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``; the loader and scheduler are
@@ -65,6 +71,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         where = " (the first positional argument is args, as in DeepSpeed)" if args is not None else ""
         raise ModelRequiredError(f"initialize() needs model=<torch.nn.Module>{where}")
     source = with_tp_model_init(_config_source(args, config if config is not None else config_params), model)
+    if mesh_param is not None:
+        source = _with_mesh(source, mesh_param)
     # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
     will_init = not dist.is_initialized() and dist_init_required is not False
     if will_init:
@@ -159,6 +167,30 @@ def _checked_mpu(mpu: Any) -> Any:
     if problem is not None:
         raise ConfigError(problem)
     return mpu
+
+
+def _with_mesh(source: Any, mesh_param: Any) -> Any:
+    """The config ``source`` (a dict copy; a file is read) with ``initialize(mesh_param=(dp, sp))``
+    as its ``data_parallel_size`` and ``sequence_parallel_size``.
+
+    Raises:
+        ConfigError: ``mesh_param`` is not two integers >= 1, or the config states other sizes.
+    """
+    from dslaunch.runtime.config.file import read_config_file
+
+    sizes = tuple(mesh_param) if isinstance(mesh_param, tuple | list) else ()
+    if len(sizes) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        raise ConfigError(f"initialize(mesh_param={mesh_param!r}): give (data_parallel_size, "
+                          "sequence_parallel_size), two integers >= 1")
+    raw = {} if source is None else source if isinstance(source, Mapping) else read_config_file(Path(source))
+    if not isinstance(raw, Mapping):
+        return raw  # load_config says what is wrong with it
+    mesh = dict(zip(("data_parallel_size", "sequence_parallel_size"), sizes, strict=True))
+    for key, size in mesh.items():
+        if raw.get(key, size) != size:
+            raise ConfigError(f"{raw[key]!r}, but initialize(mesh_param={mesh_param!r}) says {size}; make them "
+                              "equal or drop one", key=key)
+    return {**raw, **mesh}
 
 
 def _config_source(args: Any, config: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import NotInDslaunchError, UsageError, quote
+from dslaunch.errors import NoSyncError, NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
@@ -109,6 +109,7 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.dp_world_size = self.grid.get_data_parallel_world_size()
+        self.data_parallel_group = self.grid.get_data_parallel_group()  # DeepSpeed's attribute
         self.mp_world_size = self.grid.get_model_parallel_world_size()
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._step_applied = False
@@ -228,7 +229,7 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         steps then, as in DeepSpeed.
 
         Raises:
-            UsageError: at an accumulation boundary inside ``no_sync()`` (the gradients are not
+            NoSyncError: at an accumulation boundary inside ``no_sync()`` (the gradients are not
                 reduced, so ranks would diverge; DeepSpeed asserts on any step there); after a
                 plain ``loss.backward()`` with fp16 (the loss was not scaled).
         """
@@ -236,9 +237,10 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
             self._complete_plain_backward()
         if self.is_gradient_accumulation_boundary():
             if not self._sync:
-                raise UsageError("engine.step() at a gradient accumulation boundary inside no_sync(): "
-                                 "the gradients are not reduced across ranks, so the ranks would "
-                                 "diverge; leave no_sync() before the boundary micro step")
+                raise NoSyncError("It is illegal to call Engine.step() inside no_sync context manager at a "
+                                  "gradient accumulation boundary: the gradients are not reduced across "
+                                  "ranks, so the ranks would diverge; leave no_sync() before the boundary "
+                                  "micro step")
             self._take_model_step(lr_kwargs)
         else:
             self._step_applied = False
@@ -376,13 +378,14 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip gradient reduction inside the block (stages 0/1; stage 2 raises UsageError).
+        """Skip gradient reduction inside the block (stages 0/1; stages 2 and 3 raise NoSyncError).
 
-        ``step()`` may count non-boundary micro steps inside it; a boundary ``step()`` raises
-        UsageError, as does nesting.
+        ``step()`` may count non-boundary micro steps inside it (DeepSpeed refuses any step there);
+        a boundary ``step()`` raises NoSyncError, as does nesting (a ``UsageError`` and an
+        ``AssertionError``, as DeepSpeed asserts).
         """
         if not self._sync:
-            raise UsageError("no_sync() is already active: nested no_sync() is not supported")
+            raise NoSyncError("no_sync context manager reentry is unsupported: no_sync() is already active")
         self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), sync=False)
         self._sync = False
         try:

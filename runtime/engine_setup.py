@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import ConfigError
+from dslaunch.errors import ConfigError, UntestedOptimizerError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.moe import expert_group_name
 from dslaunch.runtime.parallel.groups import ep_size_of
@@ -219,12 +219,16 @@ def _client_wins(section: Any, key: str) -> None:
 def _elementwise_optimizers() -> tuple[type, ...]:
     """Client optimizer types whose update is element-wise: on one flat tensor per param group they
     compute exactly what they compute per parameter."""
+    from dslaunch.kernels.cpu.optimizers import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion
+    from dslaunch.kernels.fused_adam import FusedAdam
     from dslaunch.runtime.optim.adam import Adam
     from dslaunch.runtime.optim.lion import Lion
 
     o = torch.optim
+    # DeepSpeed's own optimizer classes too: scripts pass them as client optimizers (DeepSpeed-Chat:
+    # DeepSpeedCPUAdam with offload, else FusedAdam), and DeepSpeed's ZeRO supports them
     return (o.Adam, o.AdamW, o.SGD, o.Adagrad, o.RMSprop, o.Adadelta, o.Adamax, o.NAdam, o.RAdam,
-            o.Rprop, o.ASGD, Adam, Lion)
+            o.Rprop, o.ASGD, Adam, Lion, FusedAdam, DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)
 
 
 def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:
@@ -236,11 +240,11 @@ def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:
     if type(opt) in allowed or cfg.zero_allow_untested_optimizer:
         return opt
     names = ", ".join(sorted({t.__name__ for t in allowed}))
-    raise ConfigError(f"client optimizer {type(opt).__module__}.{type(opt).__name__} is untested with "
-                      "dslaunch's ZeRO: it runs on one flat fp32 tensor per param group (at every "
-                      f"stage), which is exact only for element-wise optimizers ({names}); set "
-                      "\"zero_allow_untested_optimizer\": true to run it anyway",
-                      key="zero_allow_untested_optimizer")
+    raise UntestedOptimizerError(f"client optimizer {type(opt).__module__}.{type(opt).__name__} is untested "
+                                 "with dslaunch's ZeRO: it runs on one flat fp32 tensor per param group (at "
+                                 f"every stage), which is exact only for element-wise optimizers ({names}); "
+                                 "set \"zero_allow_untested_optimizer\": true to run it anyway",
+                                 key="zero_allow_untested_optimizer")
 
 
 def _origins(client_groups: list[dict], specs: list[GroupSpec]) -> list[dict]:

@@ -1,5 +1,10 @@
 """DeepSpeed's ``deepspeed.runtime.precision_config``: the ``bf16`` and ``fp16`` blocks of a config
-dict, parsed as ``load_config`` parses them (``runtime/config/sections.py``)."""
+dict, parsed as ``load_config`` parses them (``runtime/config/sections.py``).
+
+``DeepSpeedFP16Config(**block)`` / ``DeepSpeedBF16Config(**block)`` are DeepSpeed's class names:
+calling one returns dslaunch's frozen ``Fp16Config`` / ``Bf16Config``. Limitation: a bad value is
+a ``ConfigError`` (a ``ValueError`` of one line naming the key), not pydantic's ``ValidationError``.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,29 @@ from collections.abc import Mapping
 from typing import Any
 
 from dslaunch.errors import ConfigError
-from dslaunch.runtime.config.sections import Bf16Config, Fp16Config, parse_section
+from dslaunch.runtime.config.sections import Bf16Config, Fp16Config, SectionClass, parse_section
 
-__all__ = ["get_bfloat16_config", "get_float16_config"]
+__all__ = ["get_bfloat16_config", "get_float16_config", "DeepSpeedFP16Config", "DeepSpeedBF16Config"]
+
+
+class DeepSpeedFP16Config(metaclass=SectionClass):
+    """``DeepSpeedFP16Config(enabled=True, loss_scale=0, ...)``: a parsed ``Fp16Config``."""
+
+    _parsed = Fp16Config
+
+    @staticmethod
+    def _parse(section: dict[str, Any]) -> Fp16Config:
+        return parse_section(Fp16Config, section, "fp16")
+
+
+class DeepSpeedBF16Config(metaclass=SectionClass):
+    """``DeepSpeedBF16Config(enabled=True, ...)``: a parsed ``Bf16Config``."""
+
+    _parsed = Bf16Config
+
+    @staticmethod
+    def _parse(section: dict[str, Any]) -> Bf16Config:
+        return parse_section(Bf16Config, section, "bf16")
 
 
 def get_bfloat16_config(param_dict: Mapping[str, Any]) -> Bf16Config:

@@ -10,8 +10,11 @@ reference elsewhere or with ``DSLAUNCH_KERNELS=reference``. States of 4 MiB or m
 huge pages. Parameters that are not fp32 (or states kept in the parameter dtype,
 ``fp32_optimizer_states=False``) are updated through fp32 copies, as DeepSpeed computes in fp32.
 
+Sparse gradients (``nn.Embedding(sparse=True)``) are taken by ``DeepSpeedCPUAdagrad`` as by
+DeepSpeed's: only the rows the gradient holds are updated, through the same kernel.
+
 Limitations: no ``step_subgroup``/``rollback_subgroup`` (ZeRO-3 offload's per-subgroup calls);
-sparse gradients are refused (DeepSpeed's CPU Adagrad accepts them).
+sparse gradients are refused by the Adam and Lion classes (as DeepSpeed's).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class _KernelOptimizer(torch.optim.Optimizer):
     op: ClassVar[str]
     state_keys: ClassVar[tuple[str, ...]]
     cpu_only: ClassVar[bool] = True
+    sparse_rows: ClassVar[bool] = False  # a sparse gradient updates its rows only (Adagrad)
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], fp32_optimizer_states: bool = True):
         super().__init__(params, defaults)
@@ -52,12 +56,16 @@ class _KernelOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for (device, step), batch in self._batches(group).items():
+            sparse: list[Entry] = []
+            for (device, step), batch in self._batches(group, sparse).items():
                 self._update_batch(group, device, step, batch)
+            for p, state in sparse:
+                self._update_rows(group, p, state)
         return loss
 
-    def _batches(self, group: dict[str, Any]) -> dict[tuple[Any, int], list[Entry]]:
-        """The group's parameters with a gradient, and their states, by (device, step); steps counted."""
+    def _batches(self, group: dict[str, Any], sparse: list[Entry]) -> dict[tuple[Any, int], list[Entry]]:
+        """The group's parameters with a dense gradient, and their states, by (device, step); those
+        with a sparse one appended to ``sparse``; steps counted."""
         batches: dict[tuple[Any, int], list[Entry]] = {}
         for p in group["params"]:
             grad = p.grad
@@ -68,12 +76,27 @@ class _KernelOptimizer(torch.optim.Optimizer):
             if self.cpu_only and device != "cpu":
                 raise RuntimeError(f"{type(self).__name__}: a parameter is on {p.device} and must be on the "
                                    "CPU; enable 'offload_optimizer': {'device': 'cpu'} in the ZeRO config")
-            if grad.layout is not _STRIDED:  # not is_sparse: 2x the cost, and blind to CSR
+            dense = grad.layout is _STRIDED  # not is_sparse: 2x the cost, and blind to CSR
+            if not dense and not (self.sparse_rows and grad.layout is torch.sparse_coo):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             state = self._state(group, p)
             state["step"] += 1
-            batches.setdefault((device, state["step"]), []).append((p, state))
+            if dense:
+                batches.setdefault((device, state["step"]), []).append((p, state))
+            else:
+                sparse.append((p, state))
         return batches
+
+    def _update_rows(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        """A sparse (COO) gradient: the rows it holds, gathered, updated by the kernel, put back."""
+        grad = p.grad.coalesce()
+        where = tuple(grad.indices())
+        tensors = [p, *(state[k] for k in self.state_keys)]
+        rows = [t[where].float() for t in tensors]  # copies: contiguous, fp32
+        kernels.get(self.op, "cpu")([rows[0]], [grad.values().float().contiguous()], *([r] for r in rows[1:]),
+                                    **self._arguments(group, state["step"]))
+        for t, r in zip(tensors, rows, strict=True):
+            t[where] = r.to(t.dtype)
 
     def _update_batch(self, group: dict[str, Any], device: torch.device | str, step: int,
                       batch: list[Entry]) -> None:
@@ -168,6 +191,7 @@ class DeepSpeedCPUAdagrad(_KernelOptimizer):
 
     op = "adagrad"
     state_keys = ("exp_avg_sq",)
+    sparse_rows = True
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0,
                  amsgrad: bool = False, fp32_optimizer_states: bool = True):

@@ -27,20 +27,50 @@ layout, never into dslaunch's.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore
 
 __all__ = ["get_model_ckpt_name_for_rank", "model_states_name", "optim_states_name", "ckpt_name",
            "zero_ckpt_name", "optimizer_ckpt_name", "expert_optim_name", "layer_name", "is_pipeline", "deepspeed_tag",
-           "is_deepspeed_folder"]
+           "is_deepspeed_folder", "get_optim_files", "get_model_state_files"]
 
 
 def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: str) -> str:
     """The model-states file of model-parallel rank ``mp_rank_str`` (zero-padded, e.g. ``"00"``) in
     the tag folder ``base_folder`` of a DeepSpeed checkpoint: ``<base_folder>/mp_rank_00_model_states.pt``."""
     return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")
+
+
+def _natural_key(path: str) -> list[Any]:
+    # rank 10 after rank 9: the numbers in a name compare as numbers
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def _files(checkpoint_dir: str | os.PathLike, suffix: str) -> list[str]:
+    folder = Path(checkpoint_dir)
+    found = sorted((str(f) for f in folder.glob(f"*{suffix}")), key=_natural_key)
+    if not found:
+        raise FileNotFoundError(f"can't find *{suffix} files in directory '{checkpoint_dir}'")
+    return found
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """DeepSpeed's ``zero_to_fp32.get_optim_files``: the tag folder's ``*_optim_states.pt`` files,
+    by rank (``zero_pp_rank_2`` before ``zero_pp_rank_10``).
+
+    Raises:
+        FileNotFoundError: there is none (DeepSpeed's error).
+    """
+    return _files(checkpoint_dir, "_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """DeepSpeed's ``zero_to_fp32.get_model_state_files``: the ``*_model_states.pt`` files, by rank."""
+    return _files(checkpoint_dir, "_model_states.pt")
 
 
 def model_states_name(dp_rank: int | None = None, mp_rank: int = 0) -> str:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean
 from dslaunch.runtime.config.param_schema import (
+    INT_MAX,
     Option,
     boolean,
     check_params,
@@ -30,7 +31,7 @@ from dslaunch.runtime.config.param_schema import (
     number,
 )
 
-__all__ = ["parse_section", "Fp16Config", "Bf16Config", "CheckpointConfig", "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
+__all__ = ["parse_section", "SectionClass", "Fp16Config", "Bf16Config", "CheckpointConfig", "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
            "reject_unimplemented"]
 
 
@@ -156,15 +157,26 @@ class Fp16Config:
     loss_scale: float = _opt(0.0, number(0.0, MAX_LOSS_SCALE), "0 for dynamic loss scaling, or a fixed scale > 0")
     initial_scale_power: int = _opt(16, integer(0, MAX_SCALE_POWER),
                                     "an integer: the first dynamic scale is 2**power")
-    loss_scale_window: int = _opt(1000, integer(1), "steps without overflow before the scale doubles")
+    # The window and the floor only act under dynamic scaling; elsewhere DeepSpeed keeps any value
+    # given (a static-scale config may carry 0), so their ranges are checked in __post_init__.
+    loss_scale_window: int = _opt(1000, integer(-INT_MAX), "steps without overflow before the scale doubles")
     hysteresis: int = _opt(2, integer(1), "overflows tolerated before the scale halves")
     consecutive_hysteresis: bool = _opt(False, boolean, "true or false")
-    min_loss_scale: float = _opt(1.0, number(0.0, MAX_LOSS_SCALE, low_open=True),
-                                 "the smallest dynamic scale, e.g. 1")
+    min_loss_scale: float = _opt(1.0, number(high=MAX_LOSS_SCALE), "the smallest dynamic scale, e.g. 1")
 
     auto_cast: bool = _opt(False, boolean, "true to cast the forward's floating-point positional inputs to fp16")
 
     UNIMPLEMENTED = {"fp16_master_weights_and_grads": False}
+
+    def __post_init__(self) -> None:
+        if not (self.enabled and self.loss_scale == 0):
+            return
+        why = "when dynamic loss scaling is on (fp16.enabled true, fp16.loss_scale 0)"
+        if self.loss_scale_window < 1:  # the scaler doubles every window steps: 0 divides by zero
+            raise ConfigError(f"must be an integer >= 1 {why}, got {self.loss_scale_window}",
+                              key="fp16.loss_scale_window")
+        if self.min_loss_scale <= 0:  # the floor of the scale: <= 0 lets it fall to nothing
+            raise ConfigError(f"must be > 0 {why}, got {self.min_loss_scale:g}", key="fp16.min_loss_scale")
 
 
 @dataclass(frozen=True)
@@ -280,6 +292,21 @@ def _stage3_only(cls: type, key: str) -> bool:
 def _default(f: dataclasses.Field) -> Any:
     """A field's default; a fresh one from its factory (a list field must not share one list)."""
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+class SectionClass(type):
+    """A DeepSpeed config class name (``DeepSpeedZeroConfig``, ``DeepSpeedFP16Config``): calling
+    it parses keyword settings into dslaunch's frozen section (its ``_parse``), and ``isinstance``
+    accepts that section (its ``_parsed``)."""
+
+    _parsed: type
+    _parse: Callable[[dict[str, Any]], Any]
+
+    def __call__(cls, **section: Any) -> Any:
+        return cls._parse(section)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls._parsed)
 
 
 def parse_section(cls: type, raw: Any, prefix: str) -> Any:

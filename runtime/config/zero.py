@@ -162,9 +162,11 @@ class ZeroConfig:
     weights. Off by default because a script that reads weights between ``step()`` and the next
     forward (an EMA, a weight-norm log through ``parameters()``) would read a mix of old and new
     values; the engine's own readers (save, ``state_dict``, eval) wait first."""
-    contiguous_gradients: bool = _opt(True, _only(True, "dslaunch always copies gradients into contiguous "
-                                                  "buffers (one flat buffer per param group at stages 0-1, "
-                                                  "the reduce buckets at stage 2)"), "true")
+    contiguous_gradients: bool = _opt(True, boolean, "true or false (no effect: gradients are always copied "
+                                      "into contiguous buffers)")
+    """Memory-layout knob, no effect on results: dslaunch always copies gradients into contiguous
+    buffers (one flat buffer per param group at stages 0-1, the reduce buckets at stage 2), so
+    either value trains the same; DeepSpeed's own stage 1 ignores it too."""
     reduce_scatter: bool = _opt(True, boolean, "true or false (no effect: always all-reduce)")
     """Performance knob, no effect on results: dslaunch always averages gradients with a bucketed
     all-reduce (on gloo faster than reduce-scatter), so either value gives the same gradients."""

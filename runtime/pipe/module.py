@@ -87,15 +87,16 @@ def _parts_needed(weights: Sequence[int], bound: int) -> int:
 
 
 def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
-    """Contiguous non-empty parts whose heaviest part is as light as possible.
+    """Contiguous parts whose heaviest part is as light as possible, none empty while items last.
 
     The smallest feasible bottleneck is found by bisection; then each part takes as many items as
     fit under it (keeping one item for every later part), so items of weight 0 stay with the part
-    before them (a transformer block's trailing activation stays with its block).
+    before them (a transformer block's trailing activation stays with its block). With no more
+    items than parts each part takes one item and the last parts are empty, as DeepSpeed's
+    ``partition_balanced`` answers (``PipelineModule`` refuses too few layers before it asks).
     """
-    if len(weights) < num_parts:
-        raise UsageError(f"PipelineModule: {len(weights)} layers cannot fill {num_parts} stages (each stage "
-                         "needs at least one layer)")
+    if len(weights) <= num_parts:
+        return partition_uniform(len(weights), num_parts)
     lo, hi = max(weights, default=0), sum(weights)
     while lo < hi:
         mid = (lo + hi) // 2

@@ -11,11 +11,10 @@ DeepSpeed's are None when the config leaves them out.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from dslaunch.runtime.config.sections import parse_section
+from dslaunch.runtime.config.sections import SectionClass, parse_section
 from dslaunch.runtime.config.zero import (
     LeafModuleConfig,
     OffloadConfig,
@@ -59,21 +58,7 @@ class OffloadStateTypeEnum(str, Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
-class _SectionName(type):
-    """A DeepSpeed config class name: calling it parses keyword settings into dslaunch's frozen
-    section (``_parse``), and ``isinstance`` accepts that section."""
-
-    _parsed: type
-    _parse: Callable[[dict[str, Any]], Any]
-
-    def __call__(cls, **section: Any) -> Any:
-        return cls._parse(section)
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, cls._parsed)
-
-
-class DeepSpeedZeroConfig(metaclass=_SectionName):
+class DeepSpeedZeroConfig(metaclass=SectionClass):
     """``DeepSpeedZeroConfig(stage=3, ...)``: a parsed ``ZeroConfig`` (raises ``ConfigError``)."""
 
     _parsed = ZeroConfig
@@ -83,7 +68,7 @@ class DeepSpeedZeroConfig(metaclass=_SectionName):
         return parse_section(ZeroConfig, legacy_zero_forms(section), "zero_optimization")
 
 
-class DeepSpeedZeroOffloadOptimizerConfig(metaclass=_SectionName):
+class DeepSpeedZeroOffloadOptimizerConfig(metaclass=SectionClass):
     """``DeepSpeedZeroOffloadOptimizerConfig(device="cpu", ...)``: a parsed ``OffloadConfig``."""
 
     _parsed = OffloadConfig
@@ -93,7 +78,7 @@ class DeepSpeedZeroOffloadOptimizerConfig(metaclass=_SectionName):
         return offload_optimizer_section("zero_optimization.offload_optimizer", section)
 
 
-class DeepSpeedZeroOffloadParamConfig(metaclass=_SectionName):
+class DeepSpeedZeroOffloadParamConfig(metaclass=SectionClass):
     """``DeepSpeedZeroOffloadParamConfig(device="cpu", ...)``: a parsed ``OffloadConfig``."""
 
     _parsed = OffloadConfig
@@ -103,7 +88,7 @@ class DeepSpeedZeroOffloadParamConfig(metaclass=_SectionName):
         return offload_param_section("zero_optimization.offload_param", section)
 
 
-class DeepSpeedZeroLeafModuleConfig(metaclass=_SectionName):
+class DeepSpeedZeroLeafModuleConfig(metaclass=SectionClass):
     """``DeepSpeedZeroLeafModuleConfig(classes=[...], ...)``: a parsed ``LeafModuleConfig``."""
 
     _parsed = LeafModuleConfig

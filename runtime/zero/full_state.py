@@ -41,6 +41,9 @@ def _get_full(param: torch.nn.Parameter, what: str) -> torch.Tensor | None:
         return None
     s = frag.strategy
     s.synchronize()
+    own = s.unreduced_grad(frag.gi) if what == GRAD else None
+    if own is not None:  # not reduced yet (no_sync, before the boundary): DeepSpeed's param.grad, this rank's sum
+        return own[frag.a:frag.b].to(torch.float32, copy=True).view(_shape(param))
     local = rank_tensor(frag, what)
     if local is None:
         return None
@@ -75,7 +78,9 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The whole averaged fp32 gradient of ``param`` (after backward, before the step; still
-    multiplied by the fp16 loss scale, as DeepSpeed's)."""
+    multiplied by the fp16 loss scale, as DeepSpeed's). Before the gradients are reduced (inside
+    ``no_sync()``, or after a backward before the accumulation boundary; stages 0 and 1) it is
+    this rank's own sum so far, as DeepSpeed's ``param.grad`` there."""
     return _get_full(param, GRAD)
 
 

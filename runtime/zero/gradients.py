@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import NoSyncError, UsageError
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
@@ -142,6 +142,11 @@ class GradientPath(ABC):
         """
         raise UsageError(f"{type(self).__name__} keeps only this rank's gradient shard, not the whole gradient")
 
+    def unreduced_gradient(self, gi: int) -> torch.Tensor | None:
+        """Group ``gi``'s whole gradient as this rank summed it, while a backward since the last
+        reduction left it local (inside ``no_sync()``, before the boundary); None otherwise."""
+        return None
+
     @abstractmethod
     def held_bytes(self) -> int:
         """Bytes of gradient storage this rank keeps between micro steps."""
@@ -224,6 +229,9 @@ class FullGradients(GradientPath):
         self._adopt_all()  # a step without backward sees zero gradients
         return self._gflat[gi][:self.groups[gi].layout.numel]
 
+    def unreduced_gradient(self, gi: int) -> torch.Tensor | None:
+        return self.local_gradient(gi) if self._unreduced else None
+
     def zero_grad(self) -> None:
         # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).
         self._unreduced = False
@@ -269,8 +277,9 @@ class ShardedGradients(GradientPath):
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         if not sync:
-            raise UsageError("no_sync() is not supported with ZeRO stage 2: gradients are reduced "
-                             "into their owning shard every micro step (same as DeepSpeed)")
+            raise NoSyncError("no_sync context manager is incompatible with ZeRO stages 2 and 3: gradients "
+                              "are reduced into their owning shard every micro step (as in DeepSpeed); "
+                              "accumulate with gradient_accumulation_steps instead")
         super().begin_micro_step(boundary, sync)
         self._folded = False
 

@@ -185,6 +185,12 @@ class ZeroStrategy:
             self.offload.forget_prefetch()
         return part.gradients.shard(part.indices.index(gi))
 
+    def unreduced_grad(self, gi: int) -> torch.Tensor | None:
+        """Group ``gi``'s whole rank-local gradient while it is unreduced (``no_sync()``, before
+        the boundary, stages 0-1); None once reduced or where only a shard is kept."""
+        part = self._part_of(gi)
+        return part.gradients.unreduced_gradient(part.indices.index(gi))
+
     def synchronize(self) -> None:
         """Wait for in-flight parameter gathers: call before anything reads the module weights."""
         for part in self.parts:
@@ -202,8 +208,8 @@ class ZeroStrategy:
         """Before backward: whether this micro step ends an accumulation, and whether it reduces.
 
         Raises:
-            UsageError: ``sync=False`` (``no_sync()``) where gradients must be reduced every micro
-                step (stage 2).
+            NoSyncError: ``sync=False`` (``no_sync()``) where gradients must be reduced every micro
+                step (stages 2 and 3).
         """
         for part in self.parts:
             part.gradients.begin_micro_step(boundary, sync)

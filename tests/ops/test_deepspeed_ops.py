@@ -140,6 +140,28 @@ def test_cpu_adagrad() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_cpu_adagrad_updates_only_the_rows_of_a_sparse_gradient() -> None:
+    torch.manual_seed(0)
+    ours_e, ref_e = (torch.nn.Embedding(50, 6, sparse=True) for _ in range(2))
+    ref_e.load_state_dict(ours_e.state_dict())
+    ours, ref = DeepSpeedCPUAdagrad(ours_e.parameters(), lr=0.1), torch.optim.Adagrad(ref_e.parameters(), lr=0.1)
+    for step in range(4):
+        ids = torch.randint(0, 50, (7,), generator=torch.Generator().manual_seed(step))  # repeats sum
+        for emb, opt in ((ours_e, ours), (ref_e, ref)):
+            opt.zero_grad()
+            emb(ids).pow(2).sum().backward()
+            assert emb.weight.grad.is_sparse
+            opt.step()
+        assert torch.allclose(ours_e.weight, ref_e.weight, rtol=0, atol=TOL)
+    untouched = ours.state[ours_e.weight]["exp_avg_sq"].sum(1) == 0  # rows no batch looked up
+    assert untouched.any() and torch.equal(ours_e.weight[untouched], ref_e.weight[untouched])
+    with pytest.raises(RuntimeError, match="DeepSpeedCPUAdam does not support sparse gradients"):
+        emb = torch.nn.Embedding(5, 2, sparse=True)
+        emb(torch.tensor([1])).sum().backward()
+        DeepSpeedCPUAdam(emb.parameters()).step()
+
+
+@pytest.mark.timeout(30)
 def test_cpu_lion() -> None:
     ours_p, ref_p = _params(3, 2049)
     ours = DeepSpeedCPULion(ours_p, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)

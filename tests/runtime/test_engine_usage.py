@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from dslaunch.errors import UsageError
+from dslaunch.errors import ConfigError, UsageError
 from tests.distributed import run_world
 from tests.runtime.models import batches, make_model
 
@@ -102,6 +102,7 @@ def _no_sync_rules(rank: int, world: int, stage: int) -> dict:
             out["nested"] = "no error"
         except UsageError as err:
             out["nested"] = str(err)
+            out["asserts"] = isinstance(err, AssertionError)
     out["step_after"] = _error(engine.step)  # the boundary backward ran inside: still unreduced
     out["untouched"] = _weights(engine) == before and engine.global_steps == 0
 
@@ -124,21 +125,38 @@ def _no_sync_rules(rank: int, world: int, stage: int) -> dict:
     return out
 
 
+def _no_sync_refused(rank: int, world: int, stage: int) -> tuple[str, bool]:
+    import dslaunch
+
+    engine, _, _, _ = dslaunch.initialize(model=make_model(), config=_cfg(stage))
+    try:
+        with engine.no_sync():
+            pass
+    except UsageError as err:
+        return str(err), isinstance(err, AssertionError)
+    return "no error", False
+
+
 def _no_sync_all(rank: int, world: int) -> list[dict]:
-    return [_no_sync_rules(rank, world, stage) for stage in (0, 1)]
+    out = [_no_sync_rules(rank, world, stage) for stage in (0, 1)]
+    out[0]["refused"] = [_no_sync_refused(rank, world, stage) for stage in (2, 3)]
+    return out
 
 
 @pytest.mark.timeout(90)
 def test_boundary_step_inside_no_sync_raises() -> None:
     for per_stage in run_world(_no_sync_all, 2):
         for out in per_stage:
-            assert "inside no_sync()" in out["step_inside"] and "diverge" in out["step_inside"]
-            assert "nested" in out["nested"]
+            assert "inside no_sync context manager" in out["step_inside"] and "diverge" in out["step_inside"]
+            assert "reentry is unsupported" in out["nested"]
             assert "never reduced" in out["step_after"]
             assert out["untouched"]  # the refused steps changed nothing
-            assert "inside no_sync()" in out["gas1"]
+            assert "inside no_sync context manager" in out["gas1"]
+            assert out["asserts"]  # also an AssertionError, as DeepSpeed asserts
             (with_ctx, steps_a), (plain, steps_b) = out["ddp_pattern"]
             assert with_ctx == plain and steps_a == steps_b == 1
+        for msg, asserts in per_stage[0]["refused"]:  # stages 2 and 3
+            assert msg.startswith("no_sync context manager is incompatible with ZeRO stages 2 and 3") and asserts
 
 
 # ----- state_dict like DeepSpeed's nn.Module engine ----------------------------------------------
@@ -259,7 +277,8 @@ def _client_optimizer_outcome(client, allow: bool) -> str:
         engine, optimizer, *_ = dslaunch.initialize(model=model, optimizer=opt, config=cfg,
                                                     dist_init_required=False)
     except Exception as exc:  # the message is the assertion's subject
-        return f"{type(exc).__name__}: {exc}"
+        kind = "ConfigError" if isinstance(exc, ConfigError) and isinstance(exc, AssertionError) else type(exc).__name__
+        return f"{kind}: {exc}"  # (also an AssertionError, as DeepSpeed asserts)
     return type(optimizer).__name__
 
 
@@ -273,6 +292,12 @@ def test_untested_client_optimizers_need_the_config_switch_at_every_stage() -> N
     assert from_callable.startswith("ConfigError: 'zero_allow_untested_optimizer'"), from_callable
     assert _client_optimizer_outcome(torch.optim.Adafactor, allow=True) == "Adafactor"
     assert _client_optimizer_outcome(torch.optim.SGD, allow=False) == "SGD"
+    from dslaunch.ops.adagrad import DeepSpeedCPUAdagrad
+    from dslaunch.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from dslaunch.ops.lion import DeepSpeedCPULion
+
+    for deepspeeds in (FusedAdam, DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion):  # element-wise too
+        assert _client_optimizer_outcome(deepspeeds, allow=False) == deepspeeds.__name__
 
 
 # ----- loss.backward() instead of engine.backward(loss) --------------------------------------------

@@ -28,6 +28,19 @@ def test_names_are_deepspeeds() -> None:
     assert zero_ckpt_name("d", "t", 1, bf16=True) == "d/t/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
+def test_zero_to_fp32_lists_a_tags_files_by_rank(tmp_path: Path) -> None:
+    from dslaunch.utils.zero_to_fp32 import get_model_state_files, get_optim_files
+
+    with pytest.raises(FileNotFoundError, match=r"can't find \*_optim_states.pt files in directory"):
+        get_optim_files(tmp_path)
+    for rank in (10, 2, 0, 1):
+        (tmp_path / optim_states_name(rank)).write_bytes(b"")
+        (tmp_path / model_states_name(rank)).write_bytes(b"")
+    want = [str(tmp_path / optim_states_name(rank)) for rank in (0, 1, 2, 10)]  # 10 after 2, as numbers
+    assert get_optim_files(tmp_path) == want
+    assert get_model_state_files(str(tmp_path)) == [str(tmp_path / model_states_name(r)) for r in (0, 1, 2, 10)]
+
+
 def test_a_deepspeed_tag_is_found_by_latest_or_name(tmp_path: Path) -> None:
     assert deepspeed_tag(tmp_path) is None  # no latest
     (tmp_path / "global_step3").mkdir()

@@ -11,7 +11,7 @@ import pytest
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import DeepSpeedConfig, load_config
-from dslaunch.runtime.precision_config import get_bfloat16_config
+from dslaunch.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config, get_bfloat16_config
 from dslaunch.runtime.zero.config import (
     DeepSpeedZeroConfig,
     DeepSpeedZeroOffloadOptimizerConfig,
@@ -75,6 +75,19 @@ def test_bfloat16_block_under_either_name() -> None:
     assert not get_bfloat16_config({}).enabled
     with pytest.raises(ConfigError, match="not both"):
         get_bfloat16_config({"bf16": {}, "bfloat16": {}})
+
+
+def test_precision_config_classes_parse_as_the_config_file_does() -> None:
+    fp16 = DeepSpeedFP16Config(enabled=True, loss_scale=0, loss_scale_window=2, min_loss_scale=4)
+    assert isinstance(fp16, DeepSpeedFP16Config) and (fp16.loss_scale_window, fp16.min_loss_scale) == (2, 4)
+    assert DeepSpeedFP16Config(enabled=True, loss_scale=128, min_loss_scale=0).loss_scale == 128  # static
+    assert DeepSpeedBF16Config(enabled=True).enabled and not isinstance(fp16, DeepSpeedBF16Config)
+    for bad, key in (({"loss_scale": -1}, "loss_scale"), ({"loss_scale": True}, "loss_scale"),
+                     ({"loss_scale": []}, "loss_scale"), ({"min_loss_scale": 0}, "min_loss_scale"),
+                     ({"loss_scale_window": float("inf")}, "loss_scale_window"),
+                     ({"loss_scale_window": True}, "loss_scale_window")):
+        with pytest.raises(ConfigError, match=rf"^'fp16\.{key}': must be"):  # a ValueError, one line
+            DeepSpeedFP16Config(enabled=True, **bad)
 
 
 def test_config_model_base_class_as_deepspeeds() -> None:

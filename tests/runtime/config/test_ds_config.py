@@ -34,7 +34,16 @@ def test_wrong_type_names_the_path() -> None:
 
 def test_out_of_range_names_the_path() -> None:
     assert "'gradient_clipping'" in _error({"train_batch_size": 8, "gradient_clipping": -1})
-    assert "'fp16.loss_scale_window'" in _error({"train_batch_size": 8, "fp16": {"loss_scale_window": 0}})
+    dynamic = {"enabled": True, "loss_scale": 0}
+    assert "'fp16.loss_scale_window'" in _error({"train_batch_size": 8, "fp16": {**dynamic, "loss_scale_window": 0}})
+    assert "'fp16.min_loss_scale'" in _error({"train_batch_size": 8, "fp16": {**dynamic, "min_loss_scale": 0}})
+
+
+@pytest.mark.parametrize("fp16", [{"enabled": True, "loss_scale": 128}, {"enabled": False}])
+def test_dynamic_scaling_settings_are_unchecked_where_unused(fp16: dict) -> None:
+    # DeepSpeed keeps them there (a static-scale config may carry 0): refusing would break its configs
+    cfg = load_config({"train_batch_size": 8, "fp16": {**fp16, "loss_scale_window": 0, "min_loss_scale": -1}}, 1)
+    assert (cfg.fp16.loss_scale_window, cfg.fp16.min_loss_scale) == (0, -1)
 
 
 @pytest.mark.parametrize("raw, world, want", [
@@ -209,14 +218,22 @@ def test_elastic_checkpoint_at_stage_3_warns_that_it_has_no_effect() -> None:
                                                "checkpointing is deprecated") and "no effect" in m for m in seen)
 
 
-@pytest.mark.parametrize("key, instead", [("contiguous_gradients", "contiguous buffers"),
-                                          ("ignore_unused_parameters", "zero gradient"),
+@pytest.mark.parametrize("key, instead", [("ignore_unused_parameters", "zero gradient"),
                                           ("load_from_fp32_weights", "fp32 copy")])
 def test_zero_knobs_dslaunch_honours_one_way_reject_the_other(key: str, instead: str) -> None:
     assert getattr(_ok({"zero_optimization": {key: True}}).zero_optimization, key) is True
     msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 1, key: False}})
     assert msg.startswith(f"'zero_optimization.{key}': false is not implemented")
     assert instead in msg and msg.endswith("set it to true")
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_contiguous_gradients_is_a_layout_knob_taking_either_value(value: bool) -> None:
+    # as reduce_scatter / allgather_partitions: DeepSpeed's configs set it either way, results are the same
+    cfg = _ok({"zero_optimization": {"stage": 2, "contiguous_gradients": value}})
+    assert cfg.zero_optimization.contiguous_gradients is value
+    assert "'zero_optimization.contiguous_gradients'" in _error({"train_batch_size": 8, "zero_optimization": {
+        "contiguous_gradients": "no"}})
 
 
 @pytest.mark.parametrize("raw, path", [

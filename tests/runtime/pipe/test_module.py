@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dslaunch.errors import UsageError
-from dslaunch.runtime.pipe.module import partition_balanced, partition_uniform
+from dslaunch.runtime.pipe.module import _partition, partition_balanced, partition_uniform
 from tests.distributed import run_world
 from tests.runtime.pipe import helpers
 
@@ -29,9 +29,19 @@ def test_balanced_minimises_the_heaviest_part(weights: list[int], parts: int, wa
     assert partition_balanced(weights, parts) == want
 
 
+@pytest.mark.parametrize("weights, parts, want", [
+    ([1, 2, 1], 4, [0, 1, 2, 3, 3]),  # fewer items than parts: one each, the last parts empty
+    ([5, 5], 2, [0, 1, 2]),
+])
+def test_balanced_with_no_more_items_than_parts_is_deepspeeds_answer(weights: list[int], parts: int,
+                                                                      want: list[int]) -> None:
+    # deepspeed.runtime.utils.partition_balanced is public: it answers, where PipelineModule refuses
+    assert partition_balanced(weights, parts) == want
+
+
 def test_too_few_layers_is_one_line() -> None:
     with pytest.raises(UsageError, match=r"^PipelineModule: 2 layers cannot fill 3 stages"):
-        partition_balanced([1, 1], 3)
+        _partition([torch.nn.ReLU(), torch.nn.ReLU()], 3, "parameters")
 
 
 BUILT: list[str] = []  # per process: which Counted layers were built with real memory

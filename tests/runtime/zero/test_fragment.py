@@ -111,3 +111,38 @@ def _run(rank: int, world: int, stage: int, offload: str, precision: str, nvme_p
                           (3, "cpu", "bf16"), (3, "nvme", "fp32"), (1, "cpu", "fp16")])
 def test_fragments_set_get_and_step_as_torch(stage: int, offload: str, precision: str, tmp_path) -> None:
     run_world(_run, 2, stage, offload, precision, str(tmp_path))
+
+
+def _unreduced(rank: int, world: int, stage: int) -> list[bool]:
+    import dslaunch
+    from dslaunch.utils import safe_get_full_grad
+
+    model = _model()
+    engine, *_ = dslaunch.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}})
+    twin = _model()  # plain torch, this rank's data only
+    xs = [torch.rand(2, 5, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    out = []
+    with engine.no_sync():
+        engine.backward(engine(xs[0]).pow(2).mean())
+    (twin(xs[0]).pow(2).mean() / 2).backward()  # the engine divides by the accumulation steps
+    # unreduced: this rank's own gradient so far (DeepSpeed's param.grad), not an error
+    pairs = list(zip(model.parameters(), twin.parameters(), strict=True))
+    out += [torch.allclose(safe_get_full_grad(p), q.grad) for p, q in pairs]
+    engine.step()  # not a boundary: counts the micro step
+    engine.backward(engine(xs[1]).pow(2).mean())  # the boundary: reduced, the average over ranks
+    (twin(xs[1]).pow(2).mean() / 2).backward()
+    for p, q in pairs:
+        mean = q.grad.clone()
+        torch.distributed.all_reduce(mean)
+        out.append(torch.allclose(safe_get_full_grad(p), mean / world))
+    engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_full_grad_before_the_reduction_is_the_ranks_own() -> None:
+    for stage in (0, 1):
+        got = run_world(_unreduced, 2, stage)
+        assert all(all(ok) for ok in got), f"stage {stage}: {got}"
