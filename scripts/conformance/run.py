@@ -139,7 +139,8 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
                 timed_out = True
                 _stop(proc)
         why = f"timed out after {_file_limit(current, args.file_timeout)} s" if timed_out else f"pytest stopped (exit code {proc.returncode})"
-        part = report.read_events(events, unfinished_reason=why)
+        # no events at all: pytest stopped (or was stopped) before collecting anything
+        part = report.read_events(events, unfinished_reason=why) if events.exists() else report.SideRun()
         run.results.update(part.results)
         run.collect_errors.update(part.collect_errors)
         started = _started_files(events)
@@ -163,9 +164,17 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
 LONG_FILES = {"unit/comm/test_dist.py": 3, "unit/checkpoint/test_zero_optimizer.py": 3}
 
 
+STARTUP_LIMIT_S = 900
+"""Seconds pytest may take before its first file starts: collection imports torch and the side's
+package for every file (minutes under load), which is no file's time."""
+
+
 def _file_limit(file: str | None, base: int) -> int:
-    """Seconds ``file`` may run: ``--file-timeout``, times the file's factor in ``LONG_FILES``."""
-    return base * LONG_FILES.get(file or "", 1)
+    """Seconds ``file`` may run: ``--file-timeout``, times the file's factor in ``LONG_FILES``; before
+    any file started, ``STARTUP_LIMIT_S`` (or the cap, if larger)."""
+    if file is None:
+        return max(base, STARTUP_LIMIT_S)
+    return base * LONG_FILES.get(file, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
