@@ -41,7 +41,6 @@ from dslaunch.runtime.pipe import p2p
 from dslaunch.runtime.pipe import schedule as sched
 from dslaunch.runtime.pipe.data import as_tuple, concat, scalar_loss, to_device
 from dslaunch.runtime.pipe.module import PipelineModule
-from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.timers import Timer
 
 __all__ = ["PipelineEngine"]
@@ -329,11 +328,8 @@ class PipelineEngine(DeepSpeedEngine):
     def _exec_forward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         key, last = (ins.micro_batch, ins.chunk), self._ends(ins.chunk)[1]
         with self.events.phase("forward"):
-            inputs = batch.inputs[key]
-            if self._ends(ins.chunk)[0] and self._config.fp16.enabled and self._config.fp16.auto_cast:
-                inputs = PrecisionPolicy.half_inputs(inputs)  # the first stage's, as DeepSpeed's engine.forward
-            with self._autocast():
-                out = self.module(inputs, chunk=ins.chunk)
+            with self._autocast():  # the first stage's inputs are in the model dtype already (fp16.auto_cast's cast)
+                out = self.module(batch.inputs[key], chunk=ins.chunk)
             if last:
                 if batch.keep_logits:
                     batch.logits.append(out)
