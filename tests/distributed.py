@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -50,7 +51,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        result = fn(rank, world, *args)
+        # by value: the queue's pickler would share a tensor's storage through a file descriptor
+        # that this process serves until the parent takes it, and the rank may exit first (under
+        # load: FileNotFoundError or ConnectionRefusedError in the parent's get)
+        result = pickle.dumps(fn(rank, world, *args))
         queue.put((rank, True, result))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -108,7 +112,7 @@ def _collect(procs: list[Any], queue: Any, timeout: float) -> tuple[dict[int, An
             continue
         if not ok:
             return results, [f"rank {rank} failed:\n{payload}"]  # peers would block in collectives: stopped
-        results[rank] = payload
+        results[rank] = pickle.loads(payload)
     return results, []
 
 
