@@ -268,11 +268,12 @@ def top_frame(stack: str | None) -> str | None:
     here = f"{own['file']}:{own['line']} in {own['func']}" if own else None
     if own is inner:
         return here
-    lib = _LIBRARY.split(inner["file"])[-1].lstrip("/")
+    lib = inner["file"] if inner["file"].startswith("<") else _LIBRARY.split(inner["file"])[-1].lstrip("/")
     return f"{inner['func']} ({lib}:{inner['line']})" + (f" from {here}" if here else "")
 
 
-_LIBRARY = re.compile(r"(?:/lib/python3\.\d+)?/(?:site|dist)-packages/|/lib/python3\.\d+/")
+# the standard library's frozen modules (``<frozen os>`` since 3.11: os.environ, importlib) too
+_LIBRARY = re.compile(r"(?:/lib/python3\.\d+)?/(?:site|dist)-packages/|/lib/python3\.\d+/|^<frozen ")
 
 
 def _in_collective(stack: str | None) -> bool:

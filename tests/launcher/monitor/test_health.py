@@ -148,6 +148,11 @@ def test_top_frame_names_the_library_call_and_the_scripts_own_line():
                                   "from /job/train.py:40 in train_step")
     assert top_frame(COMPUTING) == "/job/model.py:12 in forward"
     assert top_frame(None) is None and top_frame("garbage") is None
+    # py-spy's dump of a rank stopped inside a frozen standard-library module (os.environ, 3.11+):
+    # that frame is the library's, the script's own line is still named (a CI run took it as the script's)
+    frozen = ('Thread 7 (idle): "MainThread"\n    _Environ.__getitem__ (<frozen os>:676)\n'
+              "    main (/job/train_loop.py:39)\n    <module> (/job/train_loop.py:58)\n")
+    assert top_frame(frozen) == "_Environ.__getitem__ (<frozen os>:676) from /job/train_loop.py:39 in main"
 
 
 def test_summary_reports_the_slowest_rank_and_memory():
