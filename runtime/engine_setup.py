@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import ConfigError, UntestedOptimizerError
+from dslaunch.errors import ConfigError, NotInDslaunchError, UntestedOptimizerError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.moe import expert_group_name
 from dslaunch.runtime.parallel.groups import ep_size_of
@@ -236,6 +236,11 @@ def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:
     ``zero_allow_untested_optimizer``. dslaunch flattens every param group at every stage, so an
     optimizer with per-tensor statistics (Adafactor, LAMB, Shampoo, Muon, ...) would compute
     something else than per parameter: the same switch guards it, at stage 0 too."""
+    if isinstance(opt, torch.optim.SparseAdam):  # it would fail at the first step, switch or not
+        raise NotInDslaunchError("client optimizer torch.optim.SparseAdam steps only on sparse gradients, and "
+                                 "dslaunch keeps every gradient dense (an nn.Embedding(sparse=True)'s is "
+                                 "scattered into the flat buffer); use torch.optim.Adam, which also updates "
+                                 "the rows that got no gradient this step (SparseAdam leaves them)")
     allowed = _elementwise_optimizers()
     if type(opt) in allowed or cfg.zero_allow_untested_optimizer:
         return opt

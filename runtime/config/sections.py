@@ -125,6 +125,8 @@ def reject_unimplemented(key: str, value: Any, spec: Any) -> None:
         return
     path, off, hint = found
     what = "is accepted by DeepSpeed but not implemented by dslaunch yet"
+    if key in REMOVED_FROM_DEEPSPEED:
+        what = f"was removed from DeepSpeed in 0.19.8 ({REMOVED_FROM_DEEPSPEED[key]}) and dslaunch does not have it"
     if off is _UNLISTED:
         parent = path.rpartition(".")[0]
         what = f"is not a known key of '{parent}'{hint}, which dslaunch does not implement yet"
@@ -135,6 +137,21 @@ def reject_unimplemented(key: str, value: Any, spec: Any) -> None:
     else:
         fix = f"set it to {_json(off)} (or remove '{key}')"
     raise ConfigError(f"{what}; {fix}", key=path)
+
+
+# Features DeepSpeed 0.19.8 removed (its runtime/config.py refuses them) that dslaunch never had:
+# a script written for an older DeepSpeed learns that the feature is gone, not that it is to come.
+REMOVED_FROM_DEEPSPEED: dict[str, str] = {
+    "sparse_gradients": "sparse exchange of dense embedding gradients; an nn.Embedding(sparse=True) "
+                        "trains without the key",
+    "nebula": "checkpoints go through the usual checkpoint engine",
+    "amp": "NVIDIA Apex AMP; use fp16, bf16 or torch_autocast",
+    "compression_training": "the compression library",
+    "quantize_training": "Mixture-of-Quantization",
+    "eigenvalue": "eigenvalue-based Mixture-of-Quantization",
+    "sparse_attention": "Sparse Attention",
+    "graph_harvesting": "graph harvesting",
+}
 
 
 def _enabled() -> Off:

@@ -93,6 +93,10 @@ class GradientPath(ABC):
     def _hook(self, gi: int, pi: int):
         def on_grad(p: torch.Tensor) -> None:
             self._pending = True
+            if p.grad is not None and p.grad.layout != torch.strided:
+                # nn.Embedding(sparse=True): every path keeps gradients dense (flat buffers,
+                # shards), so the sparse rows are scattered into a dense gradient here
+                p.grad = p.grad.to_dense()
             if gradient_is_whole(p):
                 self._on_grad(gi, pi)
         return on_grad
