@@ -99,6 +99,10 @@ class EngineCheckpoints:
         """Saving or loading is not a training step: the monitor's hang rule allows it longer."""
         return self._heartbeat.phase("checkpoint") if self._heartbeat is not None else contextlib.nullcontext()
 
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> Any:
+        """DeepSpeed's older name of ``save_16bit_model`` (kept by DeepSpeed for old scripts)."""
+        return self.save_16bit_model(save_dir, save_filename)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> Any:
         """Rank 0 writes the whole module state dict (model dtype). With partitioned parameters
