@@ -44,6 +44,7 @@ from dslaunch.runtime.parallel.mpu import gradient_reduce_group, tensor_axis
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.progressive_layer_drop import ProgressiveLayerDrop
 from dslaunch.runtime.torch_autocast import Autocast
+from dslaunch.utils.logging import set_log_level_from_string
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
 __all__ = ["DeepSpeedEngine"]
@@ -91,6 +92,8 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config
+        if config.log_level is not None:  # as DeepSpeed, before anything logs
+            set_log_level_from_string(config.log_level)
         # DeepSpeed's engine.config is the ds_config dict as given (Hugging Face's Trainer reads it)
         self.config = dict(config.raw)
         self.local_rank = local_rank()

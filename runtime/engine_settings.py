@@ -52,6 +52,7 @@ class EngineSettings:
     steps_per_print = _reads("steps_per_print")
     wall_clock_breakdown = _reads("wall_clock_breakdown")
     dataloader_drop_last = _reads("dataloader_drop_last")
+    log_level = _reads("log_level")
     gradient_predivide_factor = _reads("gradient_predivide_factor")
     zero_allow_untested_optimizer = _reads("zero_allow_untested_optimizer")
     use_node_local_storage = _reads("checkpoint.use_node_local_storage")

@@ -13,7 +13,13 @@ import logging
 import sys
 from collections.abc import Iterable
 
-__all__ = ["LoggerFactory", "logger", "log_dist", "print_dist", "log_dist_once", "get_dist_msg", "warning_once"]
+__all__ = ["LoggerFactory", "logger", "log_dist", "print_dist", "log_dist_once", "get_dist_msg", "warning_once",
+           "log_levels", "get_log_level_from_string", "set_log_level_from_string", "get_current_level",
+           "should_log_le"]
+
+# DeepSpeed's names of the levels (``log_level`` in the config, case-blind)
+log_levels = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+              "error": logging.ERROR, "critical": logging.CRITICAL}
 
 
 def _make_logger(name: str, level: int = logging.WARNING) -> logging.Logger:
@@ -49,6 +55,42 @@ def warning_once(*args: object) -> None:
 
 
 logger.warning_once = warning_once  # type: ignore[attr-defined]  (DeepSpeed's extra method)
+
+
+def get_log_level_from_string(log_level_str: str) -> int:
+    """``"info"`` -> ``logging.INFO`` (any case).
+
+    Raises:
+        ValueError: not one of ``log_levels``.
+    """
+    level = log_levels.get(log_level_str.lower())
+    if level is None:
+        raise ValueError(f"{log_level_str!r} is not a log level: use one of {', '.join(log_levels)}")
+    return level
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger | None = None) -> None:
+    """Sets ``custom_logger`` (default: the DeepSpeed logger) and its handlers to that level."""
+    level = get_log_level_from_string(log_level_str)
+    target = logger if custom_logger is None else custom_logger
+    target.setLevel(level)
+    for handler in target.handlers:
+        handler.setLevel(level)
+
+
+def get_current_level() -> int:
+    return logger.getEffectiveLevel()
+
+
+def should_log_le(max_log_level_str: str) -> bool:
+    """True when the DeepSpeed logger prints messages of level ``max_log_level_str``.
+
+    Raises:
+        ValueError: not a string naming a level.
+    """
+    if not isinstance(max_log_level_str, str):
+        raise ValueError(f"{max_log_level_str!r} is not a string")
+    return get_current_level() <= get_log_level_from_string(max_log_level_str)
 
 
 def _rank() -> int | None:

@@ -64,6 +64,7 @@ from dslaunch.runtime.config.torch_autocast import TorchAutocastConfig
 from dslaunch.runtime.config.zero import AioConfig, ZeroConfig
 from dslaunch.runtime.parallel.from_config import config_dims, data_world_size
 from dslaunch.runtime.zero.registry import STAGES, stage_choices
+from dslaunch.utils.logging import log_levels
 
 if TYPE_CHECKING:  # the registries import this package's checkers: import them at use
     from dslaunch.runtime.lr_schedules import SchedulerSpec
@@ -98,6 +99,13 @@ def _allreduce_op(path: str, value: Any) -> str:
     return op
 
 
+def _log_level(path: str, value: Any) -> str:
+    # DeepSpeed reads it case-blind and keeps it as written (engine.log_level() answers "ERROR")
+    if not isinstance(value, str) or value.lower() not in log_levels:
+        raise ConfigError(f"must be one of {', '.join(log_levels)} (any case), got {describe(value)}", key=path)
+    return value
+
+
 def _steps_per_print(path: str, value: Any) -> int | None:
     # The one number that may be infinite: accelerate's DeepSpeedPlugin always sets Infinity.
     return None if value == math.inf else integer(1)(path, value)
@@ -130,6 +138,7 @@ _SCALARS = {
     # refuses client optimizers that are not element-wise (engine_setup._checked_client).
     "zero_allow_untested_optimizer": (boolean, "true or false"),
     "dataloader_drop_last": (boolean, "true or false"),
+    "log_level": (optional(_log_level), "debug, info, warning, error or critical: the DeepSpeed logger's level"),
     "use_data_before_expert_parallelism": (boolean, "true or false"),
     "dist_init_timeout": (number(0.0, MAX_TIMEOUT_S, low_open=True), "seconds to wait for peers (default 1800)"),
     # DeepSpeed's examples state it beside tensor_parallel / sequence_parallel_size: checked, not used
@@ -196,6 +205,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     ("never"). ``DSLAUNCH_SHM_COLLECTIVES`` overrides it: ``0`` off, ``1`` on. Not DeepSpeed's key."""
     zero_allow_untested_optimizer: bool = False
     dataloader_drop_last: bool = False
+    log_level: str | None = None
+    """The DeepSpeed logger's level from ``initialize`` on (None: left as it is)."""
     use_data_before_expert_parallelism: bool = False
     """Expert groups laid out D + E (the ranks holding the same experts neighbours) instead of
     E + D; passed to every module's ``set_deepspeed_parallelism`` (DeepSpeed's MoE layers)."""

@@ -263,7 +263,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # monitors, profilers, logging
     # DeepSpeed prints a throughput line by default; dslaunch has no throughput timer.
     "timers": Off({"throughput": Off({"enabled": False, "synchronized": True}, switch="enabled")}),
-    "memory_breakdown": False, "dump_state": False, "log_level": None,
+    "memory_breakdown": False, "dump_state": False,
     "disable_python_gc": False,  # DeepSpeed 0.19's switch to turn off Python's cyclic GC in training
     # precision and numerics
     "amp": _enabled(),

@@ -84,3 +84,27 @@ def test_save_fp16_model_is_save_16bit_model(tmp_path: Path) -> None:
     engine.save_fp16_model(str(tmp_path), "m.bin")
     saved = torch.load(tmp_path / "m.bin")
     torch.testing.assert_close(saved["weight"], engine.module.weight.detach())
+
+
+@pytest.mark.timeout(60)
+def test_log_level_sets_the_deepspeed_logger_and_a_bad_one_is_named() -> None:
+    import logging
+
+    from dslaunch.errors import ConfigError
+    from dslaunch.utils.logging import logger, should_log_le
+
+    saved = logger.level
+    try:
+        logger.setLevel(logging.DEBUG)
+        engine = _engine({"log_level": "ERROR"})
+        assert engine.log_level() == "ERROR" and logger.getEffectiveLevel() == logging.ERROR
+        assert all(h.level == logging.ERROR for h in logger.handlers)
+        assert should_log_le("critical") and not should_log_le("warning")
+        logger.setLevel(logging.WARNING)
+        assert _engine({}).log_level() is None and logger.getEffectiveLevel() == logging.WARNING  # left alone
+        with pytest.raises(ConfigError, match=r"'log_level': must be one of debug, info, warning, error, critical"):
+            _engine({"log_level": "verbose"})
+    finally:
+        logger.setLevel(saved)
+        for handler in logger.handlers:
+            handler.setLevel(logging.NOTSET)
