@@ -216,7 +216,7 @@ def _client_wins(section: Any, key: str) -> None:
               f"a client {key} (DeepSpeed does the same)", file=sys.stderr, flush=True)
 
 
-def _elementwise_optimizers() -> tuple[type, ...]:
+def elementwise_optimizers() -> tuple[type, ...]:
     """Client optimizer types whose update is element-wise: on one flat tensor per param group they
     compute exactly what they compute per parameter."""
     from dslaunch.kernels.cpu.optimizers import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion
@@ -241,7 +241,7 @@ def _checked_client(opt: Any, cfg: DeepSpeedConfig) -> Any:
                                  "dslaunch keeps every gradient dense (an nn.Embedding(sparse=True)'s is "
                                  "scattered into the flat buffer); use torch.optim.Adam, which also updates "
                                  "the rows that got no gradient this step (SparseAdam leaves them)")
-    allowed = _elementwise_optimizers()
+    allowed = elementwise_optimizers()
     if type(opt) in allowed or cfg.zero_allow_untested_optimizer:
         return opt
     names = ", ".join(sorted({t.__name__ for t in allowed}))

@@ -24,6 +24,7 @@ Each component is handed its parsed section; nothing after ``load_config`` reads
 Torch-free.
 """
 
+from dslaunch.runtime.config.deepspeed_defaults import get_scalar_param
 from dslaunch.runtime.config.ds_config import MAX_TIMEOUT_S, DeepSpeedConfig, load_config, with_batch
 from dslaunch.runtime.config.sections import (
     Bf16Config,
@@ -46,7 +47,17 @@ ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
 LION_OPTIMIZER = "lion"
 MUON_OPTIMIZER = "muon"
 
+
+def get_gradient_clipping(param_dict: dict) -> object:
+    """DeepSpeed's reader of a raw config's ``gradient_clipping`` (1.0 when absent)."""
+    return get_scalar_param(param_dict, "gradient_clipping")
+
+
+def get_log_level(param_dict: dict) -> object:
+    """DeepSpeed's reader of a raw config's ``log_level`` (None when absent)."""
+    return get_scalar_param(param_dict, "log_level")
+
 __all__ = ["DeepSpeedConfig", "load_config", "with_batch", "MAX_TIMEOUT_S", "ZeroConfig", "Fp16Config", "Bf16Config",
            "CheckpointConfig", "TypedSection", "OptimizerSection", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER",
            "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "ZERO_ONE_ADAM_OPTIMIZER",
-           "ONEBIT_LAMB_OPTIMIZER", "LION_OPTIMIZER", "MUON_OPTIMIZER"]
+           "ONEBIT_LAMB_OPTIMIZER", "LION_OPTIMIZER", "MUON_OPTIMIZER", "get_gradient_clipping", "get_log_level"]

@@ -11,12 +11,13 @@ dslaunch's.
 
 from __future__ import annotations
 
-__all__ = ["DEEPSPEED_0_19_8"]
+__all__ = ["DEEPSPEED_0_19_8", "get_scalar_param"]
 
 DEEPSPEED_0_19_8: dict[str, object] = {
     "gradient_accumulation_steps": 1, "steps_per_print": None, "wall_clock_breakdown": False,
     "gradient_clipping": 1.0, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
     "communication_data_type": None, "zero_allow_untested_optimizer": False, "dataloader_drop_last": False,
+    "log_level": None,
     "zero_optimization.stage": 0, "zero_optimization.reduce_bucket_size": 500_000_000,
     "zero_optimization.allgather_bucket_size": 500_000_000, "zero_optimization.overlap_comm": False,
     "zero_optimization.contiguous_gradients": True, "zero_optimization.reduce_scatter": True,
@@ -60,3 +61,9 @@ DEEPSPEED_0_19_8: dict[str, object] = {
     "expert_parallel.score_func": "auto", "expert_parallel.top_k": "auto", "expert_parallel.routed_scaling_factor": "auto",
     "expert_parallel.num_expert_groups": None, "expert_parallel.moe_layer_pattern": None,
 }
+
+
+def get_scalar_param(param_dict: dict, key: str) -> object:
+    """A top-level key's value as written, else DeepSpeed 0.19.8's default: what DeepSpeed's
+    ``deepspeed.runtime.config.get_<key>(param_dict)`` functions return (no validation)."""
+    return param_dict.get(key, DEEPSPEED_0_19_8[key])

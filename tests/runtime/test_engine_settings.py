@@ -108,3 +108,25 @@ def test_log_level_sets_the_deepspeed_logger_and_a_bad_one_is_named() -> None:
         logger.setLevel(saved)
         for handler in logger.handlers:
             handler.setLevel(logging.NOTSET)
+
+
+def test_raw_config_readers_and_constants_are_deepspeeds() -> None:
+    from dslaunch.runtime.config import get_gradient_clipping, get_log_level
+    from dslaunch.runtime.constants import GRADIENT_CLIPPING_DEFAULT, LOG_LEVEL_DEFAULT
+
+    assert get_gradient_clipping({}) == GRADIENT_CLIPPING_DEFAULT == 1.0
+    assert get_gradient_clipping({"gradient_clipping": 0.0}) == 0.0
+    assert get_log_level({}) is LOG_LEVEL_DEFAULT is None and get_log_level({"log_level": "INFO"}) == "INFO"
+
+
+@pytest.mark.timeout(60)
+def test_zero_utils_predicates() -> None:
+    from dslaunch.runtime.zero.utils import ZeRORuntimeException, is_zero_param, is_zero_supported_optimizer
+
+    assert issubclass(ZeRORuntimeException, Exception)
+    linear = torch.nn.Linear(2, 2)
+    assert is_zero_supported_optimizer(torch.optim.AdamW(linear.parameters()))
+    assert not is_zero_supported_optimizer(torch.optim.LBFGS(linear.parameters()))
+    assert not is_zero_param(linear.weight)
+    engine = _engine({"zero_optimization": {"stage": 3}})
+    assert all(is_zero_param(p) for p in engine.module.parameters())
