@@ -24,6 +24,7 @@ from typing import Any
 __all__ = [
     "DslaunchError",
     "UsageError",
+    "LossScalingRequiredError",
     "HostfileError",
     "ConfigError",
     "LaunchError",
@@ -103,6 +104,11 @@ class BatchSizeError(ConfigError, AssertionError):
 class NoSyncError(UsageError, AssertionError):
     """``engine.no_sync()`` misused: nested, at ZeRO stage 2 or 3, or a boundary ``step()`` inside
     it. Also an ``AssertionError``: what DeepSpeed raises there."""
+
+
+class LossScalingRequiredError(UsageError, RuntimeError):
+    """A script's own ``loss.backward()`` under fp16 without ``engine.scale(loss)``: the gradients
+    would be unscaled. Also a ``RuntimeError``: what DeepSpeed raises there."""
 
 
 class UntestedOptimizerError(ConfigError, AssertionError):

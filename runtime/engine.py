@@ -41,6 +41,7 @@ from dslaunch.runtime.observers import build_observers
 from dslaunch.runtime.parallel import deepspeed_groups as groups
 from dslaunch.runtime.parallel.from_config import grid_from_config
 from dslaunch.runtime.parallel.mpu import gradient_reduce_group, tensor_axis
+from dslaunch.runtime.plain_backward import PlainBackward
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.progressive_layer_drop import ProgressiveLayerDrop
 from dslaunch.runtime.torch_autocast import Autocast
@@ -126,6 +127,8 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
         self._window_start = 0  # the micro step the accumulation windows count from (set_train_batch_size)
         self._heartbeat = reporter()  # None outside dslaunch
+        self._plain = PlainBackward(self.gradient_accumulation_steps, self._backward_epilogue,
+                                    PrecisionPolicy.scales_loss(config))
         half = config.fp16.enabled or config.bf16.enabled or config.torch_autocast.enabled
         self.curriculum_scheduler_legacy = legacy_scheduler(config.curriculum_learning, half)  # DeepSpeed's name
         pld = config.progressive_layer_drop
@@ -156,8 +159,11 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
 
     # ----- training loop --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._unchecked_tp_group is not None:
-            self._check_tp_inputs(args, kwargs)
+        if self._unchecked_tp_group is not None:  # AutoTP: the first batch is compared once
+            from dslaunch.runtime.tensor_parallel.collectives import check_first_inputs
+
+            group, self._unchecked_tp_group = self._unchecked_tp_group, None
+            check_first_inputs((args, kwargs), group)
         self.zero.pre_forward()  # parameters gathered after the last step must be in place
         if self.optimizer is not None:
             # The micro step starts here too: with several engines under one loss, DeepSpeed's
@@ -167,6 +173,7 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         # memory (ALST's offload; deepspeed.checkpointing's own inputs follow the key in storage.py)
         offload = CheckpointHiddenStatesOffload() if self._config.activation_checkpointing.cpu_checkpointing \
             else contextlib.nullcontext()
+        self._plain.begin_forward((args, kwargs))
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             args = PrecisionPolicy.half_inputs(args)
         if self.module.training:  # what DeepSpeed's engine hands a training forward
@@ -175,18 +182,9 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
             if self.curriculum_scheduler_legacy is not None:
                 kwargs = self.curriculum_scheduler_legacy.forward_kwargs(kwargs, self.global_steps + 1)
         with self.events.phase("forward"), offload, self._autocast():
-            return self.module(*args, **kwargs)
-
-    def _check_tp_inputs(self, args: tuple, kwargs: dict) -> None:
-        """The first batch must be the same on every tensor slice (as DeepSpeed checks it): slices
-        fed different samples would train a model no rank computes. collective: the tensor group."""
-        from dslaunch.runtime.tensor_parallel.collectives import inputs_agree
-
-        group, self._unchecked_tp_group = self._unchecked_tp_group, None
-        if not inputs_agree((args, kwargs), group):
-            raise UsageError("tensor_parallel.autotp_size: the tensor-parallel ranks of one replica got different "
-                             "inputs in their first forward; every slice must read the same batch (use the "
-                             "engine's data loader, or index your data by engine.grid.get_data_parallel_rank())")
+            out = self.module(*args, **kwargs)
+        # a script's own loss.backward() then trains as engine.backward(loss) (plain_backward.py)
+        return self._plain.attach(out) if self.optimizer is not None and torch.is_grad_enabled() else out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
                  ) -> torch.Tensor:
@@ -199,10 +197,16 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self._window_losses.append(self._loss)
         if scale_wrt_gas and self._config.gradient_accumulation_steps > 1:
             loss = loss / self._config.gradient_accumulation_steps
-        with self.events.phase("backward"):
+        with self.events.phase("backward"), self._plain.engine_backward():
             self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
         self._backward_epilogue()
         return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (fp16; the loss itself otherwise), for a script's own
+        backward: ``engine.scale(loss).backward()`` (DeepSpeed 0.19's name)."""
+        self._plain.scaled = True
+        return self.loss_scaler.scale_loss(loss)
 
     def _backward_epilogue(self) -> None:
         """After the backward pass: release what stage 3 gathered, complete the gradient reductions.
@@ -213,6 +217,8 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
 
         collective: all ranks.
         """
+        if self._plain.take_completed():  # the script's backward already ended with it
+            return
         self.zero.post_backward()
         with self.events.phase("allreduce"):
             self.zero.end_backward()
@@ -226,18 +232,16 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
 
         collective: call on all ranks every micro step.
 
-        A script that ran ``loss.backward()`` itself (not ``engine.backward(loss)``) gets its
-        gradients reduced here, as ``engine.backward`` would have (DeepSpeed reduces them through
-        its hooks at ZeRO 1-3 and raises at ZeRO 0); the loss is not divided by the accumulation
-        steps then, as in DeepSpeed.
+        A backward of the script's own that reached none of the forward's outputs (it called
+        ``engine.module`` itself) is completed here: reduced, not divided (``plain_backward.py``).
 
         Raises:
             NoSyncError: at an accumulation boundary inside ``no_sync()`` (the gradients are not
-                reduced, so ranks would diverge; DeepSpeed asserts on any step there); after a
-                plain ``loss.backward()`` with fp16 (the loss was not scaled).
+                reduced, so ranks would diverge; DeepSpeed asserts on any step there).
+            LossScalingRequiredError: after such a backward with fp16 without ``engine.scale``.
         """
         if self.zero.backward_pending:
-            self._complete_plain_backward()
+            self._plain.finish_unhooked()
         if self.is_gradient_accumulation_boundary():
             if not self._sync:
                 raise NoSyncError("It is illegal to call Engine.step() inside no_sync context manager at a "
@@ -248,13 +252,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         else:
             self._step_applied = False
         self.micro_steps += 1
-
-    def _complete_plain_backward(self) -> None:
-        """The script's own ``loss.backward()``: finish what ``engine.backward`` would have."""
-        if PrecisionPolicy.scales_loss(self._config):
-            raise UsageError("engine.step() after loss.backward(): with fp16 the loss must be scaled "
-                             "before backward; call engine.backward(loss) instead of loss.backward()")
-        self._backward_epilogue()
 
     def _take_model_step(self, lr_kwargs: dict | None = None) -> None:
         """The optimizer step of an accumulation boundary, its counters and its ``StepRecord``

@@ -36,9 +36,15 @@ class PrecisionPolicy:
         comm = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
         return cls(model, comm)
 
-    def cast_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Cast floating-point parameters and buffers to the model dtype (no-op in fp32)."""
-        return module if self.model_dtype == torch.float32 else module.to(self.model_dtype)
+    def cast_module(self, module: torch.nn.Module, buffer_dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """Cast floating-point parameters to the model dtype (none in fp32); buffers keep the dtype they
+        were loaded in (an fp32 rotary ``inv_freq`` stays fp32) unless ``buffer_dtype`` is given, as
+        DeepSpeed 0.19.8 casts (before it, DeepSpeed cast the whole module)."""
+        if self.model_dtype != torch.float32:
+            _cast_floating(module.parameters(), self.model_dtype)
+        if buffer_dtype is not None:
+            _cast_floating(module.buffers(), buffer_dtype)
+        return module
 
     @staticmethod
     def loss_scaler(cfg: DeepSpeedConfig) -> LossScaler:
@@ -64,3 +70,10 @@ class PrecisionPolicy:
     def scales_loss(cfg: DeepSpeedConfig) -> bool:
         """The loss is scaled: ``engine.backward`` must see it (a plain ``loss.backward()`` cannot)."""
         return cfg.fp16.enabled or scales_loss(cfg.torch_autocast)
+
+
+def _cast_floating(tensors: Any, dtype: torch.dtype) -> None:
+    # in place (``.data``), so the module's parameter objects stay the ones the caller holds
+    for t in tensors:
+        if t.is_floating_point() and t.dtype != dtype:
+            t.data = t.data.to(dtype)

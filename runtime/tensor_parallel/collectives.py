@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
+from dslaunch.errors import UsageError
 from dslaunch.runtime.comm import comm
 
 __all__ = ["Collectives", "NO_COLLECTIVES", "inference_collectives", "training_collectives", "gather_last_dim",
-           "inputs_agree"]
+           "inputs_agree", "check_first_inputs"]
 
 Gather = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
@@ -156,3 +157,18 @@ def inputs_agree(values: Any, group: Any, with_rng: bool = False) -> bool:
     comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
     comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(torch.equal(high, low))
+
+
+def check_first_inputs(values: Any, group: Any) -> None:
+    """AutoTP training's first batch must be the same on every tensor slice (as DeepSpeed checks
+    it): slices fed different samples would train a model no rank computes.
+
+    collective: every rank of ``group``.
+
+    Raises:
+        UsageError: the ranks of ``group`` got different inputs.
+    """
+    if not inputs_agree(values, group):
+        raise UsageError("tensor_parallel.autotp_size: the tensor-parallel ranks of one replica got different "
+                         "inputs in their first forward; every slice must read the same batch (use the "
+                         "engine's data loader, or index your data by engine.grid.get_data_parallel_rank())")

@@ -303,41 +303,60 @@ def test_untested_client_optimizers_need_the_config_switch_at_every_stage() -> N
 # ----- loss.backward() instead of engine.backward(loss) --------------------------------------------
 def _plain_backward(rank: int, world: int) -> dict:
     import dslaunch
+    from dslaunch.utils import safe_get_full_grad
 
     out: dict = {}
     for stage in (0, 1, 2, 3):
         runs = []
-        for plain in (False, True):
+        for how in ("engine", "plain", "scaled"):
             engine, *_ = dslaunch.initialize(model=make_model(), config=_cfg(stage))
+            grads = []
             for i in range(2):  # one optimizer step of two micro steps
                 loss = engine(*_mine(rank, world, i))
-                if plain:  # the script divides by the accumulation steps itself, as with DeepSpeed
-                    (loss / 2).backward()
-                else:
+                if how == "engine":
                     engine.backward(loss)
+                else:  # divided by the accumulation steps by the forward's hooks, as DeepSpeed 0.19
+                    (engine.scale(loss) if how == "scaled" else loss).backward()
+                # read right after backward: already reduced across ranks
+                grads.append([safe_get_full_grad(p).sum().item() for p in engine.module.parameters()])
                 engine.step()
-            runs.append(_weights(engine))
+            runs.append((_weights(engine), grads))
         out[stage] = runs
-    fp16 = {**_cfg(0), "fp16": {"enabled": True}}
+    fp16 = {**_cfg(0), "fp16": {"enabled": True, "initial_scale_power": 4}}
     engine, *_ = dslaunch.initialize(model=make_model(), config=fp16)
-    engine(*_mine(rank, world, 0)).backward()
-    out["fp16"] = _error(engine.step)
+    out["fp16"] = _error(lambda: engine(*_mine(rank, world, 0)).backward())
+    scaled_runs = []
+    for scaled in (False, True):
+        engine, *_ = dslaunch.initialize(model=make_model(), config=fp16)
+        for i in range(2):
+            loss = engine(*_mine(rank, world, i))
+            engine.scale(loss).backward() if scaled else engine.backward(loss)
+            engine.step()
+        scaled_runs.append(_weights(engine))
+    out["fp16 scaled"] = scaled_runs
     return out
 
 
-@pytest.mark.timeout(120)
-def test_plain_loss_backward_is_reduced_across_ranks_at_every_stage() -> None:
-    """A script calling loss.backward() and then engine.step() (no engine.backward) trains exactly
-    as with engine.backward at ZeRO 0-3: step() completes the reduction across ranks. fp16, whose
-    loss must be scaled first, is refused in one line naming the fix."""
+@pytest.mark.timeout(180)
+def test_plain_loss_backward_trains_as_engine_backward_at_every_stage() -> None:
+    """DeepSpeed 0.19's torch-style backward: loss.backward() (or engine.scale(loss).backward()) on
+    the forward's output, then engine.step(), trains bit for bit as engine.backward(loss) at ZeRO
+    0-3 with gradient accumulation: the gradient is divided by the accumulation steps and reduced
+    across ranks when autograd finishes (safe_get_full_grad reads the reduced one at once). With
+    fp16 an unscaled loss.backward() is refused in one line naming engine.scale."""
     results = run_world(_plain_backward, 2)
     for out in results:
         for stage in (0, 1, 2, 3):
-            with_engine, plain = out[stage]
-            assert plain == with_engine, f"stage {stage}"
-        assert "call engine.backward(loss) instead of loss.backward()" in out["fp16"], out["fp16"]
-    for stage in (0, 1, 2, 3):  # the ranks agree (each saw different data)
-        assert results[0][stage][1] == results[1][stage][1], f"stage {stage}"
+            with_engine, plain, scaled = out[stage]
+            assert plain == with_engine and scaled == with_engine, f"stage {stage}"
+        assert "Loss scaling is required" in out["fp16"] and "engine.scale(loss).backward()" in out["fp16"], out["fp16"]
+        unscaled, scaled = out["fp16 scaled"]
+        torch.testing.assert_close(torch.tensor(scaled), torch.tensor(unscaled), rtol=0, atol=2e-3)
+    for stage in (0, 1, 2, 3):  # the ranks agree (each saw different data): weights, reduced gradients
+        (weights0, grads0), (weights1, grads1) = results[0][stage][1], results[1][stage][1]
+        assert weights0 == weights1 and grads0[1] == grads1[1], f"stage {stage}"
+        if stage < 2:  # before the boundary each rank keeps its own (stages 2-3 reduce every micro step)
+            assert grads0[0] != grads1[0], f"stage {stage}"
 
 
 # ----- default gradient clipping ---------------------------------------------------------------------

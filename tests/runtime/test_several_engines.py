@@ -1,7 +1,9 @@
-"""DeepSpeed's several-engines pattern: two engines, one loss, ``loss.backward()`` by the script,
-then ``_backward_epilogue()`` and ``step()`` on each. Checked at every ZeRO stage on 2 gloo ranks,
-with gradient accumulation (the engines must know which micro step reduces without having run
-the backward), against the same two modules trained in one process on the whole batch."""
+"""DeepSpeed's several-engines pattern: two engines in a chain (``head(encoder(x))``), one loss,
+``loss.backward()`` by the script, then ``step()`` on each (with or without the older explicit
+``_backward_epilogue()`` first: the backward already completed it). Checked at every ZeRO stage on
+2 gloo ranks, with gradient accumulation (the engines must know which micro step reduces without
+having run the backward; the accumulation steps divide the gradient once, where the head's output
+takes it), against the same two modules trained in one process on the whole batch."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def _reference() -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in params]
 
 
-def _two_engines(rank: int, world: int, stage: int) -> list[list[float]]:
+def _two_engines(rank: int, world: int, stage: int, explicit: bool) -> list[list[float]]:
     import dslaunch
 
     # No clipping: each engine would clip its own part of the gradient (the reference clips none).
@@ -51,20 +53,22 @@ def _two_engines(rank: int, world: int, stage: int) -> list[list[float]]:
     enc, *_ = dslaunch.initialize(model=encoder, config=cfg)
     hd, *_ = dslaunch.initialize(model=head, config=cfg)
     x, y = _data()
-    for micro in range(STEPS * GAS):  # the script divides by the accumulation steps itself
+    for micro in range(STEPS * GAS):  # divided by the accumulation steps by the head's output hook
         rows = slice(2 * MICRO * micro + MICRO * rank, 2 * MICRO * micro + MICRO * (rank + 1))
-        loss = torch.nn.functional.mse_loss(hd(enc(x[rows])), y[rows]) / GAS
+        loss = torch.nn.functional.mse_loss(hd(enc(x[rows])), y[rows])
         loss.backward()
         for engine in (enc, hd):
-            engine._backward_epilogue()
+            if explicit:
+                engine._backward_epilogue()
             engine.step()
     return [p.detach().flatten().tolist() for e in (enc, hd) for p in e.module.parameters()]
 
 
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit-epilogue", "plain"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_two_engines_under_one_loss_train_as_one_model(stage: int) -> None:
+def test_two_engines_under_one_loss_train_as_one_model(stage: int, explicit: bool) -> None:
     want = _reference()
-    for got in run_world(_two_engines, 2, stage):
+    for got in run_world(_two_engines, 2, stage, explicit):
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)

@@ -1,0 +1,128 @@
+"""DeepSpeed 0.19's torch-style backward: ``loss.backward()`` on what ``engine(...)`` returned
+trains as ``engine.backward(loss)`` would.
+
+The engine's forward puts a gradient hook on each output tensor that requires grad. In a backward
+the script started itself (not ``engine.backward``, which divides the loss already) the hook
+divides the gradient by the accumulation steps, as DeepSpeed 0.19.8's output hooks do, and queues
+the engine's backward epilogue (stage 3 release, the gradient reductions) to run when autograd
+finishes; so gradients read right after ``loss.backward()`` are the reduced ones, and ``step()``
+follows. With fp16 the loss must have been scaled first (``engine.scale(loss).backward()``), else
+the backward ends with ``LossScalingRequiredError``, DeepSpeed's ``RuntimeError``.
+
+Engines in a chain (``head(encoder(x))``): the head divides the gradient that reaches the
+encoder's output, so the encoder's hook leaves it (DeepSpeed 0.19.8 divides again there: the
+encoder's gradients come out divided by the accumulation steps squared).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from dslaunch.errors import LossScalingRequiredError
+
+__all__ = ["PlainBackward"]
+
+_OUTPUT = "_dsl_engine_output"  # on a tensor an engine's forward returned: its hook's _Output
+_MAX_DEPTH = 8  # nesting of tuples/lists/dicts searched for tensors in outputs and inputs
+
+
+class _Output:
+    """One hooked output tensor's state; the hook keeps it, not the tensor (which may be freed
+    before backward while its graph lives on)."""
+
+    __slots__ = ("consumed",)
+
+    def __init__(self) -> None:
+        self.consumed = False  # another engine's forward took it: that engine's hook divides
+
+
+class PlainBackward:
+    """One engine's hooks for a script's own backward.
+
+    ``gas`` gives the accumulation steps now, ``epilogue`` completes a backward (the engine's
+    ``_backward_epilogue``), ``needs_scaling`` says the loss must be scaled (fp16).
+    """
+
+    def __init__(self, gas: Callable[[], int], epilogue: Callable[[], None], needs_scaling: bool) -> None:
+        self._gas, self._epilogue, self._needs_scaling = gas, epilogue, needs_scaling
+        self._in_engine_backward = False
+        self._queued = False
+        self.scaled = False  # engine.scale(loss) since the last backward
+        self.completed = False  # the last backward's epilogue ran from autograd's callback
+
+    def begin_forward(self, inputs: Any) -> None:
+        """Before a forward: mark the inputs that another engine's forward returned (that engine's
+        hook then leaves their gradient undivided: this one divides it)."""
+        self.completed = False
+        for t in _tensors(inputs):
+            output = getattr(t, _OUTPUT, None)
+            if output is not None:
+                output.consumed = True
+
+    def attach(self, outputs: Any) -> Any:
+        """Hook every output tensor that requires grad; returns ``outputs`` unchanged."""
+        for t in _tensors(outputs):
+            if t.requires_grad and t.grad_fn is not None:
+                output = _Output()
+                t.register_hook(self._hook(output))
+                setattr(t, _OUTPUT, output)
+        return outputs
+
+    @contextlib.contextmanager
+    def engine_backward(self) -> Iterator[None]:
+        """``engine.backward``'s own pass: the loss is divided already, the engine ends it itself."""
+        self._in_engine_backward, self.completed = True, False
+        try:
+            yield
+        finally:
+            self._in_engine_backward = False
+
+    def take_completed(self) -> bool:
+        """True once after a script's backward completed itself (an explicit ``_backward_epilogue()``
+        afterwards, DeepSpeed's several-engines contract, then has nothing left to do)."""
+        done, self.completed = self.completed, False
+        return done
+
+    def _hook(self, output: _Output) -> Callable[[torch.Tensor], torch.Tensor]:
+        def on_grad(grad: torch.Tensor) -> torch.Tensor:
+            if self._in_engine_backward:
+                return grad
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            gas = self._gas()
+            if gas == 1 or output.consumed:
+                return grad
+            return grad / gas
+        return on_grad
+
+    def finish_unhooked(self) -> None:
+        """``step()`` after a backward that reached no hooked output (the script called
+        ``engine.module`` itself): completed there, its gradients not divided."""
+        self._finish()
+
+    def _finish(self) -> None:
+        self._queued = False
+        scaled, self.scaled = self.scaled, False
+        if self._needs_scaling and not scaled:
+            raise LossScalingRequiredError(
+                "Loss scaling is required for this configuration (fp16), but backward() was called directly "
+                "on an unscaled loss: call engine.backward(loss), or engine.scale(loss).backward()")
+        self._epilogue()
+        self.completed = True
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` through tuples, lists and dicts (Hugging Face's ``ModelOutput`` is one)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < _MAX_DEPTH and isinstance(value, tuple | list):
+        for v in value:
+            yield from _tensors(v, depth + 1)
+    elif depth < _MAX_DEPTH and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v, depth + 1)

@@ -1,0 +1,43 @@
+"""A 16-bit model's parameters are cast, its floating buffers keep their dtype (DeepSpeed 0.19.8's
+cast: an fp32 rotary ``inv_freq`` or normalization statistics stay fp32), at every ZeRO stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dslaunch
+
+
+class _Rotary(torch.nn.Module):
+    """A linear layer with an fp32 buffer used in fp32 and cast back, as Hugging Face's rotary
+    embeddings use ``inv_freq``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, dtype=torch.float32) / 8)))
+        self.register_buffer("position", torch.arange(8))  # not floating: never cast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angle = (self.position[:, None].float() * self.inv_freq[None, :]).sum(0)
+        return self.proj(x * angle.cos().to(x.dtype)).float().pow(2).mean()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_parameters_are_cast_and_buffers_are_kept(stage: int, precision: str) -> None:
+    torch.manual_seed(0)
+    model = _Rotary()
+    inv_freq = model.inv_freq.clone()
+    engine, *_ = dslaunch.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000, precision: {"enabled": True},
+        "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    want = torch.bfloat16 if precision == "bf16" else torch.float16
+    assert {p.dtype for p in engine.module.parameters()} == {want}
+    assert engine.module.inv_freq.dtype == torch.float32 and torch.equal(engine.module.inv_freq, inv_freq)
+    assert engine.module.position.dtype == torch.int64
+    engine.backward(engine(torch.randn(2, 8, dtype=want)))
+    engine.step()
+    assert engine.module.inv_freq.dtype == torch.float32
