@@ -1,16 +1,19 @@
 """DeepSpeed 0.19's torch-style backward: ``loss.backward()`` on what ``engine(...)`` returned
 trains as ``engine.backward(loss)`` would.
 
-The engine's forward puts a gradient hook on each output tensor that requires grad. In a backward
-the script started itself (not ``engine.backward``, which divides the loss already) the hook
-divides the gradient by the accumulation steps, as DeepSpeed 0.19.8's output hooks do, and queues
-the engine's backward epilogue (stage 3 release, the gradient reductions) to run when autograd
-finishes; so gradients read right after ``loss.backward()`` are the reduced ones, and ``step()``
-follows. With fp16 the loss must have been scaled first (``engine.scale(loss).backward()``), else
+The engine's forward hands back each output tensor that requires grad through an identity
+autograd node (same storage, no copy). In a backward the script started itself (not
+``engine.backward``, which divides the loss already) that node divides the gradient by the
+accumulation steps, as DeepSpeed 0.19.8's output hooks do, and queues the engine's backward
+epilogue (stage 3 release, the gradient reductions) to run when autograd finishes; so gradients
+read right after ``loss.backward()`` are the reduced ones, and ``step()`` follows. A node, not a
+tensor hook: a gradient that reaches an output through another output (a model's ``loss`` computed
+from its ``logits``, both returned) is divided once, where DeepSpeed's hooks on both divide twice;
+an output returned twice is divided once too. With fp16 the loss must have been scaled first (``engine.scale(loss).backward()``), else
 the backward ends with ``LossScalingRequiredError``, DeepSpeed's ``RuntimeError``.
 
 Engines in a chain (``head(encoder(x))``): the head divides the gradient that reaches the
-encoder's output, so the encoder's hook leaves it (DeepSpeed 0.19.8 divides again there: the
+encoder's output, so the encoder's node leaves it (DeepSpeed 0.19.8 divides again there: the
 encoder's gradients come out divided by the accumulation steps squared).
 """
 
@@ -26,22 +29,22 @@ from dslaunch.errors import LossScalingRequiredError
 
 __all__ = ["PlainBackward"]
 
-_OUTPUT = "_dsl_engine_output"  # on a tensor an engine's forward returned: its hook's _Output
+_OUTPUT = "_dsl_engine_output"  # on a tensor an engine's forward returned: its node's _Output
 _MAX_DEPTH = 8  # nesting of tuples/lists/dicts searched for tensors in outputs and inputs
 
 
 class _Output:
-    """One hooked output tensor's state; the hook keeps it, not the tensor (which may be freed
-    before backward while its graph lives on)."""
+    """One output tensor's state; its node keeps it, not the tensor (which may be freed before
+    backward while its graph lives on)."""
 
     __slots__ = ("consumed",)
 
     def __init__(self) -> None:
-        self.consumed = False  # another engine's forward took it: that engine's hook divides
+        self.consumed = False  # another engine's forward took it: that engine's node divides
 
 
 class PlainBackward:
-    """One engine's hooks for a script's own backward.
+    """One engine's dividing nodes for a script's own backward.
 
     ``gas`` gives the accumulation steps now, ``epilogue`` completes a backward (the engine's
     ``_backward_epilogue``), ``needs_scaling`` says the loss must be scaled (fp16).
@@ -56,7 +59,7 @@ class PlainBackward:
 
     def begin_forward(self, inputs: Any) -> None:
         """Before a forward: mark the inputs that another engine's forward returned (that engine's
-        hook then leaves their gradient undivided: this one divides it)."""
+        node then leaves their gradient undivided: this one divides it)."""
         self.completed = False
         for t in _tensors(inputs):
             output = getattr(t, _OUTPUT, None)
@@ -64,13 +67,17 @@ class PlainBackward:
                 output.consumed = True
 
     def attach(self, outputs: Any) -> Any:
-        """Hook every output tensor that requires grad; returns ``outputs`` unchanged."""
-        for t in _tensors(outputs):
-            if t.requires_grad and t.grad_fn is not None:
-                output = _Output()
-                t.register_hook(self._hook(output))
-                setattr(t, _OUTPUT, output)
-        return outputs
+        """``outputs`` with each tensor that requires grad passed through the dividing node (tuples
+        and lists rebuilt, dicts such as ``ModelOutput`` updated in place)."""
+        return _map_tensors(outputs, self._through, {})
+
+    def _through(self, t: torch.Tensor) -> torch.Tensor:
+        if not (t.requires_grad and t.grad_fn is not None):
+            return t
+        output = _Output()
+        out = _DivideGrad.apply(t, self, output)
+        setattr(out, _OUTPUT, output)
+        return out
 
     @contextlib.contextmanager
     def engine_backward(self) -> Iterator[None]:
@@ -87,18 +94,15 @@ class PlainBackward:
         done, self.completed = self.completed, False
         return done
 
-    def _hook(self, output: _Output) -> Callable[[torch.Tensor], torch.Tensor]:
-        def on_grad(grad: torch.Tensor) -> torch.Tensor:
-            if self._in_engine_backward:
-                return grad
-            if not self._queued:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            gas = self._gas()
-            if gas == 1 or output.consumed:
-                return grad
-            return grad / gas
-        return on_grad
+    def gradient(self, grad: torch.Tensor, output: _Output) -> torch.Tensor:
+        """What the dividing node passes back for ``output``'s gradient."""
+        if self._in_engine_backward:
+            return grad
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        gas = self._gas()
+        return grad if gas == 1 or output.consumed else grad / gas
 
     def finish_unhooked(self) -> None:
         """``step()`` after a backward that reached no hooked output (the script called
@@ -114,6 +118,41 @@ class PlainBackward:
                 "on an unscaled loss: call engine.backward(loss), or engine.scale(loss).backward()")
         self._epilogue()
         self.completed = True
+
+
+class _DivideGrad(torch.autograd.Function):
+    """Identity forward (the tensor's storage, detached so later in-place use stays allowed);
+    backward asks the engine what the gradient becomes."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, plain: PlainBackward, output: _Output) -> torch.Tensor:
+        ctx.plain, ctx.output = plain, output
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.plain.gradient(grad, ctx.output), None, None
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], seen: dict[int, torch.Tensor],
+                 depth: int = 0) -> Any:
+    """``value`` with ``fn`` applied to each tensor in it, once per tensor object (``seen``)."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in seen:
+            seen[id(value)] = fn(value)
+        return seen[id(value)]
+    if depth >= _MAX_DEPTH:
+        return value
+    if isinstance(value, dict):
+        for key in list(value):
+            value[key] = _map_tensors(value[key], fn, seen, depth + 1)
+        return value
+    if isinstance(value, tuple | list):
+        items = [_map_tensors(v, fn, seen, depth + 1) for v in value]
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:

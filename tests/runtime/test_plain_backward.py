@@ -1,0 +1,69 @@
+"""A script's own ``loss.backward()`` on what the engine's forward returned: the accumulation steps
+divide each path from the loss to the parameters once (``runtime/plain_backward.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dslaunch
+
+GAS = 4
+
+
+class _LossAndLogits(torch.nn.Module):
+    """Returns its loss and the logits the loss was computed from, as a Hugging Face model's
+    ``ModelOutput`` does (a dict), and the logits a second time in a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        logits = self.proj(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        return {"loss": loss, "logits": logits, "hidden_states": (logits, logits)}
+
+
+def _grads(use: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = _LossAndLogits()
+    engine, *_ = dslaunch.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 10_000,
+        "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    x, y = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 2])
+    out = engine(x, y)
+    if use == "engine":
+        engine.backward(out["loss"] + out["logits"].pow(2).mean())
+    else:
+        (out["loss"] + out["hidden_states"][1].pow(2).mean()).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_a_loss_returned_beside_its_logits_is_divided_once() -> None:
+    # the loss's gradient reaches the logits through the model's own graph: not divided there again
+    plain, engine = _grads("plain"), _grads("engine")
+    for a, b in zip(plain, engine, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    torch.manual_seed(0)
+    reference = _LossAndLogits()
+    x, y = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 2])
+    out = reference(x, y)
+    ((out["loss"] + out["logits"].pow(2).mean()) / GAS).backward()
+    for a, p in zip(plain, reference.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(60)
+def test_outputs_keep_their_structure_and_allow_in_place_use() -> None:
+    torch.manual_seed(0)
+    engine, *_ = dslaunch.initialize(model=_LossAndLogits(), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    out = engine(torch.randn(2, 4), torch.tensor([0, 1]))
+    assert isinstance(out, dict) and isinstance(out["hidden_states"], tuple)
+    assert out["hidden_states"][0] is out["hidden_states"][1] is out["logits"]  # one tensor stays one
+    out["logits"].mul_(2)  # no copy was made, and the caller may still write into it
+    with torch.no_grad():
+        assert not engine(torch.randn(2, 4), torch.tensor([0, 1]))["logits"].requires_grad
