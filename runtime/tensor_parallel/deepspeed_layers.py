@@ -106,11 +106,22 @@ class TensorParallelLayer:
         return min(self._split_dim, p.dim() - 1)  # a column layer's bias is split along its only dim
 
 
+class _AnswersFor(type):
+    """``isinstance(m, LinearLayer)`` is also true of the planner's column (and vocab) layers, and
+    ``isinstance(m, LinearAllreduce)`` of its row layers: code that finds the layers AutoTP split
+    by DeepSpeed's classes finds the ones ``initialize`` put in place."""
+
+    also: type
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return super().__instancecheck__(obj) or isinstance(obj, cls.also)
+
+
 def _collectives(group: Any, size: int) -> Any:
     return training_collectives(group) if size > 1 else NO_COLLECTIVES
 
 
-class LinearLayer(TensorParallelLayer, ColumnParallelLinear):
+class LinearLayer(TensorParallelLayer, ColumnParallelLinear, metaclass=_AnswersFor):
     """DeepSpeed's column-parallel layer: this rank's output features of ``module``.
 
     Args:
@@ -123,6 +134,7 @@ class LinearLayer(TensorParallelLayer, ColumnParallelLinear):
     """
 
     _split_dim = 0
+    also = ColumnParallelLinear
 
     def __init__(self, module: nn.Module, mp_group: Any = None, skip_partition: bool = False,
                  gather_output: bool = False, **kwargs: Any):
@@ -146,7 +158,7 @@ class LinearLayer(TensorParallelLayer, ColumnParallelLinear):
         return self._comms.gather(out, list(self._partition_sizes)) if self.gather_output else out
 
 
-class LinearAllreduce(TensorParallelLayer, RowParallelLinear):
+class LinearAllreduce(TensorParallelLayer, RowParallelLinear, metaclass=_AnswersFor):
     """DeepSpeed's row-parallel layer: this rank's input features of ``module``; the partial
     outputs are summed over the group, then the whole bias is added once.
 
@@ -157,6 +169,7 @@ class LinearAllreduce(TensorParallelLayer, RowParallelLinear):
     """
 
     _split_dim = 1
+    also = RowParallelLinear
 
     def __init__(self, module: nn.Module, mp_group: Any = None, **kwargs: Any):
         self._setup(mp_group, kwargs.get("name"), kwargs.get("tp_meta"), module.weight.shape[1])

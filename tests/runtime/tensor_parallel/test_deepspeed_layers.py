@@ -176,7 +176,11 @@ def _consolidated(rank: int, world: int) -> dict:
     planner = engine._consolidated_16bit_state_dict()
     same = planner is None if rank else (planner.keys() == whole.keys()
                                          and all(torch.equal(planner[k], whole[k]) for k in whole))
-    split = engine.module.lm.blocks[0].attn.q.weight.shape[0] < whole["lm.blocks.0.attn.q.weight"].shape[0]
+    attn = engine.module.lm.blocks[0].attn
+    split = attn.q.weight.shape[0] < whole["lm.blocks.0.attn.q.weight"].shape[0]
+    # the planner's layers answer to DeepSpeed's classes (code that finds the split layers by them)
+    classes = (isinstance(attn.q, LinearLayer) and isinstance(attn.o, LinearAllreduce)
+               and not isinstance(attn.o, LinearLayer) and isinstance(engine.module.lm.head, LinearLayer))
 
     torch.manual_seed(1)
     hand = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 6))
@@ -188,7 +192,7 @@ def _consolidated(rank: int, world: int) -> dict:
                                                                                    "partition_config": rules}})[0]
     built = engine._consolidated_16bit_state_dict()
     same_hand = built is None if rank else all(torch.equal(built[k], whole_hand[k]) for k in whole_hand)
-    return {"planner": same, "split": split, "hand-built": same_hand,
+    return {"planner": same, "split": split, "classes": classes, "hand-built": same_hand,
             "still split": hand[0].weight.shape == (4, 6) and hand[1].weight.shape == (6, 4)}
 
 
