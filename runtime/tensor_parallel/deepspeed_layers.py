@@ -13,8 +13,8 @@ sliced again, in place.
 The math and the collectives are dslaunch's sharded layers' (``layers.py``, ``collectives.py``
 with autograd): the column layer sums its input gradient over the group, the row layer sums its
 output (``gather_output``: the column layer's slices are concatenated, every rank gets the whole
-output). The parameters require gradients when DeepSpeed's mode is training (``mode.py``:
-``initialize`` with AutoTP sets it) and are frozen otherwise, as DeepSpeed's.
+output). The parameters keep their ``requires_grad`` when DeepSpeed's mode is training
+(``mode.py``: ``initialize`` with AutoTP sets it) and are frozen otherwise, as DeepSpeed's.
 
 collective: forward and backward, ``gather_params`` and every construction with a group run on
 every rank of ``mp_group``.
@@ -22,6 +22,7 @@ every rank of ``mp_group``.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -75,7 +76,8 @@ class TensorParallelLayer:
         return t.detach().split(self._partition_sizes, dim=dim)[self.tp_index].clone()
 
     def _mark(self, param: nn.Parameter, split: bool) -> None:
-        param.requires_grad_(is_autotp_training_mode() and param.is_floating_point())
+        if not is_autotp_training_mode():  # inference freezes; training keeps what the caller set
+            param.requires_grad_(False)
         if split:
             setattr(param, TP_MARK, True)
             param.ds_is_replaced_module = True
@@ -101,6 +103,14 @@ class TensorParallelLayer:
         for p in params_list:
             if p is not None and getattr(p, TP_MARK, False) and p.shape[self._dim(p)] == sum(self._partition_sizes):
                 p.data = self._slice(p.data, self._dim(p))
+
+    def __deepcopy__(self, memo: dict) -> TensorParallelLayer:
+        """A copy sharing the process group (a group cannot be copied; DeepSpeed's copies share it)."""
+        memo[id(self.mp_group)] = self.mp_group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def _dim(self, p: torch.Tensor) -> int:
         return min(self._split_dim, p.dim() - 1)  # a column layer's bias is split along its only dim

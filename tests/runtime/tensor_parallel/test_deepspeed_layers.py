@@ -51,6 +51,8 @@ def _layers(rank: int, world: int) -> dict:
     set_autotp_mode(training=False)
     checks["inference frozen"] = not LinearLayer(copy.deepcopy(column), group).weight.requires_grad
     set_autotp_mode(training=True)
+    frozen = copy.deepcopy(column).requires_grad_(False)
+    checks["training keeps a frozen Linear frozen"] = not LinearLayer(frozen, group).weight.requires_grad
 
     for gather in (False, True):
         out_ref, grad_x_ref, ref = _reference(column, x)
@@ -80,6 +82,9 @@ def _layers(rank: int, world: int) -> dict:
     checks["row bias grad (whole)"] = torch.allclose(layer.bias.grad, ref.bias.grad, atol=1e-6)
     checks["row bias unmarked"] = is_model_parallel_parameter(layer.weight) and not is_model_parallel_parameter(layer.bias)
 
+    twin = copy.deepcopy(layer)  # shares the group (which cannot be copied), owns its Parameters
+    checks["deep copy"] = (twin.mp_group is group and twin.weight is not layer.weight
+                           and torch.equal(twin(x_row[:, start:stop]), out.detach()))
     layer.weight.gather_params([layer.weight])
     checks["gathered whole"] = torch.equal(layer.weight, row.weight)
     layer.weight._tp_partition([layer.weight])
