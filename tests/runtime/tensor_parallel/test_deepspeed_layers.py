@@ -240,3 +240,39 @@ def test_grad_allreduce_sums_a_replicated_parameters_gradient() -> None:
     summed, partial = run_world(_grad_allreduce, 2, True)[0], run_world(_grad_allreduce, 2, False)[0]
     assert torch.allclose(torch.tensor(summed), torch.tensor(whole), atol=1e-5), (summed, whole)
     assert not torch.allclose(torch.tensor(partial), torch.tensor(whole), atol=1e-3)  # each rank: its head's part
+
+
+def test_tp_model_init_conflicts_are_refused_at_initialize() -> None:
+    from dslaunch.runtime.tensor_parallel.training import tp_model_init, with_tp_model_init
+
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}}
+    merged = with_tp_model_init(config, tp_model_init(nn.Linear(2, 2), 2, torch.bfloat16))
+    assert merged["tensor_parallel"]["autotp_size"] == 2 and "tensor_parallel" not in config  # a copy
+    with pytest.raises(ConfigError, match=r"^'bf16': Conflicting dtype: the config enables torch.bfloat16 but "
+                                          r"tp_model_init\(dtype=torch.float16\)"):
+        with_tp_model_init(config, tp_model_init(nn.Linear(2, 2), 2, torch.float16))
+    grouped = tp_model_init(nn.Linear(2, 2), 1, torch.bfloat16, tp_group=object())
+    with pytest.raises(ConfigError, match="^tp_model_init provided tp_group; deepspeed.initialize must not receive mpu"):
+        with_tp_model_init(config, grouped, mpu=object())
+    with pytest.raises(ConfigError, match=r"^tp_model_init\(tp_group=...\) is not implemented by dslaunch"):
+        with_tp_model_init(config, grouped)
+
+
+def _grid_answers(rank: int, world: int) -> dict:
+    import dslaunch
+    from dslaunch.module_inject.layers import is_autotp_training_mode, set_autotp_mode
+    from dslaunch.utils import groups
+
+    set_autotp_mode(training=False)
+    rules = {"layer_specs": [{"patterns": [".*"], "partition_type": "skip"}]}
+    engine = dslaunch.initialize(model=nn.Linear(4, 4), config={
+        "train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2, "partition_config": rules}})[0]
+    return {"src": groups.get_tensor_model_parallel_src_rank(), "autotp_size": engine.autotp_size(),
+            "training mode": is_autotp_training_mode()}
+
+
+def test_initialize_with_autotp_answers_as_deepspeed() -> None:
+    """tp 2 x dp 2: ranks 0-1 and 2-3 are the slices of a replica; their first rank is the source."""
+    got = run_world(_grid_answers, 4)
+    assert [g["src"] for g in got] == [0, 0, 2, 2]
+    assert all(g["autotp_size"] == 2 and g["training mode"] for g in got), got
