@@ -96,7 +96,8 @@ def _shape(path: str, value: Any) -> Shape | None:
     if value is None:
         return None
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"must be a list such as [3, -1] or [[4096, 1024, 1024], -1], got {describe(value)}", key=path)
+        raise ConfigError(f"must be a list such as [3, -1] or [[4096, 1024, 1024], -1], got {describe(value)}",
+                          key=path)
     out: list[Any] = []
     for i, dim in enumerate(value):
         if isinstance(dim, list):
@@ -127,7 +128,8 @@ def _spec(path: str, value: Any) -> LayerSpec:
         raw["partition_type"] = raw["partition_type"].lower()  # DeepSpeed reads it case-blind
     fields = check_params(raw, _SPEC, path, "an AutoTP layer spec")
     if fields["patterns"] is None:
-        raise ConfigError("is required: the regular expressions of the weight names it applies to", key=f"{path}.patterns")
+        raise ConfigError("is required: the regular expressions of the weight names it applies to",
+                          key=f"{path}.patterns")
     if fields["model_types"] is not None:
         fields["model_types"] = tuple(t.lower() for t in fields["model_types"])
     spec = LayerSpec(**fields)
@@ -143,7 +145,8 @@ def _spec(path: str, value: Any) -> LayerSpec:
             raise ConfigError(f"{dim} is out of range for shape {list(spec.shape)}", key=f"{path}.partition_dim")
         nested = [i for i, d in enumerate(spec.shape) if isinstance(d, tuple)]
         if nested and nested != [dim]:
-            raise ConfigError(f"sub-parameter sizes are allowed at the split dimension ({dim}) only", key=f"{path}.shape")
+            raise ConfigError(f"sub-parameter sizes are allowed at the split dimension ({dim}) only",
+                              key=f"{path}.shape")
     return spec
 
 

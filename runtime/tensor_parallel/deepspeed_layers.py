@@ -33,7 +33,8 @@ from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear, RowPar
 from dslaunch.runtime.tensor_parallel.mode import is_autotp_training_mode
 from dslaunch.runtime.tensor_parallel.split import AutoTPMeta, get_shard_size_list
 
-__all__ = ["TensorParallelLayer", "LinearLayer", "LinearAllreduce", "GatherReplacedLayerParams", "gather_dim", "TP_MARK"]
+__all__ = ["TensorParallelLayer", "LinearLayer", "LinearAllreduce", "GatherReplacedLayerParams", "gather_dim",
+           "TP_MARK"]
 
 TP_MARK = "tensor_model_parallel"  # Megatron's and DeepSpeed's mark on a parameter split over the tensor group
 
@@ -54,8 +55,9 @@ def gather_dim(local: torch.Tensor, sizes: list[int], dim: int, group: Any) -> t
 
 
 class TensorParallelLayer:
-    """The base of the hand-built layers (DeepSpeed's ``TensorParallel_Layer``): what they answer beyond the math: the group geometry, the split and the
-    parameter hooks (``gather_params`` / ``_tp_partition``)."""
+    """The base of the hand-built layers (DeepSpeed's ``TensorParallel_Layer``): what they answer
+    beyond the math, the group geometry, the split and the parameter hooks (``gather_params`` /
+    ``_tp_partition``)."""
 
     mp_group: Any
     tp_world_size: int

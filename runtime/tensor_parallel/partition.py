@@ -95,7 +95,9 @@ def _shard(module: nn.Module, name: str, spec: LayerSpec, rules: PartitionConfig
         raise ConfigError(f"{name}.weight: gather_output with sub-parameters (shape) is not implemented (nor by "
                           "DeepSpeed); drop one of them", key=_KEY)
     segments, widths = _segments(sub_sizes, tp, rank, meta, name)
-    return ShardSpec(name, "vocab", segments, tuple(widths)) if spec.gather_output else ShardSpec(name, "column", segments)
+    if spec.gather_output:
+        return ShardSpec(name, "vocab", segments, tuple(widths))
+    return ShardSpec(name, "column", segments)
 
 
 def plan_from_rules(model: nn.Module, rules: PartitionConfig, tp: int, rank: int) -> TPPlan:

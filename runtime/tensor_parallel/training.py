@@ -82,7 +82,8 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
                           key="tensor_parallel.autotp_size")
     rules = config.tensor_parallel.partition_config
     try:
-        plan = plan_tensor_parallel(model, tp_size, rank) if rules is None else plan_from_rules(model, rules, tp_size, rank)
+        plan = (plan_tensor_parallel(model, tp_size, rank) if rules is None
+                else plan_from_rules(model, rules, tp_size, rank))
     except UsageError as err:
         raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
     comms = training_collectives(group)
