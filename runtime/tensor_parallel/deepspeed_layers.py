@@ -15,6 +15,8 @@ with autograd): the column layer sums its input gradient over the group, the row
 output (``gather_output``: the column layer's slices are concatenated, every rank gets the whole
 output). The parameters keep their ``requires_grad`` when DeepSpeed's mode is training
 (``mode.py``: ``initialize`` with AutoTP sets it) and are frozen otherwise, as DeepSpeed's.
+``initialize`` records their slices in the checkpoint layout (``hand_built_layout``), as the
+planner's: a tag saved at one degree loads at another.
 
 collective: forward and backward, ``gather_params`` and every construction with a group run on
 every rank of ``mp_group``.
@@ -34,7 +36,7 @@ from dslaunch.runtime.tensor_parallel.mode import is_autotp_training_mode
 from dslaunch.runtime.tensor_parallel.split import AutoTPMeta, get_shard_size_list
 
 __all__ = ["TensorParallelLayer", "LinearLayer", "LinearAllreduce", "GatherReplacedLayerParams", "gather_dim",
-           "TP_MARK"]
+           "hand_built_layout", "TP_MARK"]
 
 TP_MARK = "tensor_model_parallel"  # Megatron's and DeepSpeed's mark on a parameter split over the tensor group
 
@@ -113,6 +115,15 @@ class TensorParallelLayer:
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
+
+    def tensor_layout(self) -> dict[str, list]:
+        """This rank's slice of each split parameter, by attribute, in the planner's layout
+        (``training.tensor_layout``: ``[dim, segments, whole size, transposed]``)."""
+        start = sum(self._partition_sizes[:self.tp_index])
+        stop = start + self._partition_sizes[self.tp_index]
+        total = sum(self._partition_sizes)
+        return {attr: [self._dim(p), [[start, stop]], total, False] for attr, p in self.named_parameters(recurse=False)
+                if getattr(p, TP_MARK, False) and p.shape[self._dim(p)] == stop - start != total}
 
     def _dim(self, p: torch.Tensor) -> int:
         return min(self._split_dim, p.dim() - 1)  # a column layer's bias is split along its only dim
@@ -217,3 +228,13 @@ class GatherReplacedLayerParams:
     def __exit__(self, *exc: Any) -> None:
         if self._owner is not None:
             self._owner._tp_partition(self.params)
+
+
+def hand_built_layout(model: nn.Module, tp_size: int) -> dict[str, list]:
+    """The slices of the hand-built layers of ``model`` split over ``tp_size`` ranks, by parameter
+    name (checkpoints record them as the planner's: a tag then loads at another degree)."""
+    out: dict[str, list] = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, TensorParallelLayer) and m.tp_world_size == tp_size:
+            out.update({f"{prefix}.{attr}" if prefix else attr: entry for attr, entry in m.tensor_layout().items()})
+    return out

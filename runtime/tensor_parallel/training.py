@@ -30,6 +30,7 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.parallel.mpu import tensor_axis
 from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
+from dslaunch.runtime.tensor_parallel.deepspeed_layers import hand_built_layout
 from dslaunch.runtime.tensor_parallel.invariant import Pieces, fix_attention_pieces
 from dslaunch.runtime.tensor_parallel.loss import causal_lm_loss
 from dslaunch.runtime.tensor_parallel.mode import set_autotp_mode
@@ -94,7 +95,7 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
         comms = replace(comms, gather=_keep_slice)
         model.loss_function = causal_lm_loss(_vocab_start(model, plan), group)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    layout = tensor_layout(model, plan)
+    layout = {**hand_built_layout(model, tp_size), **tensor_layout(model, plan)}  # the layers the script built too
     before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
     shard_modules(model, plan, ModuleSource(model), dtype, False, comms, trainable=True)
     set_local_attributes(model, plan)

@@ -277,3 +277,41 @@ def test_initialize_with_autotp_answers_as_deepspeed() -> None:
     got = run_world(_grid_answers, 4)
     assert [g["src"] for g in got] == [0, 0, 2, 2]
     assert all(g["autotp_size"] == 2 and g["training mode"] for g in got), got
+
+
+def _hand_built_checkpoint(rank: int, world: int, path: str) -> bool:
+    """A model of hand-built layers saved at tp 2 x dp 2 and loaded at tp 4: the same whole weights."""
+    import dslaunch
+    from dslaunch.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
+
+    set_autotp_mode(training=True)  # before the layers are built, as DeepSpeed wants (else they are frozen)
+
+    def engine_at(tp: int, seed: int):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]  # collective: all of them
+        group = groups[rank // tp]  # the slices of one replica: neighbouring ranks, as the engine's grid
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8))
+        model[0], model[2] = LinearLayer(model[0], group), LinearAllreduce(model[2], group)
+        rules = {"layer_specs": [{"patterns": [".*"], "partition_type": "skip"}]}
+        return dslaunch.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp, "partition_config": rules}})[0]
+
+    saved = engine_at(2, 0)
+    torch.manual_seed(100 + saved.grid.get_data_parallel_rank())
+    saved.backward(saved(torch.randn(2, 8)).pow(2).mean())
+    saved.step()
+    saved.save_checkpoint(path, tag="tp2")
+    before = saved._consolidated_16bit_state_dict()
+    loaded = engine_at(4, 1)
+    loaded.load_checkpoint(path, tag="tp2")
+    after = loaded._consolidated_16bit_state_dict()
+    return before is None or all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_hand_built_layers_checkpoint_at_one_degree_loads_at_another(tmp_path) -> None:
+    assert all(run_world(_hand_built_checkpoint, 4, str(tmp_path), timeout=100))
