@@ -49,6 +49,7 @@ _LAZY = {
     "replace_transformer_layer": "dslaunch.module_inject",
     "revert_transformer_layer": "dslaunch.module_inject",
     "tp_model_init": "dslaunch.runtime.api",
+    "set_autotp_mode": "dslaunch.module_inject",
     "DeepSpeedConfigError": "dslaunch.errors",
 }
 

@@ -20,6 +20,7 @@ from dslaunch.errors import ConfigError, ModelRequiredError, install_excepthook
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.dist import discovered_env, init_distributed
 from dslaunch.runtime.shutdown import register_clean_exit
+from dslaunch.runtime.tensor_parallel.mode import set_autotp_mode
 from dslaunch.runtime.tensor_parallel.training import tp_model_init, with_tp_model_init
 from dslaunch.utils.logging import logger
 from dslaunch.utils.restart import restart_count, resume_dir
@@ -70,7 +71,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if model is None:
         where = " (the first positional argument is args, as in DeepSpeed)" if args is not None else ""
         raise ModelRequiredError(f"initialize() needs model=<torch.nn.Module>{where}")
-    source = with_tp_model_init(_config_source(args, config if config is not None else config_params), model)
+    source = with_tp_model_init(_config_source(args, config if config is not None else config_params), model, mpu)
     if mesh_param is not None:
         source = _with_mesh(source, mesh_param)
     # Validate before any rendezvous: a config mistake must not wait for (or hang) peers.
@@ -89,6 +90,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         world = _checked_mpu(mpu).get_data_parallel_world_size()  # the batch is split over replicas
     # Without an mpu the config's own degrees (tensor_parallel.autotp_size) split the world.
     cfg = load_config(source, world, global_world=mpu is None)
+    if cfg.tensor_parallel.autotp_size > 0:  # DeepSpeed's process-wide mode (hand-built layers read it)
+        set_autotp_mode(training=True)
     if pipeline and cfg.tensor_parallel.size > 1:
         raise ConfigError("AutoTP training with a PipelineModule is not implemented: remove tensor_parallel, or "
                           "train the model without deepspeed.pipe", key="tensor_parallel.autotp_size")

@@ -137,6 +137,30 @@ class EngineCheckpoints:
         sd = unconverted_state_dict(self.module, module_state_dict(self.module, exclude_frozen_parameters))
         return sd if self.global_rank == 0 else {}
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's: the whole module state dict when the weights are split, on rank 0 (None
+        elsewhere under AutoTP; ZeRO-3's answer as ``_zero3_consolidated_16bit_state_dict``).
+
+        Raises:
+            ValueError: neither ZeRO-3 nor AutoTP splits the weights (DeepSpeed's refusal).
+
+        collective: call on all ranks.
+        """
+        if self.zero.stage == 3:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self._config.tensor_parallel.size <= 1:
+            raise ValueError("_consolidated_16bit_state_dict applies where the weights are split (ZeRO stage 3 or "
+                             "tensor_parallel.autotp_size > 1); use engine.module_state_dict()")
+        from dslaunch.runtime.parallel.mpu import tensor_axis
+        from dslaunch.runtime.tensor_parallel.consolidate import whole_state_dict
+
+        self.zero.synchronize()
+        sd = whole_state_dict(self.module, tensor_axis(self.grid, "group"))
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd if self.global_rank == 0 else None
+
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:
         """The wrapped module's state dict (no ``module.`` prefix), as DeepSpeed's.

@@ -247,6 +247,10 @@ class EngineSettings:
     def zero_optimization_stage(self) -> int:
         return self.zero.stage
 
+    def autotp_size(self) -> int:
+        """``tensor_parallel.autotp_size`` (after ``tp_model_init``'s, 0 without AutoTP), as DeepSpeed's."""
+        return self._config.tensor_parallel.autotp_size
+
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 

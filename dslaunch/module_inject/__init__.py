@@ -1,22 +1,21 @@
 """DeepSpeed's ``deepspeed.module_inject`` import path: AutoTP's planner and the sharded layers.
 
 DeepSpeed's ``AutoTP`` picks row-parallel layers by name; dslaunch's planner works on the traced
-dataflow (``dslaunch.runtime.tensor_parallel.auto_tp``). The layer names here are DeepSpeed's;
+dataflow (``dslaunch.runtime.tensor_parallel.auto_tp``). ``LinearLayer`` / ``LinearAllreduce``
+(``layers.py``) are DeepSpeed's hand-built layers, with its signatures; ``tp_shard.py`` its split;
 its per-architecture injection policies (``replace_policy.py``) are refused on use. AutoEP's
 paths: ``auto_ep.py`` (``AutoEP``), ``auto_ep_config.py`` (``AutoEPConfig``, ``parse_autoep_config``),
 ``auto_ep_layer.py`` (``AutoEPMoELayer``), re-exporting ``dslaunch.runtime.moe.autoep``.
 """
 
+from dslaunch.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
 from dslaunch.module_inject.replace_policy import KERNEL_INJECTION
 from dslaunch.runtime.tensor_parallel.auto_tp import ShardSpec, TPPlan, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dslaunch.utils.refused import refuse
 
-LinearLayer = ColumnParallelLinear  # DeepSpeed's names for its column / row layers
-LinearAllreduce = RowParallelLinear
-
 # DeepSpeed's direct module surgery; dslaunch injects through init_inference only.
 globals().update(refuse(__name__, ("replace_transformer_layer", "revert_transformer_layer"), KERNEL_INJECTION))
 
 __all__ = ["plan_tensor_parallel", "ShardSpec", "TPPlan", "ColumnParallelLinear", "RowParallelLinear",
-           "LinearLayer", "LinearAllreduce", "replace_transformer_layer", "revert_transformer_layer"]
+           "LinearLayer", "LinearAllreduce", "set_autotp_mode", "replace_transformer_layer", "revert_transformer_layer"]

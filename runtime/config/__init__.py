@@ -12,7 +12,8 @@
   ``aio``), ``activation.py`` (``activation_checkpointing``), ``autotuning.py``,
   ``comms_logger.py``, ``elasticity.py`` (DeepSpeed's elastic batch for a world size),
   ``flops_profiler.py``, ``monitors.py`` (``tensorboard``, ``csv_monitor``, ``wandb``, ``comet``),
-  ``monitor.py`` (the launcher's ``monitor`` block), ``pipeline.py``, ``tensor_parallel.py``,
+  ``monitor.py`` (the launcher's ``monitor`` block), ``pipeline.py``, ``tensor_parallel.py``
+  (with ``partition_config.py``: its hand-written layer rules),
   ``expert_parallel.py`` (AutoEP),
   ``memory_checkpoint.py`` (dslaunch's ``memory_checkpoint`` block), ``layout_invariant.py``
   (dslaunch's ``layout_invariant`` block), ``curriculum.py`` (``curriculum_learning``),

@@ -6,10 +6,11 @@
 (``runtime/tensor_parallel/``); the data-parallel degree is what the world leaves. 0 or 1 is off.
 The rest of DeepSpeed's keys are checked: ``dtype`` and ``tp_overlap_comm`` change nothing (the
 precision is the ``fp16``/``bf16`` blocks'; the all-reduces are not overlapped), ``tp.tp_size``
-must repeat ``autotp_size``, and the hand-written layer rules (``partition_config``,
-``preset_model``, ``injection_policy_tuple``) are refused: dslaunch's planner finds the layers from
-the model's dataflow. ``loss_parallel`` (dslaunch's) keeps the logits split over the vocabulary
-into the loss. Torch-free.
+must repeat ``autotp_size``. ``partition_config`` (DeepSpeed's hand-written layer rules,
+``partition_config.py``) replaces the planner's dataflow for the model; the other hand-written
+forms (``preset_model``, ``injection_policy_tuple``) are refused: dslaunch's planner finds the
+layers from the model's dataflow. ``loss_parallel`` (dslaunch's) keeps the logits split over the
+vocabulary into the loss. Torch-free.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config.param_schema import boolean, describe, integer
+from dslaunch.runtime.config.partition_config import PartitionConfig, parse_partition_config
 from dslaunch.runtime.config.sections import _opt
 
 __all__ = ["TensorParallelConfig"]
@@ -69,9 +71,14 @@ class TensorParallelConfig:
     over the vocabulary and the model's ``loss_function`` (Hugging Face's hook) becomes the
     vocab-parallel cross-entropy (``runtime/tensor_parallel/loss.py``); ``outputs.logits`` is then
     this rank's slice of the vocabulary."""
+    partition_config: PartitionConfig | None = _opt(None, parse_partition_config,
+                                                    "an object {\"layer_specs\": [{\"patterns\": [...], "
+                                                    "\"partition_type\": \"column\"}, ...]}")
+    """DeepSpeed's hand-written layer rules: which Linears are column-, row-split or kept whole, by
+    weight name (``runtime/config/partition_config.py``); they replace the dataflow planner."""
 
     INERT = {"dtype": _dtype, "tp_overlap_comm": boolean, "keep_module_on_host": boolean,  # noqa: RUF012
-             "partition_config": _refused("custom layer specs"), "preset_model": _refused("model presets"),
+             "preset_model": _refused("model presets"),
              "injection_policy_tuple": _refused("an injection policy")}
     UNIMPLEMENTED = {}  # noqa: RUF012
 

@@ -31,6 +31,7 @@ __all__ = [
     "get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank",
     "get_model_parallel_group", "get_model_parallel_world_size", "get_model_parallel_rank",
     "get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
 ]
 
 mpu: Any = None
@@ -110,6 +111,15 @@ def get_tensor_model_parallel_world_size() -> int:
 
 def get_tensor_model_parallel_rank() -> int:
     return _model("rank", tensor=True)
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of the first rank of this rank's tensor-parallel group (what a batch is
+    broadcast from so every slice reads the same); this rank without tensor parallelism."""
+    dist = _dist()
+    if get_tensor_model_parallel_world_size() == 1:
+        return dist.get_rank()
+    return min(dist.get_process_group_ranks(get_tensor_model_parallel_group()))
 
 
 def _axis(role: str) -> tuple[int, int]:

@@ -13,6 +13,17 @@
   sharding at ``initialize``).
 - ``loss.py``: the vocab-parallel cross entropy (``tensor_parallel.loss_parallel``): the logits
   stay split over the vocabulary.
+- ``partition.py``: the plan from ``tensor_parallel.partition_config``'s hand-written rules
+  instead of the dataflow; ``split.py``: DeepSpeed's sizes of a dimension's slices.
+- ``deepspeed_layers.py``: DeepSpeed's layers built by hand around a Linear (``LinearLayer``,
+  ``LinearAllreduce``); ``mode.py``: DeepSpeed's process-wide training/inference switch for them.
+- ``consolidate.py``: the whole state dict of a split model (``_consolidated_16bit_state_dict``).
 
 DeepSpeed's ``deepspeed.module_inject`` and ``deepspeed.inference`` answer from here.
 """
+
+from dslaunch.runtime.tensor_parallel.mode import (
+    AUTOTP_MODE,  # DeepSpeed's deepspeed.runtime.tensor_parallel.AUTOTP_MODE
+)
+
+__all__ = ["AUTOTP_MODE"]

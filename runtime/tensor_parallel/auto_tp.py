@@ -43,7 +43,8 @@ from torch.utils._pytree import tree_flatten
 
 from dslaunch.errors import UsageError
 
-__all__ = ["ShardSpec", "TPPlan", "plan_tensor_parallel", "is_linear", "head_plan", "linear_shape", "config_heads"]
+__all__ = ["ShardSpec", "TPPlan", "plan_tensor_parallel", "is_linear", "head_plan", "linear_shape", "config_heads",
+           "local_attributes"]
 
 Segments = tuple[tuple[int, int], ...]  # [start, stop) ranges of one dimension, in order
 
@@ -297,7 +298,7 @@ def _common_prefix(names: list[str]) -> str:
 _HEAD_ATTRS = ("heads", "split_size", "embed_dim", "all_head_size", "inner_dim", "kv_dim", "q_dim")
 
 
-def _local_attributes(model: nn.Module, scope: str, heads: Heads, q_heads: int, kv_heads: int
+def local_attributes(model: nn.Module, scope: str, heads: Heads, q_heads: int, kv_heads: int
                       ) -> list[tuple[str, str, int]]:
     """The int attributes under ``scope`` holding a global head count or width, with local values."""
     hd = heads.head_dim
@@ -398,7 +399,7 @@ def plan_tensor_parallel(model: nn.Module, tp: int, rank: int, policy: Mapping[A
         if heads is not None and width == heads.heads * heads.head_dim:
             q_heads, kv_heads = head_plan(heads.heads, heads.kv_heads, tp)[rank]
             scope = _common_prefix([group.consumer, *group.producers])
-            attributes += _local_attributes(model, scope, heads, len(q_heads), len(kv_heads))
+            attributes += local_attributes(model, scope, heads, len(q_heads), len(kv_heads))
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     shards += _embedding_shards(model, vocab, tp, rank)  # before the output layer: a tied one reuses the shard
     shards += _vocab_shards(model, producers_of, {s.name for s in shards}, shapes, vocab, tp, rank)

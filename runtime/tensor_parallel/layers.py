@@ -81,6 +81,8 @@ class ColumnParallelLinear(_ShardedLinear):
     ``pieces`` (layout-invariant training, of the output features) does that sum itself.
     """
 
+    gather_output = False  # DeepSpeed's LinearLayer attribute: the output stays split
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, dtype: torch.dtype,
                  trainable: bool = False, enter: AllReduce | None = None, pieces: Pieces | None = None):
         super().__init__(weight, bias, quantize, dtype, trainable)
@@ -119,6 +121,8 @@ class VocabParallelLinear(ColumnParallelLinear):
 
     collective: every rank of the tensor-parallel group runs it, with inputs of the same shape.
     """
+
+    gather_output = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, dtype: torch.dtype,
                  gather: Callable[[torch.Tensor], torch.Tensor], trainable: bool = False,

@@ -2,7 +2,8 @@
 
 As DeepSpeed (0.16.4+), ``initialize`` shards the model when ``tensor_parallel.autotp_size`` > 1:
 every rank builds the whole model (same seed, same weights), the planner (``auto_tp.py``) picks
-the column/row/vocab layers from the model's dataflow, and each rank keeps its slices as trainable
+the column/row/vocab layers from the model's dataflow (or ``tensor_parallel.partition_config``'s
+rules), and each rank keeps its slices as trainable
 parameters marked ``tensor_model_parallel`` (whole parameters such as norms stay on every slice and
 count once in the gradient norm). The layers' autograd collectives (``collectives.py``) make the
 gradients of every slice those of the whole model: ZeRO then only reduces over the data group.
@@ -29,13 +30,16 @@ from dslaunch.errors import ConfigError
 from dslaunch.runtime.parallel.mpu import tensor_axis
 from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
+from dslaunch.runtime.tensor_parallel.deepspeed_layers import hand_built_layout
 from dslaunch.runtime.tensor_parallel.invariant import Pieces, fix_attention_pieces
 from dslaunch.runtime.tensor_parallel.loss import causal_lm_loss
+from dslaunch.runtime.tensor_parallel.mode import set_autotp_mode
+from dslaunch.runtime.tensor_parallel.partition import plan_from_rules, register_grad_allreduce
 from dslaunch.runtime.tensor_parallel.shard import set_local_attributes, shard_modules
 
 __all__ = ["shard_for_training", "repoint_parameters", "tensor_layout", "tp_model_init", "with_tp_model_init"]
 
-_RECORD = "ds_tp_model_init"  # the attribute tp_model_init leaves on the model: (tp_size, dtype)
+_RECORD = "ds_tp_model_init"  # the attribute tp_model_init leaves on the model: (tp_size, dtype, tp_group)
 
 
 def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan, dict[int, nn.Parameter]]:
@@ -45,7 +49,8 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
         model: the whole model, with the same weights on every rank of the tensor group.
         grid: the mpu whose tensor axis is the group (``runtime.parallel.mpu.tensor_axis``).
         config: the ``DeepSpeedConfig``; read: ``tensor_parallel.autotp_size`` (the grid's tensor
-            group must have that many ranks), ``tensor_parallel.loss_parallel`` (the output layer
+            group must have that many ranks), ``tensor_parallel.partition_config`` (the plan from
+            its rules instead of the dataflow: ``partition.py``), ``tensor_parallel.loss_parallel`` (the output layer
             keeps its slice of the logits and the model's ``loss_function`` becomes the
             vocab-parallel cross-entropy) and the ``layout_invariant`` block (the column and row
             layers compute in its ``chunks`` fixed pieces at any degree: ``invariant.py``).
@@ -76,8 +81,10 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
         raise ConfigError(f"{tp_size} is more than the model's {heads.kv_heads} key/value heads: in training each "
                           f"rank must hold whole KV heads; use a divisor of {heads.kv_heads}",
                           key="tensor_parallel.autotp_size")
+    rules = config.tensor_parallel.partition_config
     try:
-        plan = plan_tensor_parallel(model, tp_size, rank)
+        plan = (plan_tensor_parallel(model, tp_size, rank) if rules is None
+                else plan_from_rules(model, rules, tp_size, rank))
     except UsageError as err:
         raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
     comms = training_collectives(group)
@@ -88,10 +95,12 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
         comms = replace(comms, gather=_keep_slice)
         model.loss_function = causal_lm_loss(_vocab_start(model, plan), group)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    layout = tensor_layout(model, plan)
+    layout = {**hand_built_layout(model, tp_size), **tensor_layout(model, plan)}  # the layers the script built too
     before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
     shard_modules(model, plan, ModuleSource(model), dtype, False, comms, trainable=True)
     set_local_attributes(model, plan)
+    if rules is not None:
+        register_grad_allreduce(model, rules, group)
     model.ds_tensor_layout = layout  # checkpoints record it: a tag saved at one tp loads at another
     after = dict(model.named_parameters(remove_duplicate=False))
     return plan, {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
@@ -155,43 +164,62 @@ def _mapped(replaced: dict[int, nn.Parameter], params: Iterable[Any]) -> list[An
 
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None, **kwargs: Any) -> nn.Module:
     """DeepSpeed's ``deepspeed.tp_model_init``: record the tensor-parallel degree on ``model``;
-    ``initialize`` shards it (as DeepSpeed 0.17+ does: this call itself changes no weight).
+    ``initialize`` shards it (as DeepSpeed 0.17+ does: this call itself changes no weight). Like
+    DeepSpeed's, it switches AutoTP's mode to training (``mode.py``).
 
     Args:
         model: the whole model.
         tp_size: the tensor-parallel degree; ``initialize`` uses it as ``tensor_parallel.autotp_size``
             when the config has none, and refuses a config that sets another.
-        dtype: a floating dtype (the training precision is the config's ``fp16``/``bf16`` blocks').
+        dtype: a floating dtype; ``initialize`` refuses a config whose ``fp16``/``bf16`` block
+            enables another (the training precision is those blocks').
         config: accepted for DeepSpeed's signature; ``initialize`` reads the config it is given.
+        tp_group: recorded; ``initialize`` refuses it with an ``mpu`` (as DeepSpeed) and without
+            one (dslaunch builds the tensor group from ``autotp_size``: pass an mpu instead).
 
     Returns:
         ``model`` itself.
 
     Raises:
-        ConfigError: ``tp_size`` below 1, a non-floating ``dtype``, or ``tp_group=`` (give
-            ``initialize`` an ``mpu`` whose tensor group it is instead).
+        ConfigError: ``tp_size`` below 1 or a non-floating ``dtype``.
     """
-    if "tp_group" in kwargs:
-        raise ConfigError("tp_model_init(tp_group=...) is not supported by dslaunch: pass initialize(mpu=...) "
-                          "whose model-parallel group is that group, or let tensor_parallel.autotp_size build it")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ConfigError(f"tp_model_init(tp_size={tp_size!r}): the degree must be an integer >= 1")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"tp_model_init(dtype={dtype!r}): a floating torch dtype (torch.bfloat16, ...)")
-    setattr(model, _RECORD, (tp_size, dtype))
+    setattr(model, _RECORD, (tp_size, dtype, kwargs.get("tp_group")))
+    set_autotp_mode(training=True)
     return model
 
 
-def with_tp_model_init(source: Any, model: Any) -> Any:
+def _config_dtype(raw: Mapping[str, Any]) -> torch.dtype | None:
+    """The training precision a raw config enables (None: fp32), as DeepSpeed infers it."""
+    for block, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        section = raw.get(block)
+        if isinstance(section, Mapping) and section.get("enabled", False) is True:
+            return dtype
+    return None
+
+
+def with_tp_model_init(source: Any, model: Any, mpu: Any = None) -> Any:
     """The config ``source`` with ``tensor_parallel.autotp_size`` from a ``tp_model_init`` record on
     ``model`` (a dict copy; a file is read), or ``source`` itself when there is none.
 
     Raises:
-        ConfigError: the config sets another ``autotp_size`` than the record.
+        ConfigError: the config sets another ``autotp_size`` than the record, or enables another
+            precision than its dtype; a recorded ``tp_group`` (with an ``mpu``: as DeepSpeed; without
+            one: not implemented).
     """
     record = getattr(model, _RECORD, None)
     if record is None or source is None:
         return source
+    tp_size, dtype, tp_group = record
+    if tp_group is not None:
+        if mpu is not None:
+            raise ConfigError("tp_model_init provided tp_group; deepspeed.initialize must not receive mpu (give "
+                              "one of them)")
+        raise ConfigError("tp_model_init(tp_group=...) is not implemented by dslaunch: pass initialize(mpu=...) "
+                          "whose model-parallel group is that group, or let tensor_parallel.autotp_size build it")
     from dslaunch.runtime.config.file import read_config_file
 
     raw = source if isinstance(source, Mapping) else read_config_file(Path(source))
@@ -199,7 +227,11 @@ def with_tp_model_init(source: Any, model: Any) -> Any:
         return source  # load_config says what is wrong with it
     section = raw.get("tensor_parallel") or {}
     given = section.get("autotp_size", 0) if isinstance(section, Mapping) else 0
-    if given not in (0, 1, record[0]):
-        raise ConfigError(f"{given} but tp_model_init(tp_size={record[0]}) was called on the model; make them "
+    if given not in (0, 1, tp_size):
+        raise ConfigError(f"{given} but tp_model_init(tp_size={tp_size}) was called on the model; make them "
                           "equal or drop one", key="tensor_parallel.autotp_size")
-    return {**raw, "tensor_parallel": {**section, "autotp_size": record[0]}}
+    enabled = _config_dtype(raw)
+    if enabled is not None and enabled != dtype:
+        raise ConfigError(f"Conflicting dtype: the config enables {enabled} but tp_model_init(dtype={dtype}) was "
+                          "called on the model; make them agree", key="bf16" if enabled is torch.bfloat16 else "fp16")
+    return {**raw, "tensor_parallel": {**section, "autotp_size": tp_size}}

@@ -104,7 +104,8 @@ def main() -> None:
     results["deepspeed_paths"] = (deepspeed.init_inference is dslaunch.init_inference
                                   and deepspeed.inference.config.DeepSpeedInferenceConfig.__module__
                                   == "dslaunch.runtime.inference.config"
-                                  and deepspeed.module_inject.LinearAllreduce.__name__ == "RowParallelLinear")
+                                  and deepspeed.module_inject.LinearAllreduce.__module__
+                                  == "dslaunch.runtime.tensor_parallel.deepspeed_layers")
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULTS " + json.dumps(results), flush=True)
     if torch.distributed.is_initialized():

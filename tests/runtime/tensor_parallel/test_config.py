@@ -10,6 +10,19 @@ from dslaunch.runtime.config import load_config
 BASE = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}
 
 
+def test_partition_config_is_read_as_deepspeed_writes_it() -> None:
+    rules = {"use_default_specs": False, "strict_mode": True, "layer_specs": [
+        {"patterns": [r".*\.qkv\.weight$"], "partition_type": "COLUMN", "shape": [[8, 4, 4], -1]},
+        {"patterns": [r".*\.norm\.weight$"], "partition_type": "skip", "grad_allreduce": True,
+         "model_types": ["Qwen3"]}]}
+    got = load_config({**BASE, "tensor_parallel": {"autotp_size": 2, "partition_config": rules}}, 8,
+                      global_world=True).tensor_parallel.partition_config
+    qkv, norm = got.layer_specs
+    assert (qkv.partition_type, qkv.shape, qkv.split_dim) == ("column", ((8, 4, 4), -1), 0)
+    assert got.strict_mode and norm.grad_allreduce and norm.model_types == ("qwen3",)
+    assert got.spec_for("layers.0.norm.weight", "qwen3") is norm and got.spec_for("layers.0.norm.weight", "llama") is None
+
+
 def test_the_batch_counts_every_rank_as_deepspeed_does_without_an_mpu() -> None:
     """DeepSpeed (no mpu) resolves train_batch_size against the whole world, tensor slices included
     (what accelerate writes: micro * gas * processes); data_parallel_size is the true one."""
@@ -28,8 +41,20 @@ def test_the_batch_counts_every_rank_as_deepspeed_does_without_an_mpu() -> None:
      "'tensor_parallel.autotp_size': AutoTP training composes with ZeRO stages 0-2 only"),
     ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}},
      "'tensor_parallel.tp.tp_size': 4 does not match tensor_parallel.autotp_size (2)"),
-    ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": []}}},
-     "'tensor_parallel.partition_config': is not implemented by dslaunch (custom layer specs"),
+    ({"tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}},
+     "'tensor_parallel.preset_model': is not implemented by dslaunch (model presets"),
+    ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_spec": []}}},
+     "'tensor_parallel.partition_config.layer_spec': unknown parameter for tensor_parallel.partition_config "
+     "(did you mean 'layer_specs'?)"),
+    ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["q_proj("]}]}}},
+     "'tensor_parallel.partition_config.layer_specs[0].patterns[0]': 'q_proj(' is not a regular expression"),
+    ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [
+        {"patterns": ["o_proj"], "partition_type": "row", "gather_output": True}]}}},
+     "'tensor_parallel.partition_config.layer_specs[0].gather_output': applies to column specs only"),
+    ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [
+        {"patterns": ["qkv"], "partition_type": "colum"}]}}},
+     "'tensor_parallel.partition_config.layer_specs[0].partition_type': must be one of column, row, skip, got "
+     "'colum' (did you mean 'column'?)"),
     ({"tensor_parallel": {"autotp_sise": 2}}, "'tensor_parallel.autotp_sise': unknown parameter"),
     ({"tensor_parallel": {"autotp_size": 2}, "data_parallel_size": 8},
      "'data_parallel_size': 8 but the job has 4 data-parallel ranks"),

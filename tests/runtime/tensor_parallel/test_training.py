@@ -22,12 +22,14 @@ pytestmark = pytest.mark.timeout(240)
 STEPS, GLOBAL_BATCH, SEQ = 20, 8, 12
 
 
-def _config(tp: int, stage: int, dp: int, optimizer: dict | None = None, loss_parallel: bool = False) -> dict:
+def _config(tp: int, stage: int, dp: int, optimizer: dict | None = None, loss_parallel: bool = False,
+            rules: dict | None = None) -> dict:
     # no train_batch_size: DeepSpeed's (and dslaunch's) count without an mpu includes the slices
     return {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
             "optimizer": optimizer or ADAM, "gradient_clipping": 0.5,
             "zero_optimization": {"stage": stage},
-            "tensor_parallel": {"autotp_size": tp, "loss_parallel": loss_parallel}, "steps_per_print": 1000}
+            "tensor_parallel": {"autotp_size": tp, "loss_parallel": loss_parallel, "partition_config": rules},
+            "steps_per_print": 1000}
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -81,7 +83,7 @@ SGD = {"type": "SGD", "params": {"lr": 0.3}}
 
 
 def _train(rank: int, world: int, tp: int, stage: int, tied: bool, entry: str = "config",
-           optimizer: dict = ADAM, loss_parallel: bool = False) -> dict:
+           optimizer: dict = ADAM, loss_parallel: bool = False, rules: dict | None = None) -> dict:
     import torch.distributed as dist
 
     import dslaunch
@@ -90,7 +92,7 @@ def _train(rank: int, world: int, tp: int, stage: int, tied: bool, entry: str = 
     model = TrainableLM(tied=tied)
     whole = _nbytes({id(p): p for p in model.parameters()}.values())
     dp = world // tp
-    config = _config(tp, stage, dp, optimizer, loss_parallel)
+    config = _config(tp, stage, dp, optimizer, loss_parallel, rules)
     if entry == "example_mpu":  # as the example: its own groups, a client optimizer built on the whole model
         dslaunch.init_distributed()
         client = torch.optim.Adam(model.parameters(), lr=config.pop("optimizer")["params"]["lr"])
@@ -166,6 +168,25 @@ def test_tp_model_init_records_the_degree_that_initialize_shards_with(reference:
     worst = max(abs(a - b) for a, b in zip(got[0]["losses"], reference[False]["losses"], strict=True))
     assert worst <= 1e-6, worst
     assert got[0]["params"] <= (0.25 + 0.1) * reference[False]["params"]
+
+
+# DeepSpeed's partition_config for the model: attention and MLP split by name, the output layer
+# column-split with its logits gathered, the rest (embedding, norms) whole.
+RULES = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.attn\.[qkv]\.weight$", r".*\.(gate|up)\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*\.attn\.o\.weight$", r".*\.down\.weight$"], "partition_type": "row"},
+    {"patterns": [r".*\.head\.weight$"], "partition_type": "column", "gather_output": True},
+    {"patterns": [r".*"], "partition_type": "skip"}]}
+
+
+def test_partition_config_rules_train_as_the_unsharded_model(reference: dict) -> None:
+    """The hand-written rules in place of the dataflow planner: the same split (heads set to the
+    rank's by the row layer's input), the same losses as one process, a 1/tp share of the bytes."""
+    got = run_world(_train, 4, 2, 1, False, "config", ADAM, False, RULES, timeout=200)
+    worst = max(abs(a - b) for a, b in zip(got[0]["losses"], reference[False]["losses"], strict=True))
+    assert worst <= 1e-6, worst
+    assert got[0]["params"] <= (0.5 + 0.1) * reference[False]["params"]
+    assert got[0]["logits_width"] == VOCAB  # gather_output: every rank holds the whole logits
 
 
 def _refused(rank: int, world: int) -> list[str]:
