@@ -85,7 +85,6 @@ class EngineSettings:
     autotuning_end_profile_step = _reads("autotuning.end_profile_step")
     autotuning_metric = _reads("autotuning.metric")
     tensor_parallel_config = _reads("tensor_parallel")
-    autotp_size = _reads("tensor_parallel.autotp_size")
     aio_config = _reads("aio")
 
     def postscale_gradients(self) -> bool:
