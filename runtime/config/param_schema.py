@@ -177,9 +177,12 @@ def finite(path: str, value: Any) -> Any:
 
 
 def boolean(path: str, value: Any) -> bool:
-    """true/false only: a string like "false" would silently be truthy."""
+    """true/false, or 1/0 as DeepSpeed reads them (its tests write ``"zero_allow_untested_optimizer":
+    1``); nothing else: a string like "false" would silently be truthy."""
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        return bool(value)
     if not isinstance(value, bool):
-        raise ConfigError(f"must be true or false, got {describe(value)}", key=path)
+        raise ConfigError(f"must be true or false (or 1 or 0), got {describe(value)}", key=path)
     return value
 
 

@@ -27,7 +27,7 @@ def test_every_key_is_read() -> None:
 
 
 @pytest.mark.parametrize("block, start", [
-    ({"cpu_checkpointing": 1}, "'activation_checkpointing.cpu_checkpointing': must be true or false"),
+    ({"cpu_checkpointing": 2}, "'activation_checkpointing.cpu_checkpointing': must be true or false"),
     ({"number_checkpoints": 0}, "'activation_checkpointing.number_checkpoints': must be an integer"),
     ({"mode": "partial"}, "'activation_checkpointing.mode': must be one of"),
     ({"partition_activation": True}, "'activation_checkpointing.partition_activation': unknown parameter"),

@@ -389,3 +389,10 @@ def test_sequence_parallel_size_divides_the_world_before_the_batch_triad() -> No
     assert _error({"train_batch_size": 8, "sequence_parallel_size": 4}, 6) == (
         "'sequence_parallel_size': sequence_parallel_size=4 must divide the world size 6")
     assert "sequence_parallel_size" in _error({"train_batch_size": 8, "sequence_parallel_size": 0})
+
+
+def test_booleans_take_1_and_0_as_deepspeed_reads_them() -> None:
+    assert _ok({"zero_allow_untested_optimizer": 1}).zero_allow_untested_optimizer is True
+    assert _ok({"dataloader_drop_last": 0}).dataloader_drop_last is False
+    for bad in (2, "true", 1.0):
+        assert "must be true or false (or 1 or 0)" in _error({"train_batch_size": 8, "dataloader_drop_last": bad})
