@@ -8,6 +8,7 @@ The loss scaler itself is a strategy (``loss_scaler.py``), built from the parsed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.config.sections import Fp16Config
+from dslaunch.runtime.precision.keep_in_fp32 import buffers_to_keep_in_fp32, keep_in_fp32_pattern
 from dslaunch.runtime.precision.loss_scaler import LossScaler, build_loss_scaler
 from dslaunch.runtime.torch_autocast import scales_loss
 
@@ -36,14 +38,20 @@ class PrecisionPolicy:
         comm = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
         return cls(model, comm)
 
-    def cast_module(self, module: torch.nn.Module, buffer_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    def cast_module(self, module: torch.nn.Module, buffer_dtype: torch.dtype | None = None,
+                    keep_in_fp32: Sequence[str] | str | None = None) -> torch.nn.Module:
         """Cast floating-point parameters to the model dtype (none in fp32); buffers keep the dtype they
         were loaded in (an fp32 rotary ``inv_freq`` stays fp32) unless ``buffer_dtype`` is given, as
-        DeepSpeed 0.19.8 casts (before it, DeepSpeed cast the whole module)."""
+        DeepSpeed 0.19.8 casts (before it, DeepSpeed cast the whole module). The buffers
+        ``keep_in_fp32`` names (``data_types.keep_in_fp32_modules``) are fp32 either way."""
         if self.model_dtype != torch.float32:
             _cast_floating(module.parameters(), self.model_dtype)
+        pattern = keep_in_fp32_pattern(module, keep_in_fp32, self.model_dtype)
+        kept = buffers_to_keep_in_fp32(module, pattern) if pattern is not None else []
+        _cast_floating(kept, torch.float32)
         if buffer_dtype is not None:
-            _cast_floating(module.buffers(), buffer_dtype)
+            kept_ids = {id(b) for b in kept}
+            _cast_floating((b for b in module.buffers() if id(b) not in kept_ids), buffer_dtype)
         return module
 
     @staticmethod

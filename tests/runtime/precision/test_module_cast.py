@@ -41,3 +41,30 @@ def test_parameters_are_cast_and_buffers_are_kept(stage: int, precision: str) ->
     engine.backward(engine(torch.randn(2, 8, dtype=want)))
     engine.step()
     assert engine.module.inv_freq.dtype == torch.float32
+
+
+class _Declares(torch.nn.Module):
+    """A Hugging Face-style model declaring a submodule to keep in fp32, whose buffer arrives in bf16."""
+
+    _keep_in_fp32_modules_strict = ["norm"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.Module()
+        self.norm.register_buffer("scale", torch.ones(4, dtype=torch.bfloat16))
+        self.register_buffer("other", torch.ones(4))
+
+
+@pytest.mark.timeout(30)
+def test_buffer_dtype_and_keep_in_fp32_patterns() -> None:
+    from dslaunch.runtime.precision import PrecisionPolicy
+
+    bf16 = PrecisionPolicy(torch.bfloat16, None)
+    model = bf16.cast_module(_Declares())  # "auto": the declared modules' buffers come up to fp32
+    assert model.norm.scale.dtype == torch.float32 and model.other.dtype == torch.float32
+    model = bf16.cast_module(_Declares(), buffer_dtype=torch.bfloat16)  # the rest follows buffer_dtype
+    assert model.norm.scale.dtype == torch.float32 and model.other.dtype == torch.bfloat16
+    model = bf16.cast_module(_Declares(), buffer_dtype=torch.bfloat16, keep_in_fp32=["oth*"])
+    assert model.norm.scale.dtype == torch.bfloat16 and model.other.dtype == torch.float32
+    fp32 = PrecisionPolicy(torch.float32, None).cast_module(_Declares())  # fp32 training keeps nothing special
+    assert fp32.norm.scale.dtype == torch.bfloat16
