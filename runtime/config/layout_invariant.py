@@ -82,6 +82,6 @@ def _check_tensor_parallel(cfg: Any, chunks: int) -> None:
             raise ConfigError(f"true with {half}: layout-invariant tensor-parallel training is fp32 only; "
                               f"disable one of layout_invariant.enabled and {half}.enabled",
                               key="layout_invariant.enabled")
-    if cfg.tensor_parallel.loss_parallel:
-        raise ConfigError("true with tensor_parallel.loss_parallel, whose softmax sums over each rank's vocabulary "
+    if cfg.tensor_parallel.vocab_parallel:
+        raise ConfigError(f"true with {cfg.tensor_parallel.vocab_parallel_key}, whose softmax sums over each rank's vocabulary "
                           "slice; disable one of them", key="layout_invariant.enabled")

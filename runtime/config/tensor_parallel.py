@@ -10,7 +10,8 @@ must repeat ``autotp_size``. ``partition_config`` (DeepSpeed's hand-written laye
 ``partition_config.py``) replaces the planner's dataflow for the model; the other hand-written
 forms (``preset_model``, ``injection_policy_tuple``) are refused: dslaunch's planner finds the
 layers from the model's dataflow. ``loss_parallel`` (dslaunch's) keeps the logits split over the
-vocabulary into the loss. Torch-free.
+vocabulary into the loss; DeepSpeed 0.19.8's ``vocab_parallel_lm_head: true`` asks for the same
+(its ``vocab_parallel_ce_backend`` takes ``"torch"``, the loss dslaunch computes). Torch-free.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config.param_schema import boolean, describe, integer
 from dslaunch.runtime.config.partition_config import PartitionConfig, parse_partition_config
-from dslaunch.runtime.config.sections import _opt
+from dslaunch.runtime.config.sections import _opt, optional
 
 __all__ = ["TensorParallelConfig"]
 
@@ -50,6 +51,13 @@ def _tp(path: str, value: Any) -> Mapping[str, Any]:
     return value
 
 
+def _ce_backend(path: str, value: Any) -> str:
+    if value != "torch":
+        raise ConfigError(f"{describe(value)} is not in dslaunch (DeepSpeed's Liger kernel backend); the vocab-parallel "
+                          "loss is computed in torch: set it to \"torch\" or remove it", key=path)
+    return value
+
+
 def _refused(what: str) -> Any:
     def check(path: str, value: Any) -> None:
         if value is not None:
@@ -67,10 +75,14 @@ class TensorParallelConfig:
     tp: Mapping[str, Any] | None = _opt(None, _tp, "an object {\"tp_size\": <autotp_size>}")
     """DeepSpeed's inner block; ``tp.tp_size`` other than 1 must equal ``autotp_size``."""
     loss_parallel: bool = _opt(False, boolean, "true or false")
-    """dslaunch's (torchtitan's name; DeepSpeed has none): the output layer's logits stay split
+    """dslaunch's (torchtitan's name; DeepSpeed 0.19.8's ``vocab_parallel_lm_head``): the output layer's logits stay split
     over the vocabulary and the model's ``loss_function`` (Hugging Face's hook) becomes the
     vocab-parallel cross-entropy (``runtime/tensor_parallel/loss.py``); ``outputs.logits`` is then
     this rank's slice of the vocabulary."""
+    vocab_parallel_lm_head: bool | None = _opt(None, optional(boolean), "true, false or null")
+    """DeepSpeed 0.19.8's name for ``loss_parallel``: true asks for it; false or null (DeepSpeed: a
+    Hugging Face tied-embedding plan decides) leave ``loss_parallel`` as set."""
+    vocab_parallel_ce_backend: str = _opt("torch", _ce_backend, "\"torch\"")
     partition_config: PartitionConfig | None = _opt(None, parse_partition_config,
                                                     "an object {\"layer_specs\": [{\"patterns\": [...], "
                                                     "\"partition_type\": \"column\"}, ...]}")
@@ -81,6 +93,16 @@ class TensorParallelConfig:
              "preset_model": _refused("model presets"),
              "injection_policy_tuple": _refused("an injection policy")}
     UNIMPLEMENTED = {}  # noqa: RUF012
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """The output layer stays split over the vocabulary into the loss (either key asks for it)."""
+        return self.loss_parallel or self.vocab_parallel_lm_head is True
+
+    @property
+    def vocab_parallel_key(self) -> str:
+        """The key that asked for it, for messages."""
+        return "tensor_parallel.loss_parallel" if self.loss_parallel else "tensor_parallel.vocab_parallel_lm_head"
 
     @property
     def size(self) -> int:

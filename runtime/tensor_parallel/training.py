@@ -68,7 +68,7 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
     from dslaunch.errors import UsageError
     from dslaunch.runtime.inference.loading import ModuleSource
 
-    tp_size, loss_parallel = config.tensor_parallel.size, config.tensor_parallel.loss_parallel
+    tp_size, loss_parallel = config.tensor_parallel.size, config.tensor_parallel.vocab_parallel
     # what the block cannot keep invariant was refused at load (config/layout_invariant.py)
     chunks = config.layout_invariant.chunks if config.layout_invariant.enabled else None
     group, rank = tensor_axis(grid, "group"), tensor_axis(grid, "rank")
@@ -93,7 +93,8 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
         fix_attention_pieces(model)
     if loss_parallel:
         comms = replace(comms, gather=_keep_slice)
-        model.loss_function = causal_lm_loss(_vocab_start(model, plan), group)
+        model.loss_function = causal_lm_loss(_vocab_start(model, plan, config.tensor_parallel.vocab_parallel_key),
+                                             group)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     layout = {**hand_built_layout(model, tp_size), **tensor_layout(model, plan)}  # the layers the script built too
     before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
@@ -110,17 +111,18 @@ def _keep_slice(local: torch.Tensor, widths: list[int]) -> torch.Tensor:
     return local  # loss_parallel: the vocab-parallel loss reads this rank's logits as they are
 
 
-def _vocab_start(model: nn.Module, plan: TPPlan) -> int:
-    """This rank's first vocabulary id in the output layer, checking ``loss_parallel`` applies."""
+def _vocab_start(model: nn.Module, plan: TPPlan, key: str) -> int:
+    """This rank's first vocabulary id in the output layer, checking ``loss_parallel`` applies
+    (``key``: the config key that asked for it)."""
     heads = [spec for spec in plan.shards if spec.kind == "vocab"]
     if not heads:
         raise ConfigError("true but AutoTP found no output layer as wide as the model's vocabulary "
-                          "(config.vocab_size) to split; remove it", key="tensor_parallel.loss_parallel")
+                          "(config.vocab_size) to split; remove it", key=key)
     if not hasattr(model, "loss_function"):
         raise ConfigError(f"true but {type(model).__name__} has no loss_function (Hugging Face's hook the "
                           "vocab-parallel loss is installed on); remove it, or call "
                           "runtime.tensor_parallel.loss.vocab_parallel_cross_entropy on the split logits "
-                          "yourself", key="tensor_parallel.loss_parallel")
+                          "yourself", key=key)
     return heads[0].segments[0][0]
 
 

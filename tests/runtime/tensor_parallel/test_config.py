@@ -77,6 +77,8 @@ INVARIANT = {"layout_invariant": {"enabled": True, "chunks": 4}}
      "'layout_invariant.enabled': true with fp16: layout-invariant tensor-parallel training is fp32 only"),
     ({"tensor_parallel": {"autotp_size": 4, "loss_parallel": True}, **INVARIANT},
      "'layout_invariant.enabled': true with tensor_parallel.loss_parallel, whose softmax sums"),
+    ({"tensor_parallel": {"autotp_size": 4, "vocab_parallel_lm_head": True}, **INVARIANT},
+     "'layout_invariant.enabled': true with tensor_parallel.vocab_parallel_lm_head, whose softmax sums"),
 ])
 def test_what_layout_invariant_training_refuses(extra: dict, message: str) -> None:
     raw = {**BASE, "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 4}, **extra}
@@ -97,3 +99,15 @@ def test_layout_invariant_pieces_cut_every_segment_alike() -> None:
 
     parts = [torch.tensor(v) for v in (1e8, 1.0, -1e8, 1.0)]  # ((1e8 + 1) + (-1e8 + 1)): 0, where left to right gives 1
     assert tree_sum(parts).item() == 0.0 and tree_sum(parts[:3]).item() == 0.0
+
+
+def test_deepspeeds_vocab_parallel_keys() -> None:
+    tp = load_config({**BASE, "tensor_parallel": {"autotp_size": 4, "vocab_parallel_lm_head": True,
+                                                  "vocab_parallel_ce_backend": "torch"}}, 8, global_world=True)
+    assert tp.tensor_parallel.vocab_parallel and not tp.tensor_parallel.loss_parallel
+    off = load_config({**BASE, "tensor_parallel": {"autotp_size": 4, "vocab_parallel_lm_head": None}}, 8,
+                      global_world=True)
+    assert not off.tensor_parallel.vocab_parallel
+    with pytest.raises(ConfigError, match=r"^'tensor_parallel.vocab_parallel_ce_backend': .*Liger"):
+        load_config({**BASE, "tensor_parallel": {"autotp_size": 4, "vocab_parallel_ce_backend": "liger"}}, 8,
+                    global_world=True)

@@ -22,13 +22,15 @@ pytestmark = pytest.mark.timeout(240)
 STEPS, GLOBAL_BATCH, SEQ = 20, 8, 12
 
 
-def _config(tp: int, stage: int, dp: int, optimizer: dict | None = None, loss_parallel: bool = False,
+def _config(tp: int, stage: int, dp: int, optimizer: dict | None = None, loss_parallel: bool | str = False,
             rules: dict | None = None) -> dict:
-    # no train_batch_size: DeepSpeed's (and dslaunch's) count without an mpu includes the slices
+    # no train_batch_size: DeepSpeed's (and dslaunch's) count without an mpu includes the slices;
+    # loss_parallel "deepspeed": asked for by DeepSpeed 0.19.8's key
+    vocab = {"vocab_parallel_lm_head": True} if loss_parallel == "deepspeed" else {"loss_parallel": loss_parallel}
     return {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
             "optimizer": optimizer or ADAM, "gradient_clipping": 0.5,
             "zero_optimization": {"stage": stage},
-            "tensor_parallel": {"autotp_size": tp, "loss_parallel": loss_parallel, "partition_config": rules},
+            "tensor_parallel": {"autotp_size": tp, **vocab, "partition_config": rules},
             "steps_per_print": 1000}
 
 
@@ -130,8 +132,9 @@ def reference() -> dict:
 
 
 # Both degrees at both stages; the vocab-parallel loss at tp 2 x dp 2 and at tp 4 (one run each).
-@pytest.mark.parametrize(("tp", "stage", "loss_parallel"), [(2, 1, False), (4, 1, True), (2, 2, True), (4, 2, False)])
-def test_losses_equal_the_unsharded_run(reference: dict, tp: int, stage: int, loss_parallel: bool) -> None:
+@pytest.mark.parametrize(("tp", "stage", "loss_parallel"), [(2, 1, False), (4, 1, True), (2, 2, "deepspeed"),
+                                                           (4, 2, False)])
+def test_losses_equal_the_unsharded_run(reference: dict, tp: int, stage: int, loss_parallel: bool | str) -> None:
     ref = reference[False]
     got = run_world(_train, 4, tp, stage, False, "config", ADAM, loss_parallel, timeout=200)
     worst = max(abs(a - b) for a, b in zip(got[0]["losses"], ref["losses"], strict=True))
