@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.torch_autocast import get_default_autocast_lower_precision_modules
 
 __all__ = ["EngineSettings"]
@@ -261,6 +262,10 @@ class EngineSettings:
 
     def bfloat16_enabled(self) -> bool:
         return self._config.bf16.enabled
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(model dtype, dtype gradients are summed in over an accumulation window), as DeepSpeed's."""
+        return PrecisionPolicy.data_types(self._config)
 
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale

@@ -52,6 +52,7 @@ from dslaunch.runtime.config.sections import (
     UNIMPLEMENTED_KEYS,
     Bf16Config,
     CheckpointConfig,
+    DataTypesConfig,
     Fp16Config,
     OptimizerSection,
     TypedSection,
@@ -76,7 +77,7 @@ __all__ = ["DeepSpeedConfig", "DeepSpeedFormConfig", "load_config", "with_batch"
 # Beyond ~3 years a timeout means "never"; larger values overflow datetime.timedelta.
 MAX_TIMEOUT_S = 1e8
 _SOURCE_TYPES = (str, os.PathLike, Mapping)
-_SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config,
+_SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Config, "data_types": DataTypesConfig,
              "checkpoint": CheckpointConfig, "optimizer": OptimizerSection, "scheduler": TypedSection,
              "elasticity": ElasticityConfig, "monitor": MonitorConfig, "aio": AioConfig,
              "activation_checkpointing": ActivationCheckpointingConfig,
@@ -215,6 +216,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     aio: AioConfig = field(default_factory=AioConfig)
     fp16: Fp16Config = field(default_factory=Fp16Config)
     bf16: Bf16Config = field(default_factory=Bf16Config)
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    """The dtype gradients are summed in over an accumulation window (``grad_accum_dtype``)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -253,6 +256,12 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     """Lines for the user about what was read differently from what was written (unfilled
     ``"auto"``, dotted keys: ``client_forms.py``) and about defaults unlike DeepSpeed's in effect
     (``OWN_DEFAULTS``); ``initialize`` prints them once on rank 0."""
+
+    @property
+    def grad_accum_dtype(self) -> str | None:
+        """DeepSpeed's attribute: ``data_types.grad_accum_dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``;
+        None when not given: the model's dtype)."""
+        return self.data_types.grad_accum_dtype
 
     @property
     def monitor_config(self) -> DeepSpeedMonitorConfig:
@@ -446,6 +455,20 @@ def _check_compressed(cfg: DeepSpeedConfig) -> None:
         raise ConfigError(f"{name} does not run with an offloaded optimizer", key="zero_optimization.offload_optimizer")
 
 
+def _check_data_types(cfg: DeepSpeedConfig) -> None:
+    """Gradients are summed in the model's dtype or, for an fp16/bf16 model, in fp32: any other
+    ``grad_accum_dtype`` is one line naming the key (DeepSpeed raises at stage 0 and runs some of
+    them, an fp32 model's fp16 sums, at stages 1-3)."""
+    accum = cfg.data_types.grad_accum_dtype
+    model = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    if accum is None or accum == model or (accum == "fp32" and model != "fp32"):
+        return
+    valid = "remove it or set it to \"fp32\"" if model == "fp32" else f"set it to \"fp32\" or \"{model}\""
+    raise ConfigError(f"\"{accum}\" with a{'n' if model == 'fp32' else ''} {model} model is not supported: "
+                      f"gradients are summed in the model's dtype, or in fp32 for an fp16/bf16 model; {valid}",
+                      key="data_types.grad_accum_dtype")
+
+
 def _check_muon(cfg: DeepSpeedConfig) -> None:
     """Muon (optim/muon.py) needs whole param groups at its step; the offloaded step has buckets."""
     if cfg.optimizer is not None and cfg.optimizer.name == "Muon" and cfg.zero_optimization.offload_optimizer.enabled:
@@ -467,6 +490,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
         raise ConfigError("'sum' is not supported with ZeRO stage 3 (as in DeepSpeed: its partitioned "
                           "reduction averages); use \"mean\" or stage 0-2", key="gradient_allreduce_op")
+    _check_data_types(cfg)
     _check_compressed(cfg)
     _check_muon(cfg)
     cfg.tensor_parallel.check(zero.stage)

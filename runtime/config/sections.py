@@ -31,8 +31,8 @@ from dslaunch.runtime.config.param_schema import (
     number,
 )
 
-__all__ = ["parse_section", "SectionClass", "Fp16Config", "Bf16Config", "CheckpointConfig", "TypedSection", "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS",
-           "reject_unimplemented"]
+__all__ = ["parse_section", "SectionClass", "Fp16Config", "Bf16Config", "DataTypesConfig", "CheckpointConfig", "TypedSection",
+           "OptimizerSection", "optional", "Off", "ANY", "UNIMPLEMENTED_KEYS", "reject_unimplemented", "DTYPE_SPELLINGS"]
 
 
 def optional(check: Any) -> Any:
@@ -205,11 +205,45 @@ class Bf16Config:
     """As DeepSpeed's (default true): a step whose global gradient norm is not finite is skipped
     and counted in ``skipped_steps`` (bf16 has no loss scale to lower)."""
 
-    UNIMPLEMENTED = {"immediate_grad_update": False,
-                     "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+    immediate_grad_update: bool = _opt(False, boolean, "true to add each bf16 gradient to the fp32 accumulator "
+                                       "in its backward hook and free it (with data_types.grad_accum_dtype fp32)")
+    """With ``data_types.grad_accum_dtype: "fp32"`` at ZeRO 0/1: true adds each bf16 gradient to the
+    fp32 accumulator as backward produces it and frees it; false (DeepSpeed 0.19.8's default) adds
+    them all after backward. The same numbers; true holds less memory. Elsewhere nothing changes:
+    no 16-bit gradient outlives its hook there."""
+
+    UNIMPLEMENTED = {"bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
     # fp16's loss-scaling keys, checked as in fp16 and then ignored: bf16 needs no loss scaling.
     # DeepSpeed's CIFAR example writes them into bf16 (DeepSpeed 0.19.8 itself rejects them there).
     INERT = {f.name: f.metadata["check"] for f in dataclasses.fields(Fp16Config) if f.name != "enabled"}
+
+
+# DeepSpeed's spellings of a dtype in a config (its DtypeEnum) -> dslaunch's short name
+DTYPE_SPELLINGS = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "fp32"),
+                   **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16"),
+                   **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16")}
+
+
+def _dtype_name(path: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in DTYPE_SPELLINGS:
+        raise ConfigError(f"must be \"fp32\", \"fp16\" or \"bf16\" (or float32, float16, bfloat16), got "
+                          f"{describe(value)}", key=path)
+    return DTYPE_SPELLINGS[value]
+
+
+@dataclass(frozen=True)
+class DataTypesConfig:
+    """``data_types``: the dtype gradients are summed in over an accumulation window.
+
+    Which values run with which precision and stage is checked with the rest of the config
+    (``ds_config._check_data_types``)."""
+
+    grad_accum_dtype: str | None = _opt(None, optional(_dtype_name), "\"fp32\", \"fp16\" or \"bf16\" "
+                                        "(null: the model's dtype)")
+    """``"fp32"``, ``"fp16"``, ``"bf16"`` (DeepSpeed's other spellings are read as these) or None: the
+    model's dtype."""
+
+    UNIMPLEMENTED = {"param_dtype": None, "buffer_dtype": None}
 
 
 @dataclass(frozen=True)
@@ -267,7 +301,6 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "disable_python_gc": False,  # DeepSpeed 0.19's switch to turn off Python's cyclic GC in training
     # precision and numerics
     "amp": _enabled(),
-    "data_types": Off({"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None}),
     "fp32_allreduce": False, "disable_allgather": False, "sparse_gradients": False,
     "managed_gradient_accumulation": True,  # dslaunch steps at the accumulation boundary
     # parallelism

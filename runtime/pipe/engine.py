@@ -481,6 +481,11 @@ def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
     if schedule is sched.InterleavedSchedule and config.gradient_accumulation_steps % model.num_stages:
         raise ConfigError(f"{config.gradient_accumulation_steps} micro batches: the interleaved schedule needs a "
                           f"multiple of the {model.num_stages} pipeline stages", key="gradient_accumulation_steps")
+    if stage < 2 and model.tied_comms and config.data_types.grad_accum_dtype == "fp32" and (
+            config.fp16.enabled or config.bf16.enabled):
+        raise ConfigError("\"fp32\" with tied layers across pipeline stages (TiedLayerSpec) at ZeRO stage "
+                          f"{stage} is not in dslaunch yet (the tie sums each weight's 16-bit .grad, which fp32 "
+                          "accumulation frees); remove it", key="data_types.grad_accum_dtype")
     if stage == 2 and model.tied_comms:
         raise ConfigError("tied layers across stages (TiedLayerSpec) need ZeRO stage 0 or 1 (stage 2 keeps only "
                           "gradient shards, which differ between the stages holding the tie)",

@@ -31,12 +31,23 @@ class PrecisionPolicy:
 
     model_dtype: torch.dtype
     comm_dtype: torch.dtype | None  # None: communicate in the gradient (model) dtype
+    accum_dtype: torch.dtype | None = None
+    """fp32 where ``data_types.grad_accum_dtype`` asks a 16-bit model's gradients to be summed in
+    fp32 over the accumulation window; None: in the model dtype (ZeRO 2/3 sum their reduced shards
+    in fp32 either way)."""
 
     @classmethod
     def from_config(cls, cfg: DeepSpeedConfig) -> PrecisionPolicy:
         model = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
         comm = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
-        return cls(model, comm)
+        accum = _DTYPES[cfg.data_types.grad_accum_dtype] if cfg.data_types.grad_accum_dtype else model
+        return cls(model, comm, accum if accum != model else None)
+
+    @staticmethod
+    def data_types(cfg: DeepSpeedConfig) -> tuple[torch.dtype, torch.dtype]:
+        """DeepSpeed's ``engine.get_data_types()``: (model dtype, gradient accumulation dtype)."""
+        policy = PrecisionPolicy.from_config(cfg)
+        return policy.model_dtype, policy.accum_dtype or policy.model_dtype
 
     def cast_module(self, module: torch.nn.Module, buffer_dtype: torch.dtype | None = None,
                     keep_in_fp32: Sequence[str] | str | None = None) -> torch.nn.Module:

@@ -35,6 +35,7 @@ Both hand the strategy this rank's reduced, not yet post-scaled, gradient per gr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -161,13 +162,21 @@ class FullGradients(GradientPath):
 
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
                  exchange: GradientExchange | None = None):
+        # fp32 accumulation of a 16-bit model (``comm.accum_dtype``): the buffer is fp32 and never a
+        # ``.grad``; each 16-bit ``.grad`` is added to it and freed (see ``_adopt_grad``).
+        self._widened = comm.accum_dtype is not None and any(g.dtype != comm.accum_dtype for g in groups)
+        self._in_hook = not self._widened or comm.immediate_grad_update
         # Every element in [0, numel) is written by the first backward (_adopt_grad) before use.
         # (from the exchange: with shared-memory collectives it lives where the peers can sum it in place)
-        self._gflat = [(exchange or GradientExchange()).gradient_buffer(g.layout.padded, g.dtype, g.device)
-                       for g in groups]
+        self._gflat = [(exchange or GradientExchange()).gradient_buffer(
+            g.layout.padded, comm.accum_dtype if self._widened else g.dtype, g.device) for g in groups]
         self._views = [g.param_views(gf) for g, gf in zip(groups, self._gflat, strict=True)]
+        # widened: which params' buffer slices hold this window's sum so far (else: ``.grad`` is not None)
+        self._written = [[False] * len(g.params) for g in groups]
         self._master_grads: list[torch.Tensor | None] = [None] * len(groups)
         self._unreduced = False  # a backward since the last reduction left rank-local gradients
+        if self._widened and comm.comm_dtype is None:  # the fp32 sums cross the wire in the model dtype (DeepSpeed's)
+            comm = replace(comm, comm_dtype=groups[0].dtype)
         # Reduced in place: only a copy in another communication dtype holds a pooled buffer.
         super().__init__(groups, comm, world_size, exchange, max_inflight=MAX_INFLIGHT_BUFFERS,
                          source=self._bucket_grads)
@@ -177,6 +186,8 @@ class FullGradients(GradientPath):
         return self._gflat[b.group][b.begin:b.end]
 
     def _on_grad(self, gi: int, pi: int) -> None:
+        if not self._in_hook:  # immediate_grad_update false: end_backward adds them all
+            return
         self._adopt_grad(gi, pi)
         if self.comm.overlap_comm and self._boundary and self._sync:
             self.reducer.ready(gi, pi)
@@ -185,6 +196,15 @@ class FullGradients(GradientPath):
         # .grad was None (after a step, or module.zero_grad()): autograd made a fresh tensor, which
         # is the whole gradient so far; copy it into the flat buffer and point .grad there.
         p, view = self.groups[gi].params[pi], self._views[gi][pi]
+        if self._widened:  # this micro step's 16-bit gradient into the fp32 sum (exact), then freed
+            if p.grad is not None:
+                view.add_(p.grad) if self._written[gi][pi] else view.copy_(p.grad)
+                p.grad = None
+                self._written[gi][pi] = True
+            elif unused_is_zero and not self._written[gi][pi]:
+                view.zero_()
+                self._written[gi][pi] = True
+            return
         if p.grad is None:
             if unused_is_zero:  # no gradient this window (unused parameter)
                 view.zero_()
@@ -217,7 +237,7 @@ class FullGradients(GradientPath):
         grads = []
         for gi, (g, gf) in enumerate(zip(self.groups, self._gflat, strict=True)):
             own = gf[g.layout.start:g.layout.end]
-            if g.dtype != torch.float32:
+            if gf.dtype != torch.float32:
                 if self._master_grads[gi] is None:
                     self._master_grads[gi] = torch.empty_like(g.master.data)
                 own = self._master_grads[gi].copy_(own)
@@ -239,7 +259,8 @@ class FullGradients(GradientPath):
     def zero_grad(self) -> None:
         # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).
         self._unreduced = False
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
+            self._written[gi] = [False] * len(g.params)
             for p in g.params:
                 p.grad = None
 

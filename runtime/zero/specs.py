@@ -97,7 +97,12 @@ class CommSettings:
     allgather_bucket_numel: int = 500_000_000
     overlap_comm: bool = False
     overlap_param_gather: bool = False  # stages 1/2: the publish stays in flight into the next forward
-    comm_dtype: torch.dtype | None = None  # None: the gradient dtype
+    comm_dtype: torch.dtype | None = None  # None: the gradient dtype (the model's)
+    # ``data_types.grad_accum_dtype`` fp32 with a 16-bit model: stage 0/1's whole-gradient buffer is
+    # fp32 (None: the model dtype); ``immediate_grad_update``: each 16-bit gradient is added to it in
+    # its hook (False: all of them after backward, bf16's ``immediate_grad_update: false``)
+    accum_dtype: torch.dtype | None = None
+    immediate_grad_update: bool = True
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     average: bool = True  # gradient_allreduce_op "mean"; False: "sum" (no division by the world)

@@ -238,7 +238,7 @@ def test_contiguous_gradients_is_a_layout_knob_taking_either_value(value: bool) 
 
 
 @pytest.mark.parametrize("raw, path", [
-    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
+    ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype"),
     ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write.pipeline_stage"),
     ({"timers": {"throughput": {"enabled": True}}}, "timers.throughput.enabled"),
 ])
@@ -396,3 +396,31 @@ def test_booleans_take_1_and_0_as_deepspeed_reads_them() -> None:
     assert _ok({"dataloader_drop_last": 0}).dataloader_drop_last is False
     for bad in (2, "true", 1.0):
         assert "must be true or false (or 1 or 0)" in _error({"train_batch_size": 8, "dataloader_drop_last": bad})
+
+
+@pytest.mark.parametrize("given, read", [("fp32", "fp32"), ("float32", "fp32"), ("float", "fp32"),
+                                         ("torch.float32", "fp32"), ("bfloat16", "bf16"), (None, None)])
+def test_grad_accum_dtype_takes_deepspeeds_spellings(given: str | None, read: str | None) -> None:
+    cfg = load_config({"train_batch_size": 8, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": given}}, 2)
+    assert cfg.data_types.grad_accum_dtype == read and cfg.grad_accum_dtype == read  # DeepSpeed's attribute too
+
+
+@pytest.mark.parametrize("raw, says", [
+    ({"data_types": {"grad_accum_dtype": "fp64"}}, "must be \"fp32\", \"fp16\" or \"bf16\""),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "\"bf16\" with an fp32 model is not supported"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
+     "\"fp16\" with a bf16 model is not supported: gradients are summed in the model's dtype, or in fp32 for an "
+     "fp16/bf16 model; set it to \"fp32\" or \"bf16\""),
+    ({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, "set it to \"fp32\" or \"fp16\""),
+])
+def test_grad_accum_dtype_refusals_name_the_key(raw: dict, says: str) -> None:
+    msg = _error({"train_batch_size": 8, **raw})
+    assert msg.startswith("'data_types.grad_accum_dtype': ") and says in msg and "\n" not in msg
+
+
+def test_immediate_grad_update_is_a_bf16_key() -> None:
+    for value in (True, False):
+        cfg = load_config({"train_batch_size": 8, "bf16": {"enabled": True, "immediate_grad_update": value}}, 2)
+        assert cfg.bf16.immediate_grad_update is value
+    assert load_config({"train_batch_size": 8}, 2).bf16.immediate_grad_update is False  # DeepSpeed 0.19.8's default
+    assert "'bf16.immediate_grad_update'" in _error({"train_batch_size": 8, "bf16": {"immediate_grad_update": "on"}})
