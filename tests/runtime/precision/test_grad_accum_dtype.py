@@ -28,9 +28,12 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def _engine_run(rank: int, world: int, dtype_name: str, stage: int, extra: dict) -> tuple[list, list]:
-    """Two optimizer steps of GAS micro steps; each step's averaged gradients (``safe_get_full_grad``
-    before the step) and the weights after it."""
+def _engine_run(rank: int, world: int, dtype_name: str, stage: int, extra: dict, no_sync: bool = False
+                ) -> tuple[list, list]:
+    """Two optimizer steps of GAS micro steps (all but the last inside ``no_sync()`` if asked); each
+    step's averaged gradients (``safe_get_full_grad`` before the step) and the weights after it."""
+    import contextlib
+
     import dslaunch
     from dslaunch.utils import safe_get_full_grad
 
@@ -45,8 +48,10 @@ def _engine_run(rank: int, world: int, dtype_name: str, stage: int, extra: dict)
     engine, *_ = dslaunch.initialize(model=_model(), config=cfg)
     grads, weights = [], []
     for i, x in enumerate(_batches(rank, dtype)):
-        engine.backward(_loss(engine(x)))
-        if engine.is_gradient_accumulation_boundary():
+        boundary = engine.is_gradient_accumulation_boundary()
+        with engine.no_sync() if no_sync and not boundary else contextlib.nullcontext():
+            engine.backward(_loss(engine(x)))
+        if boundary:
             grads.append([safe_get_full_grad(p) for p in engine.module.parameters()])
         engine.step()
         if (i + 1) % GAS == 0:
@@ -55,14 +60,16 @@ def _engine_run(rank: int, world: int, dtype_name: str, stage: int, extra: dict)
     return grads, weights
 
 
-def _torch_run(rank: int, world: int, dtype_name: str, accum_name: str) -> tuple[list, list]:
+def _torch_run(rank: int, world: int, dtype_name: str, accum_name: str, wire_name: str | None = None
+               ) -> tuple[list, list]:
     """The same training in plain torch: 16-bit model, fp32 master weights, gradients of each micro
-    step (loss / GAS) summed in ``accum`` over the window, the sum all-reduced in the model dtype,
-    averaged, SGD on the master."""
+    step (loss / GAS) summed in ``accum`` over the window, the sum all-reduced in ``wire`` (None: the
+    model dtype), averaged, SGD on the master."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     dtype, accum = getattr(torch, dtype_name), getattr(torch, accum_name)
+    wire_dtype = getattr(torch, wire_name) if wire_name else dtype
     model = _model().to(dtype)
     params = list(model.parameters())
     master = [p.detach().float().clone() for p in params]
@@ -77,7 +84,7 @@ def _torch_run(rank: int, world: int, dtype_name: str, accum_name: str) -> tuple
             continue
         step = []
         for s in sums:
-            wire = s.to(dtype)
+            wire = s.to(wire_dtype)
             dist.all_reduce(wire)
             step.append(wire.float() * (1.0 / world))
             s.zero_()
@@ -101,13 +108,29 @@ def test_fp32_accumulation_is_a_torch_loop_summing_in_fp32_bit_for_bit(dtype: st
     half_ref = run_world(_torch_run, 2, dtype, dtype, timeout=120)
     # the test's premise: summing in the model dtype rounds visibly here
     assert not _same(fp32_ref[0][0], half_ref[0][0])
+    fp32 = {"data_types": {"grad_accum_dtype": "fp32"}}
     for stage in (0, 1):
-        fp32 = run_world(_engine_run, 2, dtype, stage, {"data_types": {"grad_accum_dtype": "fp32"}}, timeout=120)
+        engine = run_world(_engine_run, 2, dtype, stage, fp32, timeout=120)
         default = run_world(_engine_run, 2, dtype, stage, {}, timeout=120)
         for rank in range(2):
-            assert _same(fp32[rank][0], fp32_ref[rank][0]), f"stage {stage}: gradients"
-            assert _same(fp32[rank][1], fp32_ref[rank][1]), f"stage {stage}: weights"
+            assert _same(engine[rank][0], fp32_ref[rank][0]), f"stage {stage}: gradients"
+            assert _same(engine[rank][1], fp32_ref[rank][1]), f"stage {stage}: weights"
             assert _same(default[rank][0], half_ref[rank][0]), f"stage {stage}: the default sums in {dtype}"
+    # the same numbers where buckets launch from the hooks (the first micro steps' sums must be in
+    # the buffer by then) and where the step runs on the host
+    for extra in ({"overlap_comm": True, "reduce_bucket_size": 100}, {"offload_optimizer": {"device": "cpu"}}):
+        engine = run_world(_engine_run, 2, dtype, 1, {**fp32, "zero_optimization": {"stage": 1, **extra}}, timeout=120)
+        assert all(_same(e[1], r[1]) for e, r in zip(engine, fp32_ref, strict=True)), extra
+    engine = run_world(_engine_run, 2, dtype, 1, fp32, True, timeout=120)  # the micro steps in no_sync()
+    assert all(_same(e[1], r[1]) for e, r in zip(engine, fp32_ref, strict=True)), "no_sync"
+
+
+@pytest.mark.timeout(120)
+def test_communication_data_type_fp32_sends_the_fp32_sums() -> None:
+    ref = run_world(_torch_run, 2, "bfloat16", "float32", "float32", timeout=100)
+    engine = run_world(_engine_run, 2, "bfloat16", 1, {"data_types": {"grad_accum_dtype": "fp32"},
+                                                        "communication_data_type": "fp32"}, timeout=100)
+    assert all(_same(e[0], r[0]) and _same(e[1], r[1]) for e, r in zip(engine, ref, strict=True))
 
 
 @pytest.mark.timeout(240)
