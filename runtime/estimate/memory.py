@@ -5,8 +5,9 @@ The model is dslaunch's engine as built (``runtime/zero/``), not a rule of thumb
 - weights: the flat buffer in the model dtype, whole below stage 3, this rank's shard at stage 3
   (in host memory with ``offload_param: cpu``, on disk with ``nvme`` beyond ``max_in_cpu``);
 - gradients: stages 0/1 keep the whole gradient in the model dtype (plus an fp32 copy of the rank's
-  range for 16-bit models); stage 2 keeps only the rank's fp32 shard, stage 3 only while backward
-  runs (not at its peak);
+  range for 16-bit models), or in fp32 with ``grad_accum_fp32`` (then reduced through pooled 16-bit
+  copies, and with bf16's deferred update every 16-bit gradient alive at backward's end); stage 2
+  keeps only the rank's fp32 shard, stage 3 only while backward runs (not at its peak);
 - master: an fp32 copy of the rank's range for 16-bit models (an fp32 model's master *is* its
   weights), in host memory with ``offload_optimizer``;
 - optimizer state: per master element (Adam 8 bytes), on the rank's range from stage 1, in host
@@ -254,9 +255,17 @@ def _gradients(s: TrainingSetup, r: _Rank) -> _Placed:
         return _Placed()
     if s.stage == 2:
         return _Placed(device=Parts(gradients=r.shard * 4))
+    if _fp32_sums(s, r):  # the buffer is fp32 and the step reads it: no copy
+        deferred = r.params * r.m if s.precision == "bf16" and not s.immediate_grad_update else 0
+        return _Placed(device=Parts(gradients=r.params * 4 + deferred))
     copy = Parts(gradients=r.shard * 4 if r.sixteen else 0)
     whole = _Placed(device=Parts(gradients=r.params * r.m))
     return whole + (_Placed(host=copy) if _master_home(s) == "host" else _Placed(device=copy))
+
+
+def _fp32_sums(s: TrainingSetup, r: _Rank) -> bool:
+    """Stage 0/1's whole gradient is fp32 for a 16-bit model (``data_types.grad_accum_dtype``)."""
+    return s.grad_accum_fp32 and r.sixteen and s.stage <= 1
 
 
 def _master_home(s: TrainingSetup) -> str:
@@ -287,11 +296,12 @@ def _master_and_state(s: TrainingSetup, r: _Rank) -> _Placed:
 def _buffers(shape: ModelShape, s: TrainingSetup, r: _Rank) -> _Placed:
     """Reduce buckets (stages 2/3), stage 3's whole parameters, the module's registered buffers."""
     parts = Parts(buffers=shape.buffer_bytes // (s.pipeline * s.tensor))
-    if s.stage >= 2:
-        # A bucket holds whole parameters: a larger one gets a bucket of its own.
+    if s.stage >= 2 or _fp32_sums(s, r):
+        # A bucket holds whole parameters: a larger one gets a bucket of its own. Stage 0/1's fp32
+        # sums go out through 16-bit copies, up to MAX_INFLIGHT_BUFFERS + 1 held at once.
         largest_param = max(shape.param_sizes, default=shape.largest_layer) // s.tensor
         bucket = max(min(s.reduce_bucket_size, r.params), largest_param)
-        count = min(MAX_INFLIGHT_BUFFERS + 1 if s.overlap_comm else 1, math.ceil(r.params / bucket))
+        count = min(MAX_INFLIGHT_BUFFERS + 1 if s.overlap_comm or s.stage <= 1 else 1, math.ceil(r.params / bucket))
         parts += Parts(comm_buffers=bucket * r.m * count)
     if s.stage == 3 and not _resident(s):  # the persistent small ones, and up to max_live_parameters (at least a layer)
         persistent = shape.small_params(s.param_persistence_threshold) // (s.pipeline * s.tensor)
@@ -327,8 +337,9 @@ def _shared_memory(s: TrainingSetup, r: _Rank) -> tuple[Parts, Parts]:
     # the gradient exchange: a bucket holds at most the whole group, summed in fp32 at most
     segments, moved = Parts(comm_buffers=_slots(w, k * w * 4)), Parts()
     if s.stage <= 1:  # the whole gradient, summed in place (stage 0's is not padded)
-        segments += Parts(gradients=_pages(w * (r.dense if s.stage == 0 else k * w) * m))
-        moved += Parts(gradients=r.dense * m)
+        g = 4 if _fp32_sums(s, r) else m
+        segments += Parts(gradients=_pages(w * (r.dense if s.stage == 0 else k * w) * g))
+        moved += Parts(gradients=r.dense * g)
     if s.stage in (1, 2):  # the flat weights, published in place; slots of a shard where they had no room
         segments += Parts(weights=_pages(w * k * w * m), comm_buffers=_slots(w, k * m))
         moved += Parts(weights=r.dense * m)

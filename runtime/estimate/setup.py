@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime.config.sections import DTYPE_SPELLINGS
 
 __all__ = ["TrainingSetup", "OPTIMIZER_STATE_BYTES", "PRECISIONS", "OFFLOAD_DEVICES", "MODEL_BYTES"]
 
@@ -66,6 +67,11 @@ class TrainingSetup:
         nvme_buffer_count, nvme_buffer_size: ``offload_optimizer``'s NVMe ring in host memory.
         param_buffer_count, param_buffer_size: ``offload_param``'s NVMe staging pool (16-bit
             shards, or a GPU): at most that many buffers, never more than the file's chunks.
+        grad_accum_fp32: a 16-bit model's gradients summed in fp32 (``data_types.grad_accum_dtype:
+            "fp32"``): at stages 0/1 the whole gradient is fp32 (no separate fp32 copy of the rank's
+            range), reduced through pooled copies in the model dtype.
+        immediate_grad_update: ``bf16.immediate_grad_update``; false with ``grad_accum_fp32`` and
+            bf16 at stages 0/1: every 16-bit gradient is alive at backward's end.
     """
 
     stage: int = 0
@@ -96,6 +102,8 @@ class TrainingSetup:
     nvme_buffer_size: int = 100_000_000
     param_buffer_count: int = 4
     param_buffer_size: int = 100_000_000
+    grad_accum_fp32: bool = False
+    immediate_grad_update: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -176,6 +184,8 @@ class TrainingSetup:
             "shared_memory": _shared_memory(config.get("shared_memory_collectives")),
             "nvme_buffer_count": opt.get("buffer_count"), "nvme_buffer_size": opt.get("buffer_size"),
             "param_buffer_count": par.get("buffer_count"), "param_buffer_size": par.get("buffer_size"),
+            "grad_accum_fp32": DTYPE_SPELLINGS.get(str(_section(config, "data_types").get("grad_accum_dtype"))) == "fp32",
+            "immediate_grad_update": _section(config, "bf16").get("immediate_grad_update"),
         }
         if not _known(read["micro_batch"]):  # from the batch triad, as the engine derives it
             degrees = {k: read[k] for k in ("sequence", "tensor") if _known(read[k])}

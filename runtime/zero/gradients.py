@@ -8,12 +8,17 @@ boundary micro step the buffer is all-reduced in place by the ``BucketReducer``;
 ``overlap_comm`` each bucket launches from a post-accumulate-grad hook as soon as backward has
 produced all of its gradients. A boundary step applies only reduced gradients: if the last
 backward before it ran inside ``no_sync()`` (or not at the boundary), each rank would apply its own
-gradient and the ranks would silently diverge, so the step raises ``UsageError`` instead.
+gradient and the ranks would silently diverge, so the step raises ``UsageError`` instead. With
+``data_types.grad_accum_dtype: "fp32"`` and a 16-bit model the buffer is fp32 and never a ``.grad``:
+each micro step's 16-bit ``.grad`` is added to it (converted exactly) and freed, in its hook, or for
+all parameters once backward ends (bf16's ``immediate_grad_update: false``: the same numbers, every
+16-bit gradient alive until then, and no bucket launched from a hook); the sum is reduced in the
+model dtype unless ``communication_data_type`` says otherwise, as DeepSpeed's.
 
 ``ShardedGradients`` (stage 2): no full gradient buffer is kept. A post-accumulate-grad hook copies
 each fresh ``param.grad`` into its bucket's staging buffer (``contiguous_gradients`` always on)
 and frees it; each reduced bucket's part inside this rank's range is added to an fp32 gradient
-shard of ``partition_range`` size (on one rank, with nothing to scale or convert, the gradient is
+shard of ``partition_range`` size (so the micro steps are summed in fp32 whatever ``grad_accum_dtype`` says; on one rank, with nothing to scale or convert, the gradient is
 written into the shard by the hook itself: the reduction would be the identity). With ``overlap_comm`` reductions run while backward continues
 (backward waits only past ``MAX_INFLIGHT_BUFFERS`` buckets in flight); without it each bucket is
 reduced at once. Every micro step communicates (the shard is all a rank keeps), as in DeepSpeed,
@@ -260,7 +265,8 @@ class FullGradients(GradientPath):
         # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).
         self._unreduced = False
         for gi, g in enumerate(self.groups):
-            self._written[gi] = [False] * len(g.params)
+            if self._widened:
+                self._written[gi] = [False] * len(g.params)
             for p in g.params:
                 p.grad = None
 
