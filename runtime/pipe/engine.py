@@ -384,7 +384,7 @@ class PipelineEngine(DeepSpeedEngine):
         # complete before (with overlap_comm its buckets may still be reducing the .grad the tie
         # sums in place). Both are sums, so the result is the same in either order.
         self._finish_reduction(batch)
-        self.module.allreduce_tied_weight_gradients()
+        self.module.allreduce_tied_weight_gradients(self.zero.gradient_of)
 
     def _finish_reduction(self, batch: _Batch) -> None:
         """The boundary's data-parallel reduction, once per batch (collective over the data axis)."""
@@ -481,11 +481,6 @@ def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
     if schedule is sched.InterleavedSchedule and config.gradient_accumulation_steps % model.num_stages:
         raise ConfigError(f"{config.gradient_accumulation_steps} micro batches: the interleaved schedule needs a "
                           f"multiple of the {model.num_stages} pipeline stages", key="gradient_accumulation_steps")
-    if stage < 2 and model.tied_comms and config.data_types.grad_accum_dtype == "fp32" and (
-            config.fp16.enabled or config.bf16.enabled):
-        raise ConfigError("\"fp32\" with tied layers across pipeline stages (TiedLayerSpec) at ZeRO stage "
-                          f"{stage} is not in dslaunch yet (the tie sums each weight's 16-bit .grad, which fp32 "
-                          "accumulation frees); remove it", key="data_types.grad_accum_dtype")
     if stage == 2 and model.tied_comms:
         raise ConfigError("tied layers across stages (TiedLayerSpec) need ZeRO stage 0 or 1 (stage 2 keeps only "
                           "gradient shards, which differ between the stages holding the tie)",

@@ -330,18 +330,24 @@ class PipelineModule(torch.nn.Module):
             for weight in self._tied_weights(key):
                 comm.broadcast(weight.data, src=min(tie["ranks"]), group=tie["group"])
 
-    def allreduce_tied_weight_gradients(self) -> None:
+    def allreduce_tied_weight_gradients(self, gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None]
+                                        | None = None) -> None:
         """Sum each tied weight's gradient over the stages holding it (collective over each tie).
 
-        Call after every backward of the step has accumulated into ``.grad``.
+        Call after every backward of the step has accumulated into ``.grad``. ``gradient_of(weight)``
+        (dslaunch's; the engine passes its ZeRO strategy's) names where the step reads the
+        gradient when that is not ``.grad`` (fp32 sums of a 16-bit model); None: ``.grad``.
         """
         from dslaunch.runtime.comm import comm
 
         for key, tie in self.tied_comms.items():
             for weight in self._tied_weights(key):
-                if weight.grad is None:
-                    weight.grad = torch.zeros_like(weight)
-                comm.all_reduce(weight.grad, group=tie["group"])
+                grad = gradient_of(weight) if gradient_of is not None else None
+                if grad is None:
+                    if weight.grad is None:
+                        weight.grad = torch.zeros_like(weight)
+                    grad = weight.grad
+                comm.all_reduce(grad, group=tie["group"])
 
     # ----- running ----------------------------------------------------------------------------
     def forward(self, inputs: Any, chunk: int = 0) -> Any:

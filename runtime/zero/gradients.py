@@ -157,6 +157,11 @@ class GradientPath(ABC):
         reduction left it local (inside ``no_sync()``, before the boundary); None otherwise."""
         return None
 
+    def param_gradient(self, gi: int, pi: int) -> torch.Tensor | None:
+        """Param ``pi`` of group ``gi``'s whole gradient of this window where the step reads it
+        (after ``end_backward``; a write changes the step); None where only a shard is kept."""
+        return None
+
     @abstractmethod
     def held_bytes(self) -> int:
         """Bytes of gradient storage this rank keeps between micro steps."""
@@ -260,6 +265,9 @@ class FullGradients(GradientPath):
 
     def unreduced_gradient(self, gi: int) -> torch.Tensor | None:
         return self.local_gradient(gi) if self._unreduced else None
+
+    def param_gradient(self, gi: int, pi: int) -> torch.Tensor | None:
+        return self._views[gi][pi]  # ``.grad``'s memory, or the fp32 sum that replaces it
 
     def zero_grad(self) -> None:
         # None, not zeros: the next backward's first gradient overwrites the buffer (see _adopt_grad).

@@ -191,6 +191,17 @@ class ZeroStrategy:
         part = self._part_of(gi)
         return part.gradients.unreduced_gradient(part.indices.index(gi))
 
+    def gradient_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s whole gradient of this window where the step reads it, once the backward's
+        reductions are complete (stages 0/1: its piece of the whole-gradient buffer, fp32 where
+        gradients are summed in fp32); None for a parameter this strategy does not train, or where
+        only a shard of the gradient is kept."""
+        slot = getattr(param, "_dsl_slot", None)
+        if slot is None or slot[0]() is not self:
+            return None
+        part = self._part_of(slot[1])
+        return part.gradients.param_gradient(part.indices.index(slot[1]), slot[2])
+
     def synchronize(self) -> None:
         """Wait for in-flight parameter gathers: call before anything reads the module weights."""
         for part in self.parts:

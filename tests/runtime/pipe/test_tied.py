@@ -115,3 +115,30 @@ def test_tied_weights_clip_as_one_module() -> None:
         torch.testing.assert_close(torch.tensor(r["tied"]), torch.tensor(want_tied), rtol=0, atol=1e-6)
     for r in got[:2]:
         torch.testing.assert_close(torch.tensor(r["middle"]), torch.tensor(want_middle), rtol=0, atol=1e-6)
+
+
+def _train_16bit(rank: int, world: int, accum: str | None) -> dict:
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed(verbose=False)
+    module = PipelineModule(_specs(), num_stages=2, loss_fn=helpers.loss_fn, seed_layers=True, base_seed=SEED,
+                            partition_method="uniform")
+    cfg = helpers.config(GAS, LR, zero_optimization={"stage": 1}, bf16={"enabled": True},
+                         data_types={"grad_accum_dtype": accum})
+    engine, *_ = dslaunch.initialize(model=module, config=cfg)
+    data = helpers.replica_iter(5, GAS, 2, engine.grid.get_data_parallel_rank())
+    losses = [engine.train_batch(data).item() for _ in range(5)]
+    return {"losses": losses, "tied": engine.module_state_dict()["tied_modules.proj.weight"].float()}
+
+
+def test_tied_weights_with_fp32_gradient_sums_stay_one_weight() -> None:
+    """bf16 with ``data_types.grad_accum_dtype: "fp32"``: the tie sums the fp32 sums (no 16-bit
+    ``.grad`` is kept), so both stages' copies take the same step and stay equal; the losses
+    follow one process's fp32 training to bf16's precision."""
+    want_losses, _, _ = _reference(5)
+    for accum in ("fp32", None):
+        got = run_world(_train_16bit, 4, accum, timeout=140)
+        for replica in (0, 1):
+            assert torch.equal(got[replica]["tied"], got[replica + 2]["tied"]), accum  # stages 0 and 1
+        assert got[0]["losses"] == pytest.approx(want_losses, rel=2e-2), accum
