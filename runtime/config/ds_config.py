@@ -455,20 +455,6 @@ def _check_compressed(cfg: DeepSpeedConfig) -> None:
         raise ConfigError(f"{name} does not run with an offloaded optimizer", key="zero_optimization.offload_optimizer")
 
 
-def _check_data_types(cfg: DeepSpeedConfig) -> None:
-    """Gradients are summed in the model's dtype or, for an fp16/bf16 model, in fp32: any other
-    ``grad_accum_dtype`` is one line naming the key (DeepSpeed raises at stage 0 and runs some of
-    them, an fp32 model's fp16 sums, at stages 1-3)."""
-    accum = cfg.data_types.grad_accum_dtype
-    model = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
-    if accum is None or accum == model or (accum == "fp32" and model != "fp32"):
-        return
-    valid = "remove it or set it to \"fp32\"" if model == "fp32" else f"set it to \"fp32\" or \"{model}\""
-    raise ConfigError(f"\"{accum}\" with a{'n' if model == 'fp32' else ''} {model} model is not supported: "
-                      f"gradients are summed in the model's dtype, or in fp32 for an fp16/bf16 model; {valid}",
-                      key="data_types.grad_accum_dtype")
-
-
 def _check_muon(cfg: DeepSpeedConfig) -> None:
     """Muon (optim/muon.py) needs whole param groups at its step; the offloaded step has buckets."""
     if cfg.optimizer is not None and cfg.optimizer.name == "Muon" and cfg.zero_optimization.offload_optimizer.enabled:
@@ -490,7 +476,7 @@ def _cross_check(cfg: DeepSpeedConfig) -> None:
     if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
         raise ConfigError("'sum' is not supported with ZeRO stage 3 (as in DeepSpeed: its partitioned "
                           "reduction averages); use \"mean\" or stage 0-2", key="gradient_allreduce_op")
-    _check_data_types(cfg)
+    cfg.data_types.check(cfg.fp16.enabled, cfg.bf16.enabled)
     _check_compressed(cfg)
     _check_muon(cfg)
     cfg.tensor_parallel.check(zero.stage)

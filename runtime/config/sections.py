@@ -233,10 +233,7 @@ def _dtype_name(path: str, value: Any) -> str:
 
 @dataclass(frozen=True)
 class DataTypesConfig:
-    """``data_types``: the dtype gradients are summed in over an accumulation window.
-
-    Which values run with which precision and stage is checked with the rest of the config
-    (``ds_config._check_data_types``)."""
+    """``data_types``: the dtype gradients are summed in over an accumulation window."""
 
     grad_accum_dtype: str | None = _opt(None, optional(_dtype_name), "\"fp32\", \"fp16\" or \"bf16\" "
                                         "(null: the model's dtype)")
@@ -244,6 +241,21 @@ class DataTypesConfig:
     model's dtype."""
 
     UNIMPLEMENTED = {"param_dtype": None, "buffer_dtype": None}
+
+    def check(self, fp16: bool, bf16: bool) -> None:
+        """Gradients are summed in the model's dtype or, for an fp16/bf16 model, in fp32.
+
+        Raises:
+            ConfigError: any other ``grad_accum_dtype``, naming the key (DeepSpeed raises at stage 0
+                and runs some of them, an fp32 model's fp16 sums, at stages 1-3).
+        """
+        accum, model = self.grad_accum_dtype, "fp16" if fp16 else "bf16" if bf16 else "fp32"
+        if accum is None or accum == model or (accum == "fp32" and model != "fp32"):
+            return
+        valid = "remove it or set it to \"fp32\"" if model == "fp32" else f"set it to \"fp32\" or \"{model}\""
+        raise ConfigError(f"\"{accum}\" with a{'n' if model == 'fp32' else ''} {model} model is not supported: "
+                          f"gradients are summed in the model's dtype, or in fp32 for an fp16/bf16 model; {valid}",
+                          key="data_types.grad_accum_dtype")
 
 
 @dataclass(frozen=True)
