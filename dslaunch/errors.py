@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointArgumentError",
     "NoSyncError",
     "UntestedOptimizerError",
+    "DtypeMixError",
 ]
 
 
@@ -99,6 +100,11 @@ class BatchSizeError(ConfigError, AssertionError):
     """The batch triad (``train_batch_size``, ``train_micro_batch_size_per_gpu``,
     ``gradient_accumulation_steps``) cannot be completed or does not add up. Also an
     ``AssertionError``: what DeepSpeed's config raises there."""
+
+
+class DtypeMixError(ConfigError, NotImplementedError):
+    """``data_types.grad_accum_dtype`` names a dtype dslaunch does not sum a model's gradients in.
+    Also a ``NotImplementedError``: what DeepSpeed raises for an "unsupported mix"."""
 
 
 class NoSyncError(UsageError, AssertionError):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dslaunch.errors import ConfigError, did_you_mean
+from dslaunch.errors import ConfigError, DtypeMixError, did_you_mean
 from dslaunch.runtime.config.param_schema import (
     INT_MAX,
     Option,
@@ -246,14 +246,15 @@ class DataTypesConfig:
         """Gradients are summed in the model's dtype or, for an fp16/bf16 model, in fp32.
 
         Raises:
-            ConfigError: any other ``grad_accum_dtype``, naming the key (DeepSpeed raises at stage 0
-                and runs some of them, an fp32 model's fp16 sums, at stages 1-3).
+            DtypeMixError: (a ``ConfigError`` and a ``NotImplementedError``) any other
+                ``grad_accum_dtype``, naming the key (DeepSpeed raises ``NotImplementedError`` at
+                stage 0 and runs some of them, an fp32 model's fp16 sums, at stages 1-3).
         """
         accum, model = self.grad_accum_dtype, "fp16" if fp16 else "bf16" if bf16 else "fp32"
         if accum is None or accum == model or (accum == "fp32" and model != "fp32"):
             return
         valid = "remove it or set it to \"fp32\"" if model == "fp32" else f"set it to \"fp32\" or \"{model}\""
-        raise ConfigError(f"\"{accum}\" with a{'n' if model == 'fp32' else ''} {model} model is not supported: "
+        raise DtypeMixError(f"\"{accum}\" with {'a' if model == 'bf16' else 'an'} {model} model is not supported: "
                           f"gradients are summed in the model's dtype, or in fp32 for an fp16/bf16 model; {valid}",
                           key="data_types.grad_accum_dtype")
 
