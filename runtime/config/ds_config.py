@@ -217,7 +217,7 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     fp16: Fp16Config = field(default_factory=Fp16Config)
     bf16: Bf16Config = field(default_factory=Bf16Config)
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
-    """The dtype gradients are summed in over an accumulation window (``grad_accum_dtype``)."""
+    grad_accum_dtype = property(lambda self: self.data_types.grad_accum_dtype)  # DeepSpeed's name for the key
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -256,12 +256,6 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     """Lines for the user about what was read differently from what was written (unfilled
     ``"auto"``, dotted keys: ``client_forms.py``) and about defaults unlike DeepSpeed's in effect
     (``OWN_DEFAULTS``); ``initialize`` prints them once on rank 0."""
-
-    @property
-    def grad_accum_dtype(self) -> str | None:
-        """DeepSpeed's attribute: ``data_types.grad_accum_dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``;
-        None when not given: the model's dtype)."""
-        return self.data_types.grad_accum_dtype
 
     @property
     def monitor_config(self) -> DeepSpeedMonitorConfig:
