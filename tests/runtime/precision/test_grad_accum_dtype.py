@@ -209,3 +209,25 @@ def _save_load(rank: int, world: int, path: str, save_accum: str | None, load_ac
 @pytest.mark.parametrize("save_accum, load_accum", [("fp32", None), (None, "fp32")])
 def test_a_checkpoint_saved_with_one_accumulation_dtype_loads_with_the_other(tmp_path, save_accum, load_accum) -> None:
     assert run_world(_save_load, 2, str(tmp_path), save_accum, load_accum, timeout=100) == [True, True]
+
+
+def _data_types(rank: int, world: int) -> list:
+    import dslaunch
+
+    out = []
+    for extra in ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "float32"}},
+                  {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
+                  {}):
+        engine, *_ = dslaunch.initialize(model=_model(), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": LR}}, **extra})
+        out.append((engine.get_data_types(), engine._config.grad_accum_dtype))
+        engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_get_data_types_answers_as_deepspeeds() -> None:
+    # (model dtype, accumulation dtype): the model's when the key is left out; the key as read
+    assert run_world(_data_types, 1, timeout=50) == [[
+        ((torch.bfloat16, torch.float32), "fp32"), ((torch.bfloat16, torch.bfloat16), None),
+        ((torch.float16, torch.float16), "fp16"), ((torch.float32, torch.float32), None)]]
