@@ -231,3 +231,33 @@ def test_get_data_types_answers_as_deepspeeds() -> None:
     assert run_world(_data_types, 1, timeout=50) == [[
         ((torch.bfloat16, torch.float32), "fp32"), ((torch.bfloat16, torch.bfloat16), None),
         ((torch.float16, torch.float16), "fp16"), ((torch.float32, torch.float32), None)]]
+
+
+def _shared_loss(rank: int, world: int, immediate: bool) -> list[torch.Tensor]:
+    """Two engines under one loss (``loss.backward()``, each engine's ``_backward_epilogue`` and
+    ``step``), as DeepSpeed's test_multiple_models trains them; their weights after 4 steps."""
+    import dslaunch
+
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": 1},
+           "bf16": {"enabled": True, "immediate_grad_update": immediate}, "data_types": {"grad_accum_dtype": "fp32"}}
+    engines = [dslaunch.initialize(model=_model(), config=cfg)[0] for _ in range(2)]
+    for x in _batches(rank, torch.bfloat16)[:4]:
+        sum(_loss(e.module(x)) / (i + 1) for i, e in enumerate(engines)).backward()
+        for e in engines:
+            e._backward_epilogue()
+        for e in engines:
+            e.step()
+    weights = [p.detach().clone() for e in engines for p in e.module.parameters()]
+    for e in engines:
+        e.destroy()
+    return weights
+
+
+@pytest.mark.timeout(120)
+def test_engines_under_one_loss_sum_in_fp32_with_either_update() -> None:
+    # DeepSpeed's test_multiple_models notes shared_loss with immediate_grad_update false as broken there
+    immediate, deferred = (run_world(_shared_loss, 2, flag, timeout=100) for flag in (True, False))
+    assert all(_same([a], [b]) for a, b in zip(immediate, deferred, strict=True))
+    start = [p.detach() for p in _model().to(torch.bfloat16).parameters()]
+    assert not any(torch.equal(a, b) for a, b in zip(immediate[0], start * 2, strict=True))  # they trained
