@@ -3,7 +3,7 @@
 - entry points and engines: ``api.py`` (``initialize`` and DeepSpeed's other entry points),
   ``engine.py`` (``DeepSpeedEngine``), ``engine_setup.py`` (assembling its parts once),
   ``engine_checkpoint.py`` (its checkpoint methods), ``engine_settings.py`` (its getters of the
-  settings), ``pipe/`` (the pipeline engine),
+  settings), ``plain_backward.py`` (a script's own ``loss.backward()``), ``pipe/`` (the pipeline engine),
   ``inference/`` (``init_inference``).
 - what the engine delegates to: ``config/`` (the ds_config), ``zero/`` (the ZeRO strategies),
   ``precision/`` (dtypes and loss scaling), ``torch_autocast.py`` (forwards under
@@ -18,7 +18,7 @@
   ``profiling/`` (the flops profiler, MFU), ``monitors/`` (TensorBoard, CSV, wandb, Comet),
   ``autotuning.py`` (one autotuning experiment).
 - tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line).
-- DeepSpeed's import paths answered from the above: ``utils.py``,
+- DeepSpeed's import paths answered from the above: ``utils.py``, ``constants.py``,
   ``config_utils.py``, ``precision_config.py``, ``bf16_optimizer.py``, ``fp16/``,
   ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused) and the refused
   ``domino/``.

@@ -2,8 +2,8 @@
 
 Owns the precision policy (``policy.py``: model dtype, communication dtype, and which loss
 scaler a config asks for) and the loss scaler strategies (``loss_scaler.py``: dynamic, static,
-none; scale, overflow bookkeeping, ``state_dict``). The engine picks both once, from the parsed
-``fp16``/``bf16`` sections.
+none; scale, overflow bookkeeping, ``state_dict``), and which buffers a 16-bit model keeps in fp32
+(``keep_in_fp32.py``). The engine picks them once, from the parsed ``fp16``/``bf16`` sections.
 """
 
 from dslaunch.runtime.precision.loss_scaler import (

@@ -39,7 +39,8 @@ asks the stage again. What lives where:
   ``zero_optimization.leaf_module`` section) the fetcher reads.
 - DeepSpeed's import paths: ``config.py`` (``DeepSpeedZeroConfig``), ``offload_config.py``,
   ``leaf_module_config.py``, ``mics.py`` (MiCS, refused on use),
-  ``stage_1_and_2.py`` (its memory estimator), ``tiling.py`` (``TiledLinear``), ``muon/``.
+  ``stage_1_and_2.py`` (its memory estimator), ``tiling.py`` (``TiledLinear``), ``utils.py``
+  (``ZeRORuntimeException`` and predicates), ``muon/``.
 
 Importing this package does not import torch (``Init``, ``GatheredParameters``, ``ZeroParamStatus``,
 ``unwrap_model_for_generation`` and the external-parameter functions resolve on first access, as ``deepspeed.runtime.zero``'s).
