@@ -100,7 +100,7 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self.local_rank = local_rank()
         self.device = device_for(self.local_rank)
         self.precision = PrecisionPolicy.from_config(config)
-        self.module = self.precision.cast_module(model.to(self.device))
+        self.module = self.precision.cast_model(model.to(self.device), config.data_types)
         _set_parallelism(self.module, config)
         parts = build_components(self.module, config, self.precision, optimizer, model_parameters,
                                  lr_scheduler, training_data, collate_fn, self.grid)

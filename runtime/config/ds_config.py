@@ -49,6 +49,7 @@ from dslaunch.runtime.config.param_schema import boolean, choice, describe, inte
 from dslaunch.runtime.config.pipeline import PipelineConfig
 from dslaunch.runtime.config.progressive_layer_drop import ProgressiveLayerDropConfig
 from dslaunch.runtime.config.sections import (
+    DATA_TYPES_KEYS,
     UNIMPLEMENTED_KEYS,
     Bf16Config,
     CheckpointConfig,
@@ -187,8 +188,7 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     """None: never (accelerate writes Infinity there to silence DeepSpeed's log)."""
     wall_clock_breakdown: bool = False
     gradient_clipping: float = 1.0
-    """DeepSpeed 0.19.8's default (``GRADIENT_CLIPPING_DEFAULT``): a config without the key clips
-    at a global norm of 1.0; 0 switches clipping off."""
+    """DeepSpeed 0.19.8's default (``GRADIENT_CLIPPING_DEFAULT``): clip at a global norm of 1.0; 0: off."""
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     gradient_allreduce_op: str = "mean"
@@ -209,15 +209,15 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     log_level: str | None = None
     """The DeepSpeed logger's level from ``initialize`` on (None: left as it is)."""
     use_data_before_expert_parallelism: bool = False
-    """Expert groups laid out D + E (the ranks holding the same experts neighbours) instead of
-    E + D; passed to every module's ``set_deepspeed_parallelism`` (DeepSpeed's MoE layers)."""
+    """Expert groups laid out D + E instead of E + D (DeepSpeed's MoE ``set_deepspeed_parallelism``)."""
     dist_init_timeout: float = 1800.0
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     fp16: Fp16Config = field(default_factory=Fp16Config)
     bf16: Bf16Config = field(default_factory=Bf16Config)
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
-    grad_accum_dtype = property(lambda self: self.data_types.grad_accum_dtype)  # DeepSpeed's name for the key
+    grad_accum_dtype, param_dtype, buffer_dtype, keep_in_fp32_modules = (  # DeepSpeed's names on its config
+        property(lambda self, k=k: getattr(self.data_types, k)) for k in DATA_TYPES_KEYS)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

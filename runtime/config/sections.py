@@ -231,26 +231,53 @@ def _dtype_name(path: str, value: Any) -> str:
     return DTYPE_SPELLINGS[value]
 
 
+def _patterns(path: str, value: Any) -> tuple[str, ...] | str:
+    if value == "auto":
+        return value
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"must be a list of module name patterns, or \"auto\", got {describe(value)}", key=path)
+    return tuple(value)
+
+
+DATA_TYPES_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")
+
+
 @dataclass(frozen=True)
 class DataTypesConfig:
-    """``data_types``: the dtype gradients are summed in over an accumulation window."""
+    """``data_types``: the dtype gradients are summed in over an accumulation window, and how a
+    16-bit model's parameters and buffers are cast (DeepSpeed 0.19.8's keys)."""
 
     grad_accum_dtype: str | None = _opt(None, optional(_dtype_name), "\"fp32\", \"fp16\" or \"bf16\" "
                                         "(null: the model's dtype)")
     """``"fp32"``, ``"fp16"``, ``"bf16"`` (DeepSpeed's other spellings are read as these) or None: the
     model's dtype."""
+    param_dtype: str | None = _opt(None, optional(_dtype_name), "the dtype fp16/bf16 give the parameters, "
+                                   "or null")
+    """Must name the dtype the ``fp16``/``bf16`` blocks give the parameters (it only checks them)."""
+    buffer_dtype: str | None = _opt(None, optional(_dtype_name), "\"fp32\", \"fp16\" or \"bf16\" "
+                                    "(null: buffers keep the dtype they were loaded in)")
+    """The floating-point buffers' dtype under fp16/bf16 (None: as loaded, DeepSpeed 0.19.8's default)."""
+    keep_in_fp32_modules: tuple[str, ...] | str | None = _opt(None, optional(_patterns),
+                                                              "a list of name patterns, or \"auto\"")
+    """The buffers kept in fp32 (``runtime/precision/keep_in_fp32.py``): name patterns, or "auto"/None:
+    the modules a Hugging Face model declares."""
 
-    UNIMPLEMENTED = {"param_dtype": None, "buffer_dtype": None}
+    UNIMPLEMENTED = {}  # noqa: RUF012
 
     def check(self, fp16: bool, bf16: bool) -> None:
         """Gradients are summed in the model's dtype or, for an fp16/bf16 model, in fp32.
 
         Raises:
+            ConfigError: a ``param_dtype`` other than the model's (DeepSpeed asserts).
             DtypeMixError: (a ``ConfigError`` and a ``NotImplementedError``) any other
                 ``grad_accum_dtype``, naming the key (DeepSpeed raises ``NotImplementedError`` at
                 stage 0 and runs some of them, an fp32 model's fp16 sums, at stages 1-3).
         """
         accum, model = self.grad_accum_dtype, "fp16" if fp16 else "bf16" if bf16 else "fp32"
+        if self.param_dtype not in (None, model):
+            raise ConfigError(f"\"{self.param_dtype}\" conflicts with the model dtype the fp16/bf16 blocks give "
+                              f"({model}); set the matching fp16/bf16 \"enabled\" or remove it",
+                              key="data_types.param_dtype")
         if accum is None or accum == model or (accum == "fp32" and model != "fp32"):
             return
         valid = "remove it or set it to \"fp32\"" if model == "fp32" else f"set it to \"fp32\" or \"{model}\""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dslaunch.runtime.config import DeepSpeedConfig
-from dslaunch.runtime.config.sections import Fp16Config
+from dslaunch.runtime.config.sections import DataTypesConfig, Fp16Config
 from dslaunch.runtime.precision.keep_in_fp32 import buffers_to_keep_in_fp32, keep_in_fp32_pattern
 from dslaunch.runtime.precision.loss_scaler import LossScaler, build_loss_scaler
 from dslaunch.runtime.torch_autocast import scales_loss
@@ -48,6 +48,11 @@ class PrecisionPolicy:
         """DeepSpeed's ``engine.get_data_types()``: (model dtype, gradient accumulation dtype)."""
         policy = PrecisionPolicy.from_config(cfg)
         return policy.model_dtype, policy.accum_dtype or policy.model_dtype
+
+    def cast_model(self, module: torch.nn.Module, data_types: DataTypesConfig) -> torch.nn.Module:
+        """``cast_module`` as the config's ``data_types`` asks (``buffer_dtype``, ``keep_in_fp32_modules``)."""
+        buffers = _DTYPES[data_types.buffer_dtype] if data_types.buffer_dtype else None
+        return self.cast_module(module, buffers, data_types.keep_in_fp32_modules)
 
     def cast_module(self, module: torch.nn.Module, buffer_dtype: torch.dtype | None = None,
                     keep_in_fp32: Sequence[str] | str | None = None) -> torch.nn.Module:

@@ -238,7 +238,6 @@ def test_contiguous_gradients_is_a_layout_knob_taking_either_value(value: bool) 
 
 
 @pytest.mark.parametrize("raw, path", [
-    ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype"),
     ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write.pipeline_stage"),
     ({"timers": {"throughput": {"enabled": True}}}, "timers.throughput.enabled"),
 ])

@@ -68,3 +68,35 @@ def test_buffer_dtype_and_keep_in_fp32_patterns() -> None:
     assert model.norm.scale.dtype == torch.bfloat16 and model.other.dtype == torch.float32
     fp32 = PrecisionPolicy(torch.float32, None).cast_module(_Declares())  # fp32 training keeps nothing special
     assert fp32.norm.scale.dtype == torch.bfloat16
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_data_types_buffer_dtype_and_keep_in_fp32_from_the_config(stage: int) -> None:
+    torch.manual_seed(0)
+    engine, *_ = dslaunch.initialize(model=_Rotary(), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000, "bf16": {"enabled": True},
+        "data_types": {"buffer_dtype": "bf16", "param_dtype": "bfloat16"}, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert engine.module.inv_freq.dtype == torch.bfloat16  # opted in: DeepSpeed's older blanket cast
+    assert engine._config.buffer_dtype == "bf16" and engine._config.param_dtype == "bf16"
+    kept, *_ = dslaunch.initialize(model=_Rotary(), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000, "bf16": {"enabled": True},
+        "data_types": {"buffer_dtype": "bf16", "keep_in_fp32_modules": ["inv_freq"]},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert kept.module.inv_freq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("data_types, message", [
+    ({"param_dtype": "fp16"}, "'data_types.param_dtype': \"fp16\" conflicts with the model dtype the fp16/bf16 "
+                              "blocks give (bf16)"),
+    ({"buffer_dtype": "half-ish"}, "'data_types.buffer_dtype': must be \"fp32\", \"fp16\" or \"bf16\""),
+    ({"keep_in_fp32_modules": "norm"}, "'data_types.keep_in_fp32_modules': must be a list of module name patterns"),
+])
+def test_data_types_refusals_are_one_line(data_types: dict, message: str) -> None:
+    from dslaunch.errors import ConfigError
+    from dslaunch.runtime.config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "data_types": data_types}, 1)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
