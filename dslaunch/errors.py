@@ -25,6 +25,7 @@ __all__ = [
     "DslaunchError",
     "UsageError",
     "LossScalingRequiredError",
+    "NotALossError",
     "HostfileError",
     "ConfigError",
     "LaunchError",
@@ -115,6 +116,11 @@ class NoSyncError(UsageError, AssertionError):
 class LossScalingRequiredError(UsageError, RuntimeError):
     """A script's own ``loss.backward()`` under fp16 without ``engine.scale(loss)``: the gradients
     would be unscaled. Also a ``RuntimeError``: what DeepSpeed raises there."""
+
+
+class NotALossError(UsageError, AssertionError):
+    """``engine.scale(x)`` (or ``engine.backward(x)``) given something that is not a scalar loss
+    with a graph. Also an ``AssertionError``: what DeepSpeed raises there."""
 
 
 class UntestedOptimizerError(ConfigError, AssertionError):

@@ -205,7 +205,7 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16; the loss itself otherwise), for a script's own
         backward: ``engine.scale(loss).backward()`` (DeepSpeed 0.19's name)."""
-        self._plain.scaled = True
+        self._plain.mark_scaled(loss)  # checks it is a loss
         return self.loss_scaler.scale_loss(loss)
 
     def _backward_epilogue(self) -> None:

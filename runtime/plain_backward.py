@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import LossScalingRequiredError
+from dslaunch.errors import LossScalingRequiredError, NotALossError
 
 __all__ = ["PlainBackward"]
 
@@ -78,6 +78,19 @@ class PlainBackward:
         out = _DivideGrad.apply(t, self, output)
         setattr(out, _OUTPUT, output)
         return out
+
+    def mark_scaled(self, loss: Any) -> None:
+        """``engine.scale(loss)``: the next backward of the script's is loss-scaled.
+
+        Raises:
+            NotALossError: ``loss`` is not a one-element tensor with a graph (DeepSpeed asserts).
+        """
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None):
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise NotALossError(f"engine.scale(loss): loss must be a scalar tensor with grad_fn, got {what}"
+                                + (" without one" if isinstance(loss, torch.Tensor) and loss.numel() == 1 else "")
+                                + "; for a non-scalar tensor use tensor.backward(grad)")
+        self.scaled = True
 
     @contextlib.contextmanager
     def engine_backward(self) -> Iterator[None]:

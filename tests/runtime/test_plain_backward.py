@@ -67,3 +67,19 @@ def test_outputs_keep_their_structure_and_allow_in_place_use() -> None:
     out["logits"].mul_(2)  # no copy was made, and the caller may still write into it
     with torch.no_grad():
         assert not engine(torch.randn(2, 4), torch.tensor([0, 1]))["logits"].requires_grad
+
+
+@pytest.mark.timeout(60)
+def test_scale_takes_only_a_scalar_loss() -> None:
+    from dslaunch.errors import NotALossError
+
+    torch.manual_seed(0)
+    engine, *_ = dslaunch.initialize(model=_LossAndLogits(), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    out = engine(torch.randn(2, 4), torch.tensor([0, 1]))
+    with pytest.raises(AssertionError, match=r"scalar tensor with grad_fn, got a tensor of shape \(2, 3\)"):
+        engine.scale(out["logits"])
+    with pytest.raises(NotALossError, match="without one"):
+        engine.scale(torch.tensor(1.0))
+    engine.scale(out["loss"]).backward()  # a loss is taken
