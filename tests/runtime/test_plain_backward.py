@@ -25,12 +25,16 @@ class _LossAndLogits(torch.nn.Module):
         return {"loss": loss, "logits": logits, "hidden_states": (logits, logits)}
 
 
-def _grads(use: str) -> list[torch.Tensor]:
+def _engine(gas: int = 1) -> dslaunch.DeepSpeedEngine:
     torch.manual_seed(0)
-    model = _LossAndLogits()
-    engine, *_ = dslaunch.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 10_000,
-        "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return dslaunch.initialize(model=_LossAndLogits(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 10_000,
+        "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0]
+
+
+def _grads(use: str) -> list[torch.Tensor]:
+    engine = _engine(GAS)
+    model = engine.module
     x, y = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 2])
     out = engine(x, y)
     if use == "engine":
@@ -57,10 +61,7 @@ def test_a_loss_returned_beside_its_logits_is_divided_once() -> None:
 
 @pytest.mark.timeout(60)
 def test_outputs_keep_their_structure_and_allow_in_place_use() -> None:
-    torch.manual_seed(0)
-    engine, *_ = dslaunch.initialize(model=_LossAndLogits(), config={
-        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine = _engine()
     out = engine(torch.randn(2, 4), torch.tensor([0, 1]))
     assert isinstance(out, dict) and isinstance(out["hidden_states"], tuple)
     assert out["hidden_states"][0] is out["hidden_states"][1] is out["logits"]  # one tensor stays one
@@ -73,10 +74,7 @@ def test_outputs_keep_their_structure_and_allow_in_place_use() -> None:
 def test_scale_takes_only_a_scalar_loss() -> None:
     from dslaunch.errors import NotALossError
 
-    torch.manual_seed(0)
-    engine, *_ = dslaunch.initialize(model=_LossAndLogits(), config={
-        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine = _engine()
     out = engine(torch.randn(2, 4), torch.tensor([0, 1]))
     with pytest.raises(AssertionError, match=r"scalar tensor with grad_fn, got a tensor of shape \(2, 3\)"):
         engine.scale(out["logits"])
