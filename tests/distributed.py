@@ -14,6 +14,8 @@ build, a cache check) without paying a torch import and an interpreter shutdown 
 
 from __future__ import annotations
 
+import functools
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -87,6 +89,23 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if failures:
         raise AssertionError("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def one_rank(test: Callable[..., None]) -> Callable[..., None]:
+    """Run ``test`` in a fresh process of its own (a world of one, as ``run_world``): an engine it
+    builds leaves no process group, ``MASTER_PORT``, exit hook or heartbeat in the test worker, where
+    they would reach later tests and the processes they start. Arguments must pickle (``tmp_path``
+    does, ``monkeypatch`` does not)."""
+
+    @functools.wraps(test)
+    def in_own_process(*args: Any, **kwargs: Any) -> None:
+        run_world(_run_test, 1, test.__module__, test.__qualname__, args, kwargs)
+
+    return in_own_process
+
+
+def _run_test(rank: int, world: int, module: str, name: str, args: tuple, kwargs: dict) -> None:
+    getattr(importlib.import_module(module), name).__wrapped__(*args, **kwargs)
 
 
 def _collect(procs: list[Any], queue: Any, timeout: float) -> tuple[dict[int, Any], list[str]]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dslaunch
+from tests.distributed import one_rank
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 7, "gradient_clipping": 0.5,
         "prescale_gradients": True, "dataloader_drop_last": True}
@@ -23,6 +24,7 @@ def _engine(config: dict, optimizer: object = None) -> dslaunch.DeepSpeedEngine:
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_top_level_and_zero_getters_answer_the_config() -> None:
     engine = _engine({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1234, "overlap_comm": False,
                                             "offload_optimizer": {"device": "cpu"}},
@@ -46,6 +48,7 @@ def test_top_level_and_zero_getters_answer_the_config() -> None:
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_a_client_optimizer_is_named_by_its_class_and_sgd_reports_momentum() -> None:
     engine = _engine({"zero_allow_untested_optimizer": True},
                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.7))
@@ -55,6 +58,7 @@ def test_a_client_optimizer_is_named_by_its_class_and_sgd_reports_momentum() -> 
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_precision_getters() -> None:
     engine = _engine({"fp16": {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 50,
                                "hysteresis": 3, "min_loss_scale": 0.25}})
@@ -67,8 +71,9 @@ def test_precision_getters() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_profiler_and_autotuning_getters_follow_deepspeeds_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
+@one_rank
+def test_profiler_and_autotuning_getters_follow_deepspeeds_rules(tmp_path: Path) -> None:
+    os.chdir(tmp_path)  # its own process
     engine = _engine({"flops_profiler": {"enabled": False, "profile_step": 3, "detailed": True}})
     assert not engine.flops_profiler_enabled() and engine.flops_profiler_profile_step() == 3
     assert engine.flops_profiler_detailed() and not engine.autotuning_enabled()
@@ -79,6 +84,7 @@ def test_profiler_and_autotuning_getters_follow_deepspeeds_rules(tmp_path: Path,
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_save_fp16_model_is_save_16bit_model(tmp_path: Path) -> None:
     engine = _engine({})
     engine.save_fp16_model(str(tmp_path), "m.bin")
@@ -87,6 +93,7 @@ def test_save_fp16_model_is_save_16bit_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_log_level_sets_the_deepspeed_logger_and_a_bad_one_is_named() -> None:
     import logging
 
@@ -104,7 +111,7 @@ def test_log_level_sets_the_deepspeed_logger_and_a_bad_one_is_named() -> None:
         assert _engine({}).log_level() is None and logger.getEffectiveLevel() == logging.WARNING  # left alone
         with pytest.raises(ConfigError, match=r"'log_level': must be one of debug, info, warning, error, critical"):
             _engine({"log_level": "verbose"})
-    finally:
+    finally:  # its own process, but the logger is read again within it
         logger.setLevel(saved)
         for handler in logger.handlers:
             handler.setLevel(logging.NOTSET)
@@ -120,6 +127,7 @@ def test_raw_config_readers_and_constants_are_deepspeeds() -> None:
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_zero_utils_predicates() -> None:
     from dslaunch.runtime.zero.utils import ZeRORuntimeException, is_zero_param, is_zero_supported_optimizer
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dslaunch
+from tests.distributed import one_rank
 
 GAS = 4
 
@@ -45,6 +46,7 @@ def _grads(use: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_a_loss_returned_beside_its_logits_is_divided_once() -> None:
     # the loss's gradient reaches the logits through the model's own graph: not divided there again
     plain, engine = _grads("plain"), _grads("engine")
@@ -60,6 +62,7 @@ def test_a_loss_returned_beside_its_logits_is_divided_once() -> None:
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_outputs_keep_their_structure_and_allow_in_place_use() -> None:
     engine = _engine()
     out = engine(torch.randn(2, 4), torch.tensor([0, 1]))
@@ -71,6 +74,7 @@ def test_outputs_keep_their_structure_and_allow_in_place_use() -> None:
 
 
 @pytest.mark.timeout(60)
+@one_rank
 def test_scale_takes_only_a_scalar_loss() -> None:
     from dslaunch.errors import NotALossError
 

@@ -206,7 +206,7 @@ def test_defaults_follow_deepspeed() -> None:
     ("WarmupDecayLR", {}, "scheduler.params.total_num_steps"),
     ("OneCycle", {"cycle_min_lr": 0.1}, "scheduler.params.cycle_max_lr"),
     ("WarmupCosineLR", {"total_num_steps": 10, "cos_min_ratio": 2}, "scheduler.params.cos_min_ratio"),
-    ("LRRangeTest", {"lr_range_test_staircase": 1}, "scheduler.params.lr_range_test_staircase"),
+    ("LRRangeTest", {"lr_range_test_staircase": "yes"}, "scheduler.params.lr_range_test_staircase"),
     ("WarmupLR", {"warmup_max_lr": "auto"}, "scheduler.params.warmup_max_lr"),
 ])
 def test_invalid_params_name_the_key(name: str, params: dict, key: str) -> None:

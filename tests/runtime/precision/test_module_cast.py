@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dslaunch
+from tests.distributed import one_rank
 
 
 class _Rotary(torch.nn.Module):
@@ -27,6 +28,7 @@ class _Rotary(torch.nn.Module):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@one_rank
 def test_parameters_are_cast_and_buffers_are_kept(stage: int, precision: str) -> None:
     torch.manual_seed(0)
     model = _Rotary()
@@ -72,6 +74,7 @@ def test_buffer_dtype_and_keep_in_fp32_patterns() -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stage", [0, 3])
+@one_rank
 def test_data_types_buffer_dtype_and_keep_in_fp32_from_the_config(stage: int) -> None:
     torch.manual_seed(0)
     engine, *_ = dslaunch.initialize(model=_Rotary(), config={

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.distributed import one_rank, run_world
 
 ROWS, WIDTH, MICRO, ACCUM, STEPS = 40, 4, 3, 2, 3
 
@@ -68,6 +68,7 @@ def test_a_sparse_embedding_trains_as_its_dense_twin(stage: int) -> None:
 
 
 @pytest.mark.timeout(30)
+@one_rank
 def test_sparse_adam_is_refused_in_one_line() -> None:
     import dslaunch
     from dslaunch.errors import NotInDslaunchError
