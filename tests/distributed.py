@@ -7,6 +7,9 @@ return value (picklable) comes back in a list ordered by rank. A rank that raise
 test with that rank's traceback, one that exits without reporting with its exit code; a rank that
 hangs is killed at ``timeout``.
 
+``@one_rank`` runs a test in such a process of its own (a world of one): what an engine leaves
+behind (its process group, ``MASTER_PORT``, exit hooks) stays out of the pytest worker.
+
 ``run_python(code, env)`` runs ``code`` as ``python -c code`` would in a new interpreter with
 environment ``env``, forked from the same forkserver: a test of what a new process does (a kernel
 build, a cache check) without paying a torch import and an interpreter shutdown per process.
