@@ -157,8 +157,7 @@ class EngineCheckpoints:
         self.zero.synchronize()
         sd = whole_state_dict(self.module, tensor_axis(self.grid, "group"))
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            sd = {k: v for k, v in sd.items() if k not in frozen}
+            self._drop_frozen(sd)
         return sd if self.global_rank == 0 else None
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
@@ -170,10 +169,13 @@ class EngineCheckpoints:
         self.zero.synchronize()
         sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
-            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
-            for key in frozen & set(sd):
-                del sd[key]
+            self._drop_frozen(sd, prefix)
         return sd
+
+    def _drop_frozen(self, sd: dict, prefix: str = "") -> None:
+        """Remove the module's parameters with ``requires_grad=False`` from ``sd`` (keys under ``prefix``)."""
+        for key in {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad} & set(sd):
+            del sd[key]
 
     # ----- engine state (everything but weights, ZeRO state and RNG) --------------------------
     def engine_state_dict(self) -> dict:

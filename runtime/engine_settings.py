@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.torch_autocast import get_default_autocast_lower_precision_modules
 
 __all__ = ["EngineSettings"]
@@ -17,9 +16,8 @@ __all__ = ["EngineSettings"]
 # DeepSpeed lower-cases these optimizer types in ``engine.optimizer_name()`` (its DEEPSPEED_OPTIMIZERS)
 _LOWERED_OPTIMIZERS = frozenset({"adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon"})
 # ``dynamic_loss_scale_args()``'s keys: DeepSpeed's loss scaler's keyword names
-_SCALER_ARGS = {"init_scale": "initial_scale_power", "scale_window": "loss_scale_window",
-                "delayed_shift": "hysteresis", "consecutive_hysteresis": "consecutive_hysteresis",
-                "min_scale": "min_loss_scale"}
+_SCALER_ARGS = {"scale_window": "loss_scale_window", "delayed_shift": "hysteresis",
+                "consecutive_hysteresis": "consecutive_hysteresis", "min_scale": "min_loss_scale"}
 
 
 def _reads(path: str) -> Callable[[Any], Any]:
@@ -134,7 +132,7 @@ class EngineSettings:
         (DeepSpeed's own optimizer types lower-cased, as DeepSpeed's)."""
         given = self._config.raw.get("optimizer") or {}
         if "type" not in given:
-            return type(self.optimizer).__name__ if getattr(self, "optimizer", None) is not None else None
+            return type(self.optimizer).__name__ if self.optimizer is not None else None
         name = given["type"]
         return name.lower() if isinstance(name, str) and name.lower() in _LOWERED_OPTIMIZERS else name
 
@@ -204,9 +202,8 @@ class EngineSettings:
     def dynamic_loss_scale_args(self) -> dict[str, Any]:
         """The dynamic scaler's settings under DeepSpeed's loss-scaler keyword names."""
         fp16 = self._config.fp16
-        args = {key: getattr(fp16, attr) for key, attr in _SCALER_ARGS.items()}
-        args["init_scale"] = 2 ** fp16.initial_scale_power
-        return args
+        return {"init_scale": self.initial_dynamic_scale(),
+                **{key: getattr(fp16, attr) for key, attr in _SCALER_ARGS.items()}}
 
     @property
     def communication_data_type(self) -> torch.dtype:
@@ -265,7 +262,7 @@ class EngineSettings:
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """(model dtype, dtype gradients are summed in over an accumulation window), as DeepSpeed's."""
-        return PrecisionPolicy.data_types(self._config)
+        return self.precision.data_types()
 
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale

@@ -43,11 +43,9 @@ class PrecisionPolicy:
         accum = _DTYPES[cfg.data_types.grad_accum_dtype] if cfg.data_types.grad_accum_dtype else model
         return cls(model, comm, accum if accum != model else None)
 
-    @staticmethod
-    def data_types(cfg: DeepSpeedConfig) -> tuple[torch.dtype, torch.dtype]:
+    def data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """DeepSpeed's ``engine.get_data_types()``: (model dtype, gradient accumulation dtype)."""
-        policy = PrecisionPolicy.from_config(cfg)
-        return policy.model_dtype, policy.accum_dtype or policy.model_dtype
+        return self.model_dtype, self.accum_dtype or self.model_dtype
 
     def cast_model(self, module: torch.nn.Module, data_types: DataTypesConfig) -> torch.nn.Module:
         """``cast_module`` as the config's ``data_types`` asks (``buffer_dtype``, ``keep_in_fp32_modules``)."""
