@@ -125,8 +125,9 @@ def reject_unimplemented(key: str, value: Any, spec: Any) -> None:
         return
     path, off, hint = found
     what = "is accepted by DeepSpeed but not implemented by dslaunch yet"
-    if key in REMOVED_FROM_DEEPSPEED:
-        what = f"was removed from DeepSpeed in 0.19.8 ({REMOVED_FROM_DEEPSPEED[key]}) and dslaunch does not have it"
+    removed = REMOVED_FROM_DEEPSPEED.get(key.rpartition(".")[2])  # a section's key too (zero_optimization.*)
+    if removed is not None:
+        what = f"was removed from DeepSpeed in 0.19.8 ({removed}) and dslaunch does not have it"
     if off is _UNLISTED:
         parent = path.rpartition(".")[0]
         what = f"is not a known key of '{parent}'{hint}, which dslaunch does not implement yet"
@@ -151,6 +152,11 @@ REMOVED_FROM_DEEPSPEED: dict[str, str] = {
     "eigenvalue": "eigenvalue-based Mixture-of-Quantization",
     "sparse_attention": "Sparse Attention",
     "graph_harvesting": "graph harvesting",
+    "mics_shard_size": "MiCS ZeRO-3 sharding within groups; ZeRO-3 with zero_hpz_partition_size keeps "
+                       "a node-local secondary shard for the gathers",
+    "mics_hierarchical_params_gather": "MiCS ZeRO-3 sharding within groups",
+    "zeropp_loco_param": "LoCo error feedback for ZeRO++ quantized gradients; zero_quantized_gradients "
+                         "works without it",
 }
 
 

@@ -276,7 +276,7 @@ class ZeroConfig:
     UNIMPLEMENTED = {"zenflow": None,
                      "zero_quantized_nontrainable_weights": False,
                      "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
-                     "legacy_stage1": False, "enable_sanity_checks": False}
+                     "legacy_stage1": False, "enable_sanity_checks": False, "zeropp_loco_param": None}
     # Keys that only configure stage 3 (after STAGE3_ALIASES) and dslaunch does not read (the
     # fields above excepted): any value accepted, "auto" included (the Hugging Face Trainer writes
     # it there). Whole names, not prefixes: a misspelt one must get "did you mean".
@@ -284,7 +284,7 @@ class ZeroConfig:
         "sub_group_size", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
         "model_persistence_threshold", "module_granularity_threshold", "use_all_reduce_for_fetch_params",
-        "allgather_sequential", "partition_stream_chunk_size", "zeropp_loco_param", "log_trace_cache_warnings",
+        "allgather_sequential", "partition_stream_chunk_size", "log_trace_cache_warnings",
         "pipeline_loading_checkpoint", "override_module_apply", "memory_efficient_linear",
         "save_muon_momentum_buffer_in_memory"))
 

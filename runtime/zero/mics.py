@@ -1,7 +1,8 @@
 """DeepSpeed's ``deepspeed.runtime.zero.mics``: MiCS, refused on use.
 
 MiCS shards ZeRO-3 state within groups of ``mics_shard_size`` ranks and replicates it across them;
-dslaunch has no MiCS (its config key ``zero_optimization.mics_shard_size`` is refused too).
+dslaunch has no MiCS, and DeepSpeed 0.19.8 removed it (its config keys ``zero_optimization.mics_shard_size``
+and ``mics_hierarchical_params_gather`` are refused saying so).
 """
 
 from dslaunch.utils.refused import Refusal, refuse

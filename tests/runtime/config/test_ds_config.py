@@ -286,6 +286,17 @@ def test_sparse_gradients_names_what_to_do_instead() -> None:
         "remove it (or set it to false)")
 
 
+@pytest.mark.parametrize("key, on, off", [
+    ("mics_shard_size", 2, -1), ("mics_hierarchical_params_gather", True, False),
+    ("zeropp_loco_param", {"err_beta": 0.8, "reset_T": 1024}, None),
+])
+def test_zero_keys_deepspeed_removed_are_said_to_be_gone(key: str, on: object, off: object) -> None:
+    msg = _error({"train_batch_size": 8, "zero_optimization": {"stage": 3, key: on}})
+    assert msg.startswith(f"'zero_optimization.{key}': was removed from DeepSpeed in 0.19.8 (")
+    assert msg.endswith(f"and dslaunch does not have it; remove it (or set it to {json.dumps(off)})")
+    _ok({"zero_optimization": {"stage": 3, key: off}})
+
+
 @pytest.mark.parametrize("raw, path", [
     ({"optimizer": {"type": "AdamW", "legacy_fusion": True}}, "optimizer.legacy_fusion"),
     ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
