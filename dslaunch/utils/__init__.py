@@ -4,8 +4,9 @@ utilities both the launcher and the runtime need (so the runtime never imports t
 - DeepSpeed's paths: ``zero_to_fp32.py``, ``logging.py`` (``logger``, ``log_dist``), ``groups.py``
   (this rank's data/model/expert groups), ``z3_leaf_module.py`` (the ZeRO-3 leaf flags),
   ``comms_logging.py`` (the comms logger's records and table), ``timer.py``, ``numa.py``
-  (``--bind_core_list`` syntax), ``torch.py`` (``required_torch_version``); the ZeRO
-  ``safe_get/set_full_*`` and ``safe_get/set_local_*`` names resolve to ``dslaunch.runtime.zero``.
+  (``--bind_core_list`` syntax), ``torch.py`` (``required_torch_version``), ``module_utils.py``
+  (``recursive_getattr/setattr``), ``nvtx.py`` (``instrument_w_nvtx``), ``tensor_fragment.py``; the
+  ZeRO ``safe_get/set_full_*`` and ``safe_get/set_local_*`` names resolve to ``dslaunch.runtime.zero``.
 - shared by launcher and runtime: ``ports.py`` (``free_port``), ``beat.py`` (the heartbeat wire
   format), ``restart.py`` (the restart variables), ``hostlist.py`` (host names, SLURM hostlists),
   ``private_cache.py`` (owner-only caches), ``refused.py`` (DeepSpeed names dslaunch refuses on
@@ -23,8 +24,8 @@ from typing import Any
 
 # ``z3_leaf_module`` is not among them: as in DeepSpeed, that name is the function of the same name.
 _SHADOWED = frozenset({"z3_leaf_module"})
-_SUBMODULES = ("beat", "groups", "hostlist", "logging", "numa", "ports", "refused", "restart", "timer", "torch",
-               "zero_to_fp32")
+_SUBMODULES = ("beat", "groups", "hostlist", "logging", "module_utils", "numa", "nvtx", "ports", "refused", "restart",
+               "tensor_fragment", "timer", "torch", "zero_to_fp32")
 
 # name -> module that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
 _NAMES = {
@@ -42,6 +43,8 @@ _NAMES = {
     "RepeatingLoader": "dslaunch.runtime.dataloader",  # deepspeed.utils.RepeatingLoader
     **dict.fromkeys(("SynchronizedWallClockTimer", "NoopTimer"), "dslaunch.runtime.timers"),
     "OnDevice": "dslaunch.runtime.zero.partition_parameters",  # deepspeed.utils.OnDevice
+    "instrument_w_nvtx": f"{__name__}.nvtx",
+    "fragment_address": "dslaunch.runtime.zero.fragment",
 }
 
 __all__ = [*_SUBMODULES, *_NAMES]

@@ -68,6 +68,16 @@ def _stand_in(qualified: str) -> type:
     return type(name, (_StandIn,), {"__module__": module, "__qualname__": name})
 
 
+def _scaler_state(scaler: Any) -> dict[str, Any]:
+    """A DeepSpeed loss scaler's attributes (``cur_scale``, ...): from a stand-in, or from
+    dslaunch's DeepSpeed-named class where the caller allowed it (``add_safe_globals``)."""
+    from dslaunch.runtime.fp16.loss_scaler import LossScalerBase
+
+    if isinstance(scaler, _StandIn):
+        return {k: v for k, v in vars(scaler).items() if k != "args"}
+    return scaler.__getstate__() if isinstance(scaler, LossScalerBase) else {}
+
+
 def read_file(path: Path) -> dict:
     """One DeepSpeed ``.pt`` file, on the CPU, with ``weights_only=True``.
 
@@ -293,7 +303,7 @@ def _zero(base: DeepSpeedState, shapes: list[dict], osds: list[dict], files: lis
                   for g in range(len(shapes))]
     module = {**base.module, **fp32}
     scaler = osds[0].get("loss_scaler")
-    scaler_sd = {k: v for k, v in vars(scaler).items() if k != "args"} if isinstance(scaler, _StandIn) else {}
+    scaler_sd = _scaler_state(scaler)
     return DeepSpeedState(base.folder, base.model_file, _stage(osds[0]) if not partitioned else 3, base.world_size,
                           base.states, module, fp32, optim, groups, scaler_sd)
 

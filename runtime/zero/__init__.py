@@ -38,8 +38,9 @@ asks the stage again. What lives where:
 - ``leaf_modules.py``: the ZeRO-3 leaf-module flags (``set_z3_leaf_modules`` and the
   ``zero_optimization.leaf_module`` section) the fetcher reads.
 - DeepSpeed's import paths: ``config.py`` (``DeepSpeedZeroConfig``), ``offload_config.py``,
-  ``leaf_module_config.py``, ``mics.py`` (MiCS, refused on use),
-  ``stage_1_and_2.py`` (its memory estimator), ``tiling.py`` (``TiledLinear``), ``utils.py``
+  ``leaf_module_config.py``, ``mics.py`` (MiCS, refused on use), ``linear.py`` (its linear
+  Function and module), ``stage_1_and_2.py`` (its memory estimator), ``tiling.py`` (``TiledLinear``),
+  ``utils.py``
   (``ZeRORuntimeException`` and predicates), ``muon/``.
 
 Importing this package does not import torch (``Init``, ``GatheredParameters``, ``ZeroParamStatus``,

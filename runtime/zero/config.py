@@ -39,6 +39,11 @@ class ZeroStageEnum(int, Enum):
     max_stage = 3
 
 
+# DeepSpeed's qualified name: DeepSpeed pickles the stage into every ZeRO optimizer file, and
+# torch.serialization.add_safe_globals([ZeroStageEnum]) must name that class for weights_only loads.
+ZeroStageEnum.__module__ = "deepspeed.runtime.zero.config"
+
+
 class OffloadDeviceEnum(str, Enum):
     """Where an offload section puts its tensors."""
 

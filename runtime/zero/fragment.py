@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PARAM", "GRAD", "Fragment", "locate", "rank_tensor", "read", "write"]
+__all__ = ["PARAM", "GRAD", "Fragment", "fragment_address", "locate", "rank_tensor", "read", "write"]
 
 PARAM, GRAD = "param", "grad"
 
@@ -45,6 +45,20 @@ class Fragment:
     @property
     def numel(self) -> int:
         return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class fragment_address:  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's record of one parameter's piece of a rank's ZeRO-1/2 partition: ``numel``
+    elements from ``start`` (its files pickle one per parameter in ``param_slice_mappings``)."""
+
+    numel: int
+    start: int
+
+
+# DeepSpeed's qualified name: torch.serialization.add_safe_globals([fragment_address]) then allows
+# DeepSpeed's files in torch.load(weights_only=True) (torch matches a class by module and name).
+fragment_address.__module__ = "deepspeed.utils.tensor_fragment"
 
 
 def locate(param: torch.nn.Parameter) -> Fragment | None:
