@@ -1,5 +1,6 @@
-"""The command line of ``dslaunch zero-to-fp32`` and ``python -m dslaunch.utils.zero_to_fp32``, and
-every check of its arguments that needs no torch, in one place both read.
+"""The command line of ``dslaunch zero-to-fp32``, ``python -m dslaunch.utils.zero_to_fp32`` and
+``python -m dslaunch.utils.zero_to_torch`` (DeepSpeed 0.19.8's, which adds a required ``--dtype``),
+and every check of its arguments that needs no torch, in one place all read.
 
 ``check_arguments`` answers a bad flag, a checkpoint directory that is missing or no directory, a
 malformed or absent tag, a directory without any checkpoint and an output that cannot be written
@@ -26,12 +27,19 @@ __all__ = ["parser", "check_arguments", "check_output", "no_checkpoint", "open_s
 FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command line of ``dslaunch zero-to-fp32`` (and ``python -m dslaunch.utils.zero_to_fp32``)."""
+# DeepSpeed's spellings of the output dtypes (``zero_to_torch --dtype``)
+DTYPE_NAMES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+
+
+def parser(with_dtype: bool = False) -> argparse.ArgumentParser:
+    """The command line of ``dslaunch zero-to-fp32`` (and ``python -m dslaunch.utils.zero_to_fp32``);
+    ``with_dtype``: ``zero_to_torch``'s, whose ``--dtype`` is required."""
     p = argparse.ArgumentParser(
-        prog="dslaunch zero-to-fp32",
-        description="Write one consolidated fp32 state dict from a dslaunch checkpoint saved at any "
-                    "world size and ZeRO stage.")
+        prog="zero_to_torch" if with_dtype else "dslaunch zero-to-fp32",
+        description=f"Write one consolidated {'float32, float16 or bfloat16' if with_dtype else 'fp32'} state "
+                    "dict from a checkpoint (dslaunch's or DeepSpeed's) saved at any world size and ZeRO stage.")
+    if with_dtype:
+        p.add_argument("--dtype", required=True, choices=DTYPE_NAMES, help="the floating tensors' output dtype")
     p.add_argument("checkpoint_dir", help="the save_dir of save_checkpoint, or a tag directory in it")
     p.add_argument("output", help="a directory (pytorch_model.bin, or shards plus "
                    "pytorch_model.bin.index.json, as DeepSpeed writes), or one file ending in .bin, "
@@ -42,17 +50,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--tag", default=None, help="tag to convert (default: latest)")
     p.add_argument("--exclude_frozen_parameters", action="store_true",
                    help="leave out parameters saved with requires_grad=False")
+    p.add_argument("-d", "--debug", action="store_true",
+                   help="DeepSpeed's flag, accepted: dslaunch prints what it wrote and from which tag either way")
     return p
 
 
-def check_arguments(argv: list[str] | None) -> argparse.Namespace:
-    """Parse ``argv`` and refuse what the export would refuse before reading any weights.
+def check_arguments(argv: list[str] | None, with_dtype: bool = False) -> argparse.Namespace:
+    """Parse ``argv`` (``parser(with_dtype)``'s command line) and refuse what the export would refuse
+    before reading any weights.
 
     Raises:
         SystemExit: from argparse (``--help``, a bad flag: its usage message, code 2).
         CheckpointError, UsageError: one line naming the path, tag or flag.
     """
-    args = parser().parse_args(argv)
+    args = parser(with_dtype).parse_args(argv)
     single = check_output(Path(args.output), args.safe_serialization)
     if args.max_shard_size is not None and single:
         raise UsageError(f"--max_shard_size shards a directory output; {args.output} names one file")
@@ -107,15 +118,15 @@ def check_output(output: Path, safe_serialization: bool) -> bool:
     return single
 
 
-def run_as_script(argv: list[str] | None = None) -> None:
-    """``python -m`` entry: the arguments checked first, then the export; errors print as one line
-    with the error's exit code."""
+def run_as_script(argv: list[str] | None = None, with_dtype: bool = False) -> None:
+    """``python -m`` entry (``with_dtype``: ``zero_to_torch``'s): the arguments checked first, then the
+    export; errors print as one line with the error's exit code."""
     try:
-        check_arguments(argv)
-        from dslaunch.runtime.checkpoint.export import main
+        args = check_arguments(argv, with_dtype)
+        from dslaunch.runtime.checkpoint.export import run
 
-        code = main(argv)
+        code = run(args)
     except DslaunchError as err:
-        print(f"zero-to-fp32: error: {err}", file=sys.stderr)
+        print(f"{'zero_to_torch' if with_dtype else 'zero-to-fp32'}: error: {err}", file=sys.stderr)
         code = err.exit_code
     sys.exit(code)

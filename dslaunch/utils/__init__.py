@@ -1,8 +1,8 @@
 """``dslaunch.utils``: the ``deepspeed.utils`` import paths scripts and libraries use, and the small
 utilities both the launcher and the runtime need (so the runtime never imports the launcher).
 
-- DeepSpeed's paths: ``zero_to_fp32.py``, ``logging.py`` (``logger``, ``log_dist``), ``groups.py``
-  (this rank's data/model/expert groups), ``z3_leaf_module.py`` (the ZeRO-3 leaf flags),
+- DeepSpeed's paths: ``zero_to_fp32.py`` and ``zero_to_torch.py``, ``logging.py`` (``logger``,
+  ``log_dist``), ``groups.py`` (this rank's data/model/expert groups), ``z3_leaf_module.py`` (the ZeRO-3 leaf flags),
   ``comms_logging.py`` (the comms logger's records and table), ``timer.py``, ``numa.py``
   (``--bind_core_list`` syntax), ``torch.py`` (``required_torch_version``), ``module_utils.py``
   (``recursive_getattr/setattr``), ``nvtx.py`` (``instrument_w_nvtx``), ``tensor_fragment.py``; the
@@ -25,7 +25,7 @@ from typing import Any
 # ``z3_leaf_module`` is not among them: as in DeepSpeed, that name is the function of the same name.
 _SHADOWED = frozenset({"z3_leaf_module"})
 _SUBMODULES = ("beat", "groups", "hostlist", "logging", "module_utils", "numa", "nvtx", "ports", "refused", "restart",
-               "tensor_fragment", "timer", "torch", "zero_to_fp32")
+               "tensor_fragment", "timer", "torch", "zero_to_fp32", "zero_to_torch")
 
 # name -> module that defines it (DeepSpeed's ``from deepspeed.utils import logger``)
 _NAMES = {

@@ -392,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """The export ``args`` (from ``export_cli.check_arguments``, already checked) ask for."""
-    files, tag, passed_over = _export(args.checkpoint_dir, args.output, torch.float32, args.max_shard_size or "5GB",
-                                      args.safe_serialization, args.tag, args.exclude_frozen_parameters)
+    files, tag, passed_over = _export(args.checkpoint_dir, args.output, getattr(args, "dtype", torch.float32),
+                                      args.max_shard_size or "5GB", args.safe_serialization, args.tag,
+                                      args.exclude_frozen_parameters)
     if passed_over:
         print(f"zero-to-fp32: warning: {_fallback_line(tag, passed_over)}", file=sys.stderr)
     size = sum(f.stat().st_size for f in files) / 1e6

@@ -252,6 +252,28 @@ def test_deepspeed_import_path_and_python_m(saved: dict, tmp_path: Path) -> None
         "directories)"]
 
 
+@pytest.mark.timeout(90)
+def test_zero_to_torch_writes_the_dtype_asked_for(saved: dict, tmp_path: Path) -> None:
+    """DeepSpeed 0.19.8's ``zero_to_torch``: ``--dtype`` required, DeepSpeed's spellings, its ``-d``."""
+    from dslaunch.utils import zero_to_torch
+
+    zero_to_torch.main([str(saved["root"] / "full"), str(tmp_path / "bf"), "--dtype", "bf16", "-d"])
+    state = torch.load(tmp_path / "bf" / "pytorch_model.bin")
+    assert state["head.weight"].dtype == torch.bfloat16 and state["norm.num_batches_tracked"].dtype == torch.int64
+    assert torch.equal(state["head.weight"], saved["expected"]["head.weight"].to(torch.bfloat16))
+    run = [sys.executable, "-m", "dslaunch.utils.zero_to_torch", str(saved["root"] / "full")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run([*run, str(tmp_path / "h"), "--dtype", "float16"], capture_output=True, text=True,
+                        timeout=60, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert torch.load(tmp_path / "h" / "pytorch_model.bin")["head.weight"].dtype == torch.float16
+    missing = subprocess.run([*run, str(tmp_path / "x")], capture_output=True, text=True, timeout=60, env=env)
+    assert missing.returncode == 2 and "the following arguments are required: --dtype" in missing.stderr
+    bad = subprocess.run([*run, str(tmp_path / "x"), "--dtype", "int8"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr and not (tmp_path / "x").exists()
+
+
 def _rewrite_meta(tag_dir: Path, change) -> None:
     """Change a manifest's meta and re-sign it: a manifest that is intact but not an engine's."""
     import zlib
