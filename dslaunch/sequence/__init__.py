@@ -1,5 +1,6 @@
 """``deepspeed.sequence``: sequence parallelism (Ulysses ``DistributedAttention`` in ``layer.py``;
-FPDT, ``fpdt_layer.py``, refused on use), re-exports of ``dslaunch.runtime.sequence_parallel``.
+the vocabulary- and sequence-split losses in ``cross_entropy.py``; FPDT, ``fpdt_layer.py``, refused
+on use), re-exports of ``dslaunch.runtime.sequence_parallel``.
 """
 
 from dslaunch.utils.lazy import submodule_getattr

@@ -5,6 +5,8 @@ sequence and switch to a head split around attention.
 - ``attention.py``: ``DistributedAttention`` (``deepspeed.sequence.layer``).
 - ``batch.py``: one rank's shard of a batch (``shift_labels``, pad-and-mask, global positions).
 - ``loss.py``: a shard's loss weighted over the whole sequence.
+- ``cross_entropy.py``: DeepSpeed's ``deepspeed.sequence.cross_entropy`` (vocabulary-split and
+  sequence-split cross-entropy, the causal-LM ``loss_function``) over ``tensor_parallel/loss.py``.
 - ``tiling.py``: ALST's tiled computations (``TiledMLP``, ``TiledFusedLogitsLoss``,
   ``sequence_tiled_compute``): one slice of a long sequence's activations at a time.
 - ``ulysses_sp.py``: ALST's Hugging Face integration (``UlyssesSPAttentionHF``,
