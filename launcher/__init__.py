@@ -8,6 +8,6 @@ a worker gets, decided in one place), ``agent/`` (starts and stops one node's wo
 ``monitor/`` (job policy: the gang loop, restarts), ``runners/`` (transports: local, ssh, slurm,
 mpi), ``kubernetes.py`` (a pod as a ``--no_ssh`` node, ``dslaunch k8s manifest``),
 ``autotuning/`` (``dslaunch --autotuning``) and ``env_report.py`` (``dslaunch report``, DeepSpeed's
-``ds_report``). DeepSpeed's import paths ``runner.py`` and
-``multinode_runner.py`` answer from these.
+``ds_report``). DeepSpeed's import paths ``runner.py``, ``launch.py`` (one node of a job given by
+``--world_info``) and ``multinode_runner.py`` answer from these.
 """

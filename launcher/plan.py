@@ -132,6 +132,9 @@ class LaunchConfig:
     its nodes are the hosts and the job runs through ``srun`` (``--launcher slurm``)."""
     ray: RayCluster | None = None
     """``--launcher ray``: the Ray cluster joined (or started) for the job; its nodes are the hosts."""
+    world_info: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """DeepSpeed's ``launch.py --world_info`` (``launcher.launch``): the hosts and their slots, given
+    instead of a hostfile (empty = none given)."""
 
 
 @dataclass(frozen=True)
@@ -163,10 +166,13 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
     # Under SLURM --num_gpus is the workers per node and include/exclude pick nodes: no overlap.
     if (cfg.include or cfg.exclude) and (cfg.num_nodes > 0 or cfg.num_gpus > 0 and not (slurm or cfg.ray)):
         raise UsageError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
-    hosts = None if slurm or cfg.pod or cfg.ray else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
+    given = slurm or cfg.pod or cfg.ray or cfg.world_info
+    hosts = None if given else read_hostfile(cfg.hostfile, cfg.hostfile_explicit)
     source = ("SLURM_JOB_NODELIST" if slurm else "PET_NNODES" if cfg.pod else f"Ray cluster {cfg.ray.address}"
-              if cfg.ray else cfg.hostfile if hosts is not None else None)
-    if cfg.ray:
+              if cfg.ray else "--world_info" if cfg.world_info else cfg.hostfile if hosts is not None else None)
+    if cfg.world_info:  # slots are GPUs, as in a hostfile
+        pool, use_gpus = dict(cfg.world_info), True
+    elif cfg.ray:
         # As under SLURM, Ray gives each node's actor its GPUs: the plan leaves CUDA_VISIBLE_DEVICES alone.
         pool, use_gpus = ray_pool(cfg.ray, cfg.include, cfg.exclude, cfg.num_gpus, notes), False
     elif cfg.pod:
@@ -195,7 +201,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         rank += len(slots)
     if cfg.no_ssh:  # every node plans the whole job (same ranks everywhere), then starts only its own
         nodes = [nodes[cfg.node_rank]]
-        notes.append(_no_ssh_note(nodes[0], len(pool), world, cfg.pod))
+        notes.append(_no_ssh_note(nodes[0], len(pool), world, cfg.pod, "--world_info" if cfg.world_info else "--no_ssh"))
     if launcher == "local" and len(nodes) > 1:  # checked here so that --dry-run fails like a real run
         raise UsageError(f"the local launcher runs one node, but {len(nodes)} hosts are selected "
                          f"({', '.join(n.host for n in nodes)}); use --launcher ssh, or select one host "
@@ -340,13 +346,13 @@ def _check_no_ssh(cfg: LaunchConfig, pool: Pool) -> None:
                          "reachable from every node")
 
 
-def _no_ssh_note(node: NodeSpec, num_nodes: int, world: int, pod: Pod | None) -> str:
+def _no_ssh_note(node: NodeSpec, num_nodes: int, world: int, pod: Pod | None, how: str) -> str:
     first, last = node.workers[0].global_rank, node.workers[-1].global_rank
     ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
     if pod is not None:
         return (f"Kubernetes pod {node.node_rank} of {num_nodes} (PET_* variables): {ranks} of {world} here, "
                 f"node 0 at {pod.master_addr}")
-    return (f"--no_ssh: starting node {node.node_rank} of {num_nodes} ({node.host}: {ranks} of {world}) "
+    return (f"{how}: starting node {node.node_rank} of {num_nodes} ({node.host}: {ranks} of {world}) "
             "here; start each other node the same way with its own --node_rank")
 
 

@@ -51,7 +51,7 @@ from dslaunch.launcher.spec import JobSpec
 from dslaunch.utils.ports import free_port
 from dslaunch.utils.restart import MAX_RESTARTS
 
-__all__ = ["run", "parse_config", "restart_policy", "check_script"]
+__all__ = ["run", "launch_job", "parse_config", "restart_policy", "check_script"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -244,7 +244,13 @@ def _toward_master(job: JobSpec, env: Mapping[str, str]) -> JobSpec:
     return replace(job, nodes=(replace(node, env={**node.env, **named}),)) if named else job
 
 
-def _launch(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config: Mapping[str, str]) -> int:
+def launch_job(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_config: Mapping[str, str]) -> int:
+    """Plan ``cfg`` and run it to its end under ``policy`` (or print the plan: ``dry_run``); returns
+    the job's exit code. ``from_config``: the ds_config monitor keys it was filled from (``--dry-run``).
+
+    Raises:
+        DslaunchError: a user mistake or a failed job.
+    """
     cfg = replace(cfg, job_id=job_id())  # every run of the job has it (its restarts are re-planned from cfg)
     plan = build_job(cfg, gpus.detect)
     job = _toward_master(plan.job, os.environ) if cfg.no_ssh else plan.job
@@ -368,5 +374,5 @@ def run(argv: list[str]) -> int:
         DslaunchError: a user mistake or a failed job (``cli.main`` prints it).
     """
     cfg, ns = parse_config(argv)
-    return _launch(cfg, ns.dry_run, restart_policy(ns, requeued_by_slurm=cfg.allocation is not None),
-                   ns.monitor_from)
+    return launch_job(cfg, ns.dry_run, restart_policy(ns, requeued_by_slurm=cfg.allocation is not None),
+                      ns.monitor_from)

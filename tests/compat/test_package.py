@@ -111,6 +111,21 @@ def test_python_m_deepspeed_launcher_runner_is_the_command(compat_bin: Path, tmp
         f"dslaunch: error: user script 'nope.py' not found (cwd: {tmp_path})\n"), missing.stderr
 
 
+@pytest.mark.timeout(60)
+def test_python_m_deepspeed_launcher_launch_starts_one_node(compat_bin: Path, tmp_path: Path) -> None:
+    # What DeepSpeed's runner runs on each node, and multi-node scripts run by hand.
+    from dslaunch.launcher.runner import encode_world_info
+
+    (tmp_path / "train.py").write_text(_RANKS)
+    launch = [str(compat_bin / "python"), "-m", "deepspeed.launcher.launch",
+              f"--world_info={encode_world_info({'localhost': [0, 1]})}", f"--master_port={free_port()}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run([*launch, "train.py", "x"], cwd=tmp_path, capture_output=True, text=True, timeout=50, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(line for line in ok.stdout.splitlines() if " rank " in line) == [
+        "[rank0] rank 0 of 2 ['--local_rank=0', 'x']", "[rank1] rank 1 of 2 ['--local_rank=1', 'x']"], ok.stdout
+
+
 _SAVE = r"""
 import sys, torch, deepspeed
 torch.manual_seed(0)
@@ -141,6 +156,11 @@ def test_python_m_deepspeed_utils_zero_to_fp32_consolidates(compat_bin: Path, tm
     got = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
     trained = torch.load(tmp_path / "trained.pt", weights_only=True)
     assert got.keys() == trained.keys() and all(torch.equal(got[k], trained[k].float()) for k in got)
+    z2t = subprocess.run([python, "-m", "deepspeed.utils.zero_to_torch", str(tmp_path / "ckpt"), str(tmp_path / "bf"),
+                          "--dtype", "bf16"], capture_output=True, text=True, timeout=60, env=env)
+    assert z2t.returncode == 0, z2t.stderr[-3000:]
+    bf = torch.load(tmp_path / "bf" / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(bf[k], trained[k].to(torch.bfloat16)) for k in got)
     bad = subprocess.run([*z2f, str(tmp_path / "nope"), str(tmp_path / "out")], capture_output=True,
                          text=True, timeout=60, env=env)
     assert bad.returncode == 1 and bad.stderr.splitlines() == [
