@@ -20,7 +20,8 @@
 - tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line).
 - DeepSpeed's import paths answered from the above: ``utils.py``, ``constants.py``,
   ``config_utils.py``, ``precision_config.py``, ``bf16_optimizer.py``, ``fp16/``,
-  ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused) and the refused
+  ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused),
+  ``checkpoint_engine/`` (its checkpoint-engine interface for a script's own files) and the refused
   ``domino/``.
 
 Submodules are attributes after a bare import (``dslaunch.runtime.lr_schedules``), imported on

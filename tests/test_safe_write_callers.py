@@ -39,6 +39,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "writes the path safe_write.atomic_path (via store.write_atomic) just created exclusively",
     ("runtime/checkpoint/deepspeed_pickle.py", "to_bytes", "torch.save"):
         "serializes into an io.BytesIO in memory; the callers write the bytes through safe_write (write_file, or format.write_object's create_new)",
+    ("runtime/checkpoint_engine/torch_checkpoint_engine.py", "save", "torch.save"):
+        "writes the path safe_write.atomic_path just created exclusively, renamed onto the target",
     ("runtime/checkpoint/export.py", "<lambda>", "torch.save"):
         "writes the path safe_write.atomic_path (via store.write_atomic) just created exclusively",
     ("runtime/checkpoint/export.py", "<lambda>", "save_file"):
