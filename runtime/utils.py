@@ -22,6 +22,11 @@ from typing import Any
 
 import torch
 
+from dslaunch.runtime.parallel.mpu import (
+    bwc_pipeline_parallel_group,
+    bwc_pipeline_parallel_world_size,
+    bwc_tensor_model_parallel_rank,
+)
 from dslaunch.runtime.pipe.module import partition_balanced, partition_uniform
 from dslaunch.safe_write import make_dirs
 from dslaunch.utils.refused import Refusal, refused_class
@@ -30,7 +35,9 @@ __all__ = ["set_random_seed", "see_memory_usage", "memory_status", "empty_cache"
            "clip_grad_norm_", "get_global_norm", "get_grad_norm", "get_weight_norm", "get_grad_zeros",
            "is_model_parallel_parameter", "partition_uniform", "partition_balanced", "prefix_sum_inc",
            "move_to_device", "call_to_str", "get_only_unique_item", "noop_decorator", "noop_context",
-           "ensure_directory_exists", "DummyOptim", "PartitionedTensor"]
+           "ensure_directory_exists", "DummyOptim", "PartitionedTensor",
+           # DeepSpeed imports these from deepspeed.utils.bwc at its module level
+           "bwc_tensor_model_parallel_rank", "bwc_pipeline_parallel_world_size", "bwc_pipeline_parallel_group"]
 
 _GIB = 1024 ** 3
 

@@ -5,7 +5,8 @@ utilities both the launcher and the runtime need (so the runtime never imports t
   ``log_dist``), ``groups.py`` (this rank's data/model/expert groups), ``z3_leaf_module.py`` (the ZeRO-3 leaf flags),
   ``comms_logging.py`` (the comms logger's records and table), ``timer.py``, ``numa.py``
   (``--bind_core_list`` syntax), ``torch.py`` (``required_torch_version``), ``module_utils.py``
-  (``recursive_getattr/setattr``), ``nvtx.py`` (``instrument_w_nvtx``), ``tensor_fragment.py``; the
+  (``recursive_getattr/setattr``), ``nvtx.py`` (``instrument_w_nvtx``), ``tensor_fragment.py``,
+  ``bwc.py`` (an mpu's axes under any of its names), ``init_on_device.py`` (``OnDevice``); the
   ZeRO ``safe_get/set_full_*`` and ``safe_get/set_local_*`` names resolve to ``dslaunch.runtime.zero``.
 - shared by launcher and runtime: ``ports.py`` (``free_port``), ``beat.py`` (the heartbeat wire
   format), ``restart.py`` (the restart variables), ``hostlist.py`` (host names, SLURM hostlists),
@@ -24,7 +25,8 @@ from typing import Any
 
 # ``z3_leaf_module`` is not among them: as in DeepSpeed, that name is the function of the same name.
 _SHADOWED = frozenset({"z3_leaf_module"})
-_SUBMODULES = ("beat", "groups", "hostlist", "logging", "module_utils", "numa", "nvtx", "ports", "refused", "restart",
+_SUBMODULES = ("beat", "bwc", "groups", "hostlist", "init_on_device", "logging", "module_utils", "numa", "nvtx", "ports",
+               "refused", "restart",
                "tensor_fragment", "timer", "torch", "zero_to_fp32", "zero_to_torch")
 
 # name -> module that defines it (DeepSpeed's ``from deepspeed.utils import logger``)

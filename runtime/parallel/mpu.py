@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["tensor_axis", "has_tensor_axis", "counted_in_norm", "gradient_reduce_group", "holds_model_parts"]
+__all__ = ["tensor_axis", "has_tensor_axis", "counted_in_norm", "gradient_reduce_group", "holds_model_parts",
+           # DeepSpeed's ``deepspeed.utils.bwc`` over the same lookup
+           "bwc_tensor_model_parallel_rank", "bwc_tensor_model_parallel_world_size",
+           "bwc_tensor_model_parallel_group", "bwc_pipeline_parallel_world_size", "bwc_pipeline_parallel_group"]
 
 What = Literal["group", "rank", "world_size"]
 _ORDER = ("get_tensor_model_parallel_{}", "get_slice_parallel_{}", "get_model_parallel_{}")
@@ -81,3 +84,55 @@ def holds_model_parts(mpu: Any) -> bool:
     if topology is None:
         return True
     return any(size > 1 for axis, size in topology.shape().items() if axis not in ("data", "sequence"))
+
+
+# ---- DeepSpeed's deepspeed.utils.bwc: no mpu means no model parallelism ----
+_PIPE = ("get_pipeline_model_parallel_{}", "get_pipe_parallel_{}")
+
+
+def _tensor(mpu: Any, what: What, alone: Any) -> Any:
+    return alone if mpu is None else tensor_axis(mpu, what)
+
+
+def bwc_tensor_model_parallel_rank(mpu: Any = None) -> int:
+    """This rank's index on the tensor axis (0 without an mpu)."""
+    return _tensor(mpu, "rank", 0)
+
+
+def bwc_tensor_model_parallel_world_size(mpu: Any = None) -> int:
+    """The tensor axis's size (1 without an mpu)."""
+    return _tensor(mpu, "world_size", 1)
+
+
+def bwc_tensor_model_parallel_group(mpu: Any = None) -> Any:
+    """The tensor axis's process group (None without an mpu)."""
+    return _tensor(mpu, "group", None)
+
+
+def _pipe(mpu: Any, what: str) -> Any:
+    for name in _PIPE:
+        get = getattr(mpu, name.format(what), None)
+        if callable(get):
+            return get
+    return None
+
+
+def bwc_pipeline_parallel_world_size(mpu: Any = None) -> int:
+    """The pipeline's stage count (1 without an mpu, or one that has no pipeline)."""
+    get = None if mpu is None else _pipe(mpu, "world_size")
+    return 1 if get is None else get()
+
+
+def bwc_pipeline_parallel_group(mpu: Any = None) -> Any:
+    """The pipeline's process group (None without an mpu).
+
+    Raises:
+        AttributeError: the mpu answers no pipeline group (DeepSpeed asserts).
+    """
+    if mpu is None:
+        return None
+    get = _pipe(mpu, "group")
+    if get is None:
+        raise AttributeError(f"{type(mpu).__name__} answers no pipeline group (get_pipeline_model_parallel_group "
+                             "or get_pipe_parallel_group)")
+    return get()
