@@ -14,7 +14,7 @@ use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"cpu_a
 ``"adagrad"``, ``"torch.adam"``, ``"torch.adamw"``, ``"torch.adagrad"``, ``"onebit_pack"`` and
 ``"onebit_unpack"`` on CPU; ``"torch.sgd"`` has none. The Triton kernels of ``triton/`` (where
 triton imports and CUDA is there) for ``"adam"``, ``"layer_norm"``, ``"rms_norm"``,
-``"bias_gelu"``, ``"onebit_pack"`` and ``"onebit_unpack"`` on CUDA devices.
+``"bias_gelu"``, ``"onebit_pack"``, ``"onebit_unpack"`` and ``"cross_entropy"`` on CUDA devices.
 The environment variable ``DSLAUNCH_KERNELS`` overrides the choice: ``auto`` (default),
 ``reference`` (never fused) or ``fused`` (fail with ``UsageError`` where no fused kernel runs).
 
@@ -52,6 +52,12 @@ Ops, and the signature a fused implementation must have (all update tensors in p
   ``"onebit_unpack"``: ``(rows, out, mean)``: each row's signs times its scale into ``out``, or
   their mean over the rows. References: ``reference.pack_reference``/``unpack_reference``, used by
   ``runtime.optim.compression`` (the 1-bit optimizers' exchange).
+
+- ``"cross_entropy"``: ``(logits, target, ignore_index=-100, block_rows=None) -> loss``,
+  differentiable: ``F.cross_entropy(logits.float(), target, reduction="none")`` of contiguous
+  ``[rows, vocab]`` logits (0 for ignored rows) without keeping an fp32 ``[rows, vocab]`` tensor;
+  the gradient comes in the logits' dtype. Reference: ``reference.cross_entropy_rows`` (blocks of
+  ``block_rows`` rows), used by ``runtime.chunked_cross_entropy``.
 
 ``inv_scale`` is None or the factor gradients are multiplied by inside the update (the gradients
 themselves stay as they are); ``chunk_numel`` is the reference's cache-sized batch, which a fused

@@ -111,6 +111,7 @@ _TRITON_KERNELS = {
     "bias_gelu": "dslaunch.kernels.triton.bias_gelu:bias_gelu",
     "onebit_pack": "dslaunch.kernels.triton.onebit:onebit_pack",
     "onebit_unpack": "dslaunch.kernels.triton.onebit:onebit_unpack",
+    "cross_entropy": "dslaunch.kernels.triton.cross_entropy:cross_entropy_rows",
 }
 
 
@@ -139,6 +140,7 @@ KERNELS = KernelTable(
         "bias_gelu": "dslaunch.kernels.reference:bias_gelu",
         "onebit_pack": "dslaunch.kernels.reference:pack_reference",
         "onebit_unpack": "dslaunch.kernels.reference:unpack_reference",
+        "cross_entropy": "dslaunch.kernels.reference:cross_entropy_rows",
     },
     fused=_fused((("cpu",), _CPU_AVAILABLE, _CPU_KERNELS), (("cuda",), _TRITON_AVAILABLE, _TRITON_KERNELS)),
 )

@@ -5,7 +5,8 @@ dslaunch's own optimizers' updates (``adam_update`` for ``runtime.optim.adam.Ada
 for ``runtime.optim.lion.Lion``, over cache-sized batches: ``chunks``), torch's own optimizer
 steps, the flat Adagrad and CPU Adam updates of DeepSpeed's CPU optimizers, the 1-bit packing of
 ``runtime.optim.compression`` (``pack_reference``/``unpack_reference``), and the norms and bias +
-GeLU of ``kernels/normalization.py``/``kernels/bias_gelu.py`` (torch's functional ops).
+GeLU of ``kernels/normalization.py``/``kernels/bias_gelu.py`` (torch's functional ops), and the
+row-blocked cross-entropy of ``runtime.chunked_cross_entropy`` (``cross_entropy_rows``).
 They live here, not next to their callers in ``runtime``, so ``kernels`` imports nothing above it.
 """
 
@@ -22,7 +23,7 @@ from dslaunch.kernels.chunks import CHUNK_NUMEL, chunked, unscaled
 
 __all__ = ["adam_update", "lion_update", "torch_step", "adagrad_update", "cpu_adam_update", "layer_norm",
            "rms_norm", "bias_gelu", "check_bias_gelu", "packbits", "unpackbits", "pack_reference",
-           "unpack_reference", "SCALE_BYTES"]
+           "unpack_reference", "SCALE_BYTES", "cross_entropy_rows", "cross_entropy_block_rows"]
 
 SCALE_BYTES = 4  # 1-bit rows: an fp32 scale travels as 4 bytes behind its chunk of signs
 
@@ -217,3 +218,56 @@ def unpack_reference(rows: torch.Tensor, out: torch.Tensor, mean: bool) -> None:
         out.div_(rows.shape[0])
     else:
         out.view(rows.shape[0], -1).copy_(signs).mul_(scales)
+
+
+# ---- "cross_entropy": per-row cross-entropy without an fp32 [rows, vocab] tensor kept --------------
+# A block of rows is about this many fp32 elements (256 MiB), whatever the vocabulary.
+_CE_BLOCK_ELEMENTS = 1 << 26
+
+
+def cross_entropy_block_rows(vocab: int) -> int:
+    """Rows per block for a vocabulary of ``vocab``: about ``_CE_BLOCK_ELEMENTS`` fp32 elements."""
+    return max(1, _CE_BLOCK_ELEMENTS // max(1, vocab))
+
+
+class _BlockedCrossEntropy(torch.autograd.Function):
+    """Per-row loss of ``[rows, vocab]`` logits, one block of rows in fp32 at a time. Saves the
+    logits as given and one fp32 log-sum-exp per row; backward rebuilds each block's softmax."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                block_rows: int) -> torch.Tensor:
+        counted = target != ignore_index
+        index = target.masked_fill(~counted, 0)  # an ignored row gathers column 0, then counts 0
+        lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
+        picked = torch.empty_like(lse)
+        for lo in range(0, logits.shape[0], block_rows):
+            block = logits[lo:lo + block_rows].float()
+            lse[lo:lo + block_rows] = torch.logsumexp(block, dim=-1)
+            picked[lo:lo + block_rows] = block.gather(-1, index[lo:lo + block_rows, None]).squeeze(-1)
+        ctx.save_for_backward(logits, index, counted, lse)
+        ctx.block_rows = block_rows
+        return torch.where(counted, lse - picked, torch.zeros_like(lse))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if torch.is_grad_enabled():  # the gradient is computed outside autograd: no second derivative
+            raise RuntimeError("the chunked cross-entropy has no second derivative (backward with create_graph)")
+        logits, index, counted, lse = ctx.saved_tensors
+        scale = torch.where(counted, grad.float(), torch.zeros_like(lse))
+        out = torch.empty_like(logits)
+        rows = ctx.block_rows
+        for lo in range(0, logits.shape[0], rows):
+            soft = (logits[lo:lo + rows].float() - lse[lo:lo + rows, None]).exp_()
+            soft.scatter_add_(-1, index[lo:lo + rows, None], soft.new_full((soft.shape[0], 1), -1.0))
+            out[lo:lo + rows] = soft.mul_(scale[lo:lo + rows, None])
+        return out, None, None, None
+
+
+def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                       block_rows: int | None = None) -> torch.Tensor:
+    """The reference ``"cross_entropy"`` op: ``F.cross_entropy(logits.float(), target,
+    reduction="none")`` of contiguous ``[rows, vocab]`` logits and ``[rows]`` long targets (0 where
+    ``ignore_index``), differentiable, its gradient in the logits' dtype."""
+    rows = block_rows or cross_entropy_block_rows(logits.shape[-1])
+    return _BlockedCrossEntropy.apply(logits, target, ignore_index, rows)

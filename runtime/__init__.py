@@ -17,7 +17,8 @@
   on request), ``shutdown.py`` (leaving cleanly at exit), ``timers.py``, ``throughput.py``,
   ``profiling/`` (the flops profiler, MFU), ``monitors/`` (TensorBoard, CSV, wandb, Comet),
   ``autotuning.py`` (one autotuning experiment).
-- tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line).
+- tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line),
+  ``chunked_cross_entropy.py`` (a causal-LM loss without an fp32 copy of the logits).
 - DeepSpeed's import paths answered from the above: ``utils.py``, ``constants.py``,
   ``config_utils.py``, ``precision_config.py``, ``bf16_optimizer.py``, ``fp16/``,
   ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused),

@@ -1,11 +1,13 @@
-"""GPU kernels in Triton: multi-tensor Adam/AdamW, LayerNorm/RMSNorm, bias + GeLU (+ dropout) and
-1-bit compression.
+"""GPU kernels in Triton: multi-tensor Adam/AdamW, LayerNorm/RMSNorm, bias + GeLU (+ dropout),
+1-bit compression and cross-entropy.
 
 - ``adam.py``: the ``"adam"`` dispatch op in one launch over many tensors (a table of pointers).
 - ``norms.py``: LayerNorm and RMSNorm forward and backward (``"layer_norm"``/``"rms_norm"`` ops).
 - ``bias_gelu.py``: bias + GeLU (erf or tanh) with optional seeded dropout, forward and backward
   (the ``"bias_gelu"`` op).
 - ``onebit.py``: the 1-bit pack and unpack of the 1-bit optimizers (``"onebit_pack"``/``"onebit_unpack"``).
+- ``cross_entropy.py``: per-row cross-entropy, forward and backward, without an fp32 copy of the
+  logits (the ``"cross_entropy"`` op).
 
 The dispatch point (``dslaunch.kernels.dispatch``) picks them on CUDA devices when ``available()``;
 elsewhere the torch reference runs. Importing this package imports neither torch nor triton: the

@@ -1,5 +1,5 @@
 """dslaunch on a CUDA device: the Triton kernels compiled for it against torch in fp64 (forward and
-backward, fp32/bf16/fp16), FusedAdam against torch's AdamW, the dispatch point, the accelerator
+backward, fp32/bf16/fp16; the chunked cross-entropy too), FusedAdam against torch's AdamW, the dispatch point, the accelerator
 API and the monitor's NVML memory. Marked ``gpu``: skipped without a CUDA device (CI never has one);
 ``scripts/gpu/check.sh`` runs them on a lent GPU. The engine on NCCL is compared with the CPU run
 there too (``scripts/gpu/engine_check.py``), not here: it needs the launcher around it.
@@ -68,6 +68,23 @@ def test_bias_gelu(approximate: str, dtype: torch.dtype) -> None:
     x, b = _randn(8, 33, 1027, dtype=dtype), _randn(1027, dtype=dtype, seed=1)
     _against_fp64(lambda x, b: bias_gelu(x, b, approximate), lambda x, b: F.gelu(x + b, approximate=approximate),
                   [x, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (7, 1000), (64, 32768), (5, 151936)])
+def test_chunked_cross_entropy(rows: int, vocab: int, dtype: torch.dtype) -> None:
+    from dslaunch.runtime.chunked_cross_entropy import chunked_cross_entropy
+
+    logits = _randn(rows, vocab, dtype=dtype).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(3)).to(CUDA)
+    target[0] = -100
+    loss = chunked_cross_entropy(logits, target, reduction="none", backend="triton")
+    (dx,) = torch.autograd.grad(loss.sum(), [logits])
+    x64 = logits.detach().double().requires_grad_()
+    want = F.cross_entropy(x64, target, reduction="none")
+    (dx64,) = torch.autograd.grad(want.sum(), [x64])
+    assert max_error(loss, want) <= TOLERANCE[torch.float32] and dx.dtype == dtype
+    assert max_error(dx, dx64) <= TOLERANCE[dtype], max_error(dx, dx64)
 
 
 def test_bias_gelu_dropout_keeps_one_mask_through_backward() -> None:

@@ -20,7 +20,7 @@ _COMPILE_ALL = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dslaunch.kernels.triton import adam, bias_gelu, norms
+from dslaunch.kernels.triton import adam, bias_gelu, cross_entropy, norms
 
 def compile(fn, sig, const):
     sig = {**sig, **{k: "constexpr" for k in const}}
@@ -51,6 +51,11 @@ for tanh, dropout, backward in [(False, False, False), (False, True, True), (Tru
                                           "p": "fp32", "scale": "fp32", "seed": "i32",
                                           **({"DY": "*bf16"} if backward else {})},
             {"TANH": tanh, "DROPOUT": dropout, "BACKWARD": backward, "BLOCK": 1024, **({} if backward else {"DY": None})})
+for dt in ("fp32", "bf16", "fp16"):
+    compile(cross_entropy._forward_kernel, {"LOGITS": "*" + dt, "TARGET": "*i64", "LSE": "*fp32", "LOSS": "*fp32",
+                                            "vocab": "i32", "ignore_index": "i32"}, {"BLOCK": 1024})
+    compile(cross_entropy._backward_kernel, {"LOGITS": "*" + dt, "TARGET": "*i64", "LSE": "*fp32", "SCALE": "*fp32",
+                                             "GRAD": "*" + dt, "vocab": "i32", "ignore_index": "i32"}, {"BLOCK": 1024})
 print("all compiled")
 '''
 
