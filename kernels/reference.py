@@ -242,9 +242,12 @@ class _BlockedCrossEntropy(torch.autograd.Function):
         lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
         picked = torch.empty_like(lse)
         for lo in range(0, logits.shape[0], block_rows):
-            block = logits[lo:lo + block_rows].float()
-            lse[lo:lo + block_rows] = torch.logsumexp(block, dim=-1)
+            # the one fp32 block alive, changed in place: a copy even of fp32 logits (never the caller's)
+            block = logits[lo:lo + block_rows].to(torch.float32, copy=True)
             picked[lo:lo + block_rows] = block.gather(-1, index[lo:lo + block_rows, None]).squeeze(-1)
+            peak = block.amax(dim=-1, keepdim=True)
+            lse[lo:lo + block_rows] = block.sub_(peak).exp_().sum(dim=-1).log_().add_(peak.squeeze(-1))
+            del block  # before the next block is made, not after: one block alive, not two
         ctx.save_for_backward(logits, index, counted, lse)
         ctx.block_rows = block_rows
         return torch.where(counted, lse - picked, torch.zeros_like(lse))
@@ -258,9 +261,10 @@ class _BlockedCrossEntropy(torch.autograd.Function):
         out = torch.empty_like(logits)
         rows = ctx.block_rows
         for lo in range(0, logits.shape[0], rows):
-            soft = (logits[lo:lo + rows].float() - lse[lo:lo + rows, None]).exp_()
+            soft = logits[lo:lo + rows].to(torch.float32, copy=True).sub_(lse[lo:lo + rows, None]).exp_()
             soft.scatter_add_(-1, index[lo:lo + rows, None], soft.new_full((soft.shape[0], 1), -1.0))
             out[lo:lo + rows] = soft.mul_(scale[lo:lo + rows, None])
+            del soft
         return out, None, None, None
 
 

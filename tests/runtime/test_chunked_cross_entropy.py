@@ -37,6 +37,7 @@ def test_values_and_gradients_are_torchs(dtype: torch.dtype, reduction: str, blo
     assert ours.grad.dtype == dtype  # the eager path casts its fp32 gradient to the logits' dtype too
     torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
     assert not ours.grad[[2, 7]].any()  # ignored rows: no gradient
+    assert torch.equal(ours.detach(), logits)  # the caller's logits untouched (fp32 ones too)
 
 
 def _saved_fp32_full(fn, logits: torch.Tensor, target: torch.Tensor) -> list[torch.Size]:
@@ -94,3 +95,14 @@ def test_bad_input() -> None:
     loss = chunked_cross_entropy(x, target)
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(loss, x, create_graph=True)
+
+
+def test_peak_memory_is_the_gradient_and_one_block() -> None:
+    from dslaunch.runtime.activation_checkpointing.memory import LiveBytes
+
+    logits, target = _data(torch.bfloat16)
+    x = logits.clone().requires_grad_()
+    with LiveBytes() as live:
+        chunked_cross_entropy(x, target, IGNORE, block_rows=2, backend="torch").backward()
+    grad, block = ROWS * VOCAB * 2, 2 * VOCAB * 4
+    assert grad <= live.peak <= grad + block + 2048, (live.peak, grad, block)  # 2 KiB: per-row vectors
