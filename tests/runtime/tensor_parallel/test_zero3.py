@@ -81,13 +81,17 @@ def _whole(engine) -> dict:
 
 
 def _train(rank: int, world: int, tp: int, stage: int, zero_init: bool = False) -> dict:
+    from dslaunch.utils import safe_get_full_fp32_param
+
     engine = _engine(tp, stage, world, zero_init)
     losses = _steps(engine, 0, STEPS)
+    sliced = getattr(engine.module, "ds_tensor_layout", {})
+    replicated = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if n not in sliced}
     shards = sum(g.master.numel() for g in engine.zero.groups)
     # DeepSpeed's optimizer._global_grad_norm (its TestTpGradNorm reads it): the engine's last norm
     assert engine.optimizer._global_grad_norm == engine.get_global_grad_norm() > 0
     return {"losses": losses, "norm": engine.optimizer._global_grad_norm, "whole": _whole(engine),
-            "shard": shards, "tp_rank": engine.grid.get_model_parallel_rank(),
+            "shard": shards, "replicated": replicated, "tp_rank": engine.grid.get_model_parallel_rank(),
             "data_rank": engine.grid.get_data_parallel_rank()}
 
 
@@ -116,6 +120,12 @@ def test_stage_3_trains_as_stage_2_and_the_unsharded_model(alone: dict, stage2: 
     whole = sum(v.numel() for v in alone["whole"].values())
     assert all(r["shard"] <= whole / 4 * 1.15 for r in got), ([r["shard"] for r in got], whole)
     assert [r["whole"] for r in got[1:]] == [{}, {}, {}]  # on rank 0 only (as stage 3 without AutoTP)
+    # the parameters whole on every slice (norms, row biases) stay equal on every rank: their
+    # gradients are the same on every slice (as in DeepSpeed, nothing sums them over the slices)
+    assert {r["tp_rank"] for r in got} == {0, 1} and len(got[0]["replicated"]) >= 9
+    for r in got[1:]:
+        for name, value in r["replicated"].items():
+            assert torch.equal(value, got[0]["replicated"][name]), (r["tp_rank"], r["data_rank"], name)
 
 
 def test_a_model_built_under_zero_init(stage2: list[dict]) -> None:
