@@ -112,7 +112,7 @@ def test_stage_3_trains_as_stage_2_and_the_unsharded_model(alone: dict, stage2: 
     assert z3["whole"].keys() == alone["whole"].keys()
     for name, value in z3["whole"].items():  # whole, unsliced: the one-process model's names and shapes
         assert torch.equal(value, z2["whole"][name]), name
-        torch.testing.assert_close(value, alone["whole"][name], rtol=0, atol=2e-6, msg=name)
+        torch.testing.assert_close(value, alone["whole"][name], rtol=0, atol=5e-7, msg=name)
     worst = max(abs(a - b) for a, b in zip(z3["losses"], alone["losses"], strict=True))
     assert worst <= 1e-6, (worst, z3["losses"], alone["losses"])
     assert alone["losses"][-1] < alone["losses"][0] - 0.05  # it trains
