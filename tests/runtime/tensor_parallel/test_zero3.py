@@ -26,30 +26,31 @@ STEPS, BATCH = 6, 8
 SGD = {"type": "SGD", "params": {"lr": 0.3, "momentum": 0.9}}
 
 
-def _config(tp: int, stage: int, world: int, optimizer: bool = True) -> dict:
+def _config(tp: int, stage: int, world: int, optimizer: bool = True, loss_parallel: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": BATCH * tp // world, "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.5, "steps_per_print": 1000,
             **({"optimizer": SGD} if optimizer else {}),
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                                   "stage3_gather_16bit_weights_on_model_save": True},
-            "tensor_parallel": {"autotp_size": tp}}
+            "tensor_parallel": {"autotp_size": tp, "loss_parallel": loss_parallel}}
 
 
-def _engine(tp: int, stage: int, world: int, zero_init: bool = False, optimizer: bool = True):
+def _engine(tp: int, stage: int, world: int, zero_init: bool = False, optimizer: bool = True,
+            tied: bool = False):
     import dslaunch
 
     torch.manual_seed(0)
     if zero_init:  # built partitioned over every rank, before the engine (zero.Init's default group)
         dslaunch.init_distributed()
         with dslaunch.zero.Init():
-            model = TrainableLM()
+            model = TrainableLM(tied=tied)
         # TrainableLM re-initialises its embedding after building it: under zero.Init that met the
         # partitioned placeholder; done whole here, as a script under zero.Init does it
         with dslaunch.zero.GatheredParameters([model.lm.embed.weight], modifier_rank=0):
             torch.nn.init.normal_(model.lm.embed.weight, std=0.02)
     else:
-        model = TrainableLM()
-    return dslaunch.initialize(model=model, config=_config(tp, stage, world, optimizer))[0]
+        model = TrainableLM(tied=tied)
+    return dslaunch.initialize(model=model, config=_config(tp, stage, world, optimizer, loss_parallel=tied))[0]
 
 
 def _ids(engine, step: int) -> torch.Tensor:
@@ -80,10 +81,10 @@ def _whole(engine) -> dict:
     return {k: v.clone() for k, v in engine.module_state_dict().items()}
 
 
-def _train(rank: int, world: int, tp: int, stage: int, zero_init: bool = False) -> dict:
+def _train(rank: int, world: int, tp: int, stage: int, zero_init: bool = False, tied: bool = False) -> dict:
     from dslaunch.utils import safe_get_full_fp32_param
 
-    engine = _engine(tp, stage, world, zero_init)
+    engine = _engine(tp, stage, world, zero_init, tied=tied)
     losses = _steps(engine, 0, STEPS)
     sliced = getattr(engine.module, "ds_tensor_layout", {})
     replicated = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if n not in sliced}
@@ -136,6 +137,16 @@ def test_a_model_built_under_zero_init(stage2: list[dict]) -> None:
     assert got["losses"] == stage2[0]["losses"]
     for name, value in got["whole"].items():
         assert torch.equal(value, stage2[0]["whole"][name]), name
+
+
+def test_a_tied_output_layer_and_the_vocab_parallel_loss() -> None:
+    """GPT-2's tie (the output layer holds the embedding's vocabulary shard: one parameter used by
+    two modules, gathered for both) with ``loss_parallel``: stage 3 is stage 2, bit for bit."""
+    z2, z3 = (run_world(_train, 4, 2, stage, False, True)[0] for stage in (2, 3))
+    assert z3["losses"] == z2["losses"] and z3["losses"][-1] < z3["losses"][0] - 0.05
+    assert torch.equal(z3["whole"]["lm.head.weight"], z3["whole"]["lm.embed.weight"])
+    for name, value in z3["whole"].items():
+        assert torch.equal(value, z2["whole"][name]), name
 
 
 def _checkpoints(rank: int, world: int, root: str) -> dict:
