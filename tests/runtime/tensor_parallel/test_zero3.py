@@ -26,17 +26,19 @@ STEPS, BATCH = 6, 8
 SGD = {"type": "SGD", "params": {"lr": 0.3, "momentum": 0.9}}
 
 
-def _config(tp: int, stage: int, world: int, optimizer: bool = True, loss_parallel: bool = False) -> dict:
+def _config(tp: int, stage: int, world: int, optimizer: bool = True, loss_parallel: bool = False,
+            offload: bool = False) -> dict:
+    host = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
     return {"train_micro_batch_size_per_gpu": BATCH * tp // world, "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.5, "steps_per_print": 1000,
             **({"optimizer": SGD} if optimizer else {}),
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                  "stage3_gather_16bit_weights_on_model_save": True},
+                                  "stage3_gather_16bit_weights_on_model_save": True, **host},
             "tensor_parallel": {"autotp_size": tp, "loss_parallel": loss_parallel}}
 
 
 def _engine(tp: int, stage: int, world: int, zero_init: bool = False, optimizer: bool = True,
-            tied: bool = False):
+            tied: bool = False, offload: bool = False):
     import dslaunch
 
     torch.manual_seed(0)
@@ -50,7 +52,8 @@ def _engine(tp: int, stage: int, world: int, zero_init: bool = False, optimizer:
             torch.nn.init.normal_(model.lm.embed.weight, std=0.02)
     else:
         model = TrainableLM(tied=tied)
-    return dslaunch.initialize(model=model, config=_config(tp, stage, world, optimizer, loss_parallel=tied))[0]
+    config = _config(tp, stage, world, optimizer, loss_parallel=tied, offload=offload)
+    return dslaunch.initialize(model=model, config=config)[0]
 
 
 def _ids(engine, step: int) -> torch.Tensor:
@@ -81,10 +84,11 @@ def _whole(engine) -> dict:
     return {k: v.clone() for k, v in engine.module_state_dict().items()}
 
 
-def _train(rank: int, world: int, tp: int, stage: int, zero_init: bool = False, tied: bool = False) -> dict:
+def _train(rank: int, world: int, tp: int, stage: int, zero_init: bool = False, tied: bool = False,
+           offload: bool = False) -> dict:
     from dslaunch.utils import safe_get_full_fp32_param
 
-    engine = _engine(tp, stage, world, zero_init, tied=tied)
+    engine = _engine(tp, stage, world, zero_init, tied=tied, offload=offload)
     losses = _steps(engine, 0, STEPS)
     sliced = getattr(engine.module, "ds_tensor_layout", {})
     replicated = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if n not in sliced}
@@ -129,11 +133,13 @@ def test_stage_3_trains_as_stage_2_and_the_unsharded_model(alone: dict, stage2: 
             assert torch.equal(value, got[0]["replicated"][name]), (r["tp_rank"], r["data_rank"], name)
 
 
-def test_a_model_built_under_zero_init(stage2: list[dict]) -> None:
+@pytest.mark.parametrize("zero_init, offload", [(True, False), (False, True)])
+def test_zero_init_and_offload(stage2: list[dict], zero_init: bool, offload: bool) -> None:
     """zero.Init partitions the model over all 4 ranks as it is built; initialize gathers it whole
     to cut the slices, and stage 3 partitions each slice (and the replicated rest) over its
-    data-parallel ranks: the run is the one without zero.Init, bit for bit."""
-    got = run_world(_train, 4, 2, 3, True)[0]
+    data-parallel ranks. ``offload_param`` and ``offload_optimizer`` keep the shards in host
+    memory. Either run is the plain one, bit for bit."""
+    got = run_world(_train, 4, 2, 3, zero_init, False, offload)[0]
     assert got["losses"] == stage2[0]["losses"]
     for name, value in got["whole"].items():
         assert torch.equal(value, stage2[0]["whole"][name]), name
