@@ -167,7 +167,7 @@ def _frozen(module: torch.nn.Module, cfg: DeepSpeedConfig, lr_scheduler: Any, tr
                           "optimizer= to initialize(), or drop the scheduler", key="scheduler")
     zero_cfg = cfg.zero_optimization
     frozen = Frozen(zero_cfg.stage, module, persistence_threshold=zero_cfg.stage3_param_persistence_threshold,
-                    offload_param=zero_cfg.offload_param.enabled)
+                    offload_param=zero_cfg.offload_param.enabled, process_group=gradient_reduce_group(grid))
     return EngineParts(frozen, None, None,  # type: ignore[arg-type]
                        _dataloader(cfg, training_data, collate_fn, grid))
 

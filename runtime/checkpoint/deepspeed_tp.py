@@ -11,9 +11,10 @@ moments and module weights are joined the same way; ``deepspeed_load`` cuts them
 live engine's tensor-parallel degree (any that divides the shapes), so the saving degree does not
 matter.
 
-Limitations: ZeRO stages 1 and 2 (DeepSpeed refuses AutoTP at stage 3; stage 0's optimizer state
-numbers one rank's slices only: load it with ``load_optimizer_states=False``); a tag without the
-affine map (DeepSpeed before 0.18, a Megatron ``mpu``'s) is refused in one line.
+Limitations: tested with ZeRO stages 1 and 2 (stage 0's optimizer state numbers one rank's slices
+only: load it with ``load_optimizer_states=False``); a ZeRO-3 tag of DeepSpeed 0.19.4+'s AutoTP
+(``zero_pp_rank_D_mp_rank_TT_model_states.pt``) is read by the same path but no test loads one yet;
+a tag without the affine map (DeepSpeed before 0.18, a Megatron ``mpu``'s) is refused in one line.
 """
 
 from __future__ import annotations

@@ -424,10 +424,11 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
 
 # ---- 16-bit export ------------------------------------------------------------------------------
 def save_16bit_model(parts: CheckpointParts, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
-                     exclude_frozen_parameters: bool = False) -> bool:
+                     exclude_frozen_parameters: bool = False, state_dict: dict | None = None) -> bool:
     """Rank 0 writes the module's state dict (model dtype) with ``torch.save``, atomically.
 
-    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
+    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``; ``state_dict``
+    (rank 0's) is written instead where the caller put it together (ZeRO-3 with AutoTP's slices).
 
     collective: call on all ranks.
     """
@@ -435,7 +436,8 @@ def save_16bit_model(parts: CheckpointParts, save_dir: str | os.PathLike, save_f
     ck.writer.wait()
     err = None
     # stage 3: gathered on all ranks; AutoEP's experts put together (the Hugging Face model's layout)
-    sd = unconverted_state_dict(parts.module, module_state_dict(parts.module, exclude_frozen_parameters))
+    sd = state_dict if state_dict is not None else \
+        unconverted_state_dict(parts.module, module_state_dict(parts.module, exclude_frozen_parameters))
     if ck.comm.rank == 0:
         path = Path(save_dir) / save_filename
         try:

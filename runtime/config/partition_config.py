@@ -9,7 +9,8 @@ slices are gathered, every rank gets the whole output), ``row`` this rank's inpu
 all-reduce after it), ``skip`` and no match leave the Linear whole (``strict_mode``: no match is an
 error). ``shape`` cuts a fused weight into sub-parameters along the split dimension (``[3, -1]``:
 three equal ones, ``[[q, k, v], -1]``: of those sizes), each split over the ranks.
-``model_types`` limits a spec to models whose ``config.model_type`` is listed. ``grad_allreduce``
+``model_types`` limits a spec to models whose ``config.model_type`` is listed (without one: the family
+in the model's class name, ``GPT2Block`` -> ``gpt2``, as DeepSpeed). ``grad_allreduce``
 (skip specs): the replicated parameter's gradient is summed over the tensor group.
 
 The rules replace dslaunch's dataflow planner for the model (as DeepSpeed's replace its

@@ -110,16 +110,14 @@ class TensorParallelConfig:
         return max(self.autotp_size, 1)
 
     def check(self, zero_stage: int) -> None:
-        """The combinations DeepSpeed refuses, one line each.
+        """The combinations DeepSpeed refuses, one line each. Every ZeRO stage composes with AutoTP
+        (stage 3 partitions each slice over its data-parallel ranks, as DeepSpeed 0.19.4+), so
+        ``zero_stage`` refuses nothing.
 
         Raises:
-            ConfigError: ``tp.tp_size`` differing from ``autotp_size``, or ZeRO stage 3 with AutoTP.
+            ConfigError: ``tp.tp_size`` differing from ``autotp_size``.
         """
         inner = (self.tp or {}).get("tp_size", 1)
         if self.size > 1 and inner not in (1, self.autotp_size):
             raise ConfigError(f"{inner} does not match tensor_parallel.autotp_size ({self.autotp_size}); "
                               "remove it or make them equal", key="tensor_parallel.tp.tp_size")
-        if self.size > 1 and zero_stage == 3:
-            raise ConfigError("AutoTP training composes with ZeRO stages 0-2 only in dslaunch (DeepSpeed 0.16.4-0.19.3 "
-                              "refused stage 3 too; 0.19.4+ trains it); use zero_optimization.stage 1 or 2, or "
-                              "remove tensor_parallel", key="tensor_parallel.autotp_size")

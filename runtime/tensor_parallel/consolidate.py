@@ -46,20 +46,28 @@ def _assemble(local: torch.Tensor, entry: list, group: Any) -> torch.Tensor:
     return out.t().contiguous() if transposed else out.contiguous()
 
 
-def whole_state_dict(module: nn.Module, group: Any) -> dict[str, torch.Tensor]:
+def whole_state_dict(module: nn.Module, group: Any, sliced: dict[str, torch.Tensor] | None = None
+                     ) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every tensor-parallel slice made whole (copies: the module
-    keeps its slices). collective: every rank of ``group``.
+    keeps its slices).
+
+    Args:
+        sliced: this rank's state dict to join instead of ``module.state_dict()`` (ZeRO-3's, each
+            slice gathered whole over the data-parallel ranks first: ``zero.full_state``).
+
+    collective: every rank of ``group``.
     """
-    sd: dict[str, torch.Tensor] = {}
+    hand_built: dict[str, tuple[TensorParallelLayer, torch.Tensor]] = {}
     for prefix, m in module.named_modules(remove_duplicate=False):
         if isinstance(m, TensorParallelLayer):
             for attr, p in m.named_parameters(recurse=False):
-                sd[f"{prefix}.{attr}" if prefix else attr] = m.whole(p)
+                hand_built[f"{prefix}.{attr}" if prefix else attr] = (m, p)
     out = {}
     layout = getattr(module, "ds_tensor_layout", None) or {}
-    for name, t in module.state_dict().items():
-        if name in sd:
-            out[name] = sd[name]
+    for name, t in (module.state_dict() if sliced is None else sliced).items():
+        if name in hand_built:
+            layer, p = hand_built[name]
+            out[name] = layer.whole(p, t)
         elif name in layout:
             out[name] = _assemble(t, layout[name], group)
         else:

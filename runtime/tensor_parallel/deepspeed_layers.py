@@ -88,11 +88,14 @@ class TensorParallelLayer:
             param.gather_params, param._tp_partition = self.gather_params, self._tp_partition
 
     @torch.no_grad()
-    def whole(self, p: torch.Tensor) -> torch.Tensor:
-        """A whole copy of this layer's parameter ``p`` (``p`` itself unchanged). collective."""
-        if self.is_tp_parallel and getattr(p, TP_MARK, False) and p.shape[self._dim(p)] != sum(self._partition_sizes):
-            return gather_dim(p.detach(), list(self._partition_sizes), self._dim(p), self.mp_group)
-        return p.detach().clone()
+    def whole(self, p: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
+        """A whole copy of this layer's parameter ``p`` (``p`` itself unchanged), from ``value``
+        (this rank's slice of it; default ``p``'s own: ZeRO-3 passes the gathered one). collective."""
+        value = p if value is None else value
+        if (self.is_tp_parallel and getattr(p, TP_MARK, False)
+                and value.shape[self._dim(value)] != sum(self._partition_sizes)):
+            return gather_dim(value.detach(), list(self._partition_sizes), self._dim(value), self.mp_group)
+        return value.detach().clone()
 
     @torch.no_grad()
     def gather_params(self, params_list: list[torch.Tensor | None]) -> None:

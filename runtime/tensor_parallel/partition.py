@@ -19,6 +19,7 @@ DeepSpeed scatters it first).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -42,9 +43,19 @@ __all__ = ["plan_from_rules", "register_grad_allreduce"]
 _KEY = "tensor_parallel.partition_config"
 
 
+# DeepSpeed's fallback when the model has no config.model_type: a family name read off the model's
+# class (``str(type(model))``), first pattern that matches
+_CLASS_FAMILY = (re.compile(r"(\w+)DecoderLayer"), re.compile(r"(\w+)Block"), re.compile(r"(\w+)Layer"))
+
+
 def _model_type(model: nn.Module) -> str | None:
+    """The name ``model_types`` rules are matched against, as DeepSpeed's AutoTP finds it:
+    ``config.model_type``, else the family in the model's class name (``GPT2Block`` -> ``gpt2``)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return model_type.lower() if isinstance(model_type, str) else None
+    if isinstance(model_type, str) and model_type:
+        return model_type.lower()
+    found = (pattern.search(str(type(model))) for pattern in _CLASS_FAMILY)
+    return next((m.group(1).lower() for m in found if m is not None), None)
 
 
 def _sub_sizes(spec: LayerSpec, name: str, whole: int, dim: int) -> list[int]:

@@ -11,6 +11,14 @@ gradients of every slice those of the whole model: ZeRO then only reduces over t
 Parameters the caller already holds (``model_parameters``, a client optimizer's param groups)
 are pointed at the shards that replaced them.
 
+Every ZeRO stage composes: ZeRO works on the data-parallel group (the ranks holding the same
+slice), so at stage 3 each slice is partitioned over it, gathered over it for each module's
+forward and backward, and its gradient reduced over it; the tensor layers' all-reduces run over
+the tensor group as at the other stages (DeepSpeed 0.19.4+). Parameters whole on every slice
+(norms, a row layer's bias) get the same gradient on every slice (computed from the same whole
+activations; DeepSpeed does not reduce them over the slices either, but for ``grad_allreduce``
+rules). A model built under ``zero.Init`` is gathered whole to be planned and cut.
+
 Limitations: fewer KV heads than ``autotp_size`` is refused (each KV head would be held by
 several ranks, each with part of its gradient); dropout in the replicated parts must draw the same
 mask on every slice (the same seed on every rank does that, as DeepSpeed requires too).
@@ -63,8 +71,19 @@ def shard_for_training(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan
             model the planner cannot trace, or ``loss_parallel`` for a model without a split output
             layer or a ``loss_function`` (one line each).
 
-    collective: every rank of the tensor group.
+    collective: every rank of the tensor group (and of the group ``zero.Init`` partitioned the model
+    over, if it did).
     """
+    from dslaunch.runtime.zero.partition_parameters import GatheredParameters
+
+    # A model built under zero.Init is whole while it is planned and cut (as without it, the whole
+    # model on every rank at once); what stays replicated returns to its partitions after it, and
+    # the engine's stage 3 partitions it again over the data-parallel group.
+    with GatheredParameters(list(model.parameters())):
+        return _shard(model, grid, config)
+
+
+def _shard(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan, dict[int, nn.Parameter]]:
     from dslaunch.errors import UsageError
     from dslaunch.runtime.inference.loading import ModuleSource
 

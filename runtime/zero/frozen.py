@@ -42,6 +42,8 @@ class Frozen:
         module: the model; at stage 3 it is partitioned and hooked (collective).
         persistence_threshold: stage 3: parameters of at most this many elements stay whole.
         offload_param: stage 3: the shards of parameters partitioned here live in host memory.
+        process_group: stage 3: the ranks the parameters are partitioned over (None: all), the
+            data-parallel group of an engine whose replicas hold different parts (AutoTP's slices).
 
     collective: construct on all ranks (stage 3 partitions the module).
     """
@@ -51,13 +53,13 @@ class Frozen:
     backward_pending = False  # no gradient hooks: nothing to complete
 
     def __init__(self, stage: int, module: torch.nn.Module | None = None, persistence_threshold: int = 0,
-                 offload_param: bool = False):
+                 offload_param: bool = False, process_group: Any = None):
         self.stage = stage
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         self.fetcher = None
         if stage == 3 and module is not None:
-            self.fetcher = _partition_for_forward(module, persistence_threshold, offload_param)
+            self.fetcher = _partition_for_forward(module, persistence_threshold, offload_param, process_group)
 
     def synchronize(self) -> None:
         """Nothing is ever in flight (stage 3's gathers complete before the forward runs)."""
@@ -90,12 +92,14 @@ class Frozen:
         """Nothing to restore (the checkpoint code checked the saved groups against ``state_dict``)."""
 
 
-def _partition_for_forward(module: torch.nn.Module, persistence_threshold: int, offload_param: bool) -> Any:
+def _partition_for_forward(module: torch.nn.Module, persistence_threshold: int, offload_param: bool,
+                           process_group: Any) -> Any:
     """Partition what ``zero.Init`` did not, keep small parameters whole, hook every module."""
     from dslaunch.runtime.zero.fetcher import ParamFetcher
     from dslaunch.runtime.zero.partition_parameters import Init
 
-    Init(module=module, remote_device="cpu" if offload_param else None)  # skips partitioned ones
+    # skips partitioned ones
+    Init(module=module, data_parallel_group=process_group, remote_device="cpu" if offload_param else None)
     params = list(module.parameters())
     small = [p for p in params if not p.ds_persist and p.ds_numel <= persistence_threshold]
     zp.fetch(small)  # collective, the same list on every rank

@@ -125,6 +125,8 @@ class ZeroStrategy:
                          or not part.placement.publisher.gate(module)]
         self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups],
                                         self._flat_shards())
+        # DeepSpeed's ZeRO optimizers keep the last step's norm here (scripts and its tests read it)
+        self.optimizer._global_grad_norm = 0.0
         # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
@@ -267,7 +269,10 @@ class ZeroStrategy:
             for g, grad in zip(self.groups, grads, strict=True):
                 g.master.grad = grad
         try:
-            return self._update(grads, loss_scale, clip, check_overflow)
+            result = self._update(grads, loss_scale, clip, check_overflow)
+            if result.grad_norm is not None:  # unscaled, before clipping (inf/nan on overflow), as DeepSpeed's
+                self.optimizer._global_grad_norm = result.grad_norm
+            return result
         finally:
             # Gradients are reachable from the optimizer only during the step (see the module doc).
             for g in self.groups:

@@ -23,6 +23,34 @@ def test_partition_config_is_read_as_deepspeed_writes_it() -> None:
     assert got.spec_for("layers.0.norm.weight", "qwen3") is norm and got.spec_for("layers.0.norm.weight", "llama") is None
 
 
+def test_stage_3_is_accepted_with_autotp() -> None:
+    cfg = load_config({**BASE, "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 3}}, 8,
+                      global_world=True)
+    assert (cfg.tensor_parallel.size, cfg.zero_optimization.stage) == (2, 3)
+
+
+def test_model_types_match_the_class_family_without_a_model_type() -> None:
+    """DeepSpeed's fallback: a model without ``config.model_type`` is named by its class
+    (``...DecoderLayer``, ``...Block``, ``...Layer``); ``config.model_type`` wins when set."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from dslaunch.runtime.tensor_parallel.partition import _model_type
+
+    class Qwen3Block(nn.Module):
+        pass
+
+    class Plain(nn.Module):
+        pass
+
+    assert _model_type(Qwen3Block()) == "qwen3"
+    assert _model_type(Plain()) is None
+    named = Qwen3Block()
+    named.config = SimpleNamespace(model_type="Llama")
+    assert _model_type(named) == "llama"
+
+
 def test_the_batch_counts_every_rank_as_deepspeed_does_without_an_mpu() -> None:
     """DeepSpeed (no mpu) resolves train_batch_size against the whole world, tensor slices included
     (what accelerate writes: micro * gas * processes); data_parallel_size is the true one."""
@@ -37,8 +65,6 @@ def test_the_batch_counts_every_rank_as_deepspeed_does_without_an_mpu() -> None:
 
 @pytest.mark.parametrize("extra, message", [
     ({"tensor_parallel": {"autotp_size": 3}}, "tensor_parallel.autotp_size=3 must divide the world size 8"),
-    ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 3}},
-     "'tensor_parallel.autotp_size': AutoTP training composes with ZeRO stages 0-2 only"),
     ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}},
      "'tensor_parallel.tp.tp_size': 4 does not match tensor_parallel.autotp_size (2)"),
     ({"tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}},

@@ -166,24 +166,29 @@ def test_partition_config_refusals_are_one_line(rules: dict, message: str) -> No
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def _consolidated(rank: int, world: int) -> dict:
-    """The whole state dict of a model split by the planner and of one with hand-built layers."""
+def _consolidated(rank: int, world: int, stage: int) -> dict:
+    """The whole state dict of a model split by the planner and of one with hand-built layers
+    at tp 2 (stage 3 on 4 ranks: each slice partitioned over 2 data-parallel ranks, gathered, then
+    joined)."""
     import dslaunch
     from dslaunch.module_inject.layers import LinearAllreduce, LinearLayer
     from dslaunch.utils import groups
     from tests.runtime.tensor_parallel.models import TrainableLM
 
-    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": world},
-              "zero_optimization": {"stage": 1}, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
     torch.manual_seed(0)
     model = TrainableLM()
     whole = {k: v.clone() for k, v in model.state_dict().items()}
     engine = dslaunch.initialize(model=model, config=config)[0]
     planner = engine._consolidated_16bit_state_dict()
-    same = planner is None if rank else (planner.keys() == whole.keys()
+    elsewhere = (None, {})  # not rank 0: None, as DeepSpeed's; stage 3's ({}, as ZeRO-3 without AutoTP)
+    same = planner in elsewhere if rank else (planner.keys() == whole.keys()
                                          and all(torch.equal(planner[k], whole[k]) for k in whole))
     attn = engine.module.lm.blocks[0].attn
-    split = attn.q.weight.shape[0] < whole["lm.blocks.0.attn.q.weight"].shape[0]
+    q = attn.q.weight
+    split = (q.ds_shape if stage == 3 else q.shape)[0] < whole["lm.blocks.0.attn.q.weight"].shape[0]
     # the planner's layers answer to DeepSpeed's classes (code that finds the split layers by them)
     classes = (isinstance(attn.q, LinearLayer) and isinstance(attn.o, LinearAllreduce)
                and not isinstance(attn.o, LinearLayer) and isinstance(engine.module.lm.head, LinearLayer))
@@ -194,16 +199,18 @@ def _consolidated(rank: int, world: int) -> dict:
     group = groups.get_tensor_model_parallel_group()
     hand[0], hand[1] = LinearLayer(hand[0], group), LinearAllreduce(hand[1], group)
     rules = {"layer_specs": [{"patterns": [".*"], "partition_type": "skip"}]}
-    engine = dslaunch.initialize(model=hand, config={**config, "tensor_parallel": {"autotp_size": world,
+    engine = dslaunch.initialize(model=hand, config={**config, "tensor_parallel": {"autotp_size": 2,
                                                                                    "partition_config": rules}})[0]
     built = engine._consolidated_16bit_state_dict()
-    same_hand = built is None if rank else all(torch.equal(built[k], whole_hand[k]) for k in whole_hand)
+    same_hand = built in elsewhere if rank else all(torch.equal(built[k], whole_hand[k]) for k in whole_hand)
+    shapes = [p.ds_shape if stage == 3 else p.shape for p in (hand[0].weight, hand[1].weight)]
     return {"planner": same, "split": split, "classes": classes, "hand-built": same_hand,
-            "still split": hand[0].weight.shape == (4, 6) and hand[1].weight.shape == (6, 4)}
+            "still split": shapes == [(4, 6), (6, 4)]}
 
 
-def test_the_consolidated_state_dict_is_the_unsplit_models() -> None:
-    for rank, checks in enumerate(run_world(_consolidated, 2, timeout=100)):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_consolidated_state_dict_is_the_unsplit_models(stage: int) -> None:
+    for rank, checks in enumerate(run_world(_consolidated, 2 if stage < 3 else 4, stage, timeout=100)):
         assert all(checks.values()), (rank, checks)
 
 
