@@ -21,8 +21,9 @@ What = Literal["group", "rank", "world_size"]
 _ORDER = ("get_tensor_model_parallel_{}", "get_slice_parallel_{}", "get_model_parallel_{}")
 
 
-def _method(mpu: Any, what: What) -> Any:
-    for name in _ORDER:
+def _method(mpu: Any, what: What, order: tuple[str, ...] = _ORDER) -> Any:
+    """The first of ``order``'s methods (``what`` filled in) that ``mpu`` has, or None."""
+    for name in order:
         get = getattr(mpu, name.format(what), None)
         if callable(get):
             return get
@@ -109,17 +110,9 @@ def bwc_tensor_model_parallel_group(mpu: Any = None) -> Any:
     return _tensor(mpu, "group", None)
 
 
-def _pipe(mpu: Any, what: str) -> Any:
-    for name in _PIPE:
-        get = getattr(mpu, name.format(what), None)
-        if callable(get):
-            return get
-    return None
-
-
 def bwc_pipeline_parallel_world_size(mpu: Any = None) -> int:
     """The pipeline's stage count (1 without an mpu, or one that has no pipeline)."""
-    get = None if mpu is None else _pipe(mpu, "world_size")
+    get = None if mpu is None else _method(mpu, "world_size", _PIPE)
     return 1 if get is None else get()
 
 
@@ -131,7 +124,7 @@ def bwc_pipeline_parallel_group(mpu: Any = None) -> Any:
     """
     if mpu is None:
         return None
-    get = _pipe(mpu, "group")
+    get = _method(mpu, "group", _PIPE)
     if get is None:
         raise AttributeError(f"{type(mpu).__name__} answers no pipeline group (get_pipeline_model_parallel_group "
                              "or get_pipe_parallel_group)")
