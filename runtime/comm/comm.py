@@ -45,6 +45,9 @@ __all__ = [
     "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "get_all_ranks_from_group",
     "comms_logger", "configure", "log_summary", "start_profiling_comms", "stop_profiling_comms",
     "start_profiling_op", "stop_profiling_op", "mpi_discovery",
+    "all_to_all", "broadcast_object_list", "all_gather_object", "batch_isend_irecv", "P2POp", "all_gather_coalesced",
+    "has_all_reduce_coalesced", "has_coalescing_manager", "reset_log", "has_comm_data", "get_comm_operation_count",
+    "get_logged_comm_ops", "in_aml", "in_aws_sm", "in_dlts",
 ]
 
 _PROFILING_KWARGS = ("prof", "log_name", "debug")
@@ -142,6 +145,11 @@ reduce_scatter_tensor = _collective(getattr(_dist, "reduce_scatter_single", _dis
 gather = _collective(_dist.gather)
 scatter = _collective(_dist.scatter)
 all_to_all_single = _collective(_dist.all_to_all_single)
+all_to_all = _collective(_dist.all_to_all)
+broadcast_object_list = _collective(_dist.broadcast_object_list)
+all_gather_object = _collective(_dist.all_gather_object)
+batch_isend_irecv = _collective(_dist.batch_isend_irecv)
+P2POp = _dist.P2POp
 send = _collective(_dist.send)
 recv = _collective(_dist.recv)
 isend = _collective(_dist.isend)
@@ -204,8 +212,31 @@ def reduce_scatter_fn(output_tensor: Any, tensor: Any, op: ReduceOp = ReduceOp.S
     return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
+def all_gather_coalesced(output_tensors: list[Any], input_tensors: list[Any], group: ProcessGroup | None = None,
+                         async_op: bool = False) -> Any:
+    """``all_gather_into_tensor`` of each input into its output, in order (DeepSpeed's name; one
+    collective per pair). Returns the last one's work with ``async_op``.
+
+    collective: call on all ranks with inputs of the same shapes.
+    """
+    if len(output_tensors) != len(input_tensors):
+        raise ValueError(f"all_gather_coalesced: {len(output_tensors)} outputs for {len(input_tensors)} inputs")
+    works = [all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+             for out, inp in zip(output_tensors, input_tensors, strict=True)]
+    return works[-1] if async_op and works else None
+
+
 def has_all_gather_into_tensor() -> bool:
     return True
+
+
+def has_all_reduce_coalesced() -> bool:
+    return True
+
+
+def has_coalescing_manager() -> bool:
+    """False: ``all_gather_coalesced`` and ``all_reduce_coalesced`` issue one collective per tensor."""
+    return False
 
 
 def has_reduce_scatter_tensor() -> bool:
@@ -229,6 +260,40 @@ def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_al
             setattr(comms_logger, key, bool(value))
     if prof_ops is not None:
         comms_logger.prof_ops = list(_ops("prof_ops", prof_ops))
+
+
+def reset_log() -> None:
+    """Forget what the comms logger recorded (per-epoch tables: ``log_summary`` then ``reset_log``)."""
+    comms_logger.reset()
+
+
+def has_comm_data() -> bool:
+    return comms_logger.has_data()
+
+
+def get_comm_operation_count() -> int:
+    """How many collectives the comms logger recorded, all kinds together."""
+    return comms_logger.get_total_operations()
+
+
+def get_logged_comm_ops() -> list[str]:
+    """The names of the collectives the comms logger recorded (``all_reduce``, ...)."""
+    return comms_logger.get_operation_names()
+
+
+def in_aml() -> bool:
+    """Running in Azure Machine Learning (``AZUREML_EXPERIMENT_ID`` set), as DeepSpeed tells."""
+    return "AZUREML_EXPERIMENT_ID" in os.environ
+
+
+def in_aws_sm() -> bool:
+    """Running in AWS SageMaker (``SM_TRAINING_ENV`` set)."""
+    return "SM_TRAINING_ENV" in os.environ
+
+
+def in_dlts() -> bool:
+    """Running under Microsoft's DLTS (``DLTS_JOB_ID`` set)."""
+    return "DLTS_JOB_ID" in os.environ
 
 
 def start_profiling_comms() -> None:

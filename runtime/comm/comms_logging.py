@@ -24,8 +24,10 @@ _GATHERS = ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_sc
 _ALL_REDUCES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced")
 # op -> the argument (torch.distributed's name) holding what each rank contributes; else "tensor"
 _PAYLOAD = {"all_gather_into_tensor": "input_tensor", "reduce_scatter": "output", "reduce_scatter_tensor": "output",
-            "all_to_all_single": "input", "all_reduce_coalesced": "tensors", "barrier": None,
-            "monitored_barrier": None}
+            "all_to_all_single": "input", "all_to_all": "input_tensor_list", "all_reduce_coalesced": "tensors",
+            "barrier": None, "monitored_barrier": None,
+            # Python objects, or a list of point-to-point ops: no tensor size to read
+            "broadcast_object_list": None, "all_gather_object": None, "batch_isend_irecv": None}
 
 
 def convert_size(size_bytes: int) -> str:
@@ -56,7 +58,7 @@ def calc_bw_log(op: str, size: int, duration_ms: float, n: int) -> tuple[float, 
     elif op in _ALL_REDUCES:  # a reduce-scatter then an all-gather: 2 (n - 1) / n per byte
         algbw = size / duration_ms
         busbw = algbw * 2 * (n - 1) / n
-    elif op == "all_to_all_single":
+    elif op in ("all_to_all_single", "all_to_all"):
         algbw = size / duration_ms
         busbw = algbw * (n - 1) / n
     else:  # broadcast, reduce, gather, scatter, point-to-point, barrier

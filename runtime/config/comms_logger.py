@@ -19,7 +19,8 @@ __all__ = ["CommsLoggerConfig", "OPS"]
 #: The operations the logger can time (DeepSpeed's names; ``prof_ops`` picks among them).
 OPS = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
        "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter",
-       "all_to_all_single", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier")
+       "all_to_all_single", "all_to_all", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
+       "monitored_barrier", "broadcast_object_list", "all_gather_object")
 
 
 def _ops(path: str, value: Any) -> tuple[str, ...]:

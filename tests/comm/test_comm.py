@@ -84,3 +84,42 @@ def _queries_before_init(rank: int, world: int) -> str:
 @pytest.mark.timeout(60)
 def test_queries_before_init_name_the_call_to_make() -> None:
     assert run_world(_queries_before_init, 1) == ["ok"]
+
+
+def _object_and_list_collectives(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    comm.configure(enabled=True, prof_all=True)
+    objects = [{"from": 0, "items": [1, 2]}] if rank == 0 else [None]
+    comm.broadcast_object_list(objects, src=0)
+    gathered: list = [None] * world
+    comm.all_gather_object(gathered, ("rank", rank))
+    outs = [torch.empty(2) for _ in range(world)]
+    comm.all_to_all(outs, [torch.full((2,), 10.0 * rank + j) for j in range(world)])
+    peer = 1 - rank
+    got = torch.empty(3)
+    ops = [comm.P2POp(dist.isend, torch.full((3,), float(rank)), peer), comm.P2POp(dist.irecv, got, peer)]
+    for work in comm.batch_isend_irecv(ops):
+        work.wait()
+    out = [torch.empty(world * 2), torch.empty(world)]
+    comm.all_gather_coalesced(out, [torch.full((2,), float(rank)), torch.tensor([rank + 0.5])])
+    counted = (comm.has_comm_data(), comm.get_comm_operation_count(), sorted(comm.get_logged_comm_ops()))
+    comm.reset_log()
+    return {"objects": objects, "gathered": gathered, "all_to_all": [o.tolist() for o in outs], "p2p": got.tolist(),
+            "coalesced": [o.tolist() for o in out], "counted": counted, "after_reset": comm.has_comm_data()}
+
+
+@pytest.mark.timeout(60)
+def test_object_point_to_point_and_coalesced_collectives() -> None:
+    r0, r1 = run_world(_object_and_list_collectives, 2)
+    for rank, r in enumerate((r0, r1)):
+        assert r["objects"] == [{"from": 0, "items": [1, 2]}]
+        assert r["gathered"] == [("rank", 0), ("rank", 1)]
+        assert r["all_to_all"] == [[float(10 * j + rank)] * 2 for j in range(2)]
+        assert r["p2p"] == [float(1 - rank)] * 3
+        assert r["coalesced"] == [[0.0, 0.0, 1.0, 1.0], [0.5, 1.5]]
+        has, count, names = r["counted"]
+        assert has and count >= 6 and {"broadcast_object_list", "all_gather_object", "all_to_all",
+                                        "batch_isend_irecv"} <= set(names), r["counted"]
+        assert r["after_reset"] is False
