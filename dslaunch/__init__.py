@@ -51,19 +51,33 @@ _LAZY = {
     "tp_model_init": "dslaunch.runtime.api",
     "set_autotp_mode": "dslaunch.module_inject",
     "DeepSpeedConfigError": "dslaunch.errors",
+    # more of DeepSpeed's top-level names (its __init__ imports them)
+    "PipelineModule": "dslaunch.pipe",
+    "logger": "dslaunch.utils.logging",
+    "log_dist": "dslaunch.utils.logging",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT": "dslaunch.constants",
+    "DeepSpeedInferenceConfig": "dslaunch.inference",
+    "MUON_OPTIMIZER": "dslaunch.runtime.config",
+    "version": "dslaunch.git_version_info",
+    "git_hash": "dslaunch.git_version_info",
+    "git_branch": "dslaunch.git_version_info",
 }
+# DeepSpeed's ``deepspeed.dist``: its comm module under another name
+_MODULE_ALIASES = {"dist": "dslaunch.comm"}
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
 _SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "compression", "inference", "io",
                 "launcher", "module_inject", "moe", "monitor", "ops", "pipe", "profiling", "runtime", "sequence",
                 "utils", "zero")
 
-__all__ = ["__version__", "__git_hash__", "__git_branch__", *_LAZY, *_SUBPACKAGES]
+__all__ = ["__version__", "__git_hash__", "__git_branch__", *_LAZY, *_SUBPACKAGES, *_MODULE_ALIASES]
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBPACKAGES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _MODULE_ALIASES:
+        return importlib.import_module(_MODULE_ALIASES[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dslaunch' has no attribute {name!r}")
@@ -73,4 +87,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | set(_SUBPACKAGES))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBPACKAGES) | set(_MODULE_ALIASES))

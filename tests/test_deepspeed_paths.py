@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -211,3 +212,17 @@ def test_csv_monitor_names_its_settings_as_deepspeed() -> None:
     default = csvMonitor(DeepSpeedMonitorConfig().csv_monitor)
     assert (default.output_path, default.job_name) == (DeepSpeedMonitorConfig().csv_monitor.output_path,
                                                        DeepSpeedMonitorConfig().csv_monitor.job_name)
+
+
+@pytest.mark.timeout(60)
+def test_deepspeeds_other_top_level_names() -> None:
+    """What DeepSpeed 0.19.8's ``__init__`` imports beside ``initialize``: the same objects as
+    their modules' here, still without importing torch for the cheap ones."""
+    probe = ("import sys, dslaunch as ds; assert ds.logger is ds.utils.logging.logger; "
+             "assert ds.TORCH_DISTRIBUTED_DEFAULT_PORT == 29500 and 'torch' not in sys.modules; "
+             "assert ds.dist is ds.comm and ds.PipelineModule is ds.pipe.PipelineModule; "
+             "assert ds.log_dist is ds.utils.logging.log_dist and ds.MUON_OPTIMIZER == 'muon'; "
+             "assert ds.version == '0.19.8' and ds.git_hash == ds.git_version_info.git_hash; "
+             "assert ds.DeepSpeedInferenceConfig is ds.inference.DeepSpeedInferenceConfig")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
