@@ -4,7 +4,8 @@
 parameters, gradients, communication and the optimizer step; the precision policy owns dtypes;
 the loss scaler owns scaling and overflow bookkeeping; checkpoints live in
 ``dslaunch.runtime.checkpoint`` (the engine's checkpoint methods: ``engine_checkpoint``). The
-engine keeps only the counters and the accumulation clock.
+engine keeps only the counters; the accumulation clock (which micro step is a boundary, ``no_sync``)
+is ``engine_accumulation``'s.
 
 As in DeepSpeed the engine is an ``nn.Module`` around ``module``: ``state_dict()`` and
 ``load_state_dict()`` are the module weights under a ``module.`` prefix; the counters the
@@ -14,7 +15,6 @@ checkpoint needs are ``engine_state_dict()`` / ``load_engine_state_dict()``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,9 +24,10 @@ from dslaunch.errors import NoSyncError, NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
-from dslaunch.runtime.config import DeepSpeedConfig, with_batch
+from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.data_pipeline.curriculum_scheduler import legacy_scheduler
 from dslaunch.runtime.dist import device_for, local_rank
+from dslaunch.runtime.engine_accumulation import EngineAccumulation
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
 from dslaunch.runtime.engine_settings import EngineSettings
 from dslaunch.runtime.engine_setup import (
@@ -51,7 +52,7 @@ from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 __all__ = ["DeepSpeedEngine"]
 
 
-class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
+class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, torch.nn.Module):
     """Wraps ``module`` for data-parallel training configured by a ``DeepSpeedConfig``.
 
     Use ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` every micro step;
@@ -340,20 +341,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self.monitor.flush()
         self._checkpointer = None
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary is not None:
-            return self._boundary
-        return (self.micro_steps - self._window_start + 1) % self._config.gradient_accumulation_steps == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Decide the accumulation boundary yourself from now on, as DeepSpeed's (accelerate does).
-
-        Set it before each micro step's forward/backward: False for the micro steps that only
-        accumulate, True for the last one, then call ``step()`` (which steps only when it is True).
-        The engine's own count (``gradient_accumulation_steps``) is no longer used.
-        """
-        self._boundary = bool(is_boundary)
-
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """``torch.compile`` the wrapped module in place, as DeepSpeed's ``engine.compile``.
@@ -375,23 +362,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}
         self.module.compile(backend=backend or get_accelerator().get_compile_backend(), **kwargs)
         self.is_compiled = True
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip gradient reduction inside the block (stages 0/1; stages 2 and 3 raise NoSyncError).
-
-        ``step()`` may count non-boundary micro steps inside it (DeepSpeed refuses any step there);
-        a boundary ``step()`` raises NoSyncError, as does nesting (a ``UsageError`` and an
-        ``AssertionError``, as DeepSpeed asserts).
-        """
-        if not self._sync:
-            raise NoSyncError("no_sync context manager reentry is unsupported: no_sync() is already active")
-        self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), sync=False)
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -423,32 +393,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         fp32 stage 0 step without clipping, and before the first step.
         """
         return self._grad_norm
-
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        """Train on ``train_batch_size`` samples per optimizer step from now on, by changing the
-        accumulation steps (the micro batch stays), as DeepSpeed's (Megatron-DeepSpeed's batch-size
-        ramp-up calls it). Call it between optimizer steps: the next window is the new size.
-
-        Raises:
-            BatchSizeError: (a ``ValueError``, as DeepSpeed's) ``train_batch_size`` is not a multiple
-                of the micro batch times the data-parallel ranks; nothing changes then.
-        """
-        self._use_batch(with_batch(self._config, train_batch_size=train_batch_size,
-                                   train_micro_batch_size_per_gpu=self._config.train_micro_batch_size_per_gpu))
-
-    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
-        """Use ``micro_batch_size`` samples per rank per micro step from now on; the accumulation
-        steps stay, so the global batch follows (as DeepSpeed's). A data loader already built
-        keeps its batch size: build a new one (``deepspeed_io``).
-
-        Raises:
-            BatchSizeError: ``micro_batch_size`` is not a positive integer; nothing changes then.
-        """
-        self._use_batch(with_batch(self._config, train_micro_batch_size_per_gpu=micro_batch_size,
-                                   gradient_accumulation_steps=self._config.gradient_accumulation_steps))
-
-    def _use_batch(self, config: DeepSpeedConfig) -> None:
-        self._config, self._window_start = config, self.micro_steps
 
     # ----- module weights, as DeepSpeed's nn.Module engine ---------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:  # type: ignore[override]
