@@ -2,7 +2,7 @@
 
 A strategy is a ``placement`` (where the fp32 master weights and optimizer state live:
 ``placement.Replicated`` or ``placement.Sharded``) and a ``gradients`` path (how gradients are kept
-and reduced: ``gradients.FullGradients`` or ``gradients.ShardedGradients``). A stage
+and reduced: ``gradients.FullGradients`` or ``sharded_gradients.ShardedGradients``). A stage
 (``stage0.py`` ...) is one such pair; ``registry.py`` lists them. The strategy owns the flat
 parameter storage (through its placement), the optimizer over the master shards and the step.
 The engine drives it through a small lifecycle and never asks which stage it is:
@@ -42,9 +42,10 @@ import torch.distributed as dist
 
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange, TreeAllReduce
-from dslaunch.runtime.zero.gradients import FullGradients, GradientPath, ShardedGradients
+from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
 from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement, gather_over_ranks, sum_over_ranks
+from dslaunch.runtime.zero.sharded_gradients import ShardedGradients
 from dslaunch.runtime.zero.specs import (
     CommSettings,
     FlatShards,
