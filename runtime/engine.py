@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import NoSyncError, NotInDslaunchError, UsageError, quote
+from dslaunch.errors import NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
@@ -119,14 +119,12 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._step_applied = False
         self._grad_norm: float | None = None
-        self._sync = True
-        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._init_accumulation()
         self.is_compiled = False
         self._checkpointer: Any = None  # built (collectively) by the first save or load
         self.memory_checkpoint: Any = None  # a checkpoint.memory.MemoryCheckpoint (initialize() sets it)
         self._loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
-        self._window_start = 0  # the micro step the accumulation windows count from (set_train_batch_size)
         self._heartbeat = reporter()  # None outside dslaunch
         self._plain = PlainBackward(self.gradient_accumulation_steps, self._backward_epilogue,
                                     PrecisionPolicy.scales_loss(config))
@@ -220,12 +218,14 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         """
         if self._plain.take_completed():  # the script's backward already ended with it
             return
+        self._window_backwards += 1
         self.zero.post_backward()
         with self.events.phase("allreduce"):
             self.zero.end_backward()
 
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """Count a micro step; at the accumulation boundary update the weights.
+        """Count a micro step; at the accumulation boundary update the weights (with
+        ``managed_gradient_accumulation: false`` every step is one: ``engine_accumulation``).
 
         An fp16 step whose gradients overflowed is skipped (``skipped_steps``), the loss scale is
         updated and the LR scheduler does not advance, as in DeepSpeed; so is a bf16 step with
@@ -238,20 +238,17 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
 
         Raises:
             NoSyncError: at an accumulation boundary inside ``no_sync()`` (the gradients are not
-                reduced, so ranks would diverge; DeepSpeed asserts on any step there).
+                reduced, so ranks would diverge; DeepSpeed asserts on any step there), or inside
+                ``coalesce_grad_reduction()``.
             LossScalingRequiredError: after such a backward with fp16 without ``engine.scale``.
         """
         if self.zero.backward_pending:
             self._plain.finish_unhooked()
-        if self.is_gradient_accumulation_boundary():
-            if not self._sync:
-                raise NoSyncError("It is illegal to call Engine.step() inside no_sync context manager at a "
-                                  "gradient accumulation boundary: the gradients are not reduced across "
-                                  "ranks, so the ranks would diverge; leave no_sync() before the boundary "
-                                  "micro step")
-            self._take_model_step(lr_kwargs)
-        else:
-            self._step_applied = False
+        with self._step_window() as boundary:
+            if boundary:
+                self._take_model_step(lr_kwargs)
+            else:
+                self._step_applied = False
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None = None) -> None:
@@ -272,7 +269,7 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
-        self.global_samples += self._config.train_batch_size
+        self.global_samples += self._window_samples()
         self.events.step(self._step_record)
         self._window_losses = []
         if self.memory_checkpoint is not None and self.memory_checkpoint.due(self.global_steps):

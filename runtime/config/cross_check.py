@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dslaunch.errors import ConfigError
+from dslaunch.errors import AccumulationModeError, ConfigError
 from dslaunch.runtime.config.activation import check_contiguous
 from dslaunch.runtime.config.monitors import check_packages
 from dslaunch.runtime.zero.registry import STAGES, stage_choices
@@ -42,6 +42,16 @@ def _check_muon(cfg: Any) -> None:
                           key="zero_optimization.offload_optimizer")
 
 
+def _check_unmanaged(cfg: Any) -> None:
+    """What ``managed_gradient_accumulation: false`` (every ``step()`` a boundary) cannot run with."""
+    zero = cfg.zero_optimization
+    if not cfg.managed_gradient_accumulation and zero.overlap_comm and zero.stage < 2:
+        raise AccumulationModeError(
+            "true with managed_gradient_accumulation false: as DeepSpeed, dslaunch supports overlap_comm only with "
+            "ZeRO stage 2 or 3 there (at stages 0 and 1 the gradients are reduced in step(), after the backward: "
+            "there is nothing to overlap); set it to false", key="zero_optimization.overlap_comm")
+
+
 def cross_check(cfg: Any) -> None:
     """The rules between the sections of ``cfg`` (a parsed ``DeepSpeedConfig``).
 
@@ -63,6 +73,7 @@ def cross_check(cfg: Any) -> None:
     cfg.data_types.check(cfg.fp16.enabled, cfg.bf16.enabled)
     _check_compressed(cfg)
     _check_muon(cfg)
+    _check_unmanaged(cfg)
     cfg.tensor_parallel.check(zero.stage)
     cfg.expert_parallel.check(cfg.tensor_parallel.size)
     cfg.layout_invariant.check(cfg)

@@ -123,6 +123,7 @@ _SCALARS = {
     "train_batch_size": (optional(integer(1)), "an integer: micro batch * accumulation steps * GPUs"),
     "train_micro_batch_size_per_gpu": (optional(integer(1)), "an integer: samples per GPU per micro step"),
     "gradient_accumulation_steps": (optional(integer(1)), "an integer: micro steps per optimizer step"),
+    "managed_gradient_accumulation": (boolean, "true (the engine counts the micro steps) or false (every step() is one)"),
     "steps_per_print": (_steps_per_print, "an integer: log every N optimizer steps"),
     "wall_clock_breakdown": (boolean, "true or false"),
     "gradient_clipping": (number(0.0), "a number: max global gradient norm (0 = off)"),
@@ -183,6 +184,9 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
     world_size: int
+    managed_gradient_accumulation: bool = True
+    """False: the script owns the accumulation boundary, every ``step()`` is one (DeepSpeed 0.19's key;
+    ``gradient_accumulation_steps`` then only divides the loss and sizes ``train_batch_size``)."""
     steps_per_print: int | None = 10
     """None: never (accelerate writes Infinity there to silence DeepSpeed's log)."""
     wall_clock_breakdown: bool = False

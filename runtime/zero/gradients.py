@@ -19,6 +19,13 @@ model dtype unless ``communication_data_type`` says otherwise, as DeepSpeed's.
 rank's shard of the gradient, reduced every micro step.
 
 Both hand the strategy this rank's reduced, not yet post-scaled, gradient per group (``shards``).
+
+Where the script, not the micro-step count, ends the window: with ``managed_gradient_accumulation:
+false`` no backward is a boundary and ``end_window`` (the script's ``step()``) completes it: stages 0/1
+reduce the summed gradient then, in one pass (what the boundary backward would have done), stage 2
+has reduced every micro step already and only completes the ``layout_invariant`` tree. Under
+``hold`` (``engine.coalesce_grad_reduction()``) every backward leaves its gradients on the rank
+(stages 2/3: in ``.grad``, summed there by autograd) and ``end_window`` reduces the sum once.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class GradientPath(ABC):
         self.groups, self.comm = groups, comm
         self._boundary = True
         self._sync = True  # False inside engine.no_sync()
+        self._held = False  # hold(): no reduction until end_window (coalesce_grad_reduction)
         self._pending = False  # gradients arrived that no end_backward has completed yet
         self.reducer = BucketReducer(groups, comm.reduce_bucket_numel, comm.comm_dtype, comm.pre_factor(),
                                      max_inflight, world_size, exchange, source, sink)
@@ -67,6 +75,16 @@ class GradientPath(ABC):
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         self._boundary, self._sync = boundary, sync
+
+    def hold(self) -> None:
+        """From now on backward leaves every gradient on this rank, unreduced, until ``end_window``."""
+        self._held = True
+
+    @abstractmethod
+    def end_window(self, reduce: bool = True) -> None:
+        """The script ended the accumulation window (``step()`` with ``managed_gradient_accumulation:
+        false``, or the end of ``hold``): reduce what its backwards left on this rank (collective),
+        or with ``reduce=False`` only stop holding (the block raised: no collective)."""
 
     @property
     def boundary_done(self) -> bool:
@@ -183,8 +201,13 @@ class FullGradients(GradientPath):
         if not self._in_hook:  # immediate_grad_update false: end_backward adds them all
             return
         self._adopt_grad(gi, pi)
-        if self.comm.overlap_comm and self._boundary and self._sync:
+        if self.comm.overlap_comm and self._reduces_now:
             self.reducer.ready(gi, pi)
+
+    @property
+    def _reduces_now(self) -> bool:
+        """This backward ends the window: the buffer is reduced as it ends."""
+        return self._boundary and self._sync and not self._held
 
     def _adopt_grad(self, gi: int, pi: int, unused_is_zero: bool = False) -> None:
         # .grad was None (after a step, or module.zero_grad()): autograd made a fresh tensor, which
@@ -215,11 +238,17 @@ class FullGradients(GradientPath):
     def end_backward(self) -> None:
         self._pending = False
         self._adopt_all()
-        if not (self._boundary and self._sync):
+        if not self._reduces_now:
             self._unreduced = True
             return
         self.reducer.flush()
         self._unreduced = False
+
+    def end_window(self, reduce: bool = True) -> None:
+        self._held = False
+        if reduce and self._unreduced:  # the sum of the window's backwards, reduced in one pass
+            self.reducer.flush()
+            self._unreduced = False
 
     def shards(self) -> list[torch.Tensor]:
         if self._unreduced:

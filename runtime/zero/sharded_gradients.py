@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from dslaunch.errors import NoSyncError
+from dslaunch.errors import NoSyncError, UsageError
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
@@ -76,6 +76,8 @@ class ShardedGradients(GradientPath):
         self._folded = False
 
     def _on_grad(self, gi: int, pi: int) -> None:
+        if self._held:  # left in .grad: the next backward's gradient is added to it by autograd
+            return
         if self._direct:
             self._arrived.add((gi, pi))
             self._write_grad(gi, pi)
@@ -166,6 +168,8 @@ class ShardedGradients(GradientPath):
     def end_backward(self) -> None:
         # Buckets whose params got no gradient (unused in this forward) still reduce, as zeros.
         self._pending = False
+        if self._held:
+            return
         if self._direct:
             for gi, g in enumerate(self.groups):
                 for pi in range(len(g.params)):
@@ -178,6 +182,41 @@ class ShardedGradients(GradientPath):
             self._folded = self._boundary and self._fold_norm
         self._fresh = False  # every element of the shard has now been written
         self._micro += 1
+
+    def end_window(self, reduce: bool = True) -> None:
+        held, self._held = self._held, False
+        if not reduce:
+            return
+        if held:  # the held sum, reduced and folded as a boundary micro step's gradients
+            self._boundary = True
+            self.end_backward()
+        elif self.comm.layout_invariant and self._micro:
+            self._end_tree()
+        self._boundary = True  # the shard is final (boundary_done: the offloaded step may read ahead)
+
+    def _end_tree(self) -> None:
+        """No backward knew it was the window's last: the tree's total waits in the partial sum of
+        the top level; it becomes the shard."""
+        n = self._micro
+        if n & (n - 1):
+            raise UsageError(f"layout_invariant sums a window's micro steps in a fixed tree, which needs a power "
+                             f"of two of them (1, 2, 4...); this step() ends a window of {n} backward() calls")
+        level = n.bit_length() - 1
+        for gi in range(len(self.groups)):
+            if (gi, level) in self._partials:
+                self._shard(gi).copy_(self._partials[gi, level])
+
+    def unreduced_gradient(self, gi: int) -> torch.Tensor | None:
+        """Held (``coalesce_grad_reduction``): the whole gradient this rank's backwards summed in
+        ``.grad`` so far, laid out flat (zeros for a parameter without one)."""
+        if not self._held:
+            return None
+        g = self.groups[gi]
+        flat = torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device)
+        for p, view in zip(g.params, g.param_views(flat), strict=True):
+            if p.grad is not None:
+                view.copy_(p.grad)
+        return flat
 
     def shards(self) -> list[torch.Tensor]:
         shards = [self._shard(gi) for gi in range(len(self.groups))]

@@ -11,6 +11,8 @@ The engine drives it through a small lifecycle and never asks which stage it is:
     begin_micro_step(boundary)   before backward: will this micro step end an accumulation?
     post_backward()              right after loss.backward() (no-op below stage 3)
     end_backward()               after loss.backward(): finish the communication of this step
+    hold_reductions()            from now on backward leaves gradients on the rank (coalesce_grad_reduction)
+    end_window()                 the script ended the window (unmanaged step(), a held block's end): reduce
     backward_pending             a backward ran whose end_backward has not (a script's loss.backward())
     step(loss_scale, clip)       at the boundary: unscale, clip, overflow check, update, publish
     zero_grad()                  forget accumulated gradients (the engine's, and ``engine.zero_grad()``)
@@ -239,6 +241,25 @@ class ZeroStrategy:
         """After loss.backward(): complete this micro step's reductions (collective)."""
         for part in self.parts:
             part.gradients.end_backward()
+        self._read_ahead()
+
+    def hold_reductions(self) -> None:
+        """From now on backward leaves every gradient on this rank, unreduced, until ``end_window``
+        (``engine.coalesce_grad_reduction()``)."""
+        for part in self.parts:
+            part.gradients.hold()
+
+    def end_window(self, reduce: bool = True) -> None:
+        """The script ended the accumulation window (``step()`` with ``managed_gradient_accumulation:
+        false``, the end of ``hold_reductions``): reduce what the backwards since the last boundary
+        left on this rank, once; ``reduce=False`` only stops holding.
+
+        collective: all ranks (where ``reduce``)."""
+        for part in self.parts:
+            part.gradients.end_window(reduce)
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
         if self.offload is not None and all(part.gradients.boundary_done for part in self.parts):
             self.offload.prefetch(self._shards())  # the first bucket's copy overlaps what precedes the step
 
