@@ -39,7 +39,9 @@ class EngineAccumulation:
     def _init_accumulation(self) -> None:
         self._sync = True  # False inside no_sync()
         self._coalescing = False  # inside coalesce_grad_reduction()
-        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        # set_gradient_accumulation_boundary's override (None: the engine counts); DeepSpeed's name,
+        # which scripts and its tests read
+        self._is_gradient_accumulation_boundary: bool | None = None
         self._window_start = 0  # the micro step the accumulation windows count from (set_train_batch_size)
         self._stepping = False  # inside step(): the boundary where the script owns it
         self._window_backwards = 0  # backwards since the last step (global_samples where the script owns it)
@@ -54,8 +56,8 @@ class EngineAccumulation:
         ``managed_gradient_accumulation: false`` True only while ``step()`` runs (as DeepSpeed's)."""
         if not self._config.managed_gradient_accumulation:
             return self._stepping
-        if self._boundary is not None:
-            return self._boundary
+        if self._is_gradient_accumulation_boundary is not None:
+            return self._is_gradient_accumulation_boundary
         return (self.micro_steps - self._window_start + 1) % self._config.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -73,7 +75,7 @@ class EngineAccumulation:
             raise AccumulationBoundaryError(
                 "set_gradient_accumulation_boundary() is not supported with managed_gradient_accumulation false: "
                 "every step() is the accumulation boundary there; call step() after the window's last backward")
-        self._boundary = bool(is_boundary)
+        self._is_gradient_accumulation_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -25,7 +25,8 @@ false`` no backward is a boundary and ``end_window`` (the script's ``step()``) c
 reduce the summed gradient then, in one pass (what the boundary backward would have done), stage 2
 has reduced every micro step already and only completes the ``layout_invariant`` tree. Under
 ``hold`` (``engine.coalesce_grad_reduction()``) every backward leaves its gradients on the rank
-(stages 2/3: in ``.grad``, summed there by autograd) and ``end_window`` reduces the sum once.
+(stages 2/3: in ``.grad``, summed there by autograd in the parameters' dtype, as DeepSpeed's; not
+in fp32 as stage 2's shard sums micro steps) and ``end_window`` reduces the sum once.
 """
 
 from __future__ import annotations

@@ -246,6 +246,14 @@ def _coalesce_rules(rank: int, world: int) -> dict:
         engine.backward(engine(*_micro(rank, world, 1)))
     engine.step()
     out["steps"] = (out["steps"], engine.global_steps)
+    engine.set_gradient_accumulation_boundary(False)  # the block leaves the engine's boundary as it was
+    with engine.coalesce_grad_reduction():
+        engine.backward(engine(*_micro(rank, world, 2)))
+    engine.step()
+    out["not a boundary"] = (engine.global_steps, engine._is_gradient_accumulation_boundary)
+    engine.set_gradient_accumulation_boundary(True)
+    engine.step()  # the block's reduced gradients
+    out["steps"] += (engine.global_steps,)
     try:
         with engine.coalesce_grad_reduction():
             engine.backward(engine(*_micro(rank, world, 2)))
@@ -259,13 +267,14 @@ def _coalesce_rules(rank: int, world: int) -> dict:
 def test_coalesce_grad_reduction_keeps_deepspeeds_rules() -> None:
     """Inside the block safe_get_full_grad reads this rank's own sum; step(), no_sync() and a nested
     block raise (NoSyncError, an AssertionError as DeepSpeed's); blocks one after the other each
-    step once; a block that raises drops its gradients without a collective."""
+    step once (at a boundary: the block leaves the engine's boundary as it found it, as DeepSpeed's);
+    a block that raises drops its gradients without a collective."""
     results = run_world(_coalesce_rules, 2)
     for out in results:
         assert "step() inside no_sync" in out["step"][0] and out["step"][1]
         assert "reentry is unsupported" in out["no_sync"][0] and out["no_sync"][1]
         assert "cannot be nested" in out["nested"][0] and out["nested"][1]
-        assert out["steps"] == (1, 2)
+        assert out["steps"] == (1, 2, 3) and out["not a boundary"] == (2, False)
         assert out["after raise"] == 0.0
     assert not torch.equal(results[0]["local"], results[1]["local"])  # each rank's own
     assert torch.equal(results[0]["reduced"], results[1]["reduced"])
