@@ -280,7 +280,7 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
     def _step_record(self) -> StepRecord:
         return StepRecord(self.global_steps, self.global_samples, self.micro_steps, self._loss, tuple(self.get_lr()),
                           self.loss_scaler.loss_scale, self._grad_norm, not self._step_applied, self.skipped_steps,
-                          tuple(self._window_losses))
+                          tuple(self._window_losses), self._step_samples)
 
     def _leave_on_request(self, save_dir: str) -> None:
         """Every rank agreed on a checkpoint request (``runtime.preempt``): save this step, leave."""

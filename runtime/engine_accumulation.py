@@ -45,6 +45,7 @@ class EngineAccumulation:
         self._window_start = 0  # the micro step the accumulation windows count from (set_train_batch_size)
         self._stepping = False  # inside step(): the boundary where the script owns it
         self._window_backwards = 0  # backwards since the last step (global_samples where the script owns it)
+        self._step_samples = 0  # the last boundary step's window's samples (its StepRecord)
 
     def managed_gradient_accumulation(self) -> bool:
         """The config's ``managed_gradient_accumulation``: True when the engine counts the micro steps
@@ -178,9 +179,10 @@ class EngineAccumulation:
         the script owns the boundary, a micro batch on every data-parallel rank per backward (as
         DeepSpeed's, which counts only ``engine.backward``; dslaunch counts ``loss.backward()`` too)."""
         backwards, self._window_backwards = self._window_backwards, 0
-        if self._config.managed_gradient_accumulation:
-            return self._config.train_batch_size
-        return self._config.train_batch_size // self._config.gradient_accumulation_steps * backwards
+        self._step_samples = self._config.train_batch_size
+        if not self._config.managed_gradient_accumulation:
+            self._step_samples = self._config.train_batch_size // self._config.gradient_accumulation_steps * backwards
+        return self._step_samples
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Train on ``train_batch_size`` samples per optimizer step from now on, by changing the
