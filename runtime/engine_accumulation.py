@@ -106,10 +106,11 @@ class EngineAccumulation:
         Then call ``step()``, which updates where the micro step is a boundary (as always:
         ``gradient_accumulation_steps`` 1, or ``set_gradient_accumulation_boundary(True)``). One
         block per optimizer step; a block that raises drops the window's gradients (it starts no
-        reduction: the peers may not have got there). At stages 0 and 1 that is the accumulation they always do; at
-        stages 2 and 3 it replaces a reduction per backward by one (the sum is then taken on each
-        rank before the ranks: equal up to rounding). Unlike DeepSpeed, ZeRO stage 0 and
-        fp16/bf16 at every stage are supported.
+        reduction: the peers may not have got there). At stages 0 and 1 that is the accumulation
+        they always do; at stages 2 and 3 it replaces a reduction per backward by one (each rank's
+        sum, in the parameters' dtype as DeepSpeed's, is reduced: equal to stage 1's accumulation,
+        and to stage 2's own up to rounding). Unlike DeepSpeed, ZeRO stage 0 and fp16/bf16 at every
+        stage are supported.
 
         collective: all ranks (the block's end reduces).
 
