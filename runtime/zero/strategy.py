@@ -244,17 +244,14 @@ class ZeroStrategy:
         self._read_ahead()
 
     def hold_reductions(self) -> None:
-        """From now on backward leaves every gradient on this rank, unreduced, until ``end_window``
-        (``engine.coalesce_grad_reduction()``)."""
+        """Backward leaves every gradient on this rank until ``end_window`` (coalesce_grad_reduction)."""
         for part in self.parts:
             part.gradients.hold()
 
     def end_window(self, reduce: bool = True) -> None:
-        """The script ended the accumulation window (``step()`` with ``managed_gradient_accumulation:
-        false``, the end of ``hold_reductions``): reduce what the backwards since the last boundary
-        left on this rank, once; ``reduce=False`` only stops holding.
-
-        collective: all ranks (where ``reduce``)."""
+        """The script ended the accumulation window (an unmanaged ``step()``, the end of
+        ``hold_reductions``): reduce, once, what the backwards left on this rank (collective: all
+        ranks); ``reduce=False`` only stops holding."""
         for part in self.parts:
             part.gradients.end_window(reduce)
         self._read_ahead()
