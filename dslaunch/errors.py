@@ -43,6 +43,8 @@ __all__ = [
     "install_excepthook",
     "CheckpointArgumentError",
     "NoSyncError",
+    "AccumulationModeError",
+    "AccumulationBoundaryError",
     "UntestedOptimizerError",
     "DtypeMixError",
 ]
@@ -111,6 +113,18 @@ class DtypeMixError(ConfigError, NotImplementedError):
 class NoSyncError(UsageError, AssertionError):
     """``engine.no_sync()`` misused: nested, at ZeRO stage 2 or 3, or a boundary ``step()`` inside
     it. Also an ``AssertionError``: what DeepSpeed raises there."""
+
+
+class AccumulationModeError(ConfigError, AssertionError):
+    """``managed_gradient_accumulation: false`` with something that needs the engine to own the
+    accumulation boundary (``overlap_comm`` at ZeRO stage 0 or 1, a ``PipelineModule``). Also an
+    ``AssertionError``: what DeepSpeed raises there."""
+
+
+class AccumulationBoundaryError(UsageError, AssertionError):
+    """The accumulation boundary decided from two sides: ``set_gradient_accumulation_boundary()``
+    or ``coalesce_grad_reduction()`` with ``managed_gradient_accumulation: false``, where every
+    ``step()`` is the boundary. Also an ``AssertionError``: what DeepSpeed raises there."""
 
 
 class LossScalingRequiredError(UsageError, RuntimeError):

@@ -4,7 +4,8 @@
 parameters, gradients, communication and the optimizer step; the precision policy owns dtypes;
 the loss scaler owns scaling and overflow bookkeeping; checkpoints live in
 ``dslaunch.runtime.checkpoint`` (the engine's checkpoint methods: ``engine_checkpoint``). The
-engine keeps only the counters and the accumulation clock.
+engine keeps only the counters; the accumulation clock (which micro step is a boundary, ``no_sync``)
+is ``engine_accumulation``'s.
 
 As in DeepSpeed the engine is an ``nn.Module`` around ``module``: ``state_dict()`` and
 ``load_state_dict()`` are the module weights under a ``module.`` prefix; the counters the
@@ -14,19 +15,19 @@ checkpoint needs are ``engine_state_dict()`` / ``load_engine_state_dict()``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import NoSyncError, NotInDslaunchError, UsageError, quote
+from dslaunch.errors import NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
-from dslaunch.runtime.config import DeepSpeedConfig, with_batch
+from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.data_pipeline.curriculum_scheduler import legacy_scheduler
 from dslaunch.runtime.dist import device_for, local_rank
+from dslaunch.runtime.engine_accumulation import EngineAccumulation
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
 from dslaunch.runtime.engine_settings import EngineSettings
 from dslaunch.runtime.engine_setup import (
@@ -51,7 +52,7 @@ from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 __all__ = ["DeepSpeedEngine"]
 
 
-class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
+class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, torch.nn.Module):
     """Wraps ``module`` for data-parallel training configured by a ``DeepSpeedConfig``.
 
     Use ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` every micro step;
@@ -118,14 +119,12 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._step_applied = False
         self._grad_norm: float | None = None
-        self._sync = True
-        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._init_accumulation()
         self.is_compiled = False
         self._checkpointer: Any = None  # built (collectively) by the first save or load
         self.memory_checkpoint: Any = None  # a checkpoint.memory.MemoryCheckpoint (initialize() sets it)
         self._loss: torch.Tensor | None = None
         self._window_losses: list[torch.Tensor] = []  # this accumulation window's (StepRecord)
-        self._window_start = 0  # the micro step the accumulation windows count from (set_train_batch_size)
         self._heartbeat = reporter()  # None outside dslaunch
         self._plain = PlainBackward(self.gradient_accumulation_steps, self._backward_epilogue,
                                     PrecisionPolicy.scales_loss(config))
@@ -219,12 +218,14 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         """
         if self._plain.take_completed():  # the script's backward already ended with it
             return
+        self._window_backwards += 1
         self.zero.post_backward()
         with self.events.phase("allreduce"):
             self.zero.end_backward()
 
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """Count a micro step; at the accumulation boundary update the weights.
+        """Count a micro step; at the accumulation boundary update the weights (with
+        ``managed_gradient_accumulation: false`` every step is one: ``engine_accumulation``).
 
         An fp16 step whose gradients overflowed is skipped (``skipped_steps``), the loss scale is
         updated and the LR scheduler does not advance, as in DeepSpeed; so is a bf16 step with
@@ -237,20 +238,17 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
 
         Raises:
             NoSyncError: at an accumulation boundary inside ``no_sync()`` (the gradients are not
-                reduced, so ranks would diverge; DeepSpeed asserts on any step there).
+                reduced, so ranks would diverge; DeepSpeed asserts on any step there), or inside
+                ``coalesce_grad_reduction()``.
             LossScalingRequiredError: after such a backward with fp16 without ``engine.scale``.
         """
         if self.zero.backward_pending:
             self._plain.finish_unhooked()
-        if self.is_gradient_accumulation_boundary():
-            if not self._sync:
-                raise NoSyncError("It is illegal to call Engine.step() inside no_sync context manager at a "
-                                  "gradient accumulation boundary: the gradients are not reduced across "
-                                  "ranks, so the ranks would diverge; leave no_sync() before the boundary "
-                                  "micro step")
-            self._take_model_step(lr_kwargs)
-        else:
-            self._step_applied = False
+        with self._step_window() as boundary:
+            if boundary:
+                self._take_model_step(lr_kwargs)
+            else:
+                self._step_applied = False
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None = None) -> None:
@@ -271,7 +269,7 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
-        self.global_samples += self._config.train_batch_size
+        self.global_samples += self._window_samples()
         self.events.step(self._step_record)
         self._window_losses = []
         if self.memory_checkpoint is not None and self.memory_checkpoint.due(self.global_steps):
@@ -282,7 +280,7 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
     def _step_record(self) -> StepRecord:
         return StepRecord(self.global_steps, self.global_samples, self.micro_steps, self._loss, tuple(self.get_lr()),
                           self.loss_scaler.loss_scale, self._grad_norm, not self._step_applied, self.skipped_steps,
-                          tuple(self._window_losses))
+                          tuple(self._window_losses), self._step_samples)
 
     def _leave_on_request(self, save_dir: str) -> None:
         """Every rank agreed on a checkpoint request (``runtime.preempt``): save this step, leave."""
@@ -340,20 +338,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         self.monitor.flush()
         self._checkpointer = None
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary is not None:
-            return self._boundary
-        return (self.micro_steps - self._window_start + 1) % self._config.gradient_accumulation_steps == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Decide the accumulation boundary yourself from now on, as DeepSpeed's (accelerate does).
-
-        Set it before each micro step's forward/backward: False for the micro steps that only
-        accumulate, True for the last one, then call ``step()`` (which steps only when it is True).
-        The engine's own count (``gradient_accumulation_steps``) is no longer used.
-        """
-        self._boundary = bool(is_boundary)
-
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """``torch.compile`` the wrapped module in place, as DeepSpeed's ``engine.compile``.
@@ -375,23 +359,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}
         self.module.compile(backend=backend or get_accelerator().get_compile_backend(), **kwargs)
         self.is_compiled = True
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip gradient reduction inside the block (stages 0/1; stages 2 and 3 raise NoSyncError).
-
-        ``step()`` may count non-boundary micro steps inside it (DeepSpeed refuses any step there);
-        a boundary ``step()`` raises NoSyncError, as does nesting (a ``UsageError`` and an
-        ``AssertionError``, as DeepSpeed asserts).
-        """
-        if not self._sync:
-            raise NoSyncError("no_sync context manager reentry is unsupported: no_sync() is already active")
-        self.zero.begin_micro_step(self.is_gradient_accumulation_boundary(), sync=False)
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -423,32 +390,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineSettings, torch.nn.Module):
         fp32 stage 0 step without clipping, and before the first step.
         """
         return self._grad_norm
-
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        """Train on ``train_batch_size`` samples per optimizer step from now on, by changing the
-        accumulation steps (the micro batch stays), as DeepSpeed's (Megatron-DeepSpeed's batch-size
-        ramp-up calls it). Call it between optimizer steps: the next window is the new size.
-
-        Raises:
-            BatchSizeError: (a ``ValueError``, as DeepSpeed's) ``train_batch_size`` is not a multiple
-                of the micro batch times the data-parallel ranks; nothing changes then.
-        """
-        self._use_batch(with_batch(self._config, train_batch_size=train_batch_size,
-                                   train_micro_batch_size_per_gpu=self._config.train_micro_batch_size_per_gpu))
-
-    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
-        """Use ``micro_batch_size`` samples per rank per micro step from now on; the accumulation
-        steps stay, so the global batch follows (as DeepSpeed's). A data loader already built
-        keeps its batch size: build a new one (``deepspeed_io``).
-
-        Raises:
-            BatchSizeError: ``micro_batch_size`` is not a positive integer; nothing changes then.
-        """
-        self._use_batch(with_batch(self._config, train_micro_batch_size_per_gpu=micro_batch_size,
-                                   gradient_accumulation_steps=self._config.gradient_accumulation_steps))
-
-    def _use_batch(self, config: DeepSpeedConfig) -> None:
-        self._config, self._window_start = config, self.micro_steps
 
     # ----- module weights, as DeepSpeed's nn.Module engine ---------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:  # type: ignore[override]

@@ -89,9 +89,6 @@ class EngineSettings:
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients
 
-    def managed_gradient_accumulation(self) -> bool:
-        return True  # dslaunch steps at the accumulation boundary (the key's only accepted value)
-
     def memory_breakdown(self) -> bool:
         return False  # the key is refused unless false
 

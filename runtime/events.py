@@ -54,6 +54,9 @@ class StepRecord:
     window_losses: tuple[Any, ...] = ()
     """Each micro step's loss (detached) in this step's accumulation window, oldest first: their
     mean is the step's loss as DeepSpeed's monitors log it."""
+    window_samples: int | None = None
+    """Samples this step's window trained on (``train_batch_size``, or where the script ends each
+    window, its backwards' micro batches); None: not said."""
 
     def loss_value(self) -> float | None:
         return float(self.loss) if self.loss is not None else None

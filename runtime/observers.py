@@ -204,7 +204,7 @@ class MonitorEvents(Observer):
         now, x = self.clock(), record.samples
         events: list[tuple[str, Any, int]] = []
         if self._last is None:
-            resumed_at = x - self.batch_size
+            resumed_at = x - (self.batch_size if record.window_samples is None else record.window_samples)
             self.monitor.start_at(resumed_at)
             if resumed_at > 0 or restart_count() > 0:
                 events.append(("Run/resume", _resume_marker(record.step - 1, resumed_at), resumed_at))

@@ -1,7 +1,8 @@
 """``dslaunch.runtime.config``: the ds_config, parsed once at the edge into frozen dataclasses.
 
 - ``file.py``: reading the document (JSON/YAML, size and depth bounds).
-- ``ds_config.py``: the whole config and its cross-checks (``load_config`` -> ``DeepSpeedConfig``);
+- ``ds_config.py``: the whole config (``load_config`` -> ``DeepSpeedConfig``); ``cross_check.py``:
+  the rules between its sections;
   ``batch.py``: the batch triad, completed from the sizes given or the ``elasticity`` block;
   ``client_forms.py``: what libraries write into a ds_config that a user would not (``"auto"``
   left unfilled, dotted keys); ``legacy.py``: DeepSpeed's older spellings in today's form.

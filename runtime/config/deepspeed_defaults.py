@@ -17,7 +17,7 @@ DEEPSPEED_0_19_8: dict[str, object] = {
     "gradient_accumulation_steps": 1, "steps_per_print": None, "wall_clock_breakdown": False,
     "gradient_clipping": 1.0, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
     "communication_data_type": None, "zero_allow_untested_optimizer": False, "dataloader_drop_last": False,
-    "log_level": None,
+    "log_level": None, "managed_gradient_accumulation": True,
     "zero_optimization.stage": 0, "zero_optimization.reduce_bucket_size": 500_000_000,
     "zero_optimization.allgather_bucket_size": 500_000_000, "zero_optimization.overlap_comm": False,
     "zero_optimization.contiguous_gradients": True, "zero_optimization.reduce_scatter": True,

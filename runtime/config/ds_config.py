@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dslaunch.errors import BatchSizeError, ConfigError, did_you_mean, quote
-from dslaunch.runtime.config.activation import ActivationCheckpointingConfig, check_contiguous
+from dslaunch.runtime.config.activation import ActivationCheckpointingConfig
 from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.config.batch import BATCH_KEYS, batch_triad, elastic_triad
 from dslaunch.runtime.config.client_forms import client_forms
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
+from dslaunch.runtime.config.cross_check import cross_check
 from dslaunch.runtime.config.curriculum import CurriculumLearningConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig
 from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
@@ -43,7 +44,6 @@ from dslaunch.runtime.config.monitors import (
     DeepSpeedMonitorConfig,
     TensorBoardConfig,
     WandbConfig,
-    check_packages,
 )
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.pipeline import PipelineConfig
@@ -65,7 +65,6 @@ from dslaunch.runtime.config.tensor_parallel import TensorParallelConfig
 from dslaunch.runtime.config.torch_autocast import TorchAutocastConfig
 from dslaunch.runtime.config.zero import AioConfig, ZeroConfig
 from dslaunch.runtime.parallel.from_config import config_dims, data_world_size
-from dslaunch.runtime.zero.registry import STAGES, stage_choices
 from dslaunch.utils.logging import log_levels
 
 if TYPE_CHECKING:  # the registries import this package's checkers: import them at use
@@ -124,6 +123,7 @@ _SCALARS = {
     "train_batch_size": (optional(integer(1)), "an integer: micro batch * accumulation steps * GPUs"),
     "train_micro_batch_size_per_gpu": (optional(integer(1)), "an integer: samples per GPU per micro step"),
     "gradient_accumulation_steps": (optional(integer(1)), "an integer: micro steps per optimizer step"),
+    "managed_gradient_accumulation": (boolean, "true (the engine counts the micro steps) or false (every step() is one)"),
     "steps_per_print": (_steps_per_print, "an integer: log every N optimizer steps"),
     "wall_clock_breakdown": (boolean, "true or false"),
     "gradient_clipping": (number(0.0), "a number: max global gradient norm (0 = off)"),
@@ -184,6 +184,9 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
     world_size: int
+    managed_gradient_accumulation: bool = True
+    """False: the script owns the accumulation boundary, every ``step()`` is one (DeepSpeed 0.19's key;
+    ``gradient_accumulation_steps`` then only divides the loss and sizes ``train_batch_size``)."""
     steps_per_print: int | None = 10
     """None: never (accelerate writes Infinity there to silence DeepSpeed's log)."""
     wall_clock_breakdown: bool = False
@@ -392,7 +395,7 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_wo
              else batch_triad(given, world_size))
     notes = (*forms.notes, *(note for key, note in OWN_DEFAULTS.items() if key not in forms.raw))
     cfg = DeepSpeedConfig(**triad, world_size=world_size, source=where, raw=raw, notes=notes, **values)
-    _cross_check(cfg)
+    cross_check(cfg)
     return cfg
 
 
@@ -429,72 +432,3 @@ def _validate_typed(values: dict[str, Any]) -> None:
         if section.type is None:
             raise ConfigError(f"is required (e.g. \"{example}\")", key=f"{key}.type")
         values[key] = validate(section.type, section.params)
-
-
-def _check_compressed(cfg: DeepSpeedConfig) -> None:
-    """What the 1-bit optimizers (optim/onebit.py) cannot run with: one line naming the key."""
-    from dslaunch.runtime.optim.registry import is_compressed
-
-    if not is_compressed(cfg.optimizer):
-        return
-    name, zero = cfg.optimizer.name, cfg.zero_optimization
-    if cfg.fp16.enabled:
-        raise ConfigError(f"{name} does not run with fp16 loss scaling here (a rank skipping an overflowed "
-                          "step would leave the others in the compressed exchange); use bf16 or fp32",
-                          key="fp16.enabled")
-    if zero.stage not in (0, 1, 2) or (name == "ZeroOneAdam" and zero.stage != 0):
-        stages = "stage 0 (its ranks step apart between synchronisations)" if name == "ZeroOneAdam" else "stages 0, 1 and 2"
-        raise ConfigError(f"{name} runs with ZeRO {stages}, not {zero.stage}", key="zero_optimization.stage")
-    if zero.offload_optimizer.enabled:
-        raise ConfigError(f"{name} does not run with an offloaded optimizer", key="zero_optimization.offload_optimizer")
-
-
-def _check_muon(cfg: DeepSpeedConfig) -> None:
-    """Muon (optim/muon.py) needs whole param groups at its step; the offloaded step has buckets."""
-    if cfg.optimizer is not None and cfg.optimizer.name == "Muon" and cfg.zero_optimization.offload_optimizer.enabled:
-        raise ConfigError("Muon does not run with an offloaded optimizer here (its step needs whole "
-                          "matrices; the offloaded step updates buckets): remove offload_optimizer",
-                          key="zero_optimization.offload_optimizer")
-
-
-def _cross_check(cfg: DeepSpeedConfig) -> None:
-    act = cfg.activation_checkpointing
-    check_contiguous(act.contiguous_memory_optimization, act.partition_activations, act.number_checkpoints,
-                     "activation_checkpointing.contiguous_memory_optimization")
-    check_packages(cfg.monitor_config)
-    cfg.autotuning.check()
-    cfg.curriculum_learning.check()
-    if cfg.fp16.enabled and cfg.bf16.enabled:
-        raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
-    zero = cfg.zero_optimization
-    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
-        raise ConfigError("'sum' is not supported with ZeRO stage 3 (as in DeepSpeed: its partitioned "
-                          "reduction averages); use \"mean\" or stage 0-2", key="gradient_allreduce_op")
-    cfg.data_types.check(cfg.fp16.enabled, cfg.bf16.enabled)
-    _check_compressed(cfg)
-    _check_muon(cfg)
-    cfg.tensor_parallel.check(zero.stage)
-    cfg.expert_parallel.check(cfg.tensor_parallel.size)
-    cfg.layout_invariant.check(cfg)
-    if zero.offload_optimizer.enabled and zero.stage == 0:
-        raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "
-                          "device)", key="zero_optimization.offload_optimizer.device")
-    for key in ("offload_optimizer", "offload_param"):
-        off = getattr(zero, key)
-        if off.device == "nvme" and off.nvme_path is None:
-            raise ConfigError("is required with \"device\": \"nvme\" (a directory for the swap files)",
-                              key=f"zero_optimization.{key}.nvme_path")
-    ratio = zero.offload_optimizer.ratio
-    if ratio != 1.0 and zero.offload_optimizer.enabled and (zero.stage != 3 or zero.offload_optimizer.device == "nvme"):
-        why = "partial offload needs ZeRO stage 3" if zero.stage != 3 else "partial offload needs \"device\": \"cpu\""
-        raise ConfigError(f"{ratio} is refused: {why}; set it to 1.0 or remove it",
-                          key="zero_optimization.offload_optimizer.ratio")
-    zeropp = {"zero_quantized_weights": zero.zero_quantized_weights, "zero_hpz_partition_size":
-              zero.zero_hpz_partition_size > 1, "zero_quantized_gradients": zero.zero_quantized_gradients}
-    for key, on in zeropp.items():
-        if on and zero.stage != 3:
-            raise ConfigError(f"ZeRO++ needs ZeRO stage 3, this config has stage {zero.stage}; set the stage "
-                              "to 3 or remove it", key=f"zero_optimization.{key}")
-    if cfg.zero_optimization.stage not in STAGES:
-        raise ConfigError(f"ZeRO stage {cfg.zero_optimization.stage} is accepted by DeepSpeed but not "
-                          f"implemented by dslaunch yet; use {stage_choices()}", key="zero_optimization.stage")

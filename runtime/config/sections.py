@@ -348,7 +348,6 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # precision and numerics
     "amp": _enabled(),
     "fp32_allreduce": False, "disable_allgather": False, "sparse_gradients": False,
-    "managed_gradient_accumulation": True,  # dslaunch steps at the accumulation boundary
     # parallelism
     "seq_parallel_comm_data_type": "fp32",
     "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use

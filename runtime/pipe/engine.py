@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import ConfigError, PipelineStageError, UsageError
+from dslaunch.errors import AccumulationModeError, ConfigError, PipelineStageError, UsageError
 from dslaunch.runtime import heartbeat
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.comm import comm
@@ -97,6 +97,8 @@ class PipelineEngine(DeepSpeedEngine):
         ConfigError: ZeRO stage 3, ``pipeline.stages`` other than the module's, or tied layers with
             ZeRO stage 2.
     """
+
+    pipeline_parallelism = True  # DeepSpeed's attribute
 
     def __init__(self, model: PipelineModule, config: DeepSpeedConfig, **kwargs: Any):
         _check_config(model, config)
@@ -460,6 +462,10 @@ class PipelineEngine(DeepSpeedEngine):
 
 def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
     stage = config.zero_optimization.stage
+    if not config.managed_gradient_accumulation:
+        raise AccumulationModeError("false is not supported with pipeline parallelism (a PipelineModule): "
+                                    "train_batch() runs the micro batches and ends the window itself; remove "
+                                    "the key", key="managed_gradient_accumulation")
     if config.progressive_layer_drop.enabled:
         raise ConfigError("not with a PipelineModule: its stages take no keyword arguments to drop layers by "
                           "(DeepSpeed fails there with a TypeError); set it to false", key="progressive_layer_drop.enabled")

@@ -9,8 +9,8 @@ asks the stage again. What lives where:
 - ``stage0.py``, ``stage1.py``, ``stage2.py``, ``stage3.py``: each stage as a placement + a gradient
   path.
 - ``placement.py``: where the fp32 master and optimizer state live (replicated or sharded).
-- ``gradients.py``: how gradients are kept and reduced (full buffer at the boundary, or into the
-  rank's shard as backward runs); ``grad_norm.py``: the global norm's sums of squares, per unit, in
+- ``gradients.py``, ``sharded_gradients.py``: how gradients are kept and reduced (full buffer at
+  the boundary; or into the rank's shard as backward runs); ``grad_norm.py``: the global norm's sums of squares, per unit, in
   one order whether a pass at the step or the gradients' last write (the fold) takes them.
 - ``reducer.py``: the bucket reducer (and its buffer pool) both gradient paths use; ``exchange.py``:
   how a bucket is exchanged (all-reduce, reduce-scatter, 1-bit compressed).

@@ -101,7 +101,7 @@ class TreeAllReduce(GradientExchange):
     """Recursive doubling: in round ``k`` group rank ``i`` swaps its buffer with rank ``i ^ 2**k``
     and both add (``a + b`` equals ``b + a`` bit for bit). The result is the pairwise tree over the
     ranks in group order, ``((r0 + r1) + (r2 + r3)) + ...``: the tree a smaller world completes by
-    accumulating micro steps (``gradients.ShardedGradients``) and the expert blocks
+    accumulating micro steps (``sharded_gradients.ShardedGradients``) and the expert blocks
     (``moe.layout_invariant``) start, so the sum is the same at any layout. Synchronous; moves
     ``log2(W)`` buffers per rank where a ring moves ``2 (W - 1) / W``.
 

@@ -75,6 +75,12 @@ class Frozen:
 
     end_backward = post_backward
 
+    def hold_reductions(self) -> None:
+        """No gradients to hold (``begin_micro_step`` refuses a backward)."""
+
+    def end_window(self, reduce: bool = True) -> None:
+        """No gradients to reduce."""
+
     def zero_grad(self) -> None:
         """No gradients are kept."""
 

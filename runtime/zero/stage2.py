@@ -10,8 +10,8 @@ Optimizer state, master weights and gradients per rank: 1/N of stage 0.
 
 from __future__ import annotations
 
-from dslaunch.runtime.zero.gradients import ShardedGradients
 from dslaunch.runtime.zero.placement import Sharded
+from dslaunch.runtime.zero.sharded_gradients import ShardedGradients
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 
 __all__ = ["Stage2"]

@@ -35,9 +35,10 @@ import torch
 
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import ParamFetcher
-from dslaunch.runtime.zero.gradients import ScopedGradients, gradient_is_whole
+from dslaunch.runtime.zero.gradients import gradient_is_whole
 from dslaunch.runtime.zero.partitioned import Partitioned
 from dslaunch.runtime.zero.prefetch import FetchLimits
+from dslaunch.runtime.zero.sharded_gradients import ScopedGradients
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory, ReduceGroup
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 

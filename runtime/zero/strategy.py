@@ -2,7 +2,7 @@
 
 A strategy is a ``placement`` (where the fp32 master weights and optimizer state live:
 ``placement.Replicated`` or ``placement.Sharded``) and a ``gradients`` path (how gradients are kept
-and reduced: ``gradients.FullGradients`` or ``gradients.ShardedGradients``). A stage
+and reduced: ``gradients.FullGradients`` or ``sharded_gradients.ShardedGradients``). A stage
 (``stage0.py`` ...) is one such pair; ``registry.py`` lists them. The strategy owns the flat
 parameter storage (through its placement), the optimizer over the master shards and the step.
 The engine drives it through a small lifecycle and never asks which stage it is:
@@ -11,6 +11,8 @@ The engine drives it through a small lifecycle and never asks which stage it is:
     begin_micro_step(boundary)   before backward: will this micro step end an accumulation?
     post_backward()              right after loss.backward() (no-op below stage 3)
     end_backward()               after loss.backward(): finish the communication of this step
+    hold_reductions()            from now on backward leaves gradients on the rank (coalesce_grad_reduction)
+    end_window()                 the script ended the window (unmanaged step(), a held block's end): reduce
     backward_pending             a backward ran whose end_backward has not (a script's loss.backward())
     step(loss_scale, clip)       at the boundary: unscale, clip, overflow check, update, publish
     zero_grad()                  forget accumulated gradients (the engine's, and ``engine.zero_grad()``)
@@ -42,9 +44,10 @@ import torch.distributed as dist
 
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange, TreeAllReduce
-from dslaunch.runtime.zero.gradients import FullGradients, GradientPath, ShardedGradients
+from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
 from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement, gather_over_ranks, sum_over_ranks
+from dslaunch.runtime.zero.sharded_gradients import ShardedGradients
 from dslaunch.runtime.zero.specs import (
     CommSettings,
     FlatShards,
@@ -238,6 +241,22 @@ class ZeroStrategy:
         """After loss.backward(): complete this micro step's reductions (collective)."""
         for part in self.parts:
             part.gradients.end_backward()
+        self._read_ahead()
+
+    def hold_reductions(self) -> None:
+        """Backward leaves every gradient on this rank until ``end_window`` (coalesce_grad_reduction)."""
+        for part in self.parts:
+            part.gradients.hold()
+
+    def end_window(self, reduce: bool = True) -> None:
+        """The script ended the accumulation window (an unmanaged ``step()``, the end of
+        ``hold_reductions``): reduce, once, what the backwards left on this rank (collective: all
+        ranks); ``reduce=False`` only stops holding."""
+        for part in self.parts:
+            part.gradients.end_window(reduce)
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
         if self.offload is not None and all(part.gradients.boundary_done for part in self.parts):
             self.offload.prefetch(self._shards())  # the first bucket's copy overlaps what precedes the step
 

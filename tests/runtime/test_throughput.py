@@ -3,6 +3,7 @@ heartbeat and the monitors make of them (tokens/s, MFU), against hand counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -106,3 +107,15 @@ def test_the_monitors_get_samples_tokens_and_mfu_per_second() -> None:
     assert rates["tokens_per_sec"] == pytest.approx(32 * 2 / 0.5)
     assert rates["mfu"] == pytest.approx(6 * N * 32 / 0.5 / 1e6)
     assert not any(name.endswith(("tokens_per_sec", "mfu")) for name, _, x in monitor.events if x == 4)
+
+
+def test_a_first_window_of_its_own_size_is_no_resume() -> None:
+    """The first step's window need not be train_batch_size (a script that ends each window itself:
+    managed_gradient_accumulation false): the monitors start at 0 then, not as a resumed run; a
+    record that does not say its window (None) is taken as train_batch_size's."""
+    for window, resumed in ((20, False), (None, True)):
+        monitor, meter = _Monitor(), WorkMeter(model_params(_model()))
+        watcher = MonitorEvents(monitor, batch_size=12, dp_world_size=2, fp16=False, device=torch.device("cpu"),
+                                work=meter)
+        watcher.on_step(dataclasses.replace(_record(1, 20), window_samples=window))
+        assert any(name == "Run/resume" for name, _, _ in monitor.events) is resumed, window

@@ -269,7 +269,6 @@ def test_sections_at_their_off_values_are_accepted() -> None:
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
     ("graph_harvesting", True, False),
     ("compile", {"deepcompile": True}, {"deepcompile": False}),
-    ("managed_gradient_accumulation", False, True),
 ])
 def test_deepspeed_keys_are_not_implemented_not_unknown(key: str, on: object, off: object) -> None:
     msg = _error({"train_batch_size": 8, key: on})

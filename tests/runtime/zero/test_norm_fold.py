@@ -27,7 +27,7 @@ def _run(zero: dict, clip: float, fold: bool) -> dict:
     import torch
 
     import dslaunch
-    from dslaunch.runtime.zero.gradients import ShardedGradients
+    from dslaunch.runtime.zero.sharded_gradients import ShardedGradients
 
     folded_sumsq = ShardedGradients.folded_sumsq
     if not fold:
