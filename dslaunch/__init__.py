@@ -58,6 +58,7 @@ _LAZY = {
     "TORCH_DISTRIBUTED_DEFAULT_PORT": "dslaunch.constants",
     "DeepSpeedInferenceConfig": "dslaunch.inference",
     "MUON_OPTIMIZER": "dslaunch.runtime.config",
+    "DeepSpeedHybridEngine": "dslaunch.runtime.hybrid_engine",
     "version": "dslaunch.git_version_info",
     "git_hash": "dslaunch.git_version_info",
     "git_branch": "dslaunch.git_version_info",

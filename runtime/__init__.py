@@ -3,8 +3,11 @@
 - entry points and engines: ``api.py`` (``initialize`` and DeepSpeed's other entry points),
   ``engine.py`` (``DeepSpeedEngine``), ``engine_setup.py`` (assembling its parts once),
   ``engine_checkpoint.py`` (its checkpoint methods), ``engine_settings.py`` (its getters of the
-  settings), ``engine_accumulation.py`` (its accumulation clock: boundaries, ``no_sync``), ``plain_backward.py`` (a script's own ``loss.backward()``), ``pipe/`` (the pipeline engine),
-  ``inference/`` (``init_inference``).
+  settings), ``engine_accumulation.py`` (its accumulation clock: boundaries, ``no_sync``),
+  ``plain_backward.py`` (a script's own ``loss.backward()``), ``hybrid_engine.py`` (the engine that
+  also generates, DeepSpeed's ``DeepSpeedHybridEngine``), ``python_gc.py`` (``disable_python_gc``:
+  the collector off while engines live), ``pipe/`` (the pipeline engine), ``inference/``
+  (``init_inference``).
 - what the engine delegates to: ``config/`` (the ds_config), ``zero/`` (the ZeRO strategies),
   ``precision/`` (dtypes and loss scaling), ``torch_autocast.py`` (forwards under
   ``torch.autocast``), ``progressive_layer_drop.py`` (the keep probability handed to forwards), ``optim/``, ``lr_schedules/``, ``checkpoint/``,

@@ -100,9 +100,16 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     parts = {"optimizer": optimizer, "model_parameters": model_parameters, "training_data": training_data,
              "lr_scheduler": lr_scheduler, "collate_fn": collate_fn}
     if pipeline:
+        if cfg.hybrid_engine.enabled:
+            raise ConfigError("the hybrid engine generates with the whole model: it does not run a PipelineModule; "
+                              "set it to false", key="hybrid_engine.enabled")
         from dslaunch.runtime.pipe.engine import PipelineEngine
 
         engine: Any = PipelineEngine(model, cfg, **parts)
+    elif cfg.hybrid_engine.enabled:  # DeepSpeed's class for it: the training engine that also generates
+        from dslaunch.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+        engine = DeepSpeedHybridEngine(model, cfg, mpu=mpu, **parts)
     else:
         from dslaunch.runtime.engine import DeepSpeedEngine
 

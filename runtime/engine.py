@@ -45,6 +45,7 @@ from dslaunch.runtime.parallel.mpu import gradient_reduce_group, tensor_axis
 from dslaunch.runtime.plain_backward import PlainBackward
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.progressive_layer_drop import ProgressiveLayerDrop
+from dslaunch.runtime.python_gc import PYTHON_GC
 from dslaunch.runtime.torch_autocast import Autocast
 from dslaunch.utils.logging import set_log_level_from_string
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
@@ -94,6 +95,8 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         if "activation_checkpointing" in config.raw:  # deepspeed.checkpointing follows the block
             checkpointing.configure_from(config.activation_checkpointing, mpu)
         self._config = config
+        # disable_python_gc: the process's collector off while this engine lives (destroy() gives it back)
+        self._python_gc = PYTHON_GC.acquire() if config.disable_python_gc else None
         if config.log_level is not None:  # as DeepSpeed, before anything logs
             set_log_level_from_string(config.log_level)
         # DeepSpeed's engine.config is the ds_config dict as given (Hugging Face's Trainer reads it)
@@ -337,6 +340,14 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         self.wait_for_checkpoint()
         self.monitor.flush()
         self._checkpointer = None
+        if self._python_gc is not None:
+            PYTHON_GC.release(self._python_gc)
+            self._python_gc = None
+
+    def collect_python_gc(self) -> int:
+        """One full Python garbage collection now (DeepSpeed's, for ``disable_python_gc``: at a
+        moment the script picks, the same on every rank); returns the objects it found."""
+        return PYTHON_GC.collect()
 
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:

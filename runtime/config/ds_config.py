@@ -34,6 +34,7 @@ from dslaunch.runtime.config.elasticity import ElasticityConfig
 from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
 from dslaunch.runtime.config.file import check_shape, read_config_file
 from dslaunch.runtime.config.flops_profiler import FlopsProfilerConfig
+from dslaunch.runtime.config.hybrid_engine import HybridEngineConfig
 from dslaunch.runtime.config.layout_invariant import LayoutInvariantConfig
 from dslaunch.runtime.config.legacy import legacy_forms
 from dslaunch.runtime.config.memory_checkpoint import MemoryCheckpointConfig
@@ -88,7 +89,7 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig,
              "expert_parallel": ExpertParallelConfig, "layout_invariant": LayoutInvariantConfig, "curriculum_learning":
              CurriculumLearningConfig, "torch_autocast": TorchAutocastConfig,
-             "progressive_layer_drop": ProgressiveLayerDropConfig}
+             "progressive_layer_drop": ProgressiveLayerDropConfig, "hybrid_engine": HybridEngineConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -124,6 +125,7 @@ _SCALARS = {
     "train_micro_batch_size_per_gpu": (optional(integer(1)), "an integer: samples per GPU per micro step"),
     "gradient_accumulation_steps": (optional(integer(1)), "an integer: micro steps per optimizer step"),
     "managed_gradient_accumulation": (boolean, "true (the engine counts the micro steps) or false (every step() is one)"),
+    "disable_python_gc": (boolean, "true: Python's cyclic GC off while the engine lives (engine.collect_python_gc())"),
     "steps_per_print": (_steps_per_print, "an integer: log every N optimizer steps"),
     "wall_clock_breakdown": (boolean, "true or false"),
     "gradient_clipping": (number(0.0), "a number: max global gradient norm (0 = off)"),
@@ -249,6 +251,10 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     """Forwards under ``torch.autocast`` (``runtime/torch_autocast.py``)."""
     progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    """Training and generating with one engine (``runtime/hybrid_engine.py``)."""
+    disable_python_gc: bool = False
+    """Python's cyclic garbage collector off while the engine lives (``runtime/python_gc.py``)."""
     optimizer: OptimizerSpec | None = None
     """The ``optimizer`` section, validated (type and complete params) when the config is parsed."""
     scheduler: SchedulerSpec | None = None

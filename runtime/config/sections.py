@@ -344,14 +344,12 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     # DeepSpeed prints a throughput line by default; dslaunch has no throughput timer.
     "timers": Off({"throughput": Off({"enabled": False, "synchronized": True}, switch="enabled")}),
     "memory_breakdown": False, "dump_state": False,
-    "disable_python_gc": False,  # DeepSpeed 0.19's switch to turn off Python's cyclic GC in training
     # precision and numerics
     "amp": _enabled(),
     "fp32_allreduce": False, "disable_allgather": False, "sparse_gradients": False,
     # parallelism
     "seq_parallel_comm_data_type": "fp32",
     "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use
-    "hybrid_engine": _enabled(),
     # model and training techniques
     "sparse_attention": None, "weight_quantization": None,
     "compression_training": Off({"weight_quantization": _COMPRESSION, "activation_quantization": _COMPRESSION,

@@ -124,7 +124,8 @@ def test_typos_stay_errors_in_client_forms() -> None:
 
 
 def test_unimplemented_keys_are_reported_not_ignored() -> None:
-    assert "not implemented" in _error({"train_batch_size": 8, "hybrid_engine": {"enabled": True}})
+    assert "not implemented" in _error({"train_batch_size": 8, "hybrid_engine": {"enabled": True,
+                                                                                "inference_tp_size": 2}})
     assert "not implemented" in _error({"train_batch_size": 8, "data_efficiency": {"enabled": True}})
     # partial offload is implemented now (stage 3, tests/runtime/zero/test_offload_ratio.py)
     zero = load_config({"train_batch_size": 8, "zero_optimization": {
