@@ -122,8 +122,10 @@ def broadcast_replicas(module: torch.nn.Module, grid: Any, experts: dict[str, Re
     dense = gradient_reduce_group(grid)
     for param in module.parameters():
         name = expert_group_name(param)
-        group = dense if name is None else experts[name].process_group if name in experts else False
-        if group is False or is_partitioned(param) or dist.get_world_size(group) == 1:
+        if is_partitioned(param) or (name is not None and name not in experts):
+            continue
+        group = dense if name is None else experts[name].process_group
+        if dist.get_world_size(group) == 1:
             continue
         source = dist.get_process_group_ranks(group)[0] if group is not None else 0
         dist.broadcast(param.data, source, group=group)
