@@ -36,6 +36,7 @@ __all__ = [
     "TagMismatchError",
     "DeepSpeedConfigError",
     "BatchSizeError",
+    "BucketAlignmentError",
     "did_you_mean",
     "quote",
     "shorten",
@@ -103,6 +104,11 @@ class BatchSizeError(ConfigError, AssertionError):
     """The batch triad (``train_batch_size``, ``train_micro_batch_size_per_gpu``,
     ``gradient_accumulation_steps``) cannot be completed or does not add up. Also an
     ``AssertionError``: what DeepSpeed's config raises there."""
+
+
+class BucketAlignmentError(ConfigError, AssertionError):
+    """``zero_optimization.allgather_bucket_size`` is odd at ZeRO stage 1 or 2. Also an
+    ``AssertionError``: what DeepSpeed's stage 1/2 optimizer raises there."""
 
 
 class DtypeMixError(ConfigError, NotImplementedError):

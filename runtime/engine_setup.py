@@ -9,6 +9,9 @@ Kept apart from ``engine.py`` so the engine stays a thin loop. The choices made 
   as the same object with each group's ``params`` re-pointed to the shard (so a client LR
   scheduler bound to it keeps working); a callable gets the shard groups;
 - the LR scheduler is a client object, a callable of the optimizer, or ``scheduler`` from the config;
+- every rank starts from the first replica's weights: each parameter is broadcast from the first
+  rank of the group it is averaged over (DeepSpeed's ``_broadcast_model``), so ranks that built the
+  model with different seeds train one model; ``zero.Init`` parameters were broadcast when built;
 - without any optimizer the engine only runs forward (``zero/frozen.py``), as DeepSpeed's; at
   stage 3 its parameters stay partitioned and are gathered per module.
 """
@@ -35,7 +38,7 @@ from dslaunch.runtime.zero.registry import strategy_class
 from dslaunch.runtime.zero.specs import CommSettings, FlatShards, GroupSpec, ReduceGroup
 from dslaunch.runtime.zero.strategy import ZeroStrategy
 
-__all__ = ["EngineParts", "build_components", "refuse_sequence_conflicts", "sequence_size"]
+__all__ = ["EngineParts", "build_components", "broadcast_replicas", "refuse_sequence_conflicts", "sequence_size"]
 
 
 @dataclass
@@ -60,9 +63,11 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     zero_cfg = cfg.zero_optimization
     apply_leaf_config(module, zero_cfg.leaf_module)  # before stage 3's hooks read the flags
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
+        broadcast_replicas(module, grid, {})
         return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
     groups = _param_groups(module, optimizer, model_parameters, tensor_axis(grid, "rank"))
     reduce_groups = _expert_groups(groups, grid, cfg)
+    broadcast_replicas(module, grid, reduce_groups)
     if optimizer is None:  # Muon: its matrices and the AdamW rest in separate groups
         from dslaunch.runtime.optim.registry import split_groups
 
@@ -100,6 +105,30 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
                                           reduce_groups=reduce_groups)
     return EngineParts(zero, zero.optimizer, _scheduler(cfg, lr_scheduler, zero.optimizer),
                        _dataloader(cfg, training_data, collate_fn, grid))
+
+
+def broadcast_replicas(module: torch.nn.Module, grid: Any, experts: dict[str, ReduceGroup]) -> None:
+    """Give every rank the first replica's parameters, before the strategy shards them: a dense
+    parameter from the first rank of the gradient-reduce group, an expert parameter from the first
+    of its expert-data group (DeepSpeed's ``_broadcast_model``). Left as they are: ``zero.Init``
+    parameters (broadcast when built) and expert parameters of a group no param group trains.
+
+    collective: call on all ranks of the job.
+    """
+    from dslaunch.runtime.zero.params import is_partitioned
+
+    if not dist.is_initialized():
+        return
+    dense = gradient_reduce_group(grid)
+    for param in module.parameters():
+        name = expert_group_name(param)
+        if is_partitioned(param) or (name is not None and name not in experts):
+            continue
+        group = dense if name is None else experts[name].process_group
+        if dist.get_world_size(group) == 1:
+            continue
+        source = dist.get_process_group_ranks(group)[0] if group is not None else 0
+        dist.broadcast(param.data, source, group=group)
 
 
 def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig) -> dict[str, ReduceGroup]:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from dslaunch.errors import ConfigError
+from dslaunch.errors import BucketAlignmentError, ConfigError
 from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, number
 from dslaunch.runtime.config.sections import ANY, _only, _opt, optional, parse_section
 from dslaunch.runtime.zero.registry import stage_choices
@@ -235,6 +235,13 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
+        if self.stage in (1, 2) and self.allgather_bucket_size % 2:
+            # DeepSpeed's stage 1/2 optimizer asserts it (buckets start 4-byte aligned in 16-bit
+            # elements); refused here too, so a config that runs on dslaunch runs on DeepSpeed.
+            raise BucketAlignmentError(
+                f"allgather_bucket_size must be a multiple of nccl_start_alignment_factor (2) at ZeRO stages "
+                f"1 and 2, got {self.allgather_bucket_size}; use an even number such as "
+                f"{self.allgather_bucket_size - 1}", key="zero_optimization.allgather_bucket_size")
         from dslaunch.utils.logging import logger
 
         if self.offload_param.enabled and self.stage != 3:

@@ -67,6 +67,12 @@ class Frozen:
     def pre_forward(self) -> None:
         """The module's own hooks gather what stage 3 partitioned: ``engine.module(...)`` works too."""
 
+    def release_gathered(self) -> None:
+        """Stage 3: release every gathered parameter no forward holds (``engine.empty_partition_cache``
+        of an engine that only runs forward, as DeepSpeed's); below it nothing is gathered."""
+        if self.fetcher is not None:
+            self.fetcher.release_idle()
+
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         raise UsageError(f"engine.backward(): {_NO_OPTIMIZER}; pass an optimizer to initialize() to train")
 

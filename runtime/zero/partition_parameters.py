@@ -168,8 +168,10 @@ class Init:
 
     # ----- partitioning --------------------------------------------------------------------
     def _partition(self, module: torch.nn.Module) -> None:
+        # A parameter on the meta device has no values yet (torch.nn.utils.skip_init builds there,
+        # then calls to_empty): it is partitioned once it has them (_finish, or initialize).
         for p in module.parameters(recurse=False):
-            if not zp.is_partitioned(p):
+            if not zp.is_partitioned(p) and not p.is_meta:
                 self._partition_param(p)
 
     def _partition_param(self, p: torch.nn.Parameter) -> None:
@@ -211,6 +213,9 @@ class Init:
         for child in children:
             self._partition(child)
         if self._built:
+            # children still on meta wait for the parent above (skip_init materialises this one
+            # when its __init__ returns)
+            self._built[-1].extend(c for c in children if _on_meta(c))
             self._built[-1].append(module)
         else:
             self._partition(module)
@@ -326,3 +331,7 @@ def unwrap_model_for_generation(model: Any) -> Any:
     """
     with GatheredParameters(model.parameters()):
         yield model
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters(recurse=False))

@@ -96,6 +96,14 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+# Tests that stop DeepSpeed's harness on one side: there a ``pytest.raises`` sees nothing raised and
+# fails with pytest's ``Failed``, a BaseException, which kills the harness's pool worker; the harness
+# then waits for the worker's result until the file cap, and every later test of the file is lost.
+# Deselected on that side (a test not collected counts as failed there); each is in
+# EXPECTED_FAILURES.md.
+HARNESS_STOPPERS = {"dslaunch": ["unit/v1/zero/test_zero.py::TestZeroOffloadOptim::test[True]"]}
+
+
 def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path, args) -> report.SideRun:
     """Runs the files in as few pytest processes as hangs allow; returns every outcome."""
     events.unlink(missing_ok=True)
@@ -118,6 +126,7 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
     command = [str(venv / "bin" / "python"), "-m", "pytest", "-c", "pytest.ini", "--rootdir", ".",
                "-p", "conformance_shim", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-q", "--no-header", "-rN",
                f"--timeout={args.test_timeout}", "--junitxml", str(events.with_suffix(".xml"))]
+    command += [f"--deselect={nodeid}" for nodeid in HARNESS_STOPPERS.get(side, [])]
     # A run killed mid-build leaves its op build's lock behind, and every later build waits on it
     # forever; no build of this venv's runs now, so any lock left is stale.
     for lock in (venv / "torch_extensions").glob("*/lock"):
@@ -160,10 +169,10 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
 
 
 # Files whose tests are many multi-process runs: at the common cap they passed on a quiet machine
-# and were cut under load (11 tests in one loaded run, all passing at 1200 s).
+# and were cut under load (11 tests in one loaded run, all passing at 1200 s). The v1 ZeRO files:
+# ~30 min a side each on this machine under load (2026-12-07).
 LONG_FILES = {"unit/comm/test_dist.py": 3, "unit/checkpoint/test_zero_optimizer.py": 3,
-              # 192 two-rank tests: ~30 min a side here (DeepSpeed's and dslaunch's, Dec 2026)
-              "unit/v1/zero/test_zero_user_backward.py": 6}
+              "unit/v1/zero/test_zero_user_backward.py": 6, "unit/v1/zero/test_zero.py": 6}
 
 
 STARTUP_LIMIT_S = 900

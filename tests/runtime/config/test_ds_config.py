@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dslaunch.errors import ConfigError
+from dslaunch.errors import BucketAlignmentError, ConfigError
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.config.sections import REMOVED_FROM_DEEPSPEED
 
@@ -196,6 +196,25 @@ def test_zero_knobs_without_effect_on_results_accept_both_values(key: str) -> No
     for value in (True, False):
         assert getattr(_ok({"zero_optimization": {"stage": 2, key: value}}).zero_optimization, key) is value
     assert "true or false" in _error({"train_batch_size": 8, "zero_optimization": {key: "yes"}})
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_odd_allgather_bucket_size_is_refused_at_stages_1_and_2_as_deepspeed_asserts(stage: int) -> None:
+    raw = {"train_batch_size": 8, "zero_optimization": {"stage": stage, "allgather_bucket_size": 1001}}
+    # an AssertionError too: DeepSpeed's stage 1/2 optimizer asserts, and scripts catch that
+    with pytest.raises(AssertionError) as info:
+        load_config(raw, 2)
+    assert isinstance(info.value, BucketAlignmentError)
+    msg = str(info.value)
+    assert "'zero_optimization.allgather_bucket_size'" in msg and "got 1001" in msg and "such as 1000" in msg
+    assert "allgather_bucket_size must be a multiple of nccl_start_alignment_factor" in msg
+    assert _ok({"zero_optimization": {"stage": stage, "allgather_bucket_size": 1000}}).zero_optimization.allgather_bucket_size == 1000
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_odd_allgather_bucket_size_is_accepted_where_deepspeed_does_not_check_it(stage: int) -> None:
+    zero = _ok({"zero_optimization": {"stage": stage, "allgather_bucket_size": 1001}}).zero_optimization
+    assert zero.allgather_bucket_size == 1001
 
 
 def test_elastic_checkpoint_at_stage_3_warns_that_it_has_no_effect() -> None:

@@ -145,6 +145,30 @@ def test_empty_partition_cache_leaves_nothing_gathered_and_training_unchanged() 
         assert whole == 0 and got == want
 
 
+def _empty_cache_forward_only(rank: int, world: int) -> tuple[int, list[float], list[float]]:
+    import torch
+
+    import dslaunch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    cfg = {"train_batch_size": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)  # no optimizer: an evaluation engine
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        before = engine(x).reshape(-1).tolist()
+        engine.empty_partition_cache()
+        whole = sum(p.numel() for p in model.parameters())
+        after = engine(x).reshape(-1).tolist()
+    return whole, before, after
+
+
+@pytest.mark.timeout(90)
+def test_empty_partition_cache_of_a_forward_only_engine_releases_and_regathers() -> None:
+    for whole, before, after in run_world(_empty_cache_forward_only, 2, timeout=80):
+        assert whole == 0 and after == before
+
+
 def _outside_read(rank: int, world: int, steps: int) -> list[float]:
     import torch
 

@@ -342,3 +342,50 @@ def test_mics_is_refused_in_one_line() -> None:
     with pytest.raises(NotInDslaunchError, match=r"^dslaunch\.runtime\.zero\.mics\.MiCS_Init: MiCS .* is not in dslaunch; "
                        r"use deepspeed\.zero\.Init with ZeRO stage 3"):
         dslaunch.zero.MiCS_Init(config_dict_or_path={"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int, device: object = None):
+        super().__init__()
+        self.inner = torch.nn.Linear(width, width, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class _SkipInitModel(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.first = torch.nn.utils.skip_init(torch.nn.Linear, width, width)
+        self.block = torch.nn.utils.skip_init(_Block, width)  # its child is built on meta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.first(x))
+
+
+def _skip_init_run(rank: int, world: int) -> tuple[list[int], float]:
+    import dslaunch
+
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with dslaunch.zero.Init(config_dict_or_path=cfg):
+        model = _SkipInitModel(10)
+    pieces = [model.first.weight.ds_tensor.numel(), model.block.inner.weight.ds_tensor.numel()]
+    with torch.no_grad():  # skip_init leaves the values undefined: give them some
+        with dslaunch.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            for p in model.parameters():
+                p.fill_(0.1)
+    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    loss = engine(torch.ones(2, 10)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    return pieces, loss.item()
+
+
+@pytest.mark.timeout(90)
+def test_skip_init_modules_built_under_init_are_partitioned_once_materialised() -> None:
+    # torch.nn.utils.skip_init builds a module on meta then calls to_empty: its children must not
+    # be partitioned while they have no values (DeepSpeed's test_zero.py::TestParamPartitioningSkipInit)
+    for pieces, loss in run_world(_skip_init_run, 2, timeout=80):
+        assert pieces == [50, 50]
+        assert loss == pytest.approx(((0.1 * 10 + 0.1) * 0.1 * 10 + 0.1) ** 2, rel=1e-5)
