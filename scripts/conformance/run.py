@@ -101,7 +101,10 @@ def _stop(proc: subprocess.Popen) -> None:
 # then waits for the worker's result until the file cap, and every later test of the file is lost.
 # Deselected on that side (a test not collected counts as failed there); each is in
 # EXPECTED_FAILURES.md.
-HARNESS_STOPPERS = {"dslaunch": ["unit/v1/zero/test_zero.py::TestZeroOffloadOptim::test[True]"]}
+HARNESS_STOPPERS = {"dslaunch": ["unit/v1/zero/test_zero.py::TestZeroOffloadOptim::test[True]",
+                                  # coalescing works there on dslaunch: the raises() fails in a rank
+                                  "unit/v1/zero/test_zero_coalesce_grad_reduction.py::TestCoalesceGradAccumDtype::"
+                                  "test_zero1_no_offload_uses_bf16_optimizer"]}
 
 
 def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path, args) -> report.SideRun:
