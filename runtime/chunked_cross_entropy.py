@@ -22,6 +22,7 @@ import torch
 
 from dslaunch.errors import UsageError
 from dslaunch.kernels import dispatch
+from dslaunch.runtime.tensor_parallel.loss import causal_lm_mean, shifted_labels
 
 __all__ = ["BACKENDS", "chunked_cross_entropy", "ChunkedCausalLMLoss", "install_chunked_causal_lm_loss",
            "triton_backend_available"]
@@ -107,15 +108,10 @@ class ChunkedCausalLMLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch: Any = None,
                  ignore_index: int = -100, shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        if shift_labels is None:  # tokens < n predict n; the last predicts nothing
-            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = chunked_cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index,
-                                     reduction, self.block_rows, self.backend)
-        if num_items_in_batch is None:
-            return loss
-        return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
-                       else num_items_in_batch)
+        targets = shifted_labels(labels, shift_labels, ignore_index).reshape(-1)
+        total = chunked_cross_entropy(logits.reshape(-1, vocab_size), targets, ignore_index, "sum", self.block_rows,
+                                      self.backend)
+        return causal_lm_mean(total, targets.to(total.device), ignore_index, num_items_in_batch)
 
 
 def install_chunked_causal_lm_loss(model: Any, block_rows: int | None = None,

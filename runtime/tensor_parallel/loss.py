@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from dslaunch.runtime.comm import comm
 
-__all__ = ["vocab_parallel_cross_entropy", "causal_lm_loss"]
+__all__ = ["vocab_parallel_cross_entropy", "causal_lm_loss", "shifted_labels", "causal_lm_mean"]
 
 IGNORE_INDEX = -100  # PyTorch's and Hugging Face's default
 
@@ -83,6 +83,22 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
     return losses.reshape(target.shape) * keep
 
 
+def shifted_labels(labels: torch.Tensor, shift_labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """Hugging Face's causal-LM targets: ``shift_labels`` when given, else ``labels`` shifted by one
+    (tokens < n predict n; the last predicts nothing)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift_labels is None else shift_labels
+
+
+def causal_lm_mean(total: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                   num_items_in_batch: Any) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` from the summed token losses ``total``: the mean over the
+    counted ``targets``, or the sum over ``num_items_in_batch`` (the Trainer's accumulation)."""
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum()
+    return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
+                    else num_items_in_batch)
+
+
 def causal_lm_loss(vocab_start: int, group: Any) -> Callable[..., torch.Tensor]:
     """Hugging Face's ``ForCausalLMLoss`` over vocab-parallel logits: a model's ``loss_function``.
 
@@ -95,13 +111,8 @@ def causal_lm_loss(vocab_start: int, group: Any) -> Callable[..., torch.Tensor]:
     def loss(logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
              num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
              shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        if shift_labels is None:  # tokens < n predict n; the last predicts nothing
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        shift_labels = shift_labels.to(logits.device)
-        total = vocab_parallel_cross_entropy(logits, shift_labels, vocab_start, group, ignore_index).sum()
-        if num_items_in_batch is None:
-            return total / (shift_labels != ignore_index).sum()
-        return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
-                        else num_items_in_batch)
+        targets = shifted_labels(labels, shift_labels, ignore_index).to(logits.device)
+        total = vocab_parallel_cross_entropy(logits, targets, vocab_start, group, ignore_index).sum()
+        return causal_lm_mean(total, targets, ignore_index, num_items_in_batch)
 
     return loss
