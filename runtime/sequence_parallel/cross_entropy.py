@@ -24,6 +24,7 @@ from torch import nn
 
 from dslaunch.errors import NotInDslaunchError
 from dslaunch.runtime.tensor_parallel import loss as tp_loss
+from dslaunch.runtime.tensor_parallel.collectives import training_collectives
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_sequence_parallel_cross_entropy", "VocabParallelCrossEntropyLoss",
            "VocabParallelCausalLMLoss", "configure_vocab_parallel_loss", "validate_vocab_parallel_loss"]
@@ -103,12 +104,9 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def _sequence_sum(value: torch.Tensor, sp_group: Any) -> torch.Tensor:
-    """The sum over the sequence group, with this rank's gradient only (DeepSpeed's ``_global_sp_sum``)."""
-    if not _parallel(sp_group):
-        return value
-    total = value.detach().clone()
-    dist.all_reduce(total, group=sp_group)
-    return value + (total - value.detach())
+    """The sum over the sequence group, with this rank's gradient only (DeepSpeed's ``_global_sp_sum``):
+    the tensor layers' sum, whose backward passes the gradient as it is."""
+    return training_collectives(sp_group).all_reduce(value) if _parallel(sp_group) else value
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group: Any = None,
