@@ -41,11 +41,8 @@ def _has_inf_or_nan(t: torch.Tensor) -> bool:
 
 
 class LossScalerBase(rules.LossScaler):
-    """DeepSpeed's base: ``cur_scale``, ``dynamic``, ``scale_loss``, ``backward``, ``update_scale``."""
-
-    def __init__(self, cur_scale: float):
-        super().__init__(cur_scale)
-        self.dynamic = type(self).dynamic
+    """DeepSpeed's base: ``cur_scale``, ``dynamic`` (the class's, or a loaded file's), ``scale_loss``,
+    ``backward``, ``update_scale``."""
 
     @property
     def cur_scale(self) -> float:
@@ -98,7 +95,7 @@ class DynamicLossScaler(LossScalerBase, rules.DynamicLossScaler):
         rules.DynamicLossScaler.__init__(self, init_scale=init_scale, scale_window=scale_window,
                                          hysteresis=delayed_shift, consecutive_hysteresis=consecutive_hysteresis,
                                          min_scale=min_scale, raise_error_at_min_scale=raise_error_at_min_scale)
-        self.dynamic, self.dtype = True, dtype
+        self.dtype = dtype
 
     @property
     def delayed_shift(self) -> int:
