@@ -27,9 +27,9 @@ from dslaunch.runtime.parallel.mpu import (
     bwc_pipeline_parallel_world_size,
     bwc_tensor_model_parallel_rank,
 )
+from dslaunch.runtime.partitioned_tensor import PartitionedTensor
 from dslaunch.runtime.pipe.module import partition_balanced, partition_uniform
 from dslaunch.safe_write import make_dirs
-from dslaunch.utils.refused import Refusal, refused_class
 
 __all__ = ["set_random_seed", "see_memory_usage", "memory_status", "empty_cache", "get_ma_status",
            "clip_grad_norm_", "get_global_norm", "get_grad_norm", "get_weight_norm", "get_grad_zeros",
@@ -287,8 +287,3 @@ class DummyOptim:
     def __init__(self, params: Iterable[torch.Tensor]):
         self.param_groups = [{"params": list(params)}]
         self.state: dict = {}
-
-
-PartitionedTensor = refused_class(__name__, "PartitionedTensor", Refusal(
-    "DeepSpeed's pipeline activation partitioning (PartitionedTensor)",
-    "dslaunch's pipeline sends whole activations; use deepspeed.pipe.PipelineModule without it"))

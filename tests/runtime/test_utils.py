@@ -6,6 +6,7 @@ keywords keeps working; the effects are checked against plain torch/NumPy/random
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import random
 
@@ -144,9 +145,51 @@ def test_small_helpers() -> None:
     assert utils.DummyOptim([torch.nn.Parameter(torch.ones(1))]).param_groups[0]["params"][0].item() == 1.0
 
 
-def test_partitioned_tensor_is_refused_with_one_line() -> None:
-    from dslaunch.errors import NotInDslaunchError
+def _partitioned_round_trip(rank: int, world: int, shape: tuple[int, ...]) -> tuple[list[int], bool, bool, int]:
+    import torch.distributed as dist
 
-    with pytest.raises(NotInDslaunchError) as err:
-        utils.PartitionedTensor(torch.ones(2), group=None)
-    assert "\n" not in str(err.value) and "PartitionedTensor" in str(err.value)
+    dist.init_process_group("gloo")
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) * 1.5 - 7
+    part = utils.PartitionedTensor(full, group=None)
+    rebuilt = utils.PartitionedTensor.from_meta(part.to_meta(), part.data(), None).full()
+    return list(part.local_size()), torch.equal(part.full(), full), torch.equal(rebuilt, full), part.data().numel()
+
+
+@pytest.mark.parametrize("shape", [(16, 3), (15, 5), (2,)])
+def test_partitioned_tensor_splits_flat_and_gathers_back(shape: tuple[int, ...]) -> None:
+    """Each of 4 ranks keeps its ``partition_uniform`` piece of the flat tensor; ``full()`` and a
+    ``from_meta`` rebuild give the tensor back exactly, even when 4 does not divide it (2 < 4
+    elements leaves ranks with nothing)."""
+    results = run_world(_partitioned_round_trip, 4, shape)
+    offsets = utils.partition_uniform(math.prod(shape), 4)
+    assert [r[3] for r in results] == [b - a for a, b in itertools.pairwise(offsets)]
+    assert all(len(r[0]) == 1 and r[1] and r[2] for r in results)
+
+
+def _meta_of_other_rank(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    part = utils.PartitionedTensor(torch.ones(8), group=None)
+    meta = part.to_meta()
+    meta[-(world + 2)] = (rank + 1) % world  # the rank field: claim another rank's piece
+    try:
+        utils.PartitionedTensor.from_meta(meta, part.data(), None)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_partitioned_tensor_meta_is_deepspeeds_layout_and_checked() -> None:
+    """``to_meta`` is DeepSpeed's wire layout ``[ndim, *shape, parts, rank, *offsets]``; a meta of
+    another rank's piece is refused in one line rather than rebuilt wrong."""
+    assert run_world(_meta_layout, 2) == [[2, 3, 2, 2, 0, 0, 3, 6], [2, 3, 2, 2, 1, 0, 3, 6]]
+    errors = run_world(_meta_of_other_rank, 2)
+    assert all("\n" not in e and "pass the meta this rank's piece was made with" in e for e in errors)
+
+
+def _meta_layout(rank: int, world: int) -> list[int]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return utils.PartitionedTensor(torch.zeros(3, 2), group=None).to_meta().tolist()
