@@ -3,7 +3,8 @@
 - entry points and engines: ``api.py`` (``initialize`` and DeepSpeed's other entry points),
   ``engine.py`` (``DeepSpeedEngine``), ``engine_setup.py`` (assembling its parts once),
   ``engine_checkpoint.py`` (its checkpoint methods), ``engine_settings.py`` (its getters of the
-  settings), ``engine_accumulation.py`` (its accumulation clock: boundaries, ``no_sync``),
+  settings), ``engine_accumulation.py`` (its accumulation clock: boundaries, ``no_sync``,
+  ``allreduce_gradients``),
   ``plain_backward.py`` (a script's own ``loss.backward()``), ``hybrid_engine.py`` (the engine that
   also generates, DeepSpeed's ``DeepSpeedHybridEngine``), ``python_gc.py`` (``disable_python_gc``:
   the collector off while engines live), ``pipe/`` (the pipeline engine), ``inference/``
@@ -21,7 +22,8 @@
   ``profiling/`` (the flops profiler, MFU), ``monitors/`` (TensorBoard, CSV, wandb, Comet),
   ``autotuning.py`` (one autotuning experiment).
 - tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line),
-  ``chunked_cross_entropy.py`` (a causal-LM loss without an fp32 copy of the logits).
+  ``chunked_cross_entropy.py`` (a causal-LM loss without an fp32 copy of the logits),
+  ``partitioned_tensor.py`` (a tensor split flat over a group, DeepSpeed's ``PartitionedTensor``).
 - DeepSpeed's import paths answered from the above: ``utils.py``, ``constants.py``,
   ``config_utils.py``, ``precision_config.py``, ``bf16_optimizer.py``, ``fp16/``,
   ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused),

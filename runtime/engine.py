@@ -27,7 +27,7 @@ from dslaunch.runtime.activation_checkpointing.offload_activations import Checkp
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.data_pipeline.curriculum_scheduler import legacy_scheduler
 from dslaunch.runtime.dist import device_for, local_rank
-from dslaunch.runtime.engine_accumulation import EngineAccumulation
+from dslaunch.runtime.engine_accumulation import MEMORY_OPT_ALLREDUCE_SIZE, EngineAccumulation
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
 from dslaunch.runtime.engine_settings import EngineSettings
 from dslaunch.runtime.engine_setup import (
@@ -50,7 +50,7 @@ from dslaunch.runtime.torch_autocast import Autocast
 from dslaunch.utils.logging import set_log_level_from_string
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
-__all__ = ["DeepSpeedEngine"]
+__all__ = ["DeepSpeedEngine", "MEMORY_OPT_ALLREDUCE_SIZE"]
 
 
 class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, torch.nn.Module):

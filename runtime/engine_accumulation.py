@@ -11,8 +11,10 @@ by that ``step()``, in one pass, to the same bits as the boundary backward's red
 loss and sizes ``train_batch_size``, as DeepSpeed's.
 
 Inside ``no_sync()`` backward leaves the gradients on each rank (stages 0/1); inside
-``coalesce_grad_reduction()`` too, at every stage, and its end reduces their sum once. The
-batch-size setters start a new window of the new size.
+``coalesce_grad_reduction()`` too, at every stage, and its end reduces their sum once; with
+``enable_backward_allreduce = False`` (DeepSpeed's attribute, what external micro-batch schedulers
+set) too, until the script calls ``allreduce_gradients()``. The batch-size setters start a new
+window of the new size.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any
 from dslaunch.errors import AccumulationBoundaryError, NoSyncError, NotInDslaunchError
 from dslaunch.runtime.config import DeepSpeedConfig, with_batch
 
-__all__ = ["EngineAccumulation"]
+__all__ = ["EngineAccumulation", "MEMORY_OPT_ALLREDUCE_SIZE"]
+
+MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000  # DeepSpeed's default bucket for allreduce_gradients (elements)
 
 
 class EngineAccumulation:
@@ -39,6 +43,7 @@ class EngineAccumulation:
     def _init_accumulation(self) -> None:
         self._sync = True  # False inside no_sync()
         self._coalescing = False  # inside coalesce_grad_reduction()
+        self._backward_allreduce = True  # enable_backward_allreduce
         # set_gradient_accumulation_boundary's override (None: the engine counts); DeepSpeed's name,
         # which scripts and its tests read
         self._is_gradient_accumulation_boundary: bool | None = None
@@ -77,6 +82,47 @@ class EngineAccumulation:
                 "set_gradient_accumulation_boundary() is not supported with managed_gradient_accumulation false: "
                 "every step() is the accumulation boundary there; call step() after the window's last backward")
         self._is_gradient_accumulation_boundary = bool(is_boundary)
+
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """Whether ``backward()`` reduces the gradients across ranks (DeepSpeed's attribute, default
+        True). Set it False to drive the reduction yourself: from then on, at every ZeRO stage, each
+        backward leaves its gradients on this rank, summed there, until ``allreduce_gradients()``
+        reduces that sum (collective) as the boundary backward would have; ``step()`` at a boundary
+        with gradients not yet reduced raises ``UsageError`` rather than letting ranks diverge.
+        Setting it True again ends the holding at the next ``allreduce_gradients()`` or ``step()``.
+
+        Raises:
+            NotInDslaunchError: set False under pipeline parallelism (``train_batch()`` schedules
+                its own reductions; DeepSpeed's pipeline engine keeps it False for that reason).
+        """
+        return self._backward_allreduce
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, enabled: bool) -> None:
+        if not enabled and self.pipeline_parallelism:
+            raise NotInDslaunchError("enable_backward_allreduce = False under pipeline parallelism: train_batch() "
+                                     "reduces the gradients at the end of its micro batches itself")
+        if not enabled and self._backward_allreduce:
+            self.zero.hold_reductions()
+        self._backward_allreduce = bool(enabled)
+
+    def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
+        """Reduce across ranks the gradients the backwards since the last reduction left on this
+        rank (``enable_backward_allreduce = False``), as DeepSpeed's; nothing to do after a
+        ``backward()`` that reduced already. ``bucket_size`` is accepted for DeepSpeed's signature:
+        the buckets are the config's (``reduce_bucket_size``).
+
+        collective: all ranks."""
+        del bucket_size
+        self._end_window(reduce=True)
+
+    def _end_window(self, reduce: bool) -> None:
+        """End a window of held gradients (reducing them unless ``reduce`` is False); hold again
+        where the script turned ``enable_backward_allreduce`` off."""
+        self.zero.end_window(reduce=reduce)
+        if not self._backward_allreduce:
+            self.zero.hold_reductions()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -143,7 +189,7 @@ class EngineAccumulation:
             ended = True
         finally:
             self._coalescing = False
-            self.zero.end_window(reduce=ended)
+            self._end_window(reduce=ended)
             if not ended:  # raised, maybe on this rank only: no collective its peers may never join
                 self.zero.zero_grad()
 
@@ -170,7 +216,7 @@ class EngineAccumulation:
                                   "ranks, so the ranks would diverge; leave no_sync() before the boundary "
                                   "micro step")
             if not self._config.managed_gradient_accumulation:
-                self.zero.end_window()
+                self._end_window(reduce=True)
             yield boundary
         finally:
             self._stepping = False

@@ -44,13 +44,19 @@ from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
 from dslaunch.runtime.zero.specs import CommSettings
 
-__all__ = ["GradientPath", "FullGradients", "gradient_is_whole"]
+__all__ = ["GradientPath", "FullGradients", "gradient_is_whole", "UNREDUCED_AT_STEP"]
 
 
 def gradient_is_whole(p: torch.Tensor) -> bool:
     """False while a tiled computation (ALST's ``TiledMLP``...) has added only some of its slices'
     gradients to ``p.grad`` (DeepSpeed's ``ds_grad_is_ready``): not reduced or released before."""
     return getattr(p, "ds_grad_is_ready", True) is not False
+
+
+UNREDUCED_AT_STEP = ("engine.step() at a gradient accumulation boundary found gradients that were never reduced "
+                     "across ranks: the last engine.backward() before it ran inside no_sync() or before the "
+                     "boundary, or with enable_backward_allreduce off; run the boundary micro step's backward "
+                     "outside no_sync(), or call engine.allreduce_gradients() before step()")
 
 
 class GradientPath(ABC):
@@ -253,10 +259,7 @@ class FullGradients(GradientPath):
 
     def shards(self) -> list[torch.Tensor]:
         if self._unreduced:
-            raise UsageError("engine.step() at a gradient accumulation boundary found gradients that "
-                             "were never reduced across ranks: the last engine.backward() before it ran "
-                             "inside no_sync() or before the boundary; run the boundary micro step's "
-                             "backward outside no_sync()")
+            raise UsageError(UNREDUCED_AT_STEP)
         self._adopt_all()  # a step without backward sees zero gradients
         grads = []
         for gi, (g, gf) in enumerate(zip(self.groups, self._gflat, strict=True)):

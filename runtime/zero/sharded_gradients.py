@@ -29,7 +29,7 @@ from dslaunch.errors import NoSyncError, UsageError
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
-from dslaunch.runtime.zero.gradients import GradientPath
+from dslaunch.runtime.zero.gradients import UNREDUCED_AT_STEP, GradientPath
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS
 from dslaunch.runtime.zero.specs import CommSettings
 
@@ -46,6 +46,7 @@ class ShardedGradients(GradientPath):
         self._shards: list[torch.Tensor | None] = [None] * len(groups)  # made by the first fold
         self._fresh = True  # first micro step since zero_grad: copy into the shard instead of add
         self._micro = 0  # micro steps reduced since zero_grad (layout_invariant's tree)
+        self._unreduced = False  # a held backward left gradients in .grad that no end_window reduced
         self._partials: dict[tuple[int, int], torch.Tensor] = {}  # (group, level) -> partial sum
         for g in groups:
             for p in g.params:
@@ -169,6 +170,7 @@ class ShardedGradients(GradientPath):
         # Buckets whose params got no gradient (unused in this forward) still reduce, as zeros.
         self._pending = False
         if self._held:
+            self._unreduced = True
             return
         if self._direct:
             for gi, g in enumerate(self.groups):
@@ -185,6 +187,7 @@ class ShardedGradients(GradientPath):
 
     def end_window(self, reduce: bool = True) -> None:
         held, self._held = self._held, False
+        self._unreduced = False  # reduced below, or dropped (reduce=False: zero_grad follows)
         if not reduce:
             return
         if held:  # the held sum, reduced and folded as a boundary micro step's gradients
@@ -219,6 +222,8 @@ class ShardedGradients(GradientPath):
         return flat
 
     def shards(self) -> list[torch.Tensor]:
+        if self._unreduced:
+            raise UsageError(UNREDUCED_AT_STEP)
         shards = [self._shard(gi) for gi in range(len(self.groups))]
         if self._fresh:  # a step without backward sees zero gradients
             for s in shards:
@@ -250,6 +255,7 @@ class ShardedGradients(GradientPath):
 
     def zero_grad(self) -> None:
         self._folded = False
+        self._unreduced = False
         self._unit_sums.clear()
         self._fresh, self._micro = True, 0  # no zeroing pass: the next reduction overwrites the shard
         for g in self.groups:

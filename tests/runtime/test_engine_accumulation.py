@@ -281,6 +281,95 @@ def test_coalesce_grad_reduction_keeps_deepspeeds_rules() -> None:
     torch.testing.assert_close(results[0]["reduced"], (results[0]["local"] + results[1]["local"]) / 2)
 
 
+# ----- enable_backward_allreduce = False + allreduce_gradients() ---------------------------------
+def _scheduled(rank: int, world: int, stage: int, counts: dict) -> list[float]:
+    """An external micro-batch scheduler's pattern: backward reduces nothing, the script calls
+    ``allreduce_gradients()`` after the window's last backward, then ``step()``."""
+    import dslaunch
+
+    engine, *_ = dslaunch.initialize(model=make_model(), config=_cfg(
+        stage, gas=1, shared_memory_collectives="never", gradient_clipping=0.0))
+    engine.enable_backward_allreduce = False
+    i = 0
+    for _ in range(2):
+        counts["on"] = True
+        for m in range(GAS):
+            engine.set_gradient_accumulation_boundary(m == GAS - 1)
+            engine.backward(engine(*_micro(rank, world, i)))
+            i += 1
+        counts["on"] = False
+        engine.allreduce_gradients()
+        engine.step()
+    return _weights(engine)
+
+
+def _scheduled_runs(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    counts = {"on": False, "n": 0}
+    real = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        counts["n"] += counts["on"]
+        return real(*args, **kwargs)
+    dist.all_reduce = counted
+    out = {}
+    for stage in (0, 1, 2, 3):
+        scheduled = _scheduled(rank, world, stage, counts)
+        out[stage] = (scheduled == _coalesce(rank, world, stage, True, {"on": False, "n": 0}), counts["n"])
+        out[stage, "refused"], out[stage, "steps"] = _step_unreduced(rank, world, stage)
+    return out
+
+
+def _step_unreduced(rank: int, world: int, stage: int) -> tuple[str, int]:
+    import dslaunch
+    from dslaunch.errors import UsageError
+
+    engine, *_ = dslaunch.initialize(model=make_model(), config=_cfg(stage, gas=1))
+    engine.enable_backward_allreduce = False
+    engine.backward(engine(*_micro(rank, world, 0)))
+    try:
+        engine.step()  # a boundary with gradients never reduced: refused, not diverged or dropped
+        refused = "no error"
+    except UsageError as err:
+        refused = str(err)
+    engine.allreduce_gradients()
+    engine.step()
+    engine.enable_backward_allreduce = True
+    engine.backward(engine(*_micro(rank, world, 1)))
+    engine.allreduce_gradients()  # after a reducing backward: nothing left to reduce
+    engine.step()
+    return refused, engine.global_steps
+
+
+@pytest.mark.timeout(120)
+def test_backward_allreduce_off_leaves_gradients_until_allreduce_gradients() -> None:
+    """DeepSpeed's ``enable_backward_allreduce = False`` then ``allreduce_gradients()``: at stages
+    0-3 the backwards all-reduce nothing, and the weights are the same bits as
+    ``coalesce_grad_reduction()``'s (one reduction of each rank's sum); a boundary ``step()`` before
+    ``allreduce_gradients()`` is refused in one line; turned back on, backward reduces again."""
+    for out in run_world(_scheduled_runs, 2):
+        for stage in (0, 1, 2, 3):
+            assert out[stage] == (True, 0), (stage, out[stage])
+            refused = out[stage, "refused"]
+            assert "never reduced across ranks" in refused and "allreduce_gradients()" in refused, (stage, refused)
+            assert "\n" not in refused and out[stage, "steps"] == 2, stage
+
+
+@one_rank
+def test_backward_allreduce_off_is_refused_under_pipeline_parallelism() -> None:
+    import dslaunch
+    from dslaunch.pipe import PipelineModule
+
+    dslaunch.init_distributed()
+    model = PipelineModule([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1,
+                           loss_fn=torch.nn.functional.mse_loss)
+    engine, *_ = dslaunch.initialize(model=model, config=_cfg(0, gas=1))
+    with pytest.raises(NotInDslaunchError, match="train_batch\\(\\) reduces"):
+        engine.enable_backward_allreduce = False
+    assert engine.enable_backward_allreduce is True
+
+
 # ----- refused, each in one line ------------------------------------------------------------
 @pytest.mark.parametrize("stage", [0, 1])
 def test_unmanaged_refuses_overlap_comm_below_stage_2(stage: int) -> None:
