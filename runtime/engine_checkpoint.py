@@ -123,14 +123,16 @@ class EngineCheckpoints:
         with self._checkpoint_phase():
             self.zero.synchronize()
             # ZeRO-3 with AutoTP: the tensor slices joined too, as DeepSpeed's (its stage-3 export)
-            whole = (self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+            # {} on the other ranks: None would have save_16bit_model gather (collectively) on them alone
+            whole = ((self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters) or {})
                      if self.zero.stage == 3 and self._config.tensor_parallel.size > 1 else None)
             return checkpoint.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename=save_filename,
                                                exclude_frozen_parameters=exclude_frozen_parameters,
                                                state_dict=whole)
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
-        """The whole module state dict (model dtype) on rank 0 ({} elsewhere), as DeepSpeed's;
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The whole module state dict (model dtype) on rank 0 (None elsewhere, which accelerate's
+        ``save_model`` tests for), as DeepSpeed's;
         with AutoTP each parameter's tensor slices are joined too (DeepSpeed 0.19.4+).
 
         collective: call on all ranks (partitioned parameters are gathered module by module).
@@ -145,7 +147,7 @@ class EngineCheckpoints:
             from dslaunch.runtime.tensor_parallel.consolidate import whole_state_dict
 
             sd = whole_state_dict(self.module, tensor_axis(self.grid, "group"), sd)
-        return sd if self.global_rank == 0 else {}
+        return sd if self.global_rank == 0 else None
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """DeepSpeed's: the whole module state dict when the weights are split, on rank 0 (None
