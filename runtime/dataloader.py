@@ -37,6 +37,9 @@ seeded with ``seed + epoch`` (it draws the workers' base seed from it): iteratin
 the global torch RNG, so the training script's random stream is the same whether or not, and
 however often, it starts iterating (bitwise resume does not depend on the loop structure).
 
+``DeepSpeedDataLoader`` is the class ``initialize(training_data=...)`` and ``deepspeed_io`` return,
+under DeepSpeed's name and with its constructor (scripts annotate with it; some build one).
+
 Limitations: map-style datasets (``__len__`` and ``__getitem__``); one active iterator at a time.
 """
 
@@ -46,9 +49,9 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointError, NotInDslaunchError
 
-__all__ = ["DistributedDataLoader", "RepeatingLoader"]
+__all__ = ["DistributedDataLoader", "DeepSpeedDataLoader", "RepeatingLoader"]
 
 
 class DistributedDataLoader:
@@ -203,6 +206,67 @@ class DistributedDataLoader:
                                       f"this run has {key}={mine!r}; the same position would mean other samples")
         self.epoch = int(state["epoch"])
         self._offset = int(state["offset"])
+
+
+class DeepSpeedDataLoader(DistributedDataLoader):
+    """DeepSpeed's ``DeepSpeedDataLoader``: its constructor, this module's loader.
+
+    Without ``data_sampler`` it is ``DistributedDataLoader`` over the data-parallel group
+    (``data_parallel_world_size``/``data_parallel_rank``, default torch.distributed's world, else
+    one rank), which shuffles as DeepSpeed's ``DistributedSampler`` does and also resumes exactly.
+    With one, torch's ``DataLoader`` over that sampler, as DeepSpeed's (its position is the
+    sampler's: ``state_dict`` then refuses). ``local_rank`` and ``tput_timer`` are accepted and not
+    used (the engine times its own steps); ``num_local_io_workers`` defaults to 0 worker processes,
+    not DeepSpeed's two per device.
+
+    Raises:
+        NotInDslaunchError: ``deepspeed_dataloader_config`` asks for DeepSpeed's curriculum
+            sampling (data efficiency), which dslaunch does not have.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, pin_memory: bool, local_rank: int, tput_timer: Any,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, num_local_io_workers: int | None = None,
+                 data_sampler: Any = None, data_parallel_world_size: int | None = None,
+                 data_parallel_rank: int | None = None, dataloader_drop_last: bool = False,
+                 deepspeed_dataloader_config: Mapping[str, Any] | None = None, *, shuffle: bool = True,
+                 blocked: bool = False):
+        del local_rank, tput_timer
+        if (deepspeed_dataloader_config or {}).get("curriculum_learning"):
+            raise NotInDslaunchError("DeepSpeedDataLoader(deepspeed_dataloader_config={'curriculum_learning': "
+                                     "True}): DeepSpeed's data-efficiency curriculum sampling is not in dslaunch; "
+                                     "pass a data_sampler of your own")
+        import torch.distributed as dist
+
+        joined = dist.is_available() and dist.is_initialized()
+        world = data_parallel_world_size or (dist.get_world_size() if joined else 1)
+        rank = data_parallel_rank if data_parallel_rank is not None else (dist.get_rank() if joined else 0)
+        super().__init__(dataset, batch_size, rank, world, collate_fn=collate_fn, shuffle=shuffle,
+                         drop_last=dataloader_drop_last, num_workers=num_local_io_workers or 0,
+                         pin_memory=pin_memory, blocked=blocked)
+        self._sampler = data_sampler
+
+    @property
+    def data_sampler(self) -> Any:
+        return self if self._sampler is None else self._sampler
+
+    def _sampled(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=self._sampler,
+                          collate_fn=self.collate_fn, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                          drop_last=self.drop_last)
+
+    def __len__(self) -> int:
+        return super().__len__() if self._sampler is None else len(self._sampled())
+
+    def __iter__(self) -> Iterator[Any]:
+        return super().__iter__() if self._sampler is None else iter(self._sampled())
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._sampler is not None:
+            raise NotInDslaunchError("DeepSpeedDataLoader.state_dict() with a data_sampler: the position is the "
+                                     "sampler's; save the sampler's own state")
+        return super().state_dict()
 
 
 class RepeatingLoader:

@@ -342,17 +342,18 @@ def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | No
     config's micro batch), reshuffled each epoch unless ``shuffle`` is False: the parts of one
     replica (pipeline stages, tensor slices) read the same samples. With a ``sampler`` (DeepSpeed's
     ``data_sampler``), torch's loader over it instead."""
-    from dslaunch.runtime.dataloader import DistributedDataLoader
+    from dslaunch.runtime.dataloader import DeepSpeedDataLoader
 
     batch_size = batch_size or cfg.train_micro_batch_size_per_gpu
     if sampler is not None:
         return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                                            num_workers=num_workers, pin_memory=pin_memory,
                                            drop_last=cfg.dataloader_drop_last)
-    return DistributedDataLoader(data, batch_size, grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(),
-                                 collate_fn=collate_fn, shuffle=shuffle, drop_last=cfg.dataloader_drop_last,
-                                 num_workers=num_workers, pin_memory=pin_memory,
-                                 blocked=cfg.layout_invariant.enabled)
+    return DeepSpeedDataLoader(data, batch_size, pin_memory, -1, None, collate_fn=collate_fn,
+                               num_local_io_workers=num_workers, data_parallel_world_size=grid.get_data_parallel_world_size(),
+                               data_parallel_rank=grid.get_data_parallel_rank(),
+                               dataloader_drop_last=cfg.dataloader_drop_last, shuffle=shuffle,
+                               blocked=cfg.layout_invariant.enabled)
 
 
 def sequence_size(mpu: Any) -> int:

@@ -1,4 +1,5 @@
-"""DistributedDataLoader: sharding, determinism, drop_last, exact resume, collate, DistributedSampler parity."""
+"""DistributedDataLoader: sharding, determinism, drop_last, exact resume, collate, DistributedSampler parity;
+DeepSpeedDataLoader: DeepSpeed's name and constructor for it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from dslaunch.errors import CheckpointError
-from dslaunch.runtime.dataloader import DistributedDataLoader
+from dslaunch.errors import CheckpointError, NotInDslaunchError
+from dslaunch.runtime.dataloader import DeepSpeedDataLoader, DistributedDataLoader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -229,7 +230,9 @@ def _io(rank: int, world: int) -> dict:
     sized = engine.deepspeed_io(Squares(16), batch_size=3, num_local_io_workers=0)
     ordered = engine.deepspeed_io(Squares(8), data_sampler=torch.utils.data.SequentialSampler(range(8)))
     return {"given": [_ids(b) for b in given], "sized": [len(_ids(b)) for b in sized],
-            "ordered": [_ids(b) for b in ordered]}
+            "ordered": [_ids(b) for b in ordered], "class": type(given).__name__,
+            "initialize's": isinstance(dslaunch.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 4},
+                                                           training_data=Squares(8))[2], DeepSpeedDataLoader)}
 
 
 def test_engine_deepspeed_io_gives_each_rank_its_share() -> None:
@@ -242,3 +245,25 @@ def test_engine_deepspeed_io_gives_each_rank_its_share() -> None:
     assert sorted(shares[0] + shares[1]) == list(range(16)) and not set(shares[0]) & set(shares[1])
     assert got[0]["sized"] == [3, 3, 2]  # 8 samples per rank; dataloader_drop_last is false by default
     assert got[0]["ordered"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the sampler decides
+    assert got[0]["class"] == "DeepSpeedDataLoader" and got[0]["initialize's"]  # what scripts annotate with
+
+
+def test_deepspeed_dataloader_takes_deepspeeds_constructor() -> None:
+    """DeepSpeed's positional ``(dataset, batch_size, pin_memory, local_rank, tput_timer)`` and its
+    data-parallel keywords: rank 1 of 2 gets what torch's ``DistributedSampler`` gives it, in
+    batches; a ``data_sampler`` decides the order instead (and is ``loader.data_sampler``);
+    ``dataloader_drop_last`` drops the short batch."""
+    loader = DeepSpeedDataLoader(Squares(20), 4, False, 0, None, data_parallel_world_size=2, data_parallel_rank=1)
+    sampler = DistributedSampler(Squares(20), num_replicas=2, rank=1, seed=0)
+    assert [i for b in loader for i in _ids(b)] == list(sampler)
+    assert len(loader) == 3 and loader.data_sampler is loader
+    ordered = torch.utils.data.SequentialSampler(range(10))
+    sampled = DeepSpeedDataLoader(Squares(10), 4, False, -1, None, data_sampler=ordered, dataloader_drop_last=True)
+    assert [_ids(b) for b in sampled] == [[0, 1, 2, 3], [4, 5, 6, 7]] and len(sampled) == 2
+    assert sampled.data_sampler is ordered
+    with pytest.raises(NotInDslaunchError, match="the position is the sampler's"):
+        sampled.state_dict()
+    alone = DeepSpeedDataLoader(Squares(6), 3, False, -1, None)  # no process group: one rank
+    assert sorted(i for b in alone for i in _ids(b)) == list(range(6))
+    with pytest.raises(NotInDslaunchError, match="curriculum sampling is not in dslaunch"):
+        DeepSpeedDataLoader(Squares(6), 3, False, 0, None, deepspeed_dataloader_config={"curriculum_learning": True})
