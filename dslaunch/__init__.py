@@ -13,7 +13,7 @@ Layers, lowest first (``tests/test_layering.py`` keeps imports pointing down):
 - ``kernels/`` (the dispatched ops), ``runtime/`` (the engines), ``launcher/`` (the command, the
   agents, the monitor): the implementation;
 - DeepSpeed's import paths, thin re-exports of the above: ``accelerator/``, ``checkpoint/``,
-  ``checkpointing.py``, ``comm/``, ``compression/``, ``env_report.py`` (``ds_report``),
+  ``checkpointing.py``, ``comm/``, ``compression/``, ``elasticity/``, ``env_report.py`` (``ds_report``),
   ``git_version_info.py``, ``inference/``, ``io.py``, ``module_inject/``, ``moe/``, ``monitor/``,
   ``ops/``, ``pipe.py``, ``profiling/``, ``sequence/``, ``zero.py``. ``utils/groups.py`` still
   holds its implementation: the layering test lists it.
@@ -67,7 +67,7 @@ _LAZY = {
 _MODULE_ALIASES = {"dist": "dslaunch.comm"}
 
 # subpackages reachable as attributes, like ``deepspeed.comm`` / ``deepspeed.zero`` after ``import deepspeed``
-_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "compression", "inference", "io",
+_SUBPACKAGES = ("accelerator", "checkpoint", "checkpointing", "comm", "compression", "elasticity", "inference", "io",
                 "launcher", "module_inject", "moe", "monitor", "ops", "pipe", "profiling", "runtime", "sequence",
                 "utils", "zero")
 

@@ -16,23 +16,50 @@ losing a node never changes the optimisation, only its speed.
   the valid list gets the largest (or smallest) multiple of ``micro * world_size`` within the max.
 
 Pure Python, torch-free: the controller uses it to check a smaller world size before a restart,
-and ``load_config`` uses it to fill the batch triad (``elastic_batch``).
+and ``load_config`` uses it to fill the batch triad (``elastic_batch``). DeepSpeed's own entry
+points (``deepspeed.elasticity``: ``compute_elastic_config``, ``elasticity_enabled``,
+``ensure_immutable_elastic_config``, which schedulers and ms-swift's elastic callback call) answer
+from the same search. DeepSpeed 0.19.8 removed elastic training and refuses the block; dslaunch
+keeps it (its launcher restarts on fewer hosts at the same global batch).
 
-Limitations: ``model_parallel_size`` must be 1 (dslaunch has no model parallelism).
+Limitations: ``model_parallel_size`` must be 1: the search is over data-parallel ranks (a job with
+tensor or pipeline parallelism gets its batch for its data-parallel world).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config.param_schema import INT_MAX, boolean, describe, integer, number
-from dslaunch.runtime.config.sections import _opt
+from dslaunch.runtime.config.sections import _opt, parse_section
 
-__all__ = ["ElasticityConfig", "ElasticBatch", "elastic_batch", "valid_world_sizes", "VERSIONS"]
+__all__ = ["ElasticityConfig", "ElasticBatch", "elastic_batch", "valid_world_sizes", "VERSIONS",
+           "compute_elastic_config", "elasticity_enabled", "ensure_immutable_elastic_config", "ElasticityError",
+           "ElasticityConfigError", "ElasticityIncompatibleWorldSize", "ELASTICITY", "ENABLED", "ENABLED_DEFAULT",
+           "DEEPSPEED_ELASTICITY_CONFIG", "MINIMUM_DEEPSPEED_VERSION"]
+
+ELASTICITY, ENABLED, ENABLED_DEFAULT = "elasticity", "enabled", False
+DEEPSPEED_ELASTICITY_CONFIG = "DEEPSPEED_ELASTICITY_CONFIG"  # the block a scheduler saw, as JSON
+MINIMUM_DEEPSPEED_VERSION = (0, 3, 8)  # DeepSpeed's oldest version with elasticity
+
+
+class ElasticityError(ConfigError):
+    """DeepSpeed's ``ElasticityError`` (also a ``ConfigError`` and a ``ValueError``)."""
+
+
+class ElasticityConfigError(ElasticityError):
+    """DeepSpeed's: the ``elasticity`` block is missing, disabled or invalid."""
+
+
+class ElasticityIncompatibleWorldSize(ElasticityError):
+    """DeepSpeed's: the world size cannot split the elastic global batch."""
 
 VERSIONS = (0.1, 0.2)
 # The smallest highly composite numbers (more divisors than any smaller number): scaling a base
@@ -71,10 +98,13 @@ class ElasticityConfig:
     ignore_non_elastic_batch_info: bool = _opt(False, boolean, "true to let the elastic batch "
                                                "override train_batch_size and friends")
     version: float = _opt(0.1, _version, "0.1 or 0.2")
-    model_parallel_size: int = _opt(1, integer(1, 1), "1 (dslaunch has no model parallelism)")
+    # The search is over data-parallel ranks; DeepSpeed's version 0.2 also divides nodes by it.
+    model_parallel_size: int = _opt(1, integer(1, 1), "1 (dslaunch's elastic batch is over data-parallel ranks only)")
     num_gpus_per_node: int = _opt(1, integer(1, INT_MAX), "GPUs per node (version 0.2)")
 
     UNIMPLEMENTED = {}  # noqa: RUF012
+    # DeepSpeed's defaults above apply only to a disabled block: an enabled one must say both.
+    REQUIRED_WHEN_ENABLED = ("max_train_batch_size", "micro_batch_sizes")
 
 
 @dataclass(frozen=True)
@@ -88,12 +118,10 @@ class ElasticBatch:
 
 
 def _candidates(bases: Sequence[int], most: int) -> list[int]:
-    """Each base times the largest HCN that keeps it <= ``most`` (the base alone if none does)."""
-    out = []
-    for base in bases:
-        fits = [base * h for h in _HCN if base * h <= most]
-        out.append(fits[-1] if fits else base)
-    return sorted(set(out))
+    """Each base times the largest HCN that keeps it <= ``most``; a base over ``most`` (the micro
+    batches' least common multiple can be) is left out, as DeepSpeed does since its fix #8237
+    (before it, that base won unscaled: a global batch over the user's own maximum)."""
+    return sorted({max(base * h for h in _HCN if base * h <= most) for base in bases if base <= most})
 
 
 def _valid_for(batch: int, micros: Sequence[int], low: int, high: int) -> list[int]:
@@ -169,3 +197,79 @@ def elastic_batch(cfg: ElasticityConfig, world_size: int) -> ElasticBatch:
                           f"batch {batch} // {world_size} = {batch // world_size} under {where}",
                           key="elasticity.micro_batch_sizes")
     return ElasticBatch(batch, micro, batch // (micro * world_size), tuple(valid))
+
+
+def elasticity_enabled(ds_config: Mapping[str, Any]) -> bool:
+    """Whether ``ds_config`` has an enabled ``elasticity`` block (DeepSpeed's)."""
+    return bool(ds_config.get(ELASTICITY, {}).get(ENABLED, ENABLED_DEFAULT))
+
+
+def _parsed(block: Any) -> ElasticityConfig:
+    try:
+        return parse_section(ElasticityConfig, block, ELASTICITY)
+    except ConfigError as err:
+        raise ElasticityConfigError(str(err)) from None
+
+
+def ensure_immutable_elastic_config(runtime_elastic_config_dict: Mapping[str, Any]) -> None:
+    """Check the block a scheduler saw (``$DEEPSPEED_ELASTICITY_CONFIG``, JSON) against this run's:
+    the batch limit, micro batches and version must agree, as DeepSpeed's. Without the variable
+    there is nothing to compare with.
+
+    Raises:
+        ElasticityConfigError: they differ (the message names the key and both values), or the
+            variable is not a JSON object.
+    """
+    seen = os.environ.get(DEEPSPEED_ELASTICITY_CONFIG)
+    if seen is None:
+        return
+    try:
+        scheduler = json.loads(seen)
+    except ValueError:
+        raise ElasticityConfigError(f"${DEEPSPEED_ELASTICITY_CONFIG} is not JSON: {seen[:120]!r}") from None
+    theirs, ours = _parsed(scheduler), _parsed(runtime_elastic_config_dict)
+    for key in ("max_train_batch_size", "micro_batch_sizes", "version"):
+        if getattr(theirs, key) != getattr(ours, key):
+            raise ElasticityConfigError(f"elastic config '{key}={getattr(theirs, key)}' seen by the resource scheduler "
+                                        f"does not match the one passed to the runtime ({getattr(ours, key)})")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", str(version))[:3])
+
+
+def compute_elastic_config(ds_config: dict, target_deepspeed_version: str, world_size: int = 0,
+                           return_microbatch: bool = False) -> tuple:
+    """DeepSpeed's: ``(global batch, valid world sizes)`` for the ``elasticity`` block, plus the
+    micro batch for ``world_size`` when it is given (or ``return_microbatch``). Version 0.2 takes
+    the world size from ``$WORLD_SIZE`` when ``world_size`` is 0, as DeepSpeed's.
+
+    Raises:
+        ElasticityConfigError: no enabled ``elasticity`` block, an invalid one, or a world size
+            needed and not known (DeepSpeed divides by zero there).
+        ElasticityError: ``target_deepspeed_version`` predates elasticity (0.3.8).
+        ElasticityIncompatibleWorldSize: ``world_size`` cannot split the global batch.
+    """
+    if not isinstance(ds_config, dict):
+        raise ValueError(f"Expected ds_config to be a dictionary but received a {type(ds_config).__name__}")
+    if not elasticity_enabled(ds_config):
+        raise ElasticityConfigError("'elasticity' is missing from the config or not enabled; add "
+                                    "\"elasticity\": {\"enabled\": true, ...} for an elastic training job")
+    cfg = _parsed(ds_config[ELASTICITY])
+    if _version_tuple(target_deepspeed_version) < MINIMUM_DEEPSPEED_VERSION:
+        raise ElasticityError(f"elasticity needs DeepSpeed 0.3.8 or later; the target is {target_deepspeed_version}")
+    current = world_size
+    if not current and cfg.version == 0.2:
+        current = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else 0
+        if not current:
+            raise ElasticityConfigError("elasticity version 0.2 needs the world size: pass world_size or set WORLD_SIZE")
+    batch, valid = valid_world_sizes(cfg, current)
+    if world_size <= 0 and not return_microbatch:
+        return batch, valid
+    if not current:
+        raise ElasticityConfigError("return_microbatch needs world_size: the micro batch depends on it")
+    try:
+        return batch, valid, elastic_batch(cfg, current).micro_batch
+    except ConfigError as err:
+        kind = ElasticityIncompatibleWorldSize if current not in valid else ElasticityConfigError
+        raise kind(str(err)) from None

@@ -432,4 +432,9 @@ def parse_section(cls: type, raw: Any, prefix: str) -> Any:
     # INERT keys are checked like the others (and suggested for typos), then dropped.
     inert = {key: Option(None, check) for key, check in getattr(cls, "INERT", {}).items()}
     params = check_params(known, {**fields, **inert}, prefix, f"section '{prefix}'")
+    if params.get("enabled") is True:  # keys whose default serves only a disabled section (DeepSpeed's rule)
+        for key in getattr(cls, "REQUIRED_WHEN_ENABLED", ()):
+            if key not in known:
+                raise ConfigError(f"is required when '{prefix}.enabled' is true (no default); add it, e.g. "
+                                  f"{_json(fields[key].default)}", key=f"{prefix}.{key}")
     return cls(**{key: params[key] for key in fields})

@@ -1,7 +1,8 @@
 """The ds_config ``elasticity`` block: DeepSpeed's batch for each world size, and its errors.
 
 Expected values come from DeepSpeed's own algorithm (``deepspeed.elasticity.compute_elastic_config``,
-versions 0.1 and 0.2; 0.19.8 no longer ships the module, so they were computed from its source).
+versions 0.1 and 0.2; 0.19.8 no longer ships the module, so they were computed from its source,
+with its fix #8237 that keeps the batch within ``max_train_batch_size``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ TABLE = [
     ((0.2, 512, (2,), 1, 64, True, 2, 1), (512, 2, (1,))),
     ((0.2, 2000, (4, 8), 4, 8, False, 1, 16), (1920, 8, (16,))),
     ((0.2, 4096, (3, 8, 16), 1, 10000, True, 1, 12), (3780, 3, 36)),
+    # DeepSpeed's fix #8237: the micro batches' lcm (120, 42) over the maximum is no candidate
+    ((0.1, 100, (8, 10, 12), 1, 1500, True, 1, 8), (96, 12, (1, 2, 3, 4, 6, 8, 12))),
+    ((0.1, 32, (1, 2, 3, 7), 1, 10000, True, 1, 4), (24, 3, (1, 2, 3, 4, 6, 8, 12, 24))),
 ]
 
 
@@ -94,3 +98,66 @@ def test_bad_elasticity_keys_are_one_line(block, words):
     with pytest.raises(ConfigError) as err:
         load_config({"elasticity": block}, 1)
     assert words in str(err.value)
+
+
+# ----- deepspeed.elasticity: DeepSpeed's entry points over the same search ---------------------------
+def _block(version, most, micros, low, high, prefer, per_node) -> dict:
+    return {"elasticity": {"enabled": True, "max_train_batch_size": most, "micro_batch_sizes": list(micros),
+                           "min_gpus": low, "max_gpus": high, "prefer_larger_batch": prefer, "version": version,
+                           "num_gpus_per_node": per_node}}
+
+
+@pytest.mark.parametrize("case, expected", TABLE)
+def test_compute_elastic_config_answers_as_deepspeeds(case, expected, monkeypatch):
+    """``compute_elastic_config(ds_config, version, world_size)``: ``(batch, valid, micro)`` with a
+    world size (what ms-swift's elastic callback reads), ``(batch, valid)`` without (version 0.1),
+    version 0.2 reading ``$WORLD_SIZE`` then, as DeepSpeed's."""
+    from dslaunch.elasticity import compute_elastic_config
+
+    *params, world = case
+    batch, micro, valid = expected
+    got_batch, got_valid, got_micro = compute_elastic_config(_block(*params), "0.19.8", world_size=world)
+    assert (got_batch, got_micro) == (batch, micro)
+    assert (len(got_valid) if isinstance(valid, int) else tuple(got_valid)) == valid
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert compute_elastic_config(_block(*params), "0.19.8")[:2] == (got_batch, got_valid)
+    assert compute_elastic_config(_block(*params), "0.19.8", return_microbatch=params[0] == 0.2)[-1] == (
+        micro if params[0] == 0.2 else got_valid)
+
+
+def test_compute_elastic_config_errors_are_deepspeeds_classes(monkeypatch):
+    """DeepSpeed's error classes (each also a ``ConfigError``/``ValueError``), one line each."""
+    from dslaunch.elasticity import (
+        ElasticityConfigError,
+        ElasticityError,
+        ElasticityIncompatibleWorldSize,
+        compute_elastic_config,
+        elasticity_enabled,
+        ensure_immutable_elastic_config,
+    )
+
+    good = _block(0.1, 2000, (2, 4, 6), 1, 10000, True, 1)
+    with pytest.raises(ElasticityIncompatibleWorldSize, match="world size 16 cannot split"):
+        compute_elastic_config(good, "0.19.8", world_size=16)
+    with pytest.raises(ElasticityConfigError, match="missing from the config or not enabled"):
+        compute_elastic_config({"train_batch_size": 8}, "0.19.8")
+    with pytest.raises(ElasticityConfigError, match="'elasticity.micro_batch_size'.*did you mean"):
+        compute_elastic_config({"elasticity": {"enabled": True, "micro_batch_size": [2]}}, "0.19.8")
+    for missing in ("max_train_batch_size", "micro_batch_sizes"):  # defaults only for a disabled block
+        block = {k: v for k, v in good["elasticity"].items() if k != missing}
+        with pytest.raises(ElasticityConfigError, match=f"'elasticity.{missing}': is required when "):
+            compute_elastic_config({"elasticity": block}, "0.19.8")
+    with pytest.raises(ElasticityError, match="needs DeepSpeed 0.3.8 or later"):
+        compute_elastic_config(good, "0.3.7")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ElasticityConfigError, match="version 0.2 needs the world size"):
+        compute_elastic_config(_block(0.2, 512, (2,), 1, 64, True, 2), "0.19.8")
+    with pytest.raises(ElasticityConfigError, match="return_microbatch needs world_size"):
+        compute_elastic_config(good, "0.19.8", return_microbatch=True)  # DeepSpeed divides by zero
+    assert issubclass(ElasticityIncompatibleWorldSize, ElasticityError) and issubclass(ElasticityError, ValueError)
+    assert elasticity_enabled(good) and not elasticity_enabled({"elasticity": {"max_gpus": 4}})
+    ensure_immutable_elastic_config(good["elasticity"])  # no scheduler's copy: nothing to compare
+    monkeypatch.setenv("DEEPSPEED_ELASTICITY_CONFIG",
+                       '{"enabled": true, "max_train_batch_size": 1000, "micro_batch_sizes": [2, 4, 6]}')
+    with pytest.raises(ElasticityConfigError, match="'max_train_batch_size=1000' seen by the resource scheduler"):
+        ensure_immutable_elastic_config(good["elasticity"])
