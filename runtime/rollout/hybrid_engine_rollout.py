@@ -12,18 +12,21 @@ masked out.
 Limitations (refused in one line, ``NotInDslaunchError``): CUDA-graph greedy decoding
 (``use_graph_capture`` with ``temperature <= 0``), continuous batching
 (``SamplingConfig.continuous_batch_size``), shared-prefill of repeated prompts
-(``use_shared_prefill``) and the timing profile (``enable_profiling``).
+(``use_shared_prefill``). ``enable_profiling`` times each rollout (``profile.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dslaunch.errors import NotInDslaunchError
+from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.rollout.base import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
+from dslaunch.runtime.rollout.profile import PhaseClock, forward_timer, rollout_profile
 
 __all__ = ["HybridEngineRollout", "HybridEngineRolloutConfig"]
 
@@ -46,9 +49,13 @@ class HybridEngineRolloutConfig:
 
 
 _REFUSED_AT_BUILD = {
-    "enable_profiling": "set it to False (time rollouts with torch.profiler or the engine's timers)",
     "use_shared_prefill": "set it to False (each prompt copy is prefilled on its own)",
 }
+
+
+def _mark(clock: PhaseClock | None) -> None:
+    if clock is not None:
+        clock.mark()
 
 
 class HybridEngineRollout(RolloutEngine):
@@ -76,6 +83,7 @@ class HybridEngineRollout(RolloutEngine):
             if getattr(self, option):
                 raise NotInDslaunchError(f"HybridEngineRolloutConfig.{option}=True is not implemented by dslaunch: "
                                          f"{instead}")
+        self._last_profile: dict | None = None
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch:
@@ -89,22 +97,32 @@ class HybridEngineRollout(RolloutEngine):
             raise NotInDslaunchError("use_graph_capture=True (CUDA-graph greedy decoding) is not implemented by "
                                      "dslaunch: set it to False; greedy decoding runs eagerly")
         pad = self._pad_token_id()
+        clock = PhaseClock(get_accelerator()) if self.enable_profiling else None
+        _mark(clock)
         copies = sampling.n_samples_per_prompt
         prompt_ids = request.prompt_ids.repeat_interleave(copies, dim=0)
         prompt_mask = request.prompt_attention_mask.repeat_interleave(copies, dim=0)
+        _mark(clock)
         options: dict[str, Any] = {"attention_mask": prompt_mask, "max_new_tokens": sampling.max_new_tokens,
                                    "eos_token_id": None, "pad_token_id": pad, "do_sample": not greedy}
         if greedy:  # the neutral values, so the model's generation_config cannot turn sampling knobs on
             options.update(temperature=1.0, top_p=1.0)
         else:
             options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
-        output_ids = self._generate(prompt_ids, options)
+        timing = forward_timer(self.engine.module, get_accelerator()) if clock is not None else contextlib.nullcontext()
+        with timing as timer:
+            output_ids = self._generate(prompt_ids, options)
+        _mark(clock)
         start = prompt_ids.shape[1]
         output_ids, response_mask = self._pad_after_eos(output_ids, start, self.tokenizer.eos_token_id, pad)
         mask = torch.cat([prompt_mask.to(torch.long), response_mask], dim=1)
-        return RolloutBatch(input_ids=output_ids, attention_mask=mask,
-                            response_start_idx=torch.full((output_ids.shape[0],), start, dtype=torch.long,
-                                                          device=output_ids.device))
+        batch = RolloutBatch(input_ids=output_ids, attention_mask=mask,
+                             response_start_idx=torch.full((output_ids.shape[0],), start, dtype=torch.long,
+                                                           device=output_ids.device))
+        if clock is not None:
+            clock.mark()
+            self._last_profile = rollout_profile(clock, timer, output_ids, request.prompt_ids.shape[0], copies, start)
+        return batch
 
     def _generate(self, prompt_ids: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
         from dslaunch.runtime.hybrid_engine import DeepSpeedHybridEngine
@@ -145,9 +163,8 @@ class HybridEngineRollout(RolloutEngine):
         return None
 
     def get_last_profile(self) -> dict | None:
-        """DeepSpeed's timing snapshot of the last ``generate``; always None (``enable_profiling`` is
-        refused)."""
-        return None
+        """The timings of the last ``generate`` with ``enable_profiling`` (``profile.py``), else None."""
+        return self._last_profile
 
     def get_last_continuous_stats(self) -> dict | None:
         """DeepSpeed's continuous-batching statistics; always None (continuous batching is refused)."""

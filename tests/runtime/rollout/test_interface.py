@@ -149,7 +149,44 @@ def test_what_dslaunch_lacks_is_refused_in_one_line() -> None:
     assert graphs.generate(request, SamplingConfig(max_new_tokens=2)).seq_len == 4  # sampling never captured
     with pytest.raises(NotInDslaunchError, match=r"^SamplingConfig.continuous_batch_size is not implemented"):
         graphs.generate(request, SamplingConfig(max_new_tokens=2, continuous_batch_size=4))
-    for option in ("enable_profiling", "use_shared_prefill"):
-        with pytest.raises(NotInDslaunchError, match=rf"^HybridEngineRolloutConfig.{option}=True is not "):
-            HybridEngineRollout(engine, TOKENIZER, HybridEngineRolloutConfig(**{option: True}))
+    with pytest.raises(NotInDslaunchError, match=r"^HybridEngineRolloutConfig.use_shared_prefill=True is not "):
+        HybridEngineRollout(engine, TOKENIZER, HybridEngineRolloutConfig(use_shared_prefill=True))
     assert len(model.asked) == 1
+
+
+class _Counting(torch.nn.Module):
+    """A greedy 'model' whose generate calls forward once per new token, as a causal LM does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Embedding(9, 9)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(ids[:, -1])
+
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, **_: object) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            ids = torch.cat([ids, self(ids).argmax(-1, keepdim=True)], dim=1)
+        return ids
+
+
+@pytest.mark.timeout(30)
+def test_profiling_times_the_prefill_and_every_decode_forward() -> None:
+    model = _Counting()
+    request = RolloutRequest(torch.tensor([[3, 4], [5, 6]]), torch.ones(2, 2, dtype=torch.long))
+    plain = HybridEngineRollout(SimpleNamespace(module=model), TOKENIZER)
+    plain.generate(request, SamplingConfig(max_new_tokens=3))
+    assert plain.get_last_profile() is None
+    rollout = HybridEngineRollout(SimpleNamespace(module=model), TOKENIZER, HybridEngineRolloutConfig(enable_profiling=True))
+    rollout.generate(request, SamplingConfig(max_new_tokens=5, n_samples_per_prompt=3))
+    profile = rollout.get_last_profile()
+    assert {k: profile[k] for k in ("num_decode_forwards", "num_generated_tokens", "batch_size", "num_samples_per_prompt",
+                                    "prompt_length", "response_length")} == {
+        "num_decode_forwards": 4, "num_generated_tokens": 30, "batch_size": 2, "num_samples_per_prompt": 3,
+        "prompt_length": 2, "response_length": 5}
+    parts = ("prompt_expansion_ms", "generation_ms", "post_processing_ms")
+    assert all(profile[k] >= 0.0 for k in (*parts, "prefill_forward_ms", "decode_forward_ms", "generation_overhead_ms"))
+    assert abs(sum(profile[k] for k in parts) - profile["total_ms"]) < 1e-6
+    assert profile["prefill_forward_ms"] + profile["decode_forward_ms"] <= profile["generation_ms"]
+    assert profile["tokens_per_second"] == pytest.approx(30 / (profile["total_ms"] / 1000.0))
+    assert not model._forward_hooks and not model._forward_pre_hooks  # the timer's hooks are gone
