@@ -61,6 +61,15 @@ class SamplingConfig:
             _at_least("continuous_batch_size", self.continuous_batch_size, 1)
 
 
+def _check_ids_and_mask(owner: object, ids_name: str, mask_name: str, dims: str) -> None:
+    """A 2-D id tensor and a mask of its shape, or one line naming the field."""
+    ids, mask, where = getattr(owner, ids_name), getattr(owner, mask_name), type(owner).__name__
+    if ids.dim() != 2:
+        raise ValueError(f"{where}.{ids_name} must be 2-D{dims}; got {tuple(ids.shape)}")
+    if mask.shape != ids.shape:
+        raise ValueError(f"{where}.{mask_name} shape {tuple(mask.shape)} does not match {ids_name} {tuple(ids.shape)}")
+
+
 @dataclass(frozen=True)
 class RolloutRequest:
     """The prompts of one ``generate`` call, left-padded: each row's real tokens end at its right
@@ -72,11 +81,7 @@ class RolloutRequest:
     """``[B, T_p]``, 1 on real prompt tokens and 0 on padding."""
 
     def __post_init__(self) -> None:
-        if self.prompt_ids.dim() != 2:
-            raise ValueError(f"RolloutRequest.prompt_ids must be 2-D [B, T_p]; got {tuple(self.prompt_ids.shape)}")
-        if self.prompt_attention_mask.shape != self.prompt_ids.shape:
-            raise ValueError(f"RolloutRequest.prompt_attention_mask shape {tuple(self.prompt_attention_mask.shape)}"
-                             f" does not match prompt_ids {tuple(self.prompt_ids.shape)}")
+        _check_ids_and_mask(self, "prompt_ids", "prompt_attention_mask", " [B, T_p]")
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,7 @@ class RolloutBatch:
     """``[B * n]`` the column each row's response starts at (``T_p`` for left-padded prompts)."""
 
     def __post_init__(self) -> None:
-        if self.input_ids.dim() != 2:
-            raise ValueError(f"RolloutBatch.input_ids must be 2-D; got {tuple(self.input_ids.shape)}")
-        if self.attention_mask.shape != self.input_ids.shape:
-            raise ValueError(f"RolloutBatch.attention_mask shape {tuple(self.attention_mask.shape)} does not "
-                             f"match input_ids {tuple(self.input_ids.shape)}")
+        _check_ids_and_mask(self, "input_ids", "attention_mask", "")
         rows = self.input_ids.shape[0]
         if self.response_start_idx.shape != (rows,):
             raise ValueError(f"RolloutBatch.response_start_idx must be 1-D of length {rows}; got "
