@@ -53,9 +53,17 @@ _REFUSED_AT_BUILD = {
 }
 
 
-def _mark(clock: PhaseClock | None) -> None:
-    if clock is not None:
-        clock.mark()
+def _generate_options(sampling: SamplingConfig, prompt_mask: torch.Tensor, pad: int) -> dict[str, Any]:
+    """Hugging Face ``generate``'s arguments for ``sampling``: exactly ``max_new_tokens`` tokens (no
+    EOS stop, so ZeRO-3 ranks run the same forwards), top-k 0 for DeepSpeed's "no top-k"."""
+    greedy = sampling.temperature <= 0.0
+    options: dict[str, Any] = {"attention_mask": prompt_mask, "max_new_tokens": sampling.max_new_tokens,
+                               "eos_token_id": None, "pad_token_id": pad, "do_sample": not greedy}
+    if greedy:  # the neutral values, so the model's generation_config cannot turn sampling knobs on
+        options.update(temperature=1.0, top_p=1.0)
+    else:
+        options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
+    return options
 
 
 class HybridEngineRollout(RolloutEngine):
@@ -92,34 +100,25 @@ class HybridEngineRollout(RolloutEngine):
         if sampling.continuous_batch_size is not None:
             raise NotInDslaunchError("SamplingConfig.continuous_batch_size is not implemented by dslaunch (continuous "
                                      "batching): leave it None; the whole batch is generated at once")
-        greedy = sampling.temperature <= 0.0
-        if greedy and self.use_graph_capture:
+        if sampling.temperature <= 0.0 and self.use_graph_capture:
             raise NotInDslaunchError("use_graph_capture=True (CUDA-graph greedy decoding) is not implemented by "
                                      "dslaunch: set it to False; greedy decoding runs eagerly")
         pad = self._pad_token_id()
-        clock = PhaseClock(get_accelerator()) if self.enable_profiling else None
-        _mark(clock)
+        clock = PhaseClock(get_accelerator(), enabled=self.enable_profiling)
         copies = sampling.n_samples_per_prompt
         prompt_ids = request.prompt_ids.repeat_interleave(copies, dim=0)
         prompt_mask = request.prompt_attention_mask.repeat_interleave(copies, dim=0)
-        _mark(clock)
-        options: dict[str, Any] = {"attention_mask": prompt_mask, "max_new_tokens": sampling.max_new_tokens,
-                                   "eos_token_id": None, "pad_token_id": pad, "do_sample": not greedy}
-        if greedy:  # the neutral values, so the model's generation_config cannot turn sampling knobs on
-            options.update(temperature=1.0, top_p=1.0)
-        else:
-            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
-        timing = forward_timer(self.engine.module, get_accelerator()) if clock is not None else contextlib.nullcontext()
+        clock.mark()
+        timing = forward_timer(self.engine.module, get_accelerator()) if clock.enabled else contextlib.nullcontext()
         with timing as timer:
-            output_ids = self._generate(prompt_ids, options)
-        _mark(clock)
+            output_ids = self._generate(prompt_ids, _generate_options(sampling, prompt_mask, pad))
+        clock.mark()
         start = prompt_ids.shape[1]
         output_ids, response_mask = self._pad_after_eos(output_ids, start, self.tokenizer.eos_token_id, pad)
-        mask = torch.cat([prompt_mask.to(torch.long), response_mask], dim=1)
-        batch = RolloutBatch(input_ids=output_ids, attention_mask=mask,
+        batch = RolloutBatch(input_ids=output_ids, attention_mask=torch.cat([prompt_mask.long(), response_mask], dim=1),
                              response_start_idx=torch.full((output_ids.shape[0],), start, dtype=torch.long,
                                                            device=output_ids.device))
-        if clock is not None:
+        if clock.enabled:
             clock.mark()
             self._last_profile = rollout_profile(clock, timer, output_ids, request.prompt_ids.shape[0], copies, start)
         return batch
