@@ -13,6 +13,8 @@ Each rank has its own left-padded prompts. It reports, as ``ROLLOUT {json}``:
   steps of the loop (rollout, loss on its responses, ``engine.backward``, ``engine.step``), and
   ``moved``: the largest change of a weight over the loop.
 
+Written as a DeepSpeed script (``import deepspeed``, through the compat distribution).
+
 Usage: dslaunch --num_gpus 2 rollout_llama.py STAGE
 """
 
@@ -22,12 +24,10 @@ import json
 import sys
 from types import SimpleNamespace
 
+import deepspeed
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
-
-import dslaunch
-from dslaunch.runtime.rollout import (
+from deepspeed.runtime.rollout import (
     HybridEngineRollout,
     ResponseTokenBatch,
     RolloutConfig,
@@ -36,7 +36,8 @@ from dslaunch.runtime.rollout import (
     build_rollout,
     generalized_jsd_loss,
 )
-from dslaunch.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig
+from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
 STAGE, STEPS, NEW, VOCAB, PAD = int(sys.argv[-1]), 3, 6, 40, 0
 CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -58,7 +59,7 @@ def prompts(rank: int) -> RolloutRequest:
 
 
 def whole_state(engine) -> dict[str, torch.Tensor]:
-    with dslaunch.zero.GatheredParameters(list(engine.module.parameters())):
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
@@ -89,9 +90,9 @@ def jsd(engine, teacher, batch) -> torch.Tensor:
 
 def main() -> None:
     torch.manual_seed(0)
-    with dslaunch.zero.Init(config_dict_or_path=DS_CONFIG, enabled=STAGE == 3):
+    with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG, enabled=STAGE == 3):
         model = LlamaForCausalLM(CONFIG)
-    engine, *_ = dslaunch.initialize(model=model, config=DS_CONFIG)
+    engine, *_ = deepspeed.initialize(model=model, config=DS_CONFIG)
     rank = dist.get_rank()
     request = prompts(rank)
     state = whole_state(engine)
