@@ -11,36 +11,19 @@ import pytest
 import torch
 
 from tests.distributed import run_world
+from tests.runtime.test_hybrid_engine import _Greedy
 
-VOCAB, WIDTH, NEW = 13, 8, 4
+NEW = 4
 
 
-class _LM(torch.nn.Module):
-    """A tiny causal LM with a greedy ``generate`` taking Hugging Face's keyword arguments."""
+class _LM(_Greedy):
+    """``test_hybrid_engine``'s tiny LM (it records whether its parameters were whole at each
+    forward) with Hugging Face's keyword arguments to ``generate``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
-        self.head = torch.nn.Linear(WIDTH, VOCAB)
-        self.whole_at_forward: list[bool] = []
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        from dslaunch.runtime.zero import params as zp
-
-        self.whole_at_forward.append(all(not zp.is_partitioned(p) or p.ds_status is zp.ZeroParamStatus.AVAILABLE
-                                         for p in self.parameters()))
-        pooled = (self.embed(ids) * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
-        return self.head(pooled)
-
-    @torch.no_grad()
     def generate(self, ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, do_sample: bool,
                  **_: object) -> torch.Tensor:
-        assert not do_sample
-        for _ in range(max_new_tokens):
-            ids = torch.cat([ids, self(ids, attention_mask).argmax(-1, keepdim=True)], dim=1)
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        return ids
+        assert not do_sample and attention_mask.shape == ids.shape
+        return super().generate(ids, max_new_tokens)
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +51,7 @@ def _rollout(rank: int, world: int, pin: bool) -> tuple[list[list[int]], list[bo
 @pytest.mark.parametrize("pin", [True, False])
 def test_the_rollout_generates_through_the_hybrid_engine(pin: bool) -> None:
     ids, mask = _prompts()
-    want = _LM().generate(ids, mask, NEW, do_sample=False).tolist()
+    want = _Greedy().generate(ids, NEW).tolist()
     for tokens, whole in run_world(_rollout, 2, pin):
         assert tokens == want
         # pinned: gathered once for the call, whole at every forward; else per module, not at its start
