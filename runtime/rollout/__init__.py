@@ -50,7 +50,7 @@ def build_rollout(rollout_cfg: Any, student_engine: Any = None, tokenizer: Any =
     Raises:
         ValueError: an unknown engine name, or ``student_engine`` / ``tokenizer`` missing.
     """
-    name = rollout_cfg.engine
+    name = getattr(rollout_cfg, "engine", None)
     if name not in _ENGINES:
         raise ValueError(f"Unknown rollout engine {name!r} (RolloutConfig.engine); choose from "
                          + ", ".join(map(repr, _ENGINES)))

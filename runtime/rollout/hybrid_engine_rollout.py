@@ -114,7 +114,7 @@ class HybridEngineRollout(RolloutEngine):
             output_ids = self._generate(prompt_ids, _generate_options(sampling, prompt_mask, pad))
         clock.mark()
         start = prompt_ids.shape[1]
-        output_ids, response_mask = self._pad_after_eos(output_ids, start, self.tokenizer.eos_token_id, pad)
+        output_ids, response_mask = self._pad_after_eos(output_ids, start, getattr(self.tokenizer, "eos_token_id", None), pad)
         batch = RolloutBatch(input_ids=output_ids, attention_mask=torch.cat([prompt_mask.long(), response_mask], dim=1),
                              response_start_idx=torch.full((output_ids.shape[0],), start, dtype=torch.long,
                                                            device=output_ids.device))

@@ -79,6 +79,8 @@ def test_build_rollout_names_what_is_wrong() -> None:
     with pytest.raises(ValueError, match=r"^Unknown rollout engine 'vllm' \(RolloutConfig.engine\); choose from "
                                          r"'hybrid_engine'$"):
         build_rollout(RolloutConfig(engine="vllm"), object(), TOKENIZER)
+    with pytest.raises(ValueError, match=r"^Unknown rollout engine None \(RolloutConfig.engine\)"):
+        build_rollout({"engine": "hybrid_engine"}, object(), TOKENIZER)  # not a config object
     with pytest.raises(ValueError, match=r"needs both student_engine and tokenizer; tokenizer is None$"):
         build_rollout(RolloutConfig(), student_engine=object())
     with pytest.raises(ValueError, match=r"student_engine and tokenizer are None$"):
