@@ -152,6 +152,13 @@ AREAS: dict[str, list[str]] = {
         "unit/utils/test_init_on_device.py",
         "unit/utils/test_get_optim_files.py",
     ],
+    # DeepSpeed's tests here are 0.19.6's: four call HybridEngineRollout._sample_top_p, which 0.19.8
+    # removed (it samples through the model's generate), and the graph-capture one hands generate a
+    # MagicMock SamplingConfig whose continuous_batch_size is not None; they fail on both sides.
+    "rollout (RL / on-policy distillation generation)": [
+        "unit/runtime/rollout/test_rollout_interface.py",
+        "unit/runtime/rollout/test_hybrid_engine_rollout.py",
+    ],
 }
 
 
