@@ -6,7 +6,7 @@
   settings), ``engine_accumulation.py`` (its accumulation clock: boundaries, ``no_sync``,
   ``allreduce_gradients``),
   ``plain_backward.py`` (a script's own ``loss.backward()``), ``hybrid_engine.py`` (the engine that
-  also generates, DeepSpeed's ``DeepSpeedHybridEngine``), ``python_gc.py`` (``disable_python_gc``:
+  also generates, DeepSpeed's ``DeepSpeedHybridEngine``), ``rollout/`` (RL rollouts through it), ``python_gc.py`` (``disable_python_gc``:
   the collector off while engines live), ``pipe/`` (the pipeline engine), ``inference/``
   (``init_inference``).
 - what the engine delegates to: ``config/`` (the ds_config), ``zero/`` (the ZeRO strategies),

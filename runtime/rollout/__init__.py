@@ -1,11 +1,13 @@
 """``deepspeed.runtime.rollout`` (DeepSpeed 0.19.8): on-policy generation for RL and distillation
 loops, with the training engine's weights.
 
-- ``base``: ``RolloutRequest`` in, ``SamplingConfig`` per call, ``RolloutBatch`` out, the
+- ``base.py``: ``RolloutRequest`` in, ``SamplingConfig`` per call, ``RolloutBatch`` out, the
   ``RolloutEngine`` base and ``RolloutConfig``;
-- ``hybrid_engine_rollout``: ``HybridEngineRollout``, generation through the hybrid engine;
-- ``opsd``: ``ResponseTokenBatch`` (response-only causal targets) and ``generalized_jsd_loss``;
-- ``build_rollout``: the engine a ``RolloutConfig`` names.
+- ``hybrid_engine_rollout.py``: ``HybridEngineRollout``, generation through the hybrid engine;
+- ``opsd.py``: ``ResponseTokenBatch`` (response-only causal targets) and ``generalized_jsd_loss``;
+- ``profile.py``: the rollout's timings (``enable_profiling``);
+- ``continuous_batching.py``: DeepSpeed's request scheduler for continuous decode batches;
+- ``build_rollout`` (here): the engine a ``RolloutConfig`` names.
 """
 
 from __future__ import annotations
