@@ -181,7 +181,9 @@ def _coalesce(rank: int, world: int, stage: int, coalesce: bool, counts: dict, *
     return _weights(engine)
 
 
-def _coalesce_runs(rank: int, world: int) -> dict:
+def _count_all_reduces() -> dict:
+    """From now on in this rank's process, ``all_reduce`` calls made while ``counts["on"]`` are
+    counted in ``counts["n"]`` (the gradient reductions' collective, shared memory off); they still run."""
     import torch.distributed as dist
 
     counts = {"on": False, "n": 0}
@@ -190,7 +192,12 @@ def _coalesce_runs(rank: int, world: int) -> dict:
     def counted(*args, **kwargs):
         counts["n"] += counts["on"]
         return real(*args, **kwargs)
-    dist.all_reduce = counted  # the gradient reductions' collective (shared memory off); they still run
+    dist.all_reduce = counted
+    return counts
+
+
+def _coalesce_runs(rank: int, world: int) -> dict:
+    counts = _count_all_reduces()
     out = {}
     for dtype in ("fp32", "bf16"):
         half = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
@@ -304,15 +311,7 @@ def _scheduled(rank: int, world: int, stage: int, counts: dict) -> list[float]:
 
 
 def _scheduled_runs(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-
-    counts = {"on": False, "n": 0}
-    real = dist.all_reduce
-
-    def counted(*args, **kwargs):
-        counts["n"] += counts["on"]
-        return real(*args, **kwargs)
-    dist.all_reduce = counted
+    counts = _count_all_reduces()
     out = {}
     for stage in (0, 1, 2, 3):
         scheduled = _scheduled(rank, world, stage, counts)
