@@ -5,6 +5,10 @@ CUDA delegates to ``torch.cuda``. CPU follows DeepSpeed's CPU accelerator: memor
 the process RSS and its peak (psutil), ``current_device()`` is ``LOCAL_RANK``, streams, events
 and graphs are None or no-ops, ``synchronize`` does nothing, the backend is gloo. Op builders
 (DeepSpeed's JIT-compiled C++/CUDA ops) do not exist here: ``get_op_builder`` returns None.
+
+``CPU_Accelerator`` and ``CUDA_Accelerator`` are DeepSpeed's class names for the two kinds;
+``set_accelerator`` picks one for the process through ``$DS_ACCELERATOR`` (DeepSpeed's own
+override), not a module-level object.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from dslaunch.errors import UsageError, quote
 
-__all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported"]
+__all__ = ["Accelerator", "CPU_Accelerator", "CUDA_Accelerator", "get_accelerator", "set_accelerator",
+           "is_current_accelerator_supported"]
 
 ENV = "DS_ACCELERATOR"  # DeepSpeed's override of the detected accelerator
 _KINDS = ("cpu", "cuda")
@@ -291,6 +296,37 @@ def get_accelerator() -> Accelerator:
     if kind not in _KINDS:
         raise UsageError(f"{ENV}={quote(kind)}: dslaunch drives only {' and '.join(_KINDS)}")
     return Accelerator(kind)
+
+
+class CPU_Accelerator(Accelerator):  # noqa: N801 - DeepSpeed's class name
+    """DeepSpeed's ``deepspeed.accelerator.cpu_accelerator.CPU_Accelerator``."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+
+
+class CUDA_Accelerator(Accelerator):  # noqa: N801 - DeepSpeed's class name
+    """DeepSpeed's ``deepspeed.accelerator.cuda_accelerator.CUDA_Accelerator``."""
+
+    def __init__(self) -> None:
+        super().__init__("cuda")
+
+
+def set_accelerator(accel_obj: Accelerator) -> None:
+    """Make ``accel_obj``'s kind the process's accelerator, as DeepSpeed's (its tests and custom
+    launchers call ``set_accelerator(CPU_Accelerator())``): every later ``get_accelerator()`` in
+    this process answers it. It is recorded in ``$DS_ACCELERATOR``, DeepSpeed's override, so the
+    processes this one starts inherit it too (DeepSpeed's module-level object is not inherited).
+
+    Raises:
+        UsageError: ``accel_obj`` is not one of dslaunch's accelerators (DeepSpeed accepts any
+            ``DeepSpeedAccelerator``; dslaunch drives only CPU and CUDA).
+    """
+    if not isinstance(accel_obj, Accelerator):
+        raise UsageError(f"set_accelerator({type(accel_obj).__name__}): dslaunch drives only its CPU and CUDA "
+                         "accelerators; pass CPU_Accelerator() or CUDA_Accelerator(), or get_accelerator()'s")
+    os.environ[ENV] = accel_obj._name
+    get_accelerator.cache_clear()  # the next call reads the variable again
 
 
 def is_current_accelerator_supported() -> bool:

@@ -39,3 +39,26 @@ def test_unsupported_ds_accelerator_is_one_line() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "DS_ACCELERATOR='xpu': dslaunch drives only cpu and cuda" in proc.stderr
+
+
+def test_set_accelerator_picks_the_kind_for_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's ``set_accelerator(CPU_Accelerator())`` (its MoE test utilities call it):
+    later ``get_accelerator()`` calls answer that kind, here and in processes started after it;
+    anything but one of dslaunch's accelerators is refused in one line."""
+    from dslaunch.accelerator import set_accelerator
+    from dslaunch.accelerator.cpu_accelerator import CPU_Accelerator
+    from dslaunch.accelerator.cuda_accelerator import CUDA_Accelerator
+    from dslaunch.errors import UsageError
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    set_accelerator(CUDA_Accelerator())  # no GPU needed to choose it; using it would need one
+    assert get_accelerator()._name == "cuda" and get_accelerator().communication_backend_name() == "nccl"
+    set_accelerator(CPU_Accelerator())
+    assert get_accelerator()._name == "cpu" and get_accelerator().device_name() == "cpu"
+    child = subprocess.run([sys.executable, "-c", "from dslaunch.accelerator import get_accelerator as g; "
+                            "print(g()._name)"], capture_output=True, text=True, check=True, timeout=60)
+    assert child.stdout.strip() == "cpu"
+    with pytest.raises(UsageError, match="dslaunch drives only its CPU and CUDA accelerators"):
+        set_accelerator(object())  # type: ignore[arg-type]
+    monkeypatch.delenv("DS_ACCELERATOR")
+    get_accelerator.cache_clear()  # later tests detect the hardware again
