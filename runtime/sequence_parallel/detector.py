@@ -2,7 +2,7 @@
 are vision attention, language-model attention and the vision-language projector.
 
 Attention is recognised by class name, from Hugging Face transformers' names (the registries
-below, DeepSpeed 0.19.8's): add a model's class names to ``_VIT_ATTN_CLASSNAMES`` (with its
+below: DeepSpeed 0.19.8's, and transformers' own InternVL vision attention): add a model's class names to ``_VIT_ATTN_CLASSNAMES`` (with its
 ``_VIT_HAS_CLS_TOKEN`` entry) or ``_LLM_ATTN_CLASSNAMES`` to have it found, as DeepSpeed's docs
 say. The projector is the first module (in ``named_modules`` order) whose dotted name contains
 one of ``_VISION_PROJ_KEYWORDS``.
@@ -31,6 +31,9 @@ _VIT_HAS_CLS_TOKEN = {
     "Qwen2VLVisionAttention": False,
     "Idefics2VisionAttention": False,
     "PaliGemmaVisionAttention": False,
+    # transformers' own InternVL (DeepSpeed's "InternVisionAttention" is OpenGVLab's remote code);
+    # its embeddings put a [CLS] token first, as ViT's
+    "InternVLVisionAttention": True,
 }
 # A set users extend (DeepSpeed's documented registration point), not a view of the dict above.
 _VIT_ATTN_CLASSNAMES = set(_VIT_HAS_CLS_TOKEN)

@@ -47,6 +47,7 @@ class SelfAttention(torch.nn.Module):
 # Classes named as the detector's registries name Hugging Face's
 ViTAttention = type("ViTAttention", (SelfAttention,), {})
 SiglipAttention = type("SiglipAttention", (SelfAttention,), {})
+InternVLVisionAttention = type("InternVLVisionAttention", (SelfAttention,), {})
 LlamaAttention = type("LlamaAttention", (SelfAttention,), {})
 
 
@@ -183,6 +184,7 @@ class Multimodal(torch.nn.Module):
         super().__init__()
         self.vision = torch.nn.Sequential(Layer(ViTAttention()), Layer(ViTAttention()))
         self.siglip = Layer(SiglipAttention())
+        self.internvl = Layer(InternVLVisionAttention())
         self.multi_modal_projector = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN))
         self.language_model = torch.nn.Sequential(Layer(LlamaAttention()))
 
@@ -202,7 +204,7 @@ def _wrap_world(rank: int, world: int) -> dict:
     model = Multimodal()
     info = detect_model_sp_info(model)
     assert auto_wrap_model_for_sp(model, None) is model
-    wrapped = [model.vision[0].attn, model.vision[1].attn, model.siglip.attn]
+    wrapped = [model.vision[0].attn, model.vision[1].attn, model.siglip.attn, model.internvl.attn]
     first_lines = list(lines)
     auto_wrap_model_for_sp(model, None)  # again: nothing is wrapped twice
     lines.clear()
@@ -225,10 +227,11 @@ def _wrap_world(rank: int, world: int) -> dict:
                   info.vision_projection_module[0]),
         "types": [type(w).__name__ for w in wrapped],
         "cls": [w.has_cls_token for w in wrapped],
-        "inner": [type(w.attn).__name__ for w in (model.vision[0].attn, model.vision[1].attn, model.siglip.attn)],
+        "inner": [type(w.attn).__name__ for w in wrapped],
         "llm": type(model.language_model[0].attn).__name__,
         "same_after_second": all(a is b for a, b in zip(wrapped, [model.vision[0].attn, model.vision[1].attn,
-                                                                  model.siglip.attn], strict=True)),
+                                                                  model.siglip.attn, model.internvl.attn],
+                                                         strict=True)),
         "lines": first_lines,
         "unchanged": unchanged,
         "llm_lines": llm_lines,
@@ -242,11 +245,11 @@ def _wrap_world(rank: int, world: int) -> dict:
 @pytest.mark.timeout(60)
 def test_auto_wrap_wraps_vision_attention_and_reports_the_rest() -> None:
     for got in run_world(_wrap_world, 2, timeout=50):
-        assert got["found"] == (["vision.0.attn", "vision.1.attn", "siglip.attn"], ["language_model.0.attn"],
-                                "multi_modal_projector")
-        assert got["types"] == ["UlyssesSPViTAttention"] * 3 and got["is_wrapper"] and got["world_size"] == 2
-        assert got["cls"] == [True, True, False]  # ViT has a [CLS] token, SigLIP none
-        assert got["inner"] == ["ViTAttention", "ViTAttention", "SiglipAttention"]
+        assert got["found"] == (["vision.0.attn", "vision.1.attn", "siglip.attn", "internvl.attn"],
+                                ["language_model.0.attn"], "multi_modal_projector")
+        assert got["types"] == ["UlyssesSPViTAttention"] * 4 and got["is_wrapper"] and got["world_size"] == 2
+        assert got["cls"] == [True, True, False, True]  # ViT and transformers' InternVL have a [CLS] token, SigLIP none
+        assert got["inner"] == ["ViTAttention", "ViTAttention", "SiglipAttention", "InternVLVisionAttention"]
         assert got["llm"] == "LlamaAttention" and got["same_after_second"]
         lines = got["lines"]
         assert any("1 language-model attention layer(s) (LlamaAttention: language_model.0.attn) left unwrapped"

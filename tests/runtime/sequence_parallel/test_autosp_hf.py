@@ -1,5 +1,5 @@
 """AutoSP on a Hugging Face ViT (transformers' ``ViTModel`` from a tiny ``ViTConfig``, no download)
-under ``deepspeed.initialize`` with ``sequence_parallel_size`` 2, ZeRO-0 and ZeRO-2, on 2 gloo
+under ``deepspeed.initialize`` with ``sequence_parallel_size`` 2, ZeRO-0, 2 and 3, on 2 gloo
 ranks: ``auto_wrap_model_for_sp(engine, groups._get_sequence_parallel_group())`` wraps both
 ``ViTAttention`` layers; each rank's output rows, the engine's averaged parameter gradients, the
 pixel gradient and the parameters after one SGD step equal those of the unwrapped model on the
@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_vit_autosp.py"
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_hugging_face_vit_equals_the_unwrapped_model(compat_bin, tmp_path, stage: int) -> None:  # noqa: F811
     from dslaunch.utils.ports import free_port
     from tests.compat.conftest import run_job, tagged

@@ -94,7 +94,7 @@ def main(stage: int) -> None:
     def worst(pairs) -> float:
         return max(float((a - b).abs().max()) for a, b in pairs)
 
-    errors = torch.tensor([float((out - ref_out[:, rows]).abs().max()), worst(zip(grads, ref_grads, strict=True)),
+    errors = torch.tensor([float((out.detach() - ref_out[:, rows]).abs().max()), worst(zip(grads, ref_grads, strict=True)),
                            float((pixel_grad - ref_pixels.grad).abs().max()), worst(zip(after, stepped, strict=True))])
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
     results = dict(zip(("out", "grads", "pixel_grad", "after_step"), errors.tolist(), strict=True))
