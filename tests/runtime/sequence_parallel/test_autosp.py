@@ -109,11 +109,11 @@ def _vit_world(rank: int, world: int, has_cls: bool, num_patches: int) -> dict[s
     }
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 @pytest.mark.parametrize(("has_cls", "num_patches"), [(True, 8), (False, 8), (True, 7), (False, 5)],
                          ids=["cls-even", "even", "cls-uneven", "uneven"])
 def test_vit_attention_equals_one_process(has_cls: bool, num_patches: int) -> None:
-    for got in run_world(_vit_world, 2, has_cls, num_patches, timeout=50):
+    for got in run_world(_vit_world, 2, has_cls, num_patches, timeout=80):
         assert got["extra_is_none"]
         assert got["scale"] > 0.1
         for key in ("out", "patch_grad", "cls_grad", "weights"):
@@ -162,9 +162,9 @@ def _llava_world(rank: int, world: int) -> dict[str, float]:
     }
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 def test_llava_fusion_round_trip_and_gradients() -> None:
-    for got in run_world(_llava_world, 2, timeout=50):
+    for got in run_world(_llava_world, 2, timeout=80):
         assert got["shape"] == [2, 5, HIDDEN]
         for key in ("fused", "visual_grad", "text_grad", "projector"):
             assert got[key] < 1e-5, (key, got)
@@ -242,9 +242,9 @@ def _wrap_world(rank: int, world: int) -> dict:
     }
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 def test_auto_wrap_wraps_vision_attention_and_reports_the_rest() -> None:
-    for got in run_world(_wrap_world, 2, timeout=50):
+    for got in run_world(_wrap_world, 2, timeout=80):
         assert got["found"] == (["vision.0.attn", "vision.1.attn", "siglip.attn", "internvl.attn"],
                                 ["language_model.0.attn"], "multi_modal_projector")
         assert got["types"] == ["UlyssesSPViTAttention"] * 4 and got["is_wrapper"] and got["world_size"] == 2
