@@ -6,7 +6,8 @@
   the ranks) of the weights and the ``[CLS]`` input are the one-process gradients.
 - ``LlavaFusionAdapter`` with a linear projector: the ranks' parts reassemble into the fused
   sequence built by hand in one process (padded), and the projector, visual and text gradients
-  are that sequence's.
+  are that sequence's. ``InternVLFusionAdapter`` and ``Qwen2VLFusionAdapter`` take visual shards of
+  different lengths (3/2) and refuse too few visual tokens and unpaired vision start/end tokens.
 - ``auto_wrap_model_for_sp``: what it wraps (the registries' ``[CLS]`` rule), what it reports and
   leaves (language-model attention, the projector), a second call wraps nothing twice, and the
   refusals (no known attention; ranks whose shards differ outside the sequence).
@@ -260,3 +261,60 @@ def test_auto_wrap_wraps_vision_attention_and_reports_the_rest() -> None:
         assert got["refused"].startswith("auto_wrap_model_for_sp: no attention layer of a known class in Sequential;")
         assert "_VIT_ATTN_CLASSNAMES" in got["refused"]
         assert "rank 0 has (1, 2, 16), rank 1 has (1, 2, 17)" in got["mismatch"], got["mismatch"]
+
+
+CONTEXT, START, END = 7, 8, 9
+
+
+def _adapters_world(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from dslaunch.errors import UsageError
+    from dslaunch.sequence.autosp_fusion import (
+        InternVLFusionAdapter,
+        ModalityFusionSPAdapter,
+        Qwen2VLFusionAdapter,
+    )
+
+    _init()
+    torch.manual_seed(2)
+    visual, text = torch.randn(1, 5, HIDDEN), torch.randn(1, 9, HIDDEN)
+    mine = visual[:, _shard(5, rank, world)]  # 3 visual tokens on rank 0, 2 on rank 1
+    internvl_ids = torch.tensor([[1, 2, *[CONTEXT] * 5, 3, 4]])
+    qwen_ids = torch.tensor([[1, START, 0, 0, 0, 0, 0, END, 4]])
+    expected = torch.cat([text[:, :2], visual, text[:, 7:]], dim=1)  # both put the 5 tokens at 2..6
+    expected = F.pad(expected, (0, 0, 0, 1))  # 9 positions padded to 10, 5 a rank
+
+    def whole(part: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(part) for _ in range(world)]
+        dist.all_gather(parts, part)
+        return torch.cat(parts, dim=1)
+
+    internvl = InternVLFusionAdapter(torch.nn.Identity(), None, image_token_id=CONTEXT)
+    qwen = Qwen2VLFusionAdapter(torch.nn.Identity(), None, vision_start_token_id=START, vision_end_token_id=END)
+    errors = {"internvl": float((whole(internvl(mine, text, internvl_ids)) - expected).abs().max()),
+              "qwen": float((whole(qwen(mine, text, qwen_ids)) - expected).abs().max())}
+    refusals = {}
+    for name, call in {
+        "too_few": lambda: internvl(mine, text, torch.tensor([[*[CONTEXT] * 6, 1, 2, 3]])),
+        "unpaired": lambda: qwen(mine, text, torch.tensor([[1, END, 0, START, 0, 0, 0, 0, 4]])),
+        "base": lambda: ModalityFusionSPAdapter(torch.nn.Identity(), None)(mine, text, internvl_ids),
+    }.items():
+        try:
+            call()
+            refusals[name] = "accepted"
+        except (UsageError, NotImplementedError) as err:
+            refusals[name] = f"{type(err).__name__}: {err}"
+    return {**errors, **refusals}
+
+
+@pytest.mark.timeout(100)
+def test_internvl_and_qwen2vl_adapters_take_uneven_shards_and_refuse_bad_placeholders() -> None:
+    for got in run_world(_adapters_world, 2, timeout=80):
+        assert got["internvl"] < 1e-6 and got["qwen"] < 1e-6, got
+        assert got["too_few"] == ("UsageError: InternVLFusionAdapter: sample 0 of input_ids has 6 IMG_CONTEXT tokens "
+                                  "but the gathered visual features have 5 tokens, too few to give each its visual "
+                                  "tokens"), got
+        assert got["unpaired"].startswith("UsageError: Qwen2VLFusionAdapter: sample 0 of input_ids has vision_start "
+                                          "tokens at [3] and vision_end tokens at [1]"), got
+        assert got["base"].startswith("NotImplementedError: ModalityFusionSPAdapter._splice_visual_into_text"), got
