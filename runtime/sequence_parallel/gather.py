@@ -14,6 +14,7 @@ shard, as gloo needs equal sizes), the one variable-width all-gather of dslaunch
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,29 +48,41 @@ class ShardLayout:
 _MAX_DIMS = 8  # the shape exchange is one fixed-size tensor, so no rank can wait on a bigger one
 
 
+def _described(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s dtype (a checksum of its name: the same in every process), rank and first
+    ``_MAX_DIMS`` sizes, in a tensor of one size whatever ``x`` is."""
+    sizes = list(x.shape[:_MAX_DIMS])
+    return torch.tensor([zlib.crc32(str(x.dtype).encode()), x.dim(), *sizes, *[0] * (_MAX_DIMS - len(sizes))],
+                        dtype=torch.long)
+
+
 def shard_layout(x: torch.Tensor, dim: int, group: Any, what: str) -> ShardLayout:
-    """Every rank's length of ``x`` on ``dim``, checking that the other dimensions agree.
+    """Every rank's length of ``x`` on ``dim``, checking that the dtypes and the other dimensions
+    agree (every rank raises the same line, so none is left waiting in a collective).
 
     collective: every rank of ``group``.
 
     Raises:
-        UsageError: the ranks' tensors differ outside ``dim`` (naming ``what`` and both shapes).
+        UsageError: the ranks' tensors differ in dtype or outside ``dim`` (naming ``what`` and
+            rank 0's and the first differing rank's shapes), or have more than 8 dimensions.
     """
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if x.dim() > _MAX_DIMS:
-        raise UsageError(f"{what}: a {x.dim()}-dimensional tensor; at most {_MAX_DIMS} dimensions are supported")
-    shape = torch.tensor([x.dim(), *x.shape, *[0] * (_MAX_DIMS - x.dim())], dtype=torch.long)
-    shapes = [torch.empty_like(shape) for _ in range(world)]
-    dist.all_gather(shapes, shape, group=group)
-    described = [tuple(s[1:1 + int(s[0])].tolist()) for s in shapes]
-    dim, first = dim % x.dim(), described[0]
-    for r, theirs in enumerate(described):  # against rank 0, so every rank raises the same line
-        if theirs[:dim] + theirs[dim + 1:] != first[:dim] + first[dim + 1:]:
-            raise UsageError(f"{what}: the ranks of the sequence group must hold shards that differ only in the "
-                             f"sequence dimension {dim}; rank 0 has {first}, rank {r} has {theirs}")
-    return ShardLayout(tuple(s[dim] for s in described), rank)
+    mine = _described(x)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    if any(int(d[1]) > _MAX_DIMS for d in everyone):
+        raise UsageError(f"{what}: a tensor of more than {_MAX_DIMS} dimensions on some rank; at most "
+                         f"{_MAX_DIMS} are supported")
+    kinds = [(int(d[0]), tuple(d[2:2 + int(d[1])].tolist())) for d in everyone]
+    dim, (dtype, first) = dim % x.dim(), kinds[0]
+    for r, (theirs_dtype, theirs) in enumerate(kinds):  # against rank 0: every rank raises the same line
+        if theirs_dtype != dtype or theirs[:dim] + theirs[dim + 1:] != first[:dim] + first[dim + 1:]:
+            raise UsageError(f"{what}: the ranks of the sequence group must hold shards of one dtype that differ "
+                             f"only in the sequence dimension {dim}; rank 0 has {first}, rank {r} has {theirs}"
+                             + ("" if theirs_dtype == dtype else " (and another dtype)"))
+    return ShardLayout(tuple(shape[dim] for _, shape in kinds), rank)
 
 
 class _GatherSequence(torch.autograd.Function):

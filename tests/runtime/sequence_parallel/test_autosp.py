@@ -223,6 +223,11 @@ def _wrap_world(rank: int, world: int) -> dict:
         mismatch = "accepted"
     except UsageError as err:
         mismatch = str(err)
+    try:  # rank 1's dtype differs (its shard is longer: that alone is fine)
+        wrapper(torch.randn(1, 3 + rank, HIDDEN, dtype=torch.float32 if rank == 0 else torch.float64))
+        dtype_mismatch = "accepted"
+    except UsageError as err:
+        dtype_mismatch = str(err)
     return {
         "found": ([n for n, _ in info.vit_attn_modules], [n for n, _ in info.llm_attn_modules],
                   info.vision_projection_module[0]),
@@ -238,6 +243,7 @@ def _wrap_world(rank: int, world: int) -> dict:
         "llm_lines": llm_lines,
         "refused": refused,
         "mismatch": mismatch,
+        "dtype_mismatch": dtype_mismatch,
         "world_size": wrapper.world_size,
         "is_wrapper": isinstance(wrapper, UlyssesSPViTAttention),
     }
@@ -260,7 +266,10 @@ def test_auto_wrap_wraps_vision_attention_and_reports_the_rest() -> None:
         assert got["llm_lines"][1] == "AutoSP: nothing wrapped in Sequential; it is returned unchanged"
         assert got["refused"].startswith("auto_wrap_model_for_sp: no attention layer of a known class in Sequential;")
         assert "_VIT_ATTN_CLASSNAMES" in got["refused"]
-        assert "rank 0 has (1, 2, 16), rank 1 has (1, 2, 17)" in got["mismatch"], got["mismatch"]
+        assert got["mismatch"].startswith("UlyssesSPViTAttention(ViTAttention): the ranks of the sequence group must "
+                                          "hold shards of one dtype that differ only in the sequence dimension 1; "
+                                          "rank 0 has (1, 2, 16), rank 1 has (1, 2, 17)"), got["mismatch"]
+        assert got["dtype_mismatch"].endswith("rank 0 has (1, 2, 16), rank 1 has (1, 3, 16) (and another dtype)"), got
 
 
 CONTEXT, START, END = 7, 8, 9
