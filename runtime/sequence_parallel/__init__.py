@@ -11,6 +11,11 @@ sequence and switch to a head split around attention.
   ``sequence_tiled_compute``): one slice of a long sequence's activations at a time.
 - ``ulysses_sp.py``: ALST's Hugging Face integration (``UlyssesSPAttentionHF``,
   ``UlyssesSPDataLoaderAdapter``), DeepSpeed's ``deepspeed.runtime.sequence_parallel.ulysses_sp``.
+- AutoSP (``deepspeed.sequence.auto_sp`` and its ``autosp_*`` modules), for vision towers and
+  multimodal models: ``detector.py`` (which modules are vision/language attention and the
+  projector), ``vit_attention.py`` (``UlyssesSPViTAttention``), ``fusion.py`` (the LLaVA, InternVL
+  and Qwen2-VL fusion adapters), ``auto_wrap.py`` (``auto_wrap_model_for_sp``), over ``gather.py``
+  (the sequence all-gather of shards of any length, its gradient summed over the ranks).
 
 The sequence axis and its groups come from ``runtime/parallel`` (``sequence_parallel_size`` in
 the config, or the mpu ``register_with_transformers`` returns); the engine averages gradients over

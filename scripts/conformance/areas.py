@@ -83,6 +83,11 @@ AREAS: dict[str, list[str]] = {
         "unit/checkpoint/test_sparse.py",
     ],
     "sequence parallel (ALST tiling)": ["unit/ulysses_alst/test_tiled_compute.py"],
+    # AutoSP: both files run on CPU with gloo (2 ranks), mock attention and nn.Identity projectors.
+    "sequence parallel (AutoSP, multimodal)": [
+        "unit/sequence_parallelism/test_autosp_equivalence.py",
+        "unit/sequence_parallelism/test_autosp_integration.py",
+    ],
     "inference config": [
         "unit/inference/test_inference_config.py",
         "unit/inference/test_checkpoint_sharding.py",
