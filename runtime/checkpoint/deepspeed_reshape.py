@@ -106,6 +106,11 @@ def partition_data(data_list: Sequence[Any], num_partitions: int) -> list[Sequen
 
 
 # ---- merging what the files hold ---------------------------------------------------------------
+def _type_name(value: Any) -> str:
+    # by name: each file's DeepSpeed classes are stand-ins of their own (``deepspeed_read``)
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
 def merge_state(state_a: Any, state_b: Any, key_list: Sequence[str] = ()) -> Any:
     """``state_b`` joined onto ``state_a``: dicts key by key (keys of either), lists and tuples item
     by item, tensors concatenated along dim 0; any other value is ``state_a``'s.
@@ -113,7 +118,7 @@ def merge_state(state_a: Any, state_b: Any, key_list: Sequence[str] = ()) -> Any
     Raises:
         ReshapeError: the two differ in type, or two lists in length (names the key path).
     """
-    if type(state_a) is not type(state_b):
+    if _type_name(state_a) != _type_name(state_b):
         raise ReshapeError(f"cannot merge a {type(state_a).__name__} with a {type(state_b).__name__} at "
                            f"{'.'.join(key_list) or 'the top level'}")
     if isinstance(state_a, dict):
