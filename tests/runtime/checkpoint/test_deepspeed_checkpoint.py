@@ -204,6 +204,12 @@ def test_bad_input_is_one_line_naming_it(tmp_path: Path) -> None:
         assert str(folder) in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(CheckpointError, match="no ZeRO optimizer files"):
         ZeROCheckpoint(str(empty))
+    for f in tmp_path.glob("bf16_zero_*"):  # saved without ZeRO: the layers read, the optimizer state is refused
+        f.unlink()
+    ck = DeepSpeedCheckpoint(str(tmp_path), tp_degree=1)
+    assert ck.dp_degree == 1 and ck.get_final_norm_state(0)
+    with pytest.raises(CheckpointError, match="no ZeRO optimizer files"):
+        ck.get_zero_checkpoint_state(0, 0, 0)
     (tmp_path / "mp_rank_03_model_states.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="mp_rank_03_model_states.pt: unreadable"):
         DeepSpeedCheckpoint(str(tmp_path))
