@@ -78,12 +78,19 @@ def test_dslaunchs_pipeline_tag_reads_as_saved(dslaunch_saved: tuple[Path, dict]
     _check_layers(ck, state)
     assert ck.get_iteration() == 0 and ck.get_args() is None  # no Megatron keys in a DeepSpeed engine's save
     # each replica's ZeRO-1 partition of stage 1's one param group; joined, the stage's weights in order
-    parts = [ck.get_zero_checkpoint_state(pp_index=1, tp_index=0, dp_index=d)[OPTIMIZER_STATE_DICT][FP32][0]
-             for d in range(2)]
+    osds = [ck.get_zero_checkpoint_state(pp_index=1, tp_index=0, dp_index=d)[OPTIMIZER_STATE_DICT] for d in range(2)]
+    parts = [osd[FP32][0] for osd in osds]
     names = [n for n in state if int(n.split(".")[0]) >= 3]  # named_parameters() order
     whole = torch.cat([state[n].reshape(-1) for n in names])
     assert torch.equal(torch.cat(parts), whole)
     assert parts[0].numel() > 0 and parts[1].numel() > 0
+    # each rank's fragments (what Megatron-DeepSpeed's checkpoint verifier narrows the partition by)
+    offsets = dict(zip(names, torch.tensor([0] + [state[n].numel() for n in names]).cumsum(0).tolist(), strict=False))
+    for d, osd in enumerate(osds):
+        for name, frag in osd["param_slice_mappings"][0].items():
+            at = d * parts[0].numel() + frag.start
+            assert offsets[name] <= at and at + frag.numel <= offsets[name] + state[name].numel(), (name, d)
+            assert torch.equal(parts[d].narrow(0, frag.start, frag.numel), whole.narrow(0, at, frag.numel))
 
 
 def test_reshaped_to_one_stage_and_replica_joins_the_files(dslaunch_saved: tuple[Path, dict]) -> None:
