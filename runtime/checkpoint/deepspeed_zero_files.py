@@ -6,8 +6,14 @@
 says which), drops each file's padding of its flat partition (``group_paddings``), and joins them
 with ``merge_state``: the flat fp32 partitions and per-element optimizer states end to end.
 
+The map is DeepSpeed's, index for index (its own tests pin it): with the pipeline or tensor degree
+reduced and the data-parallel one kept, target data-parallel rank d holds source files of other
+stages or tensor ranks, not one replica's share; reshape to ``dp_degree=1`` for a stage's whole
+state (as ``ds_to_universal`` reads it).
+
 Limitations: ZeRO stages 1 and 2 (a ZeRO-3 tag's files hold per-parameter fragments that this
-join does not put together: read those with ``dslaunch.utils.zero_to_fp32``).
+join does not put together: read those with ``dslaunch.utils.zero_to_fp32``); joined files keep
+each file's ``param_slice_mappings`` as they are (offsets into that file's partition), as DeepSpeed's.
 """
 
 from __future__ import annotations
