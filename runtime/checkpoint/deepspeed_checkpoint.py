@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import CheckpointError, ReshapeError
+from dslaunch.errors import CheckpointError, ReshapeError, install_excepthook
 from dslaunch.runtime.checkpoint.deepspeed_constants import (
     CHECKPOINT_PARALLEL_DIMS,
     CHECKPOINT_PP_DEGREE,
@@ -115,6 +115,7 @@ class DeepSpeedCheckpoint:
 
     def __init__(self, dir: str | os.PathLike, tp_degree: int | None = None, pp_degree: int | None = None,
                  dp_degree: int | None = None, final_layer_norm_idx: int = FINAL_LAYER_NORM_INDEX) -> None:
+        install_excepthook()  # a conversion tool never calls initialize: its bad input reads as one line too
         self.final_layer_norm_idx = final_layer_norm_idx
         self.dir = dir
         basic_folder_validation(dir)

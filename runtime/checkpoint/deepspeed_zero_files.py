@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import CheckpointError, ReshapeError
+from dslaunch.errors import CheckpointError, ReshapeError, install_excepthook
 from dslaunch.runtime.checkpoint.deepspeed_constants import (
     BASE_OPTIMIZER_STATE,
     GROUP_PADDINGS,
@@ -54,6 +54,7 @@ class ZeROCheckpoint:
     """
 
     def __init__(self, dir: str | os.PathLike, source_3d: model_3d_desc | None = None) -> None:  # DeepSpeed's name
+        install_excepthook()  # as DeepSpeedCheckpoint's: one line for a script's bad input
         basic_folder_validation(dir)
         self.dir = dir
         self.file_list = get_zero_files(dir)

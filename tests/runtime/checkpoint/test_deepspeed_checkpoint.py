@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -223,6 +225,12 @@ def test_bad_input_is_one_line_naming_it(tmp_path: Path) -> None:
     torch.save({CHECKPOINT_PARALLEL_DIMS: {"pp_degree": 1, "tp_degree": 4}}, tmp_path / "mp_rank_03_model_states.pt")
     with pytest.raises(CheckpointLayoutError, match="disagrees across model-state files"):
         get_model_3d_descriptor(str(tmp_path))
+    # a conversion script (no initialize) that passes a bad folder: one line, no traceback
+    script = f"from dslaunch.checkpoint import DeepSpeedCheckpoint; DeepSpeedCheckpoint({str(tmp_path / 'nope')!r})"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "DSLAUNCH_VERBOSE"})
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"dslaunch: error: {tmp_path / 'nope'}: does not exist: pass a DeepSpeed checkpoint tag folder"], run.stderr
     with pytest.raises(ReshapeError, match="cannot merge a Tensor with a list at a.b"):
         merge_state({"a": {"b": torch.ones(1)}}, {"a": {"b": [1]}})
 
