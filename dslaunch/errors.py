@@ -43,6 +43,8 @@ __all__ = [
     "name_ranks",
     "install_excepthook",
     "CheckpointArgumentError",
+    "CheckpointLayoutError",
+    "ReshapeError",
     "NoSyncError",
     "AccumulationModeError",
     "AccumulationBoundaryError",
@@ -201,6 +203,18 @@ class NotInDslaunchError(DslaunchError, NotImplementedError):
     """A DeepSpeed feature dslaunch does not have was used (not merely imported): the message names
     it and what to use instead. Also a ``NotImplementedError``, which callers probing for optional
     features already catch."""
+
+
+class CheckpointLayoutError(CheckpointError, RuntimeError):
+    """A DeepSpeed checkpoint's files disagree about the parallel shape it was saved at (its
+    ``checkpoint_parallel_dimensions``, its file counts). Also a ``RuntimeError``: what DeepSpeed's
+    ``deepspeed.checkpoint`` raises there."""
+
+
+class ReshapeError(CheckpointError, ValueError):
+    """A DeepSpeed checkpoint cannot be reshaped as asked (``DeepSpeedCheckpoint``'s target degrees:
+    larger than the saved ones or not dividing them), or two of its states cannot be merged. Also a
+    ``ValueError``: a bad argument."""
 
 
 class CheckpointArgumentError(CheckpointError, ValueError):

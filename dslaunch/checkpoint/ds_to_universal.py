@@ -13,6 +13,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+# DeepSpeed's converter checks the model-states files' metadata with this before converting
+from dslaunch.runtime.checkpoint.deepspeed_metadata import (
+    aggregate_model_metadata as _aggregate_autoep_zero12_metadata,  # noqa: F401
+)
+
 __all__ = ["main"]
 
 

@@ -5,8 +5,9 @@ whole storage: a state dict of views would hold the flat buffer instead of each 
 and every loaded tensor would keep all of it alive. accelerate and transformers call this (DeepSpeed's helper)
 on a model's state dict before saving it.
 
-``get_model_ckpt_name_for_rank`` names a file of DeepSpeed's own layout (``runtime/checkpoint/
-deepspeed_layout.py``), which dslaunch's checkpoints do not contain.
+``get_model_ckpt_name_for_rank``, ``get_zero_ckpt_name_for_rank`` and ``get_layer_ckpt_name_for_rank``
+name files of DeepSpeed's own layout (``runtime/checkpoint/deepspeed_layout.py``), which dslaunch
+writes with ``"checkpoint": {"format": "deepspeed"}``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from typing import Any
 
 import torch
 
-from dslaunch.runtime.checkpoint.deepspeed_layout import get_model_ckpt_name_for_rank
+from dslaunch.runtime.checkpoint.deepspeed_layout import (
+    get_layer_ckpt_name_for_rank,
+    get_model_ckpt_name_for_rank,
+    get_zero_ckpt_name_for_rank,
+)
 
-__all__ = ["clone_tensors_for_torch_save", "get_model_ckpt_name_for_rank"]
+__all__ = ["clone_tensors_for_torch_save", "get_layer_ckpt_name_for_rank", "get_model_ckpt_name_for_rank",
+           "get_zero_ckpt_name_for_rank"]
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:

@@ -34,7 +34,7 @@ from typing import Any
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.store import LATEST, MANIFEST, CheckpointStore
 
-__all__ = ["get_model_ckpt_name_for_rank", "model_states_name", "optim_states_name", "ckpt_name",
+__all__ = ["get_model_ckpt_name_for_rank", "get_zero_ckpt_name_for_rank", "get_layer_ckpt_name_for_rank", "model_states_name", "optim_states_name", "ckpt_name",
            "zero_ckpt_name", "optimizer_ckpt_name", "expert_optim_name", "layer_name", "is_pipeline", "deepspeed_tag",
            "is_deepspeed_folder", "get_optim_files", "get_model_state_files"]
 
@@ -43,6 +43,18 @@ def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: st
     """The model-states file of model-parallel rank ``mp_rank_str`` (zero-padded, e.g. ``"00"``) in
     the tag folder ``base_folder`` of a DeepSpeed checkpoint: ``<base_folder>/mp_rank_00_model_states.pt``."""
     return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")
+
+
+def get_zero_ckpt_name_for_rank(base_folder: str | os.PathLike, dp_rank: int, mp_rank: int) -> str:
+    """The ZeRO optimizer-states file of data-parallel rank ``dp_rank`` and model-parallel rank
+    ``mp_rank`` in ``base_folder``: ``<base_folder>/zero_pp_rank_D_mp_rank_MM_optim_states.pt``."""
+    return os.path.join(base_folder, optim_states_name(dp_rank, False, mp_rank))
+
+
+def get_layer_ckpt_name_for_rank(base_folder: str | os.PathLike, layer_id: str, tp_rank: int) -> str:
+    """The file of pipeline layer ``layer_id`` (``"layer_03"``) of tensor rank ``tp_rank`` in
+    ``base_folder`` (DeepSpeed's naming): ``<base_folder>/layer_03-model_TT_model_states.pt``."""
+    return os.path.join(base_folder, f"{layer_id}-model_{tp_rank:02d}_model_states.pt")
 
 
 def _natural_key(path: str) -> list[Any]:

@@ -39,7 +39,10 @@ def loss_scaler(scale: float = 1.0) -> DeepSpeedObject:
 
 def fragment_address(numel: int, start: int) -> DeepSpeedObject:
     """One parameter's fragment in a rank's ZeRO-1/2 partition (``param_slice_mappings``)."""
-    return DeepSpeedObject("deepspeed.utils.tensor_fragment.fragment_address", (int(numel), int(start)))
+    # the fields as attributes too: DeepSpeed pickles its dataclass with them, and a reader without
+    # DeepSpeed (dslaunch's stand-ins, deepspeed.checkpoint's tools) finds them there
+    fields = {"numel": int(numel), "start": int(start)}
+    return DeepSpeedObject("deepspeed.utils.tensor_fragment.fragment_address", (fields["numel"], fields["start"]), fields)
 
 
 class _ClassRef:

@@ -48,7 +48,7 @@ from dslaunch.runtime.checkpoint.deepspeed_layout import (
 )
 from dslaunch.runtime.checkpoint.experts import EXPERT_PREFIX
 
-__all__ = ["DeepSpeedGroup", "DeepSpeedState", "read_deepspeed", "read_part", "read_file"]
+__all__ = ["DeepSpeedGroup", "DeepSpeedState", "read_deepspeed", "read_part", "read_file", "read_checkpoint_file"]
 
 
 class _StandIn:
@@ -78,8 +78,9 @@ def _scaler_state(scaler: Any) -> dict[str, Any]:
     return scaler.__getstate__() if isinstance(scaler, LossScalerBase) else {}
 
 
-def read_file(path: Path) -> dict:
-    """One DeepSpeed ``.pt`` file, on the CPU, with ``weights_only=True``.
+def read_file(path: Path, stand_in_modules: tuple[str, ...] = ("deepspeed.",)) -> dict:
+    """One DeepSpeed ``.pt`` file, on the CPU, with ``weights_only=True``; the classes of the
+    packages ``stand_in_modules`` name are read as stand-ins (``_StandIn``).
 
     Raises:
         CheckpointError: missing, unreadable or truncated, or it needs a class that is neither
@@ -90,11 +91,11 @@ def read_file(path: Path) -> dict:
     unsafe: list[str] = []
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        stand_ins = [_stand_in(g) for g in unsafe if g.startswith("deepspeed.")]
+        stand_ins = [_stand_in(g) for g in unsafe if g.startswith(stand_in_modules)]
         with torch.serialization.safe_globals(stand_ins):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        others = [g for g in unsafe if not g.startswith("deepspeed.")]
+        others = [g for g in unsafe if not g.startswith(stand_in_modules)]
         raise CheckpointError(f"needs classes {others[:5]} that torch.load(weights_only=True) does not "
                               "load: if you trust the file, allow them with "
                               f"torch.serialization.add_safe_globals before load_checkpoint ({exc})"[:600],
@@ -104,6 +105,16 @@ def read_file(path: Path) -> dict:
     if not isinstance(obj, dict):
         raise CheckpointError(f"holds a {type(obj).__name__}, not a DeepSpeed state dict", str(path))
     return obj
+
+
+def read_checkpoint_file(path: Path) -> dict:
+    """``read_file`` for the files Megatron-DeepSpeed writes too (``deepspeed.checkpoint``'s
+    readers): its ``args`` (an ``argparse.Namespace``, allowed as it is) and its enums (read as
+    stand-ins) load with ``weights_only=True``."""
+    import argparse
+
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return read_file(path, stand_in_modules=("deepspeed.", "megatron."))
 
 
 def _need(sd: dict, key: str, path: Path, kind: type | tuple[type, ...]) -> Any:

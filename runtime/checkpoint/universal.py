@@ -27,7 +27,9 @@ into host memory.
 from __future__ import annotations
 
 import math
+import types
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,22 @@ import torch
 from dslaunch import safe_write
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, rank_file, zero_file
+from dslaunch.runtime.checkpoint.deepspeed_constants import (
+    CAT_DIM,
+    ORIGINAL_VOCAB_SIZE,
+    PADDED_VOCAB_SIZE,
+    PARAM,
+    PARAM_N_SUB_PARAMS,
+    PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0,
+    PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+    SUB_PARAM_SHAPE,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    VOCABULARY_PARAMETER_PATTERNS,
+)
 from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name, tag_folder_format
 from dslaunch.runtime.checkpoint.deepspeed_pickle import loss_scaler, to_bytes
 from dslaunch.runtime.checkpoint.deepspeed_read import (
@@ -52,26 +70,13 @@ __all__ = ["UNIVERSAL_CHECKPOINT_INFO", "UNIVERSAL_CHECKPOINT_VERSION_KEY", "UNI
            "VOCABULARY_PARAMETER_PATTERNS", "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
            "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS", "TP_REPLICATED_PARAMETER_PATTERNS",
            "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0", "PADDED_VOCAB_SIZE", "ORIGINAL_VOCAB_SIZE",
-           "LATEST_UNIVERSAL", "ZERO_FOLDER", "OPTIMIZER_STATE", "PARAM", "universal_tag", "read_universal", "convert"]
+           "LATEST_UNIVERSAL", "ZERO_FOLDER", "OPTIMIZER_STATE", "PARAM", "universal_tag", "read_universal", "convert",
+           "SubparamShape", "load_hp_checkpoint_state", "enable_universal_checkpoint"]
 
-# The keys of a model's ``universal_checkpoint_info`` (the model-states file; Megatron-DeepSpeed sets
-# it) that tell ``ds_to_universal`` how to merge tensor-parallel slices: DeepSpeed's names and values
-# (``dslaunch.checkpoint`` re-exports them as DeepSpeed's ``deepspeed.checkpoint`` does).
-UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
-UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
-UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.4
-VOCABULARY_PARAMETER_PATTERNS = "vocabulary_parameter_patterns"
-PIPELINE_REPLICATED_PARAMETER_PATTERNS = "pipeline_replicated_parameter_patterns"
-PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
-TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
-PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
-PADDED_VOCAB_SIZE = "padded_vocab_size"
-ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_FOLDER = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
-PARAM = "param"
 _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
@@ -104,8 +109,8 @@ def _model_file(folder: Path) -> Path:
                           "checkpoint tag", str(folder))
 
 
-def _tensor(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
-    """One ``zero/<param>/<state>.pt``: the whole tensor, checked against the parameter's shape."""
+def _load_state(path: Path) -> tuple[torch.Tensor, dict]:
+    """One ``zero/<param>/<state>.pt``: its tensor, and the dict around it (empty for a bare tensor)."""
     obj: Any
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -114,10 +119,16 @@ def _tensor(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
                               str(path)) from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         raise CheckpointError(f"unreadable or truncated ({type(exc).__name__}: {str(exc)[:200]})", str(path)) from None
-    if isinstance(obj, dict):
-        obj = obj.get(PARAM)
-    if not torch.is_tensor(obj):
+    info = obj if isinstance(obj, dict) else {}
+    tensor = obj.get(PARAM) if isinstance(obj, dict) else obj
+    if not torch.is_tensor(tensor):
         raise CheckpointError(f"holds no tensor (expected a tensor or {{{PARAM!r}: tensor}})", str(path))
+    return tensor, info
+
+
+def _tensor(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
+    """One ``zero/<param>/<state>.pt``: the whole tensor, checked against the parameter's shape."""
+    obj, _ = _load_state(path)
     if obj.numel() != math.prod(shape):
         raise CheckpointError(f"holds {tuple(obj.shape)} ({obj.numel()} elements), the parameter is {shape}",
                               str(path))
@@ -260,3 +271,53 @@ def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
     except OSError as exc:
         raise CheckpointError(f"cannot write the universal checkpoint: {safe_write.explain(exc, out)}") from None
     return out
+
+
+@dataclass(frozen=True)
+class SubparamShape:
+    """DeepSpeed's description of a parameter made of sub-parameters (a fused QKV): the ``patterns``
+    of the names it applies to, each sub-parameter's ``shape`` and the dimension TP cuts
+    (``partition_dim``). Megatron-DeepSpeed puts these in ``universal_checkpoint_info``."""
+
+    patterns: list[str]
+    shape: tuple[tuple[int, ...] | int, ...]
+    partition_dim: int
+
+
+def load_hp_checkpoint_state(param: torch.nn.Parameter, folder: str | Path, tp_rank: int = 0, tp_world_size: int = 1,
+                             ep_rank: int = 0, ep_size: int = 1) -> Any:
+    """Load ``param`` from its universal folder ``folder`` (``zero/<param name>/``): ``fp32.pt``,
+    whole, or this tensor rank's slice along the file's ``cat_dim`` (default 0). Returns what
+    ``step.pt`` holds (None without one).
+
+    Raises:
+        CheckpointError: the file is missing or does not hold ``param``'s shape (names it);
+        NotInDslaunchError: a slice of sub-parameters (``sub_param_shape``) or of experts.
+    """
+    from dslaunch.errors import NotInDslaunchError
+
+    path = Path(folder) / "fp32.pt"
+    full, info = _load_state(path)
+    if info.get(SUB_PARAM_SHAPE) is not None or info.get(PARAM_N_SUB_PARAMS) is not None or ep_size > 1:
+        raise NotInDslaunchError(f"{path}: loading one tensor rank's slice of fused sub-parameters or of experts "
+                                 "is not in dslaunch: load the universal tag with load_checkpoint")
+    if tuple(full.shape) != tuple(param.shape):
+        dim = int(info.get(CAT_DIM, 0))
+        parts = full.chunk(tp_world_size, dim) if full.dim() > dim else ()
+        if len(parts) != tp_world_size or tuple(parts[tp_rank].shape) != tuple(param.shape):
+            raise CheckpointError(f"holds {tuple(full.shape)}, which is not the parameter's {tuple(param.shape)} "
+                                  f"whole or cut in {tp_world_size} along dim {dim}", str(path))
+        full = parts[tp_rank]
+    with torch.no_grad():
+        param.copy_(full.to(param.dtype))
+    step = Path(folder) / "step.pt"
+    return torch.load(step, map_location="cpu", weights_only=True) if step.is_file() else None
+
+
+def enable_universal_checkpoint(param_list: list[torch.nn.Parameter]) -> None:
+    """Give each parameter ``load_hp_checkpoint_state(folder, tp_rank, tp_world_size)``
+    (``load_hp_checkpoint_state`` bound to it), as DeepSpeed's optimizers do before loading a
+    universal tag. dslaunch's engine loads universal tags itself (``load_universal``); this is for
+    scripts that load single parameters from one."""
+    for param in param_list:
+        param.load_hp_checkpoint_state = types.MethodType(load_hp_checkpoint_state, param)
