@@ -24,6 +24,11 @@ from dslaunch.errors import NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+
+# DeepSpeed's private name, which its reshape tests import from the engine module
+from dslaunch.runtime.checkpoint.deepspeed_checkpoint import (
+    checkpoint_parallel_metadata as _checkpoint_parallel_metadata,  # noqa: F401
+)
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.data_pipeline.curriculum_scheduler import legacy_scheduler
 from dslaunch.runtime.dist import device_for, local_rank
