@@ -4,10 +4,16 @@ from dslaunch.runtime.moe.gate import (
     TopKGate,
     gumbel_rsample,
     multiplicative_jitter,
+    route_slots,
+    sparse_decode,
+    sparse_encode,
     top1gating,
     top2gating,
     topkgating,
 )
 from dslaunch.runtime.moe.layer import MOELayer
+
+# DeepSpeed's private names for the sparse dispatch helpers (its tests and gating code import them)
+_route_slots, _sparse_encode, _sparse_decode = route_slots, sparse_encode, sparse_decode
 
 __all__ = ["TopKGate", "MOELayer", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample"]

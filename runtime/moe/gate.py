@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TopKGate", "Routes", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample"]
+__all__ = ["TopKGate", "Routes", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample",
+           "route_slots", "sparse_encode", "sparse_decode"]
 
 GateOutput = tuple[Tensor, Tensor, Tensor, Tensor]
 NoisyGatePolicy = Literal["Jitter", "RSample", "None"] | None
@@ -66,6 +67,35 @@ def _busiest(exp_counts: Tensor, ep_group: object | None) -> int:
     return int(busiest.item())
 
 
+def route_slots(experts: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """The flat slot ``expert * capacity + location`` of every route (``experts`` and ``locations``
+    ``[k, S]``); a dropped route (expert -1) gets the scratch slot ``num_experts * capacity``, one
+    past the end, so moving tokens needs no branch (DeepSpeed's ``_route_slots``)."""
+    flat = experts.long() * capacity + locations.long()
+    return torch.where(experts >= 0, flat, torch.full_like(flat, num_experts * capacity))
+
+
+def sparse_encode(tokens: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """The ``[E, C, M]`` expert buffer with each routed token ``tokens`` ``[S, M]`` in its slot
+    (``slots`` ``[k, S]`` from ``route_slots``); empty slots are 0. Each slot holds at most one
+    token, so one ``index_add`` places them all; dropped routes pile up in the scratch row, cut off."""
+    width = tokens.shape[-1]
+    placed = tokens.new_zeros(num_experts * capacity + 1, width).index_add(0, slots.reshape(-1),
+                                                                            tokens.repeat(slots.shape[0], 1))
+    return placed[:-1].reshape(num_experts, capacity, width)
+
+
+def sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_tokens: int) -> Tensor:
+    """Each token's expert outputs (``expert_output`` ``[E * C, M]``) gathered back by ``slots``
+    ``[k, S]`` and summed weighted by ``gates`` ``[k, S]``; a dropped route adds 0. The weighting and
+    the sum run in the gates' dtype (fp32: a bf16/fp16 sum over routes loses precision), the result
+    is in ``expert_output``'s."""
+    width = expert_output.shape[-1]
+    padded = torch.cat([expert_output, expert_output.new_zeros(1, width)])
+    picked = padded.index_select(0, slots.reshape(-1)).reshape(slots.shape[0], num_tokens, width)
+    return (picked * gates.unsqueeze(-1)).sum(dim=0).to(expert_output.dtype)
+
+
 @dataclass(frozen=True)
 class Routes:
     """Where this rank's tokens go: ``experts``, ``locations`` and ``gates`` are ``[k, S]`` (route
@@ -83,8 +113,7 @@ class Routes:
     def slots(self) -> Tensor:
         """``[k, S]`` flat slot ``expert * capacity + location``; a dropped route gets the scratch
         slot ``num_experts * capacity`` (one past the end), so moving tokens needs no branch."""
-        flat = self.experts * self.capacity + self.locations
-        return torch.where(self.experts >= 0, flat, torch.full_like(flat, self.num_experts * self.capacity))
+        return route_slots(self.experts, self.locations, self.num_experts, self.capacity)
 
     def dense(self) -> GateOutput:
         """DeepSpeed's dense form: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""

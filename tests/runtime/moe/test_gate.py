@@ -141,3 +141,26 @@ def test_sparse_routes_and_the_dense_form_agree(k: int) -> None:
                 rebuilt[s, indices[route, s], locations[route, s]] += gates[route, s]
     assert torch.equal(rebuilt, combine)
     assert int((indices >= 0).sum()) < TOKENS * k  # some routes were dropped
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sparse_encode_and_decode_equal_the_dense_einsums(k: int) -> None:
+    """DeepSpeed's ``_route_slots``/``_sparse_encode``/``_sparse_decode`` (``sharded_moe``) move
+    tokens as the dense ``dispatch_mask``/``combine_weights`` einsums do, dropped routes included."""
+    from dslaunch.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+
+    torch.manual_seed(10 + k)
+    gate = MoE(HIDDEN, _expert(), num_experts=EXPERTS, k=k, min_capacity=2, use_rts=False,
+               top2_2nd_expert_sampling=False).deepspeed_moe.gate
+    tokens = torch.randn(TOKENS, HIDDEN) * 2
+    _, combine, dispatch, _ = gate(tokens)
+    _, capacity, experts, indices, locations, gates, _ = gate(tokens, sparse_routes=True)
+    slots = _route_slots(indices, locations, experts, capacity)
+    assert int((slots == experts * capacity).sum()) == int((indices < 0).sum()) > 0  # dropped: scratch slot
+    encoded = _sparse_encode(tokens, slots, experts, capacity)
+    assert torch.equal(encoded, torch.einsum("sec,sm->ecm", dispatch.to(tokens.dtype), tokens))
+    expert_out = torch.randn(experts * capacity, HIDDEN).to(torch.bfloat16)
+    decoded = _sparse_decode(expert_out, slots, gates, TOKENS)
+    dense = torch.einsum("sec,ecm->sm", combine, expert_out.float().view(experts, capacity, HIDDEN))
+    assert decoded.dtype == torch.bfloat16
+    torch.testing.assert_close(decoded, dense.to(torch.bfloat16))
