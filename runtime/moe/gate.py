@@ -223,15 +223,27 @@ def _top2(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens
                    _route(mask2, locations2, (gates2 / denom).unsqueeze(1)))
 
 
+DropPolicy = Literal["probs", "position"]
+DROP_POLICIES = ("probs", "position")
+
+
 def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: object | None = None, sparse_routes: bool = False) -> GateOutput | tuple:
-    return _output(_topk(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group), sparse_routes)
+               ep_group: object | None = None, drop_policy: DropPolicy = "probs",
+               sparse_routes: bool = False) -> GateOutput | tuple:
+    return _output(_topk(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy), sparse_routes)
 
 
 def _topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool,
-          ep_group: object | None) -> Routes:
+          ep_group: object | None, drop_policy: DropPolicy = "probs") -> Routes:
     """Top-k gating for ``k`` > 2: the ``k`` most likely experts, gates renormalised over those
-    kept; over capacity an expert keeps its highest-gate tokens (DeepSpeed's ``probs`` policy)."""
+    kept; over capacity an expert keeps its highest-gate tokens (``drop_policy="probs"``) or its
+    first ones by position (``"position"``).
+
+    Raises:
+        ValueError: a ``drop_policy`` other than the two.
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"topkgating: drop_policy={drop_policy!r}; use one of {', '.join(DROP_POLICIES)}")
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
@@ -240,9 +252,12 @@ def _topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, dro
     l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * num_experts * num_experts / k
     if drop_tokens:
         capacity = _capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
-        ranked = torch.zeros_like(gates).scatter(1, top_idx, top_gate.detach())
-        chosen = ranked.topk(min(capacity, num_tokens), dim=0).indices
-        mask = mask * torch.zeros_like(mask).scatter_(0, chosen, 1)
+        if drop_policy == "probs":
+            ranked = torch.zeros_like(gates).scatter(1, top_idx, top_gate.detach())
+            chosen = ranked.topk(min(capacity, num_tokens), dim=0).indices
+            mask = mask * torch.zeros_like(mask).scatter_(0, chosen, 1)
+        else:
+            mask = mask * (torch.cumsum(mask, dim=0) - 1 < capacity)
     else:
         capacity = _busiest(exp_counts, ep_group)
     locations = torch.cumsum(mask, dim=0) - 1

@@ -164,3 +164,28 @@ def test_sparse_encode_and_decode_equal_the_dense_einsums(k: int) -> None:
     dense = torch.einsum("sec,ecm->sm", combine, expert_out.float().view(experts, capacity, HIDDEN))
     assert decoded.dtype == torch.bfloat16
     torch.testing.assert_close(decoded, dense.to(torch.bfloat16))
+
+
+def test_topk_drop_policies_keep_the_likeliest_or_the_first_tokens() -> None:
+    """``topkgating(drop_policy=...)``: over capacity an expert keeps its highest-gate tokens
+    (``probs``, the default) or its first ones by position (``position``); others are refused."""
+    from dslaunch.moe.sharded_moe import topkgating
+
+    torch.manual_seed(3)
+    logits = torch.randn(TOKENS, EXPERTS) * 3
+    gates = torch.softmax(logits, dim=1)
+    chosen = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, gates.topk(2, dim=1).indices, True)
+    for policy in ("probs", "position"):
+        _, _, dispatch, _ = topkgating(logits, 2, 0.5, 0, drop_policy=policy)
+        capacity = dispatch.shape[-1]
+        assert capacity == math.ceil(TOKENS / EXPERTS * 0.5 * 2)
+        kept = dispatch.any(dim=2)
+        for e in range(EXPERTS):
+            wanted = chosen[:, e].nonzero().flatten()
+            if policy == "position":
+                expected = wanted[:capacity]
+            else:
+                expected = wanted[gates[wanted, e].argsort(descending=True)[:capacity]].sort().values
+            assert torch.equal(kept[:, e].nonzero().flatten(), expected), (policy, e)
+    with pytest.raises(ValueError, match="drop_policy='first'; use one of probs, position"):
+        topkgating(logits, 2, 0.5, 0, drop_policy="first")
