@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dslaunch.runtime.comm import comm
+
 __all__ = ["TopKGate", "Routes", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample",
            "route_slots", "sparse_encode", "sparse_decode"]
 
@@ -59,11 +61,9 @@ def _busiest(exp_counts: Tensor, ep_group: object | None) -> int:
     """The largest expert count over the expert group: every rank of it must use one capacity,
     since the all-to-all exchanges equal blocks. Collective on ``ep_group`` when it has >1 rank."""
     busiest = exp_counts.max().to(torch.int64).reshape(1)
-    if ep_group is not None:
-        import torch.distributed as dist
-
-        if dist.get_world_size(group=ep_group) > 1:
-            dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=ep_group)
+    # through deepspeed.comm, looked up at call time: the comms logger counts it, as DeepSpeed's does
+    if ep_group is not None and comm.get_world_size(group=ep_group) > 1:
+        comm.all_reduce(busiest, op=comm.ReduceOp.MAX, group=ep_group)
     return int(busiest.item())
 
 
