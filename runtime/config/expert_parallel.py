@@ -54,8 +54,8 @@ def _auto_or(check: Any) -> Any:
 
 def _null_only(path: str, value: Any) -> None:
     if value is not None:
-        raise ConfigError(f"{describe(value)} is refused (auxiliary-loss-free balancing through an expert bias is "
-                          "not implemented, as in DeepSpeed); set it to null or remove the key", key=path)
+        raise ConfigError(f"{describe(value)} is not supported: auxiliary-loss-free balancing (an expert_bias per "
+                          "expert) is not implemented, as in DeepSpeed; set it to null or omit the key", key=path)
 
 
 def _expert_tp(path: str, value: Any) -> int:

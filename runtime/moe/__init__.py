@@ -6,9 +6,11 @@ expert-parameter helpers (``expert_group_name``: the expert group ZeRO reduces a
 ``layout_invariant.py`` the experts' per-source-block calls under ``layout_invariant``.
 AutoEP (the ds_config ``expert_parallel`` block): ``autoep.py`` converts a Hugging Face MoE model's
 blocks into ``MOELayer``s at ``initialize``, ``autoep_presets.py`` finds the blocks,
-``grouped_experts.py`` holds a rank's slice of the fused expert weights, ``autoep_dispatch.py``
+``grouped_experts.py`` holds a rank's slice of the fused expert weights (``fused_layout.py`` tells
+their layout from the shapes), ``autoep_dispatch.py``
 sends tokens to them in exact counts, and ``autoep_state.py`` saves and loads them in the Hugging
-Face model's layout.
+Face model's layout; ``autoep_universal.py`` refuses DeepSpeed's universal-checkpoint helpers for
+AutoEP (no conversion is needed).
 ``dslaunch/moe/`` re-exports them at DeepSpeed's import paths.
 """
 

@@ -30,7 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TopKGate", "Routes", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample"]
+from dslaunch.runtime.comm import comm
+
+__all__ = ["TopKGate", "Routes", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample",
+           "route_slots", "sparse_encode", "sparse_decode"]
 
 GateOutput = tuple[Tensor, Tensor, Tensor, Tensor]
 NoisyGatePolicy = Literal["Jitter", "RSample", "None"] | None
@@ -58,12 +61,39 @@ def _busiest(exp_counts: Tensor, ep_group: object | None) -> int:
     """The largest expert count over the expert group: every rank of it must use one capacity,
     since the all-to-all exchanges equal blocks. Collective on ``ep_group`` when it has >1 rank."""
     busiest = exp_counts.max().to(torch.int64).reshape(1)
-    if ep_group is not None:
-        import torch.distributed as dist
-
-        if dist.get_world_size(group=ep_group) > 1:
-            dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=ep_group)
+    # through deepspeed.comm, looked up at call time: the comms logger counts it, as DeepSpeed's does
+    if ep_group is not None and comm.get_world_size(group=ep_group) > 1:
+        comm.all_reduce(busiest, op=comm.ReduceOp.MAX, group=ep_group)
     return int(busiest.item())
+
+
+def route_slots(experts: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """The flat slot ``expert * capacity + location`` of every route (``experts`` and ``locations``
+    ``[k, S]``); a dropped route (expert -1) gets the scratch slot ``num_experts * capacity``, one
+    past the end, so moving tokens needs no branch (DeepSpeed's ``_route_slots``)."""
+    flat = experts.long() * capacity + locations.long()
+    return torch.where(experts >= 0, flat, torch.full_like(flat, num_experts * capacity))
+
+
+def sparse_encode(tokens: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """The ``[E, C, M]`` expert buffer with each routed token ``tokens`` ``[S, M]`` in its slot
+    (``slots`` ``[k, S]`` from ``route_slots``); empty slots are 0. Each slot holds at most one
+    token, so one ``index_add`` places them all; dropped routes pile up in the scratch row, cut off."""
+    width = tokens.shape[-1]
+    placed = tokens.new_zeros(num_experts * capacity + 1, width).index_add(0, slots.reshape(-1),
+                                                                            tokens.repeat(slots.shape[0], 1))
+    return placed[:-1].reshape(num_experts, capacity, width)
+
+
+def sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_tokens: int) -> Tensor:
+    """Each token's expert outputs (``expert_output`` ``[E * C, M]``) gathered back by ``slots``
+    ``[k, S]`` and summed weighted by ``gates`` ``[k, S]``; a dropped route adds 0. The weighting and
+    the sum run in the gates' dtype (fp32: a bf16/fp16 sum over routes loses precision), the result
+    is in ``expert_output``'s."""
+    width = expert_output.shape[-1]
+    padded = torch.cat([expert_output, expert_output.new_zeros(1, width)])
+    picked = padded.index_select(0, slots.reshape(-1)).reshape(slots.shape[0], num_tokens, width)
+    return (picked * gates.unsqueeze(-1)).sum(dim=0).to(expert_output.dtype)
 
 
 @dataclass(frozen=True)
@@ -83,8 +113,7 @@ class Routes:
     def slots(self) -> Tensor:
         """``[k, S]`` flat slot ``expert * capacity + location``; a dropped route gets the scratch
         slot ``num_experts * capacity`` (one past the end), so moving tokens needs no branch."""
-        flat = self.experts * self.capacity + self.locations
-        return torch.where(self.experts >= 0, flat, torch.full_like(flat, self.num_experts * self.capacity))
+        return route_slots(self.experts, self.locations, self.num_experts, self.capacity)
 
     def dense(self) -> GateOutput:
         """DeepSpeed's dense form: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
@@ -194,15 +223,27 @@ def _top2(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens
                    _route(mask2, locations2, (gates2 / denom).unsqueeze(1)))
 
 
+DropPolicy = Literal["probs", "position"]
+DROP_POLICIES = ("probs", "position")
+
+
 def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: object | None = None, sparse_routes: bool = False) -> GateOutput | tuple:
-    return _output(_topk(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group), sparse_routes)
+               ep_group: object | None = None, drop_policy: DropPolicy = "probs",
+               sparse_routes: bool = False) -> GateOutput | tuple:
+    return _output(_topk(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy), sparse_routes)
 
 
 def _topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool,
-          ep_group: object | None) -> Routes:
+          ep_group: object | None, drop_policy: DropPolicy = "probs") -> Routes:
     """Top-k gating for ``k`` > 2: the ``k`` most likely experts, gates renormalised over those
-    kept; over capacity an expert keeps its highest-gate tokens (DeepSpeed's ``probs`` policy)."""
+    kept; over capacity an expert keeps its highest-gate tokens (``drop_policy="probs"``) or its
+    first ones by position (``"position"``).
+
+    Raises:
+        ValueError: a ``drop_policy`` other than the two.
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"topkgating: drop_policy={drop_policy!r}; use one of {', '.join(DROP_POLICIES)}")
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
@@ -211,9 +252,12 @@ def _topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, dro
     l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * num_experts * num_experts / k
     if drop_tokens:
         capacity = _capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
-        ranked = torch.zeros_like(gates).scatter(1, top_idx, top_gate.detach())
-        chosen = ranked.topk(min(capacity, num_tokens), dim=0).indices
-        mask = mask * torch.zeros_like(mask).scatter_(0, chosen, 1)
+        if drop_policy == "probs":
+            ranked = torch.zeros_like(gates).scatter(1, top_idx, top_gate.detach())
+            chosen = ranked.topk(min(capacity, num_tokens), dim=0).indices
+            mask = mask * torch.zeros_like(mask).scatter_(0, chosen, 1)
+        else:
+            mask = mask * (torch.cumsum(mask, dim=0) - 1 < capacity)
     else:
         capacity = _busiest(exp_counts, ep_group)
     locations = torch.cumsum(mask, dim=0) - 1

@@ -34,7 +34,7 @@ from torch import Tensor
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.moe.experts import Experts
-from dslaunch.runtime.moe.gate import NoisyGatePolicy, Routes, TopKGate
+from dslaunch.runtime.moe.gate import NoisyGatePolicy, Routes, TopKGate, sparse_decode, sparse_encode
 from dslaunch.runtime.moe.layout_invariant import run_by_source
 from dslaunch.utils.beat import ExpertExchange
 
@@ -161,10 +161,8 @@ class MOELayer(torch.nn.Module):
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         experts, capacity = routes.num_experts, routes.capacity
-        slots = routes.slots().reshape(-1)  # route-major: route 0 of every token, then route 1, ...
-        # each slot holds at most one token; dropped routes pile up in the scratch row, cut off
-        placed = tokens.new_zeros(experts * capacity + 1, width).index_add(0, slots, tokens.repeat(routes.gates.shape[0], 1))
-        received = self._exchange(placed[:-1].reshape(experts, capacity, width), "dispatch")
+        slots = routes.slots()  # [k, S]: route 0 of every token, then route 1, ...
+        received = self._exchange(sparse_encode(tokens, slots, experts, capacity), "dispatch")
         expert_in = received.reshape(self.ep_size, self.num_local_experts, capacity, width)
         self.experts.routed = (routes.experts, experts * capacity)  # the flops profiler's share
         if self.layout_invariant:
@@ -174,10 +172,7 @@ class MOELayer(torch.nn.Module):
             expert_out = self.experts(expert_in)
         expert_out = expert_out.reshape(experts * capacity, width)
         returned = self._exchange(expert_out, "combine")
-        padded = torch.cat([returned, returned.new_zeros(1, width)])
-        picked = padded.index_select(0, slots).reshape(-1, tokens.shape[0], width)
-        combined = (picked * routes.gates.unsqueeze(-1).to(picked.dtype)).sum(dim=0)
-        return combined.reshape(hidden.shape)
+        return sparse_decode(returned, slots, routes.gates, tokens.shape[0]).reshape(hidden.shape)
 
 
 class MoE(torch.nn.Module):

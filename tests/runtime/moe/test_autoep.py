@@ -79,7 +79,9 @@ def _section(**given: object) -> ExpertParallelConfig:
     ({"autoep_sise": 2}, "expert_parallel.autoep_sise", "did you mean 'autoep_size'"),
     ({"score_apply": "pre"}, "expert_parallel.score_apply", "not implemented"),
     ({"expert_tensor_parallel_size": 2}, "expert_parallel.expert_tensor_parallel_size", "only 1"),
-    ({"load_balance_coeff": 0.01}, "expert_parallel.load_balance_coeff", "null"),
+    ({"load_balance_coeff": 0.01}, "expert_parallel.load_balance_coeff", "float 0.01 is not supported"),
+    ({"load_balance_coeff": "1e-3"}, "expert_parallel.load_balance_coeff", "expert_bias"),
+    ({"load_balance_coeff": False}, "expert_parallel.load_balance_coeff", "set it to null or omit the key"),
     ({"preset_model": "llama"}, "expert_parallel.preset_model", "mixtral, qwen3_moe, deepseek_v3"),
 ])
 def test_block_refuses_in_one_line_naming_the_key(given: dict, key: str, says: str) -> None:
@@ -201,3 +203,20 @@ def _zero3_steps(rank: int, world: int) -> float:
 def test_a_custom_model_converted_at_world_2_equals_the_unconverted_one_and_trains_at_zero3() -> None:
     for rank, got in enumerate(run_world(_converted, 2)):
         assert max(got.values()) <= 1e-5, f"rank {rank}: {got}"
+
+
+def test_deepspeeds_autoep_universal_helpers_are_refused_in_one_line() -> None:
+    """``deepspeed.checkpoint.autoep_universal`` imports; its consolidation (dslaunch loads a tag at
+    another ``autoep_size`` without conversion) is refused naming what to use instead."""
+    from dslaunch.checkpoint.autoep_universal import (
+        _zero12_fragment_path,
+        consolidate_autoep_zero12_expert_states,
+    )
+    from dslaunch.errors import NotInDslaunchError
+
+    for call in (lambda: consolidate_autoep_zero12_expert_states("tmp", "out", {}, {}, 2, 2),
+                 lambda: _zero12_fragment_path("tmp", "w1", "exp_avg", 0)):
+        with pytest.raises(NotInDslaunchError, match="not in dslaunch; dslaunch loads an AutoEP tag at another "
+                                                     "autoep_size directly") as err:
+            call()
+        assert "\n" not in str(err.value)

@@ -141,3 +141,51 @@ def test_sparse_routes_and_the_dense_form_agree(k: int) -> None:
                 rebuilt[s, indices[route, s], locations[route, s]] += gates[route, s]
     assert torch.equal(rebuilt, combine)
     assert int((indices >= 0).sum()) < TOKENS * k  # some routes were dropped
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sparse_encode_and_decode_equal_the_dense_einsums(k: int) -> None:
+    """DeepSpeed's ``_route_slots``/``_sparse_encode``/``_sparse_decode`` (``sharded_moe``) move
+    tokens as the dense ``dispatch_mask``/``combine_weights`` einsums do, dropped routes included."""
+    from dslaunch.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+
+    torch.manual_seed(10 + k)
+    gate = MoE(HIDDEN, _expert(), num_experts=EXPERTS, k=k, min_capacity=2, use_rts=False,
+               top2_2nd_expert_sampling=False).deepspeed_moe.gate
+    tokens = torch.randn(TOKENS, HIDDEN) * 2
+    _, combine, dispatch, _ = gate(tokens)
+    _, capacity, experts, indices, locations, gates, _ = gate(tokens, sparse_routes=True)
+    slots = _route_slots(indices, locations, experts, capacity)
+    assert int((slots == experts * capacity).sum()) == int((indices < 0).sum()) > 0  # dropped: scratch slot
+    encoded = _sparse_encode(tokens, slots, experts, capacity)
+    assert torch.equal(encoded, torch.einsum("sec,sm->ecm", dispatch.to(tokens.dtype), tokens))
+    expert_out = torch.randn(experts * capacity, HIDDEN).to(torch.bfloat16)
+    decoded = _sparse_decode(expert_out, slots, gates, TOKENS)
+    dense = torch.einsum("sec,ecm->sm", combine, expert_out.float().view(experts, capacity, HIDDEN))
+    assert decoded.dtype == torch.bfloat16
+    torch.testing.assert_close(decoded, dense.to(torch.bfloat16))
+
+
+def test_topk_drop_policies_keep_the_likeliest_or_the_first_tokens() -> None:
+    """``topkgating(drop_policy=...)``: over capacity an expert keeps its highest-gate tokens
+    (``probs``, the default) or its first ones by position (``position``); others are refused."""
+    from dslaunch.moe.sharded_moe import topkgating
+
+    torch.manual_seed(3)
+    logits = torch.randn(TOKENS, EXPERTS) * 3
+    gates = torch.softmax(logits, dim=1)
+    chosen = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, gates.topk(2, dim=1).indices, True)
+    for policy in ("probs", "position"):
+        _, _, dispatch, _ = topkgating(logits, 2, 0.5, 0, drop_policy=policy)
+        capacity = dispatch.shape[-1]
+        assert capacity == math.ceil(TOKENS / EXPERTS * 0.5 * 2)
+        kept = dispatch.any(dim=2)
+        for e in range(EXPERTS):
+            wanted = chosen[:, e].nonzero().flatten()
+            if policy == "position":
+                expected = wanted[:capacity]
+            else:
+                expected = wanted[gates[wanted, e].argsort(descending=True)[:capacity]].sort().values
+            assert torch.equal(kept[:, e].nonzero().flatten(), expected), (policy, e)
+    with pytest.raises(ValueError, match="drop_policy='first'; use one of probs, position"):
+        topkgating(logits, 2, 0.5, 0, drop_policy="first")
