@@ -5,7 +5,9 @@ the layout's key strings (``constants``, all of them here too as in DeepSpeed), 
 parameters from a universal tag (``enable_universal_checkpoint``), ``clone_tensors_for_torch_save``
 (``utils.py``) and the universal-checkpoint converter (``ds_to_universal.py``). DeepSpeed's module
 paths, thin re-exports: ``constants.py``, ``deepspeed_checkpoint.py``, ``zero_checkpoint.py``,
-``reshape_meg_2d.py``, ``reshape_3d_utils.py``, ``reshape_utils.py``, ``universal_checkpoint.py``. Implementation in
+``reshape_meg_2d.py``, ``reshape_3d_utils.py``, ``reshape_utils.py``, ``universal_checkpoint.py``,
+and ``autoep_universal.py`` (DeepSpeed's AutoEP universal-checkpoint helpers, refused:
+``dslaunch.runtime.moe.autoep_universal``). Implementation in
 ``dslaunch.runtime.checkpoint``; the engine's own checkpoints are there too.
 """
 
