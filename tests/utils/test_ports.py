@@ -19,6 +19,15 @@ def test_free_port_can_be_bound() -> None:
         s.bind(("127.0.0.1", port))
 
 
+def test_free_port_is_never_one_the_kernel_hands_out_itself() -> None:
+    """Below the ephemeral range: no client or listening socket numbered by the kernel (gloo opens
+    many) can take it before the rendezvous binds it, which cost a CI run an EADDRINUSE."""
+    start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(50)}
+    assert all(1024 <= p < start for p in ports), sorted(ports)
+    assert len(ports) > 40  # drawn afresh each time, not one port handed to every caller
+
+
 def test_importing_it_imports_no_torch() -> None:
     code = "import sys, dslaunch.utils.ports; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
