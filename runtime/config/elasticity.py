@@ -183,8 +183,8 @@ def elastic_batch(cfg: ElasticityConfig, world_size: int) -> ElasticBatch:
     where = (f"elasticity (max_train_batch_size {cfg.max_train_batch_size}, micro_batch_sizes "
              f"{list(cfg.micro_batch_sizes)}, min_gpus {cfg.min_gpus}, max_gpus {cfg.max_gpus})")
     if world_size not in valid:
-        raise ConfigError(f"world size {world_size} cannot split the elastic global batch {batch}: "
-                          f"{where} allows world sizes {valid}", key="elasticity")
+        raise ElasticityIncompatibleWorldSize(f"world size {world_size} cannot split the elastic global batch "
+                                              f"{batch}: {where} allows world sizes {valid}", key="elasticity")
     # DeepSpeed picks the largest micro batch that divides the per-rank batch (both versions).
     micro = next((mb for mb in sorted(set(cfg.micro_batch_sizes), reverse=True)
                   if batch // world_size % mb == 0), None)
@@ -263,13 +263,14 @@ def compute_elastic_config(ds_config: dict, target_deepspeed_version: str, world
         current = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else 0
         if not current:
             raise ElasticityConfigError("elasticity version 0.2 needs the world size: pass world_size or set WORLD_SIZE")
-    batch, valid = valid_world_sizes(cfg, current)
-    if world_size <= 0 and not return_microbatch:
-        return batch, valid
-    if not current:
+    if not current and return_microbatch:
         raise ElasticityConfigError("return_microbatch needs world_size: the micro batch depends on it")
     try:
-        return batch, valid, elastic_batch(cfg, current).micro_batch
-    except ConfigError as err:
-        kind = ElasticityIncompatibleWorldSize if current not in valid else ElasticityConfigError
-        raise kind(str(err)) from None
+        if world_size <= 0 and not return_microbatch:
+            return valid_world_sizes(cfg, current)
+        b = elastic_batch(cfg, current)
+    except ElasticityError:
+        raise
+    except ConfigError as err:  # the search's own errors, under DeepSpeed's class
+        raise ElasticityConfigError(str(err)) from None
+    return b.train_batch_size, list(b.valid_world_sizes), b.micro_batch
