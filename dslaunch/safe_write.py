@@ -25,7 +25,8 @@ goes on; a checkpoint or an autotuning result raises an error naming the path.
 
 A small API for any new writer: ``open_dir``/``make_dirs``/``new_dir`` for directories,
 ``write_file`` (whole, replacing), ``append_file``, ``create_new``, ``take_over`` (an old file's pages
-reused under a new name), and ``atomic_path`` for a library that only takes a file name. ``tests/test_safe_write_callers.py`` fails on a write elsewhere.
+reused under a new name), ``atomic_path`` for a library that only takes a file name, and
+``private_temp_dir`` for a tool's own scratch directory. ``tests/test_safe_write_callers.py`` fails on a write elsewhere.
 
 Limitations: Linux/POSIX only (``openat``-style ``dir_fd`` calls). A directory the job only reads
 is not checked here.
@@ -39,6 +40,7 @@ import io
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Union
@@ -47,7 +49,7 @@ __all__ = ["UnsafePath", "Where", "FileId", "open_dir", "make_dirs", "new_dir", 
            "create_reusing",
            "create_replacing", "write_new", "write_file", "atomic_file", "atomic_path", "append_file", "lock_file",
            "write_all",
-           "remove_file", "remove_own", "split_path", "explain"]
+           "remove_file", "remove_own", "split_path", "explain", "private_temp_dir"]
 
 Where = Union[int, str, "os.PathLike[str]"]
 """A directory: an open descriptor (from ``open_dir``) or a path (opened, and created if missing)."""
@@ -472,3 +474,10 @@ def remove_file(where: Where, name: str) -> None:
     """Unlink ``name`` in ``where`` if there (never what a link there points at)."""
     with _dir(where) as dir_fd, contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=dir_fd)
+
+
+def private_temp_dir(prefix: str) -> str:
+    """A new directory of this user's, mode 0700, with an unpredictable name in the system's
+    temporary directory (``tempfile.mkdtemp``: created exclusively, so nothing planted is reused).
+    The caller removes it (``shutil.rmtree``) when its tool is done with it."""
+    return tempfile.mkdtemp(prefix=prefix)

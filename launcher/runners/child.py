@@ -9,6 +9,12 @@ forward to their one task, the agent; ``close_stdin`` is the stop request (the a
 stops its workers, as over SSH). ``terminate`` is the last resort: SIGTERM to the command, which
 signals its task and kills it after a grace period (SLURM's ``KillWait``, mpirun's own).
 
+A runner may give its command a private scratch directory (``scratch_env``: the variable that
+names it): made before the command starts, removed once it has exited. Open MPI's mpirun needs one:
+every mpirun of a user on a host shares one session-directory root (``/tmp/ompi.<host>.<uid>``), and
+one exiting removes that root when it looks empty while another is creating its directory in it
+(``orte_session_dir failed``: reproduced here in 1 of 500 starts with two mpiruns looping).
+
 Once the agent's status line is in, the command's own report of the same exit (srun's "task 0:
 Exited with exit code", mpirun's boxed "process returned a non-zero exit code") says nothing new:
 ``epilogue`` tells those lines apart and they are dropped.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -31,6 +38,7 @@ from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.stream import AgentStream, StreamNode
 from dslaunch.launcher.spec import JobSpec
 from dslaunch.launcher.workerenv import remote_node
+from dslaunch.safe_write import private_temp_dir
 
 __all__ = ["ChildSession", "ChildNode", "ChildRunner"]
 
@@ -41,21 +49,33 @@ class ChildSession(AgentStream):
     Args:
         epilogue: which of the command's stderr lines after the agent's status line are its own
             report of that exit (dropped).
+        scratch_env: the environment variable that gives the command a private scratch directory
+            (made at ``start``, removed when the command has exited); None: none.
     """
 
     def __init__(self, alias: str, argv: list[str], out: Sink, err: Sink,
                  on_change: Callable[[], None] = lambda: None,
-                 epilogue: re.Pattern[bytes] | None = None) -> None:
+                 epilogue: re.Pattern[bytes] | None = None, scratch_env: str | None = None) -> None:
         super().__init__(alias, out, err, on_change)
         self.argv = argv
         self.epilogue = epilogue
+        self.scratch_env = scratch_env
+        self.scratch: str | None = None
         self._proc: subprocess.Popen | None = None
         self._stdin_lock = threading.RLock()  # reentrant: a signal handler may write a request
 
     def start(self) -> None:
         """Start the command; readers run in threads. Raises OSError when it cannot be executed."""
-        proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
+        env = None
+        if self.scratch_env is not None:
+            self.scratch = private_temp_dir(f"dslaunch-{os.path.basename(self.argv[0])}-")
+            env = {**os.environ, self.scratch_env: self.scratch}
+        try:
+            proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, bufsize=0, start_new_session=True, env=env)
+        except OSError:
+            self._remove_scratch()
+            raise
         self._proc = proc
         readers = [threading.Thread(target=self._read, args=(_reader(proc.stdout), self._stdout_line), daemon=True),
                    threading.Thread(target=self._read, args=(_reader(proc.stderr), self._stderr_line), daemon=True)]
@@ -68,8 +88,13 @@ class ChildSession(AgentStream):
         for t in readers:
             t.join()
         code = proc.wait()
+        self._remove_scratch()
         # the command ends without the agent's status line when the node or the step was lost
         self._ended(128 - code if code < 0 else code, lost=self.status is None and code != 0)
+
+    def _remove_scratch(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _stderr_line(self, line: bytes) -> None:
         if self.status is not None and self.epilogue is not None and self.epilogue.match(line):
@@ -125,6 +150,8 @@ class ChildRunner(RemoteRunner):
     ``epilogue`` and ``node_type`` (a ``ChildNode`` with that ``command``) and implement ``_argvs``."""
 
     epilogue: ClassVar[re.Pattern[bytes] | None] = None
+    scratch_env: ClassVar[str | None] = None
+    """The variable that gives each node's command a private scratch directory (see the module)."""
 
     def _argvs(self, job: JobSpec) -> dict[str, list[str]]:
         """Each node's command line that starts its agent (probe first, see ``agent.bootstrap``)."""
@@ -134,7 +161,9 @@ class ChildRunner(RemoteRunner):
         exported, argvs = self._exported(), self._argvs(job)
         out = []
         for node in job.nodes:
-            out.append(f"{shlex.join(argvs[node.host])}\n"
+            scratch = (f"\n  # env: {self.scratch_env}=<a private directory, removed when it exits>"
+                       if self.scratch_env else "")
+            out.append(f"{shlex.join(argvs[node.host])}{scratch}\n"
                        "  # stdin: the NodeSpec below (env, cwd, workers) as one JSON line")
             out.append(format_node(remote_node(node, job.master_addr, exported, IFACE_AT_LAUNCH)))
         return "\n".join(out)
@@ -143,7 +172,7 @@ class ChildRunner(RemoteRunner):
         argvs = self._argvs(job)
         for node in job.nodes:
             session = ChildSession(node.host, argvs[node.host], self._out, self._err, on_change=wake.set,
-                                   epilogue=self.epilogue)
+                                   epilogue=self.epilogue, scratch_env=self.scratch_env)
             self.sessions[node.host] = session
             try:
                 session.start()

@@ -13,6 +13,9 @@ Per flavour (``--launcher_args`` are extra mpirun options, verbatim, before the 
 
 - ``openmpi``: ``mpirun -n 1 --host H --bind-to none`` (the agent binds its workers itself, with
   ``--bind_cores_to_rank``); ``--allow-run-as-root`` when the controller runs as root (containers);
+  each mpirun keeps its session directory in a private one (``OMPI_MCA_orte_local_tmpdir_base``,
+  Open MPI 4's name), so the job's per-host mpiruns and other jobs' on the same machine never race
+  over the shared one (``child``'s ``scratch_env``); the hosts' daemons keep their default;
 - ``mpich``, ``impi``, ``mvapich`` (Hydra's ``mpirun``): ``mpirun -n 1 -hosts H``.
 
 Open MPI is tested for real (Debian's 4.1, tests/launcher/runners/test_mpi.py); the Hydra forms
@@ -66,6 +69,7 @@ class _MPIRunner(ChildRunner):
 class OpenMPIRunner(_MPIRunner):
     name = "openmpi"
     placement = ("-n", "1", "--host", "{host}", "--bind-to", "none")
+    scratch_env = "OMPI_MCA_orte_local_tmpdir_base"
 
     def _options(self) -> tuple[str, ...]:
         return (("--allow-run-as-root",) if os.geteuid() == 0 else ()) + self.placement

@@ -3,12 +3,24 @@ across namespace hosts in ssh/test_mpi_cluster.py), Hydra's command forms checke
 
 from __future__ import annotations
 
+import glob
+import os
 import shlex
 import shutil
+import tempfile
+import time
 
+import psutil
 import pytest
 
-from tests.launcher.helpers import ROOT, assert_no_job_process, new_tag, run_dslaunch
+from tests.launcher.helpers import (
+    ROOT,
+    assert_no_job_process,
+    new_tag,
+    run_dslaunch,
+    start_dslaunch,
+    wait_for_lines,
+)
 
 LOOP = str(ROOT / "tests" / "launcher" / "bin" / "train_loop.py")
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
@@ -38,6 +50,7 @@ def test_dry_run_shows_one_mpirun_per_host_running_its_agent(two_slots, launcher
     assert argv[:len(placement) + 4] == ["mpirun", *placement, "--mca", "foo", "1"]
     assert argv[-3:-1] == ["-m", "dslaunch.launcher.agent.bootstrap"]
     assert "RANK=1" in out.stdout and "WORLD_SIZE=2" in out.stdout  # the agent's workers, as over SSH
+    assert ("OMPI_MCA_orte_local_tmpdir_base=<a private directory" in out.stdout) == (launcher == "openmpi")
 
 
 @needs_mpirun
@@ -58,3 +71,35 @@ def test_a_job_through_mpirun_finishes_with_exit_0(two_slots):
     out = run_dslaunch(["-H", two_slots, "--launcher", "openmpi", LOOP], timeout=80, STEPS="5")
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(line.split()[1] for line in out.stdout.splitlines() if " pid " in line) == ["[rank0]", "[rank1]"]
+
+
+def _mpirun_of(proc: psutil.Process, within: float = 20) -> psutil.Process:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        found = [p for p in proc.children(recursive=True) if p.name() == "mpirun"]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError("no mpirun under the controller")
+
+
+@needs_mpirun
+@pytest.mark.timeout(90)
+def test_each_mpirun_keeps_its_session_directory_in_a_private_one_removed_after(two_slots):
+    # Every mpirun of a user on a host shares /tmp/ompi.<host>.<uid>; one exiting removes it when it
+    # looks empty while another is making its own directory there ("orte_session_dir failed").
+    tag = new_tag()
+    job = start_dslaunch(["-H", two_slots, "--launcher", "openmpi", LOOP], tag=tag, STEPS="100")
+    try:
+        wait_for_lines(job, 2, timeout=40)  # both ranks run: mpirun's session directory exists
+        mpirun = _mpirun_of(psutil.Process(job.pid))
+        private = mpirun.environ()["OMPI_MCA_orte_local_tmpdir_base"]
+        assert os.path.dirname(private) == tempfile.gettempdir() and os.stat(private).st_mode & 0o777 == 0o700
+        assert glob.glob(os.path.join(private, "ompi.*", f"pid.{mpirun.pid}"))
+        assert not glob.glob(os.path.join(tempfile.gettempdir(), "ompi.*", f"pid.{mpirun.pid}"))
+        assert job.wait(60) == 0, job.stderr.read()[-2000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert not os.path.exists(private)
+    assert_no_job_process(tag, within=5)
