@@ -7,6 +7,10 @@ sequence and switch to a head split around attention.
 - ``loss.py``: a shard's loss weighted over the whole sequence.
 - ``cross_entropy.py``: DeepSpeed's ``deepspeed.sequence.cross_entropy`` (vocabulary-split and
   sequence-split cross-entropy, the causal-LM ``loss_function``) over ``tensor_parallel/loss.py``.
+- ``linear_cross_entropy.py``: the cross-entropy of a vocabulary-parallel LM head fused with its
+  projection, logits never made whole (``deepspeed.sequence.linear_cross_entropy``).
+- ``vocab_parallel_ops.py``: log-probabilities, entropy and KL divergence of vocabulary-split logits,
+  for RL and distillation losses (``deepspeed.sequence.vocab_parallel_ops``).
 - ``tiling.py``: ALST's tiled computations (``TiledMLP``, ``TiledFusedLogitsLoss``,
   ``sequence_tiled_compute``): one slice of a long sequence's activations at a time.
 - ``ulysses_sp.py``: ALST's Hugging Face integration (``UlyssesSPAttentionHF``,

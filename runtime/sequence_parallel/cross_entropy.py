@@ -32,7 +32,8 @@ __all__ = ["vocab_parallel_cross_entropy", "vocab_sequence_parallel_cross_entrop
 _REDUCTIONS = ("none", "sum", "mean")
 
 
-def _parallel(group: Any) -> bool:
+def is_parallel(group: Any) -> bool:
+    """Whether ``group`` spans more than this rank (None or a world of one: no collective)."""
     return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
@@ -57,7 +58,7 @@ def resolve_vocab_shard(local_size: int, start: int | None, end: int | None, tp_
     """
     if (start is None) != (end is None):
         raise ValueError("vocab_start_index and vocab_end_index must be given together")
-    if not _parallel(tp_group):
+    if not is_parallel(tp_group):
         start, end = (0, local_size) if start is None else (start, end)
         if (start, end) != (0, local_size):
             raise ValueError(f"without tensor parallelism the shard must be the whole local vocabulary "
@@ -103,10 +104,10 @@ class _GatherSequence(torch.autograd.Function):
         return out, None, None
 
 
-def _sequence_sum(value: torch.Tensor, sp_group: Any) -> torch.Tensor:
+def sequence_sum(value: torch.Tensor, sp_group: Any) -> torch.Tensor:
     """The sum over the sequence group, with this rank's gradient only (DeepSpeed's ``_global_sp_sum``):
     the tensor layers' sum, whose backward passes the gradient as it is."""
-    return training_collectives(sp_group).all_reduce(value) if _parallel(sp_group) else value
+    return training_collectives(sp_group).all_reduce(value) if is_parallel(sp_group) else value
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group: Any = None,
@@ -143,7 +144,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     outside = (target != ignore_index) & ((target < 0) | (target >= global_vocab_size))
     if bool(outside.any()):
         raise ValueError(f"target holds ids outside the vocabulary [0, {global_vocab_size})")
-    if _parallel(tp_group):
+    if is_parallel(tp_group):
         losses = tp_loss.vocab_parallel_cross_entropy(vocab_parallel_logits, target, vocab_start_index, tp_group,
                                                       ignore_index)
     else:  # the whole vocabulary here: torch's loss (fp32, as the split one computes)
@@ -155,11 +156,11 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         if sp_group is None:
             raise ValueError("gather_sequence_loss needs sp_group")
         return _GatherSequence.apply(losses, sp_group, True)
-    total = _sequence_sum(losses.sum(), sp_group)
+    total = sequence_sum(losses.sum(), sp_group)
     if reduction == "sum":
         return total
     counted = (target != ignore_index).sum().to(losses.dtype)
-    if _parallel(sp_group):
+    if is_parallel(sp_group):
         dist.all_reduce(counted, group=sp_group)
     return total / counted.clamp_min(1)
 
