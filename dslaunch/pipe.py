@@ -2,10 +2,12 @@
 
 ``PipelineModule``, ``LayerSpec`` and ``TiedLayerSpec`` are defined in
 ``dslaunch.runtime.pipe.module`` (DeepSpeed's ``deepspeed.runtime.pipe.module``); the topology
-classes DeepSpeed also re-exports here come from ``dslaunch.runtime.pipe.topology``. Importing this
+classes DeepSpeed also re-exports here come from ``dslaunch.runtime.pipe.topology``;
+``DualPipeVModule`` (DeepSpeed 0.19.8) imports and is refused on use (``runtime/pipe/dualpipev.py``). Importing this
 module imports torch.
 """
 
+from dslaunch.runtime.pipe.dualpipev import DualPipeVModule
 from dslaunch.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from dslaunch.runtime.pipe.topology import (
            PipeDataParallelTopology,
@@ -14,4 +16,4 @@ from dslaunch.runtime.pipe.topology import (
 )
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology", "PipeDataParallelTopology",
-           "PipeModelDataParallelTopology"]
+           "PipeModelDataParallelTopology", "DualPipeVModule"]

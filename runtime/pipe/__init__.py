@@ -5,5 +5,6 @@
 ``engine.py``: ``PipelineEngine``, which runs them (``train_batch``/``eval_batch``), ``data.py`` what
 it does to the tensors it moves; ``p2p.py``:
 activations and gradients between neighbouring stages; ``topology.py``: DeepSpeed's path of the
-rank topology (``dslaunch.runtime.parallel``).
+rank topology (``dslaunch.runtime.parallel``); ``dualpipev.py``: DeepSpeed's DualPipeV names, refused
+on use.
 """

@@ -29,7 +29,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["PipeInstruction", "BufferOpInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass",
+from dslaunch.runtime.pipe.dualpipev import DUALPIPEV
+from dslaunch.utils.refused import refused_class
+
+__all__ = ["DualPipeVSchedule", "PipeInstruction", "BufferOpInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass",
            "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "OptimizerStep", "PipeSchedule",
            "TrainSchedule", "InterleavedSchedule", "InferenceSchedule", "DataParallelSchedule", "SCHEDULES",
            "schedule_choices", "execution_order"]
@@ -400,3 +403,7 @@ SCHEDULES: dict[str, type[PipeSchedule]] = {"1f1b": TrainSchedule, "interleaved"
 
 def schedule_choices() -> str:
     return ", ".join(repr(name) for name in SCHEDULES)
+
+
+# DeepSpeed 0.19.8's DualPipeV schedule: refused on use (``dualpipev.py`` says why and what instead)
+DualPipeVSchedule = refused_class(__name__, "DualPipeVSchedule", DUALPIPEV)
