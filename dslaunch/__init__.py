@@ -62,6 +62,11 @@ _LAZY = {
     "version": "dslaunch.git_version_info",
     "git_hash": "dslaunch.git_version_info",
     "git_branch": "dslaunch.git_version_info",
+    "DeepSpeedDataLoader": "dslaunch.runtime.dataloader",
+    "DeepSpeedOptimizerCallable": "dslaunch.runtime.api",
+    "DeepSpeedSchedulerCallable": "dslaunch.runtime.api",
+    "DualPipeVModule": "dslaunch.pipe",
+    "DualPipeVEngine": "dslaunch.runtime.pipe.dualpipev",
 }
 # DeepSpeed's ``deepspeed.dist``: its comm module under another name
 _MODULE_ALIASES = {"dist": "dslaunch.comm"}

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from dslaunch.errors import ConfigError, ModelRequiredError, install_excepthook
@@ -25,7 +26,12 @@ from dslaunch.runtime.tensor_parallel.training import tp_model_init, with_tp_mod
 from dslaunch.utils.logging import logger
 from dslaunch.utils.restart import restart_count, resume_dir
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "tp_model_init"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "tp_model_init", "DeepSpeedOptimizerCallable",
+           "DeepSpeedSchedulerCallable"]
+
+# DeepSpeed's type hints for what ``initialize`` takes as ``optimizer`` / ``lr_scheduler`` callables
+DeepSpeedOptimizerCallable = Callable[[Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]], torch.optim.Optimizer]
+DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,

@@ -24,6 +24,10 @@ from dslaunch.errors import NotInDslaunchError, UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+from dslaunch.runtime.api import (  # DeepSpeed's path for them
+    DeepSpeedOptimizerCallable,
+    DeepSpeedSchedulerCallable,
+)
 
 # DeepSpeed's private name, which its reshape tests import from the engine module
 from dslaunch.runtime.checkpoint.deepspeed_checkpoint import (
@@ -55,7 +59,7 @@ from dslaunch.runtime.torch_autocast import Autocast
 from dslaunch.utils.logging import set_log_level_from_string
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
-__all__ = ["DeepSpeedEngine", "MEMORY_OPT_ALLREDUCE_SIZE"]
+__all__ = ["DeepSpeedEngine", "MEMORY_OPT_ALLREDUCE_SIZE", "DeepSpeedOptimizerCallable", "DeepSpeedSchedulerCallable"]
 
 
 class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, torch.nn.Module):
