@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["keep_in_fp32_pattern", "buffers_to_keep_in_fp32"]
+__all__ = ["keep_in_fp32_pattern", "buffers_to_keep_in_fp32", "keep_buffers_in_fp32", "KEEP_IN_FP32_AUTO"]
 
-AUTO = "auto"
+AUTO = KEEP_IN_FP32_AUTO = "auto"  # the second: DeepSpeed's name
 
 
 def keep_in_fp32_pattern(module: torch.nn.Module, setting: Sequence[str] | str | None,
@@ -41,3 +41,12 @@ def keep_in_fp32_pattern(module: torch.nn.Module, setting: Sequence[str] | str |
 def buffers_to_keep_in_fp32(module: torch.nn.Module, pattern: re.Pattern) -> list[torch.Tensor]:
     """The floating-point buffers of ``module`` whose full names match ``pattern``."""
     return [b for name, b in module.named_buffers() if b.is_floating_point() and pattern.search(name)]
+
+
+def keep_buffers_in_fp32(module: torch.nn.Module, pattern: re.Pattern) -> int:
+    """Turn the matching buffers of ``module`` to fp32 in place (what the engine does at
+    ``initialize``); how many were not fp32 before."""
+    changed = [b for b in buffers_to_keep_in_fp32(module, pattern) if b.dtype != torch.float32]
+    for buffer in changed:
+        buffer.data = buffer.data.float()
+    return len(changed)

@@ -72,6 +72,19 @@ def test_buffer_dtype_and_keep_in_fp32_patterns() -> None:
     assert fp32.norm.scale.dtype == torch.bfloat16
 
 
+@pytest.mark.timeout(30)
+def test_deepspeeds_keep_in_fp32_module_answers_the_same_patterns() -> None:
+    from dslaunch.runtime import keep_in_fp32 as ds  # deepspeed.runtime.keep_in_fp32
+
+    model = _Declares()
+    pattern = ds.keep_in_fp32_pattern(model, ds.KEEP_IN_FP32_AUTO, torch.bfloat16)
+    assert [b is model.norm.scale for b in ds.buffers_to_keep_in_fp32(model, pattern)] == [True]
+    assert ds.keep_buffers_in_fp32(model, pattern) == 1 and model.norm.scale.dtype == torch.float32
+    assert ds.keep_buffers_in_fp32(model, pattern) == 0  # already fp32
+    assert ds.keep_in_fp32_pattern(model, [], torch.bfloat16) is None
+    assert ds.keep_in_fp32_pattern(model, ["oth*"], torch.float32) is None
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stage", [0, 3])
 @one_rank
