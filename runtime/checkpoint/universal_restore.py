@@ -134,8 +134,8 @@ def load_hp_checkpoint_state(param: torch.nn.Parameter, folder: str | Path, tp_r
         piece = rank_slice(meta, full, rank, world)
         if piece is None:
             if full.numel() != world * param.numel():
-                raise CheckpointError(f"holds {tuple(full.shape)} ({full.numel()} elements), which is not the "
-                                      f"parameter's {tuple(param.shape)} whole or in {world} slices", str(path))
+                raise CheckpointError(f"holds {tuple(full.shape)}, which is not the parameter's {tuple(param.shape)} "
+                                      f"whole or cut in {world} along dim {int(info.get(CAT_DIM, 0))}", str(path))
             piece = _by_file_keys(full, info, rank, world)
         _place(param, mapping, key, piece, path)
     return step
