@@ -1,6 +1,6 @@
 """AutoTP training tags into DeepSpeed's universal layout and back.
 
-A tiny GQA language model trains at ``autotp_size`` 2 on 2 gloo ranks (ZeRO-1), is saved, and
+A tiny GQA language model (and a GPT-2-style one of ``Conv1D`` layers) trains at ``autotp_size`` 2 on 2 gloo ranks (ZeRO-1), is saved, and
 ``dslaunch ds-to-universal`` converts the tag; ``load_universal`` loads the result at tp 2 (the
 same shape) and at tp 1 x dp 2 (ZeRO-2). The continuation at tp 2 equals the unconverted run bit
 for bit, at tp 1 within 1e-6, and the converted whole tensors equal ``zero_to_fp32``'s export of
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dslaunch.errors import CheckpointError, SliceMetadataError, UnconvertibleLayoutError
 from dslaunch.runtime.checkpoint.autotp_universal import (
@@ -35,7 +37,7 @@ from dslaunch.runtime.checkpoint.deepspeed_constants import (
 from dslaunch.runtime.checkpoint.universal_restore import load_state
 from dslaunch.runtime.checkpoint.universal_tp import merge_tp_slices
 from tests.distributed import run_world
-from tests.runtime.tensor_parallel.models import TrainableLM, rule_batch
+from tests.runtime.tensor_parallel.models import VOCAB, TrainableLM, next_token_loss, rule_batch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -106,7 +108,38 @@ def test_merge_tp_slices_writes_what_the_restore_cuts_back(tmp_path: Path) -> No
 
 
 # ---- a real AutoTP run --------------------------------------------------------------------------
-def _engine(tp: int, world: int, stage: int, universal: bool = False):
+class Conv1D(nn.Module):
+    """GPT-2's ``Conv1D``: a Linear whose weight is stored ``[in, out]``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class ConvLM(nn.Module):
+    """A GPT-2-style MLP block of ``Conv1D`` layers between an embedding and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 32), nn.Linear(32, VOCAB)
+        self.c_fc, self.c_proj = Conv1D(64, 32), Conv1D(32, 64)
+        self.loss_function = next_token_loss
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids)
+        logits = self.head(h + self.c_proj(F.gelu(self.c_fc(h))))
+        return logits if labels is None else self.loss_function(logits=logits, labels=labels, vocab_size=VOCAB)
+
+
+MODELS = {"gqa": TrainableLM, "conv1d": ConvLM}
+
+
+def _engine(tp: int, world: int, stage: int, universal: bool = False, model: str = "gqa"):
     import dslaunch
 
     torch.manual_seed(0)
@@ -114,7 +147,7 @@ def _engine(tp: int, world: int, stage: int, universal: bool = False):
               "optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "gradient_clipping": 0.5,
               "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp},
               "checkpoint": {"load_universal": universal}, "steps_per_print": 1000}
-    return dslaunch.initialize(model=TrainableLM(), config=config)[0]
+    return dslaunch.initialize(model=MODELS[model](), config=config)[0]
 
 
 def _steps(engine, first: int, count: int) -> list[float]:
@@ -131,29 +164,32 @@ def _steps(engine, first: int, count: int) -> list[float]:
     return out
 
 
-def _round_trip(rank: int, world: int, root: str) -> dict:
+def _round_trip(rank: int, world: int, root: str, model: str) -> dict:
     from dslaunch.runtime.checkpoint.universal import convert
 
-    engine = _engine(2, world, 1)
+    engine = _engine(2, world, 1, model=model)
     _steps(engine, 0, SAVE_AT)
     engine.save_checkpoint(root, tag="t4")
     straight = _steps(engine, SAVE_AT, MORE)
     if rank == 0:
         convert(Path(root) / "t4", Path(root) / "t4_universal")
     torch.distributed.barrier()
-    same = _engine(2, world, 1, universal=True)
+    same = _engine(2, world, 1, universal=True, model=model)
     same.load_checkpoint(root)  # the tag latest_universal names
-    whole = _engine(1, world, 2, universal=True)
+    whole = _engine(1, world, 2, universal=True, model=model)
     whole.load_checkpoint(root, tag="t4_universal")
     loaded = {k: v.detach().clone() for k, v in whole.module.state_dict().items()}
     return {"straight": straight, "same": _steps(same, SAVE_AT, MORE), "whole": _steps(whole, SAVE_AT, MORE),
             "loaded": loaded, "steps": (same.global_steps, whole.global_steps)}
 
 
-def test_a_tp2_tag_converted_loads_at_tp2_and_at_tp1_with_another_dp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["gqa", "conv1d"])
+def test_a_tp2_tag_converted_loads_at_tp2_and_at_tp1_with_another_dp(tmp_path: Path, model: str) -> None:
+    """``conv1d``: weights the model stores ``[in, out]`` are converted in that layout (as DeepSpeed's
+    tools and a tp 1 model want them) and turned back for the sharded layers on load."""
     from dslaunch.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    got = run_world(_round_trip, 2, str(tmp_path), timeout=240)
+    got = run_world(_round_trip, 2, str(tmp_path), model, timeout=240)
     exported = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t4")
     for rank in got:
         assert rank["same"] == rank["straight"], rank  # the slices joined and cut again exactly
