@@ -210,6 +210,12 @@ def _whole(store: CheckpointStore, tag: str, manifest: Any, src: Path
     return whole, dict(store.read(tag, MODULE_FILE, manifest)["module"]), {}, int(meta["world_size"])
 
 
+def _param(flat: torch.Tensor, offset: int, shape: Any, transposed: bool) -> torch.Tensor:
+    """One parameter of a flat group, fp32, in the model's own layout (GPT-2's Conv1D: ``[in, out]``)."""
+    t = flat[offset:offset + math.prod(shape)].float().view(tuple(shape))
+    return (t.t() if transposed else t).contiguous().clone()
+
+
 def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes], dict[str, dict]]:
     """A tag in dslaunch's own layout, whole (AutoTP slices joined, in the model's own layout), the
     model-states files DeepSpeed loads a universal checkpoint with: ``mp_rank_00_model_states.pt``
@@ -226,20 +232,13 @@ def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes], dict[st
     for g in whole["groups"]:
         offset, group_shapes = 0, OrderedDict()
         for name, shape in zip(g["names"], g["shapes"], strict=True):
-            n = math.prod(shape)
             dim, transposed = cuts.get(name, (None, False))
-
-            def take(flat: torch.Tensor, at: int = offset, size: int = n, shape: Any = shape,
-                     flip: bool = transposed) -> torch.Tensor:
-                t = flat[at:at + size].float().view(tuple(shape))
-                return (t.t() if flip else t).contiguous().clone()  # GPT-2's Conv1D: back to [in, out]
-
-            fp32[name] = take(g["master"])
-            optim[name] = {k: take(v) for k, v in g["optim_state"].items()}
+            fp32[name] = _param(g["master"], offset, shape, transposed)
+            optim[name] = {k: _param(v, offset, shape, transposed) for k, v in g["optim_state"].items()}
             group_shapes[name] = torch.Size(fp32[name].shape)
             if dim is not None:
                 extras[name] = {CAT_DIM: 1 - dim if transposed else dim}
-            offset += n
+            offset += math.prod(shape)
         shapes.append(group_shapes)
         groups.append(DeepSpeedGroup(list(g["names"]), dict(g["optim_scalars"]), dict(g["hparams"])))
     dtypes = {k: getattr(torch, v["dtype"]) for k, v in meta.get("module", {}).items()}

@@ -88,8 +88,7 @@ def read_tensor_parallel_whole(folder: Path, strict: bool = True) -> tuple[DeepS
         whole, keys, used = rules.merge(name, pieces, len(parts))
         unused.difference_update(used)
         extras.setdefault(name, keys)
-        assert whole is not None  # every rank holds the parameter (its slice may be empty)
-        return whole
+        return whole if whole is not None else torch.empty(0)  # None only without any slice
 
     for name in parts[0].fp32:
         missing = [t for t, p in enumerate(parts) if name not in p.fp32]
