@@ -60,8 +60,7 @@ from dslaunch.runtime.checkpoint.deepspeed_constants import (
 __all__ = ["SubparamShape", "SliceRules", "refuse_unsupported", "shapes_by_tp", "restore_meta", "rank_slice",
            "narrow_sub_params"]
 
-# From this layout version on, a checkpoint with fused sub-parameters records each rank's widths.
-_WIDTHS_VERSION = 0.4
+_WIDTHS_VERSION = 0.4  # from this layout version on, fused sub-parameters record each rank's widths
 
 
 @dataclass(frozen=True)
