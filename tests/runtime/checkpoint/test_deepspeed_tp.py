@@ -96,7 +96,7 @@ def test_a_universal_conversion_of_deepspeeds_autotp_tag_continues_at_tp2_and_tp
     ``ds_to_universal`` (its AutoTP slice patterns and per-rank model states) loads with
     ``load_universal`` at tensor-parallel degree 2 and 1: the next losses equal DeepSpeed's own
     continuation within 1e-6, and at degree 1 the whole masters and moments equal DeepSpeed's at the
-    save bit for bit."""
+    save bit for bit. Real DeepSpeed loads dslaunch's conversion at tp 2 and continues alike."""
     from dslaunch.runtime.checkpoint.universal import convert
 
     folder, ds = deepspeed_saved
@@ -118,6 +118,11 @@ def test_a_universal_conversion_of_deepspeeds_autotp_tag_continues_at_tp2_and_tp
         if tp == 1:
             whole = _whole(folder, [r["state"] for r in ds])
             assert {k: v if ":" in k else v[1] for k, v in got[0]["state"].items()} == whole
+    if converter == "dslaunch":  # and real DeepSpeed loads dslaunch's conversion at its own degree
+        again = _deepspeed_job(deepspeed_python, tmp_path / "again.json", tmp_path / "ext", 2,
+                               {"tp": 2, "first": SAVE_AT, "steps": STEPS, "load": str(tmp_path),
+                                "checkpoint": {"load_universal": True}, "probe": False}, script=Path(job.__file__))
+        assert max(abs(a - b) for a, b in zip(want, again[0]["losses"], strict=True)) < 1e-6, (want, again[0])
 
 
 @pytest.mark.parametrize("converter", ["dslaunch", "deepspeed"])
