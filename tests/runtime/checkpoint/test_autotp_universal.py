@@ -164,17 +164,17 @@ def _steps(engine, first: int, count: int) -> list[float]:
     return out
 
 
-def _round_trip(rank: int, world: int, root: str, model: str) -> dict:
+def _round_trip(rank: int, world: int, root: str, model: str, stage: int) -> dict:
     from dslaunch.runtime.checkpoint.universal import convert
 
-    engine = _engine(2, world, 1, model=model)
+    engine = _engine(2, world, stage, model=model)
     _steps(engine, 0, SAVE_AT)
     engine.save_checkpoint(root, tag="t4")
     straight = _steps(engine, SAVE_AT, MORE)
     if rank == 0:
         convert(Path(root) / "t4", Path(root) / "t4_universal")
     torch.distributed.barrier()
-    same = _engine(2, world, 1, universal=True, model=model)
+    same = _engine(2, world, stage, universal=True, model=model)
     same.load_checkpoint(root)  # the tag latest_universal names
     whole = _engine(1, world, 2, universal=True, model=model)
     whole.load_checkpoint(root, tag="t4_universal")
@@ -183,13 +183,14 @@ def _round_trip(rank: int, world: int, root: str, model: str) -> dict:
             "loaded": loaded, "steps": (same.global_steps, whole.global_steps)}
 
 
-@pytest.mark.parametrize("model", ["gqa", "conv1d"])
-def test_a_tp2_tag_converted_loads_at_tp2_and_at_tp1_with_another_dp(tmp_path: Path, model: str) -> None:
+@pytest.mark.parametrize(("model", "stage"), [("gqa", 1), ("conv1d", 1), ("gqa", 3)])
+def test_a_tp2_tag_converted_loads_at_tp2_and_at_tp1_with_another_dp(tmp_path: Path, model: str, stage: int) -> None:
     """``conv1d``: weights the model stores ``[in, out]`` are converted in that layout (as DeepSpeed's
-    tools and a tp 1 model want them) and turned back for the sharded layers on load."""
+    tools and a tp 1 model want them) and turned back for the sharded layers on load. Stage 3: the
+    tag's data-parallel partitions of each slice are joined too (loaded at tp 2 at stage 3)."""
     from dslaunch.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    got = run_world(_round_trip, 2, str(tmp_path), model, timeout=240)
+    got = run_world(_round_trip, 2, str(tmp_path), model, stage, timeout=240)
     exported = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t4")
     for rank in got:
         assert rank["same"] == rank["straight"], rank  # the slices joined and cut again exactly
