@@ -45,6 +45,8 @@ __all__ = [
     "CheckpointArgumentError",
     "CheckpointLayoutError",
     "ReshapeError",
+    "UnconvertibleLayoutError",
+    "SliceMetadataError",
     "NoSyncError",
     "AccumulationModeError",
     "AccumulationBoundaryError",
@@ -209,6 +211,18 @@ class CheckpointLayoutError(CheckpointError, RuntimeError):
     """A DeepSpeed checkpoint's files disagree about the parallel shape it was saved at (its
     ``checkpoint_parallel_dimensions``, its file counts). Also a ``RuntimeError``: what DeepSpeed's
     ``deepspeed.checkpoint`` raises there."""
+
+
+class UnconvertibleLayoutError(CheckpointError, ValueError):
+    """An AutoTP checkpoint holds a parameter whose split its layer could not describe (DeepSpeed's
+    ``autotp_unsupported_parameter_patterns``), so it has no universal form. Also a ``ValueError``:
+    what DeepSpeed's ``ds_to_universal`` raises there."""
+
+
+class SliceMetadataError(CheckpointError, AssertionError):
+    """An AutoTP checkpoint's slice records (shard widths, partition sizes, per-rank shapes) do not
+    describe the tensors it holds, so joining or cutting them would misplace elements. Also an
+    ``AssertionError``: what DeepSpeed's universal conversion and restore raise there."""
 
 
 class ReshapeError(CheckpointError, ValueError):

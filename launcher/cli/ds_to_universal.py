@@ -2,9 +2,10 @@
 
 A thin click command with DeepSpeed's ``ds_to_universal`` flag names: ``dslaunch.runtime.checkpoint.
 universal.convert`` does the work; an input folder that is no checkpoint tag is refused before torch
-is imported (seconds), which happens only once the input is known to be one. DeepSpeed's
-worker-count, temp-folder, strictness and state-injection flags are accepted and have nothing to
-tune here (one process converts, straight into the output, always checking every parameter).
+is imported (seconds), which happens only once the input is known to be one. ``--no_strict``: an
+AutoTP tag's ``universal_checkpoint_info`` patterns that name no parameter are warned about, not
+refused. DeepSpeed's worker-count, temp-folder and state-injection flags are accepted and have
+nothing to tune here (one process converts, straight into the output).
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ __all__ = ["command"]
 @click.option("--num_extract_workers", type=int, default=4, hidden=True, help="accepted as DeepSpeed's; unused")
 @click.option("--num_merge_workers", type=int, default=2, hidden=True, help="accepted as DeepSpeed's; unused")
 @click.option("--keep_temp_folder", is_flag=True, hidden=True, help="accepted as DeepSpeed's; no temp folder is made")
-@click.option("--no_strict", is_flag=True, hidden=True, help="accepted as DeepSpeed's; every parameter is checked")
+@click.option("--no_strict", is_flag=True, help="an AutoTP tag's universal_checkpoint_info patterns that name no "
+              "parameter are warned about, not refused (DeepSpeed's flag)")
 @click.option("--inject_missing_state", is_flag=True, hidden=True,
               help="accepted as DeepSpeed's; no universal_checkpoint_info is needed")
 def command(input_folder: str, output_folder: str, num_extract_workers: int, num_merge_workers: int,
             keep_temp_folder: bool, no_strict: bool, inject_missing_state: bool) -> int:
-    """Convert a DeepSpeed-format checkpoint tag into a universal checkpoint (load it with
-    "checkpoint": {"load_universal": true} at any world size and ZeRO stage)."""
+    """Convert a checkpoint tag (DeepSpeed's format or dslaunch's, data- or AutoTP tensor-parallel) into
+    a universal checkpoint (load it with "checkpoint": {"load_universal": true} at any world size, ZeRO
+    stage and autotp_size)."""
     tag_folder_format(Path(input_folder))
     from dslaunch.runtime.checkpoint.universal import convert
 
-    out = convert(input_folder, output_folder)
+    out = convert(input_folder, output_folder, strict=not no_strict)
     click.echo(f"wrote universal checkpoint {out}")
     return 0

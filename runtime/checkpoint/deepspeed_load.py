@@ -139,10 +139,14 @@ def _client_state(sd: dict, module_only: bool, lr_scheduler: bool, optimizer: bo
 
 
 def _sliced(state: DeepSpeedState, layout: dict[str, list]) -> DeepSpeedState:
-    """``state`` with each parameter AutoTP cuts (``layout``: name -> [dim, segments, ...]) cut to
-    this rank's slice."""
+    """``state`` with each parameter AutoTP cuts (``layout``: name -> [dim, segments, whole,
+    transposed]) cut to this rank's slice; a weight the model stores ``[in, out]`` (GPT-2's
+    ``Conv1D``, whole in that layout here) is turned to the sharded layers' ``[out, in]`` first."""
     def cut(name: str, t: torch.Tensor) -> torch.Tensor:
-        return cut_slice(t, layout[name]).contiguous() if name in layout and torch.is_tensor(t) else t
+        if name not in layout or not torch.is_tensor(t):
+            return t
+        entry = layout[name]
+        return cut_slice(t.t() if len(entry) > 3 and entry[3] and t.dim() == 2 else t, entry).contiguous()
 
     return replace(state, module={k: cut(k, v) for k, v in state.module.items()},
                    fp32={k: cut(k, v) for k, v in state.fp32.items()},

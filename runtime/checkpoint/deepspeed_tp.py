@@ -11,10 +11,12 @@ moments and module weights are joined the same way; ``deepspeed_load`` cuts them
 live engine's tensor-parallel degree (any that divides the shapes), so the saving degree does not
 matter.
 
-Limitations: tested with ZeRO stages 1 and 2 (stage 0's optimizer state numbers one rank's slices
-only: load it with ``load_optimizer_states=False``); a ZeRO-3 tag of DeepSpeed 0.19.4+'s AutoTP
-(``zero_pp_rank_D_mp_rank_TT_model_states.pt``) is read by the same path but no test loads one yet;
-a tag without the affine map (DeepSpeed before 0.18, a Megatron ``mpu``'s) is refused in one line.
+ZeRO-3 tags of DeepSpeed 0.19.4+'s AutoTP (``zero_pp_rank_D_mp_rank_TT_model_states.pt``, no
+``mp_rank_TT`` file) are read the same way, each tensor rank's data-parallel partitions joined first.
+
+Limitations: stage 0's optimizer state numbers one rank's slices only: load it with
+``load_optimizer_states=False``; a tag without the affine map (DeepSpeed before 0.18, a Megatron
+``mpu``'s) is refused in one line.
 """
 
 from __future__ import annotations
@@ -85,14 +87,17 @@ def read_tensor_parallel(folder: Path, optimizer: bool = True, trained: list[str
         CheckpointError: a rank's file missing or broken (names it), no slice map, or optimizer
             state without ZeRO.
     """
-    first = read_file(folder / model_states_name(None, 0))
+    # ZeRO-3 (DeepSpeed 0.19.4+): each tensor rank's model states are its data-parallel rank 0's file
+    partition = None if (folder / model_states_name(None, 0)).exists() else 0
+    first = read_file(folder / model_states_name(partition, 0))
     dims = first.get("checkpoint_parallel_dimensions") or {}
     degree = int(dims.get("tp_degree", first.get("mp_world_size", 1)))
-    missing = [model_states_name(None, t) for t in range(degree) if not (folder / model_states_name(None, t)).exists()]
+    missing = [model_states_name(partition, t) for t in range(degree)
+               if not (folder / model_states_name(partition, t)).exists()]
     if missing:
         raise CheckpointError(f"the checkpoint was saved at tensor-parallel degree {degree} (tp_degree) but "
                               f"{missing[:3]} are missing", str(folder))
-    join = joiner(_affine_map(first, folder / model_states_name(None, 0)), folder)
+    join = joiner(_affine_map(first, folder / model_states_name(partition, 0)), folder)
     parts = [read_part(folder, optimizer, None, t) for t in range(degree)]
     if optimizer and parts[0].stage == 0 and parts[0].states.get("optimizer") is not None:
         raise CheckpointError("a DeepSpeed AutoTP checkpoint without ZeRO numbers each rank's optimizer state by "

@@ -366,3 +366,18 @@ def _masters(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[s
         for name, value in fp32_params(_consolidated(store, tag, manifest, part)).items():
             masters.setdefault(name, value)
     return masters
+
+
+def whole_autotp(store: CheckpointStore, tag: str, manifest: Manifest
+                 ) -> tuple[dict, dict[str, Any], dict[str, tuple[int, bool]]] | None:
+    """An AutoTP tag's whole strategy state (every group's masters and optimizer state joined over
+    the slices, in the sharded layers' layout), its module joined in the model's own layout, and
+    per sliced parameter ``(dim, transposed)``: the dimension it is cut along and whether the model
+    stores it transposed (GPT-2's ``Conv1D``). None: the tag is no AutoTP one (a pipeline's, an mpu's)."""
+    parts, shape, _ = _saved_parts(manifest.meta)
+    if shape is None or not all(p.get("tensors") for p in parts.values()) or manifest.meta["model_parallel"]["pipeline"]:
+        return None
+    layouts = [p["tensors"] for p in parts.values()]
+    whole = by_slices([_consolidated(store, tag, manifest, p) for p in parts.values()], layouts, {})
+    cuts = {name: (int(entry[0]), bool(len(entry) > 3 and entry[3])) for name, entry in layouts[0].items()}
+    return whole, _module_slices(store, tag, manifest, parts, None, None), cuts

@@ -19,17 +19,20 @@ copied, as ``ds_to_universal`` does) or a tag in dslaunch's own layout (model-st
 DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders made from it). Writes go through ``safe_write``; DeepSpeed's classes by name
 (``deepspeed_pickle``).
 
-Limitations: no tensor or pipeline parallelism (the ``universal_checkpoint_info`` patterns that
-merge TP slices), no MoE experts, no vocabulary padding; ``convert`` reads the whole fp32 state
-into host memory.
+A tensor-parallel tag (AutoTP training: DeepSpeed's, joined by its ``universal_checkpoint_info``
+in ``universal_tp``; dslaunch's, joined by its own slice records) becomes whole tensors, each
+``zero/<param>/*.pt`` a dict with DeepSpeed's keys beside the tensor (``cat_dim``,
+``sub_param_shape``, ...), so both dslaunch (any tensor-parallel degree, 1 included) and
+DeepSpeed's restore cut it again. Restoring single parameters: ``universal_restore``.
+
+Limitations: no pipeline parallelism, no MoE experts; ``convert`` reads the whole fp32 state into
+host memory.
 """
 
 from __future__ import annotations
 
 import math
-import types
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +40,23 @@ import torch
 
 from dslaunch import safe_write
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.autotp_universal import SubparamShape
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, rank_file, zero_file
 from dslaunch.runtime.checkpoint.deepspeed_constants import (
     CAT_DIM,
     ORIGINAL_VOCAB_SIZE,
     PADDED_VOCAB_SIZE,
     PARAM,
-    PARAM_N_SUB_PARAMS,
     PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0,
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
     PIPELINE_REPLICATED_PARAMETER_PATTERNS,
-    SUB_PARAM_SHAPE,
     TP_REPLICATED_PARAMETER_PATTERNS,
     UNIVERSAL_CHECKPOINT_INFO,
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     VOCABULARY_PARAMETER_PATTERNS,
 )
-from dslaunch.runtime.checkpoint.deepspeed_layout import model_states_name, tag_folder_format
+from dslaunch.runtime.checkpoint.deepspeed_layout import is_pipeline, model_states_name, tag_folder_format
 from dslaunch.runtime.checkpoint.deepspeed_pickle import loss_scaler, to_bytes
 from dslaunch.runtime.checkpoint.deepspeed_read import (
     DeepSpeedGroup,
@@ -65,6 +67,12 @@ from dslaunch.runtime.checkpoint.deepspeed_read import (
 from dslaunch.runtime.checkpoint.deepspeed_write import DEEPSPEED_VERSION
 from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, expert_groups, needed_ranks
 from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore
+from dslaunch.runtime.checkpoint.universal_restore import (
+    enable_universal_checkpoint,
+    load_hp_checkpoint_state,
+    load_state,
+)
+from dslaunch.runtime.checkpoint.universal_tp import read_tensor_parallel_whole, stored, tp_degree
 
 __all__ = ["UNIVERSAL_CHECKPOINT_INFO", "UNIVERSAL_CHECKPOINT_VERSION_KEY", "UNIVERSAL_CHECKPOINT_VERSION_VALUE",
            "VOCABULARY_PARAMETER_PATTERNS", "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
@@ -109,26 +117,13 @@ def _model_file(folder: Path) -> Path:
                           "checkpoint tag", str(folder))
 
 
-def _load_state(path: Path) -> tuple[torch.Tensor, dict]:
-    """One ``zero/<param>/<state>.pt``: its tensor, and the dict around it (empty for a bare tensor)."""
-    obj: Any
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError("missing: the universal checkpoint has no such file for this parameter",
-                              str(path)) from None
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"unreadable or truncated ({type(exc).__name__}: {str(exc)[:200]})", str(path)) from None
-    info = obj if isinstance(obj, dict) else {}
-    tensor = obj.get(PARAM) if isinstance(obj, dict) else obj
-    if not torch.is_tensor(tensor):
-        raise CheckpointError(f"holds no tensor (expected a tensor or {{{PARAM!r}: tensor}})", str(path))
-    return tensor, info
-
-
-def _tensor(path: Path, shape: tuple[int, ...]) -> torch.Tensor:
-    """One ``zero/<param>/<state>.pt``: the whole tensor, checked against the parameter's shape."""
-    obj, _ = _load_state(path)
+def _tensor(path: Path, shape: tuple[int, ...], sliced: bool) -> torch.Tensor:
+    """One ``zero/<param>/<state>.pt``: the whole tensor, checked against the parameter's shape
+    (``sliced``: the model states were saved tensor-parallel, so they give one rank's slice shape
+    and the file's own, of as many dimensions, is the whole one)."""
+    obj, _ = load_state(path)
+    if sliced and obj.numel() != math.prod(shape) and obj.dim() == len(shape):
+        return obj.float().clone()
     if obj.numel() != math.prod(shape):
         raise CheckpointError(f"holds {tuple(obj.shape)} ({obj.numel()} elements), the parameter is {shape}",
                               str(path))
@@ -161,12 +156,15 @@ def read_universal(folder: Path, optimizer: bool = True, trained: list[str] | No
     fp32: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     groups = []
+    dims = states.get("checkpoint_parallel_dimensions") or {}
+    sliced = int(dims.get("tp_degree", states.get("mp_world_size", 1)) or 1) > 1
     for g, group_shapes in enumerate(shapes):
         names = list(group_shapes)
         for name, shape in group_shapes.items():
             base = folder / ZERO_FOLDER / name
-            fp32[name] = _tensor(base / "fp32.pt", tuple(shape))
-            optim[name] = {k: _tensor(base / f"{k}.pt", tuple(shape)) for k in _STATES[1:]} if optimizer else {}
+            fp32[name] = _tensor(base / "fp32.pt", tuple(shape), sliced)
+            optim[name] = ({k: _tensor(base / f"{k}.pt", tuple(fp32[name].shape), False) for k in _STATES[1:]}
+                           if optimizer else {})
         step = _step(folder, names[0], osd) if names else None
         hparams = {k: v for k, v in (param_groups[g] if g < len(param_groups) else {}).items() if k != "params"}
         groups.append(DeepSpeedGroup(names, {"step": step} if step is not None else {}, hparams))
@@ -190,67 +188,101 @@ def _as_step(step: Any) -> torch.Tensor:
     return step.detach().clone().float() if torch.is_tensor(step) else torch.tensor(float(step))
 
 
-def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes]]:
-    """A tag in dslaunch's own layout, whole, and the model-states files DeepSpeed loads a universal
-    checkpoint with: ``mp_rank_00_model_states.pt`` (ZeRO 1/2: whole weights) and
-    ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (ZeRO-3: placeholders for the trained ones)."""
+def _whole(store: CheckpointStore, tag: str, manifest: Any, src: Path
+           ) -> tuple[dict, dict[str, Any], dict[str, tuple[int, bool]], int]:
+    """A dslaunch tag's whole strategy state, module, AutoTP cuts (``model_parallel.whole_autotp``;
+    none for a data-parallel tag) and data-parallel size."""
+    meta = manifest.meta
+    if "model_parallel" in meta:
+        from dslaunch.runtime.checkpoint.model_parallel import whole_autotp
+
+        autotp = whole_autotp(store, tag, manifest)
+        if autotp is None:
+            raise CheckpointError("holds pipeline or mpu model-parallel parameters: not convertible to a universal "
+                                  "checkpoint (only AutoTP and data-parallel tags are)", str(src))
+        shape = meta["model_parallel"]["shape"]
+        return *autotp, int(shape.get("data", 1))
+    if expert_groups(meta["partition"]):
+        raise CheckpointError("holds expert parameters: not convertible to a universal checkpoint yet", str(src))
+    pmap = meta["partition"]
+    full = [(0, int(g["numel"])) for g in pmap["groups"]]
+    whole = assemble([store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)], full)
+    return whole, dict(store.read(tag, MODULE_FILE, manifest)["module"]), {}, int(meta["world_size"])
+
+
+def _param(flat: torch.Tensor, offset: int, shape: Any, transposed: bool) -> torch.Tensor:
+    """One parameter of a flat group, fp32, in the model's own layout (GPT-2's Conv1D: ``[in, out]``)."""
+    t = flat[offset:offset + math.prod(shape)].float().view(tuple(shape))
+    return (t.t() if transposed else t).contiguous().clone()
+
+
+def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes], dict[str, dict]]:
+    """A tag in dslaunch's own layout, whole (AutoTP slices joined, in the model's own layout), the
+    model-states files DeepSpeed loads a universal checkpoint with: ``mp_rank_00_model_states.pt``
+    (ZeRO 1/2: whole weights) and ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (ZeRO-3:
+    placeholders for the trained ones), and each sliced parameter's ``cat_dim``."""
     store, tag = CheckpointStore(src.parent), src.name
     manifest = store.manifest(tag)
     meta = manifest.meta
     check_meta(meta, str(src / MANIFEST))
-    if "model_parallel" in meta or expert_groups(meta["partition"]):
-        raise CheckpointError("holds pipeline, tensor-parallel or expert parameters: not convertible to a "
-                              "universal checkpoint yet", str(src))
-    pmap = meta["partition"]
-    full = [(0, int(g["numel"])) for g in pmap["groups"]]
-    whole = assemble([store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)], full)
+    whole, module, cuts, dp_size = _whole(store, tag, manifest, src)
     training = store.read(tag, rank_file(0), manifest)
-    module = dict(store.read(tag, MODULE_FILE, manifest)["module"])
-    fp32, optim, groups = {}, {}, []
+    fp32, optim, groups, shapes = {}, {}, [], []
+    extras: dict[str, dict] = {}
     for g in whole["groups"]:
-        offset = 0
+        offset, group_shapes = 0, OrderedDict()
         for name, shape in zip(g["names"], g["shapes"], strict=True):
-            n = math.prod(shape)
-            fp32[name] = g["master"][offset:offset + n].float().view(tuple(shape)).clone()
-            optim[name] = {k: v[offset:offset + n].float().view(tuple(shape)).clone()
-                           for k, v in g["optim_state"].items()}
-            offset += n
+            dim, transposed = cuts.get(name, (None, False))
+            fp32[name] = _param(g["master"], offset, shape, transposed)
+            optim[name] = {k: _param(v, offset, shape, transposed) for k, v in g["optim_state"].items()}
+            group_shapes[name] = torch.Size(fp32[name].shape)
+            if dim is not None:
+                extras[name] = {CAT_DIM: 1 - dim if transposed else dim}
+            offset += math.prod(shape)
+        shapes.append(group_shapes)
         groups.append(DeepSpeedGroup(list(g["names"]), dict(g["optim_scalars"]), dict(g["hparams"])))
     dtypes = {k: getattr(torch, v["dtype"]) for k, v in meta.get("module", {}).items()}
     weights = {**module, **{k: v.to(dtypes.get(k, torch.float32)) for k, v in fp32.items()}}
     order = meta.get("module_keys") or list(weights)
     engine = training["engine"]
-    states = {"buffer_names": [], "optimizer": None,
-              "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in zip(g["names"], g["shapes"], strict=True))
-                               for g in whole["groups"]],
+    states = {"buffer_names": [], "optimizer": None, "param_shapes": shapes,
               "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
               "lr_scheduler": engine.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
               "skipped_steps": int(engine["skipped_steps"]), "global_steps": int(engine["global_steps"]),
-              "global_samples": int(engine["global_samples"]), "dp_world_size": int(meta["world_size"]),
+              "global_samples": int(engine["global_samples"]), "dp_world_size": dp_size,
               "mp_world_size": 1, "ds_config": {}, "ds_version": DEEPSPEED_VERSION, **training.get("client_state", {})}
     whole_module = OrderedDict((k, weights[k]) for k in order if k in weights)
     placeholders = OrderedDict((k, torch.empty(0, dtype=v.dtype) if k in fp32 else v) for k, v in whole_module.items())
     files = {model_states_name(): to_bytes({"module": whole_module, **states}),
              model_states_name(0): to_bytes({"module": placeholders, **states})}
-    state = DeepSpeedState(src, src / MODULE_FILE, int(meta["zero_stage"]), int(meta["world_size"]), states,
+    state = DeepSpeedState(src, src / MODULE_FILE, int(meta["zero_stage"]), dp_size, states,
                            whole_module, fp32, optim, groups)
-    return state, files
+    return state, files, extras
 
 
-def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
-    """Write the universal layout of the DeepSpeed-format tag ``input_folder`` into
-    ``output_folder``, and ``latest_universal`` beside it naming it (DeepSpeed's ``ds_to_universal``).
+def convert(input_folder: str | Path, output_folder: str | Path, strict: bool = True) -> Path:
+    """Write the universal layout of the tag ``input_folder`` (DeepSpeed's format or dslaunch's,
+    data- or tensor-parallel) into ``output_folder``, and ``latest_universal`` beside it naming it
+    (DeepSpeed's ``ds_to_universal``).
 
+    Args:
+        strict: a DeepSpeed AutoTP tag's ``universal_checkpoint_info`` patterns must each name a
+            parameter (DeepSpeed's ``--no_strict`` turns this off).
     Raises:
-        CheckpointError: the input is no DeepSpeed-format tag (a dslaunch one, or neither), a file is
-            missing or malformed (names it), or a write failed.
+        CheckpointError: the input is no checkpoint tag, a file is missing or malformed (names it),
+            the slice records do not describe the slices, or a write failed;
+        UnconvertibleLayoutError: a layer of a DeepSpeed AutoTP tag could not describe its split.
     """
     src, out = Path(input_folder), Path(output_folder)
+    extras: dict[str, dict] = {}
     if tag_folder_format(src) == "deepspeed":
-        state = read_deepspeed(src)
+        if tp_degree(src) > 1 and not is_pipeline(src):
+            state, extras = read_tensor_parallel_whole(src, strict)
+        else:
+            state = read_deepspeed(src)
         model_files = {f.name: f.read_bytes() for f in sorted(src.glob("*model_states.pt"))}
     else:
-        state, model_files = _read_dslaunch(src)
+        state, model_files, extras = _read_dslaunch(src)
     if state.stage == 0:
         raise CheckpointError("holds no ZeRO optimizer files (ZeRO stage 0): universal checkpoints are made "
                               "from ZeRO checkpoints", str(src))
@@ -261,7 +293,7 @@ def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
                 safe_write.make_dirs(where)
                 tensors = {"fp32": state.fp32[name], **state.optim.get(name, {})}
                 for key, t in tensors.items():
-                    safe_write.write_file(where, f"{key}.pt", to_bytes({PARAM: t.contiguous()}))
+                    safe_write.write_file(where, f"{key}.pt", stored(t, extras.get(name, {})))
                 if "step" in g.scalars:
                     safe_write.write_file(where, "step.pt", to_bytes(_as_step(g.scalars["step"])))
         safe_write.write_file(out / ZERO_FOLDER, OPTIMIZER_STATE, to_bytes(_optimizer_state(state)))
@@ -271,53 +303,3 @@ def convert(input_folder: str | Path, output_folder: str | Path) -> Path:
     except OSError as exc:
         raise CheckpointError(f"cannot write the universal checkpoint: {safe_write.explain(exc, out)}") from None
     return out
-
-
-@dataclass(frozen=True)
-class SubparamShape:
-    """DeepSpeed's description of a parameter made of sub-parameters (a fused QKV): the ``patterns``
-    of the names it applies to, each sub-parameter's ``shape`` and the dimension TP cuts
-    (``partition_dim``). Megatron-DeepSpeed puts these in ``universal_checkpoint_info``."""
-
-    patterns: list[str]
-    shape: tuple[tuple[int, ...] | int, ...]
-    partition_dim: int
-
-
-def load_hp_checkpoint_state(param: torch.nn.Parameter, folder: str | Path, tp_rank: int = 0, tp_world_size: int = 1,
-                             ep_rank: int = 0, ep_size: int = 1) -> Any:
-    """Load ``param`` from its universal folder ``folder`` (``zero/<param name>/``): ``fp32.pt``,
-    whole, or this tensor rank's slice along the file's ``cat_dim`` (default 0). Returns what
-    ``step.pt`` holds (None without one).
-
-    Raises:
-        CheckpointError: the file is missing or does not hold ``param``'s shape (names it);
-        NotInDslaunchError: a slice of sub-parameters (``sub_param_shape``) or of experts.
-    """
-    from dslaunch.errors import NotInDslaunchError
-
-    path = Path(folder) / "fp32.pt"
-    full, info = _load_state(path)
-    if info.get(SUB_PARAM_SHAPE) is not None or info.get(PARAM_N_SUB_PARAMS) is not None or ep_size > 1:
-        raise NotInDslaunchError(f"{path}: loading one tensor rank's slice of fused sub-parameters or of experts "
-                                 "is not in dslaunch: load the universal tag with load_checkpoint")
-    if tuple(full.shape) != tuple(param.shape):
-        dim = int(info.get(CAT_DIM, 0))
-        parts = full.chunk(tp_world_size, dim) if full.dim() > dim else ()
-        if len(parts) != tp_world_size or tuple(parts[tp_rank].shape) != tuple(param.shape):
-            raise CheckpointError(f"holds {tuple(full.shape)}, which is not the parameter's {tuple(param.shape)} "
-                                  f"whole or cut in {tp_world_size} along dim {dim}", str(path))
-        full = parts[tp_rank]
-    with torch.no_grad():
-        param.copy_(full.to(param.dtype))
-    step = Path(folder) / "step.pt"
-    return torch.load(step, map_location="cpu", weights_only=True) if step.is_file() else None
-
-
-def enable_universal_checkpoint(param_list: list[torch.nn.Parameter]) -> None:
-    """Give each parameter ``load_hp_checkpoint_state(folder, tp_rank, tp_world_size)``
-    (``load_hp_checkpoint_state`` bound to it), as DeepSpeed's optimizers do before loading a
-    universal tag. dslaunch's engine loads universal tags itself (``load_universal``); this is for
-    scripts that load single parameters from one."""
-    for param in param_list:
-        param.load_hp_checkpoint_state = types.MethodType(load_hp_checkpoint_state, param)
