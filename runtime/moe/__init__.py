@@ -3,7 +3,9 @@
 ``gate.py`` routes tokens (``TopKGate``, top-1/top-2/top-k gating), ``experts.py`` holds a rank's
 expert copies, ``layer.py`` has ``MoE`` and the all-to-all ``MOELayer``, ``utils.py`` the
 expert-parameter helpers (``expert_group_name``: the expert group ZeRO reduces a parameter over),
-``layout_invariant.py`` the experts' per-source-block calls under ``layout_invariant``.
+``layout_invariant.py`` the experts' per-source-block calls under ``layout_invariant``,
+``tensor_slices.py`` the split of the slots over tensor slices beside the layer (an mpu with
+tensor parallelism).
 AutoEP (the ds_config ``expert_parallel`` block): ``autoep.py`` converts a Hugging Face MoE model's
 blocks into ``MOELayer``s at ``initialize``, ``autoep_presets.py`` finds the blocks,
 ``grouped_experts.py`` holds a rank's slice of the fused expert weights (``fused_layout.py`` tells
