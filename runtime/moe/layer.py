@@ -283,6 +283,12 @@ class MoE(torch.nn.Module):
         self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(name))
         if tensor > 1:
             sliced = groups.expert_home(groups.mpu).sliced(self.ep_size)
+            if not sliced and _holds_tensor_slices(self.deepspeed_moe.experts):
+                from dslaunch.errors import UsageError
+
+                raise UsageError("MoE: the experts hold tensor-parallel layers (each rank a slice of every expert), "
+                                 f"but their {name} groups were made for whole experts; pass "
+                                 "enable_expert_tensor_parallelism=True to every MoE layer of this ep_size")
             self.deepspeed_moe._set_tensor_slices(TensorSlices(groups.get_tensor_model_parallel_group(), tensor,
                                                                groups.get_tensor_model_parallel_rank(), sliced))
 
@@ -296,6 +302,13 @@ class MoE(torch.nn.Module):
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + dense * coef[..., 1:]
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+
+
+def _holds_tensor_slices(experts: torch.nn.Module) -> bool:
+    """Whether ``experts`` contain tensor-parallel linears (AutoTP's or Megatron-style ones)."""
+    from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return any(isinstance(m, ColumnParallelLinear | RowParallelLinear) for m in experts.modules())
 
 
 def number_moe_layers(model: torch.nn.Module) -> None:

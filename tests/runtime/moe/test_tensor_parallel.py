@@ -77,6 +77,16 @@ def _groups(rank: int, world: int) -> dict:
                                   groups._get_expert_data_parallel_group_ranks(name),
                                   groups._get_expert_model_parallel_world_size(),
                                   layer.deepspeed_moe.tensor_slices.experts_sliced)
+    from dslaunch.errors import UsageError
+    from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear
+
+    torch = __import__("torch")
+    sliced_expert = ColumnParallelLinear(torch.zeros(2, 4), None, False, torch.float32, trainable=True)
+    try:  # tensor-sliced experts in groups made for whole ones: one line, not wrong numbers
+        MoE(4, sliced_expert, num_experts=4, ep_size=1).set_deepspeed_parallelism()  # ep 1: whole experts
+        out["refused"] = ""
+    except UsageError as err:
+        out["refused"] = str(err)
     groups.mpu = groups.grid = None
     return out
 
@@ -92,6 +102,7 @@ def test_expert_groups_follow_deepspeeds_layouts_beside_tensor_slices() -> None:
         # a size keeps its first layout, as DeepSpeed creates a name once
         assert mine[(2, False)] == mine[(2, True)]
         assert mine[(1, True)] == mine[(1, False)]
+        assert "enable_expert_tensor_parallelism=True" in mine["refused"] and "\n" not in mine["refused"]
 
 
 def test_expert_parallel_ranks_of_tensor_sliced_experts_are_deepspeeds() -> None:
