@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_world
-from tests.runtime.moe.models import MoECase, TinyMoENet, batch
+from tests.runtime.moe.models import MoECase, TinyMoENet, clipped_losses
 
 WORLD, TENSOR, STEPS = 4, 2, 8
 CASES = [MoECase(1, False, True), MoECase(2, True, False)]
@@ -116,31 +116,16 @@ def test_expert_parallel_ranks_of_tensor_sliced_experts_are_deepspeeds() -> None
 def _train(rank: int, world: int, ep_size: int, sliced: bool | None, stage: int) -> list[list[float]]:
     """``sliced`` None: no mpu (the reference, data parallel); else the tensor 2 x data 2 mpu."""
     import dslaunch as deepspeed
-    from dslaunch.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from dslaunch.utils import groups
 
     deepspeed.init_distributed(verbose=False)
     mpu = None if sliced is None else MegatronMPU(TENSOR)
-    data_rank = rank if mpu is None else rank // TENSOR
     runs = []
     for case in CASES:
         model = TinyMoENet(case, ep_size)
         model.moe.enable_expert_tensor_parallelism = bool(sliced)
         model.set_expert_weights(_expert_rank(rank, ep_size, bool(sliced)) * model.moe.num_local_experts)
-        params = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
-        config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 1000,
-                  "optimizer": {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}},
-                  "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config, mpu=mpu)
-        losses, clipped = [], 0
-        for step in range(STEPS):
-            loss = engine(*batch(data_rank, step))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            clipped += engine.get_global_grad_norm() > 0.05
-        assert clipped, "the clip never acted"
-        runs.append(losses)
+        runs.append(clipped_losses(model, stage, rank if mpu is None else rank // TENSOR, STEPS, mpu))
     groups.mpu = groups.grid = None
     return runs
 
