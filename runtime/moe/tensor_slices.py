@@ -1,6 +1,7 @@
 """MoE beside tensor parallelism: the tensor slices of a replica see the same tokens, so before the
 expert all-to-all each keeps only its share of every expert's slots and after it they gather them
-back (DeepSpeed's ``deepspeed.moe.mappings.drop_tokens`` / ``gather_tokens``).
+back (DeepSpeed's ``deepspeed.moe.mappings.drop_tokens`` / ``gather_tokens``, which read the
+tensor group of ``deepspeed.utils.groups.mpu``: so do these without ``slices``).
 
 ``TensorSlices`` is what a ``MOELayer`` knows of the tensor group: its process group, size, this
 rank's index, and whether the experts themselves are tensor-sliced
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from dslaunch.runtime.comm import comm
 
-__all__ = ["TensorSlices", "drop_tokens", "gather_tokens"]
+__all__ = ["TensorSlices", "drop_tokens", "gather_tokens", "mpu_slices"]
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,30 @@ class _Gather(torch.autograd.Function):
         return _share(grad, ctx.dim, ctx.slices).contiguous(), None, None
 
 
-def drop_tokens(x: Tensor, dim: int, slices: TensorSlices) -> Tensor:
-    """This slice's share of ``x`` along ``dim`` (``x`` unchanged without tensor slices).
+def mpu_slices() -> TensorSlices:
+    """The tensor slices of ``deepspeed.utils.groups.mpu`` (none without an mpu)."""
+    from dslaunch.runtime.parallel import deepspeed_groups as groups
+    from dslaunch.runtime.parallel.mpu import tensor_axis
+
+    if groups.mpu is None or tensor_axis(groups.mpu, "world_size") == 1:
+        return TensorSlices()
+    return TensorSlices(tensor_axis(groups.mpu, "group"), tensor_axis(groups.mpu, "world_size"),
+                        tensor_axis(groups.mpu, "rank"))
+
+
+def drop_tokens(input_: Tensor, dim: int = 0, slices: TensorSlices | None = None) -> Tensor:
+    """This slice's share of ``input_`` along ``dim`` (unchanged without tensor slices);
+    ``slices`` None: the mpu's (DeepSpeed's ``deepspeed.moe.mappings.drop_tokens``).
 
     Raises:
         UsageError: ``dim`` does not split evenly over the slices.
     """
-    return x if slices.size == 1 else _Drop.apply(x, dim, slices)
+    slices = mpu_slices() if slices is None else slices
+    return input_ if slices.size == 1 else _Drop.apply(input_, dim, slices)
 
 
-def gather_tokens(x: Tensor, dim: int, slices: TensorSlices) -> Tensor:
-    """Every slice's share of ``x`` concatenated along ``dim``. collective: the tensor group."""
-    return x if slices.size == 1 else _Gather.apply(x, dim, slices)
+def gather_tokens(input_: Tensor, dim: int = 0, slices: TensorSlices | None = None) -> Tensor:
+    """Every slice's share of ``input_`` concatenated along ``dim``; ``slices`` None: the mpu's.
+    collective: the tensor group."""
+    slices = mpu_slices() if slices is None else slices
+    return input_ if slices.size == 1 else _Gather.apply(input_, dim, slices)

@@ -87,6 +87,12 @@ def _groups(rank: int, world: int) -> dict:
         out["refused"] = ""
     except UsageError as err:
         out["refused"] = str(err)
+    from dslaunch.moe.mappings import drop_tokens, gather_tokens
+
+    whole = torch.arange(12.0).reshape(2, 6).requires_grad_()  # the same on the tensor peers
+    share = drop_tokens(whole, dim=1)
+    (gather_tokens(share * (rank + 1), dim=1).sum() + share.sum()).backward()
+    out["mappings"] = (share.tolist(), whole.grad.tolist())
     groups.mpu = groups.grid = None
     return out
 
@@ -103,6 +109,12 @@ def test_expert_groups_follow_deepspeeds_layouts_beside_tensor_slices() -> None:
         assert mine[(2, False)] == mine[(2, True)]
         assert mine[(1, True)] == mine[(1, False)]
         assert "enable_expert_tensor_parallelism=True" in mine["refused"] and "\n" not in mine["refused"]
+        # deepspeed.moe.mappings over the mpu's tensor group: this slice's half of dim 1. Backward:
+        # gather keeps this slice's share of the gradient (rank + 1, plus 1 through the share),
+        # drop gathers the shares, so column c of the input gets the gradient of the peer whose share holds it
+        lane, first = rank % TENSOR, rank - rank % TENSOR
+        assert mine["mappings"][0] == [[float(6 * r + 3 * lane + c) for c in range(3)] for r in range(2)]
+        assert mine["mappings"][1] == [[float(first + 2)] * 3 + [float(first + 3)] * 3] * 2
 
 
 def test_expert_parallel_ranks_of_tensor_sliced_experts_are_deepspeeds() -> None:
