@@ -4,7 +4,9 @@ The expert groups are DeepSpeed's for both settings of ``enable_expert_tensor_pa
 (experts over every rank, or over each tensor lane's data ranks), and training through
 ``deepspeed.initialize`` (ZeRO 0, 2 and 3, gradient clipping acting) gives on every rank the losses
 of a two-rank data-parallel run holding every expert: the tensor slices, which see the same
-tokens, split the slots and gather them back without changing a number beyond 1e-6.
+tokens, split the slots and gather them back without changing a number beyond 1e-6. Also
+``deepspeed.moe.mappings`` over the mpu's tensor group, and the one-line refusals: tensor-sliced
+experts in groups made for whole ones, AutoEP beside tensor slices (DeepSpeed's folding).
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ def _groups(rank: int, world: int) -> dict:
         out["refused"] = ""
     except UsageError as err:
         out["refused"] = str(err)
+    from dslaunch.errors import NotInDslaunchError
+    from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
+    from dslaunch.runtime.moe.autoep import convert_for_expert_parallel
+    from tests.runtime.moe.test_autoep import CUSTOM, Net
+
+    try:  # AutoEP beside tensor slices is DeepSpeed's folding: refused before any group is made
+        convert_for_expert_parallel(Net(), ExpertParallelConfig(**{**CUSTOM, "autoep_size": 2}))
+        out["autoep"] = ""
+    except NotInDslaunchError as err:
+        out["autoep"] = str(err)
     from dslaunch.moe.mappings import drop_tokens, gather_tokens
 
     whole = torch.arange(12.0).reshape(2, 6).requires_grad_()  # the same on the tensor peers
@@ -109,6 +121,7 @@ def test_expert_groups_follow_deepspeeds_layouts_beside_tensor_slices() -> None:
         assert mine[(2, False)] == mine[(2, True)]
         assert mine[(1, True)] == mine[(1, False)]
         assert "enable_expert_tensor_parallelism=True" in mine["refused"] and "\n" not in mine["refused"]
+        assert "AutoEP+AutoTP folding" in mine["autoep"] and "\n" not in mine["autoep"]
         # deepspeed.moe.mappings over the mpu's tensor group: this slice's half of dim 1. Backward:
         # gather keeps this slice's share of the gradient (rank + 1, plus 1 through the share),
         # drop gathers the shares, so column c of the input gets the gradient of the peer whose share holds it
