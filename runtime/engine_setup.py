@@ -19,7 +19,7 @@ Kept apart from ``engine.py`` so the engine stays a thin loop. The choices made 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,8 +28,10 @@ import torch.distributed as dist
 from dslaunch.errors import ConfigError, NotInDslaunchError, UntestedOptimizerError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.moe import expert_group_name
+from dslaunch.runtime.parallel import deepspeed_groups
 from dslaunch.runtime.parallel.groups import ep_size_of
 from dslaunch.runtime.parallel.mpu import counted_in_norm, gradient_reduce_group, tensor_axis
+from dslaunch.runtime.parallel.tensor_experts import TensorExperts
 from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.zero.exchange import GradientExchange, TreeAllReduce, build_exchange
 from dslaunch.runtime.zero.leaf_modules import apply_leaf_config
@@ -65,8 +67,11 @@ def build_components(module: torch.nn.Module, cfg: DeepSpeedConfig, precision: P
     if optimizer is None and cfg.optimizer is None:  # evaluation or a reference model (DeepSpeed's)
         broadcast_replicas(module, grid, {})
         return _frozen(module, cfg, lr_scheduler, training_data, collate_fn, grid)
-    groups = _param_groups(module, optimizer, model_parameters, tensor_axis(grid, "rank"))
-    reduce_groups = _expert_groups(groups, grid, cfg)
+    tensor_rank = tensor_axis(grid, "rank")
+    groups = _param_groups(module, optimizer, model_parameters, tensor_rank)
+    reduce_groups = _expert_groups(groups, grid, cfg, tensor_rank)
+    groups = [replace(g, norm_skipped=()) if reduce_groups.get(g.reduce_group, ReduceGroup(None)).norm_owner
+              is not None else g for g in groups]  # counted whole, summed over the spread, added by the owner
     broadcast_replicas(module, grid, reduce_groups)
     if optimizer is None:  # Muon: its matrices and the AdamW rest in separate groups
         from dslaunch.runtime.optim.registry import split_groups
@@ -131,10 +136,13 @@ def broadcast_replicas(module: torch.nn.Module, grid: Any, experts: dict[str, Re
         dist.broadcast(param.data, source, group=group)
 
 
-def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig) -> dict[str, ReduceGroup]:
+def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig,
+                   tensor_rank: int = 0) -> dict[str, ReduceGroup]:
     """The expert-data group (reduce, shard) and expert group (the norm's spread) of every expert
     group name the param groups use, from the grid's expert split of that size (made here if no
-    module made it: collective, every rank the same names in the same order).
+    module made it: collective, every rank the same names in the same order). Beside tensor slices
+    with experts over every rank (``TensorExperts``, not sliced) an expert group spans tensor peers
+    that hold different experts: every rank counts its experts, tensor rank 0 adds their sum.
 
     Raises:
         ConfigError: expert parameters with an mpu that is not a dslaunch grid, or with an optimizer
@@ -143,7 +151,7 @@ def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig) -> 
     names = list(dict.fromkeys(g.reduce_group for g in groups if g.reduce_group != "data"))
     if not names:
         return {}
-    home = getattr(grid, "groups", None)
+    home = deepspeed_groups.expert_home(grid)
     if home is None:
         raise ConfigError(f"expert parameters (group_name {names[0]}) need the ranks' layout: the mpu "
                           f"{type(grid).__name__} is not a deepspeed PipelineParallelGrid; pass one (or no mpu)")
@@ -158,7 +166,8 @@ def _expert_groups(groups: list[GroupSpec], grid: Any, cfg: DeepSpeedConfig) -> 
     out = {}
     for name in names:
         split = home.experts(ep_size_of(name), cfg.use_data_before_expert_parallelism)
-        out[name] = ReduceGroup(split.group("expert_data"), split.group("expert"))
+        owner = tensor_rank == 0 if isinstance(home, TensorExperts) and not home.sliced(ep_size_of(name)) else None
+        out[name] = ReduceGroup(split.group("expert_data"), split.group("expert"), owner)
     return out
 
 

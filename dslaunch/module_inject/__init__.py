@@ -5,7 +5,8 @@ dataflow (``dslaunch.runtime.tensor_parallel.auto_tp``). ``LinearLayer`` / ``Lin
 (``layers.py``) are DeepSpeed's hand-built layers, with its signatures; ``tp_shard.py`` its split;
 its per-architecture injection policies (``replace_policy.py``) are refused on use. AutoEP's
 paths: ``auto_ep.py`` (``AutoEP``), ``auto_ep_config.py`` (``AutoEPConfig``, ``parse_autoep_config``),
-``auto_ep_layer.py`` (``AutoEPMoELayer``), re-exporting ``dslaunch.runtime.moe.autoep``.
+``auto_ep_layer.py`` (``AutoEPMoELayer``), re-exporting ``dslaunch.runtime.moe.autoep``;
+``auto_ep_folding.py`` (the rank tables of AutoEP folded with AutoTP, ``dslaunch.runtime.moe.folding``).
 """
 
 from dslaunch.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode

@@ -1,6 +1,8 @@
 """DeepSpeed's ``deepspeed.moe`` import paths: ``layer.py`` (``MoE``), ``sharded_moe.py``
 (``TopKGate``, ``MOELayer``, the gating functions), ``experts.py`` (``Experts``), ``utils.py``
-(the expert-parameter helpers) and ``fused_expert_layout.py`` (fused expert weights' layout), re-exports of ``dslaunch.runtime.moe``; submodules are attributes
+(the expert-parameter helpers), ``fused_expert_layout.py`` (fused expert weights' layout) and
+``mappings.py`` (``drop_tokens`` / ``gather_tokens`` over the tensor slices), re-exports of
+``dslaunch.runtime.moe``; submodules are attributes
 after ``import deepspeed``.
 """
 

@@ -17,5 +17,8 @@ from dslaunch.runtime.moe.layer import MOELayer
 # DeepSpeed's private names for the sparse dispatch helpers (its tests and gating code import them)
 _route_slots, _sparse_encode, _sparse_decode = route_slots, sparse_encode, sparse_decode
 
+# DeepSpeed's flag for the optional Tutel kernels: dslaunch has none (use_tutel is logged and ignored)
+TUTEL_INSTALLED = False
+
 # dist: DeepSpeed's module attribute; the gates call dist.all_reduce through it (its tests patch it there)
-__all__ = ["dist", "TopKGate", "MOELayer", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample"]
+__all__ = ["dist", "TUTEL_INSTALLED", "TopKGate", "MOELayer", "top1gating", "top2gating", "topkgating", "multiplicative_jitter", "gumbel_rsample"]

@@ -126,8 +126,12 @@ class ExpertParallelConfig:
             ConfigError: AutoEP with AutoTP.
         """
         if self.enabled and tensor_parallel > 1:
-            raise ConfigError("AutoEP with AutoTP (tensor_parallel.autotp_size > 1) is not implemented (nor in "
-                              "DeepSpeed); remove one of the blocks", key="expert_parallel.enabled")
+            # DeepSpeed 0.19 folds the expert groups into the tensor x data mesh (runtime/moe/folding.py
+            # has its tables); dslaunch's converted blocks do not yet split their routes over the slices
+            raise ConfigError("AutoEP folded with AutoTP (tensor_parallel.autotp_size > 1, DeepSpeed's AutoEP+AutoTP "
+                              "folding) is not implemented by dslaunch yet; remove one of the blocks (a model's own "
+                              "deepspeed.moe.layer.MoE layers do train beside a tensor-parallel mpu)",
+                              key="expert_parallel.enabled")
 
 
 def parse_autoep_config(param_dict: Any) -> ExpertParallelConfig:

@@ -3,14 +3,17 @@
 ``gate.py`` routes tokens (``TopKGate``, top-1/top-2/top-k gating), ``experts.py`` holds a rank's
 expert copies, ``layer.py`` has ``MoE`` and the all-to-all ``MOELayer``, ``utils.py`` the
 expert-parameter helpers (``expert_group_name``: the expert group ZeRO reduces a parameter over),
-``layout_invariant.py`` the experts' per-source-block calls under ``layout_invariant``.
+``layout_invariant.py`` the experts' per-source-block calls under ``layout_invariant``,
+``tensor_slices.py`` the split of the slots over tensor slices beside the layer (an mpu with
+tensor parallelism).
 AutoEP (the ds_config ``expert_parallel`` block): ``autoep.py`` converts a Hugging Face MoE model's
 blocks into ``MOELayer``s at ``initialize``, ``autoep_presets.py`` finds the blocks,
 ``grouped_experts.py`` holds a rank's slice of the fused expert weights (``fused_layout.py`` tells
 their layout from the shapes), ``autoep_dispatch.py``
 sends tokens to them in exact counts, and ``autoep_state.py`` saves and loads them in the Hugging
 Face model's layout; ``autoep_universal.py`` refuses DeepSpeed's universal-checkpoint helpers for
-AutoEP (no conversion is needed).
+AutoEP (no conversion is needed). ``folding.py`` has the rank tables and config rules of AutoEP
+folded with AutoTP (DeepSpeed's ``auto_ep_folding``; the engine still refuses folded training).
 ``dslaunch/moe/`` re-exports them at DeepSpeed's import paths.
 """
 

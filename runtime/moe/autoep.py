@@ -21,6 +21,10 @@ Names: a converted block keeps its path; its router is ``<block>.gate.router`` a
 ``[ep_rank * n, (ep_rank + 1) * n)`` of the model's. ``state_dict()`` speaks the unconverted
 model's layout (``autoep_state.py``: whole experts, the router under its name; collective on the
 expert group), so what the Trainer saves loads with ``from_pretrained``.
+
+Beside tensor slices (an mpu with a tensor axis, or ``tensor_parallel.autotp_size``) AutoEP is
+refused: that is DeepSpeed's AutoEP+AutoTP folding (``folding.py`` has its tables), and a converted
+block does not split its routes over the slices yet.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ class AutoEPMoE(MOELayer):
         The engine calls it. collective: all ranks."""
         from dslaunch.runtime.parallel import deepspeed_groups as groups
 
+        _refuse_tensor_slices(groups)
         groups._create_expert_and_data_parallel(self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         self._set_ep_group(groups._get_expert_parallel_group(self.ep_group_name))
 
@@ -198,6 +203,23 @@ class AutoEP:
         return replaced
 
 
+def _refuse_tensor_slices(groups: Any) -> None:
+    """AutoEP beside an mpu with tensor slices is DeepSpeed's folding: its expert groups would span
+    the tensor peers, and a converted block does not split its routes over them (each expert would
+    get every token once per slice), so it is refused.
+
+    Raises:
+        NotInDslaunchError: the mpu has tensor slices.
+    """
+    if groups.get_tensor_model_parallel_world_size() > 1:
+        from dslaunch.utils.refused import Refusal
+
+        raise Refusal("AutoEP beside tensor parallelism (DeepSpeed's AutoEP+AutoTP folding: the converted blocks "
+                      "would have to split their routes over the tensor slices)",
+                      "train AutoEP without a tensor-parallel mpu or tensor_parallel.autotp_size, or use "
+                      "deepspeed.moe.layer.MoE layers, which train beside tensor slices").error("expert_parallel")
+
+
 def convert_for_expert_parallel(model: torch.nn.Module, cfg: ExpertParallelConfig, data_before_expert: bool = False
                                 ) -> dict[int, torch.nn.Parameter]:
     """Replace ``model``'s MoE blocks (in place) by ``AutoEPMoE`` layers holding this rank's experts.
@@ -226,6 +248,7 @@ def convert_for_expert_parallel(model: torch.nn.Module, cfg: ExpertParallelConfi
     if world % cfg.autoep_size:
         raise ConfigError(f"{cfg.autoep_size} does not divide the world of {world} ranks; use a divisor",
                           key="expert_parallel.autoep_size")
+    _refuse_tensor_slices(groups)
     groups._create_expert_and_data_parallel(cfg.autoep_size, use_data_before_expert_parallel_=data_before_expert)
     ep_rank = groups._get_expert_parallel_rank(f"ep_size_{cfg.autoep_size}")
     replaced = auto.replace_moe_layers(specs, cfg.autoep_size, ep_rank)

@@ -17,9 +17,13 @@ capacity with an all-reduce there too. Each all-to-all waits marked for the hang
 layer (``layer_id``: the engine numbers the layers, ``number_moe_layers``) and the expert group
 (``dslaunch.utils.beat.ExpertExchange``), and the comms logger counts it.
 
+Beside tensor parallelism (an mpu with tensor slices) the slices of a replica, which hold the same
+tokens, each send only their share of every expert's slots and gather the outputs back
+(``tensor_slices.py``); with ``enable_expert_tensor_parallelism`` the expert groups run over each
+tensor lane and every slice runs all slots through its part of the experts (DeepSpeed's layouts).
+
 Limitations: no Tutel (``use_tutel`` is logged and ignored, as DeepSpeed does without Tutel
-installed); no tensor parallelism inside or beside the experts (refused at
-``set_deepspeed_parallelism``).
+installed); ``layout_invariant`` with tensor slices is refused.
 """
 
 from __future__ import annotations
@@ -34,8 +38,16 @@ from torch import Tensor
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.moe.experts import Experts
-from dslaunch.runtime.moe.gate import NoisyGatePolicy, Routes, TopKGate, sparse_decode, sparse_encode
+from dslaunch.runtime.moe.gate import (
+    NoisyGatePolicy,
+    Routes,
+    TopKGate,
+    route_slots,
+    sparse_decode,
+    sparse_encode,
+)
 from dslaunch.runtime.moe.layout_invariant import run_by_source
+from dslaunch.runtime.moe.tensor_slices import TensorSlices, drop_tokens, gather_tokens
 from dslaunch.utils.beat import ExpertExchange
 
 __all__ = ["MoE", "MOELayer", "number_moe_layers"]
@@ -86,6 +98,8 @@ class MOELayer(torch.nn.Module):
         """DeepSpeed's ``moe_layer_id``: this layer's index among the model's MoE layers
         (``number_moe_layers``), for the hang report; None until numbered."""
         self._waits: dict[str, tuple[str, str]] | None = None
+        self.tensor_slices = TensorSlices()
+        """The tensor group beside the layer (an mpu with tensor parallelism), set with the expert group."""
         self.use_tutel = False
         self.wall_clock_breakdown = False
         self.time_falltoall = self.time_salltoall = self.time_moe = 0.0
@@ -95,6 +109,10 @@ class MOELayer(torch.nn.Module):
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group, self._waits = ep_group, None
         self.gate._set_ep_group(ep_group)
+
+    def _set_tensor_slices(self, slices: TensorSlices) -> None:
+        """Split the slots over the tensor slices around the all-to-all (``tensor_slices.py``)."""
+        self.tensor_slices = slices
 
     def set_layout_invariant(self, on: bool) -> None:
         """Run the experts per source block (``layout_invariant``); the engine calls it.
@@ -161,18 +179,33 @@ class MOELayer(torch.nn.Module):
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         experts, capacity = routes.num_experts, routes.capacity
-        slots = routes.slots()  # [k, S]: route 0 of every token, then route 1, ...
-        received = self._exchange(sparse_encode(tokens, slots, experts, capacity), "dispatch")
-        expert_in = received.reshape(self.ep_size, self.num_local_experts, capacity, width)
+        tp = self.tensor_slices
+        # Tensor slices share the tokens: each sends only its share of every expert's slots (the
+        # capacity padded to split evenly; an empty slot adds nothing), and gathers them back after.
+        capacity = -(-capacity // tp.size) * tp.size
+        slots = route_slots(routes.experts, routes.locations, experts, capacity)  # [k, S]: route 0, then 1, ...
+        placed = drop_tokens(sparse_encode(tokens, slots, experts, capacity), 1, tp)
+        received = self._exchange(placed, "dispatch")
+        if tp.experts_sliced:  # each slice runs every slot through its part of the experts
+            received = gather_tokens(received, 1, tp)
+        expert_in = received.reshape(self.ep_size, self.num_local_experts, -1, width)
         self.experts.routed = (routes.experts, experts * capacity)  # the flops profiler's share
         if self.layout_invariant:
+            if tp.size > 1:  # its per-source rows count whole capacities, not one slice's share
+                from dslaunch.errors import ConfigError
+
+                raise ConfigError("true: MoE layers beside tensor parallelism have no per-block form yet; "
+                                  "disable layout_invariant", key="layout_invariant.enabled")
             rows = self._source_rows(routes).reshape(self.ep_size, self.num_local_experts)
             expert_out = run_by_source(self.experts.deepspeed_experts, expert_in, rows)
         else:
             expert_out = self.experts(expert_in)
-        expert_out = expert_out.reshape(experts * capacity, width)
-        returned = self._exchange(expert_out, "combine")
-        return sparse_decode(returned, slots, routes.gates, tokens.shape[0]).reshape(hidden.shape)
+        expert_out = expert_out.reshape(experts, -1, width)
+        if tp.experts_sliced:
+            expert_out = drop_tokens(expert_out, 1, tp)
+        returned = gather_tokens(self._exchange(expert_out, "combine"), 1, tp)
+        return sparse_decode(returned.reshape(experts * capacity, width), slots, routes.gates,
+                             tokens.shape[0]).reshape(hidden.shape)
 
 
 class MoE(torch.nn.Module):
@@ -190,7 +223,9 @@ class MoE(torch.nn.Module):
         use_residual: Residual MoE: the output mixes the experts' and a dense copy of ``expert``
             (``mlp``) by a learned per-token softmax coefficient.
         use_tutel: ignored with a warning (no Tutel).
-        enable_expert_tensor_parallelism: accepted; without tensor parallelism it changes nothing.
+        enable_expert_tensor_parallelism: beside an mpu with tensor slices, the experts are
+            tensor-sliced too: expert groups over each tensor lane's data ranks, every slice runs
+            every slot (DeepSpeed's); without tensor parallelism it changes nothing.
 
     Raises:
         UsageError: ``num_experts`` not a multiple of ``ep_size``, or an unknown noisy gate policy.
@@ -228,17 +263,34 @@ class MoE(torch.nn.Module):
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Create (once per ``ep_size``) the expert and expert-data groups and give this layer its
-        expert group. The engine calls it on every module that has it. Collective: all ranks."""
+        expert group. The engine calls it on every module that has it. Collective: all ranks.
+
+        Beside an mpu with tensor slices the layer also splits its slots over them
+        (``tensor_slices.py``), and its groups follow DeepSpeed's layout for
+        ``enable_expert_tensor_parallelism`` (``runtime/parallel/tensor_experts.py``).
+        """
         from dslaunch.runtime.parallel import deepspeed_groups as groups
 
-        if groups.get_tensor_model_parallel_world_size() > 1:
-            from dslaunch.errors import NotInDslaunchError
+        tensor = groups.get_tensor_model_parallel_world_size()
+        name = self.expert_group_name
+        if name not in groups._get_expert_parallel_group_dict():
+            if tensor > 1 and self.enable_expert_tensor_parallelism:
+                groups._create_expert_data_and_model_parallel(self.ep_size, groups.mpu,
+                                                              use_data_before_expert_parallel_)
+            else:
+                groups._create_expert_and_data_parallel(
+                    self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(name))
+        if tensor > 1:
+            sliced = groups.expert_home(groups.mpu).sliced(self.ep_size)
+            if not sliced and _holds_tensor_slices(self.deepspeed_moe.experts):
+                from dslaunch.errors import UsageError
 
-            raise NotInDslaunchError("MoE with tensor parallelism (expert or token slicing over the tensor group) "
-                                     "is not in dslaunch; train MoE layers without a tensor-parallel mpu")
-        groups._create_expert_and_data_parallel(self.ep_size,
-                                                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-        self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
+                raise UsageError("MoE: the experts hold tensor-parallel layers (each rank a slice of every expert), "
+                                 f"but their {name} groups were made for whole experts; pass "
+                                 "enable_expert_tensor_parallelism=True to every MoE layer of this ep_size")
+            self.deepspeed_moe._set_tensor_slices(TensorSlices(groups.get_tensor_model_parallel_group(), tensor,
+                                                               groups.get_tensor_model_parallel_rank(), sliced))
 
     def forward(self, hidden_states: Tensor, used_token: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(output, l_aux, exp_counts)``; ``used_token`` (``[S]``, 0 or 1) keeps padding out of
@@ -250,6 +302,13 @@ class MoE(torch.nn.Module):
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + dense * coef[..., 1:]
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+
+
+def _holds_tensor_slices(experts: torch.nn.Module) -> bool:
+    """Whether ``experts`` contain tensor-parallel linears (AutoTP's or Megatron-style ones)."""
+    from dslaunch.runtime.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return any(isinstance(m, ColumnParallelLinear | RowParallelLinear) for m in experts.modules())
 
 
 def number_moe_layers(model: torch.nn.Module) -> None:

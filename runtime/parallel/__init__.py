@@ -13,6 +13,8 @@
 - ``from_config.py``: the degrees a ds_config sets itself, and the grid they make without an mpu.
 - ``deepspeed_groups.py``: DeepSpeed's ``groups`` module (``deepspeed.utils.groups`` is it): this
   rank's groups from the last engine's grid, expert groups by ``ep_size_<N>`` name.
+- ``tensor_experts.py``: expert groups beside an mpu with tensor slices (DeepSpeed's two layouts:
+  experts over every rank of a stage, or over each tensor lane's data ranks).
 
 DeepSpeed's import paths (``deepspeed.runtime.pipe.topology``, ``deepspeed.utils.groups``) answer
 from here.

@@ -17,7 +17,9 @@ pipeline stage's data ranks into expert groups of ``N`` and expert-data groups (
 ``ep_size_<N>``, DeepSpeed's rank layout), kept on the grid's ``ParallelGroups`` (the mpu's, or the
 one-axis grid of a job without one: ``grid``); ``_get_expert_*(name)`` read them. Asked without a
 name before any split, they answer as DeepSpeed does without expert parallelism: size 1, the expert
-group a ``KeyError``, the expert-data group the data-parallel group.
+group a ``KeyError``, the expert-data group the data-parallel group. Beside an mpu with tensor
+slices the splits follow DeepSpeed's two layouts (experts over every rank of a stage, or, through
+``_create_expert_data_and_model_parallel``, over each tensor lane's data ranks): ``tensor_experts.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from dslaunch.runtime.parallel.groups import ep_size_of
-from dslaunch.runtime.parallel.mpu import tensor_axis
+from dslaunch.runtime.parallel.mpu import bwc_tensor_model_parallel_world_size, has_tensor_axis, tensor_axis
+from dslaunch.runtime.parallel.tensor_experts import TensorExperts, expert_parallel_ranks
 
 __all__ = [
     "get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank",
@@ -150,11 +153,11 @@ def _get_sequence_parallel_group() -> Any:
 
 # ----- expert parallelism, by group name (DeepSpeed's ``ep_size_<N>``) --------------------------
 def _home() -> Any:
-    """The ``ParallelGroups`` the expert groups live on: the mpu's, else the last engine's grid's;
+    """Where the expert groups live (``expert_home``): the mpu's, else the last engine's grid's;
     before any engine, a one-axis grid made here (it is kept: the engine built next takes it).
 
     Raises:
-        UsageError: an mpu that is not a dslaunch grid (a Megatron mpu): its rank layout is unknown.
+        UsageError: an mpu without tensor slices that is not a dslaunch grid: its rank layout is unknown.
     """
     global grid
     holder = mpu if mpu is not None else grid
@@ -163,7 +166,7 @@ def _home() -> Any:
         from dslaunch.runtime.parallel.grid import DataParallelGrid
 
         holder = grid = DataParallelGrid()
-    home = getattr(holder, "groups", None)
+    home = expert_home(holder)
     if home is None:
         from dslaunch.errors import UsageError
 
@@ -171,6 +174,25 @@ def _home() -> Any:
                          "PipelineParallelGrid, so dslaunch does not know its rank layout; pass "
                          "mpu=PipelineParallelGrid(topology) (or no mpu) to deepspeed.initialize")
     return home
+
+
+_tensor_home: Any = None
+"""The ``TensorExperts`` of the last mpu with tensor slices asked for expert groups (it keeps
+their splits, as DeepSpeed's module dicts do); remade for another mpu."""
+
+
+def expert_home(holder: Any) -> Any:
+    """What holds ``holder``'s expert splits (``experts(size, data_before)``, ``expert_sizes()``):
+    for an mpu with tensor slices a ``TensorExperts`` (DeepSpeed's layouts beside tensor
+    parallelism, ``tensor_experts.py``), else a dslaunch grid's ``ParallelGroups``; None for an
+    mpu of unknown layout."""
+    global _tensor_home
+    if has_tensor_axis(holder, "world_size") and tensor_axis(holder, "world_size") > 1:
+        if _tensor_home is None or _tensor_home.mpu is not holder:
+            dist = _dist()
+            _tensor_home = TensorExperts(holder, dist.get_world_size(), dist.get_rank())
+        return _tensor_home
+    return getattr(holder, "groups", None)
 
 
 def data_parallel_grid() -> Any:
@@ -198,7 +220,8 @@ def _experts(group_name: str | None) -> Any:
     """The groups of the expert split named ``group_name``; None: the largest split made (None if
     none was)."""
     if group_name is None:  # (answers without torch.distributed too, as before any split)
-        home = getattr(mpu if mpu is not None else grid, "groups", None)
+        holder = mpu if mpu is not None else grid
+        home = expert_home(holder) if holder is not None else None
         sizes = home.expert_sizes() if home is not None else []
         return home.experts(max(sizes)) if sizes else None
     home = _home()
@@ -220,23 +243,64 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | 
     Within each pipeline stage the data ranks split as DeepSpeed's: by default (E + D) an expert
     group is ``N`` neighbouring data ranks and an expert-data group every ``N``-th (world 4, N 2:
     expert [0, 1], [2, 3]; expert-data [0, 2], [1, 3]); with ``use_data_before_expert_parallel_``
-    (D + E) the other way round (expert [0, 2], [1, 3]; expert-data [0, 1], [2, 3]).
+    (D + E) the other way round (expert [0, 2], [1, 3]; expert-data [0, 1], [2, 3]). Beside an mpu
+    with tensor slices every rank of a stage counts as a data rank here (DeepSpeed's layout for
+    experts that are not tensor-sliced: ``tensor_experts.py``).
 
     collective: every rank, the same sizes in the same order.
 
     Raises:
         UsageError: the size does not divide the data-parallel size, or an mpu dslaunch cannot place.
-        NotInDslaunchError: ``mp_size`` > 1 or ``folding_spec`` (expert groups across tensor slices).
+        NotInDslaunchError: ``mp_size`` > 1 or ``folding_spec`` (AutoEP's groups folded into the
+            tensor x data mesh).
     """
     if (mp_size or 1) > 1 or folding_spec is not None:
         from dslaunch.utils.refused import Refusal
 
-        raise Refusal("expert groups folded over tensor-parallel ranks (mp_size > 1, folding_spec)",
-                      "create them with mp_size=None: each tensor slice's data ranks split into experts"
+        raise Refusal("expert groups folded over tensor-parallel ranks (mp_size > 1, folding_spec: AutoEP with "
+                      "AutoTP)", "create them with mp_size=None (experts over every rank of a stage), or "
+                      "_create_expert_data_and_model_parallel (each tensor lane's data ranks split into experts)"
                       ).error("deepspeed.utils.groups._create_expert_and_data_parallel")
-    split = _home().experts(int(expert_parallel_size_), bool(use_data_before_expert_parallel_))
+    _make_split(int(expert_parallel_size_), bool(use_data_before_expert_parallel_), sliced=False)
+
+
+def _make_split(size: int, data_before: bool, sliced: bool) -> None:
+    home = _home()
+    split = home.experts(size, data_before, sliced) if sliced else home.experts(size, data_before)
     split.group("expert_data")  # DeepSpeed's order: expert-data groups, then expert groups
     split.group("expert")
+
+
+def _create_expert_data_and_model_parallel(expert_parallel_size_: int, mpu: Any,
+                                           use_data_before_expert_parallel_: bool = False) -> None:
+    """Create the ``ep_size_<N>`` groups for tensor-sliced experts (``MoE(...,
+    enable_expert_tensor_parallelism=True)``): each tensor lane's data ranks split into expert
+    groups of ``N`` (``tensor_experts.py``); without tensor slices, as
+    ``_create_expert_and_data_parallel``. Once per size. collective: every rank.
+
+    Raises:
+        UsageError: ``mpu`` is not the job's (``deepspeed.initialize(mpu=...)``), or the sizes do not divide.
+    """
+    size = bwc_tensor_model_parallel_world_size(mpu)
+    if size == 1:
+        _create_expert_and_data_parallel(expert_parallel_size_,
+                                         use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        return
+    if mpu is not globals()["mpu"]:
+        from dslaunch.errors import UsageError
+
+        raise UsageError("deepspeed.utils.groups._create_expert_data_and_model_parallel: pass the mpu the engine "
+                         "was built with (deepspeed.initialize(mpu=...) sets deepspeed.utils.groups.mpu)")
+    _make_split(int(expert_parallel_size_), bool(use_data_before_expert_parallel_), sliced=True)
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    """The tensor slices of each expert: the tensor-parallel size once tensor-sliced expert groups
+    were made (``_create_expert_data_and_model_parallel``), else 1 (DeepSpeed's
+    ``expert_tensor_parallel_world_size``)."""
+    holder = mpu if mpu is not None else grid
+    home = expert_home(holder) if holder is not None else None
+    return getattr(home, "expert_tensor_size", 1)
 
 
 def _get_expert_parallel_group_dict() -> dict[str, Any]:
@@ -349,7 +413,7 @@ def _get_expert_broadcast_src_rank(group_name: str) -> int:
 _get_model_parallel_world_size = get_model_parallel_world_size
 _get_model_parallel_rank = get_model_parallel_rank
 _get_model_parallel_group = get_model_parallel_group
-_get_expert_model_parallel_world_size = _get_expert_parallel_world_size
+_get_expert_parallel_ranks = expert_parallel_ranks
 
 get_data_parallel_group = _get_data_parallel_group
 get_data_parallel_world_size = _get_data_parallel_world_size

@@ -87,6 +87,11 @@ class ReduceGroup:
 
     process_group: Any
     spread_group: Any = None
+    norm_owner: bool | None = None
+    """None: each parameter counts in the norm where ``GroupSpec.norm_skipped`` says. True / False:
+    every rank counts all of its parameters, and the sum over the spread group (every expert once)
+    is added to the global norm by the owner only (experts over every rank beside tensor slices:
+    tensor peers hold different experts, and the norm counts the sum on tensor rank 0)."""
 
 
 @dataclass(frozen=True)

@@ -373,7 +373,8 @@ class ZeroStrategy:
             for reduce in (reduce_part.placement.norm_all_reduce, reduce_part.spread_sum):
                 if reduce is not None:
                     reduce(sq)
-            total += sq
+            if reduce_part.norm_owner is not False:
+                total += sq
         if self._model_parallel_sum is not None:
             self._model_parallel_sum(total)
         return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
@@ -484,7 +485,7 @@ class ReducePart:
         self.indices, self.pg, self.exchange = indices, group.process_group, exchange
         self.world_size = dist.get_world_size(self.pg) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.pg) if dist.is_initialized() else 0
-        spread = group.spread_group
+        spread, self.norm_owner = group.spread_group, group.norm_owner
         self.spread_sum = sum_over_ranks(dist.get_world_size(spread), spread) if spread is not None else None
         self.placement = strategy.placement_type(specs, comm, self.world_size, self.rank, self.pg)
         gradients_type = FullGradients if exchange.needs_local_gradients else strategy.gradients_type

@@ -65,6 +65,29 @@ def batch(rank: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, CLASSES, (TOKENS,), generator=gen)
 
 
+def clipped_losses(model: TinyMoENet, stage: int, data_rank: int, steps: int, mpu: object = None) -> list[float]:
+    """``steps`` steps of ``model`` through ``deepspeed.initialize`` (SGD with momentum, ZeRO
+    ``stage``, gradient clipping at 0.05, which must act), on data rank ``data_rank``'s batches;
+    the losses."""
+    import dslaunch as deepspeed
+    from dslaunch.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    params = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
+    config = {"train_micro_batch_size_per_gpu": TOKENS, "steps_per_print": 1000,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}},
+              "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config, mpu=mpu)
+    losses, clipped = [], 0
+    for step in range(steps):
+        loss = engine(*batch(data_rank, step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        clipped += engine.get_global_grad_norm() > 0.05
+    assert clipped, "the clip never acted: raise the learning rate or lower gradient_clipping"
+    return losses
+
+
 def expert_index(name: str, first_global: int) -> str:
     """``name`` of a local expert parameter renamed to its global expert index."""
     head, sep, tail = name.partition("deepspeed_experts.")

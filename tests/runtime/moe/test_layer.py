@@ -75,3 +75,13 @@ def test_expert_parallel_layer_equals_one_process_holding_every_expert(ep_size: 
         if case.drop_tokens:  # some expert is over capacity: tokens are really dropped
             capacity = max(-(-16 * case.k // 4), 2)
             assert int(want["busiest"]) > capacity, case.label
+
+
+def test_use_tutel_is_off_as_in_deepspeed_without_tutel() -> None:
+    """DeepSpeed's scripts (and its tests) read ``sharded_moe.TUTEL_INSTALLED`` to skip Tutel; the
+    layer runs without it, as DeepSpeed's does when Tutel is not installed."""
+    from dslaunch.moe import sharded_moe
+    from dslaunch.moe.layer import MoE
+
+    layer = MoE(4, torch.nn.Linear(4, 4), num_experts=2, use_tutel=True)
+    assert sharded_moe.TUTEL_INSTALLED is False and layer.deepspeed_moe.use_tutel is False
