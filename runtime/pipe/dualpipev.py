@@ -7,13 +7,10 @@ pipeline, or its interleaved schedule, which also gives each rank two parts of t
 (``PipelineModule(virtual_stages=2)``), placed round-robin instead of in a V.
 """
 
-from dslaunch.utils.refused import Refusal, refused_class
-
-DUALPIPEV = Refusal("DualPipeV (DeepSeek-V3's V-shaped pipeline schedule)",
-                    "use PipelineModule (1F1B), or PipelineModule(virtual_stages=2) for dslaunch's interleaved "
-                    "schedule with two parts of the model per rank")
+from dslaunch.runtime.pipe.schedule import DUALPIPEV
+from dslaunch.utils.refused import refused_class
 
 DualPipeVModule = refused_class(__name__, "DualPipeVModule", DUALPIPEV)
 DualPipeVEngine = refused_class(__name__, "DualPipeVEngine", DUALPIPEV)
 
-__all__ = ["DualPipeVModule", "DualPipeVEngine", "DUALPIPEV"]
+__all__ = ["DualPipeVModule", "DualPipeVEngine"]

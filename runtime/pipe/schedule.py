@@ -29,10 +29,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dslaunch.runtime.pipe.dualpipev import DUALPIPEV
-from dslaunch.utils.refused import refused_class
+from dslaunch.utils.refused import Refusal, refused_class
 
-__all__ = ["DualPipeVSchedule", "PipeInstruction", "BufferOpInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass",
+__all__ = ["DualPipeVSchedule", "DUALPIPEV", "PipeInstruction", "BufferOpInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass",
            "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "OptimizerStep", "PipeSchedule",
            "TrainSchedule", "InterleavedSchedule", "InferenceSchedule", "DataParallelSchedule", "SCHEDULES",
            "schedule_choices", "execution_order"]
@@ -405,5 +404,9 @@ def schedule_choices() -> str:
     return ", ".join(repr(name) for name in SCHEDULES)
 
 
-# DeepSpeed 0.19.8's DualPipeV schedule: refused on use (``dualpipev.py`` says why and what instead)
+# DeepSpeed 0.19.8's DualPipeV (``dualpipev.py``): refused on use. Here, not there, so that the
+# base engine, which reads this module's registry, imports nothing else of the pipeline package.
+DUALPIPEV = Refusal("DualPipeV (DeepSeek-V3's V-shaped pipeline schedule)",
+                    "use PipelineModule (1F1B), or PipelineModule(virtual_stages=2) for dslaunch's interleaved "
+                    "schedule with two parts of the model per rank")
 DualPipeVSchedule = refused_class(__name__, "DualPipeVSchedule", DUALPIPEV)
