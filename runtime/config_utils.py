@@ -81,10 +81,13 @@ def _validation_error_class() -> type | None:
         ``ConfigError``'s one line, its ``errors()`` pydantic's."""
 
         def __init__(self, *args: Any) -> None:  # pydantic's __new__ built it; ConfigError's would not fit
-            self.key, self.source, self.line = None, None, ""
+            self.original: ConfigError | None = None
 
         def __str__(self) -> str:
-            return self.line
+            return str(self.original)
+
+        def __reduce__(self) -> tuple:  # a rank's error crosses to the parent pickled
+            return as_validation_error, (self.original, self.title)
 
     ConfigValidationError.__qualname__ = "ConfigValidationError"  # tracebacks name it without <locals>
     return ConfigValidationError
@@ -99,7 +102,7 @@ def as_validation_error(err: ConfigError, title: str) -> ConfigError:
     loc = tuple(err.key.split(".")[1:]) if err.key else ()
     out = cls.from_exception_data(title, [{"type": "value_error", "loc": loc, "input": None,
                                            "ctx": {"error": ValueError(str(err))}}])
-    out.key, out.source, out.line = err.key, err.source, str(err)
+    out.original, out.key, out.source = err, err.key, err.source
     return out
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import FrozenInstanceError
 from pathlib import Path
 
@@ -104,6 +105,8 @@ def test_deepspeed_named_sections_raise_pydantics_validation_error() -> None:
         assert isinstance(err, ConfigError) and err.key == f"fp16.{key}"
         assert str(err).startswith(f"'fp16.{key}': ") and "\n" not in str(err)
         assert [e["loc"] for e in err.errors()] == [(key,)]
+        again = pickle.loads(pickle.dumps(err))  # as a rank's error reaches its parent
+        assert isinstance(again, ValidationError) and (str(again), again.key) == (str(err), err.key)
     with pytest.raises(ValidationError, match="did you mean"):
         DeepSpeedZeroConfig(stag=3)
     # the config file's own parse keeps the plain ConfigError
