@@ -104,7 +104,9 @@ def _stop(proc: subprocess.Popen) -> None:
 HARNESS_STOPPERS = {"dslaunch": ["unit/v1/zero/test_zero.py::TestZeroOffloadOptim::test[True]",
                                   # coalescing works there on dslaunch: the raises() fails in a rank
                                   "unit/v1/zero/test_zero_coalesce_grad_reduction.py::TestCoalesceGradAccumDtype::"
-                                  "test_zero1_no_offload_uses_bf16_optimizer"]}
+                                  "test_zero1_no_offload_uses_bf16_optimizer",
+                                  # native MoE at ZeRO-3 trains on dslaunch: the raises() fails in a rank
+                                  "unit/v1/moe/test_autoep_integration.py::TestAutoEPOnly::test_zero3_native_moe_rejected_2gpu"]}
 
 
 def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path, args) -> report.SideRun:
