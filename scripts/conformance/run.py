@@ -176,9 +176,11 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
 # Files whose tests are many multi-process runs: at the common cap they passed on a quiet machine
 # and were cut under load (11 tests in one loaded run, all passing at 1200 s). The v1 ZeRO files:
 # ~30 min a side each on this machine under load (2026-12-07). v1/moe's test_moe.py: 40 tests, 30-60 s
-# each on dslaunch's side under load (cut at 420 s after 7).
+# each on dslaunch's side under load (cut at 420 s after 7). The coalesce file: 49 two-rank runs, cut
+# at 420 s after 22 on dslaunch's side (load 15-19, 2026-12-07).
 LONG_FILES = {"unit/comm/test_dist.py": 3, "unit/checkpoint/test_zero_optimizer.py": 3,
               "unit/v1/zero/test_zero_user_backward.py": 6, "unit/v1/zero/test_zero.py": 6,
+              "unit/v1/zero/test_zero_coalesce_grad_reduction.py": 4,
               "unit/v1/moe/test_moe.py": 6, "unit/v1/moe/test_autoep_checkpoint.py": 3,
               "unit/v1/moe/test_autoep_integration.py": 3}
 
