@@ -8,6 +8,11 @@ assignments are validated, ``"auto"`` values are dropped (the default stands) un
 ``strict=True``, and a field marked ``json_schema_extra={"deprecated": True, "new_param": "x",
 "new_param_fn": f}`` that is set moves its value (through ``f``) to ``x`` with a warning; giving
 both is an ``AssertionError``.
+
+``as_validation_error`` gives dslaunch's config classes under DeepSpeed's names
+(``DeepSpeedFP16Config(...)``, ``DeepSpeedZeroConfig(...)``) DeepSpeed's error class: a bad value
+there is a ``ConfigError`` (one line, naming the key) that is also pydantic's ``ValidationError``,
+which DeepSpeed's pydantic models raise and scripts catch.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import functools
 import logging
 from typing import Any
 
-__all__ = ["DeepSpeedConfigModel"]  # noqa: F822 (built on first use by __getattr__)
+from dslaunch.errors import ConfigError
+
+__all__ = ["DeepSpeedConfigModel", "as_validation_error"]  # noqa: F822 (built on first use by __getattr__)
 
 log = logging.getLogger("dslaunch")
 
@@ -60,6 +67,43 @@ def _build() -> type:
 @functools.cache
 def _model() -> type:
     return _build()
+
+
+@functools.cache
+def _validation_error_class() -> type | None:
+    try:
+        from pydantic import ValidationError
+    except ImportError:  # no pydantic: no script can be catching its class
+        return None
+
+    class ConfigValidationError(ValidationError, ConfigError):
+        """A ``ConfigError`` that is also pydantic's ``ValidationError``; its message is the
+        ``ConfigError``'s one line, its ``errors()`` pydantic's."""
+
+        def __init__(self, *args: Any) -> None:  # pydantic's __new__ built it; ConfigError's would not fit
+            self.original: ConfigError | None = None
+
+        def __str__(self) -> str:
+            return str(self.original)
+
+        def __reduce__(self) -> tuple:  # a rank's error crosses to the parent pickled
+            return as_validation_error, (self.original, self.title)
+
+    ConfigValidationError.__qualname__ = "ConfigValidationError"  # tracebacks name it without <locals>
+    return ConfigValidationError
+
+
+def as_validation_error(err: ConfigError, title: str) -> ConfigError:
+    """``err`` as DeepSpeed's pydantic ``ValidationError`` of the model ``title`` (still a
+    ``ConfigError``, same message and key); ``err`` itself where pydantic is not installed."""
+    cls = _validation_error_class()
+    if cls is None:
+        return err
+    loc = tuple(err.key.split(".")[1:]) if err.key else ()
+    out = cls.from_exception_data(title, [{"type": "value_error", "loc": loc, "input": None,
+                                           "ctx": {"error": ValueError(str(err))}}])
+    out.original, out.key, out.source = err, err.key, err.source
+    return out
 
 
 def __getattr__(name: str) -> Any:

@@ -2,8 +2,10 @@
 dict, parsed as ``load_config`` parses them (``runtime/config/sections.py``).
 
 ``DeepSpeedFP16Config(**block)`` / ``DeepSpeedBF16Config(**block)`` are DeepSpeed's class names:
-calling one returns dslaunch's frozen ``Fp16Config`` / ``Bf16Config``. Limitation: a bad value is
-a ``ConfigError`` (a ``ValueError`` of one line naming the key), not pydantic's ``ValidationError``.
+calling one returns dslaunch's frozen ``Fp16Config`` / ``Bf16Config``. A bad value is a ``ConfigError``
+(one line naming the key) that is also pydantic's ``ValidationError`` where pydantic is installed, as
+DeepSpeed's models raise. Limitation: a number given as a string (``loss_scale: "3"``) is refused,
+as everywhere in a dslaunch config; DeepSpeed converts it.
 """
 
 from __future__ import annotations

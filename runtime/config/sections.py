@@ -390,13 +390,21 @@ def _default(f: dataclasses.Field) -> Any:
 class SectionClass(type):
     """A DeepSpeed config class name (``DeepSpeedZeroConfig``, ``DeepSpeedFP16Config``): calling
     it parses keyword settings into dslaunch's frozen section (its ``_parse``), and ``isinstance``
-    accepts that section (its ``_parsed``)."""
+    accepts that section (its ``_parsed``). A bad value is a ``ConfigError`` that is also pydantic's
+    ``ValidationError`` (DeepSpeed's classes are pydantic models), where pydantic is installed."""
 
     _parsed: type
     _parse: Callable[[dict[str, Any]], Any]
 
     def __call__(cls, **section: Any) -> Any:
-        return cls._parse(section)
+        try:
+            return cls._parse(section)
+        except ConfigError as err:
+            if type(err) is not ConfigError:  # a refusal (NotInDslaunchError) or DeepSpeed's assert
+                raise
+            from dslaunch.runtime.config_utils import as_validation_error
+
+            raise as_validation_error(err, cls.__name__) from None
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return isinstance(obj, cls._parsed)

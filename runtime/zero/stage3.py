@@ -65,6 +65,8 @@ class Stage3(ZeroStrategy):
         limits = FetchLimits(comm.prefetch_bucket_numel, comm.max_live_parameters, comm.max_reuse_distance)
         self.fetcher = (ParamFetcher(module, params, limits) if module is not None and _gathers(module)
                         else None)
+        if module is not None:
+            _mark_whole(module)
         for p in params:
             if p.ds_persist:  # whole all along: nothing to shape, nothing to release
                 continue
@@ -86,6 +88,18 @@ def _gathers(module: torch.nn.Module) -> bool:
     """Whether any of ``module``'s parameters is ever gathered: without one (every group resident,
     ``partitioned.py``, or every parameter persistent) the module is left unhooked, as at stage 0."""
     return any(zp.is_partitioned(p) and not p.ds_persist for p in module.parameters())
+
+
+def _mark_whole(module: torch.nn.Module) -> None:
+    """Give the parameters stage 3 keeps whole on every rank (those not given to the optimizer,
+    frozen ones, unless ``zero.Init`` partitioned them) the attributes of DeepSpeed's persistent
+    parameters: scripts walking a ZeRO-3 model read ``ds_persist``/``ds_status`` of every parameter.
+    No ``ds_id``/``ds_tensor``: they are not ZeRO parameters (``GatheredParameters`` and
+    ``is_zero_param`` leave them alone)."""
+    for p in module.parameters():
+        if not zp.is_partitioned(p):
+            p.ds_persist, p.ds_status = True, zp.ZeroParamStatus.AVAILABLE
+            p.ds_numel, p.ds_shape = p.numel(), p.shape
 
 
 def _shape_for_grad(p: torch.nn.Parameter):

@@ -104,7 +104,9 @@ def _stop(proc: subprocess.Popen) -> None:
 HARNESS_STOPPERS = {"dslaunch": ["unit/v1/zero/test_zero.py::TestZeroOffloadOptim::test[True]",
                                   # coalescing works there on dslaunch: the raises() fails in a rank
                                   "unit/v1/zero/test_zero_coalesce_grad_reduction.py::TestCoalesceGradAccumDtype::"
-                                  "test_zero1_no_offload_uses_bf16_optimizer"]}
+                                  "test_zero1_no_offload_uses_bf16_optimizer",
+                                  # native MoE at ZeRO-3 trains on dslaunch: the raises() fails in a rank
+                                  "unit/v1/moe/test_autoep_integration.py::TestAutoEPOnly::test_zero3_native_moe_rejected_2gpu"]}
 
 
 def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path, args) -> report.SideRun:
@@ -175,9 +177,11 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
 # and were cut under load (11 tests in one loaded run, all passing at 1200 s). The v1 ZeRO files:
 # ~30 min a side each on this machine under load (2026-12-07). v1/moe's test_moe.py: 40 tests, 30-60 s
 # each on dslaunch's side under load (cut at 420 s after 7); test_moe_tp.py: 12 four-rank
-# initializes, 394 s once and cut at 420 s after 9 under load ~20 (dslaunch, 2026-12-07).
+# initializes, 394 s once and cut at 420 s after 9 under load ~20 (dslaunch, 2026-12-07). The
+# coalesce file: 49 two-rank runs, cut at 420 s after 22 on dslaunch's side (load 15-19, 2026-12-07).
 LONG_FILES = {"unit/v1/moe/test_moe_tp.py": 3, "unit/comm/test_dist.py": 3, "unit/checkpoint/test_zero_optimizer.py": 3,
               "unit/v1/zero/test_zero_user_backward.py": 6, "unit/v1/zero/test_zero.py": 6,
+              "unit/v1/zero/test_zero_coalesce_grad_reduction.py": 4,
               "unit/v1/moe/test_moe.py": 6, "unit/v1/moe/test_autoep_checkpoint.py": 3,
               "unit/v1/moe/test_autoep_integration.py": 3}
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import FrozenInstanceError
 from pathlib import Path
 
@@ -88,6 +89,30 @@ def test_precision_config_classes_parse_as_the_config_file_does() -> None:
                      ({"loss_scale_window": True}, "loss_scale_window")):
         with pytest.raises(ConfigError, match=rf"^'fp16\.{key}': must be"):  # a ValueError, one line
             DeepSpeedFP16Config(enabled=True, **bad)
+
+
+def test_deepspeed_named_sections_raise_pydantics_validation_error() -> None:
+    pytest.importorskip("pydantic", reason="the class is pydantic's, which dslaunch does not require")
+    from pydantic import ValidationError
+
+    for bad, key in (({"loss_scale": float("nan")}, "loss_scale"), ({"loss_scale": {}}, "loss_scale"),
+                     ({"min_loss_scale": False}, "min_loss_scale"), ({"loss_scale_window": -1}, "loss_scale_window"),
+                     ({"loss_scale_windw": 2}, "loss_scale_windw")):
+        with pytest.raises(ValidationError) as caught:  # DeepSpeed's models are pydantic's
+            DeepSpeedFP16Config(enabled=True, loss_scale=bad.pop("loss_scale", 0), **bad)
+        err = caught.value
+        # still dslaunch's one line naming the key, and pydantic's error list
+        assert isinstance(err, ConfigError) and err.key == f"fp16.{key}"
+        assert str(err).startswith(f"'fp16.{key}': ") and "\n" not in str(err)
+        assert [e["loc"] for e in err.errors()] == [(key,)]
+        again = pickle.loads(pickle.dumps(err))  # as a rank's error reaches its parent
+        assert isinstance(again, ValidationError) and (str(again), again.key) == (str(err), err.key)
+    with pytest.raises(ValidationError, match="did you mean"):
+        DeepSpeedZeroConfig(stag=3)
+    # the config file's own parse keeps the plain ConfigError
+    with pytest.raises(ConfigError) as caught:
+        load_config({"train_batch_size": 8, "fp16": {"loss_scale": -1}}, 1)
+    assert not isinstance(caught.value, ValidationError)
 
 
 def test_config_model_base_class_as_deepspeeds() -> None:

@@ -113,6 +113,35 @@ def test_activation_checkpointing(reentrant: bool) -> None:
     run_world(_checkpointed, 2, reentrant)
 
 
+def _frozen_status(rank: int, world: int) -> list[tuple[str, bool, str, bool, int]]:
+    import torch
+
+    import dslaunch
+    from dslaunch.runtime.zero.utils import is_zero_param
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    model[0].requires_grad_(False)
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = dslaunch.initialize(model=model, config=cfg, model_parameters=trainable)
+    engine.backward(engine(torch.randn(2, 8)).square().mean())
+    engine.step()
+    # DeepSpeed's test helpers walk every parameter: persistent ones whole, the others released
+    return [(name, p.ds_persist, p.ds_status.name, is_zero_param(p), p.numel()) for name, p in model.named_parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_frozen_parameters_read_as_persistent() -> None:
+    """Parameters not given to the optimizer stay whole at stage 3 (unless built under zero.Init):
+    they carry DeepSpeed's ``ds_persist``/``ds_status`` of a persistent parameter, not ``ds_id``."""
+    for status in run_world(_frozen_status, 2):
+        assert status == [("0.weight", True, "AVAILABLE", False, 8), ("0.bias", True, "AVAILABLE", False, 8),
+                          ("1.weight", False, "NOT_AVAILABLE", True, 0), ("1.bias", False, "NOT_AVAILABLE", True, 0),
+                          ("3.weight", False, "NOT_AVAILABLE", True, 0), ("3.bias", False, "NOT_AVAILABLE", True, 0)]
+
+
 def _empty_cache(rank: int, world: int, empty: bool) -> tuple[int, list[float]]:
     import torch
 
