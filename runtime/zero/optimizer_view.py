@@ -18,8 +18,9 @@ picks the class DeepSpeed would build:
 What each class answers is what DeepSpeed's class has and dslaunch has data for: ``optimizer``,
 ``param_groups``/``state``/``defaults`` (the torch optimizer's), ``state_dict()``/``load_state_dict()``
 (the ZeRO state the checkpoint layer saves: ``ZeroStrategy.state_dict``), ``zero_grad``, ``step``,
-``backward``, ``overflow``, ``clip_grad``, the loss-scale names (not ``BF16_Optimizer``, which has
-no scaler) and the partition views its tests read. Any other name raises ``AttributeError``
+``backward``, ``overflow``, ``clip_grad``, the loss-scale names (``loss_scaler``, ``loss_scale``,
+``cur_scale``, ``dynamic_loss_scale``; stage 0's ``loss_scale_config``; not ``BF16_Optimizer``,
+which has no scaler) and the partition views its tests read. Any other name raises ``AttributeError``
 naming the wrapper. Unlike DeepSpeed's, the wrappers are ``torch.optim.Optimizer`` instances, so
 torch's LR schedulers accept ``engine.optimizer``.
 
@@ -241,10 +242,19 @@ class DeepSpeedZeroOptimizer_Stage3(_Scaled, ZeROOptimizer):  # noqa: N801 (Deep
         """The counterpart of ``_set_fp32_optimizer_param_groups``: the groups stay as they are."""
 
 
-class FP16_Optimizer(_Scaled, DeepSpeedOptimizer):  # noqa: N801 (DeepSpeed's name)
-    """DeepSpeed's 16-bit wrapper of a fused Adam at stage 0."""
+class _Fp16(_Scaled):
+    """DeepSpeed 0.19.8's stage-0 16-bit wrappers keep their scale state in ``loss_scale_config``
+    (``cur_scale``, ``cur_iter``, ``scale_window``, ``dynamic_loss_scale``): the engine's scaler."""
 
     _refusal = MIXED_PRECISION_WRAPPER
+
+    @property
+    def loss_scale_config(self) -> Any:
+        return self._loss_scaler
+
+
+class FP16_Optimizer(_Fp16, DeepSpeedOptimizer):  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's 16-bit wrapper of a fused Adam at stage 0."""
 
     @property
     def fp16_groups(self) -> list[list[torch.nn.Parameter]]:
@@ -256,10 +266,8 @@ class FP16_Optimizer(_Scaled, DeepSpeedOptimizer):  # noqa: N801 (DeepSpeed's na
         return self._masters()
 
 
-class FP16_UnfusedOptimizer(_Scaled, DeepSpeedOptimizer):  # noqa: N801 (DeepSpeed's name)
+class FP16_UnfusedOptimizer(_Fp16, DeepSpeedOptimizer):  # noqa: N801 (DeepSpeed's name)
     """DeepSpeed's 16-bit wrapper of any other optimizer at stage 0."""
-
-    _refusal = MIXED_PRECISION_WRAPPER
 
     @property
     def fp16_groups(self) -> list[list[torch.nn.Parameter]]:

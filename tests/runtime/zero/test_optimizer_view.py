@@ -89,6 +89,9 @@ def test_engine_optimizer_is_deepspeeds_wrapper_class_over_the_torch_optimizer()
             assert [list(g) for g in opt.bit16_groups] == [list(g.params) for g in engine.zero.groups]
         if isinstance(opt, FP16_Optimizer):
             assert opt.fp32_groups_flat == masters
+        if expected.startswith("FP16"):  # DeepSpeed 0.19.8's: the scale state in loss_scale_config
+            assert opt.loss_scale_config is engine.loss_scaler
+            assert opt.loss_scale_config.dynamic_loss_scale is (precision == "fp16")
         if expected == "FP16_UnfusedOptimizer":  # one fp32 view per parameter, shaped like it
             assert [t.shape for t in opt.fp32_groups[0]] == [p.shape for p in engine.module.parameters()]
             assert opt.fp32_groups[0][0].data_ptr() == masters[0].data_ptr()
