@@ -60,6 +60,12 @@ def torch_optimizer(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, _View) else optimizer
 
 
+def _inner(name: str) -> property:
+    """The torch optimizer's ``name``, read and set through (DeepSpeed's wrappers' properties)."""
+    return property(lambda self: getattr(self.optimizer, name), lambda self, value: setattr(self.optimizer, name, value),
+                    doc=f"The torch optimizer's ``{name}``.")
+
+
 class _View(torch.optim.Optimizer):
     """What every wrapper answers (see the module docstring). ``torch.optim.Optimizer.__init__``
     is never run: the param groups and state are the torch optimizer's."""
@@ -83,29 +89,9 @@ class _View(torch.optim.Optimizer):
         """The torch optimizer over the fp32 master shards."""
         return self._zero.optimizer
 
-    @property
-    def param_groups(self) -> list[dict]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict) -> None:
-        self.optimizer.defaults = value
+    param_groups = _inner("param_groups")
+    state = _inner("state")
+    defaults = _inner("defaults")
 
     @property
     def _global_grad_norm(self) -> float:
@@ -207,32 +193,22 @@ class _Scaled(_View):
     cur_scale = loss_scale
 
 
+_PARAMS = "Each param group's model parameters."
+_MASTERS = "Each param group's fp32 master (this rank's shard where it is partitioned): what the torch optimizer updates."
+
+
 class DeepSpeedZeroOptimizer(_Scaled, ZeROOptimizer):
     """DeepSpeed's ZeRO stage 1/2 optimizer: ``engine.optimizer`` at those stages."""
 
-    @property
-    def bit16_groups(self) -> list[list[torch.nn.Parameter]]:
-        """Each param group's model parameters."""
-        return self._model_groups()
-
-    @property
-    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
-        """Each param group's fp32 master shard of this rank (what the torch optimizer updates)."""
-        return self._masters()
+    bit16_groups = property(_View._model_groups, doc=_PARAMS)
+    single_partition_of_fp32_groups = property(_View._masters, doc=_MASTERS)
 
 
 class DeepSpeedZeroOptimizer_Stage3(_Scaled, ZeROOptimizer):  # noqa: N801 (DeepSpeed's name)
     """DeepSpeed's ZeRO stage 3 optimizer: ``engine.optimizer`` at stage 3."""
 
-    @property
-    def fp16_groups(self) -> list[list[torch.nn.Parameter]]:
-        """Each param group's (partitioned) model parameters."""
-        return self._model_groups()
-
-    @property
-    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
-        """Each param group's fp32 master shard of this rank."""
-        return self._masters()
+    fp16_groups = property(_View._model_groups, doc=_PARAMS)
+    fp32_partitioned_groups_flat = property(_View._masters, doc=_MASTERS)
 
     def _set_fp32_optimizer_param_groups(self) -> None:
         """DeepSpeed points its torch optimizer's groups at the fp32 shards around a
@@ -247,6 +223,7 @@ class _Fp16(_Scaled):
     (``cur_scale``, ``cur_iter``, ``scale_window``, ``dynamic_loss_scale``): the engine's scaler."""
 
     _refusal = MIXED_PRECISION_WRAPPER
+    fp16_groups = property(_View._model_groups, doc=_PARAMS)
 
     @property
     def loss_scale_config(self) -> Any:
@@ -256,22 +233,11 @@ class _Fp16(_Scaled):
 class FP16_Optimizer(_Fp16, DeepSpeedOptimizer):  # noqa: N801 (DeepSpeed's name)
     """DeepSpeed's 16-bit wrapper of a fused Adam at stage 0."""
 
-    @property
-    def fp16_groups(self) -> list[list[torch.nn.Parameter]]:
-        return self._model_groups()
-
-    @property
-    def fp32_groups_flat(self) -> list[torch.Tensor]:
-        """Each param group's flat fp32 master."""
-        return self._masters()
+    fp32_groups_flat = property(_View._masters, doc=_MASTERS)
 
 
 class FP16_UnfusedOptimizer(_Fp16, DeepSpeedOptimizer):  # noqa: N801 (DeepSpeed's name)
     """DeepSpeed's 16-bit wrapper of any other optimizer at stage 0."""
-
-    @property
-    def fp16_groups(self) -> list[list[torch.nn.Parameter]]:
-        return self._model_groups()
 
     @property
     def fp32_groups(self) -> list[list[torch.Tensor]]:
@@ -286,15 +252,8 @@ class BF16_Optimizer(_View, ZeROOptimizer):  # noqa: N801 (DeepSpeed's name)
     """DeepSpeed's bf16 wrapper with fp32 gradient accumulation (ZeRO stage 1; stage 0 pipelines)."""
 
     _refusal = MIXED_PRECISION_WRAPPER
-
-    @property
-    def bf16_groups(self) -> list[list[torch.nn.Parameter]]:
-        return self._model_groups()
-
-    @property
-    def fp32_groups_flat_partition(self) -> list[torch.Tensor]:
-        """Each param group's fp32 master shard of this rank."""
-        return self._masters()
+    bf16_groups = property(_View._model_groups, doc=_PARAMS)
+    fp32_groups_flat_partition = property(_View._masters, doc=_MASTERS)
 
 
 def optimizer_for(zero: Any, optimizer: Any, config: Any, loss_scaler: Any, check_overflow: bool,
