@@ -41,7 +41,7 @@ from dslaunch.runtime.fp16 import MIXED_PRECISION_WRAPPER
 from dslaunch.utils.refused import Refusal
 
 __all__ = ["DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "FP16_Optimizer", "FP16_UnfusedOptimizer",
-           "BF16_Optimizer", "optimizer_for", "take_step", "torch_optimizer"]
+           "BF16_Optimizer", "optimizer_for", "take_step"]
 
 ZERO_WRAPPER = Refusal("a stand-alone ZeRO optimizer wrapper",
                        "set \"zero_optimization.stage\" in the ds_config; engine.optimizer is the wrapper")
@@ -53,11 +53,6 @@ def take_step(zero: Any, loss_scaler: Any, clip: float, check_overflow: bool) ->
     result = zero.step(loss_scaler.loss_scale, clip, check_overflow=check_overflow)
     loss_scaler.update(result.overflow)
     return result
-
-
-def torch_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside ``engine.optimizer`` (itself where there is no wrapper)."""
-    return optimizer.optimizer if isinstance(optimizer, _View) else optimizer
 
 
 def _inner(name: str) -> property:
