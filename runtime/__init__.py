@@ -25,7 +25,8 @@
   ``chunked_cross_entropy.py`` (a causal-LM loss without an fp32 copy of the logits),
   ``partitioned_tensor.py`` (a tensor split flat over a group, DeepSpeed's ``PartitionedTensor``).
 - DeepSpeed's import paths answered from the above: ``utils.py``, ``constants.py``,
-  ``config_utils.py``, ``precision_config.py``, ``keep_in_fp32.py``, ``bf16_optimizer.py``, ``fp16/``,
+  ``config_utils.py``, ``precision_config.py``, ``keep_in_fp32.py``, ``base_optimizer.py`` (its
+  wrappers' base classes), ``bf16_optimizer.py``, ``fp16/``,
   ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused),
   ``checkpoint_engine/`` (its checkpoint-engine interface for a script's own files) and the refused
   ``domino/``.

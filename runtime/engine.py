@@ -15,6 +15,7 @@ checkpoint needs are ``engine_state_dict()`` / ``load_engine_state_dict()``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.progressive_layer_drop import ProgressiveLayerDrop
 from dslaunch.runtime.python_gc import PYTHON_GC
 from dslaunch.runtime.torch_autocast import Autocast
+from dslaunch.runtime.zero.optimizer_view import optimizer_for, take_step
 from dslaunch.utils.logging import set_log_level_from_string
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
 
@@ -117,11 +119,15 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         _set_parallelism(self.module, config)
         parts = build_components(self.module, config, self.precision, optimizer, model_parameters,
                                  lr_scheduler, training_data, collate_fn, self.grid)
-        self.zero, self.optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
+        self.zero, self.basic_optimizer, self.lr_scheduler = parts.zero, parts.optimizer, parts.lr_scheduler
         self.training_dataloader = parts.dataloader
         self.loss_scaler = PrecisionPolicy.loss_scaler(config)
         # A step with inf/NaN gradients is skipped under fp16, and under bf16 unless switched off (DeepSpeed's rules)
         self._skips_overflow = PrecisionPolicy.scales_loss(config) or (config.bf16.enabled and config.bf16.check_grad_overflow)
+        # DeepSpeed's wrapper where it has one (ZeRO, 16-bit), else the torch optimizer (basic_optimizer)
+        self.optimizer = optimizer_for(self.zero, self.basic_optimizer, config, self.loss_scaler, self._skips_overflow,
+                                       PrecisionPolicy.scales_loss(config), weakref.WeakMethod(self.backward),
+                                       self.pipeline_parallelism, from_config=optimizer is None)
         self._autocast = Autocast.from_config(config.torch_autocast, self.device)  # forwards under torch.autocast
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -272,9 +278,7 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         if self.progressive_layer_drop is not None:  # before the step is counted, as DeepSpeed's
             self.progressive_layer_drop.update_state(self.global_steps)
         with self.events.phase("step"):
-            result = self.zero.step(self.loss_scaler.loss_scale, self._config.gradient_clipping,
-                                    check_overflow=self._skips_overflow)
-        self.loss_scaler.update(result.overflow)
+            result = take_step(self.zero, self.loss_scaler, self._config.gradient_clipping, self._skips_overflow)
         self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
         if result.overflow:
             self.skipped_steps += 1

@@ -36,7 +36,7 @@ class EngineCheckpoints:
         place = placement(self.grid, self.module) if self.mpu is not None and holds_model_parts(self.grid) else None
         return CheckpointParts(module=self.module, zero=self.zero,
                                training=StateFns(self.engine_state_dict, self.load_engine_state_dict),
-                               optimizer=self.optimizer, global_steps=self.global_steps,
+                               optimizer=self.basic_optimizer, global_steps=self.global_steps,
                                config=self._config.checkpoint, io=self._checkpointer, placement=place,
                                ds_config=self.config, gradient_clipping=self._config.gradient_clipping,
                                bf16=self._config.bf16.enabled)

@@ -42,6 +42,7 @@ class EngineSettings:
     zero: Any
     loss_scaler: Any
     optimizer: Any
+    basic_optimizer: Any
     grid: Any
     seq_parallel_group: Any
     precision: Any
@@ -129,7 +130,7 @@ class EngineSettings:
         (DeepSpeed's own optimizer types lower-cased, as DeepSpeed's)."""
         given = self._config.raw.get("optimizer") or {}
         if "type" not in given:
-            return type(self.optimizer).__name__ if self.optimizer is not None else None
+            return type(self.basic_optimizer).__name__ if self.basic_optimizer is not None else None
         name = given["type"]
         return name.lower() if isinstance(name, str) and name.lower() in _LOWERED_OPTIMIZERS else name
 

@@ -4,8 +4,7 @@ A script often imports a feature at its top and uses it only behind a flag (Deep
 example imports ``deepspeed.moe.utils`` and builds ``MoE`` only with ``--moe``). So a name of a
 feature dslaunch lacks imports fine and raises ``NotInDslaunchError`` ("<name>: <feature> is not
 in dslaunch; <what to use instead>") when called or instantiated. A refused class stays a class:
-``isinstance(x, SomeRefusedClass)`` is False (unless it stands for a class dslaunch has),
-subclassing works until the first instance.
+``isinstance(x, SomeRefusedClass)`` is False, subclassing works until the first instance.
 
 The catalogue ``compat/import_catalogue.tsv`` lists every such name (answer ``refused: ...``) and
 its test checks each one.
@@ -31,28 +30,14 @@ class Refusal:
         return NotInDslaunchError(f"{name}: {self.feature} is not in dslaunch; {self.instead}")
 
 
-class _StandsFor(type):
-    """A refused class's metaclass when dslaunch has the thing under another class: instances of
-    that class pass ``isinstance`` (the engine's optimizer is a ``FP16_Optimizer`` to a script that
-    asks), while making one is still refused."""
-
-    stands_for: type
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, cls.stands_for)
-
-
-def refused_class(module: str, name: str, why: Refusal, stands_for: type | None = None) -> type:
-    """A class named ``name`` (as defined in ``module``) whose instances cannot be made; with
-    ``stands_for``, ``isinstance(x, it)`` is ``isinstance(x, stands_for)``."""
+def refused_class(module: str, name: str, why: Refusal) -> type:
+    """A class named ``name`` (as defined in ``module``) whose instances cannot be made."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
         raise why.error(f"{module}.{name}")
 
     body = {"__init__": __init__, "__module__": module, "__doc__": f"Not in dslaunch: {why.feature}; {why.instead}."}
-    if stands_for is None:
-        return type(name, (), body)
-    return _StandsFor(name, (), {**body, "stands_for": stands_for})
+    return type(name, (), body)
 
 
 def refused_function(module: str, name: str, why: Refusal) -> Callable[..., NoReturn]:

@@ -1,11 +1,6 @@
-"""``deepspeed.runtime.fp16.fused_optimizer``: ``FP16_Optimizer`` (see ``runtime/fp16/__init__.py``): making one
-is refused; the engine's optimizer under fp16/bf16 (``PrecisionPolicy``) is an instance of it to a
-script that asks ``isinstance`` (DeepSpeed's checkpoint tests and Megatron do)."""
+"""``deepspeed.runtime.fp16.fused_optimizer``: ``FP16_Optimizer``, ``engine.optimizer`` at ZeRO stage 0
+with fp16 over a fused Adam (``runtime/zero/optimizer_view.py``); making one by hand is refused."""
 
-from dslaunch.runtime.fp16 import MIXED_PRECISION_WRAPPER
-from dslaunch.runtime.precision import PrecisionPolicy
-from dslaunch.utils.refused import refused_class
-
-FP16_Optimizer = refused_class(__name__, "FP16_Optimizer", MIXED_PRECISION_WRAPPER, stands_for=PrecisionPolicy)
+from dslaunch.runtime.zero.optimizer_view import FP16_Optimizer
 
 __all__ = ["FP16_Optimizer"]

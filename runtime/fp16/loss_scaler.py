@@ -41,16 +41,8 @@ def _has_inf_or_nan(t: torch.Tensor) -> bool:
 
 
 class LossScalerBase(rules.LossScaler):
-    """DeepSpeed's base: ``cur_scale``, ``dynamic`` (the class's, or a loaded file's), ``scale_loss``,
-    ``backward``, ``update_scale``."""
-
-    @property
-    def cur_scale(self) -> float:
-        return self._scale
-
-    @cur_scale.setter
-    def cur_scale(self, value: float) -> None:
-        self._scale = float(value)
+    """DeepSpeed's base: ``cur_scale`` (dslaunch's scalers have it), ``dynamic`` (the class's, or a
+    loaded file's), ``scale_loss``, ``backward``, ``update_scale``."""
 
     def scale_gradient(self, module: Any, grad_in: tuple, grad_out: tuple) -> tuple:
         """A backward hook's answer: every input gradient times the scale."""

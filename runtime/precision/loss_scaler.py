@@ -45,6 +45,20 @@ class LossScaler:
     def loss_scale(self) -> float:
         return self._scale
 
+    @property
+    def cur_scale(self) -> float:
+        """The scale, under DeepSpeed's name (``engine.optimizer.cur_scale`` reads it)."""
+        return self._scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self._scale = float(value)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """``dynamic`` under the name DeepSpeed's fp16 wrappers' ``loss_scale_config`` gives it."""
+        return self.dynamic
+
     def scale_loss(self, loss: Any) -> Any:
         """``loss * loss_scale`` (the loss itself when the scale is 1, keeping the graph small)."""
         return loss if self._scale == 1.0 else loss * self._scale

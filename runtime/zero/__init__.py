@@ -4,6 +4,8 @@ The engine picks a stage once from ``registry.STRATEGIES`` (the only list of sta
 asks the stage again. What lives where:
 
 - ``registry.py``: stage -> strategy class; the valid stages for config validation and help text.
+- ``optimizer_view.py``: ``engine.optimizer`` as DeepSpeed's wrapper classes (``DeepSpeedZeroOptimizer``,
+  ``FP16_Optimizer``, ...), a view over the strategy, its torch optimizer and the loss scaler.
 - ``strategy.py``: ``ZeroStrategy``, the lifecycle the engine drives, the step every stage shares,
   and the checkpoint state format.
 - ``stage0.py``, ``stage1.py``, ``stage2.py``, ``stage3.py``: each stage as a placement + a gradient

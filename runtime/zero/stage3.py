@@ -143,4 +143,5 @@ __all__ += ["estimate_zero3_model_states_mem_needs", "estimate_zero3_model_state
             "estimate_zero3_model_states_mem_needs_all_cold", "model_to_params"]
 
 
-DeepSpeedZeroOptimizer_Stage3 = Stage3  # DeepSpeed's name for its stage-3 optimizer
+# DeepSpeed's name for its stage-3 optimizer: ``engine.optimizer`` at stage 3
+from dslaunch.runtime.zero.optimizer_view import DeepSpeedZeroOptimizer_Stage3  # noqa: E402

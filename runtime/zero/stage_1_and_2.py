@@ -1,8 +1,8 @@
 """DeepSpeed's ``deepspeed.runtime.zero.stage_1_and_2`` import path: its memory estimator.
 
-dslaunch's stages 1 and 2 are ``stage1.py`` and ``stage2.py`` (``DeepSpeedZeroOptimizer`` names
-both, for ``isinstance``); this module otherwise only carries the estimator functions DeepSpeed
-users call from here (DeepSpeed's formulas and table, unchanged:
+``DeepSpeedZeroOptimizer`` is ``engine.optimizer`` at stages 1 and 2 (``optimizer_view.py``; the
+stages themselves are ``stage1.py`` and ``stage2.py``); this module otherwise only carries the
+estimator functions DeepSpeed users call from here (DeepSpeed's formulas and table, unchanged:
 ``runtime/estimate/deepspeed_formulas.py``). ``dslaunch estimate`` is dslaunch's own estimate.
 """
 
@@ -14,11 +14,7 @@ from dslaunch.runtime.estimate.deepspeed_formulas import (
     estimate_zero2_model_states_mem_needs_all_cold,
     estimate_zero2_model_states_mem_needs_all_live,
 )
-from dslaunch.runtime.zero.stage1 import Stage1
-from dslaunch.runtime.zero.stage2 import Stage2
-
-# DeepSpeed's class of its ZeRO-1/2 optimizer, for ``isinstance`` checks: dslaunch's two strategies.
-DeepSpeedZeroOptimizer = (Stage1, Stage2)
+from dslaunch.runtime.zero.optimizer_view import DeepSpeedZeroOptimizer
 
 __all__ = ["DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_live",
            "estimate_zero2_model_states_mem_needs_all_cold", "model_to_params"]

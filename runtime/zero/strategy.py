@@ -128,11 +128,11 @@ class ZeroStrategy:
                          or not part.placement.publisher.gate(module)]
         self.optimizer = make_optimizer([{**g.hparams, "params": [g.master]} for g in self.groups],
                                         self._flat_shards())
-        # DeepSpeed's ZeRO optimizers keep the last step's norm here (scripts and its tests read it)
-        self.optimizer._global_grad_norm = 0.0
+        self.optimizer._global_grad_norm = 0.0  # the last step's norm, where DeepSpeed's scripts read it
         # As DeepSpeed, whose ZeRO-1/2 and 16-bit optimizers always compute the global norm
         # (get_global_grad_norm); a plain fp32 stage 0 step skips that pass unless clipping needs it.
         self._always_norm = self.placement.always_norm or any(g.dtype != torch.float32 for g in self.groups)
+        self.last_step: StepResult | None = None  # the last boundary step's (engine.optimizer.overflow)
         self.offload = None  # offload_optimizer: the update runs where the master is (host memory)
         if comm.offload_optimizer:
             from dslaunch.runtime.zero.offload.step import OffloadedStep
@@ -289,6 +289,7 @@ class ZeroStrategy:
                 g.master.grad = grad
         try:
             result = self._update(grads, loss_scale, clip, check_overflow)
+            self.last_step = result
             if result.grad_norm is not None:  # unscaled, before clipping (inf/nan on overflow), as DeepSpeed's
                 self.optimizer._global_grad_norm = result.grad_norm
             return result

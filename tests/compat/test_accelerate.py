@@ -30,3 +30,18 @@ def test_accelerate_deepspeed_plugin_matches_deepspeed_and_resumes(compat_bin: P
     assert (tmp_path / "acc" / "state" / "pytorch_model" / "manifest.json").exists()
     resumed = run_job([*launch, "resume:3"], cwd=tmp_path)
     assert tagged(resumed, "LOSSES") == pytest.approx(DEEPSPEED_LOSSES[3:], abs=TOLERANCE)
+
+
+@pytest.mark.timeout(200)
+def test_accelerate_step_was_skipped_follows_fp16_overflows(compat_bin: Path, tmp_path: Path) -> None:
+    """accelerate reads ``engine.optimizer.overflow`` (DeepSpeed's ZeRO wrapper's) for
+    ``step_was_skipped``: true exactly at the steps the engine skipped, while the loss scale of
+    2**20 halves down to one whose fp16 gradients are finite."""
+    out = run_job([str(compat_bin / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                   str(SCRIPTS / "accelerate_overflow.py"), "10"], cwd=tmp_path)
+    skipped, engine, scales = tagged(out, "SKIPPED"), tagged(out, "ENGINE"), tagged(out, "SCALES")
+    assert skipped == engine and len(skipped) == 10
+    assert skipped[0] and not skipped[-1], skipped  # 2**20 overflows; a few halvings later it does not
+    first_clean = skipped.index(False)
+    assert skipped == [True] * first_clean + [False] * (10 - first_clean)
+    assert scales[:first_clean + 1] == [2.0 ** (19 - i) for i in range(first_clean)] + [2.0 ** (20 - first_clean)]
