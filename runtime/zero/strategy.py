@@ -374,8 +374,7 @@ class ZeroStrategy:
             for reduce in (reduce_part.placement.norm_all_reduce, reduce_part.spread_sum):
                 if reduce is not None:
                     reduce(sq)
-            if reduce_part.norm_owner is not False:
-                total += sq
+            total += sq if reduce_part.norm_owner is not False else 0.0  # False: the owner adds this group
         if self._model_parallel_sum is not None:
             self._model_parallel_sum(total)
         return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
