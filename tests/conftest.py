@@ -44,6 +44,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return ByFileClusterAsOne(config, log)
 
 
+def _worker_port_range() -> None:
+    """Each pytest-xdist worker draws rendezvous ports from its own slice of the range
+    ``free_port`` uses (``DSLAUNCH_PORT_RANGE``, inherited by every process its tests start): two
+    workers drawing the same port between one's draw and its bind cost a CI run an EADDRINUSE."""
+    from dslaunch.utils import ports
+
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or os.environ.get(ports.PORT_RANGE_ENV):
+        return
+    low, high = ports._draw_range()
+    width = (high - low) // count
+    start = low + int(worker[2:]) * width
+    os.environ[ports.PORT_RANGE_ENV] = f"{start}-{start + width}"
+
+
+_worker_port_range()
+
+
 # The checkout's code, compiled once per session. Where PYTHONDONTWRITEBYTECODE is set (as in
 # this machine's shells) nothing ever writes it, and every process the suite starts (workers,
 # agents, run_world ranks: thousands) compiled dslaunch's ~400 modules from source again: its

@@ -28,6 +28,18 @@ def test_free_port_is_never_one_the_kernel_hands_out_itself() -> None:
     assert len(ports) > 40  # drawn afresh each time, not one port handed to every caller
 
 
+def test_a_port_range_from_the_environment_is_drawn_from_and_a_bad_one_is_one_line(monkeypatch) -> None:
+    import pytest
+
+    from dslaunch.utils import ports
+
+    monkeypatch.setenv(ports.PORT_RANGE_ENV, "23000-23010")
+    assert {free_port() for _ in range(30)} <= set(range(23000, 23010))
+    monkeypatch.setenv(ports.PORT_RANGE_ENV, "23010-23000")
+    with pytest.raises(ValueError, match=r"^DSLAUNCH_PORT_RANGE: expected LOW-HIGH with 1024 <= LOW < HIGH"):
+        free_port()
+
+
 def test_importing_it_imports_no_torch() -> None:
     code = "import sys, dslaunch.utils.ports; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
