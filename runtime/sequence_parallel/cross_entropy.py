@@ -37,6 +37,14 @@ def is_parallel(group: Any) -> bool:
     return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+def group_reduce(value: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
+    """``value`` all-reduced in place over ``group`` (``op``: SUM when None); as it is without a
+    parallel group. No gradient: statistics and partial sums, not a differentiable sum."""
+    if is_parallel(group):
+        dist.all_reduce(value, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return value
+
+
 def _check_backend(backend: str) -> None:
     if backend == "liger":
         raise NotInDslaunchError("backend='liger' is not in dslaunch (DeepSpeed's Liger kernel backend); the "
@@ -160,9 +168,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if reduction == "sum":
         return total
     counted = (target != ignore_index).sum().to(losses.dtype)
-    if is_parallel(sp_group):
-        dist.all_reduce(counted, group=sp_group)
-    return total / counted.clamp_min(1)
+    return total / group_reduce(counted, sp_group).clamp_min(1)
 
 
 def vocab_sequence_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, sp_group: Any,

@@ -21,7 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.sequence_parallel.cross_entropy import is_parallel, resolve_vocab_shard, sequence_sum
+from dslaunch.runtime.sequence_parallel.cross_entropy import (
+    group_reduce,
+    is_parallel,
+    resolve_vocab_shard,
+    sequence_sum,
+)
 
 __all__ = ["vocab_parallel_linear_cross_entropy"]
 
@@ -69,11 +74,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total[rows] = (logits - shift[rows, None]).exp().sum(dim=-1)
             picked[rows] = logits.gather(-1, local[rows, None]).squeeze(-1)
         # one agreed max; each rank's sum of exps rescaled to it; the target logit is one rank's
-        if is_parallel(group):
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        both = torch.stack([total * (shift - peak).exp(), picked.masked_fill(~mine, 0.0)])
-        if is_parallel(group):
-            dist.all_reduce(both, group=group)
+        group_reduce(peak, group, dist.ReduceOp.MAX)
+        both = group_reduce(torch.stack([total * (shift - peak).exp(), picked.masked_fill(~mine, 0.0)]), group)
         log_z = peak + both[0].log()
         ctx.save_for_backward(hidden, weight, bias, log_z, local, mine, keep)
         ctx.group, ctx.chunk, ctx.dtype = group, chunk, dtype
@@ -98,8 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden += (block.to(ctx.dtype) @ weight[cols].to(ctx.dtype)).float()
             if grad_bias is not None:
                 grad_bias[cols] = block.sum(dim=0)
-        if is_parallel(ctx.group):  # each rank saw its vocabulary only: partial sums (fp32: no overflow)
-            dist.all_reduce(grad_hidden, group=ctx.group)
+        group_reduce(grad_hidden, ctx.group)  # each rank saw its vocabulary only: partial sums (fp32: no overflow)
         return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None, None)
 
@@ -148,8 +149,5 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         return losses.view(target.shape)
     total = losses.sum()
     if reduction == "mean":
-        counted = keep.sum().float()
-        if is_parallel(sp_group):
-            dist.all_reduce(counted, group=sp_group)
-        total = total / counted.clamp_min(1.0)
+        total = total / group_reduce(keep.sum().float(), sp_group).clamp_min(1.0)
     return sequence_sum(total, sp_group)

@@ -28,18 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.runtime.sequence_parallel.cross_entropy import is_parallel, resolve_vocab_shard
+from dslaunch.runtime.sequence_parallel.cross_entropy import group_reduce, resolve_vocab_shard
 
 __all__ = ["vocab_parallel_logprobs", "vocab_parallel_entropy", "vocab_parallel_kl_div"]
 
 # fp32 temporaries of one pass over the logits stay this many elements, whatever the token count
 _CHUNK = 1 << 24
-
-
-def _group_sum(value: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
-    if is_parallel(group):
-        dist.all_reduce(value, op=dist.ReduceOp.SUM if op is None else op, group=group)
-    return value
 
 
 def _slices(logits: torch.Tensor) -> list[slice]:
@@ -63,11 +57,11 @@ class _Stats:
 
     @classmethod
     def of(cls, logits: torch.Tensor, group: Any) -> _Stats:
-        peak = _group_sum(_per_row(logits, lambda r: logits[r].float().amax(dim=-1)), group, dist.ReduceOp.MAX)
+        peak = group_reduce(_per_row(logits, lambda r: logits[r].float().amax(dim=-1)), group, dist.ReduceOp.MAX)
         undefined = peak == float("-inf")
         peak = peak.masked_fill(undefined, 0.0)
         shifted = cls(logits, peak, undefined)
-        total = _group_sum(_per_row(logits, lambda r: shifted.log_probs(r).exp().sum(dim=-1)), group)
+        total = group_reduce(_per_row(logits, lambda r: shifted.log_probs(r).exp().sum(dim=-1)), group)
         return cls(logits, peak + total.log(), undefined)
 
     def log_probs(self, rows: slice) -> torch.Tensor:
@@ -105,7 +99,7 @@ class _LogProbs(torch.autograd.Function):
         mine = keep & (local >= 0) & (local < stats.logits.shape[-1])
         local = local.masked_fill(~mine, 0)
         picked = (stats.logits.gather(-1, local).float() - stats.log_z[:, None]).masked_fill(~mine, 0.0)
-        out = _group_sum(picked, group)  # every kept id is one rank's; ignored ids stay 0
+        out = group_reduce(picked, group)  # every kept id is one rank's; ignored ids stay 0
         ctx.save_for_backward(logits, stats.log_z, stats.undefined, local, mine, keep)
         return out.masked_fill(stats.undefined[:, None] & keep, float("nan"))
 
@@ -133,7 +127,7 @@ class _Entropy(torch.autograd.Function):
             log_p = stats.log_probs(rows)
             return -_weighted(log_p.exp(), log_p)
 
-        entropy = _group_sum(_per_row(stats.logits, partial), group)
+        entropy = group_reduce(_per_row(stats.logits, partial), group)
         ctx.save_for_backward(logits, stats.log_z, stats.undefined, entropy)
         return entropy.masked_fill(stats.undefined, float("nan"))
 
@@ -161,7 +155,7 @@ class _KLDiv(torch.autograd.Function):
             log_a = a.log_probs(rows)
             return _weighted(log_a.exp(), log_a - b.log_probs(rows))
 
-        kl = _group_sum(_per_row(a.logits, partial), group)
+        kl = group_reduce(_per_row(a.logits, partial), group)
         undefined = a.undefined | b.undefined
         ctx.save_for_backward(a_logits, b_logits, a.log_z, a.undefined, b.log_z, b.undefined, kl)
         return kl.masked_fill(undefined, float("nan"))
