@@ -189,8 +189,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
     Backend: ``nccl`` with GPUs, ``gloo`` without (or ``dist_backend``). Rank and world size come
     from the arguments, else RANK/WORLD_SIZE (from ``srun``'s or, with ``auto_mpi_discovery``, an
-    MPI launcher's variables when no launcher set them); without them the job is a world of one on
-    127.0.0.1. Timeout: ``timeout``, else $DSLAUNCH_DIST_TIMEOUT, else ``dist_init_timeout`` of
+    MPI launcher's variables when no launcher set them); without them the job is a world of one,
+    met in an in-process store unless MASTER_PORT is set (no port to lose to another process).
+    Timeout: ``timeout``, else $DSLAUNCH_DIST_TIMEOUT, else ``dist_init_timeout`` of
     ``config`` (a ``DeepSpeedConfig`` or a ds_config dict), else 30 minutes.
 
     Raises:
@@ -210,14 +211,19 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     os.environ.update(discovered_env(os.environ, auto_mpi_discovery))  # the script may read them too
     rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
     world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
+    store = None
     if init_method is None:
+        if world_size == 1 and "MASTER_PORT" not in os.environ:
+            # No peer to meet: an in-process store listens on no port, so no other process can take
+            # it between the draw and the bind. MASTER_PORT is still set for scripts that read it.
+            store = dist.HashStore()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port if world_size > 1 else free_port()))
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(device_for(local_rank()))
     timeout = timeout or default_timeout(_config_timeout(config))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     if verbose and rank == 0:
         print(f"[dslaunch] initialized {backend} process group: world_size={world_size}, "

@@ -142,3 +142,37 @@ def test_env_timeout_out_of_range_is_one_bounded_line(monkeypatch, raw) -> None:
 def test_dict_config_timeout_beyond_the_range_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="dist_init_timeout"):
         ds_dist.init_distributed(config={"dist_init_timeout": 1e300})
+
+
+_ALONE = """
+import os, psutil, torch, torch.distributed as dist
+import dslaunch
+dslaunch.init_distributed(verbose=False)
+port = int(os.environ["MASTER_PORT"])
+listening = [c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+store = dist.distributed_c10d._get_default_store()
+while isinstance(store, dist.PrefixStore):
+    store = store.underlying_store
+t = torch.ones(2)
+dist.all_reduce(t, group=dist.new_group([0]))
+print(type(store).__name__, port in listening, t.tolist(), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("port_given", [False, True])
+def test_a_world_of_one_without_a_port_listens_on_none(port_given: bool) -> None:
+    import subprocess
+    import sys
+
+    from dslaunch.utils.ports import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    if port_given:  # the user's rendezvous is honoured as before: env://, a TCPStore on the port
+        env["MASTER_PORT"] = str(free_port())
+    out = subprocess.run([sys.executable, "-c", _ALONE], env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-2000:]
+    store, listens, total = out.stdout.split(" ", 2)
+    assert (store, listens) == (("TCPStore", "True") if port_given else ("HashStore", "False"))
+    assert total.strip() == "[1.0, 1.0]"  # a collective on a subgroup still works
