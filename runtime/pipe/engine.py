@@ -9,7 +9,9 @@ engine given that grid (``DeepSpeedEngine``).
 time steps of instructions per stage, executed one by one by ``_INSTRUCTION_MAP`` in
 ``schedule.execution_order`` (each step's sends first: they never block). The ZeRO strategy sees each
 micro batch's backward as one micro step of the accumulation (the last one is the boundary), so
-stages 0-2, offload and the loss scaler work unchanged. The engine's ``events`` get a forward and a
+stages 0-2, offload and the loss scaler work unchanged. Where a message goes is the module's
+placement's (``placement.py``: round-robin, or DualPipeV's V, whose last rank hands a part's outputs
+to its own next part without one). The engine's ``events`` get a forward and a
 backward phase per micro batch and one ``StepRecord`` per ``train_batch``; every ``steps_per_print``
 steps rank 0 prints DeepSpeed's ``steps: N loss: X iter time (s): T samples/sec: S`` line.
 
@@ -21,6 +23,7 @@ Limitations: ZeRO-3 is refused (a one-line ``ConfigError``); tied layers need Ze
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,10 +280,9 @@ class PipelineEngine(DeepSpeedEngine):
     def _execute(self, schedule: sched.PipeSchedule, batch: _Batch) -> None:
         batch.backwards_left = schedule.micro_batches * schedule.chunks
         instructions = sched.execution_order(schedule)
-        counts: dict[tuple[type, int], int] = {}
-        for i in instructions:
-            if type(i) in (sched.RecvActivation, sched.RecvGrad):
-                counts[(type(i), self._peer(i))] = counts.get((type(i), self._peer(i)), 0) + 1
+        # one queue per kind and sender (DualPipeV's ranks receive activations from both sides)
+        counts = Counter((type(i), self._peer(i)) for i in instructions if isinstance(i, sched.RecvActivation
+                                                                                      | sched.RecvGrad))
         for (kind, src), count in counts.items():
             batch.receivers[(kind, src)] = p2p.Receiver(src, count, tag=_TAGS[kind])
         report = heartbeat.reporter()  # each instruction is published: a hang report names what a stage waits for
