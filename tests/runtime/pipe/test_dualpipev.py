@@ -11,7 +11,7 @@ import torch
 from tests.distributed import run_world
 from tests.runtime.pipe import helpers
 from tests.runtime.pipe.test_tied import SEED as TIED_SEED
-from tests.runtime.pipe.test_tied import _out_proj, _specs
+from tests.runtime.pipe.test_tied import _reference, _specs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -48,16 +48,7 @@ def _train(rank: int, world: int, stages: int, gas: int, zero: int, blocks: int,
 
 
 def _check_against_one_process(got: list[dict], stages: int, gas: int, dp: int, blocks: int) -> None:
-    want_losses, want_layers = helpers.reference(STEPS, gas, dp, LR, blocks=blocks)
-    held = set()
-    for r in got:
-        assert r["type"] == "DualPipeVEngine" and r["steps"] == STEPS and r["micro"] == STEPS * gas
-        assert r["losses"] == pytest.approx(want_losses, rel=0, abs=1e-6)
-        for idx, params in r["layers"].items():
-            held.add(idx)
-            for a, b in zip(params, want_layers[idx], strict=True):
-                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)
-    assert held == {i for i, w in enumerate(want_layers) if w}
+    helpers.check_against_one_process(got, "DualPipeVEngine", STEPS, gas, dp, LR, blocks=blocks, weights_atol=1e-6)
     for r in got:  # the V: rank r holds stages r and 2 * stages - 1 - r; rank 0 reads and computes the loss
         stage = r["parts"][0]
         assert r["parts"] == [stage, 2 * stages - 1 - stage]
@@ -95,29 +86,12 @@ def _tied(rank: int, world: int) -> dict:
 def test_layers_tied_between_the_first_and_last_stage_are_one_module_on_rank_0() -> None:
     """No tie group (both uses are on rank 0); the one module's two gradients add up as in one process."""
     got = run_world(_tied, 2, timeout=170)
-    specs, mods = _specs(), []
-    for idx, spec in enumerate(specs):
-        torch.manual_seed(TIED_SEED + idx)
-        mods.append(spec.build())
-    opt = torch.optim.SGD(list(torch.nn.ModuleList(mods[:4]).parameters()), lr=LR)
-    want = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        per = []
-        for x, y in helpers.micro_batches(step, 4):
-            h = x
-            for m in mods[:4]:
-                h = m(h)
-            per.append(helpers.loss_fn(_out_proj(mods[0], h), y))
-        loss = torch.stack(per).mean()
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
-    assert all(r["ties"] == {} for r in got)
+    want, (tied, _), _ = _reference(STEPS)  # 4 micro batches a step, as here
     for r in got:
+        assert r["ties"] == {}
         assert r["losses"] == pytest.approx(want, rel=0, abs=1e-6)
-    torch.testing.assert_close(torch.tensor(got[0]["weights"]["tied_modules"][0]), mods[0].weight.detach(),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got[0]["weights"]["tied_modules"][0]), torch.tensor(tied), rtol=0,
+                               atol=1e-6)
 
 
 def _eval(rank: int, world: int) -> dict:
