@@ -1,5 +1,6 @@
 """DualPipeV on real gloo ranks (``DualPipeVModule``, ``DualPipeVEngine``) against the same layers
-trained in one process: 2 ranks (4 stages), 2 ranks x 2 replicas with ZeRO-1, 4 ranks (8 stages);
+trained in one process: 2 ranks (4 stages), 2 ranks x 2 replicas with ZeRO-1, 4 ranks (8 stages),
+ZeRO-2 with activation checkpointing, fp16 and bf16 (loosely);
 the first and last layers tied on rank 0; ``eval_batch``; a checkpoint's round trip and its load
 into a plain ``PipelineModule``; the refusals, one line each."""
 
@@ -68,6 +69,16 @@ def test_train_batch_matches_one_process(stages: int, world: int, gas: int, zero
 def test_activation_checkpointing_and_zero2_change_nothing() -> None:
     extra = {"pipeline": {"activation_checkpoint_interval": 1}, "zero_optimization": {"stage": 2}}
     _check_against_one_process(run_world(_train, 2, 2, 4, 2, 2, extra, timeout=170), 2, 4, 1, 2)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16bit_training_follows_one_process_loosely(precision: str) -> None:
+    extra = {precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}}
+    got = run_world(_train, 2, 2, 4, 1, 2, extra, timeout=170)
+    want, _ = helpers.reference(STEPS, 4, 1, LR)
+    for r in got:
+        assert r["losses"] == pytest.approx(want, rel=3e-2)  # 16-bit activations and weights
+        assert r["losses"] == got[0]["losses"]
 
 
 def _tied(rank: int, world: int) -> dict:
