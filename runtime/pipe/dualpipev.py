@@ -31,8 +31,9 @@ class DualPipeVModule(PipelineModule):
     """A ``PipelineModule`` (same arguments) cut into ``2 * num_stages`` stages placed in a V.
 
     ``num_stages`` (or the topology's ``pipe`` axis) counts ranks, as for ``PipelineModule``; the
-    partition method balances the ``2 * num_stages`` stages. ``forward(x, chunk=1)`` runs the
-    rank's second stage (DeepSpeed: ``activate_phase(1)``).
+    partition method balances the ``2 * num_stages`` stages. ``forward(x, chunk=1)`` (or, as in
+    DeepSpeed, ``activate_phase(1)`` then ``forward(x)``) runs the rank's second stage;
+    ``phase_bounds`` are the two stages' layer ranges.
 
     Raises:
         UsageError: ``virtual_stages`` (the V decides the parts), fewer layers than ``2 * num_stages``,
@@ -49,6 +50,24 @@ class DualPipeVModule(PipelineModule):
 
     def _placement(self) -> Placement:
         return VShape(self.num_stages)
+
+    active_phase = 0
+    """DeepSpeed's: the stage ``forward`` runs without ``chunk`` (0: this rank's first, 1: its second)."""
+
+    def activate_phase(self, phase: int) -> None:
+        """DeepSpeed's: make ``forward(x)`` run this rank's stage of ``phase`` (0 or 1)."""
+        if phase not in (0, 1):
+            raise UsageError(f"DualPipeVModule.activate_phase: phase is 0 or 1, got {phase!r}")
+        self.active_phase = phase
+
+    @property
+    def phase_bounds(self) -> list[tuple[int, int]]:
+        """DeepSpeed's: the global layer range (start, stop) of this rank's stage of each phase."""
+        return [(self.parts[p], self.parts[p + 1]) for p in (self.placement.part(self.stage_id, c) for c in (0, 1))]
+
+    def forward(self, inputs: Any, chunk: int | None = None) -> Any:
+        """This rank's stage of ``chunk`` (default: the active phase's) on ``inputs``."""
+        return super().forward(inputs, self.active_phase if chunk is None else chunk)
 
 
 class DualPipeVEngine(PipelineEngine):

@@ -42,7 +42,14 @@ def _train(rank: int, world: int, stages: int, gas: int, zero: int, blocks: int,
     engine, *_ = dslaunch.initialize(model=_module(stages, blocks), config=cfg)
     data = helpers.replica_iter(STEPS, gas, world // stages, engine.grid.get_data_parallel_rank())
     losses = [engine.train_batch(data).item() for _ in range(STEPS)]
-    parts = [engine.module.placement.part(engine.stage_id, c) for c in (0, 1)]
+    module = engine.module
+    parts = [module.placement.part(engine.stage_id, c) for c in (0, 1)]
+    assert module.phase_bounds == [(module.parts[p], module.parts[p + 1]) for p in parts]  # DeepSpeed's names
+    x = torch.ones(1, module.chunk_funcs[1][0].in_features)  # the second stage's first layer is a Linear
+    with torch.no_grad():
+        module.activate_phase(1)
+        assert torch.equal(module(x), module(x, chunk=1))
+        module.activate_phase(0)
     return {"losses": losses, "layers": _weights(engine), "type": type(engine).__name__, "parts": parts,
             "first": engine.is_first_stage(), "last": engine.is_last_stage(), "steps": engine.global_steps,
             "micro": engine.micro_steps}
