@@ -45,7 +45,8 @@ def _train(rank: int, world: int, stages: int, gas: int, zero: int, blocks: int,
     module = engine.module
     parts = [module.placement.part(engine.stage_id, c) for c in (0, 1)]
     assert module.phase_bounds == [(module.parts[p], module.parts[p + 1]) for p in parts]  # DeepSpeed's names
-    x = torch.ones(1, module.chunk_funcs[1][0].in_features)  # the second stage's first layer is a Linear
+    first = module.chunk_funcs[1][0]  # the second stage's first layer: a Linear
+    x = torch.ones(1, first.in_features, dtype=first.weight.dtype)
     with torch.no_grad():
         module.activate_phase(1)
         assert torch.equal(module(x), module(x, chunk=1))
