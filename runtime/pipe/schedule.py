@@ -20,8 +20,10 @@ names it (``describe``).
 Correctness rests on one property, checked for every schedule by ``tests/runtime/pipe/
 test_schedule.py``'s simulator: with non-blocking sends, every stage's receives are matched by its
 neighbour's sends in the same order, and the stages' orders have no cycle, so no stage waits
-forever. Training schedules are picked by name from ``SCHEDULES`` (the config's
-``pipeline.schedule``).
+forever; the neighbours are the schedule's ``placement``'s (``placement.py``). Training schedules are
+picked by name from ``SCHEDULES`` (the config's ``pipeline.schedule``). DeepSpeed 0.19.8's
+``DualPipeVSchedule`` is answered from here but lives in ``vschedule.py`` (a ``DualPipeVModule``
+runs it, not the registry); ``CommitP2P``, which its lists hold, does nothing in dslaunch's engine.
 """
 
 from __future__ import annotations
