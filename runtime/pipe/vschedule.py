@@ -4,7 +4,8 @@
 Each rank holds two parts of the model in a V (``placement.VShape``): a micro batch goes forward
 through the ranks' first chunks (phase 0), turns on the last rank, comes back through their second
 chunks (phase 1) and ends in the loss on rank 0; the gradients go the same way back. Running one
-phase's forward next to the other phase's backward fills most of 1F1B's bubble. The steps are
+phase's forward next to the other phase's backward fills part of 1F1B's bubble (simulated, backward
+twice a forward, at 4 ranks: idle 7 forwards of a stage against 1F1B's 9). The steps are
 DeepSpeed's (DeepSeek's DualPipeV order): rank ``r`` of ``P`` first runs ``2 * (P - r - 1)``
 phase-0 forwards, then forwards of both phases, then forward/backward pairs of opposite phases,
 then drains the backwards. The instruction lists are DeepSpeed's, ``CommitP2P`` included (the
