@@ -3,7 +3,7 @@
 ``PipelineModule``, ``LayerSpec`` and ``TiedLayerSpec`` are defined in
 ``dslaunch.runtime.pipe.module`` (DeepSpeed's ``deepspeed.runtime.pipe.module``); the topology
 classes DeepSpeed also re-exports here come from ``dslaunch.runtime.pipe.topology``;
-``DualPipeVModule`` (DeepSpeed 0.19.8) imports and is refused on use (``runtime/pipe/dualpipev.py``). Importing this
+``DualPipeVModule`` (DeepSpeed 0.19.8) comes from ``dslaunch.runtime.pipe.dualpipev``. Importing this
 module imports torch.
 """
 

@@ -109,9 +109,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if cfg.hybrid_engine.enabled:
             raise ConfigError("the hybrid engine generates with the whole model: it does not run a PipelineModule; "
                               "set it to false", key="hybrid_engine.enabled")
+        from dslaunch.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
         from dslaunch.runtime.pipe.engine import PipelineEngine
 
-        engine: Any = PipelineEngine(model, cfg, **parts)
+        # as DeepSpeed: the DualPipeV engine for its module, the pipeline engine for any other
+        engine_class = DualPipeVEngine if isinstance(model, DualPipeVModule) else PipelineEngine
+        engine: Any = engine_class(model, cfg, **parts)
     elif cfg.hybrid_engine.enabled:  # DeepSpeed's class for it: the training engine that also generates
         from dslaunch.runtime.hybrid_engine import DeepSpeedHybridEngine
 

@@ -3,8 +3,9 @@
 Each run is a fresh world of processes (forked from a forkserver that imported torch once:
 ``tests/distributed.py``) that builds a ``PipelineModule`` and trains ``STEPS`` batches, then
 evaluates one. The runs cycle through ``SHAPES``: 2, 3 and 4 stages with 1F1B, 2 stages x 2
-replicas with ZeRO-1, the interleaved schedule at 2 and 4 stages; the micro batches per step vary
-with the run (1-5 for 1F1B, 1-2 rounds of the stages for interleaved). A run whose ranks do not all
+replicas with ZeRO-1, the interleaved schedule at 2 and 4 stages, DualPipeV (a ``DualPipeVModule``)
+at 2 and 3 ranks; the micro batches per step vary with the run (1-5 for 1F1B, 1-2 rounds of the
+stages for interleaved, 2-4 times the stages for DualPipeV). A run whose ranks do not all
 finish within ``--timeout`` seconds is a hang (its ranks are killed); one that raises is a failure.
 
 Usage: ``python scripts/pipeline_hang_check.py [--runs 200] [--first 0] [--timeout 60] [--out DIR]``
@@ -27,12 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STEPS = 3
-# (stages, world, schedule, virtual stages, ZeRO stage)
+# (stages, world, schedule, virtual stages, ZeRO stage); "dualpipev": a DualPipeVModule (two parts per rank)
 SHAPES = [(2, 2, "1f1b", 1, 0), (3, 3, "1f1b", 1, 0), (4, 4, "1f1b", 1, 0), (2, 4, "1f1b", 1, 1),
-          (2, 2, "interleaved", 2, 0), (4, 4, "interleaved", 2, 0)]
+          (2, 2, "interleaved", 2, 0), (4, 4, "interleaved", 2, 0), (2, 2, "dualpipev", 2, 0), (3, 3, "dualpipev", 2, 0)]
 
 
 def _micro_batches(run: int, stages: int, schedule: str) -> int:
+    if schedule == "dualpipev":
+        return stages * (2 + run // len(SHAPES) % 3)
     return stages * (1 + run // len(SHAPES) % 2) if schedule == "interleaved" else 1 + run // len(SHAPES) % 5
 
 
@@ -41,16 +44,19 @@ def _run(rank: int, world: int, stages: int, schedule: str, virtual: int, zero: 
     import torch
 
     import dslaunch
-    from dslaunch.pipe import LayerSpec, PipelineModule
+    from dslaunch.pipe import DualPipeVModule, LayerSpec, PipelineModule
 
     dslaunch.init_distributed(verbose=False)
     layers = [LayerSpec(torch.nn.Linear, 8, 8) if i % 2 == 0 else LayerSpec(torch.nn.Tanh)
               for i in range(2 * stages * virtual)]
-    module = PipelineModule(layers, num_stages=stages, loss_fn=torch.nn.functional.mse_loss,
-                            partition_method="type:linear", virtual_stages=virtual)
+    dualpipev = schedule == "dualpipev"
+    module = (DualPipeVModule(layers, num_stages=stages, loss_fn=torch.nn.functional.mse_loss,
+                              partition_method="type:linear") if dualpipev else
+              PipelineModule(layers, num_stages=stages, loss_fn=torch.nn.functional.mse_loss,
+                             partition_method="type:linear", virtual_stages=virtual))
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
            "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_optimization": {"stage": zero},
-           "pipeline": {"schedule": schedule}, "dist_init_timeout": 120}
+           "pipeline": {"schedule": "1f1b" if dualpipev else schedule}, "dist_init_timeout": 120}
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
     g = torch.Generator().manual_seed(rank)
     data = iter(lambda: (lambda x: (x, x.tanh()))(torch.randn(2, 8, generator=g)), None)
@@ -91,7 +97,7 @@ def _markdown(records: list[dict], load: str, seconds: float) -> str:
         mine = [r for r in records if (r["stages"], r["world"], r["schedule"]) == (stages, world, schedule)]
         if mine:
             secs = sorted(r["seconds"] for r in mine)
-            name = schedule + (f" (v={virtual})" if virtual > 1 else "") + (f", ZeRO-{zero}" if zero else "")
+            name = schedule + (f" (v={virtual})" if virtual > 1 and schedule != "dualpipev" else "") + (f", ZeRO-{zero}" if zero else "")
             lines.append(f"| {stages} x {world // stages} | {name} | {len(mine)} | "
                          f"{sum(r['outcome'] == 'hang' for r in mine)} | {sum(r['outcome'] == 'failed' for r in mine)} "
                          f"| {secs[len(secs) // 2]:.1f} |")

@@ -1,5 +1,7 @@
 """What the pipeline engine does to the data it moves: micro batches to the stage's device, tuples
-of what a stage passes on, the last stage's loss checked to be one number, outputs concatenated."""
+of what a stage passes on, outputs handed to the rank's own next chunk as a message would bring
+them and the gradients that go back, the last stage's loss checked to be one number, outputs
+concatenated."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 
 from dslaunch.errors import UsageError
 
-__all__ = ["to_device", "as_tuple", "scalar_loss", "concat"]
+__all__ = ["to_device", "as_tuple", "as_received", "input_grads", "scalar_loss", "concat"]
 
 
 def to_device(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
@@ -23,6 +25,19 @@ def to_device(data: Any, device: torch.device, dtype: torch.dtype | None = None)
 
 def as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, tuple | list) else (x,)
+
+
+def as_received(out: Any) -> Any:
+    """``out`` as ``p2p.Receiver.recv`` would give it: detached leaves, those that carried a
+    gradient asking for one (floating only), so that their ``.grad`` is what goes back."""
+    if isinstance(out, tuple | list):
+        return tuple(as_received(t) for t in out)
+    return out.detach().requires_grad_(out.requires_grad and out.is_floating_point())
+
+
+def input_grads(inputs: Any) -> tuple[torch.Tensor, ...]:
+    """The gradients of the received inputs that ask for one, in order (zeros where none arrived)."""
+    return tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in as_tuple(inputs) if t.requires_grad)
 
 
 def scalar_loss(loss: Any) -> torch.Tensor:

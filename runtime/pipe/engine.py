@@ -9,7 +9,9 @@ engine given that grid (``DeepSpeedEngine``).
 time steps of instructions per stage, executed one by one by ``_INSTRUCTION_MAP`` in
 ``schedule.execution_order`` (each step's sends first: they never block). The ZeRO strategy sees each
 micro batch's backward as one micro step of the accumulation (the last one is the boundary), so
-stages 0-2, offload and the loss scaler work unchanged. The engine's ``events`` get a forward and a
+stages 0-2, offload and the loss scaler work unchanged. Where a message goes is the module's
+placement's (``placement.py``: round-robin, or DualPipeV's V, whose last rank hands a part's outputs
+to its own next part without one). The engine's ``events`` get a forward and a
 backward phase per micro batch and one ``StepRecord`` per ``train_batch``; every ``steps_per_print``
 steps rank 0 prints DeepSpeed's ``steps: N loss: X iter time (s): T samples/sec: S`` line.
 
@@ -21,6 +23,7 @@ Limitations: ZeRO-3 is refused (a one-line ``ConfigError``); tied layers need Ze
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import AccumulationModeError, ConfigError, PipelineStageError, UsageError
+from dslaunch.errors import PipelineStageError, UsageError
 from dslaunch.runtime import heartbeat
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.comm import comm
@@ -39,14 +42,16 @@ from dslaunch.runtime.engine_setup import data_loader
 from dslaunch.runtime.heartbeat import waiting
 from dslaunch.runtime.pipe import p2p
 from dslaunch.runtime.pipe import schedule as sched
-from dslaunch.runtime.pipe.data import as_tuple, concat, scalar_loss, to_device
+from dslaunch.runtime.pipe.checks import check_config, check_round_robin
+from dslaunch.runtime.pipe.data import as_received, as_tuple, concat, input_grads, scalar_loss, to_device
 from dslaunch.runtime.pipe.module import PipelineModule
+from dslaunch.runtime.pipe.placement import Placement
 from dslaunch.runtime.timers import Timer
 
 __all__ = ["PipelineEngine"]
 
-# Message tags: with virtual stages one direction between two ranks carries both kinds.
-_ACTIVATIONS, _GRADIENTS = 1, 2
+# Message tags: with virtual stages (and DualPipeV) one direction between two ranks carries both kinds.
+_TAGS = {sched.SendActivation: 1, sched.RecvActivation: 1, sched.SendGrad: 2, sched.RecvGrad: 2}
 _ONLY_TRAIN_BATCH = "is not available with pipeline parallelism: use engine.train_batch() (and eval_batch())"
 
 
@@ -78,11 +83,11 @@ class _Activity:
     """An instruction as the heartbeat tells it (formatted only when a beat goes out)."""
 
     stage: int
-    stages: int
+    placement: Placement
     instruction: sched.PipeInstruction
 
     def __str__(self) -> str:
-        return self.instruction.describe(self.stage, self.stages)
+        return self.instruction.describe(self.stage, self.placement.stages, self.placement)
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -101,7 +106,8 @@ class PipelineEngine(DeepSpeedEngine):
     pipeline_parallelism = True  # DeepSpeed's attribute
 
     def __init__(self, model: PipelineModule, config: DeepSpeedConfig, **kwargs: Any):
-        _check_config(model, config)
+        check_config(model, config)
+        self._check_schedule(model, config)
         training_data = kwargs.pop("training_data", None)
         super().__init__(model, config, mpu=model.mpu(), **kwargs)
         if training_data is not None:
@@ -111,15 +117,16 @@ class PipelineEngine(DeepSpeedEngine):
                                                    shuffle=False)
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
         self.micro_batches = config.gradient_accumulation_steps
-        self.schedule_type = sched.SCHEDULES[config.pipeline.schedule]
         if model.activation_checkpoint_interval == 0:
             model.activation_checkpoint_interval = config.pipeline.activation_checkpoint_interval
         if not config.pipeline.use_reentrant:
             model.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
-        self.chunks = model.virtual_stages
-        # Neighbours on a ring: with virtual stages the last stage feeds the first one's next chunk.
-        self.prev_stage = self.grid.stage_to_global((self.stage_id - 1) % self.num_stages)
-        self.next_stage = self.grid.stage_to_global((self.stage_id + 1) % self.num_stages)
+        self.placement = model.placement
+        self.chunks = self.placement.chunks
+        held = [self.placement.part(self.stage_id, c) for c in range(self.chunks)]
+        # this rank's chunk that reads the inputs (the model's first part), and the one with the loss
+        self._input_chunk = held.index(0) if 0 in held else None
+        self._label_chunk = held.index(self.placement.num_parts - 1) if self.placement.num_parts - 1 in held else None
         self.data_iterator: Iterator | None = None
         self.batch_fn: Callable | None = None
         self.agg_train_loss: torch.Tensor | None = None
@@ -137,7 +144,23 @@ class PipelineEngine(DeepSpeedEngine):
         return self.stage_id == 0
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.num_stages - 1
+        """Whether this rank computes the loss (it holds the model's last part)."""
+        return self._label_chunk is not None
+
+    def _loss_stage_global_rank(self) -> int:
+        """DeepSpeed's name: the global rank, in this replica, of the stage computing the loss."""
+        return self.grid.stage_to_global(self.placement.owner(self.placement.num_parts - 1)[0])
+
+    @staticmethod
+    def _check_schedule(model: PipelineModule, config: DeepSpeedConfig) -> None:
+        check_round_robin(model, config)
+
+    def _train_schedule(self) -> sched.PipeSchedule:
+        return sched.SCHEDULES[self._config.pipeline.schedule](self.micro_batches, self.num_stages, self.stage_id,
+                                                                self.chunks)
+
+    def _inference_schedule(self, micro_batches: int) -> sched.PipeSchedule:
+        return sched.InferenceSchedule(micro_batches, self.num_stages, self.stage_id, self.chunks)
 
     def _reentrant_activation_checkpointing(self) -> bool:
         """Whether this stage checkpoints with the reentrant ``deepspeed.checkpointing.checkpoint``
@@ -166,7 +189,8 @@ class PipelineEngine(DeepSpeedEngine):
     def _use_batch(self, config: DeepSpeedConfig) -> None:
         """A new batch triad (``set_train_batch_size``): ``train_batch`` runs its accumulation steps
         as micro batches, checked against this pipeline as the config was (the interleaved schedule)."""
-        _check_config(self.module, config)
+        check_config(self.module, config)
+        self._check_schedule(self.module, config)
         super()._use_batch(config)
         self.micro_batches = config.gradient_accumulation_steps
 
@@ -197,7 +221,7 @@ class PipelineEngine(DeepSpeedEngine):
         batch = _Batch(self.micro_batches, train=True)
         self._batch_timer.start()
         try:
-            self._execute(self.schedule_type(self.micro_batches, self.num_stages, self.stage_id, self.chunks), batch)
+            self._execute(self._train_schedule(), batch)
         finally:
             self._batch_timer.stop()
         self._print_batch_line()
@@ -242,7 +266,7 @@ class PipelineEngine(DeepSpeedEngine):
         try:
             with torch.no_grad():
                 self.zero.pre_forward()
-                self._execute(sched.InferenceSchedule(micro, self.num_stages, self.stage_id, self.chunks), batch)
+                self._execute(self._inference_schedule(micro), batch)
                 self._wait_sends(batch)
                 result = self._eval_result(batch, reduce_output, bcast_loss)
         finally:
@@ -256,15 +280,16 @@ class PipelineEngine(DeepSpeedEngine):
     def _execute(self, schedule: sched.PipeSchedule, batch: _Batch) -> None:
         batch.backwards_left = schedule.micro_batches * schedule.chunks
         instructions = sched.execution_order(schedule)
-        for kind, src, tag in ((sched.RecvActivation, self.prev_stage, _ACTIVATIONS),
-                               (sched.RecvGrad, self.next_stage, _GRADIENTS)):
-            if count := sum(type(i) is kind for i in instructions):
-                batch.receivers[kind] = p2p.Receiver(src, count, tag=tag)
+        # one queue per kind and sender (DualPipeV's ranks receive activations from both sides)
+        counts = Counter((type(i), self._peer(i)) for i in instructions if isinstance(i, sched.RecvActivation
+                                                                                      | sched.RecvGrad))
+        for (kind, src), count in counts.items():
+            batch.receivers[(kind, src)] = p2p.Receiver(src, count, tag=_TAGS[kind])
         report = heartbeat.reporter()  # each instruction is published: a hang report names what a stage waits for
         try:
             for done, instruction in enumerate(instructions):  # noqa: B007 - where it stopped, below
                 if report is not None:
-                    report.set_activity(_Activity(self.stage_id, self.num_stages, instruction))
+                    report.set_activity(_Activity(self.stage_id, self.placement, instruction))
                 self._INSTRUCTION_MAP[type(instruction)](self, instruction, batch)
         except BaseException as err:
             if report is not None and isinstance(err, Exception) and not isinstance(err, PipelineStageError):
@@ -285,15 +310,13 @@ class PipelineEngine(DeepSpeedEngine):
             self._out_of_step = err.reason  # the first stage that failed, passed on
         else:
             first = (str(err).strip().splitlines() or [""])[0]
-            self._out_of_step = (f"{left[0].describe(self.stage_id, self.num_stages)}: {type(err).__name__}"
+            self._out_of_step = (f"{left[0].describe(self.stage_id, self.num_stages, self.placement)}: {type(err).__name__}"
                                  + (f": {first}" if first else ""))
-        peers = {sched.SendActivation: (self.next_stage, _ACTIVATIONS),
-                 sched.SendGrad: (self.prev_stage, _GRADIENTS)}
         try:
             for instruction in left:
-                if type(instruction) in peers:
-                    dst, tag = peers[type(instruction)]
-                    self._stops.append(p2p.send_stop(self._out_of_step, dst, tag=tag))
+                if type(instruction) in (sched.SendActivation, sched.SendGrad):
+                    self._stops.append(p2p.send_stop(self._out_of_step, self._peer(instruction),
+                                                     tag=_TAGS[type(instruction)]))
         except Exception:  # noqa: BLE001 - a peer already gone: the error being raised says more
             pass
 
@@ -306,9 +329,17 @@ class PipelineEngine(DeepSpeedEngine):
                              "messages between the stages are half exchanged; restart the job (or resume "
                              "from the last checkpoint)")
 
-    def _ends(self, chunk: int) -> tuple[bool, bool]:
-        """Whether this rank's ``chunk`` is the model's first part, and its last."""
-        return self.is_first_stage() and chunk == 0, self.is_last_stage() and chunk == self.chunks - 1
+    def _peer(self, ins: sched.PipeInstruction) -> int:
+        """The global rank a message instruction sends to or receives from: activations go to the
+        next part's holder, gradients to the previous one's."""
+        step = 1 if isinstance(ins, sched.SendActivation | sched.RecvGrad) else -1
+        return self.grid.stage_to_global(self.placement.neighbour(self.stage_id, ins.chunk, step)[0])
+
+    def _local_next(self, chunk: int) -> int | None:
+        """This rank's chunk holding the part after ``chunk``'s (DualPipeV's turn on its last rank):
+        the outputs pass to it without a message."""
+        nxt = self.placement.neighbour(self.stage_id, chunk, 1)
+        return nxt[1] if nxt is not None and nxt[0] == self.stage_id else None
 
     def _exec_load_micro_batch(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         if self.data_iterator is None:
@@ -320,15 +351,14 @@ class PipelineEngine(DeepSpeedEngine):
         if not isinstance(data, tuple | list) or len(data) != 2:
             raise UsageError("a pipeline micro batch must be (inputs, labels); use set_batch_fn() to convert "
                              f"yours (got {type(data).__name__})")
-        first, last = self._ends(ins.chunk)
-        key = (ins.micro_batch, ins.chunk)
-        if first:  # floating inputs in the model's dtype (fp16/bf16), as the weights
-            batch.inputs[key] = to_device(data[0], self.device, self.precision.model_dtype)
-        if last:
-            batch.labels[key] = to_device(data[1], self.device)
+        if self._input_chunk is not None:  # floating inputs in the model's dtype (fp16/bf16), as the weights
+            batch.inputs[(ins.micro_batch, self._input_chunk)] = to_device(data[0], self.device,
+                                                                           self.precision.model_dtype)
+        if self._label_chunk is not None:
+            batch.labels[(ins.micro_batch, self._label_chunk)] = to_device(data[1], self.device)
 
     def _exec_forward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        key, last = (ins.micro_batch, ins.chunk), self._ends(ins.chunk)[1]
+        key, last = (ins.micro_batch, ins.chunk), ins.chunk == self._label_chunk
         with self.events.phase("forward"):
             with self._autocast():  # the first stage's inputs are in the model dtype already (fp16.auto_cast's cast)
                 out = self.module(batch.inputs[key], chunk=ins.chunk)
@@ -338,7 +368,10 @@ class PipelineEngine(DeepSpeedEngine):
                 if batch.compute_loss and self.module.loss_fn is not None:
                     out = self.module.loss_fn(out, batch.labels.pop(key))
                 batch.losses.append(scalar_loss(out) if batch.train else out)
-        if batch.train or not last:
+        local = self._local_next(ins.chunk)
+        if local is not None:
+            batch.inputs[(ins.micro_batch, local)] = as_received(out)
+        if batch.train or not (last or local is not None):
             batch.outputs[key] = out
         if not batch.train:
             batch.inputs.pop(key)
@@ -346,14 +379,14 @@ class PipelineEngine(DeepSpeedEngine):
     def _exec_send_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         key = (ins.micro_batch, ins.chunk)
         out = batch.outputs[key] if batch.train else batch.outputs.pop(key)
-        batch.sends.append(p2p.send(out, self.next_stage, what=f"stage {self.stage_id}'s output",
-                                    tag=_ACTIVATIONS))
+        batch.sends.append(p2p.send(out, self._peer(ins), what=f"stage {self.stage_id}'s output",
+                                    tag=_TAGS[type(ins)]))
 
     def _exec_recv_activations(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        batch.inputs[(ins.micro_batch, ins.chunk)] = batch.receivers[sched.RecvActivation].recv(self.device)
+        batch.inputs[(ins.micro_batch, ins.chunk)] = batch.receivers[(type(ins), self._peer(ins))].recv(self.device)
 
     def _exec_recv_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        batch.grads[(ins.micro_batch, ins.chunk)] = batch.receivers[sched.RecvGrad].recv(self.device)
+        batch.grads[(ins.micro_batch, ins.chunk)] = batch.receivers[(type(ins), self._peer(ins))].recv(self.device)
 
     def _exec_backward_pass(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         batch.backwards_left -= 1
@@ -362,21 +395,22 @@ class PipelineEngine(DeepSpeedEngine):
         key = (ins.micro_batch, ins.chunk)
         out = batch.outputs.pop(key)
         with self.events.phase("backward"):
-            if self._ends(ins.chunk)[1]:
+            if ins.chunk == self._label_chunk:
                 self.loss_scaler.scale_loss(out / batch.micro_batches).backward()
             else:
                 tensors = [t for t in as_tuple(out) if t.requires_grad]
-                grads = as_tuple(batch.grads.pop(key))
+                local = self._local_next(ins.chunk)
+                grads = (input_grads(batch.inputs.pop((ins.micro_batch, local))) if local is not None
+                         else as_tuple(batch.grads.pop(key)))
                 if tensors:
                     torch.autograd.backward(tensors, grads)
         if not boundary:  # the boundary's reduction waits until this stage's last gradient is sent
             self._backward_epilogue()
 
     def _exec_send_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
-        inputs = [t for t in as_tuple(batch.inputs.pop((ins.micro_batch, ins.chunk))) if t.requires_grad]
-        grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
-        batch.sends.append(p2p.send(grads, self.prev_stage, what=f"stage {self.stage_id}'s input gradients",
-                                    tag=_GRADIENTS))
+        grads = input_grads(batch.inputs.pop((ins.micro_batch, ins.chunk)))
+        batch.sends.append(p2p.send(grads, self._peer(ins), what=f"stage {self.stage_id}'s input gradients",
+                                    tag=_TAGS[type(ins)]))
 
     def _exec_reduce_grads(self, ins: sched.PipeInstruction, batch: _Batch) -> None:
         self._finish_reduction(batch)
@@ -414,6 +448,7 @@ class PipelineEngine(DeepSpeedEngine):
         sched.ReduceGrads: _exec_reduce_grads,
         sched.ReduceTiedGrads: _exec_reduce_tied_grads,
         sched.OptimizerStep: _exec_optimizer_step,
+        sched.CommitP2P: lambda self, ins, batch: None,  # sends go as they come, receives are posted ahead
     }
 
     # ----- losses -----------------------------------------------------------------------------
@@ -440,7 +475,7 @@ class PipelineEngine(DeepSpeedEngine):
         value = self._replica_mean(local) if self.is_last_stage() else None
         if self.num_stages == 1:
             return value
-        group, src = self.grid.get_pipe_parallel_group(), self.grid.stage_to_global(self.num_stages - 1)
+        group, src = self.grid.get_pipe_parallel_group(), self._loss_stage_global_rank()
         if shape is None:  # eval outputs: the other stages learn the shape first
             shapes = [tuple(value.shape) if value is not None else None]
             with waiting("pipeline broadcast of the eval output's shape"):
@@ -458,37 +493,3 @@ class PipelineEngine(DeepSpeedEngine):
         if bcast_loss:
             return self._mean_loss(local, shape=None)
         return self._replica_mean(local) if local is not None else None
-
-
-def _check_config(model: PipelineModule, config: DeepSpeedConfig) -> None:
-    stage = config.zero_optimization.stage
-    if not config.managed_gradient_accumulation:
-        raise AccumulationModeError("false is not supported with pipeline parallelism (a PipelineModule): "
-                                    "train_batch() runs the micro batches and ends the window itself; remove "
-                                    "the key", key="managed_gradient_accumulation")
-    if config.progressive_layer_drop.enabled:
-        raise ConfigError("not with a PipelineModule: its stages take no keyword arguments to drop layers by "
-                          "(DeepSpeed fails there with a TypeError); set it to false", key="progressive_layer_drop.enabled")
-    if stage == 3:
-        raise ConfigError("ZeRO stage 3 cannot be combined with pipeline parallelism (a PipelineModule); "
-                          "use zero_optimization.stage 0, 1 or 2", key="zero_optimization.stage")
-    stages = config.pipeline.stages
-    if stages != "auto" and stages != model.num_stages:
-        raise ConfigError(f"{stages} differs from the PipelineModule's {model.num_stages} stages; set it to "
-                          f"{model.num_stages} or \"auto\"", key="pipeline.stages")
-    schedule = sched.SCHEDULES[config.pipeline.schedule]
-    if model.virtual_stages > 1 and not schedule.chunks_allowed:
-        raise ConfigError(f"\"{config.pipeline.schedule}\" runs one part per stage, but the PipelineModule has "
-                          f"virtual_stages={model.virtual_stages}; use \"interleaved\" (or virtual_stages=1)",
-                          key="pipeline.schedule")
-    if model.virtual_stages > 1 and model.num_stages == 1:
-        raise ConfigError("virtual stages need at least 2 pipeline stages (a single stage has nothing to "
-                          "interleave with); use \"1f1b\" and virtual_stages=1", key="pipeline.schedule")
-    if schedule is sched.InterleavedSchedule and config.gradient_accumulation_steps % model.num_stages:
-        raise ConfigError(f"{config.gradient_accumulation_steps} micro batches: the interleaved schedule needs a "
-                          f"multiple of the {model.num_stages} pipeline stages", key="gradient_accumulation_steps")
-    if stage == 2 and model.tied_comms:
-        raise ConfigError("tied layers across stages (TiedLayerSpec) need ZeRO stage 0 or 1 (stage 2 keeps only "
-                          "gradient shards, which differ between the stages holding the tie)",
-                          key="zero_optimization.stage")
-

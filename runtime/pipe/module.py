@@ -31,6 +31,7 @@ from dslaunch.runtime.parallel.dims import ParallelDims
 from dslaunch.runtime.parallel.grid import PipelineParallelGrid
 from dslaunch.runtime.parallel.groups import new_groups
 from dslaunch.runtime.parallel.topology import ProcessTopology
+from dslaunch.runtime.pipe.placement import Placement, RoundRobin
 from dslaunch.runtime.zero.partition_parameters import register_external_parameter
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "partition_uniform", "partition_balanced"]
@@ -212,11 +213,11 @@ class PipelineModule(torch.nn.Module):
         self.dynamic_shape = bool(dynamic_shape)
         self._layer_specs = layers
         self.virtual_stages = int(virtual_stages)
-        self.parts = _partition(layers, self.num_stages * self.virtual_stages, partition_method)
+        self.placement = self._placement()
+        self.parts = _partition(layers, self.placement.num_parts, partition_method)
         self.tied_modules = torch.nn.ModuleDict()
-        # chunk c of this rank is part c * num_stages + stage_id (one chunk without virtual stages)
-        self.chunk_funcs: list[list[Callable]] = [self._build(c * self.num_stages + self.stage_id)
-                                                  for c in range(self.virtual_stages)]
+        self.chunk_funcs: list[list[Callable]] = [self._build(self.placement.part(self.stage_id, c))
+                                                  for c in range(self.placement.chunks)]
         self.forward_funcs = [f for funcs in self.chunk_funcs for f in funcs]
         self.tied_comms = self._tie_groups()
         self._synchronize_tied_weights()
@@ -228,6 +229,10 @@ class PipelineModule(torch.nn.Module):
                 for p in f.module.parameters():
                     register_external_parameter(self, p)
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+
+    def _placement(self) -> Placement:
+        """Which parts each rank holds: round-robin, one per virtual stage."""
+        return RoundRobin(self.num_stages, self.virtual_stages)
 
     @property
     def activation_checkpoint_interval(self) -> int:
@@ -385,7 +390,7 @@ class PipelineModule(torch.nn.Module):
         if not 0 <= layer_idx < len(self._layer_specs):
             raise UsageError(f"stage_owner: layer {layer_idx} is outside 0..{len(self._layer_specs) - 1}")
         part = next(p for p in range(len(self.parts) - 1) if self.parts[p] <= layer_idx < self.parts[p + 1])
-        return part % self.num_stages
+        return self.placement.owner(part)[0]
 
     @property
     def num_layers(self) -> int:
@@ -398,8 +403,8 @@ class PipelineModule(torch.nn.Module):
         file per entry (DeepSpeed's ``layer_XX-model_states``), so another pipeline shape finds
         each layer by its index."""
         out: dict[int, str] = {}
-        for chunk in range(self.virtual_stages):
-            part = chunk * self.num_stages + self.stage_id
+        for chunk in range(self.placement.chunks):
+            part = self.placement.part(self.stage_id, chunk)
             for idx in range(self.parts[part], self.parts[part + 1]):
                 layer = self._layer_specs[idx]
                 if isinstance(layer, TiedLayerSpec):

@@ -20,8 +20,10 @@ names it (``describe``).
 Correctness rests on one property, checked for every schedule by ``tests/runtime/pipe/
 test_schedule.py``'s simulator: with non-blocking sends, every stage's receives are matched by its
 neighbour's sends in the same order, and the stages' orders have no cycle, so no stage waits
-forever. Training schedules are picked by name from ``SCHEDULES`` (the config's
-``pipeline.schedule``).
+forever; the neighbours are the schedule's ``placement``'s (``placement.py``). Training schedules are
+picked by name from ``SCHEDULES`` (the config's ``pipeline.schedule``). DeepSpeed 0.19.8's
+``DualPipeVSchedule`` is answered from here but lives in ``vschedule.py`` (a ``DualPipeVModule``
+runs it, not the registry); ``CommitP2P``, which its lists hold, does nothing in dslaunch's engine.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dslaunch.utils.refused import Refusal, refused_class
+from dslaunch.runtime.pipe.placement import Placement, RoundRobin
 
-__all__ = ["DualPipeVSchedule", "DUALPIPEV", "PipeInstruction", "BufferOpInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass",
+__all__ = ["CommitP2P", "PipeInstruction", "BufferOpInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass",
            "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "OptimizerStep", "PipeSchedule",
            "TrainSchedule", "InterleavedSchedule", "InferenceSchedule", "DataParallelSchedule", "SCHEDULES",
            "schedule_choices", "execution_order"]
@@ -60,11 +62,15 @@ class PipeInstruction:
     def name(self) -> str:
         return type(self).__name__
 
-    def describe(self, stage: int, stages: int) -> str:
-        """``stage 2 waiting to receive activations of micro-batch 5 from stage 1``."""
+    def describe(self, stage: int, stages: int, placement: Placement | None = None) -> str:
+        """``stage 2 waiting to receive activations of micro-batch 5 from stage 1``; ``placement``
+        says where this chunk's neighbouring parts are (default: the neighbouring stages)."""
+        def peer(step: int) -> int:
+            found = placement.neighbour(stage, self.chunk, step) if placement is not None else None
+            return found[0] if found is not None else (stage + step) % stages
+
         mb = f"micro-batch {self.micro_batch}" + (f" (chunk {self.chunk})" if self.chunk else "")
-        what = self.doing.format(mb=mb, name=self.name, prev=(stage - 1) % stages, next=(stage + 1) % stages)
-        return f"stage {stage} {what}"
+        return f"stage {stage} {self.doing.format(mb=mb, name=self.name, prev=peer(-1), next=peer(1))}"
 
     def __repr__(self) -> str:
         if self.buffer_id < 0:
@@ -141,6 +147,14 @@ class OptimizerStep(PipeInstruction):
     doing = "in the optimizer step (first waiting until its sends were received)"
 
 
+class CommitP2P(PipeInstruction):
+    """DeepSpeed 0.19.8's: start the sends and receives queued since the last one and wait for them
+    (its DualPipeV engine queues them). dslaunch's engine sends as it goes and posts its receives
+    ahead, so it does nothing here; ``execution_order`` runs the receives before it."""
+
+    doing = "exchanging messages"
+
+
 class PipeSchedule:
     """The instructions of one stage for one batch of ``micro_batches`` (``chunks`` per rank:
     virtual stages, for schedules that allow them)."""
@@ -192,10 +206,14 @@ class PipeSchedule:
         """``kind`` on ``micro_batch``, in its buffer (the buffers are used in turn, as DeepSpeed's)."""
         return kind(buffer_id=micro_batch % self.num_pipe_buffers(), chunk=chunk, micro_batch=micro_batch)
 
+    @property
+    def placement(self) -> Placement:
+        """Which parts each rank holds (where a message goes): round-robin."""
+        return RoundRobin(self.stages, self.chunks)
+
     def _ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether this rank's ``chunk`` is the model's first part, and its last."""
-        return (self.is_first_stage and chunk == 0,
-                self.is_last_stage and chunk == self.chunks - 1)
+        return self.placement.ends(self.stage_id, chunk)
 
 
 _STEP = (ReduceTiedGrads, ReduceGrads, OptimizerStep)
@@ -404,9 +422,10 @@ def schedule_choices() -> str:
     return ", ".join(repr(name) for name in SCHEDULES)
 
 
-# DeepSpeed 0.19.8's DualPipeV (``dualpipev.py``): refused on use. Here, not there, so that the
-# base engine, which reads this module's registry, imports nothing else of the pipeline package.
-DUALPIPEV = Refusal("DualPipeV (DeepSeek-V3's V-shaped pipeline schedule)",
-                    "use PipelineModule (1F1B), or PipelineModule(virtual_stages=2) for dslaunch's interleaved "
-                    "schedule with two parts of the model per rank")
-DualPipeVSchedule = refused_class(__name__, "DualPipeVSchedule", DUALPIPEV)
+def __getattr__(name: str) -> type:
+    # DeepSpeed's DualPipeVSchedule lives in ``vschedule.py``, which builds on this module.
+    if name == "DualPipeVSchedule":
+        from dslaunch.runtime.pipe.vschedule import DualPipeVSchedule
+
+        return DualPipeVSchedule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

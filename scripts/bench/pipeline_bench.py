@@ -9,11 +9,12 @@ evenly over the stage's layers). Sleeping ranks do not compete for the machine's
 a step's bubble on a rank is ``1 - busy / step time`` (the time from a barrier until the last
 rank's ``train_batch`` returned), averaged over ``--steps`` steps and the 4 ranks. The formula: 1F1B
 ``(p-1)/(m+p-1)``; interleaved 1F1B with ``v`` parts per rank ``(p-1)/(v*m+p-1)``; at p=4, m=8:
-27.3%, 15.8% (v=2), 8.6% (v=4). The formula counts no time between the stages: each message on
+27.3%, 15.8% (v=2), 8.6% (v=4); DualPipeV (``dualpipev``: a ``DualPipeVModule``, two half-stages per
+rank in a V) by the schedule simulator, 22.6%. The formula counts no time between the stages: each message on
 the schedule's critical path (2 per slot) adds its latency, which shrinks relative to the stages'
 compute as ``--forward-ms`` grows.
 
-Peers: DeepSpeed 0.19.8 (its ``TrainSchedule``, 1F1B) in the DeepSpeed venv (``--ds-venv``,
+Peers: DeepSpeed 0.19.8 (its ``TrainSchedule``, 1F1B, and its ``DualPipeVEngine``) in the DeepSpeed venv (``--ds-venv``,
 default /tmp/venv-ds-inf, with ``DS_ACCELERATOR=cpu``); torch 2.13's ``Schedule1F1B`` and
 ``ScheduleInterleaved1F1B`` in this venv. Each configuration runs in its own 4 processes, one
 after the other.
@@ -48,14 +49,21 @@ CONFIGS: dict[str, tuple[str, str, int]] = {
     "dslaunch-1f1b": ("dslaunch", "1f1b", 1),
     "dslaunch-interleaved-v2": ("dslaunch", "interleaved", 2),
     "dslaunch-interleaved-v4": ("dslaunch", "interleaved", 4),
+    "dslaunch-dualpipev": ("dslaunch", "dualpipev", 2),
     "deepspeed-1f1b": ("deepspeed", "1f1b", 1),
+    "deepspeed-dualpipev": ("deepspeed", "dualpipev", 2),
     "torch-1f1b": ("torch", "1f1b", 1),
     "torch-interleaved-v4": ("torch", "interleaved", 4),
 }
 
 
 def formula(schedule: str, parts: int, stages: int = STAGES, micro: int = MICRO_BATCHES) -> float:
-    """The bubble fraction of a batch: the fill and drain over the whole."""
+    """The bubble fraction of a batch: the fill and drain over the whole. DualPipeV's is the schedule
+    simulator's (``tests/runtime/pipe/test_dualpipev_schedule.py``) at backward = 2 x forward: idle
+    ``2.5 (p-1) - 0.5`` forwards of a stage, against 1F1B's ``3 (p-1)``."""
+    if schedule == "dualpipev":
+        idle = 2.5 * (stages - 1) - 0.5
+        return idle / (3 * micro + idle)
     return (stages - 1) / (parts * micro + stages - 1) if schedule == "interleaved" else (stages - 1) / (micro + stages - 1)
 
 
@@ -132,19 +140,19 @@ def _build(name: str, meter: Meter, forward_ms: float):
         return _build_torch(specs, schedule, parts, x, y)
     if system == "deepspeed":
         import deepspeed as ds
-        from deepspeed.pipe import LayerSpec, PipelineModule
+        from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule
 
         ds.init_distributed(dist_backend="gloo")  # its comm wraps the process group made above
     else:
         import dslaunch as ds
-        from dslaunch.pipe import LayerSpec, PipelineModule
-    extra = {"virtual_stages": parts} if system == "dslaunch" else {}
-    module = PipelineModule([LayerSpec(cls, *args) for cls, *args in specs], num_stages=STAGES, loss_fn=_loss,
+        from dslaunch.pipe import DualPipeVModule, LayerSpec, PipelineModule
+    extra = {"virtual_stages": parts} if system == "dslaunch" and schedule != "dualpipev" else {}
+    module = (DualPipeVModule if schedule == "dualpipev" else PipelineModule)([LayerSpec(cls, *args) for cls, *args in specs], num_stages=STAGES, loss_fn=_loss,
                             partition_method="uniform", **extra)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": MICRO_BATCHES,
            "train_batch_size": MICRO * MICRO_BATCHES, "steps_per_print": 10**9, "gradient_clipping": 0.0,
            "optimizer": {"type": "SGD", "params": {"lr": LR}}}
-    if system == "dslaunch":
+    if system == "dslaunch" and schedule != "dualpipev":  # a DualPipeVModule runs its own
         cfg["pipeline"] = {"schedule": schedule}
     engine, *_ = ds.initialize(model=module, config=cfg, model_parameters=[p for p in module.parameters()])
     data = iter(lambda: (x, y), None)

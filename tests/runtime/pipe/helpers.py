@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 BASE_SEED, WIDTH, MICRO = 7, 8, 2
@@ -62,6 +63,23 @@ def reference(steps: int, gas: int, dp: int, lr: float, clip: float = 0.0, block
         opt.step()
         losses.append(total.item())
     return losses, [[p.detach().tolist() for p in m.parameters()] for m in mods]
+
+
+def check_against_one_process(got: list[dict], engine: str, steps: int, gas: int, dp: int, lr: float,
+                               clip: float = 0.0, blocks: int = 2, weights_atol: float = 2e-5) -> None:
+    """Every rank's result (``type``, ``steps``, ``micro``, ``losses``, ``layers``: its layers' weights
+    by index) against ``reference``: losses within 1e-6 per step, weights within ``weights_atol``,
+    every layer with weights held by some rank."""
+    want_losses, want_layers = reference(steps, gas, dp, lr, clip, blocks)
+    held = set()
+    for r in got:
+        assert r["type"] == engine and r["steps"] == steps and r["micro"] == steps * gas
+        assert r["losses"] == pytest.approx(want_losses, rel=0, abs=1e-6)
+        for idx, params in r["layers"].items():
+            held.add(idx)
+            for a, b in zip(params, want_layers[idx], strict=True):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=weights_atol)
+    assert held == {i for i, w in enumerate(want_layers) if w}  # every layer with weights was checked
 
 
 def config(gas: int, lr: float, **extra: Any) -> dict:

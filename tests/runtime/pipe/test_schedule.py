@@ -22,40 +22,61 @@ FORWARD_COST, BACKWARD_COST = 1.0, 2.0  # of a whole stage; a chunk costs its sh
 
 def _simulate(make: type[sched.PipeSchedule], stages: int, micro: int, chunks: int = 1
               ) -> tuple[list[list[sched.PipeInstruction]], float]:
+    return simulate([make(micro, stages, s, chunks) for s in range(stages)])
+
+
+def simulate(schedules: list[sched.PipeSchedule]) -> tuple[list[list[sched.PipeInstruction]], float]:
     """Run the stages' instruction streams round-robin; a receive waits for its message.
 
-    Returns what each stage did and when the last one finished (each rank's clock advances by
-    its passes' costs and waits for the sender's clock on a receive; messages take no time).
+    Messages go where the schedule's placement says (the part after or before the chunk's); a part
+    whose neighbour is on the same rank (DualPipeV's turn) needs no message, only that rank's
+    forward (backward) of that part ran first. Returns what each stage did and when the last one
+    finished (each rank's clock advances by its passes' costs and waits for the sender's clock on a
+    receive; messages take no time).
     """
-    streams = [sched.execution_order(make(micro, stages, s, chunks)) for s in range(stages)]  # as the engine
+    stages, place = len(schedules), schedules[0].placement
+    chunks = place.chunks
+    streams = [sched.execution_order(x) for x in schedules]  # as the engine
     pos, clock = [0] * stages, [0.0] * stages
-    act = [deque() for _ in range(stages)]  # act[s]: activations sent to stage s, with the send time
-    grad = [deque() for _ in range(stages)]  # grad[s]: gradients sent to stage s
+    queues: dict[tuple[type, int, int], deque] = {}  # (kind, from, to): (micro batch, chunk at the receiver), when
+    passed: set[tuple[type, int, int, int]] = set()  # (pass, stage, micro batch, chunk) done
     done: list[list[sched.PipeInstruction]] = [[] for _ in range(stages)]
+    sends = {sched.SendActivation: (1, sched.RecvActivation), sched.SendGrad: (-1, sched.RecvGrad)}
+    recvs = {sched.RecvActivation: -1, sched.RecvGrad: 1}
     while any(pos[s] < len(streams[s]) for s in range(stages)):
         moved = False
         for s in range(stages):
             while pos[s] < len(streams[s]):
                 ins = streams[s][pos[s]]
-                if isinstance(ins, sched.RecvActivation | sched.RecvGrad):
-                    queue = act[s] if isinstance(ins, sched.RecvActivation) else grad[s]
+                if type(ins) in recvs:
+                    peer = place.neighbour(s, ins.chunk, recvs[type(ins)])
+                    queue = queues.get((type(ins), peer[0], s))
                     if not queue:
                         break
                     sent, when = queue.popleft()
                     assert sent == (ins.micro_batch, ins.chunk)  # in the order sent
                     clock[s] = max(clock[s], when)
-                elif isinstance(ins, sched.SendActivation):
-                    act[(s + 1) % stages].append(((ins.micro_batch, ins.chunk + (s == stages - 1)), clock[s]))
-                elif isinstance(ins, sched.SendGrad):
-                    grad[(s - 1) % stages].append(((ins.micro_batch, ins.chunk - (s == 0)), clock[s]))
+                elif type(ins) in sends:
+                    step, kind = sends[type(ins)]
+                    peer = place.neighbour(s, ins.chunk, step)
+                    assert peer[0] != s, ins  # no message to itself
+                    queues.setdefault((kind, s, peer[0]), deque()).append(((ins.micro_batch, peer[1]), clock[s]))
                 elif isinstance(ins, sched.ForwardPass | sched.BackwardPass):
-                    cost = FORWARD_COST if isinstance(ins, sched.ForwardPass) else BACKWARD_COST
-                    clock[s] += cost / chunks
+                    forward = isinstance(ins, sched.ForwardPass)
+                    if not forward:  # every forward before its backward
+                        assert (sched.ForwardPass, s, ins.micro_batch, ins.chunk) in passed, ins
+                    before = place.neighbour(s, ins.chunk, -1 if forward else 1)  # the part that feeds it
+                    if before is not None and before[0] == s:
+                        assert (type(ins), s, ins.micro_batch, before[1]) in passed, ins
+                    assert (type(ins), s, ins.micro_batch, ins.chunk) not in passed, ins
+                    passed.add((type(ins), s, ins.micro_batch, ins.chunk))
+                    clock[s] += (FORWARD_COST if forward else BACKWARD_COST) / chunks
                 done[s].append(ins)
                 pos[s] += 1
                 moved = True
-        assert moved, f"{make.__name__} hangs at {stages} stages, {micro} micro batches, {chunks} chunks: {pos}"
-    assert not any(act) and not any(grad)  # nothing sent that nobody received
+        assert moved, f"{type(schedules[0]).__name__} hangs at {stages} stages, {schedules[0].micro_batches} " \
+                      f"micro batches, {chunks} chunks: {pos}"
+    assert not any(queues.values())  # nothing sent that nobody received
     return done, max(clock)
 
 

@@ -1,5 +1,7 @@
 """A 3-stage job whose stages pass (float with grad, float with grad, float without grad, int):
-two tensors carry gradients back, the others none; trained against the same layers in one process."""
+two tensors carry gradients back, the others none; trained against the same layers in one process.
+The same on DualPipeV's 2 ranks (4 stages), where the last rank hands the tuple to its own second
+stage without a message."""
 
 from __future__ import annotations
 
@@ -43,15 +45,15 @@ class Head(torch.nn.Module):
         return self.lin(h + g) * (1 + count.float().unsqueeze(1) / 8) + mask.mean(1, keepdim=True) * 0.01
 
 
-def _specs() -> list:
+def _specs(mixes: int = 1) -> list:
     from dslaunch.pipe import LayerSpec
 
-    return [LayerSpec(Split), LayerSpec(Mix), LayerSpec(Head)]
+    return [LayerSpec(Split), *[LayerSpec(Mix) for _ in range(mixes)], LayerSpec(Head)]
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(gas: int = GAS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
-    xs = [torch.randn(2, 6, generator=g) for _ in range(STEPS * GAS)]
+    xs = [torch.randn(2, 6, generator=g) for _ in range(STEPS * gas)]
     return [(x, x.cos().mean(1, keepdim=True) * 0.5) for x in xs]
 
 
@@ -59,42 +61,48 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, y)
 
 
-def _reference() -> tuple[list[float], list[list]]:
+def _reference(gas: int = GAS, mixes: int = 1) -> tuple[list[float], list[list]]:
     mods = []
-    for idx, spec in enumerate(_specs()):
+    for idx, spec in enumerate(_specs(mixes)):
         torch.manual_seed(11 + idx)
         mods.append(spec.build())
     model = torch.nn.Sequential(*mods)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data, losses = _batches(), []
+    data, losses = _batches(gas), []
     for step in range(STEPS):
         opt.zero_grad()
-        loss = torch.stack([_loss(model(x), y) for x, y in data[step * GAS:(step + 1) * GAS]]).mean()
+        loss = torch.stack([_loss(model(x), y) for x, y in data[step * gas:(step + 1) * gas]]).mean()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses, [[p.detach().tolist() for p in m.parameters()] for m in mods]
 
 
-def _train(rank: int, world: int) -> dict:
+def _train(rank: int, world: int, gas: int, dualpipev: bool) -> dict:
     import dslaunch
-    from dslaunch.pipe import PipelineModule
+    from dslaunch.pipe import DualPipeVModule, PipelineModule
 
     dslaunch.init_distributed(verbose=False)
-    module = PipelineModule(_specs(), num_stages=3, loss_fn=_loss, seed_layers=True, base_seed=11,
-                            partition_method="uniform")
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 1e9,
+    kind = DualPipeVModule if dualpipev else PipelineModule
+    module = kind(_specs(3 if dualpipev else 1), num_stages=world, loss_fn=_loss, seed_layers=True, base_seed=11,
+                  partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 1e9,
            "optimizer": {"type": "SGD", "params": {"lr": LR}}, "gradient_clipping": 0.0}  # the reference does not clip
     engine, *_ = dslaunch.initialize(model=module, config=cfg)
-    data = iter(_batches())
+    data = iter(_batches(gas))
     losses = [engine.train_batch(data).item() for _ in range(STEPS)]
-    return {"losses": losses, "params": [p.detach().tolist() for p in module.parameters()]}
+    return {"losses": losses, "params": {name: p.detach().tolist() for name, p in module.named_parameters()}}
 
 
-def test_three_stages_pass_tuples_of_mixed_tensors() -> None:
-    want_losses, want_params = _reference()
-    got = run_world(_train, 3, timeout=100)
-    for stage, r in enumerate(got):
+@pytest.mark.parametrize("world, gas, dualpipev", [(3, GAS, False), (2, 4, True)])
+def test_stages_pass_tuples_of_mixed_tensors(world: int, gas: int, dualpipev: bool) -> None:
+    want_losses, want_params = _reference(gas, 3 if dualpipev else 1)
+    got = run_world(_train, world, gas, dualpipev, timeout=100)
+    held = set()
+    for r in got:
         assert r["losses"] == pytest.approx(want_losses, rel=0, abs=1e-6)
-        for a, b in zip(r["params"], want_params[stage], strict=True):
-            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=2e-5)
+        for name, value in r["params"].items():  # "<layer>.lin.weight"
+            layer, which = int(name.split(".")[0]), name.endswith("bias")
+            held.add(layer)
+            torch.testing.assert_close(torch.tensor(value), torch.tensor(want_params[layer][which]), rtol=0, atol=2e-5)
+    assert held == set(range(len(want_params)))
