@@ -42,6 +42,7 @@ from dslaunch.runtime.checkpoint.reshard import (
     by_slices,
     check_compatible,
     cut_slice,
+    expert_groups,
     fp32_params,
     join_slices,
     needed_ranks,
@@ -265,6 +266,7 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
                                                   source)
             out["fp32"] = {}
             return out
+    _refuse_moved_experts(parts, shape, here, source)
     why = _refusal(meta, shape, unique, place)
     if not why:
         saved = [_consolidated(store, tag, manifest, p) for p in _relevant(parts, current)]
@@ -278,6 +280,17 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
                                           source)
     out["fp32"] = _masters(store, tag, manifest, parts) if unique else {}
     return out
+
+
+def _refuse_moved_experts(parts: dict[str, dict], shape: dict | None, here: dict | None, source: str) -> None:
+    """Expert parameters do not move between a plain and a model-parallel engine: each rank's local
+    expert names stand for other global experts, and taken by name (even the weights alone, with
+    ``load_module_strict=False``) they would give ranks the wrong experts."""
+    experts = [name for part in parts.values() for name in expert_groups(part["partition"])]
+    if experts:
+        raise CheckpointError(f"the checkpoint holds expert parameters ({experts[0]}) saved at {describe(shape)}; "
+                              f"this engine: {describe(here)}; MoE checkpoints load only between engines "
+                              "without pipeline or tensor parallelism", source)
 
 
 def _resliceable(parts: dict[str, dict], place: Placement | None) -> bool:
