@@ -6,9 +6,8 @@ replicas; ZeRO 1, 2 and 3): 3 steps, a save in its own format, 3 more (its own c
 ``convert`` writes the universal folder; real DeepSpeed (the venv of ``test_deepspeed_interop``)
 loads it at tp 2 with the same or the other number of replicas and runs the same 3 steps: each
 loss equals dslaunch's continuation within 1e-6 (measured: equal at one replica, 2.4e-7 across
-replica counts), the counters are the saved ones,
-and a run from the initial weights differs by more than 1e-3. dslaunch's own ``load_universal`` of
-the same folder continues alike.
+replica counts), the counters are the saved ones, and a run from the initial weights differs by
+more than 1e-3. dslaunch's own ``load_universal`` of the same folder continues alike.
 """
 
 from __future__ import annotations
