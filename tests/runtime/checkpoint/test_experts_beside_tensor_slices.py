@@ -2,7 +2,8 @@
 tensor 2 x data 2 on gloo, world 4): never a wrong load.
 
 - A save at tensor 2 x data 2 (experts over every rank, or tensor-sliced experts over each lane's
-  data ranks) is refused on every rank in one line naming the layout, and publishes no tag.
+  data ranks; dslaunch's format or DeepSpeed's) is refused on every rank in one line naming the
+  layout, and publishes no tag.
 - A data-parallel MoE tag (world 2, ep 2) loaded into the tensor 2 x data 2 engine is refused in
   one line naming both layouts, with ``load_module_strict=False`` too: each rank's local expert
   names stand for other global experts there, and taken by name the ranks of the second lane got
@@ -22,7 +23,7 @@ from tests.runtime.moe.test_tensor_parallel import MegatronMPU
 CASE, TENSOR = MoECase(1, False, False), 2
 
 
-def _engine(rank: int, ep_size: int, tensor: int, sliced: bool = False):  # noqa: ANN202
+def _engine(rank: int, ep_size: int, tensor: int, sliced: bool = False, fmt: str = "dslaunch"):  # noqa: ANN202
     import dslaunch as deepspeed
     from dslaunch.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -34,7 +35,8 @@ def _engine(rank: int, ep_size: int, tensor: int, sliced: bool = False):  # noqa
     model.set_expert_weights(expert_rank * model.moe.num_local_experts)
     params = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
     config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 1000,
-              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 2}}
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 2},
+              "checkpoint": {"format": fmt}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config, mpu=mpu)
     loss = engine(*batch(rank // tensor, 0))
     engine.backward(loss)
@@ -42,13 +44,13 @@ def _engine(rank: int, ep_size: int, tensor: int, sliced: bool = False):  # noqa
     return engine, model
 
 
-def _save(rank: int, world: int, ep_size: int, tensor: int, sliced: bool, save_dir: str) -> dict:
+def _save(rank: int, world: int, ep_size: int, tensor: int, sliced: bool, save_dir: str, fmt: str = "dslaunch") -> dict:
     """One step, a save; the error if refused, and every global expert's weights this rank holds."""
     from dslaunch.errors import CheckpointError
     from dslaunch.runtime.checkpoint.experts import expert_names
     from dslaunch.utils import groups
 
-    engine, model = _engine(rank, ep_size, tensor, sliced)
+    engine, model = _engine(rank, ep_size, tensor, sliced, fmt)
     try:
         engine.save_checkpoint(save_dir, tag="saved")
         err = None
@@ -78,9 +80,10 @@ def _load(rank: int, world: int, load_dir: str, strict: bool) -> dict:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("sliced", [False, True], ids=["experts-over-every-rank", "tensor-sliced-experts"])
-def test_saving_experts_beside_tensor_slices_is_refused_in_one_line(tmp_path: Path, sliced: bool) -> None:
-    got = run_world(_save, 4, 2, TENSOR, sliced, str(tmp_path), timeout=120)
+@pytest.mark.parametrize(("sliced", "fmt"), [(False, "dslaunch"), (True, "dslaunch"), (False, "deepspeed")],
+                         ids=["experts-over-every-rank", "tensor-sliced-experts", "deepspeed-format"])
+def test_saving_experts_beside_tensor_slices_is_refused_in_one_line(tmp_path: Path, sliced: bool, fmt: str) -> None:
+    got = run_world(_save, 4, 2, TENSOR, sliced, str(tmp_path), fmt, timeout=120)
     for rank, result in enumerate(got):
         err = result["error"]
         assert err is not None, f"rank {rank} saved: add a test that the tag loads right, then drop this one"
