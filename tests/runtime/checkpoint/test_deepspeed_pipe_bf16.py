@@ -22,18 +22,11 @@ import pytest
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_pipe_job as job
 from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, deepspeed_python  # noqa: F401
+from tests.runtime.checkpoint.test_deepspeed_pipe import SCRIPT, _joined
 
 pytestmark = pytest.mark.timeout(600)
 
 SAVE_AT, STEPS = 3, 3
-SCRIPT = Path(job.__file__)
-
-
-def _joined(results: list[dict]) -> dict:
-    out: dict = {}
-    for r in results:
-        out.update(r.get("state", {}))
-    return out
 
 
 def _worst(a: list[float], b: list[float]) -> float:

@@ -12,9 +12,11 @@ tensor 2 x data 2 on gloo, world 4): never a wrong load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import run_world
 from tests.runtime.moe.models import MoECase, TinyMoENet, batch
@@ -44,15 +46,15 @@ def _engine(rank: int, ep_size: int, tensor: int, sliced: bool = False, fmt: str
     return engine, model
 
 
-def _save(rank: int, world: int, ep_size: int, tensor: int, sliced: bool, save_dir: str, fmt: str = "dslaunch") -> dict:
-    """One step, a save; the error if refused, and every global expert's weights this rank holds."""
+def _attempt(call: Callable[[], object], model: torch.nn.Module) -> dict:
+    """``call()``'s CheckpointError (None if it succeeded) and every global expert's weights this rank
+    holds after it."""
     from dslaunch.errors import CheckpointError
     from dslaunch.runtime.checkpoint.experts import expert_names
     from dslaunch.utils import groups
 
-    engine, model = _engine(rank, ep_size, tensor, sliced, fmt)
     try:
-        engine.save_checkpoint(save_dir, tag="saved")
+        call()
         err = None
     except CheckpointError as exc:
         err = str(exc)
@@ -60,23 +62,17 @@ def _save(rank: int, world: int, ep_size: int, tensor: int, sliced: bool, save_d
     groups.mpu = groups.grid = None
     return {"error": err, "experts": {rename[n]: p.detach().numpy().copy() for n, p in model.named_parameters()
                                       if n in rename}}
+
+
+def _save(rank: int, world: int, ep_size: int, tensor: int, sliced: bool, save_dir: str, fmt: str = "dslaunch") -> dict:
+    """One step, a save."""
+    engine, model = _engine(rank, ep_size, tensor, sliced, fmt)
+    return _attempt(lambda: engine.save_checkpoint(save_dir, tag="saved"), model)
 
 
 def _load(rank: int, world: int, load_dir: str, strict: bool) -> dict:
-    from dslaunch.errors import CheckpointError
-    from dslaunch.runtime.checkpoint.experts import expert_names
-    from dslaunch.utils import groups
-
     engine, model = _engine(rank, 2, TENSOR)
-    try:
-        engine.load_checkpoint(load_dir, tag="saved", load_module_strict=strict)
-        err = None
-    except CheckpointError as exc:
-        err = str(exc)
-    rename = expert_names(model)
-    groups.mpu = groups.grid = None
-    return {"error": err, "experts": {rename[n]: p.detach().numpy().copy() for n, p in model.named_parameters()
-                                      if n in rename}}
+    return _attempt(lambda: engine.load_checkpoint(load_dir, tag="saved", load_module_strict=strict), model)
 
 
 @pytest.mark.timeout(150)
