@@ -281,10 +281,9 @@ def _expert_params(zero_sd: dict) -> list[str]:
 def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
     place = parts.placement
     experts = [g["reduce_group"] for g in zero_sd["groups"] if "reduce_group" in g]
-    if place is not None and experts:  # dslaunch's own format refuses these too
-        raise CheckpointError(f"saving expert parameters ({experts[0]}) with model parallelism "
-                              f"({describe(place.shape)}) is not supported yet in either checkpoint.format: save "
-                              "without pipeline or tensor parallelism")
+    if place is not None and experts and (place.layers is not None or place.tensors):  # dslaunch's refuses too
+        raise CheckpointError(f"saving expert parameters ({experts[0]}) with a pipeline or AutoTP "
+                              f"({describe(place.shape)}) is not supported yet in either checkpoint.format")
     what = ("tensor parallelism (an mpu, AutoTP, a pipeline's model axis)" if place is not None and (
         place.layers is None or place.shape.get("model", 1) > 1) else
             "a pipeline at ZeRO stage 2 or 3 (DeepSpeed's PipelineEngine runs stages 0 and 1)"
