@@ -24,7 +24,9 @@ another, and a plain (single-part) tag loads into a pipeline and back. AutoTP's 
 their slices (``tensors``): their masters and optimizer state are joined and cut again for another
 tensor-parallel degree (``reshard.by_slices``), and joined whole for ``zero_to_fp32``. The parts of
 other model-parallel models (Megatron's tensor slices) may share names, so they load only at the
-saving shape.
+saving shape. With MoE layers beside an mpu every rank writes its file and the part records the
+global experts of each (``experts``): such a tag loads only at its saving layout, each rank its own
+file (``_own_experts``).
 """
 
 from __future__ import annotations
