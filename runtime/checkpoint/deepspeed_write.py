@@ -61,6 +61,7 @@ from dslaunch.runtime.checkpoint.deepspeed_pickle import fragment_address, loss_
 from dslaunch.runtime.checkpoint.deepspeed_pipe import layer_files, stage_states
 from dslaunch.runtime.checkpoint.experts import ep_rank, expert_names, live_experts
 from dslaunch.runtime.checkpoint.format import Encoded
+from dslaunch.runtime.checkpoint.model_parallel import describe
 from dslaunch.runtime.checkpoint.parts import CheckpointParts
 from dslaunch.runtime.checkpoint.reshard import assemble
 from dslaunch.runtime.checkpoint.store import CheckpointStore
@@ -279,11 +280,14 @@ def _expert_params(zero_sd: dict) -> list[str]:
 
 def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
     place = parts.placement
+    experts = [g["reduce_group"] for g in zero_sd["groups"] if "reduce_group" in g]
+    if place is not None and experts and (place.layers is not None or place.tensors):  # dslaunch's refuses too
+        raise CheckpointError(f"saving expert parameters ({experts[0]}) with a pipeline or AutoTP "
+                              f"({describe(place.shape)}) is not supported yet in either checkpoint.format")
     what = ("tensor parallelism (an mpu, AutoTP, a pipeline's model axis)" if place is not None and (
         place.layers is None or place.shape.get("model", 1) > 1) else
             "a pipeline at ZeRO stage 2 or 3 (DeepSpeed's PipelineEngine runs stages 0 and 1)"
             if place is not None and parts.zero.stage > 1 else
-            "a pipeline with expert (MoE) parameters" if place is not None and _expert_params(zero_sd) else
             "checkpoint.use_node_local_storage" if parts.config.use_node_local_storage else
             "expert (MoE) parameters at ZeRO stage 3 (DeepSpeed refuses its MoE layer there)"
             if parts.zero.stage == 3 and any("reduce_group" in g for g in zero_sd["groups"]) else

@@ -64,7 +64,7 @@ def read_plan(store: CheckpointStore, tag: str, rank: int, current: dict, place:
     src = rank if rank < manifest.meta["world_size"] else 0
     head = {"manifest": manifest, "rank": store.read(tag, rank_file(src), manifest), "rank_src": src}
     if place is not None or "model_parallel" in manifest.meta:
-        return {**head, **read_parts(store, tag, manifest, current, place, live_keys, str(store.root / tag))}
+        return {**head, **read_parts(store, tag, manifest, current, place, live_keys, str(store.root / tag), live)}
     out: dict[str, Any] = {**head, "module": store.read(tag, MODULE_FILE, manifest)["module"], "incompatible": None}
     pmap, meta = manifest.meta["partition"], manifest.meta
     if "experts" in meta and not unchanged(meta, current, live, rank):  # experts move: by global name

@@ -24,7 +24,9 @@ another, and a plain (single-part) tag loads into a pipeline and back. AutoTP's 
 their slices (``tensors``): their masters and optimizer state are joined and cut again for another
 tensor-parallel degree (``reshard.by_slices``), and joined whole for ``zero_to_fp32``. The parts of
 other model-parallel models (Megatron's tensor slices) may share names, so they load only at the
-saving shape.
+saving shape. With MoE layers beside an mpu every rank writes its file and the part records the
+global experts of each (``experts``): such a tag loads only at its saving layout, each rank its own
+file (``_own_experts``).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, zero_file
+from dslaunch.runtime.checkpoint.experts import experts_problem
 from dslaunch.runtime.checkpoint.reshard import (
     assemble,
     by_name,
     by_slices,
     check_compatible,
     cut_slice,
+    expert_groups,
     fp32_params,
     join_slices,
     needed_ranks,
@@ -153,6 +157,8 @@ def tag_meta(place: Placement, records: list[dict]) -> dict:
                                               "module_files": {}})
         if rec.get("tensors"):
             part["tensors"] = rec["tensors"]
+        if rec.get("experts"):  # data-parallel index -> expert group -> its params' global names
+            part.setdefault("experts", {})[str(rec["data"])] = rec["experts"]
         if rec["zero"] is not None:
             part["zero_files"][str(rec["data"])] = rec["zero"]["file"]
             part["layouts"].append(rec["zero"]["layout"])
@@ -182,6 +188,8 @@ def check_parts_meta(meta: dict) -> str | None:
         problem = partition_problem(part.get("partition"))
         if problem:
             return f"meta 'model_parallel' part {name!r}: partition {problem}"
+        if "experts" in part and (problem := experts_problem(part["experts"])):
+            return f"meta 'model_parallel' part {name!r}: experts {problem}"
         unnamed = {r for g in part["partition"]["groups"] for r in g["ranges"]} - set(part["zero_files"])
         if unnamed:
             return f"meta 'model_parallel' part {name!r} names no file for the shards of ranks {sorted(unnamed)[:3]}"
@@ -231,8 +239,12 @@ def _read_module(store: CheckpointStore, tag: str, manifest: Manifest, parts: di
 
 
 def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: dict,
-               place: Placement | None, live_keys: set[str], source: str) -> dict:
+               place: Placement | None, live_keys: set[str], source: str,
+               live: dict[int, list[str]] | None = None) -> dict:
     """What this rank loads from a model-parallel tag, or a plain tag into a model-parallel engine.
+
+    ``live``: the global names of this rank's expert groups (``experts.live_experts``); a tag with
+    experts loads only at its saving layout, each rank its own file (``_own_experts``).
 
     Returns ``_read_plan``'s dict: ``module`` (the saved entries of this rank's ``live_keys``),
     and ``zero`` (this rank's strategy state), or ``incompatible`` (the error) and ``fp32``
@@ -245,6 +257,9 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
     mine = parts.get(place.part) if place is not None and shape is not None else None
     targets = [(int(g["start"]), int(g["end"])) for g in current["groups"]]
     out: dict[str, Any] = {"module": _read_module(store, tag, manifest, parts, live_keys), "incompatible": None}
+    if any(expert_groups(p["partition"]) for p in parts.values()):
+        out["zero"] = _own_experts(store, tag, manifest, parts, current, place, live or {}, source)
+        return out
     if mine is not None:
         try:
             check_compatible(mine["partition"], current, source)
@@ -278,6 +293,44 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
                                           source)
     out["fp32"] = _masters(store, tag, manifest, parts) if unique else {}
     return out
+
+
+def _own_experts(store: CheckpointStore, tag: str, manifest: Manifest, parts: dict[str, dict], current: dict,
+                 place: Placement | None, live: dict[int, list[str]], source: str) -> dict:
+    """This rank's strategy state from a tag with expert parameters: its own file, at the saving
+    layout only. Each rank's local expert names stand for other global experts at another layout
+    (or between a plain and a model-parallel engine), so taken by name, or cut by range, they would
+    give ranks the wrong experts (even the weights alone, with ``load_module_strict=False``).
+
+    Raises:
+        CheckpointError: another layout (one line naming both), or other experts in this rank's file.
+    """
+    meta = manifest.meta
+    _, shape, _ = _saved_parts(meta)
+    mine = parts.get(place.part) if place is not None and shape is not None else None
+    data = str(place.data) if place is not None else ""
+    now = {str(gi): names for gi, names in live.items()}
+    ranges = [[int(g["start"]), int(g["end"])] for g in current["groups"]]
+    if mine is None or shape != place.shape or data not in mine["zero_files"]:  # type: ignore[union-attr]
+        why = "another layout"
+    elif mine["partition"]["stage"] != current["stage"]:
+        why = "another ZeRO stage"
+    elif mine.get("experts", {}).get(data) != now or len(ranges) != len(mine["partition"]["groups"]) or any(
+            g["ranges"].get(data) != r for g, r in zip(mine["partition"]["groups"], ranges, strict=False)):
+        why = "other experts or ranges of them on this rank (another expert layout)"
+    else:
+        why = ""
+    if why:
+        saved = sorted({n for part in parts.values() for n in expert_groups(part["partition"])})
+        live_groups = sorted({g["reduce_group"] for g in current["groups"] if "reduce_group" in g})
+        here = describe(place.shape if place is not None else None)
+        raise CheckpointError(f"the checkpoint holds expert parameters ({', '.join(saved)}) saved at {describe(shape)}, "
+                              f"ZeRO stage {meta['zero_stage']}; this engine ({', '.join(live_groups) or 'no experts'}) "
+                              f"is at {here}, ZeRO stage {current['stage']}: {why}. Beside model parallelism MoE "
+                              "checkpoints load only at their saving layout", source)
+    check_compatible(mine["partition"], current, source)  # type: ignore[index]
+    shard = store.read(tag, mine["zero_files"][data], manifest)  # type: ignore[index]
+    return assemble([shard], [(int(g["start"]), int(g["end"])) for g in current["groups"]])
 
 
 def _resliceable(parts: dict[str, dict], place: Placement | None) -> bool:

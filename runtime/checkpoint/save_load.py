@@ -189,10 +189,10 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
     files: dict[str, Any] = {}
     zero_sd = zero.state_dict()
     experts = [g["reduce_group"] for g in zero_sd["groups"] if "reduce_group" in g]
-    if experts and place is not None:
-        raise CheckpointError(f"saving expert parameters ({experts[0]}) with model parallelism "
-                              f"({describe(place.shape)}) is not supported yet: save without pipeline or "
-                              "tensor parallelism")
+    if experts and place is not None and (place.layers is not None or place.tensors):
+        raise CheckpointError(f"saving expert parameters ({experts[0]}) with a pipeline or AutoTP "
+                              f"({describe(place.shape)}) is not supported yet: save without them (an mpu's "
+                              "tensor slices save)")
     # every rank's experts differ: each rank keeps its own shard file, at stage 0 too
     zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage or bool(experts)
     in_groups = {n: list(s) for g in zero_sd["groups"] for n, s in zip(g["names"], g["shapes"], strict=True)}
@@ -207,8 +207,12 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
                    for k, v in module_sd.items() if torch.is_tensor(v)}
     frozen = [n for n, p in parts.module.named_parameters() if not p.requires_grad] + frozen_experts
     if place is not None:  # each rank's part, named by its coordinates
-        own, record = part_record(place, zero_sd, _layout(zero_sd), module_sd, set(in_groups), zero.partitioned)
+        # each rank's experts differ: every rank keeps its own shard file, at stage 0 too
+        own, record = part_record(place, zero_sd, _layout(zero_sd), module_sd, set(in_groups),
+                                  zero.partitioned or bool(experts))
         files.update(own)
+        if experts:  # which global experts this rank's file holds: a load checks it holds the same
+            record["experts"] = {str(gi): names for gi, names in live_experts(parts.module, zero_sd).items()}
     else:
         if module_writer:  # trained params live once, as fp32 masters in the ZeRO shards
             files[MODULE_FILE] = {"module": type(module_sd)((k, v) for k, v in module_sd.items()

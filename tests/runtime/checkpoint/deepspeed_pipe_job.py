@@ -29,7 +29,7 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
-def config(dp: int, stage: int, checkpoint: dict | None = None) -> dict[str, Any]:
+def config(dp: int, stage: int, checkpoint: dict | None = None, bf16: bool = False) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": MICRO_PER_STEP // dp,
         "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
@@ -39,6 +39,8 @@ def config(dp: int, stage: int, checkpoint: dict | None = None) -> dict[str, Any
     }
     if checkpoint:
         cfg["checkpoint"] = checkpoint
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     return cfg
 
 
@@ -52,10 +54,11 @@ def micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def data(first: int, steps: int, dp: int, replica: int) -> Any:
+def data(first: int, steps: int, dp: int, replica: int, dtype: torch.dtype = torch.float32) -> Any:
+    """This replica's micro batches; the inputs in ``dtype`` (DeepSpeed's pipeline casts none)."""
     gas = MICRO_PER_STEP // dp
     for step in range(first, first + steps):
-        yield from micro_batches(step)[replica * gas:(replica + 1) * gas]
+        yield from ((x.to(dtype), y) for x, y in micro_batches(step)[replica * gas:(replica + 1) * gas])
 
 
 def full_state(deepspeed: Any, engine: Any) -> dict[str, list[float]]:
@@ -69,22 +72,34 @@ def full_state(deepspeed: Any, engine: Any) -> dict[str, list[float]]:
     return out
 
 
+def wrapper(optimizer: Any) -> dict[str, Any]:
+    """What ``engine.optimizer`` answers that scripts read: its class, whether it wraps a torch
+    optimizer, and its loss-scale names (absent ones as None)."""
+    names = ("cur_scale", "dynamic_loss_scale", "overflow")
+    return {"class": type(optimizer).__name__, "inner": type(getattr(optimizer, "optimizer", None)).__name__,
+            "needs_scaler": optimizer.needs_scaler() if hasattr(optimizer, "needs_scaler") else "absent",
+            "clip_grad": getattr(optimizer, "clip_grad", None),
+            "loss_scaler": type(optimizer.loss_scaler).__name__ if hasattr(optimizer, "loss_scaler") else "absent",
+            **{n: (getattr(optimizer, n) if hasattr(optimizer, n) else "absent") for n in names}}
+
+
 def run(deepspeed: Any, rank: int, world: int, stages: int, first: int, steps: int, stage: int = 1, load: str | None = None,
         save: str | None = None, save_at: int | None = None, checkpoint: dict | None = None,
-        load_kwargs: dict | None = None, probe: bool = True) -> dict[str, Any]:
+        load_kwargs: dict | None = None, probe: bool = True, bf16: bool = False) -> dict[str, Any]:
     """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
     step ``save_at`` (default: after the last step). Returns the losses, what ``load_checkpoint``
     returned, the counters after loading and (``probe``) the ``full_state`` after loading or at the
-    save (DeepSpeed's ``safe_get_full_*`` fail before its first step after a load: no probe there)."""
+    save (DeepSpeed's ``safe_get_full_*`` fail before its first step after a load: no probe there),
+    and what ``engine.optimizer`` answers (``wrapper``)."""
     torch.manual_seed(1234)
     net = deepspeed.pipe.PipelineModule(layers(deepspeed), num_stages=stages, loss_fn=loss_fn,
                                         partition_method="uniform", base_seed=1234, seed_layers=True)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=0.01, betas=(0.9, 0.99),
                             weight_decay=0.01)
     dp = world // stages
-    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(dp, stage, checkpoint))
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(dp, stage, checkpoint, bf16))
     replica = engine.grid.get_data_parallel_rank()
-    out: dict[str, Any] = {"losses": []}
+    out: dict[str, Any] = {"losses": [], "wrapper": wrapper(engine.optimizer)}
     if load is not None:
         path, client = engine.load_checkpoint(load, **(load_kwargs or {}))
         out.update(path=path, client={k: v for k, v in (client or {}).items() if isinstance(v, (int, str, float))},
@@ -92,7 +107,7 @@ def run(deepspeed: Any, rank: int, world: int, stages: int, first: int, steps: i
                    lr=engine.lr_scheduler.get_last_lr())
         if probe:
             out["state"] = full_state(deepspeed, engine)
-    it = data(first, steps, dp, replica)
+    it = data(first, steps, dp, replica, torch.bfloat16 if bf16 else torch.float32)
     for step in range(first, first + steps):
         if save is not None and step == save_at:
             engine.save_checkpoint(save, client_state={"note": "from the job", "step": step})
