@@ -21,15 +21,20 @@ peers every ``ep``-th rank: DeepSpeed's default layout, the only one its loader 
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from dslaunch.runtime.checkpoint.deepspeed_autoep import EP_SUFFIX
 from dslaunch.runtime.checkpoint.experts import EXPERT_PREFIX, ep_rank, expert_names
 
 __all__ = ["expert_file_name", "moe_layers", "dense_state", "expert_files", "localize", "global_names",
            "renumber", "expert_sets"]
+
+
+_AUTOEP_WEIGHT = re.compile(r"(.*\.)?experts\.w[123]")  # DeepSpeed's expert_parameter_patterns
 
 
 def expert_file_name(layer: int, expert: int, mp_rank: int = 0) -> str:
@@ -80,7 +85,9 @@ def localize(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, 
 
 def renumber(names: list[str], ep_rank: int) -> list[str]:
     """Expert parameter names as expert rank 0 numbers them (local ``j`` = global ``j``) renumbered
-    for expert rank ``ep_rank``: each layer holds as many local experts as rank 0's names show."""
+    for expert rank ``ep_rank``: each layer holds as many local experts as rank 0's names show. An
+    AutoEP block's weight (``<block>.experts.w1``, one name on every expert rank) is named for its
+    rank: ``<block>.experts.w1#ep<ep_rank>`` (``deepspeed_autoep.EP_SUFFIX``)."""
     per_layer: dict[str, int] = {}
     for n in names:
         head, sep, tail = n.partition(EXPERT_PREFIX)
@@ -89,8 +96,8 @@ def renumber(names: list[str], ep_rank: int) -> list[str]:
     out = []
     for n in names:
         head, sep, tail = n.partition(EXPERT_PREFIX)
-        if not sep:
-            out.append(n)
+        if not sep:  # an AutoEP block's fused weight (``experts.w1``): this expert rank's rows
+            out.append(f"{n}{EP_SUFFIX}{ep_rank}" if _AUTOEP_WEIGHT.fullmatch(n) else n)
             continue
         local, _, rest = tail.partition(".")
         out.append(f"{head}{sep}{ep_rank * per_layer[head] + int(local)}.{rest}")
