@@ -220,8 +220,12 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     named = global_names(parts.module, current)  # experts by their global number, as the files name them
     trained = [n for g in named["groups"] for n in g["names"]]
     read_optimizer = load_optimizer_states and not load_module_only
-    state = _read(ck, folder, read_optimizer, trained, reader)
-    state = _autoep(state, autoep_blocks(parts.module))
+    blocks = autoep_blocks(parts.module)
+    if blocks and read_optimizer and any(folder.glob("expp_rank_*_optim_states.pt")):
+        raise CheckpointError("an AutoEP tag saved without ZeRO: its optimizer state (expp_rank_*_optim_states.pt) is "
+                              "not read yet; load with load_optimizer_states=False, or save at ZeRO stage 1 or 2",
+                              str(folder))
+    state = _autoep(_read(ck, folder, read_optimizer, trained, reader), blocks)
     if place is not None and place.tensors:  # AutoTP: this rank's slices of the whole tensors
         state = _sliced(state, place.tensors)
     source = str(state.model_file)

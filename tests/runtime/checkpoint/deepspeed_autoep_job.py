@@ -115,7 +115,7 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
     return out
 
 
-if __name__ == "__main__":
-    from tests.runtime.checkpoint.deepspeed_job import main
+if __name__ == "__main__":  # run as a script: its folder is on the path
+    import deepspeed_job
 
-    main(run)
+    deepspeed_job.main(run)
