@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ import torch
 from dslaunch.errors import CheckpointLayoutError
 
 __all__ = ["AutoEPBlock", "autoep_blocks", "to_deepspeed", "from_deepspeed", "expert_weight_names", "module_file",
-           "expert_files", "metadata", "check_metadata", "names_from_deepspeed", "EP_SUFFIX", "REQUIRED_FIELDS"]
+           "expert_files", "metadata", "check_metadata", "names_from_deepspeed", "join_expert_ranks", "EP_SUFFIX", "REQUIRED_FIELDS"]
 
 EP_SUFFIX = "#ep"
 """``<name>#ep<r>``: expert rank ``r``'s rows of an AutoEP weight, as ``deepspeed_read`` names
@@ -275,6 +275,51 @@ def _stride(shape: list[int], dim: int) -> int:
     return out
 
 
+def join_expert_ranks(state: Any) -> tuple[Any, dict[str, dict]]:
+    """A DeepSpeed AutoEP tag as ``deepspeed_read`` gives it (``state``), each block's expert
+    weights whole (``<block>.experts.w1 [num_experts, ...]``, the expert ranks' rows joined) for a
+    universal checkpoint; and per such name the keys DeepSpeed's universal files carry beside the
+    tensor (``cat_dim``, ``is_expert_param``, ``ep_num_experts``).
+
+    Raises:
+        CheckpointLayoutError: ``ds_autoep_layers`` is malformed, or the rows do not add up to a
+            block's experts.
+    """
+    where = str(state.model_file)
+    layers = state.states.get("ds_autoep_layers")
+    check_metadata(layers, [], where)
+    experts = {e["expert_key_prefix"]: e["num_experts"] for e in layers}
+
+    def whole(named: dict) -> dict:
+        out, pieces = {}, {}
+        for key, value in named.items():
+            base, sep, rank = key.partition(EP_SUFFIX)
+            if sep:
+                pieces.setdefault(base, {})[int(rank)] = value
+            else:
+                out[key] = value
+        out.update({base: _join(parts, base, where) for base, parts in pieces.items()})
+        return out
+
+    fp32 = whole(state.fp32)
+    optim: dict[str, dict] = {}
+    for k in sorted({k for st in state.optim.values() for k in st}):
+        for n, v in whole({n: st[k] for n, st in state.optim.items() if k in st}).items():
+            optim.setdefault(n, {})[k] = v
+    extras = {}
+    for name, value in fp32.items():
+        m = _DS_EXPERT.fullmatch(name)
+        if m is None:
+            continue
+        want = experts.get(f"{m.group(1)}experts")
+        if want != value.shape[0]:
+            raise CheckpointLayoutError(f"{name} holds {value.shape[0]} experts, key 'ds_autoep_layers' says {want}",
+                                        where)
+        extras[name] = {"cat_dim": 0, "is_expert_param": True, "ep_num_experts": want}
+    groups = [replace(g, names=list(dict.fromkeys(n.partition(EP_SUFFIX)[0] for n in g.names))) for g in state.groups]
+    return replace(state, fp32=fp32, optim=optim, groups=groups), extras
+
+
 def check_metadata(layers: Any, blocks: list[AutoEPBlock], where: str) -> None:
     """Validate a tag's ``ds_autoep_layers`` against the model's AutoEP blocks, as DeepSpeed's load
     does: a list of dicts with ``REQUIRED_FIELDS``, no layer id or prefix twice, ``num_experts =
@@ -310,6 +355,8 @@ def check_metadata(layers: Any, blocks: list[AutoEPBlock], where: str) -> None:
             raise CheckpointLayoutError(f"key {key!r} entry {i} has checkpoint_format "
                                         f"{entry.get('checkpoint_format')!r} (DeepSpeed's ZeRO-3 AutoEP layout), "
                                         "which dslaunch does not read yet: save at ZeRO stage 1 or 2", where)
+        if not blocks:
+            continue  # no model to hold it against (a conversion)
         block = ours.get(entry["module_path"])
         if block is None:
             raise CheckpointLayoutError(f"key {key!r} names module_path {entry['module_path']!r}, which is not an "

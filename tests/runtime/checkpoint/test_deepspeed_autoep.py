@@ -4,7 +4,8 @@ Real DeepSpeed (``deepspeed_autoep_job.py`` in its venv, as ``test_deepspeed_int
 trains a Mixtral-shaped block under AutoEP at ``autoep_size`` 2 over 2 ranks, saves, and continues
 on its own; dslaunch loads that tag and continues with the same mean losses (within 1e-6), at the
 same layout and at another ``autoep_size`` and world size. The reverse: dslaunch saves with
-``checkpoint.format: "deepspeed"`` and DeepSpeed continues as dslaunch did. The metadata checks
+``checkpoint.format: "deepspeed"`` and DeepSpeed continues as dslaunch did. DeepSpeed's tag made
+universal by dslaunch's ``ds-to-universal`` continues under both. The metadata checks
 need no DeepSpeed: a tag dslaunch wrote, its ``ds_autoep_layers`` broken, is refused in one line
 naming the file and the key.
 """
@@ -19,6 +20,7 @@ import torch
 
 from dslaunch.errors import CheckpointLayoutError
 from dslaunch.runtime.checkpoint.deepspeed_autoep import AutoEPBlock, check_metadata
+from dslaunch.runtime.checkpoint.universal import convert
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_autoep_job as job
 from tests.runtime.checkpoint.test_deepspeed_interop import (  # noqa: F401 (a fixture)
@@ -47,8 +49,10 @@ def _close(want: list[float], have: list[float]) -> None:
 def test_autoep_tags_cross_between_deepspeed_and_dslaunch(deepspeed_python: Path, tmp_path: Path,  # noqa: F811
                                                           stage: int) -> None:
     """DeepSpeed's AutoEP tag (ep 2, world 2) continues under dslaunch at ep 2 / world 2 and at
-    ep 1 / world 1, and dslaunch's tag in DeepSpeed's layout continues under DeepSpeed: the mean
-    losses after each load equal the saver's own continuation within 1e-6."""
+    ep 1 / world 1, and dslaunch's tag in DeepSpeed's layout continues under DeepSpeed; at ZeRO-2
+    DeepSpeed's tag converted to a universal checkpoint by dslaunch continues under dslaunch (ep 1,
+    world 1) and DeepSpeed (ep 2, world 2): the mean losses after each load equal the saver's own
+    continuation within 1e-6."""
     saved = {"stage": stage, "first": 0, "steps": SAVE_AT + STEPS, "save_at": SAVE_AT}
     theirs = _deepspeed_job(deepspeed_python, tmp_path / "ds.json", tmp_path / "ext", 2,
                             {**saved, "save": str(tmp_path / "ds")}, script=SCRIPT)
@@ -69,7 +73,15 @@ def test_autoep_tags_cross_between_deepspeed_and_dslaunch(deepspeed_python: Path
     by_us_ep1 = run_world(_job, 1, {**resumed, "load": str(tmp_path / "ds"), "ep_size": 1}, timeout=240)
     by_them = _deepspeed_job(deepspeed_python, tmp_path / "back.json", tmp_path / "ext", 2,
                              {**resumed, "load": str(tmp_path / "dsl")}, script=SCRIPT)
-    for saver, loader in ((theirs, by_us), (theirs, by_us_ep1), (ours, by_them)):
+    pairs = [(theirs, by_us), (theirs, by_us_ep1), (ours, by_them)]
+    if stage == 2:  # DeepSpeed's tag made universal by dslaunch: both continue from it
+        convert(folder, tmp_path / "ds" / "universal")
+        universal = {**resumed, "load": str(tmp_path / "ds"), "checkpoint": {"load_universal": True},
+                     "load_kwargs": {"tag": "universal"}}
+        pairs.append((theirs, run_world(_job, 1, {**universal, "ep_size": 1}, timeout=240)))
+        pairs.append((theirs, _deepspeed_job(deepspeed_python, tmp_path / "uni.json", tmp_path / "ext", 2, universal,
+                                             script=SCRIPT)))
+    for saver, loader in pairs:
         _close(_mean_losses(saver, skip=SAVE_AT), _mean_losses(loader))
         assert loader[0]["global_steps"] == SAVE_AT
 
@@ -130,3 +142,34 @@ def test_metadata_check_matches_deepspeeds_rules() -> None:
         with pytest.raises(RuntimeError, match=words) as exc:
             check_metadata(layers, [block], "f.pt")
         assert str(exc.value).startswith("f.pt: ") and "ds_autoep_layers" in str(exc.value)
+
+
+@pytest.mark.parametrize(("data_first", "order"), [(False, [0, 2, 1, 3]), (True, [0, 1, 2, 3])])
+def test_expert_fragments_join_in_deepspeeds_rank_order(tmp_path: Path, data_first: bool, order: list[int]) -> None:
+    """``autoep_universal.consolidate_autoep_zero12_expert_states``: 4 data-parallel ranks' fragments
+    at ep 2 become the whole weight in expert order (expert-data peers every ``ep``-th rank, or
+    neighbours with ``use_data_before_expert_parallelism``), DeepSpeed's universal file around it;
+    a fragment of the wrong size is refused naming the parameter."""
+    from dslaunch.checkpoint.autoep_universal import (
+        _zero12_fragment_path,
+        consolidate_autoep_zero12_expert_states,
+    )
+    from dslaunch.errors import CheckpointError
+
+    name, temp, out = "model.layers.0.mlp.experts.w1", tmp_path / "tmp", tmp_path / "universal"
+    (temp / name / "0").mkdir(parents=True)
+    for i, key in enumerate(("fp32", "exp_avg", "exp_avg_sq")):
+        for r in range(4):
+            torch.save(torch.tensor([10.0 * i + r]), _zero12_fragment_path(temp, name, key, r))
+    for r in range(4):
+        torch.save(torch.tensor(7), _zero12_fragment_path(temp, name, "step", r))
+    info = {name: {"num_experts": 4, "num_local_experts": 2, "ep_size": 2}}
+    consolidate_autoep_zero12_expert_states(temp, out, info, {name: (2, 1)}, 4, 1, data_first)
+    for i, key in enumerate(("fp32", "exp_avg", "exp_avg_sq")):
+        got = torch.load(out / "zero" / name / f"{key}.pt", weights_only=True)
+        assert got["is_expert_param"] and got["ep_num_experts"] == 4 and got["cat_dim"] == 0
+        assert torch.equal(got["param"], torch.tensor([10.0 * i + r for r in order]).view(4, 1))
+    assert int(torch.load(out / "zero" / name / "step.pt", weights_only=True)) == 7
+    torch.save(torch.tensor([1.0, 2.0]), _zero12_fragment_path(temp, name, "exp_avg", 3))
+    with pytest.raises(CheckpointError, match=f"exp_avg fragments of {name} for expert rank 1"):
+        consolidate_autoep_zero12_expert_states(temp, out, info, {name: (2, 1)}, 4, 1, data_first)
