@@ -173,3 +173,45 @@ def test_expert_fragments_join_in_deepspeeds_rank_order(tmp_path: Path, data_fir
     torch.save(torch.tensor([1.0, 2.0]), _zero12_fragment_path(temp, name, "exp_avg", 3))
     with pytest.raises(CheckpointError, match=f"exp_avg fragments of {name} for expert rank 1"):
         consolidate_autoep_zero12_expert_states(temp, out, info, {name: (2, 1)}, 4, 1, data_first)
+
+
+def _expert_files_back(rank: int, world: int, save: str) -> dict:
+    import dslaunch
+    from dslaunch.runtime.moe.autoep_state import local_layout
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    engine, _, _, _ = dslaunch.initialize(model=job.Net(), config=job.config(1, world, 2,
+                                                                             {"format": "deepspeed"}))
+    engine.save_checkpoint(save, tag="t")
+    layers = torch.load(Path(save) / "t" / "mp_rank_00_model_states.pt", weights_only=False)["ds_autoep_layers"]
+    got: dict = {}
+    engine.load_moe_state_dict(save, "t", got, False, model=engine.module, autoep_layers=layers)
+    with local_layout(engine.module):
+        want = {k: v for k, v in engine.module.state_dict().items() if ".experts." in k}
+    return {"same": sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want),
+            "names": sorted(got)}
+
+
+@pytest.mark.timeout(300)
+def test_load_moe_state_dict_reads_this_ranks_experts(tmp_path: Path) -> None:
+    """DeepSpeed's ``DeepSpeedEngine.load_moe_state_dict`` on a tag dslaunch wrote in DeepSpeed's
+    layout (ep 2, world 2): each rank gets its own experts' fused weights, equal to its module's;
+    ``_get_expert_ckpt_name`` names DeepSpeed's files (the mpu's model-parallel rank, or the one
+    given); ``autoep_layers`` that are not a list are refused as DeepSpeed refuses them."""
+    from dslaunch.runtime.engine import DeepSpeedEngine
+
+    for got in run_world(_expert_files_back, 2, str(tmp_path), timeout=200):
+        assert got["same"] and got["names"] == ["model.layers.0.mlp.experts.down_proj",
+                                                "model.layers.0.mlp.experts.gate_up_proj"], got
+
+    class MPU:
+        def get_model_parallel_rank(self) -> int:
+            return 3
+
+    assert DeepSpeedEngine._get_expert_ckpt_name("/x", 1, 2, "t", MPU()) == "/x/t/layer_1_expert_2_mp_rank_03_model_states.pt"
+    assert DeepSpeedEngine._get_expert_ckpt_name("/x", -1, 2, "t", MPU(), checkpoint_mp_rank=0) == \
+        "/x/t/expert_2_mp_rank_00_model_states.pt"
+    DeepSpeedEngine.load_moe_state_dict("/x", "t", {}, False, model=torch.nn.Linear(1, 1), mpu=MPU())  # nothing to do
+    for layers, words in (("not_a_list", "malformed"), ([{"moe_layer_id": 0}], "missing fields")):
+        with pytest.raises(RuntimeError, match=words):
+            DeepSpeedEngine.load_moe_state_dict("/x", "t", {}, False, model=torch.nn.Linear(1, 1), autoep_layers=layers)
