@@ -28,12 +28,15 @@ and ``latest`` as they were. ``checkpoint.async_save`` (the files are serialized
 writer thread, from a copy in host memory), ``fsync`` and ``keep_last`` (retention among the tags
 with a manifest) apply as to dslaunch's format.
 
+An AutoEP run's tag (``deepspeed_autoep``) has DeepSpeed's names for the converted blocks' weights,
+a file per global expert, and ``ds_autoep_layers`` in the model states.
+
 A pipeline's tag (``deepspeed_pipe``) has these files per stage (``mp_rank_SS``, the model states
 without ``module``) and a ``layer_XX-model_states.pt`` per layer, from data-parallel rank 0 of each stage.
 
 Limitations: no tensor parallelism (an mpu, AutoTP), pipelines at ZeRO stages 0 and 1 only (as
-DeepSpeed's) and without MoE, no MoE at ZeRO-3 (nor experts marked by
-hand), no node-local storage; each rank holds the whole fp32 state once while saving (host memory),
+DeepSpeed's) and without MoE, no MoE or AutoEP at ZeRO-3 (nor experts marked by
+hand, nor MoE layers beside AutoEP blocks), no node-local storage; each rank holds the whole fp32 state once while saving (host memory),
 and an async save keeps its copy of the rank's files in host memory between saves. DeepSpeed also
 copies its ``zero_to_fp32.py`` into the tag: dslaunch does not ship DeepSpeed's script
 (``python -m deepspeed.utils.zero_to_fp32`` reads these files).
