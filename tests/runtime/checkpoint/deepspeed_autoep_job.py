@@ -5,7 +5,7 @@ The model: a Mixtral-shaped MoE block at ``model.layers.0.mlp`` (router ``gate``
 ``experts.down_proj``, top-2 of 4 experts) between two linear layers; AutoEP converts the block at
 ``initialize`` (``expert_parallel``, preset ``mixtral``). A fixed global batch of 8 tokens' rows
 per step is split evenly over the ranks, so the mean of the ranks' losses is the same at any world
-size that divides 8.
+size that divides 8 (``deepspeed_job.batch``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-GLOBAL_BATCH, HIDDEN, FFN, EXPERTS = 8, 8, 6, 4
+try:  # run as a script: its folder is on the path
+    import deepspeed_job
+except ImportError:
+    from tests.runtime.checkpoint import deepspeed_job
+
+GLOBAL_BATCH, HIDDEN, FFN, EXPERTS = deepspeed_job.GLOBAL_BATCH, 8, 6, 4
 
 
 class _Config:
@@ -86,13 +91,6 @@ def config(stage: int, world: int, ep_size: int, checkpoint: dict | None = None)
     return cfg
 
 
-def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2000 + step)
-    x, y = torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
-    n = GLOBAL_BATCH // world
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-
-
 def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: int, ep_size: int = 2,
         load: str | None = None, save: str | None = None, save_at: int | None = None,
         checkpoint: dict | None = None, load_kwargs: dict | None = None) -> dict[str, Any]:
@@ -107,7 +105,7 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
     for step in range(first, first + steps):
         if save is not None and step == save_at:
             engine.save_checkpoint(save, client_state={"note": "autoep"})
-        x, y = batch(step, rank, world)
+        x, y = deepspeed_job.batch(step, rank, world)  # the dense job's batches
         loss = torch.nn.functional.mse_loss(engine(x).float(), y)
         engine.backward(loss)
         engine.step()
@@ -115,7 +113,5 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
     return out
 
 
-if __name__ == "__main__":  # run as a script: its folder is on the path
-    import deepspeed_job
-
+if __name__ == "__main__":
     deepspeed_job.main(run)
