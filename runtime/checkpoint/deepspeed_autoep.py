@@ -69,7 +69,6 @@ class AutoEPBlock:
     num_local: int
     ep_size: int
     ep_rank: int
-    requires_grad: bool
 
     @property
     def path(self) -> str:
@@ -81,8 +80,7 @@ def autoep_blocks(module: torch.nn.Module) -> list[AutoEPBlock]:
     from dslaunch.runtime.moe.autoep import AutoEPMoE
 
     return [AutoEPBlock(f"{name}." if name else "", m.router_name, tuple(m.experts.names), m.num_experts,
-                        m.num_local_experts, m.ep_size, m.ep_rank,
-                        all(p.requires_grad for p in m.experts.parameters()))
+                        m.num_local_experts, m.ep_size, m.ep_rank)
             for name, m in module.named_modules() if isinstance(m, AutoEPMoE)]
 
 

@@ -127,7 +127,7 @@ def test_metadata_check_matches_deepspeeds_rules() -> None:
     """``check_metadata`` (pure): DeepSpeed's required fields, duplicates, ``num_experts =
     num_local_experts * ep_size``, DeepSpeed's ZeRO-3 layout refused; another ``ep_size`` than the
     model's accepted. Each a ``RuntimeError`` too, as DeepSpeed raises."""
-    block = AutoEPBlock("model.layers.0.mlp.", "gate", ("gate_up_proj", "down_proj", None), 4, 2, 2, 0, True)
+    block = AutoEPBlock("model.layers.0.mlp.", "gate", ("gate_up_proj", "down_proj", None), 4, 2, 2, 0)
     entry = {"moe_layer_id": 0, "module_path": "model.layers.0.mlp", "num_experts": 4, "num_local_experts": 4,
              "ep_size": 1, "expert_key_prefix": "model.layers.0.mlp.experts"}
     check_metadata([entry], [block], "f.pt")  # saved at ep 1, loaded at ep 2
