@@ -95,6 +95,25 @@ class EngineCheckpoints:
 
         return optimizer_ckpt_name(checkpoints_path, tag, expp_rank, self.grid.get_model_parallel_rank())
 
+    @staticmethod
+    def _get_expert_ckpt_name(checkpoints_path: str, layer_id: int, expert_id: int, tag: Any, mpu: Any = None,
+                              checkpoint_mp_rank: int | None = None) -> str:
+        from dslaunch.runtime.checkpoint.deepspeed_experts import expert_ckpt_name
+
+        return expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu, checkpoint_mp_rank)
+
+    @staticmethod
+    def load_moe_state_dict(checkpoint_path: str, tag: Any, state_dict: dict, old_moe_load: bool, model: Any = None,
+                            mpu: Any = None, num_experts: Any = 1, checkpoint_engine: Any = None,
+                            autoep_layers: Any = None, folding_spec: Any = None,
+                            checkpoint_mp_rank: int | None = None) -> None:
+        """DeepSpeed's: ``state_dict`` filled with this rank's experts from a DeepSpeed-layout tag's
+        expert files (``deepspeed_experts.load_moe_state_dict``)."""
+        from dslaunch.runtime.checkpoint.deepspeed_experts import load_moe_state_dict
+
+        load_moe_state_dict(checkpoint_path, tag, state_dict, old_moe_load, model, mpu, autoep_layers, folding_spec,
+                            checkpoint_mp_rank)
+
     def _checkpoint_phase(self) -> contextlib.AbstractContextManager:
         """Saving or loading is not a training step: the monitor's hang rule allows it longer."""
         return self._heartbeat.phase("checkpoint") if self._heartbeat is not None else contextlib.nullcontext()

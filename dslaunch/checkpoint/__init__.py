@@ -6,7 +6,7 @@ parameters from a universal tag (``enable_universal_checkpoint``), ``clone_tenso
 (``utils.py``) and the universal-checkpoint converter (``ds_to_universal.py``). DeepSpeed's module
 paths, thin re-exports: ``constants.py``, ``deepspeed_checkpoint.py``, ``zero_checkpoint.py``,
 ``reshape_meg_2d.py``, ``reshape_3d_utils.py``, ``reshape_utils.py``, ``universal_checkpoint.py``,
-and ``autoep_universal.py`` (DeepSpeed's AutoEP universal-checkpoint helpers, refused:
+and ``autoep_universal.py`` (DeepSpeed's AutoEP universal-checkpoint helpers:
 ``dslaunch.runtime.moe.autoep_universal``). Implementation in
 ``dslaunch.runtime.checkpoint``; the engine's own checkpoints are there too.
 """

@@ -4,7 +4,8 @@ Every name DeepSpeed's module has, with its value: they are the format itself (t
 ``*_model_states.pt`` / ``*_optim_states.pt``, the file-name parts, the keys of a model's
 ``universal_checkpoint_info``), so a script that builds or reads such files by these names gets the
 same strings from dslaunch. The AutoEP and folding keys are listed for scripts that read such
-checkpoints' metadata; dslaunch does not write AutoEP checkpoints.
+checkpoints' metadata; dslaunch writes AutoEP tags' ``ds_autoep_layers`` (``deepspeed_autoep``),
+not the folding keys.
 """
 
 from __future__ import annotations

@@ -25,8 +25,15 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import CheckpointError
+from dslaunch.errors import CheckpointError, CheckpointLayoutError
 from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
+from dslaunch.runtime.checkpoint.deepspeed_autoep import (
+    AutoEPBlock,
+    autoep_blocks,
+    check_metadata,
+    from_deepspeed,
+    names_from_deepspeed,
+)
 from dslaunch.runtime.checkpoint.deepspeed_experts import global_names, localize
 from dslaunch.runtime.checkpoint.deepspeed_layout import deepspeed_tag, model_states_name
 from dslaunch.runtime.checkpoint.deepspeed_read import DeepSpeedState, read_deepspeed
@@ -153,6 +160,36 @@ def _sliced(state: DeepSpeedState, layout: dict[str, list]) -> DeepSpeedState:
                    optim={k: {s: cut(k, v) for s, v in st.items()} for k, st in state.optim.items()})
 
 
+def _autoep(state: DeepSpeedState, blocks: list[AutoEPBlock]) -> DeepSpeedState:
+    """``state`` in the names of the model's AutoEP blocks (``deepspeed_autoep``), each expert
+    weight this rank's rows; unchanged without AutoEP on either side.
+
+    Raises:
+        CheckpointLayoutError: the tag's ``ds_autoep_layers`` is malformed or does not fit the
+            model (one line naming the file and the key).
+    """
+    layers = state.states.get("ds_autoep_layers")
+    where = str(state.model_file)
+    if not blocks and layers is None:
+        return state
+    if not blocks:
+        raise CheckpointLayoutError("the checkpoint holds AutoEP blocks (key 'ds_autoep_layers') and this model has "
+                                    "none: enable expert_parallel as the saving run did", where)
+    if layers is None:
+        raise CheckpointLayoutError(f"this model has AutoEP blocks ({blocks[0].path}, ...) and the checkpoint records "
+                                    "none (key 'ds_autoep_layers' is missing or None)", where)
+    check_metadata(layers, blocks, where)
+    keys = sorted({k for st in state.optim.values() for k in st})
+    by_key = {k: from_deepspeed(blocks, {n: st[k] for n, st in state.optim.items() if k in st}, where) for k in keys}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for k, named in by_key.items():
+        for n, v in named.items():
+            optim.setdefault(n, {})[k] = v
+    groups = [replace(g, names=names_from_deepspeed(blocks, g.names)) for g in state.groups]
+    return replace(state, module=from_deepspeed(blocks, state.module, where), fp32=from_deepspeed(blocks, state.fp32, where),
+                   optim=optim, groups=groups)
+
+
 def _own_file(folder: Path, state: DeepSpeedState, rank: int, stage: int) -> Path:
     """The model-states file DeepSpeed's load names to this rank (its partition's at ZeRO-3, its
     stage's in a pipeline) where the tag has it, else the first."""
@@ -183,7 +220,12 @@ def load_deepspeed(parts: CheckpointParts, folder: Path, load_module_strict: boo
     named = global_names(parts.module, current)  # experts by their global number, as the files name them
     trained = [n for g in named["groups"] for n in g["names"]]
     read_optimizer = load_optimizer_states and not load_module_only
-    state = _read(ck, folder, read_optimizer, trained, reader)
+    blocks = autoep_blocks(parts.module)
+    if blocks and read_optimizer and any(folder.glob("expp_rank_*_optim_states.pt")):
+        raise CheckpointError("an AutoEP tag saved without ZeRO: its optimizer state (expp_rank_*_optim_states.pt) is "
+                              "not read yet; load with load_optimizer_states=False, or save at ZeRO stage 1 or 2",
+                              str(folder))
+    state = _autoep(_read(ck, folder, read_optimizer, trained, reader), blocks)
     if place is not None and place.tensors:  # AutoTP: this rank's slices of the whole tensors
         state = _sliced(state, place.tensors)
     source = str(state.model_file)

@@ -5,8 +5,8 @@ across the files: DeepSpeed's ``model_state_metadata`` and the converter's check
 A model-states file of a DeepSpeed 0.19.8 tag records the saved shape
 (``checkpoint_parallel_dimensions``), every parameter's shape (``param_shapes``), and for AutoEP
 models the expert layers (``ds_autoep_layers``) and whether data-parallel ranks come before expert
-ranks (``ds_config.use_data_before_expert_parallelism``). dslaunch does not write AutoEP tags; it
-reads their metadata so that a malformed or inconsistent tag is named in one line.
+ranks (``ds_config.use_data_before_expert_parallelism``). A malformed or inconsistent tag is named
+in one line (AutoEP tags are written and loaded by ``deepspeed_autoep``).
 """
 
 from __future__ import annotations

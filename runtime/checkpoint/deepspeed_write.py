@@ -28,12 +28,15 @@ and ``latest`` as they were. ``checkpoint.async_save`` (the files are serialized
 writer thread, from a copy in host memory), ``fsync`` and ``keep_last`` (retention among the tags
 with a manifest) apply as to dslaunch's format.
 
+An AutoEP run's tag (``deepspeed_autoep``) has DeepSpeed's names for the converted blocks' weights,
+a file per global expert, and ``ds_autoep_layers`` in the model states.
+
 A pipeline's tag (``deepspeed_pipe``) has these files per stage (``mp_rank_SS``, the model states
 without ``module``) and a ``layer_XX-model_states.pt`` per layer, from data-parallel rank 0 of each stage.
 
 Limitations: no tensor parallelism (an mpu, AutoTP), pipelines at ZeRO stages 0 and 1 only (as
-DeepSpeed's) and without MoE, no MoE at ZeRO-3 (nor experts marked by
-hand), no node-local storage; each rank holds the whole fp32 state once while saving (host memory),
+DeepSpeed's) and without MoE, no MoE or AutoEP at ZeRO-3 (nor experts marked by
+hand, nor MoE layers beside AutoEP blocks), no node-local storage; each rank holds the whole fp32 state once while saving (host memory),
 and an async save keeps its copy of the rank's files in host memory between saves. DeepSpeed also
 copies its ``zero_to_fp32.py`` into the tag: dslaunch does not ship DeepSpeed's script
 (``python -m deepspeed.utils.zero_to_fp32`` reads these files).
@@ -51,6 +54,7 @@ import torch
 
 import dslaunch
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint import deepspeed_autoep as autoep
 from dslaunch.runtime.checkpoint.deepspeed_experts import dense_state, expert_files, moe_layers
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
     expert_optim_name,
@@ -244,13 +248,18 @@ def _frozen(module: torch.nn.Module, sd: dict, rank: int, world: int, partitione
 
 
 def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: int, world: int,
-                  client_state: dict, exclude_frozen: bool) -> dict:
+                  client_state: dict, exclude_frozen: bool, edp: tuple[int, int] = (1, 0)) -> dict:
     module = parts.module
     trained = {n for g in groups for n in g["names"]}
-    sd = module_state_dict(module, exclude_frozen, skip=frozenset(trained) if stage == 3 else frozenset())
+    with local_layout(module):  # AutoEP: this rank's rows (no collective: one rank writes this file)
+        sd = module_state_dict(module, exclude_frozen, skip=frozenset(trained) if stage == 3 else frozenset())
     layers = moe_layers(module)
+    blocks = autoep.autoep_blocks(module)
     if layers:  # the experts' weights are in files of their own
         sd = dense_state(sd)
+    autoep_layers = autoep.metadata(blocks, sd, edp[1], edp[0]) if blocks else None
+    if blocks:  # as DeepSpeed's AutoEP blocks name their weights; the experts in files of their own
+        sd = autoep.module_file(blocks, sd)
     if stage == 3:  # DeepSpeed's partitioned params are empty in its module state dict
         params = dict(module.named_parameters())
         sd = OrderedDict((k, torch.empty(0, dtype=params[k].dtype) if k in trained else v) for k, v in sd.items())
@@ -268,10 +277,34 @@ def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: 
              "dp_world_size": world, "mp_world_size": 1,
              "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
              "ds_config": dict(parts.ds_config), "ds_version": DEEPSPEED_VERSION}
-    if layers:
-        state.update(num_experts=[m.num_experts for _, m in layers], ds_autoep_layers=None)
+    if layers or blocks:
+        state.update(num_experts=[m.num_experts for _, m in layers] + [b.num_experts for b in blocks],
+                     ds_autoep_layers=autoep_layers)
+    if blocks:
+        state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.4,
+                                              "expert_parameter_patterns": [r".*\.experts\.w[123]$"],
+                                              "ds_autoep_layers": autoep_layers}
     state.update(client_state)
     return state
+
+
+def _deepspeed_names(blocks: list, group: dict) -> dict:
+    """A whole param group in the names and order of DeepSpeed's AutoEP blocks
+    (``deepspeed_autoep.to_deepspeed``: each block's fused weights split into ``w1``, ``w2``, ``w3``)."""
+    def per_param(flat: torch.Tensor) -> dict:
+        out, offset = OrderedDict(), 0
+        for name, shape in zip(group["names"], group["shapes"], strict=True):
+            n = math.prod(shape)
+            out[name] = flat.reshape(-1)[offset:offset + n].view(tuple(shape))
+            offset += n
+        return out
+
+    def flat(named: dict) -> torch.Tensor:
+        return torch.cat([v.reshape(-1) for v in named.values()]) if named else torch.empty(0)
+
+    master = autoep.to_deepspeed(blocks, per_param(group["master"]))
+    return {**group, "names": list(master), "shapes": [tuple(v.shape) for v in master.values()], "master": flat(master),
+            "optim_state": {k: flat(autoep.to_deepspeed(blocks, per_param(v))) for k, v in group["optim_state"].items()}}
 
 
 def _expert_params(zero_sd: dict) -> list[str]:
@@ -289,10 +322,15 @@ def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
             "a pipeline at ZeRO stage 2 or 3 (DeepSpeed's PipelineEngine runs stages 0 and 1)"
             if place is not None and parts.zero.stage > 1 else
             "checkpoint.use_node_local_storage" if parts.config.use_node_local_storage else
+            "AutoEP at ZeRO stage 3 (DeepSpeed's zero3_partitioned expert layout)"
+            if parts.zero.stage == 3 and autoep.autoep_blocks(parts.module) else
+            "deepspeed.moe layers beside AutoEP blocks" if moe_layers(parts.module) and autoep.autoep_blocks(parts.module)
+            else
             "expert (MoE) parameters at ZeRO stage 3 (DeepSpeed refuses its MoE layer there)"
             if parts.zero.stage == 3 and any("reduce_group" in g for g in zero_sd["groups"]) else
             "expert parameters outside an MoE layer's experts (marked by hand: DeepSpeed's files number experts)"
-            if not set(_expert_params(zero_sd)) <= set(expert_names(parts.module))
+            if not set(_expert_params(zero_sd)) <= set(expert_names(parts.module)) | autoep.expert_weight_names(
+                autoep.autoep_blocks(parts.module))
             else None)
     if what:
         raise CheckpointError(f'checkpoint.format "deepspeed" cannot save {what} yet: use format "dslaunch"')
@@ -317,6 +355,11 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
     experts = live_experts(parts.module, zero_sd)
     place = parts.placement
     groups = _whole_groups(ck, zero_sd, experts, place.part if place else "")
+    blocks = autoep.autoep_blocks(parts.module)
+    if blocks:
+        groups = [_deepspeed_names(blocks, g) for g in groups]
+    splits = [parts.zero.group_comm(gi)[:2] for gi in range(len(groups))]
+    edp = next((splits[gi] for gi in experts), (1, 0))
     files: dict[str, Any] = {}
     if place is not None:  # a pipeline: data-parallel rank 0 of each stage writes the stage's states
         if place.data == 0:
@@ -326,14 +369,15 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
             files.update(layer_files(parts.module.state_dict(), place))
     elif stage == 3 or rank == 0:
         files[model_states_name(rank if stage == 3 else None)] = _model_states(
-            parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters)
-    splits = [parts.zero.group_comm(gi)[:2] for gi in range(len(groups))]
+            parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters, edp)
     if experts:  # expert-data rank 0 writes its experts (and, without ZeRO, their optimizer state)
         writer = all(splits[gi][1] == 0 for gi in experts)
         with local_layout(parts.module):
-            files.update(expert_files(parts.module, parts.module.state_dict(), writer))
+            local = parts.module.state_dict()
+        files.update(expert_files(parts.module, local, writer))
+        files.update(autoep.expert_files(blocks, local) if writer else {})
         if writer and stage == 0 and parts.optimizer is not None:
-            files[expert_optim_name(ep_rank(moe_layers(parts.module)[0][1].deepspeed_moe))] = \
+            files[expert_optim_name(blocks[0].ep_rank if blocks else ep_rank(moe_layers(parts.module)[0][1].deepspeed_moe))] = \
                 {"optimizer": _stage0_optimizer(groups)}
     if stage > 0 and parts.optimizer is not None:
         sub_group_size = int((parts.ds_config.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP_SIZE))

@@ -25,7 +25,13 @@ in ``universal_tp``; dslaunch's, joined by its own slice records) becomes whole 
 ``sub_param_shape``, ...), so both dslaunch (any tensor-parallel degree, 1 included) and
 DeepSpeed's restore cut it again. Restoring single parameters: ``universal_restore``.
 
-Limitations: no pipeline parallelism, no MoE experts; ``convert`` reads the whole fp32 state into
+A DeepSpeed-format AutoEP tag (ZeRO-1/2) becomes each block's expert weights whole
+(``zero/<block>.experts.w1/fp32.pt``: ``{"param": [num_experts, ...], "cat_dim": 0,
+"is_expert_param": True, "ep_num_experts": ...}``, as DeepSpeed's ``autoep_universal`` writes them),
+which load at any ``autoep_size`` (``deepspeed_autoep``).
+
+Limitations: no pipeline parallelism, no ``deepspeed.moe`` experts, no AutoEP tag in dslaunch's own
+layout (it loads at another ``autoep_size`` without conversion); ``convert`` reads the whole fp32 state into
 host memory.
 """
 
@@ -42,6 +48,7 @@ from dslaunch import safe_write
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.autotp_universal import SubparamShape
 from dslaunch.runtime.checkpoint.checkpointer import MODULE_FILE, rank_file, zero_file
+from dslaunch.runtime.checkpoint.deepspeed_autoep import join_expert_ranks
 from dslaunch.runtime.checkpoint.deepspeed_constants import (
     CAT_DIM,
     ORIGINAL_VOCAB_SIZE,
@@ -121,9 +128,9 @@ def _tensor(path: Path, shape: tuple[int, ...], sliced: bool) -> torch.Tensor:
     """One ``zero/<param>/<state>.pt``: the whole tensor, checked against the parameter's shape
     (``sliced``: the model states were saved tensor-parallel, so they give one rank's slice shape
     and the file's own, of as many dimensions, is the whole one)."""
-    obj, _ = load_state(path)
-    if sliced and obj.numel() != math.prod(shape) and obj.dim() == len(shape):
-        return obj.float().clone()
+    obj, extra = load_state(path)
+    if (sliced or extra.get("is_expert_param")) and obj.numel() != math.prod(shape) and obj.dim() == len(shape):
+        return obj.float().clone()  # AutoEP: every expert's rows (the model states give one rank's)
     if obj.numel() != math.prod(shape):
         raise CheckpointError(f"holds {tuple(obj.shape)} ({obj.numel()} elements), the parameter is {shape}",
                               str(path))
@@ -280,6 +287,8 @@ def convert(input_folder: str | Path, output_folder: str | Path, strict: bool = 
             state, extras = read_tensor_parallel_whole(src, strict)
         else:
             state = read_deepspeed(src)
+        if isinstance(state.states.get("ds_autoep_layers"), list):  # AutoEP: each block's experts whole
+            state, extras = join_expert_ranks(state)
         model_files = {f.name: f.read_bytes() for f in sorted(src.glob("*model_states.pt"))}
     else:
         state, model_files, extras = _read_dslaunch(src)

@@ -11,8 +11,8 @@ blocks into ``MOELayer``s at ``initialize``, ``autoep_presets.py`` finds the blo
 ``grouped_experts.py`` holds a rank's slice of the fused expert weights (``fused_layout.py`` tells
 their layout from the shapes), ``autoep_dispatch.py``
 sends tokens to them in exact counts, and ``autoep_state.py`` saves and loads them in the Hugging
-Face model's layout; ``autoep_universal.py`` refuses DeepSpeed's universal-checkpoint helpers for
-AutoEP (no conversion is needed). ``folding.py`` has the rank tables and config rules of AutoEP
+Face model's layout; ``autoep_universal.py`` has DeepSpeed's universal-checkpoint helpers for
+AutoEP (joining ZeRO-1/2 expert fragments). ``folding.py`` has the rank tables and config rules of AutoEP
 folded with AutoTP (DeepSpeed's ``auto_ep_folding``; the engine still refuses folded training).
 ``dslaunch/moe/`` re-exports them at DeepSpeed's import paths.
 """

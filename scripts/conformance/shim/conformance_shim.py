@@ -10,6 +10,10 @@ outcome as it happens, so a run killed mid-file still leaves every finished test
 - ``CONFORMANCE_NO_DISTRIBUTED=1`` leaves out the harness's distributed tests (``DistributedTest``
   classes: each spawns a pool of ranks that import torch and DeepSpeed; minutes each on a loaded
   machine), so a quick run covers every other test of every file.
+- A rank that raises stops its test at once (``_fail_fast``): the harness waits for every rank's
+  result, and a peer of the failed rank waits in a collective for it (a test's ``dist.barrier()``)
+  until the gloo timeout; the harness then stops pytest ("Test hanged") and the file's later tests
+  are lost. The ranks' pool is terminated on the first exception, which the test reports.
 - ``CONFORMANCE_EVENTS``: a JSON-lines file. One ``collected`` line per test, one ``file`` line when
   a file starts, one ``report`` line per finished test (its outcome and a one-line reason).
 """
@@ -17,7 +21,11 @@ outcome as it happens, so a run killed mid-file still leaves every finished test
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.pool
 import os
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -59,6 +67,69 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
             items[:] = [item for item in items if not getattr(item.cls, "is_dist_test", False)]
     for item in items:
         _emit(event="collected", nodeid=item.nodeid)
+
+
+class _FailFastPool(multiprocessing.pool.Pool):
+    """The harness's pool of ranks: ``starmap_async(...).get`` raises the first rank's exception as
+    soon as it arrives and terminates the ranks still running (their peers' collectives would wait
+    for the failed rank until the gloo timeout); ``starmap`` on a pool so stopped does nothing (the
+    harness's teardown calls it)."""
+
+    stopped = False
+
+    def starmap_async(self, func: Any, iterable: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super().starmap_async(func, iterable, *args, **kwargs)
+        wait_all = result.get
+
+        def get(timeout: float | None = None) -> Any:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not result.ready():
+                if getattr(result, "_success", True) is False:  # a rank raised; the others may wait on it
+                    self.stopped = True
+                    self.terminate()
+                    _forget(self)
+                    raise result._value
+                if deadline is not None and time.monotonic() > deadline:
+                    raise multiprocessing.TimeoutError
+                result.wait(0.5)
+            return wait_all(0)
+
+        result.get = get
+        return result
+
+    def starmap(self, func: Any, iterable: Any, *args: Any, **kwargs: Any) -> Any:
+        return [] if self.stopped else super().starmap(func, iterable, *args, **kwargs)
+
+
+def _forget(pool: Any) -> None:
+    """Drop a terminated pool from the harness's cache of reused pools."""
+    common = sys.modules.get("unit.common")
+    cache = getattr(getattr(common, "DistributedExec", None), "_pool_cache", {})
+    for size in [k for k, v in cache.items() if v is pool]:
+        del cache[size]
+
+
+class _Multiprocessing:
+    """``torch.multiprocessing`` as the harness sees it, its ``Pool`` a ``_FailFastPool``."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def Pool(self, processes: int | None = None, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (its name)
+        return _FailFastPool(processes, *args, context=multiprocessing.get_context(), **kwargs)
+
+
+def _fail_fast() -> None:
+    common = sys.modules.get("unit.common")
+    if common is not None and not isinstance(getattr(common, "mp", None), _Multiprocessing):
+        common.mp = _Multiprocessing(common.mp)
+
+
+def pytest_runtest_setup(item: Any) -> None:
+    _fail_fast()
 
 
 def pytest_collectreport(report: Any) -> None:

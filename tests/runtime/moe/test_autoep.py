@@ -205,18 +205,12 @@ def test_a_custom_model_converted_at_world_2_equals_the_unconverted_one_and_trai
         assert max(got.values()) <= 1e-5, f"rank {rank}: {got}"
 
 
-def test_deepspeeds_autoep_universal_helpers_are_refused_in_one_line() -> None:
-    """``deepspeed.checkpoint.autoep_universal`` imports; its consolidation (dslaunch loads a tag at
-    another ``autoep_size`` without conversion) is refused naming what to use instead."""
-    from dslaunch.checkpoint.autoep_universal import (
-        _zero12_fragment_path,
-        consolidate_autoep_zero12_expert_states,
-    )
+def test_deepspeeds_autoep_universal_refuses_expert_tensor_slices_in_one_line() -> None:
+    """``deepspeed.checkpoint.autoep_universal`` imports; its consolidation of expert tensor slices
+    (``tp_degree`` > 1) is refused in one line (the rest: tests/runtime/checkpoint/test_deepspeed_autoep.py)."""
+    from dslaunch.checkpoint.autoep_universal import consolidate_autoep_zero12_expert_states
     from dslaunch.errors import NotInDslaunchError
 
-    for call in (lambda: consolidate_autoep_zero12_expert_states("tmp", "out", {}, {}, 2, 2),
-                 lambda: _zero12_fragment_path("tmp", "w1", "exp_avg", 0)):
-        with pytest.raises(NotInDslaunchError, match="not in dslaunch; dslaunch loads an AutoEP tag at another "
-                                                     "autoep_size directly") as err:
-            call()
-        assert "\n" not in str(err.value)
+    with pytest.raises(NotInDslaunchError, match="tp_degree=2") as err:
+        consolidate_autoep_zero12_expert_states("tmp", "out", {}, {}, 2, 2)
+    assert "\n" not in str(err.value)
