@@ -12,8 +12,9 @@ blocks into ``MOELayer``s at ``initialize``, ``autoep_presets.py`` finds the blo
 their layout from the shapes), ``autoep_dispatch.py``
 sends tokens to them in exact counts, and ``autoep_state.py`` saves and loads them in the Hugging
 Face model's layout; ``autoep_universal.py`` refuses DeepSpeed's universal-checkpoint helpers for
-AutoEP (no conversion is needed). ``folding.py`` has the rank tables and config rules of AutoEP
-folded with AutoTP (DeepSpeed's ``auto_ep_folding``; the engine still refuses folded training).
+AutoEP (no conversion is needed). AutoEP folded with AutoTP: ``folding.py`` has the rank tables and
+config rules (DeepSpeed's ``auto_ep_folding``), ``autoep_folded.py`` splits a converted block's
+routes over the tensor slices.
 ``dslaunch/moe/`` re-exports them at DeepSpeed's import paths.
 """
 

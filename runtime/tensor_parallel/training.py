@@ -106,6 +106,8 @@ def _shard(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan, dict[int, 
                 else plan_from_rules(model, rules, tp_size, rank))
     except UsageError as err:
         raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
+    if config.expert_parallel.enabled:
+        plan = _without_routed_experts(model, plan, config.expert_parallel)
     comms = training_collectives(group)
     if chunks is not None:
         comms = replace(comms, pieces=Pieces(group, tp_size, chunks))
@@ -124,6 +126,22 @@ def _shard(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan, dict[int, 
     model.ds_tensor_layout = layout  # checkpoints record it: a tag saved at one tp loads at another
     after = dict(model.named_parameters(remove_duplicate=False))
     return plan, {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
+
+
+def _without_routed_experts(model: nn.Module, plan: TPPlan, autoep: Any) -> TPPlan:
+    """``plan`` less the routers and routed experts of the MoE blocks AutoEP converts next: they stay
+    whole (AutoEP folded with AutoTP splits their routes, not their weights: ``moe/autoep_folded.py``);
+    shared experts are sharded as any MLP."""
+    from dslaunch.runtime.moe.autoep_presets import detect
+
+    kept = tuple(f"{spec.name}.{part}" for spec in detect(model, autoep)
+                 for part in (spec.preset.router, spec.preset.experts))
+
+    def whole(name: str) -> bool:
+        return any(name == prefix or name.startswith(f"{prefix}.") for prefix in kept)
+
+    return replace(plan, shards=tuple(s for s in plan.shards if not whole(s.name)),
+                   attributes=tuple(a for a in plan.attributes if not whole(a[0])))
 
 
 def _keep_slice(local: torch.Tensor, widths: list[int]) -> torch.Tensor:

@@ -1,0 +1,191 @@
+"""AutoEP folded with AutoTP (DeepSpeed's AutoEP+AutoTP folding): on 4 gloo ranks, tensor 2 x data
+2 with experts over 2 neighbouring ranks, a Mixtral-style model (router, fused experts, a dense
+MLP that AutoTP splits) trains three SGD steps with gradient clipping at ZeRO 0, 1 and 2 (and the
+padded dispatch) to the losses, global norms and weights of the unconverted model trained in one
+process; the folded groups are asserted. Also the route split and the config's refusals."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dslaunch.errors import ConfigError, NotInDslaunchError
+from dslaunch.runtime.config import load_config
+from dslaunch.runtime.moe.autoep_folded import route_lanes
+from tests.distributed import run_world
+
+HIDDEN, FFN, EXPERTS, TOP_K, LAYERS = 8, 12, 4, 2, 2
+
+
+class Experts(torch.nn.Module):
+    """Hugging Face 5's fused expert weights (MixtralExperts), in plain torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN) * 0.3)
+        self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) * 0.3)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(EXPERTS):
+            token, slot = torch.where(index == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out.index_add(0, token, F.linear(self.act_fn(gate) * up, self.down_proj[e]) * weights[token, slot, None])
+        return out
+
+
+class SparseBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = Experts()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, HIDDEN)
+        top, index = self.gate(x).softmax(dim=-1).topk(TOP_K, dim=-1)
+        return self.experts(x, index, top / top.sum(dim=-1, keepdim=True)).reshape(h.shape)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN)
+        self.mlp = SparseBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down(torch.tanh(self.up(self.norm(x))))
+        return x + self.mlp(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = SimpleNamespace(model_type="mixtral", num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([Layer() for _ in range(LAYERS)])
+        self.head = torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+# AutoTP splits the dense MLP; the router rule would split the router too, but AutoTP leaves the
+# blocks AutoEP converts whole
+RULES = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.up\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*\.down\.weight$"], "partition_type": "row"},
+    {"patterns": [r".*\.mlp\.gate\.weight$"], "partition_type": "column"}]}
+
+
+def _config(stage: int, **extra: object) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+            "tensor_parallel": {"autotp_size": 2, "partition_config": RULES},
+            "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False},
+            **extra}
+
+
+def _batch(replica: int, step: int) -> torch.Tensor:
+    return torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(100 * step + replica))
+
+
+def _folded(rank: int, world: int, stage: int, padded: bool) -> dict:
+    import torch.distributed as dist
+
+    import dslaunch as deepspeed
+    from dslaunch.runtime.moe.autoep import AutoEPMoE
+
+    engine, *_ = deepspeed.initialize(model=Net(), config=_config(stage))
+    blocks = [m for m in engine.module.modules() if isinstance(m, AutoEPMoE)]
+    for block in blocks:
+        block.padded = padded
+    handles = blocks[0].folding_group_handles
+    groups = {"tp": handles.tp_ranks, "dense_dp": handles.dense_dp_ranks, "ep": handles.ep_ranks,
+              "edp": handles.edp_ranks, "ep_group": tuple(dist.get_process_group_ranks(blocks[0].ep_group)),
+              "router": tuple(blocks[0].gate.router.weight.shape), "up": tuple(engine.module.model.layers[0].up.weight.shape)}
+    ref = Net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    out: dict = {"groups": groups, "loss": 0.0, "norm": 0.0}
+    replica, replicas = rank // 2, world // 2
+    for step in range(3):
+        want = sum(ref(_batch(r, step)) for r in range(replicas)) / replicas
+        want.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        loss = engine(_batch(replica, step))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out["loss"] = max(out["loss"], abs(mean.item() / world - want.item()))
+        out["norm"] = max(out["norm"], abs(engine.get_global_grad_norm() - norm.item()))
+    out["weights"] = _weight_error(engine.module, ref, blocks)
+    return out
+
+
+def _weight_error(module: torch.nn.Module, ref: torch.nn.Module, blocks: list) -> float:
+    """The largest difference between the trained weights and the reference's: experts gathered over
+    their expert group, tensor slices over the tensor group."""
+    import torch.distributed as dist
+
+    want = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in module.named_parameters():
+        whole = p.detach()
+        if ".experts." in name:
+            group = blocks[0].ep_group
+        elif name.endswith(("up.weight", "up.bias", "down.weight")):
+            group = blocks[0].tp_group
+        else:
+            group = None
+        if group is not None:
+            parts = [torch.empty_like(whole) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, whole.contiguous(), group=group)
+            whole = torch.cat(parts, dim=1 if name.endswith("down.weight") else 0)
+        target = want[name.replace(".gate.router.", ".gate.")]
+        worst = max(worst, (whole - target).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize(("stage", "padded"), [(0, False), (1, False), (2, False), (2, True)])
+def test_folded_training_equals_the_unconverted_model_in_one_process(stage: int, padded: bool) -> None:
+    results = run_world(_folded, 4, stage, padded)
+    for rank, got in enumerate(results):
+        lane, replica = rank % 2, rank // 2
+        assert got["groups"] == {"tp": (2 * replica, 2 * replica + 1), "dense_dp": (lane, lane + 2),
+                                 "ep": (2 * replica, 2 * replica + 1), "edp": (lane, lane + 2),
+                                 "ep_group": (2 * replica, 2 * replica + 1), "router": (EXPERTS, HIDDEN),
+                                 "up": (HIDDEN, HIDDEN)}, f"rank {rank}"
+        assert max(got["loss"], got["norm"], got["weights"]) <= 2e-5, f"rank {rank}: {got}"
+
+
+def test_each_experts_routes_split_once_over_the_slices() -> None:
+    experts = torch.tensor([2, 0, 2, 2, 1, 0, 2])
+    assert route_lanes(experts, 3, 2).tolist() == [0, 0, 1, 0, 0, 1, 1]
+    lanes = route_lanes(torch.randint(0, 4, (50,), generator=torch.Generator().manual_seed(0)), 4, 3)
+    for lane in range(3):
+        assert ((lanes == lane).sum() - 50 / 3).abs() <= 4
+
+
+@pytest.mark.parametrize(("extra", "key", "says"), [
+    ({"expert_parallel": {"enabled": True, "autoep_size": 1}}, "expert_parallel.autoep_size", "needs autoep_size > 1"),
+    ({"use_data_before_expert_parallelism": True}, "use_data_before_expert_parallelism", "set it to false"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer", "turn offload off"),
+])
+def test_folding_refuses_what_it_cannot_fold_in_one_line(extra: dict, key: str, says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config({**_config(0), **extra}, 4)
+    assert key in str(err.value) and says in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(NotInDslaunchError, match="zero_optimization.stage: AutoEP folded with AutoTP at ZeRO stage 3"):
+        load_config(_config(3), 4)
