@@ -245,6 +245,8 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
     mine = parts.get(place.part) if place is not None and shape is not None else None
     targets = [(int(g["start"]), int(g["end"])) for g in current["groups"]]
     out: dict[str, Any] = {"module": _read_module(store, tag, manifest, parts, live_keys), "incompatible": None}
+    if meta.get("model_parallel", {}).get("experts_by_rank"):  # each rank's experts differ: its own file
+        return _own_experts(store, tag, manifest, mine if shape == here else None, place, current, source, out)
     if mine is not None:
         try:
             check_compatible(mine["partition"], current, source)
@@ -277,6 +279,24 @@ def read_parts(store: CheckpointStore, tag: str, manifest: Manifest, current: di
     out["incompatible"] = CheckpointError(f"{why} (saved at {describe(shape)}; this engine: {describe(here)})",
                                           source)
     out["fp32"] = _masters(store, tag, manifest, parts) if unique else {}
+    return out
+
+
+def _own_experts(store: CheckpointStore, tag: str, manifest: Manifest, mine: dict | None, place: Placement | None,
+                 current: dict, source: str, out: dict) -> dict:
+    """A tag with expert parameters beside tensor slices: this rank's own ZeRO file, at the saving
+    shape only (its experts are no other rank's); else ``out`` says why not (``incompatible``)."""
+    own = mine["zero_files"].get(str(place.data)) if mine is not None and place is not None else None
+    try:
+        if own is None:
+            raise CheckpointError("expert parameters beside model parallelism load only at the saving shape "
+                                  f"(saved at {describe(manifest.meta['model_parallel']['shape'])}; this engine: "
+                                  f"{describe(place.shape if place is not None else None)})", source)
+        check_compatible(mine["partition"], current, source)  # type: ignore[index]
+    except CheckpointError as exc:
+        out.update(incompatible=exc, fp32={})
+        return out
+    out["zero"] = store.read(tag, own, manifest)
     return out
 
 

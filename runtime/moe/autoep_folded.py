@@ -30,7 +30,7 @@ from dslaunch.runtime.comm import comm
 from dslaunch.runtime.moe.autoep_dispatch import routed_rows
 from dslaunch.runtime.moe.tensor_slices import TensorSlices
 
-__all__ = ["route_lanes", "dispatch_folded"]
+__all__ = ["route_lanes", "dispatch_folded", "folding_metadata"]
 
 
 def route_lanes(experts: Tensor, num_experts: int, tp_size: int) -> Tensor:
@@ -90,3 +90,18 @@ def dispatch_folded(layer: Any, tokens: Tensor, experts: Tensor, gates: Tensor, 
     out = routed_rows(layer, shared.index_select(0, mine % num_tokens), flat.index_select(0, mine))
     routed = _GatherRows.apply(out, lanes, slices).reshape(k, num_tokens, -1)
     return (routed * gates.unsqueeze(-1).to(routed.dtype)).sum(dim=0)
+
+
+def folding_metadata(module: torch.nn.Module) -> dict | None:
+    """What a checkpoint of ``module`` records of its folding (DeepSpeed's ``folding`` entry: its
+    version and ``tp_size`` / ``ep_size`` / ``etp_size``, with the layout's other sizes and the
+    dispatch), or None for a model with no folded block. A tag loads only where this is the same."""
+    from dslaunch.runtime.moe.autoep import AutoEPMoE
+
+    folded = [m for m in module.modules() if isinstance(m, AutoEPMoE) and m.folding_group_handles is not None]
+    if not folded:
+        return None
+    spec = folded[0].folding_group_handles.spec
+    return {"version": 1, "tp_size": spec.tp_size, "ep_size": spec.ep_size, "etp_size": spec.etp_size,
+            "dp_size": spec.dp_size, "edp_size": spec.edp_size, "pp_size": spec.pp_size,
+            "world_size": spec.world_size, "dispatch_strategy": "padded" if folded[0].padded else "exact"}

@@ -86,11 +86,11 @@ RULES = {"use_default_specs": False, "layer_specs": [
     {"patterns": [r".*\.mlp\.gate\.weight$"], "partition_type": "column"}]}
 
 
-def _config(stage: int, **extra: object) -> dict:
+def _config(stage: int, ep: int = 2, **extra: object) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
             "tensor_parallel": {"autotp_size": 2, "partition_config": RULES},
-            "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False},
+            "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": "mixtral", "use_grouped_mm": False},
             **extra}
 
 
@@ -98,13 +98,13 @@ def _batch(replica: int, step: int) -> torch.Tensor:
     return torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(100 * step + replica))
 
 
-def _folded(rank: int, world: int, stage: int, padded: bool) -> dict:
+def _folded(rank: int, world: int, stage: int, padded: bool, ep: int) -> dict:
     import torch.distributed as dist
 
     import dslaunch as deepspeed
     from dslaunch.runtime.moe.autoep import AutoEPMoE
 
-    engine, *_ = deepspeed.initialize(model=Net(), config=_config(stage))
+    engine, *_ = deepspeed.initialize(model=Net(), config=_config(stage, ep))
     blocks = [m for m in engine.module.modules() if isinstance(m, AutoEPMoE)]
     for block in blocks:
         block.padded = padded
@@ -157,14 +157,17 @@ def _weight_error(module: torch.nn.Module, ref: torch.nn.Module, blocks: list) -
     return worst
 
 
-@pytest.mark.parametrize(("stage", "padded"), [(0, False), (1, False), (2, False), (2, True)])
-def test_folded_training_equals_the_unconverted_model_in_one_process(stage: int, padded: bool) -> None:
-    results = run_world(_folded, 4, stage, padded)
+@pytest.mark.parametrize(("stage", "padded", "ep"), [(0, False, 2), (1, False, 2), (2, False, 2), (2, True, 2),
+                                                   (0, False, 4), (2, False, 4)])
+def test_folded_training_equals_the_unconverted_model_in_one_process(stage: int, padded: bool, ep: int) -> None:
+    """ep 2: the expert groups are the tensor groups; ep 4: one expert group spans both replicas."""
+    results = run_world(_folded, 4, stage, padded, ep)
     for rank, got in enumerate(results):
         lane, replica = rank % 2, rank // 2
+        experts = (2 * replica, 2 * replica + 1) if ep == 2 else (0, 1, 2, 3)
         assert got["groups"] == {"tp": (2 * replica, 2 * replica + 1), "dense_dp": (lane, lane + 2),
-                                 "ep": (2 * replica, 2 * replica + 1), "edp": (lane, lane + 2),
-                                 "ep_group": (2 * replica, 2 * replica + 1), "router": (EXPERTS, HIDDEN),
+                                 "ep": experts, "edp": (lane, lane + 2) if ep == 2 else (rank,),
+                                 "ep_group": experts, "router": (EXPERTS, HIDDEN),
                                  "up": (HIDDEN, HIDDEN)}, f"rank {rank}"
         assert max(got["loss"], got["norm"], got["weights"]) <= 2e-5, f"rank {rank}: {got}"
 
@@ -189,3 +192,44 @@ def test_folding_refuses_what_it_cannot_fold_in_one_line(extra: dict, key: str, 
     assert key in str(err.value) and says in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(NotInDslaunchError, match="zero_optimization.stage: AutoEP folded with AutoTP at ZeRO stage 3"):
         load_config(_config(3), 4)
+
+
+def _resumed(rank: int, world: int, stage: int, ep: int, root: str) -> dict:
+    """Two steps, a save, a third step; then a fresh engine loads the tag and takes the third step:
+    the same loss and weights (exact). An engine of another expert size is refused in one line."""
+    import dslaunch as deepspeed
+    from dslaunch.errors import CheckpointError
+
+    config = {**_config(stage, ep), "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    engine, *_ = deepspeed.initialize(model=Net(), config=config)
+    for step in range(3):
+        if step == 2:
+            engine.save_checkpoint(root, tag="folded")
+        loss = engine(_batch(rank // 2, step))
+        engine.backward(loss)
+        engine.step()
+    want = ({n: p.detach().clone() for n, p in engine.module.named_parameters()}, loss.item())
+    torch.manual_seed(1)  # another start: the load must bring every weight back
+    fresh, *_ = deepspeed.initialize(model=Net(), config=config)
+    fresh.load_checkpoint(root, tag="folded")
+    loss = fresh(_batch(rank // 2, 2))
+    fresh.backward(loss)
+    fresh.step()
+    got = dict(fresh.module.named_parameters())
+    other, *_ = deepspeed.initialize(model=Net(), config={**config, **_config(stage, 6 - ep)})
+    try:
+        other.load_checkpoint(root, tag="folded")
+        refused = ""
+    except CheckpointError as err:
+        refused = str(err)
+    return {"loss": abs(loss.item() - want[1]), "weights": max((got[n] - w).abs().max().item() for n, w in want[0].items()),
+            "steps": fresh.global_steps, "refused": refused}
+
+
+@pytest.mark.parametrize(("stage", "ep"), [(0, 2), (0, 4), (1, 4), (2, 2)])
+def test_a_folded_run_resumes_exactly_from_its_checkpoint(stage: int, ep: int, tmp_path: object) -> None:
+    for rank, got in enumerate(run_world(_resumed, 4, stage, ep, str(tmp_path))):
+        refused = got.pop("refused")
+        assert got == {"loss": 0.0, "weights": 0.0, "steps": 3}, f"rank {rank}: {got}"
+        assert f"'ep_size': {ep}" in refused and "loads only at the same tensor, expert and data sizes" in refused
+        assert "\n" not in refused
