@@ -44,6 +44,7 @@ from dslaunch.runtime.moe import autoep_state
 from dslaunch.runtime.moe.autoep_dispatch import dispatch_exact
 from dslaunch.runtime.moe.autoep_folded import dispatch_folded
 from dslaunch.runtime.moe.autoep_presets import LayerSpec, detect
+from dslaunch.runtime.moe.autoep_spec import MoELayerSpec
 from dslaunch.runtime.moe.folding import FoldingGroupHandles
 from dslaunch.runtime.moe.gate import Routes, _busiest
 from dslaunch.runtime.moe.grouped_experts import GroupedExperts
@@ -109,8 +110,9 @@ class AutoEPMoE(MOELayer):
     block does. collective: the expert group (every rank of it calls each layer, each step).
     """
 
-    def __init__(self, spec: LayerSpec, source_module: torch.nn.Module, ep_size: int, ep_rank: int,
+    def __init__(self, spec: LayerSpec | MoELayerSpec, source_module: torch.nn.Module, ep_size: int, ep_rank: int,
                  config: ExpertParallelConfig, jitter_noise: float = 0.0) -> None:
+        spec = spec.layer_spec() if isinstance(spec, MoELayerSpec) else spec  # DeepSpeed's record of the block
         preset, block = spec.preset, source_module
         local = spec.num_experts // ep_size
         source = getattr(block, preset.experts)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.moe.autoep_dispatch import routed_rows
+from dslaunch.runtime.moe.folding_metadata import ROUTE_FULL_PARTITION_DISPATCH
 from dslaunch.runtime.moe.tensor_slices import TensorSlices
 
 __all__ = ["route_lanes", "dispatch_folded", "folding_metadata"]
@@ -104,4 +105,5 @@ def folding_metadata(module: torch.nn.Module) -> dict | None:
     spec = folded[0].folding_group_handles.spec
     return {"version": 1, "tp_size": spec.tp_size, "ep_size": spec.ep_size, "etp_size": spec.etp_size,
             "dp_size": spec.dp_size, "edp_size": spec.edp_size, "pp_size": spec.pp_size,
-            "world_size": spec.world_size, "dispatch_strategy": "padded" if folded[0].padded else "exact"}
+            "world_size": spec.world_size,
+            "dispatch_strategy": "padded" if folded[0].padded else ROUTE_FULL_PARTITION_DISPATCH}

@@ -14,15 +14,21 @@ from typing import Any, NoReturn
 
 from dslaunch.errors import NotInDslaunchError
 
-__all__ = ["consolidate_autoep_zero12_expert_states"]
+__all__ = ["consolidate_autoep_expert_files", "consolidate_autoep_zero12_expert_states"]
 
 _INSTEAD = ("dslaunch loads an AutoEP tag at another autoep_size directly (engine.load_checkpoint), with no "
             "universal conversion")
 
 
-def _refuse(name: str) -> NoReturn:
+def _refuse(name: str, what: str = "expert states") -> NoReturn:
     raise NotInDslaunchError(f"deepspeed.checkpoint.autoep_universal.{name} (DeepSpeed's consolidation of AutoEP "
-                             f"expert states for a universal checkpoint) is not in dslaunch; {_INSTEAD}")
+                             f"{what} for a universal checkpoint) is not in dslaunch; {_INSTEAD}")
+
+
+def consolidate_autoep_expert_files(*args: Any, **kwargs: Any) -> NoReturn:
+    """Refused: DeepSpeed's per-expert files (folded AutoEP+AutoTP expert shards among them) into a
+    universal checkpoint; dslaunch writes no such files."""
+    _refuse("consolidate_autoep_expert_files", "expert files, folded AutoEP+AutoTP expert shards among them,")
 
 
 def consolidate_autoep_zero12_expert_states(*args: Any, **kwargs: Any) -> NoReturn:

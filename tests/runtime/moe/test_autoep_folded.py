@@ -233,3 +233,42 @@ def test_a_folded_run_resumes_exactly_from_its_checkpoint(stage: int, ep: int, t
         assert got == {"loss": 0.0, "weights": 0.0, "steps": 3}, f"rank {rank}: {got}"
         assert f"'ep_size': {ep}" in refused and "loads only at the same tensor, expert and data sizes" in refused
         assert "\n" not in refused
+
+
+def test_the_folding_record_names_the_field_that_differs() -> None:
+    from dslaunch.runtime.moe.folding_metadata import make_folding_metadata, validate_folding_metadata
+
+    record = make_folding_metadata(tp_size=2, tp_rank=1, ep_size=4, ep_rank=3, zero_partition_group="edp",
+                                   zero_partition_rank=1, zero_partition_count=2, family="routed_expert")
+    assert (record["version"], record["etp_size"], record["dispatch_strategy"]) == (1, 1, "route_full_partition_dispatch")
+    saved = {"folding": record}
+    assert validate_folding_metadata(saved, tp_size=2, ep_size=4, zero_partition_group="edp") is record
+    for given, field in (({"tp_size": 1, "ep_size": 4}, "tp_size"), ({"tp_size": 2, "ep_size": 4, "tp_rank": 0}, "tp_rank"),
+                         ({"tp_size": 2, "ep_size": 4, "family": "dense"}, "family")):
+        with pytest.raises(RuntimeError, match=f"mismatch for {field}: saved="):
+            validate_folding_metadata(saved, **given)
+    with pytest.raises(RuntimeError, match="Missing AutoEP\\+AutoTP folding metadata"):
+        validate_folding_metadata({}, tp_size=2, ep_size=4)
+
+
+def test_deepspeeds_record_of_a_block_builds_the_same_converted_block() -> None:
+    from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
+    from dslaunch.runtime.moe.autoep import AutoEPMoE
+    from dslaunch.runtime.moe.autoep_presets import detect
+    from dslaunch.runtime.moe.autoep_spec import MoELayerSpec
+
+    fields = dict(moe_module_name="model.layers.0.mlp", model_family="mixtral", router_name="gate",
+                  experts_name="experts", expert_storage="fused_3d", expert_w1_name="gate_up_proj",
+                  expert_w2_name="down_proj", expert_w3_name=None, num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN,
+                  ffn_hidden_size=FFN, score_func="softmax", score_apply="post", route_norm=True, gate_bias=False,
+                  return_router_logits=False, router_logits_capture_target="none", router_logits_capture_index=None,
+                  router_logits_capture_layer_name=None, has_shared_experts=False, shared_experts_name="")
+    cfg = ExpertParallelConfig(enabled=True, autoep_size=1, use_grouped_mm=False)
+    block = Net().model.layers[0].mlp
+    theirs = AutoEPMoE(MoELayerSpec(**fields), block, 1, 0, cfg)
+    ours = AutoEPMoE(detect(Net(), cfg)[0], Net().model.layers[0].mlp, 1, 0, cfg)
+    x = torch.randn(5, HIDDEN)
+    assert torch.equal(theirs(x), ours(x)) and (theirs(x) - block(x)).abs().max() <= 1e-6
+    with pytest.raises(ConfigError, match="'MoELayerSpec.expert_storage': 'module_list' is not converted") as err:
+        MoELayerSpec(**{**fields, "expert_storage": "module_list"}).layer_spec()
+    assert "\n" not in str(err.value)
