@@ -1,6 +1,6 @@
 """The folding record of a checkpoint of AutoEP folded with AutoTP (DeepSpeed 0.19.x's
 ``folding`` entry: ``deepspeed.checkpoint.autoep_universal.make_folding_metadata`` /
-``validate_folding_metadata`` and the ``FOLDING_*`` keys of ``deepspeed.checkpoint.constants``).
+``validate_folding_metadata``; the ``FOLDING_*`` keys are ``runtime/checkpoint/deepspeed_constants.py``'s).
 
 A record says where a saved piece sat: the tensor, expert and expert-tensor sizes and this rank's
 index in each, the group its ZeRO state was partitioned over (``dense_dp`` for dense parameters,
@@ -14,28 +14,25 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FOLDING_METADATA_KEY", "FOLDING_METADATA_VERSION", "FOLDING_TP_SIZE", "FOLDING_TP_RANK",
-           "FOLDING_EP_SIZE", "FOLDING_EP_RANK", "FOLDING_ETP_SIZE", "FOLDING_ETP_RANK",
-           "FOLDING_ZERO_PARTITION_GROUP", "FOLDING_ZERO_PARTITION_RANK", "FOLDING_ZERO_PARTITION_COUNT",
-           "FOLDING_DISPATCH_STRATEGY", "FOLDING_SHARED_EXPERT_PLACEMENT", "FOLDING_FAMILY",
-           "FOLDING_PARAM_FAMILIES", "ROUTE_FULL_PARTITION_DISPATCH", "make_folding_metadata",
-           "validate_folding_metadata"]
+from dslaunch.runtime.checkpoint.deepspeed_constants import (
+    FOLDING_DISPATCH_STRATEGY,
+    FOLDING_EP_RANK,
+    FOLDING_EP_SIZE,
+    FOLDING_ETP_RANK,
+    FOLDING_ETP_SIZE,
+    FOLDING_FAMILY,
+    FOLDING_METADATA_KEY,
+    FOLDING_METADATA_VERSION,
+    FOLDING_PARAM_FAMILIES,
+    FOLDING_SHARED_EXPERT_PLACEMENT,
+    FOLDING_TP_RANK,
+    FOLDING_TP_SIZE,
+    FOLDING_ZERO_PARTITION_COUNT,
+    FOLDING_ZERO_PARTITION_GROUP,
+    FOLDING_ZERO_PARTITION_RANK,
+)
 
-FOLDING_METADATA_KEY = "folding"
-FOLDING_METADATA_VERSION = 1
-FOLDING_TP_SIZE = "tp_size"
-FOLDING_TP_RANK = "tp_rank"
-FOLDING_EP_SIZE = "ep_size"
-FOLDING_EP_RANK = "ep_rank"
-FOLDING_ETP_SIZE = "etp_size"
-FOLDING_ETP_RANK = "etp_rank"
-FOLDING_ZERO_PARTITION_GROUP = "zero_partition_group"
-FOLDING_ZERO_PARTITION_RANK = "zero_partition_rank"
-FOLDING_ZERO_PARTITION_COUNT = "zero_partition_count"
-FOLDING_DISPATCH_STRATEGY = "dispatch_strategy"
-FOLDING_SHARED_EXPERT_PLACEMENT = "shared_expert_placement"
-FOLDING_FAMILY = "family"
-FOLDING_PARAM_FAMILIES = "param_families"
+__all__ = ["ROUTE_FULL_PARTITION_DISPATCH", "make_folding_metadata", "validate_folding_metadata"]
 
 ROUTE_FULL_PARTITION_DISPATCH = "route_full_partition_dispatch"
 """DeepSpeed's name of the folded dispatch: every slice routes all tokens, each dispatches its share

@@ -10,44 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dslaunch.errors import ConfigError, NotInDslaunchError
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.moe.autoep_folded import route_lanes
 from tests.distributed import run_world
+from tests.runtime.moe.test_autoep import EXPERTS, FFN, HIDDEN, TOP_K, Block
 
-HIDDEN, FFN, EXPERTS, TOP_K, LAYERS = 8, 12, 4, 2, 2
-
-
-class Experts(torch.nn.Module):
-    """Hugging Face 5's fused expert weights (MixtralExperts), in plain torch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN) * 0.3)
-        self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) * 0.3)
-        self.act_fn = torch.nn.SiLU()
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in range(EXPERTS):
-            token, slot = torch.where(index == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out = out.index_add(0, token, F.linear(self.act_fn(gate) * up, self.down_proj[e]) * weights[token, slot, None])
-        return out
-
-
-class SparseBlock(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = torch.nn.Linear(HIDDEN, EXPERTS, bias=False)
-        self.experts = Experts()
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = h.reshape(-1, HIDDEN)
-        top, index = self.gate(x).softmax(dim=-1).topk(TOP_K, dim=-1)
-        return self.experts(x, index, top / top.sum(dim=-1, keepdim=True)).reshape(h.shape)
+LAYERS = 2
 
 
 class Layer(torch.nn.Module):
@@ -56,7 +26,7 @@ class Layer(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(HIDDEN)
         self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
         self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN)
-        self.mlp = SparseBlock()
+        self.mlp = Block()  # test_autoep.py's: a linear router and Hugging Face 5's fused experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.down(torch.tanh(self.up(self.norm(x))))
@@ -67,7 +37,7 @@ class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.config = SimpleNamespace(model_type="mixtral", num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+        self.config = SimpleNamespace(num_experts_per_tok=TOP_K)
         self.model = torch.nn.Module()
         self.model.layers = torch.nn.ModuleList([Layer() for _ in range(LAYERS)])
         self.head = torch.nn.Linear(HIDDEN, 1)
@@ -83,14 +53,16 @@ class Net(torch.nn.Module):
 RULES = {"use_default_specs": False, "layer_specs": [
     {"patterns": [r".*\.up\.weight$"], "partition_type": "column"},
     {"patterns": [r".*\.down\.weight$"], "partition_type": "row"},
-    {"patterns": [r".*\.mlp\.gate\.weight$"], "partition_type": "column"}]}
+    {"patterns": [r".*\.mlp\.router\.weight$"], "partition_type": "column"}]}
+BLOCKS = {"moe_layer_pattern": r"model\.layers\.\d+\.mlp", "router_pattern": "router", "expert_pattern": "mlp_experts",
+          "top_k_attr": "num_experts_per_tok", "use_grouped_mm": False}
 
 
 def _config(stage: int, ep: int = 2, **extra: object) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.05, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
             "tensor_parallel": {"autotp_size": 2, "partition_config": RULES},
-            "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": "mixtral", "use_grouped_mm": False},
+            "expert_parallel": {"enabled": True, "autoep_size": ep, **BLOCKS},
             **extra}
 
 
@@ -152,7 +124,7 @@ def _weight_error(module: torch.nn.Module, ref: torch.nn.Module, blocks: list) -
             parts = [torch.empty_like(whole) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, whole.contiguous(), group=group)
             whole = torch.cat(parts, dim=1 if name.endswith("down.weight") else 0)
-        target = want[name.replace(".gate.router.", ".gate.")]
+        target = want[name.replace(".gate.router.", ".router.").replace(".experts.", ".mlp_experts.")]
         worst = max(worst, (whole - target).abs().max().item())
     return worst
 
@@ -257,13 +229,13 @@ def test_deepspeeds_record_of_a_block_builds_the_same_converted_block() -> None:
     from dslaunch.runtime.moe.autoep_presets import detect
     from dslaunch.runtime.moe.autoep_spec import MoELayerSpec
 
-    fields = dict(moe_module_name="model.layers.0.mlp", model_family="mixtral", router_name="gate",
-                  experts_name="experts", expert_storage="fused_3d", expert_w1_name="gate_up_proj",
+    fields = dict(moe_module_name="model.layers.0.mlp", model_family="custom", router_name="router",
+                  experts_name="mlp_experts", expert_storage="fused_3d", expert_w1_name="gate_up_proj",
                   expert_w2_name="down_proj", expert_w3_name=None, num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN,
                   ffn_hidden_size=FFN, score_func="softmax", score_apply="post", route_norm=True, gate_bias=False,
                   return_router_logits=False, router_logits_capture_target="none", router_logits_capture_index=None,
                   router_logits_capture_layer_name=None, has_shared_experts=False, shared_experts_name="")
-    cfg = ExpertParallelConfig(enabled=True, autoep_size=1, use_grouped_mm=False)
+    cfg = ExpertParallelConfig(enabled=True, autoep_size=1, **BLOCKS)
     block = Net().model.layers[0].mlp
     theirs = AutoEPMoE(MoELayerSpec(**fields), block, 1, 0, cfg)
     ours = AutoEPMoE(detect(Net(), cfg)[0], Net().model.layers[0].mlp, 1, 0, cfg)
