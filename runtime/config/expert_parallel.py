@@ -126,8 +126,8 @@ class ExpertParallelConfig:
 
         Raises:
             ConfigError: one line naming the key: ``autoep_size`` 1 beside AutoTP (each slice would
-                run every route), ``use_data_before_expert_parallelism``, sequence parallelism, ZeRO
-                offload or ZeRO stage 3 (not in dslaunch yet) beside a folded run.
+                run every route), ``use_data_before_expert_parallelism``, sequence parallelism or ZeRO
+                offload beside a folded run (DeepSpeed's rules).
         """
         tensor = cfg.tensor_parallel.size
         if not self.enabled or tensor <= 1:
@@ -150,12 +150,6 @@ class ExpertParallelConfig:
         for broken, key, message in refusals:
             if broken:
                 raise ConfigError(message, key=key)
-        if zero.stage == 3:
-            from dslaunch.utils.refused import Refusal
-
-            raise Refusal("AutoEP folded with AutoTP at ZeRO stage 3 (the folded routes beside partitioned "
-                          "parameters are untested)", "use ZeRO stage 0, 1 or 2 with a folded run"
-                          ).error("zero_optimization.stage")
 
 
 def parse_autoep_config(param_dict: Any) -> ExpertParallelConfig:

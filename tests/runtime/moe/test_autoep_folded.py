@@ -1,8 +1,9 @@
 """AutoEP folded with AutoTP (DeepSpeed's AutoEP+AutoTP folding): on 4 gloo ranks, tensor 2 x data
 2 with experts over 2 neighbouring ranks, a Mixtral-style model (router, fused experts, a dense
-MLP that AutoTP splits) trains three SGD steps with gradient clipping at ZeRO 0, 1 and 2 (and the
-padded dispatch) to the losses, global norms and weights of the unconverted model trained in one
-process; the folded groups are asserted. Also the route split and the config's refusals."""
+MLP that AutoTP splits) trains three SGD steps with gradient clipping at ZeRO 0, 1, 2 and 3 (every
+parameter partitioned), and with the padded dispatch, to the losses, global norms and weights of
+the unconverted model trained in one process; the folded groups are asserted. Also resuming from a
+checkpoint, the route split, the folding record and the config's refusals."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dslaunch.errors import ConfigError, NotInDslaunchError
+from dslaunch.errors import ConfigError
 from dslaunch.runtime.config import load_config
 from dslaunch.runtime.moe.autoep_folded import route_lanes
 from tests.distributed import run_world
@@ -76,14 +77,16 @@ def _folded(rank: int, world: int, stage: int, padded: bool, ep: int) -> dict:
     import dslaunch as deepspeed
     from dslaunch.runtime.moe.autoep import AutoEPMoE
 
-    engine, *_ = deepspeed.initialize(model=Net(), config=_config(stage, ep))
+    config = _config(stage, ep)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # stage 3: every parameter partitioned
+    engine, *_ = deepspeed.initialize(model=Net(), config=config)
     blocks = [m for m in engine.module.modules() if isinstance(m, AutoEPMoE)]
     for block in blocks:
         block.padded = padded
     handles = blocks[0].folding_group_handles
     groups = {"tp": handles.tp_ranks, "dense_dp": handles.dense_dp_ranks, "ep": handles.ep_ranks,
               "edp": handles.edp_ranks, "ep_group": tuple(dist.get_process_group_ranks(blocks[0].ep_group)),
-              "router": tuple(blocks[0].gate.router.weight.shape), "up": tuple(engine.module.model.layers[0].up.weight.shape)}
+              "router": _shape(blocks[0].gate.router.weight), "up": _shape(engine.module.model.layers[0].up.weight)}
     ref = Net()
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     out: dict = {"groups": groups, "loss": 0.0, "norm": 0.0}
@@ -101,8 +104,13 @@ def _folded(rank: int, world: int, stage: int, padded: bool, ep: int) -> dict:
         dist.all_reduce(mean)
         out["loss"] = max(out["loss"], abs(mean.item() / world - want.item()))
         out["norm"] = max(out["norm"], abs(engine.get_global_grad_norm() - norm.item()))
-    out["weights"] = _weight_error(engine.module, ref, blocks)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole again
+        out["weights"] = _weight_error(engine.module, ref, blocks)
     return out
+
+
+def _shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))  # stage 3: the whole shape of a partitioned one
 
 
 def _weight_error(module: torch.nn.Module, ref: torch.nn.Module, blocks: list) -> float:
@@ -130,7 +138,7 @@ def _weight_error(module: torch.nn.Module, ref: torch.nn.Module, blocks: list) -
 
 
 @pytest.mark.parametrize(("stage", "padded", "ep"), [(0, False, 2), (1, False, 2), (2, False, 2), (2, True, 2),
-                                                   (0, False, 4), (2, False, 4)])
+                                                   (3, False, 2), (0, False, 4), (2, False, 4), (3, False, 4)])
 def test_folded_training_equals_the_unconverted_model_in_one_process(stage: int, padded: bool, ep: int) -> None:
     """ep 2: the expert groups are the tensor groups; ep 4: one expert group spans both replicas."""
     results = run_world(_folded, 4, stage, padded, ep)
@@ -162,8 +170,6 @@ def test_folding_refuses_what_it_cannot_fold_in_one_line(extra: dict, key: str, 
     with pytest.raises(ConfigError) as err:
         load_config({**_config(0), **extra}, 4)
     assert key in str(err.value) and says in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(NotInDslaunchError, match="zero_optimization.stage: AutoEP folded with AutoTP at ZeRO stage 3"):
-        load_config(_config(3), 4)
 
 
 def _resumed(rank: int, world: int, stage: int, ep: int, root: str) -> dict:
@@ -173,6 +179,7 @@ def _resumed(rank: int, world: int, stage: int, ep: int, root: str) -> dict:
     from dslaunch.errors import CheckpointError
 
     config = {**_config(stage, ep), "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, *_ = deepspeed.initialize(model=Net(), config=config)
     for step in range(3):
         if step == 2:
@@ -180,14 +187,16 @@ def _resumed(rank: int, world: int, stage: int, ep: int, root: str) -> dict:
         loss = engine(_batch(rank // 2, step))
         engine.backward(loss)
         engine.step()
-    want = ({n: p.detach().clone() for n, p in engine.module.named_parameters()}, loss.item())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole again
+        want = ({n: p.detach().clone() for n, p in engine.module.named_parameters()}, loss.item())
     torch.manual_seed(1)  # another start: the load must bring every weight back
     fresh, *_ = deepspeed.initialize(model=Net(), config=config)
     fresh.load_checkpoint(root, tag="folded")
     loss = fresh(_batch(rank // 2, 2))
     fresh.backward(loss)
     fresh.step()
-    got = dict(fresh.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(fresh.module.parameters())):
+        got = {n: p.detach().clone() for n, p in fresh.module.named_parameters()}
     other, *_ = deepspeed.initialize(model=Net(), config={**config, **_config(stage, 6 - ep)})
     try:
         other.load_checkpoint(root, tag="folded")
@@ -198,7 +207,7 @@ def _resumed(rank: int, world: int, stage: int, ep: int, root: str) -> dict:
             "steps": fresh.global_steps, "refused": refused}
 
 
-@pytest.mark.parametrize(("stage", "ep"), [(0, 2), (0, 4), (1, 4), (2, 2)])
+@pytest.mark.parametrize(("stage", "ep"), [(0, 2), (0, 4), (1, 4), (2, 2), (3, 4)])
 def test_a_folded_run_resumes_exactly_from_its_checkpoint(stage: int, ep: int, tmp_path: object) -> None:
     for rank, got in enumerate(run_world(_resumed, 4, stage, ep, str(tmp_path))):
         refused = got.pop("refused")
