@@ -7,6 +7,7 @@ its per-architecture injection policies (``replace_policy.py``) are refused on u
 paths: ``auto_ep.py`` (``AutoEP``), ``auto_ep_config.py`` (``AutoEPConfig``, ``parse_autoep_config``),
 ``auto_ep_layer.py`` (``AutoEPMoELayer``), re-exporting ``dslaunch.runtime.moe.autoep``;
 ``auto_ep_folding.py`` (the rank tables of AutoEP folded with AutoTP, ``dslaunch.runtime.moe.folding``).
+``auto_tp.py``: DeepSpeed's ``AutoTP`` surgery class, refused on use.
 """
 
 from dslaunch.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode

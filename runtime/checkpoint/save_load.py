@@ -74,6 +74,7 @@ from dslaunch.runtime.checkpoint.store import (
     write_atomic,
 )
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
+from dslaunch.runtime.moe.autoep_folded import folding_metadata
 from dslaunch.runtime.moe.autoep_state import (
     local_layout,
     local_state_dict,
@@ -189,10 +190,9 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
     files: dict[str, Any] = {}
     zero_sd = zero.state_dict()
     experts = [g["reduce_group"] for g in zero_sd["groups"] if "reduce_group" in g]
-    if experts and place is not None and (place.layers is not None or place.tensors):
-        raise CheckpointError(f"saving expert parameters ({experts[0]}) with a pipeline or AutoTP "
-                              f"({describe(place.shape)}) is not supported yet: save without them (an mpu's "
-                              "tensor slices save)")
+    if experts and place is not None and place.layers is not None:
+        raise CheckpointError(f"saving expert parameters ({experts[0]}) with pipeline parallelism "
+                              f"({describe(place.shape)}) is not supported yet: save without a pipeline")
     # every rank's experts differ: each rank keeps its own shard file, at stage 0 too
     zero_writer = zero.partitioned or rank == 0 or cfg.use_node_local_storage or bool(experts)
     in_groups = {n: list(s) for g in zero_sd["groups"] for n, s in zip(g["names"], g["shapes"], strict=True)}
@@ -229,10 +229,12 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
             "frozen_parameters": frozen, "module_keys": list(module_sd), "module": module_meta,
             # zero-to-fp32 gives a tied parameter's every name its one fp32 master
             "shared_params": shared_params(parts.module),
-            "untrained_experts": untrained}  # global names: a load takes those it holds (own_untrained)
+            "untrained_experts": untrained,  # global names: a load takes those it holds (own_untrained)
+            "folding": folding_metadata(parts.module)}  # AutoEP folded with AutoTP: loads only at the same
     if place is not None:
         records = ck.comm.all_gather_object({**record, "frozen": frozen, "module": module_meta})
-        meta.update(model_parallel=tag_meta(place, records), module_keys=module_keys(records, place.layers is not None),
+        meta.update(model_parallel=tag_meta(place, records),
+                    module_keys=module_keys(records, place.layers is not None),
                     frozen_parameters=sorted({n for r in records for n in r["frozen"]}),
                     module={k: v for r in records for k, v in r["module"].items()})
     elif partition is not None:  # gathered by an earlier save
@@ -392,6 +394,10 @@ def load_checkpoint(parts: CheckpointParts, load_dir: str | os.PathLike, tag: An
     if (notes or skipped) and ck.comm.rank == 0:
         log.warning("checkpoint: %s; loaded tag %r, the newest valid one", "; ".join(notes + skipped), tag)
     meta = manifest.meta
+    if meta.get("folding") != folding_metadata(parts.module):
+        raise CheckpointError(f"saved with AutoEP folding {meta.get('folding')}, this engine has "
+                              f"{folding_metadata(parts.module)}: a folded tag (AutoEP beside AutoTP) loads only at "
+                              "the same tensor, expert and data sizes", source)
     if got["incompatible"] is None:
         held = {n for g in current["groups"] for n in g["names"]}
         load_module_weights(parts.module, got["module"], load_module_strict, meta, held, source)

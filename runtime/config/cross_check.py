@@ -75,7 +75,7 @@ def cross_check(cfg: Any) -> None:
     _check_muon(cfg)
     _check_unmanaged(cfg)
     cfg.tensor_parallel.check(zero.stage)
-    cfg.expert_parallel.check(cfg.tensor_parallel.size)
+    cfg.expert_parallel.check(cfg)
     cfg.layout_invariant.check(cfg)
     if zero.offload_optimizer.enabled and zero.stage == 0:
         raise ConfigError("needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank's "

@@ -119,19 +119,37 @@ class ExpertParallelConfig:
         """The expert-parallel degree (1 when off)."""
         return self.autoep_size if self.enabled else 1
 
-    def check(self, tensor_parallel: int) -> None:
-        """The combinations refused before any group exists (the same on every rank).
+    def check(self, cfg: Any) -> None:
+        """AutoEP folded with AutoTP (``tensor_parallel.autotp_size`` > 1: ``runtime/moe/autoep_folded.py``)
+        against the rest of the config ``cfg`` (a ``DeepSpeedConfig``), before any group exists; the
+        sizes against the world are checked when the groups are made (``moe/folding.py``).
 
         Raises:
-            ConfigError: AutoEP with AutoTP.
+            ConfigError: one line naming the key: ``autoep_size`` 1 beside AutoTP (each slice would
+                run every route), ``use_data_before_expert_parallelism``, sequence parallelism or ZeRO
+                offload beside a folded run (DeepSpeed's rules).
         """
-        if self.enabled and tensor_parallel > 1:
-            # DeepSpeed 0.19 folds the expert groups into the tensor x data mesh (runtime/moe/folding.py
-            # has its tables); dslaunch's converted blocks do not yet split their routes over the slices
-            raise ConfigError("AutoEP folded with AutoTP (tensor_parallel.autotp_size > 1, DeepSpeed's AutoEP+AutoTP "
-                              "folding) is not implemented by dslaunch yet; remove one of the blocks (a model's own "
-                              "deepspeed.moe.layer.MoE layers do train beside a tensor-parallel mpu)",
-                              key="expert_parallel.enabled")
+        tensor = cfg.tensor_parallel.size
+        if not self.enabled or tensor <= 1:
+            return
+        zero = cfg.zero_optimization
+        refusals = [
+            (self.autoep_size == 1, "expert_parallel.autoep_size",
+             f"1 beside tensor_parallel.autotp_size={tensor}: AutoEP folded with AutoTP needs autoep_size > 1 "
+             "(with every expert local each tensor slice would run every route); set it to a divisor of the "
+             "expert count > 1, or remove tensor_parallel"),
+            (cfg.use_data_before_expert_parallelism, "use_data_before_expert_parallelism",
+             "true cannot be combined with AutoEP folded with AutoTP (its expert groups are neighbouring ranks); "
+             "set it to false"),
+            (cfg.sequence_parallel_size > 1, "sequence_parallel_size",
+             f"{cfg.sequence_parallel_size} and tensor_parallel.autotp_size={tensor} are mutually exclusive "
+             "with AutoEP; use one of them"),
+            (zero.offload_optimizer.enabled or zero.offload_param.enabled, "zero_optimization.offload_optimizer",
+             "ZeRO offload with AutoEP folded with AutoTP is not supported (as in DeepSpeed); turn offload off"),
+        ]
+        for broken, key, message in refusals:
+            if broken:
+                raise ConfigError(message, key=key)
 
 
 def parse_autoep_config(param_dict: Any) -> ExpertParallelConfig:

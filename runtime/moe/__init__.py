@@ -7,13 +7,15 @@ expert-parameter helpers (``expert_group_name``: the expert group ZeRO reduces a
 ``tensor_slices.py`` the split of the slots over tensor slices beside the layer (an mpu with
 tensor parallelism).
 AutoEP (the ds_config ``expert_parallel`` block): ``autoep.py`` converts a Hugging Face MoE model's
-blocks into ``MOELayer``s at ``initialize``, ``autoep_presets.py`` finds the blocks,
+blocks into ``MOELayer``s at ``initialize``, ``autoep_presets.py`` finds the blocks (``autoep_spec.py``:
+DeepSpeed's record of one, accepted too),
 ``grouped_experts.py`` holds a rank's slice of the fused expert weights (``fused_layout.py`` tells
 their layout from the shapes), ``autoep_dispatch.py``
 sends tokens to them in exact counts, and ``autoep_state.py`` saves and loads them in the Hugging
 Face model's layout; ``autoep_universal.py`` has DeepSpeed's universal-checkpoint helpers for
-AutoEP (joining ZeRO-1/2 expert fragments). ``folding.py`` has the rank tables and config rules of AutoEP
-folded with AutoTP (DeepSpeed's ``auto_ep_folding``; the engine still refuses folded training).
+AutoEP (joining ZeRO-1/2 expert fragments). AutoEP folded with AutoTP: ``folding.py`` has the rank
+tables and config rules (DeepSpeed's ``auto_ep_folding``), ``autoep_folded.py`` splits a converted
+block's routes over the tensor slices, ``folding_metadata.py`` is the folding record of its checkpoints.
 ``dslaunch/moe/`` re-exports them at DeepSpeed's import paths.
 """
 

@@ -22,9 +22,12 @@ Names: a converted block keeps its path; its router is ``<block>.gate.router`` a
 model's layout (``autoep_state.py``: whole experts, the router under its name; collective on the
 expert group), so what the Trainer saves loads with ``from_pretrained``.
 
-Beside tensor slices (an mpu with a tensor axis, or ``tensor_parallel.autotp_size``) AutoEP is
-refused: that is DeepSpeed's AutoEP+AutoTP folding (``folding.py`` has its tables), and a converted
-block does not split its routes over the slices yet.
+Beside tensor slices (``tensor_parallel.autotp_size``, or an mpu with a tensor axis) the block is
+DeepSpeed's AutoEP+AutoTP folding: the expert groups are neighbouring ranks of the tensor x data
+mesh (``folding.py``'s tables), AutoTP leaves the block's router and experts whole
+(``tensor_parallel/training.py``), and each tensor slice sends its share of every expert's routes
+and gathers the others' back (``autoep_folded.py``). ``folding_group_handles`` then names the
+layer's groups (DeepSpeed's ``FoldingGroupHandles``).
 """
 
 from __future__ import annotations
@@ -39,12 +42,16 @@ from torch import Tensor
 from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
 from dslaunch.runtime.moe import autoep_state
 from dslaunch.runtime.moe.autoep_dispatch import dispatch_exact
+from dslaunch.runtime.moe.autoep_folded import dispatch_folded
 from dslaunch.runtime.moe.autoep_presets import LayerSpec, detect
+from dslaunch.runtime.moe.autoep_spec import MoELayerSpec
+from dslaunch.runtime.moe.folding import FoldingGroupHandles
 from dslaunch.runtime.moe.gate import Routes, _busiest
 from dslaunch.runtime.moe.grouped_experts import GroupedExperts
 from dslaunch.runtime.moe.layer import MOELayer
+from dslaunch.runtime.moe.tensor_slices import TensorSlices
 
-__all__ = ["AutoEP", "AutoEPMoE", "RouterGate", "convert_for_expert_parallel"]
+__all__ = ["AutoEP", "AutoEPMoE", "RouterGate", "convert_for_expert_parallel", "folding_handles"]
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +110,9 @@ class AutoEPMoE(MOELayer):
     block does. collective: the expert group (every rank of it calls each layer, each step).
     """
 
-    def __init__(self, spec: LayerSpec, source_module: torch.nn.Module, ep_size: int, ep_rank: int,
+    def __init__(self, spec: LayerSpec | MoELayerSpec, source_module: torch.nn.Module, ep_size: int, ep_rank: int,
                  config: ExpertParallelConfig, jitter_noise: float = 0.0) -> None:
+        spec = spec.layer_spec() if isinstance(spec, MoELayerSpec) else spec  # DeepSpeed's record of the block
         preset, block = spec.preset, source_module
         local = spec.num_experts // ep_size
         source = getattr(block, preset.experts)
@@ -130,6 +138,10 @@ class AutoEPMoE(MOELayer):
         """True: ``MOELayer``'s dispatch (every expert padded to the busiest one's rows); False
         (default): ``autoep_dispatch.py``'s exact counts, the same result with fewer bytes."""
         self._local_layout = False  # autoep_state.local_layout: state_dict() keeps this rank's rows
+        self.folding_group_handles: FoldingGroupHandles | None = None
+        """The folded groups beside tensor slices (DeepSpeed's attribute); None when not folded."""
+        self.tp_group: Any = None
+        self._folded_ranks: tuple[int, ...] = ()
         self.register_state_dict_post_hook(autoep_state.save_hook)
         self.register_load_state_dict_pre_hook(autoep_state.load_hook)
         self.shared_names = (preset.shared_experts, preset.shared_experts_gate)
@@ -137,14 +149,38 @@ class AutoEPMoE(MOELayer):
             if name is not None and getattr(block, name, None) is not None:
                 self.add_module(name, getattr(block, name))
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Make (once per size) the expert and expert-data groups and take this layer's expert group.
-        The engine calls it. collective: all ranks."""
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
+                                  folding_group_handles: FoldingGroupHandles | None = None) -> None:
+        """Make (once per size) the expert and expert-data groups and take this layer's expert group;
+        beside tensor slices also the tensor group its routes split over (``folding_group_handles``
+        given: those groups, as DeepSpeed's folded engine passes them). The engine calls it.
+        collective: all ranks (none with ``folding_group_handles``)."""
         from dslaunch.runtime.parallel import deepspeed_groups as groups
 
-        _refuse_tensor_slices(groups)
+        if folding_group_handles is not None:
+            self._bind_folding(folding_group_handles)
+            return
         groups._create_expert_and_data_parallel(self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         self._set_ep_group(groups._get_expert_parallel_group(self.ep_group_name))
+        if groups.get_tensor_model_parallel_world_size() > 1:
+            self._bind_folding(folding_handles(self.ep_size))
+
+    def _bind_folding(self, handles: FoldingGroupHandles) -> None:
+        self.folding_group_handles, self.tp_group = handles, handles.tp_group
+        self.ep_group_name = handles.ep_group_name
+        self._set_ep_group(handles.ep_group)
+        self._folded_ranks = handles.tp_ranks  # the slice index is read at the first forward
+
+    def _slices(self) -> TensorSlices:
+        """The tensor slices this block's routes split over (size 1: not folded)."""
+        if self.folding_group_handles is None:
+            return TensorSlices()
+        if self.tensor_slices.size == 1:
+            from dslaunch.runtime.comm import comm
+
+            ranks = self._folded_ranks
+            self.tensor_slices = TensorSlices(self.tp_group, len(ranks), ranks.index(comm.get_rank()))
+        return self.tensor_slices
 
     def _exact(self, hidden_states: Tensor) -> Tensor:
         """The routed experts' output by ``autoep_dispatch.dispatch_exact`` (no padding)."""
@@ -155,12 +191,17 @@ class AutoEPMoE(MOELayer):
         experts = indices.t().long()
         self.l_aux = scores.new_zeros(())
         self.exp_counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).detach()
+        slices = self._slices()
+        if slices.size > 1:
+            return dispatch_folded(self, tokens, experts, scores.t(), slices).reshape(hidden_states.shape)
         return dispatch_exact(self, tokens, experts, scores.t()).reshape(hidden_states.shape)
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # type: ignore[override]
         if self.training and self.jitter_noise > 0:  # Mixtral's router jitter, as its block applies it
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        if self.padded:
+            self._set_tensor_slices(self._slices())  # MOELayer's split of the slots over the slices
         output = super().forward(hidden_states) if self.padded else self._exact(hidden_states)
         shared_name, gate_name = self.shared_names
         shared = getattr(self, shared_name) if shared_name is not None and hasattr(self, shared_name) else None
@@ -203,21 +244,40 @@ class AutoEP:
         return replaced
 
 
-def _refuse_tensor_slices(groups: Any) -> None:
-    """AutoEP beside an mpu with tensor slices is DeepSpeed's folding: its expert groups would span
-    the tensor peers, and a converted block does not split its routes over them (each expert would
-    get every token once per slice), so it is refused.
+def folding_handles(ep_size: int) -> FoldingGroupHandles:
+    """This rank's folded groups beside the job's tensor slices: the tensor and data groups of the
+    mpu, the ``ep_size_<N>`` expert and expert-data groups (made before), checked against the
+    folding tables (``folding.py``).
 
     Raises:
-        NotInDslaunchError: the mpu has tensor slices.
+        ConfigError: the sizes do not fold (pipeline stages, a size that does not divide), or the
+            expert groups were made in another layout (tensor-sliced ``MoE`` layers of that size).
     """
-    if groups.get_tensor_model_parallel_world_size() > 1:
-        from dslaunch.utils.refused import Refusal
+    from dslaunch.errors import ConfigError
+    from dslaunch.runtime.comm import comm
+    from dslaunch.runtime.moe.folding import build_folding_spec, local_folding_ranks, validate_folding_global
+    from dslaunch.runtime.parallel import deepspeed_groups as groups
+    from dslaunch.runtime.parallel.mpu import bwc_pipeline_parallel_world_size
 
-        raise Refusal("AutoEP beside tensor parallelism (DeepSpeed's AutoEP+AutoTP folding: the converted blocks "
-                      "would have to split their routes over the tensor slices)",
-                      "train AutoEP without a tensor-parallel mpu or tensor_parallel.autotp_size, or use "
-                      "deepspeed.moe.layer.MoE layers, which train beside tensor slices").error("expert_parallel")
+    world, rank, name = comm.get_world_size(), comm.get_rank(), f"ep_size_{ep_size}"
+    tp = groups.get_tensor_model_parallel_world_size()
+    try:
+        spec = build_folding_spec(world_size=world, pp_size=bwc_pipeline_parallel_world_size(groups.mpu),
+                                  tp_size=tp, ep_size=ep_size)
+        validate_folding_global(spec)
+    except ValueError as err:
+        raise ConfigError(str(err), key="expert_parallel.autoep_size") from None
+    local = local_folding_ranks(rank, spec)
+    made = {"tp": groups.get_tensor_model_parallel_group(), "dense_dp": groups._get_data_parallel_group(),
+            "ep": groups._get_expert_parallel_group(name), "edp": groups._get_expert_data_parallel_group(name)}
+    for kind, group in made.items():
+        have = tuple(comm.get_all_ranks_from_group(group))
+        if tuple(sorted(have)) != tuple(sorted(local[kind])):
+            raise ConfigError(f"{ep_size}: this rank's {kind} group is {list(have)} but AutoEP folded with AutoTP "
+                              f"needs {list(local[kind])} (were {name}'s groups made for tensor-sliced MoE layers?)",
+                              key="expert_parallel.autoep_size")
+    return FoldingGroupHandles(spec, made["tp"], made["dense_dp"], made["ep"], made["edp"], name,
+                               local["tp"], local["dense_dp"], local["ep"], local["edp"])
 
 
 def convert_for_expert_parallel(model: torch.nn.Module, cfg: ExpertParallelConfig, data_before_expert: bool = False
@@ -248,8 +308,9 @@ def convert_for_expert_parallel(model: torch.nn.Module, cfg: ExpertParallelConfi
     if world % cfg.autoep_size:
         raise ConfigError(f"{cfg.autoep_size} does not divide the world of {world} ranks; use a divisor",
                           key="expert_parallel.autoep_size")
-    _refuse_tensor_slices(groups)
     groups._create_expert_and_data_parallel(cfg.autoep_size, use_data_before_expert_parallel_=data_before_expert)
+    if groups.get_tensor_model_parallel_world_size() > 1:
+        folding_handles(cfg.autoep_size)  # refuses a layout that does not fold, before any block changes
     ep_rank = groups._get_expert_parallel_rank(f"ep_size_{cfg.autoep_size}")
     replaced = auto.replace_moe_layers(specs, cfg.autoep_size, ep_rank)
     log.info("AutoEP: %d MoE blocks converted; %d of %d experts on each of %d expert-parallel ranks (this one: %d)",

@@ -25,7 +25,7 @@ from torch import Tensor
 from dslaunch.runtime.comm import comm
 from dslaunch.runtime.heartbeat import wait_all
 
-__all__ = ["exchange_counts", "dispatch_exact"]
+__all__ = ["exchange_counts", "routed_rows", "dispatch_exact"]
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -57,14 +57,11 @@ def exchange_counts(counts: Tensor, group: Any, ep_size: int, name: str) -> Tens
     return recv.reshape(ep_size, -1)
 
 
-def dispatch_exact(layer: Any, tokens: Tensor, experts: Tensor, gates: Tensor) -> Tensor:
-    """The routed experts' weighted output for ``tokens [S, H]`` whose routes go to ``experts
-    [k, S]`` with weights ``gates [k, S]``, over ``layer``'s expert group (an ``AutoEPMoE``).
-    collective: the expert group."""
-    k, num_tokens = experts.shape
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # routes grouped by expert, each group route-major
-    counts = torch.bincount(flat, minlength=layer.num_experts)
+def routed_rows(layer: Any, rows: Tensor, experts: Tensor) -> Tensor:
+    """Each row of ``rows [R, H]`` through the expert ``experts [R]`` names, over ``layer``'s
+    expert group (an ``AutoEPMoE``); the outputs in the rows' order. collective: the expert group."""
+    order = torch.argsort(experts, stable=True)  # rows grouped by expert, each group in the given order
+    counts = torch.bincount(experts, minlength=layer.num_experts)
     local = layer.num_local_experts
     dispatch, combine = (None, None) if layer.ep_size == 1 else (layer._wait_names("dispatch"),
                                                                  layer._wait_names("combine"))
@@ -73,13 +70,21 @@ def dispatch_exact(layer: Any, tokens: Tensor, experts: Tensor, gates: Tensor) -
     received = counts.reshape(1, -1) if alone else exchange_counts(counts, layer.ep_group, layer.ep_size, dispatch[0])
     send = counts.reshape(layer.ep_size, local).sum(dim=1).tolist()
     recv = received.sum(dim=1).tolist()
-    rows = tokens.repeat(k, 1).index_select(0, order)
-    arrived = rows if alone else _AllToAllV.apply(layer.ep_group, rows, send, recv, dispatch)
+    sent = rows.index_select(0, order)
+    arrived = sent if alone else _AllToAllV.apply(layer.ep_group, sent, send, recv, dispatch)
     # arrived rows are (source, local expert)-major; the experts take them (local expert, source)-major
-    segment = torch.repeat_interleave(torch.arange(received.numel(), device=tokens.device), received.reshape(-1))
+    segment = torch.repeat_interleave(torch.arange(received.numel(), device=rows.device), received.reshape(-1))
     by_expert = torch.argsort((segment % local) * layer.ep_size + segment // local, stable=True)
     out = layer.experts(arrived.index_select(0, by_expert), received.sum(dim=0).tolist())  # a call: ZeRO-3's hooks
     back = torch.empty_like(out).index_copy(0, by_expert, out)
     returned = back if alone else _AllToAllV.apply(layer.ep_group, back, recv, send, combine)
-    routed = torch.empty_like(returned).index_copy(0, order, returned).reshape(k, num_tokens, -1)
+    return torch.empty_like(returned).index_copy(0, order, returned)
+
+
+def dispatch_exact(layer: Any, tokens: Tensor, experts: Tensor, gates: Tensor) -> Tensor:
+    """The routed experts' weighted output for ``tokens [S, H]`` whose routes go to ``experts
+    [k, S]`` with weights ``gates [k, S]``, over ``layer``'s expert group (an ``AutoEPMoE``).
+    collective: the expert group."""
+    k, num_tokens = experts.shape
+    routed = routed_rows(layer, tokens.repeat(k, 1), experts.reshape(-1)).reshape(k, num_tokens, -1)
     return (routed * gates.unsqueeze(-1).to(routed.dtype)).sum(dim=0)

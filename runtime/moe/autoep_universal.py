@@ -12,7 +12,9 @@ ranks' rows into the whole weight ``[num_experts, ...]``, written as DeepSpeed's
 dslaunch's own converter (``dslaunch ds-to-universal``, ``runtime/checkpoint/universal.py``)
 does not go through these fragments; these functions are for scripts that call DeepSpeed's.
 
-Limitations: expert tensor slices (``tp_degree`` > 1) are refused in one line; the placement is
+Limitations: expert tensor slices (``tp_degree`` > 1) are refused in one line, and so is
+``consolidate_autoep_expert_files`` (DeepSpeed's per-expert files, folded AutoEP+AutoTP shards among
+them, into a universal checkpoint); the placement is
 DeepSpeed's uniform one (expert rank ``r`` holds experts ``[r * n, (r + 1) * n)``).
 """
 
@@ -28,7 +30,7 @@ import torch
 from dslaunch import safe_write
 from dslaunch.errors import CheckpointError, NotInDslaunchError
 
-__all__ = ["consolidate_autoep_zero12_expert_states", "zero12_fragment_path"]
+__all__ = ["consolidate_autoep_expert_files", "consolidate_autoep_zero12_expert_states", "zero12_fragment_path"]
 
 _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -119,3 +121,16 @@ def _write(folder: Path, name: str, obj: Any) -> None:
     from dslaunch.runtime.checkpoint.deepspeed_pickle import to_bytes
 
     safe_write.write_file(folder, name, to_bytes(obj))
+
+
+def consolidate_autoep_expert_files(*args: Any, **kwargs: Any) -> None:
+    """Refused: DeepSpeed's per-expert files (folded AutoEP+AutoTP expert shards among them) into a
+    universal checkpoint.
+
+    Raises:
+        NotInDslaunchError: always.
+    """
+    raise NotInDslaunchError("deepspeed.checkpoint.autoep_universal.consolidate_autoep_expert_files (DeepSpeed's "
+                             "consolidation of AutoEP expert files, folded AutoEP+AutoTP shards among them, for a "
+                             "universal checkpoint) is not in dslaunch; a folded tag loads at its saving layout, and "
+                             "`dslaunch ds-to-universal` converts a DeepSpeed-format AutoEP tag of ZeRO-1/2")

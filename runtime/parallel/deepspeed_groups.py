@@ -247,21 +247,34 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | 
     with tensor slices every rank of a stage counts as a data rank here (DeepSpeed's layout for
     experts that are not tensor-sliced: ``tensor_experts.py``).
 
+    With ``folding_spec`` (AutoEP folded with AutoTP, ``runtime/moe/folding.py``) the split is
+    that one (expert groups of neighbouring ranks of the stage), checked against the spec's tables.
+
     collective: every rank, the same sizes in the same order.
 
     Raises:
-        UsageError: the size does not divide the data-parallel size, or an mpu dslaunch cannot place.
-        NotInDslaunchError: ``mp_size`` > 1 or ``folding_spec`` (AutoEP's groups folded into the
-            tensor x data mesh).
+        UsageError: the size does not divide the data-parallel size, an mpu dslaunch cannot place,
+            or groups of that name made for another layout than ``folding_spec``'s.
+        NotInDslaunchError: ``mp_size`` > 1 without ``folding_spec`` (DeepSpeed's tensor-strided
+            orders).
     """
-    if (mp_size or 1) > 1 or folding_spec is not None:
+    if (mp_size or 1) > 1 and folding_spec is None:
         from dslaunch.utils.refused import Refusal
 
-        raise Refusal("expert groups folded over tensor-parallel ranks (mp_size > 1, folding_spec: AutoEP with "
-                      "AutoTP)", "create them with mp_size=None (experts over every rank of a stage), or "
-                      "_create_expert_data_and_model_parallel (each tensor lane's data ranks split into experts)"
-                      ).error("deepspeed.utils.groups._create_expert_and_data_parallel")
+        raise Refusal("expert groups ordered over tensor-parallel ranks (mp_size > 1 without folding_spec)",
+                      "create them with mp_size=None (experts over every rank of a stage), with folding_spec "
+                      "(AutoEP with AutoTP), or with _create_expert_data_and_model_parallel (each tensor lane's data "
+                      "ranks split into experts)").error("deepspeed.utils.groups._create_expert_and_data_parallel")
     _make_split(int(expert_parallel_size_), bool(use_data_before_expert_parallel_), sliced=False)
+    if folding_spec is not None:
+        from dslaunch.errors import UsageError
+        from dslaunch.runtime.moe.folding import assert_group_matches_spec
+
+        split = _home().experts(int(expert_parallel_size_))
+        try:
+            assert_group_matches_spec((split.lists("expert"), split.lists("expert_data")), folding_spec)
+        except RuntimeError as err:
+            raise UsageError(f"deepspeed.utils.groups._create_expert_and_data_parallel: {err}") from None
 
 
 def _make_split(size: int, data_before: bool, sliced: bool) -> None:

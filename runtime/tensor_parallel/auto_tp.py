@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 from dslaunch.errors import UsageError
 
 __all__ = ["ShardSpec", "TPPlan", "plan_tensor_parallel", "is_linear", "head_plan", "linear_shape", "config_heads",
-           "local_attributes"]
+           "local_attributes", "is_head_norm"]
 
 Segments = tuple[tuple[int, int], ...]  # [start, stop) ranges of one dimension, in order
 
@@ -60,11 +60,25 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
     return (inp, out) if not isinstance(module, nn.Linear) else (out, inp)
 
 
-def _is_reset(module: nn.Module) -> bool:
-    """Normalizations and embeddings start a new dataflow segment (their output is nobody's split)."""
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Embedding)):
+def _is_norm(module: nn.Module) -> bool:
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)):
         return True
     return type(module).__name__.endswith(("LayerNorm", "RMSNorm", "Norm"))
+
+
+def is_head_norm(module: nn.Module, hidden: int | None) -> bool:
+    """A norm narrower than the model's ``hidden`` size: it normalizes each head (Qwen3's
+    ``q_norm`` / ``k_norm`` over ``head_dim``), so with the heads split each slice's gradient of its
+    weight is a part of the whole one."""
+    weight = getattr(module, "weight", None)
+    return (hidden is not None and _is_norm(module) and isinstance(weight, torch.Tensor)
+            and 0 < weight.numel() < hidden)
+
+
+def _is_reset(module: nn.Module, hidden: int | None = None) -> bool:
+    """Normalizations and embeddings start a new dataflow segment (their output is nobody's split);
+    a per-head norm (``is_head_norm``) keeps its input's segment, so q and k stay in o's group."""
+    return isinstance(module, nn.Embedding) or (_is_norm(module) and not is_head_norm(module, hidden))
 
 
 @dataclass(frozen=True)
@@ -129,7 +143,7 @@ def trace_producers(model: nn.Module, example: Mapping[str, torch.Tensor]) -> di
             handles.append(module.register_forward_pre_hook(partial(_record_input, inputs, mode, name)))
             handles.append(module.register_forward_hook(
                 lambda m, args, out, name=name: mode.set(out, frozenset({name}))))
-        elif _is_reset(module):
+        elif _is_reset(module, getattr(getattr(model, "config", None), "hidden_size", None)):
             handles.append(module.register_forward_hook(lambda m, args, out: mode.set(out, frozenset())))
     try:
         with torch.no_grad(), mode:

@@ -36,7 +36,13 @@ from torch import nn
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.parallel.mpu import tensor_axis
-from dslaunch.runtime.tensor_parallel.auto_tp import TPPlan, config_heads, linear_shape, plan_tensor_parallel
+from dslaunch.runtime.tensor_parallel.auto_tp import (
+    TPPlan,
+    config_heads,
+    is_head_norm,
+    linear_shape,
+    plan_tensor_parallel,
+)
 from dslaunch.runtime.tensor_parallel.collectives import training_collectives
 from dslaunch.runtime.tensor_parallel.deepspeed_layers import hand_built_layout
 from dslaunch.runtime.tensor_parallel.invariant import Pieces, fix_attention_pieces
@@ -106,6 +112,8 @@ def _shard(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan, dict[int, 
                 else plan_from_rules(model, rules, tp_size, rank))
     except UsageError as err:
         raise ConfigError(str(err), key="tensor_parallel.autotp_size") from None
+    if config.expert_parallel.enabled:
+        plan = _without_routed_experts(model, plan, config.expert_parallel)
     comms = training_collectives(group)
     if chunks is not None:
         comms = replace(comms, pieces=Pieces(group, tp_size, chunks))
@@ -121,9 +129,46 @@ def _shard(model: nn.Module, grid: Any, config: Any) -> tuple[TPPlan, dict[int, 
     set_local_attributes(model, plan)
     if rules is not None:
         register_grad_allreduce(model, rules, group)
+    else:
+        _sum_head_norm_grads(model, plan, group)
     model.ds_tensor_layout = layout  # checkpoints record it: a tag saved at one tp loads at another
     after = dict(model.named_parameters(remove_duplicate=False))
     return plan, {id(p): after[name] for name, p in before.items() if after.get(name) is not p}
+
+
+def _sum_head_norm_grads(model: nn.Module, plan: TPPlan, group: Any) -> None:
+    """Per-head norms (``auto_tp.is_head_norm``) beside split heads: each slice's gradient of their
+    weights comes from its heads only, so it is summed over the tensor group as it is computed."""
+    from dslaunch.runtime.comm import comm
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=group)
+        return grad
+
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    split = {spec.name.rpartition(".")[0] for spec in plan.shards}
+    for name, module in model.named_modules():
+        if is_head_norm(module, hidden) and name.rpartition(".")[0] in split:
+            for param in module.parameters(recurse=False):
+                if param.requires_grad:
+                    param.register_hook(summed)
+
+
+def _without_routed_experts(model: nn.Module, plan: TPPlan, autoep: Any) -> TPPlan:
+    """``plan`` less the routers and routed experts of the MoE blocks AutoEP converts next: they stay
+    whole (AutoEP folded with AutoTP splits their routes, not their weights: ``moe/autoep_folded.py``);
+    shared experts are sharded as any MLP."""
+    from dslaunch.runtime.moe.autoep_presets import detect
+
+    kept = tuple(f"{spec.name}.{part}" for spec in detect(model, autoep)
+                 for part in (spec.preset.router, spec.preset.experts))
+
+    def whole(name: str) -> bool:
+        return any(name == prefix or name.startswith(f"{prefix}.") for prefix in kept)
+
+    return replace(plan, shards=tuple(s for s in plan.shards if not whole(s.name)),
+                   attributes=tuple(a for a in plan.attributes if not whole(a[0])))
 
 
 def _keep_slice(local: torch.Tensor, widths: list[int]) -> torch.Tensor:

@@ -151,8 +151,8 @@ AREAS: dict[str, list[str]] = {
         "unit/v1/test_engine_log_level.py",
     ],
     # v1/moe: DeepSpeed's MoE layer and AutoEP tests, all on CPU with gloo. Nine of them
-    # (test_autoep_autotp_*) test AutoEP with AutoTP ("folding"), which dslaunch refuses in one line
-    # (docs/parallelism.md, "Limitations (AutoEP)"); most of the rest call DeepSpeed's AutoEP
+    # (test_autoep_autotp_*) test AutoEP with AutoTP ("folding"), which dslaunch trains (most of
+    # their losses read DeepSpeed's parameter names, files or private hooks); most of the rest call DeepSpeed's AutoEP
     # internals (its GroupedExperts, TokenChoiceTopKRouter, ep_repack, the universal-checkpoint
     # converter of its expert layout). They are run so the table shows it; EXPECTED_FAILURES.md says why.
     "MoE and AutoEP (v1/moe)": [

@@ -5,7 +5,8 @@ model's loss and gradients, and three ZeRO-2 steps through ``deepspeed.initializ
 of the unconverted model trained in one process (Mixtral's with its router's auxiliary loss, whose
 logits Hugging Face records from the router module); a Trainer job with the block trains, and the
 model its save_model writes loads with from_pretrained into the unconverted class, giving the
-trained model's logits."""
+trained model's logits. Folded with AutoTP (tensor 2 x data 2, AutoTP's own planner), tiny Mixtral
+and Qwen3-MoE train three clipped steps to the unconverted model's losses and norms."""
 
 from __future__ import annotations
 
@@ -49,3 +50,17 @@ def test_trainer_with_an_expert_parallel_block_trains(compat_bin: Path, tmp_path
     # save_model wrote the unconverted Mixtral: every expert, the model's names (from_pretrained)
     reloaded = tagged(out, "RELOADED")
     assert not reloaded["problems"] and reloaded["diff"] <= TOLERANCE, reloaded
+
+
+@pytest.mark.timeout(300)
+def test_folded_with_autotp_equals_the_unconverted_models(compat_bin: Path, tmp_path: Path) -> None:
+    out = run_job([str(compat_bin / "dslaunch"), "--num_gpus", "4", "--master_port", str(free_port()),
+                   str(SCRIPTS / "autoep_folded.py"), "mixtral", "qwen3_moe"], cwd=tmp_path, timeout=280)
+    results = tagged(out, "FOLDED")
+    for family, got in results.items():
+        shapes = got["shapes"]
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == [8, 16], f"{family}: attention not split"
+        assert shapes["model.layers.0.mlp.gate.router.weight"] == [4, 16], f"{family}: the router was split"
+        assert shapes["model.layers.0.mlp.experts.gate_up_proj"][0] == 2, f"{family}: 2 of 4 experts per rank"
+        assert got["ref_norm"] > 0.5, f"{family}: the clip never acted"
+        assert got["loss"] <= TOLERANCE and got["norm"] <= TOLERANCE, f"{family}: {got}"

@@ -90,13 +90,13 @@ def test_block_refuses_in_one_line_naming_the_key(given: dict, key: str, says: s
     assert key in str(err.value) and says in str(err.value) and "\n" not in str(err.value)
 
 
-def test_block_reads_deepspeeds_keys_and_refuses_autotp_beside_it() -> None:
+def test_block_reads_deepspeeds_keys_and_folds_with_autotp() -> None:
     cfg = _section(enabled=True, autoep_size=2, preset_model="mixtral", use_grouped_mm=False, top_k="auto",
                    score_func="auto", combine_impl="legacy_bmm", load_balance_coeff=None)
     assert (cfg.size, cfg.preset_model, cfg.use_grouped_mm, cfg.top_k) == (2, "mixtral", False, "auto")
-    with pytest.raises(ConfigError, match="expert_parallel.enabled.*AutoTP"):
-        load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2},
-                     "expert_parallel": {"enabled": True, "autoep_size": 2}}, 2)
+    folded = load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2},
+                          "expert_parallel": {"enabled": True, "autoep_size": 2}}, 4)  # test_autoep_folded.py trains it
+    assert (folded.tensor_parallel.size, folded.expert_parallel.size) == (2, 2)
 
 
 def test_grouped_mm_equals_the_loop_forward_and_backward() -> None:

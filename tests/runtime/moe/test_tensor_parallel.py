@@ -89,15 +89,15 @@ def _groups(rank: int, world: int) -> dict:
         out["refused"] = ""
     except UsageError as err:
         out["refused"] = str(err)
-    from dslaunch.errors import NotInDslaunchError
+    from dslaunch.errors import ConfigError
     from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
     from dslaunch.runtime.moe.autoep import convert_for_expert_parallel
     from tests.runtime.moe.test_autoep import CUSTOM, Net
 
-    try:  # AutoEP beside tensor slices is DeepSpeed's folding: refused before any group is made
+    try:  # AutoEP folded beside tensor slices needs ep 2's groups in the folded layout, not the sliced one
         convert_for_expert_parallel(Net(), ExpertParallelConfig(**{**CUSTOM, "autoep_size": 2}))
         out["autoep"] = ""
-    except NotInDslaunchError as err:
+    except ConfigError as err:
         out["autoep"] = str(err)
     from dslaunch.moe.mappings import drop_tokens, gather_tokens
 
@@ -121,7 +121,7 @@ def test_expert_groups_follow_deepspeeds_layouts_beside_tensor_slices() -> None:
         assert mine[(2, False)] == mine[(2, True)]
         assert mine[(1, True)] == mine[(1, False)]
         assert "enable_expert_tensor_parallelism=True" in mine["refused"] and "\n" not in mine["refused"]
-        assert "AutoEP+AutoTP folding" in mine["autoep"] and "\n" not in mine["autoep"]
+        assert "needs [" in mine["autoep"] and "tensor-sliced" in mine["autoep"] and "\n" not in mine["autoep"]
         # deepspeed.moe.mappings over the mpu's tensor group: this slice's half of dim 1. Backward:
         # gather keeps this slice's share of the gradient (rank + 1, plus 1 through the share),
         # drop gathers the shares, so column c of the input gets the gradient of the peer whose share holds it
