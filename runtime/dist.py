@@ -25,8 +25,9 @@ from dslaunch.runtime.config.param_schema import number
 from dslaunch.runtime.shutdown import register_clean_exit
 from dslaunch.utils.hostlist import expand
 from dslaunch.utils.ports import free_port
+from dslaunch.utils.restart import JOB_ID, RESTART_COUNT
 
-__all__ = ["init_distributed", "default_timeout", "local_rank", "device_for", "slurm_env", "mpi_env",
+__all__ = ["init_distributed", "job_store", "default_timeout", "local_rank", "device_for", "slurm_env", "mpi_env",
            "discovered_env", "mpi_discovery"]
 
 TIMEOUT_ENV = "DSLAUNCH_DIST_TIMEOUT"
@@ -223,8 +224,46 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if backend == "nccl":
         torch.cuda.set_device(device_for(local_rank()))
     timeout = timeout or default_timeout(_config_timeout(config))
+    if store is None and init_method is None and world_size > 1 and os.environ.get(JOB_ID):
+        store = job_store(rank, world_size, timeout)
     dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     if verbose and rank == 0:
         print(f"[dslaunch] initialized {backend} process group: world_size={world_size}, "
               f"timeout={timeout.total_seconds():.0f}s", flush=True)
+
+
+_JOB_KEY = "dslaunch/job"
+
+
+def job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """env://'s TCPStore at MASTER_ADDR:MASTER_PORT, checked to be this run's of this job.
+
+    Two jobs on one port (two launches at once, the same ``--master_port``) would otherwise meet in
+    one world: ranks of one job joining the other's store, computing on wrong data and exiting 0.
+    Rank 0 writes ``$DSLAUNCH_JOB_ID/$DSLAUNCH_RESTART_COUNT`` (a straggler of the last run is
+    another job too); every other rank reads it back before any group is made.
+
+    Raises:
+        UsageError: the port is another process's, or the store there is another job's.
+
+    collective: call on all ranks of the job.
+    """
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    ours = f"{os.environ[JOB_ID]}/{os.environ.get(RESTART_COUNT, '0')}"
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        raise UsageError(f"MASTER_PORT {port} is already in use on this host (another job's rendezvous?): "
+                         "give each job its own --master_port") from None
+    if rank == 0:
+        store.set(_JOB_KEY, ours)
+        return store
+    theirs = store.get(_JOB_KEY).decode(errors="replace")
+    if theirs != ours:
+        raise UsageError(f"{addr}:{port} is the rendezvous of another dslaunch job ({quote(theirs, 80)}), not of "
+                         f"this one ({ours}): two jobs share the port; give each its own --master_port")
+    return store
+

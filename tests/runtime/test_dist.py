@@ -176,3 +176,69 @@ def test_a_world_of_one_without_a_port_listens_on_none(port_given: bool) -> None
     store, listens, total = out.stdout.split(" ", 2)
     assert (store, listens) == (("TCPStore", "True") if port_given else ("HashStore", "False"))
     assert total.strip() == "[1.0, 1.0]"  # a collective on a subgroup still works
+
+
+_TAGGED_RANK = """
+import os, torch, torch.distributed as dist
+import dslaunch
+from dslaunch.errors import UsageError
+try:
+    dslaunch.init_distributed(verbose=False)
+except UsageError as err:
+    print("REFUSED", err, flush=True)
+    os._exit(3)
+t = torch.tensor([float(os.environ["TAG"])])
+dist.all_reduce(t)
+print("SUM", t.item(), flush=True)
+os._exit(0)
+"""
+
+
+def _rank_of(job: str, rank: int, port: int):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+           "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "DSLAUNCH_JOB_ID": job, "DSLAUNCH_RESTART_COUNT": "0",
+           "TAG": "1" if job == "job-a" else "100", "DSLAUNCH_DIST_TIMEOUT": "60"}
+    return subprocess.Popen([sys.executable, "-c", _TAGGED_RANK], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _listening(port: int, deadline: float) -> None:
+    import socket
+    import time
+
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_of_another_job_on_the_same_port_is_refused_and_the_job_there_is_unharmed() -> None:
+    import time
+
+    from dslaunch.utils.ports import free_port
+
+    port = free_port()
+    a0 = _rank_of("job-a", 0, port)
+    try:
+        _listening(port, time.monotonic() + 60)
+        b1 = _rank_of("job-b", 1, port)  # the other job's rank 1, joining job A's store
+        out_b1, _ = b1.communicate(timeout=60)
+        b0 = _rank_of("job-b", 0, port)  # the other job's rank 0: the port is job A's
+        out_b0, _ = b0.communicate(timeout=60)
+        a1 = _rank_of("job-a", 1, port)
+        out_a1, _ = a1.communicate(timeout=60)
+        out_a0, _ = a0.communicate(timeout=60)
+    finally:
+        a0.kill()
+    assert b1.returncode == 3, out_b1[-2000:]
+    assert f"REFUSED 127.0.0.1:{port} is the rendezvous of another dslaunch job ('job-a/0'), not of this one " \
+           "(job-b/0): two jobs share the port; give each its own --master_port" in out_b1
+    assert b0.returncode == 3 and f"REFUSED MASTER_PORT {port} is already in use on this host" in out_b0, out_b0[-2000:]
+    assert (a0.returncode, a1.returncode) == (0, 0), (out_a0[-2000:], out_a1[-2000:])
+    assert "SUM 2.0" in out_a0 and "SUM 2.0" in out_a1  # job A's world is its own two ranks
