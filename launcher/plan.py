@@ -420,7 +420,7 @@ def _node(cfg: LaunchConfig, node_rank: int, host: str, slots: tuple[int, ...], 
         env={**node_env(master_addr, cfg.master_port, world, node_rank, num_nodes, slots, use_gpus),
              # Under SLURM the ranks checkpoint into --resume_from on the time-limit warning.
              **restart_env(cfg.restart_count, cfg.max_restarts, cfg.resume_from, on_request=slurm,
-                           reason=cfg.restart_reason, job=cfg.job_id)},
+                           reason=cfg.restart_reason, job=cfg.job_id, every_node=not cfg.no_ssh)},
         log_dir=os.path.abspath(cfg.each_rank_log) if cfg.each_rank_log else None, grace=cfg.grace,
         pid_file=os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if cfg.save_pid else None,
         bind_cores=cfg.bind_cores_to_rank, core_list=cfg.bind_core_list,

@@ -25,7 +25,7 @@ from dslaunch.runtime.config.param_schema import number
 from dslaunch.runtime.shutdown import register_clean_exit
 from dslaunch.utils.hostlist import expand
 from dslaunch.utils.ports import free_port
-from dslaunch.utils.restart import JOB_ID, RESTART_COUNT
+from dslaunch.utils.restart import RENDEZVOUS_ID
 
 __all__ = ["init_distributed", "job_store", "default_timeout", "local_rank", "device_for", "slurm_env", "mpi_env",
            "discovered_env", "mpi_discovery"]
@@ -224,7 +224,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if backend == "nccl":
         torch.cuda.set_device(device_for(local_rank()))
     timeout = timeout or default_timeout(_config_timeout(config))
-    if store is None and init_method is None and world_size > 1 and os.environ.get(JOB_ID):
+    if store is None and init_method is None and world_size > 1 and os.environ.get(RENDEZVOUS_ID):
         store = job_store(rank, world_size, timeout)
     dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -241,8 +241,9 @@ def job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
 
     Two jobs on one port (two launches at once, the same ``--master_port``) would otherwise meet in
     one world: ranks of one job joining the other's store, computing on wrong data and exiting 0.
-    Rank 0 writes ``$DSLAUNCH_JOB_ID/$DSLAUNCH_RESTART_COUNT`` (a straggler of the last run is
-    another job too); every other rank reads it back before any group is made.
+    Rank 0 writes ``$DSLAUNCH_RENDEZVOUS_ID`` (the job's id and run, set where one controller
+    started every node; a straggler of the last run is another job too); every other rank reads it
+    back before any group is made.
 
     Raises:
         UsageError: the port is another process's, or the store there is another job's.
@@ -250,7 +251,7 @@ def job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
     collective: call on all ranks of the job.
     """
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    ours = f"{os.environ[JOB_ID]}/{os.environ.get(RESTART_COUNT, '0')}"
+    ours = os.environ[RENDEZVOUS_ID]
     try:
         store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
     except dist.DistNetworkError as err:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dslaunch.errors import shorten
 
 __all__ = ["RESTART_COUNT", "TORCH_RESTART_COUNT", "TORCH_MAX_RESTARTS", "RESUME_FROM", "CHECKPOINT_ON_REQUEST",
-           "RESTART_REASON", "JOB_ID", "REASON_LIMIT", "PREEMPTED_EXIT_CODE", "MAX_RESTARTS", "restart_env",
+           "RESTART_REASON", "JOB_ID", "RENDEZVOUS_ID", "REASON_LIMIT", "PREEMPTED_EXIT_CODE", "MAX_RESTARTS", "restart_env",
            "restart_count", "restart_reason", "resume_dir"]
 
 RESTART_COUNT = "DSLAUNCH_RESTART_COUNT"
@@ -28,6 +28,9 @@ RESUME_FROM = "DSLAUNCH_RESUME_FROM"
 RESTART_REASON = "DSLAUNCH_RESTART_REASON"
 JOB_ID = "DSLAUNCH_JOB_ID"
 """The job's id, the same in every run of it (names the job's in-memory checkpoints)."""
+RENDEZVOUS_ID = "DSLAUNCH_RENDEZVOUS_ID"
+"""``<job id>/<run>`` where one controller planned every node (not ``--no_ssh``, where each node's
+controller names the job itself): the ranks check that their rendezvous store is this run's."""
 REASON_LIMIT = 300
 """The most characters of a restart reason a worker is given (it may quote a rank's exception)."""
 CHECKPOINT_ON_REQUEST = "DSLAUNCH_CHECKPOINT_ON_REQUEST"
@@ -42,14 +45,16 @@ real job."""
 
 
 def restart_env(count: int, max_restarts: int, resume_from: str | None, on_request: bool = False,
-                reason: str | None = None, job: str = "") -> dict[str, str]:
+                reason: str | None = None, job: str = "", every_node: bool = False) -> dict[str, str]:
     """The variables the launcher gives every worker of run ``count`` (0 = the first run);
     ``on_request``: the launcher may ask for a checkpoint into ``resume_from``; ``reason``: why
     this run is a restart (one line, cut to ``REASON_LIMIT`` characters); ``job``: the job's id,
-    the same in every run."""
+    the same in every run; ``every_node``: this controller started every node (``RENDEZVOUS_ID``)."""
     env = {RESTART_COUNT: str(count), TORCH_RESTART_COUNT: str(count), TORCH_MAX_RESTARTS: str(max_restarts)}
     if job:
         env[JOB_ID] = job
+        if every_node:
+            env[RENDEZVOUS_ID] = f"{job}/{count}"
     if reason and count > 0:
         env[RESTART_REASON] = shorten(reason, REASON_LIMIT)
     if resume_from:

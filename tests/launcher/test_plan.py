@@ -92,6 +92,8 @@ def test_env_contract_and_argv_like_deepspeed(tmp_path):
         "RANK": "3", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3", "NODE_RANK": "1",
         "CROSS_RANK": "1", "CROSS_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1234"}
     assert w.argv == (sys.executable, "-u", "train.py", "--local_rank=2", "--lr", "1")
+    # one controller started every node: the ranks check their store is this run's of this job
+    assert a.env["DSLAUNCH_RENDEZVOUS_ID"] == b.env["DSLAUNCH_RENDEZVOUS_ID"] == f"{a.env['DSLAUNCH_JOB_ID']}/0"
 
 
 @pytest.mark.parametrize("flags, head", [
@@ -212,6 +214,7 @@ def test_no_ssh_keeps_only_this_nodes_workers_with_their_global_ranks(tmp_path):
     assert job.launcher == "local" and job.world_size == 6 and job.master_addr == "10.0.0.1"
     assert node.host == "b" and node.node_rank == 1 and node.env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
     assert [(w.global_rank, w.local_rank) for w in node.workers] == [(2, 0), (3, 1), (4, 2)]
+    assert "DSLAUNCH_RENDEZVOUS_ID" not in node.env  # each node's controller names the job itself
     assert {k: node.env[k] for k in ("NODE_RANK", "CROSS_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
         "NODE_RANK": "1", "CROSS_SIZE": "3", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "10.0.0.1"}
     assert plan.notes == ("--no_ssh: starting node 1 of 3 (b: ranks 2-4 of 6) here; start each other node the "

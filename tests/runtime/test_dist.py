@@ -199,7 +199,7 @@ def _rank_of(job: str, rank: int, port: int):
     import sys
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-           "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "DSLAUNCH_JOB_ID": job, "DSLAUNCH_RESTART_COUNT": "0",
+           "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "DSLAUNCH_RENDEZVOUS_ID": f"{job}/0",
            "TAG": "1" if job == "job-a" else "100", "DSLAUNCH_DIST_TIMEOUT": "60"}
     return subprocess.Popen([sys.executable, "-c", _TAGGED_RANK], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
