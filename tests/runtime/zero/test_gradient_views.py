@@ -71,6 +71,7 @@ def _stage3(rank: int, world: int) -> dict:
         dslaunch.utils.safe_set_local_grad(p, dslaunch.utils.safe_get_local_grad(p) / 2)
     out["halved"] = [float(n) for n in opt._get_norm_groups()]
     engine.step()
+    out["step_norm"] = float(opt._global_grad_norm)  # the norm the step itself took
     engine.backward(_loss(engine(_batch(rank, 1))) * float("inf"))
     out["overflowed"] = [float(n) for n in opt._get_norm_groups()]
     engine.destroy()
@@ -90,6 +91,7 @@ def test_stage3_averaged_gradients_and_norm_groups_are_the_averaged_gradients_of
         expected = [float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in group]))) for group in ref]
         assert got["norms"] == pytest.approx(expected, rel=1e-5)
         assert got["halved"] == pytest.approx([n / 2 for n in expected], rel=1e-5)  # read anew each call
+        assert got["step_norm"] == pytest.approx(sum(n * n for n in got["halved"]) ** 0.5, rel=1e-6)
         assert got["overflowed"] == [-1.0, -1.0]  # DeepSpeed's mark of an inf/NaN norm
 
 
