@@ -2,13 +2,16 @@
 
 Seeding (``set_random_seed``), memory reports (``see_memory_usage``, ``memory_status``), gradient
 and weight norms (``clip_grad_norm_``, ``get_global_norm``, ``get_grad_norm``, ``get_weight_norm``),
-pipeline partitioning (``partition_uniform``, ``partition_balanced``: the pipeline's own), and small
-conveniences (``move_to_device``, ``call_to_str``, ``noop_decorator``, ...). Same signatures and
+pipeline partitioning (``partition_uniform``, ``partition_balanced``: the pipeline's own), the
+overflow check of DeepSpeed's fp16 wrappers (``CheckOverflow``, ``has_inf_or_nan``,
+``is_invalid_grad_norm``: for a script's own optimizer loop; dslaunch's engine finds an overflow
+as the non-finite global norm of the ZeRO step), and small conveniences (``move_to_device``, ``call_to_str``, ``noop_decorator``, ...). Same signatures and
 results as DeepSpeed's for a job without expert or tensor parallelism; with an ``mpu`` the norms
 are summed (max for inf) over its model-parallel group, as DeepSpeed's.
 
 Collective: ``clip_grad_norm_`` and the norms given an ``mpu`` all-reduce when torch.distributed
-is initialised; call them on every rank. Without it they are local.
+is initialised; call them on every rank. Without it they are local. ``CheckOverflow`` all-reduces
+where its docstring says.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ __all__ = ["set_random_seed", "see_memory_usage", "memory_status", "empty_cache"
            "clip_grad_norm_", "get_global_norm", "get_grad_norm", "get_weight_norm", "get_grad_zeros",
            "is_model_parallel_parameter", "partition_uniform", "partition_balanced", "prefix_sum_inc",
            "move_to_device", "call_to_str", "get_only_unique_item", "noop_decorator", "noop_context",
-           "ensure_directory_exists", "DummyOptim", "PartitionedTensor",
+           "ensure_directory_exists", "DummyOptim", "PartitionedTensor", "CheckOverflow", "has_inf_or_nan",
+           "is_invalid_grad_norm",
            # DeepSpeed imports these from deepspeed.utils.bwc at its module level
            "bwc_tensor_model_parallel_rank", "bwc_pipeline_parallel_world_size", "bwc_pipeline_parallel_group"]
 
@@ -208,6 +212,112 @@ def get_weight_norm(parameters: Any, norm_type: float = 2, mpu: Any = None) -> f
 def _finite_or_minus_one(norm: torch.Tensor) -> float:
     value = float(norm)
     return value if math.isfinite(value) else -1.0
+
+
+def has_inf_or_nan(x: torch.Tensor) -> torch.Tensor:
+    """Whether ``x`` holds an inf or a NaN: a bool scalar tensor on ``x``'s device (no host sync).
+    Two reductions (``amax`` shows NaN and +inf, ``amin`` -inf), no elementwise mask."""
+    if x.is_sparse:  # only the stored entries can be non-finite
+        x = x._values()
+    if x.numel() == 0:
+        return torch.tensor(False, device=x.device)
+    return ~(torch.isfinite(x.amax()) & torch.isfinite(x.amin()))
+
+
+def is_invalid_grad_norm(norm: Any) -> bool:
+    """A norm that says the gradients overflowed: not finite, or negative (the -1 DeepSpeed's norms
+    stand for inf/NaN with)."""
+    if torch.is_tensor(norm):
+        return bool((~torch.isfinite(norm) | (norm < 0)).any())
+    return not math.isfinite(float(norm)) or norm < 0
+
+
+class CheckOverflow:
+    """DeepSpeed's gradient overflow check across ranks, for a script's own fp16 loop.
+
+    Args:
+        param_groups: lists of parameters whose ``.grad`` ``check()`` inspects (None: pass them to
+            ``check``). An expert parameter among them (``allreduce`` False) makes every check
+            all-reduce over the largest expert-parallel group, so one expert's inf is seen by all.
+        mpu: the model-parallel unit: its group is all-reduced over (and its data group where the
+            ``deepspeed`` engine does not all-reduce gradients itself).
+        zero_reduce_scatter: all-reduce ``has_overflow`` over every rank.
+        deepspeed: the engine (``enable_backward_allreduce`` off: all-reduce over every rank).
+
+    collective: where an all-reduce applies (above), every rank of that group must call.
+    """
+
+    def __init__(self, param_groups: Any = None, mpu: Any = None, zero_reduce_scatter: bool = False,
+                 deepspeed: Any = None):
+        self.mpu, self.zero_reduce_scatter, self.deepspeed = mpu, zero_reduce_scatter, deepspeed
+        self.params = [p for group in param_groups for p in group] if param_groups else None
+        self.has_moe_params = _any_moe(self.params or [])
+
+    def check_using_norm(self, norm_group: Iterable[Any], reduce_overflow: bool = True) -> bool:
+        """Whether any of the norms is invalid (``is_invalid_grad_norm``), over the expert group
+        (expert parameters), the model-parallel group (``mpu``), else every rank (``reduce_overflow``)."""
+        flag = torch.tensor([float(any(is_invalid_grad_norm(n) for n in norm_group))],
+                            device=_accelerator().current_device_name())
+        groups = [_max_expert_group()] if self.has_moe_params else []
+        if self.mpu is not None:
+            groups.append(self.mpu.get_model_parallel_group())
+        elif reduce_overflow:
+            groups.append(None)
+        return _any_rank(flag, groups)
+
+    def check(self, param_groups: Any = None) -> bool:
+        """``has_overflow`` of ``param_groups`` (None: those given at construction)."""
+        if param_groups is None:
+            return self.has_overflow(self.params, self.has_moe_params)
+        params = [p for group in param_groups for p in group]
+        return self.has_overflow(params, _any_moe(params))
+
+    def has_overflow_serial(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether any ``.grad`` of ``params`` holds an inf or a NaN, on this rank."""
+        return any(p.grad is not None and bool(has_inf_or_nan(p.grad.data)) for p in params)
+
+    def has_overflow(self, params: Iterable[torch.Tensor], has_moe_params: bool | None = None) -> bool:
+        """``has_overflow_serial`` over the ranks that must agree (see the class docstring)."""
+        moe = self.has_moe_params if has_moe_params is None else has_moe_params
+        flag = torch.tensor([float(self.has_overflow_serial(params))], device=_accelerator().current_device_name())
+        groups = [_max_expert_group()] if moe else []
+        engine_reduces = self._engine_reduces()
+        if self.zero_reduce_scatter:
+            groups.append(None)
+        elif self.mpu is not None:
+            if not engine_reduces:
+                groups.append(self.mpu.get_data_parallel_group())
+            groups.append(self.mpu.get_model_parallel_group())
+        elif not engine_reduces:
+            groups.append(None)
+        return _any_rank(flag, groups)
+
+    def _engine_reduces(self) -> bool:
+        """The engine all-reduces the gradients itself (True without one)."""
+        if self.deepspeed is None:
+            return True
+        if hasattr(self.deepspeed, "pipeline_enable_backward_allreduce"):
+            return self.deepspeed.pipeline_enable_backward_allreduce is not False
+        return self.deepspeed.enable_backward_allreduce is not False
+
+
+def _any_moe(params: Iterable[torch.Tensor]) -> bool:
+    from dslaunch.runtime.moe.utils import is_moe_param
+
+    return any(is_moe_param(p) for p in params)
+
+
+def _max_expert_group() -> Any:
+    from dslaunch.runtime.parallel import deepspeed_groups as groups
+
+    return groups._get_max_expert_parallel_group()
+
+
+def _any_rank(flag: torch.Tensor, groups: list[Any]) -> bool:
+    """``flag`` MAX-all-reduced over each group in turn (None: every rank); whether it is set."""
+    for group in groups:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag[0].item())
 
 
 def get_grad_zeros(parameters: Any, mpu: Any = None) -> float:

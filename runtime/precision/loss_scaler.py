@@ -7,7 +7,10 @@ Owns the three policies (the overflow itself is detected by the ZeRO strategy's 
   and once hysteresis is down to 1 each overflow halves the scale (never below
   ``min_loss_scale``). After ``loss_scale_window`` consecutive clean updates the scale doubles
   and hysteresis is refilled. With ``consecutive_hysteresis`` every clean update refills it, so
-  only *consecutive* overflows count against it.
+  only *consecutive* overflows count against it. At ZeRO stage 0 the rules are those of DeepSpeed's
+  stage-0 fp16 wrappers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``), which keep their own
+  scale: every overflow halves it (``hysteresis`` and ``consecutive_hysteresis`` do not apply),
+  down to ``min_loss_scale``, where the steps go on being skipped without an error.
 - ``StaticLossScaler`` (``fp16.loss_scale > 0``): a fixed scale; overflowing steps are skipped.
 - ``NoLossScaler`` (bf16, fp32): scale 1, nothing to do.
 
@@ -166,11 +169,13 @@ class DynamicLossScaler(LossScaler):
         self.cur_hysteresis = int(state.get("cur_hysteresis", self.hysteresis))
 
 
-def build_loss_scaler(fp16: Fp16Config | None = None) -> LossScaler:
+def build_loss_scaler(fp16: Fp16Config | None = None, stage0: bool = False) -> LossScaler:
     """The loss scaler for the parsed ``fp16`` section (``config.load_config`` validated it).
 
     Args:
         fp16: the ``fp16`` section; ``None`` (bf16/fp32) or ``enabled: false`` -> ``NoLossScaler``.
+        stage0: ZeRO stage 0, where DeepSpeed's fp16 wrappers halve the scale at every overflow
+            and never raise at ``min_loss_scale`` (module docstring).
 
     Returns:
         ``StaticLossScaler(loss_scale)`` when ``loss_scale > 0``, else a ``DynamicLossScaler`` from
@@ -182,5 +187,6 @@ def build_loss_scaler(fp16: Fp16Config | None = None) -> LossScaler:
     if fp16.loss_scale > 0:
         return StaticLossScaler(fp16.loss_scale)
     return DynamicLossScaler(init_scale=2.0**fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
-                             hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-                             min_scale=fp16.min_loss_scale)
+                             hysteresis=1 if stage0 else fp16.hysteresis,
+                             consecutive_hysteresis=fp16.consecutive_hysteresis and not stage0,
+                             min_scale=fp16.min_loss_scale, raise_error_at_min_scale=not stage0)

@@ -70,11 +70,12 @@ class PrecisionPolicy:
 
     @staticmethod
     def loss_scaler(cfg: DeepSpeedConfig) -> LossScaler:
-        """The loss scaler strategy: dynamic/static for fp16, dynamic (the fp16 block's defaults)
-        for float16 ``torch_autocast``, a no-op scaler otherwise."""
+        """The loss scaler strategy: dynamic/static for fp16 (at ZeRO stage 0 on the rules of
+        DeepSpeed's stage-0 fp16 wrappers), dynamic (the fp16 block's defaults) for float16
+        ``torch_autocast``, a no-op scaler otherwise."""
         if not cfg.fp16.enabled and scales_loss(cfg.torch_autocast):
             return build_loss_scaler(Fp16Config(enabled=True))
-        return build_loss_scaler(cfg.fp16)
+        return build_loss_scaler(cfg.fp16, stage0=cfg.zero_optimization.stage == 0)
 
     @staticmethod
     def half_inputs(inputs: Any) -> Any:

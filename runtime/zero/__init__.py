@@ -5,7 +5,9 @@ asks the stage again. What lives where:
 
 - ``registry.py``: stage -> strategy class; the valid stages for config validation and help text.
 - ``optimizer_view.py``: ``engine.optimizer`` as DeepSpeed's wrapper classes (``DeepSpeedZeroOptimizer``,
-  ``FP16_Optimizer``, ...), a view over the strategy, its torch optimizer and the loss scaler.
+  ``FP16_Optimizer``, ...), a view over the strategy, its torch optimizer and the loss scaler;
+  ``gradient_views.py``: the gradient data those wrappers expose (``averaged_gradients``, per-group
+  norms, flat fp32 gradients, every rank's weight partitions), read from the strategy.
 - ``strategy.py``: ``ZeroStrategy``, the lifecycle the engine drives, the step every stage shares,
   and the checkpoint state format.
 - ``stage0.py``, ``stage1.py``, ``stage2.py``, ``stage3.py``: each stage as a placement + a gradient

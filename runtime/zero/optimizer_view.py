@@ -20,7 +20,10 @@ What each class answers is what DeepSpeed's class has and dslaunch has data for:
 (the ZeRO state the checkpoint layer saves: ``ZeroStrategy.state_dict``), ``zero_grad``, ``step``,
 ``backward``, ``overflow``, ``clip_grad``, the loss-scale names (``loss_scaler``, ``loss_scale``,
 ``cur_scale``, ``dynamic_loss_scale``; stage 0's ``loss_scale_config``; not ``BF16_Optimizer``,
-which has no scaler) and the partition views its tests read. Any other name raises ``AttributeError``
+which has no scaler), the partition views its tests read and the gradient data of
+``gradient_views.py`` (``averaged_gradients``, stage 3's ``_get_norm_groups()``,
+``BF16_Optimizer.fp32_groups_gradients_flat``, stages 1/2's ``parallel_partitioned_bit16_groups``:
+copies of the averaged gradients, views of the weights). Any other name raises ``AttributeError``
 naming the wrapper. Unlike DeepSpeed's, the wrappers are ``torch.optim.Optimizer`` instances, so
 torch's LR schedulers accept ``engine.optimizer``.
 
@@ -38,6 +41,7 @@ import torch
 from dslaunch.errors import NotInDslaunchError
 from dslaunch.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
 from dslaunch.runtime.fp16 import MIXED_PRECISION_WRAPPER
+from dslaunch.runtime.zero import gradient_views
 from dslaunch.utils.refused import Refusal
 
 __all__ = ["DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "FP16_Optimizer", "FP16_UnfusedOptimizer",
@@ -190,6 +194,16 @@ class _Scaled(_View):
 
 _PARAMS = "Each param group's model parameters."
 _MASTERS = "Each param group's fp32 master (this rank's shard where it is partitioned): what the torch optimizer updates."
+# DeepSpeed pads its 16-bit flat buffers so that every rank's partition starts 4-byte aligned (2
+# elements); dslaunch pads only to the world size (``partition.py``), so a partition starts on any
+# element: the alignment it guarantees is 1
+_ALIGNMENT = 1
+
+
+def _averaged(every_param: bool) -> property:
+    return property(lambda self: gradient_views.averaged_gradients(self._zero, every_param),
+                    doc="Per param group whose gradients are reduced, this rank's piece of each parameter's "
+                        "averaged gradient: copies (``gradient_views.averaged_gradients``).")
 
 
 class DeepSpeedZeroOptimizer(_Scaled, ZeROOptimizer):
@@ -197,6 +211,13 @@ class DeepSpeedZeroOptimizer(_Scaled, ZeROOptimizer):
 
     bit16_groups = property(_View._model_groups, doc=_PARAMS)
     single_partition_of_fp32_groups = property(_View._masters, doc=_MASTERS)
+    averaged_gradients = _averaged(every_param=False)
+    nccl_start_alignment_factor = _ALIGNMENT
+
+    @property
+    def parallel_partitioned_bit16_groups(self) -> list[list[torch.Tensor]]:
+        """Per param group, every rank's partition of the model weights (views)."""
+        return gradient_views.rank_partitions(self._zero)
 
 
 class DeepSpeedZeroOptimizer_Stage3(_Scaled, ZeROOptimizer):  # noqa: N801 (DeepSpeed's name)
@@ -204,6 +225,12 @@ class DeepSpeedZeroOptimizer_Stage3(_Scaled, ZeROOptimizer):  # noqa: N801 (Deep
 
     fp16_groups = property(_View._model_groups, doc=_PARAMS)
     fp32_partitioned_groups_flat = property(_View._masters, doc=_MASTERS)
+    averaged_gradients = _averaged(every_param=True)
+
+    def _get_norm_groups(self) -> list[torch.Tensor]:
+        """Each param group's gradient norm over the ranks (loss scale included; -1 for inf/NaN).
+        collective: all ranks."""
+        return gradient_views.norm_groups(self._zero)
 
     def _set_fp32_optimizer_param_groups(self) -> None:
         """DeepSpeed points its torch optimizer's groups at the fp32 shards around a
@@ -249,6 +276,13 @@ class BF16_Optimizer(_View, ZeROOptimizer):  # noqa: N801 (DeepSpeed's name)
     _refusal = MIXED_PRECISION_WRAPPER
     bf16_groups = property(_View._model_groups, doc=_PARAMS)
     fp32_groups_flat_partition = property(_View._masters, doc=_MASTERS)
+    nccl_start_alignment_factor = _ALIGNMENT
+
+    @property
+    def fp32_groups_gradients_flat(self) -> list[torch.Tensor]:
+        """Each param group's whole fp32 gradient, flat: this rank's sum before the boundary, the
+        average after (copies)."""
+        return gradient_views.flat_gradients(self._zero)
 
 
 def optimizer_for(zero: Any, optimizer: Any, config: Any, loss_scaler: Any, check_overflow: bool,

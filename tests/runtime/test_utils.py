@@ -31,6 +31,9 @@ DEEPSPEED_PARAMETERS = {
     "partition_uniform": ["num_items", "num_parts"],
     "partition_balanced": ["weights", "num_parts"],
     "call_to_str": ["base", "args", "kwargs"],
+    "CheckOverflow": ["param_groups", "mpu", "zero_reduce_scatter", "deepspeed"],
+    "has_inf_or_nan": ["x"],
+    "is_invalid_grad_norm": ["norm"],
 }
 
 
@@ -193,3 +196,41 @@ def _meta_layout(rank: int, world: int) -> list[int]:
 
     dist.init_process_group("gloo")
     return utils.PartitionedTensor(torch.zeros(3, 2), group=None).to_meta().tolist()
+
+
+def _overflow_on_rank(rank: int, world: int) -> dict:
+    """Rank 1 alone has an inf in a dense and in an expert gradient (DeepSpeed's TestCheckOverflow)."""
+    import dslaunch
+    from dslaunch.utils import groups
+
+    dslaunch.init_distributed(verbose=False)
+    groups._create_expert_and_data_parallel(2)
+    dense, expert = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    expert.allreduce = False  # DeepSpeed's mark of an expert parameter
+    bad = torch.tensor([1.0, float("inf") if rank == 1 else 1.0])
+    dense.grad, expert.grad = bad.clone(), bad.clone()
+    out = {"dense": utils.CheckOverflow([[dense]]).check(),  # no expert, no mpu: this rank's own answer
+           "expert": utils.CheckOverflow([[dense, expert]]).check(),  # over the expert group
+           "passed_in": utils.CheckOverflow().check([[expert]])}
+    norm = utils.get_weight_norm([dense.grad])
+    out["norm"] = (norm, utils.CheckOverflow([[dense]]).check_using_norm([norm]))  # over every rank
+    out["norm_local"] = utils.CheckOverflow([[dense]]).check_using_norm([norm], reduce_overflow=False)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_check_overflow_sees_an_inf_on_any_rank_where_deepspeeds_does() -> None:
+    for rank, got in enumerate(run_world(_overflow_on_rank, 2)):
+        assert got["dense"] is (rank == 1)
+        assert got["expert"] is True and got["passed_in"] is True
+        assert got["norm"] == (pytest.approx(-1.0 if rank == 1 else math.sqrt(2.0)), True)
+        assert got["norm_local"] is (rank == 1)
+
+
+def test_has_inf_or_nan_and_invalid_norms() -> None:
+    assert not utils.has_inf_or_nan(torch.ones(3)) and not utils.has_inf_or_nan(torch.empty(0))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        assert utils.has_inf_or_nan(torch.tensor([1.0, bad], dtype=torch.float16))
+        assert utils.is_invalid_grad_norm(bad) and utils.is_invalid_grad_norm(torch.tensor([bad]))
+    assert utils.has_inf_or_nan(torch.sparse_coo_tensor([[1]], [float("nan")], (4,)))
+    assert utils.is_invalid_grad_norm(-1.0) and not utils.is_invalid_grad_norm(torch.tensor(2.0))

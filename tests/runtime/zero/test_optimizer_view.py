@@ -189,3 +189,37 @@ def test_torch_lr_schedulers_accept_the_wrapper_and_its_state_dict_round_trips()
     opt.load_state_dict(saved)
     assert torch.equal(master, engine.zero.groups[0].master)
     engine.destroy()
+
+
+def _overflow_scales(stage: int, by_hand: bool, extra: dict) -> list[float]:
+    """The loss scale after each of four overflowing steps (inf gradients), from 2**2."""
+    engine, opt, _, _ = _engine(stage, "fp16", "config", {"fp16": {"initial_scale_power": 2, **extra}})
+    scales = []
+    for step in range(4):
+        if by_hand:  # DeepSpeed's test_dynamic_loss_scale: .grad written, step() without backward
+            for p in engine.module.parameters():
+                p.grad = torch.full_like(p, float("inf"))
+        else:
+            engine.backward(engine(_batch(engine, step)).float().mean() * float("inf"))
+        try:
+            engine.step()
+        except FloatingPointError as err:  # LossScaleAtMinimumError
+            scales.append(type(err).__name__)
+            break
+        assert opt.overflow and opt.loss_scaler.cur_iter == step + 1
+        scales.append(opt.cur_scale)
+    engine.destroy()
+    return scales
+
+
+@pytest.mark.timeout(120)
+@one_rank
+def test_fp16_overflow_halves_the_scale_without_hysteresis_at_stage_0_only() -> None:
+    # DeepSpeed 0.19.8's stage-0 wrappers (FP16_Optimizer, FP16_UnfusedOptimizer: _update_scale)
+    # halve at every overflow, hysteresis unread, and stop at min_loss_scale without raising; its
+    # ZeRO optimizers' DynamicLossScaler absorbs `hysteresis - 1` overflows and raises at the floor
+    for by_hand in (True, False):
+        assert _overflow_scales(0, by_hand, {}) == [2.0, 1.0, 1.0, 1.0]
+        assert _overflow_scales(0, by_hand, {"hysteresis": 3, "consecutive_hysteresis": True}) == [2.0, 1.0, 1.0, 1.0]
+    assert _overflow_scales(1, False, {}) == [4.0, 2.0, 1.0, "LossScaleAtMinimumError"]
+    assert _overflow_scales(2, False, {"hysteresis": 3}) == [4.0, 4.0, 2.0, 1.0]
