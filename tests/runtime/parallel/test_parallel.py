@@ -154,4 +154,5 @@ def test_the_base_engine_does_not_import_the_pipeline_package() -> None:
     code = ("import sys, dslaunch.runtime.engine; "
             "print(sorted(m for m in sys.modules if m.startswith('dslaunch.runtime.pipe.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == "['dslaunch.runtime.pipe.schedule']"
+    # the schedule registry and the stage placement it numbers stages by (DualPipeV's V or round robin)
+    assert out.stdout.strip() == "['dslaunch.runtime.pipe.placement', 'dslaunch.runtime.pipe.schedule']"
