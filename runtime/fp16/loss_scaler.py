@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dslaunch.runtime.precision import loss_scaler as rules
+from dslaunch.runtime.utils import has_inf_or_nan
 
 __all__ = ["LossScalerBase", "LossScaler", "DynamicLossScaler", "CreateLossScaler", "to_python_float",
            "INITIAL_LOSS_SCALE", "SCALE_WINDOW", "DELAYED_SHIFT", "CONSECUTIVE_HYSTERESIS", "MIN_LOSS_SCALE"]
@@ -34,10 +35,6 @@ _DEEPSPEED_MODULE = "deepspeed.runtime.fp16.loss_scaler"
 def to_python_float(t: Any) -> float:
     """A one-element tensor (or sequence) as a Python number."""
     return t.item() if hasattr(t, "item") else t[0]
-
-
-def _has_inf_or_nan(t: torch.Tensor) -> bool:
-    return not bool(torch.isfinite(t).all())
 
 
 class LossScalerBase(rules.LossScaler):
@@ -99,7 +96,7 @@ class DynamicLossScaler(LossScalerBase, rules.DynamicLossScaler):
 
     def has_overflow_serial(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """Whether any gradient holds an inf or a NaN (this rank's only)."""
-        return any(p.grad is not None and _has_inf_or_nan(p.grad.data) for p in params)
+        return any(p.grad is not None and bool(has_inf_or_nan(p.grad.data)) for p in params)
 
     _DEEPSPEED_ATTRIBUTES = ("cur_scale", "dynamic", "cur_iter", "last_overflow_iter", "scale_factor",
                              "scale_window", "min_scale", "delayed_shift", "cur_hysteresis",
