@@ -28,8 +28,9 @@
   ``config_utils.py``, ``precision_config.py``, ``keep_in_fp32.py``, ``base_optimizer.py`` (its
   wrappers' base classes), ``bf16_optimizer.py``, ``fp16/``,
   ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused),
-  ``checkpoint_engine/`` (its checkpoint-engine interface for a script's own files) and the refused
-  ``domino/``.
+  ``checkpoint_engine/`` (its checkpoint-engine interface for a script's own files).
+- ``domino/``: Domino, tensor-parallel layers whose all-reduces overlap the other micro batch's
+  compute.
 
 Submodules are attributes after a bare import (``dslaunch.runtime.lr_schedules``), imported on
 first access, as DeepSpeed's ``deepspeed.runtime`` offers them.
