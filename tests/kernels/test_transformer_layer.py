@@ -231,3 +231,4 @@ def test_deepspeed_import_paths() -> None:
 
     assert dslaunch.DeepSpeedTransformerLayer is Layer is DeepSpeedTransformerLayer
     assert dslaunch.DeepSpeedTransformerConfig is Config is DeepSpeedTransformerConfig
+    assert dslaunch.ops.DeepSpeedTransformerLayer is Layer and dslaunch.ops.DeepSpeedTransformerConfig is Config
