@@ -11,7 +11,9 @@ Differences from DeepSpeed: the config is frozen (DeepSpeed's tests assign field
 construction; here ``dataclasses.replace(config, hidden_size=...)`` makes the changed copy) and
 the layer keeps its ``layer_id`` itself instead of writing it into the shared config.
 ``from_dict`` names an unknown key with the closest valid one (DeepSpeed stores any key);
-``from_json_file`` reads UTF-8 or UTF-16 (DeepSpeed only UTF-16).
+``from_json_file`` reads UTF-8 or UTF-16 (DeepSpeed only UTF-16). Without a hidden size,
+``intermediate_size`` stays -1 (DeepSpeed computes ``4 * -1``). Arguments, order and defaults
+are checked against real DeepSpeed's in the tests.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _RATIOS = ("attn_dropout_ratio", "hidden_dropout_ratio")
 _BOOLS = ("fp16", "pre_layer_norm", "normalize_invertible", "gelu_checkpoint", "adjust_init_range",
           "attn_dropout_checkpoint", "stochastic_mode", "return_tuple", "training")
 _MAX_JSON_BYTES = 1 << 20
+# state DeepSpeed's layer writes into its config object: in a dump of ``config.__dict__``, not settings
+_DEEPSPEED_STATE = ("layer_id", "test_gemm", "is_grad_enabled")
 
 
 def _fail(key: str, value: Any, valid: str) -> ConfigError:
@@ -118,17 +122,19 @@ class DeepSpeedTransformerConfig:
 
     @classmethod
     def from_dict(cls, json_object: Mapping[str, Any]) -> DeepSpeedTransformerConfig:
-        """A config from a dict of its argument names (DeepSpeed's ``from_dict``).
+        """A config from a dict of its argument names (DeepSpeed's ``from_dict``); the state keys
+        DeepSpeed's layer adds to its config (``layer_id``, ``test_gemm``, ``is_grad_enabled``) are
+        skipped, so a dump of a DeepSpeed config's ``__dict__`` loads.
 
         Raises:
             ConfigError: an unknown key (with the closest valid one) or an invalid value.
         """
         names = [f.name for f in dataclasses.fields(cls)]
         for key in json_object:
-            if key not in names:
+            if key not in names and key not in _DEEPSPEED_STATE:
                 raise ConfigError(f"unknown key{did_you_mean(str(key), names)}; valid keys: {', '.join(names)}",
                                   key=f"DeepSpeedTransformerConfig.{key}")
-        return cls(**dict(json_object))
+        return cls(**{k: v for k, v in json_object.items() if k not in _DEEPSPEED_STATE})
 
     @classmethod
     def from_json_file(cls, json_file: str | os.PathLike) -> DeepSpeedTransformerConfig:

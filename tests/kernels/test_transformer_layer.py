@@ -213,6 +213,9 @@ def test_config_defaults_and_errors(tmp_path) -> None:
         DeepSpeedTransformerLayer(blank)
     with pytest.raises(ConfigError, match="did you mean 'hidden_size'"):
         DeepSpeedTransformerConfig.from_dict({"hiden_size": 8})
+    dumped = {**dataclasses.asdict(DeepSpeedTransformerConfig(hidden_size=8, heads=2)), "layer_id": 3,
+              "test_gemm": False, "is_grad_enabled": True}  # DeepSpeed's config.__dict__
+    assert DeepSpeedTransformerConfig.from_dict(dumped) == DeepSpeedTransformerConfig(hidden_size=8, heads=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         blank.hidden_size = 8
     path = tmp_path / "cfg.json"
@@ -232,3 +235,44 @@ def test_deepspeed_import_paths() -> None:
     assert dslaunch.DeepSpeedTransformerLayer is Layer is DeepSpeedTransformerLayer
     assert dslaunch.DeepSpeedTransformerConfig is Config is DeepSpeedTransformerConfig
     assert dslaunch.ops.DeepSpeedTransformerLayer is Layer and dslaunch.ops.DeepSpeedTransformerConfig is Config
+
+
+_DEEPSPEED_SIDE = """
+import inspect, json
+from deepspeed.ops.transformer.transformer import DeepSpeedTransformerConfig as C
+sig = {n: p.default for n, p in inspect.signature(C.__init__).parameters.items() if n != "self"}
+cases = [{}, {"hidden_size": 64, "heads": 4}, {"hidden_size": 64, "intermediate_size": 100, "pre_layer_norm": False}]
+print("DS " + json.dumps({"signature": sig, "configs": [C(**kw).__dict__ for kw in cases]}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_config_arguments_defaults_and_fields_equal_real_deepspeeds() -> None:
+    """Real DeepSpeed 0.19.8 (``DSLAUNCH_DEEPSPEED_PYTHON``, or the conformance venv): the same
+    constructor arguments in the same order with the same defaults, and the same field values."""
+    import inspect
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    python = Path(os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON", root / ".venv-conformance" / "deepspeed" / "bin" /
+                                 "python"))
+    if not python.exists():
+        pytest.skip(f"real DeepSpeed is not installed ({python}): `make conformance` or DSLAUNCH_DEEPSPEED_PYTHON")
+    proc = subprocess.run([str(python), "-c", _DEEPSPEED_SIDE], capture_output=True, text=True, timeout=110,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DS ")), None)
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    theirs = json.loads(line[3:])
+    ours = {n: p.default for n, p in inspect.signature(DeepSpeedTransformerConfig).parameters.items()}
+    assert list(ours.items()) == list(theirs["signature"].items())
+    cases = [{}, {"hidden_size": 64, "heads": 4}, {"hidden_size": 64, "intermediate_size": 100, "pre_layer_norm": False}]
+    for kw, fields in zip(cases, theirs["configs"], strict=True):
+        state = {k: fields.pop(k) for k in ("layer_id", "test_gemm", "is_grad_enabled")}
+        assert state["layer_id"] == -1
+        if "hidden_size" not in kw:  # DeepSpeed's 4 * hidden_size of an unset hidden size; dslaunch keeps -1
+            assert fields["intermediate_size"] == -4
+            fields["intermediate_size"] = -1
+        assert dataclasses.asdict(DeepSpeedTransformerConfig(**kw)) == fields, kw
+        assert DeepSpeedTransformerConfig.from_dict({**fields, **state}) == DeepSpeedTransformerConfig(**kw)
