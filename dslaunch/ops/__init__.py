@@ -6,7 +6,9 @@ Thin facades only: ``adam.py`` (``DeepSpeedCPUAdam``, ``FusedAdam``), ``adagrad.
 ``normalization.py`` (``layer_norm``, ``rms_norm``, ``FusedLayerNorm``, ``FusedRMSNorm``) and
 ``bias_gelu.py`` (``bias_gelu``, ``BiasGeLU``) re-export ``dslaunch.kernels.normalization`` and
 ``dslaunch.kernels.bias_gelu`` (Triton on CUDA); ``op_builder/`` answers DeepSpeed's op builders with what dslaunch has (``aio.py`` is its
-``AsyncIOBuilder`` path); ``transformer.py`` and ``sparse_attention/`` are refused on use.
+``AsyncIOBuilder`` path); ``transformer.py`` (``DeepSpeedTransformerLayer``,
+``DeepSpeedTransformerConfig``, also attributes of this package as in DeepSpeed) re-exports
+``dslaunch.kernels.transformer``; ``sparse_attention/`` is refused on use.
 """
 
 from typing import Any
@@ -18,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from dslaunch.ops.op_builder import compatible_ops
 
         return compatible_ops()
+    if name in ("DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig"):  # imported on use: torch
+        from dslaunch.ops import transformer
+
+        return getattr(transformer, name)
     raise AttributeError(f"module 'deepspeed.ops' has no attribute {name!r}")
