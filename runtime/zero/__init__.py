@@ -39,6 +39,8 @@ asks the stage again. What lives where:
 - ``offload/``: the optimizer step of an offloaded master (``offload_optimizer``): buckets,
   transfers overlapped with the update, the optimizer state in host memory or NVMe swap files;
   stage 3's parameter shards on NVMe (``offload_param``, ``offload/param_store.py``).
+- ``offload_states.py``: ``engine.offload_states``/``reload_states``, every state's storages moved to
+  host memory and back between training phases (each owner names its tensors: ``state_holders``).
 - ``leaf_modules.py``: the ZeRO-3 leaf-module flags (``set_z3_leaf_modules`` and the
   ``zero_optimization.leaf_module`` section) the fetcher reads.
 - DeepSpeed's import paths: ``config.py`` (``DeepSpeedZeroConfig``), ``offload_config.py``,
