@@ -23,7 +23,8 @@
   ``autotuning.py`` (one autotuning experiment).
 - tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line),
   ``chunked_cross_entropy.py`` (a causal-LM loss without an fp32 copy of the logits),
-  ``partitioned_tensor.py`` (a tensor split flat over a group, DeepSpeed's ``PartitionedTensor``).
+  ``partitioned_tensor.py`` (a tensor split flat over a group, DeepSpeed's ``PartitionedTensor``),
+  ``file_writers.py`` (DeepNVMe's file writers that ``torch.save`` writes into, ``deepspeed.io``).
 - DeepSpeed's import paths answered from the above: ``utils.py``, ``constants.py``,
   ``config_utils.py``, ``precision_config.py``, ``keep_in_fp32.py``, ``base_optimizer.py`` (its
   wrappers' base classes), ``bf16_optimizer.py``, ``fp16/``,
