@@ -280,6 +280,7 @@ class StateOffload:
 
     stage: int
     comm: Any
+    offload: Any  # offload_optimizer's step (``offload.step.OffloadedStep``), or None
     groups: list[Any]
     parts: list[Any]
     optimizer: torch.optim.Optimizer
@@ -301,6 +302,12 @@ class StateOffload:
         states = offload_request(include, device, self.comm.offload_optimizer, self.comm.offload_param, self.stage)
         if states is None:
             return
+        # Nothing may still write or read the storages about to be emptied: the parameter publish
+        # (overlap_param_gather), offload_optimizer's read-ahead of the gradients (side stream).
+        self.synchronize()
+        if self.offload is not None:
+            self.offload.forget_prefetch()
+        get_accelerator().synchronize()
         self.release_gathered()  # stage 3: whole parameters are not kept (DeepSpeed empties the cache too)
         self._states.offload(states, pin_memory, non_blocking)
         self._refuse_gradients()
@@ -326,6 +333,12 @@ class StateOffload:
         if state is OffloadStateTypeEnum.contiguous_grad_buffer:
             return set() if state in self._states.offloaded else {g.device for g in self.groups}
         return self._states.devices(state)
+
+    def synchronize(self) -> None:
+        """Wait for in-flight parameter gathers (``ZeroStrategy.synchronize``)."""
+
+    def release_gathered(self) -> None:
+        """Release the whole parameters stage 3 gathered (``ZeroStrategy.release_gathered``)."""
 
     def _require(self, action: str, *states: OffloadStateTypeEnum) -> None:
         """Raise ``UsageError`` if one of ``states`` (none named: every state but the reduction

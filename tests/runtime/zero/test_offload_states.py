@@ -24,7 +24,9 @@ STEPS, MICRO = 3, 2
 def _config(stage: int, bf16: bool, shm: str) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            # overlap: the publish after a step is still in flight when offload_states is called
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200,
+                                  "overlap_comm": True, "overlap_param_gather": True,
                                   "stage3_param_persistence_threshold": 20},
             "bf16": {"enabled": bf16}, "shared_memory_collectives": shm}
 
@@ -41,6 +43,7 @@ def _round_trip(engine, states, check: dict) -> None:
     from dslaunch.runtime.zero.offload_states import get_state_devices
 
     zero = engine.zero
+    zero.synchronize()  # values read before: no publish writing them any more
     before = _snapshot(zero, states)
     engine.offload_states(include=states, pin_memory=True)
     for h, storage, value in before:
@@ -81,6 +84,8 @@ def _train(rank: int, world: int, stage: int, bf16: bool, shm: str, trip: bool) 
         engine.step()
         losses.append(loss.item())
         if trip and i == 0:
+            engine.offload_states()  # the step's publish still in flight: offload waits for it
+            engine.reload_states()
             _round_trip(engine, list(S), check)
             engine.offload_states()
             for call in (functools.partial(engine, tokens[:MICRO], labels[:MICRO]), engine.step):
