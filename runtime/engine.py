@@ -321,11 +321,13 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
                            pin_memory and self.device.type == "cuda", data_sampler)
 
     def empty_partition_cache(self) -> None:
-        """Free the whole parameters ZeRO-3 gathered and still keeps (e.g. after ``eval`` or
-        generation, before another model takes the memory), as DeepSpeed's; nothing below
-        stage 3. The next forward gathers them again."""
+        """Free the whole parameters ZeRO-3 gathered and still keeps, the persistent ones too
+        (e.g. after ``eval`` or generation, before another model takes the memory), as DeepSpeed's;
+        nothing below stage 3. The next forward (or step) gathers them again.
+
+        collective: all ranks (the next forward re-gathers on every rank)."""
         self.zero.synchronize()
-        self.zero.release_gathered()
+        self.zero.release_gathered(persistent=True)
         get_accelerator().empty_cache()
 
     def offload_states(self, include: Any = None, device: OffloadDeviceEnum = OffloadDeviceEnum.cpu,
@@ -341,7 +343,9 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         Raises:
             UsageError: no optimizer, ``offload_param`` configured, device ``nvme``, an unknown state.
         """
-        self._offloading_strategy("offload_states").offload_states(include, device, pin_memory, non_blocking)
+        strategy = self._offloading_strategy("offload_states")
+        self.wait_for_checkpoint()  # an asynchronous save may still read the states
+        strategy.offload_states(include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what ``offload_states`` moved (a no-op when nothing is offloaded).

@@ -29,7 +29,8 @@ asks the stage again. What lives where:
 - ``stage3.py``: parameters partitioned too: ``partitioned.py`` (the placement: a shard per rank),
   ``params.py`` (a partitioned parameter: DeepSpeed's ``ds_*`` attributes, gather and release),
   ``fetcher.py`` (when: module forward hooks, saved-tensor hooks for backward), ``prefetch.py``
-  (the recorded order of use: prefetch, live-parameter bound, reuse).
+  (the recorded order of use: prefetch, live-parameter bound, reuse), ``persistent.py`` (the
+  persistent parameters ``empty_partition_cache`` released, gathered again at their next use).
 - ``partition_parameters.py``: DeepSpeed's user API (``Init``, ``GatheredParameters``,
   ``ZeroParamStatus``, external parameters), also importable as ``dslaunch.zero``;
   DeepSpeed's tensor-fragment API (``dslaunch.utils``): ``fragment.py`` (one parameter's piece of

@@ -308,7 +308,7 @@ class StateOffload:
         if self.offload is not None:
             self.offload.forget_prefetch()
         get_accelerator().synchronize()
-        self.release_gathered()  # stage 3: whole parameters are not kept (DeepSpeed empties the cache too)
+        self.release_gathered(persistent=True)  # stage 3: DeepSpeed empties the partition cache too
         self._states.offload(states, pin_memory, non_blocking)
         self._refuse_gradients()
 
@@ -337,7 +337,7 @@ class StateOffload:
     def synchronize(self) -> None:
         """Wait for in-flight parameter gathers (``ZeroStrategy.synchronize``)."""
 
-    def release_gathered(self) -> None:
+    def release_gathered(self, persistent: bool = False) -> None:
         """Release the whole parameters stage 3 gathered (``ZeroStrategy.release_gathered``)."""
 
     def _require(self, action: str, *states: OffloadStateTypeEnum) -> None:

@@ -152,6 +152,14 @@ class ShardGroup:
         lp = [Holder(self, "shard"), *(Holder(p, attr) for p in self.params for attr in ("ds_tensor", "data"))]
         return {"lp_params": lp, "hp_params": [Holder(self.master, "data")]}
 
+    def make_whole(self, params: list[torch.nn.Parameter]) -> None:
+        """Persistent ``params`` released by ``empty_partition_cache``, whole again: views of the
+        shard in a resident group; elsewhere new memory that the placement's ``publish`` fills."""
+        for p in params:
+            p.data = (p.ds_tensor.view(p.ds_shape) if self.resident
+                      else torch.empty(p.ds_shape, dtype=self.dtype, device=self.compute_device))
+            p.ds_status = zp.ZeroParamStatus.AVAILABLE
+
     def copy_master_to_model(self) -> None:
         if self.flat.master is not None:
             self.flat.write(0, self.master.data)

@@ -231,8 +231,9 @@ class ZeroStrategy(StateOffload):
         for part in self.parts:
             part.gradients.begin_micro_step(boundary, sync)
 
-    def release_gathered(self) -> None:
-        """Stage 3 releases the whole parameters it gathered; below it nothing is gathered."""
+    def release_gathered(self, persistent: bool = False) -> None:
+        """Stage 3 releases the whole parameters it gathered (``persistent``: those too, as
+        ``engine.empty_partition_cache``); below it nothing is gathered."""
 
     def post_backward(self) -> None:
         """Right after loss.backward(), before ``end_backward``: stage 3 releases what it gathered."""
