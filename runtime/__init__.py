@@ -25,7 +25,8 @@
   ``chunked_cross_entropy.py`` (a causal-LM loss without an fp32 copy of the logits),
   ``partitioned_tensor.py`` (a tensor split flat over a group, DeepSpeed's ``PartitionedTensor``),
   ``transformer_inject.py`` (DeepSpeed's fused BERT layer put into a model and taken out,
-  ``replace_transformer_layer``) with ``transformer_policy.py`` (where a BERT layer keeps its weights).
+  ``replace_transformer_layer``) with ``transformer_policy.py`` (where a BERT layer keeps its weights),
+  ``file_writers.py`` (DeepNVMe's file writers that ``torch.save`` writes into, ``deepspeed.io``).
 - DeepSpeed's import paths answered from the above: ``utils.py``, ``constants.py``,
   ``config_utils.py``, ``precision_config.py``, ``keep_in_fp32.py``, ``base_optimizer.py`` (its
   wrappers' base classes), ``bf16_optimizer.py``, ``fp16/``,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dslaunch.errors import NotInDslaunchError, UsageError, quote
+from dslaunch.errors import UsageError, quote
 from dslaunch.runtime.accelerator import get_accelerator
 from dslaunch.runtime.activation_checkpointing import checkpointing
 from dslaunch.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
@@ -57,6 +57,7 @@ from dslaunch.runtime.precision import PrecisionPolicy
 from dslaunch.runtime.progressive_layer_drop import ProgressiveLayerDrop
 from dslaunch.runtime.python_gc import PYTHON_GC
 from dslaunch.runtime.torch_autocast import Autocast
+from dslaunch.runtime.zero.config import OffloadDeviceEnum
 from dslaunch.runtime.zero.optimizer_view import optimizer_for, take_step
 from dslaunch.utils.logging import set_log_level_from_string
 from dslaunch.utils.restart import PREEMPTED_EXIT_CODE
@@ -320,24 +321,45 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
                            pin_memory and self.device.type == "cuda", data_sampler)
 
     def empty_partition_cache(self) -> None:
-        """Free the whole parameters ZeRO-3 gathered and still keeps (e.g. after ``eval`` or
-        generation, before another model takes the memory), as DeepSpeed's; nothing below
-        stage 3. The next forward gathers them again."""
+        """Free the whole parameters ZeRO-3 gathered and still keeps, the persistent ones too
+        (e.g. after ``eval`` or generation, before another model takes the memory), as DeepSpeed's;
+        nothing below stage 3. The next forward (or step) gathers them again.
+
+        collective: all ranks (the next forward re-gathers on every rank)."""
         self.zero.synchronize()
-        self.zero.release_gathered()
+        self.zero.release_gathered(persistent=True)
         get_accelerator().empty_cache()
 
-    def offload_states(self, *args: Any, **kwargs: Any) -> None:
-        """DeepSpeed's ``offload_states(include, device, pin_memory, non_blocking)``: refused in one
-        line (a script that never calls it still imports ``OffloadStateTypeEnum`` and runs)."""
-        raise NotInDslaunchError("engine.offload_states: moving ZeRO's states off the accelerator between "
-                                 "steps is not in dslaunch; keep them off it for the whole run with "
-                                 "zero_optimization.offload_optimizer / offload_param")
+    def offload_states(self, include: Any = None, device: OffloadDeviceEnum = OffloadDeviceEnum.cpu,
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move ZeRO's states to host memory between training phases (RLHF's generation), as
+        DeepSpeed's: ``include`` a container of ``OffloadStateTypeEnum`` (None: every state),
+        ``pin_memory`` page-locked host copies where an accelerator exists, ``non_blocking``
+        asynchronous copies. The accelerator memory is freed; ``reload_states()`` brings the same
+        tensors back, and training then continues exactly as without the round trip
+        (``runtime/zero/offload_states.py``). Forward, backward and step refuse meanwhile what
+        they would read offloaded. Unlike DeepSpeed's: any optimizer, and ZeRO stage 0 too.
 
-    def reload_states(self, *args: Any, **kwargs: Any) -> None:
-        """DeepSpeed's counterpart of ``offload_states``: refused as it is."""
-        raise NotInDslaunchError("engine.reload_states: offload_states/reload_states are not in dslaunch; "
-                                 "use zero_optimization.offload_optimizer / offload_param")
+        Raises:
+            UsageError: no optimizer, ``offload_param`` configured, device ``nvme``, an unknown state.
+        """
+        strategy = self._offloading_strategy("offload_states")
+        self.wait_for_checkpoint()  # an asynchronous save may still read the states
+        strategy.offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what ``offload_states`` moved (a no-op when nothing is offloaded).
+
+        Raises:
+            UsageError: the engine has no optimizer.
+        """
+        self._offloading_strategy("reload_states").reload_states(non_blocking)
+
+    def _offloading_strategy(self, name: str) -> Any:
+        if self.optimizer is None:  # DeepSpeed asserts the same
+            raise UsageError(f"engine.{name}: moving states across devices is not supported without an "
+                             "optimizer (this engine only runs forward)")
+        return self.zero
 
     def destroy(self) -> None:
         """Release what the engine holds of torch.distributed, as DeepSpeed's ``engine.destroy``.

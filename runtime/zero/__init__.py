@@ -29,7 +29,8 @@ asks the stage again. What lives where:
 - ``stage3.py``: parameters partitioned too: ``partitioned.py`` (the placement: a shard per rank),
   ``params.py`` (a partitioned parameter: DeepSpeed's ``ds_*`` attributes, gather and release),
   ``fetcher.py`` (when: module forward hooks, saved-tensor hooks for backward), ``prefetch.py``
-  (the recorded order of use: prefetch, live-parameter bound, reuse).
+  (the recorded order of use: prefetch, live-parameter bound, reuse), ``persistent.py`` (the
+  persistent parameters ``empty_partition_cache`` released, gathered again at their next use).
 - ``partition_parameters.py``: DeepSpeed's user API (``Init``, ``GatheredParameters``,
   ``ZeroParamStatus``, external parameters), also importable as ``dslaunch.zero``;
   DeepSpeed's tensor-fragment API (``dslaunch.utils``): ``fragment.py`` (one parameter's piece of
@@ -39,6 +40,8 @@ asks the stage again. What lives where:
 - ``offload/``: the optimizer step of an offloaded master (``offload_optimizer``): buckets,
   transfers overlapped with the update, the optimizer state in host memory or NVMe swap files;
   stage 3's parameter shards on NVMe (``offload_param``, ``offload/param_store.py``).
+- ``offload_states.py``: ``engine.offload_states``/``reload_states``, every state's storages moved to
+  host memory and back between training phases (each owner names its tensors: ``state_holders``).
 - ``leaf_modules.py``: the ZeRO-3 leaf-module flags (``set_z3_leaf_modules`` and the
   ``zero_optimization.leaf_module`` section) the fetcher reads.
 - DeepSpeed's import paths: ``config.py`` (``DeepSpeedZeroConfig``), ``offload_config.py``,

@@ -53,8 +53,8 @@ class OffloadDeviceEnum(str, Enum):
 
 
 class OffloadStateTypeEnum(str, Enum):
-    """The states ``engine.offload_states(include=...)`` names (DeepSpeed's values); dslaunch has no
-    ``offload_states`` yet, so these only name them."""
+    """The states ``engine.offload_states(include=...)`` names (DeepSpeed's values; what each holds:
+    ``offload_states.py``)."""
 
     optim_states = "optim_states"
     hp_params = "hp_params"

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from dslaunch.runtime.zero.offload_states import Holder
 from dslaunch.runtime.zero.partition import GroupLayout
 
 __all__ = ["FlatGroup", "group_dtype", "to_host"]
@@ -110,6 +111,12 @@ class FlatGroup:
         """Read this rank's slice of the model weights into the fp32 master shard."""
         if not self._master_aliases_model():
             self.master.data.copy_(self.flat[self.layout.start:self.layout.end])
+
+    def state_holders(self) -> dict[str, list[Holder]]:
+        """This group's tensors by ``offload_states`` state: ``lp_params`` the flat weights and each
+        parameter, ``hp_params`` the master (the same storage as the weights for an fp32 model)."""
+        return {"lp_params": [Holder(self, "flat"), *(Holder(p, "data") for p in self.params)],
+                "hp_params": [Holder(self.master, "data")]}
 
     def _master_aliases_model(self) -> bool:
         return self.master.data.data_ptr() == self.flat.data_ptr() + self.layout.start * self.flat.element_size()

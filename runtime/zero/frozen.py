@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dslaunch.errors import UsageError
 from dslaunch.runtime.zero import params as zp
+from dslaunch.runtime.zero.persistent import ReleasedPersistent
 
 __all__ = ["Frozen"]
 
@@ -57,21 +58,27 @@ class Frozen:
         self.stage = stage
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-        self.fetcher = None
+        self.fetcher = self.persistent = None
+        self.module = module
         if stage == 3 and module is not None:
             self.fetcher = _partition_for_forward(module, persistence_threshold, offload_param, process_group)
+            self.persistent = ReleasedPersistent(module, zp.fetch)
 
     def synchronize(self) -> None:
         """Nothing is ever in flight (stage 3's gathers complete before the forward runs)."""
 
     def pre_forward(self) -> None:
-        """The module's own hooks gather what stage 3 partitioned: ``engine.module(...)`` works too."""
+        """The module's own hooks gather what stage 3 partitioned: ``engine.module(...)`` works too
+        (and the persistent parameters an ``empty_partition_cache`` released: ``persistent.py``)."""
 
-    def release_gathered(self) -> None:
+    def release_gathered(self, persistent: bool = False) -> None:
         """Stage 3: release every gathered parameter no forward holds (``engine.empty_partition_cache``
-        of an engine that only runs forward, as DeepSpeed's); below it nothing is gathered."""
+        of an engine that only runs forward, as DeepSpeed's), with ``persistent`` the persistent ones
+        too (gathered again before their next use, ``persistent.py``); below it nothing is gathered."""
         if self.fetcher is not None:
             self.fetcher.release_idle()
+        if persistent and self.persistent is not None:
+            self.persistent.release(list(self.module.parameters()))
 
     def begin_micro_step(self, boundary: bool, sync: bool = True) -> None:
         raise UsageError(f"engine.backward(): {_NO_OPTIMIZER}; pass an optimizer to initialize() to train")

@@ -41,6 +41,7 @@ from dslaunch.errors import UsageError
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
+from dslaunch.runtime.zero.offload_states import Holder
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS, BucketReducer
 from dslaunch.runtime.zero.specs import CommSettings
 
@@ -66,6 +67,7 @@ class GradientPath(ABC):
     """
 
     owned_only = False  # only this rank's range of a reduced bucket is read (the exchange may skip the rest)
+    refusal: str | None = None  # why a backward may not write gradients now (offload_states)
 
     def __init__(self, groups: list[FlatGroup], comm: CommSettings, world_size: int,
                  exchange: GradientExchange | None, *, max_inflight: int, source: Any = None, sink: Any = None):
@@ -107,6 +109,8 @@ class GradientPath(ABC):
 
     def _hook(self, gi: int, pi: int):
         def on_grad(p: torch.Tensor) -> None:
+            if self.refusal is not None:  # the buffers are offloaded: their storage is gone
+                raise UsageError(self.refusal)
             self._pending = True
             if p.grad is not None and p.grad.layout != torch.strided:
                 # nn.Embedding(sparse=True): every path keeps gradients dense (flat buffers,
@@ -174,6 +178,15 @@ class GradientPath(ABC):
     @abstractmethod
     def held_bytes(self) -> int:
         """Bytes of gradient storage this rank keeps between micro steps."""
+
+    def grad_holders(self) -> list[Holder]:
+        """Where this path's gradient tensors are held (``offload_states``' ``lp_grads``): its own
+        buffers (``_buffer_holders``) and each ``.grad`` (hidden while offloaded)."""
+        return [*self._buffer_holders(), *(Holder(p, "grad", hide=True) for g in self.groups for p in g.params)]
+
+    @abstractmethod
+    def _buffer_holders(self) -> list[Holder]:
+        """This path's own gradient buffers."""
 
 
 class FullGradients(GradientPath):
@@ -294,6 +307,11 @@ class FullGradients(GradientPath):
                 self._written[gi] = [False] * len(g.params)
             for p in g.params:
                 p.grad = None
+
+    def _buffer_holders(self) -> list[Holder]:
+        return [*(Holder(self._gflat, gi) for gi in range(len(self._gflat))),
+                *(Holder(views, pi) for views in self._views for pi in range(len(views))),
+                *(Holder(self._master_grads, gi) for gi in range(len(self._master_grads)))]
 
     def held_bytes(self) -> int:
         full = sum(gf.numel() * gf.element_size() for gf in self._gflat)

@@ -144,6 +144,15 @@ class _View(torch.optim.Optimizer):
         gradients, as ``engine.backward(loss, scale_wrt_gas=False)``. collective: all ranks."""
         self._backward()(loss, retain_graph=retain_graph, scale_wrt_gas=False)
 
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """``engine.offload_states`` (DeepSpeed's ZeRO optimizers have it too: RLHF frameworks call it here)."""
+        self._zero.offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """``engine.reload_states``."""
+        self._zero.reload_states(non_blocking)
+
     def needs_scaler(self) -> bool:
         """Whether a script's own ``loss.backward()`` must scale the loss (``engine.scale``): fp16."""
         return self._needs_scaling

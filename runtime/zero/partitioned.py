@@ -44,6 +44,7 @@ from dslaunch.runtime.heartbeat import wait_all
 from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.flat import group_dtype, to_host
 from dslaunch.runtime.zero.offload.param_store import ShardStore
+from dslaunch.runtime.zero.offload_states import Holder
 from dslaunch.runtime.zero.partition import GroupLayout, shard_slot
 from dslaunch.runtime.zero.placement import Placement, sum_over_ranks
 from dslaunch.runtime.zero.shm import SharedMemoryCollectives, SharedTensors
@@ -142,6 +143,22 @@ class ShardGroup:
     def persistent(self) -> list[torch.nn.Parameter]:
         """The whole copies a step must refresh (a resident group's parameters are the shard)."""
         return [] if self.resident else [p for p in self.params if p.ds_persist]
+
+    def state_holders(self) -> dict[str, list[Holder]]:
+        """This group's tensors by ``offload_states`` state: ``lp_params`` the shard (and each
+        parameter's ``ds_tensor`` view of it) and the whole persistent parameters, ``hp_params``
+        the fp32 master (the shard itself for an fp32 model). (``flat``'s own references follow the
+        storage: only the engine's code reads them, and it refuses to while they are offloaded.)"""
+        lp = [Holder(self, "shard"), *(Holder(p, attr) for p in self.params for attr in ("ds_tensor", "data"))]
+        return {"lp_params": lp, "hp_params": [Holder(self.master, "data")]}
+
+    def make_whole(self, params: list[torch.nn.Parameter]) -> None:
+        """Persistent ``params`` released by ``empty_partition_cache``, whole again: views of the
+        shard in a resident group; elsewhere new memory that the placement's ``publish`` fills."""
+        for p in params:
+            p.data = (p.ds_tensor.view(p.ds_shape) if self.resident
+                      else torch.empty(p.ds_shape, dtype=self.dtype, device=self.compute_device))
+            p.ds_status = zp.ZeroParamStatus.AVAILABLE
 
     def copy_master_to_model(self) -> None:
         if self.flat.master is not None:

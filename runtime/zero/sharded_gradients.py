@@ -30,6 +30,7 @@ from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import GradientExchange
 from dslaunch.runtime.zero.flat import FlatGroup
 from dslaunch.runtime.zero.gradients import UNREDUCED_AT_STEP, GradientPath
+from dslaunch.runtime.zero.offload_states import Holder
 from dslaunch.runtime.zero.reducer import MAX_INFLIGHT_BUFFERS
 from dslaunch.runtime.zero.specs import CommSettings
 
@@ -261,6 +262,10 @@ class ShardedGradients(GradientPath):
         for g in self.groups:
             for p in g.params:
                 p.grad = None
+
+    def _buffer_holders(self) -> list[Holder]:
+        return [*(Holder(self._shards, gi) for gi in range(len(self._shards))),
+                *(Holder(self._partials, k) for k in self._partials)]
 
     def held_bytes(self) -> int:
         partials = sum(t.numel() * 4 for t in self._partials.values())

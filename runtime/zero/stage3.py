@@ -37,6 +37,7 @@ from dslaunch.runtime.zero import params as zp
 from dslaunch.runtime.zero.fetcher import ParamFetcher
 from dslaunch.runtime.zero.gradients import gradient_is_whole
 from dslaunch.runtime.zero.partitioned import Partitioned
+from dslaunch.runtime.zero.persistent import ReleasedPersistent
 from dslaunch.runtime.zero.prefetch import FetchLimits
 from dslaunch.runtime.zero.sharded_gradients import ScopedGradients
 from dslaunch.runtime.zero.specs import CommSettings, GroupSpec, OptimizerFactory, ReduceGroup
@@ -73,15 +74,46 @@ class Stage3(ZeroStrategy):
             p.register_hook(_shape_for_grad(p))
             # after the gradient path's hook: the gradient is taken, release
             p.register_post_accumulate_grad_hook(_after_grad(self.fetcher))
+        self.persistent = ReleasedPersistent(module, self._remake_persistent)
 
     def post_backward(self) -> None:
         """Release what backward gathered and did not release (a parameter without gradient)."""
         self.release_gathered()
 
-    def release_gathered(self) -> None:
-        """Release every gathered parameter no forward holds (``engine.empty_partition_cache``)."""
+    def release_gathered(self, persistent: bool = False) -> None:
+        """Release every gathered parameter no forward holds; with ``persistent`` the persistent
+        ones too, as DeepSpeed's ``engine.empty_partition_cache`` (gathered again before their
+        next use: ``persistent.py``)."""
         if self.fetcher is not None:
             self.fetcher.release_idle()
+        if persistent:
+            self.persistent.release([p for g in self.groups for p in g.params])
+
+    def pre_forward(self) -> None:
+        self.persistent.restore()
+        super().pre_forward()
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self.persistent.restore()  # the step's publish refreshes them
+        return super().step(*args, **kwargs)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.persistent.restore()
+        super().load_state_dict(sd)
+
+    def _remake_persistent(self, params: list[torch.nn.Parameter]) -> None:
+        """Whole again: a resident group's as views of its shard, the others re-gathered from the
+        shards (the placement's publish). collective.
+
+        Raises:
+            UsageError: the shards are offloaded (``offload_states``).
+        """
+        self._require_weights("gathering the persistent parameters")
+        released = {id(p) for p in params}
+        for g in self.groups:
+            g.make_whole([p for p in g.params if id(p) in released])
+        for part in self.parts:
+            part.placement.publish()
 
 
 def _gathers(module: torch.nn.Module) -> bool:

@@ -17,9 +17,7 @@ The engine drives it through a small lifecycle and never asks which stage it is:
     step(loss_scale, clip)       at the boundary: unscale, clip, overflow check, update, publish
     zero_grad()                  forget accumulated gradients (the engine's, and ``engine.zero_grad()``)
     state_dict()/load_state_dict(sd)   the checkpoint format of the contract (all stages)
-
-``pre_forward`` and ``post_backward`` are where stage 3 will gather the parameters it holds only a
-shard of and release them again; stages 0-2 only wait in ``pre_forward`` for the last publish.
+    offload_states()/reload_states()   states to host memory and back (``offload_states.StateOffload``)
 
 The gradients belong to the strategy. ``master.grad`` points at them only while ``step`` runs, so a
 client calling ``optimizer.zero_grad()`` (to None or in place) at any point cannot touch them: the
@@ -45,6 +43,7 @@ import torch.distributed as dist
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange, TreeAllReduce
 from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
+from dslaunch.runtime.zero.offload_states import StateOffload
 from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement, gather_over_ranks, sum_over_ranks
 from dslaunch.runtime.zero.sharded_gradients import ShardedGradients
@@ -71,7 +70,7 @@ class ParamSlot(tuple):
         return type(None), ()
 
 
-class ZeroStrategy:
+class ZeroStrategy(StateOffload):
     """A ZeRO stage: a placement and a gradient path, the optimizer over the master, the step.
 
     Subclasses (the stages) set ``stage``, ``placement_type`` and ``gradients_type`` and nothing else.
@@ -217,6 +216,7 @@ class ZeroStrategy:
         """Before the module's forward: make the parameters usable (stages 0-2: wait for the last
         publish, or let each module wait for its part where the publisher gates them; stage 3
         gathers what this rank holds only a shard of)."""
+        self._require_weights("forward")
         for part in self._ungated:
             part.placement.wait()
 
@@ -227,15 +227,16 @@ class ZeroStrategy:
             NoSyncError: ``sync=False`` (``no_sync()``) where gradients must be reduced every micro
                 step (stages 2 and 3).
         """
+        self._require_weights("forward")  # (the backward's gradients: in the hooks)
         for part in self.parts:
             part.gradients.begin_micro_step(boundary, sync)
 
-    def release_gathered(self) -> None:
-        """Stage 3 releases the whole parameters it gathered; below it nothing is gathered."""
+    def release_gathered(self, persistent: bool = False) -> None:
+        """Stage 3 releases the whole parameters it gathered (``persistent``: those too, as
+        ``engine.empty_partition_cache``); below it nothing is gathered."""
 
     def post_backward(self) -> None:
-        """Right after loss.backward(), before ``end_backward``: a no-op below stage 3, which will
-        release the parameters gathered for backward here."""
+        """Right after loss.backward(), before ``end_backward``: stage 3 releases what it gathered."""
 
     def end_backward(self) -> None:
         """After loss.backward(): complete this micro step's reductions (collective)."""
@@ -282,6 +283,7 @@ class ZeroStrategy:
 
         collective: call on all ranks at the accumulation boundary.
         """
+        self._require("step")
         self.synchronize()  # a gated publish whose params no forward used: the update rewrites its source
         grads = self._shards()
         if self.offload is None:  # (offloaded: the update streams them to the host bucket by bucket)
@@ -380,18 +382,16 @@ class ZeroStrategy:
         return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
 
     def sync_master_from_model(self) -> None:
-        """Copy this rank's slice of the module weights into the fp32 master (16-bit models).
-
-        For ``engine.load_state_dict``: module weights written from outside must survive the
-        next step, which writes the master back into the model.
-        """
+        """Copy this rank's slice of the module weights into the fp32 master (16-bit models), for
+        ``engine.load_state_dict``: weights written from outside must survive the next step."""
+        self._require("loading weights")
         self.synchronize()
         for g in self.groups:
             g.copy_model_to_master()
 
-    # ----- checkpoint state (format fixed by the contract) ------------------------------------
     def state_dict(self) -> dict:
         """This rank's shard of every group: master, optimizer state, hparams (live tensors)."""
+        self._require("a checkpoint")
         self.synchronize()
         opt_sd = self.optimizer.state_dict()
         if self.offload is not None:  # NVMe: in the swap file; partial offload: in two parts
@@ -420,6 +420,7 @@ class ZeroStrategy:
         Raises:
             ValueError: the saved groups do not match this model (names, sizes or coverage).
         """
+        self._require("loading a checkpoint")
         saved = sd["groups"]
         if len(saved) != len(self.groups):
             raise ValueError(f"checkpoint has {len(saved)} param groups, the optimizer has "
@@ -452,7 +453,6 @@ class ZeroStrategy:
                 part.placement.publish()
         self.zero_grad()
 
-    # ----- introspection ------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds beyond the model weights, by purpose.
 

@@ -221,15 +221,17 @@ def test_a_scripts_own_op_builder_imports_and_its_load_is_one_line() -> None:
         FusedKernels().load()
 
 
-def test_offload_states_names_import_and_the_calls_are_one_line() -> None:
-    """DeepSpeedExamples' offload_states script imports the enum at its top; the engine calls are
-    refused in one line (dslaunch has no offload_states)."""
-    from dslaunch.errors import NotInDslaunchError
+def test_offload_states_names_and_signatures_are_deepspeeds() -> None:
+    """DeepSpeedExamples' offload_states script imports the enums and calls the engine's methods
+    with DeepSpeed 0.19.8's keywords (the behaviour: tests/runtime/zero/test_offload_states.py)."""
+    import inspect
+
     from dslaunch.runtime.engine import DeepSpeedEngine
-    from dslaunch.runtime.zero.offload_config import OffloadStateTypeEnum
+    from dslaunch.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
     assert [e.value for e in OffloadStateTypeEnum] == ["optim_states", "hp_params", "lp_params", "lp_grads",
                                                       "contiguous_grad_buffer"]
-    for call in (DeepSpeedEngine.offload_states, DeepSpeedEngine.reload_states):
-        with pytest.raises(NotInDslaunchError, match=rf"^engine.{call.__name__}: .* not in dslaunch"):
-            call(None, include=[OffloadStateTypeEnum.optim_states])
+    offload = inspect.signature(DeepSpeedEngine.offload_states).parameters
+    assert {k: v.default for k, v in offload.items() if k != "self"} == {
+        "include": None, "device": OffloadDeviceEnum.cpu, "pin_memory": True, "non_blocking": False}
+    assert inspect.signature(DeepSpeedEngine.reload_states).parameters["non_blocking"].default is False

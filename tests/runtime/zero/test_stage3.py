@@ -142,7 +142,7 @@ def test_frozen_parameters_read_as_persistent() -> None:
                           ("3.weight", False, "NOT_AVAILABLE", True, 0), ("3.bias", False, "NOT_AVAILABLE", True, 0)]
 
 
-def _empty_cache(rank: int, world: int, empty: bool) -> tuple[int, list[float]]:
+def _empty_cache(rank: int, world: int, empty: bool, threshold: int = 0) -> tuple[int, list[float]]:
     import torch
 
     import dslaunch
@@ -151,7 +151,7 @@ def _empty_cache(rank: int, world: int, empty: bool) -> tuple[int, list[float]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}}
     engine, *_ = dslaunch.initialize(model=model, config=cfg)
     x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
     whole = 0
@@ -166,35 +166,39 @@ def _empty_cache(rank: int, world: int, empty: bool) -> tuple[int, list[float]]:
     return whole, safe_get_full_fp32_param(model[2].weight).reshape(-1).tolist()
 
 
-@pytest.mark.timeout(90)
-def test_empty_partition_cache_leaves_nothing_gathered_and_training_unchanged() -> None:
-    plain = run_world(_empty_cache, 2, False, timeout=80)
-    emptied = run_world(_empty_cache, 2, True, timeout=80)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "threshold"), [(2, 0), (2, 16), (1, 0)])
+def test_empty_partition_cache_leaves_nothing_gathered_and_training_unchanged(world: int, threshold: int) -> None:
+    """Persistent parameters (the biases at threshold 16; every one of a single rank's resident
+    groups) are released too, as DeepSpeed's, and gathered again by the next forward."""
+    plain = run_world(_empty_cache, world, False, threshold, timeout=80)
+    emptied = run_world(_empty_cache, world, True, threshold, timeout=80)
     for (_, want), (whole, got) in zip(plain, emptied, strict=True):
         assert whole == 0 and got == want
 
 
-def _empty_cache_forward_only(rank: int, world: int) -> tuple[int, list[float], list[float]]:
+def _empty_cache_forward_only(rank: int, world: int, threshold: int) -> tuple[int, list[float], list[float]]:
     import torch
 
     import dslaunch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    cfg = {"train_batch_size": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    cfg = {"train_batch_size": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}}
     engine, *_ = dslaunch.initialize(model=model, config=cfg)  # no optimizer: an evaluation engine
     x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         before = engine(x).reshape(-1).tolist()
         engine.empty_partition_cache()
         whole = sum(p.numel() for p in model.parameters())
-        after = engine(x).reshape(-1).tolist()
+        after = engine.module(x).reshape(-1).tolist()  # a direct call gathers them too
     return whole, before, after
 
 
 @pytest.mark.timeout(90)
-def test_empty_partition_cache_of_a_forward_only_engine_releases_and_regathers() -> None:
-    for whole, before, after in run_world(_empty_cache_forward_only, 2, timeout=80):
+@pytest.mark.parametrize("threshold", [0, 16])
+def test_empty_partition_cache_of_a_forward_only_engine_releases_and_regathers(threshold: int) -> None:
+    for whole, before, after in run_world(_empty_cache_forward_only, 2, threshold, timeout=80):
         assert whole == 0 and after == before
 
 
