@@ -1,8 +1,9 @@
 """FPDT (``deepspeed.sequence.fpdt_layer``): the load-balanced layout is DeepSpeed 0.19.8's index for
-index; the chunked attention (kept and offloaded) on 2 gloo ranks gives each rank its positions of
-whole-sequence causal attention and, summed over the ranks, the projection gradients of one process
-computing the whole sequence (fp32, within 1e-5 of the largest value); the chunked MLP and LM-head
-loss equal unchunked torch."""
+index, and ``FPDT_FFN`` and ``update_out_and_lse`` give its numbers (real DeepSpeed on CPU, once per
+module; skipped without it, see ``DSLAUNCH_DEEPSPEED_PYTHON``); the chunked attention (kept and
+offloaded) on 2 gloo ranks gives each rank its positions of whole-sequence causal attention and,
+summed over the ranks, the projection gradients of one process computing the whole sequence (fp32,
+within 1e-5 of the largest value); the chunked MLP and LM-head loss equal unchunked torch."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from dslaunch.sequence.fpdt_layer import (
     FPDT_LogitsLoss,
     _FPDTGPUAttentionImpl_,
     _FPDTGPUOffloadingAttentionImpl_,
+    update_out_and_lse,
 )
 from tests.distributed import run_world
 from tests.runtime.checkpoint.test_deepspeed_interop import deepspeed_python  # noqa: F401
@@ -36,13 +38,12 @@ LAYOUTS = [(32, 8, 2), (32, 16, 2), (32, 32, 2), (48, 12, 4), (24, 24, 1), (64, 
 _DEEPSPEED_LAYOUT = """
 import json, sys, torch
 from deepspeed.sequence.fpdt_layer import FPDT_InputConstruct
-out = []
-for seq, chunk, sp in json.loads(sys.argv[1]):
+layouts = []
+for seq, chunk, sp in json.loads(sys.argv[3]):
     t = torch.arange(seq).view(1, -1).repeat(2, 1)
     args = type("A", (), {"ds_sequence_parallel_fpdt_chunk_size": chunk})()
     got = [FPDT_InputConstruct(t, t + 1000, t + 2000, None, t + 3000, args, sp, r).generate() for r in range(sp)]
-    out.append([[g[0].tolist(), g[1].tolist(), g[2].tolist(), g[4].tolist()] for g in got])
-print(json.dumps(out))
+    layouts.append([[g[0].tolist(), g[1].tolist(), g[2].tolist(), g[4].tolist()] for g in got])
 """
 
 
@@ -50,19 +51,67 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp(min=1.0))
 
 
-@pytest.mark.timeout(120)
-def test_input_construct_matches_deepspeed(deepspeed_python: Path) -> None:  # noqa: F811
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    run = subprocess.run([str(deepspeed_python), "-c", _DEEPSPEED_LAYOUT, json.dumps(LAYOUTS)], env=env,
-                         capture_output=True, text=True, timeout=110)
+_DEEPSPEED_BLOCKS = """
+from deepspeed.sequence.fpdt_layer import FPDT_FFN, update_out_and_lse
+given = torch.load(sys.argv[1])
+x, w1, b1, w2, b2, grad = (t.clone().requires_grad_(i < 5) for i, t in enumerate(given["ffn"]))
+x_in = x.detach().clone()
+out, _ = FPDT_FFN.apply(x, w1, b1, w2, b2, True, 4)
+out.backward(grad)
+# DeepSpeed's backward writes the input gradient into x itself: read it there
+ffn = [out.detach(), x.detach(), w1.grad, b1.grad, w2.grad, b2.grad, x_in]
+merged = update_out_and_lse(None, None, *given["blocks"][0])
+for block in given["blocks"][1:]:
+    merged = update_out_and_lse(*merged, *block)
+torch.save({"ds_ffn": ffn, "ds_merged": list(merged), "ds_layouts": layouts}, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def deepspeed_blocks(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
+    """Inputs, and real DeepSpeed's FPDT_FFN (forward and gradients) and update_out_and_lse on them,
+    and its FPDT_InputConstruct on ``LAYOUTS`` (one DeepSpeed process: importing it takes seconds)."""
+    folder = tmp_path_factory.mktemp("fpdt")
+    torch.manual_seed(3)
+    ffn = [torch.randn(*s, dtype=torch.float64) for s in ((12, 2, 6), (10, 6), (10,), (6, 10), (6,), (12, 2, 6))]
+    blocks = [(torch.randn(2, 5, 3, 4), torch.randn(2, 3, 5)) for _ in range(3)]
+    torch.save({"ffn": ffn, "blocks": blocks}, folder / "in.pt")
+    run = subprocess.run([str(deepspeed_python), "-c", _DEEPSPEED_LAYOUT + _DEEPSPEED_BLOCKS, str(folder / "in.pt"),
+                          str(folder / "out.pt"), json.dumps(LAYOUTS)],
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
-    want = json.loads(run.stdout.strip().splitlines()[-1])
+    return {"ffn": ffn, "blocks": blocks, **torch.load(folder / "out.pt")}
+
+
+@pytest.mark.timeout(180)
+def test_input_construct_matches_deepspeed(deepspeed_blocks: dict) -> None:
+    want = deepspeed_blocks["ds_layouts"]
     for (seq, chunk, sp), ranks in zip(LAYOUTS, want, strict=True):
         t = torch.arange(seq).view(1, -1).repeat(2, 1)
         args = SimpleNamespace(ds_sequence_parallel_fpdt_chunk_size=chunk)
         for r, expected in enumerate(ranks):
             got = FPDT_InputConstruct(t, t + 1000, t + 2000, None, t + 3000, args, sp, r).generate()
             assert [got[0].tolist(), got[1].tolist(), got[2].tolist(), got[4].tolist()] == expected, (seq, chunk, sp, r)
+
+
+@pytest.mark.timeout(180)
+def test_ffn_and_merge_match_deepspeed(deepspeed_blocks: dict) -> None:
+    """FPDT_FFN's output and gradients (add_bias=True) and the online-softmax merge equal DeepSpeed's;
+    DeepSpeed accumulates the weight gradients in float32 (on fp64 inputs too), hence 1e-6."""
+    x, w1, b1, w2, b2, grad = (t.clone().requires_grad_(i < 5) for i, t in enumerate(deepspeed_blocks["ffn"]))
+    out, none = FPDT_FFN.apply(x, w1, b1, w2, b2, True, 4)
+    out.backward(grad)
+    assert none is None
+    want = deepspeed_blocks["ds_ffn"]
+    for got, expected in zip([out, x.grad, w1.grad, b1.grad, w2.grad, b2.grad], want, strict=False):
+        assert _relative(got.detach(), expected) < 1e-6
+    assert torch.equal(x.detach(), want[6])  # dslaunch leaves the input alone (DeepSpeed overwrote its copy)
+    blocks = deepspeed_blocks["blocks"]
+    merged = update_out_and_lse(None, None, *blocks[0])
+    for block in blocks[1:]:
+        merged = update_out_and_lse(*merged, *block)
+    for got, expected in zip(merged, deepspeed_blocks["ds_merged"], strict=True):
+        assert got.shape == expected.shape and _relative(got, expected) < 1e-6
 
 
 def test_input_construct_refuses_a_chunk_that_does_not_split() -> None:
