@@ -1,12 +1,16 @@
-"""``deepspeed.sequence.fpdt_layer``: FPDT (fully pipelined distributed transformer for long
-sequences), refused on use; Ulysses (``deepspeed.sequence.layer.DistributedAttention``) is there."""
+"""``deepspeed.sequence.fpdt_layer``: FPDT, Ulysses with chunked (and offloaded) attention for very
+long sequences: the load-balanced layout (``runtime/sequence_parallel/fpdt_input.py``), the attention
+(``fpdt_attention.py``, per-block math in ``fpdt_blocks.py``), the chunked MLP and LM-head loss
+(``fpdt_mlp.py``)."""
 
-from dslaunch.utils.refused import Refusal, refuse
+from dslaunch.runtime.sequence_parallel.fpdt_attention import (
+    FPDT_Attention,
+    _FPDTGPUAttentionImpl_,
+    _FPDTGPUOffloadingAttentionImpl_,
+)
+from dslaunch.runtime.sequence_parallel.fpdt_blocks import update_out_and_lse
+from dslaunch.runtime.sequence_parallel.fpdt_input import FPDT_InputConstruct
+from dslaunch.runtime.sequence_parallel.fpdt_mlp import FPDT_FFN, FPDT_LogitsLoss
 
-FPDT = Refusal("FPDT (the fully pipelined distributed transformer: chunked, offloaded Ulysses attention)",
-               "use deepspeed.sequence.layer.DistributedAttention (Ulysses) with sequence_parallel_size")
-
-_REFUSED = ("FPDT_Attention", "FPDT_FFN", "FPDT_InputConstruct", "FPDT_LogitsLoss")
-globals().update(refuse(__name__, _REFUSED, FPDT))
-
-__all__ = [*_REFUSED]
+__all__ = ["FPDT_Attention", "FPDT_FFN", "FPDT_InputConstruct", "FPDT_LogitsLoss", "update_out_and_lse",
+           "_FPDTGPUAttentionImpl_", "_FPDTGPUOffloadingAttentionImpl_"]

@@ -20,6 +20,11 @@ sequence and switch to a head split around attention.
   projector), ``vit_attention.py`` (``UlyssesSPViTAttention``), ``fusion.py`` (the LLaVA, InternVL
   and Qwen2-VL fusion adapters), ``auto_wrap.py`` (``auto_wrap_model_for_sp``), over ``gather.py``
   (the sequence all-gather of shards of any length, its gradient summed over the ranks).
+- FPDT (``deepspeed.sequence.fpdt_layer``), Ulysses with chunked attention for very long sequences:
+  ``fpdt_input.py`` (the load-balanced token layout, ``FPDT_InputConstruct``), ``fpdt_blocks.py``
+  (one query chunk against one key/value chunk, forward and backward, and the online-softmax merge),
+  ``fpdt_attention.py`` (``FPDT_Attention``, chunks kept or offloaded to host memory) and
+  ``fpdt_mlp.py`` (the chunked ``FPDT_FFN`` and ``FPDT_LogitsLoss``).
 
 The sequence axis and its groups come from ``runtime/parallel`` (``sequence_parallel_size`` in
 the config, or the mpu ``register_with_transformers`` returns); the engine averages gradients over

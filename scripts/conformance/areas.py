@@ -122,8 +122,10 @@ AREAS: dict[str, list[str]] = {
     # Left out: unit/ulysses_alst/test_ulysses_sp_hf.py (every test loads
     # hf-internal-testing/tiny-random-LlamaForCausalLM from the Hub: no network here),
     # unit/sequence_parallelism/test_ulysses.py (its tests load bert-base-uncased from the Hub, need
-    # flash_attn on a GPU (FPDT), or call DeepSpeed's private _SeqAllToAll; both need transformers,
-    # which only the DeepSpeed venv has) and test_autotp_custom_patterns.py (it imports
+    # flash_attn on a GPU (FPDT: TestFPDTAttention skips without flash_attn before it touches
+    # deepspeed, though dslaunch's FPDT needs none; tests/runtime/sequence_parallel/test_fpdt.py makes
+    # its call instead), or call DeepSpeed's private _SeqAllToAll; both need transformers, which only
+    # the DeepSpeed venv has) and test_autotp_custom_patterns.py (it imports
     # tp_shard.set_num_kv_heads, which 0.19.8 lacks: it fails to import on both sides).
     "sequence and tensor parallel training": [
         "unit/model_parallelism/test_autotp_training.py",
