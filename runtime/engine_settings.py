@@ -287,7 +287,23 @@ class EngineSettings:
         return self._config.data_efficiency.curriculum_enabled
 
     def random_ltd_enabled(self) -> bool:
-        return False  # data_routing.random_ltd is refused by the config when on
+        return self._config.data_efficiency.random_ltd_enabled
+
+    def random_ltd_config(self) -> dict:
+        """The ``random_ltd`` block as DeepSpeed's engine holds it (with the batch sizes)."""
+        block = self._config.data_efficiency.data_routing.random_ltd
+        return block.as_dict(self._config.train_micro_batch_size_per_gpu, self._config.train_batch_size)
+
+    def random_ltd_initialize(self) -> None:
+        """Join the model's ``RandomLayerTokenDrop`` layers to the engine's random-LTD schedule (what
+        ``convert_to_random_ltd`` calls).
+
+        Raises:
+            ConfigError: random-LTD is off, or the wrapped layers do not match ``random_ltd_layer_id``.
+        """
+        from dslaunch.runtime.data_pipeline.data_routing.wiring import initialize_layers
+
+        initialize_layers(self.module, self._config, self.random_ltd_scheduler)
 
     def set_data_post_process_func(self, post_process_func: Callable[[Any, dict], Any]) -> None:
         """``fn(batch, sampler_state)`` applied to each batch of the curriculum loader

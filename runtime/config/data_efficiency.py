@@ -16,24 +16,33 @@ percentile of the data sorted by the metric ("percentile"). A ``single_cluster``
 read from files (all samples qualify).
 
 As in DeepSpeed, the sampler is on when ``data_sampling.curriculum_learning.enabled`` is true
-(the outer ``enabled`` flags are read and kept, as DeepSpeed keeps them). Random-LTD
-(``data_routing.random_ltd``) and dynamic batching (``data_sampling.dynamic_batching``) are not
-implemented: switching them on is one line saying so. Torch-free.
+(the outer ``enabled`` flags are read and kept, as DeepSpeed keeps them). ``data_routing.random_ltd`` configures random-LTD (``runtime/data_pipeline/data_routing/``).
+Dynamic batching (``data_sampling.dynamic_batching``) is not implemented: switching it on is one
+line saying so. Torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from dslaunch.errors import ConfigError
 from dslaunch.runtime.config.curriculum import SCHEDULE_TYPES, Schedule, parse_schedule
-from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer
+from dslaunch.runtime.config.param_schema import (
+    REQUIRED,
+    Option,
+    boolean,
+    check_params,
+    choice,
+    describe,
+    integer,
+)
 from dslaunch.runtime.config.sections import Off, _opt, optional, parse_section
 
 __all__ = ["DataEfficiencyConfig", "DataSamplingConfig", "CurriculumSamplingConfig", "CurriculumMetricConfig",
-           "DataRoutingConfig", "DIFFICULTY_TYPES", "CLUSTERING_TYPES"]
+           "DataRoutingConfig", "RandomLtdConfig", "DIFFICULTY_TYPES", "CLUSTERING_TYPES"]
 
 _KEY = "data_efficiency"
 DIFFICULTY_TYPES = ("value", "percentile")
@@ -134,13 +143,82 @@ class DataSamplingConfig:
     UNIMPLEMENTED = {"dynamic_batching": _DYNAMIC_BATCHING}  # noqa: RUF012
 
 
+def _ltd_schedule(path: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"must be an object (min_value, max_value, schedule_type, schedule_config), got "
+                          f"{describe(value)}", key=path)
+    params = check_params(value, {"min_value": Option(REQUIRED, integer(1)), "max_value": Option(REQUIRED, integer(1)),
+                                  "schedule_type": Option("fixed_linear", choice("fixed_linear")),
+                                  "schedule_config": Option(REQUIRED, _ltd_steps)}, path, "random_ltd_schedule")
+    if params["min_value"] > params["max_value"]:
+        raise ConfigError(f"{params['min_value']} is above max_value {params['max_value']}", key=f"{path}.min_value")
+    return params
+
+
+def _ltd_steps(path: str, value: Any) -> Mapping[str, Any]:
+    return check_params(value, {"require_steps": Option(REQUIRED, integer(1)),
+                                "seq_per_step": Option(REQUIRED, integer(1))}, path, "schedule 'fixed_linear'")
+
+
+def _layer_ids(path: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not value:
+        raise ConfigError(f"must be a non-empty list of layer numbers, got {describe(value)}", key=path)
+    return tuple(integer(0)(f"{path}[{i}]", v) for i, v in enumerate(value))
+
+
 @dataclass(frozen=True)
-class DataRoutingConfig:
-    """``data_efficiency.data_routing``: its ``random_ltd`` is not implemented (off only)."""
+class RandomLtdConfig:
+    """``data_routing.random_ltd``: the layers named drop tokens at random while training."""
 
     enabled: bool = _opt(False, boolean, "true or false")
+    total_layer_num: int | None = _opt(None, optional(integer(1)), "an integer: the model's layers")
+    random_ltd_layer_num: int | None = _opt(None, optional(integer(1)), "an integer: the layers that drop tokens")
+    random_ltd_layer_id: tuple[int, ...] | None = _opt(None, optional(_layer_ids), "a list of their layer numbers")
+    model_mask_name: str | None = _opt(None, optional(_path), "the layer forward's attention-mask keyword")
+    model_type: str = _opt("decoder", choice("decoder", "encoder"), "decoder or encoder")
+    hidden_state_order: str = _opt("batch_seq_dim", choice("batch_seq_dim", "seq_batch_dim"),
+                                   "batch_seq_dim or seq_batch_dim")
+    random_ltd_schedule: Mapping[str, Any] | None = _opt(None, optional(_ltd_schedule), "the kept length's schedule")
+    layer_token_lr_schedule: Mapping[str, Any] | None = _opt(None, optional(_settings), "not implemented: enabled false")
 
-    UNIMPLEMENTED = {"random_ltd": Off({"enabled": False}, switch="enabled")}  # noqa: RUF012
+    UNIMPLEMENTED = {}  # noqa: RUF012
+
+    def check(self, prefix: str) -> None:
+        """Every key an enabled block needs.
+
+        Raises:
+            ConfigError: naming the key.
+        """
+        if not self.enabled:
+            return
+        for key in ("total_layer_num", "random_ltd_layer_num", "random_ltd_layer_id", "random_ltd_schedule"):
+            if getattr(self, key) is None:
+                raise ConfigError("is required with random-LTD enabled", key=f"{prefix}.{key}")
+        if len(self.random_ltd_layer_id) != self.random_ltd_layer_num:
+            raise ConfigError(f"names {len(self.random_ltd_layer_id)} layers but random_ltd_layer_num is "
+                              f"{self.random_ltd_layer_num}", key=f"{prefix}.random_ltd_layer_id")
+        if (self.layer_token_lr_schedule or {}).get("enabled"):
+            raise ConfigError("is accepted by DeepSpeed but not implemented (DeepSpeed's raises "
+                              "NotImplementedError too); set it to false",
+                              key=f"{prefix}.layer_token_lr_schedule.enabled")
+
+    def as_dict(self, micro_batch_size: int, global_batch_size: int) -> dict[str, Any]:
+        """DeepSpeed's dict of the block, with the batch sizes its engine adds."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["random_ltd_layer_id"] = list(self.random_ltd_layer_id or ())
+        out["layer_token_lr_schedule"] = dict(self.layer_token_lr_schedule or {"enabled": False})
+        return {**out, "micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size}
+
+
+@dataclass(frozen=True)
+class DataRoutingConfig:
+    """``data_efficiency.data_routing``."""
+
+    enabled: bool = _opt(False, boolean, "true or false")
+    random_ltd: RandomLtdConfig = _opt(RandomLtdConfig(), lambda path, value: parse_section(RandomLtdConfig, value, path),
+                                       "random-LTD")
+
+    UNIMPLEMENTED = {}  # noqa: RUF012
 
 
 @dataclass(frozen=True)
@@ -163,12 +241,19 @@ class DataEfficiencyConfig:
         """Whether ``deepspeed_io`` samples by curriculum (DeepSpeed's rule: the innermost flag)."""
         return self.curriculum.enabled
 
+    @property
+    def random_ltd_enabled(self) -> bool:
+        """Whether the engine runs random-LTD (DeepSpeed's rule: ``random_ltd.enabled`` alone)."""
+        return self.data_routing.random_ltd.enabled
+
     def check(self) -> None:
-        """Consistency of an enabled curriculum (each metric's schedule and files, the cluster path).
+        """Consistency of an enabled curriculum (each metric's schedule and files, the cluster path)
+        and of an enabled random-LTD.
 
         Raises:
             ConfigError: naming the key.
         """
+        self.data_routing.random_ltd.check(f"{_KEY}.data_routing.random_ltd")
         if not self.curriculum_enabled:
             return
         prefix = f"{_KEY}.data_sampling.curriculum_learning"

@@ -44,6 +44,34 @@ def main(out: str) -> None:
         batches[case] = [[int(i) for i in next(it)] for _ in range(STEPS * 2)]
     with open(f"{out}/batches.json", "w") as f:
         json.dump(batches, f)
+    with open(f"{out}/random_ltd.json", "w") as f:
+        json.dump(random_ltd(), f)
+
+
+class _SortOnly:
+    """DeepSpeed's CUDA op stands in by its one CPU-meaningful call: each row's indices sorted."""
+
+    @staticmethod
+    def token_sort_(indices, seq_length):
+        return indices.sort(dim=-1).values
+
+
+def random_ltd() -> dict:
+    from deepspeed.ops.random_ltd import dropping_utils
+    from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
+
+    dropping_utils.random_ltd_module = _SortOnly()
+    torch.manual_seed(ref.LTD_SEED)
+    gpt, _ = dropping_utils.gpt_sample_tokens(5, 12, 3, 2, "cpu", None)
+    mask = ref.ltd_mask()
+    bert, masks = dropping_utils.bert_sample_tokens(4, 6, 2, 2, "cpu", mask)
+    scheduler = RandomLTDScheduler(ref.ltd_block())
+    schedule = []
+    for step in range(14):
+        scheduler.update_seq(step)
+        schedule.append([scheduler.get_current_seq(), scheduler.state["consumed_layer_tokens"]])
+    return {"gpt": gpt.tolist(), "bert": bert.tolist(), "bert_masks": [m.tolist() for m in masks],
+            "schedule": schedule, "state": scheduler.state_dict()}
 
 
 if __name__ == "__main__":

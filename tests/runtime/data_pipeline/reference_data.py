@@ -73,3 +73,21 @@ def data_efficiency(analysis: str, clusters: str, case: str) -> dict:
 
 def indexed_items() -> list[np.ndarray]:
     return [np.arange(n, dtype=np.int64) * 3 - 7 for n in (5, 0, 1, 17, 3)]
+
+
+LTD_SEED = 11
+
+
+def ltd_block(layers: int = 4, dropping: tuple = (1, 2)) -> dict:
+    """A ``random_ltd`` block (with the batch sizes DeepSpeed's engine adds)."""
+    return {"enabled": True, "total_layer_num": layers, "random_ltd_layer_num": len(dropping),
+            "random_ltd_layer_id": list(dropping), "model_mask_name": None, "model_type": "decoder",
+            "hidden_state_order": "batch_seq_dim",
+            "random_ltd_schedule": {"min_value": 4, "max_value": 12, "schedule_type": "fixed_linear",
+                                    "schedule_config": {"require_steps": 10, "seq_per_step": 2}},
+            "layer_token_lr_schedule": {"enabled": False}, "micro_batch_size": 2, "global_batch_size": 4}
+
+
+def ltd_mask() -> torch.Tensor:
+    """An encoder's attention mask [batch 2, 1, seq 6, seq 6] whose entries name their position."""
+    return torch.arange(2 * 36, dtype=torch.float32).reshape(2, 1, 6, 6)
