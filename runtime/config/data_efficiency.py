@@ -16,9 +16,9 @@ percentile of the data sorted by the metric ("percentile"). A ``single_cluster``
 read from files (all samples qualify).
 
 As in DeepSpeed, the sampler is on when ``data_sampling.curriculum_learning.enabled`` is true
-(the outer ``enabled`` flags are read and kept, as DeepSpeed keeps them). ``data_routing.random_ltd`` configures random-LTD (``runtime/data_pipeline/data_routing/``).
-Dynamic batching (``data_sampling.dynamic_batching``) is not implemented: switching it on is one
-line saying so. Torch-free.
+(the outer ``enabled`` flags are read and kept, as DeepSpeed keeps them). ``data_routing.random_ltd`` configures random-LTD (``runtime/data_pipeline/data_routing/``),
+``data_sampling.dynamic_batching`` the variable batch size loader
+(``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``). Torch-free.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from dslaunch.runtime.config.param_schema import (
     describe,
     integer,
 )
-from dslaunch.runtime.config.sections import Off, _opt, optional, parse_section
+from dslaunch.runtime.config.sections import _opt, optional, parse_section
 
 __all__ = ["DataEfficiencyConfig", "DataSamplingConfig", "CurriculumSamplingConfig", "CurriculumMetricConfig",
-           "DataRoutingConfig", "RandomLtdConfig", "DIFFICULTY_TYPES", "CLUSTERING_TYPES"]
+           "DataRoutingConfig", "RandomLtdConfig", "DynamicBatchingConfig", "DIFFICULTY_TYPES", "CLUSTERING_TYPES"]
 
 _KEY = "data_efficiency"
 DIFFICULTY_TYPES = ("value", "percentile")
@@ -126,7 +126,22 @@ def _section(cls: type) -> Any:
     return lambda path, value: parse_section(cls, value, path)
 
 
-_DYNAMIC_BATCHING = Off({"enabled": False}, switch="enabled")
+@dataclass(frozen=True)
+class DynamicBatchingConfig:
+    """``data_sampling.dynamic_batching``: batches of up to ``max_tokens`` tokens, the LR scaled to
+    each batch's size (``variable_batch_size_and_lr.py``)."""
+
+    enabled: bool = _opt(False, boolean, "true or false")
+    metrics_path: str | None = _opt(None, optional(_path), "the analyzer's directory (with seqlen/)")
+    lr_scaling_method: str = _opt("linear", choice("linear", "sqrt", "none"), "linear, sqrt or none")
+    min_batch_size: int = _opt(1, integer(1), "an integer: the fewest samples of a micro batch")
+    max_batch_size: int | None = _opt(None, optional(integer(1)), "an integer: the most samples of a micro batch")
+    sequence_picking_order: str = _opt("dataloader", choice("dataloader", "random", "seqlen"),
+                                       "dataloader, random or seqlen")
+    max_tokens: int | None = _opt(None, optional(integer(1)), "an integer: the most tokens of a micro batch")
+    verbose: bool = _opt(False, boolean, "true or false")
+
+    UNIMPLEMENTED = {}  # noqa: RUF012
 
 
 @dataclass(frozen=True)
@@ -139,8 +154,10 @@ class DataSamplingConfig:
     pin_memory: bool = _opt(False, boolean, "true or false")
     curriculum_learning: CurriculumSamplingConfig = _opt(CurriculumSamplingConfig(), _section(CurriculumSamplingConfig),
                                                          "the curriculum's settings")
+    dynamic_batching: DynamicBatchingConfig = _opt(DynamicBatchingConfig(), _section(DynamicBatchingConfig),
+                                                   "batching by a token budget")
 
-    UNIMPLEMENTED = {"dynamic_batching": _DYNAMIC_BATCHING}  # noqa: RUF012
+    UNIMPLEMENTED = {}  # noqa: RUF012
 
 
 def _ltd_schedule(path: str, value: Any) -> Mapping[str, Any]:
@@ -254,6 +271,10 @@ class DataEfficiencyConfig:
             ConfigError: naming the key.
         """
         self.data_routing.random_ltd.check(f"{_KEY}.data_routing.random_ltd")
+        batching = self.data_sampling.dynamic_batching
+        if batching.enabled and batching.max_tokens is None:
+            raise ConfigError("is required with dynamic batching enabled (the most tokens of a micro batch, e.g. 8192)",
+                              key=f"{_KEY}.data_sampling.dynamic_batching.max_tokens")
         if not self.curriculum_enabled:
             return
         prefix = f"{_KEY}.data_sampling.curriculum_learning"

@@ -127,7 +127,10 @@ def test_unimplemented_keys_are_reported_not_ignored() -> None:
     assert "not implemented" in _error({"train_batch_size": 8, "hybrid_engine": {"enabled": True,
                                                                                 "inference_tp_size": 2}})
     assert "not implemented" in _error({"train_batch_size": 8, "data_efficiency": {
-        "data_sampling": {"dynamic_batching": {"enabled": True}}}})
+        "data_routing": {"random_ltd": {"enabled": True, "total_layer_num": 2, "random_ltd_layer_num": 1,
+                                        "random_ltd_layer_id": [1], "layer_token_lr_schedule": {"enabled": True},
+                                        "random_ltd_schedule": {"min_value": 8, "max_value": 16, "schedule_config": {
+                                            "require_steps": 10, "seq_per_step": 8}}}}}})
     # partial offload is implemented now (stage 3, tests/runtime/zero/test_offload_ratio.py)
     zero = load_config({"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, 2).zero_optimization

@@ -46,6 +46,31 @@ def main(out: str) -> None:
         json.dump(batches, f)
     with open(f"{out}/random_ltd.json", "w") as f:
         json.dump(random_ltd(), f)
+    with open(f"{out}/variable_batch.json", "w") as f:
+        json.dump(variable_batch(), f, default=int)  # numpy ints in the lengths
+
+
+def variable_batch() -> dict:
+    from deepspeed.runtime.data_pipeline.data_sampling import variable_batch_size_and_lr as vb
+
+    out = {}
+    for name, kwargs in ref.VARIABLE_CASES.items():
+        out[name] = vb.batch_by_seqlens(ref.lengths(), **kwargs)
+    for name, (method, use_scheduler) in ref.LR_CASES.items():
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        base = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5) if use_scheduler else optimizer
+        loader, scheduler, _ = vb.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+            ref.TokenDataset(), ref.lengths(), 60, 4, lr_scaling_method=method, dataloader_batch_size=2,
+            dataloader_rank=1, dataloader_num_replicas=2, dataloader_collate_fn=ref.collate,
+            lr_scheduler_or_optimizer=base, sequence_picking_order="random", seed=3)
+        lrs = []
+        for _ in range(8):
+            optimizer.step()
+            scheduler.step()
+            lrs.append(scheduler.get_lr()[0])
+        out[name] = {"lrs": lrs, "rank1": [[int(s["index"]) for s in b] for b in list(loader)[:5]]}
+    return out
 
 
 class _SortOnly:

@@ -91,3 +91,13 @@ def ltd_block(layers: int = 4, dropping: tuple = (1, 2)) -> dict:
 def ltd_mask() -> torch.Tensor:
     """An encoder's attention mask [batch 2, 1, seq 6, seq 6] whose entries name their position."""
     return torch.arange(2 * 36, dtype=torch.float32).reshape(2, 1, 6, 6)
+
+
+VARIABLE_CASES = {
+    "dataloader": {"max_tokens": 100, "effective_batch_size": 4},
+    "random": {"max_tokens": 120, "effective_batch_size": 3, "sequence_picking_order": "random", "seed": 9,
+               "min_batch_size": 2, "max_batch_size": 5},
+    "seqlen_same_size": {"max_tokens": 90, "effective_batch_size": 2, "sequence_picking_order": "seqlen",
+                         "required_microbatches_of_same_size": True, "sequence_ids_per_mb": list(range(0, 240, 3))},
+}
+LR_CASES = {"linear_steplr": ("linear", True), "sqrt_constant": ("sqrt", False)}

@@ -17,11 +17,10 @@ from dslaunch.runtime.data_pipeline.data_routing.helper import convert_to_random
 from dslaunch.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
 from dslaunch.runtime.data_pipeline.data_routing.tokens import bert_sample_tokens, gpt_sample_tokens
 from tests.runtime.data_pipeline import reference_data as ref
-from tests.runtime.data_pipeline.test_deepspeed_reference import deepspeed_out  # noqa: F401 (a fixture)
 
 
 @pytest.mark.timeout(200)
-def test_token_draw_and_schedule_are_deepspeeds(deepspeed_out: Path) -> None:  # noqa: F811
+def test_token_draw_and_schedule_are_deepspeeds(deepspeed_out: Path) -> None:
     expected = json.loads((deepspeed_out / "random_ltd.json").read_text())
     torch.manual_seed(ref.LTD_SEED)
     gpt, no_mask = gpt_sample_tokens(5, 12, 3, 2, "cpu", None)
