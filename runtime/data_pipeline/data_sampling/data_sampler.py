@@ -324,7 +324,7 @@ class DeepSpeedDataSampler:
         # DeepSpeed once saved absolute paths: the file name under the configured directory counts
         self.data_cluster_paths = [p.rsplit("/", 1)[-1] for p in state_dict["data_cluster_paths"]]
         self.data_cluster_current_position = list(state_dict["data_cluster_current_position"])
-        rng = state_dict["np_rng_state"]
+        rng = state_dict.get("sampler_rng_state", state_dict["np_rng_state"])  # the former: DeepSpeed's format
         if isinstance(rng, Mapping):
             self.np_rng.bit_generator.state = copy.deepcopy(dict(rng))
         else:  # DeepSpeed's checkpoint: numpy's global state, restored as DeepSpeed does

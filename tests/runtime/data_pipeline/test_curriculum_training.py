@@ -2,7 +2,8 @@
 ``initialize(training_data=...)``): each micro step, rank 0's and rank 1's batches are the two
 halves of what the one-process sampler draws for the same global batch (the order DeepSpeed draws,
 ``test_deepspeed_reference.py``); and a job resumed from the checkpoint of step 3 trains on the
-same samples with the same losses as the uninterrupted one through step 6."""
+same samples with the same losses as the uninterrupted one through step 6, from a checkpoint in
+dslaunch's format or DeepSpeed's."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ from tests.runtime.data_pipeline import reference_data as ref
 MICRO, ACCUMULATE, STEPS, SAVE_AT = 2, 2, 6, 3
 
 
-def _config(analysis: str, clusters: str) -> dict:
+def _config(analysis: str, clusters: str, form: str) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATE,
+            "checkpoint": {"format": form},
+            # ZeRO-1 with DeepSpeed's format: its stage-0 checkpoints do not load back in dslaunch yet
+            # (the Adam state of a stage-0 DeepSpeed checkpoint is not found: reported to the lead)
+            "zero_optimization": {"stage": 1 if form == "deepspeed" else 0},
             "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "steps_per_print": 1000,
             "data_efficiency": ref.data_efficiency(analysis, clusters, "value")}
 
@@ -37,12 +42,12 @@ def _steps(engine: object, loader: object, steps: int) -> tuple[list, list]:
     return ids, losses
 
 
-def _train(rank: int, world: int, root: str) -> dict:
+def _train(rank: int, world: int, root: str, form: str) -> dict:
     import dslaunch
 
     torch.manual_seed(0)
     engine, _, loader, _ = dslaunch.initialize(model=torch.nn.Linear(48, 1), config=_config(
-        f"{root}/analysis", f"{root}/clusters"), training_data=ref.TokenDataset())
+        f"{root}/analysis", f"{root}/clusters", form), training_data=ref.TokenDataset())
     # as Megatron-DeepSpeed's: the step the sampler is at rides along with each batch
     engine.set_data_post_process_func(lambda batch, state: {**batch, "step": float(state["curriculum_step"])})
     ids, losses = _steps(engine, loader, SAVE_AT)
@@ -54,7 +59,7 @@ def _train(rank: int, world: int, root: str) -> dict:
     more_ids, more_losses = _steps(engine, loader, STEPS - SAVE_AT)
     torch.manual_seed(1)  # other initial weights: the checkpoint must bring them back
     resumed, _, again, _ = dslaunch.initialize(model=torch.nn.Linear(48, 1), config=_config(
-        f"{root}/analysis", f"{root}/clusters_saved"), training_data=ref.TokenDataset())
+        f"{root}/analysis", f"{root}/clusters_saved", form), training_data=ref.TokenDataset())
     resumed.set_data_post_process_func(lambda batch, state: {**batch, "step": float(state["curriculum_step"])})
     resumed.load_checkpoint(f"{root}/ckpt")
     resumed_ids, resumed_losses = _steps(resumed, again, STEPS - SAVE_AT)
@@ -64,13 +69,15 @@ def _train(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_share_each_global_batch_and_resume_at_the_same_position(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["dslaunch", "deepspeed"])
+def test_two_ranks_share_each_global_batch_and_resume_at_the_same_position(tmp_path: Path, form: str) -> None:
+    """``form``: the checkpoint's format (DeepSpeed's keeps the position as its ``data_sampler``)."""
     from dslaunch.runtime.data_pipeline.data_sampling.data_analyzer import DataAnalyzer
     from dslaunch.runtime.data_pipeline.data_sampling.data_sampler import DeepSpeedDataSampler
 
     DataAnalyzer(ref.TokenDataset(), **ref.analyzer_kwargs(str(tmp_path / "analysis"))).run_map()
     DataAnalyzer(ref.TokenDataset(), **ref.analyzer_kwargs(str(tmp_path / "analysis"))).run_reduce()
-    got = run_world(_train, 2, str(tmp_path), timeout=110)
+    got = run_world(_train, 2, str(tmp_path), form, timeout=110)
     alone = iter(DeepSpeedDataSampler(ref.data_efficiency(str(tmp_path / "analysis"), str(tmp_path / "one"), "value"),
                                       ref.SAMPLES, MICRO * 2, 0, 1, None, ACCUMULATE, 0))
     expected = [next(alone) for _ in range(STEPS * ACCUMULATE)]
