@@ -26,6 +26,9 @@ def test_token_draw_and_schedule_are_deepspeeds(deepspeed_out: Path) -> None:
     gpt, no_mask = gpt_sample_tokens(5, 12, 3, 2, "cpu", None)
     bert, masks = bert_sample_tokens(4, 6, 2, 2, "cpu", ref.ltd_mask())
     assert gpt.tolist() == expected["gpt"] and no_mask is None and gpt.dtype == torch.int32
+    from dslaunch.ops.random_ltd import dropping_utils  # DeepSpeed's path of the same functions
+
+    assert dropping_utils.gpt_sample_tokens is gpt_sample_tokens
     assert bert.tolist() == expected["bert"] and [m.tolist() for m in masks] == expected["bert_masks"]
     scheduler = RandomLTDScheduler(ref.ltd_block())
     schedule = []
