@@ -32,6 +32,7 @@ from __future__ import annotations
 import csv
 import io
 import multiprocessing
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -249,16 +250,12 @@ class DataAnalyzer:
 
 
 def _remove_csvs(where: str, prefix: str) -> None:
-    import os
-
     for name in os.listdir(where):
         if name.startswith(prefix) and name.endswith(".csv"):
             remove_file(where, name)
 
 
 def _write_csv_row(path: str, samples: list[int]) -> None:
-    import os
-
     text = io.StringIO()
     csv.writer(text).writerow(samples)
     write_file(os.path.dirname(path) or ".", os.path.basename(path), text.getvalue())
