@@ -219,10 +219,18 @@ class DeepSpeedDataLoader(DistributedDataLoader):
     used (the engine times its own steps); ``num_local_io_workers`` defaults to 0 worker processes,
     not DeepSpeed's two per device.
 
-    Raises:
-        NotInDslaunchError: ``deepspeed_dataloader_config`` asks for DeepSpeed's curriculum
-            sampling (data efficiency), which dslaunch does not have.
+    With ``deepspeed_dataloader_config={"curriculum_learning": True, "data_efficiency": ...}`` (what
+    DeepSpeed's engine passes when data sampling by curriculum is on) the object made is a
+    ``CurriculumDataLoader`` (``runtime/data_pipeline/data_sampling/curriculum_loader.py``).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        settings = kwargs.get("deepspeed_dataloader_config") or (args[11] if len(args) > 11 else None)
+        if cls is DeepSpeedDataLoader and (settings or {}).get("curriculum_learning"):
+            from dslaunch.runtime.data_pipeline.data_sampling.curriculum_loader import CurriculumDataLoader
+
+            return CurriculumDataLoader(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, dataset: Any, batch_size: int, pin_memory: bool, local_rank: int, tput_timer: Any,
                  collate_fn: Callable[[list[Any]], Any] | None = None, num_local_io_workers: int | None = None,
@@ -230,11 +238,7 @@ class DeepSpeedDataLoader(DistributedDataLoader):
                  data_parallel_rank: int | None = None, dataloader_drop_last: bool = False,
                  deepspeed_dataloader_config: Mapping[str, Any] | None = None, *, shuffle: bool = True,
                  blocked: bool = False):
-        del local_rank, tput_timer
-        if (deepspeed_dataloader_config or {}).get("curriculum_learning"):
-            raise NotInDslaunchError("DeepSpeedDataLoader(deepspeed_dataloader_config={'curriculum_learning': "
-                                     "True}): DeepSpeed's data-efficiency curriculum sampling is not in dslaunch; "
-                                     "pass a data_sampler of your own")
+        del local_rank, tput_timer, deepspeed_dataloader_config
         import torch.distributed as dist
 
         joined = dist.is_available() and dist.is_initialized()

@@ -36,6 +36,7 @@ from dslaunch.runtime.checkpoint.deepspeed_checkpoint import (
 )
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.data_pipeline.curriculum_scheduler import legacy_scheduler
+from dslaunch.runtime.data_pipeline.data_routing.wiring import random_ltd_scheduler
 from dslaunch.runtime.dist import device_for, local_rank
 from dslaunch.runtime.engine_accumulation import MEMORY_OPT_ALLREDUCE_SIZE, EngineAccumulation
 from dslaunch.runtime.engine_checkpoint import EngineCheckpoints
@@ -149,6 +150,7 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
                                     PrecisionPolicy.scales_loss(config))
         half = config.fp16.enabled or config.bf16.enabled or config.torch_autocast.enabled
         self.curriculum_scheduler_legacy = legacy_scheduler(config.curriculum_learning, half)  # DeepSpeed's name
+        self.random_ltd_scheduler = random_ltd_scheduler(config)  # DeepSpeed's name; None when off
         pld = config.progressive_layer_drop
         self.progressive_layer_drop = ProgressiveLayerDrop(pld.theta, pld.gamma) if pld.enabled else None
         if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
@@ -199,6 +201,8 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
                 kwargs = {**kwargs, **self.progressive_layer_drop.get_state()}
             if self.curriculum_scheduler_legacy is not None:
                 kwargs = self.curriculum_scheduler_legacy.forward_kwargs(kwargs, self.global_steps + 1)
+            if self.random_ltd_scheduler is not None:  # at the step taken so far, as DeepSpeed's
+                self.random_ltd_scheduler.update_seq(self.global_steps)
         with self.events.phase("forward"), offload, self._autocast():
             out = self.module(*args, **kwargs)
         # a script's own loss.backward() then trains as engine.backward(loss) (plain_backward.py)

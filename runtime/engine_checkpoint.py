@@ -219,7 +219,8 @@ class EngineCheckpoints:
                 "loss_scaler": self.loss_scaler.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
                 "dataloader": (self.training_dataloader.state_dict()
-                               if self.training_dataloader is not None else None)}
+                               if self.training_dataloader is not None else None),
+                "random_ltd": self.random_ltd_scheduler.state_dict() if self.random_ltd_scheduler else None}
 
     def load_engine_state_dict(self, sd: dict) -> None:
         """Restore what ``engine_state_dict`` returned."""
@@ -229,6 +230,7 @@ class EngineCheckpoints:
         if exchange is not None:  # None saved (older checkpoints, load_optimizer_states=False): fresh
             exchange.load_state_dict(sd.get("grad_exchange"))
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
-        for part, key in ((self.lr_scheduler, "lr_scheduler"), (self.training_dataloader, "dataloader")):
+        for part, key in ((self.lr_scheduler, "lr_scheduler"), (self.training_dataloader, "dataloader"),
+                          (self.random_ltd_scheduler, "random_ltd")):
             if part is not None and sd.get(key) is not None:
                 part.load_state_dict(sd[key])

@@ -272,6 +272,50 @@ class EngineSettings:
         """The ``curriculum_learning`` block as given, less ``enabled`` (False without one), as DeepSpeed's."""
         return _block_params(self._config.raw, "curriculum_learning")
 
+    def data_efficiency_enabled(self) -> bool:
+        return self._config.data_efficiency.enabled
+
+    def data_efficiency_config(self) -> dict:
+        """The ``data_efficiency`` block as given (``{}`` without one)."""
+        return dict(self._config.raw.get("data_efficiency") or {})
+
+    def data_sampling_enabled(self) -> bool:
+        return self._config.data_efficiency.data_sampling.enabled
+
+    def curriculum_learning_enabled(self) -> bool:
+        """Whether ``deepspeed_io`` samples by curriculum (``data_sampling.curriculum_learning.enabled``)."""
+        return self._config.data_efficiency.curriculum_enabled
+
+    def random_ltd_enabled(self) -> bool:
+        return self._config.data_efficiency.random_ltd_enabled
+
+    def random_ltd_config(self) -> dict:
+        """The ``random_ltd`` block as DeepSpeed's engine holds it (with the batch sizes)."""
+        block = self._config.data_efficiency.data_routing.random_ltd
+        return block.as_dict(self._config.train_micro_batch_size_per_gpu, self._config.train_batch_size)
+
+    def random_ltd_initialize(self) -> None:
+        """Join the model's ``RandomLayerTokenDrop`` layers to the engine's random-LTD schedule (what
+        ``convert_to_random_ltd`` calls).
+
+        Raises:
+            ConfigError: random-LTD is off, or the wrapped layers do not match ``random_ltd_layer_id``.
+        """
+        from dslaunch.runtime.data_pipeline.data_routing.wiring import initialize_layers
+
+        initialize_layers(self.module, self._config, self.random_ltd_scheduler)
+
+    def set_data_post_process_func(self, post_process_func: Callable[[Any, dict], Any]) -> None:
+        """``fn(batch, sampler_state)`` applied to each batch of the curriculum loader
+        (``engine.training_dataloader``), as DeepSpeed's; other loaders ignore it, as DeepSpeed's."""
+        if self.training_dataloader is not None:
+            self.training_dataloader.post_process_func = post_process_func
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: dict[str, Callable[[int], int]]) -> None:
+        """The ``custom`` schedules' functions of the curriculum sampler, metric name -> (step -> difficulty)."""
+        if self.training_dataloader is not None and self.curriculum_learning_enabled():
+            self.training_dataloader.data_sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
+
     def torch_autocast_enabled(self) -> bool:
         return self._config.torch_autocast.enabled
 

@@ -354,6 +354,8 @@ def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | No
     from dslaunch.runtime.dataloader import DeepSpeedDataLoader
 
     batch_size = batch_size or cfg.train_micro_batch_size_per_gpu
+    if sampler is None and cfg.data_efficiency.curriculum_enabled:
+        return _curriculum_loader(cfg, data, grid, batch_size, collate_fn, pin_memory)
     if sampler is not None:
         return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                                            num_workers=num_workers, pin_memory=pin_memory,
@@ -363,6 +365,24 @@ def data_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int | No
                                data_parallel_rank=grid.get_data_parallel_rank(),
                                dataloader_drop_last=cfg.dataloader_drop_last, shuffle=shuffle,
                                blocked=cfg.layout_invariant.enabled)
+
+
+def _curriculum_loader(cfg: DeepSpeedConfig, data: Any, grid: Any, batch_size: int, collate_fn: Any,
+                       pin_memory: bool) -> Any:
+    """DeepSpeed's loader over its curriculum sampler (``data_efficiency``): its own worker count."""
+    from dslaunch.runtime.data_pipeline.data_sampling.curriculum_loader import (
+        CurriculumDataLoader,
+        curriculum_loader_config,
+    )
+
+    sampling = cfg.data_efficiency.data_sampling
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    settings = curriculum_loader_config(cfg.data_efficiency, grid.get_data_parallel_group(),
+                                        cfg.gradient_accumulation_steps, rank, sampling.num_workers)
+    return CurriculumDataLoader(data, batch_size, pin_memory or sampling.pin_memory, -1, None, collate_fn=collate_fn,
+                                data_parallel_world_size=grid.get_data_parallel_world_size(),
+                                data_parallel_rank=grid.get_data_parallel_rank(),
+                                dataloader_drop_last=cfg.dataloader_drop_last, deepspeed_dataloader_config=settings)
 
 
 def sequence_size(mpu: Any) -> int:

@@ -6,7 +6,8 @@ Thin facades only: ``adam.py`` (``DeepSpeedCPUAdam``, ``FusedAdam``), ``adagrad.
 ``normalization.py`` (``layer_norm``, ``rms_norm``, ``FusedLayerNorm``, ``FusedRMSNorm``) and
 ``bias_gelu.py`` (``bias_gelu``, ``BiasGeLU``) re-export ``dslaunch.kernels.normalization`` and
 ``dslaunch.kernels.bias_gelu`` (Triton on CUDA); ``op_builder/`` answers DeepSpeed's op builders with what dslaunch has (``aio.py`` is its
-``AsyncIOBuilder`` path); ``transformer.py`` (``DeepSpeedTransformerLayer``,
+``AsyncIOBuilder`` path); ``random_ltd/`` re-exports random-LTD's token operations
+(``dslaunch.runtime.data_pipeline.data_routing.tokens``); ``transformer.py`` (``DeepSpeedTransformerLayer``,
 ``DeepSpeedTransformerConfig``, also attributes of this package as in DeepSpeed) re-exports
 ``dslaunch.kernels.transformer``; ``sparse_attention/`` is refused on use.
 """

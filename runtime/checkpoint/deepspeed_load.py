@@ -130,8 +130,10 @@ def _training(parts: CheckpointParts, state: DeepSpeedState, lr_scheduler: bool,
     training = dict(parts.training.state_dict())
     steps = int(sd.get("global_steps", 0))
     training.update(global_steps=steps, global_samples=int(sd.get("global_samples", training["global_samples"])),
-                    skipped_steps=int(sd.get("skipped_steps", 0)), grad_exchange=None, dataloader=None,
-                    lr_scheduler=sd.get("lr_scheduler") if lr_scheduler else None)
+                    skipped_steps=int(sd.get("skipped_steps", 0)), grad_exchange=None, random_ltd=sd.get("random_ltd"),
+                    lr_scheduler=sd.get("lr_scheduler") if lr_scheduler else None,
+                    # DeepSpeed's curriculum sampler state is the curriculum loader's position; any other is not ours
+                    dataloader=sd.get("data_sampler") if "curriculum_step" in (training.get("dataloader") or {}) else None)
     if optimizer and "cur_scale" in state.loss_scaler and isinstance(training.get("loss_scaler"), dict):
         training["loss_scaler"] = {**training["loss_scaler"],
                                    **{k: state.loss_scaler[k] for k in _LOSS_SCALER_KEYS if k in state.loss_scaler}}

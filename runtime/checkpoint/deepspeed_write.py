@@ -272,7 +272,8 @@ def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: 
                               for g in groups] if zero and parts.optimizer is not None else None,
              "frozen_param_shapes": frozen[0], "shared_params": shared_params(module) if zero else None,
              "frozen_param_fragments": frozen[1], "lr_scheduler": training.get("lr_scheduler"),
-             "data_sampler": None, "random_ltd": None, "skipped_steps": int(training["skipped_steps"]),
+             "data_sampler": _data_sampler(training.get("dataloader")), "random_ltd": training.get("random_ltd"),
+             "skipped_steps": int(training["skipped_steps"]),
              "global_steps": int(training["global_steps"]), "global_samples": int(training["global_samples"]),
              "dp_world_size": world, "mp_world_size": 1,
              "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
@@ -334,6 +335,20 @@ def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
             else None)
     if what:
         raise CheckpointError(f'checkpoint.format "deepspeed" cannot save {what} yet: use format "dslaunch"')
+
+
+def _data_sampler(position: dict | None) -> dict | None:
+    """A curriculum loader's position as DeepSpeed's sampler saves it (numpy's global random state in
+    ``np_rng_state``, which its ``load_state_dict`` restores), the sampler's own generator beside it
+    (``sampler_rng_state``, which dslaunch restores); None for any other loader."""
+    if not isinstance(position, dict) or "curriculum_step" not in position:
+        return None
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # plain Python values: readable by torch.load(weights_only=True); numpy's set_state takes them
+    legacy = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    return {**position, "np_rng_state": legacy, "sampler_rng_state": position["np_rng_state"]}
 
 
 def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str, client_state: dict | None,

@@ -18,6 +18,7 @@
   ``expert_parallel.py`` (AutoEP),
   ``memory_checkpoint.py`` (dslaunch's ``memory_checkpoint`` block), ``layout_invariant.py``
   (dslaunch's ``layout_invariant`` block), ``curriculum.py`` (``curriculum_learning``),
+  ``data_efficiency.py`` (``data_efficiency``: curriculum by data sampling),
   ``torch_autocast.py``, ``progressive_layer_drop.py``, ``hybrid_engine.py`` (DeepSpeed's
   ``hybrid_engine``: one engine that trains and generates).
 - ``deepspeed_defaults.py``: DeepSpeed 0.19.8's own defaults (data), which the tests and the docs'

@@ -64,6 +64,7 @@ def cross_check(cfg: Any) -> None:
     check_packages(cfg.monitor_config)
     cfg.autotuning.check()
     cfg.curriculum_learning.check()
+    cfg.data_efficiency.check()
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16 and bf16 cannot both be enabled; choose one", key="bf16.enabled")
     zero = cfg.zero_optimization

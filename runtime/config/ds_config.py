@@ -30,6 +30,7 @@ from dslaunch.runtime.config.client_forms import client_forms
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
 from dslaunch.runtime.config.cross_check import cross_check
 from dslaunch.runtime.config.curriculum import CurriculumLearningConfig
+from dslaunch.runtime.config.data_efficiency import DataEfficiencyConfig
 from dslaunch.runtime.config.elasticity import ElasticityConfig
 from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
 from dslaunch.runtime.config.file import check_shape, read_config_file
@@ -89,7 +90,8 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "tensor_parallel": TensorParallelConfig, "memory_checkpoint": MemoryCheckpointConfig,
              "expert_parallel": ExpertParallelConfig, "layout_invariant": LayoutInvariantConfig, "curriculum_learning":
              CurriculumLearningConfig, "torch_autocast": TorchAutocastConfig,
-             "progressive_layer_drop": ProgressiveLayerDropConfig, "hybrid_engine": HybridEngineConfig}
+             "progressive_layer_drop": ProgressiveLayerDropConfig, "hybrid_engine": HybridEngineConfig,
+             "data_efficiency": DataEfficiencyConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -248,6 +250,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     layout_invariant: LayoutInvariantConfig = field(default_factory=LayoutInvariantConfig)
     """dslaunch's own block: reductions in one fixed order at any tensor, expert or data degree."""
     curriculum_learning: CurriculumLearningConfig = field(default_factory=CurriculumLearningConfig)
+    data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
+    """Curriculum learning by data sampling (``runtime/data_pipeline/data_sampling/``)."""
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     """Forwards under ``torch.autocast`` (``runtime/torch_autocast.py``)."""
     progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)

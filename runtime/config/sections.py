@@ -357,7 +357,6 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
                                  "head_pruning": _COMPRESSION, "channel_pruning": _COMPRESSION,
                                  "layer_reduction": _enabled()}),
     "quantize_training": _enabled(), "eigenvalue": _enabled(),
-    "data_efficiency": _enabled(),
     "compile": Off({"deepcompile": False}, switch="deepcompile"), "graph_harvesting": False,
     # checkpoint engines
     "nebula": _enabled(), "datastates_ckpt": False, "casync_ckpt": False, "async_load": False,

@@ -1,13 +1,14 @@
 """``deepspeed.runtime.data_pipeline``: DeepSpeed's data-efficiency library. Its curriculum by step
-(``curriculum_scheduler.py``, the ds_config's ``curriculum_learning``) is dslaunch's; the rest
-(random-LTD in ``data_routing/``, data sampling by difficulty in ``data_sampling/``) is not: those
-modules import (Megatron-DeepSpeed imports them at the top of its training script) and each name is
-refused on use.
+(``curriculum_scheduler.py``, the ds_config's ``curriculum_learning``), its curriculum by data
+sampling (``data_sampling/``, ``data_efficiency.data_sampling``, with its variable batch size
+loader) and random-LTD (``data_routing/``, ``data_efficiency.data_routing.random_ltd``) are
+dslaunch's; the distributed analyzer (``DistributedDataAnalyzer``) is not: it imports and is refused
+on use.
 """
 
 from dslaunch.utils.refused import Refusal
 
-DATA_EFFICIENCY = Refusal("DeepSpeed's data-efficiency library (random-LTD, curriculum by data sampling)",
-                          "feed batches from a torch DataLoader/Sampler of your own (no 'data_efficiency' in ds_config)")
+DATA_EFFICIENCY = Refusal("DeepSpeed's analysis of a dataset over a torch.distributed group",
+                          "use DataAnalyzer with num_workers/worker_id on each rank and run_map_reduce()")
 
 __all__ = ["DATA_EFFICIENCY"]

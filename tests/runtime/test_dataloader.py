@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from dslaunch.errors import CheckpointError, NotInDslaunchError
+from dslaunch.errors import CheckpointError, NotInDslaunchError, UsageError
 from dslaunch.runtime.dataloader import DeepSpeedDataLoader, DistributedDataLoader
 
 pytestmark = pytest.mark.timeout(60)
@@ -265,5 +265,5 @@ def test_deepspeed_dataloader_takes_deepspeeds_constructor() -> None:
         sampled.state_dict()
     alone = DeepSpeedDataLoader(Squares(6), 3, False, -1, None)  # no process group: one rank
     assert sorted(i for b in alone for i in _ids(b)) == list(range(6))
-    with pytest.raises(NotInDslaunchError, match="curriculum sampling is not in dslaunch"):
+    with pytest.raises(UsageError, match="needs the ds_config's block there as 'data_efficiency'"):
         DeepSpeedDataLoader(Squares(6), 3, False, 0, None, deepspeed_dataloader_config={"curriculum_learning": True})

@@ -126,7 +126,11 @@ def test_typos_stay_errors_in_client_forms() -> None:
 def test_unimplemented_keys_are_reported_not_ignored() -> None:
     assert "not implemented" in _error({"train_batch_size": 8, "hybrid_engine": {"enabled": True,
                                                                                 "inference_tp_size": 2}})
-    assert "not implemented" in _error({"train_batch_size": 8, "data_efficiency": {"enabled": True}})
+    assert "not implemented" in _error({"train_batch_size": 8, "data_efficiency": {
+        "data_routing": {"random_ltd": {"enabled": True, "total_layer_num": 2, "random_ltd_layer_num": 1,
+                                        "random_ltd_layer_id": [1], "layer_token_lr_schedule": {"enabled": True},
+                                        "random_ltd_schedule": {"min_value": 8, "max_value": 16, "schedule_config": {
+                                            "require_steps": 10, "seq_per_step": 8}}}}}})
     # partial offload is implemented now (stage 3, tests/runtime/zero/test_offload_ratio.py)
     zero = load_config({"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, 2).zero_optimization
@@ -284,7 +288,6 @@ def test_sections_at_their_off_values_are_accepted() -> None:
     ("seq_parallel_communication_data_type", "bf16", "fp32"), ("compression_training",
      {"layer_reduction": {"enabled": True}}, {"layer_reduction": {"enabled": False}}),
     ("sparse_attention", {"mode": "fixed"}, None),
-    ("data_efficiency", {"enabled": True}, {"enabled": False}),
     ("amp", {"enabled": True, "opt_level": "O1"}, {"enabled": False, "opt_level": "O1"}),
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
     ("graph_harvesting", True, False),

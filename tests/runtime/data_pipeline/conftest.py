@@ -1,0 +1,30 @@
+"""The data-efficiency tests' shared fixture: what real DeepSpeed makes of ``reference_data``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dslaunch.utils.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="session")
+def deepspeed_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSpeed's files and results (``ds_reference.py``), once per session; skips without its venv."""
+    named = os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON")
+    python = Path(named) if named else ROOT / ".venv-conformance" / "deepspeed" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"real DeepSpeed is not installed ({python} is missing): build it with `make conformance` "
+                    "or name an interpreter with DSLAUNCH_DEEPSPEED_PYTHON")
+    out = tmp_path_factory.mktemp("deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTHONPATH": ""}
+    done = subprocess.run([str(python), str(Path(__file__).with_name("ds_reference.py")), str(out)], env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
