@@ -361,6 +361,15 @@ def _unpack_stage3(shapes: list[dict], flats: list[list[torch.Tensor]], base_sds
     return names
 
 
+def _per_element_keys(states: list[dict[str, Any]], params: list[torch.Tensor | None]) -> set[str]:
+    """The state keys that hold one value per parameter element (Adam's moments), told from
+    scalars (its ``step``, a 0-dim tensor) by shape: a parameter of one element (a bias of size 1)
+    has moments of its shape and a 0-dim step, so numel alone cannot tell them apart. Decided for
+    the whole group, so a 0-dim parameter follows the others."""
+    return {k for state, p in zip(states, params, strict=True) if p is not None and (p.dim() > 0 or p.numel() > 1)
+            for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape}
+
+
 def _stage0(base: DeepSpeedState, optimizer: bool, trained: list[str]) -> DeepSpeedState:
     """No ZeRO: the client optimizer's state dict, per parameter in the optimizer's order."""
     osd = base.states.get("optimizer")
@@ -376,13 +385,12 @@ def _stage0(base: DeepSpeedState, optimizer: bool, trained: list[str]) -> DeepSp
     optim, groups, module = {}, [], base.module
     for g in osd["param_groups"]:
         names = [name_of[i] for i in g["params"]]
+        states = [osd.get("state", {}).get(i, {}) for i in g["params"]]
+        per_element = _per_element_keys(states, [module.get(n) for n in names])
         scalars: dict[str, Any] = {}
-        for i, name in zip(g["params"], names, strict=True):
-            state = osd.get("state", {}).get(i, {})
-            numel = module[name].numel() if name in module else -1
-            tensors, scalars = _split_state({k: v.reshape(-1) if torch.is_tensor(v) and v.numel() == numel else v
-                                             for k, v in state.items()}, numel)
-            optim[name] = {k: v.view(module[name].shape) for k, v in tensors.items()}
+        for name, state in zip(names, states, strict=True):
+            optim[name] = {k: v.view(module[name].shape) for k, v in state.items() if k in per_element}
+            scalars = {k: v for k, v in state.items() if k not in per_element}
         groups.append(DeepSpeedGroup(names, scalars, _hparams(g)))
     fp32 = {n: module[n].float() for n in trained if n in module}
     return DeepSpeedState(base.folder, base.model_file, 0, base.world_size, base.states, module, fp32, optim, groups)

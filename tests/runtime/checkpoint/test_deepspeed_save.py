@@ -116,3 +116,38 @@ def test_a_deepspeed_format_save_killed_before_publishing_leaves_the_previous_ta
     assert not (tmp_path / "global_step2").exists()
     assert deepspeed_tag(tmp_path) == tmp_path / "global_step1"
     assert run_world(_load_latest, 1, str(tmp_path)) == [(str(tmp_path / "global_step1" / "mp_rank_00_model_states.pt"), 1)]
+
+
+def _stage0_size_one_bias(rank: int, world: int, root: str) -> tuple[list[float], list[float]]:
+    import dslaunch
+
+    def engine():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))  # a bias of one element
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+                  "zero_optimization": {"stage": 0}, "checkpoint": {"format": "deepspeed"}}
+        return dslaunch.initialize(model=net, model_parameters=net.parameters(), config=config)[0]
+
+    def train(e, steps: range) -> list[float]:
+        out = []
+        for step in steps:
+            loss = e(torch.randn(2, 4, generator=torch.Generator().manual_seed(step))).pow(2).mean()
+            e.backward(loss)
+            e.step()
+            out.append(loss.item())
+        return out
+
+    first = engine()
+    train(first, range(2))
+    first.save_checkpoint(root, tag="t")
+    fresh = engine()
+    fresh.load_checkpoint(root, tag="t")
+    return train(first, range(2, 5)), train(fresh, range(2, 5))
+
+
+@pytest.mark.timeout(60)
+def test_a_stage0_tag_whose_model_has_a_one_element_parameter_resumes_exactly(tmp_path: Path) -> None:
+    """Adam's 0-dim ``step`` and a one-element bias's moments have the same numel: the reader tells
+    them apart by shape (it took the bias's ``step`` for a moment and refused the tag)."""
+    ours, resumed = run_world(_stage0_size_one_bias, 1, str(tmp_path))[0]
+    assert resumed == ours
