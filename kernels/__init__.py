@@ -2,7 +2,8 @@
 
 Modules: ``dispatch.py`` (the op table and ``get``), ``reference.py`` (every op's torch
 reference), ``chunks.py`` (the cache-sized batches the references and optimizers step over),
-``cpu/`` (C kernels), ``triton/`` (GPU kernels), and the modules and optimizers built on the
+``cpu/`` (C kernels), ``triton/`` (GPU kernels), ``block_sparse/`` (block-sparse matrices: the
+``MatMul`` and ``Softmax`` of sparse attention, torch on any device), and the modules and optimizers built on the
 ops that DeepSpeed's ``deepspeed.ops`` paths re-export: ``fused_adam.py`` (``FusedAdam``),
 ``normalization.py`` (``FusedLayerNorm``, ``FusedRMSNorm``), ``bias_gelu.py`` (``BiasGeLU``). The lowest layer above ``dslaunch``'s base: nothing here
 imports ``dslaunch.runtime`` or the launcher (``tests/test_layering.py``).

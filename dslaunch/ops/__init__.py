@@ -6,7 +6,8 @@ Thin facades only: ``adam.py`` (``DeepSpeedCPUAdam``, ``FusedAdam``), ``adagrad.
 ``normalization.py`` (``layer_norm``, ``rms_norm``, ``FusedLayerNorm``, ``FusedRMSNorm``) and
 ``bias_gelu.py`` (``bias_gelu``, ``BiasGeLU``) re-export ``dslaunch.kernels.normalization`` and
 ``dslaunch.kernels.bias_gelu`` (Triton on CUDA); ``op_builder/`` answers DeepSpeed's op builders with what dslaunch has (``aio.py`` is its
-``AsyncIOBuilder`` path); ``transformer.py`` and ``sparse_attention/`` are refused on use.
+``AsyncIOBuilder`` path); ``sparse_attention/`` re-exports ``dslaunch.runtime.sparse_attention`` and
+``dslaunch.kernels.block_sparse``; ``transformer.py`` is refused on use.
 """
 
 from typing import Any
