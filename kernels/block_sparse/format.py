@@ -10,7 +10,7 @@ first two dimensions (batch ``Z``, heads ``H``) are already equal (expanded):
 
 They gather the tiles' rows and columns in slices of ``chunk_tiles`` tiles, so a temporary is at
 most a slice's worth (``TILE_BUDGET`` elements): memory follows the kept tiles, never the dense
-square. Half-precision sums accumulate in fp32. Not differentiable themselves: ``matmul.py``
+square. Half-precision sums accumulate in fp32 (tile products included). Not differentiable themselves: ``matmul.py``
 defines the gradients with the same three products.
 """
 
@@ -118,7 +118,8 @@ def spmm(s: torch.Tensor, transposed: bool, d: torch.Tensor, lay: BlockLayout) -
     target = h * out_rows + out_row
     for sl in _slices(lay.nnz, 2 * z * bs * n):
         tile = s[:, sl].transpose(-1, -2) if transposed else s[:, sl]
-        acc.index_add_(1, target[sl], torch.matmul(tile, d_rows[:, h[sl], in_col[sl]]).to(acc.dtype))
+        # each tile's product in the accumulator's dtype: rounding it first would lose what the sum cancels
+        acc.index_add_(1, target[sl], torch.matmul(tile.to(acc.dtype), d_rows[:, h[sl], in_col[sl]].to(acc.dtype)))
     return acc.view(z, heads, out_rows * bs, n).to(s.dtype)
 
 

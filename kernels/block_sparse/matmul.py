@@ -125,7 +125,10 @@ class MatMul:
             raise SparsityConfigError(f"inputs of at most 4 dimensions, got {a.dim()} and {b.dim()}")
         a, b = self._fit(self._pad(a), self._pad(b))
         out = _SparseProduct.apply(a, b, self.mode, self.trans_a, self.trans_b, self.layout_index)
-        return out.reshape(out.shape[4 - ndim:]) if ndim < 4 else out.contiguous()
+        out = out.contiguous()
+        for _ in range(4 - ndim):  # drop the leading singleton dimensions added (DeepSpeed's squeeze)
+            out = out.squeeze(0)
+        return out
 
     @staticmethod
     def _pad(x: torch.Tensor) -> torch.Tensor:
