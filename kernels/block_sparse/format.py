@@ -8,19 +8,23 @@ first two dimensions (batch ``Z``, heads ``H``) are already equal (expanded):
 - ``spmm(s, transposed, d)``: block-sparse ``s`` (or its transpose) times dense ``d`` -> dense;
 - ``mmsp(d, s, transposed)``: dense ``d`` times block-sparse ``s`` (or its transpose) -> dense.
 
-They gather the tiles' rows and columns in slices of ``chunk_tiles`` tiles, so a temporary is at
-most a slice's worth (``TILE_BUDGET`` elements): memory follows the kept tiles, never the dense
-square. Half-precision sums accumulate in fp32 (tile products included). Not differentiable themselves: ``matmul.py``
-defines the gradients with the same three products.
+They work per output block row (DeepSpeed's look-up table): the tiles of one block row are
+multiplied side by side in one matrix product with the operand rows they meet (``Groups``: rows
+padded to their slice's longest, the block rows sorted by length so padding stays small), in
+slices of at most ``TILE_BUDGET`` gathered elements: memory follows the kept tiles, never the
+dense square. Half-precision sums accumulate in fp32 (tile products included). Not
+differentiable themselves: ``matmul.py`` defines the gradients with the same three products.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from dslaunch.errors import SparsityConfigError
 
-__all__ = ["BlockLayout", "sdd", "spmm", "mmsp", "TILE_BUDGET"]
+__all__ = ["BlockLayout", "Groups", "sdd", "spmm", "mmsp", "TILE_BUDGET"]
 
 #: Elements a gathered slice of operand tiles may hold (64 MiB in fp32).
 TILE_BUDGET = 1 << 24
@@ -51,6 +55,7 @@ class BlockLayout:
         self.nnz = int(tiles.shape[0])
         self._tiles = tiles.t().contiguous()  # [3, nnz]: head, block row, block column
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._groups: dict[tuple[torch.device, bool], Groups] = {}
 
     def tiles(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(head, row, col)`` of each kept tile, int64 on ``device``."""
@@ -59,23 +64,76 @@ class BlockLayout:
             self._on[device] = (h, r, c)
         return self._on[device]
 
+    def groups(self, device: torch.device, by_col: bool) -> Groups:
+        """The tiles grouped by block row (``by_col``: by block column, for the transpose)."""
+        key = (device, by_col)
+        if key not in self._groups:
+            h, r, c = self._tiles
+            out, other, per_head = (c, r, self.cols) if by_col else (r, c, self.rows)
+            g = _group(h, out, other, per_head, self.heads, self.nnz)
+            self._groups[key] = Groups(g.ids.to(device), g.counts, g.tile.to(device), g.other.to(device))
+        return self._groups[key]
+
     def row_groups(self, device: torch.device) -> torch.Tensor:
         """Each tile's block row across heads (``head * R + row``): the softmax's segments."""
         h, r, _ = self.tiles(device)
         return h * self.rows + r
 
 
-def _slices(count: int, tile_elems: int) -> list[slice]:
-    step = max(1, TILE_BUDGET // max(1, tile_elems))
-    return [slice(i, min(i + step, count)) for i in range(0, count, step)]
+@dataclass(frozen=True)
+class Groups:
+    """The tiles grouped by output block row (DeepSpeed's look-up table, padded): group ``i`` of
+    ``ids`` (``head * G + block``) holds ``counts[i]`` tiles, listed in ``tile[i, :count]`` with the
+    block of the other operand each one meets in ``other[i, :count]``; the padding points at tile
+    ``nnz`` (a zero tile) and block 0. Groups are sorted by count, largest first, so a slice of
+    consecutive groups is padded only to its own largest count."""
+
+    ids: torch.Tensor
+    counts: list[int]
+    tile: torch.Tensor
+    other: torch.Tensor
+
+
+def _group(h: torch.Tensor, out: torch.Tensor, other: torch.Tensor, per_head: int, heads: int,
+           nnz: int) -> Groups:
+    key = h * per_head + out
+    count = torch.bincount(key, minlength=heads * per_head)
+    order = torch.argsort(key, stable=True)
+    start = torch.cumsum(count, 0) - count
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(nnz) - start[key[order]]
+    width = int(count.max()) if nnz else 0
+    tile = torch.full((heads * per_head, width), nnz, dtype=torch.int64)
+    slot = torch.zeros((heads * per_head, width), dtype=torch.int64)
+    tile[key, pos] = torch.arange(nnz)
+    slot[key, pos] = other
+    ids = torch.argsort(count, descending=True, stable=True)
+    return Groups(ids, count[ids].tolist(), tile[ids], slot[ids])
+
+
+def _slices(groups: Groups, elems_per_slot: int) -> list[tuple[slice, int]]:
+    """Consecutive groups whose padded operands stay within ``TILE_BUDGET``, with their width."""
+    out, i, n = [], 0, len(groups.counts)
+    while i < n and groups.counts[i] > 0:
+        width = groups.counts[i]
+        step = max(1, TILE_BUDGET // max(1, width * elems_per_slot))
+        out.append((slice(i, min(i + step, n)), width))
+        i += step
+    return out
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _blocks(x: torch.Tensor, count: int, bs: int) -> torch.Tensor:
+    """``[Z, H, count * bs, n]`` -> ``[Z, H * count, bs, n]`` (a copy only if ``x`` is not contiguous)."""
+    z, heads, _, n = x.shape
+    return x.reshape(z, heads * count, bs, n)
+
+
 def sdd(a: torch.Tensor, b: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
-    """The kept tiles of ``a @ b``.
+    """The kept tiles of ``a @ b``: per block row, one product of its rows with its tiles' columns.
 
     Args:
         a: ``[Z, H, M, K]`` with ``M = R * block``.
@@ -85,19 +143,28 @@ def sdd(a: torch.Tensor, b: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
     Returns:
         ``[Z, nnz, block, block]`` in ``a``'s dtype.
     """
-    bs = lay.block
-    z, k = a.shape[0], a.shape[-1]
-    h, r, c = lay.tiles(a.device)
-    a_rows = a.unflatten(2, (lay.rows, bs))  # [Z, H, R, bs, K]
-    b_cols = b.unflatten(3, (lay.cols, bs)).permute(0, 1, 3, 2, 4)  # [Z, H, C, K, bs]
+    bs, z, k = lay.block, a.shape[0], a.shape[-1]
+    groups = lay.groups(a.device, by_col=False)
+    a_rows = _blocks(a, lay.rows, bs)  # [Z, H*R, bs, K]
+    b_cols = _blocks(b.transpose(-1, -2), lay.cols, bs)  # [Z, H*C, bs, K]
     out = a.new_empty((z, lay.nnz, bs, bs))
-    for s in _slices(lay.nnz, 2 * z * bs * k):
-        out[:, s] = torch.matmul(a_rows[:, h[s], r[s]], b_cols[:, h[s], c[s]])
+    heads_of = groups.ids // lay.rows
+    for sl, width in _slices(groups, 2 * z * bs * k):
+        ids, tile = groups.ids[sl], groups.tile[sl, :width].flatten()
+        cols = b_cols.index_select(1, (heads_of[sl, None] * lay.cols + groups.other[sl, :width]).flatten())
+        cols = cols.reshape(z, len(ids), width * bs, k)
+        prod = torch.matmul(a_rows.index_select(1, ids), cols.transpose(-1, -2))  # [Z, g, bs, width*bs]
+        prod = prod.reshape(z, len(ids), bs, width, bs).transpose(2, 3).reshape(z, -1, bs, bs)
+        if groups.counts[min(sl.stop, len(groups.counts)) - 1] < width:  # padded slots: drop their results
+            real = tile < lay.nnz
+            tile, prod = tile[real], prod[:, real]
+        out.index_copy_(1, tile, prod)
     return out
 
 
 def spmm(s: torch.Tensor, transposed: bool, d: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
-    """Block-sparse ``s`` (its transpose if ``transposed``) times dense ``d``.
+    """Block-sparse ``s`` (its transpose if ``transposed``) times dense ``d``: per output block row,
+    one product of its tiles side by side with the matching rows of ``d``.
 
     Args:
         s: ``[Z, nnz, block, block]`` of layout ``lay`` (``[H, R, C]``).
@@ -110,17 +177,24 @@ def spmm(s: torch.Tensor, transposed: bool, d: torch.Tensor, lay: BlockLayout) -
     """
     bs = lay.block
     z, heads, n = d.shape[0], d.shape[1], d.shape[-1]
-    h, r, c = lay.tiles(s.device)
-    out_row, in_col = (c, r) if transposed else (r, c)
-    out_rows = lay.cols if transposed else lay.rows
-    d_rows = d.unflatten(2, (d.shape[2] // bs, bs))  # [Z, H, K/bs, bs, N]
-    acc = torch.zeros((z, heads * out_rows, bs, n), dtype=_acc_dtype(s.dtype), device=s.device)
-    target = h * out_rows + out_row
-    for sl in _slices(lay.nnz, 2 * z * bs * n):
-        tile = s[:, sl].transpose(-1, -2) if transposed else s[:, sl]
-        # each tile's product in the accumulator's dtype: rounding it first would lose what the sum cancels
-        acc.index_add_(1, target[sl], torch.matmul(tile.to(acc.dtype), d_rows[:, h[sl], in_col[sl]].to(acc.dtype)))
-    return acc.view(z, heads, out_rows * bs, n).to(s.dtype)
+    out_rows, in_rows = (lay.cols, lay.rows) if transposed else (lay.rows, lay.cols)
+    groups = lay.groups(s.device, by_col=transposed)
+    acc = _acc_dtype(s.dtype)
+    out = torch.zeros((z, heads * out_rows, bs, n), dtype=acc, device=s.device)
+    padded = torch.cat([s, s.new_zeros((s.shape[0], 1, bs, bs))], 1)
+    d_rows = _blocks(d, in_rows, bs)  # [Z, H*K/bs, bs, N]
+    heads_of = groups.ids // out_rows
+    for sl, width in _slices(groups, z * bs * (n + bs)):
+        ids = groups.ids[sl]
+        tiles = padded.index_select(1, groups.tile[sl, :width].flatten()).reshape(z, len(ids), width, bs, bs)
+        if transposed:
+            tiles = tiles.transpose(-1, -2)
+        tiles = tiles.transpose(2, 3).reshape(z, len(ids), bs, width * bs)  # side by side
+        rows = d_rows.index_select(1, (heads_of[sl, None] * in_rows + groups.other[sl, :width]).flatten())
+        rows = rows.reshape(z, len(ids), width * bs, n)
+        # the product in the accumulator's dtype: rounding per tile would lose what the sum cancels
+        out[:, ids] = torch.matmul(tiles.to(acc), rows.to(acc))
+    return out.view(z, heads, out_rows * bs, n).to(s.dtype)
 
 
 def mmsp(d: torch.Tensor, s: torch.Tensor, transposed: bool, lay: BlockLayout) -> torch.Tensor:

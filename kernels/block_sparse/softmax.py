@@ -33,7 +33,7 @@ def _segment(values: torch.Tensor, groups: torch.Tensor, count: int, reduce: str
     out = values.new_full((values.shape[0], count, values.shape[2]), fill)
     index = groups.view(1, -1, 1).expand_as(values)
     out.scatter_reduce_(1, index, values, reduce=reduce, include_self=True)
-    return out[:, groups]
+    return out.index_select(1, groups)
 
 
 def _as_additive(mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -60,7 +60,7 @@ def _normalise(x: torch.Tensor, scale: float, rpe: torch.Tensor | None, kp_mask:
         logits = logits + _tiles_of(rpe.to(wide), lay, h)
     if kp_mask is not None:
         keys = _as_additive(kp_mask.to(wide), modes[0]).unflatten(-1, (lay.cols, lay.block))
-        logits = logits + keys[:, c].unsqueeze(2)
+        logits = logits + keys.index_select(1, c).unsqueeze(2)
     if attn_mask is not None:
         logits = logits + _tiles_of(_as_additive(attn_mask.to(wide), modes[1]), lay, None)
     groups, count = lay.row_groups(x.device), lay.heads * lay.rows

@@ -197,8 +197,10 @@ def test_memory_follows_the_kept_tiles_not_the_dense_square() -> None:
     square = z * h * length * length
     kept = z * int(layout.sum()) * block * block
     assert kept < square / 40
-    # the largest tensor is a dense input/output ([Z, H, L, d]) or the tiles themselves, not the square
-    assert seen.largest <= max(kept, z * h * length * d) * 2 < square / 20, (seen.largest, kept, square)
+    # the largest tensor is a dense input/output ([Z, H, L, d]), the tiles, or the rows of an operand
+    # gathered for them (kept tiles x d / block, rows padded to their block row's longest): not the square
+    gathered = 2 * kept * max(block, d) // block
+    assert seen.largest <= max(gathered, z * h * length * d) and seen.largest < square / 16, (seen.largest, kept)
 
 
 @pytest.mark.timeout(30)
