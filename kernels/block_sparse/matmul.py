@@ -5,7 +5,8 @@ Three modes, named by which of output, first and second operand are (s)parse or 
 probabilities times the values) and ``dds`` (dense times sparse). ``trans_a``/``trans_b``
 transpose an operand first; a sparse operand's layout describes it as stored (before the
 transpose), as in DeepSpeed. Differentiable in both operands: each gradient is one of the three
-products again (``format.py``), so the backward keeps only the two inputs, never gathered tiles.
+products again (``format.py``, or the Triton kernels of ``kernels/triton/block_sparse.py`` on CUDA,
+through the dispatch point), so the backward keeps only the two inputs, never gathered tiles.
 
 Dense operands are ``[Z, H, rows, cols]`` (fewer leading dimensions are taken as 1), sparse ones
 ``[Z, nnz, block, block]``; the result has as many dimensions as the larger input, as in DeepSpeed.
@@ -19,11 +20,27 @@ from typing import Any
 import torch
 
 from dslaunch.errors import SparsityConfigError
-from dslaunch.kernels.block_sparse.format import BlockLayout, mmsp, sdd, spmm
+from dslaunch.kernels.block_sparse.format import BlockLayout
+from dslaunch.kernels.dispatch import get
 
 __all__ = ["MatMul"]
 
 MODES = ("sdd", "dsd", "dds")
+
+
+def sdd(a: torch.Tensor, b: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
+    """``format.sdd`` through the dispatch point (the Triton kernel on CUDA)."""
+    return get("block_sparse_sdd", a.device)(a, b, lay)
+
+
+def spmm(s: torch.Tensor, transposed: bool, d: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
+    """``format.spmm`` through the dispatch point (the Triton kernel on CUDA)."""
+    return get("block_sparse_spmm", s.device)(s, transposed, d, lay)
+
+
+def mmsp(d: torch.Tensor, s: torch.Tensor, transposed: bool, lay: BlockLayout) -> torch.Tensor:
+    """Dense ``d`` times block-sparse ``s`` (its transpose if ``transposed``): ``(s^T d^T)^T``."""
+    return spmm(s, not transposed, d.transpose(-1, -2), lay).transpose(-1, -2)
 
 
 def _t(x: torch.Tensor, flag: bool) -> torch.Tensor:
