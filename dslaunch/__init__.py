@@ -43,11 +43,12 @@ _LAZY = {
     "DeepSpeedConfig": "dslaunch.runtime.config",
     "get_accelerator": "dslaunch.accelerator",
     "OnDevice": "dslaunch.runtime.zero.partition_parameters",
-    # DeepSpeed features dslaunch lacks, importable from the top as DeepSpeed's are; refused on use
+    # DeepSpeed's fused BERT layer and the surgery that puts it into a model
     "DeepSpeedTransformerLayer": "dslaunch.ops.transformer",
     "DeepSpeedTransformerConfig": "dslaunch.ops.transformer",
     "replace_transformer_layer": "dslaunch.module_inject",
     "revert_transformer_layer": "dslaunch.module_inject",
+    # DeepSpeed features dslaunch lacks, importable from the top as DeepSpeed's are; refused on use
     "tp_model_init": "dslaunch.runtime.api",
     "set_autotp_mode": "dslaunch.module_inject",
     "DeepSpeedConfigError": "dslaunch.errors",

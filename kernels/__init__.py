@@ -5,7 +5,9 @@ reference), ``chunks.py`` (the cache-sized batches the references and optimizers
 ``cpu/`` (C kernels), ``triton/`` (GPU kernels), ``block_sparse/`` (block-sparse matrices: the
 ``MatMul`` and ``Softmax`` of sparse attention, torch on any device), and the modules and optimizers built on the
 ops that DeepSpeed's ``deepspeed.ops`` paths re-export: ``fused_adam.py`` (``FusedAdam``),
-``normalization.py`` (``FusedLayerNorm``, ``FusedRMSNorm``), ``bias_gelu.py`` (``BiasGeLU``). The lowest layer above ``dslaunch``'s base: nothing here
+``normalization.py`` (``FusedLayerNorm``, ``FusedRMSNorm``), ``bias_gelu.py`` (``BiasGeLU``),
+``transformer.py`` (``DeepSpeedTransformerLayer``, DeepSpeed's fused BERT layer) and
+``transformer_config.py`` (its ``DeepSpeedTransformerConfig``). The lowest layer above ``dslaunch``'s base: nothing here
 imports ``dslaunch.runtime`` or the launcher (``tests/test_layering.py``).
 
 ``get`` returns the fused implementation registered for the op and the device's type when it can

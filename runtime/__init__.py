@@ -24,13 +24,16 @@
   ``autotuning.py`` (one autotuning experiment).
 - tools: ``estimate/`` (memory estimates), ``export_cli.py`` (``zero-to-fp32``'s command line),
   ``chunked_cross_entropy.py`` (a causal-LM loss without an fp32 copy of the logits),
-  ``partitioned_tensor.py`` (a tensor split flat over a group, DeepSpeed's ``PartitionedTensor``).
+  ``partitioned_tensor.py`` (a tensor split flat over a group, DeepSpeed's ``PartitionedTensor``),
+  ``transformer_inject.py`` (DeepSpeed's fused BERT layer put into a model and taken out,
+  ``replace_transformer_layer``) with ``transformer_policy.py`` (where a BERT layer keeps its weights).
 - DeepSpeed's import paths answered from the above: ``utils.py``, ``constants.py``,
   ``config_utils.py``, ``precision_config.py``, ``keep_in_fp32.py``, ``base_optimizer.py`` (its
   wrappers' base classes), ``bf16_optimizer.py``, ``fp16/``,
   ``swap_tensor/``, ``data_pipeline/`` (its curriculum by step; the rest refused),
-  ``checkpoint_engine/`` (its checkpoint-engine interface for a script's own files) and the refused
-  ``domino/``.
+  ``checkpoint_engine/`` (its checkpoint-engine interface for a script's own files).
+- ``domino/``: Domino, tensor-parallel layers whose all-reduces overlap the other micro batch's
+  compute.
 
 Submodules are attributes after a bare import (``dslaunch.runtime.lr_schedules``), imported on
 first access, as DeepSpeed's ``deepspeed.runtime`` offers them.

@@ -39,7 +39,7 @@ __all__ = ["set_random_seed", "see_memory_usage", "memory_status", "empty_cache"
            "is_model_parallel_parameter", "partition_uniform", "partition_balanced", "prefix_sum_inc",
            "move_to_device", "call_to_str", "get_only_unique_item", "noop_decorator", "noop_context",
            "ensure_directory_exists", "DummyOptim", "PartitionedTensor", "CheckOverflow", "has_inf_or_nan",
-           "is_invalid_grad_norm",
+           "grads_overflow", "is_invalid_grad_norm",
            # DeepSpeed imports these from deepspeed.utils.bwc at its module level
            "bwc_tensor_model_parallel_rank", "bwc_pipeline_parallel_world_size", "bwc_pipeline_parallel_group"]
 
@@ -224,6 +224,12 @@ def has_inf_or_nan(x: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(x.amax()) & torch.isfinite(x.amin()))
 
 
+def grads_overflow(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any ``.grad`` of ``params`` holds an inf or a NaN, on this rank (DeepSpeed's
+    ``has_overflow_serial``, which its loss scaler and ``CheckOverflow`` both carry)."""
+    return any(p.grad is not None and bool(has_inf_or_nan(p.grad.data)) for p in params)
+
+
 def is_invalid_grad_norm(norm: Any) -> bool:
     """A norm that says the gradients overflowed: not finite, or negative (the -1 DeepSpeed's norms
     stand for inf/NaN with)."""
@@ -273,8 +279,8 @@ class CheckOverflow:
         return self.has_overflow(params, _any_moe(params))
 
     def has_overflow_serial(self, params: Iterable[torch.Tensor]) -> bool:
-        """Whether any ``.grad`` of ``params`` holds an inf or a NaN, on this rank."""
-        return any(p.grad is not None and bool(has_inf_or_nan(p.grad.data)) for p in params)
+        """``grads_overflow``: whether any ``.grad`` of ``params`` holds an inf or a NaN, on this rank."""
+        return grads_overflow(params)
 
     def has_overflow(self, params: Iterable[torch.Tensor], has_moe_params: bool | None = None) -> bool:
         """``has_overflow_serial`` over the ranks that must agree (see the class docstring)."""

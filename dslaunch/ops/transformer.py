@@ -1,11 +1,7 @@
-"""``deepspeed.ops.transformer``: DeepSpeed's fused training transformer layer, refused on use."""
+"""``deepspeed.ops.transformer``: DeepSpeed's fused training transformer layer and its config,
+implemented in ``dslaunch.kernels.transformer`` and ``dslaunch.kernels.transformer_config``."""
 
-from dslaunch.utils.refused import Refusal, refuse
+from dslaunch.kernels.transformer import DeepSpeedTransformerLayer
+from dslaunch.kernels.transformer_config import DeepSpeedTransformerConfig
 
-TRANSFORMER_KERNEL = Refusal("DeepSpeed's fused transformer layer kernel (DeepSpeedTransformerLayer)",
-                             "use the model's own layers (torch.nn.TransformerEncoderLayer or the Hugging Face model)")
-
-_REFUSED = ("DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig")
-globals().update(refuse(__name__, _REFUSED, TRANSFORMER_KERNEL))
-
-__all__ = ["TRANSFORMER_KERNEL", *_REFUSED]
+__all__ = ["DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig"]

@@ -23,6 +23,7 @@ probe answers in tens of milliseconds.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import json
@@ -33,6 +34,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 from dslaunch import __version__
 
@@ -45,6 +47,12 @@ STANDBY_PROMOTE_S = 10.0
 after a run's start finds them warm on a busy host too, and the run's own start goes first."""
 _SIOCGIFADDR = 0x8915
 _CONNECT_TIMEOUT = 2.0
+# "No route to host" may be the tail of an address resolution begun before a link came back (the
+# kernel fails every connect queued on it): such answers are asked again, for one resolution cycle
+# (3 probes 1 s apart), as torch's own rendezvous would keep trying; a timeout is not.
+_TRANSIENT = (errno.EHOSTUNREACH, errno.ENETUNREACH)
+_RETRY_FOR_S = 3.5
+_RETRY_PAUSE_S = 0.5
 
 
 def _torch_version() -> str | None:
@@ -89,17 +97,28 @@ def route(master_ip: str, port: int) -> dict:
     return {"src": src, "iface": _iface_of(src)}
 
 
-def _reach(master_ip: str, port: int) -> dict:
-    """Connect to the master port: refused = reachable and free; accepted = something listens."""
+def _connect_once(master_ip: str, port: int) -> tuple[dict, int | None]:
+    """One connect to the master port: refused = reachable and free; accepted = something listens.
+    Returns the answer and the errno of an unreachable one."""
     try:
         with socket.create_connection((master_ip, port), timeout=_CONNECT_TIMEOUT):
-            return {"status": "busy"}
+            return {"status": "busy"}, None
     except ConnectionRefusedError:
-        return {"status": "ok"}
+        return {"status": "ok"}, None
     except TimeoutError:
-        return {"status": "unreachable", "detail": f"timed out after {_CONNECT_TIMEOUT:g}s"}
+        return {"status": "unreachable", "detail": f"timed out after {_CONNECT_TIMEOUT:g}s"}, None
     except OSError as exc:
-        return {"status": "unreachable", "detail": exc.strerror or str(exc)}
+        return {"status": "unreachable", "detail": exc.strerror or str(exc)}, exc.errno
+
+
+def _reach(master_ip: str, port: int) -> dict:
+    """``_connect_once``, asked again while the answer is a transient "no route" (``_TRANSIENT``)."""
+    deadline = time.monotonic() + _RETRY_FOR_S
+    while True:
+        answer, err = _connect_once(master_ip, port)
+        if err not in _TRANSIENT or time.monotonic() + _RETRY_PAUSE_S > deadline:
+            return answer
+        time.sleep(_RETRY_PAUSE_S)
 
 
 def _port_free(port: int) -> dict:

@@ -1,3 +1,3 @@
-"""``deepspeed.runtime.domino``: Domino (tensor-parallel compute/communication overlap), refused on
-use (``transformer.py``).
+"""``deepspeed.runtime.domino``: Domino, tensor-parallel training with its all-reduces hidden
+behind the other micro batch's compute (``transformer.py``, ``async_linear.py``).
 """

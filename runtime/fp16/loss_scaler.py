@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dslaunch.runtime.precision import loss_scaler as rules
-from dslaunch.runtime.utils import has_inf_or_nan
+from dslaunch.runtime.utils import grads_overflow
 
 __all__ = ["LossScalerBase", "LossScaler", "DynamicLossScaler", "CreateLossScaler", "to_python_float",
            "INITIAL_LOSS_SCALE", "SCALE_WINDOW", "DELAYED_SHIFT", "CONSECUTIVE_HYSTERESIS", "MIN_LOSS_SCALE"]
@@ -95,8 +95,8 @@ class DynamicLossScaler(LossScalerBase, rules.DynamicLossScaler):
         self.hysteresis = value
 
     def has_overflow_serial(self, params: Iterable[torch.nn.Parameter]) -> bool:
-        """Whether any gradient holds an inf or a NaN (this rank's only)."""
-        return any(p.grad is not None and bool(has_inf_or_nan(p.grad.data)) for p in params)
+        """``grads_overflow``: whether any gradient holds an inf or a NaN (this rank's only)."""
+        return grads_overflow(params)
 
     _DEEPSPEED_ATTRIBUTES = ("cur_scale", "dynamic", "cur_iter", "last_overflow_iter", "scale_factor",
                              "scale_window", "min_scale", "delayed_shift", "cur_hysteresis",

@@ -155,9 +155,8 @@ class Bench:
             sshd = int((self.state / self.second / "sshd.pid").read_text().split()[0])
             _signal_all(_host_processes(self.second, sshd), signal.SIGSTOP, signal.SIGKILL)
             return lambda: None
-        veth = f"{self.second}v"
-        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
-        return lambda: subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        cluster_mod.set_link(self.second, False)
+        return lambda: cluster_mod.set_link(self.second, True)
 
     def trial(self, system: str, kind: str) -> dict:
         with tempfile.TemporaryDirectory(prefix="hostfaults-") as tmp:

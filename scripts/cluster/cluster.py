@@ -316,6 +316,18 @@ def reshape(state: Path, shape: LinkShape) -> dict:
     return _write_state(hosts, state, shape)
 
 
+def set_link(host: str, up: bool) -> None:
+    """Plug ``host``'s cable in or out (the root-namespace end of its veth pair), as the fault tests
+    do. Plugging it in also flushes every host's neighbour table: an address resolution begun while
+    the cable was out fails every connect queued on it with "No route to host", link up or not,
+    and the next test on the cluster would meet that. (A flush drops queued packets silently: TCP
+    resends them.)"""
+    _run("ip", "link", "set", f"{host}v", "up" if up else "down")
+    if up:
+        for ns in _our_namespaces():
+            _run("ip", "-n", ns, "neigh", "flush", "all", check=False)
+
+
 def _our_namespaces() -> list[str]:
     return [ns for ns in _namespaces() if ns.startswith(f"{PREFIX}node")]
 

@@ -8,9 +8,12 @@ cluster cannot exist: not root, or no working ``ip netns``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +55,18 @@ class Cluster:
     def wait_no_job_processes(self, timeout: float) -> dict[str, list[str]]:
         """Poll until no host has job processes left; return what is left (empty dict = clean)."""
         return wait_until_clean(self.hosts, self.job_processes, timeout)
+
+    @contextlib.contextmanager
+    def link_cut(self, host: str) -> Iterator[float]:
+        """``host``'s cable out for the block, in again afterwards whatever happened (``cluster.py``
+        ``set_link``, which also clears what the cut left in the hosts' neighbour tables); yields
+        the time of the cut."""
+        module = load_script("cluster")
+        module.set_link(host, False)
+        try:
+            yield time.time()
+        finally:
+            module.set_link(host, True)
 
     def dslaunch(self, *args: str, hostfile: str | None = None, launcher_args: str | None = None,
                  **kwargs) -> subprocess.Popen:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -51,13 +50,9 @@ def _kill_host(cluster, host: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _cut_link(cluster, host: str) -> Iterator[None]:
-    """Take the root-namespace end of ``host``'s cable down (back up afterwards, whatever happened)."""
-    veth = f"{host}v"
-    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
-    try:
+    """``host``'s cable out (in again afterwards, whatever happened)."""
+    with cluster.link_cut(host):
         yield
-    finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
 
 
 @contextlib.contextmanager

@@ -105,3 +105,34 @@ def test_probe_reports_a_missing_user_script_relative_to_cwd(tmp_path, monkeypat
     assert found["script_missing"] == "trian.py"
     problems = check_probes(_probes(b={"script_missing": "trian.py"}), str(tmp_path), "m", 29500)
     assert list(problems) == ["b"] and "trian.py does not exist here" in problems["b"][1]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_no_route_answer_that_clears_is_asked_again_and_one_that_stays_is_reported(cluster, free_port):
+    """A connect queued on an address resolution that began before a link came back fails with "No
+    route to host" though the link is up again (a fresh-clone CI run lost a job to it). Staged with
+    an ``unreachable`` route on the second host, which answers exactly that at once."""
+    second, master_ip = cluster.hosts[1], cluster.addrs[0]
+    blocked = ["ip", "-n", second, "route", "add", "unreachable", f"{master_ip}/32"]
+    cleared = ["ip", "-n", second, "route", "del", "unreachable", f"{master_ip}/32"]
+    subprocess.run(blocked, check=True)
+    try:
+        start = time.monotonic()
+        run = Lines(cluster.dslaunch("--master_port", str(free_port), FAKE, "print=ready"))
+        while not any("agent.bootstrap" in p for p in cluster.job_processes(second)):
+            assert run.proc.poll() is None and time.monotonic() - start < PREFLIGHT_S, run.text("err")
+            time.sleep(0.02)
+        time.sleep(1.0)  # its first answer was "No route to host"; the retries go on for 3.5 s
+        subprocess.run(cleared, check=True)
+        assert run.finish(40) == 0, run.text("err")
+        subprocess.run(blocked, check=True)
+        start = time.monotonic()
+        run = Lines(cluster.dslaunch("--master_port", str(free_port), FAKE, "print=ready"))
+        assert run.finish(30) != 0
+        assert time.monotonic() - start < PREFLIGHT_S
+        assert re.search(rf"{second}: cannot reach the master address .*{master_ip}.* port {free_port} from here: "
+                         "No route to host", run.text("err")), run.text("err")
+    finally:
+        subprocess.run(cleared, check=False)
+    assert cluster.wait_no_job_processes(3) == {}

@@ -195,9 +195,7 @@ def test_dry_run_shows_per_host_command_and_env(cluster, free_port):
 def test_host_link_loss_fails_the_job_and_the_host_cleans_up(cluster, free_port):
     run = Lines(cluster.dslaunch("--master_port", str(free_port), FAKE, "print=ready", "hang"))
     run.wait_for(r"\[rank\d\] ready$", 6, 30)
-    veth = f"{cluster.hosts[1]}v"  # the root-namespace end of dsl-node2's cable
-    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
-    try:
+    with cluster.link_cut(cluster.hosts[1]):
         start = time.monotonic()
         assert run.finish(20) == 255
         assert time.monotonic() - start < 12  # TCP keepalive + TCP_USER_TIMEOUT on the client socket
@@ -205,8 +203,6 @@ def test_host_link_loss_fails_the_job_and_the_host_cleans_up(cluster, free_port)
         assert _left_on(cluster, (cluster.hosts[0], cluster.hosts[2]), timeout=2) == {}
         # The cut-off host: its sshd drops the silent client, the agent sees EOF, workers die.
         assert _left_on(cluster, (cluster.hosts[1],), timeout=25) == {}
-    finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
 
 
 @pytest.mark.timeout(60)
