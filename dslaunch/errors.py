@@ -33,6 +33,7 @@ __all__ = [
     "PipelineStageError",
     "CheckpointError",
     "NotInDslaunchError",
+    "SparsityConfigError",
     "TagMismatchError",
     "DeepSpeedConfigError",
     "BatchSizeError",
@@ -118,6 +119,13 @@ class BucketAlignmentError(ConfigError, AssertionError):
 class DtypeMixError(ConfigError, NotImplementedError):
     """``data_types.grad_accum_dtype`` names a dtype dslaunch does not sum a model's gradients in.
     Also a ``NotImplementedError``: what DeepSpeed raises for an "unsupported mix"."""
+
+
+class SparsityConfigError(UsageError, NotImplementedError):
+    """A block-sparse attention layout or op was given arguments it cannot work with (a sequence
+    length that is not a multiple of the block size, an unknown attention type, inputs of the wrong
+    shape). Also a ``ValueError`` and a ``NotImplementedError``: what DeepSpeed's
+    ``deepspeed.ops.sparse_attention`` raises there."""
 
 
 class NoSyncError(UsageError, AssertionError):

@@ -2,7 +2,8 @@
 
 Modules: ``dispatch.py`` (the op table and ``get``), ``reference.py`` (every op's torch
 reference), ``chunks.py`` (the cache-sized batches the references and optimizers step over),
-``cpu/`` (C kernels), ``triton/`` (GPU kernels), and the modules and optimizers built on the
+``cpu/`` (C kernels), ``triton/`` (GPU kernels), ``block_sparse/`` (block-sparse matrices: the
+``MatMul`` and ``Softmax`` of sparse attention, torch on any device), and the modules and optimizers built on the
 ops that DeepSpeed's ``deepspeed.ops`` paths re-export: ``fused_adam.py`` (``FusedAdam``),
 ``normalization.py`` (``FusedLayerNorm``, ``FusedRMSNorm``), ``bias_gelu.py`` (``BiasGeLU``),
 ``transformer.py`` (``DeepSpeedTransformerLayer``, DeepSpeed's fused BERT layer) and
@@ -16,7 +17,8 @@ use with the system's C compiler, see ``cpu/build.py``) for ``"adam"``, ``"cpu_a
 ``"adagrad"``, ``"torch.adam"``, ``"torch.adamw"``, ``"torch.adagrad"``, ``"onebit_pack"`` and
 ``"onebit_unpack"`` on CPU; ``"torch.sgd"`` has none. The Triton kernels of ``triton/`` (where
 triton imports and CUDA is there) for ``"adam"``, ``"layer_norm"``, ``"rms_norm"``,
-``"bias_gelu"``, ``"onebit_pack"``, ``"onebit_unpack"`` and ``"cross_entropy"`` on CUDA devices.
+``"bias_gelu"``, ``"onebit_pack"``, ``"onebit_unpack"``, ``"cross_entropy"``, ``"block_sparse_sdd"`` and
+``"block_sparse_spmm"`` on CUDA devices.
 The environment variable ``DSLAUNCH_KERNELS`` overrides the choice: ``auto`` (default),
 ``reference`` (never fused) or ``fused`` (fail with ``UsageError`` where no fused kernel runs).
 
@@ -60,6 +62,12 @@ Ops, and the signature a fused implementation must have (all update tensors in p
   ``[rows, vocab]`` logits (0 for ignored rows) without keeping an fp32 ``[rows, vocab]`` tensor;
   the gradient comes in the logits' dtype. Reference: ``reference.cross_entropy_rows`` (blocks of
   ``block_rows`` rows), used by ``runtime.chunked_cross_entropy``.
+
+- ``"block_sparse_sdd"``: ``(a, b, lay) -> tiles``: the kept tiles ``[Z, nnz, bs, bs]`` of
+  ``a @ b`` (``[Z, H, M, K]`` by ``[Z, H, K, N]``) for the ``block_sparse.BlockLayout`` ``lay``;
+  ``"block_sparse_spmm"``: ``(s, transposed, d, lay) -> dense``: block-sparse ``s`` (or its
+  transpose) times dense ``d``. Not differentiable (``block_sparse.matmul`` defines the
+  gradients with them). References: ``block_sparse.format.sdd``/``spmm``, used by ``MatMul``.
 
 ``inv_scale`` is None or the factor gradients are multiplied by inside the update (the gradients
 themselves stay as they are); ``chunk_numel`` is the reference's cache-sized batch, which a fused

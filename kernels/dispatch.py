@@ -112,6 +112,8 @@ _TRITON_KERNELS = {
     "onebit_pack": "dslaunch.kernels.triton.onebit:onebit_pack",
     "onebit_unpack": "dslaunch.kernels.triton.onebit:onebit_unpack",
     "cross_entropy": "dslaunch.kernels.triton.cross_entropy:cross_entropy_rows",
+    "block_sparse_sdd": "dslaunch.kernels.triton.block_sparse:sdd",
+    "block_sparse_spmm": "dslaunch.kernels.triton.block_sparse:spmm",
 }
 
 
@@ -141,6 +143,8 @@ KERNELS = KernelTable(
         "onebit_pack": "dslaunch.kernels.reference:pack_reference",
         "onebit_unpack": "dslaunch.kernels.reference:unpack_reference",
         "cross_entropy": "dslaunch.kernels.reference:cross_entropy_rows",
+        "block_sparse_sdd": "dslaunch.kernels.block_sparse.format:sdd",
+        "block_sparse_spmm": "dslaunch.kernels.block_sparse.format:spmm",
     },
     fused=_fused((("cpu",), _CPU_AVAILABLE, _CPU_KERNELS), (("cuda",), _TRITON_AVAILABLE, _TRITON_KERNELS)),
 )

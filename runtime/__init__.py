@@ -13,7 +13,8 @@
   ``precision/`` (dtypes and loss scaling), ``torch_autocast.py`` (forwards under
   ``torch.autocast``), ``progressive_layer_drop.py`` (the keep probability handed to forwards), ``optim/``, ``lr_schedules/``, ``checkpoint/``,
   ``dataloader.py``, ``activation_checkpointing/``, ``moe/``, ``tensor_parallel/``,
-  ``sequence_parallel/``, ``parallel/`` (topology and process groups), ``dist.py``
+  ``sequence_parallel/``, ``sparse_attention/`` (block-sparse self-attention and its layouts),
+  ``parallel/`` (topology and process groups), ``dist.py``
   (process-group setup), ``comm/`` (the collectives, DeepSpeed's ``deepspeed.comm``),
   ``accelerator.py`` (the device, DeepSpeed's ``get_accelerator``).
 - watching a run: ``events.py`` (the engine's one seam for observers), ``observers.py`` (the

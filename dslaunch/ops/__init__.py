@@ -9,7 +9,8 @@ Thin facades only: ``adam.py`` (``DeepSpeedCPUAdam``, ``FusedAdam``), ``adagrad.
 ``AsyncIOBuilder`` path); ``random_ltd/`` re-exports random-LTD's token operations
 (``dslaunch.runtime.data_pipeline.data_routing.tokens``); ``transformer.py`` (``DeepSpeedTransformerLayer``,
 ``DeepSpeedTransformerConfig``, also attributes of this package as in DeepSpeed) re-exports
-``dslaunch.kernels.transformer``; ``sparse_attention/`` is refused on use.
+``dslaunch.kernels.transformer``; ``sparse_attention/`` re-exports ``dslaunch.runtime.sparse_attention``
+and ``dslaunch.kernels.block_sparse``.
 """
 
 from typing import Any

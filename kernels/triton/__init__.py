@@ -1,5 +1,5 @@
 """GPU kernels in Triton: multi-tensor Adam/AdamW, LayerNorm/RMSNorm, bias + GeLU (+ dropout),
-1-bit compression and cross-entropy.
+1-bit compression, cross-entropy and block-sparse products.
 
 - ``adam.py``: the ``"adam"`` dispatch op in one launch over many tensors (a table of pointers).
 - ``norms.py``: LayerNorm and RMSNorm forward and backward (``"layer_norm"``/``"rms_norm"`` ops).
@@ -8,6 +8,8 @@
 - ``onebit.py``: the 1-bit pack and unpack of the 1-bit optimizers (``"onebit_pack"``/``"onebit_unpack"``).
 - ``cross_entropy.py``: per-row cross-entropy, forward and backward, without an fp32 copy of the
   logits (the ``"cross_entropy"`` op).
+- ``block_sparse.py``: the block-sparse products of sparse attention (``"block_sparse_sdd"``,
+  ``"block_sparse_spmm"``).
 
 The dispatch point (``dslaunch.kernels.dispatch``) picks them on CUDA devices when ``available()``;
 elsewhere the torch reference runs. Importing this package imports neither torch nor triton: the

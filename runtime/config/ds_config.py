@@ -67,6 +67,7 @@ from dslaunch.runtime.config.tensor_parallel import TensorParallelConfig
 from dslaunch.runtime.config.torch_autocast import TorchAutocastConfig
 from dslaunch.runtime.config.zero import AioConfig, ZeroConfig
 from dslaunch.runtime.parallel.from_config import config_dims, data_world_size
+from dslaunch.runtime.sparse_attention.config import SparseAttentionConfig
 from dslaunch.utils.logging import log_levels
 
 if TYPE_CHECKING:  # the registries import this package's checkers: import them at use
@@ -91,7 +92,7 @@ _SECTIONS = {"zero_optimization": ZeroConfig, "fp16": Fp16Config, "bf16": Bf16Co
              "expert_parallel": ExpertParallelConfig, "layout_invariant": LayoutInvariantConfig, "curriculum_learning":
              CurriculumLearningConfig, "torch_autocast": TorchAutocastConfig,
              "progressive_layer_drop": ProgressiveLayerDropConfig, "hybrid_engine": HybridEngineConfig,
-             "data_efficiency": DataEfficiencyConfig}
+             "data_efficiency": DataEfficiencyConfig, "sparse_attention": SparseAttentionConfig}
 
 
 def _allreduce_op(path: str, value: Any) -> str:
@@ -257,6 +258,9 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """Training and generating with one engine (``runtime/hybrid_engine.py``)."""
+    sparse_attention: SparseAttentionConfig | None = None
+    """The block-sparse attention layout for the model code to build (None: no section), as
+    DeepSpeed 0.19.7 keeps it; ``.as_dict()`` is DeepSpeed's dict (``runtime/sparse_attention/``)."""
     disable_python_gc: bool = False
     """Python's cyclic garbage collector off while the engine lives (``runtime/python_gc.py``)."""
     optimizer: OptimizerSpec | None = None

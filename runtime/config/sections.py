@@ -150,7 +150,6 @@ REMOVED_FROM_DEEPSPEED: dict[str, str] = {
     "compression_training": "the compression library",
     "quantize_training": "Mixture-of-Quantization",
     "eigenvalue": "eigenvalue-based Mixture-of-Quantization",
-    "sparse_attention": "Sparse Attention",
     "graph_harvesting": "graph harvesting",
     "mics_shard_size": "MiCS ZeRO-3 sharding within groups; ZeRO-3 with zero_hpz_partition_size keeps "
                        "a node-local secondary shard for the gathers",
@@ -351,7 +350,7 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "seq_parallel_comm_data_type": "fp32",
     "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use
     # model and training techniques
-    "sparse_attention": None, "weight_quantization": None,
+    "weight_quantization": None,
     "compression_training": Off({"weight_quantization": _COMPRESSION, "activation_quantization": _COMPRESSION,
                                  "sparse_pruning": _COMPRESSION, "row_pruning": _COMPRESSION,
                                  "head_pruning": _COMPRESSION, "channel_pruning": _COMPRESSION,

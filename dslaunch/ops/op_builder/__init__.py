@@ -4,7 +4,7 @@ DeepSpeed JIT-compiles its ops through builders (``FusedAdamBuilder().load()``);
 test suites ask them whether an op can run here (``deepspeed.ops.__compatible_ops__[NAME]``).
 dslaunch ships its ops prebuilt (``dslaunch.kernels``), so a builder here only answers: the four
 optimizer ops dslaunch has on every device (``cpu_adam``, ``cpu_adagrad``, ``cpu_lion``,
-``fused_adam``) are compatible; every other builder is DeepSpeed's "not implemented" builder on
+``fused_adam``) and block-sparse attention (``sparse_attn``) are compatible; every other builder is DeepSpeed's "not implemented" builder on
 this accelerator (its ``NAME`` is ``deepspeed_not_implemented``, as on DeepSpeed's CPU
 accelerator), and ``load()`` names the feature and what to use instead. ``builder.py`` is
 DeepSpeed's ``op_builder.builder`` path (``OpBuilder`` for a script's own ops, the torch version).
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["OpBuilder", "NotImplementedBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder",
-           "FusedAdamBuilder", "AsyncIOBuilder", "compatible_ops"]
+           "FusedAdamBuilder", "AsyncIOBuilder", "SparseAttnBuilder", "compatible_ops"]
 
 _USE_INSTEAD = ("dslaunch has no JIT-built DeepSpeed ops: use the optimizer classes of deepspeed.ops.adam, "
                 "deepspeed.ops.adagrad, deepspeed.ops.lion, or name the optimizer in the config")
@@ -62,7 +62,14 @@ class AsyncIOBuilder(OpBuilder):
     NAME = "async_io"
 
 
-_HAVE = (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder)
+class SparseAttnBuilder(OpBuilder):
+    """Block-sparse attention (``deepspeed.ops.sparse_attention``): compatible on every device, its
+    ops are torch code (``dslaunch.kernels.block_sparse``); there is nothing to ``load()``."""
+
+    NAME, available = "sparse_attn", True
+
+
+_HAVE = (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder, SparseAttnBuilder)
 
 
 def compatible_ops() -> dict[str, bool]:

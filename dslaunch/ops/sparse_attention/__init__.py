@@ -1,9 +1,11 @@
-"""``deepspeed.ops.sparse_attention``: importable, refused on use (dslaunch has no block-sparse
-attention kernels). The refusal is ``sparsity_config.SPARSE_ATTENTION`` (``sparsity_config.py``).
-"""
+"""``deepspeed.ops.sparse_attention``: block-sparse self-attention, a thin re-export of
+``dslaunch.runtime.sparse_attention`` (layouts, modules, utilities) and
+``dslaunch.kernels.block_sparse``, at DeepSpeed's module paths: ``sparsity_config.py``,
+``sparse_self_attention.py``, ``bert_sparse_self_attention.py``, ``sparse_attention_utils.py``,
+``matmul.py`` (``MatMul``) and ``softmax.py`` (``Softmax``)."""
 
-from dslaunch.ops.sparse_attention.sparsity_config import SPARSE_ATTENTION as _WHY
-from dslaunch.ops.sparse_attention.sparsity_config import (
+from dslaunch.runtime.sparse_attention.attention import BertSparseSelfAttention, SparseSelfAttention
+from dslaunch.runtime.sparse_attention.layouts import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
     DenseSparsityConfig,
@@ -12,10 +14,8 @@ from dslaunch.ops.sparse_attention.sparsity_config import (
     SparsityConfig,
     VariableSparsityConfig,
 )
-from dslaunch.utils.refused import refuse
-
-_REFUSED = ("SparseSelfAttention", "BertSparseSelfAttention", "SparseAttentionUtils")
-globals().update(refuse(__name__, _REFUSED, _WHY))
+from dslaunch.runtime.sparse_attention.utils import SparseAttentionUtils
 
 __all__ = ["SparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig",
-           "BigBirdSparsityConfig", "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig", *_REFUSED]
+           "BigBirdSparsityConfig", "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig",
+           "SparseSelfAttention", "BertSparseSelfAttention", "SparseAttentionUtils"]
