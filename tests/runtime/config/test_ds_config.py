@@ -281,8 +281,7 @@ def test_sections_at_their_off_values_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("key, on, off", [
-    ("seq_parallel_communication_data_type", "bf16", "fp32"), ("compression_training",
-     {"layer_reduction": {"enabled": True}}, {"layer_reduction": {"enabled": False}}),
+    ("seq_parallel_communication_data_type", "bf16", "fp32"),
     ("sparse_attention", {"mode": "fixed"}, None),
     ("data_efficiency", {"enabled": True}, {"enabled": False}),
     ("amp", {"enabled": True, "opt_level": "O1"}, {"enabled": False, "opt_level": "O1"}),
