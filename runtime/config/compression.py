@@ -154,8 +154,8 @@ class LayerReductionConfig:
 class CompressionConfig:
     """The whole ``compression_training`` block (every technique off without it)."""
 
-    techniques: tuple[TechniqueConfig, ...] = tuple(TechniqueConfig(t, {"enabled": False, "schedule_offset": 0})
-                                                    for t in TECHNIQUES)
+    techniques: tuple[TechniqueConfig, ...] = tuple(
+        TechniqueConfig(t, MappingProxyType({"enabled": False, "schedule_offset": 0})) for t in TECHNIQUES)
     layer_reduction: LayerReductionConfig = field(default_factory=LayerReductionConfig)
 
     def technique(self, name: str) -> TechniqueConfig:
