@@ -43,16 +43,18 @@ class CompressionScheduler:
         self._layers = {t.name: [n for g in group_targets(model, t) for names in g.modules for n in names]
                         for t in self.compression_config.techniques if t.enabled}
 
-    def _due(self, technique: str) -> bool:
+    def _due(self, technique: str, resumed: bool) -> bool:
         shared = self.compression_config.technique(technique).shared
         if self.training_steps < shared["schedule_offset"]:
             return False
-        return technique != "sparse_pruning" or self.training_steps <= shared["schedule_offset_end"]
+        # past its window sparse pruning is no longer switched on, but what was on stays on
+        return technique != "sparse_pruning" or resumed or self.training_steps <= shared["schedule_offset_end"]
 
-    def check_all_modules(self) -> None:
-        """Set the flag of every technique that is due on its layers."""
+    def check_all_modules(self, resumed: bool = False) -> None:
+        """Set the flag of every technique that is due on its layers (``resumed``: that has been
+        due at some step so far, after a checkpoint load)."""
         for technique, names in self._layers.items():
-            if not self._due(technique):
+            if not self._due(technique, resumed):
                 continue
             for name in names:
                 setattr(model_get(self.model, name), _FLAG[technique], True)

@@ -69,6 +69,13 @@ class CompressionTraining:
             self.scheduler.step(step_zero_check=True)
             self._quantize(False)
 
+    def resume(self, applied_steps: int) -> None:
+        """After a checkpoint load: the scheduler counts on from the run's applied optimizer steps,
+        and what is due by then is on (DeepSpeed's scheduler starts again from 0)."""
+        self.scheduler.training_steps = applied_steps
+        if applied_steps:
+            self.scheduler.check_all_modules(resumed=True)
+
     def after_step(self, overflow: bool) -> None:
         """After an optimizer step: quantize (unless it overflowed), then count it (if applied)."""
         self._quantize(overflow)

@@ -7,7 +7,8 @@ plain torch's (the same prepared model, the scheduler stepped by hand, the two r
 one, torch's SGD) within 1e-5; ``redundancy_clean`` then shrinks the pruned layers.
 fp16 (ZeRO stage 2, MoQ): the weights of the group are quantized after each step: their bits
 fall 8 -> 7 -> 6 at the quantizer steps DeepSpeed's rule gives (period 2, doubling), each group
-of a weight holds at most 2**bits levels, and both ranks hold the same weights.
+of a weight holds at most 2**bits levels, and both ranks hold the same weights. A loaded engine's
+scheduler counts on from the saved applied steps (1 rank).
 """
 
 from __future__ import annotations
@@ -158,3 +159,27 @@ def test_moq_without_fp16_is_one_line_naming_the_key() -> None:
     (msg,) = run_world(_moq_without_fp16, 1)
     assert msg.startswith("'compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward': "
                           "is false") and "fp16.enabled" in msg
+
+
+def _resume(rank: int, world: int) -> dict:
+    import dslaunch
+    from dslaunch.compression.compress import init_compression
+
+    config = _config({k: FP32[k] for k in ("sparse_pruning", "row_pruning")})
+    engine, *_ = dslaunch.initialize(model=init_compression(TinyBert(), config), config=config)
+    for step in range(4):
+        engine.backward(engine(_batch(rank, step)).pow(2).mean())
+        engine.step()
+    state = engine.engine_state_dict()
+    model = init_compression(TinyBert(), config)
+    fresh, *_ = dslaunch.initialize(model=model, config=config)
+    before = _flags(model)[1:]
+    fresh.load_engine_state_dict(state)
+    return {"before": before, "after": _flags(model)[1:], "count": fresh.compression_scheduler.training_steps}
+
+
+@pytest.mark.timeout(90)
+def test_a_loaded_engine_counts_on_from_the_saved_steps() -> None:
+    (got,) = run_world(_resume, 1)
+    # 4 applied steps: sparse pruning (offset 2) and row pruning (offset 4) are due, as they were
+    assert got == {"before": [False, False], "after": [True, True], "count": 4}
