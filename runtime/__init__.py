@@ -11,7 +11,9 @@
   (``init_inference``).
 - what the engine delegates to: ``config/`` (the ds_config), ``zero/`` (the ZeRO strategies),
   ``precision/`` (dtypes and loss scaling), ``torch_autocast.py`` (forwards under
-  ``torch.autocast``), ``progressive_layer_drop.py`` (the keep probability handed to forwards), ``optim/``, ``lr_schedules/``, ``checkpoint/``,
+  ``torch.autocast``), ``progressive_layer_drop.py`` (the keep probability handed to forwards), ``compression/``
+  (DeepSpeed Compression: compressing layers, their scheduler) and ``quantize.py`` (its
+  optimizer-step weight quantizer, MoQ), ``optim/``, ``lr_schedules/``, ``checkpoint/``,
   ``dataloader.py``, ``activation_checkpointing/``, ``moe/``, ``tensor_parallel/``,
   ``sequence_parallel/``, ``sparse_attention/`` (block-sparse self-attention and its layouts),
   ``parallel/`` (topology and process groups), ``dist.py``

@@ -34,6 +34,7 @@ from dslaunch.runtime.api import (  # DeepSpeed's path for them
 from dslaunch.runtime.checkpoint.deepspeed_checkpoint import (
     checkpoint_parallel_metadata as _checkpoint_parallel_metadata,  # noqa: F401
 )
+from dslaunch.runtime.compression.training import CompressionTraining
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.data_pipeline.curriculum_scheduler import legacy_scheduler
 from dslaunch.runtime.data_pipeline.data_routing.wiring import random_ltd_scheduler
@@ -153,6 +154,10 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         self.random_ltd_scheduler = random_ltd_scheduler(config)  # DeepSpeed's name; None when off
         pld = config.progressive_layer_drop
         self.progressive_layer_drop = ProgressiveLayerDrop(pld.theta, pld.gamma) if pld.enabled else None
+        self._compression = CompressionTraining(self.module, config.compression_training, config.fp16.enabled,
+                                                config.zero_optimization.stage)
+        # DeepSpeed's names: the scheduler (always there) and the MoQ quantizer (None unless asked for)
+        self.compression_scheduler, self.quantizer = self._compression.scheduler, self._compression.quantizer
         if config.comms_logger.enabled:  # the process's one logger (a later engine without the block keeps it)
             from dslaunch.runtime.comm import comm
 
@@ -194,6 +199,7 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         offload = CheckpointHiddenStatesOffload() if self._config.activation_checkpointing.cpu_checkpointing \
             else contextlib.nullcontext()
         self._plain.begin_forward((args, kwargs))
+        self._compression.before_forward(self.global_steps)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             args = PrecisionPolicy.half_inputs(args)
         if self.module.training:  # what DeepSpeed's engine hands a training forward
@@ -285,6 +291,7 @@ class DeepSpeedEngine(EngineAccumulation, EngineCheckpoints, EngineSettings, tor
         with self.events.phase("step"):
             result = take_step(self.zero, self.loss_scaler, self._config.gradient_clipping, self._skips_overflow)
         self._step_applied, self._grad_norm = not result.overflow, result.grad_norm
+        self._compression.after_step(result.overflow)
         if result.overflow:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:

@@ -226,6 +226,7 @@ class EngineCheckpoints:
         """Restore what ``engine_state_dict`` returned."""
         for key in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
             setattr(self, key, int(sd[key]))
+        self._compression.resume(self.global_steps - self.skipped_steps)  # its count of applied steps
         exchange = getattr(self.zero, "exchange", None)
         if exchange is not None:  # None saved (older checkpoints, load_optimizer_states=False): fresh
             exchange.load_state_dict(sd.get("grad_exchange"))

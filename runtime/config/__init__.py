@@ -20,7 +20,8 @@
   (dslaunch's ``layout_invariant`` block), ``curriculum.py`` (``curriculum_learning``),
   ``data_efficiency.py`` (``data_efficiency``: curriculum by data sampling),
   ``torch_autocast.py``, ``progressive_layer_drop.py``, ``hybrid_engine.py`` (DeepSpeed's
-  ``hybrid_engine``: one engine that trains and generates).
+  ``hybrid_engine``: one engine that trains and generates), ``compression.py``
+  (``compression_training``, DeepSpeed Compression's techniques).
 - ``deepspeed_defaults.py``: DeepSpeed 0.19.8's own defaults (data), which the tests and the docs'
   config reference compare dslaunch's with.
 

@@ -28,6 +28,7 @@ from dslaunch.runtime.config.autotuning import AutotuningConfig
 from dslaunch.runtime.config.batch import BATCH_KEYS, batch_triad, elastic_triad
 from dslaunch.runtime.config.client_forms import client_forms
 from dslaunch.runtime.config.comms_logger import CommsLoggerConfig
+from dslaunch.runtime.config.compression import CompressionConfig, parse_compression
 from dslaunch.runtime.config.cross_check import cross_check
 from dslaunch.runtime.config.curriculum import CurriculumLearningConfig
 from dslaunch.runtime.config.data_efficiency import DataEfficiencyConfig
@@ -256,6 +257,8 @@ class DeepSpeedConfig(metaclass=_ConfigType):
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     """Forwards under ``torch.autocast`` (``runtime/torch_autocast.py``)."""
     progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
+    compression_training: CompressionConfig = field(default_factory=CompressionConfig)
+    """DeepSpeed Compression's techniques (``runtime/compression/``; 0.19.8 removed the library)."""
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """Training and generating with one engine (``runtime/hybrid_engine.py``)."""
     sparse_attention: SparseAttentionConfig | None = None
@@ -383,12 +386,14 @@ def _parse(raw: Mapping[str, Any], world_size: int, where: str | None, global_wo
     for key, value in forms.raw.items():
         if key in _SECTIONS:
             values[key] = parse_section(_SECTIONS[key], value, key)
+        elif key == "compression_training":  # free-form group names: its own parser
+            values[key] = parse_compression(value)
         elif key in _SCALARS:
             values[key] = _scalar(key, value)
         elif key in UNIMPLEMENTED_KEYS:
             reject_unimplemented(key, value, UNIMPLEMENTED_KEYS[key])
         else:
-            valid = [*_SECTIONS, *_SCALARS]
+            valid = [*_SECTIONS, *_SCALARS, "compression_training"]
             hint = did_you_mean(str(key), [*valid, *UNIMPLEMENTED_KEYS])
             raise ConfigError(f"unknown key{hint}; valid top-level keys: {_listing(sorted(valid))}",
                               key=str(key))

@@ -147,7 +147,6 @@ REMOVED_FROM_DEEPSPEED: dict[str, str] = {
                         "trains without the key",
     "nebula": "checkpoints go through the usual checkpoint engine",
     "amp": "NVIDIA Apex AMP; use fp16, bf16 or torch_autocast",
-    "compression_training": "the compression library",
     "quantize_training": "Mixture-of-Quantization",
     "eigenvalue": "eigenvalue-based Mixture-of-Quantization",
     "graph_harvesting": "graph harvesting",
@@ -334,8 +333,6 @@ def _not_str(path: str, value: Any) -> str:
     raise ConfigError(f"must be a string, got {describe(value)}", key=path)
 
 
-_COMPRESSION = Off({"shared_parameters": _enabled()}, switch="shared_parameters")
-
 # Top-level DeepSpeed keys dslaunch does not implement -> when they are off (DeepSpeed's
 # runtime/config.py, constants.py and the feature configs it reads).
 UNIMPLEMENTED_KEYS: dict[str, Any] = {
@@ -351,10 +348,6 @@ UNIMPLEMENTED_KEYS: dict[str, Any] = {
     "seq_parallel_communication_data_type": "fp32",  # the spelling DeepSpeed's docs use
     # model and training techniques
     "weight_quantization": None,
-    "compression_training": Off({"weight_quantization": _COMPRESSION, "activation_quantization": _COMPRESSION,
-                                 "sparse_pruning": _COMPRESSION, "row_pruning": _COMPRESSION,
-                                 "head_pruning": _COMPRESSION, "channel_pruning": _COMPRESSION,
-                                 "layer_reduction": _enabled()}),
     "quantize_training": _enabled(), "eigenvalue": _enabled(),
     "compile": Off({"deepcompile": False}, switch="deepcompile"), "graph_harvesting": False,
     # checkpoint engines

@@ -193,6 +193,11 @@ AREAS: dict[str, list[str]] = {
         "unit/runtime/rollout/test_rollout_interface.py",
         "unit/runtime/rollout/test_hybrid_engine_rollout.py",
     ],
+    # DeepSpeed Compression: 0.19.8 removed the library, so DeepSpeed's own side fails this 0.19.6 file at
+    # collection (no deepspeed.compression.compress); dslaunch keeps the library and passes its two CPU
+    # tests (the Megatron mpu test skips itself on both sides). Left out: test_dequantization.py, which
+    # loads the InferenceBuilder op (DeepSpeed fails it on CPU after a 4-minute build attempt; dslaunch skips).
+    "compression": ["unit/compression/test_compression.py"],
 }
 
 

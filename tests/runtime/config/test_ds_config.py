@@ -285,8 +285,7 @@ def test_sections_at_their_off_values_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("key, on, off", [
-    ("seq_parallel_communication_data_type", "bf16", "fp32"), ("compression_training",
-     {"layer_reduction": {"enabled": True}}, {"layer_reduction": {"enabled": False}}),
+    ("seq_parallel_communication_data_type", "bf16", "fp32"),
     ("amp", {"enabled": True, "opt_level": "O1"}, {"enabled": False, "opt_level": "O1"}),
     ("sparse_gradients", True, False), ("memory_breakdown", True, False), ("dump_state", True, False),
     ("graph_harvesting", True, False),
