@@ -25,10 +25,11 @@ in ``universal_tp``; dslaunch's, joined by its own slice records) becomes whole 
 ``sub_param_shape``, ...), so both dslaunch (any tensor-parallel degree, 1 included) and
 DeepSpeed's restore cut it again. Restoring single parameters: ``universal_restore``.
 
-A DeepSpeed-format AutoEP tag (ZeRO-1/2) becomes each block's expert weights whole
-(``zero/<block>.experts.w1/fp32.pt``: ``{"param": [num_experts, ...], "cat_dim": 0,
-"is_expert_param": True, "ep_num_experts": ...}``, as DeepSpeed's ``autoep_universal`` writes them),
-which load at any ``autoep_size`` (``deepspeed_autoep``).
+A DeepSpeed-format AutoEP tag (ZeRO-1/2, or ZeRO-3's ``zero3_partitioned``) becomes each block's
+expert weights whole (``zero/<block>.experts.w1/fp32.pt``: ``{"param": [num_experts, ...], "cat_dim":
+0, "is_expert_param": True, "ep_num_experts": ...}``, as DeepSpeed's ``autoep_universal`` writes
+them), which load at any ``autoep_size`` (``deepspeed_autoep``); from a ZeRO-3 AutoEP tag the dense
+parameters' files are bare flat tensors, as DeepSpeed's ZeRO-3 conversion writes them.
 
 Limitations: no pipeline parallelism, no ``deepspeed.moe`` experts, no AutoEP tag in dslaunch's own
 layout (it loads at another ``autoep_size`` without conversion); ``convert`` reads the whole fp32 state into
@@ -267,6 +268,16 @@ def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes], dict[st
     return state, files, extras
 
 
+def _flat_dense(state: DeepSpeedState) -> bool:
+    """A ZeRO-3 AutoEP tag (``zero3_partitioned``): DeepSpeed's ``ds_to_universal`` stores its dense
+    parameters as bare flat tensors (its ZeRO-3 merge), which its AutoEP tests and loaders expect."""
+    from dslaunch.runtime.checkpoint.deepspeed_autoep_zero3 import FORMAT
+
+    layers = state.states.get("ds_autoep_layers")
+    return state.stage == 3 and isinstance(layers, list) and any(
+        isinstance(e, dict) and e.get("checkpoint_format") == FORMAT for e in layers)
+
+
 def convert(input_folder: str | Path, output_folder: str | Path, strict: bool = True) -> Path:
     """Write the universal layout of the tag ``input_folder`` (DeepSpeed's format or dslaunch's,
     data- or tensor-parallel) into ``output_folder``, and ``latest_universal`` beside it naming it
@@ -295,6 +306,7 @@ def convert(input_folder: str | Path, output_folder: str | Path, strict: bool = 
     if state.stage == 0:
         raise CheckpointError("holds no ZeRO optimizer files (ZeRO stage 0): universal checkpoints are made "
                               "from ZeRO checkpoints", str(src))
+    raw = _flat_dense(state)
     try:
         for g in state.groups:
             for name in g.names:
@@ -302,7 +314,9 @@ def convert(input_folder: str | Path, output_folder: str | Path, strict: bool = 
                 safe_write.make_dirs(where)
                 tensors = {"fp32": state.fp32[name], **state.optim.get(name, {})}
                 for key, t in tensors.items():
-                    safe_write.write_file(where, f"{key}.pt", stored(t, extras.get(name, {})))
+                    data = to_bytes(t.reshape(-1).contiguous()) if raw and name not in extras else \
+                        stored(t, extras.get(name, {}))
+                    safe_write.write_file(where, f"{key}.pt", data)
                 if "step" in g.scalars:
                     safe_write.write_file(where, "step.pt", to_bytes(_as_step(g.scalars["step"])))
         safe_write.write_file(out / ZERO_FOLDER, OPTIMIZER_STATE, to_bytes(_optimizer_state(state)))
