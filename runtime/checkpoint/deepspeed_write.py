@@ -399,7 +399,7 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
     elif stage == 3 or rank == 0:
         files[model_states_name(rank if stage == 3 else None)] = _model_states(
             parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters, edp)
-    if experts:  # expert-data rank 0 writes its experts (and, without ZeRO, their optimizer state)
+    if experts and stage < 3:  # expert-data rank 0 writes its experts (and, without ZeRO, their optimizer state)
         writer = all(splits[gi][1] == 0 for gi in experts)
         with local_layout(parts.module):
             local = parts.module.state_dict()
