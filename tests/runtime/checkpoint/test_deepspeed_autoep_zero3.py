@@ -8,7 +8,8 @@ AutoEP at ``autoep_size`` 2 over 2 ranks at ZeRO-3 and saves; dslaunch does the 
 from the other's tag, dslaunch at another ``autoep_size`` and world size too, with
 ``load_optimizer_states=False`` and ``load_module_only=True`` as DeepSpeed does, and through a
 universal checkpoint made by dslaunch (file for file equal to DeepSpeed's ``ds_to_universal``
-output), and of the same run's tag in dslaunch's own layout (``universal_autoep``). The mean
+output), and of the same run's tag in dslaunch's own layout (``universal_autoep``). At world 4
+(expert-data groups of 2) DeepSpeed continues dslaunch's tag. The mean
 losses after each load equal the reference's within 1e-6. A model with another number of experts
 is refused in one line.
 """
@@ -181,3 +182,20 @@ def test_expert_count_mismatch_is_refused_in_one_line(tmp_path: Path) -> None:
         for msg in run_world(_wider_model, 2, str(tmp_path / folder), timeout=200):
             assert "target_local_experts=4, checkpoint_local_experts=2" in msg and "\n" not in msg, msg
             assert str(tmp_path / folder) in msg, msg
+
+
+@pytest.mark.timeout(600)
+def test_zero3_autoep_tag_with_expert_data_groups_continues_under_deepspeed(deepspeed_python: Path,  # noqa: F811
+                                                                           tmp_path: Path) -> None:
+    """At world 4, ep 2 each expert weight is cut over an expert-data group of 2 (global ranks
+    ``{0, 2}`` and ``{1, 3}`` in ``ds_zero_partition_groups``): DeepSpeed loads dslaunch's tag
+    (its load refuses any other placement record) and continues as dslaunch did (within 1e-6)."""
+    ours = run_world(_job, 4, {"stage": 3, "first": 0, "steps": SAVE_AT + STEPS, "save_at": SAVE_AT,
+                               "save": str(tmp_path / "dsl"), "checkpoint": {"format": "deepspeed"}}, timeout=300)
+    record = read_file(tmp_path / "dsl" / f"global_step{SAVE_AT}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    groups = record["optimizer_state_dict"]["ds_zero_partition_groups"]
+    assert [(g["partition_ranks"], g["partition_rank"], g["families"]) for g in groups] == [
+        ([0, 1, 2, 3], 1, ["replicated"]), ([1, 3], 0, ["autoep_expert"])]
+    theirs = _deepspeed_job(deepspeed_python, tmp_path / "back.json", tmp_path / "ext", 4,
+                            {"stage": 3, "first": SAVE_AT, "steps": STEPS, "load": str(tmp_path / "dsl")}, script=SCRIPT)
+    _close(_mean_losses(ours, skip=SAVE_AT), _mean_losses(theirs))
