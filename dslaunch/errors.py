@@ -47,6 +47,7 @@ __all__ = [
     "CheckpointLayoutError",
     "ReshapeError",
     "UnconvertibleLayoutError",
+    "ExpertShapeError",
     "SliceMetadataError",
     "NoSyncError",
     "AccumulationModeError",
@@ -219,6 +220,12 @@ class CheckpointLayoutError(CheckpointError, RuntimeError):
     """A DeepSpeed checkpoint's files disagree about the parallel shape it was saved at (its
     ``checkpoint_parallel_dimensions``, its file counts). Also a ``RuntimeError``: what DeepSpeed's
     ``deepspeed.checkpoint`` raises there."""
+
+
+class ExpertShapeError(CheckpointLayoutError, ValueError):
+    """An AutoEP checkpoint's blocks hold another number of experts than the model's (its message
+    gives DeepSpeed's ``target_local_experts=..., checkpoint_local_experts=...``). Also a
+    ``ValueError``: what DeepSpeed's universal load raises there."""
 
 
 class UnconvertibleLayoutError(CheckpointError, ValueError):

@@ -16,8 +16,10 @@ a pipeline's, one file per layer and a set per stage: ``deepspeed_pipe.py``; Aut
 tensor-parallel rank joined by DeepSpeed's slice map: ``deepspeed_tp.py``),
 writing them (``deepspeed_write.py``, with DeepSpeed's own classes pickled by name:
 ``deepspeed_pickle.py``), DeepSpeed's MoE files, one per global expert (``deepspeed_experts.py``), and its AutoEP blocks' names and
-``ds_autoep_layers`` metadata (``deepspeed_autoep.py``),
-and DeepSpeed's universal checkpoints both ways (``universal.py``; AutoTP tags' slices joined into it by DeepSpeed's slice records: ``universal_tp.py``, the per-parameter join and cut: ``autotp_universal.py``; one parameter restored from it: ``universal_restore.py``); ``deepspeed.checkpoint``'s
+``ds_autoep_layers`` metadata (``deepspeed_autoep.py``; at ZeRO-3 its ``zero3_partitioned``
+records: ``deepspeed_autoep_zero3.py``),
+and DeepSpeed's universal checkpoints both ways (``universal.py``; AutoEP tags in dslaunch's own layout
+made universal: ``universal_autoep.py``; AutoTP tags' slices joined into it by DeepSpeed's slice records: ``universal_tp.py``, the per-parameter join and cut: ``autotp_universal.py``; one parameter restored from it: ``universal_restore.py``); ``deepspeed.checkpoint``'s
 file-by-file reading of a tag, as Megatron-DeepSpeed's converters do (``deepspeed_checkpoint.py``:
 ``DeepSpeedCheckpoint``; ``deepspeed_zero_files.py``: ``ZeROCheckpoint``; ``deepspeed_reshape.py``:
 the 2D/3D maps and ``merge_state``; ``deepspeed_metadata.py``: the files' saved shape;

@@ -24,9 +24,12 @@ records the blocks in ``ds_autoep_layers`` (and ``universal_checkpoint_info``).
 ``autoep_size``. ``check_metadata`` validates ``ds_autoep_layers`` as DeepSpeed's load does, with
 one line naming the file and the key.
 
-Limitations: DeepSpeed's ZeRO-3 AutoEP layout (``checkpoint_format: "zero3_partitioned"``: the
-experts' weights only in the ZeRO shards) is neither written nor read; a model with both
-``deepspeed.moe`` layers and AutoEP blocks is not written in this layout.
+DeepSpeed's ZeRO-3 AutoEP layout (``checkpoint_format: "zero3_partitioned"``: the experts' weights
+only in the ZeRO shards, no per-expert files) is read and written with the same names
+(``deepspeed_autoep_zero3`` owns its records).
+
+Limitations: a model with both ``deepspeed.moe`` layers and AutoEP blocks is not written in this
+layout.
 """
 
 from __future__ import annotations
@@ -38,10 +41,10 @@ from typing import Any
 
 import torch
 
-from dslaunch.errors import CheckpointLayoutError
+from dslaunch.errors import CheckpointLayoutError, ExpertShapeError
 
 __all__ = ["AutoEPBlock", "autoep_blocks", "to_deepspeed", "from_deepspeed", "expert_weight_names", "module_file",
-           "expert_files", "metadata", "check_metadata", "names_from_deepspeed", "join_expert_ranks", "EP_SUFFIX", "REQUIRED_FIELDS"]
+           "expert_files", "metadata", "is_alias", "check_metadata", "names_from_deepspeed", "join_expert_ranks", "EP_SUFFIX", "REQUIRED_FIELDS"]
 
 EP_SUFFIX = "#ep"
 """``<name>#ep<r>``: expert rank ``r``'s rows of an AutoEP weight, as ``deepspeed_read`` names
@@ -122,6 +125,11 @@ def to_deepspeed(blocks: list[AutoEPBlock], tensors: dict[str, Any]) -> OrderedD
     return out
 
 
+def _local_counts(block: AutoEPBlock, saved: int) -> str:
+    """DeepSpeed's words for an expert-count mismatch: experts per expert rank, model and checkpoint."""
+    return f"target_local_experts={block.num_local}, checkpoint_local_experts={saved / block.ep_size:g}"
+
+
 def _join(parts: dict[int, torch.Tensor], what: str, where: str) -> torch.Tensor:
     """Parts numbered from 0 (global experts' 2D weights, or expert ranks' 3D rows) in one tensor."""
     if sorted(parts) != list(range(len(parts))):
@@ -153,7 +161,7 @@ def _router_from_ds(blocks: list[AutoEPBlock], key: str) -> str | None:
     return None
 
 
-def _alias(blocks: list[AutoEPBlock], key: str) -> bool:
+def is_alias(blocks: list[AutoEPBlock], key: str) -> bool:
     """DeepSpeed's alias of a block's router under the model's router name (the same tensor)."""
     return any(b.router_name != "router" and key.startswith(f"{b.prefix}{b.router_name}.gate.") for b in blocks)
 
@@ -176,7 +184,7 @@ def from_deepspeed(blocks: list[AutoEPBlock], tensors: dict[str, Any], where: st
             kind, index = ("expert", m.group(3)) if m.group(3) is not None else \
                 ("rank", m.group(4)) if m.group(4) is not None else ("whole", "0")
             pieces.setdefault((m.group(1), m.group(2)), {}).setdefault(kind, {})[int(index)] = value
-        elif not _alias(blocks, key):
+        elif not is_alias(blocks, key):
             out[_router_from_ds(blocks, key) or key] = value
     for block in blocks:
         whole = {}
@@ -190,8 +198,8 @@ def from_deepspeed(blocks: list[AutoEPBlock], tensors: dict[str, Any], where: st
                 break
             whole[w] = _join(found[kind], name, where)
             if whole[w].shape[0] != block.num_experts:
-                raise CheckpointLayoutError(f"{name} holds {whole[w].shape[0]} experts, the model's block "
-                                            f"{block.num_experts}", where)
+                raise ExpertShapeError(f"{name} holds {whole[w].shape[0]} experts, the model's block "
+                                       f"{block.num_experts} ({_local_counts(block, whole[w].shape[0])})", where)
         if not whole:
             continue
         lo, hi = (block.ep_rank * block.num_local, (block.ep_rank + 1) * block.num_local) if local \
@@ -233,18 +241,24 @@ def expert_files(blocks: list[AutoEPBlock], sd: dict, first_layer: int = 0) -> d
     return out
 
 
-def metadata(blocks: list[AutoEPBlock], sd: dict, edp_rank: int, edp_size: int, first_layer: int = 0) -> list[dict]:
+def metadata(blocks: list[AutoEPBlock], sd: dict, edp_rank: int, edp_size: int, first_layer: int = 0,
+             shapes: dict | None = None, partitioned: bool = False) -> list[dict]:
     """``ds_autoep_layers`` as DeepSpeed's writing rank records it (``sd``: dslaunch's module
-    state dict, this rank's rows)."""
+    state dict, this rank's rows; or ``shapes``: DeepSpeed's name of each expert weight -> this
+    rank's shape). ``partitioned``: ZeRO-3's ``zero3_partitioned`` entries
+    (``deepspeed_autoep_zero3``)."""
+    from dslaunch.runtime.checkpoint import deepspeed_autoep_zero3 as zero3
+
     out = []
     for layer, block in enumerate(blocks, start=first_layer):
-        shapes = {k: tuple(v.shape) for k, v in _split(block, sd).items()}
+        local = {k: tuple(shapes[k]) for k in (f"{block.prefix}experts.{w}" for w in ("w1", "w2", "w3"))} \
+            if shapes is not None else {k: tuple(v.shape) for k, v in _split(block, sd).items()}
         placement = {"version": 1, "num_experts": block.num_experts, "ep_size": block.ep_size,
                      "ranks": [{"rank": r, "experts": list(range(r * block.num_local, (r + 1) * block.num_local))}
                                for r in range(block.ep_size)]}
         maps = {}
         for w in ("w1", "w2", "w3"):
-            shard = list(shapes[f"{block.prefix}experts.{w}"])
+            shard = list(local[f"{block.prefix}experts.{w}"])
             rows = 1
             for d in shard[1:]:
                 rows *= d
@@ -258,7 +272,8 @@ def metadata(blocks: list[AutoEPBlock], sd: dict, edp_rank: int, edp_size: int, 
         out.append({"moe_layer_id": layer, "module_path": block.path, "num_experts": block.num_experts,
                     "num_local_experts": block.num_local, "ep_size": block.ep_size, "expert_placement": placement,
                     "affine_maps": {"version": 1, "params": maps}, "expert_key_prefix": f"{block.prefix}experts",
-                    "checkpoint_format": "per_expert_files", "checkpoint_format_version": None,
+                    "checkpoint_format": zero3.FORMAT if partitioned else "per_expert_files",
+                    "checkpoint_format_version": zero3.VERSION if partitioned else None,
                     "ep_group_name": f"ep_size_{block.ep_size}", "ep_rank": block.ep_rank,
                     "expert_data_parallel_rank": edp_rank, "expert_data_parallel_world_size": edp_size,
                     "global_expert_start": block.ep_rank * block.num_local,
@@ -349,10 +364,7 @@ def check_metadata(layers: Any, blocks: list[AutoEPBlock], where: str) -> None:
         if not all(isinstance(v, int) and v > 0 for v in ints) or ints[0] != ints[1] * ints[2]:
             raise CheckpointLayoutError(f"key {key!r} entry {i} is inconsistent: num_local_experts={ints[1]} x "
                                         f"ep_size={ints[2]} != num_experts={ints[0]}", where)
-        if entry.get("checkpoint_format", "per_expert_files") != "per_expert_files":
-            raise CheckpointLayoutError(f"key {key!r} entry {i} has checkpoint_format "
-                                        f"{entry.get('checkpoint_format')!r} (DeepSpeed's ZeRO-3 AutoEP layout), "
-                                        "which dslaunch does not read yet: save at ZeRO stage 1 or 2", where)
+        _check_format(entry, i, where)
         if not blocks:
             continue  # no model to hold it against (a conversion)
         block = ours.get(entry["module_path"])
@@ -360,11 +372,34 @@ def check_metadata(layers: Any, blocks: list[AutoEPBlock], where: str) -> None:
             raise CheckpointLayoutError(f"key {key!r} names module_path {entry['module_path']!r}, which is not an "
                                         f"AutoEP block of this model (its blocks: {sorted(ours)})", where)
         if entry["num_experts"] != block.num_experts:
-            raise CheckpointLayoutError(f"key {key!r}: {block.path} has {entry['num_experts']} experts in the "
-                                        f"checkpoint, {block.num_experts} in the model", where)
+            raise ExpertShapeError(f"key {key!r}: {block.path} has {entry['num_experts']} experts in the "
+                                   f"checkpoint, {block.num_experts} in the model ({_local_counts(block, entry['num_experts'])})",
+                                   where)
         if entry["expert_key_prefix"] != f"{block.prefix}experts":
             raise CheckpointLayoutError(f"key {key!r}: {block.path} has expert_key_prefix "
                                         f"{entry['expert_key_prefix']!r}, expected '{block.prefix}experts'", where)
     if blocks and len(layers) != len(blocks):
         missing = sorted(set(ours) - {e["module_path"] for e in layers})
         raise CheckpointLayoutError(f"key {key!r} lacks the model's AutoEP blocks {missing}", where)
+
+
+def _check_format(entry: dict, i: int, where: str) -> None:
+    """An entry's ``checkpoint_format``: DeepSpeed's per-expert files (ZeRO 0-2), or its ZeRO-3
+    ``zero3_partitioned`` layout at the version DeepSpeed 0.19.8 writes, with that layout's fields."""
+    from dslaunch.runtime.checkpoint import deepspeed_autoep_zero3 as zero3
+
+    key, form = "ds_autoep_layers", entry.get("checkpoint_format", "per_expert_files")
+    if form == "per_expert_files":
+        return
+    if form != zero3.FORMAT:
+        raise CheckpointLayoutError(f"key {key!r} entry {i} has checkpoint_format {form!r}: expected "
+                                    f"'per_expert_files' or {zero3.FORMAT!r}", where)
+    if entry.get("checkpoint_format_version") != zero3.VERSION:
+        raise CheckpointLayoutError(f"key {key!r} entry {i} has checkpoint_format_version "
+                                    f"{entry.get('checkpoint_format_version')!r}: DeepSpeed 0.19.8's "
+                                    f"{zero3.FORMAT!r} layout is version {zero3.VERSION}", where)
+    missing = sorted({"ep_rank", "expert_data_parallel_rank", "expert_data_parallel_world_size",
+                      "global_expert_start", "global_expert_end"} - entry.keys())
+    if missing:
+        raise CheckpointLayoutError(f"key {key!r} entry {i} ({zero3.FORMAT}) is invalid: missing fields {missing}",
+                                    where)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.deepspeed_autoep_zero3 import PARTITION_GROUPS_KEY, expert_units
 from dslaunch.runtime.checkpoint.deepspeed_experts import expert_sets, renumber
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
     expert_optim_name,
@@ -283,7 +284,9 @@ def _zero(base: DeepSpeedState, shapes: list[dict], osds: list[dict], files: lis
     owner: dict[int, int] = {i: g for g, pg in enumerate(param_groups) for i in pg["params"]}
     scalars: dict[int, dict] = {}
     if partitioned:
-        names = _unpack_stage3(shapes, flats, base_sds, base.world_size, fp32, optim, scalars, str(base.folder))
+        units = expert_units([o.get(PARTITION_GROUPS_KEY) for o in osds], base.world_size, str(files[0]))
+        names = _unpack_stage3(shapes, flats, base_sds, base.world_size, fp32, optim, scalars, str(base.folder),
+                               units)
         group_of_unit = [owner.get(i, 0) for i in range(len(flats[0]))] if len(shapes) == len(flats[0]) \
             else list(range(len(shapes)))
         by_group: dict[int, list[str]] = {}
@@ -334,9 +337,12 @@ def _unpack_flat(shapes: dict, flat: torch.Tensor, moments: dict[str, torch.Tens
 
 
 def _unpack_stage3(shapes: list[dict], flats: list[list[torch.Tensor]], base_sds: list[dict], world: int,
-                   fp32: dict, optim: dict, scalars: dict, what: str) -> list[list[str]]:
+                   fp32: dict, optim: dict, scalars: dict, what: str,
+                   units: list[list[list[int]] | None]) -> list[list[str]]:
     """Stage 3: each rank's sub-groups, concatenated, hold ``ceil(numel / world)`` of each param in
-    turn. Returns the names of each unit of ``shapes``."""
+    turn; an AutoEP expert sub-group (``units``, ``deepspeed_autoep_zero3.expert_units``) ``ceil(numel
+    / expert-data size)``, each expert rank's param named ``<name>#ep<r>``. Returns the names of each
+    unit of ``shapes``."""
     vectors, moments = [], []
     for r in range(world):
         vectors.append(torch.cat([t.reshape(-1).float() for t in flats[r]]))
@@ -346,17 +352,22 @@ def _unpack_stage3(shapes: list[dict], flats: list[list[torch.Tensor]], base_sds
         if r == 0:
             scalars.update({i: s for i, (_, s) in enumerate(per_unit)})
     offset, names = 0, []
-    for unit in shapes:
-        names.append(list(unit))
+    for u, unit in enumerate(shapes):
+        # an AutoEP unit is cut over each expert rank's expert-data peers, its name per expert rank
+        sets = units[u] if u < len(units) and units[u] is not None else [list(range(world))]
+        names.append([])
         for name, shape in unit.items():
             n = math.prod(shape)
-            part = math.ceil(n / world)
+            part = math.ceil(n / len(sets[0]))
             if offset + part > vectors[0].numel():
                 raise CheckpointError(f"{what}: the fp32 partitions hold {vectors[0].numel()} elements per rank, "
                                       f"too few for {name!r}")
-            fp32[name] = torch.cat([v[offset:offset + part] for v in vectors])[:n].view(tuple(shape)).clone()
-            optim[name] = {k: torch.cat([m[k][offset:offset + part] for m in moments])[:n].view(tuple(shape)).clone()
-                           for k in moments[0]}
+            for e, ranks in enumerate(sets):
+                key = renumber([name], e)[0] if len(sets) > 1 else name
+                names[-1].append(key)
+                fp32[key] = torch.cat([vectors[r][offset:offset + part] for r in ranks])[:n].view(tuple(shape)).clone()
+                optim[key] = {k: torch.cat([moments[r][k][offset:offset + part] for r in ranks])[:n]
+                              .view(tuple(shape)).clone() for k in moments[0]}
             offset += part
     return names
 

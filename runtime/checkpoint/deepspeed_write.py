@@ -29,13 +29,15 @@ writer thread, from a copy in host memory), ``fsync`` and ``keep_last`` (retenti
 with a manifest) apply as to dslaunch's format.
 
 An AutoEP run's tag (``deepspeed_autoep``) has DeepSpeed's names for the converted blocks' weights,
-a file per global expert, and ``ds_autoep_layers`` in the model states.
+a file per global expert (ZeRO 0-2), and ``ds_autoep_layers`` in the model states; at ZeRO-3
+DeepSpeed's ``zero3_partitioned`` layout (``deepspeed_autoep_zero3``): the experts only in the
+optimizer shards, cut over each expert rank's expert-data group, and ``ds_zero_partition_groups``.
 
 A pipeline's tag (``deepspeed_pipe``) has these files per stage (``mp_rank_SS``, the model states
 without ``module``) and a ``layer_XX-model_states.pt`` per layer, from data-parallel rank 0 of each stage.
 
 Limitations: no tensor parallelism (an mpu, AutoTP), pipelines at ZeRO stages 0 and 1 only (as
-DeepSpeed's) and without MoE, no MoE or AutoEP at ZeRO-3 (nor experts marked by
+DeepSpeed's) and without MoE, no ``deepspeed.moe`` layers at ZeRO-3 (nor experts marked by
 hand, nor MoE layers beside AutoEP blocks), no node-local storage; each rank holds the whole fp32 state once while saving (host memory),
 and an async save keeps its copy of the rank's files in host memory between saves. DeepSpeed also
 copies its ``zero_to_fp32.py`` into the tag: dslaunch does not ship DeepSpeed's script
@@ -55,6 +57,7 @@ import torch
 import dslaunch
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint import deepspeed_autoep as autoep
+from dslaunch.runtime.checkpoint import deepspeed_autoep_zero3 as zero3
 from dslaunch.runtime.checkpoint.deepspeed_experts import dense_state, expert_files, moe_layers
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
     expert_optim_name,
@@ -180,28 +183,35 @@ def _sub_groups(shapes: list, world: int, sub_group_size: int) -> list[range]:
     return out
 
 
-def _zero3_file(groups: list[dict], rank: int, world: int, sub_group_size: int) -> dict:
-    """Rank ``rank``'s ZeRO-3 optimizer state, as DeepSpeed's ``_rigid_state_dict``: one flat
-    fp32 partition per sub-group, each a parameter of its param group in the inner optimizer."""
-    fp32, states, param_groups = [], [], []
-    for g in groups:
+def _zero3_file(groups: list[dict], parts: list[tuple[int, int, list[int], str | None]], world: int,
+                sub_group_size: int) -> dict:
+    """This rank's ZeRO-3 optimizer state, as DeepSpeed's ``_rigid_state_dict``: one flat fp32
+    partition per sub-group, each a parameter of its param group in the inner optimizer. ``parts``:
+    per group, the ranks it is cut over, this rank's index, their global ranks and the expert
+    group's name (an AutoEP group: its expert-data group; ``deepspeed_autoep_zero3``)."""
+    fp32, states, param_groups, units = [], [], [], []
+    for g, (count, rank, ranks, name) in zip(groups, parts, strict=True):
         ids = []
         offsets = [0]
         for shape in g["shapes"]:
             offsets.append(offsets[-1] + math.prod(shape))
-        for sub in _sub_groups(g["shapes"], world, sub_group_size):
+        for sub in _sub_groups(g["shapes"], count, sub_group_size):
             lo, hi = offsets[sub.start], offsets[sub.stop]
             shapes = g["shapes"][sub.start:sub.stop]
-            fp32.append(_stage3_slices(g["master"].reshape(-1)[lo:hi], shapes, rank, world))
+            fp32.append(_stage3_slices(g["master"].reshape(-1)[lo:hi], shapes, rank, count))
             state = _scalars(g)
-            state.update({k: _stage3_slices(v.reshape(-1)[lo:hi], shapes, rank, world)
+            state.update({k: _stage3_slices(v.reshape(-1)[lo:hi], shapes, rank, count)
                           for k, v in g["optim_state"].items()})
             ids.append(len(states))
             states.append(state)
+            units.append((count, rank, ranks, name))
         param_groups.append({**g["hparams"], "params": ids})
-    return {"zero_stage": 3, "loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-            "partition_count": world,
-            "optimizer_state_dict": {"state": dict(enumerate(states)), "param_groups": param_groups},
+    out = {"zero_stage": 3, "loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+           "partition_count": world}
+    placement = zero3.partition_groups(units)
+    if placement is not None:
+        out[zero3.PARTITION_GROUPS_KEY] = placement
+    return {**out, "optimizer_state_dict": {"state": dict(enumerate(states)), "param_groups": param_groups},
             "fp32_flat_groups": fp32}
 
 
@@ -250,19 +260,22 @@ def _frozen(module: torch.nn.Module, sd: dict, rank: int, world: int, partitione
 def _model_states(parts: CheckpointParts, groups: list[dict], stage: int, rank: int, world: int,
                   client_state: dict, exclude_frozen: bool, edp: tuple[int, int] = (1, 0)) -> dict:
     module = parts.module
-    trained = {n for g in groups for n in g["names"]}
-    with local_layout(module):  # AutoEP: this rank's rows (no collective: one rank writes this file)
-        sd = module_state_dict(module, exclude_frozen, skip=frozenset(trained) if stage == 3 else frozenset())
+    trained = {n for g in groups for n in g["names"]}  # DeepSpeed's names (an AutoEP block's w1, w2, w3)
     layers = moe_layers(module)
     blocks = autoep.autoep_blocks(module)
+    ours = set(autoep.names_from_deepspeed(blocks, sorted(trained))) if blocks else trained
+    with local_layout(module):  # AutoEP: this rank's rows (ZeRO 0-2: no collective, one rank writes this file)
+        sd = module_state_dict(module, exclude_frozen, skip=frozenset(ours) if stage == 3 else frozenset())
     if layers:  # the experts' weights are in files of their own
         sd = dense_state(sd)
-    autoep_layers = autoep.metadata(blocks, sd, edp[1], edp[0]) if blocks else None
+    shapes = {n: s for g in groups for n, s in zip(g["names"], g["shapes"], strict=True)}
+    autoep_layers = autoep.metadata(blocks, sd, edp[1], edp[0], shapes=shapes if stage == 3 else None,
+                                    partitioned=stage == 3) if blocks else None
     if blocks:  # as DeepSpeed's AutoEP blocks name their weights; the experts in files of their own
         sd = autoep.module_file(blocks, sd)
-    if stage == 3:  # DeepSpeed's partitioned params are empty in its module state dict
-        params = dict(module.named_parameters())
-        sd = OrderedDict((k, torch.empty(0, dtype=params[k].dtype) if k in trained else v) for k, v in sd.items())
+    if stage == 3:  # DeepSpeed's partitioned params (and a router's alias) are empty in its module state dict
+        sd = OrderedDict((k, torch.empty(0, dtype=v.dtype) if k in trained or autoep.is_alias(blocks, k) else v)
+                         for k, v in sd.items())
     training = parts.training.state_dict()
     zero = stage > 0
     frozen = _frozen(module, sd, rank, world, stage == 3) if stage >= 2 and not exclude_frozen else (None, None)
@@ -323,12 +336,10 @@ def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
             "a pipeline at ZeRO stage 2 or 3 (DeepSpeed's PipelineEngine runs stages 0 and 1)"
             if place is not None and parts.zero.stage > 1 else
             "checkpoint.use_node_local_storage" if parts.config.use_node_local_storage else
-            "AutoEP at ZeRO stage 3 (DeepSpeed's zero3_partitioned expert layout)"
-            if parts.zero.stage == 3 and autoep.autoep_blocks(parts.module) else
             "deepspeed.moe layers beside AutoEP blocks" if moe_layers(parts.module) and autoep.autoep_blocks(parts.module)
             else
             "expert (MoE) parameters at ZeRO stage 3 (DeepSpeed refuses its MoE layer there)"
-            if parts.zero.stage == 3 and any("reduce_group" in g for g in zero_sd["groups"]) else
+            if parts.zero.stage == 3 and moe_layers(parts.module) else
             "expert parameters outside an MoE layer's experts (marked by hand: DeepSpeed's files number experts)"
             if not set(_expert_params(zero_sd)) <= set(expert_names(parts.module)) | autoep.expert_weight_names(
                 autoep.autoep_blocks(parts.module))
@@ -349,6 +360,24 @@ def _data_sampler(position: dict | None) -> dict | None:
     # plain Python values: readable by torch.load(weights_only=True); numpy's set_state takes them
     legacy = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
     return {**position, "np_rng_state": legacy, "sampler_rng_state": position["np_rng_state"]}
+
+
+def _zero3_parts(parts: CheckpointParts, splits: list[tuple[int, int]], experts: dict,
+                 blocks: list) -> list[tuple[int, int, list[int], str | None]]:
+    """Per param group: the ranks its ZeRO-3 state is cut over, this rank's index, their global
+    ranks, and (an AutoEP expert group) DeepSpeed's name of its group (``ep_size_<ep>``)."""
+    import torch.distributed as dist
+
+    comm = parts.io.comm
+    out = []
+    for gi, (count, index) in enumerate(splits):
+        if gi not in experts:
+            out.append((count, index, list(range(comm.world_size)), None))
+            continue
+        pg = parts.zero.group_comm(gi)[2]
+        ranks = [comm.rank] if count == 1 or pg is None else list(dist.get_process_group_ranks(pg))
+        out.append((count, index, ranks, f"ep_size_{blocks[0].ep_size}" if blocks else None))
+    return out
 
 
 def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str, client_state: dict | None,
@@ -385,7 +414,7 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
     elif stage == 3 or rank == 0:
         files[model_states_name(rank if stage == 3 else None)] = _model_states(
             parts, groups, stage, rank, world, client_state or {}, exclude_frozen_parameters, edp)
-    if experts:  # expert-data rank 0 writes its experts (and, without ZeRO, their optimizer state)
+    if experts and stage < 3:  # expert-data rank 0 writes its experts (and, without ZeRO, their optimizer state)
         writer = all(splits[gi][1] == 0 for gi in experts)
         with local_layout(parts.module):
             local = parts.module.state_dict()
@@ -396,7 +425,8 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
                 {"optimizer": _stage0_optimizer(groups)}
     if stage > 0 and parts.optimizer is not None:
         sub_group_size = int((parts.ds_config.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP_SIZE))
-        osd = _zero3_file(groups, rank, world, sub_group_size) if stage == 3 else \
+        osd = _zero3_file(groups, _zero3_parts(parts, splits, experts, blocks), world, sub_group_size) \
+            if stage == 3 else \
             _zero12_file(groups, splits, stage, parts.gradient_clipping)
         name = optim_states_name(place.data, parts.bf16, place.coord.get("pipe", 0)) if place else \
             optim_states_name(rank, parts.bf16)

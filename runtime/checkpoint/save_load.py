@@ -73,6 +73,7 @@ from dslaunch.runtime.checkpoint.store import (
     validate_tag,
     write_atomic,
 )
+from dslaunch.runtime.checkpoint.universal_autoep import record as autoep_record
 from dslaunch.runtime.checkpoint.writer import TagWrite, write_tag
 from dslaunch.runtime.moe.autoep_folded import folding_metadata
 from dslaunch.runtime.moe.autoep_state import (
@@ -230,7 +231,8 @@ def tag_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: Any, clien
             # zero-to-fp32 gives a tied parameter's every name its one fp32 master
             "shared_params": shared_params(parts.module),
             "untrained_experts": untrained,  # global names: a load takes those it holds (own_untrained)
-            "folding": folding_metadata(parts.module)}  # AutoEP folded with AutoTP: loads only at the same
+            "folding": folding_metadata(parts.module),
+            "autoep": autoep_record(parts.module)}  # what ds-to-universal needs of AutoEP blocks  # AutoEP folded with AutoTP: loads only at the same
     if place is not None:
         records = ck.comm.all_gather_object({**record, "frozen": frozen, "module": module_meta})
         meta.update(model_parallel=tag_meta(place, records),

@@ -25,14 +25,18 @@ in ``universal_tp``; dslaunch's, joined by its own slice records) becomes whole 
 ``sub_param_shape``, ...), so both dslaunch (any tensor-parallel degree, 1 included) and
 DeepSpeed's restore cut it again. Restoring single parameters: ``universal_restore``.
 
-A DeepSpeed-format AutoEP tag (ZeRO-1/2) becomes each block's expert weights whole
-(``zero/<block>.experts.w1/fp32.pt``: ``{"param": [num_experts, ...], "cat_dim": 0,
-"is_expert_param": True, "ep_num_experts": ...}``, as DeepSpeed's ``autoep_universal`` writes them),
-which load at any ``autoep_size`` (``deepspeed_autoep``).
+A DeepSpeed-format AutoEP tag (ZeRO-1/2, or ZeRO-3's ``zero3_partitioned``) becomes each block's
+expert weights whole (``zero/<block>.experts.w1/fp32.pt``: ``{"param": [num_experts, ...], "cat_dim":
+0, "is_expert_param": True, "ep_num_experts": ...}``, as DeepSpeed's ``autoep_universal`` writes
+them), which load at any ``autoep_size`` (``deepspeed_autoep``); from a ZeRO-3 AutoEP tag the dense
+parameters' files are bare flat tensors and no ``step.pt`` is written (the step is in
+``optimizer_state.pt``), as DeepSpeed's ZeRO-3 conversion writes them.
 
-Limitations: no pipeline parallelism, no ``deepspeed.moe`` experts, no AutoEP tag in dslaunch's own
-layout (it loads at another ``autoep_size`` without conversion); ``convert`` reads the whole fp32 state into
-host memory.
+An AutoEP tag in dslaunch's own layout converts the same way (``universal_autoep``: its save records
+the blocks, the conversion joins the expert ranks' rows and writes DeepSpeed's names and records).
+
+Limitations: no pipeline parallelism, no ``deepspeed.moe`` experts; ``convert`` reads the whole fp32
+state into host memory.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from dslaunch.runtime.checkpoint.deepspeed_read import (
 from dslaunch.runtime.checkpoint.deepspeed_write import DEEPSPEED_VERSION
 from dslaunch.runtime.checkpoint.reshard import assemble, check_meta, expert_groups, needed_ranks
 from dslaunch.runtime.checkpoint.store import MANIFEST, CheckpointStore
+from dslaunch.runtime.checkpoint.universal_autoep import expert_extras
 from dslaunch.runtime.checkpoint.universal_restore import (
     enable_universal_checkpoint,
     load_hp_checkpoint_state,
@@ -209,8 +214,12 @@ def _whole(store: CheckpointStore, tag: str, manifest: Any, src: Path
                                   "checkpoint (only AutoTP and data-parallel tags are)", str(src))
         shape = meta["model_parallel"]["shape"]
         return *autotp, int(shape.get("data", 1))
-    if expert_groups(meta["partition"]):
-        raise CheckpointError("holds expert parameters: not convertible to a universal checkpoint yet", str(src))
+    if expert_groups(meta["partition"]):  # AutoEP: every expert's rows joined, in DeepSpeed's names
+        from dslaunch.runtime.checkpoint.universal_autoep import blocks_of, whole_groups
+
+        groups = whole_groups(lambda r: store.read(tag, zero_file(r), manifest), meta, blocks_of(meta, str(src)),
+                              str(src))
+        return {"groups": groups}, dict(store.read(tag, MODULE_FILE, manifest)["module"]), {}, int(meta["world_size"])
     pmap = meta["partition"]
     full = [(0, int(g["numel"])) for g in pmap["groups"]]
     whole = assemble([store.read(tag, zero_file(r), manifest) for r in needed_ranks(pmap, full)], full)
@@ -221,6 +230,21 @@ def _param(flat: torch.Tensor, offset: int, shape: Any, transposed: bool) -> tor
     """One parameter of a flat group, fp32, in the model's own layout (GPT-2's Conv1D: ``[in, out]``)."""
     t = flat[offset:offset + math.prod(shape)].float().view(tuple(shape))
     return (t.t() if transposed else t).contiguous().clone()
+
+
+def _autoep_states(meta: dict, module: dict, fp32: dict, order: list[str], shapes: list, states: dict,
+                   where: str) -> tuple[OrderedDict, list]:
+    """An AutoEP tag's universal model states (``universal_autoep.model_states``) into ``states``;
+    its module in DeepSpeed's names, and its blocks."""
+    from dslaunch.runtime.checkpoint.deepspeed_autoep import from_deepspeed
+    from dslaunch.runtime.checkpoint.universal_autoep import blocks_of, model_states
+
+    blocks = blocks_of(meta, where)
+    ours = {**module, **from_deepspeed(blocks, fp32, where, local=False)}
+    extra = model_states(blocks, OrderedDict((k, ours[k]) for k in order if k in ours), shapes,
+                         int(meta["zero_stage"]))
+    states.update({k: v for k, v in extra.items() if k != "module"})
+    return extra["module"], blocks
 
 
 def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes], dict[str, dict]]:
@@ -259,12 +283,26 @@ def _read_dslaunch(src: Path) -> tuple[DeepSpeedState, dict[str, bytes], dict[st
               "global_samples": int(engine["global_samples"]), "dp_world_size": dp_size,
               "mp_world_size": 1, "ds_config": {}, "ds_version": DEEPSPEED_VERSION, **training.get("client_state", {})}
     whole_module = OrderedDict((k, weights[k]) for k in order if k in weights)
-    placeholders = OrderedDict((k, torch.empty(0, dtype=v.dtype) if k in fp32 else v) for k, v in whole_module.items())
+    if meta.get("autoep") and expert_groups(meta["partition"]):  # DeepSpeed's names, its AutoEP records
+        whole_module, blocks = _autoep_states(meta, module, fp32, order, shapes, states, str(src))
+        extras.update(expert_extras(blocks))
+    placeholders = OrderedDict((k, torch.empty(0, dtype=v.dtype) if k in fp32 or k not in weights else v)
+                               for k, v in whole_module.items())
     files = {model_states_name(): to_bytes({"module": whole_module, **states}),
              model_states_name(0): to_bytes({"module": placeholders, **states})}
     state = DeepSpeedState(src, src / MODULE_FILE, int(meta["zero_stage"]), dp_size, states,
                            whole_module, fp32, optim, groups)
     return state, files, extras
+
+
+def _flat_dense(state: DeepSpeedState) -> bool:
+    """A ZeRO-3 AutoEP tag (``zero3_partitioned``): DeepSpeed's ``ds_to_universal`` stores its dense
+    parameters as bare flat tensors (its ZeRO-3 merge), which its AutoEP tests and loaders expect."""
+    from dslaunch.runtime.checkpoint.deepspeed_autoep_zero3 import FORMAT
+
+    layers = state.states.get("ds_autoep_layers")
+    return state.stage == 3 and isinstance(layers, list) and any(
+        isinstance(e, dict) and e.get("checkpoint_format") == FORMAT for e in layers)
 
 
 def convert(input_folder: str | Path, output_folder: str | Path, strict: bool = True) -> Path:
@@ -295,6 +333,7 @@ def convert(input_folder: str | Path, output_folder: str | Path, strict: bool = 
     if state.stage == 0:
         raise CheckpointError("holds no ZeRO optimizer files (ZeRO stage 0): universal checkpoints are made "
                               "from ZeRO checkpoints", str(src))
+    raw = _flat_dense(state)
     try:
         for g in state.groups:
             for name in g.names:
@@ -302,8 +341,10 @@ def convert(input_folder: str | Path, output_folder: str | Path, strict: bool = 
                 safe_write.make_dirs(where)
                 tensors = {"fp32": state.fp32[name], **state.optim.get(name, {})}
                 for key, t in tensors.items():
-                    safe_write.write_file(where, f"{key}.pt", stored(t, extras.get(name, {})))
-                if "step" in g.scalars:
+                    data = to_bytes(t.reshape(-1).contiguous()) if raw and name not in extras else \
+                        stored(t, extras.get(name, {}))
+                    safe_write.write_file(where, f"{key}.pt", data)
+                if "step" in g.scalars and not raw:  # DeepSpeed's ZeRO-3 conversion keeps it in optimizer_state.pt only
                     safe_write.write_file(where, "step.pt", to_bytes(_as_step(g.scalars["step"])))
         safe_write.write_file(out / ZERO_FOLDER, OPTIMIZER_STATE, to_bytes(_optimizer_state(state)))
         for name, data in model_files.items():

@@ -125,16 +125,22 @@ def test_broken_autoep_metadata_is_refused_in_one_line(tmp_path: Path) -> None:
 
 def test_metadata_check_matches_deepspeeds_rules() -> None:
     """``check_metadata`` (pure): DeepSpeed's required fields, duplicates, ``num_experts =
-    num_local_experts * ep_size``, DeepSpeed's ZeRO-3 layout refused; another ``ep_size`` than the
-    model's accepted. Each a ``RuntimeError`` too, as DeepSpeed raises."""
+    num_local_experts * ep_size``, DeepSpeed's ZeRO-3 layout at its version 1 with its fields;
+    another ``ep_size`` than the model's accepted. Each a ``RuntimeError`` too, as DeepSpeed raises."""
     block = AutoEPBlock("model.layers.0.mlp.", "gate", ("gate_up_proj", "down_proj", None), 4, 2, 2, 0)
     entry = {"moe_layer_id": 0, "module_path": "model.layers.0.mlp", "num_experts": 4, "num_local_experts": 4,
              "ep_size": 1, "expert_key_prefix": "model.layers.0.mlp.experts"}
     check_metadata([entry], [block], "f.pt")  # saved at ep 1, loaded at ep 2
+    zero3 = {**entry, "checkpoint_format": "zero3_partitioned", "checkpoint_format_version": 1, "ep_rank": 0,
+             "expert_data_parallel_rank": 0, "expert_data_parallel_world_size": 1, "global_expert_start": 0,
+             "global_expert_end": 4}
+    check_metadata([zero3], [block], "f.pt")  # DeepSpeed's ZeRO-3 layout
     bad: list[tuple[Any, str]] = [
         ([entry, {**entry, "module_path": "x"}], "duplicate moe_layer_id"),
         ([{**entry, "num_local_experts": 3}], "inconsistent"),
-        ([{**entry, "checkpoint_format": "zero3_partitioned"}], "zero3_partitioned"),
+        ([{**zero3, "checkpoint_format_version": 2}], "checkpoint_format_version 2"),
+        ([{k: v for k, v in zero3.items() if k != "ep_rank"}], r"missing fields \['ep_rank'\]"),
+        ([{**entry, "checkpoint_format": "sharded"}], "checkpoint_format 'sharded'"),
         ([{**entry, "expert_key_prefix": "model.layers.0.mlp.moe"}], "expert_key_prefix"),
         ([], "lacks the model's AutoEP blocks"),
     ]
