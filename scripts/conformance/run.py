@@ -1,7 +1,7 @@
 """Runs DeepSpeed's own unit tests against real DeepSpeed and against dslaunch, and compares.
 
     python scripts/conformance/run.py --deepspeed-src PATH [--side deepspeed|dslaunch|both]
-                                      [--file unit/...py ...] [--file-timeout S]
+                                      [--file unit/...py ...] [--keyword EXPR] [--file-timeout S]
 
 PATH is a DeepSpeed source checkout (its PyPI sdist has no tests). Only its ``tests/`` folder is
 copied, into ``build/conformance/``: the checkout's own ``deepspeed/`` package must never shadow the
@@ -132,6 +132,7 @@ def run_side(side: str, venv: Path, tests: Path, files: list[str], events: Path,
                "-p", "conformance_shim", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-q", "--no-header", "-rN",
                f"--timeout={args.test_timeout}", "--junitxml", str(events.with_suffix(".xml"))]
     command += [f"--deselect={nodeid}" for nodeid in HARNESS_STOPPERS.get(side, [])]
+    command += ["-k", args.keyword] if args.keyword else []
     # A run killed mid-build leaves its op build's lock behind, and every later build waits on it
     # forever; no build of this venv's runs now, so any lock left is stale.
     for lock in (venv / "torch_extensions").glob("*/lock"):
@@ -207,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--file", action="append", help="run only this test file (repeatable)")
     parser.add_argument("--file-timeout", type=int, default=420, help="seconds one file may run")
     parser.add_argument("--test-timeout", type=int, default=180, help="seconds one test may run")
+    parser.add_argument("--keyword", "-k", default=None,
+                        help="run only the tests of the files that match this pytest -k expression "
+                             "(their other tests keep their recorded outcomes)")
     parser.add_argument("--no-distributed", action="store_true",
                         help="leave out the multi-process tests (a quick run; their recorded outcomes are kept)")
     parser.add_argument("--local-size", type=int, default=4, help="devices the CPU accelerator reports")
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             fresh = run_side(side, args.venvs / side, tests, files, args.work / f"{side}.jsonl", args)
             print(f"conformance: {side}: {len(fresh.results)} tests in {time.monotonic() - started:.0f} s", flush=True)
-            runs[side] = report.replace_files(runs[side], fresh, files, complete=not args.no_distributed)
+            runs[side] = report.replace_files(runs[side], fresh, files, complete=not (args.no_distributed or args.keyword))
             report.save(runs[side], store)
     present = {report.file_of(n) for run in runs.values() for n in [*run.results, *run.collect_errors]}
     selected = {a: [f for f in fs if f in present] for a, fs in areas.AREAS.items()}

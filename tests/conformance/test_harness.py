@@ -202,7 +202,7 @@ def test_each_file_cut_by_its_cap_keeps_its_own_events_file(tmp_path: Path) -> N
         (tmp_path / "unit" / f"test_{name}.py").write_text(body)
         files.append(f"unit/test_{name}.py")
     # a cap the passing file's pytest starts and exits within, even on a loaded machine (3 s was cut once)
-    args = argparse.Namespace(local_size=2, test_timeout=60, no_distributed=False, file_timeout=15)
+    args = argparse.Namespace(local_size=2, test_timeout=60, no_distributed=False, file_timeout=15, keyword=None)
     events = tmp_path / "side.jsonl"
     venv = Path(sys.executable).parent.parent
     result = conformance_run.run_side("dslaunch", venv, tmp_path, files, events, args)
@@ -212,3 +212,25 @@ def test_each_file_cut_by_its_cap_keeps_its_own_events_file(tmp_path: Path) -> N
     parts = sorted(p.name for p in tmp_path.glob("side.part*.jsonl"))
     assert parts == ["side.part1.jsonl", "side.part2.jsonl"]
     assert "test_a.py" in (tmp_path / parts[0]).read_text() and "test_b.py" in (tmp_path / parts[1]).read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_keyword_run_records_only_its_tests_and_keeps_the_files_others(tmp_path: Path) -> None:
+    """``--keyword``: pytest's ``-k`` on the side's run; the recorded outcomes of the file's other
+    tests stay (``replace_files`` with ``complete=False``)."""
+    import argparse
+
+    import run as conformance_run
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "unit" / "test_k.py").write_text("def test_cache():\n    pass\n\ndef test_other():\n    assert False\n")
+    args = argparse.Namespace(local_size=2, test_timeout=60, no_distributed=False, file_timeout=60, keyword="cache")
+    fresh = conformance_run.run_side("dslaunch", Path(sys.executable).parent.parent, tmp_path, ["unit/test_k.py"],
+                                     tmp_path / "side.jsonl", args)
+    assert {n: r.outcome for n, r in fresh.results.items()} == {"unit/test_k.py::test_cache": "passed"}
+    recorded = report.SideRun({"unit/test_k.py::test_cache": report.Result("failed"),
+                               "unit/test_k.py::test_other": report.Result("passed")})
+    merged = report.replace_files(recorded, fresh, ["unit/test_k.py"], complete=False)
+    assert {n: r.outcome for n, r in merged.results.items()} == {"unit/test_k.py::test_cache": "passed",
+                                                                  "unit/test_k.py::test_other": "passed"}
