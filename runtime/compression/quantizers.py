@@ -47,11 +47,15 @@ class TopKBinarizer(torch.autograd.Function):
         return grad.clone(), None, None
 
 
-def _straight_through(grad: torch.Tensor) -> tuple:
-    return grad.clone(), None, None, None, None
+class _StraightThrough(torch.autograd.Function):
+    """A quantizer's backward: the gradient passes as if the rounding were the identity."""
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad.clone(), None, None, None, None
 
 
-class SymQuantizer(torch.autograd.Function):
+class SymQuantizer(_StraightThrough):
     """Symmetric: ``round(x / s)`` clamped to ``[-2**(b-1), 2**(b-1) - 1]``, times ``s = 2 max|x| / 2**b``."""
 
     @staticmethod
@@ -68,12 +72,8 @@ class SymQuantizer(torch.autograd.Function):
         out = (x / scale).round().clamp(-levels // 2, levels // 2 - 1) * scale
         return out.reshape(shape).contiguous()
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _straight_through(grad)
 
-
-class AsymQuantizer(torch.autograd.Function):
+class AsymQuantizer(_StraightThrough):
     """Asymmetric: ``2**b`` levels between min and max, a zero point rounded to the grid."""
 
     @staticmethod
@@ -90,12 +90,8 @@ class AsymQuantizer(torch.autograd.Function):
         out = ((x - zero) / scale).round().clamp(0, levels - 1) * scale + zero
         return out.reshape(shape).contiguous()
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _straight_through(grad)
 
-
-class TernaryQuantizer(torch.autograd.Function):
+class TernaryQuantizer(_StraightThrough):
     """{-a, 0, +a} per group: 0 below ``0.7 * mean|x|``, ``a`` = mean |x| of the kept values."""
 
     @staticmethod
@@ -109,12 +105,8 @@ class TernaryQuantizer(torch.autograd.Function):
         alpha = ((kept * flat).abs().sum(dim=1) / kept.sum(dim=1)).view(-1, 1)
         return (alpha * pos - alpha * neg).reshape(x.shape).contiguous()
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _straight_through(grad)
 
-
-class BinaryQuantizer(torch.autograd.Function):
+class BinaryQuantizer(_StraightThrough):
     """{-m, +m} per group: the sign times the group's mean |x|."""
 
     @staticmethod
@@ -123,10 +115,6 @@ class BinaryQuantizer(torch.autograd.Function):
         flat = x.reshape(num_groups, -1)
         mean = flat.norm(p=1, dim=1, keepdim=True).div(flat.shape[1])
         return flat.sign().mul(mean).reshape(x.shape).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _straight_through(grad)
 
 
 class QuantAct(nn.Module):
