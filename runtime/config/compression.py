@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean
@@ -108,6 +107,24 @@ def _four_or_eight(path: str, value: Any) -> int:
     return int(value)
 
 
+class ReadOnlyDict(dict):
+    """A dict that refuses changes, so the frozen config stays frozen; unlike ``MappingProxyType``
+    it still copies, pickles and goes through ``dataclasses.asdict`` as a dict."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("the parsed compression_training config is read-only")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple:
+        return ReadOnlyDict, (dict(self),)
+
+    def __deepcopy__(self, memo: dict) -> ReadOnlyDict:
+        import copy
+
+        return ReadOnlyDict(copy.deepcopy(dict(self), memo))
+
+
 @dataclass(frozen=True)
 class CompressionGroup:
     """One entry of ``different_groups``: where (``modules``) and how (``params``)."""
@@ -155,7 +172,7 @@ class CompressionConfig:
     """The whole ``compression_training`` block (every technique off without it)."""
 
     techniques: tuple[TechniqueConfig, ...] = tuple(
-        TechniqueConfig(t, MappingProxyType({"enabled": False, "schedule_offset": 0})) for t in TECHNIQUES)
+        TechniqueConfig(t, ReadOnlyDict({"enabled": False, "schedule_offset": 0})) for t in TECHNIQUES)
     layer_reduction: LayerReductionConfig = field(default_factory=LayerReductionConfig)
 
     def technique(self, name: str) -> TechniqueConfig:
@@ -217,9 +234,9 @@ def _technique(name: str, raw: Any, path: str) -> TechniqueConfig:
                           key=f"{path}.different_groups")
     groups = _mapping(raw.get("different_groups"), f"{path}.different_groups")
     if not shared["enabled"]:  # switched off: its groups are not read (DeepSpeed's would still assert on them)
-        return TechniqueConfig(name, MappingProxyType(shared))
+        return TechniqueConfig(name, ReadOnlyDict(shared))
     parsed = tuple(_group(name, str(g), value, shared, f"{path}.different_groups.{g}") for g, value in groups.items())
-    return TechniqueConfig(name, MappingProxyType(shared), parsed)
+    return TechniqueConfig(name, ReadOnlyDict(shared), parsed)
 
 
 def _group(technique: str, name: str, raw: Any, shared: Mapping[str, Any], path: str) -> CompressionGroup:
@@ -236,7 +253,7 @@ def _group(technique: str, name: str, raw: Any, shared: Mapping[str, Any], path:
             raise ConfigError(f"must be a list of {len(modules)} list(s) of patterns, one per 'modules' pattern, "
                               f"got {describe(related)}", key=f"{path}.related_modules")
         related = tuple(_patterns(r, f"{path}.related_modules[{i}]") for i, r in enumerate(related))
-    return CompressionGroup(name, modules, related, MappingProxyType({**params, **shared}))
+    return CompressionGroup(name, modules, related, ReadOnlyDict({**params, **shared}))
 
 
 def _patterns(value: Any, path: str) -> tuple[str, ...]:
