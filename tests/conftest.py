@@ -4,6 +4,7 @@ scratch working directory, and Triton's interpreter where there is no GPU."""
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,19 @@ def _scratch_cwd():
         else:
             os.environ[key] = value
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_python() -> Path:
+    """The interpreter of a venv with real DeepSpeed (``DSLAUNCH_DEEPSPEED_PYTHON``, else the one
+    ``make conformance`` builds), or skip naming how to get one."""
+    named = os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON")
+    root = Path(__file__).resolve().parents[1]
+    python = Path(named) if named else root / ".venv-conformance" / "deepspeed" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"real DeepSpeed is not installed ({python} is missing): build it with `make conformance` "
+                    "or name an interpreter with DSLAUNCH_DEEPSPEED_PYTHON")
+    return python
 
 
 @pytest.fixture

@@ -247,20 +247,14 @@ print("DS " + json.dumps({"signature": sig, "configs": [C(**kw).__dict__ for kw 
 
 
 @pytest.mark.timeout(120)
-def test_config_arguments_defaults_and_fields_equal_real_deepspeeds() -> None:
+def test_config_arguments_defaults_and_fields_equal_real_deepspeeds(deepspeed_python) -> None:
     """Real DeepSpeed 0.19.8 (``DSLAUNCH_DEEPSPEED_PYTHON``, or the conformance venv): the same
     constructor arguments in the same order with the same defaults, and the same field values."""
     import inspect
     import os
     import subprocess
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    python = Path(os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON", root / ".venv-conformance" / "deepspeed" / "bin" /
-                                 "python"))
-    if not python.exists():
-        pytest.skip(f"real DeepSpeed is not installed ({python}): `make conformance` or DSLAUNCH_DEEPSPEED_PYTHON")
-    proc = subprocess.run([str(python), "-c", _DEEPSPEED_SIDE], capture_output=True, text=True, timeout=110,
+    proc = subprocess.run([str(deepspeed_python), "-c", _DEEPSPEED_SIDE], capture_output=True, text=True, timeout=110,
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DS ")), None)
     assert line, proc.stdout[-2000:] + proc.stderr[-2000:]

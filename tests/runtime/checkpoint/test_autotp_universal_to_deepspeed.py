@@ -20,7 +20,7 @@ import pytest
 
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_tp_job as job
-from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, deepspeed_python  # noqa: F401
+from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,7 +51,7 @@ def _worst(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize(("stage", "saved", "loaded"), [(1, 2, 2), (2, 2, 4), (3, 4, 2)],
                          ids=["zero1-tp2", "zero2-tp2-to-tp2xdp2", "zero3-tp2xdp2-to-tp2"])
 def test_deepspeed_continues_dslaunchs_autotp_tag_converted_to_universal(
-        deepspeed_python: Path, tmp_path: Path, stage: int, saved: int, loaded: int) -> None:  # noqa: F811
+        deepspeed_python: Path, tmp_path: Path, stage: int, saved: int, loaded: int) -> None:
     """``saved``/``loaded``: the world sizes (tensor-parallel degree 2; 4 ranks: 2 replicas)."""
     from dslaunch.runtime.checkpoint.universal import convert
 

@@ -23,11 +23,7 @@ from dslaunch.runtime.checkpoint.deepspeed_autoep import AutoEPBlock, check_meta
 from dslaunch.runtime.checkpoint.universal import convert
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_autoep_job as job
-from tests.runtime.checkpoint.test_deepspeed_interop import (  # noqa: F401 (a fixture)
-    _deepspeed_job,
-    _mean_losses,
-    deepspeed_python,
-)
+from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, _mean_losses
 
 SAVE_AT, STEPS = 3, 3
 SCRIPT = Path(job.__file__)
@@ -46,7 +42,7 @@ def _close(want: list[float], have: list[float]) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stage", [1, 2])
-def test_autoep_tags_cross_between_deepspeed_and_dslaunch(deepspeed_python: Path, tmp_path: Path,  # noqa: F811
+def test_autoep_tags_cross_between_deepspeed_and_dslaunch(deepspeed_python: Path, tmp_path: Path,
                                                           stage: int) -> None:
     """DeepSpeed's AutoEP tag (ep 2, world 2) continues under dslaunch at ep 2 / world 2 and at
     ep 1 / world 1, and dslaunch's tag in DeepSpeed's layout continues under DeepSpeed; at ZeRO-2

@@ -29,11 +29,7 @@ from dslaunch.runtime.checkpoint.deepspeed_read import read_file
 from dslaunch.runtime.checkpoint.universal import convert
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_autoep_job as job
-from tests.runtime.checkpoint.test_deepspeed_interop import (  # noqa: F401 (a fixture)
-    _deepspeed_job,
-    _mean_losses,
-    deepspeed_python,
-)
+from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, _mean_losses
 
 SAVE_AT, STEPS = 3, 2
 SCRIPT = Path(job.__file__)
@@ -88,7 +84,7 @@ def _compare_tags(theirs: Path, ours: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_zero3_autoep_tags_cross_between_deepspeed_and_dslaunch(deepspeed_python: Path,  # noqa: F811
+def test_zero3_autoep_tags_cross_between_deepspeed_and_dslaunch(deepspeed_python: Path,
                                                                 tmp_path: Path) -> None:
     """DeepSpeed's ZeRO-3 AutoEP tag (ep 2, world 2) and dslaunch's in DeepSpeed's layout agree file
     for file; each continues under the other; dslaunch continues DeepSpeed's at ep 1 / world 1
@@ -185,7 +181,7 @@ def test_expert_count_mismatch_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_zero3_autoep_tag_with_expert_data_groups_continues_under_deepspeed(deepspeed_python: Path,  # noqa: F811
+def test_zero3_autoep_tag_with_expert_data_groups_continues_under_deepspeed(deepspeed_python: Path,
                                                                            tmp_path: Path) -> None:
     """At world 4, ep 2 each expert weight is cut over an expert-data group of 2 (global ranks
     ``{0, 2}`` and ``{1, 3}`` in ``ds_zero_partition_groups``): DeepSpeed loads dslaunch's tag

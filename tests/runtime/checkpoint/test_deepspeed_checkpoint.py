@@ -27,7 +27,6 @@ from dslaunch.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, OPTIMIZER_ST
 from dslaunch.errors import CheckpointError, CheckpointLayoutError, ReshapeError
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_pipe_job as job
-from tests.runtime.checkpoint.test_deepspeed_interop import deepspeed_python  # noqa: F401
 from tests.runtime.checkpoint.test_deepspeed_pipe import SAVE_AT, deepspeed_saved  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_dualpipev_job as job
-from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, deepspeed_python  # noqa: F401
+from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,7 +25,7 @@ def _deepspeed(python: Path, base: Path, name: str, **args) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def deepspeed_runs(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+def deepspeed_runs(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> tuple[Path, list[dict], list[dict]]:
     """DeepSpeed's tag after ``SAVE_AT`` steps, its results up to there, and its own continuation."""
     base = tmp_path_factory.mktemp("deepspeed-dualpipev")
@@ -52,7 +52,7 @@ def test_the_same_losses_and_weights_as_deepspeed(deepspeed_runs, tmp_path: Path
             assert values == pytest.approx(b["weights"][name], rel=0, abs=1e-6), name
 
 
-def test_checkpoints_go_both_ways(deepspeed_runs, deepspeed_python: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_checkpoints_go_both_ways(deepspeed_runs, deepspeed_python: Path, tmp_path: Path) -> None:
     folder, _, then = deepspeed_runs
     want = then[0]["losses"]
     ours = run_world(_run, 2, {"first": SAVE_AT, "steps": STEPS, "load": str(folder)}, timeout=240)

@@ -28,20 +28,8 @@ from dslaunch.utils.ports import free_port
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_job
 
-ROOT = Path(__file__).resolve().parents[3]
 JOB = Path(deepspeed_job.__file__)
 SAVE_AT, STEPS = 3, 10
-
-
-@pytest.fixture(scope="session")
-def deepspeed_python() -> Path:
-    """The interpreter of a venv with real DeepSpeed, or skip naming how to get one."""
-    named = os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON")
-    python = Path(named) if named else ROOT / ".venv-conformance" / "deepspeed" / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"real DeepSpeed is not installed ({python} is missing): build it with `make conformance` "
-                    "or name an interpreter with DSLAUNCH_DEEPSPEED_PYTHON")
-    return python
 
 
 @pytest.fixture(scope="session")

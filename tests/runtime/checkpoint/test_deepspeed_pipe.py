@@ -21,7 +21,7 @@ import torch
 from dslaunch.errors import CheckpointError
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_pipe_job as job
-from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, deepspeed_python  # noqa: F401
+from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,7 +38,7 @@ def _joined(results: list[dict]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def deepspeed_saved(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+def deepspeed_saved(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> tuple[Path, list[dict]]:
     """DeepSpeed's pipeline tag (2 stages, world 2, ZeRO-1) and its per-rank results."""
     base = tmp_path_factory.mktemp("deepspeed-pipe")
@@ -103,7 +103,7 @@ def _save(rank: int, world: int, save: str) -> dict:
                    checkpoint={"format": "deepspeed"})
 
 
-def test_deepspeed_continues_dslaunchs_pipeline(deepspeed_python: Path, deepspeed_saved: tuple[Path, list[dict]],  # noqa: F811
+def test_deepspeed_continues_dslaunchs_pipeline(deepspeed_python: Path, deepspeed_saved: tuple[Path, list[dict]],
                                                 tmp_path: Path) -> None:
     folder = tmp_path / "ck"
     ours = run_world(_save, 2, str(folder), timeout=240)

@@ -21,7 +21,7 @@ import pytest
 
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_pipe_job as job
-from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, deepspeed_python  # noqa: F401
+from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job
 from tests.runtime.checkpoint.test_deepspeed_pipe import SCRIPT, _joined
 
 pytestmark = pytest.mark.timeout(600)
@@ -34,7 +34,7 @@ def _worst(a: list[float], b: list[float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def deepspeed_bf16(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+def deepspeed_bf16(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> tuple[Path, list[dict]]:
     """DeepSpeed's bf16 pipeline tag (2 stages, world 2, ZeRO-0) and its per-rank results."""
     base = tmp_path_factory.mktemp("deepspeed-pipe-bf16")
@@ -98,7 +98,7 @@ def _refusal(rank: int, world: int, load: str) -> str:
 
 
 def test_deepspeed_loads_dslaunchs_bf16_pipeline_as_its_own(deepspeed_bf16: tuple[Path, list[dict]],
-                                                            deepspeed_python: Path, tmp_path: Path) -> None:  # noqa: F811
+                                                            deepspeed_python: Path, tmp_path: Path) -> None:
     """dslaunch's DeepSpeed-format tag of the same run, loaded by DeepSpeed with
     ``load_optimizer_states=False`` (the one way DeepSpeed 0.19.8 loads a stage-0 bf16 pipeline),
     continues exactly as DeepSpeed's own tag does."""

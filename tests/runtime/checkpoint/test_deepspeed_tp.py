@@ -24,7 +24,7 @@ from dslaunch.runtime.checkpoint.deepspeed_read import read_file
 from dslaunch.runtime.checkpoint.deepspeed_tp import joiner
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_tp_job as job
-from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, deepspeed_python  # noqa: F401
+from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,7 +32,7 @@ SAVE_AT, STEPS = 3, 3
 
 
 @pytest.fixture(scope="module")
-def deepspeed_saved(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+def deepspeed_saved(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> tuple[Path, list[dict]]:
     """DeepSpeed's AutoTP tag (tp 2, world 2, ZeRO-1) and its per-rank results."""
     env = {**os.environ, "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
@@ -90,7 +90,7 @@ def _continue_universal(rank: int, world: int, tp: int, load: str) -> dict:
 
 @pytest.mark.parametrize("converter", ["dslaunch", "deepspeed"])
 def test_a_universal_conversion_of_deepspeeds_autotp_tag_continues_at_tp2_and_tp1(
-        deepspeed_saved: tuple[Path, list[dict]], deepspeed_python: Path, tmp_path: Path,  # noqa: F811
+        deepspeed_saved: tuple[Path, list[dict]], deepspeed_python: Path, tmp_path: Path,
         converter: str) -> None:
     """DeepSpeed's AutoTP tag converted by ``dslaunch ds-to-universal`` or by DeepSpeed's own
     ``ds_to_universal`` (its AutoTP slice patterns and per-rank model states) loads with
@@ -127,7 +127,7 @@ def test_a_universal_conversion_of_deepspeeds_autotp_tag_continues_at_tp2_and_tp
 
 @pytest.mark.parametrize("converter", ["dslaunch", "deepspeed"])
 def test_deepspeeds_zero3_autotp_tag_converted_continues_at_tp2_and_tp1(
-        deepspeed_python: Path, tmp_path: Path, converter: str) -> None:  # noqa: F811
+        deepspeed_python: Path, tmp_path: Path, converter: str) -> None:
     """The same at ZeRO-3 (DeepSpeed 0.19.4+'s AutoTP: ``zero_pp_rank_D_mp_rank_TT`` files, each
     data-parallel partition of one tensor rank's slices): the conversion joins the partitions,
     then the slices; the next losses equal DeepSpeed's continuation within 1e-6. The tag itself

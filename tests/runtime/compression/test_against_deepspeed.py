@@ -27,7 +27,6 @@ from dslaunch.runtime.compression.scheduler import CompressionScheduler
 from dslaunch.runtime.quantize import Quantizer
 from tests.runtime.compression import moq_steps, scenarios
 
-ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 SRC = Path(os.environ.get("DSLAUNCH_DEEPSPEED_SRC", "/work/ds-src"))
 TOL = 1e-6
@@ -44,12 +43,8 @@ class DslaunchApi:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    named = os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON")
-    python = Path(named) if named else ROOT / ".venv-conformance" / "deepspeed" / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"real DeepSpeed is not installed ({python} is missing): build it with `make conformance` "
-                    "or name an interpreter with DSLAUNCH_DEEPSPEED_PYTHON")
+def reference(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    python = deepspeed_python
     if not (SRC / "deepspeed" / "compression" / "compress.py").exists():
         pytest.skip(f"DeepSpeed 0.19.6's source (its compression library) is not at {SRC}: set DSLAUNCH_DEEPSPEED_SRC")
     out = tmp_path_factory.mktemp("compression") / "deepspeed.json"

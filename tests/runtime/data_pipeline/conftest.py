@@ -10,17 +10,11 @@ import pytest
 
 from dslaunch.utils.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 @pytest.fixture(scope="session")
-def deepspeed_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def deepspeed_out(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DeepSpeed's files and results (``ds_reference.py``), once per session; skips without its venv."""
-    named = os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON")
-    python = Path(named) if named else ROOT / ".venv-conformance" / "deepspeed" / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"real DeepSpeed is not installed ({python} is missing): build it with `make conformance` "
-                    "or name an interpreter with DSLAUNCH_DEEPSPEED_PYTHON")
+    python = deepspeed_python
     out = tmp_path_factory.mktemp("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTHONPATH": ""}

@@ -15,7 +15,6 @@ import pytest
 from dslaunch.runtime.pipe import schedule as sched
 from dslaunch.runtime.pipe.placement import VShape
 from dslaunch.runtime.pipe.vschedule import DualPipeVSchedule
-from tests.runtime.checkpoint.test_deepspeed_interop import deepspeed_python  # noqa: F401
 from tests.runtime.pipe.test_schedule import BACKWARD_COST, FORWARD_COST, simulate
 
 SHAPES = [(stages, micro) for stages in (1, 2, 3, 4, 6) for micro in (2 * stages, 2 * stages + 1, 3 * stages + 2, 25)]
@@ -113,7 +112,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.timeout(120)
-def test_the_lists_are_deepspeeds(deepspeed_python) -> None:  # noqa: F811
+def test_the_lists_are_deepspeeds(deepspeed_python) -> None:
     """Instruction types, buffer ids, phases and order, every rank, 1-6 ranks, forward-only too."""
     cases = [(stages, micro, fo) for stages, micro in SHAPES for fo in (False, True)]
     proc = subprocess.run([str(deepspeed_python), "-c", _DEEPSPEED_LISTS, json.dumps(cases)], capture_output=True,

@@ -31,7 +31,6 @@ from dslaunch.sequence.fpdt_layer import (
     update_out_and_lse,
 )
 from tests.distributed import run_world
-from tests.runtime.checkpoint.test_deepspeed_interop import deepspeed_python  # noqa: F401
 
 LAYOUTS = [(32, 8, 2), (32, 16, 2), (32, 32, 2), (48, 12, 4), (24, 24, 1), (64, 8, 4)]  # (S, C, P)
 
@@ -68,7 +67,7 @@ torch.save({"ds_ffn": ffn, "ds_merged": list(merged), "ds_layouts": layouts}, sy
 
 
 @pytest.fixture(scope="module")
-def deepspeed_blocks(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
+def deepspeed_blocks(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Inputs, and real DeepSpeed's FPDT_FFN (forward and gradients) and update_out_and_lse on them,
     and its FPDT_InputConstruct on ``LAYOUTS`` (one DeepSpeed process: importing it takes seconds)."""
     folder = tmp_path_factory.mktemp("fpdt")

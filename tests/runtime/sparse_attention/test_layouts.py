@@ -24,12 +24,9 @@ from dslaunch.runtime.sparse_attention import layouts
 from tests.runtime.sparse_attention import deepspeed_layouts
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
 FIXTURE = HERE / "deepspeed_layouts.json"
 DS_SOURCE = Path(os.environ.get("DSLAUNCH_DEEPSPEED_SPARSITY_CONFIG",
                                 "/work/ds-src/deepspeed/ops/sparse_attention/sparsity_config.py"))
-DS_PYTHON = Path(os.environ.get("DSLAUNCH_DEEPSPEED_PYTHON",
-                                ROOT / ".venv-conformance" / "deepspeed" / "bin" / "python"))
 
 
 @pytest.mark.timeout(60)
@@ -42,12 +39,12 @@ def test_every_layout_equals_deepspeeds_fixture() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_the_fixture_is_what_deepspeeds_code_draws_now(tmp_path: Path) -> None:
-    if not (DS_SOURCE.exists() and DS_PYTHON.exists()):
-        pytest.skip(f"DeepSpeed's sparsity_config.py ({DS_SOURCE}) or its venv ({DS_PYTHON}) is not here")
+def test_the_fixture_is_what_deepspeeds_code_draws_now(deepspeed_python: Path, tmp_path: Path) -> None:
+    if not DS_SOURCE.exists():
+        pytest.skip(f"DeepSpeed's sparsity_config.py ({DS_SOURCE}) is not here: set DSLAUNCH_DEEPSPEED_SPARSITY_CONFIG")
     out = tmp_path / "layouts.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    subprocess.run([str(DS_PYTHON), deepspeed_layouts.__file__, str(DS_SOURCE), str(out)], check=True,
+    subprocess.run([str(deepspeed_python), deepspeed_layouts.__file__, str(DS_SOURCE), str(out)], check=True,
                    env=env, timeout=100)
     assert json.loads(out.read_text()) == json.loads(FIXTURE.read_text())
 
