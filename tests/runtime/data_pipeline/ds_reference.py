@@ -57,19 +57,7 @@ def variable_batch() -> dict:
     for name, kwargs in ref.VARIABLE_CASES.items():
         out[name] = vb.batch_by_seqlens(ref.lengths(), **kwargs)
     for name, (method, use_scheduler) in ref.LR_CASES.items():
-        model = torch.nn.Linear(2, 2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        base = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5) if use_scheduler else optimizer
-        loader, scheduler, _ = vb.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-            ref.TokenDataset(), ref.lengths(), 60, 4, lr_scaling_method=method, dataloader_batch_size=2,
-            dataloader_rank=1, dataloader_num_replicas=2, dataloader_collate_fn=ref.collate,
-            lr_scheduler_or_optimizer=base, sequence_picking_order="random", seed=3)
-        lrs = []
-        for _ in range(8):
-            optimizer.step()
-            scheduler.step()
-            lrs.append(scheduler.get_lr()[0])
-        out[name] = {"lrs": lrs, "rank1": [[int(s["index"]) for s in b] for b in list(loader)[:5]]}
+        out[name] = ref.lr_run(vb, method, use_scheduler)
     return out
 
 

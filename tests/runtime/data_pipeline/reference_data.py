@@ -101,3 +101,21 @@ VARIABLE_CASES = {
                          "required_microbatches_of_same_size": True, "sequence_ids_per_mb": list(range(0, 240, 3))},
 }
 LR_CASES = {"linear_steplr": ("linear", True), "sqrt_constant": ("sqrt", False)}
+
+
+def lr_run(vb: Any, method: str, use_scheduler: bool) -> dict:
+    """8 steps of the LR scaled per batch, and rank 1's first 5 batches, from ``vb`` (DeepSpeed's
+    ``variable_batch_size_and_lr`` module or dslaunch's: the same call on both sides)."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    base = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5) if use_scheduler else optimizer
+    loader, scheduler, _ = vb.get_dataloader_and_lr_scheduler_for_variable_batch_size(
+        TokenDataset(), lengths(), 60, 4, lr_scaling_method=method, dataloader_batch_size=2,
+        dataloader_rank=1, dataloader_num_replicas=2, dataloader_collate_fn=collate,
+        lr_scheduler_or_optimizer=base, sequence_picking_order="random", seed=3)
+    lrs = []
+    for _ in range(8):
+        optimizer.step()
+        scheduler.step()
+        lrs.append(scheduler.get_lr()[0])
+    return {"lrs": lrs, "rank1": [[int(s["index"]) for s in b] for b in list(loader)[:5]]}

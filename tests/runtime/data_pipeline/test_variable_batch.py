@@ -19,29 +19,13 @@ def _plain(value: object) -> object:
     return json.loads(json.dumps(value, default=int))
 
 
-def _lr_run(method: str, use_scheduler: bool) -> dict:
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    base = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5) if use_scheduler else optimizer
-    loader, scheduler, _ = vb.get_dataloader_and_lr_scheduler_for_variable_batch_size(
-        ref.TokenDataset(), ref.lengths(), 60, 4, lr_scaling_method=method, dataloader_batch_size=2,
-        dataloader_rank=1, dataloader_num_replicas=2, dataloader_collate_fn=ref.collate,
-        lr_scheduler_or_optimizer=base, sequence_picking_order="random", seed=3)
-    lrs = []
-    for _ in range(8):
-        optimizer.step()
-        scheduler.step()
-        lrs.append(scheduler.get_lr()[0])
-    return {"lrs": lrs, "rank1": [[int(s["index"]) for s in b] for b in list(loader)[:5]]}
-
-
 @pytest.mark.timeout(200)
 def test_batches_shares_and_lrs_are_deepspeeds(deepspeed_out: Path) -> None:
     expected = json.loads((deepspeed_out / "variable_batch.json").read_text())
     for name, kwargs in ref.VARIABLE_CASES.items():
         assert _plain(vb.batch_by_seqlens(ref.lengths(), **kwargs)) == expected[name], name
     for name, (method, use_scheduler) in ref.LR_CASES.items():
-        got = _lr_run(method, use_scheduler)
+        got = ref.lr_run(vb, method, use_scheduler)
         assert got["rank1"] == expected[name]["rank1"]
         assert got["lrs"] == pytest.approx(expected[name]["lrs"], rel=1e-12)
 
