@@ -27,6 +27,7 @@ from dslaunch.runtime.config.param_schema import (
     describe,
     integer,
     number,
+    string,
 )
 
 __all__ = ["TECHNIQUES", "CompressionGroup", "TechniqueConfig", "LayerReductionConfig", "CompressionConfig",
@@ -277,7 +278,7 @@ def _patterns(value: Any, path: str) -> tuple[str, ...]:
 def _layer_reduction(raw: Any, path: str) -> LayerReductionConfig:
     raw = _mapping(raw, path)
     schema = {"enabled": Option(False, boolean), "keep_number_layer": Option(None, integer(1)),
-              "module_name_prefix": Option("", _string), "teacher_layer": Option([], _int_list),
+              "module_name_prefix": Option("", string), "teacher_layer": Option([], _int_list),
               "other_module_name": Option([], _string_list)}
     got = check_params(raw, schema, path, "layer_reduction")
     if got["enabled"] and not got["module_name_prefix"]:
@@ -290,12 +291,6 @@ def _layer_reduction(raw: Any, path: str) -> LayerReductionConfig:
                                 tuple(got["teacher_layer"]), tuple(got["other_module_name"]))
 
 
-def _string(path: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"must be a string, got {describe(value)}", key=path)
-    return value
-
-
 def _int_list(path: str, value: Any) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"must be a list of layer indices, got {describe(value)}", key=path)
@@ -305,4 +300,4 @@ def _int_list(path: str, value: Any) -> list[int]:
 def _string_list(path: str, value: Any) -> list[str]:
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"must be a list of module names, got {describe(value)}", key=path)
-    return [_string(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    return [string(f"{path}[{i}]", v) for i, v in enumerate(value)]

@@ -12,22 +12,16 @@ import importlib.util
 from dataclasses import dataclass
 
 from dslaunch.errors import ConfigError
-from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer
+from dslaunch.runtime.config.param_schema import boolean, choice, describe, integer, string
 from dslaunch.runtime.config.sections import _opt, optional
 
 __all__ = ["TensorBoardConfig", "CSVConfig", "WandbConfig", "CometConfig", "DeepSpeedMonitorConfig",
            "check_packages"]
 
 
-def _string(path: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"must be a string, got {describe(value)}", key=path)
-    return value
-
-
 def _name(path: str, value: object) -> str:
     """A non-empty string that is one path component (it names a directory)."""
-    text = _string(path, value)
+    text = string(path, value)
     if not text or "/" in text or text in (".", ".."):
         raise ConfigError(f"must be a non-empty name without '/', got {describe(value)}", key=path)
     return text
@@ -38,7 +32,7 @@ class _FilesConfig:
     """A monitor that writes files under ``output_path/job_name/`` (rank 0)."""
 
     enabled: bool = _opt(False, boolean, "true or false")
-    output_path: str = _opt("", _string, "a directory (\"\": the working directory)")
+    output_path: str = _opt("", string, "a directory (\"\": the working directory)")
     job_name: str = _opt("DeepSpeedJobName", _name, "a directory name for this run, e.g. \"gpt_lr3e-4\"")
 
     UNIMPLEMENTED = {}  # noqa: RUF012
@@ -59,9 +53,9 @@ class WandbConfig:
     """``wandb``: a Weights & Biases run (rank 0); ``team`` is wandb's entity."""
 
     enabled: bool = _opt(False, boolean, "true or false")
-    group: str | None = _opt(None, optional(_string), "a run group name, or null")
-    team: str | None = _opt(None, optional(_string), "a team (entity) name, or null")
-    project: str = _opt("deepspeed", _string, "a project name, e.g. \"deepspeed\"")
+    group: str | None = _opt(None, optional(string), "a run group name, or null")
+    team: str | None = _opt(None, optional(string), "a team (entity) name, or null")
+    project: str = _opt("deepspeed", string, "a project name, e.g. \"deepspeed\"")
 
     UNIMPLEMENTED = {}  # noqa: RUF012
 
@@ -73,11 +67,11 @@ class CometConfig:
 
     enabled: bool = _opt(False, boolean, "true or false")
     samples_log_interval: int = _opt(100, integer(0), "samples between two logs of a metric, e.g. 100")
-    project: str | None = _opt(None, optional(_string), "a project name, or null")
-    workspace: str | None = _opt(None, optional(_string), "a workspace name, or null")
-    api_key: str | None = _opt(None, optional(_string), "an API key, or null (then COMET_API_KEY)")
-    experiment_name: str | None = _opt(None, optional(_string), "a name for the experiment, or null")
-    experiment_key: str | None = _opt(None, optional(_string), "an experiment key to resume, or null")
+    project: str | None = _opt(None, optional(string), "a project name, or null")
+    workspace: str | None = _opt(None, optional(string), "a workspace name, or null")
+    api_key: str | None = _opt(None, optional(string), "an API key, or null (then COMET_API_KEY)")
+    experiment_name: str | None = _opt(None, optional(string), "a name for the experiment, or null")
+    experiment_key: str | None = _opt(None, optional(string), "an experiment key to resume, or null")
     online: bool | None = _opt(None, optional(boolean), "true, false (offline archive) or null")
     mode: str | None = _opt(None, optional(choice("get", "create", "get_or_create")),
                             "\"get\", \"create\", \"get_or_create\" or null")

@@ -17,7 +17,7 @@ from typing import Any
 
 from dslaunch.errors import ConfigError, did_you_mean, quote
 
-__all__ = ["Option", "REQUIRED", "check_params", "number", "integer", "boolean", "choice", "betas",
+__all__ = ["Option", "REQUIRED", "check_params", "number", "integer", "boolean", "string", "choice", "betas",
            "number_or_list", "finite", "describe", "HugeInt", "INT_MAX"]
 
 # Marks an option that has no default and must be given.
@@ -183,6 +183,13 @@ def boolean(path: str, value: Any) -> bool:
         return bool(value)
     if not isinstance(value, bool):
         raise ConfigError(f"must be true or false (or 1 or 0), got {describe(value)}", key=path)
+    return value
+
+
+def string(path: str, value: Any) -> str:
+    """Any string (a name, a prefix)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"must be a string, got {describe(value)}", key=path)
     return value
 
 
