@@ -9,7 +9,7 @@
   through argparse like the launch command.
 - ``dslaunch NAME ...`` for a NAME in ``SUBCOMMANDS``: a click command, one module each
   (``zero_to_fp32.py``, ``ds_to_universal.py``, ``status.py``, ``estimate.py``, ``report.py``,
-  ``k8s.py``), imported only when named.
+  ``k8s.py``, ``ssh.py``), imported only when named.
 
 User mistakes print one line (``dslaunch: error: ...``) and exit non-zero; ``--verbose`` adds the
 traceback.
@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, str] = {
     "estimate": "dslaunch.launcher.cli.estimate:command",
     "report": "dslaunch.launcher.cli.report:command",
     "k8s": "dslaunch.launcher.cli.k8s:command",
+    "ssh": "dslaunch.launcher.cli.ssh:command",
 }
 """Subcommand name -> ``"module:click command"``, loaded only when that name is the first word."""
 

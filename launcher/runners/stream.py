@@ -47,9 +47,33 @@ from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.spec import HOST_LOST_EXIT_CODE, NodeResult, NodeSpec
 from dslaunch.utils.beat import Beat
 
-__all__ = ["AgentStream", "StreamNode"]
+__all__ = ["AgentStream", "StreamNode", "read_lines"]
 
 _CHUNK = 65536
+
+
+def read_lines(recv: Callable[[int], bytes], handle: Callable[[bytes], None],
+               errors: tuple[type[BaseException], ...], on_bytes: Callable[[], None] = lambda: None) -> None:
+    """Feed ``handle`` each whole line (newline included) that ``recv`` returns, until EOF.
+
+    EOF is ``b""`` or one of ``errors`` (a transport that died ends the stream); a last line without
+    a newline gets one. ``on_bytes`` is called on every chunk, before its lines are handled.
+    """
+    buf = b""
+    while True:
+        try:
+            data = recv(_CHUNK)
+        except errors:
+            data = b""
+        if not data:
+            break
+        on_bytes()
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            handle(line + b"\n")
+    if buf:
+        handle(buf + b"\n")
 
 
 class AgentStream:
@@ -87,21 +111,10 @@ class AgentStream:
 
     def _read(self, recv: Callable[[int], bytes], handle: Callable[[bytes], None]) -> None:
         """Split what ``recv`` returns into lines for ``handle`` until EOF (b'' or an OSError)."""
-        buf = b""
-        while True:
-            try:
-                data = recv(_CHUNK)
-            except self.transport_errors:
-                data = b""
-            if not data:
-                break
-            self.heard_mono = time.monotonic()
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                handle(line + b"\n")
-        if buf:
-            handle(buf + b"\n")
+        read_lines(recv, handle, self.transport_errors, on_bytes=self._heard)
+
+    def _heard(self) -> None:
+        self.heard_mono = time.monotonic()
 
     def _stdout_line(self, line: bytes) -> None:
         if self.probe is None and line.startswith(PROBE_MARKER.encode()):

@@ -86,6 +86,25 @@ def test_ds_report_is_dslaunchs_report(compat_bin: Path) -> None:
     assert text.returncode == 0 and "dslaunch environment report" in text.stdout, text.stderr[-2000:]
 
 
+@pytest.mark.timeout(60)
+def test_deepspeeds_other_command_names(compat_bin: Path, tmp_path: Path) -> None:
+    """``ds`` and ``deepspeed.pt`` are the launcher, ``dsr`` the report, ``ds_ssh`` ``dslaunch ssh``."""
+    (tmp_path / "train.py").write_text("")
+    for name in ("ds", "deepspeed.pt"):
+        proc = subprocess.run([str(compat_bin / name), "--dry-run", "--num_gpus", "2", "train.py"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=25)
+        assert proc.returncode == 0 and proc.stdout.count("DSLAUNCH_RESTART_COUNT=0") == 2, proc.stdout + proc.stderr
+    report = subprocess.run([str(compat_bin / "dsr"), "--json"], capture_output=True, text=True, timeout=50)
+    assert report.returncode == 0 and "+dslaunch" in json.loads(report.stdout)["versions"]["deepspeed"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1 slots=1\n")
+    # DeepSpeed's form, `ds_ssh -f HOSTFILE COMMAND`, against a port no sshd listens on
+    ssh = subprocess.run([str(compat_bin / "ds_ssh"), "-f", str(hostfile), "--ssh_port", str(free_port()),
+                          "hostname"], capture_output=True, text=True, timeout=25)
+    assert ssh.returncode == 255 and "127.0.0.1: dslaunch: connection refused by 127.0.0.1 port" in ssh.stderr, ssh.stderr
+    assert "dslaunch ssh: 1 of 1 host(s) failed: 127.0.0.1 (exit 255)" in ssh.stderr, ssh.stderr
+
+
 _RANKS = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n"
 
 
