@@ -93,6 +93,8 @@ class LaunchConfig:
     bind_core_list: tuple[int, ...] = ()
     ssh_port: int | None = None
     ssh_accept_new_host_keys: bool = False
+    venv_script: str | None = None
+    """``--venv_script``: sourced by each SSH host's shell before its agent starts."""
     grace: float = DEFAULT_GRACE
     no_ssh: bool = False
     """``--no_ssh``: this process starts only node ``node_rank``'s workers, here; every node runs
@@ -191,6 +193,9 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         raise HostfileError(f"no host left: every selected host was lost ({', '.join(cfg.drop_hosts)})", source)
     _check_no_ssh(cfg, pool)
     launcher = "slurm" if slurm else _launcher(cfg, pool)
+    if cfg.venv_script and launcher != "ssh":  # DeepSpeed's PDSH runner alone sources it; said, not silent
+        notes.append(f"--venv_script {cfg.venv_script} is sourced by the ssh launcher only: not used by this "
+                     f"{launcher} launch (activate the environment before running dslaunch)")
     first = next(iter(pool))
     master_addr = cfg.master_addr or ("127.0.0.1" if launcher == "local" else cfg.ray.node(first).address
                                       if cfg.ray else first)
@@ -210,7 +215,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         nodes=tuple(nodes), master_addr=master_addr, master_port=cfg.master_port, world_size=world,
         launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
         ssh_port=cfg.ssh_port, ssh_accept_new_host_keys=cfg.ssh_accept_new_host_keys,
-        hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
+        venv_script=cfg.venv_script, hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
         master_given=bool(cfg.master_addr), monitor=_monitor(cfg), ray_address=cfg.ray.address if cfg.ray else None,
     )
     return Plan(job, tuple(notes))

@@ -67,7 +67,7 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     ns.hostfile = ns.hostfile or DEFAULT_HOSTFILE
     if ns.master_port is None:
         ns.master_port = TORCH_DISTRIBUTED_DEFAULT_PORT
-    for unsupported in ("venv_script", "comment", "account"):  # refused by the command when given
+    for unsupported in ("comment", "account"):  # refused by the command when given
         setattr(ns, unsupported, getattr(ns, unsupported, None))
     return ns
 

@@ -108,6 +108,8 @@ class JobSpec:
     """Interpreter that runs node agents on every host (the controller's ``sys.executable``)."""
     ssh_port: int | None = None
     ssh_accept_new_host_keys: bool = False
+    venv_script: str | None = None
+    """``--venv_script``: a shell script each SSH host sources before its agent starts."""
     hostfile: str | None = None
     """Hostfile the nodes came from (None = localhost only), for messages."""
     user_script: str | None = None

@@ -102,7 +102,7 @@ class _NotSupported(argparse.Action):
 
 
 # DeepSpeed launcher flags answered with "not supported yet" (see _NotSupported).
-NOT_SUPPORTED = ("--comment", "--account", "--venv_script")
+NOT_SUPPORTED = ("--comment", "--account")
 
 
 def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-style training script on "
@@ -151,6 +151,9 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
     a("--no_ssh_check", action="store_true",
       help="accepted for DeepSpeed compatibility; no effect: connecting to every host is dslaunch's "
            "SSH check")
+    a("--venv_script", metavar="FILE", default=None,
+      help="a shell script each SSH host sources before its node agent starts (a venv's bin/activate, "
+           "module loads); the ssh launcher only")
     a("--ssh_accept_new_host_keys", action="store_true",
       help="accept and remember unknown SSH host keys (default: reject unknown hosts)")
     a("--grace_period", type=real, default=DEFAULT_GRACE,

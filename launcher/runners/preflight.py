@@ -58,13 +58,16 @@ def node_agent_argv(job: JobSpec, node: NodeSpec) -> list[str]:
     return agent_argv(job.python or sys.executable, node_request(job, node))
 
 
-def remote_command(python: str, request: Mapping) -> str:
-    """``agent_argv`` as the shell command line an SSH host runs.
+def remote_command(python: str, request: Mapping, source: str | None = None) -> str:
+    """``agent_argv`` as the shell command line an SSH host runs, after sourcing ``source`` if given.
 
     ``exec`` replaces the login shell, so the python process is sshd's direct child and nothing
-    stands between the agent and its SSH channel. Every word is shell-quoted.
+    stands between the agent and its SSH channel. Every word is shell-quoted; ``.``, not bash's
+    ``source``, so that a host whose login shell is ``sh`` sources it too, and ``&&`` so that a
+    script that fails stops there with its own error.
     """
-    return "exec " + shlex.join(agent_argv(python, request))
+    command = "exec " + shlex.join(agent_argv(python, request))
+    return f". {shlex.quote(source)} && {command}" if source else command
 
 
 def _versions(p: Mapping) -> str:

@@ -44,7 +44,7 @@ class SSHError(HostsError):
 
     ``failures`` maps host -> (cause, message); cause is one of ``refused``, ``timeout``,
     ``unreachable``, ``unknown-host``, ``auth``, ``unknown-host-key``, ``changed-host-key``,
-    ``key-file``, ``ssh`` (protocol error), ``interpreter``, ``preflight``.
+    ``key-file``, ``ssh`` (protocol error), ``interpreter``, ``venv_script``, ``preflight``.
     """
 
 

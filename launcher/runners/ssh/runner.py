@@ -22,6 +22,7 @@ import shlex
 import sys
 import threading
 
+from dslaunch.errors import shorten
 from dslaunch.launcher.runners.base import format_node
 from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.ssh.connect import (
@@ -82,7 +83,7 @@ class SSHRunner(RemoteRunner):
     def _commands(job: JobSpec, master: Master, targets: list[SSHTarget]) -> list[str]:
         python = job.python or sys.executable
         return [remote_command(python, probe_request(n.cwd, master.addr, job.master_port,
-                                                     master.is_master_host(i, t), job.user_script))
+                                                     master.is_master_host(i, t), job.user_script), job.venv_script)
                 for i, (n, t) in enumerate(zip(job.nodes, targets, strict=True))]
 
     def dry_run(self, job: JobSpec) -> str:
@@ -100,6 +101,7 @@ class SSHRunner(RemoteRunner):
     # -- launching (the pipeline is RemoteRunner's) --------------------------------------------
 
     def _open_sessions(self, job: JobSpec, wake: threading.Event) -> str:
+        self._venv_script = job.venv_script
         targets = self._targets(job)
         master = choose_master(job.master_addr if job.master_given else None, targets)
         if master.note:
@@ -110,7 +112,16 @@ class SSHRunner(RemoteRunner):
         connect_all(targets, then=lambda t, transport: self.sessions[t.alias].start(transport))
         return master.addr
 
-    _diagnose = staticmethod(diagnose_no_probe)
+    _venv_script: str | None = None  # the launch's --venv_script, for _diagnose
+
+    def _diagnose(self, python: str, exit_code: int | None, stderr: str, lost: bool) -> tuple[str, str]:
+        cause, message = diagnose_no_probe(python, exit_code, stderr, lost)
+        if self._venv_script and exit_code and not lost and python not in stderr:
+            # The shell stopped before exec: the script could not be sourced or failed in it.
+            tail = " | ".join(stderr.strip().splitlines()[-3:])
+            return "venv_script", (f"sourcing --venv_script {shorten(self._venv_script, 300)} failed here "
+                                   f"(exit {exit_code}): {tail or 'no output'}")
+        return cause, message
 
     def _close_all(self) -> None:
         for s in self.sessions.values():

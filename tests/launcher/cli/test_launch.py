@@ -240,8 +240,7 @@ def test_launcher_args_as_the_last_word_is_a_one_line_error():
 
 
 @pytest.mark.parametrize("args", [
-    ["--comment", "x", FAKE], ["--account", "proj", FAKE],
-    ["--venv_script", "/venv/bin/activate", FAKE], ["--num_gpus", "1", "--comment"],
+    ["--comment", "x", FAKE], ["--account", "proj", FAKE], ["--num_gpus", "1", "--comment"],
 ])
 def test_unsupported_deepspeed_flags_are_named(args, capsys):
     flag = next(a for a in args if a.startswith("--") and a != "--num_gpus").split("=")[0]

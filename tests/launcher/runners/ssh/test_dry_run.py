@@ -114,3 +114,15 @@ def test_an_ssh_config_hostname_that_is_no_host_is_refused(tmp_path):
     assert r.returncode == 2 and r.stderr == ("dslaunch: error: ssh config HostName for nodeA: '-oProxyCommand=touch': "
                                               "expected labels of letters, digits, '-' and '_' separated by '.', not "
                                               "starting or ending with '-'\n")
+
+
+def test_venv_script_is_sourced_before_the_agent_as_one_word(tmp_path):
+    script = "/opt/my env/act'ivate"  # a space and a quote: still one word for the remote shell
+    r = run_dslaunch([*_two_hosts(tmp_path), "--venv_script", script, FAKE], cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    remote = [shlex.split(shlex.split(line)[-1]) for line in r.stdout.splitlines() if line.startswith("ssh ")]
+    assert len(remote) == 2
+    for words in remote:  # POSIX `.` (a host whose login shell is sh has no `source`), then exec
+        assert words[:5] == [".", script, "&&", "exec", sys.executable], words
+    local = run_dslaunch(["--venv_script", script, "--num_gpus", "1", "--dry-run", FAKE], cwd=str(tmp_path))
+    assert local.returncode == 0 and f"--venv_script {script} is sourced by the ssh launcher only" in local.stderr
