@@ -8,8 +8,8 @@ DeepSpeed's flags and defaults; the node is started as ``dslaunch --no_ssh --nod
 it (``cli.launch``: the plan, the agent, the monitor): the same ranks, ``--local_rank``, variables
 and ``CUDA_VISIBLE_DEVICES`` as DeepSpeed's launch, plus dslaunch's failure handling (a failed rank
 stops the others and the exit code names it). ``--save_pid`` (DeepSpeed's runner's own pid
-bookkeeping) is refused in one line; ``--log_level`` and ``--quiet`` concern DeepSpeed's launcher
-log lines, which dslaunch does not print.
+bookkeeping) is refused in one line; ``--log_level`` and ``--quiet`` choose which of the launcher's
+own lines are printed (``launcher.log_level``), as with the ``dslaunch`` command.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dslaunch.errors import DslaunchError, UsageError
 from dslaunch.launcher.cli import report_error
 from dslaunch.launcher.cli.launch import core_list, launch_job
 from dslaunch.launcher.hostfile import MAX_SLOTS, hostname_problem
+from dslaunch.launcher.log_level import LEVELS
 from dslaunch.launcher.monitor.restart import RestartPolicy
 from dslaunch.launcher.plan import LaunchConfig
 
@@ -47,8 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable_each_rank_log", default="None", help="also write each rank's output to DIR")
     p.add_argument("--bind_cores_to_rank", action="store_true", help="split the cores among the workers")
     p.add_argument("--bind_core_list", default=None, help="cores to split, e.g. 0-3,8")
-    p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error", "critical"],
-                   help="DeepSpeed's launcher log level (dslaunch prints only its notes)")
+    p.add_argument("--log_level", default="info", choices=LEVELS,
+                   help="the launcher's own lines shown (info: also its notes; worker output is never filtered)")
     p.add_argument("-q", "--quiet", action="store_true", help="DeepSpeed's --log_level error")
     p.add_argument("training_script")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
@@ -95,7 +96,8 @@ def _config(ns: argparse.Namespace) -> LaunchConfig:
         master_port=ns.master_port, master_port_given=True, module=ns.module, no_python=ns.no_python,
         no_local_rank=ns.no_local_rank, bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=core_list(ns.bind_core_list or ""),
-        each_rank_log=None if ns.enable_each_rank_log == "None" else ns.enable_each_rank_log)
+        each_rank_log=None if ns.enable_each_rank_log == "None" else ns.enable_each_rank_log,
+        log_level="error" if ns.quiet else ns.log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -95,6 +95,8 @@ class LaunchConfig:
     ssh_accept_new_host_keys: bool = False
     venv_script: str | None = None
     """``--venv_script``: sourced by each SSH host's shell before its agent starts."""
+    log_level: str = "info"
+    """``--log_level`` (``-q``: error): which of the launcher's own lines are printed (``log_level``)."""
     grace: float = DEFAULT_GRACE
     no_ssh: bool = False
     """``--no_ssh``: this process starts only node ``node_rank``'s workers, here; every node runs
@@ -215,7 +217,7 @@ def build_job(cfg: LaunchConfig, detect: Callable[[], Accelerators]) -> Plan:
         nodes=tuple(nodes), master_addr=master_addr, master_port=cfg.master_port, world_size=world,
         launcher=launcher, launcher_args=cfg.launcher_args, python=sys.executable,
         ssh_port=cfg.ssh_port, ssh_accept_new_host_keys=cfg.ssh_accept_new_host_keys,
-        venv_script=cfg.venv_script, hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
+        venv_script=cfg.venv_script, log_level=cfg.log_level, hostfile=source, user_script=None if cfg.module or cfg.no_python else cfg.user_script,
         master_given=bool(cfg.master_addr), monitor=_monitor(cfg), ray_address=cfg.ray.address if cfg.ray else None,
     )
     return Plan(job, tuple(notes))

@@ -110,6 +110,8 @@ class JobSpec:
     ssh_accept_new_host_keys: bool = False
     venv_script: str | None = None
     """``--venv_script``: a shell script each SSH host sources before its agent starts."""
+    log_level: str = "info"
+    """``--log_level``: which of the launcher's own lines are printed (``launcher.log_level``)."""
     hostfile: str | None = None
     """Hostfile the nodes came from (None = localhost only), for messages."""
     user_script: str | None = None

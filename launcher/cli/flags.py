@@ -14,6 +14,7 @@ import sys
 from dslaunch import __version__
 from dslaunch.errors import UsageError, did_you_mean, quote
 from dslaunch.launcher.hostfile import ascii_int
+from dslaunch.launcher.log_level import LEVELS
 from dslaunch.launcher.plan import DEFAULT_HOSTFILE, MAX_GRACE
 from dslaunch.launcher.spec import DEFAULT_GRACE
 
@@ -154,6 +155,10 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
     a("--venv_script", metavar="FILE", default=None,
       help="a shell script each SSH host sources before its node agent starts (a venv's bin/activate, "
            "module loads); the ssh launcher only")
+    a("--log_level", choices=LEVELS, default="info",
+      help="the launcher's own lines shown: info (default) also its notes, warning only restarts, host "
+           "changes and stops, error only the failure line; worker output is never filtered")
+    a("-q", "--quiet", action="store_true", help="--log_level error")
     a("--ssh_accept_new_host_keys", action="store_true",
       help="accept and remember unknown SSH host keys (default: reject unknown hosts)")
     a("--grace_period", type=real, default=DEFAULT_GRACE,

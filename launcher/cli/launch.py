@@ -30,6 +30,7 @@ from dslaunch.launcher import gpus
 from dslaunch.launcher.agent.spare import SparePool
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.kubernetes import pod_from_env
+from dslaunch.launcher.log_level import say
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
 from dslaunch.launcher.monitor.loop import Attempt, JobLoop, print_event
@@ -84,6 +85,7 @@ def parse_config(argv: list[str],
         each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, venv_script=ns.venv_script, grace=ns.grace_period,
+        log_level="error" if ns.quiet else ns.log_level,
         no_ssh=ns.no_ssh, node_rank=ns.node_rank, hang_timeout=ns.hang_timeout, log_dir=ns.log_dir,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
         max_restarts=ns.max_restarts, warm_spares=not ns.no_warm_spares,
@@ -261,7 +263,7 @@ def launch_job(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_con
     if job.launcher == "local":
         check_script(cfg)  # also for --dry-run: it fails like a real run would
     for note in plan.notes:
-        print(f"dslaunch: {note}", file=sys.stderr, flush=True)
+        say(cfg.log_level, "info", f"dslaunch: {note}")
     if dry_run:
         print(runner.dry_run(job), flush=True)  # a closed pipe raises here, inside main's handler
         print(_monitor_line(job), flush=True)
@@ -286,18 +288,19 @@ def launch_job(cfg: LaunchConfig, dry_run: bool, policy: RestartPolicy, from_con
                         master_port=cfg.master_port if fixed else free_port())
         new = build_job(again, gpus.detect).job
         if new.world_size != job.world_size and (batch := elastic_batch_for(cfg, new.world_size)):
-            print(f"dslaunch: elasticity: world size {new.world_size} gets {batch}", file=sys.stderr, flush=True)
+            say(cfg.log_level, "info", f"dslaunch: elasticity: world size {new.world_size} gets {batch}")
         return new
 
     runners = iter([runner])  # the first run uses the runner made above, later runs new ones
-    events = EventLog(job.monitor.log_dir, echo=print_event)  # one log for the job, whatever its restarts
+    # one log for the job, whatever its restarts
+    events = EventLog(job.monitor.log_dir, echo=lambda event: print_event(event, cfg.log_level))
     preemption = Preemption(enabled=job.launcher == "slurm")
     loop = JobLoop(policy, plan_attempt,
                    lambda j: preemption.track(next(runners, None) or _runner(j.launcher, kept)), events)
     started = time.monotonic()
     code: int | None = None
     try:
-        code = _run(loop, policy, preemption)
+        code = _run(loop, policy, preemption, cfg.log_level)
         return code
     except DslaunchError as err:
         code = err.exit_code
@@ -335,7 +338,7 @@ def _monitor_line(job: JobSpec) -> str:
     return f"# monitor: hang_timeout {hang}; events, error files and stacks in {job.monitor.log_dir}"
 
 
-def _run(loop: JobLoop, policy: RestartPolicy, preemption: Preemption) -> int:
+def _run(loop: JobLoop, policy: RestartPolicy, preemption: Preemption, log_level: str) -> int:
     """Run the job with stop signals forwarded to it (SLURM's warning signal: a checkpoint
     request, then a requeue); turn a failure into WorkerFailedError."""
 
@@ -362,8 +365,7 @@ def _run(loop: JobLoop, policy: RestartPolicy, preemption: Preemption) -> int:
                                 rank=f.rank if f.rank is not None else -1,
                                 exit_code=f.job_exit_code, host=f.host, signal_name=f.signal_name)
     if result.stopped_by:
-        print(f"dslaunch: stopped by {result.stopped_by}; all workers stopped (exit code {code})",
-              file=sys.stderr, flush=True)
+        say(log_level, "warning", f"dslaunch: stopped by {result.stopped_by}; all workers stopped (exit code {code})")
     return code
 
 

@@ -179,11 +179,14 @@ def _start_failure(err: LaunchError, job: JobSpec) -> GangResult:
     return GangResult(err.exit_code, root, nodes=lost or (root,))
 
 
-def print_event(event: dict) -> None:
-    """The CLI's event log echo: one line on stderr per event that changes what the user sees."""
-    import sys
+def print_event(event: dict, log_level: str = "info") -> None:
+    """The CLI's event log echo: one line on stderr per event that changes what the user sees, when
+    ``log_level`` (``--log_level``) shows it: a restart's reason and host changes are warnings, a
+    restart that started a note."""
+    from dslaunch.launcher.log_level import say
 
     kind, fields = event["kind"], event
+    level = "warning"
     if kind == "restart":
         line = f"dslaunch: {fields['reason']}"
     elif kind == "membership":
@@ -193,6 +196,7 @@ def print_event(event: dict) -> None:
     elif kind == "resume":
         line = (f"dslaunch: restart {fields['restart']} started on {len(fields['hosts'])} host(s), world size "
                 f"{fields['world_size']}, master port {fields['master_port']}")
+        level = "info"
     else:
         return
-    print(line, file=sys.stderr, flush=True)
+    say(log_level, level, line)

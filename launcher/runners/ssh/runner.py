@@ -23,6 +23,7 @@ import sys
 import threading
 
 from dslaunch.errors import shorten
+from dslaunch.launcher.log_level import shown
 from dslaunch.launcher.runners.base import format_node
 from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.ssh.connect import (
@@ -104,7 +105,7 @@ class SSHRunner(RemoteRunner):
         self._venv_script = job.venv_script
         targets = self._targets(job)
         master = choose_master(job.master_addr if job.master_given else None, targets)
-        if master.note:
+        if master.note and shown(job.log_level, "info"):
             self._err.write(f"dslaunch: {master.note}\n".encode())
         for t, cmd in zip(targets, self._commands(job, master, targets), strict=True):
             self.sessions[t.alias] = RemoteSession(t.alias, cmd, self._out, self._err, on_change=wake.set)
