@@ -171,7 +171,7 @@ if [ "$GPU" = 1 ]; then
         tests/launcher/test_workerenv.py tests/runtime/test_heartbeat.py &
     paths=$!
 fi
-step pytest_gpu 45 240 $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+step pytest_gpu 70 240 $PY -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 [ "$GPU" = 1 ] && wait "$paths"
 
 # --- the engine on NCCL against the same run on gloo ------------------------------------------
