@@ -77,16 +77,10 @@ class ChildSession(AgentStream):
             self._remove_scratch()
             raise
         self._proc = proc
-        readers = [threading.Thread(target=self._read, args=(_reader(proc.stdout), self._stdout_line), daemon=True),
-                   threading.Thread(target=self._read, args=(_reader(proc.stderr), self._stderr_line), daemon=True)]
-        for t in readers:
-            t.start()
-        threading.Thread(target=self._finish, args=(proc, readers), daemon=True,
-                         name=f"{os.path.basename(self.argv[0])}-{self.alias}").start()
+        self._follow(_reader(proc.stdout), _reader(proc.stderr), lambda: self._finish(proc),
+                     f"{os.path.basename(self.argv[0])}-{self.alias}")
 
-    def _finish(self, proc: subprocess.Popen, readers: list[threading.Thread]) -> None:
-        for t in readers:
-            t.join()
+    def _finish(self, proc: subprocess.Popen) -> None:
         code = proc.wait()
         self._remove_scratch()
         # the command ends without the agent's status line when the node or the step was lost

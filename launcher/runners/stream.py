@@ -109,6 +109,21 @@ class AgentStream:
 
     # -- reading -------------------------------------------------------------------------------
 
+    def _follow(self, recv_stdout: Callable[[int], bytes], recv_stderr: Callable[[int], bytes],
+                finish: Callable[[], None], name: str) -> None:
+        """Read the agent's stdout and stderr in a thread each; once both reached EOF, ``finish``
+        (it learns the exit and calls ``_ended``) runs in a third thread, named ``name``."""
+        readers = [threading.Thread(target=self._read, args=(recv, handle), daemon=True)
+                   for recv, handle in ((recv_stdout, self._stdout_line), (recv_stderr, self._stderr_line))]
+        for t in readers:
+            t.start()
+
+        def drained_then_finish() -> None:
+            for t in readers:
+                t.join()
+            finish()
+        threading.Thread(target=drained_then_finish, daemon=True, name=name).start()
+
     def _read(self, recv: Callable[[int], bytes], handle: Callable[[bytes], None]) -> None:
         """Split what ``recv`` returns into lines for ``handle`` until EOF (b'' or an OSError)."""
         read_lines(recv, handle, self.transport_errors, on_bytes=self._heard)

@@ -64,6 +64,26 @@ class _Compressible:
         for name, value in schedule.items():
             setattr(self.weight, name, value)
 
+    def _fix_output_pruning(self, kind: str, dim_reduction: bool) -> torch.Tensor:
+        """Make ``kind`` pruning of the outputs (``row`` or ``channel``: dim 0 of the weight, and
+        the bias) permanent: pruned outputs removed with ``dim_reduction``, zeroed otherwise; the
+        mask and scores (DeepSpeed's ``<kind>_pruning_mask``, ``<kind>_mask_scores``) go. Returns
+        the kept-outputs mask."""
+        mask = self.get_mask(pruning_type=kind).bool()
+        if dim_reduction:
+            self._replace_weight(self.weight.data[mask.view(-1)])
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.data[mask.view(-1)])
+        else:
+            self.weight.data = self.weight.data * mask.view(-1, *[1] * (self.weight.dim() - 1))
+            if self.bias is not None:
+                self.bias.data = self.bias.data * mask.view(-1)
+        delattr(self, f"{kind}_pruning_mask")
+        if getattr(self, f"{kind}_pruning_method") == "topk":
+            delattr(self, f"{kind}_mask_scores")
+        setattr(self, f"{kind}_pruning_method", None)
+        return mask
+
     # ---- weight quantization ------------------------------------------------------------------
     def enable_weight_quantization(self, start_bits: int, target_bits: int, quantization_period: int,
                                    weight_quantization_enabled_in_forward: bool, quantization_type: str,
@@ -197,20 +217,8 @@ class LinearLayer_Compress(_Compressible, nn.Linear):  # noqa: N801 (DeepSpeed's
         ``dim_reduction``, zeroed otherwise); returns the kept-rows mask. With the previous layer's
         ``mask``: remove the matching input columns; returns None."""
         if mask is None:
-            mask = self.get_mask(pruning_type="row").bool()
-            if dim_reduction:
-                self._replace_weight(self.weight.data[mask.view(-1), :])
-                if self.bias is not None:
-                    self.bias = nn.Parameter(self.bias.data[mask.view(-1)])
-                self.out_features = self.weight.size(0)
-            else:
-                self.weight.data = self.weight.data * mask.view(-1, 1)
-                if self.bias is not None:
-                    self.bias.data = self.bias.data * mask.view(-1)
-            del self.row_pruning_mask
-            if self.row_pruning_method == "topk":
-                del self.row_mask_scores
-            self.row_pruning_method = None
+            mask = self._fix_output_pruning("row", dim_reduction)
+            self.out_features = self.weight.size(0)
         else:
             self._replace_weight(self.weight.data[:, mask.view(-1)])
             self.in_features = self.weight.size(1)
@@ -313,20 +321,8 @@ class Conv2dLayer_Compress(_Compressible, nn.Conv2d):  # noqa: N801 (DeepSpeed's
         zeroed otherwise); returns the kept-channels mask. With the previous layer's ``mask``:
         remove the matching input channels; returns None."""
         if mask is None:
-            mask = self.get_mask(pruning_type="channel").bool()
-            if dim_reduction:
-                self._replace_weight(self.weight.data[mask.view(-1), ...])
-                if self.bias is not None:
-                    self.bias = nn.Parameter(self.bias.data[mask.view(-1)])
-                self.out_channels = self.weight.size(0)
-            else:
-                self.weight.data = self.weight.data * mask.view(-1, 1, 1, 1)
-                if self.bias is not None:
-                    self.bias.data = self.bias.data * mask.view(-1)
-            del self.channel_pruning_mask
-            if self.channel_pruning_method == "topk":
-                del self.channel_mask_scores
-            self.channel_pruning_method = None
+            mask = self._fix_output_pruning("channel", dim_reduction)
+            self.out_channels = self.weight.size(0)
         else:
             self._replace_weight(self.weight.data[:, mask.view(-1), ...])
             self.in_channels = self.weight.size(1) * self.groups

@@ -20,6 +20,7 @@ streams); on a CPU-only machine the "offload" is a copy within host memory.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +181,17 @@ def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
     return (torch.cat(d_x, dim=0), *[None] * 10, weight_grad, bias_grad, None, None, None)
 
 
+def _apply_forward(ctx: Any, layernorm_output: torch.Tensor, attention_mask: Any, inference_params: Any,
+                   rotary_pos_emb: Any, spg: Any, scatter_idx: int, gather_idx: int, hidden_size: int,
+                   projection_size: int, hidden_size_per_attention_head: int, kv_projection_size: int,
+                   qkv_linear_weight: torch.Tensor, qkv_linear_bias: torch.Tensor | None, dropout: float,
+                   num_chunks: int = 8, cpu_offloading: bool = True, *, offload: bool) -> torch.Tensor:
+    # DeepSpeed's argument list; the class picks ``offload``, whatever ``cpu_offloading`` says
+    return _forward(ctx, layernorm_output, attention_mask, rotary_pos_emb, spg, scatter_idx, gather_idx,
+                    projection_size, hidden_size_per_attention_head, kv_projection_size, qkv_linear_weight,
+                    qkv_linear_bias, dropout, num_chunks, offload=offload)
+
+
 class _FPDTGPUAttentionImpl_(torch.autograd.Function):
     """FPDT's chunked attention with the saved chunks kept on the compute device.
 
@@ -193,19 +205,8 @@ class _FPDTGPUAttentionImpl_(torch.autograd.Function):
     collective: forward and backward on every rank of ``spg``.
     """
 
-    @staticmethod
-    def forward(ctx: Any, layernorm_output: torch.Tensor, attention_mask: Any, inference_params: Any,
-                rotary_pos_emb: Any, spg: Any, scatter_idx: int, gather_idx: int, hidden_size: int,
-                projection_size: int, hidden_size_per_attention_head: int, kv_projection_size: int,
-                qkv_linear_weight: torch.Tensor, qkv_linear_bias: torch.Tensor | None, dropout: float,
-                num_chunks: int = 8, cpu_offloading: bool = True) -> torch.Tensor:
-        return _forward(ctx, layernorm_output, attention_mask, rotary_pos_emb, spg, scatter_idx, gather_idx,
-                        projection_size, hidden_size_per_attention_head, kv_projection_size, qkv_linear_weight,
-                        qkv_linear_bias, dropout, num_chunks, offload=False)
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        return _backward(ctx, grad_output)
+    forward = staticmethod(functools.partial(_apply_forward, offload=False))
+    backward = staticmethod(_backward)
 
 
 class _FPDTGPUOffloadingAttentionImpl_(torch.autograd.Function):
@@ -215,19 +216,8 @@ class _FPDTGPUOffloadingAttentionImpl_(torch.autograd.Function):
     collective: forward and backward on every rank of ``spg``.
     """
 
-    @staticmethod
-    def forward(ctx: Any, layernorm_output: torch.Tensor, attention_mask: Any, inference_params: Any,
-                rotary_pos_emb: Any, spg: Any, scatter_idx: int, gather_idx: int, hidden_size: int,
-                projection_size: int, hidden_size_per_attention_head: int, kv_projection_size: int,
-                qkv_linear_weight: torch.Tensor, qkv_linear_bias: torch.Tensor | None, dropout: float,
-                num_chunks: int = 8, cpu_offloading: bool = True) -> torch.Tensor:
-        return _forward(ctx, layernorm_output, attention_mask, rotary_pos_emb, spg, scatter_idx, gather_idx,
-                        projection_size, hidden_size_per_attention_head, kv_projection_size, qkv_linear_weight,
-                        qkv_linear_bias, dropout, num_chunks, offload=True)
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        return _backward(ctx, grad_output)
+    forward = staticmethod(functools.partial(_apply_forward, offload=True))
+    backward = staticmethod(_backward)
 
 
 class FPDT_Attention(torch.nn.Module):

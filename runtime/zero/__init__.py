@@ -9,7 +9,8 @@ asks the stage again. What lives where:
   ``gradient_views.py``: the gradient data those wrappers expose (``averaged_gradients``, per-group
   norms, flat fp32 gradients, every rank's weight partitions), read from the strategy.
 - ``strategy.py``: ``ZeroStrategy``, the lifecycle the engine drives, the step every stage shares,
-  and the checkpoint state format.
+  and the checkpoint state format; ``reduce_part.py``: its groups that reduce over one process
+  group (the data group's, each expert group's).
 - ``stage0.py``, ``stage1.py``, ``stage2.py``, ``stage3.py``: each stage as a placement + a gradient
   path.
 - ``placement.py``: where the fp32 master and optimizer state live (replicated or sharded).

@@ -73,12 +73,6 @@ def locate(param: torch.nn.Parameter) -> Fragment | None:
     return Fragment(strategy, slot[1], slot[2], a, b, lo, max(lo, min(b, lay.end)))
 
 
-def _post(frag: Fragment) -> float:
-    """What the step multiplies the stored gradient by to average it (before the loss unscale)."""
-    s = frag.strategy
-    return s.comm.post_factor(s.exchange.summed_ranks(s.world_size))
-
-
 def rank_tensor(frag: Fragment, what: str) -> torch.Tensor | None:
     """This rank's [start, end) of group ``frag.gi``'s ``what`` (None: no such optimizer state).
     The live tensor, except an NVMe-swapped state (a copy read from the swap file)."""
@@ -100,7 +94,7 @@ def read(frag: Fragment, what: str) -> torch.Tensor | None:
         return None
     start = frag.group.layout.start
     out = t[frag.lo - start:frag.hi - start].to(torch.float32, copy=True)
-    return out.mul_(_post(frag)) if what == GRAD else out
+    return out.mul_(frag.strategy.average_factor) if what == GRAD else out
 
 
 def write(frag: Fragment, what: str, values: torch.Tensor) -> None:
@@ -116,6 +110,6 @@ def write(frag: Fragment, what: str, values: torch.Tensor) -> None:
                          f"first step; Adam's are 'exp_avg' and 'exp_avg_sq')")
     start = frag.group.layout.start
     src = values.detach().reshape(-1).float()
-    t[frag.lo - start:frag.hi - start].copy_(src / _post(frag) if what == GRAD else src)
+    t[frag.lo - start:frag.hi - start].copy_(src / frag.strategy.average_factor if what == GRAD else src)
     if what not in (PARAM, GRAD) and frag.strategy.optimizer.state.get(frag.group.master, {}).get(what) is not t:
         frag.strategy.offload.store_state(frag.gi, what, t)  # NVMe: write the copy back

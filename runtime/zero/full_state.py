@@ -55,7 +55,7 @@ def _get_full(param: torch.nn.Parameter, what: str) -> torch.Tensor | None:
         wait_all(works, "parameter gather (broadcast)")
         full = full.float()
     if what == GRAD:
-        full.mul_(s.comm.post_factor(s.exchange.summed_ranks(s.world_size)))
+        full.mul_(s.average_factor)
     return full.view(_shape(param))
 
 

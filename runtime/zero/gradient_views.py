@@ -26,18 +26,12 @@ from typing import Any
 
 import torch
 
-from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.fragment import locate
 
 __all__ = ["averaged_gradients", "norm_groups", "flat_gradients", "rank_partitions", "INVALID_NORM"]
 
 INVALID_NORM = -1.0
 """What DeepSpeed's per-group norms hold for an inf/NaN gradient."""
-
-
-def _post(zero: Any) -> float:
-    """What turns the stored sum over the ranks into the average (``fragment.py``'s rule)."""
-    return zero.comm.post_factor(zero.exchange.summed_ranks(zero.world_size))
 
 
 def averaged_gradients(zero: Any, every_param: bool) -> dict[int, list[torch.Tensor]]:
@@ -50,7 +44,7 @@ def averaged_gradients(zero: Any, every_param: bool) -> dict[int, list[torch.Ten
             continue
         shard, start = zero.grad_shard(gi), g.layout.start  # read once: stage 0/1's 16-bit copy is remade per call
         frags = [locate(p) for p in g.params]
-        out[gi] = [shard[f.lo - start:f.hi - start].to(torch.float32, copy=True).mul_(_post(zero))
+        out[gi] = [shard[f.lo - start:f.hi - start].to(torch.float32, copy=True).mul_(zero.average_factor)
                    for f in frags if every_param or f.numel]
     return out
 
@@ -64,14 +58,9 @@ def norm_groups(zero: Any) -> list[torch.Tensor]:
     """
     out = []
     for gi in range(len(zero.groups)):
-        shard = zero.grad_shard(gi)
-        sq = grad_norm.total([grad_norm.sumsq(shard[lo:hi]) for _, lo, hi in zero._norm_units[gi]], shard.device)
-        part = zero._part_of(gi)
-        for reduce in (part.placement.norm_all_reduce, part.spread_sum, zero._model_parallel_sum):
-            if reduce is not None:
-                reduce(sq)
-        norm = math.sqrt(sq.item()) * _post(zero) if math.isfinite(sq.item()) else INVALID_NORM
-        out.append(torch.tensor(norm, dtype=torch.float32, device=shard.device))
+        sq = zero.group_grad_sumsq(gi)
+        norm = math.sqrt(sq.item()) * zero.average_factor if math.isfinite(sq.item()) else INVALID_NORM
+        out.append(torch.tensor(norm, dtype=torch.float32, device=sq.device))
     return out
 
 
@@ -87,7 +76,7 @@ def flat_gradients(zero: Any) -> list[torch.Tensor]:
             continue
         zero.grad_shard(gi)  # after a step: the buffer is zeroed, as the step would see it
         whole = torch.cat([zero.gradient_of(p).reshape(-1) for p in g.params]).float()
-        out.append(whole.mul_(_post(zero)))
+        out.append(whole.mul_(zero.average_factor))
     return out
 
 

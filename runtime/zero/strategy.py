@@ -42,11 +42,11 @@ import torch.distributed as dist
 
 from dslaunch.runtime.zero import grad_norm
 from dslaunch.runtime.zero.exchange import FlatAllReduce, GradientExchange, TreeAllReduce
-from dslaunch.runtime.zero.gradients import FullGradients, GradientPath
+from dslaunch.runtime.zero.gradients import GradientPath
 from dslaunch.runtime.zero.offload_states import StateOffload
 from dslaunch.runtime.zero.partition import FlatLayout
 from dslaunch.runtime.zero.placement import Placement, gather_over_ranks, sum_over_ranks
-from dslaunch.runtime.zero.sharded_gradients import ShardedGradients
+from dslaunch.runtime.zero.reduce_part import ReducePart
 from dslaunch.runtime.zero.specs import (
     CommSettings,
     FlatShards,
@@ -182,6 +182,25 @@ class ZeroStrategy(StateOffload):
     def _part_of(self, gi: int) -> ReducePart:
         return next(part for part in self.parts if gi in part.indices)
 
+    @property
+    def average_factor(self) -> float:
+        """What the step multiplies the stored gradient (the sum over the ranks) by to average it,
+        before the loss unscale and the clip."""
+        return self.comm.post_factor(self.exchange.summed_ranks(self.world_size))
+
+    def group_grad_sumsq(self, gi: int) -> torch.Tensor:
+        """Group ``gi``'s squared gradient norm as stored (the sum over the ranks, loss scale
+        included), each parameter's elements counted once, summed over every rank holding the
+        group: its reduce group, spread group and the model-parallel group.
+
+        collective: all ranks of those groups."""
+        shard, part = self.grad_shard(gi), self._part_of(gi)
+        sq = grad_norm.total([grad_norm.sumsq(shard[lo:hi]) for _, lo, hi in self._norm_units[gi]], shard.device)
+        part.sum_norm(sq)
+        if self._model_parallel_sum is not None:
+            self._model_parallel_sum(sq)
+        return sq
+
     def grad_shard(self, gi: int) -> torch.Tensor:
         """Group ``gi``'s gradient where the next step reads it (``GradientPath.shard``)."""
         part = self._part_of(gi)
@@ -303,7 +322,7 @@ class ZeroStrategy(StateOffload):
 
     def _update(self, grads: list[torch.Tensor], loss_scale: float, clip: float,
                 check_overflow: bool) -> StepResult:
-        post = self.comm.post_factor(self.exchange.summed_ranks(self.world_size)) / loss_scale
+        post = self.average_factor / loss_scale
         guard = clip > 0 or check_overflow
         with self.offload.begin() if self.offload is not None else contextlib.nullcontext():
             norm = self._global_norm(grads) * post if guard or self._always_norm else None
@@ -373,9 +392,7 @@ class ZeroStrategy(StateOffload):
                     if self.offload is not None:
                         self.offload.clock.norm_bytes += sum(hi - lo for _, lo, hi in self._norm_units[gi]) * 4
             sq = grad_norm.total(sums, grads[0].device)
-            for reduce in (reduce_part.placement.norm_all_reduce, reduce_part.spread_sum):
-                if reduce is not None:
-                    reduce(sq)
+            reduce_part.sum_norm(sq)
             total += sq if reduce_part.norm_owner is not False else 0.0  # False: the owner adds this group
         if self._model_parallel_sum is not None:
             self._model_parallel_sum(total)
@@ -470,31 +487,3 @@ class ZeroStrategy(StateOffload):
         return {"optimizer_state": opt, "master": master,
                 "gradients": sum(part.gradients.held_bytes() for part in self.parts),
                 "comm_buffers": sum(part.gradients.reducer.pool.held_bytes for part in self.parts)}
-
-
-class ReducePart:
-    """The param groups of a strategy that reduce and shard over one process group: their
-    placement, gradient path and exchange (a dense model has one; expert parameters add one per
-    expert group).
-
-    collective: construct on all ranks of the group.
-    """
-
-    def __init__(self, strategy: type[ZeroStrategy], specs: list[GroupSpec], indices: list[int],
-                 comm: CommSettings, group: ReduceGroup, exchange: GradientExchange):
-        self.indices, self.pg, self.exchange = indices, group.process_group, exchange
-        self.world_size = dist.get_world_size(self.pg) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(self.pg) if dist.is_initialized() else 0
-        spread, self.norm_owner = group.spread_group, group.norm_owner
-        self.spread_sum = sum_over_ranks(dist.get_world_size(spread), spread) if spread is not None else None
-        self.placement = strategy.placement_type(specs, comm, self.world_size, self.rank, self.pg)
-        gradients_type = FullGradients if exchange.needs_local_gradients else strategy.gradients_type
-        if comm.layout_invariant and strategy.placement_type.partitioned:
-            # stage 1 too: its sum at the boundary would put each rank's micro steps in one
-            # subtree, which another world size cannot form; stage 2's reduction per micro step can
-            gradients_type = ShardedGradients
-        self.gradients = gradients_type(self.placement.groups, comm, self.world_size, exchange)
-        # Only the gradient path decides: stage 1 keeps (and lets hooks, the pipeline's tied-weight
-        # sum and ``safe_get_full_grad`` read) the whole reduced gradient, though it updates its range.
-        exchange.bind([g.layout for g in self.placement.groups], self.gradients.local_gradient,
-                      owned_only=self.gradients.owned_only)

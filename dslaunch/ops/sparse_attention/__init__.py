@@ -4,18 +4,9 @@
 ``sparse_self_attention.py``, ``bert_sparse_self_attention.py``, ``sparse_attention_utils.py``,
 ``matmul.py`` (``MatMul``) and ``softmax.py`` (``Softmax``)."""
 
+from dslaunch.ops.sparse_attention import sparsity_config
+from dslaunch.ops.sparse_attention.sparsity_config import *  # noqa: F403  (the layouts, as DeepSpeed's package has them)
 from dslaunch.runtime.sparse_attention.attention import BertSparseSelfAttention, SparseSelfAttention
-from dslaunch.runtime.sparse_attention.layouts import (
-    BigBirdSparsityConfig,
-    BSLongformerSparsityConfig,
-    DenseSparsityConfig,
-    FixedSparsityConfig,
-    LocalSlidingWindowSparsityConfig,
-    SparsityConfig,
-    VariableSparsityConfig,
-)
 from dslaunch.runtime.sparse_attention.utils import SparseAttentionUtils
 
-__all__ = ["SparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig",
-           "BigBirdSparsityConfig", "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig",
-           "SparseSelfAttention", "BertSparseSelfAttention", "SparseAttentionUtils"]
+__all__ = [*sparsity_config.__all__, "SparseSelfAttention", "BertSparseSelfAttention", "SparseAttentionUtils"]

@@ -71,12 +71,9 @@ class RaySession(AgentStream):
         """Start the agent (``AgentProcess.start``); readers and the writer run in threads
         (non-blocking)."""
         self._started = self.actor.start.remote(request, spares)
-        readers = [threading.Thread(target=self._read, args=(self._recv(s), h), daemon=True)
-                   for s, h in zip(STREAMS, (self._stdout_line, self._stderr_line), strict=True)]
-        for t in readers:
-            t.start()
+        stdout, stderr = STREAMS
+        self._follow(self._recv(stdout), self._recv(stderr), self._finish, f"ray-{self.alias}")
         threading.Thread(target=self._write_all, daemon=True, name=f"ray-in-{self.alias}").start()
-        threading.Thread(target=self._finish, args=(readers,), daemon=True, name=f"ray-{self.alias}").start()
 
     def _pid(self) -> int:
         """The agent's pid, once it started (raises if the actor never ran)."""
@@ -100,9 +97,7 @@ class RaySession(AgentStream):
         except self.transport_errors:
             pass
 
-    def _finish(self, readers: list[threading.Thread]) -> None:
-        for t in readers:
-            t.join()
+    def _finish(self) -> None:
         try:
             code, lost = self._ray.get(self.actor.wait.remote()), False
         except self._ray.exceptions.RayError as exc:  # the actor (its node) is gone

@@ -10,7 +10,6 @@ requests for root, so EOF is the portable way).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from dslaunch.launcher.agent.output import Sink
@@ -47,16 +46,9 @@ class RemoteSession(AgentStream):
         chan = transport.open_session()
         chan.exec_command(self.command)
         self._channel = chan
-        readers = [threading.Thread(target=self._read, args=(chan.recv, self._stdout_line), daemon=True),
-                   threading.Thread(target=self._read, args=(chan.recv_stderr, self._stderr_line), daemon=True)]
-        for t in readers:
-            t.start()
-        threading.Thread(target=self._finish, args=(chan, readers), daemon=True,
-                         name=f"ssh-{self.alias}").start()
+        self._follow(chan.recv, chan.recv_stderr, lambda: self._finish(chan), f"ssh-{self.alias}")
 
-    def _finish(self, chan: paramiko.Channel, readers: list[threading.Thread]) -> None:
-        for t in readers:
-            t.join()
+    def _finish(self, chan: paramiko.Channel) -> None:
         code = chan.recv_exit_status()  # -1 when the connection died without an exit status
         self._ended(LOST_CONNECTION if code == -1 else code, lost=code == -1)
 

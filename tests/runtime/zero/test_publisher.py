@@ -16,20 +16,33 @@ from tests.distributed import run_world
 WIDTH, LAYERS = 32, 4
 
 
-def _forward_waits(rank: int, world: int, stage: int) -> dict:
+def _engine(model, world: int, **zero):
+    """A ZeRO engine over ``model`` with AdamW; ``zero`` is its ``zero_optimization`` block."""
+    import dslaunch
+
+    cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": "never",  # gloo's overlap
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}
+    return dslaunch.initialize(model=model, config=cfg)[0]
+
+
+def _same_on_every_rank(model, world: int) -> bool:
+    """Every rank reads bitwise the same weights through ``model.parameters()`` now."""
     import torch
     import torch.distributed as dist
 
-    import dslaunch
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
+    return all(torch.equal(flat, e) for e in every)
+
+
+def _forward_waits(rank: int, world: int, stage: int) -> dict:
+    import torch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": "never",  # gloo's overlap
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": stage, "overlap_comm": True, "overlap_param_gather": True,
-                                 "reduce_bucket_size": 2 * WIDTH * WIDTH,
-                                 "allgather_bucket_size": 2 * WIDTH}}  # many small broadcasts
-    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    engine = _engine(model, world, stage=stage, overlap_comm=True, overlap_param_gather=True,
+                     reduce_bucket_size=2 * WIDTH * WIDTH, allgather_bucket_size=2 * WIDTH)  # many small broadcasts
     pub = engine.zero.publisher
     seen: list[tuple[int, int]] = []
     for m in model:  # registered after the engine's gate: runs once the gate has waited
@@ -41,10 +54,7 @@ def _forward_waits(rank: int, world: int, stage: int) -> dict:
     seen.clear()
     engine(torch.randn(4, WIDTH))  # the forward after the last step waits layer by layer
     engine.zero.synchronize()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(every, flat)
-    return {"seen": seen, "same": all(torch.equal(flat, e) for e in every)}
+    return {"seen": seen, "same": _same_on_every_rank(model, world)}
 
 
 @pytest.mark.timeout(90)
@@ -74,10 +84,7 @@ def _external_waits(rank: int, world: int) -> list[bool]:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
     model = torch.nn.Sequential(ReadsLast(layers[-1]), *layers)
-    cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": "never",  # gloo's overlap
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 1, "overlap_param_gather": True, "allgather_bucket_size": 2 * WIDTH}}
-    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    engine = _engine(model, world, stage=1, overlap_param_gather=True, allgather_bucket_size=2 * WIDTH)
     dslaunch.zero.register_external_parameter(model[0], layers[-1].weight)  # after the engine exists
     pub, seen = engine.zero.publisher, []
     last = next(i for i, p in enumerate(engine.zero.groups[0].params) if p is layers[-1].weight)
@@ -103,25 +110,16 @@ def test_a_registered_external_parameter_is_waited_for() -> None:
 
 def _read_after_step(rank: int, world: int, stage: int) -> dict:
     import torch
-    import torch.distributed as dist
-
-    import dslaunch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    cfg = {"train_batch_size": 4 * world, "shared_memory_collectives": "never",  # gloo's overlap
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": stage, "overlap_comm": True, "allgather_bucket_size": 2 * WIDTH}}
-    engine, *_ = dslaunch.initialize(model=model, config=cfg)
+    engine = _engine(model, world, stage=stage, overlap_comm=True, allgather_bucket_size=2 * WIDTH)
     torch.manual_seed(1 + rank)
     engine.backward(engine(torch.randn(4, WIDTH)).square().mean())
     engine.step()
     pending = len(engine.zero.publisher._works)
     # What an EMA or a weight-norm log reads right after step(), without any engine call between.
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-    every = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(every, flat)
-    return {"pending": pending, "same": all(torch.equal(flat, e) for e in every)}
+    return {"pending": pending, "same": _same_on_every_rank(model, world)}
 
 
 @pytest.mark.timeout(90)
