@@ -114,7 +114,7 @@ def build_parser(prog: str = "dslaunch", description: str = "Launch a DeepSpeed-
     prefixes of long flags (``--launcher_arg``), for DeepSpeed's ``runner.parse_args``."""
     p = _Parser(prog=prog, allow_abbrev=allow_abbrev, description=description,
                 epilog="Also: dslaunch sbatch ...; dslaunch zero-to-fp32 CHECKPOINT_DIR OUTPUT; dslaunch status LOGDIR; "
-                       "dslaunch estimate --help; dslaunch report")
+                       "dslaunch estimate --help; dslaunch report; dslaunch ssh -f HOSTFILE COMMAND")
     a = p.add_argument
     a("-H", "--hostfile", default=None,
       help=f"hostfile ('host slots=N' lines); default {DEFAULT_HOSTFILE}, or localhost when it does not exist")
