@@ -17,7 +17,8 @@ Hugging Face ``tp_plan`` nor ``partition_config``) picks layers by name, not by 
 
 Anything DeepSpeed cuts another way is refused in one line naming the layer (``CheckpointError``):
 a fused QKV or gate/up layer, an embedding inside a block, the models DeepSpeed special-cases by
-class name, a Hugging Face ``tp_plan``, ``partition_config`` and the vocabulary-parallel head.
+class name, a Hugging Face ``tp_plan``, ``partition_config``, the vocabulary-parallel head and a
+script's hand-built ``LinearLayer`` / ``LinearAllreduce`` (DeepSpeed keeps those as built).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from dslaunch.runtime.checkpoint.deepspeed_constants import (
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     VOCABULARY_PARAMETER_PATTERNS,
 )
+from dslaunch.runtime.tensor_parallel.deepspeed_layers import TensorParallelLayer
 from dslaunch.runtime.tensor_parallel.layers import VocabParallelEmbedding, _ShardedLinear
 from dslaunch.runtime.tensor_parallel.split import AutoTPMeta, get_shard_size_list
 
@@ -154,6 +156,10 @@ def deepspeed_cuts(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], tp: 
             no block with a row-parallel layer (DeepSpeed's AutoTP refuses such a model).
     """
     _refuse_paths(model, tensor_parallel)
+    built = next((n for n, m in model.named_modules() if isinstance(m, TensorParallelLayer)), None)
+    if built is not None:  # DeepSpeed keeps a script's own layers as built, whatever their names
+        raise CheckpointError(f'checkpoint.format "deepspeed" cannot save the hand-built tensor-parallel layer '
+                              f'{built!r} yet: use format "dslaunch"')
     grain = int((tensor_parallel.get("tp") or {}).get("tp_grain_size", 1))
     meta = AutoTPMeta.from_model_config(getattr(model, "config", None), grain)
     types = _block_types(model)

@@ -68,3 +68,12 @@ def test_a_layout_deepspeed_cuts_otherwise_is_refused_naming_it(model: type, sec
     with pytest.raises(CheckpointError, match="use format \"dslaunch\"") as err:
         deepspeed_cuts(m, _shapes(m), 2, section)
     assert says in str(err.value)
+
+
+def test_a_hand_built_deepspeed_layer_is_refused_naming_it() -> None:
+    from dslaunch.runtime.tensor_parallel.deepspeed_layers import LinearAllreduce
+
+    model = job.TinyLlamaModel()
+    model.layers[0].self_attn.o_proj = LinearAllreduce(model.layers[0].self_attn.o_proj)
+    with pytest.raises(CheckpointError, match="hand-built tensor-parallel layer 'layers.0.self_attn.o_proj'"):
+        deepspeed_cuts(model, _shapes(model), 2, {})
