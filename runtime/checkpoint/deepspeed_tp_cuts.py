@@ -69,6 +69,7 @@ class Cut:
     """A row-parallel layer's weight (DeepSpeed lists these patterns)."""
 
     def segment(self, rank: int) -> tuple[int, int]:
+        """``[start, stop)`` of rank ``rank``'s slice along ``dim`` (ranks in order, as DeepSpeed's split)."""
         start = sum(self.sizes[:rank])
         return start, start + self.sizes[rank]
 
