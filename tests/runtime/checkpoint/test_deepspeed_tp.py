@@ -7,6 +7,10 @@ replicas): each step's loss equals DeepSpeed's within 1e-6, and right after the 
 parameter's fp32 master and Adam moments (whole at degree 1) equal DeepSpeed's at the save bit for
 bit (DeepSpeed's per-rank slices joined by its own slice map, ``universal_checkpoint_info``).
 
+The other way (ZeRO 0, 1, 2): dslaunch trains the same job and saves with ``checkpoint.format:
+"deepspeed"``; DeepSpeed's ``load_checkpoint`` continues it within 1e-6 of dslaunch's own losses,
+and DeepSpeed's save of it loads back into dslaunch (``deepspeed_tp_write``).
+
 DeepSpeed's AutoTP imports ``transformers``: these tests skip, saying so, when DeepSpeed's
 interpreter cannot import it (``DSLAUNCH_DEEPSPEED_PYTHONPATH`` may name a folder holding it).
 """
@@ -180,6 +184,7 @@ def _need_transformers(deepspeed_python: Path) -> None:
         pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 0])
 def test_deepspeed_continues_dslaunchs_autotp_tag_and_dslaunch_its_resave(
         deepspeed_python: Path, tmp_path: Path, request: pytest.FixtureRequest, stage: int) -> None:
