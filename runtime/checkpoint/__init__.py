@@ -15,7 +15,8 @@ loading checkpoints real DeepSpeed wrote (``deepspeed_layout.py`` names its file
 a pipeline's, one file per layer and a set per stage: ``deepspeed_pipe.py``; AutoTP's, a set per
 tensor-parallel rank joined by DeepSpeed's slice map: ``deepspeed_tp.py``),
 writing them (``deepspeed_write.py``, with DeepSpeed's own classes pickled by name:
-``deepspeed_pickle.py``), DeepSpeed's MoE files, one per global expert (``deepspeed_experts.py``), and its AutoEP blocks' names and
+``deepspeed_pickle.py``; an AutoTP engine's re-cut as DeepSpeed's AutoTP cuts: ``deepspeed_tp_write.py``,
+the cut and its slice map: ``deepspeed_tp_cuts.py``), DeepSpeed's MoE files, one per global expert (``deepspeed_experts.py``), and its AutoEP blocks' names and
 ``ds_autoep_layers`` metadata (``deepspeed_autoep.py``; at ZeRO-3 its ``zero3_partitioned``
 records: ``deepspeed_autoep_zero3.py``),
 and DeepSpeed's universal checkpoints both ways (``universal.py``; AutoEP tags in dslaunch's own layout

@@ -69,6 +69,8 @@ def joiner(params: dict[str, dict], folder: Path) -> Any:
                 raise CheckpointError(f"{name!r} of tensor-parallel rank {rank} has shape {tuple(shard.shape)}, "
                                       f"the slice map says {plan and plan['shard_shape']}", str(folder))
             shard = shard.contiguous()
+            if shard.storage_offset():  # as_strided's offsets count from the storage's start
+                shard = shard.clone()
             for piece in plan["pieces"]:
                 (src, src_strides), (dst, dst_strides) = piece["source"], piece["dest"]
                 whole.as_strided(piece["shape"], src_strides, src).copy_(

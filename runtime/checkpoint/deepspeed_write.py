@@ -36,7 +36,10 @@ optimizer shards, cut over each expert rank's expert-data group, and ``ds_zero_p
 A pipeline's tag (``deepspeed_pipe``) has these files per stage (``mp_rank_SS``, the model states
 without ``module``) and a ``layer_XX-model_states.pt`` per layer, from data-parallel rank 0 of each stage.
 
-Limitations: no tensor parallelism (an mpu, AutoTP), pipelines at ZeRO stages 0 and 1 only (as
+AutoTP training's tag (``deepspeed_tp_write``) has these files per tensor rank (``mp_rank_TT``),
+each of DeepSpeed's slices, re-cut from the whole where dslaunch's planner cut elsewhere.
+
+Limitations: no Megatron mpu's tensor parallelism, AutoTP at ZeRO stages 0-2 only, pipelines at ZeRO stages 0 and 1 only (as
 DeepSpeed's) and without MoE, no ``deepspeed.moe`` layers at ZeRO-3 (nor experts marked by
 hand, nor MoE layers beside AutoEP blocks), no node-local storage; each rank holds the whole fp32 state once while saving (host memory),
 and an async save keeps its copy of the rank's files in host memory between saves. DeepSpeed also
@@ -66,6 +69,7 @@ from dslaunch.runtime.checkpoint.deepspeed_layout import (
 )
 from dslaunch.runtime.checkpoint.deepspeed_pickle import fragment_address, loss_scaler, to_bytes
 from dslaunch.runtime.checkpoint.deepspeed_pipe import layer_files, stage_states
+from dslaunch.runtime.checkpoint.deepspeed_tp_write import autotp_slices
 from dslaunch.runtime.checkpoint.experts import ep_rank, expert_names, live_experts
 from dslaunch.runtime.checkpoint.format import Encoded
 from dslaunch.runtime.checkpoint.model_parallel import describe
@@ -331,10 +335,11 @@ def _refuse(parts: CheckpointParts, zero_sd: dict) -> None:
     if place is not None and experts and (place.layers is not None or place.tensors):  # dslaunch's refuses too
         raise CheckpointError(f"saving expert parameters ({experts[0]}) with a pipeline or AutoTP "
                               f"({describe(place.shape)}) is not supported yet in either checkpoint.format")
-    what = ("tensor parallelism (an mpu, AutoTP, a pipeline's model axis)" if place is not None and (
+    autotp = place is not None and place.layers is None and place.tensors is not None  # deepspeed_tp_write
+    what = ("tensor parallelism (an mpu, a pipeline's model axis)" if place is not None and not autotp and (
         place.layers is None or place.shape.get("model", 1) > 1) else
             "a pipeline at ZeRO stage 2 or 3 (DeepSpeed's PipelineEngine runs stages 0 and 1)"
-            if place is not None and parts.zero.stage > 1 else
+            if place is not None and not autotp and parts.zero.stage > 1 else
             "checkpoint.use_node_local_storage" if parts.config.use_node_local_storage else
             "deepspeed.moe layers beside AutoEP blocks" if moe_layers(parts.module) and autoep.autoep_blocks(parts.module)
             else
@@ -405,7 +410,14 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
     splits = [parts.zero.group_comm(gi)[:2] for gi in range(len(groups))]
     edp = next((splits[gi] for gi in experts), (1, 0))
     files: dict[str, Any] = {}
-    if place is not None:  # a pipeline: data-parallel rank 0 of each stage writes the stage's states
+    tp = autotp_slices(parts, groups, parts.module.state_dict) \
+        if place is not None and place.layers is None and place.tensors is not None else None
+    if tp is not None:  # AutoTP: DeepSpeed's slices; data-parallel rank 0 of each tensor rank writes its states
+        groups = tp.groups
+        if place.data == 0:
+            files[model_states_name(None, tp.rank)] = tp.model_states(_model_states(
+                parts, groups, stage, 0, place.shape.get("data", 1), client_state or {}, exclude_frozen_parameters))
+    elif place is not None:  # a pipeline: data-parallel rank 0 of each stage writes the stage's states
         if place.data == 0:
             files[model_states_name(None, place.coord.get("pipe", 0))] = stage_states(_model_states(
                 parts, groups, stage, 0, place.shape.get("data", 1), client_state or {}, exclude_frozen_parameters),
@@ -428,7 +440,7 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
         osd = _zero3_file(groups, _zero3_parts(parts, splits, experts, blocks), world, sub_group_size) \
             if stage == 3 else \
             _zero12_file(groups, splits, stage, parts.gradient_clipping)
-        name = optim_states_name(place.data, parts.bf16, place.coord.get("pipe", 0)) if place else \
+        name = optim_states_name(place.data, parts.bf16, tp.rank if tp else place.coord.get("pipe", 0)) if place else \
             optim_states_name(rank, parts.bf16)
         files[name] = {"optimizer_state_dict": osd, "ds_config": dict(parts.ds_config), "ds_version": DEEPSPEED_VERSION}
     cfg = parts.config

@@ -109,7 +109,8 @@ def run(deepspeed: Any, rank: int, world: int, tp: int, first: int, steps: int, 
     """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
     step ``save_at``. Returns each step's loss averaged over the replicas, what ``load_checkpoint``
     returned, the counters after it and (``probe``) the ``full_state`` after loading or at the save
-    (DeepSpeed's ``safe_get_full_*`` fail before its first step after a load: no probe there)."""
+    (DeepSpeed's ``safe_get_full_*`` fail before its first step after a load and at ZeRO-0: no
+    probe there)."""
     torch.manual_seed(1234)
     dp = world // tp
     engine, _, _, _ = deepspeed.initialize(model=TinyLlamaModel(), config=config(tp, dp, stage, checkpoint))
@@ -124,7 +125,8 @@ def run(deepspeed: Any, rank: int, world: int, tp: int, first: int, steps: int, 
     for step in range(first, first + steps):
         if save is not None and step == save_at:
             engine.save_checkpoint(save, client_state={"note": "from the job", "step": step})
-            out["state"] = full_state(deepspeed, engine)
+            if probe:
+                out["state"] = full_state(deepspeed, engine)
         loss = engine(batch(step, dp, replica))
         engine.backward(loss)
         engine.step()

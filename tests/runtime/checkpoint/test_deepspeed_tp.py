@@ -7,6 +7,10 @@ replicas): each step's loss equals DeepSpeed's within 1e-6, and right after the 
 parameter's fp32 master and Adam moments (whole at degree 1) equal DeepSpeed's at the save bit for
 bit (DeepSpeed's per-rank slices joined by its own slice map, ``universal_checkpoint_info``).
 
+The other way (ZeRO 0, 1, 2): dslaunch trains the same job and saves with ``checkpoint.format:
+"deepspeed"``; DeepSpeed's ``load_checkpoint`` continues it within 1e-6 of dslaunch's own losses,
+and DeepSpeed's save of it loads back into dslaunch (``deepspeed_tp_write``).
+
 DeepSpeed's AutoTP imports ``transformers``: these tests skip, saying so, when DeepSpeed's
 interpreter cannot import it (``DSLAUNCH_DEEPSPEED_PYTHONPATH`` may name a folder holding it).
 """
@@ -157,3 +161,60 @@ def test_deepspeeds_zero3_autotp_tag_converted_continues_at_tp2_and_tp1(
     if converter == "dslaunch":  # and the tag itself, unconverted, loads at another degree
         got = run_world(_continue, 2, 1, str(folder), timeout=240)
         assert max(abs(a - b) for a, b in zip(want, got[0]["losses"], strict=True)) < 1e-6, (want, got[0]["losses"])
+
+
+def _save_ours(rank: int, world: int, stage: int, save: str) -> dict:
+    import dslaunch
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    return job.run(dslaunch, rank, world, 2, first=0, steps=SAVE_AT + STEPS, stage=stage, save=save, save_at=SAVE_AT,
+                   checkpoint={"format": "deepspeed"}, probe=False)
+
+
+def _continue_ours(rank: int, world: int, stage: int, load: str) -> dict:
+    import dslaunch
+
+    dslaunch.init_distributed(dist_backend="gloo")
+    return job.run(dslaunch, rank, world, 2, first=SAVE_AT, steps=STEPS, stage=stage, load=load, probe=False)
+
+
+def _need_transformers(deepspeed_python: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
+    if subprocess.run([str(deepspeed_python), "-c", "import transformers"], env=env, capture_output=True).returncode:
+        pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 0])
+def test_deepspeed_continues_dslaunchs_autotp_tag_and_dslaunch_its_resave(
+        deepspeed_python: Path, tmp_path: Path, request: pytest.FixtureRequest, stage: int) -> None:
+    """dslaunch trains at autotp_size 2 (world 2) and saves with ``checkpoint.format: "deepspeed"``:
+    the tag has the files DeepSpeed writes for the job (at ZeRO-1 every file's keys, shapes and the
+    slice map equal DeepSpeed's own tag's), real DeepSpeed's ``load_checkpoint`` continues it with
+    dslaunch's own next losses within 1e-6, and (ZeRO 1/2) the tag DeepSpeed saves right after
+    that load continues in dslaunch alike. dslaunch's planner splits the embedding and ``lm_head``
+    over the vocabulary, DeepSpeed's leaves them whole: the tag holds DeepSpeed's cut."""
+    _need_transformers(deepspeed_python)
+    ours = run_world(_save_ours, 2, stage, str(tmp_path / "ours"), timeout=240)
+    want = ours[0]["losses"][SAVE_AT:]
+    tag = tmp_path / "ours" / "global_step3"
+    optim = [] if stage == 0 else [f"zero_pp_rank_0_mp_rank_0{t}_optim_states.pt" for t in (0, 1)]
+    assert sorted(p.name for p in tag.glob("*.pt")) == [f"mp_rank_0{t}_model_states.pt" for t in (0, 1)] + optim
+    if stage == 1:  # the layout of DeepSpeed's own tag of the same job
+        folder, _ = request.getfixturevalue("deepspeed_saved")
+        for name in (f"mp_rank_0{t}_model_states.pt" for t in (0, 1)):
+            mine, theirs = read_file(tag / name), read_file(folder / "global_step3" / name)
+            assert mine["universal_checkpoint_info"] == theirs["universal_checkpoint_info"]
+            assert {k: v.shape for k, v in mine["module"].items()} == {k: v.shape for k, v in theirs["module"].items()}
+            assert mine["param_shapes"] == theirs["param_shapes"]
+            assert (mine["mp_world_size"], mine["dp_world_size"], mine["checkpoint_parallel_dimensions"]) == \
+                (theirs["mp_world_size"], theirs["dp_world_size"], theirs["checkpoint_parallel_dimensions"])
+    ds = _deepspeed_job(deepspeed_python, tmp_path / "ds.json", tmp_path / "ext", 2,
+                        {"tp": 2, "stage": stage, "first": SAVE_AT, "steps": STEPS, "load": str(tmp_path / "ours"),
+                         "save": str(tmp_path / "again"), "save_at": SAVE_AT, "probe": False},
+                        script=Path(job.__file__))
+    assert max(abs(a - b) for a, b in zip(want, ds[0]["losses"], strict=True)) < 1e-6, (want, ds[0]["losses"])
+    assert ds[0]["global_steps"] == SAVE_AT and ds[0]["client"]["note"] == "from the job"
+    if stage:  # the round trip: DeepSpeed's save of dslaunch's tag loads in dslaunch
+        back = run_world(_continue_ours, 2, stage, str(tmp_path / "again"), timeout=240)
+        assert max(abs(a - b) for a, b in zip(want, back[0]["losses"], strict=True)) < 1e-6, (want, back[0]["losses"])
