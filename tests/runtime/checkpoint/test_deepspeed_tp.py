@@ -185,7 +185,9 @@ def _need_transformers(deepspeed_python: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 0])
+# ZeRO-2 writes the same files as ZeRO-1 (its continuation passed here too, ~1 min): left out of
+# the suite for time, as the 30-minute budget asks.
+@pytest.mark.parametrize("stage", [1, 0])
 def test_deepspeed_continues_dslaunchs_autotp_tag_and_dslaunch_its_resave(
         deepspeed_python: Path, tmp_path: Path, request: pytest.FixtureRequest, stage: int) -> None:
     """dslaunch trains at autotp_size 2 (world 2) and saves with ``checkpoint.format: "deepspeed"``:
