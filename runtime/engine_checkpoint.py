@@ -29,6 +29,7 @@ class EngineCheckpoints:
         from dslaunch.runtime.checkpoint.checkpointer import Checkpointer
         from dslaunch.runtime.checkpoint.model_parallel import placement
         from dslaunch.runtime.checkpoint.parts import CheckpointParts, StateFns
+        from dslaunch.runtime.zero.optimizer_view import BF16_Optimizer
 
         if self._checkpointer is None:
             self._checkpointer = Checkpointer()
@@ -39,7 +40,8 @@ class EngineCheckpoints:
                                optimizer=self.basic_optimizer, global_steps=self.global_steps,
                                config=self._config.checkpoint, io=self._checkpointer, placement=place,
                                ds_config=self.config, gradient_clipping=self._config.gradient_clipping,
-                               bf16=self._config.bf16.enabled)
+                               bf16=self._config.bf16.enabled,
+                               bf16_optimizer=isinstance(self.optimizer, BF16_Optimizer))
 
     def wait_for_checkpoint(self) -> None:
         """Block until a pending asynchronous save is durable; raise its error if it failed."""

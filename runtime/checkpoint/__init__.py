@@ -13,7 +13,8 @@ and background writer (``writer.py``), resharding ZeRO state between world sizes
 loading checkpoints real DeepSpeed wrote (``deepspeed_layout.py`` names its files,
 ``deepspeed_read.py`` reads them into whole per-parameter state, ``deepspeed_load.py`` places it;
 a pipeline's, one file per layer and a set per stage: ``deepspeed_pipe.py``; AutoTP's, a set per
-tensor-parallel rank joined by DeepSpeed's slice map: ``deepspeed_tp.py``),
+tensor-parallel rank joined by DeepSpeed's slice map: ``deepspeed_tp.py``; its bf16 optimizer's,
+``BF16_Optimizer``'s padded partitions named by its slice mappings: ``deepspeed_bf16.py``),
 writing them (``deepspeed_write.py``, with DeepSpeed's own classes pickled by name:
 ``deepspeed_pickle.py``; an AutoTP engine's re-cut as DeepSpeed's AutoTP cuts: ``deepspeed_tp_write.py``,
 the cut and its slice map: ``deepspeed_tp_cuts.py``), DeepSpeed's MoE files, one per global expert (``deepspeed_experts.py``), and its AutoEP blocks' names and

@@ -10,8 +10,10 @@ names of an ``nn.Sequential`` of the same layers: a pipeline tag loads by name a
 data-parallel size, and into a plain engine. ``deepspeed_write`` writes a stage's files with
 ``stage_states`` and ``layer_files``.
 
-Limitations: loading, ZeRO stage 1 (DeepSpeed's pipelines run at stages 0 and 1; stage 0's optimizer
-state numbers the parameters of one stage only: load it with ``load_optimizer_states=False``);
+Limitations: loading, ZeRO stage 1 or DeepSpeed's bf16 optimizer (DeepSpeed's pipelines run at stages
+0 and 1; a bf16 stage 0's ``BF16_Optimizer`` files name their parameters, ``deepspeed_bf16``; a
+16-bit or fp32 stage 0's optimizer state numbers the parameters of one stage only: load it with
+``load_optimizer_states=False``);
 no tensor axis in the pipeline (``layer_XX-model_YY-...``) either way.
 """
 
@@ -21,6 +23,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.deepspeed_layout import layer_name, model_states_name
@@ -66,8 +70,9 @@ def _layers(folder: Path) -> dict:
 
 def _check_layers(folder: Path, parts: list[DeepSpeedState], module: dict) -> None:
     """Every layer whose parameters a stage trains has its file."""
-    layers = {int(n.split(".", 1)[0]) for p in parts for shapes in p.states.get("param_shapes") or []
-              for n in shapes if n.split(".", 1)[0].isdigit()}
+    names = [n for p in parts for shapes in p.states.get("param_shapes") or [] for n in shapes]
+    names += [n for p in parts for n in p.fp32]  # a stage-0 bf16 tag: from its optimizer files
+    layers = {int(n.split(".", 1)[0]) for n in names if n.split(".", 1)[0].isdigit()}
     missing = [layer_name(i) for i in sorted(layers) if not any(k.startswith(f"{i}.") for k in module)]
     if missing:
         raise CheckpointError(f"the pipeline's stages train layers {sorted(layers)} but {missing[:3]} are missing",
@@ -87,14 +92,26 @@ def read_pipeline(folder: Path, optimizer: bool = True, trained: list[str] | Non
         raise CheckpointError("a DeepSpeed pipeline without ZeRO numbers each stage's optimizer state by position "
                               "only: load it with load_optimizer_states=False, or save at ZeRO stage 1",
                               str(folder))
-    module = _layers(folder)
-    _check_layers(folder, parts, module)
-    module.update({k: v for p in parts for k, v in p.module.items()})
+    layers = _layers(folder)
+    _check_layers(folder, parts, layers)
+    module = {**layers, **{k: v for p in parts for k, v in p.module.items()}}
     joined = parts[0]
     for p in parts[1:]:
         joined = replace(joined, fp32={**joined.fp32, **p.fp32}, optim={**joined.optim, **p.optim},
                          groups=joined.groups + p.groups)
-    return replace(joined, module=module)
+    return _shaped(replace(joined, module=module), layers)
+
+
+def _shaped(state: DeepSpeedState, layers: dict[str, torch.Tensor]) -> DeepSpeedState:
+    """Masters, moments and weights in their layers' shapes: a stage-0 ``BF16_Optimizer`` tag names
+    its parameters' sizes only (``deepspeed_bf16``), the layer files have their shapes."""
+    def shape(name: str, t: torch.Tensor) -> torch.Tensor:
+        known = layers.get(name)
+        return t.view(known.shape) if known is not None and known.numel() == t.numel() else t
+
+    return replace(state, fp32={n: shape(n, t) for n, t in state.fp32.items()},
+                   module={n: shape(n, t) for n, t in state.module.items()},
+                   optim={n: {k: shape(n, t) for k, t in m.items()} for n, m in state.optim.items()})
 
 
 def stage_states(states: dict, place: Placement) -> dict:

@@ -40,6 +40,7 @@ import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint.deepspeed_autoep_zero3 import PARTITION_GROUPS_KEY, expert_units
+from dslaunch.runtime.checkpoint.deepspeed_bf16 import is_bf16_optimizer_state, slice_shapes
 from dslaunch.runtime.checkpoint.deepspeed_experts import expert_sets, renumber
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
     expert_optim_name,
@@ -202,6 +203,12 @@ def read_part(folder: Path, optimizer: bool = True, trained: list[str] | None = 
         frozen = _frozen_stage3(folder, world, states)
         module.update(frozen)
     base = DeepSpeedState(folder, model_file, 3 if partitioned else (1 if zero else 0), world, states, module)
+    if not zero and is_bf16_optimizer_state(states.get("optimizer")):  # BF16_Optimizer: files name params
+        if not optimizer:
+            return base
+        files = _optim_files(folder, world, mp_rank)
+        osds = [_bf16_state(read_file(f), f) for f in files]
+        return _zero(base, slice_shapes(osds, files, module), osds, files, False)
     if not zero and trained is None:
         return base  # the optimizer state names no parameter: only an engine's order could place it
     if not zero and isinstance(states.get("num_experts"), list) and optimizer:
@@ -229,6 +236,14 @@ def _optim_files(folder: Path, world: int, mp_rank: int) -> list[Path]:
     raise CheckpointError(f"no ZeRO optimizer files ({optim_states_name(0, False, mp_rank)} or "
                           f"{optim_states_name(0, True, mp_rank)}) "
                           f"for the {world} data-parallel ranks the model states name", str(folder))
+
+
+def _bf16_state(sd: dict, path: Path) -> dict:
+    osd = _need(sd, "optimizer_state_dict", path, dict)
+    if not is_bf16_optimizer_state(osd):
+        raise CheckpointError("holds no BF16_Optimizer state (param_slice_mappings, "
+                              "single_partition_of_fp32_groups), as its model states' optimizer does", str(path))
+    return osd
 
 
 def _frozen_stage3(folder: Path, world: int, states: dict) -> dict[str, torch.Tensor]:

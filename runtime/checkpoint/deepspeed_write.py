@@ -61,6 +61,7 @@ import dslaunch
 from dslaunch.errors import CheckpointError
 from dslaunch.runtime.checkpoint import deepspeed_autoep as autoep
 from dslaunch.runtime.checkpoint import deepspeed_autoep_zero3 as zero3
+from dslaunch.runtime.checkpoint.deepspeed_bf16 import bf16_optimizer_state
 from dslaunch.runtime.checkpoint.deepspeed_experts import dense_state, expert_files, moe_layers
 from dslaunch.runtime.checkpoint.deepspeed_layout import (
     expert_optim_name,
@@ -130,6 +131,11 @@ def _base_optimizer(groups: list[dict], states: list[dict]) -> dict:
             "param_groups": [{**g["hparams"], "params": [i]} for i, g in enumerate(groups)]}
 
 
+def _share(numel: int, world: int) -> int:
+    """Elements per rank of a flat group of ``numel`` padded to a multiple of 2 x ``world``."""
+    return math.ceil(numel / (_ALIGNMENT * world)) * _ALIGNMENT
+
+
 def _zero12_file(groups: list[dict], splits: list[tuple[int, int]], stage: int, clip: float) -> dict:
     """This rank's ZeRO-1/2 optimizer state, as DeepSpeed's rigid ``state_dict``; ``splits``: per
     group, the ranks it is cut over and this rank's index among them (an expert group: its
@@ -137,8 +143,8 @@ def _zero12_file(groups: list[dict], splits: list[tuple[int, int]], stage: int, 
     fp32, states, paddings, mappings = [], [], [], []
     for g, (world, rank) in zip(groups, splits, strict=True):
         numel = int(g["numel"])
-        padded = math.ceil(numel / (_ALIGNMENT * world)) * _ALIGNMENT * world
-        size = padded // world
+        size = _share(numel, world)
+        padded = size * world
         lo, hi = min(rank * size, numel), min((rank + 1) * size, numel)
         fp32.append(g["master"].reshape(-1)[lo:hi].float().clone())
         states.append(_adam_state(g, lo, hi, size))
@@ -435,11 +441,17 @@ def deepspeed_job(parts: CheckpointParts, save_dir: str | os.PathLike, tag: str,
         if writer and stage == 0 and parts.optimizer is not None:
             files[expert_optim_name(blocks[0].ep_rank if blocks else ep_rank(moe_layers(parts.module)[0][1].deepspeed_moe))] = \
                 {"optimizer": _stage0_optimizer(groups)}
-    if stage > 0 and parts.optimizer is not None:
+    if (stage > 0 or parts.bf16_optimizer) and parts.optimizer is not None:
         sub_group_size = int((parts.ds_config.get("zero_optimization") or {}).get("sub_group_size", _SUB_GROUP_SIZE))
+        if stage == 0:  # BF16_Optimizer cuts each group over the data-parallel ranks (of the stage) as ZeRO-1 does
+            splits = [(place.shape.get("data", 1), place.data) if place else (world, rank)] * len(groups)
         osd = _zero3_file(groups, _zero3_parts(parts, splits, experts, blocks), world, sub_group_size) \
             if stage == 3 else \
             _zero12_file(groups, splits, stage, parts.gradient_clipping)
+        if parts.bf16_optimizer:
+            osd = bf16_optimizer_state(osd, [_share(int(g["numel"]), n) for g, (n, _) in zip(groups, splits, strict=True)])
+            for name in [n for n in files if n.startswith("mp_rank_")] if stage == 0 else []:
+                files[name] = {**files[name], "optimizer": osd}  # DeepSpeed's stage 0 saves rank 0's here too
         name = optim_states_name(place.data, parts.bf16, tp.rank if tp else place.coord.get("pipe", 0)) if place else \
             optim_states_name(rank, parts.bf16)
         files[name] = {"optimizer_state_dict": osd, "ds_config": dict(parts.ds_config), "ds_version": DEEPSPEED_VERSION}

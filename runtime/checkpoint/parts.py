@@ -64,3 +64,5 @@ class CheckpointParts:
     gradient_clipping: float = 0.0
     bf16: bool = False
     """bf16 training (DeepSpeed's format names its ZeRO files ``bf16_...``)."""
+    bf16_optimizer: bool = False
+    """``engine.optimizer`` is DeepSpeed's ``BF16_Optimizer`` (DeepSpeed's format writes its state)."""

@@ -51,7 +51,7 @@ class MoENet(torch.nn.Module):
 
 
 def config(stage: int, world: int, bf16: bool = False, checkpoint: dict | None = None,
-           zero: dict | None = None) -> dict[str, Any]:
+           zero: dict | None = None, data_types: dict | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
@@ -63,6 +63,8 @@ def config(stage: int, world: int, bf16: bool = False, checkpoint: dict | None =
         cfg["bf16"] = {"enabled": True}
     if checkpoint:
         cfg["checkpoint"] = checkpoint
+    if data_types:
+        cfg["data_types"] = data_types
     return cfg
 
 
@@ -92,10 +94,11 @@ def full_state(deepspeed: Any, engine: Any) -> dict[str, list[float]]:
 def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: int,
         load: str | None = None, save: str | None = None, save_at: int | None = None, bf16: bool = False,
         load_kwargs: dict | None = None, probe: bool = True, checkpoint: dict | None = None,
-        zero: dict | None = None, ep_size: int = 0) -> dict[str, Any]:
+        zero: dict | None = None, ep_size: int = 0, data_types: dict | None = None) -> dict[str, Any]:
     """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
     step ``save_at`` (default: after the last step); ``checkpoint``: the config's ``checkpoint`` block, ``zero``: more
-    ``zero_optimization`` keys.
+    ``zero_optimization`` keys, ``data_types``: its block (``grad_accum_dtype: "fp32"`` with bf16 at
+    ZeRO-1: DeepSpeed's ``BF16_Optimizer``).
 
     Returns this rank's losses, what ``load_checkpoint`` returned (path, client state), the
     engine's counters and LR after loading, and (``probe``) the ``full_state`` after loading or
@@ -110,7 +113,8 @@ def run(deepspeed: Any, rank: int, world: int, stage: int, first: int, steps: in
     params = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(
         {"params": list(net.parameters()), "name": "p"}) if ep_size else net.parameters()
     opt = torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01)
-    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(stage, world, bf16, checkpoint, zero))
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(stage, world, bf16, checkpoint, zero,
+                                                                                    data_types))
     out: dict[str, Any] = {"losses": []}
     if load is not None:
         path, client = engine.load_checkpoint(load, **(load_kwargs or {}))

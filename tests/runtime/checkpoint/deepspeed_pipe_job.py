@@ -29,7 +29,8 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
-def config(dp: int, stage: int, checkpoint: dict | None = None, bf16: bool = False) -> dict[str, Any]:
+def config(dp: int, stage: int, checkpoint: dict | None = None, bf16: bool = False,
+           data_types: dict | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": MICRO_PER_STEP // dp,
         "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
@@ -41,6 +42,8 @@ def config(dp: int, stage: int, checkpoint: dict | None = None, bf16: bool = Fal
         cfg["checkpoint"] = checkpoint
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if data_types:
+        cfg["data_types"] = data_types
     return cfg
 
 
@@ -85,7 +88,8 @@ def wrapper(optimizer: Any) -> dict[str, Any]:
 
 def run(deepspeed: Any, rank: int, world: int, stages: int, first: int, steps: int, stage: int = 1, load: str | None = None,
         save: str | None = None, save_at: int | None = None, checkpoint: dict | None = None,
-        load_kwargs: dict | None = None, probe: bool = True, bf16: bool = False) -> dict[str, Any]:
+        load_kwargs: dict | None = None, probe: bool = True, bf16: bool = False,
+        data_types: dict | None = None) -> dict[str, Any]:
     """Train steps ``first``..``first + steps - 1``; load ``load`` before, save into ``save`` before
     step ``save_at`` (default: after the last step). Returns the losses, what ``load_checkpoint``
     returned, the counters after loading and (``probe``) the ``full_state`` after loading or at the
@@ -97,7 +101,8 @@ def run(deepspeed: Any, rank: int, world: int, stages: int, first: int, steps: i
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=0.01, betas=(0.9, 0.99),
                             weight_decay=0.01)
     dp = world // stages
-    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(dp, stage, checkpoint, bf16))
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config(dp, stage, checkpoint, bf16,
+                                                                                    data_types))
     replica = engine.grid.get_data_parallel_rank()
     out: dict[str, Any] = {"losses": [], "wrapper": wrapper(engine.optimizer)}
     if load is not None:
