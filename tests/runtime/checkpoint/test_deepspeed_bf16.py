@@ -8,7 +8,7 @@ optimizer's ``state_dict``, padded partitions and ``param_slice_mappings``; at s
 dslaunch loads each tag: right after the load every parameter's fp32 master and Adam moments equal
 DeepSpeed's ``safe_get_full_*`` at the save bit for bit, and the next losses equal DeepSpeed's
 within 1e-6 (same shape: 0.0; another data-parallel degree or stage count sums bf16 partial results
-in another order: measured 2.4e-7 for the pipeline; the MLP at world 1: see its test). The other way,
+in another order: measured 2.4e-7 for the pipeline, 7.3e-6 for the MLP at world 1, within 1e-4). The other way,
 dslaunch's ``format: "deepspeed"`` tag of the same run holds DeepSpeed's files, tensor for tensor
 equal to DeepSpeed's own save, and DeepSpeed's ``load_checkpoint`` continues it.
 """
@@ -115,8 +115,9 @@ def test_dslaunch_continues_deepspeeds_bf16_zero1(deepspeed_tags: dict, world: i
     folder, ds = deepspeed_tags["dp"]
     got = run_world(_dp, world, {"first": SAVE_AT, "steps": STEPS, "load": str(folder)}, timeout=240)
     assert got[0]["state"] == ds[0]["state"]  # masters and moments as DeepSpeed had them at the save
-    # world 1 takes the mean over 8 samples in one bf16 forward, DeepSpeed's two ranks over 4 each
-    tolerance = 1e-6 if world == 2 else 2e-3
+    # world 1 sums the 8 samples' bf16 gradients in one backward, DeepSpeed's two ranks 4 each, then
+    # the two fp32 sums: measured 7.3e-6 apart
+    tolerance = 1e-6 if world == 2 else 1e-4
     assert _worst(_means(got), _means(ds)[SAVE_AT:]) <= tolerance, (_means(got), _means(ds)[SAVE_AT:])
     assert got[0]["global_steps"] == SAVE_AT
 
