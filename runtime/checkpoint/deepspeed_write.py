@@ -13,7 +13,9 @@ world size and ZeRO stage (names in ``deepspeed_layout``), from the engine's ``p
   padding on the last rank, dropped from its saved fp32 partition but kept in its Adam moments, as
   DeepSpeed's rigid ``state_dict``); stage 3 every parameter cut into ``ceil(numel / world)``
   elements per rank, concatenated (``fp32_flat_groups``), in DeepSpeed's sub-groups
-  (``zero_optimization.sub_group_size``).
+  (``zero_optimization.sub_group_size``). Where ``engine.optimizer`` is ``BF16_Optimizer`` (bf16
+  ZeRO-1 with fp32 gradient sums, a bf16 pipeline at stage 0) that optimizer's ``state_dict``
+  instead (``deepspeed_bf16``), at stage 0 too, rank 0's also in the model states.
 - ``latest`` (rank 0, last): the tag's name.
 
 DeepSpeed's classes in these files (its loss scaler, ``fragment_address``) are written by name

@@ -15,12 +15,16 @@ equal to DeepSpeed's own save, and DeepSpeed's ``load_checkpoint`` continues it.
 
 from __future__ import annotations
 
+import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from dslaunch.errors import CheckpointError
+from dslaunch.runtime.checkpoint.deepspeed_bf16 import slice_shapes
 from dslaunch.runtime.checkpoint.deepspeed_read import _StandIn, read_file
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_job as dp_job
@@ -172,3 +176,46 @@ def test_dslaunch_writes_deepspeeds_bf16_pipeline_zero0(deepspeed_tags: dict, tm
     again = run_world(_pipe, 2, 2, 0, {"first": SAVE_AT, "steps": STEPS, "load": str(save)}, timeout=240)
     assert _joined(again) == _joined(ds)
     assert _worst(again[0]["losses"], ds[0]["losses"][SAVE_AT:]) <= 1e-6
+
+
+def _load_once(rank: int, world: int, load: str) -> str:
+    from dslaunch.errors import CheckpointError
+
+    try:
+        _pipe(rank, world, 2, 0, {"first": SAVE_AT, "steps": 0, "load": load, "probe": False})
+    except CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_a_missing_bf16_optimizer_file_is_named(deepspeed_tags: dict, tmp_path: Path) -> None:
+    folder, _ = deepspeed_tags["pipe0"]
+    broken = tmp_path / "ck"
+    shutil.copytree(folder, broken)
+    (broken / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
+    msgs = run_world(_load_once, 4, str(broken), timeout=120)
+    assert "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt" in msgs[0] and "\n" not in msgs[0], msgs
+
+
+class _Address:
+    """A pickled ``fragment_address`` as dslaunch reads it (its attributes)."""
+
+    def __init__(self, numel: int, start: int) -> None:
+        self.numel, self.start = numel, start
+
+
+def _rank_file(share: int, mappings: dict[str, tuple[int, int]]) -> dict:
+    return {"single_partition_of_fp32_groups": [torch.zeros(share)], "base_optimizer_state": {},
+            "param_slice_mappings": [{n: _Address(*a) for n, a in mappings.items()}]}
+
+
+def test_slice_mappings_name_and_shape_a_stage0_groups_parameters() -> None:
+    """Without ``param_shapes`` (stage 0) the ranks' mappings give each parameter's place: one cut
+    over two ranks' shares joins, the layer files give shapes; a gap is one line."""
+    files = [Path("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"), Path("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")]
+    osds = [_rank_file(6, {"0.weight": (6, 0)}), _rank_file(6, {"0.weight": (2, 0), "0.bias": (2, 2)})]
+    shapes = slice_shapes(osds, files, {"0.weight": torch.zeros(2, 4)})
+    assert shapes == [OrderedDict([("0.weight", torch.Size([2, 4])), ("0.bias", torch.Size([2]))])]
+    osds[1] = _rank_file(6, {"0.weight": (2, 0), "0.bias": (2, 3)})
+    with pytest.raises(CheckpointError, match="'0.bias'.*without a gap"):
+        slice_shapes(osds, files, {})
