@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
 
 from dslaunch.errors import NotInDslaunchError
+from dslaunch.runtime.sequence_parallel.loss import own_rows_summed
 from dslaunch.runtime.tensor_parallel import loss as tp_loss
-from dslaunch.runtime.tensor_parallel.collectives import training_collectives
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_sequence_parallel_cross_entropy", "VocabParallelCrossEntropyLoss",
            "VocabParallelCausalLMLoss", "configure_vocab_parallel_loss", "validate_vocab_parallel_loss"]
@@ -92,30 +93,27 @@ def resolve_vocab_shard(local_size: int, start: int | None, end: int | None, tp_
 
 
 class _GatherSequence(torch.autograd.Function):
-    """Per-token losses of every sequence rank, concatenated on dim 0. Backward: this rank's slice
-    of the gradient (``sum_gradients`` False, DeepSpeed's legacy) or the sum over ranks of it."""
+    """Per-token losses of every sequence rank, concatenated on dim 0. Backward: this rank's rows
+    of the gradient summed over the ranks (``loss.own_rows_summed``; DeepSpeed's legacy
+    ``sum_gradients=False`` keeps the slice alone, 1/N of the gradient under dslaunch's average)."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any, sum_gradients: bool) -> torch.Tensor:
-        ctx.group, ctx.sum_gradients, ctx.n = group, sum_gradients, local.shape[0]
-        ctx.rank = dist.get_rank(group)
+    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.n = group, local.shape[0]
         out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
         dist.all_gather_into_tensor(out, local.contiguous(), group=group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if not ctx.sum_gradients:
-            return grad.narrow(0, ctx.rank * ctx.n, ctx.n), None, None
-        out = grad.new_empty((ctx.n, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-        return out, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return own_rows_summed(grad, ctx.n, ctx.group), None
 
 
 def sequence_sum(value: torch.Tensor, sp_group: Any) -> torch.Tensor:
-    """The sum over the sequence group, with this rank's gradient only (DeepSpeed's ``_global_sp_sum``):
-    the tensor layers' sum, whose backward passes the gradient as it is."""
-    return training_collectives(sp_group).all_reduce(value) if is_parallel(sp_group) else value
+    """The sum over the sequence group; its backward all-reduces the gradient (every rank's loss
+    reads every rank's value), the convention of ``loss.py``. DeepSpeed's ``_global_sp_sum`` passes
+    the gradient as it is: 1/N of the whole sequence's under dslaunch's average."""
+    return all_reduce(value, group=sp_group) if is_parallel(sp_group) else value
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group: Any = None,
@@ -163,7 +161,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
             return losses
         if sp_group is None:
             raise ValueError("gather_sequence_loss needs sp_group")
-        return _GatherSequence.apply(losses, sp_group, True)
+        return _GatherSequence.apply(losses, sp_group)
     total = sequence_sum(losses.sum(), sp_group)
     if reduction == "sum":
         return total
@@ -177,7 +175,8 @@ def vocab_sequence_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, t
                                           reduction: str = "none", gather_sequence_loss: bool = True,
                                           backend: str = "torch") -> torch.Tensor:
     """DeepSpeed-Ulysses' loss: per-token losses of the whole sequence, gathered over ``sp_group``;
-    backward keeps this rank's slice of the gradient (DeepSpeed's legacy behaviour)."""
+    backward sums each rank's rows over the group (DeepSpeed keeps this rank's slice: see
+    ``loss.py``)."""
     if gather_sequence_loss and reduction != "none":
         raise ValueError("gather_sequence_loss needs reduction='none'")
     if gather_sequence_loss and sp_group is None:
@@ -185,7 +184,7 @@ def vocab_sequence_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, t
     losses = vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group=tp_group, sp_group=sp_group,
                                           vocab_start_index=vocab_start_index, vocab_end_index=vocab_end_index,
                                           ignore_index=ignore_index, reduction=reduction, backend=backend)
-    return _GatherSequence.apply(losses, sp_group, False) if gather_sequence_loss else losses
+    return _GatherSequence.apply(losses, sp_group) if gather_sequence_loss else losses
 
 
 class VocabParallelCrossEntropyLoss(nn.Module):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dslaunch.errors import UsageError
+from dslaunch.runtime.sequence_parallel.loss import own_rows_summed
 
 __all__ = ["FPDT_FFN", "FPDT_LogitsLoss"]
 
@@ -82,8 +83,11 @@ class FPDT_LogitsLoss(torch.autograd.Function):
     ``apply(lm_output, labels, logit_weights, rank, spg_size, spg, num_chunk)``: ``lm_output`` is
     this rank's ``[l, b, hidden]``, ``labels`` its ``[b, l]``, ``logit_weights`` the ``[vocab,
     hidden]`` head. Returns the float32 losses ``[l * spg_size, b]``, rank 0's positions first (the
-    loss-mask order of ``FPDT_InputConstruct``). The backward takes this rank's rows of the
-    gradient: every rank must reduce the gathered losses the same way.
+    loss-mask order of ``FPDT_InputConstruct``). The backward is the all-gather's: this rank's rows
+    of the gradient summed over ``spg`` (``loss.own_rows_summed``), so a loss every rank reduces the
+    same way leaves each rank ``spg_size`` times its share, which the engine's average over data x
+    sequence makes the whole sequence's gradient (DeepSpeed keeps the rank's own rows: its engine
+    sums over the sequence ranks).
 
     collective: forward on every rank of ``spg``.
     """
@@ -100,7 +104,7 @@ class FPDT_LogitsLoss(torch.autograd.Function):
                               zip(lm_output.chunk(num_chunk), labels.chunk(num_chunk), strict=True)])
         # the saved activations wait in host memory, as DeepSpeed's do
         ctx.save_for_backward(lm_output.to("cpu"), labels, logit_weights)
-        ctx.rank, ctx.num_chunk, ctx.device = rank, num_chunk, lm_output.device
+        ctx.group, ctx.num_chunk, ctx.device = spg if spg_size > 1 else None, num_chunk, lm_output.device
         if spg_size == 1:
             return loss
         parts = [torch.empty_like(loss) for _ in range(spg_size)]
@@ -110,8 +114,7 @@ class FPDT_LogitsLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         lm_output, labels, weights = ctx.saved_tensors
-        local = lm_output.shape[0]
-        grad_output = grad_output[ctx.rank * local:(ctx.rank + 1) * local]
+        grad_output = own_rows_summed(grad_output, lm_output.shape[0], ctx.group)
         head = _leaf(weights)
         grad_head = torch.zeros(weights.shape, dtype=torch.float32, device=weights.device)
         grad_lm = []

@@ -11,7 +11,13 @@ Every rank gets the whole sequence's loss and backpropagates it through a differ
 of the gradient; the engine averages gradients over data x sequence
 (``parallel.mpu.gradient_reduce_group``), which makes them the whole sequence's. This is the
 convention of DeepSpeed's ALST tutorial (a differentiable all-gather of the losses); dslaunch's
-ZeRO stages 1, 2 and 3 all follow it.
+ZeRO stages 0 to 3 all follow it.
+
+Every loss that gathers or sums over the sequence group keeps it: the backward of a gather is the
+sum over the ranks of each rank's rows (``own_rows_summed``), of a sum an all-reduce, never "this
+rank's slice" alone. DeepSpeed's ``FPDT_LogitsLoss``, its legacy ``vocab_sequence_parallel_cross_entropy``
+and the sequence sum of its ``vocab_parallel_cross_entropy`` keep the slice, which is the whole
+gradient only under its reduction (a sum over the sequence ranks); under an average it is 1/N of it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["sequence_parallel_loss", "IGNORE_INDEX"]
+__all__ = ["sequence_parallel_loss", "own_rows_summed", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 """The label of a token that does not count (torch's and Hugging Face's default)."""
@@ -45,3 +51,26 @@ def sequence_parallel_loss(loss: torch.Tensor, counted: torch.Tensor | int, grou
     total = counted.detach().clone()
     dist.all_reduce(total, group=group)
     return all_reduce(weighted, group=group) / total.clamp(min=1)
+
+
+def own_rows_summed(grad: torch.Tensor, rows: int, group: Any) -> torch.Tensor:
+    """The backward of an all-gather on dimension 0: this rank's ``rows`` rows of ``grad`` summed
+    over ``group`` (every rank's loss may read every rank's rows).
+
+    Args:
+        grad: the gradient of the gathered tensor (``rows`` rows per rank, in rank order).
+        rows: this rank's rows in the gather.
+        group: the group gathered over (``None`` or one rank: ``grad`` itself).
+
+    Returns:
+        ``[rows, ...]``, the gradient of this rank's input.
+
+    collective: every rank of ``group``.
+    """
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return grad
+    out = grad.new_empty((rows, *grad.shape[1:]))
+    dist.reduce_scatter_tensor(out, grad.contiguous(), group=group)
+    return out

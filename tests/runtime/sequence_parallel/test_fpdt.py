@@ -3,7 +3,8 @@ index, and ``FPDT_FFN`` and ``update_out_and_lse`` give its numbers (real DeepSp
 module; skipped without it, see ``DSLAUNCH_DEEPSPEED_PYTHON``); the chunked attention (kept and
 offloaded) on 2 gloo ranks gives each rank its positions of whole-sequence causal attention and,
 summed over the ranks, the projection gradients of one process computing the whole sequence (fp32,
-within 1e-5 of the largest value); the chunked MLP and LM-head loss equal unchunked torch."""
+within 1e-5 of the largest value); the chunked MLP and LM-head loss equal unchunked torch (the loss
+averaged over the ranks: its backward sums the gathered losses' gradient over them)."""
 
 from __future__ import annotations
 
@@ -241,10 +242,12 @@ def _loss_world(rank: int, world: int, num_chunk: int) -> float:
     local_head = head.clone().requires_grad_()
     losses = FPDT_LogitsLoss.apply(local_h, local_labels, local_head, rank, world, dist.group.WORLD, num_chunk)
     (losses * local_mask.t()).sum().backward()  # the gathered loss mask is in the gathered losses' order
+    # every rank's loss reads every rank's tokens: each holds `world` times its share, and the
+    # average over the ranks (the engine's) is the whole sequence's gradient
     dist.all_reduce(local_head.grad)
     order = fpdt_token_order(seq, 8, world)
-    error = max(_relative(losses, whole.detach()[order]), _relative(local_h.grad, ref_h.grad[mine]),
-                _relative(local_head.grad, ref_head.grad))
+    error = max(_relative(losses, whole.detach()[order]), _relative(local_h.grad / world, ref_h.grad[mine]),
+                _relative(local_head.grad / world, ref_head.grad))
     dist.destroy_process_group()
     return error
 
