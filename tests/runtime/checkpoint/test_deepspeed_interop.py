@@ -25,6 +25,7 @@ import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.utils.ports import free_port
+from tests.deepspeed_reference import run_ranks
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_job
 
@@ -65,18 +66,13 @@ def _deepspeed_job(python: Path, out: Path, ext: Path, world: int, job: dict, sc
            "TORCH_EXTENSIONS_DIR": str(ext), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
            "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}  # e.g. transformers for AutoTP
-    procs = [subprocess.Popen([str(python), str(script), str(out), args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=400)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"DeepSpeed {name} did not finish in 400 s")
-    if any(p.returncode for p in procs):
-        pytest.fail(f"DeepSpeed {name} failed (exit codes {[p.returncode for p in procs]}):\n{logs[0][-3000:]}")
+    logs = [Path(f"{out}.log{r}") for r in range(world)]
+    codes = run_ranks(python, [str(script), str(out), args],
+                      [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)], logs, timeout=400)
+    if None in codes:
+        pytest.fail(f"DeepSpeed {name} did not finish in 400 s")
+    if any(codes):
+        pytest.fail(f"DeepSpeed {name} failed (exit codes {codes}):\n{logs[0].read_text(errors='replace')[-3000:]}")
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
 
 
