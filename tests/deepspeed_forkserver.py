@@ -2,12 +2,13 @@
 one process per rank of each job the tests ask for (``tests/deepspeed_reference.py`` is its client).
 
 Run in DeepSpeed's venv, stdlib and deepspeed only (dslaunch is not installed there). Each request
-is one JSON line on stdin: ``{"argv": [script, *args], "envs": [env of each rank], "logs": [file of
-each rank], "timeout": seconds}``; the answer is one JSON line on stdout, ``{"codes": [exit code of
-each rank]}`` (``null`` for a rank killed at ``timeout``). A rank runs ``script`` as ``python
-script *args`` would (``__main__``, its folder first on ``sys.path``, only its ``env``, stdout and
-stderr into its log file, ``atexit`` handlers at the end). The server exits when stdin closes, so a
-pytest worker that ends takes its server with it.
+is one JSON line on stdin: ``{"argv": [script, *args], "envs": [env of each rank], "outs": [stdout
+file of each rank], "errs": [stderr file of each rank], "cwd": folder, "timeout": seconds}``; the
+answer is one JSON line on stdout, ``{"codes": [exit code of each rank]}`` (``null`` for a rank
+killed at ``timeout``). A rank runs ``argv`` as ``python *argv`` would (``__main__``; the script's
+folder first on ``sys.path``, or ``""`` for ``-c code``; only its ``env``; stdout and stderr into
+its files; ``atexit`` handlers at the end). The server exits when stdin closes, so a pytest worker
+that ends takes its server with it.
 """
 
 from __future__ import annotations
@@ -26,21 +27,31 @@ import deepspeed  # noqa: F401
 import torch  # noqa: F401
 
 
-def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
+def _rank(argv: list[str], env: dict[str, str], out: str, err: str, cwd: str) -> None:
     """The child: run ``argv`` as a fresh interpreter would, then exit with its code (never returns)."""
     code = 0
     try:
+        os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
         tempfile.tempdir = None  # cached in the server; a new interpreter reads TMPDIR
-        with open(log, "wb") as f:
+        with open(out, "wb") as f:
             os.dup2(f.fileno(), 1)
-            os.dup2(f.fileno(), 2)
+        if err == out:
+            os.dup2(1, 2)
+        else:
+            with open(err, "wb") as f:
+                os.dup2(f.fileno(), 2)
         with open(os.devnull, "rb") as f:
             os.dup2(f.fileno(), 0)
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""  # the server's own folder there: a new interpreter would not have it
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
         if exc.code is not None and not isinstance(exc.code, int):
@@ -59,10 +70,10 @@ def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
 def _job(request: dict) -> list[int | None]:
     """Fork every rank of ``request``; each one's exit code (``None``: killed at the timeout)."""
     pids = []
-    for env, log in zip(request["envs"], request["logs"], strict=True):
+    for env, out, err in zip(request["envs"], request["outs"], request["errs"], strict=True):
         pid = os.fork()
         if pid == 0:
-            _rank(request["argv"], env, log)
+            _rank(request["argv"], env, out, err, request["cwd"])
         pids.append(pid)
     codes: dict[int, int | None] = {}
     deadline = time.monotonic() + request["timeout"]

@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -46,22 +47,50 @@ def _server(python: Path, pythonpath: str) -> _Server:
 
 
 def run_ranks(python: Path, argv: list[str], envs: list[dict[str, str]], logs: list[Path],
-              timeout: float) -> list[int | None]:
-    """Run ``python argv...`` once per entry of ``envs`` (one rank each, all at once), stdout and
-    stderr of each into its ``logs`` entry.
+              timeout: float, errs: list[Path] | None = None) -> list[int | None]:
+    """Run ``python argv...`` once per entry of ``envs`` (one rank each, all at once) in the current
+    folder, stdout and stderr of each into its ``logs`` entry.
 
     Args:
         python: DeepSpeed's interpreter (the ``deepspeed_python`` fixture).
-        argv: the script and its arguments.
+        argv: the script and its arguments, or ``-c``, the code and its arguments.
         envs: each rank's whole environment; every one has the same ``PYTHONPATH`` (read when the
             server starts: the server is per interpreter and ``PYTHONPATH``).
         logs: each rank's output file.
         timeout: seconds for the whole job; ranks still running then are killed.
+        errs: each rank's stderr file, if not its ``logs`` entry.
 
     Returns:
         Each rank's exit code, ``None`` for one killed at ``timeout``.
     """
     paths = {env.get("PYTHONPATH", "") for env in envs}
     assert len(paths) == 1, f"one PYTHONPATH for all ranks, not {paths}"
-    request = {"argv": [str(a) for a in argv], "envs": envs, "logs": [str(p) for p in logs], "timeout": timeout}
+    request = {"argv": [str(a) for a in argv], "envs": envs, "outs": [str(p) for p in logs],
+               "errs": [str(p) for p in (errs or logs)], "cwd": os.getcwd(), "timeout": timeout}
     return _server(Path(python), paths.pop()).job(request)
+
+
+def run_python(python: Path, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, *argv], env=env, capture_output=True, text=True, timeout=timeout)``
+    with DeepSpeed's interpreter, the process forked from the server.
+
+    Args:
+        python: DeepSpeed's interpreter (the ``deepspeed_python`` fixture).
+        argv: the script and its arguments, or ``-c``, the code and its arguments.
+        env: the process's whole environment.
+        timeout: seconds; the process is killed then.
+
+    Returns:
+        Its exit code, stdout and stderr (text).
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past ``timeout``.
+    """
+    with tempfile.TemporaryDirectory(prefix="dslaunch-deepspeed-") as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        (code,) = run_ranks(python, argv, [env], [out], timeout, errs=[err])
+        stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
+    cmd = [str(python), *map(str, argv)]
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
