@@ -6,7 +6,7 @@ is one JSON line on stdin: ``{"argv": [script, *args], "envs": [env of each rank
 file of each rank], "errs": [stderr file of each rank], "cwd": folder, "timeout": seconds}``; the
 answer is one JSON line on stdout, ``{"codes": [exit code of each rank]}`` (``null`` for a rank
 killed at ``timeout``). A rank runs ``argv`` as ``python *argv`` would (``__main__``; the script's
-folder first on ``sys.path``, or ``""`` for ``-c code``; only its ``env``; stdout and stderr into
+folder first on ``sys.path``, or ``""`` for ``-c code``, the current folder for ``-m module``; only its ``env``; stdout and stderr into
 its files; ``atexit`` handlers at the end). The server exits when stdin closes, so a pytest worker
 that ends takes its server with it.
 """
@@ -48,6 +48,10 @@ def _rank(argv: list[str], env: dict[str, str], out: str, err: str, cwd: str) ->
             sys.argv = ["-c", *argv[2:]]
             sys.path[0] = ""  # the server's own folder there: a new interpreter would not have it
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        elif argv[0] == "-m":
+            sys.argv = ["-m", *argv[2:]]  # run_module puts the module's file in argv[0], as python -m does
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))

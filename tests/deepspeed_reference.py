@@ -47,18 +47,19 @@ def _server(python: Path, pythonpath: str) -> _Server:
 
 
 def run_ranks(python: Path, argv: list[str], envs: list[dict[str, str]], logs: list[Path],
-              timeout: float, errs: list[Path] | None = None) -> list[int | None]:
-    """Run ``python argv...`` once per entry of ``envs`` (one rank each, all at once) in the current
-    folder, stdout and stderr of each into its ``logs`` entry.
+              timeout: float, errs: list[Path] | None = None, cwd: Path | None = None) -> list[int | None]:
+    """Run ``python argv...`` once per entry of ``envs`` (one rank each, all at once) in ``cwd``
+    (the current folder by default), stdout and stderr of each into its ``logs`` entry.
 
     Args:
         python: DeepSpeed's interpreter (the ``deepspeed_python`` fixture).
-        argv: the script and its arguments, or ``-c``, the code and its arguments.
+        argv: the script and its arguments, or ``-c``/``-m``, the code/module and its arguments.
         envs: each rank's whole environment; every one has the same ``PYTHONPATH`` (read when the
             server starts: the server is per interpreter and ``PYTHONPATH``).
         logs: each rank's output file.
         timeout: seconds for the whole job; ranks still running then are killed.
         errs: each rank's stderr file, if not its ``logs`` entry.
+        cwd: the folder the ranks run in.
 
     Returns:
         Each rank's exit code, ``None`` for one killed at ``timeout``.
@@ -66,31 +67,37 @@ def run_ranks(python: Path, argv: list[str], envs: list[dict[str, str]], logs: l
     paths = {env.get("PYTHONPATH", "") for env in envs}
     assert len(paths) == 1, f"one PYTHONPATH for all ranks, not {paths}"
     request = {"argv": [str(a) for a in argv], "envs": envs, "outs": [str(p) for p in logs],
-               "errs": [str(p) for p in (errs or logs)], "cwd": os.getcwd(), "timeout": timeout}
+               "errs": [str(p) for p in (errs or logs)], "cwd": str(cwd or os.getcwd()), "timeout": timeout}
     return _server(Path(python), paths.pop()).job(request)
 
 
-def run_python(python: Path, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def run_python(python: Path, argv: list[str], env: dict[str, str], timeout: float,
+               check: bool = False, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run([python, *argv], env=env, capture_output=True, text=True, timeout=timeout)``
     with DeepSpeed's interpreter, the process forked from the server.
 
     Args:
         python: DeepSpeed's interpreter (the ``deepspeed_python`` fixture).
-        argv: the script and its arguments, or ``-c``, the code and its arguments.
+        argv: the script and its arguments, or ``-c``/``-m``, the code/module and its arguments.
         env: the process's whole environment.
         timeout: seconds; the process is killed then.
+        check: raise if it exits with another code than 0.
+        cwd: the folder it runs in (the current one by default).
 
     Returns:
         Its exit code, stdout and stderr (text).
 
     Raises:
         subprocess.TimeoutExpired: it ran past ``timeout``.
+        subprocess.CalledProcessError: ``check`` and it failed.
     """
     with tempfile.TemporaryDirectory(prefix="dslaunch-deepspeed-") as folder:
         out, err = Path(folder) / "out", Path(folder) / "err"
-        (code,) = run_ranks(python, argv, [env], [out], timeout, errs=[err])
+        (code,) = run_ranks(python, argv, [env], [out], timeout, errs=[err], cwd=cwd)
         stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
     cmd = [str(python), *map(str, argv)]
     if code is None:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    if check and code:
+        raise subprocess.CalledProcessError(code, cmd, stdout, stderr)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
