@@ -252,10 +252,11 @@ def test_config_arguments_defaults_and_fields_equal_real_deepspeeds(deepspeed_py
     constructor arguments in the same order with the same defaults, and the same field values."""
     import inspect
     import os
-    import subprocess
 
-    proc = subprocess.run([str(deepspeed_python), "-c", _DEEPSPEED_SIDE], capture_output=True, text=True, timeout=110,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    from tests.deepspeed_reference import run_python
+
+    proc = run_python(deepspeed_python, ["-c", _DEEPSPEED_SIDE], {**os.environ, "DS_ACCELERATOR": "cpu",
+                                                                 "OMP_NUM_THREADS": "1"}, timeout=110)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DS ")), None)
     assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
     theirs = json.loads(line[3:])

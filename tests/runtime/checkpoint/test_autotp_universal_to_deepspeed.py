@@ -13,11 +13,11 @@ more than 1e-3. dslaunch's own ``load_universal`` of the same folder continues a
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.deepspeed_reference import run_python
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_tp_job as job
 from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job
@@ -56,7 +56,7 @@ def test_deepspeed_continues_dslaunchs_autotp_tag_converted_to_universal(
     from dslaunch.runtime.checkpoint.universal import convert
 
     env = {**os.environ, "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
-    if subprocess.run([str(deepspeed_python), "-c", "import transformers"], env=env, capture_output=True).returncode:
+    if run_python(deepspeed_python, ["-c", "import transformers"], env, timeout=300).returncode:
         pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import")
     want = run_world(_train, saved, str(tmp_path / "ck"), stage, timeout=240)[0]["losses"][SAVE_AT:]
     tag = (tmp_path / "ck" / "latest").read_text().strip()

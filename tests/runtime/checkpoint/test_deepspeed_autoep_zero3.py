@@ -17,7 +17,6 @@ is refused in one line.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from dslaunch.errors import ExpertShapeError
 from dslaunch.runtime.checkpoint.deepspeed_read import read_file
 from dslaunch.runtime.checkpoint.universal import convert
+from tests.deepspeed_reference import run_python
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_autoep_job as job
 from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job, _mean_losses
@@ -116,9 +116,9 @@ def test_zero3_autoep_tags_cross_between_deepspeed_and_dslaunch(deepspeed_python
     # universal: dslaunch's conversion of DeepSpeed's tag, file for file as DeepSpeed's own
     convert(tmp_path / "ds" / tag, tmp_path / "ds" / "universal")
     env = {**os.environ, "PYTHONPATH": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    subprocess.run([str(deepspeed_python), "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                    str(tmp_path / "ds" / tag), "--output_folder", str(tmp_path / "ref" / "universal")],
-                   check=True, env=env, capture_output=True, timeout=300)
+    run_python(deepspeed_python, ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                  str(tmp_path / "ds" / tag), "--output_folder", str(tmp_path / "ref" / "universal")],
+               env, timeout=300, check=True)
     _same_universal(tmp_path / "ref" / "universal", tmp_path / "ds" / "universal")
     # and of the same run's tag in dslaunch's own layout (the default format)
     own = run_world(_job, 2, {**saved, "save": str(tmp_path / "own")}, timeout=240)

@@ -25,6 +25,7 @@ import torch
 
 from dslaunch.errors import CheckpointError
 from dslaunch.utils.ports import free_port
+from tests.deepspeed_reference import run_python, run_ranks
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_job
 
@@ -65,18 +66,13 @@ def _deepspeed_job(python: Path, out: Path, ext: Path, world: int, job: dict, sc
            "TORCH_EXTENSIONS_DIR": str(ext), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
            "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}  # e.g. transformers for AutoTP
-    procs = [subprocess.Popen([str(python), str(script), str(out), args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=400)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"DeepSpeed {name} did not finish in 400 s")
-    if any(p.returncode for p in procs):
-        pytest.fail(f"DeepSpeed {name} failed (exit codes {[p.returncode for p in procs]}):\n{logs[0][-3000:]}")
+    logs = [Path(f"{out}.log{r}") for r in range(world)]
+    codes = run_ranks(python, [str(script), str(out), args],
+                      [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)], logs, timeout=400)
+    if None in codes:
+        pytest.fail(f"DeepSpeed {name} did not finish in 400 s")
+    if any(codes):
+        pytest.fail(f"DeepSpeed {name} failed (exit codes {codes}):\n{logs[0].read_text(errors='replace')[-3000:]}")
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
 
 
@@ -263,12 +259,11 @@ def test_zero_to_fp32_reads_dslaunch_written_folders(deepspeed_python: Path, dsl
                                                      tmp_path: Path) -> None:
     runs = {stage: dslaunch_writes(stage, False) for stage in (1, 3)}
     # one interpreter for both folders: importing DeepSpeed is most of the time
-    subprocess.run([str(deepspeed_python), "-c", "import sys, torch; "
-                    "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
-                    "[torch.save(dict(g(a)), b) for a, b in zip(sys.argv[1::2], sys.argv[2::2])]",
-                    *[str(x) for stage, (folder, _) in runs.items() for x in (folder, tmp_path / f"z{stage}.pt")]],
-                   check=True, env={**os.environ, "PYTHONPATH": "", "DS_ACCELERATOR": "cpu"},
-                   capture_output=True, timeout=300)
+    run_python(deepspeed_python, ["-c", "import sys, torch; "
+                                  "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
+                                  "[torch.save(dict(g(a)), b) for a, b in zip(sys.argv[1::2], sys.argv[2::2])]",
+                                  *[str(x) for stage, (folder, _) in runs.items() for x in (folder, tmp_path / f"z{stage}.pt")]],
+               {**os.environ, "PYTHONPATH": "", "DS_ACCELERATOR": "cpu"}, timeout=300, check=True)
     for stage, (_, ours) in runs.items():
         weights = torch.load(tmp_path / f"z{stage}.pt", weights_only=True)
         names = [n for n in ours[0]["state"] if ":" not in n]
@@ -301,9 +296,8 @@ def test_universal_round_trip(deepspeed_python: Path, deepspeed_runs: Any, dslau
     # DeepSpeed's ds_to_universal of its ZeRO-3 world-2 save -> dslaunch at world 1, ZeRO-1
     folder, ds = deepspeed_runs(3, 2)
     uni = tmp_path / "from_deepspeed" / "global_step3_universal"
-    subprocess.run([str(deepspeed_python), "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                    str(folder / "global_step3"), "--output_folder", str(uni)], check=True, env=env,
-                   capture_output=True, timeout=300)
+    run_python(deepspeed_python, ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                  str(folder / "global_step3"), "--output_folder", str(uni)], env, timeout=300, check=True)
     got = run_world(_continue_universal, 1, 1, str(uni.parent), timeout=240)
     want, have = _mean_losses(ds, skip=SAVE_AT), _mean_losses(got)
     assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-6, (want, have)

@@ -18,7 +18,6 @@ interpreter cannot import it (``DSLAUNCH_DEEPSPEED_PYTHONPATH`` may name a folde
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ import torch
 
 from dslaunch.runtime.checkpoint.deepspeed_read import read_file
 from dslaunch.runtime.checkpoint.deepspeed_tp import joiner
+from tests.deepspeed_reference import run_python
 from tests.distributed import run_world
 from tests.runtime.checkpoint import deepspeed_tp_job as job
 from tests.runtime.checkpoint.test_deepspeed_interop import _deepspeed_job
@@ -40,7 +40,7 @@ def deepspeed_saved(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFac
                     ) -> tuple[Path, list[dict]]:
     """DeepSpeed's AutoTP tag (tp 2, world 2, ZeRO-1) and its per-rank results."""
     env = {**os.environ, "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
-    if subprocess.run([str(deepspeed_python), "-c", "import transformers"], env=env, capture_output=True).returncode:
+    if run_python(deepspeed_python, ["-c", "import transformers"], env, timeout=300).returncode:
         pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import (name a folder "
                     "holding it with DSLAUNCH_DEEPSPEED_PYTHONPATH)")
     base = tmp_path_factory.mktemp("deepspeed-tp")
@@ -110,9 +110,9 @@ def test_a_universal_conversion_of_deepspeeds_autotp_tag_continues_at_tp2_and_tp
     else:
         env = {**os.environ, "DS_ACCELERATOR": "cpu",
                "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
-        run = subprocess.run([str(deepspeed_python), "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                              str(folder / "global_step3"), "--output_folder", str(out)], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=300)
+        run = run_python(deepspeed_python, ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                            str(folder / "global_step3"), "--output_folder", str(out)], env, timeout=300,
+                         cwd=tmp_path)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     want = ds[0]["losses"][SAVE_AT:]
     for tp in (2, 1):
@@ -139,7 +139,7 @@ def test_deepspeeds_zero3_autotp_tag_converted_continues_at_tp2_and_tp1(
     from dslaunch.runtime.checkpoint.universal import convert
 
     env = {**os.environ, "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
-    if subprocess.run([str(deepspeed_python), "-c", "import transformers"], env=env, capture_output=True).returncode:
+    if run_python(deepspeed_python, ["-c", "import transformers"], env, timeout=300).returncode:
         pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import")
     folder = tmp_path / "ck"
     ds = _deepspeed_job(deepspeed_python, tmp_path / "tp2z3.json", tmp_path / "ext", 2,
@@ -149,10 +149,9 @@ def test_deepspeeds_zero3_autotp_tag_converted_continues_at_tp2_and_tp1(
     if converter == "dslaunch":
         convert(folder / "global_step3", out)
     else:
-        run = subprocess.run([str(deepspeed_python), "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                              str(folder / "global_step3"), "--output_folder", str(out)],
-                             env={**env, "DS_ACCELERATOR": "cpu"}, cwd=tmp_path, capture_output=True, text=True,
-                             timeout=300)
+        run = run_python(deepspeed_python, ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                            str(folder / "global_step3"), "--output_folder", str(out)],
+                         {**env, "DS_ACCELERATOR": "cpu"}, timeout=300, cwd=tmp_path)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     want = ds[0]["losses"][SAVE_AT:]
     for tp in (2, 1):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from dslaunch.runtime.compression.compress import init_compression, redundancy_clean, student_initialization
 from dslaunch.runtime.compression.scheduler import CompressionScheduler
 from dslaunch.runtime.quantize import Quantizer
+from tests.deepspeed_reference import run_python
 from tests.runtime.compression import moq_steps, scenarios
 
 HERE = Path(__file__).resolve().parent
@@ -50,9 +50,8 @@ def reference(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory) 
     out = tmp_path_factory.mktemp("compression") / "deepspeed.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DSLAUNCH_DEEPSPEED_SRC": str(SRC),
            "PYTHONPATH": ""}
-    done = subprocess.run([str(python), str(HERE / "deepspeed_reference.py"), str(out)], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:]
+    done = run_python(python, [str(HERE / "deepspeed_reference.py"), str(out)], env, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from dslaunch.utils.ports import free_port
+from tests.deepspeed_reference import run_python
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,6 @@ def deepspeed_out(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFacto
     out = tmp_path_factory.mktemp("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTHONPATH": ""}
-    done = subprocess.run([str(python), str(Path(__file__).with_name("ds_reference.py")), str(out)], env=env,
-                          capture_output=True, text=True, timeout=150)
+    done = run_python(python, [str(Path(__file__).with_name("ds_reference.py")), str(out)], env, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

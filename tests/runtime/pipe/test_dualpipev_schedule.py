@@ -8,13 +8,13 @@ DeepSpeed 0.19.8's, compared with the real one where its venv exists."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from dslaunch.runtime.pipe import schedule as sched
 from dslaunch.runtime.pipe.placement import VShape
 from dslaunch.runtime.pipe.vschedule import DualPipeVSchedule
+from tests.deepspeed_reference import run_python
 from tests.runtime.pipe.test_schedule import BACKWARD_COST, FORWARD_COST, simulate
 
 SHAPES = [(stages, micro) for stages in (1, 2, 3, 4, 6) for micro in (2 * stages, 2 * stages + 1, 3 * stages + 2, 25)]
@@ -115,8 +115,8 @@ print(json.dumps(out))
 def test_the_lists_are_deepspeeds(deepspeed_python) -> None:
     """Instruction types, buffer ids, phases and order, every rank, 1-6 ranks, forward-only too."""
     cases = [(stages, micro, fo) for stages, micro in SHAPES for fo in (False, True)]
-    proc = subprocess.run([str(deepspeed_python), "-c", _DEEPSPEED_LISTS, json.dumps(cases)], capture_output=True,
-                          text=True, timeout=100, env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
+    proc = run_python(deepspeed_python, ["-c", _DEEPSPEED_LISTS, json.dumps(cases)],
+                      {"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"}, timeout=100)
     assert proc.returncode == 0, proc.stderr[-2000:]
     theirs = json.loads(proc.stdout.splitlines()[-1])
     assert len(theirs) == sum(stages for stages, _, _ in cases)

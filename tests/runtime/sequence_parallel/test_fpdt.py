@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +30,7 @@ from dslaunch.sequence.fpdt_layer import (
     _FPDTGPUOffloadingAttentionImpl_,
     update_out_and_lse,
 )
+from tests.deepspeed_reference import run_python
 from tests.distributed import run_world
 
 LAYOUTS = [(32, 8, 2), (32, 16, 2), (32, 32, 2), (48, 12, 4), (24, 24, 1), (64, 8, 4)]  # (S, C, P)
@@ -76,9 +76,9 @@ def deepspeed_blocks(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFa
     ffn = [torch.randn(*s, dtype=torch.float64) for s in ((12, 2, 6), (10, 6), (10,), (6, 10), (6,), (12, 2, 6))]
     blocks = [(torch.randn(2, 5, 3, 4), torch.randn(2, 3, 5)) for _ in range(3)]
     torch.save({"ffn": ffn, "blocks": blocks}, folder / "in.pt")
-    run = subprocess.run([str(deepspeed_python), "-c", _DEEPSPEED_LAYOUT + _DEEPSPEED_BLOCKS, str(folder / "in.pt"),
-                          str(folder / "out.pt"), json.dumps(LAYOUTS)],
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=170)
+    run = run_python(deepspeed_python, ["-c", _DEEPSPEED_LAYOUT + _DEEPSPEED_BLOCKS, str(folder / "in.pt"),
+                                        str(folder / "out.pt"), json.dumps(LAYOUTS)],
+                     {**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
     return {"ffn": ffn, "blocks": blocks, **torch.load(folder / "out.pt")}
 

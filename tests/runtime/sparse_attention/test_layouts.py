@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import torch
 import dslaunch.ops.sparse_attention as facade
 from dslaunch.errors import SparsityConfigError
 from dslaunch.runtime.sparse_attention import layouts
+from tests.deepspeed_reference import run_python
 from tests.runtime.sparse_attention import deepspeed_layouts
 
 HERE = Path(__file__).resolve().parent
@@ -44,8 +44,8 @@ def test_the_fixture_is_what_deepspeeds_code_draws_now(deepspeed_python: Path, t
         pytest.skip(f"DeepSpeed's sparsity_config.py ({DS_SOURCE}) is not here: set DSLAUNCH_DEEPSPEED_SPARSITY_CONFIG")
     out = tmp_path / "layouts.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    subprocess.run([str(deepspeed_python), deepspeed_layouts.__file__, str(DS_SOURCE), str(out)], check=True,
-                   env=env, timeout=100)
+    done = run_python(deepspeed_python, [deepspeed_layouts.__file__, str(DS_SOURCE), str(out)], env, timeout=100)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert json.loads(out.read_text()) == json.loads(FIXTURE.read_text())
 
 
