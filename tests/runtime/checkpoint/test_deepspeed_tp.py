@@ -35,14 +35,30 @@ pytestmark = pytest.mark.timeout(600)
 SAVE_AT, STEPS = 3, 3
 
 
+def _deepspeed_env() -> dict[str, str]:
+    """DeepSpeed's processes' environment: ours, on CPU, with DSLAUNCH_DEEPSPEED_PYTHONPATH's folder."""
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
+
+
+def _ds_to_universal(deepspeed_python: Path, tag: Path, out: Path) -> None:
+    """DeepSpeed's own ``ds_to_universal`` converts ``tag`` into ``out``."""
+    run = run_python(deepspeed_python, ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+                                        "--output_folder", str(out)], _deepspeed_env(), timeout=300, cwd=out.parent)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def _need_transformers(deepspeed_python: Path) -> None:
+    """Skip, saying why, unless DeepSpeed's interpreter imports transformers (its AutoTP needs it)."""
+    if run_python(deepspeed_python, ["-c", "import transformers"], _deepspeed_env(), timeout=300).returncode:
+        pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import (name a folder "
+                    "holding it with DSLAUNCH_DEEPSPEED_PYTHONPATH)")
+
+
 @pytest.fixture(scope="module")
 def deepspeed_saved(deepspeed_python: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> tuple[Path, list[dict]]:
     """DeepSpeed's AutoTP tag (tp 2, world 2, ZeRO-1) and its per-rank results."""
-    env = {**os.environ, "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
-    if run_python(deepspeed_python, ["-c", "import transformers"], env, timeout=300).returncode:
-        pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import (name a folder "
-                    "holding it with DSLAUNCH_DEEPSPEED_PYTHONPATH)")
+    _need_transformers(deepspeed_python)
     base = tmp_path_factory.mktemp("deepspeed-tp")
     folder = base / "ck"
     results = _deepspeed_job(deepspeed_python, base / "tp2.json", base / "ext", 2,
@@ -108,12 +124,7 @@ def test_a_universal_conversion_of_deepspeeds_autotp_tag_continues_at_tp2_and_tp
     if converter == "dslaunch":
         convert(folder / "global_step3", out)
     else:
-        env = {**os.environ, "DS_ACCELERATOR": "cpu",
-               "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
-        run = run_python(deepspeed_python, ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                            str(folder / "global_step3"), "--output_folder", str(out)], env, timeout=300,
-                         cwd=tmp_path)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        _ds_to_universal(deepspeed_python, folder / "global_step3", out)
     want = ds[0]["losses"][SAVE_AT:]
     for tp in (2, 1):
         got = run_world(_continue_universal, 2, tp, str(tmp_path), timeout=240)
@@ -138,9 +149,7 @@ def test_deepspeeds_zero3_autotp_tag_converted_continues_at_tp2_and_tp1(
     loads at tp 1 too."""
     from dslaunch.runtime.checkpoint.universal import convert
 
-    env = {**os.environ, "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
-    if run_python(deepspeed_python, ["-c", "import transformers"], env, timeout=300).returncode:
-        pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import")
+    _need_transformers(deepspeed_python)
     folder = tmp_path / "ck"
     ds = _deepspeed_job(deepspeed_python, tmp_path / "tp2z3.json", tmp_path / "ext", 2,
                         {"tp": 2, "stage": 3, "first": 0, "steps": SAVE_AT + STEPS, "save": str(folder),
@@ -149,10 +158,7 @@ def test_deepspeeds_zero3_autotp_tag_converted_continues_at_tp2_and_tp1(
     if converter == "dslaunch":
         convert(folder / "global_step3", out)
     else:
-        run = run_python(deepspeed_python, ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                            str(folder / "global_step3"), "--output_folder", str(out)],
-                         {**env, "DS_ACCELERATOR": "cpu"}, timeout=300, cwd=tmp_path)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        _ds_to_universal(deepspeed_python, folder / "global_step3", out)
     want = ds[0]["losses"][SAVE_AT:]
     for tp in (2, 1):
         got = run_world(_continue_universal, 2, tp, str(tmp_path), timeout=240)
@@ -177,10 +183,6 @@ def _continue_ours(rank: int, world: int, stage: int, load: str) -> dict:
     return job.run(dslaunch, rank, world, 2, first=SAVE_AT, steps=STEPS, stage=stage, load=load, probe=False)
 
 
-def _need_transformers(deepspeed_python: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.environ.get("DSLAUNCH_DEEPSPEED_PYTHONPATH", "")}
-    if subprocess.run([str(deepspeed_python), "-c", "import transformers"], env=env, capture_output=True).returncode:
-        pytest.skip(f"DeepSpeed's AutoTP needs transformers, which {deepspeed_python} cannot import")
 
 
 @pytest.mark.slow
