@@ -19,6 +19,11 @@ from dslaunch.launcher.runners.stream import AgentStream
 __all__ = ["RemoteSession", "LOST_CONNECTION"]
 
 LOST_CONNECTION = 255  # what ssh(1) exits with when the connection drops
+# How long the last-resort kill waits for the host's sshd to open its channel: the gang stops
+# waiting for the node 5 s after the kill (monitor.gang's give-up), so waiting longer helps nobody.
+# It was 1 s: a busy host's sshd took longer, the connection was dropped and the stopped agent and
+# its workers were left running there (staged in test_a_frozen_agent_behind_a_slow_sshd_is_still_killed).
+KILL_CHANNEL_TIMEOUT_S = 5.0
 
 
 class RemoteSession(AgentStream):
@@ -74,7 +79,7 @@ class RemoteSession(AgentStream):
         """
         try:
             if pid and self.transport is not None:
-                chan = self.transport.open_session(timeout=1.0)
+                chan = self.transport.open_session(timeout=KILL_CHANNEL_TIMEOUT_S)
                 chan.exec_command(f"kill -KILL {int(pid)}")
                 chan.recv_exit_status()
         except (OSError, EOFError, paramiko.SSHException):

@@ -205,22 +205,48 @@ def test_host_link_loss_fails_the_job_and_the_host_cleans_up(cluster, free_port)
         assert _left_on(cluster, (cluster.hosts[1],), timeout=25) == {}
 
 
+def _agent_and_its_sshd(cluster, host: str) -> tuple[int, int]:
+    """The node agent's pid on ``host`` and that of the sshd process serving its connection."""
+    procs = {int(p.split()[0]): p for p in cluster.job_processes(host)}
+    sshd = [pid for pid, args in procs.items() if args.endswith("sshd: root@notty")]
+    agent = [pid for pid, args in procs.items() if "agent.bootstrap" in args and ppid(pid) in sshd]
+    assert len(agent) == 1, procs  # (its watchdog is a fork with the same command line)
+    return agent[0], ppid(agent[0])
+
+
 @pytest.mark.timeout(60)
 def test_a_frozen_agent_is_killed_over_ssh(cluster, free_port):
     """An agent that cannot react to EOF (SIGSTOPped) is SIGKILLed over a second channel."""
     run = Lines(cluster.dslaunch("--master_port", str(free_port), "--grace_period", "0.5", FAKE,
                                  "print=ready", "hang"))
     run.wait_for(r"\[rank\d\] ready$", 6, 30)
-    procs = {int(p.split()[0]): p for p in cluster.job_processes(cluster.hosts[1])}
-    sshd = [pid for pid, args in procs.items() if args.endswith("sshd: root@notty")]
-    agent = [pid for pid, args in procs.items() if "agent.bootstrap" in args and ppid(pid) in sshd]
-    assert len(agent) == 1, procs  # (its watchdog is a fork with the same command line)
-    os.kill(agent[0], signal.SIGSTOP)
+    agent, _ = _agent_and_its_sshd(cluster, cluster.hosts[1])
+    os.kill(agent, signal.SIGSTOP)
     start = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
     assert run.finish(10) == 143, run.text("err")
     # killed over SSH at grace + 0.3 s (~1 s idle, 3.8 s at load 30 here), not given up on (grace + 5.3 s)
     assert time.monotonic() - start < 5.0
+    _assert_clean(cluster)
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_agent_behind_a_slow_sshd_is_still_killed(cluster, free_port):
+    """On a busy host its sshd may take seconds to open the kill's channel: the kill waits for it
+    (within the give-up), instead of dropping the connection and leaving the stopped agent and its
+    workers running on the host."""
+    run = Lines(cluster.dslaunch("--master_port", str(free_port), "--grace_period", "0.5", FAKE,
+                                 "print=ready", "hang"))
+    run.wait_for(r"\[rank\d\] ready$", 6, 30)
+    agent, sshd = _agent_and_its_sshd(cluster, cluster.hosts[1])
+    os.kill(agent, signal.SIGSTOP)
+    os.kill(sshd, signal.SIGSTOP)  # the busy host, staged: its sshd answers nothing for a while
+    try:
+        run.proc.send_signal(signal.SIGTERM)
+        time.sleep(2.5)  # the kill, due at grace + 0.3 s, waits on the channel's opening meanwhile
+    finally:
+        os.kill(sshd, signal.SIGCONT)
+    assert run.finish(10) == 143, run.text("err")
     _assert_clean(cluster)
 
 
