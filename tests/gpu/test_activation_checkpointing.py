@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from dslaunch.runtime.activation_checkpointing import checkpointing as ckpt
+from tests.gpu.marks import NEEDS_CUDA
 from tests.runtime.activation_checkpointing.blocks import Stack, tokens
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh runs these)"),
+    NEEDS_CUDA,
 ]
 
 

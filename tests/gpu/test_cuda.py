@@ -7,19 +7,18 @@ there too (``scripts/gpu/engine_check.py``), not here: it needs the launcher aro
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.marks import COMPILED_TRITON, NEEDS_CUDA
 from tests.kernels.triton.interpret import max_error
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh runs these)"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1: not the device"),
+    NEEDS_CUDA,
+    COMPILED_TRITON,
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from dslaunch.profiling.flops_profiler import FlopsProfiler
+from tests.gpu.marks import NEEDS_CUDA
 from tests.profiling.flops_profiler.gpt import GPT
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh runs these)"),
+    NEEDS_CUDA,
 ]
 
 B, T = 3, 16

@@ -13,10 +13,12 @@ import importlib.util
 import pytest
 import torch
 
+from tests.gpu.marks import NEEDS_CUDA
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(240),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh runs these)"),
+    NEEDS_CUDA,
     pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed"),
 ]
 

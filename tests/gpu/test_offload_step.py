@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from tests.distributed import run_world
+from tests.gpu.marks import NEEDS_CUDA
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(240),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh runs these)"),
+    NEEDS_CUDA,
 ]
 
 DIM, LAYERS, WARMUP, STEPS = 4096, 6, 3, 5

@@ -11,8 +11,6 @@ The checks are functions of the device, so that the same code can be run interpr
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from dslaunch.kernels.block_sparse import format as reference
 from dslaunch.kernels.transformer import DeepSpeedTransformerLayer
 from dslaunch.kernels.transformer_config import DeepSpeedTransformerConfig
 from dslaunch.ops.sparse_attention import FixedSparsityConfig, SparseSelfAttention
+from tests.gpu.marks import COMPILED_TRITON, NEEDS_CUDA
 from tests.kernels.bert_reference import ReferenceBertLayer
 from tests.kernels.triton.interpret import max_error
 from tests.runtime.sparse_attention.test_attention import dense_attention
@@ -27,8 +26,8 @@ from tests.runtime.sparse_attention.test_attention import dense_attention
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh runs these)"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1: not the device"),
+    NEEDS_CUDA,
+    COMPILED_TRITON,
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

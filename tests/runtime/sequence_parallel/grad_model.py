@@ -159,6 +159,21 @@ def shard(ids: torch.Tensor, labels: torch.Tensor, how: str, rank: int, size: in
     return local
 
 
+def train_steps(engine: Any, how: str, replica: int, sp_rank: int, sp: int, steps: int,
+          full_grad: Any) -> tuple[list[float], list[list[float]]]:
+    """``steps`` steps of ``engine`` (dslaunch's or DeepSpeed's) on this rank's shard of each step's
+    sample: the losses and, after each backward, every parameter's averaged gradient flattened
+    (``full_grad``: that library's ``safe_get_full_grad``; lists, so that they cross processes)."""
+    losses, grads = [], []
+    for step in range(steps):
+        loss = engine(**shard(*sample(step, replica), how, sp_rank, sp))
+        engine.backward(loss)
+        grads.append(torch.cat([full_grad(p).reshape(-1) for p in engine.module.parameters()]).tolist())
+        engine.step()
+        losses.append(float(loss))
+    return losses, grads
+
+
 def ratio(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """``(scale, residual)``: the least-squares factor of ``got`` on ``want`` and the largest
     difference left after it, over the largest value of ``want``."""

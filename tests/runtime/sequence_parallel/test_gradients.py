@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.distributed import run_world
-from tests.runtime.sequence_parallel.grad_model import MICRO, ratio, sample, shard
+from tests.runtime.sequence_parallel.grad_model import MICRO, ratio
 
 STEPS = 3
 
@@ -27,7 +27,7 @@ def train(rank: int, world: int, how: str, sp: int, stage: int, clip: float) -> 
     import dslaunch as deepspeed
     from dslaunch.runtime.zero.full_state import safe_get_full_grad
     from dslaunch.utils import groups
-    from tests.runtime.sequence_parallel.grad_model import TinyLM
+    from tests.runtime.sequence_parallel.grad_model import TinyLM, train_steps
 
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "gradient_clipping": clip,
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_optimization": {"stage": stage}}
@@ -40,13 +40,7 @@ def train(rank: int, world: int, how: str, sp: int, stage: int, clip: float) -> 
     if sp > 1:
         model.connect("dslaunch", engine.seq_parallel_group)
     replica, sp_rank = groups._get_data_parallel_rank(), groups._get_sequence_parallel_rank()
-    losses, grads = [], []
-    for step in range(STEPS):
-        loss = engine(**shard(*sample(step, replica), how, sp_rank, sp))
-        engine.backward(loss)
-        grads.append(torch.cat([safe_get_full_grad(p).reshape(-1) for p in engine.module.parameters()]).tolist())
-        engine.step()
-        losses.append(float(loss))
+    losses, grads = train_steps(engine, how, replica, sp_rank, sp, STEPS, safe_get_full_grad)
     return {"replica": replica, "losses": losses, "grads": grads}
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.getcwd())
-from tests.runtime.sequence_parallel.grad_model import MICRO, TinyLM, ratio, sample, shard  # noqa: E402
+from tests.runtime.sequence_parallel.grad_model import MICRO, TinyLM, ratio, train_steps  # noqa: E402
 
 STEPS = 3
 
@@ -47,13 +47,7 @@ def _rank(rank: int, world: int, port: int, how: str, sp: int, stage: int, clip:
         sp_rank, replica = rank % sp, rank // sp
     else:
         sp_rank, replica = 0, rank
-    losses, grads = [], []
-    for step in range(STEPS):
-        loss = engine(**shard(*sample(step, replica), how, sp_rank, sp))
-        engine.backward(loss)
-        grads.append(torch.cat([safe_get_full_grad(p).reshape(-1) for p in engine.module.parameters()]).tolist())
-        engine.step()
-        losses.append(float(loss))
+    losses, grads = train_steps(engine, how, replica, sp_rank, sp, STEPS, safe_get_full_grad)
     out.put((rank, replica, losses, grads))  # lists: a tensor would be shared through a descriptor
     deepspeed.comm.barrier()
 
