@@ -26,7 +26,7 @@ from dslaunch.errors import DslaunchError, UsageError
 from dslaunch.launcher.cli import report_error
 from dslaunch.launcher.cli.launch import core_list, launch_job
 from dslaunch.launcher.hostfile import MAX_SLOTS, hostname_problem
-from dslaunch.launcher.log_level import LEVELS
+from dslaunch.launcher.log_level import LEVELS, chosen
 from dslaunch.launcher.monitor.restart import RestartPolicy
 from dslaunch.launcher.plan import LaunchConfig
 
@@ -97,7 +97,7 @@ def _config(ns: argparse.Namespace) -> LaunchConfig:
         no_local_rank=ns.no_local_rank, bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=core_list(ns.bind_core_list or ""),
         each_rank_log=None if ns.enable_each_rank_log == "None" else ns.enable_each_rank_log,
-        log_level="error" if ns.quiet else ns.log_level)
+        log_level=chosen(ns.log_level, ns.quiet))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["LEVELS", "shown", "say"]
+__all__ = ["LEVELS", "chosen", "shown", "say"]
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 """DeepSpeed's choices for ``--log_level``, least severe first (default ``info``)."""
+
+
+def chosen(log_level: str, quiet: bool) -> str:
+    """The threshold the flags ask for: ``--quiet`` wins over ``--log_level`` (DeepSpeed's alias)."""
+    return "error" if quiet else log_level
 
 
 def shown(threshold: str, level: str) -> bool:

@@ -30,7 +30,7 @@ from dslaunch.launcher import gpus
 from dslaunch.launcher.agent.spare import SparePool
 from dslaunch.launcher.cli.flags import build_parser
 from dslaunch.launcher.kubernetes import pod_from_env
-from dslaunch.launcher.log_level import say
+from dslaunch.launcher.log_level import chosen, say
 from dslaunch.launcher.monitor.events import EventLog
 from dslaunch.launcher.monitor.health import FIRST_STEP_ALLOWANCE_S
 from dslaunch.launcher.monitor.loop import Attempt, JobLoop, print_event
@@ -85,7 +85,7 @@ def parse_config(argv: list[str],
         each_rank_log=ns.enable_each_rank_log, bind_cores_to_rank=ns.bind_cores_to_rank,
         bind_core_list=core_list(ns.bind_core_list), ssh_port=ns.ssh_port,
         ssh_accept_new_host_keys=ns.ssh_accept_new_host_keys, venv_script=ns.venv_script, grace=ns.grace_period,
-        log_level="error" if ns.quiet else ns.log_level,
+        log_level=chosen(ns.log_level, ns.quiet),
         no_ssh=ns.no_ssh, node_rank=ns.node_rank, hang_timeout=ns.hang_timeout, log_dir=ns.log_dir,
         visible_devices=(os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"),
         max_restarts=ns.max_restarts, warm_spares=not ns.no_warm_spares,

@@ -55,7 +55,7 @@ from dslaunch.errors import LaunchError, UsageError, quote
 from dslaunch.launcher.cli.flags import NOT_SUPPORTED, build_parser, integer
 from dslaunch.launcher.cli.launch import check_script, parse_config, restart_policy
 from dslaunch.launcher.hostfile import MAX_SLOTS
-from dslaunch.launcher.log_level import say
+from dslaunch.launcher.log_level import chosen, say
 from dslaunch.launcher.plan import check_numbers
 from dslaunch.launcher.runners.slurm.gres import partition_gpus
 
@@ -301,7 +301,7 @@ def run(argv: list[str]) -> int:
     spec, ns = _spec(argv)
     script = batch_script(spec)
     for note in spec.notes:
-        say("error" if ns.quiet else ns.log_level, "info", f"dslaunch: {note}")
+        say(chosen(ns.log_level, ns.quiet), "info", f"dslaunch: {note}")
     if ns.dry_run:
         print(f"# {shlex.join(spec.submit)} < (this script)\n{script}", end="", flush=True)
         return 0

@@ -34,6 +34,7 @@ from typing import ClassVar
 
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.runners.base import format_node
+from dslaunch.launcher.runners.preflight import stderr_tail
 from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.stream import AgentStream, StreamNode
 from dslaunch.launcher.spec import JobSpec
@@ -177,7 +178,7 @@ class ChildRunner(RemoteRunner):
 
     def _diagnose(self, python: str, exit_code: int | None, stderr: str, lost: bool) -> tuple[str, str]:
         """Why a node answered without a probe line: (cause, message)."""
-        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        tail = stderr_tail(stderr)
         if exit_code is None:
             return "timeout", f"the agent did not answer through {self.cause} in time (node busy?): {tail or 'no output'}"
         if "No module named" in stderr:

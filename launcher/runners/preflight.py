@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dslaunch.errors import HostsError
 from dslaunch.launcher.spec import JobSpec, NodeSpec
 
-__all__ = ["PROBE_TIMEOUT", "probe_request", "node_request", "node_agent_argv", "agent_argv", "remote_command",
+__all__ = ["PROBE_TIMEOUT", "probe_request", "node_request", "node_agent_argv", "agent_argv", "remote_command", "stderr_tail",
            "check_probes", "gather_probes"]
 
 # Python start-up plus a login shell's rc files, on a loaded machine.
@@ -68,6 +68,11 @@ def remote_command(python: str, request: Mapping, source: str | None = None) -> 
     """
     command = "exec " + shlex.join(agent_argv(python, request))
     return f". {shlex.quote(source)} && {command}" if source else command
+
+
+def stderr_tail(stderr: str) -> str:
+    """The last three lines of a node's stderr as one line (what a "no answer" message quotes)."""
+    return " | ".join(stderr.strip().splitlines()[-3:])
 
 
 def _versions(p: Mapping) -> str:

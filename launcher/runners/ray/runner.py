@@ -36,7 +36,7 @@ from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.envfile import collect_env
 from dslaunch.launcher.monitor.gang import NodeHandle
 from dslaunch.launcher.runners.base import format_node
-from dslaunch.launcher.runners.preflight import PROBE_TIMEOUT, agent_argv, node_request
+from dslaunch.launcher.runners.preflight import PROBE_TIMEOUT, agent_argv, node_request, stderr_tail
 from dslaunch.launcher.runners.ray.actor import STREAMS
 from dslaunch.launcher.runners.ray.cluster import RayCluster, connect, import_ray
 from dslaunch.launcher.runners.ray.nodes import NoRoom, RayNodes, bundle
@@ -182,7 +182,7 @@ class RayRunner(RemoteRunner):
         return job.master_addr
 
     def _diagnose(self, python: str, exit_code: int | None, stderr: str, lost: bool) -> tuple[str, str]:
-        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        tail = stderr_tail(stderr)
         if exit_code is None:
             return "timeout", f"the agent did not answer through its Ray actor in time (node busy?): {tail or 'no output'}"
         if "No module named" in stderr:

@@ -20,13 +20,12 @@ import threading
 
 from dslaunch.launcher.agent.output import Sink
 from dslaunch.launcher.runners.ssh.connect import SSHError, SSHTarget, connect
-from dslaunch.launcher.runners.ssh.session import LOST_CONNECTION
-from dslaunch.launcher.runners.ssh.sshlib import paramiko
+from dslaunch.launcher.runners.ssh.session import LOST_CONNECTION, RemoteSession
 from dslaunch.launcher.runners.stream import read_lines
 
 __all__ = ["run_on_hosts"]
 
-_TRANSPORT_ERRORS = (OSError, EOFError, paramiko.SSHException)
+_TRANSPORT_ERRORS = RemoteSession.transport_errors  # what a channel raises once its connection is gone
 
 
 def run_on_hosts(targets: list[SSHTarget], command: str, out: Sink, err: Sink) -> dict[str, int]:

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dslaunch.launcher.runners.preflight import PROBE_TIMEOUT, check_probes, probe_request, remote_command
+from dslaunch.launcher.runners.preflight import (
+    PROBE_TIMEOUT,
+    check_probes,
+    probe_request,
+    remote_command,
+    stderr_tail,
+)
 from dslaunch.launcher.runners.preflight import gather_probes as _gather_probes
 from dslaunch.launcher.runners.ssh.connect import SSHError
 
@@ -19,7 +25,7 @@ __all__ = ["PROBE_TIMEOUT", "probe_request", "remote_command", "diagnose_no_prob
 
 def diagnose_no_probe(python: str, exit_code: int | None, stderr: str, lost: bool = False) -> tuple[str, str]:
     """Why a host answered without a probe line: (cause, message)."""
-    tail = " | ".join(stderr.strip().splitlines()[-3:])
+    tail = stderr_tail(stderr)
     if lost:
         return "ssh", "the SSH connection dropped before the host answered"
     if exit_code is None:

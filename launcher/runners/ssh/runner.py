@@ -25,6 +25,7 @@ import threading
 from dslaunch.errors import shorten
 from dslaunch.launcher.log_level import shown
 from dslaunch.launcher.runners.base import format_node
+from dslaunch.launcher.runners.preflight import stderr_tail
 from dslaunch.launcher.runners.remote import IFACE_AT_LAUNCH, RemoteRunner
 from dslaunch.launcher.runners.ssh.connect import (
     SSHError,
@@ -119,9 +120,8 @@ class SSHRunner(RemoteRunner):
         cause, message = diagnose_no_probe(python, exit_code, stderr, lost)
         if self._venv_script and exit_code and not lost and python not in stderr:
             # The shell stopped before exec: the script could not be sourced or failed in it.
-            tail = " | ".join(stderr.strip().splitlines()[-3:])
             return "venv_script", (f"sourcing --venv_script {shorten(self._venv_script, 300)} failed here "
-                                   f"(exit {exit_code}): {tail or 'no output'}")
+                                   f"(exit {exit_code}): {stderr_tail(stderr) or 'no output'}")
         return cause, message
 
     def _close_all(self) -> None:
